@@ -1,0 +1,421 @@
+// CPU implementation of flash_metal::attention_forward: a FlashAttention
+// forward pass (Dao et al.; the post's blockwiseattention, in C++).
+//
+// Layout of the computation, per work item (batch b, query head h, block of
+// up to kBlockQ queries):
+//   1. pack the query block transposed and pre-scaled: QT[d][i] = q[i][d] * scale * log2(e)
+//      (scores come out in base-2 units, so the softmax uses exp2 directly);
+//   2. for each block of up to kBlockK keys (stopping at the causal frontier):
+//        ST = K_blk . QT            scores, transposed: one row per key, one column per query
+//        mask the causal diagonal block only
+//        online softmax down the columns: running max m, running sum l per query,
+//        P = exp2(ST - m_new) in place, alpha = exp2(m_old - m_new)
+//        O = alpha * O + P^T . V_blk
+//   3. out = O / l, lse = ln(2) * (m + log2(l)).
+// Scores are kept transposed (keys x queries) so that every softmax reduction
+// runs *down* columns: vertical max/add across rows, no horizontal shuffles.
+// And the K operand is read with scalar broadcasts, so float32 K (and V) with
+// unit feature stride is used in place without any packing; only float16 /
+// bfloat16 / strided K and V blocks are converted into a small per-thread
+// buffer.
+//
+// Extra memory: one workspace per thread of O(kBlockQ*D + kBlockK*D + kBlockK*kBlockQ)
+// floats (about 140 KB at D = 256); never an N x N matrix.
+#include "../checks.h"
+#include "../metal_plan.h"
+#include "simd.h"
+
+#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+#include <c10/util/Exception.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <memory>
+#include <vector>
+
+namespace flash_metal {
+namespace cpu {
+namespace {
+
+constexpr double kLog2e = 1.4426950408889634;
+constexpr float kLn2 = 0.6931471805599453f;
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+// ---------------------------------------------------------------- tiling
+// Register tile of both micro-kernels: kTileRows rows x kTileVecs vectors.
+// Why 6 x 2 on AVX2: 12 accumulators + 2 loaded vectors + 1 broadcast = 15 of
+// the 16 ymm registers, the classic sgemm tile. NEON has 32 registers of 4
+// lanes, so 6 x 4 (24 accumulators) keeps the same 16-float column width.
+constexpr int kTileRows = 6;
+#if defined(FLASH_METAL_SIMD_NEON)
+constexpr int kTileVecs = 4;
+#else
+constexpr int kTileVecs = 2;
+#endif
+constexpr int kTileCols = kTileVecs * kW;  // 16 floats on AVX2 and NEON
+
+// Queries per work item. Why 64: the transposed score block (kBlockK x 64
+// floats = 16 KB) stays in a 32 KB L1 next to the K rows being broadcast, and
+// 64-query items still give plenty of parallel items (N=1024 -> 16 per head).
+constexpr int64_t kBlockQ = 64;
+// Keys per inner block. Why 64: same L1 budget as above; a multiple of... no
+// constraint (the key tail uses a smaller register tile).
+constexpr int64_t kBlockK = 64;
+static_assert(kBlockQ % kTileCols == 0, "query block must be a whole number of column tiles");
+
+int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+
+// 64-byte aligned float buffer (one cache line; no split vector loads).
+struct FloatBuffer {
+  std::unique_ptr<float[]> raw;
+  float* ptr = nullptr;
+  void resize(int64_t n) {
+    raw.reset(new float[n + 16]);
+    auto addr = reinterpret_cast<uintptr_t>(raw.get());
+    ptr = reinterpret_cast<float*>((addr + 63) & ~uintptr_t(63));
+  }
+};
+
+// ---------------------------------------------------------------- micro-kernels
+
+// ST[r][c..c+kTileCols) = sum_d K[r][d] * QT[d][c..]   for r < MR.
+// K rows: stride ldk, features contiguous. QT: stride ldq.
+template <int MR>
+inline void qk_tile(const float* k, int64_t ldk, const float* qt, int64_t ldq, int64_t D, float* st,
+                    int64_t lds) {
+  Vec acc[MR][kTileVecs];
+  for (int r = 0; r < MR; ++r)
+    for (int v = 0; v < kTileVecs; ++v) acc[r][v] = Vec::zero();
+  for (int64_t d = 0; d < D; ++d) {
+    Vec b[kTileVecs];
+    for (int v = 0; v < kTileVecs; ++v) b[v] = Vec::load(qt + d * ldq + v * kW);
+    for (int r = 0; r < MR; ++r) {
+      const Vec a = Vec::broadcast(k[r * ldk + d]);
+      for (int v = 0; v < kTileVecs; ++v) acc[r][v] = fmadd(a, b[v], acc[r][v]);
+    }
+  }
+  for (int r = 0; r < MR; ++r)
+    for (int v = 0; v < kTileVecs; ++v) acc[r][v].store(st + r * lds + v * kW);
+}
+
+// ST (nk x ncols) = K (nk x D) . QT (D x ncols); ncols a multiple of kTileCols.
+void qk_block(const float* k, int64_t ldk, int64_t nk, const float* qt, int64_t ldq, int64_t ncols, int64_t D,
+              float* st, int64_t lds) {
+  for (int64_t c = 0; c < ncols; c += kTileCols) {
+    int64_t r = 0;
+    for (; r + kTileRows <= nk; r += kTileRows)
+      qk_tile<kTileRows>(k + r * ldk, ldk, qt + c, ldq, D, st + r * lds + c, lds);
+    const float* kr = k + r * ldk;
+    float* sr = st + r * lds + c;
+    switch (nk - r) {
+      case 5: qk_tile<5>(kr, ldk, qt + c, ldq, D, sr, lds); break;
+      case 4: qk_tile<4>(kr, ldk, qt + c, ldq, D, sr, lds); break;
+      case 3: qk_tile<3>(kr, ldk, qt + c, ldq, D, sr, lds); break;
+      case 2: qk_tile<2>(kr, ldk, qt + c, ldq, D, sr, lds); break;
+      case 1: qk_tile<1>(kr, ldk, qt + c, ldq, D, sr, lds); break;
+      default: break;
+    }
+  }
+}
+
+// O[r][c..] = alpha[r] * O[r][c..] + sum_j P[j][r] * V[j][c..]   for r < MR, NV vectors of columns.
+// P is the transposed probability block (stride ldp), V rows have stride ldv.
+template <int MR, int NV>
+inline void pv_tile(const float* p, int64_t ldp, int64_t nk, const float* v, int64_t ldv, const float* alpha,
+                    float* o, int64_t ldo) {
+  Vec acc[MR][NV];
+  for (int r = 0; r < MR; ++r) {
+    const Vec a = Vec::broadcast(alpha[r]);
+    for (int c = 0; c < NV; ++c) acc[r][c] = a * Vec::load(o + r * ldo + c * kW);
+  }
+  for (int64_t j = 0; j < nk; ++j) {
+    Vec b[NV];
+    for (int c = 0; c < NV; ++c) b[c] = Vec::load(v + j * ldv + c * kW);
+    for (int r = 0; r < MR; ++r) {
+      const Vec a = Vec::broadcast(p[j * ldp + r]);
+      for (int c = 0; c < NV; ++c) acc[r][c] = fmadd(a, b[c], acc[r][c]);
+    }
+  }
+  for (int r = 0; r < MR; ++r)
+    for (int c = 0; c < NV; ++c) acc[r][c].store(o + r * ldo + c * kW);
+}
+
+template <int MR>
+inline void pv_rows(const float* p, int64_t ldp, int64_t nk, const float* v, int64_t ldv, int64_t nvec,
+                    const float* alpha, float* o, int64_t ldo) {
+  int64_t c = 0;
+  for (; c + kTileVecs <= nvec; c += kTileVecs)
+    pv_tile<MR, kTileVecs>(p, ldp, nk, v + c * kW, ldv, alpha, o + c * kW, ldo);
+  switch (nvec - c) {
+#if defined(FLASH_METAL_SIMD_NEON)
+    case 3: pv_tile<MR, 3>(p, ldp, nk, v + c * kW, ldv, alpha, o + c * kW, ldo); break;
+    case 2: pv_tile<MR, 2>(p, ldp, nk, v + c * kW, ldv, alpha, o + c * kW, ldo); break;
+#endif
+    case 1: pv_tile<MR, 1>(p, ldp, nk, v + c * kW, ldv, alpha, o + c * kW, ldo); break;
+    default: break;
+  }
+}
+
+// O (nq x nvec*kW) = alpha * O + P^T . V   with P (nk x >= nq) transposed probabilities.
+void pv_block(const float* p, int64_t ldp, int64_t nk, int64_t nq, const float* v, int64_t ldv, int64_t nvec,
+              const float* alpha, float* o, int64_t ldo) {
+  int64_t r = 0;
+  for (; r + kTileRows <= nq; r += kTileRows)
+    pv_rows<kTileRows>(p + r, ldp, nk, v, ldv, nvec, alpha + r, o + r * ldo, ldo);
+  switch (nq - r) {
+    case 5: pv_rows<5>(p + r, ldp, nk, v, ldv, nvec, alpha + r, o + r * ldo, ldo); break;
+    case 4: pv_rows<4>(p + r, ldp, nk, v, ldv, nvec, alpha + r, o + r * ldo, ldo); break;
+    case 3: pv_rows<3>(p + r, ldp, nk, v, ldv, nvec, alpha + r, o + r * ldo, ldo); break;
+    case 2: pv_rows<2>(p + r, ldp, nk, v, ldv, nvec, alpha + r, o + r * ldo, ldo); break;
+    case 1: pv_rows<1>(p + r, ldp, nk, v, ldv, nvec, alpha + r, o + r * ldo, ldo); break;
+    default: break;
+  }
+}
+
+// ---------------------------------------------------------------- packing
+
+// dst[0..n) = float(src[0..n) with element stride `stride`) * mul
+template <typename T>
+inline void convert_row(const T* src, int64_t stride, int64_t n, float* dst) {
+  int64_t d = 0;
+  if (stride == 1) {
+    for (; d + kW <= n; d += kW) load_convert(src + d).store(dst + d);
+  }
+  for (; d < n; ++d) dst[d] = static_cast<float>(src[d * stride]);
+}
+
+// ---------------------------------------------------------------- driver
+
+struct Geometry {
+  int64_t batch, q_heads, kv_heads, q_len, kv_len, head_dim, group;
+  int64_t causal_offset;  // query i sees keys j <= i + causal_offset
+  bool causal;
+  float scale_log2;       // softmax scale * log2(e), applied to q in float32
+  int64_t q_stride[4], k_stride[4], v_stride[4];
+};
+
+struct Workspace {
+  FloatBuffer qt;  // D x kBlockQ: transposed, pre-scaled query block
+  FloatBuffer kb;  // kBlockK x D: converted K block (when K cannot be read in place)
+  FloatBuffer vb;  // kBlockK x Dp: converted V block, zero-padded to Dp columns
+  FloatBuffer st;  // kBlockK x kBlockQ: scores, then probabilities (transposed)
+  FloatBuffer o;   // kBlockQ x Dp: unnormalised output accumulator
+  float m[kBlockQ], l[kBlockQ], alpha[kBlockQ];
+  explicit Workspace(int64_t D, int64_t Dp) {
+    qt.resize(D * kBlockQ);
+    kb.resize(kBlockK * D);
+    vb.resize(kBlockK * Dp);
+    st.resize(kBlockK * kBlockQ);
+    o.resize(kBlockQ * Dp);
+  }
+};
+
+template <typename T>
+void attention_item(const Geometry& g, const T* q, const T* k, const T* v, T* out, float* lse, int64_t b,
+                    int64_t h, int64_t qb, Workspace& ws) {
+  const int64_t D = g.head_dim;
+  const int64_t Dp = round_up(D, kW);
+  const int64_t nvec = Dp / kW;
+  const int64_t i0 = qb * kBlockQ;
+  const int64_t nq = std::min(kBlockQ, g.q_len - i0);
+  const int64_t ncols = round_up(nq, kTileCols);
+  const int64_t hk = h / g.group;
+
+  T* out_rows = out + ((b * g.q_heads + h) * g.q_len + i0) * D;
+  float* lse_rows = lse + (b * g.q_heads + h) * g.q_len + i0;
+
+  // Keys this block needs: all of them, or up to the last query's causal frontier.
+  int64_t key_end = g.kv_len;
+  if (g.causal) key_end = std::min(key_end, std::max<int64_t>(0, i0 + nq + g.causal_offset));
+
+  // 1. Q block, transposed and pre-scaled.
+  const T* q_blk = q + b * g.q_stride[0] + h * g.q_stride[1] + i0 * g.q_stride[2];
+  float* qt = ws.qt.ptr;
+  {
+    float row[kMaxHeadDim];
+    for (int64_t i = 0; i < nq; ++i) {
+      convert_row(q_blk + i * g.q_stride[2], g.q_stride[3], D, row);
+      for (int64_t d = 0; d < D; ++d) qt[d * kBlockQ + i] = row[d] * g.scale_log2;
+    }
+    for (int64_t d = 0; d < D; ++d)
+      for (int64_t i = nq; i < ncols; ++i) qt[d * kBlockQ + i] = 0.0f;
+  }
+
+  float* o = ws.o.ptr;
+  std::fill(o, o + nq * Dp, 0.0f);
+  std::fill(ws.m, ws.m + ncols, kNegInf);
+  std::fill(ws.l, ws.l + ncols, 0.0f);
+
+  const T* k_head = k + b * g.k_stride[0] + hk * g.k_stride[1];
+  const T* v_head = v + b * g.v_stride[0] + hk * g.v_stride[1];
+  // float32 rows with contiguous features are read in place (V also needs
+  // whole vectors per row, hence D % kW == 0).
+  constexpr bool is_float = std::is_same<T, float>::value;
+  const bool k_in_place = is_float && g.k_stride[3] == 1;
+  const bool v_in_place = is_float && g.v_stride[3] == 1 && D % kW == 0;
+
+  float* st = ws.st.ptr;
+  for (int64_t j0 = 0; j0 < key_end; j0 += kBlockK) {
+    const int64_t nk = std::min(kBlockK, key_end - j0);
+
+    // K block
+    const float* kp;
+    int64_t ldk;
+    if (k_in_place) {
+      kp = reinterpret_cast<const float*>(k_head) + j0 * g.k_stride[2];
+      ldk = g.k_stride[2];
+    } else {
+      for (int64_t j = 0; j < nk; ++j)
+        convert_row(k_head + (j0 + j) * g.k_stride[2], g.k_stride[3], D, ws.kb.ptr + j * D);
+      kp = ws.kb.ptr;
+      ldk = D;
+    }
+
+    // 2a. scores ST = K . QT
+    qk_block(kp, ldk, nk, qt, kBlockQ, ncols, D, st, kBlockQ);
+
+    // 2b. causal mask, only where the block crosses the diagonal: key j0+j is
+    // visible to query i0+i iff i >= j0 + j - offset - i0.
+    if (g.causal && j0 + nk - 1 > i0 + g.causal_offset) {
+      for (int64_t j = 0; j < nk; ++j) {
+        const int64_t first_visible = std::min(ncols, std::max<int64_t>(0, j0 + j - g.causal_offset - i0));
+        std::fill(st + j * kBlockQ, st + j * kBlockQ + first_visible, kNegInf);
+      }
+    }
+
+    // 2c. online softmax down the columns.
+    for (int64_t c = 0; c < ncols; c += kW) {
+      Vec mx = Vec::load(ws.m + c);
+      for (int64_t j = 0; j < nk; ++j) mx = vmax(mx, Vec::load(st + j * kBlockQ + c));
+      // A column that has seen only masked keys keeps m = -inf; exponentiate
+      // against 0 instead so that exp2(-inf - (-inf)) never makes a NaN.
+      const Vec ninf = Vec::broadcast(kNegInf);
+      const Vec m_use = select_eq(mx, ninf, Vec::zero(), mx);
+      const Vec alpha = exp2_approx(Vec::load(ws.m + c) - m_use);
+      Vec sum = Vec::zero();
+      for (int64_t j = 0; j < nk; ++j) {
+        const Vec p = exp2_approx(Vec::load(st + j * kBlockQ + c) - m_use);
+        p.store(st + j * kBlockQ + c);
+        sum = sum + p;
+      }
+      fmadd(alpha, Vec::load(ws.l + c), sum).store(ws.l + c);
+      mx.store(ws.m + c);
+      alpha.store(ws.alpha + c);
+    }
+
+    // V block
+    const float* vp;
+    int64_t ldv;
+    if (v_in_place) {
+      vp = reinterpret_cast<const float*>(v_head) + j0 * g.v_stride[2];
+      ldv = g.v_stride[2];
+    } else {
+      for (int64_t j = 0; j < nk; ++j) {
+        float* dst = ws.vb.ptr + j * Dp;
+        convert_row(v_head + (j0 + j) * g.v_stride[2], g.v_stride[3], D, dst);
+        for (int64_t d = D; d < Dp; ++d) dst[d] = 0.0f;
+      }
+      vp = ws.vb.ptr;
+      ldv = Dp;
+    }
+
+    // 2d. O = alpha * O + P^T V
+    pv_block(st, kBlockQ, nk, nq, vp, ldv, nvec, ws.alpha, o, Dp);
+  }
+
+  // 3. normalise and write out.
+  for (int64_t i = 0; i < nq; ++i) {
+    const float l = ws.l[i];
+    T* dst = out_rows + i * D;
+    const float* src = o + i * Dp;
+    if (l > 0.0f) {
+      const float inv = 1.0f / l;
+      for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<T>(src[d] * inv);
+      lse_rows[i] = kLn2 * (ws.m[i] + std::log2(l));
+    } else {  // the row sees no key (causal with Nk < Nq)
+      for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<T>(0.0f);
+      lse_rows[i] = kNegInf;
+    }
+  }
+}
+
+template <typename T>
+void run_attention(const Geometry& g, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& out,
+                   at::Tensor& lse) {
+  const T* qp = q.const_data_ptr<T>();
+  const T* kp = k.const_data_ptr<T>();
+  const T* vp = v.const_data_ptr<T>();
+  T* op = out.mutable_data_ptr<T>();
+  float* lp = lse.mutable_data_ptr<float>();
+
+  const int64_t q_blocks = (g.q_len + kBlockQ - 1) / kBlockQ;
+  const int64_t heads = g.batch * g.q_heads;
+  const int64_t items = heads * q_blocks;
+  const int64_t D = g.head_dim;
+  const int64_t Dp = round_up(D, kW);
+
+  // Dynamic scheduling: each thread pulls items from a shared counter. Items
+  // are ordered last query block first, so under causal masking the most
+  // expensive blocks start first and the cheap ones fill the gaps at the end
+  // (a static split would give one thread all the long diagonal blocks).
+  std::atomic<int64_t> next{0};
+  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), items));
+  at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
+    Workspace ws(D, Dp);
+    for (int64_t t = begin; t < end; ++t) {
+      for (int64_t idx = next.fetch_add(1); idx < items; idx = next.fetch_add(1)) {
+        const int64_t qb = q_blocks - 1 - idx / heads;
+        const int64_t bh = idx % heads;
+        attention_item<T>(g, qp, kp, vp, op, lp, bh / g.q_heads, bh % g.q_heads, qb, ws);
+      }
+    }
+  });
+}
+
+std::tuple<at::Tensor, at::Tensor> attention_forward_cpu(const at::Tensor& q, const at::Tensor& k,
+                                                         const at::Tensor& v, bool causal,
+                                                         std::optional<double> scale, c10::string_view kernel) {
+  const AttentionProblem p = check_attention_inputs(q, k, v, causal, scale);
+  const std::string kernel_name(kernel);
+  TORCH_CHECK_VALUE(parse_kernel_request(kernel_name) == KernelRequest::Auto,
+                    "flash_metal.attention_forward: kernel='", kernel_name,
+                    "' selects a Metal kernel; tensors on cpu run the CPU flash kernel, so kernel must be 'auto'");
+  auto [out, lse] = allocate_outputs(q, p);
+
+  Geometry g;
+  g.batch = p.batch;
+  g.q_heads = p.q_heads;
+  g.kv_heads = p.kv_heads;
+  g.q_len = p.q_len;
+  g.kv_len = p.kv_len;
+  g.head_dim = p.head_dim;
+  g.group = p.gqa_ratio();
+  g.causal_offset = p.causal_offset();
+  g.causal = p.causal;
+  g.scale_log2 = static_cast<float>(p.scale * kLog2e);
+  for (int d = 0; d < 4; ++d) {
+    g.q_stride[d] = q.stride(d);
+    g.k_stride[d] = k.stride(d);
+    g.v_stride[d] = v.stride(d);
+  }
+
+  switch (q.scalar_type()) {  // check_attention_inputs admitted only these three
+    case at::kFloat: run_attention<float>(g, q, k, v, out, lse); break;
+    case at::kHalf: run_attention<c10::Half>(g, q, k, v, out, lse); break;
+    case at::kBFloat16: run_attention<c10::BFloat16>(g, q, k, v, out, lse); break;
+    default: TORCH_CHECK(false, "flash_metal.attention_forward: unreachable dtype ", q.scalar_type());
+  }
+  return {out, lse};
+}
+
+}  // namespace
+}  // namespace cpu
+}  // namespace flash_metal
+
+TORCH_LIBRARY_IMPL(flash_metal, CPU, m) { m.impl("attention_forward", &flash_metal::cpu::attention_forward_cpu); }
