@@ -1,0 +1,36 @@
+// The only place flash_metal's operator schemas are defined. Backends add
+// implementations with TORCH_LIBRARY_IMPL in their own files:
+//   csrc/cpu/attention_cpu.cpp   CPU
+//   csrc/mps/attention_mps.mm    MPS (macOS builds only)
+//   csrc/metal_plan_op.cpp       metal_plan (device-independent introspection)
+#include <Python.h>
+#include <torch/library.h>
+
+// `import flash_metal._C` only has to load this shared object: the static
+// registrations below run at load time. The module itself is empty (the
+// pattern of pytorch/extension-cpp), so no pybind11 is needed.
+PyMODINIT_FUNC PyInit__C(void) {
+  static struct PyModuleDef module_def = {
+      PyModuleDef_HEAD_INIT, "_C", /*doc=*/nullptr, /*size=*/-1, /*methods=*/nullptr,
+  };
+  return PyModule_Create(&module_def);
+}
+
+TORCH_LIBRARY(flash_metal, m) {
+  // Exact attention, O(N) memory. q: (B, Hq, Nq, D); k, v: (B, Hkv, Nk, D) with
+  // Hq % Hkv == 0. Returns out (B, Hq, Nq, D) in q's dtype and the float32
+  // log-sum-exp lse (B, Hq, Nq) of each row's scaled scores (natural log; -inf
+  // for a row that sees no key). `kernel` picks the implementation on Metal:
+  // "auto", "untiled" or "tiled" (see csrc/metal_plan.h); CPU tensors accept "auto".
+  m.def("attention_forward(Tensor q, Tensor k, Tensor v, bool causal=False, float? scale=None, "
+        "str kernel=\"auto\") -> (Tensor out, Tensor lse)");
+  // The Metal launch plan attention_forward would use for these inputs,
+  // without running anything: kernel host name, threadgroups per grid,
+  // threads per threadgroup, dynamic threadgroup memory in bytes, the boolean
+  // function constants (index = [[function_constant(i)]]), the AttentionParams
+  // bytes, and the reason for the choice. Works for tensors on any device; the
+  // test suite's emulated-Metal backend and flash_metal.explain() use it.
+  m.def("metal_plan(Tensor q, Tensor k, Tensor v, bool causal=False, float? scale=None, str kernel=\"auto\") "
+        "-> (str kernel_name, int[] grid, int[] threadgroup, int threadgroup_memory, bool[] function_constants, "
+        "Tensor params, str reason)");
+}

@@ -1,0 +1,103 @@
+#include "metal_plan.h"
+
+#include <c10/util/Exception.h>
+
+#include <cmath>
+
+namespace flash_metal {
+namespace {
+
+constexpr const char* kOp = "flash_metal.attention_forward";
+
+// log2(e): scores are kept in base 2 inside the kernels, so exp(x) = exp2(x * log2(e)).
+constexpr double kLog2e = 1.4426950408889634;
+
+const char* dtype_name(c10::ScalarType t) {
+  switch (t) {
+    case c10::ScalarType::Float: return "float32";
+    case c10::ScalarType::Half: return "float16";
+    case c10::ScalarType::BFloat16: return "bfloat16";
+    default: TORCH_CHECK_TYPE(false, kOp, ": no Metal kernel for dtype ", t);
+  }
+}
+
+uint32_t head_dim_bucket(int64_t head_dim) {
+  for (uint32_t b : kHeadDimBuckets) {
+    if (head_dim <= b) return b;
+  }
+  TORCH_CHECK_VALUE(false, kOp, ": head_dim ", head_dim, " exceeds the largest bucket ", kHeadDimBuckets.back());
+}
+
+uint32_t ceil_div(int64_t a, int64_t b) { return static_cast<uint32_t>((a + b - 1) / b); }
+
+}  // namespace
+
+KernelRequest parse_kernel_request(const std::string& kernel) {
+  if (kernel == "auto") return KernelRequest::Auto;
+  if (kernel == "untiled") return KernelRequest::Untiled;
+  if (kernel == "tiled") return KernelRequest::Tiled;
+  TORCH_CHECK_VALUE(false, kOp, ": kernel must be one of 'auto', 'untiled', 'tiled'; got '", kernel, "'");
+}
+
+KernelRequest choose_metal_kernel(const AttentionProblem& p, KernelRequest requested, std::string* reason) {
+  if (requested != KernelRequest::Auto) {
+    *reason = requested == KernelRequest::Tiled ? "tiled: requested by the caller (kernel='tiled')"
+                                                : "untiled: requested by the caller (kernel='untiled')";
+    return requested;
+  }
+  // The only rule while the post's two kernels are all we have: the tiled
+  // kernel reads each K/V element from device memory once per group of 32
+  // queries instead of once per query, and the post measured it faster in 15
+  // of 16 configurations. Its threadgroup tile fits every supported head_dim.
+  *reason = "tiled: K/V tiles in threadgroup memory are shared by " + std::to_string(kPostThreadsPerGroup) +
+            " queries (head_dim " + std::to_string(p.head_dim) + " needs " +
+            std::to_string(2 * kPostKeysPerTile * p.head_dim * sizeof(float)) +
+            " bytes of threadgroup memory, within Metal's 32 KiB)";
+  return KernelRequest::Tiled;
+}
+
+MetalLaunch plan_metal_attention(const AttentionProblem& p, const LaunchStrides& s, KernelRequest requested) {
+  MetalLaunch launch;
+  const KernelRequest kind = choose_metal_kernel(p, requested, &launch.reason);
+  const uint32_t bucket = head_dim_bucket(p.head_dim);
+  const std::string suffix = std::string(dtype_name(p.dtype)) + "_d" + std::to_string(bucket);
+
+  // Both post kernels give each thread one query row, so one threadgroup
+  // covers kPostThreadsPerGroup rows of one (batch, head).
+  launch.grid = {ceil_div(p.q_len, kPostThreadsPerGroup), static_cast<uint32_t>(p.q_heads),
+                 static_cast<uint32_t>(p.batch)};
+  launch.threadgroup = {kPostThreadsPerGroup, 1, 1};
+  if (kind == KernelRequest::Tiled) {
+    // Name format must match the instantiations in shaders/attention.metal.
+    launch.kernel_name = "flash_attention_tiled_" + suffix + "_bk" + std::to_string(kPostKeysPerTile) + "_t" +
+                         std::to_string(kPostThreadsPerGroup);
+    // One float32 K tile and one V tile of kPostKeysPerTile rows of head_dim.
+    // 2 * 16 * D * 4 = 128 * D bytes: a multiple of 16, as Metal requires.
+    launch.threadgroup_memory = static_cast<uint32_t>(2 * kPostKeysPerTile * p.head_dim * sizeof(float));
+  } else {
+    launch.kernel_name = "flash_attention_untiled_" + suffix + "_t" + std::to_string(kPostThreadsPerGroup);
+    launch.threadgroup_memory = 0;
+  }
+  launch.function_constants.assign(kCausalFunctionConstant + 1, false);
+  launch.function_constants[kCausalFunctionConstant] = p.causal;
+
+  AttentionParams& a = launch.params;
+  a.q_batch_stride = s.q[0]; a.q_head_stride = s.q[1]; a.q_row_stride = s.q[2]; a.q_dim_stride = s.q[3];
+  a.k_batch_stride = s.k[0]; a.k_head_stride = s.k[1]; a.k_row_stride = s.k[2]; a.k_dim_stride = s.k[3];
+  a.v_batch_stride = s.v[0]; a.v_head_stride = s.v[1]; a.v_row_stride = s.v[2]; a.v_dim_stride = s.v[3];
+  a.o_batch_stride = s.o[0]; a.o_head_stride = s.o[1]; a.o_row_stride = s.o[2]; a.o_dim_stride = s.o[3];
+  a.lse_batch_stride = s.lse[0]; a.lse_head_stride = s.lse[1]; a.lse_row_stride = s.lse[2];
+  a.batch = static_cast<int32_t>(p.batch);
+  a.q_heads = static_cast<int32_t>(p.q_heads);
+  a.kv_heads = static_cast<int32_t>(p.kv_heads);
+  a.gqa_ratio = static_cast<int32_t>(p.gqa_ratio());
+  a.q_len = static_cast<int32_t>(p.q_len);
+  a.kv_len = static_cast<int32_t>(p.kv_len);
+  a.head_dim = static_cast<int32_t>(p.head_dim);
+  a.causal_offset = static_cast<int32_t>(p.causal_offset());
+  a.scale = static_cast<float>(p.scale);
+  a.scale_log2 = static_cast<float>(p.scale * kLog2e);
+  return launch;
+}
+
+}  // namespace flash_metal

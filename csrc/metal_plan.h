@@ -1,0 +1,73 @@
+// Portable planning for the Metal path: which kernel, what grid, how much
+// threadgroup memory, and the AttentionParams block. Shared by the MPS
+// implementation (csrc/mps/attention_mps.mm) and by the metal_plan op that the
+// test suite's emulated-Metal backend and flash_metal.explain() use, so the
+// emulator runs exactly the launches a Mac would. No Objective-C, no Metal.
+#pragma once
+
+#include "checks.h"
+#include "../shaders/params.h"
+
+#include <array>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace flash_metal {
+
+// What the caller asked for with the `kernel` argument.
+enum class KernelRequest {
+  Auto,     // let choose_metal_kernel() decide
+  Untiled,  // the post's first kernel: one query per thread, K/V read from device memory
+  Tiled,    // the post's second kernel: K/V tiles staged in threadgroup memory
+};
+
+// Parses the `kernel` argument; throws a ValueError listing the accepted names.
+KernelRequest parse_kernel_request(const std::string& kernel);
+
+// Element strides of the five tensors a launch touches, outermost first.
+struct LaunchStrides {
+  std::array<int64_t, 4> q, k, v, o;
+  std::array<int64_t, 3> lse;
+};
+
+// Threads per threadgroup of both post kernels. Why 32: one Apple SIMD-group,
+// the post's choice, and for the tiled kernel the number of queries that share
+// one K/V tile.
+constexpr uint32_t kPostThreadsPerGroup = 32;
+// Keys per K/V tile of the tiled kernel. Why 16: the post's named
+// configuration; at D=256 two float32 tiles take 2*16*256*4 = 32 KiB, exactly
+// Metal's threadgroup-memory limit.
+constexpr uint32_t kPostKeysPerTile = 16;
+// Head-dim buckets: each instantiation keeps a float32 accumulator of the
+// bucket's width per thread, so a smaller bucket means fewer registers.
+constexpr std::array<uint32_t, 4> kHeadDimBuckets = {32, 64, 128, 256};
+// Index of the [[function_constant]] that switches causal masking on.
+constexpr uint32_t kCausalFunctionConstant = 0;
+
+struct MetalLaunch {
+  std::string kernel_name;                 // host name in the metallib, e.g. flash_attention_tiled_float16_d64_bk16_t32
+  std::array<uint32_t, 3> grid{};          // threadgroups per grid (x: query blocks, y: q heads, z: batch)
+  std::array<uint32_t, 3> threadgroup{};   // threads per threadgroup
+  uint32_t threadgroup_memory = 0;         // bytes of dynamic threadgroup memory at [[threadgroup(0)]]
+  std::vector<bool> function_constants;    // value of [[function_constant(i)]] at index i
+  AttentionParams params{};                // bound with setBytes at buffer index kParamsBufferIndex
+  std::string reason;                      // why this kernel was chosen, for humans
+};
+
+// Buffer indices shared with the shaders' [[buffer(n)]] attributes.
+constexpr uint32_t kQBufferIndex = 0;
+constexpr uint32_t kKBufferIndex = 1;
+constexpr uint32_t kVBufferIndex = 2;
+constexpr uint32_t kOutBufferIndex = 3;
+constexpr uint32_t kLseBufferIndex = 4;
+constexpr uint32_t kParamsBufferIndex = 5;
+
+// The routing heuristic: picks a kernel for the problem and says why.
+KernelRequest choose_metal_kernel(const AttentionProblem& p, KernelRequest requested, std::string* reason);
+
+// The full launch: kernel choice, name, grid, threadgroup, memory and params.
+MetalLaunch plan_metal_attention(const AttentionProblem& p, const LaunchStrides& strides,
+                                 KernelRequest requested);
+
+}  // namespace flash_metal

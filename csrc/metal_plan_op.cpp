@@ -1,0 +1,49 @@
+// flash_metal::metal_plan: the Metal launch attention_forward would encode,
+// computed by the same code the MPS implementation runs, returned instead of
+// dispatched. Device-independent (it reads only metadata), so it is
+// registered for CompositeExplicitAutograd and works on CPU tensors too: the
+// test suite's emulated-Metal backend feeds its result to the Metal emulator.
+#include "checks.h"
+#include "metal_plan.h"
+
+#include <ATen/ATen.h>
+#include <torch/library.h>
+
+#include <cstring>
+
+namespace flash_metal {
+namespace {
+
+std::array<int64_t, 4> strides4(const at::Tensor& t) {
+  return {t.stride(0), t.stride(1), t.stride(2), t.stride(3)};
+}
+
+std::tuple<std::string, std::vector<int64_t>, std::vector<int64_t>, int64_t, c10::List<bool>, at::Tensor,
+           std::string>
+metal_plan(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool causal,
+           std::optional<double> scale, c10::string_view kernel) {
+  const AttentionProblem p = check_attention_inputs(q, k, v, causal, scale);
+  const KernelRequest request = parse_kernel_request(std::string(kernel));
+  // The outputs attention_forward allocates are packed; describe them so.
+  const int64_t D = p.head_dim, Nq = p.q_len, H = p.q_heads;
+  LaunchStrides s{strides4(q), strides4(k), strides4(v), {H * Nq * D, Nq * D, D, 1}, {H * Nq, Nq, 1}};
+  const MetalLaunch launch = plan_metal_attention(p, s, request);
+
+  at::Tensor params = at::empty({static_cast<int64_t>(sizeof(AttentionParams))}, at::kByte);
+  std::memcpy(params.data_ptr(), &launch.params, sizeof(AttentionParams));
+  c10::List<bool> constants;
+  for (bool c : launch.function_constants) constants.push_back(c);
+  return {launch.kernel_name,
+          {launch.grid.begin(), launch.grid.end()},
+          {launch.threadgroup.begin(), launch.threadgroup.end()},
+          launch.threadgroup_memory,
+          constants,
+          params,
+          launch.reason};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(flash_metal, CompositeExplicitAutograd, m) { m.impl("metal_plan", &metal_plan); }
+
+}  // namespace flash_metal

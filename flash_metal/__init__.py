@@ -1,0 +1,17 @@
+"""flash_metal: exact attention in O(N) memory for PyTorch on Apple GPUs (and CPU).
+
+    import flash_metal
+    out = flash_metal.attention(q, k, v, causal=True)
+
+The operator itself is torch.ops.flash_metal.attention_forward; importing this
+package loads the compiled extension, which registers it.
+"""
+import torch  # noqa: F401  (the extension links against torch's libraries)
+
+from . import _C  # noqa: F401  (registers torch.ops.flash_metal.*)
+from . import ops as _ops  # noqa: F401  (fake implementations, autograd)
+from . import reference
+from .ops import attention, attention_with_lse, explain
+
+__all__ = ["attention", "attention_with_lse", "explain", "reference"]
+__version__ = "0.1.0"

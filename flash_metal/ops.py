@@ -1,0 +1,97 @@
+"""Thin Python layer over torch.ops.flash_metal: wrappers and fake kernels.
+
+Everything that decides anything (validation, kernel choice, launch shapes)
+lives in C++ (csrc/); this file only adapts shapes and registers the fake
+(meta) implementation that torch.compile traces through.
+"""
+from typing import NamedTuple, Optional, Tuple
+
+import torch
+from torch import Tensor
+
+_KERNELS = ("auto", "untiled", "tiled")
+
+
+def _as_4d(x: Tensor) -> Tensor:
+    # The post's single-head form: (N, D) -> (1, 1, N, D). A view, no copy.
+    if isinstance(x, Tensor) and x.dim() == 2:
+        return x.unsqueeze(0).unsqueeze(0)
+    return x
+
+
+def attention_with_lse(
+    q: Tensor, k: Tensor, v: Tensor, causal: bool = False, scale: Optional[float] = None, kernel: str = "auto"
+) -> Tuple[Tensor, Tensor]:
+    """Exact scaled-dot-product attention and its row log-sum-exp.
+
+    q: (B, Hq, Nq, D) or (Nq, D); k, v: (B, Hkv, Nk, D) or (Nk, D), with Hq a
+    multiple of Hkv (grouped-query and multi-query attention). Any strides
+    (e.g. ``x.transpose(1, 2)`` of a (B, N, H, D) tensor, or a slice of a KV
+    cache) are read in place. float32, float16 or bfloat16; float32
+    accumulation.
+
+    causal: query i attends to keys j <= i + (Nk - Nq), i.e. the last query is
+    aligned with the last key (the KV-cache convention of FlashAttention-2 and
+    MLX). A query row that sees no key (possible when Nk < Nq) yields zeros
+    and lse = -inf.
+    scale: softmax scale, default 1/sqrt(D).
+    kernel: "auto", or on Metal one of the post's kernels, "untiled" (one
+    query per thread) or "tiled" (K/V tiles in threadgroup memory).
+
+    Returns (out, lse): out like q (packed, q's dtype; 2-D if q was 2-D) and
+    lse (B, Hq, Nq) float32 (or (Nq,) for 2-D q).
+    """
+    single_head = isinstance(q, Tensor) and q.dim() == 2
+    out, lse = torch.ops.flash_metal.attention_forward(
+        _as_4d(q), _as_4d(k), _as_4d(v), causal, scale, kernel
+    )
+    if single_head:
+        return out[0, 0], lse[0, 0]
+    return out, lse
+
+
+def attention(
+    q: Tensor, k: Tensor, v: Tensor, causal: bool = False, scale: Optional[float] = None, kernel: str = "auto"
+) -> Tensor:
+    """Exact attention, softmax(q kᵀ · scale) v, in O(N) memory. See attention_with_lse."""
+    return attention_with_lse(q, k, v, causal, scale, kernel)[0]
+
+
+class MetalPlan(NamedTuple):
+    """The Metal launch attention_forward chooses (see csrc/metal_plan.h)."""
+
+    kernel_name: str
+    grid: Tuple[int, int, int]
+    threadgroup: Tuple[int, int, int]
+    threadgroup_memory: int
+    function_constants: Tuple[bool, ...]
+    params: Tensor
+    reason: str
+
+
+def explain(
+    q: Tensor, k: Tensor, v: Tensor, causal: bool = False, scale: Optional[float] = None, kernel: str = "auto"
+) -> MetalPlan:
+    """Which Metal kernel attention() would launch for these inputs, and why.
+
+    Runs only the host's planning code (no kernel), so it works on any device.
+    """
+    name, grid, tg, mem, consts, params, reason = torch.ops.flash_metal.metal_plan(
+        _as_4d(q), _as_4d(k), _as_4d(v), causal, scale, kernel
+    )
+    return MetalPlan(name, tuple(grid), tuple(tg), mem, tuple(consts), params, reason)
+
+
+@torch.library.register_fake("flash_metal::attention_forward")
+def _attention_forward_fake(q, k, v, causal=False, scale=None, kernel="auto"):
+    # Shapes only; the C++ checks run on real tensors. These few guard the
+    # symbolic shapes the outputs are built from.
+    torch._check(q.dim() == 4, lambda: f"q must be 4-D (batch, heads, seq_len, head_dim); got {q.dim()}-D")
+    torch._check(k.dim() == 4 and v.dim() == 4, lambda: "k and v must be 4-D (batch, heads, seq_len, head_dim)")
+    torch._check(k.shape[1] > 0 and q.shape[1] % k.shape[1] == 0,
+                 lambda: "the number of query heads must be a multiple of the number of key/value heads")
+    torch._check(kernel in _KERNELS, lambda: f"kernel must be one of {_KERNELS}; got {kernel!r}")
+    B, H, N, D = q.shape
+    out = q.new_empty((B, H, N, D))
+    lse = q.new_empty((B, H, N), dtype=torch.float32)
+    return out, lse

@@ -1,0 +1,163 @@
+"""Pure-PyTorch references: the post's four functions, and a float64 oracle.
+
+The post ("Writing a FlashAttention kernel in Metal", shared/seed/) builds up
+to FlashAttention's forward pass in four steps; each function below is one
+step, generalized only as far as the tests need (an optional scale, and
+causal masking with Nq != Nk). They run on single-head (N, D) tensors and are
+meant to be read, not to be fast.
+
+`attention_reference` is the float64 oracle every kernel is tested against.
+"""
+import math
+from typing import Optional, Tuple
+
+import torch
+from torch import Tensor
+
+
+def _scale(d: int, scale: Optional[float]) -> float:
+    return 1.0 / math.sqrt(d) if scale is None else scale
+
+
+def causal_mask(n_q: int, n_k: int, device=None) -> Tensor:
+    """True where query i may NOT attend key j: j > i + (n_k - n_q).
+
+    Bottom-right alignment: the last query lines up with the last key (the
+    KV-cache convention of FlashAttention-2 and MLX). With n_q == n_k this is
+    the usual strictly-upper triangle.
+    """
+    i = torch.arange(n_q, device=device).unsqueeze(1)
+    j = torch.arange(n_k, device=device).unsqueeze(0)
+    return j > i + (n_k - n_q)
+
+
+def stdattention(Q: Tensor, K: Tensor, V: Tensor, causal: bool = False, scale: Optional[float] = None):
+    """Standard attention, step 1 of the post: materialize S and P (N x N).
+
+    S = Q Kᵀ · scale, P = softmax(S) row by row, O = P V. Returns (S, P, O).
+    Each row of P holds one query's weights over the keys and sums to 1.
+    """
+    S = (Q @ K.T) * _scale(Q.shape[-1], scale)
+    if causal:
+        S = S.masked_fill(causal_mask(Q.shape[0], K.shape[0], Q.device), float("-inf"))
+    P = torch.softmax(S, dim=1)
+    O = P @ V
+    return S, P, O
+
+
+def onlinesoftmax(x: Tensor, blockSize: int) -> Tensor:
+    """Softmax of a 1-D tensor computed block by block (step 2).
+
+    A running maximum m and normalization sum l are carried across blocks:
+    when a block raises the maximum, the sum so far is rescaled by
+    exp(m - m_new) so that every term is measured against the same maximum,
+    then the block's own exp(x - m_new) terms are added. The final
+    probabilities still revisit x, which is why attention needs step 3.
+    """
+    l = x.new_tensor(0.0)  # normalization sum
+    m = x.new_tensor(float("-inf"))  # largest score so far
+    for start in range(0, x.numel(), blockSize):
+        block = x[start : start + blockSize]
+        m_new = torch.maximum(m, block.max())
+        l = torch.exp(m - m_new) * l + torch.exp(block - m_new).sum()
+        m = m_new
+    return torch.exp(x - m) / l
+
+
+def onequeryattention(Q: Tensor, K: Tensor, V: Tensor, blockSize: int, scale: Optional[float] = None) -> Tensor:
+    """Attention for one query vector Q (D,) over key/value blocks (step 3).
+
+    Besides m and l, an unnormalized weighted sum of values u is carried and
+    rescaled with the same factor alpha = exp(m - m_new), so each block of
+    scores can be discarded after use; the answer is u / l.
+    """
+    s = _scale(Q.shape[-1], scale)
+    m = Q.new_tensor(float("-inf"))
+    l = Q.new_tensor(0.0)
+    u = V.new_zeros(V.shape[-1])  # unnormalized weighted sum of values
+    for start in range(0, K.shape[0], blockSize):
+        KBlock = K[start : start + blockSize]
+        VBlock = V[start : start + blockSize]
+        scores = (Q @ KBlock.T) * s
+        m_new = torch.maximum(m, scores.max())
+        alpha = torch.exp(m - m_new)
+        weights = torch.exp(scores - m_new)
+        l = alpha * l + weights.sum()
+        u = alpha * u + weights @ VBlock
+        m = m_new
+    return u / l
+
+
+def blockwiseattention(
+    Q: Tensor,
+    K: Tensor,
+    V: Tensor,
+    QBlockSize: int,
+    KBlockSize: int,
+    causal: bool = False,
+    scale: Optional[float] = None,
+) -> Tensor:
+    """FlashAttention's forward loop in PyTorch (step 4).
+
+    For each block of query rows, m and l have shape (rows, 1) and u (rows, D):
+    every query keeps its own running statistics. With causal masking, future
+    keys are set to -inf inside a block, and the key loop stops early at the
+    first block that lies entirely in the future of the whole query block.
+    Rows that see no key at all (only possible when Nk < Nq) give zeros.
+    """
+    s = _scale(Q.shape[-1], scale)
+    n_q, n_k = Q.shape[0], K.shape[0]
+    offset = n_k - n_q  # query i sees keys j <= i + offset
+    O = torch.zeros(n_q, V.shape[-1], dtype=V.dtype, device=V.device)
+    for QStart in range(0, n_q, QBlockSize):
+        QBlock = Q[QStart : QStart + QBlockSize]
+        rows = QBlock.shape[0]
+        m = Q.new_full((rows, 1), float("-inf"))
+        l = Q.new_zeros((rows, 1))
+        u = V.new_zeros((rows, V.shape[-1]))
+        for KStart in range(0, n_k, KBlockSize):
+            if causal and KStart > QStart + rows - 1 + offset:
+                break  # this block and every later one are in the future of every row
+            KBlock = K[KStart : KStart + KBlockSize]
+            VBlock = V[KStart : KStart + KBlockSize]
+            scores = (QBlock @ KBlock.T) * s
+            if causal:
+                queryPositions = torch.arange(QStart, QStart + rows, device=Q.device).unsqueeze(1)
+                keyPositions = torch.arange(KStart, KStart + KBlock.shape[0], device=K.device).unsqueeze(0)
+                scores = scores.masked_fill(keyPositions > queryPositions + offset, float("-inf"))
+            blockMax = scores.max(dim=1, keepdim=True).values
+            m_new = torch.maximum(m, blockMax)
+            # A row with no visible key yet has m_new = -inf; measure against 0
+            # instead so that exp() gives 0 rather than NaN.
+            safe = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
+            alpha = torch.exp(m - safe)
+            weights = torch.exp(scores - safe)
+            l = alpha * l + weights.sum(dim=1, keepdim=True)
+            u = alpha * u + weights @ VBlock
+            m = m_new
+        O[QStart : QStart + rows] = torch.where(l > 0, u / l.clamp_min(torch.finfo(l.dtype).tiny), 0.0)
+    return O
+
+
+def attention_reference(
+    q: Tensor, k: Tensor, v: Tensor, causal: bool = False, scale: Optional[float] = None
+) -> Tuple[Tensor, Tensor]:
+    """The float64 oracle: (out, lse) for (B, Hq, Nq, D) / (B, Hkv, Nk, D) inputs.
+
+    Computed in float64 through the full score matrix (fine for a reference,
+    never used on a flash path). Handles GQA by repeating kv heads,
+    bottom-right causal alignment, and rows with no visible key (out 0,
+    lse -inf), matching attention_forward's contract.
+    """
+    q64, k64, v64 = q.double(), k.double(), v.double()
+    group = q.shape[1] // k.shape[1]
+    if group > 1:
+        k64 = k64.repeat_interleave(group, dim=1)
+        v64 = v64.repeat_interleave(group, dim=1)
+    S = (q64 @ k64.transpose(-1, -2)) * _scale(q.shape[-1], scale)
+    if causal:
+        S = S.masked_fill(causal_mask(q.shape[2], k.shape[2], q.device), float("-inf"))
+    lse = torch.logsumexp(S, dim=-1)
+    finite = torch.isfinite(lse)
+    P = torch.where(finite.unsqueeze(-1), torch.exp(S - torch.where(finite, lse, 0.0).unsqueeze(-1)), 0.0)
+    return P @ v64, lse

@@ -1,0 +1,86 @@
+// The post's second kernel, generalized: still one query row per thread, but
+// the threads of a group stage each tile of keys and values in threadgroup
+// memory first, cooperatively, and then all read it from there. Each K/V
+// element is fetched from device memory once per group instead of once per
+// query.
+#pragma once
+
+#include "attention_common.h"
+
+namespace flash_metal {
+
+// T: element type of q, k, v and the output (float, half or bfloat).
+// DMAX: head_dim bucket; sizes the per-thread accumulator (head_dim <= DMAX).
+// BK: keys per tile. THREADS: threads per group (= query rows per group).
+// smem: 2 * BK * head_dim floats of dynamic threadgroup memory (the K tile,
+// then the V tile), sized by the host (csrc/metal_plan.cpp).
+template <typename T, int DMAX, int BK, int THREADS>
+[[kernel]] void flash_attention_tiled(
+    device const T* q [[buffer(0)]],
+    device const T* k [[buffer(1)]],
+    device const T* v [[buffer(2)]],
+    device T* o [[buffer(3)]],
+    device float* lse [[buffer(4)]],
+    constant AttentionParams& p [[buffer(5)]],
+    threadgroup float* smem [[threadgroup(0)]],
+    uint3 group [[threadgroup_position_in_grid]],
+    uint lane [[thread_index_in_threadgroup]]) {
+  const int D = p.head_dim;
+  const int first_row = int(group.x) * THREADS;
+  const int row = first_row + int(lane);
+  // Threads past the last query keep running: they help load every tile and
+  // must reach every barrier. They only skip the math and the final store.
+  const bool has_row = row < p.q_len;
+  const HeadOffsets h = head_offsets(p, group.z, group.y);
+  threadgroup float* k_tile = smem;
+  threadgroup float* v_tile = smem + BK * D;
+
+  float qrow[DMAX];
+  float acc[DMAX];
+  if (has_row) {
+    device const T* qp = q + h.q + int64_t(row) * p.q_row_stride;
+    for (int c = 0; c < D; ++c) {
+      qrow[c] = float(qp[int64_t(c) * p.q_dim_stride]) * p.scale_log2;
+      acc[c] = 0.0f;
+    }
+  }
+
+  OnlineSoftmax sm = {-INFINITY, 0.0f};
+  const int my_keys = has_row ? visible_keys(p, row) : 0;
+  // Early stop under causal masking: the group walks only as far as its
+  // last row can see. Every thread computes the same bound, so all threads
+  // take the same number of trips and meet at the same barriers.
+  const int last_row = min(first_row + THREADS, p.q_len) - 1;
+  const int group_keys = visible_keys(p, last_row);
+
+  for (int start = 0; start < group_keys; start += BK) {
+    // Cooperative load: thread `lane` fetches elements lane, lane + THREADS, ...
+    // Keys past the end are zero-filled; no row ever reads them.
+    for (int i = int(lane); i < BK * D; i += THREADS) {
+      const int key = start + i / D;
+      const int c = i % D;
+      const bool in_range = key < p.kv_len;
+      k_tile[i] = in_range ? float(k[h.k + int64_t(key) * p.k_row_stride + int64_t(c) * p.k_dim_stride]) : 0.0f;
+      v_tile[i] = in_range ? float(v[h.v + int64_t(key) * p.v_row_stride + int64_t(c) * p.v_dim_stride]) : 0.0f;
+    }
+    threadgroup_barrier(mem_flags::mem_threadgroup);  // tile written before anyone reads it (RAW)
+
+    const int n = min(BK, my_keys - start);  // keys of this tile this row may see (<= 0: none)
+    for (int j = 0; j < n; ++j) {
+      float score = 0.0f;
+      for (int c = 0; c < D; ++c) score += qrow[c] * k_tile[j * D + c];
+      float w;
+      const float alpha = sm.update(score, &w);
+      for (int c = 0; c < D; ++c) acc[c] = acc[c] * alpha + w * v_tile[j * D + c];
+    }
+    threadgroup_barrier(mem_flags::mem_threadgroup);  // everyone done reading before the next load (WAR)
+  }
+
+  if (!has_row) return;  // after the last barrier: safe
+  const float inv = sm.inv_sum();
+  device T* op = o + h.o + int64_t(row) * p.o_row_stride;
+  for (int c = 0; c < D; ++c) op[int64_t(c) * p.o_dim_stride] = static_cast<T>(acc[c] * inv);
+  lse[h.lse + int64_t(row) * p.lse_row_stride] = sm.lse();
+}
+
+}  // namespace flash_metal

@@ -1,0 +1,57 @@
+// The post's first kernel, generalized: one query row per thread, keys and
+// values read straight from device memory. Every thread walks the keys its
+// row may see one at a time, keeping its own running max, sum and
+// accumulator. Simple, and memory-bound: the 32 threads of a group each read
+// the same K and V rows separately.
+#pragma once
+
+#include "attention_common.h"
+
+namespace flash_metal {
+
+// T: element type of q, k, v and the output (float, half or bfloat).
+// DMAX: head_dim bucket; sizes the per-thread accumulator (head_dim <= DMAX).
+// THREADS: threads per threadgroup, i.e. query rows per group.
+template <typename T, int DMAX, int THREADS>
+[[kernel]] void flash_attention_untiled(
+    device const T* q [[buffer(0)]],
+    device const T* k [[buffer(1)]],
+    device const T* v [[buffer(2)]],
+    device T* o [[buffer(3)]],
+    device float* lse [[buffer(4)]],
+    constant AttentionParams& p [[buffer(5)]],
+    uint3 group [[threadgroup_position_in_grid]],
+    uint lane [[thread_index_in_threadgroup]]) {
+  const int row = int(group.x) * THREADS + int(lane);
+  if (row >= p.q_len) return;  // no barrier in this kernel, so an early exit is safe
+  const HeadOffsets h = head_offsets(p, group.z, group.y);
+  const int D = p.head_dim;
+
+  // The query row, pre-multiplied by scale * log2(e) (float32, as every product below).
+  float qrow[DMAX];
+  float acc[DMAX];
+  device const T* qp = q + h.q + int64_t(row) * p.q_row_stride;
+  for (int c = 0; c < D; ++c) {
+    qrow[c] = float(qp[int64_t(c) * p.q_dim_stride]) * p.scale_log2;
+    acc[c] = 0.0f;
+  }
+
+  OnlineSoftmax sm = {-INFINITY, 0.0f};
+  const int n_keys = visible_keys(p, row);  // the causal loop simply ends early
+  for (int j = 0; j < n_keys; ++j) {
+    device const T* kp = k + h.k + int64_t(j) * p.k_row_stride;
+    float score = 0.0f;
+    for (int c = 0; c < D; ++c) score += qrow[c] * float(kp[int64_t(c) * p.k_dim_stride]);
+    float w;
+    const float alpha = sm.update(score, &w);
+    device const T* vp = v + h.v + int64_t(j) * p.v_row_stride;
+    for (int c = 0; c < D; ++c) acc[c] = acc[c] * alpha + w * float(vp[int64_t(c) * p.v_dim_stride]);
+  }
+
+  const float inv = sm.inv_sum();
+  device T* op = o + h.o + int64_t(row) * p.o_row_stride;
+  for (int c = 0; c < D; ++c) op[int64_t(c) * p.o_dim_stride] = static_cast<T>(acc[c] * inv);
+  lse[h.lse + int64_t(row) * p.lse_row_stride] = sm.lse();
+}
+
+}  // namespace flash_metal

@@ -1,0 +1,60 @@
+// The one parameter block shared by the Metal shaders and the C++ host.
+//
+// The host (csrc/metal_plan.cpp) fills it and binds it with setBytes; the
+// kernels read it from the constant address space. Every field is fixed
+// width, and every stride is counted in elements, never bytes (the
+// FlashAttention convention), so one struct serves all three dtypes.
+// Tensor layouts, as the op sees them:
+//   q   (batch, q_heads,  q_len,  head_dim)
+//   k,v (batch, kv_heads, kv_len, head_dim)
+//   o   (batch, q_heads,  q_len,  head_dim)
+//   lse (batch, q_heads,  q_len)            always float32
+#pragma once
+
+#ifdef __METAL_VERSION__
+#include <metal_stdlib>
+#else
+#include <cstdint>
+#endif
+
+namespace flash_metal {
+
+struct AttentionParams {
+  int64_t q_batch_stride;   // elements between consecutive batch entries of q
+  int64_t q_head_stride;    // elements between consecutive heads of q
+  int64_t q_row_stride;     // elements between consecutive query rows of q
+  int64_t q_dim_stride;     // elements between consecutive features of q (1 when packed)
+  int64_t k_batch_stride;   // as above, for k
+  int64_t k_head_stride;    // elements between consecutive kv heads of k
+  int64_t k_row_stride;     // elements between consecutive keys of k
+  int64_t k_dim_stride;     // elements between consecutive features of k
+  int64_t v_batch_stride;   // as above, for v
+  int64_t v_head_stride;    // elements between consecutive kv heads of v
+  int64_t v_row_stride;     // elements between consecutive values of v
+  int64_t v_dim_stride;     // elements between consecutive features of v
+  int64_t o_batch_stride;   // as above, for the output o
+  int64_t o_head_stride;    // elements between consecutive heads of o
+  int64_t o_row_stride;     // elements between consecutive rows of o
+  int64_t o_dim_stride;     // elements between consecutive features of o
+  int64_t lse_batch_stride; // elements between consecutive batch entries of lse
+  int64_t lse_head_stride;  // elements between consecutive heads of lse
+  int64_t lse_row_stride;   // elements between consecutive rows of lse
+  int32_t batch;            // B
+  int32_t q_heads;          // Hq, a multiple of kv_heads
+  int32_t kv_heads;         // Hkv
+  int32_t gqa_ratio;        // Hq / Hkv: query head h reads kv head h / gqa_ratio
+  int32_t q_len;            // Nq, query rows per head
+  int32_t kv_len;           // Nk, keys (and values) per head
+  int32_t head_dim;         // D, 1..256
+  int32_t causal_offset;    // Nk - Nq: with causal masking, query i sees keys j <= i + causal_offset
+                            // (bottom-right alignment, the KV-cache convention)
+  float scale;              // softmax scale applied to q.k (default 1/sqrt(D))
+  float scale_log2;         // scale * log2(e): scores are kept in base 2 so exp becomes exp2
+};
+
+// 19 int64 + 8 int32 + 2 float = 152 + 32 + 8 = 192 bytes, with no padding.
+// The same assertion compiles on the host and in the shader, so a field added
+// on one side only cannot go unnoticed.
+static_assert(sizeof(AttentionParams) == 192, "AttentionParams layout changed: update host and shaders together");
+
+}  // namespace flash_metal

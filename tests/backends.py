@@ -1,0 +1,84 @@
+"""The backends the op tests run on: cpu, emulated Metal, and (on a Mac) mps.
+
+"metal-emu" is test-only: it runs the op's own C++ planning code
+(torch.ops.flash_metal.metal_plan, the code the MPS backend runs) and hands
+the plan to the Metal emulator instead of a command encoder, so every shader
+is exercised on Linux exactly as the MPS host would launch it.
+"""
+import functools
+import os
+
+import pytest
+import torch
+
+import flash_metal
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SHADER = os.path.join(ROOT, "shaders", "attention.metal")
+# Buffer slots of the attention kernels; the same constants as csrc/metal_plan.h.
+Q_SLOT, K_SLOT, V_SLOT, OUT_SLOT, LSE_SLOT, PARAMS_SLOT = range(6)
+
+
+@functools.lru_cache(maxsize=None)
+def mps_usable() -> bool:
+    """MPS present and really working (hosted macOS runners report it but cannot run kernels)."""
+    if not (hasattr(torch.backends, "mps") and torch.backends.mps.is_available()):
+        return False
+    try:
+        x = torch.arange(4.0, device="mps")
+        return (x * 2).sum().item() == 12.0
+    except Exception:  # noqa: BLE001  (any failure means: not usable)
+        return False
+
+
+@functools.lru_cache(maxsize=None)
+def metal_library(instrumented: bool):
+    from metal_emulator import compile_library
+
+    return compile_library([SHADER], instrumented=instrumented)
+
+
+def emulated_metal_attention(q, k, v, causal=False, scale=None, kernel="auto", instrumented=False):
+    plan = flash_metal.explain(q, k, v, causal, scale, kernel)
+    B, H, N, D = q.shape
+    # Outputs poisoned with NaN: an element the kernel never writes stays NaN.
+    out = torch.full((B, H, N, D), float("nan"), dtype=q.dtype)
+    lse = torch.full((B, H, N), float("nan"), dtype=torch.float32)
+    metal_library(instrumented).dispatch(
+        plan.kernel_name,
+        buffers={Q_SLOT: q, K_SLOT: k, V_SLOT: v, OUT_SLOT: out, LSE_SLOT: lse},
+        bytes={PARAMS_SLOT: plan.params},
+        function_constants=dict(enumerate(plan.function_constants)),
+        grid=plan.grid,
+        threadgroup=plan.threadgroup,
+        threadgroup_memory={0: plan.threadgroup_memory} if plan.threadgroup_memory else {},
+    )
+    return out, lse
+
+
+def to_mps_same_layout(t):
+    """Copies t to MPS keeping its exact view: same strides, same storage offset."""
+    base = t._base if t._base is not None else t
+    return base.to("mps").as_strided(t.size(), t.stride(), t.storage_offset())
+
+
+def run_attention(backend, q, k, v, causal=False, scale=None, kernel="auto"):
+    """Runs attention_forward on `backend`; inputs and results live on the CPU."""
+    if backend == "cpu":
+        return torch.ops.flash_metal.attention_forward(q, k, v, causal, scale, kernel)
+    if backend == "metal-emu":
+        return emulated_metal_attention(q, k, v, causal, scale, kernel, instrumented=False)
+    if backend == "metal-emu-sanitized":
+        return emulated_metal_attention(q, k, v, causal, scale, kernel, instrumented=True)
+    if backend == "mps":
+        dev = [to_mps_same_layout(t) for t in (q, k, v)]
+        out, lse = torch.ops.flash_metal.attention_forward(*dev, causal, scale, kernel)
+        return out.cpu(), lse.cpu()
+    raise ValueError(backend)
+
+
+def backend_param(name):
+    """A pytest param for `name`, skipped (and reported as skipped) where unavailable."""
+    if name == "mps":
+        return pytest.param(name, marks=pytest.mark.skipif(not mps_usable(), reason="no usable MPS device"))
+    return pytest.param(name)

@@ -1,0 +1,42 @@
+"""Shared pytest set-up: NaN-poisoned allocations and the installed package.
+
+The suite tests the *installed* flash_metal (pip install .). tests/ is put on
+sys.path by pytest (this conftest has no package above it), so helpers such
+as `numerics`, `backends` and the `metal_emulator` package import directly.
+"""
+import os
+
+import pytest
+import torch
+
+import flash_metal
+
+_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def pytest_configure(config):
+    pkg_dir = os.path.dirname(os.path.abspath(flash_metal.__file__))
+    if os.path.dirname(pkg_dir) == _REPO and not any(f.startswith("_C") for f in os.listdir(pkg_dir)):
+        raise pytest.UsageError(
+            "tests imported flash_metal from the source tree, which has no compiled _C. "
+            "Run `pytest` (not `python -m pytest`, which puts the checkout first on sys.path) after "
+            "`pip install .`, or use an editable install."
+        )
+
+
+@pytest.fixture(autouse=True)
+def poison_uninitialized_memory():
+    """Every at::empty inside the ops comes back NaN-filled while a test runs.
+
+    With deterministic algorithms on, PyTorch fills uninitialized float memory
+    with NaN (torch.utils.deterministic.fill_uninitialized_memory), including
+    the outputs our C++ ops allocate. An element a kernel forgets to write then
+    stays NaN and the tolerance check fails on it.
+    """
+    old = torch.are_deterministic_algorithms_enabled()
+    old_fill = torch.utils.deterministic.fill_uninitialized_memory
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.utils.deterministic.fill_uninitialized_memory = True
+    yield
+    torch.use_deterministic_algorithms(old)
+    torch.utils.deterministic.fill_uninitialized_memory = old_fill
