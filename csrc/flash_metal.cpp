@@ -20,17 +20,18 @@ TORCH_LIBRARY(flash_metal, m) {
   // Exact attention, O(N) memory. q: (B, Hq, Nq, D); k, v: (B, Hkv, Nk, D) with
   // Hq % Hkv == 0. Returns out (B, Hq, Nq, D) in q's dtype and the float32
   // log-sum-exp lse (B, Hq, Nq) of each row's scaled scores (natural log; -inf
-  // for a row that sees no key). `kernel` picks the implementation on Metal:
-  // "auto", "untiled" or "tiled" (see csrc/metal_plan.h); CPU tensors accept "auto".
+  // for a row that sees no key). `impl` picks the kernel on Metal: "auto",
+  // "untiled" or "tiled" (see csrc/metal_plan.h); CPU tensors accept "auto".
+  // (Not named `kernel`: Inductor's fallback lowering reserves that keyword.)
   m.def("attention_forward(Tensor q, Tensor k, Tensor v, bool causal=False, float? scale=None, "
-        "str kernel=\"auto\") -> (Tensor out, Tensor lse)");
+        "str impl=\"auto\") -> (Tensor out, Tensor lse)");
   // The Metal launch plan attention_forward would use for these inputs,
   // without running anything: kernel host name, threadgroups per grid,
   // threads per threadgroup, dynamic threadgroup memory in bytes, the boolean
   // function constants (index = [[function_constant(i)]]), the AttentionParams
   // bytes, and the reason for the choice. Works for tensors on any device; the
   // test suite's emulated-Metal backend and flash_metal.explain() use it.
-  m.def("metal_plan(Tensor q, Tensor k, Tensor v, bool causal=False, float? scale=None, str kernel=\"auto\") "
+  m.def("metal_plan(Tensor q, Tensor k, Tensor v, bool causal=False, float? scale=None, str impl=\"auto\") "
         "-> (str kernel_name, int[] grid, int[] threadgroup, int threadgroup_memory, bool[] function_constants, "
         "Tensor params, str reason)");
 }

@@ -36,13 +36,13 @@ KernelRequest parse_kernel_request(const std::string& kernel) {
   if (kernel == "auto") return KernelRequest::Auto;
   if (kernel == "untiled") return KernelRequest::Untiled;
   if (kernel == "tiled") return KernelRequest::Tiled;
-  TORCH_CHECK_VALUE(false, kOp, ": kernel must be one of 'auto', 'untiled', 'tiled'; got '", kernel, "'");
+  TORCH_CHECK_VALUE(false, kOp, ": impl must be one of 'auto', 'untiled', 'tiled'; got '", kernel, "'");
 }
 
 KernelRequest choose_metal_kernel(const AttentionProblem& p, KernelRequest requested, std::string* reason) {
   if (requested != KernelRequest::Auto) {
-    *reason = requested == KernelRequest::Tiled ? "tiled: requested by the caller (kernel='tiled')"
-                                                : "untiled: requested by the caller (kernel='untiled')";
+    *reason = requested == KernelRequest::Tiled ? "tiled: requested by the caller (impl='tiled')"
+                                                : "untiled: requested by the caller (impl='untiled')";
     return requested;
   }
   // The only rule while the post's two kernels are all we have: the tiled

@@ -15,14 +15,14 @@
 
 namespace flash_metal {
 
-// What the caller asked for with the `kernel` argument.
+// What the caller asked for with the `impl` argument.
 enum class KernelRequest {
   Auto,     // let choose_metal_kernel() decide
   Untiled,  // the post's first kernel: one query per thread, K/V read from device memory
   Tiled,    // the post's second kernel: K/V tiles staged in threadgroup memory
 };
 
-// Parses the `kernel` argument; throws a ValueError listing the accepted names.
+// Parses the `impl` argument; throws a ValueError listing the accepted names.
 KernelRequest parse_kernel_request(const std::string& kernel);
 
 // Element strides of the five tensors a launch touches, outermost first.

@@ -9,7 +9,7 @@ from typing import NamedTuple, Optional, Tuple
 import torch
 from torch import Tensor
 
-_KERNELS = ("auto", "untiled", "tiled")
+_IMPLS = ("auto", "untiled", "tiled")
 
 
 def _as_4d(x: Tensor) -> Tensor:
@@ -20,7 +20,7 @@ def _as_4d(x: Tensor) -> Tensor:
 
 
 def attention_with_lse(
-    q: Tensor, k: Tensor, v: Tensor, causal: bool = False, scale: Optional[float] = None, kernel: str = "auto"
+    q: Tensor, k: Tensor, v: Tensor, causal: bool = False, scale: Optional[float] = None, impl: str = "auto"
 ) -> Tuple[Tensor, Tensor]:
     """Exact scaled-dot-product attention and its row log-sum-exp.
 
@@ -35,15 +35,17 @@ def attention_with_lse(
     MLX). A query row that sees no key (possible when Nk < Nq) yields zeros
     and lse = -inf.
     scale: softmax scale, default 1/sqrt(D).
-    kernel: "auto", or on Metal one of the post's kernels, "untiled" (one
-    query per thread) or "tiled" (K/V tiles in threadgroup memory).
+    impl: which kernel runs: "auto" (the routing heuristic decides; see
+    explain()), or on Metal one of the post's kernels, "untiled" (one query
+    per thread) or "tiled" (K/V tiles in threadgroup memory). CPU tensors
+    always run the CPU flash kernel and accept only "auto".
 
     Returns (out, lse): out like q (packed, q's dtype; 2-D if q was 2-D) and
     lse (B, Hq, Nq) float32 (or (Nq,) for 2-D q).
     """
     single_head = isinstance(q, Tensor) and q.dim() == 2
     out, lse = torch.ops.flash_metal.attention_forward(
-        _as_4d(q), _as_4d(k), _as_4d(v), causal, scale, kernel
+        _as_4d(q), _as_4d(k), _as_4d(v), causal, scale, impl
     )
     if single_head:
         return out[0, 0], lse[0, 0]
@@ -51,10 +53,10 @@ def attention_with_lse(
 
 
 def attention(
-    q: Tensor, k: Tensor, v: Tensor, causal: bool = False, scale: Optional[float] = None, kernel: str = "auto"
+    q: Tensor, k: Tensor, v: Tensor, causal: bool = False, scale: Optional[float] = None, impl: str = "auto"
 ) -> Tensor:
     """Exact attention, softmax(q kᵀ · scale) v, in O(N) memory. See attention_with_lse."""
-    return attention_with_lse(q, k, v, causal, scale, kernel)[0]
+    return attention_with_lse(q, k, v, causal, scale, impl)[0]
 
 
 class MetalPlan(NamedTuple):
@@ -70,27 +72,27 @@ class MetalPlan(NamedTuple):
 
 
 def explain(
-    q: Tensor, k: Tensor, v: Tensor, causal: bool = False, scale: Optional[float] = None, kernel: str = "auto"
+    q: Tensor, k: Tensor, v: Tensor, causal: bool = False, scale: Optional[float] = None, impl: str = "auto"
 ) -> MetalPlan:
     """Which Metal kernel attention() would launch for these inputs, and why.
 
     Runs only the host's planning code (no kernel), so it works on any device.
     """
     name, grid, tg, mem, consts, params, reason = torch.ops.flash_metal.metal_plan(
-        _as_4d(q), _as_4d(k), _as_4d(v), causal, scale, kernel
+        _as_4d(q), _as_4d(k), _as_4d(v), causal, scale, impl
     )
     return MetalPlan(name, tuple(grid), tuple(tg), mem, tuple(consts), params, reason)
 
 
 @torch.library.register_fake("flash_metal::attention_forward")
-def _attention_forward_fake(q, k, v, causal=False, scale=None, kernel="auto"):
+def _attention_forward_fake(q, k, v, causal=False, scale=None, impl="auto"):
     # Shapes only; the C++ checks run on real tensors. These few guard the
     # symbolic shapes the outputs are built from.
     torch._check(q.dim() == 4, lambda: f"q must be 4-D (batch, heads, seq_len, head_dim); got {q.dim()}-D")
     torch._check(k.dim() == 4 and v.dim() == 4, lambda: "k and v must be 4-D (batch, heads, seq_len, head_dim)")
     torch._check(k.shape[1] > 0 and q.shape[1] % k.shape[1] == 0,
                  lambda: "the number of query heads must be a multiple of the number of key/value heads")
-    torch._check(kernel in _KERNELS, lambda: f"kernel must be one of {_KERNELS}; got {kernel!r}")
+    torch._check(impl in _IMPLS, lambda: f"impl must be one of {_IMPLS}; got {impl!r}")
     B, H, N, D = q.shape
     out = q.new_empty((B, H, N, D))
     lse = q.new_empty((B, H, N), dtype=torch.float32)

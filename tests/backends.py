@@ -38,8 +38,8 @@ def metal_library(instrumented: bool):
     return compile_library([SHADER], instrumented=instrumented)
 
 
-def emulated_metal_attention(q, k, v, causal=False, scale=None, kernel="auto", instrumented=False):
-    plan = flash_metal.explain(q, k, v, causal, scale, kernel)
+def emulated_metal_attention(q, k, v, causal=False, scale=None, impl="auto", instrumented=False):
+    plan = flash_metal.explain(q, k, v, causal, scale, impl)
     B, H, N, D = q.shape
     # Outputs poisoned with NaN: an element the kernel never writes stays NaN.
     out = torch.full((B, H, N, D), float("nan"), dtype=q.dtype)
@@ -62,17 +62,17 @@ def to_mps_same_layout(t):
     return base.to("mps").as_strided(t.size(), t.stride(), t.storage_offset())
 
 
-def run_attention(backend, q, k, v, causal=False, scale=None, kernel="auto"):
+def run_attention(backend, q, k, v, causal=False, scale=None, impl="auto"):
     """Runs attention_forward on `backend`; inputs and results live on the CPU."""
     if backend == "cpu":
-        return torch.ops.flash_metal.attention_forward(q, k, v, causal, scale, kernel)
+        return torch.ops.flash_metal.attention_forward(q, k, v, causal, scale, impl)
     if backend == "metal-emu":
-        return emulated_metal_attention(q, k, v, causal, scale, kernel, instrumented=False)
+        return emulated_metal_attention(q, k, v, causal, scale, impl, instrumented=False)
     if backend == "metal-emu-sanitized":
-        return emulated_metal_attention(q, k, v, causal, scale, kernel, instrumented=True)
+        return emulated_metal_attention(q, k, v, causal, scale, impl, instrumented=True)
     if backend == "mps":
         dev = [to_mps_same_layout(t) for t in (q, k, v)]
-        out, lse = torch.ops.flash_metal.attention_forward(*dev, causal, scale, kernel)
+        out, lse = torch.ops.flash_metal.attention_forward(*dev, causal, scale, impl)
         return out.cpu(), lse.cpu()
     raise ValueError(backend)
 

@@ -384,8 +384,8 @@ std::tuple<at::Tensor, at::Tensor> attention_forward_cpu(const at::Tensor& q, co
   const AttentionProblem p = check_attention_inputs(q, k, v, causal, scale);
   const std::string kernel_name(kernel);
   TORCH_CHECK_VALUE(parse_kernel_request(kernel_name) == KernelRequest::Auto,
-                    "flash_metal.attention_forward: kernel='", kernel_name,
-                    "' selects a Metal kernel; tensors on cpu run the CPU flash kernel, so kernel must be 'auto'");
+                    "flash_metal.attention_forward: impl='", kernel_name,
+                    "' selects a Metal kernel; tensors on cpu run the CPU flash kernel, so impl must be 'auto'");
   auto [out, lse] = allocate_outputs(q, p);
 
   Geometry g;
