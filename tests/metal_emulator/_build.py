@@ -1,0 +1,201 @@
+"""Toolchain discovery, compile flags, and the on-disk build cache."""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+
+from . import _prepass
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+SHIM_DIR = os.path.join(HERE, "include")
+RUNTIME_DIR = os.path.join(HERE, "runtime")
+CACHE_DIR = os.environ.get("FLASH_METAL_EMULATOR_CACHE", os.path.join(HERE, ".build"))
+# The Metal version the shaders see: MSL 3.1 (macOS 14), the oldest our
+# host targets; shaders only test that it is defined.
+METAL_VERSION = "310"
+RUNTIME_SOURCES = ("executor.cpp", "memory.cpp", "sanitizer.cpp", "softfloat.cpp")
+
+
+class BuildError(Exception):
+    """clang rejected a shader (message holds its diagnostics)."""
+
+
+@functools.lru_cache(maxsize=None)
+def find_clang() -> str:
+    """clang++ from $FLASH_METAL_CLANG, clang++-19 / clang-19 on PATH, or /usr/lib/llvm-19/bin."""
+    env = os.environ.get("FLASH_METAL_CLANG")
+    candidates = [env] if env else []
+    candidates += [shutil.which(n) for n in ("clang++-19", "clang-19")]
+    candidates += ["/usr/lib/llvm-19/bin/clang++", "/usr/lib/llvm-19/bin/clang"]
+    for c in candidates:
+        if c and os.path.isfile(c) and os.access(c, os.X_OK):
+            return c
+    raise BuildError(
+        "clang 19 not found: install it with `apt-get install -y clang-19 libclang-rt-19-dev` "
+        "or point FLASH_METAL_CLANG at a clang++ binary"
+    )
+
+
+@functools.lru_cache(maxsize=None)
+def find_symbolizer() -> tuple[str, str] | None:
+    """('llvm', path) or ('addr2line', path) for turning PCs into source lines."""
+    for name in ("llvm-symbolizer-19", "llvm-symbolizer"):
+        p = shutil.which(name)
+        if p:
+            return ("llvm", p)
+    p = "/usr/lib/llvm-19/bin/llvm-symbolizer"
+    if os.path.isfile(p):
+        return ("llvm", p)
+    p = shutil.which("addr2line")
+    return ("addr2line", p) if p else None
+
+
+@functools.lru_cache(maxsize=None)
+def clang_version() -> str:
+    return subprocess.run([find_clang(), "--version"], capture_output=True, text=True, check=True).stdout
+
+
+def _arch_flags() -> list[str]:
+    if platform.machine() in ("x86_64", "AMD64"):
+        # F16C converts half<->float in one instruction; without it every half
+        # operation is a libgcc call (correct, several times slower).
+        try:
+            with open("/proc/cpuinfo", encoding="utf-8") as f:
+                if " f16c" in f.read():
+                    return ["-mf16c"]
+        except OSError:
+            pass
+    return []
+
+
+def common_flags() -> list[str]:
+    return [
+        "-std=c++17",
+        "-x",
+        "c++",
+        "-isystem",
+        SHIM_DIR,
+        f"-D__METAL_VERSION__={METAL_VERSION}",
+        # per-operation rounding of half and bfloat, as the GPU does
+        "-Xclang",
+        "-ffloat16-excess-precision=none",
+        "-Xclang",
+        "-fbfloat16-excess-precision=none",
+        # no silent a*b+c -> fma contraction: results must not depend on the host
+        "-ffp-contract=off",
+        "-fno-exceptions",
+        "-fno-rtti",
+        "-Wno-unknown-attributes",
+        "-Wno-ignored-attributes",
+    ] + _arch_flags()
+
+
+def kernel_flags(instrumented: bool) -> list[str]:
+    flags = common_flags() + ["-fPIC", "-gline-tables-only", "-fno-omit-frame-pointer"]
+    if instrumented:
+        # every load and store calls back into runtime/sanitizer.cpp (trace-loads
+        # and trace-stores emit nothing unless a coverage kind such as func is on)
+        flags += ["-O1", "-fsanitize-coverage=func,trace-loads,trace-stores"]
+    else:
+        flags += ["-O2"]
+    return flags
+
+
+RUNTIME_FLAGS = ["-std=c++17", "-O2", "-fPIC", "-fvisibility=hidden", "-gline-tables-only", "-Wall"]
+
+
+def _hash(*parts) -> str:
+    h = hashlib.sha256()
+    for p in parts:
+        h.update(p if isinstance(p, bytes) else str(p).encode())
+        h.update(b"\0")
+    return h.hexdigest()[:24]
+
+
+def _read(path: str) -> bytes:
+    with open(path, "rb") as f:
+        return f.read()
+
+
+def _shim_files() -> list[str]:
+    out = []
+    for root, _, files in os.walk(SHIM_DIR):
+        out += [os.path.join(root, f) for f in files]
+    return sorted(out)
+
+
+def _run(cmd: list[str], what: str) -> subprocess.CompletedProcess:
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode:
+        raise BuildError(f"{what} failed:\n$ {' '.join(cmd)}\n{proc.stderr}")
+    return proc
+
+
+def _atomic_dir(final: str, build) -> str:
+    """Build into a temporary sibling, then rename (safe with parallel test processes)."""
+    if os.path.isdir(final):
+        return final
+    os.makedirs(os.path.dirname(final), exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=os.path.basename(final) + ".tmp", dir=os.path.dirname(final))
+    try:
+        build(tmp)
+        try:
+            os.rename(tmp, final)
+        except OSError:
+            if not os.path.isdir(final):
+                raise
+    finally:
+        if os.path.isdir(tmp):
+            shutil.rmtree(tmp, ignore_errors=True)
+    return final
+
+
+def runtime_objects(pool: ThreadPoolExecutor) -> list[str]:
+    srcs = [os.path.join(RUNTIME_DIR, s) for s in RUNTIME_SOURCES]
+    key = _hash(clang_version(), RUNTIME_FLAGS, *(_read(p) for p in srcs + [os.path.join(RUNTIME_DIR, "internal.h")]),
+                *(_read(p) for p in _shim_files()))
+    final = os.path.join(CACHE_DIR, "runtime-" + key)
+
+    def build(tmp):
+        jobs = [
+            pool.submit(_run, [find_clang(), *RUNTIME_FLAGS, "-c", s, "-o", os.path.join(tmp, os.path.basename(s) + ".o")],
+                        f"compiling {os.path.basename(s)}")
+            for s in srcs
+        ]
+        for j in jobs:
+            j.result()
+
+    _atomic_dir(final, build)
+    return [os.path.join(final, os.path.basename(s) + ".o") for s in srcs]
+
+
+def write_rewritten(paths: list[str], dest: str) -> dict[str, str]:
+    """Pre-pass every reachable source into dest/<absolute path>; returns original -> copy."""
+    sources = _prepass.collect_sources(paths)
+    rewritten = _prepass.rewrite_sources(sources)
+    mapping = {}
+    for orig, text in rewritten.items():
+        copy = os.path.join(dest, orig.lstrip(os.sep))
+        os.makedirs(os.path.dirname(copy), exist_ok=True)
+        with open(copy, "w", encoding="utf-8") as f:
+            f.write(text)
+        mapping[orig] = copy
+    return mapping
+
+
+def source_key(paths: list[str], *extra) -> str:
+    sources = _prepass.collect_sources(paths)
+    return _hash(
+        clang_version(),
+        _read(os.path.join(HERE, "_prepass.py")),
+        *(p.encode() + b"\0" + _read(p) for p in sources),
+        *(_read(p) for p in _shim_files()),
+        *extra,
+    )

@@ -1,0 +1,303 @@
+"""compile_library() and Library.dispatch(): the Python face of the emulator."""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import subprocess
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+from . import _build, _prepass, _registry
+
+
+class EmulatorError(Exception):
+    """A sanitizer finding or an invalid dispatch. `reports` holds the parsed findings."""
+
+    def __init__(self, message: str, reports: list[dict] | None = None):
+        super().__init__(message)
+        self.reports = reports or []
+
+    @property
+    def kinds(self) -> set[str]:
+        return {r["kind"] for r in self.reports}
+
+
+# ---- ctypes mirror of runtime/internal.h -------------------------------------------
+class _Role(ctypes.Structure):
+    _fields_ = [("kind", ctypes.c_int), ("index", ctypes.c_int)]
+
+
+class _BufferDesc(ctypes.Structure):
+    _fields_ = [("index", ctypes.c_int), ("writable", ctypes.c_int), ("data", ctypes.c_void_p), ("size", ctypes.c_uint64)]
+
+
+class _DispatchDesc(ctypes.Structure):
+    _fields_ = [
+        ("kernel", ctypes.c_int),
+        ("nroles", ctypes.c_int),
+        ("roles", ctypes.POINTER(_Role)),
+        ("nbuffers", ctypes.c_int),
+        ("buffers", ctypes.POINTER(_BufferDesc)),
+        ("ntg", ctypes.c_int),
+        ("tg_lengths", ctypes.POINTER(ctypes.c_uint64)),
+        ("grid", ctypes.c_uint * 3),
+        ("threadgroup", ctypes.c_uint * 3),
+        ("max_threads", ctypes.c_uint),
+        ("seed", ctypes.c_uint64),
+    ]
+
+
+_UNSET = 2**64 - 1
+_MAX_INDEX = 32  # Metal's buffer / threadgroup argument table size (indices 0..30 usable)
+
+# Every kernel host name any Library dispatched in this process.
+DISPATCHED: set[str] = set()
+
+
+def _as3(v) -> tuple[int, int, int]:
+    if isinstance(v, int):
+        v = (v,)
+    v = tuple(int(x) for x in v)
+    return (v + (1, 1, 1))[:3]
+
+
+class _Binding:
+    """Memory for one [[buffer(n)]]: a tensor's storage, a numpy array, or bytes."""
+
+    def __init__(self, value, writable: bool):
+        self.keep = None
+        if hasattr(value, "untyped_storage"):  # torch.Tensor
+            if value.device.type != "cpu":
+                raise EmulatorError(f"the emulator binds CPU tensors only, got a {value.device} tensor")
+            storage = value.untyped_storage()
+            offset = value.storage_offset() * value.element_size()
+            self.data = storage.data_ptr() + offset
+            self.size = storage.nbytes() - offset
+            self.keep = value
+        elif hasattr(value, "__array_interface__"):  # numpy
+            if not value.flags["C_CONTIGUOUS"]:
+                raise EmulatorError("numpy buffers must be C-contiguous")
+            self.data = value.ctypes.data
+            self.size = value.nbytes
+            self.keep = value
+            writable = writable and value.flags["WRITEABLE"]
+        elif isinstance(value, (bytes, bytearray, memoryview)):
+            raw = bytes(value)
+            self.keep = ctypes.create_string_buffer(raw, len(raw) or 1)
+            self.data = ctypes.addressof(self.keep)
+            self.size = len(raw)
+            writable = False
+        else:
+            raise EmulatorError(f"cannot bind {type(value).__name__} as a buffer (tensor, numpy array or bytes)")
+        self.writable = writable
+
+
+class Library:
+    """One compiled set of .metal files (a stand-in for an MTLLibrary)."""
+
+    def __init__(self, so_path: str, decls: list[_registry.KernelDecl], sources: list[str], instrumented: bool):
+        self.path = so_path
+        self.instrumented = instrumented
+        self.sources = sources
+        self._lib = ctypes.CDLL(so_path)
+        self._lock = threading.Lock()
+        lib = self._lib
+        for name in ("fm_kernel_host_name", "fm_kernel_expr", "fm_kernel_file", "fm_function_constant_name", "fm_last_reports"):
+            getattr(lib, name).restype = ctypes.c_char_p
+        lib.fm_set_function_constant.argtypes = [ctypes.c_int, ctypes.c_double]
+        lib.fm_dispatch.argtypes = [ctypes.POINTER(_DispatchDesc)]
+        self._kernels: dict[str, tuple[int, _registry.KernelDecl]] = {}
+        for i in range(lib.fm_num_kernels()):
+            host = lib.fm_kernel_host_name(i).decode()
+            expr = lib.fm_kernel_expr(i).decode()
+            if host in self._kernels:
+                raise EmulatorError(f"two kernels share the host name {host!r}")
+            self._kernels[host] = (i, _registry.match(expr, decls))
+        self._fc_indices = {lib.fm_function_constant_index(i) for i in range(lib.fm_num_function_constants())}
+        self.dispatched: set[str] = set()
+
+    def kernel_names(self) -> list[str]:
+        """Every host name (instantiation) in the library, sorted."""
+        return sorted(self._kernels)
+
+    def dispatched_names(self) -> set[str]:
+        return set(self.dispatched)
+
+    def signature(self, name: str) -> list[_registry.Param]:
+        return list(self._kernel(name)[1].params)
+
+    def _kernel(self, name: str):
+        try:
+            return self._kernels[name]
+        except KeyError:
+            raise EmulatorError(f"no kernel named {name!r}; the library has: {', '.join(self.kernel_names())}") from None
+
+    def dispatch(self, name: str, buffers=None, bytes=None, function_constants=None, grid=(1, 1, 1),
+                 threadgroup=(1, 1, 1), threadgroup_memory=None, seed: int = 0) -> None:
+        """Run kernel `name` like dispatchThreadgroups:threadsPerThreadgroup:.
+
+        buffers: {index: tensor | numpy array} bound like setBuffer:offset:atIndex:
+        (the bound range runs from the tensor's first element to its storage's
+        end; results are written back). bytes: {index: bytes | uint8 tensor}
+        like setBytes:length:atIndex:. function_constants: {index: bool | int |
+        float}. grid: threadgroups per grid. threadgroup: threads per
+        threadgroup. threadgroup_memory: {index: bytes} like
+        setThreadgroupMemoryLength:atIndex:. seed: 0 runs threads in a fixed
+        order; any other value shuffles the order of ready threads (seeded).
+        Raises EmulatorError on any finding.
+        """
+        index, decl = self._kernel(name)
+        buffers = dict(buffers or {})
+        for k, v in (bytes or {}).items():
+            if k in buffers:
+                raise EmulatorError(f"index {k} bound both as a buffer and as bytes")
+            if hasattr(v, "untyped_storage"):
+                v = v.detach().contiguous().numpy().tobytes()
+            buffers[k] = v if isinstance(v, (type(b""), bytearray, memoryview)) else v
+        bindings = {}
+        for k, v in buffers.items():
+            if not 0 <= int(k) < _MAX_INDEX:
+                raise EmulatorError(f"buffer index {k} outside 0..{_MAX_INDEX - 1}")
+            bindings[int(k)] = _Binding(v, writable=True)
+        tg_mem = {int(k): int(v) for k, v in (threadgroup_memory or {}).items()}
+        roles = []
+        for p in decl.params:
+            if p.role is None:
+                raise EmulatorError(f"{name}: parameter {p.name!r} has no MSL attribute")
+            if p.role == _prepass.ROLE_BUFFER and p.index not in bindings:
+                raise EmulatorError(f"{name}: parameter {p.name!r} [[buffer({p.index})]] is not bound")
+            if p.role == _prepass.ROLE_THREADGROUP and p.index not in tg_mem:
+                raise EmulatorError(f"{name}: parameter {p.name!r} [[threadgroup({p.index})]] has no threadgroup memory length")
+            roles.append(_Role(p.role, p.index))
+        lens = (ctypes.c_uint64 * _MAX_INDEX)(*([_UNSET] * _MAX_INDEX))
+        for k, v in tg_mem.items():
+            if not 0 <= k < _MAX_INDEX or v < 0:
+                raise EmulatorError(f"bad threadgroup memory entry {k}: {v}")
+            lens[k] = v
+        descs = (_BufferDesc * max(1, len(bindings)))()
+        for i, (k, b) in enumerate(sorted(bindings.items())):
+            descs[i] = _BufferDesc(k, int(b.writable), b.data, b.size)
+        desc = _DispatchDesc()
+        desc.kernel = index
+        desc.nroles = len(roles)
+        desc.roles = (_Role * max(1, len(roles)))(*roles)
+        desc.nbuffers = len(bindings)
+        desc.buffers = descs
+        desc.ntg = _MAX_INDEX
+        desc.tg_lengths = lens
+        desc.grid[:] = _as3(grid)
+        desc.threadgroup[:] = _as3(threadgroup)
+        desc.max_threads = decl.max_threads
+        desc.seed = seed
+        with self._lock:
+            self._lib.fm_reset_function_constants()
+            for k, v in (function_constants or {}).items():
+                if int(k) not in self._fc_indices:
+                    raise EmulatorError(f"no function constant has index {k}")
+                self._lib.fm_set_function_constant(int(k), float(v))
+            rc = self._lib.fm_dispatch(ctypes.byref(desc))
+            reports = json.loads(self._lib.fm_last_reports().decode())
+        self.dispatched.add(name)
+        DISPATCHED.add(name)
+        if rc == 2:
+            raise EmulatorError("invalid dispatch description")
+        if rc:
+            raise EmulatorError(self._format(name, reports), reports)
+
+    def _format(self, name: str, reports: list[dict]) -> str:
+        pcs = sorted({pc for r in reports for pc in r["pcs"]})
+        where = symbolize(self.path, pcs)
+        lines = [f"{len(reports)} emulator finding(s) in kernel {name}:"]
+        for r in reports:
+            msg = r["message"]
+            for i, pc in enumerate(r["pcs"]):
+                msg = msg.replace("{pc%d}" % i, where.get(pc, hex(pc)))
+            r["text"] = msg
+            lines.append(f"[{r['kind']}] {msg}")
+        return "\n".join(lines)
+
+
+def symbolize(so_path: str, pcs: list[int]) -> dict[int, str]:
+    """PC offset -> 'file:line' of the innermost frame outside the shim (with the shim frame noted)."""
+    tool = _build.find_symbolizer()
+    if not pcs or not tool:
+        return {}
+    kind, exe = tool
+    # a return address points after the call; step back into the instruction
+    addrs = [hex(max(pc - 1, 0)) for pc in pcs]
+    if kind == "llvm":
+        out = subprocess.run([exe, f"--obj={so_path}", "--inlines", "--no-demangle"], input="\n".join(addrs) + "\n",
+                             capture_output=True, text=True).stdout
+        blocks = out.strip("\n").split("\n\n")
+        frames_per = [[ln for ln in b.splitlines()[1::2]] for b in blocks]
+    else:
+        frames_per = []
+        for a in addrs:
+            out = subprocess.run([exe, "-e", so_path, "-i", a], capture_output=True, text=True).stdout
+            frames_per.append(out.splitlines())
+    result = {}
+    for pc, frames in zip(pcs, frames_per):
+        frames = [f for f in frames if f and not f.startswith("??")]
+        user = [f for f in frames if not f.startswith(_build.SHIM_DIR)]
+        best = user[0] if user else (frames[0] if frames else hex(pc))
+        best = best.rsplit(":", 1)[0] if best.count(":") >= 2 else best  # drop the column
+        result[pc] = best
+    return result
+
+
+_CACHE: dict[tuple, Library] = {}
+_CACHE_LOCK = threading.Lock()
+
+
+def compile_library(paths, instrumented: bool = False) -> Library:
+    """Compile .metal files (unmodified) into an emulator library, cached on disk and per process."""
+    if isinstance(paths, str):
+        paths = [paths]
+    paths = [os.path.abspath(p) for p in paths]
+    with _CACHE_LOCK:
+        key = (tuple(paths), instrumented)
+        if key in _CACHE:
+            return _CACHE[key]
+        lib = _compile(paths, instrumented)
+        _CACHE[key] = lib
+        return lib
+
+
+def _compile(paths: list[str], instrumented: bool) -> Library:
+    clang = _build.find_clang()
+    kflags = _build.kernel_flags(instrumented)
+    key = _build.source_key(paths, *kflags, *(open(os.path.join(_build.RUNTIME_DIR, s), "rb").read()
+                                              for s in _build.RUNTIME_SOURCES))
+    final = os.path.join(_build.CACHE_DIR, ("inst-" if instrumented else "fast-") + key)
+
+    def build(tmp: str) -> None:
+        mapping = _build.write_rewritten(paths, os.path.join(tmp, "src"))
+        with ThreadPoolExecutor(max_workers=(os.cpu_count() or 2) + 1) as pool:  # +1: the runtime task waits on its own jobs
+            runtime = pool.submit(_build.runtime_objects, pool)
+            objs, scans = [], []
+            for i, p in enumerate(paths):
+                src = mapping[p]
+                obj = os.path.join(tmp, f"k{i}.o")
+                objs.append(obj)
+                inc = ["-I", os.path.dirname(src)]
+                scans.append(pool.submit(_build._run, [clang, *_build.common_flags(), *inc, "-DFM_SCAN", "-fsyntax-only",
+                                                       "-Xclang", "-ast-dump=json", src], f"scanning {p}"))
+                scans.append(pool.submit(_build._run, [clang, *kflags, *inc, "-c", src, "-o", obj], f"compiling {p}"))
+            results = [s.result() for s in scans]
+            rt_objs = runtime.result()
+        decls = []
+        for r in results[0::2]:
+            decls += _registry.parse_dump(r.stdout)
+        with open(os.path.join(tmp, "kernels.json"), "w", encoding="utf-8") as f:
+            json.dump([{"name": d.qualified_name, "max_threads": d.max_threads,
+                        "params": [vars(p) for p in d.params]} for d in decls], f)
+        _build._run([clang, "-shared", "-o", os.path.join(tmp, "lib.so"), *objs, *rt_objs, "-Wl,-Bsymbolic", "-lm"],
+                    "linking")
+
+    _build._atomic_dir(final, build)
+    with open(os.path.join(final, "kernels.json"), encoding="utf-8") as f:
+        decls = [_registry.KernelDecl(d["name"], [_registry.Param(**p) for p in d["params"]], d["max_threads"])
+                 for d in json.load(f)]
+    return Library(os.path.join(final, "lib.so"), decls, paths, instrumented)

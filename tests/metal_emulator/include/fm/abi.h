@@ -1,0 +1,96 @@
+// The C ABI between the kernel translation unit (shaders + this shim) and the
+// emulator runtime (runtime/*.cpp). Both sides include this file; it must stay
+// free of the C++ standard library because the shim avoids it (a std-free shim
+// keeps the clang AST dump that the registry scan reads small).
+#pragma once
+
+#define FM_ABI_VERSION 1
+
+// Bytes one lane may contribute to a SIMD collective. 64 covers the widest
+// operand we support (a 16-element float vector) and the three 2-element
+// fragments that simdgroup_multiply_accumulate exchanges.
+#define FM_SIMD_SLOT_BYTES 64
+// Lanes per SIMD-group on every Apple GPU (Metal's threads_per_simdgroup).
+#define FM_SIMD_WIDTH 32
+
+// Parameter roles, the codes the pre-pass writes into clang::annotate.
+#define FM_ROLE_KERNEL 1
+#define FM_ROLE_BUFFER 2
+#define FM_ROLE_THREADGROUP 3
+// [[max_total_threads_per_threadgroup(n)]] on a kernel.
+#define FM_ROLE_MAX_THREADS 4
+// Position attributes: FM_ROLE_POS_FIRST + the index in fm_pos_kind.
+#define FM_ROLE_POS_FIRST 16
+
+// The position attributes a kernel parameter can carry. The runtime fills one
+// uint3 per kind for every emulated thread; scalars use .x.
+enum fm_pos_kind {
+  FM_POS_THREAD_POSITION_IN_GRID = 0,
+  FM_POS_THREAD_POSITION_IN_THREADGROUP,
+  FM_POS_THREADGROUP_POSITION_IN_GRID,
+  FM_POS_THREADS_PER_THREADGROUP,
+  FM_POS_THREADGROUPS_PER_GRID,
+  FM_POS_THREADS_PER_GRID,
+  FM_POS_THREAD_INDEX_IN_THREADGROUP,
+  FM_POS_THREAD_INDEX_IN_SIMDGROUP,
+  FM_POS_SIMDGROUP_INDEX_IN_THREADGROUP,
+  FM_POS_THREADS_PER_SIMDGROUP,
+  FM_POS_SIMDGROUPS_PER_THREADGROUP,
+  FM_POS_DISPATCH_THREADS_PER_THREADGROUP,
+  FM_POS_THREAD_INDEX_IN_QUADGROUP,
+  FM_POS_QUADGROUP_INDEX_IN_THREADGROUP,
+  FM_POS_COUNT
+};
+
+// Type codes of function constants (what Python may set).
+#define FM_FC_BOOL 1
+#define FM_FC_INT 2
+#define FM_FC_UINT 3
+#define FM_FC_FLOAT 4
+#define FM_FC_HALF 5
+#define FM_FC_SHORT 6
+#define FM_FC_USHORT 7
+#define FM_FC_BFLOAT 8
+
+struct fm_role {
+  int kind;   // FM_ROLE_BUFFER, FM_ROLE_THREADGROUP or FM_ROLE_POS_FIRST + fm_pos_kind
+  int index;  // buffer / threadgroup index; unused for positions
+};
+
+// What one emulated thread's kernel call receives.
+struct fm_invocation {
+  const struct fm_role* roles;      // one per kernel parameter
+  void* const* buffers;             // indexed by [[buffer(n)]]
+  void* const* tgmem;               // indexed by [[threadgroup(n)]]
+  unsigned pos[FM_POS_COUNT][3];    // position attribute values
+};
+
+typedef void (*fm_invoker)(void* fn, const struct fm_invocation* inv);
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+// Registration (static initializers of the kernel TU).
+void fm_rt_register_kernel(const char* host_name, const char* expr, void* fn, fm_invoker invoke, int nparams,
+                           const char* file, int line);
+void fm_rt_register_function_constant(int index, int type_code, void* value, bool* defined, const char* name);
+
+// Synchronisation. kind: 0 = threadgroup_barrier, 1 = simdgroup_barrier.
+void fm_rt_barrier(int kind, unsigned flags, const char* file, int line, int col);
+// SIMD collective: deposit `size` bytes, wait for the whole SIMD-group at the
+// same call site, return the 32 slots (FM_SIMD_SLOT_BYTES apart) in lane order.
+const unsigned char* fm_rt_simd_exchange(const void* data, unsigned size, const char* what, const char* file,
+                                         int line, int col);
+unsigned fm_rt_simd_lane(void);
+unsigned fm_rt_simd_width(void);  // lanes present in this SIMD-group (< 32 only for a ragged last group)
+
+// Threadgroup variable declared in a kernel body: storage shared by the group.
+void* fm_rt_threadgroup_var(void* key, unsigned long size, unsigned long align, const char* name, const char* file,
+                            int line);
+// A function constant was read but the dispatch did not set it.
+void fm_rt_undefined_function_constant(const char* name, int index);
+// A shim-level error (misuse of an API) at a source location: reports and aborts the dispatch.
+void fm_rt_fail(const char* message, const char* file, int line);
+#ifdef __cplusplus
+}
+#endif

@@ -1,0 +1,64 @@
+// Kernel registration: the pre-pass turns each
+//   template [[host_name("x")]] [[kernel]] decltype(f<A>) f<A>;
+// into FM_INSTANTIATE(decltype(f<A>) f<A>) FM_REGISTER_KERNEL("x", f<A>), and
+// appends FM_REGISTER_KERNEL("f", f) after a non-template kernel's body. The
+// registrar stores a typed invoker that builds each argument from the role the
+// registry scan found for that parameter ([[buffer(n)]], a position, ...).
+#pragma once
+#include "base.h"
+
+namespace fm {
+template <class P>
+inline P kernel_arg(const fm_invocation* inv, int i) {
+  const fm_role& role = inv->roles[i];
+  if constexpr (__is_pointer(P)) {
+    void* p = role.kind == FM_ROLE_THREADGROUP ? inv->tgmem[role.index] : inv->buffers[role.index];
+    return reinterpret_cast<P>(p);
+  } else if constexpr (__is_reference(P)) {
+    return *reinterpret_cast<typename remove_ref<P>::type*>(inv->buffers[role.index]);
+  } else {
+    using E = typename vec_info<P>::elem;
+    const unsigned* v = inv->pos[role.kind - FM_ROLE_POS_FIRST];
+    if constexpr (vec_info<P>::n == 1) {
+      return (P)v[0];
+    } else {
+      P r;
+      for (int k = 0; k < vec_info<P>::n; ++k) r[k] = (E)v[k];
+      return r;
+    }
+  }
+}
+
+template <class... P>
+struct invoker {
+  template <int... I>
+  static void run(void (*f)(P...), const fm_invocation* inv, index_seq<I...>) {
+    f(kernel_arg<P>(inv, I)...);
+  }
+  static void call(void* f, const fm_invocation* inv) {
+    run(reinterpret_cast<void (*)(P...)>(f), inv, make_index_seq<sizeof...(P)>{});
+  }
+};
+
+struct kernel_registrar {
+  template <class... P>
+  kernel_registrar(const char* host_name, const char* expr, void (*f)(P...), const char* file, int line) {
+    fm_rt_register_kernel(host_name, expr, reinterpret_cast<void*>(f), &invoker<P...>::call, (int)sizeof...(P), file,
+                          line);
+  }
+};
+}  // namespace fm
+
+#define FM_CAT2(a, b) a##b
+#define FM_CAT(a, b) FM_CAT2(a, b)
+#if defined(FM_CHECK_MSL) || defined(FM_SCAN)
+// The registry scan and the rules check only parse: no instantiation, so the
+// AST dump holds each kernel template once.
+#define FM_INSTANTIATE(...)
+#define FM_REGISTER_KERNEL(host_name, ...)
+#else
+#define FM_INSTANTIATE(...) template __VA_ARGS__;
+#define FM_REGISTER_KERNEL(host_name, ...)                                                            \
+  static ::fm::kernel_registrar FM_CAT(fm_kernel_registrar_, __COUNTER__)(host_name, #__VA_ARGS__, \
+                                                                          &__VA_ARGS__, __FILE__, __LINE__);
+#endif

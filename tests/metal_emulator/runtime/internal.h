@@ -1,0 +1,188 @@
+// State shared by the runtime's translation units (executor.cpp, memory.cpp,
+// sanitizer.cpp). Not seen by kernel code.
+#pragma once
+#include <csetjmp>
+#include <cstdint>
+#include <string>
+#include <unordered_map>
+#include <unordered_set>
+#include <vector>
+
+#include "../include/fm/abi.h"
+
+#define FM_EXPORT extern "C" __attribute__((visibility("default")))
+
+// Python-facing dispatch description (see _library.py for the ctypes mirror).
+struct fm_buffer_desc {
+  int index;
+  int writable;
+  void* data;
+  uint64_t size;
+};
+struct fm_dispatch_desc {
+  int kernel;
+  int nroles;
+  const fm_role* roles;
+  int nbuffers;
+  const fm_buffer_desc* buffers;
+  int ntg;
+  const uint64_t* tg_lengths;  // indexed by [[threadgroup(n)]]
+  unsigned grid[3];
+  unsigned threadgroup[3];
+  unsigned max_threads;  // [[max_total_threads_per_threadgroup]] or 0
+  uint64_t seed;         // 0 = deterministic order
+};
+
+namespace fmrt {
+
+// Metal limits on Apple GPUs (MTLDevice maxThreadsPerThreadgroup and
+// maxThreadgroupMemoryLength on every Apple-silicon family we target).
+constexpr unsigned kMaxThreadsPerThreadgroup = 1024;
+constexpr unsigned long kMaxThreadgroupMemory = 32768;
+// setThreadgroupMemoryLength requires multiples of 16 bytes.
+constexpr unsigned long kThreadgroupLengthAlign = 16;
+// Redzone after every threadgroup allocation: wider than the widest single
+// access (16 bytes), so an off-by-one element or row lands in it.
+constexpr unsigned long kRedzone = 64;
+
+struct Site {
+  int kind = 0;  // 0 threadgroup_barrier, 1 simdgroup_barrier, 2 SIMD collective
+  unsigned flags = 0;
+  const char* what = "";
+  const char* file = "";
+  int line = 0;
+  int col = 0;
+  bool same(const Site& o) const {
+    return kind == o.kind && line == o.line && col == o.col && (file == o.file || std::string(file) == o.file);
+  }
+  std::string describe() const;
+};
+
+enum class FiberState { Ready, AtBarrier, AtSimd, Done };
+
+struct Fiber {
+  void* sp = nullptr;
+  char* stack_lo = nullptr;  // lowest usable byte; the guard page is just below
+  FiberState state = FiberState::Ready;
+  Site site;
+  unsigned tid = 0;  // thread_index_in_threadgroup
+  unsigned lane = 0, simd = 0;
+  unsigned simd_epoch = 0;  // simdgroup_barriers this thread's SIMD-group passed
+  const unsigned char* exchange = nullptr;
+  fm_invocation inv{};
+};
+
+struct SimdGroup {
+  unsigned width = 0;
+  unsigned gen = 0;  // completed collectives; selects the exchange buffer
+  alignas(64) unsigned char buf[2][FM_SIMD_WIDTH * FM_SIMD_SLOT_BYTES];
+};
+
+struct DeviceBuffer {
+  int index = 0;
+  char* region_lo = nullptr;  // first byte of the leading guard page
+  char* region_hi = nullptr;  // one past the trailing guard page
+  char* start = nullptr;      // what the kernel sees
+  uint64_t size = 0;
+  void* host = nullptr;  // the caller's memory, copied back after the run
+  bool writable = false;
+  size_t map_len = 0;
+};
+
+struct TgAlloc {
+  std::string name;
+  std::string where;
+  unsigned long offset = 0, size = 0;
+};
+
+// One recorded access to a threadgroup byte (race detector).
+struct Access {
+  uint64_t pc = 0;
+  uint32_t epoch = 0;
+  uint16_t tid = 0;
+  uint16_t simd_epoch = 0;
+};
+struct Shadow {
+  Access write, read1, read2;
+};
+
+struct Report {
+  std::string kind;
+  std::string message;
+  std::vector<uint64_t> pcs;  // offsets in the library, symbolized by Python as {pc0}, {pc1}
+};
+
+struct KernelEntry {
+  std::string host, expr, file;
+  int line = 0;
+  void* fn = nullptr;
+  fm_invoker invoke = nullptr;
+  int nparams = 0;
+};
+
+struct FunctionConstant {
+  int index = 0, type = 0;
+  void* value = nullptr;
+  bool* defined = nullptr;
+  std::string name;
+};
+
+// Everything one OS thread needs to run threadgroups.
+struct Worker {
+  // dispatch description
+  const KernelEntry* kernel = nullptr;
+  std::vector<fm_role> roles;
+  void* buffers[32] = {};
+  void* tg_ptrs[32] = {};
+  unsigned grid[3] = {1, 1, 1}, tpg[3] = {1, 1, 1};
+  unsigned nthreads = 0, nsimd = 0;
+  uint64_t seed = 0;
+  // current threadgroup
+  unsigned group[3] = {0, 0, 0};
+  std::vector<Fiber> fibers;
+  std::vector<SimdGroup> simds;
+  Fiber* current = nullptr;
+  void* sched_sp = nullptr;
+  char* stacks = nullptr;
+  size_t stacks_len = 0, stack_stride = 0;
+  // threadgroup memory
+  char* arena = nullptr;
+  unsigned long arena_cap = 0, arena_used = 0, user_bytes = 0;
+  std::vector<TgAlloc> allocs;
+  std::unordered_map<void*, size_t> static_index;  // key -> allocs index
+  std::vector<uint16_t> owner;                     // arena byte -> 1 + allocs index, 0 = redzone
+  std::vector<Shadow> shadow;
+  uint32_t epoch = 1;
+  // device memory
+  std::vector<DeviceBuffer> dev;
+  char* dev_lo = nullptr;
+  char* dev_hi = nullptr;
+  // outcome
+  sigjmp_buf abort_env;
+  bool fatal = false;
+  std::vector<Report> reports;
+  std::unordered_set<std::string> report_keys;
+  bool instrument_active = false;
+};
+
+extern thread_local Worker* tls_worker __attribute__((tls_model("initial-exec")));
+
+// executor.cpp
+std::string thread_name(const Worker& w, unsigned tid);
+void add_report(Worker& w, const std::string& kind, const std::string& key, const std::string& message,
+                std::vector<uint64_t> pcs);
+[[noreturn]] void fatal(Worker& w, const std::string& kind, const std::string& message, std::vector<uint64_t> pcs = {});
+uint64_t pc_offset(const void* pc);
+
+// memory.cpp
+void map_device_buffers(Worker& w, const fm_buffer_desc* bufs, int n);
+void unmap_device_buffers(Worker& w, bool copy_back);
+void reset_threadgroup_memory(Worker& w, const uint64_t* lengths, int n);
+void begin_group_memory(Worker& w);
+std::string describe_address(const Worker& w, const char* addr, bool* known);
+
+// sanitizer.cpp
+void install_fault_handler();
+void remove_fault_handler();
+}  // namespace fmrt
+
