@@ -1,7 +1,7 @@
 """Compile-only check of MSL rules that plain C++ accepts.
 
 The shaders are parsed with the address spaces mapped to clang address
-spaces (include/fm/base.h under FM_CHECK_MSL), so passing a device pointer
+spaces (include/fm/base.h under FMEMU_CHECK_MSL), so passing a device pointer
 where a thread or threadgroup pointer is expected, assigning a threadgroup
 array to a plain pointer, or writing through `constant` are compile errors.
 The AST of every kernel is then checked for two rules clang cannot express:
@@ -18,6 +18,10 @@ import subprocess
 import tempfile
 
 from . import _build, _registry
+
+
+# clang spells an address space by the macro that wrote it, or as the attribute
+_ADDRESS_SPACE = re.compile(r"\b(device|constant|threadgroup|threadgroup_imageblock)\b|address_space")
 
 
 class MslRuleError(Exception):
@@ -48,7 +52,7 @@ def check_msl_rules(paths) -> None:
         for p in paths:
             src = mapping[p]
             proc = subprocess.run(
-                [clang, *_build.common_flags(), "-I", os.path.dirname(src), "-DFM_CHECK_MSL", "-fsyntax-only",
+                [clang, *_build.common_flags(), "-I", os.path.dirname(src), "-DFMEMU_CHECK_MSL", "-fsyntax-only",
                  "-ferror-limit=0", "-Xclang", "-ast-dump=json", src],
                 capture_output=True, text=True)
             violations += _diagnostics(proc.stderr)
@@ -61,7 +65,7 @@ def check_msl_rules(paths) -> None:
                     where = f"{p}: kernel {d.qualified_name}, parameter {prm.name!r} ({prm.type})"
                     if prm.role is None:
                         violations.append(f"{where}: a kernel parameter needs an attribute such as [[buffer(n)]]")
-                    if ("*" in prm.type or "&" in prm.type) and "address_space" not in prm.type:
+                    if ("*" in prm.type or "&" in prm.type) and not _ADDRESS_SPACE.search(prm.type):
                         violations.append(f"{where}: a kernel pointer or reference parameter needs an address space "
                                           "(device, constant or threadgroup)")
     if violations:

@@ -282,7 +282,7 @@ def _compile(paths: list[str], instrumented: bool) -> Library:
                 obj = os.path.join(tmp, f"k{i}.o")
                 objs.append(obj)
                 inc = ["-I", os.path.dirname(src)]
-                scans.append(pool.submit(_build._run, [clang, *_build.common_flags(), *inc, "-DFM_SCAN", "-fsyntax-only",
+                scans.append(pool.submit(_build._run, [clang, *_build.common_flags(), *inc, "-DFMEMU_SCAN", "-fsyntax-only",
                                                        "-Xclang", "-ast-dump=json", src], f"scanning {p}"))
                 scans.append(pool.submit(_build._run, [clang, *kflags, *inc, "-c", src, "-o", obj], f"compiling {p}"))
             results = [s.result() for s in scans]

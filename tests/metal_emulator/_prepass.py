@@ -8,15 +8,15 @@ naming the original path):
 * ``[[buffer(n)]]``, ``[[threadgroup(n)]]``, ``[[kernel]]``, position attributes
   -> ``[[clang::annotate("msl", ROLE, INDEX)]]`` that the registry scan reads;
 * ``template [[host_name("x")]] [[kernel]] decltype(f<A>) f<A>;`` (clang rejects
-  attributes on explicit instantiations) -> ``FM_INSTANTIATE(...)
-  FM_REGISTER_KERNEL("x", f<A>)``, also inside #define bodies;
-* a non-template ``[[kernel]] void f(...) {...}`` gets ``FM_REGISTER_KERNEL("f", f)``
+  attributes on explicit instantiations) -> ``FMEMU_INSTANTIATE(...)
+  FMEMU_REGISTER_KERNEL("x", f<A>)``, also inside #define bodies;
+* a non-template ``[[kernel]] void f(...) {...}`` gets ``FMEMU_REGISTER_KERNEL("f", f)``
   after its closing brace;
-* ``threadgroup T name[N];`` in a body -> ``FM_TG_VAR(name, [N], T);`` (one object
+* ``threadgroup T name[N];`` in a body -> ``FMEMU_TG_VAR(name, [N], T);`` (one object
   per threadgroup instead of one per thread);
-* ``constant T name [[function_constant(i)]];`` -> ``FM_FUNCTION_CONSTANT(...)``
+* ``constant T name [[function_constant(i)]];`` -> ``FMEMU_FUNCTION_CONSTANT(...)``
   and program-scope constants computed from function constants ->
-  ``FM_DERIVED_CONSTANT(...)``.
+  ``FMEMU_DERIVED_CONSTANT(...)``.
 """
 
 from __future__ import annotations
@@ -182,7 +182,7 @@ def _instantiation_edits(text: str, masked: str) -> list[_Edit]:
             func = found.group(1)
         func_one_line = " ".join(func.replace("\\\n", " ").split())
         decl_one_line = " ".join(decl.replace("\\\n", " ").split())
-        new = f"FM_INSTANTIATE({decl_one_line}) FM_REGISTER_KERNEL({host_name}, {func_one_line})"
+        new = f"FMEMU_INSTANTIATE({decl_one_line}) FMEMU_REGISTER_KERNEL({host_name}, {func_one_line})"
         old = text[m.start() : semi + 1]
         edits.append(_Edit(m.start(), semi + 1, _line_preserving(old, new)))
     return edits
@@ -204,7 +204,7 @@ def _plain_kernel_edits(text: str, masked: str) -> list[_Edit]:
         body_start = params_end + nxt.start()
         body_end = _match_bracket(masked, body_start, "{", "}")
         name = m.group(1)
-        edits.append(_Edit(body_end, body_end, f' FM_REGISTER_KERNEL("{name}", {name})'))
+        edits.append(_Edit(body_end, body_end, f' FMEMU_REGISTER_KERNEL("{name}", {name})'))
     return edits
 
 
@@ -215,7 +215,7 @@ def _threadgroup_var_edits(text: str, masked: str) -> list[_Edit]:
         name = m.group(2)
         dims = "".join(text[m.start(3) : m.end(3)].split())
         old = text[m.start() : m.end()]
-        edits.append(_Edit(m.start(), m.end(), _line_preserving(old, f"FM_TG_VAR({name}, {dims}, {ctype});")))
+        edits.append(_Edit(m.start(), m.end(), _line_preserving(old, f"FMEMU_TG_VAR({name}, {dims}, {ctype});")))
     return edits
 
 
@@ -225,7 +225,7 @@ def _function_constant_edits(text: str, masked: str, names: set[str]) -> list[_E
         ctype, name, index = m.group(1), m.group(2), text[m.start(3) : m.end(3)].strip()
         names.add(name)
         old = text[m.start() : m.end()]
-        edits.append(_Edit(m.start(), m.end(), _line_preserving(old, f"FM_FUNCTION_CONSTANT({name}, {index}, {ctype});")))
+        edits.append(_Edit(m.start(), m.end(), _line_preserving(old, f"FMEMU_FUNCTION_CONSTANT({name}, {index}, {ctype});")))
     return edits
 
 
@@ -239,7 +239,7 @@ def _derived_constant_edits(text: str, masked: str, fc_names: set[str]) -> list[
         ctype, name = m.group(1), m.group(2)
         one_line = " ".join(expr.split())
         old = text[m.start() : m.end()]
-        edits.append(_Edit(m.start(), m.end(), _line_preserving(old, f"FM_DERIVED_CONSTANT({name}, ({one_line}), {ctype});")))
+        edits.append(_Edit(m.start(), m.end(), _line_preserving(old, f"FMEMU_DERIVED_CONSTANT({name}, ({one_line}), {ctype});")))
     return edits
 
 

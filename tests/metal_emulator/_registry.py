@@ -2,7 +2,7 @@
 
 The pre-pass turns every MSL parameter attribute into
 ``clang::annotate("msl", ROLE, INDEX)``; the AST dump of the pre-passed file
-(compiled with -DFM_SCAN, so no template is instantiated and each kernel
+(compiled with -DFMEMU_SCAN, so no template is instantiated and each kernel
 template appears once) gives every kernel's parameters, their types and those
 two integers. Nothing in a kernel signature is written twice.
 """

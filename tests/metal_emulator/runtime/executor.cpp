@@ -150,7 +150,7 @@ std::string thread_name(const Worker& w, unsigned tid) {
   unsigned x = tid % w.tpg[0], y = (tid / w.tpg[0]) % w.tpg[1], z = tid / (w.tpg[0] * w.tpg[1]);
   char buf[160];
   snprintf(buf, sizeof buf, "thread (%u,%u,%u) [index %u, simdgroup %u lane %u] of threadgroup (%u,%u,%u)", x, y, z,
-           tid, tid / FM_SIMD_WIDTH, tid % FM_SIMD_WIDTH, w.group[0], w.group[1], w.group[2]);
+           tid, tid / FMEMU_SIMD_WIDTH, tid % FMEMU_SIMD_WIDTH, w.group[0], w.group[1], w.group[2]);
   return buf;
 }
 
@@ -211,7 +211,7 @@ static std::string lane_list(const std::vector<unsigned>& ids, const Worker& w, 
       s += ", ... (" + std::to_string(ids.size()) + " in all)";
       break;
     }
-    s += (shown ? "; " : "") + (lanes ? "lane " + std::to_string(id % FM_SIMD_WIDTH) : thread_name(w, id));
+    s += (shown ? "; " : "") + (lanes ? "lane " + std::to_string(id % FMEMU_SIMD_WIDTH) : thread_name(w, id));
     ++shown;
   }
   return s;
@@ -249,7 +249,7 @@ static void prepare_fibers(Worker& w) {
   w.simds.resize(w.nsimd);
   for (unsigned s = 0; s < w.nsimd; ++s) {
     w.simds[s].gen = 0;
-    w.simds[s].width = std::min<unsigned>(FM_SIMD_WIDTH, w.nthreads - s * FM_SIMD_WIDTH);
+    w.simds[s].width = std::min<unsigned>(FMEMU_SIMD_WIDTH, w.nthreads - s * FMEMU_SIMD_WIDTH);
   }
   size_t page = sysconf(_SC_PAGESIZE);
   size_t stride = kStackSize + page;
@@ -274,8 +274,8 @@ static void start_group(Worker& w) {
     Fiber& f = w.fibers[t];
     f = Fiber{};
     f.tid = t;
-    f.lane = t % FM_SIMD_WIDTH;
-    f.simd = t / FM_SIMD_WIDTH;
+    f.lane = t % FMEMU_SIMD_WIDTH;
+    f.simd = t / FMEMU_SIMD_WIDTH;
     f.stack_lo = w.stacks + t * w.stack_stride + (w.stack_stride - kStackSize);
     fm_invocation& inv = f.inv;
     inv.roles = w.roles.data();
@@ -287,21 +287,21 @@ static void start_group(Worker& w) {
       inv.pos[k][1] = b;
       inv.pos[k][2] = c;
     };
-    set(FM_POS_THREAD_POSITION_IN_GRID, w.group[0] * tx + local[0], w.group[1] * ty + local[1],
+    set(FMEMU_POS_THREAD_POSITION_IN_GRID, w.group[0] * tx + local[0], w.group[1] * ty + local[1],
         w.group[2] * w.tpg[2] + local[2]);
-    set(FM_POS_THREAD_POSITION_IN_THREADGROUP, local[0], local[1], local[2]);
-    set(FM_POS_THREADGROUP_POSITION_IN_GRID, w.group[0], w.group[1], w.group[2]);
-    set(FM_POS_THREADS_PER_THREADGROUP, tx, ty, w.tpg[2]);
-    set(FM_POS_DISPATCH_THREADS_PER_THREADGROUP, tx, ty, w.tpg[2]);
-    set(FM_POS_THREADGROUPS_PER_GRID, w.grid[0], w.grid[1], w.grid[2]);
-    set(FM_POS_THREADS_PER_GRID, w.grid[0] * tx, w.grid[1] * ty, w.grid[2] * w.tpg[2]);
-    set(FM_POS_THREAD_INDEX_IN_THREADGROUP, t, 0, 0);
-    set(FM_POS_THREAD_INDEX_IN_SIMDGROUP, f.lane, 0, 0);
-    set(FM_POS_SIMDGROUP_INDEX_IN_THREADGROUP, f.simd, 0, 0);
-    set(FM_POS_THREADS_PER_SIMDGROUP, FM_SIMD_WIDTH, 0, 0);
-    set(FM_POS_SIMDGROUPS_PER_THREADGROUP, w.nsimd, 0, 0);
-    set(FM_POS_THREAD_INDEX_IN_QUADGROUP, t % 4, 0, 0);
-    set(FM_POS_QUADGROUP_INDEX_IN_THREADGROUP, t / 4, 0, 0);
+    set(FMEMU_POS_THREAD_POSITION_IN_THREADGROUP, local[0], local[1], local[2]);
+    set(FMEMU_POS_THREADGROUP_POSITION_IN_GRID, w.group[0], w.group[1], w.group[2]);
+    set(FMEMU_POS_THREADS_PER_THREADGROUP, tx, ty, w.tpg[2]);
+    set(FMEMU_POS_DISPATCH_THREADS_PER_THREADGROUP, tx, ty, w.tpg[2]);
+    set(FMEMU_POS_THREADGROUPS_PER_GRID, w.grid[0], w.grid[1], w.grid[2]);
+    set(FMEMU_POS_THREADS_PER_GRID, w.grid[0] * tx, w.grid[1] * ty, w.grid[2] * w.tpg[2]);
+    set(FMEMU_POS_THREAD_INDEX_IN_THREADGROUP, t, 0, 0);
+    set(FMEMU_POS_THREAD_INDEX_IN_SIMDGROUP, f.lane, 0, 0);
+    set(FMEMU_POS_SIMDGROUP_INDEX_IN_THREADGROUP, f.simd, 0, 0);
+    set(FMEMU_POS_THREADS_PER_SIMDGROUP, FMEMU_SIMD_WIDTH, 0, 0);
+    set(FMEMU_POS_SIMDGROUPS_PER_THREADGROUP, w.nsimd, 0, 0);
+    set(FMEMU_POS_THREAD_INDEX_IN_QUADGROUP, t % 4, 0, 0);
+    set(FMEMU_POS_QUADGROUP_INDEX_IN_THREADGROUP, t / 4, 0, 0);
     f.sp = initial_stack(&f, f.stack_lo + kStackSize);
   }
   for (auto& s : w.simds) s.gen = 0;
@@ -313,7 +313,7 @@ static bool resolve_simdgroups(Worker& w) {
   bool released = false;
   for (unsigned s = 0; s < w.nsimd; ++s) {
     SimdGroup& g = w.simds[s];
-    unsigned base = s * FM_SIMD_WIDTH;
+    unsigned base = s * FMEMU_SIMD_WIDTH;
     bool any_simd = false, all_same = true;
     const Fiber& first = w.fibers[base];
     for (unsigned l = 0; l < g.width; ++l) {
@@ -420,7 +420,7 @@ const unsigned char* fm_rt_simd_exchange(const void* data, unsigned size, const 
   Fiber* f = w.current;
   SimdGroup& g = w.simds[f->simd];
   unsigned char* buf = g.buf[g.gen & 1];
-  memcpy(buf + f->lane * FM_SIMD_SLOT_BYTES, data, size);
+  memcpy(buf + f->lane * FMEMU_SIMD_SLOT_BYTES, data, size);
   f->site = Site{2, 0, what, file, line, col};
   f->state = FiberState::AtSimd;
   yield_to_scheduler(w);
@@ -446,37 +446,37 @@ void fm_rt_fail(const char* message, const char* file, int line) {
 }
 
 // ---- C API for Python ---------------------------------------------------------------
-FM_EXPORT int fm_abi_version() { return FM_ABI_VERSION; }
-FM_EXPORT int fm_num_kernels() { return (int)kernels().size(); }
-FM_EXPORT const char* fm_kernel_host_name(int i) { return kernels()[i].host.c_str(); }
-FM_EXPORT const char* fm_kernel_expr(int i) { return kernels()[i].expr.c_str(); }
-FM_EXPORT const char* fm_kernel_file(int i) { return kernels()[i].file.c_str(); }
-FM_EXPORT int fm_kernel_nparams(int i) { return kernels()[i].nparams; }
-FM_EXPORT int fm_num_function_constants() { return (int)function_constants().size(); }
-FM_EXPORT int fm_function_constant_index(int i) { return function_constants()[i].index; }
-FM_EXPORT int fm_function_constant_type(int i) { return function_constants()[i].type; }
-FM_EXPORT const char* fm_function_constant_name(int i) { return function_constants()[i].name.c_str(); }
-FM_EXPORT const char* fm_last_reports() { return last_report_json().c_str(); }
+FMEMU_EXPORT int fm_abi_version() { return FMEMU_ABI_VERSION; }
+FMEMU_EXPORT int fm_num_kernels() { return (int)kernels().size(); }
+FMEMU_EXPORT const char* fm_kernel_host_name(int i) { return kernels()[i].host.c_str(); }
+FMEMU_EXPORT const char* fm_kernel_expr(int i) { return kernels()[i].expr.c_str(); }
+FMEMU_EXPORT const char* fm_kernel_file(int i) { return kernels()[i].file.c_str(); }
+FMEMU_EXPORT int fm_kernel_nparams(int i) { return kernels()[i].nparams; }
+FMEMU_EXPORT int fm_num_function_constants() { return (int)function_constants().size(); }
+FMEMU_EXPORT int fm_function_constant_index(int i) { return function_constants()[i].index; }
+FMEMU_EXPORT int fm_function_constant_type(int i) { return function_constants()[i].type; }
+FMEMU_EXPORT const char* fm_function_constant_name(int i) { return function_constants()[i].name.c_str(); }
+FMEMU_EXPORT const char* fm_last_reports() { return last_report_json().c_str(); }
 
-FM_EXPORT void fm_reset_function_constants() {
+FMEMU_EXPORT void fm_reset_function_constants() {
   for (auto& fc : function_constants()) *fc.defined = false;
 }
 
 // Set every function constant declared with `index` (several translation units
 // may each hold one). Returns how many were set.
-FM_EXPORT int fm_set_function_constant(int index, double v) {
+FMEMU_EXPORT int fm_set_function_constant(int index, double v) {
   int n = 0;
   for (auto& fc : function_constants()) {
     if (fc.index != index) continue;
     switch (fc.type) {
-      case FM_FC_BOOL: *static_cast<bool*>(fc.value) = v != 0; break;
-      case FM_FC_INT: *static_cast<int*>(fc.value) = (int)v; break;
-      case FM_FC_UINT: *static_cast<unsigned*>(fc.value) = (unsigned)v; break;
-      case FM_FC_FLOAT: *static_cast<float*>(fc.value) = (float)v; break;
-      case FM_FC_HALF: *static_cast<_Float16*>(fc.value) = (_Float16)v; break;
-      case FM_FC_SHORT: *static_cast<short*>(fc.value) = (short)v; break;
-      case FM_FC_USHORT: *static_cast<unsigned short*>(fc.value) = (unsigned short)v; break;
-      case FM_FC_BFLOAT: *static_cast<__bf16*>(fc.value) = (__bf16)(float)v; break;
+      case FMEMU_FC_BOOL: *static_cast<bool*>(fc.value) = v != 0; break;
+      case FMEMU_FC_INT: *static_cast<int*>(fc.value) = (int)v; break;
+      case FMEMU_FC_UINT: *static_cast<unsigned*>(fc.value) = (unsigned)v; break;
+      case FMEMU_FC_FLOAT: *static_cast<float*>(fc.value) = (float)v; break;
+      case FMEMU_FC_HALF: *static_cast<_Float16*>(fc.value) = (_Float16)v; break;
+      case FMEMU_FC_SHORT: *static_cast<short*>(fc.value) = (short)v; break;
+      case FMEMU_FC_USHORT: *static_cast<unsigned short*>(fc.value) = (unsigned short)v; break;
+      case FMEMU_FC_BFLOAT: *static_cast<__bf16*>(fc.value) = (__bf16)(float)v; break;
       default: continue;
     }
     *fc.defined = true;
@@ -487,7 +487,7 @@ FM_EXPORT int fm_set_function_constant(int index, double v) {
 
 // Run one dispatch. Returns 0 when clean, 1 when there are reports (see
 // fm_last_reports), 2 on a bad description.
-FM_EXPORT int fm_dispatch(const fm_dispatch_desc* d) {
+FMEMU_EXPORT int fm_dispatch(const fm_dispatch_desc* d) {
   static thread_local Worker* worker = nullptr;
   if (!worker) worker = new Worker();
   Worker& w = *worker;
@@ -515,7 +515,7 @@ FM_EXPORT int fm_dispatch(const fm_dispatch_desc* d) {
       fatal(w, "limits", "threadgroup of " + std::to_string(threads) + " threads exceeds the limit of " +
                              std::to_string(limit) + " threads per threadgroup");
     w.nthreads = (unsigned)threads;
-    w.nsimd = (w.nthreads + FM_SIMD_WIDTH - 1) / FM_SIMD_WIDTH;
+    w.nsimd = (w.nthreads + FMEMU_SIMD_WIDTH - 1) / FMEMU_SIMD_WIDTH;
     for (int i = 0; i < 32; ++i) w.buffers[i] = nullptr;
     map_device_buffers(w, d->buffers, d->nbuffers);
     mapped = true;

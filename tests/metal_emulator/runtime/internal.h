@@ -10,7 +10,7 @@
 
 #include "../include/fm/abi.h"
 
-#define FM_EXPORT extern "C" __attribute__((visibility("default")))
+#define FMEMU_EXPORT extern "C" __attribute__((visibility("default")))
 
 // Python-facing dispatch description (see _library.py for the ctypes mirror).
 struct fm_buffer_desc {
@@ -75,7 +75,7 @@ struct Fiber {
 struct SimdGroup {
   unsigned width = 0;
   unsigned gen = 0;  // completed collectives; selects the exchange buffer
-  alignas(64) unsigned char buf[2][FM_SIMD_WIDTH * FM_SIMD_SLOT_BYTES];
+  alignas(64) unsigned char buf[2][FMEMU_SIMD_WIDTH * FMEMU_SIMD_SLOT_BYTES];
 };
 
 struct DeviceBuffer {

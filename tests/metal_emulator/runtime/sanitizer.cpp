@@ -101,7 +101,7 @@ static void device_access(Worker& w, const char* p, unsigned size, bool write, c
 static bool ordered(const Worker& w, const Access& a, const Fiber& f) {
   if (a.epoch != w.epoch || a.tid == f.tid) return true;
   // a simdgroup_barrier(mem_threadgroup) orders accesses within one SIMD-group
-  return a.tid / FM_SIMD_WIDTH == f.simd && a.simd_epoch != (uint16_t)f.simd_epoch;
+  return a.tid / FMEMU_SIMD_WIDTH == f.simd && a.simd_epoch != (uint16_t)f.simd_epoch;
 }
 
 static std::string tg_location(const Worker& w, unsigned long off) {
@@ -115,13 +115,13 @@ static std::string tg_location(const Worker& w, unsigned long off) {
 
 static void race(Worker& w, const char* kind, unsigned long off, const Access& prev, bool prev_write,
                  const Fiber& f, bool write, const void* pc) {
-  uint64_t now = pc_offset(pc);
-  std::string key = std::to_string(prev.pc) + ":" + std::to_string(now);
+  uint64_t now = pc_offset(pc), before = pc_offset(reinterpret_cast<const void*>(prev.pc));
+  std::string key = std::to_string(before) + ":" + std::to_string(now);
   if (w.report_keys.count(std::string("race|") + key)) return;
   std::string msg = std::string("threadgroup memory race (") + kind + ") on " + tg_location(w, off) + ": " +
                     thread_name(w, prev.tid) + " " + kind_name(prev_write) + " it at {pc0}, then " +
                     thread_name(w, f.tid) + " " + kind_name(write) + " it at {pc1}, with no threadgroup_barrier(mem_flags::mem_threadgroup) between";
-  add_report(w, "race", key, msg, {prev.pc, now});
+  add_report(w, "race", key, msg, {before, now});
 }
 
 static void overflow(Worker& w, unsigned long off, unsigned size, bool write, const void* pc) {
@@ -152,15 +152,15 @@ static void tg_access(Worker& w, unsigned long off, unsigned size, bool write, c
     if (write) {
       if (!ordered(w, s.read1, f)) race(w, "write-after-read", o, s.read1, false, f, write, pc);
       else if (!ordered(w, s.read2, f)) race(w, "write-after-read", o, s.read2, false, f, write, pc);
-      s.write = Access{pc_offset(pc), w.epoch, (uint16_t)f.tid, (uint16_t)f.simd_epoch};
+      s.write = Access{reinterpret_cast<uint64_t>(pc), w.epoch, (uint16_t)f.tid, (uint16_t)f.simd_epoch};
       s.read1 = s.read2 = Access{};
     } else {
       Access a{0, w.epoch, (uint16_t)f.tid, (uint16_t)f.simd_epoch};
       if (s.read1.epoch != w.epoch) {
-        a.pc = pc_offset(pc);
+        a.pc = reinterpret_cast<uint64_t>(pc);
         s.read1 = a;
       } else if (s.read1.tid != f.tid && (s.read2.epoch != w.epoch)) {
-        a.pc = pc_offset(pc);
+        a.pc = reinterpret_cast<uint64_t>(pc);
         s.read2 = a;
       }
     }
@@ -181,12 +181,12 @@ static inline void on_access(const void* addr, unsigned size, bool write, const 
 
 }  // namespace fmrt
 
-#define FM_COV(n, T)                                                                                              \
-  FM_EXPORT void __sanitizer_cov_load##n(T* addr) { fmrt::on_access(addr, n, false, __builtin_return_address(0)); } \
-  FM_EXPORT void __sanitizer_cov_store##n(T* addr) { fmrt::on_access(addr, n, true, __builtin_return_address(0)); }
-FM_COV(1, uint8_t)
-FM_COV(2, uint16_t)
-FM_COV(4, uint32_t)
-FM_COV(8, uint64_t)
-FM_COV(16, __int128)
-#undef FM_COV
+#define FMEMU_COV(n, T)                                                                                              \
+  FMEMU_EXPORT void __sanitizer_cov_load##n(T* addr) { fmrt::on_access(addr, n, false, __builtin_return_address(0)); } \
+  FMEMU_EXPORT void __sanitizer_cov_store##n(T* addr) { fmrt::on_access(addr, n, true, __builtin_return_address(0)); }
+FMEMU_COV(1, uint8_t)
+FMEMU_COV(2, uint16_t)
+FMEMU_COV(4, uint32_t)
+FMEMU_COV(8, uint64_t)
+FMEMU_COV(16, __int128)
+#undef FMEMU_COV

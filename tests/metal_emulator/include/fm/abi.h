@@ -4,56 +4,56 @@
 // keeps the clang AST dump that the registry scan reads small).
 #pragma once
 
-#define FM_ABI_VERSION 1
+#define FMEMU_ABI_VERSION 1
 
 // Bytes one lane may contribute to a SIMD collective. 64 covers the widest
 // operand we support (a 16-element float vector) and the three 2-element
 // fragments that simdgroup_multiply_accumulate exchanges.
-#define FM_SIMD_SLOT_BYTES 64
+#define FMEMU_SIMD_SLOT_BYTES 64
 // Lanes per SIMD-group on every Apple GPU (Metal's threads_per_simdgroup).
-#define FM_SIMD_WIDTH 32
+#define FMEMU_SIMD_WIDTH 32
 
 // Parameter roles, the codes the pre-pass writes into clang::annotate.
-#define FM_ROLE_KERNEL 1
-#define FM_ROLE_BUFFER 2
-#define FM_ROLE_THREADGROUP 3
+#define FMEMU_ROLE_KERNEL 1
+#define FMEMU_ROLE_BUFFER 2
+#define FMEMU_ROLE_THREADGROUP 3
 // [[max_total_threads_per_threadgroup(n)]] on a kernel.
-#define FM_ROLE_MAX_THREADS 4
-// Position attributes: FM_ROLE_POS_FIRST + the index in fm_pos_kind.
-#define FM_ROLE_POS_FIRST 16
+#define FMEMU_ROLE_MAX_THREADS 4
+// Position attributes: FMEMU_ROLE_POS_FIRST + the index in fm_pos_kind.
+#define FMEMU_ROLE_POS_FIRST 16
 
 // The position attributes a kernel parameter can carry. The runtime fills one
 // uint3 per kind for every emulated thread; scalars use .x.
 enum fm_pos_kind {
-  FM_POS_THREAD_POSITION_IN_GRID = 0,
-  FM_POS_THREAD_POSITION_IN_THREADGROUP,
-  FM_POS_THREADGROUP_POSITION_IN_GRID,
-  FM_POS_THREADS_PER_THREADGROUP,
-  FM_POS_THREADGROUPS_PER_GRID,
-  FM_POS_THREADS_PER_GRID,
-  FM_POS_THREAD_INDEX_IN_THREADGROUP,
-  FM_POS_THREAD_INDEX_IN_SIMDGROUP,
-  FM_POS_SIMDGROUP_INDEX_IN_THREADGROUP,
-  FM_POS_THREADS_PER_SIMDGROUP,
-  FM_POS_SIMDGROUPS_PER_THREADGROUP,
-  FM_POS_DISPATCH_THREADS_PER_THREADGROUP,
-  FM_POS_THREAD_INDEX_IN_QUADGROUP,
-  FM_POS_QUADGROUP_INDEX_IN_THREADGROUP,
-  FM_POS_COUNT
+  FMEMU_POS_THREAD_POSITION_IN_GRID = 0,
+  FMEMU_POS_THREAD_POSITION_IN_THREADGROUP,
+  FMEMU_POS_THREADGROUP_POSITION_IN_GRID,
+  FMEMU_POS_THREADS_PER_THREADGROUP,
+  FMEMU_POS_THREADGROUPS_PER_GRID,
+  FMEMU_POS_THREADS_PER_GRID,
+  FMEMU_POS_THREAD_INDEX_IN_THREADGROUP,
+  FMEMU_POS_THREAD_INDEX_IN_SIMDGROUP,
+  FMEMU_POS_SIMDGROUP_INDEX_IN_THREADGROUP,
+  FMEMU_POS_THREADS_PER_SIMDGROUP,
+  FMEMU_POS_SIMDGROUPS_PER_THREADGROUP,
+  FMEMU_POS_DISPATCH_THREADS_PER_THREADGROUP,
+  FMEMU_POS_THREAD_INDEX_IN_QUADGROUP,
+  FMEMU_POS_QUADGROUP_INDEX_IN_THREADGROUP,
+  FMEMU_POS_COUNT
 };
 
 // Type codes of function constants (what Python may set).
-#define FM_FC_BOOL 1
-#define FM_FC_INT 2
-#define FM_FC_UINT 3
-#define FM_FC_FLOAT 4
-#define FM_FC_HALF 5
-#define FM_FC_SHORT 6
-#define FM_FC_USHORT 7
-#define FM_FC_BFLOAT 8
+#define FMEMU_FC_BOOL 1
+#define FMEMU_FC_INT 2
+#define FMEMU_FC_UINT 3
+#define FMEMU_FC_FLOAT 4
+#define FMEMU_FC_HALF 5
+#define FMEMU_FC_SHORT 6
+#define FMEMU_FC_USHORT 7
+#define FMEMU_FC_BFLOAT 8
 
 struct fm_role {
-  int kind;   // FM_ROLE_BUFFER, FM_ROLE_THREADGROUP or FM_ROLE_POS_FIRST + fm_pos_kind
+  int kind;   // FMEMU_ROLE_BUFFER, FMEMU_ROLE_THREADGROUP or FMEMU_ROLE_POS_FIRST + fm_pos_kind
   int index;  // buffer / threadgroup index; unused for positions
 };
 
@@ -62,7 +62,7 @@ struct fm_invocation {
   const struct fm_role* roles;      // one per kernel parameter
   void* const* buffers;             // indexed by [[buffer(n)]]
   void* const* tgmem;               // indexed by [[threadgroup(n)]]
-  unsigned pos[FM_POS_COUNT][3];    // position attribute values
+  unsigned pos[FMEMU_POS_COUNT][3];    // position attribute values
 };
 
 typedef void (*fm_invoker)(void* fn, const struct fm_invocation* inv);
@@ -78,7 +78,7 @@ void fm_rt_register_function_constant(int index, int type_code, void* value, boo
 // Synchronisation. kind: 0 = threadgroup_barrier, 1 = simdgroup_barrier.
 void fm_rt_barrier(int kind, unsigned flags, const char* file, int line, int col);
 // SIMD collective: deposit `size` bytes, wait for the whole SIMD-group at the
-// same call site, return the 32 slots (FM_SIMD_SLOT_BYTES apart) in lane order.
+// same call site, return the 32 slots (FMEMU_SIMD_SLOT_BYTES apart) in lane order.
 const unsigned char* fm_rt_simd_exchange(const void* data, unsigned size, const char* what, const char* file,
                                          int line, int col);
 unsigned fm_rt_simd_lane(void);

@@ -5,12 +5,12 @@
 
 // ---- address spaces --------------------------------------------------------
 // Runtime builds erase them (every pointer is a host pointer). The compile-only
-// MSL rules check (FM_CHECK_MSL) maps them to clang address spaces so that
+// MSL rules check (FMEMU_CHECK_MSL) maps them to clang address spaces so that
 // mixing device/threadgroup/constant/thread pointers and writing through
 // constant are compile errors, as on Apple's compiler. The numbers follow
 // Apple's AIR convention (1 device, 2 constant, 3 threadgroup); "thread" is
 // clang's default address space 0.
-#ifdef FM_CHECK_MSL
+#ifdef FMEMU_CHECK_MSL
 #define device __attribute__((address_space(1)))
 #define constant const __attribute__((address_space(2)))
 #define threadgroup __attribute__((address_space(3)))
@@ -24,7 +24,7 @@
 #define thread
 #endif
 // The bare keyword form `kernel void f(...)`; the pre-pass rewrites [[kernel]].
-#define kernel [[clang::annotate("msl", FM_ROLE_KERNEL, 0)]]
+#define kernel [[clang::annotate("msl", FMEMU_ROLE_KERNEL, 0)]]
 
 // ---- scalar types ----------------------------------------------------------
 typedef _Float16 half;
@@ -51,7 +51,7 @@ typedef unsigned long uintptr_t;
 constexpr half operator""h(long double v) { return (half)v; }
 constexpr half operator""h(unsigned long long v) { return (half)v; }
 
-namespace fm {
+namespace fmemu {
 // ---- minimal traits --------------------------------------------------------
 template <class T, T v> struct integral_constant { static constexpr T value = v; };
 template <class A, class B> struct is_same : integral_constant<bool, false> {};
@@ -83,7 +83,7 @@ template <class T> constexpr bool is_vec = vec_info<T>::n > 1;
 template <class T> constexpr bool is_float_scalar =
     is_same<T, float>::value || is_same<T, half>::value || is_same<T, bfloat>::value || is_same<T, double>::value;
 template <class T> constexpr bool is_floating = is_float_scalar<typename vec_info<T>::elem>;
-}  // namespace fm
+}  // namespace fmemu
 
 // ---- vectors ---------------------------------------------------------------
 namespace metal {
@@ -91,30 +91,30 @@ template <class T, int N> using vec = T __attribute__((ext_vector_type(N)));
 }
 using metal::vec;
 
-#define FM_VEC_TYPES(T)                                 \
+#define FMEMU_VEC_TYPES(T)                                 \
   typedef T T##2 __attribute__((ext_vector_type(2))); \
   typedef T T##3 __attribute__((ext_vector_type(3))); \
   typedef T T##4 __attribute__((ext_vector_type(4))); \
   typedef T T##8 __attribute__((ext_vector_type(8))); \
   typedef T T##16 __attribute__((ext_vector_type(16)));
-FM_VEC_TYPES(float)
-FM_VEC_TYPES(half)
-FM_VEC_TYPES(bfloat)
-FM_VEC_TYPES(int)
-FM_VEC_TYPES(uint)
-FM_VEC_TYPES(short)
-FM_VEC_TYPES(ushort)
-FM_VEC_TYPES(char)
-FM_VEC_TYPES(uchar)
-FM_VEC_TYPES(long)
-FM_VEC_TYPES(ulong)
-#undef FM_VEC_TYPES
+FMEMU_VEC_TYPES(float)
+FMEMU_VEC_TYPES(half)
+FMEMU_VEC_TYPES(bfloat)
+FMEMU_VEC_TYPES(int)
+FMEMU_VEC_TYPES(uint)
+FMEMU_VEC_TYPES(short)
+FMEMU_VEC_TYPES(ushort)
+FMEMU_VEC_TYPES(char)
+FMEMU_VEC_TYPES(uchar)
+FMEMU_VEC_TYPES(long)
+FMEMU_VEC_TYPES(ulong)
+#undef FMEMU_VEC_TYPES
 typedef float packed_float2 __attribute__((ext_vector_type(2)));
 typedef half packed_half2 __attribute__((ext_vector_type(2)));
 typedef half packed_half4 __attribute__((ext_vector_type(4)));
 typedef float packed_float4 __attribute__((ext_vector_type(4)));
 
-namespace fm {
+namespace fmemu {
 // Component count contributed by one constructor argument.
 template <class A> constexpr int ncomp() { return vec_info<typename remove_cv<typename remove_ref<A>::type>::type>::n; }
 
@@ -146,34 +146,34 @@ inline vec<T, N> make_vec(const A&... a) {
   }
   return r;
 }
-}  // namespace fm
+}  // namespace fmemu
 
-#define float2(...) ::fm::make_vec<float, 2>(__VA_ARGS__)
-#define float3(...) ::fm::make_vec<float, 3>(__VA_ARGS__)
-#define float4(...) ::fm::make_vec<float, 4>(__VA_ARGS__)
-#define float8(...) ::fm::make_vec<float, 8>(__VA_ARGS__)
-#define float16(...) ::fm::make_vec<float, 16>(__VA_ARGS__)
-#define half2(...) ::fm::make_vec<half, 2>(__VA_ARGS__)
-#define half3(...) ::fm::make_vec<half, 3>(__VA_ARGS__)
-#define half4(...) ::fm::make_vec<half, 4>(__VA_ARGS__)
-#define half8(...) ::fm::make_vec<half, 8>(__VA_ARGS__)
-#define bfloat2(...) ::fm::make_vec<bfloat, 2>(__VA_ARGS__)
-#define bfloat3(...) ::fm::make_vec<bfloat, 3>(__VA_ARGS__)
-#define bfloat4(...) ::fm::make_vec<bfloat, 4>(__VA_ARGS__)
-#define bfloat8(...) ::fm::make_vec<bfloat, 8>(__VA_ARGS__)
-#define int2(...) ::fm::make_vec<int, 2>(__VA_ARGS__)
-#define int3(...) ::fm::make_vec<int, 3>(__VA_ARGS__)
-#define int4(...) ::fm::make_vec<int, 4>(__VA_ARGS__)
-#define uint2(...) ::fm::make_vec<uint, 2>(__VA_ARGS__)
-#define uint3(...) ::fm::make_vec<uint, 3>(__VA_ARGS__)
-#define uint4(...) ::fm::make_vec<uint, 4>(__VA_ARGS__)
-#define short2(...) ::fm::make_vec<short, 2>(__VA_ARGS__)
-#define short4(...) ::fm::make_vec<short, 4>(__VA_ARGS__)
-#define ushort2(...) ::fm::make_vec<ushort, 2>(__VA_ARGS__)
-#define ushort3(...) ::fm::make_vec<ushort, 3>(__VA_ARGS__)
-#define ushort4(...) ::fm::make_vec<ushort, 4>(__VA_ARGS__)
-#define ulong2(...) ::fm::make_vec<ulong, 2>(__VA_ARGS__)
-#define long2(...) ::fm::make_vec<long, 2>(__VA_ARGS__)
+#define float2(...) ::fmemu::make_vec<float, 2>(__VA_ARGS__)
+#define float3(...) ::fmemu::make_vec<float, 3>(__VA_ARGS__)
+#define float4(...) ::fmemu::make_vec<float, 4>(__VA_ARGS__)
+#define float8(...) ::fmemu::make_vec<float, 8>(__VA_ARGS__)
+#define float16(...) ::fmemu::make_vec<float, 16>(__VA_ARGS__)
+#define half2(...) ::fmemu::make_vec<half, 2>(__VA_ARGS__)
+#define half3(...) ::fmemu::make_vec<half, 3>(__VA_ARGS__)
+#define half4(...) ::fmemu::make_vec<half, 4>(__VA_ARGS__)
+#define half8(...) ::fmemu::make_vec<half, 8>(__VA_ARGS__)
+#define bfloat2(...) ::fmemu::make_vec<bfloat, 2>(__VA_ARGS__)
+#define bfloat3(...) ::fmemu::make_vec<bfloat, 3>(__VA_ARGS__)
+#define bfloat4(...) ::fmemu::make_vec<bfloat, 4>(__VA_ARGS__)
+#define bfloat8(...) ::fmemu::make_vec<bfloat, 8>(__VA_ARGS__)
+#define int2(...) ::fmemu::make_vec<int, 2>(__VA_ARGS__)
+#define int3(...) ::fmemu::make_vec<int, 3>(__VA_ARGS__)
+#define int4(...) ::fmemu::make_vec<int, 4>(__VA_ARGS__)
+#define uint2(...) ::fmemu::make_vec<uint, 2>(__VA_ARGS__)
+#define uint3(...) ::fmemu::make_vec<uint, 3>(__VA_ARGS__)
+#define uint4(...) ::fmemu::make_vec<uint, 4>(__VA_ARGS__)
+#define short2(...) ::fmemu::make_vec<short, 2>(__VA_ARGS__)
+#define short4(...) ::fmemu::make_vec<short, 4>(__VA_ARGS__)
+#define ushort2(...) ::fmemu::make_vec<ushort, 2>(__VA_ARGS__)
+#define ushort3(...) ::fmemu::make_vec<ushort, 3>(__VA_ARGS__)
+#define ushort4(...) ::fmemu::make_vec<ushort, 4>(__VA_ARGS__)
+#define ulong2(...) ::fmemu::make_vec<ulong, 2>(__VA_ARGS__)
+#define long2(...) ::fmemu::make_vec<long, 2>(__VA_ARGS__)
 
 namespace metal {
 // Reinterpret the bits of a value as another type of the same size.
@@ -186,7 +186,7 @@ inline To as_type(const From& v) {
 // ext_vectors is a bit cast, so MSL code must use this or the T4(x) form).
 template <class To, class From>
 inline To convert(const From& v) {
-  return ::fm::make_vec<typename ::fm::vec_info<To>::elem, ::fm::vec_info<To>::n>(v);
+  return ::fmemu::make_vec<typename ::fmemu::vec_info<To>::elem, ::fmemu::vec_info<To>::n>(v);
 }
 
 enum class mem_flags : unsigned {
@@ -230,7 +230,7 @@ template <> struct numeric_limits<bfloat> {
   static constexpr bool has_infinity = true;
   static constexpr bool is_signed = true;
 };
-#define FM_INT_LIMITS(T, LO, HI)                      \
+#define FMEMU_INT_LIMITS(T, LO, HI)                      \
   template <> struct numeric_limits<T> {              \
     static constexpr T max() { return HI; }           \
     static constexpr T min() { return LO; }           \
@@ -238,15 +238,15 @@ template <> struct numeric_limits<bfloat> {
     static constexpr bool has_infinity = false;       \
     static constexpr bool is_signed = (T)-1 < (T)0;   \
   };
-FM_INT_LIMITS(int, (-2147483647 - 1), 2147483647)
-FM_INT_LIMITS(uint, 0u, 4294967295u)
-FM_INT_LIMITS(short, (short)-32768, (short)32767)
-FM_INT_LIMITS(ushort, (ushort)0, (ushort)65535)
-FM_INT_LIMITS(char, (char)-128, (char)127)
-FM_INT_LIMITS(uchar, (uchar)0, (uchar)255)
-FM_INT_LIMITS(long, (-9223372036854775807L - 1), 9223372036854775807L)
-FM_INT_LIMITS(ulong, 0ul, 18446744073709551615ul)
-#undef FM_INT_LIMITS
+FMEMU_INT_LIMITS(int, (-2147483647 - 1), 2147483647)
+FMEMU_INT_LIMITS(uint, 0u, 4294967295u)
+FMEMU_INT_LIMITS(short, (short)-32768, (short)32767)
+FMEMU_INT_LIMITS(ushort, (ushort)0, (ushort)65535)
+FMEMU_INT_LIMITS(char, (char)-128, (char)127)
+FMEMU_INT_LIMITS(uchar, (uchar)0, (uchar)255)
+FMEMU_INT_LIMITS(long, (-9223372036854775807L - 1), 9223372036854775807L)
+FMEMU_INT_LIMITS(ulong, 0ul, 18446744073709551615ul)
+#undef FMEMU_INT_LIMITS
 }  // namespace metal
 
 // MSL constants (metal_math / metal_types).

@@ -1,24 +1,24 @@
 // Kernel registration: the pre-pass turns each
 //   template [[host_name("x")]] [[kernel]] decltype(f<A>) f<A>;
-// into FM_INSTANTIATE(decltype(f<A>) f<A>) FM_REGISTER_KERNEL("x", f<A>), and
-// appends FM_REGISTER_KERNEL("f", f) after a non-template kernel's body. The
+// into FMEMU_INSTANTIATE(decltype(f<A>) f<A>) FMEMU_REGISTER_KERNEL("x", f<A>), and
+// appends FMEMU_REGISTER_KERNEL("f", f) after a non-template kernel's body. The
 // registrar stores a typed invoker that builds each argument from the role the
 // registry scan found for that parameter ([[buffer(n)]], a position, ...).
 #pragma once
 #include "base.h"
 
-namespace fm {
+namespace fmemu {
 template <class P>
 inline P kernel_arg(const fm_invocation* inv, int i) {
   const fm_role& role = inv->roles[i];
   if constexpr (__is_pointer(P)) {
-    void* p = role.kind == FM_ROLE_THREADGROUP ? inv->tgmem[role.index] : inv->buffers[role.index];
+    void* p = role.kind == FMEMU_ROLE_THREADGROUP ? inv->tgmem[role.index] : inv->buffers[role.index];
     return reinterpret_cast<P>(p);
   } else if constexpr (__is_reference(P)) {
     return *reinterpret_cast<typename remove_ref<P>::type*>(inv->buffers[role.index]);
   } else {
     using E = typename vec_info<P>::elem;
-    const unsigned* v = inv->pos[role.kind - FM_ROLE_POS_FIRST];
+    const unsigned* v = inv->pos[role.kind - FMEMU_ROLE_POS_FIRST];
     if constexpr (vec_info<P>::n == 1) {
       return (P)v[0];
     } else {
@@ -47,18 +47,25 @@ struct kernel_registrar {
                           line);
   }
 };
-}  // namespace fm
+}  // namespace fmemu
 
-#define FM_CAT2(a, b) a##b
-#define FM_CAT(a, b) FM_CAT2(a, b)
-#if defined(FM_CHECK_MSL) || defined(FM_SCAN)
-// The registry scan and the rules check only parse: no instantiation, so the
-// AST dump holds each kernel template once.
-#define FM_INSTANTIATE(...)
-#define FM_REGISTER_KERNEL(host_name, ...)
+#define FMEMU_CAT2(a, b) a##b
+#define FMEMU_CAT(a, b) FMEMU_CAT2(a, b)
+#if defined(FMEMU_SCAN)
+// The registry scan only parses: no instantiation, so the AST dump holds each
+// kernel template once.
+#define FMEMU_INSTANTIATE(...)
+#define FMEMU_REGISTER_KERNEL(host_name, ...)
+#elif defined(FMEMU_CHECK_MSL)
+// The rules check keeps the explicit instantiation: it type-checks every
+// instantiated body with address spaces, and it rejects what C++ rejects
+// (e.g. an unqualified name instantiated outside the template's namespace).
+#define FMEMU_INSTANTIATE(...) template __VA_ARGS__;
+#define FMEMU_REGISTER_KERNEL(host_name, ...)
 #else
-#define FM_INSTANTIATE(...) template __VA_ARGS__;
-#define FM_REGISTER_KERNEL(host_name, ...)                                                            \
-  static ::fm::kernel_registrar FM_CAT(fm_kernel_registrar_, __COUNTER__)(host_name, #__VA_ARGS__, \
+// Runtime builds: taking the kernel's address instantiates it.
+#define FMEMU_INSTANTIATE(...)
+#define FMEMU_REGISTER_KERNEL(host_name, ...)                                                            \
+  static ::fmemu::kernel_registrar FMEMU_CAT(fm_kernel_registrar_, __COUNTER__)(host_name, #__VA_ARGS__, \
                                                                           &__VA_ARGS__, __FILE__, __LINE__);
 #endif

@@ -30,7 +30,7 @@ float tanhf(float);
 float fmodf(float, float);
 }
 
-namespace fm {
+namespace fmemu {
 template <class T, class F>
 inline T map1(const T& x, F f) {
   using I = vec_info<T>;
@@ -71,121 +71,121 @@ template <class T> inline T splat(typename vec_info<T>::elem s) {
     return make_vec<typename vec_info<T>::elem, vec_info<T>::n>(s);
   }
 }
-}  // namespace fm
+}  // namespace fmemu
 
 // A float function applied element-wise, rounding once to the element type.
-#define FM_MATH1(name, expr)                                                                             \
-  template <class T, class = typename ::fm::enable_if<::fm::is_floating<T>>::type>                      \
+#define FMEMU_MATH1(name, expr)                                                                             \
+  template <class T, class = typename ::fmemu::enable_if<::fmemu::is_floating<T>>::type>                      \
   inline T name(T x) {                                                                                   \
-    using E = typename ::fm::vec_info<T>::elem;                                                          \
-    return ::fm::map1(x, [](E e) -> E { float v = (float)e; return (E)(expr); });                         \
+    using E = typename ::fmemu::vec_info<T>::elem;                                                          \
+    return ::fmemu::map1(x, [](E e) -> E { float v = (float)e; return (E)(expr); });                         \
   }
-#define FM_MATH2(name, expr)                                                                             \
-  template <class T, class = typename ::fm::enable_if<::fm::is_floating<T>>::type>                      \
+#define FMEMU_MATH2(name, expr)                                                                             \
+  template <class T, class = typename ::fmemu::enable_if<::fmemu::is_floating<T>>::type>                      \
   inline T name(T x, T y) {                                                                              \
-    using E = typename ::fm::vec_info<T>::elem;                                                          \
-    return ::fm::map2(x, y, [](E ex, E ey) -> E { float a = (float)ex, b = (float)ey; return (E)(expr); }); \
+    using E = typename ::fmemu::vec_info<T>::elem;                                                          \
+    return ::fmemu::map2(x, y, [](E ex, E ey) -> E { float a = (float)ex, b = (float)ey; return (E)(expr); }); \
   }
 
-#define FM_MATH_FUNCTIONS                                                                      \
-  FM_MATH1(exp, expf(v))                                                                       \
-  FM_MATH1(exp2, exp2f(v))                                                                     \
-  FM_MATH1(exp10, powf(10.0f, v))                                                              \
-  FM_MATH1(log, logf(v))                                                                       \
-  FM_MATH1(log2, log2f(v))                                                                     \
-  FM_MATH1(log10, log10f(v))                                                                   \
-  FM_MATH1(sqrt, sqrtf(v))                                                                     \
-  FM_MATH1(rsqrt, 1.0f / sqrtf(v))                                                             \
-  FM_MATH1(sin, sinf(v))                                                                       \
-  FM_MATH1(cos, cosf(v))                                                                       \
-  FM_MATH1(tan, tanf(v))                                                                       \
-  FM_MATH1(asin, asinf(v))                                                                     \
-  FM_MATH1(acos, acosf(v))                                                                     \
-  FM_MATH1(atan, atanf(v))                                                                     \
-  FM_MATH1(sinh, sinhf(v))                                                                     \
-  FM_MATH1(cosh, coshf(v))                                                                     \
-  FM_MATH1(tanh, tanhf(v))                                                                     \
-  FM_MATH2(pow, powf(a, b))                                                                    \
-  FM_MATH2(powr, powf(a, b))                                                                   \
-  FM_MATH2(atan2, atan2f(a, b))                                                                \
-  FM_MATH2(fmod, fmodf(a, b))                                                                  \
-  FM_MATH2(divide, a / b)                                                                      \
-  FM_MATH1(floor, __builtin_floorf(v))                                                         \
-  FM_MATH1(ceil, __builtin_ceilf(v))                                                           \
-  FM_MATH1(trunc, __builtin_truncf(v))                                                         \
-  FM_MATH1(round, __builtin_roundf(v))                                                         \
-  FM_MATH1(rint, __builtin_rintf(v))                                                           \
-  FM_MATH1(fract, __builtin_fminf(v - __builtin_floorf(v), 0x1.fffffep-1f))                    \
-  FM_MATH1(fabs, __builtin_fabsf(v))                                                           \
-  FM_MATH1(saturate, __builtin_fminf(__builtin_fmaxf(v, 0.0f), 1.0f))                          \
-  FM_MATH1(sign, v > 0.0f ? 1.0f : (v < 0.0f ? -1.0f : (v != v ? 0.0f : v)))                   \
-  FM_MATH2(fmax, __builtin_fmaxf(a, b))                                                        \
-  FM_MATH2(fmin, __builtin_fminf(a, b))                                                        \
-  FM_MATH2(copysign, __builtin_copysignf(a, b))                                                \
-  FM_MATH2(fdim, a > b ? a - b : 0.0f)                                                         \
-  FM_MATH2(step, b < a ? 0.0f : 1.0f)
+#define FMEMU_MATH_FUNCTIONS                                                                      \
+  FMEMU_MATH1(exp, expf(v))                                                                       \
+  FMEMU_MATH1(exp2, exp2f(v))                                                                     \
+  FMEMU_MATH1(exp10, powf(10.0f, v))                                                              \
+  FMEMU_MATH1(log, logf(v))                                                                       \
+  FMEMU_MATH1(log2, log2f(v))                                                                     \
+  FMEMU_MATH1(log10, log10f(v))                                                                   \
+  FMEMU_MATH1(sqrt, sqrtf(v))                                                                     \
+  FMEMU_MATH1(rsqrt, 1.0f / sqrtf(v))                                                             \
+  FMEMU_MATH1(sin, sinf(v))                                                                       \
+  FMEMU_MATH1(cos, cosf(v))                                                                       \
+  FMEMU_MATH1(tan, tanf(v))                                                                       \
+  FMEMU_MATH1(asin, asinf(v))                                                                     \
+  FMEMU_MATH1(acos, acosf(v))                                                                     \
+  FMEMU_MATH1(atan, atanf(v))                                                                     \
+  FMEMU_MATH1(sinh, sinhf(v))                                                                     \
+  FMEMU_MATH1(cosh, coshf(v))                                                                     \
+  FMEMU_MATH1(tanh, tanhf(v))                                                                     \
+  FMEMU_MATH2(pow, powf(a, b))                                                                    \
+  FMEMU_MATH2(powr, powf(a, b))                                                                   \
+  FMEMU_MATH2(atan2, atan2f(a, b))                                                                \
+  FMEMU_MATH2(fmod, fmodf(a, b))                                                                  \
+  FMEMU_MATH2(divide, a / b)                                                                      \
+  FMEMU_MATH1(floor, __builtin_floorf(v))                                                         \
+  FMEMU_MATH1(ceil, __builtin_ceilf(v))                                                           \
+  FMEMU_MATH1(trunc, __builtin_truncf(v))                                                         \
+  FMEMU_MATH1(round, __builtin_roundf(v))                                                         \
+  FMEMU_MATH1(rint, __builtin_rintf(v))                                                           \
+  FMEMU_MATH1(fract, __builtin_fminf(v - __builtin_floorf(v), 0x1.fffffep-1f))                    \
+  FMEMU_MATH1(fabs, __builtin_fabsf(v))                                                           \
+  FMEMU_MATH1(saturate, __builtin_fminf(__builtin_fmaxf(v, 0.0f), 1.0f))                          \
+  FMEMU_MATH1(sign, v > 0.0f ? 1.0f : (v < 0.0f ? -1.0f : (v != v ? 0.0f : v)))                   \
+  FMEMU_MATH2(fmax, __builtin_fmaxf(a, b))                                                        \
+  FMEMU_MATH2(fmin, __builtin_fminf(a, b))                                                        \
+  FMEMU_MATH2(copysign, __builtin_copysignf(a, b))                                                \
+  FMEMU_MATH2(fdim, a > b ? a - b : 0.0f)                                                         \
+  FMEMU_MATH2(step, b < a ? 0.0f : 1.0f)
 
 namespace metal {
-FM_MATH_FUNCTIONS
+FMEMU_MATH_FUNCTIONS
 namespace fast {
-FM_MATH_FUNCTIONS
+FMEMU_MATH_FUNCTIONS
 }
 namespace precise {
-FM_MATH_FUNCTIONS
+FMEMU_MATH_FUNCTIONS
 }
 
 // fma rounds once, in the element type's precision (float fma, then one
 // rounding to half/bfloat; that double rounding matches a real half fma except
 // in rare ties, which tests must not depend on).
-template <class T, class = typename ::fm::enable_if<::fm::is_floating<T>>::type>
+template <class T, class = typename ::fmemu::enable_if<::fmemu::is_floating<T>>::type>
 inline T fma(T a, T b, T c) {
-  using E = typename ::fm::vec_info<T>::elem;
-  return ::fm::map3(a, b, c, [](E x, E y, E z) -> E { return (E)__builtin_fmaf((float)x, (float)y, (float)z); });
+  using E = typename ::fmemu::vec_info<T>::elem;
+  return ::fmemu::map3(a, b, c, [](E x, E y, E z) -> E { return (E)__builtin_fmaf((float)x, (float)y, (float)z); });
 }
 
 // max/min: NaN-ignoring for floating types (Metal's fmax semantics), plain
 // comparisons for integers.
 template <class T>
 inline T max(T a, T b) {
-  using E = typename ::fm::vec_info<T>::elem;
-  if constexpr (::fm::is_float_scalar<E>) {
-    return ::fm::map2(a, b, [](E x, E y) -> E { return (E)__builtin_fmaxf((float)x, (float)y); });
+  using E = typename ::fmemu::vec_info<T>::elem;
+  if constexpr (::fmemu::is_float_scalar<E>) {
+    return ::fmemu::map2(a, b, [](E x, E y) -> E { return (E)__builtin_fmaxf((float)x, (float)y); });
   } else {
-    return ::fm::map2(a, b, [](E x, E y) -> E { return x < y ? y : x; });
+    return ::fmemu::map2(a, b, [](E x, E y) -> E { return x < y ? y : x; });
   }
 }
 template <class T>
 inline T min(T a, T b) {
-  using E = typename ::fm::vec_info<T>::elem;
-  if constexpr (::fm::is_float_scalar<E>) {
-    return ::fm::map2(a, b, [](E x, E y) -> E { return (E)__builtin_fminf((float)x, (float)y); });
+  using E = typename ::fmemu::vec_info<T>::elem;
+  if constexpr (::fmemu::is_float_scalar<E>) {
+    return ::fmemu::map2(a, b, [](E x, E y) -> E { return (E)__builtin_fminf((float)x, (float)y); });
   } else {
-    return ::fm::map2(a, b, [](E x, E y) -> E { return y < x ? y : x; });
+    return ::fmemu::map2(a, b, [](E x, E y) -> E { return y < x ? y : x; });
   }
 }
-template <class T, class = typename ::fm::enable_if<::fm::is_vec<T>>::type>
-inline T max(T a, typename ::fm::vec_info<T>::elem b) { return max(a, ::fm::splat<T>(b)); }
-template <class T, class = typename ::fm::enable_if<::fm::is_vec<T>>::type>
-inline T min(T a, typename ::fm::vec_info<T>::elem b) { return min(a, ::fm::splat<T>(b)); }
+template <class T, class = typename ::fmemu::enable_if<::fmemu::is_vec<T>>::type>
+inline T max(T a, typename ::fmemu::vec_info<T>::elem b) { return max(a, ::fmemu::splat<T>(b)); }
+template <class T, class = typename ::fmemu::enable_if<::fmemu::is_vec<T>>::type>
+inline T min(T a, typename ::fmemu::vec_info<T>::elem b) { return min(a, ::fmemu::splat<T>(b)); }
 template <class T>
 inline T clamp(T x, T lo, T hi) { return min(max(x, lo), hi); }
-template <class T, class = typename ::fm::enable_if<::fm::is_vec<T>>::type>
-inline T clamp(T x, typename ::fm::vec_info<T>::elem lo, typename ::fm::vec_info<T>::elem hi) {
-  return clamp(x, ::fm::splat<T>(lo), ::fm::splat<T>(hi));
+template <class T, class = typename ::fmemu::enable_if<::fmemu::is_vec<T>>::type>
+inline T clamp(T x, typename ::fmemu::vec_info<T>::elem lo, typename ::fmemu::vec_info<T>::elem hi) {
+  return clamp(x, ::fmemu::splat<T>(lo), ::fmemu::splat<T>(hi));
 }
 template <class T>
 inline T abs(T x) {
-  using E = typename ::fm::vec_info<T>::elem;
-  if constexpr (::fm::is_float_scalar<E>) {
-    return ::fm::map1(x, [](E e) -> E { return (E)__builtin_fabsf((float)e); });
+  using E = typename ::fmemu::vec_info<T>::elem;
+  if constexpr (::fmemu::is_float_scalar<E>) {
+    return ::fmemu::map1(x, [](E e) -> E { return (E)__builtin_fabsf((float)e); });
   } else {
-    return ::fm::map1(x, [](E e) -> E { return e < 0 ? (E)-e : e; });
+    return ::fmemu::map1(x, [](E e) -> E { return e < 0 ? (E)-e : e; });
   }
 }
 template <class T>
 inline T mix(T x, T y, T a) { return x + (y - x) * a; }
-template <class T, class = typename ::fm::enable_if<::fm::is_vec<T>>::type>
-inline T mix(T x, T y, typename ::fm::vec_info<T>::elem a) { return x + (y - x) * a; }
+template <class T, class = typename ::fmemu::enable_if<::fmemu::is_vec<T>>::type>
+inline T mix(T x, T y, typename ::fmemu::vec_info<T>::elem a) { return x + (y - x) * a; }
 
 template <class T>
 inline bool isnan(T x) { return x != x; }
@@ -199,30 +199,30 @@ inline bool signbit(T x) { return __builtin_signbit((float)x); }
 // select(a, b, c): c ? b : a, element-wise for vectors.
 template <class T, class C>
 inline T select(T a, T b, C c) {
-  if constexpr (::fm::vec_info<T>::n == 1) {
+  if constexpr (::fmemu::vec_info<T>::n == 1) {
     return c ? b : a;
   } else {
     T r;
-    for (int i = 0; i < ::fm::vec_info<T>::n; ++i) r[i] = c[i] ? b[i] : a[i];
+    for (int i = 0; i < ::fmemu::vec_info<T>::n; ++i) r[i] = c[i] ? b[i] : a[i];
     return r;
   }
 }
 template <class T>
 inline bool all(T v) {
-  if constexpr (::fm::vec_info<T>::n == 1) {
+  if constexpr (::fmemu::vec_info<T>::n == 1) {
     return (bool)v;
   } else {
-    for (int i = 0; i < ::fm::vec_info<T>::n; ++i)
+    for (int i = 0; i < ::fmemu::vec_info<T>::n; ++i)
       if (!v[i]) return false;
     return true;
   }
 }
 template <class T>
 inline bool any(T v) {
-  if constexpr (::fm::vec_info<T>::n == 1) {
+  if constexpr (::fmemu::vec_info<T>::n == 1) {
     return (bool)v;
   } else {
-    for (int i = 0; i < ::fm::vec_info<T>::n; ++i)
+    for (int i = 0; i < ::fmemu::vec_info<T>::n; ++i)
       if (v[i]) return true;
     return false;
   }
@@ -230,14 +230,14 @@ inline bool any(T v) {
 
 // dot: element products summed left to right in the element type.
 template <class T>
-inline typename ::fm::vec_info<T>::elem dot(T a, T b) {
-  using E = typename ::fm::vec_info<T>::elem;
+inline typename ::fmemu::vec_info<T>::elem dot(T a, T b) {
+  using E = typename ::fmemu::vec_info<T>::elem;
   E s = a[0] * b[0];
-  for (int i = 1; i < ::fm::vec_info<T>::n; ++i) s = s + a[i] * b[i];
+  for (int i = 1; i < ::fmemu::vec_info<T>::n; ++i) s = s + a[i] * b[i];
   return s;
 }
 template <class T>
-inline typename ::fm::vec_info<T>::elem length(T a) { return sqrt(dot(a, a)); }
+inline typename ::fmemu::vec_info<T>::elem length(T a) { return sqrt(dot(a, a)); }
 
 // Integer functions.
 template <class T>
@@ -257,6 +257,6 @@ inline T mulhi(T a, T b) {
   return (T)(((__int128)a * (__int128)b) >> (8 * sizeof(T)));
 }
 }  // namespace metal
-#undef FM_MATH_FUNCTIONS
-#undef FM_MATH1
-#undef FM_MATH2
+#undef FMEMU_MATH_FUNCTIONS
+#undef FMEMU_MATH1
+#undef FMEMU_MATH2

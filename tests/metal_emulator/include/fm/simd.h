@@ -10,18 +10,18 @@
 #pragma once
 #include "base.h"
 
-#define FM_SITE_PARAMS const char *file = __builtin_FILE(), int line = __builtin_LINE(), int col = __builtin_COLUMN()
-#define FM_SITE file, line, col
+#define FMEMU_SITE_PARAMS const char *file = __builtin_FILE(), int line = __builtin_LINE(), int col = __builtin_COLUMN()
+#define FMEMU_SITE file, line, col
 
-namespace fm {
+namespace fmemu {
 template <class T>
 inline const unsigned char* exchange(const T& v, const char* what, const char* file, int line, int col) {
-  static_assert(sizeof(T) <= FM_SIMD_SLOT_BYTES, "SIMD collective operand too large");
+  static_assert(sizeof(T) <= FMEMU_SIMD_SLOT_BYTES, "SIMD collective operand too large");
   return fm_rt_simd_exchange(&v, sizeof(T), what, file, line, col);
 }
 template <class T>
 inline T slot(const unsigned char* slots, unsigned lane) {
-  return *reinterpret_cast<const T*>(slots + lane * FM_SIMD_SLOT_BYTES);
+  return *reinterpret_cast<const T*>(slots + lane * FMEMU_SIMD_SLOT_BYTES);
 }
 // op: 0 sum, 1 product, 2 max, 3 min, 4 and, 5 or, 6 xor
 template <int Op, class T>
@@ -63,66 +63,66 @@ inline T from_lane(const T& v, long src, const char* what, const char* file, int
   if (src < 0 || src >= (long)fm_rt_simd_width()) return v;
   return slot<T>(s, (unsigned)src);
 }
-}  // namespace fm
+}  // namespace fmemu
 
 namespace metal {
-template <class T> inline T simd_sum(T v, FM_SITE_PARAMS) { return ::fm::reduce<0>(v, "simd_sum", FM_SITE); }
-template <class T> inline T simd_product(T v, FM_SITE_PARAMS) { return ::fm::reduce<1>(v, "simd_product", FM_SITE); }
-template <class T> inline T simd_max(T v, FM_SITE_PARAMS) { return ::fm::reduce<2>(v, "simd_max", FM_SITE); }
-template <class T> inline T simd_min(T v, FM_SITE_PARAMS) { return ::fm::reduce<3>(v, "simd_min", FM_SITE); }
-template <class T> inline T simd_and(T v, FM_SITE_PARAMS) { return ::fm::reduce<4>(v, "simd_and", FM_SITE); }
-template <class T> inline T simd_or(T v, FM_SITE_PARAMS) { return ::fm::reduce<5>(v, "simd_or", FM_SITE); }
-template <class T> inline T simd_xor(T v, FM_SITE_PARAMS) { return ::fm::reduce<6>(v, "simd_xor", FM_SITE); }
-template <class T> inline T simd_prefix_inclusive_sum(T v, FM_SITE_PARAMS) {
-  return ::fm::prefix<0, true>(v, "simd_prefix_inclusive_sum", FM_SITE);
+template <class T> inline T simd_sum(T v, FMEMU_SITE_PARAMS) { return ::fmemu::reduce<0>(v, "simd_sum", FMEMU_SITE); }
+template <class T> inline T simd_product(T v, FMEMU_SITE_PARAMS) { return ::fmemu::reduce<1>(v, "simd_product", FMEMU_SITE); }
+template <class T> inline T simd_max(T v, FMEMU_SITE_PARAMS) { return ::fmemu::reduce<2>(v, "simd_max", FMEMU_SITE); }
+template <class T> inline T simd_min(T v, FMEMU_SITE_PARAMS) { return ::fmemu::reduce<3>(v, "simd_min", FMEMU_SITE); }
+template <class T> inline T simd_and(T v, FMEMU_SITE_PARAMS) { return ::fmemu::reduce<4>(v, "simd_and", FMEMU_SITE); }
+template <class T> inline T simd_or(T v, FMEMU_SITE_PARAMS) { return ::fmemu::reduce<5>(v, "simd_or", FMEMU_SITE); }
+template <class T> inline T simd_xor(T v, FMEMU_SITE_PARAMS) { return ::fmemu::reduce<6>(v, "simd_xor", FMEMU_SITE); }
+template <class T> inline T simd_prefix_inclusive_sum(T v, FMEMU_SITE_PARAMS) {
+  return ::fmemu::prefix<0, true>(v, "simd_prefix_inclusive_sum", FMEMU_SITE);
 }
-template <class T> inline T simd_prefix_exclusive_sum(T v, FM_SITE_PARAMS) {
-  return ::fm::prefix<0, false>(v, "simd_prefix_exclusive_sum", FM_SITE);
+template <class T> inline T simd_prefix_exclusive_sum(T v, FMEMU_SITE_PARAMS) {
+  return ::fmemu::prefix<0, false>(v, "simd_prefix_exclusive_sum", FMEMU_SITE);
 }
-template <class T> inline T simd_prefix_inclusive_product(T v, FM_SITE_PARAMS) {
-  return ::fm::prefix<1, true>(v, "simd_prefix_inclusive_product", FM_SITE);
+template <class T> inline T simd_prefix_inclusive_product(T v, FMEMU_SITE_PARAMS) {
+  return ::fmemu::prefix<1, true>(v, "simd_prefix_inclusive_product", FMEMU_SITE);
 }
-template <class T> inline T simd_prefix_exclusive_product(T v, FM_SITE_PARAMS) {
-  return ::fm::prefix<1, false>(v, "simd_prefix_exclusive_product", FM_SITE);
+template <class T> inline T simd_prefix_exclusive_product(T v, FMEMU_SITE_PARAMS) {
+  return ::fmemu::prefix<1, false>(v, "simd_prefix_exclusive_product", FMEMU_SITE);
 }
-template <class T> inline T simd_shuffle(T v, ushort lane, FM_SITE_PARAMS) {
-  return ::fm::from_lane(v, lane, "simd_shuffle", FM_SITE);
+template <class T> inline T simd_shuffle(T v, ushort lane, FMEMU_SITE_PARAMS) {
+  return ::fmemu::from_lane(v, lane, "simd_shuffle", FMEMU_SITE);
 }
-template <class T> inline T simd_broadcast(T v, ushort lane, FM_SITE_PARAMS) {
-  return ::fm::from_lane(v, lane, "simd_broadcast", FM_SITE);
+template <class T> inline T simd_broadcast(T v, ushort lane, FMEMU_SITE_PARAMS) {
+  return ::fmemu::from_lane(v, lane, "simd_broadcast", FMEMU_SITE);
 }
-template <class T> inline T simd_broadcast_first(T v, FM_SITE_PARAMS) {
-  return ::fm::from_lane(v, 0, "simd_broadcast_first", FM_SITE);
+template <class T> inline T simd_broadcast_first(T v, FMEMU_SITE_PARAMS) {
+  return ::fmemu::from_lane(v, 0, "simd_broadcast_first", FMEMU_SITE);
 }
-template <class T> inline T simd_shuffle_xor(T v, ushort mask, FM_SITE_PARAMS) {
-  return ::fm::from_lane(v, (long)(fm_rt_simd_lane() ^ mask), "simd_shuffle_xor", FM_SITE);
+template <class T> inline T simd_shuffle_xor(T v, ushort mask, FMEMU_SITE_PARAMS) {
+  return ::fmemu::from_lane(v, (long)(fm_rt_simd_lane() ^ mask), "simd_shuffle_xor", FMEMU_SITE);
 }
-template <class T> inline T simd_shuffle_down(T v, ushort delta, FM_SITE_PARAMS) {
-  return ::fm::from_lane(v, (long)fm_rt_simd_lane() + delta, "simd_shuffle_down", FM_SITE);
+template <class T> inline T simd_shuffle_down(T v, ushort delta, FMEMU_SITE_PARAMS) {
+  return ::fmemu::from_lane(v, (long)fm_rt_simd_lane() + delta, "simd_shuffle_down", FMEMU_SITE);
 }
-template <class T> inline T simd_shuffle_up(T v, ushort delta, FM_SITE_PARAMS) {
-  return ::fm::from_lane(v, (long)fm_rt_simd_lane() - delta, "simd_shuffle_up", FM_SITE);
+template <class T> inline T simd_shuffle_up(T v, ushort delta, FMEMU_SITE_PARAMS) {
+  return ::fmemu::from_lane(v, (long)fm_rt_simd_lane() - delta, "simd_shuffle_up", FMEMU_SITE);
 }
-template <class T> inline T simd_shuffle_rotate_down(T v, ushort delta, FM_SITE_PARAMS) {
+template <class T> inline T simd_shuffle_rotate_down(T v, ushort delta, FMEMU_SITE_PARAMS) {
   unsigned w = fm_rt_simd_width();
-  return ::fm::from_lane(v, (long)((fm_rt_simd_lane() + delta) % w), "simd_shuffle_rotate_down", FM_SITE);
+  return ::fmemu::from_lane(v, (long)((fm_rt_simd_lane() + delta) % w), "simd_shuffle_rotate_down", FMEMU_SITE);
 }
-template <class T> inline T simd_shuffle_rotate_up(T v, ushort delta, FM_SITE_PARAMS) {
+template <class T> inline T simd_shuffle_rotate_up(T v, ushort delta, FMEMU_SITE_PARAMS) {
   unsigned w = fm_rt_simd_width();
-  return ::fm::from_lane(v, (long)((fm_rt_simd_lane() + w - delta % w) % w), "simd_shuffle_rotate_up", FM_SITE);
+  return ::fmemu::from_lane(v, (long)((fm_rt_simd_lane() + w - delta % w) % w), "simd_shuffle_rotate_up", FMEMU_SITE);
 }
-inline bool simd_all(bool b, FM_SITE_PARAMS) { return ::fm::reduce<4>((int)b, "simd_all", FM_SITE) != 0; }
-inline bool simd_any(bool b, FM_SITE_PARAMS) { return ::fm::reduce<5>((int)b, "simd_any", FM_SITE) != 0; }
+inline bool simd_all(bool b, FMEMU_SITE_PARAMS) { return ::fmemu::reduce<4>((int)b, "simd_all", FMEMU_SITE) != 0; }
+inline bool simd_any(bool b, FMEMU_SITE_PARAMS) { return ::fmemu::reduce<5>((int)b, "simd_any", FMEMU_SITE) != 0; }
 // simd_ballot: bit l set when lane l's predicate is true.
-inline ulong simd_ballot(bool b, FM_SITE_PARAMS) {
-  const unsigned char* s = ::fm::exchange((int)b, "simd_ballot", FM_SITE);
+inline ulong simd_ballot(bool b, FMEMU_SITE_PARAMS) {
+  const unsigned char* s = ::fmemu::exchange((int)b, "simd_ballot", FMEMU_SITE);
   ulong r = 0;
   for (unsigned l = 0; l < fm_rt_simd_width(); ++l)
-    if (::fm::slot<int>(s, l)) r |= 1ul << l;
+    if (::fmemu::slot<int>(s, l)) r |= 1ul << l;
   return r;
 }
-inline bool simd_is_first(FM_SITE_PARAMS) {
-  ::fm::exchange(0, "simd_is_first", FM_SITE);
+inline bool simd_is_first(FMEMU_SITE_PARAMS) {
+  ::fmemu::exchange(0, "simd_is_first", FMEMU_SITE);
   return fm_rt_simd_lane() == 0;
 }
 
@@ -161,8 +161,8 @@ inline simdgroup_matrix<T, C, R> make_filled_simdgroup_matrix(T v) {
 namespace fm_detail {
 // All lanes of the SIMD-group must take part; the rendezvous checks it.
 inline void whole_group(const char* what, const char* file, int line, int col) {
-  if (fm_rt_simd_width() != FM_SIMD_WIDTH) fm_rt_fail("simdgroup_matrix needs a full 32-lane SIMD-group", file, line);
-  ::fm::exchange(0, what, file, line, col);
+  if (fm_rt_simd_width() != FMEMU_SIMD_WIDTH) fm_rt_fail("simdgroup_matrix needs a full 32-lane SIMD-group", file, line);
+  ::fmemu::exchange(0, what, file, line, col);
 }
 // Lane holding element (r, c): the inverse of fm_frag_row / fm_frag_col.
 inline uint frag_lane(uint r, uint c) {
@@ -171,7 +171,7 @@ inline uint frag_lane(uint r, uint c) {
 // Element (r, c) of the matrix whose fragments are in `slots` at byte `off`.
 template <class T>
 inline float gather(const unsigned char* slots, unsigned off, uint r, uint c) {
-  const T* p = reinterpret_cast<const T*>(slots + frag_lane(r, c) * FM_SIMD_SLOT_BYTES + off);
+  const T* p = reinterpret_cast<const T*>(slots + frag_lane(r, c) * FMEMU_SIMD_SLOT_BYTES + off);
   return (float)p[c & 1];
 }
 }  // namespace fm_detail
@@ -180,8 +180,8 @@ inline float gather(const unsigned char* slots, unsigned off, uint r, uint c) {
 // matrix with `elements_per_row` elements per row; transposed when asked.
 template <class T, int C, int R, class U>
 inline void simdgroup_load(thread simdgroup_matrix<T, C, R>& d, const U* src, ulong elements_per_row = C,
-                           ulong2 matrix_origin = 0, bool transpose_matrix = false, FM_SITE_PARAMS) {
-  fm_detail::whole_group("simdgroup_load", FM_SITE);
+                           ulong2 matrix_origin = 0, bool transpose_matrix = false, FMEMU_SITE_PARAMS) {
+  fm_detail::whole_group("simdgroup_load", FMEMU_SITE);
   uint lane = fm_rt_simd_lane(), r = fm_frag_row(lane), c = fm_frag_col(lane);
   for (int j = 0; j < 2; ++j) {
     ulong row = transpose_matrix ? c + j : r, col = transpose_matrix ? r : c + j;
@@ -190,8 +190,8 @@ inline void simdgroup_load(thread simdgroup_matrix<T, C, R>& d, const U* src, ul
 }
 template <class T, int C, int R, class U>
 inline void simdgroup_store(thread const simdgroup_matrix<T, C, R>& m, U* dst, ulong elements_per_row = C,
-                            ulong2 matrix_origin = 0, bool transpose_matrix = false, FM_SITE_PARAMS) {
-  fm_detail::whole_group("simdgroup_store", FM_SITE);
+                            ulong2 matrix_origin = 0, bool transpose_matrix = false, FMEMU_SITE_PARAMS) {
+  fm_detail::whole_group("simdgroup_store", FMEMU_SITE);
   uint lane = fm_rt_simd_lane(), r = fm_frag_row(lane), c = fm_frag_col(lane);
   for (int j = 0; j < 2; ++j) {
     ulong row = transpose_matrix ? c + j : r, col = transpose_matrix ? r : c + j;
@@ -204,14 +204,14 @@ inline void simdgroup_store(thread const simdgroup_matrix<T, C, R>& m, U* dst, u
 template <class TD, class TA, class TB, class TC>
 inline void simdgroup_multiply_accumulate(thread simdgroup_matrix<TD, 8, 8>& d, thread const simdgroup_matrix<TA, 8, 8>& a,
                                           thread const simdgroup_matrix<TB, 8, 8>& b,
-                                          thread const simdgroup_matrix<TC, 8, 8>& c, FM_SITE_PARAMS) {
-  if (fm_rt_simd_width() != FM_SIMD_WIDTH) fm_rt_fail("simdgroup_matrix needs a full 32-lane SIMD-group", file, line);
+                                          thread const simdgroup_matrix<TC, 8, 8>& c, FMEMU_SITE_PARAMS) {
+  if (fm_rt_simd_width() != FMEMU_SIMD_WIDTH) fm_rt_fail("simdgroup_matrix needs a full 32-lane SIMD-group", file, line);
   struct Frags {
     vec<TA, 2> a;
     vec<TB, 2> b;
     vec<TC, 2> c;
   } mine{a.e, b.e, c.e};
-  const unsigned char* s = ::fm::exchange(mine, "simdgroup_multiply_accumulate", FM_SITE);
+  const unsigned char* s = ::fmemu::exchange(mine, "simdgroup_multiply_accumulate", FMEMU_SITE);
   uint lane = fm_rt_simd_lane(), r = fm_frag_row(lane), c0 = fm_frag_col(lane);
   for (uint j = 0; j < 2; ++j) {
     float acc = fm_detail::gather<TC>(s, __builtin_offsetof(Frags, c), r, c0 + j);
@@ -223,10 +223,10 @@ inline void simdgroup_multiply_accumulate(thread simdgroup_matrix<TD, 8, 8>& d, 
 }
 template <class TD, class TA, class TB>
 inline void simdgroup_multiply(thread simdgroup_matrix<TD, 8, 8>& d, thread const simdgroup_matrix<TA, 8, 8>& a,
-                               thread const simdgroup_matrix<TB, 8, 8>& b, FM_SITE_PARAMS) {
+                               thread const simdgroup_matrix<TB, 8, 8>& b, FMEMU_SITE_PARAMS) {
   simdgroup_matrix<TD, 8, 8> zero = make_filled_simdgroup_matrix<TD, 8, 8>(TD(0));
-  simdgroup_multiply_accumulate(d, a, b, zero, FM_SITE);
+  simdgroup_multiply_accumulate(d, a, b, zero, FMEMU_SITE);
 }
 }  // namespace metal
-#undef FM_SITE_PARAMS
-#undef FM_SITE
+#undef FMEMU_SITE_PARAMS
+#undef FMEMU_SITE

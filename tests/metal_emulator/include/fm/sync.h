@@ -1,6 +1,6 @@
 // Barriers, threadgroup variables declared in kernel bodies, and function
 // constants. The pre-pass (_prepass.py) rewrites the MSL declaration forms
-// into the FM_* macros below, keeping every line where it was.
+// into the FMEMU_* macros below, keeping every line where it was.
 #pragma once
 #include "base.h"
 
@@ -10,41 +10,41 @@ namespace metal {
 // kernel source lines that __builtin_LINE() captures at the call.
 inline void threadgroup_barrier(mem_flags flags, const char* file = __builtin_FILE(), int line = __builtin_LINE(),
                                 int col = __builtin_COLUMN()) {
-#ifndef FM_CHECK_MSL
+#ifndef FMEMU_CHECK_MSL
   fm_rt_barrier(0, (unsigned)flags, file, line, col);
 #endif
 }
 inline void simdgroup_barrier(mem_flags flags, const char* file = __builtin_FILE(), int line = __builtin_LINE(),
                               int col = __builtin_COLUMN()) {
-#ifndef FM_CHECK_MSL
+#ifndef FMEMU_CHECK_MSL
   fm_rt_barrier(1, (unsigned)flags, file, line, col);
 #endif
 }
 }  // namespace metal
 
-#ifdef FM_CHECK_MSL
+#ifdef FMEMU_CHECK_MSL
 // Compile-only check: a threadgroup variable is a threadgroup-address-space
 // object, so taking a thread pointer to it is an error.
-#define FM_TG_VAR(name, dims, ...) static threadgroup __VA_ARGS__ name dims
+#define FMEMU_TG_VAR(name, dims, ...) static threadgroup __VA_ARGS__ name dims
 #else
 // `threadgroup T name[N];` in a kernel body: one object per threadgroup, keyed
 // by this static (one per declaration site and template instantiation).
-#define FM_TG_VAR(name, dims, ...)                                                                        \
+#define FMEMU_TG_VAR(name, dims, ...)                                                                        \
   static char fm_tg_key_##name;                                                                          \
   __VA_ARGS__(&name) dims = *reinterpret_cast<__VA_ARGS__(*) dims>(fm_rt_threadgroup_var(                \
       &fm_tg_key_##name, sizeof(__VA_ARGS__ dims), alignof(__VA_ARGS__), #name, __FILE__, __LINE__))
 #endif
 
-namespace fm {
+namespace fmemu {
 template <class T> constexpr int fc_type_code() {
-  if constexpr (is_same<T, bool>::value) return FM_FC_BOOL;
-  else if constexpr (is_same<T, int>::value) return FM_FC_INT;
-  else if constexpr (is_same<T, uint>::value) return FM_FC_UINT;
-  else if constexpr (is_same<T, float>::value) return FM_FC_FLOAT;
-  else if constexpr (is_same<T, half>::value) return FM_FC_HALF;
-  else if constexpr (is_same<T, short>::value) return FM_FC_SHORT;
-  else if constexpr (is_same<T, ushort>::value) return FM_FC_USHORT;
-  else if constexpr (is_same<T, bfloat>::value) return FM_FC_BFLOAT;
+  if constexpr (is_same<T, bool>::value) return FMEMU_FC_BOOL;
+  else if constexpr (is_same<T, int>::value) return FMEMU_FC_INT;
+  else if constexpr (is_same<T, uint>::value) return FMEMU_FC_UINT;
+  else if constexpr (is_same<T, float>::value) return FMEMU_FC_FLOAT;
+  else if constexpr (is_same<T, half>::value) return FMEMU_FC_HALF;
+  else if constexpr (is_same<T, short>::value) return FMEMU_FC_SHORT;
+  else if constexpr (is_same<T, ushort>::value) return FMEMU_FC_USHORT;
+  else if constexpr (is_same<T, bfloat>::value) return FMEMU_FC_BFLOAT;
   else return 0;
 }
 
@@ -59,25 +59,25 @@ struct function_constant {
   const char* name;
   function_constant(int i, const char* n) : value(), defined(false), index(i), name(n) {
     static_assert(fc_type_code<T>() != 0, "unsupported function constant type");
-#ifndef FM_CHECK_MSL
+#ifndef FMEMU_CHECK_MSL
     fm_rt_register_function_constant(i, fc_type_code<T>(), &value, &defined, n);
 #endif
   }
   operator T() const {
-#ifndef FM_CHECK_MSL
+#ifndef FMEMU_CHECK_MSL
     if (!defined) fm_rt_undefined_function_constant(name, index);
 #endif
     return value;
   }
 };
-}  // namespace fm
+}  // namespace fmemu
 
 // Inline variables: several .metal translation units may include the header
 // that declares a function constant, and they must share one.
-#define FM_FUNCTION_CONSTANT(name, idx, ...) inline ::fm::function_constant<__VA_ARGS__> name{(idx), #name}
+#define FMEMU_FUNCTION_CONSTANT(name, idx, ...) inline ::fmemu::function_constant<__VA_ARGS__> name{(idx), #name}
 // A program-scope constant computed from function constants, re-evaluated on
 // every read so that it follows the values of the current dispatch.
-#define FM_DERIVED_CONSTANT(name, expr, ...)                            \
+#define FMEMU_DERIVED_CONSTANT(name, expr, ...)                            \
   struct fm_derived_##name##_t {                                        \
     operator __VA_ARGS__() const { return (__VA_ARGS__)(expr); }        \
   };                                                                    \
