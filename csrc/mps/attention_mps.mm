@@ -1,0 +1,115 @@
+// flash_metal::attention_forward for MPS tensors: turns the portable plan
+// (csrc/metal_plan.h) into Metal calls on PyTorch's own MPS stream.
+//
+// The encoding follows the pattern of PyTorch's Attention.mm and its
+// test/cpp_extensions/mps_extension.mm (see docs in
+// /work/shared/notes/mps-host.md): inside dispatch_sync on the stream's
+// serial queue, take the stream's shared compute encoder, bind, dispatch, and
+// leave committing to PyTorch. Rules (DEVELOPERS.md), checked on Linux by
+// tests/test_mps_host.py:
+//   - never open an encoder, never endEncoding, never commit;
+//   - stream->commandEncoder() only inside dispatch_sync(stream->queue(), ...);
+//   - nothing inside the block can throw, and no PyTorch MPS op runs there:
+//     validation, allocation and pipeline lookup all happen before it;
+//   - manual retain/release (no ARC).
+#include "checks.h"
+#include "metal_plan.h"
+#include "library.h"
+
+#include <ATen/ATen.h>
+#include <ATen/mps/MPSDevice.h>
+#include <ATen/mps/MPSStream.h>
+#include <torch/library.h>
+
+#include <array>
+#include <tuple>
+
+namespace flash_metal::mps {
+namespace {
+
+constexpr const char* kOp = "flash_metal.attention_forward";
+
+// The MTLBuffer behind an MPS tensor: PyTorch's MPS allocator hands out the
+// buffer object itself as the storage's data pointer (the same cast as
+// ATen's getMTLBufferStorage, which is internal API, hence this copy of the
+// idea). Bind it at the tensor's storage offset, in bytes.
+// __builtin_bit_cast rather than std::bit_cast: it needs no C++20.
+id<MTLBuffer> buffer_of(const at::Tensor& t) { return __builtin_bit_cast(id<MTLBuffer>, t.storage().data()); }
+NSUInteger byte_offset_of(const at::Tensor& t) {
+  return static_cast<NSUInteger>(t.storage_offset() * t.element_size());
+}
+
+std::array<int64_t, 4> strides4(const at::Tensor& t) { return {t.stride(0), t.stride(1), t.stride(2), t.stride(3)}; }
+
+// Checks, before any encoding, that the device and the pipeline can run the
+// launch as planned; Metal would otherwise fail (or corrupt) at dispatch.
+void check_launch_fits(const MetalLaunch& launch, const Pipeline& pipeline, id<MTLDevice> device) {
+  const uint64_t threads =
+      uint64_t{launch.threadgroup[0]} * launch.threadgroup[1] * launch.threadgroup[2];
+  TORCH_CHECK(pipeline.max_threads_per_threadgroup >= threads, kOp, ": kernel ", launch.kernel_name, " needs ",
+              threads, " threads per threadgroup but its pipeline allows at most ",
+              pipeline.max_threads_per_threadgroup, " on this GPU; use impl='untiled' or report this");
+  const uint64_t memory = uint64_t{launch.threadgroup_memory} + pipeline.static_threadgroup_memory;
+  const uint64_t limit = [device maxThreadgroupMemoryLength];
+  TORCH_CHECK(memory <= limit, kOp, ": kernel ", launch.kernel_name, " needs ", memory,
+              " bytes of threadgroup memory but this GPU has ", limit);
+}
+
+std::tuple<at::Tensor, at::Tensor> attention_forward_mps(const at::Tensor& q, const at::Tensor& k,
+                                                         const at::Tensor& v, bool causal,
+                                                         std::optional<double> scale, c10::string_view impl) {
+  // --- Everything that can throw or touch PyTorch happens here, first. ---
+  const AttentionProblem problem = check_attention_inputs(q, k, v, causal, scale);
+  const KernelRequest request = parse_kernel_request(std::string(impl));
+  at::Tensor out, lse;
+  std::tie(out, lse) = allocate_outputs(q, problem);  // on MPS, before the block
+
+  const LaunchStrides strides{strides4(q), strides4(k), strides4(v), strides4(out),
+                              {lse.stride(0), lse.stride(1), lse.stride(2)}};
+  const MetalLaunch launch = plan_metal_attention(problem, strides, request);
+
+  id<MTLDevice> device = at::mps::MPSDevice::getInstance()->device();
+  const Pipeline pipeline = get_pipeline(device, launch.kernel_name, launch.function_constants);
+  check_launch_fits(launch, pipeline, device);
+
+  id<MTLComputePipelineState> state = pipeline.state;
+  const AttentionParams params = launch.params;
+  const MTLSize grid = MTLSizeMake(launch.grid[0], launch.grid[1], launch.grid[2]);
+  const MTLSize group = MTLSizeMake(launch.threadgroup[0], launch.threadgroup[1], launch.threadgroup[2]);
+  const NSUInteger threadgroup_memory = launch.threadgroup_memory;
+  // The five tensor bindings, resolved now so the block only reads values
+  // (blocks cannot capture C arrays, hence std::array).
+  const std::array<const at::Tensor*, 5> tensors = {&q, &k, &v, &out, &lse};
+  const std::array<NSUInteger, 5> indices = {kQBufferIndex, kKBufferIndex, kVBufferIndex, kOutBufferIndex,
+                                             kLseBufferIndex};
+  std::array<id<MTLBuffer>, 5> buffers{};
+  std::array<NSUInteger, 5> offsets{};
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    buffers[i] = buffer_of(*tensors[i]);
+    offsets[i] = byte_offset_of(*tensors[i]);
+  }
+
+  // --- Encoding: no throw, no PyTorch op, no own encoder, no commit. ---
+  at::mps::MPSStream* stream = at::mps::getCurrentMPSStream();
+  dispatch_sync(stream->queue(), ^{
+    @autoreleasepool {
+      id<MTLComputeCommandEncoder> encoder = stream->commandEncoder();
+      [encoder setComputePipelineState:state];
+      for (size_t i = 0; i < buffers.size(); ++i) {
+        [encoder setBuffer:buffers[i] offset:offsets[i] atIndex:indices[i]];
+      }
+      [encoder setBytes:&params length:sizeof(params) atIndex:kParamsBufferIndex];
+      if (threadgroup_memory != 0) {
+        [encoder setThreadgroupMemoryLength:threadgroup_memory atIndex:0];
+      }
+      [encoder dispatchThreadgroups:grid threadsPerThreadgroup:group];
+    }
+  });
+  return {out, lse};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(flash_metal, MPS, m) { m.impl("attention_forward", &attention_forward_mps); }
+
+}  // namespace flash_metal::mps

@@ -1,0 +1,34 @@
+// The shader library and its compute pipelines, for the MPS backend.
+//
+// The library is loaded once per process from the installed package: the
+// precompiled flash_metal.metallib next to the _C extension when setup.py
+// could build it, else the shipped shaders/attention.metal compiled by
+// Metal's runtime compiler. Pipelines are cached by kernel name and function
+// constant values. Everything is thread-safe, and every failure throws
+// c10::Error here, on the calling thread, never inside a dispatch block.
+//
+// Objective-C++ (manual retain/release, never ARC): include only from .mm.
+#pragma once
+
+#include <Metal/Metal.h>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace flash_metal::mps {
+
+// A specialized, ready-to-encode pipeline. The cache owns the reference for
+// the lifetime of the process: callers must neither retain nor release it.
+struct Pipeline {
+  id<MTLComputePipelineState> state = nil;
+  uint64_t max_threads_per_threadgroup = 0;  // the pipeline's limit (depends on its register use)
+  uint64_t static_threadgroup_memory = 0;    // bytes the kernel declares statically
+};
+
+// The pipeline of kernel `name` with [[function_constant(i)]] = constants[i]
+// (all boolean), built for `device` on first use. Throws c10::Error naming
+// the kernel and the library it was looked up in.
+Pipeline get_pipeline(id<MTLDevice> device, const std::string& name, const std::vector<bool>& constants);
+
+}  // namespace flash_metal::mps

@@ -1,0 +1,122 @@
+// Turns the shipped shader sources into the single string Metal's runtime
+// compiler needs. MTLCompileOptions has no include path, so
+// newLibraryWithSource: cannot resolve `#include "attention_tiled.h"`; this
+// inlines every local (quoted) include, recursively, each file once.
+//
+// Portable C++ with no Objective-C, no Metal and no torch, so that a Linux
+// test (tests/test_mps_host.py) can compile it into a tiny binary and hand
+// its output to the project's Metal emulator. Header-only on purpose: the
+// .mm includes it, and setup.py compiles only csrc/mps/*.mm on macOS.
+//
+// Rules, which the shaders in shaders/ follow:
+// - `#include "x"` is local: resolved next to the including file and inlined.
+//   `#include <x>` (metal_stdlib) is left for the compiler.
+// - Each local file is inlined once, at its first include; later includes of
+//   it are dropped. That equals `#pragma once` as long as local includes are
+//   not inside #if blocks (ours never are), and `#pragma once` lines of
+//   inlined files are blanked (they would warn in a main file).
+// - `#line` markers keep compiler diagnostics pointing at the original files.
+#pragma once
+
+#include <fstream>
+#include <set>
+#include <sstream>
+#include <stdexcept>
+#include <string>
+
+namespace flash_metal::shader_source {
+
+// Directory part of a path ("a/b/c.h" -> "a/b"; "c.h" -> ".").
+inline std::string directory_of(const std::string& path) {
+  const auto slash = path.find_last_of('/');
+  if (slash == std::string::npos) return ".";
+  if (slash == 0) return "/";
+  return path.substr(0, slash);
+}
+
+inline std::string basename_of(const std::string& path) {
+  const auto slash = path.find_last_of('/');
+  return slash == std::string::npos ? path : path.substr(slash + 1);
+}
+
+namespace detail {
+
+// True if `line` is the preprocessor directive `# <word> ...`; then *rest is
+// what follows `word`, leading blanks removed.
+inline bool directive(const std::string& line, const char* word, std::string* rest) {
+  size_t i = line.find_first_not_of(" \t");
+  if (i == std::string::npos || line[i] != '#') return false;
+  i = line.find_first_not_of(" \t", i + 1);
+  const std::string w(word);
+  if (i == std::string::npos || line.compare(i, w.size(), w) != 0) return false;
+  const size_t after = i + w.size();
+  // "#includefoo" is not "#include": the word must end there.
+  if (after < line.size() && line[after] != ' ' && line[after] != '\t' && line[after] != '"' &&
+      line[after] != '<') {
+    return false;
+  }
+  const size_t r = line.find_first_not_of(" \t", after);
+  *rest = r == std::string::npos ? "" : line.substr(r);
+  return true;
+}
+
+// `"x.h"` -> x.h for a quoted include; false for <x> and anything else.
+inline bool quoted_name(const std::string& rest, std::string* name) {
+  if (rest.empty() || rest[0] != '"') return false;
+  const size_t close = rest.find('"', 1);
+  if (close == std::string::npos) throw std::runtime_error("unterminated #include \"" + rest);
+  *name = rest.substr(1, close - 1);
+  return true;
+}
+
+inline std::string read_file(const std::string& path, const std::string& included_from) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) {
+    throw std::runtime_error("cannot read shader source '" + path + "'" +
+                             (included_from.empty() ? "" : " (included from " + included_from + ")"));
+  }
+  std::ostringstream text;
+  text << in.rdbuf();
+  return text.str();
+}
+
+inline void inline_into(const std::string& path, const std::string& included_from, std::set<std::string>* seen,
+                        std::string* out) {
+  seen->insert(path);
+  std::istringstream lines(read_file(path, included_from));
+  const std::string shown = basename_of(path);
+  *out += "#line 1 \"" + shown + "\"\n";
+  std::string line, rest, name;
+  for (int number = 1; std::getline(lines, line); ++number) {
+    if (!line.empty() && line.back() == '\r') line.pop_back();
+    if (!included_from.empty() && directive(line, "pragma", &rest) && rest.rfind("once", 0) == 0) {
+      *out += "\n";  // blank, so the #line numbering below stays exact
+      continue;
+    }
+    if (directive(line, "include", &rest) && quoted_name(rest, &name)) {
+      const std::string child = directory_of(path) + "/" + name;
+      if (!seen->count(child)) {
+        inline_into(child, path, seen, out);
+      }
+      // Resume the numbering of this file after the inlined text.
+      *out += "#line " + std::to_string(number + 1) + " \"" + shown + "\"\n";
+      continue;
+    }
+    *out += line;
+    *out += "\n";
+  }
+}
+
+}  // namespace detail
+
+// The full text of `path` with every local include inlined (see the rules
+// above). Throws std::runtime_error naming a file that cannot be read.
+// Paths are joined textually ("dir/name"): the shaders include only siblings.
+inline std::string inline_local_includes(const std::string& path) {
+  std::set<std::string> seen;
+  std::string out;
+  detail::inline_into(path, "", &seen, &out);
+  return out;
+}
+
+}  // namespace flash_metal::shader_source
