@@ -138,11 +138,28 @@ class BuildWithShaders(BuildExtension):
             shutil.copy2(path, shader_out)
         if BUILD_MPS:
             _compile_metallib(os.path.join(package_dir, "flash_metal.metallib"))
-        if self.inplace:  # editable installs read from the source tree
-            self.copy_tree(shader_out, os.path.join(ROOT, "flash_metal", "shaders"))
-            lib = os.path.join(package_dir, "flash_metal.metallib")
-            if os.path.exists(lib):
-                self.copy_file(lib, os.path.join(ROOT, "flash_metal", "flash_metal.metallib"))
+        self._mirror_into_checkout(package_dir, shader_out)
+
+    def _mirror_into_checkout(self, package_dir, shader_out):
+        """Leave the built artifacts in the checkout's flash_metal/ as well (git-ignored).
+
+        Commands run from the checkout root (`python -m benchmarks.post_figure`,
+        `python -m flash_metal.demo`) put the source tree first on sys.path, so
+        they import flash_metal from the checkout; with the compiled _C, the
+        shader sources and the metallib mirrored there, that copy is complete
+        and identical to the installed one.
+        """
+        dest = os.path.join(ROOT, "flash_metal")
+        if os.path.abspath(package_dir) == os.path.abspath(dest):
+            return
+        for ext in self.extensions:
+            built = self.get_ext_fullpath(ext.name)
+            if os.path.exists(built):
+                self.copy_file(built, os.path.join(dest, os.path.basename(built)))
+        self.copy_tree(shader_out, os.path.join(dest, "shaders"))
+        lib = os.path.join(package_dir, "flash_metal.metallib")
+        if os.path.exists(lib):
+            self.copy_file(lib, os.path.join(dest, "flash_metal.metallib"))
 
 
 setup(

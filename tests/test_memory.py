@@ -1,0 +1,35 @@
+"""The CPU kernel's extra memory is O(N), never N x N."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+SCRIPT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "peak_memory.py")
+
+
+def measure(impl, n, causal=False):
+    res = subprocess.run([sys.executable, SCRIPT, "--impl", impl, "--n", str(n), "--d", "64",
+                          *(["--causal"] if causal else [])], capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="peak RSS reset needs Linux /proc")
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_flash_peak_extra_memory_stays_in_megabytes(causal):
+    # B=1, H=1, N=16384, D=64, float32: an N x N float32 score matrix is 1 GiB.
+    r = measure("flash", 16384, causal)
+    assert r["nxn_float32_bytes"] == 1 << 30
+    # The output alone is 4 MiB; allow the thread-local blocks and allocator
+    # slack, still 1/64 of the N x N matrix.
+    assert r["peak_extra_bytes"] < 16 << 20, r
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="peak RSS reset needs Linux /proc")
+def test_measurement_sees_an_nxn_buffer():
+    # The same probe on the explicit path must see the N x N matrices, or the
+    # test above would prove nothing. N=4096: S and P are 64 MiB each.
+    r = measure("explicit", 4096)
+    assert r["peak_extra_bytes"] > 64 << 20, r
