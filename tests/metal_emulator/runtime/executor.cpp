@@ -22,7 +22,7 @@
 
 namespace fmrt {
 
-thread_local Worker* tls_worker __attribute__((tls_model("initial-exec"))) = nullptr;
+Worker* tls_worker = nullptr;
 
 static std::vector<KernelEntry>& kernels() {
   static std::vector<KernelEntry> k;
@@ -97,7 +97,7 @@ static inline void switch_to(void** save, void* next) { fm_ctx_switch(save, next
 #else
 // Portable fallback: one ucontext per fiber, stored at the bottom of its stack.
 static void fiber_main(Fiber* f);
-static thread_local ucontext_t sched_uc;
+static ucontext_t sched_uc;
 static void uc_entry(unsigned lo, unsigned hi) {
   fiber_main(reinterpret_cast<Fiber*>((uintptr_t(hi) << 32) | lo));
 }
@@ -488,7 +488,7 @@ FMEMU_EXPORT int fm_set_function_constant(int index, double v) {
 // Run one dispatch. Returns 0 when clean, 1 when there are reports (see
 // fm_last_reports), 2 on a bad description.
 FMEMU_EXPORT int fm_dispatch(const fm_dispatch_desc* d) {
-  static thread_local Worker* worker = nullptr;
+  static Worker* worker = nullptr;  // one dispatch at a time per library
   if (!worker) worker = new Worker();
   Worker& w = *worker;
   w.reports.clear();

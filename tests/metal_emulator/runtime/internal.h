@@ -165,7 +165,11 @@ struct Worker {
   bool instrument_active = false;
 };
 
-extern thread_local Worker* tls_worker __attribute__((tls_model("initial-exec")));
+// The worker running a dispatch. A plain global, not thread_local: a library
+// runs one dispatch at a time (Python holds a per-library lock), and
+// initial-exec TLS in several dlopen'ed libraries exhausts glibc's static TLS
+// surplus ("cannot allocate memory in static TLS block").
+extern Worker* tls_worker;
 
 // executor.cpp
 std::string thread_name(const Worker& w, unsigned tid);

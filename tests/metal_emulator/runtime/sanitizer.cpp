@@ -26,8 +26,9 @@ namespace fmrt {
 
 // Alternate signal stack: the fault may be a fiber stack overflow.
 constexpr size_t kAltStackSize = 64 * 1024;
-static thread_local struct sigaction old_segv, old_bus;
-static thread_local bool handler_installed = false;
+static struct sigaction old_segv, old_bus;
+static stack_t old_altstack;
+static bool handler_installed = false;
 
 static void on_fault(int sig, siginfo_t* info, void* uctx) {
   Worker* w = tls_worker;
@@ -58,14 +59,12 @@ static void on_fault(int sig, siginfo_t* info, void* uctx) {
 }
 
 void install_fault_handler() {
-  static thread_local char* alt = nullptr;
-  if (!alt) {
-    alt = static_cast<char*>(malloc(kAltStackSize));
-    stack_t ss{};
-    ss.ss_sp = alt;
-    ss.ss_size = kAltStackSize;
-    sigaltstack(&ss, nullptr);
-  }
+  static char* alt = nullptr;
+  if (!alt) alt = static_cast<char*>(malloc(kAltStackSize));
+  stack_t ss{};
+  ss.ss_sp = alt;
+  ss.ss_size = kAltStackSize;
+  sigaltstack(&ss, &old_altstack);  // per OS thread: set on every dispatch
   struct sigaction sa {};
   sa.sa_sigaction = on_fault;
   sa.sa_flags = SA_SIGINFO | SA_ONSTACK | SA_NODEFER;
@@ -79,6 +78,7 @@ void remove_fault_handler() {
   if (!handler_installed) return;
   sigaction(SIGSEGV, &old_segv, nullptr);
   sigaction(SIGBUS, &old_bus, nullptr);
+  sigaltstack(&old_altstack, nullptr);
   handler_installed = false;
 }
 
