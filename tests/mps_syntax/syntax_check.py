@@ -1,0 +1,91 @@
+"""Syntax-only compile of csrc/mps/*.mm on Linux, against the real PyTorch MPS headers.
+
+The headers come from the macOS arm64 torch wheel (downloaded once and cached;
+only torch/include is unpacked). Apple's frameworks are replaced by the
+declarations in stubs/, transcribed from Apple's documentation. clang then
+proves that the .mm agrees with PyTorch's MPS API and with those
+declarations: an unknown ATen member, a wrong type or a misspelled selector
+fails. It proves nothing about run-time behaviour.
+"""
+from __future__ import annotations
+
+import glob
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
+STUB_DIR = os.path.join(HERE, "stubs")
+# Why 2.14.1: the newest torch the environment allows (/etc/xdg/pip caps it);
+# its MPSStream.h is the one with the stream pool, the API we must agree with.
+MACOS_TORCH_VERSION = "2.14.1"
+# Why macosx_14_0_arm64: the tag PyTorch publishes its Apple-silicon wheels under.
+MACOS_PLATFORM = "macosx_14_0_arm64"
+CACHE_DIR = os.environ.get(
+    "FLASH_METAL_MACOS_TORCH_CACHE",
+    os.path.join(os.path.expanduser("~"), ".cache", "flash_metal", f"macos-torch-{MACOS_TORCH_VERSION}"),
+)
+# A file whose presence means the cache holds a complete unpack.
+_SENTINEL = os.path.join("torch", "include", "ATen", "mps", "MPSStream.h")
+
+
+class HeadersUnavailable(Exception):
+    """The macOS torch headers could not be downloaded or unpacked."""
+
+
+def macos_torch_include(cache_dir: str = CACHE_DIR) -> str:
+    """torch/include of the macOS wheel, downloading and unpacking it on first use."""
+    include = os.path.join(cache_dir, "torch", "include")
+    if os.path.exists(os.path.join(cache_dir, _SENTINEL)):
+        return include
+    wheel_dir = os.path.join(cache_dir, "wheel")
+    wheels = glob.glob(os.path.join(wheel_dir, f"torch-{MACOS_TORCH_VERSION}-*.whl"))
+    if not wheels:
+        cmd = [sys.executable, "-m", "pip", "download", f"torch=={MACOS_TORCH_VERSION}", "--no-deps",
+               "--only-binary=:all:", "--platform", MACOS_PLATFORM, "-d", wheel_dir]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        wheels = glob.glob(os.path.join(wheel_dir, f"torch-{MACOS_TORCH_VERSION}-*.whl"))
+        if proc.returncode or not wheels:
+            raise HeadersUnavailable(f"`{' '.join(cmd)}` failed:\n{proc.stdout[-2000:]}{proc.stderr[-2000:]}")
+    # Unpack into a temporary sibling, then rename: safe if two test runs race.
+    os.makedirs(cache_dir, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix="unpack.", dir=cache_dir)
+    try:
+        with zipfile.ZipFile(wheels[0]) as whl:
+            whl.extractall(tmp, members=[n for n in whl.namelist() if n.startswith("torch/include/")])
+        if not os.path.exists(os.path.join(tmp, _SENTINEL)):
+            raise HeadersUnavailable(f"{wheels[0]} has no {_SENTINEL}")
+        os.makedirs(os.path.join(cache_dir, "torch"), exist_ok=True)
+        try:
+            os.rename(os.path.join(tmp, "torch", "include"), include)
+        except OSError:
+            if not os.path.exists(os.path.join(cache_dir, _SENTINEL)):
+                raise
+    except (OSError, zipfile.BadZipFile) as err:
+        raise HeadersUnavailable(f"cannot unpack {wheels[0]}: {err}") from err
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return include
+
+
+def syntax_check_command(clang: str, source: str, torch_include: str, extra: tuple[str, ...] = ()) -> list[str]:
+    """The clang command line that syntax-checks one .mm file."""
+    return [
+        clang, "-fsyntax-only", "-x", "objective-c++", "-std=c++20",
+        "-fblocks",                        # dispatch_sync takes a block
+        "-fobjc-runtime=gnustep-2.0",      # any modern runtime parses; Apple's is not available on Linux
+        "-fno-objc-arc",                   # as setup.py builds it: manual retain/release
+        "-Werror=objc-method-access",      # a selector missing from stubs/ is an error, not a warning
+        "-DFLASH_METAL_WITH_MPS=1",
+        f"-I{STUB_DIR}", f"-I{torch_include}", f"-I{os.path.join(torch_include, 'torch', 'csrc', 'api', 'include')}",
+        f"-I{os.path.join(ROOT, 'csrc')}", f"-I{os.path.join(ROOT, 'shaders')}",
+        *extra, source,
+    ]
+
+
+def mm_sources() -> list[str]:
+    return sorted(glob.glob(os.path.join(ROOT, "csrc", "mps", "*.mm")))
