@@ -35,7 +35,7 @@ class MslRuleError(Exception):
 def _diagnostics(stderr: str) -> list[str]:
     out = []
     for line in stderr.splitlines():
-        if re.search(r": (error|fatal error): ", line):
+        if re.search(r": (error|fatal error|note): ", line):
             out.append(line.strip())
     return out
 
