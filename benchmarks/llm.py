@@ -55,6 +55,9 @@ QUICK = [
 ]
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 FLASH = "flash_metal"
+COLUMNS = ["device", "shape", "B", "Hq", "Hkv", "Nq", "Nk", "D", "dtype", "causal", "impl", "status",
+           "median_ms", "min_ms", "max_ms", "calls_per_batch", "batches", "gflop", "tflops",
+           "speedup_vs_sdpa", "max_rel_err", "note"]
 
 
 def run(args):
@@ -71,6 +74,8 @@ def run(args):
 
     meta = H.machine_metadata(device)
     meta["preset"] = f"llm{' --quick' if args.quick else ''}: forward; FLOPs = 4*B*Hq*pairs*D"
+    tag = f"llm_quick_{device}" if args.quick else f"llm_{device}"
+    csv_path = args.out_dir / f"{tag}.csv"
     bar = H.Progress(len(configs), f"llm [{device}, {threads} threads]")
     gen = torch.Generator().manual_seed(0)
     rows, table = [], []
@@ -100,15 +105,13 @@ def run(args):
                 cells.append(f"{sp:.2f}x" if sp else "n/a")
         table.append([s.label, base["dtype"], base["causal"] if s.decode else ("yes" if causal else "no")] + cells)
         bar.step(f"{s.label} {base['dtype']} causal={causal}")
+        # Rewritten after every configuration: a long run stopped midway
+        # still leaves every finished row on disk (marked incomplete).
+        meta["configs_done"] = f"{len(table)} of {len(configs)}"
+        H.write_csv(csv_path, meta, rows, COLUMNS)
     bar.close()
     H.finish_metadata(meta, t_start)
-
-    tag = f"llm_quick_{device}" if args.quick else f"llm_{device}"
-    csv_path = args.out_dir / f"{tag}.csv"
-    columns = ["device", "shape", "B", "Hq", "Hkv", "Nq", "Nk", "D", "dtype", "causal", "impl", "status",
-               "median_ms", "min_ms", "max_ms", "calls_per_batch", "batches", "gflop", "tflops",
-               "speedup_vs_sdpa", "max_rel_err", "note"]
-    H.write_csv(csv_path, meta, rows, columns)
+    H.write_csv(csv_path, meta, rows, COLUMNS)
 
     print(f"Forward time in ms: median [min-max] of {args.batches} batches, TFLOP/s from the median. "
           f"{device}, {threads} torch threads, {meta['cpu']}, torch {meta['torch']}, {meta['git_sha'][:12]}")

@@ -103,7 +103,8 @@ def plot(rows, impls, meta, path):
             ax.set_yscale("log")
             ax.set_title(f"d = {d}, {'causal' if causal else 'non-causal'}")
             ax.grid(True, which="both", alpha=0.3)
-            ax.set_xlabel("sequence length N")
+            if i_d == len(ds) - 1:
+                ax.set_xlabel("sequence length N")
             ax.set_ylabel("forward time (ms, log scale)")
             ns_all = sorted({r["N"] for r in rows})
             ax.set_xticks(ns_all)
