@@ -170,9 +170,13 @@ def test_inlined_shaders_are_one_complete_source(inliner):
 
 
 def test_inlined_shaders_compile_in_the_emulator(inliner, tmp_path):
+    # The installed copy is what library.mm reads (next to the _C extension).
+    import flash_metal
     from metal_emulator import compile_library
 
-    proc = _inline(inliner, SHADER)
+    installed = os.path.join(os.path.dirname(os.path.abspath(flash_metal.__file__)), "shaders", "attention.metal")
+    assert os.path.exists(installed), "pip install . did not ship shaders/attention.metal"
+    proc = _inline(inliner, installed)
     assert proc.returncode == 0, proc.stderr
     # Alone in an empty directory: nothing can be resolved from next to it.
     single = tmp_path / "attention.metal"
