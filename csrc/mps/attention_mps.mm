@@ -1,9 +1,9 @@
 // flash_metal::attention_forward for MPS tensors: turns the portable plan
 // (csrc/metal_plan.h) into Metal calls on PyTorch's own MPS stream.
 //
-// The encoding follows the pattern of PyTorch's Attention.mm and its
-// test/cpp_extensions/mps_extension.mm (see docs in
-// /work/shared/notes/mps-host.md): inside dispatch_sync on the stream's
+// The encoding follows the pattern of PyTorch's own Attention.mm and its
+// test/cpp_extensions/mps_extension.mm (idea credited, code not copied):
+// inside dispatch_sync on the stream's
 // serial queue, take the stream's shared compute encoder, bind, dispatch, and
 // leave committing to PyTorch. Rules (DEVELOPERS.md), checked on Linux by
 // tests/test_mps_host.py:
