@@ -6,8 +6,6 @@
 #include "attention_untiled.h"
 #include "attention_tiled.h"
 
-using namespace flash_metal;
-
 // The one instantiation macro: a host name plus the template it names; the
 // kernel's signature comes from decltype, so it is never repeated here.
 #define FM_INSTANTIATE(name, ...) \
@@ -26,6 +24,10 @@ using namespace flash_metal;
   FM_POST_KERNELS(tname, T, 128)        \
   FM_POST_KERNELS(tname, T, 256)
 
+// An explicit instantiation with an unqualified name must sit in the
+// template's own namespace (C++ [temp.explicit]), hence the namespace block.
+namespace flash_metal {
 FM_POST_KERNELS_ALL_D(float32, float)
 FM_POST_KERNELS_ALL_D(float16, half)
 FM_POST_KERNELS_ALL_D(bfloat16, bfloat)
+}  // namespace flash_metal
