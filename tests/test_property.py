@@ -44,7 +44,7 @@ def _make(shape, layout, dtype, g):
     raise ValueError(layout)
 
 
-@pytest.mark.parametrize("backend", ["cpu"])
+@pytest.mark.parametrize("backend", ["cpu", "metal-emu"])
 @settings(max_examples=60, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 @given(p=problems())
 def test_random_problems(backend, p):
