@@ -289,7 +289,12 @@ def machine_metadata(device: str) -> Dict[str, str]:
         "git_sha": sha,
     }
     if hasattr(os, "getloadavg"):
-        meta["loadavg_1m_at_start"] = f"{os.getloadavg()[0]:.2f}"
+        load = os.getloadavg()[0]
+        meta["loadavg_1m_at_start"] = f"{load:.2f}"
+        if load > 0.5 * (os.cpu_count() or 1):
+            print(f"warning: the 1-minute load average is {load:.1f} on {os.cpu_count()} logical CPUs; other "
+                  "processes compete for the cores, and multi-threaded ops (OpenMP) then wait for their "
+                  "threads to be scheduled: timings will be inflated and noisy", file=sys.stderr)
     return meta
 
 
@@ -333,10 +338,15 @@ def format_table(header: Sequence[str], rows: Iterable[Sequence[object]]) -> str
     return "\n".join(out)
 
 
+def ms3(x: float) -> str:
+    """Milliseconds to 3 significant digits, without exponents."""
+    return f"{x:.0f}" if x >= 100 else f"{x:.3g}"
+
+
 def fmt_ms(t: Optional[Timing]) -> str:
     if t is None:
         return "n/a"
-    return f"{t.median_ms:.3g} [{t.min_ms:.3g}-{t.max_ms:.3g}]"
+    return f"{ms3(t.median_ms)} [{ms3(t.min_ms)}-{ms3(t.max_ms)}]"
 
 
 class Progress:
