@@ -72,4 +72,27 @@ struct OnlineSoftmax {
   inline float inv_sum() const { return l > 0.0f ? 1.0f / l : 0.0f; }
 };
 
+// Loads query row `row` as float32, pre-multiplied by scale * log2(e), and
+// zeroes the matching accumulator: every kernel's first step.
+template <typename T>
+inline void load_query_row(device const T* q, constant AttentionParams& p, thread const HeadOffsets& h, int row,
+                           thread float* qrow, thread float* acc) {
+  device const T* qp = q + h.q + int64_t(row) * p.q_row_stride;
+  for (int c = 0; c < p.head_dim; ++c) {
+    qrow[c] = float(qp[int64_t(c) * p.q_dim_stride]) * p.scale_log2;
+    acc[c] = 0.0f;
+  }
+}
+
+// Writes acc / l to output row `row` (in T) and the row's log-sum-exp: every
+// kernel's last step. A row that saw no key stores zeros and -inf.
+template <typename T>
+inline void store_output_row(device T* o, device float* lse, constant AttentionParams& p, thread const HeadOffsets& h,
+                             int row, thread const float* acc, thread const OnlineSoftmax& sm) {
+  const float inv = sm.inv_sum();
+  device T* op = o + h.o + int64_t(row) * p.o_row_stride;
+  for (int c = 0; c < p.head_dim; ++c) op[int64_t(c) * p.o_dim_stride] = static_cast<T>(acc[c] * inv);
+  lse[h.lse + int64_t(row) * p.lse_row_stride] = sm.lse();
+}
+
 }  // namespace flash_metal

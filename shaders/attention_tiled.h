@@ -37,13 +37,7 @@ template <typename T, int DMAX, int BK, int THREADS>
 
   float qrow[DMAX];
   float acc[DMAX];
-  if (has_row) {
-    device const T* qp = q + h.q + int64_t(row) * p.q_row_stride;
-    for (int c = 0; c < D; ++c) {
-      qrow[c] = float(qp[int64_t(c) * p.q_dim_stride]) * p.scale_log2;
-      acc[c] = 0.0f;
-    }
-  }
+  if (has_row) load_query_row(q, p, h, row, qrow, acc);
 
   OnlineSoftmax sm = {-INFINITY, 0.0f};
   const int my_keys = has_row ? visible_keys(p, row) : 0;
@@ -77,10 +71,7 @@ template <typename T, int DMAX, int BK, int THREADS>
   }
 
   if (!has_row) return;  // after the last barrier: safe
-  const float inv = sm.inv_sum();
-  device T* op = o + h.o + int64_t(row) * p.o_row_stride;
-  for (int c = 0; c < D; ++c) op[int64_t(c) * p.o_dim_stride] = static_cast<T>(acc[c] * inv);
-  lse[h.lse + int64_t(row) * p.lse_row_stride] = sm.lse();
+  store_output_row(o, lse, p, h, row, acc, sm);
 }
 
 }  // namespace flash_metal

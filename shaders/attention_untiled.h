@@ -30,11 +30,7 @@ template <typename T, int DMAX, int THREADS>
   // The query row, pre-multiplied by scale * log2(e) (float32, as every product below).
   float qrow[DMAX];
   float acc[DMAX];
-  device const T* qp = q + h.q + int64_t(row) * p.q_row_stride;
-  for (int c = 0; c < D; ++c) {
-    qrow[c] = float(qp[int64_t(c) * p.q_dim_stride]) * p.scale_log2;
-    acc[c] = 0.0f;
-  }
+  load_query_row(q, p, h, row, qrow, acc);
 
   OnlineSoftmax sm = {-INFINITY, 0.0f};
   const int n_keys = visible_keys(p, row);  // the causal loop simply ends early
@@ -48,10 +44,7 @@ template <typename T, int DMAX, int THREADS>
     for (int c = 0; c < D; ++c) acc[c] = acc[c] * alpha + w * float(vp[int64_t(c) * p.v_dim_stride]);
   }
 
-  const float inv = sm.inv_sum();
-  device T* op = o + h.o + int64_t(row) * p.o_row_stride;
-  for (int c = 0; c < D; ++c) op[int64_t(c) * p.o_dim_stride] = static_cast<T>(acc[c] * inv);
-  lse[h.lse + int64_t(row) * p.lse_row_stride] = sm.lse();
+  store_output_row(o, lse, p, h, row, acc, sm);
 }
 
 }  // namespace flash_metal

@@ -3,7 +3,7 @@
 - The .mm files parse against the real PyTorch MPS headers of the macOS
   wheel plus the Apple API declarations in tests/mps_syntax/stubs/, and the
   check provably bites (a misspelled method fails it).
-- The encoding rules of DEVELOPERS.md hold, textually.
+- The encoding rules in the header of csrc/mps/attention_mps.mm hold, textually.
 - The runtime-compile fallback's include inliner (csrc/mps/shader_source.h)
   produces one complete source that the Metal emulator compiles into the same
   kernels as the shader files themselves.
@@ -115,7 +115,7 @@ def test_mm_follows_encoding_rules(source):
     for banned in ("computeCommandEncoder", "endEncoding", "commit", "commandBuffer", "-fobjc-arc",
                    "__bridge", "OperationUtils.h", "MetalShaderLibrary", "torch::mps::"):
         assert not re.search(r"(?<![\w-])" + re.escape(banned) + r"(?![\w-])", code), (
-            f"{os.path.basename(source)} uses {banned}: see DEVELOPERS.md and /work/shared/notes/mps-host.md")
+            f"{os.path.basename(source)} uses {banned}: see the rules at the top of csrc/mps/attention_mps.mm")
     blocks = _dispatch_blocks(code)
     for m in re.finditer(r"commandEncoder\s*\(", code):
         assert any(start <= m.start() < end for start, end, _ in blocks), (

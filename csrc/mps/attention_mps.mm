@@ -5,7 +5,7 @@
 // test/cpp_extensions/mps_extension.mm (idea credited, code not copied):
 // inside dispatch_sync on the stream's
 // serial queue, take the stream's shared compute encoder, bind, dispatch, and
-// leave committing to PyTorch. Rules (DEVELOPERS.md), checked on Linux by
+// leave committing to PyTorch. The rules, checked on Linux by
 // tests/test_mps_host.py:
 //   - never open an encoder, never endEncoding, never commit;
 //   - stream->commandEncoder() only inside dispatch_sync(stream->queue(), ...);
