@@ -63,11 +63,17 @@ constexpr int kTileCols = kTileVecs * kW;  // 16 floats on AVX2 and NEON
 // Queries per work item. Why 64: the transposed score block (kBlockK x 64
 // floats = 16 KB) stays in a 32 KB L1 next to the K rows being broadcast, and
 // 64-query items still give plenty of parallel items (N=1024 -> 16 per head).
-constexpr int64_t kBlockQ = 64;
+#ifndef FLASH_METAL_CPU_BLOCK_Q
+#define FLASH_METAL_CPU_BLOCK_Q 64
+#endif
+constexpr int64_t kBlockQ = FLASH_METAL_CPU_BLOCK_Q;
 // Keys per inner block. Why 64: same L1 budget as above; a multiple of... no
 // constraint (the key tail uses a smaller register tile).
-constexpr int64_t kBlockK = 64;
-static_assert(kBlockQ % kTileCols == 0, "query block must be a whole number of column tiles");
+#ifndef FLASH_METAL_CPU_BLOCK_K
+#define FLASH_METAL_CPU_BLOCK_K 64
+#endif
+constexpr int64_t kBlockK = FLASH_METAL_CPU_BLOCK_K;
+static_assert(kBlockQ % kW == 0, "query block must be a whole number of vectors");
 
 int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
@@ -84,43 +90,58 @@ struct FloatBuffer {
 
 // ---------------------------------------------------------------- micro-kernels
 
-// ST[r][c..c+kTileCols) = sum_d K[r][d] * QT[d][c..]   for r < MR.
+// ST[r][c..c+NV*kW) = sum_d K[r][d] * QT[d][c..]   for r < MR.
 // K rows: stride ldk, features contiguous. QT: stride ldq.
-template <int MR>
+template <int MR, int NV>
 inline void qk_tile(const float* k, int64_t ldk, const float* qt, int64_t ldq, int64_t D, float* st,
                     int64_t lds) {
-  Vec acc[MR][kTileVecs];
+  Vec acc[MR][NV];
   for (int r = 0; r < MR; ++r)
-    for (int v = 0; v < kTileVecs; ++v) acc[r][v] = Vec::zero();
+    for (int v = 0; v < NV; ++v) acc[r][v] = Vec::zero();
   for (int64_t d = 0; d < D; ++d) {
-    Vec b[kTileVecs];
-    for (int v = 0; v < kTileVecs; ++v) b[v] = Vec::load(qt + d * ldq + v * kW);
+    Vec b[NV];
+    for (int v = 0; v < NV; ++v) b[v] = Vec::load(qt + d * ldq + v * kW);
     for (int r = 0; r < MR; ++r) {
       const Vec a = Vec::broadcast(k[r * ldk + d]);
-      for (int v = 0; v < kTileVecs; ++v) acc[r][v] = fmadd(a, b[v], acc[r][v]);
+      for (int v = 0; v < NV; ++v) acc[r][v] = fmadd(a, b[v], acc[r][v]);
     }
   }
   for (int r = 0; r < MR; ++r)
-    for (int v = 0; v < kTileVecs; ++v) acc[r][v].store(st + r * lds + v * kW);
+    for (int v = 0; v < NV; ++v) acc[r][v].store(st + r * lds + v * kW);
 }
 
-// ST (nk x ncols) = K (nk x D) . QT (D x ncols); ncols a multiple of kTileCols.
+// All key rows of one column panel of NV vectors.
+template <int NV>
+inline void qk_panel(const float* k, int64_t ldk, int64_t nk, const float* qt, int64_t ldq, int64_t D, float* st,
+                     int64_t lds) {
+  int64_t r = 0;
+  for (; r + kTileRows <= nk; r += kTileRows) qk_tile<kTileRows, NV>(k + r * ldk, ldk, qt, ldq, D, st + r * lds, lds);
+  const float* kr = k + r * ldk;
+  float* sr = st + r * lds;
+  switch (nk - r) {
+    case 5: qk_tile<5, NV>(kr, ldk, qt, ldq, D, sr, lds); break;
+    case 4: qk_tile<4, NV>(kr, ldk, qt, ldq, D, sr, lds); break;
+    case 3: qk_tile<3, NV>(kr, ldk, qt, ldq, D, sr, lds); break;
+    case 2: qk_tile<2, NV>(kr, ldk, qt, ldq, D, sr, lds); break;
+    case 1: qk_tile<1, NV>(kr, ldk, qt, ldq, D, sr, lds); break;
+    default: break;
+  }
+}
+
+// ST (nk x ncols) = K (nk x D) . QT (D x ncols); ncols a multiple of kW.
+// Column panels outermost: one QT panel (D x 16 floats, 16 KB at D = 256)
+// stays in L1 while the key rows stream past it.
 void qk_block(const float* k, int64_t ldk, int64_t nk, const float* qt, int64_t ldq, int64_t ncols, int64_t D,
               float* st, int64_t lds) {
-  for (int64_t c = 0; c < ncols; c += kTileCols) {
-    int64_t r = 0;
-    for (; r + kTileRows <= nk; r += kTileRows)
-      qk_tile<kTileRows>(k + r * ldk, ldk, qt + c, ldq, D, st + r * lds + c, lds);
-    const float* kr = k + r * ldk;
-    float* sr = st + r * lds + c;
-    switch (nk - r) {
-      case 5: qk_tile<5>(kr, ldk, qt + c, ldq, D, sr, lds); break;
-      case 4: qk_tile<4>(kr, ldk, qt + c, ldq, D, sr, lds); break;
-      case 3: qk_tile<3>(kr, ldk, qt + c, ldq, D, sr, lds); break;
-      case 2: qk_tile<2>(kr, ldk, qt + c, ldq, D, sr, lds); break;
-      case 1: qk_tile<1>(kr, ldk, qt + c, ldq, D, sr, lds); break;
-      default: break;
-    }
+  int64_t c = 0;
+  for (; c + kTileCols <= ncols; c += kTileCols) qk_panel<kTileVecs>(k, ldk, nk, qt + c, ldq, D, st + c, lds);
+  switch ((ncols - c) / kW) {
+#if defined(FLASH_METAL_SIMD_NEON)
+    case 3: qk_panel<3>(k, ldk, nk, qt + c, ldq, D, st + c, lds); break;
+    case 2: qk_panel<2>(k, ldk, nk, qt + c, ldq, D, st + c, lds); break;
+#endif
+    case 1: qk_panel<1>(k, ldk, nk, qt + c, ldq, D, st + c, lds); break;
+    default: break;
   }
 }
 
@@ -146,34 +167,37 @@ inline void pv_tile(const float* p, int64_t ldp, int64_t nk, const float* v, int
     for (int c = 0; c < NV; ++c) acc[r][c].store(o + r * ldo + c * kW);
 }
 
-template <int MR>
-inline void pv_rows(const float* p, int64_t ldp, int64_t nk, const float* v, int64_t ldv, int64_t nvec,
-                    const float* alpha, float* o, int64_t ldo) {
-  int64_t c = 0;
-  for (; c + kTileVecs <= nvec; c += kTileVecs)
-    pv_tile<MR, kTileVecs>(p, ldp, nk, v + c * kW, ldv, alpha, o + c * kW, ldo);
-  switch (nvec - c) {
-#if defined(FLASH_METAL_SIMD_NEON)
-    case 3: pv_tile<MR, 3>(p, ldp, nk, v + c * kW, ldv, alpha, o + c * kW, ldo); break;
-    case 2: pv_tile<MR, 2>(p, ldp, nk, v + c * kW, ldv, alpha, o + c * kW, ldo); break;
-#endif
-    case 1: pv_tile<MR, 1>(p, ldp, nk, v + c * kW, ldv, alpha, o + c * kW, ldo); break;
+// One column panel of NV vectors, all query rows.
+template <int NV>
+inline void pv_panel(const float* p, int64_t ldp, int64_t nk, int64_t nq, const float* v, int64_t ldv,
+                     const float* alpha, float* o, int64_t ldo) {
+  int64_t r = 0;
+  for (; r + kTileRows <= nq; r += kTileRows)
+    pv_tile<kTileRows, NV>(p + r, ldp, nk, v, ldv, alpha + r, o + r * ldo, ldo);
+  switch (nq - r) {
+    case 5: pv_tile<5, NV>(p + r, ldp, nk, v, ldv, alpha + r, o + r * ldo, ldo); break;
+    case 4: pv_tile<4, NV>(p + r, ldp, nk, v, ldv, alpha + r, o + r * ldo, ldo); break;
+    case 3: pv_tile<3, NV>(p + r, ldp, nk, v, ldv, alpha + r, o + r * ldo, ldo); break;
+    case 2: pv_tile<2, NV>(p + r, ldp, nk, v, ldv, alpha + r, o + r * ldo, ldo); break;
+    case 1: pv_tile<1, NV>(p + r, ldp, nk, v, ldv, alpha + r, o + r * ldo, ldo); break;
     default: break;
   }
 }
 
 // O (nq x nvec*kW) = alpha * O + P^T . V   with P (nk x >= nq) transposed probabilities.
+// Column panels outermost: the V panel (nk x 16 floats, 4 KB) stays in L1
+// while every query row tile reuses it; P (16 KB) is re-read from L1.
 void pv_block(const float* p, int64_t ldp, int64_t nk, int64_t nq, const float* v, int64_t ldv, int64_t nvec,
               const float* alpha, float* o, int64_t ldo) {
-  int64_t r = 0;
-  for (; r + kTileRows <= nq; r += kTileRows)
-    pv_rows<kTileRows>(p + r, ldp, nk, v, ldv, nvec, alpha + r, o + r * ldo, ldo);
-  switch (nq - r) {
-    case 5: pv_rows<5>(p + r, ldp, nk, v, ldv, nvec, alpha + r, o + r * ldo, ldo); break;
-    case 4: pv_rows<4>(p + r, ldp, nk, v, ldv, nvec, alpha + r, o + r * ldo, ldo); break;
-    case 3: pv_rows<3>(p + r, ldp, nk, v, ldv, nvec, alpha + r, o + r * ldo, ldo); break;
-    case 2: pv_rows<2>(p + r, ldp, nk, v, ldv, nvec, alpha + r, o + r * ldo, ldo); break;
-    case 1: pv_rows<1>(p + r, ldp, nk, v, ldv, nvec, alpha + r, o + r * ldo, ldo); break;
+  int64_t c = 0;
+  for (; c + kTileVecs <= nvec; c += kTileVecs)
+    pv_panel<kTileVecs>(p, ldp, nk, nq, v + c * kW, ldv, alpha, o + c * kW, ldo);
+  switch (nvec - c) {
+#if defined(FLASH_METAL_SIMD_NEON)
+    case 3: pv_panel<3>(p, ldp, nk, nq, v + c * kW, ldv, alpha, o + c * kW, ldo); break;
+    case 2: pv_panel<2>(p, ldp, nk, nq, v + c * kW, ldv, alpha, o + c * kW, ldo); break;
+#endif
+    case 1: pv_panel<1>(p, ldp, nk, nq, v + c * kW, ldv, alpha, o + c * kW, ldo); break;
     default: break;
   }
 }
@@ -216,39 +240,39 @@ struct Workspace {
   }
 };
 
+// One work item: query rows [i0, i0 + nq) of the nh query heads h0 .. h0+nh-1,
+// which all share kv head hk. Column c of the score block is query row
+// i0 + c % nq of head h0 + c / nq. nh > 1 only when nq is small (decode,
+// short prompts): packing the heads of a GQA group side by side reads each
+// K/V block once for the whole group and fills the 16-wide register tile.
 template <typename T>
 void attention_item(const Geometry& g, const T* q, const T* k, const T* v, T* out, float* lse, int64_t b,
-                    int64_t h, int64_t qb, Workspace& ws) {
+                    int64_t hk, int64_t h0, int64_t nh, int64_t i0, int64_t nq, Workspace& ws) {
   const int64_t D = g.head_dim;
   const int64_t Dp = round_up(D, kW);
   const int64_t nvec = Dp / kW;
-  const int64_t i0 = qb * kBlockQ;
-  const int64_t nq = std::min(kBlockQ, g.q_len - i0);
-  const int64_t ncols = round_up(nq, kTileCols);
-  const int64_t hk = h / g.group;
-
-  T* out_rows = out + ((b * g.q_heads + h) * g.q_len + i0) * D;
-  float* lse_rows = lse + (b * g.q_heads + h) * g.q_len + i0;
+  const int64_t nrows = nh * nq;  // live columns of the score block
+  const int64_t ncols = round_up(nrows, kW);
 
   // Keys this block needs: all of them, or up to the last query's causal frontier.
   int64_t key_end = g.kv_len;
   if (g.causal) key_end = std::min(key_end, std::max<int64_t>(0, i0 + nq + g.causal_offset));
 
   // 1. Q block, transposed and pre-scaled.
-  const T* q_blk = q + b * g.q_stride[0] + h * g.q_stride[1] + i0 * g.q_stride[2];
   float* qt = ws.qt.ptr;
   {
     float row[kMaxHeadDim];
-    for (int64_t i = 0; i < nq; ++i) {
-      convert_row(q_blk + i * g.q_stride[2], g.q_stride[3], D, row);
-      for (int64_t d = 0; d < D; ++d) qt[d * kBlockQ + i] = row[d] * g.scale_log2;
+    for (int64_t c = 0; c < nrows; ++c) {
+      const T* src = q + b * g.q_stride[0] + (h0 + c / nq) * g.q_stride[1] + (i0 + c % nq) * g.q_stride[2];
+      convert_row(src, g.q_stride[3], D, row);
+      for (int64_t d = 0; d < D; ++d) qt[d * kBlockQ + c] = row[d] * g.scale_log2;
     }
     for (int64_t d = 0; d < D; ++d)
-      for (int64_t i = nq; i < ncols; ++i) qt[d * kBlockQ + i] = 0.0f;
+      for (int64_t c = nrows; c < ncols; ++c) qt[d * kBlockQ + c] = 0.0f;
   }
 
   float* o = ws.o.ptr;
-  std::fill(o, o + nq * Dp, 0.0f);
+  std::fill(o, o + nrows * Dp, 0.0f);
   std::fill(ws.m, ws.m + ncols, kNegInf);
   std::fill(ws.l, ws.l + ncols, 0.0f);
 
@@ -281,11 +305,12 @@ void attention_item(const Geometry& g, const T* q, const T* k, const T* v, T* ou
     qk_block(kp, ldk, nk, qt, kBlockQ, ncols, D, st, kBlockQ);
 
     // 2b. causal mask, only where the block crosses the diagonal: key j0+j is
-    // visible to query i0+i iff i >= j0 + j - offset - i0.
+    // visible to query row i0+i iff i >= j0 + j - offset - i0.
     if (g.causal && j0 + nk - 1 > i0 + g.causal_offset) {
       for (int64_t j = 0; j < nk; ++j) {
-        const int64_t first_visible = std::min(ncols, std::max<int64_t>(0, j0 + j - g.causal_offset - i0));
-        std::fill(st + j * kBlockQ, st + j * kBlockQ + first_visible, kNegInf);
+        const int64_t first_visible = std::min(nq, std::max<int64_t>(0, j0 + j - g.causal_offset - i0));
+        for (int64_t s = 0; s < nh; ++s)
+          std::fill(st + j * kBlockQ + s * nq, st + j * kBlockQ + s * nq + first_visible, kNegInf);
       }
     }
 
@@ -295,8 +320,7 @@ void attention_item(const Geometry& g, const T* q, const T* k, const T* v, T* ou
       for (int64_t j = 0; j < nk; ++j) mx = vmax(mx, Vec::load(st + j * kBlockQ + c));
       // A column that has seen only masked keys keeps m = -inf; exponentiate
       // against 0 instead so that exp2(-inf - (-inf)) never makes a NaN.
-      const Vec ninf = Vec::broadcast(kNegInf);
-      const Vec m_use = select_eq(mx, ninf, Vec::zero(), mx);
+      const Vec m_use = select_eq(mx, Vec::broadcast(kNegInf), Vec::zero(), mx);
       const Vec alpha = exp2_approx(Vec::load(ws.m + c) - m_use);
       Vec sum = Vec::zero();
       for (int64_t j = 0; j < nk; ++j) {
@@ -326,21 +350,22 @@ void attention_item(const Geometry& g, const T* q, const T* k, const T* v, T* ou
     }
 
     // 2d. O = alpha * O + P^T V
-    pv_block(st, kBlockQ, nk, nq, vp, ldv, nvec, ws.alpha, o, Dp);
+    pv_block(st, kBlockQ, nk, nrows, vp, ldv, nvec, ws.alpha, o, Dp);
   }
 
-  // 3. normalise and write out.
-  for (int64_t i = 0; i < nq; ++i) {
-    const float l = ws.l[i];
-    T* dst = out_rows + i * D;
-    const float* src = o + i * Dp;
+  // 3. normalise and write out (out and lse are packed, from allocate_outputs).
+  for (int64_t c = 0; c < nrows; ++c) {
+    const int64_t row = (b * g.q_heads + h0 + c / nq) * g.q_len + i0 + c % nq;
+    T* dst = out + row * D;
+    const float* src = o + c * Dp;
+    const float l = ws.l[c];
     if (l > 0.0f) {
       const float inv = 1.0f / l;
       for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<T>(src[d] * inv);
-      lse_rows[i] = kLn2 * (ws.m[i] + std::log2(l));
+      lse[row] = kLn2 * (ws.m[c] + std::log2(l));
     } else {  // the row sees no key (causal with Nk < Nq)
       for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<T>(0.0f);
-      lse_rows[i] = kNegInf;
+      lse[row] = kNegInf;
     }
   }
 }
@@ -354,9 +379,14 @@ void run_attention(const Geometry& g, const at::Tensor& q, const at::Tensor& k, 
   T* op = out.mutable_data_ptr<T>();
   float* lp = lse.mutable_data_ptr<float>();
 
+  // Work decomposition. Short query blocks pack several heads of a GQA group
+  // into one item (see attention_item); otherwise one head per item.
+  const int64_t rows_per_block = std::min(kBlockQ, g.q_len);
   const int64_t q_blocks = (g.q_len + kBlockQ - 1) / kBlockQ;
-  const int64_t heads = g.batch * g.q_heads;
-  const int64_t items = heads * q_blocks;
+  const int64_t heads_per_item = std::max<int64_t>(1, std::min(g.group, kBlockQ / rows_per_block));
+  const int64_t head_chunks = (g.group + heads_per_item - 1) / heads_per_item;
+  const int64_t lanes = g.batch * g.kv_heads * head_chunks;  // items per query block
+  const int64_t items = lanes * q_blocks;
   const int64_t D = g.head_dim;
   const int64_t Dp = round_up(D, kW);
 
@@ -370,9 +400,15 @@ void run_attention(const Geometry& g, const at::Tensor& q, const at::Tensor& k, 
     Workspace ws(D, Dp);
     for (int64_t t = begin; t < end; ++t) {
       for (int64_t idx = next.fetch_add(1); idx < items; idx = next.fetch_add(1)) {
-        const int64_t qb = q_blocks - 1 - idx / heads;
-        const int64_t bh = idx % heads;
-        attention_item<T>(g, qp, kp, vp, op, lp, bh / g.q_heads, bh % g.q_heads, qb, ws);
+        const int64_t qb = q_blocks - 1 - idx / lanes;
+        const int64_t lane = idx % lanes;
+        const int64_t chunk = lane % head_chunks;
+        const int64_t bk = lane / head_chunks;  // b * kv_heads + hk
+        const int64_t b = bk / g.kv_heads, hk = bk % g.kv_heads;
+        const int64_t h0 = hk * g.group + chunk * heads_per_item;
+        const int64_t nh = std::min(heads_per_item, g.group - chunk * heads_per_item);
+        const int64_t i0 = qb * kBlockQ;
+        attention_item<T>(g, qp, kp, vp, op, lp, b, hk, h0, nh, i0, std::min(kBlockQ, g.q_len - i0), ws);
       }
     }
   });
