@@ -128,3 +128,15 @@ def test_single_head_wrapper_form():
     out4, lse4 = flash_metal.attention_with_lse(q[None, None], k[None, None], v[None, None], causal=True)
     assert torch.equal(out, out4[0, 0])
     assert_attention_close(out4, lse4, q[None, None], k[None, None], v[None, None], True)
+
+
+@pytest.mark.skipif(not __import__("backends").mps_usable(), reason="no usable MPS device")
+def test_mps_stream_ordering_with_other_ops():
+    # Inputs produced by MPS ops just before the call, and the output consumed
+    # by MPS ops right after: our dispatch must sit in order on PyTorch's stream.
+    g = torch.Generator().manual_seed(9)
+    base = [torch.randn(1, 2, 300, 64, generator=g) for _ in range(3)]
+    q, k, v = ((t.to("mps") * 3.0 - 1.0) / 3.0 + 1.0 / 3.0 for t in base)
+    out, lse = torch.ops.flash_metal.attention_forward(q, k, v, True)
+    doubled = (out * 2.0).cpu() / 2.0
+    assert_attention_close(doubled.contiguous(), lse.cpu(), *(t.cpu() for t in (q, k, v)), True)
