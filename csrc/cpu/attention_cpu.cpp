@@ -91,9 +91,10 @@ struct FloatBuffer {
 // ---------------------------------------------------------------- micro-kernels
 
 // ST[r][c..c+NV*kW) = sum_d K[r][d] * QT[d][c..]   for r < MR.
-// K rows: stride ldk, features contiguous. QT: stride ldq.
+// K is a packed row tile: k[d * ks + r] (ks >= MR: the tile's packed height),
+// so the MR broadcasts of one step read consecutive floats. QT: row stride ldq.
 template <int MR, int NV>
-inline void qk_tile(const float* k, int64_t ldk, const float* qt, int64_t ldq, int64_t D, float* st,
+inline void qk_tile(const float* k, int64_t ks, const float* qt, int64_t ldq, int64_t D, float* st,
                     int64_t lds) {
   Vec acc[MR][NV];
   for (int r = 0; r < MR; ++r)
@@ -102,7 +103,7 @@ inline void qk_tile(const float* k, int64_t ldk, const float* qt, int64_t ldq, i
     Vec b[NV];
     for (int v = 0; v < NV; ++v) b[v] = Vec::load(qt + d * ldq + v * kW);
     for (int r = 0; r < MR; ++r) {
-      const Vec a = Vec::broadcast(k[r * ldk + d]);
+      const Vec a = Vec::broadcast(k[d * ks + r]);
       for (int v = 0; v < NV; ++v) acc[r][v] = fmadd(a, b[v], acc[r][v]);
     }
   }
@@ -112,18 +113,20 @@ inline void qk_tile(const float* k, int64_t ldk, const float* qt, int64_t ldq, i
 
 // All key rows of one column panel of NV vectors.
 template <int NV>
-inline void qk_panel(const float* k, int64_t ldk, int64_t nk, const float* qt, int64_t ldq, int64_t D, float* st,
-                     int64_t lds) {
+inline void qk_panel(const float* k, int64_t nk, int64_t packed_rows, const float* qt, int64_t ldq, int64_t D,
+                     float* st, int64_t lds) {
   int64_t r = 0;
-  for (; r + kTileRows <= nk; r += kTileRows) qk_tile<kTileRows, NV>(k + r * ldk, ldk, qt, ldq, D, st + r * lds, lds);
-  const float* kr = k + r * ldk;
+  for (; r + kTileRows <= nk; r += kTileRows)
+    qk_tile<kTileRows, NV>(k + r * D, kTileRows, qt, ldq, D, st + r * lds, lds);
+  const float* kr = k + r * D;
+  const int64_t ks = std::min<int64_t>(kTileRows, packed_rows - r);
   float* sr = st + r * lds;
   switch (nk - r) {
-    case 5: qk_tile<5, NV>(kr, ldk, qt, ldq, D, sr, lds); break;
-    case 4: qk_tile<4, NV>(kr, ldk, qt, ldq, D, sr, lds); break;
-    case 3: qk_tile<3, NV>(kr, ldk, qt, ldq, D, sr, lds); break;
-    case 2: qk_tile<2, NV>(kr, ldk, qt, ldq, D, sr, lds); break;
-    case 1: qk_tile<1, NV>(kr, ldk, qt, ldq, D, sr, lds); break;
+    case 5: qk_tile<5, NV>(kr, ks, qt, ldq, D, sr, lds); break;
+    case 4: qk_tile<4, NV>(kr, ks, qt, ldq, D, sr, lds); break;
+    case 3: qk_tile<3, NV>(kr, ks, qt, ldq, D, sr, lds); break;
+    case 2: qk_tile<2, NV>(kr, ks, qt, ldq, D, sr, lds); break;
+    case 1: qk_tile<1, NV>(kr, ks, qt, ldq, D, sr, lds); break;
     default: break;
   }
 }
@@ -131,16 +134,16 @@ inline void qk_panel(const float* k, int64_t ldk, int64_t nk, const float* qt, i
 // ST (nk x ncols) = K (nk x D) . QT (D x ncols); ncols a multiple of kW.
 // Column panels outermost: one QT panel (D x 16 floats, 16 KB at D = 256)
 // stays in L1 while the key rows stream past it.
-void qk_block(const float* k, int64_t ldk, int64_t nk, const float* qt, int64_t ldq, int64_t ncols, int64_t D,
+void qk_block(const float* k, int64_t nk, int64_t packed_rows, const float* qt, int64_t ldq, int64_t ncols, int64_t D,
               float* st, int64_t lds) {
   int64_t c = 0;
-  for (; c + kTileCols <= ncols; c += kTileCols) qk_panel<kTileVecs>(k, ldk, nk, qt + c, ldq, D, st + c, lds);
+  for (; c + kTileCols <= ncols; c += kTileCols) qk_panel<kTileVecs>(k, nk, packed_rows, qt + c, ldq, D, st + c, lds);
   switch ((ncols - c) / kW) {
 #if defined(FLASH_METAL_SIMD_NEON)
-    case 3: qk_panel<3>(k, ldk, nk, qt + c, ldq, D, st + c, lds); break;
-    case 2: qk_panel<2>(k, ldk, nk, qt + c, ldq, D, st + c, lds); break;
+    case 3: qk_panel<3>(k, nk, packed_rows, qt + c, ldq, D, st + c, lds); break;
+    case 2: qk_panel<2>(k, nk, packed_rows, qt + c, ldq, D, st + c, lds); break;
 #endif
-    case 1: qk_panel<1>(k, ldk, nk, qt + c, ldq, D, st + c, lds); break;
+    case 1: qk_panel<1>(k, nk, packed_rows, qt + c, ldq, D, st + c, lds); break;
     default: break;
   }
 }
@@ -185,26 +188,35 @@ inline void pv_panel(const float* p, int64_t ldp, int64_t nk, int64_t nq, const 
 }
 
 // O (nq x nvec*kW) = alpha * O + P^T . V   with P (nk x >= nq) transposed probabilities.
-// Column panels outermost: the V panel (nk x 16 floats, 4 KB) stays in L1
-// while every query row tile reuses it; P (16 KB) is re-read from L1.
-void pv_block(const float* p, int64_t ldp, int64_t nk, int64_t nq, const float* v, int64_t ldv, int64_t nvec,
-              const float* alpha, float* o, int64_t ldo) {
+// V is packed panel-major (see pack_v): the panel of columns [c, c + w)
+// starts at v + c * panel_rows with row stride w; only its first nk rows are used. Column panels outermost: one V panel
+// (nk x 16 floats, 4 KB) stays in L1 while every query row tile reuses it.
+void pv_block(const float* p, int64_t ldp, int64_t nk, int64_t panel_rows, int64_t nq, const float* v,
+              int64_t nvec, const float* alpha, float* o, int64_t ldo) {
   int64_t c = 0;
   for (; c + kTileVecs <= nvec; c += kTileVecs)
-    pv_panel<kTileVecs>(p, ldp, nk, nq, v + c * kW, ldv, alpha, o + c * kW, ldo);
+    pv_panel<kTileVecs>(p, ldp, nk, nq, v + c * kW * panel_rows, kTileCols, alpha, o + c * kW, ldo);
+  const float* vp = v + c * kW * panel_rows;
+  const int64_t w = (nvec - c) * kW;
   switch (nvec - c) {
 #if defined(FLASH_METAL_SIMD_NEON)
-    case 3: pv_panel<3>(p, ldp, nk, nq, v + c * kW, ldv, alpha, o + c * kW, ldo); break;
-    case 2: pv_panel<2>(p, ldp, nk, nq, v + c * kW, ldv, alpha, o + c * kW, ldo); break;
+    case 3: pv_panel<3>(p, ldp, nk, nq, vp, w, alpha, o + c * kW, ldo); break;
+    case 2: pv_panel<2>(p, ldp, nk, nq, vp, w, alpha, o + c * kW, ldo); break;
 #endif
-    case 1: pv_panel<1>(p, ldp, nk, nq, v + c * kW, ldv, alpha, o + c * kW, ldo); break;
+    case 1: pv_panel<1>(p, ldp, nk, nq, vp, w, alpha, o + c * kW, ldo); break;
     default: break;
   }
 }
 
 // ---------------------------------------------------------------- packing
+// K and V blocks are always copied (and converted to float32) into small
+// per-thread panels laid out for the micro-kernels. Reading float32 K/V in
+// place was measured slower at D = 128: with a 512-byte row stride the 64
+// rows of a block fall into only 8 of L1's 64 sets and evict one another
+// (the V load was the hottest instruction of P.V). Packing costs one pass over
+// the block per 64 queries and makes every dtype and stride take one path.
 
-// dst[0..n) = float(src[0..n) with element stride `stride`) * mul
+// dst[0..n) = float(src[0..n) with element stride `stride`)
 template <typename T>
 inline void convert_row(const T* src, int64_t stride, int64_t n, float* dst) {
   int64_t d = 0;
@@ -212,6 +224,37 @@ inline void convert_row(const T* src, int64_t stride, int64_t n, float* dst) {
     for (; d + kW <= n; d += kW) load_convert(src + d).store(dst + d);
   }
   for (; d < n; ++d) dst[d] = static_cast<float>(src[d * stride]);
+}
+
+// K rows [0, nk) -> row tiles of kTileRows: the tile starting at row t holds
+// rows t .. t+mr-1 interleaved, dst[t * D + d * mr + (j - t)] (qk_tile's layout).
+template <typename T>
+void pack_k(const T* k, int64_t row_stride, int64_t dim_stride, int64_t nk, int64_t D, float* dst) {
+  float row[kMaxHeadDim];
+  for (int64_t j = 0; j < nk; ++j) {
+    convert_row(k + j * row_stride, dim_stride, D, row);
+    const int64_t t = j / kTileRows * kTileRows;
+    const int64_t mr = std::min<int64_t>(kTileRows, nk - t);
+    float* tile = dst + t * D + (j - t);
+    for (int64_t d = 0; d < D; ++d) tile[d * mr] = row[d];
+  }
+}
+
+// V rows [0, nk) -> column panels of kTileCols (the last one narrower):
+// the panel of columns [c, c + w) is dst[c * nk + j * w + (col - c)],
+// zero-padded from D to Dp columns.
+template <typename T>
+void pack_v(const T* v, int64_t row_stride, int64_t dim_stride, int64_t nk, int64_t D, int64_t Dp, float* dst) {
+  float row[kMaxHeadDim + kTileCols];
+  for (int64_t j = 0; j < nk; ++j) {
+    convert_row(v + j * row_stride, dim_stride, D, row);
+    for (int64_t d = D; d < Dp; ++d) row[d] = 0.0f;
+    for (int64_t c = 0; c < Dp; c += kTileCols) {
+      const int64_t w = std::min<int64_t>(kTileCols, Dp - c);
+      float* out = dst + c * nk + j * w;
+      for (int64_t x = 0; x < w; x += kW) Vec::load(row + c + x).store(out + x);
+    }
+  }
 }
 
 // ---------------------------------------------------------------- driver
@@ -224,148 +267,149 @@ struct Geometry {
   int64_t q_stride[4], k_stride[4], v_stride[4];
 };
 
+// Query blocks per work item, at most. Every K/V block is packed once per
+// item and reused by all its query blocks, so packing costs one pass over K/V
+// per kMaxSubBlocks * kBlockQ = 256 queries instead of per 64 (at 64 queries
+// the packing took ~20% of the time at D = 128). Each query block keeps its
+// own 64-column score block, so the micro-kernels' L1 working set is
+// unchanged. Fewer sub-blocks are used when that is needed to keep both
+// cores busy (see run_attention).
+constexpr int64_t kMaxSubBlocks = 4;
+
 struct Workspace {
-  FloatBuffer qt;  // D x kBlockQ: transposed, pre-scaled query block
-  FloatBuffer kb;  // kBlockK x D: converted K block (when K cannot be read in place)
-  FloatBuffer vb;  // kBlockK x Dp: converted V block, zero-padded to Dp columns
+  FloatBuffer qt;  // kMaxSubBlocks x D x kBlockQ: transposed, pre-scaled query blocks
+  FloatBuffer kb;  // kBlockK x D: K block in qk_tile's row-tile layout (pack_k)
+  FloatBuffer vb;  // kBlockK x Dp: V block in column panels (pack_v)
   FloatBuffer st;  // kBlockK x kBlockQ: scores, then probabilities (transposed)
-  FloatBuffer o;   // kBlockQ x Dp: unnormalised output accumulator
-  float m[kBlockQ], l[kBlockQ], alpha[kBlockQ];
+  FloatBuffer o;   // kMaxSubBlocks x kBlockQ x Dp: unnormalised output accumulators
+  float m[kMaxSubBlocks * kBlockQ], l[kMaxSubBlocks * kBlockQ], alpha[kBlockQ];
   explicit Workspace(int64_t D, int64_t Dp) {
-    qt.resize(D * kBlockQ);
+    qt.resize(kMaxSubBlocks * D * kBlockQ);
     kb.resize(kBlockK * D);
     vb.resize(kBlockK * Dp);
     st.resize(kBlockK * kBlockQ);
-    o.resize(kBlockQ * Dp);
+    o.resize(kMaxSubBlocks * kBlockQ * Dp);
   }
 };
 
-// One work item: query rows [i0, i0 + nq) of the nh query heads h0 .. h0+nh-1,
-// which all share kv head hk. Column c of the score block is query row
-// i0 + c % nq of head h0 + c / nq. nh > 1 only when nq is small (decode,
-// short prompts): packing the heads of a GQA group side by side reads each
-// K/V block once for the whole group and fills the 16-wide register tile.
+// One work item: nsub query blocks of one head (rows i0 .. i0 + nsub*kBlockQ,
+// clipped to Nq), or, when Nq < kBlockQ, one block that packs the nh query
+// heads h0 .. h0+nh-1 side by side: column c is query row c % nq of head
+// h0 + c / nq. Packing the heads of a GQA group reads each K/V block once for
+// the whole group and fills the register tile (decode: 4 heads x 1 row).
 template <typename T>
 void attention_item(const Geometry& g, const T* q, const T* k, const T* v, T* out, float* lse, int64_t b,
-                    int64_t hk, int64_t h0, int64_t nh, int64_t i0, int64_t nq, Workspace& ws) {
+                    int64_t hk, int64_t h0, int64_t nh, int64_t i0, int64_t nsub, Workspace& ws) {
   const int64_t D = g.head_dim;
   const int64_t Dp = round_up(D, kW);
   const int64_t nvec = Dp / kW;
-  const int64_t nrows = nh * nq;  // live columns of the score block
-  const int64_t ncols = round_up(nrows, kW);
+  const int64_t q_end = std::min(g.q_len, i0 + nsub * kBlockQ);
+  nsub = (q_end - i0 + kBlockQ - 1) / kBlockQ;
 
-  // Keys this block needs: all of them, or up to the last query's causal frontier.
-  int64_t key_end = g.kv_len;
-  if (g.causal) key_end = std::min(key_end, std::max<int64_t>(0, i0 + nq + g.causal_offset));
+  struct Sub {
+    int64_t i0, nq, nrows, ncols, key_end;
+    float *qt, *o, *m, *l;
+  } sub[kMaxSubBlocks];
+  int64_t key_end_all = 0;
+  for (int64_t s = 0; s < nsub; ++s) {
+    Sub& u = sub[s];
+    u.i0 = i0 + s * kBlockQ;
+    u.nq = std::min(kBlockQ, q_end - u.i0);
+    u.nrows = nh * u.nq;  // live columns of the score block
+    u.ncols = round_up(u.nrows, kW);
+    // Keys this block needs: all of them, or up to its last query's causal frontier.
+    u.key_end = g.kv_len;
+    if (g.causal) u.key_end = std::min(u.key_end, std::max<int64_t>(0, u.i0 + u.nq + g.causal_offset));
+    key_end_all = std::max(key_end_all, u.key_end);
+    u.qt = ws.qt.ptr + s * D * kBlockQ;
+    u.o = ws.o.ptr + s * kBlockQ * Dp;
+    u.m = ws.m + s * kBlockQ;
+    u.l = ws.l + s * kBlockQ;
 
-  // 1. Q block, transposed and pre-scaled.
-  float* qt = ws.qt.ptr;
-  {
+    // 1. Q block, transposed and pre-scaled.
     float row[kMaxHeadDim];
-    for (int64_t c = 0; c < nrows; ++c) {
-      const T* src = q + b * g.q_stride[0] + (h0 + c / nq) * g.q_stride[1] + (i0 + c % nq) * g.q_stride[2];
+    for (int64_t c = 0; c < u.nrows; ++c) {
+      const T* src =
+          q + b * g.q_stride[0] + (h0 + c / u.nq) * g.q_stride[1] + (u.i0 + c % u.nq) * g.q_stride[2];
       convert_row(src, g.q_stride[3], D, row);
-      for (int64_t d = 0; d < D; ++d) qt[d * kBlockQ + c] = row[d] * g.scale_log2;
+      for (int64_t d = 0; d < D; ++d) u.qt[d * kBlockQ + c] = row[d] * g.scale_log2;
     }
     for (int64_t d = 0; d < D; ++d)
-      for (int64_t c = nrows; c < ncols; ++c) qt[d * kBlockQ + c] = 0.0f;
+      for (int64_t c = u.nrows; c < u.ncols; ++c) u.qt[d * kBlockQ + c] = 0.0f;
+    std::fill(u.o, u.o + u.nrows * Dp, 0.0f);
+    std::fill(u.m, u.m + u.ncols, kNegInf);
+    std::fill(u.l, u.l + u.ncols, 0.0f);
   }
-
-  float* o = ws.o.ptr;
-  std::fill(o, o + nrows * Dp, 0.0f);
-  std::fill(ws.m, ws.m + ncols, kNegInf);
-  std::fill(ws.l, ws.l + ncols, 0.0f);
 
   const T* k_head = k + b * g.k_stride[0] + hk * g.k_stride[1];
   const T* v_head = v + b * g.v_stride[0] + hk * g.v_stride[1];
-  // float32 rows with contiguous features are read in place (V also needs
-  // whole vectors per row, hence D % kW == 0).
-  constexpr bool is_float = std::is_same<T, float>::value;
-  const bool k_in_place = is_float && g.k_stride[3] == 1;
-  const bool v_in_place = is_float && g.v_stride[3] == 1 && D % kW == 0;
-
   float* st = ws.st.ptr;
-  for (int64_t j0 = 0; j0 < key_end; j0 += kBlockK) {
-    const int64_t nk = std::min(kBlockK, key_end - j0);
+  for (int64_t j0 = 0; j0 < key_end_all; j0 += kBlockK) {
+    // K and V block -> packed panels, shared by all sub-blocks.
+    const int64_t nk_all = std::min(kBlockK, key_end_all - j0);
+    pack_k(k_head + j0 * g.k_stride[2], g.k_stride[2], g.k_stride[3], nk_all, D, ws.kb.ptr);
+    pack_v(v_head + j0 * g.v_stride[2], g.v_stride[2], g.v_stride[3], nk_all, D, Dp, ws.vb.ptr);
 
-    // K block
-    const float* kp;
-    int64_t ldk;
-    if (k_in_place) {
-      kp = reinterpret_cast<const float*>(k_head) + j0 * g.k_stride[2];
-      ldk = g.k_stride[2];
-    } else {
-      for (int64_t j = 0; j < nk; ++j)
-        convert_row(k_head + (j0 + j) * g.k_stride[2], g.k_stride[3], D, ws.kb.ptr + j * D);
-      kp = ws.kb.ptr;
-      ldk = D;
-    }
+    for (int64_t s = 0; s < nsub; ++s) {
+      Sub& u = sub[s];
+      if (j0 >= u.key_end) continue;  // causal: this whole key block is in u's future
+      // Rows of the packed tiles are in key order, so a prefix of the block
+      // is a prefix of the packed K rows; V panels are indexed by nk_all.
+      const int64_t nk = std::min(nk_all, u.key_end - j0);
 
-    // 2a. scores ST = K . QT
-    qk_block(kp, ldk, nk, qt, kBlockQ, ncols, D, st, kBlockQ);
+      // 2a. scores ST = K . QT
+      qk_block(ws.kb.ptr, nk, nk_all, u.qt, kBlockQ, u.ncols, D, st, kBlockQ);
 
-    // 2b. causal mask, only where the block crosses the diagonal: key j0+j is
-    // visible to query row i0+i iff i >= j0 + j - offset - i0.
-    if (g.causal && j0 + nk - 1 > i0 + g.causal_offset) {
-      for (int64_t j = 0; j < nk; ++j) {
-        const int64_t first_visible = std::min(nq, std::max<int64_t>(0, j0 + j - g.causal_offset - i0));
-        for (int64_t s = 0; s < nh; ++s)
-          std::fill(st + j * kBlockQ + s * nq, st + j * kBlockQ + s * nq + first_visible, kNegInf);
+      // 2b. causal mask, only where the block crosses the diagonal: key j0+j is
+      // visible to query row i iff i >= j0 + j - offset.
+      if (g.causal && j0 + nk - 1 > u.i0 + g.causal_offset) {
+        for (int64_t j = 0; j < nk; ++j) {
+          const int64_t first_visible = std::min(u.nq, std::max<int64_t>(0, j0 + j - g.causal_offset - u.i0));
+          for (int64_t h = 0; h < nh; ++h)
+            std::fill(st + j * kBlockQ + h * u.nq, st + j * kBlockQ + h * u.nq + first_visible, kNegInf);
+        }
       }
-    }
 
-    // 2c. online softmax down the columns.
-    for (int64_t c = 0; c < ncols; c += kW) {
-      Vec mx = Vec::load(ws.m + c);
-      for (int64_t j = 0; j < nk; ++j) mx = vmax(mx, Vec::load(st + j * kBlockQ + c));
-      // A column that has seen only masked keys keeps m = -inf; exponentiate
-      // against 0 instead so that exp2(-inf - (-inf)) never makes a NaN.
-      const Vec m_use = select_eq(mx, Vec::broadcast(kNegInf), Vec::zero(), mx);
-      const Vec alpha = exp2_approx(Vec::load(ws.m + c) - m_use);
-      Vec sum = Vec::zero();
-      for (int64_t j = 0; j < nk; ++j) {
-        const Vec p = exp2_approx(Vec::load(st + j * kBlockQ + c) - m_use);
-        p.store(st + j * kBlockQ + c);
-        sum = sum + p;
+      // 2c. online softmax down the columns.
+      for (int64_t c = 0; c < u.ncols; c += kW) {
+        Vec mx = Vec::load(u.m + c);
+        for (int64_t j = 0; j < nk; ++j) mx = vmax(mx, Vec::load(st + j * kBlockQ + c));
+        // A column that has seen only masked keys keeps m = -inf; exponentiate
+        // against 0 instead so that exp2(-inf - (-inf)) never makes a NaN.
+        const Vec m_use = select_eq(mx, Vec::broadcast(kNegInf), Vec::zero(), mx);
+        const Vec alpha = exp2_approx(Vec::load(u.m + c) - m_use);
+        Vec sum = Vec::zero();
+        for (int64_t j = 0; j < nk; ++j) {
+          const Vec p = exp2_approx(Vec::load(st + j * kBlockQ + c) - m_use);
+          p.store(st + j * kBlockQ + c);
+          sum = sum + p;
+        }
+        fmadd(alpha, Vec::load(u.l + c), sum).store(u.l + c);
+        mx.store(u.m + c);
+        alpha.store(ws.alpha + c);
       }
-      fmadd(alpha, Vec::load(ws.l + c), sum).store(ws.l + c);
-      mx.store(ws.m + c);
-      alpha.store(ws.alpha + c);
-    }
 
-    // V block
-    const float* vp;
-    int64_t ldv;
-    if (v_in_place) {
-      vp = reinterpret_cast<const float*>(v_head) + j0 * g.v_stride[2];
-      ldv = g.v_stride[2];
-    } else {
-      for (int64_t j = 0; j < nk; ++j) {
-        float* dst = ws.vb.ptr + j * Dp;
-        convert_row(v_head + (j0 + j) * g.v_stride[2], g.v_stride[3], D, dst);
-        for (int64_t d = D; d < Dp; ++d) dst[d] = 0.0f;
-      }
-      vp = ws.vb.ptr;
-      ldv = Dp;
+      // 2d. O = alpha * O + P^T V
+      pv_block(st, kBlockQ, nk, nk_all, u.nrows, ws.vb.ptr, nvec, ws.alpha, u.o, Dp);
     }
-
-    // 2d. O = alpha * O + P^T V
-    pv_block(st, kBlockQ, nk, nrows, vp, ldv, nvec, ws.alpha, o, Dp);
   }
 
   // 3. normalise and write out (out and lse are packed, from allocate_outputs).
-  for (int64_t c = 0; c < nrows; ++c) {
-    const int64_t row = (b * g.q_heads + h0 + c / nq) * g.q_len + i0 + c % nq;
-    T* dst = out + row * D;
-    const float* src = o + c * Dp;
-    const float l = ws.l[c];
-    if (l > 0.0f) {
-      const float inv = 1.0f / l;
-      for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<T>(src[d] * inv);
-      lse[row] = kLn2 * (ws.m[c] + std::log2(l));
-    } else {  // the row sees no key (causal with Nk < Nq)
-      for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<T>(0.0f);
-      lse[row] = kNegInf;
+  for (int64_t s = 0; s < nsub; ++s) {
+    const Sub& u = sub[s];
+    for (int64_t c = 0; c < u.nrows; ++c) {
+      const int64_t row = (b * g.q_heads + h0 + c / u.nq) * g.q_len + u.i0 + c % u.nq;
+      T* dst = out + row * D;
+      const float* src = u.o + c * Dp;
+      const float l = u.l[c];
+      if (l > 0.0f) {
+        const float inv = 1.0f / l;
+        for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<T>(src[d] * inv);
+        lse[row] = kLn2 * (u.m[c] + std::log2(l));
+      } else {  // the row sees no key (causal with Nk < Nq)
+        for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<T>(0.0f);
+        lse[row] = kNegInf;
+      }
     }
   }
 }
@@ -379,14 +423,20 @@ void run_attention(const Geometry& g, const at::Tensor& q, const at::Tensor& k, 
   T* op = out.mutable_data_ptr<T>();
   float* lp = lse.mutable_data_ptr<float>();
 
-  // Work decomposition. Short query blocks pack several heads of a GQA group
-  // into one item (see attention_item); otherwise one head per item.
+  // Work decomposition. Short queries pack several heads of a GQA group into
+  // one item (see attention_item); otherwise one head and up to
+  // kMaxSubBlocks query blocks per item, as many as still leave at least
+  // 4 items per thread (so dynamic scheduling can even out causal blocks).
+  const int64_t threads_avail = std::max<int64_t>(1, at::get_num_threads());
   const int64_t rows_per_block = std::min(kBlockQ, g.q_len);
   const int64_t q_blocks = (g.q_len + kBlockQ - 1) / kBlockQ;
   const int64_t heads_per_item = std::max<int64_t>(1, std::min(g.group, kBlockQ / rows_per_block));
   const int64_t head_chunks = (g.group + heads_per_item - 1) / heads_per_item;
   const int64_t lanes = g.batch * g.kv_heads * head_chunks;  // items per query block
-  const int64_t items = lanes * q_blocks;
+  const int64_t nsub =
+      std::max<int64_t>(1, std::min<int64_t>(kMaxSubBlocks, lanes * q_blocks / (4 * threads_avail)));
+  const int64_t q_items = (q_blocks + nsub - 1) / nsub;
+  const int64_t items = lanes * q_items;
   const int64_t D = g.head_dim;
   const int64_t Dp = round_up(D, kW);
 
@@ -395,20 +445,19 @@ void run_attention(const Geometry& g, const at::Tensor& q, const at::Tensor& k, 
   // expensive blocks start first and the cheap ones fill the gaps at the end
   // (a static split would give one thread all the long diagonal blocks).
   std::atomic<int64_t> next{0};
-  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), items));
+  const int64_t threads = std::min<int64_t>(threads_avail, items);
   at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
     Workspace ws(D, Dp);
     for (int64_t t = begin; t < end; ++t) {
       for (int64_t idx = next.fetch_add(1); idx < items; idx = next.fetch_add(1)) {
-        const int64_t qb = q_blocks - 1 - idx / lanes;
+        const int64_t qi = q_items - 1 - idx / lanes;
         const int64_t lane = idx % lanes;
         const int64_t chunk = lane % head_chunks;
         const int64_t bk = lane / head_chunks;  // b * kv_heads + hk
         const int64_t b = bk / g.kv_heads, hk = bk % g.kv_heads;
         const int64_t h0 = hk * g.group + chunk * heads_per_item;
         const int64_t nh = std::min(heads_per_item, g.group - chunk * heads_per_item);
-        const int64_t i0 = qb * kBlockQ;
-        attention_item<T>(g, qp, kp, vp, op, lp, b, hk, h0, nh, i0, std::min(kBlockQ, g.q_len - i0), ws);
+        attention_item<T>(g, qp, kp, vp, op, lp, b, hk, h0, nh, qi * nsub * kBlockQ, nsub, ws);
       }
     }
   });
