@@ -93,7 +93,8 @@ struct FloatBuffer {
 // ST[r][c..c+NV*kW) = sum_d K[r][d] * QT[d][c..]   for r < MR.
 // K is a packed row tile: k[d * ks + r] (ks >= MR: the tile's packed height),
 // so the MR broadcasts of one step read consecutive floats. QT: row stride ldq.
-template <int MR, int NV>
+// RowMajor: K read in place instead, row r at k + r * ks (decode path).
+template <int MR, int NV, bool RowMajor>
 inline void qk_tile(const float* k, int64_t ks, const float* qt, int64_t ldq, int64_t D, float* st,
                     int64_t lds) {
   Vec acc[MR][NV];
@@ -103,7 +104,7 @@ inline void qk_tile(const float* k, int64_t ks, const float* qt, int64_t ldq, in
     Vec b[NV];
     for (int v = 0; v < NV; ++v) b[v] = Vec::load(qt + d * ldq + v * kW);
     for (int r = 0; r < MR; ++r) {
-      const Vec a = Vec::broadcast(k[d * ks + r]);
+      const Vec a = Vec::broadcast(RowMajor ? k[r * ks + d] : k[d * ks + r]);
       for (int v = 0; v < NV; ++v) acc[r][v] = fmadd(a, b[v], acc[r][v]);
     }
   }
@@ -112,21 +113,24 @@ inline void qk_tile(const float* k, int64_t ks, const float* qt, int64_t ldq, in
 }
 
 // All key rows of one column panel of NV vectors.
-template <int NV>
+// packed_rows: rows in the packed block, or, for RowMajor, K's row stride.
+template <int NV, bool RowMajor>
 inline void qk_panel(const float* k, int64_t nk, int64_t packed_rows, const float* qt, int64_t ldq, int64_t D,
                      float* st, int64_t lds) {
+  const int64_t tile_step = RowMajor ? packed_rows : D;  // floats from one row tile to the next, per row
   int64_t r = 0;
   for (; r + kTileRows <= nk; r += kTileRows)
-    qk_tile<kTileRows, NV>(k + r * D, kTileRows, qt, ldq, D, st + r * lds, lds);
-  const float* kr = k + r * D;
-  const int64_t ks = std::min<int64_t>(kTileRows, packed_rows - r);
+    qk_tile<kTileRows, NV, RowMajor>(k + r * tile_step, RowMajor ? packed_rows : kTileRows, qt, ldq, D,
+                                     st + r * lds, lds);
+  const float* kr = k + r * tile_step;
+  const int64_t ks = RowMajor ? packed_rows : std::min<int64_t>(kTileRows, packed_rows - r);
   float* sr = st + r * lds;
   switch (nk - r) {
-    case 5: qk_tile<5, NV>(kr, ks, qt, ldq, D, sr, lds); break;
-    case 4: qk_tile<4, NV>(kr, ks, qt, ldq, D, sr, lds); break;
-    case 3: qk_tile<3, NV>(kr, ks, qt, ldq, D, sr, lds); break;
-    case 2: qk_tile<2, NV>(kr, ks, qt, ldq, D, sr, lds); break;
-    case 1: qk_tile<1, NV>(kr, ks, qt, ldq, D, sr, lds); break;
+    case 5: qk_tile<5, NV, RowMajor>(kr, ks, qt, ldq, D, sr, lds); break;
+    case 4: qk_tile<4, NV, RowMajor>(kr, ks, qt, ldq, D, sr, lds); break;
+    case 3: qk_tile<3, NV, RowMajor>(kr, ks, qt, ldq, D, sr, lds); break;
+    case 2: qk_tile<2, NV, RowMajor>(kr, ks, qt, ldq, D, sr, lds); break;
+    case 1: qk_tile<1, NV, RowMajor>(kr, ks, qt, ldq, D, sr, lds); break;
     default: break;
   }
 }
@@ -134,16 +138,17 @@ inline void qk_panel(const float* k, int64_t nk, int64_t packed_rows, const floa
 // ST (nk x ncols) = K (nk x D) . QT (D x ncols); ncols a multiple of kW.
 // Column panels outermost: one QT panel (D x 16 floats, 16 KB at D = 256)
 // stays in L1 while the key rows stream past it.
+template <bool RowMajor>
 void qk_block(const float* k, int64_t nk, int64_t packed_rows, const float* qt, int64_t ldq, int64_t ncols, int64_t D,
               float* st, int64_t lds) {
   int64_t c = 0;
-  for (; c + kTileCols <= ncols; c += kTileCols) qk_panel<kTileVecs>(k, nk, packed_rows, qt + c, ldq, D, st + c, lds);
+  for (; c + kTileCols <= ncols; c += kTileCols) qk_panel<kTileVecs, RowMajor>(k, nk, packed_rows, qt + c, ldq, D, st + c, lds);
   switch ((ncols - c) / kW) {
 #if defined(FLASH_METAL_SIMD_NEON)
-    case 3: qk_panel<3>(k, nk, packed_rows, qt + c, ldq, D, st + c, lds); break;
-    case 2: qk_panel<2>(k, nk, packed_rows, qt + c, ldq, D, st + c, lds); break;
+    case 3: qk_panel<3, RowMajor>(k, nk, packed_rows, qt + c, ldq, D, st + c, lds); break;
+    case 2: qk_panel<2, RowMajor>(k, nk, packed_rows, qt + c, ldq, D, st + c, lds); break;
 #endif
-    case 1: qk_panel<1>(k, nk, packed_rows, qt + c, ldq, D, st + c, lds); break;
+    case 1: qk_panel<1, RowMajor>(k, nk, packed_rows, qt + c, ldq, D, st + c, lds); break;
     default: break;
   }
 }
@@ -191,13 +196,16 @@ inline void pv_panel(const float* p, int64_t ldp, int64_t nk, int64_t nq, const 
 // V is packed panel-major (see pack_v): the panel of columns [c, c + w)
 // starts at v + c * panel_rows with row stride w; only its first nk rows are used. Column panels outermost: one V panel
 // (nk x 16 floats, 4 KB) stays in L1 while every query row tile reuses it.
+// row_stride > 0: V is read in place instead (rows row_stride apart; decode path).
 void pv_block(const float* p, int64_t ldp, int64_t nk, int64_t panel_rows, int64_t nq, const float* v,
-              int64_t nvec, const float* alpha, float* o, int64_t ldo) {
+              int64_t row_stride, int64_t nvec, const float* alpha, float* o, int64_t ldo) {
+  const bool in_place = row_stride > 0;
   int64_t c = 0;
   for (; c + kTileVecs <= nvec; c += kTileVecs)
-    pv_panel<kTileVecs>(p, ldp, nk, nq, v + c * kW * panel_rows, kTileCols, alpha, o + c * kW, ldo);
-  const float* vp = v + c * kW * panel_rows;
-  const int64_t w = (nvec - c) * kW;
+    pv_panel<kTileVecs>(p, ldp, nk, nq, in_place ? v + c * kW : v + c * kW * panel_rows,
+                        in_place ? row_stride : kTileCols, alpha, o + c * kW, ldo);
+  const float* vp = in_place ? v + c * kW : v + c * kW * panel_rows;
+  const int64_t w = in_place ? row_stride : (nvec - c) * kW;
   switch (nvec - c) {
 #if defined(FLASH_METAL_SIMD_NEON)
     case 3: pv_panel<3>(p, ldp, nk, nq, vp, w, alpha, o + c * kW, ldo); break;
@@ -275,6 +283,10 @@ struct Geometry {
 // unchanged. Fewer sub-blocks are used when that is needed to keep both
 // cores busy (see run_attention).
 constexpr int64_t kMaxSubBlocks = 4;
+// Items with at most this many query columns read float32 K/V in place.
+// Why 16: one register-tile width; below it each packed element would be
+// reused by fewer than 16 queries, which does not pay for the copy.
+constexpr int64_t kSmallQueryCols = 16;
 
 struct Workspace {
   FloatBuffer qt;  // kMaxSubBlocks x D x kBlockQ: transposed, pre-scaled query blocks
@@ -343,12 +355,25 @@ void attention_item(const Geometry& g, const T* q, const T* k, const T* v, T* ou
 
   const T* k_head = k + b * g.k_stride[0] + hk * g.k_stride[1];
   const T* v_head = v + b * g.v_stride[0] + hk * g.v_stride[1];
+  // Decode-like items (a handful of query rows, float32 with contiguous
+  // features): packing would not be amortised (each K/V element is used by
+  // <= 16 queries and the loop is memory-bound), so read K and V in place.
+  constexpr bool is_float = std::is_same<T, float>::value;
+  const bool in_place = is_float && nsub == 1 && sub[0].ncols <= kSmallQueryCols && g.k_stride[3] == 1 &&
+                        g.v_stride[3] == 1 && D % kW == 0;
   float* st = ws.st.ptr;
   for (int64_t j0 = 0; j0 < key_end_all; j0 += kBlockK) {
     // K and V block -> packed panels, shared by all sub-blocks.
     const int64_t nk_all = std::min(kBlockK, key_end_all - j0);
-    pack_k(k_head + j0 * g.k_stride[2], g.k_stride[2], g.k_stride[3], nk_all, D, ws.kb.ptr);
-    pack_v(v_head + j0 * g.v_stride[2], g.v_stride[2], g.v_stride[3], nk_all, D, Dp, ws.vb.ptr);
+    const float* kblk = ws.kb.ptr;
+    const float* vblk = ws.vb.ptr;
+    if (in_place) {
+      kblk = reinterpret_cast<const float*>(k_head) + j0 * g.k_stride[2];
+      vblk = reinterpret_cast<const float*>(v_head) + j0 * g.v_stride[2];
+    } else {
+      pack_k(k_head + j0 * g.k_stride[2], g.k_stride[2], g.k_stride[3], nk_all, D, ws.kb.ptr);
+      pack_v(v_head + j0 * g.v_stride[2], g.v_stride[2], g.v_stride[3], nk_all, D, Dp, ws.vb.ptr);
+    }
 
     for (int64_t s = 0; s < nsub; ++s) {
       Sub& u = sub[s];
@@ -358,7 +383,10 @@ void attention_item(const Geometry& g, const T* q, const T* k, const T* v, T* ou
       const int64_t nk = std::min(nk_all, u.key_end - j0);
 
       // 2a. scores ST = K . QT
-      qk_block(ws.kb.ptr, nk, nk_all, u.qt, kBlockQ, u.ncols, D, st, kBlockQ);
+      if (in_place)
+        qk_block<true>(kblk, nk, g.k_stride[2], u.qt, kBlockQ, u.ncols, D, st, kBlockQ);
+      else
+        qk_block<false>(kblk, nk, nk_all, u.qt, kBlockQ, u.ncols, D, st, kBlockQ);
 
       // 2b. causal mask, only where the block crosses the diagonal: key j0+j is
       // visible to query row i iff i >= j0 + j - offset.
@@ -390,7 +418,7 @@ void attention_item(const Geometry& g, const T* q, const T* k, const T* v, T* ou
       }
 
       // 2d. O = alpha * O + P^T V
-      pv_block(st, kBlockQ, nk, nk_all, u.nrows, ws.vb.ptr, nvec, ws.alpha, u.o, Dp);
+      pv_block(st, kBlockQ, nk, nk_all, u.nrows, vblk, in_place ? g.v_stride[2] : 0, nvec, ws.alpha, u.o, Dp);
     }
   }
 
