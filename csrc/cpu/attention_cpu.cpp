@@ -1,11 +1,14 @@
 // CPU implementation of flash_metal::attention_forward: a FlashAttention
 // forward pass (Dao et al.; the post's blockwiseattention, in C++).
 //
-// Layout of the computation, per work item (batch b, query head h, block of
-// up to kBlockQ queries):
-//   1. pack the query block transposed and pre-scaled: QT[d][i] = q[i][d] * scale * log2(e)
+// Layout of the computation, per work item (batch b, query head h, up to
+// kMaxSubBlocks blocks of kBlockQ queries; or, for short queries, the heads
+// of one GQA group packed side by side):
+//   1. pack each query block transposed and pre-scaled: QT[d][i] = q[i][d] * scale * log2(e)
 //      (scores come out in base-2 units, so the softmax uses exp2 directly);
 //   2. for each block of up to kBlockK keys (stopping at the causal frontier):
+//        pack the K and V blocks (converted to float32) into micro-kernel panels, once for all
+//        query blocks of the item, then for each query block:
 //        ST = K_blk . QT            scores, transposed: one row per key, one column per query
 //        mask the causal diagonal block only
 //        online softmax down the columns: running max m, running sum l per query,
@@ -13,14 +16,14 @@
 //        O = alpha * O + P^T . V_blk
 //   3. out = O / l, lse = ln(2) * (m + log2(l)).
 // Scores are kept transposed (keys x queries) so that every softmax reduction
-// runs *down* columns: vertical max/add across rows, no horizontal shuffles.
-// And the K operand is read with scalar broadcasts, so float32 K (and V) with
-// unit feature stride is used in place without any packing; only float16 /
-// bfloat16 / strided K and V blocks are converted into a small per-thread
-// buffer.
+// runs *down* columns: vertical max/add across rows, no horizontal shuffles,
+// and K enters Q.K^T through scalar broadcasts (row tiles), V through vector
+// loads (column panels): both micro-kernels are the classic 6 x 16 sgemm tile.
+// Decode-like items (<= 16 query columns, float32) read K and V in place.
 //
-// Extra memory: one workspace per thread of O(kBlockQ*D + kBlockK*D + kBlockK*kBlockQ)
-// floats (about 140 KB at D = 256); never an N x N matrix.
+// Extra memory: one workspace per thread of about
+// 4*kBlockQ*(2D) + kBlockK*(2D) + kBlockK*kBlockQ floats (~1 MB at D = 256,
+// ~0.5 MB at D = 128), independent of N: never an N x N matrix.
 #include "../checks.h"
 #include "../metal_plan.h"
 #include "simd.h"
