@@ -173,21 +173,17 @@ class Timing:
     batches: int
 
 
-def time_call(fn: Callable[[], object], sync: Callable[[], None], batches: int = 7,
-              batch_s: float = 0.2, warmup_s: float = 0.1, first_call_s: Optional[float] = None) -> Timing:
-    """Median and min-max over `batches` batches of the per-call time of fn().
+def calibrate(fn: Callable[[], object], sync: Callable[[], None], batch_s: float = 0.2,
+              warmup_s: float = 0.1, first_call_s: Optional[float] = None) -> int:
+    """Warm fn up and return how many calls make a batch of about batch_s.
 
     first_call_s: how long an earlier call already took (the correctness
     check), if any; a call that long is warm-up enough on its own. Otherwise
     fn is called until `warmup_s` has passed (at least twice), which also
-    estimates the per-call time that sets the calls per batch.
+    measures the per-call time.
     """
     if first_call_s is None:
-        sync()
-        t0 = time.perf_counter()
-        fn()
-        sync()
-        first_call_s = time.perf_counter() - t0
+        _, first_call_s = timed_first_call(fn, sync)
     per_call = first_call_s
     if first_call_s < batch_s:
         n, t0 = 0, time.perf_counter()
@@ -196,24 +192,45 @@ def time_call(fn: Callable[[], object], sync: Callable[[], None], batches: int =
             sync()
             n += 1
         per_call = (time.perf_counter() - t0) / n
-    iters = max(1, int(batch_s / max(per_call, 1e-9)))
-    samples = []
-    gc.collect()
+    return max(1, int(batch_s / max(per_call, 1e-9)))
+
+
+def time_batch(fn: Callable[[], object], sync: Callable[[], None], iters: int) -> float:
+    """Seconds per call over `iters` back-to-back calls between two syncs."""
     gc_was_enabled = gc.isenabled()
     gc.disable()
     try:
-        for _ in range(batches):
-            sync()
-            t0 = time.perf_counter()
-            for _ in range(iters):
-                fn()
-            sync()
-            samples.append((time.perf_counter() - t0) / iters)
+        sync()
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        sync()
+        return (time.perf_counter() - t0) / iters
     finally:
         if gc_was_enabled:
             gc.enable()
-    ms = [s * 1e3 for s in samples]
-    return Timing(median(ms), min(ms), max(ms), iters, batches)
+
+
+def summarize(samples_s: Sequence[float], iters: int) -> Timing:
+    ms = [x * 1e3 for x in samples_s]
+    return Timing(median(ms), min(ms), max(ms), iters, len(ms))
+
+
+def time_call(fn: Callable[[], object], sync: Callable[[], None], batches: int = 7,
+              batch_s: float = 0.2, warmup_s: float = 0.1, first_call_s: Optional[float] = None) -> Timing:
+    """Median and min-max over `batches` batches of the per-call time of fn()."""
+    iters = calibrate(fn, sync, batch_s, warmup_s, first_call_s)
+    gc.collect()
+    return summarize([time_batch(fn, sync, iters) for _ in range(batches)], iters)
+
+
+def timed_first_call(fn: Callable[[], torch.Tensor], sync: Callable[[], None]):
+    """(output, seconds) of one call, synchronized: the correctness-check call."""
+    sync()
+    t0 = time.perf_counter()
+    out = fn()
+    sync()
+    return out, time.perf_counter() - t0
 
 
 def visible_pairs(n_q: int, n_k: int, causal: bool) -> float:
@@ -232,13 +249,6 @@ def attention_flops(b: int, h: int, n_q: int, n_k: int, d: int, causal: bool) ->
     return 4.0 * b * h * visible_pairs(n_q, n_k, causal) * d
 
 
-def timed_first_call(fn: Callable[[], torch.Tensor], sync: Callable[[], None]):
-    """(output, seconds) of one call, synchronized: the correctness-check call."""
-    sync()
-    t0 = time.perf_counter()
-    out = fn()
-    sync()
-    return out, time.perf_counter() - t0
 
 
 # --------------------------------------------------------------------------
@@ -269,6 +279,26 @@ def _git(*args) -> str:
         return ""
 
 
+def _cpu_jiffies():
+    with open("/proc/stat") as f:
+        fields = [int(x) for x in f.readline().split()[1:]]
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+    return sum(fields[:8]), idle
+
+
+def others_cpu_busy(seconds: float = 0.5) -> Optional[float]:
+    """Fraction of all CPUs busy over `seconds` while this process sleeps, i.e.
+    the load other processes put on the machine (Linux; None elsewhere)."""
+    try:
+        total0, idle0 = _cpu_jiffies()
+        time.sleep(seconds)
+        total1, idle1 = _cpu_jiffies()
+    except (OSError, ValueError, IndexError):
+        return None
+    dt = total1 - total0
+    return (dt - (idle1 - idle0)) / dt if dt > 0 else None
+
+
 def machine_metadata(device: str) -> Dict[str, str]:
     fm = load_flash_metal()
     sha = _git("rev-parse", "HEAD") or "unknown"
@@ -289,12 +319,15 @@ def machine_metadata(device: str) -> Dict[str, str]:
         "git_sha": sha,
     }
     if hasattr(os, "getloadavg"):
-        load = os.getloadavg()[0]
-        meta["loadavg_1m_at_start"] = f"{load:.2f}"
-        if load > 0.5 * (os.cpu_count() or 1):
-            print(f"warning: the 1-minute load average is {load:.1f} on {os.cpu_count()} logical CPUs; other "
-                  "processes compete for the cores, and multi-threaded ops (OpenMP) then wait for their "
-                  "threads to be scheduled: timings will be inflated and noisy", file=sys.stderr)
+        meta["loadavg_1m_at_start"] = f"{os.getloadavg()[0]:.2f}"
+    busy = others_cpu_busy()
+    if busy is not None:
+        meta["cpu_busy_before_start"] = f"{busy:.0%}"
+        if busy > 0.1:
+            print(f"warning: other processes kept the CPUs {busy:.0%} busy just before the run. Timings will "
+                  "be inflated and noisy, multi-threaded (OpenMP) ops most of all: each parallel region waits "
+                  "until all its threads get a core (on this kind of VM, a whole scheduler slice of several ms)",
+                  file=sys.stderr)
     return meta
 
 
@@ -381,9 +414,14 @@ class Progress:
 def run_problem(impls, q, k, v, causal, device: str, ref: Reference, batches: int, batch_s: float) -> Dict[str, dict]:
     """Check, then time, each impl on one problem. Returns name -> result dict
     with "status" ("ok" or "n/a: why"), "timing" (Timing or None) and
-    "rel_err". A wrong output raises CorrectnessError."""
+    "rel_err". A wrong output raises CorrectnessError before anything is timed.
+
+    Batches are interleaved across implementations (batch 1 of each, then
+    batch 2 of each, ...), so load that comes and goes on a shared machine
+    hits every row alike instead of whichever happened to run at that time.
+    """
     sync = synchronizer(device)
-    results = {}
+    results, ready = {}, []
     for impl in impls:
         if not impl.runs_on(device):
             results[impl.name] = {"status": f"n/a: runs on {'/'.join(impl.devices)} only", "timing": None, "rel_err": None}
@@ -396,9 +434,15 @@ def run_problem(impls, q, k, v, causal, device: str, ref: Reference, batches: in
         out, first_s = timed_first_call(call, sync)
         err = ref.check(impl.name, out, q.dtype)
         del out
-        timing = time_call(call, sync, batches=batches, batch_s=batch_s, first_call_s=first_s)
-        results[impl.name] = {"status": "ok", "timing": timing, "rel_err": err}
-        del call
+        ready.append((impl.name, call, calibrate(call, sync, batch_s, first_call_s=first_s)))
+        results[impl.name] = {"status": "ok", "timing": None, "rel_err": err}
+    samples = {name: [] for name, _, _ in ready}
+    gc.collect()
+    for _ in range(batches):
+        for name, call, iters in ready:
+            samples[name].append(time_batch(call, sync, iters))
+    for name, _, iters in ready:
+        results[name]["timing"] = summarize(samples[name], iters)
     return results
 
 
