@@ -39,7 +39,8 @@ def machine_line(meta):
     return (f"{meta.get('cpu')} ({meta.get('cpu_capability')}), {meta.get('torch_threads')} torch threads, "
             f"torch {meta.get('torch')}, {meta.get('os')}, git {meta.get('git_sha', '')[:12]}, "
             f"{meta.get('date_utc')}, load average {meta.get('loadavg_1m_at_start')} -> "
-            f"{meta.get('loadavg_1m_at_end')}, {meta.get('wall_seconds')} s")
+            f"{meta.get('loadavg_1m_at_end')}, other processes' CPU use before the run "
+            f"{meta.get('cpu_busy_before_start', 'not measured')}, {meta.get('wall_seconds')} s")
 
 
 def ms(row):
