@@ -36,6 +36,9 @@
 
 #include <algorithm>
 #include <atomic>
+#include <condition_variable>
+#include <functional>
+#include <mutex>
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -309,19 +312,19 @@ struct Workspace {
   }
 };
 
-// One work item: nsub query blocks of one head (rows i0 .. i0 + nsub*kBlockQ,
-// clipped to Nq), or, when Nq < kBlockQ, one block that packs the nh query
+// One work item: nsub query blocks of bq <= kBlockQ rows of one head (rows
+// i0 .. i0 + nsub*bq, clipped to Nq), or, when Nq < kBlockQ, one block that packs the nh query
 // heads h0 .. h0+nh-1 side by side: column c is query row c % nq of head
 // h0 + c / nq. Packing the heads of a GQA group reads each K/V block once for
 // the whole group and fills the register tile (decode: 4 heads x 1 row).
 template <typename T>
 void attention_item(const Geometry& g, const T* q, const T* k, const T* v, T* out, float* lse, int64_t b,
-                    int64_t hk, int64_t h0, int64_t nh, int64_t i0, int64_t nsub, Workspace& ws) {
+                    int64_t hk, int64_t h0, int64_t nh, int64_t i0, int64_t nsub, int64_t bq, Workspace& ws) {
   const int64_t D = g.head_dim;
   const int64_t Dp = round_up(D, kW);
   const int64_t nvec = Dp / kW;
-  const int64_t q_end = std::min(g.q_len, i0 + nsub * kBlockQ);
-  nsub = (q_end - i0 + kBlockQ - 1) / kBlockQ;
+  const int64_t q_end = std::min(g.q_len, i0 + nsub * bq);
+  nsub = (q_end - i0 + bq - 1) / bq;
 
   struct Sub {
     int64_t i0, nq, nrows, ncols, key_end;
@@ -330,8 +333,8 @@ void attention_item(const Geometry& g, const T* q, const T* k, const T* v, T* ou
   int64_t key_end_all = 0;
   for (int64_t s = 0; s < nsub; ++s) {
     Sub& u = sub[s];
-    u.i0 = i0 + s * kBlockQ;
-    u.nq = std::min(kBlockQ, q_end - u.i0);
+    u.i0 = i0 + s * bq;
+    u.nq = std::min(bq, q_end - u.i0);
     u.nrows = nh * u.nq;  // live columns of the score block
     u.ncols = round_up(u.nrows, kW);
     // Keys this block needs: all of them, or up to its last query's causal frontier.
@@ -447,6 +450,54 @@ void attention_item(const Geometry& g, const T* q, const T* k, const T* v, T* ou
   }
 }
 
+// Runs body(t) for t in [0, threads) concurrently, on torch's intra-op
+// threads. at::parallel_for's OpenMP backend is an inline `#pragma omp
+// parallel` in ATen's headers, so it only runs in parallel when this file is
+// compiled with -fopenmp (measured: without it, 2 "threads" ran exactly as
+// fast as 1). Without OpenMP (a build without the flag, Apple clang) we fan
+// out on ATen's inter-op pool instead, which lives inside libtorch.
+template <typename F>
+void run_on_threads(int64_t threads, const F& body) {
+#if defined(_OPENMP)
+  at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) body(t);
+  });
+#else
+  if (threads <= 1 || at::in_parallel_region()) {
+    body(0);
+    return;
+  }
+  // Every body pulls work from a shared counter until it runs dry, so the
+  // caller alone can finish everything; a pool task that starts only after
+  // the caller is done returns without touching the work (no deadlock when
+  // the pool is busy, no dangling references).
+  struct Fanout {
+    std::mutex mu;
+    std::condition_variable cv;
+    int64_t active = 0;
+    bool closed = false;
+  };
+  auto state = std::make_shared<Fanout>();
+  auto fn = std::make_shared<std::function<void(int64_t)>>([&body](int64_t t) { body(t); });
+  for (int64_t t = 1; t < threads; ++t) {
+    at::launch([state, fn, t] {
+      {
+        std::lock_guard<std::mutex> lock(state->mu);
+        if (state->closed) return;
+        ++state->active;
+      }
+      (*fn)(t);
+      std::lock_guard<std::mutex> lock(state->mu);
+      if (--state->active == 0) state->cv.notify_all();
+    });
+  }
+  body(0);
+  std::unique_lock<std::mutex> lock(state->mu);
+  state->closed = true;
+  state->cv.wait(lock, [&] { return state->active == 0; });
+#endif
+}
+
 template <typename T>
 void run_attention(const Geometry& g, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& out,
                    at::Tensor& lse) {
@@ -462,10 +513,19 @@ void run_attention(const Geometry& g, const at::Tensor& q, const at::Tensor& k, 
   // 4 items per thread (so dynamic scheduling can even out causal blocks).
   const int64_t threads_avail = std::max<int64_t>(1, at::get_num_threads());
   const int64_t rows_per_block = std::min(kBlockQ, g.q_len);
-  const int64_t q_blocks = (g.q_len + kBlockQ - 1) / kBlockQ;
   const int64_t heads_per_item = std::max<int64_t>(1, std::min(g.group, kBlockQ / rows_per_block));
   const int64_t head_chunks = (g.group + heads_per_item - 1) / heads_per_item;
   const int64_t lanes = g.batch * g.kv_heads * head_chunks;  // items per query block
+  // Query rows per block: kBlockQ, unless that leaves fewer than 2 items per
+  // thread (small problems, e.g. B = H = 1, N = 256: 3 blocks of 96 put 2/3
+  // of the work on one of 2 threads). Then smaller blocks, a multiple of the
+  // vector width and at least 16 rows.
+  int64_t bq = kBlockQ;
+  if (heads_per_item == 1 && lanes * ((g.q_len + bq - 1) / bq) < 2 * threads_avail) {
+    const int64_t want = (g.q_len * lanes + 2 * threads_avail - 1) / (2 * threads_avail);
+    bq = std::min(kBlockQ, std::max<int64_t>(16, round_up(want, kW)));
+  }
+  const int64_t q_blocks = (g.q_len + bq - 1) / bq;
   const int64_t nsub =
       std::max<int64_t>(1, std::min<int64_t>(kMaxSubBlocks, lanes * q_blocks / (4 * threads_avail)));
   const int64_t q_items = (q_blocks + nsub - 1) / nsub;
@@ -479,19 +539,17 @@ void run_attention(const Geometry& g, const at::Tensor& q, const at::Tensor& k, 
   // (a static split would give one thread all the long diagonal blocks).
   std::atomic<int64_t> next{0};
   const int64_t threads = std::min<int64_t>(threads_avail, items);
-  at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
+  run_on_threads(threads, [&](int64_t /*thread*/) {
     Workspace ws(D, Dp);
-    for (int64_t t = begin; t < end; ++t) {
-      for (int64_t idx = next.fetch_add(1); idx < items; idx = next.fetch_add(1)) {
-        const int64_t qi = q_items - 1 - idx / lanes;
-        const int64_t lane = idx % lanes;
-        const int64_t chunk = lane % head_chunks;
-        const int64_t bk = lane / head_chunks;  // b * kv_heads + hk
-        const int64_t b = bk / g.kv_heads, hk = bk % g.kv_heads;
-        const int64_t h0 = hk * g.group + chunk * heads_per_item;
-        const int64_t nh = std::min(heads_per_item, g.group - chunk * heads_per_item);
-        attention_item<T>(g, qp, kp, vp, op, lp, b, hk, h0, nh, qi * nsub * kBlockQ, nsub, ws);
-      }
+    for (int64_t idx = next.fetch_add(1); idx < items; idx = next.fetch_add(1)) {
+      const int64_t qi = q_items - 1 - idx / lanes;
+      const int64_t lane = idx % lanes;
+      const int64_t chunk = lane % head_chunks;
+      const int64_t bk = lane / head_chunks;  // b * kv_heads + hk
+      const int64_t b = bk / g.kv_heads, hk = bk % g.kv_heads;
+      const int64_t h0 = hk * g.group + chunk * heads_per_item;
+      const int64_t nh = std::min(heads_per_item, g.group - chunk * heads_per_item);
+      attention_item<T>(g, qp, kp, vp, op, lp, b, hk, h0, nh, qi * nsub * bq, nsub, bq, ws);
     }
   });
 }
