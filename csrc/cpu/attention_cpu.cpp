@@ -525,9 +525,23 @@ void run_attention(const Geometry& g, const at::Tensor& q, const at::Tensor& k, 
     const int64_t want = (g.q_len * lanes + 2 * threads_avail - 1) / (2 * threads_avail);
     bq = std::min(kBlockQ, std::max<int64_t>(16, round_up(want, kW)));
   }
-  const int64_t q_blocks = (g.q_len + bq - 1) / bq;
-  const int64_t nsub =
-      std::max<int64_t>(1, std::min<int64_t>(kMaxSubBlocks, lanes * q_blocks / (4 * threads_avail)));
+  int64_t q_blocks = (g.q_len + bq - 1) / bq;
+  int64_t nsub = std::max<int64_t>(1, std::min<int64_t>(kMaxSubBlocks, lanes * q_blocks / (4 * threads_avail)));
+  // Non-causal items all cost the same, so with few of them the item count
+  // should be a multiple of the thread count (N = 1024, B = H = 1: 11 blocks
+  // of 96 on 2 threads ran 6 + 5; 4 items of 3 x 88 rows run 2 + 2, and pack
+  // each K/V block once per 264 queries instead of 96). Pick the fewest items
+  // per head that divide evenly and fit kMaxSubBlocks * kBlockQ rows.
+  if (!g.causal && heads_per_item == 1 && lanes < 4 * threads_avail) {
+    int64_t per_lane = 1;
+    while (per_lane < g.q_len && ((lanes * per_lane) % threads_avail != 0 ||
+                                  (g.q_len + per_lane - 1) / per_lane > kMaxSubBlocks * kBlockQ))
+      ++per_lane;
+    const int64_t rows_item = (g.q_len + per_lane - 1) / per_lane;
+    nsub = (rows_item + kBlockQ - 1) / kBlockQ;
+    bq = round_up((rows_item + nsub - 1) / nsub, kW);  // <= kBlockQ, a multiple of kW
+    q_blocks = (g.q_len + bq - 1) / bq;
+  }
   const int64_t q_items = (q_blocks + nsub - 1) / nsub;
   const int64_t items = lanes * q_items;
   const int64_t D = g.head_dim;
