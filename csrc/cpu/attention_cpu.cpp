@@ -225,12 +225,13 @@ void pv_block(const float* p, int64_t ldp, int64_t nk, int64_t panel_rows, int64
 }
 
 // ---------------------------------------------------------------- packing
-// K and V blocks are always copied (and converted to float32) into small
-// per-thread panels laid out for the micro-kernels. Reading float32 K/V in
-// place was measured slower at D = 128: with a 512-byte row stride the 64
-// rows of a block fall into only 8 of L1's 64 sets and evict one another
-// (the V load was the hottest instruction of P.V). Packing costs one pass over
-// the block per 64 queries and makes every dtype and stride take one path.
+// Outside decode, K and V blocks are always copied (and converted to float32)
+// into small per-thread buffers laid out for the micro-kernels. Reading
+// float32 K/V in place was measured slower at D = 128: with a 512-byte row
+// stride the rows of a block fall into only 8 of L1's 64 sets and evict one
+// another (the V load was the hottest instruction of P.V). Packing costs one
+// pass over the block per item (up to 4 x 96 queries) and makes every dtype
+// and stride take one path.
 
 // dst[0..n) = float(src[0..n) with element stride `stride`)
 template <typename T>
@@ -242,18 +243,16 @@ inline void convert_row(const T* src, int64_t stride, int64_t n, float* dst) {
   for (; d < n; ++d) dst[d] = static_cast<float>(src[d * stride]);
 }
 
-// K rows [0, nk) -> row tiles of kTileRows: the tile starting at row t holds
-// rows t .. t+mr-1 interleaved, dst[t * D + d * mr + (j - t)] (qk_tile's layout).
+// K rows [0, nk) -> float32 rows with stride D + kKRowPad (read by the
+// RowMajor Q.K^T tile). The pad keeps power-of-two head dims from putting
+// every row of the block into the same few L1 sets. Measured against packing
+// K into interleaved 6-row tiles (qk_tile's other layout, whose scalar
+// scatter was the hottest packing loop): +3-4% at D = 128, a plain vector
+// copy instead of a scatter.
+constexpr int64_t kKRowPad = 16;
 template <typename T>
-void pack_k(const T* k, int64_t row_stride, int64_t dim_stride, int64_t nk, int64_t D, float* dst) {
-  float row[kMaxHeadDim];
-  for (int64_t j = 0; j < nk; ++j) {
-    convert_row(k + j * row_stride, dim_stride, D, row);
-    const int64_t t = j / kTileRows * kTileRows;
-    const int64_t mr = std::min<int64_t>(kTileRows, nk - t);
-    float* tile = dst + t * D + (j - t);
-    for (int64_t d = 0; d < D; ++d) tile[d * mr] = row[d];
-  }
+void pack_k_rows(const T* k, int64_t row_stride, int64_t dim_stride, int64_t nk, int64_t D, float* dst) {
+  for (int64_t j = 0; j < nk; ++j) convert_row(k + j * row_stride, dim_stride, D, dst + j * (D + kKRowPad));
 }
 
 // V rows [0, nk) -> column panels of kTileCols (the last one narrower):
@@ -263,12 +262,18 @@ template <typename T>
 void pack_v(const T* v, int64_t row_stride, int64_t dim_stride, int64_t nk, int64_t D, int64_t Dp, float* dst) {
   float row[kMaxHeadDim + kTileCols];
   for (int64_t j = 0; j < nk; ++j) {
-    convert_row(v + j * row_stride, dim_stride, D, row);
-    for (int64_t d = D; d < Dp; ++d) row[d] = 0.0f;
+    const T* src = v + j * row_stride;
+    const float* from = row;
+    if (std::is_same<T, float>::value && dim_stride == 1 && D == Dp) {
+      from = reinterpret_cast<const float*>(src);  // no staging copy needed
+    } else {
+      convert_row(src, dim_stride, D, row);
+      for (int64_t d = D; d < Dp; ++d) row[d] = 0.0f;
+    }
     for (int64_t c = 0; c < Dp; c += kTileCols) {
       const int64_t w = std::min<int64_t>(kTileCols, Dp - c);
       float* out = dst + c * nk + j * w;
-      for (int64_t x = 0; x < w; x += kW) Vec::load(row + c + x).store(out + x);
+      for (int64_t x = 0; x < w; x += kW) Vec::load(from + c + x).store(out + x);
     }
   }
 }
@@ -298,14 +303,14 @@ constexpr int64_t kSmallQueryCols = 16;
 
 struct Workspace {
   FloatBuffer qt;  // kMaxSubBlocks x D x kBlockQ: transposed, pre-scaled query blocks
-  FloatBuffer kb;  // kBlockK x D: K block in qk_tile's row-tile layout (pack_k)
+  FloatBuffer kb;  // kBlockK x (D + kKRowPad): converted K rows (pack_k_rows)
   FloatBuffer vb;  // kBlockK x Dp: V block in column panels (pack_v)
   FloatBuffer st;  // kBlockK x kBlockQ: scores, then probabilities (transposed)
   FloatBuffer o;   // kMaxSubBlocks x kBlockQ x Dp: unnormalised output accumulators
   float m[kMaxSubBlocks * kBlockQ], l[kMaxSubBlocks * kBlockQ], alpha[kBlockQ];
   explicit Workspace(int64_t D, int64_t Dp) {
     qt.resize(kMaxSubBlocks * D * kBlockQ);
-    kb.resize(kBlockK * D);
+    kb.resize(kBlockK * (D + kKRowPad));
     vb.resize(kBlockK * Dp);
     st.resize(kBlockK * kBlockQ);
     o.resize(kMaxSubBlocks * kBlockQ * Dp);
@@ -379,7 +384,7 @@ void attention_item(const Geometry& g, const T* q, const T* k, const T* v, T* ou
       kblk = reinterpret_cast<const float*>(k_head) + j0 * g.k_stride[2];
       vblk = reinterpret_cast<const float*>(v_head) + j0 * g.v_stride[2];
     } else {
-      pack_k(k_head + j0 * g.k_stride[2], g.k_stride[2], g.k_stride[3], nk_all, D, ws.kb.ptr);
+      pack_k_rows(k_head + j0 * g.k_stride[2], g.k_stride[2], g.k_stride[3], nk_all, D, ws.kb.ptr);
       pack_v(v_head + j0 * g.v_stride[2], g.v_stride[2], g.v_stride[3], nk_all, D, Dp, ws.vb.ptr);
     }
 
@@ -394,7 +399,7 @@ void attention_item(const Geometry& g, const T* q, const T* k, const T* v, T* ou
       if (in_place)
         qk_block<true>(kblk, nk, g.k_stride[2], u.qt, kBlockQ, u.ncols, D, st, kBlockQ);
       else
-        qk_block<false>(kblk, nk, nk_all, u.qt, kBlockQ, u.ncols, D, st, kBlockQ);
+        qk_block<true>(kblk, nk, D + kKRowPad, u.qt, kBlockQ, u.ncols, D, st, kBlockQ);
 
       // 2b. causal mask, only where the block crosses the diagonal: key j0+j is
       // visible to query row i iff i >= j0 + j - offset.
@@ -406,23 +411,36 @@ void attention_item(const Geometry& g, const T* q, const T* k, const T* v, T* ou
         }
       }
 
-      // 2c. online softmax down the columns.
-      for (int64_t c = 0; c < u.ncols; c += kW) {
-        Vec mx = Vec::load(u.m + c);
-        for (int64_t j = 0; j < nk; ++j) mx = vmax(mx, Vec::load(st + j * kBlockQ + c));
+      // 2c. online softmax down the columns, traversed row by row: the
+      // score block (36 KB) is a little larger than L1, and walking it one
+      // column chunk at a time (a 384-byte stride) made the exp pass's store
+      // the hottest instruction outside the micro-kernels.
+      const int64_t nchunks = u.ncols / kW;
+      Vec m_new[kBlockQ / kW], m_use[kBlockQ / kW], sum[kBlockQ / kW];
+      for (int64_t x = 0; x < nchunks; ++x) m_new[x] = Vec::load(u.m + x * kW);
+      for (int64_t j = 0; j < nk; ++j) {
+        const float* srow = st + j * kBlockQ;
+        for (int64_t x = 0; x < nchunks; ++x) m_new[x] = vmax(m_new[x], Vec::load(srow + x * kW));
+      }
+      for (int64_t x = 0; x < nchunks; ++x) {
         // A column that has seen only masked keys keeps m = -inf; exponentiate
         // against 0 instead so that exp2(-inf - (-inf)) never makes a NaN.
-        const Vec m_use = select_eq(mx, Vec::broadcast(kNegInf), Vec::zero(), mx);
-        const Vec alpha = exp2_approx(Vec::load(u.m + c) - m_use);
-        Vec sum = Vec::zero();
-        for (int64_t j = 0; j < nk; ++j) {
-          const Vec p = exp2_approx(Vec::load(st + j * kBlockQ + c) - m_use);
-          p.store(st + j * kBlockQ + c);
-          sum = sum + p;
+        m_use[x] = select_eq(m_new[x], Vec::broadcast(kNegInf), Vec::zero(), m_new[x]);
+        sum[x] = Vec::zero();
+      }
+      for (int64_t j = 0; j < nk; ++j) {
+        float* srow = st + j * kBlockQ;
+        for (int64_t x = 0; x < nchunks; ++x) {
+          const Vec p = exp2_approx(Vec::load(srow + x * kW) - m_use[x]);
+          p.store(srow + x * kW);
+          sum[x] = sum[x] + p;
         }
-        fmadd(alpha, Vec::load(u.l + c), sum).store(u.l + c);
-        mx.store(u.m + c);
-        alpha.store(ws.alpha + c);
+      }
+      for (int64_t x = 0; x < nchunks; ++x) {
+        const Vec alpha = exp2_approx(Vec::load(u.m + x * kW) - m_use[x]);
+        fmadd(alpha, Vec::load(u.l + x * kW), sum[x]).store(u.l + x * kW);
+        m_new[x].store(u.m + x * kW);
+        alpha.store(ws.alpha + x * kW);
       }
 
       // 2d. O = alpha * O + P^T V
