@@ -203,7 +203,7 @@ inline void pv_panel(const float* p, int64_t ldp, int64_t nk, int64_t nq, const 
 // O (nq x nvec*kW) = alpha * O + P^T . V   with P (nk x >= nq) transposed probabilities.
 // V is packed panel-major (see pack_v): the panel of columns [c, c + w)
 // starts at v + c * panel_rows with row stride w; only its first nk rows are used. Column panels outermost: one V panel
-// (nk x 16 floats, 4 KB) stays in L1 while every query row tile reuses it.
+// (nk x 16 floats, 6 KB at nk = 96) stays in L1 while every query row tile reuses it.
 // row_stride > 0: V is read in place instead (rows row_stride apart; decode path).
 void pv_block(const float* p, int64_t ldp, int64_t nk, int64_t panel_rows, int64_t nq, const float* v,
               int64_t row_stride, int64_t nvec, const float* alpha, float* o, int64_t ldo) {
