@@ -72,13 +72,29 @@ def _cxx_flags():
     # baseline ISA for binaries meant to be copied elsewhere.
     if platform.machine() in ("x86_64", "AMD64") and os.environ.get("FLASH_METAL_PORTABLE") != "1":
         flags.append("-march=native")
+    flags += _openmp_flags()
     return flags
+
+
+def _openmp_flags():
+    """-fopenmp where torch itself runs on OpenMP (Linux builds).
+
+    at::parallel_for's OpenMP backend is an inline `#pragma omp parallel` in
+    ATen's headers: without -fopenmp it compiles to a serial loop, and the CPU
+    kernel would run on one thread. The extension then needs libgomp.so.1,
+    which the loader resolves to the copy torch has already loaded (same
+    soname), so there is one OpenMP runtime in the process. Apple clang has
+    no -fopenmp; there the kernel spreads its work over ATen's inter-op pool.
+    """
+    if sys.platform.startswith("linux") and torch.backends.openmp.is_available():
+        return ["-fopenmp"]
+    return []
 
 
 def _extension():
     sources = sorted(glob.glob("csrc/*.cpp")) + sorted(glob.glob("csrc/cpu/*.cpp"))
     extra_compile_args = {"cxx": _cxx_flags()}
-    extra_link_args = []
+    extra_link_args = list(_openmp_flags())
     if BUILD_MPS:
         sources += sorted(glob.glob("csrc/mps/*.mm"))
         # PyTorch's MPS headers assume manual retain/release: never ARC.
