@@ -128,8 +128,10 @@ IMPLS = [
 BASELINE = "sdpa"  # speedups are measured against this row
 
 
-def for_preset(preset: str):
-    return [i for i in IMPLS if preset in i.presets]
+def for_preset(preset: str, names: str = ""):
+    """The impls of a preset, optionally only those named in a comma-separated list."""
+    wanted = set(names.split(",")) if names else None
+    return [i for i in IMPLS if preset in i.presets and (wanted is None or i.name in wanted)]
 
 
 def by_name(name: str) -> Impl:

@@ -63,10 +63,7 @@ COLUMNS = ["device", "shape", "B", "Hq", "Hkv", "Nq", "Nk", "D", "dtype", "causa
 def run(args):
     device = H.pick_device(args.device)
     threads = H.set_threads(args.threads)
-    impls = for_preset("llm")
-    if args.impls:
-        wanted = set(args.impls.split(","))
-        impls = [i for i in impls if i.name in wanted]
+    impls = for_preset("llm", args.impls)
     runnable = [i for i in impls if i.runs_on(device)]
     shapes = QUICK if args.quick else FULL
     dtypes = [DTYPES[x] for x in args.dtypes.split(",")]

@@ -29,10 +29,7 @@ def _ints(text):
 def run(args):
     device = H.pick_device(args.device)
     threads = H.set_threads(args.threads)
-    impls = for_preset("post")
-    if args.impls:
-        wanted = set(args.impls.split(","))
-        impls = [i for i in impls if i.name in wanted]
+    impls = for_preset("post", args.impls)
     meta = H.machine_metadata(device)
     meta["preset"] = "post_figure: B=H=1, float32, forward"
     configs = [(d, causal, n) for d in args.ds for causal in (False, True) for n in args.ns]

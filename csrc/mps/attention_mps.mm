@@ -7,7 +7,7 @@
 // serial queue, take the stream's shared compute encoder, bind, dispatch, and
 // leave committing to PyTorch. The rules, checked on Linux by
 // tests/test_mps_host.py:
-//   - never open an encoder, never endEncoding, never commit;
+//   - never open an encoder of our own, never end the shared one, never commit;
 //   - stream->commandEncoder() only inside dispatch_sync(stream->queue(), ...);
 //   - nothing inside the block can throw, and no PyTorch MPS op runs there:
 //     validation, allocation and pipeline lookup all happen before it;
