@@ -1,8 +1,9 @@
 """Thin Python layer over torch.ops.flash_metal: wrappers and fake kernels.
 
 Everything that decides anything (validation, kernel choice, launch shapes)
-lives in C++ (csrc/); this file only adapts shapes and registers the fake
-(meta) implementation that torch.compile traces through.
+lives in C++ (csrc/); this file only adapts shapes, registers the fake
+(meta) implementation that torch.compile traces through, and registers an
+autograd formula that refuses backward until the backward kernels exist.
 """
 from typing import NamedTuple, Optional, Tuple
 
@@ -97,3 +98,20 @@ def _attention_forward_fake(q, k, v, causal=False, scale=None, impl="auto"):
     out = q.new_empty((B, H, N, D))
     lse = q.new_empty((B, H, N), dtype=torch.float32)
     return out, lse
+
+
+def _setup_context(ctx, inputs, output):
+    pass
+
+
+def _backward(ctx, grad_out, grad_lse):
+    # Without a registered formula PyTorch would backpropagate zeros with only
+    # a warning: silently wrong gradients. Fail loudly instead until the
+    # backward kernels land.
+    raise NotImplementedError(
+        "flash_metal.attention_forward has no backward pass yet; run it under torch.no_grad() or "
+        "torch.inference_mode(), or use torch.nn.functional.scaled_dot_product_attention for training"
+    )
+
+
+torch.library.register_autograd("flash_metal::attention_forward", _backward, setup_context=_setup_context)

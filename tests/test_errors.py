@@ -99,3 +99,15 @@ def test_none_tensor(name):
     a = good(**{name: None})
     with pytest.raises(ValueError, match=rf"{name} is undefined \(None\)"):
         OP(a["q"], a["k"], a["v"])
+
+
+def test_backward_is_refused_not_silently_zero():
+    # No backward pass exists yet: asking for one must fail loudly, never
+    # return zero (or garbage) gradients.
+    q = torch.randn(1, 2, 5, 8, requires_grad=True)
+    out = flash_metal.attention(q, q.detach(), q.detach())
+    assert out.requires_grad
+    with pytest.raises(NotImplementedError, match=r"has no backward pass yet"):
+        out.sum().backward()
+    with torch.no_grad():
+        assert not flash_metal.attention(q, q, q).requires_grad
