@@ -32,6 +32,9 @@ struct AttentionProblem {
   int64_t gqa_ratio() const { return q_heads / kv_heads; }
   // With causal masking, query i sees keys j <= i + causal_offset().
   int64_t causal_offset() const { return kv_len - q_len; }
+  // scale * log2(e), as float32: every kernel keeps scores in base 2 so that
+  // exp(x) becomes exp2(x) (the FlashAttention-2 trick).
+  float scale_log2() const { return static_cast<float>(scale * 1.4426950408889634); }
 };
 
 // Validates q, k, v (B,H,N,D layout, any strides) and the scalar options.

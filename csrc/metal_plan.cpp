@@ -9,9 +9,6 @@ namespace {
 
 constexpr const char* kOp = "flash_metal.attention_forward";
 
-// log2(e): scores are kept in base 2 inside the kernels, so exp(x) = exp2(x * log2(e)).
-constexpr double kLog2e = 1.4426950408889634;
-
 const char* dtype_name(c10::ScalarType t) {
   switch (t) {
     case c10::ScalarType::Float: return "float32";
@@ -96,7 +93,7 @@ MetalLaunch plan_metal_attention(const AttentionProblem& p, const LaunchStrides&
   a.head_dim = static_cast<int32_t>(p.head_dim);
   a.causal_offset = static_cast<int32_t>(p.causal_offset());
   a.scale = static_cast<float>(p.scale);
-  a.scale_log2 = static_cast<float>(p.scale * kLog2e);
+  a.scale_log2 = p.scale_log2();
   return launch;
 }
 

@@ -49,7 +49,6 @@ namespace flash_metal {
 namespace cpu {
 namespace {
 
-constexpr double kLog2e = 1.4426950408889634;
 constexpr float kLn2 = 0.6931471805599453f;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
@@ -606,7 +605,7 @@ std::tuple<at::Tensor, at::Tensor> attention_forward_cpu(const at::Tensor& q, co
   g.group = p.gqa_ratio();
   g.causal_offset = p.causal_offset();
   g.causal = p.causal;
-  g.scale_log2 = static_cast<float>(p.scale * kLog2e);
+  g.scale_log2 = p.scale_log2();
   for (int d = 0; d < 4; ++d) {
     g.q_stride[d] = q.stride(d);
     g.k_stride[d] = k.stride(d);
