@@ -27,11 +27,14 @@ TORCH_LIBRARY(flash_metal, m) {
         "str impl=\"auto\") -> (Tensor out, Tensor lse)");
   // The Metal launch plan attention_forward would use for these inputs,
   // without running anything: kernel host name, threadgroups per grid,
-  // threads per threadgroup, dynamic threadgroup memory in bytes, the boolean
-  // function constants (index = [[function_constant(i)]]), the AttentionParams
-  // bytes, and the reason for the choice. Works for tensors on any device; the
-  // test suite's emulated-Metal backend and flash_metal.explain() use it.
+  // threads per threadgroup, dynamic threadgroup memory in bytes and its
+  // [[threadgroup(i)]] index, the boolean function constants (index =
+  // [[function_constant(i)]]), the binding table (the [[buffer(n)]] of q, k,
+  // v, out and lse, in that order), the [[buffer(n)]] of the AttentionParams
+  // bytes, those bytes, and the reason for the choice. Works for tensors on
+  // any device; the test suite's emulated-Metal backend and
+  // flash_metal.explain() use it.
   m.def("metal_plan(Tensor q, Tensor k, Tensor v, bool causal=False, float? scale=None, str impl=\"auto\") "
-        "-> (str kernel_name, int[] grid, int[] threadgroup, int threadgroup_memory, bool[] function_constants, "
-        "Tensor params, str reason)");
+        "-> (str kernel_name, int[] grid, int[] threadgroup, int threadgroup_memory, int threadgroup_memory_index, "
+        "bool[] function_constants, int[] buffer_indices, int params_index, Tensor params, str reason)");
 }

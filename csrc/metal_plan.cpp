@@ -27,6 +27,20 @@ uint32_t head_dim_bucket(int64_t head_dim) {
 
 uint32_t ceil_div(int64_t a, int64_t b) { return static_cast<uint32_t>((a + b - 1) / b); }
 
+// The binding slots of every attention kernel: they mirror the [[buffer(n)]]
+// and [[threadgroup(n)]] attributes of the kernel templates in shaders/*.h
+// (tests/test_metal_kernels.py checks each instantiation's signature against
+// this table), in LaunchTensor order.
+constexpr std::array<BufferBinding, kLaunchTensorCount> kAttentionBuffers = {{
+    {LaunchTensor::Q, 0},
+    {LaunchTensor::K, 1},
+    {LaunchTensor::V, 2},
+    {LaunchTensor::Out, 3},
+    {LaunchTensor::Lse, 4},
+}};
+constexpr uint32_t kAttentionParamsIndex = 5;       // constant AttentionParams& p [[buffer(5)]]
+constexpr uint32_t kAttentionThreadgroupIndex = 0;  // the tiled kernel's K/V tiles, [[threadgroup(0)]]
+
 }  // namespace
 
 KernelRequest parse_kernel_request(const std::string& kernel) {
@@ -75,6 +89,9 @@ MetalLaunch plan_metal_attention(const AttentionProblem& p, const LaunchStrides&
     launch.kernel_name = "flash_attention_untiled_" + suffix + "_t" + std::to_string(kPostThreadsPerGroup);
     launch.threadgroup_memory = 0;
   }
+  launch.buffers = kAttentionBuffers;
+  launch.params_index = kAttentionParamsIndex;
+  launch.threadgroup_memory_index = kAttentionThreadgroupIndex;
   launch.function_constants.assign(kCausalFunctionConstant + 1, false);
   launch.function_constants[kCausalFunctionConstant] = p.causal;
 

@@ -45,23 +45,33 @@ constexpr std::array<uint32_t, 4> kHeadDimBuckets = {32, 64, 128, 256};
 // Index of the [[function_constant]] that switches causal masking on.
 constexpr uint32_t kCausalFunctionConstant = 0;
 
+// The tensors a launch binds as device buffers, in the order of the binding
+// table below and of the metal_plan op's `buffer_indices`.
+enum class LaunchTensor : uint8_t { Q = 0, K, V, Out, Lse };
+constexpr size_t kLaunchTensorCount = 5;
+
+// One row of the binding table: tensor `tensor` goes to [[buffer(index)]],
+// bound at its storage offset in bytes.
+struct BufferBinding {
+  LaunchTensor tensor;
+  uint32_t index;
+};
+
 struct MetalLaunch {
   std::string kernel_name;                 // host name in the metallib, e.g. flash_attention_tiled_float16_d64_bk16_t32
   std::array<uint32_t, 3> grid{};          // threadgroups per grid (x: query blocks, y: q heads, z: batch)
   std::array<uint32_t, 3> threadgroup{};   // threads per threadgroup
-  uint32_t threadgroup_memory = 0;         // bytes of dynamic threadgroup memory at [[threadgroup(0)]]
+  uint32_t threadgroup_memory = 0;         // bytes of dynamic threadgroup memory (0: none to bind)
+  uint32_t threadgroup_memory_index = 0;   // its [[threadgroup(i)]] index
   std::vector<bool> function_constants;    // value of [[function_constant(i)]] at index i
-  AttentionParams params{};                // bound with setBytes at buffer index kParamsBufferIndex
+  // The one binding table: the MPS host (csrc/mps/attention_mps.mm) and the
+  // test suite's emulated backend both bind from it, so the slots are written
+  // down once, here, beside the kernels' [[buffer(n)]] attributes they mirror.
+  std::array<BufferBinding, kLaunchTensorCount> buffers{};
+  uint32_t params_index = 0;               // [[buffer(i)]] of AttentionParams, bound with setBytes
+  AttentionParams params{};                // the parameter block itself
   std::string reason;                      // why this kernel was chosen, for humans
 };
-
-// Buffer indices shared with the shaders' [[buffer(n)]] attributes.
-constexpr uint32_t kQBufferIndex = 0;
-constexpr uint32_t kKBufferIndex = 1;
-constexpr uint32_t kVBufferIndex = 2;
-constexpr uint32_t kOutBufferIndex = 3;
-constexpr uint32_t kLseBufferIndex = 4;
-constexpr uint32_t kParamsBufferIndex = 5;
 
 // The routing heuristic: picks a kernel for the problem and says why.
 KernelRequest choose_metal_kernel(const AttentionProblem& p, KernelRequest requested, std::string* reason);

@@ -18,8 +18,8 @@ std::array<int64_t, 4> strides4(const at::Tensor& t) {
   return {t.stride(0), t.stride(1), t.stride(2), t.stride(3)};
 }
 
-std::tuple<std::string, std::vector<int64_t>, std::vector<int64_t>, int64_t, c10::List<bool>, at::Tensor,
-           std::string>
+std::tuple<std::string, std::vector<int64_t>, std::vector<int64_t>, int64_t, int64_t, c10::List<bool>,
+           std::vector<int64_t>, int64_t, at::Tensor, std::string>
 metal_plan(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool causal,
            std::optional<double> scale, c10::string_view kernel) {
   const AttentionProblem p = check_attention_inputs(q, k, v, causal, scale);
@@ -33,11 +33,17 @@ metal_plan(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool c
   std::memcpy(params.data_ptr(), &launch.params, sizeof(AttentionParams));
   c10::List<bool> constants;
   for (bool c : launch.function_constants) constants.push_back(c);
+  // buffer_indices[t] is the [[buffer(n)]] of LaunchTensor t (q, k, v, out, lse).
+  std::vector<int64_t> buffer_indices(kLaunchTensorCount, -1);
+  for (const BufferBinding& b : launch.buffers) buffer_indices[static_cast<size_t>(b.tensor)] = b.index;
   return {launch.kernel_name,
           {launch.grid.begin(), launch.grid.end()},
           {launch.threadgroup.begin(), launch.threadgroup.end()},
           launch.threadgroup_memory,
+          launch.threadgroup_memory_index,
           constants,
+          buffer_indices,
+          launch.params_index,
           params,
           launch.reason};
 }

@@ -5,7 +5,7 @@ lives in C++ (csrc/); this file only adapts shapes, registers the fake
 (meta) implementation that torch.compile traces through, and registers an
 autograd formula that refuses backward until the backward kernels exist.
 """
-from typing import NamedTuple, Optional, Tuple
+from typing import Dict, NamedTuple, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -60,14 +60,22 @@ def attention(
     return attention_with_lse(q, k, v, causal, scale, impl)[0]
 
 
+# The tensors of a launch, in the order of the plan's binding table
+# (LaunchTensor in csrc/metal_plan.h).
+_LAUNCH_TENSORS = ("q", "k", "v", "out", "lse")
+
+
 class MetalPlan(NamedTuple):
     """The Metal launch attention_forward chooses (see csrc/metal_plan.h)."""
 
     kernel_name: str
     grid: Tuple[int, int, int]
     threadgroup: Tuple[int, int, int]
-    threadgroup_memory: int
+    threadgroup_memory: int  # bytes of dynamic threadgroup memory (0: none)
+    threadgroup_memory_index: int  # its [[threadgroup(i)]]
     function_constants: Tuple[bool, ...]
+    buffers: Dict[str, int]  # the binding table: "q", "k", "v", "out", "lse" -> [[buffer(n)]]
+    params_index: int  # [[buffer(n)]] of the AttentionParams bytes
     params: Tensor
     reason: str
 
@@ -79,10 +87,11 @@ def explain(
 
     Runs only the host's planning code (no kernel), so it works on any device.
     """
-    name, grid, tg, mem, consts, params, reason = torch.ops.flash_metal.metal_plan(
-        _as_4d(q), _as_4d(k), _as_4d(v), causal, scale, impl
+    name, grid, tg, mem, mem_index, consts, buffer_indices, params_index, params, reason = (
+        torch.ops.flash_metal.metal_plan(_as_4d(q), _as_4d(k), _as_4d(v), causal, scale, impl)
     )
-    return MetalPlan(name, tuple(grid), tuple(tg), mem, tuple(consts), params, reason)
+    buffers = dict(zip(_LAUNCH_TENSORS, buffer_indices))
+    return MetalPlan(name, tuple(grid), tuple(tg), mem, mem_index, tuple(consts), buffers, params_index, params, reason)
 
 
 @torch.library.register_fake("flash_metal::attention_forward")

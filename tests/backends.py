@@ -15,8 +15,6 @@ import flash_metal
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHADER = os.path.join(ROOT, "shaders", "attention.metal")
-# Buffer slots of the attention kernels; the same constants as csrc/metal_plan.h.
-Q_SLOT, K_SLOT, V_SLOT, OUT_SLOT, LSE_SLOT, PARAMS_SLOT = range(6)
 
 
 @functools.lru_cache(maxsize=None)
@@ -44,14 +42,16 @@ def emulated_metal_attention(q, k, v, causal=False, scale=None, impl="auto", ins
     # Outputs poisoned with NaN: an element the kernel never writes stays NaN.
     out = torch.full((B, H, N, D), float("nan"), dtype=q.dtype)
     lse = torch.full((B, H, N), float("nan"), dtype=torch.float32)
+    # Bound from the plan's binding table, exactly as csrc/mps/attention_mps.mm binds.
+    tensors = {"q": q, "k": k, "v": v, "out": out, "lse": lse}
     metal_library(instrumented).dispatch(
         plan.kernel_name,
-        buffers={Q_SLOT: q, K_SLOT: k, V_SLOT: v, OUT_SLOT: out, LSE_SLOT: lse},
-        bytes={PARAMS_SLOT: plan.params},
+        buffers={index: tensors[name] for name, index in plan.buffers.items()},
+        bytes={plan.params_index: plan.params},
         function_constants=dict(enumerate(plan.function_constants)),
         grid=plan.grid,
         threadgroup=plan.threadgroup,
-        threadgroup_memory={0: plan.threadgroup_memory} if plan.threadgroup_memory else {},
+        threadgroup_memory={plan.threadgroup_memory_index: plan.threadgroup_memory} if plan.threadgroup_memory else {},
     )
     return out, lse
 

@@ -127,3 +127,33 @@ def test_packaged_shader_sources_are_complete():
     lib = compile_library([shipped], instrumented=False)
     assert set(lib.kernel_names()) == set(metal_library(False).kernel_names())
     assert os.path.abspath(SHADER) != os.path.abspath(shipped)
+
+
+# The parameter each binding-table entry must land on, by name in the kernel
+# templates' signatures (shaders/attention_untiled.h, attention_tiled.h).
+_SIGNATURE_NAMES = {"q": "q", "k": "k", "v": "v", "out": "o", "lse": "lse"}
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_binding_table_matches_every_kernel_signature(impl):
+    # The plan's binding table is what the MPS host and the emulated backend
+    # bind from; each entry must name the kernel parameter with that
+    # [[buffer(n)]] (a swapped k/v slot in csrc/metal_plan.cpp fails here).
+    from metal_emulator import _prepass
+
+    lib = metal_library(False)
+    for (kind, dtype, bucket), name in _plan_names().items():
+        if kind != impl:
+            continue
+        q, k, v = make_qkv(1, 1, 1, 2, 2, BUCKET_DIMS[bucket], dtype)
+        plan = flash_metal.explain(q, k, v, impl=impl)
+        params = lib.signature(name)
+        buffers = {p.index: p.name for p in params if p.role == _prepass.ROLE_BUFFER}
+        expected = {index: _SIGNATURE_NAMES[tensor] for tensor, index in plan.buffers.items()}
+        expected[plan.params_index] = "p"
+        assert buffers == expected, name
+        groups = {p.index: p.name for p in params if p.role == _prepass.ROLE_THREADGROUP}
+        if plan.threadgroup_memory:
+            assert groups == {plan.threadgroup_memory_index: "smem"}, name
+        else:
+            assert groups == {}, name

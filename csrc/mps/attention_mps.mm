@@ -77,16 +77,19 @@ std::tuple<at::Tensor, at::Tensor> attention_forward_mps(const at::Tensor& q, co
   const MTLSize grid = MTLSizeMake(launch.grid[0], launch.grid[1], launch.grid[2]);
   const MTLSize group = MTLSizeMake(launch.threadgroup[0], launch.threadgroup[1], launch.threadgroup[2]);
   const NSUInteger threadgroup_memory = launch.threadgroup_memory;
-  // The five tensor bindings, resolved now so the block only reads values
-  // (blocks cannot capture C arrays, hence std::array).
-  const std::array<const at::Tensor*, 5> tensors = {&q, &k, &v, &out, &lse};
-  const std::array<NSUInteger, 5> indices = {kQBufferIndex, kKBufferIndex, kVBufferIndex, kOutBufferIndex,
-                                             kLseBufferIndex};
-  std::array<id<MTLBuffer>, 5> buffers{};
-  std::array<NSUInteger, 5> offsets{};
-  for (size_t i = 0; i < tensors.size(); ++i) {
-    buffers[i] = buffer_of(*tensors[i]);
-    offsets[i] = byte_offset_of(*tensors[i]);
+  const NSUInteger threadgroup_memory_index = launch.threadgroup_memory_index;
+  const NSUInteger params_index = launch.params_index;
+  // The tensor bindings, resolved from the plan's binding table now so the
+  // block only reads values (blocks cannot capture C arrays, hence std::array).
+  const std::array<const at::Tensor*, kLaunchTensorCount> tensors = {&q, &k, &v, &out, &lse};  // LaunchTensor order
+  std::array<id<MTLBuffer>, kLaunchTensorCount> buffers{};
+  std::array<NSUInteger, kLaunchTensorCount> offsets{};
+  std::array<NSUInteger, kLaunchTensorCount> indices{};
+  for (size_t i = 0; i < launch.buffers.size(); ++i) {
+    const at::Tensor& t = *tensors[static_cast<size_t>(launch.buffers[i].tensor)];
+    buffers[i] = buffer_of(t);
+    offsets[i] = byte_offset_of(t);
+    indices[i] = launch.buffers[i].index;
   }
 
   // --- Encoding: no throw, no PyTorch op, no own encoder, no commit. ---
@@ -98,9 +101,9 @@ std::tuple<at::Tensor, at::Tensor> attention_forward_mps(const at::Tensor& q, co
       for (size_t i = 0; i < buffers.size(); ++i) {
         [encoder setBuffer:buffers[i] offset:offsets[i] atIndex:indices[i]];
       }
-      [encoder setBytes:&params length:sizeof(params) atIndex:kParamsBufferIndex];
+      [encoder setBytes:&params length:sizeof(params) atIndex:params_index];
       if (threadgroup_memory != 0) {
-        [encoder setThreadgroupMemoryLength:threadgroup_memory atIndex:0];
+        [encoder setThreadgroupMemoryLength:threadgroup_memory atIndex:threadgroup_memory_index];
       }
       [encoder dispatchThreadgroups:grid threadsPerThreadgroup:group];
     }
