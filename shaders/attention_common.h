@@ -47,9 +47,11 @@ inline int visible_keys(constant AttentionParams& p, int row) {
 
 // Online softmax for one query row, in base 2: scores arrive already
 // multiplied by scale * log2(e), so exp(s - m) becomes exp2(s - m). The max
-// starts at -inf and only finite scores ever enter, so the first update's
-// rescale factor is exp2(-inf) = 0, never NaN. (Base-2 scores: an idea from
-// FlashAttention-2 and metal-flash-attention.)
+// starts at -inf. A score can itself be -inf (a -inf in k, or a product that
+// overflows float32), and while every score so far is -inf the max is -inf
+// too; exp2(-inf - (-inf)) would be NaN. FlashAttention-2's guard: measure
+// against 0 while the max is -inf, so such keys get exp2(-inf) = 0. (Base-2
+// scores: an idea from FlashAttention-2 and metal-flash-attention.)
 struct OnlineSoftmax {
   float m;  // running maximum of the base-2 scores seen so far
   float l;  // running sum of exp2(score - m)
@@ -58,8 +60,9 @@ struct OnlineSoftmax {
   // accumulator, and sets *weight to the new score's exp2(score - m).
   inline float update(float score, thread float* weight) {
     const float m_new = max(m, score);
-    const float alpha = exp2(m - m_new);
-    *weight = exp2(score - m_new);
+    const float m_ref = m_new == -INFINITY ? 0.0f : m_new;
+    const float alpha = exp2(m - m_ref);
+    *weight = exp2(score - m_ref);
     l = l * alpha + *weight;
     m = m_new;
     return alpha;
