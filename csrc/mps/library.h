@@ -1,11 +1,16 @@
 // The shader library and its compute pipelines, for the MPS backend.
 //
-// The library is loaded once per process from the installed package: the
-// precompiled flash_metal.metallib next to the _C extension when setup.py
-// could build it, else the shipped shaders/attention.metal compiled by
-// Metal's runtime compiler. Pipelines are cached by kernel name and function
-// constant values. Everything is thread-safe, and every failure throws
-// c10::Error here, on the calling thread, never inside a dispatch block.
+// The library is loaded once per process and device from the installed
+// package: the precompiled flash_metal.metallib next to the _C extension when
+// setup.py built it from the very sources installed beside it (a hash file
+// says so), else the shipped shaders/attention.metal compiled by Metal's
+// runtime compiler, with a warning when a metallib was there but stale or
+// unloadable. Both paths compile without fast math (the kernels rely on
+// infinities). macOS older than 14 is refused with a clear error: Metal 3.1,
+// which the kernels need for bfloat, starts there. Pipelines are cached by
+// device, kernel name and function-constant values. Everything is
+// thread-safe, and every failure throws c10::Error (warnings are TORCH_WARN)
+// here, on the calling thread, never inside a dispatch block.
 //
 // Objective-C++ (manual retain/release, never ARC): include only from .mm.
 #pragma once
@@ -30,5 +35,9 @@ struct Pipeline {
 // (all boolean), built for `device` on first use. Throws c10::Error naming
 // the kernel and the library it was looked up in.
 Pipeline get_pipeline(id<MTLDevice> device, const std::string& name, const std::vector<bool>& constants);
+
+// Where the library get_pipeline uses on `device` came from, e.g. "the
+// precompiled /.../flash_metal.metallib"; loads it on first use (same errors).
+std::string library_origin(id<MTLDevice> device);
 
 }  // namespace flash_metal::mps

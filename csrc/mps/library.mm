@@ -6,7 +6,11 @@
 // ATen-internal class. Manual retain/release: setup.py builds with
 // -fno-objc-arc. No exception is ever thrown inside an @autoreleasepool
 // (it would skip the pool's drain): errors are collected as strings and
-// thrown after the pool has closed.
+// thrown after the pool has closed. Compile options follow PyTorch's own
+// runtime compile (MTLMathModeSafe) and the -fno-fast-math both PyTorch and
+// MLX pass to `metal` (setup.py does too): the kernels start the running max
+// at -INFINITY and return lse = -inf for rows without keys, which fast math
+// is allowed to break.
 #include "library.h"
 #include "shader_source.h"
 
@@ -15,6 +19,7 @@
 
 #include <dlfcn.h>
 
+#include <cstdint>
 #include <cstdlib>
 #include <fstream>
 #include <mutex>
@@ -26,12 +31,19 @@ namespace {
 // File names inside the installed package directory (flash_metal/), as
 // setup.py's BuildWithShaders writes them.
 constexpr const char* kMetallibName = "flash_metal.metallib";
+// The fingerprint of the sources the metallib was built from (setup.py's
+// _shader_sources_hash; shader_source::source_tree_hash computes the same).
+constexpr const char* kMetallibHashName = "flash_metal.metallib.fnv1a64";
+constexpr const char* kShaderDirName = "shaders";
 constexpr const char* kShaderSourceName = "shaders/attention.metal";
 // Set to 1 to ignore the metallib and compile the shipped sources: lets a
 // Mac with the full toolchain exercise the fallback path users without it get.
 constexpr const char* kForceRuntimeCompileEnv = "FLASH_METAL_RUNTIME_COMPILE";
 // Hint appended to build errors: the sources and the metallib come from one install.
 constexpr const char* kReinstallHint = "reinstall flash_metal (pip install --no-build-isolation .)";
+// What the runtime-compile fallback costs, for its warnings.
+constexpr const char* kFallbackNote =
+    "compiling the shipped shader sources at run time instead (slower first call; same kernels)";
 
 // The directory holding this shared object (the _C extension), found by
 // asking the dynamic loader which file contains this very function.
@@ -48,6 +60,19 @@ std::string describe(NSError* error) {
   if (error == nil) return "no error description";
   const char* text = [[error localizedDescription] UTF8String];
   return text != nullptr ? text : "no error description";
+}
+
+// Metal 3.1 (macOS 14) is the first language version with bfloat, and the
+// one both the metallib (setup.py: -std=metal3.1 -mmacosx-version-min=14.0)
+// and the runtime compile use; the bfloat instantiations sit in the same
+// library as the others, so nothing loads below it. Refusing older macOS at
+// first use, with this message, is the alternative to a Metal 3.0 build
+// without bfloat, which flash_metal does not ship.
+bool macos_supports_the_kernels() {
+  if (@available(macOS 14.0, *)) {
+    return true;
+  }
+  return false;
 }
 
 // The loaded library and where it came from (for error messages).
@@ -67,12 +92,29 @@ id<MTLLibrary> load_metallib(id<MTLDevice> device, const std::string& path, std:
   return library;
 }
 
+// The runtime compiler's equivalent of setup.py's `metal -std=metal3.1
+// -fno-fast-math`: IEEE-safe arithmetic and precise math functions (the
+// unqualified exp2/log2 the kernels call are metal::, which fast math maps
+// to the fast:: versions). MTLMathModeSafe is PyTorch's runtime default too.
+void set_compile_options(MTLCompileOptions* options) {
+  if (@available(macOS 15.0, *)) {
+    [options setMathMode:MTLMathModeSafe];
+    [options setMathFloatingPointFunctions:MTLMathFloatingPointFunctionsPrecise];
+    [options setLanguageVersion:MTLLanguageVersion3_1];
+  } else if (@available(macOS 14.0, *)) {
+    // fastMathEnabled is the pre-macOS-15 switch; deprecated, not removed, there.
+#pragma clang diagnostic push
+#pragma clang diagnostic ignored "-Wdeprecated-declarations"
+    [options setFastMathEnabled:NO];
+#pragma clang diagnostic pop
+    [options setLanguageVersion:MTLLanguageVersion3_1];
+  }
+}
+
 id<MTLLibrary> compile_source(id<MTLDevice> device, const std::string& source, std::string* error) {
   id<MTLLibrary> library = nil;
   MTLCompileOptions* options = [[MTLCompileOptions alloc] init];
-  // Metal 3.1 (macOS 14): the first version with bfloat, and the standard
-  // setup.py's precompiled metallib uses (-std=metal3.1).
-  [options setLanguageVersion:MTLLanguageVersion3_1];
+  set_compile_options(options);
   @autoreleasepool {
     NSError* err = nil;
     library = [device newLibraryWithSource:[NSString stringWithUTF8String:source.c_str()]
@@ -84,53 +126,107 @@ id<MTLLibrary> compile_source(id<MTLDevice> device, const std::string& source, s
   return library;
 }
 
-LoadedLibrary load_library(id<MTLDevice> device) {
-  const std::string dir = package_directory();
-  const std::string metallib = dir + "/" + kMetallibName;
-  const std::string source_path = dir + "/" + kShaderSourceName;
-  const char* force = std::getenv(kForceRuntimeCompileEnv);
-  const bool use_metallib = !(force != nullptr && std::string(force) == "1") && file_exists(metallib);
-
-  LoadedLibrary out;
-  std::string error;
-  if (use_metallib) {
-    out.origin = "the precompiled " + metallib;
-    out.library = load_metallib(device, metallib, &error);
-    TORCH_CHECK(out.library != nil, "flash_metal: cannot load ", out.origin, ": ", error, "; ", kReinstallHint);
-    return out;
+// Why the metallib in `dir` must not be used, or "" if it was built from the
+// shader sources installed beside it.
+std::string metallib_staleness(const std::string& dir) {
+  std::ifstream in(dir + "/" + kMetallibHashName);
+  std::string recorded;
+  if (!(in >> recorded)) {
+    return std::string("it has no readable ") + kMetallibHashName +
+           " beside it, so it may predate the installed shader sources";
   }
-  TORCH_CHECK(file_exists(source_path), "flash_metal: found neither ", metallib, " nor the shader sources ",
-              source_path, "; ", kReinstallHint);
+  std::string actual;
+  try {
+    actual = shader_source::source_tree_hash(dir + "/" + kShaderDirName);
+  } catch (const std::exception& e) {
+    return std::string("the installed shader sources cannot be fingerprinted (") + e.what() + ")";
+  }
+  if (recorded != actual) {
+    return "it was built from other shader sources (fingerprint " + recorded + ", installed sources " + actual +
+           "): a stale build";
+  }
+  return "";
+}
+
+LoadedLibrary compile_shipped_sources(id<MTLDevice> device, const std::string& dir, const std::string& why) {
+  const std::string source_path = dir + "/" + kShaderSourceName;
+  TORCH_CHECK(file_exists(source_path), "flash_metal: cannot run on MPS: ", why, ", and the shader sources ",
+              source_path, " are missing; ", kReinstallHint);
   std::string source;
   try {
     source = shader_source::inline_local_includes(source_path);
   } catch (const std::exception& e) {
     TORCH_CHECK(false, "flash_metal: cannot assemble the shader sources: ", e.what(), "; ", kReinstallHint);
   }
-  out.origin = "the shader sources " + source_path + " (compiled at run time: no metallib was installed)";
+  LoadedLibrary out;
+  out.origin = "the shader sources " + source_path + " (compiled at run time: " + why + ")";
+  std::string error;
   out.library = compile_source(device, source, &error);
   TORCH_CHECK(out.library != nil, "flash_metal: Metal's runtime compiler rejected ", out.origin, ":\n", error);
   return out;
 }
 
-std::string cache_key(const std::string& name, const std::vector<bool>& constants) {
-  std::string key = name + "/";
+LoadedLibrary load_library(id<MTLDevice> device) {
+  TORCH_CHECK(macos_supports_the_kernels(),
+              "flash_metal: the Metal kernels need macOS 14 (Sonoma) or newer, for Metal 3.1; this Mac runs an "
+              "older macOS. CPU tensors still work: pass tensors on device='cpu', or upgrade macOS.");
+  TORCH_CHECK(device != nil, "flash_metal: no Metal device to build the kernels for");
+  const std::string dir = package_directory();
+  const std::string metallib = dir + "/" + kMetallibName;
+  const char* force = std::getenv(kForceRuntimeCompileEnv);
+  if (force != nullptr && std::string(force) == "1") {
+    return compile_shipped_sources(device, dir, std::string(kForceRuntimeCompileEnv) + "=1");
+  }
+  if (!file_exists(metallib)) {
+    // setup.py warned at install time (no Metal toolchain): no second warning.
+    return compile_shipped_sources(device, dir, "no metallib was installed");
+  }
+  const std::string stale = metallib_staleness(dir);
+  if (!stale.empty()) {
+    TORCH_WARN("flash_metal: not using ", metallib, ": ", stale, "; ", kFallbackNote, ". To fix, ", kReinstallHint,
+               ".");
+    return compile_shipped_sources(device, dir, "the metallib was stale");
+  }
+  LoadedLibrary out;
+  std::string error;
+  out.origin = "the precompiled " + metallib;
+  out.library = load_metallib(device, metallib, &error);
+  if (out.library == nil) {
+    // Typically a metallib built for a newer macOS than this one.
+    TORCH_WARN("flash_metal: cannot load ", metallib, " (", error, "); ", kFallbackNote, ".");
+    return compile_shipped_sources(device, dir, "the metallib did not load");
+  }
+  return out;
+}
+
+std::string cache_key(id<MTLDevice> device, const std::string& name, const std::vector<bool>& constants) {
+  std::string key = std::to_string(reinterpret_cast<uintptr_t>(device)) + "/" + name + "/";
   for (bool c : constants) key += c ? '1' : '0';
   return key;
 }
 
-// Everything below is guarded by mutex().
+// Everything below is guarded by mutex(). Both maps are leaked on purpose:
+// they outlive static destruction, as the retained Metal objects do.
 std::mutex& mutex() {
   static std::mutex m;
   return m;
 }
-LoadedLibrary& library_slot() {
-  static LoadedLibrary lib;
-  return lib;
+std::unordered_map<uintptr_t, LoadedLibrary>& libraries() {
+  static auto* map = new std::unordered_map<uintptr_t, LoadedLibrary>();
+  return *map;
 }
 std::unordered_map<std::string, Pipeline>& pipelines() {
-  static auto* map = new std::unordered_map<std::string, Pipeline>();  // leaked: outlives static destruction
+  static auto* map = new std::unordered_map<std::string, Pipeline>();
   return *map;
+}
+
+// The library for `device`, loaded on first use. Caller holds mutex().
+const LoadedLibrary& library_for(id<MTLDevice> device) {
+  const uintptr_t key = reinterpret_cast<uintptr_t>(device);
+  auto hit = libraries().find(key);
+  if (hit != libraries().end()) return hit->second;
+  LoadedLibrary lib = load_library(device);  // a throw leaves no entry: the next call retries
+  return libraries().emplace(key, lib).first->second;
 }
 
 Pipeline build_pipeline(id<MTLDevice> device, const LoadedLibrary& lib, const std::string& name,
@@ -149,8 +245,7 @@ Pipeline build_pipeline(id<MTLDevice> device, const LoadedLibrary& lib, const st
                                                           error:&err];  // +1
     if (function == nil) {
       error = "kernel '" + name + "' is not in " + lib.origin + " (" + describe(err) +
-              "). The library is probably stale, built from older shaders than this extension: " +
-              kReinstallHint;
+              "). The extension and its shaders come from different builds: " + kReinstallHint;
     } else {
       p.state = [device newComputePipelineStateWithFunction:function error:&err];  // +1, kept by the cache
       if (p.state == nil) error = "cannot build the pipeline of kernel '" + name + "': " + describe(err);
@@ -168,15 +263,18 @@ Pipeline build_pipeline(id<MTLDevice> device, const LoadedLibrary& lib, const st
 
 Pipeline get_pipeline(id<MTLDevice> device, const std::string& name, const std::vector<bool>& constants) {
   std::lock_guard<std::mutex> lock(mutex());
-  const std::string key = cache_key(name, constants);
+  const std::string key = cache_key(device, name, constants);
   auto hit = pipelines().find(key);
   if (hit != pipelines().end()) return hit->second;
 
-  LoadedLibrary& lib = library_slot();
-  if (lib.library == nil) lib = load_library(device);  // throws leave the slot empty: the next call retries
-  Pipeline p = build_pipeline(device, lib, name, constants);
+  Pipeline p = build_pipeline(device, library_for(device), name, constants);
   pipelines().emplace(key, p);
   return p;
+}
+
+std::string library_origin(id<MTLDevice> device) {
+  std::lock_guard<std::mutex> lock(mutex());
+  return library_for(device).origin;
 }
 
 }  // namespace flash_metal::mps

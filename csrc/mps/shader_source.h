@@ -16,13 +16,24 @@
 //   not inside #if blocks (ours never are), and `#pragma once` lines of
 //   inlined files are blanked (they would warn in a main file).
 // - `#line` markers keep compiler diagnostics pointing at the original files.
+//
+// Also here: the fingerprint of a shader directory (source_tree_hash), which
+// setup.py writes beside the metallib it builds and library.mm recomputes
+// from the installed sources, so that a metallib built from other sources
+// is never used.
 #pragma once
 
+#include <dirent.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdio>
 #include <fstream>
 #include <set>
 #include <sstream>
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 namespace flash_metal::shader_source {
 
@@ -117,6 +128,57 @@ inline std::string inline_local_includes(const std::string& path) {
   std::string out;
   detail::inline_into(path, "", &seen, &out);
   return out;
+}
+
+// --- The fingerprint of the shader sources -------------------------------------------------
+//
+// FNV-1a, 64 bit: it detects a metallib built from other sources (a stale
+// build, an edited checkout), not tampering, so a short non-cryptographic
+// hash that setup.py can mirror in three lines is enough and needs no crypto
+// library on either side. Its two constants are FNV's published 64-bit
+// offset basis and prime.
+constexpr uint64_t kFnvOffsetBasis = 0xcbf29ce484222325ULL;
+constexpr uint64_t kFnvPrime = 0x100000001b3ULL;
+
+inline uint64_t fnv1a64(const std::string& bytes, uint64_t hash = kFnvOffsetBasis) {
+  for (unsigned char c : bytes) {
+    hash ^= c;
+    hash *= kFnvPrime;
+  }
+  return hash;
+}
+
+// True for the files setup.py ships as shader sources (and hashes): *.metal and *.h.
+inline bool is_shader_file(const std::string& name) {
+  auto ends_with = [&](const std::string& tail) {
+    return name.size() > tail.size() && name.compare(name.size() - tail.size(), tail.size(), tail) == 0;
+  };
+  return ends_with(".metal") || ends_with(".h");
+}
+
+// The fingerprint of the shader sources in `dir`, as 16 lowercase hex
+// digits: FNV-1a-64 over, for each *.metal and *.h file in byte order of its
+// name, "<name>\n<size in bytes>\n<contents>". setup.py's
+// _shader_sources_hash computes the same. Throws std::runtime_error if the
+// directory or a file cannot be read.
+inline std::string source_tree_hash(const std::string& dir) {
+  std::vector<std::string> names;
+  DIR* d = opendir(dir.c_str());
+  if (d == nullptr) throw std::runtime_error("cannot list shader directory '" + dir + "'");
+  while (const dirent* entry = readdir(d)) {
+    if (is_shader_file(entry->d_name)) names.emplace_back(entry->d_name);
+  }
+  closedir(d);
+  std::sort(names.begin(), names.end());
+  uint64_t hash = kFnvOffsetBasis;
+  for (const std::string& name : names) {
+    const std::string text = detail::read_file(dir + "/" + name, "");
+    hash = fnv1a64(name + "\n" + std::to_string(text.size()) + "\n", hash);
+    hash = fnv1a64(text, hash);
+  }
+  char hex[17];
+  std::snprintf(hex, sizeof(hex), "%016llx", static_cast<unsigned long long>(hash));
+  return hex;
 }
 
 }  // namespace flash_metal::shader_source

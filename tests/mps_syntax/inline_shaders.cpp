@@ -9,12 +9,14 @@
 #include <exception>
 
 int main(int argc, char** argv) {
-  if (argc != 2) {
-    std::fprintf(stderr, "usage: %s SHADER.metal\n", argv[0]);
+  const bool hash = argc == 3 && std::string(argv[1]) == "--hash";
+  if (argc != 2 && !hash) {
+    std::fprintf(stderr, "usage: %s SHADER.metal | --hash SHADER_DIR\n", argv[0]);
     return 2;
   }
   try {
-    const std::string text = flash_metal::shader_source::inline_local_includes(argv[1]);
+    const std::string text = hash ? flash_metal::shader_source::source_tree_hash(argv[2]) + "\n"
+                                   : flash_metal::shader_source::inline_local_includes(argv[1]);
     std::fwrite(text.data(), 1, text.size(), stdout);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "%s\n", e.what());

@@ -20,35 +20,45 @@ import zipfile
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 STUB_DIR = os.path.join(HERE, "stubs")
-# Why 2.14.1: the newest torch the environment allows (/etc/xdg/pip caps it);
-# its MPSStream.h is the one with the stream pool, the API we must agree with.
-MACOS_TORCH_VERSION = "2.14.1"
-# Why macosx_14_0_arm64: the tag PyTorch publishes its Apple-silicon wheels under.
+# The macOS torch versions whose headers the .mm must agree with, each with
+# the C++ standard it needs. Why these: 2.4.0 is the minimum torch flash_metal
+# supports (pyproject.toml; torch.library.register_fake and opcheck appear in
+# 2.4), and its headers still parse as C++17; 2.14.1 is the newest torch the
+# environment allows (/etc/xdg/pip caps it), the one with the MPS stream pool,
+# and its OperationUtils-era headers need C++20 (std::type_identity).
+MACOS_TORCH_VERSIONS = {"2.4.0": "c++17", "2.14.1": "c++20"}
+MINIMUM_TORCH_VERSION = "2.4.0"
+MACOS_TORCH_VERSION = "2.14.1"  # the default for callers that check one version
+# Why macosx_14_0_arm64: the tag PyTorch publishes its Apple-silicon wheels
+# under (pip also accepts the older macosx_11_0_arm64 tag of 2.4.0 for it).
 MACOS_PLATFORM = "macosx_14_0_arm64"
-CACHE_DIR = os.environ.get(
-    "FLASH_METAL_MACOS_TORCH_CACHE",
-    os.path.join(os.path.expanduser("~"), ".cache", "flash_metal", f"macos-torch-{MACOS_TORCH_VERSION}"),
-)
+CACHE_ROOT = os.environ.get(
+    "FLASH_METAL_MACOS_TORCH_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "flash_metal"))
 # A file whose presence means the cache holds a complete unpack.
 _SENTINEL = os.path.join("torch", "include", "ATen", "mps", "MPSStream.h")
+
+
+def cache_dir_for(version: str) -> str:
+    return os.path.join(CACHE_ROOT, f"macos-torch-{version}")
 
 
 class HeadersUnavailable(Exception):
     """The macOS torch headers could not be downloaded or unpacked."""
 
 
-def macos_torch_include(cache_dir: str = CACHE_DIR) -> str:
-    """torch/include of the macOS wheel, downloading and unpacking it on first use."""
+def macos_torch_include(version: str = MACOS_TORCH_VERSION) -> str:
+    """torch/include of the macOS wheel of torch `version`, downloaded and unpacked on first use."""
+    cache_dir = cache_dir_for(version)
     include = os.path.join(cache_dir, "torch", "include")
     if os.path.exists(os.path.join(cache_dir, _SENTINEL)):
         return include
     wheel_dir = os.path.join(cache_dir, "wheel")
-    wheels = glob.glob(os.path.join(wheel_dir, f"torch-{MACOS_TORCH_VERSION}-*.whl"))
+    wheels = glob.glob(os.path.join(wheel_dir, f"torch-{version}-*.whl"))
     if not wheels:
-        cmd = [sys.executable, "-m", "pip", "download", f"torch=={MACOS_TORCH_VERSION}", "--no-deps",
+        cmd = [sys.executable, "-m", "pip", "download", f"torch=={version}", "--no-deps",
                "--only-binary=:all:", "--platform", MACOS_PLATFORM, "-d", wheel_dir]
         proc = subprocess.run(cmd, capture_output=True, text=True)
-        wheels = glob.glob(os.path.join(wheel_dir, f"torch-{MACOS_TORCH_VERSION}-*.whl"))
+        wheels = glob.glob(os.path.join(wheel_dir, f"torch-{version}-*.whl"))
         if proc.returncode or not wheels:
             raise HeadersUnavailable(f"`{' '.join(cmd)}` failed:\n{proc.stdout[-2000:]}{proc.stderr[-2000:]}")
     # Unpack into a temporary sibling, then rename: safe if two test runs race.
@@ -72,15 +82,17 @@ def macos_torch_include(cache_dir: str = CACHE_DIR) -> str:
     return include
 
 
-def syntax_check_command(clang: str, source: str, torch_include: str, extra: tuple[str, ...] = ()) -> list[str]:
-    """The clang command line that syntax-checks one .mm file."""
+def syntax_check_command(clang: str, source: str, torch_include: str, extra: tuple[str, ...] = (),
+                         std: str = "c++20") -> list[str]:
+    """The clang command line that syntax-checks one .mm file (std: the C++ standard of that torch)."""
     return [
-        clang, "-fsyntax-only", "-x", "objective-c++", "-std=c++20",
+        clang, "-fsyntax-only", "-x", "objective-c++", f"-std={std}",
         "-fblocks",                        # dispatch_sync takes a block
         "-fobjc-runtime=gnustep-2.0",      # any modern runtime parses; Apple's is not available on Linux
         "-fno-objc-arc",                   # as setup.py builds it: manual retain/release
         "-Werror=objc-method-access",      # a selector missing from stubs/ is an error, not a warning
         "-DFLASH_METAL_WITH_MPS=1",
+        "-include", os.path.join(STUB_DIR, "darwin_libc.h"),
         f"-I{STUB_DIR}", f"-I{torch_include}", f"-I{os.path.join(torch_include, 'torch', 'csrc', 'api', 'include')}",
         f"-I{os.path.join(ROOT, 'csrc')}", f"-I{os.path.join(ROOT, 'shaders')}",
         *extra, source,

@@ -32,6 +32,9 @@ typedef bool BOOL;
 - (oneway void)release;
 // https://developer.apple.com/documentation/objectivec/1571951-autorelease?language=objc
 - (instancetype)autorelease;
+// https://developer.apple.com/documentation/objectivec/1571952-retaincount?language=objc
+// (PyTorch 2.4's MPSProfiler.h prints it)
+- (NSUInteger)retainCount;
 @end
 
 // https://developer.apple.com/documentation/objectivec/nsobject?language=objc (the root class)
@@ -64,8 +67,28 @@ __attribute__((objc_root_class))
 @end
 
 // https://developer.apple.com/documentation/foundation/nsdictionary?language=objc
-// (used only as a type by PyTorch's MPSStream.h)
+// (used only as a type by PyTorch's MPSStream.h and MTLCompileOptions)
 @interface NSDictionary : NSObject
+@end
+
+// https://developer.apple.com/documentation/foundation/nsrange?language=objc
+typedef struct _NSRange {
+  NSUInteger location;
+  NSUInteger length;
+} NSRange;
+
+// https://developer.apple.com/documentation/foundation/1417188-nsmakerange?language=objc
+static inline NSRange NSMakeRange(NSUInteger loc, NSUInteger len) {
+  NSRange r = {loc, len};
+  return r;
+}
+
+// https://developer.apple.com/documentation/foundation/nsarray?language=objc
+@interface NSArray<__covariant ObjectType> : NSObject
+// https://developer.apple.com/documentation/foundation/nsarray/1409982-count?language=objc
+@property(readonly) NSUInteger count;
+// https://developer.apple.com/documentation/foundation/nsarray/1417555-objectatindex?language=objc
+- (ObjectType)objectAtIndex:(NSUInteger)index;
 @end
 
 #include <dispatch/dispatch.h>
