@@ -1,0 +1,202 @@
+"""Runs flash_metal's real Objective-C++ MPS host (csrc/mps/*.mm) on Linux.
+
+The host is compiled against fakes of Metal, Foundation, libdispatch and the
+few at::mps entry points it calls (see README.md), loaded into this process,
+and called through torch.ops.flash_metal.attention_forward on fake MPS
+tensors. The fakes record every encoder call; replay() runs the recording
+in the Metal emulator, buffer for buffer, so the result is what a GPU would
+compute from exactly the bindings the host made.
+
+    host = load(package_dir(build(), tmp))     # once per process
+    out, lse, rec = host.attention(q, k, v, causal, scale, impl, emu_library)
+"""
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import shutil
+
+import torch
+
+from ._build import (APT_PACKAGES, BuildFailed, ToolchainMissing, build, copy_library, host_sources,  # noqa: F401
+                     toolchain)
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
+SHADER_DIR = os.path.join(ROOT, "shaders")
+SHADER = os.path.join(SHADER_DIR, "attention.metal")
+# File names library.mm looks for next to the loaded library (csrc/mps/library.mm).
+METALLIB_NAME = "flash_metal.metallib"
+METALLIB_HASH_NAME = "flash_metal.metallib.fnv1a64"
+# First line of a fake metallib (fake_runtime.h: kFakeMetallibMagic).
+FAKE_METALLIB_MAGIC = "flash_metal fake metallib v1"
+
+
+def package_dir(lib: str, dest: str, metallib: str = "fresh", kernel_names=None, shaders: bool = True) -> str:
+    """An installed-package look-alike in `dest`; returns the library path inside it.
+
+    metallib: "fresh" (a fake metallib of `kernel_names` with the fingerprint
+    of the shaders beside it), "stale" (a wrong fingerprint), "unloadable"
+    (not a metallib at all, fresh fingerprint), or "none".
+    """
+    path = copy_library(lib, dest)
+    if shaders:
+        os.makedirs(os.path.join(dest, "shaders"), exist_ok=True)
+        for name in os.listdir(SHADER_DIR):
+            if name.endswith((".metal", ".h")):
+                shutil.copyfile(os.path.join(SHADER_DIR, name), os.path.join(dest, "shaders", name))
+    if metallib != "none":
+        names = sorted(kernel_names or [])
+        with open(os.path.join(dest, METALLIB_NAME), "w", encoding="utf-8") as f:
+            f.write(("garbage, not a metallib\n" if metallib == "unloadable" else FAKE_METALLIB_MAGIC + "\n")
+                    + "".join(n + "\n" for n in names))
+        fingerprint = "0123456789abcdef" if metallib == "stale" else source_tree_hash(SHADER_DIR)
+        with open(os.path.join(dest, METALLIB_HASH_NAME), "w", encoding="utf-8") as f:
+            f.write(fingerprint + "\n")
+    return path
+
+
+# FNV-1a 64-bit offset basis and prime (the published constants).
+_FNV_BASIS, _FNV_PRIME = 0xCBF29CE484222325, 0x100000001B3
+
+
+def source_tree_hash(directory: str) -> str:
+    """The fingerprint library.mm checks a metallib against (shader_source.h's
+    source_tree_hash; Host.source_tree_hash runs the C++ one to prove they agree)."""
+    h = _FNV_BASIS
+    for name in sorted(n.encode() for n in os.listdir(directory) if n.endswith((".metal", ".h"))):
+        with open(os.path.join(directory, name.decode()), "rb") as f:
+            text = f.read()
+        for byte in name + b"\n" + str(len(text)).encode() + b"\n" + text:
+            h = ((h ^ byte) * _FNV_PRIME) & 0xFFFFFFFFFFFFFFFF
+    return f"{h:016x}"
+
+
+class Host:
+    """The loaded host library and its fakes' controls."""
+
+    def __init__(self, path: str):
+        import flash_metal  # noqa: F401  (the op schemas the .mm implements)
+
+        self.path = path
+        self._dll = ctypes.CDLL(path)
+        d = self._dll
+        d.fm_exec_take_recording_json.restype = ctypes.c_char_p
+        d.fm_exec_live_objects_json.restype = ctypes.c_char_p
+        d.fm_exec_configure.argtypes = [ctypes.c_char_p, ctypes.c_uint64]
+        d.fm_exec_set_runtime_compile.argtypes = [ctypes.c_char_p, ctypes.c_char_p]
+        d.fm_exec_source_tree_hash.restype = ctypes.c_size_t
+        d.fm_exec_source_tree_hash.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_size_t]
+
+    def source_tree_hash(self, directory: str) -> str:
+        """library.mm's own fingerprint code (csrc/mps/shader_source.h) run on `directory`."""
+        buf = ctypes.create_string_buffer(64)
+        n = self._dll.fm_exec_source_tree_hash(directory.encode(), buf, len(buf))
+        if n == 0 or n > len(buf):
+            raise RuntimeError(f"cannot fingerprint {directory}")
+        return buf.value.decode()
+
+    def take_recording(self) -> dict:
+        """{"events": [...], "errors": [...]} since the last call."""
+        return json.loads(d.decode()) if (d := self._dll.fm_exec_take_recording_json()) else {}
+
+    def live_objects(self) -> dict[str, int]:
+        return json.loads(self._dll.fm_exec_live_objects_json().decode())
+
+    def configure(self, **knobs) -> None:
+        for name, value in knobs.items():
+            if self._dll.fm_exec_configure(name.encode(), int(value)) != 0:
+                raise KeyError(name)
+
+    def set_runtime_compile(self, kernel_names=(), error: str = "") -> None:
+        self._dll.fm_exec_set_runtime_compile("\n".join(kernel_names).encode(), error.encode())
+
+    @staticmethod
+    def to_mps(t: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mps_exec.to_mps(t)
+
+    @staticmethod
+    def to_cpu(t: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mps_exec.to_cpu(t)
+
+    @staticmethod
+    def buffer_id(t: torch.Tensor) -> int:
+        return torch.ops.mps_exec.buffer_id(t)
+
+    def attention(self, q, k, v, causal=False, scale=None, impl="auto", library=None):
+        """Runs the op on fake MPS copies of q, k, v (layouts kept) and replays it.
+
+        Returns (out, lse, recording, mps_tensors) with out/lse on the CPU.
+        library: the emulator library to replay into (None: no replay).
+        """
+        dev = [self.to_mps(t) for t in (q, k, v)]
+        self.take_recording()  # drop whatever earlier calls left
+        out, lse = torch.ops.flash_metal.attention_forward(*dev, causal, scale, impl)
+        rec = self.take_recording()
+        if library is not None:
+            replay(rec, library)
+        return self.to_cpu(out), self.to_cpu(lse), rec, (*dev, out, lse)
+
+
+def load(path: str) -> Host:
+    return Host(path)
+
+
+def _buffer_view(contents: int, length: int, offset: int) -> torch.Tensor:
+    """A uint8 CPU tensor over a fake MTLBuffer's memory from `offset` to its end."""
+    raw = (ctypes.c_uint8 * max(length, 1)).from_address(contents)
+    whole = torch.frombuffer(raw, dtype=torch.uint8, count=length)
+    return whole[offset:]
+
+
+class ReplayError(Exception):
+    """The recording cannot be replayed (what a GPU would reject or misrun)."""
+
+
+def replay(recording: dict, library) -> list[str]:
+    """Runs every dispatch of `recording` in the emulator `library`, with the
+    encoder state (pipeline, buffers at their byte offsets, bytes, threadgroup
+    memory) as Metal would have it at that point. Returns the kernel names.
+    """
+    pipeline = None
+    buffers: dict[int, tuple[int, int, int]] = {}
+    inline: dict[int, bytes] = {}
+    tg_memory: dict[int, int] = {}
+    ran = []
+    for e in recording["events"]:
+        op = e["op"]
+        if op == "setComputePipelineState":
+            pipeline = e
+        elif op == "setBuffer":
+            buffers[e["index"]] = (e["contents"], e["length"], e["offset"])
+            inline.pop(e["index"], None)
+        elif op == "setBufferOffset":
+            if e["index"] not in buffers:
+                raise ReplayError(f"setBufferOffset at index {e['index']} with no buffer bound there")
+            contents, length, _ = buffers[e["index"]]
+            buffers[e["index"]] = (contents, length, e["offset"])
+        elif op == "setBytes":
+            inline[e["index"]] = bytes.fromhex(e["hex"])
+            buffers.pop(e["index"], None)
+        elif op == "setThreadgroupMemoryLength":
+            tg_memory[e["index"]] = e["length"]
+        elif op in ("dispatchThreadgroups", "dispatchThreads"):
+            if pipeline is None:
+                raise ReplayError(f"{op} before any setComputePipelineState")
+            if op == "dispatchThreads":
+                threads, group = e["threads"], e["threadgroup"]
+                if any(t % g for t, g in zip(threads, group)):
+                    raise ReplayError(f"dispatchThreads {threads} by {group}: non-uniform threadgroups "
+                                      "are not modelled by the emulator")
+                grid = [t // g for t, g in zip(threads, group)]
+            else:
+                grid, group = e["grid"], e["threadgroup"]
+            library.dispatch(
+                pipeline["kernel"],
+                buffers={i: _buffer_view(*b) for i, b in buffers.items()},
+                bytes=dict(inline),
+                function_constants={int(i): v for i, v in pipeline["constants"].items()},
+                grid=tuple(grid), threadgroup=tuple(group), threadgroup_memory=dict(tg_memory))
+            ran.append(pipeline["kernel"])
+    return ran

@@ -1,0 +1,203 @@
+"""Builds the execution test's shared library: the real csrc/mps/*.mm, the
+portable C++ they call, and the fakes, against a GNU Objective-C runtime.
+
+Objects are cached in tests/mps_exec/.build/ by a hash of everything that can
+change them (the source text, every header we own, flags, clang, torch), so
+a warm run only links, and a planted-bug copy of one .mm recompiles only it.
+"""
+from __future__ import annotations
+
+import functools
+import glob
+import hashlib
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+TESTS = os.path.dirname(HERE)
+ROOT = os.path.dirname(TESTS)
+CSRC = os.path.join(ROOT, "csrc")
+STUB_DIR = os.path.join(TESTS, "mps_syntax", "stubs")
+CACHE_DIR = os.environ.get("FLASH_METAL_MPS_EXEC_CACHE", os.path.join(HERE, ".build"))
+# The portable C++ the host calls (compiled again here: setup.py builds the
+# _C extension with hidden visibility, so it exports none of it).
+PORTABLE_SOURCES = ("checks.cpp", "metal_plan.cpp")
+FAKE_SOURCES = ("fake_foundation.mm", "fake_metal.mm", "fake_mps.mm", "personality.cpp")
+# What apt must install for this build (Debian bookworm names).
+APT_PACKAGES = "clang-19 libobjc-12-dev libblocksruntime-dev"
+
+# `@available(macOS 14.0, *)`: clang folds it to true off Apple platforms, so
+# the build rewrites it into a call the harness can answer with any macOS
+# version (fm_exec_macos_at_least, fake_mps.mm).
+_AVAILABLE = re.compile(r"@available\s*\(\s*macOS\s+(\d+)(?:\.(\d+))?(?:\.\d+)?\s*,\s*\*\s*\)")
+
+
+class ToolchainMissing(Exception):
+    """clang 19, GCC's libobjc or libBlocksRuntime is not installed."""
+
+
+class BuildFailed(Exception):
+    """clang rejected a source, or the link failed (message holds the diagnostics)."""
+
+
+@functools.lru_cache(maxsize=None)
+def toolchain() -> dict:
+    from metal_emulator import BuildError, find_clang
+
+    try:
+        clang = find_clang()
+    except BuildError as err:
+        raise ToolchainMissing(f"{err}; the MPS execution test needs `apt-get install -y {APT_PACKAGES}`") from None
+    objc = sorted(glob.glob("/usr/lib/gcc/*/*/libobjc.so"), key=lambda p: [int(x) for x in re.findall(r"/(\d+)/", p)])
+    blocks = glob.glob("/usr/lib/*/libBlocksRuntime.so") + glob.glob("/usr/lib/libBlocksRuntime.so")
+    missing = [name for name, found in (("libobjc-12-dev (GCC's libobjc.so)", objc),
+                                        ("libblocksruntime-dev (libBlocksRuntime.so)", blocks)) if not found]
+    if missing:
+        raise ToolchainMissing(f"missing {', '.join(missing)}: `apt-get install -y {APT_PACKAGES}`")
+    version = subprocess.run([clang, "--version"], capture_output=True, text=True, check=True).stdout
+    return {"clang": clang, "objc_dir": os.path.dirname(objc[-1]), "blocks_dir": os.path.dirname(blocks[0]),
+            "version": version}
+
+
+@functools.lru_cache(maxsize=None)
+def _torch_flags() -> tuple[list[str], list[str], str]:
+    import torch
+    from torch.utils import cpp_extension
+
+    includes = [f"-I{p}" for p in cpp_extension.include_paths()]
+    abi = f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"
+    lib_dir = cpp_extension.library_paths()[0]
+    links = [f"-L{lib_dir}", "-ltorch_cpu", "-lc10", f"-Wl,-rpath,{lib_dir}"]
+    return [abi, *includes], links, torch.__version__
+
+
+def compile_flags() -> list[str]:
+    torch_flags, _, _ = _torch_flags()
+    return [
+        # C++17: the oldest standard the supported torch headers (2.4) accept.
+        "-std=c++17", "-fPIC", "-fvisibility=hidden", "-O1", "-g1",
+        "-DFLASH_METAL_WITH_MPS=1",
+        "-Wno-c++20-extensions",  # torch's own headers use C++20 bit-field initializers
+        # Our minimal at::mps headers first, then Apple's API as transcribed.
+        f"-I{os.path.join(HERE, 'include')}", f"-I{STUB_DIR}",
+        f"-I{HERE}", *torch_flags, f"-I{CSRC}", f"-I{os.path.join(CSRC, 'mps')}", f"-I{os.path.join(ROOT, 'shaders')}",
+    ]
+
+
+OBJC_FLAGS = [
+    "-x", "objective-c++",
+    "-fobjc-runtime=gcc",              # GCC's libobjc: the GNU runtime Debian packages
+    "-fblocks",                        # dispatch_sync takes a block (libBlocksRuntime)
+    "-fno-objc-arc",                   # as setup.py: manual retain/release
+    "-Werror=objc-method-access",      # a selector missing from the stubs is an error
+    # A fake must implement every stub declaration of what it adopts.
+    "-Werror=protocol", "-Werror=incomplete-implementation", "-Werror=objc-property-implementation",
+]
+
+
+_AVAILABLE_DECL = "extern \"C\" bool fm_exec_macos_at_least(int major, int minor);\n"
+
+
+def rewrite_available(text: str) -> str:
+    return _AVAILABLE.sub(lambda m: f"(::fm_exec_macos_at_least({m.group(1)}, {m.group(2) or 0}))", text)
+
+
+def _owned_headers_digest() -> str:
+    """Every header a source may include from this repository."""
+    h = hashlib.sha256()
+    patterns = [os.path.join(CSRC, "**", "*.h"), os.path.join(ROOT, "shaders", "*.h"),
+                os.path.join(HERE, "**", "*.h"), os.path.join(STUB_DIR, "**", "*.h")]
+    for path in sorted(p for pat in patterns for p in glob.glob(pat, recursive=True)):
+        h.update(path.encode() + b"\0")
+        with open(path, "rb") as f:
+            h.update(f.read())
+    return h.hexdigest()
+
+
+def host_sources() -> list[str]:
+    return sorted(glob.glob(os.path.join(CSRC, "mps", "*.mm")))
+
+
+def _source_units(overrides: dict[str, str]) -> list[tuple[str, str, bool]]:
+    """(name, text, is_objc) for every translation unit, .mm texts rewritten."""
+    units = []
+    for path in host_sources():
+        name = os.path.basename(path)
+        text = overrides.get(name)
+        if text is None:
+            with open(path, encoding="utf-8") as f:
+                text = f.read()
+        # Line markers keep diagnostics pointing at the file on disk.
+        units.append((name, _AVAILABLE_DECL + f'#line 1 "{path}"\n' + rewrite_available(text), True))
+    for name in PORTABLE_SOURCES:
+        with open(os.path.join(CSRC, name), encoding="utf-8") as f:
+            units.append((name, f'#line 1 "{os.path.join(CSRC, name)}"\n' + f.read(), False))
+    for name in FAKE_SOURCES:
+        with open(os.path.join(HERE, name), encoding="utf-8") as f:
+            units.append((name, f'#line 1 "{os.path.join(HERE, name)}"\n' + f.read(), name.endswith(".mm")))
+    unknown = set(overrides) - {u[0] for u in units}
+    if unknown:
+        raise BuildFailed(f"overrides name no source of the build: {sorted(unknown)}")
+    return units
+
+
+def _atomic_write_from(tmp_path: str, final: str) -> None:
+    os.replace(tmp_path, final)
+
+
+def _compile(unit: tuple[str, str, bool], key_base: str) -> str:
+    name, text, objc = unit
+    tc = toolchain()
+    flags = compile_flags() + (OBJC_FLAGS if objc else ["-x", "c++"])
+    key = hashlib.sha256((key_base + name + "\0" + text + "\0" + " ".join(flags)).encode()).hexdigest()[:20]
+    obj = os.path.join(CACHE_DIR, "obj", f"{name}.{key}.o")
+    if os.path.exists(obj):
+        return obj
+    os.makedirs(os.path.dirname(obj), exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=CACHE_DIR) as tmp:
+        src = os.path.join(tmp, name + (".mm" if objc and not name.endswith(".mm") else ""))
+        with open(src, "w", encoding="utf-8") as f:
+            f.write(text)
+        out = os.path.join(tmp, "out.o")
+        proc = subprocess.run([tc["clang"], *flags, "-c", src, "-o", out], capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise BuildFailed(f"compiling {name} failed:\n{proc.stderr[-6000:]}")
+        _atomic_write_from(out, obj)
+    return obj
+
+
+def build(overrides: dict[str, str] | None = None) -> str:
+    """Path of the built library (cached). overrides: {basename: text} replaces a source's text."""
+    tc = toolchain()
+    _, links, torch_version = _torch_flags()
+    os.makedirs(CACHE_DIR, exist_ok=True)
+    key_base = hashlib.sha256((tc["version"] + torch_version + _owned_headers_digest()).encode()).hexdigest()
+    units = _source_units(overrides or {})
+    with ThreadPoolExecutor(max_workers=max(1, min(len(units), os.cpu_count() or 1))) as pool:
+        objects = list(pool.map(lambda u: _compile(u, key_base), units))
+    link_flags = [*links, f"-L{tc['objc_dir']}", "-lobjc", f"-L{tc['blocks_dir']}", "-lBlocksRuntime",
+                  "-Wl,-z,defs"]  # every symbol resolved now: a missing fake fails the build, not a test
+    key = hashlib.sha256(("\0".join(objects) + " ".join(link_flags)).encode()).hexdigest()[:20]
+    lib = os.path.join(CACHE_DIR, f"libmps_exec.{key}.so")
+    if os.path.exists(lib):
+        return lib
+    with tempfile.TemporaryDirectory(dir=CACHE_DIR) as tmp:
+        out = os.path.join(tmp, "lib.so")
+        proc = subprocess.run([tc["clang"], "-shared", *objects, "-o", out, *link_flags], capture_output=True,
+                              text=True)
+        if proc.returncode != 0:
+            raise BuildFailed(f"linking the MPS execution library failed:\n{proc.stderr[-6000:]}")
+        _atomic_write_from(out, lib)
+    return lib
+
+
+def copy_library(lib: str, dest_dir: str, name: str = "_C_exec.so") -> str:
+    """A copy of `lib` in dest_dir: library.mm finds its shaders next to the loaded file."""
+    os.makedirs(dest_dir, exist_ok=True)
+    dest = os.path.join(dest_dir, name)
+    shutil.copyfile(lib, dest)
+    return dest

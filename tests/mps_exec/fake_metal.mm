@@ -1,0 +1,656 @@
+// A recording fake of the Metal and libdispatch API flash_metal's host uses:
+// device, library, function, pipeline state, compute command encoder, buffer,
+// compile options, function constant values, and dispatch_sync. Implements
+// the declarations in tests/mps_syntax/stubs/ (the build turns a missing
+// protocol method into an error), records every call the Python harness
+// replays into the Metal emulator, and checks the Metal rules the emulator
+// cannot see (see record_error calls). Never shipped.
+#include "fake_runtime.h"
+
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <mutex>
+#include <set>
+#include <sstream>
+
+namespace fm_exec {
+namespace {
+
+std::mutex& recording_mutex() {
+  static std::mutex m;
+  return m;
+}
+std::vector<std::string>& events() {
+  static auto* v = new std::vector<std::string>();
+  return *v;
+}
+std::vector<std::string>& errors() {
+  static auto* v = new std::vector<std::string>();
+  return *v;
+}
+
+// Metal's argument table: indices 0..30 for buffers and threadgroup memory.
+// Why 31: the documented limit of both tables on Apple silicon.
+constexpr NSUInteger kArgumentTableSize = 31;
+// setBytes:length:atIndex: is documented for data under 4 KiB.
+constexpr NSUInteger kSetBytesLimit = 4096;
+// setThreadgroupMemoryLength: lengths must be multiples of 16 bytes.
+constexpr NSUInteger kThreadgroupMemoryGranule = 16;
+
+std::string id_of(id object) { return std::to_string(reinterpret_cast<uintptr_t>(object)); }
+
+thread_local std::vector<dispatch_queue_t> queue_stack;
+
+std::string constants_json(const std::map<NSUInteger, bool>& constants) {
+  std::string out = "{";
+  for (const auto& [index, value] : constants) {
+    if (out.size() > 1) out += ",";
+    out += "\"" + std::to_string(index) + "\":" + (value ? "true" : "false");
+  }
+  return out + "}";
+}
+
+}  // namespace
+
+void record(const std::string& json_object) {
+  std::lock_guard<std::mutex> lock(recording_mutex());
+  events().push_back(json_object);
+}
+
+void record_error(const std::string& message) {
+  std::lock_guard<std::mutex> lock(recording_mutex());
+  errors().push_back(message);
+}
+
+std::string quote(const std::string& text) {
+  std::string out = "\"";
+  for (unsigned char c : text) {
+    switch (c) {
+      case '"': out += "\\\""; break;
+      case '\\': out += "\\\\"; break;
+      case '\n': out += "\\n"; break;
+      case '\r': out += "\\r"; break;
+      case '\t': out += "\\t"; break;
+      default:
+        if (c < 0x20) {
+          char buf[8];
+          std::snprintf(buf, sizeof(buf), "\\u%04x", c);
+          out += buf;
+        } else {
+          out += static_cast<char>(c);
+        }
+    }
+  }
+  return out + "\"";
+}
+
+Knobs& knobs() {
+  static Knobs k;
+  return k;
+}
+
+dispatch_queue_t current_queue() { return queue_stack.empty() ? nullptr : queue_stack.back(); }
+
+}  // namespace fm_exec
+
+// --- payloads -------------------------------------------------------------------------------
+
+namespace {
+
+struct BufferPayload : fm_exec::Payload {
+  void* memory = nullptr;
+  NSUInteger length = 0;
+  ~BufferPayload() override { std::free(memory); }
+};
+struct LibraryPayload : fm_exec::Payload {
+  std::string origin;  // "metallib <path>" or "source"
+  std::set<std::string> kernels;
+};
+struct FunctionPayload : fm_exec::Payload {
+  std::string name;
+  std::map<NSUInteger, bool> constants;
+};
+struct PipelinePayload : fm_exec::Payload {
+  std::string kernel;
+  std::map<NSUInteger, bool> constants;
+  uint64_t max_threads = 0;
+  uint64_t static_memory = 0;
+};
+struct CompileOptionsPayload : fm_exec::Payload {
+  std::map<std::string, int64_t> set;  // options the host set explicitly
+};
+struct ConstantValuesPayload : fm_exec::Payload {
+  std::map<NSUInteger, bool> values;
+};
+
+}  // namespace
+
+// The label and device properties every Metal object has. Labels are kept
+// (they show in Xcode's captures); devices are the one fake device.
+#define FM_LABEL(Protocol)                                           \
+  -(NSString*)label {                                                \
+    return fm_exec::label_of(self);                                  \
+  }                                                                  \
+  -(void)setLabel : (NSString*)label {                               \
+    fm_exec::set_label(self, label, "-[" #Protocol " setLabel:]"); \
+  }
+#define FM_LABEL_AND_DEVICE(Protocol) \
+  FM_LABEL(Protocol)                  \
+  -(id<MTLDevice>)device {            \
+    return fm_exec::device();         \
+  }
+
+// --- buffers --------------------------------------------------------------------------------
+
+@implementation FakeBuffer
+- (instancetype)initWithLength:(NSUInteger)length {
+  auto p = std::make_unique<BufferPayload>();
+  // Why 16 KiB alignment: Apple-silicon pages, which MTLBuffers start on.
+  // Why the 0xFF fill: NaN in float32, float16 and bfloat16 alike, so any
+  // element a kernel never writes fails the oracle comparison.
+  const size_t rounded = (length + 16383) / 16384 * 16384;
+  p->memory = std::aligned_alloc(16384, rounded == 0 ? 16384 : rounded);
+  std::memset(p->memory, 0xFF, rounded == 0 ? 16384 : rounded);
+  p->length = length;
+  fm_exec::set_payload(self, std::move(p));
+  return self;
+}
+- (void*)contents {
+  if (!fm_exec::check_alive(self, "-[MTLBuffer contents]")) return nullptr;
+  return fm_exec::payload<BufferPayload>(self)->memory;
+}
+- (NSUInteger)length {
+  if (!fm_exec::check_alive(self, "-[MTLBuffer length]")) return 0;
+  return fm_exec::payload<BufferPayload>(self)->length;
+}
+FM_LABEL_AND_DEVICE(MTLBuffer)
+@end
+
+// --- compile options and function constants -------------------------------------------------
+
+namespace {
+void set_option(MTLCompileOptions* options, const char* name, int64_t value) {
+  if (!fm_exec::check_alive(options, "an MTLCompileOptions setter")) return;
+  fm_exec::payload<CompileOptionsPayload>(options)->set[name] = value;
+}
+int64_t get_option(MTLCompileOptions* options, const char* name, int64_t metal_default) {
+  if (!fm_exec::check_alive(options, "an MTLCompileOptions getter")) return metal_default;
+  const auto& set = fm_exec::payload<CompileOptionsPayload>(options)->set;
+  auto it = set.find(name);
+  return it == set.end() ? metal_default : it->second;
+}
+}  // namespace
+
+@implementation MTLCompileOptions
+- (instancetype)init {
+  fm_exec::set_payload(self, std::make_unique<CompileOptionsPayload>());
+  return self;
+}
+- (MTLLanguageVersion)languageVersion {
+  // Metal's default is the newest version the OS supports; 3.2 = macOS 15.
+  return static_cast<MTLLanguageVersion>(get_option(self, "languageVersion", MTLLanguageVersion3_2));
+}
+- (void)setLanguageVersion:(MTLLanguageVersion)languageVersion {
+  set_option(self, "languageVersion", static_cast<int64_t>(languageVersion));
+}
+- (BOOL)fastMathEnabled {
+  return get_option(self, "fastMathEnabled", 1) != 0;  // Metal's default: fast math on
+}
+- (void)setFastMathEnabled:(BOOL)fastMathEnabled {
+  set_option(self, "fastMathEnabled", fastMathEnabled ? 1 : 0);
+}
+- (MTLMathMode)mathMode {
+  return static_cast<MTLMathMode>(get_option(self, "mathMode", MTLMathModeFast));  // Metal's default
+}
+- (void)setMathMode:(MTLMathMode)mathMode {
+  set_option(self, "mathMode", mathMode);
+}
+- (MTLMathFloatingPointFunctions)mathFloatingPointFunctions {
+  return static_cast<MTLMathFloatingPointFunctions>(
+      get_option(self, "mathFloatingPointFunctions", MTLMathFloatingPointFunctionsFast));  // Metal's default
+}
+- (void)setMathFloatingPointFunctions:(MTLMathFloatingPointFunctions)mathFloatingPointFunctions {
+  set_option(self, "mathFloatingPointFunctions", mathFloatingPointFunctions);
+}
+- (NSDictionary*)preprocessorMacros {
+  return nil;  // none set: the only value the fake models
+}
+- (void)setPreprocessorMacros:(NSDictionary*)preprocessorMacros {
+  if (preprocessorMacros != nil) fm_exec::unmodelled("-[MTLCompileOptions setPreprocessorMacros:] with macros");
+}
+@end
+
+@implementation MTLFunctionConstantValues
+- (instancetype)init {
+  fm_exec::set_payload(self, std::make_unique<ConstantValuesPayload>());
+  return self;
+}
+- (void)setConstantValue:(const void*)value type:(MTLDataType)type atIndex:(NSUInteger)index {
+  if (!fm_exec::check_alive(self, "-[MTLFunctionConstantValues setConstantValue:type:atIndex:]")) return;
+  if (type != MTLDataTypeBool) {
+    fm_exec::record_error("setConstantValue: type " + std::to_string(type) +
+                          " is not modelled by the fake (only MTLDataTypeBool)");
+    return;
+  }
+  fm_exec::payload<ConstantValuesPayload>(self)->values[index] = *static_cast<const bool*>(value);
+}
+- (void)setConstantValue:(const void*)value type:(MTLDataType)type withName:(NSString*)name {
+  fm_exec::unmodelled("-[MTLFunctionConstantValues setConstantValue:type:withName:]");
+}
+- (void)setConstantValues:(const void*)values type:(MTLDataType)type withRange:(NSRange)range {
+  for (NSUInteger i = 0; i < range.length; ++i) {
+    [self setConstantValue:static_cast<const bool*>(values) + i type:type atIndex:range.location + i];
+  }
+}
+@end
+
+// --- library, function, pipeline ------------------------------------------------------------
+
+@interface FakeFunction : NSObject <MTLFunction>
+@end
+@implementation FakeFunction
+- (NSString*)name {
+  if (!fm_exec::check_alive(self, "-[MTLFunction name]")) return nil;
+  return fm_exec::autoreleased_string(fm_exec::payload<FunctionPayload>(self)->name);
+}
+- (id<MTLDevice>)device {
+  return fm_exec::device();
+}
+@end
+
+@interface FakeLibrary : NSObject <MTLLibrary>
+@end
+@implementation FakeLibrary
+- (id<MTLFunction>)newFunctionWithName:(NSString*)name
+                        constantValues:(MTLFunctionConstantValues*)constantValues
+                                 error:(NSError**)error {
+  if (!fm_exec::check_alive(self, "-[MTLLibrary newFunctionWithName:constantValues:error:]")) return nil;
+  const std::string kernel = fm_exec::string_of(name);
+  const auto* lib = fm_exec::payload<LibraryPayload>(self);
+  const auto* values = fm_exec::payload<ConstantValuesPayload>(constantValues);
+  const bool found = lib->kernels.count(kernel) != 0;
+  const std::map<NSUInteger, bool> constants = values != nullptr ? values->values : std::map<NSUInteger, bool>{};
+  fm_exec::record("{\"op\":\"newFunctionWithName\",\"name\":" + fm_exec::quote(kernel) + ",\"found\":" +
+                  (found ? "true" : "false") + ",\"constants\":" + fm_exec::constants_json(constants) + "}");
+  if (!found) {
+    if (error != nullptr) *error = fm_exec::make_error("Function " + kernel + " was not found in the library");
+    return nil;
+  }
+  FakeFunction* function = [[FakeFunction alloc] init];
+  auto p = std::make_unique<FunctionPayload>();
+  p->name = kernel;
+  p->constants = constants;
+  fm_exec::set_payload(function, std::move(p));
+  return function;
+}
+- (id<MTLFunction>)newFunctionWithName:(NSString*)functionName {
+  fm_exec::unmodelled("-[MTLLibrary newFunctionWithName:] (without constant values)");
+  return nil;
+}
+- (NSArray<NSString*>*)functionNames {
+  if (!fm_exec::check_alive(self, "-[MTLLibrary functionNames]")) return nil;
+  std::vector<std::string> names(fm_exec::payload<LibraryPayload>(self)->kernels.begin(),
+                                 fm_exec::payload<LibraryPayload>(self)->kernels.end());
+  return fm_exec::autoreleased_string_array(names);
+}
+FM_LABEL(MTLLibrary)
+@end
+
+@interface FakePipeline : NSObject <MTLComputePipelineState>
+@end
+@implementation FakePipeline
+- (NSUInteger)maxTotalThreadsPerThreadgroup {
+  if (!fm_exec::check_alive(self, "-[MTLComputePipelineState maxTotalThreadsPerThreadgroup]")) return 0;
+  return fm_exec::payload<PipelinePayload>(self)->max_threads;
+}
+- (NSUInteger)staticThreadgroupMemoryLength {
+  if (!fm_exec::check_alive(self, "-[MTLComputePipelineState staticThreadgroupMemoryLength]")) return 0;
+  return fm_exec::payload<PipelinePayload>(self)->static_memory;
+}
+- (NSUInteger)threadExecutionWidth {
+  return 32;  // Why 32: the SIMD-group width of every Apple GPU
+}
+- (NSString*)label {
+  return nil;  // pipelines built without a descriptor have no label
+}
+- (id<MTLDevice>)device {
+  return fm_exec::device();
+}
+@end
+
+// --- device -----------------------------------------------------------------------------------
+
+@interface FakeDevice : NSObject <MTLDevice>
+@end
+@implementation FakeDevice
+- (id<MTLLibrary>)newLibraryWithURL:(NSURL*)url error:(NSError**)error {
+  if (!fm_exec::check_alive(self, "-[MTLDevice newLibraryWithURL:error:]")) return nil;
+  const std::string path = fm_exec::url_path(url);
+  fm_exec::record("{\"op\":\"newLibraryWithURL\",\"path\":" + fm_exec::quote(path) + "}");
+  std::ifstream in(path);
+  std::string line;
+  if (!in || !std::getline(in, line) || line != fm_exec::kFakeMetallibMagic) {
+    if (error != nullptr) {
+      *error = fm_exec::make_error(in ? "fake Metal: " + path + " is not a metallib this device can load"
+                                      : "fake Metal: cannot open " + path);
+    }
+    return nil;
+  }
+  auto p = std::make_unique<LibraryPayload>();
+  p->origin = "metallib " + path;
+  while (std::getline(in, line)) {
+    if (!line.empty()) p->kernels.insert(line);
+  }
+  FakeLibrary* library = [[FakeLibrary alloc] init];
+  fm_exec::set_payload(library, std::move(p));
+  return library;
+}
+- (id<MTLLibrary>)newLibraryWithSource:(NSString*)source
+                               options:(MTLCompileOptions*)options
+                                 error:(NSError**)error {
+  if (!fm_exec::check_alive(self, "-[MTLDevice newLibraryWithSource:options:error:]")) return nil;
+  std::string set = "{";
+  if (const auto* o = fm_exec::payload<CompileOptionsPayload>(options)) {
+    for (const auto& [name, value] : o->set) {
+      if (set.size() > 1) set += ",";
+      set += fm_exec::quote(name) + ":" + std::to_string(value);
+    }
+  }
+  set += "}";
+  fm_exec::record("{\"op\":\"newLibraryWithSource\",\"source\":" + fm_exec::quote(fm_exec::string_of(source)) +
+                  ",\"options\":" + set + "}");
+  const fm_exec::Knobs& k = fm_exec::knobs();
+  if (k.runtime_kernels.empty()) {
+    if (error != nullptr) *error = fm_exec::make_error(k.runtime_compile_error);
+    return nil;
+  }
+  auto p = std::make_unique<LibraryPayload>();
+  p->origin = "source";
+  p->kernels.insert(k.runtime_kernels.begin(), k.runtime_kernels.end());
+  FakeLibrary* library = [[FakeLibrary alloc] init];
+  fm_exec::set_payload(library, std::move(p));
+  return library;
+}
+- (id<MTLComputePipelineState>)newComputePipelineStateWithFunction:(id<MTLFunction>)computeFunction
+                                                             error:(NSError**)error {
+  if (!fm_exec::check_alive(self, "-[MTLDevice newComputePipelineStateWithFunction:error:]")) return nil;
+  const auto* f = fm_exec::payload<FunctionPayload>(computeFunction);
+  if (f == nullptr) {
+    fm_exec::record_error("newComputePipelineStateWithFunction: the function is not a live fake MTLFunction");
+    if (error != nullptr) *error = fm_exec::make_error("fake Metal: invalid function");
+    return nil;
+  }
+  fm_exec::record("{\"op\":\"newComputePipelineState\",\"kernel\":" + fm_exec::quote(f->name) +
+                  ",\"constants\":" + fm_exec::constants_json(f->constants) + "}");
+  auto p = std::make_unique<PipelinePayload>();
+  p->kernel = f->name;
+  p->constants = f->constants;
+  p->max_threads = fm_exec::knobs().max_threads_per_threadgroup;
+  p->static_memory = fm_exec::knobs().static_threadgroup_memory;
+  FakePipeline* pipeline = [[FakePipeline alloc] init];
+  fm_exec::set_payload(pipeline, std::move(p));
+  return pipeline;
+}
+- (NSUInteger)maxThreadgroupMemoryLength {
+  return fm_exec::knobs().max_threadgroup_memory;
+}
+- (NSString*)name {
+  return fm_exec::autoreleased_string("flash_metal mps_exec fake device");
+}
+- (MTLSize)maxThreadsPerThreadgroup {
+  return MTLSizeMake(1024, 1024, 1024);  // Why 1024: Apple silicon's per-dimension limit
+}
+- (BOOL)hasUnifiedMemory {
+  return YES;  // Apple silicon
+}
+- (BOOL)supportsFamily:(MTLGPUFamily)gpuFamily {
+  // An Apple8 (M2-class) GPU: what the fake claims to be.
+  return gpuFamily == MTLGPUFamilyApple7 || gpuFamily == MTLGPUFamilyApple8 || gpuFamily == MTLGPUFamilyMetal3 ||
+         gpuFamily == MTLGPUFamilyMac2;
+}
+- (id<MTLCommandQueue>)newCommandQueue {
+  fm_exec::unmodelled("-[MTLDevice newCommandQueue] (the host must use PyTorch's stream)");
+  return nil;
+}
+- (id<MTLBuffer>)newBufferWithLength:(NSUInteger)length options:(MTLResourceOptions)options {
+  fm_exec::record("{\"op\":\"newBufferWithLength\",\"length\":" + std::to_string(length) + "}");
+  return [[FakeBuffer alloc] initWithLength:length];
+}
+@end
+
+// Apple's Create rule: +1. The same device PyTorch's MPSDevice returns.
+extern "C" id<MTLDevice> MTLCreateSystemDefaultDevice(void) {
+  fm_exec::record("{\"op\":\"MTLCreateSystemDefaultDevice\"}");
+  return [fm_exec::device() retain];
+}
+
+// --- the compute command encoder ------------------------------------------------------------
+
+@interface FakeEncoder : NSObject <MTLComputeCommandEncoder>
+@end
+
+namespace {
+// Common prefix of every encoder event: the call and whether it ran inside
+// dispatch_sync on the stream's queue.
+std::string encoder_event(const char* op) {
+  const bool on_queue = fm_exec::current_queue() != nullptr && fm_exec::current_queue() == fm_exec::stream_queue();
+  if (!on_queue) fm_exec::record_error(std::string(op) + " called outside dispatch_sync on the stream's queue");
+  return std::string("{\"op\":\"") + op + "\",\"on_stream_queue\":" + (on_queue ? "true" : "false");
+}
+
+bool check_index(const char* op, NSUInteger index) {
+  if (index < fm_exec::kArgumentTableSize) return true;
+  fm_exec::record_error(std::string(op) + ": index " + std::to_string(index) + " is outside Metal's argument table");
+  return false;
+}
+}  // namespace
+
+@implementation FakeEncoder
+- (void)setComputePipelineState:(id<MTLComputePipelineState>)state {
+  if (!fm_exec::check_alive(self, "-[MTLComputeCommandEncoder setComputePipelineState:]")) return;
+  const auto* p = fm_exec::payload<PipelinePayload>(state);
+  if (p == nullptr) {
+    fm_exec::record_error("setComputePipelineState: not a live fake pipeline");
+    return;
+  }
+  fm_exec::record(encoder_event("setComputePipelineState") + ",\"kernel\":" + fm_exec::quote(p->kernel) +
+                  ",\"constants\":" + fm_exec::constants_json(p->constants) + "}");
+}
+- (void)setBuffer:(id<MTLBuffer>)buffer offset:(NSUInteger)offset atIndex:(NSUInteger)index {
+  if (!fm_exec::check_alive(self, "-[MTLComputeCommandEncoder setBuffer:offset:atIndex:]")) return;
+  check_index("setBuffer:offset:atIndex:", index);
+  const auto* b = fm_exec::check_alive(buffer, "setBuffer:offset:atIndex: (its buffer argument)")
+                      ? fm_exec::payload<BufferPayload>(buffer)
+                      : nullptr;
+  if (b == nullptr) {
+    fm_exec::record_error("setBuffer:offset:atIndex: " + std::to_string(index) + " got no live fake MTLBuffer");
+    return;
+  }
+  if (offset > b->length) {
+    fm_exec::record_error("setBuffer:offset:atIndex: " + std::to_string(index) + ": offset " + std::to_string(offset) +
+                          " is past the buffer's end (" + std::to_string(b->length) + " bytes)");
+  }
+  fm_exec::record(encoder_event("setBuffer") + ",\"buffer\":" + fm_exec::id_of(buffer) + ",\"contents\":" +
+                  std::to_string(reinterpret_cast<uintptr_t>(b->memory)) + ",\"length\":" +
+                  std::to_string(b->length) + ",\"offset\":" + std::to_string(offset) +
+                  ",\"index\":" + std::to_string(index) + "}");
+}
+- (void)setBytes:(const void*)bytes length:(NSUInteger)length atIndex:(NSUInteger)index {
+  if (!fm_exec::check_alive(self, "-[MTLComputeCommandEncoder setBytes:length:atIndex:]")) return;
+  check_index("setBytes:length:atIndex:", index);
+  if (length > fm_exec::kSetBytesLimit) {
+    fm_exec::record_error("setBytes:length:atIndex: " + std::to_string(length) + " bytes; Metal allows up to 4 KiB");
+  }
+  static const char* hex = "0123456789abcdef";
+  std::string data;
+  for (NSUInteger i = 0; i < length; ++i) {
+    const auto byte = static_cast<const unsigned char*>(bytes)[i];
+    data += hex[byte >> 4];
+    data += hex[byte & 15];
+  }
+  fm_exec::record(encoder_event("setBytes") + ",\"index\":" + std::to_string(index) + ",\"hex\":\"" + data + "\"}");
+}
+- (void)setThreadgroupMemoryLength:(NSUInteger)length atIndex:(NSUInteger)index {
+  if (!fm_exec::check_alive(self, "-[MTLComputeCommandEncoder setThreadgroupMemoryLength:atIndex:]")) return;
+  check_index("setThreadgroupMemoryLength:atIndex:", index);
+  if (length % fm_exec::kThreadgroupMemoryGranule != 0) {
+    fm_exec::record_error("setThreadgroupMemoryLength: " + std::to_string(length) +
+                          " bytes is not a multiple of 16, as Metal requires");
+  }
+  fm_exec::record(encoder_event("setThreadgroupMemoryLength") + ",\"length\":" + std::to_string(length) +
+                  ",\"index\":" + std::to_string(index) + "}");
+}
+- (void)dispatchThreadgroups:(MTLSize)threadgroupsPerGrid threadsPerThreadgroup:(MTLSize)threadsPerThreadgroup {
+  if (!fm_exec::check_alive(self, "-[MTLComputeCommandEncoder dispatchThreadgroups:threadsPerThreadgroup:]")) return;
+  const MTLSize& g = threadgroupsPerGrid;
+  const MTLSize& t = threadsPerThreadgroup;
+  fm_exec::record(encoder_event("dispatchThreadgroups") + ",\"grid\":[" + std::to_string(g.width) + "," +
+                  std::to_string(g.height) + "," + std::to_string(g.depth) + "],\"threadgroup\":[" +
+                  std::to_string(t.width) + "," + std::to_string(t.height) + "," + std::to_string(t.depth) + "]}");
+}
+- (void)endEncoding {
+  fm_exec::record_error("endEncoding: the host ended PyTorch's shared compute encoder");
+  fm_exec::record(encoder_event("endEncoding") + "}");
+}
+- (void)setBufferOffset:(NSUInteger)offset atIndex:(NSUInteger)index {
+  if (!fm_exec::check_alive(self, "-[MTLComputeCommandEncoder setBufferOffset:atIndex:]")) return;
+  check_index("setBufferOffset:atIndex:", index);
+  fm_exec::record(encoder_event("setBufferOffset") + ",\"offset\":" + std::to_string(offset) +
+                  ",\"index\":" + std::to_string(index) + "}");
+}
+- (void)setBuffers:(const id<MTLBuffer>[])buffers offsets:(const NSUInteger[])offsets withRange:(NSRange)range {
+  for (NSUInteger i = 0; i < range.length; ++i) {
+    [self setBuffer:buffers[i] offset:offsets[i] atIndex:range.location + i];
+  }
+}
+- (void)dispatchThreads:(MTLSize)threadsPerGrid threadsPerThreadgroup:(MTLSize)threadsPerThreadgroup {
+  if (!fm_exec::check_alive(self, "-[MTLComputeCommandEncoder dispatchThreads:threadsPerThreadgroup:]")) return;
+  const MTLSize& g = threadsPerGrid;
+  const MTLSize& t = threadsPerThreadgroup;
+  fm_exec::record(encoder_event("dispatchThreads") + ",\"threads\":[" + std::to_string(g.width) + "," +
+                  std::to_string(g.height) + "," + std::to_string(g.depth) + "],\"threadgroup\":[" +
+                  std::to_string(t.width) + "," + std::to_string(t.height) + "," + std::to_string(t.depth) + "]}");
+}
+- (void)memoryBarrierWithScope:(MTLBarrierScope)scope {
+  fm_exec::record(encoder_event("memoryBarrier") + "}");
+}
+- (void)useResource:(id<MTLResource>)resource usage:(MTLResourceUsage)usage {
+  fm_exec::record(encoder_event("useResource") + "}");
+}
+- (void)pushDebugGroup:(NSString*)string {
+  fm_exec::record(encoder_event("pushDebugGroup") + ",\"name\":" + fm_exec::quote(fm_exec::string_of(string)) + "}");
+}
+- (void)popDebugGroup {
+  fm_exec::record(encoder_event("popDebugGroup") + "}");
+}
+- (void)insertDebugSignpost:(NSString*)string {
+  fm_exec::record(encoder_event("insertDebugSignpost") + ",\"name\":" + fm_exec::quote(fm_exec::string_of(string)) +
+                  "}");
+}
+FM_LABEL_AND_DEVICE(MTLComputeCommandEncoder)
+@end
+
+// --- libdispatch ---------------------------------------------------------------------------
+
+@interface FakeQueue : NSObject <OS_dispatch_queue>
+@end
+@implementation FakeQueue
+@end
+
+extern "C" void dispatch_sync(dispatch_queue_t queue, dispatch_block_t block) {
+  if (!fm_exec::check_alive(queue, "dispatch_sync")) return;
+  const bool stream = queue == fm_exec::stream_queue();
+  for (dispatch_queue_t q : fm_exec::queue_stack) {
+    if (q == queue) {
+      // A serial queue waiting on itself: libdispatch deadlocks (or traps).
+      fm_exec::record_error("dispatch_sync onto a queue this thread is already running on: deadlock on macOS");
+      return;
+    }
+  }
+  fm_exec::record(std::string("{\"op\":\"dispatch_sync\",\"stream_queue\":") + (stream ? "true" : "false") + "}");
+  fm_exec::queue_stack.push_back(queue);
+  try {
+    block();
+  } catch (...) {
+    // Exceptions cannot cross libdispatch: on macOS the process would abort.
+    fm_exec::record_error("an exception escaped a dispatch_sync block: libdispatch would terminate the process");
+  }
+  fm_exec::queue_stack.pop_back();
+  fm_exec::record("{\"op\":\"dispatch_sync_end\"}");
+}
+
+namespace fm_exec {
+
+dispatch_queue_t stream_queue() {
+  static FakeQueue* queue = [[FakeQueue alloc] init];  // owned by the stream for the process lifetime
+  return queue;
+}
+
+id<MTLDevice> device() {
+  static FakeDevice* device = [[FakeDevice alloc] init];
+  return device;
+}
+
+id<MTLComputeCommandEncoder> stream_encoder() {
+  static FakeEncoder* encoder = [[FakeEncoder alloc] init];  // PyTorch's shared, coalesced encoder
+  return encoder;
+}
+
+}  // namespace fm_exec
+
+// --- the harness's C API (ctypes) ------------------------------------------------------------
+
+#define FM_EXPORT extern "C" __attribute__((visibility("default")))
+
+// {"events": [...], "errors": [...]} since the last call; then clears both.
+FM_EXPORT const char* fm_exec_take_recording_json() {
+  static thread_local std::string out;
+  std::lock_guard<std::mutex> lock(fm_exec::recording_mutex());
+  out = "{\"events\":[";
+  for (size_t i = 0; i < fm_exec::events().size(); ++i) out += (i ? "," : "") + fm_exec::events()[i];
+  out += "],\"errors\":[";
+  for (size_t i = 0; i < fm_exec::errors().size(); ++i) out += (i ? "," : "") + fm_exec::quote(fm_exec::errors()[i]);
+  out += "]}";
+  fm_exec::events().clear();
+  fm_exec::errors().clear();
+  return out.c_str();
+}
+
+// Sets a numeric knob; returns 0, or -1 for an unknown name.
+FM_EXPORT int fm_exec_configure(const char* name, uint64_t value) {
+  fm_exec::Knobs& k = fm_exec::knobs();
+  const std::string key = name;
+  if (key == "max_threads_per_threadgroup") {
+    k.max_threads_per_threadgroup = value;
+  } else if (key == "static_threadgroup_memory") {
+    k.static_threadgroup_memory = value;
+  } else if (key == "max_threadgroup_memory") {
+    k.max_threadgroup_memory = value;
+  } else if (key == "macos_version") {
+    k.macos_version = value;
+  } else {
+    return -1;
+  }
+  return 0;
+}
+
+// What newLibraryWithSource: produces: a library of these kernel names
+// (newline-separated), or, if there are none, a failure with `error`.
+FM_EXPORT void fm_exec_set_runtime_compile(const char* kernel_names, const char* error) {
+  fm_exec::Knobs& k = fm_exec::knobs();
+  k.runtime_kernels.clear();
+  std::istringstream lines(kernel_names);
+  for (std::string line; std::getline(lines, line);) {
+    if (!line.empty()) k.runtime_kernels.push_back(line);
+  }
+  k.runtime_compile_error = error;
+}
+
+// What the build turns `@available(macOS major.minor, *)` into (_build.py).
+FM_EXPORT bool fm_exec_macos_at_least(int major, int minor) {
+  const uint64_t wanted = static_cast<uint64_t>(major) * 100 + static_cast<uint64_t>(minor);
+  fm_exec::record("{\"op\":\"available\",\"macos\":\"" + std::to_string(major) + "." + std::to_string(minor) + "\"}");
+  return fm_exec::knobs().macos_version >= wanted;
+}

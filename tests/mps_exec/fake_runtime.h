@@ -1,0 +1,111 @@
+// Internals shared by the fakes of tests/mps_exec (never shipped): object
+// bookkeeping for the fake Foundation/Metal classes, the recording the
+// Python harness reads, and the knobs it sets. Objective-C++ (include from
+// .mm files only), compiled against the Apple declarations in
+// tests/mps_syntax/stubs/, so every fake implements exactly that API.
+//
+// Objects. Under the GCC Objective-C runtime a class with no instance
+// variables has an instance size of 1 byte, and the stubs' NSObject declares
+// no `isa`, so no fake declares instance variables: +alloc reserves room for
+// the class pointer, and each object's state lives in a side table keyed by
+// its address (retain count, a C++ payload). An object whose count reaches 0
+// loses its payload but keeps its entry, as a zombie: a later message to it,
+// or one release too many, is recorded as an error instead of corrupting
+// memory, and its address is never reused.
+#pragma once
+
+#include <Foundation/Foundation.h>
+#include <Metal/Metal.h>
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace fm_exec {
+
+// Per-object state of one fake class (a subclass per class).
+struct Payload {
+  virtual ~Payload() = default;
+};
+
+// Lifetime, with Cocoa's manual retain/release rules.
+id allocate_object(Class cls);                        // +alloc: count 1, no payload yet
+void set_payload(id object, std::unique_ptr<Payload> payload);
+Payload* payload_of(id object);                        // nullptr for dead or unknown objects
+void retain(id object);
+void release(id object);                               // at 0: payload destroyed, object becomes a zombie
+void autorelease(id object);                           // records an error when no pool is in place
+void push_autorelease_pool();
+void pop_autorelease_pool();                           // releases what was autoreleased since the push
+// True if `object` is a live fake; else records "<what> sent to a deallocated/unknown object".
+bool check_alive(id object, const char* what);
+
+template <class P>
+P* payload(id object) {
+  return dynamic_cast<P*>(payload_of(object));
+}
+
+// Foundation helpers for the Metal fakes.
+std::string string_of(NSString* s);                    // "" for nil
+std::string url_path(NSURL* url);
+NSError* make_error(const std::string& description);   // autoreleased, like Cocoa's out-errors
+NSString* autoreleased_string(const std::string& text);
+NSArray<NSString*>* autoreleased_string_array(const std::vector<std::string>& items);
+// The label property of any fake Metal object (nil until set).
+NSString* label_of(id object);
+void set_label(id object, NSString* label, const char* what);
+int64_t retain_count(id object);
+// A stub-declared API the fakes do not model: records an error naming it.
+void unmodelled(const std::string& what);
+
+// The recording: a list of JSON objects (events) plus errors (strings).
+void record(const std::string& json_object);
+void record_error(const std::string& message);
+std::string quote(const std::string& text);            // a JSON string literal
+
+// dispatch_sync bookkeeping: the queue the calling thread is running on.
+dispatch_queue_t current_queue();
+dispatch_queue_t stream_queue();                        // the fake MPS stream's serial queue
+
+// The process's fake device and the stream's shared compute encoder.
+id<MTLDevice> device();
+id<MTLComputeCommandEncoder> stream_encoder();
+
+// Knobs set by the harness (fm_exec_configure), read by the fakes.
+struct Knobs {
+  // Why 1024: the largest threadgroup any Apple GPU accepts, the value a
+  // pipeline with modest register use reports.
+  uint64_t max_threads_per_threadgroup = 1024;
+  // Why 0: our kernels declare no static threadgroup arrays; all tiles are
+  // bound with setThreadgroupMemoryLength.
+  uint64_t static_threadgroup_memory = 0;
+  // Why 32 KiB: maxThreadgroupMemoryLength of every Apple-silicon GPU.
+  uint64_t max_threadgroup_memory = 32768;
+  // Kernel names a runtime-compiled library contains (newLibraryWithSource:);
+  // empty: the compile fails with runtime_compile_error.
+  std::vector<std::string> runtime_kernels;
+  std::string runtime_compile_error = "fake runtime compiler: no kernel names were configured";
+  // The macOS version @available(macOS X.Y, *) sees, as 100 * X + Y. Why
+  // 1500: macOS 15, the newest branch the host has.
+  uint64_t macos_version = 1500;
+};
+Knobs& knobs();
+
+// The header line of a fake metallib (a text file: this line, then one
+// kernel name per line); newLibraryWithURL: rejects any other file.
+constexpr const char* kFakeMetallibMagic = "flash_metal fake metallib v1";
+
+}  // namespace fm_exec
+
+// Fakes other files of the harness create or inspect.
+@interface FakeBuffer : NSObject <MTLBuffer>
+- (instancetype)initWithLength:(NSUInteger)length;
+- (void*)contents;
+- (NSUInteger)length;
+@end
+
+@interface NSAutoreleasePool : NSObject
+- (void)drain;
+@end
