@@ -16,6 +16,7 @@ import platform
 import shutil
 import subprocess
 import sys
+import tempfile
 import warnings
 
 
@@ -98,7 +99,9 @@ def _extension():
     if BUILD_MPS:
         sources += sorted(glob.glob("csrc/mps/*.mm"))
         # PyTorch's MPS headers assume manual retain/release: never ARC.
-        extra_compile_args["cxx"] += ["-fno-objc-arc"]
+        # A macOS-15-only API used without an @available guard is an error,
+        # not a crash on the oldest supported macOS.
+        extra_compile_args["cxx"] += ["-fno-objc-arc", "-Werror=unguarded-availability-new"]
         extra_link_args += ["-framework", "Metal", "-framework", "Foundation"]
     return CppExtension(
         "flash_metal._C",
@@ -111,49 +114,157 @@ def _extension():
     )
 
 
-def _shader_files():
-    return sorted(glob.glob(os.path.join(SHADER_DIR, "*.metal")) + glob.glob(os.path.join(SHADER_DIR, "*.h")))
+def _shader_files(shader_dir=SHADER_DIR):
+    """The shader sources the package ships (and library.mm fingerprints): *.metal and *.h."""
+    return sorted(glob.glob(os.path.join(shader_dir, "*.metal")) + glob.glob(os.path.join(shader_dir, "*.h")))
 
 
-def _compile_metallib(out_path):
-    """xcrun metal -> .air per file -> one .metallib. Returns False if `metal` is unavailable."""
-    air_dir = os.path.join(os.path.dirname(out_path), "air")
-    os.makedirs(air_dir, exist_ok=True)
-    airs = []
-    try:
-        for src in sorted(glob.glob(os.path.join(SHADER_DIR, "*.metal"))):
+# --- The metallib ----------------------------------------------------------------------------
+# Names inside the package directory; csrc/mps/library.mm looks for the same.
+METALLIB_NAME = "flash_metal.metallib"
+METALLIB_HASH_NAME = "flash_metal.metallib.fnv1a64"
+# Why 14.0: Metal 3.1, the first language version with bfloat, starts at
+# macOS 14, and library.mm refuses older macOS. Without -mmacosx-version-min,
+# `metal` targets the SDK's own macOS, and the metallib of a newer Xcode then
+# fails to load on an older macOS (MLX passes its deployment target too).
+METAL_MACOS_MIN = "14.0"
+METAL_STD = "metal3.1"
+# -fno-fast-math: the kernels rely on infinities (the running max starts at
+# -INFINITY, lse is -inf for a row without keys), which fast math, `metal`'s
+# default, may break; PyTorch and MLX build their shaders with it too.
+# -Wall -Wextra -Werror: a shader warning fails the build, as a compile error does.
+METAL_FLAGS = [f"-std={METAL_STD}", f"-mmacosx-version-min={METAL_MACOS_MIN}", "-fno-fast-math",
+               "-Wall", "-Wextra", "-Werror", "-O2"]
+# Set to 1 (the macOS CI does) to make a missing Metal toolchain fail the
+# build instead of warning: there, a metallib is part of what is tested.
+REQUIRE_METALLIB_ENV = "FLASH_METAL_REQUIRE_METALLIB"
+# FNV-1a 64-bit offset basis and prime (FNV's published constants), as in
+# csrc/mps/shader_source.h's source_tree_hash, which this mirrors.
+_FNV_OFFSET_BASIS = 0xCBF29CE484222325
+_FNV_PRIME = 0x100000001B3
+
+
+class ShaderBuildError(RuntimeError):
+    """Apple's Metal compiler rejected the shaders (an error or, with -Werror, a warning)."""
+
+
+def shader_sources_hash(shader_dir=SHADER_DIR):
+    """The fingerprint library.mm recomputes from the installed shaders (16 hex digits).
+
+    FNV-1a-64 over, per shader file in byte order of its name,
+    "<name>\\n<size>\\n<contents>"; see shader_source::source_tree_hash.
+    """
+    h = _FNV_OFFSET_BASIS
+
+    def feed(data, h):
+        for byte in data:
+            h = ((h ^ byte) * _FNV_PRIME) & 0xFFFFFFFFFFFFFFFF
+        return h
+
+    names = sorted((os.path.basename(p).encode() for p in _shader_files(shader_dir)))
+    for name in names:
+        with open(os.path.join(shader_dir, name.decode()), "rb") as f:
+            data = f.read()
+        h = feed(name + b"\n" + str(len(data)).encode() + b"\n", h)
+        h = feed(data, h)
+    return f"{h:016x}"
+
+
+def metal_compile_command(src, air, shader_dir=SHADER_DIR):
+    return ["xcrun", "-sdk", "macosx", "metal", *METAL_FLAGS, "-I", shader_dir, "-c", src, "-o", air]
+
+
+def _metal_toolchain_problem():
+    """None if `xcrun metal` and `xcrun metallib` run; else why not (the toolchain is missing)."""
+    for tool in ("metal", "metallib"):
+        try:
+            probe = subprocess.run(["xcrun", "-sdk", "macosx", tool, "--version"], capture_output=True, text=True)
+        except OSError as err:
+            return f"cannot run xcrun: {err}"
+        if probe.returncode != 0:
+            return (probe.stderr or probe.stdout).strip() or f"`xcrun {tool} --version` failed"
+    return None
+
+
+def _run_shader_tool(cmd):
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise ShaderBuildError(
+            "flash_metal: Apple's Metal compiler rejected the shaders (warnings are errors here):\n"
+            f"$ {' '.join(cmd)}\n{proc.stdout}{proc.stderr}")
+
+
+def remove_metallib(out_dir):
+    """Delete the metallib and its fingerprint from out_dir, so that no stale copy survives a build."""
+    for name in (METALLIB_NAME, METALLIB_HASH_NAME):
+        path = os.path.join(out_dir, name)
+        if os.path.lexists(path):
+            os.remove(path)
+
+
+def build_metallib(out_dir, shader_dir=SHADER_DIR):
+    """Compile shader_dir/*.metal into out_dir/flash_metal.metallib and write its fingerprint beside it.
+
+    Stale outputs are deleted first. Returns the paths written, or [] after a
+    warning when Apple's Metal toolchain is missing (the MPS backend then
+    compiles the shipped sources at first use); with
+    FLASH_METAL_REQUIRE_METALLIB=1 a missing toolchain raises instead. A shader
+    that does not compile raises ShaderBuildError: the build fails.
+    """
+    remove_metallib(out_dir)
+    problem = _metal_toolchain_problem()
+    if problem is not None:
+        message = (f"flash_metal: Apple's Metal compiler is unavailable ({problem}), so no metallib was built. "
+                   "The install continues: the MPS backend will compile the shipped shader sources at first "
+                   f"use (slower first call). To precompile, {METAL_TOOLCHAIN_HINT}.")
+        if os.environ.get(REQUIRE_METALLIB_ENV) == "1":
+            raise ShaderBuildError(message + f" ({REQUIRE_METALLIB_ENV}=1 makes this an error.)")
+        warnings.warn(message)
+        return []
+    os.makedirs(out_dir, exist_ok=True)
+    lib = os.path.join(out_dir, METALLIB_NAME)
+    with tempfile.TemporaryDirectory(prefix="flash_metal_air.") as air_dir:
+        airs = []
+        for src in sorted(glob.glob(os.path.join(shader_dir, "*.metal"))):
             air = os.path.join(air_dir, os.path.basename(src)[: -len(".metal")] + ".air")
-            # metal3.1 (macOS 14+) is the first standard with bfloat.
-            subprocess.run(["xcrun", "-sdk", "macosx", "metal", "-std=metal3.1", "-O2", "-I", SHADER_DIR,
-                            "-c", src, "-o", air], check=True, capture_output=True, text=True)
+            _run_shader_tool(metal_compile_command(src, air, shader_dir))
             airs.append(air)
-        subprocess.run(["xcrun", "-sdk", "macosx", "metallib", *airs, "-o", out_path], check=True,
-                       capture_output=True, text=True)
-    except (OSError, subprocess.CalledProcessError) as err:
-        detail = getattr(err, "stderr", "") or str(err)
-        warnings.warn(
-            "flash_metal: could not compile the Metal shaders into a metallib "
-            f"({detail.strip()}). The install continues: the MPS backend will compile the shipped "
-            f"shader sources at first use (slower first call). To precompile, {METAL_TOOLCHAIN_HINT}."
-        )
-        return False
-    finally:
-        shutil.rmtree(air_dir, ignore_errors=True)
-    return True
+        _run_shader_tool(["xcrun", "-sdk", "macosx", "metallib", *airs, "-o", lib])
+    if not os.path.isfile(lib):
+        raise ShaderBuildError(f"flash_metal: `xcrun metallib` reported success but wrote no {lib}")
+    hash_path = os.path.join(out_dir, METALLIB_HASH_NAME)
+    with open(hash_path, "w", encoding="ascii") as f:
+        f.write(shader_sources_hash(shader_dir) + "\n")
+    return [lib, hash_path]
+
+
+def install_shader_sources(out_dir, shader_dir=SHADER_DIR):
+    """Replace out_dir/shaders/ with exactly this checkout's shader sources (no leftovers)."""
+    dest = os.path.join(out_dir, "shaders")
+    shutil.rmtree(dest, ignore_errors=True)
+    os.makedirs(dest)
+    for path in _shader_files(shader_dir):
+        shutil.copy2(path, dest)
+    return dest
 
 
 class BuildWithShaders(BuildExtension):
-    """Builds the extension, ships the shader sources, and on macOS the metallib."""
+    """Builds the extension, ships the shader sources, and on macOS the metallib.
+
+    Only what this build produced is installed: pyproject.toml lists no
+    shader or metallib package data (which would copy whatever an earlier
+    build left in the checkout), stale outputs are deleted before building,
+    and a shader compile error fails the build.
+    """
 
     def run(self):
         super().run()
         package_dir = os.path.join(self.build_lib, "flash_metal")
-        shader_out = os.path.join(package_dir, "shaders")
-        os.makedirs(shader_out, exist_ok=True)
-        for path in _shader_files():
-            shutil.copy2(path, shader_out)
+        shader_out = install_shader_sources(package_dir)
         if BUILD_MPS:
-            _compile_metallib(os.path.join(package_dir, "flash_metal.metallib"))
+            build_metallib(package_dir)
+        else:
+            remove_metallib(package_dir)
         self._mirror_into_checkout(package_dir, shader_out)
 
     def _mirror_into_checkout(self, package_dir, shader_out):
@@ -163,7 +274,8 @@ class BuildWithShaders(BuildExtension):
         `python -m flash_metal.demo`) put the source tree first on sys.path, so
         they import flash_metal from the checkout; with the compiled _C, the
         shader sources and the metallib mirrored there, that copy is complete
-        and identical to the installed one.
+        and identical to the installed one (an old metallib there is deleted
+        when this build made none).
         """
         dest = os.path.join(ROOT, "flash_metal")
         if os.path.abspath(package_dir) == os.path.abspath(dest):
@@ -172,14 +284,19 @@ class BuildWithShaders(BuildExtension):
             built = self.get_ext_fullpath(ext.name)
             if os.path.exists(built):
                 self.copy_file(built, os.path.join(dest, os.path.basename(built)))
+        shutil.rmtree(os.path.join(dest, "shaders"), ignore_errors=True)
         self.copy_tree(shader_out, os.path.join(dest, "shaders"))
-        lib = os.path.join(package_dir, "flash_metal.metallib")
-        if os.path.exists(lib):
-            self.copy_file(lib, os.path.join(dest, "flash_metal.metallib"))
+        remove_metallib(dest)
+        for name in (METALLIB_NAME, METALLIB_HASH_NAME):
+            if os.path.exists(os.path.join(package_dir, name)):
+                self.copy_file(os.path.join(package_dir, name), os.path.join(dest, name))
 
 
-setup(
-    packages=find_packages(include=["flash_metal", "flash_metal.*"]),
-    ext_modules=[_extension()],
-    cmdclass={"build_ext": BuildWithShaders.with_options(use_ninja=True)},
-)
+# setuptools runs this file as __main__; tests/test_build.py imports it to
+# test the metallib logic above without building anything.
+if __name__ == "__main__":
+    setup(
+        packages=find_packages(include=["flash_metal", "flash_metal.*"]),
+        ext_modules=[_extension()],
+        cmdclass={"build_ext": BuildWithShaders.with_options(use_ninja=True)},
+    )

@@ -1,16 +1,18 @@
 """Linux checks of the MPS host code in csrc/mps/ (no Mac, no Metal needed).
 
 - The .mm files parse against the real PyTorch MPS headers of the macOS
-  wheel plus the Apple API declarations in tests/mps_syntax/stubs/, and the
-  check provably bites (a misspelled method fails it).
+  wheels of the oldest supported torch (2.4.0, C++17) and a recent one
+  (2.14.1, C++20), plus the Apple API declarations in tests/mps_syntax/stubs/;
+  the check provably bites (a misspelled method fails it), and correct calls
+  of real Metal API the .mm does not use yet pass it.
 - The encoding rules in the header of csrc/mps/attention_mps.mm hold, textually.
 - The runtime-compile fallback's include inliner (csrc/mps/shader_source.h)
   produces one complete source that the Metal emulator compiles into the same
   kernels as the shader files themselves.
 
-Run: pytest tests/test_mps_host.py. The first run downloads the macOS torch
-wheel (~130 MB) into ~/.cache/flash_metal/; with CI=true a failed download
-fails the tests instead of skipping them.
+Run: pytest tests/test_mps_host.py. The first run downloads the two macOS
+torch wheels (~60 and ~130 MB) into ~/.cache/flash_metal/; with CI=true a
+failed download fails the tests instead of skipping them.
 """
 import os
 import re
@@ -43,16 +45,27 @@ def clang():
         _unavailable(str(err))
 
 
+def _headers(version):
+    try:
+        return syntax_check.macos_torch_include(version), syntax_check.MACOS_TORCH_VERSIONS[version]
+    except syntax_check.HeadersUnavailable as err:
+        _unavailable(f"macOS torch {version} headers unavailable: {err}")
+
+
+@pytest.fixture(scope="session", params=sorted(syntax_check.MACOS_TORCH_VERSIONS))
+def macos_torch(request):
+    """(torch/include, C++ standard) of each checked macOS torch version."""
+    return _headers(request.param)
+
+
 @pytest.fixture(scope="session")
 def macos_torch_include():
-    try:
-        return syntax_check.macos_torch_include()
-    except syntax_check.HeadersUnavailable as err:
-        _unavailable(f"macOS torch headers unavailable: {err}")
+    """torch/include of the newest checked macOS torch (for the checks that need one version)."""
+    return _headers(syntax_check.MACOS_TORCH_VERSION)[0]
 
 
-def _syntax_check(clang, source, include, *extra):
-    cmd = syntax_check.syntax_check_command(clang, source, include, extra)
+def _syntax_check(clang, source, include, *extra, std="c++20"):
+    cmd = syntax_check.syntax_check_command(clang, source, include, extra, std=std)
     return subprocess.run(cmd, capture_output=True, text=True), cmd
 
 
@@ -64,10 +77,43 @@ def test_there_are_mm_sources():
     assert {"attention_mps.mm", "library.mm"} <= names
 
 
+def test_checked_versions_include_the_minimum_torch():
+    with open(os.path.join(ROOT, "pyproject.toml"), encoding="utf-8") as f:
+        minimum = re.search(r'"torch>=([\d.]+)"', f.read()).group(1)
+    assert syntax_check.MINIMUM_TORCH_VERSION in syntax_check.MACOS_TORCH_VERSIONS
+    assert syntax_check.MINIMUM_TORCH_VERSION.startswith(minimum + "."), (minimum, syntax_check.MINIMUM_TORCH_VERSION)
+
+
 @pytest.mark.parametrize("source", syntax_check.mm_sources(), ids=os.path.basename)
-def test_mm_parses_against_macos_torch_headers(clang, macos_torch_include, source):
-    proc, cmd = _syntax_check(clang, source, macos_torch_include)
+def test_mm_parses_against_macos_torch_headers(clang, macos_torch, source):
+    include, std = macos_torch
+    proc, cmd = _syntax_check(clang, source, include, std=std)
     assert proc.returncode == 0, f"$ {' '.join(cmd)}\n{proc.stderr}"
+
+
+def test_correct_calls_of_real_api_pass_the_check(clang, macos_torch_include):
+    # Real Metal selectors and PyTorch profiler calls the .mm does not (all)
+    # make today, used correctly: a correct change must never fail the check.
+    sample = os.path.join(syntax_check.HERE, "real_api_sample.mm")
+    proc, cmd = _syntax_check(clang, sample, macos_torch_include)
+    assert proc.returncode == 0, f"$ {' '.join(cmd)}\n{proc.stderr}"
+
+
+def test_stubs_reject_wrong_use_of_real_api(clang, macos_torch_include, tmp_path):
+    # The same sample with a wrong argument type and a misspelled selector:
+    # the stubs must carry real signatures, not accept anything.
+    with open(os.path.join(syntax_check.HERE, "real_api_sample.mm"), encoding="utf-8") as f:
+        text = f.read()
+    assert "dispatchThreads:threads threadsPerThreadgroup:group" in text and "setBufferOffset:" in text
+    text = text.replace("dispatchThreads:threads threadsPerThreadgroup:group",
+                        "dispatchThreads:threads threadsPerThreadGroup:group")
+    text = text.replace("setBufferOffset:16", "setBufferOffset:buffer")
+    broken = tmp_path / "real_api_sample.mm"
+    broken.write_text(text, encoding="utf-8")
+    proc, _ = _syntax_check(clang, str(broken), macos_torch_include)
+    assert "'-dispatchThreads:threadsPerThreadGroup:' not found" in proc.stderr, proc.stderr
+    assert "error: cannot initialize a parameter of type 'NSUInteger'" in proc.stderr, proc.stderr
+    assert "setBufferOffset:buffer" in proc.stderr, proc.stderr  # clang quotes the offending line
 
 
 def test_syntax_check_catches_typos(clang, macos_torch_include, tmp_path):
@@ -124,6 +170,45 @@ def test_mm_follows_encoding_rules(source):
         # Nothing that can throw, and no PyTorch call, inside the block.
         for banned in ("TORCH_CHECK", "throw", "at::", "torch::", "c10::", ".item", "get_pipeline"):
             assert banned not in body, f"{os.path.basename(source)}: `{banned}` inside the dispatch_sync block"
+
+
+def _statements_outside_guard(code, api, version):
+    """Uses of `api` not inside the then-branch of `if (@available(macOS <version>, *))`."""
+    guards = []
+    for m in re.finditer(r"if\s*\(\s*@available\s*\(\s*macOS\s+([\d.]+)\s*,\s*\*\s*\)\s*\)\s*\{", code):
+        depth, i = 1, m.end()
+        while depth:
+            depth += {"{": 1, "}": -1}.get(code[i], 0)
+            i += 1
+        if float(m.group(1)) >= version:
+            guards.append((m.end(), i))
+    return [m.start() for m in re.finditer(re.escape(api), code)
+            if not any(a <= m.start() < b for a, b in guards)]
+
+
+@pytest.mark.parametrize("source", syntax_check.mm_sources(), ids=os.path.basename)
+def test_new_metal_api_is_guarded_by_available(source):
+    # clang ignores macOS availability on Linux, so check the guards here:
+    # macOS 15 API only under @available(macOS 15.0, *), Metal 3.1 under 14.
+    code = _code(source)
+    for api, version in (("setMathMode", 15.0), ("setMathFloatingPointFunctions", 15.0),
+                         ("MTLLanguageVersion3_1", 14.0), ("MTLLanguageVersion3_2", 15.0)):
+        assert not _statements_outside_guard(code, api, version), (
+            f"{os.path.basename(source)}: {api} outside `if (@available(macOS {version}, *))`")
+
+
+def test_runtime_compile_turns_fast_math_off():
+    code = _code(os.path.join(MPS_DIR, "library.mm"))
+    assert "setMathMode:MTLMathModeSafe" in code
+    assert "setFastMathEnabled:NO" in code
+    assert "setMathFloatingPointFunctions:MTLMathFloatingPointFunctionsPrecise" in code
+
+
+def test_availability_guard_rule_bites():
+    code = "void f(O* o) { if (@available(macOS 14.0, *)) { [o setMathMode:MTLMathModeSafe]; } }"
+    assert _statements_outside_guard(code, "setMathMode", 15.0)
+    code = "void f(O* o) { if (@available(macOS 15.0, *)) { [o setMathMode:MTLMathModeSafe]; } }"
+    assert not _statements_outside_guard(code, "setMathMode", 15.0)
 
 
 def test_attention_mps_encodes_on_the_current_stream():
@@ -214,9 +299,30 @@ def test_inliner_names_a_missing_header(inliner, tmp_path):
 
 
 def test_shader_sources_dir_layout_matches_library_mm():
-    # library.mm looks for these two files next to the _C extension; setup.py
-    # must install them there (flash_metal/flash_metal.metallib, flash_metal/shaders/).
+    # library.mm looks for these files next to the _C extension; setup.py
+    # must install them there (flash_metal/flash_metal.metallib, its
+    # fingerprint file, flash_metal/shaders/).
     code = open(os.path.join(MPS_DIR, "library.mm"), encoding="utf-8").read()
     assert '"flash_metal.metallib"' in code and '"shaders/attention.metal"' in code
+    assert '"flash_metal.metallib.fnv1a64"' in code and '"shaders"' in code
     setup = open(os.path.join(ROOT, "setup.py"), encoding="utf-8").read()
     assert '"flash_metal.metallib"' in setup and '"shaders"' in setup
+    assert '"flash_metal.metallib.fnv1a64"' in setup
+
+
+def test_source_fingerprint_matches_setup_py(inliner, tmp_path):
+    # library.mm's fingerprint of the installed shaders (shader_source.h) must
+    # equal the one setup.py writes beside the metallib, or every Mac would
+    # warn and recompile; and it must change when any shader byte does.
+    from test_build import load_setup
+
+    setup = load_setup()
+    shaders = os.path.join(ROOT, "shaders")
+    proc = subprocess.run([inliner, "--hash", shaders], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == setup.shader_sources_hash(shaders)
+    for name in os.listdir(shaders):
+        (tmp_path / name).write_bytes(open(os.path.join(shaders, name), "rb").read())
+    (tmp_path / "attention_common.h").write_bytes((tmp_path / "attention_common.h").read_bytes() + b" ")
+    edited = subprocess.run([inliner, "--hash", str(tmp_path)], capture_output=True, text=True).stdout.strip()
+    assert edited == setup.shader_sources_hash(str(tmp_path)) != proc.stdout.strip()

@@ -6,7 +6,9 @@
 // documentation; one link per declaration. Each selector must match Apple's
 // exactly: the check compiles with -Werror=objc-method-access, so a call to
 // an undeclared selector fails. Nullability and __autoreleasing annotations
-// are omitted (they do not change which calls type-check). Availability is
+// are omitted (they do not change which calls type-check). NS_OPTIONS types
+// are declared as Apple's macro expands them in C++ (a typedef of the
+// integer plus an enum of the flags), so that `A | B` type-checks. Availability is
 // kept, as Apple writes it, where flash_metal depends on it: clang ignores
 // macOS availability on Linux, so tests/test_mps_host.py checks the guards
 // textually, and the macOS build turns unguarded use into an error
@@ -89,26 +91,29 @@ typedef enum : NSInteger {
 } MTLGPUFamily;
 
 // https://developer.apple.com/documentation/metal/mtlresourceoptions?language=objc
-typedef enum : NSUInteger {
+typedef NSUInteger MTLResourceOptions;
+enum : NSUInteger {
   // https://developer.apple.com/documentation/metal/mtlresourceoptions/storagemodeshared?language=objc
   MTLResourceStorageModeShared = 0 << 4,
   // https://developer.apple.com/documentation/metal/mtlresourceoptions/storagemodeprivate?language=objc
   MTLResourceStorageModePrivate = 2 << 4,
-} MTLResourceOptions;
+};
 
 // https://developer.apple.com/documentation/metal/mtlbarrierscope?language=objc
-typedef enum : NSUInteger {
+typedef NSUInteger MTLBarrierScope;
+enum : NSUInteger {
   // https://developer.apple.com/documentation/metal/mtlbarrierscope/buffers?language=objc
   MTLBarrierScopeBuffers = 1 << 0,
-} MTLBarrierScope;
+};
 
 // https://developer.apple.com/documentation/metal/mtlresourceusage?language=objc
-typedef enum : NSUInteger {
+typedef NSUInteger MTLResourceUsage;
+enum : NSUInteger {
   // https://developer.apple.com/documentation/metal/mtlresourceusage/read?language=objc
   MTLResourceUsageRead = 1 << 0,
   // https://developer.apple.com/documentation/metal/mtlresourceusage/write?language=objc
   MTLResourceUsageWrite = 1 << 1,
-} MTLResourceUsage;
+};
 
 // https://developer.apple.com/documentation/metal/mtlresource?language=objc
 @protocol MTLResource <NSObject>
