@@ -218,6 +218,20 @@ def test_attention_mps_encodes_on_the_current_stream():
     assert "stream->commandEncoder()" in _dispatch_blocks(code)[0][2]
 
 
+def test_dispatch_is_bracketed_by_the_mps_profiler():
+    # As PyTorch's own Metal kernels do: begin after taking the encoder, end
+    # after the dispatch, inside the block, through wrappers that cannot throw.
+    code = _code(os.path.join(MPS_DIR, "attention_mps.mm"))
+    body = _dispatch_blocks(code)[0][2]
+    order = [body.find(s) for s in ("stream->commandEncoder()", "profile_begin(state", "setComputePipelineState:",
+                                     "dispatchThreadgroups:", "profile_end(state)")]
+    assert -1 not in order and order == sorted(order), order
+    for wrapper, call in (("profile_begin", "getMPSProfiler().beginProfileKernel("),
+                          ("profile_end", "getMPSProfiler().endProfileKernel(")):
+        m = re.search(wrapper + r"\([^)]*\)\s*noexcept\s*\{\s*try\s*\{([^}]*)\}\s*catch\s*\(\.\.\.\)", code)
+        assert m and call in m.group(1), f"{wrapper} must call {call} inside try/catch(...), noexcept"
+
+
 def test_setup_never_enables_arc():
     with open(os.path.join(ROOT, "setup.py"), encoding="utf-8") as f:
         setup = f.read()

@@ -12,17 +12,23 @@
 //   - nothing inside the block can throw, and no PyTorch MPS op runs there:
 //     validation, allocation and pipeline lookup all happen before it;
 //   - manual retain/release (no ARC).
+// The launch is visible to torch.mps.profiler: it is bracketed with PyTorch's
+// MPS profiler calls the way PyTorch's own Metal kernels do (see
+// profile_begin below).
 #include "checks.h"
 #include "metal_plan.h"
 #include "library.h"
 
 #include <ATen/ATen.h>
 #include <ATen/mps/MPSDevice.h>
+#include <ATen/mps/MPSProfiler.h>
 #include <ATen/mps/MPSStream.h>
 #include <torch/library.h>
 
 #include <array>
+#include <string>
 #include <tuple>
+#include <vector>
 
 namespace flash_metal::mps {
 namespace {
@@ -37,6 +43,33 @@ constexpr const char* kOp = "flash_metal.attention_forward";
 id<MTLBuffer> buffer_of(const at::Tensor& t) { return __builtin_bit_cast(id<MTLBuffer>, t.storage().data()); }
 NSUInteger byte_offset_of(const at::Tensor& t) {
   return static_cast<NSUInteger>(t.storage_offset() * t.element_size());
+}
+
+// PyTorch's MPS profiler (torch.mps.profiler; os_signpost intervals in
+// Instruments), called as PyTorch's own Metal kernels call it (its sort,
+// GroupNorm and indexing kernels): begin after taking the stream's encoder,
+// end after the dispatch, both inside the dispatch_sync block, keyed by the
+// pipeline state. Reachable from an extension: MPSProfiler.h ships in the
+// macOS wheels, and at::mps::getMPSProfiler(), beginProfileKernel(const void*,
+// const std::string&, TensorList) and endProfileKernel(const void*, SyncType)
+// are exported by libtorch_cpu.dylib in torch 2.4.0 and 2.14.1 (checked with
+// llvm-nm and the dylib's export trie). Both return at once unless profiling
+// is on. They could still throw (allocation, internal asserts), and nothing
+// may throw inside the block, so these wrappers swallow: a failed profiler
+// call must cost a trace entry, never the process.
+void profile_begin(id<MTLComputePipelineState> state, const std::string& kernel,
+                   const std::vector<at::Tensor>& inputs) noexcept {
+  try {
+    at::mps::getMPSProfiler().beginProfileKernel(state, kernel, inputs);
+  } catch (...) {
+  }
+}
+
+void profile_end(id<MTLComputePipelineState> state) noexcept {
+  try {
+    at::mps::getMPSProfiler().endProfileKernel(state);
+  } catch (...) {
+  }
 }
 
 std::array<int64_t, 4> strides4(const at::Tensor& t) { return {t.stride(0), t.stride(1), t.stride(2), t.stride(3)}; }
@@ -92,11 +125,15 @@ std::tuple<at::Tensor, at::Tensor> attention_forward_mps(const at::Tensor& q, co
     indices[i] = launch.buffers[i].index;
   }
 
+  const std::string kernel_name = launch.kernel_name;      // for the profiler
+  const std::vector<at::Tensor> profiled_inputs = {q, k, v};  // copied into the block now, not inside it
+
   // --- Encoding: no throw, no PyTorch op, no own encoder, no commit. ---
   at::mps::MPSStream* stream = at::mps::getCurrentMPSStream();
   dispatch_sync(stream->queue(), ^{
     @autoreleasepool {
       id<MTLComputeCommandEncoder> encoder = stream->commandEncoder();
+      profile_begin(state, kernel_name, profiled_inputs);
       [encoder setComputePipelineState:state];
       for (size_t i = 0; i < buffers.size(); ++i) {
         [encoder setBuffer:buffers[i] offset:offsets[i] atIndex:indices[i]];
@@ -106,6 +143,7 @@ std::tuple<at::Tensor, at::Tensor> attention_forward_mps(const at::Tensor& q, co
         [encoder setThreadgroupMemoryLength:threadgroup_memory atIndex:threadgroup_memory_index];
       }
       [encoder dispatchThreadgroups:grid threadsPerThreadgroup:group];
+      profile_end(state);
     }
   });
   return {out, lse};
