@@ -2,6 +2,7 @@
 
 #include <c10/util/Exception.h>
 
+#include <algorithm>
 #include <cmath>
 
 namespace flash_metal {
@@ -112,6 +113,26 @@ MetalLaunch plan_metal_attention(const AttentionProblem& p, const LaunchStrides&
   a.scale = static_cast<float>(p.scale);
   a.scale_log2 = p.scale_log2();
   return launch;
+}
+
+std::vector<std::string> all_metal_kernel_names() {
+  std::vector<std::string> names;
+  for (c10::ScalarType dtype : {c10::ScalarType::Float, c10::ScalarType::Half, c10::ScalarType::BFloat16}) {
+    for (uint32_t bucket : kHeadDimBuckets) {
+      for (KernelRequest kind : {KernelRequest::Untiled, KernelRequest::Tiled}) {
+        AttentionProblem p;
+        p.batch = p.q_heads = p.kv_heads = p.q_len = p.kv_len = 1;
+        p.head_dim = bucket;
+        p.scale = 1.0;
+        p.dtype = dtype;
+        const LaunchStrides packed{{bucket, bucket, bucket, 1}, {bucket, bucket, bucket, 1},
+                                   {bucket, bucket, bucket, 1}, {bucket, bucket, bucket, 1}, {1, 1, 1}};
+        std::string name = plan_metal_attention(p, packed, kind).kernel_name;
+        if (std::find(names.begin(), names.end(), name) == names.end()) names.push_back(std::move(name));
+      }
+    }
+  }
+  return names;
 }
 
 }  // namespace flash_metal

@@ -80,4 +80,10 @@ KernelRequest choose_metal_kernel(const AttentionProblem& p, KernelRequest reque
 MetalLaunch plan_metal_attention(const AttentionProblem& p, const LaunchStrides& strides,
                                  KernelRequest requested);
 
+// Every kernel name plan_metal_attention can return (each dtype, head-dim
+// bucket and kernel kind), in a fixed order without duplicates. Found by
+// planning one small problem per combination, so it cannot drift from the
+// planner; the macOS pipeline-build test compares it with the metallib.
+std::vector<std::string> all_metal_kernel_names();
+
 }  // namespace flash_metal
