@@ -3,6 +3,7 @@
 //   csrc/cpu/attention_cpu.cpp   CPU
 //   csrc/mps/attention_mps.mm    MPS (macOS builds only)
 //   csrc/metal_plan_op.cpp       metal_plan (device-independent introspection)
+//   csrc/mps/pipelines.mm        metal_build_all_pipelines (macOS builds only)
 #include <Python.h>
 #include <torch/library.h>
 
@@ -37,4 +38,10 @@ TORCH_LIBRARY(flash_metal, m) {
   m.def("metal_plan(Tensor q, Tensor k, Tensor v, bool causal=False, float? scale=None, str impl=\"auto\") "
         "-> (str kernel_name, int[] grid, int[] threadgroup, int threadgroup_memory, int threadgroup_memory_index, "
         "bool[] function_constants, int[] buffer_indices, int params_index, Tensor params, str reason)");
+  // macOS builds only (csrc/mps/pipelines.mm), for tests: loads the shader
+  // library as attention_forward would and builds the pipeline of every
+  // kernel the planner can name, causal and not, on the system's Metal
+  // device. Returns where the library came from and "<kernel>/causal" or
+  // "<kernel>/non-causal" for each pipeline built.
+  m.def("metal_build_all_pipelines() -> (str library, str[] pipelines)");
 }

@@ -1,0 +1,54 @@
+// flash_metal::metal_build_all_pipelines, a test-facing entry point (macOS
+// builds only): builds, with the real Metal framework, the pipeline of every
+// kernel name the portable planner can return, for each value of its causal
+// function constant, through the same loader and cache attention_forward
+// uses. On a machine whose GPU cannot run kernels (GitHub's hosted macOS
+// runners), this still proves that the metallib loads, is not stale, holds
+// every instantiation the planner names, and that Metal accepts each one.
+#include "library.h"
+#include "metal_plan.h"
+
+#include <torch/library.h>
+
+#include <string>
+#include <tuple>
+#include <vector>
+
+namespace flash_metal::mps {
+namespace {
+
+// The system's default Metal device, not PyTorch's MPS device: pipeline
+// creation needs only a device, and this one exists even where PyTorch's
+// MPS backend declines the GPU. Created once, kept for the process.
+id<MTLDevice> system_device() {
+  static id<MTLDevice> device = MTLCreateSystemDefaultDevice();  // +1, never released
+  return device;
+}
+
+std::tuple<std::string, std::vector<std::string>> metal_build_all_pipelines() {
+  id<MTLDevice> device = system_device();
+  TORCH_CHECK(device != nil, "flash_metal.metal_build_all_pipelines: this machine has no Metal device");
+  std::vector<std::string> built;
+  for (const std::string& name : all_metal_kernel_names()) {
+    for (bool causal : {false, true}) {
+      // The planner's layout: one boolean constant, causal, at its index.
+      std::vector<bool> constants(kCausalFunctionConstant + 1, false);
+      constants[kCausalFunctionConstant] = causal;
+      const Pipeline pipeline = get_pipeline(device, name, constants);
+      TORCH_CHECK(pipeline.max_threads_per_threadgroup > 0, "flash_metal: the pipeline of ", name,
+                  " admits no threads");
+      built.push_back(name + (causal ? "/causal" : "/non-causal"));
+    }
+  }
+  return {library_origin(device), built};
+}
+
+}  // namespace
+
+// No tensor arguments, so no backend key to dispatch on: the composite key
+// serves every call.
+TORCH_LIBRARY_IMPL(flash_metal, CompositeExplicitAutograd, m) {
+  m.impl("metal_build_all_pipelines", &metal_build_all_pipelines);
+}
+
+}  // namespace flash_metal::mps

@@ -1,0 +1,60 @@
+"""Every kernel the planner can name exists, in the shaders and on a real Mac.
+
+- Everywhere: the kernel names the planner returns (torch.ops.flash_metal.metal_plan
+  over every dtype, head dim and impl) are exactly the instantiations in
+  shaders/attention.metal, as the Metal emulator compiles them.
+- On macOS with an MPS build (the macOS CI): torch.ops.flash_metal.metal_build_all_pipelines
+  builds, with the real Metal framework, the pipeline of every one of those
+  names, causal and not, from the installed library. With
+  FLASH_METAL_REQUIRE_METALLIB=1 (the CI's build) that library must be the
+  precompiled metallib, not the runtime-compile fallback.
+"""
+import os
+import sys
+
+import pytest
+import torch
+
+import flash_metal  # noqa: F401  (registers the ops)
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+IN_CI = os.environ.get("CI") == "true"
+ON_MAC_WITH_MPS = sys.platform == "darwin" and torch.backends.mps.is_built()
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def planner_kernel_names():
+    """Every kernel name metal_plan returns, over each dtype, head dim 1..256 and impl."""
+    names = set()
+    for dtype in DTYPES:
+        for d in range(1, 257):
+            q = torch.zeros(1, 1, 1, d, dtype=dtype)
+            for impl in ("untiled", "tiled"):
+                names.add(torch.ops.flash_metal.metal_plan(q, q, q, False, None, impl)[0])
+    return names
+
+
+def test_planner_names_are_exactly_the_shader_instantiations():
+    from metal_emulator import BuildError, compile_library
+
+    try:
+        library = compile_library([os.path.join(ROOT, "shaders", "attention.metal")], instrumented=False)
+    except BuildError as err:
+        if IN_CI:
+            pytest.fail(str(err))
+        pytest.skip(str(err))
+    assert planner_kernel_names() == set(library.kernel_names())
+
+
+@pytest.mark.skipif(not ON_MAC_WITH_MPS, reason="builds Metal pipelines: macOS with an MPS-enabled torch only")
+def test_every_kernel_builds_a_metal_pipeline():
+    try:
+        origin, built = torch.ops.flash_metal.metal_build_all_pipelines()
+    except RuntimeError as err:
+        if "no Metal device" in str(err) and not IN_CI:
+            pytest.skip(str(err))
+        raise
+    expected = {f"{name}/{mode}" for name in planner_kernel_names() for mode in ("causal", "non-causal")}
+    assert sorted(built) == sorted(expected)
+    if os.environ.get("FLASH_METAL_REQUIRE_METALLIB") == "1":
+        assert origin.startswith("the precompiled ") and origin.endswith("flash_metal.metallib"), origin
