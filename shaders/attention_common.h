@@ -45,34 +45,69 @@ inline int visible_keys(constant AttentionParams& p, int row) {
   return clamp(row + p.causal_offset + 1, 0, p.kv_len);
 }
 
+// Fast math. Apple's compiler defaults to fast math, whose contract is that
+// no value is ever infinite or NaN: it may fold `x == -INFINITY` to false,
+// treat an infinite operand as undefined, and even treat +-FLT_MAX as
+// infinities in min/max (LLVM folds max(x, -FLT_MAX) to x when infinities are
+// assumed away). So the softmax below never starts from, compares with, or
+// computes an infinity. Its only infinity is the lse = -inf stored for a row
+// that saw no key, made from bits (see store_output_row). MLX's finite_min
+// sentinel is the model; unlike MLX, a masked score here gets weight 0 by an
+// explicit test, not through exp(-inf) = 0.
+//
+// kMaskedScore: base-2 scores at or below it count as masked (weight 0), and
+// the running max starts there ("no key yet"). Why -2^100: (1) far below any
+// real score (|q.k * scale * log2(e)| of real activations is many orders of
+// magnitude smaller), so no real key is lost; (2) far enough inside float32's
+// range that fast math cannot confuse it with -inf (unlike -FLT_MAX); (3) small
+// enough that subtracting any finite score from it stays finite: 2^100 is below
+// half an ulp of FLT_MAX (2^103), so kMaskedScore - FLT_MAX rounds to -FLT_MAX,
+// never to -inf. Note a -inf score from the inputs (a -inf in k, or a q.k that
+// overflows float32) is still produced by the hardware as -inf: the first
+// thing update() does is map it to kMaskedScore with a comparison, which the
+// compiler cannot fold because kMaskedScore is finite.
+constant float kMaskedScore = -0x1p100f;
+// Bits of float -inf (IEEE 754 binary32: sign 1, exponent all ones, mantissa 0).
+constant uint kNegInfBits = 0xff800000u;
+
 // Online softmax for one query row, in base 2: scores arrive already
-// multiplied by scale * log2(e), so exp(s - m) becomes exp2(s - m). The max
-// starts at -inf. A score can itself be -inf (a -inf in k, or a product that
-// overflows float32), and while every score so far is -inf the max is -inf
-// too; exp2(-inf - (-inf)) would be NaN. FlashAttention-2's guard: measure
-// against 0 while the max is -inf, so such keys get exp2(-inf) = 0. (Base-2
+// multiplied by scale * log2(e), so exp(s - m) becomes exp2(s - m). (Base-2
 // scores: an idea from FlashAttention-2 and metal-flash-attention.)
+//
+// State: m is the running max, kMaskedScore while no key has counted ("no key
+// yet"); l is the running sum of exp2(score - m), 0 exactly until the first
+// unmasked key and at least 1 after it (the max key itself adds exp2(0) = 1),
+// so `l > 0` is the explicit "saw a key" test of the empty-row path.
 struct OnlineSoftmax {
-  float m;  // running maximum of the base-2 scores seen so far
-  float l;  // running sum of exp2(score - m)
+  float m = kMaskedScore;  // running maximum of the base-2 scores seen so far
+  float l = 0.0f;          // running sum of exp2(score - m)
 
   // Takes one score; returns the factor by which the caller must rescale its
   // accumulator, and sets *weight to the new score's exp2(score - m).
   inline float update(float score, thread float* weight) {
-    const float m_new = max(m, score);
-    const float m_ref = m_new == -INFINITY ? 0.0f : m_new;
-    const float alpha = exp2(m - m_ref);
-    *weight = exp2(score - m_ref);
+    // A masked score (-inf, overflowed, or below the floor) changes nothing:
+    // weight 0, m kept, alpha = exp2(0) = 1. It is replaced by the finite
+    // floor before any arithmetic, and its weight is 0 by this test, not by
+    // exp2(-inf) = 0 (FlashAttention-2 instead guards exp2(-inf - -inf)).
+    // A NaN score is not masked: under IEEE rules it still turns the row
+    // NaN, as in the CPU kernel and the float64 oracle.
+    const bool masked = score <= kMaskedScore;
+    const float s = masked ? kMaskedScore : score;
+    const float m_new = max(m, s);           // finite; equals m for a masked key
+    const float alpha = exp2(m - m_new);     // finite argument <= 0; 0 at the first key (l = 0 anyway)
+    *weight = masked ? 0.0f : exp2(s - m_new);
     l = l * alpha + *weight;
     m = m_new;
     return alpha;
   }
 
-  // Natural-log log-sum-exp of the raw scaled scores: (m + log2 l) * ln 2;
-  // -inf when the row saw no key.
-  inline float lse() const { return l > 0.0f ? (m + log2(l)) * M_LN2_F : -INFINITY; }
+  // True once an unmasked key has counted; false for an empty row.
+  inline bool has_key() const { return l > 0.0f; }
+  // Natural-log log-sum-exp of the raw scaled scores, (m + log2 l) * ln 2;
+  // only meaningful when has_key().
+  inline float lse() const { return (m + log2(l)) * M_LN2_F; }
   // 1/l, or 0 for a row that saw no key, so its output is all zeros.
-  inline float inv_sum() const { return l > 0.0f ? 1.0f / l : 0.0f; }
+  inline float inv_sum() const { return has_key() ? 1.0f / l : 0.0f; }
 };
 
 // Loads query row `row` as float32, pre-multiplied by scale * log2(e), and
@@ -95,7 +130,14 @@ inline void store_output_row(device T* o, device float* lse, constant AttentionP
   const float inv = sm.inv_sum();
   device T* op = o + h.o + int64_t(row) * p.o_row_stride;
   for (int c = 0; c < p.head_dim; ++c) op[int64_t(c) * p.o_dim_stride] = static_cast<T>(acc[c] * inv);
-  lse[h.lse + int64_t(row) * p.lse_row_stride] = sm.lse();
+  // The row's lse, or -inf for a row that saw no key: README's contract and
+  // the CPU kernel's. Under fast math the compiler may assume no float is
+  // ever infinite, so a -INFINITY literal, or a float select with one, could
+  // be folded into anything; the -inf is instead made from its bits and
+  // chosen by an integer select, which no floating-point assumption touches.
+  // It is only stored, never computed with.
+  const uint bits = sm.has_key() ? as_type<uint>(sm.lse()) : kNegInfBits;
+  lse[h.lse + int64_t(row) * p.lse_row_stride] = as_type<float>(bits);
 }
 
 }  // namespace flash_metal

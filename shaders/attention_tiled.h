@@ -39,7 +39,7 @@ template <typename T, int DMAX, int BK, int THREADS>
   float acc[DMAX];
   if (has_row) load_query_row(q, p, h, row, qrow, acc);
 
-  OnlineSoftmax sm = {-INFINITY, 0.0f};
+  OnlineSoftmax sm;  // "no key yet"
   const int my_keys = has_row ? visible_keys(p, row) : 0;
   // Early stop under causal masking: the group walks only as far as its
   // last row can see. Every thread computes the same bound, so all threads

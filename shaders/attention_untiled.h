@@ -32,7 +32,7 @@ template <typename T, int DMAX, int THREADS>
   float acc[DMAX];
   load_query_row(q, p, h, row, qrow, acc);
 
-  OnlineSoftmax sm = {-INFINITY, 0.0f};
+  OnlineSoftmax sm;  // "no key yet"
   const int n_keys = visible_keys(p, row);  // the causal loop simply ends early
   for (int j = 0; j < n_keys; ++j) {
     device const T* kp = k + h.k + int64_t(j) * p.k_row_stride;

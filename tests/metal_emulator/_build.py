@@ -97,7 +97,21 @@ def common_flags() -> list[str]:
     ] + _arch_flags()
 
 
-def kernel_flags(instrumented: bool) -> list[str]:
+# The fast-math flavour: Apple's compiler (`xcrun metal`, MTLCompileOptions)
+# defaults to fast math, whose contract is that no value is ever NaN or
+# infinite. -ffast-math makes clang assume the same (it implies
+# -ffinite-math-only: -fno-honor-infinities and -fno-honor-nans), so a kernel
+# that relies on infinities, e.g. a running max seeded with -INFINITY or an
+# isinf() test, may be folded into something else here, as it may on a Mac.
+# It also allows reassociation and reciprocals, so results differ from the
+# strict build by rounding only. Kernel translation unit only: the runtime,
+# which the shaders never see, keeps IEEE semantics, and -ffast-math is not
+# passed to the link step, so crtfastmath.o never sets flush-to-zero in the
+# host process.
+FAST_MATH_FLAGS = ["-ffast-math"]
+
+
+def kernel_flags(instrumented: bool, fast_math: bool = False) -> list[str]:
     flags = common_flags() + ["-fPIC", "-gline-tables-only", "-fno-omit-frame-pointer"]
     if instrumented:
         # every load and store calls back into runtime/sanitizer.cpp (trace-loads
@@ -105,6 +119,8 @@ def kernel_flags(instrumented: bool) -> list[str]:
         flags += ["-O1", "-fsanitize-coverage=func,trace-loads,trace-stores"]
     else:
         flags += ["-O2"]
+    if fast_math:
+        flags += FAST_MATH_FLAGS
     return flags
 
 

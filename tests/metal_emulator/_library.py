@@ -97,9 +97,11 @@ class _Binding:
 class Library:
     """One compiled set of .metal files (a stand-in for an MTLLibrary)."""
 
-    def __init__(self, so_path: str, decls: list[_registry.KernelDecl], sources: list[str], instrumented: bool):
+    def __init__(self, so_path: str, decls: list[_registry.KernelDecl], sources: list[str], instrumented: bool,
+                 fast_math: bool = False):
         self.path = so_path
         self.instrumented = instrumented
+        self.fast_math = fast_math
         self.sources = sources
         self._lib = ctypes.CDLL(so_path)
         self._lock = threading.Lock()
@@ -251,26 +253,33 @@ _CACHE: dict[tuple, Library] = {}
 _CACHE_LOCK = threading.Lock()
 
 
-def compile_library(paths, instrumented: bool = False) -> Library:
-    """Compile .metal files (unmodified) into an emulator library, cached on disk and per process."""
+def compile_library(paths, instrumented: bool = False, fast_math: bool = False) -> Library:
+    """Compile .metal files (unmodified) into an emulator library, cached on disk and per process.
+
+    instrumented: the sanitizing -O1 build (else -O2). fast_math: compile the
+    kernels with -ffast-math, clang's counterpart of the Metal compiler's
+    default fast-math mode (no infinities, no NaNs); see README.md.
+    """
     if isinstance(paths, str):
         paths = [paths]
     paths = [os.path.abspath(p) for p in paths]
     with _CACHE_LOCK:
-        key = (tuple(paths), instrumented)
+        key = (tuple(paths), bool(instrumented), bool(fast_math))
         if key in _CACHE:
             return _CACHE[key]
-        lib = _compile(paths, instrumented)
+        lib = _compile(paths, bool(instrumented), bool(fast_math))
         _CACHE[key] = lib
         return lib
 
 
-def _compile(paths: list[str], instrumented: bool) -> Library:
+def _compile(paths: list[str], instrumented: bool, fast_math: bool) -> Library:
     clang = _build.find_clang()
-    kflags = _build.kernel_flags(instrumented)
+    kflags = _build.kernel_flags(instrumented, fast_math)
+    # kflags are part of the key, so each flavour has its own cache entry.
     key = _build.source_key(paths, *kflags, *(open(os.path.join(_build.RUNTIME_DIR, s), "rb").read()
                                               for s in _build.RUNTIME_SOURCES))
-    final = os.path.join(_build.CACHE_DIR, ("inst-" if instrumented else "fast-") + key)
+    flavour = ("inst-" if instrumented else "fast-") + ("fastmath-" if fast_math else "")
+    final = os.path.join(_build.CACHE_DIR, flavour + key)
 
     def build(tmp: str) -> None:
         mapping = _build.write_rewritten(paths, os.path.join(tmp, "src"))
@@ -300,4 +309,4 @@ def _compile(paths: list[str], instrumented: bool) -> Library:
     with open(os.path.join(final, "kernels.json"), encoding="utf-8") as f:
         decls = [_registry.KernelDecl(d["name"], [_registry.Param(**p) for p in d["params"]], d["max_threads"])
                  for d in json.load(f)]
-    return Library(os.path.join(final, "lib.so"), decls, paths, instrumented)
+    return Library(os.path.join(final, "lib.so"), decls, paths, instrumented, fast_math)
