@@ -99,9 +99,7 @@ def _extension():
     if BUILD_MPS:
         sources += sorted(glob.glob("csrc/mps/*.mm"))
         # PyTorch's MPS headers assume manual retain/release: never ARC.
-        # A macOS-15-only API used without an @available guard is an error,
-        # not a crash on the oldest supported macOS.
-        extra_compile_args["cxx"] += ["-fno-objc-arc", "-Werror=unguarded-availability-new"]
+        extra_compile_args["cxx"] += ["-fno-objc-arc"]
         extra_link_args += ["-framework", "Metal", "-framework", "Foundation"]
     return CppExtension(
         "flash_metal._C",

@@ -25,6 +25,13 @@
 #include <mutex>
 #include <unordered_map>
 
+// Apple's compiler checks availability against the deployment target: here,
+// after every header, an API newer than that target used outside an
+// `if (@available(...))` guard (mathMode is macOS 15, MTLLanguageVersion3_1
+// macOS 14) is an error instead of an unrecognized-selector crash on an older
+// macOS. (tests/test_mps_host.py checks the same guards textually on Linux.)
+#pragma clang diagnostic error "-Wunguarded-availability-new"
+
 namespace flash_metal::mps {
 namespace {
 

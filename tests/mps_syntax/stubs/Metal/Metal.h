@@ -11,8 +11,8 @@
 // integer plus an enum of the flags), so that `A | B` type-checks. Availability is
 // kept, as Apple writes it, where flash_metal depends on it: clang ignores
 // macOS availability on Linux, so tests/test_mps_host.py checks the guards
-// textually, and the macOS build turns unguarded use into an error
-// (setup.py: -Werror=unguarded-availability-new).
+// textually, and on a Mac library.mm turns unguarded use into an error
+// (#pragma clang diagnostic error "-Wunguarded-availability-new").
 #pragma once
 
 #include <Foundation/Foundation.h>
