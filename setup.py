@@ -173,14 +173,20 @@ def metal_compile_command(src, air, shader_dir=SHADER_DIR):
 
 
 def _metal_toolchain_problem():
-    """None if `xcrun metal` and `xcrun metallib` run; else why not (the toolchain is missing)."""
-    for tool in ("metal", "metallib"):
+    """None if Apple's Metal toolchain is usable; else why not (it is missing).
+
+    `metal --version` really runs the compiler: on Xcode 26 without its Metal
+    Toolchain component `xcrun --find metal` succeeds but running it fails.
+    `metallib` is only located (`--find`), as it is not known to take --version.
+    """
+    for probe_args in (["metal", "--version"], ["--find", "metallib"]):
+        cmd = ["xcrun", "-sdk", "macosx", *probe_args]
         try:
-            probe = subprocess.run(["xcrun", "-sdk", "macosx", tool, "--version"], capture_output=True, text=True)
+            probe = subprocess.run(cmd, capture_output=True, text=True)
         except OSError as err:
             return f"cannot run xcrun: {err}"
         if probe.returncode != 0:
-            return (probe.stderr or probe.stdout).strip() or f"`xcrun {tool} --version` failed"
+            return (probe.stderr or probe.stdout).strip() or f"`{' '.join(cmd)}` failed"
     return None
 
 

@@ -30,11 +30,11 @@ with open(os.environ["FAKE_XCRUN_LOG"], "a") as log:
 mode = os.environ.get("FAKE_XCRUN_MODE", "ok")
 assert args[:2] == ["-sdk", "macosx"], args
 tool, rest = args[2], args[3:]
-if "--version" in rest:
+if tool == "--find" or "--version" in rest:
     if mode == "no-metal":
         sys.stderr.write('xcrun: error: unable to find utility "%s", not a developer tool or in PATH\n' % tool)
         sys.exit(72)
-    print("Apple metal version 32023.404 (fake)")
+    print("/fake/usr/bin/" + rest[0] if tool == "--find" else "Apple metal version 32023.404 (fake)")
     sys.exit(0)
 out = rest[rest.index("-o") + 1]
 if tool == "metal":
@@ -108,6 +108,14 @@ def out_dir(tmp_path, setup_py):
 
 def _compile_calls(calls):
     return [c for c in calls if c[2] == "metal" and "--version" not in c]
+
+
+def test_the_toolchain_probe_runs_the_compiler(setup_py, xcrun, monkeypatch):
+    # Xcode 26 without its Metal Toolchain component: `--find metal` works,
+    # running `metal` does not; so the probe must run it.
+    monkeypatch.setenv("FAKE_XCRUN_MODE", "ok")
+    assert setup_py._metal_toolchain_problem() is None
+    assert ["-sdk", "macosx", "metal", "--version"] in xcrun()
 
 
 def test_builds_the_metallib_and_its_fingerprint(setup_py, shaders, xcrun, out_dir, monkeypatch):
