@@ -109,7 +109,7 @@ void set_compile_options(MTLCompileOptions* options) {
     [options setMathFloatingPointFunctions:MTLMathFloatingPointFunctionsPrecise];
     [options setLanguageVersion:MTLLanguageVersion3_1];
   } else if (@available(macOS 14.0, *)) {
-    // fastMathEnabled is the pre-macOS-15 switch; deprecated, not removed, there.
+    // Before macOS 15 the switch is fastMathEnabled (deprecated from 15 on).
 #pragma clang diagnostic push
 #pragma clang diagnostic ignored "-Wdeprecated-declarations"
     [options setFastMathEnabled:NO];
