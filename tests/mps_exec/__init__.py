@@ -7,8 +7,8 @@ tensors. The fakes record every encoder call; replay() runs the recording
 in the Metal emulator, buffer for buffer, so the result is what a GPU would
 compute from exactly the bindings the host made.
 
-    host = load(package_dir(build(), tmp))     # once per process
-    out, lse, rec = host.attention(q, k, v, causal, scale, impl, emu_library)
+    host = load(package_dir(build(), tmp, kernel_names=emu_library.kernel_names()))  # once per process
+    out, lse, recording, tensors = host.attention(q, k, v, causal, scale, impl, emu_library)
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ import shutil
 
 import torch
 
-from ._build import (APT_PACKAGES, BuildFailed, ToolchainMissing, build, copy_library, host_sources,  # noqa: F401
+from ._build import (APT_PACKAGES, CACHE_DIR, BuildFailed, ToolchainMissing, build, copy_library, host_sources,  # noqa: F401
                      toolchain)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -124,19 +124,22 @@ class Host:
     def buffer_id(t: torch.Tensor) -> int:
         return torch.ops.mps_exec.buffer_id(t)
 
-    def attention(self, q, k, v, causal=False, scale=None, impl="auto", library=None):
-        """Runs the op on fake MPS copies of q, k, v (layouts kept) and replays it.
+    def run(self, q, k, v, causal=False, scale=None, impl="auto"):
+        """Calls the op on fake MPS copies of q, k, v (layouts kept), without replay.
 
-        Returns (out, lse, recording, mps_tensors) with out/lse on the CPU.
-        library: the emulator library to replay into (None: no replay).
+        Returns (recording, (q, k, v, out, lse) as fake MPS tensors).
         """
         dev = [self.to_mps(t) for t in (q, k, v)]
         self.take_recording()  # drop whatever earlier calls left
         out, lse = torch.ops.flash_metal.attention_forward(*dev, causal, scale, impl)
-        rec = self.take_recording()
-        if library is not None:
-            replay(rec, library)
-        return self.to_cpu(out), self.to_cpu(lse), rec, (*dev, out, lse)
+        return self.take_recording(), (*dev, out, lse)
+
+    def attention(self, q, k, v, causal=False, scale=None, impl="auto", library=None):
+        """run(), then replay() into the emulator `library`; returns (out, lse, recording, mps tensors)
+        with out and lse copied back to the CPU after the replay."""
+        rec, tensors = self.run(q, k, v, causal, scale, impl)
+        replay(rec, library)
+        return self.to_cpu(tensors[3]), self.to_cpu(tensors[4]), rec, tensors
 
 
 def load(path: str) -> Host:

@@ -455,7 +455,8 @@ bool check_index(const char* op, NSUInteger index) {
     fm_exec::record_error("setComputePipelineState: not a live fake pipeline");
     return;
   }
-  fm_exec::record(encoder_event("setComputePipelineState") + ",\"kernel\":" + fm_exec::quote(p->kernel) +
+  fm_exec::record(encoder_event("setComputePipelineState") + ",\"pipeline\":" + fm_exec::id_of(state) +
+                  ",\"kernel\":" + fm_exec::quote(p->kernel) +
                   ",\"constants\":" + fm_exec::constants_json(p->constants) + "}");
 }
 - (void)setBuffer:(id<MTLBuffer>)buffer offset:(NSUInteger)offset atIndex:(NSUInteger)index {

@@ -11,6 +11,7 @@
 #include <ATen/ATen.h>
 #include <ATen/EmptyTensor.h>
 #include <ATen/mps/MPSDevice.h>
+#include <ATen/mps/MPSProfiler.h>
 #include <ATen/mps/MPSStream.h>
 #include <c10/core/Allocator.h>
 #include <c10/core/CPUAllocator.h>
@@ -47,6 +48,37 @@ id<MTLComputeCommandEncoder> MPSStream::commandEncoder() {
   fm_exec::record(std::string("{\"op\":\"commandEncoder\",\"on_stream_queue\":") + (on_queue ? "true" : "false") +
                   "}");
   return fm_exec::stream_encoder();
+}
+
+namespace {
+std::string on_queue_field() {
+  const bool on_queue = fm_exec::current_queue() == fm_exec::stream_queue();
+  return std::string(",\"on_stream_queue\":") + (on_queue ? "true" : "false");
+}
+}  // namespace
+
+// The profiler records its calls; real profiling (os_signpost) is macOS-only.
+namespace Profiler {
+
+uint64_t MPSProfiler::beginProfileKernel(const void* handle, const std::string& kernelName, const TensorList& tensors) {
+  static uint64_t next_id = 0;
+  fm_exec::record("{\"op\":\"profiler.beginProfileKernel\"" + on_queue_field() + ",\"handle\":" +
+                  std::to_string(reinterpret_cast<uintptr_t>(handle)) + ",\"kernel\":" + fm_exec::quote(kernelName) +
+                  ",\"tensors\":" + std::to_string(tensors.size()) + "}");
+  return ++next_id;
+}
+
+void MPSProfiler::endProfileKernel(const void* handle, SyncType syncType) {
+  fm_exec::record("{\"op\":\"profiler.endProfileKernel\"" + on_queue_field() + ",\"handle\":" +
+                  std::to_string(reinterpret_cast<uintptr_t>(handle)) +
+                  ",\"sync_type\":" + std::to_string(static_cast<int>(syncType)) + "}");
+}
+
+}  // namespace Profiler
+
+Profiler::MPSProfiler& getMPSProfiler() {
+  static Profiler::MPSProfiler profiler;
+  return profiler;
 }
 
 }  // namespace at::mps

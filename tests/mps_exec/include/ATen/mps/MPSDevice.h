@@ -9,8 +9,9 @@
 
 namespace at::mps {
 
-#define FM_DECLARE_MEMBER(Class, name, Return, Params, Qualifiers) Return name Params Qualifiers;
-#define FM_DECLARE_STATIC(Class, name, Return, Params) static Return name Params;
+#define FM_DECLARE_MEMBER(Class, name, Return, ParamTypes, Qualifiers, Declaration) \
+  Return name Declaration Qualifiers;
+#define FM_DECLARE_STATIC(Class, name, Return, ParamTypes) static Return name ParamTypes;
 
 class MPSDevice {
  public:

@@ -11,19 +11,20 @@
 
 namespace at::mps {
 
-class MPSStream;
-
-#define FM_DECLARE_MEMBER(Class, name, Return, Params, Qualifiers) Return name Params Qualifiers;
-#define FM_DECLARE_FREE(name, Return, Params) Return name Params;
+#define FM_DECLARE_ENUMERATOR(Enum, name, value) name = value,
+enum class SyncType { FM_MPS_SYNC_TYPES(FM_DECLARE_ENUMERATOR) };
+#undef FM_DECLARE_ENUMERATOR
 
 class MPSStream {
  public:
+#define FM_DECLARE_MEMBER(Class, name, Return, ParamTypes, Qualifiers, Declaration) \
+  Return name Declaration Qualifiers;
   FM_MPS_STREAM_MEMBERS(FM_DECLARE_MEMBER)
+#undef FM_DECLARE_MEMBER
 };
 
-FM_MPS_FREE_FUNCTIONS(FM_DECLARE_FREE)
-
-#undef FM_DECLARE_MEMBER
+#define FM_DECLARE_FREE(name, Return, ParamTypes) Return name ParamTypes;
+FM_MPS_STREAM_FUNCTIONS(FM_DECLARE_FREE)
 #undef FM_DECLARE_FREE
 
 }  // namespace at::mps

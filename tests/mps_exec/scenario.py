@@ -1,0 +1,106 @@
+"""One fresh process running the host once: `python scenario.py '<json>'`.
+
+library.mm loads its shader library once per process, so each library path
+(metallib, runtime compile, fallbacks, errors) and each planted-bug build
+runs in its own process. The spec (JSON):
+  lib            built library (mps_exec.build())
+  dir            where to lay out the package look-alike
+  metallib       "fresh" | "stale" | "unloadable" | "none"      (default "fresh")
+  shaders        ship shaders/ next to the library               (default true)
+  drop_kernel    a kernel name left out of the fake metallib     (default none)
+  env            environment variables set before the first call
+  knobs          fake knobs (Host.configure)
+  runtime_compile  "emulator": newLibraryWithSource: yields the kernels the
+                 emulator finds in the recorded source | "fail:<message>"
+  case           {B, Hq, Hkv, Nq, Nk, D, dtype, layout, causal, impl, seed}; layout
+                 as numerics.make_qkv's, or "mixed" (q transposed, k offset slice, v packed)
+Prints one JSON object: stage ("op", "replay", "oracle" or null when all
+passed), error, warnings, errors (the fakes'), events (sources elided),
+source_path (the recorded runtime-compile source, if any).
+"""
+import hashlib
+import json
+import os
+import sys
+import warnings
+
+TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, TESTS)
+
+import torch  # noqa: E402
+
+import mps_exec  # noqa: E402
+from metal_emulator import compile_library  # noqa: E402
+from numerics import assert_attention_close, make_qkv  # noqa: E402
+
+
+def main(spec: dict) -> dict:
+    shipped = compile_library([mps_exec.SHADER], instrumented=False)
+    names = [n for n in shipped.kernel_names() if n != spec.get("drop_kernel")]
+    path = mps_exec.package_dir(spec["lib"], spec["dir"], spec.get("metallib", "fresh"), names,
+                                spec.get("shaders", True))
+    os.environ.update(spec.get("env", {}))
+    host = mps_exec.load(path)
+    host.configure(**spec.get("knobs", {}))
+    compile_mode = spec.get("runtime_compile", "emulator")
+    if compile_mode == "emulator":
+        # What the runtime compiler would find; checked below against the
+        # emulator's compile of the source actually handed over.
+        host.set_runtime_compile(shipped.kernel_names())
+    else:
+        host.set_runtime_compile((), compile_mode.split(":", 1)[1])
+
+    c = spec["case"]
+    g = torch.Generator().manual_seed(c.get("seed", 0))
+    dims = (c["B"], c["Hq"], c["Hkv"], c["Nq"], c["Nk"], c["D"], getattr(torch, c["dtype"]))
+    if c["layout"] == "mixed":  # q transposed, k an offset slice, v packed
+        q = make_qkv(*dims, layout="transposed", generator=g)[0]
+        k = make_qkv(*dims, layout="offset_slice", generator=g)[1]
+        v = make_qkv(*dims, layout="contiguous", generator=g)[2]
+    else:
+        q, k, v = make_qkv(*dims, layout=c["layout"], generator=g)
+    result = {"stage": None, "error": None, "warnings": [], "source_path": None}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            rec, tensors = host.run(q, k, v, c["causal"], None, c["impl"])
+        except Exception as err:  # noqa: BLE001  (reported to the test)
+            result.update(stage="op", error=str(err))
+            rec = host.take_recording()
+    result["warnings"] = [str(w.message) for w in caught]
+    result["errors"] = rec.get("errors", [])
+    library = shipped
+    for e in rec.get("events", []):
+        if e["op"] == "newLibraryWithSource":
+            # A path named by the content: the emulator caches its builds by
+            # path and content, so every scenario handing over the same
+            # source shares one build.
+            source = e.pop("source")
+            digest = hashlib.sha256(source.encode()).hexdigest()[:20]
+            result["source_path"] = os.path.join(mps_exec.CACHE_DIR, "recorded", digest, "attention.metal")
+            if not os.path.exists(result["source_path"]):
+                os.makedirs(os.path.dirname(result["source_path"]), exist_ok=True)
+                tmp = f"{result['source_path']}.{os.getpid()}"
+                with open(tmp, "w", encoding="utf-8") as f:
+                    f.write(source)
+                os.replace(tmp, result["source_path"])
+            library = compile_library([result["source_path"]], instrumented=False)
+            if sorted(library.kernel_names()) != sorted(shipped.kernel_names()):
+                result.update(stage="replay", error="the recorded source compiles to other kernels")
+    result["events"] = rec.get("events", [])
+    if result["stage"] is not None:
+        return result
+    try:
+        mps_exec.replay(rec, library)
+    except Exception as err:  # noqa: BLE001
+        result.update(stage="replay", error=f"{type(err).__name__}: {err}")
+        return result
+    try:
+        assert_attention_close(host.to_cpu(tensors[3]), host.to_cpu(tensors[4]), q, k, v, c["causal"])
+    except AssertionError as err:
+        result.update(stage="oracle", error=str(err))
+    return result
+
+
+if __name__ == "__main__":
+    print(json.dumps(main(json.loads(sys.argv[1]))))

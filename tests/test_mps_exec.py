@@ -1,0 +1,407 @@
+"""Executes the real Objective-C++ MPS host (csrc/mps/*.mm) on Linux.
+
+tests/mps_exec/ compiles the .mm files as they are on disk with clang against
+GCC's Objective-C runtime and libBlocksRuntime, links them with recording
+fakes of Metal, Foundation, libdispatch and at::mps, and loads the result
+into this process, where it registers the op's MPS kernel on fake MPS
+tensors. Every encoder call is recorded and replayed into the Metal emulator
+(the buffer at index i becomes the kernel's [[buffer(i)]], at its recorded
+byte offset), and the result is compared with the float64 oracle. Each
+library-loading path runs in a fresh process (tests/mps_exec/scenario.py).
+See tests/mps_exec/README.md.
+
+Needs: clang-19, libobjc-12-dev, libblocksruntime-dev (apt). Skips locally
+without them; fails with CI=true.
+"""
+import json
+import os
+import re
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+import mps_exec
+from numerics import DTYPES, assert_attention_close, make_qkv
+
+IN_CI = os.environ.get("CI") == "true"
+ROOT = mps_exec.ROOT
+ATTENTION_MM = os.path.join(ROOT, "csrc", "mps", "attention_mps.mm")
+SCENARIO = os.path.join(mps_exec.HERE, "scenario.py")
+IMPLS = ["untiled", "tiled", "auto"]
+LAYOUTS = ["contiguous", "transposed", "offset_slice", "mixed"]
+HEADS = {"mha": (4, 4), "gqa": (4, 2)}
+
+
+def _unavailable(reason):
+    """Skip locally, but fail in CI, where a missing prerequisite is a broken set-up."""
+    if IN_CI:
+        pytest.fail(reason)
+    pytest.skip(reason)
+
+
+def _dtype_id(d):
+    return str(d).replace("torch.", "")
+
+
+def _inputs(layout, dtype, hq, hkv, seed, shape=(2, 63, 65, 80)):
+    """q, k, v of one layout; "mixed": q transposed, k an offset slice, v packed."""
+    B, nq, nk, d = shape
+    g = torch.Generator().manual_seed(seed)
+    if layout != "mixed":
+        return make_qkv(B, hq, hkv, nq, nk, d, dtype, layout=layout, generator=g)
+    q = make_qkv(B, hq, hkv, nq, nk, d, dtype, layout="transposed", generator=g)[0]
+    k = make_qkv(B, hq, hkv, nq, nk, d, dtype, layout="offset_slice", generator=g)[1]
+    v = make_qkv(B, hq, hkv, nq, nk, d, dtype, layout="contiguous", generator=g)[2]
+    return q, k, v
+
+
+# --- fixtures ---------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def built():
+    try:
+        return mps_exec.build()
+    except mps_exec.ToolchainMissing as err:
+        _unavailable(str(err))
+
+
+@pytest.fixture(scope="session")
+def emu():
+    from metal_emulator import compile_library
+
+    return compile_library([mps_exec.SHADER], instrumented=False)
+
+
+@pytest.fixture(scope="session")
+def host(built, emu, tmp_path_factory):
+    """The host loaded into this process, from a package look-alike with a fresh fake metallib."""
+    pkg = str(tmp_path_factory.mktemp("mps_exec_pkg"))
+    h = mps_exec.load(mps_exec.package_dir(built, pkg, "fresh", emu.kernel_names()))
+    h.package = pkg
+    q, k, v = _inputs("contiguous", torch.float32, 2, 1, 0, (1, 5, 7, 16))
+    h.first_recording, _ = h.run(q, k, v)  # the process's first call: it loads the library
+    return h
+
+
+def _run_scenarios(built, tmp_path_factory, specs):
+    """Runs scenario.py once per spec, two at a time (each is a fresh process)."""
+    def one(item):
+        name, spec = item
+        spec = {"lib": built, "dir": str(tmp_path_factory.mktemp(f"scenario_{name}")), **spec}
+        proc = subprocess.run([sys.executable, SCENARIO, json.dumps(spec)], capture_output=True, text=True,
+                              env={**os.environ, "PYTHONWARNINGS": "ignore"})
+        assert proc.returncode == 0, f"scenario {name} crashed:\n{proc.stderr[-4000:]}"
+        result = json.loads(proc.stdout.strip().splitlines()[-1])
+        result["stderr"] = proc.stderr
+        return name, result
+
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        return dict(pool.map(one, specs.items()))
+
+
+# A small problem that runs every path quickly: GQA, causal, an offset slice.
+_CASE = {"B": 1, "Hq": 4, "Hkv": 2, "Nq": 40, "Nk": 33, "D": 24, "dtype": "float16", "layout": "offset_slice",
+         "causal": True, "impl": "tiled"}
+_TILED_F16 = "flash_attention_tiled_float16_d32_bk16_t32"
+
+SCENARIOS = {
+    "metallib": {},
+    "forced_runtime_compile": {"env": {"FLASH_METAL_RUNTIME_COMPILE": "1"}},
+    "macos14_runtime_compile": {"env": {"FLASH_METAL_RUNTIME_COMPILE": "1"}, "knobs": {"macos_version": 1400}},
+    "no_metallib": {"metallib": "none"},
+    "stale_metallib": {"metallib": "stale"},
+    "unloadable_metallib": {"metallib": "unloadable"},
+    "kernel_missing": {"drop_kernel": _TILED_F16},
+    "nothing_installed": {"metallib": "none", "shaders": False},
+    "compiler_rejects": {"metallib": "none", "runtime_compile": "fail:fake compiler: error: bad token"},
+    "macos13": {"knobs": {"macos_version": 1306}},
+    "thread_limit": {"knobs": {"max_threads_per_threadgroup": 16}},
+}
+
+
+@pytest.fixture(scope="session")
+def scenarios(built, tmp_path_factory):
+    specs = {n: {"case": _CASE, **s} for n, s in SCENARIOS.items()}
+    # First alone: it builds the emulator library of the handed-over source,
+    # which the other runtime-compile scenarios then share.
+    first = "forced_runtime_compile"
+    results = _run_scenarios(built, tmp_path_factory, {first: specs.pop(first)})
+    return {**results, **_run_scenarios(built, tmp_path_factory, specs)}
+
+
+def _ops(result):
+    return [e["op"] for e in result["events"]]
+
+
+# --- the at::mps declarations cannot drift from PyTorch's ----------------------------------
+
+
+@pytest.fixture(scope="session")
+def clang():
+    try:
+        return mps_exec.toolchain()["clang"]
+    except mps_exec.ToolchainMissing as err:
+        _unavailable(str(err))
+
+
+def _api_check(clang, version, std, api_include):
+    from mps_syntax import syntax_check
+
+    try:
+        include = syntax_check.macos_torch_include(version)
+    except syntax_check.HeadersUnavailable as err:
+        _unavailable(f"macOS torch {version} headers unavailable: {err}")
+    cmd = syntax_check.syntax_check_command(clang, os.path.join(mps_exec.HERE, "api_check.mm"), include,
+                                            (f"-I{api_include}",), std=std)
+    return subprocess.run(cmd, capture_output=True, text=True), cmd
+
+
+def _versions():
+    from mps_syntax import syntax_check
+
+    return sorted(syntax_check.MACOS_TORCH_VERSIONS.items())
+
+
+@pytest.mark.parametrize("version,std", _versions(), ids=[v for v, _ in _versions()])
+def test_fake_at_mps_api_matches_macos_torch_headers(clang, version, std):
+    proc, cmd = _api_check(clang, version, std, os.path.join(mps_exec.HERE, "include"))
+    assert proc.returncode == 0, f"$ {' '.join(cmd)}\n{proc.stderr}"
+
+
+def test_fake_at_mps_api_check_bites(clang, tmp_path):
+    # queue() is const in PyTorch; a list that drops the const must fail.
+    with open(os.path.join(mps_exec.HERE, "include", "mps_exec", "mps_api.h"), encoding="utf-8") as f:
+        text = f.read()
+    wrong = text.replace("X(MPSStream, queue, dispatch_queue_t, (), const, ())", "X(MPSStream, queue, dispatch_queue_t, (), , ())")
+    assert wrong != text
+    (tmp_path / "mps_exec").mkdir()
+    (tmp_path / "mps_exec" / "mps_api.h").write_text(wrong, encoding="utf-8")
+    version, std = _versions()[-1]
+    proc, _ = _api_check(clang, version, std, str(tmp_path))
+    assert proc.returncode != 0, "the API check accepted a wrong signature"
+    assert "static_cast from 'dispatch_queue_t (at::mps::MPSStream::*)() const'" in proc.stderr, proc.stderr
+
+
+# --- the host's results, replayed in the emulator, against the oracle -------------------------
+
+
+@pytest.mark.parametrize("heads", list(HEADS))
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=_dtype_id)
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_host_matches_oracle(host, emu, layout, impl, dtype, causal, heads):
+    hq, hkv = HEADS[heads]
+    q, k, v = _inputs(layout, dtype, hq, hkv, seed=hash((layout, impl, heads)) % 2**31)
+    out, lse, rec, _ = host.attention(q, k, v, causal, None, impl, emu)
+    assert rec["errors"] == []
+    assert_attention_close(out, lse, q, k, v, causal)
+    kernels = [e["kernel"] for e in rec["events"] if e["op"] == "setComputePipelineState"]
+    assert len(kernels) == 1 and kernels[0].startswith("flash_attention_" + ("untiled" if impl == "untiled" else "tiled"))
+
+
+def test_host_matches_oracle_with_scale_and_broadcast_kv(host, emu):
+    g = torch.Generator().manual_seed(11)
+    q = torch.randn(1, 4, 33, 32, generator=g)
+    k = torch.randn(1, 1, 40, 32, generator=g).expand(1, 4, 40, 32)  # stride-0 heads, read in place
+    v = torch.randn(1, 1, 40, 32, generator=g).expand(1, 4, 40, 32)
+    for impl in ("untiled", "tiled"):
+        out, lse, rec, _ = host.attention(q, k, v, True, -0.3, impl, emu)
+        assert rec["errors"] == []
+        assert_attention_close(out, lse, q, k, v, True, -0.3)
+
+
+# --- how the host encodes -------------------------------------------------------------------
+
+
+def test_encoding_protocol(host, emu):
+    q, k, v = _inputs("mixed", torch.float16, 4, 2, seed=3)
+    host.run(q, k, v, True, None, "tiled")  # builds the pipeline if no earlier test did
+    rec, tensors = host.run(q, k, v, True, None, "tiled")
+    assert rec["errors"] == []
+    ops = _ops(rec)
+    # One dispatch_sync on the stream's queue; inside it, the stream's encoder
+    # is taken first, the profiler brackets the encoding, nothing ends the
+    # shared encoder or opens another.
+    assert ops == ["dispatch_sync", "commandEncoder", "profiler.beginProfileKernel", "setComputePipelineState",
+                   *["setBuffer"] * 5, "setBytes", "setThreadgroupMemoryLength", "dispatchThreadgroups",
+                   "profiler.endProfileKernel", "dispatch_sync_end"]
+    assert rec["events"][0]["stream_queue"]
+    inside = rec["events"][1:-1]
+    assert all(e["on_stream_queue"] for e in inside)
+    pipeline = inside[2]
+    begin, end = inside[1], inside[-1]
+    assert begin["handle"] == end["handle"] == pipeline["pipeline"]
+    assert begin["kernel"] == pipeline["kernel"] and begin["tensors"] == 3
+    assert end["sync_type"] == 0  # SyncType::NONE: the profiler must not commit PyTorch's command buffer
+    # Each tensor is bound once, as its own MTLBuffer at its storage offset in bytes.
+    bound = {e["buffer"]: e for e in inside if e["op"] == "setBuffer"}
+    assert len(bound) == 5 and len({e["index"] for e in bound.values()}) == 5
+    for t in tensors:
+        e = bound[host.buffer_id(t)]
+        assert e["offset"] == t.storage_offset() * t.element_size()
+    params = [e for e in inside if e["op"] == "setBytes"]
+    assert len(params) == 1 and len(params[0]["hex"]) == 2 * 192  # sizeof(AttentionParams)
+    assert params[0]["index"] not in {e["index"] for e in bound.values()}
+
+
+def test_pipelines_are_cached(host):
+    q, k, v = _inputs("contiguous", torch.bfloat16, 2, 1, seed=4, shape=(1, 9, 11, 48))
+    host.run(q, k, v, False, None, "untiled")
+    again, _ = host.run(q, k, v, False, None, "untiled")
+    assert not {"newFunctionWithName", "newComputePipelineState", "newLibraryWithURL"} & set(_ops(again))
+    causal, _ = host.run(q, k, v, True, None, "untiled")  # other function-constant values: one new pipeline
+    built = [e for e in causal["events"] if e["op"] == "newComputePipelineState"]
+    assert [(e["kernel"], e["constants"]) for e in built] == [("flash_attention_untiled_bfloat16_d64_t32", {"0": True})]
+    assert "newLibraryWithURL" not in _ops(causal)
+
+
+def test_library_comes_from_the_fresh_metallib(host):
+    ops = _ops(host.first_recording)
+    assert "newLibraryWithSource" not in ops
+    urls = [e["path"] for e in host.first_recording["events"] if e["op"] == "newLibraryWithURL"]
+    assert urls == [os.path.join(host.package, mps_exec.METALLIB_NAME)]
+
+
+def test_fingerprint_matches_library_mm(host):
+    # The harness writes the metallib's fingerprint with a Python copy of
+    # shader_source.h's; library.mm's own code must agree, else "fresh" lies.
+    assert host.source_tree_hash(mps_exec.SHADER_DIR) == mps_exec.source_tree_hash(mps_exec.SHADER_DIR)
+
+
+def test_no_objects_leak_per_call(host):
+    q, k, v = _inputs("offset_slice", torch.float32, 4, 2, seed=5, shape=(1, 20, 30, 32))
+    host.run(q, k, v, True, None, "tiled")  # pipelines built: later calls must create nothing lasting
+    before = host.live_objects()
+    for _ in range(3):
+        rec, tensors = host.run(q, k, v, True, None, "tiled")
+        assert rec["errors"] == []
+        del tensors
+    assert host.live_objects() == before
+
+
+def test_threadgroup_memory_limit_is_checked_before_encoding(host):
+    q, k, v = _inputs("contiguous", torch.float32, 2, 2, seed=6, shape=(1, 8, 8, 256))
+    host.configure(max_threadgroup_memory=16384)
+    try:
+        with pytest.raises(RuntimeError, match=r"needs 32768 bytes of threadgroup memory but this GPU has 16384"):
+            host.run(q, k, v, False, None, "tiled")
+    finally:
+        host.configure(max_threadgroup_memory=32768)
+    assert "dispatch_sync" not in _ops(host.take_recording())
+
+
+# --- loading the shader library: one fresh process per path ---------------------------------
+
+
+def _assert_ran_and_matched(result):
+    assert result["stage"] is None, result["error"]
+    assert result["errors"] == []
+    assert "dispatchThreadgroups" in _ops(result)
+
+
+def test_metallib_path(scenarios):
+    r = scenarios["metallib"]
+    _assert_ran_and_matched(r)
+    assert "newLibraryWithURL" in _ops(r) and "newLibraryWithSource" not in _ops(r)
+    assert "Warning" not in r["stderr"]
+
+
+def _compile_options(result):
+    [options] = [e["options"] for e in result["events"] if e["op"] == "newLibraryWithSource"]
+    return options
+
+
+# MTLLanguageVersion3_1, MTLMathModeSafe, MTLMathFloatingPointFunctionsPrecise (Metal's enum values).
+_METAL_3_1, _SAFE, _PRECISE = (3 << 16) + 1, 0, 1
+
+
+def test_runtime_compile_path_hands_over_the_inlined_sources(scenarios):
+    r = scenarios["forced_runtime_compile"]
+    _assert_ran_and_matched(r)  # replayed against the emulator's compile of the recorded source
+    assert "newLibraryWithURL" not in _ops(r)
+    with open(r["source_path"], encoding="utf-8") as f:
+        source = f.read()
+    assert not re.search(r'^\s*#\s*include\s*"', source, flags=re.M)
+    assert _compile_options(r) == {"languageVersion": _METAL_3_1, "mathMode": _SAFE,
+                                   "mathFloatingPointFunctions": _PRECISE}
+
+
+def test_runtime_compile_on_macos14_disables_fast_math(scenarios):
+    r = scenarios["macos14_runtime_compile"]
+    _assert_ran_and_matched(r)
+    assert _compile_options(r) == {"languageVersion": _METAL_3_1, "fastMathEnabled": 0}
+
+
+def test_no_metallib_compiles_sources_quietly(scenarios):
+    r = scenarios["no_metallib"]
+    _assert_ran_and_matched(r)
+    assert "newLibraryWithSource" in _ops(r) and "newLibraryWithURL" not in _ops(r)
+    assert "Warning" not in r["stderr"]
+
+
+@pytest.mark.parametrize("name,warning", [("stale_metallib", "stale"), ("unloadable_metallib", "cannot load")])
+def test_bad_metallib_falls_back_with_a_warning(scenarios, name, warning):
+    r = scenarios[name]
+    _assert_ran_and_matched(r)
+    assert "newLibraryWithSource" in _ops(r)
+    assert "Warning: flash_metal: " in r["stderr"] and warning in r["stderr"]
+
+
+@pytest.mark.parametrize("name,message", [
+    ("kernel_missing", rf"kernel '{_TILED_F16}' is not in the precompiled .*flash_metal.metallib"),
+    ("nothing_installed", r"shader sources .*shaders/attention.metal are missing"),
+    ("compiler_rejects", r"Metal's runtime compiler rejected .*\n.*fake compiler: error: bad token"),
+    ("macos13", r"need macOS 14"),
+    ("thread_limit", r"needs 32 threads per threadgroup but its pipeline allows at most 16"),
+])
+def test_library_errors_are_clear(scenarios, name, message):
+    r = scenarios[name]
+    assert r["stage"] == "op" and re.search(message, r["error"]), r["error"]
+    assert r["errors"] == [] and "dispatch_sync" not in _ops(r)
+
+
+# --- planted bugs: the execution test must catch each -----------------------------------------
+
+# Realistic one-line bugs in attention_mps.mm: (pattern, replacement). A
+# pattern that no longer matches fails the test: update it to the current code.
+PLANTS = {
+    "k_v_swapped": (r"\{&q, &k, &v, &out, &lse\}", "{&q, &v, &k, &out, &lse}"),
+    "offset_in_elements": (r"t\.storage_offset\(\) \* t\.element_size\(\)", "t.storage_offset()"),
+    "threadgroup_memory_index_1": (r"setThreadgroupMemoryLength:threadgroup_memory atIndex:\w+\]",
+                                   "setThreadgroupMemoryLength:threadgroup_memory atIndex:1]"),
+    "out_strides_from_q": (r"strides4\(out\)", "strides4(q)"),
+}
+# Each plant costs a compile of attention_mps.mm; the suite runs two (all
+# four with FLASH_METAL_MPS_EXEC_ALL_PLANTS=1).
+SUITE_PLANTS = list(PLANTS) if os.environ.get("FLASH_METAL_MPS_EXEC_ALL_PLANTS") == "1" else [
+    "k_v_swapped", "offset_in_elements"]
+
+
+def _planted(name):
+    pattern, replacement = PLANTS[name]
+    with open(ATTENTION_MM, encoding="utf-8") as f:
+        text = f.read()
+    planted, n = re.subn(pattern, replacement, text)
+    assert n == 1, f"plant {name}: /{pattern}/ matches {n} times in attention_mps.mm; update PLANTS"
+    return planted
+
+
+@pytest.fixture(scope="session")
+def plant_results(built, tmp_path_factory):
+    libs = {}
+    for name in SUITE_PLANTS:
+        libs[name] = mps_exec.build({"attention_mps.mm": _planted(name)})
+    # Transposed q (so q's strides differ from out's), offset-slice k and v.
+    case = {**_CASE, "layout": "mixed"}
+    return _run_scenarios(built, tmp_path_factory, {n: {"lib": libs[n], "case": case} for n in SUITE_PLANTS})
+
+
+@pytest.mark.parametrize("name", SUITE_PLANTS)
+def test_planted_binding_bug_is_caught(plant_results, name):
+    r = plant_results[name]
+    assert r["stage"] in ("replay", "oracle"), f"plant {name} went unnoticed: {r}"
