@@ -28,6 +28,20 @@ uint32_t head_dim_bucket(int64_t head_dim) {
 
 uint32_t ceil_div(int64_t a, int64_t b) { return static_cast<uint32_t>((a + b - 1) / b); }
 
+// Bytes of one element of the inputs (the tiled kernel's tiles are stored in it).
+uint32_t dtype_bytes(c10::ScalarType t) { return t == c10::ScalarType::Float ? 4 : 2; }
+
+// Threadgroup memory of the tiled kernel (shaders/attention_tiled.h): one K
+// tile and one V tile of kPostKeysPerTile rows, each row padded to the
+// head-dim bucket so the kernel's inner loops run to a compile-time bound
+// (registers, not stack), stored in the input dtype (half the memory for
+// float16/bfloat16; converted to float on read). 2 * 16 * bucket * bytes:
+// a multiple of 16 (bucket >= 32), as Metal requires, and at most
+// 2 * 16 * 256 * 4 = 32 KiB (float32, bucket 256), Metal's limit.
+uint32_t tiled_threadgroup_memory(const AttentionProblem& p) {
+  return 2 * kPostKeysPerTile * head_dim_bucket(p.head_dim) * dtype_bytes(p.dtype);
+}
+
 // The binding slots of every attention kernel: they mirror the [[buffer(n)]]
 // and [[threadgroup(n)]] attributes of the kernel templates in shaders/*.h
 // (tests/test_metal_kernels.py checks each instantiation's signature against
@@ -63,7 +77,7 @@ KernelRequest choose_metal_kernel(const AttentionProblem& p, KernelRequest reque
   // of 16 configurations. Its threadgroup tile fits every supported head_dim.
   *reason = "tiled: K/V tiles in threadgroup memory are shared by " + std::to_string(kPostThreadsPerGroup) +
             " queries (head_dim " + std::to_string(p.head_dim) + " needs " +
-            std::to_string(2 * kPostKeysPerTile * p.head_dim * sizeof(float)) +
+            std::to_string(tiled_threadgroup_memory(p)) +
             " bytes of threadgroup memory, within Metal's 32 KiB)";
   return KernelRequest::Tiled;
 }
@@ -83,9 +97,7 @@ MetalLaunch plan_metal_attention(const AttentionProblem& p, const LaunchStrides&
     // Name format must match the instantiations in shaders/attention.metal.
     launch.kernel_name = "flash_attention_tiled_" + suffix + "_bk" + std::to_string(kPostKeysPerTile) + "_t" +
                          std::to_string(kPostThreadsPerGroup);
-    // One float32 K tile and one V tile of kPostKeysPerTile rows of head_dim.
-    // 2 * 16 * D * 4 = 128 * D bytes: a multiple of 16, as Metal requires.
-    launch.threadgroup_memory = static_cast<uint32_t>(2 * kPostKeysPerTile * p.head_dim * sizeof(float));
+    launch.threadgroup_memory = tiled_threadgroup_memory(p);
   } else {
     launch.kernel_name = "flash_attention_untiled_" + suffix + "_t" + std::to_string(kPostThreadsPerGroup);
     launch.threadgroup_memory = 0;

@@ -110,26 +110,50 @@ struct OnlineSoftmax {
   inline float inv_sum() const { return has_key() ? 1.0f / l : 0.0f; }
 };
 
-// Loads query row `row` as float32, pre-multiplied by scale * log2(e), and
-// zeroes the matching accumulator: every kernel's first step.
-template <typename T>
+// Registers, not stack. Each thread keeps its query row and its output
+// accumulator in float arrays of the compile-time bucket DMAX (qrow[DMAX],
+// acc[DMAX]). A GPU keeps a private array in registers only if every index
+// into it is known at compile time; an index that depends on a runtime value,
+// such as a loop to p.head_dim, forces the whole array into per-thread stack
+// memory, and every access becomes a memory round trip. So every loop over a
+// row runs to DMAX and is fully unrolled (FM_UNROLL), making each index a
+// constant: lanes c >= head_dim hold exact zeros, which add nothing to a dot
+// product and stay zero in the accumulator, and every read or write of
+// memory at c >= head_dim is skipped by a `c < D` test (uniform across the
+// group, so it costs no divergence). qrow and acc take 2 * DMAX floats: for
+// DMAX 32 and 64 that fits Apple's per-thread register budget; at 128 and 256
+// the compiler will still spill some, which only splitting D across a
+// SIMD-group would avoid. None of this changes a result, and the emulator
+// cannot time it: the reason is here, not in a test. (Full unrolling with
+// _Pragma("clang loop unroll(full)"), as MLX's kernels do.)
+#define FM_UNROLL _Pragma("clang loop unroll(full)")
+
+// Loads query row `row` as float32, pre-multiplied by scale * log2(e) and
+// zero-padded to DMAX, and zeroes the matching accumulator: every kernel's
+// first step. Never reads q past head_dim.
+template <int DMAX, typename T>
 inline void load_query_row(device const T* q, constant AttentionParams& p, thread const HeadOffsets& h, int row,
                            thread float* qrow, thread float* acc) {
   device const T* qp = q + h.q + int64_t(row) * p.q_row_stride;
-  for (int c = 0; c < p.head_dim; ++c) {
-    qrow[c] = float(qp[int64_t(c) * p.q_dim_stride]) * p.scale_log2;
+  const int D = p.head_dim;
+  FM_UNROLL for (int c = 0; c < DMAX; ++c) {
+    qrow[c] = c < D ? float(qp[int64_t(c) * p.q_dim_stride]) * p.scale_log2 : 0.0f;
     acc[c] = 0.0f;
   }
 }
 
 // Writes acc / l to output row `row` (in T) and the row's log-sum-exp: every
-// kernel's last step. A row that saw no key stores zeros and -inf.
-template <typename T>
+// kernel's last step. A row that saw no key stores zeros and -inf. Loops to
+// DMAX (constant indices into acc) but writes only the head_dim real lanes.
+template <int DMAX, typename T>
 inline void store_output_row(device T* o, device float* lse, constant AttentionParams& p, thread const HeadOffsets& h,
                              int row, thread const float* acc, thread const OnlineSoftmax& sm) {
   const float inv = sm.inv_sum();
   device T* op = o + h.o + int64_t(row) * p.o_row_stride;
-  for (int c = 0; c < p.head_dim; ++c) op[int64_t(c) * p.o_dim_stride] = static_cast<T>(acc[c] * inv);
+  const int D = p.head_dim;
+  FM_UNROLL for (int c = 0; c < DMAX; ++c) {
+    if (c < D) op[int64_t(c) * p.o_dim_stride] = static_cast<T>(acc[c] * inv);
+  }
   // The row's lse, or -inf for a row that saw no key: README's contract and
   // the CPU kernel's. Under fast math the compiler may assume no float is
   // ever infinite, so a -INFINITY literal, or a float select with one, could

@@ -10,10 +10,22 @@
 namespace flash_metal {
 
 // T: element type of q, k, v and the output (float, half or bfloat).
-// DMAX: head_dim bucket; sizes the per-thread accumulator (head_dim <= DMAX).
+// DMAX: head_dim bucket; sizes the per-thread query row and accumulator
+// (head_dim <= DMAX), the tile rows, and bounds every loop over a row.
 // BK: keys per tile. THREADS: threads per group (= query rows per group).
-// smem: 2 * BK * head_dim floats of dynamic threadgroup memory (the K tile,
-// then the V tile), sized by the host (csrc/metal_plan.cpp).
+// smem: dynamic threadgroup memory, sized by the host (csrc/metal_plan.cpp):
+// the K tile then the V tile, each BK rows of DMAX elements of T.
+//
+// Tiles in T, not float: the tiles are the kernel's only threadgroup memory,
+// so half and bfloat inputs need half of it (2 * 16 * DMAX * 2 bytes), which
+// leaves room for more resident threadgroups per core; each element becomes
+// float when read, exactly (T -> float is exact), so results do not change.
+// Rows padded to DMAX: the inner loops run to the compile-time DMAX with
+// constant offsets into qrow, acc and the tile row (see "Registers, not
+// stack" in attention_common.h), and read the padding columns without a
+// bounds test. Those columns must hold zeros (threadgroup memory starts as
+// garbage; the emulator fills it with NaN, and 0 * NaN is NaN), so they are
+// zeroed once, before the first tile; the loads never touch them after that.
 template <typename T, int DMAX, int BK, int THREADS>
 [[kernel]] void flash_attention_tiled(
     device const T* q [[buffer(0)]],
@@ -22,7 +34,7 @@ template <typename T, int DMAX, int BK, int THREADS>
     device T* o [[buffer(3)]],
     device float* lse [[buffer(4)]],
     constant AttentionParams& p [[buffer(5)]],
-    threadgroup float* smem [[threadgroup(0)]],
+    threadgroup T* smem [[threadgroup(0)]],
     uint3 group [[threadgroup_position_in_grid]],
     uint lane [[thread_index_in_threadgroup]]) {
   const int D = p.head_dim;
@@ -32,12 +44,22 @@ template <typename T, int DMAX, int BK, int THREADS>
   // must reach every barrier. They only skip the math and the final store.
   const bool has_row = row < p.q_len;
   const HeadOffsets h = head_offsets(p, group.z, group.y);
-  threadgroup float* k_tile = smem;
-  threadgroup float* v_tile = smem + BK * D;
+  threadgroup T* k_tile = smem;
+  threadgroup T* v_tile = smem + BK * DMAX;
+
+  // Zero the padding columns [D, DMAX) of both tiles, once. No barrier of its
+  // own: the first tile's barrier below orders these writes before any read,
+  // and no load ever writes these columns.
+  for (int i = int(lane); i < BK * DMAX; i += THREADS) {
+    if (i % DMAX >= D) {
+      k_tile[i] = T(0.0f);
+      v_tile[i] = T(0.0f);
+    }
+  }
 
   float qrow[DMAX];
   float acc[DMAX];
-  if (has_row) load_query_row(q, p, h, row, qrow, acc);
+  if (has_row) load_query_row<DMAX>(q, p, h, row, qrow, acc);
 
   OnlineSoftmax sm;  // "no key yet"
   const int my_keys = has_row ? visible_keys(p, row) : 0;
@@ -48,30 +70,34 @@ template <typename T, int DMAX, int BK, int THREADS>
   const int group_keys = visible_keys(p, last_row);
 
   for (int start = 0; start < group_keys; start += BK) {
-    // Cooperative load: thread `lane` fetches elements lane, lane + THREADS, ...
-    // Keys past the end are zero-filled; no row ever reads them.
+    // Cooperative load of the head_dim real columns: thread `lane` fetches
+    // elements lane, lane + THREADS, ... Keys past the end are zero-filled;
+    // no row ever reads them.
     for (int i = int(lane); i < BK * D; i += THREADS) {
-      const int key = start + i / D;
+      const int r = i / D;
       const int c = i % D;
+      const int key = start + r;
       const bool in_range = key < p.kv_len;
-      k_tile[i] = in_range ? float(k[h.k + int64_t(key) * p.k_row_stride + int64_t(c) * p.k_dim_stride]) : 0.0f;
-      v_tile[i] = in_range ? float(v[h.v + int64_t(key) * p.v_row_stride + int64_t(c) * p.v_dim_stride]) : 0.0f;
+      k_tile[r * DMAX + c] = in_range ? k[h.k + int64_t(key) * p.k_row_stride + int64_t(c) * p.k_dim_stride] : T(0.0f);
+      v_tile[r * DMAX + c] = in_range ? v[h.v + int64_t(key) * p.v_row_stride + int64_t(c) * p.v_dim_stride] : T(0.0f);
     }
     threadgroup_barrier(mem_flags::mem_threadgroup);  // tile written before anyone reads it (RAW)
 
     const int n = min(BK, my_keys - start);  // keys of this tile this row may see (<= 0: none)
     for (int j = 0; j < n; ++j) {
+      threadgroup const T* kj = k_tile + j * DMAX;
+      threadgroup const T* vj = v_tile + j * DMAX;
       float score = 0.0f;
-      for (int c = 0; c < D; ++c) score += qrow[c] * k_tile[j * D + c];
+      FM_UNROLL for (int c = 0; c < DMAX; ++c) score += qrow[c] * float(kj[c]);
       float w;
       const float alpha = sm.update(score, &w);
-      for (int c = 0; c < D; ++c) acc[c] = acc[c] * alpha + w * v_tile[j * D + c];
+      FM_UNROLL for (int c = 0; c < DMAX; ++c) acc[c] = acc[c] * alpha + w * float(vj[c]);
     }
     threadgroup_barrier(mem_flags::mem_threadgroup);  // everyone done reading before the next load (WAR)
   }
 
   if (!has_row) return;  // after the last barrier: safe
-  store_output_row(o, lse, p, h, row, acc, sm);
+  store_output_row<DMAX>(o, lse, p, h, row, acc, sm);
 }
 
 }  // namespace flash_metal

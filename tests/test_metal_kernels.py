@@ -82,7 +82,7 @@ def test_plan_reasons_and_choices():
     assert "requested by the caller" in untiled.reason
     assert auto.grid == (4, 4, 1)  # ceil(100 / 32) query blocks, 4 heads, batch 1
     assert auto.threadgroup == (32, 1, 1)
-    assert auto.threadgroup_memory == 2 * 16 * 64 * 4
+    assert auto.threadgroup_memory == 2 * 16 * 64 * 2  # K and V tiles: 16 rows of the d64 bucket, in float16
     assert auto.function_constants == (True,)
     assert untiled.threadgroup_memory == 0 and untiled.function_constants == (False,)
 
