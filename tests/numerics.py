@@ -32,8 +32,9 @@ SCORE_BREAKDOWN = 1.0
 #                   (storage offset, larger row and head strides);
 #   every_other:    x[..., 1::2] of a NaN-filled (B, H, N, 2D) buffer: feature
 #                   stride 2, and a kernel that assumes stride 1 reads NaN;
-#   d_outer:        a packed (B, H, D, N) buffer viewed as (B, H, N, D): the
-#                   feature dimension is not innermost (feature stride N);
+#   d_outer:        the first N columns of a NaN-filled (B, H, D, N + 1) buffer,
+#                   viewed as (B, H, N, D): the feature dimension is not
+#                   innermost (feature stride N + 1, never 1, even for N = 1);
 #   storage_end:    packed (B, H, N, D) at the very end of a storage that holds
 #                   NaN before it, so one element past the view is past the
 #                   storage (the emulator's sanitizer sees the over-read);
@@ -54,11 +55,11 @@ def lay_out(values, layout):
         return values.contiguous().clone()
     if layout == "transposed":
         return values.transpose(1, 2).contiguous().transpose(1, 2)
-    if layout == "d_outer":
-        return values.transpose(2, 3).contiguous().transpose(2, 3)
     if layout == "offset_slice":
         big = torch.full((B, H + 2, N + 5, D + 3), nan, dtype=values.dtype)
         view = big[:, 1 : H + 1, 3 : N + 3, 2 : D + 2]
+    elif layout == "d_outer":
+        view = torch.full((B, H, D, N + 1), nan, dtype=values.dtype)[..., :N].transpose(2, 3)
     elif layout == "every_other":
         view = torch.full((B, H, N, 2 * D), nan, dtype=values.dtype)[..., 1::2]
     elif layout in ("storage_end", "storage_end_bnhd"):

@@ -64,6 +64,32 @@ def test_instantiation_sanitized(impl, dtype, bucket, causal):
     assert flash_metal.explain(q, k, v, causal, impl=impl).kernel_name in metal_library(True).dispatched_names()
 
 
+# (q, k, v) layouts whose views end exactly where their storage ends
+# (numerics.LAYOUTS), one per RAGGED shape. The emulator binds a tensor from
+# its first element to the end of its storage, so in the offset slices above
+# a read past the view stays inside the NaN padding and inside the buffer:
+# nothing reports it, and a value read but never used (a tile row past
+# kv_len) changes no result. Here the element after the last row or the last
+# feature lies past the buffer, and the sanitizer reports any read of it.
+END_LAYOUTS = [("storage_end",) * 3, ("storage_end_bnhd",) * 3, ("storage_end_bnhd", "storage_end", "storage_end_bnhd")]
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("bucket", list(BUCKET_DIMS), ids=[f"d{b}" for b in BUCKET_DIMS])
+@pytest.mark.parametrize("dtype", DTYPES, ids=_dtype_id)
+@pytest.mark.parametrize("impl", IMPLS)
+def test_instantiation_sanitized_views_at_storage_end(impl, dtype, bucket, causal):
+    d = BUCKET_DIMS[bucket]
+    for i, ((nq, nk), layouts) in enumerate(zip(RAGGED, END_LAYOUTS)):
+        g = torch.Generator().manual_seed(2000 + i)
+        q, k, v = make_qkv(1, 2, 1, nq, nk, d, dtype, layout=layouts, generator=g)
+        for t in (q, k, v):
+            last = t.storage_offset() + sum((n - 1) * st for n, st in zip(t.shape, t.stride()))
+            assert (last + 1) * t.element_size() == t.untyped_storage().nbytes()
+        out, lse = emulated_metal_attention(q, k, v, causal, None, impl, instrumented=True)
+        assert_attention_close(out, lse, q, k, v, causal)
+
+
 @pytest.mark.parametrize("impl", IMPLS)
 def test_sanitized_gqa_batch_and_transposed_layout(impl):
     q, k, v = make_qkv(2, 6, 2, 40, 37, 64, torch.float16, layout="transposed")
