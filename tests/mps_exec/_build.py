@@ -1,8 +1,9 @@
 """Builds the execution test's shared library: the real csrc/mps/*.mm, the
 portable C++ they call, and the fakes, against a GNU Objective-C runtime.
 
-Objects are cached in tests/mps_exec/.build/ by a hash of everything that can
-change them (the source text, every header we own, flags, clang, torch), so
+Objects are cached in tests/mps_exec/.build/ by a hash of the source text,
+flags, clang and torch, and checked against the digests of the repository
+headers clang reported they include (-MD), so
 a warm run only links, and a planted-bug copy of one .mm recompiles only it.
 """
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import functools
 import glob
 import hashlib
+import json
 import os
 import re
 import shutil
@@ -106,16 +108,37 @@ def rewrite_available(text: str) -> str:
     return _AVAILABLE.sub(lambda m: f"(::fm_exec_macos_at_least({m.group(1)}, {m.group(2) or 0}))", text)
 
 
-def _owned_headers_digest() -> str:
-    """Every header a source may include from this repository."""
-    h = hashlib.sha256()
-    patterns = [os.path.join(CSRC, "**", "*.h"), os.path.join(ROOT, "shaders", "*.h"),
-                os.path.join(HERE, "**", "*.h"), os.path.join(STUB_DIR, "**", "*.h")]
-    for path in sorted(p for pat in patterns for p in glob.glob(pat, recursive=True)):
-        h.update(path.encode() + b"\0")
+def _digest(path: str) -> str:
+    try:
         with open(path, "rb") as f:
-            h.update(f.read())
-    return h.hexdigest()
+            return hashlib.sha256(f.read()).hexdigest()
+    except OSError:
+        return "missing"
+
+
+def _local_deps_fresh(deps_file: str) -> bool:
+    """True if every repository header the object was built from is unchanged."""
+    try:
+        with open(deps_file, encoding="utf-8") as f:
+            deps = json.load(f)
+    except (OSError, ValueError):
+        return False
+    return all(_digest(path) == digest for path, digest in deps.items())
+
+
+def _write_local_deps(make_deps: str, deps_file: str) -> None:
+    """Records the digests of the repository files clang's -MD output names
+    (system and torch headers are covered by the toolchain and torch version;
+    the source itself, a temporary copy, by the object's key)."""
+    with open(make_deps, encoding="utf-8") as f:
+        text = f.read().replace("\\\n", " ")
+    paths = sorted({os.path.realpath(p) for p in text.split(":", 1)[1].split()
+                    if os.path.realpath(p).startswith(ROOT + os.sep) and ".venv" not in p.split(os.sep)
+                    and not os.path.realpath(p).startswith(os.path.realpath(CACHE_DIR) + os.sep)})
+    tmp = f"{deps_file}.{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump({p: _digest(p) for p in paths}, f)
+    os.replace(tmp, deps_file)
 
 
 def host_sources() -> list[str]:
@@ -155,7 +178,8 @@ def _compile(unit: tuple[str, str, bool], key_base: str) -> str:
     flags = compile_flags() + (OBJC_FLAGS if objc else ["-x", "c++"])
     key = hashlib.sha256((key_base + name + "\0" + text + "\0" + " ".join(flags)).encode()).hexdigest()[:20]
     obj = os.path.join(CACHE_DIR, "obj", f"{name}.{key}.o")
-    if os.path.exists(obj):
+    deps_file = obj[:-2] + ".deps.json"
+    if os.path.exists(obj) and _local_deps_fresh(deps_file):
         return obj
     os.makedirs(os.path.dirname(obj), exist_ok=True)
     with tempfile.TemporaryDirectory(dir=CACHE_DIR) as tmp:
@@ -163,10 +187,13 @@ def _compile(unit: tuple[str, str, bool], key_base: str) -> str:
         with open(src, "w", encoding="utf-8") as f:
             f.write(text)
         out = os.path.join(tmp, "out.o")
-        proc = subprocess.run([tc["clang"], *flags, "-c", src, "-o", out], capture_output=True, text=True)
+        make_deps = os.path.join(tmp, "out.d")
+        proc = subprocess.run([tc["clang"], *flags, "-MD", "-MF", make_deps, "-c", src, "-o", out],
+                              capture_output=True, text=True)
         if proc.returncode != 0:
             raise BuildFailed(f"compiling {name} failed:\n{proc.stderr[-6000:]}")
         _atomic_write_from(out, obj)
+        _write_local_deps(make_deps, deps_file)
     return obj
 
 
@@ -175,7 +202,7 @@ def build(overrides: dict[str, str] | None = None) -> str:
     tc = toolchain()
     _, links, torch_version = _torch_flags()
     os.makedirs(CACHE_DIR, exist_ok=True)
-    key_base = hashlib.sha256((tc["version"] + torch_version + _owned_headers_digest()).encode()).hexdigest()
+    key_base = hashlib.sha256((tc["version"] + torch_version).encode()).hexdigest()
     units = _source_units(overrides or {})
     with ThreadPoolExecutor(max_workers=max(1, min(len(units), os.cpu_count() or 1))) as pool:
         objects = list(pool.map(lambda u: _compile(u, key_base), units))
