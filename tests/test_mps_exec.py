@@ -124,7 +124,7 @@ SCENARIOS = {
 
 
 @pytest.fixture(scope="session")
-def scenarios(built, tmp_path_factory):
+def scenarios(built, emu, tmp_path_factory):  # emu: its disk cache is warm before the processes start
     specs = {n: {"case": _CASE, **s} for n, s in SCENARIOS.items()}
     # First alone: it builds the emulator library of the handed-over source,
     # which the other runtime-compile scenarios then share.
@@ -267,6 +267,18 @@ def test_library_comes_from_the_fresh_metallib(host):
     assert urls == [os.path.join(host.package, mps_exec.METALLIB_NAME)]
 
 
+def test_build_all_pipelines_on_the_fake_device(host, emu):
+    # csrc/mps/pipelines.mm: what the macOS CI runs with the real Metal framework.
+    host.take_recording()
+    origin, built = torch.ops.flash_metal.metal_build_all_pipelines()
+    rec = host.take_recording()
+    assert rec["errors"] == []
+    assert origin == "the precompiled " + os.path.join(host.package, mps_exec.METALLIB_NAME)
+    assert sorted(built) == sorted(f"{n}/{m}" for n in emu.kernel_names() for m in ("causal", "non-causal"))
+    assert all(e["found"] for e in rec["events"] if e["op"] == "newFunctionWithName")
+    assert "dispatch_sync" not in _ops(rec)
+
+
 def test_fingerprint_matches_library_mm(host):
     # The harness writes the metallib's fingerprint with a Python copy of
     # shader_source.h's; library.mm's own code must agree, else "fresh" lies.
@@ -392,7 +404,7 @@ def _planted(name):
 
 
 @pytest.fixture(scope="session")
-def plant_results(built, tmp_path_factory):
+def plant_results(built, emu, tmp_path_factory):
     libs = {}
     for name in SUITE_PLANTS:
         libs[name] = mps_exec.build({"attention_mps.mm": _planted(name)})
