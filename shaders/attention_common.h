@@ -124,15 +124,23 @@ struct OnlineSoftmax {
 // DMAX 32 and 64 that fits Apple's per-thread register budget; at 128 and 256
 // the compiler will still spill some, which only splitting D across a
 // SIMD-group would avoid. None of this changes a result, and the emulator
-// cannot time it: the reason is here, not in a test. (Full unrolling with
-// _Pragma("clang loop unroll(full)"), as MLX's kernels do.)
+// cannot time it; what it can check is LLVM's view (Apple's compiler is
+// LLVM-based): tests/metal_emulator_tests/test_emu_registers.py asserts that
+// no kernel keeps qrow or acc as an array in memory once optimized. (Full
+// unrolling with _Pragma("clang loop unroll(full)"), as MLX's kernels do.)
 #define FM_UNROLL _Pragma("clang loop unroll(full)")
+// The helpers that take qrow or acc by pointer must be inlined into the
+// kernel: an array whose address is passed to a real call has to live in
+// memory. always_inline makes that a guarantee rather than a heuristic (the
+// unrolled bodies are large enough that a compiler may decline otherwise);
+// MLX marks its kernel helpers the same way.
+#define FM_INLINE inline __attribute__((always_inline))
 
 // Loads query row `row` as float32, pre-multiplied by scale * log2(e) and
 // zero-padded to DMAX, and zeroes the matching accumulator: every kernel's
 // first step. Never reads q past head_dim.
 template <int DMAX, typename T>
-inline void load_query_row(device const T* q, constant AttentionParams& p, thread const HeadOffsets& h, int row,
+FM_INLINE void load_query_row(device const T* q, constant AttentionParams& p, thread const HeadOffsets& h, int row,
                            thread float* qrow, thread float* acc) {
   device const T* qp = q + h.q + int64_t(row) * p.q_row_stride;
   const int D = p.head_dim;
@@ -146,7 +154,7 @@ inline void load_query_row(device const T* q, constant AttentionParams& p, threa
 // kernel's last step. A row that saw no key stores zeros and -inf. Loops to
 // DMAX (constant indices into acc) but writes only the head_dim real lanes.
 template <int DMAX, typename T>
-inline void store_output_row(device T* o, device float* lse, constant AttentionParams& p, thread const HeadOffsets& h,
+FM_INLINE void store_output_row(device T* o, device float* lse, constant AttentionParams& p, thread const HeadOffsets& h,
                              int row, thread const float* acc, thread const OnlineSoftmax& sm) {
   const float inv = sm.inv_sum();
   device T* op = o + h.o + int64_t(row) * p.o_row_stride;

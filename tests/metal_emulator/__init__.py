@@ -12,6 +12,7 @@ Importable as ``tests.metal_emulator`` or, with tests/ on sys.path, as ``metal_e
 
 from ._build import BuildError, find_clang
 from ._check import MslRuleError, check_msl_rules
+from ._ir import private_arrays
 from ._library import DISPATCHED, EmulatorError, Library, compile_library
 
 __all__ = [
@@ -23,4 +24,5 @@ __all__ = [
     "check_msl_rules",
     "compile_library",
     "find_clang",
+    "private_arrays",
 ]

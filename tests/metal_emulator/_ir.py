@@ -1,0 +1,80 @@
+"""private_arrays(): which per-thread arrays a kernel keeps in memory after optimization.
+
+A GPU keeps a thread's private array in registers only if the compiler can
+split it into scalars, which needs every index into it to be a compile-time
+constant (after inlining and unrolling); an array indexed by a runtime value
+stays in per-thread stack memory. Apple's compiler is LLVM-based and applies
+the same rule, so asking LLVM is a faithful proxy: each kernel is compiled
+exactly as the fast build compiles it (same pre-pass, shim and -O2 flags,
+stopping at LLVM IR), and every `alloca` of an array type left in the
+kernel's own function is reported. It says nothing about register pressure:
+an array split into scalars may still spill if it does not fit.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from concurrent.futures import ThreadPoolExecutor
+
+from . import _build
+
+# One function definition: its mangled name and its body.
+_DEFINE = re.compile(r"^define [^\n]*?@([\w.$]+)\((?:[^\n]*)\{\n(.*?)^\}", re.S | re.M)
+# An array-typed alloca, e.g. `alloca [32 x float], align 16`.
+_ARRAY_ALLOCA = re.compile(r"= alloca (\[.*\])(?:, align \d+)?$", re.M)
+# The emulator's kernel registration (include/fm/kernel.h): host name string, expression string, function.
+_REGISTER = re.compile(r"call void @fm_rt_register_kernel\(ptr noundef (?:nonnull )?(@[\w.$]+), "
+                       r"ptr noundef (?:nonnull )?@[\w.$]+, ptr noundef (?:nonnull )?@([\w.$]+),")
+_STRING = re.compile(r'^(@[\w.$]+) = [^\n]*?c"((?:[^"\\]|\\[0-9A-Fa-f]{2})*)\\00"', re.M)
+
+
+def _c_string(raw: str) -> str:
+    return re.sub(r"\\([0-9A-Fa-f]{2})", lambda m: chr(int(m.group(1), 16)), raw)
+
+
+def parse_ir(ir: str) -> dict[str, list[str]]:
+    """{host name: [array type of each alloca in the kernel's function]} from one module's IR."""
+    strings = {name: _c_string(raw) for name, raw in _STRING.findall(ir)}
+    bodies = {name: body for name, body in _DEFINE.findall(ir)}
+    out = {}
+    for host_ref, fn in _REGISTER.findall(ir):
+        if host_ref not in strings or fn not in bodies:
+            raise RuntimeError(f"cannot resolve kernel registration {host_ref} -> {fn} in the IR")
+        out[strings[host_ref]] = _ARRAY_ALLOCA.findall(bodies[fn])
+    return out
+
+
+def private_arrays(paths) -> dict[str, list[str]]:
+    """{kernel host name: array types it keeps in memory}, for every kernel in the .metal files.
+
+    An empty list means every private array of that kernel was split into
+    scalars (eligible for registers). Cached on disk like the libraries.
+    """
+    if isinstance(paths, str):
+        paths = [paths]
+    paths = [os.path.abspath(p) for p in paths]
+    flags = _build.kernel_flags(instrumented=False)
+    final = os.path.join(_build.CACHE_DIR, "ir-" + _build.source_key(paths, "emit-llvm", *flags))
+
+    def build(tmp: str) -> None:
+        mapping = _build.write_rewritten(paths, os.path.join(tmp, "src"))
+        with ThreadPoolExecutor(max_workers=os.cpu_count() or 2) as pool:
+            jobs = []
+            for i, p in enumerate(paths):
+                src = mapping[p]
+                ll = os.path.join(tmp, f"k{i}.ll")
+                cmd = [_build.find_clang(), *flags, "-I", os.path.dirname(src), "-S", "-emit-llvm", src, "-o", ll]
+                jobs.append((ll, pool.submit(_build._run, cmd, f"compiling {p} to LLVM IR")))
+            result = {}
+            for ll, job in jobs:
+                job.result()
+                with open(ll, encoding="utf-8") as f:
+                    result.update(parse_ir(f.read()))
+        with open(os.path.join(tmp, "arrays.json"), "w", encoding="utf-8") as f:
+            json.dump(result, f)
+
+    _build._atomic_dir(final, build)
+    with open(os.path.join(final, "arrays.json"), encoding="utf-8") as f:
+        return json.load(f)
