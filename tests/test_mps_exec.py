@@ -336,13 +336,25 @@ def _compile_options(result):
 _METAL_3_1, _SAFE, _PRECISE = (3 << 16) + 1, 0, 1
 
 
-def test_runtime_compile_path_hands_over_the_inlined_sources(scenarios):
+def _inlined_shaders(clang, tmp_path):
+    """What tests/mps_syntax/inline_shaders.cpp (shader_source.h's inliner) makes of the shaders."""
+    exe = str(tmp_path / "inline_shaders")
+    cmd = [clang, "-std=c++17", "-O1", f"-I{os.path.join(ROOT, 'csrc')}",
+           os.path.join(ROOT, "tests", "mps_syntax", "inline_shaders.cpp"), "-o", exe]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    proc = subprocess.run([exe, mps_exec.SHADER], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout
+
+
+def test_runtime_compile_path_hands_over_the_inlined_sources(scenarios, clang, tmp_path):
     r = scenarios["forced_runtime_compile"]
     _assert_ran_and_matched(r)  # replayed against the emulator's compile of the recorded source
     assert "newLibraryWithURL" not in _ops(r)
     with open(r["source_path"], encoding="utf-8") as f:
         source = f.read()
-    assert not re.search(r'^\s*#\s*include\s*"', source, flags=re.M)
+    assert source == _inlined_shaders(clang, tmp_path)
     assert _compile_options(r) == {"languageVersion": _METAL_3_1, "mathMode": _SAFE,
                                    "mathFloatingPointFunctions": _PRECISE}
 
