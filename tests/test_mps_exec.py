@@ -421,9 +421,9 @@ def _planted(name):
 
 @pytest.fixture(scope="session")
 def plant_results(built, emu, tmp_path_factory):
-    libs = {}
-    for name in SUITE_PLANTS:
-        libs[name] = mps_exec.build({"attention_mps.mm": _planted(name)})
+    with ThreadPoolExecutor(max_workers=2) as pool:  # one attention_mps.mm compile each
+        libs = dict(zip(SUITE_PLANTS, pool.map(lambda n: mps_exec.build({"attention_mps.mm": _planted(n)}),
+                                                SUITE_PLANTS)))
     # Transposed q (so q's strides differ from out's), offset-slice k and v.
     case = {**_CASE, "layout": "mixed"}
     return _run_scenarios(built, tmp_path_factory, {n: {"lib": libs[n], "case": case} for n in SUITE_PLANTS})
