@@ -29,7 +29,6 @@ from numerics import DTYPES, assert_attention_close, make_qkv
 
 IN_CI = os.environ.get("CI") == "true"
 ROOT = mps_exec.ROOT
-ATTENTION_MM = os.path.join(ROOT, "csrc", "mps", "attention_mps.mm")
 SCENARIO = os.path.join(mps_exec.HERE, "scenario.py")
 # Every kernel the host can pick ("auto" goes through the routing heuristic).
 IMPLS = ["untiled", "tiled", "auto"]
@@ -395,41 +394,52 @@ def test_library_errors_are_clear(scenarios, name, message):
 
 # --- planted bugs: the execution test must catch each -----------------------------------------
 
-# Realistic one-line bugs in attention_mps.mm: (pattern, replacement). A
-# pattern that no longer matches fails the test: update it to the current code.
+# Realistic small bugs in the host: file -> (pattern, replacement). A pattern
+# that no longer matches fails the test: update it to the current code. The
+# first four are binding bugs the oracle comparison catches; the rest break
+# the encoding rules, which the fakes catch.
 PLANTS = {
-    "k_v_swapped": (r"\{&q, &k, &v, &out, &lse\}", "{&q, &v, &k, &out, &lse}"),
-    "offset_in_elements": (r"t\.storage_offset\(\) \* t\.element_size\(\)", "t.storage_offset()"),
-    "threadgroup_memory_index_1": (r"setThreadgroupMemoryLength:threadgroup_memory atIndex:\w+\]",
+    "k_v_swapped": ("attention_mps.mm", r"\{&q, &k, &v, &out, &lse\}", "{&q, &v, &k, &out, &lse}"),
+    "offset_in_elements": ("attention_mps.mm", r"t\.storage_offset\(\) \* t\.element_size\(\)", "t.storage_offset()"),
+    "threadgroup_memory_index_1": ("attention_mps.mm", r"setThreadgroupMemoryLength:threadgroup_memory atIndex:\w+\]",
                                    "setThreadgroupMemoryLength:threadgroup_memory atIndex:1]"),
-    "out_strides_from_q": (r"strides4\(out\)", "strides4(q)"),
+    "out_strides_from_q": ("attention_mps.mm", r"strides4\(out\)", "strides4(q)"),
+    "encoder_taken_outside_dispatch_sync": (
+        "attention_mps.mm",
+        r"dispatch_sync\(stream->queue\(\), \^\{\s*@autoreleasepool \{\s*id<MTLComputeCommandEncoder> encoder = "
+        r"stream->commandEncoder\(\);",
+        "id<MTLComputeCommandEncoder> encoder = stream->commandEncoder();\n"
+        "  dispatch_sync(stream->queue(), ^{\n    @autoreleasepool {"),
+    "shared_encoder_ended": ("attention_mps.mm", r"(\[encoder dispatchThreadgroups:grid threadsPerThreadgroup:group\];)",
+                             r"\1 [encoder endEncoding];"),
+    "function_released_twice": ("library.mm", r"\[function release\];", "[function release]; [function release];"),
 }
-# Each plant costs a compile of attention_mps.mm; the suite runs two (all
-# four with FLASH_METAL_MPS_EXEC_ALL_PLANTS=1).
+# Each plant costs a compile; the suite runs two (all with
+# FLASH_METAL_MPS_EXEC_ALL_PLANTS=1).
 SUITE_PLANTS = list(PLANTS) if os.environ.get("FLASH_METAL_MPS_EXEC_ALL_PLANTS") == "1" else [
     "k_v_swapped", "offset_in_elements"]
 
 
 def _planted(name):
-    pattern, replacement = PLANTS[name]
-    with open(ATTENTION_MM, encoding="utf-8") as f:
+    """{file: text} of the planted copy."""
+    file, pattern, replacement = PLANTS[name]
+    with open(os.path.join(ROOT, "csrc", "mps", file), encoding="utf-8") as f:
         text = f.read()
     planted, n = re.subn(pattern, replacement, text)
-    assert n == 1, f"plant {name}: /{pattern}/ matches {n} times in attention_mps.mm; update PLANTS"
-    return planted
+    assert n == 1, f"plant {name}: /{pattern}/ matches {n} times in {file}; update PLANTS"
+    return {file: planted}
 
 
 @pytest.fixture(scope="session")
 def plant_results(built, emu, tmp_path_factory):
     with ThreadPoolExecutor(max_workers=2) as pool:  # one attention_mps.mm compile each
-        libs = dict(zip(SUITE_PLANTS, pool.map(lambda n: mps_exec.build({"attention_mps.mm": _planted(n)}),
-                                                SUITE_PLANTS)))
+        libs = dict(zip(SUITE_PLANTS, pool.map(lambda n: mps_exec.build(_planted(n)), SUITE_PLANTS)))
     # Transposed q (so q's strides differ from out's), offset-slice k and v.
     case = {**_CASE, "layout": "mixed"}
     return _run_scenarios(built, tmp_path_factory, {n: {"lib": libs[n], "case": case} for n in SUITE_PLANTS})
 
 
 @pytest.mark.parametrize("name", SUITE_PLANTS)
-def test_planted_binding_bug_is_caught(plant_results, name):
+def test_planted_host_bug_is_caught(plant_results, name):
     r = plant_results[name]
-    assert r["stage"] in ("replay", "oracle"), f"plant {name} went unnoticed: {r}"
+    assert r["stage"] in ("replay", "oracle") or r["errors"], f"plant {name} went unnoticed: {r}"
