@@ -23,9 +23,9 @@ HEAD_DIMS = [1, 32, 63, 64, 80, 128, 256]
 _PAIRS = [(1, 1), (1, 239), (63, 65), (127, 512), (1000, 1000), (2048, 1)]
 SEQ_PAIRS = sorted(set(_PAIRS + [(b, a) for a, b in _PAIRS]))
 HEADS = {"mha": (4, 4), "gqa4": (8, 2), "mqa": (4, 1)}
-# (heads, layout) pairs: one layout for all of q, k, v, each layout with one
-# head configuration and each configuration with several layouts (the full
-# product ran 15 cases per shape and kernel for little more coverage).
+# (heads, layout) pairs: one layout for all of q, k, v; every layout meets
+# some head configuration and every configuration two layouts (the full
+# product would run 15 cases per shape and kernel for little more coverage).
 # every_other and d_outer have a feature stride other than 1.
 HEAD_LAYOUTS = [("mha", "contiguous"), ("gqa4", "transposed"), ("mqa", "offset_slice"),
                 ("gqa4", "every_other"), ("mqa", "d_outer"), ("mha", "every_other")]
