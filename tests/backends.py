@@ -30,13 +30,13 @@ def mps_usable() -> bool:
 
 
 @functools.lru_cache(maxsize=None)
-def metal_library(instrumented: bool):
+def metal_library(instrumented: bool, fast_math: bool = False):
     from metal_emulator import compile_library
 
-    return compile_library([SHADER], instrumented=instrumented)
+    return compile_library([SHADER], instrumented=instrumented, fast_math=fast_math)
 
 
-def emulated_metal_attention(q, k, v, causal=False, scale=None, impl="auto", instrumented=False):
+def emulated_metal_attention(q, k, v, causal=False, scale=None, impl="auto", instrumented=False, fast_math=False):
     plan = flash_metal.explain(q, k, v, causal, scale, impl)
     B, H, N, D = q.shape
     # Outputs poisoned with NaN: an element the kernel never writes stays NaN.
@@ -44,7 +44,7 @@ def emulated_metal_attention(q, k, v, causal=False, scale=None, impl="auto", ins
     lse = torch.full((B, H, N), float("nan"), dtype=torch.float32)
     # Bound from the plan's binding table, exactly as csrc/mps/attention_mps.mm binds.
     tensors = {"q": q, "k": k, "v": v, "out": out, "lse": lse}
-    metal_library(instrumented).dispatch(
+    metal_library(instrumented, fast_math).dispatch(
         plan.kernel_name,
         buffers={index: tensors[name] for name, index in plan.buffers.items()},
         bytes={plan.params_index: plan.params},
@@ -70,6 +70,8 @@ def run_attention(backend, q, k, v, causal=False, scale=None, impl="auto"):
         return emulated_metal_attention(q, k, v, causal, scale, impl, instrumented=False)
     if backend == "metal-emu-sanitized":
         return emulated_metal_attention(q, k, v, causal, scale, impl, instrumented=True)
+    if backend == "metal-emu-fast-math":  # the shaders built with -ffast-math (see test_fast_math.py)
+        return emulated_metal_attention(q, k, v, causal, scale, impl, fast_math=True)
     if backend == "mps":
         dev = [to_mps_same_layout(t) for t in (q, k, v)]
         out, lse = torch.ops.flash_metal.attention_forward(*dev, causal, scale, impl)

@@ -14,30 +14,22 @@ test_nonfinite.py.
 import pytest
 import torch
 
-import backends
-from backends import SHADER, run_attention
-from metal_emulator import compile_library
+from backends import metal_library, run_attention
 from numerics import DTYPES, assert_attention_close, make_qkv
+from test_metal_kernels import BUCKET_DIMS, IMPLS, _dtype_id
 from test_nonfinite import CASES, POSITIONS, SHAPES, check_case, make_case
 
-IMPLS = ["untiled", "tiled"]
-# One head_dim per bucket of csrc/metal_plan.h, ragged inside it (as in test_metal_kernels.py).
-BUCKET_DIMS = {32: 17, 64: 63, 128: 80, 256: 256}
+BACKEND = "metal-emu-fast-math"
 # Ragged (Nq, Nk): not multiples of the 32-row groups or 16-key tiles; Nk < Nq
 # leaves causal rows with no key at all.
 RAGGED = [(33, 17), (45, 70)]
 
 
-def _dtype_id(d):
-    return str(d).replace("torch.", "")
-
-
 @pytest.fixture
-def fast_math_library(monkeypatch):
-    """The metal-emu backend, with its library swapped for the fast-math build."""
-    lib = compile_library([SHADER], instrumented=False, fast_math=True)
+def fast_math_library():
+    """The library the metal-emu-fast-math backend dispatches to."""
+    lib = metal_library(False, True)
     assert lib.fast_math
-    monkeypatch.setattr(backends, "metal_library", lambda instrumented: lib)
     return lib
 
 
@@ -56,7 +48,7 @@ def test_every_kernel_under_fast_math(fast_math_library, impl, dtype, bucket, ca
     for i, (nq, nk) in enumerate(RAGGED):
         g = torch.Generator().manual_seed(2000 + i)
         q, k, v = make_qkv(1, 2, 1, nq, nk, d, dtype, layout="offset_slice", generator=g)
-        out, lse = run_attention("metal-emu", q, k, v, causal, None, impl)
+        out, lse = run_attention(BACKEND, q, k, v, causal, None, impl)
         assert_attention_close(out, lse, q, k, v, causal)
         if causal and nk < nq:
             assert torch.isinf(lse[:, :, : nq - nk]).all() and (lse[:, :, : nq - nk] < 0).all()
@@ -72,6 +64,6 @@ def test_nonfinite_scores_under_fast_math(fast_math_library, impl, dtype, kind, 
     for i, (nq, nk) in enumerate(SHAPES):
         masked = POSITIONS[position](nk)
         q, k, v = make_case(nq, nk, dtype, kind, masked, seed=300 + i)
-        out, lse = run_attention("metal-emu", q, k, v, causal, None, impl)
+        out, lse = run_attention(BACKEND, q, k, v, causal, None, impl)
         check_case(out, lse, q, k, v, causal, kind, masked)
     assert _ran_on(fast_math_library, q, k, v, causal, impl)
