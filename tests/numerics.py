@@ -15,6 +15,11 @@ import torch
 from flash_metal.reference import attention_reference, causal_mask
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+def dtype_id(d):
+    """A dtype as a test id: "float16"."""
+    return str(d).replace("torch.", "")
 # float32 accumulation rounds too: a few ulps of float32 at the result's
 # magnitude, times log2 of the reduction length, is the least any float32
 # kernel can promise. This keeps float32 comparisons from hinging on luck.

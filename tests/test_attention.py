@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from backends import backend_param, run_attention
-from numerics import DTYPES, assert_attention_close, attention_tolerances, make_qkv
+from numerics import DTYPES, assert_attention_close, attention_tolerances, dtype_id, make_qkv
 
 BACKENDS = [backend_param(b) for b in ("cpu", "metal-emu", "mps")]
 # (backend, impl): the CPU kernel (which accepts only "auto"), and on the
@@ -31,15 +31,12 @@ HEAD_LAYOUTS = [("mha", "contiguous"), ("gqa4", "transposed"), ("mqa", "offset_s
                 ("gqa4", "every_other"), ("mqa", "d_outer"), ("mha", "every_other")]
 
 
-def _dtype_id(d):
-    return str(d).replace("torch.", "")
-
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("nq,nk", SEQ_PAIRS, ids=[f"{a}x{b}" for a, b in SEQ_PAIRS])
 @pytest.mark.parametrize("d", HEAD_DIMS, ids=[f"d{d}" for d in HEAD_DIMS])
-@pytest.mark.parametrize("dtype", DTYPES, ids=_dtype_id)
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
 def test_shapes(backend, dtype, d, nq, nk, causal):
     g = torch.Generator().manual_seed(hash((d, nq, nk, causal)) % 2**31)
     q, k, v = make_qkv(1, 1, 1, nq, nk, d, dtype, generator=g)
@@ -50,7 +47,7 @@ def test_shapes(backend, dtype, d, nq, nk, causal):
 @pytest.mark.parametrize("backend,impl", BACKEND_IMPLS)
 @pytest.mark.parametrize("heads,layout", HEAD_LAYOUTS, ids=[f"{h}-{lay}" for h, lay in HEAD_LAYOUTS])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("dtype", DTYPES, ids=_dtype_id)
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
 @pytest.mark.parametrize("nq,nk,d", [(63, 65, 80), (130, 77, 64)], ids=["63x65d80", "130x77d64"])
 def test_heads_and_layouts(backend, impl, dtype, nq, nk, d, causal, heads, layout):
     hq, hkv = HEADS[heads]
@@ -92,7 +89,7 @@ DECODE_SHAPES = [
 
 @pytest.mark.parametrize("backend,impl", BACKEND_IMPLS)
 @pytest.mark.parametrize("layouts", MIXED_LAYOUTS, ids=["-".join(m) for m in MIXED_LAYOUTS])
-@pytest.mark.parametrize("dtype", DTYPES, ids=_dtype_id)
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
 def test_mixed_layouts_decode(backend, impl, dtype, layouts):
     for i, (b, hq, hkv, nq, nk, d) in enumerate(DECODE_SHAPES):
         g = torch.Generator().manual_seed(100 + i)
@@ -134,7 +131,7 @@ SHIFT_SHAPES = [(1, 2, 1, 40, 100, 32), (2, 4, 2, 3, 130, 64), (1, 2, 2, 70, 45,
 
 
 @pytest.mark.parametrize("backend,impl", BACKEND_IMPLS)
-@pytest.mark.parametrize("dtype", DTYPES, ids=_dtype_id)
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
 @pytest.mark.parametrize("sign", [1, -1], ids=["scale+1", "scale-1"])
 def test_all_negative_logits(backend, impl, dtype, sign):
     # Every score of every row lies in [-256, -119]: below -104 (-150 in base
@@ -154,7 +151,7 @@ def test_all_negative_logits(backend, impl, dtype, sign):
 
 
 @pytest.mark.parametrize("backend,impl", BACKEND_IMPLS)
-@pytest.mark.parametrize("dtype", DTYPES, ids=_dtype_id)
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
 def test_row_shift_invariance(backend, impl, dtype):
     # softmax(s + c) = softmax(s): shifting every score of a row by the same
     # constant leaves its output unchanged and moves its lse by c. Shifts up
@@ -182,7 +179,7 @@ def test_row_shift_invariance(backend, impl, dtype):
 
 
 @pytest.mark.parametrize("backend,impl", BACKEND_IMPLS)
-@pytest.mark.parametrize("dtype", DTYPES, ids=_dtype_id)
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
 def test_custom_scale_and_batch(backend, impl, dtype):
     q, k, v = make_qkv(3, 2, 2, 37, 45, 48, dtype)
     for scale in (0.0, 0.05, -0.3, 2.0):
@@ -191,7 +188,7 @@ def test_custom_scale_and_batch(backend, impl, dtype):
 
 
 @pytest.mark.parametrize("backend,impl", BACKEND_IMPLS)
-@pytest.mark.parametrize("dtype", DTYPES, ids=_dtype_id)
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
 def test_fully_masked_rows_are_zero(backend, impl, dtype):
     # Causal with Nk < Nq: rows 0 .. Nq-Nk-1 see no key at all.
     q, k, v = make_qkv(1, 2, 1, 50, 20, 32, dtype)
@@ -202,7 +199,7 @@ def test_fully_masked_rows_are_zero(backend, impl, dtype):
 
 
 @pytest.mark.parametrize("backend,impl", BACKEND_IMPLS)
-@pytest.mark.parametrize("dtype", DTYPES, ids=_dtype_id)
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_extreme_logits(backend, impl, dtype, causal):
     # Scale 1e3 and inputs up to 1e4: logits near 1e11. A kernel that

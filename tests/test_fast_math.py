@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from backends import metal_library, run_attention
-from numerics import DTYPES, assert_attention_close, make_qkv
-from test_metal_kernels import BUCKET_DIMS, IMPLS, _dtype_id
+from numerics import DTYPES, assert_attention_close, dtype_id, make_qkv
+from test_metal_kernels import BUCKET_DIMS, IMPLS
 from test_nonfinite import CASES, POSITIONS, SHAPES, check_case, make_case
 
 BACKEND = "metal-emu-fast-math"
@@ -41,7 +41,7 @@ def _ran_on(lib, q, k, v, causal, impl):
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("bucket", list(BUCKET_DIMS), ids=[f"d{b}" for b in BUCKET_DIMS])
-@pytest.mark.parametrize("dtype", DTYPES, ids=_dtype_id)
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
 @pytest.mark.parametrize("impl", IMPLS)
 def test_every_kernel_under_fast_math(fast_math_library, impl, dtype, bucket, causal):
     d = BUCKET_DIMS[bucket]
@@ -58,7 +58,7 @@ def test_every_kernel_under_fast_math(fast_math_library, impl, dtype, bucket, ca
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("position", list(POSITIONS))
-@pytest.mark.parametrize("dtype,kind", CASES, ids=[f"{_dtype_id(d)}-{k}" for d, k in CASES])
+@pytest.mark.parametrize("dtype,kind", CASES, ids=[f"{dtype_id(d)}-{k}" for d, k in CASES])
 @pytest.mark.parametrize("impl", IMPLS)
 def test_nonfinite_scores_under_fast_math(fast_math_library, impl, dtype, kind, position, causal):
     for i, (nq, nk) in enumerate(SHAPES):

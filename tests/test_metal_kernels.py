@@ -15,7 +15,7 @@ import torch
 
 import flash_metal
 from backends import SHADER, emulated_metal_attention, metal_library
-from numerics import DTYPES, assert_attention_close, make_qkv
+from numerics import DTYPES, assert_attention_close, dtype_id, make_qkv
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 IMPLS = ["untiled", "tiled"]
@@ -26,9 +26,6 @@ BUCKET_DIMS = {32: 17, 64: 63, 128: 80, 256: 256}
 # plus Nk < Nq so causal masking leaves some rows with no key at all.
 RAGGED = [(1, 23), (33, 17), (45, 70)]
 
-
-def _dtype_id(d):
-    return str(d).replace("torch.", "")
 
 
 def _plan_names():
@@ -52,7 +49,7 @@ def test_every_instantiation_is_reachable_from_the_planner():
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("bucket", list(BUCKET_DIMS), ids=[f"d{b}" for b in BUCKET_DIMS])
-@pytest.mark.parametrize("dtype", DTYPES, ids=_dtype_id)
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
 @pytest.mark.parametrize("impl", IMPLS)
 def test_instantiation_sanitized(impl, dtype, bucket, causal):
     d = BUCKET_DIMS[bucket]
@@ -76,7 +73,7 @@ END_LAYOUTS = [("storage_end",) * 3, ("storage_end_bnhd",) * 3, ("storage_end_bn
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("bucket", list(BUCKET_DIMS), ids=[f"d{b}" for b in BUCKET_DIMS])
-@pytest.mark.parametrize("dtype", DTYPES, ids=_dtype_id)
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
 @pytest.mark.parametrize("impl", IMPLS)
 def test_instantiation_sanitized_views_at_storage_end(impl, dtype, bucket, causal):
     d = BUCKET_DIMS[bucket]

@@ -17,18 +17,13 @@ import sysconfig
 import pytest
 
 from mps_syntax import syntax_check
+from prereqs import unavailable
 
 ROOT = syntax_check.ROOT
 SOURCES = sorted(glob.glob(os.path.join(ROOT, "csrc", "*.cpp")) + glob.glob(os.path.join(ROOT, "csrc", "cpu", "*.cpp")))
 VERSION = syntax_check.MINIMUM_TORCH_VERSION
 STD = f"-std={syntax_check.MACOS_TORCH_VERSIONS[VERSION]}"
-IN_CI = os.environ.get("CI") == "true"
 
-
-def _unavailable(reason):
-    if IN_CI:
-        pytest.fail(reason)
-    pytest.skip(reason)
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +34,7 @@ def flags():
     try:
         include = syntax_check.macos_torch_include(VERSION)
     except syntax_check.HeadersUnavailable as err:
-        _unavailable(f"torch {VERSION} headers unavailable: {err}")
+        unavailable(f"torch {VERSION} headers unavailable: {err}")
     return [f"-I{include}", f"-I{os.path.join(include, 'torch', 'csrc', 'api', 'include')}",
             f"-I{sysconfig.get_paths()['include']}", f"-I{os.path.join(ROOT, 'csrc')}",
             f"-I{os.path.join(ROOT, 'shaders')}"]
@@ -53,7 +48,7 @@ def pch(flags, tmp_path_factory):
     try:
         clang = find_clang()
     except BuildError as err:
-        _unavailable(str(err))
+        unavailable(str(err))
     d = tmp_path_factory.mktemp("pch")
     header = d / "torch_headers.h"
     header.write_text("#include <Python.h>\n#include <ATen/ATen.h>\n#include <torch/library.h>\n")

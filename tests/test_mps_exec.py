@@ -25,9 +25,9 @@ import pytest
 import torch
 
 import mps_exec
-from numerics import DTYPES, assert_attention_close, make_qkv
+from numerics import DTYPES, assert_attention_close, dtype_id, make_qkv
+from prereqs import unavailable
 
-IN_CI = os.environ.get("CI") == "true"
 ROOT = mps_exec.ROOT
 SCENARIO = os.path.join(mps_exec.HERE, "scenario.py")
 # Every kernel the host can pick ("auto" goes through the routing heuristic).
@@ -38,15 +38,6 @@ LAYOUTS = ["contiguous", "transposed", "offset_slice", "mixed"]
 HEADS = {"mha": (4, 4), "gqa": (4, 2)}
 
 
-def _unavailable(reason):
-    """Skip locally, but fail in CI, where a missing prerequisite is a broken set-up."""
-    if IN_CI:
-        pytest.fail(reason)
-    pytest.skip(reason)
-
-
-def _dtype_id(d):
-    return str(d).replace("torch.", "")
 
 
 def _inputs(layout, dtype, hq, hkv, seed, shape=(2, 63, 65, 80)):
@@ -69,7 +60,7 @@ def built():
     try:
         return mps_exec.build()
     except mps_exec.ToolchainMissing as err:
-        _unavailable(str(err))
+        unavailable(str(err))
 
 
 @pytest.fixture(scope="session")
@@ -158,7 +149,7 @@ def clang():
     try:
         return mps_exec.toolchain()["clang"]
     except mps_exec.ToolchainMissing as err:
-        _unavailable(str(err))
+        unavailable(str(err))
 
 
 def _api_check(clang, version, std, api_include):
@@ -167,7 +158,7 @@ def _api_check(clang, version, std, api_include):
     try:
         include = syntax_check.macos_torch_include(version)
     except syntax_check.HeadersUnavailable as err:
-        _unavailable(f"macOS torch {version} headers unavailable: {err}")
+        unavailable(f"macOS torch {version} headers unavailable: {err}")
     cmd = syntax_check.syntax_check_command(clang, os.path.join(mps_exec.HERE, "api_check.mm"), include,
                                             (f"-I{api_include}",), std=std)
     return subprocess.run(cmd, capture_output=True, text=True), cmd
@@ -204,7 +195,7 @@ def test_fake_at_mps_api_check_bites(clang, tmp_path):
 
 @pytest.mark.parametrize("heads", list(HEADS))
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("dtype", DTYPES, ids=_dtype_id)
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_host_matches_oracle(host, emu, layout, impl, dtype, causal, heads):

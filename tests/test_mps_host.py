@@ -22,18 +22,12 @@ import sys
 import pytest
 
 from mps_syntax import syntax_check
+from prereqs import unavailable
 
 ROOT = syntax_check.ROOT
 MPS_DIR = os.path.join(ROOT, "csrc", "mps")
 SHADER = os.path.join(ROOT, "shaders", "attention.metal")
-IN_CI = os.environ.get("CI") == "true"
 
-
-def _unavailable(reason):
-    """Skip locally, but fail in CI, where a missing prerequisite is a broken set-up."""
-    if IN_CI:
-        pytest.fail(reason)
-    pytest.skip(reason)
 
 
 @pytest.fixture(scope="session")
@@ -43,7 +37,7 @@ def clang():
     try:
         return find_clang()
     except BuildError as err:
-        _unavailable(str(err))
+        unavailable(str(err))
 
 
 def _headers(version):
@@ -54,7 +48,7 @@ def _headers(version):
     try:
         return syntax_check.macos_torch_include(version), syntax_check.MACOS_TORCH_VERSIONS[version]
     except syntax_check.HeadersUnavailable as err:
-        _unavailable(f"macOS torch {version} headers unavailable: {err}")
+        unavailable(f"macOS torch {version} headers unavailable: {err}")
 
 
 @pytest.fixture(scope="session", params=sorted(syntax_check.MACOS_TORCH_VERSIONS))

@@ -16,9 +16,9 @@ import pytest
 import torch
 
 import flash_metal  # noqa: F401  (registers the ops)
+from prereqs import IN_CI
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-IN_CI = os.environ.get("CI") == "true"
 ON_MAC_WITH_MPS = sys.platform == "darwin" and torch.backends.mps.is_built()
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 

@@ -26,7 +26,7 @@ import torch
 
 from backends import backend_param, run_attention
 from flash_metal.reference import attention_reference, causal_mask
-from numerics import DTYPES, fp32_floor, rounding_floor
+from numerics import DTYPES, dtype_id, fp32_floor, rounding_floor
 
 # (backend, impl): the CPU kernel, and every Metal kernel emulated and on a Mac.
 BACKEND_IMPLS = [
@@ -53,9 +53,6 @@ KINDS = {torch.float32: ["-inf", "overflow", "huge"], torch.bfloat16: ["-inf", "
 SHAPES = [(37, 45), (50, 21)]
 D = 40  # ragged inside the 64 bucket
 
-
-def _dtype_id(d):
-    return str(d).replace("torch.", "")
 
 
 def make_case(nq, nk, dtype, kind, masked, seed):
@@ -140,7 +137,7 @@ CASES = [(dtype, kind) for dtype in DTYPES for kind in KINDS[dtype]]
 @pytest.mark.parametrize("backend,impl", BACKEND_IMPLS)
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("position", list(POSITIONS))
-@pytest.mark.parametrize("dtype,kind", CASES, ids=[f"{_dtype_id(d)}-{k}" for d, k in CASES])
+@pytest.mark.parametrize("dtype,kind", CASES, ids=[f"{dtype_id(d)}-{k}" for d, k in CASES])
 def test_nonfinite_scores(backend, impl, dtype, kind, position, causal):
     for i, (nq, nk) in enumerate(SHAPES):
         masked = POSITIONS[position](nk)

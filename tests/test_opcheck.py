@@ -2,11 +2,8 @@
 import pytest
 import torch
 
-from numerics import DTYPES, make_qkv
+from numerics import DTYPES, dtype_id, make_qkv
 
-
-def _dtype_id(d):
-    return str(d).replace("torch.", "")
 
 
 SAMPLES = [
@@ -17,7 +14,7 @@ SAMPLES = [
 ]
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=_dtype_id)
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
 @pytest.mark.parametrize("sample", SAMPLES, ids=["mha", "mqa-transposed", "gqa-slice-causal"])
 def test_opcheck_attention_forward(dtype, sample):
     B, Hq, Hkv, Nq, Nk, D, layout, causal, scale = sample

@@ -8,7 +8,6 @@ of two half or bfloat values are exact there; quotients are rounded once to
 import math
 
 import numpy as np
-import pytest
 from conftest import library
 
 N = 4096
