@@ -124,6 +124,8 @@ MetalLaunch plan_metal_attention(const AttentionProblem& p, const LaunchStrides&
   a.causal_offset = static_cast<int32_t>(p.causal_offset());
   a.scale = static_cast<float>(p.scale);
   a.scale_log2 = p.scale_log2();
+  a.kv_splits = 1;
+  a.split_keys = static_cast<int32_t>(p.kv_len);
   return launch;
 }
 

@@ -50,11 +50,14 @@ struct AttentionParams {
                             // (bottom-right alignment, the KV-cache convention)
   float scale;              // softmax scale applied to q.k (default 1/sqrt(D))
   float scale_log2;         // scale * log2(e): scores are kept in base 2 so exp becomes exp2
+  int32_t kv_splits;        // split-KV decode: key blocks Nk is cut into (1 for every other kernel)
+  int32_t split_keys;       // split-KV decode: keys per block, ceil(Nk / kv_splits) rounded up to a
+                            // multiple of 32; block s covers keys [s * split_keys, (s + 1) * split_keys)
 };
 
-// 19 int64 + 8 int32 + 2 float = 152 + 32 + 8 = 192 bytes, with no padding.
+// 19 int64 + 10 int32 + 2 float = 152 + 40 + 8 = 200 bytes, with no padding.
 // The same assertion compiles on the host and in the shader, so a field added
 // on one side only cannot go unnoticed.
-static_assert(sizeof(AttentionParams) == 192, "AttentionParams layout changed: update host and shaders together");
+static_assert(sizeof(AttentionParams) == 200, "AttentionParams layout changed: update host and shaders together");
 
 }  // namespace flash_metal
