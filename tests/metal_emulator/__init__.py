@@ -13,11 +13,12 @@ Importable as ``tests.metal_emulator`` or, with tests/ on sys.path, as ``metal_e
 from ._build import BuildError, find_clang
 from ._check import MslRuleError, check_msl_rules
 from ._ir import private_arrays
-from ._library import DISPATCHED, EmulatorError, Library, compile_library
+from ._library import DISPATCHED, DispatchCounts, EmulatorError, Library, compile_library
 
 __all__ = [
     "BuildError",
     "DISPATCHED",
+    "DispatchCounts",
     "EmulatorError",
     "Library",
     "MslRuleError",

@@ -8,6 +8,7 @@ import os
 import subprocess
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 from . import _build, _prepass, _registry
 
@@ -47,6 +48,80 @@ class _DispatchDesc(ctypes.Structure):
         ("max_threads", ctypes.c_uint),
         ("seed", ctypes.c_uint64),
     ]
+
+
+class _KernelCounts(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_ulonglong) for n in ("simdgroup_mmas", "simdgroup_loads", "simdgroup_stores", "exp2_calls")]
+
+
+class _CountsDesc(ctypes.Structure):
+    _fields_ = [
+        ("threadgroups", ctypes.c_uint64),
+        ("threads", ctypes.c_uint64),
+        ("threadgroup_barriers", ctypes.c_uint64),
+        ("simdgroup_barriers", ctypes.c_uint64),
+        ("threadgroup_bytes_read", ctypes.c_uint64),
+        ("threadgroup_bytes_written", ctypes.c_uint64),
+        ("device_bytes_read", ctypes.c_uint64 * 32),
+        ("device_bytes_written", ctypes.c_uint64 * 32),
+        ("kernel", _KernelCounts),
+    ]
+
+
+@dataclass(frozen=True)
+class DispatchCounts:
+    """What one Library.dispatch did, counted exactly (see README.md, "Counters").
+
+    Every build: threadgroups and threads launched; threadgroup_barriers
+    (threadgroup_barrier rendezvous, once per threadgroup per barrier);
+    simdgroup_barriers (once per SIMD-group per barrier); simdgroup_mmas
+    (simdgroup_multiply_accumulate and simdgroup_multiply), simdgroup_loads
+    and simdgroup_stores, once per SIMD-group per call; exp2_calls (metal::,
+    fast:: and precise:: exp2 and exp, per thread per call, a vector of n
+    elements counting n).
+
+    Instrumented build only (None in the fast build, whose loads and stores
+    are not hooked): device_bytes_read / device_bytes_written, the bytes of
+    every load and store of device memory as the -O1 kernel performs them,
+    in total and per [[buffer(n)]] index (..._by_index, one entry per bound
+    index, bytes= buffers included: constant-space reads such as a params
+    struct count too); threadgroup_bytes_read / threadgroup_bytes_written.
+    """
+
+    threadgroups: int
+    threads: int
+    threadgroup_barriers: int
+    simdgroup_barriers: int
+    simdgroup_mmas: int
+    simdgroup_loads: int
+    simdgroup_stores: int
+    exp2_calls: int
+    device_bytes_read: int | None
+    device_bytes_written: int | None
+    device_bytes_read_by_index: dict[int, int] | None
+    device_bytes_written_by_index: dict[int, int] | None
+    threadgroup_bytes_read: int | None
+    threadgroup_bytes_written: int | None
+
+
+def _counts(raw: _CountsDesc, instrumented: bool, indices) -> DispatchCounts:
+    k = raw.kernel
+    exact = {}
+    if instrumented:
+        read = {i: int(raw.device_bytes_read[i]) for i in sorted(indices)}
+        written = {i: int(raw.device_bytes_written[i]) for i in sorted(indices)}
+        exact = dict(device_bytes_read=sum(read.values()), device_bytes_written=sum(written.values()),
+                     device_bytes_read_by_index=read, device_bytes_written_by_index=written,
+                     threadgroup_bytes_read=int(raw.threadgroup_bytes_read),
+                     threadgroup_bytes_written=int(raw.threadgroup_bytes_written))
+    else:
+        exact = dict.fromkeys(("device_bytes_read", "device_bytes_written", "device_bytes_read_by_index",
+                               "device_bytes_written_by_index", "threadgroup_bytes_read", "threadgroup_bytes_written"))
+    return DispatchCounts(threadgroups=int(raw.threadgroups), threads=int(raw.threads),
+                          threadgroup_barriers=int(raw.threadgroup_barriers),
+                          simdgroup_barriers=int(raw.simdgroup_barriers), simdgroup_mmas=int(k.simdgroup_mmas),
+                          simdgroup_loads=int(k.simdgroup_loads), simdgroup_stores=int(k.simdgroup_stores),
+                          exp2_calls=int(k.exp2_calls), **exact)
 
 
 _UNSET = 2**64 - 1
@@ -110,6 +185,8 @@ class Library:
             getattr(lib, name).restype = ctypes.c_char_p
         lib.fm_set_function_constant.argtypes = [ctypes.c_int, ctypes.c_double]
         lib.fm_dispatch.argtypes = [ctypes.POINTER(_DispatchDesc)]
+        lib.fm_last_counts.argtypes = [ctypes.POINTER(_CountsDesc)]
+        lib.fm_last_counts.restype = ctypes.c_ulong
         self._kernels: dict[str, tuple[int, _registry.KernelDecl]] = {}
         for i in range(lib.fm_num_kernels()):
             host = lib.fm_kernel_host_name(i).decode()
@@ -137,7 +214,7 @@ class Library:
             raise EmulatorError(f"no kernel named {name!r}; the library has: {', '.join(self.kernel_names())}") from None
 
     def dispatch(self, name: str, buffers=None, bytes=None, function_constants=None, grid=(1, 1, 1),
-                 threadgroup=(1, 1, 1), threadgroup_memory=None, seed: int = 0) -> None:
+                 threadgroup=(1, 1, 1), threadgroup_memory=None, seed: int = 0) -> DispatchCounts:
         """Run kernel `name` like dispatchThreadgroups:threadsPerThreadgroup:.
 
         buffers: {index: tensor | numpy array} bound like setBuffer:offset:atIndex:
@@ -148,7 +225,8 @@ class Library:
         threadgroup. threadgroup_memory: {index: bytes} like
         setThreadgroupMemoryLength:atIndex:. seed: 0 runs threads in a fixed
         order; any other value shuffles the order of ready threads (seeded).
-        Raises EmulatorError on any finding.
+        Returns the run's DispatchCounts (byte counts None unless this is the
+        instrumented build). Raises EmulatorError on any finding.
         """
         index, decl = self._kernel(name)
         buffers = dict(buffers or {})
@@ -201,12 +279,16 @@ class Library:
                 self._lib.fm_set_function_constant(int(k), float(v))
             rc = self._lib.fm_dispatch(ctypes.byref(desc))
             reports = json.loads(self._lib.fm_last_reports().decode())
+            raw = _CountsDesc()
+            if self._lib.fm_last_counts(ctypes.byref(raw)) != ctypes.sizeof(_CountsDesc):
+                raise EmulatorError("the runtime's fm_dispatch_counts does not match _CountsDesc")
         self.dispatched.add(name)
         DISPATCHED.add(name)
         if rc == 2:
             raise EmulatorError("invalid dispatch description")
         if rc:
             raise EmulatorError(self._format(name, reports), reports)
+        return _counts(raw, self.instrumented, bindings)
 
     def _format(self, name: str, reports: list[dict]) -> str:
         pcs = sorted({pc for r in reports for pc in r["pcs"]})

@@ -32,6 +32,10 @@ static std::vector<FunctionConstant>& function_constants() {
   static std::vector<FunctionConstant> f;
   return f;
 }
+static fm_dispatch_counts& last_counts() {
+  static fm_dispatch_counts c{};
+  return c;
+}
 static std::string& last_report_json() {
   static std::string s;
   return s;
@@ -333,6 +337,7 @@ static bool resolve_simdgroups(Worker& w) {
                 where_threads_are(w, tids, true));
     }
     g.gen++;
+    if (first.site.kind == 1) w.counts.simdgroup_barriers++;
     bool orders = first.site.kind == 1 && (first.site.flags & 2u);
     for (unsigned l = 0; l < g.width; ++l) {
       Fiber& f = w.fibers[base + l];
@@ -366,12 +371,15 @@ static bool resolve_barrier(Worker& w) {
               where_threads_are(w, tids, false));
   }
   if (ref->site.flags & 2u) w.epoch++;  // mem_threadgroup orders threadgroup memory
+  w.counts.threadgroup_barriers++;
   for (Fiber& f : w.fibers) f.state = FiberState::Ready;
   return true;
 }
 
 static void run_group(Worker& w) {
   start_group(w);
+  w.counts.threadgroups++;
+  w.counts.threads += w.nthreads;
   begin_group_memory(w);
   std::vector<unsigned> order(w.nthreads);
   for (unsigned t = 0; t < w.nthreads; ++t) order[t] = t;
@@ -395,6 +403,9 @@ static void run_group(Worker& w) {
 }  // namespace fmrt
 
 using namespace fmrt;
+
+// The shim's kernel-side counters (abi.h); reset and read by fm_dispatch.
+extern "C" fm_kernel_counts fm_rt_counts = {};
 
 // ---- ABI used by kernel code ----------------------------------------------------
 extern "C" {
@@ -457,6 +468,12 @@ FMEMU_EXPORT int fm_function_constant_index(int i) { return function_constants()
 FMEMU_EXPORT int fm_function_constant_type(int i) { return function_constants()[i].type; }
 FMEMU_EXPORT const char* fm_function_constant_name(int i) { return function_constants()[i].name.c_str(); }
 FMEMU_EXPORT const char* fm_last_reports() { return last_report_json().c_str(); }
+// The counts of the last dispatch (clean or not); returns sizeof the struct so
+// that Python can check its mirror.
+FMEMU_EXPORT unsigned long fm_last_counts(fm_dispatch_counts* out) {
+  *out = last_counts();
+  return sizeof(fm_dispatch_counts);
+}
 
 FMEMU_EXPORT void fm_reset_function_constants() {
   for (auto& fc : function_constants()) *fc.defined = false;
@@ -494,6 +511,8 @@ FMEMU_EXPORT int fm_dispatch(const fm_dispatch_desc* d) {
   w.reports.clear();
   w.report_keys.clear();
   w.fatal = false;
+  w.counts = fm_dispatch_counts{};
+  fm_rt_counts = fm_kernel_counts{};
   last_report_json() = "[]";
   if (d->kernel < 0 || d->kernel >= (int)kernels().size()) return 2;
   w.kernel = &kernels()[d->kernel];
@@ -536,6 +555,8 @@ FMEMU_EXPORT int fm_dispatch(const fm_dispatch_desc* d) {
   remove_fault_handler();
   if (mapped) unmap_device_buffers(w, true);
   tls_worker = nullptr;
+  w.counts.kernel = fm_rt_counts;
+  last_counts() = w.counts;
   publish_reports(w);
   return w.reports.empty() ? 0 : 1;
 }

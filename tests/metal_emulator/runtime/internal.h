@@ -33,6 +33,18 @@ struct fm_dispatch_desc {
   uint64_t seed;         // 0 = deterministic order
 };
 
+// Per-dispatch counts the runtime keeps, read by Python after the run through
+// fm_last_counts (see _library.py's _CountsDesc for the ctypes mirror).
+// Byte counts are filled by the instrumented build's access callbacks only.
+struct fm_dispatch_counts {
+  uint64_t threadgroups, threads;
+  uint64_t threadgroup_barriers;  // rendezvous, once per threadgroup
+  uint64_t simdgroup_barriers;    // rendezvous, once per SIMD-group
+  uint64_t threadgroup_bytes_read, threadgroup_bytes_written;
+  uint64_t device_bytes_read[32], device_bytes_written[32];  // by [[buffer(n)]]
+  fm_kernel_counts kernel;        // what the shim counted (fm_rt_counts)
+};
+
 namespace fmrt {
 
 // Metal limits on Apple GPUs (MTLDevice maxThreadsPerThreadgroup and
@@ -163,6 +175,7 @@ struct Worker {
   std::vector<Report> reports;
   std::unordered_set<std::string> report_keys;
   bool instrument_active = false;
+  fm_dispatch_counts counts{};
 };
 
 // The worker running a dispatch. A plain global, not thread_local: a library

@@ -88,7 +88,10 @@ static const char* kind_name(bool write) { return write ? "write" : "read"; }
 static void device_access(Worker& w, const char* p, unsigned size, bool write, const void* pc) {
   for (const DeviceBuffer& db : w.dev) {
     if (p < db.region_lo || p >= db.region_hi) continue;
-    if (p >= db.start && p + size <= db.start + db.size) return;
+    if (p >= db.start && p + size <= db.start + db.size) {
+      (write ? w.counts.device_bytes_written : w.counts.device_bytes_read)[db.index] += size;
+      return;
+    }
     char buf[256];
     snprintf(buf, sizeof buf, "out-of-bounds %s of %u bytes at byte offset %ld of device buffer(%d) (bound length %llu bytes)",
              kind_name(write), size, (long)(p - db.start), db.index, (unsigned long long)db.size);
@@ -173,6 +176,7 @@ static inline void on_access(const void* addr, unsigned size, bool write, const 
   const char* p = static_cast<const char*>(addr);
   uintptr_t off = reinterpret_cast<uintptr_t>(p) - reinterpret_cast<uintptr_t>(w->arena);
   if (off < w->arena_cap) {
+    (write ? w->counts.threadgroup_bytes_written : w->counts.threadgroup_bytes_read) += size;
     tg_access(*w, off, size, write, pc);
   } else if (p >= w->dev_lo && p < w->dev_hi) {
     device_access(*w, p, size, write, pc);

@@ -4,7 +4,7 @@
 // keeps the clang AST dump that the registry scan reads small).
 #pragma once
 
-#define FMEMU_ABI_VERSION 1
+#define FMEMU_ABI_VERSION 2
 
 // Bytes one lane may contribute to a SIMD collective. 64 covers the widest
 // operand we support (a 16-element float vector) and the three 2-element
@@ -83,6 +83,19 @@ const unsigned char* fm_rt_simd_exchange(const void* data, unsigned size, const 
                                          int line, int col);
 unsigned fm_rt_simd_lane(void);
 unsigned fm_rt_simd_width(void);  // lanes present in this SIMD-group (< 32 only for a ragged last group)
+
+// Events the shim counts on the kernel side (the runtime counts the rest):
+// the runtime zeroes this before a dispatch and reads it after. One object per
+// library; a library runs one dispatch at a time on one OS thread, fibers
+// switch only at rendezvous, so a plain increment is exact and deterministic
+// (and costs one add in the fast build).
+struct fm_kernel_counts {
+  unsigned long long simdgroup_mmas;    // simdgroup_multiply(_accumulate), once per SIMD-group per call
+  unsigned long long simdgroup_loads;   // simdgroup_load, once per SIMD-group per call
+  unsigned long long simdgroup_stores;  // simdgroup_store, once per SIMD-group per call
+  unsigned long long exp2_calls;        // exp / exp2 (metal::, fast::, precise::), per thread per element
+};
+extern struct fm_kernel_counts fm_rt_counts;
 
 // Threadgroup variable declared in a kernel body: storage shared by the group.
 void* fm_rt_threadgroup_var(void* key, unsigned long size, unsigned long align, const char* name, const char* file,

@@ -87,9 +87,24 @@ template <class T> inline T splat(typename vec_info<T>::elem s) {
     return ::fmemu::map2(x, y, [](E ex, E ey) -> E { float a = (float)ex, b = (float)ey; return (E)(expr); }); \
   }
 
+// An exponential: FMEMU_MATH1 plus one count per element in fm_rt_counts
+// (Library.dispatch's exp2_calls). The compile-only rules check has no runtime.
+#ifdef FMEMU_CHECK_MSL
+#define FMEMU_COUNT_EXP(n)
+#else
+#define FMEMU_COUNT_EXP(n) (fm_rt_counts.exp2_calls += (n))
+#endif
+#define FMEMU_MATH1_EXP(name, expr)                                                                         \
+  template <class T, class = typename ::fmemu::enable_if<::fmemu::is_floating<T>>::type>                      \
+  inline T name(T x) {                                                                                   \
+    using E = typename ::fmemu::vec_info<T>::elem;                                                          \
+    FMEMU_COUNT_EXP(::fmemu::vec_info<T>::n);                                                               \
+    return ::fmemu::map1(x, [](E e) -> E { float v = (float)e; return (E)(expr); });                         \
+  }
+
 #define FMEMU_MATH_FUNCTIONS                                                                      \
-  FMEMU_MATH1(exp, expf(v))                                                                       \
-  FMEMU_MATH1(exp2, exp2f(v))                                                                     \
+  FMEMU_MATH1_EXP(exp, expf(v))                                                                   \
+  FMEMU_MATH1_EXP(exp2, exp2f(v))                                                                 \
   FMEMU_MATH1(exp10, powf(10.0f, v))                                                              \
   FMEMU_MATH1(log, logf(v))                                                                       \
   FMEMU_MATH1(log2, log2f(v))                                                                     \

@@ -165,6 +165,13 @@ inline void whole_group(const char* what, const char* file, int line, int col) {
   ::fmemu::exchange(0, what, file, line, col);
 }
 // Lane holding element (r, c): the inverse of fm_frag_row / fm_frag_col.
+// One count per SIMD-group per call (Library.dispatch's simdgroup_* counts):
+// lane 0 adds it, after the rendezvous that every lane reaches.
+inline void count(unsigned long long& counter) {
+#ifndef FMEMU_CHECK_MSL
+  if (fm_rt_simd_lane() == 0) ++counter;
+#endif
+}
 inline uint frag_lane(uint r, uint c) {
   return ((r >> 2) & 1) << 4 | ((c >> 2) & 1) << 3 | ((r >> 1) & 1) << 2 | (r & 1) << 1 | ((c >> 1) & 1);
 }
@@ -182,6 +189,7 @@ template <class T, int C, int R, class U>
 inline void simdgroup_load(thread simdgroup_matrix<T, C, R>& d, const U* src, ulong elements_per_row = C,
                            ulong2 matrix_origin = 0, bool transpose_matrix = false, FMEMU_SITE_PARAMS) {
   fm_detail::whole_group("simdgroup_load", FMEMU_SITE);
+  fm_detail::count(fm_rt_counts.simdgroup_loads);
   uint lane = fm_rt_simd_lane(), r = fm_frag_row(lane), c = fm_frag_col(lane);
   for (int j = 0; j < 2; ++j) {
     ulong row = transpose_matrix ? c + j : r, col = transpose_matrix ? r : c + j;
@@ -192,6 +200,7 @@ template <class T, int C, int R, class U>
 inline void simdgroup_store(thread const simdgroup_matrix<T, C, R>& m, U* dst, ulong elements_per_row = C,
                             ulong2 matrix_origin = 0, bool transpose_matrix = false, FMEMU_SITE_PARAMS) {
   fm_detail::whole_group("simdgroup_store", FMEMU_SITE);
+  fm_detail::count(fm_rt_counts.simdgroup_stores);
   uint lane = fm_rt_simd_lane(), r = fm_frag_row(lane), c = fm_frag_col(lane);
   for (int j = 0; j < 2; ++j) {
     ulong row = transpose_matrix ? c + j : r, col = transpose_matrix ? r : c + j;
@@ -212,6 +221,7 @@ inline void simdgroup_multiply_accumulate(thread simdgroup_matrix<TD, 8, 8>& d, 
     vec<TC, 2> c;
   } mine{a.e, b.e, c.e};
   const unsigned char* s = ::fmemu::exchange(mine, "simdgroup_multiply_accumulate", FMEMU_SITE);
+  fm_detail::count(fm_rt_counts.simdgroup_mmas);
   uint lane = fm_rt_simd_lane(), r = fm_frag_row(lane), c0 = fm_frag_col(lane);
   for (uint j = 0; j < 2; ++j) {
     float acc = fm_detail::gather<TC>(s, __builtin_offsetof(Frags, c), r, c0 + j);
