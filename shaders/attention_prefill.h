@@ -1,0 +1,315 @@
+// The FlashAttention-2 forward ("prefill") kernel on simdgroup_matrix: the
+// default for Nq > 8. One threadgroup owns BQ query rows of one (batch, head);
+// each of its WM SIMD-groups owns 8 of them. K and V stream through
+// threadgroup memory BK keys at a time; S = Q.K^T and O += P.V run as 8x8
+// simdgroup_matrix<float> products, and the online softmax works on whole
+// blocks of BK keys, so the output accumulator is rescaled once per block.
+//
+// The design follows MLX's steel attention (ml-explore/mlx,
+// mlx/backend/metal/kernels/steel/attn/kernels/steel_attention.h, mma.h,
+// loader.h): 4 SIMD-groups of 8 rows, Q in threadgroup memory, one K/V tile
+// shared by K and V in turn, rows padded by 16 bytes, tiles kept in the input
+// dtype and converted to float fragment by fragment, P and O in registers,
+// row max/sum by simd_shuffle_xor over the fragment lane layout, function
+// constants for the ragged edges, and causal block skipping. The code here is
+// written for this project (its own loader, masking and store); see the
+// comments for where it differs.
+//
+// Threadgroup memory (bytes), sized by the host (csrc/metal_plan.cpp):
+//
+//   tg_bytes(BQ, BK, DMAX, sizeof(T)) = (BQ + BK) * (DMAX * sizeof(T) + 16)
+//
+// the Q tile (BQ rows) then the K/V tile (BK rows), each row DMAX elements of
+// T plus 16 bytes of padding. It is a multiple of 16 (every DMAX is a multiple
+// of 8) and at most 25,600 bytes for the instantiations of
+// attention_prefill.metal (float32, DMAX 96, BQ = BK = 32).
+#pragma once
+
+#include "attention_common.h"
+
+namespace flash_metal {
+
+// [[function_constant(1)]]: Nq % BQ == 0, so no query block is ragged and the
+// kernel carries no query-edge code (MLX's align_Q).
+constant bool fc_align_q [[function_constant(1)]];
+// [[function_constant(2)]]: Nk % BK == 0, so no key block is ragged and the
+// kernel carries no key-edge code (MLX's align_K).
+constant bool fc_align_k [[function_constant(2)]];
+
+// Padding at the end of every tile row, in bytes. Why 16: a row of DMAX
+// elements is a multiple of 16 bytes, so without it the 8 rows a fragment
+// reads start on the same threadgroup-memory bank and their reads serialize;
+// 16 bytes shift each row by 4 banks (MLX PR #1899 measured this padding).
+// 16 also keeps every row 16-byte aligned for vector access.
+constant constexpr int kPrefillRowPadBytes = 16;
+
+// Lane layout of an 8x8 simdgroup_matrix, as MLX's BaseMMAFrag::get_coord
+// gives it: lane l holds the two adjacent elements (row, col) and
+// (row, col + 1) of thread_elements(), with qid = l / 4,
+// row = (qid & 4) + (l / 2) % 4, col = (qid & 2) * 2 + (l % 2) * 2.
+// Apple does not document it; MLX and metal-flash-attention ("morton order")
+// rely on it, and tests/test_metal_prefill.py pins these two functions to it.
+// The 4 lanes of one row are l, l ^ 1, l ^ 8, l ^ 9: a row reduction is a
+// lane-local combine of the 2 elements, then simd_shuffle_xor by 1 and by 8.
+inline int prefill_frag_row(uint lane) {
+  const uint qid = lane / 4;
+  return int((qid & 4) + (lane / 2) % 4);
+}
+inline int prefill_frag_col(uint lane) {
+  const uint qid = lane / 4;
+  return int((qid & 2) * 2 + (lane % 2) * 2);
+}
+
+typedef simdgroup_matrix<float, 8, 8> PrefillFrag;
+
+// Copies rows [first, first + ROWS) of one head's (N, D) matrix `src` into a
+// tile of ROWS rows of LD elements of T, as plain cooperative per-element
+// loads: thread `tid` of THREADS takes elements tid, tid + THREADS, ... of the
+// ROWS x DMAX block, so consecutive threads read consecutive features of a
+// row (coalesced when the feature stride is 1). Any element stride works.
+// Columns [D, DMAX) are written as zeros (the products below run over whole
+// 8-wide fragments, and threadgroup memory starts as garbage); nothing past
+// feature D is ever read. EDGE: rows >= valid_rows are past the end of the
+// sequence: zero-filled, not read (MLX's load_safe). Without EDGE the row test
+// is compiled out (the aligned case). The trip count ROWS * DMAX / THREADS is
+// a compile-time constant, so the loop unrolls and i / DMAX is a multiply.
+// The padding columns [DMAX, LD) are never written or read.
+template <int ROWS, int DMAX, int LD, int THREADS, bool EDGE, typename T>
+FM_INLINE void prefill_load_tile(threadgroup T* tile, device const T* src, int64_t row_stride, int64_t dim_stride,
+                                 int first, int D, int valid_rows, uint tid) {
+  constexpr int kElems = ROWS * DMAX;
+  static_assert(kElems % THREADS == 0, "every thread loads the same number of elements");
+  FM_UNROLL for (int it = 0; it < kElems / THREADS; ++it) {
+    const int i = it * THREADS + int(tid);
+    const int r = i / DMAX;
+    const int c = i % DMAX;
+    T x = T(0.0f);
+    if (c < D && (!EDGE || r < valid_rows)) x = src[int64_t(first + r) * row_stride + int64_t(c) * dim_stride];
+    tile[r * LD + c] = x;
+  }
+}
+
+// Fragment (row0.., col0..) of a row-major tile, converted to float: the
+// lane's two elements are adjacent in the row. (Metal's simdgroup_load cannot
+// convert T to float; MLX reads thread_elements() the same way.)
+template <typename T>
+FM_INLINE void prefill_read_frag(thread PrefillFrag& f, threadgroup const T* tile, int ld, int row0, int col0, int fr,
+                                 int fc) {
+  threadgroup const T* s = tile + (row0 + fr) * ld + col0 + fc;
+  f.thread_elements()[0] = float(s[0]);
+  f.thread_elements()[1] = float(s[1]);
+}
+
+// The transpose of fragment (col0.., row0..) of a row-major tile: element
+// (r, c) of the result is tile[col0 + c][row0 + r]. K stays row-major in its
+// tile (one loader and one layout for K and V; MLX stores K transposed
+// instead): the lane's two elements come from adjacent rows. With 16-byte row
+// padding the 8 rows of a fragment fall on different banks.
+template <typename T>
+FM_INLINE void prefill_read_frag_t(thread PrefillFrag& f, threadgroup const T* tile, int ld, int row0, int col0, int fr,
+                                   int fc) {
+  threadgroup const T* s = tile + (col0 + fc) * ld + row0 + fr;
+  f.thread_elements()[0] = float(s[0]);
+  f.thread_elements()[1] = float(s[ld]);
+}
+
+// T: element type of q, k, v and the output (float, half or bfloat).
+// DMAX: head_dim bucket (head_dim <= DMAX, zero padded). BQ: query rows per
+// threadgroup, 8 per SIMD-group. BK: keys per block. WM: SIMD-groups.
+// Launch: grid (ceil(Nq / BQ), Hq, B), threadgroup (32 * WM, 1, 1),
+// threadgroup memory tg_bytes (top of this file) at index 0, function
+// constants fc_causal (0), fc_align_q (1), fc_align_k (2).
+//
+// Barriers per key block: 4, as in MLX (K written -> read, K read -> V
+// written, V written -> read, V read -> next K written), because K and V
+// share one tile. Separate K and V tiles would need 2, but cost BK more rows
+// of threadgroup memory: float32 DMAX 96 would need 38,400 bytes, over the
+// 32 KiB limit, and every other instantiation would run fewer threadgroups per
+// core.
+template <typename T, int DMAX, int BQ, int BK, int WM>
+[[kernel]] void flash_attention_prefill(
+    device const T* q [[buffer(0)]],
+    device const T* k [[buffer(1)]],
+    device const T* v [[buffer(2)]],
+    device T* o [[buffer(3)]],
+    device float* lse [[buffer(4)]],
+    constant AttentionParams& p [[buffer(5)]],
+    threadgroup T* smem [[threadgroup(0)]],
+    uint3 group [[threadgroup_position_in_grid]],
+    uint tid [[thread_index_in_threadgroup]],
+    uint sg [[simdgroup_index_in_threadgroup]],
+    uint lane [[thread_index_in_simdgroup]]) {
+  static_assert(BQ == 8 * WM, "each SIMD-group owns 8 query rows");
+  static_assert(BK % 8 == 0 && DMAX % 8 == 0, "tiles are whole 8x8 fragments");
+  constexpr int THREADS = 32 * WM;
+  constexpr int LD = DMAX + kPrefillRowPadBytes / int(sizeof(T));  // tile row length, in elements
+  constexpr int TK = BK / 8;    // key fragments per block: S and P are 8 x BK per SIMD-group
+  constexpr int TD = DMAX / 8;  // feature fragments: O is 8 x DMAX per SIMD-group
+  threadgroup T* q_tile = smem;
+  threadgroup T* kv_tile = smem + BQ * LD;
+
+  const int D = p.head_dim;
+  const HeadOffsets h = head_offsets(p, group.z, group.y);
+  const int q0 = int(group.x) * BQ;       // first query row of the threadgroup
+  const int sg_row0 = q0 + int(sg) * 8;   // first query row of this SIMD-group
+  const int fr = prefill_frag_row(lane);  // this lane's row within the SIMD-group's 8
+  const int fc = prefill_frag_col(lane);  // this lane's first column within a fragment
+  const int row = sg_row0 + fr;           // this lane's query row
+
+  // Q once, unscaled, in T. No barrier of its own: the first key block's
+  // barrier orders these writes before any read.
+  if (!fc_align_q && q0 + BQ > p.q_len) {
+    prefill_load_tile<BQ, DMAX, LD, THREADS, true>(q_tile, q + h.q, p.q_row_stride, p.q_dim_stride, q0, D,
+                                                   p.q_len - q0, tid);
+  } else {
+    prefill_load_tile<BQ, DMAX, LD, THREADS, false>(q_tile, q + h.q, p.q_row_stride, p.q_dim_stride, q0, D, BQ, tid);
+  }
+
+  // Key blocks: all of them, or under causal masking as far as the group's
+  // last real row can see (later blocks are entirely in the future for every
+  // row, so they are never loaded; MLX's kb_lim). The same bound for every
+  // thread, so all meet at the same barriers. A group whose rows see no key
+  // at all (Nk < Nq) runs no block and stores zeros and -inf.
+  const int last_row = (fc_align_q ? q0 + BQ : min(q0 + BQ, p.q_len)) - 1;
+  const int n_blocks = (visible_keys(p, last_row) + BK - 1) / BK;
+  // Q.K^T runs over the 8-wide feature fragments that hold real features;
+  // those past ceil(D / 8) are all zero padding. A runtime bound is fine
+  // here: the Q and K fragments are temporaries, not indexed arrays.
+  const int d_frags = (D + 7) / 8;
+
+  PrefillFrag O[TD];
+  FM_UNROLL for (int id = 0; id < TD; ++id) O[id] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
+  OnlineSoftmax sm;  // this lane's row: running max (base 2) and sum, "no key yet"
+
+  for (int kb = 0; kb < n_blocks; ++kb) {
+    const int k0 = kb * BK;
+    const bool k_edge = !fc_align_k && k0 + BK > p.kv_len;  // the ragged last block
+    // The SIMD-group's rows see some key of this block: false only under
+    // causal masking when the block is in the future of all 8 rows (its
+    // later blocks are too). Uniform across the SIMD-group, so its
+    // collectives below stay convergent; the group still loads and meets
+    // every barrier.
+    const bool active = !fc_causal || k0 <= sg_row0 + 7 + p.causal_offset;
+    // The block straddles the diagonal for this SIMD-group: some key is in
+    // the future of some row. Only then are element masks applied.
+    const bool diagonal = fc_causal && k0 + BK - 1 > sg_row0 + p.causal_offset;
+
+    threadgroup_barrier(mem_flags::mem_threadgroup);  // last block's V reads done before K overwrites it (WAR)
+    if (k_edge) {
+      prefill_load_tile<BK, DMAX, LD, THREADS, true>(kv_tile, k + h.k, p.k_row_stride, p.k_dim_stride, k0, D,
+                                                     p.kv_len - k0, tid);
+    } else {
+      prefill_load_tile<BK, DMAX, LD, THREADS, false>(kv_tile, k + h.k, p.k_row_stride, p.k_dim_stride, k0, D, BK, tid);
+    }
+    threadgroup_barrier(mem_flags::mem_threadgroup);  // K written before anyone reads it (RAW)
+
+    // S = Q.K^T (8 x BK), float32 products of the T inputs converted
+    // exactly to float.
+    PrefillFrag S[TK];
+    if (active) {
+      FM_UNROLL for (int t = 0; t < TK; ++t) S[t] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
+      for (int dd = 0; dd < d_frags; ++dd) {
+        PrefillFrag qf;
+        prefill_read_frag(qf, q_tile, LD, int(sg) * 8, dd * 8, fr, fc);
+        FM_UNROLL for (int t = 0; t < TK; ++t) {
+          PrefillFrag kf;
+          prefill_read_frag_t(kf, kv_tile, LD, dd * 8, t * 8, fr, fc);
+          simdgroup_multiply_accumulate(S[t], qf, kf, S[t]);
+        }
+      }
+      // Scores to base 2, in float32 after the product (MLX PR #3119 moved
+      // its scaling there from Q in the input dtype, for precision). Masked
+      // keys get the finite sentinel (see kMaskedScore); so does a score
+      // that is -inf from the inputs, by a comparison the compiler cannot
+      // fold under fast math.
+      FM_UNROLL for (int t = 0; t < TK; ++t) {
+        FM_UNROLL for (int j = 0; j < 2; ++j) {
+          const int key = k0 + t * 8 + fc + j;
+          float s = S[t].thread_elements()[j] * p.scale_log2;
+          if (s <= kMaskedScore) s = kMaskedScore;
+          if (k_edge && key >= p.kv_len) s = kMaskedScore;
+          if (diagonal && key > row + p.causal_offset) s = kMaskedScore;
+          S[t].thread_elements()[j] = s;
+        }
+      }
+    }
+
+    threadgroup_barrier(mem_flags::mem_threadgroup);  // all K reads done before V overwrites the tile (WAR)
+    if (k_edge) {
+      prefill_load_tile<BK, DMAX, LD, THREADS, true>(kv_tile, v + h.v, p.v_row_stride, p.v_dim_stride, k0, D,
+                                                     p.kv_len - k0, tid);
+    } else {
+      prefill_load_tile<BK, DMAX, LD, THREADS, false>(kv_tile, v + h.v, p.v_row_stride, p.v_dim_stride, k0, D, BK, tid);
+    }
+
+    // Online softmax over the whole block (FlashAttention-2): the row's new
+    // max, then P = exp2(S - max) in place of S, the row sum, and one
+    // rescale of l and O by alpha = exp2(old max - new max) per block, not
+    // per key. Everything stays finite (attention_common.h, "Fast math"): a
+    // masked score gets weight 0 by an explicit test, and a row that saw
+    // only masked keys keeps m = kMaskedScore and l = 0.
+    if (active) {
+      float block_max = sm.m;
+      FM_UNROLL for (int t = 0; t < TK; ++t) {
+        block_max = max(block_max, max(S[t].thread_elements()[0], S[t].thread_elements()[1]));
+      }
+      block_max = max(block_max, simd_shuffle_xor(block_max, 1));
+      block_max = max(block_max, simd_shuffle_xor(block_max, 8));
+      const float alpha = exp2(sm.m - block_max);  // finite argument <= 0
+      float block_sum = 0.0f;
+      FM_UNROLL for (int t = 0; t < TK; ++t) {
+        FM_UNROLL for (int j = 0; j < 2; ++j) {
+          const float s = S[t].thread_elements()[j];
+          const float w = s <= kMaskedScore ? 0.0f : exp2(s - block_max);
+          S[t].thread_elements()[j] = w;
+          block_sum += w;
+        }
+      }
+      block_sum += simd_shuffle_xor(block_sum, 1);
+      block_sum += simd_shuffle_xor(block_sum, 8);
+      sm.l = sm.l * alpha + block_sum;
+      sm.m = block_max;
+      FM_UNROLL for (int id = 0; id < TD; ++id) {
+        O[id].thread_elements()[0] *= alpha;
+        O[id].thread_elements()[1] *= alpha;
+      }
+    }
+
+    threadgroup_barrier(mem_flags::mem_threadgroup);  // V written before anyone reads it (RAW)
+
+    // O += P.V, skipping feature fragments that are all padding (uniform:
+    // D is the same for every lane). O's index id stays a compile-time
+    // constant, so O lives in registers.
+    if (active) {
+      FM_UNROLL for (int id = 0; id < TD; ++id) {
+        if (id * 8 < D) {
+          FM_UNROLL for (int t = 0; t < TK; ++t) {
+            PrefillFrag vf;
+            prefill_read_frag(vf, kv_tile, LD, t * 8, id * 8, fr, fc);
+            simdgroup_multiply_accumulate(O[id], S[t], vf, O[id]);
+          }
+        }
+      }
+    }
+  }
+
+  // Store O / l for real rows (and only the D real features), and the row's
+  // lse from one lane of the 4 that share it. A row that saw no key stores
+  // zeros and -inf made from bits, exactly as store_output_row does.
+  if (fc_align_q || row < p.q_len) {
+    const float inv = sm.inv_sum();
+    device T* op = o + h.o + int64_t(row) * p.o_row_stride;
+    FM_UNROLL for (int id = 0; id < TD; ++id) {
+      FM_UNROLL for (int j = 0; j < 2; ++j) {
+        const int c = id * 8 + fc + j;
+        if (c < D) op[int64_t(c) * p.o_dim_stride] = static_cast<T>(O[id].thread_elements()[j] * inv);
+      }
+    }
+    if (fc == 0) {
+      const uint bits = sm.has_key() ? as_type<uint>(sm.lse()) : kNegInfBits;
+      lse[h.lse + int64_t(row) * p.lse_row_stride] = as_type<float>(bits);
+    }
+  }
+}
+
+}  // namespace flash_metal
