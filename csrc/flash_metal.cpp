@@ -22,26 +22,32 @@ TORCH_LIBRARY(flash_metal, m) {
   // Hq % Hkv == 0. Returns out (B, Hq, Nq, D) in q's dtype and the float32
   // log-sum-exp lse (B, Hq, Nq) of each row's scaled scores (natural log; -inf
   // for a row that sees no key). `impl` picks the kernel on Metal: "auto",
-  // "untiled" or "tiled" (see csrc/metal_plan.h); CPU tensors accept "auto".
+  // "untiled", "tiled", "prefill", "decode" or "decode_split" (see
+  // csrc/metal_plan.h); CPU tensors accept "auto".
   // (Not named `kernel`: Inductor's fallback lowering reserves that keyword.)
   m.def("attention_forward(Tensor q, Tensor k, Tensor v, bool causal=False, float? scale=None, "
         "str impl=\"auto\") -> (Tensor out, Tensor lse)");
   // The Metal launch plan attention_forward would use for these inputs,
-  // without running anything: kernel host name, threadgroups per grid,
-  // threads per threadgroup, dynamic threadgroup memory in bytes and its
-  // [[threadgroup(i)]] index, the boolean function constants (index =
-  // [[function_constant(i)]]), the binding table (the [[buffer(n)]] of q, k,
-  // v, out and lse, in that order), the [[buffer(n)]] of the AttentionParams
-  // bytes, those bytes, and the reason for the choice. Works for tensors on
-  // any device; the test suite's emulated-Metal backend and
-  // flash_metal.explain() use it.
-  m.def("metal_plan(Tensor q, Tensor k, Tensor v, bool causal=False, float? scale=None, str impl=\"auto\") "
+  // without running anything, one dispatch at a time (a split-KV decode has
+  // two): kernel host name, threadgroups per grid, threads per threadgroup,
+  // dynamic threadgroup memory in bytes and its [[threadgroup(i)]] index, the
+  // boolean function constants (index = [[function_constant(i)]]), the
+  // binding table (the [[buffer(n)]] of q, k, v, out, lse, partial_out and
+  // partial_stats, in that order, -1 when unbound), the [[buffer(n)]] of the
+  // AttentionParams bytes, those bytes, the reason for the choice, the number
+  // of dispatches, and the float32 elements of the two scratch tensors. `gpu`
+  // is the device-class hint ("base", "max", "ultra"; on MPS the device's
+  // own class is used). Works for tensors on any device; the test suite's
+  // emulated-Metal backend and flash_metal.explain() use it.
+  m.def("metal_plan(Tensor q, Tensor k, Tensor v, bool causal=False, float? scale=None, str impl=\"auto\", "
+        "str gpu=\"base\", int dispatch=0) "
         "-> (str kernel_name, int[] grid, int[] threadgroup, int threadgroup_memory, int threadgroup_memory_index, "
-        "bool[] function_constants, int[] buffer_indices, int params_index, Tensor params, str reason)");
+        "bool[] function_constants, int[] buffer_indices, int params_index, Tensor params, str reason, "
+        "int num_dispatches, int[] scratch_elements)");
   // macOS builds only (csrc/mps/pipelines.mm), for tests: loads the shader
   // library as attention_forward would and builds the pipeline of every
-  // kernel the planner can name, causal and not, on the system's Metal
-  // device. Returns where the library came from and "<kernel>/causal" or
-  // "<kernel>/non-causal" for each pipeline built.
+  // (kernel, function constants) pair the planner can produce, on the
+  // system's Metal device. Returns where the library came from and
+  // "<kernel>/<constants as 0/1 digits>" for each pipeline built.
   m.def("metal_build_all_pipelines() -> (str library, str[] pipelines)");
 }

@@ -19,16 +19,17 @@ const char* dtype_name(c10::ScalarType t) {
   }
 }
 
-uint32_t head_dim_bucket(int64_t head_dim) {
-  for (uint32_t b : kHeadDimBuckets) {
+template <size_t N>
+uint32_t bucket_of(int64_t head_dim, const std::array<uint32_t, N>& buckets) {
+  for (uint32_t b : buckets) {
     if (head_dim <= b) return b;
   }
-  TORCH_CHECK_VALUE(false, kOp, ": head_dim ", head_dim, " exceeds the largest bucket ", kHeadDimBuckets.back());
+  TORCH_CHECK_VALUE(false, kOp, ": head_dim ", head_dim, " exceeds the largest bucket ", buckets.back());
 }
 
 uint32_t ceil_div(int64_t a, int64_t b) { return static_cast<uint32_t>((a + b - 1) / b); }
 
-// Bytes of one element of the inputs (the tiled kernel's tiles are stored in it).
+// Bytes of one element of the inputs (every kernel's tiles are stored in it).
 uint32_t dtype_bytes(c10::ScalarType t) { return t == c10::ScalarType::Float ? 4 : 2; }
 
 // Threadgroup memory of the tiled kernel (shaders/attention_tiled.h): one K
@@ -38,23 +39,48 @@ uint32_t dtype_bytes(c10::ScalarType t) { return t == c10::ScalarType::Float ? 4
 // float16/bfloat16; converted to float on read). 2 * 16 * bucket * bytes:
 // a multiple of 16 (bucket >= 32), as Metal requires, and at most
 // 2 * 16 * 256 * 4 = 32 KiB (float32, bucket 256), Metal's limit.
-uint32_t tiled_threadgroup_memory(const AttentionProblem& p) {
-  return 2 * kPostKeysPerTile * head_dim_bucket(p.head_dim) * dtype_bytes(p.dtype);
+uint32_t tiled_threadgroup_memory(uint32_t bucket, c10::ScalarType dtype) {
+  return 2 * kPostKeysPerTile * bucket * dtype_bytes(dtype);
 }
 
-// The binding slots of every attention kernel: they mirror the [[buffer(n)]]
+// Threadgroup memory of the prefill kernel (shaders/attention_prefill.h),
+// the layout its header documents: a Q tile of block_q rows and one K/V tile
+// of block_k rows, used by K and then V in turn (MLX's steel layout), every
+// row holding the bucket's columns plus 16 bytes of padding against bank
+// conflicts (MLX PR #1899), all in the input dtype.
+uint32_t prefill_threadgroup_memory(uint32_t block_q, uint32_t block_k, uint32_t bucket, c10::ScalarType dtype) {
+  const uint32_t row = (bucket + 16 / dtype_bytes(dtype)) * dtype_bytes(dtype);
+  return (block_q + block_k) * row;
+}
+
+// Metal's threadgroup-memory limit on every Apple GPU of the supported
+// macOS versions (MTLDevice.maxThreadgroupMemoryLength is 32 KiB on Apple7+).
+constexpr uint32_t kMaxThreadgroupMemory = 32 * 1024;
+
+// The binding slots of the attention kernels: they mirror the [[buffer(n)]]
 // and [[threadgroup(n)]] attributes of the kernel templates in shaders/*.h
 // (tests/test_metal_kernels.py checks each instantiation's signature against
-// this table), in LaunchTensor order.
-constexpr std::array<BufferBinding, kLaunchTensorCount> kAttentionBuffers = {{
-    {LaunchTensor::Q, 0},
-    {LaunchTensor::K, 1},
-    {LaunchTensor::V, 2},
-    {LaunchTensor::Out, 3},
-    {LaunchTensor::Lse, 4},
-}};
+// these tables). One slot per tensor across every kernel, so a tensor is
+// always at the same index.
+constexpr uint32_t kSlotQ = 0, kSlotK = 1, kSlotV = 2, kSlotOut = 3, kSlotLse = 4;
 constexpr uint32_t kAttentionParamsIndex = 5;       // constant AttentionParams& p [[buffer(5)]]
-constexpr uint32_t kAttentionThreadgroupIndex = 0;  // the tiled kernel's K/V tiles, [[threadgroup(0)]]
+constexpr uint32_t kSlotPartialOut = 6, kSlotPartialStats = 7;
+constexpr uint32_t kAttentionThreadgroupIndex = 0;  // dynamic threadgroup memory, [[threadgroup(0)]]
+
+// Every forward kernel (post kernels, prefill, one-pass decode).
+const std::vector<BufferBinding> kForwardBuffers = {
+    {LaunchTensor::Q, kSlotQ}, {LaunchTensor::K, kSlotK}, {LaunchTensor::V, kSlotV},
+    {LaunchTensor::Out, kSlotOut}, {LaunchTensor::Lse, kSlotLse}};
+// Split-KV pass 1: reads q, k, v; writes the partials.
+const std::vector<BufferBinding> kSplitBuffers = {
+    {LaunchTensor::Q, kSlotQ}, {LaunchTensor::K, kSlotK}, {LaunchTensor::V, kSlotV},
+    {LaunchTensor::PartialOut, kSlotPartialOut}, {LaunchTensor::PartialStats, kSlotPartialStats}};
+// Split-KV pass 2: reads the partials; writes out and lse.
+const std::vector<BufferBinding> kMergeBuffers = {
+    {LaunchTensor::Out, kSlotOut}, {LaunchTensor::Lse, kSlotLse},
+    {LaunchTensor::PartialOut, kSlotPartialOut}, {LaunchTensor::PartialStats, kSlotPartialStats}};
+
+std::string kib(uint32_t bytes) { return std::to_string(bytes) + " bytes"; }
 
 }  // namespace
 
@@ -62,53 +88,229 @@ KernelRequest parse_kernel_request(const std::string& kernel) {
   if (kernel == "auto") return KernelRequest::Auto;
   if (kernel == "untiled") return KernelRequest::Untiled;
   if (kernel == "tiled") return KernelRequest::Tiled;
-  TORCH_CHECK_VALUE(false, kOp, ": impl must be one of 'auto', 'untiled', 'tiled'; got '", kernel, "'");
+  if (kernel == "prefill") return KernelRequest::Prefill;
+  if (kernel == "decode") return KernelRequest::Decode;
+  if (kernel == "decode_split") return KernelRequest::DecodeSplit;
+  TORCH_CHECK_VALUE(false, kOp,
+                    ": impl must be one of 'auto', 'untiled', 'tiled', 'prefill', 'decode', 'decode_split'; got '",
+                    kernel, "'");
 }
 
-KernelRequest choose_metal_kernel(const AttentionProblem& p, KernelRequest requested, std::string* reason) {
-  if (requested != KernelRequest::Auto) {
-    *reason = requested == KernelRequest::Tiled ? "tiled: requested by the caller (impl='tiled')"
-                                                : "untiled: requested by the caller (impl='untiled')";
-    return requested;
+GpuClass parse_gpu_class(const std::string& name) {
+  if (name == "base") return GpuClass::Base;
+  if (name == "max") return GpuClass::Max;
+  if (name == "ultra") return GpuClass::Ultra;
+  TORCH_CHECK_VALUE(false, kOp, ": gpu must be one of 'base', 'max', 'ultra'; got '", name, "'");
+}
+
+GpuClass gpu_class_from_device_name(const std::string& name) {
+  const auto ends_with = [&](const std::string& tail) {
+    return name.size() >= tail.size() && name.compare(name.size() - tail.size(), tail.size(), tail) == 0;
+  };
+  if (ends_with(" Ultra")) return GpuClass::Ultra;
+  if (ends_with(" Max")) return GpuClass::Max;
+  return GpuClass::Base;
+}
+
+namespace {
+
+const char* request_name(KernelRequest r) {
+  switch (r) {
+    case KernelRequest::Untiled: return "untiled";
+    case KernelRequest::Tiled: return "tiled";
+    case KernelRequest::Prefill: return "prefill";
+    case KernelRequest::Decode: return "decode";
+    case KernelRequest::DecodeSplit: return "decode_split";
+    default: return "auto";
   }
-  // The only rule while the post's two kernels are all we have: the tiled
-  // kernel reads each K/V element from device memory once per group of 32
-  // queries instead of once per query, and the post measured it faster in 15
-  // of 16 configurations. Its threadgroup tile fits every supported head_dim.
-  *reason = "tiled: K/V tiles in threadgroup memory are shared by " + std::to_string(kPostThreadsPerGroup) +
-            " queries (head_dim " + std::to_string(p.head_dim) + " needs " +
-            std::to_string(tiled_threadgroup_memory(p)) +
-            " bytes of threadgroup memory, within Metal's 32 KiB)";
-  return KernelRequest::Tiled;
 }
 
-MetalLaunch plan_metal_attention(const AttentionProblem& p, const LaunchStrides& s, KernelRequest requested) {
-  MetalLaunch launch;
-  const KernelRequest kind = choose_metal_kernel(p, requested, &launch.reason);
-  const uint32_t bucket = head_dim_bucket(p.head_dim);
-  const std::string suffix = std::string(dtype_name(p.dtype)) + "_d" + std::to_string(bucket);
+// Cores of a representative chip of each class (M3: 10, M3 Max: 40, M3
+// Ultra: 80; Apple's published configurations). Only the split count uses it.
+uint32_t representative_cores(GpuClass gpu) {
+  switch (gpu) {
+    case GpuClass::Ultra: return 80;
+    case GpuClass::Max: return 40;
+    default: return 10;
+  }
+}
 
-  // Both post kernels give each thread one query row, so one threadgroup
-  // covers kPostThreadsPerGroup rows of one (batch, head).
-  launch.grid = {ceil_div(p.q_len, kPostThreadsPerGroup), static_cast<uint32_t>(p.q_heads),
-                 static_cast<uint32_t>(p.batch)};
-  launch.threadgroup = {kPostThreadsPerGroup, 1, 1};
-  if (kind == KernelRequest::Tiled) {
-    // Name format must match the instantiations in shaders/attention.metal.
-    launch.kernel_name = "flash_attention_tiled_" + suffix + "_bk" + std::to_string(kPostKeysPerTile) + "_t" +
-                         std::to_string(kPostThreadsPerGroup);
-    launch.threadgroup_memory = tiled_threadgroup_memory(p);
+// Split-KV decode knobs.
+// Why 4 threadgroups per core: decode is bound by memory bandwidth, and a
+// core hides DRAM latency only with several threadgroups' loads in flight;
+// fewer leaves bandwidth unused, more only adds merge work.
+constexpr uint32_t kDecodeGroupsPerCore = 4;
+// Why 256 keys at least per block: the merge pass re-reads head_dim floats of
+// partial output per block and row, which must stay small next to the block's
+// own K/V bytes (256 keys x D x 2 tensors); it also keeps the extra
+// dispatch worth its cost on short contexts.
+constexpr int64_t kMinKeysPerSplit = 256;
+// Why at most 64 blocks: bounds the merge loop and the scratch memory
+// (64 x D floats per query row), and 64 already fills an Ultra at B*Hkv = 5.
+constexpr uint32_t kMaxKvSplits = 64;
+// Why blocks start at multiples of 32 keys: a block then starts on a whole
+// SIMD-group of keys in every decode kernel layout.
+constexpr int64_t kSplitKeyQuantum = 32;
+
+// Split count for the decode kernels: enough (batch, kv head, block)
+// threadgroups to give every core of the class kDecodeGroupsPerCore, within
+// kMinKeysPerSplit and kMaxKvSplits. At least 2 when forced.
+uint32_t decode_splits(const AttentionProblem& p, GpuClass gpu, bool forced, std::string* why) {
+  const int64_t groups = std::max<int64_t>(1, p.batch * p.kv_heads);
+  const int64_t target = int64_t{representative_cores(gpu)} * kDecodeGroupsPerCore;
+  const int64_t want = (target + groups - 1) / groups;
+  const int64_t by_length = std::max<int64_t>(1, p.kv_len / kMinKeysPerSplit);
+  int64_t splits = std::min<int64_t>({want, by_length, int64_t{kMaxKvSplits}});
+  if (forced) splits = std::max<int64_t>(splits, 2);
+  splits = std::max<int64_t>(splits, 1);
+  // Whole blocks of a multiple of 32 keys; drop blocks that would be empty.
+  const int64_t keys = std::max<int64_t>(1, p.kv_len);
+  int64_t per = (keys + splits - 1) / splits;
+  per = (per + kSplitKeyQuantum - 1) / kSplitKeyQuantum * kSplitKeyQuantum;
+  if (!forced) splits = (keys + per - 1) / per;
+  *why = std::to_string(groups) + " (batch, kv head) pairs want " + std::to_string(want) + " blocks to give a " +
+         std::to_string(representative_cores(gpu)) + "-core GPU " + std::to_string(kDecodeGroupsPerCore) +
+         " threadgroups per core; Nk = " + std::to_string(p.kv_len) + " allows " + std::to_string(by_length) +
+         " blocks of >= " + std::to_string(kMinKeysPerSplit) + " keys; at most " + std::to_string(kMaxKvSplits);
+  return static_cast<uint32_t>(splits);
+}
+
+uint32_t split_keys(int64_t kv_len, uint32_t splits) {
+  const int64_t keys = std::max<int64_t>(1, kv_len);
+  int64_t per = (keys + splits - 1) / splits;
+  return static_cast<uint32_t>((per + kSplitKeyQuantum - 1) / kSplitKeyQuantum * kSplitKeyQuantum);
+}
+
+std::string padding_note(int64_t head_dim, uint32_t bucket) {
+  if (head_dim == bucket) return "";
+  return "; head_dim " + std::to_string(head_dim) + " runs zero-padded in the " + std::to_string(bucket) +
+         "-wide instantiation (no read or write past head_dim)";
+}
+
+// The decode kernels' launches (shaders/attention_decode.h documents the
+// shapes): one threadgroup per (kv head, batch[, key block]) serving every
+// query row of the GQA group, then, when split, the merge pass.
+void decode_launches(const AttentionProblem& p, const KernelChoice& c, const std::string& suffix, MetalLaunch l,
+                     MetalPlan* plan) {
+  const uint32_t kv_heads = static_cast<uint32_t>(p.kv_heads), batch = static_cast<uint32_t>(p.batch);
+  l.threadgroup = {256, 1, 1};
+  if (c.kv_splits == 1) {
+    l.kernel_name = "flash_decode_" + suffix;
+    l.grid = {kv_heads, batch, 1};
+    plan->launches.push_back(l);
+    return;
+  }
+  const int64_t rows = p.batch * p.q_heads * p.q_len;
+  plan->partial_out_elements = rows * c.kv_splits * p.head_dim;
+  plan->partial_stats_elements = rows * c.kv_splits * 2;
+  l.kernel_name = "flash_decode_split_" + suffix;
+  l.grid = {kv_heads, batch, c.kv_splits};
+  l.buffers = kSplitBuffers;
+  plan->launches.push_back(l);
+  MetalLaunch m = l;
+  m.kernel_name = "flash_decode_merge_" + suffix;
+  m.grid = {static_cast<uint32_t>(p.q_len), static_cast<uint32_t>(p.q_heads), batch};
+  m.threadgroup = {32, 1, 1};
+  m.buffers = kMergeBuffers;
+  plan->launches.push_back(m);
+}
+
+}  // namespace
+
+KernelChoice choose_metal_kernel(const AttentionProblem& p, KernelRequest requested, GpuClass gpu) {
+  KernelChoice c;
+  const bool explicit_request = requested != KernelRequest::Auto;
+  if (explicit_request) {
+    c.kind = requested;
+    c.reason = std::string(request_name(requested)) + ": requested by the caller (impl='" + request_name(requested) +
+               "')";
+  } else if (p.q_len <= kMaxDecodeRows) {
+    c.kind = KernelRequest::Decode;  // one pass or split, decided below
+    c.reason = "decode: Nq = " + std::to_string(p.q_len) + " <= " + std::to_string(kMaxDecodeRows) +
+               " query rows (token generation): memory-bound, so every K/V row is read once per (batch, kv head) "
+               "for all " + std::to_string(p.gqa_ratio() * p.q_len) + " query rows of its GQA group";
   } else {
-    launch.kernel_name = "flash_attention_untiled_" + suffix + "_t" + std::to_string(kPostThreadsPerGroup);
-    launch.threadgroup_memory = 0;
+    c.kind = KernelRequest::Prefill;
+    c.reason = "prefill: Nq = " + std::to_string(p.q_len) + " > " + std::to_string(kMaxDecodeRows) +
+               " query rows fill 8x8 simdgroup-matrix tiles (FlashAttention-2: K/V blocks shared by the "
+               "threadgroup's query rows, both products on simdgroup matrices)";
   }
-  launch.buffers = kAttentionBuffers;
-  launch.params_index = kAttentionParamsIndex;
-  launch.threadgroup_memory_index = kAttentionThreadgroupIndex;
-  launch.function_constants.assign(kCausalFunctionConstant + 1, false);
-  launch.function_constants[kCausalFunctionConstant] = p.causal;
 
-  AttentionParams& a = launch.params;
+  const bool decode_family = c.kind == KernelRequest::Decode || c.kind == KernelRequest::DecodeSplit;
+  TORCH_CHECK_VALUE(!decode_family || p.q_len <= kMaxDecodeRows, kOp, ": impl='", request_name(c.kind),
+                    "' serves at most ", kMaxDecodeRows, " query rows; got ", p.q_len,
+                    " (use impl='prefill' or 'auto')");
+
+  switch (c.kind) {
+    case KernelRequest::Untiled:
+    case KernelRequest::Tiled:
+      c.bucket = bucket_of(p.head_dim, kHeadDimBuckets);
+      if (c.kind == KernelRequest::Tiled) {
+        c.reason += " (K/V tiles of " + std::to_string(kPostKeysPerTile) + " keys shared by " +
+                    std::to_string(kPostThreadsPerGroup) + " queries, " +
+                    kib(tiled_threadgroup_memory(c.bucket, p.dtype)) + " of threadgroup memory)";
+      }
+      break;
+    case KernelRequest::Prefill: {
+      c.bucket = bucket_of(p.head_dim, kFastHeadDimBuckets);
+      // Block sizes per head-dim bucket (MLX's steel table; PyTorch's prefill
+      // kernel makes the same choice at 256). Each simdgroup owns 8 query
+      // rows, so block_q = 8 * simdgroups. Per lane a simdgroup keeps its
+      // output rows (bucket / 8 fragments of 2 floats) and the scores of one
+      // key block (block_k / 8 fragments of 2 floats) in registers.
+      if (c.bucket <= 96) {
+        // Why 32 x 32 with 4 simdgroups: 128 threads share each K/V block
+        // among 32 query rows; 4 score fragments and at most 12 output
+        // fragments per lane fit the register file without spilling, and
+        // the tiles take at most 25.6 KB (float32, D=96), 13.3 KB in half.
+        c.block_q = 32; c.block_k = 32; c.simdgroups = 4;
+      } else if (c.bucket <= 128) {
+        // Why 16 keys at D=128: 16 output fragments per lane already, so the
+        // score block shrinks to 2 fragments; 25.3 KB in float32, 13.1 KB in half.
+        c.block_q = 32; c.block_k = 16; c.simdgroups = 4;
+      } else {
+        // Why 2 simdgroups and 8 keys at D=256: 32 output fragments per lane
+        // leave room for a single score fragment; 16 query rows keep the
+        // float32 tiles at 25.0 KB (MLX's 32/16 needs 40 KB in float32, and
+        // MLX routes D=256 to its unfused path for that reason).
+        c.block_q = 16; c.block_k = 8; c.simdgroups = 2;
+      }
+      const uint32_t bytes = prefill_threadgroup_memory(c.block_q, c.block_k, c.bucket, p.dtype);
+      c.reason += "; blocks of " + std::to_string(c.block_q) + " queries x " + std::to_string(c.block_k) +
+                  " keys on " + std::to_string(c.simdgroups) + " simdgroups, " + kib(bytes) +
+                  " of threadgroup memory" + (bytes <= 16 * 1024 ? " (two threadgroups fit one core's 32 KiB)" : "");
+      break;
+    }
+    case KernelRequest::Decode:
+    case KernelRequest::DecodeSplit: {
+      c.bucket = bucket_of(p.head_dim, kFastHeadDimBuckets);
+      std::string why;
+      const bool forced_split = c.kind == KernelRequest::DecodeSplit;
+      const bool forced_one = explicit_request && c.kind == KernelRequest::Decode;
+      c.kv_splits = forced_one ? 1 : decode_splits(p, gpu, forced_split, &why);
+      c.kind = c.kv_splits > 1 ? KernelRequest::DecodeSplit : KernelRequest::Decode;
+      if (!forced_one) {
+        c.reason += c.kv_splits > 1 ? "; split-KV: " + std::to_string(c.kv_splits) + " key blocks, then a merge pass ("
+                                    : "; one pass (";
+        c.reason += why + ")";
+      }
+      break;
+    }
+    default:
+      break;
+  }
+  c.reason += padding_note(p.head_dim, c.bucket);
+  return c;
+}
+
+MetalPlan plan_metal_attention(const AttentionProblem& p, const LaunchStrides& s, KernelRequest requested,
+                               GpuClass gpu) {
+  const KernelChoice c = choose_metal_kernel(p, requested, gpu);
+  MetalPlan plan;
+  plan.reason = c.reason;
+  const std::string suffix = std::string(dtype_name(p.dtype)) + "_d" + std::to_string(c.bucket);
+
+  AttentionParams a{};
   a.q_batch_stride = s.q[0]; a.q_head_stride = s.q[1]; a.q_row_stride = s.q[2]; a.q_dim_stride = s.q[3];
   a.k_batch_stride = s.k[0]; a.k_head_stride = s.k[1]; a.k_row_stride = s.k[2]; a.k_dim_stride = s.k[3];
   a.v_batch_stride = s.v[0]; a.v_head_stride = s.v[1]; a.v_row_stride = s.v[2]; a.v_dim_stride = s.v[3];
@@ -124,27 +326,99 @@ MetalLaunch plan_metal_attention(const AttentionProblem& p, const LaunchStrides&
   a.causal_offset = static_cast<int32_t>(p.causal_offset());
   a.scale = static_cast<float>(p.scale);
   a.scale_log2 = p.scale_log2();
-  a.kv_splits = 1;
-  a.split_keys = static_cast<int32_t>(p.kv_len);
-  return launch;
+  a.kv_splits = static_cast<int32_t>(c.kv_splits);
+  a.split_keys = c.kv_splits > 1 ? static_cast<int32_t>(split_keys(p.kv_len, c.kv_splits))
+                                 : static_cast<int32_t>(p.kv_len);
+
+  MetalLaunch l;
+  l.params = a;
+  l.params_index = kAttentionParamsIndex;
+  l.threadgroup_memory_index = kAttentionThreadgroupIndex;
+  l.buffers = kForwardBuffers;
+  l.function_constants = {p.causal};  // index kCausalFunctionConstant
+  const uint32_t heads = static_cast<uint32_t>(p.q_heads), batch = static_cast<uint32_t>(p.batch);
+
+  switch (c.kind) {
+    case KernelRequest::Untiled:
+    case KernelRequest::Tiled:
+      // Both post kernels give each thread one query row, so one threadgroup
+      // covers kPostThreadsPerGroup rows of one (batch, head).
+      l.grid = {ceil_div(p.q_len, kPostThreadsPerGroup), heads, batch};
+      l.threadgroup = {kPostThreadsPerGroup, 1, 1};
+      if (c.kind == KernelRequest::Tiled) {
+        l.kernel_name = "flash_attention_tiled_" + suffix + "_bk" + std::to_string(kPostKeysPerTile) + "_t" +
+                        std::to_string(kPostThreadsPerGroup);
+        l.threadgroup_memory = tiled_threadgroup_memory(c.bucket, p.dtype);
+      } else {
+        l.kernel_name = "flash_attention_untiled_" + suffix + "_t" + std::to_string(kPostThreadsPerGroup);
+      }
+      plan.launches.push_back(l);
+      break;
+    case KernelRequest::Prefill:
+      l.kernel_name = "flash_attention_prefill_" + suffix + "_bq" + std::to_string(c.block_q) + "_bk" +
+                      std::to_string(c.block_k) + "_wm" + std::to_string(c.simdgroups);
+      l.grid = {ceil_div(p.q_len, c.block_q), heads, batch};
+      l.threadgroup = {32 * c.simdgroups, 1, 1};
+      l.threadgroup_memory = prefill_threadgroup_memory(c.block_q, c.block_k, c.bucket, p.dtype);
+      l.function_constants = {p.causal, p.q_len % c.block_q == 0, p.kv_len % c.block_k == 0};
+      plan.launches.push_back(l);
+      break;
+    default:
+      decode_launches(p, c, suffix, l, &plan);
+      break;
+  }
+  for (const MetalLaunch& launch : plan.launches) {
+    TORCH_CHECK(launch.threadgroup_memory <= kMaxThreadgroupMemory && launch.threadgroup_memory % 16 == 0, kOp,
+                ": internal error: ", launch.kernel_name, " planned with ", launch.threadgroup_memory,
+                " bytes of threadgroup memory");
+  }
+  return plan;
+}
+
+std::vector<MetalLaunch> all_metal_launches() {
+  std::vector<MetalLaunch> launches;
+  auto add = [&](const MetalLaunch& l) {
+    for (const MetalLaunch& seen : launches) {
+      if (seen.kernel_name == l.kernel_name && seen.function_constants == l.function_constants) return;
+    }
+    launches.push_back(l);
+  };
+  // Problem sizes reaching every branch: q/k lengths that are multiples of
+  // every block (64) and lengths that are not (65), one decode row with a
+  // short and a long context.
+  struct Shape { int64_t q_len, kv_len; KernelRequest request; };
+  const Shape shapes[] = {
+      {64, 64, KernelRequest::Untiled}, {64, 64, KernelRequest::Tiled},
+      {64, 64, KernelRequest::Prefill}, {65, 64, KernelRequest::Prefill},
+      {64, 65, KernelRequest::Prefill}, {65, 65, KernelRequest::Prefill},
+      {1, 64, KernelRequest::Decode},   {1, 4096, KernelRequest::DecodeSplit},
+  };
+  for (c10::ScalarType dtype : {c10::ScalarType::Float, c10::ScalarType::Half, c10::ScalarType::BFloat16}) {
+    for (uint32_t d : kFastHeadDimBuckets) {
+      for (const Shape& shape : shapes) {
+        for (bool causal : {false, true}) {
+          AttentionProblem p;
+          p.batch = p.q_heads = p.kv_heads = 1;
+          p.q_len = shape.q_len;
+          p.kv_len = shape.kv_len;
+          p.head_dim = d;
+          p.causal = causal;
+          p.scale = 1.0;
+          p.dtype = dtype;
+          const int64_t D = d;
+          const LaunchStrides packed{{D, D, D, 1}, {D, D, D, 1}, {D, D, D, 1}, {D, D, D, 1}, {1, 1, 1}};
+          for (const MetalLaunch& l : plan_metal_attention(p, packed, shape.request).launches) add(l);
+        }
+      }
+    }
+  }
+  return launches;
 }
 
 std::vector<std::string> all_metal_kernel_names() {
   std::vector<std::string> names;
-  for (c10::ScalarType dtype : {c10::ScalarType::Float, c10::ScalarType::Half, c10::ScalarType::BFloat16}) {
-    for (uint32_t bucket : kHeadDimBuckets) {
-      for (KernelRequest kind : {KernelRequest::Untiled, KernelRequest::Tiled}) {
-        AttentionProblem p;
-        p.batch = p.q_heads = p.kv_heads = p.q_len = p.kv_len = 1;
-        p.head_dim = bucket;
-        p.scale = 1.0;
-        p.dtype = dtype;
-        const LaunchStrides packed{{bucket, bucket, bucket, 1}, {bucket, bucket, bucket, 1},
-                                   {bucket, bucket, bucket, 1}, {bucket, bucket, bucket, 1}, {1, 1, 1}};
-        std::string name = plan_metal_attention(p, packed, kind).kernel_name;
-        if (std::find(names.begin(), names.end(), name) == names.end()) names.push_back(std::move(name));
-      }
-    }
+  for (const MetalLaunch& l : all_metal_launches()) {
+    if (std::find(names.begin(), names.end(), l.kernel_name) == names.end()) names.push_back(l.kernel_name);
   }
   return names;
 }

@@ -17,13 +17,29 @@ namespace flash_metal {
 
 // What the caller asked for with the `impl` argument.
 enum class KernelRequest {
-  Auto,     // let choose_metal_kernel() decide
-  Untiled,  // the post's first kernel: one query per thread, K/V read from device memory
-  Tiled,    // the post's second kernel: K/V tiles staged in threadgroup memory
+  Auto,         // let choose_metal_kernel() decide
+  Untiled,      // the post's first kernel: one query per thread, K/V read from device memory
+  Tiled,        // the post's second kernel: K/V tiles staged in threadgroup memory
+  Prefill,      // FlashAttention-2 on simdgroup matrices (shaders/attention_prefill.h)
+  Decode,       // token generation, Nq <= 8: one pass over the keys (shaders/attention_decode.h)
+  DecodeSplit,  // token generation, Nq <= 8: split-KV partials, then a merge pass
 };
 
 // Parses the `impl` argument; throws a ValueError listing the accepted names.
 KernelRequest parse_kernel_request(const std::string& kernel);
+
+// The class of Apple GPU, a hint for how many threadgroups it takes to fill
+// it (the split-KV decode's block count). Metal exposes no core count, but
+// the device name does tell the class (MLX reads the same thing from the
+// architecture name's last letter): "Apple M2 Ultra" (60-80 cores), "Apple
+// M3 Max" (30-40), anything else, base and Pro chips (8-20 cores), is Base.
+enum class GpuClass { Base, Max, Ultra };
+
+// "base", "max" or "ultra" (the metal_plan op's `gpu` argument); throws a
+// ValueError otherwise.
+GpuClass parse_gpu_class(const std::string& name);
+// From MTLDevice.name, such as "Apple M3 Max"; unknown names give Base.
+GpuClass gpu_class_from_device_name(const std::string& name);
 
 // Element strides of the five tensors a launch touches, outermost first.
 struct LaunchStrides {
@@ -39,51 +55,93 @@ constexpr uint32_t kPostThreadsPerGroup = 32;
 // configuration; at D=256 two float32 tiles take 2*16*256*4 = 32 KiB, exactly
 // Metal's threadgroup-memory limit.
 constexpr uint32_t kPostKeysPerTile = 16;
-// Head-dim buckets: each instantiation keeps a float32 accumulator of the
-// bucket's width per thread, so a smaller bucket means fewer registers.
+// Head-dim buckets of the post's kernels: each instantiation keeps a float32
+// accumulator of the bucket's width per thread, so a smaller bucket means
+// fewer registers.
 constexpr std::array<uint32_t, 4> kHeadDimBuckets = {32, 64, 128, 256};
-// Index of the [[function_constant]] that switches causal masking on.
+// Head-dim buckets of the fast kernels (prefill and decode): multiples of 8
+// (the simdgroup-matrix tile), one per common model width (72: SigLIP vision
+// towers, 1152/16; 80: Phi-2, 2560/32; 96: Phi-3-mini, 3072/32; the rest
+// Llama-family), so those models' D pays no padding; any other D <= 256 runs
+// zero-padded in the next bucket. The set MLX's steel attention instantiates.
+constexpr std::array<uint32_t, 7> kFastHeadDimBuckets = {32, 64, 72, 80, 96, 128, 256};
+// Query rows the decode kernels serve at most. Why 8: one 8x8 simdgroup-matrix
+// tile of queries; below it the prefill kernel's 8-row fragments would run
+// mostly empty (MLX switches to its vector kernels at the same point).
+constexpr int64_t kMaxDecodeRows = 8;
+// Indices of the [[function_constant]]s: causal masking (every kernel), and
+// the prefill kernel's edge specializations, true when Nq (Nk) is a multiple
+// of the query (key) block, so aligned shapes carry no edge code.
 constexpr uint32_t kCausalFunctionConstant = 0;
+constexpr uint32_t kAlignQFunctionConstant = 1;
+constexpr uint32_t kAlignKFunctionConstant = 2;
 
-// The tensors a launch binds as device buffers, in the order of the binding
-// table below and of the metal_plan op's `buffer_indices`.
-enum class LaunchTensor : uint8_t { Q = 0, K, V, Out, Lse };
-constexpr size_t kLaunchTensorCount = 5;
+// The tensors a launch binds as device buffers. PartialOut and PartialStats
+// are the split-KV decode's float32 scratch, allocated by the host from
+// MetalPlan's sizes.
+enum class LaunchTensor : uint8_t { Q = 0, K, V, Out, Lse, PartialOut, PartialStats };
+constexpr size_t kLaunchTensorCount = 7;
 
-// One row of the binding table: tensor `tensor` goes to [[buffer(index)]],
+// One row of a binding table: tensor `tensor` goes to [[buffer(index)]],
 // bound at its storage offset in bytes.
 struct BufferBinding {
   LaunchTensor tensor;
   uint32_t index;
 };
 
+// What choose_metal_kernel decides: the kernel family and its shape knobs.
+struct KernelChoice {
+  KernelRequest kind = KernelRequest::Tiled;
+  uint32_t bucket = 0;     // head-dim bucket DMAX of the instantiation
+  uint32_t block_q = 0;    // prefill: query rows per threadgroup (8 per simdgroup)
+  uint32_t block_k = 0;    // prefill: keys per K/V block
+  uint32_t simdgroups = 0; // prefill: simdgroups per threadgroup
+  uint32_t kv_splits = 1;  // split decode: key blocks
+  std::string reason;      // why, for humans (flash_metal.explain)
+};
+
+// One dispatch.
 struct MetalLaunch {
   std::string kernel_name;                 // host name in the metallib, e.g. flash_attention_tiled_float16_d64_bk16_t32
-  std::array<uint32_t, 3> grid{};          // threadgroups per grid (x: query blocks, y: q heads, z: batch)
+  std::array<uint32_t, 3> grid{};          // threadgroups per grid
   std::array<uint32_t, 3> threadgroup{};   // threads per threadgroup
   uint32_t threadgroup_memory = 0;         // bytes of dynamic threadgroup memory (0: none to bind)
   uint32_t threadgroup_memory_index = 0;   // its [[threadgroup(i)]] index
   std::vector<bool> function_constants;    // value of [[function_constant(i)]] at index i
-  // The one binding table: the MPS host (csrc/mps/attention_mps.mm) and the
+  // The binding table: the MPS host (csrc/mps/attention_mps.mm) and the
   // test suite's emulated backend both bind from it, so the slots are written
-  // down once, here, beside the kernels' [[buffer(n)]] attributes they mirror.
-  std::array<BufferBinding, kLaunchTensorCount> buffers{};
+  // down once, in metal_plan.cpp, beside the kernels' [[buffer(n)]]
+  // attributes they mirror.
+  std::vector<BufferBinding> buffers;
   uint32_t params_index = 0;               // [[buffer(i)]] of AttentionParams, bound with setBytes
   AttentionParams params{};                // the parameter block itself
-  std::string reason;                      // why this kernel was chosen, for humans
 };
 
-// The routing heuristic: picks a kernel for the problem and says why.
-KernelRequest choose_metal_kernel(const AttentionProblem& p, KernelRequest requested, std::string* reason);
+// Everything attention_forward encodes, in order, on one compute encoder
+// (serial dispatch: each launch sees the previous one's writes).
+struct MetalPlan {
+  std::vector<MetalLaunch> launches;
+  int64_t partial_out_elements = 0;    // float32 scratch for LaunchTensor::PartialOut (0: none)
+  int64_t partial_stats_elements = 0;  // float32 scratch for LaunchTensor::PartialStats (0: none)
+  std::string reason;                  // why this kernel was chosen, for humans
+};
 
-// The full launch: kernel choice, name, grid, threadgroup, memory and params.
-MetalLaunch plan_metal_attention(const AttentionProblem& p, const LaunchStrides& strides,
-                                 KernelRequest requested);
+// The routing heuristic, the one place where a kernel and its shape are
+// chosen: family, head-dim bucket, block sizes and split count, each with
+// the reason.
+KernelChoice choose_metal_kernel(const AttentionProblem& p, KernelRequest requested, GpuClass gpu);
 
-// Every kernel name plan_metal_attention can return (each dtype, head-dim
-// bucket and kernel kind), in a fixed order without duplicates. Found by
-// planning one small problem per combination, so it cannot drift from the
-// planner; the macOS pipeline-build test compares it with the metallib.
+// The full plan: kernel choice, names, grids, threadgroups, memory, params.
+MetalPlan plan_metal_attention(const AttentionProblem& p, const LaunchStrides& strides, KernelRequest requested,
+                               GpuClass gpu = GpuClass::Base);
+
+// One launch of every distinct (kernel name, function constants) pair the
+// planner can produce, over every family, dtype, bucket, causal setting and
+// edge alignment, found by planning small problems, so it cannot drift from
+// the planner. all_metal_kernel_names() is its set of names, in a fixed
+// order without duplicates; the macOS pipeline-build test compares it with
+// the metallib and builds every pipeline.
+std::vector<MetalLaunch> all_metal_launches();
 std::vector<std::string> all_metal_kernel_names();
 
 }  // namespace flash_metal

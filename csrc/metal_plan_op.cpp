@@ -19,21 +19,27 @@ std::array<int64_t, 4> strides4(const at::Tensor& t) {
 }
 
 std::tuple<std::string, std::vector<int64_t>, std::vector<int64_t>, int64_t, int64_t, c10::List<bool>,
-           std::vector<int64_t>, int64_t, at::Tensor, std::string>
+           std::vector<int64_t>, int64_t, at::Tensor, std::string, int64_t, std::vector<int64_t>>
 metal_plan(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool causal,
-           std::optional<double> scale, c10::string_view kernel) {
+           std::optional<double> scale, c10::string_view kernel, c10::string_view gpu, int64_t dispatch) {
   const AttentionProblem p = check_attention_inputs(q, k, v, causal, scale);
   const KernelRequest request = parse_kernel_request(std::string(kernel));
+  const GpuClass gpu_class = parse_gpu_class(std::string(gpu));
   // The outputs attention_forward allocates are packed; describe them so.
   const int64_t D = p.head_dim, Nq = p.q_len, H = p.q_heads;
   LaunchStrides s{strides4(q), strides4(k), strides4(v), {H * Nq * D, Nq * D, D, 1}, {H * Nq, Nq, 1}};
-  const MetalLaunch launch = plan_metal_attention(p, s, request);
+  const MetalPlan plan = plan_metal_attention(p, s, request, gpu_class);
+  const int64_t count = static_cast<int64_t>(plan.launches.size());
+  TORCH_CHECK_VALUE(0 <= dispatch && dispatch < count, "flash_metal.metal_plan: dispatch must be in [0, ", count,
+                    ") for this plan; got ", dispatch);
+  const MetalLaunch& launch = plan.launches[static_cast<size_t>(dispatch)];
 
   at::Tensor params = at::empty({static_cast<int64_t>(sizeof(AttentionParams))}, at::kByte);
   std::memcpy(params.data_ptr(), &launch.params, sizeof(AttentionParams));
   c10::List<bool> constants;
   for (bool c : launch.function_constants) constants.push_back(c);
-  // buffer_indices[t] is the [[buffer(n)]] of LaunchTensor t (q, k, v, out, lse).
+  // buffer_indices[t] is the [[buffer(n)]] of LaunchTensor t (q, k, v, out,
+  // lse, partial_out, partial_stats), -1 where this dispatch binds no such tensor.
   std::vector<int64_t> buffer_indices(kLaunchTensorCount, -1);
   for (const BufferBinding& b : launch.buffers) buffer_indices[static_cast<size_t>(b.tensor)] = b.index;
   return {launch.kernel_name,
@@ -45,7 +51,9 @@ metal_plan(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool c
           buffer_indices,
           launch.params_index,
           params,
-          launch.reason};
+          plan.reason,
+          count,
+          {plan.partial_out_elements, plan.partial_stats_elements}};
 }
 
 }  // namespace

@@ -10,7 +10,7 @@ from typing import Dict, NamedTuple, Optional, Tuple
 import torch
 from torch import Tensor
 
-_IMPLS = ("auto", "untiled", "tiled")
+_IMPLS = ("auto", "untiled", "tiled", "prefill", "decode", "decode_split")
 
 
 def _as_4d(x: Tensor) -> Tensor:
@@ -61,12 +61,13 @@ def attention(
 
 
 # The tensors of a launch, in the order of the plan's binding table
-# (LaunchTensor in csrc/metal_plan.h).
-_LAUNCH_TENSORS = ("q", "k", "v", "out", "lse")
+# (LaunchTensor in csrc/metal_plan.h). partial_out and partial_stats are the
+# split-KV decode's float32 scratch.
+_LAUNCH_TENSORS = ("q", "k", "v", "out", "lse", "partial_out", "partial_stats")
 
 
-class MetalPlan(NamedTuple):
-    """The Metal launch attention_forward chooses (see csrc/metal_plan.h)."""
+class MetalDispatch(NamedTuple):
+    """One Metal dispatch of a plan (MetalLaunch in csrc/metal_plan.h)."""
 
     kernel_name: str
     grid: Tuple[int, int, int]
@@ -74,24 +75,63 @@ class MetalPlan(NamedTuple):
     threadgroup_memory: int  # bytes of dynamic threadgroup memory (0: none)
     threadgroup_memory_index: int  # its [[threadgroup(i)]]
     function_constants: Tuple[bool, ...]
-    buffers: Dict[str, int]  # the binding table: "q", "k", "v", "out", "lse" -> [[buffer(n)]]
+    buffers: Dict[str, int]  # the binding table: tensor name (see _LAUNCH_TENSORS) -> [[buffer(n)]]
     params_index: int  # [[buffer(n)]] of the AttentionParams bytes
     params: Tensor
+
+
+class MetalPlan(NamedTuple):
+    """What attention_forward encodes on Metal for these inputs, and why (see csrc/metal_plan.h).
+
+    dispatches run in order on one encoder; scratch gives the float32
+    elements of the split-KV decode's two scratch tensors (0 when unused).
+    The single-dispatch fields (kernel_name, grid, ...) read dispatches[0]
+    and are only defined for one-dispatch plans.
+    """
+
+    dispatches: Tuple[MetalDispatch, ...]
+    scratch: Dict[str, int]
     reason: str
+
+    def _only(self) -> MetalDispatch:
+        if len(self.dispatches) != 1:
+            names = ", ".join(d.kernel_name for d in self.dispatches)
+            raise ValueError(f"this plan has {len(self.dispatches)} dispatches ({names}); read plan.dispatches")
+        return self.dispatches[0]
+
+    kernel_name = property(lambda self: self._only().kernel_name)
+    grid = property(lambda self: self._only().grid)
+    threadgroup = property(lambda self: self._only().threadgroup)
+    threadgroup_memory = property(lambda self: self._only().threadgroup_memory)
+    threadgroup_memory_index = property(lambda self: self._only().threadgroup_memory_index)
+    function_constants = property(lambda self: self._only().function_constants)
+    buffers = property(lambda self: self._only().buffers)
+    params_index = property(lambda self: self._only().params_index)
+    params = property(lambda self: self._only().params)
 
 
 def explain(
-    q: Tensor, k: Tensor, v: Tensor, causal: bool = False, scale: Optional[float] = None, impl: str = "auto"
+    q: Tensor, k: Tensor, v: Tensor, causal: bool = False, scale: Optional[float] = None, impl: str = "auto",
+    gpu: str = "base",
 ) -> MetalPlan:
-    """Which Metal kernel attention() would launch for these inputs, and why.
+    """Which Metal kernels attention() would launch for these inputs, and why.
 
-    Runs only the host's planning code (no kernel), so it works on any device.
+    Runs only the host's planning code (no kernel), so it works on any
+    device. gpu: the device-class hint the split-KV decode sizes its blocks
+    for ("base", "max" or "ultra"; on a Mac the op uses the GPU's own class).
     """
-    name, grid, tg, mem, mem_index, consts, buffer_indices, params_index, params, reason = (
-        torch.ops.flash_metal.metal_plan(_as_4d(q), _as_4d(k), _as_4d(v), causal, scale, impl)
-    )
-    buffers = dict(zip(_LAUNCH_TENSORS, buffer_indices))
-    return MetalPlan(name, tuple(grid), tuple(tg), mem, mem_index, tuple(consts), buffers, params_index, params, reason)
+    args = (_as_4d(q), _as_4d(k), _as_4d(v), causal, scale, impl, gpu)
+    dispatches, count, i = [], 1, 0
+    while i < count:
+        name, grid, tg, mem, mem_index, consts, indices, params_index, params, reason, count, scratch = (
+            torch.ops.flash_metal.metal_plan(*args, i)
+        )
+        buffers = {t: n for t, n in zip(_LAUNCH_TENSORS, indices) if n >= 0}
+        dispatches.append(
+            MetalDispatch(name, tuple(grid), tuple(tg), mem, mem_index, tuple(consts), buffers, params_index, params)
+        )
+        i += 1
+    return MetalPlan(tuple(dispatches), dict(zip(("partial_out", "partial_stats"), scratch)), reason)
 
 
 @torch.library.register_fake("flash_metal::attention_forward")

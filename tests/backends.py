@@ -36,23 +36,36 @@ def metal_library(instrumented: bool, fast_math: bool = False):
     return compile_library([SHADER], instrumented=instrumented, fast_math=fast_math)
 
 
-def emulated_metal_attention(q, k, v, causal=False, scale=None, impl="auto", instrumented=False, fast_math=False):
-    plan = flash_metal.explain(q, k, v, causal, scale, impl)
+# What each dispatch of the last emulated call reported (the emulator's
+# per-dispatch counts), for the counting tests and benchmarks.metal_model.
+LAST_DISPATCHES: list = []
+
+
+def emulated_metal_attention(q, k, v, causal=False, scale=None, impl="auto", instrumented=False, fast_math=False,
+                             gpu="base"):
+    plan = flash_metal.explain(q, k, v, causal, scale, impl, gpu)
     B, H, N, D = q.shape
-    # Outputs poisoned with NaN: an element the kernel never writes stays NaN.
+    # Outputs and scratch poisoned with NaN: an element never written stays NaN.
     out = torch.full((B, H, N, D), float("nan"), dtype=q.dtype)
     lse = torch.full((B, H, N), float("nan"), dtype=torch.float32)
-    # Bound from the plan's binding table, exactly as csrc/mps/attention_mps.mm binds.
     tensors = {"q": q, "k": k, "v": v, "out": out, "lse": lse}
-    metal_library(instrumented, fast_math).dispatch(
-        plan.kernel_name,
-        buffers={index: tensors[name] for name, index in plan.buffers.items()},
-        bytes={plan.params_index: plan.params},
-        function_constants=dict(enumerate(plan.function_constants)),
-        grid=plan.grid,
-        threadgroup=plan.threadgroup,
-        threadgroup_memory={plan.threadgroup_memory_index: plan.threadgroup_memory} if plan.threadgroup_memory else {},
-    )
+    for name, n in plan.scratch.items():
+        tensors[name] = torch.full((max(n, 1),), float("nan"), dtype=torch.float32)
+    library = metal_library(instrumented, fast_math)
+    LAST_DISPATCHES.clear()
+    # Each dispatch bound from the plan's binding table, exactly as
+    # csrc/mps/attention_mps.mm binds, in the plan's order.
+    for d in plan.dispatches:
+        counts = library.dispatch(
+            d.kernel_name,
+            buffers={index: tensors[name] for name, index in d.buffers.items()},
+            bytes={d.params_index: d.params},
+            function_constants=dict(enumerate(d.function_constants)),
+            grid=d.grid,
+            threadgroup=d.threadgroup,
+            threadgroup_memory={d.threadgroup_memory_index: d.threadgroup_memory} if d.threadgroup_memory else {},
+        )
+        LAST_DISPATCHES.append((d, counts))
     return out, lse
 
 

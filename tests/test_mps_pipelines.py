@@ -4,8 +4,8 @@
   over every dtype, head dim and impl) are exactly the instantiations in
   shaders/attention.metal, as the Metal emulator compiles them.
 - On macOS with an MPS build (the macOS CI): torch.ops.flash_metal.metal_build_all_pipelines
-  builds, with the real Metal framework, the pipeline of every one of those
-  names, causal and not, from the installed library. With
+  builds, with the real Metal framework, the pipeline of every (name,
+  function constants) pair the planner can produce, from the installed library. With
   FLASH_METAL_REQUIRE_METALLIB=1 (the CI's build) that library must be the
   precompiled metallib, not the runtime-compile fallback.
 """
@@ -29,8 +29,11 @@ def planner_kernel_names():
     for dtype in DTYPES:
         for d in range(1, 257):
             q = torch.zeros(1, 1, 1, d, dtype=dtype)
-            for impl in ("untiled", "tiled"):
+            long_k = torch.zeros(1, 1, 4096, d, dtype=dtype)
+            for impl in ("untiled", "tiled", "prefill", "decode"):
                 names.add(torch.ops.flash_metal.metal_plan(q, q, q, False, None, impl)[0])
+            for i in range(2):  # the split pass and the merge pass
+                names.add(torch.ops.flash_metal.metal_plan(q, long_k, long_k, False, None, "decode_split", "base", i)[0])
     return names
 
 
@@ -54,7 +57,11 @@ def test_every_kernel_builds_a_metal_pipeline():
         if "no Metal device" in str(err) and not IN_CI:
             pytest.skip(str(err))
         raise
-    expected = {f"{name}/{mode}" for name in planner_kernel_names() for mode in ("causal", "non-causal")}
-    assert sorted(built) == sorted(expected)
+    # "<kernel>/<function constants as 0/1>": every planned name, each with
+    # both causal settings (constant 0) at least.
+    pairs = [entry.rsplit("/", 1) for entry in built]
+    assert {name for name, _ in pairs} == planner_kernel_names()
+    for name in planner_kernel_names():
+        assert {bits[0] for n, bits in pairs if n == name} == {"0", "1"}, name
     if os.environ.get("FLASH_METAL_REQUIRE_METALLIB") == "1":
         assert origin.startswith("the precompiled ") and origin.endswith("flash_metal.metallib"), origin

@@ -25,6 +25,7 @@
 #include <ATen/mps/MPSStream.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <array>
 #include <string>
 #include <tuple>
@@ -74,6 +75,13 @@ void profile_end(id<MTLComputePipelineState> state) noexcept {
 
 std::array<int64_t, 4> strides4(const at::Tensor& t) { return {t.stride(0), t.stride(1), t.stride(2), t.stride(3)}; }
 
+// The device-class hint of the split-KV decode (see GpuClass in
+// metal_plan.h), from the device's name.
+GpuClass gpu_class_of(id<MTLDevice> device) {
+  NSString* name = [device name];
+  return name == nil ? GpuClass::Base : gpu_class_from_device_name([name UTF8String]);
+}
+
 // Checks, before any encoding, that the device and the pipeline can run the
 // launch as planned; Metal would otherwise fail (or corrupt) at dispatch.
 void check_launch_fits(const MetalLaunch& launch, const Pipeline& pipeline, id<MTLDevice> device) {
@@ -81,12 +89,25 @@ void check_launch_fits(const MetalLaunch& launch, const Pipeline& pipeline, id<M
       uint64_t{launch.threadgroup[0]} * launch.threadgroup[1] * launch.threadgroup[2];
   TORCH_CHECK(pipeline.max_threads_per_threadgroup >= threads, kOp, ": kernel ", launch.kernel_name, " needs ",
               threads, " threads per threadgroup but its pipeline allows at most ",
-              pipeline.max_threads_per_threadgroup, " on this GPU; use impl='untiled' or report this");
+              pipeline.max_threads_per_threadgroup, " on this GPU; use impl='tiled' or report this");
   const uint64_t memory = uint64_t{launch.threadgroup_memory} + pipeline.static_threadgroup_memory;
   const uint64_t limit = [device maxThreadgroupMemoryLength];
   TORCH_CHECK(memory <= limit, kOp, ": kernel ", launch.kernel_name, " needs ", memory,
               " bytes of threadgroup memory but this GPU has ", limit);
 }
+
+// One dispatch, resolved to plain values before the encoding block (which
+// must not throw or call into PyTorch): pipeline, sizes, params, and the
+// binding table turned into (buffer, byte offset, index) triples.
+struct ResolvedLaunch {
+  id<MTLComputePipelineState> state = nil;
+  std::string kernel_name;  // for the profiler
+  AttentionParams params{};
+  MTLSize grid{}, group{};
+  NSUInteger threadgroup_memory = 0, threadgroup_memory_index = 0, params_index = 0;
+  std::vector<id<MTLBuffer>> buffers;
+  std::vector<NSUInteger> offsets, indices;
+};
 
 std::tuple<at::Tensor, at::Tensor> attention_forward_mps(const at::Tensor& q, const at::Tensor& k,
                                                          const at::Tensor& v, bool causal,
@@ -97,53 +118,62 @@ std::tuple<at::Tensor, at::Tensor> attention_forward_mps(const at::Tensor& q, co
   at::Tensor out, lse;
   std::tie(out, lse) = allocate_outputs(q, problem);  // on MPS, before the block
 
+  id<MTLDevice> device = at::mps::MPSDevice::getInstance()->device();
   const LaunchStrides strides{strides4(q), strides4(k), strides4(v), strides4(out),
                               {lse.stride(0), lse.stride(1), lse.stride(2)}};
-  const MetalLaunch launch = plan_metal_attention(problem, strides, request);
+  const MetalPlan plan = plan_metal_attention(problem, strides, request, gpu_class_of(device));
 
-  id<MTLDevice> device = at::mps::MPSDevice::getInstance()->device();
-  const Pipeline pipeline = get_pipeline(device, launch.kernel_name, launch.function_constants);
-  check_launch_fits(launch, pipeline, device);
+  // The split-KV decode's float32 scratch, allocated on the stream like any
+  // MPS tensor; it lives until this function returns, after the encoding.
+  const auto scratch = [&](int64_t n) { return at::empty({std::max<int64_t>(n, 1)}, q.options().dtype(at::kFloat)); };
+  const at::Tensor partial_out = scratch(plan.partial_out_elements);
+  const at::Tensor partial_stats = scratch(plan.partial_stats_elements);
+  const std::array<const at::Tensor*, kLaunchTensorCount> tensors = {&q, &k, &v, &out, &lse, &partial_out,
+                                                                     &partial_stats};  // LaunchTensor order
 
-  id<MTLComputePipelineState> state = pipeline.state;
-  const AttentionParams params = launch.params;
-  const MTLSize grid = MTLSizeMake(launch.grid[0], launch.grid[1], launch.grid[2]);
-  const MTLSize group = MTLSizeMake(launch.threadgroup[0], launch.threadgroup[1], launch.threadgroup[2]);
-  const NSUInteger threadgroup_memory = launch.threadgroup_memory;
-  const NSUInteger threadgroup_memory_index = launch.threadgroup_memory_index;
-  const NSUInteger params_index = launch.params_index;
-  // The tensor bindings, resolved from the plan's binding table now so the
-  // block only reads values (blocks cannot capture C arrays, hence std::array).
-  const std::array<const at::Tensor*, kLaunchTensorCount> tensors = {&q, &k, &v, &out, &lse};  // LaunchTensor order
-  std::array<id<MTLBuffer>, kLaunchTensorCount> buffers{};
-  std::array<NSUInteger, kLaunchTensorCount> offsets{};
-  std::array<NSUInteger, kLaunchTensorCount> indices{};
-  for (size_t i = 0; i < launch.buffers.size(); ++i) {
-    const at::Tensor& t = *tensors[static_cast<size_t>(launch.buffers[i].tensor)];
-    buffers[i] = buffer_of(t);
-    offsets[i] = byte_offset_of(t);
-    indices[i] = launch.buffers[i].index;
+  std::vector<ResolvedLaunch> launches;
+  for (const MetalLaunch& launch : plan.launches) {
+    const Pipeline pipeline = get_pipeline(device, launch.kernel_name, launch.function_constants);
+    check_launch_fits(launch, pipeline, device);
+    ResolvedLaunch r;
+    r.state = pipeline.state;
+    r.kernel_name = launch.kernel_name;
+    r.params = launch.params;
+    r.grid = MTLSizeMake(launch.grid[0], launch.grid[1], launch.grid[2]);
+    r.group = MTLSizeMake(launch.threadgroup[0], launch.threadgroup[1], launch.threadgroup[2]);
+    r.threadgroup_memory = launch.threadgroup_memory;
+    r.threadgroup_memory_index = launch.threadgroup_memory_index;
+    r.params_index = launch.params_index;
+    for (const BufferBinding& b : launch.buffers) {
+      const at::Tensor& t = *tensors[static_cast<size_t>(b.tensor)];
+      r.buffers.push_back(buffer_of(t));
+      r.offsets.push_back(byte_offset_of(t));
+      r.indices.push_back(b.index);
+    }
+    launches.push_back(std::move(r));
   }
-
-  const std::string kernel_name = launch.kernel_name;      // for the profiler
   const std::vector<at::Tensor> profiled_inputs = {q, k, v};  // copied into the block now, not inside it
 
   // --- Encoding: no throw, no PyTorch op, no own encoder, no commit. ---
+  // Every launch goes on the stream's one encoder, in order; its dispatches
+  // run serially, so the merge pass sees the split pass's partials.
   at::mps::MPSStream* stream = at::mps::getCurrentMPSStream();
   dispatch_sync(stream->queue(), ^{
     @autoreleasepool {
       id<MTLComputeCommandEncoder> encoder = stream->commandEncoder();
-      profile_begin(state, kernel_name, profiled_inputs);
-      [encoder setComputePipelineState:state];
-      for (size_t i = 0; i < buffers.size(); ++i) {
-        [encoder setBuffer:buffers[i] offset:offsets[i] atIndex:indices[i]];
+      for (const ResolvedLaunch& r : launches) {
+        profile_begin(r.state, r.kernel_name, profiled_inputs);
+        [encoder setComputePipelineState:r.state];
+        for (size_t i = 0; i < r.buffers.size(); ++i) {
+          [encoder setBuffer:r.buffers[i] offset:r.offsets[i] atIndex:r.indices[i]];
+        }
+        [encoder setBytes:&r.params length:sizeof(r.params) atIndex:r.params_index];
+        if (r.threadgroup_memory != 0) {
+          [encoder setThreadgroupMemoryLength:r.threadgroup_memory atIndex:r.threadgroup_memory_index];
+        }
+        [encoder dispatchThreadgroups:r.grid threadsPerThreadgroup:r.group];
+        profile_end(r.state);
       }
-      [encoder setBytes:&params length:sizeof(params) atIndex:params_index];
-      if (threadgroup_memory != 0) {
-        [encoder setThreadgroupMemoryLength:threadgroup_memory atIndex:threadgroup_memory_index];
-      }
-      [encoder dispatchThreadgroups:grid threadsPerThreadgroup:group];
-      profile_end(state);
     }
   });
   return {out, lse};

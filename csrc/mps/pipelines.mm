@@ -1,8 +1,7 @@
 // flash_metal::metal_build_all_pipelines, a test-facing entry point (macOS
 // builds only): builds, with the real Metal framework, the pipeline of every
-// kernel name the portable planner can return, for each value of its causal
-// function constant, through the same loader and cache attention_forward
-// uses. On a machine whose GPU cannot run kernels (GitHub's hosted macOS
+// (kernel name, function constants) pair the portable planner can return,
+// through the same loader and cache attention_forward uses. On a machine whose GPU cannot run kernels (GitHub's hosted macOS
 // runners), this still proves that the metallib loads, is not stale, holds
 // every instantiation the planner names, and that Metal accepts each one.
 #include "library.h"
@@ -29,16 +28,15 @@ std::tuple<std::string, std::vector<std::string>> metal_build_all_pipelines() {
   id<MTLDevice> device = system_device();
   TORCH_CHECK(device != nil, "flash_metal.metal_build_all_pipelines: this machine has no Metal device");
   std::vector<std::string> built;
-  for (const std::string& name : all_metal_kernel_names()) {
-    for (bool causal : {false, true}) {
-      // The planner's layout: one boolean constant, causal, at its index.
-      std::vector<bool> constants(kCausalFunctionConstant + 1, false);
-      constants[kCausalFunctionConstant] = causal;
-      const Pipeline pipeline = get_pipeline(device, name, constants);
-      TORCH_CHECK(pipeline.max_threads_per_threadgroup > 0, "flash_metal: the pipeline of ", name,
-                  " admits no threads");
-      built.push_back(name + (causal ? "/causal" : "/non-causal"));
-    }
+  for (const MetalLaunch& launch : all_metal_launches()) {
+    const Pipeline pipeline = get_pipeline(device, launch.kernel_name, launch.function_constants);
+    TORCH_CHECK(pipeline.max_threads_per_threadgroup >= uint64_t{launch.threadgroup[0]} * launch.threadgroup[1] *
+                                                            launch.threadgroup[2],
+                "flash_metal: the pipeline of ", launch.kernel_name, " admits ", pipeline.max_threads_per_threadgroup,
+                " threads per threadgroup, fewer than the planner launches");
+    std::string constants;
+    for (bool c : launch.function_constants) constants += c ? '1' : '0';
+    built.push_back(launch.kernel_name + "/" + constants);
   }
   return {library_origin(device), built};
 }
