@@ -432,7 +432,7 @@ def run_problem(impls, q, k, v, causal, device: str, ref: Reference, batches: in
             continue
         call = impl.build(q, k, v, causal)
         out, first_s = timed_first_call(call, sync)
-        err = ref.check(impl.name, out, q.dtype)
+        err = ref.check(impl.name, impl.to_torch(out) if impl.to_torch else out, q.dtype)
         del out
         ready.append((impl.name, call, calibrate(call, sync, batch_s, first_call_s=first_s)))
         results[impl.name] = {"status": "ok", "timing": None, "rel_err": err}

@@ -28,6 +28,9 @@ class Impl:
     description: str = ""
     # Optional: why this impl cannot run a problem (None: it can).
     unsupported: Optional[Callable[..., Optional[str]]] = None
+    # Optional: turns the call's result into a torch tensor for the oracle
+    # check (outside the timed region); for libraries with their own arrays.
+    to_torch: Optional[Callable[[object], torch.Tensor]] = None
 
     def runs_on(self, device: str) -> bool:
         return device in self.devices
@@ -111,6 +114,58 @@ def _flash(impl: str):
     return build
 
 
+def _decode_only(q, k, v, causal):
+    n_q = q.shape[-2]
+    return None if n_q <= 8 else f"a decode kernel: Nq <= 8 query rows only (this problem has {n_q})"
+
+
+# ---------------------------------------------------------------- MLX
+
+def _mlx():
+    try:
+        import mlx.core as mx  # optional: pip install mlx (macOS on Apple silicon)
+    except ImportError:
+        return None
+    return mx
+
+
+def _mlx_unsupported(q, k, v, causal):
+    return None if _mlx() is not None else "mlx is not installed (pip install mlx)"
+
+
+def _to_mlx(t):
+    """The same values as an MLX array, in the same dtype (via float32 on the CPU: numpy has no bfloat16)."""
+    mx = _mlx()
+    dtype = {torch.float32: mx.float32, torch.float16: mx.float16, torch.bfloat16: mx.bfloat16}[t.dtype]
+    return mx.array(t.detach().float().cpu().numpy()).astype(dtype)
+
+
+def _build_mlx(q, k, v, causal):
+    # MLX's own fused attention (mlx.core.fast.scaled_dot_product_attention,
+    # its steel and vector kernels) on the same data, GQA native. Its
+    # "causal" mask is bottom-right aligned, as ours. mx.eval makes each call
+    # finish before it returns: MLX runs on its own Metal queue, which
+    # torch.mps.synchronize does not wait for.
+    mx = _mlx()
+    mq, mk, mv = (_to_mlx(t) for t in (q, k, v))
+    mx.eval(mq, mk, mv)
+    scale = q.shape[-1] ** -0.5
+    mask = "causal" if causal else None
+
+    def call():
+        out = mx.fast.scaled_dot_product_attention(mq, mk, mv, scale=scale, mask=mask)
+        mx.eval(out)
+        return out
+
+    return call
+
+
+def _mlx_to_torch(out):
+    import numpy as np  # present wherever mlx is: mlx depends on it
+
+    return torch.from_numpy(np.array(out.astype(_mlx().float32)))
+
+
 IMPLS = [
     Impl("explicit", ("cpu", "mps"), _build_explicit, presets=("post",),
          description="the post's PyTorch attention: S = QK^T/sqrt(d), mask, softmax, @V"),
@@ -120,6 +175,14 @@ IMPLS = [
          description="the post's untiled Metal kernel (one query per thread)"),
     Impl("metal_tiled", ("mps",), _flash("tiled"),
          description="the post's tiled Metal kernel (16-key K/V tiles in threadgroup memory)"),
+    Impl("metal_prefill", ("mps",), _flash("prefill"),
+         description="flash_metal's FlashAttention-2 kernel on simdgroup matrices (impl='prefill')"),
+    Impl("metal_decode", ("mps",), _flash("decode"), presets=("llm",), unsupported=_decode_only,
+         description="flash_metal's one-pass decode kernel, Nq <= 8 (impl='decode')"),
+    Impl("metal_decode_split", ("mps",), _flash("decode_split"), presets=("llm",), unsupported=_decode_only,
+         description="flash_metal's split-KV decode, partials then a merge pass (impl='decode_split')"),
+    Impl("mlx", ("mps",), _build_mlx, unsupported=_mlx_unsupported, to_torch=_mlx_to_torch,
+         description="MLX's mlx.core.fast.scaled_dot_product_attention on the same data (when mlx is installed)"),
     Impl("flash_metal", ("cpu", "mps"), _flash("auto"),
          description="flash_metal.attention(impl='auto'): the CPU flash kernel on CPU tensors, "
                      "the routed Metal kernel on MPS"),
