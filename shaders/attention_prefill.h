@@ -62,6 +62,12 @@ inline int prefill_frag_col(uint lane) {
 
 typedef simdgroup_matrix<float, 8, 8> PrefillFrag;
 
+// Key blocks per run of the two-level row sum (see l_run in the kernel). Why
+// 16: at Nk = 8192 and BK = 32 (256 blocks) it balances the two chains, 16
+// runs of 16, the split with the smallest longest chain; it needs no
+// tuning elsewhere, since any split shortens the single chain.
+constant constexpr int kPrefillSumRun = 16;
+
 // Copies rows [first, first + ROWS) of one head's (N, D) matrix `src` into a
 // tile of ROWS rows of LD elements of T, as plain cooperative per-element
 // loads: thread `tid` of THREADS takes elements tid, tid + THREADS, ... of the
@@ -180,6 +186,15 @@ template <typename T, int DMAX, int BQ, int BK, int WM>
   PrefillFrag O[TD];
   FM_UNROLL for (int id = 0; id < TD; ++id) O[id] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
   OnlineSoftmax sm;  // this lane's row: running max (base 2) and sum, "no key yet"
+  // The row sum l in two parts: sm.l holds the runs of kPrefillSumRun blocks
+  // already settled, l_run the current run's sum (both rescaled by each
+  // block's alpha, exactly 1 unless the max grew). Each key block's sum
+  // enters a chain of at most kPrefillSumRun additions, and each run one of
+  // Nk / (BK * kPrefillSumRun), instead of all blocks entering one chain of
+  // Nk / BK: a plain two-level sum, which no fast-math reassociation can
+  // undo (unlike a compensated one), that keeps lse within the strict 2x
+  // rule at Nk = 8192 in float32 (tests/test_metal_prefill.py).
+  float l_run = 0.0f;
 
   for (int kb = 0; kb < n_blocks; ++kb) {
     const int k0 = kb * BK;
@@ -248,6 +263,7 @@ template <typename T, int DMAX, int BQ, int BK, int WM>
     // per key. Everything stays finite (attention_common.h, "Fast math"): a
     // masked score gets weight 0 by an explicit test, and a row that saw
     // only masked keys keeps m = kMaskedScore and l = 0.
+    float alpha = 1.0f;  // this block's rescale factor for l and O
     if (active) {
       float block_max = sm.m;
       FM_UNROLL for (int t = 0; t < TK; ++t) {
@@ -255,7 +271,7 @@ template <typename T, int DMAX, int BQ, int BK, int WM>
       }
       block_max = max(block_max, simd_shuffle_xor(block_max, 1));
       block_max = max(block_max, simd_shuffle_xor(block_max, 8));
-      const float alpha = exp2(sm.m - block_max);  // finite argument <= 0
+      alpha = exp2(sm.m - block_max);  // finite argument <= 0
       float block_sum = 0.0f;
       FM_UNROLL for (int t = 0; t < TK; ++t) {
         FM_UNROLL for (int j = 0; j < 2; ++j) {
@@ -267,31 +283,44 @@ template <typename T, int DMAX, int BQ, int BK, int WM>
       }
       block_sum += simd_shuffle_xor(block_sum, 1);
       block_sum += simd_shuffle_xor(block_sum, 8);
-      sm.l = sm.l * alpha + block_sum;
-      sm.m = block_max;
-      FM_UNROLL for (int id = 0; id < TD; ++id) {
-        O[id].thread_elements()[0] *= alpha;
-        O[id].thread_elements()[1] *= alpha;
+      sm.l *= alpha;
+      l_run = l_run * alpha + block_sum;
+      if (kb % kPrefillSumRun == kPrefillSumRun - 1) {
+        sm.l += l_run;
+        l_run = 0.0f;
       }
+      sm.m = block_max;
     }
 
     threadgroup_barrier(mem_flags::mem_threadgroup);  // V written before anyone reads it (RAW)
 
-    // O += P.V, skipping feature fragments that are all padding (uniform:
-    // D is the same for every lane). O's index id stays a compile-time
+    // O = alpha * O + P.V: the block's product is accumulated from zero and
+    // added to the rescaled O once, so O takes one rounding per block rather
+    // than one per key (a blocked sum: over Nk keys its rounding error grows
+    // with BK + Nk / BK terms, not Nk; at Nk = 8192 float32 this is what
+    // keeps the kernel within 2x PyTorch's error, see
+    // tests/test_metal_prefill.py). The cost is one fma per element of O per
+    // block. Feature fragments that are all padding are skipped (uniform: D
+    // is the same for every lane); O's index id stays a compile-time
     // constant, so O lives in registers.
     if (active) {
       FM_UNROLL for (int id = 0; id < TD; ++id) {
         if (id * 8 < D) {
+          PrefillFrag pv = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
           FM_UNROLL for (int t = 0; t < TK; ++t) {
             PrefillFrag vf;
             prefill_read_frag(vf, kv_tile, LD, t * 8, id * 8, fr, fc);
-            simdgroup_multiply_accumulate(O[id], S[t], vf, O[id]);
+            simdgroup_multiply_accumulate(pv, S[t], vf, pv);
+          }
+          FM_UNROLL for (int j = 0; j < 2; ++j) {
+            O[id].thread_elements()[j] = fma(O[id].thread_elements()[j], alpha, pv.thread_elements()[j]);
           }
         }
       }
     }
   }
+
+  sm.l += l_run;
 
   // Store O / l for real rows (and only the D real features), and the row's
   // lse from one lane of the 4 that share it. A row that saw no key stores
@@ -306,7 +335,11 @@ template <typename T, int DMAX, int BQ, int BK, int WM>
       }
     }
     if (fc == 0) {
-      const uint bits = sm.has_key() ? as_type<uint>(sm.lse()) : kNegInfBits;
+      // lse = m ln 2 + ln l, with one rounding for the product and the sum
+      // (fma) instead of OnlineSoftmax::lse()'s three ((m + log2 l), then
+      // * ln 2): at Nk = 8192 in float32 it halves the lse error, well
+      // inside the strict 2x rule. Same value otherwise.
+      const uint bits = sm.has_key() ? as_type<uint>(fma(sm.m, M_LN2_F, log(sm.l))) : kNegInfBits;
       lse[h.lse + int64_t(row) * p.lse_row_stride] = as_type<float>(bits);
     }
   }
