@@ -1,10 +1,14 @@
-// Instantiations of the attention kernels; the templates live in the .h files.
-// Host names encode every template parameter, and must match the names
-// csrc/metal_plan.cpp builds:
+// Instantiations of every attention kernel; the templates live in the .h
+// files. One file, so the metallib and the MPS host's runtime-compile
+// fallback (which compiles this file with its headers inlined) hold the same
+// kernels. Host names encode every template parameter, and must match the
+// names csrc/metal_plan.cpp builds:
 //   flash_attention_untiled_<dtype>_d<DMAX>_t<THREADS>
 //   flash_attention_tiled_<dtype>_d<DMAX>_bk<BK>_t<THREADS>
+//   flash_attention_prefill_<dtype>_d<DMAX>_bq<BQ>_bk<BK>_wm<WM>
 #include "attention_untiled.h"
 #include "attention_tiled.h"
+#include "attention_prefill.h"
 
 // The one instantiation macro: a host name plus the template it names; the
 // kernel's signature comes from decltype, so it is never repeated here.
@@ -24,10 +28,30 @@
   FM_POST_KERNELS(tname, T, 128)        \
   FM_POST_KERNELS(tname, T, 256)
 
+// The FlashAttention-2 forward's block sizes per bucket, as the routing
+// function (choose_metal_kernel in csrc/metal_plan.cpp) chooses and explains
+// them: 4 simdgroups of 8 query rows and 32 keys per block up to D = 96, 16
+// keys at D = 128, 2 simdgroups and 8 keys at D = 256.
+#define FM_PREFILL(tname, T, D, BQ, BK, WM)                                                 \
+  FM_INSTANTIATE("flash_attention_prefill_" #tname "_d" #D "_bq" #BQ "_bk" #BK "_wm" #WM, \
+                 flash_attention_prefill<T, D, BQ, BK, WM>)
+
+#define FM_PREFILL_ALL_D(tname, T)     \
+  FM_PREFILL(tname, T, 32, 32, 32, 4)  \
+  FM_PREFILL(tname, T, 64, 32, 32, 4)  \
+  FM_PREFILL(tname, T, 72, 32, 32, 4)  \
+  FM_PREFILL(tname, T, 80, 32, 32, 4)  \
+  FM_PREFILL(tname, T, 96, 32, 32, 4)  \
+  FM_PREFILL(tname, T, 128, 32, 16, 4) \
+  FM_PREFILL(tname, T, 256, 16, 8, 2)
+
 // An explicit instantiation with an unqualified name must sit in the
 // template's own namespace (C++ [temp.explicit]), hence the namespace block.
 namespace flash_metal {
 FM_POST_KERNELS_ALL_D(float32, float)
 FM_POST_KERNELS_ALL_D(float16, half)
 FM_POST_KERNELS_ALL_D(bfloat16, bfloat)
+FM_PREFILL_ALL_D(float32, float)
+FM_PREFILL_ALL_D(float16, half)
+FM_PREFILL_ALL_D(bfloat16, bfloat)
 }  // namespace flash_metal
