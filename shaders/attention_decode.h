@@ -1,0 +1,470 @@
+// Token-generation ("decode", Nq <= 8) attention kernels: a one-pass kernel
+// and a two-pass split-KV pair ("flash decoding": partial results per block
+// of keys, then a merge).
+//
+// Layout, after MLX's sdpa_vector kernels (ml-explore/mlx,
+// mlx/backend/metal/kernels/sdpa_vector.h): keys are spread over SIMD-groups,
+// and each lane holds a slice of the head dimension of q, K, V and the output
+// accumulator, so a score is a lane-local partial dot product finished by
+// simd_sum; a group of keys handled by different SIMD-groups is merged
+// through threadgroup memory at the end; the split pass writes unnormalized
+// partials with their (max, sum) and the merge pass rescales them by
+// exp(m_s - M). Like MLX's duplication-free GQA variant, one threadgroup
+// serves every query row of a GQA group (gqa_ratio heads x Nq rows), so each
+// K/V element is loaded once per (batch, kv_head) for all of them. Unlike
+// MLX: lanes hold the strided features lane, lane + 32, ... (consecutive
+// lanes read consecutive features: coalesced when the feature stride is 1);
+// the softmax runs per block of 32 keys (one block max and one rescale per
+// block, a blocked sum for the output) rather than per key; masking uses the
+// finite sentinel kMaskedScore (attention_common.h), base-2 scores, causal
+// bottom-right alignment and any element strides. The code is this
+// project's own.
+//
+// Names: R = gqa_ratio * Nq query rows per threadgroup (the rows of one GQA
+// group), row rr -> query head kv_head * gqa_ratio + rr / Nq, query row
+// rr % Nq. A SIMD-group owns RS = decode_rows_per_simd(DMAX) consecutive rows
+// (a "row group") and one "key group" of the threadgroup's keys.
+//
+// Launch (the host, csrc/metal_plan.cpp, computes exactly this):
+//
+//   RS   = DMAX <= 64 ? 8 : DMAX <= 128 ? 4 : 2      (decode_rows_per_simd)
+//   R    = (Hq / Hkv) * Nq
+//   RG   = ceil(R / RS)                               row groups
+//   RGL  = min(RG, 32)                                row groups live at once
+//   KG   = RG <= 4 ? 8 / RG : 1                       key groups (8, 4, 2, 2 for RG = 1..4)
+//   threadgroup (32, KG, RGL)                         KG * RGL <= 32 SIMD-groups, <= 1024 threads
+//   DP32 = 32 * ceil(DMAX / 32)                      (96 for DMAX 72 and 80, else DMAX)
+//   tg_bytes = KG > 1 ? round_up_16(RGL * KG * (RS + 1 + DP32) * 4) : 16   at [[threadgroup(0)]]
+//
+//   flash_decode        grid (Hkv, B, 1)          threadgroup (32, KG, RGL)  tg_bytes
+//   flash_decode_split  grid (Hkv, B, kv_splits)  threadgroup (32, KG, RGL)  tg_bytes
+//   flash_decode_merge  grid (Nq, Hq, B)          threadgroup (32, 1, 1)     no threadgroup memory
+//
+// function constant fc_causal (index 0) for flash_decode and
+// flash_decode_split; flash_decode_merge uses none. The largest tg_bytes is
+// 8 * (2 + 1 + 256) * 4 = 8,288 bytes (DMAX 256; RG = 1..4 gives RGL * KG = 8,
+// 8, 6, 8). The 16 bytes when KG = 1 are never touched: a non-zero length
+// keeps the [[threadgroup(0)]] argument bound on every launch. When RG > 32 (R > 32 * RS: only DMAX 256 with R > 64 among
+// gqa_ratio <= 16, Nq <= 8) the 32 SIMD-groups loop over the row groups,
+// and K/V is read once per round.
+//
+// Bytes: each key group reads each of its keys' K and V rows once for all RS
+// rows of its row group. With RG = 1 (every R <= RS) that is each K/V
+// element exactly once per (batch, kv_head[, split]); with RG > 1, the RG
+// SIMD-groups of one key group each load the same keys (the same addresses at
+// about the same time, so the cache, not DRAM, serves all but one of them on
+// a GPU: not yet verified on Apple hardware).
+#pragma once
+
+#include "attention_common.h"
+
+namespace flash_metal {
+
+// Query rows per SIMD-group, per bucket. Each row costs a lane 3 * DMAX / 32
+// floats of registers (its q slice, its accumulator, the block's partial
+// product) plus a few scalars; the choice keeps that near 48-64 floats per
+// lane (DMAX 64: 8 rows x 6; DMAX 128: 4 x 12; DMAX 256: 2 x 24), inside
+// Apple's per-thread register budget with room for occupancy.
+constexpr int decode_rows_per_simd(int dmax) { return dmax <= 64 ? 8 : (dmax <= 128 ? 4 : 2); }
+
+// Keys per block: one per lane, so each lane holds one key's score per row.
+// The softmax state is updated once per block of 32 keys.
+constant constexpr int kDecodeBlock = 32;
+
+// The rows one SIMD-group works on, and its online-softmax state, per lane.
+// DPL = features per lane: lane l holds features l, l + 32, ..., l + 32 * (DPL - 1).
+template <int DMAX>
+struct DecodeState {
+  static constexpr int RS = decode_rows_per_simd(DMAX);
+  static constexpr int DPL = (DMAX + 31) / 32;
+  static constexpr int DP32 = DPL * 32;  // features per row including the lanes' padding
+  float q[RS][DPL];    // query slice, pre-multiplied by scale * log2(e); 0 past head_dim and for dead rows
+  float acc[RS][DPL];  // unnormalized output slice: sum of exp2(s - m) * v
+  float m[RS];         // running max of the base-2 scores (kMaskedScore: no key yet); same in every lane
+  float l[RS];         // running sum of exp2(s - m); same in every lane
+};
+
+// Where one query row of the group lives: its head and its row in q / out.
+struct DecodeRow {
+  int head;  // query head
+  int row;   // query row, 0..Nq-1
+};
+
+inline DecodeRow decode_row(constant AttentionParams& p, int kv_head, int rr) {
+  DecodeRow r;
+  r.head = kv_head * p.gqa_ratio + rr / p.q_len;
+  r.row = rr % p.q_len;
+  return r;
+}
+
+// The SIMD-group's row group rg: loads q (zeros for rows past R) and resets
+// the state. Never reads q past head_dim.
+template <typename T, int DMAX>
+FM_INLINE void decode_init(thread DecodeState<DMAX>& st, device const T* q, constant AttentionParams& p, int batch,
+                           int kv_head, int rg, uint lane) {
+  constexpr int RS = DecodeState<DMAX>::RS;
+  constexpr int DPL = DecodeState<DMAX>::DPL;
+  const int R = p.gqa_ratio * p.q_len;
+  const int D = p.head_dim;
+  FM_UNROLL for (int r = 0; r < RS; ++r) {
+    const int rr = rg * RS + r;
+    const bool live = rr < R;
+    const DecodeRow dr = decode_row(p, kv_head, live ? rr : 0);
+    device const T* qp = q + int64_t(batch) * p.q_batch_stride + int64_t(dr.head) * p.q_head_stride +
+                         int64_t(dr.row) * p.q_row_stride;
+    FM_UNROLL for (int i = 0; i < DPL; ++i) {
+      const int c = i * 32 + int(lane);
+      st.q[r][i] = (live && c < D) ? float(qp[int64_t(c) * p.q_dim_stride]) * p.scale_log2 : 0.0f;
+      st.acc[r][i] = 0.0f;
+    }
+    st.m[r] = kMaskedScore;
+    st.l[r] = 0.0f;
+  }
+}
+
+// Attends the SIMD-group's rows to the keys of its key group in
+// [key_begin, key_end): blocks of 32 consecutive keys, block kg, kg + KG, ...
+// (each key belongs to exactly one key group). Per block:
+//  1. scores: for each key j, every lane loads its slice of K row j once,
+//     and each row's score is simd_sum of the lane partials; lane j keeps
+//     the score of key j (kMaskedScore if masked);
+//  2. softmax: block max by simd_max, p = exp2(s - m_new) (0 if masked),
+//     l = l * alpha + simd_sum(p), one rescale per block;
+//  3. output: each lane loads its slice of V row j once and accumulates
+//     p_j (simd_shuffle from lane j) * v into a block partial that starts at
+//     zero, then acc = acc * alpha + partial: a blocked sum, so acc takes
+//     one rounding per block, not per key (FlashAttention-2's per-block
+//     rescale; at Nk = 8192 float32 this is what keeps within 2x PyTorch's
+//     error).
+// The trip count depends only on values uniform across the SIMD-group, so
+// every simd_* call is convergent; there is no barrier inside.
+template <typename T, int DMAX>
+FM_INLINE void decode_attend(thread DecodeState<DMAX>& st, device const T* k, device const T* v,
+                             constant AttentionParams& p, int batch, int kv_head, int rg, int key_begin, int key_end,
+                             int kg, int KG, uint lane) {
+  constexpr int RS = DecodeState<DMAX>::RS;
+  constexpr int DPL = DecodeState<DMAX>::DPL;
+  const int R = p.gqa_ratio * p.q_len;
+  const int D = p.head_dim;
+  device const T* kp = k + int64_t(batch) * p.k_batch_stride + int64_t(kv_head) * p.k_head_stride;
+  device const T* vp = v + int64_t(batch) * p.v_batch_stride + int64_t(kv_head) * p.v_head_stride;
+
+  // The last key each row may see (exclusive bound), or key_begin for rows
+  // past R, which must see none.
+  int row_end[RS];
+  FM_UNROLL for (int r = 0; r < RS; ++r) {
+    const int rr = rg * RS + r;
+    row_end[r] = rr < R ? visible_keys(p, decode_row(p, kv_head, rr).row) : 0;
+  }
+
+  for (int k0 = key_begin + kg * kDecodeBlock; k0 < key_end; k0 += KG * kDecodeBlock) {
+    const int n = min(kDecodeBlock, key_end - k0);  // keys of this block (uniform)
+    const int key = k0 + int(lane);                 // the key whose score this lane keeps
+
+    float s[RS];
+    FM_UNROLL for (int r = 0; r < RS; ++r) s[r] = kMaskedScore;
+    for (int j = 0; j < n; ++j) {
+      device const T* kr = kp + int64_t(k0 + j) * p.k_row_stride;
+      float kx[DPL];
+      FM_UNROLL for (int i = 0; i < DPL; ++i) {
+        const int c = i * 32 + int(lane);
+        kx[i] = c < D ? float(kr[int64_t(c) * p.k_dim_stride]) : 0.0f;
+      }
+      FM_UNROLL for (int r = 0; r < RS; ++r) {
+        float part = 0.0f;
+        FM_UNROLL for (int i = 0; i < DPL; ++i) part = fma(st.q[r][i], kx[i], part);
+        const float score = simd_sum(part);
+        if (int(lane) == j) s[r] = score;
+      }
+    }
+
+    // Masking: keys past this row's last visible key (causal, or past R),
+    // and scores that are -inf or below the floor from the inputs, become
+    // the finite sentinel by comparisons fast math cannot fold.
+    float pw[RS];
+    float alpha[RS];
+    FM_UNROLL for (int r = 0; r < RS; ++r) {
+      const bool masked = !(int(lane) < n && key < row_end[r]) || s[r] <= kMaskedScore;
+      const float sc = masked ? kMaskedScore : s[r];
+      const float m_new = max(st.m[r], simd_max(sc));  // finite
+      alpha[r] = exp2(st.m[r] - m_new);                // finite argument <= 0
+      pw[r] = masked ? 0.0f : exp2(sc - m_new);
+      st.l[r] = fma(st.l[r], alpha[r], simd_sum(pw[r]));
+      st.m[r] = m_new;
+    }
+
+    float blk[RS][DPL];
+    FM_UNROLL for (int r = 0; r < RS; ++r) {
+      FM_UNROLL for (int i = 0; i < DPL; ++i) blk[r][i] = 0.0f;
+    }
+    for (int j = 0; j < n; ++j) {
+      device const T* vr = vp + int64_t(k0 + j) * p.v_row_stride;
+      float vx[DPL];
+      FM_UNROLL for (int i = 0; i < DPL; ++i) {
+        const int c = i * 32 + int(lane);
+        vx[i] = c < D ? float(vr[int64_t(c) * p.v_dim_stride]) : 0.0f;
+      }
+      FM_UNROLL for (int r = 0; r < RS; ++r) {
+        const float pj = simd_shuffle(pw[r], ushort(j));
+        FM_UNROLL for (int i = 0; i < DPL; ++i) blk[r][i] = fma(pj, vx[i], blk[r][i]);
+      }
+    }
+    FM_UNROLL for (int r = 0; r < RS; ++r) {
+      FM_UNROLL for (int i = 0; i < DPL; ++i) st.acc[r][i] = fma(st.acc[r][i], alpha[r], blk[r][i]);
+    }
+  }
+}
+
+// Merges the KG key groups of each row group into key group 0, through
+// threadgroup memory `smem` (RGL * KG * (RS + 1 + DP32) floats, DP32 =
+// 32 * ceil(DMAX / 32): each lane writes its whole slice, padding included): every
+// SIMD-group rescales its state to the common max M = max over key groups,
+// then key group 0 sums the sums and the accumulators, one row at a time.
+// Every thread of the threadgroup must call it (it has barriers); a
+// SIMD-group without a live row group takes part with its "no key" state.
+template <int DMAX>
+FM_INLINE void decode_merge_key_groups(thread DecodeState<DMAX>& st, threadgroup float* smem, int kg, int KG, int rgl,
+                                       int RGL, uint lane) {
+  constexpr int RS = DecodeState<DMAX>::RS;
+  constexpr int DPL = DecodeState<DMAX>::DPL;
+  constexpr int DP32 = DecodeState<DMAX>::DP32;
+  const int slot = rgl * KG + kg;  // this SIMD-group's slot
+  const int nslots = RGL * KG;
+  threadgroup float* tg_m = smem;                // [nslots][RS]
+  threadgroup float* tg_l = tg_m + nslots * RS;  // [nslots]
+  threadgroup float* tg_o = tg_l + nslots;       // [nslots][DP32]
+  threadgroup_barrier(mem_flags::mem_threadgroup);  // a previous round's reads done before these writes (WAR)
+  if (lane == 0) {
+    FM_UNROLL for (int r = 0; r < RS; ++r) tg_m[slot * RS + r] = st.m[r];
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);  // every max written before any is read (RAW)
+  FM_UNROLL for (int r = 0; r < RS; ++r) {
+    float M = kMaskedScore;
+    for (int g = 0; g < KG; ++g) M = max(M, tg_m[(rgl * KG + g) * RS + r]);
+    const float f = exp2(st.m[r] - M);  // finite argument <= 0
+    st.l[r] *= f;
+    FM_UNROLL for (int i = 0; i < DPL; ++i) st.acc[r][i] *= f;
+    st.m[r] = M;
+  }
+  FM_UNROLL for (int r = 0; r < RS; ++r) {
+    FM_UNROLL for (int i = 0; i < DPL; ++i) tg_o[slot * DP32 + i * 32 + int(lane)] = st.acc[r][i];
+    if (lane == 0) tg_l[slot] = st.l[r];
+    threadgroup_barrier(mem_flags::mem_threadgroup);  // row r of every key group written before the sum (RAW)
+    if (kg == 0) {
+      float l = 0.0f;
+      float a[DPL];
+      FM_UNROLL for (int i = 0; i < DPL; ++i) a[i] = 0.0f;
+      for (int g = 0; g < KG; ++g) {
+        const int sl = rgl * KG + g;
+        l += tg_l[sl];
+        FM_UNROLL for (int i = 0; i < DPL; ++i) a[i] += tg_o[sl * DP32 + i * 32 + int(lane)];
+      }
+      st.l[r] = l;
+      FM_UNROLL for (int i = 0; i < DPL; ++i) st.acc[r][i] = a[i];
+    }
+    threadgroup_barrier(mem_flags::mem_threadgroup);  // sums read before the next row overwrites them (WAR)
+  }
+}
+
+// The shape of the threadgroup, decoded from its launch (see the top of the
+// file): lane, key group kg of KG, live row-group slot rgl of RGL.
+struct DecodeShape {
+  int kg, KG, rgl, RGL, rounds;
+};
+
+inline DecodeShape decode_shape(constant AttentionParams& p, uint3 tpos, uint3 tsize, int RS) {
+  DecodeShape s;
+  s.kg = int(tpos.y);
+  s.KG = int(tsize.y);
+  s.rgl = int(tpos.z);
+  s.RGL = int(tsize.z);
+  const int RG = (p.gqa_ratio * p.q_len + RS - 1) / RS;
+  s.rounds = (RG + s.RGL - 1) / s.RGL;
+  return s;
+}
+
+// The lane's slice of one output row, normalized, and the row's lse (natural
+// log): zeros and -inf (from bits, as store_output_row) for a row that saw no
+// key. sm carries the row's (m, l).
+template <typename T, int DMAX>
+FM_INLINE void decode_store_row(device T* o, device float* lse, constant AttentionParams& p, int batch,
+                                DecodeRow dr, thread const float* acc, OnlineSoftmax sm, uint lane) {
+  constexpr int DPL = (DMAX + 31) / 32;
+  const float inv = sm.inv_sum();
+  device T* op = o + int64_t(batch) * p.o_batch_stride + int64_t(dr.head) * p.o_head_stride +
+                 int64_t(dr.row) * p.o_row_stride;
+  FM_UNROLL for (int i = 0; i < DPL; ++i) {
+    const int c = i * 32 + int(lane);
+    if (c < p.head_dim) op[int64_t(c) * p.o_dim_stride] = static_cast<T>(acc[i] * inv);
+  }
+  if (lane == 0) {
+    // lse = m ln 2 + ln l with one rounding for both (fma), as the prefill
+    // kernel does; -inf from its bits for an empty row (see store_output_row).
+    const uint bits = sm.has_key() ? as_type<uint>(fma(sm.m, M_LN2_F, log(sm.l))) : kNegInfBits;
+    lse[int64_t(batch) * p.lse_batch_stride + int64_t(dr.head) * p.lse_head_stride +
+        int64_t(dr.row) * p.lse_row_stride] = as_type<float>(bits);
+  }
+}
+
+// One pass: the threadgroup (batch, kv_head) attends all of the group's rows
+// to all keys and writes out and lse. T: q/k/v/out element type; DMAX: head_dim
+// bucket. Launch: top of this file.
+template <typename T, int DMAX>
+[[kernel]] void flash_decode(
+    device const T* q [[buffer(0)]],
+    device const T* k [[buffer(1)]],
+    device const T* v [[buffer(2)]],
+    device T* o [[buffer(3)]],
+    device float* lse [[buffer(4)]],
+    constant AttentionParams& p [[buffer(5)]],
+    threadgroup float* smem [[threadgroup(0)]],
+    uint3 group [[threadgroup_position_in_grid]],
+    uint3 tpos [[thread_position_in_threadgroup]],
+    uint3 tsize [[threads_per_threadgroup]],
+    uint lane [[thread_index_in_simdgroup]]) {
+  constexpr int RS = DecodeState<DMAX>::RS;
+  const int kv_head = int(group.x);
+  const int batch = int(group.y);
+  const DecodeShape sh = decode_shape(p, tpos, tsize, RS);
+  const int R = p.gqa_ratio * p.q_len;
+  // Under causal masking no row sees past the last row's bound (rows past it
+  // in the sequence see fewer keys), so later keys are never read.
+  const int key_end = visible_keys(p, p.q_len - 1);
+  for (int round = 0; round < sh.rounds; ++round) {
+    const int rg = round * sh.RGL + sh.rgl;
+    const bool live = rg * RS < R;  // uniform per SIMD-group
+    DecodeState<DMAX> st;
+    decode_init<T, DMAX>(st, q, p, batch, kv_head, rg, lane);  // a dead row group: zeros, "no key"
+    if (live) {
+      decode_attend<T, DMAX>(st, k, v, p, batch, kv_head, rg, 0, key_end, sh.kg, sh.KG, lane);
+    }
+    if (sh.KG > 1) decode_merge_key_groups<DMAX>(st, smem, sh.kg, sh.KG, sh.rgl, sh.RGL, lane);
+    if (live && sh.kg == 0) {
+      FM_UNROLL for (int r = 0; r < RS; ++r) {
+        const int rr = rg * RS + r;
+        if (rr < R) {
+          OnlineSoftmax sm;
+          sm.m = st.m[r];
+          sm.l = st.l[r];
+          decode_store_row<T, DMAX>(o, lse, p, batch, decode_row(p, kv_head, rr), st.acc[r], sm, lane);
+        }
+      }
+    }
+  }
+}
+
+// Index of (batch, head, row, split) in the packed partial buffers
+// [B][Hq][Nq][kv_splits].
+inline int64_t decode_partial_index(constant AttentionParams& p, int batch, DecodeRow dr, int split) {
+  return ((int64_t(batch) * p.q_heads + dr.head) * p.q_len + dr.row) * p.kv_splits + split;
+}
+
+// Split pass 1: the threadgroup (batch, kv_head, split) attends the group's
+// rows to keys [split * split_keys, min((split + 1) * split_keys, Nk)) (and
+// no further than causal masking lets any row see) and writes unnormalized
+// partials: partial_o[B][Hq][Nq][kv_splits][head_dim] (sum of exp2(s - m) * v)
+// and partial_stats[B][Hq][Nq][kv_splits][2] = (m, l), m the base-2 max and
+// l the sum of exp2(s - m). A block no row may see writes m = kMaskedScore,
+// l = 0 and zeros. Launch: top of this file.
+template <typename T, int DMAX>
+[[kernel]] void flash_decode_split(
+    device const T* q [[buffer(0)]],
+    device const T* k [[buffer(1)]],
+    device const T* v [[buffer(2)]],
+    constant AttentionParams& p [[buffer(5)]],
+    device float* partial_o [[buffer(6)]],
+    device float* partial_stats [[buffer(7)]],
+    threadgroup float* smem [[threadgroup(0)]],
+    uint3 group [[threadgroup_position_in_grid]],
+    uint3 tpos [[thread_position_in_threadgroup]],
+    uint3 tsize [[threads_per_threadgroup]],
+    uint lane [[thread_index_in_simdgroup]]) {
+  constexpr int RS = DecodeState<DMAX>::RS;
+  constexpr int DPL = DecodeState<DMAX>::DPL;
+  const int kv_head = int(group.x);
+  const int batch = int(group.y);
+  const int split = int(group.z);
+  const DecodeShape sh = decode_shape(p, tpos, tsize, RS);
+  const int R = p.gqa_ratio * p.q_len;
+  const int key_begin = split * p.split_keys;
+  const int key_end = min(key_begin + p.split_keys, visible_keys(p, p.q_len - 1));
+  for (int round = 0; round < sh.rounds; ++round) {
+    const int rg = round * sh.RGL + sh.rgl;
+    const bool live = rg * RS < R;
+    DecodeState<DMAX> st;
+    decode_init<T, DMAX>(st, q, p, batch, kv_head, rg, lane);  // a dead row group: zeros, "no key"
+    if (live) {
+      decode_attend<T, DMAX>(st, k, v, p, batch, kv_head, rg, key_begin, key_end, sh.kg, sh.KG, lane);
+    }
+    if (sh.KG > 1) decode_merge_key_groups<DMAX>(st, smem, sh.kg, sh.KG, sh.rgl, sh.RGL, lane);
+    if (live && sh.kg == 0) {
+      FM_UNROLL for (int r = 0; r < RS; ++r) {
+        const int rr = rg * RS + r;
+        if (rr < R) {
+          const int64_t idx = decode_partial_index(p, batch, decode_row(p, kv_head, rr), split);
+          device float* po = partial_o + idx * p.head_dim;
+          FM_UNROLL for (int i = 0; i < DPL; ++i) {
+            const int c = i * 32 + int(lane);
+            if (c < p.head_dim) po[c] = st.acc[r][i];
+          }
+          if (lane == 0) {
+            partial_stats[2 * idx] = st.m[r];
+            partial_stats[2 * idx + 1] = st.l[r];
+          }
+        }
+      }
+    }
+  }
+}
+
+// Split pass 2: one SIMD-group per output row (batch, head, row) merges the
+// row's kv_splits partials: M = max_s m_s, l = sum_s l_s * exp2(m_s - M),
+// out = sum_s partial_s * exp2(m_s - M) / l, lse = (M + log2 l) * ln 2, in
+// natural log; zeros and -inf for a row no block saw a key for (every
+// m_s = kMaskedScore and l_s = 0, so l = 0). Blocks with no key contribute
+// weight exp2(kMaskedScore - M) * 0 = 0 and finite arithmetic throughout.
+// Launch: top of this file.
+template <typename T, int DMAX>
+[[kernel]] void flash_decode_merge(
+    device T* o [[buffer(3)]],
+    device float* lse [[buffer(4)]],
+    constant AttentionParams& p [[buffer(5)]],
+    device const float* partial_o [[buffer(6)]],
+    device const float* partial_stats [[buffer(7)]],
+    uint3 group [[threadgroup_position_in_grid]],
+    uint lane [[thread_index_in_simdgroup]]) {
+  constexpr int DPL = (DMAX + 31) / 32;
+  const int batch = int(group.z);
+  DecodeRow dr;
+  dr.head = int(group.y);
+  dr.row = int(group.x);
+  const int64_t base = decode_partial_index(p, batch, dr, 0);
+  const int S = p.kv_splits;
+  device const float* stats = partial_stats + 2 * base;
+
+  // The max over splits, lanes striding the splits, then simd_max (MLX's
+  // sdpa_vector_2pass_2 reduction).
+  float M = kMaskedScore;
+  for (int s = int(lane); s < S; s += 32) M = max(M, stats[2 * s]);
+  M = simd_max(M);
+  float l = 0.0f;
+  for (int s = int(lane); s < S; s += 32) l += stats[2 * s + 1] * exp2(stats[2 * s] - M);
+  l = simd_sum(l);
+
+  float acc[DPL];
+  FM_UNROLL for (int i = 0; i < DPL; ++i) acc[i] = 0.0f;
+  for (int s = 0; s < S; ++s) {
+    const float f = exp2(stats[2 * s] - M);  // finite argument <= 0
+    device const float* po = partial_o + (base + s) * p.head_dim;
+    FM_UNROLL for (int i = 0; i < DPL; ++i) {
+      const int c = i * 32 + int(lane);
+      if (c < p.head_dim) acc[i] = fma(po[c], f, acc[i]);
+    }
+  }
+  OnlineSoftmax sm;
+  sm.m = M;
+  sm.l = l;
+  decode_store_row<T, DMAX>(o, lse, p, batch, dr, acc, sm, lane);
+}
+
+}  // namespace flash_metal
