@@ -159,3 +159,185 @@ def test_one_key_read_per_group_up_to_the_row_limit():
         assert_attention_close(out, lse, q, k, v)
         read = counts[0].device_bytes_read_by_index
         assert read[1] == k.numel() * k.element_size() and read[2] == v.numel() * v.element_size(), read
+
+
+# ---- every instantiation, sanitized --------------------------------------------------------
+
+# One head_dim per bucket, most of them ragged inside it (a lane's last slice
+# is partly padding; 72 and 80 leave whole lanes of padding in the third).
+BUCKET_DIMS = {32: 17, 64: 40, 72: 72, 80: 75, 96: 90, 128: 128, 256: 200}
+# (B, Hq, Hkv, Nq, Nk, splits, layout): Nk = 1; Nk < Nq (causal rows with no
+# key, and a split block past the end); a block with one key and empty
+# blocks past Nk; MHA with four splits, the last ragged; MQA with 16 rows.
+SANITIZED_CASES = [
+    (1, 2, 1, 1, 1, 1, "offset_slice"),
+    (1, 4, 1, 8, 7, 2, "storage_end"),
+    (1, 8, 2, 3, 33, 3, "every_other"),
+    (2, 3, 3, 5, 100, 4, "storage_end_bnhd"),
+    (1, 8, 1, 2, 70, 1, "d_outer"),
+]
+
+
+def test_sanitized_cases_cover_the_edges():
+    # Both kernels, Nk from 1 to past one split block, Nk < Nq, a split
+    # block past the end of the keys.
+    assert {c[5] == 1 for c in SANITIZED_CASES} == {True, False}
+    nks = [c[4] for c in SANITIZED_CASES]
+    assert min(nks) == 1 and max(nks) > BLOCK
+    assert any(c[4] < c[3] for c in SANITIZED_CASES)
+    assert any(c[5] > 1 and (c[5] - 1) * split_keys_of(c[4], c[5]) >= c[4] for c in SANITIZED_CASES)
+    assert all(1 <= c[3] <= 8 for c in SANITIZED_CASES)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("bucket", BUCKETS, ids=[f"d{b}" for b in BUCKETS])
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+def test_instantiation_sanitized(dtype, bucket, causal):
+    d = BUCKET_DIMS[bucket]
+    assert bucket_of(d) == bucket
+    for i, (b, hq, hkv, nq, nk, splits, layout) in enumerate(SANITIZED_CASES):
+        g = torch.Generator().manual_seed(4000 + i)
+        q, k, v = make_qkv(b, hq, hkv, nq, nk, d, dtype, layout=layout, generator=g)
+        out, lse = run_decode(q, k, v, causal, splits=splits, instrumented=True)
+        assert_attention_close(out, lse, q, k, v, causal)
+    dispatched = decode_library(True, False).dispatched_names()
+    assert set(kernel_names(dtype, bucket)) <= dispatched
+
+
+# (Hq, Hkv, Nq, D): GQA ratios 1, 4 and 8, MQA; rows per threadgroup from 1
+# to 128, so one row group with 8, 4 or 2 key groups, 3 row groups (6
+# SIMD-groups), and (ratio 16, Nq 8, D 256: 64 row groups of 2) more row
+# groups than 32 SIMD-groups, which loop.
+GQA_CASES = [(4, 4, 1, 64), (8, 2, 3, 128), (8, 1, 6, 96), (16, 2, 2, 64), (16, 1, 8, 256), (8, 8, 8, 32)]
+
+
+def test_gqa_cases_cover_every_threadgroup_shape():
+    shapes = {decode_launch(1, hq, hkv, nq, bucket_of(d), 2)["split"][1][1:] for hq, hkv, nq, d in GQA_CASES}
+    kgs = {kg for kg, _ in shapes}
+    assert {8, 4, 2, 1} <= kgs and any(rgl == 32 for _, rgl in shapes)
+    assert any(math.ceil(hq // hkv * nq / rows_per_simd(bucket_of(d))) > 32 for hq, hkv, nq, d in GQA_CASES)
+
+
+@pytest.mark.parametrize("case", GQA_CASES, ids=lambda c: f"hq{c[0]}-hkv{c[1]}-nq{c[2]}-d{c[3]}")
+def test_sanitized_gqa_mqa(case):
+    hq, hkv, nq, d = case
+    g = torch.Generator().manual_seed(5000 + hq + nq)
+    q, k, v = make_qkv(2, hq, hkv, nq, 45, d, torch.float16, layout="transposed", generator=g)
+    for causal, splits in [(False, 1), (True, 2)]:
+        out, lse = run_decode(q, k, v, causal, 0.3, splits=splits, instrumented=True)
+        assert_attention_close(out, lse, q, k, v, causal, 0.3)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_sanitized_layouts(layout):
+    # Each of numerics.LAYOUTS for q, k and v alike, and mixed with another.
+    for i, layouts in enumerate([layout, (layout, "every_other", layout), ("transposed", layout, "d_outer")]):
+        g = torch.Generator().manual_seed(6000 + i)
+        q, k, v = make_qkv(1, 4, 2, 3, 50, 40, torch.bfloat16, layout=layouts, generator=g)
+        for causal, splits in [(True, 1), (False, 2)]:
+            out, lse = run_decode(q, k, v, causal, splits=splits, instrumented=True)
+            assert_attention_close(out, lse, q, k, v, causal)
+
+
+# ---- rows and split blocks with no visible key ---------------------------------------------
+
+@pytest.mark.parametrize("splits", [1, 3])
+def test_causal_rows_with_no_key_are_zeros_and_minus_inf(splits):
+    # Nk < Nq, bottom-right causal: query row i sees keys j <= i - (Nq - Nk),
+    # so rows 0..Nq-Nk-1 see nothing.
+    nq, nk = 8, 3
+    q, k, v = make_qkv(1, 4, 2, nq, nk, 64, torch.float32, generator=torch.Generator().manual_seed(7))
+    out, lse = run_decode(q, k, v, True, splits=splits, instrumented=True)
+    assert_attention_close(out, lse, q, k, v, True)
+    empty = nq - nk
+    assert torch.equal(out[:, :, :empty], torch.zeros_like(out[:, :, :empty]))
+    assert torch.isinf(lse[:, :, :empty]).all() and (lse[:, :, :empty] < 0).all()
+    assert torch.isfinite(lse[:, :, empty:]).all()
+
+
+def test_split_blocks_without_visible_keys_write_the_empty_partial():
+    # Nq 8, Nk 35, 4 splits of 32 keys: block 1 holds keys 32..34, which rows
+    # 0..4 cannot see under causal masking (row i sees j <= i + 27); blocks 2
+    # and 3 lie past the end for every row. Such a partial is exactly
+    # (m, l) = (kMaskedScore, 0) and zeros; every other is finite with l >= 1.
+    nq, nk, splits = 8, 35, 4
+    q, k, v = make_qkv(1, 2, 1, nq, nk, 48, torch.float32, generator=torch.Generator().manual_seed(8))
+    out, lse, part_o, part_s, _ = launch_decode(q, k, v, True, splits=splits, instrumented=True)
+    assert_attention_close(out, lse, q, k, v, True)
+    assert not torch.isnan(part_o).any() and not torch.isnan(part_s).any()
+    sk = split_keys_of(nk, splits)
+    for i in range(nq):
+        for s in range(splits):
+            sees = s * sk <= i + (nk - nq)  # the row sees the block's first key
+            m, l = part_s[0, :, i, s, 0], part_s[0, :, i, s, 1]
+            if sees:
+                assert (l >= 1).all() and (m > MASKED_SCORE).all(), (i, s)
+            else:
+                assert (m == MASKED_SCORE).all() and (l == 0).all(), (i, s)
+                assert torch.equal(part_o[0, :, i, s], torch.zeros_like(part_o[0, :, i, s])), (i, s)
+
+
+# ---- fast math with non-finite keys --------------------------------------------------------
+
+def _nonfinite():
+    import test_nonfinite
+
+    return test_nonfinite
+
+
+# Decode shapes for test_nonfinite's cases: Nq 8 over 45 keys (two 32-key
+# blocks), and Nq 6 over 3 keys (causal rows with no key).
+NONFINITE_SHAPES = [(8, 45), (6, 3)]
+
+
+@pytest.mark.parametrize("splits", [1, 2])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("case", range(8), ids=lambda i: f"case{i}")
+def test_fast_math_nonfinite_keys(case, causal, splits):
+    # test_nonfinite.py's cases (-inf keys, overflowing and huge scores, at
+    # the first key, the middle, the end, a whole first block, everywhere),
+    # in the fast-math build: masked keys weigh exactly 0 and rows with
+    # nothing visible give zeros and -inf, with no infinity ever computed.
+    nf = _nonfinite()
+    dtype, kind = nf.CASES[case]
+    for position, masked_of in nf.POSITIONS.items():
+        for i, (nq, nk) in enumerate(NONFINITE_SHAPES):
+            masked = masked_of(nk)
+            q, k, v = nf.make_case(nq, nk, dtype, kind, masked, seed=100 + i)
+            out, lse = run_decode(q, k, v, causal, splits=splits, fast_math=True)
+            nf.check_case(out, lse, q, k, v, causal, kind, masked)
+
+
+def test_fast_math_cases_are_all_taken():
+    assert len(_nonfinite().CASES) == 8
+
+
+# ---- precision at long context ------------------------------------------------------------
+
+LONG_NK = 8192
+
+
+@pytest.mark.parametrize("splits", [1, 8], ids=["one_pass", "split8"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_strict_precision_at_8192_keys(causal, splits):
+    # FlashAttention's 2x rule with no float32 floor: the error is at most
+    # twice PyTorch's own float32 error (plus the output rounding). One
+    # rescale per 32-key block and a blocked P.V sum keep it there
+    # (attention_decode.h); 4 query rows of 2 heads each.
+    for seed in (0, 1):
+        g = torch.Generator().manual_seed(seed)
+        q, k, v = make_qkv(1, 2, 1, 4, LONG_NK, 64, torch.float32, generator=g)
+        out, lse = run_decode(q, k, v, causal, splits=splits)
+        assert_attention_close(out, lse, q, k, v, causal, strict=True)
+
+
+# ---- registers, not stack -------------------------------------------------------------------
+
+def test_no_decode_kernel_keeps_an_array_in_memory():
+    # q, acc, the block partial and the per-row scores are indexed by
+    # compile-time constants only, so LLVM splits them into scalars (see
+    # attention_common.h, "Registers, not stack").
+    from metal_emulator import private_arrays
+
+    left = {name: arrays for name, arrays in private_arrays([SHADER]).items() if arrays}
+    assert left == {}
