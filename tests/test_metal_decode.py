@@ -341,3 +341,23 @@ def test_no_decode_kernel_keeps_an_array_in_memory():
 
     left = {name: arrays for name, arrays in private_arrays([SHADER]).items() if arrays}
     assert left == {}
+
+
+# ---- merges where one block dominates -------------------------------------------------------
+
+@pytest.mark.parametrize("splits", [1, 4])
+def test_merges_follow_the_block_that_holds_the_max(splits):
+    # One key scores about 2000 above the others (natural log), in the first,
+    # a middle, the eighth (key group 7 of 8 in the one-pass threadgroup) or
+    # the last 32-key block: it must carry all the weight. A
+    # merge (of key groups in the threadgroup, or of split partials) that
+    # rescales by anything but the true max multiplies some partial by
+    # exp2(+2000 * log2 e) = inf and the row turns inf or NaN; one that
+    # drops a block loses the key.
+    nk = 260
+    for key in (3, 100, 230, nk - 1):
+        g = torch.Generator().manual_seed(key)
+        q, k, v = make_qkv(1, 4, 1, 2, nk, 64, torch.float32, generator=g)
+        k[0, 0, key] = q[0, 0, 0] * (2000.0 * 8 / q[0, 0, 0].dot(q[0, 0, 0]))  # score 2000 with scale 1/8
+        out, lse = run_decode(q, k, v, False, splits=splits, instrumented=splits > 1)
+        assert_attention_close(out, lse, q, k, v)
