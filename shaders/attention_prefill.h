@@ -119,6 +119,19 @@ FM_INLINE void prefill_read_frag_t(thread PrefillFrag& f, threadgroup const T* t
   f.thread_elements()[1] = float(s[ld]);
 }
 
+// d += a * b on fragments, through local copies. d is usually an element of
+// a fragment array (S[t]) and a one too (P = S[t]); passing an array element
+// by reference to a call that is not inlined pins the whole array in memory
+// (it happens in the emulator, whose simdgroup_multiply_accumulate is a real
+// function, and would hide from private_arrays() whether the kernel's arrays
+// can live in registers). On a GPU the MMA is an intrinsic and the copies
+// vanish.
+FM_INLINE void prefill_mma(thread PrefillFrag& d, PrefillFrag a, PrefillFrag b) {
+  PrefillFrag c = d;
+  simdgroup_multiply_accumulate(c, a, b, c);
+  d = c;
+}
+
 // T: element type of q, k, v and the output (float, half or bfloat).
 // DMAX: head_dim bucket (head_dim <= DMAX, zero padded). BQ: query rows per
 // threadgroup, 8 per SIMD-group. BK: keys per block. WM: SIMD-groups.
@@ -230,7 +243,7 @@ template <typename T, int DMAX, int BQ, int BK, int WM>
         FM_UNROLL for (int t = 0; t < TK; ++t) {
           PrefillFrag kf;
           prefill_read_frag_t(kf, kv_tile, LD, dd * 8, t * 8, fr, fc);
-          simdgroup_multiply_accumulate(S[t], qf, kf, S[t]);
+          prefill_mma(S[t], qf, kf);
         }
       }
       // Scores to base 2, in float32 after the product (MLX PR #3119 moved
@@ -313,7 +326,7 @@ template <typename T, int DMAX, int BQ, int BK, int WM>
           FM_UNROLL for (int t = 0; t < TK; ++t) {
             PrefillFrag vf;
             prefill_read_frag(vf, kv_tile, LD, t * 8, id * 8, fr, fc);
-            simdgroup_multiply_accumulate(pv, S[t], vf, pv);
+            prefill_mma(pv, S[t], vf);
           }
           FM_UNROLL for (int j = 0; j < 2; ++j) {
             O[id].thread_elements()[j] = fma(O[id].thread_elements()[j], alpha, pv.thread_elements()[j]);

@@ -113,6 +113,17 @@ def test_threadgroup_memory_fits_metal(dtype):
         assert n <= TG_LIMIT and n % 16 == 0, (dmax, n)
 
 
+def test_fragment_arrays_can_live_in_registers():
+    # O[DMAX / 8] and S[BK / 8] are indexed by compile-time constants only, so
+    # LLVM splits them into scalars in every instantiation (see
+    # metal_emulator.private_arrays; Apple's compiler is LLVM-based).
+    from metal_emulator import private_arrays
+
+    arrays = private_arrays([SHADER])
+    assert set(arrays) == {kernel_name(dt, b) for dt in DTYPES for b in BLOCKS}
+    assert {name: a for name, a in arrays.items() if a} == {}
+
+
 # ---- the lane layout the kernel relies on -------------------------------------------
 
 def mlx_coord(lane):
