@@ -275,19 +275,23 @@ def test_barriers_exp2_and_mmas_per_key_block():
 
 
 def test_causal_skips_blocks_in_the_future():
-    # Causal, Nq = Nk = 128, BQ = BK = 32: query block x walks key blocks
-    # 0..x only (1 + 2 + 3 + 4 = 10 per head instead of 16), and a SIMD-group
-    # skips the math of a block in the future of all its rows.
-    q, k, v = make_qkv(1, 1, 1, 128, 128, 64, torch.float32)
-    bq, bk, wm = BLOCKS[64]
+    # Causal, Nq = Nk = 128, D = 128 (BQ = 32, BK = 16): query block x walks
+    # key blocks 0..2x+1 only (2 + 4 + 6 + 8 = 20 per head instead of 32),
+    # and a SIMD-group skips the math of a block in the future of all its 8
+    # rows (SIMD-groups 0 and 1 of block 2x+1).
+    q, k, v = make_qkv(1, 1, 1, 128, 128, 128, torch.float32)
+    bq, bk, wm = BLOCKS[128]
     c = _launch_counts(q, k, v, True)
-    assert c.threadgroup_barriers == 4 * sum(x + 1 for x in range(128 // bq))
-    active = sum(1 for x in range(128 // bq) for s in range(wm) for kb in range(x + 1)
+    walks = [(x * bq + bq) // bk for x in range(128 // bq)]
+    assert walks == [2, 4, 6, 8]
+    assert c.threadgroup_barriers == 4 * sum(walks)
+    active = sum(1 for x, n in enumerate(walks) for s in range(wm) for kb in range(n)
                  if kb * bk <= x * bq + 8 * s + 7)
-    assert c.simdgroup_mmas == active * 2 * (bk // 8) * (64 // 8)
+    assert active == wm * sum(walks) - 2 * len(walks)
+    assert c.simdgroup_mmas == active * 2 * (bk // 8) * (128 // 8)
     # With Nk = Nq + 100 every row sees the first 100 keys: nothing is skipped
     # before the diagonal, and the offset moves it.
-    q, k, v = make_qkv(1, 1, 1, 64, 164, 64, torch.float32)
+    q, k, v = make_qkv(1, 1, 1, 64, 164, 128, torch.float32)
     c = _launch_counts(q, k, v, True)
     walks = [math.ceil(min(x * bq + bq - 1 + 100 + 1, 164) / bk) for x in range(2)]
     assert c.threadgroup_barriers == 4 * sum(walks)
