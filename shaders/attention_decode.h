@@ -27,33 +27,45 @@
 //
 // Launch (the host, csrc/metal_plan.cpp, computes exactly this):
 //
-//   RS   = DMAX <= 64 ? 8 : DMAX <= 128 ? 4 : 2      (decode_rows_per_simd)
-//   R    = (Hq / Hkv) * Nq
+//   RS   = DMAX <= 64 ? 8 : DMAX <= 128 ? 4 : 2      rows per SIMD-group (decode_rows_per_simd)
+//   R    = (Hq / Hkv) * Nq                            rows per threadgroup
 //   RG   = ceil(R / RS)                               row groups
-//   RGL  = min(RG, 32)                                row groups live at once
-//   KG   = RG <= 4 ? 8 / RG : 1                       key groups (8, 4, 2, 2 for RG = 1..4)
+//   RGL  = min(RG, 32)                                row groups in flight (SIMD-groups per key group)
+//   KG   = RG == 1 ? 8 : 1                            key groups
 //   threadgroup (32, KG, RGL)                         KG * RGL <= 32 SIMD-groups, <= 1024 threads
-//   DP32 = 32 * ceil(DMAX / 32)                      (96 for DMAX 72 and 80, else DMAX)
-//   tg_bytes = KG > 1 ? round_up_16(RGL * KG * (RS + 1 + DP32) * 4) : 16   at [[threadgroup(0)]]
+//   DP32 = 32 * ceil(DMAX / 32)                       (96 for DMAX 72 and 80, else DMAX)
+//   tg_bytes = RG == 1 ? round_up_16(KG * (RS + 1 + DP32) * 4)     key-group merge (floats)
+//                      : 32 * DMAX * sizeof(T)                      staged K or V block (T)
+//   at [[threadgroup(0)]].
 //
 //   flash_decode        grid (Hkv, B, 1)          threadgroup (32, KG, RGL)  tg_bytes
 //   flash_decode_split  grid (Hkv, B, kv_splits)  threadgroup (32, KG, RGL)  tg_bytes
 //   flash_decode_merge  grid (Nq, Hq, B)          threadgroup (32, 1, 1)     no threadgroup memory
 //
-// function constant fc_causal (index 0) for flash_decode and
-// flash_decode_split; flash_decode_merge uses none. The largest tg_bytes is
-// 8 * (2 + 1 + 256) * 4 = 8,288 bytes (DMAX 256; RG = 1..4 gives RGL * KG = 8,
-// 8, 6, 8). The 16 bytes when KG = 1 are never touched: a non-zero length
-// keeps the [[threadgroup(0)]] argument bound on every launch. When RG > 32 (R > 32 * RS: only DMAX 256 with R > 64 among
-// gqa_ratio <= 16, Nq <= 8) the 32 SIMD-groups loop over the row groups,
-// and K/V is read once per round.
+// Function constant fc_causal (index 0) for flash_decode and
+// flash_decode_split; flash_decode_merge uses none. Buffers: flash_decode
+// binds q 0, k 1, v 2, out 3, lse 4, params 5; flash_decode_split q 0, k 1,
+// v 2, params 5, partial_o 6, partial_stats 7; flash_decode_merge out 3,
+// lse 4, params 5, partial_o 6, partial_stats 7. Scratch: partial_o
+// B * Hq * Nq * kv_splits * D floats, partial_stats B * Hq * Nq * kv_splits * 2.
 //
-// Bytes: each key group reads each of its keys' K and V rows once for all RS
-// rows of its row group. With RG = 1 (every R <= RS) that is each K/V
-// element exactly once per (batch, kv_head[, split]); with RG > 1, the RG
-// SIMD-groups of one key group each load the same keys (the same addresses at
-// about the same time, so the cache, not DRAM, serves all but one of them on
-// a GPU: not yet verified on Apple hardware).
+// tg_bytes per bucket (RG == 1 | RG > 1 for float32 | float16/bfloat16):
+//   DMAX 32: 1,312 | 4,096 | 2,048    DMAX 64: 2,336 | 8,192 | 4,096
+//   DMAX 72: 3,232 | 9,216 | 4,608    DMAX 80: 3,232 | 10,240 | 5,120
+//   DMAX 96: 3,232 | 12,288 | 6,144   DMAX 128: 4,256 | 16,384 | 8,192
+//   DMAX 256: 8,288 | 32,768 | 16,384
+// float32 at DMAX 256 with more than one row group takes the whole 32 KiB
+// (one threadgroup per core).
+//
+// Bytes: every K/V element is loaded from device memory once per
+// threadgroup, i.e. once per (batch, kv_head[, split]) for all R rows:
+// with one row group, each key group loads its own keys straight into
+// registers; with several, the threadgroup stages each block in threadgroup
+// memory and all row groups read it there. Only when RG > 32 (R > 32 * RS:
+// among gqa_ratio <= 16 and Nq <= 8, only DMAX 256 with R > 64) do the 32
+// SIMD-groups loop over the row groups in rounds, and K/V is loaded once per
+// round (ceil(RG / 32) = 2 rounds at most there). q is loaded once per key
+// group (8 times with RG == 1: 8 * R * D elements, small beside K/V).
 #pragma once
 
 #include "attention_common.h"
@@ -122,26 +134,70 @@ FM_INLINE void decode_init(thread DecodeState<DMAX>& st, device const T* q, cons
   }
 }
 
+// The lane's slice of one K or V row as float (features lane, lane + 32,
+// ...; zeros past head_dim): from device memory through the element
+// strides, or from a staged tile row.
+template <int DPL, typename T>
+FM_INLINE void decode_slice(thread float* x, device const T* row, int64_t dim_stride, int D, uint lane) {
+  FM_UNROLL for (int i = 0; i < DPL; ++i) {
+    const int c = i * 32 + int(lane);
+    x[i] = c < D ? float(row[int64_t(c) * dim_stride]) : 0.0f;
+  }
+}
+template <int DPL, typename T>
+FM_INLINE void decode_slice(thread float* x, threadgroup const T* row, int D, uint lane) {
+  FM_UNROLL for (int i = 0; i < DPL; ++i) {
+    const int c = i * 32 + int(lane);
+    x[i] = c < D ? float(row[c]) : 0.0f;
+  }
+}
+
+// Stages rows [k0, k0 + n) of one head's K or V into `tile` (rows of DMAX
+// elements of T, the first D written), all threads of the threadgroup
+// together: thread tid takes elements tid, tid + nthreads, ... of the n x D
+// block, so consecutive threads read consecutive features of a row
+// (coalesced when the feature stride is 1). Columns past D are never read.
+template <int DMAX, typename T>
+FM_INLINE void decode_stage(threadgroup T* tile, device const T* src, int64_t row_stride, int64_t dim_stride, int k0,
+                            int n, int D, int tid, int nthreads) {
+  for (int e = tid; e < n * D; e += nthreads) {
+    const int j = e / D;
+    const int c = e - j * D;
+    tile[j * DMAX + c] = src[int64_t(k0 + j) * row_stride + int64_t(c) * dim_stride];
+  }
+}
+
 // Attends the SIMD-group's rows to the keys of its key group in
 // [key_begin, key_end): blocks of 32 consecutive keys, block kg, kg + KG, ...
 // (each key belongs to exactly one key group). Per block:
-//  1. scores: for each key j, every lane loads its slice of K row j once,
-//     and each row's score is simd_sum of the lane partials; lane j keeps
-//     the score of key j (kMaskedScore if masked);
+//  1. scores: for each key j, every lane takes its slice of K row j, and
+//     each row's score is simd_sum of the lane partials; lane j keeps the
+//     score of key j (kMaskedScore if masked);
 //  2. softmax: block max by simd_max, p = exp2(s - m_new) (0 if masked),
 //     l = l * alpha + simd_sum(p), one rescale per block;
-//  3. output: each lane loads its slice of V row j once and accumulates
+//  3. output: each lane takes its slice of V row j and accumulates
 //     p_j (simd_shuffle from lane j) * v into a block partial that starts at
 //     zero, then acc = acc * alpha + partial: a blocked sum, so acc takes
 //     one rounding per block, not per key (FlashAttention-2's per-block
 //     rescale; at Nk = 8192 float32 this is what keeps within 2x PyTorch's
 //     error).
-// The trip count depends only on values uniform across the SIMD-group, so
-// every simd_* call is convergent; there is no barrier inside.
+// Where the slices come from:
+//  - staged = false (one row group, RG = 1): each SIMD-group loads its own
+//    key group's K/V rows straight from device memory, once. No barrier
+//    inside; the trip count is uniform across the SIMD-group, so every
+//    simd_* call is convergent.
+//  - staged = true (several row groups share the keys; then KG = 1): the
+//    whole threadgroup stages each block's K rows, then its V rows, in
+//    threadgroup memory (32 rows of DMAX elements of T, one matrix at a
+//    time), and every row group reads them there: each K/V element is loaded
+//    from device memory once per threadgroup for all its rows. Every thread
+//    runs the same trips and meets the 4 barriers per block, including
+//    SIMD-groups with no live row group (live = false), which only help load.
 template <typename T, int DMAX>
 FM_INLINE void decode_attend(thread DecodeState<DMAX>& st, device const T* k, device const T* v,
-                             constant AttentionParams& p, int batch, int kv_head, int rg, int key_begin, int key_end,
-                             int kg, int KG, uint lane) {
+                             constant AttentionParams& p, int batch, int kv_head, int rg, bool live, int key_begin,
+                             int key_end, int kg, int KG, bool staged, threadgroup T* tile, int tid, int nthreads,
+                             uint lane) {
   constexpr int RS = DecodeState<DMAX>::RS;
   constexpr int DPL = DecodeState<DMAX>::DPL;
   const int R = p.gqa_ratio * p.q_len;
@@ -149,32 +205,39 @@ FM_INLINE void decode_attend(thread DecodeState<DMAX>& st, device const T* k, de
   device const T* kp = k + int64_t(batch) * p.k_batch_stride + int64_t(kv_head) * p.k_head_stride;
   device const T* vp = v + int64_t(batch) * p.v_batch_stride + int64_t(kv_head) * p.v_head_stride;
 
-  // The last key each row may see (exclusive bound), or key_begin for rows
-  // past R, which must see none.
+  // The end of the keys each row may see (exclusive): causal bound, or 0 for
+  // rows past R, which must see none.
   int row_end[RS];
   FM_UNROLL for (int r = 0; r < RS; ++r) {
     const int rr = rg * RS + r;
-    row_end[r] = rr < R ? visible_keys(p, decode_row(p, kv_head, rr).row) : 0;
+    row_end[r] = (live && rr < R) ? visible_keys(p, decode_row(p, kv_head, rr).row) : 0;
   }
 
   for (int k0 = key_begin + kg * kDecodeBlock; k0 < key_end; k0 += KG * kDecodeBlock) {
     const int n = min(kDecodeBlock, key_end - k0);  // keys of this block (uniform)
     const int key = k0 + int(lane);                 // the key whose score this lane keeps
 
+    if (staged) {
+      threadgroup_barrier(mem_flags::mem_threadgroup);  // last block's V reads done before K overwrites the tile (WAR)
+      decode_stage<DMAX>(tile, kp, p.k_row_stride, p.k_dim_stride, k0, n, D, tid, nthreads);
+      threadgroup_barrier(mem_flags::mem_threadgroup);  // K staged before anyone reads it (RAW)
+    }
     float s[RS];
     FM_UNROLL for (int r = 0; r < RS; ++r) s[r] = kMaskedScore;
-    for (int j = 0; j < n; ++j) {
-      device const T* kr = kp + int64_t(k0 + j) * p.k_row_stride;
-      float kx[DPL];
-      FM_UNROLL for (int i = 0; i < DPL; ++i) {
-        const int c = i * 32 + int(lane);
-        kx[i] = c < D ? float(kr[int64_t(c) * p.k_dim_stride]) : 0.0f;
-      }
-      FM_UNROLL for (int r = 0; r < RS; ++r) {
-        float part = 0.0f;
-        FM_UNROLL for (int i = 0; i < DPL; ++i) part = fma(st.q[r][i], kx[i], part);
-        const float score = simd_sum(part);
-        if (int(lane) == j) s[r] = score;
+    if (live) {
+      for (int j = 0; j < n; ++j) {
+        float kx[DPL];
+        if (staged) {
+          decode_slice<DPL>(kx, tile + j * DMAX, D, lane);
+        } else {
+          decode_slice<DPL>(kx, kp + int64_t(k0 + j) * p.k_row_stride, p.k_dim_stride, D, lane);
+        }
+        FM_UNROLL for (int r = 0; r < RS; ++r) {
+          float part = 0.0f;
+          FM_UNROLL for (int i = 0; i < DPL; ++i) part = fma(st.q[r][i], kx[i], part);
+          const float score = simd_sum(part);
+          if (int(lane) == j) s[r] = score;
+        }
       }
     }
 
@@ -183,34 +246,43 @@ FM_INLINE void decode_attend(thread DecodeState<DMAX>& st, device const T* k, de
     // the finite sentinel by comparisons fast math cannot fold.
     float pw[RS];
     float alpha[RS];
-    FM_UNROLL for (int r = 0; r < RS; ++r) {
-      const bool masked = !(int(lane) < n && key < row_end[r]) || s[r] <= kMaskedScore;
-      const float sc = masked ? kMaskedScore : s[r];
-      const float m_new = max(st.m[r], simd_max(sc));  // finite
-      alpha[r] = exp2(st.m[r] - m_new);                // finite argument <= 0
-      pw[r] = masked ? 0.0f : exp2(sc - m_new);
-      st.l[r] = fma(st.l[r], alpha[r], simd_sum(pw[r]));
-      st.m[r] = m_new;
+    if (live) {
+      FM_UNROLL for (int r = 0; r < RS; ++r) {
+        const bool masked = !(int(lane) < n && key < row_end[r]) || s[r] <= kMaskedScore;
+        const float sc = masked ? kMaskedScore : s[r];
+        const float m_new = max(st.m[r], simd_max(sc));  // finite
+        alpha[r] = exp2(st.m[r] - m_new);                // finite argument <= 0
+        pw[r] = masked ? 0.0f : exp2(sc - m_new);
+        st.l[r] = fma(st.l[r], alpha[r], simd_sum(pw[r]));
+        st.m[r] = m_new;
+      }
     }
 
-    float blk[RS][DPL];
-    FM_UNROLL for (int r = 0; r < RS; ++r) {
-      FM_UNROLL for (int i = 0; i < DPL; ++i) blk[r][i] = 0.0f;
+    if (staged) {
+      threadgroup_barrier(mem_flags::mem_threadgroup);  // K reads done before V overwrites the tile (WAR)
+      decode_stage<DMAX>(tile, vp, p.v_row_stride, p.v_dim_stride, k0, n, D, tid, nthreads);
+      threadgroup_barrier(mem_flags::mem_threadgroup);  // V staged before anyone reads it (RAW)
     }
-    for (int j = 0; j < n; ++j) {
-      device const T* vr = vp + int64_t(k0 + j) * p.v_row_stride;
-      float vx[DPL];
-      FM_UNROLL for (int i = 0; i < DPL; ++i) {
-        const int c = i * 32 + int(lane);
-        vx[i] = c < D ? float(vr[int64_t(c) * p.v_dim_stride]) : 0.0f;
+    if (live) {
+      float blk[RS][DPL];
+      FM_UNROLL for (int r = 0; r < RS; ++r) {
+        FM_UNROLL for (int i = 0; i < DPL; ++i) blk[r][i] = 0.0f;
+      }
+      for (int j = 0; j < n; ++j) {
+        float vx[DPL];
+        if (staged) {
+          decode_slice<DPL>(vx, tile + j * DMAX, D, lane);
+        } else {
+          decode_slice<DPL>(vx, vp + int64_t(k0 + j) * p.v_row_stride, p.v_dim_stride, D, lane);
+        }
+        FM_UNROLL for (int r = 0; r < RS; ++r) {
+          const float pj = simd_shuffle(pw[r], ushort(j));
+          FM_UNROLL for (int i = 0; i < DPL; ++i) blk[r][i] = fma(pj, vx[i], blk[r][i]);
+        }
       }
       FM_UNROLL for (int r = 0; r < RS; ++r) {
-        const float pj = simd_shuffle(pw[r], ushort(j));
-        FM_UNROLL for (int i = 0; i < DPL; ++i) blk[r][i] = fma(pj, vx[i], blk[r][i]);
+        FM_UNROLL for (int i = 0; i < DPL; ++i) st.acc[r][i] = fma(st.acc[r][i], alpha[r], blk[r][i]);
       }
-    }
-    FM_UNROLL for (int r = 0; r < RS; ++r) {
-      FM_UNROLL for (int i = 0; i < DPL; ++i) st.acc[r][i] = fma(st.acc[r][i], alpha[r], blk[r][i]);
     }
   }
 }
@@ -270,6 +342,8 @@ FM_INLINE void decode_merge_key_groups(thread DecodeState<DMAX>& st, threadgroup
 // file): lane, key group kg of KG, live row-group slot rgl of RGL.
 struct DecodeShape {
   int kg, KG, rgl, RGL, rounds;
+  int threads;  // 32 * KG * RGL
+  bool staged;  // K/V staged in threadgroup memory for several row groups (KG = 1, RGL > 1)
 };
 
 inline DecodeShape decode_shape(constant AttentionParams& p, uint3 tpos, uint3 tsize, int RS) {
@@ -280,6 +354,8 @@ inline DecodeShape decode_shape(constant AttentionParams& p, uint3 tpos, uint3 t
   s.RGL = int(tsize.z);
   const int RG = (p.gqa_ratio * p.q_len + RS - 1) / RS;
   s.rounds = (RG + s.RGL - 1) / s.RGL;
+  s.threads = int(tsize.x * tsize.y * tsize.z);
+  s.staged = s.KG == 1 && s.RGL > 1;
   return s;
 }
 
@@ -321,6 +397,7 @@ template <typename T, int DMAX>
     uint3 group [[threadgroup_position_in_grid]],
     uint3 tpos [[thread_position_in_threadgroup]],
     uint3 tsize [[threads_per_threadgroup]],
+    uint tid [[thread_index_in_threadgroup]],
     uint lane [[thread_index_in_simdgroup]]) {
   constexpr int RS = DecodeState<DMAX>::RS;
   const int kv_head = int(group.x);
@@ -335,9 +412,8 @@ template <typename T, int DMAX>
     const bool live = rg * RS < R;  // uniform per SIMD-group
     DecodeState<DMAX> st;
     decode_init<T, DMAX>(st, q, p, batch, kv_head, rg, lane);  // a dead row group: zeros, "no key"
-    if (live) {
-      decode_attend<T, DMAX>(st, k, v, p, batch, kv_head, rg, 0, key_end, sh.kg, sh.KG, lane);
-    }
+    decode_attend<T, DMAX>(st, k, v, p, batch, kv_head, rg, live, 0, key_end, sh.kg, sh.KG, sh.staged,
+                           reinterpret_cast<threadgroup T*>(smem), int(tid), sh.threads, lane);
     if (sh.KG > 1) decode_merge_key_groups<DMAX>(st, smem, sh.kg, sh.KG, sh.rgl, sh.RGL, lane);
     if (live && sh.kg == 0) {
       FM_UNROLL for (int r = 0; r < RS; ++r) {
@@ -378,6 +454,7 @@ template <typename T, int DMAX>
     uint3 group [[threadgroup_position_in_grid]],
     uint3 tpos [[thread_position_in_threadgroup]],
     uint3 tsize [[threads_per_threadgroup]],
+    uint tid [[thread_index_in_threadgroup]],
     uint lane [[thread_index_in_simdgroup]]) {
   constexpr int RS = DecodeState<DMAX>::RS;
   constexpr int DPL = DecodeState<DMAX>::DPL;
@@ -393,9 +470,8 @@ template <typename T, int DMAX>
     const bool live = rg * RS < R;
     DecodeState<DMAX> st;
     decode_init<T, DMAX>(st, q, p, batch, kv_head, rg, lane);  // a dead row group: zeros, "no key"
-    if (live) {
-      decode_attend<T, DMAX>(st, k, v, p, batch, kv_head, rg, key_begin, key_end, sh.kg, sh.KG, lane);
-    }
+    decode_attend<T, DMAX>(st, k, v, p, batch, kv_head, rg, live, key_begin, key_end, sh.kg, sh.KG, sh.staged,
+                           reinterpret_cast<threadgroup T*>(smem), int(tid), sh.threads, lane);
     if (sh.KG > 1) decode_merge_key_groups<DMAX>(st, smem, sh.kg, sh.KG, sh.rgl, sh.RGL, lane);
     if (live && sh.kg == 0) {
       FM_UNROLL for (int r = 0; r < RS; ++r) {

@@ -51,7 +51,7 @@ def rows_per_simd(dmax):
     return 8 if dmax <= 64 else (4 if dmax <= 128 else 2)
 
 
-def decode_launch(B, Hq, Hkv, Nq, dmax, splits):
+def decode_launch(B, Hq, Hkv, Nq, dmax, splits, elem_size):
     """The launch formulas at the top of shaders/attention_decode.h.
 
     Returns {kernel: (grid, threadgroup, threadgroup memory bytes)} for
@@ -60,9 +60,9 @@ def decode_launch(B, Hq, Hkv, Nq, dmax, splits):
     rs = rows_per_simd(dmax)
     rg = math.ceil(Hq // Hkv * Nq / rs)
     rgl = min(rg, 32)
-    kg = 8 // rg if rg <= 4 else 1
+    kg = 8 if rg == 1 else 1
     dp32 = 32 * math.ceil(dmax / 32)
-    mem = 16 * math.ceil(rgl * kg * (rs + 1 + dp32) * 4 / 16) if kg > 1 else 16
+    mem = 16 * math.ceil(kg * (rs + 1 + dp32) * 4 / 16) if rg == 1 else 32 * dmax * elem_size
     tg = (32, kg, rgl)
     return {"one_pass": ((Hkv, B, 1), tg, mem), "split": ((Hkv, B, splits), tg, mem), "merge": ((Nq, Hq, B), (32, 1, 1), 0)}
 
@@ -97,7 +97,7 @@ def launch_decode(q, k, v, causal=False, scale=None, splits=1, instrumented=Fals
     out = torch.full((B, Hq, Nq, D), float("nan"), dtype=q.dtype)
     lse = torch.full((B, Hq, Nq), float("nan"), dtype=torch.float32)
     lib = decode_library(instrumented, fast_math)
-    shape = decode_launch(B, Hq, Hkv, Nq, dmax, splits)
+    shape = decode_launch(B, Hq, Hkv, Nq, dmax, splits, q.element_size())
     counts = []
     if splits == 1:
         grid, tg, mem = shape["one_pass"]
@@ -141,24 +141,34 @@ def test_launch_fits_metal_limits(dmax):
     # whole SIMD-groups, threadgroup memory within 32 KiB and a multiple of 16.
     for ratio in range(1, 33):
         for nq in range(1, 9):
-            for name, (grid, tg, mem) in decode_launch(2, 4 * ratio, 4, nq, dmax, 3).items():
-                assert tg[0] == 32 and tg[0] * tg[1] * tg[2] <= MAX_THREADS, (ratio, nq, name, tg)
-                assert mem <= TG_LIMIT and mem % 16 == 0, (ratio, nq, name, mem)
+            for size in (4, 2):
+                for name, (grid, tg, mem) in decode_launch(2, 4 * ratio, 4, nq, dmax, 3, size).items():
+                    assert tg[0] == 32 and tg[0] * tg[1] * tg[2] <= MAX_THREADS, (ratio, nq, name, tg)
+                    assert mem <= TG_LIMIT and mem % 16 == 0, (ratio, nq, name, mem)
 
 
-def test_one_key_read_per_group_up_to_the_row_limit():
-    # With every row of the GQA group in one row group per key group (R <=
-    # rows_per_simd), each K/V element is loaded exactly once per (batch,
-    # kv_head): the sanitizing build's device read counts for k and v are
-    # exactly their sizes, one pass or split.
-    for dtype, d, ratio, nq, splits in [(torch.float16, 128, 4, 1, 1), (torch.float32, 64, 8, 1, 3),
-                                        (torch.bfloat16, 40, 2, 4, 2)]:
-        assert ratio * nq <= rows_per_simd(bucket_of(d))
-        q, k, v = make_qkv(2, 2 * ratio, 2, nq, 200, d, dtype)
+# (dtype, D, gqa_ratio, Nq, splits): one row group (K/V straight to
+# registers, 8 key groups), several row groups (K/V staged in threadgroup
+# memory, read there by 2 and by 16 SIMD-groups), and more row groups than 32
+# SIMD-groups (ratio 16, Nq 8, D 256: 64 row groups, two rounds).
+READ_CASES = [(torch.float16, 128, 4, 1, 1), (torch.float32, 64, 8, 1, 3), (torch.bfloat16, 128, 8, 1, 2),
+              (torch.float16, 72, 8, 8, 1), (torch.float16, 256, 16, 8, 2)]
+
+
+def test_each_key_is_read_once_per_group():
+    # The sanitizing build's device read counts for k and v are exactly
+    # their sizes, one pass or split, whatever the GQA group's size: the
+    # query rows of a group share every K/V load. Only past 32 row groups
+    # (R > 32 * rows_per_simd) do the rounds read it once each.
+    for dtype, d, ratio, nq, splits in READ_CASES:
+        q, k, v = make_qkv(1, 2 * ratio, 2, nq, 70, d, dtype)
         out, lse, _, _, counts = launch_decode(q, k, v, splits=splits, instrumented=True)
         assert_attention_close(out, lse, q, k, v)
+        rounds = math.ceil(ratio * nq / rows_per_simd(bucket_of(d)) / 32)
         read = counts[0].device_bytes_read_by_index
-        assert read[1] == k.numel() * k.element_size() and read[2] == v.numel() * v.element_size(), read
+        assert read[1] == rounds * k.numel() * k.element_size(), (dtype, d, ratio, nq, read)
+        assert read[2] == rounds * v.numel() * v.element_size(), (dtype, d, ratio, nq, read)
+    assert {math.ceil(r * nq / rows_per_simd(bucket_of(d)) / 32) for _, d, r, nq, _ in READ_CASES} == {1, 2}
 
 
 # ---- every instantiation, sanitized --------------------------------------------------------
@@ -169,11 +179,13 @@ BUCKET_DIMS = {32: 17, 64: 40, 72: 72, 80: 75, 96: 90, 128: 128, 256: 200}
 # (B, Hq, Hkv, Nq, Nk, splits, layout): Nk = 1; Nk < Nq (causal rows with no
 # key, and a split block past the end); a block with one key and empty
 # blocks past Nk; MHA with four splits, the last ragged; MQA with 16 rows.
+# In every bucket both kernels run with one row group (K/V straight to
+# registers) and with several (K/V staged in threadgroup memory).
 SANITIZED_CASES = [
     (1, 2, 1, 1, 1, 1, "offset_slice"),
     (1, 4, 1, 8, 7, 2, "storage_end"),
     (1, 8, 2, 3, 33, 3, "every_other"),
-    (2, 3, 3, 5, 100, 4, "storage_end_bnhd"),
+    (2, 3, 3, 2, 100, 4, "storage_end_bnhd"),
     (1, 8, 1, 2, 70, 1, "d_outer"),
 ]
 
@@ -187,6 +199,9 @@ def test_sanitized_cases_cover_the_edges():
     assert any(c[4] < c[3] for c in SANITIZED_CASES)
     assert any(c[5] > 1 and (c[5] - 1) * split_keys_of(c[4], c[5]) >= c[4] for c in SANITIZED_CASES)
     assert all(1 <= c[3] <= 8 for c in SANITIZED_CASES)
+    for dmax in BUCKETS:
+        paths = {(c[5] > 1, math.ceil(c[1] // c[2] * c[3] / rows_per_simd(dmax)) > 1) for c in SANITIZED_CASES}
+        assert paths == {(False, False), (False, True), (True, False), (True, True)}, dmax
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
@@ -205,16 +220,17 @@ def test_instantiation_sanitized(dtype, bucket, causal):
 
 
 # (Hq, Hkv, Nq, D): GQA ratios 1, 4 and 8, MQA; rows per threadgroup from 1
-# to 128, so one row group with 8, 4 or 2 key groups, 3 row groups (6
-# SIMD-groups), and (ratio 16, Nq 8, D 256: 64 row groups of 2) more row
+# to 128, so one row group (8 key groups), 2 to 32 row groups sharing staged
+# K/V blocks, and (ratio 16, Nq 8, D 256: 64 row groups of 2) more row
 # groups than 32 SIMD-groups, which loop.
 GQA_CASES = [(4, 4, 1, 64), (8, 2, 3, 128), (8, 1, 6, 96), (16, 2, 2, 64), (16, 1, 8, 256), (8, 8, 8, 32)]
 
 
 def test_gqa_cases_cover_every_threadgroup_shape():
-    shapes = {decode_launch(1, hq, hkv, nq, bucket_of(d), 2)["split"][1][1:] for hq, hkv, nq, d in GQA_CASES}
-    kgs = {kg for kg, _ in shapes}
-    assert {8, 4, 2, 1} <= kgs and any(rgl == 32 for _, rgl in shapes)
+    # 8 key groups of one row group; staged blocks for 2 to 32 row groups;
+    # more than 32 row groups (rounds).
+    shapes = {decode_launch(1, hq, hkv, nq, bucket_of(d), 2, 2)["split"][1][1:] for hq, hkv, nq, d in GQA_CASES}
+    assert (8, 1) in shapes and (1, 32) in shapes and any(kg == 1 and 1 < rgl < 32 for kg, rgl in shapes)
     assert any(math.ceil(hq // hkv * nq / rows_per_simd(bucket_of(d))) > 32 for hq, hkv, nq, d in GQA_CASES)
 
 
