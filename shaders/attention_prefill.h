@@ -213,12 +213,13 @@ template <typename T, int DMAX, int BQ, int BK, int WM>
   for (int kb = 0; kb < n_blocks; ++kb) {
     const int k0 = kb * BK;
     const bool k_edge = !fc_align_k && k0 + BK > p.kv_len;  // the ragged last block
-    // The SIMD-group's rows see some key of this block: false only under
-    // causal masking when the block is in the future of all 8 rows (its
-    // later blocks are too). Uniform across the SIMD-group, so its
+    // The SIMD-group has work in this block: false when all its 8 rows are
+    // past Nq (the ragged last query block; compiled out when aligned), or
+    // under causal masking when the block is in the future of all of them
+    // (its later blocks are too). Uniform across the SIMD-group, so its
     // collectives below stay convergent; the group still loads and meets
     // every barrier.
-    const bool active = !fc_causal || k0 <= sg_row0 + 7 + p.causal_offset;
+    const bool active = (fc_align_q || sg_row0 < p.q_len) && (!fc_causal || k0 <= sg_row0 + 7 + p.causal_offset);
     // The block straddles the diagonal for this SIMD-group: some key is in
     // the future of some row. Only then are element masks applied.
     const bool diagonal = fc_causal && k0 + BK - 1 > sg_row0 + p.causal_offset;

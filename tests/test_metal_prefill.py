@@ -272,6 +272,10 @@ def test_barriers_exp2_and_mmas_per_key_block():
     assert c.threadgroup_barriers == groups * blocks * 4
     assert c.exp2_calls == groups * 32 * wm * blocks * (2 * bk // 8 + 1)
     assert c.simdgroup_mmas == groups * wm * blocks * 2 * (bk // 8) * math.ceil(40 / 8)
+    # Ragged Nq = 9: SIMD-groups 2 and 3 hold no real row and skip the math.
+    q, k, v = make_qkv(1, 1, 1, 9, 64, 64, torch.float16)
+    c = _launch_counts(q, k, v, False)
+    assert c.simdgroup_mmas == 2 * (64 // bk) * 2 * (bk // 8) * (64 // 8)
 
 
 def test_causal_skips_blocks_in_the_future():
