@@ -136,16 +136,18 @@ FM_INLINE void decode_init(thread DecodeState<DMAX>& st, device const T* q, cons
 
 // The lane's slice of one K or V row as float (features lane, lane + 32,
 // ...; zeros past head_dim): from device memory through the element
-// strides, or from a staged tile row.
+// strides (decode_slice_device), or from a staged tile row
+// (decode_slice_tile). Two names, not an overload on the address space (the
+// emulator erases address spaces; tests/metal_emulator/README.md).
 template <int DPL, typename T>
-FM_INLINE void decode_slice(thread float* x, device const T* row, int64_t dim_stride, int D, uint lane) {
+FM_INLINE void decode_slice_device(thread float* x, device const T* row, int64_t dim_stride, int D, uint lane) {
   FM_UNROLL for (int i = 0; i < DPL; ++i) {
     const int c = i * 32 + int(lane);
     x[i] = c < D ? float(row[int64_t(c) * dim_stride]) : 0.0f;
   }
 }
 template <int DPL, typename T>
-FM_INLINE void decode_slice(thread float* x, threadgroup const T* row, int D, uint lane) {
+FM_INLINE void decode_slice_tile(thread float* x, threadgroup const T* row, int D, uint lane) {
   FM_UNROLL for (int i = 0; i < DPL; ++i) {
     const int c = i * 32 + int(lane);
     x[i] = c < D ? float(row[c]) : 0.0f;
@@ -228,9 +230,9 @@ FM_INLINE void decode_attend(thread DecodeState<DMAX>& st, device const T* k, de
       for (int j = 0; j < n; ++j) {
         float kx[DPL];
         if (staged) {
-          decode_slice<DPL>(kx, tile + j * DMAX, D, lane);
+          decode_slice_tile<DPL>(kx, tile + j * DMAX, D, lane);
         } else {
-          decode_slice<DPL>(kx, kp + int64_t(k0 + j) * p.k_row_stride, p.k_dim_stride, D, lane);
+          decode_slice_device<DPL>(kx, kp + int64_t(k0 + j) * p.k_row_stride, p.k_dim_stride, D, lane);
         }
         FM_UNROLL for (int r = 0; r < RS; ++r) {
           float part = 0.0f;
@@ -271,9 +273,9 @@ FM_INLINE void decode_attend(thread DecodeState<DMAX>& st, device const T* k, de
       for (int j = 0; j < n; ++j) {
         float vx[DPL];
         if (staged) {
-          decode_slice<DPL>(vx, tile + j * DMAX, D, lane);
+          decode_slice_tile<DPL>(vx, tile + j * DMAX, D, lane);
         } else {
-          decode_slice<DPL>(vx, vp + int64_t(k0 + j) * p.v_row_stride, p.v_dim_stride, D, lane);
+          decode_slice_device<DPL>(vx, vp + int64_t(k0 + j) * p.v_row_stride, p.v_dim_stride, D, lane);
         }
         FM_UNROLL for (int r = 0; r < RS; ++r) {
           const float pj = simd_shuffle(pw[r], ushort(j));
