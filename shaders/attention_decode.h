@@ -37,6 +37,12 @@
 //   tg_bytes = RG == 1 ? round_up_16(KG * (RS + 1 + DP32) * 4)     key-group merge (floats)
 //                      : 32 * DMAX * sizeof(T)                      staged K or V block (T)
 //   at [[threadgroup(0)]].
+// Why 8 key groups for one row group: 256 threads keep enough K/V loads in
+// flight per threadgroup when the GQA group is small (often a single row),
+// the 8-way merge costs 8,288 bytes at most, and it splits the sum over keys
+// 8 ways. Why RGL <= 32: Metal's 1,024 threads per threadgroup. split_keys
+// need not be a multiple of 32 for these kernels (key blocks start at the
+// split's first key).
 //
 //   flash_decode        grid (Hkv, B, 1)          threadgroup (32, KG, RGL)  tg_bytes
 //   flash_decode_split  grid (Hkv, B, kv_splits)  threadgroup (32, KG, RGL)  tg_bytes

@@ -333,16 +333,19 @@ def test_fast_math_cases_are_all_taken():
 LONG_NK = 8192
 
 
+@pytest.mark.parametrize("hq", [2, 8], ids=["one_row_group", "four_row_groups"])
 @pytest.mark.parametrize("splits", [1, 8], ids=["one_pass", "split8"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_strict_precision_at_8192_keys(causal, splits):
+def test_strict_precision_at_8192_keys(causal, splits, hq):
     # FlashAttention's 2x rule with no float32 floor: the error is at most
     # twice PyTorch's own float32 error (plus the output rounding). One
     # rescale per 32-key block and a blocked P.V sum keep it there
-    # (attention_decode.h); 4 query rows of 2 heads each.
+    # (attention_decode.h). 4 query rows of 2 heads (8 rows: one row group,
+    # 8 key groups merged) or of 8 heads (32 rows: 4 row groups over staged
+    # blocks, one key group walking every block).
     for seed in (0, 1):
         g = torch.Generator().manual_seed(seed)
-        q, k, v = make_qkv(1, 2, 1, 4, LONG_NK, 64, torch.float32, generator=g)
+        q, k, v = make_qkv(1, hq, 1, 4, LONG_NK, 64, torch.float32, generator=g)
         out, lse = run_decode(q, k, v, causal, splits=splits)
         assert_attention_close(out, lse, q, k, v, causal, strict=True)
 
