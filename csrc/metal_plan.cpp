@@ -187,30 +187,62 @@ std::string padding_note(int64_t head_dim, uint32_t bucket) {
          "-wide instantiation (no read or write past head_dim)";
 }
 
-// The decode kernels' launches (shaders/attention_decode.h documents the
-// shapes): one threadgroup per (kv head, batch[, key block]) serving every
-// query row of the GQA group, then, when split, the merge pass.
+// Query rows per SIMD-group of the decode kernels, per bucket (the kernel's
+// decode_rows_per_simd): each row costs a lane 3 * DMAX / 32 floats of
+// registers (its q slice, accumulator and block product), so the rows shrink
+// as DMAX grows to keep that near 48-64 floats per lane.
+uint32_t decode_rows_per_simd(uint32_t bucket) { return bucket <= 64 ? 8 : (bucket <= 128 ? 4 : 2); }
+// Why at most 32 row groups in flight: 32 SIMD-groups are 1024 threads,
+// Metal's threadgroup limit; more row groups loop in rounds.
+constexpr uint32_t kDecodeMaxRowGroups = 32;
+// Why 8 key groups when the whole GQA group fits one SIMD-group's rows: a
+// single SIMD-group would leave the threadgroup one warp wide and the keys
+// one lane-block at a time; 8 SIMD-groups take interleaved key blocks
+// (MLX's sdpa_vector spreads keys over 32) and merge through threadgroup
+// memory, while 8 keeps that merge buffer under 9 KB at D = 256.
+constexpr uint32_t kDecodeKeyGroups = 8;
+
+// The decode kernels' launches, exactly as shaders/attention_decode.h
+// documents them: one threadgroup per (kv head, batch[, key block]) serving
+// all gqa_ratio * Nq query rows of the GQA group, so each K/V element is read
+// once for all of them; then, when split, the merge pass.
 void decode_launches(const AttentionProblem& p, const KernelChoice& c, const std::string& suffix, MetalLaunch l,
                      MetalPlan* plan) {
   const uint32_t kv_heads = static_cast<uint32_t>(p.kv_heads), batch = static_cast<uint32_t>(p.batch);
-  l.threadgroup = {256, 1, 1};
+  const uint32_t rows_per_simd = decode_rows_per_simd(c.bucket);
+  const uint32_t rows = static_cast<uint32_t>(p.gqa_ratio() * p.q_len);
+  const uint32_t row_groups = ceil_div(rows, rows_per_simd);
+  const uint32_t in_flight = std::min(row_groups, kDecodeMaxRowGroups);
+  const uint32_t key_groups = row_groups == 1 ? kDecodeKeyGroups : 1;
+  const uint32_t padded_dim = 32 * ceil_div(c.bucket, 32);  // features per row, lanes' padding included
+  // One row group: the key groups' partial states, merged in threadgroup
+  // memory (floats). Several: one staged block of 32 K or V rows (in T),
+  // read by every row group.
+  const uint32_t bytes = row_groups == 1
+                             ? (key_groups * (rows_per_simd + 1 + padded_dim) * 4 + 15) / 16 * 16
+                             : 32 * c.bucket * dtype_bytes(p.dtype);
+  l.threadgroup = {32, key_groups, in_flight};
+  l.threadgroup_memory = bytes;
   if (c.kv_splits == 1) {
     l.kernel_name = "flash_decode_" + suffix;
     l.grid = {kv_heads, batch, 1};
     plan->launches.push_back(l);
     return;
   }
-  const int64_t rows = p.batch * p.q_heads * p.q_len;
-  plan->partial_out_elements = rows * c.kv_splits * p.head_dim;
-  plan->partial_stats_elements = rows * c.kv_splits * 2;
+  const int64_t all_rows = p.batch * p.q_heads * p.q_len;
+  plan->partial_out_elements = all_rows * c.kv_splits * p.head_dim;
+  plan->partial_stats_elements = all_rows * c.kv_splits * 2;
   l.kernel_name = "flash_decode_split_" + suffix;
   l.grid = {kv_heads, batch, c.kv_splits};
   l.buffers = kSplitBuffers;
   plan->launches.push_back(l);
+  // The merge: one SIMD-group per query row, the lanes over the features.
   MetalLaunch m = l;
   m.kernel_name = "flash_decode_merge_" + suffix;
   m.grid = {static_cast<uint32_t>(p.q_len), static_cast<uint32_t>(p.q_heads), batch};
   m.threadgroup = {32, 1, 1};
+  m.threadgroup_memory = 0;
+  m.function_constants.clear();
   m.buffers = kMergeBuffers;
   plan->launches.push_back(m);
 }

@@ -6,9 +6,11 @@
 //   flash_attention_untiled_<dtype>_d<DMAX>_t<THREADS>
 //   flash_attention_tiled_<dtype>_d<DMAX>_bk<BK>_t<THREADS>
 //   flash_attention_prefill_<dtype>_d<DMAX>_bq<BQ>_bk<BK>_wm<WM>
+//   flash_decode_<dtype>_d<DMAX>, flash_decode_split_<dtype>_d<DMAX>, flash_decode_merge_<dtype>_d<DMAX>
 #include "attention_untiled.h"
 #include "attention_tiled.h"
 #include "attention_prefill.h"
+#include "attention_decode.h"
 
 // The one instantiation macro: a host name plus the template it names; the
 // kernel's signature comes from decltype, so it is never repeated here.
@@ -45,6 +47,21 @@
   FM_PREFILL(tname, T, 128, 32, 16, 4) \
   FM_PREFILL(tname, T, 256, 16, 8, 2)
 
+// The decode kernels (Nq <= 8): one pass, and the split-KV pair.
+#define FM_DECODE(tname, T, D)                                                   \
+  FM_INSTANTIATE("flash_decode_" #tname "_d" #D, flash_decode<T, D>)             \
+  FM_INSTANTIATE("flash_decode_split_" #tname "_d" #D, flash_decode_split<T, D>) \
+  FM_INSTANTIATE("flash_decode_merge_" #tname "_d" #D, flash_decode_merge<T, D>)
+
+#define FM_DECODE_ALL_D(tname, T) \
+  FM_DECODE(tname, T, 32)         \
+  FM_DECODE(tname, T, 64)         \
+  FM_DECODE(tname, T, 72)         \
+  FM_DECODE(tname, T, 80)         \
+  FM_DECODE(tname, T, 96)         \
+  FM_DECODE(tname, T, 128)        \
+  FM_DECODE(tname, T, 256)
+
 // An explicit instantiation with an unqualified name must sit in the
 // template's own namespace (C++ [temp.explicit]), hence the namespace block.
 namespace flash_metal {
@@ -54,4 +71,7 @@ FM_POST_KERNELS_ALL_D(bfloat16, bfloat)
 FM_PREFILL_ALL_D(float32, float)
 FM_PREFILL_ALL_D(float16, half)
 FM_PREFILL_ALL_D(bfloat16, bfloat)
+FM_DECODE_ALL_D(float32, float)
+FM_DECODE_ALL_D(float16, half)
+FM_DECODE_ALL_D(bfloat16, bfloat)
 }  // namespace flash_metal

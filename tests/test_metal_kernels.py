@@ -28,20 +28,37 @@ RAGGED = [(1, 23), (33, 17), (45, 70)]
 
 
 
-def _plan_names():
-    """Kernel names the planner can produce, by (impl, dtype, bucket)."""
-    names = {}
-    for impl in IMPLS:
+# The fast kernels' buckets (kFastHeadDimBuckets), each with a head_dim
+# ragged inside it where the bucket allows.
+FAST_BUCKET_DIMS = {32: 17, 64: 63, 72: 72, 80: 77, 96: 90, 128: 100, 256: 256}
+# Every kernel family, with the (Nq, Nk) that reaches it and its buckets.
+FAMILIES = {"untiled": ((2, 2), BUCKET_DIMS), "tiled": ((2, 2), BUCKET_DIMS),
+            "prefill": ((9, 9), FAST_BUCKET_DIMS), "decode": ((2, 9), FAST_BUCKET_DIMS),
+            "decode_split": ((2, 600), FAST_BUCKET_DIMS)}
+
+
+def _plans():
+    """Every (impl, dtype, bucket) the planner serves, with its plan (one or two dispatches)."""
+    plans = {}
+    for impl, ((nq, nk), dims) in FAMILIES.items():
         for dtype in DTYPES:
-            for bucket, d in BUCKET_DIMS.items():
-                q, k, v = make_qkv(1, 1, 1, 2, 2, d, dtype)
-                names[(impl, dtype, bucket)] = flash_metal.explain(q, k, v, impl=impl).kernel_name
-    return names
+            for bucket, d in dims.items():
+                q = torch.empty(1, 1, nq, d, dtype=dtype)
+                k = torch.empty(1, 1, nk, d, dtype=dtype)
+                plans[(impl, dtype, bucket)] = (flash_metal.explain(q, k, k, impl=impl), d)
+    return plans
+
+
+def _plan_names():
+    """Kernel names the planner can produce, by (impl, dtype, bucket) and dispatch."""
+    return {key + (i,): disp.kernel_name for key, (plan, _) in _plans().items()
+            for i, disp in enumerate(plan.dispatches)}
 
 
 def test_every_instantiation_is_reachable_from_the_planner():
     # Each instantiation in shaders/ is produced by some plan, and every plan
-    # names an existing instantiation: the sanitized test below then runs all.
+    # names an existing instantiation: the sanitized tests (here and in
+    # test_metal_prefill.py, test_metal_decode.py) then run all of them.
     lib_names = set(metal_library(False).kernel_names())
     planned = set(_plan_names().values())
     assert planned == lib_names, f"never planned: {sorted(lib_names - planned)}; missing: {sorted(planned - lib_names)}"
@@ -97,7 +114,8 @@ def test_sanitized_gqa_batch_and_transposed_layout(impl):
 
 def test_plan_reasons_and_choices():
     q, k, v = make_qkv(1, 4, 2, 100, 300, 64, torch.float16)
-    auto = flash_metal.explain(q, k, v, causal=True)
+    assert flash_metal.explain(q, k, v, causal=True).reason.startswith("prefill:")  # test_metal_routing.py has more
+    auto = flash_metal.explain(q, k, v, causal=True, impl="tiled")
     assert auto.kernel_name == "flash_attention_tiled_float16_d64_bk16_t32"
     assert auto.reason.startswith("tiled:") and "threadgroup memory" in auto.reason
     untiled = flash_metal.explain(q, k, v, impl="untiled")
@@ -110,11 +128,15 @@ def test_plan_reasons_and_choices():
     assert untiled.threadgroup_memory == 0 and untiled.function_constants == (False,)
 
 
-def test_threadgroup_memory_within_metal_limit_for_every_head_dim():
+@pytest.mark.parametrize("impl", list(FAMILIES))
+def test_threadgroup_memory_within_metal_limit_for_every_head_dim(impl):
+    (nq, nk), _ = FAMILIES[impl]
     for d in range(1, 257):
-        q, k, v = make_qkv(1, 1, 1, 1, 1, d, torch.float32)
-        plan = flash_metal.explain(q, k, v, impl="tiled")
-        assert plan.threadgroup_memory <= 32 * 1024 and plan.threadgroup_memory % 16 == 0
+        q = torch.empty(1, 1, nq, d)
+        k = torch.empty(1, 1, nk, d)
+        for disp in flash_metal.explain(q, k, k, impl=impl).dispatches:
+            assert disp.threadgroup_memory <= 32 * 1024 and disp.threadgroup_memory % 16 == 0
+            assert disp.threadgroup[0] * disp.threadgroup[1] * disp.threadgroup[2] <= 1024
 
 
 def test_params_bytes_carry_strides_and_sizes():
@@ -154,11 +176,12 @@ def test_packaged_shader_sources_are_complete():
 
 
 # The parameter each binding-table entry must land on, by name in the kernel
-# templates' signatures (shaders/attention_untiled.h, attention_tiled.h).
-_SIGNATURE_NAMES = {"q": "q", "k": "k", "v": "v", "out": "o", "lse": "lse"}
+# templates' signatures (shaders/attention_*.h).
+_SIGNATURE_NAMES = {"q": "q", "k": "k", "v": "v", "out": "o", "lse": "lse", "partial_out": "partial_o",
+                    "partial_stats": "partial_stats"}
 
 
-@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("impl", list(FAMILIES))
 def test_binding_table_matches_every_kernel_signature(impl):
     # The plan's binding table is what the MPS host and the emulated backend
     # bind from; each entry must name the kernel parameter with that
@@ -166,18 +189,17 @@ def test_binding_table_matches_every_kernel_signature(impl):
     from metal_emulator import _prepass
 
     lib = metal_library(False)
-    for (kind, dtype, bucket), name in _plan_names().items():
+    for (kind, dtype, bucket), (plan, _) in _plans().items():
         if kind != impl:
             continue
-        q, k, v = make_qkv(1, 1, 1, 2, 2, BUCKET_DIMS[bucket], dtype)
-        plan = flash_metal.explain(q, k, v, impl=impl)
-        params = lib.signature(name)
-        buffers = {p.index: p.name for p in params if p.role == _prepass.ROLE_BUFFER}
-        expected = {index: _SIGNATURE_NAMES[tensor] for tensor, index in plan.buffers.items()}
-        expected[plan.params_index] = "p"
-        assert buffers == expected, name
-        groups = {p.index: p.name for p in params if p.role == _prepass.ROLE_THREADGROUP}
-        if plan.threadgroup_memory:
-            assert groups == {plan.threadgroup_memory_index: "smem"}, name
-        else:
-            assert groups == {}, name
+        for disp in plan.dispatches:
+            params = lib.signature(disp.kernel_name)
+            buffers = {p.index: p.name for p in params if p.role == _prepass.ROLE_BUFFER}
+            expected = {index: _SIGNATURE_NAMES[tensor] for tensor, index in disp.buffers.items()}
+            expected[disp.params_index] = "p"
+            assert buffers == expected, disp.kernel_name
+            groups = {p.index: p.name for p in params if p.role == _prepass.ROLE_THREADGROUP}
+            if disp.threadgroup_memory:
+                assert groups == {disp.threadgroup_memory_index: "smem"}, disp.kernel_name
+            else:
+                assert groups == {}, disp.kernel_name

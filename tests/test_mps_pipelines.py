@@ -58,10 +58,11 @@ def test_every_kernel_builds_a_metal_pipeline():
             pytest.skip(str(err))
         raise
     # "<kernel>/<function constants as 0/1>": every planned name, each with
-    # both causal settings (constant 0) at least.
+    # both causal settings (constant 0) when it has constants at all (the
+    # decode merge pass has none).
     pairs = [entry.rsplit("/", 1) for entry in built]
     assert {name for name, _ in pairs} == planner_kernel_names()
     for name in planner_kernel_names():
-        assert {bits[0] for n, bits in pairs if n == name} == {"0", "1"}, name
+        assert {bits[:1] for n, bits in pairs if n == name} in ({"0", "1"}, {""}), name
     if os.environ.get("FLASH_METAL_REQUIRE_METALLIB") == "1":
         assert origin.startswith("the precompiled ") and origin.endswith("flash_metal.metallib"), origin
