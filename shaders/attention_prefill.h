@@ -1,9 +1,10 @@
 // The FlashAttention-2 forward ("prefill") kernel on simdgroup_matrix: the
 // default for Nq > 8. One threadgroup owns BQ query rows of one (batch, head);
 // each of its WM SIMD-groups owns 8 of them. K and V stream through
-// threadgroup memory BK keys at a time; S = Q.K^T and O += P.V run as 8x8
+// threadgroup memory BK keys at a time; S = Q.K^T and P.V run as 8x8
 // simdgroup_matrix<float> products, and the online softmax works on whole
-// blocks of BK keys, so the output accumulator is rescaled once per block.
+// blocks of BK keys, so the output accumulator is rescaled once per block
+// (O = alpha * O + P.V).
 //
 // The design follows MLX's steel attention (ml-explore/mlx,
 // mlx/backend/metal/kernels/steel/attn/kernels/steel_attention.h, mma.h,
@@ -36,11 +37,13 @@ constant bool fc_align_q [[function_constant(1)]];
 // kernel carries no key-edge code (MLX's align_K).
 constant bool fc_align_k [[function_constant(2)]];
 
-// Padding at the end of every tile row, in bytes. Why 16: a row of DMAX
-// elements is a multiple of 16 bytes, so without it the 8 rows a fragment
-// reads start on the same threadgroup-memory bank and their reads serialize;
-// 16 bytes shift each row by 4 banks (MLX PR #1899 measured this padding).
-// 16 also keeps every row 16-byte aligned for vector access.
+// Padding at the end of every tile row, in bytes. Why 16: many bucket rows
+// (DMAX 32, 64, 128, 256 in float; 64, 128, 256 in half) are a multiple of
+// 128 bytes, one cycle of 32 four-byte banks (the usual GPU arrangement;
+// Apple does not document its own), so without padding the 8 rows a fragment
+// reads would start on the same bank and their reads would serialize; 16
+// bytes shift each row by 4 banks (MLX's padding, PR #1899). 16 also keeps
+// every row 16-byte aligned and tg_bytes a multiple of 16.
 constant constexpr int kPrefillRowPadBytes = 16;
 
 // Lane layout of an 8x8 simdgroup_matrix, as MLX's BaseMMAFrag::get_coord
