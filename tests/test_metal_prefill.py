@@ -19,6 +19,7 @@ import torch
 
 import flash_metal
 from numerics import DTYPES, LAYOUTS, assert_attention_close, dtype_id, make_qkv
+from test_nonfinite import CASES, POSITIONS, SHAPES, check_case, make_case
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHADER = os.path.join(ROOT, "shaders", "attention_prefill.metal")
@@ -314,31 +315,19 @@ def test_fast_math_ragged(dtype):
     assert prefill_library(False, True).fast_math
 
 
-def _nonfinite():
-    import test_nonfinite
-
-    return test_nonfinite
-
-
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("case", range(8), ids=lambda i: f"case{i}")
-def test_fast_math_nonfinite_keys(case, causal):
+@pytest.mark.parametrize("dtype,kind", CASES, ids=[f"{dtype_id(d)}-{k}" for d, k in CASES])
+def test_fast_math_nonfinite_keys(dtype, kind, causal):
     # test_nonfinite.py's cases (-inf keys, overflowing and huge scores, at
     # the first key, the middle, the end, a whole first block, everywhere),
     # in the fast-math build: masked keys weigh exactly 0 and rows with
     # nothing visible give zeros and -inf, with no infinity ever computed.
-    nf = _nonfinite()
-    dtype, kind = nf.CASES[case]
-    for position, masked_of in nf.POSITIONS.items():
-        for i, (nq, nk) in enumerate(nf.SHAPES):
+    for position, masked_of in POSITIONS.items():
+        for i, (nq, nk) in enumerate(SHAPES):
             masked = masked_of(nk)
-            q, k, v = nf.make_case(nq, nk, dtype, kind, masked, seed=100 + i)
+            q, k, v = make_case(nq, nk, dtype, kind, masked, seed=100 + i)
             out, lse = run_prefill(q, k, v, causal, fast_math=True)
-            nf.check_case(out, lse, q, k, v, causal, kind, masked)
-
-
-def test_fast_math_cases_are_all_taken():
-    assert len(_nonfinite().CASES) == 8
+            check_case(out, lse, q, k, v, causal, kind, masked)
 
 
 # ---- precision at long context --------------------------------------------------------
