@@ -81,14 +81,14 @@ def run_prefill(q, k, v, causal=False, scale=None, instrumented=False, fast_math
     return out, lse
 
 
-def _launch_counts(q, k, v, causal):
-    """run_prefill's dispatch, returning the emulator's counts (fast build)."""
+def _launch_counts(q, k, v, causal, instrumented=False):
+    """run_prefill's dispatch, returning the emulator's counts."""
     B, Hq, Nq, D = q.shape
     dmax = bucket_of(D)
     bq, bk, wm = BLOCKS[dmax]
     out = torch.full((B, Hq, Nq, D), float("nan"), dtype=q.dtype)
     lse = torch.full((B, Hq, Nq), float("nan"), dtype=torch.float32)
-    counts = prefill_library(False, False).dispatch(
+    counts = prefill_library(instrumented, False).dispatch(
         kernel_name(q.dtype, dmax), buffers={0: q, 1: k, 2: v, 3: out, 4: lse},
         bytes={5: flash_metal.explain(q, k, v, causal, None, impl="tiled").params},
         function_constants={0: causal, 1: Nq % bq == 0, 2: k.shape[2] % bk == 0},
@@ -277,6 +277,24 @@ def test_barriers_exp2_and_mmas_per_key_block():
     q, k, v = make_qkv(1, 1, 1, 9, 64, 64, torch.float16)
     c = _launch_counts(q, k, v, False)
     assert c.simdgroup_mmas == 2 * (64 // bk) * 2 * (bk // 8) * (64 // 8)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=dtype_id)
+def test_device_traffic_is_flash_attention_2s(dtype):
+    # FlashAttention-2's I/O: Q read and O, lse written once; K and V read
+    # once per query block, and nothing else (D = DMAX, so no padding; two
+    # query blocks, GQA 2, non-causal, aligned). Counted by the sanitizing
+    # build, byte by byte, per buffer.
+    B, hq, hkv, nq, nk, d = 1, 4, 2, 64, 96, 64
+    q, k, v = make_qkv(B, hq, hkv, nq, nk, d, dtype)
+    bq = BLOCKS[d][0]
+    c = _launch_counts(q, k, v, False, instrumented=True)
+    size = q.element_size()
+    reads, writes = c.device_bytes_read_by_index, c.device_bytes_written_by_index
+    assert reads[0] == B * hq * nq * d * size
+    assert reads[1] == reads[2] == B * hq * (nq // bq) * nk * d * size
+    assert writes[3] == B * hq * nq * d * size and writes[4] == B * hq * nq * 4
+    assert reads[3] == reads[4] == 0 and writes[0] == writes[1] == writes[2] == 0
 
 
 def test_causal_skips_blocks_in_the_future():
