@@ -7,7 +7,11 @@ strided layouts, and is compared with the float64 oracle by FlashAttention's
 2x rule (tests/numerics.py). The fast build runs the larger cases: every
 head_dim, every layout, fast math with -inf keys, and the precision check at
 Nk = 8192 in float32 under the strict rule (no float32 floor), which the
-post's tiled kernel (one rescale per key) does not meet.
+post's tiled kernel (one rescale per key) does not meet. The emulator's
+counters check the structure: 4 barriers and one alpha per key block,
+causal blocks skipped, FlashAttention-2's device traffic. run_prefill
+launches the kernel as csrc/metal_plan.cpp will (grid, threadgroup,
+function constants, threadgroup memory).
 """
 import functools
 import math
@@ -261,9 +265,9 @@ def test_longer_sequences_every_bucket():
 
 def test_barriers_exp2_and_mmas_per_key_block():
     # Aligned, not causal: every threadgroup walks Nk / BK blocks with 4
-    # barriers each; each lane calls exp2 once per key (its 2 * BK / 8
-    # weights) plus once per block for alpha (one rescale per block, not one
-    # per key); each SIMD-group runs BK / 8 * ceil(D / 8) MMAs for Q.K^T and
+    # barriers each; each lane calls exp2 once per weight it holds (2 of
+    # each of the BK / 8 fragments of P) plus once per block for alpha (one
+    # rescale per block, not one per key); each SIMD-group runs BK / 8 * ceil(D / 8) MMAs for Q.K^T and
     # as many for P.V per block.
     q, k, v = make_qkv(1, 2, 1, 64, 128, 40, torch.float16)
     bq, bk, wm = BLOCKS[64]
