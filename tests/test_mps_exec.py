@@ -24,6 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
+import flash_metal
 import mps_exec
 from numerics import DTYPES, assert_attention_close, dtype_id, make_qkv
 from prereqs import unavailable
@@ -205,7 +206,26 @@ def test_host_matches_oracle(host, emu, layout, impl, dtype, causal, heads):
     assert rec["errors"] == []
     assert_attention_close(out, lse, q, k, v, causal)
     kernels = [e["kernel"] for e in rec["events"] if e["op"] == "setComputePipelineState"]
-    assert len(kernels) == 1 and kernels[0].startswith("flash_attention_" + ("untiled" if impl == "untiled" else "tiled"))
+    assert kernels == [d.kernel_name for d in flash_metal.explain(q, k, v, causal, impl=impl).dispatches]
+    if impl != "auto":
+        assert kernels[0].startswith(f"flash_attention_{impl}_")
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+@pytest.mark.parametrize("impl", ["decode", "decode_split"])
+def test_host_decode_one_pass_and_split(host, emu, impl, dtype, causal):
+    # Decode through the real .mm: one dispatch, or the split pass and the
+    # merge pass on the one encoder, sharing the float32 scratch the host
+    # allocates (poisoned like every fake MPS allocation).
+    q, k, v = _inputs("mixed", dtype, 8, 2, seed=zlib.crc32(f"{impl}/{dtype}".encode()), shape=(2, 3, 600, 80))
+    out, lse, rec, _ = host.attention(q, k, v, causal, None, impl, emu)
+    assert rec["errors"] == []
+    assert_attention_close(out, lse, q, k, v, causal)
+    kernels = [e["kernel"] for e in rec["events"] if e["op"] == "setComputePipelineState"]
+    plan = flash_metal.explain(q, k, v, causal, impl=impl)
+    assert kernels == [d.kernel_name for d in plan.dispatches]
+    assert len(kernels) == (2 if impl == "decode_split" else 1)
 
 
 def test_host_matches_oracle_with_scale_and_broadcast_kv(host, emu):
@@ -278,7 +298,19 @@ def test_build_all_pipelines_on_the_fake_device(host, emu):
     rec = host.take_recording()
     assert rec["errors"] == []
     assert origin == "the precompiled " + os.path.join(host.package, mps_exec.METALLIB_NAME)
-    assert sorted(built) == sorted(f"{n}/{m}" for n in emu.kernel_names() for m in ("causal", "non-causal"))
+    # "<kernel>/<function constants as 0/1>": every instantiation, each with
+    # both causal settings when it has constants (the decode merge has none),
+    # and the prefill kernel with both edge alignments.
+    pairs = [entry.rsplit("/", 1) for entry in built]
+    assert {name for name, _ in pairs} == set(emu.kernel_names())
+    for name in emu.kernel_names():
+        bits = {b for n, b in pairs if n == name}
+        if name.startswith("flash_attention_prefill_"):
+            assert bits == {f"{c}{a}{b}" for c in "01" for a in "01" for b in "01"}, name
+        elif name.startswith("flash_decode_merge_"):
+            assert bits == {""}, name
+        else:
+            assert bits == {"0", "1"}, name
     assert all(e["found"] for e in rec["events"] if e["op"] == "newFunctionWithName")
     assert "dispatch_sync" not in _ops(rec)
 
@@ -400,10 +432,10 @@ def test_library_errors_are_clear(scenarios, name, message):
 # first four are binding bugs the oracle comparison catches; the rest break
 # the encoding rules, which the fakes catch.
 PLANTS = {
-    "k_v_swapped": ("attention_mps.mm", r"\{&q, &k, &v, &out, &lse\}", "{&q, &v, &k, &out, &lse}"),
+    "k_v_swapped": ("attention_mps.mm", r"\{&q, &k, &v, &out, &lse,", "{&q, &v, &k, &out, &lse,"),
     "offset_in_elements": ("attention_mps.mm", r"t\.storage_offset\(\) \* t\.element_size\(\)", "t.storage_offset()"),
-    "threadgroup_memory_index_1": ("attention_mps.mm", r"setThreadgroupMemoryLength:threadgroup_memory atIndex:\w+\]",
-                                   "setThreadgroupMemoryLength:threadgroup_memory atIndex:1]"),
+    "threadgroup_memory_index_1": ("attention_mps.mm", r"setThreadgroupMemoryLength:r\.threadgroup_memory atIndex:[\w.]+\]",
+                                   "setThreadgroupMemoryLength:r.threadgroup_memory atIndex:1]"),
     "out_strides_from_q": ("attention_mps.mm", r"strides4\(out\)", "strides4(q)"),
     "encoder_taken_outside_dispatch_sync": (
         "attention_mps.mm",
@@ -411,7 +443,7 @@ PLANTS = {
         r"stream->commandEncoder\(\);",
         "id<MTLComputeCommandEncoder> encoder = stream->commandEncoder();\n"
         "  dispatch_sync(stream->queue(), ^{\n    @autoreleasepool {"),
-    "shared_encoder_ended": ("attention_mps.mm", r"(\[encoder dispatchThreadgroups:grid threadsPerThreadgroup:group\];)",
+    "shared_encoder_ended": ("attention_mps.mm", r"(\[encoder dispatchThreadgroups:r\.grid threadsPerThreadgroup:r\.group\];)",
                              r"\1 [encoder endEncoding];"),
     "function_released_twice": ("library.mm", r"\[function release\];", "[function release]; [function release];"),
 }

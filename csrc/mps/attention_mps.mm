@@ -76,10 +76,20 @@ void profile_end(id<MTLComputePipelineState> state) noexcept {
 std::array<int64_t, 4> strides4(const at::Tensor& t) { return {t.stride(0), t.stride(1), t.stride(2), t.stride(3)}; }
 
 // The device-class hint of the split-KV decode (see GpuClass in
-// metal_plan.h), from the device's name.
+// metal_plan.h), from the device's name. The name is autoreleased, and this
+// runs on the caller's thread, which may have no pool: hence our own, with
+// the name copied out before it drains. Computed once per process
+// (PyTorch drives a single MPS device).
 GpuClass gpu_class_of(id<MTLDevice> device) {
-  NSString* name = [device name];
-  return name == nil ? GpuClass::Base : gpu_class_from_device_name([name UTF8String]);
+  static const GpuClass cached = [&] {
+    std::string name;
+    @autoreleasepool {
+      NSString* ns = [device name];
+      if (ns != nil) name = [ns UTF8String];
+    }
+    return gpu_class_from_device_name(name);
+  }();
+  return cached;
 }
 
 // Checks, before any encoding, that the device and the pipeline can run the
