@@ -1,0 +1,131 @@
+"""benchmarks/metal_model.py: its I/O model agrees with the emulator's exact
+counts, its scaling rule reproduces an emulated count, every device figure
+has a source, and its time model never predicts less time for more work."""
+import math
+import os
+import sys
+
+import pytest
+import torch
+
+# benchmarks/ is a package at the repository root, not installed: put the root on the path.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks import apple_gpus as G  # noqa: E402
+from benchmarks import metal_model as M  # noqa: E402
+
+# Ragged on purpose: Nq not a multiple of any query block, Nk not a multiple
+# of any key block, D = 63 runs padded in the 64 bucket; GQA 2:1.
+RAGGED = M.Shape(1, 2, 1, 45, 70, 63)
+RAGGED_CAUSAL = M.Shape(1, 2, 1, 100, 130, 63)
+
+
+def elem(dtype):
+    return torch.empty((), dtype=dtype).element_size()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["f32", "f16"])
+def test_tiled_kv_reads_are_exactly_the_fa2_model(dtype):
+    """Non-causal: K and V each read query blocks x Nk x D x elem per query head, exactly."""
+    s = RAGGED
+    (r,) = M.emulate("tiled", s, dtype, False)
+    blocks = math.ceil(s.nq / 32)
+    expected = blocks * s.nk * s.d * elem(dtype) * s.b * s.hq
+    assert r.counts["read_k"] == r.counts["read_v"] == expected
+    assert M.fa2_kv_bytes(s, elem(dtype), M.block_rows("tiled", r.kernel), False) == expected
+
+
+@pytest.mark.parametrize("impl", ["tiled", "prefill"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_kv_reads_within_ten_percent_of_fa2(impl, causal):
+    if not M.available(impl):
+        pytest.fail(f"{impl} kernels missing from the emulator library")
+    s = RAGGED_CAUSAL if causal else RAGGED
+    recs = M.emulate(impl, s, torch.float16, causal)
+    measured, model = M.io_row(impl, s, torch.float16, causal, recs)
+    assert recs[0].counts["read_v"] == measured
+    assert 1.0 <= measured / model <= 1.10, (measured, model)
+    # Q read once, O and lse written once
+    assert recs[0].counts["read_q"] == s.b * s.hq * s.nq * s.d * 2
+    assert recs[0].counts["write_out"] == s.b * s.hq * s.nq * s.d * 2
+    assert recs[0].counts["write_lse"] == s.b * s.hq * s.nq * 4
+
+
+def test_untiled_reads_kv_once_per_row():
+    s = RAGGED
+    (r,) = M.emulate("untiled", s, torch.float32, False)
+    assert r.counts["read_k"] == M.fa2_kv_bytes(s, 4, 1, False)  # the FA2 model with one-row blocks
+
+
+@pytest.mark.parametrize("impl,d,dtype,causal", [("tiled", 32, torch.float32, True),
+                                                 ("prefill", 64, torch.float16, True),
+                                                 ("prefill", 128, torch.float16, False)])
+def test_scaling_rule_reproduces_an_emulated_size(impl, d, dtype, causal):
+    """The quadratic through n = 2, 3, 4 (times B * Hq) gives the exact counts emulated at n = 5 with 2 heads."""
+    s = M.Shape(1, 2, 2, 5 * M.UNIT, 5 * M.UNIT, d)
+    scaled = M.scaled_counts(impl, s, dtype, causal)
+    exact = M.emulate(impl, s, dtype, causal)
+    assert [r.scaled for r in scaled] == [True] and [r.kernel for r in scaled] == [r.kernel for r in exact]
+    assert scaled[0].counts == exact[0].counts
+    assert scaled[0].counts["simdgroup_mmas"] > 0 or impl == "tiled"
+
+
+def test_scaling_rule_refuses_what_it_cannot_scale():
+    with pytest.raises(ValueError, match="Nq = Nk"):
+        M.scaled_counts("tiled", M.Shape(1, 1, 1, 256, 320, 64), torch.float32, False)
+    with pytest.raises(ValueError, match="multiple of 64"):
+        M.scaled_counts("tiled", M.Shape(1, 1, 1, 200, 200, 64), torch.float32, False)
+
+
+def test_every_device_figure_has_a_source():
+    for g in G.GPUS:
+        assert set(g.sources) == {"cores", "clock", "bandwidth", "tgmem"}, g.name
+        for field, key in g.sources.items():
+            assert key in G.SOURCES and G.SOURCES[key], (g.name, field, key)
+        assert g.cores > 0 and 1.0 < g.clock_ghz < 2.5 and g.bandwidth_gbs > 0 and g.tgmem_per_core >= 16384
+    for field, key in G.COMMON_SOURCES.items():
+        assert key in G.SOURCES, field
+    assert G.POST_GPU in G.BY_NAME and G.BY_NAME[G.POST_GPU].cores == 10
+
+
+def _record(**counts):
+    base = {"threadgroups": 64, "threads": 64 * 128, "threadgroup_barriers": 0, "simdgroup_mmas": 10**6,
+            "exp2_calls": 10**6, "threadgroup_bytes_read": 10**7, "threadgroup_bytes_written": 10**6,
+            "read_q": 10**6, "read_k": 10**7, "read_v": 10**7, "write_out": 10**6, "write_lse": 10**4}
+    base.update(counts)
+    return M.Record("flash_attention_prefill_float16_d64_bq32_bk32_wm4", (64, 1, 1), (128, 1, 1), 9728, base, False)
+
+
+@pytest.mark.parametrize("field", ["simdgroup_mmas", "exp2_calls", "threadgroup_bytes_read", "read_k", "write_out"])
+@pytest.mark.parametrize("gpu", ["M1", "M3 Max", G.POST_GPU])
+def test_more_work_never_predicts_less_time(field, gpu):
+    s = M.Shape(1, 1, 1, 2048, 2048, 64)
+    g = G.BY_NAME[gpu]
+    base = _record()
+    times = [M.predict([_record(**{field: base.counts[field] * f})], g, s, torch.float16, False)[0]
+             for f in (1, 2, 10, 1000)]
+    assert times == sorted(times) and times[-1] > times[0]
+
+
+def test_faster_device_never_predicts_more_time():
+    s = M.Shape(1, 1, 1, 2048, 2048, 64)
+    g = G.BY_NAME["M3 Max"]
+    t = M.predict([_record()], g, s, torch.float16, False)[0]
+    for field, f in (("cores", 2), ("clock_ghz", 1.5), ("bandwidth_gbs", 2.0)):
+        faster = g._replace(**{field: getattr(g, field) * f})
+        assert M.predict([_record()], faster, s, torch.float16, False)[0] <= t
+
+
+def test_post_kernels_scalar_work_grows_with_keys():
+    """The post's kernels: more (row, key) pairs (exp2 calls) -> more predicted time, through the scalar term."""
+    s = M.Shape(1, 1, 1, 2048, 2048, 64)
+    g = G.BY_NAME[G.POST_GPU]
+
+    def rec(e):
+        c = {"threadgroups": 64, "threads": 64 * 32, "threadgroup_barriers": 0, "simdgroup_mmas": 0, "exp2_calls": e,
+             "threadgroup_bytes_read": 0, "threadgroup_bytes_written": 0, "read_q": 0, "read_k": 0, "read_v": 0,
+             "write_out": 0, "write_lse": 0}
+        return M.Record("flash_attention_tiled_float32_d64_bk16_t32", (64, 1, 1), (32, 1, 1), 8192, c, False)
+
+    t1, terms1, _ = M.predict([rec(10**6)], g, s, torch.float32, False)
+    t2, terms2, _ = M.predict([rec(2 * 10**6)], g, s, torch.float32, False)
+    assert terms2["compute"] == pytest.approx(2 * terms1["compute"]) and t2 > t1
