@@ -62,6 +62,10 @@ FFMA32_LATENCY = 6
 # On-core data bandwidth, bytes per core-cycle (threadgroup memory and L1):
 # metal-benchmarks "On-Core Data BW/Cycle 64 B" (Apple 7, 8; assumed later).
 ON_CORE_BYTES_PER_CYCLE = 64
+# Bytes per core-cycle one core can move to and from the rest of the GPU
+# (L2, memory): metal-benchmarks "On-GPU Data BW/Cycle ~32 B". A grid on few
+# cores cannot use the whole memory bandwidth.
+ON_GPU_BYTES_PER_CYCLE = 32
 # Resident SIMD-groups per core beyond which ALU utilization no longer grows
 # (metal-benchmarks: "ALU utilization maxes out at 24 simds/core").
 MAX_USEFUL_SIMDS = 24
@@ -244,7 +248,8 @@ def predict(records, gpu: G.AppleGPU, s: Shape, dtype, causal):
       the O rescale share: an estimate) at full rate. Decode kernels: 2 D
       FFMAs per visible (row, key) at full rate.
     - exp2: exp2 calls / (32 per core-cycle).
-    - memory: device bytes / bandwidth. Counted bytes are what each lane
+    - memory: device bytes / bandwidth, the bandwidth capped at 32 B per
+      cycle per active core (metal-benchmarks' on-GPU data rate). Counted bytes are what each lane
       asks for; the untiled kernel's K/V loads are the same address in all
       32 lanes of a SIMD-group (one request), so they count 1/32.
     - on-core data: threadgroup bytes plus device bytes as counted per lane,
@@ -293,7 +298,7 @@ def predict(records, gpu: G.AppleGPU, s: Shape, dtype, causal):
             dev_dram = dev - (c["read_k"] + c["read_v"]) * 31 / 32
         else:
             dev_dram = dev
-        t_mem = dev_dram / (gpu.bandwidth_gbs * 1e9)
+        t_mem = dev_dram / min(gpu.bandwidth_gbs * 1e9, active * ON_GPU_BYTES_PER_CYCLE * hz)
         onchip = c["threadgroup_bytes_read"] + c["threadgroup_bytes_written"] + dev
         t_data = onchip / (active * ON_CORE_BYTES_PER_CYCLE * hz) * quant
         terms = {"compute": t_compute, "exp2": t_exp, "memory": t_mem, "on-core data": t_data}
