@@ -346,14 +346,17 @@ def post_grid(impls, quick):
 
 
 def calibration(pred, ns):
+    gpu = G.BY_NAME[G.POST_GPU]
     print("\n## Calibration against the post (Apple M5 10-core, float32, N=2048, d=64, causal)")
-    print("| kernel | predicted ms | measured ms (post) | predicted / measured |")
-    print("|---|---|---|---|")
+    print("| kernel | predicted ms | measured ms (post) | predicted / measured | terms (ms) | resident SIMD-groups/core |")
+    print("|---|---|---|---|---|---|")
     ratios = {}
     for (impl, n, d, causal), ms in POST_MS.items():
-        p = pred[(impl, n, d, causal)]
+        s = Shape(1, 1, 1, n, n, d)
+        p, terms, sgs = predict(counts_for(impl, s, torch.float32, causal), gpu, s, torch.float32, causal)
         ratios[impl] = p * 1e3 / ms
-        print(f"| {impl} | {_fmt_ms(p)} | {ms} | {ratios[impl]:.2f} |")
+        parts = ", ".join(f"{k} {_fmt_ms(v)}" for k, v in terms.items())
+        print(f"| {impl} | {_fmt_ms(p)} | {ms} | {ratios[impl]:.2f} | {parts} | {sgs:.1f} |")
     outside = [k for k, r in ratios.items() if not 0.5 <= r <= 2.0]
     configs = [(n, d, c) for d in (32, 64) for c in (False, True) for n in ns]
     wins = sum(pred[("tiled", n, d, c)] < pred[("untiled", n, d, c)] for n, d, c in configs)
