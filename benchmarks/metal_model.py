@@ -69,6 +69,21 @@ ON_GPU_BYTES_PER_CYCLE = 32
 # Resident SIMD-groups per core beyond which ALU utilization no longer grows
 # (metal-benchmarks: "ALU utilization maxes out at 24 simds/core").
 MAX_USEFUL_SIMDS = 24
+# FFMAs in one 8x8x8 simdgroup_multiply_accumulate (8 * 8 * 8).
+FFMA_PER_MMA = 512
+# FP32 lanes per core issuing one FFMA per cycle at full rate (metal-benchmarks: 128 ALUs per core).
+LANES_PER_CORE = 128
+# Independent FFMA chains credited to the post's acc update (DMAX of them in
+# the source): metal-benchmarks' tables stop at ILP 4, where one SIMD-group
+# per scheduler is already within 1.5x of full rate; more is not credited.
+ACC_ILP = 4
+# Chains in the post's dot product: the source's one accumulator (score +=).
+# Fast-math reassociation could split it; unknown, so this is the slow case.
+DOT_ILP = 1
+# Scalar lane-ops per exp2 call in the MMA kernels (scale, two mask tests,
+# max, subtract, select, sum, the O rescale's share): counted by eye from
+# attention_prefill.h, an estimate (the emulator does not count scalar ops).
+SCALAR_OPS_PER_EXP2 = 8
 POST_MS = {("untiled", 2048, 64, True): 3.066, ("tiled", 2048, 64, True): 2.159}  # the post, Apple M5, float32
 
 
@@ -212,11 +227,12 @@ def fa2_decode_kv_bytes(s: Shape, elem):
 
 def io_row(impl, s, dtype, causal, records):
     elem = torch.empty((), dtype=dtype).element_size()
-    measured = sum(r.counts.get("read_k", 0) for r in records)
+    """(measured, model) bytes of K plus V read, summed over the call's dispatches."""
+    measured = sum(r.counts.get("read_k", 0) + r.counts.get("read_v", 0) for r in records)
     if impl.startswith("decode"):
-        model = fa2_decode_kv_bytes(s, elem)
+        model = 2 * fa2_decode_kv_bytes(s, elem)
     else:
-        model = fa2_kv_bytes(s, elem, block_rows(impl, records[0].kernel), causal)
+        model = 2 * fa2_kv_bytes(s, elem, block_rows(impl, records[0].kernel), causal)
     return measured, model
 
 
@@ -276,21 +292,21 @@ def predict(records, gpu: G.AppleGPU, s: Shape, dtype, causal):
         resident_sgs = sgs if resident_sgs is None else resident_sgs
         waves = grid_tgs / (active * tgs_resident)
         quant = math.ceil(waves) / waves if waves > 1 else 1.0
-        lanes = active * 128 * hz  # FFMA lane-instructions per second at full rate
+        lanes = active * LANES_PER_CORE * hz  # FFMA lane-instructions per second at full rate
         mma_rate = G.MMA_FFMA16_PER_CORE_CYCLE if elem == 2 else G.MMA_FFMA32_PER_CORE_CYCLE
         dmax = _dmax(r.kernel)
-        t_mma = c["simdgroup_mmas"] * 512 / (active * mma_rate * hz)
+        t_mma = c["simdgroup_mmas"] * FFMA_PER_MMA / (active * mma_rate * hz)
         if "untiled" in r.kernel or "tiled" in r.kernel:
             pairs = c["exp2_calls"] / 2
             per_sched = sgs / G.SCHEDULERS_PER_CORE
-            dep = FFMA32_LATENCY / max(per_sched, 1e-9)  # cycles per dependent FFMA, per scheduler lane
-            indep = max(1.0, FFMA32_LATENCY / (4 * max(per_sched, 1e-9)))
-            dep = max(dep, 1.0)
+            # cycles per FFMA: latency over the chains in flight per scheduler (Little's law), at least 1
+            dep = max(1.0, FFMA32_LATENCY / (DOT_ILP * max(per_sched, 1e-9)))
+            indep = max(1.0, FFMA32_LATENCY / (ACC_ILP * max(per_sched, 1e-9)))
             t_scalar = pairs * (dmax * dep + 2 * dmax * indep) / lanes
         elif "decode" in r.kernel:
             t_scalar = 2 * s.d * s.nq * s.hq * s.b * s.nk / lanes if "merge" not in r.kernel else 0.0
         else:
-            t_scalar = 8 * c["exp2_calls"] / lanes
+            t_scalar = SCALAR_OPS_PER_EXP2 * c["exp2_calls"] / lanes
         t_compute = (t_mma + t_scalar) * quant
         t_exp = c["exp2_calls"] / (active * G.EXP2_PER_CORE_CYCLE * hz) * quant
         dev = sum(v for f, v in c.items() if f.startswith(("read_", "write_")))
@@ -322,7 +338,7 @@ def post_grid(impls, quick):
     ns = (64, 256, 2048) if quick else (64, 256, 1024, 2048)
     gpu = G.BY_NAME[G.POST_GPU]
     print(f"\n## The post's grid (B = H = 1, float32), predicted on {gpu.name}: model, not measurement")
-    print("| impl | N | d | causal | counts | K read (B) | FA2 model K (B) | ratio | MMAs | exp2 | TG bytes "
+    print("| impl | N | d | causal | counts | K+V read (B) | FA2 model K+V (B) | ratio | MMAs | exp2 | TG bytes "
           "| threadgroups | barriers | predicted ms | bound |")
     print("|" + "---|" * 15)
     pred = {}
@@ -384,7 +400,7 @@ def llm(impls, quick):
     dtypes = (torch.float16,) if quick else (torch.float32, torch.bfloat16, torch.float16)
     gpus = [G.BY_NAME[n] for n in (("M3 Max", G.POST_GPU) if quick else [g.name for g in G.GPUS])]
     print("\n## LLM preset: counts (exact or scaled) and predicted ms per GPU: model, not measurement")
-    print("| shape | dtype | causal | impl | counts | K read (B) | FA2 model K (B) | ratio | MMAs | exp2 | "
+    print("| shape | dtype | causal | impl | counts | K+V read (B) | FA2 model K+V (B) | ratio | MMAs | exp2 | "
           + " | ".join(g.name for g in gpus) + " |")
     print("|" + "---|" * (10 + len(gpus)))
     for s in shapes:
