@@ -23,7 +23,7 @@
 // the Q tile (BQ rows) then the K/V tile (BK rows), each row DMAX elements of
 // T plus 16 bytes of padding. It is a multiple of 16 (every DMAX is a multiple
 // of 8) and at most 25,600 bytes for the instantiations of
-// attention_prefill.metal (float32, DMAX 96, BQ = BK = 32).
+// attention.metal (float32, DMAX 96, BQ = BK = 32).
 #pragma once
 
 #include "attention_common.h"

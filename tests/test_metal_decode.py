@@ -1,6 +1,7 @@
 """The decode (Nq <= 8) Metal kernels: one pass, and the split-KV pair.
 
-Every instantiation of shaders/attention_decode.metal runs through the
+Every decode instantiation (shaders/attention_decode.h, instantiated in
+shaders/attention.metal) runs through the
 emulator's sanitizing build (races, barrier and SIMD divergence,
 out-of-bounds, threadgroup overflow) on small ragged shapes: Nq 1..8, Nk from
 1 to past one split block, causal on and off, GQA ratios 1, 4, 8 and MQA,
@@ -10,19 +11,16 @@ compared with the float64 oracle by FlashAttention's 2x rule
 (tests/numerics.py). The fast build runs fast math with -inf keys and the
 strict precision check at Nk = 8192 in float32.
 """
-import functools
 import math
-import os
 import struct
 
 import pytest
 import torch
 
 import flash_metal
+from backends import emulated_metal_attention, metal_library
 from numerics import DTYPES, LAYOUTS, assert_attention_close, dtype_id, make_qkv
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SHADER = os.path.join(ROOT, "shaders", "attention_decode.metal")
 BUCKETS = [32, 64, 72, 80, 96, 128, 256]
 DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 # Metal's limits on every Apple GPU family: threads and threadgroup memory per threadgroup.
@@ -72,11 +70,8 @@ def split_keys_of(nk, splits):
     return BLOCK * math.ceil(math.ceil(nk / splits) / BLOCK)
 
 
-@functools.lru_cache(maxsize=None)
 def decode_library(instrumented, fast_math):
-    from metal_emulator import compile_library
-
-    return compile_library([SHADER], instrumented=instrumented, fast_math=fast_math)
+    return metal_library(instrumented, fast_math)
 
 
 def launch_decode(q, k, v, causal=False, scale=None, splits=1, instrumented=False, fast_math=False):
@@ -118,11 +113,14 @@ def launch_decode(q, k, v, causal=False, scale=None, splits=1, instrumented=Fals
 
 
 def run_decode(q, k, v, causal=False, scale=None, splits=1, instrumented=False, fast_math=False):
-    """(out, lse) of the decode kernels, launched as the planner will launch them.
+    """(out, lse) of the decode kernels, launched as the planner launches them, with `splits` blocks.
 
     splits == 1 runs the one-pass kernel, splits > 1 the split pass and the
-    merge. (Until the planner routes decode shapes, this launches the
-    kernels directly; the tests below depend only on this signature.)
+    merge. The planner picks its own split count; this takes any, so the
+    kernels meet block counts the planner would not choose on these small
+    shapes. test_planner_launches_exactly_these_shapes pins the two launches
+    to each other, and test_planner_routes_through_the_emulator runs the
+    planner's own plans.
     """
     out, lse, _, _, _ = launch_decode(q, k, v, causal, scale, splits, instrumented, fast_math)
     return out, lse
@@ -131,8 +129,55 @@ def run_decode(q, k, v, causal=False, scale=None, splits=1, instrumented=False, 
 # ---- the instantiations and their launch shapes ----------------------------------------
 
 def test_library_holds_exactly_the_instantiations():
-    names = set(decode_library(False, False).kernel_names())
+    names = {n for n in decode_library(False, False).kernel_names() if n.startswith("flash_decode")}
     assert names == {n for dt in DTYPES for b in BUCKETS for n in kernel_names(dt, b)}
+
+
+# (B, Hq, Hkv, Nq, Nk, D, dtype, impl): one row group and several, MQA, a
+# two-round group, one pass and split, every dtype.
+PLANNER_CASES = [(1, 8, 2, 1, 300, 128, torch.float16, "decode"), (2, 32, 8, 1, 8192, 128, torch.bfloat16, "auto"),
+                 (1, 16, 1, 4, 700, 64, torch.float32, "decode_split"), (3, 4, 4, 8, 9, 80, torch.float16, "decode"),
+                 (1, 32, 2, 8, 40_000, 256, torch.float32, "auto"), (1, 6, 3, 2, 20, 17, torch.bfloat16, "decode_split")]
+
+
+@pytest.mark.parametrize("case", PLANNER_CASES, ids=lambda c: f"{c[0]}x{c[1]}:{c[2]}-{c[3]}x{c[4]}-d{c[5]}-{c[7]}")
+def test_planner_launches_exactly_these_shapes(case):
+    # csrc/metal_plan.cpp and decode_launch() both transcribe the formulas at
+    # the top of attention_decode.h; they must agree on every field.
+    B, Hq, Hkv, Nq, Nk, D, dtype, impl = case
+    q, k = torch.empty(B, Hq, Nq, D, dtype=dtype), torch.empty(B, Hkv, Nk, D, dtype=dtype)
+    plan = flash_metal.explain(q, k, k, impl=impl)
+    fields = struct.unpack_from("<2i", plan.dispatches[0].params.numpy().tobytes(), SPLIT_FIELDS_OFFSET)
+    splits, per = fields
+    shape = decode_launch(B, Hq, Hkv, Nq, bucket_of(D), splits, q.element_size())
+    one, split, merge = kernel_names(dtype, bucket_of(D))
+    if splits == 1:
+        assert per == Nk
+        (d,) = plan.dispatches
+        assert (d.kernel_name, d.grid, d.threadgroup, d.threadgroup_memory) == (one, *shape["one_pass"])
+        assert d.buffers == {"q": 0, "k": 1, "v": 2, "out": 3, "lse": 4} and d.function_constants == (False,)
+        return
+    assert per == split_keys_of(Nk, splits)
+    d1, d2 = plan.dispatches
+    assert (d1.kernel_name, d1.grid, d1.threadgroup, d1.threadgroup_memory) == (split, *shape["split"])
+    assert (d2.kernel_name, d2.grid, d2.threadgroup, d2.threadgroup_memory) == (merge, *shape["merge"])
+    assert d1.buffers == {"q": 0, "k": 1, "v": 2, "partial_out": 6, "partial_stats": 7}
+    assert d2.buffers == {"out": 3, "lse": 4, "partial_out": 6, "partial_stats": 7}
+    assert d2.function_constants == ()
+    assert plan.scratch == {"partial_out": B * Hq * Nq * splits * D, "partial_stats": B * Hq * Nq * splits * 2}
+
+
+@pytest.mark.parametrize("impl", ["auto", "decode", "decode_split"])
+def test_planner_routes_through_the_emulator(impl):
+    # The planner's own plans, end to end through the emulated backend and
+    # the sanitizing build: routing, bindings, scratch and params included.
+    for i, (B, Hq, Hkv, Nq, Nk, D, dtype) in enumerate([(1, 8, 2, 1, 600, 64, torch.float16),
+                                                        (2, 4, 1, 5, 70, 100, torch.float32),
+                                                        (1, 6, 3, 8, 3, 256, torch.bfloat16)]):
+        q, k, v = make_qkv(B, Hq, Hkv, Nq, Nk, D, dtype, layout="offset_slice", generator=torch.Generator().manual_seed(i))
+        for causal in (False, True):
+            out, lse = emulated_metal_attention(q, k, v, causal, None, impl, instrumented=True)
+            assert_attention_close(out, lse, q, k, v, causal)
 
 
 @pytest.mark.parametrize("dmax", BUCKETS)
@@ -349,17 +394,6 @@ def test_strict_precision_at_8192_keys(causal, splits, hq):
         out, lse = run_decode(q, k, v, causal, splits=splits)
         assert_attention_close(out, lse, q, k, v, causal, strict=True)
 
-
-# ---- registers, not stack -------------------------------------------------------------------
-
-def test_no_decode_kernel_keeps_an_array_in_memory():
-    # q, acc, the block partial and the per-row scores are indexed by
-    # compile-time constants only, so LLVM splits them into scalars (see
-    # attention_common.h, "Registers, not stack").
-    from metal_emulator import private_arrays
-
-    left = {name: arrays for name, arrays in private_arrays([SHADER]).items() if arrays}
-    assert left == {}
 
 
 # ---- merges where one block dominates -------------------------------------------------------

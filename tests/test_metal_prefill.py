@@ -13,7 +13,6 @@ causal blocks skipped, FlashAttention-2's device traffic. run_prefill
 launches the kernel as csrc/metal_plan.cpp will (grid, threadgroup,
 function constants, threadgroup memory).
 """
-import functools
 import math
 import os
 
@@ -22,15 +21,15 @@ import pytest
 import torch
 
 import flash_metal
+from backends import LAST_DISPATCHES, emulated_metal_attention, metal_library
 from numerics import DTYPES, LAYOUTS, assert_attention_close, dtype_id, make_qkv
 from test_nonfinite import CASES, POSITIONS, SHAPES, check_case, make_case
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SHADER = os.path.join(ROOT, "shaders", "attention_prefill.metal")
 LANES_SHADER = os.path.join(ROOT, "tests", "prefill_lanes.metal")
 
-# (BQ, BK, WM) per head_dim bucket: the instantiations of
-# shaders/attention_prefill.metal (see its comments for why).
+# (BQ, BK, WM) per head_dim bucket: the instantiations in shaders/attention.metal
+# (choose_metal_kernel in csrc/metal_plan.cpp says why).
 BLOCKS = {32: (32, 32, 4), 64: (32, 32, 4), 72: (32, 32, 4), 80: (32, 32, 4), 96: (32, 32, 4),
           128: (32, 16, 4), 256: (16, 8, 2)}
 DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
@@ -53,52 +52,32 @@ def tg_bytes(bq, bk, dmax, elem_size):
     return (bq + bk) * (dmax * elem_size + 16)
 
 
-@functools.lru_cache(maxsize=None)
 def prefill_library(instrumented, fast_math):
-    from metal_emulator import compile_library
-
-    return compile_library([SHADER], instrumented=instrumented, fast_math=fast_math)
+    return metal_library(instrumented, fast_math)
 
 
 def run_prefill(q, k, v, causal=False, scale=None, instrumented=False, fast_math=False):
-    """The prefill kernel through the emulator, launched as the planner will launch it.
+    """The prefill kernel through the emulator, launched by the planner (impl="prefill").
 
     Returns (out, lse), packed (B, Hq, Nq, D) and (B, Hq, Nq), poisoned with
     NaN before the launch so an element never written stays NaN.
     """
-    B, Hq, Nq, D = q.shape
-    Nk = k.shape[2]
-    dmax = bucket_of(D)
+    plan = flash_metal.explain(q, k, v, causal, scale, impl="prefill")
+    dmax = bucket_of(q.shape[-1])
     bq, bk, wm = BLOCKS[dmax]
-    params = flash_metal.explain(q, k, v, causal, scale, impl="tiled").params
-    out = torch.full((B, Hq, Nq, D), float("nan"), dtype=q.dtype)
-    lse = torch.full((B, Hq, Nq), float("nan"), dtype=torch.float32)
-    prefill_library(instrumented, fast_math).dispatch(
-        kernel_name(q.dtype, dmax),
-        buffers={0: q, 1: k, 2: v, 3: out, 4: lse},
-        bytes={5: params},
-        function_constants={0: causal, 1: Nq % bq == 0, 2: Nk % bk == 0},
-        grid=(math.ceil(Nq / bq), Hq, B),
-        threadgroup=(32 * wm, 1, 1),
-        threadgroup_memory={0: tg_bytes(bq, bk, dmax, q.element_size())},
-    )
-    return out, lse
+    # The planner's launch is the one this file's formulas describe.
+    assert plan.kernel_name == kernel_name(q.dtype, dmax)
+    assert plan.grid == (math.ceil(q.shape[2] / bq), q.shape[1], q.shape[0]) and plan.threadgroup == (32 * wm, 1, 1)
+    assert plan.function_constants == (causal, q.shape[2] % bq == 0, k.shape[2] % bk == 0)
+    assert plan.threadgroup_memory == tg_bytes(bq, bk, dmax, q.element_size())
+    return emulated_metal_attention(q, k, v, causal, scale, "prefill", instrumented, fast_math)
 
 
 def _launch_counts(q, k, v, causal, instrumented=False):
     """run_prefill's dispatch, returning the emulator's counts."""
-    B, Hq, Nq, D = q.shape
-    dmax = bucket_of(D)
-    bq, bk, wm = BLOCKS[dmax]
-    out = torch.full((B, Hq, Nq, D), float("nan"), dtype=q.dtype)
-    lse = torch.full((B, Hq, Nq), float("nan"), dtype=torch.float32)
-    counts = prefill_library(instrumented, False).dispatch(
-        kernel_name(q.dtype, dmax), buffers={0: q, 1: k, 2: v, 3: out, 4: lse},
-        bytes={5: flash_metal.explain(q, k, v, causal, None, impl="tiled").params},
-        function_constants={0: causal, 1: Nq % bq == 0, 2: k.shape[2] % bk == 0},
-        grid=(math.ceil(Nq / bq), Hq, B), threadgroup=(32 * wm, 1, 1),
-        threadgroup_memory={0: tg_bytes(bq, bk, dmax, q.element_size())})
+    out, lse = run_prefill(q, k, v, causal, None, instrumented)
     assert_attention_close(out, lse, q, k, v, causal)
+    ((_, counts),) = LAST_DISPATCHES
     return counts
 
 
@@ -120,17 +99,6 @@ def test_threadgroup_memory_fits_metal(dtype):
         assert bq == 8 * wm  # each SIMD-group owns 8 query rows
         n = tg_bytes(bq, bk, dmax, size)
         assert n <= TG_LIMIT and n % 16 == 0, (dmax, n)
-
-
-def test_fragment_arrays_can_live_in_registers():
-    # O[DMAX / 8] and S[BK / 8] are indexed by compile-time constants only, so
-    # LLVM splits them into scalars in every instantiation (see
-    # metal_emulator.private_arrays; Apple's compiler is LLVM-based).
-    from metal_emulator import private_arrays
-
-    arrays = {name: a for name, a in private_arrays([SHADER]).items() if name in _prefill_only([name])}
-    assert set(arrays) == {kernel_name(dt, b) for dt in DTYPES for b in BLOCKS}
-    assert {name: a for name, a in arrays.items() if a} == {}
 
 
 # ---- the lane layout the kernel relies on -------------------------------------------
