@@ -31,7 +31,7 @@ from numerics import DTYPES, dtype_id, fp32_floor, rounding_floor
 # (backend, impl): the CPU kernel, and every Metal kernel emulated and on a Mac.
 BACKEND_IMPLS = [
     pytest.param(b, impl, id=f"{b}-{impl}", marks=backend_param(b).marks)
-    for b, impl in [("cpu", "auto"), ("metal-emu", "untiled"), ("metal-emu", "tiled"), ("mps", "untiled"), ("mps", "tiled")]
+    for b, impl in [("cpu", "auto")] + [(b, i) for b in ("metal-emu", "mps") for i in ("untiled", "tiled", "prefill")]
 ]
 # Which keys are masked, as a function of Nk. "first_tile" covers more than one
 # 16-key tile of the tiled kernel, so rows cross a tile boundary having seen
