@@ -101,7 +101,12 @@ class Host:
         """{"events": [...], "errors": [...]} since the last call."""
         return json.loads(d.decode()) if (d := self._dll.fm_exec_take_recording_json()) else {}
 
+    def complete_gpu_work(self) -> None:
+        """Releases the fake MPS storage freed since the last replay (see fake_mps.mm, freed_buffers)."""
+        self._dll.fm_exec_complete_gpu_work()
+
     def live_objects(self) -> dict[str, int]:
+        self.complete_gpu_work()  # a GPU that has finished: nothing freed is still held for it
         return json.loads(self._dll.fm_exec_live_objects_json().decode())
 
     def configure(self, **knobs) -> None:
@@ -139,6 +144,7 @@ class Host:
         with out and lse copied back to the CPU after the replay."""
         rec, tensors = self.run(q, k, v, causal, scale, impl)
         replay(rec, library)
+        self.complete_gpu_work()
         return self.to_cpu(tensors[3]), self.to_cpu(tensors[4]), rec, tensors
 
 

@@ -14,6 +14,7 @@
 #include <ATen/mps/MPSProfiler.h>
 #include <ATen/mps/MPSStream.h>
 #include <c10/core/Allocator.h>
+#include <vector>
 #include <c10/core/CPUAllocator.h>
 #include <torch/library.h>
 
@@ -87,7 +88,21 @@ Profiler::MPSProfiler& getMPSProfiler() {
 
 namespace {
 
-void release_buffer(void* buffer) { [static_cast<FakeBuffer*>(buffer) release]; }
+// Storage freed while its GPU work may still be pending. PyTorch's MPS
+// allocator returns a freed block to its pool for later work on the same
+// stream, whose commands run after the ones already encoded; so an op may
+// free a temporary right after encoding the kernels that use it (PyTorch's
+// own two-pass sdpa in Attention.mm does, as does our split-KV decode with
+// its scratch). Here the "GPU work" is the replay that follows the call, so
+// the fake keeps freed buffers alive until the harness says that work is
+// done (fm_exec_complete_gpu_work); releasing them at once would hand the
+// replay freed memory.
+std::vector<FakeBuffer*>& freed_buffers() {
+  static std::vector<FakeBuffer*> freed;
+  return freed;
+}
+
+void release_buffer(void* buffer) { freed_buffers().push_back(static_cast<FakeBuffer*>(buffer)); }
 
 FakeBuffer* buffer_of(const c10::Storage& storage) {
   auto* buffer = static_cast<FakeBuffer*>(const_cast<void*>(storage.data()));
@@ -177,6 +192,14 @@ TORCH_LIBRARY_IMPL(mps_exec, MPS, m) {
 // The shader-source fingerprint library.mm checks a metallib against
 // (csrc/mps/shader_source.h), for the harness to write beside a fake
 // metallib. Returns the bytes needed (17 with the terminator); 0 on error.
+// The replay of everything recorded so far has finished: release the storage
+// freed meanwhile (see freed_buffers).
+extern "C" __attribute__((visibility("default"))) void fm_exec_complete_gpu_work() {
+  std::vector<FakeBuffer*> freed;
+  freed.swap(freed_buffers());
+  for (FakeBuffer* buffer : freed) [buffer release];
+}
+
 extern "C" __attribute__((visibility("default"))) size_t fm_exec_source_tree_hash(const char* dir, char* out,
                                                                                    size_t capacity) {
   try {
