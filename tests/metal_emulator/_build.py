@@ -207,11 +207,13 @@ def write_rewritten(paths: list[str], dest: str) -> dict[str, str]:
 
 
 def source_key(paths: list[str], *extra) -> str:
+    # Keyed by file names and contents, not directories: an identical copy of
+    # the shaders elsewhere (the installed package's, say) reuses the build.
     sources = _prepass.collect_sources(paths)
     return _hash(
         clang_version(),
         _read(os.path.join(HERE, "_prepass.py")),
-        *(p.encode() + b"\0" + _read(p) for p in sources),
+        *(os.path.basename(p).encode() + b"\0" + _read(p) for p in sources),
         *(_read(p) for p in _shim_files()),
         *extra,
     )
