@@ -120,9 +120,9 @@ def test_syntax_check_catches_typos(clang, macos_torch_include, tmp_path):
     # PyTorch header) and a Metal selector (checked against our stubs).
     with open(os.path.join(MPS_DIR, "attention_mps.mm"), encoding="utf-8") as f:
         text = f.read()
-    assert "stream->commandEncoder()" in text and "threadsPerThreadgroup:group" in text
+    assert "stream->commandEncoder()" in text and "threadsPerThreadgroup:r.group" in text
     text = text.replace("stream->commandEncoder()", "stream->commandEncoderr()")
-    text = text.replace("threadsPerThreadgroup:group", "threadsPerThreadGroup:group")
+    text = text.replace("threadsPerThreadgroup:r.group", "threadsPerThreadGroup:r.group")
     broken = tmp_path / "attention_mps.mm"
     broken.write_text(text, encoding="utf-8")
     proc, _ = _syntax_check(clang, str(broken), macos_torch_include, f"-I{MPS_DIR}")
@@ -222,8 +222,8 @@ def test_dispatch_is_bracketed_by_the_mps_profiler():
     # after the dispatch, inside the block, through wrappers that cannot throw.
     code = _code(os.path.join(MPS_DIR, "attention_mps.mm"))
     body = _dispatch_blocks(code)[0][2]
-    order = [body.find(s) for s in ("stream->commandEncoder()", "profile_begin(state", "setComputePipelineState:",
-                                     "dispatchThreadgroups:", "profile_end(state)")]
+    order = [body.find(s) for s in ("stream->commandEncoder()", "profile_begin(r.state", "setComputePipelineState:",
+                                     "dispatchThreadgroups:", "profile_end(r.state)")]
     assert -1 not in order and order == sorted(order), order
     for wrapper, call in (("profile_begin", "getMPSProfiler().beginProfileKernel("),
                           ("profile_end", "getMPSProfiler().endProfileKernel(")):
