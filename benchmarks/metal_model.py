@@ -438,6 +438,20 @@ def claims(impls):
                 print(f"prefill f16 {gname} B=1 H=8 N={s.nq} D={s.d} causal={causal}: predicted {_fmt_ms(t)} ms, "
                       f"{f / t / 1e12:.2f} TFLOP/s = {f / t / mma_peak:.0%} of simdgroup-matrix peak "
                       f"({mma_peak / 1e12:.2f} TFLOP/s) = {f / t / alu_peak:.0%} of ALU peak; bound: {bound(terms)}")
+    # Decode: the fraction of memory bandwidth a token-generation step uses
+    # (K/V bytes over predicted time), the figure MLX issue #3837 reports at
+    # about 25% for MLX's decode on long GQA contexts. A roofline of a
+    # memory-bound kernel predicts near 100% by construction; what the counts
+    # add is that K and V are read exactly once per GQA group.
+    for gname, s in (("M3 Max", Shape(1, 32, 8, 1, 32768, 128)), ("M1 Ultra", Shape(1, 16, 4, 1, 32768, 256))):
+        gpu = G.BY_NAME[gname]
+        for impl in ("decode", "decode_split"):
+            recs = counts_for(impl, s, torch.float16, False)
+            t = predict(recs, gpu, s, torch.float16, False)[0]
+            kv = 2 * s.b * s.hkv * s.nk * s.d * 2
+            print(f"{impl} f16 {gname} {s.b}x{s.hq}:{s.hkv} heads, 1 query, {s.nk} keys, D={s.d}: predicted "
+                  f"{_fmt_ms(t)} ms = {kv / t / (gpu.bandwidth_gbs * 1e9):.0%} of memory bandwidth "
+                  f"({len(recs)} dispatch{'es' if len(recs) > 1 else ''}, {recs[0].counts['threadgroups']} threadgroups)")
     gpu = G.BY_NAME[G.POST_GPU]
     for causal in (True, False):
         s = Shape(1, 1, 1, 2048, 2048, 64)
