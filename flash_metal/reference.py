@@ -161,3 +161,75 @@ def attention_reference(
     finite = torch.isfinite(lse)
     P = torch.where(finite.unsqueeze(-1), torch.exp(S - torch.where(finite, lse, 0.0).unsqueeze(-1)), 0.0)
     return P @ v64, lse
+
+
+def blockwiseattention_backward(
+    Q: Tensor,
+    K: Tensor,
+    V: Tensor,
+    O: Tensor,
+    lse: Tensor,
+    dO: Tensor,
+    QBlockSize: int,
+    KBlockSize: int,
+    causal: bool = False,
+    scale: Optional[float] = None,
+) -> Tuple[Tensor, Tensor, Tensor]:
+    """FlashAttention-2's backward pass in PyTorch, with recomputation: (dQ, dK, dV).
+
+    The post's next step, written as the kernels will run it (the
+    atomics-free split of metal-flash-attention): nothing N x N is stored;
+    each (query block, key block) tile recomputes its probabilities from the
+    forward's lse, P = exp(S - lse).
+      1. Di = rowsum(dO * O), one number per query row.
+      2. Parallel over key blocks (one block's dK and dV stay local): for each
+         query block that can see it, dV += P^T dO, dP = dO V^T,
+         dS = P * (dP - Di), dK += dS^T Q * scale.
+      3. Parallel over query blocks (its dQ stays local): for each key block
+         it can see, dQ += dS K * scale, with dS recomputed the same way.
+    With causal masking (bottom-right, as the forward), blocks entirely in
+    the future are skipped on both sides. Rows that saw no key (lse = -inf)
+    have P = 0 and contribute nothing.
+    """
+    s = _scale(Q.shape[-1], scale)
+    n_q, n_k = Q.shape[0], K.shape[0]
+    offset = n_k - n_q  # query i sees keys j <= i + offset
+    Di = (dO * O).sum(dim=1, keepdim=True)
+    finite_lse = torch.where(torch.isfinite(lse), lse, 0.0).unsqueeze(1)
+    seen = torch.isfinite(lse).unsqueeze(1)
+
+    def tile(QStart, KStart):
+        """(P, dS) of one tile, or None when the whole tile lies in the future."""
+        rows = min(QBlockSize, n_q - QStart)
+        keys = min(KBlockSize, n_k - KStart)
+        if causal and KStart > QStart + rows - 1 + offset:
+            return None
+        scores = (Q[QStart : QStart + rows] @ K[KStart : KStart + keys].T) * s
+        P = torch.exp(scores - finite_lse[QStart : QStart + rows])
+        visible = seen[QStart : QStart + rows].expand(rows, keys)
+        if causal:
+            queryPositions = torch.arange(QStart, QStart + rows, device=Q.device).unsqueeze(1)
+            keyPositions = torch.arange(KStart, KStart + keys, device=K.device).unsqueeze(0)
+            visible = visible & (keyPositions <= queryPositions + offset)
+        P = torch.where(visible, P, 0.0)
+        dP = dO[QStart : QStart + rows] @ V[KStart : KStart + keys].T
+        dS = P * (dP - Di[QStart : QStart + rows])
+        return P, dS
+
+    dK, dV = torch.zeros_like(K), torch.zeros_like(V)
+    for KStart in range(0, n_k, KBlockSize):
+        for QStart in range(0, n_q, QBlockSize):
+            t = tile(QStart, KStart)
+            if t is None:
+                continue
+            P, dS = t
+            dV[KStart : KStart + KBlockSize] += P.T @ dO[QStart : QStart + QBlockSize]
+            dK[KStart : KStart + KBlockSize] += (dS.T @ Q[QStart : QStart + QBlockSize]) * s
+    dQ = torch.zeros_like(Q)
+    for QStart in range(0, n_q, QBlockSize):
+        for KStart in range(0, n_k, KBlockSize):
+            t = tile(QStart, KStart)
+            if t is None:
+                break  # every later key block is further in the future
+            dQ[QStart : QStart + QBlockSize] += (t[1] @ K[KStart : KStart + KBlockSize]) * s
+    return dQ, dK, dV

@@ -89,3 +89,48 @@ def test_oracle_gqa_equals_repeated_heads():
     S = q @ k.repeat_interleave(4, 1).transpose(-1, -2) / 4.0
     S = S.masked_fill(R.causal_mask(9, 11), float("-inf"))
     torch.testing.assert_close(lse, torch.logsumexp(S, -1))
+
+
+def _autograd_grads(Q, K, V, dO, causal):
+    """(dQ, dK, dV) by autograd through plain float64 attention. Rows that see
+    no key (Nk < Nq, causal) output zeros, so their gradients are zero; they
+    are given dummy finite scores first, since softmax over a row of -inf
+    would put NaN into the graph."""
+    Q, K, V = (t.detach().clone().requires_grad_(True) for t in (Q, K, V))
+    S = (Q @ K.T) * Q.shape[-1] ** -0.5
+    has_key = torch.ones(Q.shape[0], 1, dtype=torch.bool)
+    if causal:
+        mask = R.causal_mask(Q.shape[0], K.shape[0])
+        has_key = ~mask.all(dim=1, keepdim=True)
+        S = torch.where(has_key, S.masked_fill(mask, float("-inf")), 0.0)
+    out = (torch.softmax(S, dim=-1) @ V) * has_key
+    out.backward(dO)
+    return Q.grad, K.grad, V.grad
+
+
+@pytest.mark.parametrize("nq,nk,d", [(37, 53, 16), (64, 64, 32), (50, 21, 8), (1, 40, 16)])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("qb,kb", [(1, 1), (16, 16), (7, 13)])
+def test_blockwise_backward_matches_autograd(nq, nk, d, causal, qb, kb):
+    # FlashAttention-2's backward with recomputation (P from the forward's
+    # lse, never stored) gives autograd's gradients, blocks of any size,
+    # causal (bottom-right, including rows with no key) or not.
+    Q, K, V, dO = rand(nq, d, seed=11), rand(nk, d, seed=12), rand(nk, d, seed=13), rand(nq, d, seed=14)
+    O, lse = R.attention_reference(Q[None, None], K[None, None], V[None, None], causal=causal)
+    grads = R.blockwiseattention_backward(Q, K, V, O[0, 0], lse[0, 0], dO, qb, kb, causal=causal)
+    for got, want, name in zip(grads, _autograd_grads(Q, K, V, dO, causal), ("dQ", "dK", "dV")):
+        assert torch.isfinite(got).all(), name
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12, msg=name)
+
+
+def test_blockwise_backward_rows_without_keys_contribute_nothing():
+    # Nk < Nq, causal: the first Nq - Nk rows see no key; their dQ is zero,
+    # and changing their dO changes no gradient.
+    Q, K, V, dO = rand(20, 8, seed=21), rand(5, 8, seed=22), rand(5, 8, seed=23), rand(20, 8, seed=24)
+    O, lse = R.attention_reference(Q[None, None], K[None, None], V[None, None], causal=True)
+    dQ, dK, dV = R.blockwiseattention_backward(Q, K, V, O[0, 0], lse[0, 0], dO, 4, 4, causal=True)
+    assert torch.equal(dQ[:15], torch.zeros_like(dQ[:15])) and dQ[15:].abs().sum() > 0
+    dO2 = dO.clone()
+    dO2[:15] = rand(15, 8, seed=25)
+    dQ2, dK2, dV2 = R.blockwiseattention_backward(Q, K, V, O[0, 0], lse[0, 0], dO2, 4, 4, causal=True)
+    assert torch.equal(dQ, dQ2) and torch.equal(dK, dK2) and torch.equal(dV, dV2)
