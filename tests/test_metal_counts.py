@@ -1,8 +1,8 @@
 """The post's two attention kernels do the memory traffic and work the
 performance model (issue 9) assumes, counted by the Metal emulator.
 
-Each launch comes from the host's own plan (flash_metal.explain) and is bound
-as tests/backends.py binds it; the sanitizing build counts every device and
+Each launch comes from the host's own plan (flash_metal.explain), run
+through tests/backends.py's emulated backend; the sanitizing build counts every device and
 threadgroup byte exactly (tests/metal_emulator/README.md, "Counters"). The
 expected values are derived here from the kernel sources
 (shaders/attention_tiled.h, attention_untiled.h, attention_common.h):
@@ -28,8 +28,7 @@ import math
 import pytest
 import torch
 
-import flash_metal
-from backends import metal_library
+from backends import LAST_DISPATCHES, emulated_metal_attention
 from numerics import dtype_id
 
 THREADS = 32  # query rows per threadgroup (the post's _t32 instantiations)
@@ -49,21 +48,9 @@ def run(dtype, causal, impl, instrumented=True):
     q = torch.randn(B, HQ, NQ, D, dtype=dtype)
     k = torch.randn(B, HKV, NK, D, dtype=dtype)
     v = torch.randn(B, HKV, NK, D, dtype=dtype)
-    plan = flash_metal.explain(q, k, v, causal, None, impl)
-    (d,) = plan.dispatches
+    out, lse = emulated_metal_attention(q, k, v, causal, None, impl, instrumented=instrumented)
+    ((d, counts),) = LAST_DISPATCHES
     assert d.kernel_name.startswith(f"flash_attention_{impl}_") and f"_d{DMAX}_" in d.kernel_name
-    out = torch.full((B, HQ, NQ, D), float("nan"), dtype=dtype)
-    lse = torch.full((B, HQ, NQ), float("nan"), dtype=torch.float32)
-    tensors = {"q": q, "k": k, "v": v, "out": out, "lse": lse}
-    counts = metal_library(instrumented).dispatch(
-        d.kernel_name,
-        buffers={index: tensors[name] for name, index in d.buffers.items()},
-        bytes={d.params_index: d.params},
-        function_constants=dict(enumerate(d.function_constants)),
-        grid=d.grid,
-        threadgroup=d.threadgroup,
-        threadgroup_memory={d.threadgroup_memory_index: d.threadgroup_memory} if d.threadgroup_memory else {},
-    )
     assert not out.isnan().any() and not lse.isnan().any()
     return d, counts
 
