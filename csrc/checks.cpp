@@ -9,14 +9,15 @@
 namespace flash_metal {
 namespace {
 
-constexpr const char* kOp = "flash_metal.attention_forward";
+constexpr const char* kForwardOp = "flash_metal.attention_forward";
+constexpr const char* kBackwardOp = "flash_metal.attention_backward";
 
 bool supported_dtype(c10::ScalarType t) {
   return t == at::kFloat || t == at::kHalf || t == at::kBFloat16;
 }
 
 // Every per-tensor rule, applied the same way to q, k and v.
-void check_one(const at::Tensor& t, const char* name, const at::Tensor& q) {
+void check_one(const char* kOp, const at::Tensor& t, const char* name, const at::Tensor& q) {
   TORCH_CHECK_VALUE(t.defined(), kOp, ": ", name, " is undefined (None)");
   TORCH_CHECK_TYPE(supported_dtype(t.scalar_type()), kOp, ": ", name,
                    " must have dtype float32, float16 or bfloat16; got ", t.scalar_type());
@@ -38,12 +39,14 @@ void check_one(const at::Tensor& t, const char* name, const at::Tensor& q) {
 
 }  // namespace
 
-AttentionProblem check_attention_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                        bool causal, std::optional<double> scale) {
+namespace {
+
+AttentionProblem check_inputs(const char* kOp, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                              bool causal, std::optional<double> scale) {
   TORCH_CHECK_VALUE(q.defined(), kOp, ": q is undefined (None)");
-  check_one(q, "q", q);
-  check_one(k, "k", q);
-  check_one(v, "v", q);
+  check_one(kOp, q, "q", q);
+  check_one(kOp, k, "k", q);
+  check_one(kOp, v, "v", q);
 
   AttentionProblem p;
   p.batch = q.size(0);
@@ -74,6 +77,56 @@ AttentionProblem check_attention_inputs(const at::Tensor& q, const at::Tensor& k
     p.scale = 1.0 / std::sqrt(static_cast<double>(p.head_dim));
   }
   return p;
+}
+
+// lse and grad_lse: float32 (B, Hq, Nq) on q's device, any strides.
+void check_row_stats(const at::Tensor& t, const char* name, const at::Tensor& q) {
+  TORCH_CHECK_VALUE(t.defined(), kBackwardOp, ": ", name, " is undefined (None)");
+  TORCH_CHECK_TYPE(t.scalar_type() == at::kFloat, kBackwardOp, ": ", name,
+                   " must be float32 (attention_forward returns lse in float32); got ", t.scalar_type());
+  TORCH_CHECK_VALUE(t.device() == q.device(), kBackwardOp, ": ", name, " is on device ", t.device(),
+                    " but q is on device ", q.device());
+  const std::vector<int64_t> want = {q.size(0), q.size(1), q.size(2)};
+  TORCH_CHECK_VALUE(t.sizes() == at::IntArrayRef(want), kBackwardOp, ": ", name,
+                    " must have shape (batch, q_heads, q_len) = ", at::IntArrayRef(want), "; got ", t.sizes());
+}
+
+// out and grad_out: exactly q's shape, dtype and device, any strides.
+void check_like_q(const at::Tensor& t, const char* name, const at::Tensor& q) {
+  TORCH_CHECK_VALUE(t.defined(), kBackwardOp, ": ", name, " is undefined (None)");
+  TORCH_CHECK_TYPE(t.scalar_type() == q.scalar_type(), kBackwardOp, ": ", name, " has dtype ", t.scalar_type(),
+                   " but q has dtype ", q.scalar_type(), "; they must match");
+  TORCH_CHECK_VALUE(t.device() == q.device(), kBackwardOp, ": ", name, " is on device ", t.device(),
+                    " but q is on device ", q.device());
+  TORCH_CHECK_VALUE(t.sizes() == q.sizes(), kBackwardOp, ": ", name, " must have q's shape ", q.sizes(), "; got ",
+                    t.sizes());
+}
+
+}  // namespace
+
+AttentionProblem check_attention_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                        bool causal, std::optional<double> scale) {
+  return check_inputs(kForwardOp, q, k, v, causal, scale);
+}
+
+AttentionProblem check_backward_inputs(const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k,
+                                       const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse,
+                                       const std::optional<at::Tensor>& grad_lse, bool causal,
+                                       std::optional<double> scale) {
+  const AttentionProblem p = check_inputs(kBackwardOp, q, k, v, causal, scale);
+  check_like_q(out, "out", q);
+  check_like_q(grad_out, "grad_out", q);
+  check_row_stats(lse, "lse", q);
+  if (grad_lse.has_value() && grad_lse->defined()) check_row_stats(*grad_lse, "grad_lse", q);
+  return p;
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> allocate_gradients(const at::Tensor& q, const at::Tensor& k,
+                                                                  const AttentionProblem& p) {
+  at::Tensor grad_q = at::empty({p.batch, p.q_heads, p.q_len, p.head_dim}, q.options());
+  at::Tensor grad_k = at::empty({p.batch, p.kv_heads, p.kv_len, p.head_dim}, k.options());
+  at::Tensor grad_v = at::empty({p.batch, p.kv_heads, p.kv_len, p.head_dim}, k.options());
+  return {grad_q, grad_k, grad_v};
 }
 
 std::tuple<at::Tensor, at::Tensor> allocate_outputs(const at::Tensor& q, const AttentionProblem& p) {

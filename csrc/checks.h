@@ -42,6 +42,20 @@ struct AttentionProblem {
 AttentionProblem check_attention_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                         bool causal, std::optional<double> scale);
 
+// Validates attention_backward's inputs: q, k, v and the options as above,
+// then out and grad_out (q's shape, dtype and device, any strides), lse
+// ((B, Hq, Nq) float32) and the optional grad_lse (the same as lse).
+// Messages name flash_metal.attention_backward and the argument at fault.
+AttentionProblem check_backward_inputs(const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k,
+                                       const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse,
+                                       const std::optional<at::Tensor>& grad_lse, bool causal,
+                                       std::optional<double> scale);
+
+// Allocates the gradients: grad_q, grad_k, grad_v packed, with the shapes
+// and dtype of q, k and v, on q's device.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> allocate_gradients(const at::Tensor& q, const at::Tensor& k,
+                                                                  const AttentionProblem& p);
+
 // Allocates the outputs: out like q but packed (B,Hq,Nq,D) in q's dtype, and
 // lse (B,Hq,Nq) float32, both on q's device.
 std::tuple<at::Tensor, at::Tensor> allocate_outputs(const at::Tensor& q, const AttentionProblem& p);

@@ -27,6 +27,19 @@ TORCH_LIBRARY(flash_metal, m) {
   // (Not named `kernel`: Inductor's fallback lowering reserves that keyword.)
   m.def("attention_forward(Tensor q, Tensor k, Tensor v, bool causal=False, float? scale=None, "
         "str impl=\"auto\") -> (Tensor out, Tensor lse)");
+  // The gradients of attention_forward (FlashAttention-2's backward with
+  // recomputation: P is rebuilt from q, k and lse, never stored). out and lse
+  // are attention_forward's outputs for the same q, k, v, causal and scale;
+  // grad_out is the gradient of out (q's shape and dtype, any strides) and
+  // grad_lse, when given, the gradient of lse ((B, Hq, Nq) float32; None
+  // means zero). Returns grad_q, grad_k, grad_v packed in the shapes and
+  // dtype of q, k and v; with grouped-query attention grad_k and grad_v sum
+  // over each kv head's query heads. Deterministic: the same inputs give
+  // bitwise-equal gradients. `impl` as in attention_forward ("auto" only,
+  // for now: one backward kernel family per backend).
+  m.def("attention_backward(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
+        "bool causal=False, float? scale=None, Tensor? grad_lse=None, str impl=\"auto\") "
+        "-> (Tensor grad_q, Tensor grad_k, Tensor grad_v)");
   // The Metal launch plan attention_forward would use for these inputs,
   // without running anything, one dispatch at a time (a split-KV decode has
   // two): kernel host name, threadgroups per grid, threads per threadgroup,

@@ -2,8 +2,9 @@
 
 Everything that decides anything (validation, kernel choice, launch shapes)
 lives in C++ (csrc/); this file only adapts shapes, registers the fake
-(meta) implementation that torch.compile traces through, and registers an
-autograd formula that refuses backward until the backward kernels exist.
+(meta) implementations that torch.compile traces through, and registers the
+autograd formula (the forward saves q, k, v, out and lse; the backward op
+recomputes the probabilities).
 """
 from typing import Dict, NamedTuple, Optional, Tuple
 
@@ -149,18 +150,57 @@ def _attention_forward_fake(q, k, v, causal=False, scale=None, impl="auto"):
     return out, lse
 
 
+@torch.library.register_fake("flash_metal::attention_backward")
+def _attention_backward_fake(grad_out, q, k, v, out, lse, causal=False, scale=None, grad_lse=None, impl="auto"):
+    torch._check(q.dim() == 4 and k.dim() == 4 and v.dim() == 4,
+                 lambda: "q, k and v must be 4-D (batch, heads, seq_len, head_dim)")
+    torch._check(impl == "auto", lambda: f"attention_backward accepts only impl='auto'; got {impl!r}")
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+# Autograd. The forward saves q, k, v, out and lse (O(N) extra: one float per
+# query row beyond out), never the N x N probabilities; the backward
+# recomputes them (FlashAttention-2).
 def _setup_context(ctx, inputs, output):
-    pass
+    q, k, v, causal, scale, impl = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse)
+    ctx.causal = causal
+    ctx.scale = scale
 
 
 def _backward(ctx, grad_out, grad_lse):
-    # Without a registered formula PyTorch would backpropagate zeros with only
-    # a warning: silently wrong gradients. Fail loudly instead until the
-    # backward kernels land.
-    raise NotImplementedError(
-        "flash_metal.attention_forward has no backward pass yet; run it under torch.no_grad() or "
-        "torch.inference_mode(), or use torch.nn.functional.scaled_dot_product_attention for training"
+    q, k, v, out, lse = ctx.saved_tensors
+    if grad_out is None:  # only lse was used downstream
+        grad_out = torch.zeros_like(out)
+    # A gradient flowing into lse is supported: d lse_i / d s_ij = P_ij, so
+    # it enters the backward as D_i - grad_lse_i (see attention_backward).
+    # The forward's impl names a forward kernel; every backend has one
+    # backward family, chosen by "auto".
+    grad_q, grad_k, grad_v = torch.ops.flash_metal.attention_backward(
+        grad_out, q, k, v, out, lse, ctx.causal, ctx.scale, grad_lse, "auto"
     )
+    return grad_q, grad_k, grad_v, None, None, None
 
 
 torch.library.register_autograd("flash_metal::attention_forward", _backward, setup_context=_setup_context)
+
+
+def _no_double_backward(ctx, *grads):
+    # The backward kernels are not themselves differentiable. Without this,
+    # PyTorch would differentiate attention_backward as a constant and return
+    # wrong second derivatives with only a warning.
+    raise NotImplementedError(
+        "flash_metal.attention_backward is not differentiable (no double backward): second derivatives of "
+        "flash_metal.attention are not supported; use torch.nn.functional.scaled_dot_product_attention's math "
+        "path for gradgradcheck-style higher-order gradients"
+    )
+
+
+def _backward_setup_context(ctx, inputs, output):
+    pass
+
+
+torch.library.register_autograd(
+    "flash_metal::attention_backward", _no_double_backward, setup_context=_backward_setup_context
+)
