@@ -92,6 +92,27 @@ def run_attention(backend, q, k, v, causal=False, scale=None, impl="auto"):
     raise ValueError(backend)
 
 
+def run_backward(backend, grad_out, q, k, v, out, lse, causal=False, scale=None, grad_lse=None):
+    """Runs attention_backward on `backend`; inputs and gradients live on the CPU.
+
+    out and lse are the forward's results (from any backend: the backward
+    only needs them to be the attention of q, k, v).
+    """
+    args = (grad_out, q, k, v, out, lse)
+    if backend == "cpu":
+        return torch.ops.flash_metal.attention_backward(*args, causal, scale, grad_lse)
+    if backend in ("metal-emu", "metal-emu-sanitized", "metal-emu-fast-math"):
+        return emulated_metal_attention_backward(
+            *args, causal, scale, grad_lse, instrumented=backend == "metal-emu-sanitized",
+            fast_math=backend == "metal-emu-fast-math",
+        )
+    if backend == "mps":
+        dev = [to_mps_same_layout(t) for t in args]
+        g = None if grad_lse is None else to_mps_same_layout(grad_lse)
+        return tuple(t.cpu() for t in torch.ops.flash_metal.attention_backward(*dev, causal, scale, g))
+    raise ValueError(backend)
+
+
 def backend_param(name):
     """A pytest param for `name`, skipped (and reported as skipped) where unavailable."""
     if name == "mps":
