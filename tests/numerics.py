@@ -228,3 +228,94 @@ def assert_attention_close(out, lse, q, k, v, causal=False, scale=None, strict=F
     if fin.any():
         lerr = (lse.double()[fin] - ref_lse[fin]).abs().max().item()
         assert lerr <= ltol, f"lse: max error {lerr:.3g} > tolerance {ltol:.3g}"
+
+
+# ---------------------------------------------------------------- gradients
+
+
+def _visible(nq, nk, causal, device=None):
+    if not causal:
+        return torch.ones(nq, nk, dtype=torch.bool, device=device)
+    return ~causal_mask(nq, nk, device)
+
+
+def reference_gradients(q, k, v, grad_out, causal=False, scale=None, grad_lse=None):
+    """The float64 oracle of attention_backward: (grad_q, grad_k, grad_v).
+
+    Written from the definition, through the full N x N matrices: with
+    P = softmax(S) (zero on masked keys and on rows that see no key),
+    dV = Pᵀ dO, dS = P ∘ (dO Vᵀ − rowsum(dO ∘ O) + grad_lse), dQ = dS K · scale,
+    dK = dSᵀ Q · scale, summed over each kv head's query group.
+    tests/test_backward.py checks it against autograd through
+    attention_reference.
+    """
+    s = _scale(q, scale)
+    q64, k64, v64, do64 = q.double(), k.double(), v.double(), grad_out.double()
+    group = q.shape[1] // k.shape[1]
+    ke, ve = k64.repeat_interleave(group, dim=1), v64.repeat_interleave(group, dim=1)
+    S = (q64 @ ke.transpose(-1, -2)) * s
+    vis = _visible(q.shape[2], k.shape[2], causal)
+    S = S.masked_fill(~vis, float("-inf"))
+    lse = torch.logsumexp(S, dim=-1, keepdim=True)
+    seen = torch.isfinite(lse)
+    P = torch.where(seen & vis, torch.exp(S - torch.where(seen, lse, 0.0)), 0.0)
+    O = P @ ve
+    Di = (do64 * O).sum(-1, keepdim=True)
+    if grad_lse is not None:
+        Di = Di - torch.where(seen, grad_lse.double().unsqueeze(-1), 0.0)
+    dP = do64 @ ve.transpose(-1, -2)
+    dS = P * (dP - Di)
+    dq = (dS @ ke) * s
+    dk = (dS.transpose(-1, -2) @ q64) * s
+    dv = P.transpose(-1, -2) @ do64
+    B, Hkv, Nk, D = k.shape
+    dk = dk.view(B, Hkv, group, Nk, D).sum(2)
+    dv = dv.view(B, Hkv, group, Nk, D).sum(2)
+    return dq, dk, dv
+
+
+def _same_dtype_gradients(q, k, v, grad_out, causal, scale, grad_lse):
+    """PyTorch's attention in the inputs' dtype, differentiated by autograd: the yardstick."""
+    qd, kd, vd = (t.detach().clone().requires_grad_(True) for t in (q, k, v))
+    ke, ve = _expand_kv(qd, kd, vd)
+    S = (qd * _scale(q, scale)) @ ke.transpose(-1, -2)
+    vis = _visible(q.shape[2], k.shape[2], causal)
+    seen = vis.any(-1, keepdim=True)
+    # Rows that see no key: scores 0 and P zeroed, so no NaN enters autograd.
+    S = torch.where(seen, S.masked_fill(~vis, float("-inf")), torch.zeros((), dtype=S.dtype))
+    P = (torch.softmax(S.float(), dim=-1) * seen).to(q.dtype)
+    loss = ((P @ ve).float() * grad_out.float()).sum()
+    if grad_lse is not None:
+        lse = torch.logsumexp(S.float(), dim=-1)
+        loss = loss + torch.where(seen.squeeze(-1), lse * grad_lse, 0.0).sum()
+    return torch.autograd.grad(loss, (qd, kd, vd))
+
+
+def gradient_tolerances(q, k, v, grad_out, causal=False, scale=None, grad_lse=None):
+    """(reference gradients, tolerances) by FlashAttention's 2x rule, one per gradient.
+
+    Each tolerance is twice the error of PyTorch's same-dtype attention
+    backward against the float64 oracle, plus the rounding floor of the
+    gradient's dtype and the float32 accumulation floor (the reductions run
+    over max(Nq, Nk) terms).
+    """
+    refs = reference_gradients(q, k, v, grad_out, causal, scale, grad_lse)
+    pts = _same_dtype_gradients(q, k, v, grad_out, causal, scale, grad_lse)
+    length = max(q.shape[2], k.shape[2])
+    tols = []
+    for ref, pt in zip(refs, pts):
+        err = (pt.double() - ref).abs().max().item() if ref.numel() else 0.0
+        tols.append(2 * err + rounding_floor(ref, q.dtype) + fp32_floor(ref, length))
+    return refs, tols
+
+
+def assert_gradients_close(grads, q, k, v, grad_out, causal=False, scale=None, grad_lse=None):
+    """(grad_q, grad_k, grad_v) from a kernel vs the float64 oracle, by the 2x rule."""
+    refs, tols = gradient_tolerances(q, k, v, grad_out, causal, scale, grad_lse)
+    for name, g, like, ref, tol in zip(("grad_q", "grad_k", "grad_v"), grads, (q, k, v), refs, tols):
+        assert g.shape == like.shape and g.dtype == like.dtype, f"{name}: {g.shape} {g.dtype}"
+        assert torch.isfinite(g).all(), f"{name} has NaN/inf: an element was never written, or the math broke"
+        err = (g.double() - ref).abs().max().item()
+        mag = ref.abs().max().item()
+        assert mag == 0.0 or tol < mag, f"{name}: tolerance {tol:.3g} >= max|reference| {mag:.3g}"
+        assert err <= tol, f"{name}: max error {err:.3g} > tolerance {tol:.3g}"

@@ -102,13 +102,49 @@ def test_none_tensor(name):
         OP(a["q"], a["k"], a["v"])
 
 
-def test_backward_is_refused_not_silently_zero():
-    # No backward pass exists yet: asking for one must fail loudly, never
-    # return zero (or garbage) gradients.
-    q = torch.randn(1, 2, 5, 8, requires_grad=True)
-    out = flash_metal.attention(q, q.detach(), q.detach())
-    assert out.requires_grad
-    with pytest.raises(NotImplementedError, match=r"has no backward pass yet"):
-        out.sum().backward()
-    with torch.no_grad():
-        assert not flash_metal.attention(q, q, q).requires_grad
+BACKWARD = torch.ops.flash_metal.attention_backward
+
+
+def good_backward(**over):
+    a = good()
+    out, lse = OP(a["q"], a["k"], a["v"])
+    a.update(grad_out=torch.randn_like(out), out=out, lse=lse, grad_lse=None)
+    a.update(over)
+    return a
+
+
+BACKWARD_CASES = [
+    # (what is wrong, replaced arguments, exception type, message pattern)
+    ("int grad_out", dict(grad_out=torch.ones(1, 4, 8, 16, dtype=torch.int64)), TypeError,
+     r"attention_backward: grad_out has dtype Long but q has dtype Float"),
+    ("half out", dict(out=torch.randn(1, 4, 8, 16).half()), TypeError, r"out has dtype Half but q has dtype Float"),
+    ("grad_out shape", dict(grad_out=torch.randn(1, 4, 9, 16)), ValueError,
+     r"grad_out must have q's shape \[1, 4, 8, 16\]; got \[1, 4, 9, 16\]"),
+    ("out shape", dict(out=torch.randn(1, 4, 8)), ValueError, r"out must have q's shape"),
+    ("bfloat16 lse", dict(lse=torch.randn(1, 4, 8).bfloat16()), TypeError,
+     r"lse must be float32 \(attention_forward returns lse in float32\); got BFloat16"),
+    ("lse shape", dict(lse=torch.randn(1, 4, 9)), ValueError,
+     r"lse must have shape \(batch, q_heads, q_len\) = \[1, 4, 8\]; got \[1, 4, 9\]"),
+    ("grad_lse shape", dict(grad_lse=torch.randn(4, 8)), ValueError, r"grad_lse must have shape"),
+    ("float64 grad_lse", dict(grad_lse=torch.randn(1, 4, 8, dtype=torch.float64)), TypeError,
+     r"grad_lse must be float32"),
+    ("int q", dict(q=torch.ones(1, 4, 8, 16, dtype=torch.int64)), TypeError,
+     r"attention_backward: q must have dtype float32, float16 or bfloat16; got Long"),
+    ("GQA ratio", dict(k=torch.randn(1, 3, 9, 16), v=torch.randn(1, 3, 9, 16)), ValueError,
+     r"number of query heads \(4\) must be a multiple of the number of key/value heads \(3\)"),
+    ("head_dim", dict(k=torch.randn(1, 2, 9, 8), v=torch.randn(1, 2, 9, 8)), ValueError,
+     r"k has head_dim 8 but q has head_dim 16"),
+]
+
+
+@pytest.mark.parametrize("what,over,exc,pattern", BACKWARD_CASES, ids=[c[0] for c in BACKWARD_CASES])
+def test_bad_backward_input(what, over, exc, pattern):
+    a = good_backward(**over)
+    with pytest.raises(exc, match=pattern):
+        BACKWARD(a["grad_out"], a["q"], a["k"], a["v"], a["out"], a["lse"], False, None, a["grad_lse"])
+
+
+def test_backward_impl_must_be_auto_on_cpu():
+    a = good_backward()
+    with pytest.raises(ValueError, match=r"impl"):
+        BACKWARD(a["grad_out"], a["q"], a["k"], a["v"], a["out"], a["lse"], False, None, None, "tiled")
