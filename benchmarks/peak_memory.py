@@ -1,11 +1,14 @@
 """Peak extra memory of one attention call, measured in a fresh process.
 
-    python benchmarks/peak_memory.py --impl flash --n 16384 --d 64 [--causal]
+    python benchmarks/peak_memory.py --impl flash --n 16384 --d 64 [--causal] [--backward]
 
 Prints one JSON line: {"impl", "n", "d", "input_bytes", "peak_extra_bytes",
 "nxn_float32_bytes"}. "Extra" is the growth of the process's peak resident
 memory during the call, after the inputs exist and the op has been warmed up
-on a tiny problem, so it counts the outputs and every temporary. On Linux the
+on a tiny problem, so it counts the outputs and every temporary. With
+--backward the call is forward + backward (q, k, v require grad; the loss is
+sum(out * w) for a fixed random w), so it also counts what autograd saves
+for the backward, the three gradients and the backward's temporaries. On Linux the
 peak is reset just before the call by writing 5 to /proc/self/clear_refs
 (resets VmHWM); elsewhere the measurement is unavailable and the script says so.
 
@@ -59,6 +62,7 @@ def main(argv=None):
     ap.add_argument("--n", type=int, required=True)
     ap.add_argument("--d", type=int, default=64)
     ap.add_argument("--causal", action="store_true")
+    ap.add_argument("--backward", action="store_true", help="measure forward + backward")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: leave the default)")
     args = ap.parse_args(argv)
     if not os.path.exists("/proc/self/clear_refs"):
@@ -68,16 +72,24 @@ def main(argv=None):
         torch.set_num_threads(args.threads)
     run = _runner(args.impl)
     g = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(1, 1, args.n, args.d, generator=g) for _ in range(3))
-    small = [t[:, :, :64].contiguous() for t in (q, k, v)]
-    run(*small, args.causal)  # load libraries, spin up the thread pool, outside the measurement
+    q, k, v = (torch.randn(1, 1, args.n, args.d, generator=g, requires_grad=args.backward) for _ in range(3))
+    w = torch.randn(1, 1, args.n, args.d, generator=g) if args.backward else None
+
+    def call(q, k, v):
+        if not args.backward:
+            with torch.no_grad():
+                return (run(q, k, v, args.causal),)
+        return torch.autograd.grad((run(q, k, v, args.causal) * w[:, :, : q.shape[2]]).sum(), (q, k, v))
+
+    small = [t[:, :, :64].detach().clone().requires_grad_(args.backward) for t in (q, k, v)]
+    call(*small)  # load libraries, spin up the thread pool, outside the measurement
     _reset_peak()
     base = _vm_kib("VmRSS")
-    out = run(q, k, v, args.causal)
+    out = call(q, k, v)
     peak = _vm_kib("VmHWM")
-    assert torch.isfinite(out).all()
+    assert all(torch.isfinite(t).all() for t in out)
     print(json.dumps({
-        "impl": args.impl, "n": args.n, "d": args.d, "causal": args.causal,
+        "impl": args.impl, "n": args.n, "d": args.d, "causal": args.causal, "backward": args.backward,
         "input_bytes": 3 * q.numel() * 4,
         "peak_extra_bytes": max(0, peak - base) * 1024,
         "nxn_float32_bytes": args.n * args.n * 4,
