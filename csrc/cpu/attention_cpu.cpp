@@ -26,6 +26,7 @@
 // ~0.5 MB at D = 128), independent of N: never an N x N matrix.
 #include "../checks.h"
 #include "../metal_plan.h"
+#include "common.h"
 #include "simd.h"
 
 #include <ATen/ATen.h>
@@ -82,18 +83,7 @@ constexpr int64_t kBlockQ = FLASH_METAL_CPU_BLOCK_Q;
 constexpr int64_t kBlockK = FLASH_METAL_CPU_BLOCK_K;
 static_assert(kBlockQ % kW == 0, "query block must be a whole number of vectors");
 
-int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
-// 64-byte aligned float buffer (one cache line; no split vector loads).
-struct FloatBuffer {
-  std::unique_ptr<float[]> raw;
-  float* ptr = nullptr;
-  void resize(int64_t n) {
-    raw.reset(new float[n + 16]);
-    auto addr = reinterpret_cast<uintptr_t>(raw.get());
-    ptr = reinterpret_cast<float*>((addr + 63) & ~uintptr_t(63));
-  }
-};
 
 // ---------------------------------------------------------------- micro-kernels
 
@@ -232,15 +222,6 @@ void pv_block(const float* p, int64_t ldp, int64_t nk, int64_t panel_rows, int64
 // pass over the block per item (up to 4 x 96 queries) and makes every dtype
 // and stride take one path.
 
-// dst[0..n) = float(src[0..n) with element stride `stride`)
-template <typename T>
-inline void convert_row(const T* src, int64_t stride, int64_t n, float* dst) {
-  int64_t d = 0;
-  if (stride == 1) {
-    for (; d + kW <= n; d += kW) load_convert(src + d).store(dst + d);
-  }
-  for (; d < n; ++d) dst[d] = static_cast<float>(src[d * stride]);
-}
 
 // K rows [0, nk) -> float32 rows with stride D + kKRowPad (read by the
 // RowMajor Q.K^T tile). The pad keeps power-of-two head dims from putting
@@ -467,53 +448,6 @@ void attention_item(const Geometry& g, const T* q, const T* k, const T* v, T* ou
   }
 }
 
-// Runs body(t) for t in [0, threads) concurrently, on torch's intra-op
-// threads. at::parallel_for's OpenMP backend is an inline `#pragma omp
-// parallel` in ATen's headers, so it only runs in parallel when this file is
-// compiled with -fopenmp (measured: without it, 2 "threads" ran exactly as
-// fast as 1). Without OpenMP (a build without the flag, Apple clang) we fan
-// out on ATen's inter-op pool instead, which lives inside libtorch.
-template <typename F>
-void run_on_threads(int64_t threads, const F& body) {
-#if defined(_OPENMP)
-  at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) body(t);
-  });
-#else
-  if (threads <= 1 || at::in_parallel_region()) {
-    body(0);
-    return;
-  }
-  // Every body pulls work from a shared counter until it runs dry, so the
-  // caller alone can finish everything; a pool task that starts only after
-  // the caller is done returns without touching the work (no deadlock when
-  // the pool is busy, no dangling references).
-  struct Fanout {
-    std::mutex mu;
-    std::condition_variable cv;
-    int64_t active = 0;
-    bool closed = false;
-  };
-  auto state = std::make_shared<Fanout>();
-  auto fn = std::make_shared<std::function<void(int64_t)>>([&body](int64_t t) { body(t); });
-  for (int64_t t = 1; t < threads; ++t) {
-    at::launch([state, fn, t] {
-      {
-        std::lock_guard<std::mutex> lock(state->mu);
-        if (state->closed) return;
-        ++state->active;
-      }
-      (*fn)(t);
-      std::lock_guard<std::mutex> lock(state->mu);
-      if (--state->active == 0) state->cv.notify_all();
-    });
-  }
-  body(0);
-  std::unique_lock<std::mutex> lock(state->mu);
-  state->closed = true;
-  state->cv.wait(lock, [&] { return state->active == 0; });
-#endif
-}
 
 template <typename T>
 void run_attention(const Geometry& g, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& out,

@@ -1,0 +1,461 @@
+// CPU implementation of flash_metal::attention_backward: FlashAttention-2's
+// backward pass with recomputation (Dao, "FlashAttention-2", Algorithm 2;
+// the same formulas as flash_metal.reference.blockwiseattention_backward).
+//
+// Per query block (rows i of one query head) and key block (keys j):
+//   ST  = K . (Q * scale * log2 e)^T       scores in base 2, transposed (keys x queries)
+//   PT  = exp2(ST - lse_i * log2 e)         probabilities rebuilt from the forward's lse
+//   dPT = V . dO^T
+//   dST = PT o (dPT - Delta_i)              Delta_i = rowsum(dO_i o O_i) - grad_lse_i, float32
+//   dV += PT . dO      dK += dST . Q      dQ_i += dST^T . K      (scale applied once at the end)
+// Five products per tile, all on one register-tiled micro-kernel (the
+// forward's 6 x 16 sgemm tile, csrc/cpu/simd.h): C (+)= A . B with B read as
+// rows of vectors and A broadcast either row-major or transposed, so every
+// operand has one packed layout. Scores stay transposed as in the forward, so
+// the per-query quantities (lse, Delta) are vectors along a score row.
+//
+// Work decomposition: FlashAttention-2's loop order as ATen's CPU flash
+// backward runs it (parallel over heads), here over (batch, kv head): one
+// item packs K and V of its kv head once (float32, Nk x D), then walks every
+// query head of the GQA group and every query block, keeping the block's dQ
+// in a small buffer and accumulating dK and dV for all Nk keys in float32
+// (Nk x D each). So per thread: O(Nk * D) float32 (packed K, V and the two
+// accumulators, 4 * Nk * (D + 16) floats: 10 MB at Nk = 4096, D = 128) plus
+// fixed ~0.5 MB of blocks; never anything Nq x Nk.
+// When B * Hkv items would leave threads idle (B * Hkv not a multiple of the
+// thread count and fewer than 4 per thread; e.g. MQA with B = 1), each kv
+// head's query rows are cut into C chunks of equal work (causal-aware); a
+// chunk owns its dQ rows and writes partial dK/dV for its kv head, and the
+// partials are summed afterwards in chunk order.
+//
+// Deterministic: every gradient element is summed in an order fixed by the
+// shapes and the thread count alone (no atomics; dynamic scheduling only
+// changes which thread runs an item, never what the item adds or where).
+//
+// Why this and not the atomics-free split (7 products: dK/dV parallel over key
+// blocks, dQ parallel over query blocks, recomputing P and dS twice): it costs
+// 7/5 of the products, and on CPUs there are no register-file limits forcing
+// it. Measured on this 2-core Xeon (float32, non-causal, 1x8x1024x64 and
+// 1x8x2048x128), see the README's training section for the figures.
+#include "../checks.h"
+#include "common.h"
+#include "simd.h"
+
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <numeric>
+#include <vector>
+
+namespace flash_metal {
+namespace cpu {
+namespace {
+
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kInf = std::numeric_limits<float>::infinity();
+
+// Register tile: kRows rows x kVecs vectors, as in the forward (6 x 2 on
+// AVX2: 12 accumulators + 2 loaded vectors + 1 broadcast of 16 ymm registers;
+// 6 x 4 on NEON's 32 registers).
+constexpr int kRows = 6;
+#if defined(FLASH_METAL_SIMD_NEON)
+constexpr int kVecs = 4;
+#else
+constexpr int kVecs = 2;
+#endif
+constexpr int kCols = kVecs * kW;
+
+// Queries and keys per block. Why 96 x 96: multiples of the 6-row tile and of
+// the 16-float panel, as in the forward; the two score blocks are 36 KB each
+// and one block's operands (K, V rows, Q, dO in two layouts, dK/dV/dQ slices)
+// stay within the 2 MB L2.
+#ifndef FLASH_METAL_CPU_BWD_BLOCK_Q
+#define FLASH_METAL_CPU_BWD_BLOCK_Q 96
+#endif
+#ifndef FLASH_METAL_CPU_BWD_BLOCK_K
+#define FLASH_METAL_CPU_BWD_BLOCK_K 96
+#endif
+constexpr int64_t kBlockQ = FLASH_METAL_CPU_BWD_BLOCK_Q;
+constexpr int64_t kBlockK = FLASH_METAL_CPU_BWD_BLOCK_K;
+static_assert(kBlockQ % kW == 0, "query block must be a whole number of vectors");
+// Row padding of packed row-major operands (floats). Why 16: a power-of-two
+// head dim would otherwise put every row of a block in the same few L1 sets
+// (the forward measured this on K); 16 floats keeps rows 64-byte aligned.
+constexpr int64_t kRowPad = 16;
+
+// ---------------------------------------------------------------- micro-kernel
+// C[r][0 .. NV*kW) (+)= sum_k A(r, k) * B[k][0 .. NV*kW)   for r < MR.
+// A(r, k) = a[r * lda + k] (row-major) or a[k * lda + r] (ATrans); B rows are
+// ldb apart and read as vectors.
+template <int MR, int NV, bool ATrans, bool Acc>
+inline void mm_tile(const float* a, int64_t lda, const float* b, int64_t ldb, int64_t K, float* c, int64_t ldc) {
+  Vec acc[MR][NV];
+  for (int r = 0; r < MR; ++r)
+    for (int v = 0; v < NV; ++v) acc[r][v] = Acc ? Vec::load(c + r * ldc + v * kW) : Vec::zero();
+  for (int64_t k = 0; k < K; ++k) {
+    Vec bv[NV];
+    for (int v = 0; v < NV; ++v) bv[v] = Vec::load(b + k * ldb + v * kW);
+    for (int r = 0; r < MR; ++r) {
+      const Vec x = Vec::broadcast(ATrans ? a[k * lda + r] : a[r * lda + k]);
+      for (int v = 0; v < NV; ++v) acc[r][v] = fmadd(x, bv[v], acc[r][v]);
+    }
+  }
+  for (int r = 0; r < MR; ++r)
+    for (int v = 0; v < NV; ++v) acc[r][v].store(c + r * ldc + v * kW);
+}
+
+// All M rows of one column panel of NV vectors.
+template <int NV, bool ATrans, bool Acc>
+inline void mm_panel(const float* a, int64_t lda, const float* b, int64_t ldb, int64_t K, int64_t M, float* c,
+                     int64_t ldc) {
+  const int64_t row_step = ATrans ? 1 : lda;  // A's offset from one row to the next
+  int64_t r = 0;
+  for (; r + kRows <= M; r += kRows)
+    mm_tile<kRows, NV, ATrans, Acc>(a + r * row_step, lda, b, ldb, K, c + r * ldc, ldc);
+  const float* ar = a + r * row_step;
+  float* cr = c + r * ldc;
+  switch (M - r) {
+    case 5: mm_tile<5, NV, ATrans, Acc>(ar, lda, b, ldb, K, cr, ldc); break;
+    case 4: mm_tile<4, NV, ATrans, Acc>(ar, lda, b, ldb, K, cr, ldc); break;
+    case 3: mm_tile<3, NV, ATrans, Acc>(ar, lda, b, ldb, K, cr, ldc); break;
+    case 2: mm_tile<2, NV, ATrans, Acc>(ar, lda, b, ldb, K, cr, ldc); break;
+    case 1: mm_tile<1, NV, ATrans, Acc>(ar, lda, b, ldb, K, cr, ldc); break;
+    default: break;
+  }
+}
+
+// C (M x ncols) (+)= A (M x K) . B (K x ncols), ncols a multiple of kW.
+// Column panels outermost: one B panel (K x 16 floats, 6 KB at K = 96) stays
+// in L1 while A's rows stream past it.
+template <bool ATrans, bool Acc>
+void matmul(const float* a, int64_t lda, const float* b, int64_t ldb, int64_t K, int64_t M, int64_t ncols, float* c,
+            int64_t ldc) {
+  int64_t x = 0;
+  for (; x + kCols <= ncols; x += kCols) mm_panel<kVecs, ATrans, Acc>(a, lda, b + x, ldb, K, M, c + x, ldc);
+  switch ((ncols - x) / kW) {
+#if defined(FLASH_METAL_SIMD_NEON)
+    case 3: mm_panel<3, ATrans, Acc>(a, lda, b + x, ldb, K, M, c + x, ldc); break;
+    case 2: mm_panel<2, ATrans, Acc>(a, lda, b + x, ldb, K, M, c + x, ldc); break;
+#endif
+    case 1: mm_panel<1, ATrans, Acc>(a, lda, b + x, ldb, K, M, c + x, ldc); break;
+    default: break;
+  }
+}
+
+// ---------------------------------------------------------------- geometry
+
+struct BwdGeometry {
+  int64_t batch, q_heads, kv_heads, q_len, kv_len, D, Dp, ld, group;
+  int64_t causal_offset;  // query i sees keys j <= i + causal_offset
+  bool causal;
+  float scale, scale_log2;
+  int64_t q_st[4], k_st[4], v_st[4], o_st[4], go_st[4], lse_st[3], glse_st[3];
+  bool has_glse;
+  // Keys visible to query rows [0, row_end): all, or up to the causal frontier.
+  int64_t key_end(int64_t row_end) const {
+    return causal ? std::min(kv_len, std::max<int64_t>(0, row_end + causal_offset)) : kv_len;
+  }
+};
+
+template <typename T>
+inline const T* row_ptr(const T* base, const int64_t* st, int64_t b, int64_t h, int64_t i) {
+  return base + b * st[0] + h * st[1] + i * st[2];
+}
+
+// Rows [0, n) of a (B, H, N, D) head -> float32 rows ld apart, zero-padded to Dp.
+template <typename T>
+void pack_rows(const T* src, const int64_t* st, int64_t n, const BwdGeometry& g, float* dst) {
+  for (int64_t j = 0; j < n; ++j) {
+    float* out = dst + j * g.ld;
+    convert_row(src + j * st[2], st[3], g.D, out);
+    std::fill(out + g.D, out + g.Dp, 0.0f);
+  }
+}
+
+// Rows [0, n) -> transposed float32 block dst[d * kBlockQ + i] = mul * x[i][d],
+// columns n .. round_up(n, kW) zero.
+template <typename T>
+void pack_transposed(const T* src, const int64_t* st, int64_t n, float mul, const BwdGeometry& g, float* dst) {
+  float row[kMaxHeadDim];
+  for (int64_t i = 0; i < n; ++i) {
+    convert_row(src + i * st[2], st[3], g.D, row);
+    for (int64_t d = 0; d < g.D; ++d) dst[d * kBlockQ + i] = row[d] * mul;
+  }
+  const int64_t ncols = round_up(n, kW);
+  for (int64_t d = 0; d < g.D; ++d) std::fill(dst + d * kBlockQ + n, dst + d * kBlockQ + ncols, 0.0f);
+}
+
+// Per-thread buffers: K and V of one kv head (Nk rows), the blocks of one query
+// block, and, unless the caller provides partial buffers, dK and dV.
+struct BwdWorkspace {
+  FloatBuffer kr, vr;    // Nk x ld: packed K and V rows
+  FloatBuffer dk, dv;    // Nk x Dp: float32 accumulators
+  FloatBuffer qt, dot;   // D x kBlockQ: Q (pre-scaled to base-2 scores) and dO, transposed
+  FloatBuffer qr, dor;   // kBlockQ x ld: Q and dO rows
+  FloatBuffer dq;        // kBlockQ x Dp
+  FloatBuffer st, dst;   // kBlockK x kBlockQ: PT and dST
+  float lse2[kBlockQ], delta[kBlockQ];
+  BwdWorkspace(const BwdGeometry& g, bool own_accumulators) {
+    kr.resize(g.kv_len * g.ld);
+    vr.resize(g.kv_len * g.ld);
+    if (own_accumulators) {
+      dk.resize(g.kv_len * g.Dp);
+      dv.resize(g.kv_len * g.Dp);
+    }
+    qt.resize(g.D * kBlockQ);
+    dot.resize(g.D * kBlockQ);
+    qr.resize(kBlockQ * g.ld);
+    dor.resize(kBlockQ * g.ld);
+    dq.resize(kBlockQ * g.Dp);
+    st.resize(kBlockK * kBlockQ);
+    dst.resize(kBlockK * kBlockQ);
+  }
+};
+
+struct Tensors {
+  const void *go, *q, *k, *v, *o;
+  const float *lse, *glse;
+  void *gq, *gk, *gv;
+};
+
+// One query block: rows [i0, i0 + nq) of query head h (kv head hk). Adds to
+// dk/dv (float32, Nk x Dp) and writes the block's grad_q rows.
+template <typename T>
+void query_block(const BwdGeometry& g, const Tensors& t, int64_t b, int64_t h, int64_t hk, int64_t i0, int64_t nq,
+                 BwdWorkspace& ws, float* dk, float* dv) {
+  const int64_t D = g.D, Dp = g.Dp, ld = g.ld;
+  const int64_t ncols = round_up(nq, kW);
+  T* gq = static_cast<T*>(t.gq) + ((b * g.q_heads + h) * g.q_len + i0) * D;
+  const int64_t key_end = g.key_end(i0 + nq);
+  if (key_end == 0) {  // causal with Nk < Nq: these rows see no key
+    std::fill(gq, gq + nq * D, static_cast<T>(0.0f));
+    return;
+  }
+  const T* q = row_ptr(static_cast<const T*>(t.q), g.q_st, b, h, i0);
+  const T* go = row_ptr(static_cast<const T*>(t.go), g.go_st, b, h, i0);
+  const T* o = row_ptr(static_cast<const T*>(t.o), g.o_st, b, h, i0);
+  pack_transposed(q, g.q_st, nq, g.scale_log2, g, ws.qt.ptr);
+  pack_transposed(go, g.go_st, nq, 1.0f, g, ws.dot.ptr);
+  pack_rows(q, g.q_st, nq, g, ws.qr.ptr);
+  pack_rows(go, g.go_st, nq, g, ws.dor.ptr);
+  float orow[kMaxHeadDim];
+  for (int64_t i = 0; i < nq; ++i) {
+    const float lse = t.lse[b * g.lse_st[0] + h * g.lse_st[1] + (i0 + i) * g.lse_st[2]];
+    // A row that saw no key has lse = -inf; +inf makes its P = exp2(s - inf) = 0.
+    ws.lse2[i] = lse == -kInf ? kInf : lse * kLog2e;
+    convert_row(o + i * g.o_st[2], g.o_st[3], D, orow);
+    const float* dorow = ws.dor.ptr + i * ld;
+    float acc = 0.0f;
+    for (int64_t d = 0; d < D; ++d) acc += dorow[d] * orow[d];
+    if (g.has_glse) acc -= t.glse[b * g.glse_st[0] + h * g.glse_st[1] + (i0 + i) * g.glse_st[2]];
+    ws.delta[i] = acc;
+  }
+  for (int64_t i = nq; i < ncols; ++i) {  // padding columns: P = 0, dS = 0
+    ws.lse2[i] = kInf;
+    ws.delta[i] = 0.0f;
+  }
+  std::fill(ws.dq.ptr, ws.dq.ptr + nq * Dp, 0.0f);
+
+  float* st = ws.st.ptr;
+  float* dst = ws.dst.ptr;
+  const int64_t nchunks = ncols / kW;
+  for (int64_t j0 = 0; j0 < key_end; j0 += kBlockK) {
+    const int64_t nk = std::min(kBlockK, key_end - j0);
+    const float* kb = ws.kr.ptr + j0 * ld;
+    matmul<false, false>(kb, ld, ws.qt.ptr, kBlockQ, D, nk, ncols, st, kBlockQ);           // ST = K . QT
+    matmul<false, false>(ws.vr.ptr + j0 * ld, ld, ws.dot.ptr, kBlockQ, D, nk, ncols, dst, kBlockQ);  // dPT = V . dOT
+    const bool diagonal = g.causal && j0 + nk - 1 > i0 + g.causal_offset;
+    for (int64_t j = 0; j < nk; ++j) {
+      float* srow = st + j * kBlockQ;
+      float* drow = dst + j * kBlockQ;
+      if (diagonal) {  // key j0 + j is visible to query i0 + i iff i >= j0 + j - offset - i0
+        const int64_t first = std::min(nq, std::max<int64_t>(0, j0 + j - g.causal_offset - i0));
+        std::fill(srow, srow + first, -kInf);
+      }
+      for (int64_t x = 0; x < nchunks; ++x) {
+        const Vec p = exp2_approx(Vec::load(srow + x * kW) - Vec::load(ws.lse2 + x * kW));
+        p.store(srow + x * kW);
+        (p * (Vec::load(drow + x * kW) - Vec::load(ws.delta + x * kW))).store(drow + x * kW);
+      }
+    }
+    matmul<false, true>(st, kBlockQ, ws.dor.ptr, ld, nq, nk, Dp, dv + j0 * Dp, Dp);  // dV += PT . dO
+    matmul<false, true>(dst, kBlockQ, ws.qr.ptr, ld, nq, nk, Dp, dk + j0 * Dp, Dp);  // dK += dST . Q
+    matmul<true, true>(dst, kBlockQ, kb, ld, nk, nq, Dp, ws.dq.ptr, Dp);             // dQ += dST^T . K
+  }
+  for (int64_t i = 0; i < nq; ++i)
+    for (int64_t d = 0; d < D; ++d) gq[i * D + d] = static_cast<T>(ws.dq.ptr[i * Dp + d] * g.scale);
+}
+
+// One item: query rows [r0, r1) of every query head of kv head hk, batch b.
+// dk/dv (Nk x Dp) are zeroed here and hold this item's sums afterwards.
+template <typename T>
+void backward_item(const BwdGeometry& g, const Tensors& t, int64_t b, int64_t hk, int64_t r0, int64_t r1,
+                   BwdWorkspace& ws, float* dk, float* dv) {
+  const int64_t keys = g.key_end(r1);
+  pack_rows(row_ptr(static_cast<const T*>(t.k), g.k_st, b, hk, 0), g.k_st, keys, g, ws.kr.ptr);
+  pack_rows(row_ptr(static_cast<const T*>(t.v), g.v_st, b, hk, 0), g.v_st, keys, g, ws.vr.ptr);
+  std::fill(dk, dk + g.kv_len * g.Dp, 0.0f);
+  std::fill(dv, dv + g.kv_len * g.Dp, 0.0f);
+  for (int64_t h = hk * g.group; h < (hk + 1) * g.group; ++h)
+    for (int64_t i0 = r0; i0 < r1; i0 += kBlockQ) query_block<T>(g, t, b, h, hk, i0, std::min(kBlockQ, r1 - i0), ws, dk, dv);
+}
+
+// grad_k/grad_v rows [j0, j1) of (b, hk) = scale * dk, dv (sums of `parts`
+// partial buffers `stride` floats apart, in order).
+template <typename T>
+void write_kv(const BwdGeometry& g, const Tensors& t, int64_t bhk, int64_t j0, int64_t j1, const float* dk,
+              const float* dv, int64_t parts, int64_t stride) {
+  T* gk = static_cast<T*>(t.gk) + bhk * g.kv_len * g.D;
+  T* gv = static_cast<T*>(t.gv) + bhk * g.kv_len * g.D;
+  for (int64_t j = j0; j < j1; ++j)
+    for (int64_t d = 0; d < g.D; ++d) {
+      float sk = 0.0f, sv = 0.0f;
+      for (int64_t c = 0; c < parts; ++c) {
+        sk += dk[c * stride + j * g.Dp + d];
+        sv += dv[c * stride + j * g.Dp + d];
+      }
+      gk[j * g.D + d] = static_cast<T>(sk * g.scale);
+      gv[j * g.D + d] = static_cast<T>(sv);
+    }
+}
+
+// Query-row boundaries (multiples of kBlockQ) cutting [0, Nq) into `chunks`
+// pieces of about equal work; work of a block ~ rows x visible keys.
+std::vector<int64_t> chunk_bounds(const BwdGeometry& g, int64_t chunks) {
+  std::vector<int64_t> starts, cost;
+  for (int64_t i0 = 0; i0 < g.q_len; i0 += kBlockQ) {
+    const int64_t nq = std::min(kBlockQ, g.q_len - i0);
+    starts.push_back(i0);
+    cost.push_back(nq * std::max<int64_t>(1, g.key_end(i0 + nq)));
+  }
+  const double total = std::accumulate(cost.begin(), cost.end(), 0.0);
+  std::vector<int64_t> bounds = {0};
+  double run = 0.0;
+  for (size_t x = 0; x < starts.size(); ++x) {
+    const int64_t c = static_cast<int64_t>(bounds.size());  // the chunk being filled
+    if (c < chunks && x > 0 && run + cost[x] / 2.0 > total * c / chunks) bounds.push_back(starts[x]);
+    run += cost[x];
+  }
+  while (static_cast<int64_t>(bounds.size()) < chunks) bounds.push_back(g.q_len);
+  bounds.push_back(g.q_len);
+  return bounds;
+}
+
+template <typename T>
+void run_backward(const BwdGeometry& g, const Tensors& t) {
+  const int64_t threads_avail = std::max<int64_t>(1, at::get_num_threads());
+  const int64_t heads = g.batch * g.kv_heads;
+  // Chunks per kv head: 1 when the heads alone spread evenly (a multiple of
+  // the thread count, or at least 4 per thread, where dynamic scheduling
+  // evens out the remainder to within 25%); otherwise the fewest chunks that
+  // make the item count a multiple of the thread count, at most one per
+  // query block.
+  int64_t chunks = 1;
+  if (heads % threads_avail != 0 && heads < 4 * threads_avail) {
+    chunks = threads_avail / std::gcd(heads, threads_avail);
+    chunks = std::max<int64_t>(1, std::min(chunks, (g.q_len + kBlockQ - 1) / kBlockQ));
+  }
+  const int64_t items = heads * chunks;
+  const int64_t threads = std::min(threads_avail, items);
+  std::atomic<int64_t> next{0};
+  if (chunks == 1) {
+    run_on_threads(threads, [&](int64_t) {
+      BwdWorkspace ws(g, true);
+      for (int64_t idx = next.fetch_add(1); idx < items; idx = next.fetch_add(1)) {
+        const int64_t b = idx / g.kv_heads, hk = idx % g.kv_heads;
+        backward_item<T>(g, t, b, hk, 0, g.q_len, ws, ws.dk.ptr, ws.dv.ptr);
+        write_kv<T>(g, t, idx, 0, g.kv_len, ws.dk.ptr, ws.dv.ptr, 1, 0);
+      }
+    });
+    return;
+  }
+  // Partial dK/dV per (kv head, chunk): heads < 4 * threads here, so at most
+  // 2 * chunks * heads * Nk * Dp floats.
+  const std::vector<int64_t> bounds = chunk_bounds(g, chunks);
+  const int64_t part = g.kv_len * g.Dp;
+  std::vector<float> pk(static_cast<size_t>(items * part)), pv(static_cast<size_t>(items * part));
+  run_on_threads(threads, [&](int64_t) {
+    BwdWorkspace ws(g, false);
+    for (int64_t idx = next.fetch_add(1); idx < items; idx = next.fetch_add(1)) {
+      const int64_t bhk = idx / chunks, c = idx % chunks;
+      backward_item<T>(g, t, bhk / g.kv_heads, bhk % g.kv_heads, bounds[c], bounds[c + 1], ws,
+                       pk.data() + idx * part, pv.data() + idx * part);
+    }
+  });
+  // Sum the chunks in order, in parallel over (kv head, key block).
+  const int64_t key_blocks = (g.kv_len + kBlockK - 1) / kBlockK;
+  const int64_t red_items = heads * key_blocks;
+  std::atomic<int64_t> red_next{0};
+  run_on_threads(std::min(threads_avail, red_items), [&](int64_t) {
+    for (int64_t idx = red_next.fetch_add(1); idx < red_items; idx = red_next.fetch_add(1)) {
+      const int64_t bhk = idx / key_blocks, j0 = (idx % key_blocks) * kBlockK;
+      write_kv<T>(g, t, bhk, j0, std::min(g.kv_len, j0 + kBlockK), pk.data() + bhk * chunks * part,
+                  pv.data() + bhk * chunks * part, chunks, part);
+    }
+  });
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_cpu(
+    const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
+    const at::Tensor& lse, bool causal, std::optional<double> scale, const std::optional<at::Tensor>& grad_lse,
+    c10::string_view impl) {
+  const AttentionProblem p = check_backward_inputs(grad_out, q, k, v, out, lse, grad_lse, causal, scale);
+  const std::string impl_name(impl);
+  TORCH_CHECK_VALUE(impl_name == "auto", "flash_metal.attention_backward: impl='", impl_name,
+                    "' selects a Metal kernel; tensors on cpu run the CPU flash backward kernel, so impl must be "
+                    "'auto'");
+  auto [grad_q, grad_k, grad_v] = allocate_gradients(q, k, p);
+
+  BwdGeometry g;
+  g.batch = p.batch;
+  g.q_heads = p.q_heads;
+  g.kv_heads = p.kv_heads;
+  g.q_len = p.q_len;
+  g.kv_len = p.kv_len;
+  g.D = p.head_dim;
+  g.Dp = round_up(g.D, kW);
+  g.ld = g.Dp + kRowPad;
+  g.group = p.gqa_ratio();
+  g.causal_offset = p.causal_offset();
+  g.causal = p.causal;
+  g.scale = static_cast<float>(p.scale);
+  g.scale_log2 = p.scale_log2();
+  g.has_glse = grad_lse.has_value() && grad_lse->defined();
+  for (int d = 0; d < 4; ++d) {
+    g.q_st[d] = q.stride(d);
+    g.k_st[d] = k.stride(d);
+    g.v_st[d] = v.stride(d);
+    g.o_st[d] = out.stride(d);
+    g.go_st[d] = grad_out.stride(d);
+  }
+  for (int d = 0; d < 3; ++d) {
+    g.lse_st[d] = lse.stride(d);
+    g.glse_st[d] = g.has_glse ? grad_lse->stride(d) : 0;
+  }
+  Tensors t{grad_out.const_data_ptr(), q.const_data_ptr(), k.const_data_ptr(), v.const_data_ptr(),
+            out.const_data_ptr(), lse.const_data_ptr<float>(),
+            g.has_glse ? grad_lse->const_data_ptr<float>() : nullptr, grad_q.mutable_data_ptr(),
+            grad_k.mutable_data_ptr(), grad_v.mutable_data_ptr()};
+
+  switch (q.scalar_type()) {  // check_backward_inputs admitted only these three
+    case at::kFloat: run_backward<float>(g, t); break;
+    case at::kHalf: run_backward<c10::Half>(g, t); break;
+    case at::kBFloat16: run_backward<c10::BFloat16>(g, t); break;
+    default: TORCH_CHECK(false, "flash_metal.attention_backward: unreachable dtype ", q.scalar_type());
+  }
+  return {grad_q, grad_k, grad_v};
+}
+
+}  // namespace
+}  // namespace cpu
+}  // namespace flash_metal
+
+TORCH_LIBRARY_IMPL(flash_metal, CPU, m) {
+  m.impl("attention_backward", &flash_metal::cpu::attention_backward_cpu);
+}
