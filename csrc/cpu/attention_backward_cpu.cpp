@@ -53,6 +53,10 @@
 #include <numeric>
 #include <vector>
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
 namespace flash_metal {
 namespace cpu {
 namespace {
@@ -60,16 +64,40 @@ namespace {
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kInf = std::numeric_limits<float>::infinity();
 
-// Register tile: kRows rows x kVecs vectors, as in the forward (6 x 2 on
-// AVX2: 12 accumulators + 2 loaded vectors + 1 broadcast of 16 ymm registers;
-// 6 x 4 on NEON's 32 registers).
+// The products' vector type. With AVX-512 (-march=native on this project's
+// Xeon) the micro-kernel uses 16-lane zmm registers: float32 SDPA on this
+// machine runs on MKL's AVX-512 GEMMs, and an 8-lane AVX2 tile tops out at
+// half their rate (measured: 150 GFLOP/s for the whole backward on 2 cores
+// with AVX2, about the AVX2 FMA peak). The element-wise passes keep simd.h's Vec.
+#if defined(__AVX512F__)
+struct MVec {
+  static constexpr int kWidth = 16;
+  __m512 v;
+  static MVec load(const float* p) { return {_mm512_loadu_ps(p)}; }
+  static MVec broadcast(float x) { return {_mm512_set1_ps(x)}; }
+  static MVec zero() { return {_mm512_setzero_ps()}; }
+  void store(float* p) const { _mm512_storeu_ps(p, v); }
+};
+inline MVec fmadd(MVec a, MVec b, MVec c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }
+#else
+using MVec = Vec;
+#endif
+constexpr int kMW = MVec::kWidth;
+
+// Register tile: kRows rows x kVecs vectors. 6 x 2 on AVX2 (12 accumulators +
+// 2 loaded vectors + 1 broadcast of 16 ymm registers, the forward's tile);
+// 6 x 4 with 32 registers (AVX-512 zmm, NEON): 24 accumulators + 4 + 1.
 constexpr int kRows = 6;
-#if defined(FLASH_METAL_SIMD_NEON)
+#if defined(__AVX512F__) || defined(FLASH_METAL_SIMD_NEON)
 constexpr int kVecs = 4;
 #else
 constexpr int kVecs = 2;
 #endif
-constexpr int kCols = kVecs * kW;
+constexpr int kCols = kVecs * kMW;
+// Column granularity of every packed operand: one micro-kernel vector (a
+// multiple of simd.h's kW, so the element-wise passes divide it too).
+constexpr int64_t kG = kMW;
+static_assert(kG % kW == 0, "micro-kernel vectors must hold whole Vecs");
 
 // Queries and keys per block. Why 96 x 96: multiples of the 6-row tile and of
 // the 16-float panel, as in the forward; the two score blocks are 36 KB each
@@ -83,31 +111,31 @@ constexpr int kCols = kVecs * kW;
 #endif
 constexpr int64_t kBlockQ = FLASH_METAL_CPU_BWD_BLOCK_Q;
 constexpr int64_t kBlockK = FLASH_METAL_CPU_BWD_BLOCK_K;
-static_assert(kBlockQ % kW == 0, "query block must be a whole number of vectors");
+static_assert(kBlockQ % kG == 0, "query block must be a whole number of vectors");
 // Row padding of packed row-major operands (floats). Why 16: a power-of-two
 // head dim would otherwise put every row of a block in the same few L1 sets
 // (the forward measured this on K); 16 floats keeps rows 64-byte aligned.
 constexpr int64_t kRowPad = 16;
 
 // ---------------------------------------------------------------- micro-kernel
-// C[r][0 .. NV*kW) (+)= sum_k A(r, k) * B[k][0 .. NV*kW)   for r < MR.
+// C[r][0 .. NV*kMW) (+)= sum_k A(r, k) * B[k][0 .. NV*kMW)   for r < MR.
 // A(r, k) = a[r * lda + k] (row-major) or a[k * lda + r] (ATrans); B rows are
 // ldb apart and read as vectors.
 template <int MR, int NV, bool ATrans, bool Acc>
 inline void mm_tile(const float* a, int64_t lda, const float* b, int64_t ldb, int64_t K, float* c, int64_t ldc) {
-  Vec acc[MR][NV];
+  MVec acc[MR][NV];
   for (int r = 0; r < MR; ++r)
-    for (int v = 0; v < NV; ++v) acc[r][v] = Acc ? Vec::load(c + r * ldc + v * kW) : Vec::zero();
+    for (int v = 0; v < NV; ++v) acc[r][v] = Acc ? MVec::load(c + r * ldc + v * kMW) : MVec::zero();
   for (int64_t k = 0; k < K; ++k) {
-    Vec bv[NV];
-    for (int v = 0; v < NV; ++v) bv[v] = Vec::load(b + k * ldb + v * kW);
+    MVec bv[NV];
+    for (int v = 0; v < NV; ++v) bv[v] = MVec::load(b + k * ldb + v * kMW);
     for (int r = 0; r < MR; ++r) {
-      const Vec x = Vec::broadcast(ATrans ? a[k * lda + r] : a[r * lda + k]);
+      const MVec x = MVec::broadcast(ATrans ? a[k * lda + r] : a[r * lda + k]);
       for (int v = 0; v < NV; ++v) acc[r][v] = fmadd(x, bv[v], acc[r][v]);
     }
   }
   for (int r = 0; r < MR; ++r)
-    for (int v = 0; v < NV; ++v) acc[r][v].store(c + r * ldc + v * kW);
+    for (int v = 0; v < NV; ++v) acc[r][v].store(c + r * ldc + v * kMW);
 }
 
 // All M rows of one column panel of NV vectors.
@@ -130,7 +158,7 @@ inline void mm_panel(const float* a, int64_t lda, const float* b, int64_t ldb, i
   }
 }
 
-// C (M x ncols) (+)= A (M x K) . B (K x ncols), ncols a multiple of kW.
+// C (M x ncols) (+)= A (M x K) . B (K x ncols), ncols a multiple of kMW.
 // Column panels outermost: one B panel (K x 16 floats, 6 KB at K = 96) stays
 // in L1 while A's rows stream past it.
 template <bool ATrans, bool Acc>
@@ -138,11 +166,9 @@ void matmul(const float* a, int64_t lda, const float* b, int64_t ldb, int64_t K,
             int64_t ldc) {
   int64_t x = 0;
   for (; x + kCols <= ncols; x += kCols) mm_panel<kVecs, ATrans, Acc>(a, lda, b + x, ldb, K, M, c + x, ldc);
-  switch ((ncols - x) / kW) {
-#if defined(FLASH_METAL_SIMD_NEON)
+  switch ((ncols - x) / kMW) {
     case 3: mm_panel<3, ATrans, Acc>(a, lda, b + x, ldb, K, M, c + x, ldc); break;
     case 2: mm_panel<2, ATrans, Acc>(a, lda, b + x, ldb, K, M, c + x, ldc); break;
-#endif
     case 1: mm_panel<1, ATrans, Acc>(a, lda, b + x, ldb, K, M, c + x, ldc); break;
     default: break;
   }
@@ -179,7 +205,7 @@ void pack_rows(const T* src, const int64_t* st, int64_t n, const BwdGeometry& g,
 }
 
 // Rows [0, n) -> transposed float32 block dst[d * kBlockQ + i] = mul * x[i][d],
-// columns n .. round_up(n, kW) zero.
+// columns n .. round_up(n, kG) zero.
 template <typename T>
 void pack_transposed(const T* src, const int64_t* st, int64_t n, float mul, const BwdGeometry& g, float* dst) {
   float row[kMaxHeadDim];
@@ -187,7 +213,7 @@ void pack_transposed(const T* src, const int64_t* st, int64_t n, float mul, cons
     convert_row(src + i * st[2], st[3], g.D, row);
     for (int64_t d = 0; d < g.D; ++d) dst[d * kBlockQ + i] = row[d] * mul;
   }
-  const int64_t ncols = round_up(n, kW);
+  const int64_t ncols = round_up(n, kG);
   for (int64_t d = 0; d < g.D; ++d) std::fill(dst + d * kBlockQ + n, dst + d * kBlockQ + ncols, 0.0f);
 }
 
@@ -230,7 +256,7 @@ template <typename T>
 void query_block(const BwdGeometry& g, const Tensors& t, int64_t b, int64_t h, int64_t hk, int64_t i0, int64_t nq,
                  BwdWorkspace& ws, float* dk, float* dv) {
   const int64_t D = g.D, Dp = g.Dp, ld = g.ld;
-  const int64_t ncols = round_up(nq, kW);
+  const int64_t ncols = round_up(nq, kG);
   T* gq = static_cast<T*>(t.gq) + ((b * g.q_heads + h) * g.q_len + i0) * D;
   const int64_t key_end = g.key_end(i0 + nq);
   if (key_end == 0) {  // causal with Nk < Nq: these rows see no key
@@ -419,7 +445,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_cpu(
   g.q_len = p.q_len;
   g.kv_len = p.kv_len;
   g.D = p.head_dim;
-  g.Dp = round_up(g.D, kW);
+  g.Dp = round_up(g.D, kG);
   g.ld = g.Dp + kRowPad;
   g.group = p.gqa_ratio();
   g.causal_offset = p.causal_offset();
