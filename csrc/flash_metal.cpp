@@ -40,20 +40,25 @@ TORCH_LIBRARY(flash_metal, m) {
   m.def("attention_backward(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
         "bool causal=False, float? scale=None, Tensor? grad_lse=None, str impl=\"auto\") "
         "-> (Tensor grad_q, Tensor grad_k, Tensor grad_v)");
-  // The Metal launch plan attention_forward would use for these inputs,
+  // The Metal launch plan attention_forward (backward=True: attention_backward,
+  // reading the strides of the optional grad_out, out, lse and grad_lse,
+  // packed when None) would use for these inputs,
   // without running anything, one dispatch at a time (a split-KV decode has
   // two): kernel host name, threadgroups per grid, threads per threadgroup,
   // dynamic threadgroup memory in bytes and its [[threadgroup(i)]] index, the
   // boolean function constants (index = [[function_constant(i)]]), the
-  // binding table (the [[buffer(n)]] of q, k, v, out, lse, partial_out and
-  // partial_stats, in that order, -1 when unbound), the [[buffer(n)]] of the
+  // binding table (the [[buffer(n)]] of q, k, v, out, lse, partial_out,
+  // partial_stats, grad_out, grad_q, grad_k, grad_v, grad_lse and delta, in
+  // that order, -1 when unbound), the [[buffer(n)]] of the
   // AttentionParams bytes, those bytes, the reason for the choice, the number
-  // of dispatches, and the float32 elements of the two scratch tensors. `gpu`
+  // of dispatches, and the float32 elements of the scratch tensors
+  // (partial_out, partial_stats, delta). `gpu`
   // is the device-class hint ("base", "max", "ultra"; on MPS the device's
   // own class is used). Works for tensors on any device; the test suite's
   // emulated-Metal backend and flash_metal.explain() use it.
   m.def("metal_plan(Tensor q, Tensor k, Tensor v, bool causal=False, float? scale=None, str impl=\"auto\", "
-        "str gpu=\"base\", int dispatch=0) "
+        "str gpu=\"base\", int dispatch=0, bool backward=False, Tensor? grad_out=None, Tensor? out=None, "
+        "Tensor? lse=None, Tensor? grad_lse=None) "
         "-> (str kernel_name, int[] grid, int[] threadgroup, int threadgroup_memory, int threadgroup_memory_index, "
         "bool[] function_constants, int[] buffer_indices, int params_index, Tensor params, str reason, "
         "int num_dispatches, int[] scratch_elements)");

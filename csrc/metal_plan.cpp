@@ -57,6 +57,17 @@ uint32_t prefill_threadgroup_memory(uint32_t block_q, uint32_t block_k, uint32_t
 // macOS versions (MTLDevice.maxThreadgroupMemoryLength is 32 KiB on Apple7+).
 constexpr uint32_t kMaxThreadgroupMemory = 32 * 1024;
 
+// Threadgroup memory of either backward kernel (shaders/attention_backward.h):
+// two tiles of the rows a simdgroup owns (Q and dO, or K and V) and two of
+// the streamed rows (K and V, or Q and dO), each row the bucket's columns in
+// the input dtype plus 16 bytes of padding, or no padding when the padded
+// tiles would exceed 32 KiB (the shader's backward_row_pad, same rule).
+uint32_t backward_threadgroup_memory(uint32_t own, uint32_t streamed, uint32_t bucket, c10::ScalarType dtype) {
+  const uint32_t rows = 2 * (own + streamed);
+  const uint32_t padded = bucket * dtype_bytes(dtype) + 16;
+  return rows * (rows * padded <= kMaxThreadgroupMemory ? padded : padded - 16);
+}
+
 // The binding slots of the attention kernels: they mirror the [[buffer(n)]]
 // and [[threadgroup(n)]] attributes of the kernel templates in shaders/*.h
 // (tests/test_metal_kernels.py checks each instantiation's signature against
@@ -65,6 +76,8 @@ constexpr uint32_t kMaxThreadgroupMemory = 32 * 1024;
 constexpr uint32_t kSlotQ = 0, kSlotK = 1, kSlotV = 2, kSlotOut = 3, kSlotLse = 4;
 constexpr uint32_t kAttentionParamsIndex = 5;       // constant AttentionParams& p [[buffer(5)]]
 constexpr uint32_t kSlotPartialOut = 6, kSlotPartialStats = 7;
+constexpr uint32_t kSlotGradOut = 8, kSlotGradQ = 9, kSlotGradK = 10, kSlotGradV = 11, kSlotGradLse = 12,
+                   kSlotDelta = 13;
 constexpr uint32_t kAttentionThreadgroupIndex = 0;  // dynamic threadgroup memory, [[threadgroup(0)]]
 
 // Every forward kernel (post kernels, prefill, one-pass decode).
@@ -79,6 +92,19 @@ const std::vector<BufferBinding> kSplitBuffers = {
 const std::vector<BufferBinding> kMergeBuffers = {
     {LaunchTensor::Out, kSlotOut}, {LaunchTensor::Lse, kSlotLse},
     {LaunchTensor::PartialOut, kSlotPartialOut}, {LaunchTensor::PartialStats, kSlotPartialStats}};
+
+// Backward pass 1 (flash_backward_dq): reads q, k, v, out, lse, grad_out
+// and grad_lse; writes grad_q and Delta.
+const std::vector<BufferBinding> kBackwardDqBuffers = {
+    {LaunchTensor::Q, kSlotQ}, {LaunchTensor::K, kSlotK}, {LaunchTensor::V, kSlotV},
+    {LaunchTensor::Out, kSlotOut}, {LaunchTensor::Lse, kSlotLse}, {LaunchTensor::GradOut, kSlotGradOut},
+    {LaunchTensor::GradQ, kSlotGradQ}, {LaunchTensor::GradLse, kSlotGradLse}, {LaunchTensor::Delta, kSlotDelta}};
+// Backward pass 2 (flash_backward_dkdv): reads q, k, v, lse, grad_out and
+// Delta; writes grad_k and grad_v.
+const std::vector<BufferBinding> kBackwardDkdvBuffers = {
+    {LaunchTensor::Q, kSlotQ}, {LaunchTensor::K, kSlotK}, {LaunchTensor::V, kSlotV},
+    {LaunchTensor::Lse, kSlotLse}, {LaunchTensor::GradOut, kSlotGradOut}, {LaunchTensor::GradK, kSlotGradK},
+    {LaunchTensor::GradV, kSlotGradV}, {LaunchTensor::Delta, kSlotDelta}};
 
 std::string kib(uint32_t bytes) { return std::to_string(bytes) + " bytes"; }
 
@@ -247,9 +273,107 @@ void decode_launches(const AttentionProblem& p, const KernelChoice& c, const std
   plan->launches.push_back(m);
 }
 
+// The backward's register budget, in float32 values per lane that live
+// across a whole block: the accumulators (dQ: bucket / 8 fragments; dK and
+// dV: twice that) plus one block of P and dP (2 fragments each per 8 keys or
+// queries), 2 floats per fragment per lane. Why 72: an Apple GPU thread
+// addresses at most 128 32-bit registers (Dougall Johnson's G13
+// architecture notes; [I], not measured here), and the loop needs the rest
+// for the fragments being read, addresses and counters; ~69 is what a thread
+// gets at the occupancy that saturates the ALUs (24 simdgroups per core,
+// metal-benchmarks). MLX's fused backward (PR #3241) had to shrink its blocks
+// at D = 128 and lost to its unfused path there, so the blocks below shrink
+// the streamed side first and keep the accumulators in registers.
+constexpr uint32_t kBackwardRegisterBudget = 72;
+// What a thread can address at all: above it a kernel spills for certain.
+constexpr uint32_t kMaxRegistersPerThread = 128;
+
+uint32_t dq_live_floats(uint32_t bucket, uint32_t block_k) { return bucket / 4 + block_k / 2; }
+uint32_t dkdv_live_floats(uint32_t bucket, uint32_t block_q) { return bucket / 2 + block_q / 2; }
+
+KernelChoice choose_backward(const AttentionProblem& p, KernelRequest requested) {
+  TORCH_CHECK_VALUE(requested == KernelRequest::Auto, "flash_metal.attention_backward: impl must be 'auto' (the "
+                    "backward has one kernel family, flash_backward_dq + flash_backward_dkdv); got '",
+                    request_name(requested), "'");
+  KernelChoice c;
+  c.kind = KernelRequest::Prefill;  // the simdgroup-matrix family
+  c.bucket = bucket_of(p.head_dim, kFastHeadDimBuckets);
+  const bool f32 = p.dtype == c10::ScalarType::Float;
+  // Blocks per (dtype, bucket): (dQ: query rows, keys per block, simdgroups;
+  // dK/dV: query rows per block, keys, simdgroups). The rules, in order:
+  // (1) 4 simdgroups (32 owned rows) while the four tiles fit 32 KiB, else
+  // 2, else 1; (2) the streamed block as long as the register budget allows
+  // (32, halved while over it or over 32 KiB). float32 tiles take twice
+  // the bytes, so float32 drops to 2 simdgroups from D = 72 on, where
+  // float16/bfloat16 keep 4 up to D = 128.
+  if (!f32) {
+    if (c.bucket <= 64) {
+      // Why 32/32/4 for both: 40 and 48 live floats per lane at D = 64,
+      // 18.4 KB of tiles.
+      c.block_q = 32; c.block_k = 32; c.simdgroups = 4; c.dkv_block_q = 32;
+    } else if (c.bucket <= 96) {
+      // Why dK/dV streams 16 queries: dK and dV at D = 96 take 48 floats, 32
+      // more queries of P and dP would make 64 + 48 = 112 (> 72).
+      c.block_q = 32; c.block_k = 32; c.simdgroups = 4; c.dkv_block_q = 16;
+    } else if (c.bucket <= 128) {
+      // Why dQ streams 16 keys and dK/dV 8 queries at D = 128: dQ takes 32
+      // floats, dK + dV 64; 16 keys (dQ) keep 40, 8 queries (dK/dV) 68.
+      c.block_q = 32; c.block_k = 16; c.simdgroups = 4; c.dkv_block_q = 8;
+    } else {
+      // D = 256: 2 simdgroups keep the tiles at 25 KB; dQ is 64 floats, so
+      // 8 keys per block (68). dK + dV are 128 floats: over the register file.
+      c.block_q = 16; c.block_k = 8; c.simdgroups = 2; c.dkv_block_q = 8;
+    }
+    c.dkv_simdgroups = c.simdgroups;
+    c.dkv_block_k = 8 * c.dkv_simdgroups;
+  } else {
+    if (c.bucket <= 32) {
+      // Why 32/32/4: 24 and 32 live floats, 18.4 KB of tiles.
+      c.block_q = 32; c.block_k = 32; c.simdgroups = 4; c.dkv_block_q = 32; c.dkv_simdgroups = 4;
+    } else if (c.bucket <= 64) {
+      // Why 16-row streamed blocks at D = 64: 32 + 32 rows of 272 bytes would
+      // be 34.8 KB; 32 + 16 take 26.1 KB.
+      c.block_q = 32; c.block_k = 16; c.simdgroups = 4; c.dkv_block_q = 16; c.dkv_simdgroups = 4;
+    } else if (c.bucket <= 96) {
+      // Why 2 simdgroups from D = 72: 16 + 16 rows of up to 400 bytes take
+      // 25.6 KB; 32 owned rows would not fit with any streamed block.
+      c.block_q = 16; c.block_k = 16; c.simdgroups = 2; c.dkv_block_q = 16; c.dkv_simdgroups = 2;
+    } else if (c.bucket <= 128) {
+      // Why 8-row streamed blocks at D = 128: 16 + 8 rows of 528 bytes take
+      // 25.3 KB, and dK + dV (64 floats) + 8 queries make 68.
+      c.block_q = 16; c.block_k = 8; c.simdgroups = 2; c.dkv_block_q = 8; c.dkv_simdgroups = 2;
+    } else {
+      // Why 1 simdgroup and 8 + 8 rows at D = 256: the smallest whole
+      // fragments; 32 KiB exactly, with the row padding dropped.
+      c.block_q = 8; c.block_k = 8; c.simdgroups = 1; c.dkv_block_q = 8; c.dkv_simdgroups = 1;
+    }
+    c.dkv_block_k = 8 * c.dkv_simdgroups;
+  }
+  const uint32_t dq_bytes = backward_threadgroup_memory(c.block_q, c.block_k, c.bucket, p.dtype);
+  const uint32_t dkv_bytes = backward_threadgroup_memory(c.dkv_block_k, c.dkv_block_q, c.bucket, p.dtype);
+  const uint32_t dq_floats = dq_live_floats(c.bucket, c.block_k);
+  const uint32_t dkv_floats = dkdv_live_floats(c.bucket, c.dkv_block_q);
+  c.reason = "backward: FlashAttention-2 with recomputation, metal-flash-attention's atomics-free split (dQ and "
+             "Delta parallel over query blocks, then dK/dV parallel over key blocks; deterministic); dQ kernel: " +
+             std::to_string(c.block_q) + " queries x " + std::to_string(c.block_k) + " keys on " +
+             std::to_string(c.simdgroups) + " simdgroups, " + kib(dq_bytes) + ", " + std::to_string(dq_floats) +
+             " live floats per lane; dK/dV kernel: " + std::to_string(c.dkv_block_k) + " keys x " +
+             std::to_string(c.dkv_block_q) + " queries on " + std::to_string(c.dkv_simdgroups) + " simdgroups, " +
+             kib(dkv_bytes) + ", " + std::to_string(dkv_floats) + " live floats per lane";
+  if (dkv_floats > kMaxRegistersPerThread) {
+    c.reason += " (over the " + std::to_string(kMaxRegistersPerThread) +
+                " registers a thread can address: dK and dV will spill at this head_dim)";
+  } else {
+    c.reason += " (within the " + std::to_string(kBackwardRegisterBudget) + "-float register budget)";
+  }
+  c.reason += padding_note(p.head_dim, c.bucket);
+  return c;
+}
+
 }  // namespace
 
-KernelChoice choose_metal_kernel(const AttentionProblem& p, KernelRequest requested, GpuClass gpu) {
+KernelChoice choose_metal_kernel(const AttentionProblem& p, KernelRequest requested, GpuClass gpu, MetalPass pass) {
+  if (pass == MetalPass::Backward) return choose_backward(p, requested);
   KernelChoice c;
   const bool explicit_request = requested != KernelRequest::Auto;
   if (explicit_request) {
@@ -335,13 +459,10 @@ KernelChoice choose_metal_kernel(const AttentionProblem& p, KernelRequest reques
   return c;
 }
 
-MetalPlan plan_metal_attention(const AttentionProblem& p, const LaunchStrides& s, KernelRequest requested,
-                               GpuClass gpu) {
-  const KernelChoice c = choose_metal_kernel(p, requested, gpu);
-  MetalPlan plan;
-  plan.reason = c.reason;
-  const std::string suffix = std::string(dtype_name(p.dtype)) + "_d" + std::to_string(c.bucket);
+namespace {
 
+// The parameter block of every launch: strides as given, sizes from the problem.
+AttentionParams make_params(const AttentionProblem& p, const LaunchStrides& s, uint32_t kv_splits) {
   AttentionParams a{};
   a.q_batch_stride = s.q[0]; a.q_head_stride = s.q[1]; a.q_row_stride = s.q[2]; a.q_dim_stride = s.q[3];
   a.k_batch_stride = s.k[0]; a.k_head_stride = s.k[1]; a.k_row_stride = s.k[2]; a.k_dim_stride = s.k[3];
@@ -358,9 +479,34 @@ MetalPlan plan_metal_attention(const AttentionProblem& p, const LaunchStrides& s
   a.causal_offset = static_cast<int32_t>(p.causal_offset());
   a.scale = static_cast<float>(p.scale);
   a.scale_log2 = p.scale_log2();
-  a.kv_splits = static_cast<int32_t>(c.kv_splits);
-  a.split_keys = c.kv_splits > 1 ? static_cast<int32_t>(split_keys(p.kv_len, c.kv_splits))
+  a.kv_splits = static_cast<int32_t>(kv_splits);
+  a.split_keys = kv_splits > 1 ? static_cast<int32_t>(split_keys(p.kv_len, kv_splits))
                                  : static_cast<int32_t>(p.kv_len);
+
+  a.do_batch_stride = s.grad_out[0]; a.do_head_stride = s.grad_out[1];
+  a.do_row_stride = s.grad_out[2]; a.do_dim_stride = s.grad_out[3];
+  a.glse_batch_stride = s.grad_lse[0]; a.glse_head_stride = s.grad_lse[1]; a.glse_row_stride = s.grad_lse[2];
+  return a;
+}
+
+void check_threadgroup_memory(const MetalPlan& plan) {
+  for (const MetalLaunch& launch : plan.launches) {
+    TORCH_CHECK(launch.threadgroup_memory <= kMaxThreadgroupMemory && launch.threadgroup_memory % 16 == 0, kOp,
+                ": internal error: ", launch.kernel_name, " planned with ", launch.threadgroup_memory,
+                " bytes of threadgroup memory");
+  }
+}
+
+}  // namespace
+
+MetalPlan plan_metal_attention(const AttentionProblem& p, const LaunchStrides& s, KernelRequest requested,
+                               GpuClass gpu) {
+  const KernelChoice c = choose_metal_kernel(p, requested, gpu);
+  MetalPlan plan;
+  plan.reason = c.reason;
+  const std::string suffix = std::string(dtype_name(p.dtype)) + "_d" + std::to_string(c.bucket);
+
+  const AttentionParams a = make_params(p, s, c.kv_splits);
 
   MetalLaunch l;
   l.params = a;
@@ -399,11 +545,43 @@ MetalPlan plan_metal_attention(const AttentionProblem& p, const LaunchStrides& s
       decode_launches(p, c, suffix, l, &plan);
       break;
   }
-  for (const MetalLaunch& launch : plan.launches) {
-    TORCH_CHECK(launch.threadgroup_memory <= kMaxThreadgroupMemory && launch.threadgroup_memory % 16 == 0, kOp,
-                ": internal error: ", launch.kernel_name, " planned with ", launch.threadgroup_memory,
-                " bytes of threadgroup memory");
-  }
+  check_threadgroup_memory(plan);
+  return plan;
+}
+
+MetalPlan plan_metal_attention_backward(const AttentionProblem& p, const LaunchStrides& s, bool has_grad_lse,
+                                        KernelRequest requested, GpuClass gpu) {
+  const KernelChoice c = choose_metal_kernel(p, requested, gpu, MetalPass::Backward);
+  MetalPlan plan;
+  plan.reason = c.reason;
+  plan.delta_elements = p.batch * p.q_heads * p.q_len;
+  const std::string suffix = std::string(dtype_name(p.dtype)) + "_d" + std::to_string(c.bucket);
+  const uint32_t batch = static_cast<uint32_t>(p.batch);
+
+  MetalLaunch dq;
+  dq.params = make_params(p, s, 1);
+  dq.params_index = kAttentionParamsIndex;
+  dq.threadgroup_memory_index = kAttentionThreadgroupIndex;
+  dq.kernel_name = "flash_backward_dq_" + suffix + "_bq" + std::to_string(c.block_q) + "_bk" +
+                   std::to_string(c.block_k) + "_wm" + std::to_string(c.simdgroups);
+  dq.grid = {ceil_div(p.q_len, c.block_q), static_cast<uint32_t>(p.q_heads), batch};
+  dq.threadgroup = {32 * c.simdgroups, 1, 1};
+  dq.threadgroup_memory = backward_threadgroup_memory(c.block_q, c.block_k, c.bucket, p.dtype);
+  // Indices kCausalFunctionConstant, kAlignQ..., kAlignK..., kHasGradLse...
+  dq.function_constants = {p.causal, p.q_len % c.block_q == 0, p.kv_len % c.block_k == 0, has_grad_lse};
+  dq.buffers = kBackwardDqBuffers;
+  plan.launches.push_back(dq);
+
+  MetalLaunch dkv = dq;
+  dkv.kernel_name = "flash_backward_dkdv_" + suffix + "_bq" + std::to_string(c.dkv_block_q) + "_bk" +
+                    std::to_string(c.dkv_block_k) + "_wm" + std::to_string(c.dkv_simdgroups);
+  dkv.grid = {ceil_div(p.kv_len, c.dkv_block_k), static_cast<uint32_t>(p.kv_heads), batch};
+  dkv.threadgroup = {32 * c.dkv_simdgroups, 1, 1};
+  dkv.threadgroup_memory = backward_threadgroup_memory(c.dkv_block_k, c.dkv_block_q, c.bucket, p.dtype);
+  dkv.function_constants = {p.causal, p.q_len % c.dkv_block_q == 0, p.kv_len % c.dkv_block_k == 0};
+  dkv.buffers = kBackwardDkdvBuffers;
+  plan.launches.push_back(dkv);
+  check_threadgroup_memory(plan);
   return plan;
 }
 
@@ -440,6 +618,29 @@ std::vector<MetalLaunch> all_metal_launches() {
           const int64_t D = d;
           const LaunchStrides packed{{D, D, D, 1}, {D, D, D, 1}, {D, D, D, 1}, {D, D, D, 1}, {1, 1, 1}};
           for (const MetalLaunch& l : plan_metal_attention(p, packed, shape.request).launches) add(l);
+        }
+      }
+      // The backward: both kernels, every alignment of either side (its
+      // blocks are at most 32, so 64 is aligned and 65 is not), causal or
+      // not, with and without grad_lse.
+      for (const int64_t q_len : {64, 65}) {
+        for (const int64_t kv_len : {64, 65}) {
+          for (bool causal : {false, true}) {
+            for (bool grad_lse : {false, true}) {
+              AttentionProblem p;
+              p.batch = p.q_heads = p.kv_heads = 1;
+              p.q_len = q_len;
+              p.kv_len = kv_len;
+              p.head_dim = d;
+              p.causal = causal;
+              p.scale = 1.0;
+              p.dtype = dtype;
+              const int64_t D = d;
+              const LaunchStrides packed{{D, D, D, 1}, {D, D, D, 1}, {D, D, D, 1}, {D, D, D, 1}, {1, 1, 1},
+                                         {D, D, D, 1}, {1, 1, 1}};
+              for (const MetalLaunch& l : plan_metal_attention_backward(p, packed, grad_lse).launches) add(l);
+            }
+          }
         }
       }
     }

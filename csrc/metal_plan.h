@@ -25,6 +25,10 @@ enum class KernelRequest {
   DecodeSplit,  // token generation, Nq <= 8: split-KV partials, then a merge pass
 };
 
+// Which pass a plan is for: attention_forward, or attention_backward (the
+// two kernels of shaders/attention_backward.h).
+enum class MetalPass { Forward, Backward };
+
 // Parses the `impl` argument; throws a ValueError listing the accepted names.
 KernelRequest parse_kernel_request(const std::string& kernel);
 
@@ -42,9 +46,13 @@ GpuClass parse_gpu_class(const std::string& name);
 GpuClass gpu_class_from_device_name(const std::string& name);
 
 // Element strides of the five tensors a launch touches, outermost first.
+// The backward adds grad_out (like o) and grad_lse (like lse; lse's own
+// strides when there is none); the forward leaves them zero.
 struct LaunchStrides {
   std::array<int64_t, 4> q, k, v, o;
   std::array<int64_t, 3> lse;
+  std::array<int64_t, 4> grad_out{};
+  std::array<int64_t, 3> grad_lse{};
 };
 
 // Threads per threadgroup of both post kernels. Why 32: one Apple SIMD-group,
@@ -75,12 +83,19 @@ constexpr int64_t kMaxDecodeRows = 8;
 constexpr uint32_t kCausalFunctionConstant = 0;
 constexpr uint32_t kAlignQFunctionConstant = 1;
 constexpr uint32_t kAlignKFunctionConstant = 2;
+// The backward's dQ kernel: a gradient flows into lse (grad_lse is read).
+constexpr uint32_t kHasGradLseFunctionConstant = 3;
 
 // The tensors a launch binds as device buffers. PartialOut and PartialStats
 // are the split-KV decode's float32 scratch, allocated by the host from
-// MetalPlan's sizes.
-enum class LaunchTensor : uint8_t { Q = 0, K, V, Out, Lse, PartialOut, PartialStats };
-constexpr size_t kLaunchTensorCount = 7;
+// MetalPlan's sizes. The backward binds q, k, v, out and lse as inputs, and
+// GradOut (input), GradQ/GradK/GradV (its outputs), GradLse (input; lse in
+// its place when there is none, never read then) and Delta (float32 scratch
+// of MetalPlan::delta_elements, written by the first kernel, read by the second).
+enum class LaunchTensor : uint8_t {
+  Q = 0, K, V, Out, Lse, PartialOut, PartialStats, GradOut, GradQ, GradK, GradV, GradLse, Delta
+};
+constexpr size_t kLaunchTensorCount = 13;
 
 // One row of a binding table: tensor `tensor` goes to [[buffer(index)]],
 // bound at its storage offset in bytes.
@@ -97,6 +112,10 @@ struct KernelChoice {
   uint32_t block_k = 0;    // prefill: keys per K/V block
   uint32_t simdgroups = 0; // prefill: simdgroups per threadgroup
   uint32_t kv_splits = 1;  // split decode: key blocks
+  uint32_t dkv_block_q = 0;     // backward, dK/dV kernel: query rows per streamed block
+  uint32_t dkv_block_k = 0;     // backward, dK/dV kernel: keys per threadgroup (8 per simdgroup)
+  uint32_t dkv_simdgroups = 0;  // backward, dK/dV kernel: simdgroups per threadgroup
+  // (for the backward, block_q / block_k / simdgroups describe its dQ kernel)
   std::string reason;      // why, for humans (flash_metal.explain)
 };
 
@@ -123,21 +142,33 @@ struct MetalPlan {
   std::vector<MetalLaunch> launches;
   int64_t partial_out_elements = 0;    // float32 scratch for LaunchTensor::PartialOut (0: none)
   int64_t partial_stats_elements = 0;  // float32 scratch for LaunchTensor::PartialStats (0: none)
+  int64_t delta_elements = 0;          // float32 scratch for LaunchTensor::Delta (0: none), B * Hq * Nq
   std::string reason;                  // why this kernel was chosen, for humans
 };
 
 // The routing heuristic, the one place where a kernel and its shape are
 // chosen: family, head-dim bucket, block sizes and split count, each with
 // the reason.
-KernelChoice choose_metal_kernel(const AttentionProblem& p, KernelRequest requested, GpuClass gpu);
+// pass = Backward chooses the backward's blocks (requested must be Auto).
+KernelChoice choose_metal_kernel(const AttentionProblem& p, KernelRequest requested, GpuClass gpu,
+                                 MetalPass pass = MetalPass::Forward);
 
 // The full plan: kernel choice, names, grids, threadgroups, memory, params.
 MetalPlan plan_metal_attention(const AttentionProblem& p, const LaunchStrides& strides, KernelRequest requested,
                                GpuClass gpu = GpuClass::Base);
 
+// The backward's plan: the dQ kernel (which also writes Delta), then the
+// dK/dV kernel, on one encoder in that order; delta_elements of scratch.
+// strides.grad_out and strides.grad_lse must be set (grad_lse: lse's when
+// has_grad_lse is false).
+MetalPlan plan_metal_attention_backward(const AttentionProblem& p, const LaunchStrides& strides, bool has_grad_lse,
+                                        KernelRequest requested = KernelRequest::Auto,
+                                        GpuClass gpu = GpuClass::Base);
+
 // One launch of every distinct (kernel name, function constants) pair the
-// planner can produce, over every family, dtype, bucket, causal setting and
-// edge alignment, found by planning small problems, so it cannot drift from
+// planner can produce, over every family (the backward's two kernels
+// included), dtype, bucket, causal setting, edge alignment and grad_lse
+// setting, found by planning small problems, so it cannot drift from
 // the planner. all_metal_kernel_names() is its set of names, in a fixed
 // order without duplicates; the macOS pipeline-build test compares it with
 // the metallib and builds every pipeline.

@@ -63,8 +63,12 @@ def attention(
 
 # The tensors of a launch, in the order of the plan's binding table
 # (LaunchTensor in csrc/metal_plan.h). partial_out and partial_stats are the
-# split-KV decode's float32 scratch.
-_LAUNCH_TENSORS = ("q", "k", "v", "out", "lse", "partial_out", "partial_stats")
+# split-KV decode's float32 scratch; grad_* are the backward's, and delta its
+# float32 scratch (grad_lse is bound to lse when there is none; never read then).
+_LAUNCH_TENSORS = ("q", "k", "v", "out", "lse", "partial_out", "partial_stats", "grad_out", "grad_q", "grad_k",
+                   "grad_v", "grad_lse", "delta")
+# The scratch tensors of each pass's plans, by name.
+_SCRATCH = {False: ("partial_out", "partial_stats"), True: ("delta",)}
 
 
 class MetalDispatch(NamedTuple):
@@ -85,7 +89,8 @@ class MetalPlan(NamedTuple):
     """What attention_forward encodes on Metal for these inputs, and why (see csrc/metal_plan.h).
 
     dispatches run in order on one encoder; scratch gives the float32
-    elements of the split-KV decode's two scratch tensors (0 when unused).
+    elements of the pass's scratch tensors (0 when unused): the forward's
+    partial_out and partial_stats (the split-KV decode's), the backward's delta.
     The single-dispatch fields (kernel_name, grid, ...) read dispatches[0]
     and are only defined for one-dispatch plans.
     """
@@ -113,26 +118,32 @@ class MetalPlan(NamedTuple):
 
 def explain(
     q: Tensor, k: Tensor, v: Tensor, causal: bool = False, scale: Optional[float] = None, impl: str = "auto",
-    gpu: str = "base",
+    gpu: str = "base", backward: bool = False, grad_out: Optional[Tensor] = None, out: Optional[Tensor] = None,
+    lse: Optional[Tensor] = None, grad_lse: Optional[Tensor] = None,
 ) -> MetalPlan:
     """Which Metal kernels attention() would launch for these inputs, and why.
 
     Runs only the host's planning code (no kernel), so it works on any
     device. gpu: the device-class hint the split-KV decode sizes its blocks
     for ("base", "max" or "ultra"; on a Mac the op uses the GPU's own class).
+    backward=True: the plan of attention_backward instead (two dispatches);
+    grad_out, out, lse and grad_lse, when given, supply their strides (packed
+    otherwise) and grad_lse's presence.
     """
     args = (_as_4d(q), _as_4d(k), _as_4d(v), causal, scale, impl, gpu)
+    extra = (backward, grad_out, out, lse, grad_lse)
     dispatches, count, i = [], 1, 0
     while i < count:
         name, grid, tg, mem, mem_index, consts, indices, params_index, params, reason, count, scratch = (
-            torch.ops.flash_metal.metal_plan(*args, i)
+            torch.ops.flash_metal.metal_plan(*args, i, *extra)
         )
         buffers = {t: n for t, n in zip(_LAUNCH_TENSORS, indices) if n >= 0}
         dispatches.append(
             MetalDispatch(name, tuple(grid), tuple(tg), mem, mem_index, tuple(consts), buffers, params_index, params)
         )
         i += 1
-    return MetalPlan(tuple(dispatches), dict(zip(("partial_out", "partial_stats"), scratch)), reason)
+    sizes = dict(zip(("partial_out", "partial_stats", "delta"), scratch))
+    return MetalPlan(tuple(dispatches), {name: sizes[name] for name in _SCRATCH[backward]}, reason)
 
 
 @torch.library.register_fake("flash_metal::attention_forward")

@@ -7,10 +7,12 @@
 //   flash_attention_tiled_<dtype>_d<DMAX>_bk<BK>_t<THREADS>
 //   flash_attention_prefill_<dtype>_d<DMAX>_bq<BQ>_bk<BK>_wm<WM>
 //   flash_decode_<dtype>_d<DMAX>, flash_decode_split_<dtype>_d<DMAX>, flash_decode_merge_<dtype>_d<DMAX>
+//   flash_backward_dq_<dtype>_d<DMAX>_bq<BQ>_bk<BK>_wm<WM>, flash_backward_dkdv_<dtype>_d<DMAX>_bq<BQ>_bk<BK>_wm<WM>
 #include "attention_untiled.h"
 #include "attention_tiled.h"
 #include "attention_prefill.h"
 #include "attention_decode.h"
+#include "attention_backward.h"
 
 // The one instantiation macro: a host name plus the template it names; the
 // kernel's signature comes from decltype, so it is never repeated here.
@@ -62,6 +64,34 @@
   FM_DECODE(tname, T, 128)        \
   FM_DECODE(tname, T, 256)
 
+// The backward's two kernels. Block sizes per (dtype, bucket), as
+// choose_metal_kernel (csrc/metal_plan.cpp) chooses and explains them: the
+// float32 accumulators (dQ; dK and dV) and one block of P and dP per lane
+// kept within the register budget, the four tiles within 32 KiB.
+#define FM_BACKWARD(tname, T, D, QBQ, QBK, QWM, KBQ, KBK, KWM)                                            \
+  FM_INSTANTIATE("flash_backward_dq_" #tname "_d" #D "_bq" #QBQ "_bk" #QBK "_wm" #QWM,                 \
+                 flash_backward_dq<T, D, QBQ, QBK, QWM>)                                                 \
+  FM_INSTANTIATE("flash_backward_dkdv_" #tname "_d" #D "_bq" #KBQ "_bk" #KBK "_wm" #KWM,               \
+                 flash_backward_dkdv<T, D, KBQ, KBK, KWM>)
+
+#define FM_BACKWARD_HALF_ALL_D(tname, T)                  \
+  FM_BACKWARD(tname, T, 32, 32, 32, 4, 32, 32, 4)         \
+  FM_BACKWARD(tname, T, 64, 32, 32, 4, 32, 32, 4)         \
+  FM_BACKWARD(tname, T, 72, 32, 32, 4, 16, 32, 4)         \
+  FM_BACKWARD(tname, T, 80, 32, 32, 4, 16, 32, 4)         \
+  FM_BACKWARD(tname, T, 96, 32, 32, 4, 16, 32, 4)         \
+  FM_BACKWARD(tname, T, 128, 32, 16, 4, 8, 32, 4)         \
+  FM_BACKWARD(tname, T, 256, 16, 8, 2, 8, 16, 2)
+
+#define FM_BACKWARD_FLOAT_ALL_D(tname, T)                 \
+  FM_BACKWARD(tname, T, 32, 32, 32, 4, 32, 32, 4)         \
+  FM_BACKWARD(tname, T, 64, 32, 16, 4, 16, 32, 4)         \
+  FM_BACKWARD(tname, T, 72, 16, 16, 2, 16, 16, 2)         \
+  FM_BACKWARD(tname, T, 80, 16, 16, 2, 16, 16, 2)         \
+  FM_BACKWARD(tname, T, 96, 16, 16, 2, 16, 16, 2)         \
+  FM_BACKWARD(tname, T, 128, 16, 8, 2, 8, 16, 2)          \
+  FM_BACKWARD(tname, T, 256, 8, 8, 1, 8, 8, 1)
+
 // An explicit instantiation with an unqualified name must sit in the
 // template's own namespace (C++ [temp.explicit]), hence the namespace block.
 namespace flash_metal {
@@ -74,4 +104,7 @@ FM_PREFILL_ALL_D(bfloat16, bfloat)
 FM_DECODE_ALL_D(float32, float)
 FM_DECODE_ALL_D(float16, half)
 FM_DECODE_ALL_D(bfloat16, bfloat)
+FM_BACKWARD_FLOAT_ALL_D(float32, float)
+FM_BACKWARD_HALF_ALL_D(float16, half)
+FM_BACKWARD_HALF_ALL_D(bfloat16, bfloat)
 }  // namespace flash_metal

@@ -9,6 +9,10 @@
 //   k,v (batch, kv_heads, kv_len, head_dim)
 //   o   (batch, q_heads,  q_len,  head_dim)
 //   lse (batch, q_heads,  q_len)            always float32
+// and, for the backward (shaders/attention_backward.h):
+//   grad_out (batch, q_heads, q_len, head_dim), any strides (the do_* fields)
+//   grad_lse (batch, q_heads, q_len), float32, any strides (the glse_* fields)
+//   grad_q, grad_k, grad_v and the Delta scratch: packed, so no strides here
 #pragma once
 
 #ifdef __METAL_VERSION__
@@ -53,11 +57,22 @@ struct AttentionParams {
   int32_t kv_splits;        // split-KV decode: key blocks Nk is cut into (1 for every other kernel)
   int32_t split_keys;       // split-KV decode: keys per block, ceil(Nk / kv_splits) rounded up to a
                             // multiple of 32; block s covers keys [s * split_keys, (s + 1) * split_keys)
+  // The backward's two extra inputs, last so every forward field keeps its offset.
+  int64_t do_batch_stride;  // backward: as above, for grad_out (the gradient of o)
+  int64_t do_head_stride;   // elements between consecutive heads of grad_out
+  int64_t do_row_stride;    // elements between consecutive rows of grad_out
+  int64_t do_dim_stride;    // elements between consecutive features of grad_out
+  int64_t glse_batch_stride;  // backward: as for lse, for grad_lse (the gradient of lse)
+  int64_t glse_head_stride;   // elements between consecutive heads of grad_lse
+  int64_t glse_row_stride;    // elements between consecutive rows of grad_lse
 };
 
-// 19 int64 + 10 int32 + 2 float = 152 + 40 + 8 = 200 bytes, with no padding.
+// 19 int64 + 10 int32 + 2 float (200 bytes, 8-aligned) + 7 int64 = 256 bytes,
+// with no padding.
+// (The forward kernels ignore the 7 backward strides; one struct still, so
+// the host fills and binds one block for every kernel.)
 // The same assertion compiles on the host and in the shader, so a field added
 // on one side only cannot go unnoticed.
-static_assert(sizeof(AttentionParams) == 200, "AttentionParams layout changed: update host and shaders together");
+static_assert(sizeof(AttentionParams) == 256, "AttentionParams layout changed: update host and shaders together");
 
 }  // namespace flash_metal

@@ -51,6 +51,28 @@ def emulated_metal_attention(q, k, v, causal=False, scale=None, impl="auto", ins
     tensors = {"q": q, "k": k, "v": v, "out": out, "lse": lse}
     for name, n in plan.scratch.items():
         tensors[name] = torch.full((max(n, 1),), float("nan"), dtype=torch.float32)
+    _run_plan(plan, tensors, instrumented, fast_math)
+    return out, lse
+
+
+def emulated_metal_attention_backward(grad_out, q, k, v, out, lse, causal=False, scale=None, grad_lse=None,
+                                      instrumented=False, fast_math=False, gpu="base"):
+    """attention_backward through the Metal emulator, launched from the op's own backward plan."""
+    plan = flash_metal.explain(q, k, v, causal, scale, "auto", gpu, backward=True, grad_out=grad_out, out=out,
+                               lse=lse, grad_lse=grad_lse)
+    # Gradients and scratch poisoned with NaN: an element never written stays NaN.
+    grads = [torch.full(t.shape, float("nan"), dtype=t.dtype) for t in (q, k, v)]
+    tensors = {"q": q, "k": k, "v": v, "out": out, "lse": lse, "grad_out": grad_out,
+               "grad_q": grads[0], "grad_k": grads[1], "grad_v": grads[2],
+               # Without grad_lse the plan binds lse in its place (csrc/metal_plan.h), as the MPS host does.
+               "grad_lse": lse if grad_lse is None else grad_lse}
+    for name, n in plan.scratch.items():
+        tensors[name] = torch.full((max(n, 1),), float("nan"), dtype=torch.float32)
+    _run_plan(plan, tensors, instrumented, fast_math)
+    return tuple(grads)
+
+
+def _run_plan(plan, tensors, instrumented, fast_math):
     library = metal_library(instrumented, fast_math)
     LAST_DISPATCHES.clear()
     # Each dispatch bound from the plan's binding table, exactly as
@@ -66,7 +88,6 @@ def emulated_metal_attention(q, k, v, causal=False, scale=None, impl="auto", ins
             threadgroup_memory={d.threadgroup_memory_index: d.threadgroup_memory} if d.threadgroup_memory else {},
         )
         LAST_DISPATCHES.append((d, counts))
-    return out, lse
 
 
 def to_mps_same_layout(t):

@@ -46,6 +46,11 @@ def _plans():
                 q = torch.empty(1, 1, nq, d, dtype=dtype)
                 k = torch.empty(1, 1, nk, d, dtype=dtype)
                 plans[(impl, dtype, bucket)] = (flash_metal.explain(q, k, k, impl=impl), d)
+    # The backward's two kernels (shaders/attention_backward.h).
+    for dtype in DTYPES:
+        for bucket, d in FAST_BUCKET_DIMS.items():
+            q = torch.empty(1, 1, 9, d, dtype=dtype)
+            plans[("backward", dtype, bucket)] = (flash_metal.explain(q, q, q, backward=True), d)
     return plans
 
 
@@ -144,9 +149,9 @@ def test_params_bytes_carry_strides_and_sizes():
     q, k, v = make_qkv(2, 6, 3, 9, 11, 40, torch.bfloat16, layout="offset_slice")
     plan = flash_metal.explain(q, k, v, causal=True, scale=0.5)
     raw = plan.params.numpy().tobytes()
-    assert len(raw) == 200
-    fields = struct.unpack("<19q8i2f2i", raw)
-    strides, sizes, (scale, scale_log2), splits = fields[:19], fields[19:27], fields[27:29], fields[29:]
+    assert len(raw) == 256
+    fields = struct.unpack("<19q8i2f2i7q", raw)
+    strides, sizes, (scale, scale_log2), splits = fields[:19], fields[19:27], fields[27:29], fields[29:31]
     assert strides[0:4] == q.stride() and strides[4:8] == k.stride() and strides[8:12] == v.stride()
     assert strides[12:16] == (6 * 9 * 40, 9 * 40, 40, 1) and strides[16:19] == (6 * 9, 9, 1)
     assert sizes == (2, 6, 3, 2, 9, 11, 40, 11 - 9)
@@ -178,10 +183,11 @@ def test_packaged_shader_sources_are_complete():
 # The parameter each binding-table entry must land on, by name in the kernel
 # templates' signatures (shaders/attention_*.h).
 _SIGNATURE_NAMES = {"q": "q", "k": "k", "v": "v", "out": "o", "lse": "lse", "partial_out": "partial_o",
-                    "partial_stats": "partial_stats"}
+                    "partial_stats": "partial_stats", "grad_out": "dout", "grad_q": "dq", "grad_k": "dk",
+                    "grad_v": "dv", "grad_lse": "dlse", "delta": "delta"}
 
 
-@pytest.mark.parametrize("impl", list(FAMILIES))
+@pytest.mark.parametrize("impl", list(FAMILIES) + ["backward"])
 def test_binding_table_matches_every_kernel_signature(impl):
     # The plan's binding table is what the MPS host and the emulated backend
     # bind from; each entry must name the kernel parameter with that

@@ -27,7 +27,7 @@ def _qkv(nq, nk, d, dtype=torch.float16, hq=4, hkv=2, b=1):
 
 
 def _params(dispatch):
-    fields = struct.unpack("<19q8i2f2i", dispatch.params.numpy().tobytes())
+    fields = struct.unpack("<19q8i2f2i7q", dispatch.params.numpy().tobytes())
     return {"kv_len": fields[24], "kv_splits": fields[29], "split_keys": fields[30]}
 
 

@@ -1,0 +1,436 @@
+// The FlashAttention-2 backward on simdgroup_matrix: two kernels, no atomics.
+//
+// The split is metal-flash-attention's (philipturner/metal-flash-attention,
+// "atomics-free backward"; Apple GPUs have no fast float atomics): one
+// kernel is parallel over query blocks and accumulates dQ, the other is
+// parallel over key blocks and accumulates dK and dV, each in float32
+// registers, so no two threadgroups ever write the same element and the
+// result is bitwise deterministic. The price is recomputing P (and dP) in
+// both kernels: 7 matrix products per (query, key) block pair instead of 5.
+// P is rebuilt from the forward's lse, never stored (FlashAttention-2).
+//
+//   flash_backward_dq    grid (ceil(Nq / BQ), Hq, B), 32 * WM threads
+//     Delta_i = rowsum(dO_i * O_i) - grad_lse_i, written to a float32
+//     scratch for the second kernel; then over the key blocks the rows see:
+//     S = Q.K^T, P = exp2(S * scale * log2 e - lse_i * log2 e),
+//     dP = dO.V^T, dS = P * (dP - Delta), dQ += dS.K; dQ * scale stored.
+//   flash_backward_dkdv  grid (ceil(Nk / BK), Hkv, B), 32 * WM threads
+//     over the GQA group's query heads and the query blocks that see the
+//     key block: P^T (recomputed), dV += P^T.dO, dP^T = V.dO^T,
+//     dS^T = P^T * (dP^T - Delta), dK += dS^T.Q; dK * scale and dV stored.
+//
+// The dK/dV kernel must run after the dQ kernel (it reads Delta); the host
+// encodes them in that order on one serial compute encoder.
+//
+// Both kernels share one layout (the forward's, shaders/attention_prefill.h,
+// whose loader, fragment reads and lane layout they reuse): each of the WM
+// SIMD-groups "owns" 8 rows (queries in the dQ kernel, keys in the dK/dV
+// kernel) and keeps its accumulators for them in 8x8 simdgroup_matrix<float>
+// fragments, in registers; the other side streams through threadgroup
+// memory a block at a time. Threadgroup memory, four tiles of rows of DMAX
+// elements of T plus PAD bytes:
+//
+//   own tiles (2 x OWN rows) then streamed tiles (2 x STREAM rows)
+//   dQ kernel:   Q, dO (OWN = BQ), then K, V (STREAM = BK)
+//   dK/dV kernel: K, V (OWN = BK), then Q, dO (STREAM = BQ)
+//   bytes = 2 * (OWN + STREAM) * (DMAX * sizeof(T) + PAD)
+//
+// PAD is 16 bytes (the forward's bank-conflict padding), or 0 where the
+// padded tiles would exceed Metal's 32 KiB (only float32 at DMAX 256 with
+// 8 + 8 rows: 33,280 bytes padded, exactly 32,768 without); see
+// backward_row_pad. The host (csrc/metal_plan.cpp) computes the same.
+// Separate K and V (Q and dO) tiles cost twice the streamed rows but need 2
+// barriers per block instead of the forward's 4: the dK/dV kernel uses Q
+// twice and dO twice per block, so a shared tile would be loaded twice.
+#pragma once
+
+#include "attention_prefill.h"
+
+namespace flash_metal {
+
+// [[function_constant(3)]]: a gradient flows into lse (grad_lse is bound and
+// read). False: grad_lse is taken as zero and never read, so the common
+// training case (only out is used) carries no extra load.
+constant bool fc_has_grad_lse [[function_constant(3)]];
+
+// Row padding of the backward's tiles, in bytes: the forward's 16 (see
+// kPrefillRowPadBytes) unless the four padded tiles would not fit Metal's
+// 32 KiB of threadgroup memory, then 0 (float32, DMAX 256: 8-row tiles are
+// 33,280 bytes padded, 32,768 unpadded; the price is bank conflicts on that
+// one configuration). Must match backward_row_pad in csrc/metal_plan.cpp.
+template <typename T, int DMAX, int ROWS>
+constexpr int backward_row_pad() {
+  return ROWS * (DMAX * int(sizeof(T)) + kPrefillRowPadBytes) <= 32768 ? kPrefillRowPadBytes : 0;
+}
+
+// The packed (B, H, N, D) offset of row `row` of head `head` of batch
+// `batch`: the layout of grad_q, grad_k and grad_v (allocate_gradients).
+inline int64_t packed_row(uint batch, uint head, int heads, int n, int row, int D) {
+  return ((int64_t(batch) * heads + int64_t(head)) * n + row) * D;
+}
+
+// T, DMAX as in the forward. BQ: query rows per threadgroup (8 per
+// SIMD-group, so BQ = 8 * WM). BK: keys per streamed block. Launch: grid
+// (ceil(Nq / BQ), Hq, B), threadgroup (32 * WM, 1, 1), threadgroup memory
+// (top of file) at index 0, function constants fc_causal (0), fc_align_q
+// (1: Nq % BQ == 0), fc_align_k (2: Nk % BK == 0), fc_has_grad_lse (3).
+// grad_lse is always bound (the host binds lse in its place when there is
+// none; it is then never read).
+template <typename T, int DMAX, int BQ, int BK, int WM>
+[[kernel]] void flash_backward_dq(
+    device const T* q [[buffer(0)]],
+    device const T* k [[buffer(1)]],
+    device const T* v [[buffer(2)]],
+    device const T* o [[buffer(3)]],
+    device const float* lse [[buffer(4)]],
+    constant AttentionParams& p [[buffer(5)]],
+    device const T* dout [[buffer(8)]],
+    device T* dq [[buffer(9)]],
+    device const float* dlse [[buffer(12)]],
+    device float* delta [[buffer(13)]],
+    threadgroup T* smem [[threadgroup(0)]],
+    uint3 group [[threadgroup_position_in_grid]],
+    uint tid [[thread_index_in_threadgroup]],
+    uint sg [[simdgroup_index_in_threadgroup]],
+    uint lane [[thread_index_in_simdgroup]]) {
+  static_assert(BQ == 8 * WM, "each SIMD-group owns 8 query rows");
+  static_assert(BK % 8 == 0 && DMAX % 8 == 0, "tiles are whole 8x8 fragments");
+  constexpr int THREADS = 32 * WM;
+  constexpr int PAD = backward_row_pad<T, DMAX, 2 * (BQ + BK)>();
+  constexpr int LD = DMAX + PAD / int(sizeof(T));  // tile row length, in elements
+  constexpr int TK = BK / 8;                        // key fragments per block
+  constexpr int TD = DMAX / 8;                      // feature fragments
+  threadgroup T* q_tile = smem;
+  threadgroup T* do_tile = q_tile + BQ * LD;
+  threadgroup T* k_tile = do_tile + BQ * LD;
+  threadgroup T* v_tile = k_tile + BK * LD;
+
+  const int D = p.head_dim;
+  const HeadOffsets h = head_offsets(p, group.z, group.y);
+  const int64_t do_head = int64_t(group.z) * p.do_batch_stride + int64_t(group.y) * p.do_head_stride;
+  const int q0 = int(group.x) * BQ;
+  const int sg_row0 = q0 + int(sg) * 8;
+  const int fr = prefill_frag_row(lane);
+  const int fc = prefill_frag_col(lane);
+  const int row = sg_row0 + fr;  // this lane's query row
+  const bool row_real = fc_align_q || row < p.q_len;
+
+  if (!fc_align_q && q0 + BQ > p.q_len) {
+    prefill_load_tile<BQ, DMAX, LD, THREADS, true>(q_tile, q + h.q, p.q_row_stride, p.q_dim_stride, q0, D,
+                                                   p.q_len - q0, tid);
+    prefill_load_tile<BQ, DMAX, LD, THREADS, true>(do_tile, dout + do_head, p.do_row_stride, p.do_dim_stride, q0, D,
+                                                   p.q_len - q0, tid);
+  } else {
+    prefill_load_tile<BQ, DMAX, LD, THREADS, false>(q_tile, q + h.q, p.q_row_stride, p.q_dim_stride, q0, D, BQ, tid);
+    prefill_load_tile<BQ, DMAX, LD, THREADS, false>(do_tile, dout + do_head, p.do_row_stride, p.do_dim_stride, q0,
+                                                    D, BQ, tid);
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);  // Q and dO written before the Delta reads (RAW)
+
+  // Delta for this lane's row, in float32: the row's 4 lanes (l, l^1, l^8,
+  // l^9) each take 2 of every 8 features, then two shuffles combine them
+  // (the fragment layout's row reduction). O is read once, straight from
+  // device memory: no other use, so no tile. Every lane reaches the
+  // shuffles; rows past Nq contribute zeros.
+  float dsum = 0.0f;
+  if (row_real) {
+    device const T* orow = o + h.o + int64_t(row) * p.o_row_stride;
+    FM_UNROLL for (int id = 0; id < TD; ++id) {
+      FM_UNROLL for (int j = 0; j < 2; ++j) {
+        const int c = id * 8 + fc + j;
+        if (c < D) dsum += float(do_tile[(int(sg) * 8 + fr) * LD + c]) * float(orow[int64_t(c) * p.o_dim_stride]);
+      }
+    }
+  }
+  dsum += simd_shuffle_xor(dsum, 1);
+  dsum += simd_shuffle_xor(dsum, 8);
+  // The row's lse in base 2 (m2), and whether the row saw any key: the
+  // forward stores lse = -inf for a row that saw none, whose P is all zero
+  // (it contributes nothing and gets dQ = 0). Tested on the bits, as the
+  // forward writes them: no floating-point comparison with an infinity,
+  // which fast math may fold (attention_common.h, "Fast math").
+  float row_delta = 0.0f, m2 = 0.0f;
+  bool row_live = false;
+  if (row_real) {
+    const float l = lse[h.lse + int64_t(row) * p.lse_row_stride];
+    row_live = as_type<uint>(l) != kNegInfBits;
+    m2 = row_live ? l * M_LOG2E_F : 0.0f;
+    row_delta = dsum;
+    if (fc_has_grad_lse) {
+      const int64_t g = int64_t(group.z) * p.glse_batch_stride + int64_t(group.y) * p.glse_head_stride +
+                        int64_t(row) * p.glse_row_stride;
+      row_delta -= dlse[g];
+    }
+    if (fc == 0) delta[(int64_t(group.z) * p.q_heads + group.y) * p.q_len + row] = row_delta;
+  }
+
+  // Key blocks the group's last real row can see (causal: later ones are
+  // all future for every row; the forward's bound). Uniform for the group.
+  const int last_row = (fc_align_q ? q0 + BQ : min(q0 + BQ, p.q_len)) - 1;
+  const int n_blocks = (visible_keys(p, last_row) + BK - 1) / BK;
+  const int d_frags = (D + 7) / 8;
+
+  PrefillFrag dQ[TD];
+  FM_UNROLL for (int id = 0; id < TD; ++id) dQ[id] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
+
+  for (int kb = 0; kb < n_blocks; ++kb) {
+    const int k0 = kb * BK;
+    const bool k_edge = !fc_align_k && k0 + BK > p.kv_len;
+    // As in the forward: the SIMD-group has real rows that see some key of
+    // the block (uniform across it), and the block straddles its diagonal.
+    const bool active = (fc_align_q || sg_row0 < p.q_len) && (!fc_causal || k0 <= sg_row0 + 7 + p.causal_offset);
+    const bool diagonal = fc_causal && k0 + BK - 1 > sg_row0 + p.causal_offset;
+
+    threadgroup_barrier(mem_flags::mem_threadgroup);  // last block's K/V reads done before overwriting (WAR)
+    if (k_edge) {
+      prefill_load_tile<BK, DMAX, LD, THREADS, true>(k_tile, k + h.k, p.k_row_stride, p.k_dim_stride, k0, D,
+                                                     p.kv_len - k0, tid);
+      prefill_load_tile<BK, DMAX, LD, THREADS, true>(v_tile, v + h.v, p.v_row_stride, p.v_dim_stride, k0, D,
+                                                     p.kv_len - k0, tid);
+    } else {
+      prefill_load_tile<BK, DMAX, LD, THREADS, false>(k_tile, k + h.k, p.k_row_stride, p.k_dim_stride, k0, D, BK, tid);
+      prefill_load_tile<BK, DMAX, LD, THREADS, false>(v_tile, v + h.v, p.v_row_stride, p.v_dim_stride, k0, D, BK, tid);
+    }
+    threadgroup_barrier(mem_flags::mem_threadgroup);  // K/V written before anyone reads them (RAW)
+    if (!active) continue;
+
+    // S = Q.K^T and dP = dO.V^T (8 x BK each), from the same fragment walk.
+    PrefillFrag S[TK];
+    PrefillFrag dP[TK];
+    FM_UNROLL for (int t = 0; t < TK; ++t) {
+      S[t] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
+      dP[t] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
+    }
+    for (int dd = 0; dd < d_frags; ++dd) {
+      PrefillFrag qf, df;
+      prefill_read_frag(qf, q_tile, LD, int(sg) * 8, dd * 8, fr, fc);
+      prefill_read_frag(df, do_tile, LD, int(sg) * 8, dd * 8, fr, fc);
+      FM_UNROLL for (int t = 0; t < TK; ++t) {
+        PrefillFrag kf, vf;
+        prefill_read_frag_t(kf, k_tile, LD, dd * 8, t * 8, fr, fc);
+        prefill_mma(S[t], qf, kf);
+        prefill_read_frag_t(vf, v_tile, LD, dd * 8, t * 8, fr, fc);
+        prefill_mma(dP[t], df, vf);
+      }
+    }
+    // P and dS = P * (dP - Delta), elementwise, into dP. Weight 0 (so dS 0)
+    // for keys past Nk, future keys and rows that saw no key, by explicit
+    // tests (no exp2 of an infinity).
+    FM_UNROLL for (int t = 0; t < TK; ++t) {
+      FM_UNROLL for (int j = 0; j < 2; ++j) {
+        const int key = k0 + t * 8 + fc + j;
+        bool keep = row_live;
+        if (k_edge && key >= p.kv_len) keep = false;
+        if (diagonal && key > row + p.causal_offset) keep = false;
+        const float pw = keep ? exp2(fma(S[t].thread_elements()[j], p.scale_log2, -m2)) : 0.0f;
+        dP[t].thread_elements()[j] = pw * (dP[t].thread_elements()[j] - row_delta);
+      }
+    }
+    // dQ += dS.K, the block's product summed from zero and added once (the
+    // forward's blocked sum: one rounding of dQ per block, not per key).
+    FM_UNROLL for (int id = 0; id < TD; ++id) {
+      if (id * 8 < D) {
+        PrefillFrag acc = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
+        FM_UNROLL for (int t = 0; t < TK; ++t) {
+          PrefillFrag kf;
+          prefill_read_frag(kf, k_tile, LD, t * 8, id * 8, fr, fc);
+          prefill_mma(acc, dP[t], kf);
+        }
+        FM_UNROLL for (int j = 0; j < 2; ++j) dQ[id].thread_elements()[j] += acc.thread_elements()[j];
+      }
+    }
+  }
+
+  // dQ * scale, packed, real rows and features only.
+  if (row_real) {
+    device T* out = dq + packed_row(group.z, group.y, p.q_heads, p.q_len, row, D);
+    FM_UNROLL for (int id = 0; id < TD; ++id) {
+      FM_UNROLL for (int j = 0; j < 2; ++j) {
+        const int c = id * 8 + fc + j;
+        if (c < D) out[c] = static_cast<T>(dQ[id].thread_elements()[j] * p.scale);
+      }
+    }
+  }
+}
+
+// BK: keys per threadgroup (8 per SIMD-group, BK = 8 * WM). BQ: query rows
+// per streamed block. Launch: grid (ceil(Nk / BK), Hkv, B), threadgroup
+// (32 * WM, 1, 1), threadgroup memory (top of file) at index 0, function
+// constants fc_causal (0), fc_align_q (1: Nq % BQ == 0), fc_align_k
+// (2: Nk % BK == 0). Reads Delta as the dQ kernel wrote it.
+template <typename T, int DMAX, int BQ, int BK, int WM>
+[[kernel]] void flash_backward_dkdv(
+    device const T* q [[buffer(0)]],
+    device const T* k [[buffer(1)]],
+    device const T* v [[buffer(2)]],
+    device const float* lse [[buffer(4)]],
+    constant AttentionParams& p [[buffer(5)]],
+    device const T* dout [[buffer(8)]],
+    device T* dk [[buffer(10)]],
+    device T* dv [[buffer(11)]],
+    device const float* delta [[buffer(13)]],
+    threadgroup T* smem [[threadgroup(0)]],
+    uint3 group [[threadgroup_position_in_grid]],
+    uint tid [[thread_index_in_threadgroup]],
+    uint sg [[simdgroup_index_in_threadgroup]],
+    uint lane [[thread_index_in_simdgroup]]) {
+  static_assert(BK == 8 * WM, "each SIMD-group owns 8 keys");
+  static_assert(BQ % 8 == 0 && DMAX % 8 == 0, "tiles are whole 8x8 fragments");
+  constexpr int THREADS = 32 * WM;
+  constexpr int PAD = backward_row_pad<T, DMAX, 2 * (BQ + BK)>();
+  constexpr int LD = DMAX + PAD / int(sizeof(T));
+  constexpr int TQ = BQ / 8;  // query fragments per streamed block
+  constexpr int TD = DMAX / 8;
+  threadgroup T* k_tile = smem;
+  threadgroup T* v_tile = k_tile + BK * LD;
+  threadgroup T* q_tile = v_tile + BK * LD;
+  threadgroup T* do_tile = q_tile + BQ * LD;
+
+  const int D = p.head_dim;
+  const uint kv_head = group.y;
+  const int64_t k_off = int64_t(group.z) * p.k_batch_stride + int64_t(kv_head) * p.k_head_stride;
+  const int64_t v_off = int64_t(group.z) * p.v_batch_stride + int64_t(kv_head) * p.v_head_stride;
+  const int k0 = int(group.x) * BK;
+  const int sg_key0 = k0 + int(sg) * 8;
+  const int fr = prefill_frag_row(lane);
+  const int fc = prefill_frag_col(lane);
+  const int key = sg_key0 + fr;  // this lane's key (its row of the P^T fragments)
+
+  if (!fc_align_k && k0 + BK > p.kv_len) {
+    prefill_load_tile<BK, DMAX, LD, THREADS, true>(k_tile, k + k_off, p.k_row_stride, p.k_dim_stride, k0, D,
+                                                   p.kv_len - k0, tid);
+    prefill_load_tile<BK, DMAX, LD, THREADS, true>(v_tile, v + v_off, p.v_row_stride, p.v_dim_stride, k0, D,
+                                                   p.kv_len - k0, tid);
+  } else {
+    prefill_load_tile<BK, DMAX, LD, THREADS, false>(k_tile, k + k_off, p.k_row_stride, p.k_dim_stride, k0, D, BK, tid);
+    prefill_load_tile<BK, DMAX, LD, THREADS, false>(v_tile, v + v_off, p.v_row_stride, p.v_dim_stride, k0, D, BK, tid);
+  }
+  // No barrier of its own: the first streamed block's barrier orders these
+  // writes before any read.
+
+  // Query blocks that see some key of this block: under causal masking,
+  // query i sees key j iff i >= j - causal_offset, so the first is the block
+  // of row k0 - causal_offset (none when that is past Nq). Uniform.
+  const int first_row = fc_causal ? max(0, k0 - p.causal_offset) : 0;
+  const int qb_begin = first_row / BQ;
+  const int qb_end = first_row < p.q_len ? (p.q_len + BQ - 1) / BQ : qb_begin;
+  const int d_frags = (D + 7) / 8;
+
+  PrefillFrag dK[TD];
+  PrefillFrag dV[TD];
+  FM_UNROLL for (int id = 0; id < TD; ++id) {
+    dK[id] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
+    dV[id] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
+  }
+
+  // GQA: the kv head's gqa_ratio query heads in a fixed order, so the sum
+  // over the group is the same every run (no atomics, no race).
+  for (int g = 0; g < p.gqa_ratio; ++g) {
+    const uint head = kv_head * uint(p.gqa_ratio) + uint(g);
+    const HeadOffsets h = head_offsets(p, group.z, head);
+    const int64_t do_head = int64_t(group.z) * p.do_batch_stride + int64_t(head) * p.do_head_stride;
+    device const float* head_delta = delta + (int64_t(group.z) * p.q_heads + head) * p.q_len;
+    for (int qb = qb_begin; qb < qb_end; ++qb) {
+      const int q0 = qb * BQ;
+      const bool q_edge = !fc_align_q && q0 + BQ > p.q_len;
+      // The SIMD-group's keys are real and some of them are seen by the
+      // block's last row; a mask is needed where some (key, query) pair of
+      // the block is in the future (uniform across the SIMD-group).
+      const int q_last = min(q0 + BQ, p.q_len) - 1;
+      const bool active = (fc_align_k || sg_key0 < p.kv_len) && (!fc_causal || sg_key0 <= q_last + p.causal_offset);
+      const bool diagonal = fc_causal && sg_key0 + 7 > q0 + p.causal_offset;
+
+      threadgroup_barrier(mem_flags::mem_threadgroup);  // last block's Q/dO reads done (WAR)
+      if (q_edge) {
+        prefill_load_tile<BQ, DMAX, LD, THREADS, true>(q_tile, q + h.q, p.q_row_stride, p.q_dim_stride, q0, D,
+                                                       p.q_len - q0, tid);
+        prefill_load_tile<BQ, DMAX, LD, THREADS, true>(do_tile, dout + do_head, p.do_row_stride, p.do_dim_stride,
+                                                       q0, D, p.q_len - q0, tid);
+      } else {
+        prefill_load_tile<BQ, DMAX, LD, THREADS, false>(q_tile, q + h.q, p.q_row_stride, p.q_dim_stride, q0, D, BQ,
+                                                        tid);
+        prefill_load_tile<BQ, DMAX, LD, THREADS, false>(do_tile, dout + do_head, p.do_row_stride, p.do_dim_stride,
+                                                        q0, D, BQ, tid);
+      }
+      threadgroup_barrier(mem_flags::mem_threadgroup);  // Q/dO written before anyone reads them (RAW)
+      if (!active) continue;
+
+      // S^T = K.Q^T and dP^T = V.dO^T (8 keys x BQ queries each).
+      PrefillFrag S[TQ];
+      PrefillFrag dP[TQ];
+      FM_UNROLL for (int t = 0; t < TQ; ++t) {
+        S[t] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
+        dP[t] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
+      }
+      for (int dd = 0; dd < d_frags; ++dd) {
+        PrefillFrag kf, vf;
+        prefill_read_frag(kf, k_tile, LD, int(sg) * 8, dd * 8, fr, fc);
+        prefill_read_frag(vf, v_tile, LD, int(sg) * 8, dd * 8, fr, fc);
+        FM_UNROLL for (int t = 0; t < TQ; ++t) {
+          PrefillFrag qf, df;
+          prefill_read_frag_t(qf, q_tile, LD, dd * 8, t * 8, fr, fc);
+          prefill_mma(S[t], kf, qf);
+          prefill_read_frag_t(df, do_tile, LD, dd * 8, t * 8, fr, fc);
+          prefill_mma(dP[t], vf, df);
+        }
+      }
+      // P^T into S, dS^T = P^T * (dP^T - Delta) into dP. Each element is
+      // (this lane's key, query qrow); the query's lse and Delta are read
+      // from device memory (a few floats per lane per block).
+      FM_UNROLL for (int t = 0; t < TQ; ++t) {
+        FM_UNROLL for (int j = 0; j < 2; ++j) {
+          const int qrow = q0 + t * 8 + fc + j;
+          float pw = 0.0f, dl = 0.0f;
+          if (!q_edge || qrow < p.q_len) {
+            const float l = lse[h.lse + int64_t(qrow) * p.lse_row_stride];
+            bool keep = as_type<uint>(l) != kNegInfBits;  // a row that saw no key has P = 0
+            if (diagonal && key > qrow + p.causal_offset) keep = false;
+            if (!fc_align_k && key >= p.kv_len) keep = false;
+            const float m2 = keep ? l * M_LOG2E_F : 0.0f;
+            pw = keep ? exp2(fma(S[t].thread_elements()[j], p.scale_log2, -m2)) : 0.0f;
+            dl = head_delta[qrow];
+          }
+          S[t].thread_elements()[j] = pw;
+          dP[t].thread_elements()[j] = pw * (dP[t].thread_elements()[j] - dl);
+        }
+      }
+      // dV += P^T.dO and dK += dS^T.Q, each block's product summed from
+      // zero and added once (blocked sums, as in the forward).
+      FM_UNROLL for (int id = 0; id < TD; ++id) {
+        if (id * 8 < D) {
+          PrefillFrag av = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
+          PrefillFrag ak = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
+          FM_UNROLL for (int t = 0; t < TQ; ++t) {
+            PrefillFrag df, qf;
+            prefill_read_frag(df, do_tile, LD, t * 8, id * 8, fr, fc);
+            prefill_mma(av, S[t], df);
+            prefill_read_frag(qf, q_tile, LD, t * 8, id * 8, fr, fc);
+            prefill_mma(ak, dP[t], qf);
+          }
+          FM_UNROLL for (int j = 0; j < 2; ++j) {
+            dV[id].thread_elements()[j] += av.thread_elements()[j];
+            dK[id].thread_elements()[j] += ak.thread_elements()[j];
+          }
+        }
+      }
+    }
+  }
+
+  // dK * scale and dV, packed, real keys and features only. A key no query
+  // sees (causal, Nk > Nq) stores zeros.
+  if (fc_align_k || key < p.kv_len) {
+    device T* kout = dk + packed_row(group.z, kv_head, p.kv_heads, p.kv_len, key, D);
+    device T* vout = dv + packed_row(group.z, kv_head, p.kv_heads, p.kv_len, key, D);
+    FM_UNROLL for (int id = 0; id < TD; ++id) {
+      FM_UNROLL for (int j = 0; j < 2; ++j) {
+        const int c = id * 8 + fc + j;
+        if (c < D) {
+          kout[c] = static_cast<T>(dK[id].thread_elements()[j] * p.scale);
+          vout[c] = static_cast<T>(dV[id].thread_elements()[j]);
+        }
+      }
+    }
+  }
+}
+
+}  // namespace flash_metal
