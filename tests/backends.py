@@ -56,8 +56,11 @@ def emulated_metal_attention(q, k, v, causal=False, scale=None, impl="auto", ins
 
 
 def emulated_metal_attention_backward(grad_out, q, k, v, out, lse, causal=False, scale=None, grad_lse=None,
-                                      instrumented=False, fast_math=False, gpu="base"):
-    """attention_backward through the Metal emulator, launched from the op's own backward plan."""
+                                      instrumented=False, fast_math=False, gpu="base", seed=0):
+    """attention_backward through the Metal emulator, launched from the op's own backward plan.
+
+    seed: the emulator's thread schedule (0: fixed order; else a seeded shuffle), for determinism tests.
+    """
     plan = flash_metal.explain(q, k, v, causal, scale, "auto", gpu, backward=True, grad_out=grad_out, out=out,
                                lse=lse, grad_lse=grad_lse)
     # Gradients and scratch poisoned with NaN: an element never written stays NaN.
@@ -68,11 +71,11 @@ def emulated_metal_attention_backward(grad_out, q, k, v, out, lse, causal=False,
                "grad_lse": lse if grad_lse is None else grad_lse}
     for name, n in plan.scratch.items():
         tensors[name] = torch.full((max(n, 1),), float("nan"), dtype=torch.float32)
-    _run_plan(plan, tensors, instrumented, fast_math)
+    _run_plan(plan, tensors, instrumented, fast_math, seed)
     return tuple(grads)
 
 
-def _run_plan(plan, tensors, instrumented, fast_math):
+def _run_plan(plan, tensors, instrumented, fast_math, seed=0):
     library = metal_library(instrumented, fast_math)
     LAST_DISPATCHES.clear()
     # Each dispatch bound from the plan's binding table, exactly as
@@ -86,6 +89,7 @@ def _run_plan(plan, tensors, instrumented, fast_math):
             grid=d.grid,
             threadgroup=d.threadgroup,
             threadgroup_memory={d.threadgroup_memory_index: d.threadgroup_memory} if d.threadgroup_memory else {},
+            seed=seed,
         )
         LAST_DISPATCHES.append((d, counts))
 
