@@ -217,8 +217,9 @@ void pack_transposed(const T* src, const int64_t* st, int64_t n, float mul, cons
   for (int64_t d = 0; d < g.D; ++d) std::fill(dst + d * kBlockQ + n, dst + d * kBlockQ + ncols, 0.0f);
 }
 
-// Per-thread buffers: K and V of one kv head (Nk rows), the blocks of one query
-// block, and, unless the caller provides partial buffers, dK and dV.
+// Per-thread buffers: the blocks of one query block and, unless the caller
+// provides shared ones (the chunked decomposition), packed K and V of one kv
+// head and the dK and dV accumulators (Nk rows each).
 struct BwdWorkspace {
   FloatBuffer kr, vr;    // Nk x ld: packed K and V rows
   FloatBuffer dk, dv;    // Nk x Dp: float32 accumulators
@@ -227,10 +228,10 @@ struct BwdWorkspace {
   FloatBuffer dq;        // kBlockQ x Dp
   FloatBuffer st, dst;   // kBlockK x kBlockQ: PT and dST
   float lse2[kBlockQ], delta[kBlockQ];
-  BwdWorkspace(const BwdGeometry& g, bool own_accumulators) {
-    kr.resize(g.kv_len * g.ld);
-    vr.resize(g.kv_len * g.ld);
-    if (own_accumulators) {
+  BwdWorkspace(const BwdGeometry& g, bool own_head_buffers) {
+    if (own_head_buffers) {
+      kr.resize(g.kv_len * g.ld);
+      vr.resize(g.kv_len * g.ld);
       dk.resize(g.kv_len * g.Dp);
       dv.resize(g.kv_len * g.Dp);
     }
@@ -250,10 +251,16 @@ struct Tensors {
   void *gq, *gk, *gv;
 };
 
-// One query block: rows [i0, i0 + nq) of query head h (kv head hk). Adds to
-// dk/dv (float32, Nk x Dp) and writes the block's grad_q rows.
+// Packed K and V of one kv head (Nk rows each, ld apart).
+struct PackedHead {
+  const float *k, *v;
+};
+
+// One query block: rows [i0, i0 + nq) of query head h, whose kv head is
+// packed in kv. Adds to dk/dv (float32, Nk x Dp) and writes the block's
+// grad_q rows.
 template <typename T>
-void query_block(const BwdGeometry& g, const Tensors& t, int64_t b, int64_t h, int64_t hk, int64_t i0, int64_t nq,
+void query_block(const BwdGeometry& g, const Tensors& t, int64_t b, int64_t h, PackedHead kv, int64_t i0, int64_t nq,
                  BwdWorkspace& ws, float* dk, float* dv) {
   const int64_t D = g.D, Dp = g.Dp, ld = g.ld;
   const int64_t ncols = round_up(nq, kG);
@@ -293,9 +300,9 @@ void query_block(const BwdGeometry& g, const Tensors& t, int64_t b, int64_t h, i
   const int64_t nchunks = ncols / kW;
   for (int64_t j0 = 0; j0 < key_end; j0 += kBlockK) {
     const int64_t nk = std::min(kBlockK, key_end - j0);
-    const float* kb = ws.kr.ptr + j0 * ld;
+    const float* kb = kv.k + j0 * ld;
     matmul<false, false>(kb, ld, ws.qt.ptr, kBlockQ, D, nk, ncols, st, kBlockQ);           // ST = K . QT
-    matmul<false, false>(ws.vr.ptr + j0 * ld, ld, ws.dot.ptr, kBlockQ, D, nk, ncols, dst, kBlockQ);  // dPT = V . dOT
+    matmul<false, false>(kv.v + j0 * ld, ld, ws.dot.ptr, kBlockQ, D, nk, ncols, dst, kBlockQ);  // dPT = V . dOT
     const bool diagonal = g.causal && j0 + nk - 1 > i0 + g.causal_offset;
     for (int64_t j = 0; j < nk; ++j) {
       float* srow = st + j * kBlockQ;
@@ -318,18 +325,24 @@ void query_block(const BwdGeometry& g, const Tensors& t, int64_t b, int64_t h, i
     for (int64_t d = 0; d < D; ++d) gq[i * D + d] = static_cast<T>(ws.dq.ptr[i * Dp + d] * g.scale);
 }
 
+// Keys [j0, j1) of kv head hk of batch b -> rows of kr and vr.
+template <typename T>
+void pack_head(const BwdGeometry& g, const Tensors& t, int64_t b, int64_t hk, int64_t j0, int64_t j1, float* kr,
+               float* vr) {
+  pack_rows(row_ptr(static_cast<const T*>(t.k), g.k_st, b, hk, j0), g.k_st, j1 - j0, g, kr + j0 * g.ld);
+  pack_rows(row_ptr(static_cast<const T*>(t.v), g.v_st, b, hk, j0), g.v_st, j1 - j0, g, vr + j0 * g.ld);
+}
+
 // One item: query rows [r0, r1) of every query head of kv head hk, batch b.
 // dk/dv (Nk x Dp) are zeroed here and hold this item's sums afterwards.
 template <typename T>
 void backward_item(const BwdGeometry& g, const Tensors& t, int64_t b, int64_t hk, int64_t r0, int64_t r1,
-                   BwdWorkspace& ws, float* dk, float* dv) {
-  const int64_t keys = g.key_end(r1);
-  pack_rows(row_ptr(static_cast<const T*>(t.k), g.k_st, b, hk, 0), g.k_st, keys, g, ws.kr.ptr);
-  pack_rows(row_ptr(static_cast<const T*>(t.v), g.v_st, b, hk, 0), g.v_st, keys, g, ws.vr.ptr);
+                   PackedHead kv, BwdWorkspace& ws, float* dk, float* dv) {
   std::fill(dk, dk + g.kv_len * g.Dp, 0.0f);
   std::fill(dv, dv + g.kv_len * g.Dp, 0.0f);
   for (int64_t h = hk * g.group; h < (hk + 1) * g.group; ++h)
-    for (int64_t i0 = r0; i0 < r1; i0 += kBlockQ) query_block<T>(g, t, b, h, hk, i0, std::min(kBlockQ, r1 - i0), ws, dk, dv);
+    for (int64_t i0 = r0; i0 < r1; i0 += kBlockQ)
+      query_block<T>(g, t, b, h, kv, i0, std::min(kBlockQ, r1 - i0), ws, dk, dv);
 }
 
 // grad_k/grad_v rows [j0, j1) of (b, hk) = scale * dk, dv (sums of `parts`
@@ -395,28 +408,45 @@ void run_backward(const BwdGeometry& g, const Tensors& t) {
       BwdWorkspace ws(g, true);
       for (int64_t idx = next.fetch_add(1); idx < items; idx = next.fetch_add(1)) {
         const int64_t b = idx / g.kv_heads, hk = idx % g.kv_heads;
-        backward_item<T>(g, t, b, hk, 0, g.q_len, ws, ws.dk.ptr, ws.dv.ptr);
+        pack_head<T>(g, t, b, hk, 0, g.key_end(g.q_len), ws.kr.ptr, ws.vr.ptr);
+        backward_item<T>(g, t, b, hk, 0, g.q_len, {ws.kr.ptr, ws.vr.ptr}, ws, ws.dk.ptr, ws.dv.ptr);
         write_kv<T>(g, t, idx, 0, g.kv_len, ws.dk.ptr, ws.dv.ptr, 1, 0);
       }
     });
     return;
   }
-  // Partial dK/dV per (kv head, chunk): heads < 4 * threads here, so at most
-  // 2 * chunks * heads * Nk * Dp floats.
+  // Chunked: K and V of every kv head packed once, shared by its chunks, and
+  // partial dK/dV per (kv head, chunk): heads < 4 * threads here, so
+  // 2 * heads * Nk * (ld + chunks * Dp) floats in all.
   const std::vector<int64_t> bounds = chunk_bounds(g, chunks);
+  const int64_t key_blocks = (g.kv_len + kBlockK - 1) / kBlockK;
+  const int64_t red_items = heads * key_blocks;  // (kv head, key block) pairs
+  const int64_t head_floats = g.kv_len * g.ld;
+  FloatBuffer kr, vr;
+  kr.resize(heads * head_floats);
+  vr.resize(heads * head_floats);
+  std::atomic<int64_t> pack_next{0};
+  run_on_threads(std::min(threads_avail, red_items), [&](int64_t) {
+    for (int64_t idx = pack_next.fetch_add(1); idx < red_items; idx = pack_next.fetch_add(1)) {
+      const int64_t bhk = idx / key_blocks, j0 = (idx % key_blocks) * kBlockK;
+      const int64_t j1 = std::min(g.key_end(g.q_len), j0 + kBlockK);
+      if (j0 < j1)
+        pack_head<T>(g, t, bhk / g.kv_heads, bhk % g.kv_heads, j0, j1, kr.ptr + bhk * head_floats,
+                     vr.ptr + bhk * head_floats);
+    }
+  });
   const int64_t part = g.kv_len * g.Dp;
   std::vector<float> pk(static_cast<size_t>(items * part)), pv(static_cast<size_t>(items * part));
   run_on_threads(threads, [&](int64_t) {
     BwdWorkspace ws(g, false);
     for (int64_t idx = next.fetch_add(1); idx < items; idx = next.fetch_add(1)) {
       const int64_t bhk = idx / chunks, c = idx % chunks;
-      backward_item<T>(g, t, bhk / g.kv_heads, bhk % g.kv_heads, bounds[c], bounds[c + 1], ws,
+      const PackedHead kv{kr.ptr + bhk * head_floats, vr.ptr + bhk * head_floats};
+      backward_item<T>(g, t, bhk / g.kv_heads, bhk % g.kv_heads, bounds[c], bounds[c + 1], kv, ws,
                        pk.data() + idx * part, pv.data() + idx * part);
     }
   });
   // Sum the chunks in order, in parallel over (kv head, key block).
-  const int64_t key_blocks = (g.kv_len + kBlockK - 1) / kBlockK;
-  const int64_t red_items = heads * key_blocks;
   std::atomic<int64_t> red_next{0};
   run_on_threads(std::min(threads_avail, red_items), [&](int64_t) {
     for (int64_t idx = red_next.fetch_add(1); idx < red_items; idx = red_next.fetch_add(1)) {
