@@ -26,7 +26,7 @@ import torch
 
 import flash_metal
 import mps_exec
-from numerics import DTYPES, assert_attention_close, dtype_id, make_qkv
+from numerics import DTYPES, assert_attention_close, assert_gradients_close, dtype_id, lay_out, make_qkv
 from prereqs import unavailable
 
 ROOT = mps_exec.ROOT
@@ -239,6 +239,32 @@ def test_host_matches_oracle_with_scale_and_broadcast_kv(host, emu):
         assert_attention_close(out, lse, q, k, v, True, -0.3)
 
 
+@pytest.mark.parametrize("grad_lse", [False, True], ids=["no_grad_lse", "grad_lse"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+def test_host_backward_matches_oracle(host, emu, dtype, grad_lse):
+    # attention_backward through the real .mm (encode_plan, shared with the
+    # forward): the dQ kernel then the dK/dV kernel on the one encoder, the
+    # Delta scratch allocated by the host, strided grad_out and out, GQA,
+    # causal with rows that see no key; replayed, against the oracle.
+    causal = True
+    q, k, v = _inputs("mixed", dtype, 4, 2, seed=zlib.crc32(f"bwd/{dtype}/{grad_lse}".encode()), shape=(2, 45, 38, 72))
+    out, lse = torch.ops.flash_metal.attention_forward(q, k, v, causal, None, "auto")
+    g = torch.Generator().manual_seed(5)
+    grad_out = lay_out(torch.randn(q.shape, generator=g).to(dtype), "every_other")
+    gl = torch.randn(lse.shape, generator=g) if grad_lse else None
+    grads, rec = host.backward(grad_out, q, k, v, lay_out(out, "transposed"), lse, causal, None, gl, emu)
+    assert rec["errors"] == []
+    assert_gradients_close(grads, q, k, v, grad_out, causal, None, gl)
+    kernels = [e["kernel"] for e in rec["events"] if e["op"] == "setComputePipelineState"]
+    plan = flash_metal.explain(q, k, v, causal, backward=True, grad_lse=gl)
+    assert kernels == [d.kernel_name for d in plan.dispatches]
+    assert kernels[0].startswith("flash_backward_dq_") and kernels[1].startswith("flash_backward_dkdv_")
+    ops = _ops(rec)
+    assert ops.count("dispatch_sync") == 1 and ops.count("commandEncoder") == 1
+    assert ops.count("setBuffer") == 9 + 8  # the two binding tables
+    assert ops.count("dispatchThreadgroups") == 2
+
+
 # --- how the host encodes -------------------------------------------------------------------
 
 
@@ -305,8 +331,10 @@ def test_build_all_pipelines_on_the_fake_device(host, emu):
     assert {name for name, _ in pairs} == set(emu.kernel_names())
     for name in emu.kernel_names():
         bits = {b for n, b in pairs if n == name}
-        if name.startswith("flash_attention_prefill_"):
+        if name.startswith(("flash_attention_prefill_", "flash_backward_dkdv_")):
             assert bits == {f"{c}{a}{b}" for c in "01" for a in "01" for b in "01"}, name
+        elif name.startswith("flash_backward_dq_"):  # its fourth constant: has_grad_lse
+            assert bits == {f"{c}{a}{b}{g}" for c in "01" for a in "01" for b in "01" for g in "01"}, name
         elif name.startswith("flash_decode_merge_"):
             assert bits == {""}, name
         else:

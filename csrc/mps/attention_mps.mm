@@ -1,5 +1,6 @@
-// flash_metal::attention_forward for MPS tensors: turns the portable plan
-// (csrc/metal_plan.h) into Metal calls on PyTorch's own MPS stream.
+// flash_metal::attention_forward and attention_backward for MPS tensors: turn
+// the portable plans (csrc/metal_plan.h) into Metal calls on PyTorch's own
+// MPS stream, through one encoding function (encode_plan).
 //
 // The encoding follows the pattern of PyTorch's own Attention.mm and its
 // test/cpp_extensions/mps_extension.mm (idea credited, code not copied):
@@ -34,7 +35,8 @@
 namespace flash_metal::mps {
 namespace {
 
-constexpr const char* kOp = "flash_metal.attention_forward";
+constexpr const char* kForwardOp = "flash_metal.attention_forward";
+constexpr const char* kBackwardOp = "flash_metal.attention_backward";
 
 // The MTLBuffer behind an MPS tensor: PyTorch's MPS allocator hands out the
 // buffer object itself as the storage's data pointer (the same cast as
@@ -94,15 +96,15 @@ GpuClass gpu_class_of(id<MTLDevice> device) {
 
 // Checks, before any encoding, that the device and the pipeline can run the
 // launch as planned; Metal would otherwise fail (or corrupt) at dispatch.
-void check_launch_fits(const MetalLaunch& launch, const Pipeline& pipeline, id<MTLDevice> device) {
+void check_launch_fits(const MetalLaunch& launch, const Pipeline& pipeline, id<MTLDevice> device, const char* op) {
   const uint64_t threads =
       uint64_t{launch.threadgroup[0]} * launch.threadgroup[1] * launch.threadgroup[2];
-  TORCH_CHECK(pipeline.max_threads_per_threadgroup >= threads, kOp, ": kernel ", launch.kernel_name, " needs ",
+  TORCH_CHECK(pipeline.max_threads_per_threadgroup >= threads, op, ": kernel ", launch.kernel_name, " needs ",
               threads, " threads per threadgroup but its pipeline allows at most ",
               pipeline.max_threads_per_threadgroup, " on this GPU; use impl='tiled' or report this");
   const uint64_t memory = uint64_t{launch.threadgroup_memory} + pipeline.static_threadgroup_memory;
   const uint64_t limit = [device maxThreadgroupMemoryLength];
-  TORCH_CHECK(memory <= limit, kOp, ": kernel ", launch.kernel_name, " needs ", memory,
+  TORCH_CHECK(memory <= limit, op, ": kernel ", launch.kernel_name, " needs ", memory,
               " bytes of threadgroup memory but this GPU has ", limit);
 }
 
@@ -119,32 +121,19 @@ struct ResolvedLaunch {
   std::vector<NSUInteger> offsets, indices;
 };
 
-std::tuple<at::Tensor, at::Tensor> attention_forward_mps(const at::Tensor& q, const at::Tensor& k,
-                                                         const at::Tensor& v, bool causal,
-                                                         std::optional<double> scale, c10::string_view impl) {
-  // --- Everything that can throw or touch PyTorch happens here, first. ---
-  const AttentionProblem problem = check_attention_inputs(q, k, v, causal, scale);
-  const KernelRequest request = parse_kernel_request(std::string(impl));
-  at::Tensor out, lse;
-  std::tie(out, lse) = allocate_outputs(q, problem);  // on MPS, before the block
+using LaunchTensors = std::array<const at::Tensor*, kLaunchTensorCount>;  // indexed by LaunchTensor
 
-  id<MTLDevice> device = at::mps::MPSDevice::getInstance()->device();
-  const LaunchStrides strides{strides4(q), strides4(k), strides4(v), strides4(out),
-                              {lse.stride(0), lse.stride(1), lse.stride(2)}};
-  const MetalPlan plan = plan_metal_attention(problem, strides, request, gpu_class_of(device));
-
-  // The split-KV decode's float32 scratch, allocated on the stream like any
-  // MPS tensor; it lives until this function returns, after the encoding.
-  const auto scratch = [&](int64_t n) { return at::empty({std::max<int64_t>(n, 1)}, q.options().dtype(at::kFloat)); };
-  const at::Tensor partial_out = scratch(plan.partial_out_elements);
-  const at::Tensor partial_stats = scratch(plan.partial_stats_elements);
-  const std::array<const at::Tensor*, kLaunchTensorCount> tensors = {&q, &k, &v, &out, &lse, &partial_out,
-                                                                     &partial_stats};  // LaunchTensor order
-
+// Encodes every launch of `plan`, in order, on the current stream's shared
+// encoder, binding each launch's tensors from `tensors` by its binding
+// table. First everything that can throw (pipelines, limits, bindings),
+// then the dispatch_sync block, which cannot. attention_forward and
+// attention_backward both encode through here.
+void encode_plan(const MetalPlan& plan, const LaunchTensors& tensors, id<MTLDevice> device,
+                 const std::vector<at::Tensor>& profiled_inputs, const char* op) {
   std::vector<ResolvedLaunch> launches;
   for (const MetalLaunch& launch : plan.launches) {
     const Pipeline pipeline = get_pipeline(device, launch.kernel_name, launch.function_constants);
-    check_launch_fits(launch, pipeline, device);
+    check_launch_fits(launch, pipeline, device, op);
     ResolvedLaunch r;
     r.state = pipeline.state;
     r.kernel_name = launch.kernel_name;
@@ -155,18 +144,21 @@ std::tuple<at::Tensor, at::Tensor> attention_forward_mps(const at::Tensor& q, co
     r.threadgroup_memory_index = launch.threadgroup_memory_index;
     r.params_index = launch.params_index;
     for (const BufferBinding& b : launch.buffers) {
-      const at::Tensor& t = *tensors[static_cast<size_t>(b.tensor)];
-      r.buffers.push_back(buffer_of(t));
-      r.offsets.push_back(byte_offset_of(t));
+      const at::Tensor* t = tensors[static_cast<size_t>(b.tensor)];
+      TORCH_CHECK(t != nullptr && t->defined(), op, ": internal error: ", launch.kernel_name,
+                  " binds a tensor this op does not have");
+      r.buffers.push_back(buffer_of(*t));
+      r.offsets.push_back(byte_offset_of(*t));
       r.indices.push_back(b.index);
     }
     launches.push_back(std::move(r));
   }
-  const std::vector<at::Tensor> profiled_inputs = {q, k, v};  // copied into the block now, not inside it
 
   // --- Encoding: no throw, no PyTorch op, no own encoder, no commit. ---
   // Every launch goes on the stream's one encoder, in order; its dispatches
-  // run serially, so the merge pass sees the split pass's partials.
+  // run serially, so each sees the previous one's writes (the split-KV
+  // merge pass the partials, the backward's dK/dV kernel the Delta of its
+  // dQ kernel).
   at::mps::MPSStream* stream = at::mps::getCurrentMPSStream();
   dispatch_sync(stream->queue(), ^{
     @autoreleasepool {
@@ -186,11 +178,84 @@ std::tuple<at::Tensor, at::Tensor> attention_forward_mps(const at::Tensor& q, co
       }
     }
   });
+}
+
+// Float32 scratch on the stream, like any MPS tensor; it lives until the
+// calling op returns, after the encoding (PyTorch's allocator keeps freed
+// storage usable for work already on the stream).
+at::Tensor scratch(const at::Tensor& like, int64_t n) {
+  return at::empty({std::max<int64_t>(n, 1)}, like.options().dtype(at::kFloat));
+}
+
+std::tuple<at::Tensor, at::Tensor> attention_forward_mps(const at::Tensor& q, const at::Tensor& k,
+                                                         const at::Tensor& v, bool causal,
+                                                         std::optional<double> scale, c10::string_view impl) {
+  // --- Everything that can throw or touch PyTorch happens here, first. ---
+  const AttentionProblem problem = check_attention_inputs(q, k, v, causal, scale);
+  const KernelRequest request = parse_kernel_request(std::string(impl));
+  at::Tensor out, lse;
+  std::tie(out, lse) = allocate_outputs(q, problem);  // on MPS, before the block
+
+  id<MTLDevice> device = at::mps::MPSDevice::getInstance()->device();
+  const LaunchStrides strides{strides4(q), strides4(k), strides4(v), strides4(out),
+                              {lse.stride(0), lse.stride(1), lse.stride(2)}};
+  const MetalPlan plan = plan_metal_attention(problem, strides, request, gpu_class_of(device));
+
+  // The split-KV decode's float32 scratch.
+  const at::Tensor partial_out = scratch(q, plan.partial_out_elements);
+  const at::Tensor partial_stats = scratch(q, plan.partial_stats_elements);
+  const LaunchTensors tensors = {&q, &k, &v, &out, &lse, &partial_out, &partial_stats};  // LaunchTensor order
+  encode_plan(plan, tensors, device, {q, k, v}, kForwardOp);
   return {out, lse};
+}
+
+// attention_backward: the two kernels of shaders/attention_backward.h (dQ
+// and Delta, then dK/dV), planned by plan_metal_attention_backward. Inputs
+// are read in place with their own strides; the gradients are packed.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_mps(
+    const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+    const at::Tensor& fwd_out, const at::Tensor& lse, bool causal, std::optional<double> scale,
+    const std::optional<at::Tensor>& grad_lse, c10::string_view impl) {
+  const AttentionProblem problem = check_backward_inputs(grad_out, q, k, v, fwd_out, lse, grad_lse, causal, scale);
+  const KernelRequest request = parse_kernel_request(std::string(impl));
+  at::Tensor grad_q, grad_k, grad_v;
+  std::tie(grad_q, grad_k, grad_v) = allocate_gradients(q, k, problem);
+
+  // Without grad_lse, lse is bound in its slot (the kernel's has_grad_lse
+  // constant is false, so it is never read): every declared buffer bound.
+  const bool has_grad_lse = grad_lse.has_value() && grad_lse->defined();
+  const at::Tensor& glse = has_grad_lse ? *grad_lse : lse;
+  id<MTLDevice> device = at::mps::MPSDevice::getInstance()->device();
+  LaunchStrides strides{strides4(q), strides4(k), strides4(v), strides4(fwd_out),
+                        {lse.stride(0), lse.stride(1), lse.stride(2)}};
+  strides.grad_out = strides4(grad_out);
+  strides.grad_lse = {glse.stride(0), glse.stride(1), glse.stride(2)};
+  const MetalPlan plan =
+      plan_metal_attention_backward(problem, strides, has_grad_lse, request, gpu_class_of(device));
+
+  const at::Tensor delta = scratch(q, plan.delta_elements);
+  LaunchTensors tensors{};
+  const auto put = [&](LaunchTensor slot, const at::Tensor& t) { tensors[static_cast<size_t>(slot)] = &t; };
+  put(LaunchTensor::Q, q);
+  put(LaunchTensor::K, k);
+  put(LaunchTensor::V, v);
+  put(LaunchTensor::Out, fwd_out);
+  put(LaunchTensor::Lse, lse);
+  put(LaunchTensor::GradOut, grad_out);
+  put(LaunchTensor::GradQ, grad_q);
+  put(LaunchTensor::GradK, grad_k);
+  put(LaunchTensor::GradV, grad_v);
+  put(LaunchTensor::GradLse, glse);
+  put(LaunchTensor::Delta, delta);
+  encode_plan(plan, tensors, device, {grad_out, q, k, v}, kBackwardOp);
+  return {grad_q, grad_k, grad_v};
 }
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(flash_metal, MPS, m) { m.impl("attention_forward", &attention_forward_mps); }
+TORCH_LIBRARY_IMPL(flash_metal, MPS, m) {
+  m.impl("attention_forward", &attention_forward_mps);
+  m.impl("attention_backward", &attention_backward_mps);
+}
 
 }  // namespace flash_metal::mps

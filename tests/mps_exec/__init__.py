@@ -148,6 +148,26 @@ class Host:
         return self.to_cpu(tensors[3]), self.to_cpu(tensors[4]), rec, tensors
 
 
+    def run_backward(self, grad_out, q, k, v, out, lse, causal=False, scale=None, grad_lse=None):
+        """Calls attention_backward on fake MPS copies (layouts kept), without replay.
+
+        Returns (recording, (grad_q, grad_k, grad_v) as fake MPS tensors, the inputs as fake MPS tensors).
+        """
+        dev = [self.to_mps(t) for t in (grad_out, q, k, v, out, lse)]
+        g = None if grad_lse is None else self.to_mps(grad_lse)
+        self.take_recording()
+        grads = torch.ops.flash_metal.attention_backward(*dev, causal, scale, g)
+        return self.take_recording(), grads, (*dev, g)
+
+    def backward(self, grad_out, q, k, v, out, lse, causal=False, scale=None, grad_lse=None, library=None):
+        """run_backward(), then replay() into the emulator `library`; returns
+        (grad_q, grad_k, grad_v) copied back to the CPU, and the recording."""
+        rec, grads, _ = self.run_backward(grad_out, q, k, v, out, lse, causal, scale, grad_lse)
+        replay(rec, library)
+        self.complete_gpu_work()
+        return tuple(self.to_cpu(t) for t in grads), rec
+
+
 def load(path: str) -> Host:
     return Host(path)
 
