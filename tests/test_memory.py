@@ -39,15 +39,16 @@ def test_measurement_sees_an_nxn_buffer():
 @pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="peak RSS reset needs Linux /proc")
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_flash_forward_backward_peak_extra_memory_stays_in_megabytes(causal):
-    # Forward + backward at N = 16384, D = 64, float32. What must exist: out
-    # (4 MiB), lse (64 KiB), the three gradients (12 MiB), grad_out (4 MiB)
-    # and the O(N) row statistics: about 20 MiB. Allow thread-local blocks,
-    # per-head float32 accumulators and allocator slack: 48 MiB, under 1/20
-    # of the 1 GiB N x N float32 matrix the composite backward materializes
-    # (twice: P and dP).
+    # Forward + backward at N = 16384, D = 64, float32; every N x D tensor is
+    # 4 MiB. What the call itself creates: out, out * w, grad_out and the
+    # three gradients (24 MiB), lse and Delta (O(N)). The CPU backward adds
+    # float32 accumulators of N x D (dK and dV per item, and with B * Hkv = 1
+    # below the 2 threads, one dQ partial per key chunk). 64 MiB bounds all
+    # of it with slack: 1/16 of the 1 GiB N x N float32 matrix the composite
+    # backward materializes (twice: P and dP).
     r = measure("flash", 16384, causal, backward=True)
     assert r["backward"] and r["nxn_float32_bytes"] == 1 << 30
-    assert r["peak_extra_bytes"] < 48 << 20, r
+    assert r["peak_extra_bytes"] < 64 << 20, r
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="peak RSS reset needs Linux /proc")
