@@ -285,11 +285,13 @@ void decode_launches(const AttentionProblem& p, const KernelChoice& c, const std
 // at D = 128 and lost to its unfused path there, so the blocks below shrink
 // the streamed side first and keep the accumulators in registers.
 constexpr uint32_t kBackwardRegisterBudget = 72;
-// What a thread can address at all: above it a kernel spills for certain.
+// What a thread can address at all ([I], as above).
 constexpr uint32_t kMaxRegistersPerThread = 128;
 
 uint32_t dq_live_floats(uint32_t bucket, uint32_t block_k) { return bucket / 4 + block_k / 2; }
-uint32_t dkdv_live_floats(uint32_t bucket, uint32_t block_q) { return bucket / 2 + block_q / 2; }
+uint32_t dkdv_live_floats(uint32_t bucket, uint32_t block_q, uint32_t split) {
+  return bucket / 2 / split + block_q / 2;
+}
 
 KernelChoice choose_backward(const AttentionProblem& p, KernelRequest requested) {
   TORCH_CHECK_VALUE(requested == KernelRequest::Auto, "flash_metal.attention_backward: impl must be 'auto' (the "
@@ -321,8 +323,9 @@ KernelChoice choose_backward(const AttentionProblem& p, KernelRequest requested)
       c.block_q = 32; c.block_k = 16; c.simdgroups = 4; c.dkv_block_q = 8;
     } else {
       // D = 256: 2 simdgroups keep the tiles at 25 KB; dQ is 64 floats, so
-      // 8 keys per block (68). dK + dV are 128 floats: over the register file.
-      c.block_q = 16; c.block_k = 8; c.simdgroups = 2; c.dkv_block_q = 8;
+      // 8 keys per block (68). dK + dV would be 128 floats, the whole
+      // register file: each threadgroup keeps half the features (64 + 4).
+      c.block_q = 16; c.block_k = 8; c.simdgroups = 2; c.dkv_block_q = 8; c.dkv_feature_split = 2;
     }
     c.dkv_simdgroups = c.simdgroups;
     c.dkv_block_k = 8 * c.dkv_simdgroups;
@@ -344,15 +347,17 @@ KernelChoice choose_backward(const AttentionProblem& p, KernelRequest requested)
       c.block_q = 16; c.block_k = 8; c.simdgroups = 2; c.dkv_block_q = 8; c.dkv_simdgroups = 2;
     } else {
       // Why 1 simdgroup and 8 + 8 rows at D = 256: the smallest whole
-      // fragments; 32 KiB exactly, with the row padding dropped.
+      // fragments; 32 KiB exactly, with the row padding dropped. dK/dV keeps
+      // half the features per threadgroup, as in half precision.
       c.block_q = 8; c.block_k = 8; c.simdgroups = 1; c.dkv_block_q = 8; c.dkv_simdgroups = 1;
+      c.dkv_feature_split = 2;
     }
     c.dkv_block_k = 8 * c.dkv_simdgroups;
   }
   const uint32_t dq_bytes = backward_threadgroup_memory(c.block_q, c.block_k, c.bucket, p.dtype);
   const uint32_t dkv_bytes = backward_threadgroup_memory(c.dkv_block_k, c.dkv_block_q, c.bucket, p.dtype);
   const uint32_t dq_floats = dq_live_floats(c.bucket, c.block_k);
-  const uint32_t dkv_floats = dkdv_live_floats(c.bucket, c.dkv_block_q);
+  const uint32_t dkv_floats = dkdv_live_floats(c.bucket, c.dkv_block_q, c.dkv_feature_split);
   c.reason = "backward: FlashAttention-2 with recomputation, metal-flash-attention's atomics-free split (dQ and "
              "Delta parallel over query blocks, then dK/dV parallel over key blocks; deterministic); dQ kernel: " +
              std::to_string(c.block_q) + " queries x " + std::to_string(c.block_k) + " keys on " +
@@ -360,12 +365,15 @@ KernelChoice choose_backward(const AttentionProblem& p, KernelRequest requested)
              " live floats per lane; dK/dV kernel: " + std::to_string(c.dkv_block_k) + " keys x " +
              std::to_string(c.dkv_block_q) + " queries on " + std::to_string(c.dkv_simdgroups) + " simdgroups, " +
              kib(dkv_bytes) + ", " + std::to_string(dkv_floats) + " live floats per lane";
-  if (dkv_floats > kMaxRegistersPerThread) {
-    c.reason += " (over the " + std::to_string(kMaxRegistersPerThread) +
-                " registers a thread can address: dK and dV will spill at this head_dim)";
-  } else {
-    c.reason += " (within the " + std::to_string(kBackwardRegisterBudget) + "-float register budget)";
+  if (c.dkv_feature_split > 1) {
+    c.reason += ", dK and dV split over " + std::to_string(c.dkv_feature_split) +
+                " threadgroups by features (whole, they would take " +
+                std::to_string(dkdv_live_floats(c.bucket, c.dkv_block_q, 1)) + " of a thread's " +
+                std::to_string(kMaxRegistersPerThread) + " registers; each part recomputes P and dP)";
   }
+  TORCH_CHECK(dq_floats <= kBackwardRegisterBudget && dkv_floats <= kBackwardRegisterBudget,
+              "flash_metal.attention_backward: internal error: blocks over the register budget");
+  c.reason += " (within the " + std::to_string(kBackwardRegisterBudget) + "-float register budget)";
   c.reason += padding_note(p.head_dim, c.bucket);
   return c;
 }
@@ -574,8 +582,9 @@ MetalPlan plan_metal_attention_backward(const AttentionProblem& p, const LaunchS
 
   MetalLaunch dkv = dq;
   dkv.kernel_name = "flash_backward_dkdv_" + suffix + "_bq" + std::to_string(c.dkv_block_q) + "_bk" +
-                    std::to_string(c.dkv_block_k) + "_wm" + std::to_string(c.dkv_simdgroups);
-  dkv.grid = {ceil_div(p.kv_len, c.dkv_block_k), static_cast<uint32_t>(p.kv_heads), batch};
+                    std::to_string(c.dkv_block_k) + "_wm" + std::to_string(c.dkv_simdgroups) + "_ds" +
+                    std::to_string(c.dkv_feature_split);
+  dkv.grid = {ceil_div(p.kv_len, c.dkv_block_k) * c.dkv_feature_split, static_cast<uint32_t>(p.kv_heads), batch};
   dkv.threadgroup = {32 * c.dkv_simdgroups, 1, 1};
   dkv.threadgroup_memory = backward_threadgroup_memory(c.dkv_block_k, c.dkv_block_q, c.bucket, p.dtype);
   dkv.function_constants = {p.causal, p.q_len % c.dkv_block_q == 0, p.kv_len % c.dkv_block_k == 0};

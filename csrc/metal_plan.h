@@ -115,6 +115,7 @@ struct KernelChoice {
   uint32_t dkv_block_q = 0;     // backward, dK/dV kernel: query rows per streamed block
   uint32_t dkv_block_k = 0;     // backward, dK/dV kernel: keys per threadgroup (8 per simdgroup)
   uint32_t dkv_simdgroups = 0;  // backward, dK/dV kernel: simdgroups per threadgroup
+  uint32_t dkv_feature_split = 1;  // backward, dK/dV kernel: feature parts of dK/dV (a threadgroup each)
   // (for the backward, block_q / block_k / simdgroups describe its dQ kernel)
   std::string reason;      // why, for humans (flash_metal.explain)
 };

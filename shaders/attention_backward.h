@@ -14,10 +14,14 @@
 //     scratch for the second kernel; then over the key blocks the rows see:
 //     S = Q.K^T, P = exp2(S * scale * log2 e - lse_i * log2 e),
 //     dP = dO.V^T, dS = P * (dP - Delta), dQ += dS.K; dQ * scale stored.
-//   flash_backward_dkdv  grid (ceil(Nk / BK), Hkv, B), 32 * WM threads
+//   flash_backward_dkdv  grid (ceil(Nk / BK) * DSPLIT, Hkv, B), 32 * WM threads
 //     over the GQA group's query heads and the query blocks that see the
 //     key block: P^T (recomputed), dV += P^T.dO, dP^T = V.dO^T,
 //     dS^T = P^T * (dP^T - Delta), dK += dS^T.Q; dK * scale and dV stored.
+//     DSPLIT = 2 (D = 256): each threadgroup keeps dK and dV for one half of
+//     the features only (P^T and dP^T still need all of them), so the
+//     accumulators fit the register file; the price is P^T and dP^T
+//     computed by both halves.
 //
 // The dK/dV kernel must run after the dQ kernel (it reads Delta); the host
 // encodes them in that order on one serial compute encoder.
@@ -254,11 +258,14 @@ template <typename T, int DMAX, int BQ, int BK, int WM>
 }
 
 // BK: keys per threadgroup (8 per SIMD-group, BK = 8 * WM). BQ: query rows
-// per streamed block. Launch: grid (ceil(Nk / BK), Hkv, B), threadgroup
+// per streamed block. DSPLIT: feature parts of dK and dV (1, or 2 at
+// DMAX 256: dK and dV of 8 keys x 256 features would be 128 floats per lane,
+// more than a thread's 128 registers can hold beside anything else).
+// Launch: grid (ceil(Nk / BK) * DSPLIT, Hkv, B), threadgroup
 // (32 * WM, 1, 1), threadgroup memory (top of file) at index 0, function
 // constants fc_causal (0), fc_align_q (1: Nq % BQ == 0), fc_align_k
 // (2: Nk % BK == 0). Reads Delta as the dQ kernel wrote it.
-template <typename T, int DMAX, int BQ, int BK, int WM>
+template <typename T, int DMAX, int BQ, int BK, int WM, int DSPLIT>
 [[kernel]] void flash_backward_dkdv(
     device const T* q [[buffer(0)]],
     device const T* k [[buffer(1)]],
@@ -279,8 +286,9 @@ template <typename T, int DMAX, int BQ, int BK, int WM>
   constexpr int THREADS = 32 * WM;
   constexpr int PAD = backward_row_pad<T, DMAX, 2 * (BQ + BK)>();
   constexpr int LD = DMAX + PAD / int(sizeof(T));
-  constexpr int TQ = BQ / 8;  // query fragments per streamed block
-  constexpr int TD = DMAX / 8;
+  static_assert(DMAX % (8 * DSPLIT) == 0, "each part is whole fragments");
+  constexpr int TQ = BQ / 8;                // query fragments per streamed block
+  constexpr int TD = DMAX / 8 / DSPLIT;     // feature fragments of dK and dV this threadgroup keeps
   threadgroup T* k_tile = smem;
   threadgroup T* v_tile = k_tile + BK * LD;
   threadgroup T* q_tile = v_tile + BK * LD;
@@ -290,7 +298,8 @@ template <typename T, int DMAX, int BQ, int BK, int WM>
   const uint kv_head = group.y;
   const int64_t k_off = int64_t(group.z) * p.k_batch_stride + int64_t(kv_head) * p.k_head_stride;
   const int64_t v_off = int64_t(group.z) * p.v_batch_stride + int64_t(kv_head) * p.v_head_stride;
-  const int k0 = int(group.x) * BK;
+  const int k0 = int(group.x) / DSPLIT * BK;
+  const int col0 = int(group.x) % DSPLIT * (DMAX / DSPLIT);  // first feature of this part
   const int sg_key0 = k0 + int(sg) * 8;
   const int fr = prefill_frag_row(lane);
   const int fc = prefill_frag_col(lane);
@@ -395,16 +404,17 @@ template <typename T, int DMAX, int BQ, int BK, int WM>
         }
       }
       // dV += P^T.dO and dK += dS^T.Q, each block's product summed from
-      // zero and added once (blocked sums, as in the forward).
+      // zero and added once (blocked sums, as in the forward), over this
+      // part's features.
       FM_UNROLL for (int id = 0; id < TD; ++id) {
-        if (id * 8 < D) {
+        if (col0 + id * 8 < D) {
           PrefillFrag av = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
           PrefillFrag ak = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
           FM_UNROLL for (int t = 0; t < TQ; ++t) {
             PrefillFrag df, qf;
-            prefill_read_frag(df, do_tile, LD, t * 8, id * 8, fr, fc);
+            prefill_read_frag(df, do_tile, LD, t * 8, col0 + id * 8, fr, fc);
             prefill_mma(av, S[t], df);
-            prefill_read_frag(qf, q_tile, LD, t * 8, id * 8, fr, fc);
+            prefill_read_frag(qf, q_tile, LD, t * 8, col0 + id * 8, fr, fc);
             prefill_mma(ak, dP[t], qf);
           }
           FM_UNROLL for (int j = 0; j < 2; ++j) {
@@ -416,14 +426,14 @@ template <typename T, int DMAX, int BQ, int BK, int WM>
     }
   }
 
-  // dK * scale and dV, packed, real keys and features only. A key no query
-  // sees (causal, Nk > Nq) stores zeros.
+  // dK * scale and dV, packed, real keys and this part's real features
+  // only. A key no query sees (causal, Nk > Nq) stores zeros.
   if (fc_align_k || key < p.kv_len) {
     device T* kout = dk + packed_row(group.z, kv_head, p.kv_heads, p.kv_len, key, D);
     device T* vout = dv + packed_row(group.z, kv_head, p.kv_heads, p.kv_len, key, D);
     FM_UNROLL for (int id = 0; id < TD; ++id) {
       FM_UNROLL for (int j = 0; j < 2; ++j) {
-        const int c = id * 8 + fc + j;
+        const int c = col0 + id * 8 + fc + j;
         if (c < D) {
           kout[c] = static_cast<T>(dK[id].thread_elements()[j] * p.scale);
           vout[c] = static_cast<T>(dV[id].thread_elements()[j]);
