@@ -257,3 +257,17 @@ def test_reads_match_the_flashattention2_backward_io_model(causal, D):
         a, b = got[key]
         assert a == b, key
         assert (a < full[key]) if causal else (a == full[key]), key
+
+
+@pytest.mark.parametrize("bucket", [64, 256], ids=["d64", "d256"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+def test_fast_math_build(dtype, bucket):
+    # Apple's compiler defaults to fast math (no infinities): the backward
+    # meets lse = -inf on rows that see no key and must not compute with it.
+    # The emulator's fast-math flavour (clang -ffast-math) folds code that
+    # relies on infinities; causal with Nk < Nq has such rows.
+    causal = True
+    case = _case(1, 2, 1, 37, 21, BUCKET_DIMS[bucket], dtype, causal, grad_lse=True)
+    assert torch.isinf(case[4]).any()
+    _check(case, causal, fast_math=True)
+    assert backends.metal_library(False, True).fast_math
