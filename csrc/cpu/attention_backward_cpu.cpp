@@ -474,7 +474,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_cpu(
   const AttentionProblem p = check_backward_inputs(grad_out, q, k, v, out, lse, grad_lse, causal, scale);
   const std::string impl_name(impl);
   TORCH_CHECK_VALUE(impl_name == "auto", "flash_metal.attention_backward: impl='", impl_name,
-                    "' selects a Metal kernel; tensors on cpu run the CPU flash backward kernel, so impl must be "
+                    "' is not available for tensors on cpu, which run the CPU flash backward kernel; impl must be "
                     "'auto'");
   auto [grad_q, grad_k, grad_v] = allocate_gradients(q, k, p);
 
