@@ -67,6 +67,34 @@ constexpr int backward_row_pad() {
   return ROWS * (DMAX * int(sizeof(T)) + kPrefillRowPadBytes) <= 32768 ? kPrefillRowPadBytes : 0;
 }
 
+// S = A.B^T and dP = A2.B2^T, the two products both kernels recompute (dQ
+// kernel: Q.K^T and dO.V^T; dK/dV kernel: K.Q^T and V.dO^T), for one
+// SIMD-group's 8 owned rows (row0 of the own tiles a and a2) against the
+// N * 8 streamed rows of tiles b and b2, in one walk over the d_frags
+// feature fragments that hold real features. Inlined, so S and dP stay
+// arrays of registers (constant indices after unrolling).
+template <int N, typename T>
+FM_INLINE void backward_products(thread PrefillFrag* S, thread PrefillFrag* dP, threadgroup const T* a,
+                                 threadgroup const T* a2, threadgroup const T* b, threadgroup const T* b2, int ld,
+                                 int row0, int d_frags, int fr, int fc) {
+  FM_UNROLL for (int t = 0; t < N; ++t) {
+    S[t] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
+    dP[t] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
+  }
+  for (int dd = 0; dd < d_frags; ++dd) {
+    PrefillFrag af, a2f;
+    prefill_read_frag(af, a, ld, row0, dd * 8, fr, fc);
+    prefill_read_frag(a2f, a2, ld, row0, dd * 8, fr, fc);
+    FM_UNROLL for (int t = 0; t < N; ++t) {
+      PrefillFrag bf, b2f;
+      prefill_read_frag_t(bf, b, ld, dd * 8, t * 8, fr, fc);
+      prefill_mma(S[t], af, bf);
+      prefill_read_frag_t(b2f, b2, ld, dd * 8, t * 8, fr, fc);
+      prefill_mma(dP[t], a2f, b2f);
+    }
+  }
+}
+
 // The packed (B, H, N, D) offset of row `row` of head `head` of batch
 // `batch`: the layout of grad_q, grad_k and grad_v (allocate_gradients).
 inline int64_t packed_row(uint batch, uint head, int heads, int n, int row, int D) {
@@ -198,25 +226,10 @@ template <typename T, int DMAX, int BQ, int BK, int WM>
     threadgroup_barrier(mem_flags::mem_threadgroup);  // K/V written before anyone reads them (RAW)
     if (!active) continue;
 
-    // S = Q.K^T and dP = dO.V^T (8 x BK each), from the same fragment walk.
+    // S = Q.K^T and dP = dO.V^T (8 x BK each).
     PrefillFrag S[TK];
     PrefillFrag dP[TK];
-    FM_UNROLL for (int t = 0; t < TK; ++t) {
-      S[t] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
-      dP[t] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
-    }
-    for (int dd = 0; dd < d_frags; ++dd) {
-      PrefillFrag qf, df;
-      prefill_read_frag(qf, q_tile, LD, int(sg) * 8, dd * 8, fr, fc);
-      prefill_read_frag(df, do_tile, LD, int(sg) * 8, dd * 8, fr, fc);
-      FM_UNROLL for (int t = 0; t < TK; ++t) {
-        PrefillFrag kf, vf;
-        prefill_read_frag_t(kf, k_tile, LD, dd * 8, t * 8, fr, fc);
-        prefill_mma(S[t], qf, kf);
-        prefill_read_frag_t(vf, v_tile, LD, dd * 8, t * 8, fr, fc);
-        prefill_mma(dP[t], df, vf);
-      }
-    }
+    backward_products<TK>(S, dP, q_tile, do_tile, k_tile, v_tile, LD, int(sg) * 8, d_frags, fr, fc);
     // P and dS = P * (dP - Delta), elementwise, into dP. Weight 0 (so dS 0)
     // for keys past Nk, future keys and rows that saw no key, by explicit
     // tests (no exp2 of an infinity).
@@ -367,22 +380,7 @@ template <typename T, int DMAX, int BQ, int BK, int WM, int DSPLIT>
       // S^T = K.Q^T and dP^T = V.dO^T (8 keys x BQ queries each).
       PrefillFrag S[TQ];
       PrefillFrag dP[TQ];
-      FM_UNROLL for (int t = 0; t < TQ; ++t) {
-        S[t] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
-        dP[t] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
-      }
-      for (int dd = 0; dd < d_frags; ++dd) {
-        PrefillFrag kf, vf;
-        prefill_read_frag(kf, k_tile, LD, int(sg) * 8, dd * 8, fr, fc);
-        prefill_read_frag(vf, v_tile, LD, int(sg) * 8, dd * 8, fr, fc);
-        FM_UNROLL for (int t = 0; t < TQ; ++t) {
-          PrefillFrag qf, df;
-          prefill_read_frag_t(qf, q_tile, LD, dd * 8, t * 8, fr, fc);
-          prefill_mma(S[t], kf, qf);
-          prefill_read_frag_t(df, do_tile, LD, dd * 8, t * 8, fr, fc);
-          prefill_mma(dP[t], vf, df);
-        }
-      }
+      backward_products<TQ>(S, dP, k_tile, v_tile, q_tile, do_tile, LD, int(sg) * 8, d_frags, fr, fc);
       // P^T into S, dS^T = P^T * (dP^T - Delta) into dP. Each element is
       // (this lane's key, query qrow); the query's lse and Delta are read
       // from device memory (a few floats per lane per block).
