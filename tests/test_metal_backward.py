@@ -11,6 +11,8 @@ model are checked here too (the signatures in test_metal_kernels.py).
 """
 import itertools
 import math
+import os
+import sys
 
 import pytest
 import torch
@@ -271,3 +273,28 @@ def test_fast_math_build(dtype, bucket):
     assert torch.isinf(case[4]).any()
     _check(case, causal, fast_math=True)
     assert backends.metal_library(False, True).fast_math
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_backward_model_scaling_rule_and_io_model(causal):
+    # benchmarks/metal_backward_model.py predicts big problems from counts
+    # scaled off three emulated sizes (n = 2, 3, 4 units of 64): the rule
+    # must reproduce a fourth emulated size (n = 5, two heads) exactly, and
+    # its I/O model must equal the counted K+V and Q+dO reads.
+    # benchmarks/ is a package at the repository root, not installed.
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    if root not in sys.path:
+        sys.path.insert(0, root)
+    from benchmarks import metal_backward_model as BM
+    from benchmarks.metal_model import Shape
+
+    s = Shape(1, 2, 2, 320, 320, 32)
+    emulated = BM.emulate(s, torch.float16, causal)
+    scaled = BM.scaled_counts(s, torch.float16, causal)
+    assert [r.kernel for r in scaled] == [r.kernel for r in emulated]
+    for a, b in zip(scaled, emulated):
+        assert a.counts == b.counts and a.grid == b.grid
+    assert BM.io_measured(emulated) == BM.io_model(s, 2, emulated, causal)
+    # The unfused model: 4 GEMMs of 2 N^2 D FLOPs and 7 N^2 elements per head, at least.
+    gpu = BM.G.BY_NAME["M3 Max"]
+    assert BM.unfused_seconds(s, torch.float16, gpu) > 0

@@ -1,0 +1,167 @@
+"""Performance model of the Metal backward (issue 10), on the emulator's exact
+counts: a prediction, not a measurement; nothing here ran on a GPU.
+
+    python -m benchmarks.metal_backward_model [--quick]
+
+1. Counts. attention_backward runs in the instrumented emulator
+   (tests/backends.py emulated_metal_attention_backward, launched from the
+   host's own plan: the dQ kernel, then the dK/dV kernel). Sizes too big to
+   emulate are scaled by metal_model's rule (linear in B * H; for
+   Nq = Nk = n * 64, a polynomial of degree <= 2 in n, fixed by three
+   emulated sizes); tests/test_metal_backward.py checks it on a fourth.
+2. I/O model: the split's FlashAttention-2 traffic. dQ kernel: Q, dO, O read
+   once, K and V once per query block up to its last visible key. dK/dV
+   kernel: K and V once (per feature part at D = 256), Q and dO once per key
+   block from its first seeing query row. Printed next to the counted bytes.
+3. Time: metal_model.predict on the counted records (the forward's time
+   model: MMAs at metal-benchmarks' in-GEMM rate, exp2, memory, on-core
+   data; occupancy from threadgroup memory), against an UNFUSED backward's
+   model: the composite path (PyTorch's MPS math path, MLX's unfused VJP)
+   has P (N x N, saved by its forward) and runs dV = P^T dO, dP = dO V^T,
+   the softmax backward dS = P * (dP - rowsum(P * dP)) over N x N, then
+   dQ = dS K and dK = dS^T Q: 4 GEMMs of 2 N^2 D FLOPs and 7 N^2 elements of
+   traffic per head. Each of its 5 kernels costs max(compute at the same
+   MMA rate as ours, bytes at full memory bandwidth) plus the same dispatch
+   overhead: generous to unfused (no occupancy or cache effects), dense
+   even when causal (the composite path masks, it does not skip).
+"""
+import argparse
+
+import torch
+
+from . import apple_gpus as G
+from . import metal_model as M
+from .metal_model import Shape
+
+import backends  # noqa: E402  (tests/ is on sys.path through metal_model)
+
+_CACHE = {}
+
+
+def _inputs(s: Shape, dtype, causal):
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(s.b, s.hq, s.nq, s.d, generator=g).to(dtype)
+    k = torch.randn(s.b, s.hkv, s.nk, s.d, generator=g).to(dtype)
+    v = torch.randn(s.b, s.hkv, s.nk, s.d, generator=g).to(dtype)
+    out, lse = torch.ops.flash_metal.attention_forward(q, k, v, causal, None, "auto")
+    return torch.randn(out.shape, generator=g).to(dtype), q, k, v, out, lse
+
+
+def emulate(s: Shape, dtype, causal):
+    """The backward's dispatches in the instrumented emulator; exact counts."""
+    key = (s, dtype, causal)
+    if key not in _CACHE:
+        backends.emulated_metal_attention_backward(*_inputs(s, dtype, causal), causal, None, None, instrumented=True)
+        _CACHE[key] = [M.Record(d.kernel_name, d.grid, d.threadgroup, d.threadgroup_memory, M._count_dict(d, c), False)
+                       for d, c in backends.LAST_DISPATCHES]
+    return _CACHE[key]
+
+
+def scaled_counts(s: Shape, dtype, causal, base_ns=M.BASE_NS):
+    """metal_model's scaling rule for the backward (Nq = Nk = n * UNIT, Hq = Hkv)."""
+    if s.nq != s.nk or s.nq % M.UNIT or s.hq != s.hkv:
+        raise ValueError(f"the scaling rule needs Nq = Nk, a multiple of {M.UNIT}, and Hq = Hkv; got {s}")
+    bases = [emulate(Shape(1, 1, 1, n * M.UNIT, n * M.UNIT, s.d), dtype, causal) for n in base_ns]
+    n, heads = s.nq // M.UNIT, s.b * s.hq
+    records = []
+    for i, base in enumerate(bases[0]):
+        counts = {}
+        for field in base.counts:
+            v = M._quadratic_at([(m, b[i].counts[field]) for m, b in zip(base_ns, bases)], n) * heads
+            if v.denominator != 1:
+                raise AssertionError(f"scaling rule gave a fractional {field}: {v}")
+            counts[field] = int(v)
+        grid = (base.grid[0] * n // base_ns[0], s.hq if i == 0 else s.hkv, s.b)
+        records.append(M.Record(base.kernel, grid, base.threadgroup, base.tg_memory, counts, True))
+    return records
+
+
+def counts_for(s: Shape, dtype, causal):
+    if s.b * s.hq * s.nq * s.nk <= M.MAX_EMULATED_PAIRS:
+        return emulate(s, dtype, causal)
+    return scaled_counts(s, dtype, causal)
+
+
+def _blocks(kernel):
+    fields = {p[:2]: int(p[2:]) for p in kernel.split("_") if p[:2] in ("bq", "bk", "ds") and p[2:].isdigit()}
+    return fields["bq"], fields["bk"], fields.get("ds", 1)
+
+
+def io_model(s: Shape, elem, records, causal):
+    """Modelled device bytes read of (K + V, Q + dO), summed over both kernels."""
+    bq = _blocks(records[0].kernel)[0]
+    bk, split = _blocks(records[1].kernel)[1:]
+    row = s.d * elem
+    kv_dq = sum(M.visible(min(q0 + bq, s.nq) - 1, s, causal) for q0 in range(0, s.nq, bq)) * s.hq
+    first_row = lambda k0: max(0, k0 - (s.nk - s.nq)) if causal else 0  # noqa: E731
+    q_dkdv = sum(max(0, s.nq - first_row(k0) // bq * bq) for k0 in range(0, s.nk, bk)) * s.hq * split
+    kv = 2 * (kv_dq + s.nk * s.hkv * split) * row * s.b
+    qdo = 2 * (s.nq * s.hq + q_dkdv) * row * s.b
+    return kv, qdo
+
+
+def io_measured(records):
+    kv = sum(r.counts["read_k"] + r.counts["read_v"] for r in records)
+    qdo = sum(r.counts["read_q"] + r.counts["read_grad_out"] for r in records)
+    return kv, qdo
+
+
+def unfused_seconds(s: Shape, dtype, gpu: G.AppleGPU):
+    """The composite backward's modelled time (module docstring, 3)."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    hz = gpu.clock_ghz * 1e9
+    rate = 2 * (G.MMA_FFMA16_PER_CORE_CYCLE if elem == 2 else G.MMA_FFMA32_PER_CORE_CYCLE) * gpu.cores * hz
+    bw = min(gpu.bandwidth_gbs * 1e9, gpu.cores * M.ON_GPU_BYTES_PER_CYCLE * hz)
+    heads, nn, nd = s.b * s.hq, s.nq * s.nk, (s.nq + s.nk) * s.d
+    gemm_flops = 2 * nn * s.d * heads
+    kernels = [  # (FLOPs, bytes) per kernel
+        (gemm_flops, (nn + nd + s.nk * s.d) * elem * heads),  # dV = P^T dO
+        (gemm_flops, (nn + nd) * elem * heads),  # dP = dO V^T
+        (0, 3 * nn * elem * heads),  # dS = P * (dP - rowsum(P * dP))
+        (gemm_flops, (nn + nd + s.nq * s.d) * elem * heads),  # dQ = dS K
+        (gemm_flops, (nn + nd + s.nk * s.d) * elem * heads),  # dK = dS^T Q
+    ]
+    return sum(M.DISPATCH_OVERHEAD_S + max(f / rate, b / bw) for f, b in kernels)
+
+
+SHAPES_FULL = [Shape(1, 32, 32, 4096, 4096, d) for d in (64, 96, 128)] + [Shape(1, 8, 8, 8192, 8192, 128)]
+SHAPES_QUICK = [Shape(1, 32, 32, 4096, 4096, d) for d in (64, 96, 128)]
+
+
+def table(quick):
+    gpus = [G.BY_NAME[n] for n in (("M3 Max",) if quick else ("M1 Max", "M3 Max", "M4 Max", G.POST_GPU))]
+    print("\n## Backward, float16: fused (this kernel pair) vs unfused, predicted ms: model, not measurement")
+    print("| shape | causal | counts | K+V read / model | Q+dO read / model | MMAs | exp2 | "
+          + " | ".join(f"{g.name} fused / unfused (speedup)" for g in gpus) + " |")
+    print("|" + "---|" * (7 + len(gpus)))
+    wins = []
+    for s in (SHAPES_QUICK if quick else SHAPES_FULL):
+        for causal in (False, True):
+            recs = counts_for(s, torch.float16, causal)
+            (kv, qdo), (mkv, mqdo) = io_measured(recs), io_model(s, 2, recs, causal)
+            cells = []
+            for g in gpus:
+                t = M.predict(recs, g, s, torch.float16, causal)[0]
+                u = unfused_seconds(s, torch.float16, g)
+                wins.append((g.name, s, causal, u / t))
+                cells.append(f"{M._fmt_ms(t)} / {M._fmt_ms(u)} ({u / t:.2f}x)")
+            print(f"| {s.b}x{s.hq}x{s.nq}x{s.d} | {causal} | {'scaled' if recs[0].scaled else 'emulated'} "
+                  f"| {kv / mkv:.3f} | {qdo / mqdo:.3f} | {sum(r.counts['simdgroup_mmas'] for r in recs)} "
+                  f"| {sum(r.counts['exp2_calls'] for r in recs)} | " + " | ".join(cells) + " |")
+    return wins
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="D = 64, 96, 128 at N = 4096 on an M3 Max only")
+    args = ap.parse_args(argv)
+    wins = table(args.quick)
+    faster = [w for w in wins if w[3] > 1.0]
+    print(f"\nClaim (a prediction of this model, not yet verified on Apple hardware): the fused backward is predicted "
+          f"faster than the unfused one in {len(faster)} of {len(wins)} (GPU, shape, causal) cases; slowest ratio "
+          f"{min(w[3] for w in wins):.2f}x, fastest {max(w[3] for w in wins):.2f}x.")
+    return wins
+
+
+if __name__ == "__main__":
+    main()
