@@ -300,60 +300,42 @@ KernelChoice choose_backward(const AttentionProblem& p, KernelRequest requested)
   KernelChoice c;
   c.kind = KernelRequest::Prefill;  // the simdgroup-matrix family
   c.bucket = bucket_of(p.head_dim, kFastHeadDimBuckets);
-  const bool f32 = p.dtype == c10::ScalarType::Float;
-  // Blocks per (dtype, bucket): (dQ: query rows, keys per block, simdgroups;
-  // dK/dV: query rows per block, keys, simdgroups). The rules, in order:
-  // (1) 4 simdgroups (32 owned rows) while the four tiles fit 32 KiB, else
-  // 2, else 1; (2) the streamed block as long as the register budget allows
-  // (32, halved while over it or over 32 KiB). float32 tiles take twice
-  // the bytes, so float32 drops to 2 simdgroups from D = 72 on, where
-  // float16/bfloat16 keep 4 up to D = 128.
-  if (!f32) {
-    if (c.bucket <= 64) {
-      // Why 32/32/4 for both: 40 and 48 live floats per lane at D = 64,
-      // 18.4 KB of tiles.
-      c.block_q = 32; c.block_k = 32; c.simdgroups = 4; c.dkv_block_q = 32;
-    } else if (c.bucket <= 96) {
-      // Why dK/dV streams 16 queries: dK and dV at D = 96 take 48 floats, 32
-      // more queries of P and dP would make 64 + 48 = 112 (> 72).
-      c.block_q = 32; c.block_k = 32; c.simdgroups = 4; c.dkv_block_q = 16;
-    } else if (c.bucket <= 128) {
-      // Why dQ streams 16 keys and dK/dV 8 queries at D = 128: dQ takes 32
-      // floats, dK + dV 64; 16 keys (dQ) keep 40, 8 queries (dK/dV) 68.
-      c.block_q = 32; c.block_k = 16; c.simdgroups = 4; c.dkv_block_q = 8;
-    } else {
-      // D = 256: 2 simdgroups keep the tiles at 25 KB; dQ is 64 floats, so
-      // 8 keys per block (68). dK + dV would be 128 floats, the whole
-      // register file: each threadgroup keeps half the features (64 + 4).
-      c.block_q = 16; c.block_k = 8; c.simdgroups = 2; c.dkv_block_q = 8; c.dkv_feature_split = 2;
+  // dK and dV of 8 keys x the whole bucket would take bucket / 2 floats per
+  // lane: 128 at D = 256, every register a thread has. There each dK/dV
+  // threadgroup keeps half the features (two threadgroups per key block,
+  // each recomputing P and dP): 64.
+  c.dkv_feature_split = dkdv_live_floats(c.bucket, 8, 1) > kBackwardRegisterBudget ? 2 : 1;
+  // Blocks: one rule for both kernels, R rows owned (8 per simdgroup: query
+  // rows for dQ, keys for dK/dV) and S rows streamed per block (keys for dQ,
+  // query rows for dK/dV). Largest R first: the streamed side is re-read
+  // once per R owned rows, so R sets the kernel's memory traffic (the
+  // forward's block_q argument); then the largest S, which sets how many
+  // MMAs share one barrier pair. Both within the register budget (the
+  // accumulators plus S / 8 fragments of P and of dP) and 32 KiB of tiles.
+  // The result, float16/bfloat16 | float32 (R, S):
+  //   D = 32: 32,32 | 32,32   64: 32,32 | 32,16   72, 80: 32,32 | 32,16
+  //   D = 96: 32,32 | 32,8    128: 32,16 | 16,8   256: 16,8 | 8,8
+  // (float32 rows are twice the bytes, so its tiles bind first).
+  // Tiles keep their 16-byte row padding (bank conflicts) if any block pair
+  // fits with it; only float32 at D = 256 (8 + 8 rows) has to drop it.
+  const uint32_t padded_row = c.bucket * dtype_bytes(p.dtype) + 16;
+  bool found = false;
+  for (bool padded : {true, false}) {
+    for (uint32_t own : {32u, 16u, 8u}) {
+      for (uint32_t streamed : {32u, 16u, 8u}) {
+        const bool fits = padded ? 2 * (own + streamed) * padded_row <= kMaxThreadgroupMemory
+                                 : backward_threadgroup_memory(own, streamed, c.bucket, p.dtype) <= kMaxThreadgroupMemory;
+        if (found || !fits || dq_live_floats(c.bucket, streamed) > kBackwardRegisterBudget ||
+            dkdv_live_floats(c.bucket, streamed, c.dkv_feature_split) > kBackwardRegisterBudget) {
+          continue;
+        }
+        found = true;
+        c.block_q = own; c.block_k = streamed; c.simdgroups = own / 8;
+        c.dkv_block_k = own; c.dkv_block_q = streamed; c.dkv_simdgroups = own / 8;
+      }
     }
-    c.dkv_simdgroups = c.simdgroups;
-    c.dkv_block_k = 8 * c.dkv_simdgroups;
-  } else {
-    if (c.bucket <= 32) {
-      // Why 32/32/4: 24 and 32 live floats, 18.4 KB of tiles.
-      c.block_q = 32; c.block_k = 32; c.simdgroups = 4; c.dkv_block_q = 32; c.dkv_simdgroups = 4;
-    } else if (c.bucket <= 64) {
-      // Why 16-row streamed blocks at D = 64: 32 + 32 rows of 272 bytes would
-      // be 34.8 KB; 32 + 16 take 26.1 KB.
-      c.block_q = 32; c.block_k = 16; c.simdgroups = 4; c.dkv_block_q = 16; c.dkv_simdgroups = 4;
-    } else if (c.bucket <= 96) {
-      // Why 2 simdgroups from D = 72: 16 + 16 rows of up to 400 bytes take
-      // 25.6 KB; 32 owned rows would not fit with any streamed block.
-      c.block_q = 16; c.block_k = 16; c.simdgroups = 2; c.dkv_block_q = 16; c.dkv_simdgroups = 2;
-    } else if (c.bucket <= 128) {
-      // Why 8-row streamed blocks at D = 128: 16 + 8 rows of 528 bytes take
-      // 25.3 KB, and dK + dV (64 floats) + 8 queries make 68.
-      c.block_q = 16; c.block_k = 8; c.simdgroups = 2; c.dkv_block_q = 8; c.dkv_simdgroups = 2;
-    } else {
-      // Why 1 simdgroup and 8 + 8 rows at D = 256: the smallest whole
-      // fragments; 32 KiB exactly, with the row padding dropped. dK/dV keeps
-      // half the features per threadgroup, as in half precision.
-      c.block_q = 8; c.block_k = 8; c.simdgroups = 1; c.dkv_block_q = 8; c.dkv_simdgroups = 1;
-      c.dkv_feature_split = 2;
-    }
-    c.dkv_block_k = 8 * c.dkv_simdgroups;
   }
+  TORCH_CHECK(found, "flash_metal.attention_backward: internal error: no block size fits head_dim ", p.head_dim);
   const uint32_t dq_bytes = backward_threadgroup_memory(c.block_q, c.block_k, c.bucket, p.dtype);
   const uint32_t dkv_bytes = backward_threadgroup_memory(c.dkv_block_k, c.dkv_block_q, c.bucket, p.dtype);
   const uint32_t dq_floats = dq_live_floats(c.bucket, c.block_k);
@@ -371,8 +353,6 @@ KernelChoice choose_backward(const AttentionProblem& p, KernelRequest requested)
                 std::to_string(dkdv_live_floats(c.bucket, c.dkv_block_q, 1)) + " of a thread's " +
                 std::to_string(kMaxRegistersPerThread) + " registers; each part recomputes P and dP)";
   }
-  TORCH_CHECK(dq_floats <= kBackwardRegisterBudget && dkv_floats <= kBackwardRegisterBudget,
-              "flash_metal.attention_backward: internal error: blocks over the register budget");
   c.reason += " (within the " + std::to_string(kBackwardRegisterBudget) + "-float register budget)";
   c.reason += padding_note(p.head_dim, c.bucket);
   return c;

@@ -66,32 +66,33 @@
   FM_DECODE(tname, T, 256)
 
 // The backward's two kernels. Block sizes per (dtype, bucket), as
-// choose_metal_kernel (csrc/metal_plan.cpp) chooses and explains them: the
-// float32 accumulators (dQ; dK and dV) and one block of P and dP per lane
-// kept within the register budget, the four tiles within 32 KiB; at D = 256
-// the dK/dV kernel keeps half the features per threadgroup (DSPLIT 2).
+// choose_backward (csrc/metal_plan.cpp) chooses and explains them: the most
+// owned rows, then the longest streamed block, with the float32
+// accumulators (dQ; dK and dV) and one block of P and dP per lane within the
+// register budget and the four tiles within 32 KiB; at D = 256 the dK/dV
+// kernel keeps half the features per threadgroup (DSPLIT 2).
 #define FM_BACKWARD(tname, T, D, QBQ, QBK, QWM, KBQ, KBK, KWM, KDS)                                       \
   FM_INSTANTIATE("flash_backward_dq_" #tname "_d" #D "_bq" #QBQ "_bk" #QBK "_wm" #QWM,                 \
                  flash_backward_dq<T, D, QBQ, QBK, QWM>)                                                 \
   FM_INSTANTIATE("flash_backward_dkdv_" #tname "_d" #D "_bq" #KBQ "_bk" #KBK "_wm" #KWM "_ds" #KDS,    \
                  flash_backward_dkdv<T, D, KBQ, KBK, KWM, KDS>)
 
-#define FM_BACKWARD_HALF_ALL_D(tname, T)                  \
-  FM_BACKWARD(tname, T, 32, 32, 32, 4, 32, 32, 4, 1)\
-  FM_BACKWARD(tname, T, 64, 32, 32, 4, 32, 32, 4, 1)\
-  FM_BACKWARD(tname, T, 72, 32, 32, 4, 16, 32, 4, 1)\
-  FM_BACKWARD(tname, T, 80, 32, 32, 4, 16, 32, 4, 1)\
-  FM_BACKWARD(tname, T, 96, 32, 32, 4, 16, 32, 4, 1)\
-  FM_BACKWARD(tname, T, 128, 32, 16, 4, 8, 32, 4, 1)\
+#define FM_BACKWARD_HALF_ALL_D(tname, T)              \
+  FM_BACKWARD(tname, T, 32, 32, 32, 4, 32, 32, 4, 1)  \
+  FM_BACKWARD(tname, T, 64, 32, 32, 4, 32, 32, 4, 1)  \
+  FM_BACKWARD(tname, T, 72, 32, 32, 4, 32, 32, 4, 1)  \
+  FM_BACKWARD(tname, T, 80, 32, 32, 4, 32, 32, 4, 1)  \
+  FM_BACKWARD(tname, T, 96, 32, 32, 4, 32, 32, 4, 1)  \
+  FM_BACKWARD(tname, T, 128, 32, 16, 4, 16, 32, 4, 1) \
   FM_BACKWARD(tname, T, 256, 16, 8, 2, 8, 16, 2, 2)
 
-#define FM_BACKWARD_FLOAT_ALL_D(tname, T)                 \
-  FM_BACKWARD(tname, T, 32, 32, 32, 4, 32, 32, 4, 1)\
-  FM_BACKWARD(tname, T, 64, 32, 16, 4, 16, 32, 4, 1)\
-  FM_BACKWARD(tname, T, 72, 16, 16, 2, 16, 16, 2, 1)\
-  FM_BACKWARD(tname, T, 80, 16, 16, 2, 16, 16, 2, 1)\
-  FM_BACKWARD(tname, T, 96, 16, 16, 2, 16, 16, 2, 1)\
-  FM_BACKWARD(tname, T, 128, 16, 8, 2, 8, 16, 2, 1) \
+#define FM_BACKWARD_FLOAT_ALL_D(tname, T)             \
+  FM_BACKWARD(tname, T, 32, 32, 32, 4, 32, 32, 4, 1)  \
+  FM_BACKWARD(tname, T, 64, 32, 16, 4, 16, 32, 4, 1)  \
+  FM_BACKWARD(tname, T, 72, 32, 16, 4, 16, 32, 4, 1)  \
+  FM_BACKWARD(tname, T, 80, 32, 16, 4, 16, 32, 4, 1)  \
+  FM_BACKWARD(tname, T, 96, 32, 8, 4, 8, 32, 4, 1)    \
+  FM_BACKWARD(tname, T, 128, 16, 8, 2, 8, 16, 2, 1)   \
   FM_BACKWARD(tname, T, 256, 8, 8, 1, 8, 8, 1, 2)
 
 // An explicit instantiation with an unqualified name must sit in the
