@@ -188,6 +188,17 @@ def test_routing_blocks_memory_and_reasons_for_every_head_dim(dtype):
             assert d.threadgroup_memory == (padded if padded <= TG_LIMIT else rows * bucket * size)
             assert d.threadgroup_memory <= TG_LIMIT and d.threadgroup_memory % 16 == 0
         assert plan.scratch == {"delta": 3 * 4 * 45}
+        # One (R owned, S streamed) for both kernels: the largest R, then S,
+        # within the register budget and 32 KiB of padded tiles (padding
+        # dropped only when no pair fits with it).
+        assert (qbq, qbk) == (kbk, kbq)
+
+        def fits(r, st, pad):
+            live = max(bucket // 4 + st // 2, bucket // 2 // split + st // 2)
+            return live <= REGISTER_BUDGET and 2 * (r + st) * (bucket * size + pad) <= TG_LIMIT
+
+        pad = 16 if any(fits(r, st, 16) for r in (32, 16, 8) for st in (32, 16, 8)) else 0
+        assert (qbq, qbk) == next((r, st) for r in (32, 16, 8) for st in (32, 16, 8) if fits(r, st, pad))
         # Live float32 values per lane (accumulators + one block of P and dP).
         dq_floats, dkdv_floats = bucket // 4 + qbk // 2, bucket // 2 // split + kbq // 2
         assert dq_floats <= REGISTER_BUDGET and dkdv_floats <= REGISTER_BUDGET
