@@ -65,10 +65,6 @@
 #include <numeric>
 #include <vector>
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
-
 namespace flash_metal {
 namespace cpu {
 namespace {
@@ -76,25 +72,8 @@ namespace {
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kInf = std::numeric_limits<float>::infinity();
 
-// The products' vector type. With AVX-512 (-march=native on this project's
-// Xeon) the micro-kernel uses 16-lane zmm registers: float32 SDPA on this
-// machine runs on MKL's AVX-512 GEMMs, and an 8-lane AVX2 tile tops out at
-// half their rate (measured: 150 GFLOP/s for the whole backward on 2 cores
-// with AVX2, about the AVX2 FMA peak). The element-wise passes keep simd.h's Vec.
-#if defined(__AVX512F__)
-struct MVec {
-  static constexpr int kWidth = 16;
-  __m512 v;
-  static MVec load(const float* p) { return {_mm512_loadu_ps(p)}; }
-  static MVec broadcast(float x) { return {_mm512_set1_ps(x)}; }
-  static MVec zero() { return {_mm512_setzero_ps()}; }
-  void store(float* p) const { _mm512_storeu_ps(p, v); }
-};
-inline MVec fmadd(MVec a, MVec b, MVec c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }
-#else
-using MVec = Vec;
-#endif
-constexpr int kMW = MVec::kWidth;
+// The products' vector type is simd.h's MVec (16-lane zmm with AVX-512, see
+// there); the element-wise passes keep simd.h's Vec.
 
 // Register tile: kRows rows x kVecs vectors. 6 x 2 on AVX2 (12 accumulators +
 // 2 loaded vectors + 1 broadcast of 16 ymm registers, the forward's tile);

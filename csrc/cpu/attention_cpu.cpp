@@ -18,7 +18,8 @@
 // Scores are kept transposed (keys x queries) so that every softmax reduction
 // runs *down* columns: vertical max/add across rows, no horizontal shuffles,
 // and K enters Q.K^T through scalar broadcasts (row tiles), V through vector
-// loads (column panels): both micro-kernels are the classic 6 x 16 sgemm tile.
+// loads (column panels): both micro-kernels are the classic 6 x 16 sgemm tile
+// (6 x 64 with AVX-512).
 // Decode-like items (<= 16 query columns, float32) read K and V in place.
 //
 // Extra memory: one workspace per thread of about
@@ -54,21 +55,32 @@ constexpr float kLn2 = 0.6931471805599453f;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 // ---------------------------------------------------------------- tiling
-// Register tile of both micro-kernels: kTileRows rows x kTileVecs vectors.
-// Why 6 x 2 on AVX2: 12 accumulators + 2 loaded vectors + 1 broadcast = 15 of
-// the 16 ymm registers, the classic sgemm tile. NEON has 32 registers of 4
-// lanes, so 6 x 4 (24 accumulators) keeps the same 16-float column width.
+// Register tile of both micro-kernels: kTileRows rows x kTileVecs vectors of
+// simd.h's MVec. Why 6 x 2 on AVX2: 12 accumulators + 2 loaded vectors + 1
+// broadcast = 15 of the 16 ymm registers, the classic sgemm tile. NEON has 32
+// registers of 4 lanes, so 6 x 4 (24 accumulators) keeps the same 16-float
+// column width. AVX-512 also has 32 registers, of 16 lanes: 6 x 4 zmm, a
+// 64-float column panel (the backward's tile). Measured against the 6 x 2
+// ymm tile on this 2-core AVX-512 Xeon (benchmarks.llm --quick, float32
+// forward vs torch SDPA, two interleaved runs each, machine shared and
+// noisy): 1x8x1024x64 0.64-0.70x -> 1.01x, causal 0.73x -> 1.00x;
+// 2x4x512x128 0.76x -> 1.08-1.18x, causal ~1.0x -> 1.25-1.33x; GQA 1x8:2
+// 0.67-0.69x -> 1.00x, causal 0.76x -> 1.02-1.05x; half/bfloat16 prefill
+// gained as much, decode unchanged or better.
 constexpr int kTileRows = 6;
-#if defined(FLASH_METAL_SIMD_NEON)
+#if defined(FLASH_METAL_SIMD_NEON) || defined(__AVX512F__)
 constexpr int kTileVecs = 4;
 #else
 constexpr int kTileVecs = 2;
 #endif
-constexpr int kTileCols = kTileVecs * kW;  // 16 floats on AVX2 and NEON
+constexpr int kTileCols = kTileVecs * kMW;  // 16 floats on AVX2 and NEON, 64 on AVX-512
+// Column granularity of the score block and of the packed V / O rows: one
+// micro-kernel vector (kW on AVX2 and NEON, 16 on AVX-512).
+constexpr int64_t kG = kMW;
 
 // Queries per query block and keys per key block. Why 96 x 96: both are
 // multiples of the 6-row register tile (no 4-row tail tiles in Q.K^T or P.V)
-// and 96 is six 16-wide column panels. The score block is 36 KB, about L1;
+// and 96 is six 16-wide column panels (64 + 32 with AVX-512). The score block is 36 KB, about L1;
 // measured single-thread against 64 x 64 on this Zen 3 machine: +5-8% at
 // (2048, D=64/128), e.g. 71.9 -> 76.9 GFLOP/s at D = 128 (64 x 72, 96 x 72
 // and 48 x 72 fell in between). Override with -DFLASH_METAL_CPU_BLOCK_Q/K
@@ -81,32 +93,32 @@ constexpr int64_t kBlockQ = FLASH_METAL_CPU_BLOCK_Q;
 #define FLASH_METAL_CPU_BLOCK_K 96
 #endif
 constexpr int64_t kBlockK = FLASH_METAL_CPU_BLOCK_K;
-static_assert(kBlockQ % kW == 0, "query block must be a whole number of vectors");
+static_assert(kBlockQ % kG == 0, "query block must be a whole number of vectors");
 
 
 
 // ---------------------------------------------------------------- micro-kernels
 
-// ST[r][c..c+NV*kW) = sum_d K[r][d] * QT[d][c..]   for r < MR.
+// ST[r][c..c+NV*kMW) = sum_d K[r][d] * QT[d][c..]   for r < MR.
 // K is a packed row tile: k[d * ks + r] (ks >= MR: the tile's packed height),
 // so the MR broadcasts of one step read consecutive floats. QT: row stride ldq.
 // RowMajor: K read in place instead, row r at k + r * ks (decode path).
 template <int MR, int NV, bool RowMajor>
 inline void qk_tile(const float* k, int64_t ks, const float* qt, int64_t ldq, int64_t D, float* st,
                     int64_t lds) {
-  Vec acc[MR][NV];
+  MVec acc[MR][NV];
   for (int r = 0; r < MR; ++r)
-    for (int v = 0; v < NV; ++v) acc[r][v] = Vec::zero();
+    for (int v = 0; v < NV; ++v) acc[r][v] = MVec::zero();
   for (int64_t d = 0; d < D; ++d) {
-    Vec b[NV];
-    for (int v = 0; v < NV; ++v) b[v] = Vec::load(qt + d * ldq + v * kW);
+    MVec b[NV];
+    for (int v = 0; v < NV; ++v) b[v] = MVec::load(qt + d * ldq + v * kMW);
     for (int r = 0; r < MR; ++r) {
-      const Vec a = Vec::broadcast(RowMajor ? k[r * ks + d] : k[d * ks + r]);
+      const MVec a = MVec::broadcast(RowMajor ? k[r * ks + d] : k[d * ks + r]);
       for (int v = 0; v < NV; ++v) acc[r][v] = fmadd(a, b[v], acc[r][v]);
     }
   }
   for (int r = 0; r < MR; ++r)
-    for (int v = 0; v < NV; ++v) acc[r][v].store(st + r * lds + v * kW);
+    for (int v = 0; v < NV; ++v) acc[r][v].store(st + r * lds + v * kMW);
 }
 
 // All key rows of one column panel of NV vectors.
@@ -132,16 +144,17 @@ inline void qk_panel(const float* k, int64_t nk, int64_t packed_rows, const floa
   }
 }
 
-// ST (nk x ncols) = K (nk x D) . QT (D x ncols); ncols a multiple of kW.
-// Column panels outermost: one QT panel (D x 16 floats, 16 KB at D = 256)
-// stays in L1 while the key rows stream past it.
+// ST (nk x ncols) = K (nk x D) . QT (D x ncols); ncols a multiple of kG.
+// Column panels outermost: one QT panel (D x kTileCols floats, 16 KB at
+// D = 256 with 16 columns, 32 KB at D = 128 with AVX-512's 64) stays in L1
+// while the key rows stream past it.
 template <bool RowMajor>
 void qk_block(const float* k, int64_t nk, int64_t packed_rows, const float* qt, int64_t ldq, int64_t ncols, int64_t D,
               float* st, int64_t lds) {
   int64_t c = 0;
   for (; c + kTileCols <= ncols; c += kTileCols) qk_panel<kTileVecs, RowMajor>(k, nk, packed_rows, qt + c, ldq, D, st + c, lds);
-  switch ((ncols - c) / kW) {
-#if defined(FLASH_METAL_SIMD_NEON)
+  switch ((ncols - c) / kMW) {
+#if defined(FLASH_METAL_SIMD_NEON) || defined(__AVX512F__)
     case 3: qk_panel<3, RowMajor>(k, nk, packed_rows, qt + c, ldq, D, st + c, lds); break;
     case 2: qk_panel<2, RowMajor>(k, nk, packed_rows, qt + c, ldq, D, st + c, lds); break;
 #endif
@@ -155,21 +168,21 @@ void qk_block(const float* k, int64_t nk, int64_t packed_rows, const float* qt, 
 template <int MR, int NV>
 inline void pv_tile(const float* p, int64_t ldp, int64_t nk, const float* v, int64_t ldv, const float* alpha,
                     float* o, int64_t ldo) {
-  Vec acc[MR][NV];
+  MVec acc[MR][NV];
   for (int r = 0; r < MR; ++r) {
-    const Vec a = Vec::broadcast(alpha[r]);
-    for (int c = 0; c < NV; ++c) acc[r][c] = a * Vec::load(o + r * ldo + c * kW);
+    const MVec a = MVec::broadcast(alpha[r]);
+    for (int c = 0; c < NV; ++c) acc[r][c] = a * MVec::load(o + r * ldo + c * kMW);
   }
   for (int64_t j = 0; j < nk; ++j) {
-    Vec b[NV];
-    for (int c = 0; c < NV; ++c) b[c] = Vec::load(v + j * ldv + c * kW);
+    MVec b[NV];
+    for (int c = 0; c < NV; ++c) b[c] = MVec::load(v + j * ldv + c * kMW);
     for (int r = 0; r < MR; ++r) {
-      const Vec a = Vec::broadcast(p[j * ldp + r]);
+      const MVec a = MVec::broadcast(p[j * ldp + r]);
       for (int c = 0; c < NV; ++c) acc[r][c] = fmadd(a, b[c], acc[r][c]);
     }
   }
   for (int r = 0; r < MR; ++r)
-    for (int c = 0; c < NV; ++c) acc[r][c].store(o + r * ldo + c * kW);
+    for (int c = 0; c < NV; ++c) acc[r][c].store(o + r * ldo + c * kMW);
 }
 
 // One column panel of NV vectors, all query rows.
@@ -189,26 +202,27 @@ inline void pv_panel(const float* p, int64_t ldp, int64_t nk, int64_t nq, const 
   }
 }
 
-// O (nq x nvec*kW) = alpha * O + P^T . V   with P (nk x >= nq) transposed probabilities.
+// O (nq x nvec*kMW) = alpha * O + P^T . V   with P (nk x >= nq) transposed probabilities.
 // V is packed panel-major (see pack_v): the panel of columns [c, c + w)
 // starts at v + c * panel_rows with row stride w; only its first nk rows are used. Column panels outermost: one V panel
-// (nk x 16 floats, 6 KB at nk = 96) stays in L1 while every query row tile reuses it.
+// (nk x kTileCols floats: 6 KB at nk = 96 with 16 columns, 24 KB with 64) stays in L1 while every query row tile
+// reuses it.
 // row_stride > 0: V is read in place instead (rows row_stride apart; decode path).
 void pv_block(const float* p, int64_t ldp, int64_t nk, int64_t panel_rows, int64_t nq, const float* v,
               int64_t row_stride, int64_t nvec, const float* alpha, float* o, int64_t ldo) {
   const bool in_place = row_stride > 0;
   int64_t c = 0;
   for (; c + kTileVecs <= nvec; c += kTileVecs)
-    pv_panel<kTileVecs>(p, ldp, nk, nq, in_place ? v + c * kW : v + c * kW * panel_rows,
-                        in_place ? row_stride : kTileCols, alpha, o + c * kW, ldo);
-  const float* vp = in_place ? v + c * kW : v + c * kW * panel_rows;
-  const int64_t w = in_place ? row_stride : (nvec - c) * kW;
+    pv_panel<kTileVecs>(p, ldp, nk, nq, in_place ? v + c * kMW : v + c * kMW * panel_rows,
+                        in_place ? row_stride : kTileCols, alpha, o + c * kMW, ldo);
+  const float* vp = in_place ? v + c * kMW : v + c * kMW * panel_rows;
+  const int64_t w = in_place ? row_stride : (nvec - c) * kMW;
   switch (nvec - c) {
-#if defined(FLASH_METAL_SIMD_NEON)
-    case 3: pv_panel<3>(p, ldp, nk, nq, vp, w, alpha, o + c * kW, ldo); break;
-    case 2: pv_panel<2>(p, ldp, nk, nq, vp, w, alpha, o + c * kW, ldo); break;
+#if defined(FLASH_METAL_SIMD_NEON) || defined(__AVX512F__)
+    case 3: pv_panel<3>(p, ldp, nk, nq, vp, w, alpha, o + c * kMW, ldo); break;
+    case 2: pv_panel<2>(p, ldp, nk, nq, vp, w, alpha, o + c * kMW, ldo); break;
 #endif
-    case 1: pv_panel<1>(p, ldp, nk, nq, vp, w, alpha, o + c * kW, ldo); break;
+    case 1: pv_panel<1>(p, ldp, nk, nq, vp, w, alpha, o + c * kMW, ldo); break;
     default: break;
   }
 }
@@ -277,7 +291,7 @@ struct Geometry {
 // cores busy (see run_attention).
 constexpr int64_t kMaxSubBlocks = 4;
 // Items with at most this many query columns read float32 K/V in place.
-// Why 16: one register-tile width; below it each packed element would be
+// Why 16: the AVX2/NEON register-tile width, one AVX-512 vector; below it each packed element would be
 // reused by fewer than 16 queries, which does not pay for the copy.
 constexpr int64_t kSmallQueryCols = 16;
 
@@ -306,8 +320,8 @@ template <typename T>
 void attention_item(const Geometry& g, const T* q, const T* k, const T* v, T* out, float* lse, int64_t b,
                     int64_t hk, int64_t h0, int64_t nh, int64_t i0, int64_t nsub, int64_t bq, Workspace& ws) {
   const int64_t D = g.head_dim;
-  const int64_t Dp = round_up(D, kW);
-  const int64_t nvec = Dp / kW;
+  const int64_t Dp = round_up(D, kG);
+  const int64_t nvec = Dp / kMW;
   const int64_t q_end = std::min(g.q_len, i0 + nsub * bq);
   nsub = (q_end - i0 + bq - 1) / bq;
 
@@ -321,7 +335,7 @@ void attention_item(const Geometry& g, const T* q, const T* k, const T* v, T* ou
     u.i0 = i0 + s * bq;
     u.nq = std::min(bq, q_end - u.i0);
     u.nrows = nh * u.nq;  // live columns of the score block
-    u.ncols = round_up(u.nrows, kW);
+    u.ncols = round_up(u.nrows, kG);
     // Keys this block needs: all of them, or up to its last query's causal frontier.
     u.key_end = g.kv_len;
     if (g.causal) u.key_end = std::min(u.key_end, std::max<int64_t>(0, u.i0 + u.nq + g.causal_offset));
@@ -353,7 +367,7 @@ void attention_item(const Geometry& g, const T* q, const T* k, const T* v, T* ou
   // <= 16 queries and the loop is memory-bound), so read K and V in place.
   constexpr bool is_float = std::is_same<T, float>::value;
   const bool in_place = is_float && nsub == 1 && sub[0].ncols <= kSmallQueryCols && g.k_stride[3] == 1 &&
-                        g.v_stride[3] == 1 && D % kW == 0;
+                        g.v_stride[3] == 1 && D % kG == 0;
   float* st = ws.st.ptr;
   for (int64_t j0 = 0; j0 < key_end_all; j0 += kBlockK) {
     // K and V block -> packed panels, shared by all sub-blocks.
@@ -474,7 +488,7 @@ void run_attention(const Geometry& g, const at::Tensor& q, const at::Tensor& k, 
   int64_t bq = kBlockQ;
   if (heads_per_item == 1 && lanes * ((g.q_len + bq - 1) / bq) < 2 * threads_avail) {
     const int64_t want = (g.q_len * lanes + 2 * threads_avail - 1) / (2 * threads_avail);
-    bq = std::min(kBlockQ, std::max<int64_t>(16, round_up(want, kW)));
+    bq = std::min(kBlockQ, std::max<int64_t>(16, round_up(want, kG)));
   }
   int64_t q_blocks = (g.q_len + bq - 1) / bq;
   int64_t nsub = std::max<int64_t>(1, std::min<int64_t>(kMaxSubBlocks, lanes * q_blocks / (4 * threads_avail)));
@@ -490,13 +504,13 @@ void run_attention(const Geometry& g, const at::Tensor& q, const at::Tensor& k, 
       ++per_lane;
     const int64_t rows_item = (g.q_len + per_lane - 1) / per_lane;
     nsub = (rows_item + kBlockQ - 1) / kBlockQ;
-    bq = round_up((rows_item + nsub - 1) / nsub, kW);  // <= kBlockQ, a multiple of kW
+    bq = round_up((rows_item + nsub - 1) / nsub, kG);  // <= kBlockQ, a multiple of kG
     q_blocks = (g.q_len + bq - 1) / bq;
   }
   const int64_t q_items = (q_blocks + nsub - 1) / nsub;
   const int64_t items = lanes * q_items;
   const int64_t D = g.head_dim;
-  const int64_t Dp = round_up(D, kW);
+  const int64_t Dp = round_up(D, kG);
 
   // Dynamic scheduling: each thread pulls items from a shared counter. Items
   // are ordered last query block first, so under causal masking the most
