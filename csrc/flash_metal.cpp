@@ -25,21 +25,50 @@ TORCH_LIBRARY(flash_metal, m) {
   // "untiled", "tiled", "prefill", "decode" or "decode_split" (see
   // csrc/metal_plan.h); CPU tensors accept "auto".
   // (Not named `kernel`: Inductor's fallback lowering reserves that keyword.)
+  // The options after `impl` (compatible: older calls keep working):
+  //   attn_mask: bool (True = attend) or additive (q's dtype or float32),
+  //     broadcastable to (B, Hq, Nq, Nk), read through its strides (never
+  //     expanded in memory); combines with causal and the window.
+  //   window_left / window_right: a sliding window, bottom-right aligned as
+  //     flash-attn's: query i sees keys i + Nk - Nq - window_left <= j <=
+  //     i + Nk - Nq + window_right; -1 is unbounded; causal sets window_right = 0.
+  //   softcap: scores s become softcap * tanh(s / softcap) before the mask
+  //     and the softmax (Gemma 2); 0 is off.
+  // B, Nq or Nk may be 0: empty outputs, or (Nk = 0) zeros with lse = -inf.
   m.def("attention_forward(Tensor q, Tensor k, Tensor v, bool causal=False, float? scale=None, "
-        "str impl=\"auto\") -> (Tensor out, Tensor lse)");
+        "str impl=\"auto\", Tensor? attn_mask=None, int window_left=-1, int window_right=-1, float softcap=0.0) "
+        "-> (Tensor out, Tensor lse)");
   // The gradients of attention_forward (FlashAttention-2's backward with
   // recomputation: P is rebuilt from q, k and lse, never stored). out and lse
-  // are attention_forward's outputs for the same q, k, v, causal and scale;
+  // are attention_forward's outputs for the same q, k, v and options;
   // grad_out is the gradient of out (q's shape and dtype, any strides) and
   // grad_lse, when given, the gradient of lse ((B, Hq, Nq) float32; None
   // means zero). Returns grad_q, grad_k, grad_v packed in the shapes and
   // dtype of q, k and v; with grouped-query attention grad_k and grad_v sum
   // over each kv head's query heads. Deterministic: the same inputs give
   // bitwise-equal gradients. `impl` as in attention_forward ("auto" only,
-  // for now: one backward kernel family per backend).
+  // for now: one backward kernel family per backend). No gradient flows
+  // into attn_mask.
   m.def("attention_backward(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
-        "bool causal=False, float? scale=None, Tensor? grad_lse=None, str impl=\"auto\") "
+        "bool causal=False, float? scale=None, Tensor? grad_lse=None, str impl=\"auto\", Tensor? attn_mask=None, "
+        "int window_left=-1, int window_right=-1, float softcap=0.0) "
         "-> (Tensor grad_q, Tensor grad_k, Tensor grad_v)");
+  // Packed variable-length sequences (flash-attn's flash_attn_varlen_func):
+  // q (total_q, Hq, D), k and v (total_k, Hkv, D); sequence b owns q rows
+  // [cu_seqlens_q[b], cu_seqlens_q[b+1]) and k/v rows likewise (int32, shape
+  // (B + 1,)); max_seqlen_q / max_seqlen_k bound every sequence's length.
+  // causal, the window and softcap apply per sequence (bottom-right aligned
+  // within each); no attn_mask. Returns out (total_q, Hq, D) and lse
+  // (Hq, total_q) float32. No padding is computed and nothing is copied.
+  m.def("attention_varlen_forward(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, "
+        "int max_seqlen_q, int max_seqlen_k, bool causal=False, float? scale=None, int window_left=-1, "
+        "int window_right=-1, float softcap=0.0, str impl=\"auto\") -> (Tensor out, Tensor lse)");
+  // The gradients of attention_varlen_forward, as attention_backward's:
+  // grad_q (total_q, Hq, D), grad_k and grad_v (total_k, Hkv, D).
+  m.def("attention_varlen_backward(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
+        "Tensor cu_seqlens_q, Tensor cu_seqlens_k, int max_seqlen_q, int max_seqlen_k, bool causal=False, "
+        "float? scale=None, Tensor? grad_lse=None, int window_left=-1, int window_right=-1, float softcap=0.0, "
+        "str impl=\"auto\") -> (Tensor grad_q, Tensor grad_k, Tensor grad_v)");
   // The Metal launch plan attention_forward (backward=True: attention_backward,
   // reading the strides of the optional grad_out, out, lse and grad_lse,
   // packed when None) would use for these inputs,
@@ -55,10 +84,16 @@ TORCH_LIBRARY(flash_metal, m) {
   // (partial_out, partial_stats, delta). `gpu`
   // is the device-class hint ("base", "max", "ultra"; on MPS the device's
   // own class is used). Works for tensors on any device; the test suite's
-  // emulated-Metal backend and flash_metal.explain() use it.
+  // emulated-Metal backend and flash_metal.explain() use it. attn_mask,
+  // window_left, window_right and softcap as in attention_forward; with
+  // cu_seqlens_q and cu_seqlens_k the plan is attention_varlen_forward's (or
+  // backward's), q, k, v being the packed (total, H, D) tensors. The binding
+  // table then also has attn_mask, cu_seqlens_q and cu_seqlens_k.
   m.def("metal_plan(Tensor q, Tensor k, Tensor v, bool causal=False, float? scale=None, str impl=\"auto\", "
         "str gpu=\"base\", int dispatch=0, bool backward=False, Tensor? grad_out=None, Tensor? out=None, "
-        "Tensor? lse=None, Tensor? grad_lse=None) "
+        "Tensor? lse=None, Tensor? grad_lse=None, Tensor? attn_mask=None, int window_left=-1, int window_right=-1, "
+        "float softcap=0.0, Tensor? cu_seqlens_q=None, Tensor? cu_seqlens_k=None, int max_seqlen_q=0, "
+        "int max_seqlen_k=0) "
         "-> (str kernel_name, int[] grid, int[] threadgroup, int threadgroup_memory, int threadgroup_memory_index, "
         "bool[] function_constants, int[] buffer_indices, int params_index, Tensor params, str reason, "
         "int num_dispatches, int[] scratch_elements)");

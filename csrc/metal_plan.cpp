@@ -78,7 +78,19 @@ constexpr uint32_t kAttentionParamsIndex = 5;       // constant AttentionParams&
 constexpr uint32_t kSlotPartialOut = 6, kSlotPartialStats = 7;
 constexpr uint32_t kSlotGradOut = 8, kSlotGradQ = 9, kSlotGradK = 10, kSlotGradV = 11, kSlotGradLse = 12,
                    kSlotDelta = 13;
+constexpr uint32_t kSlotMask = 14, kSlotCuSeqlensQ = 15, kSlotCuSeqlensK = 16;
 constexpr uint32_t kAttentionThreadgroupIndex = 0;  // dynamic threadgroup memory, [[threadgroup(0)]]
+
+// The options' inputs, bound by every feature kernel (prefill, decode,
+// split decode, both backward kernels) after its own tensors.
+const std::vector<BufferBinding> kFeatureBuffers = {
+    {LaunchTensor::Mask, kSlotMask}, {LaunchTensor::CuSeqlensQ, kSlotCuSeqlensQ},
+    {LaunchTensor::CuSeqlensK, kSlotCuSeqlensK}};
+
+std::vector<BufferBinding> with_features(std::vector<BufferBinding> b) {
+  b.insert(b.end(), kFeatureBuffers.begin(), kFeatureBuffers.end());
+  return b;
+}
 
 // Every forward kernel (post kernels, prefill, one-pass decode).
 const std::vector<BufferBinding> kForwardBuffers = {
@@ -260,7 +272,7 @@ void decode_launches(const AttentionProblem& p, const KernelChoice& c, const std
   plan->partial_stats_elements = all_rows * c.kv_splits * 2;
   l.kernel_name = "flash_decode_split_" + suffix;
   l.grid = {kv_heads, batch, c.kv_splits};
-  l.buffers = kSplitBuffers;
+  l.buffers = with_features(kSplitBuffers);
   plan->launches.push_back(l);
   // The merge: one SIMD-group per query row, the lanes over the features.
   MetalLaunch m = l;
@@ -368,6 +380,11 @@ KernelChoice choose_metal_kernel(const AttentionProblem& p, KernelRequest reques
     c.kind = requested;
     c.reason = std::string(request_name(requested)) + ": requested by the caller (impl='" + request_name(requested) +
                "')";
+  } else if (p.varlen) {
+    c.kind = KernelRequest::Prefill;
+    c.reason = "prefill: packed variable-length sequences (the decode kernels serve one (batch, kv head) of equal "
+               "lengths per threadgroup and take no cu_seqlens; the prefill kernel runs one threadgroup per "
+               "query block of max_seqlen_q, and blocks past their sequence's end return at once)";
   } else if (p.q_len <= kMaxDecodeRows) {
     c.kind = KernelRequest::Decode;  // one pass or split, decided below
     c.reason = "decode: Nq = " + std::to_string(p.q_len) + " <= " + std::to_string(kMaxDecodeRows) +
@@ -380,7 +397,17 @@ KernelChoice choose_metal_kernel(const AttentionProblem& p, KernelRequest reques
                "threadgroup's query rows, both products on simdgroup matrices)";
   }
 
+  // The post's two kernels are the seed post's, kept as it wrote them: plain
+  // or causal attention only. Every option goes to the fast families.
+  const bool post_kernel = c.kind == KernelRequest::Untiled || c.kind == KernelRequest::Tiled;
+  const bool has_options = p.mask != MaskKind::None || p.has_window_left() || p.has_softcap() || p.varlen ||
+                           (p.causal && p.window_right > 0);
+  TORCH_CHECK_VALUE(!post_kernel || !has_options, kOp, ": impl='", request_name(c.kind),
+                    "' (the post's kernel) serves plain or causal attention only; attn_mask, window_left/"
+                    "window_right, softcap and varlen need impl='auto', 'prefill' or (Nq <= 8) 'decode'");
   const bool decode_family = c.kind == KernelRequest::Decode || c.kind == KernelRequest::DecodeSplit;
+  TORCH_CHECK_VALUE(!decode_family || !p.varlen, kOp, ": impl='", request_name(c.kind),
+                    "' does not take packed variable-length sequences; use impl='auto' or 'prefill'");
   TORCH_CHECK_VALUE(!decode_family || p.q_len <= kMaxDecodeRows, kOp, ": impl='", request_name(c.kind),
                     "' serves at most ", kMaxDecodeRows, " query rows; got ", p.q_len,
                     " (use impl='prefill' or 'auto')");
@@ -449,6 +476,24 @@ KernelChoice choose_metal_kernel(const AttentionProblem& p, KernelRequest reques
 
 namespace {
 
+// The function constants of a feature kernel (indices 0 .. 9); align_q and
+// align_k are the prefill / backward edge specializations (never with
+// varlen, whose sequences have their own lengths), has_grad_lse the dQ kernel's.
+std::vector<bool> feature_constants(const AttentionProblem& p, bool align_q, bool align_k, bool has_grad_lse) {
+  std::vector<bool> c(kFeatureFunctionConstants, false);
+  c[kCausalFunctionConstant] = p.causal;
+  c[kAlignQFunctionConstant] = align_q && !p.varlen;
+  c[kAlignKFunctionConstant] = align_k && !p.varlen;
+  c[kHasGradLseFunctionConstant] = has_grad_lse;
+  c[kHasMaskFunctionConstant] = p.mask != MaskKind::None;
+  c[kMaskBoolFunctionConstant] = p.mask == MaskKind::Bool;
+  c[kMaskFloat32FunctionConstant] = p.mask == MaskKind::Float32;
+  c[kWindowLeftFunctionConstant] = p.has_window_left();
+  c[kSoftcapFunctionConstant] = p.has_softcap();
+  c[kVarlenFunctionConstant] = p.varlen;
+  return c;
+}
+
 // The parameter block of every launch: strides as given, sizes from the problem.
 AttentionParams make_params(const AttentionProblem& p, const LaunchStrides& s, uint32_t kv_splits) {
   AttentionParams a{};
@@ -474,6 +519,21 @@ AttentionParams make_params(const AttentionProblem& p, const LaunchStrides& s, u
   a.do_batch_stride = s.grad_out[0]; a.do_head_stride = s.grad_out[1];
   a.do_row_stride = s.grad_out[2]; a.do_dim_stride = s.grad_out[3];
   a.glse_batch_stride = s.grad_lse[0]; a.glse_head_stride = s.grad_lse[1]; a.glse_row_stride = s.grad_lse[2];
+
+  a.mask_batch_stride = s.mask[0]; a.mask_head_stride = s.mask[1];
+  a.mask_row_stride = s.mask[2]; a.mask_col_stride = s.mask[3];
+  a.window_left = static_cast<int32_t>(p.window_left >= 0 ? p.window_left : 0);
+  a.window_right = static_cast<int32_t>(p.window_right >= 0 ? p.window_right : 0);
+  a.softcap_log2 = p.has_softcap() ? static_cast<float>(p.softcap * 1.4426950408889634) : 0.0f;
+  a.inv_softcap_log2 = p.has_softcap() ? static_cast<float>(1.0 / (p.softcap * 1.4426950408889634)) : 0.0f;
+  a.total_q = static_cast<int32_t>(p.total_q);
+  a.total_k = static_cast<int32_t>(p.total_k);
+  if (p.varlen) {
+    // The packed tensors are (1, H, total, D) views: a sequence is found by
+    // its first row (cu_seqlens), never by a batch stride.
+    a.q_batch_stride = a.k_batch_stride = a.v_batch_stride = a.o_batch_stride = 0;
+    a.lse_batch_stride = a.do_batch_stride = a.glse_batch_stride = 0;
+  }
   return a;
 }
 
@@ -526,10 +586,13 @@ MetalPlan plan_metal_attention(const AttentionProblem& p, const LaunchStrides& s
       l.grid = {ceil_div(p.q_len, c.block_q), heads, batch};
       l.threadgroup = {32 * c.simdgroups, 1, 1};
       l.threadgroup_memory = prefill_threadgroup_memory(c.block_q, c.block_k, c.bucket, p.dtype);
-      l.function_constants = {p.causal, p.q_len % c.block_q == 0, p.kv_len % c.block_k == 0};
+      l.function_constants = feature_constants(p, p.q_len % c.block_q == 0, p.kv_len % c.block_k == 0, false);
+      l.buffers = with_features(kForwardBuffers);
       plan.launches.push_back(l);
       break;
     default:
+      l.function_constants = feature_constants(p, false, false, false);
+      l.buffers = with_features(kForwardBuffers);
       decode_launches(p, c, suffix, l, &plan);
       break;
   }
@@ -542,7 +605,7 @@ MetalPlan plan_metal_attention_backward(const AttentionProblem& p, const LaunchS
   const KernelChoice c = choose_metal_kernel(p, requested, gpu, MetalPass::Backward);
   MetalPlan plan;
   plan.reason = c.reason;
-  plan.delta_elements = p.batch * p.q_heads * p.q_len;
+  plan.delta_elements = p.varlen ? p.q_heads * p.total_q : p.batch * p.q_heads * p.q_len;
   const std::string suffix = std::string(dtype_name(p.dtype)) + "_d" + std::to_string(c.bucket);
   const uint32_t batch = static_cast<uint32_t>(p.batch);
 
@@ -556,8 +619,8 @@ MetalPlan plan_metal_attention_backward(const AttentionProblem& p, const LaunchS
   dq.threadgroup = {32 * c.simdgroups, 1, 1};
   dq.threadgroup_memory = backward_threadgroup_memory(c.block_q, c.block_k, c.bucket, p.dtype);
   // Indices kCausalFunctionConstant, kAlignQ..., kAlignK..., kHasGradLse...
-  dq.function_constants = {p.causal, p.q_len % c.block_q == 0, p.kv_len % c.block_k == 0, has_grad_lse};
-  dq.buffers = kBackwardDqBuffers;
+  dq.function_constants = feature_constants(p, p.q_len % c.block_q == 0, p.kv_len % c.block_k == 0, has_grad_lse);
+  dq.buffers = with_features(kBackwardDqBuffers);
   plan.launches.push_back(dq);
 
   MetalLaunch dkv = dq;
@@ -567,8 +630,8 @@ MetalPlan plan_metal_attention_backward(const AttentionProblem& p, const LaunchS
   dkv.grid = {ceil_div(p.kv_len, c.dkv_block_k) * c.dkv_feature_split, static_cast<uint32_t>(p.kv_heads), batch};
   dkv.threadgroup = {32 * c.dkv_simdgroups, 1, 1};
   dkv.threadgroup_memory = backward_threadgroup_memory(c.dkv_block_k, c.dkv_block_q, c.bucket, p.dtype);
-  dkv.function_constants = {p.causal, p.q_len % c.dkv_block_q == 0, p.kv_len % c.dkv_block_k == 0};
-  dkv.buffers = kBackwardDkdvBuffers;
+  dkv.function_constants = feature_constants(p, p.q_len % c.dkv_block_q == 0, p.kv_len % c.dkv_block_k == 0, false);
+  dkv.buffers = with_features(kBackwardDkdvBuffers);
   plan.launches.push_back(dkv);
   check_threadgroup_memory(plan);
   return plan;
@@ -629,6 +692,43 @@ std::vector<MetalLaunch> all_metal_launches() {
                                          {D, D, D, 1}, {1, 1, 1}};
               for (const MetalLaunch& l : plan_metal_attention_backward(p, packed, grad_lse).launches) add(l);
             }
+          }
+        }
+      }
+      // The options, one at a time, causal or not, on every feature family
+      // (their combinations are the same constants switched together, so
+      // these cover every code path each constant guards; the pipelines a
+      // combination needs are built on first use like any other).
+      enum Option { BoolMask, InputMask, Float32Mask, WindowLeft, Softcap, Varlen };
+      for (Option option : {BoolMask, InputMask, Float32Mask, WindowLeft, Softcap, Varlen}) {
+        for (bool causal : {false, true}) {
+          AttentionProblem p;
+          p.batch = p.q_heads = p.kv_heads = 1;
+          p.head_dim = d;
+          p.window_right = causal ? 0 : -1;
+          p.causal = causal;
+          p.scale = 1.0;
+          p.dtype = dtype;
+          p.mask = option == BoolMask ? MaskKind::Bool
+                   : option == InputMask ? MaskKind::Input
+                   : option == Float32Mask ? MaskKind::Float32 : MaskKind::None;
+          if (option == WindowLeft) p.window_left = 16;
+          if (option == Softcap) p.softcap = 30.0;
+          p.varlen = option == Varlen;
+          const int64_t D = d;
+          const LaunchStrides packed{{D, D, D, 1}, {D, D, D, 1}, {D, D, D, 1}, {D, D, D, 1}, {1, 1, 1},
+                                     {D, D, D, 1}, {1, 1, 1}, {0, 0, 64, 1}};
+          const std::array<std::pair<int64_t, KernelRequest>, 3> forward = {
+              {{65, KernelRequest::Prefill}, {1, KernelRequest::Decode}, {1, KernelRequest::DecodeSplit}}};
+          for (const auto& [q_len, request] : forward) {
+            if (p.varlen && request != KernelRequest::Prefill) continue;
+            p.q_len = p.total_q = q_len;
+            p.kv_len = p.total_k = request == KernelRequest::DecodeSplit ? 4096 : 65;
+            for (const MetalLaunch& l : plan_metal_attention(p, packed, request).launches) add(l);
+          }
+          p.q_len = p.kv_len = p.total_q = p.total_k = 65;
+          for (bool grad_lse : {false, true}) {
+            for (const MetalLaunch& l : plan_metal_attention_backward(p, packed, grad_lse).launches) add(l);
           }
         }
       }

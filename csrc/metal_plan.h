@@ -53,6 +53,7 @@ struct LaunchStrides {
   std::array<int64_t, 3> lse;
   std::array<int64_t, 4> grad_out{};
   std::array<int64_t, 3> grad_lse{};
+  std::array<int64_t, 4> mask{};  // attn_mask expanded to (B, Hq, Nq, Nk): 0 on broadcast dimensions
 };
 
 // Threads per threadgroup of both post kernels. Why 32: one Apple SIMD-group,
@@ -85,6 +86,19 @@ constexpr uint32_t kAlignQFunctionConstant = 1;
 constexpr uint32_t kAlignKFunctionConstant = 2;
 // The backward's dQ kernel: a gradient flows into lse (grad_lse is read).
 constexpr uint32_t kHasGradLseFunctionConstant = 3;
+// The options of shaders/attention_features.h (prefill, decode and backward
+// kernels): an attn_mask is bound, it is bool, it is additive float32 (else
+// in the input dtype), keys are bounded below (window_left), softcapping,
+// packed variable-length sequences. (The causal constant, index 0, also
+// carries a right window: keys bounded above.)
+constexpr uint32_t kHasMaskFunctionConstant = 4;
+constexpr uint32_t kMaskBoolFunctionConstant = 5;
+constexpr uint32_t kMaskFloat32FunctionConstant = 6;
+constexpr uint32_t kWindowLeftFunctionConstant = 7;
+constexpr uint32_t kSoftcapFunctionConstant = 8;
+constexpr uint32_t kVarlenFunctionConstant = 9;
+// Function constants of every feature kernel (indices 0 .. 9).
+constexpr uint32_t kFeatureFunctionConstants = 10;
 
 // The tensors a launch binds as device buffers. PartialOut and PartialStats
 // are the split-KV decode's float32 scratch, allocated by the host from
@@ -92,10 +106,15 @@ constexpr uint32_t kHasGradLseFunctionConstant = 3;
 // GradOut (input), GradQ/GradK/GradV (its outputs), GradLse (input; lse in
 // its place when there is none, never read then) and Delta (float32 scratch
 // of MetalPlan::delta_elements, written by the first kernel, read by the second).
+// Mask, CuSeqlensQ and CuSeqlensK are the options' inputs: attn_mask (bound
+// as bytes, read in its own type) and the varlen offsets (int32); a launch
+// without them binds q in their slots (never read then: every declared
+// buffer is bound, as Metal's validation layer wants).
 enum class LaunchTensor : uint8_t {
-  Q = 0, K, V, Out, Lse, PartialOut, PartialStats, GradOut, GradQ, GradK, GradV, GradLse, Delta
+  Q = 0, K, V, Out, Lse, PartialOut, PartialStats, GradOut, GradQ, GradK, GradV, GradLse, Delta,
+  Mask, CuSeqlensQ, CuSeqlensK
 };
-constexpr size_t kLaunchTensorCount = 13;
+constexpr size_t kLaunchTensorCount = 16;
 
 // One row of a binding table: tensor `tensor` goes to [[buffer(index)]],
 // bound at its storage offset in bytes.
@@ -144,6 +163,7 @@ struct MetalPlan {
   int64_t partial_out_elements = 0;    // float32 scratch for LaunchTensor::PartialOut (0: none)
   int64_t partial_stats_elements = 0;  // float32 scratch for LaunchTensor::PartialStats (0: none)
   int64_t delta_elements = 0;          // float32 scratch for LaunchTensor::Delta (0: none), B * Hq * Nq
+                                       // (varlen: Hq * total_q)
   std::string reason;                  // why this kernel was chosen, for humans
 };
 

@@ -4,6 +4,7 @@
 // dispatched. Device-independent (it reads only metadata), so it is
 // registered for CompositeExplicitAutograd and works on CPU tensors too: the
 // test suite's emulated-Metal backend feeds its result to the Metal emulator.
+#include "attention_ops.h"
 #include "checks.h"
 #include "metal_plan.h"
 
@@ -24,25 +25,42 @@ std::tuple<std::string, std::vector<int64_t>, std::vector<int64_t>, int64_t, int
 metal_plan(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool causal,
            std::optional<double> scale, c10::string_view kernel, c10::string_view gpu, int64_t dispatch,
            bool backward, const std::optional<at::Tensor>& grad_out, const std::optional<at::Tensor>& out,
-           const std::optional<at::Tensor>& lse, const std::optional<at::Tensor>& grad_lse) {
-  const AttentionProblem p = check_attention_inputs(q, k, v, causal, scale);
+           const std::optional<at::Tensor>& lse, const std::optional<at::Tensor>& grad_lse,
+           const std::optional<at::Tensor>& attn_mask, int64_t window_left, int64_t window_right, double softcap,
+           const std::optional<at::Tensor>& cu_seqlens_q, const std::optional<at::Tensor>& cu_seqlens_k,
+           int64_t max_seqlen_q, int64_t max_seqlen_k) {
+  const auto given = [](const std::optional<at::Tensor>& t) { return t.has_value() && t->defined(); };
+  const AttentionOptions options = make_options(causal, scale, attn_mask, window_left, window_right, softcap);
+  const bool varlen = given(cu_seqlens_q) || given(cu_seqlens_k);
+  TORCH_CHECK_VALUE(!varlen || (given(cu_seqlens_q) && given(cu_seqlens_k)),
+                    "flash_metal.metal_plan: give both cu_seqlens_q and cu_seqlens_k (varlen) or neither");
+  const AttentionCall call = varlen ? check_varlen_inputs(q, k, v, *cu_seqlens_q, *cu_seqlens_k, max_seqlen_q,
+                                                          max_seqlen_k, options)
+                                    : check_attention_inputs(q, k, v, options);
+  const AttentionProblem& p = call.p;
   const KernelRequest request = parse_kernel_request(std::string(kernel));
   const GpuClass gpu_class = parse_gpu_class(std::string(gpu));
-  // The outputs attention_forward allocates are packed; describe them so.
-  // The backward reads out, lse, grad_out and grad_lse as the caller passes
-  // them (any strides): their strides when given, packed when not.
-  const int64_t D = p.head_dim, Nq = p.q_len, H = p.q_heads;
-  const auto given = [](const std::optional<at::Tensor>& t) { return t.has_value() && t->defined(); };
+  // The outputs the forward allocates are packed (allocate_outputs); describe
+  // them so. The backward reads out, lse, grad_out and grad_lse as the
+  // caller passes them (any strides): their strides when given, packed when not.
+  TORCH_CHECK_VALUE(!p.empty(), "flash_metal.metal_plan: an empty problem (B, Nq or Nk is 0) launches no kernel; "
+                    "the op answers it on the host");
+  // allocate_outputs' layouts: (B, Hq, Nq, D) and (B, Hq, Nq); varlen
+  // (total_q, Hq, D) and (Hq, total_q), seen as (1, Hq, total_q, ...).
+  const int64_t D = p.head_dim, H = p.q_heads, N = p.varlen ? p.total_q : p.q_len;
+  const std::array<int64_t, 4> packed4 = p.varlen ? std::array<int64_t, 4>{N * H * D, D, H * D, 1}
+                                                  : std::array<int64_t, 4>{H * N * D, N * D, D, 1};
+  const std::array<int64_t, 3> packed3{H * N, N, 1};
   const auto strides3 = [](const at::Tensor& t) { return std::array<int64_t, 3>{t.stride(0), t.stride(1), t.stride(2)}; };
-  const std::array<int64_t, 4> packed4{H * Nq * D, Nq * D, D, 1};
-  const std::array<int64_t, 3> packed3{H * Nq, Nq, 1};
-  LaunchStrides s{strides4(q), strides4(k), strides4(v), packed4, packed3};
+  LaunchStrides s{strides4(call.q), strides4(call.k), strides4(call.v), packed4, packed3};
+  if (call.mask.defined()) s.mask = strides4(call.mask);
   MetalPlan plan;
   if (backward) {
-    if (given(out)) s.o = strides4(*out);
-    if (given(lse)) s.lse = strides3(*lse);
-    s.grad_out = given(grad_out) ? strides4(*grad_out) : packed4;
-    s.grad_lse = given(grad_lse) ? strides3(*grad_lse) : s.lse;  // lse stands in, unread, when there is none
+    if (given(out)) s.o = strides4(as_kernel_view4(*out, varlen));
+    if (given(lse)) s.lse = strides3(as_kernel_view3(*lse, varlen));
+    s.grad_out = given(grad_out) ? strides4(as_kernel_view4(*grad_out, varlen)) : packed4;
+    // lse stands in, unread, when there is no grad_lse.
+    s.grad_lse = given(grad_lse) ? strides3(as_kernel_view3(*grad_lse, varlen)) : s.lse;
     plan = plan_metal_attention_backward(p, s, given(grad_lse), request, gpu_class);
   } else {
     plan = plan_metal_attention(p, s, request, gpu_class);
@@ -58,7 +76,8 @@ metal_plan(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool c
   for (bool c : launch.function_constants) constants.push_back(c);
   // buffer_indices[t] is the [[buffer(n)]] of LaunchTensor t (q, k, v, out,
   // lse, partial_out, partial_stats, grad_out, grad_q, grad_k, grad_v,
-  // grad_lse, delta), -1 where this dispatch binds no such tensor.
+  // grad_lse, delta, attn_mask, cu_seqlens_q, cu_seqlens_k), -1 where this
+  // dispatch binds no such tensor.
   std::vector<int64_t> buffer_indices(kLaunchTensorCount, -1);
   for (const BufferBinding& b : launch.buffers) buffer_indices[static_cast<size_t>(b.tensor)] = b.index;
   return {launch.kernel_name,

@@ -11,7 +11,7 @@ import torch  # noqa: F401  (the extension links against torch's libraries)
 from . import _C  # noqa: F401  (registers torch.ops.flash_metal.*)
 from . import ops as _ops  # noqa: F401  (fake implementations, autograd)
 from . import reference
-from .ops import attention, attention_with_lse, explain
+from .ops import attention, attention_varlen, attention_varlen_with_lse, attention_with_lse, explain
 
-__all__ = ["attention", "attention_with_lse", "explain", "reference"]
+__all__ = ["attention", "attention_varlen", "attention_varlen_with_lse", "attention_with_lse", "explain", "reference"]
 __version__ = "0.1.0"

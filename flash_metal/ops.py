@@ -22,7 +22,8 @@ def _as_4d(x: Tensor) -> Tensor:
 
 
 def attention_with_lse(
-    q: Tensor, k: Tensor, v: Tensor, causal: bool = False, scale: Optional[float] = None, impl: str = "auto"
+    q: Tensor, k: Tensor, v: Tensor, causal: bool = False, scale: Optional[float] = None, impl: str = "auto",
+    attn_mask: Optional[Tensor] = None, window_left: int = -1, window_right: int = -1, softcap: float = 0.0,
 ) -> Tuple[Tensor, Tensor]:
     """Exact scaled-dot-product attention and its row log-sum-exp.
 
@@ -30,7 +31,7 @@ def attention_with_lse(
     multiple of Hkv (grouped-query and multi-query attention). Any strides
     (e.g. ``x.transpose(1, 2)`` of a (B, N, H, D) tensor, or a slice of a KV
     cache) are read in place. float32, float16 or bfloat16; float32
-    accumulation.
+    accumulation. B, Nq or Nk may be 0 (as in SDPA: Nk = 0 gives zeros).
 
     causal: query i attends to keys j <= i + (Nk - Nq), i.e. the last query is
     aligned with the last key (the KV-cache convention of FlashAttention-2 and
@@ -41,13 +42,24 @@ def attention_with_lse(
     explain()), or on Metal one of the post's kernels, "untiled" (one query
     per thread) or "tiled" (K/V tiles in threadgroup memory). CPU tensors
     always run the CPU flash kernel and accept only "auto".
+    attn_mask: bool (True = attend) or additive (q's dtype or float32),
+    broadcastable to (B, Hq, Nq, Nk); read through its strides, never
+    expanded. A key is masked by False, or by an additive value low enough
+    that its score reaches -2^100 (-inf, or float32's finfo.min); a row with
+    every key masked gives zeros and lse = -inf.
+    window_left, window_right: a sliding window as in flash-attn, bottom-right
+    aligned: query i sees keys i + Nk - Nq - window_left <= j <= i + Nk - Nq +
+    window_right; -1 is unbounded (causal sets window_right to 0). Key blocks
+    outside the window are skipped, so the cost grows with N * window.
+    softcap: scores s become softcap * tanh(s / softcap) before the mask and
+    the softmax (Gemma 2); 0 is off.
 
     Returns (out, lse): out like q (packed, q's dtype; 2-D if q was 2-D) and
     lse (B, Hq, Nq) float32 (or (Nq,) for 2-D q).
     """
     single_head = isinstance(q, Tensor) and q.dim() == 2
     out, lse = torch.ops.flash_metal.attention_forward(
-        _as_4d(q), _as_4d(k), _as_4d(v), causal, scale, impl
+        _as_4d(q), _as_4d(k), _as_4d(v), causal, scale, impl, attn_mask, window_left, window_right, softcap
     )
     if single_head:
         return out[0, 0], lse[0, 0]
@@ -55,18 +67,54 @@ def attention_with_lse(
 
 
 def attention(
-    q: Tensor, k: Tensor, v: Tensor, causal: bool = False, scale: Optional[float] = None, impl: str = "auto"
+    q: Tensor, k: Tensor, v: Tensor, causal: bool = False, scale: Optional[float] = None, impl: str = "auto",
+    attn_mask: Optional[Tensor] = None, window_left: int = -1, window_right: int = -1, softcap: float = 0.0,
 ) -> Tensor:
     """Exact attention, softmax(q kᵀ · scale) v, in O(N) memory. See attention_with_lse."""
-    return attention_with_lse(q, k, v, causal, scale, impl)[0]
+    return attention_with_lse(q, k, v, causal, scale, impl, attn_mask, window_left, window_right, softcap)[0]
+
+
+def attention_varlen_with_lse(
+    q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int,
+    max_seqlen_k: int, causal: bool = False, scale: Optional[float] = None, window_left: int = -1,
+    window_right: int = -1, softcap: float = 0.0, impl: str = "auto",
+) -> Tuple[Tensor, Tensor]:
+    """Attention over packed variable-length sequences (flash-attn's flash_attn_varlen_func).
+
+    q: (total_q, Hq, D); k, v: (total_k, Hkv, D). Sequence b is q rows
+    cu_seqlens_q[b] .. cu_seqlens_q[b + 1] - 1 against k/v rows
+    cu_seqlens_k[b] .. cu_seqlens_k[b + 1] - 1 (int32, (B + 1,)); max_seqlen_q
+    and max_seqlen_k bound the lengths (host ints, so no device sync). causal,
+    the window and softcap apply within each sequence, bottom-right aligned.
+    Nothing is padded or copied. Returns out (total_q, Hq, D) and lse
+    (Hq, total_q) float32.
+    """
+    return torch.ops.flash_metal.attention_varlen_forward(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale, window_left, window_right,
+        softcap, impl,
+    )
+
+
+def attention_varlen(
+    q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int,
+    max_seqlen_k: int, causal: bool = False, scale: Optional[float] = None, window_left: int = -1,
+    window_right: int = -1, softcap: float = 0.0, impl: str = "auto",
+) -> Tensor:
+    """Attention over packed variable-length sequences; see attention_varlen_with_lse."""
+    return attention_varlen_with_lse(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale, window_left, window_right,
+        softcap, impl,
+    )[0]
 
 
 # The tensors of a launch, in the order of the plan's binding table
 # (LaunchTensor in csrc/metal_plan.h). partial_out and partial_stats are the
 # split-KV decode's float32 scratch; grad_* are the backward's, and delta its
-# float32 scratch (grad_lse is bound to lse when there is none; never read then).
+# float32 scratch (grad_lse is bound to lse when there is none; never read then);
+# attn_mask, cu_seqlens_q and cu_seqlens_k are the options' inputs (q is bound
+# in their slots when absent; never read then).
 _LAUNCH_TENSORS = ("q", "k", "v", "out", "lse", "partial_out", "partial_stats", "grad_out", "grad_q", "grad_k",
-                   "grad_v", "grad_lse", "delta")
+                   "grad_v", "grad_lse", "delta", "attn_mask", "cu_seqlens_q", "cu_seqlens_k")
 # The scratch tensors of each pass's plans, by name.
 _SCRATCH = {False: ("partial_out", "partial_stats"), True: ("delta",)}
 
@@ -119,7 +167,9 @@ class MetalPlan(NamedTuple):
 def explain(
     q: Tensor, k: Tensor, v: Tensor, causal: bool = False, scale: Optional[float] = None, impl: str = "auto",
     gpu: str = "base", backward: bool = False, grad_out: Optional[Tensor] = None, out: Optional[Tensor] = None,
-    lse: Optional[Tensor] = None, grad_lse: Optional[Tensor] = None,
+    lse: Optional[Tensor] = None, grad_lse: Optional[Tensor] = None, attn_mask: Optional[Tensor] = None,
+    window_left: int = -1, window_right: int = -1, softcap: float = 0.0, cu_seqlens_q: Optional[Tensor] = None,
+    cu_seqlens_k: Optional[Tensor] = None, max_seqlen_q: int = 0, max_seqlen_k: int = 0,
 ) -> MetalPlan:
     """Which Metal kernels attention() would launch for these inputs, and why.
 
@@ -128,10 +178,14 @@ def explain(
     for ("base", "max" or "ultra"; on a Mac the op uses the GPU's own class).
     backward=True: the plan of attention_backward instead (two dispatches);
     grad_out, out, lse and grad_lse, when given, supply their strides (packed
-    otherwise) and grad_lse's presence.
+    otherwise) and grad_lse's presence. attn_mask, the window and softcap as
+    in attention(); with cu_seqlens_q and cu_seqlens_k, the plan of
+    attention_varlen (q, k, v packed (total, H, D)).
     """
-    args = (_as_4d(q), _as_4d(k), _as_4d(v), causal, scale, impl, gpu)
-    extra = (backward, grad_out, out, lse, grad_lse)
+    varlen = cu_seqlens_q is not None
+    args = ((q, k, v) if varlen else (_as_4d(q), _as_4d(k), _as_4d(v))) + (causal, scale, impl, gpu)
+    extra = (backward, grad_out, out, lse, grad_lse, attn_mask, window_left, window_right, softcap, cu_seqlens_q,
+             cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     dispatches, count, i = [], 1, 0
     while i < count:
         name, grid, tg, mem, mem_index, consts, indices, params_index, params, reason, count, scratch = (
@@ -147,7 +201,8 @@ def explain(
 
 
 @torch.library.register_fake("flash_metal::attention_forward")
-def _attention_forward_fake(q, k, v, causal=False, scale=None, impl="auto"):
+def _attention_forward_fake(q, k, v, causal=False, scale=None, impl="auto", attn_mask=None, window_left=-1,
+                            window_right=-1, softcap=0.0):
     # Shapes only; the C++ checks run on real tensors. These few guard the
     # symbolic shapes the outputs are built from.
     torch._check(q.dim() == 4, lambda: f"q must be 4-D (batch, heads, seq_len, head_dim); got {q.dim()}-D")
@@ -162,39 +217,97 @@ def _attention_forward_fake(q, k, v, causal=False, scale=None, impl="auto"):
 
 
 @torch.library.register_fake("flash_metal::attention_backward")
-def _attention_backward_fake(grad_out, q, k, v, out, lse, causal=False, scale=None, grad_lse=None, impl="auto"):
+def _attention_backward_fake(grad_out, q, k, v, out, lse, causal=False, scale=None, grad_lse=None, impl="auto",
+                             attn_mask=None, window_left=-1, window_right=-1, softcap=0.0):
     torch._check(q.dim() == 4 and k.dim() == 4 and v.dim() == 4,
                  lambda: "q, k and v must be 4-D (batch, heads, seq_len, head_dim)")
     torch._check(impl == "auto", lambda: f"attention_backward accepts only impl='auto'; got {impl!r}")
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
+@torch.library.register_fake("flash_metal::attention_varlen_forward")
+def _attention_varlen_forward_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=False,
+                                   scale=None, window_left=-1, window_right=-1, softcap=0.0, impl="auto"):
+    torch._check(q.dim() == 3, lambda: f"q must be 3-D (total_tokens, heads, head_dim); got {q.dim()}-D")
+    torch._check(k.dim() == 3 and v.dim() == 3, lambda: "k and v must be 3-D (total_tokens, heads, head_dim)")
+    T, H, D = q.shape
+    return q.new_empty((T, H, D)), q.new_empty((H, T), dtype=torch.float32)
+
+
+def _varlen_grads_like(t):
+    # The kernels' gradients are (1, H, total, D) packed buffers returned as
+    # (total, H, D) views; the fake has the same strides.
+    T, H, D = t.shape
+    return t.new_empty((1, H, T, D)).transpose(1, 2).squeeze(0)
+
+
+@torch.library.register_fake("flash_metal::attention_varlen_backward")
+def _attention_varlen_backward_fake(grad_out, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                    max_seqlen_k, causal=False, scale=None, grad_lse=None, window_left=-1,
+                                    window_right=-1, softcap=0.0, impl="auto"):
+    torch._check(q.dim() == 3 and k.dim() == 3 and v.dim() == 3,
+                 lambda: "q, k and v must be 3-D (total_tokens, heads, head_dim)")
+    return _varlen_grads_like(q), _varlen_grads_like(k), _varlen_grads_like(v)
+
+
 # Autograd. The forward saves q, k, v, out and lse (O(N) extra: one float per
 # query row beyond out), never the N x N probabilities; the backward
 # recomputes them (FlashAttention-2).
 def _setup_context(ctx, inputs, output):
-    q, k, v, causal, scale, impl = inputs
+    q, k, v, causal, scale, impl, attn_mask, window_left, window_right, softcap = inputs
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse)
-    ctx.causal = causal
-    ctx.scale = scale
+    ctx.save_for_backward(q, k, v, out, lse, attn_mask)
+    ctx.options = (causal, scale)
+    ctx.features = (window_left, window_right, softcap)
+    ctx.mask_needs_grad = attn_mask is not None and attn_mask.requires_grad
+
+
+def _grad_out_or_zeros(grad_out, out):
+    # None when only lse was used downstream.
+    return torch.zeros_like(out) if grad_out is None else grad_out
 
 
 def _backward(ctx, grad_out, grad_lse):
-    q, k, v, out, lse = ctx.saved_tensors
-    if grad_out is None:  # only lse was used downstream
-        grad_out = torch.zeros_like(out)
+    q, k, v, out, lse, attn_mask = ctx.saved_tensors
+    if ctx.mask_needs_grad:
+        raise NotImplementedError(
+            "flash_metal.attention: no gradient flows into attn_mask (an additive mask that requires grad, such as "
+            "a learned bias); detach it, or use torch.nn.functional.scaled_dot_product_attention"
+        )
     # A gradient flowing into lse is supported: d lse_i / d s_ij = P_ij, so
     # it enters the backward as D_i - grad_lse_i (see attention_backward).
     # The forward's impl names a forward kernel; every backend has one
     # backward family, chosen by "auto".
     grad_q, grad_k, grad_v = torch.ops.flash_metal.attention_backward(
-        grad_out, q, k, v, out, lse, ctx.causal, ctx.scale, grad_lse, "auto"
+        _grad_out_or_zeros(grad_out, out), q, k, v, out, lse, *ctx.options, grad_lse, "auto", attn_mask,
+        *ctx.features,
     )
-    return grad_q, grad_k, grad_v, None, None, None
+    return grad_q, grad_k, grad_v, None, None, None, None, None, None, None
 
 
 torch.library.register_autograd("flash_metal::attention_forward", _backward, setup_context=_setup_context)
+
+
+def _varlen_setup_context(ctx, inputs, output):
+    q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, window_left, window_right, softcap, impl = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k)
+    ctx.lengths = (max_q, max_k, causal, scale)
+    ctx.features = (window_left, window_right, softcap)
+
+
+def _varlen_backward(ctx, grad_out, grad_lse):
+    q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors
+    grad_q, grad_k, grad_v = torch.ops.flash_metal.attention_varlen_backward(
+        _grad_out_or_zeros(grad_out, out), q, k, v, out, lse, cu_q, cu_k, *ctx.lengths, grad_lse, *ctx.features,
+        "auto",
+    )
+    return (grad_q, grad_k, grad_v) + (None,) * 10
+
+
+torch.library.register_autograd(
+    "flash_metal::attention_varlen_forward", _varlen_backward, setup_context=_varlen_setup_context
+)
 
 
 def _no_double_backward(ctx, *grads):
@@ -214,4 +327,7 @@ def _backward_setup_context(ctx, inputs, output):
 
 torch.library.register_autograd(
     "flash_metal::attention_backward", _no_double_backward, setup_context=_backward_setup_context
+)
+torch.library.register_autograd(
+    "flash_metal::attention_varlen_backward", _no_double_backward, setup_context=_backward_setup_context
 )

@@ -139,28 +139,108 @@ def blockwiseattention(
     return O
 
 
+# The kernels' masked-key rule: a key whose final score (after softcap and
+# an additive mask) is at or below this counts as masked (weight 0), so a
+# row whose every key is masked gives zeros and lse = -inf, never NaN. The
+# kernels work in base 2 and test s * log2(e) <= -2^100; in natural-log
+# units that is -2^100 * ln(2). Far below any real score; -inf and float32's
+# finfo.min (transformers' additive padding value) are both below it.
+MASKED_SCORE = -(2.0**100) * math.log(2.0)
+
+
+def visible_keys(
+    n_q: int, n_k: int, causal: bool = False, window_left: int = -1, window_right: int = -1, device=None
+) -> Tensor:
+    """(n_q, n_k) bool: True where query i may see key j by causality and the window.
+
+    flash-attn's convention, bottom-right aligned:
+    i + n_k - n_q - window_left <= j <= i + n_k - n_q + window_right, each
+    bound absent when -1; causal sets window_right to 0.
+    """
+    i = torch.arange(n_q, device=device).unsqueeze(1)
+    j = torch.arange(n_k, device=device).unsqueeze(0)
+    vis = torch.ones(n_q, n_k, dtype=torch.bool, device=device)
+    right = 0 if causal else window_right
+    if right >= 0:
+        vis &= j <= i + (n_k - n_q) + right
+    if window_left >= 0:
+        vis &= j >= i + (n_k - n_q) - window_left
+    return vis
+
+
+def apply_options(
+    S: Tensor, causal: bool = False, attn_mask: Optional[Tensor] = None, window_left: int = -1,
+    window_right: int = -1, softcap: float = 0.0,
+) -> Tensor:
+    """Scaled scores S (..., n_q, n_k) -> the scores the softmax sees, -inf where masked.
+
+    The order every kernel follows (Gemma 2's): softcap, softcap * tanh(S /
+    softcap); then the mask, + an additive mask or -inf where a bool mask is
+    False; then the window and causality. A score at or below MASKED_SCORE
+    becomes -inf (the kernels' masked-key rule). Computed in S's dtype.
+    """
+    if softcap > 0:
+        S = softcap * torch.tanh(S / softcap)
+    if attn_mask is not None:
+        if attn_mask.dtype == torch.bool:
+            S = S.masked_fill(~attn_mask, float("-inf"))
+        else:
+            S = S + attn_mask.to(S.dtype)
+        S = S.masked_fill(S <= MASKED_SCORE, float("-inf"))
+    if causal or window_left >= 0 or window_right >= 0:
+        vis = visible_keys(S.shape[-2], S.shape[-1], causal, window_left, window_right, S.device)
+        S = S.masked_fill(~vis, float("-inf"))
+    return S
+
+
 def attention_reference(
-    q: Tensor, k: Tensor, v: Tensor, causal: bool = False, scale: Optional[float] = None
+    q: Tensor, k: Tensor, v: Tensor, causal: bool = False, scale: Optional[float] = None,
+    attn_mask: Optional[Tensor] = None, window_left: int = -1, window_right: int = -1, softcap: float = 0.0,
 ) -> Tuple[Tensor, Tensor]:
     """The float64 oracle: (out, lse) for (B, Hq, Nq, D) / (B, Hkv, Nk, D) inputs.
 
     Computed in float64 through the full score matrix (fine for a reference,
     never used on a flash path). Handles GQA by repeating kv heads,
-    bottom-right causal alignment, and rows with no visible key (out 0,
-    lse -inf), matching attention_forward's contract.
+    bottom-right causal alignment, the mask, window and softcap of
+    apply_options, and rows with no visible key (out 0, lse -inf),
+    matching attention_forward's contract.
     """
     q64, k64, v64 = q.double(), k.double(), v.double()
-    group = q.shape[1] // k.shape[1]
+    group = q.shape[1] // max(k.shape[1], 1)
     if group > 1:
         k64 = k64.repeat_interleave(group, dim=1)
         v64 = v64.repeat_interleave(group, dim=1)
     S = (q64 @ k64.transpose(-1, -2)) * _scale(q.shape[-1], scale)
-    if causal:
-        S = S.masked_fill(causal_mask(q.shape[2], k.shape[2], q.device), float("-inf"))
-    lse = torch.logsumexp(S, dim=-1)
+    S = apply_options(S, causal, attn_mask, window_left, window_right, softcap)
+    lse = torch.logsumexp(S, dim=-1) if S.shape[-1] else S.new_full(S.shape[:-1], float("-inf"))
     finite = torch.isfinite(lse)
     P = torch.where(finite.unsqueeze(-1), torch.exp(S - torch.where(finite, lse, 0.0).unsqueeze(-1)), 0.0)
     return P @ v64, lse
+
+
+def attention_varlen_reference(
+    q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, causal: bool = False,
+    scale: Optional[float] = None, window_left: int = -1, window_right: int = -1, softcap: float = 0.0,
+) -> Tuple[Tensor, Tensor]:
+    """The float64 oracle of attention_varlen: out (total_q, Hq, D), lse (Hq, total_q).
+
+    Each sequence b (q rows cu_seqlens_q[b]..[b+1], k/v rows likewise) is
+    attention_reference on its own slices.
+    """
+    out = q.new_zeros(q.shape, dtype=torch.float64)
+    lse = q.new_full((q.shape[1], q.shape[0]), float("-inf"), dtype=torch.float64)
+    cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    for b in range(len(cq) - 1):
+        qs, ks = slice(cq[b], cq[b + 1]), slice(ck[b], ck[b + 1])
+        if cq[b + 1] == cq[b]:
+            continue
+        o, l = attention_reference(
+            q[qs].transpose(0, 1).unsqueeze(0), k[ks].transpose(0, 1).unsqueeze(0),
+            v[ks].transpose(0, 1).unsqueeze(0), causal, scale, None, window_left, window_right, softcap,
+        )
+        out[qs] = o[0].transpose(0, 1)
+        lse[:, qs] = l[0]
+    return out, lse
 
 
 def blockwiseattention_backward(

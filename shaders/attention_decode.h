@@ -74,7 +74,7 @@
 // group (8 times with RG == 1: 8 * R * D elements, small beside K/V).
 #pragma once
 
-#include "attention_common.h"
+#include "attention_features.h"
 
 namespace flash_metal {
 
@@ -401,6 +401,9 @@ template <typename T, int DMAX>
     device T* o [[buffer(3)]],
     device float* lse [[buffer(4)]],
     constant AttentionParams& p [[buffer(5)]],
+    device const uchar* mask [[buffer(14)]],
+    device const int* cu_seqlens_q [[buffer(15)]],
+    device const int* cu_seqlens_k [[buffer(16)]],
     threadgroup float* smem [[threadgroup(0)]],
     uint3 group [[threadgroup_position_in_grid]],
     uint3 tpos [[thread_position_in_threadgroup]],
@@ -458,6 +461,9 @@ template <typename T, int DMAX>
     constant AttentionParams& p [[buffer(5)]],
     device float* partial_o [[buffer(6)]],
     device float* partial_stats [[buffer(7)]],
+    device const uchar* mask [[buffer(14)]],
+    device const int* cu_seqlens_q [[buffer(15)]],
+    device const int* cu_seqlens_k [[buffer(16)]],
     threadgroup float* smem [[threadgroup(0)]],
     uint3 group [[threadgroup_position_in_grid]],
     uint3 tpos [[thread_position_in_threadgroup]],

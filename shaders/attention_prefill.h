@@ -26,7 +26,7 @@
 // attention.metal (float32, DMAX 96, BQ = BK = 32).
 #pragma once
 
-#include "attention_common.h"
+#include "attention_features.h"
 
 namespace flash_metal {
 
@@ -156,6 +156,9 @@ template <typename T, int DMAX, int BQ, int BK, int WM>
     device T* o [[buffer(3)]],
     device float* lse [[buffer(4)]],
     constant AttentionParams& p [[buffer(5)]],
+    device const uchar* mask [[buffer(14)]],
+    device const int* cu_seqlens_q [[buffer(15)]],
+    device const int* cu_seqlens_k [[buffer(16)]],
     threadgroup T* smem [[threadgroup(0)]],
     uint3 group [[threadgroup_position_in_grid]],
     uint tid [[thread_index_in_threadgroup]],

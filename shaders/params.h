@@ -13,6 +13,11 @@
 //   grad_out (batch, q_heads, q_len, head_dim), any strides (the do_* fields)
 //   grad_lse (batch, q_heads, q_len), float32, any strides (the glse_* fields)
 //   grad_q, grad_k, grad_v and the Delta scratch: packed, so no strides here
+//   (their row counts are total_q / total_k below)
+// A varlen call (attention_varlen_*) passes its packed (total, H, D) tensors
+// as (1, H, total, D) views (batch strides unused); q_len and kv_len are then
+// max_seqlen_q and max_seqlen_k, and each sequence's own lengths and first
+// rows come from the cu_seqlens buffers (shaders/attention_features.h).
 #pragma once
 
 #ifdef __METAL_VERSION__
@@ -65,14 +70,30 @@ struct AttentionParams {
   int64_t glse_batch_stride;  // backward: as for lse, for grad_lse (the gradient of lse)
   int64_t glse_head_stride;   // elements between consecutive heads of grad_lse
   int64_t glse_row_stride;    // elements between consecutive rows of grad_lse
+  // The options of shaders/attention_features.h, last so every field above
+  // keeps its offset. attn_mask is seen as (batch, q_heads, q_len, kv_len)
+  // with stride 0 on every broadcast dimension; strides count elements of
+  // the mask's own type (1 byte for bool).
+  int64_t mask_batch_stride;  // elements between consecutive batch entries of the mask (0: broadcast)
+  int64_t mask_head_stride;   // elements between consecutive query heads of the mask (0: broadcast)
+  int64_t mask_row_stride;    // elements between consecutive query rows of the mask (0: broadcast)
+  int64_t mask_col_stride;    // elements between consecutive keys of the mask (0: broadcast)
+  int32_t window_left;        // fc_window_left: query i sees keys j >= i + (Nk - Nq) - window_left
+  int32_t window_right;       // fc_causal: query i sees keys j <= i + (Nk - Nq) + window_right (0: causal)
+  float softcap_log2;         // fc_softcap: softcap * log2(e), the cap on base-2 scores
+  float inv_softcap_log2;     // fc_softcap: 1 / softcap_log2
+  int32_t total_q;            // rows of q's (and grad_q's, lse's, Delta's) packed sequence axis: q_len, or,
+                              // for varlen, total_q (sequence b owns rows cu_seqlens_q[b] .. [b + 1])
+  int32_t total_k;            // likewise for k, v, grad_k, grad_v: kv_len, or total_k
 };
 
-// 19 int64 + 10 int32 + 2 float (200 bytes, 8-aligned) + 7 int64 = 256 bytes,
-// with no padding.
-// (The forward kernels ignore the 7 backward strides; one struct still, so
-// the host fills and binds one block for every kernel.)
+// 19 int64 + 10 int32 + 2 float (200 bytes, 8-aligned) + 7 int64 = 256
+// bytes, + 4 int64 + 4 int32 + 2 float = 312 bytes, with no padding.
+// (The forward kernels ignore the backward strides, and kernels without a
+// feature its fields; one struct still, so the host fills and binds one
+// block for every kernel.)
 // The same assertion compiles on the host and in the shader, so a field added
 // on one side only cannot go unnoticed.
-static_assert(sizeof(AttentionParams) == 256, "AttentionParams layout changed: update host and shaders together");
+static_assert(sizeof(AttentionParams) == 312, "AttentionParams layout changed: update host and shaders together");
 
 }  // namespace flash_metal

@@ -41,34 +41,84 @@ def metal_library(instrumented: bool, fast_math: bool = False):
 LAST_DISPATCHES: list = []
 
 
+def _option_tensors(q, attn_mask=None, cu_seqlens_q=None, cu_seqlens_k=None):
+    """The options' bindings, as the MPS host binds them: the mask expanded to
+    (B, Hq, Nq, Nk) as a stride-0 view (never materialized), the varlen offsets,
+    and q in every slot that has nothing (csrc/metal_plan.h)."""
+    t = {"attn_mask": q, "cu_seqlens_q": q, "cu_seqlens_k": q}
+    if attn_mask is not None:
+        t["attn_mask"] = attn_mask
+    if cu_seqlens_q is not None:
+        t["cu_seqlens_q"], t["cu_seqlens_k"] = cu_seqlens_q, cu_seqlens_k
+    return t
+
+
+def _expanded_mask(attn_mask, q, k):
+    if attn_mask is None:
+        return None
+    return attn_mask.expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+
+
 def emulated_metal_attention(q, k, v, causal=False, scale=None, impl="auto", instrumented=False, fast_math=False,
-                             gpu="base"):
-    plan = flash_metal.explain(q, k, v, causal, scale, impl, gpu)
+                             gpu="base", attn_mask=None, window_left=-1, window_right=-1, softcap=0.0):
+    options = dict(attn_mask=attn_mask, window_left=window_left, window_right=window_right, softcap=softcap)
+    plan = flash_metal.explain(q, k, v, causal, scale, impl, gpu, **options)
     B, H, N, D = q.shape
     # Outputs and scratch poisoned with NaN: an element never written stays NaN.
     out = torch.full((B, H, N, D), float("nan"), dtype=q.dtype)
     lse = torch.full((B, H, N), float("nan"), dtype=torch.float32)
-    tensors = {"q": q, "k": k, "v": v, "out": out, "lse": lse}
+    tensors = {"q": q, "k": k, "v": v, "out": out, "lse": lse, **_option_tensors(q, _expanded_mask(attn_mask, q, k))}
     for name, n in plan.scratch.items():
         tensors[name] = torch.full((max(n, 1),), float("nan"), dtype=torch.float32)
     _run_plan(plan, tensors, instrumented, fast_math)
     return out, lse
 
 
+def emulated_metal_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=False, scale=None,
+                          impl="auto", instrumented=False, window_left=-1, window_right=-1, softcap=0.0):
+    """attention_varlen_forward through the Metal emulator: q, k, v packed (total, H, D)."""
+    varlen = dict(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
+                  max_seqlen_k=max_seqlen_k)
+    plan = flash_metal.explain(q, k, v, causal, scale, impl, window_left=window_left, window_right=window_right,
+                               softcap=softcap, **varlen)
+    T, H, D = q.shape
+    out = torch.full((T, H, D), float("nan"), dtype=q.dtype)
+    lse = torch.full((H, T), float("nan"), dtype=torch.float32)
+    tensors = {"q": q, "k": k, "v": v, "out": out, "lse": lse,
+               **_option_tensors(q, None, cu_seqlens_q, cu_seqlens_k)}
+    for name, n in plan.scratch.items():
+        tensors[name] = torch.full((max(n, 1),), float("nan"), dtype=torch.float32)
+    _run_plan(plan, tensors, instrumented, False)
+    return out, lse
+
+
 def emulated_metal_attention_backward(grad_out, q, k, v, out, lse, causal=False, scale=None, grad_lse=None,
-                                      instrumented=False, fast_math=False, gpu="base", seed=0):
-    """attention_backward through the Metal emulator, launched from the op's own backward plan.
+                                      instrumented=False, fast_math=False, gpu="base", seed=0, attn_mask=None,
+                                      window_left=-1, window_right=-1, softcap=0.0, cu_seqlens_q=None,
+                                      cu_seqlens_k=None, max_seqlen_q=0, max_seqlen_k=0):
+    """attention_backward (or, with cu_seqlens, attention_varlen_backward) through the Metal emulator,
+    launched from the op's own backward plan.
 
     seed: the emulator's thread schedule (0: fixed order; else a seeded shuffle), for determinism tests.
     """
+    options = dict(attn_mask=attn_mask, window_left=window_left, window_right=window_right, softcap=softcap,
+                   cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
+                   max_seqlen_k=max_seqlen_k)
     plan = flash_metal.explain(q, k, v, causal, scale, "auto", gpu, backward=True, grad_out=grad_out, out=out,
-                               lse=lse, grad_lse=grad_lse)
+                               lse=lse, grad_lse=grad_lse, **options)
     # Gradients and scratch poisoned with NaN: an element never written stays NaN.
-    grads = [torch.full(t.shape, float("nan"), dtype=t.dtype) for t in (q, k, v)]
+    if cu_seqlens_q is None:
+        grads = [torch.full(t.shape, float("nan"), dtype=t.dtype) for t in (q, k, v)]
+        bound = grads
+    else:  # the kernels write packed (1, H, total, D) buffers, returned as (total, H, D) views
+        bound = [torch.full((1, t.shape[1], t.shape[0], t.shape[2]), float("nan"), dtype=t.dtype) for t in (q, k, v)]
+        grads = [b.transpose(1, 2).squeeze(0) for b in bound]
     tensors = {"q": q, "k": k, "v": v, "out": out, "lse": lse, "grad_out": grad_out,
-               "grad_q": grads[0], "grad_k": grads[1], "grad_v": grads[2],
+               "grad_q": bound[0], "grad_k": bound[1], "grad_v": bound[2],
                # Without grad_lse the plan binds lse in its place (csrc/metal_plan.h), as the MPS host does.
-               "grad_lse": lse if grad_lse is None else grad_lse}
+               "grad_lse": lse if grad_lse is None else grad_lse,
+               **_option_tensors(q, None if cu_seqlens_q is not None else _expanded_mask(attn_mask, q, k),
+                                 cu_seqlens_q, cu_seqlens_k)}
     for name, n in plan.scratch.items():
         tensors[name] = torch.full((max(n, 1),), float("nan"), dtype=torch.float32)
     _run_plan(plan, tensors, instrumented, fast_math, seed)
@@ -100,41 +150,94 @@ def to_mps_same_layout(t):
     return base.to("mps").as_strided(t.size(), t.stride(), t.storage_offset())
 
 
-def run_attention(backend, q, k, v, causal=False, scale=None, impl="auto"):
-    """Runs attention_forward on `backend`; inputs and results live on the CPU."""
+def _metal_emu_flags(backend):
+    return dict(instrumented=backend == "metal-emu-sanitized")
+
+
+def run_attention(backend, q, k, v, causal=False, scale=None, impl="auto", **options):
+    """Runs attention_forward on `backend`; inputs and results live on the CPU.
+
+    options: attn_mask, window_left, window_right, softcap (as the op takes them).
+    """
     if backend == "cpu":
-        return torch.ops.flash_metal.attention_forward(q, k, v, causal, scale, impl)
-    if backend == "metal-emu":
-        return emulated_metal_attention(q, k, v, causal, scale, impl, instrumented=False)
-    if backend == "metal-emu-sanitized":
-        return emulated_metal_attention(q, k, v, causal, scale, impl, instrumented=True)
+        return flash_metal.attention_with_lse(q, k, v, causal, scale, impl, **options)
+    if backend in ("metal-emu", "metal-emu-sanitized"):
+        return emulated_metal_attention(q, k, v, causal, scale, impl, **_metal_emu_flags(backend), **options)
     if backend == "metal-emu-fast-math":  # the shaders built with -ffast-math (see test_fast_math.py)
-        return emulated_metal_attention(q, k, v, causal, scale, impl, fast_math=True)
+        return emulated_metal_attention(q, k, v, causal, scale, impl, fast_math=True, **options)
     if backend == "mps":
         dev = [to_mps_same_layout(t) for t in (q, k, v)]
-        out, lse = torch.ops.flash_metal.attention_forward(*dev, causal, scale, impl)
+        if options.get("attn_mask") is not None:
+            options = dict(options, attn_mask=to_mps_same_layout(options["attn_mask"]))
+        out, lse = flash_metal.attention_with_lse(*dev, causal, scale, impl, **options)
         return out.cpu(), lse.cpu()
     raise ValueError(backend)
 
 
-def run_backward(backend, grad_out, q, k, v, out, lse, causal=False, scale=None, grad_lse=None):
+def run_varlen(backend, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=False, scale=None,
+               impl="auto", **options):
+    """Runs attention_varlen_forward on `backend` (options: window_left, window_right, softcap)."""
+    args = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale)
+    if backend == "cpu":
+        return flash_metal.attention_varlen_with_lse(q, k, v, *args, impl=impl, **options)
+    if backend in ("metal-emu", "metal-emu-sanitized"):
+        return emulated_metal_varlen(q, k, v, *args, impl=impl, **_metal_emu_flags(backend), **options)
+    if backend == "mps":
+        dev = [to_mps_same_layout(t) for t in (q, k, v)]
+        out, lse = flash_metal.attention_varlen_with_lse(
+            *dev, cu_seqlens_q.to("mps"), cu_seqlens_k.to("mps"), *args[2:], impl=impl, **options
+        )
+        return out.cpu(), lse.cpu()
+    raise ValueError(backend)
+
+
+def run_backward(backend, grad_out, q, k, v, out, lse, causal=False, scale=None, grad_lse=None, **options):
     """Runs attention_backward on `backend`; inputs and gradients live on the CPU.
 
     out and lse are the forward's results (from any backend: the backward
-    only needs them to be the attention of q, k, v).
+    only needs them to be the attention of q, k, v). options: attn_mask,
+    window_left, window_right, softcap.
     """
     args = (grad_out, q, k, v, out, lse)
     if backend == "cpu":
-        return torch.ops.flash_metal.attention_backward(*args, causal, scale, grad_lse)
+        return torch.ops.flash_metal.attention_backward(*args, causal, scale, grad_lse, "auto", **options)
     if backend in ("metal-emu", "metal-emu-sanitized", "metal-emu-fast-math"):
         return emulated_metal_attention_backward(
             *args, causal, scale, grad_lse, instrumented=backend == "metal-emu-sanitized",
-            fast_math=backend == "metal-emu-fast-math",
+            fast_math=backend == "metal-emu-fast-math", **options,
         )
     if backend == "mps":
         dev = [to_mps_same_layout(t) for t in args]
         g = None if grad_lse is None else to_mps_same_layout(grad_lse)
-        return tuple(t.cpu() for t in torch.ops.flash_metal.attention_backward(*dev, causal, scale, g))
+        if options.get("attn_mask") is not None:
+            options = dict(options, attn_mask=to_mps_same_layout(options["attn_mask"]))
+        return tuple(t.cpu() for t in torch.ops.flash_metal.attention_backward(*dev, causal, scale, g, "auto",
+                                                                              **options))
+    raise ValueError(backend)
+
+
+def run_varlen_backward(backend, grad_out, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                        max_seqlen_k, causal=False, scale=None, grad_lse=None, **options):
+    """Runs attention_varlen_backward on `backend` (options: window_left, window_right, softcap)."""
+    lengths = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    if backend == "cpu":
+        return torch.ops.flash_metal.attention_varlen_backward(
+            grad_out, q, k, v, out, lse, *lengths, causal, scale, grad_lse, **options
+        )
+    if backend in ("metal-emu", "metal-emu-sanitized"):
+        return emulated_metal_attention_backward(
+            grad_out, q, k, v, out, lse, causal, scale, grad_lse, instrumented=backend == "metal-emu-sanitized",
+            cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
+            max_seqlen_k=max_seqlen_k, **options,
+        )
+    if backend == "mps":
+        dev = [to_mps_same_layout(t) for t in (grad_out, q, k, v, out, lse)]
+        g = None if grad_lse is None else to_mps_same_layout(grad_lse)
+        grads = torch.ops.flash_metal.attention_varlen_backward(
+            *dev, cu_seqlens_q.to("mps"), cu_seqlens_k.to("mps"), max_seqlen_q, max_seqlen_k, causal, scale, g,
+            **options,
+        )
+        return tuple(t.cpu() for t in grads)
     raise ValueError(backend)
 
 

@@ -12,7 +12,7 @@ import math
 
 import torch
 
-from flash_metal.reference import attention_reference, causal_mask
+from flash_metal.reference import apply_options, attention_reference, causal_mask
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
@@ -107,7 +107,7 @@ def _scale(q, scale):
     return 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
 
 
-def pytorch_attention_same_dtype(q, k, v, causal, scale, return_scores=False):
+def pytorch_attention_same_dtype(q, k, v, causal, scale, return_scores=False, **options):
     """PyTorch's attention computed in the inputs' dtype: the yardstick.
 
     As in FlashAttention's own reference (attention_ref in its tests) and
@@ -116,23 +116,20 @@ def pytorch_attention_same_dtype(q, k, v, causal, scale, return_scores=False):
     """
     k, v = _expand_kv(q, k, v)
     S = (q * _scale(q, scale)) @ k.transpose(-1, -2)
-    if causal:
-        S = S.masked_fill(causal_mask(q.shape[2], k.shape[2]), float("-inf"))
+    S = apply_options(S, causal, **options)
     P = torch.softmax(S.float(), dim=-1).to(q.dtype)
     lse = torch.logsumexp(S.float(), dim=-1)
     out = torch.nan_to_num(P @ v, nan=0.0)  # rows with no key: softmax of all -inf
     return (out, lse, S) if return_scores else (out, lse)
 
 
-def _float32_scores(q, k, causal, scale):
+def _float32_scores(q, k, causal, scale, **options):
     k = k.float().repeat_interleave(q.shape[1] // k.shape[1], dim=1)
     S = (q.float() * _scale(q, scale)) @ k.transpose(-1, -2)
-    if causal:
-        S = S.masked_fill(causal_mask(q.shape[2], k.shape[2]), float("-inf"))
-    return S
+    return apply_options(S, causal, **options)
 
 
-def _scores_broke(S, q, k, causal, scale):
+def _scores_broke(S, q, k, causal, scale, **options):
     """True when the same-dtype scores S overflowed or drifted SCORE_BREAKDOWN from float32's.
 
     float32 is the reference here (cheaper than float64, and its own error
@@ -142,7 +139,7 @@ def _scores_broke(S, q, k, causal, scale):
     """
     if q.dtype == torch.float32:
         return False  # the fallback would be this very computation
-    S32 = _float32_scores(q, k, causal, scale)
+    S32 = _float32_scores(q, k, causal, scale, **options)
     fin = torch.isfinite(S32)
     if not torch.equal(torch.isfinite(S), fin):
         return True
@@ -150,7 +147,7 @@ def _scores_broke(S, q, k, causal, scale):
     return drift >= SCORE_BREAKDOWN
 
 
-def yardstick_errors(q, k, v, causal, scale, ref_out, ref_lse):
+def yardstick_errors(q, k, v, causal, scale, ref_out, ref_lse, **options):
     """(out error, lse error) of the yardstick against the float64 oracle.
 
     The yardstick is PyTorch's same-dtype attention (FlashAttention's rule),
@@ -164,17 +161,25 @@ def yardstick_errors(q, k, v, causal, scale, ref_out, ref_lse):
     same-dtype arithmetic would cost if it had float32's range. The output's
     own rounding to the dtype is added, since the float32 result skips it.
     """
-    pt_out, pt_lse, S = pytorch_attention_same_dtype(q, k, v, causal, scale, return_scores=True)
+    pt_out, pt_lse, S = pytorch_attention_same_dtype(q, k, v, causal, scale, return_scores=True, **options)
     lfin = torch.isfinite(ref_lse)
-    if not _scores_broke(S, q, k, causal, scale):
+    if not _scores_broke(S, q, k, causal, scale, **options):
         err = (pt_out.double() - ref_out).abs().max().item()
         lerr = (pt_lse.double()[lfin] - ref_lse[lfin]).abs().max().item() if lfin.any() else 0.0
         return err, lerr
-    f_out, f_lse = pytorch_attention_same_dtype(q.float(), k.float(), v.float(), causal, scale)
+    f_out, f_lse = pytorch_attention_same_dtype(q.float(), k.float(), v.float(), causal, scale, **_float_mask(options))
     ratio = torch.finfo(q.dtype).eps / torch.finfo(torch.float32).eps
     err = ratio * (f_out.double() - ref_out).abs().max().item() + (ref_out.to(q.dtype).double() - ref_out).abs().max().item()
     lerr = ratio * (f_lse.double()[lfin] - ref_lse[lfin]).abs().max().item() if lfin.any() else 0.0
     return err, lerr
+
+
+def _float_mask(options):
+    # The float32 fallback yardstick takes an additive mask in float32 too.
+    m = options.get("attn_mask")
+    if m is not None and m.dtype != torch.bool:
+        options = dict(options, attn_mask=m.float())
+    return options
 
 
 def rounding_floor(ref, dtype):
@@ -188,15 +193,15 @@ def fp32_floor(ref, length):
     return FP32_ULPS * torch.finfo(torch.float32).eps * max(mag, 1.0) * max(1.0, math.log2(max(length, 1)))
 
 
-def attention_tolerances(q, k, v, causal=False, scale=None, strict=False):
+def attention_tolerances(q, k, v, causal=False, scale=None, strict=False, **options):
     """(ref_out, ref_lse, out tolerance, lse tolerance) by the 2x rule.
 
     strict: FlashAttention's rule alone, 2x PyTorch's error plus the rounding
     floor of the output dtype, without the float32 accumulation floor
     (fp32_floor), which for float32 inputs can exceed PyTorch's own error.
     """
-    ref_out, ref_lse = attention_reference(q, k, v, causal, scale)
-    pt_err, pt_lerr = yardstick_errors(q, k, v, causal, scale, ref_out, ref_lse)
+    ref_out, ref_lse = attention_reference(q, k, v, causal, scale, **options)
+    pt_err, pt_lerr = yardstick_errors(q, k, v, causal, scale, ref_out, ref_lse, **options)
     nk = k.shape[2]
     slack = (lambda ref: 0.0) if strict else (lambda ref: fp32_floor(ref, nk))
     tol = 2 * pt_err + rounding_floor(ref_out, q.dtype) + slack(ref_out)
@@ -211,13 +216,16 @@ def attention_tolerances(q, k, v, causal=False, scale=None, strict=False):
     return ref_out, ref_lse, tol, ltol
 
 
-def assert_attention_close(out, lse, q, k, v, causal=False, scale=None, strict=False):
-    """out/lse from a kernel vs the float64 oracle, by the 2x rule (strict: no fp32_floor)."""
+def assert_attention_close(out, lse, q, k, v, causal=False, scale=None, strict=False, **options):
+    """out/lse from a kernel vs the float64 oracle, by the 2x rule (strict: no fp32_floor).
+
+    options: attn_mask, window_left, window_right, softcap, as the op takes them.
+    """
     assert out.shape == q.shape and out.dtype == q.dtype
     assert lse.shape == q.shape[:3] and lse.dtype == torch.float32
     assert not torch.isnan(out).any(), "output has NaN: an element was never written, or the math broke"
     assert not torch.isnan(lse).any(), "lse has NaN: an element was never written, or the math broke"
-    ref_out, ref_lse, tol, ltol = attention_tolerances(q, k, v, causal, scale, strict)
+    ref_out, ref_lse, tol, ltol = attention_tolerances(q, k, v, causal, scale, strict, **options)
 
     err = (out.double() - ref_out).abs().max().item()
     assert err <= tol, f"out: max error {err:.3g} > tolerance {tol:.3g}"
@@ -239,13 +247,14 @@ def _visible(nq, nk, causal, device=None):
     return ~causal_mask(nq, nk, device)
 
 
-def reference_gradients(q, k, v, grad_out, causal=False, scale=None, grad_lse=None, bounds=False):
+def reference_gradients(q, k, v, grad_out, causal=False, scale=None, grad_lse=None, bounds=False, **options):
     """The float64 oracle of attention_backward: (grad_q, grad_k, grad_v).
 
     Written from the definition, through the full N x N matrices: with
     P = softmax(S) (zero on masked keys and on rows that see no key),
     dV = Pᵀ dO, dS = P ∘ (dO Vᵀ − rowsum(dO ∘ O) + grad_lse), dQ = dS K · scale,
-    dK = dSᵀ Q · scale, summed over each kv head's query group.
+    dK = dSᵀ Q · scale, summed over each kv head's query group. With
+    softcap, dS is multiplied by the cap's derivative 1 - tanh²(S / softcap).
     tests/test_backward.py checks it against autograd through
     attention_reference.
     """
@@ -253,9 +262,9 @@ def reference_gradients(q, k, v, grad_out, causal=False, scale=None, grad_lse=No
     q64, k64, v64, do64 = q.double(), k.double(), v.double(), grad_out.double()
     group = q.shape[1] // k.shape[1]
     ke, ve = k64.repeat_interleave(group, dim=1), v64.repeat_interleave(group, dim=1)
-    S = (q64 @ ke.transpose(-1, -2)) * s
-    vis = _visible(q.shape[2], k.shape[2], causal)
-    S = S.masked_fill(~vis, float("-inf"))
+    S_raw = (q64 @ ke.transpose(-1, -2)) * s
+    S = apply_options(S_raw, causal, **options)
+    vis = torch.isfinite(S)
     lse = torch.logsumexp(S, dim=-1, keepdim=True)
     seen = torch.isfinite(lse)
     P = torch.where(seen & vis, torch.exp(S - torch.where(seen, lse, 0.0)), 0.0)
@@ -265,6 +274,9 @@ def reference_gradients(q, k, v, grad_out, causal=False, scale=None, grad_lse=No
         Di = Di - torch.where(seen, grad_lse.double().unsqueeze(-1), 0.0)
     dP = do64 @ ve.transpose(-1, -2)
     dS = P * (dP - Di)
+    softcap = options.get("softcap", 0.0)
+    if softcap > 0:
+        dS = dS * (1 - torch.tanh(S_raw / softcap) ** 2)
     dq = (dS @ ke) * s
     dk = (dS.transpose(-1, -2) @ q64) * s
     dv = P.transpose(-1, -2) @ do64
@@ -284,15 +296,15 @@ def reference_gradients(q, k, v, grad_out, causal=False, scale=None, grad_lse=No
     return (dq, dk, dv), (bq, bk, bv)
 
 
-def _same_dtype_gradients(q, k, v, grad_out, causal, scale, grad_lse):
+def _same_dtype_gradients(q, k, v, grad_out, causal, scale, grad_lse, **options):
     """PyTorch's attention in the inputs' dtype, differentiated by autograd: the yardstick."""
     qd, kd, vd = (t.detach().clone().requires_grad_(True) for t in (q, k, v))
     ke, ve = _expand_kv(qd, kd, vd)
-    S = (qd * _scale(q, scale)) @ ke.transpose(-1, -2)
-    vis = _visible(q.shape[2], k.shape[2], causal)
+    S = apply_options((qd * _scale(q, scale)) @ ke.transpose(-1, -2), causal, **options)
+    vis = torch.isfinite(S.detach())
     seen = vis.any(-1, keepdim=True)
     # Rows that see no key: scores 0 and P zeroed, so no NaN enters autograd.
-    S = torch.where(seen, S.masked_fill(~vis, float("-inf")), torch.zeros((), dtype=S.dtype))
+    S = torch.where(seen, S, torch.zeros((), dtype=S.dtype))
     P = (torch.softmax(S.float(), dim=-1) * seen).to(q.dtype)
     loss = ((P @ ve).float() * grad_out.float()).sum()
     if grad_lse is not None:
@@ -301,7 +313,7 @@ def _same_dtype_gradients(q, k, v, grad_out, causal, scale, grad_lse):
     return torch.autograd.grad(loss, (qd, kd, vd))
 
 
-def gradient_tolerances(q, k, v, grad_out, causal=False, scale=None, grad_lse=None):
+def gradient_tolerances(q, k, v, grad_out, causal=False, scale=None, grad_lse=None, **options):
     """(reference gradients, tolerances) by FlashAttention's 2x rule, one per gradient.
 
     Each tolerance is twice the error of PyTorch's same-dtype attention
@@ -313,8 +325,8 @@ def gradient_tolerances(q, k, v, grad_out, causal=False, scale=None, grad_lse=No
     where PyTorch's softmax backward happens to be exact (P = 1) and a
     kernel that sums dP and D in different orders is not.
     """
-    refs, bounds = reference_gradients(q, k, v, grad_out, causal, scale, grad_lse, bounds=True)
-    pts = _same_dtype_gradients(q, k, v, grad_out, causal, scale, grad_lse)
+    refs, bounds = reference_gradients(q, k, v, grad_out, causal, scale, grad_lse, bounds=True, **options)
+    pts = _same_dtype_gradients(q, k, v, grad_out, causal, scale, grad_lse, **options)
     length = max(q.shape[2], k.shape[2], q.shape[3])
     tols = []
     for ref, pt, bound in zip(refs, pts, bounds):
@@ -329,11 +341,62 @@ def gradient_tolerances(q, k, v, grad_out, causal=False, scale=None, grad_lse=No
     return refs, tols
 
 
-def assert_gradients_close(grads, q, k, v, grad_out, causal=False, scale=None, grad_lse=None):
+def assert_gradients_close(grads, q, k, v, grad_out, causal=False, scale=None, grad_lse=None, **options):
     """(grad_q, grad_k, grad_v) from a kernel vs the float64 oracle, by the 2x rule."""
-    refs, tols = gradient_tolerances(q, k, v, grad_out, causal, scale, grad_lse)
+    refs, tols = gradient_tolerances(q, k, v, grad_out, causal, scale, grad_lse, **options)
     for name, g, like, ref, tol in zip(("grad_q", "grad_k", "grad_v"), grads, (q, k, v), refs, tols):
         assert g.shape == like.shape and g.dtype == like.dtype, f"{name}: {g.shape} {g.dtype}"
         assert torch.isfinite(g).all(), f"{name} has NaN/inf: an element was never written, or the math broke"
         err = (g.double() - ref).abs().max().item()
         assert err <= tol, f"{name}: max error {err:.3g} > tolerance {tol:.3g}"
+
+
+# ---------------------------------------------------------------- varlen
+
+
+def varlen_sequences(cu_seqlens_q, cu_seqlens_k):
+    """[(q rows, k rows)] slices of each packed sequence."""
+    cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    return [(slice(cq[b], cq[b + 1]), slice(ck[b], ck[b + 1])) for b in range(len(cq) - 1)]
+
+
+def as_batch(t, rows):
+    """Rows of a packed (total, H, D) tensor as a (1, H, n, D) view."""
+    return t[rows].transpose(0, 1).unsqueeze(0)
+
+
+def assert_varlen_close(out, lse, q, k, v, cu_seqlens_q, cu_seqlens_k, causal=False, scale=None, **options):
+    """attention_varlen's (out, lse) vs the float64 oracle, sequence by sequence, by the 2x rule.
+
+    A sequence with no query rows has nothing to check; one with queries but
+    no key must give zeros and lse = -inf (checked like any other).
+    """
+    assert out.shape == q.shape and out.dtype == q.dtype
+    assert lse.shape == (q.shape[1], q.shape[0]) and lse.dtype == torch.float32
+    assert not torch.isnan(out).any() and not torch.isnan(lse).any(), "an element was never written"
+    for qs, ks in varlen_sequences(cu_seqlens_q, cu_seqlens_k):
+        if qs.stop == qs.start:
+            continue
+        qb, kb, vb = as_batch(q, qs), as_batch(k, ks), as_batch(v, ks)
+        if ks.stop == ks.start:
+            assert (out[qs] == 0).all() and torch.isneginf(lse[:, qs]).all()
+            continue
+        assert_attention_close(as_batch(out, qs), lse[:, qs].unsqueeze(0), qb, kb, vb, causal, scale, **options)
+
+
+def assert_varlen_gradients_close(grads, q, k, v, grad_out, cu_seqlens_q, cu_seqlens_k, causal=False, scale=None,
+                                  grad_lse=None, **options):
+    """attention_varlen_backward's gradients vs the float64 oracle, sequence by sequence."""
+    for g, like in zip(grads, (q, k, v)):
+        assert g.shape == like.shape and g.dtype == like.dtype
+        assert torch.isfinite(g).all(), "a gradient has NaN/inf: an element was never written"
+    for qs, ks in varlen_sequences(cu_seqlens_q, cu_seqlens_k):
+        if qs.stop == qs.start or ks.stop == ks.start:
+            # No query: k/v rows get zero gradient; no key: q rows do.
+            assert (grads[0][qs] == 0).all() and (grads[1][ks] == 0).all() and (grads[2][ks] == 0).all()
+            continue
+        glse = None if grad_lse is None else grad_lse[:, qs].unsqueeze(0)
+        assert_gradients_close(
+            tuple(as_batch(g, r) for g, r in zip(grads, (qs, ks, ks))), as_batch(q, qs), as_batch(k, ks),
+            as_batch(v, ks), as_batch(grad_out, qs), causal, scale, glse, **options,
+        )

@@ -49,7 +49,7 @@
 // MKL's float32 GEMM reaches 160 GFLOP/s at 1024^3 on the same core, so the
 // backward runs at ~85% of GEMM speed. With the AVX2 tile it ran ~75 GFLOP/s
 // per core. 128-query blocks measured the same as 96 (within 4%).
-#include "../checks.h"
+#include "kernels.h"
 #include "common.h"
 #include "simd.h"
 
@@ -448,16 +448,18 @@ void run_backward(const BwdGeometry& g, const Tensors& t) {
   });
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_cpu(
-    const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
-    const at::Tensor& lse, bool causal, std::optional<double> scale, const std::optional<at::Tensor>& grad_lse,
-    c10::string_view impl) {
-  const AttentionProblem p = check_backward_inputs(grad_out, q, k, v, out, lse, grad_lse, causal, scale);
-  const std::string impl_name(impl);
-  TORCH_CHECK_VALUE(impl_name == "auto", "flash_metal.attention_backward: impl='", impl_name,
-                    "' is not available for tensors on cpu, which run the CPU flash backward kernel; impl must be "
-                    "'auto'");
-  auto [grad_q, grad_k, grad_v] = allocate_gradients(q, k, p);
+}  // namespace
+
+void attention_backward(const AttentionCall& c, const BackwardTensors& bt, const AttentionGradients& grads) {
+  const AttentionProblem& p = c.p;
+  TORCH_CHECK_NOT_IMPLEMENTED(p.mask == MaskKind::None && !p.has_window_left() && !p.has_softcap() && !p.varlen &&
+                                  !(p.causal && p.window_right > 0),
+                              "flash_metal.attention_backward: this CPU build does not implement attn_mask, windows, "
+                              "softcap or varlen yet");
+  const at::Tensor &q = c.q, &k = c.k, &v = c.v, &out = bt.out4, &lse = bt.lse3, &grad_out = bt.grad_out4;
+  const std::optional<at::Tensor> grad_lse =
+      bt.grad_lse3.defined() ? std::optional<at::Tensor>(bt.grad_lse3) : std::nullopt;
+  const at::Tensor &grad_q = grads.grad_q4, &grad_k = grads.grad_k4, &grad_v = grads.grad_v4;
 
   BwdGeometry g;
   g.batch = p.batch;
@@ -496,13 +498,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_cpu(
     case at::kBFloat16: run_backward<c10::BFloat16>(g, t); break;
     default: TORCH_CHECK(false, "flash_metal.attention_backward: unreachable dtype ", q.scalar_type());
   }
-  return {grad_q, grad_k, grad_v};
 }
 
-}  // namespace
 }  // namespace cpu
 }  // namespace flash_metal
-
-TORCH_LIBRARY_IMPL(flash_metal, CPU, m) {
-  m.impl("attention_backward", &flash_metal::cpu::attention_backward_cpu);
-}

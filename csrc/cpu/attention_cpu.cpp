@@ -25,7 +25,7 @@
 // Extra memory: one workspace per thread of about
 // 4*kBlockQ*(2D) + kBlockK*(2D) + kBlockK*kBlockQ floats (~1 MB at D = 256,
 // ~0.5 MB at D = 128), independent of N: never an N x N matrix.
-#include "../checks.h"
+#include "kernels.h"
 #include "../metal_plan.h"
 #include "common.h"
 #include "simd.h"
@@ -533,15 +533,16 @@ void run_attention(const Geometry& g, const at::Tensor& q, const at::Tensor& k, 
   });
 }
 
-std::tuple<at::Tensor, at::Tensor> attention_forward_cpu(const at::Tensor& q, const at::Tensor& k,
-                                                         const at::Tensor& v, bool causal,
-                                                         std::optional<double> scale, c10::string_view kernel) {
-  const AttentionProblem p = check_attention_inputs(q, k, v, causal, scale);
-  const std::string kernel_name(kernel);
-  TORCH_CHECK_VALUE(parse_kernel_request(kernel_name) == KernelRequest::Auto,
-                    "flash_metal.attention_forward: impl='", kernel_name,
-                    "' selects a Metal kernel; tensors on cpu run the CPU flash kernel, so impl must be 'auto'");
-  auto [out, lse] = allocate_outputs(q, p);
+}  // namespace
+
+void attention_forward(const AttentionCall& c, const AttentionOutputs& o) {
+  const AttentionProblem& p = c.p;
+  TORCH_CHECK_NOT_IMPLEMENTED(p.mask == MaskKind::None && !p.has_window_left() && !p.has_softcap() && !p.varlen &&
+                                  !(p.causal && p.window_right > 0),
+                              "flash_metal.attention_forward: this CPU build does not implement attn_mask, windows, "
+                              "softcap or varlen yet");
+  const at::Tensor &q = c.q, &k = c.k, &v = c.v;
+  at::Tensor out = o.out4, lse = o.lse3;
 
   Geometry g;
   g.batch = p.batch;
@@ -566,11 +567,7 @@ std::tuple<at::Tensor, at::Tensor> attention_forward_cpu(const at::Tensor& q, co
     case at::kBFloat16: run_attention<c10::BFloat16>(g, q, k, v, out, lse); break;
     default: TORCH_CHECK(false, "flash_metal.attention_forward: unreachable dtype ", q.scalar_type());
   }
-  return {out, lse};
 }
 
-}  // namespace
 }  // namespace cpu
 }  // namespace flash_metal
-
-TORCH_LIBRARY_IMPL(flash_metal, CPU, m) { m.impl("attention_forward", &flash_metal::cpu::attention_forward_cpu); }

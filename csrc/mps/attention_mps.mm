@@ -16,6 +16,7 @@
 // The launch is visible to torch.mps.profiler: it is bracketed with PyTorch's
 // MPS profiler calls the way PyTorch's own Metal kernels do (see
 // profile_begin below).
+#include "attention_ops.h"
 #include "checks.h"
 #include "metal_plan.h"
 #include "library.h"
@@ -187,75 +188,85 @@ at::Tensor scratch(const at::Tensor& like, int64_t n) {
   return at::empty({std::max<int64_t>(n, 1)}, like.options().dtype(at::kFloat));
 }
 
-std::tuple<at::Tensor, at::Tensor> attention_forward_mps(const at::Tensor& q, const at::Tensor& k,
-                                                         const at::Tensor& v, bool causal,
-                                                         std::optional<double> scale, c10::string_view impl) {
-  // --- Everything that can throw or touch PyTorch happens here, first. ---
-  const AttentionProblem problem = check_attention_inputs(q, k, v, causal, scale);
-  const KernelRequest request = parse_kernel_request(std::string(impl));
-  at::Tensor out, lse;
-  std::tie(out, lse) = allocate_outputs(q, problem);  // on MPS, before the block
+// The tensors of a plan's binding table: the options' inputs, or q in
+// their slots when absent (declared buffers are always bound; the kernel's
+// function constants keep them unread).
+void put_options(const AttentionCall& c, LaunchTensors* tensors) {
+  const auto put = [&](LaunchTensor slot, const at::Tensor& t) { (*tensors)[static_cast<size_t>(slot)] = &t; };
+  put(LaunchTensor::Mask, c.mask.defined() ? c.mask : c.q);
+  put(LaunchTensor::CuSeqlensQ, c.p.varlen ? c.cu_seqlens_q : c.q);
+  put(LaunchTensor::CuSeqlensK, c.p.varlen ? c.cu_seqlens_k : c.q);
+}
 
+LaunchStrides launch_strides(const AttentionCall& c, const at::Tensor& out4, const at::Tensor& lse3) {
+  LaunchStrides s{strides4(c.q), strides4(c.k), strides4(c.v), strides4(out4),
+                  {lse3.stride(0), lse3.stride(1), lse3.stride(2)}};
+  if (c.mask.defined()) s.mask = strides4(c.mask);
+  return s;
+}
+
+// attention_forward and attention_varlen_forward on MPS: plan, then encode.
+void forward_kernel(const AttentionCall& c, const AttentionOutputs& o, const std::string& impl) {
+  // --- Everything that can throw or touch PyTorch happens here, first. ---
+  const KernelRequest request = parse_kernel_request(impl);
   id<MTLDevice> device = at::mps::MPSDevice::getInstance()->device();
-  const LaunchStrides strides{strides4(q), strides4(k), strides4(v), strides4(out),
-                              {lse.stride(0), lse.stride(1), lse.stride(2)}};
-  const MetalPlan plan = plan_metal_attention(problem, strides, request, gpu_class_of(device));
+  const MetalPlan plan = plan_metal_attention(c.p, launch_strides(c, o.out4, o.lse3), request, gpu_class_of(device));
 
   // The split-KV decode's float32 scratch.
-  const at::Tensor partial_out = scratch(q, plan.partial_out_elements);
-  const at::Tensor partial_stats = scratch(q, plan.partial_stats_elements);
-  const LaunchTensors tensors = {&q, &k, &v, &out, &lse, &partial_out, &partial_stats};  // LaunchTensor order
-  encode_plan(plan, tensors, device, {q, k, v}, kForwardOp);
-  return {out, lse};
-}
-
-// attention_backward: the two kernels of shaders/attention_backward.h (dQ
-// and Delta, then dK/dV), planned by plan_metal_attention_backward. Inputs
-// are read in place with their own strides; the gradients are packed.
-std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_mps(
-    const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-    const at::Tensor& fwd_out, const at::Tensor& lse, bool causal, std::optional<double> scale,
-    const std::optional<at::Tensor>& grad_lse, c10::string_view impl) {
-  const AttentionProblem problem = check_backward_inputs(grad_out, q, k, v, fwd_out, lse, grad_lse, causal, scale);
-  const KernelRequest request = parse_kernel_request(std::string(impl));
-  at::Tensor grad_q, grad_k, grad_v;
-  std::tie(grad_q, grad_k, grad_v) = allocate_gradients(q, k, problem);
-
-  // Without grad_lse, lse is bound in its slot (the kernel's has_grad_lse
-  // constant is false, so it is never read): every declared buffer bound.
-  const bool has_grad_lse = grad_lse.has_value() && grad_lse->defined();
-  const at::Tensor& glse = has_grad_lse ? *grad_lse : lse;
-  id<MTLDevice> device = at::mps::MPSDevice::getInstance()->device();
-  LaunchStrides strides{strides4(q), strides4(k), strides4(v), strides4(fwd_out),
-                        {lse.stride(0), lse.stride(1), lse.stride(2)}};
-  strides.grad_out = strides4(grad_out);
-  strides.grad_lse = {glse.stride(0), glse.stride(1), glse.stride(2)};
-  const MetalPlan plan =
-      plan_metal_attention_backward(problem, strides, has_grad_lse, request, gpu_class_of(device));
-
-  const at::Tensor delta = scratch(q, plan.delta_elements);
+  const at::Tensor partial_out = scratch(c.q, plan.partial_out_elements);
+  const at::Tensor partial_stats = scratch(c.q, plan.partial_stats_elements);
   LaunchTensors tensors{};
   const auto put = [&](LaunchTensor slot, const at::Tensor& t) { tensors[static_cast<size_t>(slot)] = &t; };
-  put(LaunchTensor::Q, q);
-  put(LaunchTensor::K, k);
-  put(LaunchTensor::V, v);
-  put(LaunchTensor::Out, fwd_out);
-  put(LaunchTensor::Lse, lse);
-  put(LaunchTensor::GradOut, grad_out);
-  put(LaunchTensor::GradQ, grad_q);
-  put(LaunchTensor::GradK, grad_k);
-  put(LaunchTensor::GradV, grad_v);
+  put(LaunchTensor::Q, c.q);
+  put(LaunchTensor::K, c.k);
+  put(LaunchTensor::V, c.v);
+  put(LaunchTensor::Out, o.out4);
+  put(LaunchTensor::Lse, o.lse3);
+  put(LaunchTensor::PartialOut, partial_out);
+  put(LaunchTensor::PartialStats, partial_stats);
+  put_options(c, &tensors);
+  encode_plan(plan, tensors, device, {c.q, c.k, c.v}, kForwardOp);
+}
+
+// attention_backward and attention_varlen_backward: the two kernels of
+// shaders/attention_backward.h (dQ and Delta, then dK/dV), planned by
+// plan_metal_attention_backward. Inputs are read in place with their own
+// strides; the gradients are packed.
+void backward_kernel(const AttentionCall& c, const BackwardTensors& t, const AttentionGradients& g,
+                     const std::string& impl) {
+  const KernelRequest request = parse_kernel_request(impl);
+  // Without grad_lse, lse is bound in its slot (the kernel's has_grad_lse
+  // constant is false, so it is never read): every declared buffer bound.
+  const bool has_grad_lse = t.grad_lse3.defined();
+  const at::Tensor& glse = has_grad_lse ? t.grad_lse3 : t.lse3;
+  id<MTLDevice> device = at::mps::MPSDevice::getInstance()->device();
+  LaunchStrides strides = launch_strides(c, t.out4, t.lse3);
+  strides.grad_out = strides4(t.grad_out4);
+  strides.grad_lse = {glse.stride(0), glse.stride(1), glse.stride(2)};
+  const MetalPlan plan = plan_metal_attention_backward(c.p, strides, has_grad_lse, request, gpu_class_of(device));
+
+  const at::Tensor delta = scratch(c.q, plan.delta_elements);
+  LaunchTensors tensors{};
+  const auto put = [&](LaunchTensor slot, const at::Tensor& x) { tensors[static_cast<size_t>(slot)] = &x; };
+  put(LaunchTensor::Q, c.q);
+  put(LaunchTensor::K, c.k);
+  put(LaunchTensor::V, c.v);
+  put(LaunchTensor::Out, t.out4);
+  put(LaunchTensor::Lse, t.lse3);
+  put(LaunchTensor::GradOut, t.grad_out4);
+  put(LaunchTensor::GradQ, g.grad_q4);
+  put(LaunchTensor::GradK, g.grad_k4);
+  put(LaunchTensor::GradV, g.grad_v4);
   put(LaunchTensor::GradLse, glse);
   put(LaunchTensor::Delta, delta);
-  encode_plan(plan, tensors, device, {grad_out, q, k, v}, kBackwardOp);
-  return {grad_q, grad_k, grad_v};
+  put_options(c, &tensors);
+  encode_plan(plan, tensors, device, {t.grad_out4, c.q, c.k, c.v}, kBackwardOp);
 }
+
+FLASH_METAL_DEFINE_OPS(forward_kernel, backward_kernel)
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(flash_metal, MPS, m) {
-  m.impl("attention_forward", &attention_forward_mps);
-  m.impl("attention_backward", &attention_backward_mps);
-}
+TORCH_LIBRARY_IMPL(flash_metal, MPS, m) { FLASH_METAL_REGISTER_OPS(m); }
 
 }  // namespace flash_metal::mps

@@ -1,0 +1,19 @@
+// The CPU kernels, called by csrc/cpu/ops.cpp through the ops' common flow
+// (csrc/attention_ops.h) on a validated, non-empty call.
+#pragma once
+
+#include "../attention_ops.h"
+
+namespace flash_metal {
+namespace cpu {
+
+// attention_forward / attention_varlen_forward (attention_cpu.cpp): writes
+// o.out4 and o.lse3.
+void attention_forward(const AttentionCall& c, const AttentionOutputs& o);
+
+// attention_backward / attention_varlen_backward (attention_backward_cpu.cpp):
+// writes the packed grads.grad_q4, grad_k4, grad_v4.
+void attention_backward(const AttentionCall& c, const BackwardTensors& t, const AttentionGradients& grads);
+
+}  // namespace cpu
+}  // namespace flash_metal

@@ -1,0 +1,36 @@
+// The four ops on CPU tensors: the common flow of csrc/attention_ops.h over
+// the CPU flash kernels (attention_cpu.cpp, attention_backward_cpu.cpp).
+#include "kernels.h"
+
+#include "../metal_plan.h"
+
+#include <torch/library.h>
+
+namespace flash_metal {
+namespace cpu {
+namespace {
+
+void forward_kernel(const AttentionCall& c, const AttentionOutputs& o, const std::string& impl) {
+  TORCH_CHECK_VALUE(parse_kernel_request(impl) == KernelRequest::Auto, "flash_metal.attention_forward: impl='", impl,
+                    "' selects a Metal kernel; tensors on cpu run the CPU flash kernel, so impl must be 'auto'");
+  attention_forward(c, o);
+}
+
+void backward_kernel(const AttentionCall& c, const BackwardTensors& t, const AttentionGradients& g,
+                     const std::string& impl) {
+  TORCH_CHECK_VALUE(impl == "auto", "flash_metal.attention_backward: impl='", impl,
+                    "' is not available for tensors on cpu, which run the CPU flash backward kernel; impl must be "
+                    "'auto'");
+  attention_backward(c, t, g);
+}
+
+FLASH_METAL_DEFINE_OPS(forward_kernel, backward_kernel)
+
+}  // namespace
+}  // namespace cpu
+}  // namespace flash_metal
+
+TORCH_LIBRARY_IMPL(flash_metal, CPU, m) {
+  using namespace flash_metal::cpu;
+  FLASH_METAL_REGISTER_OPS(m);
+}
