@@ -10,8 +10,12 @@ bottom-right alignment, causal is the same problem). FLOPs = 4 B Hq pairs D,
 pairs = Nq Nk, halved for causal with Nq == Nk. Each configuration is checked
 against the float64 oracle on its first and last heads before it is timed.
 
+Then the preset's option cases (benchmarks/features.py: a padded batch with
+a bool mask, a sliding window, a packed varlen batch, each against SDPA with
+the equivalent mask), unless --no-features.
+
 Writes a table to stdout and results/llm_<device>.csv (llm_quick_<device>.csv
-with --quick).
+with --quick), and the option cases' results/features_*.csv.
 """
 import argparse
 import sys
@@ -121,6 +125,12 @@ def run(args):
     if skipped:
         print(f"\nn/a on {device}: {', '.join(skipped)}")
     print(f"\nCSV: {csv_path}   ({meta['wall_seconds']} s)")
+    if not args.no_features:
+        # The preset's option cases: padded batch, sliding window, packed varlen.
+        from . import features
+
+        print()
+        return features.run(argparse.Namespace(**{**vars(args), "backward": False}))
     return 0
 
 
@@ -130,6 +140,8 @@ def main(argv=None):
     ap.add_argument("--quick", action="store_true", help="smaller shapes (a reduced run)")
     ap.add_argument("--dtypes", default="float32,bfloat16,float16",
                     help="comma-separated subset of float32,bfloat16,float16")
+    ap.add_argument("--no-features", action="store_true",
+                    help="skip the option cases (padded batch, window, varlen: benchmarks/features.py)")
     return run(ap.parse_args(argv))
 
 
