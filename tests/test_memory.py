@@ -9,9 +9,10 @@ import pytest
 SCRIPT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "peak_memory.py")
 
 
-def measure(impl, n, causal=False, backward=False):
+def measure(impl, n, causal=False, backward=False, window=-1):
     res = subprocess.run([sys.executable, SCRIPT, "--impl", impl, "--n", str(n), "--d", "64",
-                          *(["--causal"] if causal else []), *(["--backward"] if backward else [])],
+                          *(["--causal"] if causal else []), *(["--backward"] if backward else []),
+                          "--window", str(window)],
                          capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr
     return json.loads(res.stdout.strip().splitlines()[-1])
@@ -57,3 +58,16 @@ def test_measurement_sees_the_explicit_backward():
     # (64 MiB each) the probe must see them, or the test above proves nothing.
     r = measure("explicit", 4096, backward=True)
     assert r["peak_extra_bytes"] > 128 << 20, r
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="peak RSS reset needs Linux /proc")
+@pytest.mark.parametrize("backward", [False, True], ids=["forward", "forward_backward"])
+def test_sliding_window_at_32k_costs_n_times_d_memory(backward):
+    # N = 32768 with a 1024-key causal window (Mistral's shape of problem):
+    # every N x D float32 tensor is 8 MiB, the N x N matrix 4 GiB. The same
+    # bounds as the dense calls at 16k scaled by 2 (O(N * D)), nothing that
+    # grows with N * window or N^2. (Its time, N * window, is in the
+    # benchmarks: benchmarks/features.py and the README's window figures.)
+    r = measure("flash", 32768, causal=True, backward=backward, window=1024)
+    assert r["window"] == 1024 and r["nxn_float32_bytes"] == 4 << 30
+    assert r["peak_extra_bytes"] < (128 << 20 if backward else 32 << 20), r
