@@ -48,10 +48,13 @@
 //   flash_decode_split  grid (Hkv, B, kv_splits)  threadgroup (32, KG, RGL)  tg_bytes
 //   flash_decode_merge  grid (Nq, Hq, B)          threadgroup (32, 1, 1)     no threadgroup memory
 //
-// Function constant fc_causal (index 0) for flash_decode and
+// Function constants fc_causal (index 0) and the options' 4-8
+// (attention_features.h: mask, left window, softcap; fc_varlen is always
+// false here, the planner sends varlen to prefill) for flash_decode and
 // flash_decode_split; flash_decode_merge uses none. Buffers: flash_decode
 // binds q 0, k 1, v 2, out 3, lse 4, params 5; flash_decode_split q 0, k 1,
-// v 2, params 5, partial_o 6, partial_stats 7; flash_decode_merge out 3,
+// v 2, params 5, partial_o 6, partial_stats 7; both take the attn_mask at
+// 14 (cu_seqlens 15 and 16 are never read); flash_decode_merge out 3,
 // lse 4, params 5, partial_o 6, partial_stats 7. Scratch: partial_o
 // B * Hq * Nq * kv_splits * D floats, partial_stats B * Hq * Nq * kv_splits * 2.
 //
@@ -203,9 +206,9 @@ FM_INLINE void decode_stage(threadgroup T* tile, device const T* src, int64_t ro
 //    SIMD-groups with no live row group (live = false), which only help load.
 template <typename T, int DMAX>
 FM_INLINE void decode_attend(thread DecodeState<DMAX>& st, device const T* k, device const T* v,
-                             constant AttentionParams& p, int batch, int kv_head, int rg, bool live, int key_begin,
-                             int key_end, int kg, int KG, bool staged, threadgroup T* tile, int tid, int nthreads,
-                             uint lane) {
+                             constant AttentionParams& p, thread const SeqView& seq, device const uchar* mask,
+                             int batch, int kv_head, int rg, bool live, int key_begin, int key_end, int kg, int KG,
+                             bool staged, threadgroup T* tile, int tid, int nthreads, uint lane) {
   constexpr int RS = DecodeState<DMAX>::RS;
   constexpr int DPL = DecodeState<DMAX>::DPL;
   const int R = p.gqa_ratio * p.q_len;
@@ -213,12 +216,22 @@ FM_INLINE void decode_attend(thread DecodeState<DMAX>& st, device const T* k, de
   device const T* kp = k + int64_t(batch) * p.k_batch_stride + int64_t(kv_head) * p.k_head_stride;
   device const T* vp = v + int64_t(batch) * p.v_batch_stride + int64_t(kv_head) * p.v_head_stride;
 
-  // The end of the keys each row may see (exclusive): causal bound, or 0 for
-  // rows past R, which must see none.
+  // The keys each row may see, [row_begin, row_end): the causal (or right
+  // window) bound and the left window's, or none for rows past R. Each row
+  // has its own query head (a GQA group's rows span gqa_ratio heads), so its
+  // own attn_mask slice: mask_slice (fc_has_mask only) and its query row.
+  int row_begin[RS];
   int row_end[RS];
+  int row_q[RS];
+  int64_t mask_slice[RS];
   FM_UNROLL for (int r = 0; r < RS; ++r) {
     const int rr = rg * RS + r;
-    row_end[r] = (live && rr < R) ? visible_keys(p, decode_row(p, kv_head, rr).row) : 0;
+    const bool real = live && rr < R;
+    const DecodeRow dr = decode_row(p, kv_head, real ? rr : 0);
+    row_begin[r] = first_visible_key(seq, dr.row);
+    row_end[r] = real ? visible_key_end(seq, dr.row) : 0;
+    row_q[r] = dr.row;
+    mask_slice[r] = fc_has_mask ? mask_head_offset(p, uint(batch), uint(dr.head)) : 0;
   }
 
   for (int k0 = key_begin + kg * kDecodeBlock; k0 < key_end; k0 += KG * kDecodeBlock) {
@@ -249,15 +262,19 @@ FM_INLINE void decode_attend(thread DecodeState<DMAX>& st, device const T* k, de
       }
     }
 
-    // Masking: keys past this row's last visible key (causal, or past R),
-    // and scores that are -inf or below the floor from the inputs, become
+    // Masking: keys outside this row's window (causal, left window, or
+    // past R) are dropped first; the rest go through the options (softcap,
+    // then the mask, read only for them: option_score); scores that are
+    // -inf or below the floor, from the inputs or an additive mask, become
     // the finite sentinel by comparisons fast math cannot fold.
     float pw[RS];
     float alpha[RS];
     if (live) {
       FM_UNROLL for (int r = 0; r < RS; ++r) {
-        const bool masked = !(int(lane) < n && key < row_end[r]) || s[r] <= kMaskedScore;
-        const float sc = masked ? kMaskedScore : s[r];
+        const bool keep = int(lane) < n && key < row_end[r] && (!fc_window_left || key >= row_begin[r]);
+        const float sr = option_score<T>(p, mask, mask_slice[r], row_q[r], key, s[r], keep);
+        const bool masked = !keep || sr <= kMaskedScore;
+        const float sc = masked ? kMaskedScore : sr;
         const float m_new = max(st.m[r], simd_max(sc));  // finite
         alpha[r] = exp2(st.m[r] - m_new);                // finite argument <= 0
         pw[r] = masked ? 0.0f : exp2(sc - m_new);
@@ -415,16 +432,22 @@ template <typename T, int DMAX>
   const int batch = int(group.y);
   const DecodeShape sh = decode_shape(p, tpos, tsize, RS);
   const int R = p.gqa_ratio * p.q_len;
-  // Under causal masking no row sees past the last row's bound (rows past it
-  // in the sequence see fewer keys), so later keys are never read.
-  const int key_end = visible_keys(p, p.q_len - 1);
+  // Decode never runs varlen (the planner routes it to prefill): the view
+  // is the whole problem, with its window bounds.
+  const SeqView seq = sequence_view(p, cu_seqlens_q, cu_seqlens_k, uint(batch));
+  // Under causal masking no row sees past the last row's bound (rows before
+  // it see fewer keys), and under a left window none sees before the first
+  // row's first key (later rows start later), so keys outside
+  // [key_begin, key_end) are never read.
+  const int key_begin = first_visible_key(seq, 0);
+  const int key_end = visible_key_end(seq, p.q_len - 1);
   for (int round = 0; round < sh.rounds; ++round) {
     const int rg = round * sh.RGL + sh.rgl;
     const bool live = rg * RS < R;  // uniform per SIMD-group
     DecodeState<DMAX> st;
     decode_init<T, DMAX>(st, q, p, batch, kv_head, rg, lane);  // a dead row group: zeros, "no key"
-    decode_attend<T, DMAX>(st, k, v, p, batch, kv_head, rg, live, 0, key_end, sh.kg, sh.KG, sh.staged,
-                           reinterpret_cast<threadgroup T*>(smem), int(tid), sh.threads, lane);
+    decode_attend<T, DMAX>(st, k, v, p, seq, mask, batch, kv_head, rg, live, key_begin, key_end, sh.kg, sh.KG,
+                           sh.staged, reinterpret_cast<threadgroup T*>(smem), int(tid), sh.threads, lane);
     if (sh.KG > 1) decode_merge_key_groups<DMAX>(st, smem, sh.kg, sh.KG, sh.rgl, sh.RGL, lane);
     if (live && sh.kg == 0) {
       FM_UNROLL for (int r = 0; r < RS; ++r) {
@@ -477,15 +500,22 @@ template <typename T, int DMAX>
   const int split = int(group.z);
   const DecodeShape sh = decode_shape(p, tpos, tsize, RS);
   const int R = p.gqa_ratio * p.q_len;
-  const int key_begin = split * p.split_keys;
-  const int key_end = min(key_begin + p.split_keys, visible_keys(p, p.q_len - 1));
+  const SeqView seq = sequence_view(p, cu_seqlens_q, cu_seqlens_k, uint(batch));  // never varlen (flash_decode)
+  // The split's keys, cut to those some row may see (as flash_decode). A
+  // split wholly outside them (key_begin >= key_end: past the causal bound
+  // or behind the left window of every row) runs no block and writes the
+  // "no key" partial, m = kMaskedScore, l = 0 and zeros, which the merge
+  // weighs 0.
+  const int split_begin = split * p.split_keys;
+  const int key_begin = max(split_begin, first_visible_key(seq, 0));
+  const int key_end = min(split_begin + p.split_keys, visible_key_end(seq, p.q_len - 1));
   for (int round = 0; round < sh.rounds; ++round) {
     const int rg = round * sh.RGL + sh.rgl;
     const bool live = rg * RS < R;
     DecodeState<DMAX> st;
     decode_init<T, DMAX>(st, q, p, batch, kv_head, rg, lane);  // a dead row group: zeros, "no key"
-    decode_attend<T, DMAX>(st, k, v, p, batch, kv_head, rg, live, key_begin, key_end, sh.kg, sh.KG, sh.staged,
-                           reinterpret_cast<threadgroup T*>(smem), int(tid), sh.threads, lane);
+    decode_attend<T, DMAX>(st, k, v, p, seq, mask, batch, kv_head, rg, live, key_begin, key_end, sh.kg, sh.KG,
+                           sh.staged, reinterpret_cast<threadgroup T*>(smem), int(tid), sh.threads, lane);
     if (sh.KG > 1) decode_merge_key_groups<DMAX>(st, smem, sh.kg, sh.KG, sh.rgl, sh.RGL, lane);
     if (live && sh.kg == 0) {
       FM_UNROLL for (int r = 0; r < RS; ++r) {

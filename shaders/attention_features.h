@@ -117,23 +117,38 @@ inline float mask_term(constant AttentionParams& p, device const uchar* mask, in
   return float(((device const T*)mask)[at]) * M_LOG2E_F;
 }
 
-// Every option applied to one base-2 score (q.k * scale * log2 e) of key
-// `key` (< kv_len) of query `row`: softcap, then mask, then window.
-// Returns the final base-2 score, kMaskedScore for a dropped key.
+// Softcap, then the mask, of one base-2 score (q.k * scale * log2 e) of key
+// `key` of query `row`, without the window test: for kernels that test
+// window and sequence bounds themselves, and only where a block straddles
+// one. `keep` false means the caller already dropped the key (past the
+// sequence, outside the window, or a row past the sequence): the mask is
+// then not read at all, and the result is kMaskedScore. A bool mask's False
+// also gives kMaskedScore; an additive -inf gives -inf (callers map every
+// score <= kMaskedScore to it, so it is never computed with).
 template <typename T>
-inline float feature_score(constant AttentionParams& p, thread const SeqView& s, device const uchar* mask,
-                           int64_t mask_slice, int row, int key, float s2) {
+inline float option_score(constant AttentionParams& p, device const uchar* mask, int64_t mask_slice, int row, int key,
+                          float s2, bool keep) {
   if (fc_softcap) {
     float t;
     s2 = softcap_score(p, s2, &t);
   }
-  if (fc_has_mask) {
+  if (fc_has_mask && keep) {
     bool drop;
     s2 += mask_term<T>(p, mask, mask_slice, row, key, &drop);
-    if (drop) s2 = kMaskedScore;
+    if (drop) keep = false;
   }
-  if ((fc_causal || fc_window_left) && !key_in_window(s, row, key)) s2 = kMaskedScore;
-  return s2;
+  return keep ? s2 : kMaskedScore;
+}
+
+// Every option applied to one base-2 score (q.k * scale * log2 e) of key
+// `key` (< kv_len) of query `row`: softcap, then mask, then window.
+// Returns the final base-2 score, kMaskedScore for a dropped key. The mask
+// is read only for keys inside the window.
+template <typename T>
+inline float feature_score(constant AttentionParams& p, thread const SeqView& s, device const uchar* mask,
+                           int64_t mask_slice, int row, int key, float s2) {
+  const bool in_window = !(fc_causal || fc_window_left) || key_in_window(s, row, key);
+  return option_score<T>(p, mask, mask_slice, row, key, s2, in_window);
 }
 
 }  // namespace flash_metal

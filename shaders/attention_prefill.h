@@ -140,7 +140,9 @@ FM_INLINE void prefill_mma(thread PrefillFrag& d, PrefillFrag a, PrefillFrag b) 
 // threadgroup, 8 per SIMD-group. BK: keys per block. WM: SIMD-groups.
 // Launch: grid (ceil(Nq / BQ), Hq, B), threadgroup (32 * WM, 1, 1),
 // threadgroup memory tg_bytes (top of this file) at index 0, function
-// constants fc_causal (0), fc_align_q (1), fc_align_k (2).
+// constants fc_causal (0), fc_align_q (1), fc_align_k (2) and the options'
+// 4-9 (attention_features.h). Varlen: Nq is max_seqlen_q and B the number
+// of sequences; the align constants are then false.
 //
 // Barriers per key block: 4, as in MLX (K written -> read, K read -> V
 // written, V written -> read, V read -> next K written), because K and V
@@ -174,8 +176,23 @@ template <typename T, int DMAX, int BQ, int BK, int WM>
   threadgroup T* kv_tile = smem + BQ * LD;
 
   const int D = p.head_dim;
-  const HeadOffsets h = head_offsets(p, group.z, group.y);
+  // The threadgroup's sequence: the whole (Nq, Nk) problem, or under
+  // fc_varlen sequence group.z of the packed batch, whose rows start at
+  // q_row0 / k_row0 (the planner zeroes the batch strides then).
+  const SeqView seq = sequence_view(p, cu_seqlens_q, cu_seqlens_k, group.z);
   const int q0 = int(group.x) * BQ;       // first query row of the threadgroup
+  // Varlen: the grid covers max_seqlen_q; a block past this sequence's end
+  // has nothing to do. Uniform across the threadgroup and before any
+  // barrier, so every thread leaves together.
+  if (fc_varlen && q0 >= seq.q_len) return;
+  HeadOffsets h = head_offsets(p, group.z, group.y);
+  h.q += seq.q_row0 * p.q_row_stride;
+  h.o += seq.q_row0 * p.o_row_stride;
+  h.lse += seq.q_row0 * p.lse_row_stride;
+  h.k += seq.k_row0 * p.k_row_stride;
+  h.v += seq.k_row0 * p.v_row_stride;
+  // The attn_mask slice of (batch, query head); read only under fc_has_mask.
+  const int64_t mask_slice = fc_has_mask ? mask_head_offset(p, group.z, group.y) : 0;
   const int sg_row0 = q0 + int(sg) * 8;   // first query row of this SIMD-group
   const int fr = prefill_frag_row(lane);  // this lane's row within the SIMD-group's 8
   const int fc = prefill_frag_col(lane);  // this lane's first column within a fragment
@@ -183,20 +200,25 @@ template <typename T, int DMAX, int BQ, int BK, int WM>
 
   // Q once, unscaled, in T. No barrier of its own: the first key block's
   // barrier orders these writes before any read.
-  if (!fc_align_q && q0 + BQ > p.q_len) {
+  if (!fc_align_q && q0 + BQ > seq.q_len) {
     prefill_load_tile<BQ, DMAX, LD, THREADS, true>(q_tile, q + h.q, p.q_row_stride, p.q_dim_stride, q0, D,
-                                                   p.q_len - q0, tid);
+                                                   seq.q_len - q0, tid);
   } else {
     prefill_load_tile<BQ, DMAX, LD, THREADS, false>(q_tile, q + h.q, p.q_row_stride, p.q_dim_stride, q0, D, BQ, tid);
   }
 
-  // Key blocks: all of them, or under causal masking as far as the group's
-  // last real row can see (later blocks are entirely in the future for every
-  // row, so they are never loaded; MLX's kb_lim). The same bound for every
+  // Key blocks: all of them, or under causal masking (or a right window) as
+  // far as the group's last real row can see (later blocks are entirely in
+  // the future for every row, so they are never loaded; MLX's kb_lim), and
+  // under a left window from the block holding the first row's first
+  // visible key (earlier blocks are entirely behind the window of every
+  // row: the bound only grows with the row). The same bounds for every
   // thread, so all meet at the same barriers. A group whose rows see no key
-  // at all (Nk < Nq) runs no block and stores zeros and -inf.
-  const int last_row = (fc_align_q ? q0 + BQ : min(q0 + BQ, p.q_len)) - 1;
-  const int n_blocks = (visible_keys(p, last_row) + BK - 1) / BK;
+  // at all (Nk < Nq, or an empty sequence) runs no block and stores zeros
+  // and -inf.
+  const int last_row = (fc_align_q ? q0 + BQ : min(q0 + BQ, seq.q_len)) - 1;
+  const int n_blocks = (visible_key_end(seq, last_row) + BK - 1) / BK;
+  const int first_block = fc_window_left ? first_visible_key(seq, q0) / BK : 0;
   // Q.K^T runs over the 8-wide feature fragments that hold real features;
   // those past ceil(D / 8) are all zero padding. A runtime bound is fine
   // here: the Q and K fragments are temporaries, not indexed arrays.
@@ -216,24 +238,28 @@ template <typename T, int DMAX, int BQ, int BK, int WM>
   // falls from 0.89 to 0.68 of the strict 2x rule's tolerance.
   float l_run = 0.0f;
 
-  for (int kb = 0; kb < n_blocks; ++kb) {
+  for (int kb = first_block; kb < n_blocks; ++kb) {
     const int k0 = kb * BK;
-    const bool k_edge = !fc_align_k && k0 + BK > p.kv_len;  // the ragged last block
+    const bool k_edge = !fc_align_k && k0 + BK > seq.kv_len;  // the ragged last block
     // The SIMD-group has work in this block: false when all its 8 rows are
     // past Nq (the ragged last query block; compiled out when aligned), or
     // under causal masking when the block is in the future of all of them
-    // (its later blocks are too). Uniform across the SIMD-group, so its
+    // (its later blocks are too), or under a left window when it is behind
+    // the window of all of them. Uniform across the SIMD-group, so its
     // collectives below stay convergent; the group still loads and meets
     // every barrier.
-    const bool active = (fc_align_q || sg_row0 < p.q_len) && (!fc_causal || k0 <= sg_row0 + 7 + p.causal_offset);
+    const bool active = (fc_align_q || sg_row0 < seq.q_len) && (!fc_causal || k0 <= sg_row0 + 7 + seq.upper) &&
+                        (!fc_window_left || k0 + BK - 1 >= sg_row0 + seq.lower);
     // The block straddles the diagonal for this SIMD-group: some key is in
     // the future of some row. Only then are element masks applied.
-    const bool diagonal = fc_causal && k0 + BK - 1 > sg_row0 + p.causal_offset;
+    const bool diagonal = fc_causal && k0 + BK - 1 > sg_row0 + seq.upper;
+    // Likewise the left window's edge: some key is behind some row's window.
+    const bool left_edge = fc_window_left && k0 < sg_row0 + 7 + seq.lower;
 
     threadgroup_barrier(mem_flags::mem_threadgroup);  // last block's V reads done before K overwrites it (WAR)
     if (k_edge) {
       prefill_load_tile<BK, DMAX, LD, THREADS, true>(kv_tile, k + h.k, p.k_row_stride, p.k_dim_stride, k0, D,
-                                                     p.kv_len - k0, tid);
+                                                     seq.kv_len - k0, tid);
     } else {
       prefill_load_tile<BK, DMAX, LD, THREADS, false>(kv_tile, k + h.k, p.k_row_stride, p.k_dim_stride, k0, D, BK, tid);
     }
@@ -254,18 +280,24 @@ template <typename T, int DMAX, int BQ, int BK, int WM>
         }
       }
       // Scores to base 2, in float32 after the product (MLX PR #3119 moved
-      // its scaling there from Q in the input dtype, for precision). Masked
-      // keys get the finite sentinel (see kMaskedScore); so does a score
-      // that is -inf from the inputs, by a comparison the compiler cannot
-      // fold under fast math.
+      // its scaling there from Q in the input dtype, for precision), then
+      // the options (softcap, then the mask: option_score). Keys past the
+      // sequence or outside the window are dropped first, so the mask is
+      // never read for them (nor for rows past the sequence). Masked keys
+      // get the finite sentinel (see kMaskedScore); so does a score that is
+      // -inf from the inputs or from an additive mask, by a comparison the
+      // compiler cannot fold under fast math.
       FM_UNROLL for (int t = 0; t < TK; ++t) {
         FM_UNROLL for (int j = 0; j < 2; ++j) {
           const int key = k0 + t * 8 + fc + j;
-          float s = S[t].thread_elements()[j] * p.scale_log2;
-          if (s <= kMaskedScore) s = kMaskedScore;
-          if (k_edge && key >= p.kv_len) s = kMaskedScore;
-          if (diagonal && key > row + p.causal_offset) s = kMaskedScore;
-          S[t].thread_elements()[j] = s;
+          bool keep = true;
+          if (k_edge && key >= seq.kv_len) keep = false;
+          if (diagonal && key > row + seq.upper) keep = false;
+          if (left_edge && key < row + seq.lower) keep = false;
+          if (fc_has_mask && !fc_align_q && row >= seq.q_len) keep = false;
+          float sc = option_score<T>(p, mask, mask_slice, row, key, S[t].thread_elements()[j] * p.scale_log2, keep);
+          if (sc <= kMaskedScore) sc = kMaskedScore;
+          S[t].thread_elements()[j] = sc;
         }
       }
     }
@@ -273,7 +305,7 @@ template <typename T, int DMAX, int BQ, int BK, int WM>
     threadgroup_barrier(mem_flags::mem_threadgroup);  // all K reads done before V overwrites the tile (WAR)
     if (k_edge) {
       prefill_load_tile<BK, DMAX, LD, THREADS, true>(kv_tile, v + h.v, p.v_row_stride, p.v_dim_stride, k0, D,
-                                                     p.kv_len - k0, tid);
+                                                     seq.kv_len - k0, tid);
     } else {
       prefill_load_tile<BK, DMAX, LD, THREADS, false>(kv_tile, v + h.v, p.v_row_stride, p.v_dim_stride, k0, D, BK, tid);
     }
@@ -348,7 +380,7 @@ template <typename T, int DMAX, int BQ, int BK, int WM>
   // Store O / l for real rows (and only the D real features), and the row's
   // lse from one lane of the 4 that share it. A row that saw no key stores
   // zeros and -inf made from bits, exactly as store_output_row does.
-  if (fc_align_q || row < p.q_len) {
+  if (fc_align_q || row < seq.q_len) {
     const float inv = sm.inv_sum();
     device T* op = o + h.o + int64_t(row) * p.o_row_stride;
     FM_UNROLL for (int id = 0; id < TD; ++id) {
