@@ -34,6 +34,9 @@ MASKED_SCORE = -(2.0**100)
 SPLIT_FIELDS_OFFSET = 192
 
 
+# The options' inputs (attn_mask, cu_seqlens): every feature kernel binds them.
+OPTION_SLOTS = {"attn_mask": 14, "cu_seqlens_q": 15, "cu_seqlens_k": 16}
+
 def bucket_of(d):
     """The smallest instantiated head_dim bucket that holds d."""
     return min(b for b in BUCKETS if b >= d)
@@ -155,13 +158,14 @@ def test_planner_launches_exactly_these_shapes(case):
         assert per == Nk
         (d,) = plan.dispatches
         assert (d.kernel_name, d.grid, d.threadgroup, d.threadgroup_memory) == (one, *shape["one_pass"])
-        assert d.buffers == {"q": 0, "k": 1, "v": 2, "out": 3, "lse": 4} and d.function_constants == (False,)
+        assert d.buffers == {"q": 0, "k": 1, "v": 2, "out": 3, "lse": 4, **OPTION_SLOTS}
+        assert d.function_constants == (False,) * 10  # no causal, no option (indices: csrc/metal_plan.h)
         return
     assert per == split_keys_of(Nk, splits)
     d1, d2 = plan.dispatches
     assert (d1.kernel_name, d1.grid, d1.threadgroup, d1.threadgroup_memory) == (split, *shape["split"])
     assert (d2.kernel_name, d2.grid, d2.threadgroup, d2.threadgroup_memory) == (merge, *shape["merge"])
-    assert d1.buffers == {"q": 0, "k": 1, "v": 2, "partial_out": 6, "partial_stats": 7}
+    assert d1.buffers == {"q": 0, "k": 1, "v": 2, "partial_out": 6, "partial_stats": 7, **OPTION_SLOTS}
     assert d2.buffers == {"out": 3, "lse": 4, "partial_out": 6, "partial_stats": 7}
     assert d2.function_constants == ()
     assert plan.scratch == {"partial_out": B * Hq * Nq * splits * D, "partial_stats": B * Hq * Nq * splits * 2}

@@ -149,8 +149,8 @@ def test_params_bytes_carry_strides_and_sizes():
     q, k, v = make_qkv(2, 6, 3, 9, 11, 40, torch.bfloat16, layout="offset_slice")
     plan = flash_metal.explain(q, k, v, causal=True, scale=0.5)
     raw = plan.params.numpy().tobytes()
-    assert len(raw) == 256
-    fields = struct.unpack("<19q8i2f2i7q", raw)
+    assert len(raw) == 312
+    fields = struct.unpack("<19q8i2f2i7q4q2i2f2i", raw)
     strides, sizes, (scale, scale_log2), splits = fields[:19], fields[19:27], fields[27:29], fields[29:31]
     assert strides[0:4] == q.stride() and strides[4:8] == k.stride() and strides[8:12] == v.stride()
     assert strides[12:16] == (6 * 9 * 40, 9 * 40, 40, 1) and strides[16:19] == (6 * 9, 9, 1)

@@ -27,7 +27,7 @@ def _qkv(nq, nk, d, dtype=torch.float16, hq=4, hkv=2, b=1):
 
 
 def _params(dispatch):
-    fields = struct.unpack("<19q8i2f2i7q", dispatch.params.numpy().tobytes())
+    fields = struct.unpack("<19q8i2f2i7q4q2i2f2i", dispatch.params.numpy().tobytes())
     return {"kv_len": fields[24], "kv_splits": fields[29], "split_keys": fields[30]}
 
 
@@ -60,7 +60,7 @@ def test_prefill_blocks_memory_and_bucket_for_every_head_dim(dtype):
 @pytest.mark.parametrize("causal", [False, True])
 def test_prefill_edge_constants(nq, nk, aligned, causal):
     plan = flash_metal.explain(*_qkv(nq, nk, 64), causal=causal)
-    assert plan.function_constants == (causal, *aligned)
+    assert plan.function_constants == (causal, *aligned) + (False,) * 7  # no grad_lse, no option
 
 
 def test_decode_one_pass_for_short_contexts_and_split_for_long():
@@ -126,7 +126,82 @@ def test_split_dispatches_share_params_and_bind_the_scratch():
     plan = flash_metal.explain(*_qkv(2, 8192, 64))
     split, merge = plan.dispatches
     assert torch.equal(split.params, merge.params)
-    assert set(split.buffers) == {"q", "k", "v", "partial_out", "partial_stats"}
+    assert set(split.buffers) == {"q", "k", "v", "partial_out", "partial_stats", "attn_mask", "cu_seqlens_q", "cu_seqlens_k"}
     assert set(merge.buffers) == {"out", "lse", "partial_out", "partial_stats"}
     assert split.buffers["partial_out"] == merge.buffers["partial_out"]
     assert split.buffers["partial_stats"] == merge.buffers["partial_stats"]
+
+
+# --- issue 11's options -------------------------------------------------------------------------
+
+# Indices of the function constants (csrc/metal_plan.h; shaders/attention_features.h).
+CAUSAL, ALIGN_Q, ALIGN_K, HAS_GRAD_LSE, HAS_MASK, MASK_BOOL, MASK_F32, WINDOW_LEFT, SOFTCAP, VARLEN = range(10)
+
+
+def _option_params(dispatch):
+    fields = struct.unpack("<19q8i2f2i7q4q2i2f2i", dispatch.params.numpy().tobytes())
+    return {"causal_offset": fields[26], "mask_strides": fields[38:42], "window_left": fields[42],
+            "window_right": fields[43], "softcap_log2": fields[44], "inv_softcap_log2": fields[45],
+            "total_q": fields[46], "total_k": fields[47], "q_batch_stride": fields[0]}
+
+
+@pytest.mark.parametrize("nq", [1, 100])
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+def test_each_option_sets_its_function_constant_and_params(nq, dtype):
+    q, k, v = _qkv(nq, 120, 64, dtype)
+    cases = {
+        "bool": (dict(attn_mask=torch.ones(120, dtype=torch.bool)), {HAS_MASK, MASK_BOOL}),
+        "additive": (dict(attn_mask=torch.zeros(nq, 120, dtype=dtype)), {HAS_MASK}),
+        "float32": (dict(attn_mask=torch.zeros(1, 4, 1, 120)), {HAS_MASK} | ({MASK_F32} if dtype != torch.float32
+                                                                          else set())),
+        "left": (dict(window_left=10), {WINDOW_LEFT}),
+        "right": (dict(window_right=3), {CAUSAL}),
+        "softcap": (dict(softcap=30.0), {SOFTCAP}),
+    }
+    for name, (options, on) in cases.items():
+        for backward in (False, True):
+            plan = flash_metal.explain(q, k, v, backward=backward, **options)
+            for d in plan.dispatches:
+                if d.kernel_name.startswith("flash_decode_merge"):
+                    assert d.function_constants == ()  # the merge reads only the partials
+                    continue
+                consts = d.function_constants
+                assert len(consts) == 10, d.kernel_name
+                got = {i for i in (CAUSAL, HAS_MASK, MASK_BOOL, MASK_F32, WINDOW_LEFT, SOFTCAP, VARLEN) if consts[i]}
+                assert got == on, (name, d.kernel_name, got)
+                assert d.buffers["attn_mask"] == 14 and d.buffers["cu_seqlens_q"] == 15
+                prm = _option_params(d)
+                if name == "right":
+                    assert prm["window_right"] == 3 and prm["causal_offset"] == 120 - nq + 3
+                if name == "left":
+                    assert prm["window_left"] == 10
+                if name == "softcap":
+                    assert abs(prm["softcap_log2"] - 30.0 * 1.4426950408889634) < 1e-4
+                    assert abs(prm["softcap_log2"] * prm["inv_softcap_log2"] - 1.0) < 1e-6
+
+
+def test_mask_strides_are_the_broadcast_view():
+    q, k, v = _qkv(100, 120, 64, b=2)
+    base = torch.zeros(3, 120, 100, dtype=torch.bool).transpose(1, 2)  # (3, 100, 120), keys stride 100
+    plan = flash_metal.explain(q, k, v, attn_mask=base.unsqueeze(1)[:1])
+    # (B=2, Hq=4, Nq, Nk) view of a (1, 1, Nq, Nk) mask: batch and heads broadcast (stride 0).
+    assert _option_params(plan.dispatches[0])["mask_strides"] == (0, 0, 1, 100)
+
+
+def test_varlen_plans_the_prefill_kernel_per_sequence():
+    q = torch.empty(30, 8, 64, dtype=torch.float16)
+    k = torch.empty(50, 2, 64, dtype=torch.float16)
+    cu_q = torch.tensor([0, 1, 30], dtype=torch.int32)
+    cu_k = torch.tensor([0, 20, 50], dtype=torch.int32)
+    varlen = dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=29, max_seqlen_k=30)
+    plan = flash_metal.explain(q, k, k, True, **varlen)
+    assert plan.reason.startswith("prefill: packed variable-length sequences"), plan.reason
+    (d,) = plan.dispatches
+    assert d.grid == (1, 8, 2)  # ceil(29 / 32) query blocks x heads x sequences
+    assert d.function_constants[VARLEN] and d.function_constants[CAUSAL]
+    assert not d.function_constants[ALIGN_Q] and not d.function_constants[ALIGN_K]
+    prm = _option_params(d)
+    assert prm["total_q"] == 30 and prm["total_k"] == 50 and prm["q_batch_stride"] == 0
+    back = flash_metal.explain(q, k, k, True, backward=True, **varlen)
+    assert back.scratch["delta"] == 8 * 30  # Hq * total_q
+    assert all(x.function_constants[VARLEN] for x in back.dispatches)
