@@ -26,7 +26,8 @@ import torch
 
 import flash_metal
 import mps_exec
-from numerics import DTYPES, assert_attention_close, assert_gradients_close, dtype_id, lay_out, make_qkv
+from numerics import (DTYPES, assert_attention_close, assert_gradients_close, assert_varlen_close,
+                      assert_varlen_gradients_close, dtype_id, lay_out, make_qkv)
 from prereqs import unavailable
 
 ROOT = mps_exec.ROOT
@@ -263,6 +264,38 @@ def test_host_backward_matches_oracle(host, emu, dtype, grad_lse):
     assert ops.count("dispatch_sync") == 1 and ops.count("commandEncoder") == 1
     assert ops.count("setBuffer") == (9 + 3) + (8 + 3)  # the two binding tables, each with mask and cu_seqlens slots
     assert ops.count("dispatchThreadgroups") == 2
+
+
+def test_host_binds_the_options(host, emu):
+    # attn_mask (a broadcast bool view, bound at its storage offset), the
+    # window and softcap through the real .mm, forward then backward; and a
+    # packed varlen batch with its cu_seqlens buffers. Replayed, vs the oracle.
+    g = torch.Generator().manual_seed(17)
+    q, k, v = make_qkv(2, 4, 2, 40, 51, 64, torch.float16, generator=g)
+    mask = (torch.rand(2, 1, 1, 60, generator=g) > 0.3)[..., 5:56]  # an offset view, heads and rows broadcast
+    opts = dict(attn_mask=mask, window_left=20, window_right=-1, softcap=12.0)
+    (out, lse), rec = host.call("attention_forward", q, k, v, True, None, "auto", library=emu, **opts)
+    assert rec["errors"] == []
+    assert_attention_close(out, lse, q, k, v, True, None, **opts)
+    bound = {e["index"]: e for e in rec["events"] if e["op"] == "setBuffer"}
+    assert bound[14]["offset"] == mask.storage_offset()  # bytes = elements for bool
+    grad_out = torch.randn(q.shape, generator=g).half()
+    grads, rec = host.call("attention_backward", grad_out, q, k, v, out, lse, True, None, None, "auto",
+                           library=emu, **opts)
+    assert rec["errors"] == []
+    assert_gradients_close(grads, q, k, v, grad_out, True, None, None, **opts)
+
+    cu_q = torch.tensor([0, 7, 7, 40], dtype=torch.int32)
+    cu_k = torch.tensor([0, 20, 31, 51], dtype=torch.int32)
+    qv, kv, vv = q[0].transpose(0, 1).contiguous(), k[0].transpose(0, 1).contiguous(), v[0].transpose(0, 1).contiguous()
+    (out, lse), rec = host.call("attention_varlen_forward", qv, kv, vv, cu_q, cu_k, 33, 20, True, library=emu)
+    assert rec["errors"] == []
+    assert_varlen_close(out, lse, qv, kv, vv, cu_q, cu_k, True)
+    go = torch.randn(qv.shape, generator=g).half()
+    grads, rec = host.call("attention_varlen_backward", go, qv, kv, vv, out, lse, cu_q, cu_k, 33, 20, True,
+                           library=emu)
+    assert rec["errors"] == []
+    assert_varlen_gradients_close(grads, qv, kv, vv, go, cu_q, cu_k, True)
 
 
 # --- how the host encodes -------------------------------------------------------------------

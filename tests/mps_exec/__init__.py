@@ -168,6 +168,21 @@ class Host:
         return tuple(self.to_cpu(t) for t in grads), rec
 
 
+    def call(self, op: str, *args, library=None, **kwargs):
+        """Any flash_metal op on fake MPS copies of its tensor arguments (layouts
+        kept), replayed into `library`. Returns (outputs copied to the CPU, recording)."""
+        def dev(x):
+            return self.to_mps(x) if isinstance(x, torch.Tensor) else x
+        args = [dev(a) for a in args]
+        kwargs = {k: dev(v) for k, v in kwargs.items()}
+        self.take_recording()
+        outs = getattr(torch.ops.flash_metal, op)(*args, **kwargs)
+        rec = self.take_recording()
+        replay(rec, library)
+        self.complete_gpu_work()
+        return tuple(self.to_cpu(t) for t in outs), rec
+
+
 def load(path: str) -> Host:
     return Host(path)
 
