@@ -26,6 +26,18 @@
 // The dK/dV kernel must run after the dQ kernel (it reads Delta); the host
 // encodes them in that order on one serial compute encoder.
 //
+// The options of shaders/attention_features.h, each behind its function
+// constant (a pipeline without it carries none of its code): P is rebuilt as
+// the forward builds it, softcap, then mask, then window (a masked key has
+// P = 0 exactly), and with softcap dS is multiplied by the cap's derivative
+// 1 - tanh^2 before both dS products. Key blocks outside every row's window
+// are never loaded by the dQ kernel, nor query blocks that see none of the
+// key block by the dK/dV kernel (both bounds), so the cost grows with
+// N * window. Varlen: each threadgroup works on one sequence of the packed
+// tensors (SeqView: its lengths, first rows and window offsets); grad_q,
+// grad_k, grad_v and Delta are then (1, H, total, ...) with total_q /
+// total_k rows.
+//
 // Both kernels share one layout (the forward's, shaders/attention_prefill.h,
 // whose loader, fragment reads and lane layout they reuse): each of the WM
 // SIMD-groups "owns" 8 rows (queries in the dQ kernel, keys in the dK/dV
@@ -48,6 +60,7 @@
 // twice and dO twice per block, so a shared tile would be loaded twice.
 #pragma once
 
+#include "attention_features.h"
 #include "attention_prefill.h"
 
 namespace flash_metal {
@@ -97,8 +110,50 @@ FM_INLINE void backward_products(thread PrefillFrag* S, thread PrefillFrag* dP, 
 
 // The packed (B, H, N, D) offset of row `row` of head `head` of batch
 // `batch`: the layout of grad_q, grad_k and grad_v (allocate_gradients).
-inline int64_t packed_row(uint batch, uint head, int heads, int n, int row, int D) {
+// Varlen: (1, H, total, D), batch 0, n = total rows, row counted from the
+// start of the packed axis (the sequence's first row plus its own row).
+inline int64_t packed_row(uint batch, uint head, int heads, int n, int64_t row, int D) {
   return ((int64_t(batch) * heads + int64_t(head)) * n + row) * D;
+}
+
+// One past the last key query `row` of sequence `s` may see, clamped to
+// [0, kv_len] (kv_len without an upper bound). attention_features.h's
+// visible_key_end computes row + upper + 1, which overflows int32 for a
+// right window near 2^31 (the op accepts any window below 2^31); this
+// compares first, so no sum exceeds kv_len. The other bounds tests of this
+// file are written the same way: an upper offset is only ever subtracted
+// from a key, a lower offset only ever added to a row.
+inline int backward_key_end(thread const SeqView& s, int row) {
+  if (!fc_causal || s.upper >= s.kv_len - row - 1) return s.kv_len;
+  return max(row + s.upper + 1, 0);
+}
+
+// P of one recomputed element: S is the raw q.k, m2 the row's lse in base 2,
+// `keep` false for keys past the sequence, outside the window, or rows that
+// saw no key (then nothing is read and P = 0). With fc_softcap or
+// fc_has_mask the forward's order is followed (attention_features.h):
+// softcap on the base-2 score, then the mask (a dropped key, or a score at
+// or below kMaskedScore, gives exactly 0); *cap_grad gets the softcap's
+// derivative 1 - t^2 (t = tanh(s / softcap), recomputed), else 1. Without
+// either option this is the plain fused exp2(S * scale * log2 e - m2).
+template <typename T>
+FM_INLINE float backward_weight(constant AttentionParams& p, device const uchar* mask, int64_t mask_slice, int row,
+                                int key, float S, float m2, bool keep, thread float* cap_grad) {
+  *cap_grad = 1.0f;
+  if (!fc_softcap && !fc_has_mask) return keep ? exp2(fma(S, p.scale_log2, -m2)) : 0.0f;
+  if (!keep) return 0.0f;
+  float s2 = S * p.scale_log2;
+  if (fc_softcap) {
+    float t;
+    s2 = softcap_score(p, s2, &t);
+    *cap_grad = 1.0f - t * t;
+  }
+  if (fc_has_mask) {
+    bool drop;
+    s2 += mask_term<T>(p, mask, mask_slice, row, key, &drop);
+    if (drop || s2 <= kMaskedScore) return 0.0f;
+  }
+  return exp2(s2 - m2);
 }
 
 // T, DMAX as in the forward. BQ: query rows per threadgroup (8 per
@@ -140,21 +195,43 @@ template <typename T, int DMAX, int BQ, int BK, int WM>
   threadgroup T* k_tile = do_tile + BQ * LD;
   threadgroup T* v_tile = k_tile + BK * LD;
 
-  const int D = p.head_dim;
-  const HeadOffsets h = head_offsets(p, group.z, group.y);
-  const int64_t do_head = int64_t(group.z) * p.do_batch_stride + int64_t(group.y) * p.do_head_stride;
+  // This threadgroup's sequence (the whole problem unless varlen). The
+  // varlen grid covers the longest sequence: a block starting past this
+  // one's rows has nothing to do and leaves at once (uniform, before any
+  // barrier).
+  const SeqView sv = sequence_view(p, cu_seqlens_q, cu_seqlens_k, group.z);
   const int q0 = int(group.x) * BQ;
+  if (fc_varlen && q0 >= sv.q_len) return;
+  const int q_len = sv.q_len;
+  const int kv_len = sv.kv_len;
+
+  const int D = p.head_dim;
+  HeadOffsets h = head_offsets(p, group.z, group.y);
+  int64_t do_head = int64_t(group.z) * p.do_batch_stride + int64_t(group.y) * p.do_head_stride;
+  int64_t glse_head = int64_t(group.z) * p.glse_batch_stride + int64_t(group.y) * p.glse_head_stride;
+  if (fc_varlen) {  // the sequence's first rows (the planner zeroed the batch strides)
+    h.q += sv.q_row0 * p.q_row_stride;
+    h.o += sv.q_row0 * p.o_row_stride;
+    h.lse += sv.q_row0 * p.lse_row_stride;
+    h.k += sv.k_row0 * p.k_row_stride;
+    h.v += sv.k_row0 * p.v_row_stride;
+    do_head += sv.q_row0 * p.do_row_stride;
+    glse_head += sv.q_row0 * p.glse_row_stride;
+  }
+  // Packed rows of grad_q and Delta per head: (B, Hq, Nq), or (1, Hq, total_q).
+  const int packed_q = fc_varlen ? p.total_q : p.q_len;
+  const int64_t mask_slice = fc_has_mask ? mask_head_offset(p, group.z, group.y) : 0;
   const int sg_row0 = q0 + int(sg) * 8;
   const int fr = prefill_frag_row(lane);
   const int fc = prefill_frag_col(lane);
-  const int row = sg_row0 + fr;  // this lane's query row
-  const bool row_real = fc_align_q || row < p.q_len;
+  const int row = sg_row0 + fr;  // this lane's query row (within the sequence)
+  const bool row_real = fc_align_q || row < q_len;
 
-  if (!fc_align_q && q0 + BQ > p.q_len) {
+  if (!fc_align_q && q0 + BQ > q_len) {
     prefill_load_tile<BQ, DMAX, LD, THREADS, true>(q_tile, q + h.q, p.q_row_stride, p.q_dim_stride, q0, D,
-                                                   p.q_len - q0, tid);
+                                                   q_len - q0, tid);
     prefill_load_tile<BQ, DMAX, LD, THREADS, true>(do_tile, dout + do_head, p.do_row_stride, p.do_dim_stride, q0, D,
-                                                   p.q_len - q0, tid);
+                                                   q_len - q0, tid);
   } else {
     prefill_load_tile<BQ, DMAX, LD, THREADS, false>(q_tile, q + h.q, p.q_row_stride, p.q_dim_stride, q0, D, BQ, tid);
     prefill_load_tile<BQ, DMAX, LD, THREADS, false>(do_tile, dout + do_head, p.do_row_stride, p.do_dim_stride, q0,
@@ -191,37 +268,42 @@ template <typename T, int DMAX, int BQ, int BK, int WM>
     row_live = as_type<uint>(l) != kNegInfBits;
     m2 = row_live ? l * M_LOG2E_F : 0.0f;
     row_delta = dsum;
-    if (fc_has_grad_lse) {
-      const int64_t g = int64_t(group.z) * p.glse_batch_stride + int64_t(group.y) * p.glse_head_stride +
-                        int64_t(row) * p.glse_row_stride;
-      row_delta -= dlse[g];
-    }
-    if (fc == 0) delta[(int64_t(group.z) * p.q_heads + group.y) * p.q_len + row] = row_delta;
+    if (fc_has_grad_lse) row_delta -= dlse[glse_head + int64_t(row) * p.glse_row_stride];
+    if (fc == 0) delta[(int64_t(group.z) * p.q_heads + group.y) * packed_q + sv.q_row0 + row] = row_delta;
   }
 
-  // Key blocks the group's last real row can see (causal: later ones are
-  // all future for every row; the forward's bound). Uniform for the group.
-  const int last_row = (fc_align_q ? q0 + BQ : min(q0 + BQ, p.q_len)) - 1;
-  const int n_blocks = (visible_keys(p, last_row) + BK - 1) / BK;
+  // Key blocks some row of the group can see: up to the last real row's
+  // last key (causal or a right window: later blocks are all future for
+  // every row; the forward's bound), from the first row's first key (a left
+  // window: earlier blocks are behind every row's window). Uniform for the
+  // group; empty when the window holds no key (the rows keep dQ = 0).
+  const int last_row = (fc_align_q ? q0 + BQ : min(q0 + BQ, q_len)) - 1;
+  const int kb_begin = fc_window_left ? first_visible_key(sv, q0) / BK : 0;
+  const int kb_end = (backward_key_end(sv, last_row) + BK - 1) / BK;
   const int d_frags = (D + 7) / 8;
 
   PrefillFrag dQ[TD];
   FM_UNROLL for (int id = 0; id < TD; ++id) dQ[id] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
 
-  for (int kb = 0; kb < n_blocks; ++kb) {
+  for (int kb = kb_begin; kb < kb_end; ++kb) {
     const int k0 = kb * BK;
-    const bool k_edge = !fc_align_k && k0 + BK > p.kv_len;
+    const bool k_edge = !fc_align_k && k0 + BK > kv_len;
     // As in the forward: the SIMD-group has real rows that see some key of
-    // the block (uniform across it), and the block straddles its diagonal.
-    const bool active = (fc_align_q || sg_row0 < p.q_len) && (!fc_causal || k0 <= sg_row0 + 7 + p.causal_offset);
-    const bool diagonal = fc_causal && k0 + BK - 1 > sg_row0 + p.causal_offset;
+    // the block (uniform across it: its last row's upper bound, its first
+    // row's lower bound), and the block straddles its diagonal (some key
+    // after a row's upper bound) or its left edge (some key before a row's
+    // lower bound), where each element is tested.
+    const bool active = (fc_align_q || sg_row0 < q_len) && (!fc_causal || k0 - sv.upper <= sg_row0 + 7) &&
+                        (!fc_window_left || sg_row0 + sv.lower <= k0 + BK - 1);
+    const bool diagonal = fc_causal && k0 + BK - 1 - sv.upper > sg_row0;
+    const bool left_edge = fc_window_left && sg_row0 + 7 + sv.lower > k0;
 
     threadgroup_barrier(mem_flags::mem_threadgroup);  // last block's K/V reads done before overwriting (WAR)
     if (k_edge) {
       prefill_load_tile<BK, DMAX, LD, THREADS, true>(k_tile, k + h.k, p.k_row_stride, p.k_dim_stride, k0, D,
-                                                     p.kv_len - k0, tid);
+                                                     kv_len - k0, tid);
       prefill_load_tile<BK, DMAX, LD, THREADS, true>(v_tile, v + h.v, p.v_row_stride, p.v_dim_stride, k0, D,
-                                                     p.kv_len - k0, tid);
+                                                     kv_len - k0, tid);
     } else {
       prefill_load_tile<BK, DMAX, LD, THREADS, false>(k_tile, k + h.k, p.k_row_stride, p.k_dim_stride, k0, D, BK, tid);
       prefill_load_tile<BK, DMAX, LD, THREADS, false>(v_tile, v + h.v, p.v_row_stride, p.v_dim_stride, k0, D, BK, tid);
@@ -233,17 +315,23 @@ template <typename T, int DMAX, int BQ, int BK, int WM>
     PrefillFrag S[TK];
     PrefillFrag dP[TK];
     backward_products<TK>(S, dP, q_tile, do_tile, k_tile, v_tile, LD, int(sg) * 8, d_frags, fr, fc);
-    // P and dS = P * (dP - Delta), elementwise, into dP. Weight 0 (so dS 0)
-    // for keys past Nk, future keys and rows that saw no key, by explicit
-    // tests (no exp2 of an infinity).
+    // P and dS = P * (dP - Delta), elementwise, into dP (times the
+    // softcap's derivative). Weight 0 (so dS 0) for keys past Nk, keys
+    // outside the row's window, masked keys and rows that saw no key, by
+    // explicit tests (no exp2 of an infinity).
     FM_UNROLL for (int t = 0; t < TK; ++t) {
       FM_UNROLL for (int j = 0; j < 2; ++j) {
         const int key = k0 + t * 8 + fc + j;
         bool keep = row_live;
-        if (k_edge && key >= p.kv_len) keep = false;
-        if (diagonal && key > row + p.causal_offset) keep = false;
-        const float pw = keep ? exp2(fma(S[t].thread_elements()[j], p.scale_log2, -m2)) : 0.0f;
-        dP[t].thread_elements()[j] = pw * (dP[t].thread_elements()[j] - row_delta);
+        if (k_edge && key >= kv_len) keep = false;
+        if (diagonal && key - sv.upper > row) keep = false;
+        if (left_edge && key < row + sv.lower) keep = false;
+        float cap_grad;
+        const float pw = backward_weight<T>(p, mask, mask_slice, row, key, S[t].thread_elements()[j], m2, keep,
+                                            &cap_grad);
+        float ds = pw * (dP[t].thread_elements()[j] - row_delta);
+        if (fc_softcap) ds *= cap_grad;
+        dP[t].thread_elements()[j] = ds;
       }
     }
     // dQ += dS.K, the block's product summed from zero and added once (the
@@ -261,9 +349,10 @@ template <typename T, int DMAX, int BQ, int BK, int WM>
     }
   }
 
-  // dQ * scale, packed, real rows and features only.
+  // dQ * scale, packed, real rows and features only (zeros for a row that
+  // sees no key).
   if (row_real) {
-    device T* out = dq + packed_row(group.z, group.y, p.q_heads, p.q_len, row, D);
+    device T* out = dq + packed_row(group.z, group.y, p.q_heads, packed_q, sv.q_row0 + row, D);
     FM_UNROLL for (int id = 0; id < TD; ++id) {
       FM_UNROLL for (int j = 0; j < 2; ++j) {
         const int c = id * 8 + fc + j;
@@ -313,22 +402,38 @@ template <typename T, int DMAX, int BQ, int BK, int WM, int DSPLIT>
   threadgroup T* q_tile = v_tile + BK * LD;
   threadgroup T* do_tile = q_tile + BQ * LD;
 
+  // This threadgroup's sequence; a key block past its keys (varlen: the
+  // grid covers the longest sequence) leaves at once, uniformly, before any
+  // barrier.
+  const SeqView sv = sequence_view(p, cu_seqlens_q, cu_seqlens_k, group.z);
+  const int k0 = int(group.x) / DSPLIT * BK;
+  if (fc_varlen && k0 >= sv.kv_len) return;
+  const int q_len = sv.q_len;
+  const int kv_len = sv.kv_len;
+
   const int D = p.head_dim;
   const uint kv_head = group.y;
-  const int64_t k_off = int64_t(group.z) * p.k_batch_stride + int64_t(kv_head) * p.k_head_stride;
-  const int64_t v_off = int64_t(group.z) * p.v_batch_stride + int64_t(kv_head) * p.v_head_stride;
-  const int k0 = int(group.x) / DSPLIT * BK;
+  int64_t k_off = int64_t(group.z) * p.k_batch_stride + int64_t(kv_head) * p.k_head_stride;
+  int64_t v_off = int64_t(group.z) * p.v_batch_stride + int64_t(kv_head) * p.v_head_stride;
+  if (fc_varlen) {  // the sequence's first keys (the planner zeroed the batch strides)
+    k_off += sv.k_row0 * p.k_row_stride;
+    v_off += sv.k_row0 * p.v_row_stride;
+  }
+  // Packed rows per head: of Delta (B, Hq, Nq) or (1, Hq, total_q), and of
+  // grad_k / grad_v (B, Hkv, Nk, D) or (1, Hkv, total_k, D).
+  const int packed_q = fc_varlen ? p.total_q : p.q_len;
+  const int packed_k = fc_varlen ? p.total_k : p.kv_len;
   const int col0 = int(group.x) % DSPLIT * (DMAX / DSPLIT);  // first feature of this part
   const int sg_key0 = k0 + int(sg) * 8;
   const int fr = prefill_frag_row(lane);
   const int fc = prefill_frag_col(lane);
   const int key = sg_key0 + fr;  // this lane's key (its row of the P^T fragments)
 
-  if (!fc_align_k && k0 + BK > p.kv_len) {
+  if (!fc_align_k && k0 + BK > kv_len) {
     prefill_load_tile<BK, DMAX, LD, THREADS, true>(k_tile, k + k_off, p.k_row_stride, p.k_dim_stride, k0, D,
-                                                   p.kv_len - k0, tid);
+                                                   kv_len - k0, tid);
     prefill_load_tile<BK, DMAX, LD, THREADS, true>(v_tile, v + v_off, p.v_row_stride, p.v_dim_stride, k0, D,
-                                                   p.kv_len - k0, tid);
+                                                   kv_len - k0, tid);
   } else {
     prefill_load_tile<BK, DMAX, LD, THREADS, false>(k_tile, k + k_off, p.k_row_stride, p.k_dim_stride, k0, D, BK, tid);
     prefill_load_tile<BK, DMAX, LD, THREADS, false>(v_tile, v + v_off, p.v_row_stride, p.v_dim_stride, k0, D, BK, tid);
@@ -336,12 +441,16 @@ template <typename T, int DMAX, int BQ, int BK, int WM, int DSPLIT>
   // No barrier of its own: the first streamed block's barrier orders these
   // writes before any read.
 
-  // Query blocks that see some key of this block: under causal masking,
-  // query i sees key j iff i >= j - causal_offset, so the first is the block
-  // of row k0 - causal_offset (none when that is past Nq). Uniform.
-  const int first_row = fc_causal ? max(0, k0 - p.causal_offset) : 0;
+  // Query blocks that see some key of this block. Upper bound (causal or a
+  // right window): query i sees key j only if i >= j - upper, so the first
+  // row is k0 - upper. Left window: only if i <= j - lower, so the rows end
+  // after k_last - lower (k_last the block's last real key). None when the
+  // range is empty (the keys keep dK = dV = 0). Uniform.
+  const int k_last = min(k0 + BK, kv_len) - 1;
+  const int first_row = fc_causal ? max(0, k0 - sv.upper) : 0;
+  const int row_end = !fc_window_left || k_last + 1 - q_len >= sv.lower ? q_len : k_last - sv.lower + 1;
   const int qb_begin = first_row / BQ;
-  const int qb_end = first_row < p.q_len ? (p.q_len + BQ - 1) / BQ : qb_begin;
+  const int qb_end = first_row < row_end ? (row_end + BQ - 1) / BQ : qb_begin;
   const int d_frags = (D + 7) / 8;
 
   PrefillFrag dK[TD];
@@ -355,25 +464,35 @@ template <typename T, int DMAX, int BQ, int BK, int WM, int DSPLIT>
   // over the group is the same every run (no atomics, no race).
   for (int g = 0; g < p.gqa_ratio; ++g) {
     const uint head = kv_head * uint(p.gqa_ratio) + uint(g);
-    const HeadOffsets h = head_offsets(p, group.z, head);
-    const int64_t do_head = int64_t(group.z) * p.do_batch_stride + int64_t(head) * p.do_head_stride;
-    device const float* head_delta = delta + (int64_t(group.z) * p.q_heads + head) * p.q_len;
+    HeadOffsets h = head_offsets(p, group.z, head);
+    int64_t do_head = int64_t(group.z) * p.do_batch_stride + int64_t(head) * p.do_head_stride;
+    if (fc_varlen) {  // the sequence's first query rows
+      h.q += sv.q_row0 * p.q_row_stride;
+      h.lse += sv.q_row0 * p.lse_row_stride;
+      do_head += sv.q_row0 * p.do_row_stride;
+    }
+    device const float* head_delta = delta + (int64_t(group.z) * p.q_heads + head) * packed_q + sv.q_row0;
+    const int64_t mask_slice = fc_has_mask ? mask_head_offset(p, group.z, head) : 0;
     for (int qb = qb_begin; qb < qb_end; ++qb) {
       const int q0 = qb * BQ;
-      const bool q_edge = !fc_align_q && q0 + BQ > p.q_len;
-      // The SIMD-group's keys are real and some of them are seen by the
-      // block's last row; a mask is needed where some (key, query) pair of
-      // the block is in the future (uniform across the SIMD-group).
-      const int q_last = min(q0 + BQ, p.q_len) - 1;
-      const bool active = (fc_align_k || sg_key0 < p.kv_len) && (!fc_causal || sg_key0 <= q_last + p.causal_offset);
-      const bool diagonal = fc_causal && sg_key0 + 7 > q0 + p.causal_offset;
+      const bool q_edge = !fc_align_q && q0 + BQ > q_len;
+      // The SIMD-group's keys are real and some of them are seen by some
+      // row of the block (the last row's upper bound, the first row's lower
+      // bound); each element is tested where some (key, query) pair of the
+      // block is after the query's upper bound (diagonal) or before its
+      // lower bound (left_edge). Uniform across the SIMD-group.
+      const int q_last = min(q0 + BQ, q_len) - 1;
+      const bool active = (fc_align_k || sg_key0 < kv_len) && (!fc_causal || sg_key0 - sv.upper <= q_last) &&
+                          (!fc_window_left || q0 + sv.lower <= sg_key0 + 7);
+      const bool diagonal = fc_causal && sg_key0 + 7 - sv.upper > q0;
+      const bool left_edge = fc_window_left && q_last + sv.lower > sg_key0;
 
       threadgroup_barrier(mem_flags::mem_threadgroup);  // last block's Q/dO reads done (WAR)
       if (q_edge) {
         prefill_load_tile<BQ, DMAX, LD, THREADS, true>(q_tile, q + h.q, p.q_row_stride, p.q_dim_stride, q0, D,
-                                                       p.q_len - q0, tid);
+                                                       q_len - q0, tid);
         prefill_load_tile<BQ, DMAX, LD, THREADS, true>(do_tile, dout + do_head, p.do_row_stride, p.do_dim_stride,
-                                                       q0, D, p.q_len - q0, tid);
+                                                       q0, D, q_len - q0, tid);
       } else {
         prefill_load_tile<BQ, DMAX, LD, THREADS, false>(q_tile, q + h.q, p.q_row_stride, p.q_dim_stride, q0, D, BQ,
                                                         tid);
@@ -387,24 +506,29 @@ template <typename T, int DMAX, int BQ, int BK, int WM, int DSPLIT>
       PrefillFrag S[TQ];
       PrefillFrag dP[TQ];
       backward_products<TQ>(S, dP, k_tile, v_tile, q_tile, do_tile, LD, int(sg) * 8, d_frags, fr, fc);
-      // P^T into S, dS^T = P^T * (dP^T - Delta) into dP. Each element is
-      // (this lane's key, query qrow); the query's lse and Delta are read
-      // from device memory (a few floats per lane per block).
+      // P^T into S, dS^T = P^T * (dP^T - Delta) into dP (times the
+      // softcap's derivative). Each element is (this lane's key, query
+      // qrow); the query's lse and Delta are read from device memory (a few
+      // floats per lane per block), and the mask element only for a real
+      // key of the row's window.
       FM_UNROLL for (int t = 0; t < TQ; ++t) {
         FM_UNROLL for (int j = 0; j < 2; ++j) {
           const int qrow = q0 + t * 8 + fc + j;
-          float pw = 0.0f, dl = 0.0f;
-          if (!q_edge || qrow < p.q_len) {
+          float pw = 0.0f, dl = 0.0f, cap_grad = 1.0f;
+          if (!q_edge || qrow < q_len) {
             const float l = lse[h.lse + int64_t(qrow) * p.lse_row_stride];
             bool keep = as_type<uint>(l) != kNegInfBits;  // a row that saw no key has P = 0
-            if (diagonal && key > qrow + p.causal_offset) keep = false;
-            if (!fc_align_k && key >= p.kv_len) keep = false;
+            if (diagonal && key - sv.upper > qrow) keep = false;
+            if (left_edge && key < qrow + sv.lower) keep = false;
+            if (!fc_align_k && key >= kv_len) keep = false;
             const float m2 = keep ? l * M_LOG2E_F : 0.0f;
-            pw = keep ? exp2(fma(S[t].thread_elements()[j], p.scale_log2, -m2)) : 0.0f;
+            pw = backward_weight<T>(p, mask, mask_slice, qrow, key, S[t].thread_elements()[j], m2, keep, &cap_grad);
             dl = head_delta[qrow];
           }
+          float ds = pw * (dP[t].thread_elements()[j] - dl);
+          if (fc_softcap) ds *= cap_grad;
           S[t].thread_elements()[j] = pw;
-          dP[t].thread_elements()[j] = pw * (dP[t].thread_elements()[j] - dl);
+          dP[t].thread_elements()[j] = ds;
         }
       }
       // dV += P^T.dO and dK += dS^T.Q, each block's product summed from
@@ -431,10 +555,11 @@ template <typename T, int DMAX, int BQ, int BK, int WM, int DSPLIT>
   }
 
   // dK * scale and dV, packed, real keys and this part's real features
-  // only. A key no query sees (causal, Nk > Nq) stores zeros.
-  if (fc_align_k || key < p.kv_len) {
-    device T* kout = dk + packed_row(group.z, kv_head, p.kv_heads, p.kv_len, key, D);
-    device T* vout = dv + packed_row(group.z, kv_head, p.kv_heads, p.kv_len, key, D);
+  // only. A key no query sees (causal with Nk > Nq, outside every window,
+  // a sequence with no query) stores zeros.
+  if (fc_align_k || key < kv_len) {
+    device T* kout = dk + packed_row(group.z, kv_head, p.kv_heads, packed_k, sv.k_row0 + key, D);
+    device T* vout = dv + packed_row(group.z, kv_head, p.kv_heads, packed_k, sv.k_row0 + key, D);
     FM_UNROLL for (int id = 0; id < TD; ++id) {
       FM_UNROLL for (int j = 0; j < 2; ++j) {
         const int c = col0 + id * 8 + fc + j;
