@@ -218,7 +218,9 @@ template <typename T, int DMAX, int BQ, int BK, int WM>
     do_head += sv.q_row0 * p.do_row_stride;
     glse_head += sv.q_row0 * p.glse_row_stride;
   }
-  // Packed rows of grad_q and Delta per head: (B, Hq, Nq), or (1, Hq, total_q).
+  // grad_q and Delta are packed (B, Hq, Nq, ...), or (1, Hq, total_q, ...)
+  // for varlen: packed_b is their batch index, packed_q their rows per head.
+  const uint packed_b = fc_varlen ? 0u : group.z;
   const int packed_q = fc_varlen ? p.total_q : p.q_len;
   const int64_t mask_slice = fc_has_mask ? mask_head_offset(p, group.z, group.y) : 0;
   const int sg_row0 = q0 + int(sg) * 8;
@@ -269,7 +271,7 @@ template <typename T, int DMAX, int BQ, int BK, int WM>
     m2 = row_live ? l * M_LOG2E_F : 0.0f;
     row_delta = dsum;
     if (fc_has_grad_lse) row_delta -= dlse[glse_head + int64_t(row) * p.glse_row_stride];
-    if (fc == 0) delta[(int64_t(group.z) * p.q_heads + group.y) * packed_q + sv.q_row0 + row] = row_delta;
+    if (fc == 0) delta[(int64_t(packed_b) * p.q_heads + group.y) * packed_q + sv.q_row0 + row] = row_delta;
   }
 
   // Key blocks some row of the group can see: up to the last real row's
@@ -352,7 +354,7 @@ template <typename T, int DMAX, int BQ, int BK, int WM>
   // dQ * scale, packed, real rows and features only (zeros for a row that
   // sees no key).
   if (row_real) {
-    device T* out = dq + packed_row(group.z, group.y, p.q_heads, packed_q, sv.q_row0 + row, D);
+    device T* out = dq + packed_row(packed_b, group.y, p.q_heads, packed_q, sv.q_row0 + row, D);
     FM_UNROLL for (int id = 0; id < TD; ++id) {
       FM_UNROLL for (int j = 0; j < 2; ++j) {
         const int c = id * 8 + fc + j;
@@ -419,8 +421,10 @@ template <typename T, int DMAX, int BQ, int BK, int WM, int DSPLIT>
     k_off += sv.k_row0 * p.k_row_stride;
     v_off += sv.k_row0 * p.v_row_stride;
   }
-  // Packed rows per head: of Delta (B, Hq, Nq) or (1, Hq, total_q), and of
-  // grad_k / grad_v (B, Hkv, Nk, D) or (1, Hkv, total_k, D).
+  // Delta (B, Hq, Nq), grad_k and grad_v (B, Hkv, Nk, D) are packed, or
+  // (1, Hq, total_q) and (1, Hkv, total_k, D) for varlen: packed_b is their
+  // batch index, packed_q / packed_k their rows per head.
+  const uint packed_b = fc_varlen ? 0u : group.z;
   const int packed_q = fc_varlen ? p.total_q : p.q_len;
   const int packed_k = fc_varlen ? p.total_k : p.kv_len;
   const int col0 = int(group.x) % DSPLIT * (DMAX / DSPLIT);  // first feature of this part
@@ -471,7 +475,7 @@ template <typename T, int DMAX, int BQ, int BK, int WM, int DSPLIT>
       h.lse += sv.q_row0 * p.lse_row_stride;
       do_head += sv.q_row0 * p.do_row_stride;
     }
-    device const float* head_delta = delta + (int64_t(group.z) * p.q_heads + head) * packed_q + sv.q_row0;
+    device const float* head_delta = delta + (int64_t(packed_b) * p.q_heads + head) * packed_q + sv.q_row0;
     const int64_t mask_slice = fc_has_mask ? mask_head_offset(p, group.z, head) : 0;
     for (int qb = qb_begin; qb < qb_end; ++qb) {
       const int q0 = qb * BQ;
@@ -558,8 +562,8 @@ template <typename T, int DMAX, int BQ, int BK, int WM, int DSPLIT>
   // only. A key no query sees (causal with Nk > Nq, outside every window,
   // a sequence with no query) stores zeros.
   if (fc_align_k || key < kv_len) {
-    device T* kout = dk + packed_row(group.z, kv_head, p.kv_heads, packed_k, sv.k_row0 + key, D);
-    device T* vout = dv + packed_row(group.z, kv_head, p.kv_heads, packed_k, sv.k_row0 + key, D);
+    device T* kout = dk + packed_row(packed_b, kv_head, p.kv_heads, packed_k, sv.k_row0 + key, D);
+    device T* vout = dv + packed_row(packed_b, kv_head, p.kv_heads, packed_k, sv.k_row0 + key, D);
     FM_UNROLL for (int id = 0; id < TD; ++id) {
       FM_UNROLL for (int j = 0; j < 2; ++j) {
         const int c = col0 + id * 8 + fc + j;
