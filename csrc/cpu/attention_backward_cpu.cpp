@@ -169,20 +169,17 @@ void matmul(const float* a, int64_t lda, const float* b, int64_t ldb, int64_t K,
 
 struct BwdGeometry {
   int64_t batch, q_heads, kv_heads, q_len, kv_len, D, Dp, ld, group;
-  int64_t causal_offset;  // query i sees keys j <= i + causal_offset
   bool causal;
   float scale, scale_log2;
   int64_t q_st[4], k_st[4], v_st[4], o_st[4], go_st[4], lse_st[3], glse_st[3];
   bool has_glse;
-  // Keys visible to query rows [0, row_end): all, or up to the causal frontier.
-  int64_t key_end(int64_t row_end) const {
-    return causal ? std::min(kv_len, std::max<int64_t>(0, row_end + causal_offset)) : kv_len;
-  }
+  const CallOptions* opt;  // window bounds, varlen sequences, mask, softcap (common.h)
 };
 
+// Row i of head h of sequence s (its batch index and first row).
 template <typename T>
-inline const T* row_ptr(const T* base, const int64_t* st, int64_t b, int64_t h, int64_t i) {
-  return base + b * st[0] + h * st[1] + i * st[2];
+inline const T* row_ptr(const T* base, const int64_t* st, const SeqRange& s, int64_t h, int64_t i, bool k_side) {
+  return base + s.bi * st[0] + h * st[1] + ((k_side ? s.k0 : s.q0) + i) * st[2];
 }
 
 // Rows [0, n) of a (B, H, N, D) head -> float32 rows ld apart, zero-padded to Dp.
@@ -218,6 +215,7 @@ struct BwdWorkspace {
   FloatBuffer qr, dor;   // kBlockQ x ld: Q and dO rows
   FloatBuffer dq;        // kBlockQ x Dp
   FloatBuffer st, dst;   // kBlockK x kBlockQ: PT and dST
+  FloatBuffer dfac;      // kBlockK x kBlockQ: the softcap's 1 - tanh^2 (softcap only)
   float lse2[kBlockQ], delta[kBlockQ];
   BwdWorkspace(const BwdGeometry& g, bool own_head_buffers) {
     if (own_head_buffers) {
@@ -233,6 +231,7 @@ struct BwdWorkspace {
     dq.resize(kBlockQ * g.Dp);
     st.resize(kBlockK * kBlockQ);
     dst.resize(kBlockK * kBlockQ);
+    if (g.opt->softcap) dfac.resize(kBlockK * kBlockQ);
   }
 };
 
@@ -250,34 +249,45 @@ struct PackedHead {
 // One query block: rows [i0, i0 + nq) of query head h, whose kv head is
 // packed in kv. Adds to dk/dv (float32, Nk x Dp) and writes the block's
 // grad_q rows.
-template <typename T>
-void query_block(const BwdGeometry& g, const Tensors& t, int64_t b, int64_t h, PackedHead kv, int64_t i0, int64_t nq,
-                 BwdWorkspace& ws, float* dk, float* dv) {
+// Rows are those of sequence s (varlen offsets); kv and dk/dv are indexed by
+// the sequence's own key rows. With ScoreOpts, softcap and the mask are
+// applied to each score block as in the forward (off: not compiled in).
+template <typename T, bool ScoreOpts>
+void query_block(const BwdGeometry& g, const Tensors& t, const SeqRange& s, int64_t h, PackedHead kv, int64_t i0,
+                 int64_t nq, BwdWorkspace& ws, float* dk, float* dv) {
+  const CallOptions& opt = *g.opt;
   const int64_t D = g.D, Dp = g.Dp, ld = g.ld;
   const int64_t ncols = round_up(nq, kG);
-  T* gq = static_cast<T*>(t.gq) + ((b * g.q_heads + h) * g.q_len + i0) * D;
-  const int64_t key_end = g.key_end(i0 + nq);
-  if (key_end == 0) {  // causal with Nk < Nq: these rows see no key
+  T* gq = static_cast<T*>(t.gq) + ((s.bi * g.q_heads + h) * opt.rows_q + s.q0 + i0) * D;
+  const int64_t key_end = opt.key_end(s, i0 + nq);
+  // The left window: key blocks wholly before the first row's bound are skipped.
+  const int64_t key_begin = opt.key_begin(s, i0);
+  if (key_end <= key_begin) {  // these rows see no key (causal with Nk < Nq, a window, an empty sequence)
     std::fill(gq, gq + nq * D, static_cast<T>(0.0f));
     return;
   }
-  const T* q = row_ptr(static_cast<const T*>(t.q), g.q_st, b, h, i0);
-  const T* go = row_ptr(static_cast<const T*>(t.go), g.go_st, b, h, i0);
-  const T* o = row_ptr(static_cast<const T*>(t.o), g.o_st, b, h, i0);
+  const T* q = row_ptr(static_cast<const T*>(t.q), g.q_st, s, h, i0, false);
+  const T* go = row_ptr(static_cast<const T*>(t.go), g.go_st, s, h, i0, false);
+  const T* o = row_ptr(static_cast<const T*>(t.o), g.o_st, s, h, i0, false);
+  const int64_t lrow0 = s.bi * g.lse_st[0] + h * g.lse_st[1] + (s.q0 + i0) * g.lse_st[2];
+  const int64_t grow0 = s.bi * g.glse_st[0] + h * g.glse_st[1] + (s.q0 + i0) * g.glse_st[2];
+  int64_t moff[kBlockQ];
+  if (ScoreOpts && opt.mask != MaskKind::None)
+    for (int64_t i = 0; i < nq; ++i) moff[i] = s.bi * opt.ms[0] + h * opt.ms[1] + (i0 + i) * opt.ms[2];
   pack_transposed(q, g.q_st, nq, g.scale_log2, g, ws.qt.ptr);
   pack_transposed(go, g.go_st, nq, 1.0f, g, ws.dot.ptr);
   pack_rows(q, g.q_st, nq, g, ws.qr.ptr);
   pack_rows(go, g.go_st, nq, g, ws.dor.ptr);
   float orow[kMaxHeadDim];
   for (int64_t i = 0; i < nq; ++i) {
-    const float lse = t.lse[b * g.lse_st[0] + h * g.lse_st[1] + (i0 + i) * g.lse_st[2]];
+    const float lse = t.lse[lrow0 + i * g.lse_st[2]];
     // A row that saw no key has lse = -inf; +inf makes its P = exp2(s - inf) = 0.
     ws.lse2[i] = lse == -kInf ? kInf : lse * kLog2e;
     convert_row(o + i * g.o_st[2], g.o_st[3], D, orow);
     const float* dorow = ws.dor.ptr + i * ld;
     float acc = 0.0f;
     for (int64_t d = 0; d < D; ++d) acc += dorow[d] * orow[d];
-    if (g.has_glse) acc -= t.glse[b * g.glse_st[0] + h * g.glse_st[1] + (i0 + i) * g.glse_st[2]];
+    if (g.has_glse) acc -= t.glse[grow0 + i * g.glse_st[2]];
     ws.delta[i] = acc;
   }
   for (int64_t i = nq; i < ncols; ++i) {  // padding columns: P = 0, dS = 0
@@ -289,23 +299,26 @@ void query_block(const BwdGeometry& g, const Tensors& t, int64_t b, int64_t h, P
   float* st = ws.st.ptr;
   float* dst = ws.dst.ptr;
   const int64_t nchunks = ncols / kW;
-  for (int64_t j0 = 0; j0 < key_end; j0 += kBlockK) {
+  for (int64_t j0 = key_begin; j0 < key_end; j0 += kBlockK) {
     const int64_t nk = std::min(kBlockK, key_end - j0);
     const float* kb = kv.k + j0 * ld;
     matmul<false, false>(kb, ld, ws.qt.ptr, kBlockQ, D, nk, ncols, st, kBlockQ);           // ST = K . QT
     matmul<false, false>(kv.v + j0 * ld, ld, ws.dot.ptr, kBlockQ, D, nk, ncols, dst, kBlockQ);  // dPT = V . dOT
-    const bool diagonal = g.causal && j0 + nk - 1 > i0 + g.causal_offset;
+    // Softcap, mask, then the window and causality (straddling blocks only), as the forward.
+    if (ScoreOpts) apply_score_options<T>(opt, st, kBlockQ, nk, ncols, nq, moff, j0, ws.dfac.ptr);
+    mask_window_block(opt, s, st, kBlockQ, nk, j0, i0, nq, 1);
     for (int64_t j = 0; j < nk; ++j) {
       float* srow = st + j * kBlockQ;
       float* drow = dst + j * kBlockQ;
-      if (diagonal) {  // key j0 + j is visible to query i0 + i iff i >= j0 + j - offset - i0
-        const int64_t first = std::min(nq, std::max<int64_t>(0, j0 + j - g.causal_offset - i0));
-        std::fill(srow, srow + first, -kInf);
-      }
       for (int64_t x = 0; x < nchunks; ++x) {
         const Vec p = exp2_approx(Vec::load(srow + x * kW) - Vec::load(ws.lse2 + x * kW));
         p.store(srow + x * kW);
         (p * (Vec::load(drow + x * kW) - Vec::load(ws.delta + x * kW))).store(drow + x * kW);
+      }
+      if (ScoreOpts && opt.softcap) {  // dS_raw = dS * (1 - tanh^2): the softcap's exact derivative
+        const float* frow = ws.dfac.ptr + j * kBlockQ;
+        for (int64_t x = 0; x < nchunks; ++x)
+          (Vec::load(drow + x * kW) * Vec::load(frow + x * kW)).store(drow + x * kW);
       }
     }
     matmul<false, true>(st, kBlockQ, ws.dor.ptr, ld, nq, nk, Dp, dv + j0 * Dp, Dp);  // dV += PT . dO
@@ -316,33 +329,39 @@ void query_block(const BwdGeometry& g, const Tensors& t, int64_t b, int64_t h, P
     for (int64_t d = 0; d < D; ++d) gq[i * D + d] = static_cast<T>(ws.dq.ptr[i * Dp + d] * g.scale);
 }
 
-// Keys [j0, j1) of kv head hk of batch b -> rows of kr and vr.
+// Keys [j0, j1) of kv head hk of sequence s -> rows of kr and vr.
 template <typename T>
-void pack_head(const BwdGeometry& g, const Tensors& t, int64_t b, int64_t hk, int64_t j0, int64_t j1, float* kr,
-               float* vr) {
-  pack_rows(row_ptr(static_cast<const T*>(t.k), g.k_st, b, hk, j0), g.k_st, j1 - j0, g, kr + j0 * g.ld);
-  pack_rows(row_ptr(static_cast<const T*>(t.v), g.v_st, b, hk, j0), g.v_st, j1 - j0, g, vr + j0 * g.ld);
+void pack_head(const BwdGeometry& g, const Tensors& t, const SeqRange& s, int64_t hk, int64_t j0, int64_t j1,
+               float* kr, float* vr) {
+  pack_rows(row_ptr(static_cast<const T*>(t.k), g.k_st, s, hk, j0, true), g.k_st, j1 - j0, g, kr + j0 * g.ld);
+  pack_rows(row_ptr(static_cast<const T*>(t.v), g.v_st, s, hk, j0, true), g.v_st, j1 - j0, g, vr + j0 * g.ld);
 }
 
-// One item: query rows [r0, r1) of every query head of kv head hk, batch b.
-// dk/dv (Nk x Dp) are zeroed here and hold this item's sums afterwards.
+// One item: query rows [r0, r1) of every query head of kv head hk, sequence s.
+// dk/dv (the sequence's Nk x Dp) are zeroed here and hold this item's sums afterwards.
 template <typename T>
-void backward_item(const BwdGeometry& g, const Tensors& t, int64_t b, int64_t hk, int64_t r0, int64_t r1,
+void backward_item(const BwdGeometry& g, const Tensors& t, const SeqRange& s, int64_t hk, int64_t r0, int64_t r1,
                    PackedHead kv, BwdWorkspace& ws, float* dk, float* dv) {
-  std::fill(dk, dk + g.kv_len * g.Dp, 0.0f);
-  std::fill(dv, dv + g.kv_len * g.Dp, 0.0f);
+  std::fill(dk, dk + s.nk * g.Dp, 0.0f);
+  std::fill(dv, dv + s.nk * g.Dp, 0.0f);
+  const bool score_opts = g.opt->score_options();
   for (int64_t h = hk * g.group; h < (hk + 1) * g.group; ++h)
-    for (int64_t i0 = r0; i0 < r1; i0 += kBlockQ)
-      query_block<T>(g, t, b, h, kv, i0, std::min(kBlockQ, r1 - i0), ws, dk, dv);
+    for (int64_t i0 = r0; i0 < r1; i0 += kBlockQ) {
+      if (score_opts)
+        query_block<T, true>(g, t, s, h, kv, i0, std::min(kBlockQ, r1 - i0), ws, dk, dv);
+      else
+        query_block<T, false>(g, t, s, h, kv, i0, std::min(kBlockQ, r1 - i0), ws, dk, dv);
+    }
 }
 
-// grad_k/grad_v rows [j0, j1) of (b, hk) = scale * dk, dv (sums of `parts`
-// partial buffers `stride` floats apart, in order).
+// grad_k/grad_v rows [j0, j1) of kv head hk of sequence s = scale * dk, dv
+// (sums of `parts` partial buffers `stride` floats apart, in order).
 template <typename T>
-void write_kv(const BwdGeometry& g, const Tensors& t, int64_t bhk, int64_t j0, int64_t j1, const float* dk,
-              const float* dv, int64_t parts, int64_t stride) {
-  T* gk = static_cast<T*>(t.gk) + bhk * g.kv_len * g.D;
-  T* gv = static_cast<T*>(t.gv) + bhk * g.kv_len * g.D;
+void write_kv(const BwdGeometry& g, const Tensors& t, const SeqRange& s, int64_t hk, int64_t j0, int64_t j1,
+              const float* dk, const float* dv, int64_t parts, int64_t stride) {
+  const int64_t row0 = (s.bi * g.kv_heads + hk) * g.opt->rows_k + s.k0;
+  T* gk = static_cast<T*>(t.gk) + row0 * g.D;
+  T* gv = static_cast<T*>(t.gv) + row0 * g.D;
   for (int64_t j = j0; j < j1; ++j)
     for (int64_t d = 0; d < g.D; ++d) {
       float sk = 0.0f, sv = 0.0f;
@@ -355,14 +374,14 @@ void write_kv(const BwdGeometry& g, const Tensors& t, int64_t bhk, int64_t j0, i
     }
 }
 
-// Query-row boundaries (multiples of kBlockQ) cutting [0, Nq) into `chunks`
-// pieces of about equal work; work of a block ~ rows x visible keys.
-std::vector<int64_t> chunk_bounds(const BwdGeometry& g, int64_t chunks) {
+// Query-row boundaries (multiples of kBlockQ) cutting sequence s's [0, Nq)
+// into `chunks` pieces of about equal work; work of a block ~ rows x visible keys.
+std::vector<int64_t> chunk_bounds(const BwdGeometry& g, const SeqRange& s, int64_t chunks) {
   std::vector<int64_t> starts, cost;
-  for (int64_t i0 = 0; i0 < g.q_len; i0 += kBlockQ) {
-    const int64_t nq = std::min(kBlockQ, g.q_len - i0);
+  for (int64_t i0 = 0; i0 < s.nq; i0 += kBlockQ) {
+    const int64_t nq = std::min(kBlockQ, s.nq - i0);
     starts.push_back(i0);
-    cost.push_back(nq * std::max<int64_t>(1, g.key_end(i0 + nq)));
+    cost.push_back(nq * std::max<int64_t>(1, g.opt->key_end(s, i0 + nq) - g.opt->key_begin(s, i0)));
   }
   const double total = std::accumulate(cost.begin(), cost.end(), 0.0);
   std::vector<int64_t> bounds = {0};
@@ -372,8 +391,8 @@ std::vector<int64_t> chunk_bounds(const BwdGeometry& g, int64_t chunks) {
     if (c < chunks && x > 0 && run + cost[x] / 2.0 > total * c / chunks) bounds.push_back(starts[x]);
     run += cost[x];
   }
-  while (static_cast<int64_t>(bounds.size()) < chunks) bounds.push_back(g.q_len);
-  bounds.push_back(g.q_len);
+  while (static_cast<int64_t>(bounds.size()) < chunks) bounds.push_back(s.nq);
+  bounds.push_back(s.nq);
   return bounds;
 }
 
@@ -399,9 +418,10 @@ void run_backward(const BwdGeometry& g, const Tensors& t) {
       BwdWorkspace ws(g, true);
       for (int64_t idx = next.fetch_add(1); idx < items; idx = next.fetch_add(1)) {
         const int64_t b = idx / g.kv_heads, hk = idx % g.kv_heads;
-        pack_head<T>(g, t, b, hk, 0, g.key_end(g.q_len), ws.kr.ptr, ws.vr.ptr);
-        backward_item<T>(g, t, b, hk, 0, g.q_len, {ws.kr.ptr, ws.vr.ptr}, ws, ws.dk.ptr, ws.dv.ptr);
-        write_kv<T>(g, t, idx, 0, g.kv_len, ws.dk.ptr, ws.dv.ptr, 1, 0);
+        const SeqRange s = g.opt->seq(b);
+        pack_head<T>(g, t, s, hk, 0, g.opt->key_end(s, s.nq), ws.kr.ptr, ws.vr.ptr);
+        backward_item<T>(g, t, s, hk, 0, s.nq, {ws.kr.ptr, ws.vr.ptr}, ws, ws.dk.ptr, ws.dv.ptr);
+        write_kv<T>(g, t, s, hk, 0, s.nk, ws.dk.ptr, ws.dv.ptr, 1, 0);
       }
     });
     return;
@@ -409,7 +429,8 @@ void run_backward(const BwdGeometry& g, const Tensors& t) {
   // Chunked: K and V of every kv head packed once, shared by its chunks, and
   // partial dK/dV per (kv head, chunk): heads < 4 * threads here, so
   // 2 * heads * Nk * (ld + chunks * Dp) floats in all.
-  const std::vector<int64_t> bounds = chunk_bounds(g, chunks);
+  std::vector<std::vector<int64_t>> bounds;  // per sequence
+  for (int64_t b = 0; b < g.batch; ++b) bounds.push_back(chunk_bounds(g, g.opt->seq(b), chunks));
   const int64_t key_blocks = (g.kv_len + kBlockK - 1) / kBlockK;
   const int64_t red_items = heads * key_blocks;  // (kv head, key block) pairs
   const int64_t head_floats = g.kv_len * g.ld;
@@ -420,10 +441,10 @@ void run_backward(const BwdGeometry& g, const Tensors& t) {
   run_on_threads(std::min(threads_avail, red_items), [&](int64_t) {
     for (int64_t idx = pack_next.fetch_add(1); idx < red_items; idx = pack_next.fetch_add(1)) {
       const int64_t bhk = idx / key_blocks, j0 = (idx % key_blocks) * kBlockK;
-      const int64_t j1 = std::min(g.key_end(g.q_len), j0 + kBlockK);
+      const SeqRange s = g.opt->seq(bhk / g.kv_heads);
+      const int64_t j1 = std::min(g.opt->key_end(s, s.nq), j0 + kBlockK);
       if (j0 < j1)
-        pack_head<T>(g, t, bhk / g.kv_heads, bhk % g.kv_heads, j0, j1, kr.ptr + bhk * head_floats,
-                     vr.ptr + bhk * head_floats);
+        pack_head<T>(g, t, s, bhk % g.kv_heads, j0, j1, kr.ptr + bhk * head_floats, vr.ptr + bhk * head_floats);
     }
   });
   const int64_t part = g.kv_len * g.Dp;
@@ -432,8 +453,9 @@ void run_backward(const BwdGeometry& g, const Tensors& t) {
     BwdWorkspace ws(g, false);
     for (int64_t idx = next.fetch_add(1); idx < items; idx = next.fetch_add(1)) {
       const int64_t bhk = idx / chunks, c = idx % chunks;
+      const int64_t b = bhk / g.kv_heads;
       const PackedHead kv{kr.ptr + bhk * head_floats, vr.ptr + bhk * head_floats};
-      backward_item<T>(g, t, bhk / g.kv_heads, bhk % g.kv_heads, bounds[c], bounds[c + 1], kv, ws,
+      backward_item<T>(g, t, g.opt->seq(b), bhk % g.kv_heads, bounds[b][c], bounds[b][c + 1], kv, ws,
                        pk.data() + idx * part, pv.data() + idx * part);
     }
   });
@@ -442,8 +464,10 @@ void run_backward(const BwdGeometry& g, const Tensors& t) {
   run_on_threads(std::min(threads_avail, red_items), [&](int64_t) {
     for (int64_t idx = red_next.fetch_add(1); idx < red_items; idx = red_next.fetch_add(1)) {
       const int64_t bhk = idx / key_blocks, j0 = (idx % key_blocks) * kBlockK;
-      write_kv<T>(g, t, bhk, j0, std::min(g.kv_len, j0 + kBlockK), pk.data() + bhk * chunks * part,
-                  pv.data() + bhk * chunks * part, chunks, part);
+      const SeqRange s = g.opt->seq(bhk / g.kv_heads);
+      if (j0 < s.nk)
+        write_kv<T>(g, t, s, bhk % g.kv_heads, j0, std::min(s.nk, j0 + kBlockK), pk.data() + bhk * chunks * part,
+                    pv.data() + bhk * chunks * part, chunks, part);
     }
   });
 }
@@ -452,10 +476,6 @@ void run_backward(const BwdGeometry& g, const Tensors& t) {
 
 void attention_backward(const AttentionCall& c, const BackwardTensors& bt, const AttentionGradients& grads) {
   const AttentionProblem& p = c.p;
-  TORCH_CHECK_NOT_IMPLEMENTED(p.mask == MaskKind::None && !p.has_window_left() && !p.has_softcap() && !p.varlen &&
-                                  !(p.causal && p.window_right > 0),
-                              "flash_metal.attention_backward: this CPU build does not implement attn_mask, windows, "
-                              "softcap or varlen yet");
   const at::Tensor &q = c.q, &k = c.k, &v = c.v, &out = bt.out4, &lse = bt.lse3, &grad_out = bt.grad_out4;
   const std::optional<at::Tensor> grad_lse =
       bt.grad_lse3.defined() ? std::optional<at::Tensor>(bt.grad_lse3) : std::nullopt;
@@ -471,8 +491,9 @@ void attention_backward(const AttentionCall& c, const BackwardTensors& bt, const
   g.Dp = round_up(g.D, kG);
   g.ld = g.Dp + kRowPad;
   g.group = p.gqa_ratio();
-  g.causal_offset = p.causal_offset();
   g.causal = p.causal;
+  const CallOptions opt(c);
+  g.opt = &opt;
   g.scale = static_cast<float>(p.scale);
   g.scale_log2 = p.scale_log2();
   g.has_glse = grad_lse.has_value() && grad_lse->defined();

@@ -276,10 +276,10 @@ void pack_v(const T* v, int64_t row_stride, int64_t dim_stride, int64_t nk, int6
 
 struct Geometry {
   int64_t batch, q_heads, kv_heads, q_len, kv_len, head_dim, group;
-  int64_t causal_offset;  // query i sees keys j <= i + causal_offset
   bool causal;
   float scale_log2;       // softmax scale * log2(e), applied to q in float32
-  int64_t q_stride[4], k_stride[4], v_stride[4];
+  int64_t q_stride[4], k_stride[4], v_stride[4], o_stride[4], lse_stride[3];
+  const CallOptions* opt;  // window bounds, varlen sequences, mask, softcap (common.h)
 };
 
 // Query blocks per work item, at most. Every K/V block is packed once per
@@ -316,20 +316,27 @@ struct Workspace {
 // heads h0 .. h0+nh-1 side by side: column c is query row c % nq of head
 // h0 + c / nq. Packing the heads of a GQA group reads each K/V block once for
 // the whole group and fills the register tile (decode: 4 heads x 1 row).
-template <typename T>
+// Sequence b's rows (varlen: its own offsets and lengths; an item whose rows
+// start past the sequence's end has nothing to do). With ScoreOpts, the
+// softcap and the mask run on each score block (off: not compiled in).
+template <typename T, bool ScoreOpts>
 void attention_item(const Geometry& g, const T* q, const T* k, const T* v, T* out, float* lse, int64_t b,
                     int64_t hk, int64_t h0, int64_t nh, int64_t i0, int64_t nsub, int64_t bq, Workspace& ws) {
+  const CallOptions& opt = *g.opt;
+  const SeqRange seq = opt.seq(b);
+  if (i0 >= seq.nq) return;
   const int64_t D = g.head_dim;
   const int64_t Dp = round_up(D, kG);
   const int64_t nvec = Dp / kMW;
-  const int64_t q_end = std::min(g.q_len, i0 + nsub * bq);
+  const int64_t q_end = std::min(seq.nq, i0 + nsub * bq);
   nsub = (q_end - i0 + bq - 1) / bq;
 
   struct Sub {
-    int64_t i0, nq, nrows, ncols, key_end;
+    int64_t i0, nq, nrows, ncols, key_begin, key_end;
     float *qt, *o, *m, *l;
   } sub[kMaxSubBlocks];
-  int64_t key_end_all = 0;
+  int64_t key_end_all = 0, key_begin_all = seq.nk;
+  int64_t moff[kBlockQ];  // mask offsets of one sub-block's columns (ScoreOpts with a mask)
   for (int64_t s = 0; s < nsub; ++s) {
     Sub& u = sub[s];
     u.i0 = i0 + s * bq;
@@ -337,9 +344,10 @@ void attention_item(const Geometry& g, const T* q, const T* k, const T* v, T* ou
     u.nrows = nh * u.nq;  // live columns of the score block
     u.ncols = round_up(u.nrows, kG);
     // Keys this block needs: all of them, or up to its last query's causal frontier.
-    u.key_end = g.kv_len;
-    if (g.causal) u.key_end = std::min(u.key_end, std::max<int64_t>(0, u.i0 + u.nq + g.causal_offset));
+    u.key_end = opt.key_end(seq, u.i0 + u.nq);
+    u.key_begin = opt.key_begin(seq, u.i0);
     key_end_all = std::max(key_end_all, u.key_end);
+    key_begin_all = std::min(key_begin_all, u.key_begin);
     u.qt = ws.qt.ptr + s * D * kBlockQ;
     u.o = ws.o.ptr + s * kBlockQ * Dp;
     u.m = ws.m + s * kBlockQ;
@@ -348,8 +356,8 @@ void attention_item(const Geometry& g, const T* q, const T* k, const T* v, T* ou
     // 1. Q block, transposed and pre-scaled.
     float row[kMaxHeadDim];
     for (int64_t c = 0; c < u.nrows; ++c) {
-      const T* src =
-          q + b * g.q_stride[0] + (h0 + c / u.nq) * g.q_stride[1] + (u.i0 + c % u.nq) * g.q_stride[2];
+      const T* src = q + seq.bi * g.q_stride[0] + (h0 + c / u.nq) * g.q_stride[1] +
+                     (seq.q0 + u.i0 + c % u.nq) * g.q_stride[2];
       convert_row(src, g.q_stride[3], D, row);
       for (int64_t d = 0; d < D; ++d) u.qt[d * kBlockQ + c] = row[d] * g.scale_log2;
     }
@@ -360,8 +368,8 @@ void attention_item(const Geometry& g, const T* q, const T* k, const T* v, T* ou
     std::fill(u.l, u.l + u.ncols, 0.0f);
   }
 
-  const T* k_head = k + b * g.k_stride[0] + hk * g.k_stride[1];
-  const T* v_head = v + b * g.v_stride[0] + hk * g.v_stride[1];
+  const T* k_head = k + seq.bi * g.k_stride[0] + hk * g.k_stride[1] + seq.k0 * g.k_stride[2];
+  const T* v_head = v + seq.bi * g.v_stride[0] + hk * g.v_stride[1] + seq.k0 * g.v_stride[2];
   // Decode-like items (a handful of query rows, float32 with contiguous
   // features): packing would not be amortised (each K/V element is used by
   // <= 16 queries and the loop is memory-bound), so read K and V in place.
@@ -369,7 +377,9 @@ void attention_item(const Geometry& g, const T* q, const T* k, const T* v, T* ou
   const bool in_place = is_float && nsub == 1 && sub[0].ncols <= kSmallQueryCols && g.k_stride[3] == 1 &&
                         g.v_stride[3] == 1 && D % kG == 0;
   float* st = ws.st.ptr;
-  for (int64_t j0 = 0; j0 < key_end_all; j0 += kBlockK) {
+  // Key blocks start at the first key any sub-block sees (the left window's
+  // bound; 0 without one) and stop at the last (the causal/right bound).
+  for (int64_t j0 = key_begin_all; j0 < key_end_all; j0 += kBlockK) {
     // K and V block -> packed panels, shared by all sub-blocks.
     const int64_t nk_all = std::min(kBlockK, key_end_all - j0);
     const float* kblk = ws.kb.ptr;
@@ -384,7 +394,9 @@ void attention_item(const Geometry& g, const T* q, const T* k, const T* v, T* ou
 
     for (int64_t s = 0; s < nsub; ++s) {
       Sub& u = sub[s];
-      if (j0 >= u.key_end) continue;  // causal: this whole key block is in u's future
+      // Skip a key block wholly outside u's window: in its future (causal)
+      // or before its left bound.
+      if (j0 >= u.key_end || j0 + nk_all <= u.key_begin) continue;
       // Rows of the packed tiles are in key order, so a prefix of the block
       // is a prefix of the packed K rows; V panels are indexed by nk_all.
       const int64_t nk = std::min(nk_all, u.key_end - j0);
@@ -395,15 +407,16 @@ void attention_item(const Geometry& g, const T* q, const T* k, const T* v, T* ou
       else
         qk_block<true>(kblk, nk, D + kKRowPad, u.qt, kBlockQ, u.ncols, D, st, kBlockQ);
 
-      // 2b. causal mask, only where the block crosses the diagonal: key j0+j is
-      // visible to query row i iff i >= j0 + j - offset.
-      if (g.causal && j0 + nk - 1 > u.i0 + g.causal_offset) {
-        for (int64_t j = 0; j < nk; ++j) {
-          const int64_t first_visible = std::min(u.nq, std::max<int64_t>(0, j0 + j - g.causal_offset - u.i0));
-          for (int64_t h = 0; h < nh; ++h)
-            std::fill(st + j * kBlockQ + h * u.nq, st + j * kBlockQ + h * u.nq + first_visible, kNegInf);
+      // 2b. softcap, then the attn_mask (common.h), then the window and
+      // causality, only where the block crosses a bound.
+      if (ScoreOpts) {
+        if (opt.mask != MaskKind::None) {
+          for (int64_t c = 0; c < u.nrows; ++c)
+            moff[c] = seq.bi * opt.ms[0] + (h0 + c / u.nq) * opt.ms[1] + (u.i0 + c % u.nq) * opt.ms[2];
         }
+        apply_score_options<T>(opt, st, kBlockQ, nk, u.ncols, u.nrows, moff, j0, nullptr);
       }
+      mask_window_block(opt, seq, st, kBlockQ, nk, j0, u.i0, u.nq, nh);
 
       // 2c. online softmax down the columns, traversed row by row: the
       // score block (36 KB) is a little larger than L1, and walking it one
@@ -442,21 +455,24 @@ void attention_item(const Geometry& g, const T* q, const T* k, const T* v, T* ou
     }
   }
 
-  // 3. normalise and write out (out and lse are packed, from allocate_outputs).
+  // 3. normalise and write out through the outputs' strides (varlen: views
+  // of (total_q, Hq, D) and (Hq, total_q)).
+  const int64_t od = g.o_stride[3];
   for (int64_t s = 0; s < nsub; ++s) {
     const Sub& u = sub[s];
     for (int64_t c = 0; c < u.nrows; ++c) {
-      const int64_t row = (b * g.q_heads + h0 + c / u.nq) * g.q_len + u.i0 + c % u.nq;
-      T* dst = out + row * D;
+      const int64_t h = h0 + c / u.nq, i = seq.q0 + u.i0 + c % u.nq;
+      T* dst = out + seq.bi * g.o_stride[0] + h * g.o_stride[1] + i * g.o_stride[2];
+      float* lrow = lse + seq.bi * g.lse_stride[0] + h * g.lse_stride[1] + i * g.lse_stride[2];
       const float* src = u.o + c * Dp;
       const float l = u.l[c];
       if (l > 0.0f) {
         const float inv = 1.0f / l;
-        for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<T>(src[d] * inv);
-        lse[row] = kLn2 * (u.m[c] + std::log2(l));
-      } else {  // the row sees no key (causal with Nk < Nq)
-        for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<T>(0.0f);
-        lse[row] = kNegInf;
+        for (int64_t d = 0; d < D; ++d) dst[d * od] = static_cast<T>(src[d] * inv);
+        *lrow = kLn2 * (u.m[c] + std::log2(l));
+      } else {  // the row sees no key (causal with Nk < Nq, a window, a mask, an empty sequence)
+        for (int64_t d = 0; d < D; ++d) dst[d * od] = static_cast<T>(0.0f);
+        *lrow = kNegInf;
       }
     }
   }
@@ -497,7 +513,7 @@ void run_attention(const Geometry& g, const at::Tensor& q, const at::Tensor& k, 
   // of 96 on 2 threads ran 6 + 5; 4 items of 3 x 88 rows run 2 + 2, and pack
   // each K/V block once per 264 queries instead of 96). Pick the fewest items
   // per head that divide evenly and fit kMaxSubBlocks * kBlockQ rows.
-  if (!g.causal && heads_per_item == 1 && lanes < 4 * threads_avail) {
+  if (!g.causal && !g.opt->window_left && !g.opt->varlen && heads_per_item == 1 && lanes < 4 * threads_avail) {
     int64_t per_lane = 1;
     while (per_lane < g.q_len && ((lanes * per_lane) % threads_avail != 0 ||
                                   (g.q_len + per_lane - 1) / per_lane > kMaxSubBlocks * kBlockQ))
@@ -518,6 +534,7 @@ void run_attention(const Geometry& g, const at::Tensor& q, const at::Tensor& k, 
   // (a static split would give one thread all the long diagonal blocks).
   std::atomic<int64_t> next{0};
   const int64_t threads = std::min<int64_t>(threads_avail, items);
+  const bool score_opts = g.opt->score_options();
   run_on_threads(threads, [&](int64_t /*thread*/) {
     Workspace ws(D, Dp);
     for (int64_t idx = next.fetch_add(1); idx < items; idx = next.fetch_add(1)) {
@@ -528,7 +545,10 @@ void run_attention(const Geometry& g, const at::Tensor& q, const at::Tensor& k, 
       const int64_t b = bk / g.kv_heads, hk = bk % g.kv_heads;
       const int64_t h0 = hk * g.group + chunk * heads_per_item;
       const int64_t nh = std::min(heads_per_item, g.group - chunk * heads_per_item);
-      attention_item<T>(g, qp, kp, vp, op, lp, b, hk, h0, nh, qi * nsub * bq, nsub, bq, ws);
+      if (score_opts)
+        attention_item<T, true>(g, qp, kp, vp, op, lp, b, hk, h0, nh, qi * nsub * bq, nsub, bq, ws);
+      else
+        attention_item<T, false>(g, qp, kp, vp, op, lp, b, hk, h0, nh, qi * nsub * bq, nsub, bq, ws);
     }
   });
 }
@@ -537,10 +557,6 @@ void run_attention(const Geometry& g, const at::Tensor& q, const at::Tensor& k, 
 
 void attention_forward(const AttentionCall& c, const AttentionOutputs& o) {
   const AttentionProblem& p = c.p;
-  TORCH_CHECK_NOT_IMPLEMENTED(p.mask == MaskKind::None && !p.has_window_left() && !p.has_softcap() && !p.varlen &&
-                                  !(p.causal && p.window_right > 0),
-                              "flash_metal.attention_forward: this CPU build does not implement attn_mask, windows, "
-                              "softcap or varlen yet");
   const at::Tensor &q = c.q, &k = c.k, &v = c.v;
   at::Tensor out = o.out4, lse = o.lse3;
 
@@ -552,14 +568,17 @@ void attention_forward(const AttentionCall& c, const AttentionOutputs& o) {
   g.kv_len = p.kv_len;
   g.head_dim = p.head_dim;
   g.group = p.gqa_ratio();
-  g.causal_offset = p.causal_offset();
   g.causal = p.causal;
   g.scale_log2 = p.scale_log2();
   for (int d = 0; d < 4; ++d) {
     g.q_stride[d] = q.stride(d);
     g.k_stride[d] = k.stride(d);
     g.v_stride[d] = v.stride(d);
+    g.o_stride[d] = out.stride(d);
   }
+  for (int d = 0; d < 3; ++d) g.lse_stride[d] = lse.stride(d);
+  const CallOptions opt(c);
+  g.opt = &opt;
 
   switch (q.scalar_type()) {  // check_attention_inputs admitted only these three
     case at::kFloat: run_attention<float>(g, q, k, v, out, lse); break;
