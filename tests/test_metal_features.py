@@ -472,3 +472,26 @@ def test_decode_never_reads_keys_behind_the_window(family):
         out, lse = run_attention(FAST, q, k_bad, v_bad, causal, None, family, window_left=W, attn_mask=mask)
         assert_attention_close(out, lse, q, k, v, causal, None, window_left=W, attn_mask=mask)
         planned(family)
+
+
+# ---- fast math: masked keys stay masked when the compiler assumes no infinity -------------------
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_masks_and_softcap_under_fast_math(family):
+    # Apple's compiler defaults to fast math (no value is ever infinite). An
+    # additive -inf (or float32's finfo.min, which overflows to -inf in base
+    # 2) must still drop its key, fully masked rows still give 0 and -inf,
+    # and softcap's tanh must saturate cleanly (tests/test_fast_math.py).
+    B, Hq, Hkv, Nq, Nk = FAST_SHAPES[family]
+    g = torch.Generator().manual_seed(70 + FAMILIES.index(family))
+    dead = torch.zeros(B, Hq, Nq, 1, dtype=torch.bool)
+    dead[0, 1, 0] = True
+    for n, dtype in enumerate(DTYPES):
+        q, k, v = make_qkv(B, Hq, Hkv, Nq, Nk, 64, dtype, generator=g, scale_inputs=4.0)
+        kind = ["float32", "input", "bool"][n]
+        mask = make_mask(kind, (B, Hq, Nq, Nk), dtype, g)
+        mask = mask & ~dead if kind == "bool" else mask.masked_fill(dead, torch.finfo(torch.float32).min
+                                                                    if kind == "float32" else float("-inf"))
+        out, lse = run_checked("metal-emu-fast-math", q, k, v, n == 1, family, attn_mask=mask, window_left=30,
+                               softcap=10.0)
+        assert torch.isneginf(lse[dead[..., 0]]).all() and (out[dead[..., 0]] == 0).all()
