@@ -10,6 +10,7 @@
 
 #include <ATen/ATen.h>
 #include <ATen/EmptyTensor.h>
+#include <ATen/ops/as_strided_native.h>
 #include <ATen/mps/MPSDevice.h>
 #include <ATen/mps/MPSProfiler.h>
 #include <ATen/mps/MPSStream.h>
@@ -174,9 +175,24 @@ int64_t buffer_id(const at::Tensor& mps) {
   return static_cast<int64_t>(reinterpret_cast<uintptr_t>(buffer_of(mps.storage())));
 }
 
+// aten::as_strided on MPS: what every view (expand, transpose, unsqueeze)
+// of a fake MPS tensor goes through, as on a real one (PyTorch registers
+// the same tensor-impl-only kernel for MPS): the host takes views of the
+// mask (expanded to (B, Hq, Nq, Nk)) and of varlen's packed tensors.
+at::Tensor as_strided_mps(const at::Tensor& self, c10::SymIntArrayRef size, c10::SymIntArrayRef stride,
+                          std::optional<c10::SymInt> storage_offset) {
+  std::optional<int64_t> offset;
+  if (storage_offset.has_value()) offset = storage_offset->expect_int();
+  return at::native::as_strided_tensorimpl(self, C10_AS_INTARRAYREF_SLOW(size), C10_AS_INTARRAYREF_SLOW(stride),
+                                           offset);
+}
+
 }  // namespace
 
-TORCH_LIBRARY_IMPL(aten, MPS, m) { m.impl("empty.memory_format", TORCH_FN(empty_mps)); }
+TORCH_LIBRARY_IMPL(aten, MPS, m) {
+  m.impl("empty.memory_format", TORCH_FN(empty_mps));
+  m.impl("as_strided", TORCH_FN(as_strided_mps));
+}
 
 TORCH_LIBRARY(mps_exec, m) {
   m.def("to_mps(Tensor t) -> Tensor");
