@@ -444,8 +444,12 @@ def poison_before(t, first):
 def test_prefill_skips_key_blocks_behind_the_window(dtype):
     # Nq 40 over Nk 300, window_left 30: row 0's first visible key is
     # 300 - 40 - 30 = 230, so for every query block the key blocks before
-    # 230's block are skipped. NaN there (K and V) must not reach the output:
-    # a block that is loaded puts 0 * NaN = NaN into P.V.
+    # 230's block are outside every row's window. NaN there (K and V) must
+    # not reach the output: a block a SIMD-group multiplies puts
+    # 0 * NaN = NaN into P.V. (This proves such blocks never enter the
+    # math; that they are not even loaded, the byte counts of
+    # test_prefill_window_reads_fewer_kv_bytes prove: a block loaded but
+    # skipped by every SIMD-group would pass here.)
     Nq, Nk, W = 40, 300, 30
     g = torch.Generator().manual_seed(50 + DTYPES.index(dtype))
     for D in (64, 128, 256):
