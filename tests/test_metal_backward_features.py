@@ -418,3 +418,20 @@ def test_window_reads_only_blocks_with_visible_pairs(window):
     (k_small, q_small, _), (k_large, q_large, k_full) = reads[192], reads[384]
     assert 1.9 * k_small <= k_large <= 2.2 * k_small and 1.9 * q_small <= q_large <= 2.2 * q_small
     assert k_large < k_full / 3  # against every key block for every query block
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+def test_fast_math_build_with_options(dtype):
+    # Apple's compiler defaults to fast math (no infinities): an additive -inf
+    # mask, fully masked rows (lse = -inf) and softcap's tanh must still give
+    # the oracle's gradients when clang may assume every value finite.
+    g = torch.Generator().manual_seed(12)
+    mask = _mask("input", (1, 1, 37, 41), dtype, g)
+    mask[..., [3, 30], :] = float("-inf")
+    options = dict(attn_mask=mask, window_left=9, softcap=3.0)
+    case = _case(1, 2, 1, 37, 41, 64, dtype, True, seed=12, grad_lse=True, **options)
+    assert torch.isneginf(case[4]).any()
+    q, k, v, out, lse, grad_out, gl = case
+    grads = backends.run_backward("metal-emu-fast-math", grad_out, q, k, v, out, lse, True, None, gl, **options)
+    assert_gradients_close(grads, q, k, v, grad_out, True, None, gl, **options)
+    assert backends.metal_library(False, True).fast_math
