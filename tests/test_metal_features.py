@@ -303,7 +303,8 @@ def test_fully_masked_rows_are_zero_and_minus_inf(family, dtype):
     cases = []
     bool_mask = make_mask("bool", (B, Hq, Nq, Nk), dtype, g) & ~dead.unsqueeze(-1)
     cases.append((False, bool_mask))
-    f32 = make_mask("float32", (B, Hq, Nq, Nk), dtype, g).masked_fill(dead.unsqueeze(-1), torch.finfo(torch.float32).min)
+    lowest = torch.finfo(torch.float32).min
+    f32 = make_mask("float32", (B, Hq, Nq, Nk), dtype, g).masked_fill(dead.unsqueeze(-1), lowest)
     cases.append((True, f32))
     same = make_mask("input", (B, Hq, Nq, Nk), dtype, g).masked_fill(dead.unsqueeze(-1), float("-inf"))
     cases.append((False, same))
@@ -415,20 +416,27 @@ def test_varlen_sequences(lengths, dtype):
         assert_varlen_close(out, lse, q, k, v, cu_q, cu_k, causal, None, **o)
 
 
+def nan_after(t, rows):
+    """t's values in a view whose storage holds `rows` more rows of NaN after it."""
+    return torch.cat([t, torch.full((rows,) + t.shape[1:], float("nan"), dtype=t.dtype)])[: t.shape[0]]
+
+
 def test_varlen_reads_only_its_own_rows():
-    # Rows of q, k and v between the packed sequences' extents do not exist:
-    # the packed tensors are views into a NaN-filled buffer with a spare
-    # sequence's worth of rows after the last one. A kernel that reads a row
-    # past its sequence's end (or another sequence's rows) picks up NaN or
-    # the wrong keys.
+    # Each sequence starts at its own row (cu_seqlens) through the row
+    # stride: once packed (total, H, D), and once as a (H, total, D) buffer
+    # seen as (total, H, D), so the row stride is D, not H * D. The storage
+    # holds NaN rows after the last sequence: a kernel that reads past a
+    # sequence's end picks them up (or another sequence's rows, which the
+    # oracle catches).
     g = torch.Generator().manual_seed(41)
     lengths = [(9, 30), (33, 2), (1, 65)]
     q, k, v, cu_q, cu_k, mq, mk = packed(lengths, 2, 2, 48, torch.float32, g)
-    pad = lambda t: torch.cat([t, torch.full((40,) + t.shape[1:], float("nan"), dtype=t.dtype)])[: t.shape[0]]
-    q, k, v = pad(q), pad(k), pad(v)
-    for causal in (False, True):
-        out, lse = run_varlen(FAST, q, k, v, cu_q, cu_k, mq, mk, causal)
-        assert_varlen_close(out, lse, q, k, v, cu_q, cu_k, causal)
+    heads_outer = [t.transpose(0, 1).contiguous().transpose(0, 1) for t in (q, k, v)]
+    for q, k, v in ((nan_after(t, 40) for t in (q, k, v)), heads_outer):
+        assert q.stride(0) in (q.shape[1] * q.shape[2], q.shape[2])
+        for causal in (False, True):
+            out, lse = run_varlen(FAST, q, k, v, cu_q, cu_k, mq, mk, causal, window_left=20)
+            assert_varlen_close(out, lse, q, k, v, cu_q, cu_k, causal, window_left=20)
 
 
 # ---- block skipping, proven by poison -------------------------------------------------------
