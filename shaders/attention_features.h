@@ -66,8 +66,14 @@ inline SeqView sequence_view(constant AttentionParams& p, device const int* cu_s
     s.q_len = p.q_len;
     s.kv_len = p.kv_len;
   }
-  s.upper = s.kv_len - s.q_len + p.window_right;
-  s.lower = s.kv_len - s.q_len - p.window_left;
+  // The op accepts windows up to 2^31 - 1, so Nk - Nq +- window could
+  // overflow int32. A right window of Nq or more already shows every row
+  // all keys (row + upper >= Nk - 1), and so does a left window of Nk or
+  // more (row + lower <= 0): clamping to those changes no visible key and
+  // keeps upper in [-Nq, Nk] and lower in [-Nq, Nk], so row + upper + 1 and
+  // row + lower stay far from overflow.
+  s.upper = s.kv_len - s.q_len + min(p.window_right, s.q_len);
+  s.lower = s.kv_len - s.q_len - min(p.window_left, s.kv_len);
   return s;
 }
 

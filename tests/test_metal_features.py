@@ -368,6 +368,19 @@ def test_windows_that_leave_rows_empty(family):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
+def test_windows_near_the_int32_limit(family):
+    # The op takes windows up to 2^31 - 1: the bounds (Nk - Nq +- window)
+    # must not overflow int32 in the kernels, with Nk > Nq and Nk < Nq.
+    big = 2**31 - 1
+    g = torch.Generator().manual_seed(23)
+    shapes = [FAST_SHAPES[family], (1, 2, 1, 45, 20) if family == "prefill" else (1, 2, 1, 8, 3)]
+    for B, Hq, Hkv, Nq, Nk in shapes:
+        q, k, v = make_qkv(B, Hq, Hkv, Nq, Nk, 32, torch.float32, generator=g)
+        for left, right in ((big, big), (big, -1), (-1, big), (big, 0), (0, big)):
+            run_checked(FAST, q, k, v, False, family, window_left=left, window_right=right)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
 def test_window_combined_with_mask_and_softcap(family):
     B, Hq, Hkv, Nq, Nk = FAST_SHAPES[family]
     g = torch.Generator().manual_seed(22)
