@@ -185,8 +185,7 @@ struct CallOptions {
 // columns included, so dfac is defined everywhere); the mask only the live
 // columns [0, nlive), column c reading the mask at moff[c] + key * ms[3].
 // dfac (optional, the backward): 1 - tanh^2, the softcap's derivative.
-// The softcap's tanh is scalar std::tanh (accurate to an ulp; a vector tanh
-// through exp2 loses digits to cancellation near 0).
+// The softcap's tanh is simd.h's tanh_approx (vectorized; within a few ulps).
 template <typename MT>
 inline void apply_mask_block(const CallOptions& o, float* st, int64_t ld, int64_t nk, int64_t nlive,
                              const int64_t* moff, int64_t j0) {
@@ -211,14 +210,15 @@ inline void apply_mask_block(const CallOptions& o, float* st, int64_t ld, int64_
 template <typename T>
 inline void apply_score_options(const CallOptions& o, float* st, int64_t ld, int64_t nk, int64_t ncols, int64_t nlive,
                                 const int64_t* moff, int64_t j0, float* dfac) {
-  if (o.softcap) {
+  if (o.softcap) {  // ncols is a multiple of the vector width (kernels pad score blocks to kMW)
+    const Vec cap = Vec::broadcast(o.cap2), inv = Vec::broadcast(o.inv_cap2), one = Vec::broadcast(1.0f);
     for (int64_t j = 0; j < nk; ++j) {
       float* row = st + j * ld;
       float* drow = dfac ? dfac + j * ld : nullptr;
-      for (int64_t c = 0; c < ncols; ++c) {
-        const float t = std::tanh(row[c] * o.inv_cap2);
-        row[c] = o.cap2 * t;
-        if (drow) drow[c] = 1.0f - t * t;
+      for (int64_t c = 0; c < ncols; c += kW) {
+        const Vec t = tanh_approx(Vec::load(row + c) * inv);
+        (cap * t).store(row + c);
+        if (drow) (one - t * t).store(drow + c);
       }
     }
   }
