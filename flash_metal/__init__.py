@@ -11,7 +11,11 @@ import torch  # noqa: F401  (the extension links against torch's libraries)
 from . import _C  # noqa: F401  (registers torch.ops.flash_metal.*)
 from . import ops as _ops  # noqa: F401  (fake implementations, autograd)
 from . import reference
+from .flash_attn import flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache
 from .ops import attention, attention_varlen, attention_varlen_with_lse, attention_with_lse, explain
+from .sdpa import explain_sdpa, patch, scaled_dot_product_attention, sdpa_route, unpatch
 
-__all__ = ["attention", "attention_varlen", "attention_varlen_with_lse", "attention_with_lse", "explain", "reference"]
+__all__ = ["attention", "attention_varlen", "attention_varlen_with_lse", "attention_with_lse", "explain",
+           "explain_sdpa", "flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache", "patch",
+           "reference", "scaled_dot_product_attention", "sdpa_route", "unpatch"]
 __version__ = "0.1.0"
