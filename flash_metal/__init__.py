@@ -14,6 +14,9 @@ from . import reference
 from .flash_attn import flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache
 from .ops import attention, attention_varlen, attention_varlen_with_lse, attention_with_lse, explain
 from .sdpa import explain_sdpa, patch, scaled_dot_product_attention, sdpa_route, unpatch
+from . import hf as _hf
+
+_hf.install()  # "metal_attention" for transformers, if installed (never imported otherwise)
 
 __all__ = ["attention", "attention_varlen", "attention_varlen_with_lse", "attention_with_lse", "explain",
            "explain_sdpa", "flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache", "patch",

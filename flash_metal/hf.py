@@ -1,0 +1,129 @@
+"""Hugging Face transformers on flash_metal: the attention implementation "metal_attention".
+
+    import flash_metal                       # registers it, when transformers is installed
+    model = AutoModelForCausalLM.from_pretrained(name, attn_implementation="metal_attention")
+    model.set_attn_implementation("metal_attention")   # or switch a loaded model
+
+Why not "flash_metal": transformers 5 treats any implementation whose name
+contains "flash" as a flash-attn kernel, looks for it through its kernel hub
+and fails to load the model; so the name avoids "flash", "sdpa",
+"flex_attention", "paged", "/" and ":".
+
+The implementation is registered with AttentionInterface, and with
+AttentionMaskInterface under the same name with transformers' own sdpa_mask,
+so models hand it SDPA's 4-D bool mask (True = attend) or None. It serves:
+padded batches (the mask), generate() with DynamicCache and StaticCache
+(mask None with Nq < Nk is a StaticCache prefill, which transformers means
+top-left: keys are cropped to Nq, as its sdpa path does), sliding windows
+(Mistral, Qwen 2: the mask, or window_left = sliding_window - 1 when there is
+none), softcapping (Gemma 2's softcap kwarg), padding-free packed batches
+(cu_seq_lens_q/k and max_length_q/k: attention_varlen) and training (the
+ops' backward). It never imports transformers itself unless transformers is
+installed; register() may also be called by hand.
+"""
+import importlib.abc
+import importlib.machinery
+import importlib.util
+import sys
+
+import torch
+
+from . import ops
+
+NAME = "metal_attention"
+
+
+def metal_attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None,
+                            sliding_window=None, softcap=None, **kwargs):
+    """transformers' attention interface: query (B, Hq, Nq, D), key/value (B, Hkv, Nk, D) (GQA not
+    repeated), the mask of sdpa_mask. Returns (out (B, Nq, Hq, D), None)."""
+    if dropout and module.training:
+        raise ValueError(f"{NAME}: attention dropout ({dropout}) is not supported by flash_metal; set the model's "
+                         "attention_dropout to 0.0")
+    if kwargs.get("s_aux") is not None:
+        raise ValueError(f"{NAME}: attention sinks (s_aux, gpt-oss) are not supported by flash_metal; use "
+                         "attn_implementation='eager' for this model")
+    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    window_left = int(sliding_window) - 1 if sliding_window else -1
+    softcap = float(softcap) if softcap else 0.0
+    n_q, n_k = query.shape[2], key.shape[2]
+
+    cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
+    if cu_q is not None and cu_k is not None and query.shape[0] == 1:
+        # Padding-free packed batch (DataCollatorWithFlattening): one row of
+        # sequences; each attends only within itself.
+        out = ops.attention_varlen(
+            query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1), cu_q.to(torch.int32),
+            cu_k.to(torch.int32), int(kwargs["max_length_q"]), int(kwargs["max_length_k"]), causal=causal,
+            scale=scaling, window_left=window_left, softcap=softcap,
+        )
+        return out.unsqueeze(0), None
+
+    if attention_mask is not None:
+        # The mask already holds causality, padding and the window.
+        mask = attention_mask[..., :n_k] if attention_mask.shape[-1] > n_k else attention_mask
+        out = ops.attention(query, key, value, causal=False, scale=scaling, attn_mask=mask, softcap=softcap)
+    elif causal and n_q > 1:
+        if n_k > n_q:
+            # A StaticCache prefill: transformers means top-left alignment,
+            # so the (empty) cache rows past Nq are never seen.
+            key, value = key[:, :, :n_q], value[:, :, :n_q]
+        out = ops.attention(query, key, value, causal=True, scale=scaling, window_left=window_left, softcap=softcap)
+    else:
+        # One query (decoding): every cached key, bottom-right window.
+        out = ops.attention(query, key, value, causal=False, scale=scaling, window_left=window_left,
+                            softcap=softcap)
+    return out.transpose(1, 2).contiguous(), None
+
+
+_registered = False
+
+
+def register() -> bool:
+    """Register "metal_attention" with transformers (idempotent). False when transformers is absent."""
+    global _registered
+    if _registered:
+        return True
+    if importlib.util.find_spec("transformers") is None:
+        return False
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(NAME, metal_attention_forward)
+    AttentionMaskInterface.register(NAME, sdpa_mask)
+    _registered = True
+    return True
+
+
+class _RegisterAfterImport(importlib.abc.MetaPathFinder):
+    """Registers once transformers itself is imported, so `import flash_metal` stays free of it."""
+
+    def find_spec(self, name, path=None, target=None):
+        if name != "transformers":
+            return None
+        # The spec the path finders would give (find_spec alone, such as
+        # importlib.util.find_spec, executes nothing, so the hook stays until
+        # the module really runs).
+        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        if spec is None or spec.loader is None:
+            return spec
+        exec_module = spec.loader.exec_module
+        hook = self
+
+        def exec_then_register(module):
+            exec_module(module)
+            if hook in sys.meta_path:
+                sys.meta_path.remove(hook)
+            register()
+
+        spec.loader.exec_module = exec_then_register
+        return spec
+
+
+def install() -> None:
+    """Called by `import flash_metal`: register now if transformers is loaded, else when it is."""
+    if "transformers" in sys.modules:
+        register()
+    elif importlib.util.find_spec("transformers") is not None:
+        if not any(isinstance(f, _RegisterAfterImport) for f in sys.meta_path):
+            sys.meta_path.insert(0, _RegisterAfterImport())
