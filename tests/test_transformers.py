@@ -146,3 +146,11 @@ def test_attention_dropout_in_training_raises(tf):
     with pytest.raises(ValueError, match=r"metal_attention: attention dropout \(0.1\) is not supported"):
         model(input_ids=ids, attention_mask=mask)
     model.eval()(input_ids=ids, attention_mask=mask)  # no dropout at inference: runs
+
+
+def test_demo_hf_runs_and_agrees(tf, capsys):
+    from flash_metal import demo_hf
+
+    assert demo_hf.main(["--device", "cpu", "--prompt", "24", "--new", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "metal_attention vs sdpa" in out and "tokens identical at 100.0 % of positions" in out
