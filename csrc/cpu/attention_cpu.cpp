@@ -98,6 +98,11 @@ static_assert(kBlockQ % kG == 0, "query block must be a whole number of vectors"
 
 
 // ---------------------------------------------------------------- micro-kernels
+#if defined(__GNUC__) || defined(__clang__)
+#define FLASH_METAL_ALWAYS_INLINE __attribute__((always_inline))
+#else
+#define FLASH_METAL_ALWAYS_INLINE
+#endif
 
 // ST[r][c..c+NV*kMW) = sum_d K[r][d] * QT[d][c..]   for r < MR.
 // K is a packed row tile: k[d * ks + r] (ks >= MR: the tile's packed height),
@@ -165,8 +170,12 @@ void qk_block(const float* k, int64_t nk, int64_t packed_rows, const float* qt, 
 
 // O[r][c..] = alpha[r] * O[r][c..] + sum_j P[j][r] * V[j][c..]   for r < MR, NV vectors of columns.
 // P is the transposed probability block (stride ldp), V rows have stride ldv.
+// Always inlined: with the issue 11 options (attention_item's two
+// instantiations) the compiler stopped inlining it, and the float32 forward
+// measured 3-4% slower than before the options (thread CPU time, 1 thread,
+// 1 x 8 x 1024 x 64); inlined, within 2% (the noise of this shared machine).
 template <int MR, int NV>
-inline void pv_tile(const float* p, int64_t ldp, int64_t nk, const float* v, int64_t ldv, const float* alpha,
+FLASH_METAL_ALWAYS_INLINE inline void pv_tile(const float* p, int64_t ldp, int64_t nk, const float* v, int64_t ldv, const float* alpha,
                     float* o, int64_t ldo) {
   MVec acc[MR][NV];
   for (int r = 0; r < MR; ++r) {
@@ -416,7 +425,7 @@ void attention_item(const Geometry& g, const T* q, const T* k, const T* v, T* ou
         }
         apply_score_options<T>(opt, st, kBlockQ, nk, u.ncols, u.nrows, moff, j0, nullptr);
       }
-      mask_window_block(opt, seq, st, kBlockQ, nk, j0, u.i0, u.nq, nh);
+      if (opt.causal || opt.window_left) mask_window_block(opt, seq, st, kBlockQ, nk, j0, u.i0, u.nq, nh);
 
       // 2c. online softmax down the columns, traversed row by row: the
       // score block (36 KB) is a little larger than L1, and walking it one
@@ -468,7 +477,10 @@ void attention_item(const Geometry& g, const T* q, const T* k, const T* v, T* ou
       const float l = u.l[c];
       if (l > 0.0f) {
         const float inv = 1.0f / l;
-        for (int64_t d = 0; d < D; ++d) dst[d * od] = static_cast<T>(src[d] * inv);
+        if (od == 1)  // the usual packed row: a loop the compiler vectorizes
+          for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<T>(src[d] * inv);
+        else
+          for (int64_t d = 0; d < D; ++d) dst[d * od] = static_cast<T>(src[d] * inv);
         *lrow = kLn2 * (u.m[c] + std::log2(l));
       } else {  // the row sees no key (causal with Nk < Nq, a window, a mask, an empty sequence)
         for (int64_t d = 0; d < D; ++d) dst[d * od] = static_cast<T>(0.0f);
