@@ -116,18 +116,6 @@ inline int64_t packed_row(uint batch, uint head, int heads, int n, int64_t row, 
   return ((int64_t(batch) * heads + int64_t(head)) * n + row) * D;
 }
 
-// One past the last key query `row` of sequence `s` may see, clamped to
-// [0, kv_len] (kv_len without an upper bound). attention_features.h's
-// visible_key_end computes row + upper + 1, which overflows int32 for a
-// right window near 2^31 (the op accepts any window below 2^31); this
-// compares first, so no sum exceeds kv_len. The other bounds tests of this
-// file are written the same way: an upper offset is only ever subtracted
-// from a key, a lower offset only ever added to a row.
-inline int backward_key_end(thread const SeqView& s, int row) {
-  if (!fc_causal || s.upper >= s.kv_len - row - 1) return s.kv_len;
-  return max(row + s.upper + 1, 0);
-}
-
 // P of one recomputed element: S is the raw q.k, m2 the row's lse in base 2,
 // `keep` false for keys past the sequence, outside the window, or rows that
 // saw no key (then nothing is read and P = 0). With fc_softcap or
@@ -281,7 +269,7 @@ template <typename T, int DMAX, int BQ, int BK, int WM>
   // group; empty when the window holds no key (the rows keep dQ = 0).
   const int last_row = (fc_align_q ? q0 + BQ : min(q0 + BQ, q_len)) - 1;
   const int kb_begin = fc_window_left ? first_visible_key(sv, q0) / BK : 0;
-  const int kb_end = (backward_key_end(sv, last_row) + BK - 1) / BK;
+  const int kb_end = (visible_key_end(sv, last_row) + BK - 1) / BK;
   const int d_frags = (D + 7) / 8;
 
   PrefillFrag dQ[TD];
