@@ -8,6 +8,9 @@
 //   dPT = V . dO^T
 //   dST = PT o (dPT - Delta_i)              Delta_i = rowsum(dO_i o O_i) - grad_lse_i, float32
 //   dV += PT . dO      dK += dST . Q      dQ_i += dST^T . K      (scale applied once at the end)
+// Options (common.h): softcap and the attn_mask rebuild the forward's scores,
+// dST gains the softcap's factor 1 - tanh^2, key blocks outside the window
+// are skipped; varlen items are (sequence, kv head).
 // Five products per tile, all on one register-tiled micro-kernel (the
 // forward's 6 x 16 sgemm tile with AVX2/NEON, 6 x 64 with AVX-512):
 // C (+)= A . B with B read as

@@ -10,7 +10,9 @@
 //        pack the K and V blocks (converted to float32) into micro-kernel panels, once for all
 //        query blocks of the item, then for each query block:
 //        ST = K_blk . QT            scores, transposed: one row per key, one column per query
-//        mask the causal diagonal block only
+//        issue 11's options (common.h): softcap and the attn_mask on every block when set,
+//        then -inf past the causal/right bound or before the left window, on straddling
+//        blocks only (key blocks wholly outside the window are never visited)
 //        online softmax down the columns: running max m, running sum l per query,
 //        P = exp2(ST - m_new) in place, alpha = exp2(m_old - m_new)
 //        O = alpha * O + P^T . V_blk
@@ -21,6 +23,9 @@
 // loads (column panels): both micro-kernels are the classic 6 x 16 sgemm tile
 // (6 x 64 with AVX-512).
 // Decode-like items (<= 16 query columns, float32) read K and V in place.
+// Varlen: each sequence is a batch entry with its own row offsets and
+// lengths (common.h SeqRange); items run over (sequence, heads, query
+// blocks), and those past a sequence's end return at once.
 //
 // Extra memory: one workspace per thread of about
 // 4*kBlockQ*(2D) + kBlockK*(2D) + kBlockK*kBlockQ floats (~1 MB at D = 256,
