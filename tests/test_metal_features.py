@@ -14,7 +14,8 @@ the float64 oracle by FlashAttention's 2x rule (tests/numerics.py).
   forward function constants (causal, mask none/bool/additive in q's
   dtype/additive float32, left window, softcap) on each kernel family
   (prefill, decode, decode_split), each dtype, head_dim buckets rotating;
-  varlen (prefill only) with its own combinations; and the counters: K/V
+  the aligned prefill with every option; varlen (prefill only) with its
+  own combinations; and the counters: K/V
   bytes read with and without a window, mask bytes read exactly once per
   visible (row, key) pair.
 - Fast build, wider: every broadcast shape of the mask, in each kind; mask
@@ -127,6 +128,20 @@ def test_every_constant_combination_sanitized(family, combo, dtype):
     f32_mask = mask_kind == "float32" and dtype != torch.float32  # a float32 mask on float32 q is "in q's dtype"
     assert (fc[0], fc[4], fc[5], fc[6], fc[7], fc[8], fc[9]) == (
         causal, mask_kind is not None, mask_kind == "bool", f32_mask, window, softcap, False), names
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_aligned_prefill_with_every_option_sanitized(causal, dtype):
+    # Nq and Nk multiples of the blocks: the align constants (1, 2) are set,
+    # which compiles out the edge tests, the options' included.
+    g = torch.Generator().manual_seed(900 + DTYPES.index(dtype) + 3 * causal)
+    for D, kind in ((64, "bool"), (128, "input"), (256, "float32")):
+        q, k, v = make_qkv(1, 2, 1, 64, 96, D, dtype, generator=g, scale_inputs=2.0)
+        mask = make_mask(kind, (1, 2, 64, 96), dtype, g)
+        run_checked(SANITIZED, q, k, v, causal, "prefill", attn_mask=mask, window_left=21, softcap=4.0)
+        fc = LAST_DISPATCHES[0][0].function_constants
+        assert fc[1] and fc[2] and fc[4] and fc[7] and fc[8]
 
 
 # Varlen sequences (q rows, k rows): an empty query sequence with keys, a
