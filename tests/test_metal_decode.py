@@ -30,12 +30,22 @@ TG_LIMIT = 32 * 1024
 BLOCK = 32
 # shaders/attention_common.h: the finite sentinel a masked score becomes.
 MASKED_SCORE = -(2.0**100)
-# Offset of (kv_splits, split_keys) in the 256-byte AttentionParams (shaders/params.h).
+# Offset of (kv_splits, split_keys) in the 312-byte AttentionParams (shaders/params.h).
 SPLIT_FIELDS_OFFSET = 192
 
 
 # The options' inputs (attn_mask, cu_seqlens): every feature kernel binds them.
 OPTION_SLOTS = {"attn_mask": 14, "cu_seqlens_q": 15, "cu_seqlens_k": 16}
+
+
+def _no_options(q):
+    # As the host binds them when there is no mask and no varlen: q in each slot, never read.
+    return {14: q, 15: q, 16: q}
+
+
+def _constants(causal):
+    # Function constants 0-9 (csrc/metal_plan.h): causal, and every option off.
+    return {i: (causal if i == 0 else False) for i in range(10)}
 
 def bucket_of(d):
     """The smallest instantiated head_dim bucket that holds d."""
@@ -89,7 +99,7 @@ def launch_decode(q, k, v, causal=False, scale=None, splits=1, instrumented=Fals
     dmax = bucket_of(D)
     one, split, merge = kernel_names(q.dtype, dmax)
     raw = bytearray(flash_metal.explain(q, k, v, causal, scale, impl="tiled").params.numpy().tobytes())
-    assert len(raw) == 256
+    assert len(raw) == 312
     struct.pack_into("<2i", raw, SPLIT_FIELDS_OFFSET, splits, split_keys_of(Nk, splits) if splits > 1 else Nk)
     params = torch.frombuffer(raw, dtype=torch.uint8)
     out = torch.full((B, Hq, Nq, D), float("nan"), dtype=q.dtype)
@@ -99,15 +109,15 @@ def launch_decode(q, k, v, causal=False, scale=None, splits=1, instrumented=Fals
     counts = []
     if splits == 1:
         grid, tg, mem = shape["one_pass"]
-        counts.append(lib.dispatch(one, buffers={0: q, 1: k, 2: v, 3: out, 4: lse}, bytes={5: params},
-                                   function_constants={0: causal}, grid=grid, threadgroup=tg,
+        counts.append(lib.dispatch(one, buffers={0: q, 1: k, 2: v, 3: out, 4: lse, **_no_options(q)}, bytes={5: params},
+                                   function_constants=_constants(causal), grid=grid, threadgroup=tg,
                                    threadgroup_memory={0: mem}))
         return out, lse, None, None, counts
     part_o = torch.full((B, Hq, Nq, splits, D), float("nan"), dtype=torch.float32)
     part_s = torch.full((B, Hq, Nq, splits, 2), float("nan"), dtype=torch.float32)
     grid, tg, mem = shape["split"]
-    counts.append(lib.dispatch(split, buffers={0: q, 1: k, 2: v, 6: part_o, 7: part_s}, bytes={5: params},
-                               function_constants={0: causal}, grid=grid, threadgroup=tg,
+    counts.append(lib.dispatch(split, buffers={0: q, 1: k, 2: v, 6: part_o, 7: part_s, **_no_options(q)},
+                               bytes={5: params}, function_constants=_constants(causal), grid=grid, threadgroup=tg,
                                threadgroup_memory={0: mem}))
     grid, tg, _ = shape["merge"]
     counts.append(lib.dispatch(merge, buffers={3: out, 4: lse, 6: part_o, 7: part_s}, bytes={5: params},
