@@ -154,3 +154,23 @@ def test_demo_hf_runs_and_agrees(tf, capsys):
     assert demo_hf.main(["--device", "cpu", "--prompt", "24", "--new", "4"]) == 0
     out = capsys.readouterr().out
     assert "metal_attention vs sdpa" in out and "tokens identical at 100.0 % of positions" in out
+
+
+def test_set_attn_implementation_switches_a_loaded_model(tf):
+    ours, ref = _models(tf, "llama", "sdpa")
+    ids, mask = _batch("left", torch.Generator().manual_seed(6))
+    ref.set_attn_implementation("metal_attention")
+    assert ref.config._attn_implementation == "metal_attention"
+    with torch.no_grad():
+        torch.testing.assert_close(ref(input_ids=ids, attention_mask=mask).logits[mask.bool()],
+                                   ours(input_ids=ids, attention_mask=mask).logits[mask.bool()])
+
+
+def test_import_flash_metal_does_not_import_transformers():
+    import subprocess
+    import sys
+
+    code = "import sys, flash_metal; print('transformers' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "False"
