@@ -174,3 +174,15 @@ def test_import_flash_metal_does_not_import_transformers():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "False"
+
+
+def test_from_pretrained_with_metal_attention(tf, tmp_path):
+    # The path users take: a saved checkpoint loaded with attn_implementation="metal_attention".
+    _, ref = _models(tf, "mistral", "sdpa")
+    ref.save_pretrained(tmp_path)
+    ours = tf.AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="metal_attention").eval()
+    assert ours.config._attn_implementation == "metal_attention"
+    ids, mask = _batch("right", torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(input_ids=ids, attention_mask=mask).logits[mask.bool()],
+                                   ref(input_ids=ids, attention_mask=mask).logits[mask.bool()], rtol=1e-4, atol=1e-4)
