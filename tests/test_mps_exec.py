@@ -13,6 +13,7 @@ See tests/mps_exec/README.md.
 Needs: clang-19, libobjc-12-dev, libblocksruntime-dev (apt). Skips locally
 without them; fails with CI=true.
 """
+import itertools
 import json
 import os
 import re
@@ -359,19 +360,33 @@ def test_build_all_pipelines_on_the_fake_device(host, emu):
     assert origin == "the precompiled " + os.path.join(host.package, mps_exec.METALLIB_NAME)
     # "<kernel>/<function constants as 0/1>": every instantiation, each with
     # both causal settings when it has constants (the decode merge has none),
-    # and the prefill kernel with both edge alignments.
+    # the prefill and backward kernels with both edge alignments (and the dQ
+    # kernel both has_grad_lse values), and every feature kernel with each
+    # option of issue 11 on its own (constants 4-9: mask, bool mask, float32
+    # mask, left window, softcap, varlen; varlen on prefill and backward only).
     pairs = [entry.rsplit("/", 1) for entry in built]
     assert {name for name, _ in pairs} == set(emu.kernel_names())
+    combos = lambda n: {"".join(c) for c in itertools.product("01", repeat=n)}  # noqa: E731
     for name in emu.kernel_names():
         bits = {b for n, b in pairs if n == name}
-        if name.startswith(("flash_attention_prefill_", "flash_backward_dkdv_")):
-            assert bits == {f"{c}{a}{b}" for c in "01" for a in "01" for b in "01"}, name
-        elif name.startswith("flash_backward_dq_"):  # its fourth constant: has_grad_lse
-            assert bits == {f"{c}{a}{b}{g}" for c in "01" for a in "01" for b in "01" for g in "01"}, name
-        elif name.startswith("flash_decode_merge_"):
-            assert bits == {""}, name
-        else:
+        if name.startswith(("flash_attention_untiled_", "flash_attention_tiled_")):
             assert bits == {"0", "1"}, name
+            continue
+        if name.startswith("flash_decode_merge_"):
+            assert bits == {""}, name
+            continue
+        assert all(len(b) == 10 for b in bits), name
+        if name.startswith(("flash_attention_prefill_", "flash_backward_dkdv_")):
+            assert {b[:3] for b in bits} == combos(3), name
+        elif name.startswith("flash_backward_dq_"):
+            assert {b[:4] for b in bits} == combos(4), name
+        else:  # the decode kernels: causal only among 0-3
+            assert {b[:4] for b in bits} == {"0000", "1000"}, name
+        options = {b[4:] for b in bits}
+        want = {"000000", "110000", "100000", "101000", "000100", "000010"}
+        if name.startswith(("flash_attention_prefill_", "flash_backward_")):
+            want.add("000001")
+        assert options == want, (name, options)
     assert all(e["found"] for e in rec["events"] if e["op"] == "newFunctionWithName")
     assert "dispatch_sync" not in _ops(rec)
 
@@ -493,11 +508,12 @@ def test_library_errors_are_clear(scenarios, name, message):
 # first four are binding bugs the oracle comparison catches; the rest break
 # the encoding rules, which the fakes catch.
 PLANTS = {
-    "k_v_swapped": ("attention_mps.mm", r"\{&q, &k, &v, &out, &lse,", "{&q, &v, &k, &out, &lse,"),
+    "k_v_swapped": ("attention_mps.mm", r"put\(LaunchTensor::K, c\.k\);\n  put\(LaunchTensor::V, c\.v\);\n  put\(LaunchTensor::Out, o\.out4\);",
+                    "put(LaunchTensor::K, c.v);\n  put(LaunchTensor::V, c.k);\n  put(LaunchTensor::Out, o.out4);"),
     "offset_in_elements": ("attention_mps.mm", r"t\.storage_offset\(\) \* t\.element_size\(\)", "t.storage_offset()"),
     "threadgroup_memory_index_1": ("attention_mps.mm", r"setThreadgroupMemoryLength:r\.threadgroup_memory atIndex:[\w.]+\]",
                                    "setThreadgroupMemoryLength:r.threadgroup_memory atIndex:1]"),
-    "out_strides_from_q": ("attention_mps.mm", r"strides4\(out\)", "strides4(q)"),
+    "out_strides_from_q": ("attention_mps.mm", r"strides4\(out4\)", "strides4(c.q)"),
     "encoder_taken_outside_dispatch_sync": (
         "attention_mps.mm",
         r"dispatch_sync\(stream->queue\(\), \^\{\s*@autoreleasepool \{\s*id<MTLComputeCommandEncoder> encoder = "
