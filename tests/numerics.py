@@ -12,7 +12,7 @@ import math
 
 import torch
 
-from flash_metal.reference import apply_options, attention_reference, causal_mask
+from flash_metal.reference import apply_options, attention_reference
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
@@ -239,12 +239,6 @@ def assert_attention_close(out, lse, q, k, v, causal=False, scale=None, strict=F
 
 
 # ---------------------------------------------------------------- gradients
-
-
-def _visible(nq, nk, causal, device=None):
-    if not causal:
-        return torch.ones(nq, nk, dtype=torch.bool, device=device)
-    return ~causal_mask(nq, nk, device)
 
 
 def reference_gradients(q, k, v, grad_out, causal=False, scale=None, grad_lse=None, bounds=False, **options):

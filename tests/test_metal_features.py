@@ -33,6 +33,7 @@ import pytest
 import torch
 
 from backends import LAST_DISPATCHES, run_attention, run_varlen
+from flash_metal.reference import visible_keys
 from numerics import DTYPES, assert_attention_close, assert_varlen_close, dtype_id, make_qkv
 
 SANITIZED = "metal-emu-sanitized"
@@ -187,19 +188,6 @@ def test_varlen_combination_sanitized(combo, dtype):
 
 # ---- the counters: what a window saves, and where the mask is read ----------------------------
 
-def visible_pairs(Nq, Nk, causal, window_left=-1, window_right=-1):
-    """(Nq, Nk) bool of the (row, key) pairs the window lets through (bottom-right aligned)."""
-    i = torch.arange(Nq).unsqueeze(1)
-    j = torch.arange(Nk).unsqueeze(0)
-    vis = torch.ones(Nq, Nk, dtype=torch.bool)
-    right = 0 if causal else window_right
-    if right >= 0:
-        vis &= j <= i + (Nk - Nq) + right
-    if window_left >= 0:
-        vis &= j >= i + (Nk - Nq) - window_left
-    return vis
-
-
 def prefill_kv_rows(Nq, Nk, bq, bk, causal, window_left):
     """K rows the prefill kernel loads per (batch, head): for each query block,
     the key blocks from the one holding its first row's first visible key
@@ -231,7 +219,7 @@ def test_prefill_window_reads_fewer_kv_bytes(dtype):
         run_checked(SANITIZED, q, k, v, True, "prefill", attn_mask=mask, window_left=window)
         ((d, c),) = LAST_DISPATCHES
         by_name = {name: c.device_bytes_read_by_index[i] for name, i in d.buffers.items()}
-        vis = visible_pairs(N, N, True, window)
+        vis = visible_keys(N, N, True, window)
         assert by_name["k"] == by_name["v"] == prefill_kv_rows(N, N, bq, bk, True, window) * D * elem
         assert by_name["attn_mask"] == int(vis.sum())  # bool: 1 byte per visible (row, key), none elsewhere
         read[window] = by_name["k"]
@@ -257,7 +245,7 @@ def test_decode_window_reads_only_the_window(family):
         planned(family)
         d, c = LAST_DISPATCHES[0]
         by_name = {name: c.device_bytes_read_by_index[i] for name, i in d.buffers.items()}
-        vis = visible_pairs(Nq, Nk, False, window)
+        vis = visible_keys(Nq, Nk, False, window)
         first = int(vis[0].nonzero().min())
         assert by_name["k"] == by_name["v"] == B * Hkv * (Nk - first) * D * 2
         assert by_name["attn_mask"] == 4 * B * Hq * int(vis.sum())
