@@ -117,9 +117,15 @@ def pytorch_attention_same_dtype(q, k, v, causal, scale, return_scores=False, **
     k, v = _expand_kv(q, k, v)
     S = (q * _scale(q, scale)) @ k.transpose(-1, -2)
     S = apply_options(S, causal, **options)
-    P = torch.softmax(S.float(), dim=-1).to(q.dtype)
+    # A row with no visible key is softmax over all -inf: NaN. It is zeroed
+    # before the product, never after: how a CPU's GEMM kernel treats a NaN
+    # row differs (torch's bfloat16 matmul on AVX-512 BF16 / AMX Xeons
+    # spreads it into the neighbouring row), and a yardstick must not
+    # depend on that.
+    seen = torch.isfinite(S).any(dim=-1, keepdim=True)
+    P = torch.where(seen, torch.softmax(S.float(), dim=-1), 0.0).to(q.dtype)
     lse = torch.logsumexp(S.float(), dim=-1)
-    out = torch.nan_to_num(P @ v, nan=0.0)  # rows with no key: softmax of all -inf
+    out = P @ v
     return (out, lse, S) if return_scores else (out, lse)
 
 
