@@ -6,7 +6,17 @@
 The operator itself is torch.ops.flash_metal.attention_forward; importing this
 package loads the compiled extension, which registers it.
 """
-import torch  # noqa: F401  (the extension links against torch's libraries)
+import warnings
+
+# torch's own import (torch.export pulls in torch.fx) warns "Failed to
+# initialize NumPy" in a venv without NumPy, such as the README's first
+# command makes. flash_metal never uses NumPy, so when this package is what
+# first imports torch (python -m flash_metal.demo), that one warning is
+# filtered; any other warning still shows, and NumPy calls on tensors still
+# raise torch's own clear error.
+with warnings.catch_warnings():
+    warnings.filterwarnings("ignore", message="Failed to initialize NumPy", category=UserWarning)
+    import torch  # noqa: F401  (the extension links against torch's libraries)
 
 from . import _C  # noqa: F401  (registers torch.ops.flash_metal.*)
 from . import ops as _ops  # noqa: F401  (fake implementations, autograd)

@@ -21,6 +21,7 @@ none), softcapping (Gemma 2's softcap kwarg), padding-free packed batches
 ops' backward). It never imports transformers itself unless transformers is
 installed; register() may also be called by hand.
 """
+import collections
 import importlib.abc
 import importlib.machinery
 import importlib.util
@@ -31,6 +32,18 @@ import torch
 from . import ops
 
 NAME = "metal_attention"
+
+# How many times each route of metal_attention_forward ran: "mask",
+# "mask_cropped" (a mask wider than the keys, as StaticCache hands over),
+# "causal", "static_prefill" (keys cropped to Nq), "decode" and "varlen".
+# Tests read it to prove a model really ran this implementation; users may
+# read it to see which path their model takes.
+calls = collections.Counter()
+
+# Why "metal_attention" is not registered (None once it is, or before
+# transformers is imported): register() never raises, so a transformers
+# that cannot run with this torch never breaks the user's own import.
+skip_reason = None
 
 
 def metal_attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None,
@@ -52,6 +65,7 @@ def metal_attention_forward(module, query, key, value, attention_mask, dropout=0
     if cu_q is not None and cu_k is not None and query.shape[0] == 1:
         # Padding-free packed batch (DataCollatorWithFlattening): one row of
         # sequences; each attends only within itself.
+        calls["varlen"] += 1
         out = ops.attention_varlen(
             query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1), cu_q.to(torch.int32),
             cu_k.to(torch.int32), int(kwargs["max_length_q"]), int(kwargs["max_length_k"]), causal=causal,
@@ -60,17 +74,26 @@ def metal_attention_forward(module, query, key, value, attention_mask, dropout=0
         return out.unsqueeze(0), None
 
     if attention_mask is not None:
-        # The mask already holds causality, padding and the window.
-        mask = attention_mask[..., :n_k] if attention_mask.shape[-1] > n_k else attention_mask
+        # The mask already holds causality, padding and the window. A mask
+        # wider than the keys covers the keys' positions first (its columns
+        # past Nk are cache slots not handed over): keep its first Nk.
+        mask = attention_mask
+        if attention_mask.shape[-1] > n_k:
+            mask = attention_mask[..., :n_k]
+            calls["mask_cropped"] += 1
+        calls["mask"] += 1
         out = ops.attention(query, key, value, causal=False, scale=scaling, attn_mask=mask, softcap=softcap)
     elif causal and n_q > 1:
+        calls["causal"] += 1
         if n_k > n_q:
             # A StaticCache prefill: transformers means top-left alignment,
             # so the (empty) cache rows past Nq are never seen.
+            calls["static_prefill"] += 1
             key, value = key[:, :, :n_q], value[:, :, :n_q]
         out = ops.attention(query, key, value, causal=True, scale=scaling, window_left=window_left, softcap=softcap)
     else:
         # One query (decoding): every cached key, bottom-right window.
+        calls["decode"] += 1
         out = ops.attention(query, key, value, causal=False, scale=scaling, window_left=window_left,
                             softcap=softcap)
     return out.transpose(1, 2).contiguous(), None
@@ -80,18 +103,37 @@ _registered = False
 
 
 def register() -> bool:
-    """Register "metal_attention" with transformers (idempotent). False when transformers is absent."""
-    global _registered
+    """Register "metal_attention" with transformers (idempotent).
+
+    Returns False, never raises, when it cannot: transformers is absent, or
+    it runs without PyTorch support (transformers 5 disables PyTorch older
+    than it supports, and its AttentionInterface is then a placeholder that
+    raises). `skip_reason` then says why.
+    """
+    global _registered, skip_reason
     if _registered:
         return True
     if importlib.util.find_spec("transformers") is None:
+        skip_reason = "transformers is not installed"
         return False
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+    try:
+        import transformers
+        from transformers.utils import is_torch_available
 
-    AttentionInterface.register(NAME, metal_attention_forward)
-    AttentionMaskInterface.register(NAME, sdpa_mask)
+        if not is_torch_available():
+            skip_reason = (f"transformers {transformers.__version__} does not enable PyTorch {torch.__version__} "
+                           "(it needs a newer torch), so it has no attention implementations to register with")
+            return False
+        from transformers import AttentionInterface
+        from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+        AttentionInterface.register(NAME, metal_attention_forward)
+        AttentionMaskInterface.register(NAME, sdpa_mask)
+    except Exception as e:  # never break the user's `import transformers`
+        skip_reason = f"registering with transformers failed: {type(e).__name__}: {e}"
+        return False
     _registered = True
+    skip_reason = None
     return True
 
 

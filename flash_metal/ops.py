@@ -262,11 +262,6 @@ def _setup_context(ctx, inputs, output):
     ctx.mask_needs_grad = attn_mask is not None and attn_mask.requires_grad
 
 
-def _grad_out_or_zeros(grad_out, out):
-    # None when only lse was used downstream.
-    return torch.zeros_like(out) if grad_out is None else grad_out
-
-
 def _backward(ctx, grad_out, grad_lse):
     q, k, v, out, lse, attn_mask = ctx.saved_tensors
     if ctx.mask_needs_grad:
@@ -276,10 +271,13 @@ def _backward(ctx, grad_out, grad_lse):
         )
     # A gradient flowing into lse is supported: d lse_i / d s_ij = P_ij, so
     # it enters the backward as D_i - grad_lse_i (see attention_backward).
+    # grad_out is never None, even when only lse was used: torch.library's
+    # autograd materializes an unused output's gradient as zeros on every
+    # supported torch (tests/test_backward.py::test_autograd_lse_only_and_both).
     # The forward's impl names a forward kernel; every backend has one
     # backward family, chosen by "auto".
     grad_q, grad_k, grad_v = torch.ops.flash_metal.attention_backward(
-        _grad_out_or_zeros(grad_out, out), q, k, v, out, lse, *ctx.options, grad_lse, "auto", attn_mask,
+        grad_out, q, k, v, out, lse, *ctx.options, grad_lse, "auto", attn_mask,
         *ctx.features,
     )
     return grad_q, grad_k, grad_v, None, None, None, None, None, None, None
@@ -299,7 +297,7 @@ def _varlen_setup_context(ctx, inputs, output):
 def _varlen_backward(ctx, grad_out, grad_lse):
     q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors
     grad_q, grad_k, grad_v = torch.ops.flash_metal.attention_varlen_backward(
-        _grad_out_or_zeros(grad_out, out), q, k, v, out, lse, cu_q, cu_k, *ctx.lengths, grad_lse, *ctx.features,
+        grad_out, q, k, v, out, lse, cu_q, cu_k, *ctx.lengths, grad_lse, *ctx.features,
         "auto",
     )
     return (grad_q, grad_k, grad_v) + (None,) * 10

@@ -154,7 +154,7 @@ def test_autograd_through_attention(dtype, causal):
 
 
 def test_autograd_lse_only_and_both():
-    # A loss on lse alone (grad_out is None inside the formula) and on both outputs.
+    # A loss on lse alone (torch hands the formula zeros for grad_out) and on both outputs.
     g = torch.Generator().manual_seed(19)
     q, k, v = (t.requires_grad_(True) for t in make_qkv(1, 2, 1, 20, 25, 32, torch.float32, generator=g))
     out, lse = flash_metal.attention_with_lse(q, k, v, causal=True)

@@ -7,6 +7,7 @@ padded batches, greedy generate() with DynamicCache and StaticCache, left
 padded or not, padding-free packed batches, and the gradients of a
 training step. transformers is the optional extra '.[hf]'; CI installs it.
 """
+import collections
 import importlib.util
 
 import pytest
@@ -41,13 +42,39 @@ def _config(tf, kind):
 
 
 def _models(tf, kind, reference):
-    """(ours, reference) with the same random weights, in float32, eval mode."""
+    """(ours, reference) with the same random weights, in float32, eval mode.
+
+    Each model gets a config object of its own: transformers stores the
+    attention implementation on the config, so two models built from one
+    config would both end up on whichever was built last (the reference).
+    """
     torch.manual_seed(0)
-    config = _config(tf, kind)
-    ours = tf.AutoModelForCausalLM.from_config(config, attn_implementation="metal_attention").eval()
-    ref = tf.AutoModelForCausalLM.from_config(config, attn_implementation=reference).eval()
+    ours = tf.AutoModelForCausalLM.from_config(_config(tf, kind), attn_implementation="metal_attention").eval()
+    ref = tf.AutoModelForCausalLM.from_config(_config(tf, kind), attn_implementation=reference).eval()
     ref.load_state_dict(ours.state_dict())
+    assert ours.config is not ref.config
+    assert ours.config._attn_implementation == "metal_attention", ours.config._attn_implementation
+    assert ref.config._attn_implementation == reference, ref.config._attn_implementation
+    for (name, a), b in zip(ours.state_dict().items(), ref.state_dict().values()):
+        assert torch.equal(a, b), f"{name}: the two models do not share their weights"
     return ours, ref
+
+
+class _Ran:
+    """Proves metal_attention ran: the routes of flash_metal.hf.calls that moved inside the block."""
+
+    def __enter__(self):
+        self.before = collections.Counter(flash_metal.hf.calls)
+        return self
+
+    def __exit__(self, *exc):
+        self.moved = flash_metal.hf.calls - self.before
+        return False
+
+    def assert_ran(self, *routes):
+        assert sum(self.moved.values()) > 0, "metal_attention never ran: the model under test is on another implementation"
+        for r in routes:
+            assert self.moved[r] > 0, f"route {r!r} never ran (ran: {dict(self.moved)})"
 
 
 REFERENCE = {"llama": "sdpa", "mistral": "sdpa", "gemma2": "eager"}
@@ -81,8 +108,10 @@ def test_registered_name_has_no_flash(tf):
 def test_padded_forward_logits(tf, kind, padding):
     ours, ref = _models(tf, kind, REFERENCE[kind])
     ids, mask = _batch(padding, torch.Generator().manual_seed(1))
-    with torch.no_grad():
+    with torch.no_grad(), _Ran() as ran:
         got = ours(input_ids=ids, attention_mask=mask).logits
+    ran.assert_ran(*(["mask"] if padding != "none" else []))
+    with torch.no_grad():
         want = ref(input_ids=ids, attention_mask=mask).logits
     keep = mask.bool()  # padded positions' logits are meaningless in both
     torch.testing.assert_close(got[keep], want[keep], rtol=1e-4, atol=1e-4)
@@ -100,8 +129,13 @@ def test_generate_matches(tf, kind, cache, padding):
                   return_dict_in_generate=True, output_logits=True)
     if cache == "static":
         kwargs["cache_implementation"] = "static"
-    with torch.no_grad():
+    with torch.no_grad(), _Ran() as ran:
         got = ours.generate(ids, **kwargs)
+    # Left padding always hands over a mask (in transformers 5.24 as wide as
+    # the keys, StaticCache included; test_mask_wider_than_the_keys_...
+    # covers a wider one directly).
+    ran.assert_ran(*(["mask"] if padding == "left" else []))
+    with torch.no_grad():
         want = ref.generate(ids, **kwargs)
     assert torch.equal(got.sequences, want.sequences)
     # The logits of every step too: greedy tokens of a small random model can
@@ -122,22 +156,47 @@ def test_packed_batch_through_cu_seq_lens(tf, kind):
     ids = torch.cat(seqs, dim=1)
     position_ids = torch.cat([torch.arange(n) for n in lengths]).unsqueeze(0)
     cu = torch.tensor([0, 5, 16, 24], dtype=torch.int32)
-    with torch.no_grad():
+    with torch.no_grad(), _Ran() as ran:
         got = ours(input_ids=ids, position_ids=position_ids, cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=11,
                    max_length_k=11, use_cache=False).logits
+    ran.assert_ran("varlen")
+    assert set(ran.moved) == {"varlen"}
+    with torch.no_grad():
         want = torch.cat([ref(input_ids=s, use_cache=False).logits for s in seqs], dim=1)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
+def _labels(ids, mask):
+    """Causal-LM labels that score only real tokens predicted from real positions.
+
+    transformers scores labels[t] with the logits of position t - 1. A padded
+    position's hidden state is arbitrary (implementations legitimately differ
+    there: ours gives a fully masked row zeros), so a label is ignored (-100)
+    where the token or the position predicting it is padding.
+    """
+    labels = ids.masked_fill(mask == 0, -100)
+    labels[:, 1:] = labels[:, 1:].masked_fill(mask[:, :-1] == 0, -100)
+    return labels
+
+
 @pytest.mark.parametrize("kind", ["llama", "mistral", "gemma2"])
-def test_training_step_gradients(tf, kind):
+@pytest.mark.parametrize("padding", ["left", "right"])
+def test_training_step_gradients(tf, kind, padding):
     ours, ref = _models(tf, kind, REFERENCE[kind])
     ours.train()
     ref.train()
-    ids, mask = _batch("right", torch.Generator().manual_seed(4))
-    labels = ids.masked_fill(mask == 0, -100)
-    for model in (ours, ref):
-        model(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
+    ids, mask = _batch(padding, torch.Generator().manual_seed(4))
+    labels = _labels(ids, mask)
+    # Every scored label is a real token whose predicting position is real.
+    scored = (labels[:, 1:] != -100)
+    assert scored.any() and bool((mask[:, :-1].bool() & mask[:, 1:].bool())[scored].all())
+    with _Ran() as ran:
+        loss = ours(input_ids=ids, attention_mask=mask, labels=labels).loss
+        loss.backward()
+    ran.assert_ran("mask")
+    ref_loss = ref(input_ids=ids, attention_mask=mask, labels=labels).loss
+    ref_loss.backward()
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
     for (name, a), b in zip(ours.named_parameters(), ref.parameters()):
         assert a.grad is not None, name
         torch.testing.assert_close(a.grad, b.grad, rtol=1e-3, atol=1e-5, msg=name)
@@ -164,11 +223,16 @@ def test_demo_hf_runs_and_agrees(tf, capsys):
 def test_set_attn_implementation_switches_a_loaded_model(tf):
     ours, ref = _models(tf, "llama", "sdpa")
     ids, mask = _batch("left", torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        want = ref(input_ids=ids, attention_mask=mask).logits[mask.bool()]
     ref.set_attn_implementation("metal_attention")
     assert ref.config._attn_implementation == "metal_attention"
+    with torch.no_grad(), _Ran() as ran:
+        switched = ref(input_ids=ids, attention_mask=mask).logits[mask.bool()]
+    ran.assert_ran("mask")
     with torch.no_grad():
-        torch.testing.assert_close(ref(input_ids=ids, attention_mask=mask).logits[mask.bool()],
-                                   ours(input_ids=ids, attention_mask=mask).logits[mask.bool()])
+        torch.testing.assert_close(switched, ours(input_ids=ids, attention_mask=mask).logits[mask.bool()])
+    torch.testing.assert_close(switched, want, rtol=1e-4, atol=1e-4)
 
 
 def test_import_flash_metal_does_not_import_transformers():
@@ -188,9 +252,12 @@ def test_from_pretrained_with_metal_attention(tf, tmp_path):
     ours = tf.AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="metal_attention").eval()
     assert ours.config._attn_implementation == "metal_attention"
     ids, mask = _batch("right", torch.Generator().manual_seed(7))
+    with torch.no_grad(), _Ran() as ran:
+        got = ours(input_ids=ids, attention_mask=mask).logits[mask.bool()]
+    ran.assert_ran("mask")
     with torch.no_grad():
-        torch.testing.assert_close(ours(input_ids=ids, attention_mask=mask).logits[mask.bool()],
-                                   ref(input_ids=ids, attention_mask=mask).logits[mask.bool()], rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(got, ref(input_ids=ids, attention_mask=mask).logits[mask.bool()], rtol=1e-4,
+                                   atol=1e-4)
 
 
 def test_static_cache_prefill_is_top_left(tf):
@@ -210,3 +277,81 @@ def test_static_cache_prefill_is_top_left(tf):
     want = torch.nn.functional.scaled_dot_product_attention(q, k[:, :, :14], v[:, :, :14], is_causal=True,
                                                             scale=0.25, enable_gqa=True)
     torch.testing.assert_close(out, want.transpose(1, 2), rtol=1e-5, atol=1e-5)
+
+
+def test_mask_wider_than_the_keys_keeps_its_first_columns(tf):
+    # A StaticCache hands over a mask as wide as the cache while the keys may
+    # be fewer: the mask's first Nk columns belong to the keys. The columns
+    # past Nk are garbage here (every other one masked), so keeping the last
+    # Nk columns, or any other window of them, changes the result.
+    g = torch.Generator().manual_seed(9)
+    B, Hq, Hkv, Nq, Nk, D = 2, 4, 2, 5, 11, 16
+    q = torch.randn(B, Hq, Nq, D, generator=g)
+    k = torch.randn(B, Hkv, Nk, D, generator=g)
+    v = torch.randn(B, Hkv, Nk, D, generator=g)
+    mask = torch.rand(B, 1, Nq, Nk + 6, generator=g) > 0.3
+    mask[..., 0] = True  # every row sees a key
+    mask[..., Nk:] = torch.arange(6) % 2 == 0
+    module = torch.nn.Module()
+    module.is_causal = True
+    with _Ran() as ran:
+        out, _ = flash_metal.hf.metal_attention_forward(module, q, k, v, mask, scaling=0.3)
+    ran.assert_ran("mask_cropped")
+    want = torch.nn.functional.scaled_dot_product_attention(q.double(), k.double(), v.double(),
+                                                            attn_mask=mask[..., :Nk], scale=0.3, enable_gqa=True)
+    torch.testing.assert_close(out.double(), want.transpose(1, 2), rtol=1e-5, atol=1e-5)
+    shifted = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask[..., 6:], scale=0.3,
+                                                               enable_gqa=True)
+    assert (out - shifted.transpose(1, 2)).abs().max() > 1e-2  # the test can tell the columns apart
+
+
+def test_registration_never_breaks_the_users_import(tmp_path):
+    # transformers 5 with a torch it does not support (torch < 2.6) disables
+    # PyTorch: AttentionInterface is a placeholder whose register raises.
+    # Here a stand-in transformers package does exactly that; importing it
+    # after flash_metal (the import hook registers) must still succeed, and
+    # flash_metal.hf.skip_reason must say why nothing was registered.
+    import subprocess
+    import sys
+
+    pkg = tmp_path / "transformers"
+    (pkg / "utils").mkdir(parents=True)
+    (pkg / "__init__.py").write_text(
+        "__version__ = '5.99.0'\n"
+        "class AttentionInterface:\n"
+        "    @staticmethod\n"
+        "    def register(*a, **k):\n"
+        "        raise ImportError('AttentionInterface requires the PyTorch library')\n")
+    (pkg / "masking_utils.py").write_text("AttentionMaskInterface = None\nsdpa_mask = None\n")
+    for torch_ok, expect in (("True", "registering with transformers failed: ImportError"),
+                             ("False", "does not enable PyTorch")):
+        (pkg / "utils" / "__init__.py").write_text(f"def is_torch_available():\n    return {torch_ok}\n")
+        code = ("import flash_metal, transformers, sys\n"
+                "assert 'transformers' in sys.modules and flash_metal.hf._registered is False\n"
+                "print(flash_metal.hf.skip_reason)\n")
+        env = dict(__import__("os").environ, PYTHONPATH=str(tmp_path))
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+        assert out.returncode == 0, out.stderr
+        assert expect in out.stdout, out.stdout
+
+
+@pytest.mark.parametrize("n_q", [1, 9], ids=["decode", "prefill"])
+def test_no_mask_routes_apply_the_sliding_window(n_q):
+    # With no mask, the window comes from the sliding_window kwarg alone:
+    # transformers' overlay lets query position p see keys p - W < j <= p.
+    g = torch.Generator().manual_seed(10)
+    W, Nk = 4, 9
+    q = torch.randn(1, 4, n_q, 16, generator=g)
+    k = torch.randn(1, 2, Nk, 16, generator=g)
+    v = torch.randn(1, 2, Nk, 16, generator=g)
+    module = torch.nn.Module()
+    module.is_causal = True
+    with _Ran() as ran:
+        out, _ = flash_metal.hf.metal_attention_forward(module, q, k, v, None, scaling=0.25, sliding_window=W)
+    ran.assert_ran("decode" if n_q == 1 else "causal")
+    pos = torch.arange(Nk - n_q, Nk).unsqueeze(1)
+    j = torch.arange(Nk).unsqueeze(0)
+    allowed = (j <= pos) & (j > pos - W)
+    want = torch.nn.functional.scaled_dot_product_attention(q.double(), k.double(), v.double(), attn_mask=allowed,
+                                                            scale=0.25, enable_gqa=True)
+    torch.testing.assert_close(out.double(), want.transpose(1, 2), rtol=1e-5, atol=1e-5)
