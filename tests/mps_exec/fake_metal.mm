@@ -183,6 +183,21 @@ int64_t get_option(MTLCompileOptions* options, const char* name, int64_t metal_d
 }
 }  // namespace
 
+// The macOS 15 options exist at run time on macOS 15 whatever SDK the host
+// was built with (library.mm declares them itself for older SDKs), so the
+// fake implements them in every SDK view; in the SDK-14 view, where the stubs
+// lack their types, with the enums' underlying integer type.
+#if defined(__MAC_15_0)
+using FmMathMode = MTLMathMode;
+using FmMathFloatingPointFunctions = MTLMathFloatingPointFunctions;
+#else
+using FmMathMode = NSInteger;
+using FmMathFloatingPointFunctions = NSInteger;
+#endif
+// Metal's values (https://developer.apple.com/documentation/metal/mtlmathmode,
+// .../mtlmathfloatingpointfunctions and .../mtllanguageversion/version3_2).
+constexpr int64_t kMathModeFast = 2, kMathFloatingPointFunctionsFast = 0, kLanguageVersion3_2 = (3 << 16) + 2;
+
 @implementation MTLCompileOptions
 - (instancetype)init {
   fm_exec::set_payload(self, std::make_unique<CompileOptionsPayload>());
@@ -190,7 +205,7 @@ int64_t get_option(MTLCompileOptions* options, const char* name, int64_t metal_d
 }
 - (MTLLanguageVersion)languageVersion {
   // Metal's default is the newest version the OS supports; 3.2 = macOS 15.
-  return static_cast<MTLLanguageVersion>(get_option(self, "languageVersion", MTLLanguageVersion3_2));
+  return static_cast<MTLLanguageVersion>(get_option(self, "languageVersion", kLanguageVersion3_2));
 }
 - (void)setLanguageVersion:(MTLLanguageVersion)languageVersion {
   set_option(self, "languageVersion", static_cast<int64_t>(languageVersion));
@@ -201,17 +216,17 @@ int64_t get_option(MTLCompileOptions* options, const char* name, int64_t metal_d
 - (void)setFastMathEnabled:(BOOL)fastMathEnabled {
   set_option(self, "fastMathEnabled", fastMathEnabled ? 1 : 0);
 }
-- (MTLMathMode)mathMode {
-  return static_cast<MTLMathMode>(get_option(self, "mathMode", MTLMathModeFast));  // Metal's default
+- (FmMathMode)mathMode {
+  return static_cast<FmMathMode>(get_option(self, "mathMode", kMathModeFast));  // Metal's default
 }
-- (void)setMathMode:(MTLMathMode)mathMode {
+- (void)setMathMode:(FmMathMode)mathMode {
   set_option(self, "mathMode", mathMode);
 }
-- (MTLMathFloatingPointFunctions)mathFloatingPointFunctions {
-  return static_cast<MTLMathFloatingPointFunctions>(
-      get_option(self, "mathFloatingPointFunctions", MTLMathFloatingPointFunctionsFast));  // Metal's default
+- (FmMathFloatingPointFunctions)mathFloatingPointFunctions {
+  return static_cast<FmMathFloatingPointFunctions>(
+      get_option(self, "mathFloatingPointFunctions", kMathFloatingPointFunctionsFast));  // Metal's default
 }
-- (void)setMathFloatingPointFunctions:(MTLMathFloatingPointFunctions)mathFloatingPointFunctions {
+- (void)setMathFloatingPointFunctions:(FmMathFloatingPointFunctions)mathFloatingPointFunctions {
   set_option(self, "mathFloatingPointFunctions", mathFloatingPointFunctions);
 }
 - (NSDictionary*)preprocessorMacros {
@@ -399,6 +414,9 @@ FM_LABEL(MTLLibrary)
 - (NSString*)name {
   return fm_exec::autoreleased_string("flash_metal mps_exec fake device");
 }
+- (uint64_t)registryID {
+  return 0x100000abcULL;  // Why this value: any fixed IORegistry id; tests compare it
+}
 - (MTLSize)maxThreadsPerThreadgroup {
   return MTLSizeMake(1024, 1024, 1024);  // Why 1024: Apple silicon's per-dimension limit
 }
@@ -420,10 +438,20 @@ FM_LABEL(MTLLibrary)
 }
 @end
 
-// Apple's Create rule: +1. The same device PyTorch's MPSDevice returns.
+// Apple's Create rule: +1. The same device PyTorch's MPSDevice returns, or
+// nil (the default; knob system_default_device), as in a non-interactive
+// process on Apple silicon.
 extern "C" id<MTLDevice> MTLCreateSystemDefaultDevice(void) {
-  fm_exec::record("{\"op\":\"MTLCreateSystemDefaultDevice\"}");
-  return [fm_exec::device() retain];
+  const bool found = fm_exec::knobs().system_default_device != 0;
+  fm_exec::record(std::string("{\"op\":\"MTLCreateSystemDefaultDevice\",\"nil\":") + (found ? "false" : "true") + "}");
+  return found ? [fm_exec::device() retain] : nil;
+}
+
+// The Create rule: a +1 array of knob metal_devices entries, each the one fake device.
+extern "C" NSArray<id<MTLDevice>>* MTLCopyAllDevices(void) {
+  const uint64_t n = fm_exec::knobs().metal_devices;
+  fm_exec::record("{\"op\":\"MTLCopyAllDevices\",\"count\":" + std::to_string(n) + "}");
+  return fm_exec::new_array(std::vector<id>(n, fm_exec::device()));
 }
 
 // --- the compute command encoder ------------------------------------------------------------
@@ -432,12 +460,27 @@ extern "C" id<MTLDevice> MTLCreateSystemDefaultDevice(void) {
 @end
 
 namespace {
-// Common prefix of every encoder event: the call and whether it ran inside
-// dispatch_sync on the stream's queue.
-std::string encoder_event(const char* op) {
+struct EncoderPayload : fm_exec::Payload {
+  uint64_t serial = 0;  // 1, 2, ...: the stream's encoders in order of creation
+  bool ended = false;
+};
+
+// Common prefix of every encoder event: the call, the encoder, whether it ran
+// inside dispatch_sync on the stream's queue, and whether the encoder had
+// already ended (Metal's validation layer aborts on any call to an ended
+// encoder; without it the call is undefined).
+std::string encoder_event(id encoder, const char* op) {
   const bool on_queue = fm_exec::current_queue() != nullptr && fm_exec::current_queue() == fm_exec::stream_queue();
   if (!on_queue) fm_exec::record_error(std::string(op) + " called outside dispatch_sync on the stream's queue");
-  return std::string("{\"op\":\"") + op + "\",\"on_stream_queue\":" + (on_queue ? "true" : "false");
+  const auto* p = fm_exec::payload<EncoderPayload>(encoder);
+  const bool ended = p != nullptr && p->ended;
+  if (ended) {
+    fm_exec::record_error(std::string(op) + " sent to compute encoder #" + std::to_string(p->serial) +
+                          ", which has ended: with profiling on, PyTorch's endProfileKernel synchronizes the stream "
+                          "and so ends its shared encoder; fetch stream->commandEncoder() again for each dispatch");
+  }
+  return std::string("{\"op\":\"") + op + "\",\"on_stream_queue\":" + (on_queue ? "true" : "false") +
+         ",\"encoder\":" + std::to_string(p != nullptr ? p->serial : 0) + ",\"ended\":" + (ended ? "true" : "false");
 }
 
 bool check_index(const char* op, NSUInteger index) {
@@ -455,7 +498,7 @@ bool check_index(const char* op, NSUInteger index) {
     fm_exec::record_error("setComputePipelineState: not a live fake pipeline");
     return;
   }
-  fm_exec::record(encoder_event("setComputePipelineState") + ",\"pipeline\":" + fm_exec::id_of(state) +
+  fm_exec::record(encoder_event(self, "setComputePipelineState") + ",\"pipeline\":" + fm_exec::id_of(state) +
                   ",\"kernel\":" + fm_exec::quote(p->kernel) +
                   ",\"constants\":" + fm_exec::constants_json(p->constants) + "}");
 }
@@ -473,7 +516,7 @@ bool check_index(const char* op, NSUInteger index) {
     fm_exec::record_error("setBuffer:offset:atIndex: " + std::to_string(index) + ": offset " + std::to_string(offset) +
                           " is past the buffer's end (" + std::to_string(b->length) + " bytes)");
   }
-  fm_exec::record(encoder_event("setBuffer") + ",\"buffer\":" + fm_exec::id_of(buffer) + ",\"contents\":" +
+  fm_exec::record(encoder_event(self, "setBuffer") + ",\"buffer\":" + fm_exec::id_of(buffer) + ",\"contents\":" +
                   std::to_string(reinterpret_cast<uintptr_t>(b->memory)) + ",\"length\":" +
                   std::to_string(b->length) + ",\"offset\":" + std::to_string(offset) +
                   ",\"index\":" + std::to_string(index) + "}");
@@ -491,7 +534,7 @@ bool check_index(const char* op, NSUInteger index) {
     data += hex[byte >> 4];
     data += hex[byte & 15];
   }
-  fm_exec::record(encoder_event("setBytes") + ",\"index\":" + std::to_string(index) + ",\"hex\":\"" + data + "\"}");
+  fm_exec::record(encoder_event(self, "setBytes") + ",\"index\":" + std::to_string(index) + ",\"hex\":\"" + data + "\"}");
 }
 - (void)setThreadgroupMemoryLength:(NSUInteger)length atIndex:(NSUInteger)index {
   if (!fm_exec::check_alive(self, "-[MTLComputeCommandEncoder setThreadgroupMemoryLength:atIndex:]")) return;
@@ -500,25 +543,25 @@ bool check_index(const char* op, NSUInteger index) {
     fm_exec::record_error("setThreadgroupMemoryLength: " + std::to_string(length) +
                           " bytes is not a multiple of 16, as Metal requires");
   }
-  fm_exec::record(encoder_event("setThreadgroupMemoryLength") + ",\"length\":" + std::to_string(length) +
+  fm_exec::record(encoder_event(self, "setThreadgroupMemoryLength") + ",\"length\":" + std::to_string(length) +
                   ",\"index\":" + std::to_string(index) + "}");
 }
 - (void)dispatchThreadgroups:(MTLSize)threadgroupsPerGrid threadsPerThreadgroup:(MTLSize)threadsPerThreadgroup {
   if (!fm_exec::check_alive(self, "-[MTLComputeCommandEncoder dispatchThreadgroups:threadsPerThreadgroup:]")) return;
   const MTLSize& g = threadgroupsPerGrid;
   const MTLSize& t = threadsPerThreadgroup;
-  fm_exec::record(encoder_event("dispatchThreadgroups") + ",\"grid\":[" + std::to_string(g.width) + "," +
+  fm_exec::record(encoder_event(self, "dispatchThreadgroups") + ",\"grid\":[" + std::to_string(g.width) + "," +
                   std::to_string(g.height) + "," + std::to_string(g.depth) + "],\"threadgroup\":[" +
                   std::to_string(t.width) + "," + std::to_string(t.height) + "," + std::to_string(t.depth) + "]}");
 }
 - (void)endEncoding {
   fm_exec::record_error("endEncoding: the host ended PyTorch's shared compute encoder");
-  fm_exec::record(encoder_event("endEncoding") + "}");
+  fm_exec::record(encoder_event(self, "endEncoding") + "}");
 }
 - (void)setBufferOffset:(NSUInteger)offset atIndex:(NSUInteger)index {
   if (!fm_exec::check_alive(self, "-[MTLComputeCommandEncoder setBufferOffset:atIndex:]")) return;
   check_index("setBufferOffset:atIndex:", index);
-  fm_exec::record(encoder_event("setBufferOffset") + ",\"offset\":" + std::to_string(offset) +
+  fm_exec::record(encoder_event(self, "setBufferOffset") + ",\"offset\":" + std::to_string(offset) +
                   ",\"index\":" + std::to_string(index) + "}");
 }
 - (void)setBuffers:(const id<MTLBuffer>[])buffers offsets:(const NSUInteger[])offsets withRange:(NSRange)range {
@@ -530,24 +573,24 @@ bool check_index(const char* op, NSUInteger index) {
   if (!fm_exec::check_alive(self, "-[MTLComputeCommandEncoder dispatchThreads:threadsPerThreadgroup:]")) return;
   const MTLSize& g = threadsPerGrid;
   const MTLSize& t = threadsPerThreadgroup;
-  fm_exec::record(encoder_event("dispatchThreads") + ",\"threads\":[" + std::to_string(g.width) + "," +
+  fm_exec::record(encoder_event(self, "dispatchThreads") + ",\"threads\":[" + std::to_string(g.width) + "," +
                   std::to_string(g.height) + "," + std::to_string(g.depth) + "],\"threadgroup\":[" +
                   std::to_string(t.width) + "," + std::to_string(t.height) + "," + std::to_string(t.depth) + "]}");
 }
 - (void)memoryBarrierWithScope:(MTLBarrierScope)scope {
-  fm_exec::record(encoder_event("memoryBarrier") + "}");
+  fm_exec::record(encoder_event(self, "memoryBarrier") + "}");
 }
 - (void)useResource:(id<MTLResource>)resource usage:(MTLResourceUsage)usage {
-  fm_exec::record(encoder_event("useResource") + "}");
+  fm_exec::record(encoder_event(self, "useResource") + "}");
 }
 - (void)pushDebugGroup:(NSString*)string {
-  fm_exec::record(encoder_event("pushDebugGroup") + ",\"name\":" + fm_exec::quote(fm_exec::string_of(string)) + "}");
+  fm_exec::record(encoder_event(self, "pushDebugGroup") + ",\"name\":" + fm_exec::quote(fm_exec::string_of(string)) + "}");
 }
 - (void)popDebugGroup {
-  fm_exec::record(encoder_event("popDebugGroup") + "}");
+  fm_exec::record(encoder_event(self, "popDebugGroup") + "}");
 }
 - (void)insertDebugSignpost:(NSString*)string {
-  fm_exec::record(encoder_event("insertDebugSignpost") + ",\"name\":" + fm_exec::quote(fm_exec::string_of(string)) +
+  fm_exec::record(encoder_event(self, "insertDebugSignpost") + ",\"name\":" + fm_exec::quote(fm_exec::string_of(string)) +
                   "}");
 }
 FM_LABEL_AND_DEVICE(MTLComputeCommandEncoder)
@@ -594,9 +637,42 @@ id<MTLDevice> device() {
   return device;
 }
 
+namespace {
+std::mutex& encoder_mutex() {
+  static std::mutex m;
+  return m;
+}
+FakeEncoder* open_encoder = nil;  // PyTorch's shared, coalesced encoder (+1), nil once ended
+uint64_t encoders_made = 0;
+// Ended encoders, as the command buffer keeps them (+1 each, for the process).
+std::vector<FakeEncoder*>& ended_encoders() {
+  static auto* v = new std::vector<FakeEncoder*>();
+  return *v;
+}
+}  // namespace
+
 id<MTLComputeCommandEncoder> stream_encoder() {
-  static FakeEncoder* encoder = [[FakeEncoder alloc] init];  // PyTorch's shared, coalesced encoder
-  return encoder;
+  std::lock_guard<std::mutex> lock(encoder_mutex());
+  if (open_encoder == nil) {
+    open_encoder = [[FakeEncoder alloc] init];
+    auto p = std::make_unique<EncoderPayload>();
+    p->serial = ++encoders_made;
+    set_payload(open_encoder, std::move(p));
+  }
+  return open_encoder;
+}
+
+void end_stream_encoder(const std::string& why) {
+  FakeEncoder* ended = nil;
+  {
+    std::lock_guard<std::mutex> lock(encoder_mutex());
+    std::swap(ended, open_encoder);
+    if (ended == nil) return;  // nothing open: synchronize has nothing to end
+    payload<EncoderPayload>(ended)->ended = true;
+    ended_encoders().push_back(ended);
+  }
+  record("{\"op\":\"stream.endKernelCoalescing\",\"encoder\":" +
+         std::to_string(payload<EncoderPayload>(ended)->serial) + ",\"why\":" + quote(why) + "}");
 }
 
 }  // namespace fm_exec
@@ -631,6 +707,14 @@ FM_EXPORT int fm_exec_configure(const char* name, uint64_t value) {
     k.max_threadgroup_memory = value;
   } else if (key == "macos_version") {
     k.macos_version = value;
+  } else if (key == "profiling") {
+    k.profiling = value;
+  } else if (key == "torch_mps_device") {
+    k.torch_mps_device = value;
+  } else if (key == "system_default_device") {
+    k.system_default_device = value;
+  } else if (key == "metal_devices") {
+    k.metal_devices = value;
   } else {
     return -1;
   }
