@@ -183,7 +183,10 @@ def device_info(host, build_pipelines: bool = False) -> dict:
 
 def library_reported(host, emu, kind: str, reason: str = "") -> None:
     """metal_device_info's library entry says the shader library came from `kind`, `reason` in its why."""
-    info = device_info(host)
+    assert_library(device_info(host), kind, reason)
+
+
+def assert_library(info: dict, kind: str, reason: str = "") -> None:
     lib = info["library"]
     assert info["available"] and lib["error"] is None, info
     assert lib["kind"] == kind, lib
@@ -222,3 +225,23 @@ def builds_all_pipelines(host, emu) -> None:
             emu.kernel_names()), origin
         calls = [e["op"] for e in rec["events"] if e["op"] in ("MTLCopyAllDevices", "MTLCreateSystemDefaultDevice")]
         assert calls == ([source_call] if source_call else []), calls
+
+
+def library_error_reported(host, emu, error: str) -> None:
+    """The library failed to load: metal_device_info still answers, with library.error saying why."""
+    info = device_info(host)
+    assert info["available"] and info["device"] is not None, info
+    lib = info["library"]
+    assert lib["kind"] is None and lib["origin"] is None and error in lib["error"], lib
+    assert info["pipelines"] == [] and info["pipeline_errors"] == [], info
+
+
+def pipeline_errors_reported(host, emu, missing: str) -> None:
+    """build_pipelines=True on a metallib without kernel `missing`: its pipelines are reported as errors,
+    every other kernel's as built."""
+    info = device_info(host, build_pipelines=True)
+    errors = {e["kernel"] for e in info["pipeline_errors"]}
+    assert errors == {missing}, info["pipeline_errors"]
+    assert all("is not in the precompiled" in e["error"] for e in info["pipeline_errors"])
+    built = {p["kernel"] for p in info["pipelines"]}
+    assert built == set(emu.kernel_names()) - {missing}, sorted(set(emu.kernel_names()) ^ built)
