@@ -46,7 +46,8 @@
 // macOS 15, where the selectors exist. The availability attribute keeps the
 // pragma above enforcing the @available guard on their use.
 // (tests/test_mps_host.py syntax-checks this file against an SDK-14 view of
-// its Apple stubs, which lacks them, and tests/test_mps_exec.py runs it so.)
+// its Apple stubs, which lacks them, and tests/test_mps_exec_runtime.py runs
+// that build.)
 #if !defined(__MAC_15_0)
 #define FLASH_METAL_MACOS_15_API __attribute__((availability(macos, introduced = 15.0)))
 // https://developer.apple.com/documentation/metal/mtlmathmode?language=objc
