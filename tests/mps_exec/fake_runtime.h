@@ -18,6 +18,7 @@
 #include <Metal/Metal.h>
 
 #include <cstdint>
+#include <cstdlib>
 #include <map>
 #include <memory>
 #include <string>
@@ -65,6 +66,8 @@ void unmodelled(const std::string& what);
 void record(const std::string& json_object);
 void record_error(const std::string& message);
 std::string quote(const std::string& text);            // a JSON string literal
+std::string id_of(id object);                          // an object's address, for the recording
+std::string constants_json(const std::map<NSUInteger, bool>& constants);  // {"0":true,...}
 
 // dispatch_sync bookkeeping: the queue the calling thread is running on.
 dispatch_queue_t current_queue();
@@ -118,6 +121,34 @@ Knobs& knobs();
 constexpr const char* kFakeMetallibMagic = "flash_metal fake metallib v1";
 
 }  // namespace fm_exec
+
+// Payloads the encoder (fake_encoder.mm) reads from objects fake_metal.mm makes.
+struct BufferPayload : fm_exec::Payload {
+  void* memory = nullptr;
+  NSUInteger length = 0;
+  ~BufferPayload() override { std::free(memory); }
+};
+struct PipelinePayload : fm_exec::Payload {
+  std::string kernel;
+  std::map<NSUInteger, bool> constants;
+  uint64_t max_threads = 0;
+  uint64_t static_memory = 0;
+};
+
+// The label and device properties every Metal object has. Labels are kept
+// (they show in Xcode's captures); devices are the one fake device.
+#define FM_LABEL(Protocol)                                           \
+  -(NSString*)label {                                                \
+    return fm_exec::label_of(self);                                  \
+  }                                                                  \
+  -(void)setLabel : (NSString*)label {                               \
+    fm_exec::set_label(self, label, "-[" #Protocol " setLabel:]"); \
+  }
+#define FM_LABEL_AND_DEVICE(Protocol) \
+  FM_LABEL(Protocol)                  \
+  -(id<MTLDevice>)device {            \
+    return fm_exec::device();         \
+  }
 
 // Fakes other files of the harness create or inspect.
 @interface FakeBuffer : NSObject <MTLBuffer>
