@@ -240,7 +240,8 @@ def test_host_backward_matches_oracle(host, emu, dtype, grad_lse):
     assert kernels == [d.kernel_name for d in plan.dispatches]
     assert kernels[0].startswith("flash_backward_dq_") and kernels[1].startswith("flash_backward_dkdv_")
     ops = _ops(rec)
-    assert ops.count("dispatch_sync") == 1 and ops.count("commandEncoder") == 1
+    # One block; the encoder fetched once per dispatch (the profiler may end it between them).
+    assert ops.count("dispatch_sync") == 1 and ops.count("commandEncoder") == 2
     assert ops.count("setBuffer") == (9 + 3) + (8 + 3)  # the two binding tables, each with mask and cu_seqlens slots
     assert ops.count("dispatchThreadgroups") == 2
 
