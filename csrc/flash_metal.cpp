@@ -4,6 +4,7 @@
 //   csrc/mps/attention_mps.mm    MPS (macOS builds only)
 //   csrc/metal_plan_op.cpp       metal_plan (device-independent introspection)
 //   csrc/mps/pipelines.mm        metal_build_all_pipelines (macOS builds only)
+//   csrc/mps/device_info.mm      metal_device_info (macOS builds; csrc/device_info.cpp elsewhere)
 #include <Python.h>
 #include <torch/library.h>
 
@@ -103,4 +104,33 @@ TORCH_LIBRARY(flash_metal, m) {
   // system's Metal device. Returns where the library came from and
   // "<kernel>/<constants as 0/1 digits>" for each pipeline built.
   m.def("metal_build_all_pipelines() -> (str library, str[] pipelines)");
+  // What the Metal device, the OS and the shader library report, as JSON
+  // text, for python -m flash_metal.selfcheck and CI logs. Never raises for
+  // a missing device or backend: "available" is then false and "reason" says
+  // why (on Linux builds, and on a Mac where PyTorch and Metal find no GPU).
+  // A library that fails to load is reported in library.error, a pipeline
+  // that fails to build in pipeline_errors. build_pipelines=True first builds
+  // the pipeline of every (kernel, function constants) pair the planner can
+  // produce (as metal_build_all_pipelines; slow the first time), else only
+  // the pipelines built so far in this process are listed. Loads the shader
+  // library (its fallback warnings included). Keys (schema 1), all present:
+  //   schema: 1; available: bool; reason: str | null;
+  //   mps_backend: bool (this build has the MPS host);
+  //   macos: null | {version: "15.1.0", major, minor, patch} (what the OS
+  //     reports to this binary: macOS 26 shows as 16.x to a build against an
+  //     SDK older than 26);
+  //   device: null | {name: str, registry_id: int, source: "torch" (PyTorch's
+  //     MPS device) | "MTLCopyAllDevices" (PyTorch has none), has_unified_memory:
+  //     bool, max_threadgroup_memory_length: int, max_threads_per_threadgroup:
+  //     [w, h, d], families: {Apple7, Apple8, Apple9, Apple10, Mac2, Metal3,
+  //     Metal4: bool, or null when this macOS predates the family and it was
+  //     not asked}};
+  //   library: null | {kind: "metallib" | "runtime_compile" | null, path,
+  //     reason (why compiled at run time, "" for the metallib), origin: str |
+  //     null, error: str | null (the load failed; the other fields null)};
+  //   pipelines: [{kernel: str, function_constants: "0101...",
+  //     max_total_threads_per_threadgroup, thread_execution_width,
+  //     static_threadgroup_memory_length: int}], sorted by kernel, constants;
+  //   pipeline_errors: [{kernel, function_constants, error: str}].
+  m.def("metal_device_info(bool build_pipelines=False) -> str");
 }

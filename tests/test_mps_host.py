@@ -2,9 +2,12 @@
 
 - The .mm files parse against the real PyTorch MPS headers of the macOS
   wheels of the oldest supported torch (2.4.0, C++17) and a recent one
-  (2.14.1, C++20), plus the Apple API declarations in tests/mps_syntax/stubs/;
-  the check provably bites (a misspelled method fails it), and correct calls
-  of real Metal API the .mm does not use yet pass it.
+  (2.14.1, C++20), plus the Apple API declarations in tests/mps_syntax/stubs/,
+  in two SDK views: the newest SDK and the macOS 14 SDK of Xcode 15, which
+  lacks the macOS 15 API; the check provably bites (a misspelled method
+  fails it, and so does macOS 15 API named without a compile-time guard in
+  the SDK-14 view), and correct calls of real Metal API the .mm does not use
+  yet pass it.
 - The encoding rules in the header of csrc/mps/attention_mps.mm hold, textually.
 - The runtime-compile fallback's include inliner (csrc/mps/shader_source.h)
   produces one complete source that the Metal emulator compiles into the same
@@ -30,10 +33,18 @@ SHADER = os.path.join(ROOT, "shaders", "attention.metal")
 
 
 
+def skip_on_macos(platform=None):
+    """The stubs stand in for Apple's SDK on Linux; a Mac has the real one (and builds the .mm against it):
+    skipped there even with CI=true, where a missing prerequisite would fail."""
+    if (platform or sys.platform) == "darwin":
+        pytest.skip(syntax_check.MACOS_REASON)
+
+
 @pytest.fixture(scope="session")
 def clang():
     from metal_emulator import BuildError, find_clang
 
+    skip_on_macos()
     try:
         return find_clang()
     except BuildError as err:
@@ -41,10 +52,7 @@ def clang():
 
 
 def _headers(version):
-    if sys.platform == "darwin":
-        # The stubs stand in for Apple's SDK on Linux; on a Mac the real build
-        # compiles csrc/mps/*.mm against the SDK and the installed torch.
-        pytest.skip("macOS: `pip install .` compiles the .mm against Apple's real SDK")
+    skip_on_macos()
     try:
         return syntax_check.macos_torch_include(version), syntax_check.MACOS_TORCH_VERSIONS[version]
     except syntax_check.HeadersUnavailable as err:
@@ -63,8 +71,8 @@ def macos_torch_include():
     return _headers(syntax_check.MACOS_TORCH_VERSION)[0]
 
 
-def _syntax_check(clang, source, include, *extra, std="c++20"):
-    cmd = syntax_check.syntax_check_command(clang, source, include, extra, std=std)
+def _syntax_check(clang, source, include, *extra, std="c++20", sdk=None):
+    cmd = syntax_check.syntax_check_command(clang, source, include, extra, std=std, sdk=sdk)
     return subprocess.run(cmd, capture_output=True, text=True), cmd
 
 
@@ -88,6 +96,72 @@ def test_mm_parses_against_macos_torch_headers(clang, macos_torch, source):
     include, std = macos_torch
     proc, cmd = _syntax_check(clang, source, include, std=std)
     assert proc.returncode == 0, f"$ {' '.join(cmd)}\n{proc.stderr}"
+
+
+@pytest.mark.parametrize("source", syntax_check.mm_sources(), ids=os.path.basename)
+def test_mm_parses_with_the_macos14_sdk(clang, source):
+    # Xcode 15 / Command Line Tools 15: the SDK view without the macOS 15 API,
+    # with the oldest supported torch (the Apple stubs are what differ; one
+    # torch version is enough to see them).
+    include, std = _headers(syntax_check.MINIMUM_TORCH_VERSION)
+    proc, cmd = _syntax_check(clang, source, include, std=std, sdk=syntax_check.SDK_VIEWS["sdk14"])
+    assert proc.returncode == 0, f"$ {' '.join(cmd)}\n{proc.stderr}"
+
+
+def test_sdk14_view_lacks_the_macos15_api(clang, macos_torch_include, tmp_path):
+    # The SDK-14 view is what makes the class visible: there, the API does not
+    # exist; in the newest view it does.
+    sample = tmp_path / "macos15_api.mm"
+    sample.write_text("#include <Metal/Metal.h>\n"
+                      "void f(MTLCompileOptions* o) {\n"
+                      "  if (@available(macOS 15.0, *)) {\n"
+                      "    [o setMathMode:MTLMathModeSafe];\n"
+                      "    [o setMathFloatingPointFunctions:MTLMathFloatingPointFunctionsPrecise];\n"
+                      "    [o setLanguageVersion:MTLLanguageVersion3_2];\n"
+                      "  }\n}\n", encoding="utf-8")
+    new, _ = _syntax_check(clang, str(sample), macos_torch_include, sdk=syntax_check.SDK_VIEWS["sdk26"])
+    assert new.returncode == 0, new.stderr
+    old, _ = _syntax_check(clang, str(sample), macos_torch_include, sdk=syntax_check.SDK_VIEWS["sdk14"])
+    for name in ("MTLMathModeSafe", "MTLMathFloatingPointFunctionsPrecise", "MTLLanguageVersion3_2"):
+        assert f"'{name}'" in old.stderr, old.stderr
+    assert "setMathMode:" in old.stderr, old.stderr
+
+
+@pytest.mark.parametrize("plant", ["declarations_dropped", "newer_language_version"])
+def test_sdk14_check_catches_unguarded_macos15_api(clang, macos_torch_include, tmp_path, plant):
+    # library.mm declares the macOS 15 API itself when the SDK lacks it. Planted:
+    # without that block, or naming a macOS 15 constant it does not declare
+    # (MTLLanguageVersion3_2), library.mm still parses in the newest view but
+    # fails in the SDK-14 view, as it would with Xcode 15.
+    path = os.path.join(MPS_DIR, "library.mm")
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    if plant == "declarations_dropped":
+        broken, n = re.subn(r"#if !defined\(__MAC_15_0\)\n.*?\n#endif\n", "", text, flags=re.S)
+    else:
+        broken, n = re.subn(r"(setMathFloatingPointFunctions:MTLMathFloatingPointFunctionsPrecise\];\s*"
+                            r"\[options setLanguageVersion:)MTLLanguageVersion3_1", r"\1MTLLanguageVersion3_2", text)
+    assert n == 1, f"plant {plant} no longer applies to library.mm: update it"
+    copy = tmp_path / "library.mm"
+    copy.write_text(broken, encoding="utf-8")
+    new, cmd = _syntax_check(clang, str(copy), macos_torch_include, f"-I{MPS_DIR}",
+                             sdk=syntax_check.SDK_VIEWS["sdk26"])
+    assert new.returncode == 0, f"$ {' '.join(cmd)}\n{new.stderr}"
+    old, _ = _syntax_check(clang, str(copy), macos_torch_include, f"-I{MPS_DIR}", sdk=syntax_check.SDK_VIEWS["sdk14"])
+    assert old.returncode != 0
+    missing = ("MTLMathModeSafe",) if plant == "declarations_dropped" else ("MTLLanguageVersion3_2",)
+    for name in missing:
+        assert f"use of undeclared identifier '{name}'" in old.stderr, old.stderr
+
+
+def test_library_mm_declares_the_macos15_api_only_for_older_sdks():
+    # The compile-time guard: the block is skipped when the SDK has the API
+    # (declaring it twice would clash), and it covers every name used.
+    code = open(os.path.join(MPS_DIR, "library.mm"), encoding="utf-8").read()
+    block = re.search(r"#if !defined\(__MAC_15_0\)\n(.*?)\n#endif\n", code, flags=re.S)
+    assert block, "library.mm no longer declares the macOS 15 API for older SDKs"
+    for name in ("MTLMathModeSafe", "MTLMathFloatingPointFunctionsPrecise", "mathMode", "mathFloatingPointFunctions"):
+        assert name in block.group(1), name
 
 
 def test_correct_calls_of_real_api_pass_the_check(clang, macos_torch_include):
@@ -214,7 +288,13 @@ def test_attention_mps_encodes_on_the_current_stream():
     code = _code(os.path.join(MPS_DIR, "attention_mps.mm"))
     assert "at::mps::getCurrentMPSStream()" in code
     assert len(_dispatch_blocks(code)) == 1
-    assert "stream->commandEncoder()" in _dispatch_blocks(code)[0][2]
+    body = _dispatch_blocks(code)[0][2]
+    # The encoder is fetched inside the loop over the launches, once per
+    # dispatch (the profiler may end it between two; tests/test_mps_exec_runtime.py
+    # executes that).
+    loop = re.search(r"for \(const ResolvedLaunch& r : launches\) \{(.*)", body, flags=re.S)
+    assert loop and "stream->commandEncoder()" in loop.group(1)
+    assert body.count("stream->commandEncoder()") == 1
 
 
 def test_dispatch_is_bracketed_by_the_mps_profiler():

@@ -156,15 +156,20 @@ void encode_plan(const MetalPlan& plan, const LaunchTensors& tensors, id<MTLDevi
   }
 
   // --- Encoding: no throw, no PyTorch op, no own encoder, no commit. ---
-  // Every launch goes on the stream's one encoder, in order; its dispatches
-  // run serially, so each sees the previous one's writes (the split-KV
-  // merge pass the partials, the backward's dK/dV kernel the Delta of its
-  // dQ kernel).
+  // The launches go on the stream, in order, and run serially, so each sees
+  // the previous one's writes (the split-KV merge pass the partials, the
+  // backward's dK/dV kernel the Delta of its dQ kernel). The encoder is
+  // fetched again for every launch, and every launch binds all it uses:
+  // with profiling on (torch.mps.profiler, PYTORCH_MPS_LOG_PROFILE_INFO),
+  // PyTorch's endProfileKernel synchronizes the stream, which ends the shared
+  // encoder, so the next launch needs the new one (and an encoder starts
+  // with no bindings). Without profiling, commandEncoder() returns the same
+  // coalesced encoder each time.
   at::mps::MPSStream* stream = at::mps::getCurrentMPSStream();
   dispatch_sync(stream->queue(), ^{
     @autoreleasepool {
-      id<MTLComputeCommandEncoder> encoder = stream->commandEncoder();
       for (const ResolvedLaunch& r : launches) {
+        id<MTLComputeCommandEncoder> encoder = stream->commandEncoder();
         profile_begin(r.state, r.kernel_name, profiled_inputs);
         [encoder setComputePipelineState:r.state];
         for (size_t i = 0; i < r.buffers.size(); ++i) {

@@ -29,6 +29,7 @@ struct Pipeline {
   id<MTLComputePipelineState> state = nil;
   uint64_t max_threads_per_threadgroup = 0;  // the pipeline's limit (depends on its register use)
   uint64_t static_threadgroup_memory = 0;    // bytes the kernel declares statically
+  uint64_t thread_execution_width = 0;       // its SIMD-group width
 };
 
 // The pipeline of kernel `name` with [[function_constant(i)]] = constants[i]
@@ -39,5 +40,33 @@ Pipeline get_pipeline(id<MTLDevice> device, const std::string& name, const std::
 // Where the library get_pipeline uses on `device` came from, e.g. "the
 // precompiled /.../flash_metal.metallib"; loads it on first use (same errors).
 std::string library_origin(id<MTLDevice> device);
+
+// The same, as fields (flash_metal::metal_device_info reports them).
+struct LibraryInfo {
+  std::string kind;    // "metallib" or "runtime_compile"
+  std::string path;    // the metallib, or the shader source compiled at run time
+  std::string reason;  // why the sources were compiled at run time ("" for the metallib)
+  std::string origin;  // library_origin's sentence
+};
+LibraryInfo library_info(id<MTLDevice> device);
+
+// Every pipeline built so far on `device`: kernel name, function constants
+// ("0"/"1" per constant), and the pipeline (owned by the cache).
+struct CachedPipeline {
+  std::string kernel_name;
+  std::string constants;
+  Pipeline pipeline;
+};
+std::vector<CachedPipeline> cached_pipelines(id<MTLDevice> device);
+
+// The Metal device for work that has no tensor to take a device from (the
+// pipeline builds of the macOS CI, metal_device_info): PyTorch's MPS device
+// when PyTorch has one, else the first of MTLCopyAllDevices(). Not
+// MTLCreateSystemDefaultDevice(), which can return nil in a process without a
+// window-server session (a CI job, ssh) on Apple silicon. nil when there is
+// no Metal device at all. The device is owned elsewhere (PyTorch) or kept for
+// the process: callers neither retain nor release it. `source`, if given,
+// receives "torch" or "MTLCopyAllDevices".
+id<MTLDevice> metal_device(std::string* source = nullptr);
 
 }  // namespace flash_metal::mps

@@ -15,11 +15,13 @@
 #include "library.h"
 #include "shader_source.h"
 
+#include <ATen/mps/MPSDevice.h>
 #include <Foundation/Foundation.h>
 #include <c10/util/Exception.h>
 
 #include <dlfcn.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstdlib>
 #include <fstream>
@@ -32,6 +34,39 @@
 // macOS 14) is an error instead of an unrecognized-selector crash on an older
 // macOS. (tests/test_mps_host.py checks the same guards textually on Linux.)
 #pragma clang diagnostic error "-Wunguarded-availability-new"
+
+// MTLMathMode, MTLMathFloatingPointFunctions and MTLCompileOptions' mathMode
+// and mathFloatingPointFunctions appear in the macOS 15 SDK (Xcode 16).
+// `@available` below guards the run time, not the SDK: built with Xcode 15 or
+// Command Line Tools 15 (the macOS 14 SDK), those names do not exist and this
+// file would not compile. So when the SDK predates macOS 15 (it defines no
+// __MAC_15_0), declare them here with Apple's documented values, as PyTorch's
+// MPSGraphSequoiaOps.h does (idea credited, nothing copied): a binary built
+// with the older SDK then still asks for safe, precise math when it runs on
+// macOS 15, where the selectors exist. The availability attribute keeps the
+// pragma above enforcing the @available guard on their use.
+// (tests/test_mps_host.py syntax-checks this file against an SDK-14 view of
+// its Apple stubs, which lacks them, and tests/test_mps_exec_runtime.py runs
+// that build.)
+#if !defined(__MAC_15_0)
+#define FLASH_METAL_MACOS_15_API __attribute__((availability(macos, introduced = 15.0)))
+// https://developer.apple.com/documentation/metal/mtlmathmode?language=objc
+typedef enum : NSInteger {
+  MTLMathModeSafe = 0,
+  MTLMathModeRelaxed = 1,
+  MTLMathModeFast = 2,
+} MTLMathMode FLASH_METAL_MACOS_15_API;
+// https://developer.apple.com/documentation/metal/mtlmathfloatingpointfunctions?language=objc
+typedef enum : NSInteger {
+  MTLMathFloatingPointFunctionsFast = 0,
+  MTLMathFloatingPointFunctionsPrecise = 1,
+} MTLMathFloatingPointFunctions FLASH_METAL_MACOS_15_API;
+@interface MTLCompileOptions ()
+@property(readwrite, nonatomic) MTLMathMode mathMode FLASH_METAL_MACOS_15_API;
+@property(readwrite, nonatomic) MTLMathFloatingPointFunctions mathFloatingPointFunctions FLASH_METAL_MACOS_15_API;
+@end
+#undef FLASH_METAL_MACOS_15_API
+#endif
 
 namespace flash_metal::mps {
 namespace {
@@ -83,10 +118,14 @@ bool macos_supports_the_kernels() {
   return false;
 }
 
-// The loaded library and where it came from (for error messages).
+// The loaded library and where it came from (for error messages and
+// metal_device_info).
 struct LoadedLibrary {
   id<MTLLibrary> library = nil;  // retained for the process lifetime
   std::string origin;            // e.g. "the precompiled /.../flash_metal.metallib"
+  std::string kind;              // LibraryInfo::kind
+  std::string path;              // the metallib or the compiled source
+  std::string reason;            // why compiled at run time, with the detail ("" for the metallib)
 };
 
 id<MTLLibrary> load_metallib(id<MTLDevice> device, const std::string& path, std::string* error) {
@@ -156,7 +195,10 @@ std::string metallib_staleness(const std::string& dir) {
   return "";
 }
 
-LoadedLibrary compile_shipped_sources(id<MTLDevice> device, const std::string& dir, const std::string& why) {
+// `why` goes into the origin sentence; `detail`, if any, extends it in
+// LoadedLibrary::reason (the staleness or load error behind a fallback).
+LoadedLibrary compile_shipped_sources(id<MTLDevice> device, const std::string& dir, const std::string& why,
+                                      const std::string& detail = "") {
   const std::string source_path = dir + "/" + kShaderSourceName;
   TORCH_CHECK(file_exists(source_path), "flash_metal: cannot run on MPS: ", why, ", and the shader sources ",
               source_path, " are missing; ", kReinstallHint);
@@ -168,6 +210,9 @@ LoadedLibrary compile_shipped_sources(id<MTLDevice> device, const std::string& d
   }
   LoadedLibrary out;
   out.origin = "the shader sources " + source_path + " (compiled at run time: " + why + ")";
+  out.kind = "runtime_compile";
+  out.path = source_path;
+  out.reason = detail.empty() ? why : why + ": " + detail;
   std::string error;
   out.library = compile_source(device, source, &error);
   TORCH_CHECK(out.library != nil, "flash_metal: Metal's runtime compiler rejected ", out.origin, ":\n", error);
@@ -193,25 +238,37 @@ LoadedLibrary load_library(id<MTLDevice> device) {
   if (!stale.empty()) {
     TORCH_WARN("flash_metal: not using ", metallib, ": ", stale, "; ", kFallbackNote, ". To fix, ", kReinstallHint,
                ".");
-    return compile_shipped_sources(device, dir, "the metallib was stale");
+    return compile_shipped_sources(device, dir, "the metallib was stale", stale);
   }
   LoadedLibrary out;
   std::string error;
   out.origin = "the precompiled " + metallib;
+  out.kind = "metallib";
+  out.path = metallib;
   out.library = load_metallib(device, metallib, &error);
   if (out.library == nil) {
     // Typically a metallib built for a newer macOS than this one.
     TORCH_WARN("flash_metal: cannot load ", metallib, " (", error, "); ", kFallbackNote, ".");
-    return compile_shipped_sources(device, dir, "the metallib did not load");
+    return compile_shipped_sources(device, dir, "the metallib did not load", error);
   }
   return out;
 }
 
-std::string cache_key(id<MTLDevice> device, const std::string& name, const std::vector<bool>& constants) {
-  std::string key = std::to_string(reinterpret_cast<uintptr_t>(device)) + "/" + name + "/";
-  for (bool c : constants) key += c ? '1' : '0';
-  return key;
-}
+// The pipeline cache's key, and what metal_device_info lists: the device,
+// then kernel name and constants.
+struct PipelineKey {
+  uintptr_t device;
+  std::string name;
+  std::string constants;
+  bool operator==(const PipelineKey& o) const {
+    return device == o.device && name == o.name && constants == o.constants;
+  }
+};
+struct PipelineKeyHash {
+  size_t operator()(const PipelineKey& k) const {
+    return std::hash<std::string>()(std::to_string(k.device) + "/" + k.name + "/" + k.constants);
+  }
+};
 
 // Everything below is guarded by mutex(). Both maps are leaked on purpose:
 // they outlive static destruction, as the retained Metal objects do.
@@ -223,8 +280,8 @@ std::unordered_map<uintptr_t, LoadedLibrary>& libraries() {
   static auto* map = new std::unordered_map<uintptr_t, LoadedLibrary>();
   return *map;
 }
-std::unordered_map<std::string, Pipeline>& pipelines() {
-  static auto* map = new std::unordered_map<std::string, Pipeline>();
+std::unordered_map<PipelineKey, Pipeline, PipelineKeyHash>& pipelines() {
+  static auto* map = new std::unordered_map<PipelineKey, Pipeline, PipelineKeyHash>();
   return *map;
 }
 
@@ -264,14 +321,21 @@ Pipeline build_pipeline(id<MTLDevice> device, const LoadedLibrary& lib, const st
   TORCH_CHECK(p.state != nil, "flash_metal: ", error);
   p.max_threads_per_threadgroup = [p.state maxTotalThreadsPerThreadgroup];
   p.static_threadgroup_memory = [p.state staticThreadgroupMemoryLength];
+  p.thread_execution_width = [p.state threadExecutionWidth];
   return p;
+}
+
+std::string constants_string(const std::vector<bool>& constants) {
+  std::string s;
+  for (bool c : constants) s += c ? '1' : '0';
+  return s;
 }
 
 }  // namespace
 
 Pipeline get_pipeline(id<MTLDevice> device, const std::string& name, const std::vector<bool>& constants) {
   std::lock_guard<std::mutex> lock(mutex());
-  const std::string key = cache_key(device, name, constants);
+  const PipelineKey key{reinterpret_cast<uintptr_t>(device), name, constants_string(constants)};
   auto hit = pipelines().find(key);
   if (hit != pipelines().end()) return hit->second;
 
@@ -283,6 +347,50 @@ Pipeline get_pipeline(id<MTLDevice> device, const std::string& name, const std::
 std::string library_origin(id<MTLDevice> device) {
   std::lock_guard<std::mutex> lock(mutex());
   return library_for(device).origin;
+}
+
+LibraryInfo library_info(id<MTLDevice> device) {
+  std::lock_guard<std::mutex> lock(mutex());
+  const LoadedLibrary& lib = library_for(device);
+  return {lib.kind, lib.path, lib.reason, lib.origin};
+}
+
+std::vector<CachedPipeline> cached_pipelines(id<MTLDevice> device) {
+  std::lock_guard<std::mutex> lock(mutex());
+  std::vector<CachedPipeline> out;
+  for (const auto& [key, pipeline] : pipelines()) {
+    if (key.device == reinterpret_cast<uintptr_t>(device)) out.push_back({key.name, key.constants, pipeline});
+  }
+  return out;
+}
+
+id<MTLDevice> metal_device(std::string* source) {
+  id<MTLDevice> device = nil;
+  try {
+    device = at::mps::MPSDevice::getInstance()->device();  // nil where PyTorch declines every GPU
+  } catch (const std::exception&) {
+    device = nil;  // a PyTorch that refuses this macOS: look for a device ourselves
+  }
+  if (device != nil) {
+    if (source != nullptr) *source = "torch";
+    return device;
+  }
+  // The first device Metal lists. Each distinct device is retained once and
+  // kept for the process (Metal's device objects are long-lived singletons),
+  // so the pointer stays valid after the array is released.
+  static std::mutex kept_mutex;
+  static auto* kept = new std::vector<id<MTLDevice>>();
+  NSArray<id<MTLDevice>>* all = MTLCopyAllDevices();  // +1 (Create rule)
+  if (all != nil) {
+    if ([all count] > 0) device = [all objectAtIndex:0];
+    std::lock_guard<std::mutex> lock(kept_mutex);
+    if (device != nil && std::find(kept->begin(), kept->end(), device) == kept->end()) {
+      kept->push_back([device retain]);
+    }
+    [all release];
+  }
+  if (device != nil && source != nullptr) *source = "MTLCopyAllDevices";
+  return device;
 }
 
 }  // namespace flash_metal::mps

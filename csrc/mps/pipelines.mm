@@ -1,8 +1,9 @@
 // flash_metal::metal_build_all_pipelines, a test-facing entry point (macOS
 // builds only): builds, with the real Metal framework, the pipeline of every
 // (kernel name, function constants) pair the portable planner can return,
-// through the same loader and cache attention_forward uses. On a machine whose GPU cannot run kernels (GitHub's hosted macOS
-// runners), this still proves that the metallib loads, is not stale, holds
+// through the same loader and cache attention_forward uses. On a machine
+// whose GPU cannot run kernels (GitHub's hosted macOS runners), this still
+// proves that the metallib loads, is not stale, holds
 // every instantiation the planner names, and that Metal accepts each one.
 #include "library.h"
 #include "metal_plan.h"
@@ -16,16 +17,11 @@
 namespace flash_metal::mps {
 namespace {
 
-// The system's default Metal device, not PyTorch's MPS device: pipeline
-// creation needs only a device, and this one exists even where PyTorch's
-// MPS backend declines the GPU. Created once, kept for the process.
-id<MTLDevice> system_device() {
-  static id<MTLDevice> device = MTLCreateSystemDefaultDevice();  // +1, never released
-  return device;
-}
-
 std::tuple<std::string, std::vector<std::string>> metal_build_all_pipelines() {
-  id<MTLDevice> device = system_device();
+  // PyTorch's MPS device, else any Metal device (library.h, metal_device):
+  // pipeline creation needs only a device, and a CI runner's may be one
+  // PyTorch declines.
+  id<MTLDevice> device = metal_device();
   TORCH_CHECK(device != nil, "flash_metal.metal_build_all_pipelines: this machine has no Metal device");
   std::vector<std::string> built;
   for (const MetalLaunch& launch : all_metal_launches()) {

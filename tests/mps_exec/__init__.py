@@ -19,8 +19,8 @@ import shutil
 
 import torch
 
-from ._build import (APT_PACKAGES, CACHE_DIR, BuildFailed, ToolchainMissing, build, copy_library, host_sources,  # noqa: F401
-                     toolchain)
+from ._build import (APT_PACKAGES, CACHE_DIR, MACOS_REASON, SDK_VIEWS, BuildFailed, LinuxOnly, ToolchainMissing,  # noqa: F401
+                     build, check_platform, copy_library, host_sources, toolchain)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
@@ -187,6 +187,46 @@ def load(path: str) -> Host:
     return Host(path)
 
 
+_SESSION: dict = {}
+
+
+def session_host(lib: str, emu_library, directory: str) -> Host:
+    """The host loaded into this process once, from a package look-alike in `directory` with a fresh
+    fake metallib of emu_library's kernels. Later calls (from any test module) return the same Host,
+    whatever they pass: a second copy of the library cannot load into the process (its op
+    registrations would clash). The process's first op call, which loads the shader library, is kept
+    as host.first_recording."""
+    if "host" not in _SESSION:
+        from numerics import make_qkv
+
+        h = load(package_dir(lib, directory, "fresh", emu_library.kernel_names()))
+        h.package = directory
+        q, k, v = make_qkv(1, 2, 1, 5, 7, 16, torch.float32, generator=torch.Generator().manual_seed(0))
+        h.first_recording, _ = h.run(q, k, v)
+        _SESSION["host"] = h
+    return _SESSION["host"]
+
+
+def require_toolchain() -> dict:
+    """toolchain(), or end the calling test: skipped on macOS, even with CI=true (the real Metal framework
+    runs there instead); elsewhere prereqs.unavailable (skipped locally, failed with CI=true)."""
+    import pytest
+    from prereqs import unavailable
+
+    try:
+        return toolchain()
+    except LinuxOnly as err:
+        pytest.skip(str(err))
+    except ToolchainMissing as err:
+        unavailable(str(err))
+
+
+def require_build(overrides=None, sdk=None) -> str:
+    """build(), after require_toolchain()."""
+    require_toolchain()
+    return build(overrides, sdk)
+
+
 def _buffer_view(contents: int, length: int, offset: int) -> torch.Tensor:
     """A uint8 CPU tensor over a fake MTLBuffer's memory from `offset` to its end."""
     raw = (ctypes.c_uint8 * max(length, 1)).from_address(contents)
@@ -201,7 +241,9 @@ class ReplayError(Exception):
 def replay(recording: dict, library) -> list[str]:
     """Runs every dispatch of `recording` in the emulator `library`, with the
     encoder state (pipeline, buffers at their byte offsets, bytes, threadgroup
-    memory) as Metal would have it at that point. Returns the kernel names.
+    memory) as Metal would have it at that point: a new encoder (after the
+    stream ended the previous one) starts empty, and a call on an ended
+    encoder is an error. Returns the kernel names.
     """
     pipeline = None
     buffers: dict[int, tuple[int, int, int]] = {}
@@ -210,7 +252,16 @@ def replay(recording: dict, library) -> list[str]:
     ran = []
     for e in recording["events"]:
         op = e["op"]
-        if op == "setComputePipelineState":
+        if e.get("ended"):
+            raise ReplayError(f"{op} on compute encoder #{e['encoder']} after it ended: Metal would abort")
+        if op == "stream.endKernelCoalescing":
+            # A new encoder starts with nothing bound: what the next dispatch
+            # needs, it must bind again.
+            pipeline = None
+            buffers.clear()
+            inline.clear()
+            tg_memory.clear()
+        elif op == "setComputePipelineState":
             pipeline = e
         elif op == "setBuffer":
             buffers[e["index"]] = (e["contents"], e["length"], e["offset"])

@@ -16,8 +16,12 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
+
+# The SDK views the host is built against (the syntax check's; see there).
+from mps_syntax.syntax_check import SDK_VIEWS  # noqa: F401
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 TESTS = os.path.dirname(HERE)
@@ -28,9 +32,13 @@ CACHE_DIR = os.environ.get("FLASH_METAL_MPS_EXEC_CACHE", os.path.join(HERE, ".bu
 # The portable C++ the host calls (compiled again here: setup.py builds the
 # _C extension with hidden visibility, so it exports none of it).
 PORTABLE_SOURCES = ("checks.cpp", "metal_plan.cpp")
-FAKE_SOURCES = ("fake_foundation.mm", "fake_metal.mm", "fake_mps.mm", "personality.cpp")
+FAKE_SOURCES = ("fake_foundation.mm", "fake_metal.mm", "fake_encoder.mm", "fake_mps.mm", "personality.cpp")
 # What apt must install for this build (Debian bookworm names).
 APT_PACKAGES = "clang-19 libobjc-12-dev libblocksruntime-dev"
+# Why the harness does not run on macOS: the real thing runs there.
+MACOS_REASON = ("macOS: tests/mps_exec is a Linux stand-in for Apple's frameworks (GCC's libobjc, libBlocksRuntime, "
+                "recording fakes); on a Mac the real Metal framework runs the host instead (tests/test_mps_pipelines.py, "
+                "tests/test_device_info.py)")
 
 # `@available(macOS 14.0, *)`: clang folds it to true off Apple platforms, so
 # the build rewrites it into a call the harness can answer with any macOS
@@ -42,12 +50,30 @@ class ToolchainMissing(Exception):
     """clang 19, GCC's libobjc or libBlocksRuntime is not installed."""
 
 
+class LinuxOnly(Exception):
+    """This is macOS, where the harness's Linux stand-ins do not exist (and are not needed)."""
+
+
+def check_platform(platform: str | None = None) -> None:
+    """Raises LinuxOnly on macOS (the build looks for GCC's libobjc and the blocks runtime, which Apple's
+    toolchain does not have; Apple's own runtime and frameworks run the host there for real)."""
+    if (platform or sys.platform) == "darwin":
+        raise LinuxOnly(MACOS_REASON)
+
+
 class BuildFailed(Exception):
     """clang rejected a source, or the link failed (message holds the diagnostics)."""
 
 
-@functools.lru_cache(maxsize=None)
 def toolchain() -> dict:
+    """clang, libobjc's and libBlocksRuntime's directories. Raises LinuxOnly on macOS, ToolchainMissing if a
+    package is absent."""
+    check_platform()
+    return _toolchain()
+
+
+@functools.lru_cache(maxsize=None)
+def _toolchain() -> dict:
     from metal_emulator import BuildError, find_clang
 
     try:
@@ -145,6 +171,10 @@ def host_sources() -> list[str]:
     return sorted(glob.glob(os.path.join(CSRC, "mps", "*.mm")))
 
 
+def _sdk_flags(sdk: int | None) -> list[str]:
+    return [] if sdk is None else [f"-DFM_STUB_MACOS_SDK={int(sdk)}"]
+
+
 def _source_units(overrides: dict[str, str]) -> list[tuple[str, str, bool]]:
     """(name, text, is_objc) for every translation unit, .mm texts rewritten."""
     units = []
@@ -172,10 +202,11 @@ def _atomic_write_from(tmp_path: str, final: str) -> None:
     os.replace(tmp_path, final)
 
 
-def _compile(unit: tuple[str, str, bool], key_base: str) -> str:
+def _compile(unit: tuple[str, str, bool], key_base: str, sdk: int | None = None) -> str:
     name, text, objc = unit
     tc = toolchain()
-    flags = compile_flags() + (OBJC_FLAGS if objc else ["-x", "c++"])
+    # The SDK view only matters to what sees Apple's API: the Objective-C++ units.
+    flags = compile_flags() + (OBJC_FLAGS + _sdk_flags(sdk) if objc else ["-x", "c++"])
     key = hashlib.sha256((key_base + name + "\0" + text + "\0" + " ".join(flags)).encode()).hexdigest()[:20]
     obj = os.path.join(CACHE_DIR, "obj", f"{name}.{key}.o")
     deps_file = obj[:-2] + ".deps.json"
@@ -197,15 +228,16 @@ def _compile(unit: tuple[str, str, bool], key_base: str) -> str:
     return obj
 
 
-def build(overrides: dict[str, str] | None = None) -> str:
-    """Path of the built library (cached). overrides: {basename: text} replaces a source's text."""
+def build(overrides: dict[str, str] | None = None, sdk: int | None = None) -> str:
+    """Path of the built library (cached). overrides: {basename: text} replaces a source's text; sdk: the
+    SDK view of the Apple stubs (SDK_VIEWS; None: the newest)."""
     tc = toolchain()
     _, links, torch_version = _torch_flags()
     os.makedirs(CACHE_DIR, exist_ok=True)
     key_base = hashlib.sha256((tc["version"] + torch_version).encode()).hexdigest()
     units = _source_units(overrides or {})
     with ThreadPoolExecutor(max_workers=max(1, min(len(units), os.cpu_count() or 1))) as pool:
-        objects = list(pool.map(lambda u: _compile(u, key_base), units))
+        objects = list(pool.map(lambda u: _compile(u, key_base, sdk), units))
     link_flags = [*links, f"-L{tc['objc_dir']}", "-lobjc", f"-L{tc['blocks_dir']}", "-lBlocksRuntime",
                   "-Wl,-z,defs"]  # every symbol resolved now: a missing fake fails the build, not a test
     key = hashlib.sha256(("\0".join(objects) + " ".join(link_flags)).encode()).hexdigest()[:20]

@@ -1,5 +1,5 @@
 // Fake Foundation for the execution test: NSObject (manual retain/release),
-// NSString, NSURL, NSError and NSAutoreleasePool, over the GCC Objective-C
+// NSString, NSArray, NSURL, NSError, NSProcessInfo and NSAutoreleasePool, over the GCC Objective-C
 // runtime. Implements the declarations in tests/mps_syntax/stubs/Foundation;
 // see fake_runtime.h for the object model. Never shipped.
 #include "fake_runtime.h"
@@ -230,6 +230,23 @@ struct ErrorPayload : fm_exec::Payload {
 }
 @end
 
+// The running macOS, from the macos_version knob (100 * major + minor), the
+// same version @available answers from.
+@implementation NSProcessInfo
++ (NSProcessInfo*)processInfo {
+  static NSProcessInfo* shared = [[NSProcessInfo alloc] init];  // a singleton, never released (as Cocoa's)
+  return shared;
+}
+- (NSOperatingSystemVersion)operatingSystemVersion {
+  const uint64_t v = fm_exec::knobs().macos_version;
+  NSOperatingSystemVersion out{};
+  if (!fm_exec::check_alive(self, "-[NSProcessInfo operatingSystemVersion]")) return out;
+  out.majorVersion = static_cast<NSInteger>(v / 100);
+  out.minorVersion = static_cast<NSInteger>(v % 100);
+  return out;
+}
+@end
+
 @implementation NSURL
 + (NSURL*)fileURLWithPath:(NSString*)path {
   NSURL* url = [[self alloc] init];
@@ -270,6 +287,14 @@ NSArray<NSString*>* autoreleased_string_array(const std::vector<std::string>& it
   for (const std::string& item : items) p->items.push_back([autoreleased_string(item) retain]);
   set_payload(array, std::move(p));
   return [array autorelease];
+}
+
+NSArray* new_array(const std::vector<id>& items) {
+  NSArray* array = [[NSArray alloc] init];
+  auto p = std::make_unique<ArrayPayload>();
+  for (id item : items) p->items.push_back([item retain]);
+  set_payload(array, std::move(p));
+  return array;
 }
 
 NSString* label_of(id object) {

@@ -1,6 +1,7 @@
-// A recording fake of the Metal and libdispatch API flash_metal's host uses:
-// device, library, function, pipeline state, compute command encoder, buffer,
-// compile options, function constant values, and dispatch_sync. Implements
+// A recording fake of the Metal API flash_metal's host uses: device,
+// library, function, pipeline state, buffer, compile options and function
+// constant values (the compute encoder and dispatch_sync are in
+// fake_encoder.mm), and the harness's C API. Implements
 // the declarations in tests/mps_syntax/stubs/ (the build turns a missing
 // protocol method into an error), records every call the Python harness
 // replays into the Metal emulator, and checks the Metal rules the emulator
@@ -31,17 +32,9 @@ std::vector<std::string>& errors() {
   return *v;
 }
 
-// Metal's argument table: indices 0..30 for buffers and threadgroup memory.
-// Why 31: the documented limit of both tables on Apple silicon.
-constexpr NSUInteger kArgumentTableSize = 31;
-// setBytes:length:atIndex: is documented for data under 4 KiB.
-constexpr NSUInteger kSetBytesLimit = 4096;
-// setThreadgroupMemoryLength: lengths must be multiples of 16 bytes.
-constexpr NSUInteger kThreadgroupMemoryGranule = 16;
+}  // namespace
 
 std::string id_of(id object) { return std::to_string(reinterpret_cast<uintptr_t>(object)); }
-
-thread_local std::vector<dispatch_queue_t> queue_stack;
 
 std::string constants_json(const std::map<NSUInteger, bool>& constants) {
   std::string out = "{";
@@ -51,8 +44,6 @@ std::string constants_json(const std::map<NSUInteger, bool>& constants) {
   }
   return out + "}";
 }
-
-}  // namespace
 
 void record(const std::string& json_object) {
   std::lock_guard<std::mutex> lock(recording_mutex());
@@ -91,19 +82,12 @@ Knobs& knobs() {
   return k;
 }
 
-dispatch_queue_t current_queue() { return queue_stack.empty() ? nullptr : queue_stack.back(); }
-
 }  // namespace fm_exec
 
 // --- payloads -------------------------------------------------------------------------------
 
 namespace {
 
-struct BufferPayload : fm_exec::Payload {
-  void* memory = nullptr;
-  NSUInteger length = 0;
-  ~BufferPayload() override { std::free(memory); }
-};
 struct LibraryPayload : fm_exec::Payload {
   std::string origin;  // "metallib <path>" or "source"
   std::set<std::string> kernels;
@@ -111,12 +95,6 @@ struct LibraryPayload : fm_exec::Payload {
 struct FunctionPayload : fm_exec::Payload {
   std::string name;
   std::map<NSUInteger, bool> constants;
-};
-struct PipelinePayload : fm_exec::Payload {
-  std::string kernel;
-  std::map<NSUInteger, bool> constants;
-  uint64_t max_threads = 0;
-  uint64_t static_memory = 0;
 };
 struct CompileOptionsPayload : fm_exec::Payload {
   std::map<std::string, int64_t> set;  // options the host set explicitly
@@ -126,21 +104,6 @@ struct ConstantValuesPayload : fm_exec::Payload {
 };
 
 }  // namespace
-
-// The label and device properties every Metal object has. Labels are kept
-// (they show in Xcode's captures); devices are the one fake device.
-#define FM_LABEL(Protocol)                                           \
-  -(NSString*)label {                                                \
-    return fm_exec::label_of(self);                                  \
-  }                                                                  \
-  -(void)setLabel : (NSString*)label {                               \
-    fm_exec::set_label(self, label, "-[" #Protocol " setLabel:]"); \
-  }
-#define FM_LABEL_AND_DEVICE(Protocol) \
-  FM_LABEL(Protocol)                  \
-  -(id<MTLDevice>)device {            \
-    return fm_exec::device();         \
-  }
 
 // --- buffers --------------------------------------------------------------------------------
 
@@ -183,6 +146,21 @@ int64_t get_option(MTLCompileOptions* options, const char* name, int64_t metal_d
 }
 }  // namespace
 
+// The macOS 15 options exist at run time on macOS 15 whatever SDK the host
+// was built with (library.mm declares them itself for older SDKs), so the
+// fake implements them in every SDK view; in the SDK-14 view, where the stubs
+// lack their types, with the enums' underlying integer type.
+#if defined(__MAC_15_0)
+using FmMathMode = MTLMathMode;
+using FmMathFloatingPointFunctions = MTLMathFloatingPointFunctions;
+#else
+using FmMathMode = NSInteger;
+using FmMathFloatingPointFunctions = NSInteger;
+#endif
+// Metal's values (https://developer.apple.com/documentation/metal/mtlmathmode,
+// .../mtlmathfloatingpointfunctions and .../mtllanguageversion/version3_2).
+constexpr int64_t kMathModeFast = 2, kMathFloatingPointFunctionsFast = 0, kLanguageVersion3_2 = (3 << 16) + 2;
+
 @implementation MTLCompileOptions
 - (instancetype)init {
   fm_exec::set_payload(self, std::make_unique<CompileOptionsPayload>());
@@ -190,7 +168,7 @@ int64_t get_option(MTLCompileOptions* options, const char* name, int64_t metal_d
 }
 - (MTLLanguageVersion)languageVersion {
   // Metal's default is the newest version the OS supports; 3.2 = macOS 15.
-  return static_cast<MTLLanguageVersion>(get_option(self, "languageVersion", MTLLanguageVersion3_2));
+  return static_cast<MTLLanguageVersion>(get_option(self, "languageVersion", kLanguageVersion3_2));
 }
 - (void)setLanguageVersion:(MTLLanguageVersion)languageVersion {
   set_option(self, "languageVersion", static_cast<int64_t>(languageVersion));
@@ -201,17 +179,17 @@ int64_t get_option(MTLCompileOptions* options, const char* name, int64_t metal_d
 - (void)setFastMathEnabled:(BOOL)fastMathEnabled {
   set_option(self, "fastMathEnabled", fastMathEnabled ? 1 : 0);
 }
-- (MTLMathMode)mathMode {
-  return static_cast<MTLMathMode>(get_option(self, "mathMode", MTLMathModeFast));  // Metal's default
+- (FmMathMode)mathMode {
+  return static_cast<FmMathMode>(get_option(self, "mathMode", kMathModeFast));  // Metal's default
 }
-- (void)setMathMode:(MTLMathMode)mathMode {
+- (void)setMathMode:(FmMathMode)mathMode {
   set_option(self, "mathMode", mathMode);
 }
-- (MTLMathFloatingPointFunctions)mathFloatingPointFunctions {
-  return static_cast<MTLMathFloatingPointFunctions>(
-      get_option(self, "mathFloatingPointFunctions", MTLMathFloatingPointFunctionsFast));  // Metal's default
+- (FmMathFloatingPointFunctions)mathFloatingPointFunctions {
+  return static_cast<FmMathFloatingPointFunctions>(
+      get_option(self, "mathFloatingPointFunctions", kMathFloatingPointFunctionsFast));  // Metal's default
 }
-- (void)setMathFloatingPointFunctions:(MTLMathFloatingPointFunctions)mathFloatingPointFunctions {
+- (void)setMathFloatingPointFunctions:(FmMathFloatingPointFunctions)mathFloatingPointFunctions {
   set_option(self, "mathFloatingPointFunctions", mathFloatingPointFunctions);
 }
 - (NSDictionary*)preprocessorMacros {
@@ -399,6 +377,9 @@ FM_LABEL(MTLLibrary)
 - (NSString*)name {
   return fm_exec::autoreleased_string("flash_metal mps_exec fake device");
 }
+- (uint64_t)registryID {
+  return 0x100000abcULL;  // Why this value: any fixed IORegistry id; tests compare it
+}
 - (MTLSize)maxThreadsPerThreadgroup {
   return MTLSizeMake(1024, 1024, 1024);  // Why 1024: Apple silicon's per-dimension limit
 }
@@ -420,183 +401,27 @@ FM_LABEL(MTLLibrary)
 }
 @end
 
-// Apple's Create rule: +1. The same device PyTorch's MPSDevice returns.
+// Apple's Create rule: +1. The same device PyTorch's MPSDevice returns, or
+// nil (the default; knob system_default_device), as in a non-interactive
+// process on Apple silicon.
 extern "C" id<MTLDevice> MTLCreateSystemDefaultDevice(void) {
-  fm_exec::record("{\"op\":\"MTLCreateSystemDefaultDevice\"}");
-  return [fm_exec::device() retain];
+  const bool found = fm_exec::knobs().system_default_device != 0;
+  fm_exec::record(std::string("{\"op\":\"MTLCreateSystemDefaultDevice\",\"nil\":") + (found ? "false" : "true") + "}");
+  return found ? [fm_exec::device() retain] : nil;
 }
 
-// --- the compute command encoder ------------------------------------------------------------
-
-@interface FakeEncoder : NSObject <MTLComputeCommandEncoder>
-@end
-
-namespace {
-// Common prefix of every encoder event: the call and whether it ran inside
-// dispatch_sync on the stream's queue.
-std::string encoder_event(const char* op) {
-  const bool on_queue = fm_exec::current_queue() != nullptr && fm_exec::current_queue() == fm_exec::stream_queue();
-  if (!on_queue) fm_exec::record_error(std::string(op) + " called outside dispatch_sync on the stream's queue");
-  return std::string("{\"op\":\"") + op + "\",\"on_stream_queue\":" + (on_queue ? "true" : "false");
-}
-
-bool check_index(const char* op, NSUInteger index) {
-  if (index < fm_exec::kArgumentTableSize) return true;
-  fm_exec::record_error(std::string(op) + ": index " + std::to_string(index) + " is outside Metal's argument table");
-  return false;
-}
-}  // namespace
-
-@implementation FakeEncoder
-- (void)setComputePipelineState:(id<MTLComputePipelineState>)state {
-  if (!fm_exec::check_alive(self, "-[MTLComputeCommandEncoder setComputePipelineState:]")) return;
-  const auto* p = fm_exec::payload<PipelinePayload>(state);
-  if (p == nullptr) {
-    fm_exec::record_error("setComputePipelineState: not a live fake pipeline");
-    return;
-  }
-  fm_exec::record(encoder_event("setComputePipelineState") + ",\"pipeline\":" + fm_exec::id_of(state) +
-                  ",\"kernel\":" + fm_exec::quote(p->kernel) +
-                  ",\"constants\":" + fm_exec::constants_json(p->constants) + "}");
-}
-- (void)setBuffer:(id<MTLBuffer>)buffer offset:(NSUInteger)offset atIndex:(NSUInteger)index {
-  if (!fm_exec::check_alive(self, "-[MTLComputeCommandEncoder setBuffer:offset:atIndex:]")) return;
-  check_index("setBuffer:offset:atIndex:", index);
-  const auto* b = fm_exec::check_alive(buffer, "setBuffer:offset:atIndex: (its buffer argument)")
-                      ? fm_exec::payload<BufferPayload>(buffer)
-                      : nullptr;
-  if (b == nullptr) {
-    fm_exec::record_error("setBuffer:offset:atIndex: " + std::to_string(index) + " got no live fake MTLBuffer");
-    return;
-  }
-  if (offset > b->length) {
-    fm_exec::record_error("setBuffer:offset:atIndex: " + std::to_string(index) + ": offset " + std::to_string(offset) +
-                          " is past the buffer's end (" + std::to_string(b->length) + " bytes)");
-  }
-  fm_exec::record(encoder_event("setBuffer") + ",\"buffer\":" + fm_exec::id_of(buffer) + ",\"contents\":" +
-                  std::to_string(reinterpret_cast<uintptr_t>(b->memory)) + ",\"length\":" +
-                  std::to_string(b->length) + ",\"offset\":" + std::to_string(offset) +
-                  ",\"index\":" + std::to_string(index) + "}");
-}
-- (void)setBytes:(const void*)bytes length:(NSUInteger)length atIndex:(NSUInteger)index {
-  if (!fm_exec::check_alive(self, "-[MTLComputeCommandEncoder setBytes:length:atIndex:]")) return;
-  check_index("setBytes:length:atIndex:", index);
-  if (length > fm_exec::kSetBytesLimit) {
-    fm_exec::record_error("setBytes:length:atIndex: " + std::to_string(length) + " bytes; Metal allows up to 4 KiB");
-  }
-  static const char* hex = "0123456789abcdef";
-  std::string data;
-  for (NSUInteger i = 0; i < length; ++i) {
-    const auto byte = static_cast<const unsigned char*>(bytes)[i];
-    data += hex[byte >> 4];
-    data += hex[byte & 15];
-  }
-  fm_exec::record(encoder_event("setBytes") + ",\"index\":" + std::to_string(index) + ",\"hex\":\"" + data + "\"}");
-}
-- (void)setThreadgroupMemoryLength:(NSUInteger)length atIndex:(NSUInteger)index {
-  if (!fm_exec::check_alive(self, "-[MTLComputeCommandEncoder setThreadgroupMemoryLength:atIndex:]")) return;
-  check_index("setThreadgroupMemoryLength:atIndex:", index);
-  if (length % fm_exec::kThreadgroupMemoryGranule != 0) {
-    fm_exec::record_error("setThreadgroupMemoryLength: " + std::to_string(length) +
-                          " bytes is not a multiple of 16, as Metal requires");
-  }
-  fm_exec::record(encoder_event("setThreadgroupMemoryLength") + ",\"length\":" + std::to_string(length) +
-                  ",\"index\":" + std::to_string(index) + "}");
-}
-- (void)dispatchThreadgroups:(MTLSize)threadgroupsPerGrid threadsPerThreadgroup:(MTLSize)threadsPerThreadgroup {
-  if (!fm_exec::check_alive(self, "-[MTLComputeCommandEncoder dispatchThreadgroups:threadsPerThreadgroup:]")) return;
-  const MTLSize& g = threadgroupsPerGrid;
-  const MTLSize& t = threadsPerThreadgroup;
-  fm_exec::record(encoder_event("dispatchThreadgroups") + ",\"grid\":[" + std::to_string(g.width) + "," +
-                  std::to_string(g.height) + "," + std::to_string(g.depth) + "],\"threadgroup\":[" +
-                  std::to_string(t.width) + "," + std::to_string(t.height) + "," + std::to_string(t.depth) + "]}");
-}
-- (void)endEncoding {
-  fm_exec::record_error("endEncoding: the host ended PyTorch's shared compute encoder");
-  fm_exec::record(encoder_event("endEncoding") + "}");
-}
-- (void)setBufferOffset:(NSUInteger)offset atIndex:(NSUInteger)index {
-  if (!fm_exec::check_alive(self, "-[MTLComputeCommandEncoder setBufferOffset:atIndex:]")) return;
-  check_index("setBufferOffset:atIndex:", index);
-  fm_exec::record(encoder_event("setBufferOffset") + ",\"offset\":" + std::to_string(offset) +
-                  ",\"index\":" + std::to_string(index) + "}");
-}
-- (void)setBuffers:(const id<MTLBuffer>[])buffers offsets:(const NSUInteger[])offsets withRange:(NSRange)range {
-  for (NSUInteger i = 0; i < range.length; ++i) {
-    [self setBuffer:buffers[i] offset:offsets[i] atIndex:range.location + i];
-  }
-}
-- (void)dispatchThreads:(MTLSize)threadsPerGrid threadsPerThreadgroup:(MTLSize)threadsPerThreadgroup {
-  if (!fm_exec::check_alive(self, "-[MTLComputeCommandEncoder dispatchThreads:threadsPerThreadgroup:]")) return;
-  const MTLSize& g = threadsPerGrid;
-  const MTLSize& t = threadsPerThreadgroup;
-  fm_exec::record(encoder_event("dispatchThreads") + ",\"threads\":[" + std::to_string(g.width) + "," +
-                  std::to_string(g.height) + "," + std::to_string(g.depth) + "],\"threadgroup\":[" +
-                  std::to_string(t.width) + "," + std::to_string(t.height) + "," + std::to_string(t.depth) + "]}");
-}
-- (void)memoryBarrierWithScope:(MTLBarrierScope)scope {
-  fm_exec::record(encoder_event("memoryBarrier") + "}");
-}
-- (void)useResource:(id<MTLResource>)resource usage:(MTLResourceUsage)usage {
-  fm_exec::record(encoder_event("useResource") + "}");
-}
-- (void)pushDebugGroup:(NSString*)string {
-  fm_exec::record(encoder_event("pushDebugGroup") + ",\"name\":" + fm_exec::quote(fm_exec::string_of(string)) + "}");
-}
-- (void)popDebugGroup {
-  fm_exec::record(encoder_event("popDebugGroup") + "}");
-}
-- (void)insertDebugSignpost:(NSString*)string {
-  fm_exec::record(encoder_event("insertDebugSignpost") + ",\"name\":" + fm_exec::quote(fm_exec::string_of(string)) +
-                  "}");
-}
-FM_LABEL_AND_DEVICE(MTLComputeCommandEncoder)
-@end
-
-// --- libdispatch ---------------------------------------------------------------------------
-
-@interface FakeQueue : NSObject <OS_dispatch_queue>
-@end
-@implementation FakeQueue
-@end
-
-extern "C" void dispatch_sync(dispatch_queue_t queue, dispatch_block_t block) {
-  if (!fm_exec::check_alive(queue, "dispatch_sync")) return;
-  const bool stream = queue == fm_exec::stream_queue();
-  for (dispatch_queue_t q : fm_exec::queue_stack) {
-    if (q == queue) {
-      // A serial queue waiting on itself: libdispatch deadlocks (or traps).
-      fm_exec::record_error("dispatch_sync onto a queue this thread is already running on: deadlock on macOS");
-      return;
-    }
-  }
-  fm_exec::record(std::string("{\"op\":\"dispatch_sync\",\"stream_queue\":") + (stream ? "true" : "false") + "}");
-  fm_exec::queue_stack.push_back(queue);
-  try {
-    block();
-  } catch (...) {
-    // Exceptions cannot cross libdispatch: on macOS the process would abort.
-    fm_exec::record_error("an exception escaped a dispatch_sync block: libdispatch would terminate the process");
-  }
-  fm_exec::queue_stack.pop_back();
-  fm_exec::record("{\"op\":\"dispatch_sync_end\"}");
+// The Create rule: a +1 array of knob metal_devices entries, each the one fake device.
+extern "C" NSArray<id<MTLDevice>>* MTLCopyAllDevices(void) {
+  const uint64_t n = fm_exec::knobs().metal_devices;
+  fm_exec::record("{\"op\":\"MTLCopyAllDevices\",\"count\":" + std::to_string(n) + "}");
+  return fm_exec::new_array(std::vector<id>(n, fm_exec::device()));
 }
 
 namespace fm_exec {
 
-dispatch_queue_t stream_queue() {
-  static FakeQueue* queue = [[FakeQueue alloc] init];  // owned by the stream for the process lifetime
-  return queue;
-}
-
 id<MTLDevice> device() {
   static FakeDevice* device = [[FakeDevice alloc] init];
   return device;
-}
-
-id<MTLComputeCommandEncoder> stream_encoder() {
-  static FakeEncoder* encoder = [[FakeEncoder alloc] init];  // PyTorch's shared, coalesced encoder
-  return encoder;
 }
 
 }  // namespace fm_exec
@@ -631,6 +456,14 @@ FM_EXPORT int fm_exec_configure(const char* name, uint64_t value) {
     k.max_threadgroup_memory = value;
   } else if (key == "macos_version") {
     k.macos_version = value;
+  } else if (key == "profiling") {
+    k.profiling = value;
+  } else if (key == "torch_mps_device") {
+    k.torch_mps_device = value;
+  } else if (key == "system_default_device") {
+    k.system_default_device = value;
+  } else if (key == "metal_devices") {
+    k.metal_devices = value;
   } else {
     return -1;
   }

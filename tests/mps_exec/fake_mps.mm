@@ -32,7 +32,10 @@ MPSDevice* MPSDevice::getInstance() {
   return &instance;
 }
 
-id<MTLDevice> MPSDevice::device() { return fm_exec::device(); }
+// nil when knob torch_mps_device is 0: PyTorch declined every GPU (MPS unavailable).
+id<MTLDevice> MPSDevice::device() {
+  return fm_exec::knobs().torch_mps_device != 0 ? fm_exec::device() : nil;
+}
 
 MPSStream* getCurrentMPSStream() {
   static MPSStream stream;  // one stream: the fake has no stream pool
@@ -60,6 +63,10 @@ std::string on_queue_field() {
 }  // namespace
 
 // The profiler records its calls; real profiling (os_signpost) is macOS-only.
+// With profiling on (knob profiling), endProfileKernel does what PyTorch's
+// does to the stream (MPSProfiler.mm, addProfilerCompletedHandler): it
+// synchronizes it, whatever the SyncType, and synchronize begins with
+// endKernelCoalescing, which ends the shared compute encoder.
 namespace Profiler {
 
 uint64_t MPSProfiler::beginProfileKernel(const void* handle, const std::string& kernelName, const TensorList& tensors) {
@@ -74,6 +81,7 @@ void MPSProfiler::endProfileKernel(const void* handle, SyncType syncType) {
   fm_exec::record("{\"op\":\"profiler.endProfileKernel\"" + on_queue_field() + ",\"handle\":" +
                   std::to_string(reinterpret_cast<uintptr_t>(handle)) +
                   ",\"sync_type\":" + std::to_string(static_cast<int>(syncType)) + "}");
+  if (fm_exec::knobs().profiling != 0) fm_exec::end_stream_encoder("endProfileKernel with profiling on");
 }
 
 }  // namespace Profiler

@@ -18,6 +18,7 @@
 #include <Metal/Metal.h>
 
 #include <cstdint>
+#include <cstdlib>
 #include <map>
 #include <memory>
 #include <string>
@@ -53,6 +54,7 @@ std::string url_path(NSURL* url);
 NSError* make_error(const std::string& description);   // autoreleased, like Cocoa's out-errors
 NSString* autoreleased_string(const std::string& text);
 NSArray<NSString*>* autoreleased_string_array(const std::vector<std::string>& items);
+NSArray* new_array(const std::vector<id>& items);      // +1 (the Create rule); retains each item
 // The label property of any fake Metal object (nil until set).
 NSString* label_of(id object);
 void set_label(id object, NSString* label, const char* what);
@@ -64,14 +66,22 @@ void unmodelled(const std::string& what);
 void record(const std::string& json_object);
 void record_error(const std::string& message);
 std::string quote(const std::string& text);            // a JSON string literal
+std::string id_of(id object);                          // an object's address, for the recording
+std::string constants_json(const std::map<NSUInteger, bool>& constants);  // {"0":true,...}
 
 // dispatch_sync bookkeeping: the queue the calling thread is running on.
 dispatch_queue_t current_queue();
 dispatch_queue_t stream_queue();                        // the fake MPS stream's serial queue
 
-// The process's fake device and the stream's shared compute encoder.
+// The process's fake device.
 id<MTLDevice> device();
+// The stream's shared compute encoder, as MPSStream::commandEncoder() hands it
+// out: the open one, or a new one (no bindings) once the previous has ended.
 id<MTLComputeCommandEncoder> stream_encoder();
+// What MPSStream::synchronize does first (endKernelCoalescing): ends the open
+// encoder, if any. The ended encoder stays alive (its command buffer holds
+// it), and every later call on it is recorded as an error.
+void end_stream_encoder(const std::string& why);
 
 // Knobs set by the harness (fm_exec_configure), read by the fakes.
 struct Knobs {
@@ -90,6 +100,19 @@ struct Knobs {
   // The macOS version @available(macOS X.Y, *) sees, as 100 * X + Y. Why
   // 1500: macOS 15, the newest branch the host has.
   uint64_t macos_version = 1500;
+  // 1: PyTorch's profiler is on (torch.mps.profiler, PYTORCH_MPS_LOG_PROFILE_INFO):
+  // endProfileKernel then synchronizes the stream, ending its shared encoder.
+  uint64_t profiling = 0;
+  // 1: at::mps::MPSDevice::device() returns the fake device; 0: nil, as when
+  // PyTorch declines every GPU.
+  uint64_t torch_mps_device = 1;
+  // 1: MTLCreateSystemDefaultDevice() returns the fake device. Why 0 by
+  // default: it can return nil in a process without a window-server session
+  // on Apple silicon (CI jobs, ssh), so the host must not depend on it.
+  uint64_t system_default_device = 0;
+  // How many devices MTLCopyAllDevices() lists (each the one fake device);
+  // 0: a Mac without a usable GPU.
+  uint64_t metal_devices = 1;
 };
 Knobs& knobs();
 
@@ -98,6 +121,34 @@ Knobs& knobs();
 constexpr const char* kFakeMetallibMagic = "flash_metal fake metallib v1";
 
 }  // namespace fm_exec
+
+// Payloads the encoder (fake_encoder.mm) reads from objects fake_metal.mm makes.
+struct BufferPayload : fm_exec::Payload {
+  void* memory = nullptr;
+  NSUInteger length = 0;
+  ~BufferPayload() override { std::free(memory); }
+};
+struct PipelinePayload : fm_exec::Payload {
+  std::string kernel;
+  std::map<NSUInteger, bool> constants;
+  uint64_t max_threads = 0;
+  uint64_t static_memory = 0;
+};
+
+// The label and device properties every Metal object has. Labels are kept
+// (they show in Xcode's captures); devices are the one fake device.
+#define FM_LABEL(Protocol)                                           \
+  -(NSString*)label {                                                \
+    return fm_exec::label_of(self);                                  \
+  }                                                                  \
+  -(void)setLabel : (NSString*)label {                               \
+    fm_exec::set_label(self, label, "-[" #Protocol " setLabel:]"); \
+  }
+#define FM_LABEL_AND_DEVICE(Protocol) \
+  FM_LABEL(Protocol)                  \
+  -(id<MTLDevice>)device {            \
+    return fm_exec::device();         \
+  }
 
 // Fakes other files of the harness create or inspect.
 @interface FakeBuffer : NSObject <MTLBuffer>

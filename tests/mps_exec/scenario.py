@@ -14,8 +14,11 @@ runs in its own process. The spec (JSON):
                  emulator finds in the recorded source | "fail:<message>"
   case           {B, Hq, Hkv, Nq, Nk, D, dtype, layout, causal, impl, seed}; layout
                  as numerics.make_qkv's, or "mixed" (q transposed, k offset slice, v packed)
-Prints one JSON object: stage ("op", "replay", "oracle" or null when all
-passed), error, warnings, errors (the fakes'), events (sources elided),
+  check          instead of a case: the name of a function in mps_exec/checks.py,
+                 called as f(host, library, **args) (args: "args", default {});
+                 the same assertions the suite makes in process
+Prints one JSON object: stage ("op", "replay", "oracle", "check" or null when
+all passed), error, warnings, errors (the fakes'), events (sources elided),
 source_path (the recorded runtime-compile source, if any).
 """
 import hashlib
@@ -49,6 +52,8 @@ def main(spec: dict) -> dict:
         host.set_runtime_compile(shipped.kernel_names())
     else:
         host.set_runtime_compile((), compile_mode.split(":", 1)[1])
+    if "check" in spec:
+        return run_check(host, shipped, spec)
 
     c = spec["case"]
     g = torch.Generator().manual_seed(c.get("seed", 0))
@@ -99,6 +104,21 @@ def main(spec: dict) -> dict:
         assert_attention_close(host.to_cpu(tensors[3]), host.to_cpu(tensors[4]), q, k, v, c["causal"])
     except AssertionError as err:
         result.update(stage="oracle", error=str(err))
+    return result
+
+
+def run_check(host, library, spec: dict) -> dict:
+    """Runs mps_exec.checks.<spec["check"]> on the loaded host."""
+    from mps_exec import checks
+
+    result = {"stage": None, "error": None, "warnings": [], "source_path": None, "errors": [], "events": []}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            getattr(checks, spec["check"])(host, library, **spec.get("args", {}))
+        except Exception as err:  # noqa: BLE001  (AssertionError included: reported to the test)
+            result.update(stage="check", error=f"{type(err).__name__}: {err}")
+    result["warnings"] = [str(w.message) for w in caught]
     return result
 
 

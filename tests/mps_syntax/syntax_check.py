@@ -32,6 +32,17 @@ MACOS_TORCH_VERSION = "2.14.1"  # the default for callers that check one version
 # Why macosx_14_0_arm64: the tag PyTorch publishes its Apple-silicon wheels
 # under (pip also accepts the older macosx_11_0_arm64 tag of 2.4.0 for it).
 MACOS_PLATFORM = "macosx_14_0_arm64"
+# The Apple SDKs the .mm must compile with, as views of stubs/ (see
+# stubs/Availability.h): the newest (Xcode 26; the stubs' default) and the
+# macOS 14 SDK of Xcode 15 / Command Line Tools 15, the oldest toolchain that
+# builds Metal 3.1, which lacks the macOS 15 API (MTLMathMode and friends).
+# `@available` guards only the run time, so only a build against the older
+# view catches a use of newer API that compiles with the newer one.
+SDK_VIEWS = {"sdk26": None, "sdk14": 140000}
+# Why the check is skipped on macOS: stubs/ stands in for Apple's SDK, which a
+# Mac has for real, and `pip install .` compiles csrc/mps/*.mm against it.
+MACOS_REASON = ("macOS: tests/mps_syntax's stubs stand in for Apple's SDK on Linux; on a Mac `pip install .` "
+                "compiles csrc/mps/*.mm against the real SDK and torch")
 CACHE_ROOT = os.environ.get(
     "FLASH_METAL_MACOS_TORCH_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "flash_metal"))
 # A file whose presence means the cache holds a complete unpack.
@@ -83,8 +94,9 @@ def macos_torch_include(version: str = MACOS_TORCH_VERSION) -> str:
 
 
 def syntax_check_command(clang: str, source: str, torch_include: str, extra: tuple[str, ...] = (),
-                         std: str = "c++20") -> list[str]:
-    """The clang command line that syntax-checks one .mm file (std: the C++ standard of that torch)."""
+                         std: str = "c++20", sdk: int | None = None) -> list[str]:
+    """The clang command line that syntax-checks one .mm file (std: the C++ standard of that torch; sdk: the
+    SDK view of stubs/, a value of SDK_VIEWS)."""
     return [
         clang, "-fsyntax-only", "-x", "objective-c++", f"-std={std}",
         "-fblocks",                        # dispatch_sync takes a block
@@ -92,6 +104,7 @@ def syntax_check_command(clang: str, source: str, torch_include: str, extra: tup
         "-fno-objc-arc",                   # as setup.py builds it: manual retain/release
         "-Werror=objc-method-access",      # a selector missing from stubs/ is an error, not a warning
         "-DFLASH_METAL_WITH_MPS=1",
+        *([] if sdk is None else [f"-DFM_STUB_MACOS_SDK={int(sdk)}"]),
         "-include", os.path.join(STUB_DIR, "darwin_libc.h"),
         f"-I{STUB_DIR}", f"-I{torch_include}", f"-I{os.path.join(torch_include, 'torch', 'csrc', 'api', 'include')}",
         f"-I{os.path.join(ROOT, 'csrc')}", f"-I{os.path.join(ROOT, 'shaders')}",

@@ -5,6 +5,7 @@
 // which calls type-check.
 #pragma once
 
+#include <Availability.h>  // the SDK version macros (stubs/Availability.h)
 #include <stddef.h>
 
 // https://developer.apple.com/documentation/objectivec/nsuinteger?language=objc (64-bit)
@@ -89,6 +90,21 @@ static inline NSRange NSMakeRange(NSUInteger loc, NSUInteger len) {
 @property(readonly) NSUInteger count;
 // https://developer.apple.com/documentation/foundation/nsarray/1417555-objectatindex?language=objc
 - (ObjectType)objectAtIndex:(NSUInteger)index;
+@end
+
+// https://developer.apple.com/documentation/foundation/nsoperatingsystemversion?language=objc
+typedef struct {
+  NSInteger majorVersion;
+  NSInteger minorVersion;
+  NSInteger patchVersion;
+} NSOperatingSystemVersion;
+
+// https://developer.apple.com/documentation/foundation/nsprocessinfo?language=objc
+@interface NSProcessInfo : NSObject
+// https://developer.apple.com/documentation/foundation/nsprocessinfo/processinfo?language=objc
+@property(class, readonly) NSProcessInfo* processInfo;
+// https://developer.apple.com/documentation/foundation/nsprocessinfo/operatingsystemversion?language=objc
+@property(readonly) NSOperatingSystemVersion operatingSystemVersion;
 @end
 
 #include <dispatch/dispatch.h>

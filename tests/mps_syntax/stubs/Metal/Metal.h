@@ -13,9 +13,13 @@
 // macOS availability on Linux, so tests/test_mps_host.py checks the guards
 // textually, and on a Mac library.mm turns unguarded use into an error
 // (#pragma clang diagnostic error "-Wunguarded-availability-new").
+// What an SDK lacks is left out for the SDK view FM_STUB_MACOS_SDK selects
+// (stubs/Availability.h): `@available` guards the run time only, so code that
+// names macOS 15 API must also compile with Xcode 15's SDK, where it does not exist.
 #pragma once
 
 #include <Foundation/Foundation.h>
+#include <stdint.h>
 
 #define FM_STUB_MACOS(version) __attribute__((availability(macos, introduced = version)))
 #define FM_STUB_MACOS_DEPRECATED(introduced_in, deprecated_in) \
@@ -54,10 +58,13 @@ typedef enum : NSUInteger {
   MTLLanguageVersion3_0 FM_STUB_MACOS(13.0) = (3 << 16) + 0,
   // https://developer.apple.com/documentation/metal/mtllanguageversion/version3_1?language=objc
   MTLLanguageVersion3_1 FM_STUB_MACOS(14.0) = (3 << 16) + 1,
+#if defined(__MAC_15_0)  // the macOS 15 SDK (Xcode 16) and later
   // https://developer.apple.com/documentation/metal/mtllanguageversion/version3_2?language=objc
   MTLLanguageVersion3_2 FM_STUB_MACOS(15.0) = (3 << 16) + 2,
+#endif
 } MTLLanguageVersion;
 
+#if defined(__MAC_15_0)  // the macOS 15 SDK (Xcode 16) and later: absent from Xcode 15's SDK
 // https://developer.apple.com/documentation/metal/mtlmathmode?language=objc
 typedef enum : NSInteger {
   // https://developer.apple.com/documentation/metal/mtlmathmode/safe?language=objc
@@ -75,6 +82,7 @@ typedef enum : NSInteger {
   // https://developer.apple.com/documentation/metal/mtlmathfloatingpointfunctions/precise?language=objc
   MTLMathFloatingPointFunctionsPrecise = 1,
 } MTLMathFloatingPointFunctions FM_STUB_MACOS(15.0);
+#endif
 
 // https://developer.apple.com/documentation/metal/mtlgpufamily?language=objc
 typedef enum : NSInteger {
@@ -146,10 +154,12 @@ enum : NSUInteger {
 // https://developer.apple.com/documentation/metal/mtlcompileoptions/fastmathenabled?language=objc
 // (deprecated in macOS 15 for mathMode)
 @property(readwrite, nonatomic) BOOL fastMathEnabled FM_STUB_MACOS_DEPRECATED(10.11, 15.0);
+#if defined(__MAC_15_0)  // the macOS 15 SDK (Xcode 16) and later
 // https://developer.apple.com/documentation/metal/mtlcompileoptions/mathmode?language=objc
 @property(readwrite, nonatomic) MTLMathMode mathMode FM_STUB_MACOS(15.0);
 // https://developer.apple.com/documentation/metal/mtlcompileoptions/mathfloatingpointfunctions?language=objc
 @property(readwrite, nonatomic) MTLMathFloatingPointFunctions mathFloatingPointFunctions FM_STUB_MACOS(15.0);
+#endif
 // https://developer.apple.com/documentation/metal/mtlcompileoptions/preprocessormacros?language=objc
 @property(readwrite, copy, nonatomic) NSDictionary* preprocessorMacros;
 @end
@@ -205,6 +215,8 @@ enum : NSUInteger {
 @protocol MTLDevice <NSObject>
 // https://developer.apple.com/documentation/metal/mtldevice/name?language=objc
 @property(readonly) NSString* name;
+// https://developer.apple.com/documentation/metal/mtldevice/registryid?language=objc
+@property(readonly) uint64_t registryID FM_STUB_MACOS(10.13);
 // https://developer.apple.com/documentation/metal/mtldevice/maxthreadsperthreadgroup?language=objc
 @property(readonly) MTLSize maxThreadsPerThreadgroup;
 // https://developer.apple.com/documentation/metal/mtldevice/maxthreadgroupmemorylength?language=objc
@@ -230,6 +242,9 @@ enum : NSUInteger {
 
 // https://developer.apple.com/documentation/metal/mtlcreatesystemdefaultdevice()?language=objc
 extern "C" id<MTLDevice> MTLCreateSystemDefaultDevice(void);
+// https://developer.apple.com/documentation/metal/mtlcopyalldevices()?language=objc
+// (the Create rule: the caller owns the returned array)
+extern "C" NSArray<id<MTLDevice>>* MTLCopyAllDevices(void) FM_STUB_MACOS(10.11);
 
 // https://developer.apple.com/documentation/metal/mtlcommandencoder?language=objc
 @protocol MTLCommandEncoder <NSObject>

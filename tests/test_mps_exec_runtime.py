@@ -1,0 +1,198 @@
+"""The executed MPS host (tests/mps_exec) under run-time conditions a Mac can meet:
+
+- PyTorch's MPS profiler on (issue 18, item 5): endProfileKernel synchronizes
+  the stream, which ends its shared encoder; every plan with more than one
+  dispatch must fetch the encoder again for each (the fakes end the encoder
+  and report any call on an ended one);
+- no MTLCreateSystemDefaultDevice() (issue 18, item 6): nil in a
+  non-interactive process on Apple silicon; PyTorch's device, else
+  MTLCopyAllDevices();
+- the backward's tensors in the layouts autograd hands over (issue 23,
+  item 3): grad_out, out, lse and grad_lse expanded (stride 0), as one value
+  (the gradient of .sum()), transposed and offset;
+- a build with Xcode 15's SDK (issue 18, item 3), which lacks the macOS 15 API;
+- macOS itself (issue 18, item 10): this Linux stand-in skips there, CI or not.
+
+Planted bugs for each live in tests/mps_exec/plants.py; the suite runs two
+of them in tests/test_mps_exec.py, FLASH_METAL_MPS_EXEC_ALL_PLANTS=1 the rest
+here too.
+"""
+import os
+
+import pytest
+import torch
+
+import mps_exec
+import prereqs
+from mps_exec import checks
+from mps_exec.plants import noticed, run_plants, run_scenarios
+from numerics import make_qkv
+
+
+@pytest.fixture(scope="session")
+def built():
+    return mps_exec.require_build()
+
+
+@pytest.fixture(scope="session")
+def emu():
+    from metal_emulator import compile_library
+
+    return compile_library([mps_exec.SHADER], instrumented=False)
+
+
+@pytest.fixture(scope="session")
+def host(built, emu, tmp_path_factory):
+    return mps_exec.session_host(built, emu, str(tmp_path_factory.mktemp("mps_exec_pkg")))
+
+
+# --- profiling ends the shared encoder ------------------------------------------------------------
+
+
+def test_multi_dispatch_plans_survive_the_profiler(host, emu):
+    checks.profiled_multi_dispatch(host, emu)
+
+
+def test_fake_profiler_ends_the_encoder_only_when_profiling(host):
+    # The fake's model of PyTorch: endProfileKernel synchronizes the stream
+    # (ending its encoder) only with profiling on; the next fetch opens a new one.
+    q, k, v = make_qkv(1, 2, 1, 9, 13, 32, torch.float16, generator=torch.Generator().manual_seed(1))
+    rec, _ = host.run(q, k, v, False, None, "untiled")
+    assert "stream.endKernelCoalescing" not in [e["op"] for e in rec["events"]]
+    with checks.profiling(host):
+        first, _ = host.run(q, k, v, False, None, "untiled")
+        second, _ = host.run(q, k, v, False, None, "untiled")
+    for rec in (first, second):
+        assert rec["errors"] == []
+        assert [e["op"] for e in rec["events"]].count("stream.endKernelCoalescing") == 1
+    encoder_of = lambda rec: {e["encoder"] for e in rec["events"] if e["op"] == "dispatchThreadgroups"}  # noqa: E731
+    assert encoder_of(first) != encoder_of(second)  # the second call got a new encoder
+
+
+# --- finding the device ---------------------------------------------------------------------------
+
+
+def test_pipelines_build_without_the_system_default_device(host, emu):
+    checks.builds_all_pipelines(host, emu)
+
+
+def test_no_metal_device_is_a_clear_error(host):
+    with checks.knobs(host, torch_mps_device=0, metal_devices=0):
+        with pytest.raises(RuntimeError, match="this machine has no Metal device"):
+            torch.ops.flash_metal.metal_build_all_pipelines()
+    assert host.take_recording()["errors"] == []
+
+
+# --- the backward's tensors in autograd's layouts -------------------------------------------------
+
+
+@pytest.mark.parametrize("tensor,layout", [(t, lay) for t, lays in checks.BACKWARD_LAYOUTS.items() for lay in lays])
+def test_backward_binds_each_tensor_with_its_own_strides(host, emu, tensor, layout):
+    checks.backward_layout(host, emu, tensor, layout)
+
+
+def test_backward_layouts_differ_from_the_packed_strides():
+    # Each layout must give the tensor strides unlike a packed tensor's (and so
+    # unlike the other tensors'), or binding it with another's strides could pass.
+    q, k, v, packed = checks.backward_inputs()
+    for tensor, layouts in checks.BACKWARD_LAYOUTS.items():
+        for layout in layouts:
+            view = checks.in_layout(packed[tensor], layout)
+            assert view.stride() != packed[tensor].stride(), (tensor, layout)
+            if layout != "sum":
+                assert torch.equal(view.nan_to_num(), packed[tensor].nan_to_num()), (tensor, layout)
+
+
+# --- Xcode 15's SDK -------------------------------------------------------------------------------
+
+_CASE = {"B": 1, "Hq": 4, "Hkv": 2, "Nq": 40, "Nk": 33, "D": 24, "dtype": "float16", "layout": "offset_slice",
+         "causal": True, "impl": "tiled"}
+# MTLLanguageVersion3_1, MTLMathModeSafe, MTLMathFloatingPointFunctionsPrecise (Metal's enum values).
+_METAL_3_1, _SAFE, _PRECISE = (3 << 16) + 1, 0, 1
+
+
+@pytest.fixture(scope="session")
+def sdk14_scenarios(built, emu, tmp_path_factory):
+    lib = mps_exec.build(sdk=mps_exec.SDK_VIEWS["sdk14"])
+    force = {"FLASH_METAL_RUNTIME_COMPILE": "1"}
+    specs = {
+        "macos15": {"lib": lib, "case": _CASE, "env": force},
+        "macos14": {"lib": lib, "case": _CASE, "env": force, "knobs": {"macos_version": 1400}},
+        "metallib": {"lib": lib, "check": "library_reported", "args": {"kind": "metallib"}},
+    }
+    return run_scenarios(specs, lambda name: tmp_path_factory.mktemp(f"sdk14_{name}"))
+
+
+@pytest.mark.parametrize("macos,options", [
+    ("macos15", {"languageVersion": _METAL_3_1, "mathMode": _SAFE, "mathFloatingPointFunctions": _PRECISE}),
+    ("macos14", {"languageVersion": _METAL_3_1, "fastMathEnabled": 0}),
+])
+def test_sdk14_build_still_asks_for_safe_math(sdk14_scenarios, macos, options):
+    # Built against the macOS 14 SDK view, library.mm's own declarations of
+    # the macOS 15 API keep the same compile options as the newest SDK's build.
+    r = sdk14_scenarios[macos]
+    assert r["stage"] is None, r["error"]
+    assert r["errors"] == []
+    [compiled] = [e["options"] for e in r["events"] if e["op"] == "newLibraryWithSource"]
+    assert compiled == options
+
+
+def test_sdk14_build_runs_the_metallib_path(sdk14_scenarios):
+    r = sdk14_scenarios["metallib"]
+    assert r["stage"] is None, r["error"]
+
+
+# --- macOS: the Linux stand-in skips, CI or not ---------------------------------------------------
+
+
+def test_harness_skips_on_macos_even_in_ci(monkeypatch):
+    monkeypatch.setattr(prereqs, "IN_CI", True)
+    monkeypatch.setattr("sys.platform", "darwin")
+    with pytest.raises(pytest.skip.Exception, match="macOS: tests/mps_exec is a Linux stand-in"):
+        mps_exec.require_toolchain()
+
+
+def test_without_the_macos_check_ci_would_fail_on_a_mac(monkeypatch):
+    # Planted: the platform check removed. On a Mac the toolchain lookup then
+    # finds no GCC libobjc, and CI=true turns that into a failure before any
+    # Metal test runs: the bug issue 18 (item 10) describes.
+    monkeypatch.setattr(prereqs, "IN_CI", True)
+    monkeypatch.setattr("sys.platform", "darwin")
+    monkeypatch.setattr(mps_exec._build, "check_platform", lambda platform=None: None)
+
+    def no_gcc_objc():
+        raise mps_exec.ToolchainMissing("missing libobjc-12-dev (GCC's libobjc.so)")
+
+    monkeypatch.setattr(mps_exec._build, "_toolchain", no_gcc_objc)
+    with pytest.raises(pytest.fail.Exception, match="missing libobjc"):
+        mps_exec.require_toolchain()
+
+
+def test_syntax_check_skips_on_macos_even_in_ci(monkeypatch):
+    from test_mps_host import skip_on_macos
+
+    monkeypatch.setattr(prereqs, "IN_CI", True)
+    with pytest.raises(pytest.skip.Exception, match="macOS: tests/mps_syntax's stubs"):
+        skip_on_macos("darwin")
+    skip_on_macos("linux")  # no skip on Linux
+
+
+# --- planted bugs (all: FLASH_METAL_MPS_EXEC_ALL_PLANTS=1) ----------------------------------------
+
+EXTRA_PLANTS = ["system_default_device", "grad_out_with_out_strides", "out_with_grad_out_strides"]
+
+
+@pytest.mark.skipif(os.environ.get("FLASH_METAL_MPS_EXEC_ALL_PLANTS") != "1",
+                    reason="one .mm compile per plant: FLASH_METAL_MPS_EXEC_ALL_PLANTS=1 runs them")
+@pytest.mark.parametrize("name", EXTRA_PLANTS)
+def test_extra_planted_bug_is_caught(built, emu, tmp_path_factory, name):
+    r = run_plants([name], {}, lambda n: tmp_path_factory.mktemp(f"plant_{n}"))[name]
+    assert noticed(r), f"plant {name} went unnoticed: {r}"
+
+
+def test_replay_refuses_an_ended_encoder():
+    # The replay's own rule, on a hand-made recording: a call on an ended encoder
+    # is what Metal would abort on, so it never runs.
+    rec = {"events": [{"op": "setComputePipelineState", "encoder": 1, "ended": True, "kernel": "k", "constants": {}}]}
+    with pytest.raises(mps_exec.ReplayError, match="after it ended"):
+        mps_exec.replay(rec, None)
