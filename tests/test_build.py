@@ -15,9 +15,11 @@ import json
 import os
 import re
 import shutil
+import subprocess
 import sys
 
 import pytest
+from prereqs import unavailable
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -228,6 +230,46 @@ def test_fingerprint_follows_every_shader_byte(setup_py, shaders):
     with open(os.path.join(shaders, "params.h"), "ab") as f:
         f.write(b"\n")
     assert setup_py.shader_sources_hash(shaders) != before
+
+
+# An AppleDouble file (what macOS writes as "._<name>" beside a file copied to a
+# non-Apple file system or packed by some archivers): its magic number, 0x00051607.
+APPLE_DOUBLE = b"\x00\x05\x16\x07\x00\x02\x00\x00Mac OS X        " + bytes(16)
+
+
+@pytest.fixture
+def shaders_with_dot_files(shaders):
+    for name in ("._attention.metal", "._params.h"):
+        with open(os.path.join(shaders, name), "wb") as f:
+            f.write(APPLE_DOUBLE)
+    return shaders
+
+
+def test_dot_files_are_not_shaders(setup_py, shaders_with_dot_files, xcrun, tmp_path, monkeypatch):
+    clean = tmp_path / "clean"
+    shutil.copytree(shaders_with_dot_files, clean, ignore=shutil.ignore_patterns(".*"))
+    assert setup_py.shader_sources_hash(shaders_with_dot_files) == setup_py.shader_sources_hash(str(clean))
+    installed = setup_py.install_shader_sources(str(tmp_path / "pkg"), shaders_with_dot_files)
+    assert sorted(os.listdir(installed)) == sorted(os.listdir(clean))
+    monkeypatch.setenv("FAKE_XCRUN_MODE", "ok")
+    setup_py.build_metallib(str(tmp_path / "pkg"), shaders_with_dot_files)
+    assert not any("._" in c[c.index("-c") + 1] for c in _compile_calls(xcrun()))
+
+
+def test_the_runtime_fingerprint_skips_dot_files_too(setup_py, shaders_with_dot_files, tmp_path):
+    # library.mm recomputes the fingerprint at run time (csrc/mps/shader_source.h):
+    # it must agree with setup.py's, or a stray ._x.metal beside the installed
+    # shaders would make every first call recompile them.
+    cxx = shutil.which(os.environ.get("CXX", "c++")) or shutil.which("g++") or shutil.which("clang++")
+    if cxx is None:
+        unavailable("no C++ compiler to build the shader_source.h driver")
+    exe = str(tmp_path / "inline_shaders")
+    cmd = [cxx, "-std=c++17", "-O1", f"-I{os.path.join(ROOT, 'csrc')}",
+           os.path.join(ROOT, "tests", "mps_syntax", "inline_shaders.cpp"), "-o", exe]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    runtime = subprocess.run([exe, "--hash", shaders_with_dot_files], capture_output=True, text=True, check=True)
+    assert runtime.stdout.strip() == setup_py.shader_sources_hash(shaders_with_dot_files)
 
 
 def test_shader_install_leaves_no_leftovers(setup_py, shaders, tmp_path):
