@@ -17,6 +17,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tarfile
 
 import pytest
 from prereqs import unavailable
@@ -286,3 +287,115 @@ def test_package_data_never_ships_a_metallib_or_shaders():
     with open(os.path.join(ROOT, "pyproject.toml"), encoding="utf-8") as f:
         text = f.read()
     assert "metallib" not in text and "shaders/" not in text
+
+
+# --- The sdist round trip -----------------------------------------------------------------------
+# Run in the fresh venv: the op, forward and backward, on inputs the test made;
+# saves what it got and where flash_metal was imported from.
+SDIST_SMOKE = r"""
+import os, sys, torch
+import flash_metal
+inputs = torch.load(sys.argv[1])
+q, k, v, grad_out = (inputs[n] for n in ("q", "k", "v", "grad_out"))
+out, lse = flash_metal.attention_with_lse(q, k, v, True)
+grads = torch.ops.flash_metal.attention_backward(grad_out, q, k, v, out, lse, True)
+pkg = os.path.dirname(flash_metal.__file__)
+torch.save({"out": out, "lse": lse, "grads": grads, "package": pkg,
+            "shaders": sorted(os.listdir(os.path.join(pkg, "shaders")))}, sys.argv[2])
+"""
+
+
+def _site_dirs_of(*modules):
+    """The directories the given installed modules were imported from (site-packages)."""
+    dirs = []
+    for name in modules:
+        module = importlib.import_module(name)
+        d = os.path.dirname(os.path.dirname(os.path.abspath(module.__file__)))
+        if d not in dirs:
+            dirs.append(d)
+    return dirs
+
+
+def _fresh_venv(tmp_path):
+    """A new venv that sees this environment's torch, setuptools and pip but no flash_metal.
+
+    Installing torch again would download gigabytes: instead the new
+    site-packages gets a symlink to every entry of the current ones except
+    flash_metal's (a .pth to them would also expose the installed flash_metal,
+    which pip would then see and could uninstall).
+    """
+    venv = tmp_path / "venv"
+    proc = subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], capture_output=True, text=True)
+    if proc.returncode != 0:
+        unavailable(f"cannot create a venv: {proc.stderr.strip()}")
+    python = venv / "bin" / "python"
+    site = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    for d in _site_dirs_of("torch", "setuptools", "pip"):
+        for entry in os.listdir(d):
+            if "flash_metal" in entry.lower().replace("-", "_") or os.path.exists(os.path.join(site, entry)):
+                continue
+            os.symlink(os.path.join(d, entry), os.path.join(site, entry))
+    return python
+
+
+def _build_sdist(out_dir):
+    """The sdist of this checkout, through setuptools' PEP 517 backend (as `python -m build --sdist` would)."""
+    proc = subprocess.run([sys.executable, "-c", "import sys; from setuptools import build_meta; "
+                           "print(build_meta.build_sdist(sys.argv[1]))", str(out_dir)],
+                          cwd=ROOT, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return os.path.join(out_dir, proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def sdist(tmp_path_factory):
+    return _build_sdist(tmp_path_factory.mktemp("sdist"))
+
+
+def test_the_sdist_holds_every_source_and_no_build_output(sdist):
+    with tarfile.open(sdist) as tar:
+        members = {m.split("/", 1)[1] for m in tar.getnames() if "/" in m}
+    for top in ("csrc", "shaders"):
+        for dirpath, dirnames, filenames in os.walk(os.path.join(ROOT, top)):
+            dirnames[:] = [d for d in dirnames if not d.startswith(".") and d != "__pycache__"]
+            for name in filenames:
+                if not name.startswith("."):
+                    rel = os.path.relpath(os.path.join(dirpath, name), ROOT)
+                    assert rel in members, f"the sdist lacks {rel}"
+    for required in ("setup.py", "pyproject.toml", "README.md", "flash_metal/__init__.py"):
+        assert required in members
+    leftovers = [m for m in members if m.endswith((".so", ".metallib", ".fnv1a64")) or "/._" in m
+                 or m.startswith(("flash_metal/shaders", "._"))]
+    assert leftovers == []
+
+
+@pytest.mark.sdist
+def test_the_sdist_installs_into_a_fresh_venv_and_runs(sdist, tmp_path):
+    # What a user of `pip install flash_metal-<v>.tar.gz` gets: a build from
+    # the sdist alone (no checkout around it), then the op on the CPU.
+    import torch
+
+    from numerics import assert_attention_close, assert_gradients_close, make_qkv
+
+    if shutil.which(os.environ.get("CXX", "c++")) is None:
+        unavailable("no C++ compiler (c++) to build the extension")
+    python = _fresh_venv(tmp_path)
+    env = dict(os.environ, PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"])
+    env.pop("PYTHONPATH", None)
+    proc = subprocess.run([str(python), "-m", "pip", "install", "--no-deps", "--no-index", "--no-build-isolation",
+                           "--no-cache-dir", sdist], cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+
+    q, k, v = make_qkv(1, 4, 2, 37, 45, 64, torch.float32)
+    grad_out = torch.randn(q.shape, generator=torch.Generator().manual_seed(1))
+    torch.save({"q": q, "k": k, "v": v, "grad_out": grad_out}, tmp_path / "inputs.pt")
+    (tmp_path / "smoke.py").write_text(SDIST_SMOKE)
+    run = subprocess.run([str(python), "smoke.py", "inputs.pt", "result.pt"], cwd=tmp_path, env=env,
+                         capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-4000:]
+    result = torch.load(tmp_path / "result.pt")
+    assert result["package"].startswith(str(tmp_path / "venv")), result["package"]  # not this env's copy
+    assert result["shaders"] == sorted(n for n in os.listdir(os.path.join(ROOT, "shaders")) if not n.startswith("."))
+    assert_attention_close(result["out"], result["lse"], q, k, v, causal=True)
+    assert_gradients_close(result["grads"], q, k, v, grad_out, causal=True)
