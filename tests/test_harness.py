@@ -144,3 +144,42 @@ def test_linux_only_mark_matches_the_platform():
     (mark,) = prereqs.LINUX_ONLY.mark.args
     assert mark is (sys.platform == "darwin")
     assert re.search("Linux-only", prereqs.LINUX_ONLY.mark.kwargs["reason"])
+
+
+# --- tests/device_report.py (the macOS CI's device step) ---
+
+def test_device_report_names_the_device_and_what_its_family_rules_out():
+    import device_report
+
+    info = _info(Apple7=False, Apple8=False, Apple9=False, Apple10=None, Mac2=False)
+    info.update(macos={"version": "15.6.1"}, library={"origin": "the precompiled /x/flash_metal.metallib"})
+    info["device"].update(source="MTLCopyAllDevices", max_threads_per_threadgroup=[1024, 1024, 1024])
+    text = device_report.report(info, mps_reason="the MPS device cannot run these kernels", torch_version="2.4.0")
+    assert "Apple Paravirtual device (found via MTLCopyAllDevices)" in text
+    assert "| Apple7 | no |" in text and "| Apple10 | not asked (older macOS) |" in text
+    assert "rules out:** no simdgroup matrices" in text
+    assert "| mps tests | skipped: the MPS device cannot run these kernels |" in text
+    assert "the precompiled /x/flash_metal.metallib" in text and "| macOS | 15.6.1 |" in text
+    ok = _info(Apple7=True, Mac2=True)
+    assert "rules out:** nothing we know of" in device_report.report(ok)
+
+
+def test_device_report_without_a_device_or_without_the_op():
+    import device_report
+
+    none = {"schema": 1, "available": False, "reason": "no Metal device: MTLCopyAllDevices() lists none",
+            "device": None, "library": None, "macos": None}
+    assert "| device | none: no Metal device: MTLCopyAllDevices() lists none |" in device_report.report(none)
+    assert "Could not ask the device:** boom" in device_report.report(None, error="boom")
+
+
+def test_device_report_runs_here_and_reports_instead_of_crashing():
+    import torch
+
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "device_report.py")],
+                          capture_output=True, text=True)
+    assert proc.stdout.startswith("### Metal device"), proc.stdout + proc.stderr
+    has_op = hasattr(torch.ops.flash_metal, "metal_device_info")
+    # With the op (every build has it): no device on Linux, exit 0; an older build: the error, exit 1.
+    assert proc.returncode == (0 if has_op else 1), proc.stdout + proc.stderr
+    assert ("| device | none:" in proc.stdout) if has_op else ("Could not ask the device" in proc.stdout)
