@@ -308,9 +308,8 @@ torch.save({"out": out, "lse": lse, "grads": grads, "package": pkg,
 def _site_dirs_of(*modules):
     """The directories the given installed modules were imported from (site-packages)."""
     dirs = []
-    for name in modules:
-        module = importlib.import_module(name)
-        d = os.path.dirname(os.path.dirname(os.path.abspath(module.__file__)))
+    for name in modules:  # found, not imported (importing setuptools here would patch distutils)
+        d = os.path.dirname(os.path.dirname(os.path.abspath(importlib.util.find_spec(name).origin)))
         if d not in dirs:
             dirs.append(d)
     return dirs
