@@ -338,35 +338,69 @@ def _fresh_venv(tmp_path):
     return python
 
 
-def _build_sdist(out_dir):
-    """The sdist of this checkout, through setuptools' PEP 517 backend (as `python -m build --sdist` would)."""
+# Build outputs and macOS litter a checkout can hold, planted in the copy the
+# sdist is built from: none may reach the sdist.
+LEFTOVERS = ("flash_metal/_C.cpython-311-x86_64-linux-gnu.so", "flash_metal/flash_metal.metallib",
+             "flash_metal/flash_metal.metallib.fnv1a64", "flash_metal/shaders/attention.metal",
+             "shaders/._attention.metal", "csrc/._flash_metal.cpp")
+
+
+def _source_files():
+    """The checkout's source files (relative paths): git's tracked and new, unignored files, else a walk."""
+    proc = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard", "-z"], cwd=ROOT,
+                          capture_output=True)
+    if proc.returncode == 0 and proc.stdout:
+        return [p for p in proc.stdout.decode().split("\0") if p and os.path.isfile(os.path.join(ROOT, p))]
+    skip = {".git", ".venv", "build", "dist", "__pycache__", ".pytest_cache", ".hypothesis", "wheels"}
+    files = []
+    for dirpath, dirnames, filenames in os.walk(ROOT):
+        dirnames[:] = [d for d in dirnames if d not in skip and not d.endswith(".egg-info")]
+        files += [os.path.relpath(os.path.join(dirpath, f), ROOT) for f in filenames]
+    return files
+
+
+def _clean_copy(dest):
+    """The checkout's sources copied to dest, as a fresh clone has them, plus LEFTOVERS.
+
+    Not the checkout itself: setuptools reuses an existing *.egg-info/SOURCES.txt
+    as part of the manifest, so a checkout that was built before yields a
+    complete sdist even without MANIFEST.in, and a fresh clone would not.
+    """
+    for rel in _source_files():
+        os.makedirs(os.path.dirname(os.path.join(dest, rel)), exist_ok=True)
+        shutil.copy2(os.path.join(ROOT, rel), os.path.join(dest, rel))
+    for rel in LEFTOVERS:
+        os.makedirs(os.path.dirname(os.path.join(dest, rel)), exist_ok=True)
+        with open(os.path.join(dest, rel), "wb") as f:
+            f.write(APPLE_DOUBLE if "/._" in rel else b"a build output\n")
+    return dest
+
+
+def _build_sdist(src, out_dir):
+    """The sdist of the tree at src, through setuptools' PEP 517 backend (as `python -m build --sdist` would)."""
     proc = subprocess.run([sys.executable, "-c", "import sys; from setuptools import build_meta; "
                            "print(build_meta.build_sdist(sys.argv[1]))", str(out_dir)],
-                          cwd=ROOT, capture_output=True, text=True)
+                          cwd=src, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return os.path.join(out_dir, proc.stdout.strip().splitlines()[-1])
 
 
 @pytest.fixture(scope="module")
 def sdist(tmp_path_factory):
-    return _build_sdist(tmp_path_factory.mktemp("sdist"))
+    src = _clean_copy(str(tmp_path_factory.mktemp("checkout")))
+    return _build_sdist(src, tmp_path_factory.mktemp("sdist"))
 
 
 def test_the_sdist_holds_every_source_and_no_build_output(sdist):
     with tarfile.open(sdist) as tar:
         members = {m.split("/", 1)[1] for m in tar.getnames() if "/" in m}
-    for top in ("csrc", "shaders"):
-        for dirpath, dirnames, filenames in os.walk(os.path.join(ROOT, top)):
-            dirnames[:] = [d for d in dirnames if not d.startswith(".") and d != "__pycache__"]
-            for name in filenames:
-                if not name.startswith("."):
-                    rel = os.path.relpath(os.path.join(dirpath, name), ROOT)
-                    assert rel in members, f"the sdist lacks {rel}"
-    for required in ("setup.py", "pyproject.toml", "README.md", "flash_metal/__init__.py"):
+    sources = [p for p in _source_files() if p.startswith(("csrc/", "shaders/"))]
+    assert any(p.endswith(".mm") for p in sources) and any(p.endswith(".metal") for p in sources)
+    missing = sorted(p for p in sources if p not in members)
+    assert missing == [], f"the sdist lacks {missing}"
+    for required in ("setup.py", "pyproject.toml", "README.md", "MANIFEST.in", "flash_metal/__init__.py"):
         assert required in members
-    leftovers = [m for m in members if m.endswith((".so", ".metallib", ".fnv1a64")) or "/._" in m
-                 or m.startswith(("flash_metal/shaders", "._"))]
-    assert leftovers == []
+    assert sorted(m for m in members if m in LEFTOVERS or m.endswith(".so") or "/._" in m) == []
 
 
 @pytest.mark.sdist
