@@ -1,15 +1,24 @@
-"""setup.py's metallib step, tested on any OS with a fake `xcrun` on PATH.
+"""setup.py's metallib step, tested on any OS with a fake `xcrun` on PATH; and the sdist.
 
 The fake stands in for Apple's toolchain in each state a user's Mac can be
-in: a working compiler, a shader that fails to compile, a shader warning
-(an error with -Werror), Command Line Tools without `metal`, and no xcrun at
-all. The checks: stale outputs are deleted before building, a compile error
-or warning fails the build, a missing toolchain only warns (unless
-FLASH_METAL_REQUIRE_METALLIB=1), the fingerprint written beside the metallib
-is that of the sources, Apple's compiler gets the flags the kernels need,
-and the package data never ships the checkout's old metallib.
+in: a working compiler, an Xcode 14 compiler without Metal 3.1, a shader that
+fails to compile, a shader warning, Command Line Tools without `metal`, and no
+xcrun at all. The checks: a probe compiles a Metal 3.1 kernel before the
+shaders are built, and when it fails the install warns and goes on without a
+metallib (unless FLASH_METAL_REQUIRE_METALLIB=1); stale outputs are deleted
+before building; a compile error fails the build, a warning only with
+FLASH_METAL_SHADER_WERROR=1; the fingerprint written beside the metallib is
+that of the sources, and dot-files (AppleDouble `._x.metal`) count neither
+there nor in the runtime's copy; Apple's compiler gets the flags the kernels
+need; the package data never ships the checkout's old metallib.
+
+The sdist (marked `sdist`: a full compile, minutes; `-m "not sdist"` skips it
+while iterating): built from a clean copy of the sources, it holds every
+source and no build output, and it installs into a fresh venv whose op then
+passes the 2x rule on the CPU.
 """
 import functools
+import importlib.machinery
 import importlib.util
 import json
 import os
@@ -308,8 +317,10 @@ torch.save({"out": out, "lse": lse, "grads": grads, "package": pkg,
 def _site_dirs_of(*modules):
     """The directories the given installed modules were imported from (site-packages)."""
     dirs = []
-    for name in modules:  # found, not imported (importing setuptools here would patch distutils)
-        d = os.path.dirname(os.path.dirname(os.path.abspath(importlib.util.find_spec(name).origin)))
+    # Found on sys.path, neither imported nor passed through the import hooks:
+    # setuptools' distutils hook would otherwise unload distutils when asked for pip.
+    for name in modules:
+        d = os.path.dirname(os.path.dirname(os.path.abspath(importlib.machinery.PathFinder.find_spec(name).origin)))
         if d not in dirs:
             dirs.append(d)
     return dirs
