@@ -3,13 +3,17 @@
 Everywhere: the C++ extension flash_metal._C (op schemas, CPU kernel, Metal
 planning) and the shader sources shipped as package data.
 On macOS with an MPS-enabled torch, also: the Objective-C++ MPS backend, and
-the shaders compiled into flash_metal/flash_metal.metallib. Without Apple's
-`metal` tool the install still succeeds: setup.py warns, and the MPS backend
-compiles the shipped sources at first use with Metal's runtime compiler.
+the shaders compiled into flash_metal/flash_metal.metallib, if a probe shows
+that Apple's `metal` compiles Metal 3.1 (Xcode 15 or newer, with its Metal
+toolchain). Otherwise the install still succeeds: setup.py warns, and the MPS
+backend compiles the shipped sources at first use with Metal's runtime
+compiler. Shader warnings are errors only with FLASH_METAL_SHADER_WERROR=1
+(our CI), and a missing metallib only with FLASH_METAL_REQUIRE_METALLIB=1.
 
 `pip install .` builds against the torch already installed in the target
 environment and never pulls a second one (see _use_installed_torch below).
 """
+import concurrent.futures
 import glob
 import os
 import platform
@@ -113,8 +117,14 @@ def _extension():
 
 
 def _shader_files(shader_dir=SHADER_DIR):
-    """The shader sources the package ships (and library.mm fingerprints): *.metal and *.h."""
-    return sorted(glob.glob(os.path.join(shader_dir, "*.metal")) + glob.glob(os.path.join(shader_dir, "*.h")))
+    """The shader sources the package ships (and library.mm fingerprints): *.metal and *.h.
+
+    Dot-files never count: macOS writes AppleDouble companions (`._attention.metal`)
+    beside files copied to non-Apple file systems or unpacked from some archives,
+    and they would change the fingerprint and ship as "shaders". (glob's `*` skips
+    names starting with a dot; the pattern says so explicitly.)
+    """
+    return sorted(glob.glob(os.path.join(shader_dir, "[!.]*.metal")) + glob.glob(os.path.join(shader_dir, "[!.]*.h")))
 
 
 # --- The metallib ----------------------------------------------------------------------------
@@ -132,12 +142,27 @@ METAL_STD = "metal3.1"
 # survive it (a finite running-max sentinel; lse = -inf for a row without keys
 # is made from bits), but IEEE arithmetic is what the emulator verifies.
 # PyTorch and MLX build their shaders with -fno-fast-math too.
-# -Wall -Wextra -Werror: a shader warning fails the build, as a compile error does.
+# -Wall -Wextra: shader warnings are shown; they fail the build only with
+# SHADER_WERROR_ENV (our CI), since the next Xcode's new warning must not
+# break every user's install (PyTorch's Metal.cmake adds -Werror only under
+# its WERROR option for the same reason).
 METAL_FLAGS = [f"-std={METAL_STD}", f"-mmacosx-version-min={METAL_MACOS_MIN}", "-fno-fast-math",
-               "-Wall", "-Wextra", "-Werror", "-O2"]
-# Set to 1 (the macOS CI does) to make a missing Metal toolchain fail the
-# build instead of warning: there, a metallib is part of what is tested.
+               "-Wall", "-Wextra", "-O2"]
+# Set to 1 (the macOS CI does) to make a missing or too old Metal toolchain
+# fail the build instead of warning: there, a metallib is part of what is tested.
 REQUIRE_METALLIB_ENV = "FLASH_METAL_REQUIRE_METALLIB"
+# Set to 1 (the macOS CI does) to compile the shaders with -Werror.
+SHADER_WERROR_ENV = "FLASH_METAL_SHADER_WERROR"
+# The toolchain probe, after PyTorch's CAN_COMPILE_METAL check (cmake/Metal.cmake):
+# a kernel on `bfloat` under -std=metal3.1, the two things an older `metal`
+# (Xcode < 15) rejects, compiled and linked into a metallib. Only a compiler
+# that builds this is trusted with the real shaders.
+METAL_PROBE_SOURCE = """#include <metal_stdlib>
+using namespace metal;
+[[kernel]] void flash_metal_probe(device bfloat* x [[buffer(0)]], uint i [[thread_position_in_grid]]) {
+  x[i] = bfloat(float(x[i]) + 1.0f);
+}
+"""
 # FNV-1a 64-bit offset basis and prime (FNV's published constants), as in
 # csrc/mps/shader_source.h's source_tree_hash, which this mirrors.
 _FNV_OFFSET_BASIS = 0xCBF29CE484222325
@@ -146,6 +171,10 @@ _FNV_PRIME = 0x100000001B3
 
 class ShaderBuildError(RuntimeError):
     """Apple's Metal compiler rejected the shaders (an error or, with -Werror, a warning)."""
+
+
+def _env_flag(name):
+    return os.environ.get(name) == "1"
 
 
 def shader_sources_hash(shader_dir=SHADER_DIR):
@@ -170,34 +199,47 @@ def shader_sources_hash(shader_dir=SHADER_DIR):
     return f"{h:016x}"
 
 
-def metal_compile_command(src, air, shader_dir=SHADER_DIR):
-    return ["xcrun", "-sdk", "macosx", "metal", *METAL_FLAGS, "-I", shader_dir, "-c", src, "-o", air]
+def metal_compile_command(src, air, shader_dir=SHADER_DIR, werror=False):
+    flags = METAL_FLAGS + (["-Werror"] if werror else [])
+    return ["xcrun", "-sdk", "macosx", "metal", *flags, "-I", shader_dir, "-c", src, "-o", air]
 
 
-def _metal_toolchain_problem():
-    """None if Apple's Metal toolchain is usable; else why not (it is missing).
+def _metal_toolchain_problem(work_dir):
+    """None if Apple's Metal toolchain can build our shaders' language; else why not.
 
-    `metal --version` really runs the compiler: on Xcode 26 without its Metal
-    Toolchain component `xcrun --find metal` succeeds but running it fails.
-    `metallib` is only located (`--find`), as it is not known to take --version.
+    Compiles METAL_PROBE_SOURCE with the real flags (less -Wall/-Werror) and
+    links it with `metallib`, in work_dir. This catches every way a Mac can
+    lack the toolchain: no xcrun, Command Line Tools without `metal`, Xcode 26
+    without its Metal Toolchain component (`xcrun --find metal` succeeds but
+    running it fails), and an Xcode older than 15 whose `metal` does not know
+    -std=metal3.1 or `bfloat`.
     """
-    for probe_args in (["metal", "--version"], ["--find", "metallib"]):
-        cmd = ["xcrun", "-sdk", "macosx", *probe_args]
+    src = os.path.join(work_dir, "flash_metal_probe.metal")
+    air = os.path.join(work_dir, "flash_metal_probe.air")
+    with open(src, "w", encoding="ascii") as f:
+        f.write(METAL_PROBE_SOURCE)
+    probe_flags = [f for f in METAL_FLAGS if not f.startswith("-W")]
+    for cmd in (["xcrun", "-sdk", "macosx", "metal", *probe_flags, "-c", src, "-o", air],
+                ["xcrun", "-sdk", "macosx", "metallib", air, "-o", os.path.join(work_dir, "probe.metallib")]):
         try:
             probe = subprocess.run(cmd, capture_output=True, text=True)
         except OSError as err:
             return f"cannot run xcrun: {err}"
         if probe.returncode != 0:
-            return (probe.stderr or probe.stdout).strip() or f"`{' '.join(cmd)}` failed"
+            output = (probe.stderr or probe.stdout).strip()
+            return f"`xcrun {cmd[3]}` failed on a {METAL_STD} probe kernel" + (f": {output}" if output else "")
     return None
 
 
 def _run_shader_tool(cmd):
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
+        werror = f" (with -Werror from {SHADER_WERROR_ENV}=1, warnings are errors)" if "-Werror" in cmd else ""
         raise ShaderBuildError(
-            "flash_metal: Apple's Metal compiler rejected the shaders (warnings are errors here):\n"
+            f"flash_metal: Apple's Metal compiler rejected the shaders{werror}:\n"
             f"$ {' '.join(cmd)}\n{proc.stdout}{proc.stderr}")
+    if proc.stderr.strip():  # warnings: shown, as a compiler would, without failing
+        sys.stderr.write(proc.stderr)
 
 
 def remove_metallib(out_dir):
@@ -212,29 +254,33 @@ def build_metallib(out_dir, shader_dir=SHADER_DIR):
     """Compile shader_dir/*.metal into out_dir/flash_metal.metallib and write its fingerprint beside it.
 
     Stale outputs are deleted first. Returns the paths written, or [] after a
-    warning when Apple's Metal toolchain is missing (the MPS backend then
-    compiles the shipped sources at first use); with
-    FLASH_METAL_REQUIRE_METALLIB=1 a missing toolchain raises instead. A shader
-    that does not compile raises ShaderBuildError: the build fails.
+    warning when Apple's Metal toolchain is missing or too old to compile
+    Metal 3.1 (the MPS backend then compiles the shipped sources at first
+    use); with FLASH_METAL_REQUIRE_METALLIB=1 that raises instead. A shader
+    that does not compile raises ShaderBuildError: the build fails. Warnings
+    fail it only with FLASH_METAL_SHADER_WERROR=1.
     """
     remove_metallib(out_dir)
-    problem = _metal_toolchain_problem()
-    if problem is not None:
-        message = (f"flash_metal: Apple's Metal compiler is unavailable ({problem}), so no metallib was built. "
-                   "The install continues: the MPS backend will compile the shipped shader sources at first "
-                   f"use (slower first call). To precompile, {METAL_TOOLCHAIN_HINT}.")
-        if os.environ.get(REQUIRE_METALLIB_ENV) == "1":
-            raise ShaderBuildError(message + f" ({REQUIRE_METALLIB_ENV}=1 makes this an error.)")
-        warnings.warn(message)
-        return []
-    os.makedirs(out_dir, exist_ok=True)
-    lib = os.path.join(out_dir, METALLIB_NAME)
     with tempfile.TemporaryDirectory(prefix="flash_metal_air.") as air_dir:
-        airs = []
-        for src in sorted(glob.glob(os.path.join(shader_dir, "*.metal"))):
-            air = os.path.join(air_dir, os.path.basename(src)[: -len(".metal")] + ".air")
-            _run_shader_tool(metal_compile_command(src, air, shader_dir))
-            airs.append(air)
+        problem = _metal_toolchain_problem(air_dir)
+        if problem is not None:
+            message = (f"flash_metal: Apple's Metal compiler cannot build Metal 3.1 here ({problem}), so no "
+                       "metallib was built. The install continues: the MPS backend will compile the shipped "
+                       f"shader sources at first use (slower first call). To precompile, {METAL_TOOLCHAIN_HINT}.")
+            if _env_flag(REQUIRE_METALLIB_ENV):
+                raise ShaderBuildError(message + f" ({REQUIRE_METALLIB_ENV}=1 makes this an error.)")
+            warnings.warn(message)
+            return []
+        os.makedirs(out_dir, exist_ok=True)
+        lib = os.path.join(out_dir, METALLIB_NAME)
+        werror = _env_flag(SHADER_WERROR_ENV)
+        sources = sorted(glob.glob(os.path.join(shader_dir, "[!.]*.metal")))
+        airs = [os.path.join(air_dir, os.path.basename(src)[: -len(".metal")] + ".air") for src in sources]
+        # Each .metal is its own `metal` process, so several run at once;
+        # map() re-raises the first failure in source order.
+        with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, min(len(sources), os.cpu_count() or 1))) as pool:
+            list(pool.map(_run_shader_tool,
+                          [metal_compile_command(src, air, shader_dir, werror) for src, air in zip(sources, airs)]))
         _run_shader_tool(["xcrun", "-sdk", "macosx", "metallib", *airs, "-o", lib])
     if not os.path.isfile(lib):
         raise ShaderBuildError(f"flash_metal: `xcrun metallib` reported success but wrote no {lib}")
@@ -254,6 +300,18 @@ def install_shader_sources(out_dir, shader_dir=SHADER_DIR):
     return dest
 
 
+def build_package_data(package_dir, build_mps, shader_dir=SHADER_DIR):
+    """What the build adds to the package beside _C: the shader sources, and with
+    build_mps the metallib (a warning and none if the toolchain cannot build it).
+    Returns the installed shader directory."""
+    shader_out = install_shader_sources(package_dir, shader_dir)
+    if build_mps:
+        build_metallib(package_dir, shader_dir)
+    else:
+        remove_metallib(package_dir)
+    return shader_out
+
+
 class BuildWithShaders(BuildExtension):
     """Builds the extension, ships the shader sources, and on macOS the metallib.
 
@@ -266,11 +324,7 @@ class BuildWithShaders(BuildExtension):
     def run(self):
         super().run()
         package_dir = os.path.join(self.build_lib, "flash_metal")
-        shader_out = install_shader_sources(package_dir)
-        if BUILD_MPS:
-            build_metallib(package_dir)
-        else:
-            remove_metallib(package_dir)
+        shader_out = build_package_data(package_dir, BUILD_MPS)
         self._mirror_into_checkout(package_dir, shader_out)
 
     def _mirror_into_checkout(self, package_dir, shader_out):

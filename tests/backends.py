@@ -6,6 +6,7 @@ the plan to the Metal emulator instead of a command encoder, so every shader
 is exercised on Linux exactly as the MPS host would launch it.
 """
 import functools
+import json
 import os
 
 import pytest
@@ -17,16 +18,124 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHADER = os.path.join(ROOT, "shaders", "attention.metal")
 
 
+# FLASH_METAL_MPS_FULL=1 runs every mps case of the op grids. By default only
+# a smoke set runs (mps_smoke_selection): the hosted macOS runners' GPU is a
+# paravirtual device that has failed allocations and given wrong MPSGraph
+# results, and the full grid on it takes a long time and says little more.
+MPS_FULL_ENV = "FLASH_METAL_MPS_FULL"
+# The GPU families (MTLGPUFamily) with simdgroup matrices, which the prefill
+# and backward kernels are built on: Apple7 and newer Apple families, and Mac2
+# (Apple's Metal feature set tables, "SIMD-group matrix"). Every Apple-silicon
+# Mac is Apple7 or newer; a device with neither is a virtual or foreign GPU.
+SIMDGROUP_MATRIX_FAMILIES = ("Apple7", "Apple8", "Apple9", "Apple10", "Mac2")
+
+
+def metal_device_info():
+    """torch.ops.flash_metal.metal_device_info() as a dict; raises if the op is missing or fails."""
+    return json.loads(torch.ops.flash_metal.metal_device_info())
+
+
+def device_family_gaps(info) -> list:
+    """What the device's GPU families (metal_device_info's "device"."families") rule out, as sentences.
+
+    Reports; never raises. A family the OS could not be asked about (null)
+    rules nothing out.
+    """
+    device = (info or {}).get("device") or {}
+    families = device.get("families") or {}
+    answers = [families.get(f) for f in SIMDGROUP_MATRIX_FAMILIES]
+    if answers and all(a is False for a in answers if a is not None) and any(a is False for a in answers):
+        return [f"no simdgroup matrices (the device is in none of {', '.join(SIMDGROUP_MATRIX_FAMILIES)}): "
+                "the prefill and backward kernels cannot run on it"]
+    return []
+
+
 @functools.lru_cache(maxsize=None)
-def mps_usable() -> bool:
-    """MPS present and really working (hosted macOS runners report it but cannot run kernels)."""
+def mps_skip_reason():
+    """None if the mps tests can run here; else why not (the skip reason they report).
+
+    MPS must be present and really working (hosted macOS runners have reported
+    it while failing simple ops), and the device's GPU family must not rule out
+    the kernels (device_family_gaps, when the metal_device_info op is built).
+    """
     if not (hasattr(torch.backends, "mps") and torch.backends.mps.is_available()):
-        return False
+        return "no usable MPS device (torch.backends.mps.is_available() is False)"
     try:
         x = torch.arange(4.0, device="mps")
-        return (x * 2).sum().item() == 12.0
-    except Exception:  # noqa: BLE001  (any failure means: not usable)
-        return False
+        if (x * 2).sum().item() != 12.0:
+            return "no usable MPS device: (arange(4) * 2).sum() on MPS is not 12"
+    except Exception as err:  # noqa: BLE001  (any failure means: not usable)
+        return f"no usable MPS device: a trivial MPS op failed ({type(err).__name__}: {err})"
+    try:
+        info = metal_device_info()
+    except Exception:  # noqa: BLE001  (an older build without the op: nothing to rule out)
+        return None
+    gaps = device_family_gaps(info)
+    if gaps:
+        name = (info.get("device") or {}).get("name", "?")
+        return f"the MPS device ({name}) cannot run these kernels: " + "; ".join(gaps)
+    return None
+
+
+def mps_usable() -> bool:
+    """MPS present, really working, and of a GPU family that can run the kernels (see mps_skip_reason)."""
+    return mps_skip_reason() is None
+
+
+def mps_full() -> bool:
+    """Whether the full mps grid runs (FLASH_METAL_MPS_FULL=1) rather than the smoke set."""
+    return os.environ.get(MPS_FULL_ENV) == "1"
+
+
+def _param_values(item):
+    callspec = getattr(item, "callspec", None)
+    if callspec is None:
+        return set()
+    return {(name, repr(value)) for name, value in callspec.params.items()}
+
+
+def mps_smoke_selection(items):
+    """The smoke set out of the mps cases `items` (pytest items of any test functions).
+
+    Per test function, a greedy cover of its parameters' values: every value
+    each parameter takes in that function's mps grid (each dtype, head dim,
+    shape, layout, causal or not ...) appears in at least one kept case, so the
+    smoke set touches every kernel family and option the full grid does, in
+    far fewer cases. Deterministic: the same items give the same selection.
+    Returns the kept items, in their original order.
+    """
+    by_test = {}
+    for item in items:
+        by_test.setdefault(item.nodeid.split("[", 1)[0], []).append(item)
+    kept = set()
+    for group in by_test.values():
+        values = [_param_values(item) for item in group]
+        uncovered = set().union(*values)
+        while True:
+            gains = [len(v & uncovered) for v in values]
+            best = max(range(len(group)), key=lambda i: (gains[i], -i))
+            if gains[best] == 0:
+                break
+            kept.add(id(group[best]))
+            uncovered -= values[best]
+        if not any(id(item) in kept for item in group):  # no parameters at all: keep the one case
+            kept.add(id(group[0]))
+    return [item for item in items if id(item) in kept]
+
+
+def select_mps_cases(items, full=None):
+    """Splits collected `items` into (kept, deselected): the mps cases outside the
+    smoke set are deselected unless `full` (default: FLASH_METAL_MPS_FULL=1).
+    Cases on other backends are always kept."""
+    if full is None:
+        full = mps_full()
+    mps = [item for item in items if item.get_closest_marker("mps_backend") is not None]
+    if full or not mps:
+        return list(items), []
+    smoke = {id(item) for item in mps_smoke_selection(mps)}
+    kept = [item for item in items if item.get_closest_marker("mps_backend") is None or id(item) in smoke]
+    deselected = [item for item in mps if id(item) not in smoke]
+    return kept, deselected
 
 
 @functools.lru_cache(maxsize=None)
@@ -242,7 +351,14 @@ def run_varlen_backward(backend, grad_out, q, k, v, out, lse, cu_seqlens_q, cu_s
 
 
 def backend_param(name):
-    """A pytest param for `name`, skipped (and reported as skipped) where unavailable."""
+    """A pytest param for `name`, skipped (and reported as skipped) where unavailable.
+
+    mps cases also carry the `mps_backend` mark: `pytest -m mps_backend` runs
+    the real Metal tests, and tests/conftest.py keeps only their smoke set
+    unless FLASH_METAL_MPS_FULL=1 (select_mps_cases).
+    """
     if name == "mps":
-        return pytest.param(name, marks=pytest.mark.skipif(not mps_usable(), reason="no usable MPS device"))
+        reason = mps_skip_reason()
+        return pytest.param(name, marks=[pytest.mark.mps_backend,
+                                         pytest.mark.skipif(reason is not None, reason=reason or "")])
     return pytest.param(name)

@@ -24,6 +24,25 @@ def pytest_configure(config):
         )
 
 
+def pytest_collection_modifyitems(config, items):
+    """The mps cases: a smoke set unless FLASH_METAL_MPS_FULL=1 (tests/backends.py, select_mps_cases)."""
+    import backends
+
+    kept, deselected = backends.select_mps_cases(items)
+    if deselected:
+        config.hook.pytest_deselected(items=deselected)
+        items[:] = kept
+    config._flash_metal_mps = (sum(1 for i in kept if i.get_closest_marker("mps_backend")), len(deselected))
+
+
+def pytest_report_collectionfinish(config, start_path, items):
+    ran, skipped = getattr(config, "_flash_metal_mps", (0, 0))
+    if skipped:
+        return [f"flash_metal: mps smoke set: {ran} mps cases kept, {skipped} deselected "
+                f"(FLASH_METAL_MPS_FULL=1 runs the full grid)"]
+    return []
+
+
 @pytest.fixture(autouse=True)
 def poison_uninitialized_memory():
     """Every at::empty inside the ops comes back NaN-filled while a test runs.

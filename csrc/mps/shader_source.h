@@ -148,8 +148,10 @@ inline uint64_t fnv1a64(const std::string& bytes, uint64_t hash = kFnvOffsetBasi
   return hash;
 }
 
-// True for the files setup.py ships as shader sources (and hashes): *.metal and *.h.
+// True for the files setup.py ships as shader sources (and hashes): *.metal and *.h,
+// never a dot-file (an AppleDouble "._attention.metal" that macOS leaves beside copies).
 inline bool is_shader_file(const std::string& name) {
+  if (name.empty() || name[0] == '.') return false;
   auto ends_with = [&](const std::string& tail) {
     return name.size() > tail.size() && name.compare(name.size() - tail.size(), tail.size(), tail) == 0;
   };
