@@ -44,7 +44,7 @@ def package_dir(lib: str, dest: str, metallib: str = "fresh", kernel_names=None,
     if shaders:
         os.makedirs(os.path.join(dest, "shaders"), exist_ok=True)
         for name in os.listdir(SHADER_DIR):
-            if name.endswith((".metal", ".h")):
+            if _is_shader_file(name):
                 shutil.copyfile(os.path.join(SHADER_DIR, name), os.path.join(dest, "shaders", name))
     if metallib != "none":
         names = sorted(kernel_names or [])
@@ -57,6 +57,11 @@ def package_dir(lib: str, dest: str, metallib: str = "fresh", kernel_names=None,
     return path
 
 
+def _is_shader_file(name: str) -> bool:
+    """shader_source.h's is_shader_file: *.metal and *.h, never a dot-file (AppleDouble ._x.metal)."""
+    return not name.startswith(".") and name.endswith((".metal", ".h"))
+
+
 # FNV-1a 64-bit offset basis and prime (the published constants).
 _FNV_BASIS, _FNV_PRIME = 0xCBF29CE484222325, 0x100000001B3
 
@@ -65,7 +70,7 @@ def source_tree_hash(directory: str) -> str:
     """The fingerprint library.mm checks a metallib against (shader_source.h's
     source_tree_hash; Host.source_tree_hash runs the C++ one to prove they agree)."""
     h = _FNV_BASIS
-    for name in sorted(n.encode() for n in os.listdir(directory) if n.endswith((".metal", ".h"))):
+    for name in sorted(n.encode() for n in os.listdir(directory) if _is_shader_file(n)):
         with open(os.path.join(directory, name.decode()), "rb") as f:
             text = f.read()
         for byte in name + b"\n" + str(len(text)).encode() + b"\n" + text:
