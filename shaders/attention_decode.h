@@ -94,11 +94,13 @@ constant constexpr int kDecodeBlock = 32;
 
 // The rows one SIMD-group works on, and its online-softmax state, per lane.
 // DPL = features per lane: lane l holds features l, l + 32, ..., l + 32 * (DPL - 1).
+// (Static data members live in the constant address space, as MSL requires
+// of every variable with static storage; Apple's headers write the same.)
 template <int DMAX>
 struct DecodeState {
-  static constexpr int RS = decode_rows_per_simd(DMAX);
-  static constexpr int DPL = (DMAX + 31) / 32;
-  static constexpr int DP32 = DPL * 32;  // features per row including the lanes' padding
+  static constexpr constant int RS = decode_rows_per_simd(DMAX);
+  static constexpr constant int DPL = (DMAX + 31) / 32;
+  static constexpr constant int DP32 = DPL * 32;  // features per row including the lanes' padding
   float q[RS][DPL];    // query slice, pre-multiplied by scale * log2(e); 0 past head_dim and for dead rows
   float acc[RS][DPL];  // unnormalized output slice: sum of exp2(s - m) * v
   float m[RS];         // running max of the base-2 scores (kMaskedScore: no key yet); same in every lane
