@@ -26,7 +26,7 @@ import re
 import subprocess
 import tempfile
 
-from . import _build, _registry
+from . import _build, _prepass, _registry
 
 
 # clang spells an address space by the macro that wrote it, or as the attribute
@@ -154,7 +154,11 @@ def check_msl_rules(paths) -> None:
                 ast = json.loads(proc.stdout)
             except json.JSONDecodeError:
                 ast = {}
-            decls = _registry.kernels_in_ast(ast)
+            try:
+                decls = _registry.kernels_in_ast(ast)
+            except _prepass.PrepassError as err:
+                violations.append(f"{p}: {err}")
+                decls = []
             violations += static_storage_violations(ast, {copy: orig for orig, copy in mapping.items()})
             for d in decls:
                 for prm in d.params:
