@@ -480,11 +480,11 @@ KernelChoice choose_metal_kernel(const AttentionProblem& p, KernelRequest reques
       c.kv_splits = forced_one ? 1 : decode_splits(p, c.row_chunks, gpu, forced_split, &why);
       c.kind = c.kv_splits > 1 ? KernelRequest::DecodeSplit : KernelRequest::Decode;
       if (c.row_chunks > 1) {
-        c.reason += "; " + std::to_string(decode_row_groups(p, c.bucket)) + " row groups of " +
+        c.reason += "; but its " + std::to_string(decode_row_groups(p, c.bucket)) + " row groups of " +
                     std::to_string(decode_rows_per_simd(c.bucket)) + " rows exceed one threadgroup's " +
                     std::to_string(kDecodeMaxSimdgroups) + " SIMD-groups (the kernels' declared " +
-                    std::to_string(kDecodeMaxThreads) + "-thread limit): " + std::to_string(c.row_chunks) +
-                    " threadgroups per (batch, kv head), each reading its K/V";
+                    std::to_string(kDecodeMaxThreads) + "-thread limit), so " + std::to_string(c.row_chunks) +
+                    " threadgroups (row chunks) per (batch, kv head) each serve a part and read K/V once each";
       }
       if (!forced_one) {
         c.reason += c.kv_splits > 1 ? "; split-KV: " + std::to_string(c.kv_splits) + " key blocks, then a merge pass ("

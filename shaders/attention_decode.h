@@ -82,8 +82,9 @@
 // Bytes: every K/V element is loaded from device memory once per
 // threadgroup, i.e. once per (batch, kv_head[, split]) for all R rows
 // whenever the GQA group fits one threadgroup (RG <= 8, R <= 8 * RS: 64
-// rows up to DMAX 64, 32 up to 128, 16 at 256; every model of
-// tests/test_metal_plan_limits.py in one-token decode): with one row group,
+// rows up to DMAX 64, 32 up to 128, 16 at 256; in one-token decode, every
+// GQA model of tests/test_metal_plan_limits.py and MQA up to 32 heads at
+// DMAX 128): with one row group,
 // each key group loads its own keys straight into registers; with several,
 // the threadgroup stages each block in threadgroup memory and all row groups
 // read it there. A bigger group (say GQA 8 at DMAX 128 with Nq >= 5, or MQA)
