@@ -236,8 +236,9 @@ uint32_t decode_splits(const AttentionProblem& p, uint32_t chunks, GpuClass gpu,
   int64_t per = (keys + splits - 1) / splits;
   per = (per + kSplitKeyQuantum - 1) / kSplitKeyQuantum * kSplitKeyQuantum;
   if (!forced) splits = (keys + per - 1) / per;
-  *why = std::to_string(groups) + (chunks > 1 ? " (batch, kv head, row chunk) threadgroups want "
-                                              : " (batch, kv head) pairs want ") + std::to_string(want) + " blocks to give a " +
+  *why = std::to_string(groups) +
+         (chunks > 1 ? " (batch, kv head, row chunk) threadgroups want " : " (batch, kv head) pairs want ") +
+         std::to_string(want) + " blocks to give a " +
          std::to_string(representative_cores(gpu)) + "-core GPU " + std::to_string(kDecodeGroupsPerCore) +
          " threadgroups per core; Nk = " + std::to_string(p.kv_len) + " allows " + std::to_string(by_length) +
          " blocks of >= " + std::to_string(kMinKeysPerSplit) + " keys; at most " + std::to_string(kMaxKvSplits);

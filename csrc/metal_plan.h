@@ -197,11 +197,12 @@ MetalPlan plan_metal_attention_backward(const AttentionProblem& p, const LaunchS
 // planner can produce, over every family (the backward's two kernels
 // included), dtype, bucket, causal setting, edge alignment and grad_lse
 // setting, found by planning small problems, so it cannot drift from
-// the planner. Each decode kernel's entry is planned at the largest
-// threadgroup the planner gives it (kDecodeMaxThreads threads), so a
-// pipeline built from it shows whether the device admits that size. all_metal_kernel_names() is its set of names, in a fixed
-// order without duplicates; the macOS pipeline-build test compares it with
-// the metallib and builds every pipeline.
+// the planner. Each entry is planned at the largest threadgroup the shapes
+// give its kernel (every decode kernel at kDecodeMaxThreads, the most the
+// planner ever launches it with), so a pipeline built from it shows whether
+// the device admits that size. all_metal_kernel_names() is its set of
+// names, in a fixed order without duplicates; the macOS pipeline-build test
+// compares it with the metallib and builds every pipeline.
 std::vector<MetalLaunch> all_metal_launches();
 std::vector<std::string> all_metal_kernel_names();
 

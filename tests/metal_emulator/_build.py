@@ -215,7 +215,8 @@ def _atomic_dir(final: str, build) -> str:
 
 def runtime_objects(pool: ThreadPoolExecutor) -> list[str]:
     srcs = [os.path.join(RUNTIME_DIR, s) for s in RUNTIME_SOURCES]
-    key = _hash(clang_version(), RUNTIME_FLAGS, *(_read(p) for p in srcs + [os.path.join(RUNTIME_DIR, h) for h in RUNTIME_HEADERS]),
+    headers = [os.path.join(RUNTIME_DIR, h) for h in RUNTIME_HEADERS]
+    key = _hash(clang_version(), RUNTIME_FLAGS, *(_read(p) for p in srcs + headers),
                 *(_read(p) for p in _shim_files()))
     final = os.path.join(CACHE_DIR, "runtime-" + key)
 
