@@ -97,7 +97,7 @@ TORCH_LIBRARY(flash_metal, m) {
         "int max_seqlen_k=0) "
         "-> (str kernel_name, int[] grid, int[] threadgroup, int threadgroup_memory, int threadgroup_memory_index, "
         "bool[] function_constants, int[] buffer_indices, int params_index, Tensor params, str reason, "
-        "int num_dispatches, int[] scratch_elements)");
+        "int num_dispatches, int[] scratch_elements, int max_threads_per_threadgroup)");
   // macOS builds only (csrc/mps/pipelines.mm), for tests: loads the shader
   // library as attention_forward would and builds the pipeline of every
   // (kernel, function constants) pair the planner can produce, on the

@@ -190,11 +190,41 @@ constexpr uint32_t kMaxKvSplits = 64;
 // SIMD-group of keys in every decode kernel layout.
 constexpr int64_t kSplitKeyQuantum = 32;
 
-// Split count for the decode kernels: enough (batch, kv head, block)
-// threadgroups to give every core of the class kDecodeGroupsPerCore, within
-// kMinKeysPerSplit and kMaxKvSplits. At least 2 when forced.
-uint32_t decode_splits(const AttentionProblem& p, GpuClass gpu, bool forced, std::string* why) {
-  const int64_t groups = std::max<int64_t>(1, p.batch * p.kv_heads);
+// Query rows per SIMD-group of the decode kernels, per bucket (the kernel's
+// decode_rows_per_simd): each row costs a lane 3 * DMAX / 32 floats of
+// registers (its q slice, accumulator and block product), so the rows shrink
+// as DMAX grows to keep that near 48-64 floats per lane.
+uint32_t decode_rows_per_simd(uint32_t bucket) { return bucket <= 64 ? 8 : (bucket <= 128 ? 4 : 2); }
+// Why at most 8 SIMD-groups per threadgroup: the decode kernels declare
+// [[max_total_threads_per_threadgroup(kDecodeMaxThreads)]] (256, see
+// shaders/params.h for why that size fits their registers at any allocation).
+constexpr uint32_t kDecodeMaxSimdgroups = kDecodeMaxThreads / 32;
+// Why 8 key groups when the whole GQA group fits one SIMD-group's rows: a
+// single SIMD-group would leave the threadgroup one warp wide and the keys
+// one lane-block at a time; 8 SIMD-groups take interleaved key blocks
+// (MLX's sdpa_vector spreads keys over 32) and merge through threadgroup
+// memory, while 8 keeps that merge buffer under 9 KB at D = 256.
+constexpr uint32_t kDecodeKeyGroups = 8;
+static_assert(32 * kDecodeKeyGroups <= kDecodeMaxThreads, "the key groups fit the decode kernels' declared limit");
+
+// Row groups (of decode_rows_per_simd rows) of one GQA group.
+uint32_t decode_row_groups(const AttentionProblem& p, uint32_t bucket) {
+  return ceil_div(p.gqa_ratio() * p.q_len, decode_rows_per_simd(bucket));
+}
+// Threadgroups that share one (batch, kv head[, key block]), each serving a
+// part of the GQA group's rows: 1 while the group fits kDecodeMaxSimdgroups
+// SIMD-groups (K/V then read once for all of its rows), else as few as fit.
+// More threadgroups, not fatter ones: the threadgroup size stays within the
+// kernels' declared limit, and the chunks of a kv head run side by side.
+uint32_t decode_row_chunks(const AttentionProblem& p, uint32_t bucket) {
+  return ceil_div(decode_row_groups(p, bucket), kDecodeMaxSimdgroups);
+}
+
+// Split count for the decode kernels: enough (batch, kv head, row chunk,
+// block) threadgroups to give every core of the class kDecodeGroupsPerCore,
+// within kMinKeysPerSplit and kMaxKvSplits. At least 2 when forced.
+uint32_t decode_splits(const AttentionProblem& p, uint32_t chunks, GpuClass gpu, bool forced, std::string* why) {
+  const int64_t groups = std::max<int64_t>(1, p.batch * p.kv_heads * chunks);
   const int64_t target = int64_t{representative_cores(gpu)} * kDecodeGroupsPerCore;
   const int64_t want = (target + groups - 1) / groups;
   const int64_t by_length = std::max<int64_t>(1, p.kv_len / kMinKeysPerSplit);
@@ -206,7 +236,9 @@ uint32_t decode_splits(const AttentionProblem& p, GpuClass gpu, bool forced, std
   int64_t per = (keys + splits - 1) / splits;
   per = (per + kSplitKeyQuantum - 1) / kSplitKeyQuantum * kSplitKeyQuantum;
   if (!forced) splits = (keys + per - 1) / per;
-  *why = std::to_string(groups) + " (batch, kv head) pairs want " + std::to_string(want) + " blocks to give a " +
+  *why = std::to_string(groups) +
+         (chunks > 1 ? " (batch, kv head, row chunk) threadgroups want " : " (batch, kv head) pairs want ") +
+         std::to_string(want) + " blocks to give a " +
          std::to_string(representative_cores(gpu)) + "-core GPU " + std::to_string(kDecodeGroupsPerCore) +
          " threadgroups per core; Nk = " + std::to_string(p.kv_len) + " allows " + std::to_string(by_length) +
          " blocks of >= " + std::to_string(kMinKeysPerSplit) + " keys; at most " + std::to_string(kMaxKvSplits);
@@ -225,32 +257,17 @@ std::string padding_note(int64_t head_dim, uint32_t bucket) {
          "-wide instantiation (no read or write past head_dim)";
 }
 
-// Query rows per SIMD-group of the decode kernels, per bucket (the kernel's
-// decode_rows_per_simd): each row costs a lane 3 * DMAX / 32 floats of
-// registers (its q slice, accumulator and block product), so the rows shrink
-// as DMAX grows to keep that near 48-64 floats per lane.
-uint32_t decode_rows_per_simd(uint32_t bucket) { return bucket <= 64 ? 8 : (bucket <= 128 ? 4 : 2); }
-// Why at most 32 row groups in flight: 32 SIMD-groups are 1024 threads,
-// Metal's threadgroup limit; more row groups loop in rounds.
-constexpr uint32_t kDecodeMaxRowGroups = 32;
-// Why 8 key groups when the whole GQA group fits one SIMD-group's rows: a
-// single SIMD-group would leave the threadgroup one warp wide and the keys
-// one lane-block at a time; 8 SIMD-groups take interleaved key blocks
-// (MLX's sdpa_vector spreads keys over 32) and merge through threadgroup
-// memory, while 8 keeps that merge buffer under 9 KB at D = 256.
-constexpr uint32_t kDecodeKeyGroups = 8;
-
 // The decode kernels' launches, exactly as shaders/attention_decode.h
 // documents them: one threadgroup per (kv head, batch[, key block]) serving
 // all gqa_ratio * Nq query rows of the GQA group, so each K/V element is read
-// once for all of them; then, when split, the merge pass.
+// once for all of them (or, past kDecodeMaxSimdgroups row groups, one per
+// row chunk of it); then, when split, the merge pass.
 void decode_launches(const AttentionProblem& p, const KernelChoice& c, const std::string& suffix, MetalLaunch l,
                      MetalPlan* plan) {
   const uint32_t kv_heads = static_cast<uint32_t>(p.kv_heads), batch = static_cast<uint32_t>(p.batch);
   const uint32_t rows_per_simd = decode_rows_per_simd(c.bucket);
-  const uint32_t rows = static_cast<uint32_t>(p.gqa_ratio() * p.q_len);
-  const uint32_t row_groups = ceil_div(rows, rows_per_simd);
-  const uint32_t in_flight = std::min(row_groups, kDecodeMaxRowGroups);
+  const uint32_t row_groups = decode_row_groups(p, c.bucket);
+  const uint32_t in_flight = ceil_div(row_groups, c.row_chunks);  // row groups per threadgroup
   const uint32_t key_groups = row_groups == 1 ? kDecodeKeyGroups : 1;
   const uint32_t padded_dim = 32 * ceil_div(c.bucket, 32);  // features per row, lanes' padding included
   // One row group: the key groups' partial states, merged in threadgroup
@@ -261,9 +278,10 @@ void decode_launches(const AttentionProblem& p, const KernelChoice& c, const std
                              : 32 * c.bucket * dtype_bytes(p.dtype);
   l.threadgroup = {32, key_groups, in_flight};
   l.threadgroup_memory = bytes;
+  l.max_threads_per_threadgroup = kDecodeMaxThreads;
   if (c.kv_splits == 1) {
     l.kernel_name = "flash_decode_" + suffix;
-    l.grid = {kv_heads, batch, 1};
+    l.grid = {kv_heads * c.row_chunks, batch, 1};
     plan->launches.push_back(l);
     return;
   }
@@ -271,7 +289,7 @@ void decode_launches(const AttentionProblem& p, const KernelChoice& c, const std
   plan->partial_out_elements = all_rows * c.kv_splits * p.head_dim;
   plan->partial_stats_elements = all_rows * c.kv_splits * 2;
   l.kernel_name = "flash_decode_split_" + suffix;
-  l.grid = {kv_heads, batch, c.kv_splits};
+  l.grid = {kv_heads * c.row_chunks, batch, c.kv_splits};
   l.buffers = with_features(kSplitBuffers);
   plan->launches.push_back(l);
   // The merge: one SIMD-group per query row, the lanes over the features.
@@ -279,6 +297,7 @@ void decode_launches(const AttentionProblem& p, const KernelChoice& c, const std
   m.kernel_name = "flash_decode_merge_" + suffix;
   m.grid = {static_cast<uint32_t>(p.q_len), static_cast<uint32_t>(p.q_heads), batch};
   m.threadgroup = {32, 1, 1};
+  m.max_threads_per_threadgroup = kDecodeMergeMaxThreads;
   m.threadgroup_memory = 0;
   m.function_constants.clear();
   m.buffers = kMergeBuffers;
@@ -458,8 +477,16 @@ KernelChoice choose_metal_kernel(const AttentionProblem& p, KernelRequest reques
       std::string why;
       const bool forced_split = c.kind == KernelRequest::DecodeSplit;
       const bool forced_one = explicit_request && c.kind == KernelRequest::Decode;
-      c.kv_splits = forced_one ? 1 : decode_splits(p, gpu, forced_split, &why);
+      c.row_chunks = decode_row_chunks(p, c.bucket);
+      c.kv_splits = forced_one ? 1 : decode_splits(p, c.row_chunks, gpu, forced_split, &why);
       c.kind = c.kv_splits > 1 ? KernelRequest::DecodeSplit : KernelRequest::Decode;
+      if (c.row_chunks > 1) {
+        c.reason += "; but its " + std::to_string(decode_row_groups(p, c.bucket)) + " row groups of " +
+                    std::to_string(decode_rows_per_simd(c.bucket)) + " rows exceed one threadgroup's " +
+                    std::to_string(kDecodeMaxSimdgroups) + " SIMD-groups (the kernels' declared " +
+                    std::to_string(kDecodeMaxThreads) + "-thread limit), so " + std::to_string(c.row_chunks) +
+                    " threadgroups (row chunks) per (batch, kv head) each serve a part and read K/V once each";
+      }
       if (!forced_one) {
         c.reason += c.kv_splits > 1 ? "; split-KV: " + std::to_string(c.kv_splits) + " key blocks, then a merge pass ("
                                     : "; one pass (";
@@ -537,11 +564,20 @@ AttentionParams make_params(const AttentionProblem& p, const LaunchStrides& s, u
   return a;
 }
 
-void check_threadgroup_memory(const MetalPlan& plan) {
+uint64_t threads_of(const MetalLaunch& launch) {
+  return uint64_t{launch.threadgroup[0]} * launch.threadgroup[1] * launch.threadgroup[2];
+}
+
+// Every launch within Metal's threadgroup-memory limit and within its
+// kernel's declared [[max_total_threads_per_threadgroup]].
+void check_launch_limits(const MetalPlan& plan) {
   for (const MetalLaunch& launch : plan.launches) {
     TORCH_CHECK(launch.threadgroup_memory <= kMaxThreadgroupMemory && launch.threadgroup_memory % 16 == 0, kOp,
                 ": internal error: ", launch.kernel_name, " planned with ", launch.threadgroup_memory,
                 " bytes of threadgroup memory");
+    TORCH_CHECK(launch.max_threads_per_threadgroup > 0 && threads_of(launch) <= launch.max_threads_per_threadgroup,
+                kOp, ": internal error: ", launch.kernel_name, " planned with ", threads_of(launch),
+                " threads per threadgroup; the kernel declares at most ", launch.max_threads_per_threadgroup);
   }
 }
 
@@ -571,6 +607,7 @@ MetalPlan plan_metal_attention(const AttentionProblem& p, const LaunchStrides& s
       // covers kPostThreadsPerGroup rows of one (batch, head).
       l.grid = {ceil_div(p.q_len, kPostThreadsPerGroup), heads, batch};
       l.threadgroup = {kPostThreadsPerGroup, 1, 1};
+      l.max_threads_per_threadgroup = kPostMaxThreads;
       if (c.kind == KernelRequest::Tiled) {
         l.kernel_name = "flash_attention_tiled_" + suffix + "_bk" + std::to_string(kPostKeysPerTile) + "_t" +
                         std::to_string(kPostThreadsPerGroup);
@@ -585,6 +622,7 @@ MetalPlan plan_metal_attention(const AttentionProblem& p, const LaunchStrides& s
                       std::to_string(c.block_k) + "_wm" + std::to_string(c.simdgroups);
       l.grid = {ceil_div(p.q_len, c.block_q), heads, batch};
       l.threadgroup = {32 * c.simdgroups, 1, 1};
+      l.max_threads_per_threadgroup = kPrefillMaxThreads;
       l.threadgroup_memory = prefill_threadgroup_memory(c.block_q, c.block_k, c.bucket, p.dtype);
       l.function_constants = feature_constants(p, p.q_len % c.block_q == 0, p.kv_len % c.block_k == 0, false);
       l.buffers = with_features(kForwardBuffers);
@@ -596,7 +634,7 @@ MetalPlan plan_metal_attention(const AttentionProblem& p, const LaunchStrides& s
       decode_launches(p, c, suffix, l, &plan);
       break;
   }
-  check_threadgroup_memory(plan);
+  check_launch_limits(plan);
   return plan;
 }
 
@@ -617,6 +655,7 @@ MetalPlan plan_metal_attention_backward(const AttentionProblem& p, const LaunchS
                    std::to_string(c.block_k) + "_wm" + std::to_string(c.simdgroups);
   dq.grid = {ceil_div(p.q_len, c.block_q), static_cast<uint32_t>(p.q_heads), batch};
   dq.threadgroup = {32 * c.simdgroups, 1, 1};
+  dq.max_threads_per_threadgroup = kBackwardMaxThreads;
   dq.threadgroup_memory = backward_threadgroup_memory(c.block_q, c.block_k, c.bucket, p.dtype);
   // Indices kCausalFunctionConstant, kAlignQ..., kAlignK..., kHasGradLse...
   dq.function_constants = feature_constants(p, p.q_len % c.block_q == 0, p.kv_len % c.block_k == 0, has_grad_lse);
@@ -633,42 +672,54 @@ MetalPlan plan_metal_attention_backward(const AttentionProblem& p, const LaunchS
   dkv.function_constants = feature_constants(p, p.q_len % c.dkv_block_q == 0, p.kv_len % c.dkv_block_k == 0, false);
   dkv.buffers = with_features(kBackwardDkdvBuffers);
   plan.launches.push_back(dkv);
-  check_threadgroup_memory(plan);
+  check_launch_limits(plan);
   return plan;
 }
 
 std::vector<MetalLaunch> all_metal_launches() {
   std::vector<MetalLaunch> launches;
+  // One entry per (kernel, function constants), planned at the largest
+  // threadgroup any of the shapes below gives it: the pipeline check
+  // (csrc/mps/pipelines.mm) then compares the pipeline's limit with the most
+  // threads the planner launches it with.
   auto add = [&](const MetalLaunch& l) {
-    for (const MetalLaunch& seen : launches) {
-      if (seen.kernel_name == l.kernel_name && seen.function_constants == l.function_constants) return;
+    for (MetalLaunch& seen : launches) {
+      if (seen.kernel_name == l.kernel_name && seen.function_constants == l.function_constants) {
+        if (threads_of(l) > threads_of(seen)) seen = l;
+        return;
+      }
     }
     launches.push_back(l);
   };
   // Problem sizes reaching every branch: q/k lengths that are multiples of
   // every block (64) and lengths that are not (65), one decode row with a
-  // short and a long context.
-  struct Shape { int64_t q_len, kv_len; KernelRequest request; };
+  // short and a long context (one row group: 8 key groups, 256 threads), and
+  // a 16-head GQA group of 8 decode rows (16 or more row groups: row chunks
+  // of 8 SIMD-groups staging K/V, 256 threads).
+  struct Shape { int64_t q_len, kv_len; KernelRequest request; int64_t q_heads = 1; };
   const Shape shapes[] = {
       {64, 64, KernelRequest::Untiled}, {64, 64, KernelRequest::Tiled},
       {64, 64, KernelRequest::Prefill}, {65, 64, KernelRequest::Prefill},
       {64, 65, KernelRequest::Prefill}, {65, 65, KernelRequest::Prefill},
       {1, 64, KernelRequest::Decode},   {1, 4096, KernelRequest::DecodeSplit},
+      {8, 64, KernelRequest::Decode, 16}, {8, 4096, KernelRequest::DecodeSplit, 16},
   };
   for (c10::ScalarType dtype : {c10::ScalarType::Float, c10::ScalarType::Half, c10::ScalarType::BFloat16}) {
     for (uint32_t d : kFastHeadDimBuckets) {
       for (const Shape& shape : shapes) {
         for (bool causal : {false, true}) {
           AttentionProblem p;
-          p.batch = p.q_heads = p.kv_heads = 1;
+          p.batch = p.kv_heads = 1;
+          p.q_heads = shape.q_heads;
           p.q_len = shape.q_len;
           p.kv_len = shape.kv_len;
           p.head_dim = d;
           p.causal = causal;
           p.scale = 1.0;
           p.dtype = dtype;
-          const int64_t D = d;
-          const LaunchStrides packed{{D, D, D, 1}, {D, D, D, 1}, {D, D, D, 1}, {D, D, D, 1}, {1, 1, 1}};
+          const int64_t D = d, H = p.q_heads, N = p.q_len, M = p.kv_len;
+          const LaunchStrides packed{{H * N * D, N * D, D, 1}, {M * D, M * D, D, 1}, {M * D, M * D, D, 1},
+                                     {H * N * D, N * D, D, 1}, {H * N, N, 1}};
           for (const MetalLaunch& l : plan_metal_attention(p, packed, shape.request).launches) add(l);
         }
       }
@@ -733,6 +784,12 @@ std::vector<MetalLaunch> all_metal_launches() {
         }
       }
     }
+  }
+  for (const MetalLaunch& l : launches) {
+    const auto starts = [&](const char* prefix) { return l.kernel_name.rfind(prefix, 0) == 0; };
+    const bool decode = starts("flash_decode_") && !starts("flash_decode_merge_");
+    TORCH_CHECK(!decode || threads_of(l) == kDecodeMaxThreads, kOp, ": internal error: all_metal_launches plans ",
+                l.kernel_name, " with ", threads_of(l), " threads, not the planner's largest, ", kDecodeMaxThreads);
   }
   return launches;
 }

@@ -60,6 +60,7 @@ struct LaunchStrides {
 // the post's choice, and for the tiled kernel the number of queries that share
 // one K/V tile.
 constexpr uint32_t kPostThreadsPerGroup = 32;
+static_assert(kPostThreadsPerGroup <= kPostMaxThreads, "the post kernels declare kPostMaxThreads (shaders/params.h)");
 // Keys per K/V tile of the tiled kernel. Why 16: the post's named
 // configuration; at D=256 two float32 tiles take 2*16*256*4 = 32 KiB, exactly
 // Metal's threadgroup-memory limit.
@@ -131,6 +132,8 @@ struct KernelChoice {
   uint32_t block_k = 0;    // prefill: keys per K/V block
   uint32_t simdgroups = 0; // prefill: simdgroups per threadgroup
   uint32_t kv_splits = 1;  // split decode: key blocks
+  uint32_t row_chunks = 1; // decode: threadgroups sharing one (batch, kv head[, key block]), each a part of
+                           // its GQA group's rows (more than kDecodeMaxThreads / 32 row groups)
   uint32_t dkv_block_q = 0;     // backward, dK/dV kernel: query rows per streamed block
   uint32_t dkv_block_k = 0;     // backward, dK/dV kernel: keys per threadgroup (8 per simdgroup)
   uint32_t dkv_simdgroups = 0;  // backward, dK/dV kernel: simdgroups per threadgroup
@@ -144,6 +147,10 @@ struct MetalLaunch {
   std::string kernel_name;                 // host name in the metallib, e.g. flash_attention_tiled_float16_d64_bk16_t32
   std::array<uint32_t, 3> grid{};          // threadgroups per grid
   std::array<uint32_t, 3> threadgroup{};   // threads per threadgroup
+  // The kernel's [[max_total_threads_per_threadgroup(N)]] (shaders/params.h):
+  // the most threads it may ever be launched with; threadgroup's product
+  // never exceeds it (plan_metal_attention checks every launch).
+  uint32_t max_threads_per_threadgroup = 0;
   uint32_t threadgroup_memory = 0;         // bytes of dynamic threadgroup memory (0: none to bind)
   uint32_t threadgroup_memory_index = 0;   // its [[threadgroup(i)]] index
   std::vector<bool> function_constants;    // value of [[function_constant(i)]] at index i
@@ -190,9 +197,12 @@ MetalPlan plan_metal_attention_backward(const AttentionProblem& p, const LaunchS
 // planner can produce, over every family (the backward's two kernels
 // included), dtype, bucket, causal setting, edge alignment and grad_lse
 // setting, found by planning small problems, so it cannot drift from
-// the planner. all_metal_kernel_names() is its set of names, in a fixed
-// order without duplicates; the macOS pipeline-build test compares it with
-// the metallib and builds every pipeline.
+// the planner. Each entry is planned at the largest threadgroup the shapes
+// give its kernel (every decode kernel at kDecodeMaxThreads, the most the
+// planner ever launches it with), so a pipeline built from it shows whether
+// the device admits that size. all_metal_kernel_names() is its set of
+// names, in a fixed order without duplicates; the macOS pipeline-build test
+// compares it with the metallib and builds every pipeline.
 std::vector<MetalLaunch> all_metal_launches();
 std::vector<std::string> all_metal_kernel_names();
 

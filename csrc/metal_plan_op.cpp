@@ -21,7 +21,7 @@ std::array<int64_t, 4> strides4(const at::Tensor& t) {
 }
 
 std::tuple<std::string, std::vector<int64_t>, std::vector<int64_t>, int64_t, int64_t, c10::List<bool>,
-           std::vector<int64_t>, int64_t, at::Tensor, std::string, int64_t, std::vector<int64_t>>
+           std::vector<int64_t>, int64_t, at::Tensor, std::string, int64_t, std::vector<int64_t>, int64_t>
 metal_plan(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool causal,
            std::optional<double> scale, c10::string_view kernel, c10::string_view gpu, int64_t dispatch,
            bool backward, const std::optional<at::Tensor>& grad_out, const std::optional<at::Tensor>& out,
@@ -91,7 +91,8 @@ metal_plan(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool c
           params,
           plan.reason,
           count,
-          {plan.partial_out_elements, plan.partial_stats_elements, plan.delta_elements}};
+          {plan.partial_out_elements, plan.partial_stats_elements, plan.delta_elements},
+          launch.max_threads_per_threadgroup};
 }
 
 }  // namespace

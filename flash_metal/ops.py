@@ -131,6 +131,9 @@ class MetalDispatch(NamedTuple):
     buffers: Dict[str, int]  # the binding table: tensor name (see _LAUNCH_TENSORS) -> [[buffer(n)]]
     params_index: int  # [[buffer(n)]] of the AttentionParams bytes
     params: Tensor
+    # The kernel's [[max_total_threads_per_threadgroup(N)]] (shaders/params.h): the
+    # most threads the planner ever launches it with; threadgroup's product <= N.
+    max_threads_per_threadgroup: int
 
 
 class MetalPlan(NamedTuple):
@@ -162,6 +165,7 @@ class MetalPlan(NamedTuple):
     buffers = property(lambda self: self._only().buffers)
     params_index = property(lambda self: self._only().params_index)
     params = property(lambda self: self._only().params)
+    max_threads_per_threadgroup = property(lambda self: self._only().max_threads_per_threadgroup)
 
 
 def explain(
@@ -188,12 +192,13 @@ def explain(
              cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     dispatches, count, i = [], 1, 0
     while i < count:
-        name, grid, tg, mem, mem_index, consts, indices, params_index, params, reason, count, scratch = (
+        name, grid, tg, mem, mem_index, consts, indices, params_index, params, reason, count, scratch, max_threads = (
             torch.ops.flash_metal.metal_plan(*args, i, *extra)
         )
         buffers = {t: n for t, n in zip(_LAUNCH_TENSORS, indices) if n >= 0}
         dispatches.append(
-            MetalDispatch(name, tuple(grid), tuple(tg), mem, mem_index, tuple(consts), buffers, params_index, params)
+            MetalDispatch(name, tuple(grid), tuple(tg), mem, mem_index, tuple(consts), buffers, params_index, params,
+                          max_threads)
         )
         i += 1
     sizes = dict(zip(("partial_out", "partial_stats", "delta"), scratch))

@@ -152,7 +152,7 @@ FM_INLINE float backward_weight(constant AttentionParams& p, device const uchar*
 // grad_lse is always bound (the host binds lse in its place when there is
 // none; it is then never read).
 template <typename T, int DMAX, int BQ, int BK, int WM>
-[[kernel]] void flash_backward_dq(
+[[kernel]] [[max_total_threads_per_threadgroup(kBackwardMaxThreads)]] void flash_backward_dq(
     device const T* q [[buffer(0)]],
     device const T* k [[buffer(1)]],
     device const T* v [[buffer(2)]],
@@ -174,6 +174,7 @@ template <typename T, int DMAX, int BQ, int BK, int WM>
   static_assert(BQ == 8 * WM, "each SIMD-group owns 8 query rows");
   static_assert(BK % 8 == 0 && DMAX % 8 == 0, "tiles are whole 8x8 fragments");
   constexpr int THREADS = 32 * WM;
+  static_assert(THREADS <= kBackwardMaxThreads, "the declared threadgroup limit (params.h)");
   constexpr int PAD = backward_row_pad<T, DMAX, 2 * (BQ + BK)>();
   constexpr int LD = DMAX + PAD / int(sizeof(T));  // tile row length, in elements
   constexpr int TK = BK / 8;                        // key fragments per block
@@ -361,7 +362,7 @@ template <typename T, int DMAX, int BQ, int BK, int WM>
 // constants fc_causal (0), fc_align_q (1: Nq % BQ == 0), fc_align_k
 // (2: Nk % BK == 0). Reads Delta as the dQ kernel wrote it.
 template <typename T, int DMAX, int BQ, int BK, int WM, int DSPLIT>
-[[kernel]] void flash_backward_dkdv(
+[[kernel]] [[max_total_threads_per_threadgroup(kBackwardMaxThreads)]] void flash_backward_dkdv(
     device const T* q [[buffer(0)]],
     device const T* k [[buffer(1)]],
     device const T* v [[buffer(2)]],
@@ -382,6 +383,7 @@ template <typename T, int DMAX, int BQ, int BK, int WM, int DSPLIT>
   static_assert(BK == 8 * WM, "each SIMD-group owns 8 keys");
   static_assert(BQ % 8 == 0 && DMAX % 8 == 0, "tiles are whole 8x8 fragments");
   constexpr int THREADS = 32 * WM;
+  static_assert(THREADS <= kBackwardMaxThreads, "the declared threadgroup limit (params.h)");
   constexpr int PAD = backward_row_pad<T, DMAX, 2 * (BQ + BK)>();
   constexpr int LD = DMAX + PAD / int(sizeof(T));
   static_assert(DMAX % (8 * DSPLIT) == 0, "each part is whole fragments");

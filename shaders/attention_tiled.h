@@ -27,7 +27,7 @@ namespace flash_metal {
 // garbage; the emulator fills it with NaN, and 0 * NaN is NaN), so they are
 // zeroed once, before the first tile; the loads never touch them after that.
 template <typename T, int DMAX, int BK, int THREADS>
-[[kernel]] void flash_attention_tiled(
+[[kernel]] [[max_total_threads_per_threadgroup(kPostMaxThreads)]] void flash_attention_tiled(
     device const T* q [[buffer(0)]],
     device const T* k [[buffer(1)]],
     device const T* v [[buffer(2)]],
@@ -37,6 +37,7 @@ template <typename T, int DMAX, int BK, int THREADS>
     threadgroup T* smem [[threadgroup(0)]],
     uint3 group [[threadgroup_position_in_grid]],
     uint lane [[thread_index_in_threadgroup]]) {
+  static_assert(THREADS <= kPostMaxThreads, "the declared threadgroup limit (params.h)");
   const int D = p.head_dim;
   const int first_row = int(group.x) * THREADS;
   const int row = first_row + int(lane);
