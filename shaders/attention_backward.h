@@ -54,7 +54,7 @@
 // PAD is 16 bytes (the forward's bank-conflict padding), or 0 where the
 // padded tiles would exceed Metal's 32 KiB (only float32 at DMAX 256 with
 // 8 + 8 rows: 33,280 bytes padded, exactly 32,768 without); see
-// backward_row_pad. The host (csrc/metal_plan.cpp) computes the same.
+// backward_row_pad. The host (csrc/metal_plan_detail.h) computes the same.
 // Separate K and V (Q and dO) tiles cost twice the streamed rows but need 2
 // barriers per block instead of the forward's 4: the dK/dV kernel uses Q
 // twice and dO twice per block, so a shared tile would be loaded twice.
@@ -74,7 +74,7 @@ constant bool fc_has_grad_lse [[function_constant(3)]];
 // kPrefillRowPadBytes) unless the four padded tiles would not fit Metal's
 // 32 KiB of threadgroup memory, then 0 (float32, DMAX 256: 8-row tiles are
 // 33,280 bytes padded, 32,768 unpadded; the price is bank conflicts on that
-// one configuration). Must match backward_row_pad in csrc/metal_plan.cpp.
+// one configuration). Must match backward_threadgroup_memory in csrc/metal_plan_detail.h.
 template <typename T, int DMAX, int ROWS>
 constexpr int backward_row_pad() {
   return ROWS * (DMAX * int(sizeof(T)) + kPrefillRowPadBytes) <= 32768 ? kPrefillRowPadBytes : 0;

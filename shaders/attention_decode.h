@@ -27,7 +27,7 @@
 // RS = decode_rows_per_simd(DMAX) consecutive rows (a "row group") and one
 // "key group" of the threadgroup's keys.
 //
-// Launch (the host, csrc/metal_plan.cpp, computes exactly this):
+// Launch (the host, csrc/metal_launch.cpp, computes exactly this):
 //
 //   RS   = DMAX <= 64 ? 8 : DMAX <= 128 ? 4 : 2      rows per SIMD-group (decode_rows_per_simd)
 //   R    = (Hq / Hkv) * Nq                            rows of one GQA group

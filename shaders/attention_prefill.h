@@ -16,7 +16,7 @@
 // written for this project (its own loader, masking and store); see the
 // comments for where it differs.
 //
-// Threadgroup memory (bytes), sized by the host (csrc/metal_plan.cpp):
+// Threadgroup memory (bytes), sized by the host (csrc/metal_plan_detail.h):
 //
 //   tg_bytes(BQ, BK, DMAX, sizeof(T)) = (BQ + BK) * (DMAX * sizeof(T) + 16)
 //

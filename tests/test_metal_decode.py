@@ -167,7 +167,7 @@ PLANNER_CASES = [(1, 8, 2, 1, 300, 128, torch.float16, "decode"), (2, 32, 8, 1, 
 
 @pytest.mark.parametrize("case", PLANNER_CASES, ids=lambda c: f"{c[0]}x{c[1]}:{c[2]}-{c[3]}x{c[4]}-d{c[5]}-{c[7]}")
 def test_planner_launches_exactly_these_shapes(case):
-    # csrc/metal_plan.cpp and decode_launch() both transcribe the formulas at
+    # csrc/metal_launch.cpp and decode_launch() both transcribe the formulas at
     # the top of attention_decode.h; they must agree on every field.
     B, Hq, Hkv, Nq, Nk, D, dtype, impl = case
     q, k = torch.empty(B, Hq, Nq, D, dtype=dtype), torch.empty(B, Hkv, Nk, D, dtype=dtype)
