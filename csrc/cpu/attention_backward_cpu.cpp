@@ -73,6 +73,7 @@ namespace cpu {
 namespace {
 
 constexpr float kLog2e = 1.4426950408889634f;
+constexpr double kLog2eD = 1.4426950408889634;
 constexpr float kInf = std::numeric_limits<float>::infinity();
 
 // The products' vector type is simd.h's MVec (16-lane zmm with AVX-512, see
@@ -114,12 +115,15 @@ constexpr int64_t kRowPad = 16;
 // ---------------------------------------------------------------- micro-kernel
 // C[r][0 .. NV*kMW) (+)= sum_k A(r, k) * B[k][0 .. NV*kMW)   for r < MR.
 // A(r, k) = a[r * lda + k] (row-major) or a[k * lda + r] (ATrans); B rows are
-// ldb apart and read as vectors.
+// ldb apart and read as vectors. With Acc the block's product is summed from
+// zero and added to C once (a blocked sum, as the forward's O += P.V): C is
+// rounded once per block, not once per row of A's K dimension, which
+// continuing the fma chain from C's old value would do.
 template <int MR, int NV, bool ATrans, bool Acc>
 inline void mm_tile(const float* a, int64_t lda, const float* b, int64_t ldb, int64_t K, float* c, int64_t ldc) {
   MVec acc[MR][NV];
   for (int r = 0; r < MR; ++r)
-    for (int v = 0; v < NV; ++v) acc[r][v] = Acc ? MVec::load(c + r * ldc + v * kMW) : MVec::zero();
+    for (int v = 0; v < NV; ++v) acc[r][v] = MVec::zero();
   for (int64_t k = 0; k < K; ++k) {
     MVec bv[NV];
     for (int v = 0; v < NV; ++v) bv[v] = MVec::load(b + k * ldb + v * kMW);
@@ -129,7 +133,10 @@ inline void mm_tile(const float* a, int64_t lda, const float* b, int64_t ldb, in
     }
   }
   for (int r = 0; r < MR; ++r)
-    for (int v = 0; v < NV; ++v) acc[r][v].store(c + r * ldc + v * kMW);
+    for (int v = 0; v < NV; ++v) {
+      float* cp = c + r * ldc + v * kMW;
+      (Acc ? MVec::load(cp) + acc[r][v] : acc[r][v]).store(cp);
+    }
 }
 
 // All M rows of one column panel of NV vectors.
@@ -208,24 +215,37 @@ void pack_transposed(const T* src, const int64_t* st, int64_t n, float mul, cons
   for (int64_t d = 0; d < g.D; ++d) std::fill(dst + d * kBlockQ + n, dst + d * kBlockQ + ncols, 0.0f);
 }
 
-// Per-thread buffers: the blocks of one query block and, unless the caller
-// provides shared ones (the chunked decomposition), packed K and V of one kv
-// head and the dK and dV accumulators (Nk rows each).
+// Per-thread buffers: the blocks of one query block; with GQA, one query
+// head's dK and dV (Nk rows each, folded into the item's sums after each
+// head, see backward_item); and, unless the caller provides shared ones (the
+// chunked decomposition), packed K and V of one kv head and the item's dK and
+// dV sums (Nk rows each) with, under GQA, their compensations.
 struct BwdWorkspace {
   FloatBuffer kr, vr;    // Nk x ld: packed K and V rows
-  FloatBuffer dk, dv;    // Nk x Dp: float32 accumulators
+  FloatBuffer dk, dv;    // Nk x Dp: float32 sums over the group
+  FloatBuffer ek, ev;    // Nk x Dp: their TwoSum compensations (group > 1)
+  FloatBuffer hk, hv;    // Nk x Dp: one query head's dK, dV (group > 1)
   FloatBuffer qt, dot;   // D x kBlockQ: Q (pre-scaled to base-2 scores) and dO, transposed
   FloatBuffer qr, dor;   // kBlockQ x ld: Q and dO rows
   FloatBuffer dq;        // kBlockQ x Dp
   FloatBuffer st, dst;   // kBlockK x kBlockQ: PT and dST
   FloatBuffer dfac;      // kBlockK x kBlockQ: the softcap's 1 - tanh^2 (softcap only)
-  float lse2[kBlockQ], delta[kBlockQ];
+  float lse2[kBlockQ], lse2lo[kBlockQ], delta[kBlockQ];
   BwdWorkspace(const BwdGeometry& g, bool own_head_buffers) {
+    const int64_t kv = g.kv_len * g.Dp;
     if (own_head_buffers) {
       kr.resize(g.kv_len * g.ld);
       vr.resize(g.kv_len * g.ld);
-      dk.resize(g.kv_len * g.Dp);
-      dv.resize(g.kv_len * g.Dp);
+      dk.resize(kv);
+      dv.resize(kv);
+      if (g.group > 1) {
+        ek.resize(kv);
+        ev.resize(kv);
+      }
+    }
+    if (g.group > 1) {
+      hk.resize(kv);
+      hv.resize(kv);
     }
     qt.resize(g.D * kBlockQ);
     dot.resize(g.D * kBlockQ);
@@ -247,6 +267,12 @@ struct Tensors {
 // Packed K and V of one kv head (Nk rows each, ld apart).
 struct PackedHead {
   const float *k, *v;
+};
+
+// One item's dK and dV sums over the GQA group (Nk x Dp float32 each) and
+// their compensations (nullptr when the group is one head).
+struct KVAcc {
+  float *dk, *dv, *ek, *ev;
 };
 
 // One query block: rows [i0, i0 + nq) of query head h, whose kv head is
@@ -285,7 +311,13 @@ void query_block(const BwdGeometry& g, const Tensors& t, const SeqRange& s, int6
   for (int64_t i = 0; i < nq; ++i) {
     const float lse = t.lse[lrow0 + i * g.lse_st[2]];
     // A row that saw no key has lse = -inf; +inf makes its P = exp2(s - inf) = 0.
-    ws.lse2[i] = lse == -kInf ? kInf : lse * kLog2e;
+    // lse * log2 e as hi + lo: the product's float32 rounding (up to half an
+    // ulp of ~lse * 1.44, a relative error of P up to 4e-7 at lse ~ 10) would
+    // otherwise shift every P of the row; the forward's exp2(s - max) has no
+    // such term. lo is the double-precision remainder, subtracted second.
+    const float hi = lse == -kInf ? kInf : lse * kLog2e;
+    ws.lse2[i] = hi;
+    ws.lse2lo[i] = lse == -kInf ? 0.0f : static_cast<float>(static_cast<double>(lse) * kLog2eD - hi);
     convert_row(o + i * g.o_st[2], g.o_st[3], D, orow);
     const float* dorow = ws.dor.ptr + i * ld;
     float acc = 0.0f;
@@ -295,6 +327,7 @@ void query_block(const BwdGeometry& g, const Tensors& t, const SeqRange& s, int6
   }
   for (int64_t i = nq; i < ncols; ++i) {  // padding columns: P = 0, dS = 0
     ws.lse2[i] = kInf;
+    ws.lse2lo[i] = 0.0f;
     ws.delta[i] = 0.0f;
   }
   std::fill(ws.dq.ptr, ws.dq.ptr + nq * Dp, 0.0f);
@@ -314,7 +347,8 @@ void query_block(const BwdGeometry& g, const Tensors& t, const SeqRange& s, int6
       float* srow = st + j * kBlockQ;
       float* drow = dst + j * kBlockQ;
       for (int64_t x = 0; x < nchunks; ++x) {
-        const Vec p = exp2_approx(Vec::load(srow + x * kW) - Vec::load(ws.lse2 + x * kW));
+        const Vec p =
+            exp2_approx((Vec::load(srow + x * kW) - Vec::load(ws.lse2 + x * kW)) - Vec::load(ws.lse2lo + x * kW));
         p.store(srow + x * kW);
         (p * (Vec::load(drow + x * kW) - Vec::load(ws.delta + x * kW))).store(drow + x * kW);
       }
@@ -340,40 +374,81 @@ void pack_head(const BwdGeometry& g, const Tensors& t, const SeqRange& s, int64_
   pack_rows(row_ptr(static_cast<const T*>(t.v), g.v_st, s, hk, j0, true), g.v_st, j1 - j0, g, vr + j0 * g.ld);
 }
 
+// sum[0, n) += x[0, n) by TwoSum, the rounding errors added to comp.
+void fold_two_sum(float* sum, float* comp, const float* x, int64_t n) {
+  for (int64_t i = 0; i < n; i += kW) {  // n is a multiple of Dp, so of kW
+    Vec e = Vec::load(comp + i);
+    two_sum(Vec::load(sum + i), Vec::load(x + i), &e).store(sum + i);
+    e.store(comp + i);
+  }
+}
+
 // One item: query rows [r0, r1) of every query head of kv head hk, sequence s.
-// dk/dv (the sequence's Nk x Dp) are zeroed here and hold this item's sums afterwards.
+// acc (the sequence's Nk x Dp) is zeroed here and holds this item's sums afterwards.
+//
+// The sum over the GQA group (issue 24): a single float32 accumulator taking
+// every block of every query head rounds once per block, so its error grows
+// with the group (measured against a naive float32 backward, dK: 1.9x the
+// naive error at 1 query head per kv head, 10x at 32). Here each query head
+// is summed on its own (blocked sums, see mm_tile), the first straight into
+// acc, every further one into ws.hk/hv and then folded into acc by TwoSum
+// with its rounding error kept in acc.ek/ev (Knuth, TAOCP 4.2.2; Neumaier's
+// compensated summation): the group adds about one float32 rounding in all,
+// however many heads it has. Costs 2 more Nk x Dp buffers per thread and per
+// item (the head's sums and the compensations) and one pass over them per
+// head, against the head's Nq x Nk x D products.
 template <typename T>
 void backward_item(const BwdGeometry& g, const Tensors& t, const SeqRange& s, int64_t hk, int64_t r0, int64_t r1,
-                   PackedHead kv, BwdWorkspace& ws, float* dk, float* dv) {
-  std::fill(dk, dk + s.nk * g.Dp, 0.0f);
-  std::fill(dv, dv + s.nk * g.Dp, 0.0f);
+                   PackedHead kv, BwdWorkspace& ws, const KVAcc& acc) {
+  const int64_t n = s.nk * g.Dp;
+  for (float* x : {acc.dk, acc.dv, acc.ek, acc.ev})
+    if (x != nullptr) std::fill(x, x + n, 0.0f);
   const bool score_opts = g.opt->score_options();
-  for (int64_t h = hk * g.group; h < (hk + 1) * g.group; ++h)
+  for (int64_t h = hk * g.group; h < (hk + 1) * g.group; ++h) {
+    const bool first = h == hk * g.group;
+    float* dk = first ? acc.dk : ws.hk.ptr;
+    float* dv = first ? acc.dv : ws.hv.ptr;
+    if (!first) {
+      std::fill(dk, dk + n, 0.0f);
+      std::fill(dv, dv + n, 0.0f);
+    }
     for (int64_t i0 = r0; i0 < r1; i0 += kBlockQ) {
       if (score_opts)
         query_block<T, true>(g, t, s, h, kv, i0, std::min(kBlockQ, r1 - i0), ws, dk, dv);
       else
         query_block<T, false>(g, t, s, h, kv, i0, std::min(kBlockQ, r1 - i0), ws, dk, dv);
     }
+    if (!first) {
+      fold_two_sum(acc.dk, acc.ek, dk, n);
+      fold_two_sum(acc.dv, acc.ev, dv, n);
+    }
+  }
 }
 
-// grad_k/grad_v rows [j0, j1) of kv head hk of sequence s = scale * dk, dv
-// (sums of `parts` partial buffers `stride` floats apart, in order).
+// grad_k/grad_v rows [j0, j1) of kv head hk of sequence s = scale * dk, dv:
+// the sums of `parts` partial KVAccs `stride` floats apart, added in order by
+// TwoSum, each with its compensation (if any) added last.
 template <typename T>
 void write_kv(const BwdGeometry& g, const Tensors& t, const SeqRange& s, int64_t hk, int64_t j0, int64_t j1,
-              const float* dk, const float* dv, int64_t parts, int64_t stride) {
+              const KVAcc& acc, int64_t parts, int64_t stride) {
   const int64_t row0 = (s.bi * g.kv_heads + hk) * g.opt->rows_k + s.k0;
   T* gk = static_cast<T*>(t.gk) + row0 * g.D;
   T* gv = static_cast<T*>(t.gv) + row0 * g.D;
+  const bool comp = acc.ek != nullptr;
   for (int64_t j = j0; j < j1; ++j)
     for (int64_t d = 0; d < g.D; ++d) {
-      float sk = 0.0f, sv = 0.0f;
-      for (int64_t c = 0; c < parts; ++c) {
-        sk += dk[c * stride + j * g.Dp + d];
-        sv += dv[c * stride + j * g.Dp + d];
+      const int64_t x = j * g.Dp + d;
+      float sk = acc.dk[x], sv = acc.dv[x], ek = 0.0f, ev = 0.0f;
+      for (int64_t c = 1; c < parts; ++c) {
+        sk = two_sum(sk, acc.dk[c * stride + x], &ek);
+        sv = two_sum(sv, acc.dv[c * stride + x], &ev);
       }
-      gk[j * g.D + d] = static_cast<T>(sk * g.scale);
-      gv[j * g.D + d] = static_cast<T>(sv);
+      for (int64_t c = 0; comp && c < parts; ++c) {
+        ek += acc.ek[c * stride + x];
+        ev += acc.ev[c * stride + x];
+      }
+      gk[j * g.D + d] = static_cast<T>((sk + ek) * g.scale);
+      gv[j * g.D + d] = static_cast<T>(sv + ev);
     }
 }
 
@@ -423,15 +498,17 @@ void run_backward(const BwdGeometry& g, const Tensors& t) {
         const int64_t b = idx / g.kv_heads, hk = idx % g.kv_heads;
         const SeqRange s = g.opt->seq(b);
         pack_head<T>(g, t, s, hk, 0, g.opt->key_end(s, s.nq), ws.kr.ptr, ws.vr.ptr);
-        backward_item<T>(g, t, s, hk, 0, s.nq, {ws.kr.ptr, ws.vr.ptr}, ws, ws.dk.ptr, ws.dv.ptr);
-        write_kv<T>(g, t, s, hk, 0, s.nk, ws.dk.ptr, ws.dv.ptr, 1, 0);
+        const KVAcc acc{ws.dk.ptr, ws.dv.ptr, ws.ek.ptr, ws.ev.ptr};
+        backward_item<T>(g, t, s, hk, 0, s.nq, {ws.kr.ptr, ws.vr.ptr}, ws, acc);
+        write_kv<T>(g, t, s, hk, 0, s.nk, acc, 1, 0);
       }
     });
     return;
   }
   // Chunked: K and V of every kv head packed once, shared by its chunks, and
   // partial dK/dV per (kv head, chunk): heads < 4 * threads here, so
-  // 2 * heads * Nk * (ld + chunks * Dp) floats in all.
+  // 2 * heads * Nk * (ld + chunks * Dp) floats in all, and as much again as
+  // chunks * Dp for the compensations under GQA.
   std::vector<std::vector<int64_t>> bounds;  // per sequence
   for (int64_t b = 0; b < g.batch; ++b) bounds.push_back(chunk_bounds(g, g.opt->seq(b), chunks));
   const int64_t key_blocks = (g.kv_len + kBlockK - 1) / kBlockK;
@@ -451,7 +528,12 @@ void run_backward(const BwdGeometry& g, const Tensors& t) {
     }
   });
   const int64_t part = g.kv_len * g.Dp;
-  std::vector<float> pk(static_cast<size_t>(items * part)), pv(static_cast<size_t>(items * part));
+  const size_t all = static_cast<size_t>(items * part);
+  std::vector<float> pk(all), pv(all), ek(g.group > 1 ? all : 0), ev(g.group > 1 ? all : 0);
+  const auto partial = [&](int64_t i) {  // item i's KVAcc
+    const auto at = [&](std::vector<float>& x) { return x.empty() ? nullptr : x.data() + i * part; };
+    return KVAcc{at(pk), at(pv), at(ek), at(ev)};
+  };
   run_on_threads(threads, [&](int64_t) {
     BwdWorkspace ws(g, false);
     for (int64_t idx = next.fetch_add(1); idx < items; idx = next.fetch_add(1)) {
@@ -459,7 +541,7 @@ void run_backward(const BwdGeometry& g, const Tensors& t) {
       const int64_t b = bhk / g.kv_heads;
       const PackedHead kv{kr.ptr + bhk * head_floats, vr.ptr + bhk * head_floats};
       backward_item<T>(g, t, g.opt->seq(b), bhk % g.kv_heads, bounds[b][c], bounds[b][c + 1], kv, ws,
-                       pk.data() + idx * part, pv.data() + idx * part);
+                       partial(idx));
     }
   });
   // Sum the chunks in order, in parallel over (kv head, key block).
@@ -469,8 +551,8 @@ void run_backward(const BwdGeometry& g, const Tensors& t) {
       const int64_t bhk = idx / key_blocks, j0 = (idx % key_blocks) * kBlockK;
       const SeqRange s = g.opt->seq(bhk / g.kv_heads);
       if (j0 < s.nk)
-        write_kv<T>(g, t, s, bhk % g.kv_heads, j0, std::min(s.nk, j0 + kBlockK), pk.data() + bhk * chunks * part,
-                    pv.data() + bhk * chunks * part, chunks, part);
+        write_kv<T>(g, t, s, bhk % g.kv_heads, j0, std::min(s.nk, j0 + kBlockK), partial(bhk * chunks), chunks,
+                    part);
     }
   });
 }

@@ -173,11 +173,24 @@ struct MVec {
 };
 inline MVec fmadd(MVec a, MVec b, MVec c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }
 inline MVec operator*(MVec a, MVec b) { return {_mm512_mul_ps(a.v, b.v)}; }
+inline MVec operator+(MVec a, MVec b) { return {_mm512_add_ps(a.v, b.v)}; }
 #else
 using MVec = Vec;
 #endif
 constexpr int kMW = MVec::kWidth;
 static_assert(kMW % kW == 0, "micro-kernel vectors must hold whole Vecs");
+
+// c + x as hi + lo exactly (Knuth's branch-free TwoSum, 6 additions, for
+// float, Vec or MVec): returns hi = fl(c + x) and adds lo, its rounding
+// error, to *e. Needs IEEE additions as written (no -ffast-math
+// reassociation; the build has none).
+template <typename V>
+inline V two_sum(V c, V x, V* e) {
+  const V hi = c + x;
+  const V z = hi - c;
+  *e = *e + ((c - (hi - z)) + (x - z));
+  return hi;
+}
 
 // 2^x for x <= 0 (the kernel only ever exponentiates differences to the
 // running max), including x = -inf -> 0. Split x = n + f with n = round(x),
