@@ -17,7 +17,9 @@
 //   flash_backward_dkdv  grid (ceil(Nk / BK) * DSPLIT, Hkv, B), 32 * WM threads
 //     over the GQA group's query heads and the query blocks that see the
 //     key block: P^T (recomputed), dV += P^T.dO, dP^T = V.dO^T,
-//     dS^T = P^T * (dP^T - Delta), dK += dS^T.Q; dK * scale and dV stored.
+//     dS^T = P^T * (dP^T - Delta), dK += dS^T.Q; dK * scale and dV stored
+//     (float32: added to grad_k / grad_v after each query head of the
+//     group, so the group's sum rounds once per head, see the kernel).
 //     DSPLIT = 2 (D = 256): each threadgroup keeps dK and dV for one half of
 //     the features only (P^T and dP^T still need all of them), so the
 //     accumulators fit the register file; the price is P^T and dP^T
@@ -116,19 +118,29 @@ inline int64_t packed_row(uint batch, uint head, int heads, int n, int64_t row, 
   return ((int64_t(batch) * heads + int64_t(head)) * n + row) * D;
 }
 
-// P of one recomputed element: S is the raw q.k, m2 the row's lse in base 2,
+// The row's lse in base 2 as m2 + lo, m2 = l * log2 e in float32 (issue
+// 24): m2 alone is off by up to half an ulp of |l| * 1.44 (2.4e-7 at
+// l ~ 5), an error every P of the row would carry. lo is that product's
+// rounding error (exact, by fma) plus l times log2 e's own float32
+// remainder, kLog2eLo = log2 e - (float)log2 e. Computed once per row in
+// the dQ kernel, once per element in the dK/dV kernel (an fma and a
+// multiply beside the exp2).
+constant float kLog2eLo = 1.925963e-08f;
+FM_INLINE float lse2_lo(float l, float m2) { return fma(l, M_LOG2E_F, -m2) + l * kLog2eLo; }
+
+// P of one recomputed element: S is the raw q.k, m2 + m2lo the row's lse in base 2 (lse2_lo),
 // `keep` false for keys past the sequence, outside the window, or rows that
 // saw no key (then nothing is read and P = 0). With fc_softcap or
 // fc_has_mask the forward's order is followed (attention_features.h):
 // softcap on the base-2 score, then the mask (a dropped key, or a score at
 // or below kMaskedScore, gives exactly 0); *cap_grad gets the softcap's
 // derivative 1 - t^2 (t = tanh(s / softcap), recomputed), else 1. Without
-// either option this is the plain fused exp2(S * scale * log2 e - m2).
+// either option this is the plain fused exp2(S * scale * log2 e - m2 - m2lo).
 template <typename T>
 FM_INLINE float backward_weight(constant AttentionParams& p, device const uchar* mask, int64_t mask_slice, int row,
-                                int key, float S, float m2, bool keep, thread float* cap_grad) {
+                                int key, float S, float m2, float m2lo, bool keep, thread float* cap_grad) {
   *cap_grad = 1.0f;
-  if (!fc_softcap && !fc_has_mask) return keep ? exp2(fma(S, p.scale_log2, -m2)) : 0.0f;
+  if (!fc_softcap && !fc_has_mask) return keep ? exp2(fma(S, p.scale_log2, -m2) - m2lo) : 0.0f;
   if (!keep) return 0.0f;
   float s2 = S * p.scale_log2;
   if (fc_softcap) {
@@ -141,7 +153,7 @@ FM_INLINE float backward_weight(constant AttentionParams& p, device const uchar*
     s2 += mask_term<T>(p, mask, mask_slice, row, key, &drop);
     if (drop || s2 <= kMaskedScore) return 0.0f;
   }
-  return exp2(s2 - m2);
+  return exp2((s2 - m2) - m2lo);
 }
 
 // T, DMAX as in the forward. BQ: query rows per threadgroup (8 per
@@ -252,12 +264,13 @@ template <typename T, int DMAX, int BQ, int BK, int WM>
   // (it contributes nothing and gets dQ = 0). Tested on the bits, as the
   // forward writes them: no floating-point comparison with an infinity,
   // which fast math may fold (attention_common.h, "Fast math").
-  float row_delta = 0.0f, m2 = 0.0f;
+  float row_delta = 0.0f, m2 = 0.0f, m2lo = 0.0f;
   bool row_live = false;
   if (row_real) {
     const float l = lse[h.lse + int64_t(row) * p.lse_row_stride];
     row_live = as_type<uint>(l) != kNegInfBits;
     m2 = row_live ? l * M_LOG2E_F : 0.0f;
+    m2lo = row_live ? lse2_lo(l, m2) : 0.0f;
     row_delta = dsum;
     if (fc_has_grad_lse) row_delta -= dlse[glse_head + int64_t(row) * p.glse_row_stride];
     if (fc == 0) delta[(int64_t(packed_b) * p.q_heads + group.y) * packed_q + sv.q_row0 + row] = row_delta;
@@ -318,8 +331,8 @@ template <typename T, int DMAX, int BQ, int BK, int WM>
         if (diagonal && key - sv.upper > row) keep = false;
         if (left_edge && key < row + sv.lower) keep = false;
         float cap_grad;
-        const float pw = backward_weight<T>(p, mask, mask_slice, row, key, S[t].thread_elements()[j], m2, keep,
-                                            &cap_grad);
+        const float pw = backward_weight<T>(p, mask, mask_slice, row, key, S[t].thread_elements()[j], m2, m2lo,
+                                            keep, &cap_grad);
         float ds = pw * (dP[t].thread_elements()[j] - row_delta);
         if (fc_softcap) ds *= cap_grad;
         dP[t].thread_elements()[j] = ds;
@@ -348,6 +361,27 @@ template <typename T, int DMAX, int BQ, int BK, int WM>
       FM_UNROLL for (int j = 0; j < 2; ++j) {
         const int c = id * 8 + fc + j;
         if (c < D) out[c] = static_cast<T>(dQ[id].thread_elements()[j] * p.scale);
+      }
+    }
+  }
+}
+
+// This lane's dK * scale and dV (TD fragments, features c0 + id * 8 + j,
+// c0 = the part's first feature plus the lane's fragment column) into the
+// rows kout / vout, features below D only: written, or with `add` added to
+// what the rows hold (float32: the GQA group's running sum, see
+// flash_backward_dkdv).
+template <int TD, typename T>
+FM_INLINE void store_dkdv(device T* kout, device T* vout, thread PrefillFrag* dK, thread PrefillFrag* dV,
+                          int c0, int D, float scale, bool add) {
+  FM_UNROLL for (int id = 0; id < TD; ++id) {
+    FM_UNROLL for (int j = 0; j < 2; ++j) {
+      const int c = c0 + id * 8 + j;
+      if (c < D) {
+        const float gk = dK[id].thread_elements()[j] * scale;
+        const float gv = dV[id].thread_elements()[j];
+        kout[c] = static_cast<T>(add ? float(kout[c]) + gk : gk);
+        vout[c] = static_cast<T>(add ? float(vout[c]) + gv : gv);
       }
     }
   }
@@ -447,16 +481,37 @@ template <typename T, int DMAX, int BQ, int BK, int WM, int DSPLIT>
   const int qb_end = first_row < row_end ? (row_end + BQ - 1) / BQ : qb_begin;
   const int d_frags = (D + 7) / 8;
 
+  // dK and dV go to grad_k / grad_v, packed, for real keys and this part's
+  // real features only; a key no query sees (causal with Nk > Nq, outside
+  // every window, a sequence with no query) stores zeros.
+  const bool real_key = fc_align_k || key < kv_len;
+  device T* kout = dk + packed_row(packed_b, kv_head, p.kv_heads, packed_k, sv.k_row0 + key, D);
+  device T* vout = dv + packed_row(packed_b, kv_head, p.kv_heads, packed_k, sv.k_row0 + key, D);
+  // GQA (issue 24): the group's query heads in a fixed order, so the sum
+  // over the group is the same every run (no atomics, no race). One
+  // float32 register sum taking every block of every head of the group
+  // rounds group * Nq / BQ times at the size of the whole sum, and its
+  // error grows with the group (measured in the emulator, float32, N =
+  // 1024, D = 64: dK 2.6-4.0x and dV 2.6x a naive float32 backward's error
+  // at 32 heads per kv head). float32 therefore keeps one head's sums in the
+  // registers and adds each head's dK * scale and dV to grad_k / grad_v,
+  // which this lane alone owns (float32 there, read back by the thread that
+  // wrote it): the group then costs `group` roundings, as a per-head GEMM
+  // followed by a sum over the group does, and no register (the planner's
+  // budget counts dK and dV once). The extra traffic, reading and writing
+  // the block's dK and dV once per head, is 2 * BK / Nq of the head's Q and
+  // dO reads. 16-bit gradients keep the single register sum: their own
+  // rounding (2^-9 or 2^-12 relative) dwarfs float32's.
+  constexpr bool kGroupInMemory = sizeof(T) == 4;
   PrefillFrag dK[TD];
   PrefillFrag dV[TD];
-  FM_UNROLL for (int id = 0; id < TD; ++id) {
-    dK[id] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
-    dV[id] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
-  }
-
-  // GQA: the kv head's gqa_ratio query heads in a fixed order, so the sum
-  // over the group is the same every run (no atomics, no race).
   for (int g = 0; g < p.gqa_ratio; ++g) {
+    if (g == 0 || kGroupInMemory) {
+      FM_UNROLL for (int id = 0; id < TD; ++id) {
+        dK[id] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
+        dV[id] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
+      }
+    }
     const uint head = kv_head * uint(p.gqa_ratio) + uint(g);
     HeadOffsets h = head_offsets(p, group.z, head);
     int64_t do_head = int64_t(group.z) * p.do_batch_stride + int64_t(head) * p.do_head_stride;
@@ -516,7 +571,9 @@ template <typename T, int DMAX, int BQ, int BK, int WM, int DSPLIT>
             if (left_edge && key < qrow + sv.lower) keep = false;
             if (!fc_align_k && key >= kv_len) keep = false;
             const float m2 = keep ? l * M_LOG2E_F : 0.0f;
-            pw = backward_weight<T>(p, mask, mask_slice, qrow, key, S[t].thread_elements()[j], m2, keep, &cap_grad);
+            const float m2lo = keep ? lse2_lo(l, m2) : 0.0f;
+            pw = backward_weight<T>(p, mask, mask_slice, qrow, key, S[t].thread_elements()[j], m2, m2lo, keep,
+                                    &cap_grad);
             dl = head_delta[qrow];
           }
           float ds = pw * (dP[t].thread_elements()[j] - dl);
@@ -546,24 +603,11 @@ template <typename T, int DMAX, int BQ, int BK, int WM, int DSPLIT>
         }
       }
     }
+    if (kGroupInMemory && real_key) store_dkdv<TD>(kout, vout, dK, dV, col0 + fc, D, p.scale, g > 0);
   }
 
-  // dK * scale and dV, packed, real keys and this part's real features
-  // only. A key no query sees (causal with Nk > Nq, outside every window,
-  // a sequence with no query) stores zeros.
-  if (fc_align_k || key < kv_len) {
-    device T* kout = dk + packed_row(packed_b, kv_head, p.kv_heads, packed_k, sv.k_row0 + key, D);
-    device T* vout = dv + packed_row(packed_b, kv_head, p.kv_heads, packed_k, sv.k_row0 + key, D);
-    FM_UNROLL for (int id = 0; id < TD; ++id) {
-      FM_UNROLL for (int j = 0; j < 2; ++j) {
-        const int c = col0 + id * 8 + fc + j;
-        if (c < D) {
-          kout[c] = static_cast<T>(dK[id].thread_elements()[j] * p.scale);
-          vout[c] = static_cast<T>(dV[id].thread_elements()[j]);
-        }
-      }
-    }
-  }
+  // 16-bit dtypes: dK * scale and dV of the whole group stored once.
+  if (!kGroupInMemory && real_key) store_dkdv<TD>(kout, vout, dK, dV, col0 + fc, D, p.scale, false);
 }
 
 }  // namespace flash_metal
