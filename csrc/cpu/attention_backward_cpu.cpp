@@ -24,8 +24,9 @@
 // query head of the GQA group and every query block, keeping the block's dQ
 // in a small buffer and accumulating dK and dV for all Nk keys in float32
 // (Nk x D each). So per thread: O(Nk * D) float32 (packed K, V and the two
-// accumulators, 4 * Nk * (D + 16) floats: 10 MB at Nk = 4096, D = 128) plus
-// fixed ~0.5 MB of blocks; never anything Nq x Nk.
+// accumulators, 4 * Nk * (D + 16) floats: 10 MB at Nk = 4096, D = 128; with
+// GQA 4 * Nk * D more, one head's dK/dV and the group sums' compensations,
+// see backward_item) plus fixed ~0.5 MB of blocks; never anything Nq x Nk.
 // When B * Hkv items would leave threads idle (B * Hkv not a multiple of the
 // thread count and fewer than 4 per thread; e.g. MQA with B = 1), each kv
 // head's query rows are cut into C chunks of equal work (causal-aware); a
@@ -386,17 +387,23 @@ void fold_two_sum(float* sum, float* comp, const float* x, int64_t n) {
 // One item: query rows [r0, r1) of every query head of kv head hk, sequence s.
 // acc (the sequence's Nk x Dp) is zeroed here and holds this item's sums afterwards.
 //
-// The sum over the GQA group (issue 24): a single float32 accumulator taking
-// every block of every query head rounds once per block, so its error grows
-// with the group (measured against a naive float32 backward, dK: 1.9x the
-// naive error at 1 query head per kv head, 10x at 32). Here each query head
-// is summed on its own (blocked sums, see mm_tile), the first straight into
-// acc, every further one into ws.hk/hv and then folded into acc by TwoSum
-// with its rounding error kept in acc.ek/ev (Knuth, TAOCP 4.2.2; Neumaier's
-// compensated summation): the group adds about one float32 rounding in all,
-// however many heads it has. Costs 2 more Nk x Dp buffers per thread and per
-// item (the head's sums and the compensations) and one pass over them per
-// head, against the head's Nq x Nk x D products.
+// The sum over the GQA group (issue 24). The kernel used to continue one fma
+// chain per dK/dV element through every row of every query head of the
+// group (32768 roundings at 32 heads of 1024 rows, each at the size of the
+// whole sum). Measured against PyTorch's float32 backward (the 2x rule's
+// yardstick; B = 1, N = 1024, D = 40 and 64, causal and not), dK's error was
+// 1.4-2.4x PyTorch's at 1 query head per kv head and 6.6-11x at 32. Now
+// each 96-row block is summed from zero and added once (mm_tile), and each
+// query head on its own: the first straight into acc, every further one
+// into ws.hk/hv, then folded into acc by TwoSum with the rounding error kept
+// in acc.ek/ev (Knuth, TAOCP 4.2.2; Neumaier's compensated summation), so
+// the group adds about one float32 rounding however many heads it has
+// (equal heads sum exactly: tests/test_gqa_backward_precision.py). dK and
+// dV then measured 0.4-1.7x PyTorch's error at 1 to 32 heads per kv head;
+// the blocked sums alone, one accumulator for the group, still grew to
+// 1.5-1.7x at 32. Costs 2 more Nk x Dp buffers per thread and per item (the
+// head's sums and the compensations) and one pass over them per head,
+// against the head's Nq x Nk x D products (no measurable time).
 template <typename T>
 void backward_item(const BwdGeometry& g, const Tensors& t, const SeqRange& s, int64_t hk, int64_t r0, int64_t r1,
                    PackedHead kv, BwdWorkspace& ws, const KVAcc& acc) {
