@@ -488,20 +488,18 @@ template <typename T, int DMAX, int BQ, int BK, int WM, int DSPLIT>
   device T* kout = dk + packed_row(packed_b, kv_head, p.kv_heads, packed_k, sv.k_row0 + key, D);
   device T* vout = dv + packed_row(packed_b, kv_head, p.kv_heads, packed_k, sv.k_row0 + key, D);
   // GQA (issue 24): the group's query heads in a fixed order, so the sum
-  // over the group is the same every run (no atomics, no race). One
-  // float32 register sum taking every block of every head of the group
-  // rounds group * Nq / BQ times at the size of the whole sum, and its
-  // error grows with the group (measured in the emulator, float32, N =
-  // 1024, D = 64: dK 2.6-4.0x and dV 2.6x a naive float32 backward's error
-  // at 32 heads per kv head). float32 therefore keeps one head's sums in the
-  // registers and adds each head's dK * scale and dV to grad_k / grad_v,
-  // which this lane alone owns (float32 there, read back by the thread that
-  // wrote it): the group then costs `group` roundings, as a per-head GEMM
-  // followed by a sum over the group does, and no register (the planner's
-  // budget counts dK and dV once). The extra traffic, reading and writing
-  // the block's dK and dV once per head, is 2 * BK / Nq of the head's Q and
-  // dO reads. 16-bit gradients keep the single register sum: their own
-  // rounding (2^-9 or 2^-12 relative) dwarfs float32's.
+  // over the group is the same every run (no atomics, no race). One float32
+  // register sum through every block of every head rounds group * Nq / BQ
+  // times at the size of the whole sum: emulated, float32, N = 1024, D = 64,
+  // 32 heads per kv head, dK and dV reached 2.6-4.0x PyTorch's float32
+  // backward error. So float32 sums one head in registers and adds each
+  // head's dK * scale and dV to grad_k / grad_v, which this lane alone owns
+  // and reads back: `group` roundings, as per-head GEMMs and a sum over the
+  // group, and no register more (the planner's budget counts dK and dV
+  // once); at most 1.5x then. The traffic, the block's dK and dV read and
+  // written once per head, is 2 * BK / Nq of the head's Q and dO reads.
+  // 16-bit gradients keep the single sum: their rounding (2^-9, 2^-11)
+  // dwarfs float32's.
   constexpr bool kGroupInMemory = sizeof(T) == 4;
   PrefillFrag dK[TD];
   PrefillFrag dV[TD];

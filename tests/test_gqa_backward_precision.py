@@ -1,15 +1,15 @@
 """Gradient precision across the GQA group (issue 24), CPU and emulated Metal backward.
 
 What broke: dK and dV sum over every query head of a kv head's group. Both
-backwards kept one float32 accumulator per kv head that took every block of
-every head, so its rounding error grew with the group: at 32 query heads per
-kv head (MQA), float32 dK was 7-11x the error of PyTorch's float32 backward
-on the CPU and 2.6-4x in the emulated Metal kernel, far outside the 2x rule,
-where 1 head per kv head was within it. The fix: the CPU sums each query
-head on its own and folds it into the group's sum by TwoSum (compensated);
-Metal float32 keeps one head's sums in registers and adds each head to
-grad_k / grad_v. Both rebuild P with lse * log2 e as hi + lo (the product's
-float32 rounding would shift every P of a row).
+backwards kept one float32 accumulator per kv head through every head of
+the group, so its rounding error grew with the group: at 32 query heads per
+kv head (MQA), float32 dK and dV were 5-22x the error of PyTorch's float32
+backward on the CPU (one fma chain through all 32 x 1024 rows) and 2.6-4x
+in the emulated Metal kernel. The fix: the CPU sums 96-row blocks from zero,
+each query head on its own, and folds the heads into the group's sum by
+TwoSum (compensated); Metal float32 keeps one head's sums in registers and
+adds each head to grad_k / grad_v. Both rebuild P with lse * log2 e as
+hi + lo (the product's float32 rounding shifted every P of a row).
 
 The grid, B = 1, one kv head, head_dim 40, GQA ratios 1, 2, 4, 8, 16 and 32
 (32: MQA, 32 query heads on 1 kv head), causal and not:
@@ -20,25 +20,34 @@ The grid, B = 1, one kv head, head_dim 40, GQA ratios 1, 2, 4, 8, 16 and 32
     computed once per (ratio, causal): the inputs are values exact in all
     three dtypes. Why not the full 3 x 12 grid: PyTorch's own 16-bit backward
     (the yardstick) costs ~0.2 s per head at N = 1024 on a CPU without bf16
-    instructions, and the 16-bit gradients' tolerance is three orders of
-    magnitude above any float32 summation error this issue is about.
-  * Metal, through the emulator at N = 256 (the emulator takes ~2 minutes
-    for the 32 heads of N = 1024 alone): float32 at ratios 1, 4, 8, 32,
-    causal and not, and each 16-bit dtype at ratio 32 (MQA) and 4, one mask
-    each. out and lse come from the emulated Metal forward, as on a Mac (P
-    rebuilt from another kernel's lse carries the two kernels' score
-    rounding differences; see the README's training section).
+    instructions, and the 16-bit tolerances are orders of magnitude above
+    any float32 summation error this issue is about.
+  * Metal through the emulator (~2 minutes for the 32 heads of one
+    1024 x 1024 case): float32 at ratios 1, 4, 8, 32, causal and not, and
+    each 16-bit dtype at ratios 4 and 32, one mask each. Non-causal runs
+    1024 query rows against 64 keys (each key's dK and dV sum 1024 rows per
+    head, as at N = 1024, for the cost of 256 x 256); causal, bottom-right
+    aligned, needs as many keys as rows and runs 256 x 256. out and lse come
+    from the emulated Metal forward, as on a Mac: P rebuilt from another
+    kernel's lse carries the two kernels' score roundings (measured: the
+    CPU forward's lse doubled the Metal backward's dQ error).
 
 Every case meets the project's 2x rule (numerics.assert_gradients_close).
 That rule's float32 floor (8 ulps x log2 N of the summed magnitudes) is far
 above the errors here, so float32 dK and dV are held to the strict form too:
 at most twice PyTorch's float32 backward error plus the rounding floor, no
 float32 floor (as attention_tolerances(strict=True) for the forward).
-Planted bugs that fail it: the CPU's single float32 group accumulator
-(ratio 32: dK 7-11x PyTorch's error) and Metal's float32 group sum kept in
-registers (ratio 32); see the README. float32 dQ is not held to the strict
-form: it does not sum over the group, and its error carries the forward's lse
-rounding (up to ~2 ulps), which PyTorch's backward does not have.
+float32 dQ is not: it sums over no group, and its error carries the
+forward's lse rounding (up to ~2 ulps), which PyTorch's backward has not.
+On the CPU, equal query heads must sum to exactly 32 times one head.
+
+Planted bugs, each run against this file: the old CPU kernel fails the
+strict rule in 11 of the 12 float32 cases (ratio 32: dK 9.9x and 11.6x);
+the per-row fma chain back, the TwoSum kept, fails ratios 1 and 2 causal
+(2.5x, 2.8x); one accumulator for the group with the blocked sums kept
+stays within the strict rule here (1.5x, 1.7x at ratio 32) and fails the
+equal-heads test. Metal with the float32 group sum kept in registers fails
+ratio 32 (dK 5.9x non-causal, dV 2.3x causal) and the counting test.
 
 Determinism: the CPU gradients are bitwise equal run to run at 1, 2 and 3
 threads (one item, two or three query chunks at B * Hkv = 1); the Metal
@@ -46,8 +55,9 @@ kernels' determinism under shuffled thread schedules, GQA included, is
 test_metal_backward.py's. A counting test proves the Metal float32 path ran:
 the dK/dV kernel reads grad_k and grad_v back exactly (ratio - 1) times.
 
-Runtime: ~60 s on 2 cores, most of it the float64 oracle and PyTorch's
-16-bit backward at N = 1024.
+Runtime: ~70 s on 2 cores (~48 s CPU, ~22 s emulator, besides the
+emulator's builds, which the other Metal tests share), most of it the
+float64 oracle and PyTorch's 16-bit backward at N = 1024.
 """
 import contextlib
 import inspect
