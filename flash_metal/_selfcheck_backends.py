@@ -162,7 +162,7 @@ def pipeline_rows(pipelines: List[dict], planner: Dict[str, dict]) -> List[dict]
 class MpsBackend:
     name = "mps"
     timing_device = "mps"
-    poisons_outputs = False  # the op allocates its outputs on the device; nothing to poison from outside
+    poisons_outputs = False  # the op allocates its outputs: poisoned only through torch (sweep.poisoned_allocations)
 
     def __init__(self):
         if not (hasattr(torch.backends, "mps") and torch.backends.mps.is_available()):

@@ -69,6 +69,8 @@ def to_markdown(r: dict) -> str:
         out += ["**Could not run:** " + r["reason"].replace("\n", " "), ""]
     if s.get("failures"):
         out += ["**Failures:**", ""] + [f"- {f}" for f in s["failures"][:40]] + [""]
+    if r.get("warnings"):
+        out += ["**Warnings raised while checking:**", ""] + [f"- {_cell(w)[:500]}" for w in r["warnings"][:10]] + [""]
 
     p = r["platform"]
     out += ["## Platform", ""] + _table(["", ""], [
@@ -148,7 +150,7 @@ def _checks_md(r: dict) -> list:
     out = ["## Correctness: float64 oracle, FlashAttention's 2x rule", "",
            "Each cell: checks passed / run, and the worst error / tolerance (at most 1 passes). "
            + ("Outputs are NaN-poisoned before each launch." if r.get("poisons_outputs") else
-              "The op allocates its outputs on the device (not poisoned)."), ""]
+              "Outputs are not poisoned (this torch lacks fill_uninitialized_memory)."), ""]
     dtypes = sorted({c["dtype"] for c in checks}, key=lambda d: ["float32", "float16", "bfloat16"].index(d)
                     if d in ("float32", "float16", "bfloat16") else 9)
     families = list(dict.fromkeys(c["family"] for c in checks))

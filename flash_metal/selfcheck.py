@@ -23,6 +23,7 @@ Metal emulator, in a source checkout (it imports tests/backends.py).
 import argparse
 import sys
 import time
+import warnings
 
 import torch
 
@@ -85,13 +86,24 @@ def _summary(report):
 
 
 def run(backend, args) -> dict:
+    """The whole selfcheck on `backend`; every warning raised on the way (a runtime-compile fallback, say)
+    is kept in the report."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        report = _run(backend, args)
+    seen = dict.fromkeys(f"{w.category.__name__}: {w.message}" for w in caught)
+    report["warnings"] = [w[:1000] for w in seen][:50]
+    return report
+
+
+def _run(backend, args) -> dict:
     t0 = time.perf_counter()
     cases = [c for c in sweep.cases(args.quick) if not args.only or args.only in c.id]
     timing = not args.no_timing and not args.only
     n_timing = len(sweep.timing_cases(backend.timing_device, args.quick)) if timing else 0
     progress = report_mod.Progress(3 + len(cases) + n_timing, enabled=not args.no_progress)
     report = {"tool": "flash_metal.selfcheck", "schema": 1, "backend": backend.name, "quick": args.quick,
-              "only": args.only, "poisons_outputs": backend.poisons_outputs, "platform": backend.platform()}
+              "only": args.only, "platform": backend.platform()}
     progress.step("platform")
     # The probe first: if the lane layout is not the one the kernels assume, every prefill and backward
     # result below is wrong, and this says why.
@@ -101,11 +113,13 @@ def run(backend, args) -> dict:
     report["library"] = backend.library(report["build_all"])
     progress.step("pipelines")
     checks, failed = [], 0
-    for case in cases:
-        record = sweep.run_case(backend, case)
-        failed += record["status"] != "passed"
-        checks.append(record)
-        progress.step(case.id, failed)
+    with sweep.poisoned_allocations() as poisoned:
+        for case in cases:
+            record = sweep.run_case(backend, case)
+            failed += record["status"] != "passed"
+            checks.append(record)
+            progress.step(case.id, failed)
+    report["poisons_outputs"] = poisoned or backend.poisons_outputs
     report["checks"] = checks
     report["pipelines"] = backend.pipelines(_planner_limits(checks))
     if timing:
@@ -153,7 +167,9 @@ def main(argv=None) -> int:
                 print("flash_metal.selfcheck: building the emulator's library (cached after the first run)...",
                       file=sys.stderr)
             backend.prepare()
-    except backends_mod.Unavailable as err:
+    except Exception as err:  # noqa: BLE001  (Unavailable, or the emulator's build failing: a message, no traceback)
+        if not isinstance(err, backends_mod.Unavailable):
+            err = f"the {name} backend failed to start: {type(err).__name__}: {str(err)[:3000]}"
         print(f"flash_metal.selfcheck: cannot run: {err}", file=sys.stderr)
         report_mod.write(_not_run(name, str(err)), args.out)
         return 2
