@@ -184,6 +184,22 @@ def test_planted_lane_layout_fails_the_probe(tmp_path, monkeypatch):
     assert "every prefill and backward result is suspect" in md
 
 
+def test_warnings_raised_while_checking_are_reported(tmp_path, monkeypatch):
+    # A runtime-compile fallback warns (TORCH_WARN -> UserWarning); the report must carry what the Mac said.
+    _need_emulator()
+    original = sweep.run_case
+
+    def warning_run_case(backend, case):
+        import warnings
+        warnings.warn("flash_metal: planted warning from the library")
+        return original(backend, case)
+
+    monkeypatch.setattr(sweep, "run_case", warning_run_case)
+    rc, data, md = _run_in_process(tmp_path, "--only", "untiled-float32")
+    assert rc == 0 and data["warnings"] == ["UserWarning: flash_metal: planted warning from the library"]
+    assert "- UserWarning: flash_metal: planted warning from the library" in md
+
+
 def test_pipeline_below_the_planners_n_fails():
     pipes = [{"name": "k1", "max_threads": 512, "thread_execution_width": 32},
              {"name": "k2", "max_threads": 1024, "thread_execution_width": 32},
