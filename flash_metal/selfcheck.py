@@ -21,6 +21,7 @@ the Mac's GPU. --backend metal-emu runs the same sweep through the project's
 Metal emulator, in a source checkout (it imports tests/backends.py).
 """
 import argparse
+import faulthandler
 import sys
 import time
 import warnings
@@ -100,6 +101,14 @@ def run(backend, args) -> dict:
     return report
 
 
+def _checkpoint(report, args, running):
+    """Writes the report so far, marked incomplete with what is running: if the process dies inside a
+    kernel (a GPU fault, a hang killed by CI), the files say where."""
+    if args.out:
+        report_mod.write({**report, "status": "incomplete", "running": running, "passed": False,
+                          "summary": _summary(report)}, args.out)
+
+
 def _run(backend, args) -> dict:
     t0 = time.perf_counter()
     cases = [c for c in sweep.cases(args.quick) if not args.only or args.only in c.id]
@@ -109,16 +118,20 @@ def _run(backend, args) -> dict:
     report = {"tool": "flash_metal.selfcheck", "schema": 1, "backend": backend.name, "quick": args.quick,
               "only": args.only, "platform": backend.platform()}
     progress.step("platform")
+    _checkpoint(report, args, "the lane-layout probe")
     # The probe first: if the lane layout is not the one the kernels assume, every prefill and backward
     # result below is wrong, and this says why.
     report["lane_probe"] = backend.lane_probe()
     progress.step(f"lane-layout probe: {report['lane_probe']['status']}")
+    _checkpoint(report, args, "building every pipeline the planner can name")
     report["build_all"] = backend.build_all_pipelines()
     report["library"] = backend.library(report["build_all"])
     progress.step("pipelines")
     checks, failed = [], 0
     with sweep.poisoned_allocations() as poisoned:
         for case in cases:
+            report["checks"] = checks
+            _checkpoint(report, args, f"check {case.id}")
             record = sweep.run_case(backend, case)
             failed += record["status"] != "passed"
             checks.append(record)
@@ -126,6 +139,7 @@ def _run(backend, args) -> dict:
     report["poisons_outputs"] = poisoned or backend.poisons_outputs
     report["checks"] = checks
     report["pipelines"] = backend.pipelines(_planner_limits(checks))
+    _checkpoint(report, args, "the timing table")
     if timing:
         where = ("this Mac's GPU (MPS)" if backend.timing_device == "mps" else
                  "this machine's CPU: the metal-emu backend's kernels are emulated, so this times flash_metal's "
@@ -153,6 +167,10 @@ def _not_run(name, reason) -> dict:
 
 def main(argv=None) -> int:
     args = _parser().parse_args(argv)
+    faulthandler.enable()  # a crash inside a kernel call still prints where it happened
+    if args.only and not any(args.only in c.id for c in sweep.cases(args.quick)):
+        print(f"flash_metal.selfcheck: --only {args.only!r} matches no check", file=sys.stderr)
+        return 2
     name = args.backend
     if name is None:
         name = "mps" if hasattr(torch.backends, "mps") and torch.backends.mps.is_available() else None

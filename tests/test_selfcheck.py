@@ -200,6 +200,31 @@ def test_warnings_raised_while_checking_are_reported(tmp_path, monkeypatch):
     assert "- UserWarning: flash_metal: planted warning from the library" in md
 
 
+def test_a_run_that_dies_leaves_a_report_naming_where(tmp_path, monkeypatch):
+    # A GPU fault kills the process inside a kernel call; the report on disk must say which check it was.
+    _need_emulator()
+    original = sweep.run_case
+
+    def dying_run_case(backend, case):
+        if case.id.startswith("tiled-float32"):
+            raise KeyboardInterrupt  # stands in for the process dying: nothing after this line runs
+        return original(backend, case)
+
+    monkeypatch.setattr(sweep, "run_case", dying_run_case)
+    with pytest.raises(KeyboardInterrupt):
+        _run_in_process(tmp_path, "--only", "float32-d48")
+    data = json.loads((tmp_path / "selfcheck.json").read_text())
+    assert data["status"] == "incomplete" and data["passed"] is False
+    assert data["running"].startswith("check tiled-float32-d48")
+    assert [c["status"] for c in data["checks"]] == ["passed", "passed"]  # prefill and decode at D = 48 ran
+    md = (tmp_path / "selfcheck.md").read_text()
+    assert md.startswith("# flash_metal selfcheck: INCOMPLETE") and "during check tiled-float32-d48" in md
+
+
+def test_only_matching_nothing_is_an_error(tmp_path):
+    assert selfcheck.main(["--backend", "metal-emu", "--only", "no-such-check", "--out", str(tmp_path)]) == 2
+
+
 def test_pipeline_below_the_planners_n_fails():
     pipes = [{"name": "k1", "max_threads": 512, "thread_execution_width": 32},
              {"name": "k2", "max_threads": 1024, "thread_execution_width": 32},
