@@ -246,15 +246,23 @@ class MpsBackend:
             origin, built = op()
         except Exception as err:  # noqa: BLE001
             return {"status": "failed", "detail": f"{type(err).__name__}: {str(err)[:1500]}"}
+        self._built = list(built)
         return {"status": "passed", "origin": origin, "count": len(built),
                 "detail": f"{len(built)} pipelines built from {origin}"}
 
     def pipelines(self, planner: Dict[str, dict]) -> dict:
         info = self.device_info()
-        if not info.get("available"):
+        if info.get("available"):
+            return {"available": True, "source": "metal_device_info() after the sweep",
+                    "rows": pipeline_rows(info["pipelines"], planner)}
+        built = getattr(self, "_built", None)
+        if not built:
             return {"available": False, "reason": info.get("reason"), "rows": []}
-        return {"available": True, "source": "metal_device_info() after the sweep",
-                "rows": pipeline_rows(info["pipelines"], planner)}
+        # Without the device-info op: the names metal_build_all_pipelines built ("kernel/constants"), no limits.
+        rows = [{"name": e.rsplit("/", 1)[0], "function_constants": e.rsplit("/", 1)[-1] if "/" in e else None,
+                 "max_threads": None, "thread_execution_width": None} for e in built]
+        return {"available": True, "rows": pipeline_rows(rows, planner),
+                "source": f"metal_build_all_pipelines() (thread limits: {info.get('reason')})"}
 
     def lane_probe(self) -> dict:
         return _selfcheck_lanes.run_on_mps()
@@ -327,8 +335,10 @@ class EmulatorBackend:
                 "gpu": f"none: the project's Metal emulator (clang: {self.clang})", "gpu_families": "n/a (emulator)"}
 
     def library(self, built_all: dict) -> dict:
-        return {"origin": f"{os.path.join(self.root, 'shaders', 'attention.metal')}, compiled as C++ by the Metal "
-                          f"emulator ({self.clang}); planned by the imported flash_metal ({base_platform()['flash_metal_path']})",
+        shader = os.path.join(self.root, "shaders", "attention.metal")
+        planner = os.path.dirname(os.path.abspath(flash_metal.__file__))
+        return {"origin": f"{shader}, compiled as C++ by the Metal emulator ({self.clang}); planned by the "
+                          f"imported flash_metal ({planner})",
                 "runtime_compile": None, "reason": "metal-emu: no Metal library; the emulator runs the shader sources"}
 
     def build_all_pipelines(self) -> dict:

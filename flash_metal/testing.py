@@ -27,7 +27,6 @@ import math
 from typing import List, NamedTuple, Optional, Sequence
 
 import torch
-from torch import Tensor
 
 from .reference import apply_options, attention_reference
 

@@ -308,6 +308,25 @@ def test_mps_backend_calls_the_ops_correctly(monkeypatch):
     assert impls == [c.impl for c in cases if c.family not in ("varlen", "varlen_backward") and not c.backward]
 
 
+def test_mps_pipelines_from_device_info_or_from_what_was_built(monkeypatch):
+    backend = object.__new__(sb.MpsBackend)
+    planner = {"flash_decode_float16_d128": {"planner_max": 512, "largest": 256}}
+    info = {"available": True, **sb.parse_device_info({"name": "M", "pipelines": [
+        {"name": "flash_decode_float16_d128", "function_constants": "0", "max_total_threads_per_threadgroup": 384,
+         "thread_execution_width": 32}]})}
+    monkeypatch.setattr(sb.MpsBackend, "device_info", lambda self: info)
+    (row,) = backend.pipelines(planner)["rows"]
+    assert row["status"] == "failed" and row["planner_max_threads"] == 512 and row["max_threads"] == 384
+    # A build without metal_device_info: the list metal_build_all_pipelines returned, limits unknown.
+    monkeypatch.setattr(sb.MpsBackend, "device_info", lambda self: {"available": False, "reason": sb.NOT_AVAILABLE})
+    assert backend.pipelines(planner)["available"] is False
+    backend._built = ["flash_decode_float16_d128/1000000000", "flash_decode_merge_float16_d128/"]
+    p = backend.pipelines(planner)
+    assert p["available"] and sb.NOT_AVAILABLE in p["source"]
+    assert [(r["name"], r["function_constants"], r["status"]) for r in p["rows"]] == [
+        ("flash_decode_float16_d128", "1000000000", "unchecked"), ("flash_decode_merge_float16_d128", "", "unchecked")]
+
+
 def test_mps_lane_probe_without_compile_shader_is_skipped(monkeypatch):
     monkeypatch.delattr(torch.mps, "compile_shader", raising=False)
     result = lanes.run_on_mps()
