@@ -84,10 +84,9 @@ def to_markdown(r: dict) -> str:
     ]) + [""]
 
     lib = r.get("library", {})
-    out += ["## Where the kernels came from", ""] + _table(["", ""], [
-        ("library", lib.get("origin")), ("runtime compile", lib.get("runtime_compile")), ("why", lib.get("reason")),
-        ("metallib installed", lib.get("metallib_installed")),
-    ]) + [""]
+    rows = [("library", lib.get("origin")), ("runtime compile", lib.get("runtime_compile")),
+            ("why", lib.get("reason")), ("metallib installed", lib.get("metallib_installed"))]
+    out += ["## Where the kernels came from", ""] + _table(["", ""], [x for x in rows if x[1] is not None]) + [""]
     if r.get("build_all"):
         out += [f"Every pipeline the planner can name, built up front: **{r['build_all']['status']}**: "
                 f"{r['build_all'].get('detail', '')}", ""]
