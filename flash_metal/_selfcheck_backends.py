@@ -8,7 +8,7 @@ Host information on MPS comes from two ops, read defensively (a build
 without them says "not available in this build"):
 - torch.ops.flash_metal.metal_device_info() -> JSON: the device, its GPU
   families, where the library came from, every pipeline built (see
-  parse_device_info for the keys read);
+  parse_device_info: schema 1);
 - flash_metal.explain(...).dispatches[i].max_threads_per_threadgroup: the
   planner's N, the most threads it will ever launch that kernel with.
 """
@@ -32,51 +32,31 @@ class Unavailable(Exception):
     """The backend cannot run here; the message says why and what to do instead."""
 
 
-def _first(d: dict, *keys, default=None):
-    for k in keys:
-        if k in d and d[k] is not None:
-            return d[k]
-    return default
-
-
 def parse_device_info(raw) -> dict:
-    """metal_device_info()'s JSON, normalized. Keys read (first present wins):
-
-    device name: "name", "device", "device_name";
-    GPU families: "families", "supported_families", "gpu_families" (a list of
-    names, or {name: bool});
-    library: "library" (a string, or {"origin"/"source", "runtime_compile",
-    "reason"/"runtime_compile_reason"}), else top-level "library_origin",
-    "runtime_compile", "runtime_compile_reason";
-    pipelines: "pipelines", a list of {"name"/"kernel"/"kernel_name",
-    "function_constants" (optional), "max_total_threads_per_threadgroup"/
-    "maxTotalThreadsPerThreadgroup", "thread_execution_width"/"threadExecutionWidth"}.
-    The raw JSON is kept too, so nothing the op says is lost.
-    """
+    """metal_device_info()'s JSON (schema 1, documented at its schema in
+    csrc/flash_metal.cpp), reduced to what the report shows: whether a device
+    is available and why not, its name, GPU families (those reported true),
+    macOS version, the shader library (origin, whether it was compiled at run
+    time and why, a load error), the pipelines built with their limits, and
+    the pipelines that failed. The raw JSON is kept, so nothing is lost.
+    Raises ValueError on another schema, rather than guessing at keys."""
     info = json.loads(raw) if isinstance(raw, (str, bytes)) else dict(raw)
-    fams = _first(info, "families", "supported_families", "gpu_families", default=None)
-    if isinstance(fams, dict):
-        fams = [k for k, ok in fams.items() if ok]
-    lib = _first(info, "library", default=None)
-    library = {}
-    if isinstance(lib, dict):
-        library = {"origin": _first(lib, "origin", "source", "path"),
-                   "runtime_compile": _first(lib, "runtime_compile", "runtime_compiled"),
-                   "reason": _first(lib, "reason", "runtime_compile_reason", "why")}
-    else:
-        library = {"origin": lib if lib is not None else _first(info, "library_origin", "origin"),
-                   "runtime_compile": _first(info, "runtime_compile", "runtime_compiled"),
-                   "reason": _first(info, "runtime_compile_reason", "reason")}
-    pipelines = []
-    for p in _first(info, "pipelines", default=[]) or []:
-        pipelines.append({
-            "name": _first(p, "name", "kernel", "kernel_name"),
-            "function_constants": _first(p, "function_constants", "constants"),
-            "max_threads": _first(p, "max_total_threads_per_threadgroup", "maxTotalThreadsPerThreadgroup"),
-            "thread_execution_width": _first(p, "thread_execution_width", "threadExecutionWidth"),
-        })
-    return {"name": _first(info, "name", "device", "device_name"), "families": fams, "library": library,
-            "pipelines": pipelines, "raw": info}
+    if info.get("schema") != 1:
+        raise ValueError(f"metal_device_info schema {info.get('schema')!r}; this selfcheck reads schema 1")
+    device = info.get("device") or {}
+    families = device.get("families") or {}
+    lib = info.get("library") or {}
+    library = {"origin": lib.get("origin") or lib.get("path"),
+               "runtime_compile": None if lib.get("kind") is None else lib.get("kind") == "runtime_compile",
+               "reason": lib.get("reason") or None, "error": lib.get("error")}
+    pipelines = [{"name": p["kernel"], "function_constants": p.get("function_constants"),
+                  "max_threads": p.get("max_total_threads_per_threadgroup"),
+                  "thread_execution_width": p.get("thread_execution_width")}
+                 for p in info.get("pipelines") or []]
+    return {"available": bool(info.get("available")), "reason": info.get("reason"),
+            "name": device.get("name"), "families": sorted(k for k, ok in families.items() if ok) or None,
+            "macos": (info.get("macos") or {}).get("version"), "library": library,
+            "pipelines": pipelines, "pipeline_errors": list(info.get("pipeline_errors") or []), "raw": info}
 
 
 def _launch(d) -> dict:
@@ -214,7 +194,7 @@ class MpsBackend:
         if op is None:
             return {"available": False, "reason": f"torch.ops.flash_metal.metal_device_info: {NOT_AVAILABLE}"}
         try:
-            return {"available": True, **parse_device_info(op())}
+            return parse_device_info(op())
         except Exception as err:  # noqa: BLE001
             return {"available": False, "reason": f"metal_device_info() failed: {type(err).__name__}: {err}"}
 

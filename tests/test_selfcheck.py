@@ -243,22 +243,41 @@ def test_pipeline_below_the_planners_n_fails():
     assert s["pipelines_failed"] == 2 and any("pipeline k1" in f for f in s["failures"])
 
 
-def test_device_info_keys_are_read_with_their_aliases():
-    raw = json.dumps({"name": "Apple M2 Pro", "families": {"Apple8": True, "Apple9": False, "Metal3": True},
-                      "library": {"origin": "the precompiled metallib", "runtime_compile": False, "reason": None},
-                      "pipelines": [{"name": "flash_decode_float16_d128", "function_constants": "1000000000",
-                                     "maxTotalThreadsPerThreadgroup": 768, "threadExecutionWidth": 32}]})
-    info = sb.parse_device_info(raw)
-    assert info["name"] == "Apple M2 Pro" and info["families"] == ["Apple8", "Metal3"]
-    assert info["library"]["origin"] == "the precompiled metallib" and info["library"]["runtime_compile"] is False
+def _schema1(**over):
+    info = {"schema": 1, "available": True, "reason": None, "mps_backend": True,
+            "macos": {"version": "15.1.0", "major": 15, "minor": 1, "patch": 0},
+            "device": {"name": "Apple M2 Pro", "registry_id": 7, "source": "torch", "has_unified_memory": True,
+                       "max_threadgroup_memory_length": 32768, "max_threads_per_threadgroup": [1024, 1024, 1024],
+                       "families": {"Apple7": True, "Apple8": True, "Apple9": False, "Mac2": True, "Metal3": True,
+                                    "Metal4": None, "Apple10": None}},
+            "library": {"kind": "runtime_compile", "path": "/site/flash_metal/shaders/attention.metal",
+                        "reason": "no metallib was installed", "origin": "compiled at run time", "error": None},
+            "pipelines": [{"kernel": "flash_decode_float16_d128", "function_constants": "1000000000",
+                           "max_total_threads_per_threadgroup": 768, "thread_execution_width": 32,
+                           "static_threadgroup_memory_length": 0}],
+            "pipeline_errors": [{"kernel": "k", "function_constants": "0", "error": "compiler error"}]}
+    info.update(over)
+    return info
+
+
+def test_device_info_schema_1_is_read():
+    from test_device_info import KEYS  # the op's keys, as the executed host's answer is checked
+
+    raw = _schema1()
+    assert set(raw) == KEYS
+    info = sb.parse_device_info(json.dumps(raw))
+    assert info["available"] is True and info["name"] == "Apple M2 Pro" and info["macos"] == "15.1.0"
+    assert info["families"] == ["Apple7", "Apple8", "Mac2", "Metal3"]  # true only; null = not asked
+    assert info["library"] == {"origin": "compiled at run time", "runtime_compile": True,
+                               "reason": "no metallib was installed", "error": None}
     assert info["pipelines"] == [{"name": "flash_decode_float16_d128", "function_constants": "1000000000",
                                   "max_threads": 768, "thread_execution_width": 32}]
-    flat = sb.parse_device_info({"device_name": "X", "supported_families": ["Apple7"], "library_origin": "runtime",
-                                 "runtime_compile": True, "runtime_compile_reason": "no metallib",
-                                 "pipelines": [{"kernel_name": "k", "max_total_threads_per_threadgroup": 64,
-                                                "thread_execution_width": 32}]})
-    assert flat["name"] == "X" and flat["families"] == ["Apple7"] and flat["pipelines"][0]["max_threads"] == 64
-    assert flat["library"] == {"origin": "runtime", "runtime_compile": True, "reason": "no metallib"}
+    assert info["pipeline_errors"] == raw["pipeline_errors"]
+    off = sb.parse_device_info(_schema1(available=False, reason="no Metal device", device=None, library=None,
+                                        pipelines=[], pipeline_errors=[]))
+    assert off["available"] is False and off["reason"] == "no Metal device" and off["name"] is None
+    with pytest.raises(ValueError, match="schema 2"):
+        sb.parse_device_info(_schema1(schema=2))
 
 
 # ---- the MPS backend, as far as Linux can take it --------------------------------------------
@@ -311,9 +330,9 @@ def test_mps_backend_calls_the_ops_correctly(monkeypatch):
 def test_mps_pipelines_from_device_info_or_from_what_was_built(monkeypatch):
     backend = object.__new__(sb.MpsBackend)
     planner = {"flash_decode_float16_d128": {"planner_max": 512, "largest": 256}}
-    info = {"available": True, **sb.parse_device_info({"name": "M", "pipelines": [
-        {"name": "flash_decode_float16_d128", "function_constants": "0", "max_total_threads_per_threadgroup": 384,
-         "thread_execution_width": 32}]})}
+    info = sb.parse_device_info(_schema1(pipelines=[
+        {"kernel": "flash_decode_float16_d128", "function_constants": "0", "max_total_threads_per_threadgroup": 384,
+         "thread_execution_width": 32, "static_threadgroup_memory_length": 0}]))
     monkeypatch.setattr(sb.MpsBackend, "device_info", lambda self: info)
     (row,) = backend.pipelines(planner)["rows"]
     assert row["status"] == "failed" and row["planner_max_threads"] == 512 and row["max_threads"] == 384
