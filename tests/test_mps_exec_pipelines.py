@@ -21,13 +21,16 @@ serialized by a lock, and the throwing get_pipeline inside the block, by
 default; with FLASH_METAL_MPS_EXEC_ALL_PLANTS=1 also the old sequential loop,
 an error that stops at the first failure, and a racing build never released.
 """
+import json
 import os
+import subprocess
+import sys
 
 import pytest
 
 import mps_exec
 from mps_exec import checks
-from mps_exec.plants import noticed, run_plants, run_scenarios
+from mps_exec.plants import SCENARIO, noticed, run_plants, run_scenarios
 
 
 @pytest.fixture(scope="session")
@@ -120,3 +123,49 @@ def test_a_throwing_block_is_what_the_fake_reports(plant_results):
 def test_serialized_builds_are_caught_for_the_right_reason(plant_results):
     r = plant_results["builds_serialized"]
     assert r["stage"] == "check" and "built one at a time" in r["error"], r["error"]
+
+
+# --- under ThreadSanitizer (opt-in: FLASH_METAL_MPS_EXEC_TSAN=1; a full instrumented build) -------
+
+# The cache's insert without its lock: a real data race, but one that shows
+# only sometimes as a wrong result; ThreadSanitizer reports it every time.
+_UNLOCKED_INSERT = ("    std::lock_guard<std::mutex> lock(mutex());\n    auto [it, inserted] = pipelines().emplace(key, built);",
+                    "    auto [it, inserted] = pipelines().emplace(key, built);")
+_TSAN_CHECKS = {"concurrent": ("builds_pipelines_concurrently", {}), "failures": ("pipeline_failures_reported", {}),
+                "race": ("racing_builds_share_one_pipeline", {"rounds": 10})}
+
+
+def _tsan_reports(directory) -> list[str]:
+    return sorted(str(p) for p in directory.glob("tsan.*"))
+
+
+@pytest.mark.skipif(os.environ.get("FLASH_METAL_MPS_EXEC_TSAN") != "1",
+                    reason="a ThreadSanitizer build of the whole host: FLASH_METAL_MPS_EXEC_TSAN=1 runs it")
+def test_concurrent_builds_are_clean_under_thread_sanitizer(built, emu, tmp_path_factory):
+    with open(os.path.join(mps_exec.ROOT, "csrc", "mps", "library.mm"), encoding="utf-8") as f:
+        library = f.read()
+    assert library.count(_UNLOCKED_INSERT[0]) == 1, "update _UNLOCKED_INSERT to library.mm's keep()"
+    libs = {"clean": mps_exec.build(sanitize="thread"),
+            "unlocked": mps_exec.build({"library.mm": library.replace(*_UNLOCKED_INSERT)}, sanitize="thread")}
+    logs = {name: tmp_path_factory.mktemp(f"tsan_{name}") for name in libs}
+    env = {name: {"LD_PRELOAD": mps_exec.tsan_runtime(),
+                  # exitcode=0: a report is read from the log, not taken for a crash
+                  "TSAN_OPTIONS": f"report_signal_unsafe=0 exitcode=0 log_path={logs[name] / 'tsan'}"}
+           for name in libs}
+    specs = {c: {"lib": libs["clean"], "check": check, "args": args} for c, (check, args) in _TSAN_CHECKS.items()}
+    results = {"clean": run_scenarios(specs, lambda c: tmp_path_factory.mktemp(f"tsan_clean_{c}"), env["clean"])}
+    # The planted race may corrupt the map badly enough to crash the process: run it without
+    # run_scenarios' crash check; the report is what counts.
+    spec = {"lib": libs["unlocked"], "dir": str(tmp_path_factory.mktemp("tsan_unlocked_pkg")),
+            "check": "builds_pipelines_concurrently"}
+    proc = subprocess.run([sys.executable, SCENARIO, json.dumps(spec)], capture_output=True, text=True,
+                          env={**os.environ, "PYTHONWARNINGS": "ignore", **env["unlocked"]})
+    results["unlocked"] = proc.stdout[-2000:] + proc.stderr[-2000:]
+    for check, r in results["clean"].items():
+        assert r["stage"] is None and r["errors"] == [], (check, r["error"], r["errors"])
+    assert _tsan_reports(logs["clean"]) == [], open(_tsan_reports(logs["clean"])[0]).read()[:4000]
+    # Planted: the insert without the lock. ThreadSanitizer must see the race in keep().
+    reports = _tsan_reports(logs["unlocked"])
+    assert reports, f"no ThreadSanitizer report for the unlocked insert: {results['unlocked']}"
+    text = "".join(open(p, encoding="utf-8").read() for p in reports)
+    assert "WARNING: ThreadSanitizer: data race" in text and "keep(" in text, text[:4000]

@@ -20,7 +20,7 @@ import shutil
 import torch
 
 from ._build import (APT_PACKAGES, CACHE_DIR, MACOS_REASON, SDK_VIEWS, BuildFailed, LinuxOnly, ToolchainMissing,  # noqa: F401
-                     build, check_platform, copy_library, host_sources, toolchain)
+                     build, check_platform, copy_library, host_sources, toolchain, tsan_runtime)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))

@@ -271,7 +271,7 @@ def builds_pipelines_concurrently(host, emu, threads: int = 4) -> dict:
     rec = host.take_recording()
     assert rec["errors"] == [], rec["errors"]
     applies = [e for e in rec["events"] if e["op"] == "dispatch_apply"]
-    assert len(applies) == 1 and applies[0]["global_queue"], applies
+    assert len(applies) == 1 and applies[0]["global_queue"], f"dispatch_apply calls on a global queue: {applies}"
     assert applies[0]["iterations"] == len(built) and applies[0]["threads"] == min(threads, len(built)), applies
     compiled = _pairs(rec["events"])
     assert sorted(compiled) == sorted(built) and len(set(built)) == len(built)  # each built once

@@ -105,14 +105,15 @@ def planted(name: str) -> dict[str, str]:
     return {p.file: out}
 
 
-def run_scenarios(specs: dict[str, dict], directory) -> dict[str, dict]:
-    """Runs scenario.py once per {name: spec}, two at a time (each a fresh process), each in its own
-    directory made by directory(name). Returns {name: result} (scenario.py's JSON, plus stderr)."""
+def run_scenarios(specs: dict[str, dict], directory, env: dict | None = None) -> dict[str, dict]:
+    """Runs scenario.py once per {name: spec}, two at a time (each a fresh process, with `env` added to its
+    environment from the start), each in its own directory made by directory(name). Returns {name: result}
+    (scenario.py's JSON, plus stderr)."""
     def one(item):
         name, spec = item
         spec = {"dir": str(directory(name)), **spec}
         proc = subprocess.run([sys.executable, SCENARIO, json.dumps(spec)], capture_output=True, text=True,
-                              env={**os.environ, "PYTHONWARNINGS": "ignore"})
+                              env={**os.environ, "PYTHONWARNINGS": "ignore", **(env or {})})
         assert proc.returncode == 0, f"scenario {name} crashed:\n{proc.stderr[-4000:]}"
         result = json.loads(proc.stdout.strip().splitlines()[-1])
         result["stderr"] = proc.stderr
