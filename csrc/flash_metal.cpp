@@ -83,8 +83,11 @@ TORCH_LIBRARY(flash_metal, m) {
   // AttentionParams bytes, those bytes, the reason for the choice, the number
   // of dispatches, and the float32 elements of the scratch tensors
   // (partial_out, partial_stats, delta). `gpu`
-  // is the device-class hint ("base", "max", "ultra"; on MPS the device's
-  // own class is used). Works for tensors on any device; the test suite's
+  // is the GPU the plan is sized for: a class ("base", "max", "ultra") or a
+  // chip ("m1" ... "m5", "m3-max", "m4-pro", ...; on MPS the device's own).
+  // estimate is the planner's model for this dispatch on it (LaunchEstimate:
+  // live registers per lane, threadgroups and SIMD-groups resident per
+  // core), occupancy_limit what bounds that residency, gpu_name the chip. Works for tensors on any device; the test suite's
   // emulated-Metal backend and flash_metal.explain() use it. attn_mask,
   // window_left, window_right and softcap as in attention_forward; with
   // cu_seqlens_q and cu_seqlens_k the plan is attention_varlen_forward's (or
@@ -97,7 +100,8 @@ TORCH_LIBRARY(flash_metal, m) {
         "int max_seqlen_k=0) "
         "-> (str kernel_name, int[] grid, int[] threadgroup, int threadgroup_memory, int threadgroup_memory_index, "
         "bool[] function_constants, int[] buffer_indices, int params_index, Tensor params, str reason, "
-        "int num_dispatches, int[] scratch_elements)");
+        "int num_dispatches, int[] scratch_elements, int max_threads_per_threadgroup, int[] estimate, "
+        "str occupancy_limit, str gpu_name)");
   // macOS builds only (csrc/mps/pipelines.mm), for tests: loads the shader
   // library as attention_forward would and builds the pipeline of every
   // (kernel, function constants) pair the planner can produce, on the

@@ -39,11 +39,32 @@ KernelRequest parse_kernel_request(const std::string& kernel);
 // M3 Max" (30-40), anything else, base and Pro chips (8-20 cores), is Base.
 enum class GpuClass { Base, Max, Ultra };
 
-// "base", "max" or "ultra" (the metal_plan op's `gpu` argument); throws a
-// ValueError otherwise.
+// "base", "max" or "ultra"; throws a ValueError otherwise.
 GpuClass parse_gpu_class(const std::string& name);
 // From MTLDevice.name, such as "Apple M3 Max"; unknown names give Base.
 GpuClass gpu_class_from_device_name(const std::string& name);
+
+// The GPU a plan is sized and estimated for (csrc/metal_gpus.cpp, each
+// figure with its source there). The split-KV decode sizes its blocks by
+// `cores`; the per-launch estimates (LaunchEstimate) use the per-core
+// register file and threadgroup memory.
+struct GpuSpec {
+  std::string name;                      // "M3 Pro", or the class's representative chip
+  GpuClass cls = GpuClass::Base;
+  uint32_t cores = 0;
+  uint32_t threadgroup_memory_per_core = 0;  // bytes resident threadgroups share
+  uint32_t register_file_per_core = 0;       // bytes of general-purpose registers
+};
+// The metal_plan op's `gpu` argument: a class ("base", "max", "ultra": its
+// representative chip, M3 / M3 Max / M3 Ultra) or a chip ("m1", "m1-pro",
+// "m1-max", "m1-ultra", ..., "m3-pro", "m4-max", "m5"; case and spaces or
+// dashes as you like). Throws a ValueError listing them otherwise.
+GpuSpec parse_gpu(const std::string& name);
+// From MTLDevice.name ("Apple M3 Pro"): the named chip when known, else the
+// representative chip of its class (so a future "Apple M6 Max" plans as a Max).
+GpuSpec gpu_from_device_name(const std::string& name);
+// Every named chip, for tests and the performance model.
+std::vector<GpuSpec> known_gpus();
 
 // Element strides of the five tensors a launch touches, outermost first.
 // The backward adds grad_out (like o) and grad_lse (like lse; lse's own
@@ -60,6 +81,7 @@ struct LaunchStrides {
 // the post's choice, and for the tiled kernel the number of queries that share
 // one K/V tile.
 constexpr uint32_t kPostThreadsPerGroup = 32;
+static_assert(kPostThreadsPerGroup <= kPostMaxThreads, "the post kernels declare kPostMaxThreads (shaders/params.h)");
 // Keys per K/V tile of the tiled kernel. Why 16: the post's named
 // configuration; at D=256 two float32 tiles take 2*16*256*4 = 32 KiB, exactly
 // Metal's threadgroup-memory limit.
@@ -131,6 +153,8 @@ struct KernelChoice {
   uint32_t block_k = 0;    // prefill: keys per K/V block
   uint32_t simdgroups = 0; // prefill: simdgroups per threadgroup
   uint32_t kv_splits = 1;  // split decode: key blocks
+  uint32_t row_chunks = 1; // decode: threadgroups sharing one (batch, kv head[, key block]), each a part of
+                           // its GQA group's rows (more than kDecodeMaxThreads / 32 row groups)
   uint32_t dkv_block_q = 0;     // backward, dK/dV kernel: query rows per streamed block
   uint32_t dkv_block_k = 0;     // backward, dK/dV kernel: keys per threadgroup (8 per simdgroup)
   uint32_t dkv_simdgroups = 0;  // backward, dK/dV kernel: simdgroups per threadgroup
@@ -139,21 +163,37 @@ struct KernelChoice {
   std::string reason;      // why, for humans (flash_metal.explain)
 };
 
+// The planner's estimates for one launch on one GPU (not measurements; a
+// model of what the compiler and the GPU will do, for explain() and the
+// performance model): registers from each kernel family's live-value model
+// (csrc/metal_plan_detail.h), residency from registers and threadgroup memory.
+struct LaunchEstimate {
+  uint32_t live_registers = 0;        // 32-bit values per lane the kernel keeps live
+  uint32_t threadgroups_per_core = 0; // resident at once (at least 1)
+  uint32_t simdgroups_per_core = 0;   // threadgroups_per_core x SIMD-groups per threadgroup
+  std::string limit;                  // what bounds residency: "registers" or "threadgroup memory"
+};
+
 // One dispatch.
 struct MetalLaunch {
   std::string kernel_name;                 // host name in the metallib, e.g. flash_attention_tiled_float16_d64_bk16_t32
   std::array<uint32_t, 3> grid{};          // threadgroups per grid
   std::array<uint32_t, 3> threadgroup{};   // threads per threadgroup
+  // The kernel's [[max_total_threads_per_threadgroup(N)]] (shaders/params.h):
+  // the most threads it may ever be launched with; threadgroup's product
+  // never exceeds it (plan_metal_attention checks every launch).
+  uint32_t max_threads_per_threadgroup = 0;
   uint32_t threadgroup_memory = 0;         // bytes of dynamic threadgroup memory (0: none to bind)
   uint32_t threadgroup_memory_index = 0;   // its [[threadgroup(i)]] index
   std::vector<bool> function_constants;    // value of [[function_constant(i)]] at index i
   // The binding table: the MPS host (csrc/mps/attention_mps.mm) and the
   // test suite's emulated backend both bind from it, so the slots are written
-  // down once, in metal_plan.cpp, beside the kernels' [[buffer(n)]]
+  // down once, in metal_launch.cpp, beside the kernels' [[buffer(n)]]
   // attributes they mirror.
   std::vector<BufferBinding> buffers;
   uint32_t params_index = 0;               // [[buffer(i)]] of AttentionParams, bound with setBytes
   AttentionParams params{};                // the parameter block itself
+  LaunchEstimate estimate;                 // on the plan's GpuSpec
 };
 
 // Everything attention_forward encodes, in order, on one compute encoder
@@ -171,12 +211,12 @@ struct MetalPlan {
 // chosen: family, head-dim bucket, block sizes and split count, each with
 // the reason.
 // pass = Backward chooses the backward's blocks (requested must be Auto).
-KernelChoice choose_metal_kernel(const AttentionProblem& p, KernelRequest requested, GpuClass gpu,
+KernelChoice choose_metal_kernel(const AttentionProblem& p, KernelRequest requested, const GpuSpec& gpu,
                                  MetalPass pass = MetalPass::Forward);
 
 // The full plan: kernel choice, names, grids, threadgroups, memory, params.
 MetalPlan plan_metal_attention(const AttentionProblem& p, const LaunchStrides& strides, KernelRequest requested,
-                               GpuClass gpu = GpuClass::Base);
+                               const GpuSpec& gpu = parse_gpu("base"));
 
 // The backward's plan: the dQ kernel (which also writes Delta), then the
 // dK/dV kernel, on one encoder in that order; delta_elements of scratch.
@@ -184,15 +224,18 @@ MetalPlan plan_metal_attention(const AttentionProblem& p, const LaunchStrides& s
 // has_grad_lse is false).
 MetalPlan plan_metal_attention_backward(const AttentionProblem& p, const LaunchStrides& strides, bool has_grad_lse,
                                         KernelRequest requested = KernelRequest::Auto,
-                                        GpuClass gpu = GpuClass::Base);
+                                        const GpuSpec& gpu = parse_gpu("base"));
 
 // One launch of every distinct (kernel name, function constants) pair the
 // planner can produce, over every family (the backward's two kernels
 // included), dtype, bucket, causal setting, edge alignment and grad_lse
 // setting, found by planning small problems, so it cannot drift from
-// the planner. all_metal_kernel_names() is its set of names, in a fixed
-// order without duplicates; the macOS pipeline-build test compares it with
-// the metallib and builds every pipeline.
+// the planner. Each entry is planned at the largest threadgroup the shapes
+// give its kernel (every decode kernel at kDecodeMaxThreads, the most the
+// planner ever launches it with), so a pipeline built from it shows whether
+// the device admits that size. all_metal_kernel_names() is its set of
+// names, in a fixed order without duplicates; the macOS pipeline-build test
+// compares it with the metallib and builds every pipeline.
 std::vector<MetalLaunch> all_metal_launches();
 std::vector<std::string> all_metal_kernel_names();
 

@@ -21,7 +21,8 @@ std::array<int64_t, 4> strides4(const at::Tensor& t) {
 }
 
 std::tuple<std::string, std::vector<int64_t>, std::vector<int64_t>, int64_t, int64_t, c10::List<bool>,
-           std::vector<int64_t>, int64_t, at::Tensor, std::string, int64_t, std::vector<int64_t>>
+           std::vector<int64_t>, int64_t, at::Tensor, std::string, int64_t, std::vector<int64_t>, int64_t,
+           std::vector<int64_t>, std::string, std::string>
 metal_plan(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool causal,
            std::optional<double> scale, c10::string_view kernel, c10::string_view gpu, int64_t dispatch,
            bool backward, const std::optional<at::Tensor>& grad_out, const std::optional<at::Tensor>& out,
@@ -39,7 +40,7 @@ metal_plan(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool c
                                     : check_attention_inputs(q, k, v, options);
   const AttentionProblem& p = call.p;
   const KernelRequest request = parse_kernel_request(std::string(kernel));
-  const GpuClass gpu_class = parse_gpu_class(std::string(gpu));
+  const GpuSpec gpu_spec = parse_gpu(std::string(gpu));
   // The outputs the forward allocates are packed (allocate_outputs); describe
   // them so. The backward reads out, lse, grad_out and grad_lse as the
   // caller passes them (any strides): their strides when given, packed when not.
@@ -61,9 +62,9 @@ metal_plan(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool c
     s.grad_out = given(grad_out) ? strides4(as_kernel_view4(*grad_out, varlen)) : packed4;
     // lse stands in, unread, when there is no grad_lse.
     s.grad_lse = given(grad_lse) ? strides3(as_kernel_view3(*grad_lse, varlen)) : s.lse;
-    plan = plan_metal_attention_backward(p, s, given(grad_lse), request, gpu_class);
+    plan = plan_metal_attention_backward(p, s, given(grad_lse), request, gpu_spec);
   } else {
-    plan = plan_metal_attention(p, s, request, gpu_class);
+    plan = plan_metal_attention(p, s, request, gpu_spec);
   }
   const int64_t count = static_cast<int64_t>(plan.launches.size());
   TORCH_CHECK_VALUE(0 <= dispatch && dispatch < count, "flash_metal.metal_plan: dispatch must be in [0, ", count,
@@ -91,7 +92,12 @@ metal_plan(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool c
           params,
           plan.reason,
           count,
-          {plan.partial_out_elements, plan.partial_stats_elements, plan.delta_elements}};
+          {plan.partial_out_elements, plan.partial_stats_elements, plan.delta_elements},
+          launch.max_threads_per_threadgroup,
+          {launch.estimate.live_registers, launch.estimate.threadgroups_per_core,
+           launch.estimate.simdgroups_per_core},
+          launch.estimate.limit,
+          gpu_spec.name};
 }
 
 }  // namespace

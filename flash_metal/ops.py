@@ -131,6 +131,17 @@ class MetalDispatch(NamedTuple):
     buffers: Dict[str, int]  # the binding table: tensor name (see _LAUNCH_TENSORS) -> [[buffer(n)]]
     params_index: int  # [[buffer(n)]] of the AttentionParams bytes
     params: Tensor
+    # The kernel's [[max_total_threads_per_threadgroup(N)]] (shaders/params.h): the
+    # most threads the planner ever launches it with; threadgroup's product <= N.
+    max_threads_per_threadgroup: int
+    # The planner's estimates on the plan's GPU (LaunchEstimate, csrc/metal_plan.h):
+    # a model, not a measurement. 32-bit values per lane the kernel keeps live,
+    # threadgroups and SIMD-groups resident per core, and what bounds them
+    # ("registers" or "threadgroup memory").
+    live_registers: int
+    threadgroups_per_core: int
+    simdgroups_per_core: int
+    occupancy_limit: str
 
 
 class MetalPlan(NamedTuple):
@@ -146,6 +157,7 @@ class MetalPlan(NamedTuple):
     dispatches: Tuple[MetalDispatch, ...]
     scratch: Dict[str, int]
     reason: str
+    gpu: str  # the chip the plan is sized and estimated for
 
     def _only(self) -> MetalDispatch:
         if len(self.dispatches) != 1:
@@ -162,6 +174,9 @@ class MetalPlan(NamedTuple):
     buffers = property(lambda self: self._only().buffers)
     params_index = property(lambda self: self._only().params_index)
     params = property(lambda self: self._only().params)
+    max_threads_per_threadgroup = property(lambda self: self._only().max_threads_per_threadgroup)
+    live_registers = property(lambda self: self._only().live_registers)
+    simdgroups_per_core = property(lambda self: self._only().simdgroups_per_core)
 
 
 def explain(
@@ -174,8 +189,10 @@ def explain(
     """Which Metal kernels attention() would launch for these inputs, and why.
 
     Runs only the host's planning code (no kernel), so it works on any
-    device. gpu: the device-class hint the split-KV decode sizes its blocks
-    for ("base", "max" or "ultra"; on a Mac the op uses the GPU's own class).
+    device. gpu: the GPU to plan for, a class ("base", "max", "ultra") or a
+    chip ("m1", "m2-pro", "m3-max", "m4-pro", "m5", ...; on a Mac the op uses
+    the GPU's own): the split-KV decode sizes its blocks by its cores, and
+    each dispatch's estimates (live_registers, simdgroups_per_core) are for it.
     backward=True: the plan of attention_backward instead (two dispatches);
     grad_out, out, lse and grad_lse, when given, supply their strides (packed
     otherwise) and grad_lse's presence. attn_mask, the window and softcap as
@@ -188,16 +205,16 @@ def explain(
              cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     dispatches, count, i = [], 1, 0
     while i < count:
-        name, grid, tg, mem, mem_index, consts, indices, params_index, params, reason, count, scratch = (
-            torch.ops.flash_metal.metal_plan(*args, i, *extra)
-        )
+        (name, grid, tg, mem, mem_index, consts, indices, params_index, params, reason, count, scratch, max_threads,
+         estimate, limit, gpu_name) = torch.ops.flash_metal.metal_plan(*args, i, *extra)
         buffers = {t: n for t, n in zip(_LAUNCH_TENSORS, indices) if n >= 0}
         dispatches.append(
-            MetalDispatch(name, tuple(grid), tuple(tg), mem, mem_index, tuple(consts), buffers, params_index, params)
+            MetalDispatch(name, tuple(grid), tuple(tg), mem, mem_index, tuple(consts), buffers, params_index, params,
+                          max_threads, *estimate, limit)
         )
         i += 1
     sizes = dict(zip(("partial_out", "partial_stats", "delta"), scratch))
-    return MetalPlan(tuple(dispatches), {name: sizes[name] for name in _SCRATCH[backward]}, reason)
+    return MetalPlan(tuple(dispatches), {name: sizes[name] for name in _SCRATCH[backward]}, reason, gpu_name)
 
 
 @torch.library.register_fake("flash_metal::attention_forward")

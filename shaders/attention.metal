@@ -2,7 +2,7 @@
 // files. One file, so the metallib and the MPS host's runtime-compile
 // fallback (which compiles this file with its headers inlined) hold the same
 // kernels. Host names encode every template parameter, and must match the
-// names csrc/metal_plan.cpp builds:
+// names csrc/metal_launch.cpp builds:
 //   flash_attention_untiled_<dtype>_d<DMAX>_t<THREADS>
 //   flash_attention_tiled_<dtype>_d<DMAX>_bk<BK>_t<THREADS>
 //   flash_attention_prefill_<dtype>_d<DMAX>_bq<BQ>_bk<BK>_wm<WM>
@@ -34,7 +34,7 @@
   FM_POST_KERNELS(tname, T, 256)
 
 // The FlashAttention-2 forward's block sizes per bucket, as the routing
-// function (choose_metal_kernel in csrc/metal_plan.cpp) chooses and explains
+// function (choose_metal_kernel in csrc/metal_routing.cpp) chooses and explains
 // them: 4 simdgroups of 8 query rows and 32 keys per block up to D = 96, 16
 // keys at D = 128, 2 simdgroups and 8 keys at D = 256.
 #define FM_PREFILL(tname, T, D, BQ, BK, WM)                                                 \
@@ -66,7 +66,7 @@
   FM_DECODE(tname, T, 256)
 
 // The backward's two kernels. Block sizes per (dtype, bucket), as
-// choose_backward (csrc/metal_plan.cpp) chooses and explains them: the most
+// choose_backward (csrc/metal_routing.cpp) chooses and explains them: the most
 // owned rows, then the longest streamed block, with the float32
 // accumulators (dQ; dK and dV) and one block of P and dP per lane within the
 // register budget and the four tiles within 32 KiB; at D = 256 the dK/dV

@@ -54,7 +54,7 @@
 // PAD is 16 bytes (the forward's bank-conflict padding), or 0 where the
 // padded tiles would exceed Metal's 32 KiB (only float32 at DMAX 256 with
 // 8 + 8 rows: 33,280 bytes padded, exactly 32,768 without); see
-// backward_row_pad. The host (csrc/metal_plan.cpp) computes the same.
+// backward_row_pad. The host (csrc/metal_plan_detail.h) computes the same.
 // Separate K and V (Q and dO) tiles cost twice the streamed rows but need 2
 // barriers per block instead of the forward's 4: the dK/dV kernel uses Q
 // twice and dO twice per block, so a shared tile would be loaded twice.
@@ -74,7 +74,7 @@ constant bool fc_has_grad_lse [[function_constant(3)]];
 // kPrefillRowPadBytes) unless the four padded tiles would not fit Metal's
 // 32 KiB of threadgroup memory, then 0 (float32, DMAX 256: 8-row tiles are
 // 33,280 bytes padded, 32,768 unpadded; the price is bank conflicts on that
-// one configuration). Must match backward_row_pad in csrc/metal_plan.cpp.
+// one configuration). Must match backward_threadgroup_memory in csrc/metal_plan_detail.h.
 template <typename T, int DMAX, int ROWS>
 constexpr int backward_row_pad() {
   return ROWS * (DMAX * int(sizeof(T)) + kPrefillRowPadBytes) <= 32768 ? kPrefillRowPadBytes : 0;
@@ -152,7 +152,7 @@ FM_INLINE float backward_weight(constant AttentionParams& p, device const uchar*
 // grad_lse is always bound (the host binds lse in its place when there is
 // none; it is then never read).
 template <typename T, int DMAX, int BQ, int BK, int WM>
-[[kernel]] void flash_backward_dq(
+[[kernel]] [[max_total_threads_per_threadgroup(kBackwardMaxThreads)]] void flash_backward_dq(
     device const T* q [[buffer(0)]],
     device const T* k [[buffer(1)]],
     device const T* v [[buffer(2)]],
@@ -174,6 +174,7 @@ template <typename T, int DMAX, int BQ, int BK, int WM>
   static_assert(BQ == 8 * WM, "each SIMD-group owns 8 query rows");
   static_assert(BK % 8 == 0 && DMAX % 8 == 0, "tiles are whole 8x8 fragments");
   constexpr int THREADS = 32 * WM;
+  static_assert(THREADS <= kBackwardMaxThreads, "the declared threadgroup limit (params.h)");
   constexpr int PAD = backward_row_pad<T, DMAX, 2 * (BQ + BK)>();
   constexpr int LD = DMAX + PAD / int(sizeof(T));  // tile row length, in elements
   constexpr int TK = BK / 8;                        // key fragments per block
@@ -361,7 +362,7 @@ template <typename T, int DMAX, int BQ, int BK, int WM>
 // constants fc_causal (0), fc_align_q (1: Nq % BQ == 0), fc_align_k
 // (2: Nk % BK == 0). Reads Delta as the dQ kernel wrote it.
 template <typename T, int DMAX, int BQ, int BK, int WM, int DSPLIT>
-[[kernel]] void flash_backward_dkdv(
+[[kernel]] [[max_total_threads_per_threadgroup(kBackwardMaxThreads)]] void flash_backward_dkdv(
     device const T* q [[buffer(0)]],
     device const T* k [[buffer(1)]],
     device const T* v [[buffer(2)]],
@@ -382,6 +383,7 @@ template <typename T, int DMAX, int BQ, int BK, int WM, int DSPLIT>
   static_assert(BK == 8 * WM, "each SIMD-group owns 8 keys");
   static_assert(BQ % 8 == 0 && DMAX % 8 == 0, "tiles are whole 8x8 fragments");
   constexpr int THREADS = 32 * WM;
+  static_assert(THREADS <= kBackwardMaxThreads, "the declared threadgroup limit (params.h)");
   constexpr int PAD = backward_row_pad<T, DMAX, 2 * (BQ + BK)>();
   constexpr int LD = DMAX + PAD / int(sizeof(T));
   static_assert(DMAX % (8 * DSPLIT) == 0, "each part is whole fragments");

@@ -66,7 +66,9 @@ inline int visible_keys(constant AttentionParams& p, int row) {
 // overflows float32) is still produced by the hardware as -inf: the first
 // thing update() does is map it to kMaskedScore with a comparison, which the
 // compiler cannot fold because kMaskedScore is finite.
-constant float kMaskedScore = -0x1p100f;
+// Written in decimal (exactly -2^100): a hexadecimal float literal is C++17,
+// and MSL 3.1's base language is C++14.
+constant float kMaskedScore = -1267650600228229401496703205376.0f;
 // Bits of float -inf (IEEE 754 binary32: sign 1, exponent all ones, mantissa 0).
 constant uint kNegInfBits = 0xff800000u;
 

@@ -11,28 +11,31 @@
 // partials with their (max, sum) and the merge pass rescales them by
 // exp(m_s - M). Like MLX's duplication-free GQA variant, one threadgroup
 // serves every query row of a GQA group (gqa_ratio heads x Nq rows), so each
-// K/V element is loaded once per (batch, kv_head) for all of them. Unlike
-// MLX: lanes hold the strided features lane, lane + 32, ... (consecutive
-// lanes read consecutive features: coalesced when the feature stride is 1);
+// K/V element is loaded once per (batch, kv_head) for all of them (a group
+// of more than 8 row groups is cut into row chunks, a threadgroup each:
+// "Launch" below). Unlike MLX: lanes hold the strided features lane,
+// lane + 32, ... (consecutive lanes read consecutive features: coalesced
+// when the feature stride is 1);
 // the softmax runs per block of 32 keys (one block max and one rescale per
 // block, a blocked sum for the output) rather than per key; masking uses the
 // finite sentinel kMaskedScore (attention_common.h), base-2 scores, causal
 // bottom-right alignment and any element strides. The code is this
 // project's own.
 //
-// Names: R = gqa_ratio * Nq query rows per threadgroup (the rows of one GQA
-// group), row rr -> query head kv_head * gqa_ratio + rr / Nq, query row
-// rr % Nq. A SIMD-group owns RS = decode_rows_per_simd(DMAX) consecutive rows
-// (a "row group") and one "key group" of the threadgroup's keys.
+// Names: R = gqa_ratio * Nq query rows of one GQA group, row rr -> query
+// head kv_head * gqa_ratio + rr / Nq, query row rr % Nq. A SIMD-group owns
+// RS = decode_rows_per_simd(DMAX) consecutive rows (a "row group") and one
+// "key group" of the threadgroup's keys.
 //
-// Launch (the host, csrc/metal_plan.cpp, computes exactly this):
+// Launch (the host, csrc/metal_launch.cpp, computes exactly this):
 //
 //   RS   = DMAX <= 64 ? 8 : DMAX <= 128 ? 4 : 2      rows per SIMD-group (decode_rows_per_simd)
-//   R    = (Hq / Hkv) * Nq                            rows per threadgroup
+//   R    = (Hq / Hkv) * Nq                            rows of one GQA group
 //   RG   = ceil(R / RS)                               row groups
-//   RGL  = min(RG, 32)                                row groups in flight (SIMD-groups per key group)
+//   C    = ceil(RG / 8)                               row chunks: threadgroups per (batch, kv head[, split])
+//   RGL  = ceil(RG / C)                               row groups per threadgroup (SIMD-groups per key group)
 //   KG   = RG == 1 ? 8 : 1                            key groups
-//   threadgroup (32, KG, RGL)                         KG * RGL <= 32 SIMD-groups, <= 1024 threads
+//   threadgroup (32, KG, RGL)                         KG * RGL <= 8 SIMD-groups: <= kDecodeMaxThreads = 256
 //   DP32 = 32 * ceil(DMAX / 32)                       (96 for DMAX 72 and 80, else DMAX)
 //   tg_bytes = RG == 1 ? round_up_16(KG * (RS + 1 + DP32) * 4)     key-group merge (floats)
 //                      : 32 * DMAX * sizeof(T)                      staged K or V block (T)
@@ -40,13 +43,23 @@
 // Why 8 key groups for one row group: 256 threads keep enough K/V loads in
 // flight per threadgroup when the GQA group is small (often a single row),
 // the 8-way merge costs 8,288 bytes at most, and it splits the sum over keys
-// 8 ways. Why RGL <= 32: Metal's 1,024 threads per threadgroup. split_keys
-// need not be a multiple of 32 for these kernels (key blocks start at the
-// split's first key).
+// 8 ways. Why at most 8 row groups per threadgroup: the kernels declare
+// [[max_total_threads_per_threadgroup(kDecodeMaxThreads)]] (256, params.h:
+// what the register file holds at any allocation of the ~80-110 live values
+// per lane); a bigger GQA group is cut into C row chunks, one threadgroup
+// each, rather than a fatter threadgroup. split_keys need not be a multiple
+// of 32 for these kernels (key blocks start at the split's first key).
 //
-//   flash_decode        grid (Hkv, B, 1)          threadgroup (32, KG, RGL)  tg_bytes
-//   flash_decode_split  grid (Hkv, B, kv_splits)  threadgroup (32, KG, RGL)  tg_bytes
-//   flash_decode_merge  grid (Nq, Hq, B)          threadgroup (32, 1, 1)     no threadgroup memory
+//   flash_decode        grid (Hkv * C, B, 1)          threadgroup (32, KG, RGL)  tg_bytes
+//   flash_decode_split  grid (Hkv * C, B, kv_splits)  threadgroup (32, KG, RGL)  tg_bytes
+//   flash_decode_merge  grid (Nq, Hq, B)              threadgroup (32, 1, 1)     no threadgroup memory
+//
+// Threadgroup x of the grid serves kv head x / C and row chunk c = x % C
+// (adjacent threadgroups share a kv head, so they read its K/V at about the
+// same time); chunk c runs row groups c * RGL .. c * RGL + RGL - 1. The
+// kernel finds C as threadgroups_per_grid.x / Hkv, so a launch with fewer
+// chunks still covers every row group: the SIMD-groups then loop over them
+// in rounds (round r, chunk c: row groups (r * C + c) * RGL + rgl).
 //
 // Function constants fc_causal (index 0) and the options' 4-8
 // (attention_features.h: mask, left window, softcap; fc_varlen is always
@@ -67,14 +80,17 @@
 // (one threadgroup per core).
 //
 // Bytes: every K/V element is loaded from device memory once per
-// threadgroup, i.e. once per (batch, kv_head[, split]) for all R rows:
-// with one row group, each key group loads its own keys straight into
-// registers; with several, the threadgroup stages each block in threadgroup
-// memory and all row groups read it there. Only when RG > 32 (R > 32 * RS:
-// among gqa_ratio <= 16 and Nq <= 8, only DMAX 256 with R > 64) do the 32
-// SIMD-groups loop over the row groups in rounds, and K/V is loaded once per
-// round (ceil(RG / 32) = 2 rounds at most there). q is loaded once per key
-// group (8 times with RG == 1: 8 * R * D elements, small beside K/V).
+// threadgroup, i.e. once per (batch, kv_head[, split]) for all R rows
+// whenever the GQA group fits one threadgroup (RG <= 8, R <= 8 * RS: 64
+// rows up to DMAX 64, 32 up to 128, 16 at 256; in one-token decode, every
+// GQA model of tests/test_metal_plan_limits.py and MQA up to 32 heads at
+// DMAX 128): with one row group,
+// each key group loads its own keys straight into registers; with several,
+// the threadgroup stages each block in threadgroup memory and all row groups
+// read it there. A bigger group (say GQA 8 at DMAX 128 with Nq >= 5, or MQA)
+// is read once per row chunk, C = ceil(RG / 8) times, by threadgroups that
+// run side by side. q is loaded once per key group (8 times with RG == 1:
+// 8 * R * D elements, small beside K/V).
 #pragma once
 
 #include "attention_features.h"
@@ -94,11 +110,13 @@ constant constexpr int kDecodeBlock = 32;
 
 // The rows one SIMD-group works on, and its online-softmax state, per lane.
 // DPL = features per lane: lane l holds features l, l + 32, ..., l + 32 * (DPL - 1).
+// (Static data members live in the constant address space, as MSL requires
+// of every variable with static storage; Apple's headers write the same.)
 template <int DMAX>
 struct DecodeState {
-  static constexpr int RS = decode_rows_per_simd(DMAX);
-  static constexpr int DPL = (DMAX + 31) / 32;
-  static constexpr int DP32 = DPL * 32;  // features per row including the lanes' padding
+  static constexpr constant int RS = decode_rows_per_simd(DMAX);
+  static constexpr constant int DPL = (DMAX + 31) / 32;
+  static constexpr constant int DP32 = DPL * 32;  // features per row including the lanes' padding
   float q[RS][DPL];    // query slice, pre-multiplied by scale * log2(e); 0 past head_dim and for dead rows
   float acc[RS][DPL];  // unnormalized output slice: sum of exp2(s - m) * v
   float m[RS];         // running max of the base-2 scores (kMaskedScore: no key yet); same in every lane
@@ -364,21 +382,29 @@ FM_INLINE void decode_merge_key_groups(thread DecodeState<DMAX>& st, threadgroup
 }
 
 // The shape of the threadgroup, decoded from its launch (see the top of the
-// file): lane, key group kg of KG, live row-group slot rgl of RGL.
+// file): its kv head and row chunk, key group kg of KG, row-group slot rgl
+// of RGL.
 struct DecodeShape {
+  int kv_head, chunk, chunks;
   int kg, KG, rgl, RGL, rounds;
   int threads;  // 32 * KG * RGL
   bool staged;  // K/V staged in threadgroup memory for several row groups (KG = 1, RGL > 1)
+  // The row group this SIMD-group serves in round `round`.
+  int row_group(int round) const { return (round * chunks + chunk) * RGL + rgl; }
 };
 
-inline DecodeShape decode_shape(constant AttentionParams& p, uint3 tpos, uint3 tsize, int RS) {
+inline DecodeShape decode_shape(constant AttentionParams& p, uint3 group, uint3 groups, uint3 tpos, uint3 tsize,
+                                int RS) {
   DecodeShape s;
+  s.chunks = max(1, int(groups.x) / p.kv_heads);
+  s.kv_head = int(group.x) / s.chunks;
+  s.chunk = int(group.x) - s.kv_head * s.chunks;
   s.kg = int(tpos.y);
   s.KG = int(tsize.y);
   s.rgl = int(tpos.z);
   s.RGL = int(tsize.z);
   const int RG = (p.gqa_ratio * p.q_len + RS - 1) / RS;
-  s.rounds = (RG + s.RGL - 1) / s.RGL;
+  s.rounds = (RG + s.RGL * s.chunks - 1) / (s.RGL * s.chunks);
   s.threads = int(tsize.x * tsize.y * tsize.z);
   s.staged = s.KG == 1 && s.RGL > 1;
   return s;
@@ -411,7 +437,7 @@ FM_INLINE void decode_store_row(device T* o, device float* lse, constant Attenti
 // to all keys and writes out and lse. T: q/k/v/out element type; DMAX: head_dim
 // bucket. Launch: top of this file.
 template <typename T, int DMAX>
-[[kernel]] void flash_decode(
+[[kernel]] [[max_total_threads_per_threadgroup(kDecodeMaxThreads)]] void flash_decode(
     device const T* q [[buffer(0)]],
     device const T* k [[buffer(1)]],
     device const T* v [[buffer(2)]],
@@ -423,14 +449,15 @@ template <typename T, int DMAX>
     device const int* cu_seqlens_k [[buffer(16)]],
     threadgroup float* smem [[threadgroup(0)]],
     uint3 group [[threadgroup_position_in_grid]],
+    uint3 groups [[threadgroups_per_grid]],
     uint3 tpos [[thread_position_in_threadgroup]],
     uint3 tsize [[threads_per_threadgroup]],
     uint tid [[thread_index_in_threadgroup]],
     uint lane [[thread_index_in_simdgroup]]) {
   constexpr int RS = DecodeState<DMAX>::RS;
-  const int kv_head = int(group.x);
+  const DecodeShape sh = decode_shape(p, group, groups, tpos, tsize, RS);
+  const int kv_head = sh.kv_head;
   const int batch = int(group.y);
-  const DecodeShape sh = decode_shape(p, tpos, tsize, RS);
   const int R = p.gqa_ratio * p.q_len;
   // Decode never runs varlen (the planner routes it to prefill): the view
   // is the whole problem, with its window bounds.
@@ -442,7 +469,7 @@ template <typename T, int DMAX>
   const int key_begin = first_visible_key(seq, 0);
   const int key_end = visible_key_end(seq, p.q_len - 1);
   for (int round = 0; round < sh.rounds; ++round) {
-    const int rg = round * sh.RGL + sh.rgl;
+    const int rg = sh.row_group(round);
     const bool live = rg * RS < R;  // uniform per SIMD-group
     DecodeState<DMAX> st;
     decode_init<T, DMAX>(st, q, p, batch, kv_head, rg, lane);  // a dead row group: zeros, "no key"
@@ -477,7 +504,7 @@ inline int64_t decode_partial_index(constant AttentionParams& p, int batch, Deco
 // l the sum of exp2(s - m). A block no row may see writes m = kMaskedScore,
 // l = 0 and zeros. Launch: top of this file.
 template <typename T, int DMAX>
-[[kernel]] void flash_decode_split(
+[[kernel]] [[max_total_threads_per_threadgroup(kDecodeMaxThreads)]] void flash_decode_split(
     device const T* q [[buffer(0)]],
     device const T* k [[buffer(1)]],
     device const T* v [[buffer(2)]],
@@ -489,16 +516,17 @@ template <typename T, int DMAX>
     device const int* cu_seqlens_k [[buffer(16)]],
     threadgroup float* smem [[threadgroup(0)]],
     uint3 group [[threadgroup_position_in_grid]],
+    uint3 groups [[threadgroups_per_grid]],
     uint3 tpos [[thread_position_in_threadgroup]],
     uint3 tsize [[threads_per_threadgroup]],
     uint tid [[thread_index_in_threadgroup]],
     uint lane [[thread_index_in_simdgroup]]) {
   constexpr int RS = DecodeState<DMAX>::RS;
   constexpr int DPL = DecodeState<DMAX>::DPL;
-  const int kv_head = int(group.x);
+  const DecodeShape sh = decode_shape(p, group, groups, tpos, tsize, RS);
+  const int kv_head = sh.kv_head;
   const int batch = int(group.y);
   const int split = int(group.z);
-  const DecodeShape sh = decode_shape(p, tpos, tsize, RS);
   const int R = p.gqa_ratio * p.q_len;
   const SeqView seq = sequence_view(p, cu_seqlens_q, cu_seqlens_k, uint(batch));  // never varlen (flash_decode)
   // The split's keys, cut to those some row may see (as flash_decode). A
@@ -510,7 +538,7 @@ template <typename T, int DMAX>
   const int key_begin = max(split_begin, first_visible_key(seq, 0));
   const int key_end = min(split_begin + p.split_keys, visible_key_end(seq, p.q_len - 1));
   for (int round = 0; round < sh.rounds; ++round) {
-    const int rg = round * sh.RGL + sh.rgl;
+    const int rg = sh.row_group(round);
     const bool live = rg * RS < R;
     DecodeState<DMAX> st;
     decode_init<T, DMAX>(st, q, p, batch, kv_head, rg, lane);  // a dead row group: zeros, "no key"
@@ -545,7 +573,7 @@ template <typename T, int DMAX>
 // weight exp2(kMaskedScore - M) * 0 = 0 and finite arithmetic throughout.
 // Launch: top of this file.
 template <typename T, int DMAX>
-[[kernel]] void flash_decode_merge(
+[[kernel]] [[max_total_threads_per_threadgroup(kDecodeMergeMaxThreads)]] void flash_decode_merge(
     device T* o [[buffer(3)]],
     device float* lse [[buffer(4)]],
     constant AttentionParams& p [[buffer(5)]],

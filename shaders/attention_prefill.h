@@ -16,7 +16,7 @@
 // written for this project (its own loader, masking and store); see the
 // comments for where it differs.
 //
-// Threadgroup memory (bytes), sized by the host (csrc/metal_plan.cpp):
+// Threadgroup memory (bytes), sized by the host (csrc/metal_plan_detail.h):
 //
 //   tg_bytes(BQ, BK, DMAX, sizeof(T)) = (BQ + BK) * (DMAX * sizeof(T) + 16)
 //
@@ -151,7 +151,7 @@ FM_INLINE void prefill_mma(thread PrefillFrag& d, PrefillFrag a, PrefillFrag b) 
 // 32 KiB limit, and every other instantiation would run fewer threadgroups per
 // core.
 template <typename T, int DMAX, int BQ, int BK, int WM>
-[[kernel]] void flash_attention_prefill(
+[[kernel]] [[max_total_threads_per_threadgroup(kPrefillMaxThreads)]] void flash_attention_prefill(
     device const T* q [[buffer(0)]],
     device const T* k [[buffer(1)]],
     device const T* v [[buffer(2)]],
@@ -169,6 +169,7 @@ template <typename T, int DMAX, int BQ, int BK, int WM>
   static_assert(BQ == 8 * WM, "each SIMD-group owns 8 query rows");
   static_assert(BK % 8 == 0 && DMAX % 8 == 0, "tiles are whole 8x8 fragments");
   constexpr int THREADS = 32 * WM;
+  static_assert(THREADS <= kPrefillMaxThreads, "the declared threadgroup limit (params.h)");
   constexpr int LD = DMAX + kPrefillRowPadBytes / int(sizeof(T));  // tile row length, in elements
   constexpr int TK = BK / 8;    // key fragments per block: S and P are 8 x BK per SIMD-group
   constexpr int TD = DMAX / 8;  // feature fragments: O is 8 x DMAX per SIMD-group

@@ -13,7 +13,7 @@ namespace flash_metal {
 // DMAX: head_dim bucket; sizes the per-thread query row and accumulator
 // (head_dim <= DMAX), the tile rows, and bounds every loop over a row.
 // BK: keys per tile. THREADS: threads per group (= query rows per group).
-// smem: dynamic threadgroup memory, sized by the host (csrc/metal_plan.cpp):
+// smem: dynamic threadgroup memory, sized by the host (csrc/metal_plan_detail.h):
 // the K tile then the V tile, each BK rows of DMAX elements of T.
 //
 // Tiles in T, not float: the tiles are the kernel's only threadgroup memory,
@@ -27,7 +27,7 @@ namespace flash_metal {
 // garbage; the emulator fills it with NaN, and 0 * NaN is NaN), so they are
 // zeroed once, before the first tile; the loads never touch them after that.
 template <typename T, int DMAX, int BK, int THREADS>
-[[kernel]] void flash_attention_tiled(
+[[kernel]] [[max_total_threads_per_threadgroup(kPostMaxThreads)]] void flash_attention_tiled(
     device const T* q [[buffer(0)]],
     device const T* k [[buffer(1)]],
     device const T* v [[buffer(2)]],
@@ -37,6 +37,7 @@ template <typename T, int DMAX, int BK, int THREADS>
     threadgroup T* smem [[threadgroup(0)]],
     uint3 group [[threadgroup_position_in_grid]],
     uint lane [[thread_index_in_threadgroup]]) {
+  static_assert(THREADS <= kPostMaxThreads, "the declared threadgroup limit (params.h)");
   const int D = p.head_dim;
   const int first_row = int(group.x) * THREADS;
   const int row = first_row + int(lane);

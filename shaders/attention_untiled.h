@@ -14,7 +14,7 @@ namespace flash_metal {
 // (head_dim <= DMAX) and bounds every loop over a row.
 // THREADS: threads per threadgroup, i.e. query rows per group.
 template <typename T, int DMAX, int THREADS>
-[[kernel]] void flash_attention_untiled(
+[[kernel]] [[max_total_threads_per_threadgroup(kPostMaxThreads)]] void flash_attention_untiled(
     device const T* q [[buffer(0)]],
     device const T* k [[buffer(1)]],
     device const T* v [[buffer(2)]],
@@ -23,6 +23,7 @@ template <typename T, int DMAX, int THREADS>
     constant AttentionParams& p [[buffer(5)]],
     uint3 group [[threadgroup_position_in_grid]],
     uint lane [[thread_index_in_threadgroup]]) {
+  static_assert(THREADS <= kPostMaxThreads, "the declared threadgroup limit (params.h)");
   const int row = int(group.x) * THREADS + int(lane);
   if (row >= p.q_len) return;  // no barrier in this kernel, so an early exit is safe
   const HeadOffsets h = head_offsets(p, group.z, group.y);

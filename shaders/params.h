@@ -1,6 +1,6 @@
 // The one parameter block shared by the Metal shaders and the C++ host.
 //
-// The host (csrc/metal_plan.cpp) fills it and binds it with setBytes; the
+// The host (csrc/metal_launch.cpp, make_params) fills it and binds it with setBytes; the
 // kernels read it from the constant address space. Every field is fixed
 // width, and every stride is counted in elements, never bytes (the
 // FlashAttention convention), so one struct serves all three dtypes.
@@ -95,5 +95,43 @@ struct AttentionParams {
 // The same assertion compiles on the host and in the shader, so a field added
 // on one side only cannot go unnoticed.
 static_assert(sizeof(AttentionParams) == 312, "AttentionParams layout changed: update host and shaders together");
+
+// ---- threads per threadgroup --------------------------------------------------
+// The most threads each kernel family is ever launched with: the kernels
+// declare it as [[max_total_threads_per_threadgroup(N)]] (as MLX's and
+// PyTorch's Metal kernels do), and the planner (csrc/metal_launch.cpp) never
+// launches more; flash_metal.explain() reports it per dispatch. Why declare
+// it: a pipeline's maxTotalThreadsPerThreadgroup falls with the registers
+// its kernel uses. An Apple GPU core has about 208 KB of registers (53,248
+// 32-bit values; metal-benchmarks, an estimate), 52 per thread at 1,024
+// threads, and a thread addresses at most 128 (Dougall Johnson's G13 notes,
+// also [I]). With N declared, the compiler allocates registers for N
+// threads, so the pipeline admits every launch the planner makes; without
+// it, a kernel holding ~100 live values may come back below what the planner
+// asked for. Every N below is at most 416 (53,248 / 128), so it fits
+// whatever the compiler allocates.
+#ifdef __METAL_VERSION__
+#define FM_PROGRAM_CONSTANT constant  // MSL: program-scope variables live in the constant address space
+#else
+#define FM_PROGRAM_CONSTANT
+#endif
+// The post's two kernels (attention_untiled.h, attention_tiled.h): one
+// SIMD-group, one query row per thread (the post's configuration).
+FM_PROGRAM_CONSTANT constexpr int kPostMaxThreads = 32;
+// The prefill kernel (attention_prefill.h): 4 SIMD-groups of 8 query rows up
+// to D = 128, 2 at D = 256 (the routing's block table, MLX's steel layout).
+FM_PROGRAM_CONSTANT constexpr int kPrefillMaxThreads = 128;
+// The decode kernels (attention_decode.h, one pass and split pass 1): 8
+// SIMD-groups, 256 threads, leave 208 registers per thread, more than a
+// thread can address, so the decode state (RS rows x 3 x DMAX / 32 floats
+// plus the block's scores: about 80-110 live values per lane) fits at any
+// allocation; 512 threads would leave 104, below that. Bigger GQA groups get
+// more threadgroups, not fatter ones (csrc/metal_launch.cpp, decode_launches).
+FM_PROGRAM_CONSTANT constexpr int kDecodeMaxThreads = 256;
+// The split-KV merge: one SIMD-group per output row.
+FM_PROGRAM_CONSTANT constexpr int kDecodeMergeMaxThreads = 32;
+// Both backward kernels (attention_backward.h): at most 4 SIMD-groups of 8
+// owned rows (choose_backward's largest block, 32 rows).
+FM_PROGRAM_CONSTANT constexpr int kBackwardMaxThreads = 128;
 
 }  // namespace flash_metal

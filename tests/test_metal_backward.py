@@ -28,7 +28,7 @@ BUCKETS = (32, 64, 72, 80, 96, 128, 256)
 BUCKET_DIMS = {32: 17, 64: 63, 72: 70, 80: 77, 96: 90, 128: 100, 256: 256}
 DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 TG_LIMIT = 32 * 1024
-# The register budget and hard limit choose_metal_kernel quotes (csrc/metal_plan.cpp).
+# The register budget and hard limit choose_metal_kernel quotes (csrc/metal_routing.cpp).
 REGISTER_BUDGET = 72
 MAX_REGISTERS = 128
 

@@ -23,8 +23,9 @@ from numerics import DTYPES, LAYOUTS, assert_attention_close, dtype_id, make_qkv
 
 BUCKETS = [32, 64, 72, 80, 96, 128, 256]
 DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
-# Metal's limits on every Apple GPU family: threads and threadgroup memory per threadgroup.
-MAX_THREADS = 1024
+# Threads per threadgroup the decode kernels declare ([[max_total_threads_per_threadgroup]],
+# kDecodeMaxThreads in shaders/params.h), and Metal's threadgroup memory limit.
+MAX_THREADS = 256
 TG_LIMIT = 32 * 1024
 # Keys per block of the kernels' softmax, and the granularity of split_keys.
 BLOCK = 32
@@ -62,20 +63,29 @@ def rows_per_simd(dmax):
     return 8 if dmax <= 64 else (4 if dmax <= 128 else 2)
 
 
-def decode_launch(B, Hq, Hkv, Nq, dmax, splits, elem_size):
+def row_groups(Hq, Hkv, Nq, dmax):
+    return math.ceil(Hq // Hkv * Nq / rows_per_simd(dmax))
+
+
+def decode_launch(B, Hq, Hkv, Nq, dmax, splits, elem_size, chunks=None, rgl=None):
     """The launch formulas at the top of shaders/attention_decode.h.
 
     Returns {kernel: (grid, threadgroup, threadgroup memory bytes)} for
-    "one_pass", "split" and "merge" (merge: no threadgroup memory).
+    "one_pass", "split" and "merge" (merge: no threadgroup memory). chunks
+    and rgl (row chunks, row groups per threadgroup) default to the
+    planner's: C = ceil(RG / 8), RGL = ceil(RG / C); fewer chunks make the
+    SIMD-groups loop over the row groups in rounds.
     """
     rs = rows_per_simd(dmax)
-    rg = math.ceil(Hq // Hkv * Nq / rs)
-    rgl = min(rg, 32)
+    rg = row_groups(Hq, Hkv, Nq, dmax)
+    chunks = math.ceil(rg / 8) if chunks is None else chunks
+    rgl = math.ceil(rg / chunks) if rgl is None else rgl
     kg = 8 if rg == 1 else 1
     dp32 = 32 * math.ceil(dmax / 32)
     mem = 16 * math.ceil(kg * (rs + 1 + dp32) * 4 / 16) if rg == 1 else 32 * dmax * elem_size
     tg = (32, kg, rgl)
-    return {"one_pass": ((Hkv, B, 1), tg, mem), "split": ((Hkv, B, splits), tg, mem), "merge": ((Nq, Hq, B), (32, 1, 1), 0)}
+    return {"one_pass": ((Hkv * chunks, B, 1), tg, mem), "split": ((Hkv * chunks, B, splits), tg, mem),
+            "merge": ((Nq, Hq, B), (32, 1, 1), 0)}
 
 
 def split_keys_of(nk, splits):
@@ -87,12 +97,14 @@ def decode_library(instrumented, fast_math):
     return metal_library(instrumented, fast_math)
 
 
-def launch_decode(q, k, v, causal=False, scale=None, splits=1, instrumented=False, fast_math=False):
+def launch_decode(q, k, v, causal=False, scale=None, splits=1, instrumented=False, fast_math=False, chunks=None,
+                  rgl=None):
     """Launches the kernels directly; returns (out, lse, partial_o, partial_stats, counts).
 
     Outputs and partials are poisoned with NaN, so an element never written
     stays NaN. splits == 1: the one-pass kernel (no partials); else the split
-    pass and the merge. counts: the emulator's per-dispatch counts.
+    pass and the merge. chunks, rgl: as decode_launch. counts: the
+    emulator's per-dispatch counts.
     """
     B, Hq, Nq, D = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
@@ -105,7 +117,7 @@ def launch_decode(q, k, v, causal=False, scale=None, splits=1, instrumented=Fals
     out = torch.full((B, Hq, Nq, D), float("nan"), dtype=q.dtype)
     lse = torch.full((B, Hq, Nq), float("nan"), dtype=torch.float32)
     lib = decode_library(instrumented, fast_math)
-    shape = decode_launch(B, Hq, Hkv, Nq, dmax, splits, q.element_size())
+    shape = decode_launch(B, Hq, Hkv, Nq, dmax, splits, q.element_size(), chunks, rgl)
     counts = []
     if splits == 1:
         grid, tg, mem = shape["one_pass"]
@@ -147,7 +159,7 @@ def test_library_holds_exactly_the_instantiations():
 
 
 # (B, Hq, Hkv, Nq, Nk, D, dtype, impl): one row group and several, MQA, a
-# two-round group, one pass and split, every dtype.
+# group cut into 8 row chunks, one pass and split, every dtype.
 PLANNER_CASES = [(1, 8, 2, 1, 300, 128, torch.float16, "decode"), (2, 32, 8, 1, 8192, 128, torch.bfloat16, "auto"),
                  (1, 16, 1, 4, 700, 64, torch.float32, "decode_split"), (3, 4, 4, 8, 9, 80, torch.float16, "decode"),
                  (1, 32, 2, 8, 40_000, 256, torch.float32, "auto"), (1, 6, 3, 2, 20, 17, torch.bfloat16, "decode_split")]
@@ -155,7 +167,7 @@ PLANNER_CASES = [(1, 8, 2, 1, 300, 128, torch.float16, "decode"), (2, 32, 8, 1, 
 
 @pytest.mark.parametrize("case", PLANNER_CASES, ids=lambda c: f"{c[0]}x{c[1]}:{c[2]}-{c[3]}x{c[4]}-d{c[5]}-{c[7]}")
 def test_planner_launches_exactly_these_shapes(case):
-    # csrc/metal_plan.cpp and decode_launch() both transcribe the formulas at
+    # csrc/metal_launch.cpp and decode_launch() both transcribe the formulas at
     # the top of attention_decode.h; they must agree on every field.
     B, Hq, Hkv, Nq, Nk, D, dtype, impl = case
     q, k = torch.empty(B, Hq, Nq, D, dtype=dtype), torch.empty(B, Hkv, Nk, D, dtype=dtype)
@@ -196,8 +208,9 @@ def test_planner_routes_through_the_emulator(impl):
 
 @pytest.mark.parametrize("dmax", BUCKETS)
 def test_launch_fits_metal_limits(dmax):
-    # Every GQA group up to ratio 32 with Nq up to 8: at most 1024 threads,
-    # whole SIMD-groups, threadgroup memory within 32 KiB and a multiple of 16.
+    # Every GQA group up to ratio 32 with Nq up to 8: at most the 256 threads
+    # the kernels declare, whole SIMD-groups, threadgroup memory within 32 KiB
+    # and a multiple of 16.
     for ratio in range(1, 33):
         for nq in range(1, 9):
             for size in (4, 2):
@@ -208,26 +221,28 @@ def test_launch_fits_metal_limits(dmax):
 
 # (dtype, D, gqa_ratio, Nq, splits): one row group (K/V straight to
 # registers, 8 key groups), several row groups (K/V staged in threadgroup
-# memory, read there by 2 and by 16 SIMD-groups), and more row groups than 32
-# SIMD-groups (ratio 16, Nq 8, D 256: 64 row groups, two rounds).
+# memory, read there by 2 and by 8 SIMD-groups), and more row groups than 8
+# SIMD-groups: ratio 8, Nq 8, D 72 (16 row groups, 2 row chunks) and
+# ratio 16, Nq 8, D 256 (64 row groups, 8 row chunks).
 READ_CASES = [(torch.float16, 128, 4, 1, 1), (torch.float32, 64, 8, 1, 3), (torch.bfloat16, 128, 8, 1, 2),
-              (torch.float16, 72, 8, 8, 1), (torch.float16, 256, 16, 8, 2)]
+              (torch.float16, 64, 8, 8, 1), (torch.float16, 72, 8, 8, 1), (torch.float16, 256, 16, 8, 2)]
 
 
 def test_each_key_is_read_once_per_group():
     # The sanitizing build's device read counts for k and v are exactly
-    # their sizes, one pass or split, whatever the GQA group's size: the
-    # query rows of a group share every K/V load. Only past 32 row groups
-    # (R > 32 * rows_per_simd) do the rounds read it once each.
+    # their sizes, one pass or split, while the GQA group fits one
+    # threadgroup (at most 8 row groups): its query rows share every K/V
+    # load. A bigger group is cut into row chunks of at most 8 row groups
+    # (the kernels' 256-thread limit), and each chunk reads K/V once.
     for dtype, d, ratio, nq, splits in READ_CASES:
         q, k, v = make_qkv(1, 2 * ratio, 2, nq, 70, d, dtype)
         out, lse, _, _, counts = launch_decode(q, k, v, splits=splits, instrumented=True)
         assert_attention_close(out, lse, q, k, v)
-        rounds = math.ceil(ratio * nq / rows_per_simd(bucket_of(d)) / 32)
+        chunks = math.ceil(ratio * nq / rows_per_simd(bucket_of(d)) / 8)
         read = counts[0].device_bytes_read_by_index
-        assert read[1] == rounds * k.numel() * k.element_size(), (dtype, d, ratio, nq, read)
-        assert read[2] == rounds * v.numel() * v.element_size(), (dtype, d, ratio, nq, read)
-    assert {math.ceil(r * nq / rows_per_simd(bucket_of(d)) / 32) for _, d, r, nq, _ in READ_CASES} == {1, 2}
+        assert read[1] == chunks * k.numel() * k.element_size(), (dtype, d, ratio, nq, read)
+        assert read[2] == chunks * v.numel() * v.element_size(), (dtype, d, ratio, nq, read)
+    assert {math.ceil(r * nq / rows_per_simd(bucket_of(d)) / 8) for _, d, r, nq, _ in READ_CASES} == {1, 2, 8}
 
 
 # ---- every instantiation, sanitized --------------------------------------------------------
@@ -278,19 +293,45 @@ def test_instantiation_sanitized(dtype, bucket, causal):
     assert set(kernel_names(dtype, bucket)) <= dispatched
 
 
-# (Hq, Hkv, Nq, D): GQA ratios 1, 4 and 8, MQA; rows per threadgroup from 1
-# to 128, so one row group (8 key groups), 2 to 32 row groups sharing staged
-# K/V blocks, and (ratio 16, Nq 8, D 256: 64 row groups of 2) more row
-# groups than 32 SIMD-groups, which loop.
-GQA_CASES = [(4, 4, 1, 64), (8, 2, 3, 128), (8, 1, 6, 96), (16, 2, 2, 64), (16, 1, 8, 256), (8, 8, 8, 32)]
+# (Hq, Hkv, Nq, D): GQA ratios 1, 4, 8 and 9, MQA; rows per GQA group from 1
+# to 128, so one row group (8 key groups), 2 to 8 row groups sharing staged
+# K/V blocks, and more than 8, cut into row chunks: 12 row groups into 2
+# chunks of 6, 9 into 2 chunks of 5 (the last with a row group past R), 64
+# (ratio 16, Nq 8, D 256) into 8 chunks of 8.
+GQA_CASES = [(4, 4, 1, 64), (8, 2, 3, 128), (8, 1, 6, 96), (16, 2, 2, 64), (16, 1, 8, 256), (8, 8, 8, 32),
+             (9, 1, 4, 128)]
 
 
 def test_gqa_cases_cover_every_threadgroup_shape():
-    # 8 key groups of one row group; staged blocks for 2 to 32 row groups;
-    # more than 32 row groups (rounds).
-    shapes = {decode_launch(1, hq, hkv, nq, bucket_of(d), 2, 2)["split"][1][1:] for hq, hkv, nq, d in GQA_CASES}
-    assert (8, 1) in shapes and (1, 32) in shapes and any(kg == 1 and 1 < rgl < 32 for kg, rgl in shapes)
-    assert any(math.ceil(hq // hkv * nq / rows_per_simd(bucket_of(d))) > 32 for hq, hkv, nq, d in GQA_CASES)
+    # 8 key groups of one row group; staged blocks for 2 to 8 row groups;
+    # row chunks, even and with a dead row group in the last.
+    launches = [decode_launch(1, hq, hkv, nq, bucket_of(d), 2, 2)["split"] for hq, hkv, nq, d in GQA_CASES]
+    shapes = {tg[1:] for _, tg, _ in launches}
+    assert (8, 1) in shapes and (1, 8) in shapes and any(kg == 1 and 1 < rgl < 8 for kg, rgl in shapes)
+    chunks = [grid[0] // hkv for (grid, _, _), (_, hkv, _, _) in zip(launches, GQA_CASES)]
+    assert {1, 2, 8} <= set(chunks)
+    groups = [row_groups(hq, hkv, nq, bucket_of(d)) for hq, hkv, nq, d in GQA_CASES]
+    assert any(c * tg[2] > rg for c, (_, tg, _), rg in zip(chunks, launches, groups))  # a dead row group
+
+
+@pytest.mark.parametrize("case", [(16, 1, 8, 256, 1, 8), (8, 1, 6, 96, 1, 8), (9, 1, 4, 128, 2, 3)],
+                         ids=lambda c: f"hq{c[0]}-nq{c[2]}-d{c[3]}-c{c[4]}-rgl{c[5]}")
+def test_sanitized_rounds_with_fewer_chunks(case):
+    # The kernels loop over row groups in rounds when a launch has fewer row
+    # chunks than it needs (threadgroups_per_grid.x / Hkv): every row is
+    # still written once, and K/V is read once per (chunk, round).
+    hq, hkv, nq, d, chunks, rgl = case
+    rounds = math.ceil(row_groups(hq, hkv, nq, bucket_of(d)) / (chunks * rgl))
+    assert rounds > 1
+    g = torch.Generator().manual_seed(5100 + hq + nq)
+    q, k, v = make_qkv(1, hq, hkv, nq, 45, d, torch.float16, layout="offset_slice", generator=g)
+    for causal, splits in [(False, 1), (True, 2)]:
+        out, lse, _, _, counts = launch_decode(q, k, v, causal, 0.3, splits=splits, instrumented=True, chunks=chunks,
+                                               rgl=rgl)
+        assert_attention_close(out, lse, q, k, v, causal, 0.3)
+        if not causal:
+            read = counts[0].device_bytes_read_by_index
+            assert read[1] == chunks * rounds * k.numel() * k.element_size(), read
 
 
 @pytest.mark.parametrize("case", GQA_CASES, ids=lambda c: f"hq{c[0]}-hkv{c[1]}-nq{c[2]}-d{c[3]}")

@@ -192,7 +192,7 @@ _SIGNATURE_NAMES = {"q": "q", "k": "k", "v": "v", "out": "o", "lse": "lse", "par
 def test_binding_table_matches_every_kernel_signature(impl):
     # The plan's binding table is what the MPS host and the emulated backend
     # bind from; each entry must name the kernel parameter with that
-    # [[buffer(n)]] (a swapped k/v slot in csrc/metal_plan.cpp fails here).
+    # [[buffer(n)]] (a swapped k/v slot in csrc/metal_launch.cpp fails here).
     from metal_emulator import _prepass
 
     lib = metal_library(False)

@@ -1,4 +1,4 @@
-"""The routing function (choose_metal_kernel in csrc/metal_plan.cpp), through flash_metal.explain.
+"""The routing function (choose_metal_kernel in csrc/metal_routing.cpp), through flash_metal.explain.
 
 Planner only, no kernel runs: which family each problem gets, with which
 blocks, bucket, split count and scratch, and why. The kernels themselves run
@@ -118,8 +118,64 @@ def test_decode_refuses_more_than_eight_rows(impl):
 def test_bad_impl_and_gpu_names():
     with pytest.raises(ValueError, match="impl must be one of 'auto', 'untiled', 'tiled', 'prefill', 'decode', 'decode_split'"):
         flash_metal.explain(*_qkv(4, 4, 64), impl="fast")
-    with pytest.raises(ValueError, match="gpu must be one of 'base', 'max', 'ultra'"):
-        flash_metal.explain(*_qkv(4, 4, 64), gpu="m3")
+    with pytest.raises(ValueError, match=r"gpu must be a class \('base', 'max', 'ultra'\) or a chip \('m1', .*'m5'\); got 'm9'"):
+        flash_metal.explain(*_qkv(4, 4, 64), gpu="m9")
+
+
+# Cores per chip: Apple's and metal-benchmarks' figures, as csrc/metal_gpus.cpp cites them.
+CHIP_CORES = {"m1": 8, "m1-pro": 16, "m1-max": 32, "m1-ultra": 64, "m2": 10, "m2-pro": 19, "m2-max": 38,
+              "m2-ultra": 76, "m3": 10, "m3-pro": 18, "m3-max": 40, "m3-ultra": 80, "m4": 10, "m4-pro": 20,
+              "m4-max": 40, "m5": 10}
+
+
+@pytest.mark.parametrize("chip", sorted(CHIP_CORES))
+def test_named_chips_size_the_split_by_their_cores(chip):
+    # One (batch, kv head): the split count wants cores * 4 blocks (long
+    # enough context that nothing else bounds it below 64).
+    q, k, v = _qkv(1, 200_000, 64, hq=4, hkv=1)
+    plan = flash_metal.explain(q, k, v, gpu=chip)
+    assert _params(plan.dispatches[0])["kv_splits"] == min(64, CHIP_CORES[chip] * 4)
+    assert f"{CHIP_CORES[chip]}-core" in plan.reason
+    assert plan.gpu.lower().replace(" ", "-") == chip
+    # Spellings: "M3 Pro", "m3_pro", "M3-PRO" name the same chip.
+    same = flash_metal.explain(q, k, v, gpu=chip.upper().replace("-", " "))
+    assert same.gpu == plan.gpu
+
+
+def test_classes_are_their_representative_chips():
+    q, k, v = _qkv(1, 4096, 64)
+    assert [flash_metal.explain(q, k, v, gpu=g).gpu for g in ("base", "max", "ultra")] == ["M3", "M3 Max", "M3 Ultra"]
+
+
+def _estimates(plan):
+    return [(d.live_registers, d.threadgroups_per_core, d.simdgroups_per_core, d.occupancy_limit)
+            for d in plan.dispatches]
+
+
+@pytest.mark.parametrize("shape,impl", [((128, 128, 64), "prefill"), ((128, 128, 256), "prefill"),
+                                        ((1, 4096, 128), "decode"), ((1, 65536, 128), "decode_split"),
+                                        ((64, 64, 64), "tiled")])
+def test_estimates_follow_registers_and_threadgroup_memory(shape, impl):
+    # Residency = min(register file / (live x 4 B x 32 lanes x SIMD-groups),
+    # threadgroup memory per core / the launch's), recomputed here from the
+    # plan's own numbers and the chip's figures (csrc/metal_gpus.cpp).
+    nq, nk, d = shape
+    for gpu, tg_mem in (("m1", 60 * 1024), ("m3-max", 32 * 1024)):
+        plan = flash_metal.explain(*_qkv(nq, nk, d), impl=impl, gpu=gpu)
+        for disp in plan.dispatches:
+            sgs = -(-(disp.threadgroup[0] * disp.threadgroup[1] * disp.threadgroup[2]) // 32)
+            by_regs = 208 * 1024 // (disp.live_registers * 4 * 32 * sgs)
+            by_mem = tg_mem // disp.threadgroup_memory if disp.threadgroup_memory else 10**9
+            assert disp.threadgroups_per_core == max(1, min(by_regs, by_mem)), (gpu, disp.kernel_name)
+            assert disp.simdgroups_per_core == disp.threadgroups_per_core * sgs
+            assert disp.occupancy_limit == ("registers" if by_regs <= by_mem else "threadgroup memory")
+            assert 16 < disp.live_registers < 400
+
+
+def test_bigger_tiles_cost_registers():
+    # The live-value models grow with the head dim (prefill: output fragments).
+    regs = [flash_metal.explain(*_qkv(128, 128, d), impl="prefill").live_registers for d in (32, 64, 128, 256)]
+    assert regs == sorted(regs) and regs[0] < regs[-1]
 
 
 def test_split_dispatches_share_params_and_bind_the_scratch():

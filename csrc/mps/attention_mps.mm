@@ -78,19 +78,19 @@ void profile_end(id<MTLComputePipelineState> state) noexcept {
 
 std::array<int64_t, 4> strides4(const at::Tensor& t) { return {t.stride(0), t.stride(1), t.stride(2), t.stride(3)}; }
 
-// The device-class hint of the split-KV decode (see GpuClass in
-// metal_plan.h), from the device's name. The name is autoreleased, and this
-// runs on the caller's thread, which may have no pool: hence our own, with
-// the name copied out before it drains. Computed once per process
-// (PyTorch drives a single MPS device).
-GpuClass gpu_class_of(id<MTLDevice> device) {
-  static const GpuClass cached = [&] {
+// The GPU the plans are sized for (GpuSpec in metal_plan.h), from the
+// device's name. The name is autoreleased, and this runs on the caller's
+// thread, which may have no pool: hence our own, with the name copied out
+// before it drains. Computed once per process (PyTorch drives a single MPS
+// device).
+const GpuSpec& gpu_spec_of(id<MTLDevice> device) {
+  static const GpuSpec cached = [&] {
     std::string name;
     @autoreleasepool {
       NSString* ns = [device name];
       if (ns != nil) name = [ns UTF8String];
     }
-    return gpu_class_from_device_name(name);
+    return gpu_from_device_name(name);
   }();
   return cached;
 }
@@ -215,7 +215,7 @@ void forward_kernel(const AttentionCall& c, const AttentionOutputs& o, const std
   // --- Everything that can throw or touch PyTorch happens here, first. ---
   const KernelRequest request = parse_kernel_request(impl);
   id<MTLDevice> device = at::mps::MPSDevice::getInstance()->device();
-  const MetalPlan plan = plan_metal_attention(c.p, launch_strides(c, o.out4, o.lse3), request, gpu_class_of(device));
+  const MetalPlan plan = plan_metal_attention(c.p, launch_strides(c, o.out4, o.lse3), request, gpu_spec_of(device));
 
   // The split-KV decode's float32 scratch.
   const at::Tensor partial_out = scratch(c.q, plan.partial_out_elements);
@@ -248,7 +248,7 @@ void backward_kernel(const AttentionCall& c, const BackwardTensors& t, const Att
   LaunchStrides strides = launch_strides(c, t.out4, t.lse3);
   strides.grad_out = strides4(t.grad_out4);
   strides.grad_lse = {glse.stride(0), glse.stride(1), glse.stride(2)};
-  const MetalPlan plan = plan_metal_attention_backward(c.p, strides, has_grad_lse, request, gpu_class_of(device));
+  const MetalPlan plan = plan_metal_attention_backward(c.p, strides, has_grad_lse, request, gpu_spec_of(device));
 
   const at::Tensor delta = scratch(c.q, plan.delta_elements);
   LaunchTensors tensors{};

@@ -43,18 +43,47 @@ def find_clang() -> str:
     )
 
 
+def _llvm_tool(name: str) -> str | None:
+    """An LLVM tool beside the clang in use (Homebrew's llvm@19 is not on PATH), on PATH, or in /usr/lib/llvm-19."""
+    try:
+        beside = os.path.join(os.path.dirname(find_clang()), name)
+    except BuildError:
+        beside = None
+    for p in (beside, shutil.which(name + "-19"), shutil.which(name), f"/usr/lib/llvm-19/bin/{name}"):
+        if p and os.path.isfile(p) and os.access(p, os.X_OK):
+            return p
+    return None
+
+
 @functools.lru_cache(maxsize=None)
 def find_symbolizer() -> tuple[str, str] | None:
     """('llvm', path) or ('addr2line', path) for turning PCs into source lines."""
-    for name in ("llvm-symbolizer-19", "llvm-symbolizer"):
-        p = shutil.which(name)
-        if p:
-            return ("llvm", p)
-    p = "/usr/lib/llvm-19/bin/llvm-symbolizer"
-    if os.path.isfile(p):
+    p = _llvm_tool("llvm-symbolizer")
+    if p:
         return ("llvm", p)
     p = shutil.which("addr2line")
     return ("addr2line", p) if p else None
+
+
+DARWIN = platform.system() == "Darwin"
+
+
+def link_flags() -> list[str]:
+    """Flags of the shared-library link. ELF: -Bsymbolic binds the library's
+    references to its own definitions, so two emulator libraries loaded in one
+    process never use each other's runtime. Apple's linker has no such flag
+    and needs none: a Mach-O dylib's two-level namespace binds them so already."""
+    return [] if DARWIN else ["-Wl,-Bsymbolic"]
+
+
+def debug_info_step(library: str) -> list[str] | None:
+    """macOS keeps DWARF in the object files, which the build directory's rename
+    moves away: dsymutil copies it into <library>.dSYM beside the library, where
+    llvm-symbolizer finds it. None elsewhere (ELF libraries carry their own)."""
+    if not DARWIN:
+        return None
+    tool = _llvm_tool("dsymutil") or shutil.which("dsymutil")
+    return [tool, library] if tool else None
 
 
 @functools.lru_cache(maxsize=None)
@@ -129,6 +158,13 @@ def kernel_flags(instrumented: bool, fast_math: bool = False) -> list[str]:
 
 
 RUNTIME_FLAGS = ["-std=c++17", "-O2", "-fPIC", "-fvisibility=hidden", "-gline-tables-only", "-Wall"]
+# FLASH_METAL_EMULATOR_UCONTEXT=1: switch fibers with ucontext even on x86-64
+# Linux, as macOS does, so that path is tested here (tests/metal_emulator_tests/
+# test_emu_platform.py).
+if os.environ.get("FLASH_METAL_EMULATOR_UCONTEXT") == "1":
+    RUNTIME_FLAGS = RUNTIME_FLAGS + ["-DFMEMU_FORCE_UCONTEXT"]
+# Read by every runtime source (their cache key includes it).
+RUNTIME_HEADERS = ("internal.h", "platform.h")
 
 
 def _hash(*parts) -> str:
@@ -179,7 +215,8 @@ def _atomic_dir(final: str, build) -> str:
 
 def runtime_objects(pool: ThreadPoolExecutor) -> list[str]:
     srcs = [os.path.join(RUNTIME_DIR, s) for s in RUNTIME_SOURCES]
-    key = _hash(clang_version(), RUNTIME_FLAGS, *(_read(p) for p in srcs + [os.path.join(RUNTIME_DIR, "internal.h")]),
+    headers = [os.path.join(RUNTIME_DIR, h) for h in RUNTIME_HEADERS]
+    key = _hash(clang_version(), RUNTIME_FLAGS, *(_read(p) for p in srcs + headers),
                 *(_read(p) for p in _shim_files()))
     final = os.path.join(CACHE_DIR, "runtime-" + key)
 

@@ -207,6 +207,10 @@ class Library:
     def signature(self, name: str) -> list[_registry.Param]:
         return list(self._kernel(name)[1].params)
 
+    def max_threads(self, name: str) -> int:
+        """The kernel's [[max_total_threads_per_threadgroup(N)]], 0 when it declares none."""
+        return self._kernel(name)[1].max_threads
+
     def _kernel(self, name: str):
         try:
             return self._kernels[name]
@@ -358,8 +362,9 @@ def _compile(paths: list[str], instrumented: bool, fast_math: bool) -> Library:
     clang = _build.find_clang()
     kflags = _build.kernel_flags(instrumented, fast_math)
     # kflags are part of the key, so each flavour has its own cache entry.
-    key = _build.source_key(paths, *kflags, *(open(os.path.join(_build.RUNTIME_DIR, s), "rb").read()
-                                              for s in _build.RUNTIME_SOURCES))
+    key = _build.source_key(paths, *kflags, *_build.RUNTIME_FLAGS, *_build.link_flags(),
+                            *(open(os.path.join(_build.RUNTIME_DIR, s), "rb").read()
+                              for s in _build.RUNTIME_SOURCES + _build.RUNTIME_HEADERS))
     flavour = ("inst-" if instrumented else "fast-") + ("fastmath-" if fast_math else "")
     final = os.path.join(_build.CACHE_DIR, flavour + key)
 
@@ -384,8 +389,11 @@ def _compile(paths: list[str], instrumented: bool, fast_math: bool) -> Library:
         with open(os.path.join(tmp, "kernels.json"), "w", encoding="utf-8") as f:
             json.dump([{"name": d.qualified_name, "max_threads": d.max_threads,
                         "params": [vars(p) for p in d.params]} for d in decls], f)
-        _build._run([clang, "-shared", "-o", os.path.join(tmp, "lib.so"), *objs, *rt_objs, "-Wl,-Bsymbolic", "-lm"],
-                    "linking")
+        so = os.path.join(tmp, "lib.so")
+        _build._run([clang, "-shared", "-o", so, *objs, *rt_objs, *_build.link_flags(), "-lm"], "linking")
+        step = _build.debug_info_step(so)
+        if step:
+            _build._run(step, "collecting debug info")
 
     _build._atomic_dir(final, build)
     with open(os.path.join(final, "kernels.json"), encoding="utf-8") as f:

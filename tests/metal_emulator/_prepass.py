@@ -59,7 +59,11 @@ _FUNCTION_CONSTANT = re.compile(
     r"(?<![\w.])constant\s+([A-Za-z_][\w:]*)\s+([A-Za-z_]\w*)\s*\[\[\s*function_constant\s*\(([^()]*)\)\s*\]\]\s*;"
 )
 _PROGRAM_CONSTANT = re.compile(r"(?<![\w.])constant\s+([A-Za-z_][\w:]*)\s+([A-Za-z_]\w*)\s*=\s*([^;{}]*);")
-_PLAIN_KERNEL = re.compile(r"(?:\[\[\s*kernel\s*\]\]|(?<![\w.])kernel)\s+void\s+([A-Za-z_]\w*)\s*\(")
+# `[[kernel]] void f(` or `kernel void f(`, other attributes (such as
+# [[max_total_threads_per_threadgroup(N)]]) allowed between `[[kernel]]` and `void`.
+_PLAIN_KERNEL = re.compile(
+    r"(?:\[\[\s*kernel\s*\]\](?:\s*\[\[[^\[\]]*\]\])*|(?<![\w.])kernel)\s+void\s+([A-Za-z_]\w*)\s*\("
+)
 
 
 class PrepassError(Exception):

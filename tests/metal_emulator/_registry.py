@@ -59,7 +59,14 @@ def _kernel_from(fn: dict, qual: str) -> KernelDecl | None:
         return None
     max_threads = 0
     for a in annots:
-        if len(a) >= 2 and a[0] == _prepass.ROLE_MAX_THREADS and a[1] is not None:
+        if a and a[0] == _prepass.ROLE_MAX_THREADS:
+            if len(a) < 2 or a[1] is None or a[1] <= 0:
+                # A value that depends on a template parameter is not evaluated in
+                # the uninstantiated scan; the limit must not be dropped silently.
+                raise _prepass.PrepassError(
+                    f"kernel {qual}: [[max_total_threads_per_threadgroup(N)]] needs N to be a positive constant "
+                    "that does not depend on template parameters (the emulator reads it from the template), "
+                    "e.g. a program-scope `constant constexpr int`")
             max_threads = a[1]
     params = []
     for child in fn.get("inner", []):

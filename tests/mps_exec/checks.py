@@ -236,6 +236,18 @@ def library_error_reported(host, emu, error: str) -> None:
     assert info["pipelines"] == [] and info["pipeline_errors"] == [], info
 
 
+def every_pipeline_built(host, emu) -> None:
+    """build_pipelines=True on the full metallib: no errors, every kernel built, and every (kernel,
+    function constants) pair metal_build_all_pipelines names among them."""
+    info = device_info(host, build_pipelines=True)
+    assert info["pipeline_errors"] == [], info["pipeline_errors"]
+    assert {p["kernel"] for p in info["pipelines"]} == set(emu.kernel_names())
+    _, built = torch.ops.flash_metal.metal_build_all_pipelines()
+    listed = {(p["kernel"], p["function_constants"]) for p in info["pipelines"]}
+    missing = {tuple(b.rsplit("/", 1)) for b in built} - listed
+    assert not missing, sorted(missing)
+
+
 def pipeline_errors_reported(host, emu, missing: str) -> None:
     """build_pipelines=True on a metallib without kernel `missing`: its pipelines are reported as errors,
     every other kernel's as built."""

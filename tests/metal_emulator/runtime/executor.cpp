@@ -5,6 +5,8 @@
 // Threads of a threadgroup run one at a time on the calling OS thread and
 // switch only at barriers and collectives, so a run is deterministic; with a
 // nonzero seed the order in which ready threads resume is shuffled per round.
+#include "platform.h"  // first: feature macros for the system headers
+
 #include <dlfcn.h>
 #include <sys/mman.h>
 #include <unistd.h>
@@ -16,7 +18,13 @@
 
 #include "internal.h"
 
-#if !defined(__x86_64__)
+// The hand-written switch is x86-64 ELF assembly (Linux); anything else,
+// macOS on Apple silicon included, switches fibers with ucontext
+// (FMEMU_FORCE_UCONTEXT: on Linux too, to test that path).
+#if defined(__x86_64__) && defined(__ELF__) && !defined(FMEMU_FORCE_UCONTEXT)
+#define FMEMU_ASM_SWITCH 1
+#else
+#define FMEMU_ASM_SWITCH 0
 #include <ucontext.h>
 #endif
 
@@ -47,7 +55,7 @@ static std::string& last_report_json() {
 // -O0 instrumented build. Pages are committed only when touched.
 constexpr size_t kStackSize = 256 * 1024;
 
-#if defined(__x86_64__)
+#if FMEMU_ASM_SWITCH
 // fm_ctx_switch(save, next): push the callee-saved registers, store the stack
 // pointer in *save, load `next`, pop and return into the other context. About
 // 20 ns, against ~0.45 us for swapcontext (which makes a sigprocmask syscall).
@@ -526,13 +534,16 @@ FMEMU_EXPORT int fm_dispatch(const fm_dispatch_desc* d) {
   tls_worker = &w;
   bool mapped = false;
   if (sigsetjmp(w.abort_env, 1) == 0) {
-    unsigned limit = kMaxThreadsPerThreadgroup;
-    if (d->max_threads && d->max_threads < limit) limit = d->max_threads;
     if (threads == 0 || uint64_t(w.grid[0]) * w.grid[1] * w.grid[2] == 0)
       fatal(w, "limits", "empty grid or threadgroup");
-    if (threads > limit)
+    if (threads > kMaxThreadsPerThreadgroup)
       fatal(w, "limits", "threadgroup of " + std::to_string(threads) + " threads exceeds the limit of " +
-                             std::to_string(limit) + " threads per threadgroup");
+                             std::to_string(kMaxThreadsPerThreadgroup) + " threads per threadgroup");
+    // The kernel's own [[max_total_threads_per_threadgroup(N)]]: Metal's
+    // pipeline admits at most N threads, so a bigger dispatch is refused.
+    if (d->max_threads && threads > d->max_threads)
+      fatal(w, "limits", "threadgroup of " + std::to_string(threads) + " threads exceeds the kernel's " +
+                             "[[max_total_threads_per_threadgroup(" + std::to_string(d->max_threads) + ")]]");
     w.nthreads = (unsigned)threads;
     w.nsimd = (w.nthreads + FMEMU_SIMD_WIDTH - 1) / FMEMU_SIMD_WIDTH;
     for (int i = 0; i < 32; ++i) w.buffers[i] = nullptr;

@@ -11,6 +11,8 @@
 // declarations first execute; each allocation is followed by a redzone. The
 // arena is filled with 0xFF bytes (a NaN in half, bfloat and float) when each
 // threadgroup starts, so reads of never-written memory show up.
+#include "platform.h"  // first: feature macros for the system headers
+
 #include <sys/mman.h>
 #include <unistd.h>
 

@@ -13,6 +13,8 @@
 //   other access by different threads in the same interval, not ordered by a
 //   threadgroup_barrier(mem_threadgroup) (or a simdgroup_barrier within one
 //   SIMD-group), is reported whatever the schedule was.
+#include "platform.h"  // first: feature macros for the system headers
+
 #include <signal.h>
 #include <ucontext.h>
 
@@ -41,10 +43,18 @@ static void on_fault(int sig, siginfo_t* info, void* uctx) {
   const char* addr = static_cast<const char*>(info->si_addr);
   const void* pc = nullptr;
   bool write = false;
-#if defined(__x86_64__)
+#if defined(__x86_64__) && defined(__linux__)
   ucontext_t* uc = static_cast<ucontext_t*>(uctx);
   pc = reinterpret_cast<const void*>(uc->uc_mcontext.gregs[REG_RIP]);
   write = (uc->uc_mcontext.gregs[REG_ERR] & 2) != 0;  // page-fault error code bit 1: write access
+#elif defined(__APPLE__) && defined(__aarch64__)
+  ucontext_t* uc = static_cast<ucontext_t*>(uctx);
+#if defined(__darwin_arm_thread_state64_get_pc)
+  pc = reinterpret_cast<const void*>(__darwin_arm_thread_state64_get_pc(uc->uc_mcontext->__ss));
+#else
+  pc = reinterpret_cast<const void*>(uc->uc_mcontext->__ss.__pc);
+#endif
+  write = ((uc->uc_mcontext->__es.__esr >> 6) & 1) != 0;  // ESR of a data abort, bit 6 (WnR): write access
 #else
   (void)uctx;
 #endif

@@ -1,5 +1,7 @@
 // float/double -> bfloat conversions that clang emits calls to for __bf16
 // but that Debian 12's libgcc lacks. Round to nearest even, NaNs stay NaN.
+#include "platform.h"  // first: feature macros for the system headers
+
 #include <cstdint>
 #include <cstring>
 

@@ -72,6 +72,15 @@ struct function_constant {
 };
 }  // namespace fmemu
 
+#ifdef FMEMU_CHECK_MSL
+// The compile-only rules check sees what Apple's compiler sees: a
+// program-scope variable in the constant address space, declared in plain
+// C++14 (MSL 3.1's base language has no inline variables). Never defined:
+// the check only parses.
+#define FMEMU_FUNCTION_CONSTANT(name, idx, ...) extern constant __VA_ARGS__ name
+#define FMEMU_DERIVED_CONSTANT(name, expr, ...) constant __VA_ARGS__ name = (__VA_ARGS__)(expr)
+#define is_function_constant_defined(x) ((void)(x), true)
+#else
 // Inline variables: several .metal translation units may include the header
 // that declares a function constant, and they must share one.
 #define FMEMU_FUNCTION_CONSTANT(name, idx, ...) inline ::fmemu::function_constant<__VA_ARGS__> name{(idx), #name}
@@ -83,3 +92,4 @@ struct function_constant {
   };                                                                    \
   inline constexpr fm_derived_##name##_t name {}
 #define is_function_constant_defined(x) ((x).defined)
+#endif

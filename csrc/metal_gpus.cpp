@@ -1,0 +1,145 @@
+// The Apple GPUs the planner knows by name (GpuSpec in metal_plan.h), and
+// the per-launch estimates (LaunchEstimate): registers per lane and the
+// threadgroups / SIMD-groups a core keeps resident. These are models for
+// explain() and benchmarks/metal_model.py, never measurements; only the
+// split-KV decode's block count depends on them (through `cores`).
+//
+// Sources (benchmarks/apple_gpus.py holds the same chips with the same keys;
+// tests/test_metal_model.py checks that the two tables agree):
+//   cores: philipturner/metal-benchmarks' GPU table (M1 and M2 families);
+//     Apple's announcements for M3 (10/18/40, M3 Ultra 80), M4 (10/20/40)
+//     and M5 (10).
+//   threadgroup memory per core: metal-benchmarks "Shared Memory ~60 KB"
+//     (Apple 7 and 8: M1, M2); 32 KiB for Apple 9 and later, an estimate
+//     (Dynamic Caching publishes no fixed size; the smallest budget
+//     consistent with reports that ~15 KB threadgroups run two per core and
+//     ~23 KB one).
+//   register file per core: ~208 KB (metal-benchmarks' register figures,
+//     as /work/shared/notes/fast-kernels.md gives them), every generation: an
+//     estimate past M2.
+#include "metal_plan_detail.h"
+
+#include <cctype>
+
+namespace flash_metal {
+
+using namespace plan_detail;
+
+namespace {
+
+// Why 60 KB / 32 KiB / 208 KB: see the sources above.
+constexpr uint32_t kTgMemoryApple78 = 60 * 1024;
+constexpr uint32_t kTgMemoryApple9 = 32 * 1024;
+constexpr uint32_t kRegisterFile = 208 * 1024;
+
+struct Chip {
+  const char* key;   // the `gpu` argument's spelling
+  const char* name;  // as MTLDevice.name ends ("Apple M3 Pro")
+  uint32_t cores;
+  uint32_t tg_memory;
+};
+
+constexpr Chip kChips[] = {
+    {"m1", "M1", 8, kTgMemoryApple78},          {"m1-pro", "M1 Pro", 16, kTgMemoryApple78},
+    {"m1-max", "M1 Max", 32, kTgMemoryApple78}, {"m1-ultra", "M1 Ultra", 64, kTgMemoryApple78},
+    {"m2", "M2", 10, kTgMemoryApple78},         {"m2-pro", "M2 Pro", 19, kTgMemoryApple78},
+    {"m2-max", "M2 Max", 38, kTgMemoryApple78}, {"m2-ultra", "M2 Ultra", 76, kTgMemoryApple78},
+    {"m3", "M3", 10, kTgMemoryApple9},          {"m3-pro", "M3 Pro", 18, kTgMemoryApple9},
+    {"m3-max", "M3 Max", 40, kTgMemoryApple9},  {"m3-ultra", "M3 Ultra", 80, kTgMemoryApple9},
+    {"m4", "M4", 10, kTgMemoryApple9},          {"m4-pro", "M4 Pro", 20, kTgMemoryApple9},
+    {"m4-max", "M4 Max", 40, kTgMemoryApple9},  {"m5", "M5", 10, kTgMemoryApple9},
+};
+
+GpuClass class_of_name(const std::string& name) {
+  const auto ends_with = [&](const std::string& tail) {
+    return name.size() >= tail.size() && name.compare(name.size() - tail.size(), tail.size(), tail) == 0;
+  };
+  if (ends_with(" Ultra") || ends_with("-ultra")) return GpuClass::Ultra;
+  if (ends_with(" Max") || ends_with("-max")) return GpuClass::Max;
+  return GpuClass::Base;
+}
+
+GpuSpec spec_of(const Chip& c) {
+  return {c.name, class_of_name(c.name), c.cores, c.tg_memory, kRegisterFile};
+}
+
+// The representative chip of each class: the M3 generation's.
+GpuSpec representative(GpuClass cls) {
+  const char* key = cls == GpuClass::Ultra ? "m3-ultra" : cls == GpuClass::Max ? "m3-max" : "m3";
+  for (const Chip& c : kChips) {
+    if (std::string(c.key) == key) return spec_of(c);
+  }
+  TORCH_CHECK(false, "flash_metal: internal error: no chip ", key);
+}
+
+// "M3 Pro", "m3-pro", "M3_PRO" -> "m3-pro".
+std::string normalized(const std::string& name) {
+  std::string out;
+  for (char ch : name) {
+    if (ch == ' ' || ch == '_' || ch == '-') {
+      if (!out.empty() && out.back() != '-') out += '-';
+    } else {
+      out += static_cast<char>(std::tolower(static_cast<unsigned char>(ch)));
+    }
+  }
+  while (!out.empty() && out.back() == '-') out.pop_back();
+  return out;
+}
+
+}  // namespace
+
+GpuClass parse_gpu_class(const std::string& name) {
+  if (name == "base") return GpuClass::Base;
+  if (name == "max") return GpuClass::Max;
+  if (name == "ultra") return GpuClass::Ultra;
+  TORCH_CHECK_VALUE(false, kOp, ": gpu must be one of 'base', 'max', 'ultra'; got '", name, "'");
+}
+
+GpuClass gpu_class_from_device_name(const std::string& name) { return class_of_name(name); }
+
+GpuSpec parse_gpu(const std::string& name) {
+  const std::string key = normalized(name);
+  if (key == "base") return representative(GpuClass::Base);
+  if (key == "max") return representative(GpuClass::Max);
+  if (key == "ultra") return representative(GpuClass::Ultra);
+  std::string known;
+  for (const Chip& c : kChips) {
+    if (key == c.key) return spec_of(c);
+    known += std::string(known.empty() ? "" : ", ") + "'" + c.key + "'";
+  }
+  TORCH_CHECK_VALUE(false, kOp, ": gpu must be a class ('base', 'max', 'ultra') or a chip (", known, "); got '", name,
+                    "'");
+}
+
+GpuSpec gpu_from_device_name(const std::string& name) {
+  std::string key = normalized(name);
+  if (key.rfind("apple-", 0) == 0) key = key.substr(6);
+  for (const Chip& c : kChips) {
+    if (key == c.key) return spec_of(c);
+  }
+  GpuSpec spec = representative(class_of_name(name));
+  return spec;
+}
+
+std::vector<GpuSpec> known_gpus() {
+  std::vector<GpuSpec> out;
+  for (const Chip& c : kChips) out.push_back(spec_of(c));
+  return out;
+}
+
+LaunchEstimate plan_detail::estimate_launch(const MetalLaunch& launch, uint32_t live_registers, const GpuSpec& gpu) {
+  LaunchEstimate e;
+  e.live_registers = live_registers;
+  const uint32_t simdgroups = static_cast<uint32_t>((threads_of(launch) + 31) / 32);
+  // A SIMD-group holds live_registers 4-byte values in each of its 32 lanes.
+  const uint64_t tg_register_bytes = uint64_t{live_registers} * 4 * 32 * simdgroups;
+  const uint64_t by_registers = tg_register_bytes ? gpu.register_file_per_core / tg_register_bytes : UINT32_MAX;
+  const uint64_t by_memory =
+      launch.threadgroup_memory ? gpu.threadgroup_memory_per_core / launch.threadgroup_memory : UINT32_MAX;
+  e.limit = by_registers <= by_memory ? "registers" : "threadgroup memory";
+  e.threadgroups_per_core = static_cast<uint32_t>(std::max<uint64_t>(1, std::min(by_registers, by_memory)));
+  e.simdgroups_per_core = e.threadgroups_per_core * simdgroups;
+  return e;
+}
+
+}  // namespace flash_metal

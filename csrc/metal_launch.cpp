@@ -1,0 +1,289 @@
+// Launch shapes of the Metal path: from a KernelChoice (metal_routing.cpp)
+// to the dispatches attention_forward / attention_backward encode: kernel
+// names, grids, threadgroups, threadgroup memory, function constants, the
+// binding table and the AttentionParams block. The MPS host and the
+// emulated backend both run exactly these launches.
+#include "metal_plan_detail.h"
+
+namespace flash_metal {
+
+using namespace plan_detail;
+
+namespace {
+
+// The binding slots of the attention kernels: they mirror the [[buffer(n)]]
+// and [[threadgroup(n)]] attributes of the kernel templates in shaders/*.h
+// (tests/test_metal_kernels.py checks each instantiation's signature against
+// these tables). One slot per tensor across every kernel, so a tensor is
+// always at the same index.
+constexpr uint32_t kSlotQ = 0, kSlotK = 1, kSlotV = 2, kSlotOut = 3, kSlotLse = 4;
+constexpr uint32_t kAttentionParamsIndex = 5;       // constant AttentionParams& p [[buffer(5)]]
+constexpr uint32_t kSlotPartialOut = 6, kSlotPartialStats = 7;
+constexpr uint32_t kSlotGradOut = 8, kSlotGradQ = 9, kSlotGradK = 10, kSlotGradV = 11, kSlotGradLse = 12,
+                   kSlotDelta = 13;
+constexpr uint32_t kSlotMask = 14, kSlotCuSeqlensQ = 15, kSlotCuSeqlensK = 16;
+constexpr uint32_t kAttentionThreadgroupIndex = 0;  // dynamic threadgroup memory, [[threadgroup(0)]]
+
+// The options' inputs, bound by every feature kernel (prefill, decode,
+// split decode, both backward kernels) after its own tensors.
+const std::vector<BufferBinding> kFeatureBuffers = {
+    {LaunchTensor::Mask, kSlotMask}, {LaunchTensor::CuSeqlensQ, kSlotCuSeqlensQ},
+    {LaunchTensor::CuSeqlensK, kSlotCuSeqlensK}};
+
+std::vector<BufferBinding> with_features(std::vector<BufferBinding> b) {
+  b.insert(b.end(), kFeatureBuffers.begin(), kFeatureBuffers.end());
+  return b;
+}
+
+// Every forward kernel (post kernels, prefill, one-pass decode).
+const std::vector<BufferBinding> kForwardBuffers = {
+    {LaunchTensor::Q, kSlotQ}, {LaunchTensor::K, kSlotK}, {LaunchTensor::V, kSlotV},
+    {LaunchTensor::Out, kSlotOut}, {LaunchTensor::Lse, kSlotLse}};
+// Split-KV pass 1: reads q, k, v; writes the partials.
+const std::vector<BufferBinding> kSplitBuffers = {
+    {LaunchTensor::Q, kSlotQ}, {LaunchTensor::K, kSlotK}, {LaunchTensor::V, kSlotV},
+    {LaunchTensor::PartialOut, kSlotPartialOut}, {LaunchTensor::PartialStats, kSlotPartialStats}};
+// Split-KV pass 2: reads the partials; writes out and lse.
+const std::vector<BufferBinding> kMergeBuffers = {
+    {LaunchTensor::Out, kSlotOut}, {LaunchTensor::Lse, kSlotLse},
+    {LaunchTensor::PartialOut, kSlotPartialOut}, {LaunchTensor::PartialStats, kSlotPartialStats}};
+
+// Backward pass 1 (flash_backward_dq): reads q, k, v, out, lse, grad_out
+// and grad_lse; writes grad_q and Delta.
+const std::vector<BufferBinding> kBackwardDqBuffers = {
+    {LaunchTensor::Q, kSlotQ}, {LaunchTensor::K, kSlotK}, {LaunchTensor::V, kSlotV},
+    {LaunchTensor::Out, kSlotOut}, {LaunchTensor::Lse, kSlotLse}, {LaunchTensor::GradOut, kSlotGradOut},
+    {LaunchTensor::GradQ, kSlotGradQ}, {LaunchTensor::GradLse, kSlotGradLse}, {LaunchTensor::Delta, kSlotDelta}};
+// Backward pass 2 (flash_backward_dkdv): reads q, k, v, lse, grad_out and
+// Delta; writes grad_k and grad_v.
+const std::vector<BufferBinding> kBackwardDkdvBuffers = {
+    {LaunchTensor::Q, kSlotQ}, {LaunchTensor::K, kSlotK}, {LaunchTensor::V, kSlotV},
+    {LaunchTensor::Lse, kSlotLse}, {LaunchTensor::GradOut, kSlotGradOut}, {LaunchTensor::GradK, kSlotGradK},
+    {LaunchTensor::GradV, kSlotGradV}, {LaunchTensor::Delta, kSlotDelta}};
+
+// The decode kernels' launches, exactly as shaders/attention_decode.h
+// documents them: one threadgroup per (kv head, batch[, key block]) serving
+// all gqa_ratio * Nq query rows of the GQA group, so each K/V element is read
+// once for all of them (or, past kDecodeMaxSimdgroups row groups, one per
+// row chunk of it); then, when split, the merge pass.
+void decode_launches(const AttentionProblem& p, const KernelChoice& c, const std::string& suffix, const GpuSpec& gpu,
+                     MetalLaunch l, MetalPlan* plan) {
+  const uint32_t kv_heads = static_cast<uint32_t>(p.kv_heads), batch = static_cast<uint32_t>(p.batch);
+  const uint32_t rows_per_simd = decode_rows_per_simd(c.bucket);
+  const uint32_t row_groups = decode_row_groups(p, c.bucket);
+  const uint32_t in_flight = ceil_div(row_groups, c.row_chunks);  // row groups per threadgroup
+  const uint32_t key_groups = row_groups == 1 ? kDecodeKeyGroups : 1;
+  const uint32_t padded_dim = 32 * ceil_div(c.bucket, 32);  // features per row, lanes' padding included
+  // One row group: the key groups' partial states, merged in threadgroup
+  // memory (floats). Several: one staged block of 32 K or V rows (in T),
+  // read by every row group.
+  const uint32_t bytes = row_groups == 1
+                             ? (key_groups * (rows_per_simd + 1 + padded_dim) * 4 + 15) / 16 * 16
+                             : 32 * c.bucket * dtype_bytes(p.dtype);
+  l.threadgroup = {32, key_groups, in_flight};
+  l.threadgroup_memory = bytes;
+  l.max_threads_per_threadgroup = kDecodeMaxThreads;
+  if (c.kv_splits == 1) {
+    l.kernel_name = "flash_decode_" + suffix;
+    l.grid = {kv_heads * c.row_chunks, batch, 1};
+    l.estimate = estimate_launch(l, decode_live_registers(c.bucket), gpu);
+    plan->launches.push_back(l);
+    return;
+  }
+  const int64_t all_rows = p.batch * p.q_heads * p.q_len;
+  plan->partial_out_elements = all_rows * c.kv_splits * p.head_dim;
+  plan->partial_stats_elements = all_rows * c.kv_splits * 2;
+  l.kernel_name = "flash_decode_split_" + suffix;
+  l.grid = {kv_heads * c.row_chunks, batch, c.kv_splits};
+  l.buffers = with_features(kSplitBuffers);
+  l.estimate = estimate_launch(l, decode_live_registers(c.bucket), gpu);
+  plan->launches.push_back(l);
+  // The merge: one SIMD-group per query row, the lanes over the features.
+  MetalLaunch m = l;
+  m.kernel_name = "flash_decode_merge_" + suffix;
+  m.grid = {static_cast<uint32_t>(p.q_len), static_cast<uint32_t>(p.q_heads), batch};
+  m.threadgroup = {32, 1, 1};
+  m.max_threads_per_threadgroup = kDecodeMergeMaxThreads;
+  m.threadgroup_memory = 0;
+  m.function_constants.clear();
+  m.buffers = kMergeBuffers;
+  m.estimate = estimate_launch(m, kMergeLiveRegisters, gpu);
+  plan->launches.push_back(m);
+}
+
+
+// The function constants of a feature kernel (indices 0 .. 9); align_q and
+// align_k are the prefill / backward edge specializations (never with
+// varlen, whose sequences have their own lengths), has_grad_lse the dQ kernel's.
+std::vector<bool> feature_constants(const AttentionProblem& p, bool align_q, bool align_k, bool has_grad_lse) {
+  std::vector<bool> c(kFeatureFunctionConstants, false);
+  c[kCausalFunctionConstant] = p.causal;
+  c[kAlignQFunctionConstant] = align_q && !p.varlen;
+  c[kAlignKFunctionConstant] = align_k && !p.varlen;
+  c[kHasGradLseFunctionConstant] = has_grad_lse;
+  c[kHasMaskFunctionConstant] = p.mask != MaskKind::None;
+  c[kMaskBoolFunctionConstant] = p.mask == MaskKind::Bool;
+  c[kMaskFloat32FunctionConstant] = p.mask == MaskKind::Float32;
+  c[kWindowLeftFunctionConstant] = p.has_window_left();
+  c[kSoftcapFunctionConstant] = p.has_softcap();
+  c[kVarlenFunctionConstant] = p.varlen;
+  return c;
+}
+
+// The parameter block of every launch: strides as given, sizes from the problem.
+AttentionParams make_params(const AttentionProblem& p, const LaunchStrides& s, uint32_t kv_splits) {
+  AttentionParams a{};
+  a.q_batch_stride = s.q[0]; a.q_head_stride = s.q[1]; a.q_row_stride = s.q[2]; a.q_dim_stride = s.q[3];
+  a.k_batch_stride = s.k[0]; a.k_head_stride = s.k[1]; a.k_row_stride = s.k[2]; a.k_dim_stride = s.k[3];
+  a.v_batch_stride = s.v[0]; a.v_head_stride = s.v[1]; a.v_row_stride = s.v[2]; a.v_dim_stride = s.v[3];
+  a.o_batch_stride = s.o[0]; a.o_head_stride = s.o[1]; a.o_row_stride = s.o[2]; a.o_dim_stride = s.o[3];
+  a.lse_batch_stride = s.lse[0]; a.lse_head_stride = s.lse[1]; a.lse_row_stride = s.lse[2];
+  a.batch = static_cast<int32_t>(p.batch);
+  a.q_heads = static_cast<int32_t>(p.q_heads);
+  a.kv_heads = static_cast<int32_t>(p.kv_heads);
+  a.gqa_ratio = static_cast<int32_t>(p.gqa_ratio());
+  a.q_len = static_cast<int32_t>(p.q_len);
+  a.kv_len = static_cast<int32_t>(p.kv_len);
+  a.head_dim = static_cast<int32_t>(p.head_dim);
+  a.causal_offset = static_cast<int32_t>(p.causal_offset());
+  a.scale = static_cast<float>(p.scale);
+  a.scale_log2 = p.scale_log2();
+  a.kv_splits = static_cast<int32_t>(kv_splits);
+  a.split_keys = kv_splits > 1 ? static_cast<int32_t>(split_keys(p.kv_len, kv_splits))
+                                 : static_cast<int32_t>(p.kv_len);
+
+  a.do_batch_stride = s.grad_out[0]; a.do_head_stride = s.grad_out[1];
+  a.do_row_stride = s.grad_out[2]; a.do_dim_stride = s.grad_out[3];
+  a.glse_batch_stride = s.grad_lse[0]; a.glse_head_stride = s.grad_lse[1]; a.glse_row_stride = s.grad_lse[2];
+
+  a.mask_batch_stride = s.mask[0]; a.mask_head_stride = s.mask[1];
+  a.mask_row_stride = s.mask[2]; a.mask_col_stride = s.mask[3];
+  a.window_left = static_cast<int32_t>(p.window_left >= 0 ? p.window_left : 0);
+  a.window_right = static_cast<int32_t>(p.window_right >= 0 ? p.window_right : 0);
+  a.softcap_log2 = p.has_softcap() ? static_cast<float>(p.softcap * 1.4426950408889634) : 0.0f;
+  a.inv_softcap_log2 = p.has_softcap() ? static_cast<float>(1.0 / (p.softcap * 1.4426950408889634)) : 0.0f;
+  a.total_q = static_cast<int32_t>(p.total_q);
+  a.total_k = static_cast<int32_t>(p.total_k);
+  if (p.varlen) {
+    // The packed tensors are (1, H, total, D) views: a sequence is found by
+    // its first row (cu_seqlens), never by a batch stride.
+    a.q_batch_stride = a.k_batch_stride = a.v_batch_stride = a.o_batch_stride = 0;
+    a.lse_batch_stride = a.do_batch_stride = a.glse_batch_stride = 0;
+  }
+  return a;
+}
+
+// Every launch within Metal's threadgroup-memory limit and within its
+// kernel's declared [[max_total_threads_per_threadgroup]].
+void check_launch_limits(const MetalPlan& plan) {
+  for (const MetalLaunch& launch : plan.launches) {
+    TORCH_CHECK(launch.threadgroup_memory <= kMaxThreadgroupMemory && launch.threadgroup_memory % 16 == 0, kOp,
+                ": internal error: ", launch.kernel_name, " planned with ", launch.threadgroup_memory,
+                " bytes of threadgroup memory");
+    TORCH_CHECK(launch.max_threads_per_threadgroup > 0 && threads_of(launch) <= launch.max_threads_per_threadgroup,
+                kOp, ": internal error: ", launch.kernel_name, " planned with ", threads_of(launch),
+                " threads per threadgroup; the kernel declares at most ", launch.max_threads_per_threadgroup);
+  }
+}
+
+}  // namespace
+
+MetalPlan plan_metal_attention(const AttentionProblem& p, const LaunchStrides& s, KernelRequest requested,
+                               const GpuSpec& gpu) {
+  const KernelChoice c = choose_metal_kernel(p, requested, gpu);
+  MetalPlan plan;
+  plan.reason = c.reason;
+  const std::string suffix = std::string(dtype_name(p.dtype)) + "_d" + std::to_string(c.bucket);
+
+  const AttentionParams a = make_params(p, s, c.kv_splits);
+
+  MetalLaunch l;
+  l.params = a;
+  l.params_index = kAttentionParamsIndex;
+  l.threadgroup_memory_index = kAttentionThreadgroupIndex;
+  l.buffers = kForwardBuffers;
+  l.function_constants = {p.causal};  // index kCausalFunctionConstant
+  const uint32_t heads = static_cast<uint32_t>(p.q_heads), batch = static_cast<uint32_t>(p.batch);
+
+  switch (c.kind) {
+    case KernelRequest::Untiled:
+    case KernelRequest::Tiled:
+      // Both post kernels give each thread one query row, so one threadgroup
+      // covers kPostThreadsPerGroup rows of one (batch, head).
+      l.grid = {ceil_div(p.q_len, kPostThreadsPerGroup), heads, batch};
+      l.threadgroup = {kPostThreadsPerGroup, 1, 1};
+      l.max_threads_per_threadgroup = kPostMaxThreads;
+      if (c.kind == KernelRequest::Tiled) {
+        l.kernel_name = "flash_attention_tiled_" + suffix + "_bk" + std::to_string(kPostKeysPerTile) + "_t" +
+                        std::to_string(kPostThreadsPerGroup);
+        l.threadgroup_memory = tiled_threadgroup_memory(c.bucket, p.dtype);
+      } else {
+        l.kernel_name = "flash_attention_untiled_" + suffix + "_t" + std::to_string(kPostThreadsPerGroup);
+      }
+      l.estimate = estimate_launch(l, post_live_registers(c.bucket), gpu);
+      plan.launches.push_back(l);
+      break;
+    case KernelRequest::Prefill:
+      l.kernel_name = "flash_attention_prefill_" + suffix + "_bq" + std::to_string(c.block_q) + "_bk" +
+                      std::to_string(c.block_k) + "_wm" + std::to_string(c.simdgroups);
+      l.grid = {ceil_div(p.q_len, c.block_q), heads, batch};
+      l.threadgroup = {32 * c.simdgroups, 1, 1};
+      l.max_threads_per_threadgroup = kPrefillMaxThreads;
+      l.threadgroup_memory = prefill_threadgroup_memory(c.block_q, c.block_k, c.bucket, p.dtype);
+      l.function_constants = feature_constants(p, p.q_len % c.block_q == 0, p.kv_len % c.block_k == 0, false);
+      l.buffers = with_features(kForwardBuffers);
+      l.estimate = estimate_launch(l, prefill_live_registers(c.bucket, c.block_k), gpu);
+      plan.launches.push_back(l);
+      break;
+    default:
+      l.function_constants = feature_constants(p, false, false, false);
+      l.buffers = with_features(kForwardBuffers);
+      decode_launches(p, c, suffix, gpu, l, &plan);
+      break;
+  }
+  check_launch_limits(plan);
+  return plan;
+}
+
+MetalPlan plan_metal_attention_backward(const AttentionProblem& p, const LaunchStrides& s, bool has_grad_lse,
+                                        KernelRequest requested, const GpuSpec& gpu) {
+  const KernelChoice c = choose_metal_kernel(p, requested, gpu, MetalPass::Backward);
+  MetalPlan plan;
+  plan.reason = c.reason;
+  plan.delta_elements = p.varlen ? p.q_heads * p.total_q : p.batch * p.q_heads * p.q_len;
+  const std::string suffix = std::string(dtype_name(p.dtype)) + "_d" + std::to_string(c.bucket);
+  const uint32_t batch = static_cast<uint32_t>(p.batch);
+
+  MetalLaunch dq;
+  dq.params = make_params(p, s, 1);
+  dq.params_index = kAttentionParamsIndex;
+  dq.threadgroup_memory_index = kAttentionThreadgroupIndex;
+  dq.kernel_name = "flash_backward_dq_" + suffix + "_bq" + std::to_string(c.block_q) + "_bk" +
+                   std::to_string(c.block_k) + "_wm" + std::to_string(c.simdgroups);
+  dq.grid = {ceil_div(p.q_len, c.block_q), static_cast<uint32_t>(p.q_heads), batch};
+  dq.threadgroup = {32 * c.simdgroups, 1, 1};
+  dq.max_threads_per_threadgroup = kBackwardMaxThreads;
+  dq.threadgroup_memory = backward_threadgroup_memory(c.block_q, c.block_k, c.bucket, p.dtype);
+  // Indices kCausalFunctionConstant, kAlignQ..., kAlignK..., kHasGradLse...
+  dq.function_constants = feature_constants(p, p.q_len % c.block_q == 0, p.kv_len % c.block_k == 0, has_grad_lse);
+  dq.buffers = with_features(kBackwardDqBuffers);
+  dq.estimate = estimate_launch(dq, dq_live_floats(c.bucket, c.block_k) + kLiveOverhead, gpu);
+  plan.launches.push_back(dq);
+
+  MetalLaunch dkv = dq;
+  dkv.kernel_name = "flash_backward_dkdv_" + suffix + "_bq" + std::to_string(c.dkv_block_q) + "_bk" +
+                    std::to_string(c.dkv_block_k) + "_wm" + std::to_string(c.dkv_simdgroups) + "_ds" +
+                    std::to_string(c.dkv_feature_split);
+  dkv.grid = {ceil_div(p.kv_len, c.dkv_block_k) * c.dkv_feature_split, static_cast<uint32_t>(p.kv_heads), batch};
+  dkv.threadgroup = {32 * c.dkv_simdgroups, 1, 1};
+  dkv.threadgroup_memory = backward_threadgroup_memory(c.dkv_block_k, c.dkv_block_q, c.bucket, p.dtype);
+  dkv.function_constants = feature_constants(p, p.q_len % c.dkv_block_q == 0, p.kv_len % c.dkv_block_k == 0, false);
+  dkv.buffers = with_features(kBackwardDkdvBuffers);
+  dkv.estimate =
+      estimate_launch(dkv, dkdv_live_floats(c.bucket, c.dkv_block_q, c.dkv_feature_split) + kLiveOverhead, gpu);
+  plan.launches.push_back(dkv);
+  check_launch_limits(plan);
+  return plan;
+}
+
+}  // namespace flash_metal

@@ -1,0 +1,164 @@
+// Helpers shared by the Metal planner's three files: metal_routing.cpp (which
+// kernel and which blocks: choose_metal_kernel), metal_launch.cpp (grids,
+// threadgroups, bindings and params: plan_metal_attention and its backward)
+// and metal_registry.cpp (every launch the planner can produce). Internal:
+// nothing outside those files includes it.
+#pragma once
+
+#include "metal_plan.h"
+
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <string>
+
+namespace flash_metal::plan_detail {
+
+inline constexpr const char* kOp = "flash_metal.attention_forward";
+
+inline const char* dtype_name(c10::ScalarType t) {
+  switch (t) {
+    case c10::ScalarType::Float: return "float32";
+    case c10::ScalarType::Half: return "float16";
+    case c10::ScalarType::BFloat16: return "bfloat16";
+    default: TORCH_CHECK_TYPE(false, kOp, ": no Metal kernel for dtype ", t);
+  }
+}
+
+template <size_t N>
+inline uint32_t bucket_of(int64_t head_dim, const std::array<uint32_t, N>& buckets) {
+  for (uint32_t b : buckets) {
+    if (head_dim <= b) return b;
+  }
+  TORCH_CHECK_VALUE(false, kOp, ": head_dim ", head_dim, " exceeds the largest bucket ", buckets.back());
+}
+
+inline uint32_t ceil_div(int64_t a, int64_t b) { return static_cast<uint32_t>((a + b - 1) / b); }
+
+// Bytes of one element of the inputs (every kernel's tiles are stored in it).
+inline uint32_t dtype_bytes(c10::ScalarType t) { return t == c10::ScalarType::Float ? 4 : 2; }
+
+// Threadgroup memory of the tiled kernel (shaders/attention_tiled.h): one K
+// tile and one V tile of kPostKeysPerTile rows, each row padded to the
+// head-dim bucket so the kernel's inner loops run to a compile-time bound
+// (registers, not stack), stored in the input dtype (half the memory for
+// float16/bfloat16; converted to float on read). 2 * 16 * bucket * bytes:
+// a multiple of 16 (bucket >= 32), as Metal requires, and at most
+// 2 * 16 * 256 * 4 = 32 KiB (float32, bucket 256), Metal's limit.
+inline uint32_t tiled_threadgroup_memory(uint32_t bucket, c10::ScalarType dtype) {
+  return 2 * kPostKeysPerTile * bucket * dtype_bytes(dtype);
+}
+
+// Threadgroup memory of the prefill kernel (shaders/attention_prefill.h),
+// the layout its header documents: a Q tile of block_q rows and one K/V tile
+// of block_k rows, used by K and then V in turn (MLX's steel layout), every
+// row holding the bucket's columns plus 16 bytes of padding against bank
+// conflicts (MLX PR #1899), all in the input dtype.
+inline uint32_t prefill_threadgroup_memory(uint32_t block_q, uint32_t block_k, uint32_t bucket, c10::ScalarType dtype) {
+  const uint32_t row = (bucket + 16 / dtype_bytes(dtype)) * dtype_bytes(dtype);
+  return (block_q + block_k) * row;
+}
+
+// Metal's threadgroup-memory limit on every Apple GPU of the supported
+// macOS versions (MTLDevice.maxThreadgroupMemoryLength is 32 KiB on Apple7+).
+inline constexpr uint32_t kMaxThreadgroupMemory = 32 * 1024;
+
+// Threadgroup memory of either backward kernel (shaders/attention_backward.h):
+// two tiles of the rows a simdgroup owns (Q and dO, or K and V) and two of
+// the streamed rows (K and V, or Q and dO), each row the bucket's columns in
+// the input dtype plus 16 bytes of padding, or no padding when the padded
+// tiles would exceed 32 KiB (the shader's backward_row_pad, same rule).
+inline uint32_t backward_threadgroup_memory(uint32_t own, uint32_t streamed, uint32_t bucket, c10::ScalarType dtype) {
+  const uint32_t rows = 2 * (own + streamed);
+  const uint32_t padded = bucket * dtype_bytes(dtype) + 16;
+  return rows * (rows * padded <= kMaxThreadgroupMemory ? padded : padded - 16);
+}
+
+inline std::string kib(uint32_t bytes) { return std::to_string(bytes) + " bytes"; }
+
+// Threads per threadgroup of a launch.
+inline uint64_t threads_of(const MetalLaunch& launch) {
+  return uint64_t{launch.threadgroup[0]} * launch.threadgroup[1] * launch.threadgroup[2];
+}
+
+// Why blocks start at multiples of 32 keys: a block then starts on a whole
+// SIMD-group of keys in every decode kernel layout.
+inline constexpr int64_t kSplitKeyQuantum = 32;
+
+// Keys per split-KV block: Nk over `splits`, rounded up to whole quanta.
+inline uint32_t split_keys(int64_t kv_len, uint32_t splits) {
+  const int64_t keys = std::max<int64_t>(1, kv_len);
+  int64_t per = (keys + splits - 1) / splits;
+  return static_cast<uint32_t>((per + kSplitKeyQuantum - 1) / kSplitKeyQuantum * kSplitKeyQuantum);
+}
+
+// Query rows per SIMD-group of the decode kernels, per bucket (the kernel's
+// decode_rows_per_simd): each row costs a lane 3 * DMAX / 32 floats of
+// registers (its q slice, accumulator and block product), so the rows shrink
+// as DMAX grows to keep that near 48-64 floats per lane.
+inline uint32_t decode_rows_per_simd(uint32_t bucket) { return bucket <= 64 ? 8 : (bucket <= 128 ? 4 : 2); }
+// Why at most 8 SIMD-groups per threadgroup: the decode kernels declare
+// [[max_total_threads_per_threadgroup(kDecodeMaxThreads)]] (256, see
+// shaders/params.h for why that size fits their registers at any allocation).
+inline constexpr uint32_t kDecodeMaxSimdgroups = kDecodeMaxThreads / 32;
+// Why 8 key groups when the whole GQA group fits one SIMD-group's rows: a
+// single SIMD-group would leave the threadgroup one warp wide and the keys
+// one lane-block at a time; 8 SIMD-groups take interleaved key blocks
+// (MLX's sdpa_vector spreads keys over 32) and merge through threadgroup
+// memory, while 8 keeps that merge buffer under 9 KB at D = 256.
+inline constexpr uint32_t kDecodeKeyGroups = 8;
+static_assert(32 * kDecodeKeyGroups <= kDecodeMaxThreads, "the key groups fit the decode kernels' declared limit");
+
+// Row groups (of decode_rows_per_simd rows) of one GQA group.
+inline uint32_t decode_row_groups(const AttentionProblem& p, uint32_t bucket) {
+  return ceil_div(p.gqa_ratio() * p.q_len, decode_rows_per_simd(bucket));
+}
+
+// ---- Live-value models: 32-bit values per lane each kernel family keeps
+// live, the planner's register estimates (LaunchEstimate). Counted from the
+// shaders' data structures, not from compiled code (no Apple compiler
+// here): what the first Mac run's pipeline statistics will correct.
+
+// Values every kernel keeps besides its arrays: addresses, loop bounds and
+// counters, the fragment or element being loaded. Why 16: the prefill
+// loop's base pointers (q, k, v, o: 4 x 2 for 64-bit), 4 bounds and
+// counters, 4 for the fragment in flight; the same order for the others.
+inline constexpr uint32_t kLiveOverhead = 16;
+
+// The backward: accumulators (dQ: bucket / 8 fragments; dK and dV: twice
+// that, over `split` feature parts) plus one block of P and dP (2
+// fragments each per 8 keys or queries), 2 floats per fragment per lane.
+// The planner's register budget (metal_routing.cpp) bounds these.
+inline uint32_t dq_live_floats(uint32_t bucket, uint32_t block_k) { return bucket / 4 + block_k / 2; }
+inline uint32_t dkdv_live_floats(uint32_t bucket, uint32_t block_q, uint32_t split) {
+  return bucket / 2 / split + block_q / 2;
+}
+
+// The post's kernels: one query row per thread, its float accumulator
+// of the bucket's width and its query row (bucket values each), plus the
+// online-softmax state.
+inline uint32_t post_live_registers(uint32_t bucket) { return 2 * bucket + 4 + kLiveOverhead; }
+
+// The prefill kernel: the output rows (bucket / 8 fragments of 2 floats),
+// one block of scores (block_k / 8 fragments of 2 floats), the row max and
+// sum (2 per fragment row a lane holds) and the Q/K fragments of one 8-wide
+// feature step (2 x 2).
+inline uint32_t prefill_live_registers(uint32_t bucket, uint32_t block_k) {
+  return bucket / 4 + block_k / 4 + 2 + 4 + kLiveOverhead;
+}
+
+// The decode kernels: per query row a lane holds its slice of q and of the
+// accumulator (ceil(bucket / 32) values each) and the row's max and sum;
+// plus one key's slice of K or V.
+inline uint32_t decode_live_registers(uint32_t bucket) {
+  const uint32_t slice = (bucket + 31) / 32;
+  return decode_rows_per_simd(bucket) * (2 * slice + 2) + slice + kLiveOverhead;
+}
+
+// The split-KV merge: one row's partial max, sum and feature slice per lane.
+inline constexpr uint32_t kMergeLiveRegisters = 8 + kLiveOverhead;
+
+// Residency of `launch` on `gpu` with `live_registers` per lane (metal_gpus.cpp).
+LaunchEstimate estimate_launch(const MetalLaunch& launch, uint32_t live_registers, const GpuSpec& gpu);
+
+}  // namespace flash_metal::plan_detail

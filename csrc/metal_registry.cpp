@@ -1,0 +1,138 @@
+// The instantiation registry: every (kernel name, function constants) pair
+// the planner can produce, found by planning small problems of every branch
+// (so it cannot drift from the planner), each at its largest threadgroup.
+// The macOS pipeline test builds each; the emulator tests compare the names
+// with the metallib's.
+#include "metal_plan_detail.h"
+
+namespace flash_metal {
+
+using namespace plan_detail;
+
+std::vector<MetalLaunch> all_metal_launches() {
+  std::vector<MetalLaunch> launches;
+  // One entry per (kernel, function constants), planned at the largest
+  // threadgroup any of the shapes below gives it: the pipeline check
+  // (csrc/mps/pipelines.mm) then compares the pipeline's limit with the most
+  // threads the planner launches it with.
+  auto add = [&](const MetalLaunch& l) {
+    for (MetalLaunch& seen : launches) {
+      if (seen.kernel_name == l.kernel_name && seen.function_constants == l.function_constants) {
+        if (threads_of(l) > threads_of(seen)) seen = l;
+        return;
+      }
+    }
+    launches.push_back(l);
+  };
+  // Problem sizes reaching every branch: q/k lengths that are multiples of
+  // every block (64) and lengths that are not (65), one decode row with a
+  // short and a long context (one row group: 8 key groups, 256 threads), and
+  // a 16-head GQA group of 8 decode rows (16 or more row groups: row chunks
+  // of 8 SIMD-groups staging K/V, 256 threads).
+  struct Shape { int64_t q_len, kv_len; KernelRequest request; int64_t q_heads = 1; };
+  const Shape shapes[] = {
+      {64, 64, KernelRequest::Untiled}, {64, 64, KernelRequest::Tiled},
+      {64, 64, KernelRequest::Prefill}, {65, 64, KernelRequest::Prefill},
+      {64, 65, KernelRequest::Prefill}, {65, 65, KernelRequest::Prefill},
+      {1, 64, KernelRequest::Decode},   {1, 4096, KernelRequest::DecodeSplit},
+      {8, 64, KernelRequest::Decode, 16}, {8, 4096, KernelRequest::DecodeSplit, 16},
+  };
+  for (c10::ScalarType dtype : {c10::ScalarType::Float, c10::ScalarType::Half, c10::ScalarType::BFloat16}) {
+    for (uint32_t d : kFastHeadDimBuckets) {
+      for (const Shape& shape : shapes) {
+        for (bool causal : {false, true}) {
+          AttentionProblem p;
+          p.batch = p.kv_heads = 1;
+          p.q_heads = shape.q_heads;
+          p.q_len = shape.q_len;
+          p.kv_len = shape.kv_len;
+          p.head_dim = d;
+          p.causal = causal;
+          p.scale = 1.0;
+          p.dtype = dtype;
+          const int64_t D = d, H = p.q_heads, N = p.q_len, M = p.kv_len;
+          const LaunchStrides packed{{H * N * D, N * D, D, 1}, {M * D, M * D, D, 1}, {M * D, M * D, D, 1},
+                                     {H * N * D, N * D, D, 1}, {H * N, N, 1}};
+          for (const MetalLaunch& l : plan_metal_attention(p, packed, shape.request).launches) add(l);
+        }
+      }
+      // The backward: both kernels, every alignment of either side (its
+      // blocks are at most 32, so 64 is aligned and 65 is not), causal or
+      // not, with and without grad_lse.
+      for (const int64_t q_len : {64, 65}) {
+        for (const int64_t kv_len : {64, 65}) {
+          for (bool causal : {false, true}) {
+            for (bool grad_lse : {false, true}) {
+              AttentionProblem p;
+              p.batch = p.q_heads = p.kv_heads = 1;
+              p.q_len = q_len;
+              p.kv_len = kv_len;
+              p.head_dim = d;
+              p.causal = causal;
+              p.scale = 1.0;
+              p.dtype = dtype;
+              const int64_t D = d;
+              const LaunchStrides packed{{D, D, D, 1}, {D, D, D, 1}, {D, D, D, 1}, {D, D, D, 1}, {1, 1, 1},
+                                         {D, D, D, 1}, {1, 1, 1}};
+              for (const MetalLaunch& l : plan_metal_attention_backward(p, packed, grad_lse).launches) add(l);
+            }
+          }
+        }
+      }
+      // The options, one at a time, causal or not, on every feature family
+      // (their combinations are the same constants switched together, so
+      // these cover every code path each constant guards; the pipelines a
+      // combination needs are built on first use like any other).
+      enum Option { BoolMask, InputMask, Float32Mask, WindowLeft, Softcap, Varlen };
+      for (Option option : {BoolMask, InputMask, Float32Mask, WindowLeft, Softcap, Varlen}) {
+        for (bool causal : {false, true}) {
+          AttentionProblem p;
+          p.batch = p.q_heads = p.kv_heads = 1;
+          p.head_dim = d;
+          p.window_right = causal ? 0 : -1;
+          p.causal = causal;
+          p.scale = 1.0;
+          p.dtype = dtype;
+          p.mask = option == BoolMask ? MaskKind::Bool
+                   : option == InputMask ? MaskKind::Input
+                   : option == Float32Mask ? MaskKind::Float32 : MaskKind::None;
+          if (option == WindowLeft) p.window_left = 16;
+          if (option == Softcap) p.softcap = 30.0;
+          p.varlen = option == Varlen;
+          const int64_t D = d;
+          const LaunchStrides packed{{D, D, D, 1}, {D, D, D, 1}, {D, D, D, 1}, {D, D, D, 1}, {1, 1, 1},
+                                     {D, D, D, 1}, {1, 1, 1}, {0, 0, 64, 1}};
+          const std::array<std::pair<int64_t, KernelRequest>, 3> forward = {
+              {{65, KernelRequest::Prefill}, {1, KernelRequest::Decode}, {1, KernelRequest::DecodeSplit}}};
+          for (const auto& [q_len, request] : forward) {
+            if (p.varlen && request != KernelRequest::Prefill) continue;
+            p.q_len = p.total_q = q_len;
+            p.kv_len = p.total_k = request == KernelRequest::DecodeSplit ? 4096 : 65;
+            for (const MetalLaunch& l : plan_metal_attention(p, packed, request).launches) add(l);
+          }
+          p.q_len = p.kv_len = p.total_q = p.total_k = 65;
+          for (bool grad_lse : {false, true}) {
+            for (const MetalLaunch& l : plan_metal_attention_backward(p, packed, grad_lse).launches) add(l);
+          }
+        }
+      }
+    }
+  }
+  for (const MetalLaunch& l : launches) {
+    const auto starts = [&](const char* prefix) { return l.kernel_name.rfind(prefix, 0) == 0; };
+    const bool decode = starts("flash_decode_") && !starts("flash_decode_merge_");
+    TORCH_CHECK(!decode || threads_of(l) == kDecodeMaxThreads, kOp, ": internal error: all_metal_launches plans ",
+                l.kernel_name, " with ", threads_of(l), " threads, not the planner's largest, ", kDecodeMaxThreads);
+  }
+  return launches;
+}
+
+std::vector<std::string> all_metal_kernel_names() {
+  std::vector<std::string> names;
+  for (const MetalLaunch& l : all_metal_launches()) {
+    if (std::find(names.begin(), names.end(), l.kernel_name) == names.end()) names.push_back(l.kernel_name);
+  }
+  return names;
+}
+
+}  // namespace flash_metal

@@ -1,0 +1,287 @@
+// The routing heuristic of the Metal path, the one place where a kernel
+// family and its shape are chosen (choose_metal_kernel: forward, and the
+// backward's blocks), each with the reason flash_metal.explain() prints;
+// plus the parsers of the op's `impl` and `gpu` arguments.
+#include "metal_plan_detail.h"
+
+#include <algorithm>
+#include <cmath>
+
+namespace flash_metal {
+
+using namespace plan_detail;
+
+KernelRequest parse_kernel_request(const std::string& kernel) {
+  if (kernel == "auto") return KernelRequest::Auto;
+  if (kernel == "untiled") return KernelRequest::Untiled;
+  if (kernel == "tiled") return KernelRequest::Tiled;
+  if (kernel == "prefill") return KernelRequest::Prefill;
+  if (kernel == "decode") return KernelRequest::Decode;
+  if (kernel == "decode_split") return KernelRequest::DecodeSplit;
+  TORCH_CHECK_VALUE(false, kOp,
+                    ": impl must be one of 'auto', 'untiled', 'tiled', 'prefill', 'decode', 'decode_split'; got '",
+                    kernel, "'");
+}
+
+namespace {
+
+const char* request_name(KernelRequest r) {
+  switch (r) {
+    case KernelRequest::Untiled: return "untiled";
+    case KernelRequest::Tiled: return "tiled";
+    case KernelRequest::Prefill: return "prefill";
+    case KernelRequest::Decode: return "decode";
+    case KernelRequest::DecodeSplit: return "decode_split";
+    default: return "auto";
+  }
+}
+
+// Split-KV decode knobs.
+// Why 4 threadgroups per core: decode is bound by memory bandwidth, and a
+// core hides DRAM latency only with several threadgroups' loads in flight;
+// fewer leaves bandwidth unused, more only adds merge work.
+constexpr uint32_t kDecodeGroupsPerCore = 4;
+// Why 256 keys at least per block: the merge pass re-reads head_dim floats of
+// partial output per block and row, which must stay small next to the block's
+// own K/V bytes (256 keys x D x 2 tensors); it also keeps the extra
+// dispatch worth its cost on short contexts.
+constexpr int64_t kMinKeysPerSplit = 256;
+// Why at most 64 blocks: bounds the merge loop and the scratch memory
+// (64 x D floats per query row), and 64 already fills an Ultra at B*Hkv = 5.
+constexpr uint32_t kMaxKvSplits = 64;
+
+// Threadgroups that share one (batch, kv head[, key block]), each serving a
+// part of the GQA group's rows: 1 while the group fits kDecodeMaxSimdgroups
+// SIMD-groups (K/V then read once for all of its rows), else as few as fit.
+// More threadgroups, not fatter ones: the threadgroup size stays within the
+// kernels' declared limit, and the chunks of a kv head run side by side.
+uint32_t decode_row_chunks(const AttentionProblem& p, uint32_t bucket) {
+  return ceil_div(decode_row_groups(p, bucket), kDecodeMaxSimdgroups);
+}
+
+// Split count for the decode kernels: enough (batch, kv head, row chunk,
+// block) threadgroups to give every core of the class kDecodeGroupsPerCore,
+// within kMinKeysPerSplit and kMaxKvSplits. At least 2 when forced.
+uint32_t decode_splits(const AttentionProblem& p, uint32_t chunks, const GpuSpec& gpu, bool forced,
+                       std::string* why) {
+  const int64_t groups = std::max<int64_t>(1, p.batch * p.kv_heads * chunks);
+  const int64_t target = int64_t{gpu.cores} * kDecodeGroupsPerCore;
+  const int64_t want = (target + groups - 1) / groups;
+  const int64_t by_length = std::max<int64_t>(1, p.kv_len / kMinKeysPerSplit);
+  int64_t splits = std::min<int64_t>({want, by_length, int64_t{kMaxKvSplits}});
+  if (forced) splits = std::max<int64_t>(splits, 2);
+  splits = std::max<int64_t>(splits, 1);
+  // Whole blocks of a multiple of 32 keys; drop blocks that would be empty.
+  const int64_t keys = std::max<int64_t>(1, p.kv_len);
+  const int64_t per = split_keys(p.kv_len, static_cast<uint32_t>(splits));
+  if (!forced) splits = (keys + per - 1) / per;
+  *why = std::to_string(groups) +
+         (chunks > 1 ? " (batch, kv head, row chunk) threadgroups want " : " (batch, kv head) pairs want ") +
+         std::to_string(want) + " blocks to give a " +
+         std::to_string(gpu.cores) + "-core " + gpu.name + " " + std::to_string(kDecodeGroupsPerCore) +
+         " threadgroups per core; Nk = " + std::to_string(p.kv_len) + " allows " + std::to_string(by_length) +
+         " blocks of >= " + std::to_string(kMinKeysPerSplit) + " keys; at most " + std::to_string(kMaxKvSplits);
+  return static_cast<uint32_t>(splits);
+}
+
+std::string padding_note(int64_t head_dim, uint32_t bucket) {
+  if (head_dim == bucket) return "";
+  return "; head_dim " + std::to_string(head_dim) + " runs zero-padded in the " + std::to_string(bucket) +
+         "-wide instantiation (no read or write past head_dim)";
+}
+
+// The backward's register budget, in float32 values per lane that live
+// across a whole block: the accumulators (dQ: bucket / 8 fragments; dK and
+// dV: twice that) plus one block of P and dP (2 fragments each per 8 keys or
+// queries), 2 floats per fragment per lane. Why 72: an Apple GPU thread
+// addresses at most 128 32-bit registers (Dougall Johnson's G13
+// architecture notes; [I], not measured here), and the loop needs the rest
+// for the fragments being read, addresses and counters; ~69 is what a thread
+// gets at the occupancy that saturates the ALUs (24 simdgroups per core,
+// metal-benchmarks). MLX's fused backward (PR #3241) had to shrink its blocks
+// at D = 128 and lost to its unfused path there, so the blocks below shrink
+// the streamed side first and keep the accumulators in registers.
+constexpr uint32_t kBackwardRegisterBudget = 72;
+// What a thread can address at all ([I], as above).
+constexpr uint32_t kMaxRegistersPerThread = 128;
+
+
+KernelChoice choose_backward(const AttentionProblem& p, KernelRequest requested) {
+  TORCH_CHECK_VALUE(requested == KernelRequest::Auto, "flash_metal.attention_backward: impl must be 'auto' (the "
+                    "backward has one kernel family, flash_backward_dq + flash_backward_dkdv); got '",
+                    request_name(requested), "'");
+  KernelChoice c;
+  c.kind = KernelRequest::Prefill;  // the simdgroup-matrix family
+  c.bucket = bucket_of(p.head_dim, kFastHeadDimBuckets);
+  // dK and dV of 8 keys x the whole bucket would take bucket / 2 floats per
+  // lane: 128 at D = 256, every register a thread has. There each dK/dV
+  // threadgroup keeps half the features (two threadgroups per key block,
+  // each recomputing P and dP): 64.
+  c.dkv_feature_split = dkdv_live_floats(c.bucket, 8, 1) > kBackwardRegisterBudget ? 2 : 1;
+  // Blocks: one rule for both kernels, R rows owned (8 per simdgroup: query
+  // rows for dQ, keys for dK/dV) and S rows streamed per block (keys for dQ,
+  // query rows for dK/dV). Largest R first: the streamed side is re-read
+  // once per R owned rows, so R sets the kernel's memory traffic (the
+  // forward's block_q argument); then the largest S, which sets how many
+  // MMAs share one barrier pair. Both within the register budget (the
+  // accumulators plus S / 8 fragments of P and of dP) and 32 KiB of tiles.
+  // The result, float16/bfloat16 | float32 (R, S):
+  //   D = 32: 32,32 | 32,32   64: 32,32 | 32,16   72, 80: 32,32 | 32,16
+  //   D = 96: 32,32 | 32,8    128: 32,16 | 16,8   256: 16,8 | 8,8
+  // (float32 rows are twice the bytes, so its tiles bind first).
+  // Tiles keep their 16-byte row padding (bank conflicts) if any block pair
+  // fits with it; only float32 at D = 256 (8 + 8 rows) has to drop it.
+  const uint32_t padded_row = c.bucket * dtype_bytes(p.dtype) + 16;
+  bool found = false;
+  for (bool padded : {true, false}) {
+    for (uint32_t own : {32u, 16u, 8u}) {
+      for (uint32_t streamed : {32u, 16u, 8u}) {
+        const bool fits = padded ? 2 * (own + streamed) * padded_row <= kMaxThreadgroupMemory
+                                 : backward_threadgroup_memory(own, streamed, c.bucket, p.dtype) <= kMaxThreadgroupMemory;
+        if (found || !fits || dq_live_floats(c.bucket, streamed) > kBackwardRegisterBudget ||
+            dkdv_live_floats(c.bucket, streamed, c.dkv_feature_split) > kBackwardRegisterBudget) {
+          continue;
+        }
+        found = true;
+        c.block_q = own; c.block_k = streamed; c.simdgroups = own / 8;
+        c.dkv_block_k = own; c.dkv_block_q = streamed; c.dkv_simdgroups = own / 8;
+      }
+    }
+  }
+  TORCH_CHECK(found, "flash_metal.attention_backward: internal error: no block size fits head_dim ", p.head_dim);
+  const uint32_t dq_bytes = backward_threadgroup_memory(c.block_q, c.block_k, c.bucket, p.dtype);
+  const uint32_t dkv_bytes = backward_threadgroup_memory(c.dkv_block_k, c.dkv_block_q, c.bucket, p.dtype);
+  const uint32_t dq_floats = dq_live_floats(c.bucket, c.block_k);
+  const uint32_t dkv_floats = dkdv_live_floats(c.bucket, c.dkv_block_q, c.dkv_feature_split);
+  c.reason = "backward: FlashAttention-2 with recomputation, metal-flash-attention's atomics-free split (dQ and "
+             "Delta parallel over query blocks, then dK/dV parallel over key blocks; deterministic); dQ kernel: " +
+             std::to_string(c.block_q) + " queries x " + std::to_string(c.block_k) + " keys on " +
+             std::to_string(c.simdgroups) + " simdgroups, " + kib(dq_bytes) + ", " + std::to_string(dq_floats) +
+             " live floats per lane; dK/dV kernel: " + std::to_string(c.dkv_block_k) + " keys x " +
+             std::to_string(c.dkv_block_q) + " queries on " + std::to_string(c.dkv_simdgroups) + " simdgroups, " +
+             kib(dkv_bytes) + ", " + std::to_string(dkv_floats) + " live floats per lane";
+  if (c.dkv_feature_split > 1) {
+    c.reason += ", dK and dV split over " + std::to_string(c.dkv_feature_split) +
+                " threadgroups by features (whole, they would take " +
+                std::to_string(dkdv_live_floats(c.bucket, c.dkv_block_q, 1)) + " of a thread's " +
+                std::to_string(kMaxRegistersPerThread) + " registers; each part recomputes P and dP)";
+  }
+  c.reason += " (within the " + std::to_string(kBackwardRegisterBudget) + "-float register budget)";
+  c.reason += padding_note(p.head_dim, c.bucket);
+  return c;
+}
+
+}  // namespace
+
+KernelChoice choose_metal_kernel(const AttentionProblem& p, KernelRequest requested, const GpuSpec& gpu,
+                                 MetalPass pass) {
+  if (pass == MetalPass::Backward) return choose_backward(p, requested);
+  KernelChoice c;
+  const bool explicit_request = requested != KernelRequest::Auto;
+  if (explicit_request) {
+    c.kind = requested;
+    c.reason = std::string(request_name(requested)) + ": requested by the caller (impl='" + request_name(requested) +
+               "')";
+  } else if (p.varlen) {
+    c.kind = KernelRequest::Prefill;
+    c.reason = "prefill: packed variable-length sequences (the decode kernels serve one (batch, kv head) of equal "
+               "lengths per threadgroup and take no cu_seqlens; the prefill kernel runs one threadgroup per "
+               "query block of max_seqlen_q, and blocks past their sequence's end return at once)";
+  } else if (p.q_len <= kMaxDecodeRows) {
+    c.kind = KernelRequest::Decode;  // one pass or split, decided below
+    c.reason = "decode: Nq = " + std::to_string(p.q_len) + " <= " + std::to_string(kMaxDecodeRows) +
+               " query rows (token generation): memory-bound, so every K/V row is read once per (batch, kv head) "
+               "for all " + std::to_string(p.gqa_ratio() * p.q_len) + " query rows of its GQA group";
+  } else {
+    c.kind = KernelRequest::Prefill;
+    c.reason = "prefill: Nq = " + std::to_string(p.q_len) + " > " + std::to_string(kMaxDecodeRows) +
+               " query rows fill 8x8 simdgroup-matrix tiles (FlashAttention-2: K/V blocks shared by the "
+               "threadgroup's query rows, both products on simdgroup matrices)";
+  }
+
+  // The post's two kernels are the seed post's, kept as it wrote them: plain
+  // or causal attention only. Every option goes to the fast families.
+  const bool post_kernel = c.kind == KernelRequest::Untiled || c.kind == KernelRequest::Tiled;
+  const bool has_options = p.mask != MaskKind::None || p.has_window_left() || p.has_softcap() || p.varlen ||
+                           (p.causal && p.window_right > 0);
+  TORCH_CHECK_VALUE(!post_kernel || !has_options, kOp, ": impl='", request_name(c.kind),
+                    "' (the post's kernel) serves plain or causal attention only; attn_mask, window_left/"
+                    "window_right, softcap and varlen need impl='auto', 'prefill' or (Nq <= 8) 'decode'");
+  const bool decode_family = c.kind == KernelRequest::Decode || c.kind == KernelRequest::DecodeSplit;
+  TORCH_CHECK_VALUE(!decode_family || !p.varlen, kOp, ": impl='", request_name(c.kind),
+                    "' does not take packed variable-length sequences; use impl='auto' or 'prefill'");
+  TORCH_CHECK_VALUE(!decode_family || p.q_len <= kMaxDecodeRows, kOp, ": impl='", request_name(c.kind),
+                    "' serves at most ", kMaxDecodeRows, " query rows; got ", p.q_len,
+                    " (use impl='prefill' or 'auto')");
+
+  switch (c.kind) {
+    case KernelRequest::Untiled:
+    case KernelRequest::Tiled:
+      c.bucket = bucket_of(p.head_dim, kHeadDimBuckets);
+      if (c.kind == KernelRequest::Tiled) {
+        c.reason += " (K/V tiles of " + std::to_string(kPostKeysPerTile) + " keys shared by " +
+                    std::to_string(kPostThreadsPerGroup) + " queries, " +
+                    kib(tiled_threadgroup_memory(c.bucket, p.dtype)) + " of threadgroup memory)";
+      }
+      break;
+    case KernelRequest::Prefill: {
+      c.bucket = bucket_of(p.head_dim, kFastHeadDimBuckets);
+      // Block sizes per head-dim bucket (MLX's steel table; PyTorch's prefill
+      // kernel makes the same choice at 256). Each simdgroup owns 8 query
+      // rows, so block_q = 8 * simdgroups. Per lane a simdgroup keeps its
+      // output rows (bucket / 8 fragments of 2 floats) and the scores of one
+      // key block (block_k / 8 fragments of 2 floats) in registers.
+      if (c.bucket <= 96) {
+        // Why 32 x 32 with 4 simdgroups: 128 threads share each K/V block
+        // among 32 query rows; 4 score fragments and at most 12 output
+        // fragments per lane fit the register file without spilling, and
+        // the tiles take at most 25.6 KB (float32, D=96), 13.3 KB in half.
+        c.block_q = 32; c.block_k = 32; c.simdgroups = 4;
+      } else if (c.bucket <= 128) {
+        // Why 16 keys at D=128: 16 output fragments per lane already, so the
+        // score block shrinks to 2 fragments; 25.3 KB in float32, 13.1 KB in half.
+        c.block_q = 32; c.block_k = 16; c.simdgroups = 4;
+      } else {
+        // Why 2 simdgroups and 8 keys at D=256: 32 output fragments per lane
+        // leave room for a single score fragment; 16 query rows keep the
+        // float32 tiles at 25.0 KB (MLX's 32/16 needs 40 KB in float32, and
+        // MLX routes D=256 to its unfused path for that reason).
+        c.block_q = 16; c.block_k = 8; c.simdgroups = 2;
+      }
+      const uint32_t bytes = prefill_threadgroup_memory(c.block_q, c.block_k, c.bucket, p.dtype);
+      c.reason += "; blocks of " + std::to_string(c.block_q) + " queries x " + std::to_string(c.block_k) +
+                  " keys on " + std::to_string(c.simdgroups) + " simdgroups, " + kib(bytes) +
+                  " of threadgroup memory" + (bytes <= 16 * 1024 ? " (two threadgroups fit one core's 32 KiB)" : "");
+      break;
+    }
+    case KernelRequest::Decode:
+    case KernelRequest::DecodeSplit: {
+      c.bucket = bucket_of(p.head_dim, kFastHeadDimBuckets);
+      std::string why;
+      const bool forced_split = c.kind == KernelRequest::DecodeSplit;
+      const bool forced_one = explicit_request && c.kind == KernelRequest::Decode;
+      c.row_chunks = decode_row_chunks(p, c.bucket);
+      c.kv_splits = forced_one ? 1 : decode_splits(p, c.row_chunks, gpu, forced_split, &why);
+      c.kind = c.kv_splits > 1 ? KernelRequest::DecodeSplit : KernelRequest::Decode;
+      if (c.row_chunks > 1) {
+        c.reason += "; but its " + std::to_string(decode_row_groups(p, c.bucket)) + " row groups of " +
+                    std::to_string(decode_rows_per_simd(c.bucket)) + " rows exceed one threadgroup's " +
+                    std::to_string(kDecodeMaxSimdgroups) + " SIMD-groups (the kernels' declared " +
+                    std::to_string(kDecodeMaxThreads) + "-thread limit), so " + std::to_string(c.row_chunks) +
+                    " threadgroups (row chunks) per (batch, kv head) each serve a part and read K/V once each";
+      }
+      if (!forced_one) {
+        c.reason += c.kv_splits > 1 ? "; split-KV: " + std::to_string(c.kv_splits) + " key blocks, then a merge pass ("
+                                    : "; one pass (";
+        c.reason += why + ")";
+      }
+      break;
+    }
+    default:
+      break;
+  }
+  c.reason += padding_note(p.head_dim, c.bucket);
+  return c;
+}
+
+}  // namespace flash_metal

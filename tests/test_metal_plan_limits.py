@@ -1,0 +1,128 @@
+"""The planner never launches a kernel with more threads than it declares.
+
+Every kernel declares [[max_total_threads_per_threadgroup(N)]] (N from
+shaders/params.h); a Metal pipeline admits at most N threads per
+threadgroup, so a plan over N would fail on a Mac. This sweeps the
+planner (the code the MPS host runs) over real models' attention shapes,
+every dtype, one-token and multi-token decode and prefill, forward and
+backward, and checks each dispatch against the N explain() reports, which
+must be the N the kernel itself declares (read from the shader source by
+the emulator's registry).
+"""
+import functools
+import itertools
+import re
+
+import pytest
+import torch
+
+import flash_metal
+from backends import metal_library
+
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+# (q heads, kv heads, head_dim) from each model's published config.
+MODELS = {
+    "llama3-8b": (32, 8, 128),
+    "llama3-70b": (64, 8, 128),
+    "qwen2.5-7b": (28, 4, 128),  # GQA 7
+    "mistral-7b": (32, 8, 128),
+    "gemma2-9b": (16, 8, 256),
+    "gemma2-2b": (8, 4, 256),
+    "gpt-oss-20b": (64, 8, 64),
+    "phi3-mini": (32, 32, 96),
+    "phi2": (32, 32, 80),
+    "mqa-d128": (32, 1, 128),  # multi-query attention at D = 128
+    "falcon-7b": (71, 1, 64),  # MQA, 71 heads
+}
+BATCHES = (1, 2, 8)
+DECODE_ROWS = tuple(range(1, 9))  # one token, and speculative decoding's few
+PREFILL_ROWS = (9, 128, 2048)
+KV_LENS = (512, 4096, 32768, 131072)
+# The most threads each family's plans may use: shaders/params.h.
+FAMILY_LIMITS = {"flash_attention_untiled_": 32, "flash_attention_tiled_": 32, "flash_attention_prefill_": 128,
+                 "flash_decode_merge_": 32, "flash_decode_split_": 256, "flash_decode_": 256,
+                 "flash_backward_dq_": 128, "flash_backward_dkdv_": 128}
+
+
+def _family_limit(name):
+    return next(limit for prefix, limit in FAMILY_LIMITS.items() if name.startswith(prefix))
+
+
+def _qkv(B, hq, hkv, nq, nk, d, dtype):
+    # Metadata only (explain runs the planner, no kernel): stride-0 views of
+    # one element stand in for tensors that would take gigabytes.
+    one = torch.zeros(1, dtype=dtype)
+    q = one.expand(B, hq, nq, d)
+    k = one.expand(B, hkv, nk, d)
+    return q, k, k
+
+
+def _threads(d):
+    return d.threadgroup[0] * d.threadgroup[1] * d.threadgroup[2]
+
+
+def _sweep(model):
+    hq, hkv, d = MODELS[model]
+    for dtype, B, nq, nk in itertools.product(DTYPES, BATCHES, DECODE_ROWS + PREFILL_ROWS, KV_LENS):
+        if nq > nk:
+            continue
+        q, k, v = _qkv(B, hq, hkv, nq, nk, d, dtype)
+        for gpu in ("base", "ultra"):
+            yield ("forward", dtype, B, nq, nk, gpu), flash_metal.explain(q, k, v, True, None, "auto", gpu)
+        if nk <= 4096:  # the backward's threadgroups do not depend on Nk
+            yield ("backward", dtype, B, nq, nk), flash_metal.explain(q, k, v, True, backward=True)
+
+
+@functools.lru_cache(maxsize=None)
+def _most_threads(model):
+    """{kernel family: most threads of any dispatch} over the model's sweep, checking each dispatch."""
+    seen = {}
+    for case, plan in _sweep(model):
+        for disp in plan.dispatches:
+            n = disp.max_threads_per_threadgroup
+            assert n == _family_limit(disp.kernel_name), (model, case, disp.kernel_name, n)
+            assert disp.threadgroup[0] % 32 == 0, (model, case, disp)  # whole SIMD-groups
+            assert _threads(disp) <= n, (model, case, disp.kernel_name, disp.threadgroup, n)
+            family = re.sub(r"_(float32|float16|bfloat16)_.*", "", disp.kernel_name)
+            seen[family] = max(seen.get(family, 0), _threads(disp))
+    return seen
+
+
+@pytest.mark.parametrize("model", list(MODELS))
+def test_no_dispatch_exceeds_its_declared_limit(model):
+    seen = _most_threads(model)
+    # The sweep reaches every family of the auto route (a model with few kv
+    # heads may always split its decode).
+    assert {"flash_attention_prefill", "flash_decode_split", "flash_decode_merge", "flash_backward_dq",
+            "flash_backward_dkdv"} <= set(seen) <= {"flash_attention_prefill", "flash_decode", "flash_decode_split",
+                                                     "flash_decode_merge", "flash_backward_dq",
+                                                     "flash_backward_dkdv"}, seen
+
+
+def test_sweep_reaches_the_decode_limit():
+    # The cap binds: some real shapes plan the decode kernels at exactly N
+    # (one row group with 8 key groups, or 8 staged row groups), none above.
+    most = {}
+    for model in MODELS:
+        for family, n in _most_threads(model).items():
+            most[family] = max(most.get(family, 0), n)
+    assert most["flash_decode"] == most["flash_decode_split"] == 256, most
+    assert most["flash_attention_prefill"] == most["flash_backward_dq"] == most["flash_backward_dkdv"] == 128, most
+
+
+def test_forced_decode_never_exceeds_the_limit():
+    # impl="decode" / "decode_split" on the biggest GQA groups Nq <= 8 allows,
+    # including groups no model above has (GQA 64, D 32).
+    for (hq, hkv), d, nq, impl in itertools.product([(64, 1), (128, 2), (16, 1), (4, 4)], (32, 64, 80, 128, 256),
+                                                    DECODE_ROWS, ("decode", "decode_split")):
+        q, k, v = _qkv(1, hq, hkv, nq, 1024, d, torch.float16)
+        for disp in flash_metal.explain(q, k, v, False, None, impl).dispatches:
+            assert _threads(disp) <= disp.max_threads_per_threadgroup, (hq, hkv, d, nq, impl, disp)
+
+
+def test_declared_limits_match_the_shaders():
+    # explain()'s N is the N each kernel declares in its source (the emulator
+    # reads the attribute), for every instantiation the planner names.
+    lib = metal_library(False)
+    for name in lib.kernel_names():
+        assert lib.max_threads(name) == _family_limit(name), name
