@@ -29,6 +29,7 @@
 #include <dispatch/dispatch.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <string>
 #include <tuple>
@@ -75,11 +76,18 @@ std::tuple<std::string, std::vector<std::string>> metal_build_all_pipelines() {
   for (size_t i = 0; i < launches.size(); ++i) {
     const MetalLaunch& launch = launches[i];
     const std::string entry = launch.kernel_name + "/" + constants_of(launch.function_constants);
-    const uint64_t planned = uint64_t{launch.threadgroup[0]} * launch.threadgroup[1] * launch.threadgroup[2];
+    // The planner may launch this kernel with up to the N its
+    // [[max_total_threads_per_threadgroup(N)]] declares (launch.
+    // max_threads_per_threadgroup, never below this launch's own size): a
+    // pipeline admitting fewer would fail some shape at run time, so it fails here.
+    const uint64_t planned = std::max<uint64_t>(
+        uint64_t{launch.threadgroup[0]} * launch.threadgroup[1] * launch.threadgroup[2],
+        launch.max_threads_per_threadgroup);
     std::string problem = results[i].error;
     if (problem.empty() && results[i].pipeline.max_threads_per_threadgroup < planned) {
       problem = "the pipeline admits " + std::to_string(results[i].pipeline.max_threads_per_threadgroup) +
-                " threads per threadgroup, fewer than the " + std::to_string(planned) + " the planner launches";
+                " threads per threadgroup, fewer than the " + std::to_string(planned) +
+                " the planner may launch it with";
     }
     if (problem.empty()) {
       built.push_back(entry);

@@ -299,6 +299,22 @@ def builds_pipelines_concurrently(host, emu, threads: int = 4) -> dict:
     return {"origin": origin, "built": built, "most_concurrent": most}
 
 
+def pipelines_below_their_declared_n_fail(host, emu, limit: int) -> dict:
+    """Every pipeline admits only `limit` threads per threadgroup (a knob of the fake): the kernels whose
+    [[max_total_threads_per_threadgroup(N)]] (the plan's max_threads_per_threadgroup) exceeds `limit` fail
+    metal_build_all_pipelines, each named with N, even where the representative launch is smaller; the
+    others pass."""
+    host.configure(max_threads_per_threadgroup=limit)
+    try:
+        torch.ops.flash_metal.metal_build_all_pipelines()
+    except RuntimeError as err:
+        message = str(err)
+    else:
+        raise AssertionError(f"metal_build_all_pipelines accepted pipelines admitting {limit} threads")
+    named = {line.strip().split("/", 1)[0] for line in message.splitlines()[1:] if line.strip()}
+    return {"message": message, "named": sorted(named)}
+
+
 def pipeline_failures_reported(host, emu, failing=None) -> dict:
     """Kernels `failing` (default: the first and the last kernel by name) rejected by the (fake) compiler, on a cold cache, with concurrent builds:
     metal_device_info(True) lists exactly their pipelines in pipeline_errors; metal_build_all_pipelines
