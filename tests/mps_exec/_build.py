@@ -249,6 +249,15 @@ def build(overrides: dict[str, str] | None = None, sdk: int | None = None, sanit
     tc = toolchain()
     _, links, torch_version = _torch_flags()
     os.makedirs(CACHE_DIR, exist_ok=True)
+    # One build at a time across processes (pytest-xdist's workers): each uses every core, and two
+    # workers wanting the same host would compile the same objects twice.
+    from metal_emulator._build import _build_lock
+
+    with _build_lock(os.path.join(CACHE_DIR, "build.lock")):
+        return _build_locked(tc, links, torch_version, overrides, sdk, sanitize)
+
+
+def _build_locked(tc, links, torch_version, overrides, sdk, sanitize) -> str:
     key_base = hashlib.sha256((tc["version"] + torch_version).encode()).hexdigest()
     units = _source_units(overrides or {})
     with ThreadPoolExecutor(max_workers=max(1, min(len(units), os.cpu_count() or 1))) as pool:
