@@ -197,12 +197,12 @@ def _run(cmd: list[str], what: str) -> subprocess.CompletedProcess:
 
 def _atomic_dir(final: str, build) -> str:
     """Build into a temporary sibling, then rename (safe with parallel test processes). Processes
-    wanting the same output (pytest-xdist's workers) take turns on a lock file beside it, so the
-    second waits for the first's build instead of repeating it on the same cores."""
+    wanting the same output (pytest-xdist's workers) take turns on a lock file beside it (.<name>.lock),
+    so the second waits for the first's build instead of repeating it on the same cores."""
     if os.path.isdir(final):
         return final
     os.makedirs(os.path.dirname(final), exist_ok=True)
-    with _build_lock(final + ".lock"):
+    with _build_lock(os.path.join(os.path.dirname(final), "." + os.path.basename(final) + ".lock")):
         if os.path.isdir(final):
             return final
         tmp = tempfile.mkdtemp(prefix=os.path.basename(final) + ".tmp", dir=os.path.dirname(final))
