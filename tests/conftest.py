@@ -6,8 +6,15 @@ as `numerics`, `backends` and the `metal_emulator` package import directly.
 """
 import os
 
-import pytest
-import torch
+# Before torch loads its OpenMP runtime (which reads this once): threads that
+# wait for work sleep instead of spinning. The README's test command runs one
+# pytest-xdist worker per core, each with torch's intra-op threads; spinning
+# waiters then burn the cores the other worker needs (measured here: 3x the
+# CPU time on the CPU-kernel test files). A user's own setting wins.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 import flash_metal
 

@@ -1,18 +1,38 @@
-"""Input generation and FlashAttention's tolerance rule, shared by the op tests.
+"""Input generation for the op tests, and FlashAttention's tolerance rule (re-exported).
 
-The rule (FlashAttention's test suite): our error against a float64 oracle
-may be at most twice the error of PyTorch's own attention computed in the
-same dtype, plus a rounding floor, 2 * max|ref + 0.3 - 0.3 - ref| in that
-dtype (the error of merely storing the reference in it). Where PyTorch's
-same-dtype attention breaks down (scores beyond the dtype's range or
-resolution), a yardstick that cannot overflow takes its place: see
-`yardstick_errors`.
+The rule itself lives in the package, flash_metal/testing.py (public, so the
+installed package's selfcheck and users can apply it too): our error against
+a float64 oracle may be at most twice the error of PyTorch's own attention
+computed in the same dtype, plus a rounding floor. This file keeps what only
+the tests need (dtypes, memory layouts, random inputs) and re-exports the
+rule's names, so `from numerics import assert_attention_close` keeps working.
 """
-import math
-
 import torch
 
-from flash_metal.reference import apply_options, attention_reference
+from flash_metal.testing import (  # noqa: F401  (re-exported for the tests)
+    FP32_ULPS,
+    SCORE_BREAKDOWN,
+    Comparison,
+    NotClose,
+    YardstickError,
+    as_batch,
+    assert_attention_close,
+    assert_gradients_close,
+    assert_varlen_close,
+    assert_varlen_gradients_close,
+    attention_errors,
+    attention_tolerances,
+    fp32_floor,
+    gradient_errors,
+    gradient_tolerances,
+    pytorch_attention_same_dtype,
+    reference_gradients,
+    rounding_floor,
+    varlen_errors,
+    varlen_gradient_errors,
+    varlen_sequences,
+    yardstick_errors,
+)
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
@@ -20,15 +40,7 @@ DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 def dtype_id(d):
     """A dtype as a test id: "float16"."""
     return str(d).replace("torch.", "")
-# float32 accumulation rounds too: a few ulps of float32 at the result's
-# magnitude, times log2 of the reduction length, is the least any float32
-# kernel can promise. This keeps float32 comparisons from hinging on luck.
-FP32_ULPS = 8
-# A yardstick whose scores are off by a whole unit (natural log) or more has
-# reweighted the keys by a factor e or more: it is no longer a rounded
-# version of attention, and its error says nothing about what a correct
-# kernel can achieve (see yardstick_errors).
-SCORE_BREAKDOWN = 1.0
+
 
 # Memory layouts make_tensor can produce, each a (B, H, N, D) view:
 #   contiguous:     packed (B, H, N, D);
@@ -96,307 +108,3 @@ def make_qkv(B, Hq, Hkv, Nq, Nk, D, dtype, layout="contiguous", generator=None, 
     return (make_tensor((B, Hq, Nq, D), lq, dtype, g, scale_inputs),
             make_tensor((B, Hkv, Nk, D), lk, dtype, g, scale_inputs),
             make_tensor((B, Hkv, Nk, D), lv, dtype, g, scale_inputs))
-
-
-def _expand_kv(q, k, v):
-    group = q.shape[1] // k.shape[1]
-    return k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-
-
-def _scale(q, scale):
-    return 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-
-
-def pytorch_attention_same_dtype(q, k, v, causal, scale, return_scores=False, **options):
-    """PyTorch's attention computed in the inputs' dtype: the yardstick.
-
-    As in FlashAttention's own reference (attention_ref in its tests) and
-    PyTorch's math SDPA, q is scaled before the product: a kernel that folds
-    the scale into q (all of ours do) rounds the same way.
-    """
-    k, v = _expand_kv(q, k, v)
-    S = (q * _scale(q, scale)) @ k.transpose(-1, -2)
-    S = apply_options(S, causal, **options)
-    # A row with no visible key is softmax over all -inf: NaN. It is zeroed
-    # before the product, never after: how a CPU's GEMM kernel treats a NaN
-    # row differs (torch's bfloat16 matmul on AVX-512 BF16 / AMX Xeons
-    # spreads it into the neighbouring row), and a yardstick must not
-    # depend on that.
-    seen = torch.isfinite(S).any(dim=-1, keepdim=True)
-    P = torch.where(seen, torch.softmax(S.float(), dim=-1), 0.0).to(q.dtype)
-    lse = torch.logsumexp(S.float(), dim=-1)
-    out = P @ v
-    return (out, lse, S) if return_scores else (out, lse)
-
-
-def _float32_scores(q, k, causal, scale, **options):
-    k = k.float().repeat_interleave(q.shape[1] // k.shape[1], dim=1)
-    S = (q.float() * _scale(q, scale)) @ k.transpose(-1, -2)
-    return apply_options(S, causal, **options)
-
-
-def _scores_broke(S, q, k, causal, scale, **options):
-    """True when the same-dtype scores S overflowed or drifted SCORE_BREAKDOWN from float32's.
-
-    float32 is the reference here (cheaper than float64, and its own error
-    reaches 1 only for scores beyond 1e7, where a 16-bit dtype is off by far
-    more): if the two disagree that much, the same-dtype result is not a
-    rounded version of attention.
-    """
-    if q.dtype == torch.float32:
-        return False  # the fallback would be this very computation
-    S32 = _float32_scores(q, k, causal, scale, **options)
-    fin = torch.isfinite(S32)
-    if not torch.equal(torch.isfinite(S), fin):
-        return True
-    drift = torch.where(fin, S.float() - S32, 0.0).abs().max().item()
-    return drift >= SCORE_BREAKDOWN
-
-
-def yardstick_errors(q, k, v, causal, scale, ref_out, ref_lse, **options):
-    """(out error, lse error) of the yardstick against the float64 oracle.
-
-    The yardstick is PyTorch's same-dtype attention (FlashAttention's rule),
-    unless its scores broke down: non-finite where float32's are finite
-    (float16 overflows past 65504), or off by SCORE_BREAKDOWN or more (logits
-    of 1e11 in bfloat16 are 4e8 apart). Then it returns infinities, or an
-    effectively random row, and twice its error (as large as the output
-    itself) would excuse any result, even all zeros. In that case the
-    yardstick is the same computation in float32, which cannot overflow on
-    these inputs, with its error scaled by eps(dtype) / eps(float32): what
-    same-dtype arithmetic would cost if it had float32's range. The output's
-    own rounding to the dtype is added, since the float32 result skips it.
-    """
-    pt_out, pt_lse, S = pytorch_attention_same_dtype(q, k, v, causal, scale, return_scores=True, **options)
-    lfin = torch.isfinite(ref_lse)
-    if not _scores_broke(S, q, k, causal, scale, **options):
-        err = (pt_out.double() - ref_out).abs().max().item()
-        lerr = (pt_lse.double()[lfin] - ref_lse[lfin]).abs().max().item() if lfin.any() else 0.0
-        return err, lerr
-    f_out, f_lse = pytorch_attention_same_dtype(q.float(), k.float(), v.float(), causal, scale, **_float_mask(options))
-    ratio = torch.finfo(q.dtype).eps / torch.finfo(torch.float32).eps
-    err = ratio * (f_out.double() - ref_out).abs().max().item() + (ref_out.to(q.dtype).double() - ref_out).abs().max().item()
-    lerr = ratio * (f_lse.double()[lfin] - ref_lse[lfin]).abs().max().item() if lfin.any() else 0.0
-    return err, lerr
-
-
-def _float_mask(options):
-    # The float32 fallback yardstick takes an additive mask in float32 too.
-    m = options.get("attn_mask")
-    if m is not None and m.dtype != torch.bool:
-        options = dict(options, attn_mask=m.float())
-    return options
-
-
-def rounding_floor(ref, dtype):
-    r = ref.to(dtype)
-    return 2 * ((r + 0.3 - 0.3) - r).abs().max().item()
-
-
-def fp32_floor(ref, length):
-    finite = ref[torch.isfinite(ref)]
-    mag = finite.abs().max().item() if finite.numel() else 0.0
-    return FP32_ULPS * torch.finfo(torch.float32).eps * max(mag, 1.0) * max(1.0, math.log2(max(length, 1)))
-
-
-def attention_tolerances(q, k, v, causal=False, scale=None, strict=False, **options):
-    """(ref_out, ref_lse, out tolerance, lse tolerance) by the 2x rule.
-
-    strict: FlashAttention's rule alone, 2x PyTorch's error plus the rounding
-    floor of the output dtype, without the float32 accumulation floor
-    (fp32_floor), which for float32 inputs can exceed PyTorch's own error.
-    """
-    ref_out, ref_lse = attention_reference(q, k, v, causal, scale, **options)
-    pt_err, pt_lerr = yardstick_errors(q, k, v, causal, scale, ref_out, ref_lse, **options)
-    nk = k.shape[2]
-    slack = (lambda ref: 0.0) if strict else (lambda ref: fp32_floor(ref, nk))
-    tol = 2 * pt_err + rounding_floor(ref_out, q.dtype) + slack(ref_out)
-    fin = torch.isfinite(ref_lse)
-    ltol = 0.0
-    if fin.any():
-        ltol = 2 * pt_lerr + rounding_floor(ref_lse[fin], torch.float32) + slack(ref_lse[fin])
-    # A tolerance as large as the output itself would pass an all-zero
-    # result: then the yardstick, not the kernel, is broken.
-    mag = ref_out.abs().max().item()
-    assert mag == 0.0 or tol < mag, f"tolerance {tol:.3g} >= max|reference| {mag:.3g}: the yardstick is meaningless"
-    return ref_out, ref_lse, tol, ltol
-
-
-def assert_attention_close(out, lse, q, k, v, causal=False, scale=None, strict=False, **options):
-    """out/lse from a kernel vs the float64 oracle, by the 2x rule (strict: no fp32_floor).
-
-    options: attn_mask, window_left, window_right, softcap, as the op takes them.
-    """
-    assert out.shape == q.shape and out.dtype == q.dtype
-    assert lse.shape == q.shape[:3] and lse.dtype == torch.float32
-    assert not torch.isnan(out).any(), "output has NaN: an element was never written, or the math broke"
-    assert not torch.isnan(lse).any(), "lse has NaN: an element was never written, or the math broke"
-    ref_out, ref_lse, tol, ltol = attention_tolerances(q, k, v, causal, scale, strict, **options)
-
-    err = (out.double() - ref_out).abs().max().item()
-    assert err <= tol, f"out: max error {err:.3g} > tolerance {tol:.3g}"
-
-    # lse: -inf exactly where the oracle has -inf (rows with no visible key).
-    assert torch.equal(torch.isinf(lse), torch.isinf(ref_lse)), "lse is -inf on the wrong rows"
-    fin = torch.isfinite(ref_lse)
-    if fin.any():
-        lerr = (lse.double()[fin] - ref_lse[fin]).abs().max().item()
-        assert lerr <= ltol, f"lse: max error {lerr:.3g} > tolerance {ltol:.3g}"
-
-
-# ---------------------------------------------------------------- gradients
-
-
-def reference_gradients(q, k, v, grad_out, causal=False, scale=None, grad_lse=None, bounds=False, **options):
-    """The float64 oracle of attention_backward: (grad_q, grad_k, grad_v).
-
-    Written from the definition, through the full N x N matrices: with
-    P = softmax(S) (zero on masked keys and on rows that see no key),
-    dV = Pᵀ dO, dS = P ∘ (dO Vᵀ − rowsum(dO ∘ O) + grad_lse), dQ = dS K · scale,
-    dK = dSᵀ Q · scale, summed over each kv head's query group. With
-    softcap, dS is multiplied by the cap's derivative 1 - tanh²(S / softcap).
-    tests/test_backward.py checks it against autograd through
-    attention_reference.
-    """
-    s = _scale(q, scale)
-    q64, k64, v64, do64 = q.double(), k.double(), v.double(), grad_out.double()
-    group = q.shape[1] // k.shape[1]
-    ke, ve = k64.repeat_interleave(group, dim=1), v64.repeat_interleave(group, dim=1)
-    S_raw = (q64 @ ke.transpose(-1, -2)) * s
-    S = apply_options(S_raw, causal, **options)
-    vis = torch.isfinite(S)
-    lse = torch.logsumexp(S, dim=-1, keepdim=True)
-    seen = torch.isfinite(lse)
-    P = torch.where(seen & vis, torch.exp(S - torch.where(seen, lse, 0.0)), 0.0)
-    O = P @ ve
-    Di = (do64 * O).sum(-1, keepdim=True)
-    if grad_lse is not None:
-        Di = Di - torch.where(seen, grad_lse.double().unsqueeze(-1), 0.0)
-    dP = do64 @ ve.transpose(-1, -2)
-    dS = P * (dP - Di)
-    softcap = options.get("softcap", 0.0)
-    if softcap > 0:
-        dS = dS * (1 - torch.tanh(S_raw / softcap) ** 2)
-    dq = (dS @ ke) * s
-    dk = (dS.transpose(-1, -2) @ q64) * s
-    dv = P.transpose(-1, -2) @ do64
-    B, Hkv, Nk, D = k.shape
-    dk = dk.view(B, Hkv, group, Nk, D).sum(2)
-    dv = dv.view(B, Hkv, group, Nk, D).sum(2)
-    if not bounds:
-        return dq, dk, dv
-    # The same sums taken over absolute values: what float32 rounding error
-    # scales with. dS = P (dP - D) cancels (exactly, for a row with one
-    # key), so the gradients can be far smaller than the terms their
-    # rounding comes from; see gradient_tolerances.
-    A = P * (do64.abs() @ ve.abs().transpose(-1, -2) + (do64 * O).abs().sum(-1, keepdim=True))
-    bq = (A @ ke.abs()) * abs(s)
-    bk = ((A.transpose(-1, -2) @ q64.abs()) * abs(s)).view(B, Hkv, group, Nk, D).sum(2)
-    bv = (P.transpose(-1, -2) @ do64.abs()).view(B, Hkv, group, Nk, D).sum(2)
-    return (dq, dk, dv), (bq, bk, bv)
-
-
-def _same_dtype_gradients(q, k, v, grad_out, causal, scale, grad_lse, **options):
-    """PyTorch's attention in the inputs' dtype, differentiated by autograd: the yardstick."""
-    qd, kd, vd = (t.detach().clone().requires_grad_(True) for t in (q, k, v))
-    ke, ve = _expand_kv(qd, kd, vd)
-    S = apply_options((qd * _scale(q, scale)) @ ke.transpose(-1, -2), causal, **options)
-    vis = torch.isfinite(S.detach())
-    seen = vis.any(-1, keepdim=True)
-    # Rows that see no key: scores 0 and P zeroed, so no NaN enters autograd.
-    S = torch.where(seen, S, torch.zeros((), dtype=S.dtype))
-    P = (torch.softmax(S.float(), dim=-1) * seen).to(q.dtype)
-    loss = ((P @ ve).float() * grad_out.float()).sum()
-    if grad_lse is not None:
-        lse = torch.logsumexp(S.float(), dim=-1)
-        loss = loss + torch.where(seen.squeeze(-1), lse * grad_lse, 0.0).sum()
-    return torch.autograd.grad(loss, (qd, kd, vd))
-
-
-def gradient_tolerances(q, k, v, grad_out, causal=False, scale=None, grad_lse=None, **options):
-    """(reference gradients, tolerances) by FlashAttention's 2x rule, one per gradient.
-
-    Each tolerance is twice the error of PyTorch's same-dtype attention
-    backward against the float64 oracle, plus the rounding floor of the
-    gradient's dtype and the float32 accumulation floor. That floor is taken
-    from the magnitude of the terms summed (the same sums over absolute
-    values), not of the gradient: dS = P (dP - D) subtracts two float32 dot
-    products of size |dO| |V| that cancel exactly when a row sees one key,
-    where PyTorch's softmax backward happens to be exact (P = 1) and a
-    kernel that sums dP and D in different orders is not.
-    """
-    refs, bounds = reference_gradients(q, k, v, grad_out, causal, scale, grad_lse, bounds=True, **options)
-    pts = _same_dtype_gradients(q, k, v, grad_out, causal, scale, grad_lse, **options)
-    length = max(q.shape[2], k.shape[2], q.shape[3])
-    tols = []
-    for ref, pt, bound in zip(refs, pts, bounds):
-        err = (pt.double() - ref).abs().max().item() if ref.numel() else 0.0
-        floor = rounding_floor(ref, q.dtype) + fp32_floor(bound, length)
-        # A yardstick error as large as the gradient itself would pass an
-        # all-zero result; unless the gradient is itself zero up to rounding
-        # (grad_q with a single key: P = 1 whatever q is).
-        mag = ref.abs().max().item() if ref.numel() else 0.0
-        assert mag <= floor or 2 * err < mag, f"yardstick error {err:.3g} vs max|gradient| {mag:.3g}: meaningless"
-        tols.append(2 * err + floor)
-    return refs, tols
-
-
-def assert_gradients_close(grads, q, k, v, grad_out, causal=False, scale=None, grad_lse=None, **options):
-    """(grad_q, grad_k, grad_v) from a kernel vs the float64 oracle, by the 2x rule."""
-    refs, tols = gradient_tolerances(q, k, v, grad_out, causal, scale, grad_lse, **options)
-    for name, g, like, ref, tol in zip(("grad_q", "grad_k", "grad_v"), grads, (q, k, v), refs, tols):
-        assert g.shape == like.shape and g.dtype == like.dtype, f"{name}: {g.shape} {g.dtype}"
-        assert torch.isfinite(g).all(), f"{name} has NaN/inf: an element was never written, or the math broke"
-        err = (g.double() - ref).abs().max().item()
-        assert err <= tol, f"{name}: max error {err:.3g} > tolerance {tol:.3g}"
-
-
-# ---------------------------------------------------------------- varlen
-
-
-def varlen_sequences(cu_seqlens_q, cu_seqlens_k):
-    """[(q rows, k rows)] slices of each packed sequence."""
-    cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
-    return [(slice(cq[b], cq[b + 1]), slice(ck[b], ck[b + 1])) for b in range(len(cq) - 1)]
-
-
-def as_batch(t, rows):
-    """Rows of a packed (total, H, D) tensor as a (1, H, n, D) view."""
-    return t[rows].transpose(0, 1).unsqueeze(0)
-
-
-def assert_varlen_close(out, lse, q, k, v, cu_seqlens_q, cu_seqlens_k, causal=False, scale=None, **options):
-    """attention_varlen's (out, lse) vs the float64 oracle, sequence by sequence, by the 2x rule.
-
-    A sequence with no query rows has nothing to check; one with queries but
-    no key must give zeros and lse = -inf (checked like any other).
-    """
-    assert out.shape == q.shape and out.dtype == q.dtype
-    assert lse.shape == (q.shape[1], q.shape[0]) and lse.dtype == torch.float32
-    assert not torch.isnan(out).any() and not torch.isnan(lse).any(), "an element was never written"
-    for qs, ks in varlen_sequences(cu_seqlens_q, cu_seqlens_k):
-        if qs.stop == qs.start:
-            continue
-        qb, kb, vb = as_batch(q, qs), as_batch(k, ks), as_batch(v, ks)
-        if ks.stop == ks.start:
-            assert (out[qs] == 0).all() and torch.isneginf(lse[:, qs]).all()
-            continue
-        assert_attention_close(as_batch(out, qs), lse[:, qs].unsqueeze(0), qb, kb, vb, causal, scale, **options)
-
-
-def assert_varlen_gradients_close(grads, q, k, v, grad_out, cu_seqlens_q, cu_seqlens_k, causal=False, scale=None,
-                                  grad_lse=None, **options):
-    """attention_varlen_backward's gradients vs the float64 oracle, sequence by sequence."""
-    for g, like in zip(grads, (q, k, v)):
-        assert g.shape == like.shape and g.dtype == like.dtype
-        assert torch.isfinite(g).all(), "a gradient has NaN/inf: an element was never written"
-    for qs, ks in varlen_sequences(cu_seqlens_q, cu_seqlens_k):
-        if qs.stop == qs.start or ks.stop == ks.start:
-            # No query: k/v rows get zero gradient; no key: q rows do.
-            assert (grads[0][qs] == 0).all() and (grads[1][ks] == 0).all() and (grads[2][ks] == 0).all()
-            continue
-        glse = None if grad_lse is None else grad_lse[:, qs].unsqueeze(0)
-        assert_gradients_close(
-            tuple(as_batch(g, r) for g, r in zip(grads, (qs, ks, ks))), as_batch(q, qs), as_batch(k, ks),
-            as_batch(v, ks), as_batch(grad_out, qs), causal, scale, glse, **options,
-        )

@@ -12,10 +12,12 @@ that of the sources, and dot-files (AppleDouble `._x.metal`) count neither
 there nor in the runtime's copy; Apple's compiler gets the flags the kernels
 need; the package data never ships the checkout's old metallib.
 
-The sdist (marked `sdist`: a full compile, minutes; `-m "not sdist"` skips it
-while iterating): built from a clean copy of the sources, it holds every
-source and no build output, and it installs into a fresh venv whose op then
-passes the 2x rule on the CPU.
+The sdist: built from a clean copy of the sources, it holds every source and
+no build output (always checked). That it installs into a fresh venv whose op
+then passes the 2x rule on the CPU is a second full compile of the extension
+(3 minutes on 2 cores, a tenth of the Linux CI's budget), so it runs where
+FLASH_METAL_SDIST_INSTALL=1 is set: the macOS workflow sets it; locally,
+`FLASH_METAL_SDIST_INSTALL=1 pytest -m sdist tests/test_build.py`.
 """
 import functools
 import importlib.machinery
@@ -414,7 +416,12 @@ def test_the_sdist_holds_every_source_and_no_build_output(sdist):
     assert sorted(m for m in members if m in LEFTOVERS or m.endswith(".so") or "/._" in m) == []
 
 
+SDIST_INSTALL = os.environ.get("FLASH_METAL_SDIST_INSTALL") == "1"
+
+
 @pytest.mark.sdist
+@pytest.mark.skipif(not SDIST_INSTALL, reason="a second full compile: FLASH_METAL_SDIST_INSTALL=1 runs it "
+                    "(the macOS workflow does)")
 def test_the_sdist_installs_into_a_fresh_venv_and_runs(sdist, tmp_path):
     # What a user of `pip install flash_metal-<v>.tar.gz` gets: a build from
     # the sdist alone (no checkout around it), then the op on the CPU.

@@ -108,6 +108,20 @@ def test_device_found_without_pytorch(host):
     assert "MTLCreateSystemDefaultDevice" not in {e["op"] for e in info["_recording"]["events"]}
 
 
+def test_the_selfcheck_reads_the_executed_hosts_answer(host):
+    # python -m flash_metal.selfcheck parses this op's JSON (flash_metal/_selfcheck_backends.py):
+    # the fake device's real answer, not a hand-written one.
+    from flash_metal._selfcheck_backends import parse_device_info
+
+    raw = checks.device_info(host)
+    raw.pop("_recording")
+    info = parse_device_info(json.dumps(raw))
+    assert info["available"] is True and info["name"] == FAKE_NAME and info["macos"] == "15.0.0"
+    assert info["families"] and set(info["families"]) <= FAMILIES
+    assert info["library"]["runtime_compile"] is False and info["library"]["origin"]
+    assert [p["name"] for p in info["pipelines"]] == [p["kernel"] for p in raw["pipelines"]]
+
+
 def test_no_device_answers_unavailable(host):
     with checks.knobs(host, torch_mps_device=0, metal_devices=0):
         info = checks.device_info(host)

@@ -159,12 +159,6 @@ def test_params_bytes_carry_strides_and_sizes():
     assert splits == (1, 11)  # not a split-KV launch: one block of all the keys
 
 
-def test_shipped_shaders_pass_msl_rules():
-    from metal_emulator import check_msl_rules
-
-    check_msl_rules(sorted(glob.glob(os.path.join(ROOT, "shaders", "*.metal"))))
-
-
 def test_packaged_shader_sources_are_complete():
     # What pip installs into flash_metal/shaders/ (the MPS backend's runtime-
     # compile fallback) compiles as-is and holds the same kernels.

@@ -125,7 +125,8 @@ def macos_workflow_problems(text):
     if not re.search(r"runs-on: \$\{\{ matrix\.os \}\}", text):
         problems.append("the job does not run on the matrix's image")
     require, werror, full = _env_names()
-    for name, value in ((require, '"1"'), (werror, '"1"'), ("ARCHFLAGS", '"-arch arm64"')):
+    for name, value in ((require, '"1"'), (werror, '"1"'), ("ARCHFLAGS", '"-arch arm64"'),
+                        ("FLASH_METAL_SDIST_INSTALL", '"1"')):
         if not re.search(rf"^\s+{name}: {re.escape(value)}$", text, flags=re.M):
             problems.append(f"{name} is not set to {value}")
     if not re.search(rf"^\s+{full}: \$\{{\{{ inputs\.mps_full", text, flags=re.M):
@@ -156,13 +157,14 @@ def test_macos_workflow_tests_the_promises():
     ('torch: "2.4.0"', 'torch: "2.5.1"', "minimum torch"),
     ('FLASH_METAL_SHADER_WERROR: "1"', 'FLASH_METAL_SHADER_WERROR: "0"', "FLASH_METAL_SHADER_WERROR"),
     ('ARCHFLAGS: "-arch arm64"', 'ARCHFLAGS: "-arch arm64 -arch x86_64"', "ARCHFLAGS"),
+    ('FLASH_METAL_SDIST_INSTALL: "1"\n', "", "FLASH_METAL_SDIST_INSTALL"),  # the sdist round trip never runs
     ("        continue-on-error: true\n", "", "device"),  # the device step made fatal
     ("-m mps_backend\n", "-m cpu\n", "real Metal tests"),
     ("        if: always()\n        run: |\n          status=0", "        run: |\n          status=0",
      "self-check does not always run"),
     ("        if: always()\n        uses: actions/upload-artifact", "        uses: actions/upload-artifact",
      "not always uploaded"),
-], ids=["retired-image", "no-macos-26", "no-minimum-torch", "no-werror", "universal2", "device-fatal",
+], ids=["retired-image", "no-macos-26", "no-minimum-torch", "no-werror", "universal2", "no-sdist", "device-fatal",
         "no-mps-tests", "selfcheck-not-always", "upload-not-always"])
 def test_the_promises_check_catches_a_planted_gap(plant, expected, problem):
     text = _read(MACOS)

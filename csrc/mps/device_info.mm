@@ -136,20 +136,22 @@ std::string constants_of(const std::vector<bool>& constants) {
   return s;
 }
 
-// Builds every pipeline the planner can name (all_metal_launches), each
-// failure reported instead of thrown. Returns the errors as JSON objects.
+// Builds every pipeline the planner can name (all_metal_launches), all at
+// once (get_pipelines), each failure reported instead of thrown. Returns the
+// errors as JSON objects.
 std::vector<std::string> build_every_pipeline(id<MTLDevice> device) {
+  const std::vector<MetalLaunch> launches = all_metal_launches();
+  std::vector<PipelineRequest> requests;
+  for (const MetalLaunch& launch : launches) requests.push_back({launch.kernel_name, launch.function_constants});
+  const std::vector<PipelineResult> results = get_pipelines(device, requests);  // the library is already loaded
   std::vector<std::string> errors;
-  for (const MetalLaunch& launch : all_metal_launches()) {
-    try {
-      get_pipeline(device, launch.kernel_name, launch.function_constants);
-    } catch (const std::exception& e) {
-      errors.push_back(json::Object()
-                           .str("kernel", launch.kernel_name)
-                           .str("function_constants", constants_of(launch.function_constants))
-                           .str("error", message_of(e))
-                           .json());
-    }
+  for (size_t i = 0; i < launches.size(); ++i) {
+    if (results[i].error.empty()) continue;
+    errors.push_back(json::Object()
+                         .str("kernel", launches[i].kernel_name)
+                         .str("function_constants", constants_of(launches[i].function_constants))
+                         .str("error", results[i].error)
+                         .json());
   }
   return errors;
 }

@@ -8,9 +8,12 @@
 // unloadable. Both paths compile without fast math (the kernels rely on
 // infinities). macOS older than 14 is refused with a clear error: Metal 3.1,
 // which the kernels need for bfloat, starts there. Pipelines are cached by
-// device, kernel name and function-constant values. Everything is
-// thread-safe, and every failure throws c10::Error (warnings are TORCH_WARN)
-// here, on the calling thread, never inside a dispatch block.
+// device, kernel name and function-constant values; the cache's lock is never
+// held while Metal compiles, so threads build different pipelines at once.
+// Everything is thread-safe. Every failure throws c10::Error (warnings are
+// TORCH_WARN) on the calling thread, except that try_get_pipeline and
+// get_pipelines report pipeline failures as strings: their builds run inside
+// blocks libdispatch calls, where an exception would terminate the process.
 //
 // Objective-C++ (manual retain/release, never ARC): include only from .mm.
 #pragma once
@@ -36,6 +39,26 @@ struct Pipeline {
 // (all boolean), built for `device` on first use. Throws c10::Error naming
 // the kernel and the library it was looked up in.
 Pipeline get_pipeline(id<MTLDevice> device, const std::string& name, const std::vector<bool>& constants);
+
+// get_pipeline that never throws, for a block libdispatch runs: the pipeline,
+// or a nil state and `error`, the message get_pipeline would throw.
+struct PipelineResult {
+  Pipeline pipeline;
+  std::string error;  // "" on success
+};
+PipelineResult try_get_pipeline(id<MTLDevice> device, const std::string& name,
+                                const std::vector<bool>& constants) noexcept;
+
+// Many pipelines at once (pipelines.mm): the library is loaded first, on the
+// calling thread (its errors are thrown and its fallback warnings raised
+// there, as get_pipeline's are), then every request is built concurrently
+// with dispatch_apply on a global concurrent queue. Result i answers request
+// i; a pipeline that fails is reported in its result, never thrown.
+struct PipelineRequest {
+  std::string kernel_name;
+  std::vector<bool> constants;
+};
+std::vector<PipelineResult> get_pipelines(id<MTLDevice> device, const std::vector<PipelineRequest>& requests);
 
 // Where the library get_pipeline uses on `device` came from, e.g. "the
 // precompiled /.../flash_metal.metallib"; loads it on first use (same errors).

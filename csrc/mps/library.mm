@@ -3,7 +3,9 @@
 // Written for this project; the shape (one library per process, pipelines
 // keyed by name and function constants behind a mutex) follows what
 // PyTorch's MetalShaderLibrary does internally, without depending on that
-// ATen-internal class. Manual retain/release: setup.py builds with
+// ATen-internal class. Unlike it, the mutex is released while Metal builds a
+// pipeline (look up, build unlocked, insert; the first insert wins), so
+// metal_build_all_pipelines can build them all at once. Manual retain/release: setup.py builds with
 // -fno-objc-arc. No exception is ever thrown inside an @autoreleasepool
 // (it would skip the pool's drain): errors are collected as strings and
 // thrown after the pool has closed. Compile options follow PyTorch's own
@@ -294,9 +296,14 @@ const LoadedLibrary& library_for(id<MTLDevice> device) {
   return libraries().emplace(key, lib).first->second;
 }
 
-Pipeline build_pipeline(id<MTLDevice> device, const LoadedLibrary& lib, const std::string& name,
-                        const std::vector<bool>& constants) {
-  std::string error;
+// Builds a pipeline from `library` (described by `origin`, for messages).
+// Runs without the cache's lock, possibly on several threads at once
+// (metal_build_all_pipelines), so it touches no shared state and never throws:
+// a failure leaves state nil and says why in *error. Metal's device and
+// library are safe to use from several threads; each call has its own
+// function and constant values.
+Pipeline build_pipeline(id<MTLDevice> device, id<MTLLibrary> library, const std::string& origin,
+                        const std::string& name, const std::vector<bool>& constants, std::string* error) noexcept {
   Pipeline p;
   MTLFunctionConstantValues* values = [[MTLFunctionConstantValues alloc] init];
   for (size_t i = 0; i < constants.size(); ++i) {
@@ -305,23 +312,24 @@ Pipeline build_pipeline(id<MTLDevice> device, const LoadedLibrary& lib, const st
   }
   @autoreleasepool {
     NSError* err = nil;
-    id<MTLFunction> function = [lib.library newFunctionWithName:[NSString stringWithUTF8String:name.c_str()]
-                                                 constantValues:values
-                                                          error:&err];  // +1
+    id<MTLFunction> function = [library newFunctionWithName:[NSString stringWithUTF8String:name.c_str()]
+                                             constantValues:values
+                                                      error:&err];  // +1
     if (function == nil) {
-      error = "kernel '" + name + "' is not in " + lib.origin + " (" + describe(err) +
-              "). The extension and its shaders come from different builds: " + kReinstallHint;
+      *error = "kernel '" + name + "' is not in " + origin + " (" + describe(err) +
+               "). The extension and its shaders come from different builds: " + kReinstallHint;
     } else {
       p.state = [device newComputePipelineStateWithFunction:function error:&err];  // +1, kept by the cache
-      if (p.state == nil) error = "cannot build the pipeline of kernel '" + name + "': " + describe(err);
+      if (p.state == nil) *error = "cannot build the pipeline of kernel '" + name + "': " + describe(err);
       [function release];
     }
   }
   [values release];
-  TORCH_CHECK(p.state != nil, "flash_metal: ", error);
-  p.max_threads_per_threadgroup = [p.state maxTotalThreadsPerThreadgroup];
-  p.static_threadgroup_memory = [p.state staticThreadgroupMemoryLength];
-  p.thread_execution_width = [p.state threadExecutionWidth];
+  if (p.state != nil) {
+    p.max_threads_per_threadgroup = [p.state maxTotalThreadsPerThreadgroup];
+    p.static_threadgroup_memory = [p.state staticThreadgroupMemoryLength];
+    p.thread_execution_width = [p.state threadExecutionWidth];
+  }
   return p;
 }
 
@@ -331,17 +339,81 @@ std::string constants_string(const std::vector<bool>& constants) {
   return s;
 }
 
+// The first half of a lookup, under the lock: the cached pipeline, or, on a
+// miss, the library to build it from (loaded now if this is the first use on
+// the device; its errors propagate).
+struct Lookup {
+  Pipeline cached;              // state nil on a miss
+  id<MTLLibrary> library = nil;  // owned by libraries(), kept for the process
+  std::string origin;
+};
+Lookup look_up(id<MTLDevice> device, const PipelineKey& key) {
+  std::lock_guard<std::mutex> lock(mutex());
+  auto hit = pipelines().find(key);
+  if (hit != pipelines().end()) return {hit->second, nil, ""};
+  const LoadedLibrary& lib = library_for(device);
+  return {Pipeline{}, lib.library, lib.origin};
+}
+
+// The second half, under the lock again: caches `built` (state +1) and
+// returns it, unless another thread cached the same pipeline while this one
+// was building; then the cached one wins and `built` is released (one
+// reference per cached pipeline, none leaked).
+Pipeline keep(const PipelineKey& key, const Pipeline& built) {
+  Pipeline cached;
+  {
+    std::lock_guard<std::mutex> lock(mutex());
+    auto [it, inserted] = pipelines().emplace(key, built);
+    if (inserted) return built;
+    cached = it->second;
+  }
+  [built.state release];
+  return cached;
+}
+
+// What c10::Error says without its C++ backtrace (the message TORCH_CHECK was given).
+std::string message_of(const std::exception& e) {
+  if (const auto* c10_error = dynamic_cast<const c10::Error*>(&e)) return c10_error->what_without_backtrace();
+  return e.what();
+}
+
 }  // namespace
 
+// The cache's lock is held to look up and to insert, never while Metal
+// compiles, so several threads build different pipelines at once.
 Pipeline get_pipeline(id<MTLDevice> device, const std::string& name, const std::vector<bool>& constants) {
-  std::lock_guard<std::mutex> lock(mutex());
   const PipelineKey key{reinterpret_cast<uintptr_t>(device), name, constants_string(constants)};
-  auto hit = pipelines().find(key);
-  if (hit != pipelines().end()) return hit->second;
+  const Lookup found = look_up(device, key);
+  if (found.cached.state != nil) return found.cached;
+  std::string error;
+  const Pipeline built = build_pipeline(device, found.library, found.origin, name, constants, &error);
+  TORCH_CHECK(built.state != nil, "flash_metal: ", error);
+  return keep(key, built);
+}
 
-  Pipeline p = build_pipeline(device, library_for(device), name, constants);
-  pipelines().emplace(key, p);
-  return p;
+PipelineResult try_get_pipeline(id<MTLDevice> device, const std::string& name,
+                                const std::vector<bool>& constants) noexcept {
+  PipelineResult result;
+  try {
+    const PipelineKey key{reinterpret_cast<uintptr_t>(device), name, constants_string(constants)};
+    const Lookup found = look_up(device, key);  // throws only if the library fails to load
+    if (found.cached.state != nil) {
+      result.pipeline = found.cached;
+      return result;
+    }
+    std::string error;
+    const Pipeline built = build_pipeline(device, found.library, found.origin, name, constants, &error);
+    if (built.state == nil) {
+      result.error = "flash_metal: " + error;
+      return result;
+    }
+    result.pipeline = keep(key, built);
+  } catch (const std::exception& e) {
+    result.error = message_of(e);
+  } catch (...) {
+    result.error = "flash_metal: an unknown error while building the pipeline of kernel '" + name + "'";
+  }
+  return result;
 }
 
 std::string library_origin(id<MTLDevice> device) {

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import os
@@ -195,22 +196,40 @@ def _run(cmd: list[str], what: str) -> subprocess.CompletedProcess:
 
 
 def _atomic_dir(final: str, build) -> str:
-    """Build into a temporary sibling, then rename (safe with parallel test processes)."""
+    """Build into a temporary sibling, then rename (safe with parallel test processes). Processes
+    wanting the same output (pytest-xdist's workers) take turns on a lock file beside it (.<name>.lock),
+    so the second waits for the first's build instead of repeating it on the same cores."""
     if os.path.isdir(final):
         return final
     os.makedirs(os.path.dirname(final), exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=os.path.basename(final) + ".tmp", dir=os.path.dirname(final))
-    try:
-        build(tmp)
+    with _build_lock(os.path.join(os.path.dirname(final), "." + os.path.basename(final) + ".lock")):
+        if os.path.isdir(final):
+            return final
+        tmp = tempfile.mkdtemp(prefix=os.path.basename(final) + ".tmp", dir=os.path.dirname(final))
         try:
-            os.rename(tmp, final)
-        except OSError:
-            if not os.path.isdir(final):
-                raise
-    finally:
-        if os.path.isdir(tmp):
-            shutil.rmtree(tmp, ignore_errors=True)
+            build(tmp)
+            try:
+                os.rename(tmp, final)
+            except OSError:
+                if not os.path.isdir(final):
+                    raise
+        finally:
+            if os.path.isdir(tmp):
+                shutil.rmtree(tmp, ignore_errors=True)
     return final
+
+
+@contextlib.contextmanager
+def _build_lock(path: str):
+    """An exclusive advisory lock on `path` (POSIX flock; released when the process dies)."""
+    import fcntl
+
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def runtime_objects(pool: ThreadPoolExecutor) -> list[str]:

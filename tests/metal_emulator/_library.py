@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import json
+import re
 import os
 import subprocess
 import threading
@@ -358,6 +359,22 @@ def compile_library(paths, instrumented: bool = False, fast_math: bool = False) 
         return lib
 
 
+# A library whose kernels are all template instantiations is compiled as one
+# translation unit per core (at most 4), each instantiating every S-th
+# registration site (include/fm/kernel.h): attention.metal's ~100 instantiations
+# take minutes in one clang process. Not with a plain (non-template) kernel,
+# which every unit would define: its symbol would clash at link time.
+_PLAIN_KERNEL_SITE = re.compile(r'FMEMU_REGISTER_KERNEL\("(\w+)", \1\)')
+
+
+def _shards(rewritten_path: str) -> int:
+    with open(rewritten_path, encoding="utf-8") as f:
+        text = f.read()
+    if "FMEMU_REGISTER_KERNEL" not in text or _PLAIN_KERNEL_SITE.search(text):
+        return 1
+    return max(1, min(4, os.cpu_count() or 1))
+
+
 def _compile(paths: list[str], instrumented: bool, fast_math: bool) -> Library:
     clang = _build.find_clang()
     kflags = _build.kernel_flags(instrumented, fast_math)
@@ -375,16 +392,22 @@ def _compile(paths: list[str], instrumented: bool, fast_math: bool) -> Library:
             objs, scans = [], []
             for i, p in enumerate(paths):
                 src = mapping[p]
-                obj = os.path.join(tmp, f"k{i}.o")
-                objs.append(obj)
+                shards = _shards(src)
                 inc = ["-I", os.path.dirname(src)]
                 scans.append(pool.submit(_build._run, [clang, *_build.common_flags(), *inc, "-DFMEMU_SCAN", "-fsyntax-only",
                                                        "-Xclang", "-ast-dump=json", src], f"scanning {p}"))
-                scans.append(pool.submit(_build._run, [clang, *kflags, *inc, "-c", src, "-o", obj], f"compiling {p}"))
+                for n in range(shards):
+                    out = os.path.join(tmp, f"k{i}s{n}.o")
+                    objs.append(out)
+                    flags = [] if shards == 1 else [f"-DFMEMU_SHARDS={shards}", f"-DFMEMU_SHARD={n}"]
+                    scans.append(pool.submit(_build._run, [clang, *kflags, *flags, *inc, "-c", src, "-o", out],
+                                             f"compiling {p}" + (f" (shard {n + 1} of {shards})" if shards > 1 else "")))
             results = [s.result() for s in scans]
             rt_objs = runtime.result()
         decls = []
-        for r in results[0::2]:
+        for r in results:
+            if "-DFMEMU_SCAN" not in r.args:
+                continue
             decls += _registry.parse_dump(r.stdout)
         with open(os.path.join(tmp, "kernels.json"), "w", encoding="utf-8") as f:
             json.dump([{"name": d.qualified_name, "max_threads": d.max_threads,

@@ -20,7 +20,7 @@ import shutil
 import torch
 
 from ._build import (APT_PACKAGES, CACHE_DIR, MACOS_REASON, SDK_VIEWS, BuildFailed, LinuxOnly, ToolchainMissing,  # noqa: F401
-                     build, check_platform, copy_library, host_sources, toolchain)
+                     build, check_platform, copy_library, host_sources, toolchain, tsan_runtime)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
@@ -91,6 +91,9 @@ class Host:
         d.fm_exec_live_objects_json.restype = ctypes.c_char_p
         d.fm_exec_configure.argtypes = [ctypes.c_char_p, ctypes.c_uint64]
         d.fm_exec_set_runtime_compile.argtypes = [ctypes.c_char_p, ctypes.c_char_p]
+        d.fm_exec_set_failing_pipelines.argtypes = [ctypes.c_char_p]
+        d.fm_exec_race_get_pipeline.restype = ctypes.c_char_p
+        d.fm_exec_race_get_pipeline.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_int, ctypes.c_int]
         d.fm_exec_source_tree_hash.restype = ctypes.c_size_t
         d.fm_exec_source_tree_hash.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_size_t]
 
@@ -121,6 +124,16 @@ class Host:
 
     def set_runtime_compile(self, kernel_names=(), error: str = "") -> None:
         self._dll.fm_exec_set_runtime_compile("\n".join(kernel_names).encode(), error.encode())
+
+    def set_failing_pipelines(self, kernel_names=()) -> None:
+        """The fake compiler rejects the pipelines of these kernels from now on (() for none)."""
+        self._dll.fm_exec_set_failing_pipelines("\n".join(kernel_names).encode())
+
+    def race_get_pipeline(self, kernel: str, bits: str, threads: int, nothrow: bool = False) -> dict:
+        """`threads` threads call get_pipeline (try_get_pipeline if nothrow) for the same pipeline at
+        once (race_driver.mm): {"states": [pipeline address per thread], "errors": [...]}."""
+        return json.loads(self._dll.fm_exec_race_get_pipeline(kernel.encode(), bits.encode(), threads,
+                                                               int(nothrow)).decode())
 
     @staticmethod
     def to_mps(t: torch.Tensor) -> torch.Tensor:

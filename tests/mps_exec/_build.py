@@ -32,7 +32,7 @@ CACHE_DIR = os.environ.get("FLASH_METAL_MPS_EXEC_CACHE", os.path.join(HERE, ".bu
 # The portable C++ the host calls (compiled again here: setup.py builds the
 # _C extension with hidden visibility, so it exports none of it).
 PORTABLE_SOURCES = ("checks.cpp", "metal_routing.cpp", "metal_launch.cpp", "metal_registry.cpp", "metal_gpus.cpp")
-FAKE_SOURCES = ("fake_foundation.mm", "fake_metal.mm", "fake_encoder.mm", "fake_mps.mm", "personality.cpp")
+FAKE_SOURCES = ("fake_foundation.mm", "fake_metal.mm", "fake_encoder.mm", "fake_mps.mm", "race_driver.mm", "personality.cpp")
 # What apt must install for this build (Debian bookworm names).
 APT_PACKAGES = "clang-19 libobjc-12-dev libblocksruntime-dev"
 # Why the harness does not run on macOS: the real thing runs there.
@@ -202,11 +202,26 @@ def _atomic_write_from(tmp_path: str, final: str) -> None:
     os.replace(tmp_path, final)
 
 
-def _compile(unit: tuple[str, str, bool], key_base: str, sdk: int | None = None) -> str:
+# ThreadSanitizer (build(sanitize="thread")): every unit instrumented, the
+# runtime linked as a shared library, to be preloaded into the process
+# (tsan_runtime()), since Python itself is not instrumented.
+_SANITIZE = {None: ([], []), "thread": (["-fsanitize=thread"], ["-fsanitize=thread", "-shared-libsan"])}
+
+
+def tsan_runtime() -> str:
+    """The ThreadSanitizer runtime to LD_PRELOAD into a process that loads a build(sanitize="thread")."""
+    out = subprocess.run([toolchain()["clang"], "-print-file-name=libclang_rt.tsan-x86_64.so"], capture_output=True,
+                         text=True, check=True).stdout.strip()
+    if not os.path.isabs(out) or not os.path.exists(out):
+        raise ToolchainMissing(f"clang has no ThreadSanitizer runtime ({out})")
+    return out
+
+
+def _compile(unit: tuple[str, str, bool], key_base: str, sdk: int | None = None, sanitize: str | None = None) -> str:
     name, text, objc = unit
     tc = toolchain()
     # The SDK view only matters to what sees Apple's API: the Objective-C++ units.
-    flags = compile_flags() + (OBJC_FLAGS + _sdk_flags(sdk) if objc else ["-x", "c++"])
+    flags = compile_flags() + _SANITIZE[sanitize][0] + (OBJC_FLAGS + _sdk_flags(sdk) if objc else ["-x", "c++"])
     key = hashlib.sha256((key_base + name + "\0" + text + "\0" + " ".join(flags)).encode()).hexdigest()[:20]
     obj = os.path.join(CACHE_DIR, "obj", f"{name}.{key}.o")
     deps_file = obj[:-2] + ".deps.json"
@@ -228,17 +243,26 @@ def _compile(unit: tuple[str, str, bool], key_base: str, sdk: int | None = None)
     return obj
 
 
-def build(overrides: dict[str, str] | None = None, sdk: int | None = None) -> str:
+def build(overrides: dict[str, str] | None = None, sdk: int | None = None, sanitize: str | None = None) -> str:
     """Path of the built library (cached). overrides: {basename: text} replaces a source's text; sdk: the
-    SDK view of the Apple stubs (SDK_VIEWS; None: the newest)."""
+    SDK view of the Apple stubs (SDK_VIEWS; None: the newest); sanitize: "thread" for ThreadSanitizer."""
     tc = toolchain()
     _, links, torch_version = _torch_flags()
     os.makedirs(CACHE_DIR, exist_ok=True)
+    # One build at a time across processes (pytest-xdist's workers): each uses every core, and two
+    # workers wanting the same host would compile the same objects twice.
+    from metal_emulator._build import _build_lock
+
+    with _build_lock(os.path.join(CACHE_DIR, "build.lock")):
+        return _build_locked(tc, links, torch_version, overrides, sdk, sanitize)
+
+
+def _build_locked(tc, links, torch_version, overrides, sdk, sanitize) -> str:
     key_base = hashlib.sha256((tc["version"] + torch_version).encode()).hexdigest()
     units = _source_units(overrides or {})
     with ThreadPoolExecutor(max_workers=max(1, min(len(units), os.cpu_count() or 1))) as pool:
-        objects = list(pool.map(lambda u: _compile(u, key_base, sdk), units))
-    link_flags = [*links, f"-L{tc['objc_dir']}", "-lobjc", f"-L{tc['blocks_dir']}", "-lBlocksRuntime",
+        objects = list(pool.map(lambda u: _compile(u, key_base, sdk, sanitize), units))
+    link_flags = [*links, *_SANITIZE[sanitize][1], f"-L{tc['objc_dir']}", "-lobjc", f"-L{tc['blocks_dir']}", "-lBlocksRuntime",
                   "-Wl,-z,defs"]  # every symbol resolved now: a missing fake fails the build, not a test
     key = hashlib.sha256(("\0".join(objects) + " ".join(link_flags)).encode()).hexdigest()[:20]
     lib = os.path.join(CACHE_DIR, f"libmps_exec.{key}.so")

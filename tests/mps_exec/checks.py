@@ -257,3 +257,129 @@ def pipeline_errors_reported(host, emu, missing: str) -> None:
     assert all("is not in the precompiled" in e["error"] for e in info["pipeline_errors"])
     built = {p["kernel"] for p in info["pipelines"]}
     assert built == set(emu.kernel_names()) - {missing}, sorted(set(emu.kernel_names()) ^ built)
+
+
+# --- building every pipeline at once (issue 18, item 12) ------------------------------------------
+
+# Why 2 ms: far longer than a cache lookup, so builds the host lets overlap do overlap, even on
+# 2 busy cores; short enough that a fully serial build of every pipeline stays a few seconds.
+COMPILE_US = 2000
+
+
+def _pairs(events, op="newComputePipelineState"):
+    return [f"{e['kernel']}/{''.join('1' if v else '0' for _, v in sorted(e['constants'].items(), key=lambda kv: int(kv[0])))}"
+            for e in events if e["op"] == op]
+
+
+def builds_pipelines_concurrently(host, emu, threads: int = 4) -> dict:
+    """metal_build_all_pipelines on a cold cache with `threads` dispatch_apply workers and builds that
+    take COMPILE_US each: one dispatch_apply on a global queue over every pair, each pipeline built
+    exactly once and cached once (none leaked), more than one build at a time when threads > 1.
+    Returns what a sequential run must equal: the list built, the origin, the most concurrent builds."""
+    assert host.live_objects().get("FakePipeline", 0) == 0, "not a cold cache: run in a fresh process"
+    host.configure(dispatch_apply_threads=threads, pipeline_compile_us=COMPILE_US)
+    host.take_recording()
+    origin, built = torch.ops.flash_metal.metal_build_all_pipelines()
+    rec = host.take_recording()
+    assert rec["errors"] == [], rec["errors"]
+    applies = [e for e in rec["events"] if e["op"] == "dispatch_apply"]
+    assert len(applies) == 1 and applies[0]["global_queue"], f"dispatch_apply calls on a global queue: {applies}"
+    assert applies[0]["iterations"] == len(built) and applies[0]["threads"] == min(threads, len(built)), applies
+    compiled = _pairs(rec["events"])
+    assert sorted(compiled) == sorted(built) and len(set(built)) == len(built)  # each built once
+    assert {b.rsplit("/", 1)[0] for b in built} == set(emu.kernel_names())
+    most = max(e["concurrent"] for e in rec["events"] if e["op"] == "newComputePipelineState")
+    if threads > 1:
+        assert most > 1, f"{len(built)} pipelines built one at a time with {threads} dispatch_apply threads"
+    else:
+        assert most == 1, most
+    cached = device_info(host)["pipelines"]
+    assert sorted(f"{p['kernel']}/{p['function_constants']}" for p in cached) == sorted(built)
+    assert host.live_objects().get("FakePipeline", 0) == len(built)  # one reference each, none leaked
+    return {"origin": origin, "built": built, "most_concurrent": most}
+
+
+def pipelines_below_their_declared_n_fail(host, emu, limit: int) -> dict:
+    """Every pipeline admits only `limit` threads per threadgroup (a knob of the fake): the kernels whose
+    [[max_total_threads_per_threadgroup(N)]] (the plan's max_threads_per_threadgroup) exceeds `limit` fail
+    metal_build_all_pipelines, each named with N, even where the representative launch is smaller; the
+    others pass."""
+    host.configure(max_threads_per_threadgroup=limit)
+    try:
+        torch.ops.flash_metal.metal_build_all_pipelines()
+    except RuntimeError as err:
+        message = str(err)
+    else:
+        raise AssertionError(f"metal_build_all_pipelines accepted pipelines admitting {limit} threads")
+    named = {line.strip().split("/", 1)[0] for line in message.splitlines()[1:] if line.strip()}
+    return {"message": message, "named": sorted(named)}
+
+
+def pipeline_failures_reported(host, emu, failing=None) -> dict:
+    """Kernels `failing` (default: the first and the last kernel by name) rejected by the (fake) compiler, on a cold cache, with concurrent builds:
+    metal_device_info(True) lists exactly their pipelines in pipeline_errors; metal_build_all_pipelines
+    raises one error that counts and names every one of them (not just the first), and nothing escapes a
+    dispatch_apply block; with the compiler fixed, a retry builds exactly the failed ones (failures are
+    not cached) and succeeds."""
+    failing = failing or [min(emu.kernel_names()), max(emu.kernel_names())]
+    assert host.live_objects().get("FakePipeline", 0) == 0, "not a cold cache: run in a fresh process"
+    host.configure(dispatch_apply_threads=4, pipeline_compile_us=200)
+    host.set_failing_pipelines(failing)
+    info = device_info(host, build_pipelines=True)  # its recording must be clean too
+    reported = sorted(f"{e['kernel']}/{e['function_constants']}" for e in info["pipeline_errors"])
+    assert {r.rsplit("/", 1)[0] for r in reported} == set(failing), reported
+    assert all("fake Metal: compiler error in" in e["error"] for e in info["pipeline_errors"])
+    host.take_recording()
+    try:
+        torch.ops.flash_metal.metal_build_all_pipelines()
+    except RuntimeError as err:
+        message = str(err)
+    else:
+        raise AssertionError("metal_build_all_pipelines succeeded with failing pipelines")
+    rec = host.take_recording()
+    assert rec["errors"] == [], rec["errors"]
+    assert sorted(_pairs(rec["events"])) == reported  # only the uncached (failed) ones were tried again
+    host.set_failing_pipelines(())
+    origin, built = torch.ops.flash_metal.metal_build_all_pipelines()
+    retried = host.take_recording()
+    assert retried["errors"] == [] and sorted(_pairs(retried["events"])) == reported
+    total = len(built)
+    assert f"{len(reported)} of {total} pipelines failed" in message, message
+    for entry in reported:
+        assert f"\n  {entry}: flash_metal: cannot build the pipeline of kernel" in message, (entry, message)
+    return {"message": message, "reported": reported}
+
+
+@contextlib.contextmanager
+def slow_builds(host, compile_us: int = 20000):
+    """Every pipeline build takes compile_us (default 20 ms: long enough for every racing thread to
+    miss the cache before the first build ends)."""
+    host.configure(pipeline_compile_us=compile_us)
+    try:
+        yield
+    finally:
+        host.configure(pipeline_compile_us=0)
+
+
+_RACE_KEYS = iter(range(1, 1 << 20))
+
+
+def racing_builds_share_one_pipeline(host, emu, threads: int = 6, rounds: int = 3) -> None:
+    """`threads` threads ask for the same uncached pipeline at the same moment, `rounds` times for each of
+    get_pipeline and try_get_pipeline: each gets the same pipeline, more than one of them built it (the
+    cache's lock is not held while building), exactly one is kept (the others released: no leak, no
+    over-release), and the fakes saw no misuse."""
+    kernel = sorted(emu.kernel_names())[0]
+    with slow_builds(host):
+        for nothrow in (False, True):
+            for _ in range(rounds):
+                bits = format(next(_RACE_KEYS), "020b")  # constants no launch uses: a key never cached before
+                before = host.live_objects().get("FakePipeline", 0)
+                host.take_recording()
+                result = host.race_get_pipeline(kernel, bits, threads, nothrow)
+                rec = host.take_recording()
+                assert rec["errors"] == [] and result["errors"] == [""] * threads, (rec["errors"], result)
+                assert len(set(result["states"])) == 1 and result["states"][0] != 0, result
+                built = [e for e in rec["events"] if e["op"] == "newComputePipelineState"]
+                assert len(built) > 1, "one build for racing threads: the cache's lock is held while building"
+                assert host.live_objects().get("FakePipeline", 0) == before + 1, "a racing build was not released"

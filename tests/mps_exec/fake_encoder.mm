@@ -1,5 +1,6 @@
 // A recording fake of PyTorch's shared compute command encoder and of
-// libdispatch's dispatch_sync, for the execution test (never shipped). The
+// libdispatch's dispatch_sync, dispatch_apply and global queues, for the
+// execution test (never shipped). The
 // encoder implements the MTLComputeCommandEncoder declarations in
 // tests/mps_syntax/stubs/, records every call for the Python harness to
 // replay into the Metal emulator, and checks the Metal rules the emulator
@@ -8,8 +9,11 @@
 // and threadgroup-memory sizes, offsets past a buffer's end.
 #include "fake_runtime.h"
 
+#include <algorithm>
+#include <atomic>
 #include <mutex>
 #include <string>
+#include <thread>
 #include <vector>
 
 namespace fm_exec {
@@ -201,6 +205,71 @@ extern "C" void dispatch_sync(dispatch_queue_t queue, dispatch_block_t block) {
   }
   fm_exec::queue_stack.pop_back();
   fm_exec::record("{\"op\":\"dispatch_sync_end\"}");
+}
+
+@interface FakeGlobalQueue : NSObject <OS_dispatch_queue_global>
+@end
+@implementation FakeGlobalQueue
+@end
+
+namespace {
+// One global concurrent queue per identifier, alive for the process, as
+// libdispatch's (retain and release do nothing to them).
+std::mutex& global_queues_mutex() {
+  static std::mutex m;
+  return m;
+}
+std::vector<std::pair<long, FakeGlobalQueue*>>& global_queues() {
+  static auto* queues = new std::vector<std::pair<long, FakeGlobalQueue*>>();
+  return *queues;
+}
+bool is_global_queue(dispatch_queue_t queue) {
+  std::lock_guard<std::mutex> lock(global_queues_mutex());
+  for (const auto& entry : global_queues()) {
+    if (entry.second == queue) return true;
+  }
+  return false;
+}
+}  // namespace
+
+extern "C" dispatch_queue_global_t dispatch_get_global_queue(long identifier, unsigned long flags) {
+  if (flags != 0) fm_exec::record_error("dispatch_get_global_queue: flags are reserved and must be 0");
+  std::lock_guard<std::mutex> lock(global_queues_mutex());
+  for (const auto& [id, queue] : global_queues()) {
+    if (id == identifier) return queue;
+  }
+  global_queues().emplace_back(identifier, [[FakeGlobalQueue alloc] init]);
+  return global_queues().back().second;
+}
+
+// Real threads, as libdispatch's: knob dispatch_apply_threads workers take
+// the iterations in turn from a shared counter (libdispatch's own scheme) and
+// the call returns when all are done. Races in the code the block calls are
+// real races here. An exception escaping the block is recorded (on macOS it
+// would terminate the process) and the remaining iterations still run.
+extern "C" void dispatch_apply(size_t iterations, dispatch_queue_t queue, void (^block)(size_t)) {
+  if (!fm_exec::check_alive(queue, "dispatch_apply")) return;
+  const size_t threads = std::max<size_t>(1, std::min<size_t>(iterations, fm_exec::knobs().dispatch_apply_threads));
+  const bool global = is_global_queue(queue);
+  fm_exec::record("{\"op\":\"dispatch_apply\",\"iterations\":" + std::to_string(iterations) +
+                  ",\"threads\":" + std::to_string(threads) + ",\"global_queue\":" + (global ? "true" : "false") + "}");
+  std::atomic<size_t> next{0};
+  auto work = [&] {
+    fm_exec::queue_stack.push_back(queue);
+    for (size_t i = next++; i < iterations; i = next++) {
+      try {
+        block(i);
+      } catch (...) {
+        fm_exec::record_error("an exception escaped a dispatch_apply block (iteration " + std::to_string(i) +
+                              "): libdispatch would terminate the process");
+      }
+    }
+    fm_exec::queue_stack.pop_back();
+  };
+  std::vector<std::thread> pool;
+  for (size_t t = 0; t < threads; ++t) pool.emplace_back(work);
+  for (std::thread& t : pool) t.join();
+  fm_exec::record("{\"op\":\"dispatch_apply_end\"}");
 }
 
 namespace fm_exec {

@@ -8,6 +8,9 @@
 // cannot see (see record_error calls). Never shipped.
 #include "fake_runtime.h"
 
+#include <algorithm>
+#include <atomic>
+#include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -15,6 +18,7 @@
 #include <mutex>
 #include <set>
 #include <sstream>
+#include <thread>
 
 namespace fm_exec {
 namespace {
@@ -360,8 +364,23 @@ FM_LABEL(MTLLibrary)
     if (error != nullptr) *error = fm_exec::make_error("fake Metal: invalid function");
     return nil;
   }
+  // How many builds run at this moment, this one included: the recorded
+  // maximum shows whether the host builds pipelines concurrently.
+  static std::atomic<int> in_flight{0};
+  const int concurrent = ++in_flight;
+  const fm_exec::Knobs& k = fm_exec::knobs();
+  if (k.pipeline_compile_us != 0) std::this_thread::sleep_for(std::chrono::microseconds(k.pipeline_compile_us));
+  --in_flight;
+  const bool fails = std::find(k.failing_pipelines.begin(), k.failing_pipelines.end(), f->name) !=
+                     k.failing_pipelines.end();
   fm_exec::record("{\"op\":\"newComputePipelineState\",\"kernel\":" + fm_exec::quote(f->name) +
-                  ",\"constants\":" + fm_exec::constants_json(f->constants) + "}");
+                  ",\"constants\":" + fm_exec::constants_json(f->constants) +
+                  ",\"concurrent\":" + std::to_string(concurrent) + ",\"failed\":" + (fails ? "true" : "false") + "}");
+  if (fails) {
+    // What Metal's compiler service answers for a kernel it cannot build.
+    if (error != nullptr) *error = fm_exec::make_error("fake Metal: compiler error in " + f->name + " (planted)");
+    return nil;
+  }
   auto p = std::make_unique<PipelinePayload>();
   p->kernel = f->name;
   p->constants = f->constants;
@@ -464,6 +483,10 @@ FM_EXPORT int fm_exec_configure(const char* name, uint64_t value) {
     k.system_default_device = value;
   } else if (key == "metal_devices") {
     k.metal_devices = value;
+  } else if (key == "dispatch_apply_threads") {
+    k.dispatch_apply_threads = value;
+  } else if (key == "pipeline_compile_us") {
+    k.pipeline_compile_us = value;
   } else {
     return -1;
   }
@@ -480,6 +503,17 @@ FM_EXPORT void fm_exec_set_runtime_compile(const char* kernel_names, const char*
     if (!line.empty()) k.runtime_kernels.push_back(line);
   }
   k.runtime_compile_error = error;
+}
+
+// Kernels (newline-separated) whose pipelines newComputePipelineStateWithFunction:
+// rejects from now on; "" rejects none.
+FM_EXPORT void fm_exec_set_failing_pipelines(const char* kernel_names) {
+  fm_exec::Knobs& k = fm_exec::knobs();
+  k.failing_pipelines.clear();
+  std::istringstream lines(kernel_names);
+  for (std::string line; std::getline(lines, line);) {
+    if (!line.empty()) k.failing_pipelines.push_back(line);
+  }
 }
 
 // What the build turns `@available(macOS major.minor, *)` into (_build.py).

@@ -113,6 +113,16 @@ struct Knobs {
   // How many devices MTLCopyAllDevices() lists (each the one fake device);
   // 0: a Mac without a usable GPU.
   uint64_t metal_devices = 1;
+  // Worker threads of dispatch_apply. Why 4: about libdispatch's width on
+  // the macOS runners (a thread per core; GitHub's arm64 runners have 3),
+  // and more than this machine's 2 cores, so the threads really interleave.
+  uint64_t dispatch_apply_threads = 4;
+  // How long each newComputePipelineStateWithFunction: takes, in
+  // microseconds. Why 0 by default: the suite's many builds stay fast; the
+  // concurrency tests set it so that builds overlap whenever the host lets them.
+  uint64_t pipeline_compile_us = 0;
+  // Kernels whose pipelines the fake compiler rejects (fm_exec_set_failing_pipelines).
+  std::vector<std::string> failing_pipelines;
 };
 Knobs& knobs();
 

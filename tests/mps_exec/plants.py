@@ -73,6 +73,25 @@ PLANTS = {
     "out_with_grad_out_strides": Plant(
         "attention_mps.mm", r"launch_strides\(c, t\.out4, t\.lse3\)", "launch_strides(c, t.grad_out4, t.lse3)",
         {"check": "backward_layouts"}),
+    # Issue 18, item 12: building every pipeline at once.
+    "builds_serialized": Plant(  # a lock held while building (what the cache did before)
+        "library.mm", r"(\n    std::string error;\n    const Pipeline built = build_pipeline\()",
+        r"\n    static std::mutex one_at_a_time;\n    std::lock_guard<std::mutex> hold(one_at_a_time);\1",
+        {"check": "builds_pipelines_concurrently"}),
+    "throwing_call_in_block": Plant(  # the throwing get_pipeline inside the dispatch_apply block
+        "pipelines.mm", r"out\[i\] = try_get_pipeline\(device, in\[i\]\.kernel_name, in\[i\]\.constants\);",
+        "out[i].pipeline = get_pipeline(device, in[i].kernel_name, in[i].constants);",
+        {"check": "pipeline_failures_reported"}),
+    "pipelines_in_a_loop": Plant(  # the loop of before: no dispatch_apply
+        "pipelines.mm", r"dispatch_apply\(requests\.size\(\), dispatch_get_global_queue\(DISPATCH_QUEUE_PRIORITY_DEFAULT, 0\), "
+        r"\^\(size_t i\) \{([\s\S]*?)\n  \}\);", r"for (size_t i = 0; i < requests.size(); ++i) {\1\n  }",
+        {"check": "builds_pipelines_concurrently"}),
+    "first_failure_only": Plant(  # stops at the first failing pipeline
+        "pipelines.mm", r'failures \+= "\\n  " \+ entry \+ ": " \+ problem;',
+        'TORCH_CHECK(false, "flash_metal: ", entry, ": ", problem);',
+        {"check": "pipeline_failures_reported"}),
+    "racing_build_not_released": Plant(  # the losing thread's pipeline leaks
+        "library.mm", r"\n  \[built\.state release\];", "", {"check": "racing_builds_share_one_pipeline"}),
 }
 
 
@@ -86,14 +105,15 @@ def planted(name: str) -> dict[str, str]:
     return {p.file: out}
 
 
-def run_scenarios(specs: dict[str, dict], directory) -> dict[str, dict]:
-    """Runs scenario.py once per {name: spec}, two at a time (each a fresh process), each in its own
-    directory made by directory(name). Returns {name: result} (scenario.py's JSON, plus stderr)."""
+def run_scenarios(specs: dict[str, dict], directory, env: dict | None = None) -> dict[str, dict]:
+    """Runs scenario.py once per {name: spec}, two at a time (each a fresh process, with `env` added to its
+    environment from the start), each in its own directory made by directory(name). Returns {name: result}
+    (scenario.py's JSON, plus stderr)."""
     def one(item):
         name, spec = item
         spec = {"dir": str(directory(name)), **spec}
         proc = subprocess.run([sys.executable, SCENARIO, json.dumps(spec)], capture_output=True, text=True,
-                              env={**os.environ, "PYTHONWARNINGS": "ignore"})
+                              env={**os.environ, "PYTHONWARNINGS": "ignore", **(env or {})})
         assert proc.returncode == 0, f"scenario {name} crashed:\n{proc.stderr[-4000:]}"
         result = json.loads(proc.stdout.strip().splitlines()[-1])
         result["stderr"] = proc.stderr

@@ -16,7 +16,8 @@ runs in its own process. The spec (JSON):
                  as numerics.make_qkv's, or "mixed" (q transposed, k offset slice, v packed)
   check          instead of a case: the name of a function in mps_exec/checks.py,
                  called as f(host, library, **args) (args: "args", default {});
-                 the same assertions the suite makes in process
+                 the same assertions the suite makes in process; what it
+                 returns (JSON) is the result's "value"
 Prints one JSON object: stage ("op", "replay", "oracle", "check" or null when
 all passed), error, warnings, errors (the fakes'), events (sources elided),
 source_path (the recorded runtime-compile source, if any).
@@ -115,7 +116,7 @@ def run_check(host, library, spec: dict) -> dict:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
-            getattr(checks, spec["check"])(host, library, **spec.get("args", {}))
+            result["value"] = getattr(checks, spec["check"])(host, library, **spec.get("args", {}))
         except Exception as err:  # noqa: BLE001  (AssertionError included: reported to the test)
             result.update(stage="check", error=f"{type(err).__name__}: {err}")
     result["warnings"] = [str(w.message) for w in caught]

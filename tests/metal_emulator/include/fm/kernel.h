@@ -63,9 +63,33 @@ struct kernel_registrar {
 #define FMEMU_INSTANTIATE(...) template __VA_ARGS__;
 #define FMEMU_REGISTER_KERNEL(host_name, ...)
 #else
-// Runtime builds: taking the kernel's address instantiates it.
+// Runtime builds: taking the kernel's address instantiates it. A big library
+// is compiled as FMEMU_SHARDS translation units side by side (the build
+// passes -DFMEMU_SHARDS=S -DFMEMU_SHARD=i; tests/metal_emulator/_library.py):
+// registration site n (in __COUNTER__ order, the same in every shard) lives
+// in shard n % S. The address is taken only inside a partial specialization
+// that the site's own shard instantiates, so the other shards never
+// instantiate the kernel (clang instantiates a template referenced from an
+// uninstantiated template's body only when that body is instantiated).
+#ifndef FMEMU_SHARDS
+#define FMEMU_SHARDS 1
+#define FMEMU_SHARD 0
+#endif
 #define FMEMU_INSTANTIATE(...)
-#define FMEMU_REGISTER_KERNEL(host_name, ...)                                                            \
-  static ::fmemu::kernel_registrar FMEMU_CAT(fm_kernel_registrar_, __COUNTER__)(host_name, #__VA_ARGS__, \
-                                                                          &__VA_ARGS__, __FILE__, __LINE__);
+#define FMEMU_REGISTER_KERNEL(host_name, ...) FMEMU_REGISTER_AT(__COUNTER__, host_name, __VA_ARGS__)
+#define FMEMU_REGISTER_AT(n, host_name, ...) FMEMU_REGISTER_AT2(n, host_name, __VA_ARGS__)
+#define FMEMU_REGISTER_AT2(n, host_name, ...)                                                              \
+  template <class FMEMU_T, bool FMEMU_MINE>                                                               \
+  struct FMEMU_CAT(fm_kernel_site_, n) {                                                                  \
+    static int add() { return 0; }                                                                        \
+  };                                                                                                      \
+  template <class FMEMU_T>                                                                                \
+  struct FMEMU_CAT(fm_kernel_site_, n)<FMEMU_T, true> {                                                   \
+    static int add() {                                                                                    \
+      static ::fmemu::kernel_registrar r(host_name, #__VA_ARGS__, &__VA_ARGS__, __FILE__, __LINE__);      \
+      return 1;                                                                                           \
+    }                                                                                                     \
+  };                                                                                                      \
+  static const int FMEMU_CAT(fm_kernel_registrar_, n) =                                                   \
+      FMEMU_CAT(fm_kernel_site_, n)<void, (n) % FMEMU_SHARDS == FMEMU_SHARD>::add();
 #endif
