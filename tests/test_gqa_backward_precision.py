@@ -32,7 +32,7 @@ The grid, B = 1, one kv head, head_dim 40, GQA ratios 1, 2, 4, 8, 16 and 32
     kernel's lse carries the two kernels' score roundings (measured: the
     CPU forward's lse doubled the Metal backward's dQ error).
 
-Every case meets the project's 2x rule (numerics.assert_gradients_close).
+Every case meets the project's 2x rule (assert_gradients_close, flash_metal/testing.py).
 That rule's float32 floor (8 ulps x log2 N of the summed magnitudes) is far
 above the errors here, so float32 dK and dV are held to the strict form too:
 at most twice PyTorch's float32 backward error plus the rounding floor, no
@@ -66,7 +66,7 @@ import pytest
 import torch
 
 import backends
-import numerics
+import flash_metal.testing as testing
 from numerics import assert_gradients_close, dtype_id, rounding_floor
 
 FWD = torch.ops.flash_metal.attention_forward
@@ -148,31 +148,32 @@ def _memo_last(fn, by_value):
     return wrapper
 
 
-_reference = _memo_last(numerics.reference_gradients, by_value=True)
-_yardstick = _memo_last(numerics._same_dtype_gradients, by_value=False)
+_reference = _memo_last(testing.reference_gradients, by_value=True)
+_yardstick = _memo_last(testing._same_dtype_gradients, by_value=False)
 
 
 @pytest.fixture
 def shared_oracle(monkeypatch):
-    """numerics' float64 oracle and PyTorch yardstick, remembered across calls on equal inputs.
+    """The 2x rule's float64 oracle and PyTorch yardstick (flash_metal/testing.py), remembered
+    across calls on equal inputs.
 
-    The rule itself (numerics.gradient_tolerances) is unchanged; the oracle
+    The rule itself (testing.gradient_tolerances) is unchanged; the oracle
     is computed once for the dtypes of one (ratio, causal), and once for the
     project rule and the strict check of one case.
     """
-    monkeypatch.setattr(numerics, "reference_gradients", _reference)
-    monkeypatch.setattr(numerics, "_same_dtype_gradients", _yardstick)
+    monkeypatch.setattr(testing, "reference_gradients", _reference)
+    monkeypatch.setattr(testing, "_same_dtype_gradients", _yardstick)
 
 
 def strict_errors(grads, q, k, v, grad_out, causal):
     """[(name, error, PyTorch's error, strict tolerance)] for grad_k and grad_v.
 
     The strict 2x rule: twice the error of PyTorch's same-dtype backward
-    plus the rounding floor of the dtype, without numerics' float32
+    plus the rounding floor of the dtype, without the rule's float32
     accumulation floor.
     """
-    (_, rk, rv), _ = numerics.reference_gradients(q, k, v, grad_out, causal, None, None, bounds=True)
-    _, pk, pv = numerics._same_dtype_gradients(q, k, v, grad_out, causal, None, None)
+    (_, rk, rv), _ = testing.reference_gradients(q, k, v, grad_out, causal, None, None, bounds=True)
+    _, pk, pv = testing._same_dtype_gradients(q, k, v, grad_out, causal, None, None)
     rows = []
     for name, g, pt, ref in (("grad_k", grads[1], pk, rk), ("grad_v", grads[2], pv, rv)):
         err = (g.double() - ref).abs().max().item()
