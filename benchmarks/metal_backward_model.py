@@ -52,7 +52,8 @@ def emulate(s: Shape, dtype, causal):
     key = (s, dtype, causal)
     if key not in _CACHE:
         backends.emulated_metal_attention_backward(*_inputs(s, dtype, causal), causal, None, None, instrumented=True)
-        _CACHE[key] = [M.Record(d.kernel_name, d.grid, d.threadgroup, d.threadgroup_memory, M._count_dict(d, c), False)
+        _CACHE[key] = [M.Record(d.kernel_name, d.grid, d.threadgroup, d.threadgroup_memory, M._count_dict(d, c), False,
+                                ("auto", True))
                        for d, c in backends.LAST_DISPATCHES]
     return _CACHE[key]
 
@@ -72,7 +73,7 @@ def scaled_counts(s: Shape, dtype, causal, base_ns=M.BASE_NS):
                 raise AssertionError(f"scaling rule gave a fractional {field}: {v}")
             counts[field] = int(v)
         grid = (base.grid[0] * n // base_ns[0], s.hq if i == 0 else s.hkv, s.b)
-        records.append(M.Record(base.kernel, grid, base.threadgroup, base.tg_memory, counts, True))
+        records.append(M.Record(base.kernel, grid, base.threadgroup, base.tg_memory, counts, True, ("auto", True)))
     return records
 
 
@@ -111,8 +112,8 @@ def unfused_seconds(s: Shape, dtype, gpu: G.AppleGPU, forward=False):
     its forward instead (S = Q K^T written, softmax read and written, O = P V)."""
     elem = torch.empty((), dtype=dtype).element_size()
     hz = gpu.clock_ghz * 1e9
-    rate = 2 * (G.MMA_FFMA16_PER_CORE_CYCLE if elem == 2 else G.MMA_FFMA32_PER_CORE_CYCLE) * gpu.cores * hz
-    bw = min(gpu.bandwidth_gbs * 1e9, gpu.cores * M.ON_GPU_BYTES_PER_CYCLE * hz)
+    rate = 2 * G.MMA_RATE[gpu.generation][1] * gpu.cores * hz  # the same MMA rate and streaming ceiling as ours
+    bw = min(G.STREAM_CEILING[1] * gpu.bandwidth_gbs * 1e9, gpu.cores * M.ON_GPU_BYTES_PER_CYCLE * hz)
     heads, nn, nd = s.b * s.hq, s.nq * s.nk, (s.nq + s.nk) * s.d
     gemm_flops = 2 * nn * s.d * heads
     if forward:

@@ -36,6 +36,7 @@ import torch
 import flash_metal
 
 from . import apple_gpus as G
+from . import metal_model_timing as T
 
 _TESTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests")
 if _TESTS not in sys.path:
@@ -52,38 +53,9 @@ BASE_NS = (2, 3, 4)  # the three emulated sizes n * UNIT that fix the quadratic
 # Largest problem (query-key pairs summed over heads) emulated directly; above
 # it the scaling rule is used. 512 x 512 runs in about a second.
 MAX_EMULATED_PAIRS = 512 * 512
-# Per-dispatch launch cost, seconds. Estimate, no source: a few microseconds
-# for encoding one compute command into an already open encoder; it only
-# matters for the smallest problems.
-DISPATCH_OVERHEAD_S = 5e-6
-# FFMA32 dependent-issue latency, cycles: metal-benchmarks README ("Later
-# benchmarks reduced the absolute latency to ... 6 cycles (FFMA32)").
-FFMA32_LATENCY = 6
-# On-core data bandwidth, bytes per core-cycle (threadgroup memory and L1):
-# metal-benchmarks "On-Core Data BW/Cycle 64 B" (Apple 7, 8; assumed later).
-ON_CORE_BYTES_PER_CYCLE = 64
-# Bytes per core-cycle one core can move to and from the rest of the GPU
-# (L2, memory): metal-benchmarks "On-GPU Data BW/Cycle ~32 B". A grid on few
-# cores cannot use the whole memory bandwidth.
-ON_GPU_BYTES_PER_CYCLE = 32
-# Resident SIMD-groups per core beyond which ALU utilization no longer grows
-# (metal-benchmarks: "ALU utilization maxes out at 24 simds/core").
-MAX_USEFUL_SIMDS = 24
-# FFMAs in one 8x8x8 simdgroup_multiply_accumulate (8 * 8 * 8).
-FFMA_PER_MMA = 512
-# FP32 lanes per core issuing one FFMA per cycle at full rate (metal-benchmarks: 128 ALUs per core).
-LANES_PER_CORE = 128
-# Independent FFMA chains credited to the post's acc update (DMAX of them in
-# the source): metal-benchmarks' tables stop at ILP 4, where one SIMD-group
-# per scheduler is already within 1.5x of full rate; more is not credited.
-ACC_ILP = 4
-# Chains in the post's dot product: the source's one accumulator (score +=).
-# Fast-math reassociation could split it; unknown, so this is the slow case.
-DOT_ILP = 1
-# Scalar lane-ops per exp2 call in the MMA kernels (scale, two mask tests,
-# max, subtract, select, sum, the O rescale's share): counted by eye from
-# attention_prefill.h, an estimate (the emulator does not count scalar ops).
-SCALAR_OPS_PER_EXP2 = 8
+# Dispatch overhead (point of its band; apple_gpus.DISPATCH_OVERHEAD_S, an estimate).
+DISPATCH_OVERHEAD_S = G.DISPATCH_OVERHEAD_S[1]
+ON_GPU_BYTES_PER_CYCLE = T.ON_GPU_BYTES_PER_CYCLE  # used by metal_backward_model's unfused baseline
 POST_MS = {("untiled", 2048, 64, True): 3.066, ("tiled", 2048, 64, True): 2.159}  # the post, Apple M5, float32
 
 
@@ -104,6 +76,7 @@ class Record(NamedTuple):
     tg_memory: int
     counts: dict
     scaled: bool
+    source: tuple = None  # (impl, backward): the plan that launched it, for the planner's per-chip estimates
 
 
 def _dtype_name(dt):
@@ -152,7 +125,8 @@ def emulate(impl, s: Shape, dtype, causal):
     key = (impl, s, dtype, causal)
     if key not in _CACHE:
         backends.emulated_metal_attention(*_inputs(s, dtype, real=True), causal, None, impl, instrumented=True)
-        _CACHE[key] = [Record(d.kernel_name, d.grid, d.threadgroup, d.threadgroup_memory, _count_dict(d, c), False)
+        _CACHE[key] = [Record(d.kernel_name, d.grid, d.threadgroup, d.threadgroup_memory, _count_dict(d, c), False,
+                              (impl, False))
                        for d, c in backends.LAST_DISPATCHES]
     return _CACHE[key]
 
@@ -190,7 +164,7 @@ def scaled_counts(impl, s: Shape, dtype, causal, base_ns=BASE_NS):
             if v.denominator != 1:
                 raise AssertionError(f"scaling rule gave a fractional {field}: {v}")
             counts[field] = int(v)
-        records.append(Record(d.kernel_name, d.grid, d.threadgroup, d.threadgroup_memory, counts, True))
+        records.append(Record(d.kernel_name, d.grid, d.threadgroup, d.threadgroup_memory, counts, True, (impl, False)))
     return records
 
 
@@ -244,84 +218,11 @@ def useful_flops(s: Shape, causal):
     return 4 * s.b * s.hq * s.d * pairs
 
 
-def _dmax(kernel):
-    return int(re.search(r"_d(\d+)", kernel).group(1))
-
-
-def predict(records, gpu: G.AppleGPU, s: Shape, dtype, causal):
-    """Predicted seconds for one call: the sum over its dispatches of
-    overhead + max(compute, exp2, memory, on-core data), each per dispatch:
-
-    - compute: simdgroup MMAs x 512 FFMA at metal-benchmarks' in-GEMM rate
-      (101.7 FFMA32 / 102.5 FFMA16 per core-cycle), plus scalar FFMAs. The
-      post's kernels do per visible (row, key) pair (= exp2_calls / 2, two
-      exp2 per key in OnlineSoftmax.update) DMAX dependent FFMAs (the dot
-      product, one chain) and 2 DMAX independent ones (acc = acc * alpha +
-      w * v). A dependent chain issues once per FFMA32_LATENCY / (resident
-      SIMD-groups per scheduler) cycles, independent work at full rate once
-      the latency is covered (Little's law on 4 schedulers). MMA kernels add
-      8 scalar ops per exp2 call (scale, mask tests, max, subtract, sum,
-      the O rescale share: an estimate) at full rate. Decode kernels: 2 D
-      FFMAs per visible (row, key) at full rate.
-    - exp2: exp2 calls / (32 per core-cycle).
-    - memory: device bytes / bandwidth, the bandwidth capped at 32 B per
-      cycle per active core (metal-benchmarks' on-GPU data rate). Counted bytes are what each lane
-      asks for; the untiled kernel's K/V loads are the same address in all
-      32 lanes of a SIMD-group (one request), so they count 1/32.
-    - on-core data: threadgroup bytes plus device bytes as counted per lane,
-      at 64 B per core-cycle (metal-benchmarks' on-core data bandwidth; no
-      broadcast merging assumed, Apple does not document it).
-    Occupancy: threadgroups resident per core = tgmem_per_core // threadgroup
-    memory (no limit without), capped so that SIMD-groups stay <= 24; the
-    grid's share per core can be smaller. A last partial wave costs a whole
-    one (ceil(waves) / waves), and a grid smaller than the core count leaves
-    cores idle. Returns (seconds, {term: seconds}, resident SIMD-groups)."""
-    total, terms_sum = 0.0, {}
-    hz = gpu.clock_ghz * 1e9
-    elem = torch.empty((), dtype=dtype).element_size()
-    resident_sgs = None
-    for r in records:
-        c = r.counts
-        sg_per_tg = max(1, math.ceil(r.threadgroup[0] * r.threadgroup[1] * r.threadgroup[2] / 32))
-        by_mem = gpu.tgmem_per_core // r.tg_memory if r.tg_memory else 10**6
-        tgs_resident = max(1, min(by_mem, MAX_USEFUL_SIMDS // sg_per_tg))
-        grid_tgs = c["threadgroups"]
-        active = min(gpu.cores, grid_tgs)
-        per_core = min(tgs_resident, grid_tgs / active)
-        sgs = per_core * sg_per_tg
-        resident_sgs = sgs if resident_sgs is None else resident_sgs
-        waves = grid_tgs / (active * tgs_resident)
-        quant = math.ceil(waves) / waves if waves > 1 else 1.0
-        lanes = active * LANES_PER_CORE * hz  # FFMA lane-instructions per second at full rate
-        mma_rate = G.MMA_FFMA16_PER_CORE_CYCLE if elem == 2 else G.MMA_FFMA32_PER_CORE_CYCLE
-        dmax = _dmax(r.kernel)
-        t_mma = c["simdgroup_mmas"] * FFMA_PER_MMA / (active * mma_rate * hz)
-        if "untiled" in r.kernel or "tiled" in r.kernel:
-            pairs = c["exp2_calls"] / 2
-            per_sched = sgs / G.SCHEDULERS_PER_CORE
-            # cycles per FFMA: latency over the chains in flight per scheduler (Little's law), at least 1
-            dep = max(1.0, FFMA32_LATENCY / (DOT_ILP * max(per_sched, 1e-9)))
-            indep = max(1.0, FFMA32_LATENCY / (ACC_ILP * max(per_sched, 1e-9)))
-            t_scalar = pairs * (dmax * dep + 2 * dmax * indep) / lanes
-        elif "decode" in r.kernel:
-            t_scalar = 2 * s.d * s.nq * s.hq * s.b * s.nk / lanes if "merge" not in r.kernel else 0.0
-        else:
-            t_scalar = SCALAR_OPS_PER_EXP2 * c["exp2_calls"] / lanes
-        t_compute = (t_mma + t_scalar) * quant
-        t_exp = c["exp2_calls"] / (active * G.EXP2_PER_CORE_CYCLE * hz) * quant
-        dev = sum(v for f, v in c.items() if f.startswith(("read_", "write_")))
-        if "untiled" in r.kernel:
-            dev_dram = dev - (c["read_k"] + c["read_v"]) * 31 / 32
-        else:
-            dev_dram = dev
-        t_mem = dev_dram / min(gpu.bandwidth_gbs * 1e9, active * ON_GPU_BYTES_PER_CYCLE * hz)
-        onchip = c["threadgroup_bytes_read"] + c["threadgroup_bytes_written"] + dev
-        t_data = onchip / (active * ON_CORE_BYTES_PER_CYCLE * hz) * quant
-        terms = {"compute": t_compute, "exp2": t_exp, "memory": t_mem, "on-core data": t_data}
-        total += DISPATCH_OVERHEAD_S + max(terms.values())
-        for k, v in terms.items():
-            terms_sum[k] = terms_sum.get(k, 0.0) + v
-    return total, terms_sum, resident_sgs
+def predict(records, gpu: G.AppleGPU, s: Shape, dtype, causal, knobs=T.POINT):
+    """Predicted seconds for one call at the point figures: (seconds, {term: seconds}, resident SIMD-groups per
+    core). The terms (compute with latency hiding, critical path, memory, Little's law, on-core data) are
+    described in benchmarks/metal_model_timing.py."""
+    return T.predict(records, gpu, s, dtype, causal, knobs)
 
 
 def bound(terms):
