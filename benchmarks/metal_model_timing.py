@@ -152,8 +152,8 @@ def dispatch_time(r, index, gpu, s, dtype, causal, k=POINT):
     elem = torch.empty((), dtype=dtype).element_size()
     sg_per_tg = max(1, math.ceil(r.threadgroup[0] * r.threadgroup[1] * r.threadgroup[2] / 32))
     tgs_core, limit = planner_residency(r, index, gpu, s, dtype, causal)
-    if limit.startswith("threadgroup memory") and k["tg"] != 1:  # 16 or 64 KiB instead of the 32 KiB estimate
-        tgs_core = max(1, int(tgs_core * (2.0 if k["tg"] == 2 else 0.5))) if gpu.tgmem_per_core <= 32768 else tgs_core
+    if limit.startswith("threadgroup memory") and k["tg"] == 2 and gpu.tgmem_per_core <= 32768:
+        tgs_core *= 2  # 64 KiB per core instead of the 32 KiB estimate (its low end: estimate-tgmem-m3)
     grid_tgs = c["threadgroups"]
     active = min(gpu.cores, grid_tgs)
     r_core = min(tgs_core, grid_tgs / active)  # threadgroups resident per core, on average
@@ -190,7 +190,15 @@ def dispatch_time(r, index, gpu, s, dtype, causal, k=POINT):
             d_frags = math.ceil(s.d / 8)
             lat = (dram_cycles + 4 * BARRIER_CYCLES + (d_frags + bk // 8) * MMA_LATENCY
                    + 2 * TG_LOAD_LATENCY + 4 * SHUFFLE_LATENCY + 2 * SHUFFLE_LATENCY)
-            terms["compute"] = total * max(w, (lat + w) / r_core) / (active * hz) * quant
+            if causal:  # unequal threadgroups: the average residency, no wave structure
+                cycles = total * max(w, (lat + w) / r_core) / active
+            else:  # equal threadgroups in waves of active x tgs_core, a partial last wave costing a whole one
+                # (an assumption: its threadgroups could run faster with fewer per core, but MLX's timings at
+                # N = 256-512 are slower than even this rule predicts, not faster)
+                nb = total / grid_tgs
+                waves = math.ceil(grid_tgs / (active * tgs_core))
+                cycles = waves * nb * max(min(tgs_core, math.ceil(grid_tgs / active)) * w, lat + w)
+            terms["compute"] = cycles / hz
             terms["critical path"] = max(blocks) * (lat + w) / hz
         else:
             terms["compute"] = work / (active * hz) * quant
@@ -201,9 +209,16 @@ def dispatch_time(r, index, gpu, s, dtype, causal, k=POINT):
     dev = sum(v for f, v in c.items() if f.startswith(("read_", "write_")))
     if "untiled" in r.kernel:  # K/V loads are one address for all 32 lanes: one request
         dev -= (c["read_k"] + c["read_v"]) * 31 / 32
+    # DRAM bytes: K and V once per (batch, kv head) when other query blocks
+    # re-read them, an estimate: the grid runs a head's query blocks side by
+    # side (x fastest), and a head's K and V (<= 4 MiB at Nk = 8192, D = 128,
+    # 16-bit) stay in the GPU's caches meanwhile. Re-reads move over the
+    # on-GPU link (32 B per core-cycle) instead.
+    kv_once = 2 * s.b * s.hkv * s.nk * s.d * elem
+    kv_counted = c.get("read_k", 0) + c.get("read_v", 0)
+    dram = dev - kv_counted + min(kv_counted, kv_once) if kv_counted else dev
     stream = G.STREAM_CEILING[k["stream"]] * gpu.bandwidth_gbs * 1e9
-    bw = min(stream, active * ON_GPU_BYTES_PER_CYCLE * hz)
-    terms["memory"] = dev / bw
+    terms["memory"] = max(dram / stream, dev / (active * ON_GPU_BYTES_PER_CYCLE * hz))
     if "decode" in r.kernel and "merge" not in r.kernel:
         in_flight = sgs * 32 * DECODE_ROWS_IN_FLIGHT * max(1, _dmax(r.kernel) // 32) * elem  # bytes per core
         terms["little"] = dev / (active * in_flight / (G.DRAM_LATENCY_NS[k["dram"]] * 1e-9))
@@ -225,6 +240,8 @@ def predict(records, gpu, s, dtype, causal, k=POINT):
 
 
 def predict_band(records, gpu, s, dtype, causal):
-    """(low, point, high) seconds: every uncertain figure at its fast end, its point, its slow end."""
-    return (predict(records, gpu, s, dtype, causal, FAST)[0], predict(records, gpu, s, dtype, causal)[0],
-            predict(records, gpu, s, dtype, causal, SLOW)[0])
+    """(low, point, high) seconds: the point figures, and the least and most
+    time over every uncertain figure at its fast end and at its slow end
+    together (more residency can cost time through a worse last wave)."""
+    corners = [predict(records, gpu, s, dtype, causal, k)[0] for k in (FAST, POINT, SLOW)]
+    return min(corners), corners[1], max(corners)
