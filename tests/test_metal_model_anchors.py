@@ -160,3 +160,20 @@ def test_anchors_csv(tmp_path):
         low, point, high = float(r[4]), float(r[5]), float(r[6])
         assert 0 < low <= point <= high and float(r[7]) == pytest.approx(point / float(r[3]), rel=1e-2)
         assert r[8] in ("True", "False")
+
+
+def test_prefill_critical_path_on_a_small_causal_grid():
+    """One head, causal: 64 threadgroups on 40 cores; the last query block's 64 key blocks in series bound the time."""
+    s = M.Shape(1, 1, 1, 2048, 2048, 64)
+    g = G.BY_NAME["M3 Max"]
+    recs = M.counts_for("prefill", s, torch.float16, True)
+    t, terms, _ = T.predict(recs, g, s, torch.float16, True)
+    assert terms["critical path"] > terms["compute"] and t >= terms["critical path"]
+
+
+def test_mlx_anchor_is_compute_bound_with_kv_rereads_cached():
+    """K/V re-reads by a head's other query blocks come from the caches: at N = 4096 the MMAs bound, not DRAM."""
+    a = next(a for a in A.ANCHORS if a.name == "mlx-1610-n4096")
+    recs = M.counts_for(a.impl, a.shape, a.dtype, a.causal)
+    terms = T.predict(recs, G.BY_NAME[a.gpu], a.shape, a.dtype, a.causal)[1]
+    assert terms["memory"] < 0.9 * terms["compute"]
