@@ -14,14 +14,15 @@ counts: a prediction, not a measurement; nothing here ran on a GPU.
    kernel: K and V once (per feature part at D = 256), Q and dO once per key
    block from its first seeing query row. Printed next to the counted bytes.
 3. Time: metal_model.predict on the counted records (the forward's time
-   model: MMAs at metal-benchmarks' in-GEMM rate, exp2, memory, on-core
-   data; occupancy from threadgroup memory), against an UNFUSED backward's
+   model, benchmarks/metal_model_timing.py: MMAs at the generation's rate,
+   exp2, memory under the streaming ceiling, on-core data; residency from the
+   planner's estimates; the fused side printed as a band), against an UNFUSED backward's
    model: the composite path (PyTorch's MPS math path, MLX's unfused VJP)
    has P (N x N, saved by its forward) and runs dV = P^T dO, dP = dO V^T,
    the softmax backward dS = P * (dP - rowsum(P * dP)) over N x N, then
    dQ = dS K and dK = dS^T Q: 4 GEMMs of 2 N^2 D FLOPs and 7 N^2 elements of
    traffic per head. Each of its 5 kernels costs max(compute at the same
-   MMA rate as ours, bytes at full memory bandwidth) plus the same dispatch
+   MMA rate as ours, bytes at the same streaming ceiling) plus the same dispatch
    overhead: generous to unfused (no occupancy or cache effects), dense
    even when causal (the composite path masks, it does not skip).
 """
@@ -159,7 +160,8 @@ def table(quick):
                 tf = M.predict(fwd, g, s, torch.float16, causal)[0]
                 uf = unfused_seconds(s, torch.float16, g, forward=True)
                 wins.append((g.name, s, causal, u / t, (u + uf) / (t + tf)))
-                cells.append(f"{M._fmt_ms(t)} / {M._fmt_ms(u)} ({u / t:.2f}x) | {(u + uf) / (t + tf):.2f}x")
+                cells.append(f"{M._band_ms(recs, g, s, torch.float16, causal)} / {M._fmt_ms(u)} ({u / t:.2f}x) "
+                             f"| {(u + uf) / (t + tf):.2f}x")
             print(f"| {s.b}x{s.hq}x{s.nq}x{s.d} | {causal} | {'scaled' if recs[0].scaled else 'emulated'} "
                   f"| {kv / mkv:.3f} | {qdo / mqdo:.3f} | {sum(r.counts['simdgroup_mmas'] for r in recs)} "
                   f"| {sum(r.counts['exp2_calls'] for r in recs)} | " + " | ".join(cells) + " |")
