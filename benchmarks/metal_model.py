@@ -19,8 +19,11 @@ prediction, labelled as such.
    once per query block, only up to the block's last visible key under
    causal masking. Printed next to the measured K/V bytes and their ratio.
 3. Time model on named Apple GPUs (benchmarks/apple_gpus.py, every figure
-   with its source): see `predict`.
-4. Calibration against the post's M5 measurements, 5. the claims block.
+   with its source): benchmarks/metal_model_timing.py (latency, occupancy,
+   critical path, streaming ceiling; every prediction a band).
+4. Calibration against the post's M5 measurements, 5. the claims block,
+   6. the anchors (benchmarks/metal_model_anchors.py: MLX's and the post's
+   published timings; `--anchors --csv PATH` alone).
 """
 import argparse
 import math
@@ -336,8 +339,9 @@ def claims(impls):
     if "prefill" not in impls:
         print("prefill kernel not available in the emulator library yet: no claim.")
         return
-    print("Prefill: the same counts as MLX's steel kernel (hand count = emulator counts, tests/test_metal_model.py): "
-          "predicted at MLX's measured speed if the code is as efficient; unmeasured. Bands: clock, MMA rate, "
+    print("Prefill: the same counts as MLX's steel kernel (hand count = emulator counts, "
+          "tests/test_metal_model_anchors.py): predicted at MLX's measured speed if the code is as efficient; "
+          "unmeasured. Bands: clock, MMA rate, "
           "threadgroup memory per core, DRAM latency, dispatch overhead, streaming ceiling. M5's neural "
           "accelerators are outside this model.")
     for gname in ("M3 Max", G.POST_GPU):

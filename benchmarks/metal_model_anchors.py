@@ -8,7 +8,7 @@ a GPU; the measured figures are MLX's and the post's.
    are hand-counted below from its source (steel_attention.h: BQ = 32,
    BK = 32 for D <= 96, 4 SIMD-groups of 8 rows, the Q tile loaded once, K
    and V through one shared tile, both products on 8x8 fragments read back
-   from threadgroup memory per key block), and tests/test_metal_model.py
+   from threadgroup memory per key block), and tests/test_metal_model_anchors.py
    checks that they equal the prefill kernel's emulator counts field by field.
    So this model, fed the prefill kernel's counts, predicts MLX's kernel; the
    claim is +-15 % where MLX runs at high occupancy (in_regime). N = 256 is
@@ -125,7 +125,9 @@ def anchor_row(a: Anchor):
 
 def within(row, a: Anchor):
     """The point prediction is within the anchor's band of the measurement."""
-    return abs(row["ratio"] - 1) <= a.tolerance if a.tolerance < 1 else 1 / (1 + a.tolerance) <= row["ratio"] <= 1 + a.tolerance
+    if a.tolerance < 1:
+        return abs(row["ratio"] - 1) <= a.tolerance
+    return 1 / (1 + a.tolerance) <= row["ratio"] <= 1 + a.tolerance
 
 
 def anchors(csv_path=None, names=None):
@@ -137,7 +139,8 @@ def anchors(csv_path=None, names=None):
     for a, r in zip(chosen, rows):
         band = f"+-{a.tolerance:.0%}" if a.tolerance < 1 else f"{1 + a.tolerance:.0f}x"
         print("| " + " | ".join(str(r[c]) for c in CSV_COLUMNS) + f" | {within(r, a)} ({band}) |")
-    print("MLX rows: the prefill kernel's counts equal MLX steel attention's (hand count, tests/test_metal_model.py); "
+    print("MLX rows: the prefill kernel's counts equal MLX steel attention's (hand count, "
+          "tests/test_metal_model_anchors.py); "
           "predicted at MLX's measured speed if the code is as efficient; our kernel is unmeasured. The M3 MMA rate "
           "is inferred (N = 4096 bounds it), so N = 512-2048 and the M3 Ultra row are the independent checks; "
           "N = 256 is outside the regime (under two waves of threadgroups). Post rows: different programs (the post "
