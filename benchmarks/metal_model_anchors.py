@@ -155,11 +155,12 @@ def anchors(csv_path=None, names=None):
     return rows
 
 
-# Decode against MLX's measured decode (mlx-4076, M5 Pro, float16, q_len 1, 32K context): (Hq, Hkv, D, GB/s).
-MLX_DECODE = [(32, 32, 128, 281.0), (32, 8, 128, 264.0), (32, 4, 128, 190.0), (64, 8, 64, 119.0)]
+# Decode against MLX's measured decode (mlx-4076, M5 Pro, float16, q_len 1, 8K context; its 8K column, which
+# the emulator runs in seconds): (Hq, Hkv, D, GB/s).
+MLX_DECODE = [(32, 32, 128, 282.0), (32, 8, 128, 263.0), (32, 4, 128, 184.0), (64, 8, 64, 113.0)]
 
 
-def decode_vs_mlx(nk=32768):
+def decode_vs_mlx(nk=8192):
     """Our decode's predicted K/V bandwidth on an M5 Pro beside MLX's measured one, by GQA ratio."""
     gpu = G.BY_NAME["M5 Pro"]
     print(f"\n## Decode on an M5 Pro, {nk} keys, float16: our prediction beside MLX's measurement (mlx-4076)")
@@ -178,4 +179,7 @@ def decode_vs_mlx(nk=32768):
         out.append((hq, hkv, d, gbs[1], mlx))
         print(f"| {hq}:{hkv} | {d} | decode_split | {gbs[1]:.0f} ({gbs[0]:.0f}-{gbs[2]:.0f}) "
               f"| {gbs[1] / gpu.bandwidth_gbs:.0%} | {mlx:.0f} |")
+    print("MLX's GQA-1 figure (282 GB/s, 0.92 of nominal) is above the dense qmv its issue measured on the same "
+          "machine (0.87): the streaming ceiling is a band, not a bound. Where ours is below MLX's (few kv heads), "
+          "Little's law binds: the bytes each lane keeps in flight (DECODE_ROWS_IN_FLIGHT) are an estimate.")
     return out
