@@ -31,10 +31,7 @@ def test_mlx_steel_hand_count_equals_prefill_emulator_counts(dtype):
     (r,) = M.emulate("prefill", HAND_SHAPE, dtype, False)
     assert r.kernel.endswith("_bq32_bk32_wm4"), r.kernel  # MLX's tile for D = 64
     hand = A.steel_counts(HAND_SHAPE, elem)
-    assert {f: r.counts[f] for f in hand} == hand
-    # MLX's own kernel has 2 more barriers per threadgroup, outside the key loop
-    assert hand["threadgroup_barriers"] + A.BARRIERS_OUTSIDE_LOOP * hand["threadgroups"] > r.counts[
-        "threadgroup_barriers"]
+    assert {f: r.counts[f] for f in hand} == hand  # (MLX adds BARRIERS_OUTSIDE_LOOP per threadgroup, not counted)
 
 
 def test_hand_count_catches_a_planted_miscount():
