@@ -93,13 +93,6 @@ def sg_cycles_per_ffma(ilp, sgs):
     return ffma_cycles(ilp, sgs) * max(sgs, G.SCHEDULERS_PER_CORE) / G.SCHEDULERS_PER_CORE
 
 
-def _impl_of(kernel):
-    for impl in ("untiled", "tiled", "prefill", "decode"):
-        if f"_{impl}_" in kernel or kernel.startswith(f"flash_attention_{impl}"):
-            return impl
-    return None
-
-
 @lru_cache(maxsize=None)
 def _planned(impl, s, dtype, causal, key, backward):
     one = torch.empty(1, 1, 1, s.d, dtype=dtype)
