@@ -14,14 +14,15 @@ counts: a prediction, not a measurement; nothing here ran on a GPU.
    kernel: K and V once (per feature part at D = 256), Q and dO once per key
    block from its first seeing query row. Printed next to the counted bytes.
 3. Time: metal_model.predict on the counted records (the forward's time
-   model: MMAs at metal-benchmarks' in-GEMM rate, exp2, memory, on-core
-   data; occupancy from threadgroup memory), against an UNFUSED backward's
+   model, benchmarks/metal_model_timing.py: MMAs at the generation's rate,
+   exp2, memory under the streaming ceiling, on-core data; residency from the
+   planner's estimates; the fused side printed as a band), against an UNFUSED backward's
    model: the composite path (PyTorch's MPS math path, MLX's unfused VJP)
    has P (N x N, saved by its forward) and runs dV = P^T dO, dP = dO V^T,
    the softmax backward dS = P * (dP - rowsum(P * dP)) over N x N, then
    dQ = dS K and dK = dS^T Q: 4 GEMMs of 2 N^2 D FLOPs and 7 N^2 elements of
    traffic per head. Each of its 5 kernels costs max(compute at the same
-   MMA rate as ours, bytes at full memory bandwidth) plus the same dispatch
+   MMA rate as ours, bytes at the same streaming ceiling) plus the same dispatch
    overhead: generous to unfused (no occupancy or cache effects), dense
    even when causal (the composite path masks, it does not skip).
 """
@@ -52,7 +53,8 @@ def emulate(s: Shape, dtype, causal):
     key = (s, dtype, causal)
     if key not in _CACHE:
         backends.emulated_metal_attention_backward(*_inputs(s, dtype, causal), causal, None, None, instrumented=True)
-        _CACHE[key] = [M.Record(d.kernel_name, d.grid, d.threadgroup, d.threadgroup_memory, M._count_dict(d, c), False)
+        _CACHE[key] = [M.Record(d.kernel_name, d.grid, d.threadgroup, d.threadgroup_memory, M._count_dict(d, c), False,
+                                ("auto", True))
                        for d, c in backends.LAST_DISPATCHES]
     return _CACHE[key]
 
@@ -72,7 +74,7 @@ def scaled_counts(s: Shape, dtype, causal, base_ns=M.BASE_NS):
                 raise AssertionError(f"scaling rule gave a fractional {field}: {v}")
             counts[field] = int(v)
         grid = (base.grid[0] * n // base_ns[0], s.hq if i == 0 else s.hkv, s.b)
-        records.append(M.Record(base.kernel, grid, base.threadgroup, base.tg_memory, counts, True))
+        records.append(M.Record(base.kernel, grid, base.threadgroup, base.tg_memory, counts, True, ("auto", True)))
     return records
 
 
@@ -111,8 +113,8 @@ def unfused_seconds(s: Shape, dtype, gpu: G.AppleGPU, forward=False):
     its forward instead (S = Q K^T written, softmax read and written, O = P V)."""
     elem = torch.empty((), dtype=dtype).element_size()
     hz = gpu.clock_ghz * 1e9
-    rate = 2 * (G.MMA_FFMA16_PER_CORE_CYCLE if elem == 2 else G.MMA_FFMA32_PER_CORE_CYCLE) * gpu.cores * hz
-    bw = min(gpu.bandwidth_gbs * 1e9, gpu.cores * M.ON_GPU_BYTES_PER_CYCLE * hz)
+    rate = 2 * G.MMA_RATE[gpu.generation][1] * gpu.cores * hz  # the same MMA rate and streaming ceiling as ours
+    bw = min(G.STREAM_CEILING[1] * gpu.bandwidth_gbs * 1e9, gpu.cores * M.ON_GPU_BYTES_PER_CYCLE * hz)
     heads, nn, nd = s.b * s.hq, s.nq * s.nk, (s.nq + s.nk) * s.d
     gemm_flops = 2 * nn * s.d * heads
     if forward:
@@ -158,7 +160,8 @@ def table(quick):
                 tf = M.predict(fwd, g, s, torch.float16, causal)[0]
                 uf = unfused_seconds(s, torch.float16, g, forward=True)
                 wins.append((g.name, s, causal, u / t, (u + uf) / (t + tf)))
-                cells.append(f"{M._fmt_ms(t)} / {M._fmt_ms(u)} ({u / t:.2f}x) | {(u + uf) / (t + tf):.2f}x")
+                cells.append(f"{M._band_ms(recs, g, s, torch.float16, causal)} / {M._fmt_ms(u)} ({u / t:.2f}x) "
+                             f"| {(u + uf) / (t + tf):.2f}x")
             print(f"| {s.b}x{s.hq}x{s.nq}x{s.d} | {causal} | {'scaled' if recs[0].scaled else 'emulated'} "
                   f"| {kv / mkv:.3f} | {qdo / mqdo:.3f} | {sum(r.counts['simdgroup_mmas'] for r in recs)} "
                   f"| {sum(r.counts['exp2_calls'] for r in recs)} | " + " | ".join(cells) + " |")

@@ -19,8 +19,11 @@ prediction, labelled as such.
    once per query block, only up to the block's last visible key under
    causal masking. Printed next to the measured K/V bytes and their ratio.
 3. Time model on named Apple GPUs (benchmarks/apple_gpus.py, every figure
-   with its source): see `predict`.
-4. Calibration against the post's M5 measurements, 5. the claims block.
+   with its source): benchmarks/metal_model_timing.py (latency, occupancy,
+   critical path, streaming ceiling; every prediction a band).
+4. Calibration against the post's M5 measurements, 5. the claims block,
+   6. the anchors (benchmarks/metal_model_anchors.py: MLX's and the post's
+   published timings; `--anchors --csv PATH` alone).
 """
 import argparse
 import math
@@ -36,6 +39,7 @@ import torch
 import flash_metal
 
 from . import apple_gpus as G
+from . import metal_model_timing as T
 
 _TESTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests")
 if _TESTS not in sys.path:
@@ -52,38 +56,9 @@ BASE_NS = (2, 3, 4)  # the three emulated sizes n * UNIT that fix the quadratic
 # Largest problem (query-key pairs summed over heads) emulated directly; above
 # it the scaling rule is used. 512 x 512 runs in about a second.
 MAX_EMULATED_PAIRS = 512 * 512
-# Per-dispatch launch cost, seconds. Estimate, no source: a few microseconds
-# for encoding one compute command into an already open encoder; it only
-# matters for the smallest problems.
-DISPATCH_OVERHEAD_S = 5e-6
-# FFMA32 dependent-issue latency, cycles: metal-benchmarks README ("Later
-# benchmarks reduced the absolute latency to ... 6 cycles (FFMA32)").
-FFMA32_LATENCY = 6
-# On-core data bandwidth, bytes per core-cycle (threadgroup memory and L1):
-# metal-benchmarks "On-Core Data BW/Cycle 64 B" (Apple 7, 8; assumed later).
-ON_CORE_BYTES_PER_CYCLE = 64
-# Bytes per core-cycle one core can move to and from the rest of the GPU
-# (L2, memory): metal-benchmarks "On-GPU Data BW/Cycle ~32 B". A grid on few
-# cores cannot use the whole memory bandwidth.
-ON_GPU_BYTES_PER_CYCLE = 32
-# Resident SIMD-groups per core beyond which ALU utilization no longer grows
-# (metal-benchmarks: "ALU utilization maxes out at 24 simds/core").
-MAX_USEFUL_SIMDS = 24
-# FFMAs in one 8x8x8 simdgroup_multiply_accumulate (8 * 8 * 8).
-FFMA_PER_MMA = 512
-# FP32 lanes per core issuing one FFMA per cycle at full rate (metal-benchmarks: 128 ALUs per core).
-LANES_PER_CORE = 128
-# Independent FFMA chains credited to the post's acc update (DMAX of them in
-# the source): metal-benchmarks' tables stop at ILP 4, where one SIMD-group
-# per scheduler is already within 1.5x of full rate; more is not credited.
-ACC_ILP = 4
-# Chains in the post's dot product: the source's one accumulator (score +=).
-# Fast-math reassociation could split it; unknown, so this is the slow case.
-DOT_ILP = 1
-# Scalar lane-ops per exp2 call in the MMA kernels (scale, two mask tests,
-# max, subtract, select, sum, the O rescale's share): counted by eye from
-# attention_prefill.h, an estimate (the emulator does not count scalar ops).
-SCALAR_OPS_PER_EXP2 = 8
+# Dispatch overhead (point of its band; apple_gpus.DISPATCH_OVERHEAD_S, an estimate).
+DISPATCH_OVERHEAD_S = G.DISPATCH_OVERHEAD_S[1]
+ON_GPU_BYTES_PER_CYCLE = T.ON_GPU_BYTES_PER_CYCLE  # used by metal_backward_model's unfused baseline
 POST_MS = {("untiled", 2048, 64, True): 3.066, ("tiled", 2048, 64, True): 2.159}  # the post, Apple M5, float32
 
 
@@ -104,6 +79,7 @@ class Record(NamedTuple):
     tg_memory: int
     counts: dict
     scaled: bool
+    source: tuple = None  # (impl, backward): the plan that launched it, for the planner's per-chip estimates
 
 
 def _dtype_name(dt):
@@ -152,7 +128,8 @@ def emulate(impl, s: Shape, dtype, causal):
     key = (impl, s, dtype, causal)
     if key not in _CACHE:
         backends.emulated_metal_attention(*_inputs(s, dtype, real=True), causal, None, impl, instrumented=True)
-        _CACHE[key] = [Record(d.kernel_name, d.grid, d.threadgroup, d.threadgroup_memory, _count_dict(d, c), False)
+        _CACHE[key] = [Record(d.kernel_name, d.grid, d.threadgroup, d.threadgroup_memory, _count_dict(d, c), False,
+                              (impl, False))
                        for d, c in backends.LAST_DISPATCHES]
     return _CACHE[key]
 
@@ -190,7 +167,7 @@ def scaled_counts(impl, s: Shape, dtype, causal, base_ns=BASE_NS):
             if v.denominator != 1:
                 raise AssertionError(f"scaling rule gave a fractional {field}: {v}")
             counts[field] = int(v)
-        records.append(Record(d.kernel_name, d.grid, d.threadgroup, d.threadgroup_memory, counts, True))
+        records.append(Record(d.kernel_name, d.grid, d.threadgroup, d.threadgroup_memory, counts, True, (impl, False)))
     return records
 
 
@@ -244,84 +221,11 @@ def useful_flops(s: Shape, causal):
     return 4 * s.b * s.hq * s.d * pairs
 
 
-def _dmax(kernel):
-    return int(re.search(r"_d(\d+)", kernel).group(1))
-
-
-def predict(records, gpu: G.AppleGPU, s: Shape, dtype, causal):
-    """Predicted seconds for one call: the sum over its dispatches of
-    overhead + max(compute, exp2, memory, on-core data), each per dispatch:
-
-    - compute: simdgroup MMAs x 512 FFMA at metal-benchmarks' in-GEMM rate
-      (101.7 FFMA32 / 102.5 FFMA16 per core-cycle), plus scalar FFMAs. The
-      post's kernels do per visible (row, key) pair (= exp2_calls / 2, two
-      exp2 per key in OnlineSoftmax.update) DMAX dependent FFMAs (the dot
-      product, one chain) and 2 DMAX independent ones (acc = acc * alpha +
-      w * v). A dependent chain issues once per FFMA32_LATENCY / (resident
-      SIMD-groups per scheduler) cycles, independent work at full rate once
-      the latency is covered (Little's law on 4 schedulers). MMA kernels add
-      8 scalar ops per exp2 call (scale, mask tests, max, subtract, sum,
-      the O rescale share: an estimate) at full rate. Decode kernels: 2 D
-      FFMAs per visible (row, key) at full rate.
-    - exp2: exp2 calls / (32 per core-cycle).
-    - memory: device bytes / bandwidth, the bandwidth capped at 32 B per
-      cycle per active core (metal-benchmarks' on-GPU data rate). Counted bytes are what each lane
-      asks for; the untiled kernel's K/V loads are the same address in all
-      32 lanes of a SIMD-group (one request), so they count 1/32.
-    - on-core data: threadgroup bytes plus device bytes as counted per lane,
-      at 64 B per core-cycle (metal-benchmarks' on-core data bandwidth; no
-      broadcast merging assumed, Apple does not document it).
-    Occupancy: threadgroups resident per core = tgmem_per_core // threadgroup
-    memory (no limit without), capped so that SIMD-groups stay <= 24; the
-    grid's share per core can be smaller. A last partial wave costs a whole
-    one (ceil(waves) / waves), and a grid smaller than the core count leaves
-    cores idle. Returns (seconds, {term: seconds}, resident SIMD-groups)."""
-    total, terms_sum = 0.0, {}
-    hz = gpu.clock_ghz * 1e9
-    elem = torch.empty((), dtype=dtype).element_size()
-    resident_sgs = None
-    for r in records:
-        c = r.counts
-        sg_per_tg = max(1, math.ceil(r.threadgroup[0] * r.threadgroup[1] * r.threadgroup[2] / 32))
-        by_mem = gpu.tgmem_per_core // r.tg_memory if r.tg_memory else 10**6
-        tgs_resident = max(1, min(by_mem, MAX_USEFUL_SIMDS // sg_per_tg))
-        grid_tgs = c["threadgroups"]
-        active = min(gpu.cores, grid_tgs)
-        per_core = min(tgs_resident, grid_tgs / active)
-        sgs = per_core * sg_per_tg
-        resident_sgs = sgs if resident_sgs is None else resident_sgs
-        waves = grid_tgs / (active * tgs_resident)
-        quant = math.ceil(waves) / waves if waves > 1 else 1.0
-        lanes = active * LANES_PER_CORE * hz  # FFMA lane-instructions per second at full rate
-        mma_rate = G.MMA_FFMA16_PER_CORE_CYCLE if elem == 2 else G.MMA_FFMA32_PER_CORE_CYCLE
-        dmax = _dmax(r.kernel)
-        t_mma = c["simdgroup_mmas"] * FFMA_PER_MMA / (active * mma_rate * hz)
-        if "untiled" in r.kernel or "tiled" in r.kernel:
-            pairs = c["exp2_calls"] / 2
-            per_sched = sgs / G.SCHEDULERS_PER_CORE
-            # cycles per FFMA: latency over the chains in flight per scheduler (Little's law), at least 1
-            dep = max(1.0, FFMA32_LATENCY / (DOT_ILP * max(per_sched, 1e-9)))
-            indep = max(1.0, FFMA32_LATENCY / (ACC_ILP * max(per_sched, 1e-9)))
-            t_scalar = pairs * (dmax * dep + 2 * dmax * indep) / lanes
-        elif "decode" in r.kernel:
-            t_scalar = 2 * s.d * s.nq * s.hq * s.b * s.nk / lanes if "merge" not in r.kernel else 0.0
-        else:
-            t_scalar = SCALAR_OPS_PER_EXP2 * c["exp2_calls"] / lanes
-        t_compute = (t_mma + t_scalar) * quant
-        t_exp = c["exp2_calls"] / (active * G.EXP2_PER_CORE_CYCLE * hz) * quant
-        dev = sum(v for f, v in c.items() if f.startswith(("read_", "write_")))
-        if "untiled" in r.kernel:
-            dev_dram = dev - (c["read_k"] + c["read_v"]) * 31 / 32
-        else:
-            dev_dram = dev
-        t_mem = dev_dram / min(gpu.bandwidth_gbs * 1e9, active * ON_GPU_BYTES_PER_CYCLE * hz)
-        onchip = c["threadgroup_bytes_read"] + c["threadgroup_bytes_written"] + dev
-        t_data = onchip / (active * ON_CORE_BYTES_PER_CYCLE * hz) * quant
-        terms = {"compute": t_compute, "exp2": t_exp, "memory": t_mem, "on-core data": t_data}
-        total += DISPATCH_OVERHEAD_S + max(terms.values())
-        for k, v in terms.items():
-            terms_sum[k] = terms_sum.get(k, 0.0) + v
-    return total, terms_sum, resident_sgs
+def predict(records, gpu: G.AppleGPU, s: Shape, dtype, causal, knobs=T.POINT):
+    """Predicted seconds for one call at the point figures: (seconds, {term: seconds}, resident SIMD-groups per
+    core). The terms (compute with latency hiding, critical path, memory, Little's law, on-core data) are
+    described in benchmarks/metal_model_timing.py."""
+    return T.predict(records, gpu, s, dtype, causal, knobs)
 
 
 def bound(terms):
@@ -332,6 +236,12 @@ def bound(terms):
 
 def _fmt_ms(x):
     return f"{x * 1e3:.4g}"
+
+
+def _band_ms(records, gpu, s, dtype, causal):
+    """'point (low-high)' in ms: every prediction is printed as its band (metal_model_timing.predict_band)."""
+    low, point, high = T.predict_band(records, gpu, s, dtype, causal)
+    return f"{_fmt_ms(point)} ({_fmt_ms(low)}-{_fmt_ms(high)})"
 
 
 def post_grid(impls, quick):
@@ -357,7 +267,8 @@ def post_grid(impls, quick):
                     print(f"| {impl} | {n} | {d} | {causal} | {'scaled' if recs[0].scaled else 'emulated'} | {meas} "
                           f"| {model} | {meas / model:.3f} | {c['simdgroup_mmas']} | {c['exp2_calls']} "
                           f"| {c['threadgroup_bytes_read'] + c['threadgroup_bytes_written']} | {c['threadgroups']} "
-                          f"| {c['threadgroup_barriers']} | {_fmt_ms(t)} | {bound(terms)} |")
+                          f"| {c['threadgroup_barriers']} | {_band_ms(recs, gpu, s, torch.float32, causal)} "
+                          f"| {bound(terms)} |")
     return pred, ns
 
 
@@ -372,7 +283,8 @@ def calibration(pred, ns):
         p, terms, sgs = predict(counts_for(impl, s, torch.float32, causal), gpu, s, torch.float32, causal)
         ratios[impl] = p * 1e3 / ms
         parts = ", ".join(f"{k} {_fmt_ms(v)}" for k, v in terms.items())
-        print(f"| {impl} | {_fmt_ms(p)} | {ms} | {ratios[impl]:.2f} | {parts} | {sgs:.1f} |")
+        print(f"| {impl} | {_band_ms(counts_for(impl, s, torch.float32, causal), gpu, s, torch.float32, causal)} | {ms} "
+              f"| {ratios[impl]:.2f} | {parts} | {sgs:.1f} |")
     outside = [k for k, r in ratios.items() if not 0.5 <= r <= 2.0]
     configs = [(n, d, c) for d in (32, 64) for c in (False, True) for n in ns]
     wins = sum(pred[("tiled", n, d, c)] < pred[("untiled", n, d, c)] for n, d, c in configs)
@@ -386,7 +298,9 @@ def calibration(pred, ns):
               "publishes neither). The model's throughput terms are lower bounds there; no constant was tuned to "
               "close the gap.")
     else:
-        print("Both kernels within 2x of the post's measurements.")
+        print("Both kernels within 2x of the post's measurements, untiled ranked slower. A comparison between "
+              "different programs: the post's code as printed reads Q inside the key loop and divides by sqrt(D) per "
+              "key; the emulated kernels read Q once and scale once.")
     return ratios
 
 
@@ -413,7 +327,7 @@ def llm(impls, quick):
                     meas, model = io_row(impl, s, dt, causal, recs)
                     mmas = sum(r.counts["simdgroup_mmas"] for r in recs)
                     exps = sum(r.counts["exp2_calls"] for r in recs)
-                    times = " | ".join(_fmt_ms(predict(recs, g, s, dt, causal)[0]) for g in gpus)
+                    times = " | ".join(_band_ms(recs, g, s, dt, causal) for g in gpus)
                     label = f"{s.b}x{s.hq}:{s.hkv}x{s.nq}/{s.nk}x{s.d}"
                     print(f"| {label} | {_dtype_name(dt)} | {causal} | {impl} | "
                           f"{'scaled' if recs[0].scaled else 'emulated'} | {meas} | {model} | {meas / model:.3f} "
@@ -425,50 +339,49 @@ def claims(impls):
     if "prefill" not in impls:
         print("prefill kernel not available in the emulator library yet: no claim.")
         return
+    print("Prefill: the same counts as MLX's steel kernel (hand count = emulator counts, "
+          "tests/test_metal_model_anchors.py): predicted at MLX's measured speed if the code is as efficient; "
+          "unmeasured. Bands: clock, MMA rate, "
+          "threadgroup memory per core, DRAM latency, dispatch overhead, streaming ceiling. M5's neural "
+          "accelerators are outside this model.")
     for gname in ("M3 Max", G.POST_GPU):
         gpu = G.BY_NAME[gname]
-        for s in (Shape(1, 8, 8, 4096, 4096, 64), Shape(1, 8, 8, 4096, 4096, 128), Shape(1, 8, 8, 8192, 8192, 64),
-                  Shape(1, 8, 8, 8192, 8192, 128)):
+        for s in (Shape(1, 8, 8, 4096, 4096, 64), Shape(1, 8, 8, 8192, 8192, 128)):
             for causal in (False, True):
                 recs = counts_for("prefill", s, torch.float16, causal)
-                t, terms, sgs = predict(recs, gpu, s, torch.float16, causal)
-                mma_peak = gpu.cores * gpu.clock_ghz * 1e9 * 2 * G.MMA_FFMA16_PER_CORE_CYCLE
-                alu_peak = gpu.cores * gpu.clock_ghz * 1e9 * G.FP16_FLOPS_PER_CORE_CYCLE
-                f = useful_flops(s, causal)
-                print(f"prefill f16 {gname} B=1 H=8 N={s.nq} D={s.d} causal={causal}: predicted {_fmt_ms(t)} ms, "
-                      f"{f / t / 1e12:.2f} TFLOP/s = {f / t / mma_peak:.0%} of simdgroup-matrix peak "
-                      f"({mma_peak / 1e12:.2f} TFLOP/s) = {f / t / alu_peak:.0%} of ALU peak; bound: {bound(terms)}")
-    # Decode: the fraction of memory bandwidth a token-generation step uses
-    # (K/V bytes over predicted time), the figure MLX issue #3837 reports at
-    # about 25% for MLX's decode on long GQA contexts. A roofline of a
-    # memory-bound kernel predicts near 100% by construction; what the counts
-    # add is that K and V are read exactly once per GQA group.
+                t, terms, _ = predict(recs, gpu, s, torch.float16, causal)
+                print(f"prefill f16 {gname} B=1 H=8 N={s.nq} D={s.d} causal={causal}: predicted "
+                      f"{_band_ms(recs, gpu, s, torch.float16, causal)} ms; bound: {bound(terms)}")
+    # Decode: what the counts add is that K and V are read exactly once per
+    # GQA group; the time is that traffic under the measured streaming ceiling
+    # and Little's law per core (not a roofline).
     for gname, s in (("M3 Max", Shape(1, 32, 8, 1, 32768, 128)), ("M1 Ultra", Shape(1, 16, 4, 1, 32768, 256))):
         gpu = G.BY_NAME[gname]
         for impl in ("decode", "decode_split"):
             recs = counts_for(impl, s, torch.float16, False)
-            t = predict(recs, gpu, s, torch.float16, False)[0]
+            low, t, high = T.predict_band(recs, gpu, s, torch.float16, False)
             kv = 2 * s.b * s.hkv * s.nk * s.d * 2
-            print(f"{impl} f16 {gname} {s.b}x{s.hq}:{s.hkv} heads, 1 query, {s.nk} keys, D={s.d}: predicted "
-                  f"{_fmt_ms(t)} ms = {kv / t / (gpu.bandwidth_gbs * 1e9):.0%} of memory bandwidth "
-                  f"({len(recs)} dispatch{'es' if len(recs) > 1 else ''}, {recs[0].counts['threadgroups']} threadgroups)")
-    gpu = G.BY_NAME[G.POST_GPU]
-    for causal in (True, False):
-        s = Shape(1, 1, 1, 2048, 2048, 64)
-        for dt in (torch.float32, torch.float16):
-            tp = predict(counts_for("prefill", s, dt, causal), gpu, s, dt, causal)[0]
-            tt = predict(counts_for("tiled", s, torch.float32, causal), gpu, s, torch.float32, causal)[0]
-            line = (f"prefill {_dtype_name(dt)} vs the post's tiled kernel (float32) on {gpu.name}, N=2048 d=64 "
-                    f"causal={causal}: predicted {_fmt_ms(tp)} ms; model-vs-model ratio {tt / tp:.1f}x")
-            if causal:
-                line += f"; against the post's measured 2.159 ms: {2.159e-3 / tp:.1f}x"
-            print(line)
+            print(f"{impl} f16 {gname} {s.b}x{s.hq}:{s.hkv} heads, 1 query, {s.nk} keys, D={s.d}: K/V read once per "
+                  f"GQA group ({kv} B); predicted {_fmt_ms(t)} ms ({_fmt_ms(low)}-{_fmt_ms(high)}) = "
+                  f"{kv / t / (gpu.bandwidth_gbs * 1e9):.0%} of nominal bandwidth (streaming ceiling "
+                  f"{G.STREAM_CEILING[0]:.0%}-{G.STREAM_CEILING[2]:.0%}; {len(recs)} dispatch(es))")
+    from . import metal_model_anchors
+    metal_model_anchors.decode_vs_mlx()
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="a small subset, under a minute once the emulator is built")
+    ap.add_argument("--anchors", action="store_true",
+                    help="only the anchors: MLX's and the post's published timings against the model")
+    ap.add_argument("--csv", metavar="PATH", help="with --anchors: write one row per anchor to PATH")
     args = ap.parse_args(argv)
+    if args.csv and not args.anchors:
+        ap.error("--csv needs --anchors")
+    if args.anchors:
+        from . import metal_model_anchors
+        metal_model_anchors.anchors(args.csv)
+        return
     t0 = time.perf_counter()
     impls = [i for i in IMPLS if available(i)]
     missing = [i for i in IMPLS if i not in impls]
@@ -483,6 +396,8 @@ def main(argv=None):
     calibration(pred, ns)
     llm(impls, args.quick)
     claims(impls)
+    from . import metal_model_anchors
+    metal_model_anchors.anchors()
     print(f"\n(wall time {time.perf_counter() - t0:.0f} s)")
 
 

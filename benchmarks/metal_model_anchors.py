@@ -1,0 +1,185 @@
+"""Anchors of the Metal performance model (issue 19): published timings of
+other programs, placed against this model's predictions. Nothing here ran on
+a GPU; the measured figures are MLX's and the post's.
+
+    python -m benchmarks.metal_model --anchors [--csv PATH]
+
+1. MLX's steel attention (PR #1610, M3 Max; PR #4330, M3 Ultra). Its counts
+   are hand-counted below from its source (steel_attention.h: BQ = 32,
+   BK = 32 for D <= 96, 4 SIMD-groups of 8 rows, the Q tile loaded once, K
+   and V through one shared tile, both products on 8x8 fragments read back
+   from threadgroup memory per key block), and tests/test_metal_model_anchors.py
+   checks that they equal the prefill kernel's emulator counts field by field.
+   So this model, fed the prefill kernel's counts, predicts MLX's kernel; the
+   claim is +-15 % where MLX runs at high occupancy (in_regime). N = 256 is
+   outside: 256 threadgroups on 40 cores are under two waves, and MLX
+   measured 0.103 ms there, slower than the model.
+   The M3 MMA rate is INFERRED (apple_gpus.MMA_RATE), with MLX's N = 4096
+   timing as a lower bound on it; so N = 4096 is not independent evidence,
+   N = 512-2048 and the M3 Ultra anchor are.
+2. The post's untiled and tiled kernels (Apple M5, float32, N = 2048, d = 64,
+   causal). A comparison between DIFFERENT PROGRAMS: the post's code as
+   printed reads Q inside the key loop and divides by sqrt(D) per key; the
+   emulated kernels read Q once and scale once. The band is 2x.
+"""
+import csv
+import math
+from typing import NamedTuple
+
+import torch
+
+from . import apple_gpus as G
+from . import metal_model as M
+from . import metal_model_timing as T
+
+
+class Anchor(NamedTuple):
+    name: str
+    gpu: str
+    shape: M.Shape
+    dtype: torch.dtype
+    causal: bool
+    impl: str
+    measured_ms: float
+    in_regime: bool   # inside the regime the model claims (high occupancy, MMA kernels)
+    tolerance: float  # the claimed band around the point prediction, as a ratio
+
+
+MLX_TOL = 0.15  # issue 19: +-15 % where MLX runs at high occupancy
+POST_TOL = 1.0  # within 2x: the post's kernels are other programs (see the docstring)
+
+ANCHORS = [
+    Anchor("mlx-1610-n256", "M3 Max", M.Shape(1, 32, 32, 256, 256, 64), torch.float16, False, "prefill", 0.103, False,
+           MLX_TOL),
+    Anchor("mlx-1610-n512", "M3 Max", M.Shape(1, 32, 32, 512, 512, 64), torch.float16, False, "prefill", 0.241, True,
+           MLX_TOL),
+    Anchor("mlx-1610-n1024", "M3 Max", M.Shape(1, 32, 32, 1024, 1024, 64), torch.float16, False, "prefill", 0.784,
+           True, MLX_TOL),
+    Anchor("mlx-1610-n2048", "M3 Max", M.Shape(1, 32, 32, 2048, 2048, 64), torch.float16, False, "prefill", 2.98, True,
+           MLX_TOL),
+    Anchor("mlx-1610-n4096", "M3 Max", M.Shape(1, 32, 32, 4096, 4096, 64), torch.float16, False, "prefill", 11.71,
+           True, MLX_TOL),
+    Anchor("mlx-4330-d72", "M3 Ultra", M.Shape(1, 16, 16, 8192, 8192, 72), torch.bfloat16, False, "prefill", 14.30,
+           True, MLX_TOL),
+    Anchor("post-untiled", G.POST_GPU, M.Shape(1, 1, 1, 2048, 2048, 64), torch.float32, True, "untiled", 3.066, False,
+           POST_TOL),
+    Anchor("post-tiled", G.POST_GPU, M.Shape(1, 1, 1, 2048, 2048, 64), torch.float32, True, "tiled", 2.159, False,
+           POST_TOL),
+]
+CSV_COLUMNS = ["anchor", "gpu", "shape", "measured_ms", "predicted_low_ms", "predicted_ms", "predicted_high_ms",
+               "ratio", "in_regime"]
+
+
+def steel_counts(s: M.Shape, elem: int, bq=32, bk=32, wm=4):
+    """MLX steel attention's counts, by hand from its source, for a
+    non-causal problem with Nq a multiple of bq, Nk of bk and D of 8, in the
+    emulator's units (MMAs once per SIMD-group per call, exp2 per thread per
+    element, barriers once per threadgroup, threadgroup and device bytes as
+    each lane asks for them). Per threadgroup (bq query rows of one head):
+    - Q: bq x D elements to threadgroup memory once; K and V blocks of
+      bk x D each, once per key block (one shared tile).
+    - per key block and SIMD-group (8 rows): S = Q K^T is (D/8) x (bk/8)
+      MMAs, reading D/8 Q fragments and (D/8)(bk/8) K fragments; O += P V is
+      (bk/8) x (D/8) MMAs reading (bk/8)(D/8) V fragments (64 elements each).
+    - exp2: each lane holds one row's 2 columns of each of the bk/8 score
+      fragments, bk/4 exp2(S - max), plus 1 for the row's rescale factor.
+    - barriers: 4 per key block (before and after the K load, before and
+      after the V load). MLX adds 2 per threadgroup (before the Q load, after
+      the loop; `barriers_outside_loop`), which the prefill kernel does not have.
+    - device: Q read and O written once; K and V once per query block."""
+    if s.nq % bq or s.nk % bk or s.d % 8:
+        raise ValueError(f"hand count needs Nq % {bq} == Nk % {bk} == D % 8 == 0; got {s}")
+    tgs = s.b * s.hq * (s.nq // bq)
+    blocks = tgs * (s.nk // bk)
+    df, kf = s.d // 8, bk // 8
+    frag_bytes = 64 * elem
+    return {
+        "threadgroups": tgs,
+        "threads": tgs * 32 * wm,
+        "simdgroup_mmas": blocks * wm * 2 * df * kf,
+        "exp2_calls": blocks * wm * 32 * (bk // 4 + 1),
+        "threadgroup_barriers": blocks * 4,
+        "threadgroup_bytes_written": tgs * bq * s.d * elem + blocks * 2 * bk * s.d * elem,
+        "threadgroup_bytes_read": blocks * wm * (df + 2 * df * kf) * frag_bytes,
+        "read_q": s.b * s.hq * s.nq * s.d * elem,
+        "read_k": blocks * bk * s.d * elem,
+        "read_v": blocks * bk * s.d * elem,
+        "write_out": s.b * s.hq * s.nq * s.d * elem,
+    }
+
+
+BARRIERS_OUTSIDE_LOOP = 2  # MLX's per-threadgroup barriers outside the key loop (steel_attention.h)
+
+
+def anchor_row(a: Anchor):
+    gpu = G.BY_NAME[a.gpu]
+    recs = M.counts_for(a.impl, a.shape, a.dtype, a.causal)
+    low, point, high = T.predict_band(recs, gpu, a.shape, a.dtype, a.causal)
+    ratio = point * 1e3 / a.measured_ms
+    s = a.shape
+    return {"anchor": a.name, "gpu": a.gpu,
+            "shape": f"{s.b}x{s.hq}x{s.nq}x{s.d} {M._dtype_name(a.dtype)}{' causal' if a.causal else ''} {a.impl}",
+            "measured_ms": a.measured_ms, "predicted_low_ms": round(low * 1e3, 4), "predicted_ms": round(point * 1e3, 4),
+            "predicted_high_ms": round(high * 1e3, 4), "ratio": round(ratio, 3), "in_regime": a.in_regime}
+
+
+def within(row, a: Anchor):
+    """The point prediction is within the anchor's band of the measurement."""
+    if a.tolerance < 1:
+        return abs(row["ratio"] - 1) <= a.tolerance
+    return 1 / (1 + a.tolerance) <= row["ratio"] <= 1 + a.tolerance
+
+
+def anchors(csv_path=None, names=None):
+    chosen = [a for a in ANCHORS if names is None or a.name in names]
+    rows = [anchor_row(a) for a in chosen]
+    print("\n## Anchors: published timings of other programs against this model (predictions, not measurements)")
+    print("| " + " | ".join(CSV_COLUMNS) + " | within its band |")
+    print("|" + "---|" * (len(CSV_COLUMNS) + 1))
+    for a, r in zip(chosen, rows):
+        band = f"+-{a.tolerance:.0%}" if a.tolerance < 1 else f"{1 + a.tolerance:.0f}x"
+        print("| " + " | ".join(str(r[c]) for c in CSV_COLUMNS) + f" | {within(r, a)} ({band}) |")
+    print("MLX rows: the prefill kernel's counts equal MLX steel attention's (hand count, "
+          "tests/test_metal_model_anchors.py); "
+          "predicted at MLX's measured speed if the code is as efficient; our kernel is unmeasured. The M3 MMA rate "
+          "is inferred (N = 4096 bounds it), so N = 512-2048 and the M3 Ultra row are the independent checks; "
+          "N = 256 is outside the regime (under two waves of threadgroups). Post rows: different programs (the post "
+          "reads Q inside the key loop and divides by sqrt(D) per key; ours do neither). M5's neural accelerators "
+          "are outside this model.")
+    if csv_path:
+        with open(csv_path, "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=CSV_COLUMNS)
+            w.writeheader()
+            w.writerows(rows)
+        print(f"(wrote {len(rows)} rows to {csv_path})")
+    return rows
+
+
+# Decode against MLX's measured decode (mlx-4076, M5 Pro, float16, q_len 1, 8K context; its 8K column, which
+# the emulator runs in seconds): (Hq, Hkv, D, GB/s).
+MLX_DECODE = [(32, 32, 128, 282.0), (32, 8, 128, 263.0), (32, 4, 128, 184.0), (64, 8, 64, 113.0)]
+
+
+def decode_vs_mlx(nk=8192):
+    """Our decode's predicted K/V bandwidth on an M5 Pro beside MLX's measured one, by GQA ratio."""
+    gpu = G.BY_NAME["M5 Pro"]
+    print(f"\n## Decode on an M5 Pro, {nk} keys, float16: our prediction beside MLX's measurement (mlx-4076)")
+    print("The claim is the count: K and V read exactly once per GQA group (tests), and the bandwidth fraction "
+          f"under the measured streaming ceiling ({G.STREAM_CEILING[0]:.2f}-{G.STREAM_CEILING[2]:.2f} of nominal) "
+          "and Little's law per core; not a roofline.")
+    print("| Hq:Hkv | D | impl | predicted GB/s (band) | fraction of nominal | MLX measured GB/s |")
+    print("|---|---|---|---|---|---|")
+    out = []
+    for hq, hkv, d, mlx in MLX_DECODE:
+        s = M.Shape(1, hq, hkv, 1, nk, d)
+        recs = M.counts_for("decode_split", s, torch.float16, False)
+        kv = 2 * hkv * nk * d * 2
+        low, point, high = T.predict_band(recs, gpu, s, torch.float16, False)
+        gbs = [kv / t / 1e9 for t in (high, point, low)]
+        out.append((hq, hkv, d, gbs[1], mlx))
+        print(f"| {hq}:{hkv} | {d} | decode_split | {gbs[1]:.0f} ({gbs[0]:.0f}-{gbs[2]:.0f}) "
+              f"| {gbs[1] / gpu.bandwidth_gbs:.0%} | {mlx:.0f} |")
+    print("MLX's GQA-1 figure (282 GB/s, 0.92 of nominal) is above the dense qmv its issue measured on the same "
+          "machine (0.87): the streaming ceiling is a band, not a bound. Where ours is below MLX's (few kv heads), "
+          "Little's law binds: the bytes each lane keeps in flight (DECODE_ROWS_IN_FLIGHT) are an estimate.")
+    return out

@@ -1,0 +1,240 @@
+"""The time model of benchmarks/metal_model.py (issue 19, "The model"): from a
+dispatch's exact counts to predicted seconds on a named Apple GPU, as a band.
+Nothing here is a measurement; every constant names its source or says
+"estimate" (benchmarks/apple_gpus.py SOURCES).
+
+Per dispatch, seconds = overhead + max(core time, critical path, memory,
+on-core data):
+
+- Core time: the ALU work (simdgroup MMAs at the generation's in-GEMM rate,
+  scalar softmax work, exp2) spread over the active cores; a key block of one
+  threadgroup also has a SERIAL section (the K/V tile load's DRAM latency,
+  the barriers, the MMA dependency chains at ~36 cycles per 8x8 float32 MMA,
+  the softmax's shuffles and exp2). With r threadgroups resident per core (the
+  planner's estimate, flash_metal.explain(gpu=...).threadgroups_per_core,
+  capped by the grid's share) a core finishes r blocks in
+  max(r * work, latency + work): latency is hidden only when r * work covers
+  it. A partial last wave costs a whole one (equal threadgroups, no mask).
+- Critical path: the longest threadgroup's blocks x (latency + work): a
+  causal tail or a grid smaller than the cores cannot go faster than that.
+- The post's scalar kernels (untiled, tiled): per key a dependent dot product
+  (D FFMAs at ILP 1) and the output update (2 D at ILP 4), each at
+  metal-benchmarks' measured FFMA cost for the resident SIMD-groups
+  (FFMA32_CYCLES), plus the key's load latency (device memory for untiled,
+  threadgroup memory for tiled, with a DRAM tile load per tile).
+- Memory: device bytes over the MEASURED streaming ceiling (0.79-0.87 of
+  nominal bandwidth), over Little's law per core (bytes in flight per core /
+  DRAM latency), and over 32 B per core-cycle to the rest of the GPU.
+- On-core data: threadgroup and device bytes at 64 B per core-cycle.
+
+Bands: `predict` at the point figures; `predict_band` at the low and high
+ends of every uncertain figure together (clock, MMA rate, threadgroup memory
+per core, DRAM latency, dispatch overhead, streaming ceiling). M5's neural
+accelerators (Metal 4 tensor ops) are outside this model.
+"""
+import math
+import re
+from functools import lru_cache
+
+import torch
+
+import flash_metal
+
+from . import apple_gpus as G
+
+# On-core data bandwidth, bytes per core-cycle (threadgroup memory and L1):
+# metal-benchmarks "On-Core Data BW/Cycle 64 B" (Apple 7, 8; assumed later).
+ON_CORE_BYTES_PER_CYCLE = 64
+# Bytes per core-cycle one core moves to and from the rest of the GPU:
+# metal-benchmarks "On-GPU Data BW/Cycle ~32 B".
+ON_GPU_BYTES_PER_CYCLE = 32
+FFMA_PER_MMA = 512  # 8 x 8 x 8 in one simdgroup_multiply_accumulate
+LANES_PER_CORE = 128  # FP32 lanes per core (metal-benchmarks: 128 ALUs)
+# Scalar lane-ops per exp2 call in the MMA kernels (scale, mask tests, max,
+# subtract, select, sum, the O rescale's share): counted by eye from
+# attention_prefill.h, an estimate (the emulator does not count scalar ops).
+SCALAR_OPS_PER_EXP2 = 8
+# Serial latencies in GPU cycles (estimate-gpu-latencies): no Apple source.
+MMA_LATENCY = 36      # one 8x8 float32 MMA to the next that depends on it
+TG_LOAD_LATENCY = 24  # a threadgroup-memory load
+SHUFFLE_LATENCY = 16  # a simd_shuffle_xor, and an exp2 result
+BARRIER_CYCLES = 40   # a threadgroup barrier with every SIMD-group arrived
+# Bytes each lane of a decode kernel keeps in flight: its D/32 features of
+# one K row and one V row (attention_decode.h; the key loop is not unrolled).
+DECODE_ROWS_IN_FLIGHT = 2
+
+POINT = {"clock": 1, "mma": 1, "tg": 1, "dram": 1, "overhead": 1, "stream": 1}
+FAST = {"clock": 2, "mma": 2, "tg": 2, "dram": 0, "overhead": 0, "stream": 2}
+SLOW = {"clock": 0, "mma": 0, "tg": 0, "dram": 2, "overhead": 2, "stream": 0}
+
+
+def _clock(gpu, k):
+    lo, hi = gpu.clock_band or (gpu.clock_ghz, gpu.clock_ghz)
+    return (lo, gpu.clock_ghz, hi)[k] * 1e9
+
+
+def ffma_cycles(ilp, sgs):
+    """metal-benchmarks' FFMA32 cost (1.0 = full rate) at `sgs` resident
+    SIMD-groups per core, interpolated in log(sgs) between its 4, 8, 88
+    columns and clamped to them (fewer than 4 still leave each SIMD-group its
+    own scheduler)."""
+    table = G.FFMA32_CYCLES[ilp]
+    xs = sorted(table)
+    s = min(max(sgs, xs[0]), xs[-1])
+    for a, b in zip(xs, xs[1:]):
+        if a <= s <= b:
+            f = (math.log(s) - math.log(a)) / (math.log(b) - math.log(a))
+            return table[a] + f * (table[b] - table[a])
+    return table[xs[-1]]
+
+
+def sg_cycles_per_ffma(ilp, sgs):
+    """Cycles between one SIMD-group's FFMAs when `sgs` share the core's 4 schedulers."""
+    return ffma_cycles(ilp, sgs) * max(sgs, G.SCHEDULERS_PER_CORE) / G.SCHEDULERS_PER_CORE
+
+
+@lru_cache(maxsize=None)
+def _planned(impl, s, dtype, causal, key, backward):
+    one = torch.empty(1, 1, 1, s.d, dtype=dtype)
+    q, k, v = one.expand(s.b, s.hq, s.nq, s.d), one.expand(s.b, s.hkv, s.nk, s.d), one.expand(s.b, s.hkv, s.nk, s.d)
+    return flash_metal.explain(q, k, v, causal, None, impl, key, backward=backward)
+
+
+def planner_residency(r, index, gpu, s, dtype, causal):
+    """(threadgroups per core, limit) from the planner's estimate for this
+    dispatch on this chip; records without a plan (synthetic) fall back to
+    threadgroup memory alone."""
+    if r.source is None or gpu.key is None:
+        by_mem = gpu.tgmem_per_core // r.tg_memory if r.tg_memory else 64
+        return max(1, by_mem), "threadgroup memory (no plan)"
+    impl, backward = r.source
+    d = _planned(impl, s, dtype, causal, gpu.key, backward).dispatches[index]
+    if d.kernel_name != r.kernel:
+        raise AssertionError(f"plan for {gpu.key} launches {d.kernel_name}, the counts are of {r.kernel}")
+    return d.threadgroups_per_core, d.occupancy_limit
+
+
+def visible(row, s, causal):
+    return min(max(row + s.nk - s.nq + 1, 0), s.nk) if causal else s.nk
+
+
+def key_blocks(kernel, s, causal):
+    """Key blocks (or keys, for the untiled kernel) each threadgroup of one
+    head runs, from the shape: [(rows, blocks)] per query block. None for
+    kernels whose loop this model does not know."""
+    m = re.search(r"_bq(\d+)_bk(\d+)_", kernel)
+    if m:
+        bq, bk = int(m.group(1)), int(m.group(2))
+    elif (m := re.search(r"_bk(\d+)_t(\d+)$", kernel)):
+        bk, bq = int(m.group(1)), int(m.group(2))
+    elif (m := re.search(r"untiled.*_t(\d+)$", kernel)):
+        bk, bq = 1, int(m.group(1))
+    else:
+        return None
+    return [math.ceil(visible(min(q0 + bq, s.nq) - 1, s, causal) / bk) for q0 in range(0, s.nq, bq)], bk
+
+
+def _dmax(kernel):
+    return int(re.search(r"_d(\d+)", kernel).group(1))
+
+
+def dispatch_time(r, index, gpu, s, dtype, causal, k=POINT):
+    """(seconds, {term: seconds}, resident SIMD-groups per core) of one dispatch."""
+    c = r.counts
+    hz = _clock(gpu, k["clock"])
+    elem = torch.empty((), dtype=dtype).element_size()
+    sg_per_tg = max(1, math.ceil(r.threadgroup[0] * r.threadgroup[1] * r.threadgroup[2] / 32))
+    tgs_core, limit = planner_residency(r, index, gpu, s, dtype, causal)
+    if limit.startswith("threadgroup memory") and k["tg"] == 2 and gpu.tgmem_per_core <= 32768:
+        tgs_core *= 2  # 64 KiB per core instead of the 32 KiB estimate (its low end: estimate-tgmem-m3)
+    grid_tgs = c["threadgroups"]
+    active = min(gpu.cores, grid_tgs)
+    r_core = min(tgs_core, grid_tgs / active)  # threadgroups resident per core, on average
+    sgs = r_core * sg_per_tg
+    waves = grid_tgs / (active * tgs_core)
+    quant = math.ceil(waves) / waves if waves > 1 and not causal else 1.0
+    dram_cycles = G.DRAM_LATENCY_NS[k["dram"]] * 1e-9 * hz
+    kb = key_blocks(r.kernel, s, causal)
+    heads = s.b * s.hq
+    terms = {}
+    if "untiled" in r.kernel or "_tiled_" in r.kernel:
+        # One SIMD-group-key: 32 rows' (row, key) pairs, two exp2 each (OnlineSoftmax.update).
+        sg_keys = c["exp2_calls"] / 2 / 32
+        d = _dmax(r.kernel)
+        per_key = d * sg_cycles_per_ffma(1, sgs) + 2 * d * sg_cycles_per_ffma(4, sgs) \
+            + 2 * SHUFFLE_LATENCY + 4 * sg_cycles_per_ffma(1, sgs)
+        if "untiled" in r.kernel:
+            per_key += dram_cycles  # the key's K row from device memory, waited on by the dot chain
+        else:
+            per_key += TG_LOAD_LATENCY + (dram_cycles + 2 * BARRIER_CYCLES) / kb[1]
+        terms["compute"] = sg_keys * per_key / (sgs * active * hz)
+        blocks = kb[0] if kb else [1]
+        skew = max(blocks) / (sum(blocks) / len(blocks))  # longest threadgroup over the mean
+        keys_tg = sg_keys / (grid_tgs * sg_per_tg)
+        terms["critical path"] = keys_tg * skew * per_key / hz
+    elif c["simdgroup_mmas"]:
+        mma_rate = G.MMA_RATE[gpu.generation][k["mma"]]
+        work = (c["simdgroup_mmas"] * FFMA_PER_MMA / mma_rate + c["exp2_calls"] * SCALAR_OPS_PER_EXP2 / LANES_PER_CORE
+                + c["exp2_calls"] / G.EXP2_PER_CORE_CYCLE)  # core-cycles, the whole dispatch
+        if kb and "prefill" in r.kernel:
+            blocks, bk = kb
+            total = sum(blocks) * heads
+            w = work / total  # one threadgroup's key block, core-cycles at full rate
+            d_frags = math.ceil(s.d / 8)
+            lat = (dram_cycles + 4 * BARRIER_CYCLES + (d_frags + bk // 8) * MMA_LATENCY
+                   + 2 * TG_LOAD_LATENCY + 4 * SHUFFLE_LATENCY + 2 * SHUFFLE_LATENCY)
+            if causal:  # unequal threadgroups: the average residency, no wave structure
+                cycles = total * max(w, (lat + w) / r_core) / active
+            else:  # equal threadgroups in waves of active x tgs_core, a partial last wave costing a whole one
+                # (an assumption: its threadgroups could run faster with fewer per core, but MLX's timings at
+                # N = 256-512 are slower than even this rule predicts, not faster)
+                nb = total / grid_tgs
+                waves = math.ceil(grid_tgs / (active * tgs_core))
+                cycles = waves * nb * max(min(tgs_core, math.ceil(grid_tgs / active)) * w, lat + w)
+            terms["compute"] = cycles / hz
+            terms["critical path"] = max(blocks) * (lat + w) / hz
+        else:
+            terms["compute"] = work / (active * hz) * quant
+    elif "decode" in r.kernel and "merge" not in r.kernel:
+        terms["compute"] = 2 * s.d * s.nq * s.hq * s.b * s.nk / (active * LANES_PER_CORE * hz)
+    else:
+        terms["compute"] = c["exp2_calls"] / (active * G.EXP2_PER_CORE_CYCLE * hz)
+    dev = sum(v for f, v in c.items() if f.startswith(("read_", "write_")))
+    if "untiled" in r.kernel:  # K/V loads are one address for all 32 lanes: one request
+        dev -= (c["read_k"] + c["read_v"]) * 31 / 32
+    # DRAM bytes: K and V once per (batch, kv head) when other query blocks
+    # re-read them, an estimate: the grid runs a head's query blocks side by
+    # side (x fastest), and a head's K and V (<= 4 MiB at Nk = 8192, D = 128,
+    # 16-bit) stay in the GPU's caches meanwhile. Re-reads move over the
+    # on-GPU link (32 B per core-cycle) instead.
+    kv_once = 2 * s.b * s.hkv * s.nk * s.d * elem
+    kv_counted = c.get("read_k", 0) + c.get("read_v", 0)
+    dram = dev - kv_counted + min(kv_counted, kv_once) if kv_counted else dev
+    stream = G.STREAM_CEILING[k["stream"]] * gpu.bandwidth_gbs * 1e9
+    terms["memory"] = max(dram / stream, dev / (active * ON_GPU_BYTES_PER_CYCLE * hz))
+    if "decode" in r.kernel and "merge" not in r.kernel:
+        in_flight = sgs * 32 * DECODE_ROWS_IN_FLIGHT * max(1, _dmax(r.kernel) // 32) * elem  # bytes per core
+        terms["little"] = dev / (active * in_flight / (G.DRAM_LATENCY_NS[k["dram"]] * 1e-9))
+    onchip = c["threadgroup_bytes_read"] + c["threadgroup_bytes_written"] + dev
+    terms["on-core data"] = onchip / (active * ON_CORE_BYTES_PER_CYCLE * hz) * quant
+    return G.DISPATCH_OVERHEAD_S[k["overhead"]] + max(terms.values()), terms, sgs
+
+
+def predict(records, gpu, s, dtype, causal, k=POINT):
+    """(seconds, {term: seconds summed over dispatches}, resident SIMD-groups of the first)."""
+    total, terms_sum, first = 0.0, {}, None
+    for i, r in enumerate(records):
+        t, terms, sgs = dispatch_time(r, i, gpu, s, dtype, causal, k)
+        total += t
+        first = sgs if first is None else first
+        for name, v in terms.items():
+            terms_sum[name] = terms_sum.get(name, 0.0) + v
+    return total, terms_sum, first
+
+
+def predict_band(records, gpu, s, dtype, causal):
+    """(low, point, high) seconds: the point figures, and the least and most
+    time over every uncertain figure at its fast end and at its slow end
+    together (more residency can cost time through a worse last wave)."""
+    corners = [predict(records, gpu, s, dtype, causal, k)[0] for k in (FAST, POINT, SLOW)]
+    return min(corners), corners[1], max(corners)
