@@ -114,6 +114,13 @@ inline uint32_t decode_row_groups(const AttentionProblem& p, uint32_t bucket) {
   return ceil_div(p.gqa_ratio() * p.q_len, decode_rows_per_simd(bucket));
 }
 
+// SIMD-groups of one decode threadgroup (attention_decode.h's KG * RGL):
+// 8 key groups for a single row group, else the row groups of one chunk.
+inline uint32_t decode_simdgroups_per_threadgroup(const AttentionProblem& p, uint32_t bucket, uint32_t chunks) {
+  const uint32_t row_groups = decode_row_groups(p, bucket);
+  return row_groups == 1 ? kDecodeKeyGroups : ceil_div(row_groups, chunks);
+}
+
 // ---- Live-value models: 32-bit values per lane each kernel family keeps
 // live, the planner's register estimates (LaunchEstimate). Counted from the
 // shaders' data structures, not from compiled code (no Apple compiler
