@@ -45,11 +45,14 @@ const char* request_name(KernelRequest r) {
 // SIMD-groups, not threadgroups: a staged threadgroup of 2 SIMD-groups
 // keeps a quarter of the loads in flight of one of 8.
 constexpr uint32_t kDecodeSimdgroupsPerCore = 24;
-// Why 256 keys at least per block: the merge pass re-reads head_dim floats of
-// partial output per block and row, which must stay small next to the block's
-// own K/V bytes (256 keys x D x 2 tensors); it also keeps the extra
-// dispatch worth its cost on short contexts.
-constexpr int64_t kMinKeysPerSplit = 256;
+// Why 128 keys at least per block: the merge pass writes and re-reads
+// head_dim floats of partial output per block and row, R x D x 8 bytes for a
+// GQA group of R rows, which must stay small next to the block's own K/V
+// bytes (128 keys x D x 2 tensors x 2 bytes in half): R / 64 of them, 12.5 %
+// at GQA 8, 3 % at one row. Half of the 256 it was before issue 19: with
+// rows per SIMD-group sized by registers, a GQA group launches fewer
+// SIMD-groups per block, and short contexts need the blocks to fill a core.
+constexpr int64_t kMinKeysPerSplit = 128;
 // Why at most 256 blocks: bounds the merge loop (each merge lane walks the
 // blocks) and the scratch memory (256 x D floats per query row); 256 is what
 // a one-sequence GQA-7 model with 4 kv heads (Qwen2.5-7B: 8 SIMD-groups per
@@ -119,6 +122,8 @@ std::string padding_note(int64_t head_dim, uint32_t bucket) {
 // at D = 128 and lost to its unfused path there, so the blocks below shrink
 // the streamed side first and keep the accumulators in registers.
 constexpr uint32_t kBackwardRegisterBudget = 72;
+static_assert(kBackwardRegisterBudget == uint32_t{kDecodeRegisterBudget},
+              "one register budget for both planners (shaders/attention_decode_rows.h)");
 // What a thread can address at all ([I], as above).
 constexpr uint32_t kMaxRegistersPerThread = 128;
 
@@ -282,7 +287,8 @@ KernelChoice choose_metal_kernel(const AttentionProblem& p, KernelRequest reques
       c.kind = c.kv_splits > 1 ? KernelRequest::DecodeSplit : KernelRequest::Decode;
       if (c.row_chunks > 1) {
         c.reason += "; but its " + std::to_string(decode_row_groups(p, c.bucket)) + " row groups of " +
-                    std::to_string(decode_rows_per_simd(c.bucket)) + " rows exceed one threadgroup's " +
+                    std::to_string(decode_rows_per_simd(static_cast<int>(c.bucket))) +
+                    " rows exceed one threadgroup's " +
                     std::to_string(kDecodeMaxSimdgroups) + " SIMD-groups (the kernels' declared " +
                     std::to_string(kDecodeMaxThreads) + "-thread limit), so " + std::to_string(c.row_chunks) +
                     " threadgroups (row chunks) per (batch, kv head) each serve a part and read K/V once each";

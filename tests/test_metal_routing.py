@@ -65,7 +65,7 @@ def test_prefill_edge_constants(nq, nk, aligned, causal):
 
 
 def test_decode_one_pass_for_short_contexts_and_split_for_long():
-    short = flash_metal.explain(*_qkv(1, 300, 128))
+    short = flash_metal.explain(*_qkv(1, 200, 128))  # fewer than 2 blocks of >= 128 keys
     assert [d.kernel_name for d in short.dispatches] == ["flash_decode_float16_d128"]
     assert "one pass" in short.reason and short.scratch == {"partial_out": 0, "partial_stats": 0}
     assert _params(short.dispatches[0])["kv_splits"] == 1
@@ -78,7 +78,8 @@ def test_decode_one_pass_for_short_contexts_and_split_for_long():
 
 def _simdgroups_per_block(dispatch):
     """SIMD-groups one key block of a decode dispatch launches: its (kv head, row chunk) x batch threadgroups."""
-    return dispatch.grid[0] * dispatch.grid[1] * dispatch.threadgroup[0] * dispatch.threadgroup[1] * dispatch.threadgroup[2] // 32
+    tg = dispatch.threadgroup
+    return dispatch.grid[0] * dispatch.grid[1] * tg[0] * tg[1] * tg[2] // 32
 
 
 def _blocks_for(nk, splits):
@@ -88,9 +89,9 @@ def _blocks_for(nk, splits):
 
 
 def _planned_blocks(nk, want):
-    """The split count decode_splits plans: `want` blocks within max(1, Nk // 256) and 256, asking for more
+    """The split count decode_splits plans: `want` blocks within max(1, Nk // 128) and 256, asking for more
     while rounding blocks up to 32 keys leaves fewer than wanted."""
-    limit = min(max(1, nk // 256), 256)
+    limit = min(max(1, nk // 128), 256)
     wanted = max(1, min(want, limit))
     asked, blocks = wanted, _blocks_for(nk, wanted)
     while blocks < wanted and asked < limit:
@@ -108,11 +109,11 @@ def test_split_count_and_blocks(b, hkv, nk, gpu):
     splits, per = p["kv_splits"], p["split_keys"]
     cores = {"base": 10, "max": 40, "ultra": 80}[gpu]
     # Blocks wanted: 24 SIMD-groups launched per core (metal_routing.cpp's
-    # kDecodeSimdgroupsPerCore), at most 256, each block >= 256 keys.
+    # kDecodeSimdgroupsPerCore), at most 256, each block >= 128 keys.
     want = -(-cores * 24 // _simdgroups_per_block(plan.dispatches[0]))
     assert splits == _planned_blocks(nk, want)
     if splits > 1:
-        assert per % 32 == 0 and per >= 256
+        assert per % 32 == 0 and per >= 128
         assert (splits - 1) * per < nk <= splits * per  # every block holds keys
         assert plan.scratch == {"partial_out": b * hkv * 4 * 2 * splits * 64, "partial_stats": b * hkv * 4 * 2 * splits * 2}
     else:
@@ -299,9 +300,9 @@ DECODE_MODELS = {"llama3-8b": (32, 8, 128), "llama3-70b": (64, 8, 128), "qwen2.5
 DECODE_BATCHES = range(1, 9)
 DECODE_NK = tuple(2**e for e in range(9, 18))  # 512 .. 128k
 # Below this Nk some shape of the grid has too few keys for enough blocks of
-# >= 256 keys on the biggest chips (the exemption below); from it on, every
+# >= 128 keys on the biggest chips (the exemption below); from it on, every
 # shape reaches 24 SIMD-groups per core on every chip with no exemption.
-DECODE_NK_ALWAYS_FULL = 65536
+DECODE_NK_ALWAYS_FULL = 16384
 
 
 def _meta_qkv(b, hq, hkv, nq, nk, d, dtype=torch.float16):
@@ -315,16 +316,17 @@ def _fill_verdict(grid, threadgroup, splits, cores, nk):
     fill = grid[0] * grid[1] * threadgroup[0] * threadgroup[1] * threadgroup[2] // 32 * splits / cores
     if fill >= 24:
         return "full"
-    return "exempt" if splits == max(1, nk // 256) else "short"
+    return "exempt" if splits == max(1, nk // 128) else "short"
 
 
 def test_decode_launches_24_simdgroups_per_core_on_every_chip_and_model():
     # Every named chip (its own core count), every model of the grid, batch
     # 1-8, Nq 1 and 4, Nk 512-128k: the decode launches >= 24 SIMD-groups
-    # per core, unless Nk allows no more blocks of >= 256 keys (the split
-    # count then equals Nk // 256: the exemption, which the grid reaches only
-    # below DECODE_NK_ALWAYS_FULL). And each K/V element is read by one
-    # threadgroup per (batch, kv head, block): the GQA group's rows share it.
+    # per core, unless Nk allows no more blocks of >= 128 keys (the split
+    # count then equals Nk // 128: the exemption, which the grid reaches only
+    # below DECODE_NK_ALWAYS_FULL). And in one-token decode each K/V element
+    # is read by one threadgroup per (batch, kv head, block): the GQA group's
+    # rows share it (the emulator's byte counts, test_metal_decode.py).
     exempt = set()
     for (model, (hq, hkv, d)), b, nq, nk in itertools.product(DECODE_MODELS.items(), DECODE_BATCHES, (1, 4), DECODE_NK):
         q, k, v = _meta_qkv(b, hq, hkv, nq, nk, d)
@@ -332,7 +334,12 @@ def test_decode_launches_24_simdgroups_per_core_on_every_chip_and_model():
             plan = flash_metal.explain(q, k, v, True, None, "auto", chip)
             first = plan.dispatches[0]
             case = (model, b, nq, nk, chip)
-            assert first.grid[:2] == (hkv, b), (case, first.grid)  # one threadgroup per (kv head, batch[, block])
+            # One threadgroup per (kv head, batch[, block]) in one-token decode:
+            # K/V read once for the GQA group. With Nq = 4 a group of more
+            # than 8 row groups (Llama-3-70B, 32 rows of 2) takes row chunks.
+            rows = 4 if d <= 64 else 2 if d <= 128 else 1
+            chunks = -(-(-(-hq // hkv * nq // rows)) // 8)
+            assert first.grid[:2] == (hkv * chunks, b) and (nq > 1 or chunks == 1), (case, first.grid)
             verdict = _fill_verdict(first.grid, first.threadgroup, _params(first)["kv_splits"], cores, nk)
             assert verdict != "short", (case, first.grid, first.threadgroup, plan.reason)
             if verdict == "exempt":
@@ -344,8 +351,8 @@ def test_decode_fill_check_catches_a_planted_threadgroup_count():
     # The verdict on planted launches. The old heuristic (4 threadgroups per
     # core, SIMD-groups not counted) on Llama-3-70B, B = 1, Nk = 128k, M3
     # Ultra: 8 kv heads x 2 SIMD-groups x 40 blocks over 80 cores = 8 per
-    # core while Nk allows 512 blocks: "short". Then the same at Nk = 10240
+    # core while Nk allows 256 blocks: "short". Then the same at Nk = 5120
     # with the 40 blocks Nk allows: "exempt"; and 120 blocks: "full".
     assert _fill_verdict((8, 1, 40), (32, 1, 2), 40, 80, 131072) == "short"
-    assert _fill_verdict((8, 1, 40), (32, 1, 2), 40, 80, 10240) == "exempt"
+    assert _fill_verdict((8, 1, 40), (32, 1, 2), 40, 80, 5120) == "exempt"
     assert _fill_verdict((8, 1, 120), (32, 1, 2), 120, 80, 131072) == "full"
