@@ -69,7 +69,7 @@ const std::vector<BufferBinding> kBackwardDkdvBuffers = {
 void decode_launches(const AttentionProblem& p, const KernelChoice& c, const std::string& suffix, const GpuSpec& gpu,
                      MetalLaunch l, MetalPlan* plan) {
   const uint32_t kv_heads = static_cast<uint32_t>(p.kv_heads), batch = static_cast<uint32_t>(p.batch);
-  const uint32_t rows_per_simd = decode_rows_per_simd(c.bucket);
+  const uint32_t rows_per_simd = static_cast<uint32_t>(decode_rows_per_simd(static_cast<int>(c.bucket)));
   const uint32_t row_groups = decode_row_groups(p, c.bucket);
   const uint32_t in_flight = ceil_div(row_groups, c.row_chunks);  // row groups per threadgroup
   const uint32_t key_groups = row_groups == 1 ? kDecodeKeyGroups : 1;
@@ -86,7 +86,7 @@ void decode_launches(const AttentionProblem& p, const KernelChoice& c, const std
   if (c.kv_splits == 1) {
     l.kernel_name = "flash_decode_" + suffix;
     l.grid = {kv_heads * c.row_chunks, batch, 1};
-    l.estimate = estimate_launch(l, decode_live_registers(c.bucket), gpu);
+    l.estimate = estimate_launch(l, decode_live_registers(c.bucket, p.mask != MaskKind::None), gpu);
     plan->launches.push_back(l);
     return;
   }
@@ -96,7 +96,7 @@ void decode_launches(const AttentionProblem& p, const KernelChoice& c, const std
   l.kernel_name = "flash_decode_split_" + suffix;
   l.grid = {kv_heads * c.row_chunks, batch, c.kv_splits};
   l.buffers = with_features(kSplitBuffers);
-  l.estimate = estimate_launch(l, decode_live_registers(c.bucket), gpu);
+  l.estimate = estimate_launch(l, decode_live_registers(c.bucket, p.mask != MaskKind::None), gpu);
   plan->launches.push_back(l);
   // The merge: one SIMD-group per query row, the lanes over the features.
   MetalLaunch m = l;

@@ -6,6 +6,7 @@
 #pragma once
 
 #include "metal_plan.h"
+#include "../shaders/attention_decode_rows.h"
 
 #include <c10/util/Exception.h>
 
@@ -92,11 +93,9 @@ inline uint32_t split_keys(int64_t kv_len, uint32_t splits) {
   return static_cast<uint32_t>((per + kSplitKeyQuantum - 1) / kSplitKeyQuantum * kSplitKeyQuantum);
 }
 
-// Query rows per SIMD-group of the decode kernels, per bucket (the kernel's
-// decode_rows_per_simd): each row costs a lane 3 * DMAX / 32 floats of
-// registers (its q slice, accumulator and block product), so the rows shrink
-// as DMAX grows to keep that near 48-64 floats per lane.
-inline uint32_t decode_rows_per_simd(uint32_t bucket) { return bucket <= 64 ? 8 : (bucket <= 128 ? 4 : 2); }
+// Query rows per SIMD-group of the decode kernels: decode_rows_per_simd
+// (shaders/attention_decode_rows.h, shared with the kernels), sized by the
+// register model below.
 // Why at most 8 SIMD-groups per threadgroup: the decode kernels declare
 // [[max_total_threads_per_threadgroup(kDecodeMaxThreads)]] (256, see
 // shaders/params.h for why that size fits their registers at any allocation).
@@ -111,7 +110,14 @@ static_assert(32 * kDecodeKeyGroups <= kDecodeMaxThreads, "the key groups fit th
 
 // Row groups (of decode_rows_per_simd rows) of one GQA group.
 inline uint32_t decode_row_groups(const AttentionProblem& p, uint32_t bucket) {
-  return ceil_div(p.gqa_ratio() * p.q_len, decode_rows_per_simd(bucket));
+  return ceil_div(p.gqa_ratio() * p.q_len, decode_rows_per_simd(static_cast<int>(bucket)));
+}
+
+// SIMD-groups of one decode threadgroup (attention_decode.h's KG * RGL):
+// 8 key groups for a single row group, else the row groups of one chunk.
+inline uint32_t decode_simdgroups_per_threadgroup(const AttentionProblem& p, uint32_t bucket, uint32_t chunks) {
+  const uint32_t row_groups = decode_row_groups(p, bucket);
+  return row_groups == 1 ? kDecodeKeyGroups : ceil_div(row_groups, chunks);
 }
 
 // ---- Live-value models: 32-bit values per lane each kernel family keeps
@@ -147,13 +153,33 @@ inline uint32_t prefill_live_registers(uint32_t bucket, uint32_t block_k) {
   return bucket / 4 + block_k / 4 + 2 + 4 + kLiveOverhead;
 }
 
-// The decode kernels: per query row a lane holds its slice of q and of the
-// accumulator (ceil(bucket / 32) values each) and the row's max and sum;
-// plus one key's slice of K or V.
-inline uint32_t decode_live_registers(uint32_t bucket) {
+// The decode kernels (shaders/attention_decode.h, decode_attend), at their
+// widest point, the V loop of a block, with `rows` query rows per
+// SIMD-group: per row a lane holds its slice (ceil(bucket / 32) values) of
+// q, of the accumulator and of the block's partial product, and 5 scalars
+// (running max, running sum, the block's weight p of its key, the rescale
+// alpha, the row's query index), plus the 64-bit offset of its mask row
+// with a mask (2 more); plus one key's slice of K or V. (The scores of the
+// K loop become the weights p; the block bounds are recomputed per block.)
+constexpr uint32_t decode_live_registers(uint32_t bucket, uint32_t rows, bool has_mask) {
   const uint32_t slice = (bucket + 31) / 32;
-  return decode_rows_per_simd(bucket) * (2 * slice + 2) + slice + kLiveOverhead;
+  return rows * (3 * slice + 5 + (has_mask ? 2 : 0)) + slice + kLiveOverhead;
 }
+inline uint32_t decode_live_registers(uint32_t bucket, bool has_mask) {
+  return decode_live_registers(bucket, static_cast<uint32_t>(decode_rows_per_simd(static_cast<int>(bucket))),
+                               has_mask);
+}
+// The kernels' rows per SIMD-group are the register budget's: the most (a
+// power of two up to 8) within kDecodeRegisterBudget even with a mask.
+constexpr bool decode_rows_fit_budget(uint32_t bucket) {
+  const uint32_t rs = static_cast<uint32_t>(decode_rows_per_simd(static_cast<int>(bucket)));
+  return decode_live_registers(bucket, rs, true) <= uint32_t{kDecodeRegisterBudget} &&
+         (rs == 8 || decode_live_registers(bucket, 2 * rs, true) > uint32_t{kDecodeRegisterBudget});
+}
+static_assert(decode_rows_fit_budget(32) && decode_rows_fit_budget(64) && decode_rows_fit_budget(72) &&
+                  decode_rows_fit_budget(80) && decode_rows_fit_budget(96) && decode_rows_fit_budget(128) &&
+                  decode_rows_fit_budget(256),
+              "decode_rows_per_simd (shaders/attention_decode_rows.h): the most rows within the budget");
 
 // The split-KV merge: one row's partial max, sum and feature slice per lane.
 inline constexpr uint32_t kMergeLiveRegisters = 8 + kLiveOverhead;

@@ -37,18 +37,27 @@ const char* request_name(KernelRequest r) {
 }
 
 // Split-KV decode knobs.
-// Why 4 threadgroups per core: decode is bound by memory bandwidth, and a
-// core hides DRAM latency only with several threadgroups' loads in flight;
-// fewer leaves bandwidth unused, more only adds merge work.
-constexpr uint32_t kDecodeGroupsPerCore = 4;
-// Why 256 keys at least per block: the merge pass re-reads head_dim floats of
-// partial output per block and row, which must stay small next to the block's
-// own K/V bytes (256 keys x D x 2 tensors); it also keeps the extra
-// dispatch worth its cost on short contexts.
-constexpr int64_t kMinKeysPerSplit = 256;
-// Why at most 64 blocks: bounds the merge loop and the scratch memory
-// (64 x D floats per query row), and 64 already fills an Ultra at B*Hkv = 5.
-constexpr uint32_t kMaxKvSplits = 64;
+// Why 24 SIMD-groups launched per core: a core hides DRAM latency only with
+// many loads in flight, and decode has nothing else to overlap them with;
+// 24 is the occupancy at which metal-benchmarks sees the ALUs saturate (the
+// figure kBackwardRegisterBudget below is sized for), and MLX's sdpa_vector
+// launches 45-410 per core on the same shapes (issue 19). Counted in
+// SIMD-groups, not threadgroups: a staged threadgroup of 2 SIMD-groups
+// keeps a quarter of the loads in flight of one of 8.
+constexpr uint32_t kDecodeSimdgroupsPerCore = 24;
+// Why 128 keys at least per block: the merge pass writes and re-reads
+// head_dim floats of partial output per block and row, R x D x 8 bytes for a
+// GQA group of R rows, which must stay small next to the block's own K/V
+// bytes (128 keys x D x 2 tensors x 2 bytes in half): R / 64 of them, 12.5 %
+// at GQA 8, 3 % at one row. Half of the 256 it was before issue 19: with
+// rows per SIMD-group sized by registers, a GQA group launches fewer
+// SIMD-groups per block, and short contexts need the blocks to fill a core.
+constexpr int64_t kMinKeysPerSplit = 128;
+// Why at most 256 blocks: bounds the merge loop (each merge lane walks the
+// blocks) and the scratch memory (256 x D floats per query row); 256 is what
+// a one-sequence GQA-7 model with 4 kv heads (Qwen2.5-7B: 8 SIMD-groups per
+// block) needs to launch 24 SIMD-groups on each of an 80-core Ultra's cores.
+constexpr uint32_t kMaxKvSplits = 256;
 
 // Threadgroups that share one (batch, kv head[, key block]), each serving a
 // part of the GQA group's rows: 1 while the group fits kDecodeMaxSimdgroups
@@ -59,28 +68,39 @@ uint32_t decode_row_chunks(const AttentionProblem& p, uint32_t bucket) {
   return ceil_div(decode_row_groups(p, bucket), kDecodeMaxSimdgroups);
 }
 
-// Split count for the decode kernels: enough (batch, kv head, row chunk,
-// block) threadgroups to give every core of the class kDecodeGroupsPerCore,
-// within kMinKeysPerSplit and kMaxKvSplits. At least 2 when forced.
-uint32_t decode_splits(const AttentionProblem& p, uint32_t chunks, const GpuSpec& gpu, bool forced,
+// Split count for the decode kernels: enough key blocks that the SIMD-groups
+// launched, (batch, kv head, row chunk, block) threadgroups x SIMD-groups
+// each, reach kDecodeSimdgroupsPerCore per core of `gpu`, within
+// kMinKeysPerSplit and kMaxKvSplits. At least 2 when forced.
+uint32_t decode_splits(const AttentionProblem& p, uint32_t bucket, uint32_t chunks, const GpuSpec& gpu, bool forced,
                        std::string* why) {
-  const int64_t groups = std::max<int64_t>(1, p.batch * p.kv_heads * chunks);
-  const int64_t target = int64_t{gpu.cores} * kDecodeGroupsPerCore;
-  const int64_t want = (target + groups - 1) / groups;
+  const int64_t sg_per_block =
+      std::max<int64_t>(1, p.batch * p.kv_heads * chunks) * decode_simdgroups_per_threadgroup(p, bucket, chunks);
+  const int64_t target = int64_t{gpu.cores} * kDecodeSimdgroupsPerCore;
+  const int64_t want = (target + sg_per_block - 1) / sg_per_block;
   const int64_t by_length = std::max<int64_t>(1, p.kv_len / kMinKeysPerSplit);
-  int64_t splits = std::min<int64_t>({want, by_length, int64_t{kMaxKvSplits}});
-  if (forced) splits = std::max<int64_t>(splits, 2);
-  splits = std::max<int64_t>(splits, 1);
-  // Whole blocks of a multiple of 32 keys; drop blocks that would be empty.
-  const int64_t keys = std::max<int64_t>(1, p.kv_len);
-  const int64_t per = split_keys(p.kv_len, static_cast<uint32_t>(splits));
-  if (!forced) splits = (keys + per - 1) / per;
-  *why = std::to_string(groups) +
-         (chunks > 1 ? " (batch, kv head, row chunk) threadgroups want " : " (batch, kv head) pairs want ") +
-         std::to_string(want) + " blocks to give a " +
-         std::to_string(gpu.cores) + "-core " + gpu.name + " " + std::to_string(kDecodeGroupsPerCore) +
-         " threadgroups per core; Nk = " + std::to_string(p.kv_len) + " allows " + std::to_string(by_length) +
-         " blocks of >= " + std::to_string(kMinKeysPerSplit) + " keys; at most " + std::to_string(kMaxKvSplits);
+  const int64_t limit = std::min<int64_t>(by_length, kMaxKvSplits);
+  const int64_t wanted = std::max<int64_t>(1, std::min<int64_t>(want, limit));
+  int64_t splits = forced ? std::max<int64_t>(wanted, 2) : wanted;
+  if (!forced) {
+    // Whole blocks of a multiple of 32 keys, empty ones dropped: rounding
+    // the block up to 32 keys can leave fewer blocks than asked for, so ask
+    // for more (within the limit) until the blocks reach the wanted count.
+    const int64_t keys = std::max<int64_t>(1, p.kv_len);
+    const auto blocks_for = [&](int64_t asked) {
+      const int64_t per = split_keys(p.kv_len, static_cast<uint32_t>(asked));
+      return (keys + per - 1) / per;
+    };
+    int64_t asked = splits;
+    splits = blocks_for(asked);
+    while (splits < wanted && asked < limit) splits = blocks_for(++asked);
+  }
+  *why = std::to_string(sg_per_block) + " SIMD-groups per key block want " + std::to_string(want) +
+         " blocks to launch " + std::to_string(kDecodeSimdgroupsPerCore) + " SIMD-groups per core of a " +
+         std::to_string(gpu.cores) + "-core " + gpu.name + "; Nk = " + std::to_string(p.kv_len) + " allows " +
+         std::to_string(by_length) + " blocks of >= " + std::to_string(kMinKeysPerSplit) + " keys; at most " +
+         std::to_string(kMaxKvSplits) + "; " + std::to_string(sg_per_block * splits / gpu.cores) +
+         " SIMD-groups per core launched";
   return static_cast<uint32_t>(splits);
 }
 
@@ -102,6 +122,8 @@ std::string padding_note(int64_t head_dim, uint32_t bucket) {
 // at D = 128 and lost to its unfused path there, so the blocks below shrink
 // the streamed side first and keep the accumulators in registers.
 constexpr uint32_t kBackwardRegisterBudget = 72;
+static_assert(kBackwardRegisterBudget == uint32_t{kDecodeRegisterBudget},
+              "one register budget for both planners (shaders/attention_decode_rows.h)");
 // What a thread can address at all ([I], as above).
 constexpr uint32_t kMaxRegistersPerThread = 128;
 
@@ -261,11 +283,12 @@ KernelChoice choose_metal_kernel(const AttentionProblem& p, KernelRequest reques
       const bool forced_split = c.kind == KernelRequest::DecodeSplit;
       const bool forced_one = explicit_request && c.kind == KernelRequest::Decode;
       c.row_chunks = decode_row_chunks(p, c.bucket);
-      c.kv_splits = forced_one ? 1 : decode_splits(p, c.row_chunks, gpu, forced_split, &why);
+      c.kv_splits = forced_one ? 1 : decode_splits(p, c.bucket, c.row_chunks, gpu, forced_split, &why);
       c.kind = c.kv_splits > 1 ? KernelRequest::DecodeSplit : KernelRequest::Decode;
       if (c.row_chunks > 1) {
         c.reason += "; but its " + std::to_string(decode_row_groups(p, c.bucket)) + " row groups of " +
-                    std::to_string(decode_rows_per_simd(c.bucket)) + " rows exceed one threadgroup's " +
+                    std::to_string(decode_rows_per_simd(static_cast<int>(c.bucket))) +
+                    " rows exceed one threadgroup's " +
                     std::to_string(kDecodeMaxSimdgroups) + " SIMD-groups (the kernels' declared " +
                     std::to_string(kDecodeMaxThreads) + "-thread limit), so " + std::to_string(c.row_chunks) +
                     " threadgroups (row chunks) per (batch, kv head) each serve a part and read K/V once each";

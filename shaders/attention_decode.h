@@ -29,7 +29,7 @@
 //
 // Launch (the host, csrc/metal_launch.cpp, computes exactly this):
 //
-//   RS   = DMAX <= 64 ? 8 : DMAX <= 128 ? 4 : 2      rows per SIMD-group (decode_rows_per_simd)
+//   RS   = DMAX <= 64 ? 4 : DMAX <= 128 ? 2 : 1      rows per SIMD-group (attention_decode_rows.h)
 //   R    = (Hq / Hkv) * Nq                            rows of one GQA group
 //   RG   = ceil(R / RS)                               row groups
 //   C    = ceil(RG / 8)                               row chunks: threadgroups per (batch, kv head[, split])
@@ -42,12 +42,12 @@
 //   at [[threadgroup(0)]].
 // Why 8 key groups for one row group: 256 threads keep enough K/V loads in
 // flight per threadgroup when the GQA group is small (often a single row),
-// the 8-way merge costs 8,288 bytes at most, and it splits the sum over keys
+// the 8-way merge costs 8,256 bytes at most, and it splits the sum over keys
 // 8 ways. Why at most 8 row groups per threadgroup: the kernels declare
 // [[max_total_threads_per_threadgroup(kDecodeMaxThreads)]] (256, params.h:
-// what the register file holds at any allocation of the ~80-110 live values
-// per lane); a bigger GQA group is cut into C row chunks, one threadgroup
-// each, rather than a fatter threadgroup. split_keys need not be a multiple
+// what the register file holds at any allocation of the at most
+// kDecodeRegisterBudget live values per lane); a bigger GQA group is cut
+// into C row chunks, one threadgroup each, rather than a fatter threadgroup. split_keys need not be a multiple
 // of 32 for these kernels (key blocks start at the split's first key).
 //
 //   flash_decode        grid (Hkv * C, B, 1)          threadgroup (32, KG, RGL)  tg_bytes
@@ -72,37 +72,37 @@
 // B * Hq * Nq * kv_splits * D floats, partial_stats B * Hq * Nq * kv_splits * 2.
 //
 // tg_bytes per bucket (RG == 1 | RG > 1 for float32 | float16/bfloat16):
-//   DMAX 32: 1,312 | 4,096 | 2,048    DMAX 64: 2,336 | 8,192 | 4,096
-//   DMAX 72: 3,232 | 9,216 | 4,608    DMAX 80: 3,232 | 10,240 | 5,120
-//   DMAX 96: 3,232 | 12,288 | 6,144   DMAX 128: 4,256 | 16,384 | 8,192
-//   DMAX 256: 8,288 | 32,768 | 16,384
+//   DMAX 32: 1,184 | 4,096 | 2,048    DMAX 64: 2,208 | 8,192 | 4,096
+//   DMAX 72: 3,168 | 9,216 | 4,608    DMAX 80: 3,168 | 10,240 | 5,120
+//   DMAX 96: 3,168 | 12,288 | 6,144   DMAX 128: 4,192 | 16,384 | 8,192
+//   DMAX 256: 8,256 | 32,768 | 16,384
 // float32 at DMAX 256 with more than one row group takes the whole 32 KiB
 // (one threadgroup per core).
 //
 // Bytes: every K/V element is loaded from device memory once per
 // threadgroup, i.e. once per (batch, kv_head[, split]) for all R rows
-// whenever the GQA group fits one threadgroup (RG <= 8, R <= 8 * RS: 64
-// rows up to DMAX 64, 32 up to 128, 16 at 256; in one-token decode, every
-// GQA model of tests/test_metal_plan_limits.py and MQA up to 32 heads at
+// whenever the GQA group fits one threadgroup (RG <= 8, R <= 8 * RS: 32
+// rows up to DMAX 64, 16 up to 128, 8 at 256; in one-token decode, every
+// GQA model of tests/test_metal_plan_limits.py and MQA up to 16 heads at
 // DMAX 128): with one row group,
 // each key group loads its own keys straight into registers; with several,
 // the threadgroup stages each block in threadgroup memory and all row groups
-// read it there. A bigger group (say GQA 8 at DMAX 128 with Nq >= 5, or MQA)
+// read it there. A bigger group (say GQA 8 at DMAX 128 with Nq >= 3, or MQA)
 // is read once per row chunk, C = ceil(RG / 8) times, by threadgroups that
 // run side by side. q is loaded once per key group (8 times with RG == 1:
 // 8 * R * D elements, small beside K/V).
 #pragma once
 
+#include "attention_decode_rows.h"
 #include "attention_features.h"
 
 namespace flash_metal {
 
-// Query rows per SIMD-group, per bucket. Each row costs a lane 3 * DMAX / 32
-// floats of registers (its q slice, its accumulator, the block's partial
-// product) plus a few scalars; the choice keeps that near 48-64 floats per
-// lane (DMAX 64: 8 rows x 6; DMAX 128: 4 x 12; DMAX 256: 2 x 24), inside
-// Apple's per-thread register budget with room for occupancy.
-constexpr int decode_rows_per_simd(int dmax) { return dmax <= 64 ? 8 : (dmax <= 128 ? 4 : 2); }
+// Query rows per SIMD-group: decode_rows_per_simd (attention_decode_rows.h),
+// sized by the register budget: each row costs a lane 3 * DMAX / 32 floats
+// (its q slice, its accumulator, the block's partial product) plus 5
+// scalars (7 with a mask); the host's live-value model
+// (csrc/metal_plan_detail.h) holds the sum within kDecodeRegisterBudget.
 
 // Keys per block: one per lane, so each lane holds one key's score per row.
 // The softmax state is updated once per block of 32 keys.
@@ -183,16 +183,22 @@ FM_INLINE void decode_slice_tile(thread float* x, threadgroup const T* row, int 
 
 // Stages rows [k0, k0 + n) of one head's K or V into `tile` (rows of DMAX
 // elements of T, the first D written), all threads of the threadgroup
-// together: thread tid takes elements tid, tid + nthreads, ... of the n x D
-// block, so consecutive threads read consecutive features of a row
-// (coalesced when the feature stride is 1). Columns past D are never read.
+// together: thread tid takes elements tid, tid + nthreads, ... of the
+// n x DMAX tile, so consecutive threads read consecutive features of a row
+// (coalesced when the feature stride is 1). Columns past D are skipped,
+// never read. The row and column come from the element index by the
+// compile-time DMAX (a shift, or for 72/80/96 a multiply by a constant):
+// Apple GPUs have no integer divide, and a division by the runtime D cost
+// a software routine per staged element (issue 19).
+// tests/test_metal_decode.py checks that no division here has a runtime
+// divisor.
 template <int DMAX, typename T>
 FM_INLINE void decode_stage(threadgroup T* tile, device const T* src, int64_t row_stride, int64_t dim_stride, int k0,
                             int n, int D, int tid, int nthreads) {
-  for (int e = tid; e < n * D; e += nthreads) {
-    const int j = e / D;
-    const int c = e - j * D;
-    tile[j * DMAX + c] = src[int64_t(k0 + j) * row_stride + int64_t(c) * dim_stride];
+  for (int e = tid; e < n * DMAX; e += nthreads) {
+    const int j = e / DMAX;
+    const int c = e - j * DMAX;
+    if (c < D) tile[e] = src[int64_t(k0 + j) * row_stride + int64_t(c) * dim_stride];
   }
 }
 
@@ -234,22 +240,21 @@ FM_INLINE void decode_attend(thread DecodeState<DMAX>& st, device const T* k, de
   device const T* kp = k + int64_t(batch) * p.k_batch_stride + int64_t(kv_head) * p.k_head_stride;
   device const T* vp = v + int64_t(batch) * p.v_batch_stride + int64_t(kv_head) * p.v_head_stride;
 
-  // The keys each row may see, [row_begin, row_end): the causal (or right
-  // window) bound and the left window's, or none for rows past R. Each row
+  // Per row, one value across the loop (the register model counts it):
+  // its query row, or -1 for a row past R; the keys it may see come from it
+  // per block (first_visible_key / visible_key_end, a few adds). Each row
   // has its own query head (a GQA group's rows span gqa_ratio heads), so its
-  // own attn_mask slice: mask_slice (fc_has_mask only) and its query row.
-  int row_begin[RS];
-  int row_end[RS];
+  // own attn_mask slice: mask_row, the element offset of its mask row
+  // (fc_has_mask only; 2 more values).
   int row_q[RS];
-  int64_t mask_slice[RS];
+  int64_t mask_row[RS];
   FM_UNROLL for (int r = 0; r < RS; ++r) {
     const int rr = rg * RS + r;
     const bool real = live && rr < R;
     const DecodeRow dr = decode_row(p, kv_head, real ? rr : 0);
-    row_begin[r] = first_visible_key(seq, dr.row);
-    row_end[r] = real ? visible_key_end(seq, dr.row) : 0;
-    row_q[r] = dr.row;
-    mask_slice[r] = fc_has_mask ? mask_head_offset(p, uint(batch), uint(dr.head)) : 0;
+    row_q[r] = real ? dr.row : -1;
+    mask_row[r] = fc_has_mask ? mask_head_offset(p, uint(batch), uint(dr.head)) + int64_t(dr.row) * p.mask_row_stride
+                              : 0;
   }
 
   for (int k0 = key_begin + kg * kDecodeBlock; k0 < key_end; k0 += KG * kDecodeBlock) {
@@ -289,8 +294,9 @@ FM_INLINE void decode_attend(thread DecodeState<DMAX>& st, device const T* k, de
     float alpha[RS];
     if (live) {
       FM_UNROLL for (int r = 0; r < RS; ++r) {
-        const bool keep = int(lane) < n && key < row_end[r] && (!fc_window_left || key >= row_begin[r]);
-        const float sr = option_score<T>(p, mask, mask_slice[r], row_q[r], key, s[r], keep);
+        const bool keep = int(lane) < n && row_q[r] >= 0 && key < visible_key_end(seq, row_q[r]) &&
+                          (!fc_window_left || key >= first_visible_key(seq, row_q[r]));
+        const float sr = option_score<T>(p, mask, mask_row[r], 0, key, s[r], keep);  // row folded into mask_row
         const bool masked = !keep || sr <= kMaskedScore;
         const float sc = masked ? kMaskedScore : sr;
         const float m_new = max(st.m[r], simd_max(sc));  // finite
@@ -490,129 +496,8 @@ template <typename T, int DMAX>
   }
 }
 
-// Index of (batch, head, row, split) in the packed partial buffers
-// [B][Hq][Nq][kv_splits].
-inline int64_t decode_partial_index(constant AttentionParams& p, int batch, DecodeRow dr, int split) {
-  return ((int64_t(batch) * p.q_heads + dr.head) * p.q_len + dr.row) * p.kv_splits + split;
-}
-
-// Split pass 1: the threadgroup (batch, kv_head, split) attends the group's
-// rows to keys [split * split_keys, min((split + 1) * split_keys, Nk)) (and
-// no further than causal masking lets any row see) and writes unnormalized
-// partials: partial_o[B][Hq][Nq][kv_splits][head_dim] (sum of exp2(s - m) * v)
-// and partial_stats[B][Hq][Nq][kv_splits][2] = (m, l), m the base-2 max and
-// l the sum of exp2(s - m). A block no row may see writes m = kMaskedScore,
-// l = 0 and zeros. Launch: top of this file.
-template <typename T, int DMAX>
-[[kernel]] [[max_total_threads_per_threadgroup(kDecodeMaxThreads)]] void flash_decode_split(
-    device const T* q [[buffer(0)]],
-    device const T* k [[buffer(1)]],
-    device const T* v [[buffer(2)]],
-    constant AttentionParams& p [[buffer(5)]],
-    device float* partial_o [[buffer(6)]],
-    device float* partial_stats [[buffer(7)]],
-    device const uchar* mask [[buffer(14)]],
-    device const int* cu_seqlens_q [[buffer(15)]],
-    device const int* cu_seqlens_k [[buffer(16)]],
-    threadgroup float* smem [[threadgroup(0)]],
-    uint3 group [[threadgroup_position_in_grid]],
-    uint3 groups [[threadgroups_per_grid]],
-    uint3 tpos [[thread_position_in_threadgroup]],
-    uint3 tsize [[threads_per_threadgroup]],
-    uint tid [[thread_index_in_threadgroup]],
-    uint lane [[thread_index_in_simdgroup]]) {
-  constexpr int RS = DecodeState<DMAX>::RS;
-  constexpr int DPL = DecodeState<DMAX>::DPL;
-  const DecodeShape sh = decode_shape(p, group, groups, tpos, tsize, RS);
-  const int kv_head = sh.kv_head;
-  const int batch = int(group.y);
-  const int split = int(group.z);
-  const int R = p.gqa_ratio * p.q_len;
-  const SeqView seq = sequence_view(p, cu_seqlens_q, cu_seqlens_k, uint(batch));  // never varlen (flash_decode)
-  // The split's keys, cut to those some row may see (as flash_decode). A
-  // split wholly outside them (key_begin >= key_end: past the causal bound
-  // or behind the left window of every row) runs no block and writes the
-  // "no key" partial, m = kMaskedScore, l = 0 and zeros, which the merge
-  // weighs 0.
-  const int split_begin = split * p.split_keys;
-  const int key_begin = max(split_begin, first_visible_key(seq, 0));
-  const int key_end = min(split_begin + p.split_keys, visible_key_end(seq, p.q_len - 1));
-  for (int round = 0; round < sh.rounds; ++round) {
-    const int rg = sh.row_group(round);
-    const bool live = rg * RS < R;
-    DecodeState<DMAX> st;
-    decode_init<T, DMAX>(st, q, p, batch, kv_head, rg, lane);  // a dead row group: zeros, "no key"
-    decode_attend<T, DMAX>(st, k, v, p, seq, mask, batch, kv_head, rg, live, key_begin, key_end, sh.kg, sh.KG,
-                           sh.staged, reinterpret_cast<threadgroup T*>(smem), int(tid), sh.threads, lane);
-    if (sh.KG > 1) decode_merge_key_groups<DMAX>(st, smem, sh.kg, sh.KG, sh.rgl, sh.RGL, lane);
-    if (live && sh.kg == 0) {
-      FM_UNROLL for (int r = 0; r < RS; ++r) {
-        const int rr = rg * RS + r;
-        if (rr < R) {
-          const int64_t idx = decode_partial_index(p, batch, decode_row(p, kv_head, rr), split);
-          device float* po = partial_o + idx * p.head_dim;
-          FM_UNROLL for (int i = 0; i < DPL; ++i) {
-            const int c = i * 32 + int(lane);
-            if (c < p.head_dim) po[c] = st.acc[r][i];
-          }
-          if (lane == 0) {
-            partial_stats[2 * idx] = st.m[r];
-            partial_stats[2 * idx + 1] = st.l[r];
-          }
-        }
-      }
-    }
-  }
-}
-
-// Split pass 2: one SIMD-group per output row (batch, head, row) merges the
-// row's kv_splits partials: M = max_s m_s, l = sum_s l_s * exp2(m_s - M),
-// out = sum_s partial_s * exp2(m_s - M) / l, lse = (M + log2 l) * ln 2, in
-// natural log; zeros and -inf for a row no block saw a key for (every
-// m_s = kMaskedScore and l_s = 0, so l = 0). Blocks with no key contribute
-// weight exp2(kMaskedScore - M) * 0 = 0 and finite arithmetic throughout.
-// Launch: top of this file.
-template <typename T, int DMAX>
-[[kernel]] [[max_total_threads_per_threadgroup(kDecodeMergeMaxThreads)]] void flash_decode_merge(
-    device T* o [[buffer(3)]],
-    device float* lse [[buffer(4)]],
-    constant AttentionParams& p [[buffer(5)]],
-    device const float* partial_o [[buffer(6)]],
-    device const float* partial_stats [[buffer(7)]],
-    uint3 group [[threadgroup_position_in_grid]],
-    uint lane [[thread_index_in_simdgroup]]) {
-  constexpr int DPL = (DMAX + 31) / 32;
-  const int batch = int(group.z);
-  DecodeRow dr;
-  dr.head = int(group.y);
-  dr.row = int(group.x);
-  const int64_t base = decode_partial_index(p, batch, dr, 0);
-  const int S = p.kv_splits;
-  device const float* stats = partial_stats + 2 * base;
-
-  // The max over splits, lanes striding the splits, then simd_max (MLX's
-  // sdpa_vector_2pass_2 reduction).
-  float M = kMaskedScore;
-  for (int s = int(lane); s < S; s += 32) M = max(M, stats[2 * s]);
-  M = simd_max(M);
-  float l = 0.0f;
-  for (int s = int(lane); s < S; s += 32) l += stats[2 * s + 1] * exp2(stats[2 * s] - M);
-  l = simd_sum(l);
-
-  float acc[DPL];
-  FM_UNROLL for (int i = 0; i < DPL; ++i) acc[i] = 0.0f;
-  for (int s = 0; s < S; ++s) {
-    const float f = exp2(stats[2 * s] - M);  // finite argument <= 0
-    device const float* po = partial_o + (base + s) * p.head_dim;
-    FM_UNROLL for (int i = 0; i < DPL; ++i) {
-      const int c = i * 32 + int(lane);
-      if (c < p.head_dim) acc[i] = fma(po[c], f, acc[i]);
-    }
-  }
-  OnlineSoftmax sm;
-  sm.m = M;
-  sm.l = l;
-  decode_store_row<T, DMAX>(o, lse, p, batch, dr, acc, sm, lane);
-}
-
 }  // namespace flash_metal
+
+// The split-KV pair (flash_decode_split, flash_decode_merge), on the helpers
+// above: its own file to keep each under ~600 lines.
+#include "attention_decode_split.h"

@@ -60,7 +60,8 @@ def kernel_names(dtype, dmax):
 
 
 def rows_per_simd(dmax):
-    return 8 if dmax <= 64 else (4 if dmax <= 128 else 2)
+    # decode_rows_per_simd (shaders/attention_decode_rows.h): the most rows within the register budget.
+    return 4 if dmax <= 64 else (2 if dmax <= 128 else 1)
 
 
 def row_groups(Hq, Hkv, Nq, dmax):
@@ -221,11 +222,11 @@ def test_launch_fits_metal_limits(dmax):
 
 # (dtype, D, gqa_ratio, Nq, splits): one row group (K/V straight to
 # registers, 8 key groups), several row groups (K/V staged in threadgroup
-# memory, read there by 2 and by 8 SIMD-groups), and more row groups than 8
-# SIMD-groups: ratio 8, Nq 8, D 72 (16 row groups, 2 row chunks) and
-# ratio 16, Nq 8, D 256 (64 row groups, 8 row chunks).
-READ_CASES = [(torch.float16, 128, 4, 1, 1), (torch.float32, 64, 8, 1, 3), (torch.bfloat16, 128, 8, 1, 2),
-              (torch.float16, 64, 8, 8, 1), (torch.float16, 72, 8, 8, 1), (torch.float16, 256, 16, 8, 2)]
+# memory, read there by 2 and by 4 SIMD-groups), and more row groups than 8
+# SIMD-groups: ratio 8, Nq 8 at D 64 (16 row groups, 2 row chunks), D 72
+# (32, 4 chunks) and D 256 (64 row groups, 8 row chunks).
+READ_CASES = [(torch.float16, 128, 2, 1, 1), (torch.float32, 64, 8, 1, 3), (torch.bfloat16, 128, 8, 1, 2),
+              (torch.float16, 64, 8, 8, 1), (torch.float16, 72, 8, 8, 1), (torch.float16, 256, 8, 8, 2)]
 
 
 def test_each_key_is_read_once_per_group():
@@ -242,7 +243,7 @@ def test_each_key_is_read_once_per_group():
         read = counts[0].device_bytes_read_by_index
         assert read[1] == chunks * k.numel() * k.element_size(), (dtype, d, ratio, nq, read)
         assert read[2] == chunks * v.numel() * v.element_size(), (dtype, d, ratio, nq, read)
-    assert {math.ceil(r * nq / rows_per_simd(bucket_of(d)) / 8) for _, d, r, nq, _ in READ_CASES} == {1, 2, 8}
+    assert {math.ceil(r * nq / rows_per_simd(bucket_of(d)) / 8) for _, d, r, nq, _ in READ_CASES} == {1, 2, 4, 8}
 
 
 # ---- every instantiation, sanitized --------------------------------------------------------
@@ -256,10 +257,10 @@ BUCKET_DIMS = {32: 17, 64: 40, 72: 72, 80: 75, 96: 90, 128: 128, 256: 200}
 # In every bucket both kernels run with one row group (K/V straight to
 # registers) and with several (K/V staged in threadgroup memory).
 SANITIZED_CASES = [
-    (1, 2, 1, 1, 1, 1, "offset_slice"),
+    (1, 2, 2, 1, 1, 1, "offset_slice"),
     (1, 4, 1, 8, 7, 2, "storage_end"),
     (1, 8, 2, 3, 33, 3, "every_other"),
-    (2, 3, 3, 2, 100, 4, "storage_end_bnhd"),
+    (2, 3, 3, 1, 100, 4, "storage_end_bnhd"),
     (1, 8, 1, 2, 70, 1, "d_outer"),
 ]
 
@@ -294,12 +295,12 @@ def test_instantiation_sanitized(dtype, bucket, causal):
 
 
 # (Hq, Hkv, Nq, D): GQA ratios 1, 4, 8 and 9, MQA; rows per GQA group from 1
-# to 128, so one row group (8 key groups), 2 to 8 row groups sharing staged
-# K/V blocks, and more than 8, cut into row chunks: 12 row groups into 2
-# chunks of 6, 9 into 2 chunks of 5 (the last with a row group past R), 64
-# (ratio 16, Nq 8, D 256) into 8 chunks of 8.
-GQA_CASES = [(4, 4, 1, 64), (8, 2, 3, 128), (8, 1, 6, 96), (16, 2, 2, 64), (16, 1, 8, 256), (8, 8, 8, 32),
-             (9, 1, 4, 128)]
+# to 64, so one row group (8 key groups), 2 to 8 row groups sharing staged
+# K/V blocks, and more than 8, cut into row chunks: 16 row groups into 2
+# chunks of 8, 9 into 2 chunks of 5 (the last with a row group past R), 64
+# (ratio 8, Nq 8, D 256) into 8 chunks of 8.
+GQA_CASES = [(4, 4, 1, 64), (8, 2, 3, 128), (8, 1, 4, 96), (16, 2, 2, 64), (8, 1, 8, 256), (8, 8, 8, 32),
+             (9, 1, 4, 64)]
 
 
 def test_gqa_cases_cover_every_threadgroup_shape():
@@ -314,7 +315,7 @@ def test_gqa_cases_cover_every_threadgroup_shape():
     assert any(c * tg[2] > rg for c, (_, tg, _), rg in zip(chunks, launches, groups))  # a dead row group
 
 
-@pytest.mark.parametrize("case", [(16, 1, 8, 256, 1, 8), (8, 1, 6, 96, 1, 8), (9, 1, 4, 128, 2, 3)],
+@pytest.mark.parametrize("case", [(8, 1, 8, 256, 1, 8), (8, 1, 6, 96, 1, 8), (9, 1, 4, 128, 2, 3)],
                          ids=lambda c: f"hq{c[0]}-nq{c[2]}-d{c[3]}-c{c[4]}-rgl{c[5]}")
 def test_sanitized_rounds_with_fewer_chunks(case):
     # The kernels loop over row groups in rounds when a launch has fewer row
@@ -469,3 +470,66 @@ def test_merges_follow_the_block_that_holds_the_max(splits):
         k[0, 0, key] = q[0, 0, 0] * (2000.0 * 8 / q[0, 0, 0].dot(q[0, 0, 0]))  # score 2000 with scale 1/8
         out, lse = run_decode(q, k, v, False, splits=splits, instrumented=splits > 1)
         assert_attention_close(out, lse, q, k, v)
+
+
+# ---- no integer division by a runtime value in the per-block loops (issue 19) --------------
+
+import pathlib  # noqa: E402
+import re  # noqa: E402
+
+DECODE_SOURCE = pathlib.Path(__file__).resolve().parent.parent / "shaders" / "attention_decode.h"
+# Divisors the compiler folds: compile-time template parameters and constants
+# (a shift, or a multiply by a constant for 72/80/96), and number literals.
+COMPILE_TIME_DIVISORS = re.compile(r"(DMAX|DPL|RS|kDecodeBlock|\d+)\b")
+
+
+def _function_body(src, signature):
+    """Text of the brace-balanced body that follows `signature` in src."""
+    start = src.index("{", src.index(signature))
+    depth = 0
+    for i in range(start, len(src)):
+        depth += {"{": 1, "}": -1}.get(src[i], 0)
+        if depth == 0:
+            return src[start:i + 1]
+    raise AssertionError(f"unbalanced body after {signature!r}")
+
+
+def _runtime_divisions(src):
+    """Each `/` or `%` of decode_stage and of decode_attend's block loop whose divisor is not a compile-time constant.
+
+    Apple GPUs have no integer divide instruction: a division by a runtime
+    int (D, q_len, ...) is a software routine, which the per-element
+    staging loop paid per element before issue 19.
+    """
+    stage = _function_body(src, "FM_INLINE void decode_stage(")
+    attend = _function_body(src, "FM_INLINE void decode_attend(")
+    loop = attend[attend.index("for (int k0 = "):]
+    found = []
+    for name, body in (("decode_stage", stage), ("decode_attend block loop", loop)):
+        code = re.sub(r"//[^\n]*", "", body)  # comments may say anything
+        for m in re.finditer(r"[^/*](/|%)\s*([A-Za-z_][\w.]*|\d+)", code):
+            if not COMPILE_TIME_DIVISORS.fullmatch(m.group(2)):
+                found.append((name, f"{m.group(1)} {m.group(2)}"))
+        # decode_row divides by the runtime q_len: setup only, never per block.
+        found += [(name, "decode_row(") for _ in re.finditer(r"\bdecode_row\(", code)]
+    return found
+
+
+def test_decode_loops_divide_by_compile_time_constants_only():
+    src = DECODE_SOURCE.read_text()
+    assert "e / DMAX" in src  # the staging loop's row index: the division the check must accept
+    assert _runtime_divisions(src) == []
+
+
+def test_division_check_catches_a_planted_runtime_divisor():
+    # The staging loop as it was before issue 19 (element index over D,
+    # row = e / D), and a per-block decode_row call: both found.
+    src = DECODE_SOURCE.read_text()
+    planted = src.replace("const int j = e / DMAX;", "const int j = e / D;", 1)
+    assert planted != src and ("decode_stage", "/ D") in _runtime_divisions(planted)
+    planted = src.replace("const int n = min(kDecodeBlock, key_end - k0);",
+                          "const int n = min(kDecodeBlock, key_end - k0) % p.q_len;", 1)
+    assert planted != src and ("decode_attend block loop", "% p.q_len") in _runtime_divisions(planted)
+    planted = src.replace("const int key = k0 + int(lane);",
+                          "const int key = k0 + int(lane) + decode_row(p, 0, 0).row;", 1)
+    assert planted != src and ("decode_attend block loop", "decode_row(") in _runtime_divisions(planted)

@@ -126,3 +126,59 @@ def test_declared_limits_match_the_shaders():
     lib = metal_library(False)
     for name in lib.kernel_names():
         assert lib.max_threads(name) == _family_limit(name), name
+
+
+# ---- decode registers (issue 19) ---------------------------------------------------------
+
+# The decode kernels' register budget, 32-bit values per lane (kDecodeRegisterBudget, shaders/attention_decode_rows.h).
+DECODE_REGISTER_BUDGET = 72
+DECODE_MODELS = ("llama3-8b", "llama3-70b", "qwen2.5-7b", "mistral-7b", "gemma2-9b", "gpt-oss-20b", "phi3-mini")
+
+
+def _decode_live(bucket, rows, mask):
+    """decode_live_registers (csrc/metal_plan_detail.h): per row q, acc and block slices plus 5 scalars (+2 with a
+    mask), one K/V slice, and 16 of addresses and counters."""
+    dpl = -(-bucket // 32)
+    return rows * (3 * dpl + 5 + (2 if mask else 0)) + dpl + 16
+
+
+def _over_budget(dispatches):
+    """The decode dispatches (not the merge) above the register budget or their declared thread limit."""
+    return [(d.kernel_name, d.live_registers, _threads(d)) for d in dispatches
+            if d.kernel_name.startswith(("flash_decode_", "flash_decode_split_")) and not
+            d.kernel_name.startswith("flash_decode_merge_") and
+            (d.live_registers > DECODE_REGISTER_BUDGET or _threads(d) > d.max_threads_per_threadgroup)]
+
+
+@pytest.mark.parametrize("model", DECODE_MODELS)
+def test_decode_plans_fit_the_register_budget(model):
+    # Every decode plan of the model grid (every dtype, batch, Nq 1-8, Nk,
+    # with and without a mask): live values per lane within the budget, as
+    # the model counts them for the kernel's rows per SIMD-group, and
+    # threads within the declared limit.
+    hq, hkv, d = MODELS[model]
+    bucket = next(b for b in (32, 64, 72, 80, 96, 128, 256) if b >= d)
+    rows = 4 if bucket <= 64 else 2 if bucket <= 128 else 1
+    seen = set()
+    for dtype, B, nq, nk in itertools.product(DTYPES, BATCHES, DECODE_ROWS, KV_LENS):
+        q, k, v = _qkv(B, hq, hkv, nq, nk, d, dtype)
+        for mask in (None, torch.zeros(1, dtype=torch.bool).expand(B, hq, nq, nk)):
+            plan = flash_metal.explain(q, k, v, False, None, "auto", "m3-ultra", attn_mask=mask)
+            assert _over_budget(plan.dispatches) == [], (model, dtype, B, nq, nk, mask is not None)
+            first = plan.dispatches[0]
+            assert first.live_registers == _decode_live(bucket, rows, mask is not None), (model, first.live_registers)
+            seen.add(first.live_registers)
+    assert max(seen) <= DECODE_REGISTER_BUDGET and len(seen) == 2  # with and without a mask
+
+
+def test_register_check_catches_the_old_rows_per_simd():
+    # The rows per SIMD-group before issue 19 (8 up to D 64, 4 up to 128, 2
+    # at 256) through the same model: every bucket over the budget, which
+    # _over_budget reports on a dispatch carrying those figures.
+    class Planted:
+        kernel_name, threadgroup, max_threads_per_threadgroup = "flash_decode_float16_d64", (32, 8, 1), 256
+    for bucket, old_rows in ((32, 8), (64, 8), (96, 4), (128, 4), (256, 2)):
+        Planted.live_registers = _decode_live(bucket, old_rows, False)
+        assert _over_budget([Planted]) == [("flash_decode_float16_d64", Planted.live_registers, 256)], bucket
+    Planted.live_registers, Planted.threadgroup = 60, (32, 8, 2)  # 512 threads: over the declared limit
+    assert _over_budget([Planted]) != []

@@ -4,6 +4,7 @@ Planner only, no kernel runs: which family each problem gets, with which
 blocks, bucket, split count and scratch, and why. The kernels themselves run
 in test_metal_kernels.py, test_metal_prefill.py and test_metal_decode.py.
 """
+import itertools
 import struct
 
 import pytest
@@ -64,7 +65,7 @@ def test_prefill_edge_constants(nq, nk, aligned, causal):
 
 
 def test_decode_one_pass_for_short_contexts_and_split_for_long():
-    short = flash_metal.explain(*_qkv(1, 300, 128))
+    short = flash_metal.explain(*_qkv(1, 200, 128))  # fewer than 2 blocks of >= 128 keys
     assert [d.kernel_name for d in short.dispatches] == ["flash_decode_float16_d128"]
     assert "one pass" in short.reason and short.scratch == {"partial_out": 0, "partial_stats": 0}
     assert _params(short.dispatches[0])["kv_splits"] == 1
@@ -75,6 +76,30 @@ def test_decode_one_pass_for_short_contexts_and_split_for_long():
         long.kernel_name  # noqa: B018  (the single-dispatch view refuses a two-dispatch plan)
 
 
+def _simdgroups_per_block(dispatch):
+    """SIMD-groups one key block of a decode dispatch launches: its (kv head, row chunk) x batch threadgroups."""
+    tg = dispatch.threadgroup
+    return dispatch.grid[0] * dispatch.grid[1] * tg[0] * tg[1] * tg[2] // 32
+
+
+def _blocks_for(nk, splits):
+    """Blocks left after cutting Nk into `splits` blocks of a multiple of 32 keys and dropping empty ones."""
+    per = -(-(-(-nk // splits)) // 32) * 32
+    return -(-nk // per)
+
+
+def _planned_blocks(nk, want):
+    """The split count decode_splits plans: `want` blocks within max(1, Nk // 128) and 256, asking for more
+    while rounding blocks up to 32 keys leaves fewer than wanted."""
+    limit = min(max(1, nk // 128), 256)
+    wanted = max(1, min(want, limit))
+    asked, blocks = wanted, _blocks_for(nk, wanted)
+    while blocks < wanted and asked < limit:
+        asked += 1
+        blocks = _blocks_for(nk, asked)
+    return blocks
+
+
 @pytest.mark.parametrize("b,hkv,nk", [(1, 1, 100_000), (1, 8, 8192), (4, 8, 32768), (1, 2, 700), (2, 1, 257)])
 @pytest.mark.parametrize("gpu", ["base", "max", "ultra"])
 def test_split_count_and_blocks(b, hkv, nk, gpu):
@@ -83,10 +108,12 @@ def test_split_count_and_blocks(b, hkv, nk, gpu):
     p = _params(plan.dispatches[0])
     splits, per = p["kv_splits"], p["split_keys"]
     cores = {"base": 10, "max": 40, "ultra": 80}[gpu]
-    want = -(-cores * 4 // (b * hkv))
-    assert 1 <= splits <= min(64, max(1, nk // 256), max(want, 1))
+    # Blocks wanted: 24 SIMD-groups launched per core (metal_routing.cpp's
+    # kDecodeSimdgroupsPerCore), at most 256, each block >= 128 keys.
+    want = -(-cores * 24 // _simdgroups_per_block(plan.dispatches[0]))
+    assert splits == _planned_blocks(nk, want)
     if splits > 1:
-        assert per % 32 == 0 and per >= 256
+        assert per % 32 == 0 and per >= 128
         assert (splits - 1) * per < nk <= splits * per  # every block holds keys
         assert plan.scratch == {"partial_out": b * hkv * 4 * 2 * splits * 64, "partial_stats": b * hkv * 4 * 2 * splits * 2}
     else:
@@ -130,11 +157,12 @@ CHIP_CORES = {"m1": 8, "m1-pro": 16, "m1-max": 32, "m1-ultra": 64, "m2": 10, "m2
 
 @pytest.mark.parametrize("chip", sorted(CHIP_CORES))
 def test_named_chips_size_the_split_by_their_cores(chip):
-    # One (batch, kv head): the split count wants cores * 4 blocks (long
-    # enough context that nothing else bounds it below 64).
+    # One (batch, kv head): the split count wants 24 SIMD-groups per core
+    # (long enough context that nothing else bounds it below 256).
     q, k, v = _qkv(1, 200_000, 64, hq=4, hkv=1)
     plan = flash_metal.explain(q, k, v, gpu=chip)
-    assert _params(plan.dispatches[0])["kv_splits"] == min(64, CHIP_CORES[chip] * 4)
+    want = -(-CHIP_CORES[chip] * 24 // _simdgroups_per_block(plan.dispatches[0]))
+    assert _params(plan.dispatches[0])["kv_splits"] == _planned_blocks(200_000, want) >= min(256, want)
     assert f"{CHIP_CORES[chip]}-core" in plan.reason
     assert plan.gpu.lower().replace(" ", "-") == chip
     # Spellings: "M3 Pro", "m3_pro", "M3-PRO" name the same chip.
@@ -261,3 +289,70 @@ def test_varlen_plans_the_prefill_kernel_per_sequence():
     back = flash_metal.explain(q, k, k, True, backward=True, **varlen)
     assert back.scratch["delta"] == 8 * 30  # Hq * total_q
     assert all(x.function_constants[VARLEN] for x in back.dispatches)
+
+
+# --- issue 19: decode fills the GPU in SIMD-groups --------------------------------------------
+
+# (q heads, kv heads, head_dim) from each model's published config.
+DECODE_MODELS = {"llama3-8b": (32, 8, 128), "llama3-70b": (64, 8, 128), "qwen2.5-7b": (28, 4, 128),
+                 "mistral-7b": (32, 8, 128), "gemma2-9b": (16, 8, 256), "gpt-oss-20b": (64, 8, 64),
+                 "phi3-mini": (32, 32, 96)}
+DECODE_BATCHES = range(1, 9)
+DECODE_NK = tuple(2**e for e in range(9, 18))  # 512 .. 128k
+# Below this Nk some shape of the grid has too few keys for enough blocks of
+# >= 128 keys on the biggest chips (the exemption below); from it on, every
+# shape reaches 24 SIMD-groups per core on every chip with no exemption.
+DECODE_NK_ALWAYS_FULL = 16384
+
+
+def _meta_qkv(b, hq, hkv, nq, nk, d, dtype=torch.float16):
+    # Stride-0 views of one element: explain() reads only shapes and strides.
+    one = torch.zeros(1, dtype=dtype)
+    return one.expand(b, hq, nq, d), one.expand(b, hkv, nk, d), one.expand(b, hkv, nk, d)
+
+
+def _fill_verdict(grid, threadgroup, splits, cores, nk):
+    """'full' (>= 24 SIMD-groups launched per core), 'exempt' (below, with as many blocks as Nk allows) or 'short'."""
+    fill = grid[0] * grid[1] * threadgroup[0] * threadgroup[1] * threadgroup[2] // 32 * splits / cores
+    if fill >= 24:
+        return "full"
+    return "exempt" if splits == max(1, nk // 128) else "short"
+
+
+def test_decode_launches_24_simdgroups_per_core_on_every_chip_and_model():
+    # Every named chip (its own core count), every model of the grid, batch
+    # 1-8, Nq 1 and 4, Nk 512-128k: the decode launches >= 24 SIMD-groups
+    # per core, unless Nk allows no more blocks of >= 128 keys (the split
+    # count then equals Nk // 128: the exemption, which the grid reaches only
+    # below DECODE_NK_ALWAYS_FULL). And in one-token decode each K/V element
+    # is read by one threadgroup per (batch, kv head, block): the GQA group's
+    # rows share it (the emulator's byte counts, test_metal_decode.py).
+    exempt = set()
+    for (model, (hq, hkv, d)), b, nq, nk in itertools.product(DECODE_MODELS.items(), DECODE_BATCHES, (1, 4), DECODE_NK):
+        q, k, v = _meta_qkv(b, hq, hkv, nq, nk, d)
+        for chip, cores in CHIP_CORES.items():
+            plan = flash_metal.explain(q, k, v, True, None, "auto", chip)
+            first = plan.dispatches[0]
+            case = (model, b, nq, nk, chip)
+            # One threadgroup per (kv head, batch[, block]) in one-token decode:
+            # K/V read once for the GQA group. With Nq = 4 a group of more
+            # than 8 row groups (Llama-3-70B, 32 rows of 2) takes row chunks.
+            rows = 4 if d <= 64 else 2 if d <= 128 else 1
+            chunks = -(-(-(-hq // hkv * nq // rows)) // 8)
+            assert first.grid[:2] == (hkv * chunks, b) and (nq > 1 or chunks == 1), (case, first.grid)
+            verdict = _fill_verdict(first.grid, first.threadgroup, _params(first)["kv_splits"], cores, nk)
+            assert verdict != "short", (case, first.grid, first.threadgroup, plan.reason)
+            if verdict == "exempt":
+                exempt.add(case)
+    assert exempt and max(e[3] for e in exempt) < DECODE_NK_ALWAYS_FULL, sorted(exempt, key=lambda e: e[3])[-5:]
+
+
+def test_decode_fill_check_catches_a_planted_threadgroup_count():
+    # The verdict on planted launches. The old heuristic (4 threadgroups per
+    # core, SIMD-groups not counted) on Llama-3-70B, B = 1, Nk = 128k, M3
+    # Ultra: 8 kv heads x 2 SIMD-groups x 40 blocks over 80 cores = 8 per
+    # core while Nk allows 256 blocks: "short". Then the same at Nk = 5120
+    # with the 40 blocks Nk allows: "exempt"; and 120 blocks: "full".
+    assert _fill_verdict((8, 1, 40), (32, 1, 2), 40, 80, 131072) == "short"
+    assert _fill_verdict((8, 1, 40), (32, 1, 2), 40, 80, 5120) == "exempt"
+    assert _fill_verdict((8, 1, 120), (32, 1, 2), 120, 80, 131072) == "full"
