@@ -11,9 +11,8 @@ namespace flash_metal {
 // The decode kernels' register budget, 32-bit values per lane. Why 72: as
 // kBackwardRegisterBudget (csrc/metal_routing.cpp): ~69-72 is what a thread
 // gets at 24 resident SIMD-groups per core, the occupancy at which
-// metal-benchmarks sees the ALUs saturate (issue 19). It supersedes the
-// "80-110 live values" kDecodeMaxThreads' comment in params.h allows for:
-// 256 threads still hold it at any allocation.
+// metal-benchmarks sees the ALUs saturate (issue 19); 256 threads hold it
+// at any allocation (kDecodeMaxThreads, params.h).
 FM_PROGRAM_CONSTANT constexpr int kDecodeRegisterBudget = 72;
 
 // Query rows per SIMD-group (RS), per head-dim bucket: the most rows, a

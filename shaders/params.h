@@ -123,9 +123,9 @@ FM_PROGRAM_CONSTANT constexpr int kPostMaxThreads = 32;
 FM_PROGRAM_CONSTANT constexpr int kPrefillMaxThreads = 128;
 // The decode kernels (attention_decode.h, one pass and split pass 1): 8
 // SIMD-groups, 256 threads, leave 208 registers per thread, more than a
-// thread can address, so the decode state (RS rows x 3 x DMAX / 32 floats
-// plus the block's scores: about 80-110 live values per lane) fits at any
-// allocation; 512 threads would leave 104, below that. Bigger GQA groups get
+// thread can address, so the decode state (at most kDecodeRegisterBudget =
+// 72 live values per lane, attention_decode_rows.h) fits at any allocation;
+// 512 threads would leave 104, a margin too thin for the compiler's spills. Bigger GQA groups get
 // more threadgroups, not fatter ones (csrc/metal_launch.cpp, decode_launches).
 FM_PROGRAM_CONSTANT constexpr int kDecodeMaxThreads = 256;
 // The split-KV merge: one SIMD-group per output row.
