@@ -125,7 +125,8 @@ FM_PROGRAM_CONSTANT constexpr int kPrefillMaxThreads = 128;
 // SIMD-groups, 256 threads, leave 208 registers per thread, more than a
 // thread can address, so the decode state (at most kDecodeRegisterBudget =
 // 72 live values per lane, attention_decode_rows.h) fits at any allocation;
-// 512 threads would leave 104, a margin too thin for the compiler's spills. Bigger GQA groups get
+// 512 threads would leave 104: enough too, but no decode plan needs more
+// than 8 SIMD-groups. Bigger GQA groups get
 // more threadgroups, not fatter ones (csrc/metal_launch.cpp, decode_launches).
 FM_PROGRAM_CONSTANT constexpr int kDecodeMaxThreads = 256;
 // The split-KV merge: one SIMD-group per output row.
