@@ -60,7 +60,8 @@ def test_prefill_blocks_memory_and_bucket_for_every_head_dim(dtype):
 @pytest.mark.parametrize("causal", [False, True])
 def test_prefill_edge_constants(nq, nk, aligned, causal):
     plan = flash_metal.explain(*_qkv(nq, nk, 64), causal=causal)
-    assert plan.function_constants == (causal, *aligned) + (False,) * 7  # no grad_lse, no option
+    # no grad_lse, no option; fc_dense (index 10): packed inputs, D == its bucket
+    assert plan.function_constants == (causal, *aligned) + (False,) * 7 + (True,)
 
 
 def test_decode_one_pass_for_short_contexts_and_split_for_long():
