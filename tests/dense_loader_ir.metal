@@ -1,5 +1,6 @@
-// Test-only kernels (never shipped) for the integer-math check over the
-// optimised IR (tests/test_metal_dense_loader.py): the tile loader's dense
+// Test-only kernels (never shipped) for tests/test_metal_dense_loader.py:
+// the integer-math check over the optimised IR, and the dense loader's tile
+// compared element by element with its source. The tile loader's dense
 // path alone at the shapes the kernels instantiate, the whole loader (whose
 // general path does 64-bit index math), and a planted dense-style loader
 // with a 64-bit multiply and a runtime division per chunk.
@@ -7,14 +8,17 @@
 
 namespace flash_metal {
 
-// The dense loader at one (T, ROWS, DMAX, THREADS), edge rows included.
+// The dense loader at one (T, ROWS, DMAX, THREADS), edge rows included;
+// then the tile's ROWS x DMAX block copied to dst (packed), so a test can
+// compare it with the source rows (zeros past valid_rows).
 template <typename T, int ROWS, int DMAX, int THREADS>
 [[kernel]] void dense_tile(device const T* src [[buffer(0)]], constant int& row_stride [[buffer(1)]],
-                           constant int& valid_rows [[buffer(2)]], threadgroup T* tile [[threadgroup(0)]],
-                           uint tid [[thread_index_in_threadgroup]]) {
+                           constant int& valid_rows [[buffer(2)]], device T* dst [[buffer(3)]],
+                           threadgroup T* tile [[threadgroup(0)]], uint tid [[thread_index_in_threadgroup]]) {
   constexpr int LD = DMAX + kPrefillRowPadBytes / int(sizeof(T));
   prefill_load_tile_dense<ROWS, DMAX, LD, THREADS, true>(tile, src, row_stride, valid_rows, tid);
   threadgroup_barrier(mem_flags::mem_threadgroup);
+  for (int i = int(tid); i < ROWS * DMAX; i += THREADS) dst[i] = tile[(i / DMAX) * LD + i % DMAX];
 }
 
 // prefill_load_tile itself: fc_dense chooses at run time here, so both paths are in the IR.

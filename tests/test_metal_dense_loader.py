@@ -17,6 +17,9 @@ path, 2- or 4-byte ones on the general path). The buckets 72, 80 and 96
 exercise the loader's row wrap (THREADS is not a multiple of the chunks per
 row) and its ragged last iteration.
 """
+import os
+
+import numpy as np
 import pytest
 import torch
 
@@ -190,17 +193,70 @@ def test_backward_dense_sanitized_and_counted():
     assert_gradients_close(grads, q, k, v, dout, True)
 
 
+IR_KERNELS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "dense_loader_ir.metal")
+# (dtype, tile rows, DMAX, threads) of tests/dense_loader_ir.metal's dense_tile instantiations.
+TILES = [(np.float16, 32, 72, 128), (np.float32, 32, 80, 128), (np.float16, 16, 128, 128), (np.float32, 8, 256, 64)]
+NP_NAMES = {np.float16: "half", np.float32: "float"}
+
+
+def load_tiles(kernels):
+    """Runs every dense_tile instantiation of `kernels` (sanitizing build) on a
+    source with a padded row stride and a ragged edge; returns the mismatches."""
+    from metal_emulator import compile_library
+
+    lib = compile_library([kernels], instrumented=True)
+    bad = []
+    for dt, rows, dmax, threads in TILES:
+        vec = 16 // np.dtype(dt).itemsize
+        stride = dmax + 3 * vec  # row stride: whole 16-byte chunks, not the row length
+        valid = rows - 3  # the last 3 rows are past the sequence: zeros, never read
+        src = np.random.default_rng(rows + dmax).standard_normal(valid * stride).astype(dt)
+        dst = np.full(rows * dmax, np.nan, dt)
+        c = lib.dispatch(f"dense_tile_{NP_NAMES[dt]}_r{rows}_d{dmax}_t{threads}",
+                         buffers={0: src, 3: dst}, bytes={1: np.int32(stride).tobytes(), 2: np.int32(valid).tobytes()},
+                         threadgroup=(threads,), threadgroup_memory={0: rows * (dmax * np.dtype(dt).itemsize + 16)})
+        want = np.zeros((rows, dmax), dt)
+        want[:valid] = src.reshape(valid, stride)[:, :dmax]
+        if not np.array_equal(dst.reshape(rows, dmax), want):
+            bad.append((dt, rows, dmax, threads))
+        # every source byte read once, by 16-byte loads only
+        assert c.device_loads_by_index[0] == {16: valid * dmax * np.dtype(dt).itemsize // 16}
+    return bad
+
+
+def test_dense_loader_copies_tiles_exactly():
+    """The loader alone, at the shapes the kernels use: DMAX 72 and 80 (chunks
+    per row 9 / 20: the row wrap, a ragged last iteration), 128, 256 with 64
+    threads; a row stride longer than the row; edge rows zero-filled."""
+    assert load_tiles(IR_KERNELS) == []
+
+
+def test_planted_loader_bug_is_caught(tmp_path):
+    """Planted: the row wrap forgets to move the source offset to the next row.
+    load_tiles sees the tiles that wrap (DMAX 72, 80) come out wrong."""
+    import shutil
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    shutil.copytree(os.path.join(root, "shaders"), tmp_path / "shaders")
+    (tmp_path / "tests").mkdir()
+    shutil.copy(IR_KERNELS, tmp_path / "tests")
+    header = tmp_path / "shaders" / "attention_prefill.h"
+    text = header.read_text()
+    assert text.count("      s_off += rs - CPR;\n") == 1
+    header.write_text(text.replace("      s_off += rs - CPR;\n", ""))
+    bad = load_tiles(str(tmp_path / "tests" / "dense_loader_ir.metal"))
+    assert [(rows, dmax) for _, rows, dmax, _ in bad] == [(32, 72), (32, 80)]
+
+
 def test_dense_loader_ir_has_no_64bit_multiply_or_runtime_division():
     """Over the optimised IR (-O2, as the fast build compiles): the dense
     loader, at the shapes the kernels use, issues no 64-bit multiply and no
     division by a runtime value. The check is proven on a planted loader
     (a runtime division and a 64-bit multiply per chunk) and on the general
     path (64-bit index math per element), which it flags."""
-    import os
-
     from metal_emulator import slow_integer_math
 
-    found = slow_integer_math(os.path.join(os.path.dirname(os.path.abspath(__file__)), "dense_loader_ir.metal"))
+    found = slow_integer_math(IR_KERNELS)
     dense = {name: insts for name, insts in found.items() if name.startswith("dense_tile_")}
     assert len(dense) == 4
     assert all(insts == [] for insts in dense.values()), dense
