@@ -92,7 +92,9 @@ def test_every_instantiation_sanitized(dtype, bucket):
     # here (tests/test_metal_backward_features.py sweeps those).
     assert {c[:4] for n, c in seen if n == dq.kernel_name} == set(itertools.product((False, True), repeat=4))
     assert {c[:3] for n, c in seen if n == dkdv.kernel_name} == set(itertools.product((False, True), repeat=3))
-    assert not any(any(c[4:]) for _, c in seen)
+    assert not any(any(c[4:10]) for _, c in seen)
+    # fc_dense (10): packed inputs, on exactly when D fills the bucket
+    assert {c[10] for _, c in seen} == {D == bucket}
     assert {n for n, _ in seen} == {dq.kernel_name, dkdv.kernel_name}
 
 
