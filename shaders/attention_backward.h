@@ -163,7 +163,8 @@ FM_INLINE float backward_weight(constant AttentionParams& p, device const uchar*
 // SIMD-group, so BQ = 8 * WM). BK: keys per streamed block. Launch: grid
 // (ceil(Nq / BQ), Hq, B), threadgroup (32 * WM, 1, 1), threadgroup memory
 // (top of file) at index 0, function constants fc_causal (0), fc_align_q
-// (1: Nq % BQ == 0), fc_align_k (2: Nk % BK == 0), fc_has_grad_lse (3).
+// (1: Nq % BQ == 0), fc_align_k (2: Nk % BK == 0), fc_has_grad_lse (3),
+// fc_dense (10: the tile loader's path, attention_prefill.h).
 // grad_lse is always bound (the host binds lse in its place when there is
 // none; it is then never read).
 template <typename T, int DMAX, int BQ, int BK, int WM>

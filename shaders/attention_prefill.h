@@ -213,9 +213,10 @@ FM_INLINE void prefill_mma(thread PrefillFrag& d, PrefillFrag a, PrefillFrag b) 
 // threadgroup, 8 per SIMD-group. BK: keys per block. WM: SIMD-groups.
 // Launch: grid (ceil(Nq / BQ), Hq, B), threadgroup (32 * WM, 1, 1),
 // threadgroup memory tg_bytes (top of this file) at index 0, function
-// constants fc_causal (0), fc_align_q (1), fc_align_k (2) and the options'
-// 4-9 (attention_features.h). Varlen: Nq is max_seqlen_q and B the number
-// of sequences; the align constants are then false.
+// constants fc_causal (0), fc_align_q (1), fc_align_k (2), the options'
+// 4-9 (attention_features.h) and fc_dense (10: the loader's path). Varlen:
+// Nq is max_seqlen_q and B the number of sequences; the align constants are
+// then false.
 //
 // Barriers per key block: 4, as in MLX (K written -> read, K read -> V
 // written, V written -> read, V read -> next K written), because K and V
