@@ -130,6 +130,83 @@ std::vector<bool> feature_constants(const AttentionProblem& p, bool align_q, boo
   return c;
 }
 
+// Rows of a tile's span the dense loader's 32-bit offsets must cover. Why
+// 128: a tile has at most 32 rows (the largest BQ / BK of any prefill or
+// backward instantiation), and the loader's offsets step up to THREADS / CPR
+// <= 64 rows past it before the loop ends; 128 bounds both with margin.
+constexpr int64_t kDenseOffsetRows = 128;
+// Bytes per dense load: the shader's kDenseLoadBytes (a uint4, the widest
+// per-thread load in Metal).
+constexpr int64_t kDenseLoadBytes = 16;
+
+// fc_dense: may the tile loader (shaders/attention_prefill.h,
+// prefill_load_tile_dense) copy every tile as 16-byte chunks? True when each
+// tensor it reads (q, k, v, and grad_out in the backward) has
+//   - feature stride 1: a row's D features are contiguous;
+//   - D == the bucket: the chunks copy whole DMAX-wide rows, so there are no
+//     padding columns to zero (the general loader zeroes them);
+//   - 16-byte aligned rows: storage offset and the batch, head and row
+//     strides multiples of 16 bytes, so every row the kernel addresses
+//     (any batch, head, row, varlen sequence start) is (the MTLBuffer itself
+//     is page aligned; the emulator keeps the caller's alignment);
+//   - row stride * kDenseOffsetRows bytes below 2^31, for the loader's
+//     32-bit offsets.
+// A batch or head stride of a dimension of size 1 never multiplies a
+// nonzero index and is not checked. Otherwise false, and *why names the
+// first tensor and condition that failed.
+bool dense_loader(const AttentionProblem& p, const LaunchStrides& s, uint32_t bucket, bool backward,
+                  std::string* why) {
+  const int64_t elem = dtype_bytes(p.dtype);
+  const auto aligned = [&](int64_t elements) { return (elements * elem) % kDenseLoadBytes == 0; };
+  struct Tensor { const char* name; const std::array<int64_t, 4>& strides; int64_t offset; int64_t heads; };
+  const Tensor tensors[] = {{"q", s.q, s.offsets[0], p.q_heads},
+                            {"k", s.k, s.offsets[1], p.kv_heads},
+                            {"v", s.v, s.offsets[2], p.kv_heads},
+                            {"grad_out", s.grad_out, s.offsets[3], p.q_heads}};
+  if (p.head_dim != bucket) {
+    *why = "head_dim " + std::to_string(p.head_dim) + " is below its bucket " + std::to_string(bucket);
+    return false;
+  }
+  for (const Tensor& t : tensors) {
+    if (!backward && std::string(t.name) == "grad_out") continue;
+    const std::string n = t.name;
+    if (t.strides[3] != 1) {
+      *why = n + "'s feature stride is " + std::to_string(t.strides[3]) + ", not 1";
+      return false;
+    }
+    if (t.offset < 0 || !aligned(t.offset)) {
+      *why = t.offset < 0 ? n + "'s storage offset is unknown"
+                          : n + "'s storage offset is not a multiple of 16 bytes";
+      return false;
+    }
+    const bool batch_used = p.batch > 1 && !p.varlen, head_used = t.heads > 1;
+    if ((batch_used && !aligned(t.strides[0])) || (head_used && !aligned(t.strides[1])) || !aligned(t.strides[2])) {
+      *why = n + "'s batch, head or row stride is not a multiple of 16 bytes";
+      return false;
+    }
+    if (t.strides[2] < 0 || t.strides[2] * elem * kDenseOffsetRows >= (int64_t(1) << 31)) {
+      *why = n + "'s row stride is too large for 32-bit tile offsets";
+      return false;
+    }
+  }
+  *why = "";
+  return true;
+}
+
+// A feature kernel's function constants with fc_dense (index
+// kDenseFunctionConstant) appended.
+std::vector<bool> with_dense(std::vector<bool> c, bool dense) {
+  if (c.size() <= kDenseFunctionConstant) c.resize(kDenseFunctionConstant + 1, false);
+  c[kDenseFunctionConstant] = dense;
+  return c;
+}
+
+// The reason's sentence about the loader, for explain().
+std::string loader_reason(bool dense, const std::string& why) {
+  return dense ? " Tile loader: dense, one 16-byte load per 16 bytes of a row (fc_dense)."
+               : " Tile loader: one load per element (fc_dense off: " + why + ").";
+}
+
 // The parameter block of every launch: strides as given, sizes from the problem.
 AttentionParams make_params(const AttentionProblem& p, const LaunchStrides& s, uint32_t kv_splits) {
   AttentionParams a{};
@@ -230,7 +307,13 @@ MetalPlan plan_metal_attention(const AttentionProblem& p, const LaunchStrides& s
       l.threadgroup = {32 * c.simdgroups, 1, 1};
       l.max_threads_per_threadgroup = kPrefillMaxThreads;
       l.threadgroup_memory = prefill_threadgroup_memory(c.block_q, c.block_k, c.bucket, p.dtype);
-      l.function_constants = feature_constants(p, p.q_len % c.block_q == 0, p.kv_len % c.block_k == 0, false);
+      {
+        std::string why;
+        const bool dense = dense_loader(p, s, c.bucket, false, &why);
+        l.function_constants =
+            with_dense(feature_constants(p, p.q_len % c.block_q == 0, p.kv_len % c.block_k == 0, false), dense);
+        plan.reason += loader_reason(dense, why);
+      }
       l.buffers = with_features(kForwardBuffers);
       l.estimate = estimate_launch(l, prefill_live_registers(c.bucket, c.block_k), gpu);
       plan.launches.push_back(l);
@@ -265,7 +348,11 @@ MetalPlan plan_metal_attention_backward(const AttentionProblem& p, const LaunchS
   dq.max_threads_per_threadgroup = kBackwardMaxThreads;
   dq.threadgroup_memory = backward_threadgroup_memory(c.block_q, c.block_k, c.bucket, p.dtype);
   // Indices kCausalFunctionConstant, kAlignQ..., kAlignK..., kHasGradLse...
-  dq.function_constants = feature_constants(p, p.q_len % c.block_q == 0, p.kv_len % c.block_k == 0, has_grad_lse);
+  std::string why;
+  const bool dense = dense_loader(p, s, c.bucket, true, &why);
+  plan.reason += loader_reason(dense, why);
+  dq.function_constants =
+      with_dense(feature_constants(p, p.q_len % c.block_q == 0, p.kv_len % c.block_k == 0, has_grad_lse), dense);
   dq.buffers = with_features(kBackwardDqBuffers);
   dq.estimate = estimate_launch(dq, dq_live_floats(c.bucket, c.block_k) + kLiveOverhead, gpu);
   plan.launches.push_back(dq);
@@ -277,7 +364,8 @@ MetalPlan plan_metal_attention_backward(const AttentionProblem& p, const LaunchS
   dkv.grid = {ceil_div(p.kv_len, c.dkv_block_k) * c.dkv_feature_split, static_cast<uint32_t>(p.kv_heads), batch};
   dkv.threadgroup = {32 * c.dkv_simdgroups, 1, 1};
   dkv.threadgroup_memory = backward_threadgroup_memory(c.dkv_block_k, c.dkv_block_q, c.bucket, p.dtype);
-  dkv.function_constants = feature_constants(p, p.q_len % c.dkv_block_q == 0, p.kv_len % c.dkv_block_k == 0, false);
+  dkv.function_constants =
+      with_dense(feature_constants(p, p.q_len % c.dkv_block_q == 0, p.kv_len % c.dkv_block_k == 0, false), dense);
   dkv.buffers = with_features(kBackwardDkdvBuffers);
   dkv.estimate =
       estimate_launch(dkv, dkdv_live_floats(c.bucket, c.dkv_block_q, c.dkv_feature_split) + kLiveOverhead, gpu);

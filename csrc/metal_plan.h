@@ -75,6 +75,11 @@ struct LaunchStrides {
   std::array<int64_t, 4> grad_out{};
   std::array<int64_t, 3> grad_lse{};
   std::array<int64_t, 4> mask{};  // attn_mask expanded to (B, Hq, Nq, Nk): 0 on broadcast dimensions
+  // Storage offsets, in elements, of q, k, v and grad_out: the tensors the
+  // prefill and backward tile loaders read. The dense loader (fc_dense)
+  // needs their row starts 16-byte aligned; -1 means unknown, and then the
+  // general loader runs.
+  std::array<int64_t, 4> offsets{{-1, -1, -1, -1}};
 };
 
 // Threads per threadgroup of both post kernels. Why 32: one Apple SIMD-group,
@@ -121,6 +126,9 @@ constexpr uint32_t kSoftcapFunctionConstant = 8;
 constexpr uint32_t kVarlenFunctionConstant = 9;
 // Function constants of every feature kernel (indices 0 .. 9).
 constexpr uint32_t kFeatureFunctionConstants = 10;
+// The prefill and backward kernels' dense tile loader (fc_dense in
+// shaders/attention_prefill.h; metal_launch.cpp's dense_loader decides it).
+constexpr uint32_t kDenseFunctionConstant = 10;
 
 // The tensors a launch binds as device buffers. PartialOut and PartialStats
 // are the split-KV decode's float32 scratch, allocated by the host from

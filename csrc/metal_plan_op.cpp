@@ -55,6 +55,9 @@ metal_plan(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool c
   const auto strides3 = [](const at::Tensor& t) { return std::array<int64_t, 3>{t.stride(0), t.stride(1), t.stride(2)}; };
   LaunchStrides s{strides4(call.q), strides4(call.k), strides4(call.v), packed4, packed3};
   if (call.mask.defined()) s.mask = strides4(call.mask);
+  // The loaders' inputs' storage offsets (fc_dense); a grad_out not given is planned packed, at offset 0.
+  s.offsets = {call.q.storage_offset(), call.k.storage_offset(), call.v.storage_offset(),
+               backward && given(grad_out) ? as_kernel_view4(*grad_out, varlen).storage_offset() : 0};
   MetalPlan plan;
   if (backward) {
     if (given(out)) s.o = strides4(as_kernel_view4(*out, varlen));

@@ -54,6 +54,10 @@ std::vector<MetalLaunch> all_metal_launches() {
           const LaunchStrides packed{{H * N * D, N * D, D, 1}, {M * D, M * D, D, 1}, {M * D, M * D, D, 1},
                                      {H * N * D, N * D, D, 1}, {H * N, N, 1}};
           for (const MetalLaunch& l : plan_metal_attention(p, packed, shape.request).launches) add(l);
+          // Known zero storage offsets: the prefill kernel's dense loader (fc_dense).
+          LaunchStrides known = packed;
+          known.offsets = {0, 0, 0, 0};
+          for (const MetalLaunch& l : plan_metal_attention(p, known, shape.request).launches) add(l);
         }
       }
       // The backward: both kernels, every alignment of either side (its
@@ -75,6 +79,9 @@ std::vector<MetalLaunch> all_metal_launches() {
               const LaunchStrides packed{{D, D, D, 1}, {D, D, D, 1}, {D, D, D, 1}, {D, D, D, 1}, {1, 1, 1},
                                          {D, D, D, 1}, {1, 1, 1}};
               for (const MetalLaunch& l : plan_metal_attention_backward(p, packed, grad_lse).launches) add(l);
+              LaunchStrides known = packed;  // the dense loader (fc_dense)
+              known.offsets = {0, 0, 0, 0};
+              for (const MetalLaunch& l : plan_metal_attention_backward(p, known, grad_lse).launches) add(l);
             }
           }
         }

@@ -86,9 +86,11 @@ constexpr int backward_row_pad() {
 // kernel: Q.K^T and dO.V^T; dK/dV kernel: K.Q^T and V.dO^T), for one
 // SIMD-group's 8 owned rows (row0 of the own tiles a and a2) against the
 // N * 8 streamed rows of tiles b and b2, in one walk over the d_frags
-// feature fragments that hold real features. Inlined, so S and dP stay
-// arrays of registers (constant indices after unrolling).
-template <int N, typename T>
+// feature fragments that hold real features. The walk runs to the
+// compile-time TD (DMAX / 8) with d_frags as a uniform guard, so it unrolls
+// (as the forward's Q.K^T does). Inlined, so S and dP stay arrays of
+// registers (constant indices after unrolling).
+template <int N, int TD, typename T>
 FM_INLINE void backward_products(thread PrefillFrag* S, thread PrefillFrag* dP, threadgroup const T* a,
                                  threadgroup const T* a2, threadgroup const T* b, threadgroup const T* b2, int ld,
                                  int row0, int d_frags, int fr, int fc) {
@@ -96,7 +98,8 @@ FM_INLINE void backward_products(thread PrefillFrag* S, thread PrefillFrag* dP, 
     S[t] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
     dP[t] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
   }
-  for (int dd = 0; dd < d_frags; ++dd) {
+  FM_UNROLL for (int dd = 0; dd < TD; ++dd) {
+    if (dd >= d_frags) continue;  // all-padding fragment; uniform across the SIMD-group
     PrefillFrag af, a2f;
     prefill_read_frag(af, a, ld, row0, dd * 8, fr, fc);
     prefill_read_frag(a2f, a2, ld, row0, dd * 8, fr, fc);
@@ -160,7 +163,8 @@ FM_INLINE float backward_weight(constant AttentionParams& p, device const uchar*
 // SIMD-group, so BQ = 8 * WM). BK: keys per streamed block. Launch: grid
 // (ceil(Nq / BQ), Hq, B), threadgroup (32 * WM, 1, 1), threadgroup memory
 // (top of file) at index 0, function constants fc_causal (0), fc_align_q
-// (1: Nq % BQ == 0), fc_align_k (2: Nk % BK == 0), fc_has_grad_lse (3).
+// (1: Nq % BQ == 0), fc_align_k (2: Nk % BK == 0), fc_has_grad_lse (3),
+// fc_dense (10: the tile loader's path, attention_prefill.h).
 // grad_lse is always bound (the host binds lse in its place when there is
 // none; it is then never read).
 template <typename T, int DMAX, int BQ, int BK, int WM>
@@ -318,7 +322,7 @@ template <typename T, int DMAX, int BQ, int BK, int WM>
     // S = Q.K^T and dP = dO.V^T (8 x BK each).
     PrefillFrag S[TK];
     PrefillFrag dP[TK];
-    backward_products<TK>(S, dP, q_tile, do_tile, k_tile, v_tile, LD, int(sg) * 8, d_frags, fr, fc);
+    backward_products<TK, TD>(S, dP, q_tile, do_tile, k_tile, v_tile, LD, int(sg) * 8, d_frags, fr, fc);
     // P and dS = P * (dP - Delta), elementwise, into dP (times the
     // softcap's derivative). Weight 0 (so dS 0) for keys past Nk, keys
     // outside the row's window, masked keys and rows that saw no key, by
@@ -552,7 +556,7 @@ template <typename T, int DMAX, int BQ, int BK, int WM, int DSPLIT>
       // S^T = K.Q^T and dP^T = V.dO^T (8 keys x BQ queries each).
       PrefillFrag S[TQ];
       PrefillFrag dP[TQ];
-      backward_products<TQ>(S, dP, k_tile, v_tile, q_tile, do_tile, LD, int(sg) * 8, d_frags, fr, fc);
+      backward_products<TQ, DMAX / 8>(S, dP, k_tile, v_tile, q_tile, do_tile, LD, int(sg) * 8, d_frags, fr, fc);
       // P^T into S, dS^T = P^T * (dP^T - Delta) into dP (times the
       // softcap's derivative). Each element is (this lane's key, query
       // qrow); the query's lse and Delta are read from device memory (a few

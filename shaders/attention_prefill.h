@@ -36,6 +36,13 @@ constant bool fc_align_q [[function_constant(1)]];
 // [[function_constant(2)]]: Nk % BK == 0, so no key block is ragged and the
 // kernel carries no key-edge code (MLX's align_K).
 constant bool fc_align_k [[function_constant(2)]];
+// [[function_constant(10)]]: the dense loader (prefill_load_tile_dense).
+// The host (csrc/metal_launch.cpp, dense_loads) sets it when every tensor
+// this kernel loads through prefill_load_tile has unit feature stride, D ==
+// DMAX (no padding columns), and every row start 16-byte aligned (storage
+// offset, batch, head and row strides all multiples of 16 bytes), with a
+// tile's byte offsets within int32. False: the general per-element loader.
+constant bool fc_dense [[function_constant(10)]];
 
 // Padding at the end of every tile row, in bytes. Why 16: many bucket rows
 // (DMAX 32, 64, 128, 256 in float; 64, 128, 256 in half) are a multiple of
@@ -71,8 +78,69 @@ typedef simdgroup_matrix<float, 8, 8> PrefillFrag;
 // tuning, since any split shortens the single chain.
 constant constexpr int kPrefillSumRun = 16;
 
+// Bytes per load of the dense loader. Why 16: the widest load a Metal
+// thread issues in one instruction (a uint4), 8 halves or 4 floats, the
+// width MLX's steel loader reaches too; every bucket row (DMAX * sizeof(T),
+// DMAX a multiple of 8) and every tile row (plus 16 bytes of padding, or 0)
+// is a whole number of them.
+constant constexpr int kDenseLoadBytes = 16;
+
+// The dense loader (fc_dense): the same tile as prefill_load_tile's general
+// path, copied as raw 16-byte chunks. Chunk i of the ROWS x DMAX block (row
+// i / CPR, chunk i % CPR of it) goes to thread i % THREADS, so consecutive
+// threads read consecutive 16 bytes of a row (coalesced) and each thread
+// holds runs of kDenseLoadBytes contiguous features. The thread's row and
+// chunk are divided out once per tile (constant divisor); then its 32-bit
+// source and tile offsets, in chunks, are stepped by constants (THREADS / CPR
+// rows and THREADS % CPR chunks, with one wrap test when CPR does not divide
+// THREADS): no 64-bit multiply or division per chunk. (MLX's BlockLoader
+// likewise gives each thread contiguous vector reads at unit stride; this
+// loader is written for this project.) `src` points at the tile's first row.
+// The host guarantees src and row_stride are whole chunks and that
+// ROWS * row_stride bytes fit int32 (see fc_dense). EDGE: rows >=
+// valid_rows are zero-filled and not read, as in the general path.
+template <int ROWS, int DMAX, int LD, int THREADS, bool EDGE, typename T>
+FM_INLINE void prefill_load_tile_dense(threadgroup T* tile, device const T* src, int row_stride, int valid_rows,
+                                       uint tid) {
+  constexpr int VEC = kDenseLoadBytes / int(sizeof(T));  // elements per chunk
+  static_assert(DMAX % VEC == 0 && LD % VEC == 0, "rows are whole 16-byte chunks");
+  constexpr int CPR = DMAX / VEC;  // chunks per row
+  constexpr int TLD = LD / VEC;    // tile row length, in chunks (padding included)
+  constexpr int CHUNKS = ROWS * CPR;
+  constexpr int ITERS = (CHUNKS + THREADS - 1) / THREADS;
+  constexpr int DR = THREADS / CPR;  // rows a thread steps per iteration
+  constexpr int DC = THREADS % CPR;  // and chunks
+  device const uint4* s = reinterpret_cast<device const uint4*>(src);
+  threadgroup uint4* t = reinterpret_cast<threadgroup uint4*>(tile);
+  const int rs = row_stride / VEC;  // exact: the host checked row_stride % VEC == 0
+  int r = int(tid) / CPR;
+  int c = int(tid) % CPR;
+  int s_off = r * rs + c;
+  int t_off = r * TLD + c;
+  FM_UNROLL for (int it = 0; it < ITERS; ++it) {
+    // Only the last iteration can run past the block (then r >= ROWS);
+    // compiled out when THREADS divides CHUNKS.
+    if (CHUNKS % THREADS == 0 || it + 1 < ITERS || r < ROWS) {
+      uint4 x = uint4(0u);
+      if (!EDGE || r < valid_rows) x = s[s_off];
+      t[t_off] = x;
+    }
+    r += DR;
+    c += DC;
+    s_off += DR * rs + DC;
+    t_off += DR * TLD + DC;
+    if (DC != 0 && c >= CPR) {
+      c -= CPR;
+      r += 1;
+      s_off += rs - CPR;
+      t_off += TLD - CPR;
+    }
+  }
+}
+
 // Copies rows [first, first + ROWS) of one head's (N, D) matrix `src` into a
-// tile of ROWS rows of LD elements of T, as plain cooperative per-element
+// tile of ROWS rows of LD elements of T. Under fc_dense, as 16-byte chunks
+// (prefill_load_tile_dense). Otherwise as plain cooperative per-element
 // loads: thread `tid` of THREADS takes elements tid, tid + THREADS, ... of the
 // ROWS x DMAX block, so consecutive threads read consecutive features of a
 // row (coalesced when the feature stride is 1). Any element stride works.
@@ -86,6 +154,11 @@ constant constexpr int kPrefillSumRun = 16;
 template <int ROWS, int DMAX, int LD, int THREADS, bool EDGE, typename T>
 FM_INLINE void prefill_load_tile(threadgroup T* tile, device const T* src, int64_t row_stride, int64_t dim_stride,
                                  int first, int D, int valid_rows, uint tid) {
+  if (fc_dense) {
+    prefill_load_tile_dense<ROWS, DMAX, LD, THREADS, EDGE>(tile, src + int64_t(first) * row_stride, int(row_stride),
+                                                           valid_rows, tid);
+    return;
+  }
   constexpr int kElems = ROWS * DMAX;
   static_assert(kElems % THREADS == 0, "every thread loads the same number of elements");
   FM_UNROLL for (int it = 0; it < kElems / THREADS; ++it) {
@@ -140,9 +213,10 @@ FM_INLINE void prefill_mma(thread PrefillFrag& d, PrefillFrag a, PrefillFrag b) 
 // threadgroup, 8 per SIMD-group. BK: keys per block. WM: SIMD-groups.
 // Launch: grid (ceil(Nq / BQ), Hq, B), threadgroup (32 * WM, 1, 1),
 // threadgroup memory tg_bytes (top of this file) at index 0, function
-// constants fc_causal (0), fc_align_q (1), fc_align_k (2) and the options'
-// 4-9 (attention_features.h). Varlen: Nq is max_seqlen_q and B the number
-// of sequences; the align constants are then false.
+// constants fc_causal (0), fc_align_q (1), fc_align_k (2), the options'
+// 4-9 (attention_features.h) and fc_dense (10: the loader's path). Varlen:
+// Nq is max_seqlen_q and B the number of sequences; the align constants are
+// then false.
 //
 // Barriers per key block: 4, as in MLX (K written -> read, K read -> V
 // written, V written -> read, V read -> next K written), because K and V
@@ -221,8 +295,9 @@ template <typename T, int DMAX, int BQ, int BK, int WM>
   const int n_blocks = (visible_key_end(seq, last_row) + BK - 1) / BK;
   const int first_block = fc_window_left ? first_visible_key(seq, q0) / BK : 0;
   // Q.K^T runs over the 8-wide feature fragments that hold real features;
-  // those past ceil(D / 8) are all zero padding. A runtime bound is fine
-  // here: the Q and K fragments are temporaries, not indexed arrays.
+  // those past ceil(D / 8) are all zero padding. The loop runs to the
+  // compile-time TD with this uniform guard (as the P.V loop does), so it
+  // unrolls and the fragment reads can be scheduled ahead of the MMAs.
   const int d_frags = (D + 7) / 8;
 
   PrefillFrag O[TD];
@@ -271,13 +346,15 @@ template <typename T, int DMAX, int BQ, int BK, int WM>
     PrefillFrag S[TK];
     if (active) {
       FM_UNROLL for (int t = 0; t < TK; ++t) S[t] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
-      for (int dd = 0; dd < d_frags; ++dd) {
-        PrefillFrag qf;
-        prefill_read_frag(qf, q_tile, LD, int(sg) * 8, dd * 8, fr, fc);
-        FM_UNROLL for (int t = 0; t < TK; ++t) {
-          PrefillFrag kf;
-          prefill_read_frag_t(kf, kv_tile, LD, dd * 8, t * 8, fr, fc);
-          prefill_mma(S[t], qf, kf);
+      FM_UNROLL for (int dd = 0; dd < TD; ++dd) {
+        if (dd < d_frags) {  // uniform: D is the same for every lane
+          PrefillFrag qf;
+          prefill_read_frag(qf, q_tile, LD, int(sg) * 8, dd * 8, fr, fc);
+          FM_UNROLL for (int t = 0; t < TK; ++t) {
+            PrefillFrag kf;
+            prefill_read_frag_t(kf, kv_tile, LD, dd * 8, t * 8, fr, fc);
+            prefill_mma(S[t], qf, kf);
+          }
         }
       }
       // Scores to base 2, in float32 after the product (MLX PR #3119 moved

@@ -92,7 +92,9 @@ def test_every_instantiation_sanitized(dtype, bucket):
     # here (tests/test_metal_backward_features.py sweeps those).
     assert {c[:4] for n, c in seen if n == dq.kernel_name} == set(itertools.product((False, True), repeat=4))
     assert {c[:3] for n, c in seen if n == dkdv.kernel_name} == set(itertools.product((False, True), repeat=3))
-    assert not any(any(c[4:]) for _, c in seen)
+    assert not any(any(c[4:10]) for _, c in seen)
+    # fc_dense (10): packed inputs, on exactly when D fills the bucket
+    assert {c[10] for _, c in seen} == {D == bucket}
     assert {n for n, _ in seen} == {dq.kernel_name, dkdv.kernel_name}
 
 
@@ -183,8 +185,9 @@ def test_routing_blocks_memory_and_reasons_for_every_head_dim(dtype):
         assert split == (2 if bucket == 256 else 1)
         assert dq.grid == (math.ceil(45 / qbq), 4, 3) and dq.threadgroup == (32 * qwm, 1, 1)
         assert dkdv.grid == (math.ceil(30 / kbk) * split, 2, 3) and dkdv.threadgroup == (32 * kwm, 1, 1)
-        assert dq.function_constants == (D % 2 == 0, 45 % qbq == 0, 30 % qbk == 0, True) + (False,) * 6
-        assert dkdv.function_constants == (D % 2 == 0, 45 % kbq == 0, 30 % kbk == 0, False) + (False,) * 6
+        dense = D == bucket  # fc_dense (index 10): packed inputs, no padding columns
+        assert dq.function_constants == (D % 2 == 0, 45 % qbq == 0, 30 % qbk == 0, True) + (False,) * 6 + (dense,)
+        assert dkdv.function_constants == (D % 2 == 0, 45 % kbq == 0, 30 % kbk == 0, False) + (False,) * 6 + (dense,)
         for d, own, streamed in ((dq, qbq, qbk), (dkdv, kbk, kbq)):
             rows = 2 * (own + streamed)
             padded = rows * (bucket * size + 16)

@@ -23,6 +23,7 @@ import torch
 import flash_metal
 from backends import LAST_DISPATCHES, emulated_metal_attention, metal_library
 from numerics import DTYPES, LAYOUTS, assert_attention_close, dtype_id, make_qkv
+from test_metal_dense_loader import dense_expected
 from test_nonfinite import CASES, POSITIONS, SHAPES, check_case, make_case
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -68,7 +69,8 @@ def run_prefill(q, k, v, causal=False, scale=None, instrumented=False, fast_math
     # The planner's launch is the one this file's formulas describe.
     assert plan.kernel_name == kernel_name(q.dtype, dmax)
     assert plan.grid == (math.ceil(q.shape[2] / bq), q.shape[1], q.shape[0]) and plan.threadgroup == (32 * wm, 1, 1)
-    assert plan.function_constants == (causal, q.shape[2] % bq == 0, k.shape[2] % bk == 0) + (False,) * 7
+    dense = dense_expected(q, k, v)  # fc_dense (index 10): tests/test_metal_dense_loader.py
+    assert plan.function_constants == (causal, q.shape[2] % bq == 0, k.shape[2] % bk == 0) + (False,) * 7 + (dense,)
     assert plan.threadgroup_memory == tg_bytes(bq, bk, dmax, q.element_size())
     return emulated_metal_attention(q, k, v, causal, scale, "prefill", instrumented, fast_math)
 

@@ -61,7 +61,8 @@ def test_prefill_blocks_memory_and_bucket_for_every_head_dim(dtype):
 @pytest.mark.parametrize("causal", [False, True])
 def test_prefill_edge_constants(nq, nk, aligned, causal):
     plan = flash_metal.explain(*_qkv(nq, nk, 64), causal=causal)
-    assert plan.function_constants == (causal, *aligned) + (False,) * 7  # no grad_lse, no option
+    # no grad_lse, no option; fc_dense (index 10): packed inputs, D == its bucket
+    assert plan.function_constants == (causal, *aligned) + (False,) * 7 + (True,)
 
 
 def test_decode_one_pass_for_short_contexts_and_split_for_long():
@@ -250,7 +251,10 @@ def test_each_option_sets_its_function_constant_and_params(nq, dtype):
                     assert d.function_constants == ()  # the merge reads only the partials
                     continue
                 consts = d.function_constants
-                assert len(consts) == 10, d.kernel_name
+                # decode: indices 0-9; prefill and backward add fc_dense (10; packed, D = 64: on)
+                dense_family = not d.kernel_name.startswith("flash_decode")
+                assert len(consts) == (11 if dense_family else 10), d.kernel_name
+                assert not dense_family or consts[10] is True, d.kernel_name
                 got = {i for i in (CAUSAL, HAS_MASK, MASK_BOOL, MASK_F32, WINDOW_LEFT, SOFTCAP, VARLEN) if consts[i]}
                 assert got == on, (name, d.kernel_name, got)
                 assert d.buffers["attn_mask"] == 14 and d.buffers["cu_seqlens_q"] == 15

@@ -354,14 +354,18 @@ def test_build_all_pipelines_on_the_fake_device(host, emu):
         if name.startswith("flash_decode_merge_"):
             assert bits == {""}, name
             continue
-        assert all(len(b) == 10 for b in bits), name
+        # prefill and backward: constant 10 is fc_dense (the dense tile loader), built both ways
+        dense_family = name.startswith(("flash_attention_prefill_", "flash_backward_"))
+        assert all(len(b) == (11 if dense_family else 10) for b in bits), name
+        if dense_family:
+            assert {b[10] for b in bits} == {"0", "1"}, name
         if name.startswith(("flash_attention_prefill_", "flash_backward_dkdv_")):
             assert {b[:3] for b in bits} == combos(3), name
         elif name.startswith("flash_backward_dq_"):
             assert {b[:4] for b in bits} == combos(4), name
         else:  # the decode kernels: causal only among 0-3
             assert {b[:4] for b in bits} == {"0000", "1000"}, name
-        options = {b[4:] for b in bits}
+        options = {b[4:10] for b in bits}
         want = {"000000", "110000", "100000", "101000", "000100", "000010"}
         if name.startswith(("flash_attention_prefill_", "flash_backward_")):
             want.add("000001")

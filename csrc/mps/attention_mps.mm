@@ -207,6 +207,7 @@ LaunchStrides launch_strides(const AttentionCall& c, const at::Tensor& out4, con
   LaunchStrides s{strides4(c.q), strides4(c.k), strides4(c.v), strides4(out4),
                   {lse3.stride(0), lse3.stride(1), lse3.stride(2)}};
   if (c.mask.defined()) s.mask = strides4(c.mask);
+  s.offsets = {c.q.storage_offset(), c.k.storage_offset(), c.v.storage_offset(), -1};  // fc_dense's alignment
   return s;
 }
 
@@ -247,6 +248,7 @@ void backward_kernel(const AttentionCall& c, const BackwardTensors& t, const Att
   id<MTLDevice> device = at::mps::MPSDevice::getInstance()->device();
   LaunchStrides strides = launch_strides(c, t.out4, t.lse3);
   strides.grad_out = strides4(t.grad_out4);
+  strides.offsets[3] = t.grad_out4.storage_offset();
   strides.grad_lse = {glse.stride(0), glse.stride(1), glse.stride(2)};
   const MetalPlan plan = plan_metal_attention_backward(c.p, strides, has_grad_lse, request, gpu_spec_of(device));
 

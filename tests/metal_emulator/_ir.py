@@ -78,3 +78,45 @@ def private_arrays(paths) -> dict[str, list[str]]:
     _build._atomic_dir(final, build)
     with open(os.path.join(final, "arrays.json"), encoding="utf-8") as f:
         return json.load(f)
+
+
+# Instructions that cost an Apple GPU dearly in a loader's inner loop: a 64-bit
+# multiply (the GPU's ALUs are 32-bit; a 64-bit product takes several
+# instructions), and an integer division or remainder by a value known only
+# at run time (no divide unit: a long instruction sequence). Division by a
+# constant is left alone: every backend turns it into a multiply and a shift.
+_SLOW_MATH = re.compile(r"^\s*%[\w.]+ = (mul(?: nuw)?(?: nsw)? i64 [^\n]*"
+                        r"|[su](?:div|rem)(?: exact)? i\d+ [^,\n]+, %[^\n]*)$", re.M)
+
+
+def slow_integer_math(paths) -> dict[str, list[str]]:
+    """{kernel host name: its 64-bit multiplies and runtime-divisor divisions}, for every
+    kernel in the .metal files, from the LLVM IR the fast build optimizes (-O2, helpers
+    inlined and loops unrolled), so each listed instruction is one the kernel executes.
+    Meant for small test kernels wrapping one helper (tests/test_metal_dense_loader.py)."""
+    if isinstance(paths, str):
+        paths = [paths]
+    paths = [os.path.abspath(p) for p in paths]
+    flags = _build.kernel_flags(instrumented=False)
+    final = os.path.join(_build.CACHE_DIR, "slowmath-" + _build.source_key(paths, "emit-llvm", *flags))
+
+    def build(tmp: str) -> None:
+        mapping = _build.write_rewritten(paths, os.path.join(tmp, "src"))
+        result = {}
+        for i, p in enumerate(paths):
+            src = mapping[p]
+            ll = os.path.join(tmp, f"k{i}.ll")
+            _build._run([_build.find_clang(), *flags, "-I", os.path.dirname(src), "-S", "-emit-llvm", src, "-o", ll],
+                        f"compiling {p} to LLVM IR")
+            with open(ll, encoding="utf-8") as f:
+                ir = f.read()
+            strings = {name: _c_string(raw) for name, raw in _STRING.findall(ir)}
+            bodies = {name: body for name, body in _DEFINE.findall(ir)}
+            for host_ref, fn in _REGISTER.findall(ir):
+                result[strings[host_ref]] = [m.group(1).strip() for m in _SLOW_MATH.finditer(bodies[fn])]
+        with open(os.path.join(tmp, "slowmath.json"), "w", encoding="utf-8") as f:
+            json.dump(result, f)
+
+    _build._atomic_dir(final, build)
+    with open(os.path.join(final, "slowmath.json"), encoding="utf-8") as f:
+        return json.load(f)

@@ -66,7 +66,16 @@ class _CountsDesc(ctypes.Structure):
         ("device_bytes_read", ctypes.c_uint64 * 32),
         ("device_bytes_written", ctypes.c_uint64 * 32),
         ("kernel", _KernelCounts),
+        ("device_loads", (ctypes.c_uint64 * 5) * 32),
+        ("threadgroup_loads", ctypes.c_uint64 * 5),
     ]
+
+
+_WIDTHS = (1, 2, 4, 8, 16)  # bytes of the access-callback widths, slot by slot
+
+
+def _by_width(row) -> dict[int, int]:
+    return {w: int(row[i]) for i, w in enumerate(_WIDTHS) if row[i]}
 
 
 @dataclass(frozen=True)
@@ -87,6 +96,11 @@ class DispatchCounts:
     in total and per [[buffer(n)]] index (..._by_index, one entry per bound
     index, bytes= buffers included: constant-space reads such as a params
     struct count too); threadgroup_bytes_read / threadgroup_bytes_written.
+    The instruction mix of those reads: device_loads_by_index, {index:
+    {width in bytes: load instructions}} (one access of the -O1 kernel each,
+    so a 16-byte uint4 load counts once, a 2-byte half load once), and
+    threadgroup_loads_by_width, {width: loads}; widths with no load are left
+    out.
     """
 
     threadgroups: int
@@ -103,6 +117,8 @@ class DispatchCounts:
     device_bytes_written_by_index: dict[int, int] | None
     threadgroup_bytes_read: int | None
     threadgroup_bytes_written: int | None
+    device_loads_by_index: dict[int, dict[int, int]] | None
+    threadgroup_loads_by_width: dict[int, int] | None
 
 
 def _counts(raw: _CountsDesc, instrumented: bool, indices) -> DispatchCounts:
@@ -114,10 +130,13 @@ def _counts(raw: _CountsDesc, instrumented: bool, indices) -> DispatchCounts:
         exact = dict(device_bytes_read=sum(read.values()), device_bytes_written=sum(written.values()),
                      device_bytes_read_by_index=read, device_bytes_written_by_index=written,
                      threadgroup_bytes_read=int(raw.threadgroup_bytes_read),
-                     threadgroup_bytes_written=int(raw.threadgroup_bytes_written))
+                     threadgroup_bytes_written=int(raw.threadgroup_bytes_written),
+                     device_loads_by_index={i: _by_width(raw.device_loads[i]) for i in sorted(indices)},
+                     threadgroup_loads_by_width=_by_width(raw.threadgroup_loads))
     else:
         exact = dict.fromkeys(("device_bytes_read", "device_bytes_written", "device_bytes_read_by_index",
-                               "device_bytes_written_by_index", "threadgroup_bytes_read", "threadgroup_bytes_written"))
+                               "device_bytes_written_by_index", "threadgroup_bytes_read", "threadgroup_bytes_written",
+                               "device_loads_by_index", "threadgroup_loads_by_width"))
     return DispatchCounts(threadgroups=int(raw.threadgroups), threads=int(raw.threads),
                           threadgroup_barriers=int(raw.threadgroup_barriers),
                           simdgroup_barriers=int(raw.simdgroup_barriers), simdgroup_mmas=int(k.simdgroup_mmas),

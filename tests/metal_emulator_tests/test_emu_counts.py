@@ -11,7 +11,8 @@ from metal_emulator import DispatchCounts
 
 KERNELS = "counts.metal"
 BYTE_FIELDS = ("device_bytes_read", "device_bytes_written", "device_bytes_read_by_index",
-               "device_bytes_written_by_index", "threadgroup_bytes_read", "threadgroup_bytes_written")
+               "device_bytes_written_by_index", "threadgroup_bytes_read", "threadgroup_bytes_written",
+               "device_loads_by_index", "threadgroup_loads_by_width")
 
 
 def u32(x: int) -> bytes:
@@ -41,6 +42,9 @@ def test_copy_bytes_per_buffer():
     assert c.device_bytes_written_by_index == {0: 0, 1: 2 * n, 2: 0}
     assert (c.device_bytes_read, c.device_bytes_written) == (4 * n + 4 * threads, 2 * n)
     assert (c.threadgroup_bytes_read, c.threadgroup_bytes_written) == (0, 0)
+    # one 4-byte load instruction per float of src, and per read of n
+    assert c.device_loads_by_index == {0: {4: n}, 1: {}, 2: {4: threads}}
+    assert c.threadgroup_loads_by_width == {}
 
 
 def test_vector_accesses_count_their_width():
@@ -52,6 +56,26 @@ def test_vector_accesses_count_their_width():
     # one float4 (16 bytes) in, one half4 (8 bytes) out per thread
     assert c.device_bytes_read_by_index == {0: 16 * threads, 1: 0}
     assert c.device_bytes_written_by_index == {0: 0, 1: 8 * threads}
+    # the instruction mix: one 16-byte load per thread, not four 4-byte ones
+    assert c.device_loads_by_index == {0: {16: threads}, 1: {}}
+
+
+def test_uint4_chunks_of_half_rows():
+    """The dense loader's forms (reinterpret_cast to uint4, uint4(0u), a uint4
+    threadgroup tile read back as half) compile and run, and each chunk is one
+    16-byte load: 8x fewer load instructions than 2-byte half loads of the
+    same bytes (the halves read back from the tile)."""
+    lib = library(KERNELS, True)
+    tpg, groups = 32, 2
+    src = rng().standard_normal(tpg * groups * 8).astype(np.float16)
+    dst = np.full_like(src, np.nan)
+    c = lib.dispatch("half_rows_as_uint4", buffers={0: src, 1: dst}, grid=(groups,), threadgroup=(tpg,),
+                     threadgroup_memory={0: tpg * 16})
+    np.testing.assert_array_equal(dst, src * np.float16(2))
+    threads = tpg * groups
+    assert c.device_loads_by_index == {0: {16: threads}, 1: {}}
+    assert c.threadgroup_loads_by_width == {2: 8 * threads}
+    assert c.threadgroup_bytes_read == c.device_bytes_read_by_index[0] == 16 * threads
 
 
 @pytest.mark.parametrize("k,j", [(0, 0), (5, 3)])

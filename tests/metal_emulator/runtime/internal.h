@@ -43,7 +43,13 @@ struct fm_dispatch_counts {
   uint64_t threadgroup_bytes_read, threadgroup_bytes_written;
   uint64_t device_bytes_read[32], device_bytes_written[32];  // by [[buffer(n)]]
   fm_kernel_counts kernel;        // what the shim counted (fm_rt_counts)
+  // Load instructions (one access callback each) by width: slot w counts
+  // accesses of 1 << w bytes (1, 2, 4, 8, 16).
+  uint64_t device_loads[32][5];   // by [[buffer(n)]]
+  uint64_t threadgroup_loads[5];
 };
+// The width slot of an access of `size` bytes (1 << slot == size).
+inline int fm_width_slot(unsigned size) { return size >= 16 ? 4 : size >= 8 ? 3 : size >= 4 ? 2 : size >= 2 ? 1 : 0; }
 
 namespace fmrt {
 

@@ -100,6 +100,7 @@ static void device_access(Worker& w, const char* p, unsigned size, bool write, c
     if (p < db.region_lo || p >= db.region_hi) continue;
     if (p >= db.start && p + size <= db.start + db.size) {
       (write ? w.counts.device_bytes_written : w.counts.device_bytes_read)[db.index] += size;
+      if (!write) w.counts.device_loads[db.index][fm_width_slot(size)]++;
       return;
     }
     char buf[256];
@@ -187,6 +188,7 @@ static inline void on_access(const void* addr, unsigned size, bool write, const 
   uintptr_t off = reinterpret_cast<uintptr_t>(p) - reinterpret_cast<uintptr_t>(w->arena);
   if (off < w->arena_cap) {
     (write ? w->counts.threadgroup_bytes_written : w->counts.threadgroup_bytes_read) += size;
+    if (!write) w->counts.threadgroup_loads[fm_width_slot(size)]++;
     tg_access(*w, off, size, write, pc);
   } else if (p >= w->dev_lo && p < w->dev_hi) {
     device_access(*w, p, size, write, pc);

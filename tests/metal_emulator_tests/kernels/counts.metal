@@ -69,3 +69,21 @@ using namespace metal;
   threadgroup_barrier(mem_flags::mem_threadgroup);
   out[gid] = dyn[lid] + dyn[(lid + 1) % tpg] + float(tag[(lid + 2) % tpg]);
 }
+
+// The dense tile loader's MSL forms (shaders/attention_prefill.h): half rows
+// read and written as raw 16-byte uint4 chunks through reinterpret_cast
+// pointers, staged in threadgroup memory, then read back as halves. Thread i
+// copies chunk i (8 halves) of src with one 16-byte device load; then writes
+// dst[8 i + j] = 2 * tile[8 i + j] with 8 two-byte threadgroup loads.
+[[kernel]] void half_rows_as_uint4(device const half* src [[buffer(0)]], device half* dst [[buffer(1)]],
+                                   threadgroup half* tile [[threadgroup(0)]],
+                                   uint lid [[thread_index_in_threadgroup]], uint group [[threadgroup_position_in_grid]],
+                                   uint tpg [[threads_per_threadgroup]]) {
+  device const uint4* s = reinterpret_cast<device const uint4*>(src + group * tpg * 8);
+  threadgroup uint4* t = reinterpret_cast<threadgroup uint4*>(tile);
+  uint4 x = uint4(0u);
+  x = s[lid];
+  t[lid] = x;
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  for (uint j = 0; j < 8; ++j) dst[(group * tpg + lid) * 8 + j] = tile[lid * 8 + j] * half(2.0f);
+}
