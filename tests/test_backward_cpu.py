@@ -9,27 +9,16 @@ decompositions. Gradients are checked against the float64 oracle by the 2x
 rule (numerics.assert_gradients_close); outputs are freshly allocated and
 NaN-poisoned by conftest.py, so an element never written fails.
 """
-import contextlib
 
 import pytest
 import torch
 
-from numerics import DTYPES, assert_gradients_close, dtype_id, lay_out, make_qkv, make_tensor
+from numerics import threads, DTYPES, assert_gradients_close, dtype_id, lay_out, make_qkv, make_tensor
 
 FWD = torch.ops.flash_metal.attention_forward
 BWD = torch.ops.flash_metal.attention_backward
 # The kernel's query and key block (FLASH_METAL_CPU_BWD_BLOCK_Q/K).
 BLOCK = 96
-
-
-@contextlib.contextmanager
-def threads(n):
-    saved = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(saved)
 
 
 def forward_backward(q, k, v, causal, scale=None, grad_lse=None, grad_out=None, out_layout=None, seed=7):

@@ -59,7 +59,6 @@ Runtime: ~70 s on 2 cores (~48 s CPU, ~22 s emulator, besides the
 emulator's builds, which the other Metal tests share), most of it the
 float64 oracle and PyTorch's 16-bit backward at N = 1024.
 """
-import contextlib
 import inspect
 
 import pytest
@@ -67,7 +66,7 @@ import torch
 
 import backends
 import flash_metal.testing as testing
-from numerics import assert_gradients_close, dtype_id, rounding_floor
+from numerics import threads as _threads, assert_gradients_close, dtype_id, rounding_floor
 
 FWD = torch.ops.flash_metal.attention_forward
 BWD = torch.ops.flash_metal.attention_backward
@@ -189,16 +188,6 @@ def assert_strict(grads, q, k, v, grad_out, causal):
 
 
 # ---------------------------------------------------------------- CPU
-
-
-@contextlib.contextmanager
-def _threads(n):
-    saved = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(saved)
 
 
 @pytest.mark.parametrize("ratio,causal,dtype", CPU_CASES, ids=_ids(CPU_CASES))

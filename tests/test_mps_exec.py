@@ -56,23 +56,7 @@ def _inputs(layout, dtype, hq, hkv, seed, shape=(2, 63, 65, 80)):
 # --- fixtures ---------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="session")
-def built():
-    return mps_exec.require_build()
-
-
-@pytest.fixture(scope="session")
-def emu():
-    from metal_emulator import compile_library
-
-    return compile_library([mps_exec.SHADER], instrumented=False)
-
-
-@pytest.fixture(scope="session")
-def host(built, emu, tmp_path_factory):
-    """The host loaded into this process (once per process, shared with the other test modules), from a
-    package look-alike with a fresh fake metallib."""
-    return mps_exec.session_host(built, emu, str(tmp_path_factory.mktemp("mps_exec_pkg")))
+from mps_exec.fixtures import built, emu, host  # noqa: F401  (pytest fixtures, by name)
 
 
 def _run_scenarios(built, tmp_path_factory, specs):
