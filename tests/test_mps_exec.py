@@ -338,11 +338,9 @@ def test_build_all_pipelines_on_the_fake_device(host, emu):
         if name.startswith("flash_decode_merge_"):
             assert bits == {""}, name
             continue
-        # prefill and backward: constant 10 is fc_dense (the dense tile loader), built both ways
-        dense_family = name.startswith(("flash_attention_prefill_", "flash_backward_"))
-        assert all(len(b) == (11 if dense_family else 10) for b in bits), name
-        if dense_family:
-            assert {b[10] for b in bits} == {"0", "1"}, name
+        # constant 10 is fc_dense (the dense tile loader; the decode kernels' vector loads), built both ways
+        assert all(len(b) == 11 for b in bits), name
+        assert {b[10] for b in bits} == {"0", "1"}, name
         if name.startswith(("flash_attention_prefill_", "flash_backward_dkdv_")):
             assert {b[:3] for b in bits} == combos(3), name
         elif name.startswith("flash_backward_dq_"):
