@@ -27,7 +27,7 @@ def forward_backward(q, k, v, causal, scale=None, grad_lse=None, grad_out=None, 
         grad_out = make_tensor(q.shape, "contiguous", q.dtype, torch.Generator().manual_seed(seed))
     if out_layout is not None:
         out = lay_out(out, out_layout)
-    return grad_out, BWD(grad_out, q, k, v, out, lse, causal, scale, grad_lse)
+    return grad_out, BWD(grad_out, q, k, v, out, lse, causal, scale, grad_lse)[:3]
 
 
 # (B, Hq, Hkv, Nq, Nk, D): block edges (one block, one key past a block, not

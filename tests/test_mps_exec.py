@@ -230,6 +230,24 @@ def test_host_backward_matches_oracle(host, emu, dtype, grad_lse):
     assert ops.count("dispatchThreadgroups") == 2
 
 
+@pytest.mark.parametrize("backward", [False, True], ids=["forward", "backward"])
+def test_host_refuses_sinks(host, backward):
+    # The Metal kernels do not take attention sinks yet: the real .mm refuses
+    # them (the planner's NotImplementedError) before encoding anything.
+    g = torch.Generator().manual_seed(23)
+    q, k, v = (host.to_mps(t) for t in make_qkv(1, 4, 2, 16, 16, 64, torch.float16, generator=g))
+    sinks = host.to_mps(torch.zeros(4))
+    host.take_recording()
+    with pytest.raises(NotImplementedError, match=r"sinks .*Metal kernels: not yet"):
+        if backward:
+            lse = host.to_mps(torch.zeros(1, 4, 16))
+            torch.ops.flash_metal.attention_backward(q, q, k, v, q, lse, True, sinks=sinks)
+        else:
+            torch.ops.flash_metal.attention_forward(q, k, v, True, sinks=sinks)
+    rec = host.take_recording()
+    assert not [e for e in rec["events"] if e["op"] == "setComputePipelineState"]
+
+
 def test_host_binds_the_options(host, emu):
     # attn_mask (a broadcast bool view, bound at its storage offset), the
     # window and softcap through the real .mm, forward then backward; and a
