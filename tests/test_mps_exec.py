@@ -98,11 +98,7 @@ SCENARIOS = {
 def scenarios(built, emu, tmp_path_factory):  # emu: its disk cache is warm before the processes start
     specs = {n: {"case": _CASE, **s} for n, s in SCENARIOS.items()}
     specs["kernel_missing"]["drop_kernel"] = _case_kernel()
-    # First alone: it builds the emulator library of the handed-over source,
-    # which the other runtime-compile scenarios then share.
-    first = "forced_runtime_compile"
-    results = _run_scenarios(built, tmp_path_factory, {first: specs.pop(first)})
-    return {**results, **_run_scenarios(built, tmp_path_factory, specs)}
+    return _run_scenarios(built, tmp_path_factory, specs)
 
 
 def _ops(result):
@@ -441,13 +437,38 @@ def _inlined_shaders(clang, tmp_path):
 
 def test_runtime_compile_path_hands_over_the_inlined_sources(scenarios, clang, tmp_path):
     r = scenarios["forced_runtime_compile"]
-    _assert_ran_and_matched(r)  # replayed against the emulator's compile of the recorded source
+    _assert_ran_and_matched(r)  # the recorded source preprocessed to the shipped code, replayed against its build
     assert "newLibraryWithURL" not in _ops(r)
     with open(r["source_path"], encoding="utf-8") as f:
         source = f.read()
     assert source == _inlined_shaders(clang, tmp_path)
     assert _compile_options(r) == {"languageVersion": _METAL_3_1, "mathMode": _SAFE,
                                    "mathFloatingPointFunctions": _PRECISE}
+
+
+def test_replay_reuses_the_shipped_build_only_for_the_same_code(clang, tmp_path):
+    # scenario.py replays a recorded runtime-compile source against the
+    # shipped library when both preprocess to the same text. The inlined
+    # sources do; comments and blank lines do not matter; a changed token in
+    # an inlined header (planted) does, and so does a dropped instantiation.
+    from metal_emulator import preprocessed
+
+    inlined = _inlined_shaders(clang, tmp_path)
+    shipped = preprocessed(mps_exec.SHADER)
+
+    def text_of(source, name):
+        path = tmp_path / name / "attention.metal"
+        path.parent.mkdir()
+        path.write_text(source, encoding="utf-8")
+        return preprocessed(str(path))
+
+    assert text_of(inlined, "same") == shipped
+    assert text_of("// a comment\n\n" + inlined.replace("\n", "\n\n", 3), "spaced") == shipped
+    assert "constexpr int kDenseLoadBytes = 16;" in inlined
+    assert text_of(inlined.replace("constexpr int kDenseLoadBytes = 16;", "constexpr int kDenseLoadBytes = 8;"),
+                   "planted_token") != shipped
+    assert "FM_DECODE_ALL_D(bfloat16, bfloat)\n" in inlined
+    assert text_of(inlined.replace("FM_DECODE_ALL_D(bfloat16, bfloat)\n", "", 1), "planted_dropped") != shipped
 
 
 def test_runtime_compile_on_macos14_disables_fast_math(scenarios):
