@@ -179,7 +179,8 @@ def test_packaged_shader_sources_are_complete():
 _SIGNATURE_NAMES = {"q": "q", "k": "k", "v": "v", "out": "o", "lse": "lse", "partial_out": "partial_o",
                     "partial_stats": "partial_stats", "grad_out": "dout", "grad_q": "dq", "grad_k": "dk",
                     "grad_v": "dv", "grad_lse": "dlse", "delta": "delta", "attn_mask": "mask",
-                    "cu_seqlens_q": "cu_seqlens_q", "cu_seqlens_k": "cu_seqlens_k"}
+                    "cu_seqlens_q": "cu_seqlens_q", "cu_seqlens_k": "cu_seqlens_k", "sinks": "sinks",
+                    "grad_sinks": "grad_sinks"}
 
 
 @pytest.mark.parametrize("impl", list(FAMILIES) + ["backward"])

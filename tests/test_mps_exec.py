@@ -24,6 +24,7 @@ import pytest
 import torch
 
 import flash_metal
+from flash_metal import reference as R
 import mps_exec
 from numerics import (DTYPES, assert_attention_close, assert_gradients_close, assert_varlen_close,
                       assert_varlen_gradients_close, dtype_id, lay_out, make_qkv)
@@ -230,22 +231,32 @@ def test_host_backward_matches_oracle(host, emu, dtype, grad_lse):
     assert ops.count("dispatchThreadgroups") == 2
 
 
-@pytest.mark.parametrize("backward", [False, True], ids=["forward", "backward"])
-def test_host_refuses_sinks(host, backward):
-    # The Metal kernels do not take attention sinks yet: the real .mm refuses
-    # them (the planner's NotImplementedError) before encoding anything.
+def test_host_binds_the_sinks(host, emu):
+    # Attention sinks through the real .mm: float32 sinks bound at buffer 17
+    # (as given: already float32 and contiguous, so no PyTorch op runs), the
+    # forward's fc_has_sinks, and the backward's flash_sinks_grad writing
+    # grad_sinks straight into the op's output; replayed, vs the oracle.
     g = torch.Generator().manual_seed(23)
-    q, k, v = (host.to_mps(t) for t in make_qkv(1, 4, 2, 16, 16, 64, torch.float16, generator=g))
-    sinks = host.to_mps(torch.zeros(4))
-    host.take_recording()
-    with pytest.raises(NotImplementedError, match=r"sinks .*Metal kernels: not yet"):
-        if backward:
-            lse = host.to_mps(torch.zeros(1, 4, 16))
-            torch.ops.flash_metal.attention_backward(q, q, k, v, q, lse, True, sinks=sinks)
-        else:
-            torch.ops.flash_metal.attention_forward(q, k, v, True, sinks=sinks)
-    rec = host.take_recording()
-    assert not [e for e in rec["events"] if e["op"] == "setComputePipelineState"]
+    q, k, v = make_qkv(1, 4, 2, 16, 20, 64, torch.float16, generator=g)
+    sinks = torch.randn(4, generator=g) + 0.5
+    (out, lse), rec = host.call("attention_forward", q, k, v, True, None, "auto", library=emu, sinks=sinks)
+    assert rec["errors"] == []
+    assert_attention_close(out, lse, q, k, v, True, None, sinks=sinks)
+    state = [e for e in rec["events"] if e["op"] == "setComputePipelineState"]
+    assert [e["kernel"] for e in state] == [d.kernel_name for d in flash_metal.explain(q, k, v, True, sinks=sinks).dispatches]
+    bound = {e["index"] for e in rec["events"] if e["op"] == "setBuffer"}
+    assert 17 in bound
+    grad_out = torch.randn(q.shape, generator=g).half()
+    grad_lse = torch.randn(lse.shape, generator=g)
+    grads, rec = host.call("attention_backward", grad_out, q, k, v, out, lse, True, None, grad_lse, "auto",
+                           library=emu, sinks=sinks)
+    assert rec["errors"] == []
+    assert [e["kernel"] for e in rec["events"] if e["op"] == "setComputePipelineState"][-1] == "flash_sinks_grad"
+    assert_gradients_close(grads[:3], q, k, v, grad_out, True, None, grad_lse, sinks=sinks)
+    s64 = sinks.double().requires_grad_(True)
+    ro, rl = R.attention_reference(q, k, v, True, None, sinks=s64)
+    (ref,) = torch.autograd.grad((ro * grad_out.double()).sum() + (rl * grad_lse.double()).sum(), s64)
+    torch.testing.assert_close(grads[3].double(), ref, rtol=2e-2, atol=2e-2 * ref.abs().max().item())
 
 
 def test_host_binds_the_options(host, emu):
