@@ -377,7 +377,12 @@ def test_metal_sinks_sanitized(family):
     sinks = _sinks(4, torch.float32, g)
     out, lse = emulated_metal_attention(q, k, v, causal, None, impl, instrumented=True, sinks=sinks, **options)
     _ran_with_sinks(kernels)
+    assert LAST_DISPATCHES[0][1].device_bytes_read_by_index[17] > 0  # the kernel read the sinks
     assert_attention_close(out, lse, q, k, v, causal, None, sinks=sinks, **options)
+    # Without sinks the same pipeline family never touches buffer 17 (q is bound there, unread).
+    emulated_metal_attention(q, k, v, causal, None, impl, instrumented=True, **options)
+    assert not LAST_DISPATCHES[0][0].function_constants[SINKS]
+    assert LAST_DISPATCHES[0][1].device_bytes_read_by_index[17] == 0
     if family == "prefill":
         grad_out = torch.randn(out.shape, generator=g).half()
         grad_lse = torch.randn(lse.shape, generator=g)
