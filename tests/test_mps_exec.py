@@ -355,7 +355,8 @@ def test_build_all_pipelines_on_the_fake_device(host, emu):
     # the prefill and backward kernels with both edge alignments (and the dQ
     # kernel both has_grad_lse values), and every feature kernel with each
     # option of issue 11 on its own (constants 4-9: mask, bool mask, float32
-    # mask, left window, softcap, varlen; varlen on prefill and backward only).
+    # mask, left window, softcap, varlen; varlen on prefill and backward only),
+    # and sinks (constant 11) on the forward kernels; flash_sinks_grad once.
     pairs = [entry.rsplit("/", 1) for entry in built]
     assert {name for name, _ in pairs} == set(emu.kernel_names())
     combos = lambda n: {"".join(c) for c in itertools.product("01", repeat=n)}  # noqa: E731
@@ -367,8 +368,11 @@ def test_build_all_pipelines_on_the_fake_device(host, emu):
         if name.startswith("flash_decode_merge_"):
             assert bits == {""}, name
             continue
+        if name == "flash_sinks_grad":  # only fc_varlen is read; the registry plans it without
+            assert bits == {"0" * 12}, name
+            continue
         # constant 10 is fc_dense (the dense tile loader; the decode kernels' vector loads), built both ways
-        assert all(len(b) == 11 for b in bits), name
+        assert all(len(b) == 12 for b in bits), name
         assert {b[10] for b in bits} == {"0", "1"}, name
         if name.startswith(("flash_attention_prefill_", "flash_backward_dkdv_")):
             assert {b[:3] for b in bits} == combos(3), name
@@ -376,10 +380,12 @@ def test_build_all_pipelines_on_the_fake_device(host, emu):
             assert {b[:4] for b in bits} == combos(4), name
         else:  # the decode kernels: causal only among 0-3
             assert {b[:4] for b in bits} == {"0000", "1000"}, name
-        options = {b[4:10] for b in bits}
-        want = {"000000", "110000", "100000", "101000", "000100", "000010"}
+        options = {b[4:10] + b[11] for b in bits}
+        want = {"0000000", "1100000", "1000000", "1010000", "0001000", "0000100"}
         if name.startswith(("flash_attention_prefill_", "flash_backward_")):
-            want.add("000001")
+            want.add("0000010")
+        if not name.startswith("flash_backward_"):  # fc_has_sinks: the forward kernels only
+            want.add("0000001")
         assert options == want, (name, options)
     assert all(e["found"] for e in rec["events"] if e["op"] == "newFunctionWithName")
     assert "dispatch_sync" not in _ops(rec)
