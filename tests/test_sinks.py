@@ -390,3 +390,25 @@ def test_metal_sinks_sanitized(family):
                                                   instrumented=True, sinks=sinks, **options)
         assert LAST_DISPATCHES[-1][0].kernel_name == "flash_sinks_grad"
         assert_sinks_grad_close(grads[3], q, k, v, sinks, grad_out, grad_lse, causal, options)
+
+
+@pytest.mark.parametrize("family", ["prefill", "decode"])
+def test_metal_sinks_fast_math(family):
+    # The shaders built with -ffast-math (tests/test_fast_math.py: the
+    # compiler may assume no infinity): rows with every key masked still give
+    # zeros and lse = the sink, and a -inf sink still means "no sink"
+    # (seed_sink compares with the finite kMaskedScore; with causal rows
+    # that all see keys, as a row with neither keys nor sink has no reference).
+    impl, nq, nk, kernels = FAMILIES[family]
+    for config in ("bool_mask", "causal"):
+        g, q, k, v, causal, options = _case(torch.float32, config, nq, nk)
+        sinks = _sinks(4, torch.float32, g)
+        if config == "causal":
+            sinks[2] = float("-inf")
+        out, lse = emulated_metal_attention(q, k, v, causal, None, impl, fast_math=True, sinks=sinks, **options)
+        _ran_with_sinks(kernels)
+        assert_attention_close(out, lse, q, k, v, causal, None, sinks=sinks, **options)
+        rows = _fully_masked_rows(options, q)
+        if rows is not None:
+            assert rows.any() and (out[rows] == 0).all()
+            torch.testing.assert_close(lse[rows], sinks.view(1, -1, 1).expand_as(lse)[rows], rtol=1e-6, atol=1e-6)
