@@ -197,11 +197,6 @@ KernelChoice choose_backward(const AttentionProblem& p, KernelRequest requested)
 
 KernelChoice choose_metal_kernel(const AttentionProblem& p, KernelRequest requested, const GpuSpec& gpu,
                                  MetalPass pass) {
-  // Every plan (the MPS host's and metal_plan's) passes here: no Metal kernel
-  // takes sinks yet, so refuse them rather than drop them.
-  TORCH_CHECK_NOT_IMPLEMENTED(!p.sinks, "flash_metal: sinks (attention sinks) on Metal kernels: not yet (",
-                              pass == MetalPass::Backward ? "backward" : "forward",
-                              "); run on CPU tensors, or without sinks");
   if (pass == MetalPass::Backward) return choose_backward(p, requested);
   KernelChoice c;
   const bool explicit_request = requested != KernelRequest::Auto;
@@ -230,10 +225,10 @@ KernelChoice choose_metal_kernel(const AttentionProblem& p, KernelRequest reques
   // or causal attention only. Every option goes to the fast families.
   const bool post_kernel = c.kind == KernelRequest::Untiled || c.kind == KernelRequest::Tiled;
   const bool has_options = p.mask != MaskKind::None || p.has_window_left() || p.has_softcap() || p.varlen ||
-                           (p.causal && p.window_right > 0);
+                           (p.causal && p.window_right > 0) || p.sinks;
   TORCH_CHECK_VALUE(!post_kernel || !has_options, kOp, ": impl='", request_name(c.kind),
                     "' (the post's kernel) serves plain or causal attention only; attn_mask, window_left/"
-                    "window_right, softcap and varlen need impl='auto', 'prefill' or (Nq <= 8) 'decode'");
+                    "window_right, softcap, varlen and sinks need impl='auto', 'prefill' or (Nq <= 8) 'decode'");
   const bool decode_family = c.kind == KernelRequest::Decode || c.kind == KernelRequest::DecodeSplit;
   TORCH_CHECK_VALUE(!decode_family || !p.varlen, kOp, ": impl='", request_name(c.kind),
                     "' does not take packed variable-length sequences; use impl='auto' or 'prefill'");

@@ -59,7 +59,8 @@ def attention_with_lse(
     runs over [scores, sinks[h]] and the sink's probability is dropped; lse
     includes it; the sink is neither softcapped nor masked, so a row with
     every key masked gives zeros and lse = sinks[h]. Differentiable (grad
-    flows to sinks). CPU only for now: on Metal it raises NotImplementedError.
+    flows to sinks). CPU and Metal (the Metal kernels: emulated; not yet
+    verified on Apple hardware).
 
     Returns (out, lse): out like q (packed, q's dtype; 2-D if q was 2-D) and
     lse (B, Hq, Nq) float32 (or (Nq,) for 2-D q).
@@ -119,10 +120,11 @@ def attention_varlen(
 # (LaunchTensor in csrc/metal_plan.h). partial_out and partial_stats are the
 # split-KV decode's float32 scratch; grad_* are the backward's, and delta its
 # float32 scratch (grad_lse is bound to lse when there is none; never read then);
-# attn_mask, cu_seqlens_q and cu_seqlens_k are the options' inputs (q is bound
-# in their slots when absent; never read then).
+# attn_mask, cu_seqlens_q, cu_seqlens_k and sinks (float32) are the options' inputs
+# (q is bound in their slots when absent; never read then); grad_sinks is the
+# float32 output of the backward's flash_sinks_grad (with sinks only).
 _LAUNCH_TENSORS = ("q", "k", "v", "out", "lse", "partial_out", "partial_stats", "grad_out", "grad_q", "grad_k",
-                   "grad_v", "grad_lse", "delta", "attn_mask", "cu_seqlens_q", "cu_seqlens_k")
+                   "grad_v", "grad_lse", "delta", "attn_mask", "cu_seqlens_q", "cu_seqlens_k", "sinks", "grad_sinks")
 # The scratch tensors of each pass's plans, by name.
 _SCRATCH = {False: ("partial_out", "partial_stats"), True: ("delta",)}
 
@@ -206,8 +208,8 @@ def explain(
     grad_out, out, lse and grad_lse, when given, supply their strides (packed
     otherwise) and grad_lse's presence. attn_mask, the window and softcap as
     in attention(); with cu_seqlens_q and cu_seqlens_k, the plan of
-    attention_varlen (q, k, v packed (total, H, D)). sinks: validated, then
-    refused with NotImplementedError (the Metal kernels do not take them yet).
+    attention_varlen (q, k, v packed (total, H, D)). sinks: the forward
+    kernels' fc_has_sinks, and the backward's third dispatch, flash_sinks_grad.
     """
     varlen = cu_seqlens_q is not None
     args = ((q, k, v) if varlen else (_as_4d(q), _as_4d(k), _as_4d(v))) + (causal, scale, impl, gpu)

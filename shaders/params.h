@@ -131,6 +131,8 @@ FM_PROGRAM_CONSTANT constexpr int kPrefillMaxThreads = 128;
 FM_PROGRAM_CONSTANT constexpr int kDecodeMaxThreads = 256;
 // The split-KV merge: one SIMD-group per output row.
 FM_PROGRAM_CONSTANT constexpr int kDecodeMergeMaxThreads = 32;
+// The sinks' gradient (attention_sinks.h): one SIMD-group per query head.
+FM_PROGRAM_CONSTANT constexpr int kSinksGradMaxThreads = 32;
 // Both backward kernels (attention_backward.h): at most 4 SIMD-groups of 8
 // owned rows (choose_backward's largest block, 32 rows).
 FM_PROGRAM_CONSTANT constexpr int kBackwardMaxThreads = 128;

@@ -24,6 +24,7 @@ import pytest
 import torch
 
 import flash_metal
+from flash_metal import reference as R
 import mps_exec
 from numerics import (DTYPES, assert_attention_close, assert_gradients_close, assert_varlen_close,
                       assert_varlen_gradients_close, dtype_id, lay_out, make_qkv)
@@ -226,22 +227,32 @@ def test_host_backward_matches_oracle(host, emu, dtype, grad_lse):
     assert ops.count("dispatchThreadgroups") == 2
 
 
-@pytest.mark.parametrize("backward", [False, True], ids=["forward", "backward"])
-def test_host_refuses_sinks(host, backward):
-    # The Metal kernels do not take attention sinks yet: the real .mm refuses
-    # them (the planner's NotImplementedError) before encoding anything.
+def test_host_binds_the_sinks(host, emu):
+    # Attention sinks through the real .mm: float32 sinks bound at buffer 17
+    # (as given: already float32 and contiguous, so no PyTorch op runs), the
+    # forward's fc_has_sinks, and the backward's flash_sinks_grad writing
+    # grad_sinks straight into the op's output; replayed, vs the oracle.
     g = torch.Generator().manual_seed(23)
-    q, k, v = (host.to_mps(t) for t in make_qkv(1, 4, 2, 16, 16, 64, torch.float16, generator=g))
-    sinks = host.to_mps(torch.zeros(4))
-    host.take_recording()
-    with pytest.raises(NotImplementedError, match=r"sinks .*Metal kernels: not yet"):
-        if backward:
-            lse = host.to_mps(torch.zeros(1, 4, 16))
-            torch.ops.flash_metal.attention_backward(q, q, k, v, q, lse, True, sinks=sinks)
-        else:
-            torch.ops.flash_metal.attention_forward(q, k, v, True, sinks=sinks)
-    rec = host.take_recording()
-    assert not [e for e in rec["events"] if e["op"] == "setComputePipelineState"]
+    q, k, v = make_qkv(1, 4, 2, 16, 20, 64, torch.float16, generator=g)
+    sinks = torch.randn(4, generator=g) + 0.5
+    (out, lse), rec = host.call("attention_forward", q, k, v, True, None, "auto", library=emu, sinks=sinks)
+    assert rec["errors"] == []
+    assert_attention_close(out, lse, q, k, v, True, None, sinks=sinks)
+    state = [e for e in rec["events"] if e["op"] == "setComputePipelineState"]
+    assert [e["kernel"] for e in state] == [d.kernel_name for d in flash_metal.explain(q, k, v, True, sinks=sinks).dispatches]
+    bound = {e["index"] for e in rec["events"] if e["op"] == "setBuffer"}
+    assert 17 in bound
+    grad_out = torch.randn(q.shape, generator=g).half()
+    grad_lse = torch.randn(lse.shape, generator=g)
+    grads, rec = host.call("attention_backward", grad_out, q, k, v, out, lse, True, None, grad_lse, "auto",
+                           library=emu, sinks=sinks)
+    assert rec["errors"] == []
+    assert [e["kernel"] for e in rec["events"] if e["op"] == "setComputePipelineState"][-1] == "flash_sinks_grad"
+    assert_gradients_close(grads[:3], q, k, v, grad_out, True, None, grad_lse, sinks=sinks)
+    s64 = sinks.double().requires_grad_(True)
+    ro, rl = R.attention_reference(q, k, v, True, None, sinks=s64)
+    (ref,) = torch.autograd.grad((ro * grad_out.double()).sum() + (rl * grad_lse.double()).sum(), s64)
+    torch.testing.assert_close(grads[3].double(), ref, rtol=2e-2, atol=2e-2 * ref.abs().max().item())
 
 
 def test_host_binds_the_options(host, emu):
@@ -340,7 +351,8 @@ def test_build_all_pipelines_on_the_fake_device(host, emu):
     # the prefill and backward kernels with both edge alignments (and the dQ
     # kernel both has_grad_lse values), and every feature kernel with each
     # option of issue 11 on its own (constants 4-9: mask, bool mask, float32
-    # mask, left window, softcap, varlen; varlen on prefill and backward only).
+    # mask, left window, softcap, varlen; varlen on prefill and backward only),
+    # and sinks (constant 11) on the forward kernels; flash_sinks_grad once.
     pairs = [entry.rsplit("/", 1) for entry in built]
     assert {name for name, _ in pairs} == set(emu.kernel_names())
     combos = lambda n: {"".join(c) for c in itertools.product("01", repeat=n)}  # noqa: E731
@@ -352,8 +364,11 @@ def test_build_all_pipelines_on_the_fake_device(host, emu):
         if name.startswith("flash_decode_merge_"):
             assert bits == {""}, name
             continue
+        if name == "flash_sinks_grad":  # only fc_varlen is read; the registry plans it without
+            assert bits == {"0" * 12}, name
+            continue
         # constant 10 is fc_dense (the dense tile loader; the decode kernels' vector loads), built both ways
-        assert all(len(b) == 11 for b in bits), name
+        assert all(len(b) == 12 for b in bits), name
         assert {b[10] for b in bits} == {"0", "1"}, name
         if name.startswith(("flash_attention_prefill_", "flash_backward_dkdv_")):
             assert {b[:3] for b in bits} == combos(3), name
@@ -361,10 +376,12 @@ def test_build_all_pipelines_on_the_fake_device(host, emu):
             assert {b[:4] for b in bits} == combos(4), name
         else:  # the decode kernels: causal only among 0-3
             assert {b[:4] for b in bits} == {"0000", "1000"}, name
-        options = {b[4:10] for b in bits}
-        want = {"000000", "110000", "100000", "101000", "000100", "000010"}
+        options = {b[4:10] + b[11] for b in bits}
+        want = {"0000000", "1100000", "1000000", "1010000", "0001000", "0000100"}
         if name.startswith(("flash_attention_prefill_", "flash_backward_")):
-            want.add("000001")
+            want.add("0000010")
+        if not name.startswith("flash_backward_"):  # fc_has_sinks: the forward kernels only
+            want.add("0000001")
         assert options == want, (name, options)
     assert all(e["found"] for e in rec["events"] if e["op"] == "newFunctionWithName")
     assert "dispatch_sync" not in _ops(rec)
