@@ -162,12 +162,14 @@ def test_opcheck():
 
 
 def test_compile_traces_the_value_dim():
-    # The fake kernels give out D_v (a wrong fake shape fails here, not only in opcheck).
+    # The fake kernels give out D_v: tracing the product with a (D_v, 3)
+    # matrix fails if the fake's out has q's head dim.
     g = _gen("compile")
     q, k, v = _qkv(1, 2, 2, 5, 7, 16, 8, torch.float32, g)
-    fn = torch.compile(lambda q, k, v: flash_metal.attention(q, k, v, causal=True) * 2, backend="eager",
+    w = torch.randn(8, 3, generator=g)
+    fn = torch.compile(lambda q, k, v: flash_metal.attention(q, k, v, causal=True) @ w, backend="eager",
                        fullgraph=True)
-    torch.testing.assert_close(fn(q, k, v), flash_metal.attention(q, k, v, causal=True) * 2)
+    torch.testing.assert_close(fn(q, k, v), flash_metal.attention(q, k, v, causal=True) @ w)
 
 
 BAD = [
