@@ -14,6 +14,10 @@
 namespace flash_metal {
 namespace cpu {
 namespace bwd {
+// Anonymous within: the one file that includes this header compiles these
+// with internal linkage and no `inline` hint, as when they lived in it (the
+// compiler's inlining choices, and so the measured speed, stay the same).
+namespace {
 
 // The products' vector type is simd.h's MVec (16-lane zmm with AVX-512, see
 // there); the element-wise passes keep simd.h's Vec.
@@ -102,7 +106,7 @@ inline void mm_panel(const float* a, int64_t lda, const float* b, int64_t ldb, i
 // Column panels outermost: one B panel (K x 16 floats, 6 KB at K = 96) stays
 // in L1 while A's rows stream past it.
 template <bool ATrans, bool Acc>
-inline void matmul(const float* a, int64_t lda, const float* b, int64_t ldb, int64_t K, int64_t M, int64_t ncols, float* c,
+void matmul(const float* a, int64_t lda, const float* b, int64_t ldb, int64_t K, int64_t M, int64_t ncols, float* c,
             int64_t ldc) {
   int64_t x = 0;
   for (; x + kCols <= ncols; x += kCols) mm_panel<kVecs, ATrans, Acc>(a, lda, b + x, ldb, K, M, c + x, ldc);
@@ -125,7 +129,7 @@ struct Width {
 
 // Rows [0, n) of a (B, H, N, D) head -> float32 rows w.ld apart, zero-padded to w.Dp.
 template <typename T>
-inline void pack_rows(const T* src, const int64_t* st, int64_t n, const Width& w, float* dst) {
+void pack_rows(const T* src, const int64_t* st, int64_t n, const Width& w, float* dst) {
   for (int64_t j = 0; j < n; ++j) {
     float* out = dst + j * w.ld;
     convert_row(src + j * st[2], st[3], w.D, out);
@@ -136,7 +140,7 @@ inline void pack_rows(const T* src, const int64_t* st, int64_t n, const Width& w
 // Rows [0, n) -> transposed float32 block dst[d * kBlockQ + i] = mul * x[i][d],
 // columns n .. round_up(n, kG) zero.
 template <typename T>
-inline void pack_transposed(const T* src, const int64_t* st, int64_t n, float mul, const Width& w, float* dst) {
+void pack_transposed(const T* src, const int64_t* st, int64_t n, float mul, const Width& w, float* dst) {
   float row[kMaxHeadDim];
   for (int64_t i = 0; i < n; ++i) {
     convert_row(src + i * st[2], st[3], w.D, row);
@@ -146,6 +150,7 @@ inline void pack_transposed(const T* src, const int64_t* st, int64_t n, float mu
   for (int64_t d = 0; d < w.D; ++d) std::fill(dst + d * kBlockQ + n, dst + d * kBlockQ + ncols, 0.0f);
 }
 
+}  // namespace
 }  // namespace bwd
 }  // namespace cpu
 }  // namespace flash_metal

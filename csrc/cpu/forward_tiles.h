@@ -15,6 +15,10 @@
 namespace flash_metal {
 namespace cpu {
 namespace fwd {
+// Anonymous within: the one file that includes this header compiles these
+// with internal linkage and no `inline` hint, as when they lived in it (the
+// compiler's inlining choices, and so the measured speed, stay the same).
+namespace {
 
 // ---------------------------------------------------------------- tiling
 // Register tile of both micro-kernels: kTileRows rows x kTileVecs vectors of
@@ -116,7 +120,7 @@ inline void qk_panel(const float* k, int64_t nk, int64_t packed_rows, const floa
 // D = 256 with 16 columns, 32 KB at D = 128 with AVX-512's 64) stays in L1
 // while the key rows stream past it.
 template <bool RowMajor>
-inline void qk_block(const float* k, int64_t nk, int64_t packed_rows, const float* qt, int64_t ldq, int64_t ncols, int64_t D,
+void qk_block(const float* k, int64_t nk, int64_t packed_rows, const float* qt, int64_t ldq, int64_t ncols, int64_t D,
               float* st, int64_t lds) {
   int64_t c = 0;
   for (; c + kTileCols <= ncols; c += kTileCols) qk_panel<kTileVecs, RowMajor>(k, nk, packed_rows, qt + c, ldq, D, st + c, lds);
@@ -179,7 +183,7 @@ inline void pv_panel(const float* p, int64_t ldp, int64_t nk, int64_t nq, const 
 // (nk x kTileCols floats: 6 KB at nk = 96 with 16 columns, 24 KB with 64) stays in L1 while every query row tile
 // reuses it.
 // row_stride > 0: V is read in place instead (rows row_stride apart; decode path).
-inline void pv_block(const float* p, int64_t ldp, int64_t nk, int64_t panel_rows, int64_t nq, const float* v,
+void pv_block(const float* p, int64_t ldp, int64_t nk, int64_t panel_rows, int64_t nq, const float* v,
               int64_t row_stride, int64_t nvec, const float* alpha, float* o, int64_t ldo) {
   const bool in_place = row_stride > 0;
   int64_t c = 0;
@@ -216,7 +220,7 @@ inline void pv_block(const float* p, int64_t ldp, int64_t nk, int64_t panel_rows
 // copy instead of a scatter.
 constexpr int64_t kKRowPad = 16;
 template <typename T>
-inline void pack_k_rows(const T* k, int64_t row_stride, int64_t dim_stride, int64_t nk, int64_t D, float* dst) {
+void pack_k_rows(const T* k, int64_t row_stride, int64_t dim_stride, int64_t nk, int64_t D, float* dst) {
   for (int64_t j = 0; j < nk; ++j) convert_row(k + j * row_stride, dim_stride, D, dst + j * (D + kKRowPad));
 }
 
@@ -224,7 +228,7 @@ inline void pack_k_rows(const T* k, int64_t row_stride, int64_t dim_stride, int6
 // the panel of columns [c, c + w) is dst[c * nk + j * w + (col - c)],
 // zero-padded from D to Dp columns.
 template <typename T>
-inline void pack_v(const T* v, int64_t row_stride, int64_t dim_stride, int64_t nk, int64_t D, int64_t Dp, float* dst) {
+void pack_v(const T* v, int64_t row_stride, int64_t dim_stride, int64_t nk, int64_t D, int64_t Dp, float* dst) {
   float row[kMaxHeadDim + kTileCols];
   for (int64_t j = 0; j < nk; ++j) {
     const T* src = v + j * row_stride;
@@ -243,6 +247,7 @@ inline void pack_v(const T* v, int64_t row_stride, int64_t dim_stride, int64_t n
   }
 }
 
+}  // namespace
 }  // namespace fwd
 }  // namespace cpu
 }  // namespace flash_metal
