@@ -230,20 +230,27 @@ def test_host_backward_matches_oracle(host, emu, dtype, grad_lse):
     assert ops.count("dispatchThreadgroups") == 2
 
 
+@pytest.mark.parametrize("what", ["sinks", "value_head_dim"])
 @pytest.mark.parametrize("backward", [False, True], ids=["forward", "backward"])
-def test_host_refuses_sinks(host, backward):
-    # The Metal kernels do not take attention sinks yet: the real .mm refuses
-    # them (the planner's NotImplementedError) before encoding anything.
+def test_host_refuses_what_metal_lacks(host, backward, what):
+    # The Metal kernels take neither attention sinks nor a v head dim of its
+    # own (D_v != D_qk) yet: the real .mm refuses them (the planner's
+    # NotImplementedError) before encoding anything.
     g = torch.Generator().manual_seed(23)
     q, k, v = (host.to_mps(t) for t in make_qkv(1, 4, 2, 16, 16, 64, torch.float16, generator=g))
-    sinks = host.to_mps(torch.zeros(4))
+    options, pattern, o = {}, r"D_qk = 64 different from v's D_v = 32 on Metal kernels: not yet", q
+    if what == "sinks":
+        options, pattern = dict(sinks=host.to_mps(torch.zeros(4))), r"sinks .*Metal kernels: not yet"
+    else:
+        v = host.to_mps(torch.randn(1, 2, 16, 32, generator=g).half())
+        o = host.to_mps(torch.randn(1, 4, 16, 32, generator=g).half())  # out and grad_out have D_v
     host.take_recording()
-    with pytest.raises(NotImplementedError, match=r"sinks .*Metal kernels: not yet"):
+    with pytest.raises(NotImplementedError, match=pattern):
         if backward:
             lse = host.to_mps(torch.zeros(1, 4, 16))
-            torch.ops.flash_metal.attention_backward(q, q, k, v, q, lse, True, sinks=sinks)
+            torch.ops.flash_metal.attention_backward(o, q, k, v, o, lse, True, **options)
         else:
-            torch.ops.flash_metal.attention_forward(q, k, v, True, sinks=sinks)
+            torch.ops.flash_metal.attention_forward(q, k, v, True, **options)
     rec = host.take_recording()
     assert not [e for e in rec["events"] if e["op"] == "setComputePipelineState"]
 
