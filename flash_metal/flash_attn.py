@@ -123,6 +123,12 @@ def flash_attn_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Opti
     else:
         lengths = cache_seqlens.to(device=k_cache.device, dtype=torch.int64)
     if k is not None:
+        # The new rows must have their cache's head dims (v's D_v may differ from k's D_qk).
+        for name, new, cache in (("k", k, "k_cache"), ("v", v, "v_cache")):
+            want = (k_cache if name == "k" else v_cache).shape[-1]
+            if new.shape[-1] != want:
+                raise ValueError(f"flash_metal.{what}: {name} has head dim {new.shape[-1]} but {cache} has {want}; "
+                                 f"the appended rows must have their cache's head dim")
         s_new = k.shape[1]
         rows = lengths[:, None] + torch.arange(s_new, device=k_cache.device)[None, :]  # (B, S_new)
         if bool((rows >= s_cache).any()):

@@ -253,3 +253,8 @@ def test_flash_attn_api_takes_its_own_value_dim():
     ref, _ = R.attention_reference(q[:, :1].transpose(1, 2), kf.transpose(1, 2), vf.transpose(1, 2), True)
     assert dec.shape == (2, 1, 4, 32)
     torch.testing.assert_close(dec.double(), ref.transpose(1, 2), rtol=1e-5, atol=1e-5)
+    # New rows with another head dim than their cache's: named, before anything is written.
+    before = v_cache.clone()
+    with pytest.raises(ValueError, match=r"flash_attn_with_kvcache: v has head dim 48 but v_cache has 32"):
+        flash_metal.flash_attn_with_kvcache(q[:, :1], k_cache, v_cache, knew, knew, cache_seqlens=3)
+    assert torch.equal(v_cache, before)
