@@ -84,12 +84,31 @@ def test_forward_matches_oracle(name):
 def test_backward_matches_oracle(name):
     g, q, k, v, causal, options = _case(name)
     qq, kk, vv = (t.detach().clone().requires_grad_(True) for t in (q, k, v))
-    out, lse = flash_metal.attention_with_lse(qq, kk, vv, causal, **options)
+    given = dict(options)
+    if "sinks" in given:  # grad_sinks too: its rowsum(dO * O) runs over D_v
+        given["sinks"] = given["sinks"].clone().requires_grad_(True)
+    out, lse = flash_metal.attention_with_lse(qq, kk, vv, causal, **given)
     grad_out = torch.randn(out.shape, generator=g).to(q.dtype)
     grad_lse = torch.randn(lse.shape, generator=g)
     ((out.float() * grad_out.float()).sum() + (lse * grad_lse).sum()).backward()
     assert qq.grad.shape == q.shape and kk.grad.shape == k.shape and vv.grad.shape == v.shape
     assert_gradients_close((qq.grad, kk.grad, vv.grad), q, k, v, grad_out, causal, None, grad_lse, **options)
+    if "sinks" in given:
+        s64 = options["sinks"].double().requires_grad_(True)
+        ro, rl = R.attention_reference(q, k, v, causal, None, **dict(options, sinks=s64))
+        (ref,) = torch.autograd.grad((ro * grad_out.double()).sum() + (rl * grad_lse.double()).sum(), s64)
+        torch.testing.assert_close(given["sinks"].grad.double(), ref, rtol=1e-4, atol=1e-4)
+
+
+def test_empty_problems_have_the_value_dim():
+    # Nk = 0 (zeros, lse = -inf) and Nq = 0: outputs and gradients in their own head dims.
+    q, k, v = torch.randn(2, 4, 3, 24), torch.randn(2, 2, 0, 24), torch.randn(2, 2, 0, 8)
+    out, lse = torch.ops.flash_metal.attention_forward(q, k, v)
+    assert out.shape == (2, 4, 3, 8) and (out == 0).all() and torch.isneginf(lse).all()
+    grads = torch.ops.flash_metal.attention_backward(torch.randn(2, 4, 3, 8), q, k, v, out, lse)[:3]
+    assert [tuple(t.shape) for t in grads] == [(2, 4, 3, 24), (2, 2, 0, 24), (2, 2, 0, 8)] and (grads[0] == 0).all()
+    out, _ = torch.ops.flash_metal.attention_forward(q[:, :, :0], torch.randn(2, 2, 5, 24), torch.randn(2, 2, 5, 8))
+    assert out.shape == (2, 4, 0, 8)
 
 
 def test_backward_chunked_mqa():
