@@ -197,6 +197,18 @@ KernelChoice choose_backward(const AttentionProblem& p, KernelRequest requested)
 
 KernelChoice choose_metal_kernel(const AttentionProblem& p, KernelRequest requested, const GpuSpec& gpu,
                                  MetalPass pass) {
+  // No Metal kernel takes a v head dim of its own (MLA-style D_qk != D_v, issue 20 §2): every
+  // Metal kernel sizes its Q, K, V and O tiles by one head-dim bucket.
+  TORCH_CHECK_NOT_IMPLEMENTED(p.head_dim_v == p.head_dim, "flash_metal: q/k head dim D_qk = ", p.head_dim,
+                              " different from v's D_v = ", p.head_dim_v, " on Metal kernels: not yet (",
+                              pass == MetalPass::Backward ? "backward" : "forward",
+                              "); run on CPU tensors, or give v q's head dim");
+  // Nor head dims past the largest bucket (the CPU kernels take up to
+  // kMaxHeadDim = 576): no Metal instantiation is wider than 256 yet.
+  TORCH_CHECK_NOT_IMPLEMENTED(p.head_dim <= kFastHeadDimBuckets.back(), "flash_metal: head_dim ", p.head_dim,
+                              " on Metal kernels: not yet (at most ", kFastHeadDimBuckets.back(), ", ",
+                              pass == MetalPass::Backward ? "backward" : "forward",
+                              "); run on CPU tensors, which take head dims up to ", kMaxHeadDim);
   if (pass == MetalPass::Backward) return choose_backward(p, requested);
   KernelChoice c;
   const bool explicit_request = requested != KernelRequest::Auto;

@@ -5,7 +5,9 @@
 Same signatures, (batch, seqlen, heads, head_dim) layout and semantics as
 flash_attn.flash_attn_interface: bottom-right causal, window_size =
 (left, right) with -1 unbounded, softcap, GQA, return_attn_probs giving the
-log-sum-exp. What flash_metal does not implement raises a ValueError naming
+log-sum-exp. v (and v_cache) may have a head dim of its own, D_v, as in
+flash-attn 3 (hdim_v; MLA's 192/128 and 576/512): out then has D_v (CPU
+tensors; Metal refuses it for now). What flash_metal does not implement raises a ValueError naming
 the argument: dropout, alibi_slopes, rotary embedding, paged KV (block_table),
 cache_batch_idx, cache_leftpad. (The third value of return_attn_probs,
 flash-attn's debugging S_dmask, is None.) Deterministic always.
@@ -121,14 +123,21 @@ def flash_attn_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Opti
     else:
         lengths = cache_seqlens.to(device=k_cache.device, dtype=torch.int64)
     if k is not None:
+        # The new rows must have their cache's head dims (v's D_v may differ from k's D_qk).
+        for name, new, cache in (("k", k, "k_cache"), ("v", v, "v_cache")):
+            want = (k_cache if name == "k" else v_cache).shape[-1]
+            if new.shape[-1] != want:
+                raise ValueError(f"flash_metal.{what}: {name} has head dim {new.shape[-1]} but {cache} has {want}; "
+                                 f"the appended rows must have their cache's head dim")
         s_new = k.shape[1]
         rows = lengths[:, None] + torch.arange(s_new, device=k_cache.device)[None, :]  # (B, S_new)
         if bool((rows >= s_cache).any()):
             raise ValueError(f"flash_metal.{what}: appending {s_new} rows at cache_seqlens overflows the cache of "
                              f"{s_cache} rows")
-        index = rows[:, :, None, None].expand(B, s_new, k_cache.shape[2], k_cache.shape[3])
-        k_cache.scatter_(1, index, k.to(k_cache.dtype))
-        v_cache.scatter_(1, index, v.to(v_cache.dtype))
+        index = rows[:, :, None, None]
+        # v_cache may have a head dim of its own (D_v, MLA-style), so one index each.
+        k_cache.scatter_(1, index.expand(B, s_new, k_cache.shape[2], k_cache.shape[3]), k.to(k_cache.dtype))
+        v_cache.scatter_(1, index.expand(B, s_new, v_cache.shape[2], v_cache.shape[3]), v.to(v_cache.dtype))
         lengths = lengths + s_new
     sq = q.shape[1]
     # Per batch b, keys j < lengths[b]; causal and window relative to that

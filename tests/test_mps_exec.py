@@ -255,6 +255,27 @@ def test_host_binds_the_sinks(host, emu):
     torch.testing.assert_close(grads[3].double(), ref, rtol=2e-2, atol=2e-2 * ref.abs().max().item())
 
 
+@pytest.mark.parametrize("backward", [False, True], ids=["forward", "backward"])
+def test_host_refuses_a_value_head_dim_of_its_own(host, backward):
+    # The Metal kernels do not take a v head dim of its own (D_v != D_qk)
+    # yet: the real .mm refuses it (the planner's NotImplementedError)
+    # before encoding anything.
+    g = torch.Generator().manual_seed(23)
+    q, k, v = (host.to_mps(t) for t in make_qkv(1, 4, 2, 16, 16, 64, torch.float16, generator=g))
+    pattern = r"D_qk = 64 different from v's D_v = 32 on Metal kernels: not yet"
+    v = host.to_mps(torch.randn(1, 2, 16, 32, generator=g).half())
+    o = host.to_mps(torch.randn(1, 4, 16, 32, generator=g).half())  # out and grad_out have D_v
+    host.take_recording()
+    with pytest.raises(NotImplementedError, match=pattern):
+        if backward:
+            lse = host.to_mps(torch.zeros(1, 4, 16))
+            torch.ops.flash_metal.attention_backward(o, q, k, v, o, lse, True, )
+        else:
+            torch.ops.flash_metal.attention_forward(q, k, v, True, )
+    rec = host.take_recording()
+    assert not [e for e in rec["events"] if e["op"] == "setComputePipelineState"]
+
+
 def test_host_binds_the_options(host, emu):
     # attn_mask (a broadcast bool view, bound at its storage offset), the
     # window and softcap through the real .mm, forward then backward; and a
