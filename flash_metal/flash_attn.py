@@ -100,8 +100,10 @@ def flash_attn_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Opti
     cache_seqlens: an int or an int32 (B,) tensor (None: the whole cache is
     valid, and nothing can be appended).
     Returns out (B, Sq, Hq, D), and lse (B, Hq, Sq) with return_softmax_lse.
-    No backward (as in flash-attn). num_splits is a hint only (the routing
-    function picks the split-KV decode on Metal).
+    No backward (as in flash-attn). num_splits is a hint only. With
+    cache_seqlens given, the call runs the varlen op (on Metal its prefill
+    kernel); without, every row is valid and the dense op runs (on Metal the
+    routing function may pick the split-KV decode).
     """
     what = "flash_attn_with_kvcache"
     _unsupported("rotary_cos", rotary_cos, what)
@@ -140,6 +142,13 @@ def flash_attn_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Opti
         k_cache.scatter_(1, index.expand(B, s_new, k_cache.shape[2], k_cache.shape[3]), k.to(k_cache.dtype))
         v_cache.scatter_(1, index.expand(B, s_new, v_cache.shape[2], v_cache.shape[3]), v.to(v_cache.dtype))
         lengths = lengths + s_new
+    if cache_seqlens is None:  # the whole cache is valid: the dense op, bottom-right aligned as flash-attn
+        with torch.no_grad():
+            out, lse = ops.attention_with_lse(q.transpose(1, 2), k_cache.transpose(1, 2), v_cache.transpose(1, 2),
+                                              causal, softmax_scale, window_left=left, window_right=right,
+                                              softcap=softcap)
+        out = out.transpose(1, 2).contiguous()
+        return (out, lse) if return_softmax_lse else out
     sq, hq = q.shape[1], q.shape[2]
     # Batch b attends to its first lengths[b] rows, and the rows past them
     # are never read (flash-attn's contract: a cache from torch.empty may

@@ -127,6 +127,19 @@ def test_kvcache_never_reads_rows_past_cache_seqlens(fill, causal, window, new):
                                window_right=window[1])
 
 
+
+@pytest.mark.parametrize("causal,window", [(False, (-1, -1)), (True, (-1, -1)), (True, (4, 0))])
+def test_kvcache_without_seqlens_attends_to_the_whole_cache(causal, window):
+    g = torch.Generator().manual_seed(8)
+    k_cache, v_cache = _bshd(2, 23, 2, 32, torch.float32, g), _bshd(2, 23, 2, 32, torch.float32, g)
+    q = _bshd(2, 3, 4, 32, torch.float32, g)
+    out, lse = flash_metal.flash_attn_with_kvcache(q, k_cache, v_cache, causal=causal, window_size=window,
+                                                   softcap=6.0, return_softmax_lse=True)
+    assert out.shape == q.shape and lse.shape == (2, 4, 3)
+    assert_attention_close(_bhsd(out), lse, _bhsd(q), _bhsd(k_cache), _bhsd(v_cache), causal, None,
+                           window_left=window[0], window_right=window[1], softcap=6.0)
+
+
 UNSUPPORTED = [
     ("flash_attn_func", dict(dropout_p=0.1), r"dropout_p must be 0.0 \(flash_metal has no dropout\)"),
     ("flash_attn_func", dict(alibi_slopes=torch.ones(4)), r"alibi_slopes is not supported by flash_metal"),
