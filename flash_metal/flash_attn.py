@@ -94,13 +94,16 @@ def flash_attn_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Opti
     q (B, Sq, Hq, D); k_cache, v_cache (B, S_cache, Hkv, D). With k and v
     (B, S_new, Hkv, D), they are written into the cache in place at rows
     cache_seqlens[b] .. cache_seqlens[b] + S_new - 1 first. Batch b then
-    attends to its first cache_seqlens[b] (+ S_new) rows; causal and the
+    attends to its first cache_seqlens[b] (+ S_new) rows, and never reads the
+    rows past them (they may hold anything, NaN included); causal and the
     window are bottom-right aligned to that length (flash-attn's semantics).
     cache_seqlens: an int or an int32 (B,) tensor (None: the whole cache is
     valid, and nothing can be appended).
     Returns out (B, Sq, Hq, D), and lse (B, Hq, Sq) with return_softmax_lse.
-    No backward (as in flash-attn). num_splits is a hint only (the routing
-    function picks the split-KV decode on Metal).
+    No backward (as in flash-attn). num_splits is a hint only. With
+    cache_seqlens given, the call runs the varlen op (on Metal its prefill
+    kernel); without, every row is valid and the dense op runs (on Metal the
+    routing function may pick the split-KV decode).
     """
     what = "flash_attn_with_kvcache"
     _unsupported("rotary_cos", rotary_cos, what)
@@ -139,22 +142,35 @@ def flash_attn_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Opti
         k_cache.scatter_(1, index.expand(B, s_new, k_cache.shape[2], k_cache.shape[3]), k.to(k_cache.dtype))
         v_cache.scatter_(1, index.expand(B, s_new, v_cache.shape[2], v_cache.shape[3]), v.to(v_cache.dtype))
         lengths = lengths + s_new
-    sq = q.shape[1]
-    # Per batch b, keys j < lengths[b]; causal and window relative to that
-    # length: query i sees j <= i + lengths[b] - Sq + right and
-    # j >= i + lengths[b] - Sq - left. As one bool mask (B, 1, Sq, S_cache):
-    # O(B * Sq * S_cache) bytes, small for the decode this call is for.
-    j = torch.arange(s_cache, device=k_cache.device)[None, None, :]
-    i = torch.arange(sq, device=k_cache.device)[None, :, None]
-    end = lengths[:, None, None]
-    keep = j < end
-    right_bound = 0 if causal else right
-    if right_bound >= 0:
-        keep = keep & (j <= i + end - sq + right_bound)
-    if left >= 0:
-        keep = keep & (j >= i + end - sq - left)
+    if cache_seqlens is None:  # the whole cache is valid: the dense op, bottom-right aligned as flash-attn
+        with torch.no_grad():
+            out, lse = ops.attention_with_lse(q.transpose(1, 2), k_cache.transpose(1, 2), v_cache.transpose(1, 2),
+                                              causal, softmax_scale, window_left=left, window_right=right,
+                                              softcap=softcap)
+        out = out.transpose(1, 2).contiguous()
+        return (out, lse) if return_softmax_lse else out
+    sq, hq = q.shape[1], q.shape[2]
+    # Batch b attends to its first lengths[b] rows, and the rows past them
+    # are never read (flash-attn's contract: a cache from torch.empty may
+    # hold NaN or inf there; masking them would still let 0 * NaN into
+    # P @ V). The cache as one packed varlen problem of 2B sequences: b's
+    # queries against rows b*S_cache .. b*S_cache + lengths[b] - 1, then a
+    # sequence with no queries holding the unused rows (never read, as it
+    # has no query). cu_seqlens_k thus steps over the unused rows; causal
+    # and the window are bottom-right aligned to lengths[b] within each
+    # sequence. q, the cache and out are reshaped views (the cache is
+    # copied only if its batch and sequence dims cannot be merged).
+    starts = torch.arange(B + 1, device=k_cache.device, dtype=torch.int64) * s_cache
+    cu_k = torch.stack((starts[:-1], starts[:-1] + lengths), dim=1).flatten()
+    cu_k = torch.cat((cu_k, starts[-1:])).to(torch.int32)
+    q_starts = torch.arange(B + 1, device=q.device, dtype=torch.int64) * sq
+    cu_q = torch.stack((q_starts[:-1], q_starts[1:]), dim=1).flatten()
+    cu_q = torch.cat((cu_q, q_starts[-1:])).to(device=k_cache.device, dtype=torch.int32)
+    packed_k = k_cache.reshape(B * s_cache, *k_cache.shape[2:])
+    packed_v = v_cache.reshape(B * s_cache, *v_cache.shape[2:])
     with torch.no_grad():
-        out, lse = ops.attention_with_lse(q.transpose(1, 2), k_cache.transpose(1, 2), v_cache.transpose(1, 2),
-                                          False, softmax_scale, attn_mask=keep[:, None], softcap=softcap)
-    out = out.transpose(1, 2).contiguous()
+        out, lse = ops.attention_varlen_with_lse(q.reshape(B * sq, *q.shape[2:]), packed_k, packed_v, cu_q, cu_k,
+                                                 sq, s_cache, causal, softmax_scale, left, right, softcap)
+    out = out.reshape(B, sq, hq, out.shape[-1])
+    lse = lse.reshape(hq, B, sq).permute(1, 0, 2).contiguous()
     return (out, lse) if return_softmax_lse else out
