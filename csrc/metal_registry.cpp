@@ -47,6 +47,7 @@ std::vector<MetalLaunch> all_metal_launches() {
           p.q_len = shape.q_len;
           p.kv_len = shape.kv_len;
           p.head_dim = d;
+          p.head_dim_v = d;
           p.causal = causal;
           p.scale = 1.0;
           p.dtype = dtype;
@@ -72,6 +73,7 @@ std::vector<MetalLaunch> all_metal_launches() {
               p.q_len = q_len;
               p.kv_len = kv_len;
               p.head_dim = d;
+              p.head_dim_v = d;
               p.causal = causal;
               p.scale = 1.0;
               p.dtype = dtype;
@@ -96,6 +98,7 @@ std::vector<MetalLaunch> all_metal_launches() {
           AttentionProblem p;
           p.batch = p.q_heads = p.kv_heads = 1;
           p.head_dim = d;
+          p.head_dim_v = d;
           p.window_right = causal ? 0 : -1;
           p.causal = causal;
           p.scale = 1.0;
