@@ -24,7 +24,7 @@ DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def planner_kernel_names():
-    """Every kernel name metal_plan returns, over each dtype, head dim 1..256 and impl, and the backward's two."""
+    """Every kernel name metal_plan returns, over each dtype, head dim 1..256 and impl, and the backward's (with sinks: three)."""
     names = set()
     for dtype in DTYPES:
         for d in range(1, 257):
@@ -35,6 +35,8 @@ def planner_kernel_names():
             for i in range(2):  # the split pass and the merge pass
                 names.add(torch.ops.flash_metal.metal_plan(q, long_k, long_k, False, None, "decode_split", "base", i)[0])
                 names.add(torch.ops.flash_metal.metal_plan(q, q, q, False, None, "auto", "base", i, True)[0])  # backward
+    # The backward's third dispatch with sinks: grad_sinks (one kernel for every dtype and head dim).
+    names.add(torch.ops.flash_metal.metal_plan(q, q, q, False, None, "auto", "base", 2, True, sinks=torch.zeros(1))[0])
     return names
 
 
