@@ -345,6 +345,7 @@ static bool resolve_simdgroups(Worker& w) {
                 where_threads_are(w, tids, true));
     }
     g.gen++;
+    forget_simd_loads(w, s);  // every lane is here: the loads before are complete
     if (first.site.kind == 1) w.counts.simdgroup_barriers++;
     bool orders = first.site.kind == 1 && (first.site.flags & 2u);
     for (unsigned l = 0; l < g.width; ++l) {
@@ -380,12 +381,29 @@ static bool resolve_barrier(Worker& w) {
   }
   if (ref->site.flags & 2u) w.epoch++;  // mem_threadgroup orders threadgroup memory
   w.counts.threadgroup_barriers++;
+  for (unsigned s = 0; s < w.nsimd; ++s) forget_simd_loads(w, s);
   for (Fiber& f : w.fibers) f.state = FiberState::Ready;
   return true;
 }
 
+// The broadcast rule's record of SIMD-group `simd`'s loads, dropped when its
+// lanes meet (at a collective or a barrier) or its threadgroup starts.
+void forget_simd_loads(Worker& w, unsigned simd) {
+  w.simds[simd].loads.clear();
+  for (unsigned l = 0; l < FMEMU_SIMD_WIDTH; ++l) {
+    const unsigned t = simd * FMEMU_SIMD_WIDTH + l;
+    if (t < w.nthreads) w.fibers[t].load_seq.clear();
+  }
+}
+
 static void run_group(Worker& w) {
   start_group(w);
+  for (unsigned s = 0; s < w.nsimd; ++s) w.simds[s].loads.clear();
+  // A new stamp for device_unique_bytes_read; on wrapping, forget every stamp.
+  if (++w.group_stamp == 0) {
+    for (auto& st : w.read_stamp) std::fill(st.begin(), st.end(), 0);
+    w.group_stamp = 1;
+  }
   w.counts.threadgroups++;
   w.counts.threads += w.nthreads;
   begin_group_memory(w);
@@ -520,6 +538,8 @@ FMEMU_EXPORT int fm_dispatch(const fm_dispatch_desc* d) {
   w.report_keys.clear();
   w.fatal = false;
   w.counts = fm_dispatch_counts{};
+  w.read_stamp.clear();  // new buffers
+  w.group_stamp = 0;
   fm_rt_counts = fm_kernel_counts{};
   last_report_json() = "[]";
   if (d->kernel < 0 || d->kernel >= (int)kernels().size()) return 2;

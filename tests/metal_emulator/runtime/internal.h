@@ -2,6 +2,7 @@
 // sanitizer.cpp). Not seen by kernel code.
 #pragma once
 #include <csetjmp>
+#include <map>
 #include <cstdint>
 #include <string>
 #include <unordered_map>
@@ -47,6 +48,17 @@ struct fm_dispatch_counts {
   // accesses of 1 << w bytes (1, 2, 4, 8, 16).
   uint64_t device_loads[32][5];   // by [[buffer(n)]]
   uint64_t threadgroup_loads[5];
+  // The traffic model's rules (issue 19), by [[buffer(n)]]:
+  // device_unique_bytes_read: bytes of device memory read by a threadgroup
+  // that no earlier load of the same threadgroup read (what reaches DRAM if
+  // the core's L1 keeps every line a threadgroup touched: an assumption);
+  // device_load_requests / device_request_bytes: load instructions and
+  // their bytes after the broadcast rule, the lanes of one SIMD-group
+  // executing one load instruction (the same call site, the n-th time since
+  // the SIMD-group last met) at the same address counting once.
+  uint64_t device_unique_bytes_read[32];
+  uint64_t device_load_requests[32];
+  uint64_t device_request_bytes[32];
 };
 // The width slot of an access of `size` bytes (1 << slot == size).
 inline int fm_width_slot(unsigned size) { return size >= 16 ? 4 : size >= 8 ? 3 : size >= 4 ? 2 : size >= 2 ? 1 : 0; }
@@ -86,6 +98,8 @@ struct Fiber {
   unsigned tid = 0;  // thread_index_in_threadgroup
   unsigned lane = 0, simd = 0;
   unsigned simd_epoch = 0;  // simdgroup_barriers this thread's SIMD-group passed
+  // Device loads by call site since the SIMD-group last met (the broadcast rule).
+  std::unordered_map<const void*, uint32_t> load_seq;
   const unsigned char* exchange = nullptr;
   fm_invocation inv{};
 };
@@ -93,6 +107,9 @@ struct Fiber {
 struct SimdGroup {
   unsigned width = 0;
   unsigned gen = 0;  // completed collectives; selects the exchange buffer
+  // One device load instruction of the SIMD-group since it last met, (call
+  // site, n-th execution), -> the (address, width) pairs its lanes read.
+  std::map<std::pair<const void*, uint32_t>, std::vector<std::pair<const char*, unsigned>>> loads;
   alignas(64) unsigned char buf[2][FMEMU_SIMD_WIDTH * FMEMU_SIMD_SLOT_BYTES];
 };
 
@@ -182,6 +199,10 @@ struct Worker {
   std::unordered_set<std::string> report_keys;
   bool instrument_active = false;
   fm_dispatch_counts counts{};
+  // device_unique_bytes_read: per device buffer (w.dev order), per byte, the
+  // stamp of the last threadgroup that read it; the stamps wrap, clearing.
+  std::vector<std::vector<uint8_t>> read_stamp;
+  uint8_t group_stamp = 0;
 };
 
 // The worker running a dispatch. A plain global, not thread_local: a library
@@ -191,6 +212,7 @@ struct Worker {
 extern Worker* tls_worker;
 
 // executor.cpp
+void forget_simd_loads(Worker& w, unsigned simd);
 std::string thread_name(const Worker& w, unsigned tid);
 void add_report(Worker& w, const std::string& kind, const std::string& key, const std::string& message,
                 std::vector<uint64_t> pcs);

@@ -95,12 +95,38 @@ void remove_fault_handler() {
 // ---- instrumented accesses --------------------------------------------------------
 static const char* kind_name(bool write) { return write ? "write" : "read"; }
 
+// The traffic model's counts of one device read (fm_dispatch_counts):
+// bytes new to the threadgroup, and the broadcast rule's requests.
+static void count_read(Worker& w, size_t slot, const DeviceBuffer& db, const char* p, unsigned size, const void* pc) {
+  if (w.read_stamp.size() != w.dev.size()) w.read_stamp.resize(w.dev.size());
+  std::vector<uint8_t>& stamp = w.read_stamp[slot];
+  if (stamp.size() != db.size) stamp.assign(db.size, 0);
+  const size_t off = size_t(p - db.start);
+  for (unsigned i = 0; i < size; ++i) {
+    if (stamp[off + i] != w.group_stamp) {
+      stamp[off + i] = w.group_stamp;
+      w.counts.device_unique_bytes_read[db.index]++;
+    }
+  }
+  Fiber& f = *w.current;
+  std::vector<std::pair<const char*, unsigned>>& lanes = w.simds[f.simd].loads[{pc, f.load_seq[pc]++}];
+  for (const auto& a : lanes)
+    if (a.first == p && a.second == size) return;  // a lane before it read the same address: broadcast
+  lanes.emplace_back(p, size);
+  w.counts.device_load_requests[db.index]++;
+  w.counts.device_request_bytes[db.index] += size;
+}
+
 static void device_access(Worker& w, const char* p, unsigned size, bool write, const void* pc) {
-  for (const DeviceBuffer& db : w.dev) {
+  for (size_t slot = 0; slot < w.dev.size(); ++slot) {
+    const DeviceBuffer& db = w.dev[slot];
     if (p < db.region_lo || p >= db.region_hi) continue;
     if (p >= db.start && p + size <= db.start + db.size) {
       (write ? w.counts.device_bytes_written : w.counts.device_bytes_read)[db.index] += size;
-      if (!write) w.counts.device_loads[db.index][fm_width_slot(size)]++;
+      if (!write) {
+        w.counts.device_loads[db.index][fm_width_slot(size)]++;
+        count_read(w, slot, db, p, size, pc);
+      }
       return;
     }
     char buf[256];
