@@ -104,9 +104,10 @@ class DispatchCounts:
     so a 16-byte uint4 load counts once, a 2-byte half load once), and
     threadgroup_loads_by_width, {width: loads}; widths with no load are left
     out. The traffic model's rules (issue 19), {index: n}:
-    device_unique_bytes_read_by_index, the bytes each threadgroup read that
-    no earlier load of the same threadgroup read, summed over threadgroups
-    (DRAM traffic if the core's L1 keeps what its threadgroup touched: an
+    device_unique_bytes_read_by_index, the bytes of each load whose address
+    its threadgroup did not read within its last 8 KiB of such bytes
+    (runtime kL1WindowBytes), summed over threadgroups (DRAM traffic if
+    SIMD-groups of a threadgroup share lines through the core's L1: an
     assumption); device_load_requests_by_index and
     device_request_bytes_by_index, the loads and their bytes after the
     broadcast rule: the lanes of a SIMD-group executing one load instruction

@@ -399,11 +399,8 @@ void forget_simd_loads(Worker& w, unsigned simd) {
 static void run_group(Worker& w) {
   start_group(w);
   for (unsigned s = 0; s < w.nsimd; ++s) w.simds[s].loads.clear();
-  // A new stamp for device_unique_bytes_read; on wrapping, forget every stamp.
-  if (++w.group_stamp == 0) {
-    for (auto& st : w.read_stamp) std::fill(st.begin(), st.end(), 0);
-    w.group_stamp = 1;
-  }
+  w.recent_reads.clear();  // device_unique_bytes_read: per threadgroup
+  w.group_new_bytes = 0;
   w.counts.threadgroups++;
   w.counts.threads += w.nthreads;
   begin_group_memory(w);
@@ -538,8 +535,6 @@ FMEMU_EXPORT int fm_dispatch(const fm_dispatch_desc* d) {
   w.report_keys.clear();
   w.fatal = false;
   w.counts = fm_dispatch_counts{};
-  w.read_stamp.clear();  // new buffers
-  w.group_stamp = 0;
   fm_rt_counts = fm_kernel_counts{};
   last_report_json() = "[]";
   if (d->kernel < 0 || d->kernel >= (int)kernels().size()) return 2;

@@ -49,9 +49,10 @@ struct fm_dispatch_counts {
   uint64_t device_loads[32][5];   // by [[buffer(n)]]
   uint64_t threadgroup_loads[5];
   // The traffic model's rules (issue 19), by [[buffer(n)]]:
-  // device_unique_bytes_read: bytes of device memory read by a threadgroup
-  // that no earlier load of the same threadgroup read (what reaches DRAM if
-  // the core's L1 keeps every line a threadgroup touched: an assumption);
+  // device_unique_bytes_read: bytes of device memory a threadgroup's load
+  // brings in: its address not read by the same threadgroup within its last
+  // kL1WindowBytes of such bytes (what reaches DRAM if a threadgroup's
+  // SIMD-groups share lines through the core's L1: an assumption);
   // device_load_requests / device_request_bytes: load instructions and
   // their bytes after the broadcast rule, the lanes of one SIMD-group
   // executing one load instruction (the same call site, the n-th time since
@@ -74,6 +75,12 @@ constexpr unsigned long kThreadgroupLengthAlign = 16;
 // Redzone after every threadgroup allocation: wider than the widest single
 // access (16 bytes), so an off-by-one element or row lands in it.
 constexpr unsigned long kRedzone = 64;
+// device_unique_bytes_read's window: a load re-reading an address its
+// threadgroup read within its last 8 KiB of new bytes is a cache hit. Why 8
+// KiB: an estimate of a core's L1 data cache (Apple publishes none); big
+// enough for the decode kernels' sibling SIMD-groups, a few rows apart, and
+// small beside any K/V that a threadgroup re-reads in rounds.
+constexpr uint64_t kL1WindowBytes = 8192;
 
 struct Site {
   int kind = 0;  // 0 threadgroup_barrier, 1 simdgroup_barrier, 2 SIMD collective
@@ -199,10 +206,10 @@ struct Worker {
   std::unordered_set<std::string> report_keys;
   bool instrument_active = false;
   fm_dispatch_counts counts{};
-  // device_unique_bytes_read: per device buffer (w.dev order), per byte, the
-  // stamp of the last threadgroup that read it; the stamps wrap, clearing.
-  std::vector<std::vector<uint8_t>> read_stamp;
-  uint8_t group_stamp = 0;
+  // device_unique_bytes_read, per threadgroup: each load address read, ->
+  // group_new_bytes when it was last read; the bytes brought in so far.
+  std::unordered_map<const char*, uint64_t> recent_reads;
+  uint64_t group_new_bytes = 0;
 };
 
 // The worker running a dispatch. A plain global, not thread_local: a library

@@ -97,16 +97,16 @@ static const char* kind_name(bool write) { return write ? "write" : "read"; }
 
 // The traffic model's counts of one device read (fm_dispatch_counts):
 // bytes new to the threadgroup, and the broadcast rule's requests.
-static void count_read(Worker& w, size_t slot, const DeviceBuffer& db, const char* p, unsigned size, const void* pc) {
-  if (w.read_stamp.size() != w.dev.size()) w.read_stamp.resize(w.dev.size());
-  std::vector<uint8_t>& stamp = w.read_stamp[slot];
-  if (stamp.size() != db.size) stamp.assign(db.size, 0);
-  const size_t off = size_t(p - db.start);
-  for (unsigned i = 0; i < size; ++i) {
-    if (stamp[off + i] != w.group_stamp) {
-      stamp[off + i] = w.group_stamp;
-      w.counts.device_unique_bytes_read[db.index]++;
-    }
+// (A load is matched by its address: a re-read of the same bytes by a
+// load of another width or offset counts as new.)
+static void count_read(Worker& w, const DeviceBuffer& db, const char* p, unsigned size, const void* pc) {
+  auto seen = w.recent_reads.find(p);
+  if (seen != w.recent_reads.end() && w.group_new_bytes - seen->second < kL1WindowBytes) {
+    seen->second = w.group_new_bytes;  // a hit: the line stays recent
+  } else {
+    w.group_new_bytes += size;
+    w.recent_reads[p] = w.group_new_bytes;
+    w.counts.device_unique_bytes_read[db.index] += size;
   }
   Fiber& f = *w.current;
   std::vector<std::pair<const char*, unsigned>>& lanes = w.simds[f.simd].loads[{pc, f.load_seq[pc]++}];
@@ -118,14 +118,13 @@ static void count_read(Worker& w, size_t slot, const DeviceBuffer& db, const cha
 }
 
 static void device_access(Worker& w, const char* p, unsigned size, bool write, const void* pc) {
-  for (size_t slot = 0; slot < w.dev.size(); ++slot) {
-    const DeviceBuffer& db = w.dev[slot];
+  for (const DeviceBuffer& db : w.dev) {
     if (p < db.region_lo || p >= db.region_hi) continue;
     if (p >= db.start && p + size <= db.start + db.size) {
       (write ? w.counts.device_bytes_written : w.counts.device_bytes_read)[db.index] += size;
       if (!write) {
         w.counts.device_loads[db.index][fm_width_slot(size)]++;
-        count_read(w, slot, db, p, size, pc);
+        count_read(w, db, p, size, pc);
       }
       return;
     }
