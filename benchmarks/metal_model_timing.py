@@ -25,6 +25,10 @@ on-core data):
 - Memory: device bytes over the MEASURED streaming ceiling (0.79-0.87 of
   nominal bandwidth), over Little's law per core (bytes in flight per core /
   DRAM latency), and over 32 B per core-cycle to the rest of the GPU.
+  Device bytes follow the emulator's two traffic rules (issue 19): requests
+  by the broadcast rule (one per address per SIMD-group load instruction),
+  and DRAM bytes as those new to their threadgroup within an 8 KiB window
+  (SIMD-groups sharing lines through the L1: an assumption).
 - On-core data: threadgroup and device bytes at 64 B per core-cycle.
 
 Bands: `predict` at the point figures; `predict_band` at the low and high
