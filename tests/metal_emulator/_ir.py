@@ -120,3 +120,46 @@ def slow_integer_math(paths) -> dict[str, list[str]]:
     _build._atomic_dir(final, build)
     with open(os.path.join(final, "slowmath.json"), encoding="utf-8") as f:
         return json.load(f)
+
+
+# A call of the shim's simdgroup_multiply_accumulate (one per MMA the source
+# names after unrolling), or, were the shim inlined, its exchange call.
+_MMA_CALL = re.compile(r"call void @_ZN5metal29simdgroup_multiply_accumulate\w*\(")
+
+
+def mma_call_sites(paths) -> dict[str, int]:
+    """{kernel host name: the simdgroup MMA call sites in its optimised function}, for every kernel
+    in the .metal files, from the IR the fast build optimizes (-O2). A loop the compiler unrolled
+    contributes one site per trip; a loop left rolled (a runtime trip count) one per body, so a
+    kernel's count tells whether its matrix loops ran to compile-time bounds
+    (tests/test_metal_dense_loader.py)."""
+    if isinstance(paths, str):
+        paths = [paths]
+    paths = [os.path.abspath(p) for p in paths]
+    flags = _build.kernel_flags(instrumented=False)
+    final = os.path.join(_build.CACHE_DIR, "mmasites-" + _build.source_key(paths, "emit-llvm", *flags))
+
+    def build(tmp: str) -> None:
+        mapping = _build.write_rewritten(paths, os.path.join(tmp, "src"))
+        result = {}
+        for i, p in enumerate(paths):
+            src = mapping[p]
+            ll = os.path.join(tmp, f"k{i}.ll")
+            _build._run([_build.find_clang(), *flags, "-I", os.path.dirname(src), "-S", "-emit-llvm", src, "-o", ll],
+                        f"compiling {p} to LLVM IR")
+            with open(ll, encoding="utf-8") as f:
+                ir = f.read()
+            strings = {name: _c_string(raw) for name, raw in _STRING.findall(ir)}
+            mma_strings = [name for name, text in strings.items() if text == "simdgroup_multiply_accumulate"]
+            bodies = {name: body for name, body in _DEFINE.findall(ir)}
+            for host_ref, fn in _REGISTER.findall(ir):
+                body = bodies[fn]
+                inlined = sum(len(re.findall(r"@fm_rt_simd_exchange\([^\n]*" + re.escape(m) + r"\b", body))
+                              for m in mma_strings)
+                result[strings[host_ref]] = len(_MMA_CALL.findall(body)) + inlined
+        with open(os.path.join(tmp, "mmasites.json"), "w", encoding="utf-8") as f:
+            json.dump(result, f)
+
+    _build._atomic_dir(final, build)
+    with open(os.path.join(final, "mmasites.json"), encoding="utf-8") as f:
+        return json.load(f)
