@@ -277,6 +277,20 @@ def test_reads_match_the_flashattention2_backward_io_model(causal, D):
         a, b = got[key]
         assert a == b, key
         assert (a < full[key]) if causal else (a == full[key]), key
+    # The time model's loop (benchmarks/metal_model_timing.backward_blocks,
+    # whose streamed blocks each get a serial section) is the kernels': one
+    # threadgroup per listed entry, 2 barriers per streamed block, plus the
+    # dQ kernel's 1 per threadgroup before its Delta.
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    if root not in sys.path:
+        sys.path.insert(0, root)
+    from benchmarks.metal_model import Shape
+    from benchmarks.metal_model_timing import backward_blocks
+
+    for d, c, per_tg in ((dq, dq_counts, 1), (dkdv, dkdv_counts, 0)):
+        blocks, _, heads = backward_blocks(d.kernel_name, Shape(B, Hq, Hkv, Nq, Nk, D), causal)
+        assert c.threadgroups == len(blocks) * heads
+        assert c.threadgroup_barriers == 2 * sum(blocks) * heads + per_tg * c.threadgroups
 
 
 @pytest.mark.parametrize("bucket", [64, 256], ids=["d64", "d256"])
