@@ -16,6 +16,9 @@ on-core data):
   capped by the grid's share) a core finishes r blocks in
   max(r * work, latency + work): latency is hidden only when r * work covers
   it. A partial last wave costs a whole one (equal threadgroups, no mask).
+  Each SIMD-group issues from one of a core's 4 schedulers, so a
+  threadgroup of fewer than 4 runs its block at (its SIMD-groups) / 4 of
+  the core's rate, and a core with fewer than 4 resident at that share.
 - Critical path: the longest threadgroup's blocks x (latency + work): a
   causal tail or a grid smaller than the cores cannot go faster than that.
 - The post's scalar kernels (untiled, tiled): per key a dependent dot product
@@ -96,6 +99,13 @@ def ffma_cycles(ilp, sgs):
             f = (math.log(s) - math.log(a)) / (math.log(b) - math.log(a))
             return table[a] + f * (table[b] - table[a])
     return table[xs[-1]]
+
+
+def issue_share(sgs):
+    """The share of a core's issue rate `sgs` resident SIMD-groups can use:
+    each is bound to one of the core's 4 schedulers (metal-benchmarks, ALU
+    layout), so fewer than 4 leave schedulers idle."""
+    return min(max(sgs, 1), G.SCHEDULERS_PER_CORE) / G.SCHEDULERS_PER_CORE
 
 
 def sg_cycles_per_ffma(ilp, sgs):
@@ -226,18 +236,24 @@ def dispatch_time(r, index, gpu, s, dtype, causal, k=POINT):
             blocks, heads, lat = serial
             total = sum(blocks) * heads
             w = work / total  # one threadgroup's streamed block, core-cycles at full rate
+            # A SIMD-group issues from one of the core's 4 schedulers, so a
+            # threadgroup of fewer than 4 SIMD-groups runs its block at
+            # sg_per_tg / 4 of the core's rate, and the core as a whole at
+            # (resident SIMD-groups) / 4 until all 4 schedulers have one.
+            w_tg = w / issue_share(sg_per_tg)
             if causal:  # unequal threadgroups: the average residency, no wave structure
-                cycles = total * max(w, (lat + w) / r_core) / active
+                cycles = total * max(w / issue_share(sgs), (lat + w_tg) / r_core) / active
             else:  # equal threadgroups in waves of active x tgs_core, a partial last wave costing a whole one
                 # (an assumption: its threadgroups could run faster with fewer per core, but MLX's timings at
                 # N = 256-512 are slower than even this rule predicts, not faster)
                 nb = total / grid_tgs
                 waves = math.ceil(grid_tgs / (active * tgs_core))
-                cycles = waves * nb * max(min(tgs_core, math.ceil(grid_tgs / active)) * w, lat + w)
+                per_core = min(tgs_core, math.ceil(grid_tgs / active))
+                cycles = waves * nb * max(per_core * w / issue_share(per_core * sg_per_tg), lat + w_tg)
             terms["compute"] = cycles / hz
-            terms["critical path"] = max(blocks) * (lat + w) / hz
+            terms["critical path"] = max(blocks) * (lat + w_tg) / hz
         else:
-            terms["compute"] = work / (active * hz) * quant
+            terms["compute"] = work / (active * hz) * quant / issue_share(sgs)
     elif "decode" in r.kernel and "merge" not in r.kernel:
         terms["compute"] = 2 * s.d * s.nq * s.hq * s.b * s.nk / (active * LANES_PER_CORE * hz)
     else:
