@@ -231,20 +231,27 @@ def test_dense_loader_copies_tiles_exactly():
     assert load_tiles(IR_KERNELS) == []
 
 
-def test_planted_loader_bug_is_caught(tmp_path):
-    """Planted: the row wrap forgets to move the source offset to the next row.
-    load_tiles sees the tiles that wrap (DMAX 72, 80) come out wrong."""
+def _planted_copy(tmp_path, kernels, old, new):
+    """A copy of shaders/ with `old` (present exactly once in attention_prefill.h)
+    replaced by `new`, and of the test kernels file `kernels` beside it; returns
+    the copied kernels file's path."""
     import shutil
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     shutil.copytree(os.path.join(root, "shaders"), tmp_path / "shaders")
     (tmp_path / "tests").mkdir()
-    shutil.copy(IR_KERNELS, tmp_path / "tests")
+    shutil.copy(kernels, tmp_path / "tests")
     header = tmp_path / "shaders" / "attention_prefill.h"
     text = header.read_text()
-    assert text.count("      s_off += rs - CPR;\n") == 1
-    header.write_text(text.replace("      s_off += rs - CPR;\n", ""))
-    bad = load_tiles(str(tmp_path / "tests" / "dense_loader_ir.metal"))
+    assert text.count(old) == 1
+    header.write_text(text.replace(old, new))
+    return str(tmp_path / "tests" / os.path.basename(kernels))
+
+
+def test_planted_loader_bug_is_caught(tmp_path):
+    """Planted: the row wrap forgets to move the source offset to the next row.
+    load_tiles sees the tiles that wrap (DMAX 72, 80) come out wrong."""
+    bad = load_tiles(_planted_copy(tmp_path, IR_KERNELS, "      s_off += rs - CPR;\n", ""))
     assert [(rows, dmax) for _, rows, dmax, _ in bad] == [(32, 72), (32, 80)]
 
 
@@ -281,18 +288,9 @@ def test_prefill_qk_feature_loop_is_unrolled(tmp_path):
     site: TD x TK each, so both loops unrolled (the QK loop's trip count is
     the compile-time TD, not the runtime ceil(D / 8)). Planted: the QK loop
     run to d_frags, as before issue 19, leaves one loop body of TK sites."""
-    import shutil
-
     from metal_emulator import mma_call_sites
 
     assert mma_call_sites(PREFILL_IR) == {PREFILL_IR_KERNEL: 2 * PREFILL_TD * PREFILL_TK}
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    shutil.copytree(os.path.join(root, "shaders"), tmp_path / "shaders")
-    (tmp_path / "tests").mkdir()
-    shutil.copy(PREFILL_IR, tmp_path / "tests")
-    header = tmp_path / "shaders" / "attention_prefill.h"
-    text = header.read_text()
-    assert text.count(QK_LOOP) == 1
-    header.write_text(text.replace(QK_LOOP, "      for (int dd = 0; dd < d_frags; ++dd) {\n        {"))
-    planted = mma_call_sites(str(tmp_path / "tests" / "prefill_ir.metal"))[PREFILL_IR_KERNEL]
+    planted_file = _planted_copy(tmp_path, PREFILL_IR, QK_LOOP, "      for (int dd = 0; dd < d_frags; ++dd) {\n        {")
+    planted = mma_call_sites(planted_file)[PREFILL_IR_KERNEL]
     assert planted < 2 * PREFILL_TD * PREFILL_TK, planted
