@@ -21,6 +21,11 @@ CACHE_DIR = os.environ.get("FLASH_METAL_EMULATOR_CACHE", os.path.join(HERE, ".bu
 # The Metal version the shaders see: MSL 3.1 (macOS 14), the oldest our
 # host targets; shaders only test that it is defined.
 METAL_VERSION = "310"
+# MSL 4 (compile_library(msl=4)): tensor ops (<metal_tensor>, MPP) need it, and
+# their class-type template arguments (matmul2d<descriptor, scope>) need C++20
+# in clang (Apple compiles them with -std=metal4.0). The shipped shaders keep
+# MSL 3.1 and C++17; the rules check keeps parsing them as C++14.
+MSL_VERSIONS = {3: ("c++17", METAL_VERSION, []), 4: ("c++20", "400", ["-D__HAVE_TENSOR__=1"])}
 RUNTIME_SOURCES = ("executor.cpp", "memory.cpp", "sanitizer.cpp", "softfloat.cpp")
 
 
@@ -105,14 +110,18 @@ def _arch_flags() -> list[str]:
     return []
 
 
-def common_flags() -> list[str]:
+def common_flags(msl: int = 3) -> list[str]:
+    if msl not in MSL_VERSIONS:
+        raise ValueError(f"msl must be one of {sorted(MSL_VERSIONS)} (3: MSL 3.1 as C++17, 4: MSL 4 as C++20), got {msl!r}")
+    std, version, defines = MSL_VERSIONS[msl]
     return [
-        "-std=c++17",
+        f"-std={std}",
         "-x",
         "c++",
         "-isystem",
         SHIM_DIR,
-        f"-D__METAL_VERSION__={METAL_VERSION}",
+        f"-D__METAL_VERSION__={version}",
+        *defines,
         # per-operation rounding of half and bfloat, as the GPU does
         "-Xclang",
         "-ffloat16-excess-precision=none",
@@ -145,7 +154,7 @@ def common_flags() -> list[str]:
 FAST_MATH_FLAGS = ["-ffast-math", "-fno-slp-vectorize"]
 
 
-def kernel_flags(instrumented: bool, fast_math: bool = False) -> list[str]:
+def kernel_flags(instrumented: bool, fast_math: bool = False, msl: int = 3) -> list[str]:
     # -disable-cgp skips LLVM's CodeGenPrepare, an optional pre-isel pass (-O0
     # never runs it) that rescans a whole function after every change: on the
     # fully unrolled kernels it took 29 % of the build (51 of 175 s for half
@@ -153,7 +162,7 @@ def kernel_flags(instrumented: bool, fast_math: bool = False) -> list[str]:
     # thirds of the time. It never touches floating point: outputs were
     # bitwise identical across every kernel family and dtype, and kernels
     # ran at the same speed in the emulator.
-    flags = common_flags() + ["-fPIC", "-gline-tables-only", "-fno-omit-frame-pointer", "-mllvm", "-disable-cgp"]
+    flags = common_flags(msl) + ["-fPIC", "-gline-tables-only", "-fno-omit-frame-pointer", "-mllvm", "-disable-cgp"]
     if instrumented:
         # every load and store calls back into runtime/sanitizer.cpp (trace-loads
         # and trace-stores emit nothing unless a coverage kind such as func is on)

@@ -162,6 +162,8 @@ def _counts(raw: _CountsDesc, instrumented: bool, indices) -> DispatchCounts:
 
 
 _UNSET = 2**64 - 1
+# Library.dispatch(mpp_layout=): FMEMU_MPP_LAYOUT_* in include/fm/abi.h.
+_MPP_LAYOUTS = {"m5": 0, "scrambled": 1}
 _MAX_INDEX = 32  # Metal's buffer / threadgroup argument table size (indices 0..30 usable)
 
 # Every kernel host name any Library dispatched in this process.
@@ -224,6 +226,7 @@ class Library:
         lib.fm_dispatch.argtypes = [ctypes.POINTER(_DispatchDesc)]
         lib.fm_last_counts.argtypes = [ctypes.POINTER(_CountsDesc)]
         lib.fm_last_counts.restype = ctypes.c_ulong
+        lib.fm_set_mpp_layout.argtypes = [ctypes.c_int, ctypes.c_ulonglong]
         self._kernels: dict[str, tuple[int, _registry.KernelDecl]] = {}
         for i in range(lib.fm_num_kernels()):
             host = lib.fm_kernel_host_name(i).decode()
@@ -255,7 +258,8 @@ class Library:
             raise EmulatorError(f"no kernel named {name!r}; the library has: {', '.join(self.kernel_names())}") from None
 
     def dispatch(self, name: str, buffers=None, bytes=None, function_constants=None, grid=(1, 1, 1),
-                 threadgroup=(1, 1, 1), threadgroup_memory=None, seed: int = 0) -> DispatchCounts:
+                 threadgroup=(1, 1, 1), threadgroup_memory=None, seed: int = 0, mpp_layout: str = "scrambled",
+                 mpp_seed: int = 1) -> DispatchCounts:
         """Run kernel `name` like dispatchThreadgroups:threadsPerThreadgroup:.
 
         buffers: {index: tensor | numpy array} bound like setBuffer:offset:atIndex:
@@ -270,6 +274,10 @@ class Library:
         instrumented build). Raises EmulatorError on any finding.
         """
         index, decl = self._kernel(name)
+        if mpp_layout not in _MPP_LAYOUTS:
+            raise EmulatorError(f"mpp_layout must be one of {sorted(_MPP_LAYOUTS)}, got {mpp_layout!r}")
+        if not 0 <= int(mpp_seed) < 2**64:
+            raise EmulatorError(f"mpp_seed must be in 0..2**64-1, got {mpp_seed!r}")
         buffers = dict(buffers or {})
         for k, v in (bytes or {}).items():
             if k in buffers:
@@ -318,6 +326,7 @@ class Library:
                 if int(k) not in self._fc_indices:
                     raise EmulatorError(f"no function constant has index {k}")
                 self._lib.fm_set_function_constant(int(k), float(v))
+            self._lib.fm_set_mpp_layout(_MPP_LAYOUTS[mpp_layout], int(mpp_seed))
             rc = self._lib.fm_dispatch(ctypes.byref(desc))
             reports = json.loads(self._lib.fm_last_reports().decode())
             raw = _CountsDesc()
@@ -376,21 +385,24 @@ _CACHE: dict[tuple, Library] = {}
 _CACHE_LOCK = threading.Lock()
 
 
-def compile_library(paths, instrumented: bool = False, fast_math: bool = False) -> Library:
+def compile_library(paths, instrumented: bool = False, fast_math: bool = False, msl: int = 3) -> Library:
     """Compile .metal files (unmodified) into an emulator library, cached on disk and per process.
 
     instrumented: the sanitizing -O1 build (else -O2). fast_math: compile the
     kernels with -ffast-math, clang's counterpart of the Metal compiler's
-    default fast-math mode (no infinities, no NaNs); see README.md.
+    default fast-math mode (no infinities, no NaNs); see README.md. msl: 3
+    (default) compiles as MSL 3.1 in C++17, like the shipped shaders; 4 as MSL
+    4 in C++20, for kernels using <metal_tensor> and MPP tensor ops.
     """
     if isinstance(paths, str):
         paths = [paths]
     paths = [os.path.abspath(p) for p in paths]
     with _CACHE_LOCK:
-        key = (tuple(paths), bool(instrumented), bool(fast_math))
+        key = (tuple(paths), bool(instrumented), bool(fast_math), msl)
         if key in _CACHE:
             return _CACHE[key]
-        lib = _compile(paths, bool(instrumented), bool(fast_math))
+        _build.common_flags(msl)  # validates msl
+        lib = _compile(paths, bool(instrumented), bool(fast_math), msl)
         _CACHE[key] = lib
         return lib
 
@@ -411,14 +423,14 @@ def _shards(rewritten_path: str) -> int:
     return max(1, min(4, os.cpu_count() or 1))
 
 
-def _compile(paths: list[str], instrumented: bool, fast_math: bool) -> Library:
+def _compile(paths: list[str], instrumented: bool, fast_math: bool, msl: int = 3) -> Library:
     clang = _build.find_clang()
-    kflags = _build.kernel_flags(instrumented, fast_math)
+    kflags = _build.kernel_flags(instrumented, fast_math, msl)
     # kflags are part of the key, so each flavour has its own cache entry.
     key = _build.source_key(paths, *kflags, *_build.RUNTIME_FLAGS, *_build.link_flags(),
                             *(open(os.path.join(_build.RUNTIME_DIR, s), "rb").read()
                               for s in _build.RUNTIME_SOURCES + _build.RUNTIME_HEADERS))
-    flavour = ("inst-" if instrumented else "fast-") + ("fastmath-" if fast_math else "")
+    flavour = ("inst-" if instrumented else "fast-") + ("fastmath-" if fast_math else "") + ("msl4-" if msl == 4 else "")
     final = os.path.join(_build.CACHE_DIR, flavour + key)
 
     def build(tmp: str) -> None:
@@ -430,7 +442,7 @@ def _compile(paths: list[str], instrumented: bool, fast_math: bool) -> Library:
                 src = mapping[p]
                 shards = _shards(src)
                 inc = ["-I", os.path.dirname(src)]
-                scans.append(pool.submit(_build._run, [clang, *_build.common_flags(), *inc, "-DFMEMU_SCAN", "-fsyntax-only",
+                scans.append(pool.submit(_build._run, [clang, *_build.common_flags(msl), *inc, "-DFMEMU_SCAN", "-fsyntax-only",
                                                        "-Xclang", "-ast-dump=json", src], f"scanning {p}"))
                 for n in range(shards):
                     out = os.path.join(tmp, f"k{i}s{n}.o")

@@ -380,7 +380,7 @@ static bool resolve_barrier(Worker& w) {
               where_threads_are(w, tids, false));
   }
   if (ref->site.flags & 2u) w.epoch++;  // mem_threadgroup orders threadgroup memory
-  w.counts.threadgroup_barriers++;
+  if (!(ref->site.flags & FMEMU_RENDEZVOUS_ONLY)) w.counts.threadgroup_barriers++;
   for (unsigned s = 0; s < w.nsimd; ++s) forget_simd_loads(w, s);
   for (Fiber& f : w.fibers) f.state = FiberState::Ready;
   return true;
@@ -429,6 +429,8 @@ using namespace fmrt;
 
 // The shim's kernel-side counters (abi.h); reset and read by fm_dispatch.
 extern "C" fm_kernel_counts fm_rt_counts = {};
+// The MPP shim's lane layout, set from Python before a dispatch.
+extern "C" fm_mpp_config fm_rt_mpp = {FMEMU_MPP_LAYOUT_SCRAMBLED, 1};
 
 // ---- ABI used by kernel code ----------------------------------------------------
 extern "C" {
@@ -443,7 +445,10 @@ void fm_rt_register_function_constant(int index, int type, void* value, bool* de
 void fm_rt_barrier(int kind, unsigned flags, const char* file, int line, int col) {
   Worker& w = *tls_worker;
   Fiber* f = w.current;
-  f->site = Site{kind, flags, kind == 0 ? "threadgroup_barrier" : "simdgroup_barrier", file, line, col};
+  const char* what = (flags & FMEMU_RENDEZVOUS_ONLY) ? "MPP collective (matmul2d run)"
+                     : kind == 0                     ? "threadgroup_barrier"
+                                                     : "simdgroup_barrier";
+  f->site = Site{kind, flags, what, file, line, col};
   f->state = kind == 0 ? FiberState::AtBarrier : FiberState::AtSimd;
   yield_to_scheduler(w);
 }
@@ -462,6 +467,8 @@ const unsigned char* fm_rt_simd_exchange(const void* data, unsigned size, const 
 }
 
 unsigned fm_rt_simd_lane(void) { return tls_worker->current->lane; }
+unsigned fm_rt_simd_groups(void) { return tls_worker->nsimd; }
+unsigned fm_rt_simd_group_index(void) { return tls_worker->current->simd; }
 unsigned fm_rt_simd_width(void) { return tls_worker->simds[tls_worker->current->simd].width; }
 
 void fm_rt_undefined_function_constant(const char* name, int index) {
@@ -481,6 +488,7 @@ void fm_rt_fail(const char* message, const char* file, int line) {
 
 // ---- C API for Python ---------------------------------------------------------------
 FMEMU_EXPORT int fm_abi_version() { return FMEMU_ABI_VERSION; }
+FMEMU_EXPORT void fm_set_mpp_layout(int layout, unsigned long long seed) { fm_rt_mpp = fm_mpp_config{layout, seed}; }
 FMEMU_EXPORT int fm_num_kernels() { return (int)kernels().size(); }
 FMEMU_EXPORT const char* fm_kernel_host_name(int i) { return kernels()[i].host.c_str(); }
 FMEMU_EXPORT const char* fm_kernel_expr(int i) { return kernels()[i].expr.c_str(); }

@@ -4,7 +4,7 @@
 // keeps the clang AST dump that the registry scan reads small).
 #pragma once
 
-#define FMEMU_ABI_VERSION 2
+#define FMEMU_ABI_VERSION 3
 
 // Bytes one lane may contribute to a SIMD collective. 64 covers the widest
 // operand we support (a 16-element float vector) and the three 2-element
@@ -83,6 +83,25 @@ const unsigned char* fm_rt_simd_exchange(const void* data, unsigned size, const 
                                          int line, int col);
 unsigned fm_rt_simd_lane(void);
 unsigned fm_rt_simd_width(void);  // lanes present in this SIMD-group (< 32 only for a ragged last group)
+
+// SIMD-groups in the current thread's threadgroup (the MPP shim checks
+// execution_simdgroups<N> against it).
+unsigned fm_rt_simd_groups(void);
+unsigned fm_rt_simd_group_index(void);  // simdgroup_index_in_threadgroup of the current thread
+// fm_rt_barrier flag: a threadgroup-wide rendezvous that is not a barrier (an
+// MPP collective, include/fm/mpp.h): divergence is checked, no memory is
+// ordered, and threadgroup_barriers does not count it.
+#define FMEMU_RENDEZVOUS_ONLY 0x40000000u
+
+// The cooperative-tensor lane layout of the current dispatch (include/fm/mpp.h),
+// set by Library.dispatch(mpp_layout=, mpp_seed=) through fm_set_mpp_layout.
+#define FMEMU_MPP_LAYOUT_M5 0
+#define FMEMU_MPP_LAYOUT_SCRAMBLED 1
+struct fm_mpp_config {
+  int layout;
+  unsigned long long seed;
+};
+extern struct fm_mpp_config fm_rt_mpp;
 
 // Events the shim counts on the kernel side (the runtime counts the rest):
 // the runtime zeroes this before a dispatch and reads it after. One object per

@@ -1,0 +1,143 @@
+// Proof kernels for the emulator's MPP tensor ops (MSL 4; never shipped):
+// compile_library(..., msl=4). test_emu_mpp.py runs them under both lane
+// layouts ("m5", "scrambled"); the *_bug kernels are planted bugs.
+#include <metal_stdlib>
+#include <metal_tensor>
+#include <MetalPerformancePrimitives/MetalPerformancePrimitives.h>
+using namespace metal;
+using namespace mpp::tensor_ops;
+
+// p (int32): K, lda, ldb, ldc, a_x, a_y, b_x, b_y. A is M x K (K x M when TL),
+// B is K x N (N x K when TR), both row-major with leading dimensions lda / ldb,
+// read from column a_x / b_x, row a_y / b_y on (slices). C and out are M x N
+// with leading dimension ldc. out = A B (+ C when ACC), written through the
+// cooperative tensor's iterator.
+template <typename T, int M, int N, bool TL, bool TR, bool ACC>
+[[kernel]] void mpp_gemm(device T* a [[buffer(0)]], device T* b [[buffer(1)]], device float* c [[buffer(2)]],
+                         device float* out [[buffer(3)]], constant int* p [[buffer(4)]]) {
+  const int K = p[0];
+  auto ta = tensor(a, dextents<int, 2>(p[4] + (TL ? M : K), p[5] + (TL ? K : M)), array<int, 2>{1, p[1]})
+                .slice(p[4], p[5]);
+  auto tb = tensor(b, dextents<int, 2>(p[6] + (TR ? K : N), p[7] + (TR ? N : K)), array<int, 2>{1, p[2]})
+                .slice(p[6], p[7]);
+  constexpr auto desc = matmul2d_descriptor(M, N, static_cast<int>(dynamic_extent), TL, TR, false,
+                                            ACC ? matmul2d_descriptor::mode::multiply_accumulate
+                                                : matmul2d_descriptor::mode::multiply);
+  matmul2d<desc, execution_simdgroup> op;
+  auto ct = op.template get_destination_cooperative_tensor<decltype(ta), decltype(tb), float>();
+  if (ACC) ct.load(tensor(c, dextents<int, 2>(N, M), array<int, 2>{1, p[3]}));
+  op.run(ta, tb, ct);
+  for (auto it = ct.begin(); it != ct.end(); ++it) {
+    auto idx = it.get_multidimensional_index();
+    out[idx[1] * p[3] + idx[0]] = *it;
+  }
+}
+template [[host_name("mpp_gemm_half_16x32_nt_mul")]] [[kernel]] decltype(mpp_gemm<half, 16, 32, false, true, false>)
+    mpp_gemm<half, 16, 32, false, true, false>;
+template [[host_name("mpp_gemm_bfloat_16x32_tn_acc")]] [[kernel]] decltype(mpp_gemm<bfloat, 16, 32, true, false, true>)
+    mpp_gemm<bfloat, 16, 32, true, false, true>;
+template [[host_name("mpp_gemm_float_20x24_nn_acc")]] [[kernel]] decltype(mpp_gemm<float, 20, 24, false, false, true>)
+    mpp_gemm<float, 20, 24, false, false, true>;
+template [[host_name("mpp_gemm_float_20x24_tt_mul")]] [[kernel]] decltype(mpp_gemm<float, 20, 24, true, true, false>)
+    mpp_gemm<float, 20, 24, true, true, false>;
+
+// Planted bug: the 16 x 32 product written out through MLX's hard-coded
+// Apple10 lane map (nax.h get_coord) instead of get_multidimensional_index:
+// right under "m5" only.
+[[kernel]] void mpp_hardcoded_map_bug(device half* a [[buffer(0)]], device half* b [[buffer(1)]],
+                                      device float* out [[buffer(2)]], uint lane [[thread_index_in_simdgroup]]) {
+  auto ta = tensor(a, dextents<int, 2>(16, 16));
+  auto tb = tensor(b, dextents<int, 2>(32, 16));
+  constexpr auto desc = matmul2d_descriptor(16, 32, 16);
+  matmul2d<desc, execution_simdgroup> op;
+  auto ct = op.template get_destination_cooperative_tensor<decltype(ta), decltype(tb), float>();
+  op.run(ta, tb, ct);
+  const uint qid = lane / 4, row = (qid & 4) | ((lane / 2) & 3), col = ((qid & 2) | (lane & 1)) * 4;
+  for (uint i = 0; i < 16; ++i)
+    out[(row + 8 * ((i % 8) / 4)) * 32 + (i / 8) * 16 + col + i % 4] = ct[i];
+}
+
+// Two phases through threadgroup memory on two SIMD-groups: P = A B (32 x 16,
+// K = 16) into a cooperative tensor, stored to threadgroup memory, then
+// out += P V (32 x 16, K = 16) from there. BARRIER false is the planted bug:
+// SIMD-group 1's run() reads rows of P that SIMD-group 0 stored.
+template <bool BARRIER>
+[[kernel]] void mpp_two_phase(device half* a [[buffer(0)]], device half* b [[buffer(1)]], device half* v [[buffer(2)]],
+                              device float* out [[buffer(3)]]) {
+  threadgroup float pbuf[32 * 16];
+  auto ta = tensor(a, dextents<int, 2>(16, 32));
+  auto tb = tensor(b, dextents<int, 2>(16, 16));
+  auto tv = tensor(v, dextents<int, 2>(16, 16));
+  auto tp = tensor(pbuf, dextents<int, 2>(16, 32));
+  auto to = tensor(out, dextents<int, 2>(16, 32));
+  constexpr auto d1 = matmul2d_descriptor(32, 16, 16);
+  constexpr auto d2 = matmul2d_descriptor(32, 16, 16, false, false, false, matmul2d_descriptor::mode::multiply_accumulate);
+  matmul2d<d1, execution_simdgroups<2>> op1;
+  matmul2d<d2, execution_simdgroups<2>> op2;
+  auto ct = op1.get_destination_cooperative_tensor<decltype(ta), decltype(tb), float>();
+  op1.run(ta, tb, ct);
+  ct.store(tp);
+  if (BARRIER) threadgroup_barrier(mem_flags::mem_threadgroup);
+  op2.run(tp, tv, to);
+}
+template [[host_name("mpp_two_phase")]] [[kernel]] decltype(mpp_two_phase<true>) mpp_two_phase<true>;
+template [[host_name("mpp_two_phase_bug")]] [[kernel]] decltype(mpp_two_phase<false>) mpp_two_phase<false>;
+
+// Planted bugs: run() reached by part of its scope (lanes 0..15 of one
+// SIMD-group; SIMD-group 0 of two).
+template <bool MULTI>
+[[kernel]] void mpp_divergent_bug(device half* a [[buffer(0)]], device float* out [[buffer(1)]],
+                                  uint lane [[thread_index_in_simdgroup]], uint sg [[simdgroup_index_in_threadgroup]]) {
+  auto ta = tensor(a, dextents<int, 2>(16, 16));
+  auto to = tensor(out, dextents<int, 2>(16, 16));
+  constexpr auto desc = matmul2d_descriptor(16, 16, 16);
+  if (MULTI) {
+    matmul2d<desc, execution_simdgroups<2>> op;
+    if (sg == 0) op.run(ta, ta, to);
+  } else {
+    matmul2d<desc, execution_simdgroup> op;
+    if (lane < 16) op.run(ta, ta, to);
+  }
+}
+template [[host_name("mpp_divergent_lanes_bug")]] [[kernel]] decltype(mpp_divergent_bug<false>) mpp_divergent_bug<false>;
+template [[host_name("mpp_divergent_simdgroups_bug")]] [[kernel]] decltype(mpp_divergent_bug<true>)
+    mpp_divergent_bug<true>;
+
+// Row max (identity -inf), row sum and column max of an M x N float tile s,
+// loaded into an M x N destination cooperative tensor. Every lane writes its
+// valid reduction slots to its own row of the outputs (lane * M + row), so the
+// test sees each replica. COLUMNS_BUG: the planted bug, the "row" max taken
+// with reduce_columns (the wrong dimension).
+template <int M, int N, bool COLUMNS_BUG>
+[[kernel]] void mpp_reduce(device float* s [[buffer(0)]], device float* row_max [[buffer(1)]],
+                           device float* row_sum [[buffer(2)]], device float* col_max [[buffer(3)]],
+                           uint lane [[thread_index_in_simdgroup]]) {
+  auto ts = tensor(s, dextents<int, 2>(N, M));
+  constexpr auto desc = matmul2d_descriptor(M, N, 16);
+  matmul2d<desc, execution_simdgroup> op;
+  auto ct = op.template get_destination_cooperative_tensor<decltype(ts), decltype(ts), float>();
+  ct.load(ts);
+  auto rs = op.template get_row_reduction_destination_cooperative_tensor<decltype(ts), decltype(ts), float>();
+  auto cm = op.template get_column_reduction_destination_cooperative_tensor<decltype(ts), decltype(ts), float>();
+  reduce_rows(ct, rs, reduction_operation::sum);
+  reduce_columns(ct, cm, reduction_operation::max, reduction_operation_identity<float>::max_identity);
+  for (int i = 0; i < rs.get_capacity(); ++i)
+    if (rs.is_valid_element(i)) row_sum[lane * M + rs.get_multidimensional_index(i)[0]] = rs[i];
+  for (int i = 0; i < cm.get_capacity(); ++i)
+    if (cm.is_valid_element(i)) col_max[lane * N + cm.get_multidimensional_index(i)[0]] = cm[i];
+  if (COLUMNS_BUG) {
+    auto rm = op.template get_column_reduction_destination_cooperative_tensor<decltype(ts), decltype(ts), float>();
+    reduce_columns(ct, rm, reduction_operation::max, -INFINITY);
+    for (int i = 0; i < rm.get_capacity(); ++i)
+      if (rm.is_valid_element(i)) row_max[lane * M + rm.get_multidimensional_index(i)[0]] = rm[i];
+  } else {
+    auto rm = op.template get_row_reduction_destination_cooperative_tensor<decltype(ts), decltype(ts), float>();
+    reduce_rows(ct, rm, reduction_operation::max, -INFINITY);
+    for (int i = 0; i < rm.get_capacity(); ++i)
+      if (rm.is_valid_element(i)) row_max[lane * M + rm.get_multidimensional_index(i)[0]] = rm[i];
+  }
+}
+template [[host_name("mpp_reduce_16x32")]] [[kernel]] decltype(mpp_reduce<16, 32, false>) mpp_reduce<16, 32, false>;
+template [[host_name("mpp_reduce_16x16")]] [[kernel]] decltype(mpp_reduce<16, 16, false>) mpp_reduce<16, 16, false>;
+template [[host_name("mpp_reduce_16x16_columns_bug")]] [[kernel]] decltype(mpp_reduce<16, 16, true>)
+    mpp_reduce<16, 16, true>;

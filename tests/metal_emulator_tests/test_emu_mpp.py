@@ -1,0 +1,174 @@
+"""MPP tensor ops (MSL 4): matmul2d and cooperative-tensor reductions against
+float64 references under both lane layouts, and the planted bugs each check
+catches (README.md, "MPP tensor ops")."""
+
+import numpy as np
+import pytest
+import torch
+from conftest import kernel_path
+
+from metal_emulator import EmulatorError, compile_library
+from metal_emulator import _build
+
+LAYOUTS = ("m5", "scrambled")
+
+
+def lib(instrumented=False):
+    return compile_library([kernel_path("mpp.metal")], instrumented=instrumented, msl=4)
+
+
+def poisoned(*shape):
+    return np.full(shape, np.nan, np.float32)
+
+
+def f64(t):
+    return t.to(torch.float64).numpy()
+
+
+def assert_product(out, expect, bound, k):
+    """float32 accumulation of k products: |error| <= 2 k eps32 (|A||B| + |C|)."""
+    tol = 2 * k * 2.0**-24 * bound + 1e-30
+    err = np.abs(out.astype(np.float64) - expect)
+    assert np.all(err <= tol), f"max error {err.max()} (max allowed {tol.max()})"
+
+
+# (kernel, dtype, M, N, K, transpose_left, transpose_right, accumulate, slice offsets a_x, a_y, b_x, b_y)
+GEMMS = [
+    ("mpp_gemm_half_16x32_nt_mul", torch.float16, 16, 32, 24, False, True, False, (3, 1, 0, 2)),
+    ("mpp_gemm_bfloat_16x32_tn_acc", torch.bfloat16, 16, 32, 40, True, False, True, (0, 5, 2, 0)),
+    ("mpp_gemm_float_20x24_nn_acc", torch.float32, 20, 24, 17, False, False, True, (1, 1, 1, 1)),
+    ("mpp_gemm_float_20x24_tt_mul", torch.float32, 20, 24, 9, True, True, False, (2, 0, 0, 3)),
+]
+
+
+def stored(rng, dtype, rows, cols, x, y):
+    """A rows x cols matrix at column x, row y of a larger row-major array (leading dimension > x + cols)."""
+    full = torch.from_numpy(rng.standard_normal((y + rows + 1, x + cols + 3))).to(dtype)
+    return full, full[y:y + rows, x:x + cols]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("case", GEMMS, ids=[g[0] for g in GEMMS])
+def test_gemm_tile_matches_float64(case, layout):
+    name, dtype, m, n, k, tl, tr, acc, (ax, ay, bx, by) = case
+    rng = np.random.default_rng(7)
+    a_full, a = stored(rng, dtype, *((k, m) if tl else (m, k)), ax, ay)
+    b_full, b = stored(rng, dtype, *((n, k) if tr else (k, n)), bx, by)
+    ldc = n + 5
+    c = rng.standard_normal((m, ldc)).astype(np.float32)
+    out = poisoned(m, ldc)
+    p = np.array([k, a_full.shape[1], b_full.shape[1], ldc, ax, ay, bx, by], np.int32)
+    lib().dispatch(name, buffers={0: a_full, 1: b_full, 2: c, 3: out}, bytes={4: p.tobytes()}, grid=(1,),
+                   threadgroup=(32,), mpp_layout=layout)
+    la, lb = f64(a.T if tl else a), f64(b.T if tr else b)
+    cc = c[:, :n].astype(np.float64) if acc else 0.0
+    assert_product(out[:, :n], la @ lb + cc, np.abs(la) @ np.abs(lb) + np.abs(cc), k)
+    assert np.isnan(out[:, n:]).all()  # nothing written past the tile
+
+
+def two_phase_inputs():
+    rng = np.random.default_rng(3)
+    a, b, v = (torch.from_numpy(rng.standard_normal(s)).to(torch.float16) for s in ((32, 16), (16, 16), (16, 16)))
+    out = rng.standard_normal((32, 16)).astype(np.float32)
+    return a, b, v, out
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_two_phase_through_threadgroup_memory(layout):
+    """execution_simdgroups<2>: a cooperative tensor stored to threadgroup memory, a barrier, then
+    multiply_accumulate into device memory; the instrumented build finds no race."""
+    a, b, v, out = two_phase_inputs()
+    out0 = out.astype(np.float64)
+    counts = lib(True).dispatch("mpp_two_phase", buffers={0: a, 1: b, 2: v, 3: out}, grid=(1,), threadgroup=(64,),
+                                mpp_layout=layout)
+    assert counts.threadgroup_barriers == 1  # run()'s rendezvous is not counted as a barrier
+    p = (f64(a) @ f64(b)).astype(np.float32).astype(np.float64)  # P is stored as float
+    assert_product(out, p @ f64(v) + out0, np.abs(p) @ np.abs(f64(v)) + np.abs(out0), 16)
+
+
+def test_missing_barrier_between_phases_is_a_race():
+    a, b, v, out = two_phase_inputs()
+    with pytest.raises(EmulatorError) as e:
+        lib(True).dispatch("mpp_two_phase_bug", buffers={0: a, 1: b, 2: v, 3: out}, grid=(1,), threadgroup=(64,))
+    assert "race" in e.value.kinds and "read-after-write" in str(e.value), str(e.value)
+
+
+@pytest.mark.parametrize("threads", [32, 96])
+def test_simdgroup_count_other_than_the_scope_is_a_usage_finding(threads):
+    a, b, v, out = two_phase_inputs()
+    with pytest.raises(EmulatorError) as e:
+        lib().dispatch("mpp_two_phase", buffers={0: a, 1: b, 2: v, 3: out}, grid=(1,), threadgroup=(threads,))
+    assert e.value.kinds == {"usage"} and "execution_simdgroups<N>" in str(e.value), str(e.value)
+
+
+@pytest.mark.parametrize("name,threads,kind", [("mpp_divergent_lanes_bug", 32, "simd-divergence"),
+                                               ("mpp_divergent_simdgroups_bug", 64, "barrier-divergence")])
+def test_run_reached_by_part_of_its_scope_is_divergence(name, threads, kind):
+    a = torch.randn(16, 16).to(torch.float16)
+    with pytest.raises(EmulatorError) as e:
+        lib().dispatch(name, buffers={0: a, 1: poisoned(16, 16)}, grid=(1,), threadgroup=(threads,))
+    assert kind in e.value.kinds and "matmul2d run" in str(e.value), str(e.value)
+
+
+def hardcoded_map(layout, seed=1):
+    rng = np.random.default_rng(5)
+    a, b = (torch.from_numpy(rng.standard_normal(s)).to(torch.float16) for s in ((16, 16), (16, 32)))
+    out = poisoned(16, 32)
+    lib().dispatch("mpp_hardcoded_map_bug", buffers={0: a, 1: b, 2: out}, grid=(1,), threadgroup=(32,),
+                   mpp_layout=layout, mpp_seed=seed)
+    la, lb = f64(a), f64(b)
+    return out, la @ lb, np.abs(la) @ np.abs(lb)
+
+
+def test_hardcoded_lane_map_is_right_under_m5_only():
+    out, expect, bound = hardcoded_map("m5")  # "m5" is the map MLX hard-codes: slot for slot
+    assert_product(out, expect, bound, 16)
+    for seed in (1, 2):
+        out, expect, bound = hardcoded_map("scrambled", seed)
+        with pytest.raises(AssertionError):
+            assert_product(out, expect, bound, 16)
+
+
+def reduce(name, m, n, layout):
+    s = np.random.default_rng(11).standard_normal((m, n)).astype(np.float32)
+    row_max, row_sum, col_max = poisoned(32, m), poisoned(32, m), poisoned(32, n)
+    lib().dispatch(name, buffers={0: s, 1: row_max, 2: row_sum, 3: col_max}, grid=(1,), threadgroup=(32,),
+                   mpp_layout=layout)
+    return s, row_max, row_sum, col_max
+
+
+def check_reduction(per_lane, expect, tol, layout, replicas=None):
+    """Every row (column) is held by at least one lane, every lane holding it has the right value."""
+    for r in range(per_lane.shape[1]):
+        held = per_lane[~np.isnan(per_lane[:, r]), r]
+        assert held.size >= 1, f"index {r} held by no lane"
+        if replicas is not None and layout == "m5":
+            assert held.size == replicas, (r, held.size)
+        assert np.all(np.abs(held - expect[r]) <= tol[r]), (r, held, expect[r])
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("name,m,n", [("mpp_reduce_16x32", 16, 32), ("mpp_reduce_16x16", 16, 16)])
+def test_reductions_match_float64(name, m, n, layout):
+    s, row_max, row_sum, col_max = reduce(name, m, n, layout)
+    s64 = s.astype(np.float64)
+    # m5: a row of a 16-row tile is held by 4 lanes (MLX get_coord), a column by 8
+    check_reduction(row_max, s64.max(1), np.zeros(m), layout, replicas=4)
+    check_reduction(row_sum, s64.sum(1), n * 2.0**-24 * np.abs(s64).sum(1), layout, replicas=4)
+    check_reduction(col_max, s64.max(0), np.zeros(n), layout, replicas=8)
+
+
+def test_row_reduction_over_the_wrong_dimension_is_caught():
+    for layout in LAYOUTS:
+        s, row_max, *_ = reduce("mpp_reduce_16x16_columns_bug", 16, 16, layout)
+        with pytest.raises(AssertionError):
+            check_reduction(row_max, s.astype(np.float64).max(1), np.zeros(16), layout)
+
+
+def test_bad_layout_and_msl_version_are_refused():
+    with pytest.raises(EmulatorError, match="mpp_layout must be one of"):
+        lib().dispatch("mpp_reduce_16x16", buffers={i: poisoned(32, 16) for i in range(4)}, mpp_layout="m4")
+    with pytest.raises(ValueError, match="msl must be one of"):
+        compile_library([kernel_path("mpp.metal")], msl=5)
+    # the shipped shaders' build keeps MSL 3.1 in C++17
+    assert "-std=c++17" in _build.common_flags() and "-D__METAL_VERSION__=310" in _build.common_flags()
