@@ -172,3 +172,43 @@ def test_bad_layout_and_msl_version_are_refused():
         compile_library([kernel_path("mpp.metal")], msl=5)
     # the shipped shaders' build keeps MSL 3.1 in C++17
     assert "-std=c++17" in _build.common_flags() and "-D__METAL_VERSION__=310" in _build.common_flags()
+
+
+def tf32(x):
+    """float32 -> 10 mantissa bits, to nearest even (the emulator's relaxed_precision)."""
+    b = x.astype(np.float32).view(np.uint32).astype(np.uint64)
+    b = (b + 0xFFF + ((b >> 13) & 1)) & ~np.uint64(0x1FFF)
+    return b.astype(np.uint32).view(np.float32)
+
+
+def slots(name, layout, instrumented=False):
+    rng = np.random.default_rng(13)
+    s, a, b = (rng.standard_normal((16, 16)).astype(np.float32) for _ in range(3))
+    out, out2 = poisoned(16, 16), poisoned(16, 16)
+    lib(instrumented).dispatch(name, buffers={0: s, 1: out, 2: a, 3: b, 4: out2}, grid=(1,), threadgroup=(32,),
+                               mpp_layout=layout)
+    return s, out, a, b, out2
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_copy_through_slots_and_relaxed_precision(layout):
+    s, out, a, b, out2 = slots("mpp_slots", layout, instrumented=True)
+    np.testing.assert_array_equal(out, s)
+    ra, rb = tf32(a).astype(np.float64), tf32(b).astype(np.float64)
+    assert_product(out2, ra @ rb, np.abs(ra) @ np.abs(rb), 16)
+    with pytest.raises(AssertionError):  # TF32-sized, not float32-sized, errors
+        a64, b64 = a.astype(np.float64), b.astype(np.float64)
+        assert_product(out2, a64 @ b64, np.abs(a64) @ np.abs(b64), 16)
+
+
+def test_ignoring_is_valid_element_is_caught_under_scrambled():
+    s, out, *_ = slots("mpp_slots_ignore_valid_bug", "m5", instrumented=True)  # a full 16 x 16 tile: no invalid slot
+    np.testing.assert_array_equal(out, s)
+    with pytest.raises(EmulatorError) as e:
+        slots("mpp_slots_ignore_valid_bug", "scrambled", instrumented=True)
+    assert "out-of-bounds" in e.value.kinds, str(e.value)
+
+
+def test_accumulating_into_an_uncleared_cooperative_tensor_is_nan():
+    *_, out2 = slots("mpp_slots_uncleared_bug", "m5")
+    assert np.isnan(out2).all()

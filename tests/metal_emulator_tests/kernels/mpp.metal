@@ -141,3 +141,37 @@ template [[host_name("mpp_reduce_16x32")]] [[kernel]] decltype(mpp_reduce<16, 32
 template [[host_name("mpp_reduce_16x16")]] [[kernel]] decltype(mpp_reduce<16, 16, false>) mpp_reduce<16, 16, false>;
 template [[host_name("mpp_reduce_16x16_columns_bug")]] [[kernel]] decltype(mpp_reduce<16, 16, true>)
     mpp_reduce<16, 16, true>;
+
+// A 16 x 16 float tile s: copied through a destination cooperative tensor
+// (IGNORE_VALID: the planted bug, every slot below the capacity written,
+// is_valid_element never asked), and A B with relaxed_precision into out2.
+// UNCLEARED: the planted bug, multiply_accumulate into a cooperative tensor
+// that was never cleared or loaded.
+template <bool IGNORE_VALID, bool UNCLEARED>
+[[kernel]] void mpp_slots(device float* s [[buffer(0)]], device float* out [[buffer(1)]],
+                          device float* a [[buffer(2)]], device float* b [[buffer(3)]],
+                          device float* out2 [[buffer(4)]]) {
+  auto ts = tensor(s, dextents<int, 2>(16, 16));
+  auto ta = tensor(a, dextents<int, 2>(16, 16));
+  auto tb = tensor(b, dextents<int, 2>(16, 16));
+  constexpr auto copy = matmul2d_descriptor(16, 16, 16);
+  matmul2d<copy, execution_simdgroup> op;
+  auto ct = op.template get_destination_cooperative_tensor<decltype(ts), decltype(ts), float>();
+  ct.load(ts);
+  for (int i = 0; i < ct.get_capacity(); ++i) {
+    if (!IGNORE_VALID && !ct.is_valid_element(i)) continue;
+    auto idx = ct.get_multidimensional_index(i);
+    out[idx[1] * 16 + idx[0]] = ct[i];
+  }
+  constexpr auto relaxed = matmul2d_descriptor(16, 16, 16, false, false, true,
+                                               UNCLEARED ? matmul2d_descriptor::mode::multiply_accumulate
+                                                         : matmul2d_descriptor::mode::multiply);
+  matmul2d<relaxed, execution_simdgroup> op2;
+  auto ct2 = op2.template get_destination_cooperative_tensor<decltype(ta), decltype(tb), float>();
+  op2.run(ta, tb, ct2);
+  ct2.store(tensor(out2, dextents<int, 2>(16, 16)));
+}
+template [[host_name("mpp_slots")]] [[kernel]] decltype(mpp_slots<false, false>) mpp_slots<false, false>;
+template [[host_name("mpp_slots_ignore_valid_bug")]] [[kernel]] decltype(mpp_slots<true, false>)
+    mpp_slots<true, false>;
+template [[host_name("mpp_slots_uncleared_bug")]] [[kernel]] decltype(mpp_slots<false, true>) mpp_slots<false, true>;
