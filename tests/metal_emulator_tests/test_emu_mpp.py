@@ -101,6 +101,13 @@ def test_simdgroup_count_other_than_the_scope_is_a_usage_finding(threads):
     assert e.value.kinds == {"usage"} and "execution_simdgroups<N>" in str(e.value), str(e.value)
 
 
+def test_ragged_simdgroup_is_a_usage_finding():
+    a, b = torch.randn(16, 16).to(torch.float16), torch.randn(16, 32).to(torch.float16)
+    with pytest.raises(EmulatorError) as e:  # SIMD-group 1 of a 48-thread threadgroup has 16 lanes
+        lib().dispatch("mpp_hardcoded_map_bug", buffers={0: a, 1: b, 2: poisoned(16, 32)}, grid=(1,), threadgroup=(48,))
+    assert e.value.kinds == {"usage"} and "full 32-lane" in str(e.value), str(e.value)
+
+
 @pytest.mark.parametrize("name,threads,kind", [("mpp_divergent_lanes_bug", 32, "simd-divergence"),
                                                ("mpp_divergent_simdgroups_bug", 64, "barrier-divergence")])
 def test_run_reached_by_part_of_its_scope_is_divergence(name, threads, kind):
