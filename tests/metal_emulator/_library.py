@@ -52,7 +52,8 @@ class _DispatchDesc(ctypes.Structure):
 
 
 class _KernelCounts(ctypes.Structure):
-    _fields_ = [(n, ctypes.c_ulonglong) for n in ("simdgroup_mmas", "simdgroup_loads", "simdgroup_stores", "exp2_calls")]
+    _fields_ = [(n, ctypes.c_ulonglong) for n in ("simdgroup_mmas", "simdgroup_loads", "simdgroup_stores", "exp2_calls",
+                                                  "mpp_runs", "mpp_flops")]
 
 
 class _CountsDesc(ctypes.Structure):
@@ -91,7 +92,9 @@ class DispatchCounts:
     (simdgroup_multiply_accumulate and simdgroup_multiply), simdgroup_loads
     and simdgroup_stores, once per SIMD-group per call; exp2_calls (metal::,
     fast:: and precise:: exp2 and exp, per thread per call, a vector of n
-    elements counting n).
+    elements counting n); mpp_runs (MPP matmul2d run(), once per scope per
+    call: per SIMD-group on execution_simdgroup, per threadgroup on
+    execution_simdgroups<N>) and mpp_flops (2 M N K per counted run).
 
     Instrumented build only (None in the fast build, whose loads and stores
     are not hooked): device_bytes_read / device_bytes_written, the bytes of
@@ -133,6 +136,8 @@ class DispatchCounts:
     device_unique_bytes_read_by_index: dict[int, int] | None = None
     device_load_requests_by_index: dict[int, int] | None = None
     device_request_bytes_by_index: dict[int, int] | None = None
+    mpp_runs: int = 0
+    mpp_flops: int = 0
 
 
 def _counts(raw: _CountsDesc, instrumented: bool, indices) -> DispatchCounts:
@@ -158,7 +163,8 @@ def _counts(raw: _CountsDesc, instrumented: bool, indices) -> DispatchCounts:
                           threadgroup_barriers=int(raw.threadgroup_barriers),
                           simdgroup_barriers=int(raw.simdgroup_barriers), simdgroup_mmas=int(k.simdgroup_mmas),
                           simdgroup_loads=int(k.simdgroup_loads), simdgroup_stores=int(k.simdgroup_stores),
-                          exp2_calls=int(k.exp2_calls), **exact)
+                          exp2_calls=int(k.exp2_calls), mpp_runs=int(k.mpp_runs), mpp_flops=int(k.mpp_flops),
+                          **exact)
 
 
 _UNSET = 2**64 - 1

@@ -58,8 +58,9 @@ def test_gemm_tile_matches_float64(case, layout):
     c = rng.standard_normal((m, ldc)).astype(np.float32)
     out = poisoned(m, ldc)
     p = np.array([k, a_full.shape[1], b_full.shape[1], ldc, ax, ay, bx, by], np.int32)
-    lib().dispatch(name, buffers={0: a_full, 1: b_full, 2: c, 3: out}, bytes={4: p.tobytes()}, grid=(1,),
-                   threadgroup=(32,), mpp_layout=layout)
+    counts = lib().dispatch(name, buffers={0: a_full, 1: b_full, 2: c, 3: out}, bytes={4: p.tobytes()}, grid=(1,),
+                            threadgroup=(32,), mpp_layout=layout)
+    assert (counts.mpp_runs, counts.mpp_flops) == (1, 2 * m * n * k)  # K read from the left operand
     la, lb = f64(a.T if tl else a), f64(b.T if tr else b)
     cc = c[:, :n].astype(np.float64) if acc else 0.0
     assert_product(out[:, :n], la @ lb + cc, np.abs(la) @ np.abs(lb) + np.abs(cc), k)
@@ -82,6 +83,7 @@ def test_two_phase_through_threadgroup_memory(layout):
     counts = lib(True).dispatch("mpp_two_phase", buffers={0: a, 1: b, 2: v, 3: out}, grid=(1,), threadgroup=(64,),
                                 mpp_layout=layout)
     assert counts.threadgroup_barriers == 1  # run()'s rendezvous is not counted as a barrier
+    assert (counts.mpp_runs, counts.mpp_flops) == (2, 2 * (2 * 32 * 16 * 16))  # once per threadgroup per run()
     p = (f64(a) @ f64(b)).astype(np.float32).astype(np.float64)  # P is stored as float
     assert_product(out, p @ f64(v) + out0, np.abs(p) @ np.abs(f64(v)) + np.abs(out0), 16)
 

@@ -113,6 +113,8 @@ struct fm_kernel_counts {
   unsigned long long simdgroup_loads;   // simdgroup_load, once per SIMD-group per call
   unsigned long long simdgroup_stores;  // simdgroup_store, once per SIMD-group per call
   unsigned long long exp2_calls;        // exp / exp2 (metal::, fast::, precise::), per thread per element
+  unsigned long long mpp_runs;          // MPP matmul2d run(), once per scope (1 or N SIMD-groups) per call
+  unsigned long long mpp_flops;         // 2 M N K of each counted run() (K as run() read it)
 };
 extern struct fm_kernel_counts fm_rt_counts;
 

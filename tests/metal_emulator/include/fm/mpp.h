@@ -119,6 +119,14 @@ struct matmul2d {
     }
   }
 
+  // One count per scope per call (Library.dispatch's mpp_runs / mpp_flops),
+  // by the scope's thread 0 after the rendezvous every thread reaches.
+  static void count(int kk) {
+    if (scope_thread() != 0) return;
+    fm_rt_counts.mpp_runs++;
+    fm_rt_counts.mpp_flops += 2ull * unsigned(M) * unsigned(N) * unsigned(kk);
+  }
+
   // Operand elements outside a tensor's extents read as zero and are not
   // touched (mtlattn runs tail key blocks with shorter extents than the
   // descriptor's; inferred, not documented).
@@ -153,6 +161,7 @@ struct matmul2d {
   void run(const L& a, const R& b, cooperative_tensor<E, matmul2d, fm_detail::kDest>& d, FMEMU_MPP_SITE_PARAMS) const {
     enter("matmul2d run", file, line, col);
     const int kk = depth(a);
+    count(kk);
     const bool acc = D.matmul_mode == matmul2d_descriptor::mode::multiply_accumulate;
     for (int i = 0; i < d.cap; ++i) {
       int e = d.map[i];
@@ -166,6 +175,7 @@ struct matmul2d {
   void run(const L& a, const R& b, const metal::tensor<T, X, G>& d, FMEMU_MPP_SITE_PARAMS) const {
     enter("matmul2d run", file, line, col);
     const int kk = depth(a);
+    count(kk);
     const bool acc = D.matmul_mode == matmul2d_descriptor::mode::multiply_accumulate;
     const ::fmemu::mpp::DestLayout lay = dest_layout();
     const unsigned t = scope_thread();
