@@ -221,3 +221,27 @@ def test_ignoring_is_valid_element_is_caught_under_scrambled():
 def test_accumulating_into_an_uncleared_cooperative_tensor_is_nan():
     *_, out2 = slots("mpp_slots_uncleared_bug", "m5")
     assert np.isnan(out2).all()
+
+
+def chain(name, layout, instrumented=False):
+    rng = np.random.default_rng(17)
+    q, k, v = (torch.from_numpy(rng.standard_normal((16, 16))).to(torch.float16) for _ in range(3))
+    out = poisoned(16, 16)
+    counts = lib(instrumented).dispatch(name, buffers={0: q, 1: k, 2: v, 3: out}, grid=(1,), threadgroup=(32,),
+                                        mpp_layout=layout)
+    p = (f64(q) @ f64(k).T).astype(np.float32).astype(np.float64)  # S is float
+    return counts, out, p @ f64(v), np.abs(p) @ np.abs(f64(v))
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_destination_converted_to_left_input(layout):
+    counts, out, expect, bound = chain("mpp_chain", layout, instrumented=True)
+    assert_product(out, expect, bound, 16)
+    assert counts.mpp_runs == 2
+
+
+def test_slot_by_slot_copy_into_an_input_is_right_under_m5_only():
+    """PyTorch #191794's bug: a destination copied slot for slot into the next op's input."""
+    assert_product(*chain("mpp_chain_slot_copy_bug", "m5")[1:], 16)
+    with pytest.raises(AssertionError):
+        assert_product(*chain("mpp_chain_slot_copy_bug", "scrambled")[1:], 16)

@@ -175,3 +175,36 @@ template [[host_name("mpp_slots")]] [[kernel]] decltype(mpp_slots<false, false>)
 template [[host_name("mpp_slots_ignore_valid_bug")]] [[kernel]] decltype(mpp_slots<true, false>)
     mpp_slots<true, false>;
 template [[host_name("mpp_slots_uncleared_bug")]] [[kernel]] decltype(mpp_slots<false, true>) mpp_slots<false, true>;
+
+// S = Q K^T (16 x 16, K = 16) into a destination cooperative tensor, then
+// out = P V on a second op with P = S as its left-input cooperative tensor
+// and V loaded into its right-input one. CONVERT: P converted through
+// get_left_input_cooperative_tensor(S). The planted bug: P filled slot by
+// slot from S (MLX's ct[i] = frag[i]), right only where both layouts agree.
+template <bool CONVERT>
+[[kernel]] void mpp_chain(device half* q [[buffer(0)]], device half* k [[buffer(1)]], device half* v [[buffer(2)]],
+                          device float* out [[buffer(3)]]) {
+  auto tq = tensor(q, dextents<int, 2>(16, 16));
+  auto tk = tensor(k, dextents<int, 2>(16, 16));
+  auto tv = tensor(v, dextents<int, 2>(16, 16));
+  constexpr auto d1 = matmul2d_descriptor(16, 16, 16, false, true);
+  constexpr auto d2 = matmul2d_descriptor(16, 16, 16);
+  matmul2d<d1, execution_simdgroup> qk;
+  matmul2d<d2, execution_simdgroup> pv;
+  auto s = qk.template get_destination_cooperative_tensor<decltype(tq), decltype(tk), float>();
+  qk.run(tq, tk, s);
+  auto vin = pv.template get_right_input_cooperative_tensor<float, half, float>();
+  vin.load(tv);
+  auto o = pv.template get_destination_cooperative_tensor<decltype(tq), decltype(tv), float>();
+  if (CONVERT) {
+    auto p = pv.template get_left_input_cooperative_tensor<float, half, float>(s);
+    pv.run(p, vin, o);
+  } else {
+    auto p = pv.template get_left_input_cooperative_tensor<float, half, float>();
+    for (int i = 0; i < p.get_capacity(); ++i) p[i] = s[i];
+    pv.run(p, vin, o);
+  }
+  o.store(tensor(out, dextents<int, 2>(16, 16)));
+}
+template [[host_name("mpp_chain")]] [[kernel]] decltype(mpp_chain<true>) mpp_chain<true>;
+template [[host_name("mpp_chain_slot_copy_bug")]] [[kernel]] decltype(mpp_chain<false>) mpp_chain<false>;

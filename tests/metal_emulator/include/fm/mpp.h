@@ -58,7 +58,8 @@ template <class T> inline T poison() { return T(__builtin_nanf("")); }
 template <> inline int poison<int>() { return int(0x7fc00000); }
 // A kind-0 cooperative tensor is an op's M x N destination; kind 1 its row
 // reduction destination (M values), kind 2 its column reduction (N values).
-constexpr int kDest = 0, kRows = 1, kCols = 2;
+// Kinds 3 and 4: the op's left (M x K) and right (K x N) input operands.
+constexpr int kDest = 0, kRows = 1, kCols = 2, kLeft = 3, kRight = 4;
 // relaxed_precision with float operands: the emulator rounds them to TF32
 // (10 mantissa bits, to nearest even), the largest loss reported for an Apple
 // matmul (MLX #3897, omlx #2135); Apple documents no bound. Half and bfloat
@@ -75,12 +76,32 @@ template <class T> inline float to_float(T v) { return float(v); }
 template <class Elem, class Op, int Kind>
 struct cooperative_tensor;
 
+namespace fm_detail {
+// A tensor operand of run(), read in place: x the column, y the row.
+template <class T>
+struct tensor_view {
+  const T& t;
+  int ext(int r) const { return int(t.get_extent(r)); }
+  float get(int x, int y) const { return to_float(t.at(x, y)); }
+};
+// A cooperative-tensor operand of run(), gathered from the SIMD-group's lanes.
+template <int R, int C>
+struct tile_view {
+  float v[R * C];
+  int ext(int r) const { return r == 0 ? C : R; }
+  float get(int x, int y) const { return v[y * C + x]; }
+};
+template <class E, class Op, int Kind>
+void gather(const cooperative_tensor<E, Op, Kind>& ct, float* tile, const char* what, const char* file, int line,
+            int col);
+}  // namespace fm_detail
+
 template <matmul2d_descriptor D, class Scope>
 struct matmul2d {
   static_assert(Scope::simdgroups >= 1, "the emulator models SIMD-group scopes only (not execution_thread)");
   static_assert(D.m > 0 && D.n > 0, "the emulator needs static m and n in matmul2d_descriptor");
   static constexpr matmul2d_descriptor desc = D;
-  static constexpr int M = D.m, N = D.n, S = Scope::simdgroups;
+  static constexpr int M = D.m, N = D.n, K = D.k, S = Scope::simdgroups;
   static constexpr bool multi = Scope::multi;
 
   // The layout of this op's destination in the current dispatch.
@@ -90,11 +111,53 @@ struct matmul2d {
     for (long long f : fields) k = ::fmemu::mpp::mix(k ^ (unsigned long long)f);
     return ::fmemu::mpp::DestLayout{M, N, S, k, fm_rt_mpp.layout};
   }
+  // The layout of a cooperative tensor of this op: reduction destinations
+  // derive from the destination's; input operands (M x K, K x N) have their
+  // own (scrambled: keyed apart from the destination's, so a slot-by-slot
+  // copy between a destination and an input is wrong).
+  static ::fmemu::mpp::DestLayout layout(int kind) {
+    ::fmemu::mpp::DestLayout d = dest_layout();
+    if (kind == fm_detail::kLeft || kind == fm_detail::kRight) {
+      d.m = kind == fm_detail::kLeft ? M : K;
+      d.n = kind == fm_detail::kLeft ? K : N;
+      d.key = ::fmemu::mpp::mix(d.key ^ (unsigned long long)kind);
+    }
+    return d;
+  }
   // This thread's index within the op's scope.
   static unsigned scope_thread() { return (multi ? fm_rt_simd_group_index() * 32u : 0u) + fm_rt_simd_lane(); }
 
   template <class L, class R, class E>
   cooperative_tensor<E, matmul2d, fm_detail::kDest> get_destination_cooperative_tensor() const { return {}; }
+  // Input operands as cooperative tensors (later SDKs; one SIMD-group here,
+  // static K): empty, or converted from another op's destination of the same
+  // shape (a collective: the values move between lanes by the two layouts).
+  template <class LE, class RE, class DE>
+  cooperative_tensor<LE, matmul2d, fm_detail::kLeft> get_left_input_cooperative_tensor() const { return {}; }
+  template <class LE, class RE, class DE>
+  cooperative_tensor<RE, matmul2d, fm_detail::kRight> get_right_input_cooperative_tensor() const { return {}; }
+  template <class LE, class RE, class DE, class E2, class Op2>
+  cooperative_tensor<LE, matmul2d, fm_detail::kLeft> get_left_input_cooperative_tensor(
+      const cooperative_tensor<E2, Op2, fm_detail::kDest>& src, FMEMU_MPP_SITE_PARAMS) const {
+    static_assert(Op2::M == M && Op2::N == K, "get_left_input_cooperative_tensor: the source must be M x K");
+    return convert<LE, fm_detail::kLeft>(src, "get_left_input_cooperative_tensor", file, line, col);
+  }
+  template <class LE, class RE, class DE, class E2, class Op2>
+  cooperative_tensor<RE, matmul2d, fm_detail::kRight> get_right_input_cooperative_tensor(
+      const cooperative_tensor<E2, Op2, fm_detail::kDest>& src, FMEMU_MPP_SITE_PARAMS) const {
+    static_assert(Op2::M == K && Op2::N == N, "get_right_input_cooperative_tensor: the source must be K x N");
+    return convert<RE, fm_detail::kRight>(src, "get_right_input_cooperative_tensor", file, line, col);
+  }
+  template <class E, int Kind, class Src>
+  static cooperative_tensor<E, matmul2d, Kind> convert(const Src& src, const char* what, const char* file, int line,
+                                                        int col) {
+    cooperative_tensor<E, matmul2d, Kind> ct;
+    float tile[Src::R * Src::C];
+    fm_detail::gather(src, tile, what, file, line, col);
+    for (int i = 0; i < ct.cap; ++i)
+      if (ct.map[i] >= 0) ct.v[i] = E(tile[ct.map[i]]);
+    return ct;
+  }
   template <class L, class R, class E>
   cooperative_tensor<E, matmul2d, fm_detail::kRows> get_row_reduction_destination_cooperative_tensor() const { return {}; }
   template <class L, class R, class E>
@@ -127,26 +190,43 @@ struct matmul2d {
     fm_rt_counts.mpp_flops += 2ull * unsigned(M) * unsigned(N) * unsigned(kk);
   }
 
+  // Operands: tensors are read in place, cooperative tensors (this op's
+  // inputs) gathered from the SIMD-group first (a collective).
+  template <class T, class X, class G>
+  static fm_detail::tensor_view<metal::tensor<T, X, G>> view(const metal::tensor<T, X, G>& t, int, const char*, int,
+                                                             int) {
+    return {t};
+  }
+  template <class E, int Kind>
+  static fm_detail::tile_view<cooperative_tensor<E, matmul2d, Kind>::R, cooperative_tensor<E, matmul2d, Kind>::C> view(
+      const cooperative_tensor<E, matmul2d, Kind>& ct, int want, const char* file, int line, int col) {
+    static_assert(Kind == fm_detail::kLeft || Kind == fm_detail::kRight,
+                  "run(): a cooperative-tensor operand must be this op's left or right input");
+    static_assert(S == 1, "the emulator takes cooperative-tensor operands on one SIMD-group only");
+    if (Kind != want) fm_rt_fail("run(): a left-input cooperative tensor passed as the right operand or back", file, line);
+    if (Kind == fm_detail::kLeft ? D.transpose_left : D.transpose_right)
+      fm_rt_fail("run(): a transposed cooperative-tensor operand (not emulated)", file, line);
+    fm_detail::tile_view<cooperative_tensor<E, matmul2d, Kind>::R, cooperative_tensor<E, matmul2d, Kind>::C> v;
+    fm_detail::gather(ct, v.v, "matmul2d run (cooperative operand)", file, line, col);
+    return v;
+  }
+
   // Operand elements outside a tensor's extents read as zero and are not
   // touched (mtlattn runs tail key blocks with shorter extents than the
   // descriptor's; inferred, not documented).
   template <class L>
   static float left(const L& a, int m, int k) {
     int x = D.transpose_left ? m : k, y = D.transpose_left ? k : m;
-    if (x >= int(a.get_extent(0)) || y >= int(a.get_extent(1))) return 0.0f;
-    float v = fm_detail::to_float(a.at(x, y));
+    if (x >= a.ext(0) || y >= a.ext(1)) return 0.0f;
+    float v = a.get(x, y);
     return D.relaxed_precision ? fm_detail::relax(v) : v;
   }
   template <class R>
   static float right(const R& b, int k, int n) {
     int x = D.transpose_right ? k : n, y = D.transpose_right ? n : k;
-    if (x >= int(b.get_extent(0)) || y >= int(b.get_extent(1))) return 0.0f;
-    float v = fm_detail::to_float(b.at(x, y));
+    if (x >= b.ext(0) || y >= b.ext(1)) return 0.0f;
+    float v = b.get(x, y);
     return D.relaxed_precision ? fm_detail::relax(v) : v;
-  }
-  template <class L>
-  static int depth(const L& a) {
-    return D.k >= 0 ? D.k : int(a.get_extent(D.transpose_left ? 1 : 0));
   }
   // Element (m, n) of A * B: products and sums in float, fma in k order from
   // `acc` (the order inside Apple's run() is not documented).
@@ -156,12 +236,20 @@ struct matmul2d {
     return acc;
   }
 
-  // run() into a destination cooperative tensor (this thread's slots only).
-  template <class L, class R, class E>
-  void run(const L& a, const R& b, cooperative_tensor<E, matmul2d, fm_detail::kDest>& d, FMEMU_MPP_SITE_PARAMS) const {
+  // run(left, right, dest): left and right are tensors or this op's input
+  // cooperative tensors; dest a destination cooperative tensor or a tensor.
+  template <class L, class R, class Dst>
+  void run(const L& a, const R& b, Dst&& d, FMEMU_MPP_SITE_PARAMS) const {
     enter("matmul2d run", file, line, col);
-    const int kk = depth(a);
+    const auto va = view(a, fm_detail::kLeft, file, line, col);
+    const auto vb = view(b, fm_detail::kRight, file, line, col);
+    const int kk = D.k >= 0 ? D.k : va.ext(D.transpose_left ? 1 : 0);  // a dynamic K: the left operand's
     count(kk);
+    write(va, vb, kk, d);
+  }
+  // Into a destination cooperative tensor: this thread's slots only.
+  template <class VA, class VB, class E>
+  static void write(const VA& a, const VB& b, int kk, cooperative_tensor<E, matmul2d, fm_detail::kDest>& d) {
     const bool acc = D.matmul_mode == matmul2d_descriptor::mode::multiply_accumulate;
     for (int i = 0; i < d.cap; ++i) {
       int e = d.map[i];
@@ -169,13 +257,10 @@ struct matmul2d {
       d.v[i] = E(dot(a, b, e / N, e % N, kk, acc ? fm_detail::to_float(d.v[i]) : 0.0f));
     }
   }
-  // run() into a tensor in memory: each element is computed and written by
-  // the scope thread whose destination slot holds it in this layout.
-  template <class L, class R, class T, class X, class G>
-  void run(const L& a, const R& b, const metal::tensor<T, X, G>& d, FMEMU_MPP_SITE_PARAMS) const {
-    enter("matmul2d run", file, line, col);
-    const int kk = depth(a);
-    count(kk);
+  // Into a tensor in memory: each element is computed and written by the
+  // scope thread whose destination slot holds it in this layout.
+  template <class VA, class VB, class T, class X, class G>
+  static void write(const VA& a, const VB& b, int kk, const metal::tensor<T, X, G>& d) {
     const bool acc = D.matmul_mode == matmul2d_descriptor::mode::multiply_accumulate;
     const ::fmemu::mpp::DestLayout lay = dest_layout();
     const unsigned t = scope_thread();
@@ -193,11 +278,18 @@ struct matmul2d {
 template <class Elem, class Op, int Kind>
 struct cooperative_tensor {
   static constexpr int M = Op::M, N = Op::N, S = Op::S;
-  static constexpr int kDestCap = ::fmemu::mpp::dest_capacity_max(M, N, S);
+  static constexpr bool kReduction = Kind == fm_detail::kRows || Kind == fm_detail::kCols;
+  static_assert(!(Kind == fm_detail::kLeft || Kind == fm_detail::kRight) || Op::K > 0,
+                "input cooperative tensors need a static k in the descriptor");
+  // The matrix the slots cover: M x N (destinations and reductions), M x K
+  // (left input), K x N (right input).
+  static constexpr int R = Kind == fm_detail::kRight ? Op::K : M;
+  static constexpr int C = Kind == fm_detail::kLeft ? Op::K : N;
+  static constexpr int kDestCap = ::fmemu::mpp::dest_capacity_max(R, C, S);
   // A reduction destination holds at most the distinct rows (columns) of a
   // thread's destination slots, plus the scrambled layout's invalid slot.
-  static constexpr int kCap = Kind == fm_detail::kDest ? kDestCap : kDestCap + 1;
-  using index_array = metal::array<int, Kind == fm_detail::kDest ? 2 : 1>;
+  static constexpr int kCap = kReduction ? kDestCap + 1 : kDestCap;
+  using index_array = metal::array<int, kReduction ? 1 : 2>;
   Elem v[kCap];
   int map[kCap];  // kDest: row * N + col; kRows: row; kCols: column; -1 invalid
   int cap = 0;
@@ -205,13 +297,13 @@ struct cooperative_tensor {
   // Every slot starts as NaN: Apple leaves a new cooperative tensor's values
   // undefined, so a kernel that accumulates into one without clearing it fails.
   cooperative_tensor() {
-    const ::fmemu::mpp::DestLayout lay = Op::dest_layout();
+    const ::fmemu::mpp::DestLayout lay = Op::layout(Kind);
     const unsigned t = Op::scope_thread();
     for (int i = 0; i < kCap; ++i) {
       v[i] = fm_detail::poison<Elem>();
       map[i] = -1;
     }
-    if (Kind == fm_detail::kDest) {
+    if (!kReduction) {
       cap = lay.capacity();
       for (int i = 0; i < cap; ++i) map[i] = lay.element(t, i);
       return;
@@ -254,9 +346,9 @@ struct cooperative_tensor {
   index_array get_multidimensional_index(int i) const {
     index_array r;
     int e = is_valid_element(i) ? map[i] : -1;
-    if (Kind == fm_detail::kDest) {
-      r[0] = e < 0 ? -1 : e % N;
-      r[1] = e < 0 ? -1 : e / N;
+    if (!kReduction) {
+      r[0] = e < 0 ? -1 : e % C;
+      r[1] = e < 0 ? -1 : e / C;
     } else {
       r[0] = e;
     }
@@ -290,18 +382,18 @@ struct cooperative_tensor {
   }
   iterator end() { return iterator{this, cap}; }
 
-  // Destination tensors: copy this thread's valid elements from / to memory.
+  // Copy this thread's valid elements from / to memory (not reductions).
   template <class T, class X, class G>
   void load(const metal::tensor<T, X, G>& t) {
-    static_assert(Kind == fm_detail::kDest, "load/store: destination cooperative tensors only");
+    static_assert(!kReduction, "load/store: destination or input cooperative tensors only");
     for (int i = 0; i < cap; ++i)
-      if (map[i] >= 0) v[i] = Elem(t.at(map[i] % N, map[i] / N));
+      if (map[i] >= 0) v[i] = Elem(t.at(map[i] % C, map[i] / C));
   }
   template <class T, class X, class G>
   void store(const metal::tensor<T, X, G>& t) const {
-    static_assert(Kind == fm_detail::kDest, "load/store: destination cooperative tensors only");
+    static_assert(!kReduction, "load/store: destination or input cooperative tensors only");
     for (int i = 0; i < cap; ++i)
-      if (map[i] >= 0) t.at(map[i] % N, map[i] / N) = T(v[i]);
+      if (map[i] >= 0) t.at(map[i] % C, map[i] / C) = T(v[i]);
   }
 };
 
@@ -311,31 +403,38 @@ inline float combine(reduction_operation op, float acc, float x) {
   if (op == reduction_operation::max) return x > acc ? x : acc;
   return x < acc ? x : acc;
 }
-// Gathers the SIMD-group's whole M x N tile from every lane's slots (SIMD
-// exchanges of 16 floats per lane, so every lane must call: a collective),
-// then folds each of dst's rows (columns) from `identity` in column (row)
-// order. Apple's reduction order is not documented.
-template <int Kind, class E1, class Op, class E2>
-inline void reduce(const cooperative_tensor<E1, Op, kDest>& src, cooperative_tensor<E2, Op, Kind>& dst,
-                   reduction_operation op, float identity, const char* what, const char* file, int line, int col) {
-  static_assert(Op::S == 1, "reduce_rows / reduce_columns require a single SIMD group (as Apple's header asserts)");
-  constexpr int M = Op::M, N = Op::N, kChunk = FMEMU_SIMD_SLOT_BYTES / 4;
+// The SIMD-group's whole R x C tile of `ct`, from every lane's slots (SIMD
+// exchanges of 16 floats per lane, so every lane must call: a collective).
+template <class E, class Op, int Kind>
+void gather(const cooperative_tensor<E, Op, Kind>& ct, float* tile, const char* what, const char* file, int line,
+            int col) {
+  static_assert(Op::S == 1, "the emulator moves cooperative tensors between lanes of one SIMD-group only");
+  constexpr int kChunk = FMEMU_SIMD_SLOT_BYTES / 4;
   if (fm_rt_simd_width() != 32) fm_rt_fail("MPP tensor ops need full 32-lane SIMD-groups", file, line);
-  const ::fmemu::mpp::DestLayout lay = Op::dest_layout();
-  float tile[M * N];
-  for (int c = 0; c * kChunk < src.kCap; ++c) {
+  const ::fmemu::mpp::DestLayout lay = Op::layout(Kind);
+  for (int c = 0; c * kChunk < ct.kCap; ++c) {
     float mine[kChunk];
     for (int j = 0; j < kChunk; ++j) {
       int i = c * kChunk + j;
-      mine[j] = i < src.kCap ? to_float(src.v[i]) : 0.0f;
+      mine[j] = i < ct.kCap ? to_float(ct.v[i]) : 0.0f;
     }
     const unsigned char* s = fm_rt_simd_exchange(mine, sizeof mine, what, file, line, col);
     for (unsigned l = 0; l < 32; ++l)
-      for (int j = 0; j < kChunk && c * kChunk + j < src.cap; ++j) {
+      for (int j = 0; j < kChunk && c * kChunk + j < ct.cap; ++j) {
         int e = lay.element(l, c * kChunk + j);
         if (e >= 0) tile[e] = reinterpret_cast<const float*>(s + l * FMEMU_SIMD_SLOT_BYTES)[j];
       }
   }
+}
+// Folds each of dst's rows (columns) of the gathered tile from `identity`
+// in column (row) order. Apple's reduction order is not documented.
+template <int Kind, class E1, class Op, class E2>
+inline void reduce(const cooperative_tensor<E1, Op, kDest>& src, cooperative_tensor<E2, Op, Kind>& dst,
+                   reduction_operation op, float identity, const char* what, const char* file, int line, int col) {
+  static_assert(Op::S == 1, "reduce_rows / reduce_columns require a single SIMD group (as Apple's header asserts)");
+  constexpr int M = Op::M, N = Op::N;
+  float tile[M * N];
+  gather(src, tile, what, file, line, col);
   for (int i = 0; i < dst.cap; ++i) {
     int x = dst.map[i];
     if (x < 0) continue;
