@@ -253,8 +253,11 @@ def test_each_option_sets_its_function_constant_and_params(nq, dtype):
                     continue
                 consts = d.function_constants
                 # indices 0-9, fc_dense (10; packed, D = 64: on), the decode kernels' too (issue 19), and
-                # fc_has_sinks (11; off: no sinks here, tests/test_sinks.py has them)
-                assert len(consts) == 12 and consts[10] is True and consts[11] is False, d.kernel_name
+                # fc_has_sinks (11; off: no sinks here, tests/test_sinks.py has them); the decode kernels'
+                # fc_paged (12; off: the paged cache is tests/test_metal_decode_paged.py's)
+                n = 13 if d.kernel_name.startswith("flash_decode") else 12
+                assert len(consts) == n and consts[10] is True and consts[11] is False, d.kernel_name
+                assert consts[11:] == (False,) * (n - 11), d.kernel_name
                 got = {i for i in (CAUSAL, HAS_MASK, MASK_BOOL, MASK_F32, WINDOW_LEFT, SOFTCAP, VARLEN) if consts[i]}
                 assert got == on, (name, d.kernel_name, got)
                 assert d.buffers["attn_mask"] == 14 and d.buffers["cu_seqlens_q"] == 15
