@@ -32,7 +32,7 @@ TG_LIMIT = 32 * 1024
 BLOCK = 32
 # shaders/attention_common.h: the finite sentinel a masked score becomes.
 MASKED_SCORE = -(2.0**100)
-# Offset of (kv_splits, split_keys) in the 312-byte AttentionParams (shaders/params.h).
+# Offset of (kv_splits, split_keys) in the 320-byte AttentionParams (shaders/params.h).
 SPLIT_FIELDS_OFFSET = 192
 
 
