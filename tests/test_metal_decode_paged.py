@@ -162,7 +162,7 @@ def launch_contiguous(q, k, v, causal, window_left=-1, dense=False):
 # (B, Hq, Hkv, Nq, D, dtype, page, seqlens, causal, splits, window_left, dense, spare_entries):
 # page sizes 1, odd, 16 (vLLM's default) and 32; ragged lengths with 0, one key, a length that
 # fills its table row (spare_entries 0), page boundaries inside the window and at the causal edge
-# (length 37 with page 5 and Nq 3: the edge keys 34..36 sit in one page, 35 starts a page at page 7);
+# (length 37, page 5, Nq 3: the rows' causal edges end before keys 35, 36, 37, and key 35 starts a page);
 # GQA 1, 2, 3 and MQA; one pass and split (blocks past a short sequence's end); every dtype.
 CASES = [
     (3, 4, 2, 1, 64, torch.float16, 16, [37, 0, 64], False, 1, -1, True, 2),
@@ -251,6 +251,11 @@ def test_cases_cover_the_edges():
     assert any(c[12] == 0 for c in CASES)  # some sequence fills its whole table row
     assert {1} < {c[9] for c in CASES} and {True, False} == {c[8] for c in CASES} == {c[11] for c in CASES}
     assert any(c[10] >= 0 for c in CASES) and set(DTYPE_NAMES) == {c[5] for c in CASES}
+    # a page boundary at some row's causal edge, and one inside some sequence's window
+    assert any(c[8] and c[3] > 1 and any((n - c[3] + i + 1) % c[6] == 0 for n in c[7] if n for i in range(c[3]))
+               for c in CASES)
+    assert any(c[10] >= 0 and any(any(k % c[6] == 0 for k in range(max(1, n - c[3] - c[10] + 1), n)) for n in c[7])
+               for c in CASES)
 
 
 def test_read_once_check_catches_extra_reads():
