@@ -81,14 +81,15 @@ def _pack_strides(raw, offset, t):
 
 
 def launch_paged(q, k_cache, v_cache, table, seqlens, causal=False, splits=1, window_left=-1, dense=False,
-                 lib=None, chunks=None, rgl=None):
+                 lib=None, chunks=None, rgl=None, sinks=None):
     """The paged decode kernels launched directly (one pass, or the split pair); returns (out, lse, counts).
 
     Params and function constants come from the planner's own decode plan
     for the contiguous problem (B, Hkv, capacity, D), then the paging fields
     are set: k/v strides to the cache's (page stride as the batch stride),
     page_size, table_stride, fc_paged; block_table and cache_seqlens bound
-    at 18 and 19. Outputs poisoned with NaN.
+    at 19 and 20. chunks, rgl: as test_metal_decode.decode_launch. sinks:
+    (Hq,) float32, fc_has_sinks. Outputs poisoned with NaN.
     """
     from test_metal_decode import decode_launch, kernel_names, split_keys_of
 
@@ -110,13 +111,15 @@ def launch_paged(q, k_cache, v_cache, table, seqlens, causal=False, splits=1, wi
     fcs = dict(enumerate(d0.function_constants))
     fcs[10] = dense
     fcs[PAGED] = True
+    fcs[11] = sinks is not None  # fc_has_sinks
     seqlens32 = torch.tensor(seqlens, dtype=torch.int32)
     out = torch.full((B, Hq, Nq, D), float("nan"), dtype=q.dtype)
     lse = torch.full((B, Hq, Nq), float("nan"), dtype=torch.float32)
     lib = lib or metal_library(True)
     one, split, merge = kernel_names(q.dtype, bucket_of(D))
     shape = decode_launch(B, Hq, Hkv, Nq, bucket_of(D), splits, q.element_size(), chunks, rgl)
-    paged = {1: k_cache, 2: v_cache, 14: q, 15: q, 16: q, 17: q, TABLE: table, SEQLENS: seqlens32}
+    paged = {1: k_cache, 2: v_cache, 14: q, 15: q, 16: q, 17: q if sinks is None else sinks, TABLE: table,
+             SEQLENS: seqlens32}
     if splits == 1:
         grid, tg, mem = shape["one_pass"]
         c = lib.dispatch(one, buffers={0: q, 3: out, 4: lse, **paged}, bytes={5: params}, function_constants=fcs,
@@ -133,15 +136,20 @@ def launch_paged(q, k_cache, v_cache, table, seqlens, causal=False, splits=1, wi
     return out, lse, [c1, c2]
 
 
-def check_against_oracle(out, lse, q, k_contig, v_contig, seqlens, causal, window_left=-1):
-    """Each sequence against the float64 oracle on its own keys (2x rule); an empty one is zeros and -inf."""
+def check_against_oracle(out, lse, q, k_contig, v_contig, seqlens, causal, window_left=-1, sinks=None):
+    """Each sequence against the float64 oracle on its own keys (2x rule); an empty one is zeros and -inf
+    (with sinks: zeros and lse = the sink)."""
+    extra = {} if sinks is None else {"sinks": sinks}
     for b, n in enumerate(seqlens):
         if n == 0:
             assert torch.equal(out[b], torch.zeros_like(out[b])), b
-            assert bool((lse[b] == float("-inf")).all()), b
+            if sinks is None:
+                assert bool((lse[b] == float("-inf")).all()), b
+            else:  # the sink in base 2 and back (sink * log2 e * ln 2): within float32 rounding
+                assert torch.allclose(lse[b], sinks[:, None].expand_as(lse[b]), rtol=1e-6, atol=1e-6), b
             continue
         assert_attention_close(out[b:b + 1], lse[b:b + 1], q[b:b + 1], k_contig[b:b + 1, :, :n],
-                               v_contig[b:b + 1, :, :n], causal, window_left=window_left)
+                               v_contig[b:b + 1, :, :n], causal, window_left=window_left, **extra)
 
 
 def launch_contiguous(q, k, v, causal, window_left=-1, dense=False):
@@ -300,3 +308,16 @@ def test_poisoned_entry_in_use_trips_the_bounds_checker():
     table[1, 2] = POISON  # sequence 1's third page (keys 16..19)
     with pytest.raises(EmulatorError, match="(?i)out.of.bounds|bounds"):
         launch_paged(q, k_cache, v_cache, table, seqlens)
+
+
+@pytest.mark.parametrize("case", [CASES[1], CASES[5]], ids=_case_id)
+def test_paged_decode_with_sinks(case):
+    # gpt-oss's sinks through the paged kernels: counted once (key group 0,
+    # split 0) whatever the pages; an empty sequence attends to its sink only.
+    B, Hq, Hkv, Nq, D, dtype, page, seqlens, causal, splits, wl, dense, spare = case
+    g = torch.Generator().manual_seed(7 + page)
+    k_cache, v_cache, table, k_contig, v_contig = make_paged_cache(B, Hkv, D, dtype, page, seqlens, g, spare)
+    q = torch.randn(B, Hq, Nq, D, generator=g).to(dtype)
+    sinks = torch.randn(Hq, generator=g)
+    out, lse, _ = launch_paged(q, k_cache, v_cache, table, seqlens, causal, splits, wl, dense, sinks=sinks)
+    check_against_oracle(out, lse, q, k_contig, v_contig, seqlens, causal, wl, sinks)
