@@ -1,6 +1,6 @@
 """The cost of a paged KV cache against the same cache stored contiguously.
 
-    python -m benchmarks.paged_kv [--quick] [--device auto|cpu|mps] [--threads N]
+    python -m benchmarks.paged_kv [--quick] [--device auto|cpu|mps] [--threads N] [--model]
 
 flash_attn_with_kvcache on a batch of sequences of different lengths, once
 with a plain (B, S, Hkv, D) cache (read in place by the varlen op) and once
@@ -8,9 +8,11 @@ with the same keys in a paged cache (num_blocks, page, Hkv, D) whose pages
 are shuffled, for decode (1 query per sequence) and a short chunked prefill
 (64 queries, causal). Both calls are checked equal before timing, and timed
 in the same run, alternating. The paged call gathers the pages in use into
-a packed buffer before the kernel (the kernels do not yet read through the
-block table), so the ratio is that gather's price. Writes a table to stdout
-and results/paged_kv_<device>.csv.
+a packed buffer before the kernel (no op calls the Metal decode kernels'
+block-table read, fc_paged, yet), so the ratio is that gather's price.
+Writes a table to stdout and results/paged_kv_<device>.csv. --model: then
+the Metal model's paged/contiguous decode (benchmarks/paged_kv_model.py, a
+prediction from the emulator's counts, not yet verified on Apple hardware).
 """
 import argparse
 import sys
@@ -49,6 +51,7 @@ def main(argv=None) -> int:
     H.common_args(ap, default_batch_s=0.2)
     ap.add_argument("--quick", action="store_true", help="4 shorter sequences")
     ap.add_argument("--dtype", default="float16", choices=["float32", "float16", "bfloat16"])
+    ap.add_argument("--model", action="store_true", help="also the Metal model's paged vs contiguous decode")
     args = ap.parse_args(argv)
     t_start = time.perf_counter()
     device = H.pick_device(args.device)
@@ -88,6 +91,10 @@ def main(argv=None) -> int:
     H.finish_metadata(meta, t_start)
     name = f"paged_kv{'_quick' if args.quick else ''}_{device}.csv"
     H.write_csv(args.out_dir / name, meta, rows, COLUMNS)
+    if args.model:
+        from . import paged_kv_model
+
+        paged_kv_model.main(["--quick"] if args.quick else [])
     return 0
 
 

@@ -23,6 +23,7 @@ constexpr uint32_t kSlotGradOut = 8, kSlotGradQ = 9, kSlotGradK = 10, kSlotGradV
                    kSlotDelta = 13;
 constexpr uint32_t kSlotMask = 14, kSlotCuSeqlensQ = 15, kSlotCuSeqlensK = 16;
 constexpr uint32_t kSlotSinks = 17, kSlotGradSinks = 18;
+constexpr uint32_t kSlotBlockTable = 19, kSlotCacheSeqlens = 20;  // the decode kernels' paged cache (fc_paged)
 constexpr uint32_t kAttentionThreadgroupIndex = 0;  // dynamic threadgroup memory, [[threadgroup(0)]]
 
 // The options' inputs, bound by every feature kernel (prefill, decode,
@@ -41,6 +42,15 @@ std::vector<BufferBinding> with_features(std::vector<BufferBinding> b) {
 std::vector<BufferBinding> with_forward_features(std::vector<BufferBinding> b) {
   b = with_features(std::move(b));
   b.push_back({LaunchTensor::Sinks, kSlotSinks});
+  return b;
+}
+
+// The decode kernels (one pass, split pass 1) also bind the paged cache's
+// block_table and cache_seqlens (fc_paged; q in the slots without them), and
+// carry fc_paged as a 13th function constant.
+std::vector<BufferBinding> with_paged(std::vector<BufferBinding> b) {
+  b.push_back({LaunchTensor::BlockTable, kSlotBlockTable});
+  b.push_back({LaunchTensor::CacheSeqlens, kSlotCacheSeqlens});
   return b;
 }
 
@@ -114,7 +124,7 @@ void decode_launches(const AttentionProblem& p, const KernelChoice& c, const std
   plan->partial_stats_elements = all_rows * c.kv_splits * 2;
   l.kernel_name = "flash_decode_split_" + suffix;
   l.grid = {kv_heads * c.row_chunks, batch, c.kv_splits};
-  l.buffers = with_forward_features(kSplitBuffers);
+  l.buffers = with_paged(with_forward_features(kSplitBuffers));
   l.estimate = estimate_launch(l, decode_live_registers(c.bucket, p.mask != MaskKind::None), gpu);
   plan->launches.push_back(l);
   // The merge: one SIMD-group per query row, the lanes over the features.
@@ -381,9 +391,10 @@ MetalPlan plan_metal_attention(const AttentionProblem& p, const LaunchStrides& s
       std::string why;
       const bool dense = decode_dense_loads(p, s, c.bucket, &why);
       l.function_constants = with_dense(feature_constants(p, false, false, false, p.sinks), dense);
+      l.function_constants.resize(kDecodeFunctionConstantCount, false);  // fc_paged: not paged
       plan.reason += dense ? " K/V loads: each lane reads its contiguous run of a row as vector loads (fc_dense)."
                            : " K/V loads: one strided scalar load per feature (fc_dense off: " + why + ").";
-      l.buffers = with_forward_features(kForwardBuffers);
+      l.buffers = with_paged(with_forward_features(kForwardBuffers));
       decode_launches(p, c, suffix, gpu, l, &plan);
       break;
     }

@@ -133,6 +133,12 @@ constexpr uint32_t kDenseFunctionConstant = 10;
 constexpr uint32_t kSinksFunctionConstant = 11;
 // Function constants of every feature kernel launch (indices 0 .. 11).
 constexpr uint32_t kFunctionConstantCount = 12;
+// The decode kernels (one pass, split pass 1) only: a paged KV cache, K/V
+// read through block_table with per-sequence cache_seqlens (fc_paged in
+// shaders/attention_features.h). Their launches carry 13 constants, the
+// other kernels' 12 (they never read index 12).
+constexpr uint32_t kPagedFunctionConstant = 12;
+constexpr uint32_t kDecodeFunctionConstantCount = 13;
 
 // The tensors a launch binds as device buffers. PartialOut and PartialStats
 // are the split-KV decode's float32 scratch, allocated by the host from
@@ -146,12 +152,14 @@ constexpr uint32_t kFunctionConstantCount = 12;
 // buffer is bound, as Metal's validation layer wants). Sinks: the attention
 // sinks as float32 (Hq,), contiguous (the host converts them), q in the
 // slot without sinks; GradSinks: the backward's float32 (Hq,) output of
-// flash_sinks_grad (launched only with sinks).
+// flash_sinks_grad (launched only with sinks). BlockTable and CacheSeqlens:
+// the decode kernels' paged KV cache (int32 (B, max_blocks) and (B,)), q in
+// their slots when the cache is not paged.
 enum class LaunchTensor : uint8_t {
   Q = 0, K, V, Out, Lse, PartialOut, PartialStats, GradOut, GradQ, GradK, GradV, GradLse, Delta,
-  Mask, CuSeqlensQ, CuSeqlensK, Sinks, GradSinks
+  Mask, CuSeqlensQ, CuSeqlensK, Sinks, GradSinks, BlockTable, CacheSeqlens
 };
-constexpr size_t kLaunchTensorCount = 18;
+constexpr size_t kLaunchTensorCount = 20;
 
 // One row of a binding table: tensor `tensor` goes to [[buffer(index)]],
 // bound at its storage offset in bytes.

@@ -125,9 +125,11 @@ def attention_varlen(
 # float32 scratch (grad_lse is bound to lse when there is none; never read then);
 # attn_mask, cu_seqlens_q, cu_seqlens_k and sinks (float32) are the options' inputs
 # (q is bound in their slots when absent; never read then); grad_sinks is the
-# float32 output of the backward's flash_sinks_grad (with sinks only).
+# float32 output of the backward's flash_sinks_grad (with sinks only);
+# block_table and cache_seqlens the decode kernels' paged cache (q when not paged).
 _LAUNCH_TENSORS = ("q", "k", "v", "out", "lse", "partial_out", "partial_stats", "grad_out", "grad_q", "grad_k",
-                   "grad_v", "grad_lse", "delta", "attn_mask", "cu_seqlens_q", "cu_seqlens_k", "sinks", "grad_sinks")
+                   "grad_v", "grad_lse", "delta", "attn_mask", "cu_seqlens_q", "cu_seqlens_k", "sinks", "grad_sinks",
+                   "block_table", "cache_seqlens")
 # The scratch tensors of each pass's plans, by name.
 _SCRATCH = {False: ("partial_out", "partial_stats"), True: ("delta",)}
 

@@ -67,7 +67,9 @@
 // (attention_features.h: mask, left window, softcap; fc_varlen is always
 // false here, the planner sends varlen to prefill), fc_dense (10: the
 // lanes' feature layout and vector loads, decode_feature) and fc_has_sinks
-// (11: sinks at [[buffer(17)]]) for flash_decode and flash_decode_split;
+// (11: sinks at [[buffer(17)]]) and fc_paged (12: a paged KV cache,
+// block_table at [[buffer(19)]] and cache_seqlens at 20;
+// attention_decode_paged.h) for flash_decode and flash_decode_split;
 // flash_decode_merge uses none. Buffers: flash_decode
 // binds q 0, k 1, v 2, out 3, lse 4, params 5; flash_decode_split q 0, k 1,
 // v 2, params 5, partial_o 6, partial_stats 7; both take the attn_mask at
@@ -90,9 +92,12 @@
 // what tests hold to once). A bigger group (say GQA 8 at DMAX 128 with Nq >= 3, or MQA)
 // is read once per row chunk, C = ceil(RG / 8) times, by threadgroups that
 // run side by side. q is loaded once per key group (8 times with RG == 1:
-// 8 * R * D elements, small beside K/V).
+// 8 * R * D elements, small beside K/V). Under fc_paged the same holds per
+// page: each page in use is read once per (kv head, row chunk[, split]),
+// only its rows below cache_seqlens[b], and no other page at all.
 #pragma once
 
+#include "attention_decode_paged.h"
 #include "attention_decode_rows.h"
 #include "attention_features.h"
 #include "attention_prefill.h"  // fc_dense [[function_constant(10)]], the prefill loader's, reused here
@@ -283,14 +288,19 @@ FM_INLINE void decode_slice_device(thread float* x, device const T* row, int64_t
 template <typename T, int DMAX>
 FM_INLINE void decode_attend(thread DecodeState<DMAX>& st, device const T* k, device const T* v,
                              constant AttentionParams& p, thread const SeqView& seq, device const uchar* mask,
-                             int batch, int kv_head, int rg, bool live, int key_begin, int key_end, int kg, int KG,
-                             uint lane) {
+                             device const int* table, int batch, int kv_head, int rg, bool live, int key_begin,
+                             int key_end, int kg, int KG, uint lane) {
   constexpr int RS = DecodeState<DMAX>::RS;
   constexpr int DPL = DecodeState<DMAX>::DPL;
   const int R = p.gqa_ratio * p.q_len;
   const int D = p.head_dim;
-  device const T* kp = k + int64_t(batch) * p.k_batch_stride + int64_t(kv_head) * p.k_head_stride;
-  device const T* vp = v + int64_t(batch) * p.v_batch_stride + int64_t(kv_head) * p.v_head_stride;
+  // fc_paged: the kv head's base in page 0; rows are found through the
+  // table (attention_decode_paged.h), `at` is the block's first key, and
+  // `step` what the loop advances it by (divided here, once).
+  device const T* kp = k + (fc_paged ? 0 : int64_t(batch) * p.k_batch_stride) + int64_t(kv_head) * p.k_head_stride;
+  device const T* vp = v + (fc_paged ? 0 : int64_t(batch) * p.v_batch_stride) + int64_t(kv_head) * p.v_head_stride;
+  const PageStep step = fc_paged ? page_split(KG * kDecodeBlock, p.page_size) : PageStep{0, 0};
+  PageStep at = fc_paged ? page_split(key_begin + kg * kDecodeBlock, p.page_size) : PageStep{0, 0};
 
   // Per row, one value across the loop (the register model counts it):
   // its query row, or -1 for a row past R; the keys it may see come from it
@@ -317,12 +327,21 @@ FM_INLINE void decode_attend(thread DecodeState<DMAX>& st, device const T* k, de
     FM_UNROLL for (int r = 0; r < RS; ++r) s[r] = kMaskedScore;
     if (live) {
       // kn: the next key's slice, loaded before this key's products (see above).
+      // fc_paged: kc walks the block's keys (advanced only to a key that is read).
       float kx[DPL], kn[DPL];
-      decode_slice_device<DMAX, DPL>(kx, kp + int64_t(k0) * p.k_row_stride, p.k_dim_stride, D, lane);
+      PageCursor kc = fc_paged ? page_cursor(table, at.entry, at.row) : PageCursor{0, 0, 0};
+      decode_slice_device<DMAX, DPL>(
+          kx, kp + (fc_paged ? page_offset(kc, p.k_batch_stride, p.k_row_stride) : int64_t(k0) * p.k_row_stride),
+          p.k_dim_stride, D, lane);
       FM_UNROLL for (int i = 0; i < DPL; ++i) kn[i] = 0.0f;
       for (int j = 0; j < n; ++j) {
         if (j + 1 < n) {
-          decode_slice_device<DMAX, DPL>(kn, kp + int64_t(k0 + j + 1) * p.k_row_stride, p.k_dim_stride, D, lane);
+          if (fc_paged) page_next(kc, table, p.page_size);
+          decode_slice_device<DMAX, DPL>(
+              kn,
+              kp + (fc_paged ? page_offset(kc, p.k_batch_stride, p.k_row_stride)
+                             : int64_t(k0 + j + 1) * p.k_row_stride),
+              p.k_dim_stride, D, lane);
         }
         FM_UNROLL for (int r = 0; r < RS; ++r) {
           float part = 0.0f;
@@ -361,12 +380,20 @@ FM_INLINE void decode_attend(thread DecodeState<DMAX>& st, device const T* k, de
       FM_UNROLL for (int r = 0; r < RS; ++r) {
         FM_UNROLL for (int i = 0; i < DPL; ++i) blk[r][i] = 0.0f;
       }
-      float vx[DPL], vn[DPL];  // vn: the next key's slice, as kn
-      decode_slice_device<DMAX, DPL>(vx, vp + int64_t(k0) * p.v_row_stride, p.v_dim_stride, D, lane);
+      float vx[DPL], vn[DPL];  // vn: the next key's slice, as kn (vc: as kc)
+      PageCursor vc = fc_paged ? page_cursor(table, at.entry, at.row) : PageCursor{0, 0, 0};
+      decode_slice_device<DMAX, DPL>(
+          vx, vp + (fc_paged ? page_offset(vc, p.v_batch_stride, p.v_row_stride) : int64_t(k0) * p.v_row_stride),
+          p.v_dim_stride, D, lane);
       FM_UNROLL for (int i = 0; i < DPL; ++i) vn[i] = 0.0f;
       for (int j = 0; j < n; ++j) {
         if (j + 1 < n) {
-          decode_slice_device<DMAX, DPL>(vn, vp + int64_t(k0 + j + 1) * p.v_row_stride, p.v_dim_stride, D, lane);
+          if (fc_paged) page_next(vc, table, p.page_size);
+          decode_slice_device<DMAX, DPL>(
+              vn,
+              vp + (fc_paged ? page_offset(vc, p.v_batch_stride, p.v_row_stride)
+                             : int64_t(k0 + j + 1) * p.v_row_stride),
+              p.v_dim_stride, D, lane);
         }
         FM_UNROLL for (int r = 0; r < RS; ++r) {
           const float pj = simd_shuffle(pw[r], ushort(j));
@@ -378,6 +405,7 @@ FM_INLINE void decode_attend(thread DecodeState<DMAX>& st, device const T* k, de
         FM_UNROLL for (int i = 0; i < DPL; ++i) st.acc[r][i] = fma(st.acc[r][i], alpha[r], blk[r][i]);
       }
     }
+    if (fc_paged) at = page_add(at, step, p.page_size);
   }
 }
 
@@ -495,6 +523,8 @@ template <typename T, int DMAX>
     device const int* cu_seqlens_q [[buffer(15)]],
     device const int* cu_seqlens_k [[buffer(16)]],
     device const float* sinks [[buffer(17)]],
+    device const int* block_table [[buffer(19)]],
+    device const int* cache_seqlens [[buffer(20)]],
     threadgroup float* smem [[threadgroup(0)]],
     uint3 group [[threadgroup_position_in_grid]],
     uint3 groups [[threadgroups_per_grid]],
@@ -507,8 +537,11 @@ template <typename T, int DMAX>
   const int batch = int(group.y);
   const int R = p.gqa_ratio * p.q_len;
   // Decode never runs varlen (the planner routes it to prefill): the view
-  // is the whole problem, with its window bounds.
-  const SeqView seq = sequence_view(p, cu_seqlens_q, cu_seqlens_k, uint(batch));
+  // is the whole problem, with its window bounds, or under fc_paged the
+  // batch's cache (its own key count; table: its row of block_table).
+  const SeqView seq = fc_paged ? paged_sequence_view(p, cache_seqlens, uint(batch))
+                               : sequence_view(p, cu_seqlens_q, cu_seqlens_k, uint(batch));
+  device const int* table = block_table + (fc_paged ? int64_t(batch) * p.table_stride : 0);
   // Under causal masking no row sees past the last row's bound (rows before
   // it see fewer keys), and under a left window none sees before the first
   // row's first key (later rows start later), so keys outside
@@ -521,8 +554,8 @@ template <typename T, int DMAX>
     DecodeState<DMAX> st;
     // a dead row group: zeros, "no key"; the sink in key group 0 only (the key-group merge adds the sums)
     decode_init<T, DMAX>(st, q, p, batch, kv_head, rg, lane, sinks, sh.kg == 0);
-    decode_attend<T, DMAX>(st, k, v, p, seq, mask, batch, kv_head, rg, live, key_begin, key_end, sh.kg, sh.KG,
-                           lane);
+    decode_attend<T, DMAX>(st, k, v, p, seq, mask, table, batch, kv_head, rg, live, key_begin, key_end, sh.kg,
+                           sh.KG, lane);
     if (sh.KG > 1) decode_merge_key_groups<DMAX>(st, smem, sh.kg, sh.KG, sh.rgl, sh.RGL, lane);
     if (live && sh.kg == 0) {
       FM_UNROLL for (int r = 0; r < RS; ++r) {

@@ -36,6 +36,8 @@ template <typename T, int DMAX>
     device const int* cu_seqlens_q [[buffer(15)]],
     device const int* cu_seqlens_k [[buffer(16)]],
     device const float* sinks [[buffer(17)]],
+    device const int* block_table [[buffer(19)]],
+    device const int* cache_seqlens [[buffer(20)]],
     threadgroup float* smem [[threadgroup(0)]],
     uint3 group [[threadgroup_position_in_grid]],
     uint3 groups [[threadgroups_per_grid]],
@@ -49,7 +51,10 @@ template <typename T, int DMAX>
   const int batch = int(group.y);
   const int split = int(group.z);
   const int R = p.gqa_ratio * p.q_len;
-  const SeqView seq = sequence_view(p, cu_seqlens_q, cu_seqlens_k, uint(batch));  // never varlen (flash_decode)
+  // never varlen; fc_paged: the batch's cache and table row (flash_decode)
+  const SeqView seq = fc_paged ? paged_sequence_view(p, cache_seqlens, uint(batch))
+                               : sequence_view(p, cu_seqlens_q, cu_seqlens_k, uint(batch));
+  device const int* table = block_table + (fc_paged ? int64_t(batch) * p.table_stride : 0);
   // The split's keys, cut to those some row may see (as flash_decode). A
   // split wholly outside them (key_begin >= key_end: past the causal bound
   // or behind the left window of every row) runs no block and writes the
@@ -66,8 +71,8 @@ template <typename T, int DMAX>
     // only: the merges add the partial sums, so any other split carrying it
     // would count it again.
     decode_init<T, DMAX>(st, q, p, batch, kv_head, rg, lane, sinks, split == 0 && sh.kg == 0);
-    decode_attend<T, DMAX>(st, k, v, p, seq, mask, batch, kv_head, rg, live, key_begin, key_end, sh.kg, sh.KG,
-                           lane);
+    decode_attend<T, DMAX>(st, k, v, p, seq, mask, table, batch, kv_head, rg, live, key_begin, key_end, sh.kg,
+                           sh.KG, lane);
     if (sh.KG > 1) decode_merge_key_groups<DMAX>(st, smem, sh.kg, sh.KG, sh.rgl, sh.RGL, lane);
     if (live && sh.kg == 0) {
       FM_UNROLL for (int r = 0; r < RS; ++r) {

@@ -41,6 +41,11 @@ constant bool fc_varlen [[function_constant(9)]];
 // sinks (gpt-oss); one float32 logit per query head at [[buffer(17)]], for a
 // virtual key whose value is zero (seed_sink below).
 constant bool fc_has_sinks [[function_constant(11)]];
+// [[function_constant(12)]] (decode kernels only): a paged KV cache. K/V are
+// read through block_table ([[buffer(19)]], int32 (B, table_stride)) and
+// each sequence has its own key count, cache_seqlens[b] ([[buffer(20)]],
+// int32 (B,)): attention_decode_paged.h.
+constant bool fc_paged [[function_constant(12)]];
 
 // One sequence of the batch, as a threadgroup sees it: its lengths, where
 // its rows start in the packed tensors, and its window bounds.
@@ -52,6 +57,19 @@ struct SeqView {
   int upper;       // fc_causal: query i sees keys j <= i + upper
   int lower;       // fc_window_left: query i sees keys j >= i + lower
 };
+
+// s with its window offsets (upper, lower) set from its own lengths.
+inline SeqView with_window_bounds(SeqView s, constant AttentionParams& p) {
+  // The op accepts windows up to 2^31 - 1, so Nk - Nq +- window could
+  // overflow int32. A right window of Nq or more already shows every row
+  // all keys (row + upper >= Nk - 1), and so does a left window of Nk or
+  // more (row + lower <= 0): clamping to those changes no visible key and
+  // keeps upper in [-Nq, Nk] and lower in [-Nq, Nk], so row + upper + 1 and
+  // row + lower stay far from overflow.
+  s.upper = s.kv_len - s.q_len + min(p.window_right, s.q_len);
+  s.lower = s.kv_len - s.q_len - min(p.window_left, s.kv_len);
+  return s;
+}
 
 // The view of sequence `batch`. Without fc_varlen every sequence is the
 // whole (Nq, Nk) problem. Windows are bottom-right aligned per sequence
@@ -70,15 +88,7 @@ inline SeqView sequence_view(constant AttentionParams& p, device const int* cu_s
     s.q_len = p.q_len;
     s.kv_len = p.kv_len;
   }
-  // The op accepts windows up to 2^31 - 1, so Nk - Nq +- window could
-  // overflow int32. A right window of Nq or more already shows every row
-  // all keys (row + upper >= Nk - 1), and so does a left window of Nk or
-  // more (row + lower <= 0): clamping to those changes no visible key and
-  // keeps upper in [-Nq, Nk] and lower in [-Nq, Nk], so row + upper + 1 and
-  // row + lower stay far from overflow.
-  s.upper = s.kv_len - s.q_len + min(p.window_right, s.q_len);
-  s.lower = s.kv_len - s.q_len - min(p.window_left, s.kv_len);
-  return s;
+  return with_window_bounds(s, p);
 }
 
 // First key query `row` may see (0 without a left window), and one past

@@ -85,16 +85,20 @@ struct AttentionParams {
   int32_t total_q;            // rows of q's (and grad_q's, lse's, Delta's) packed sequence axis: q_len, or,
                               // for varlen, total_q (sequence b owns rows cu_seqlens_q[b] .. [b + 1])
   int32_t total_k;            // likewise for k, v, grad_k, grad_v: kv_len, or total_k
+  int32_t page_size;          // fc_paged (decode): keys per page of the cache; k/v's batch stride is then
+                              // the page stride and their row stride the stride within a page (0 otherwise)
+  int32_t table_stride;       // fc_paged: int32 entries between consecutive rows of block_table (0 otherwise)
 };
 
 // 19 int64 + 10 int32 + 2 float (200 bytes, 8-aligned) + 7 int64 = 256
-// bytes, + 4 int64 + 4 int32 + 2 float = 312 bytes, with no padding.
+// bytes, + 4 int64 + 4 int32 + 2 float = 312 bytes, + 2 int32 (paging) =
+// 320 bytes, with no padding.
 // (The forward kernels ignore the backward strides, and kernels without a
 // feature its fields; one struct still, so the host fills and binds one
 // block for every kernel.)
 // The same assertion compiles on the host and in the shader, so a field added
 // on one side only cannot go unnoticed.
-static_assert(sizeof(AttentionParams) == 312, "AttentionParams layout changed: update host and shaders together");
+static_assert(sizeof(AttentionParams) == 320, "AttentionParams layout changed: update host and shaders together");
 
 // ---- threads per threadgroup --------------------------------------------------
 // The most threads each kernel family is ever launched with: the kernels

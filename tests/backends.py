@@ -155,7 +155,7 @@ def _option_tensors(q, attn_mask=None, cu_seqlens_q=None, cu_seqlens_k=None, sin
     (B, Hq, Nq, Nk) as a stride-0 view (never materialized), the varlen offsets,
     the sinks as contiguous float32 (attention_mps.mm, sinks_as_float32), and q
     in every slot that has nothing (csrc/metal_plan.h)."""
-    t = {"attn_mask": q, "cu_seqlens_q": q, "cu_seqlens_k": q, "sinks": q}
+    t = {"attn_mask": q, "cu_seqlens_q": q, "cu_seqlens_k": q, "sinks": q, "block_table": q, "cache_seqlens": q}
     if attn_mask is not None:
         t["attn_mask"] = attn_mask
     if cu_seqlens_q is not None:

@@ -32,26 +32,30 @@ TG_LIMIT = 32 * 1024
 BLOCK = 32
 # shaders/attention_common.h: the finite sentinel a masked score becomes.
 MASKED_SCORE = -(2.0**100)
-# Offset of (kv_splits, split_keys) in the 312-byte AttentionParams (shaders/params.h).
+# Offset of (kv_splits, split_keys) in the 320-byte AttentionParams (shaders/params.h).
 SPLIT_FIELDS_OFFSET = 192
 
 
-# The options' inputs (attn_mask, cu_seqlens, sinks): every forward feature kernel binds them.
+# The options' inputs (attn_mask, cu_seqlens, sinks): every forward feature kernel binds them;
+# the decode kernels also the paged cache's block_table and cache_seqlens (q when not paged).
 OPTION_SLOTS = {"attn_mask": 14, "cu_seqlens_q": 15, "cu_seqlens_k": 16, "sinks": 17}
+PAGED_SLOTS = {"block_table": 19, "cache_seqlens": 20}
 
 
 def _no_options(q):
-    # As the host binds them when there is no mask, no varlen and no sinks: q in each slot, never read.
-    return {14: q, 15: q, 16: q, 17: q}
+    # As the host binds them when there is no mask, no varlen, no sinks and no paging: q in each slot, never read.
+    return {14: q, 15: q, 16: q, 17: q, 19: q, 20: q}
 
 
 DENSE = 10  # fc_dense (csrc/metal_plan.h, kDenseFunctionConstant): the lanes' contiguous runs, vector loads
 SINKS = 11  # fc_has_sinks (kSinksFunctionConstant)
+PAGED = 12  # fc_paged (kPagedFunctionConstant): the paged KV cache, tests/test_metal_decode_paged.py
 
 
 def _constants(causal, dense=False):
-    # Function constants 0-9 (csrc/metal_plan.h): causal, and every option off; 10: fc_dense; 11: no sinks.
-    return {**{i: (causal if i == 0 else False) for i in range(10)}, DENSE: dense, SINKS: False}
+    # Function constants 0-9 (csrc/metal_plan.h): causal, and every option off; 10: fc_dense; 11: no sinks;
+    # 12: not paged.
+    return {**{i: (causal if i == 0 else False) for i in range(10)}, DENSE: dense, SINKS: False, PAGED: False}
 
 def bucket_of(d):
     """The smallest instantiated head_dim bucket that holds d."""
@@ -120,7 +124,7 @@ def launch_decode(q, k, v, causal=False, scale=None, splits=1, instrumented=Fals
     dmax = bucket_of(D)
     one, split, merge = kernel_names(q.dtype, dmax)
     raw = bytearray(flash_metal.explain(q, k, v, causal, scale, impl="tiled").params.numpy().tobytes())
-    assert len(raw) == 312
+    assert len(raw) == 320
     struct.pack_into("<2i", raw, SPLIT_FIELDS_OFFSET, splits, split_keys_of(Nk, splits) if splits > 1 else Nk)
     params = torch.frombuffer(raw, dtype=torch.uint8)
     out = torch.full((B, Hq, Nq, D), float("nan"), dtype=q.dtype)
@@ -189,18 +193,20 @@ def test_planner_launches_exactly_these_shapes(case):
         assert per == Nk
         (d,) = plan.dispatches
         assert (d.kernel_name, d.grid, d.threadgroup, d.threadgroup_memory) == (one, *shape["one_pass"])
-        assert d.buffers == {"q": 0, "k": 1, "v": 2, "out": 3, "lse": 4, **OPTION_SLOTS}
-        # no causal, no option (indices: csrc/metal_plan.h); fc_dense for packed K/V with D == its bucket
-        assert d.function_constants == (False,) * 10 + (D == bucket_of(D), False)
+        assert d.buffers == {"q": 0, "k": 1, "v": 2, "out": 3, "lse": 4, **OPTION_SLOTS, **PAGED_SLOTS}
+        # no causal, no option (indices: csrc/metal_plan.h); fc_dense for packed K/V with D == its bucket;
+        # no sinks, not paged
+        assert d.function_constants == (False,) * 10 + (D == bucket_of(D), False, False)
         return
     assert per == split_keys_of(Nk, splits)
     d1, d2 = plan.dispatches
     assert (d1.kernel_name, d1.grid, d1.threadgroup, d1.threadgroup_memory) == (split, *shape["split"])
     assert (d2.kernel_name, d2.grid, d2.threadgroup, d2.threadgroup_memory) == (merge, *shape["merge"])
-    assert d1.buffers == {"q": 0, "k": 1, "v": 2, "partial_out": 6, "partial_stats": 7, **OPTION_SLOTS}
+    assert d1.buffers == {"q": 0, "k": 1, "v": 2, "partial_out": 6, "partial_stats": 7, **OPTION_SLOTS,
+                          **PAGED_SLOTS}
     assert d2.buffers == {"out": 3, "lse": 4, "partial_out": 6, "partial_stats": 7}
     assert d2.function_constants == ()
-    assert d1.function_constants == (False,) * 10 + (D == bucket_of(D), False)
+    assert d1.function_constants == (False,) * 10 + (D == bucket_of(D), False, False)
     assert plan.scratch == {"partial_out": B * Hq * Nq * splits * D, "partial_stats": B * Hq * Nq * splits * 2}
 
 

@@ -28,7 +28,7 @@ def _qkv(nq, nk, d, dtype=torch.float16, hq=4, hkv=2, b=1):
 
 
 def _params(dispatch):
-    fields = struct.unpack("<19q8i2f2i7q4q2i2f2i", dispatch.params.numpy().tobytes())
+    fields = struct.unpack("<19q8i2f2i7q4q2i2f2i2i", dispatch.params.numpy().tobytes())
     return {"kv_len": fields[24], "kv_splits": fields[29], "split_keys": fields[30]}
 
 
@@ -212,7 +212,7 @@ def test_split_dispatches_share_params_and_bind_the_scratch():
     split, merge = plan.dispatches
     assert torch.equal(split.params, merge.params)
     assert set(split.buffers) == {"q", "k", "v", "partial_out", "partial_stats", "attn_mask", "cu_seqlens_q", "cu_seqlens_k",
-                                  "sinks"}
+                                  "sinks", "block_table", "cache_seqlens"}
     assert set(merge.buffers) == {"out", "lse", "partial_out", "partial_stats"}
     assert split.buffers["partial_out"] == merge.buffers["partial_out"]
     assert split.buffers["partial_stats"] == merge.buffers["partial_stats"]
@@ -225,7 +225,7 @@ CAUSAL, ALIGN_Q, ALIGN_K, HAS_GRAD_LSE, HAS_MASK, MASK_BOOL, MASK_F32, WINDOW_LE
 
 
 def _option_params(dispatch):
-    fields = struct.unpack("<19q8i2f2i7q4q2i2f2i", dispatch.params.numpy().tobytes())
+    fields = struct.unpack("<19q8i2f2i7q4q2i2f2i2i", dispatch.params.numpy().tobytes())
     return {"causal_offset": fields[26], "mask_strides": fields[38:42], "window_left": fields[42],
             "window_right": fields[43], "softcap_log2": fields[44], "inv_softcap_log2": fields[45],
             "total_q": fields[46], "total_k": fields[47], "q_batch_stride": fields[0]}
@@ -253,8 +253,11 @@ def test_each_option_sets_its_function_constant_and_params(nq, dtype):
                     continue
                 consts = d.function_constants
                 # indices 0-9, fc_dense (10; packed, D = 64: on), the decode kernels' too (issue 19), and
-                # fc_has_sinks (11; off: no sinks here, tests/test_sinks.py has them)
-                assert len(consts) == 12 and consts[10] is True and consts[11] is False, d.kernel_name
+                # fc_has_sinks (11; off: no sinks here, tests/test_sinks.py has them); the decode kernels'
+                # fc_paged (12; off: the paged cache is tests/test_metal_decode_paged.py's)
+                n = 13 if d.kernel_name.startswith("flash_decode") else 12
+                assert len(consts) == n and consts[10] is True and consts[11] is False, d.kernel_name
+                assert consts[11:] == (False,) * (n - 11), d.kernel_name
                 got = {i for i in (CAUSAL, HAS_MASK, MASK_BOOL, MASK_F32, WINDOW_LEFT, SOFTCAP, VARLEN) if consts[i]}
                 assert got == on, (name, d.kernel_name, got)
                 assert d.buffers["attn_mask"] == 14 and d.buffers["cu_seqlens_q"] == 15

@@ -203,6 +203,8 @@ void put_options(const AttentionCall& c, const at::Tensor& sinks32, LaunchTensor
   put(LaunchTensor::CuSeqlensQ, c.p.varlen ? c.cu_seqlens_q : c.q);
   put(LaunchTensor::CuSeqlensK, c.p.varlen ? c.cu_seqlens_k : c.q);
   put(LaunchTensor::Sinks, sinks32.defined() ? sinks32 : c.q);
+  put(LaunchTensor::BlockTable, c.q);  // the decode kernels' paged cache: not through this op (fc_paged false)
+  put(LaunchTensor::CacheSeqlens, c.q);
 }
 
 // The sinks as every kernel reads them: float32, contiguous (Hq floats); the
