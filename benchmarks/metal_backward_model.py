@@ -11,8 +11,9 @@ counts: a prediction, not a measurement; nothing here ran on a GPU.
    emulated sizes); tests/test_metal_backward.py checks it on a fourth.
 2. I/O model: the split's FlashAttention-2 traffic. dQ kernel: Q, dO, O read
    once, K and V once per query block up to its last visible key. dK/dV
-   kernel: K and V once (per feature part at D = 256), Q and dO once per key
-   block from its first seeing query row. Printed next to the counted bytes.
+   kernel: K and V once (its feature parts are SIMD-groups sharing the
+   threadgroup's tiles), Q and dO once per key block from its first seeing
+   query row. Printed next to the counted bytes.
 3. Time: metal_model.predict on the counted records (the forward's time
    model, benchmarks/metal_model_timing.py: MMAs at the generation's rate,
    exp2, memory under the streaming ceiling, on-core data; residency from the
@@ -92,12 +93,12 @@ def _blocks(kernel):
 def io_model(s: Shape, elem, records, causal):
     """Modelled device bytes read of (K + V, Q + dO), summed over both kernels."""
     bq = _blocks(records[0].kernel)[0]
-    bk, split = _blocks(records[1].kernel)[1:]
+    bk = _blocks(records[1].kernel)[1]
     row = s.d * elem
     kv_dq = sum(M.visible(min(q0 + bq, s.nq) - 1, s, causal) for q0 in range(0, s.nq, bq)) * s.hq
     first_row = lambda k0: max(0, k0 - (s.nk - s.nq)) if causal else 0  # noqa: E731
-    q_dkdv = sum(max(0, s.nq - first_row(k0) // bq * bq) for k0 in range(0, s.nk, bk)) * s.hq * split
-    kv = 2 * (kv_dq + s.nk * s.hkv * split) * row * s.b
+    q_dkdv = sum(max(0, s.nq - first_row(k0) // bq * bq) for k0 in range(0, s.nk, bk)) * s.hq
+    kv = 2 * (kv_dq + s.nk * s.hkv) * row * s.b
     qdo = 2 * (s.nq * s.hq + q_dkdv) * row * s.b
     return kv, qdo
 

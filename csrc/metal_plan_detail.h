@@ -132,10 +132,12 @@ inline uint32_t decode_simdgroups_per_threadgroup(const AttentionProblem& p, uin
 inline constexpr uint32_t kLiveOverhead = 16;
 
 // The backward: accumulators (dQ: bucket / 8 fragments; dK and dV: twice
-// that, over `split` feature parts) plus one block of P and dP (2
+// that; each over `split` feature parts, a SIMD-group each) plus one block of P and dP (2
 // fragments each per 8 keys or queries), 2 floats per fragment per lane.
 // The planner's register budget (metal_routing.cpp) bounds these.
-inline uint32_t dq_live_floats(uint32_t bucket, uint32_t block_k) { return bucket / 4 + block_k / 2; }
+inline uint32_t dq_live_floats(uint32_t bucket, uint32_t block_k, uint32_t split) {
+  return bucket / 4 / split + block_k / 2;
+}
 inline uint32_t dkdv_live_floats(uint32_t bucket, uint32_t block_q, uint32_t split) {
   return bucket / 2 / split + block_q / 2;
 }

@@ -110,23 +110,41 @@ std::string padding_note(int64_t head_dim, uint32_t bucket) {
          "-wide instantiation (no read or write past head_dim)";
 }
 
-// The backward's register budget, in float32 values per lane that live
-// across a whole block: the accumulators (dQ: bucket / 8 fragments; dK and
-// dV: twice that) plus one block of P and dP (2 fragments each per 8 keys or
-// queries), 2 floats per fragment per lane. Why 72: an Apple GPU thread
-// addresses at most 128 32-bit registers (Dougall Johnson's G13
-// architecture notes; [I], not measured here), and the loop needs the rest
-// for the fragments being read, addresses and counters; ~69 is what a thread
-// gets at the occupancy that saturates the ALUs (24 simdgroups per core,
-// metal-benchmarks). MLX's fused backward (PR #3241) had to shrink its blocks
+// The backward's register budget, in 32-bit values per lane: the live
+// registers explain() prints (LaunchEstimate), i.e. the accumulators (dQ:
+// bucket / 8 fragments; dK and dV: twice that; over the feature parts)
+// plus one block of P and dP (2 fragments each per 8 keys or queries), 2
+// floats per fragment per lane, plus kLiveOverhead for addresses, counters
+// and the fragments being read (issue 19: the overhead counts too, as in
+// the decode planner). Why 72: an Apple GPU thread addresses at most 128
+// 32-bit registers (Dougall Johnson's G13 architecture notes; [I], not
+// measured here); ~69 is what a thread gets at the occupancy that
+// saturates the ALUs (24 simdgroups per core, metal-benchmarks). MLX's fused backward (PR #3241) had to shrink its blocks
 // at D = 128 and lost to its unfused path there, so the blocks below shrink
 // the streamed side first and keep the accumulators in registers.
 constexpr uint32_t kBackwardRegisterBudget = 72;
 static_assert(kBackwardRegisterBudget == uint32_t{kDecodeRegisterBudget},
               "one register budget for both planners (shaders/attention_decode_rows.h)");
-// What a thread can address at all ([I], as above).
-constexpr uint32_t kMaxRegistersPerThread = 128;
 
+
+// Resident SIMD-groups per core choose_backward aims for on every named
+// chip. Why 8: a core then has 8 SIMD-groups to switch among while one
+// waits on a barrier, a threadgroup-memory read or an MMA's latency
+// (issue 19's target for the prefill and backward kernels; the decode
+// kernels aim higher, 24 launched, having nothing but loads to overlap).
+constexpr uint32_t kBackwardResidentTarget = 8;
+
+// Fewest resident SIMD-groups per core over every named chip (metal_gpus.cpp)
+// of a backward kernel with `simdgroups` per threadgroup, `bytes` of
+// threadgroup memory and `live` registers per lane: estimate_launch's rule.
+uint32_t backward_resident_on_every_chip(uint32_t simdgroups, uint32_t bytes, uint32_t live) {
+  MetalLaunch l;
+  l.threadgroup = {32 * simdgroups, 1, 1};
+  l.threadgroup_memory = bytes;
+  uint32_t least = UINT32_MAX;
+  for (const GpuSpec& gpu : known_gpus()) least = std::min(least, estimate_launch(l, live, gpu).simdgroups_per_core);
+  return least;
+}
 
 KernelChoice choose_backward(const AttentionProblem& p, KernelRequest requested) {
   TORCH_CHECK_VALUE(requested == KernelRequest::Auto, "flash_metal.attention_backward: impl must be 'auto' (the "
@@ -135,45 +153,63 @@ KernelChoice choose_backward(const AttentionProblem& p, KernelRequest requested)
   KernelChoice c;
   c.kind = KernelRequest::Prefill;  // the simdgroup-matrix family
   c.bucket = bucket_of(p.head_dim, kFastHeadDimBuckets);
-  // dK and dV of 8 keys x the whole bucket would take bucket / 2 floats per
-  // lane: 128 at D = 256, every register a thread has. There each dK/dV
-  // threadgroup keeps half the features (two threadgroups per key block,
-  // each recomputing P and dP): 64.
-  c.dkv_feature_split = dkdv_live_floats(c.bucket, 8, 1) > kBackwardRegisterBudget ? 2 : 1;
-  // Blocks: one rule for both kernels, R rows owned (8 per simdgroup: query
-  // rows for dQ, keys for dK/dV) and S rows streamed per block (keys for dQ,
-  // query rows for dK/dV). Largest R first: the streamed side is re-read
-  // once per R owned rows, so R sets the kernel's memory traffic (the
-  // forward's block_q argument); then the largest S, which sets how many
-  // MMAs share one barrier pair. Both within the register budget (the
-  // accumulators plus S / 8 fragments of P and of dP) and 32 KiB of tiles.
-  // The result, float16/bfloat16 | float32 (R, S):
-  //   D = 32: 32,32 | 32,32   64: 32,32 | 32,16   72, 80: 32,32 | 32,16
-  //   D = 96: 32,32 | 32,8    128: 32,16 | 16,8   256: 16,8 | 8,8
-  // (float32 rows are twice the bytes, so its tiles bind first).
-  // Tiles keep their 16-byte row padding (bank conflicts) if any block pair
-  // fits with it; only float32 at D = 256 (8 + 8 rows) has to drop it.
-  const uint32_t padded_row = c.bucket * dtype_bytes(p.dtype) + 16;
-  bool found = false;
-  for (bool padded : {true, false}) {
-    for (uint32_t own : {32u, 16u, 8u}) {
+  // Blocks: one rule for both kernels. R rows owned (query rows for dQ,
+  // keys for dK/dV) in R / 8 row groups, S rows streamed per block (keys
+  // for dQ, query rows for dK/dV), and F feature parts: each row group runs
+  // F SIMD-groups that share its rows and the tiles, each keeping the
+  // accumulators of 1 / F of the features (dQ: bucket / 8 / F fragments;
+  // dK and dV twice that) and recomputing the rows' S and dP (metal-flash-
+  // attention blocks along D instead; see attention_backward.h). Every
+  // candidate keeps both kernels' live values (accumulators, one block of P
+  // and dP, kLiveOverhead) within the register budget, its four tiles
+  // within 32 KiB and within kBackwardMaxThreads. Among them, in order:
+  //  1. resident SIMD-groups per core, on the chip that holds fewest, up to
+  //     kBackwardResidentTarget (the 32 KiB cores of Apple 9 bind first);
+  //  2. the fewest parts (the least recomputation of S and dP);
+  //  3. the largest R: the streamed side is re-read once per R owned rows,
+  //     so R sets the memory traffic (K/V reads of the dQ kernel);
+  //  4. the largest S (MMAs per barrier pair).
+  // The result, float16/bfloat16 | float32 (R, S, F), 8 resident
+  // SIMD-groups per core everywhere (shaders/attention.metal instantiates it):
+  //   D = 32: 64,32,1 | 64,32,1   64: 64,32,1 | 32,32,2   72: 64,32,1 | 16,8,3
+  //   D = 80: 64,32,1 | 32,16,2   96: 64,16,1 | 32,8,2    128: 32,32,2 | 16,16,4
+  //   D = 256: 16,16,4 | 8,8,8
+  // Tiles keep their 16-byte row padding where it fits (backward_row_pad).
+  const uint32_t budget = kBackwardRegisterBudget;
+  struct Best { uint32_t resident = 0, parts = 0, own = 0, streamed = 0; } best;
+  const auto better = [](const Best& a, const Best& b) {
+    if (a.resident != b.resident) return a.resident > b.resident;
+    if (a.parts != b.parts) return a.parts < b.parts;
+    if (a.own != b.own) return a.own > b.own;
+    return a.streamed > b.streamed;
+  };
+  for (uint32_t parts : {1u, 2u, 3u, 4u, 8u}) {
+    if (c.bucket % (8 * parts) != 0) continue;
+    for (uint32_t own : {64u, 32u, 16u, 8u}) {
+      const uint32_t simdgroups = own / 8 * parts;
+      const uint32_t threads = 32 * simdgroups;
+      if (threads > uint32_t{kBackwardMaxThreads}) continue;
       for (uint32_t streamed : {32u, 16u, 8u}) {
-        const bool fits = padded ? 2 * (own + streamed) * padded_row <= kMaxThreadgroupMemory
-                                 : backward_threadgroup_memory(own, streamed, c.bucket, p.dtype) <= kMaxThreadgroupMemory;
-        if (found || !fits || dq_live_floats(c.bucket, streamed) > kBackwardRegisterBudget ||
-            dkdv_live_floats(c.bucket, streamed, c.dkv_feature_split) > kBackwardRegisterBudget) {
-          continue;
-        }
-        found = true;
-        c.block_q = own; c.block_k = streamed; c.simdgroups = own / 8;
-        c.dkv_block_k = own; c.dkv_block_q = streamed; c.dkv_simdgroups = own / 8;
+        const uint32_t bytes = backward_threadgroup_memory(own, streamed, c.bucket, p.dtype);
+        const uint32_t live = std::max(dq_live_floats(c.bucket, streamed, parts),
+                                       dkdv_live_floats(c.bucket, streamed, parts)) + kLiveOverhead;
+        // The general loader gives every thread the same number of elements.
+        const bool even = own * c.bucket % threads == 0 && streamed * c.bucket % threads == 0;
+        if (bytes > kMaxThreadgroupMemory || live > budget || !even) continue;
+        Best cand{std::min(kBackwardResidentTarget, backward_resident_on_every_chip(simdgroups, bytes, live)), parts,
+                  own, streamed};
+        if (best.parts == 0 || better(cand, best)) best = cand;
       }
     }
   }
-  TORCH_CHECK(found, "flash_metal.attention_backward: internal error: no block size fits head_dim ", p.head_dim);
+  TORCH_CHECK(best.parts != 0, "flash_metal.attention_backward: internal error: no block size fits head_dim ",
+              p.head_dim);
+  c.block_q = best.own; c.block_k = best.streamed; c.simdgroups = best.own / 8 * best.parts;
+  c.dkv_block_k = best.own; c.dkv_block_q = best.streamed; c.dkv_simdgroups = c.simdgroups;
+  c.dq_feature_split = c.dkv_feature_split = best.parts;
   const uint32_t dq_bytes = backward_threadgroup_memory(c.block_q, c.block_k, c.bucket, p.dtype);
   const uint32_t dkv_bytes = backward_threadgroup_memory(c.dkv_block_k, c.dkv_block_q, c.bucket, p.dtype);
-  const uint32_t dq_floats = dq_live_floats(c.bucket, c.block_k);
+  const uint32_t dq_floats = dq_live_floats(c.bucket, c.block_k, c.dq_feature_split);
   const uint32_t dkv_floats = dkdv_live_floats(c.bucket, c.dkv_block_q, c.dkv_feature_split);
   c.reason = "backward: FlashAttention-2 with recomputation, metal-flash-attention's atomics-free split (dQ and "
              "Delta parallel over query blocks, then dK/dV parallel over key blocks; deterministic); dQ kernel: " +
@@ -182,13 +218,13 @@ KernelChoice choose_backward(const AttentionProblem& p, KernelRequest requested)
              " live floats per lane; dK/dV kernel: " + std::to_string(c.dkv_block_k) + " keys x " +
              std::to_string(c.dkv_block_q) + " queries on " + std::to_string(c.dkv_simdgroups) + " simdgroups, " +
              kib(dkv_bytes) + ", " + std::to_string(dkv_floats) + " live floats per lane";
-  if (c.dkv_feature_split > 1) {
-    c.reason += ", dK and dV split over " + std::to_string(c.dkv_feature_split) +
-                " threadgroups by features (whole, they would take " +
-                std::to_string(dkdv_live_floats(c.bucket, c.dkv_block_q, 1)) + " of a thread's " +
-                std::to_string(kMaxRegistersPerThread) + " registers; each part recomputes P and dP)";
+  if (best.parts > 1) {
+    c.reason += "; dQ, dK and dV split over " + std::to_string(best.parts) +
+                " simdgroups by features (each recomputes its rows' P and dP; whole, dK and dV would take " +
+                std::to_string(dkdv_live_floats(c.bucket, c.dkv_block_q, 1) + kLiveOverhead) + " registers per lane)";
   }
-  c.reason += " (within the " + std::to_string(kBackwardRegisterBudget) + "-float register budget)";
+  c.reason += " (within the " + std::to_string(kBackwardRegisterBudget) + "-value register budget, " +
+              std::to_string(best.resident) + " resident simdgroups per core on every named chip)";
   c.reason += padding_note(p.head_dim, c.bucket);
   return c;
 }

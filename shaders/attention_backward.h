@@ -14,16 +14,20 @@
 //     scratch for the second kernel; then over the key blocks the rows see:
 //     S = Q.K^T, P = exp2(S * scale * log2 e - lse_i * log2 e),
 //     dP = dO.V^T, dS = P * (dP - Delta), dQ += dS.K; dQ * scale stored.
-//   flash_backward_dkdv  grid (ceil(Nk / BK) * DSPLIT, Hkv, B), 32 * WM threads
+//   flash_backward_dkdv  grid (ceil(Nk / BK), Hkv, B), 32 * WM threads
 //     over the GQA group's query heads and the query blocks that see the
 //     key block: P^T (recomputed), dV += P^T.dO, dP^T = V.dO^T,
 //     dS^T = P^T * (dP^T - Delta), dK += dS^T.Q; dK * scale and dV stored
 //     (float32: added to grad_k / grad_v after each query head of the
 //     group, so the group's sum rounds once per head, see the kernel).
-//     DSPLIT = 2 (D = 256): each threadgroup keeps dK and dV for one half of
-//     the features only (P^T and dP^T still need all of them), so the
-//     accumulators fit the register file; the price is P^T and dP^T
-//     computed by both halves.
+//   Feature parts (DSPLIT, both kernels, issue 19): WM = (own rows / 8) x
+//     DSPLIT SIMD-groups; the DSPLIT SIMD-groups of one 8-row group share
+//     its rows and the threadgroup's tiles, and each keeps the dQ (dK, dV)
+//     accumulators of 1 / DSPLIT of the features, so the accumulators fit
+//     the register budget and a threadgroup runs more SIMD-groups on the
+//     same threadgroup memory (resident SIMD-groups per core). The price:
+//     each part recomputes its rows' S and dP (P^T, dP^T) over all features;
+//     K/V (and Q/dO) tiles are still loaded once per threadgroup.
 //
 // The dK/dV kernel must run after the dQ kernel (it reads Delta); the host
 // encodes them in that order on one serial compute encoder.
@@ -159,15 +163,16 @@ FM_INLINE float backward_weight(constant AttentionParams& p, device const uchar*
   return exp2((s2 - m2) - m2lo);
 }
 
-// T, DMAX as in the forward. BQ: query rows per threadgroup (8 per
-// SIMD-group, so BQ = 8 * WM). BK: keys per streamed block. Launch: grid
+// T, DMAX as in the forward. BQ: query rows per threadgroup (8 per row
+// group of SIMD-groups, BQ * DSPLIT = 8 * WM). BK: keys per streamed block.
+// DSPLIT: feature parts of dQ, a SIMD-group each (top of file). Launch: grid
 // (ceil(Nq / BQ), Hq, B), threadgroup (32 * WM, 1, 1), threadgroup memory
 // (top of file) at index 0, function constants fc_causal (0), fc_align_q
 // (1: Nq % BQ == 0), fc_align_k (2: Nk % BK == 0), fc_has_grad_lse (3),
 // fc_dense (10: the tile loader's path, attention_prefill.h).
 // grad_lse is always bound (the host binds lse in its place when there is
 // none; it is then never read).
-template <typename T, int DMAX, int BQ, int BK, int WM>
+template <typename T, int DMAX, int BQ, int BK, int WM, int DSPLIT>
 [[kernel]] [[max_total_threads_per_threadgroup(kBackwardMaxThreads)]] void flash_backward_dq(
     device const T* q [[buffer(0)]],
     device const T* k [[buffer(1)]],
@@ -187,14 +192,19 @@ template <typename T, int DMAX, int BQ, int BK, int WM>
     uint tid [[thread_index_in_threadgroup]],
     uint sg [[simdgroup_index_in_threadgroup]],
     uint lane [[thread_index_in_simdgroup]]) {
-  static_assert(BQ == 8 * WM, "each SIMD-group owns 8 query rows");
-  static_assert(BK % 8 == 0 && DMAX % 8 == 0, "tiles are whole 8x8 fragments");
+  static_assert(BQ * DSPLIT == 8 * WM, "each SIMD-group owns 8 query rows and one feature part of their dQ");
+  static_assert(BK % 8 == 0 && DMAX % (8 * DSPLIT) == 0, "tiles and parts are whole 8x8 fragments");
   constexpr int THREADS = 32 * WM;
   static_assert(THREADS <= kBackwardMaxThreads, "the declared threadgroup limit (params.h)");
   constexpr int PAD = backward_row_pad<T, DMAX, 2 * (BQ + BK)>();
   constexpr int LD = DMAX + PAD / int(sizeof(T));  // tile row length, in elements
   constexpr int TK = BK / 8;                        // key fragments per block
   constexpr int TD = DMAX / 8;                      // feature fragments
+  constexpr int TDP = TD / DSPLIT;                  // feature fragments of dQ this SIMD-group keeps
+  constexpr int ROWG = BQ / 8;                      // 8-row groups; SIMD-group sg: group sg % ROWG, part sg / ROWG
+  const int rg = int(sg) % ROWG;
+  const int part = int(sg) / ROWG;
+  const int col0 = part * (DMAX / DSPLIT);          // first feature of this part
   threadgroup T* q_tile = smem;
   threadgroup T* do_tile = q_tile + BQ * LD;
   threadgroup T* k_tile = do_tile + BQ * LD;
@@ -228,7 +238,7 @@ template <typename T, int DMAX, int BQ, int BK, int WM>
   const uint packed_b = fc_varlen ? 0u : group.z;
   const int packed_q = fc_varlen ? p.total_q : p.q_len;
   const int64_t mask_slice = fc_has_mask ? mask_head_offset(p, group.z, group.y) : 0;
-  const int sg_row0 = q0 + int(sg) * 8;
+  const int sg_row0 = q0 + rg * 8;
   const int fr = prefill_frag_row(lane);
   const int fc = prefill_frag_col(lane);
   const int row = sg_row0 + fr;  // this lane's query row (within the sequence)
@@ -250,14 +260,15 @@ template <typename T, int DMAX, int BQ, int BK, int WM>
   // l^9) each take 2 of every 8 features, then two shuffles combine them
   // (the fragment layout's row reduction). O is read once, straight from
   // device memory: no other use, so no tile. Every lane reaches the
-  // shuffles; rows past Nq contribute zeros.
+  // shuffles; rows past Nq contribute zeros. With parts, part 0 alone
+  // reads O (once) and passes Delta on through threadgroup memory below.
   float dsum = 0.0f;
-  if (row_real) {
+  if (row_real && part == 0) {
     device const T* orow = o + h.o + int64_t(row) * p.o_row_stride;
     FM_UNROLL for (int id = 0; id < TD; ++id) {
       FM_UNROLL for (int j = 0; j < 2; ++j) {
         const int c = id * 8 + fc + j;
-        if (c < D) dsum += float(do_tile[(int(sg) * 8 + fr) * LD + c]) * float(orow[int64_t(c) * p.o_dim_stride]);
+        if (c < D) dsum += float(do_tile[(rg * 8 + fr) * LD + c]) * float(orow[int64_t(c) * p.o_dim_stride]);
       }
     }
   }
@@ -277,7 +288,16 @@ template <typename T, int DMAX, int BQ, int BK, int WM>
     m2lo = row_live ? lse2_lo(l, m2) : 0.0f;
     row_delta = dsum;
     if (fc_has_grad_lse) row_delta -= dlse[glse_head + int64_t(row) * p.glse_row_stride];
-    if (fc == 0) delta[(int64_t(packed_b) * p.q_heads + group.y) * packed_q + sv.q_row0 + row] = row_delta;
+    if (fc == 0 && part == 0) delta[(int64_t(packed_b) * p.q_heads + group.y) * packed_q + sv.q_row0 + row] = row_delta;
+  }
+  if (DSPLIT > 1) {
+    // Part 0's Delta to the other parts of its rows, through the K tile's
+    // first BQ floats (unused until the first key block, whose WAR barrier
+    // follows these reads).
+    threadgroup float* shared_delta = reinterpret_cast<threadgroup float*>(k_tile);
+    if (part == 0 && fc == 0) shared_delta[rg * 8 + fr] = row_delta;
+    threadgroup_barrier(mem_flags::mem_threadgroup);  // Delta written before the other parts read it (RAW)
+    row_delta = shared_delta[rg * 8 + fr];
   }
 
   // Key blocks some row of the group can see: up to the last real row's
@@ -290,8 +310,8 @@ template <typename T, int DMAX, int BQ, int BK, int WM>
   const int kb_end = (visible_key_end(sv, last_row) + BK - 1) / BK;
   const int d_frags = (D + 7) / 8;
 
-  PrefillFrag dQ[TD];
-  FM_UNROLL for (int id = 0; id < TD; ++id) dQ[id] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
+  PrefillFrag dQ[TDP];
+  FM_UNROLL for (int id = 0; id < TDP; ++id) dQ[id] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
 
   for (int kb = kb_begin; kb < kb_end; ++kb) {
     const int k0 = kb * BK;
@@ -322,7 +342,7 @@ template <typename T, int DMAX, int BQ, int BK, int WM>
     // S = Q.K^T and dP = dO.V^T (8 x BK each).
     PrefillFrag S[TK];
     PrefillFrag dP[TK];
-    backward_products<TK, TD>(S, dP, q_tile, do_tile, k_tile, v_tile, LD, int(sg) * 8, d_frags, fr, fc);
+    backward_products<TK, TD>(S, dP, q_tile, do_tile, k_tile, v_tile, LD, rg * 8, d_frags, fr, fc);
     // P and dS = P * (dP - Delta), elementwise, into dP (times the
     // softcap's derivative). Weight 0 (so dS 0) for keys past Nk, keys
     // outside the row's window, masked keys and rows that saw no key, by
@@ -344,12 +364,12 @@ template <typename T, int DMAX, int BQ, int BK, int WM>
     }
     // dQ += dS.K, the block's product summed from zero and added once (the
     // forward's blocked sum: one rounding of dQ per block, not per key).
-    FM_UNROLL for (int id = 0; id < TD; ++id) {
-      if (id * 8 < D) {
+    FM_UNROLL for (int id = 0; id < TDP; ++id) {
+      if (col0 + id * 8 < D) {
         PrefillFrag acc = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
         FM_UNROLL for (int t = 0; t < TK; ++t) {
           PrefillFrag kf;
-          prefill_read_frag(kf, k_tile, LD, t * 8, id * 8, fr, fc);
+          prefill_read_frag(kf, k_tile, LD, t * 8, col0 + id * 8, fr, fc);
           prefill_mma(acc, dP[t], kf);
         }
         FM_UNROLL for (int j = 0; j < 2; ++j) dQ[id].thread_elements()[j] += acc.thread_elements()[j];
@@ -361,9 +381,9 @@ template <typename T, int DMAX, int BQ, int BK, int WM>
   // sees no key).
   if (row_real) {
     device T* out = dq + packed_row(packed_b, group.y, p.q_heads, packed_q, sv.q_row0 + row, D);
-    FM_UNROLL for (int id = 0; id < TD; ++id) {
+    FM_UNROLL for (int id = 0; id < TDP; ++id) {
       FM_UNROLL for (int j = 0; j < 2; ++j) {
-        const int c = id * 8 + fc + j;
+        const int c = col0 + id * 8 + fc + j;
         if (c < D) out[c] = static_cast<T>(dQ[id].thread_elements()[j] * p.scale);
       }
     }
@@ -391,11 +411,11 @@ FM_INLINE void store_dkdv(device T* kout, device T* vout, thread PrefillFrag* dK
   }
 }
 
-// BK: keys per threadgroup (8 per SIMD-group, BK = 8 * WM). BQ: query rows
-// per streamed block. DSPLIT: feature parts of dK and dV (1, or 2 at
-// DMAX 256: dK and dV of 8 keys x 256 features would be 128 floats per lane,
-// more than a thread's 128 registers can hold beside anything else).
-// Launch: grid (ceil(Nk / BK) * DSPLIT, Hkv, B), threadgroup
+// BK: keys per threadgroup (8 per row group of SIMD-groups, BK * DSPLIT =
+// 8 * WM). BQ: query rows per streamed block. DSPLIT: feature parts of dK
+// and dV, a SIMD-group each (top of file; dK and dV of 8 keys x 256
+// features whole would be 128 floats per lane, a thread's every register).
+// Launch: grid (ceil(Nk / BK), Hkv, B), threadgroup
 // (32 * WM, 1, 1), threadgroup memory (top of file) at index 0, function
 // constants fc_causal (0), fc_align_q (1: Nq % BQ == 0), fc_align_k
 // (2: Nk % BK == 0). Reads Delta as the dQ kernel wrote it.
@@ -418,7 +438,7 @@ template <typename T, int DMAX, int BQ, int BK, int WM, int DSPLIT>
     uint tid [[thread_index_in_threadgroup]],
     uint sg [[simdgroup_index_in_threadgroup]],
     uint lane [[thread_index_in_simdgroup]]) {
-  static_assert(BK == 8 * WM, "each SIMD-group owns 8 keys");
+  static_assert(BK * DSPLIT == 8 * WM, "each SIMD-group owns 8 keys and one feature part of their dK and dV");
   static_assert(BQ % 8 == 0 && DMAX % 8 == 0, "tiles are whole 8x8 fragments");
   constexpr int THREADS = 32 * WM;
   static_assert(THREADS <= kBackwardMaxThreads, "the declared threadgroup limit (params.h)");
@@ -426,7 +446,9 @@ template <typename T, int DMAX, int BQ, int BK, int WM, int DSPLIT>
   constexpr int LD = DMAX + PAD / int(sizeof(T));
   static_assert(DMAX % (8 * DSPLIT) == 0, "each part is whole fragments");
   constexpr int TQ = BQ / 8;                // query fragments per streamed block
-  constexpr int TD = DMAX / 8 / DSPLIT;     // feature fragments of dK and dV this threadgroup keeps
+  constexpr int TD = DMAX / 8 / DSPLIT;     // feature fragments of dK and dV this SIMD-group keeps
+  constexpr int ROWG = BK / 8;              // 8-key groups; SIMD-group sg: group sg % ROWG, part sg / ROWG
+  const int rg = int(sg) % ROWG;
   threadgroup T* k_tile = smem;
   threadgroup T* v_tile = k_tile + BK * LD;
   threadgroup T* q_tile = v_tile + BK * LD;
@@ -436,7 +458,7 @@ template <typename T, int DMAX, int BQ, int BK, int WM, int DSPLIT>
   // grid covers the longest sequence) leaves at once, uniformly, before any
   // barrier.
   const SeqView sv = sequence_view(p, cu_seqlens_q, cu_seqlens_k, group.z);
-  const int k0 = int(group.x) / DSPLIT * BK;
+  const int k0 = int(group.x) * BK;
   if (fc_varlen && k0 >= sv.kv_len) return;
   const int q_len = sv.q_len;
   const int kv_len = sv.kv_len;
@@ -455,8 +477,8 @@ template <typename T, int DMAX, int BQ, int BK, int WM, int DSPLIT>
   const uint packed_b = fc_varlen ? 0u : group.z;
   const int packed_q = fc_varlen ? p.total_q : p.q_len;
   const int packed_k = fc_varlen ? p.total_k : p.kv_len;
-  const int col0 = int(group.x) % DSPLIT * (DMAX / DSPLIT);  // first feature of this part
-  const int sg_key0 = k0 + int(sg) * 8;
+  const int col0 = int(sg) / ROWG * (DMAX / DSPLIT);  // first feature of this part
+  const int sg_key0 = k0 + rg * 8;
   const int fr = prefill_frag_row(lane);
   const int fc = prefill_frag_col(lane);
   const int key = sg_key0 + fr;  // this lane's key (its row of the P^T fragments)
@@ -556,7 +578,7 @@ template <typename T, int DMAX, int BQ, int BK, int WM, int DSPLIT>
       // S^T = K.Q^T and dP^T = V.dO^T (8 keys x BQ queries each).
       PrefillFrag S[TQ];
       PrefillFrag dP[TQ];
-      backward_products<TQ, DMAX / 8>(S, dP, k_tile, v_tile, q_tile, do_tile, LD, int(sg) * 8, d_frags, fr, fc);
+      backward_products<TQ, DMAX / 8>(S, dP, k_tile, v_tile, q_tile, do_tile, LD, rg * 8, d_frags, fr, fc);
       // P^T into S, dS^T = P^T * (dP^T - Delta) into dP (times the
       // softcap's derivative). Each element is (this lane's key, query
       // qrow); the query's lse and Delta are read from device memory (a few

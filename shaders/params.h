@@ -131,8 +131,11 @@ FM_PROGRAM_CONSTANT constexpr int kPrefillMaxThreads = 128;
 FM_PROGRAM_CONSTANT constexpr int kDecodeMaxThreads = 256;
 // The split-KV merge: one SIMD-group per output row.
 FM_PROGRAM_CONSTANT constexpr int kDecodeMergeMaxThreads = 32;
-// Both backward kernels (attention_backward.h): at most 4 SIMD-groups of 8
-// owned rows (choose_backward's largest block, 32 rows).
-FM_PROGRAM_CONSTANT constexpr int kBackwardMaxThreads = 128;
+// Both backward kernels (attention_backward.h): at most 8 SIMD-groups (own
+// 8-row groups x feature parts). Why 8: choose_backward's target, 8
+// resident SIMD-groups per core (issue 19), in one threadgroup where a
+// core's threadgroup memory holds one; 256 threads leave 208 registers per
+// thread at any allocation, above the 72-value budget the planner keeps.
+FM_PROGRAM_CONSTANT constexpr int kBackwardMaxThreads = 256;
 
 }  // namespace flash_metal

@@ -41,7 +41,7 @@ KV_LENS = (512, 4096, 32768, 131072)
 # The most threads each family's plans may use: shaders/params.h.
 FAMILY_LIMITS = {"flash_attention_untiled_": 32, "flash_attention_tiled_": 32, "flash_attention_prefill_": 128,
                  "flash_decode_merge_": 32, "flash_decode_split_": 256, "flash_decode_": 256,
-                 "flash_backward_dq_": 128, "flash_backward_dkdv_": 128}
+                 "flash_backward_dq_": 256, "flash_backward_dkdv_": 256}
 
 
 def _family_limit(name):
@@ -107,7 +107,8 @@ def test_sweep_reaches_the_decode_limit():
         for family, n in _most_threads(model).items():
             most[family] = max(most.get(family, 0), n)
     assert most["flash_decode"] == most["flash_decode_split"] == 256, most
-    assert most["flash_attention_prefill"] == most["flash_backward_dq"] == most["flash_backward_dkdv"] == 128, most
+    assert most["flash_attention_prefill"] == 128, most
+    assert most["flash_backward_dq"] == most["flash_backward_dkdv"] == 256, most
 
 
 def test_forced_decode_never_exceeds_the_limit():
@@ -182,3 +183,81 @@ def test_register_check_catches_the_old_rows_per_simd():
         assert _over_budget([Planted]) == [("flash_decode_float16_d64", Planted.live_registers, 256)], bucket
     Planted.live_registers, Planted.threadgroup = 60, (32, 8, 2)  # 512 threads: over the declared limit
     assert _over_budget([Planted]) != []
+
+
+# ---- prefill and backward: registers and occupancy (issue 19) ------------------------------
+
+# Every named chip (csrc/metal_gpus.cpp; tests/test_metal_routing.py pins their cores).
+CHIPS = ("m1", "m1-pro", "m1-max", "m1-ultra", "m2", "m2-pro", "m2-max", "m2-ultra", "m3", "m3-pro", "m3-max",
+         "m3-ultra", "m4", "m4-pro", "m4-max", "m5")
+# The planner's register budget (kBackwardRegisterBudget, csrc/metal_routing.cpp) and the resident
+# SIMD-groups per core issue 19 asks of every prefill and backward plan (kBackwardResidentTarget).
+REGISTER_BUDGET = 72
+RESIDENT_TARGET = 8
+GRID_DIMS = (64, 80, 96, 128, 256)
+# Prefill plans not yet within the rules: the forward's block table (MLX's) is unchanged so far;
+# this set is exact (the test fails if any entry meets the rules, or if another plan misses them).
+PREFILL_OPEN = {(dt, d) for dt in DTYPES for d in GRID_DIMS} - {
+    (torch.float16, 64), (torch.bfloat16, 64), (torch.float16, 80), (torch.bfloat16, 80),
+    (torch.float16, 96), (torch.bfloat16, 96), (torch.float16, 128), (torch.bfloat16, 128)}
+
+
+def _misses(dispatches, chip):
+    """Dispatches over the register budget, under the resident target, or over their declared thread limit."""
+    return [(chip, d.kernel_name, d.live_registers, d.simdgroups_per_core, _threads(d)) for d in dispatches
+            if d.live_registers > REGISTER_BUDGET or d.simdgroups_per_core < RESIDENT_TARGET or
+            _threads(d) > d.max_threads_per_threadgroup]
+
+
+def _grid_plans(backward):
+    """(dtype, D, chip, dispatches) over the model grid: every dtype, D, named chip, causal or not."""
+    for dtype, d, chip, causal in itertools.product(DTYPES, GRID_DIMS, CHIPS, (False, True)):
+        q, k, v = _qkv(2, 8, 2, 1024, 1024, d, dtype)
+        plan = flash_metal.explain(q, k, v, causal, None, "auto", chip, backward=backward)
+        yield dtype, d, chip, plan.dispatches
+
+
+def test_backward_plans_meet_the_register_budget_and_occupancy_on_every_chip():
+    # Both backward kernels, every (dtype, D) of the grid on every named chip:
+    # at most 72 live values per lane, at least 8 resident SIMD-groups per
+    # core, within the declared thread limit. No exemption.
+    misses = [m for _, _, chip, ds in _grid_plans(True) for m in _misses(ds, chip)]
+    assert misses == []
+
+
+def test_prefill_plans_meet_the_rules_except_the_open_set():
+    missed = set()
+    for dtype, d, chip, ds in _grid_plans(False):
+        assert all(x.live_registers > 0 and _threads(x) <= x.max_threads_per_threadgroup for x in ds)
+        if _misses(ds, chip):
+            missed.add((dtype, d))
+    assert missed == PREFILL_OPEN
+
+
+def test_occupancy_check_catches_the_old_backward_table():
+    # The backward's tile table before this change (one 8-row group per
+    # SIMD-group, 128 threads at most, dK/dV split over 2 threadgroups at
+    # D = 256), with the planner's own models: f32 D = 256 ran 1 SIMD-group
+    # per core at 84 live values; every dtype misses at D = 256 and f32 at 128.
+    old = {  # (dtype bytes, D): (R, S, dK/dV split)
+        (4, 64): (32, 16, 1), (4, 80): (32, 16, 1), (4, 96): (32, 8, 1), (4, 128): (16, 8, 1), (4, 256): (8, 8, 2),
+        (2, 64): (32, 32, 1), (2, 80): (32, 32, 1), (2, 96): (32, 32, 1), (2, 128): (32, 16, 1), (2, 256): (16, 8, 2)}
+
+    class Planted:
+        max_threads_per_threadgroup = 256
+
+    def mem(r, s, d, b):
+        rows, padded = 2 * (r + s), d * b + 16
+        return rows * (padded if rows * padded <= 32 * 1024 else padded - 16)
+
+    missed = set()
+    for (b, d), (r, s, split) in old.items():
+        for tg_mem in (60 * 1024, 32 * 1024):  # Apple 7/8 and Apple 9+ per-core threadgroup memory
+            for live in (d // 4 + s // 2 + 16, d // 2 // split + s // 2 + 16):  # dQ, dK/dV
+                Planted.kernel_name, Planted.threadgroup, Planted.live_registers = "old", (32 * r // 8, 1, 1), live
+                regs = 208 * 1024 // (live * 128 * (r // 8))
+                Planted.simdgroups_per_core = max(1, min(regs, tg_mem // mem(r, s, d, b))) * (r // 8)
+                if _misses([Planted], "planted"):
+                    missed.add((b, d))
+    assert {(4, 256), (2, 256), (4, 128)} <= missed
+    assert len(missed) == 10  # every old entry misses on some chip
