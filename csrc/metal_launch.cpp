@@ -316,7 +316,7 @@ MetalPlan plan_metal_attention(const AttentionProblem& p, const LaunchStrides& s
         plan.reason += loader_reason(dense, why);
       }
       l.buffers = with_features(kForwardBuffers);
-      l.estimate = estimate_launch(l, prefill_live_registers(c.bucket, c.block_k), gpu);
+      l.estimate = estimate_launch(l, prefill_live_registers(c.bucket, c.block_k, c.simdgroups * 8 / c.block_q), gpu);
       plan.launches.push_back(l);
       break;
     default:

@@ -147,12 +147,12 @@ inline uint32_t dkdv_live_floats(uint32_t bucket, uint32_t block_q, uint32_t spl
 // online-softmax state.
 inline uint32_t post_live_registers(uint32_t bucket) { return 2 * bucket + 4 + kLiveOverhead; }
 
-// The prefill kernel: the output rows (bucket / 8 fragments of 2 floats),
+// The prefill kernel: the output rows (bucket / 8 fragments of 2 floats, over `parts` SIMD-groups),
 // one block of scores (block_k / 8 fragments of 2 floats), the row max and
 // sum (2 per fragment row a lane holds) and the Q/K fragments of one 8-wide
 // feature step (2 x 2).
-inline uint32_t prefill_live_registers(uint32_t bucket, uint32_t block_k) {
-  return bucket / 4 + block_k / 4 + 2 + 4 + kLiveOverhead;
+inline uint32_t prefill_live_registers(uint32_t bucket, uint32_t block_k, uint32_t parts) {
+  return bucket / 4 / parts + block_k / 4 + 2 + 4 + kLiveOverhead;
 }
 
 // The decode kernels (shaders/attention_decode.h, decode_attend), at their

@@ -132,12 +132,12 @@ static_assert(kBackwardRegisterBudget == uint32_t{kDecodeRegisterBudget},
 // waits on a barrier, a threadgroup-memory read or an MMA's latency
 // (issue 19's target for the prefill and backward kernels; the decode
 // kernels aim higher, 24 launched, having nothing but loads to overlap).
-constexpr uint32_t kBackwardResidentTarget = 8;
+constexpr uint32_t kResidentTarget = 8;
 
 // Fewest resident SIMD-groups per core over every named chip (metal_gpus.cpp)
-// of a backward kernel with `simdgroups` per threadgroup, `bytes` of
+// of a prefill or backward kernel with `simdgroups` per threadgroup, `bytes` of
 // threadgroup memory and `live` registers per lane: estimate_launch's rule.
-uint32_t backward_resident_on_every_chip(uint32_t simdgroups, uint32_t bytes, uint32_t live) {
+uint32_t resident_on_every_chip(uint32_t simdgroups, uint32_t bytes, uint32_t live) {
   MetalLaunch l;
   l.threadgroup = {32 * simdgroups, 1, 1};
   l.threadgroup_memory = bytes;
@@ -164,7 +164,7 @@ KernelChoice choose_backward(const AttentionProblem& p, KernelRequest requested)
   // and dP, kLiveOverhead) within the register budget, its four tiles
   // within 32 KiB and within kBackwardMaxThreads. Among them, in order:
   //  1. resident SIMD-groups per core, on the chip that holds fewest, up to
-  //     kBackwardResidentTarget (the 32 KiB cores of Apple 9 bind first);
+  //     kResidentTarget (the 32 KiB cores of Apple 9 bind first);
   //  2. the fewest parts (the least recomputation of S and dP);
   //  3. the largest R: the streamed side is re-read once per R owned rows,
   //     so R sets the memory traffic (K/V reads of the dQ kernel);
@@ -196,7 +196,7 @@ KernelChoice choose_backward(const AttentionProblem& p, KernelRequest requested)
         // The general loader gives every thread the same number of elements.
         const bool even = own * c.bucket % threads == 0 && streamed * c.bucket % threads == 0;
         if (bytes > kMaxThreadgroupMemory || live > budget || !even) continue;
-        Best cand{std::min(kBackwardResidentTarget, backward_resident_on_every_chip(simdgroups, bytes, live)), parts,
+        Best cand{std::min(kResidentTarget, resident_on_every_chip(simdgroups, bytes, live)), parts,
                   own, streamed};
         if (best.parts == 0 || better(cand, best)) best = cand;
       }
@@ -284,32 +284,48 @@ KernelChoice choose_metal_kernel(const AttentionProblem& p, KernelRequest reques
       break;
     case KernelRequest::Prefill: {
       c.bucket = bucket_of(p.head_dim, kFastHeadDimBuckets);
-      // Block sizes per head-dim bucket (MLX's steel table; PyTorch's prefill
-      // kernel makes the same choice at 256). Each simdgroup owns 8 query
-      // rows, so block_q = 8 * simdgroups. Per lane a simdgroup keeps its
-      // output rows (bucket / 8 fragments of 2 floats) and the scores of one
-      // key block (block_k / 8 fragments of 2 floats) in registers.
-      if (c.bucket <= 96) {
-        // Why 32 x 32 with 4 simdgroups: 128 threads share each K/V block
-        // among 32 query rows; 4 score fragments and at most 12 output
-        // fragments per lane fit the register file without spilling, and
-        // the tiles take at most 25.6 KB (float32, D=96), 13.3 KB in half.
-        c.block_q = 32; c.block_k = 32; c.simdgroups = 4;
-      } else if (c.bucket <= 128) {
-        // Why 16 keys at D=128: 16 output fragments per lane already, so the
-        // score block shrinks to 2 fragments; 25.3 KB in float32, 13.1 KB in half.
-        c.block_q = 32; c.block_k = 16; c.simdgroups = 4;
-      } else {
-        // Why 2 simdgroups and 8 keys at D=256: 32 output fragments per lane
-        // leave room for a single score fragment; 16 query rows keep the
-        // float32 tiles at 25.0 KB (MLX's 32/16 needs 40 KB in float32, and
-        // MLX routes D=256 to its unfused path for that reason).
-        c.block_q = 16; c.block_k = 8; c.simdgroups = 2;
+      // Blocks: block_q query rows, MLX's steel table's (32; 16 at D = 256,
+      // where MLX's 32 x 16 tiles take 40 KB in float32), in 8-row groups
+      // that each run `parts` SIMD-groups (each keeping O for 1 / parts of
+      // the features, all computing the rows' scores), and block_k keys per
+      // block. block_q sets the K/V traffic (read once per query block), so
+      // it stays; among block_k in {32, 16, 8} and parts in {1, 2, 4, 8}
+      // within the register budget (O, one block of scores, the softmax
+      // state, kLiveOverhead), 32 KiB, kPrefillMaxThreads and the loader's
+      // even split: the most resident SIMD-groups per core on the chip that
+      // holds fewest (up to 8, kResidentTarget), then the fewest
+      // parts (least recomputed scores), then the longest key block. The
+      // result, float16/bfloat16 | float32 (block_k, parts):
+      //   D = 32: 32,1 | 32,1   64, 72, 80: 32,1 | 16,1   96: 32,1 | 8,1
+      //   D = 128: 16,1 | 16,2  256: 8,2 | 8,4
+      c.block_q = c.bucket == 256 ? 16 : 32;
+      uint32_t best_resident = 0, best_parts = 0;
+      for (uint32_t parts : {1u, 2u, 4u, 8u}) {
+        const uint32_t simdgroups = c.block_q / 8 * parts;
+        if (c.bucket % (8 * parts) != 0 || 32 * simdgroups > uint32_t{kPrefillMaxThreads}) continue;
+        for (uint32_t block_k : {32u, 16u, 8u}) {
+          const uint32_t bytes = prefill_threadgroup_memory(c.block_q, block_k, c.bucket, p.dtype);
+          const uint32_t live = prefill_live_registers(c.bucket, block_k, parts);
+          const bool even = c.block_q * c.bucket % (32 * simdgroups) == 0 && block_k * c.bucket % (32 * simdgroups) == 0;
+          if (bytes > kMaxThreadgroupMemory || live > kBackwardRegisterBudget || !even) continue;
+          const uint32_t resident =
+              std::min(kResidentTarget, resident_on_every_chip(simdgroups, bytes, live));
+          if (resident > best_resident) {  // ties keep the earlier: fewer parts, then longer blocks
+            best_resident = resident; best_parts = parts;
+            c.block_k = block_k; c.simdgroups = simdgroups;
+          }
+        }
       }
+      TORCH_CHECK(best_parts != 0, kOp, ": internal error: no prefill block fits head_dim ", p.head_dim);
       const uint32_t bytes = prefill_threadgroup_memory(c.block_q, c.block_k, c.bucket, p.dtype);
       c.reason += "; blocks of " + std::to_string(c.block_q) + " queries x " + std::to_string(c.block_k) +
                   " keys on " + std::to_string(c.simdgroups) + " simdgroups, " + kib(bytes) +
-                  " of threadgroup memory" + (bytes <= 16 * 1024 ? " (two threadgroups fit one core's 32 KiB)" : "");
+                  " of threadgroup memory, " + std::to_string(prefill_live_registers(c.bucket, c.block_k, best_parts)) +
+                  " live values per lane, " + std::to_string(best_resident) +
+                  " resident simdgroups per core on every named chip" +
+                  (best_parts > 1 ? "; each 8-row group on " + std::to_string(best_parts) +
+                                        " simdgroups split by O's features (each recomputes the rows' scores)"
+                                  : "");
       break;
     }
     case KernelRequest::Decode:

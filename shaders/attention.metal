@@ -33,22 +33,32 @@
   FM_POST_KERNELS(tname, T, 128)        \
   FM_POST_KERNELS(tname, T, 256)
 
-// The FlashAttention-2 forward's block sizes per bucket, as the routing
-// function (choose_metal_kernel in csrc/metal_routing.cpp) chooses and explains
-// them: 4 simdgroups of 8 query rows and 32 keys per block up to D = 96, 16
-// keys at D = 128, 2 simdgroups and 8 keys at D = 256.
+// The FlashAttention-2 forward's block sizes per (dtype, bucket), as the
+// routing function (choose_metal_kernel in csrc/metal_routing.cpp) chooses
+// and explains them: 32 query rows (16 at D = 256) in 8-row groups of
+// WM * 8 / BQ SIMD-groups (feature parts of O), keys per block within the
+// register budget and 8 resident SIMD-groups per core.
 #define FM_PREFILL(tname, T, D, BQ, BK, WM)                                                 \
   FM_INSTANTIATE("flash_attention_prefill_" #tname "_d" #D "_bq" #BQ "_bk" #BK "_wm" #WM, \
                  flash_attention_prefill<T, D, BQ, BK, WM>)
 
-#define FM_PREFILL_ALL_D(tname, T)     \
-  FM_PREFILL(tname, T, 32, 32, 32, 4)  \
-  FM_PREFILL(tname, T, 64, 32, 32, 4)  \
-  FM_PREFILL(tname, T, 72, 32, 32, 4)  \
-  FM_PREFILL(tname, T, 80, 32, 32, 4)  \
-  FM_PREFILL(tname, T, 96, 32, 32, 4)  \
-  FM_PREFILL(tname, T, 128, 32, 16, 4) \
-  FM_PREFILL(tname, T, 256, 16, 8, 2)
+#define FM_PREFILL_HALF_ALL_D(tname, T) \
+  FM_PREFILL(tname, T, 32, 32, 32, 4)   \
+  FM_PREFILL(tname, T, 64, 32, 32, 4)   \
+  FM_PREFILL(tname, T, 72, 32, 32, 4)   \
+  FM_PREFILL(tname, T, 80, 32, 32, 4)   \
+  FM_PREFILL(tname, T, 96, 32, 32, 4)   \
+  FM_PREFILL(tname, T, 128, 32, 16, 4)  \
+  FM_PREFILL(tname, T, 256, 16, 8, 4)
+
+#define FM_PREFILL_FLOAT_ALL_D(tname, T) \
+  FM_PREFILL(tname, T, 32, 32, 32, 4)    \
+  FM_PREFILL(tname, T, 64, 32, 16, 4)    \
+  FM_PREFILL(tname, T, 72, 32, 16, 4)    \
+  FM_PREFILL(tname, T, 80, 32, 16, 4)    \
+  FM_PREFILL(tname, T, 96, 32, 8, 4)     \
+  FM_PREFILL(tname, T, 128, 32, 16, 8)   \
+  FM_PREFILL(tname, T, 256, 16, 8, 8)
 
 // The decode kernels (Nq <= 8): one pass, and the split-KV pair.
 #define FM_DECODE(tname, T, D)                                                   \
@@ -101,9 +111,9 @@ namespace flash_metal {
 FM_POST_KERNELS_ALL_D(float32, float)
 FM_POST_KERNELS_ALL_D(float16, half)
 FM_POST_KERNELS_ALL_D(bfloat16, bfloat)
-FM_PREFILL_ALL_D(float32, float)
-FM_PREFILL_ALL_D(float16, half)
-FM_PREFILL_ALL_D(bfloat16, bfloat)
+FM_PREFILL_FLOAT_ALL_D(float32, float)
+FM_PREFILL_HALF_ALL_D(float16, half)
+FM_PREFILL_HALF_ALL_D(bfloat16, bfloat)
 FM_DECODE_ALL_D(float32, float)
 FM_DECODE_ALL_D(float16, half)
 FM_DECODE_ALL_D(bfloat16, bfloat)

@@ -118,9 +118,10 @@ static_assert(sizeof(AttentionParams) == 312, "AttentionParams layout changed: u
 // The post's two kernels (attention_untiled.h, attention_tiled.h): one
 // SIMD-group, one query row per thread (the post's configuration).
 FM_PROGRAM_CONSTANT constexpr int kPostMaxThreads = 32;
-// The prefill kernel (attention_prefill.h): 4 SIMD-groups of 8 query rows up
-// to D = 128, 2 at D = 256 (the routing's block table, MLX's steel layout).
-FM_PROGRAM_CONSTANT constexpr int kPrefillMaxThreads = 128;
+// The prefill kernel (attention_prefill.h): 4 SIMD-groups of 8 query rows
+// (MLX's steel layout), or with feature parts (float32 D = 128 and 256) up
+// to 8 SIMD-groups: the routing's block table. Why 8: as the backward's.
+FM_PROGRAM_CONSTANT constexpr int kPrefillMaxThreads = 256;
 // The decode kernels (attention_decode.h, one pass and split pass 1): 8
 // SIMD-groups, 256 threads, leave 208 registers per thread, more than a
 // thread can address, so the decode state (at most kDecodeRegisterBudget =

@@ -43,6 +43,13 @@ MASK_KINDS = [None, "bool", "input", "float32"]
 # (BQ, BK) of the prefill instantiation per head_dim bucket (shaders/attention.metal).
 PREFILL_BLOCKS = {32: (32, 32), 64: (32, 32), 72: (32, 32), 80: (32, 32), 96: (32, 32), 128: (32, 16),
                   256: (16, 8)}
+# float32's key blocks where they differ (choose_metal_kernel: its rows are twice the bytes).
+FLOAT_PREFILL_BK = {64: 16, 72: 16, 80: 16, 96: 8}
+
+
+def prefill_blocks(dtype, bucket):
+    bq, bk = PREFILL_BLOCKS[bucket]
+    return bq, FLOAT_PREFILL_BK.get(bucket, bk) if dtype == torch.float32 else bk
 
 
 def bucket_of(d):
@@ -212,7 +219,7 @@ def test_prefill_window_reads_fewer_kv_bytes(dtype):
     g = torch.Generator().manual_seed(5)
     q, k, v = make_qkv(B, H, H, N, N, D, dtype, generator=g)
     mask = make_mask("bool", (N, N), dtype, g)
-    bq, bk = PREFILL_BLOCKS[bucket_of(D)]
+    bq, bk = prefill_blocks(dtype, bucket_of(D))
     elem = q.element_size()
     read = {}
     for window in (-1, W):
@@ -477,7 +484,7 @@ def test_prefill_skips_key_blocks_behind_the_window(dtype):
     Nq, Nk, W = 40, 300, 30
     g = torch.Generator().manual_seed(50 + DTYPES.index(dtype))
     for D in (64, 128, 256):
-        bk = PREFILL_BLOCKS[D][1]
+        bk = prefill_blocks(dtype, D)[1]
         q, k, v = make_qkv(1, 2, 1, Nq, Nk, D, dtype, generator=g)
         first = (Nk - Nq - W) // bk * bk
         k_bad, v_bad = poison_before(k, first), poison_before(v, first)
