@@ -243,7 +243,9 @@ def test_reads_match_the_flashattention2_backward_io_model(causal, D):
     # backward (K/V once, Q/dO once per key block) plus the dQ kernel's K/V
     # pass that replaces its atomics. Causal skips blocks: fewer reads. At
     # D = 256 the feature parts (SIMD-groups) share one threadgroup's tiles.
-    B, Hq, Hkv, Nq, Nk, dtype = 1, 4, 2, 70, 50, torch.float16
+    # Causal: long enough that both kernels skip blocks at 64 owned rows
+    # (float16 D = 64) and 32 streamed ones.
+    B, Hq, Hkv, Nq, Nk, dtype = (1, 2, 1, 130, 120, torch.float16) if causal else (1, 4, 2, 70, 50, torch.float16)
     case = _case(B, Hq, Hkv, Nq, Nk, D, dtype, causal)
     _check(case, causal, instrumented=True)
     (dq, dq_counts), (dkdv, dkdv_counts) = backends.LAST_DISPATCHES
