@@ -39,7 +39,7 @@ FLOAT_BLOCKS = {32: (32, 32, 4), 64: (32, 16, 4), 72: (32, 16, 4), 80: (32, 16, 
                 128: (32, 16, 8), 256: (16, 8, 8)}
 
 
-def blocks(dtype, dmax):
+def blocks_of(dtype, dmax):
     return (FLOAT_BLOCKS if dtype == torch.float32 else BLOCKS)[dmax]
 DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 # Metal's threadgroup memory limit (32 KiB on every Apple GPU family).
@@ -52,7 +52,7 @@ def bucket_of(d):
 
 
 def kernel_name(dtype, dmax):
-    bq, bk, wm = blocks(dtype, dmax)
+    bq, bk, wm = blocks_of(dtype, dmax)
     return f"flash_attention_prefill_{DTYPE_NAMES[dtype]}_d{dmax}_bq{bq}_bk{bk}_wm{wm}"
 
 
@@ -73,7 +73,7 @@ def run_prefill(q, k, v, causal=False, scale=None, instrumented=False, fast_math
     """
     plan = flash_metal.explain(q, k, v, causal, scale, impl="prefill")
     dmax = bucket_of(q.shape[-1])
-    bq, bk, wm = blocks(q.dtype, dmax)
+    bq, bk, wm = blocks_of(q.dtype, dmax)
     # The planner's launch is the one this file's formulas describe.
     assert plan.kernel_name == kernel_name(q.dtype, dmax)
     assert plan.grid == (math.ceil(q.shape[2] / bq), q.shape[1], q.shape[0]) and plan.threadgroup == (32 * wm, 1, 1)
@@ -106,7 +106,7 @@ def test_library_holds_exactly_the_instantiations():
 def test_threadgroup_memory_fits_metal(dtype):
     size = torch.tensor([], dtype=dtype).element_size()
     for dmax in BLOCKS:
-        bq, bk, wm = blocks(dtype, dmax)
+        bq, bk, wm = blocks_of(dtype, dmax)
         assert (8 * wm) % bq == 0 and dmax % (8 * wm * 8 // bq) == 0  # 8-row groups of whole feature parts
         n = tg_bytes(bq, bk, dmax, size)
         assert n <= TG_LIMIT and n % 16 == 0, (dmax, n)
@@ -253,7 +253,7 @@ def test_barriers_exp2_and_mmas_per_key_block():
     # rescale per block, not one per key); each SIMD-group runs BK / 8 * ceil(D / 8) MMAs for Q.K^T and
     # as many for P.V per block.
     q, k, v = make_qkv(1, 2, 1, 64, 128, 40, torch.float16)
-    bq, bk, wm = blocks(torch.float16, 64)
+    bq, bk, wm = blocks_of(torch.float16, 64)
     c = _launch_counts(q, k, v, False)
     groups, blocks = 2 * 2, 128 // bk
     assert c.threadgroups == groups
@@ -274,7 +274,7 @@ def test_device_traffic_is_flash_attention_2s(dtype):
     # build, byte by byte, per buffer.
     B, hq, hkv, nq, nk, d = 1, 4, 2, 64, 96, 64
     q, k, v = make_qkv(B, hq, hkv, nq, nk, d, dtype)
-    bq = blocks(dtype, d)[0]
+    bq = blocks_of(dtype, d)[0]
     c = _launch_counts(q, k, v, False, instrumented=True)
     size = q.element_size()
     reads, writes = c.device_bytes_read_by_index, c.device_bytes_written_by_index
@@ -290,7 +290,7 @@ def test_causal_skips_blocks_in_the_future():
     # and a SIMD-group skips the math of a block in the future of all its 8
     # rows (SIMD-groups 0 and 1 of block 2x+1).
     q, k, v = make_qkv(1, 1, 1, 128, 128, 128, torch.float32)
-    bq, bk, wm = blocks(torch.float32, 128)
+    bq, bk, wm = blocks_of(torch.float32, 128)
     rowg, parts = bq // 8, wm * 8 // bq  # 8-row groups, and SIMD-groups (feature parts of O) per group
     assert parts == 2
     c = _launch_counts(q, k, v, True)
