@@ -118,6 +118,18 @@ at::Tensor check_mask(const char* kOp, const at::Tensor& mask, const AttentionPr
   return mask.expand(full);
 }
 
+// sinks: (Hq,), float32 or q's dtype, on q's device, any stride. Returned as given.
+at::Tensor check_sinks(const char* kOp, const at::Tensor& sinks, const AttentionProblem& p, const at::Tensor& q) {
+  TORCH_CHECK_TYPE(sinks.scalar_type() == at::kFloat || sinks.scalar_type() == p.dtype, kOp,
+                   ": sinks must be float32 or q's dtype (", p.dtype, "); got ", sinks.scalar_type());
+  TORCH_CHECK_VALUE(sinks.device() == q.device(), kOp, ": sinks is on device ", sinks.device(),
+                    " but q is on device ", q.device());
+  TORCH_CHECK_VALUE(sinks.dim() == 1 && sinks.size(0) == p.q_heads, kOp,
+                    ": sinks must be 1-D of shape (q_heads,) = (", p.q_heads,
+                    ",), one logit per query head; got shape ", sinks.sizes());
+  return sinks;
+}
+
 // lse and grad_lse: float32 with the forward's lse shape, on q's device, any strides.
 void check_row_stats(const char* kOp, const at::Tensor& t, const char* name, const at::Tensor& q,
                      at::IntArrayRef want) {
@@ -187,6 +199,10 @@ AttentionCall check_attention_inputs(const at::Tensor& q, const at::Tensor& k, c
   if (options.attn_mask.has_value() && options.attn_mask->defined()) {
     c.mask = check_mask(kOp, *options.attn_mask, c.p, q, &c.p.mask);
   }
+  if (options.sinks.has_value() && options.sinks->defined()) {
+    c.sinks = check_sinks(kOp, *options.sinks, c.p, q);
+    c.p.sinks = true;
+  }
   return c;
 }
 
@@ -227,6 +243,10 @@ AttentionCall check_varlen_inputs(const at::Tensor& q, const at::Tensor& k, cons
   }
   c.cu_seqlens_q = cu_seqlens_q;
   c.cu_seqlens_k = cu_seqlens_k;
+  if (options.sinks.has_value() && options.sinks->defined()) {
+    c.sinks = check_sinks(kOp, *options.sinks, c.p, q);
+    c.p.sinks = true;
+  }
   return c;
 }
 
@@ -264,11 +284,17 @@ AttentionOutputs allocate_outputs(const AttentionCall& c) {
   return o;
 }
 
-void fill_empty_outputs(const AttentionOutputs& o) {
+void fill_empty_outputs(const AttentionCall& c, const AttentionOutputs& o) {
   // SDPA on Nk = 0: softmax over no key is 0/0; SDPA's flash and math paths
-  // give zeros, and the log-sum-exp of nothing is -inf.
+  // give zeros, and the log-sum-exp of nothing is -inf. With sinks every row
+  // attends to its head's sink alone: out 0 (the sink's value), lse = sink.
   if (o.out.numel() > 0) o.out.zero_();
-  if (o.lse.numel() > 0) o.lse.fill_(-std::numeric_limits<float>::infinity());
+  if (o.lse.numel() == 0) return;
+  if (c.p.sinks) {
+    o.lse3.copy_(c.sinks.to(at::kFloat).view({1, -1, 1}).expand_as(o.lse3));
+  } else {
+    o.lse.fill_(-std::numeric_limits<float>::infinity());
+  }
 }
 
 AttentionGradients allocate_gradients(const AttentionCall& c) {
@@ -285,6 +311,8 @@ AttentionGradients allocate_gradients(const AttentionCall& c) {
     g.grad_k = g.grad_k4;
     g.grad_v = g.grad_v4;
   }
+  g.grad_sinks = c.p.sinks ? at::empty({c.p.q_heads}, c.sinks.options())
+                           : at::empty({0}, c.q.options().dtype(at::kFloat));
   return g;
 }
 

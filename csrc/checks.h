@@ -34,6 +34,9 @@ struct AttentionOptions {
   int64_t window_left = -1;   // keys before the diagonal a query may see; -1: unbounded
   int64_t window_right = -1;  // keys after the diagonal; -1: unbounded
   double softcap = 0.0;       // 0: off
+  // Attention sinks (gpt-oss): one logit per query head for a virtual key
+  // whose value is zero; None: no sink.
+  std::optional<at::Tensor> sinks;
 };
 
 struct AttentionProblem {
@@ -57,6 +60,11 @@ struct AttentionProblem {
   int64_t window_right = -1;
   double softcap = 0.0;  // scores become softcap * tanh(s / softcap) when > 0
   MaskKind mask = MaskKind::None;
+  // Attention sinks: the softmax of each row runs over [scores, sinks[h]]
+  // and the sink's probability is dropped (its value is zero); lse includes
+  // it. The sink logit is in natural-log units of the scaled scores and is
+  // neither softcapped nor masked.
+  bool sinks = false;
   // Variable length (attention_varlen_*): q, k, v are packed (total, H, D)
   // tensors seen as (1, H, total, D); sequence b owns rows
   // [cu_seqlens[b], cu_seqlens[b+1]); q_len and kv_len are the maxima.
@@ -89,6 +97,7 @@ struct AttentionCall {
   at::Tensor q, k, v;
   at::Tensor mask;                    // undefined when p.mask == MaskKind::None
   at::Tensor cu_seqlens_q, cu_seqlens_k;  // int32 (B + 1,), varlen only
+  at::Tensor sinks;                   // (Hq,) float32 or q's dtype, any stride; undefined without sinks
 };
 
 // Validates attention_forward's inputs: q, k, v (B, H, N, D, any strides),
@@ -127,8 +136,9 @@ struct AttentionOutputs {
 // Allocates them on q's device (out in q's dtype, lse float32), packed.
 AttentionOutputs allocate_outputs(const AttentionCall& c);
 // An empty problem's outputs, filled as SDPA does: nothing to fill for
-// B = 0 or Nq = 0; out = 0 and lse = -inf for Nk = 0 (varlen: total_k = 0).
-void fill_empty_outputs(const AttentionOutputs& o);
+// B = 0 or Nq = 0; out = 0 and lse = -inf for Nk = 0 (varlen: total_k = 0),
+// or, with sinks, lse = the row's head's sink (a row attends to the sink only).
+void fill_empty_outputs(const AttentionCall& c, const AttentionOutputs& o);
 
 // The gradients: returned in the caller's shapes (q, k, v as given, packed
 // dense; for varlen (total, H, D) views of a packed (1, H, total, D)
@@ -136,6 +146,9 @@ void fill_empty_outputs(const AttentionOutputs& o);
 struct AttentionGradients {
   at::Tensor grad_q, grad_k, grad_v;     // returned
   at::Tensor grad_q4, grad_k4, grad_v4;  // packed (B, H, N, D) (varlen: (1, H, total, D))
+  // (Hq,) in sinks' dtype when the call has sinks; else an empty (0,) float32
+  // tensor (the schema's grad_sinks output is not optional).
+  at::Tensor grad_sinks;
 };
 AttentionGradients allocate_gradients(const AttentionCall& c);
 

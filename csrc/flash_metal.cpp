@@ -35,10 +35,18 @@ TORCH_LIBRARY(flash_metal, m) {
   //     i + Nk - Nq + window_right; -1 is unbounded; causal sets window_right = 0.
   //   softcap: scores s become softcap * tanh(s / softcap) before the mask
   //     and the softmax (Gemma 2); 0 is off.
-  // B, Nq or Nk may be 0: empty outputs, or (Nk = 0) zeros with lse = -inf.
+  //   sinks: attention sinks (gpt-oss), (Hq,) float32 or q's dtype, on q's
+  //     device, any stride: one logit per query head for a virtual key whose
+  //     value is zero. Each row's softmax runs over [scores, sinks[h]] and the
+  //     sink's probability is dropped; lse includes it. The sink is in the
+  //     scaled scores' natural-log units, neither softcapped nor masked, so a
+  //     row with every key masked gives out = 0 and lse = sinks[h]. CPU only
+  //     for now: the Metal kernels refuse it (NotImplementedError).
+  // B, Nq or Nk may be 0: empty outputs, or (Nk = 0) zeros with lse = -inf
+  // (with sinks: lse = the sink).
   m.def("attention_forward(Tensor q, Tensor k, Tensor v, bool causal=False, float? scale=None, "
-        "str impl=\"auto\", Tensor? attn_mask=None, int window_left=-1, int window_right=-1, float softcap=0.0) "
-        "-> (Tensor out, Tensor lse)");
+        "str impl=\"auto\", Tensor? attn_mask=None, int window_left=-1, int window_right=-1, float softcap=0.0, "
+        "Tensor? sinks=None) -> (Tensor out, Tensor lse)");
   // The gradients of attention_forward (FlashAttention-2's backward with
   // recomputation: P is rebuilt from q, k and lse, never stored). out and lse
   // are attention_forward's outputs for the same q, k, v and options;
@@ -49,11 +57,15 @@ TORCH_LIBRARY(flash_metal, m) {
   // over each kv head's query heads. Deterministic: the same inputs give
   // bitwise-equal gradients. `impl` as in attention_forward ("auto" only,
   // for now: one backward kernel family per backend). No gradient flows
-  // into attn_mask.
+  // into attn_mask. With sinks (the forward's), grad_sinks is the sinks'
+  // gradient ((Hq,), sinks' dtype): sum over rows of P_sink * (grad_lse - D)
+  // with P_sink = exp(sink - lse) and D = rowsum(grad_out * out), summed in
+  // a fixed order (deterministic); without sinks it is an empty (0,) float32
+  // tensor.
   m.def("attention_backward(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
         "bool causal=False, float? scale=None, Tensor? grad_lse=None, str impl=\"auto\", Tensor? attn_mask=None, "
-        "int window_left=-1, int window_right=-1, float softcap=0.0) "
-        "-> (Tensor grad_q, Tensor grad_k, Tensor grad_v)");
+        "int window_left=-1, int window_right=-1, float softcap=0.0, Tensor? sinks=None) "
+        "-> (Tensor grad_q, Tensor grad_k, Tensor grad_v, Tensor grad_sinks)");
   // Packed variable-length sequences (flash-attn's flash_attn_varlen_func):
   // q (total_q, Hq, D), k and v (total_k, Hkv, D); sequence b owns q rows
   // [cu_seqlens_q[b], cu_seqlens_q[b+1]) and k/v rows likewise (int32, shape
@@ -61,15 +73,16 @@ TORCH_LIBRARY(flash_metal, m) {
   // causal, the window and softcap apply per sequence (bottom-right aligned
   // within each); no attn_mask. Returns out (total_q, Hq, D) and lse
   // (Hq, total_q) float32. No padding is computed and nothing is copied.
+  // sinks as in attention_forward (an empty sequence's rows are none).
   m.def("attention_varlen_forward(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, "
         "int max_seqlen_q, int max_seqlen_k, bool causal=False, float? scale=None, int window_left=-1, "
-        "int window_right=-1, float softcap=0.0, str impl=\"auto\") -> (Tensor out, Tensor lse)");
+        "int window_right=-1, float softcap=0.0, str impl=\"auto\", Tensor? sinks=None) -> (Tensor out, Tensor lse)");
   // The gradients of attention_varlen_forward, as attention_backward's:
-  // grad_q (total_q, Hq, D), grad_k and grad_v (total_k, Hkv, D).
+  // grad_q (total_q, Hq, D), grad_k and grad_v (total_k, Hkv, D), grad_sinks.
   m.def("attention_varlen_backward(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
         "Tensor cu_seqlens_q, Tensor cu_seqlens_k, int max_seqlen_q, int max_seqlen_k, bool causal=False, "
         "float? scale=None, Tensor? grad_lse=None, int window_left=-1, int window_right=-1, float softcap=0.0, "
-        "str impl=\"auto\") -> (Tensor grad_q, Tensor grad_k, Tensor grad_v)");
+        "str impl=\"auto\", Tensor? sinks=None) -> (Tensor grad_q, Tensor grad_k, Tensor grad_v, Tensor grad_sinks)");
   // The Metal launch plan attention_forward (backward=True: attention_backward,
   // reading the strides of the optional grad_out, out, lse and grad_lse,
   // packed when None) would use for these inputs,
@@ -92,12 +105,14 @@ TORCH_LIBRARY(flash_metal, m) {
   // window_left, window_right and softcap as in attention_forward; with
   // cu_seqlens_q and cu_seqlens_k the plan is attention_varlen_forward's (or
   // backward's), q, k, v being the packed (total, H, D) tensors. The binding
-  // table then also has attn_mask, cu_seqlens_q and cu_seqlens_k.
+  // table then also has attn_mask, cu_seqlens_q and cu_seqlens_k. sinks:
+  // validated as the ops do, then refused (NotImplementedError): the Metal
+  // kernels do not take sinks yet.
   m.def("metal_plan(Tensor q, Tensor k, Tensor v, bool causal=False, float? scale=None, str impl=\"auto\", "
         "str gpu=\"base\", int dispatch=0, bool backward=False, Tensor? grad_out=None, Tensor? out=None, "
         "Tensor? lse=None, Tensor? grad_lse=None, Tensor? attn_mask=None, int window_left=-1, int window_right=-1, "
         "float softcap=0.0, Tensor? cu_seqlens_q=None, Tensor? cu_seqlens_k=None, int max_seqlen_q=0, "
-        "int max_seqlen_k=0) "
+        "int max_seqlen_k=0, Tensor? sinks=None) "
         "-> (str kernel_name, int[] grid, int[] threadgroup, int threadgroup_memory, int threadgroup_memory_index, "
         "bool[] function_constants, int[] buffer_indices, int params_index, Tensor params, str reason, "
         "int num_dispatches, int[] scratch_elements, int max_threads_per_threadgroup, int[] estimate, "

@@ -202,6 +202,42 @@ std::vector<bool> with_dense(std::vector<bool> c, bool dense) {
   return c;
 }
 
+// fc_dense for the decode kernels (shaders/attention_decode.h,
+// decode_feature): may each lane read its contiguous run of a K or V row as
+// vector loads? True when k and v (the tensors read per key; q is read once)
+// have feature stride 1, D == the bucket (no padding features) and 16-byte
+// aligned rows (storage offset, batch, head and row strides), as
+// dense_loader requires of them; the decode kernels address rows with
+// 64-bit offsets, so the row stride has no 32-bit bound. Otherwise false,
+// and *why names the first tensor and condition that failed.
+bool decode_dense_loads(const AttentionProblem& p, const LaunchStrides& s, uint32_t bucket, std::string* why) {
+  const int64_t elem = dtype_bytes(p.dtype);
+  const auto aligned = [&](int64_t elements) { return (elements * elem) % kDenseLoadBytes == 0; };
+  if (p.head_dim != bucket) {
+    *why = "head_dim " + std::to_string(p.head_dim) + " is below its bucket " + std::to_string(bucket);
+    return false;
+  }
+  struct Tensor { const char* name; const std::array<int64_t, 4>& strides; int64_t offset; };
+  for (const Tensor& t : {Tensor{"k", s.k, s.offsets[1]}, Tensor{"v", s.v, s.offsets[2]}}) {
+    const std::string n = t.name;
+    if (t.strides[3] != 1) {
+      *why = n + "'s feature stride is " + std::to_string(t.strides[3]) + ", not 1";
+      return false;
+    }
+    if (t.offset < 0 || !aligned(t.offset)) {
+      *why = t.offset < 0 ? n + "'s storage offset is unknown" : n + "'s storage offset is not a multiple of 16 bytes";
+      return false;
+    }
+    if ((p.batch > 1 && !aligned(t.strides[0])) || (p.kv_heads > 1 && !aligned(t.strides[1])) ||
+        !aligned(t.strides[2])) {
+      *why = n + "'s batch, head or row stride is not a multiple of 16 bytes";
+      return false;
+    }
+  }
+  *why = "";
+  return true;
+}
+
 // The reason's sentence about the loader, for explain().
 std::string loader_reason(bool dense, const std::string& why) {
   return dense ? " Tile loader: dense, one 16-byte load per 16 bytes of a row (fc_dense)."
@@ -319,11 +355,16 @@ MetalPlan plan_metal_attention(const AttentionProblem& p, const LaunchStrides& s
       l.estimate = estimate_launch(l, prefill_live_registers(c.bucket, c.block_k, c.simdgroups * 8 / c.block_q), gpu);
       plan.launches.push_back(l);
       break;
-    default:
-      l.function_constants = feature_constants(p, false, false, false);
+    default: {
+      std::string why;
+      const bool dense = decode_dense_loads(p, s, c.bucket, &why);
+      l.function_constants = with_dense(feature_constants(p, false, false, false), dense);
+      plan.reason += dense ? " K/V loads: each lane reads its contiguous run of a row as vector loads (fc_dense)."
+                           : " K/V loads: one strided scalar load per feature (fc_dense off: " + why + ").";
       l.buffers = with_features(kForwardBuffers);
       decode_launches(p, c, suffix, gpu, l, &plan);
       break;
+    }
   }
   check_launch_limits(plan);
   return plan;

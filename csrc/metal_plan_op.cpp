@@ -29,9 +29,9 @@ metal_plan(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool c
            const std::optional<at::Tensor>& lse, const std::optional<at::Tensor>& grad_lse,
            const std::optional<at::Tensor>& attn_mask, int64_t window_left, int64_t window_right, double softcap,
            const std::optional<at::Tensor>& cu_seqlens_q, const std::optional<at::Tensor>& cu_seqlens_k,
-           int64_t max_seqlen_q, int64_t max_seqlen_k) {
+           int64_t max_seqlen_q, int64_t max_seqlen_k, const std::optional<at::Tensor>& sinks) {
   const auto given = [](const std::optional<at::Tensor>& t) { return t.has_value() && t->defined(); };
-  const AttentionOptions options = make_options(causal, scale, attn_mask, window_left, window_right, softcap);
+  const AttentionOptions options = make_options(causal, scale, attn_mask, window_left, window_right, softcap, sinks);
   const bool varlen = given(cu_seqlens_q) || given(cu_seqlens_k);
   TORCH_CHECK_VALUE(!varlen || (given(cu_seqlens_q) && given(cu_seqlens_k)),
                     "flash_metal.metal_plan: give both cu_seqlens_q and cu_seqlens_k (varlen) or neither");

@@ -233,6 +233,11 @@ KernelChoice choose_backward(const AttentionProblem& p, KernelRequest requested)
 
 KernelChoice choose_metal_kernel(const AttentionProblem& p, KernelRequest requested, const GpuSpec& gpu,
                                  MetalPass pass) {
+  // Every plan (the MPS host's and metal_plan's) passes here: no Metal kernel
+  // takes sinks yet, so refuse them rather than drop them.
+  TORCH_CHECK_NOT_IMPLEMENTED(!p.sinks, "flash_metal: sinks (attention sinks) on Metal kernels: not yet (",
+                              pass == MetalPass::Backward ? "backward" : "forward",
+                              "); run on CPU tensors, or without sinks");
   if (pass == MetalPass::Backward) return choose_backward(p, requested);
   KernelChoice c;
   const bool explicit_request = requested != KernelRequest::Auto;

@@ -179,11 +179,11 @@ class MpsBackend:
             cq, ck, mq, mk = inputs["varlen"]
             res = torch.ops.flash_metal.attention_varlen_backward(
                 d(inputs["grad_out"]), q, k, v, d(inputs["out"]), d(inputs["lse"]), d(cq), d(ck), mq, mk,
-                case.causal, None, d(inputs["grad_lse"]), **opts)
+                case.causal, None, d(inputs["grad_lse"]), **opts)[:3]
         elif case.backward:
             res = torch.ops.flash_metal.attention_backward(
                 d(inputs["grad_out"]), q, k, v, d(inputs["out"]), d(inputs["lse"]), case.causal, None,
-                d(inputs["grad_lse"]), "auto", **opts)
+                d(inputs["grad_lse"]), "auto", **opts)[:3]
         else:
             res = flash_metal.attention_with_lse(q, k, v, case.causal, None, case.impl, **opts)
         torch.mps.synchronize()

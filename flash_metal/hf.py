@@ -17,9 +17,10 @@ padded batches (the mask), generate() with DynamicCache and StaticCache
 top-left: keys are cropped to Nq, as its sdpa path does), sliding windows
 (Mistral, Qwen 2: the mask, or window_left = sliding_window - 1 when there is
 none), softcapping (Gemma 2's softcap kwarg), padding-free packed batches
-(cu_seq_lens_q/k and max_length_q/k: attention_varlen) and training (the
-ops' backward). It never imports transformers itself unless transformers is
-installed; register() may also be called by hand.
+(cu_seq_lens_q/k and max_length_q/k: attention_varlen), gpt-oss's attention
+sinks (s_aux: the ops' sinks) and training (the ops' backward). It never
+imports transformers itself unless transformers is installed; register() may
+also be called by hand.
 """
 import collections
 import importlib.abc
@@ -35,7 +36,8 @@ NAME = "metal_attention"
 
 # How many times each route of metal_attention_forward ran: "mask",
 # "mask_cropped" (a mask wider than the keys, as StaticCache hands over),
-# "causal", "static_prefill" (keys cropped to Nq), "decode" and "varlen".
+# "causal", "static_prefill" (keys cropped to Nq), "decode" and "varlen";
+# "sinks" counts the calls (of any route) that carried attention sinks (s_aux).
 # Tests read it to prove a model really ran this implementation; users may
 # read it to see which path their model takes.
 calls = collections.Counter()
@@ -53,9 +55,11 @@ def metal_attention_forward(module, query, key, value, attention_mask, dropout=0
     if dropout and module.training:
         raise ValueError(f"{NAME}: attention dropout ({dropout}) is not supported by flash_metal; set the model's "
                          "attention_dropout to 0.0")
-    if kwargs.get("s_aux") is not None:
-        raise ValueError(f"{NAME}: attention sinks (s_aux, gpt-oss) are not supported by flash_metal; use "
-                         "attn_implementation='eager' for this model")
+    # gpt-oss's attention sinks: one logit per query head (module.sinks),
+    # passed as s_aux; the ops take them as `sinks` on every route.
+    sinks = kwargs.get("s_aux")
+    if sinks is not None:
+        calls["sinks"] += 1
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     window_left = int(sliding_window) - 1 if sliding_window else -1
     softcap = float(softcap) if softcap else 0.0
@@ -69,7 +73,7 @@ def metal_attention_forward(module, query, key, value, attention_mask, dropout=0
         out = ops.attention_varlen(
             query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1), cu_q.to(torch.int32),
             cu_k.to(torch.int32), int(kwargs["max_length_q"]), int(kwargs["max_length_k"]), causal=causal,
-            scale=scaling, window_left=window_left, softcap=softcap,
+            scale=scaling, window_left=window_left, softcap=softcap, sinks=sinks,
         )
         return out.unsqueeze(0), None
 
@@ -82,7 +86,8 @@ def metal_attention_forward(module, query, key, value, attention_mask, dropout=0
             mask = attention_mask[..., :n_k]
             calls["mask_cropped"] += 1
         calls["mask"] += 1
-        out = ops.attention(query, key, value, causal=False, scale=scaling, attn_mask=mask, softcap=softcap)
+        out = ops.attention(query, key, value, causal=False, scale=scaling, attn_mask=mask, softcap=softcap,
+                            sinks=sinks)
     elif causal and n_q > 1:
         calls["causal"] += 1
         if n_k > n_q:
@@ -90,12 +95,13 @@ def metal_attention_forward(module, query, key, value, attention_mask, dropout=0
             # so the (empty) cache rows past Nq are never seen.
             calls["static_prefill"] += 1
             key, value = key[:, :, :n_q], value[:, :, :n_q]
-        out = ops.attention(query, key, value, causal=True, scale=scaling, window_left=window_left, softcap=softcap)
+        out = ops.attention(query, key, value, causal=True, scale=scaling, window_left=window_left, softcap=softcap,
+                            sinks=sinks)
     else:
         # One query (decoding): every cached key, bottom-right window.
         calls["decode"] += 1
         out = ops.attention(query, key, value, causal=False, scale=scaling, window_left=window_left,
-                            softcap=softcap)
+                            softcap=softcap, sinks=sinks)
     return out.transpose(1, 2).contiguous(), None
 
 

@@ -24,6 +24,7 @@ def _as_4d(x: Tensor) -> Tensor:
 def attention_with_lse(
     q: Tensor, k: Tensor, v: Tensor, causal: bool = False, scale: Optional[float] = None, impl: str = "auto",
     attn_mask: Optional[Tensor] = None, window_left: int = -1, window_right: int = -1, softcap: float = 0.0,
+    sinks: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Tensor]:
     """Exact scaled-dot-product attention and its row log-sum-exp.
 
@@ -53,13 +54,19 @@ def attention_with_lse(
     outside the window are skipped, so the cost grows with N * window.
     softcap: scores s become softcap * tanh(s / softcap) before the mask and
     the softmax (Gemma 2); 0 is off.
+    sinks: attention sinks (gpt-oss), (Hq,) float32 or q's dtype: one logit
+    per query head for a virtual key whose value is zero. Each row's softmax
+    runs over [scores, sinks[h]] and the sink's probability is dropped; lse
+    includes it; the sink is neither softcapped nor masked, so a row with
+    every key masked gives zeros and lse = sinks[h]. Differentiable (grad
+    flows to sinks). CPU only for now: on Metal it raises NotImplementedError.
 
     Returns (out, lse): out like q (packed, q's dtype; 2-D if q was 2-D) and
     lse (B, Hq, Nq) float32 (or (Nq,) for 2-D q).
     """
     single_head = isinstance(q, Tensor) and q.dim() == 2
     out, lse = torch.ops.flash_metal.attention_forward(
-        _as_4d(q), _as_4d(k), _as_4d(v), causal, scale, impl, attn_mask, window_left, window_right, softcap
+        _as_4d(q), _as_4d(k), _as_4d(v), causal, scale, impl, attn_mask, window_left, window_right, softcap, sinks
     )
     if single_head:
         return out[0, 0], lse[0, 0]
@@ -69,15 +76,16 @@ def attention_with_lse(
 def attention(
     q: Tensor, k: Tensor, v: Tensor, causal: bool = False, scale: Optional[float] = None, impl: str = "auto",
     attn_mask: Optional[Tensor] = None, window_left: int = -1, window_right: int = -1, softcap: float = 0.0,
+    sinks: Optional[Tensor] = None,
 ) -> Tensor:
     """Exact attention, softmax(q kᵀ · scale) v, in O(N) memory. See attention_with_lse."""
-    return attention_with_lse(q, k, v, causal, scale, impl, attn_mask, window_left, window_right, softcap)[0]
+    return attention_with_lse(q, k, v, causal, scale, impl, attn_mask, window_left, window_right, softcap, sinks)[0]
 
 
 def attention_varlen_with_lse(
     q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int,
     max_seqlen_k: int, causal: bool = False, scale: Optional[float] = None, window_left: int = -1,
-    window_right: int = -1, softcap: float = 0.0, impl: str = "auto",
+    window_right: int = -1, softcap: float = 0.0, impl: str = "auto", sinks: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Tensor]:
     """Attention over packed variable-length sequences (flash-attn's flash_attn_varlen_func).
 
@@ -86,24 +94,24 @@ def attention_varlen_with_lse(
     cu_seqlens_k[b] .. cu_seqlens_k[b + 1] - 1 (int32, (B + 1,)); max_seqlen_q
     and max_seqlen_k bound the lengths (host ints, so no device sync). causal,
     the window and softcap apply within each sequence, bottom-right aligned.
-    Nothing is padded or copied. Returns out (total_q, Hq, D) and lse
-    (Hq, total_q) float32.
+    Nothing is padded or copied. sinks as in attention_with_lse. Returns out
+    (total_q, Hq, D) and lse (Hq, total_q) float32.
     """
     return torch.ops.flash_metal.attention_varlen_forward(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale, window_left, window_right,
-        softcap, impl,
+        softcap, impl, sinks,
     )
 
 
 def attention_varlen(
     q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int,
     max_seqlen_k: int, causal: bool = False, scale: Optional[float] = None, window_left: int = -1,
-    window_right: int = -1, softcap: float = 0.0, impl: str = "auto",
+    window_right: int = -1, softcap: float = 0.0, impl: str = "auto", sinks: Optional[Tensor] = None,
 ) -> Tensor:
     """Attention over packed variable-length sequences; see attention_varlen_with_lse."""
     return attention_varlen_with_lse(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale, window_left, window_right,
-        softcap, impl,
+        softcap, impl, sinks,
     )[0]
 
 
@@ -185,6 +193,7 @@ def explain(
     lse: Optional[Tensor] = None, grad_lse: Optional[Tensor] = None, attn_mask: Optional[Tensor] = None,
     window_left: int = -1, window_right: int = -1, softcap: float = 0.0, cu_seqlens_q: Optional[Tensor] = None,
     cu_seqlens_k: Optional[Tensor] = None, max_seqlen_q: int = 0, max_seqlen_k: int = 0,
+    sinks: Optional[Tensor] = None,
 ) -> MetalPlan:
     """Which Metal kernels attention() would launch for these inputs, and why.
 
@@ -197,12 +206,13 @@ def explain(
     grad_out, out, lse and grad_lse, when given, supply their strides (packed
     otherwise) and grad_lse's presence. attn_mask, the window and softcap as
     in attention(); with cu_seqlens_q and cu_seqlens_k, the plan of
-    attention_varlen (q, k, v packed (total, H, D)).
+    attention_varlen (q, k, v packed (total, H, D)). sinks: validated, then
+    refused with NotImplementedError (the Metal kernels do not take them yet).
     """
     varlen = cu_seqlens_q is not None
     args = ((q, k, v) if varlen else (_as_4d(q), _as_4d(k), _as_4d(v))) + (causal, scale, impl, gpu)
     extra = (backward, grad_out, out, lse, grad_lse, attn_mask, window_left, window_right, softcap, cu_seqlens_q,
-             cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+             cu_seqlens_k, max_seqlen_q, max_seqlen_k, sinks)
     dispatches, count, i = [], 1, 0
     while i < count:
         (name, grid, tg, mem, mem_index, consts, indices, params_index, params, reason, count, scratch, max_threads,
@@ -219,7 +229,7 @@ def explain(
 
 @torch.library.register_fake("flash_metal::attention_forward")
 def _attention_forward_fake(q, k, v, causal=False, scale=None, impl="auto", attn_mask=None, window_left=-1,
-                            window_right=-1, softcap=0.0):
+                            window_right=-1, softcap=0.0, sinks=None):
     # Shapes only; the C++ checks run on real tensors. These few guard the
     # symbolic shapes the outputs are built from.
     torch._check(q.dim() == 4, lambda: f"q must be 4-D (batch, heads, seq_len, head_dim); got {q.dim()}-D")
@@ -235,16 +245,24 @@ def _attention_forward_fake(q, k, v, causal=False, scale=None, impl="auto", attn
 
 @torch.library.register_fake("flash_metal::attention_backward")
 def _attention_backward_fake(grad_out, q, k, v, out, lse, causal=False, scale=None, grad_lse=None, impl="auto",
-                             attn_mask=None, window_left=-1, window_right=-1, softcap=0.0):
+                             attn_mask=None, window_left=-1, window_right=-1, softcap=0.0, sinks=None):
     torch._check(q.dim() == 4 and k.dim() == 4 and v.dim() == 4,
                  lambda: "q, k and v must be 4-D (batch, heads, seq_len, head_dim)")
     torch._check(impl == "auto", lambda: f"attention_backward accepts only impl='auto'; got {impl!r}")
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), _grad_sinks_like(q, sinks)
+
+
+def _grad_sinks_like(q, sinks):
+    # The backward's grad_sinks: sinks' shape and dtype, or an empty float32
+    # (0,) tensor without sinks (the schema's output is not optional).
+    if sinks is None:
+        return q.new_empty((0,), dtype=torch.float32)
+    return sinks.new_empty(sinks.shape)
 
 
 @torch.library.register_fake("flash_metal::attention_varlen_forward")
 def _attention_varlen_forward_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=False,
-                                   scale=None, window_left=-1, window_right=-1, softcap=0.0, impl="auto"):
+                                   scale=None, window_left=-1, window_right=-1, softcap=0.0, impl="auto", sinks=None):
     torch._check(q.dim() == 3, lambda: f"q must be 3-D (total_tokens, heads, head_dim); got {q.dim()}-D")
     torch._check(k.dim() == 3 and v.dim() == 3, lambda: "k and v must be 3-D (total_tokens, heads, head_dim)")
     T, H, D = q.shape
@@ -261,26 +279,26 @@ def _varlen_grads_like(t):
 @torch.library.register_fake("flash_metal::attention_varlen_backward")
 def _attention_varlen_backward_fake(grad_out, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                     max_seqlen_k, causal=False, scale=None, grad_lse=None, window_left=-1,
-                                    window_right=-1, softcap=0.0, impl="auto"):
+                                    window_right=-1, softcap=0.0, impl="auto", sinks=None):
     torch._check(q.dim() == 3 and k.dim() == 3 and v.dim() == 3,
                  lambda: "q, k and v must be 3-D (total_tokens, heads, head_dim)")
-    return _varlen_grads_like(q), _varlen_grads_like(k), _varlen_grads_like(v)
+    return _varlen_grads_like(q), _varlen_grads_like(k), _varlen_grads_like(v), _grad_sinks_like(q, sinks)
 
 
 # Autograd. The forward saves q, k, v, out and lse (O(N) extra: one float per
 # query row beyond out), never the N x N probabilities; the backward
 # recomputes them (FlashAttention-2).
 def _setup_context(ctx, inputs, output):
-    q, k, v, causal, scale, impl, attn_mask, window_left, window_right, softcap = inputs
+    q, k, v, causal, scale, impl, attn_mask, window_left, window_right, softcap, sinks = inputs
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, attn_mask)
+    ctx.save_for_backward(q, k, v, out, lse, attn_mask, sinks)
     ctx.options = (causal, scale)
     ctx.features = (window_left, window_right, softcap)
     ctx.mask_needs_grad = attn_mask is not None and attn_mask.requires_grad
 
 
 def _backward(ctx, grad_out, grad_lse):
-    q, k, v, out, lse, attn_mask = ctx.saved_tensors
+    q, k, v, out, lse, attn_mask, sinks = ctx.saved_tensors
     if ctx.mask_needs_grad:
         raise NotImplementedError(
             "flash_metal.attention: no gradient flows into attn_mask (an additive mask that requires grad, such as "
@@ -293,31 +311,31 @@ def _backward(ctx, grad_out, grad_lse):
     # supported torch (tests/test_backward.py::test_autograd_lse_only_and_both).
     # The forward's impl names a forward kernel; every backend has one
     # backward family, chosen by "auto".
-    grad_q, grad_k, grad_v = torch.ops.flash_metal.attention_backward(
+    grad_q, grad_k, grad_v, grad_sinks = torch.ops.flash_metal.attention_backward(
         grad_out, q, k, v, out, lse, *ctx.options, grad_lse, "auto", attn_mask,
-        *ctx.features,
+        *ctx.features, sinks,
     )
-    return grad_q, grad_k, grad_v, None, None, None, None, None, None, None
+    return grad_q, grad_k, grad_v, None, None, None, None, None, None, None, (grad_sinks if sinks is not None else None)
 
 
 torch.library.register_autograd("flash_metal::attention_forward", _backward, setup_context=_setup_context)
 
 
 def _varlen_setup_context(ctx, inputs, output):
-    q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, window_left, window_right, softcap, impl = inputs
+    q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, window_left, window_right, softcap, impl, sinks = inputs
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k)
+    ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k, sinks)
     ctx.lengths = (max_q, max_k, causal, scale)
     ctx.features = (window_left, window_right, softcap)
 
 
 def _varlen_backward(ctx, grad_out, grad_lse):
-    q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors
-    grad_q, grad_k, grad_v = torch.ops.flash_metal.attention_varlen_backward(
+    q, k, v, out, lse, cu_q, cu_k, sinks = ctx.saved_tensors
+    grad_q, grad_k, grad_v, grad_sinks = torch.ops.flash_metal.attention_varlen_backward(
         grad_out, q, k, v, out, lse, cu_q, cu_k, *ctx.lengths, grad_lse, *ctx.features,
-        "auto",
+        "auto", sinks,
     )
-    return (grad_q, grad_k, grad_v) + (None,) * 10
+    return (grad_q, grad_k, grad_v) + (None,) * 10 + ((grad_sinks if sinks is not None else None),)
 
 
 torch.library.register_autograd(

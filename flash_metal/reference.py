@@ -196,6 +196,7 @@ def apply_options(
 def attention_reference(
     q: Tensor, k: Tensor, v: Tensor, causal: bool = False, scale: Optional[float] = None,
     attn_mask: Optional[Tensor] = None, window_left: int = -1, window_right: int = -1, softcap: float = 0.0,
+    sinks: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Tensor]:
     """The float64 oracle: (out, lse) for (B, Hq, Nq, D) / (B, Hkv, Nk, D) inputs.
 
@@ -204,6 +205,13 @@ def attention_reference(
     bottom-right causal alignment, the mask, window and softcap of
     apply_options, and rows with no visible key (out 0, lse -inf),
     matching attention_forward's contract.
+
+    sinks (Hq,): gpt-oss's attention sinks, written as gpt-oss's eager code
+    does: the sink logit is concatenated to each row's (softcapped, masked)
+    scores as one more key whose value is zero, the softmax runs over the
+    row, and the sink's column is dropped; lse includes it. A row with every
+    key masked then gives out 0 and lse = its sink. Differentiable: autograd
+    through this function gives the sinks' float64 gradient.
     """
     q64, k64, v64 = q.double(), k.double(), v.double()
     group = q.shape[1] // max(k.shape[1], 1)
@@ -212,6 +220,10 @@ def attention_reference(
         v64 = v64.repeat_interleave(group, dim=1)
     S = (q64 @ k64.transpose(-1, -2)) * _scale(q.shape[-1], scale)
     S = apply_options(S, causal, attn_mask, window_left, window_right, softcap)
+    if sinks is not None:
+        sink = sinks.double().view(1, -1, 1, 1).expand(*S.shape[:-1], 1)
+        S = torch.cat([S, sink], dim=-1)
+        v64 = torch.cat([v64, v64.new_zeros(*v64.shape[:-2], 1, v64.shape[-1])], dim=-2)
     lse = torch.logsumexp(S, dim=-1) if S.shape[-1] else S.new_full(S.shape[:-1], float("-inf"))
     finite = torch.isfinite(lse)
     P = torch.where(finite.unsqueeze(-1), torch.exp(S - torch.where(finite, lse, 0.0).unsqueeze(-1)), 0.0)
@@ -221,6 +233,7 @@ def attention_reference(
 def attention_varlen_reference(
     q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, causal: bool = False,
     scale: Optional[float] = None, window_left: int = -1, window_right: int = -1, softcap: float = 0.0,
+    sinks: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Tensor]:
     """The float64 oracle of attention_varlen: out (total_q, Hq, D), lse (Hq, total_q).
 
@@ -236,7 +249,7 @@ def attention_varlen_reference(
             continue
         o, l = attention_reference(
             q[qs].transpose(0, 1).unsqueeze(0), k[ks].transpose(0, 1).unsqueeze(0),
-            v[ks].transpose(0, 1).unsqueeze(0), causal, scale, None, window_left, window_right, softcap,
+            v[ks].transpose(0, 1).unsqueeze(0), causal, scale, None, window_left, window_right, softcap, sinks,
         )
         out[qs] = o[0].transpose(0, 1)
         lse[:, qs] = l[0]

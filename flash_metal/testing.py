@@ -98,9 +98,16 @@ def pytorch_attention_same_dtype(q, k, v, causal, scale, return_scores=False, **
     PyTorch's math SDPA, q is scaled before the product: a kernel that folds
     the scale into q (all of ours do) rounds the same way.
     """
+    sinks = options.pop("sinks", None)
     k, v = _expand_kv(q, k, v)
     S = (q * _scale(q, scale)) @ k.transpose(-1, -2)
     S = apply_options(S, causal, **options)
+    if sinks is not None:  # gpt-oss's eager form: the sink as one more column, dropped after the softmax
+        Sx = torch.cat([S, sinks.to(S.dtype).view(1, -1, 1, 1).expand(*S.shape[:-1], 1)], dim=-1)
+        P = torch.softmax(Sx.float(), dim=-1)[..., :-1].to(q.dtype)
+        lse = torch.logsumexp(Sx.float(), dim=-1)
+        out = P @ v
+        return (out, lse, S) if return_scores else (out, lse)
     # A row with no visible key is softmax over all -inf: NaN. It is zeroed
     # before the product, never after: how a CPU's GEMM kernel treats a NaN
     # row differs (torch's bfloat16 matmul on AVX-512 BF16 / AMX Xeons
@@ -114,6 +121,7 @@ def pytorch_attention_same_dtype(q, k, v, causal, scale, return_scores=False, **
 
 
 def _float32_scores(q, k, causal, scale, **options):
+    options.pop("sinks", None)  # scores only: the sink is not a score
     k = k.float().repeat_interleave(q.shape[1] // k.shape[1], dim=1)
     S = (q.float() * _scale(q, scale)) @ k.transpose(-1, -2)
     return apply_options(S, causal, **options)
@@ -261,6 +269,7 @@ def reference_gradients(q, k, v, grad_out, causal=False, scale=None, grad_lse=No
     tests/test_backward.py checks it against autograd through
     attention_reference.
     """
+    sinks = options.pop("sinks", None)
     s = _scale(q, scale)
     q64, k64, v64, do64 = q.double(), k.double(), v.double(), grad_out.double()
     group = q.shape[1] // k.shape[1]
@@ -268,7 +277,11 @@ def reference_gradients(q, k, v, grad_out, causal=False, scale=None, grad_lse=No
     S_raw = (q64 @ ke.transpose(-1, -2)) * s
     S = apply_options(S_raw, causal, **options)
     vis = torch.isfinite(S)
-    lse = torch.logsumexp(S, dim=-1, keepdim=True)
+    if sinks is not None:  # lse over [scores, sink]; the sink's value is zero, so nothing else changes
+        sink = sinks.double().view(1, -1, 1, 1).expand(*S.shape[:-1], 1)
+        lse = torch.logsumexp(torch.cat([S, sink], dim=-1), dim=-1, keepdim=True)
+    else:
+        lse = torch.logsumexp(S, dim=-1, keepdim=True)
     seen = torch.isfinite(lse)
     P = torch.where(seen & vis, torch.exp(S - torch.where(seen, lse, 0.0)), 0.0)
     O = P @ ve
@@ -301,9 +314,17 @@ def reference_gradients(q, k, v, grad_out, causal=False, scale=None, grad_lse=No
 
 def _same_dtype_gradients(q, k, v, grad_out, causal, scale, grad_lse, **options):
     """PyTorch's attention in the inputs' dtype, differentiated by autograd: the yardstick."""
+    sinks = options.pop("sinks", None)
     qd, kd, vd = (t.detach().clone().requires_grad_(True) for t in (q, k, v))
     ke, ve = _expand_kv(qd, kd, vd)
     S = apply_options((qd * _scale(q, scale)) @ ke.transpose(-1, -2), causal, **options)
+    if sinks is not None:  # gpt-oss's eager form, differentiated
+        Sx = torch.cat([S, sinks.to(S.dtype).view(1, -1, 1, 1).expand(*S.shape[:-1], 1)], dim=-1)
+        P = torch.softmax(Sx.float(), dim=-1)[..., :-1].to(q.dtype)
+        loss = ((P @ ve).float() * grad_out.float()).sum()
+        if grad_lse is not None:
+            loss = loss + (torch.logsumexp(Sx.float(), dim=-1) * grad_lse).sum()
+        return torch.autograd.grad(loss, (qd, kd, vd))
     vis = torch.isfinite(S.detach())
     seen = vis.any(-1, keepdim=True)
     # Rows that see no key: scores 0 and P zeroed, so no NaN enters autograd.
@@ -411,8 +432,14 @@ def varlen_errors(out, lse, q, k, v, cu_seqlens_q, cu_seqlens_k, causal=False, s
         if qs.stop == qs.start:
             continue
         if ks.stop == ks.start:
-            ok = bool((out[qs] == 0).all() and torch.isneginf(lse[:, qs]).all())
-            checks.append(_structural(f"seq {b}: no key", ok, f"seq {b} has no key: expected zeros and lse = -inf"))
+            sinks = options.get("sinks")
+            if sinks is None:
+                ok = bool((out[qs] == 0).all() and torch.isneginf(lse[:, qs]).all())
+            else:  # the rows attend to their head's sink alone
+                want = sinks.float().view(-1, 1).expand(-1, qs.stop - qs.start)
+                ok = bool((out[qs] == 0).all() and torch.allclose(lse[:, qs], want, rtol=1e-6, atol=1e-6))
+            checks.append(_structural(f"seq {b}: no key", ok,
+                                      f"seq {b} has no key: expected zeros and lse = -inf (with sinks: the sink)"))
             continue
         checks += _prefixed(b, attention_errors(as_batch(out, qs), lse[:, qs].unsqueeze(0), as_batch(q, qs),
                                                 as_batch(k, ks), as_batch(v, ks), causal, scale, **options))

@@ -13,10 +13,10 @@
 // serves every query row of a GQA group (gqa_ratio heads x Nq rows), so each
 // K/V element is loaded once per (batch, kv_head) for all of them (a group
 // of more than 8 row groups is cut into row chunks, a threadgroup each:
-// "Launch" below). Unlike MLX: lanes hold the strided features lane,
-// lane + 32, ... (consecutive lanes read consecutive features: coalesced
-// when the feature stride is 1);
-// the softmax runs per block of 32 keys (one block max and one rescale per
+// "Launch" below). Like MLX, under fc_dense (unit feature stride, D ==
+// DMAX, aligned rows) each lane holds a contiguous run of features, read as
+// vector loads; otherwise (any strides, padded D) the strided features lane,
+// lane + 32, ... (decode_feature). Unlike MLX: the softmax runs per block of 32 keys (one block max and one rescale per
 // block, a blocked sum for the output) rather than per key; masking uses the
 // finite sentinel kMaskedScore (attention_common.h), base-2 scores, causal
 // bottom-right alignment and any element strides. The code is this
@@ -61,10 +61,11 @@
 // chunks still covers every row group: the SIMD-groups then loop over them
 // in rounds (round r, chunk c: row groups (r * C + c) * RGL + rgl).
 //
-// Function constants fc_causal (index 0) and the options' 4-8
+// Function constants fc_causal (index 0), the options' 4-8
 // (attention_features.h: mask, left window, softcap; fc_varlen is always
-// false here, the planner sends varlen to prefill) for flash_decode and
-// flash_decode_split; flash_decode_merge uses none. Buffers: flash_decode
+// false here, the planner sends varlen to prefill) and fc_dense (10: the
+// lanes' feature layout and vector loads, decode_feature) for flash_decode
+// and flash_decode_split; flash_decode_merge uses none. Buffers: flash_decode
 // binds q 0, k 1, v 2, out 3, lse 4, params 5; flash_decode_split q 0, k 1,
 // v 2, params 5, partial_o 6, partial_stats 7; both take the attn_mask at
 // 14 (cu_seqlens 15 and 16 are never read); flash_decode_merge out 3,
@@ -95,6 +96,7 @@
 
 #include "attention_decode_rows.h"
 #include "attention_features.h"
+#include "attention_prefill.h"  // fc_dense [[function_constant(10)]], the prefill loader's, reused here
 
 namespace flash_metal {
 
@@ -109,7 +111,7 @@ namespace flash_metal {
 constant constexpr int kDecodeBlock = 32;
 
 // The rows one SIMD-group works on, and its online-softmax state, per lane.
-// DPL = features per lane: lane l holds features l, l + 32, ..., l + 32 * (DPL - 1).
+// DPL = features per lane; which ones: decode_feature.
 // (Static data members live in the constant address space, as MSL requires
 // of every variable with static storage; Apple's headers write the same.)
 template <int DMAX>
@@ -122,6 +124,22 @@ struct DecodeState {
   float m[RS];         // running max of the base-2 scores (kMaskedScore: no key yet); same in every lane
   float l[RS];         // running sum of exp2(s - m); same in every lane
 };
+
+// The feature slot i of lane `lane` holds (of q, K, V, the accumulator and
+// the output). dense (fc_dense, set by the host, csrc/metal_launch.cpp,
+// decode_dense_loads, when K and V have unit feature stride, D == DMAX and
+// 16-byte aligned rows): lane l holds the contiguous run [l * DPL, l * DPL +
+// DPL), so a lane reads its slice of a K/V row with DPL / VW vector loads
+// (decode_slice_dense; issue 19: 1 load per key at DMAX 64 and 128 instead
+// of 2 and 4, 2 instead of 8 at 256), and the SIMD-group's loads together
+// still cover the row's contiguous bytes. Otherwise the strided features l,
+// l + 32, ..., l + 32 * (DPL - 1), one scalar load each through the element
+// strides, consecutive lanes on consecutive features. (MLX's sdpa_vector
+// gives each lane a contiguous run too; the code is this project's own.)
+template <int DPL>
+FM_INLINE int decode_feature(int i, uint lane, bool dense) {
+  return dense ? int(lane) * DPL + i : i * 32 + int(lane);
+}
 
 // Where one query row of the group lives: its head and its row in q / out.
 struct DecodeRow {
@@ -152,7 +170,7 @@ FM_INLINE void decode_init(thread DecodeState<DMAX>& st, device const T* q, cons
     device const T* qp = q + int64_t(batch) * p.q_batch_stride + int64_t(dr.head) * p.q_head_stride +
                          int64_t(dr.row) * p.q_row_stride;
     FM_UNROLL for (int i = 0; i < DPL; ++i) {
-      const int c = i * 32 + int(lane);
+      const int c = decode_feature<DPL>(i, lane, fc_dense);
       st.q[r][i] = (live && c < D) ? float(qp[int64_t(c) * p.q_dim_stride]) * p.scale_log2 : 0.0f;
       st.acc[r][i] = 0.0f;
     }
@@ -161,20 +179,108 @@ FM_INLINE void decode_init(thread DecodeState<DMAX>& st, device const T* q, cons
   }
 }
 
-// The lane's slice of one K or V row as float (features lane, lane + 32,
-// ...; zeros past head_dim): from device memory through the element
-// strides (decode_slice_device), or from a staged tile row
-// (decode_slice_tile). Two names, not an overload on the address space (the
-// emulator erases address spaces; tests/metal_emulator/README.md).
-template <int DPL, typename T>
+// The lane's slice of one K or V row as float (its features, decode_feature;
+// zeros past head_dim): from device memory (decode_slice_device: under
+// fc_dense as vector runs, decode_slice_dense; else through the element
+// strides), or from a staged tile row (decode_slice_tile). Two names, not
+// an overload on the address space (the emulator erases address spaces;
+// tests/metal_emulator/README.md).
+
+// Elements per vector load of a lane's run of DPL features: the widest of
+// 4, 2, 1 that divides DPL. Why at most 4: vec<T, 4> is the widest vector
+// type MSL has for every T (16 bytes of float, 8 of half or bfloat), so
+// DPL 8 (DMAX 256) takes 2 loads; DPL 3 (DMAX 72, 80, 96) takes 3 scalar
+// loads, as the strided path.
+constexpr int decode_vector_width(int dpl) { return dpl % 4 == 0 ? 4 : (dpl % 2 == 0 ? 2 : 1); }
+
+// VW consecutive elements of T as one load, converted to float.
+template <int VW>
+struct DecodeRun;
+template <>
+struct DecodeRun<1> {
+  template <typename T>
+  static FM_INLINE void device_load(thread float* x, device const T* s) { x[0] = float(s[0]); }
+  template <typename T>
+  static FM_INLINE void tile_load(thread float* x, threadgroup const T* s) { x[0] = float(s[0]); }
+};
+template <>
+struct DecodeRun<2> {
+  template <typename T>
+  static FM_INLINE void device_load(thread float* x, device const T* s) {
+    const vec<T, 2> w = *reinterpret_cast<device const vec<T, 2>*>(s);
+    x[0] = float(w.x);
+    x[1] = float(w.y);
+  }
+  template <typename T>
+  static FM_INLINE void tile_load(thread float* x, threadgroup const T* s) {
+    const vec<T, 2> w = *reinterpret_cast<threadgroup const vec<T, 2>*>(s);
+    x[0] = float(w.x);
+    x[1] = float(w.y);
+  }
+};
+template <>
+struct DecodeRun<4> {
+  template <typename T>
+  static FM_INLINE void device_load(thread float* x, device const T* s) {
+    const vec<T, 4> w = *reinterpret_cast<device const vec<T, 4>*>(s);
+    x[0] = float(w.x);
+    x[1] = float(w.y);
+    x[2] = float(w.z);
+    x[3] = float(w.w);
+  }
+  template <typename T>
+  static FM_INLINE void tile_load(thread float* x, threadgroup const T* s) {
+    const vec<T, 4> w = *reinterpret_cast<threadgroup const vec<T, 4>*>(s);
+    x[0] = float(w.x);
+    x[1] = float(w.y);
+    x[2] = float(w.z);
+    x[3] = float(w.w);
+  }
+};
+
+// fc_dense: the lane's run [lane * DPL, lane * DPL + DPL) of a row whose
+// features are contiguous, D == DMAX (no padding to zero) and whose start is
+// 16-byte aligned (so every run is aligned to its vector: VW * sizeof(T)
+// divides the run's offset). DMAX 72 and 80 (DPL 3, VW 1): the 32 lanes'
+// runs reach 96 features, so lanes past the row's end read nothing and hold
+// zeros (a compile-time-true test for every other bucket).
+template <int DMAX, int DPL, typename T>
+FM_INLINE void decode_slice_dense(thread float* x, device const T* row, uint lane) {
+  constexpr int VW = decode_vector_width(DPL);
+  device const T* run = row + int(lane) * DPL;
+  FM_UNROLL for (int i = 0; i < DPL; i += VW) {
+    if (32 * DPL == DMAX || int(lane) * DPL + i < DMAX) {
+      DecodeRun<VW>::device_load(x + i, run + i);
+    } else {
+      x[i] = 0.0f;  // VW == 1 here
+    }
+  }
+}
+template <int DMAX, int DPL, typename T>
 FM_INLINE void decode_slice_device(thread float* x, device const T* row, int64_t dim_stride, int D, uint lane) {
+  if (fc_dense) {
+    decode_slice_dense<DMAX, DPL>(x, row, lane);
+    return;
+  }
   FM_UNROLL for (int i = 0; i < DPL; ++i) {
     const int c = i * 32 + int(lane);
     x[i] = c < D ? float(row[int64_t(c) * dim_stride]) : 0.0f;
   }
 }
-template <int DPL, typename T>
+template <int DMAX, int DPL, typename T>
 FM_INLINE void decode_slice_tile(thread float* x, threadgroup const T* row, int D, uint lane) {
+  if (fc_dense) {  // the staged row is whole (D == DMAX) and 16-byte aligned: vector runs as decode_slice_dense
+    constexpr int VW = decode_vector_width(DPL);
+    threadgroup const T* run = row + int(lane) * DPL;
+    FM_UNROLL for (int i = 0; i < DPL; i += VW) {
+      if (32 * DPL == DMAX || int(lane) * DPL + i < DMAX) {
+        DecodeRun<VW>::tile_load(x + i, run + i);
+      } else {
+        x[i] = 0.0f;  // past the row (DMAX 72, 80): the next row's or unstaged memory, never read
+      }
+    }
+    return;
+  }
   FM_UNROLL for (int i = 0; i < DPL; ++i) {
     const int c = i * 32 + int(lane);
     x[i] = c < D ? float(row[c]) : 0.0f;
@@ -195,6 +301,21 @@ FM_INLINE void decode_slice_tile(thread float* x, threadgroup const T* row, int 
 template <int DMAX, typename T>
 FM_INLINE void decode_stage(threadgroup T* tile, device const T* src, int64_t row_stride, int64_t dim_stride, int k0,
                             int n, int D, int tid, int nthreads) {
+  if (fc_dense) {
+    // Whole rows (D == DMAX) of contiguous, 16-byte aligned features: each
+    // thread copies 16-byte chunks (a uint4: the widest load, as the prefill
+    // loader's kDenseLoadBytes), chunk e = row j, chunk c of it; every
+    // bucket's row is whole chunks (DMAX * sizeof(T) is a multiple of 16).
+    constexpr int CPR = DMAX * int(sizeof(T)) / kDenseLoadBytes;  // chunks per row
+    static_assert(CPR * kDenseLoadBytes == DMAX * int(sizeof(T)), "a bucket row is whole 16-byte chunks");
+    threadgroup uint4* t = reinterpret_cast<threadgroup uint4*>(tile);
+    for (int e = tid; e < n * CPR; e += nthreads) {
+      const int j = e / CPR;
+      const int c = e - j * CPR;
+      t[e] = reinterpret_cast<device const uint4*>(src + int64_t(k0 + j) * row_stride)[c];
+    }
+    return;
+  }
   for (int e = tid; e < n * DMAX; e += nthreads) {
     const int j = e / DMAX;
     const int c = e - j * DMAX;
@@ -272,9 +393,9 @@ FM_INLINE void decode_attend(thread DecodeState<DMAX>& st, device const T* k, de
       for (int j = 0; j < n; ++j) {
         float kx[DPL];
         if (staged) {
-          decode_slice_tile<DPL>(kx, tile + j * DMAX, D, lane);
+          decode_slice_tile<DMAX, DPL>(kx, tile + j * DMAX, D, lane);
         } else {
-          decode_slice_device<DPL>(kx, kp + int64_t(k0 + j) * p.k_row_stride, p.k_dim_stride, D, lane);
+          decode_slice_device<DMAX, DPL>(kx, kp + int64_t(k0 + j) * p.k_row_stride, p.k_dim_stride, D, lane);
         }
         FM_UNROLL for (int r = 0; r < RS; ++r) {
           float part = 0.0f;
@@ -320,9 +441,9 @@ FM_INLINE void decode_attend(thread DecodeState<DMAX>& st, device const T* k, de
       for (int j = 0; j < n; ++j) {
         float vx[DPL];
         if (staged) {
-          decode_slice_tile<DPL>(vx, tile + j * DMAX, D, lane);
+          decode_slice_tile<DMAX, DPL>(vx, tile + j * DMAX, D, lane);
         } else {
-          decode_slice_device<DPL>(vx, vp + int64_t(k0 + j) * p.v_row_stride, p.v_dim_stride, D, lane);
+          decode_slice_device<DMAX, DPL>(vx, vp + int64_t(k0 + j) * p.v_row_stride, p.v_dim_stride, D, lane);
         }
         FM_UNROLL for (int r = 0; r < RS; ++r) {
           const float pj = simd_shuffle(pw[r], ushort(j));
@@ -421,13 +542,13 @@ inline DecodeShape decode_shape(constant AttentionParams& p, uint3 group, uint3 
 // key. sm carries the row's (m, l).
 template <typename T, int DMAX>
 FM_INLINE void decode_store_row(device T* o, device float* lse, constant AttentionParams& p, int batch,
-                                DecodeRow dr, thread const float* acc, OnlineSoftmax sm, uint lane) {
+                                DecodeRow dr, thread const float* acc, OnlineSoftmax sm, uint lane, bool dense) {
   constexpr int DPL = (DMAX + 31) / 32;
   const float inv = sm.inv_sum();
   device T* op = o + int64_t(batch) * p.o_batch_stride + int64_t(dr.head) * p.o_head_stride +
                  int64_t(dr.row) * p.o_row_stride;
   FM_UNROLL for (int i = 0; i < DPL; ++i) {
-    const int c = i * 32 + int(lane);
+    const int c = decode_feature<DPL>(i, lane, dense);
     if (c < p.head_dim) op[int64_t(c) * p.o_dim_stride] = static_cast<T>(acc[i] * inv);
   }
   if (lane == 0) {
@@ -489,7 +610,7 @@ template <typename T, int DMAX>
           OnlineSoftmax sm;
           sm.m = st.m[r];
           sm.l = st.l[r];
-          decode_store_row<T, DMAX>(o, lse, p, batch, decode_row(p, kv_head, rr), st.acc[r], sm, lane);
+          decode_store_row<T, DMAX>(o, lse, p, batch, decode_row(p, kv_head, rr), st.acc[r], sm, lane, fc_dense);
         }
       }
     }

@@ -72,7 +72,7 @@ template <typename T, int DMAX>
           const int64_t idx = decode_partial_index(p, batch, decode_row(p, kv_head, rr), split);
           device float* po = partial_o + idx * p.head_dim;
           FM_UNROLL for (int i = 0; i < DPL; ++i) {
-            const int c = i * 32 + int(lane);
+            const int c = decode_feature<DPL>(i, lane, fc_dense);
             if (c < p.head_dim) po[c] = st.acc[r][i];
           }
           if (lane == 0) {
@@ -132,7 +132,7 @@ template <typename T, int DMAX>
   OnlineSoftmax sm;
   sm.m = M;
   sm.l = l;
-  decode_store_row<T, DMAX>(o, lse, p, batch, dr, acc, sm, lane);
+  decode_store_row<T, DMAX>(o, lse, p, batch, dr, acc, sm, lane, false);  // the strided layout, as acc above
 }
 
 }  // namespace flash_metal

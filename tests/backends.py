@@ -309,7 +309,7 @@ def run_backward(backend, grad_out, q, k, v, out, lse, causal=False, scale=None,
     """
     args = (grad_out, q, k, v, out, lse)
     if backend == "cpu":
-        return torch.ops.flash_metal.attention_backward(*args, causal, scale, grad_lse, "auto", **options)
+        return torch.ops.flash_metal.attention_backward(*args, causal, scale, grad_lse, "auto", **options)[:3]
     if backend in ("metal-emu", "metal-emu-sanitized", "metal-emu-fast-math"):
         return emulated_metal_attention_backward(
             *args, causal, scale, grad_lse, instrumented=backend == "metal-emu-sanitized",
@@ -321,7 +321,7 @@ def run_backward(backend, grad_out, q, k, v, out, lse, causal=False, scale=None,
         if options.get("attn_mask") is not None:
             options = dict(options, attn_mask=to_mps_same_layout(options["attn_mask"]))
         return tuple(t.cpu() for t in torch.ops.flash_metal.attention_backward(*dev, causal, scale, g, "auto",
-                                                                              **options))
+                                                                              **options)[:3])
     raise ValueError(backend)
 
 
@@ -332,7 +332,7 @@ def run_varlen_backward(backend, grad_out, q, k, v, out, lse, cu_seqlens_q, cu_s
     if backend == "cpu":
         return torch.ops.flash_metal.attention_varlen_backward(
             grad_out, q, k, v, out, lse, *lengths, causal, scale, grad_lse, **options
-        )
+        )[:3]
     if backend in ("metal-emu", "metal-emu-sanitized"):
         return emulated_metal_attention_backward(
             grad_out, q, k, v, out, lse, causal, scale, grad_lse, instrumented=backend == "metal-emu-sanitized",
@@ -346,7 +346,7 @@ def run_varlen_backward(backend, grad_out, q, k, v, out, lse, cu_seqlens_q, cu_s
             *dev, cu_seqlens_q.to("mps"), cu_seqlens_k.to("mps"), max_seqlen_q, max_seqlen_k, causal, scale, g,
             **options,
         )
-        return tuple(t.cpu() for t in grads)
+        return tuple(t.cpu() for t in grads[:3])
     raise ValueError(backend)
 
 

@@ -7,6 +7,8 @@ computed in the same dtype, plus a rounding floor. This file keeps what only
 the tests need (dtypes, memory layouts, random inputs) and re-exports the
 rule's names, so `from numerics import assert_attention_close` keeps working.
 """
+import contextlib
+
 import torch
 
 from flash_metal.testing import (  # noqa: F401  (re-exported for the tests)
@@ -108,3 +110,14 @@ def make_qkv(B, Hq, Hkv, Nq, Nk, D, dtype, layout="contiguous", generator=None, 
     return (make_tensor((B, Hq, Nq, D), lq, dtype, g, scale_inputs),
             make_tensor((B, Hkv, Nk, D), lk, dtype, g, scale_inputs),
             make_tensor((B, Hkv, Nk, D), lv, dtype, g, scale_inputs))
+
+
+@contextlib.contextmanager
+def threads(n):
+    """Run the body with torch's intra-op pool at n threads, then restore it."""
+    saved = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(saved)

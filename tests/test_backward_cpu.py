@@ -9,27 +9,16 @@ decompositions. Gradients are checked against the float64 oracle by the 2x
 rule (numerics.assert_gradients_close); outputs are freshly allocated and
 NaN-poisoned by conftest.py, so an element never written fails.
 """
-import contextlib
 
 import pytest
 import torch
 
-from numerics import DTYPES, assert_gradients_close, dtype_id, lay_out, make_qkv, make_tensor
+from numerics import threads, DTYPES, assert_gradients_close, dtype_id, lay_out, make_qkv, make_tensor
 
 FWD = torch.ops.flash_metal.attention_forward
 BWD = torch.ops.flash_metal.attention_backward
 # The kernel's query and key block (FLASH_METAL_CPU_BWD_BLOCK_Q/K).
 BLOCK = 96
-
-
-@contextlib.contextmanager
-def threads(n):
-    saved = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(saved)
 
 
 def forward_backward(q, k, v, causal, scale=None, grad_lse=None, grad_out=None, out_layout=None, seed=7):
@@ -38,7 +27,7 @@ def forward_backward(q, k, v, causal, scale=None, grad_lse=None, grad_out=None, 
         grad_out = make_tensor(q.shape, "contiguous", q.dtype, torch.Generator().manual_seed(seed))
     if out_layout is not None:
         out = lay_out(out, out_layout)
-    return grad_out, BWD(grad_out, q, k, v, out, lse, causal, scale, grad_lse)
+    return grad_out, BWD(grad_out, q, k, v, out, lse, causal, scale, grad_lse)[:3]
 
 
 # (B, Hq, Hkv, Nq, Nk, D): block edges (one block, one key past a block, not

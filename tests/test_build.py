@@ -309,7 +309,7 @@ import flash_metal
 inputs = torch.load(sys.argv[1])
 q, k, v, grad_out = (inputs[n] for n in ("q", "k", "v", "grad_out"))
 out, lse = flash_metal.attention_with_lse(q, k, v, True)
-grads = torch.ops.flash_metal.attention_backward(grad_out, q, k, v, out, lse, True)
+grads = torch.ops.flash_metal.attention_backward(grad_out, q, k, v, out, lse, True)[:3]
 pkg = os.path.dirname(flash_metal.__file__)
 torch.save({"out": out, "lse": lse, "grads": grads, "package": pkg,
             "shaders": sorted(os.listdir(os.path.join(pkg, "shaders")))}, sys.argv[2])

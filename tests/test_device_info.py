@@ -50,21 +50,7 @@ def test_build_without_mps_answers_unavailable():
 # --- the MPS implementation, executed on Linux -------------------------------------------------------
 
 
-@pytest.fixture(scope="session")
-def built():
-    return mps_exec.require_build()
-
-
-@pytest.fixture(scope="session")
-def emu():
-    from metal_emulator import compile_library
-
-    return compile_library([mps_exec.SHADER], instrumented=False)
-
-
-@pytest.fixture(scope="session")
-def host(built, emu, tmp_path_factory):
-    return mps_exec.session_host(built, emu, str(tmp_path_factory.mktemp("mps_exec_pkg")))
+from mps_exec.fixtures import built, emu, host  # noqa: F401  (pytest fixtures, by name)
 
 
 def test_device_info_describes_the_device(host):

@@ -37,7 +37,7 @@ def _forward(q, k, v, causal, options):
 
 def _backward(grad_out, q, k, v, out, lse, causal, grad_lse, options):
     return torch.ops.flash_metal.attention_backward(grad_out, q, k, v, out, lse, causal, None, grad_lse, "auto",
-                                                    **options)
+                                                    **options)[:3]
 
 
 def _grad_inputs(out, lse, dtype, g):

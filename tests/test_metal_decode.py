@@ -44,9 +44,12 @@ def _no_options(q):
     return {14: q, 15: q, 16: q}
 
 
-def _constants(causal):
-    # Function constants 0-9 (csrc/metal_plan.h): causal, and every option off.
-    return {i: (causal if i == 0 else False) for i in range(10)}
+DENSE = 10  # fc_dense (csrc/metal_plan.h, kDenseFunctionConstant): the lanes' contiguous runs, vector loads
+
+
+def _constants(causal, dense=False):
+    # Function constants 0-9 (csrc/metal_plan.h): causal, and every option off; 10: fc_dense.
+    return {**{i: (causal if i == 0 else False) for i in range(10)}, DENSE: dense}
 
 def bucket_of(d):
     """The smallest instantiated head_dim bucket that holds d."""
@@ -99,13 +102,15 @@ def decode_library(instrumented, fast_math):
 
 
 def launch_decode(q, k, v, causal=False, scale=None, splits=1, instrumented=False, fast_math=False, chunks=None,
-                  rgl=None):
+                  rgl=None, dense=False):
     """Launches the kernels directly; returns (out, lse, partial_o, partial_stats, counts).
 
     Outputs and partials are poisoned with NaN, so an element never written
     stays NaN. splits == 1: the one-pass kernel (no partials); else the split
-    pass and the merge. chunks, rgl: as decode_launch. counts: the
-    emulator's per-dispatch counts.
+    pass and the merge. chunks, rgl: as decode_launch. dense: fc_dense (the
+    caller vouches for the host's condition: unit feature stride, D == the
+    bucket, 16-byte aligned K/V rows). counts: the emulator's per-dispatch
+    counts.
     """
     B, Hq, Nq, D = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
@@ -123,14 +128,14 @@ def launch_decode(q, k, v, causal=False, scale=None, splits=1, instrumented=Fals
     if splits == 1:
         grid, tg, mem = shape["one_pass"]
         counts.append(lib.dispatch(one, buffers={0: q, 1: k, 2: v, 3: out, 4: lse, **_no_options(q)}, bytes={5: params},
-                                   function_constants=_constants(causal), grid=grid, threadgroup=tg,
+                                   function_constants=_constants(causal, dense), grid=grid, threadgroup=tg,
                                    threadgroup_memory={0: mem}))
         return out, lse, None, None, counts
     part_o = torch.full((B, Hq, Nq, splits, D), float("nan"), dtype=torch.float32)
     part_s = torch.full((B, Hq, Nq, splits, 2), float("nan"), dtype=torch.float32)
     grid, tg, mem = shape["split"]
     counts.append(lib.dispatch(split, buffers={0: q, 1: k, 2: v, 6: part_o, 7: part_s, **_no_options(q)},
-                               bytes={5: params}, function_constants=_constants(causal), grid=grid, threadgroup=tg,
+                               bytes={5: params}, function_constants=_constants(causal, dense), grid=grid, threadgroup=tg,
                                threadgroup_memory={0: mem}))
     grid, tg, _ = shape["merge"]
     counts.append(lib.dispatch(merge, buffers={3: out, 4: lse, 6: part_o, 7: part_s}, bytes={5: params},
@@ -182,7 +187,8 @@ def test_planner_launches_exactly_these_shapes(case):
         (d,) = plan.dispatches
         assert (d.kernel_name, d.grid, d.threadgroup, d.threadgroup_memory) == (one, *shape["one_pass"])
         assert d.buffers == {"q": 0, "k": 1, "v": 2, "out": 3, "lse": 4, **OPTION_SLOTS}
-        assert d.function_constants == (False,) * 10  # no causal, no option (indices: csrc/metal_plan.h)
+        # no causal, no option (indices: csrc/metal_plan.h); fc_dense for packed K/V with D == its bucket
+        assert d.function_constants == (False,) * 10 + (D == bucket_of(D),)
         return
     assert per == split_keys_of(Nk, splits)
     d1, d2 = plan.dispatches
@@ -191,6 +197,7 @@ def test_planner_launches_exactly_these_shapes(case):
     assert d1.buffers == {"q": 0, "k": 1, "v": 2, "partial_out": 6, "partial_stats": 7, **OPTION_SLOTS}
     assert d2.buffers == {"out": 3, "lse": 4, "partial_out": 6, "partial_stats": 7}
     assert d2.function_constants == ()
+    assert d1.function_constants == (False,) * 10 + (D == bucket_of(D),)
     assert plan.scratch == {"partial_out": B * Hq * Nq * splits * D, "partial_stats": B * Hq * Nq * splits * 2}
 
 
@@ -244,6 +251,101 @@ def test_each_key_is_read_once_per_group():
         assert read[1] == chunks * k.numel() * k.element_size(), (dtype, d, ratio, nq, read)
         assert read[2] == chunks * v.numel() * v.element_size(), (dtype, d, ratio, nq, read)
     assert {math.ceil(r * nq / rows_per_simd(bucket_of(d)) / 8) for _, d, r, nq, _ in READ_CASES} == {1, 2, 4, 8}
+
+
+# ---- fc_dense: each lane's contiguous run of a K/V row, as vector loads (issue 19) ---------
+
+def features_per_lane(dmax):
+    return math.ceil(dmax / 32)
+
+
+def vector_width(dmax):
+    # decode_vector_width (attention_decode.h): the widest of 4, 2, 1 elements dividing a lane's run.
+    dpl = features_per_lane(dmax)
+    return 4 if dpl % 4 == 0 else (2 if dpl % 2 == 0 else 1)
+
+
+def kv_loads(nk, d, elem, staged, dense):
+    """{bytes: load instructions} the decode kernels issue on one of k, v (D == its bucket, read once).
+
+    General path: one scalar load per feature, D per key, staged or not.
+    fc_dense, staged: the threadgroup copies each row as 16-byte chunks.
+    fc_dense, from device memory: each lane reads its run of DPL features as
+    DPL / VW loads of VW elements; with VW = 1 (DMAX 72, 80, 96) only the
+    lanes whose run lies in the row load, so D loads per key.
+    """
+    if not dense:
+        return {elem: nk * d}
+    if staged:
+        return {16: nk * d * elem // 16}
+    vw = vector_width(d)
+    return {vw * elem: nk * (32 * features_per_lane(d) // vw if vw > 1 else d)}
+
+
+# (dtype, D, gqa ratio, Nq): every bucket at D == bucket, with one row group
+# (K/V from device memory, 8 key groups) or several (K/V staged).
+DENSE_CASES = [(torch.float16, 128, 1, 1), (torch.bfloat16, 64, 2, 1), (torch.float32, 256, 1, 1),
+               (torch.float16, 256, 1, 1), (torch.float32, 32, 1, 1), (torch.float16, 80, 1, 1),
+               (torch.bfloat16, 96, 1, 1), (torch.float16, 128, 4, 2), (torch.float32, 72, 8, 1),
+               (torch.bfloat16, 256, 2, 1)]
+
+
+def test_dense_cases_cover_both_paths_and_every_bucket():
+    assert {d for _, d, _, _ in DENSE_CASES} == set(BUCKETS)
+    assert {row_groups(r, 1, nq, d) > 1 for _, d, r, nq in DENSE_CASES} == {True, False}
+    assert {vector_width(d) for _, d, _, _ in DENSE_CASES} == {1, 2, 4}
+
+
+@pytest.mark.parametrize("case", DENSE_CASES, ids=lambda c: f"{dtype_id(c[0])}-d{c[1]}-gqa{c[2]}-nq{c[3]}")
+def test_dense_loads_are_vectors_and_match_the_general_path(case):
+    # The same problem under fc_dense and without, sanitized: both within
+    # the 2x rule, K/V read once (bytes), and the load instructions per K/V
+    # buffer exactly kv_loads' (so the dense path ran: its widths differ
+    # from the general path's wherever a lane holds 2 or more features, and
+    # the staged copy is 16-byte chunks). K/V in the transposed layout
+    # (B, N, H, D): unit feature stride, aligned rows, row stride H * D.
+    dtype, d, ratio, nq = case
+    g = torch.Generator().manual_seed(7000 + d + ratio)
+    nk, causal = 45, ratio > 1
+    q, k, v = make_qkv(2, 2 * ratio, 2, nq, nk, d, dtype, layout=("offset_slice", "transposed", "transposed"),
+                       generator=g)
+    staged = row_groups(2 * ratio, 2, nq, d) > 1
+    elem = q.element_size()
+    for dense in (False, True):
+        out, lse, _, _, counts = launch_decode(q, k, v, causal, splits=2 if staged else 1, instrumented=True,
+                                               dense=dense)
+        assert_attention_close(out, lse, q, k, v, causal)
+        loads = counts[0].device_loads_by_index
+        for buf, t in ((1, k), (2, v)):
+            assert counts[0].device_bytes_read_by_index[buf] == t.numel() * elem, (dense, buf)
+            assert loads[buf] == kv_loads(2 * 2 * nk, d, elem, staged, dense), (dense, buf, loads[buf])
+
+
+def test_dense_load_check_catches_scalar_loads():
+    # Planted: the general path's counts where dense ones are expected (the
+    # kernel ignoring fc_dense) fail the check, at every vector width > 1 and
+    # on the staged path.
+    for d, staged in ((64, False), (128, False), (256, False), (128, True), (72, True)):
+        for elem in (2, 4):
+            assert kv_loads(10, d, elem, staged, False) != kv_loads(10, d, elem, staged, True), (d, staged, elem)
+
+
+def test_planner_sets_fc_dense_for_aligned_unit_stride_kv_only():
+    # decode_dense_loads (csrc/metal_launch.cpp): K and V feature stride 1,
+    # D == bucket, 16-byte aligned rows; q's layout does not matter (read once).
+    def dense_and_reason(q, k, v):
+        plan = flash_metal.explain(q, k, v, impl="decode")
+        (d,) = plan.dispatches
+        return d.function_constants[DENSE], plan.reason
+
+    q, k, v = make_qkv(1, 4, 2, 1, 40, 64, torch.float16, layout=("d_outer", "transposed", "contiguous"))
+    dense, why = dense_and_reason(q, k, v)
+    assert dense and "vector loads (fc_dense)" in why, why
+    for d, layout, expect in ((64, "d_outer", "k's feature stride is"), (60, "contiguous", "below its bucket"),
+                              (64, "storage_end", "k's storage offset is not a multiple of 16 bytes")):
+        q, k, v = make_qkv(1, 4, 2, 1, 40, d, torch.float16, layout=("contiguous", layout, "contiguous"))
+        dense, why = dense_and_reason(q, k, v)
+        assert not dense and expect in why, why
 
 
 # ---- every instantiation, sanitized --------------------------------------------------------
@@ -480,7 +582,7 @@ import re  # noqa: E402
 DECODE_SOURCE = pathlib.Path(__file__).resolve().parent.parent / "shaders" / "attention_decode.h"
 # Divisors the compiler folds: compile-time template parameters and constants
 # (a shift, or a multiply by a constant for 72/80/96), and number literals.
-COMPILE_TIME_DIVISORS = re.compile(r"(DMAX|DPL|RS|kDecodeBlock|\d+)\b")
+COMPILE_TIME_DIVISORS = re.compile(r"(DMAX|DPL|RS|CPR|kDecodeBlock|kDenseLoadBytes|\d+)\b")
 
 
 def _function_body(src, signature):

@@ -257,10 +257,8 @@ def test_each_option_sets_its_function_constant_and_params(nq, dtype):
                     assert d.function_constants == ()  # the merge reads only the partials
                     continue
                 consts = d.function_constants
-                # decode: indices 0-9; prefill and backward add fc_dense (10; packed, D = 64: on)
-                dense_family = not d.kernel_name.startswith("flash_decode")
-                assert len(consts) == (11 if dense_family else 10), d.kernel_name
-                assert not dense_family or consts[10] is True, d.kernel_name
+                # indices 0-9 and fc_dense (10; packed, D = 64: on), the decode kernels' too (issue 19)
+                assert len(consts) == 11 and consts[10] is True, d.kernel_name
                 got = {i for i in (CAUSAL, HAS_MASK, MASK_BOOL, MASK_F32, WINDOW_LEFT, SOFTCAP, VARLEN) if consts[i]}
                 assert got == on, (name, d.kernel_name, got)
                 assert d.buffers["attn_mask"] == 14 and d.buffers["cu_seqlens_q"] == 15

@@ -56,23 +56,7 @@ def _inputs(layout, dtype, hq, hkv, seed, shape=(2, 63, 65, 80)):
 # --- fixtures ---------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="session")
-def built():
-    return mps_exec.require_build()
-
-
-@pytest.fixture(scope="session")
-def emu():
-    from metal_emulator import compile_library
-
-    return compile_library([mps_exec.SHADER], instrumented=False)
-
-
-@pytest.fixture(scope="session")
-def host(built, emu, tmp_path_factory):
-    """The host loaded into this process (once per process, shared with the other test modules), from a
-    package look-alike with a fresh fake metallib."""
-    return mps_exec.session_host(built, emu, str(tmp_path_factory.mktemp("mps_exec_pkg")))
+from mps_exec.fixtures import built, emu, host  # noqa: F401  (pytest fixtures, by name)
 
 
 def _run_scenarios(built, tmp_path_factory, specs):
@@ -246,6 +230,24 @@ def test_host_backward_matches_oracle(host, emu, dtype, grad_lse):
     assert ops.count("dispatchThreadgroups") == 2
 
 
+@pytest.mark.parametrize("backward", [False, True], ids=["forward", "backward"])
+def test_host_refuses_sinks(host, backward):
+    # The Metal kernels do not take attention sinks yet: the real .mm refuses
+    # them (the planner's NotImplementedError) before encoding anything.
+    g = torch.Generator().manual_seed(23)
+    q, k, v = (host.to_mps(t) for t in make_qkv(1, 4, 2, 16, 16, 64, torch.float16, generator=g))
+    sinks = host.to_mps(torch.zeros(4))
+    host.take_recording()
+    with pytest.raises(NotImplementedError, match=r"sinks .*Metal kernels: not yet"):
+        if backward:
+            lse = host.to_mps(torch.zeros(1, 4, 16))
+            torch.ops.flash_metal.attention_backward(q, q, k, v, q, lse, True, sinks=sinks)
+        else:
+            torch.ops.flash_metal.attention_forward(q, k, v, True, sinks=sinks)
+    rec = host.take_recording()
+    assert not [e for e in rec["events"] if e["op"] == "setComputePipelineState"]
+
+
 def test_host_binds_the_options(host, emu):
     # attn_mask (a broadcast bool view, bound at its storage offset), the
     # window and softcap through the real .mm, forward then backward; and a
@@ -354,11 +356,9 @@ def test_build_all_pipelines_on_the_fake_device(host, emu):
         if name.startswith("flash_decode_merge_"):
             assert bits == {""}, name
             continue
-        # prefill and backward: constant 10 is fc_dense (the dense tile loader), built both ways
-        dense_family = name.startswith(("flash_attention_prefill_", "flash_backward_"))
-        assert all(len(b) == (11 if dense_family else 10) for b in bits), name
-        if dense_family:
-            assert {b[10] for b in bits} == {"0", "1"}, name
+        # constant 10 is fc_dense (the dense tile loader; the decode kernels' vector loads), built both ways
+        assert all(len(b) == 11 for b in bits), name
+        assert {b[10] for b in bits} == {"0", "1"}, name
         if name.startswith(("flash_attention_prefill_", "flash_backward_dkdv_")):
             assert {b[:3] for b in bits} == combos(3), name
         elif name.startswith("flash_backward_dq_"):

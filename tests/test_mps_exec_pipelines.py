@@ -33,21 +33,7 @@ from mps_exec import checks
 from mps_exec.plants import SCENARIO, noticed, run_plants, run_scenarios
 
 
-@pytest.fixture(scope="session")
-def built():
-    return mps_exec.require_build()
-
-
-@pytest.fixture(scope="session")
-def emu():
-    from metal_emulator import compile_library
-
-    return compile_library([mps_exec.SHADER], instrumented=False)
-
-
-@pytest.fixture(scope="session")
-def host(built, emu, tmp_path_factory):
-    return mps_exec.session_host(built, emu, str(tmp_path_factory.mktemp("mps_exec_pkg")))
+from mps_exec.fixtures import built, emu, host  # noqa: F401  (pytest fixtures, by name)
 
 
 @pytest.fixture(scope="session")

@@ -1,8 +1,9 @@
 """Hugging Face transformers models on attn_implementation="metal_attention" (flash_metal/hf.py).
 
-Small randomly initialized Llama, Mistral and Gemma 2 models built from
-configs (no download), each compared with the same weights on "sdpa" (or
-"eager" where sdpa lacks the feature: Gemma 2's softcapping): logits of
+Small randomly initialized Llama, Mistral, Gemma 2 and gpt-oss models built
+from configs (no download), each compared with the same weights on "sdpa" (or
+"eager" where sdpa lacks the feature: Gemma 2's softcapping, gpt-oss's
+attention sinks, passed as s_aux): logits of
 padded batches, greedy generate() with DynamicCache and StaticCache, left
 padded or not, padding-free packed batches, and the gradients of a
 training step. transformers is the optional extra '.[hf]'; CI installs it.
@@ -37,6 +38,8 @@ def _config(tf, kind):
         return tf.LlamaConfig(**common)
     if kind == "mistral":
         return tf.MistralConfig(**common, sliding_window=6)  # far shorter than the sequences below
+    if kind == "gpt_oss":  # layers alternate sliding (window 6) and full, as gpt-oss's; a tiny MoE
+        return tf.GptOssConfig(**common, head_dim=16, sliding_window=6, num_local_experts=4, num_experts_per_tok=2)
     return tf.Gemma2Config(**common, head_dim=16, sliding_window=6, attn_logit_softcapping=3.0,
                            final_logit_softcapping=None, query_pre_attn_scalar=16)
 
@@ -50,6 +53,13 @@ def _models(tf, kind, reference):
     """
     torch.manual_seed(0)
     ours = tf.AutoModelForCausalLM.from_config(_config(tf, kind), attn_implementation="metal_attention").eval()
+    if kind == "gpt_oss":
+        # gpt-oss initializes its sinks near 0 (std 0.02); spread them so each
+        # head's sink takes a different, real share of its rows.
+        with torch.no_grad():
+            for name, p in ours.named_parameters():
+                if name.endswith(".sinks"):
+                    p.copy_(torch.randn(p.shape) * 1.5)
     ref = tf.AutoModelForCausalLM.from_config(_config(tf, kind), attn_implementation=reference).eval()
     ref.load_state_dict(ours.state_dict())
     assert ours.config is not ref.config
@@ -77,7 +87,7 @@ class _Ran:
             assert self.moved[r] > 0, f"route {r!r} never ran (ran: {dict(self.moved)})"
 
 
-REFERENCE = {"llama": "sdpa", "mistral": "sdpa", "gemma2": "eager"}
+REFERENCE = {"llama": "sdpa", "mistral": "sdpa", "gemma2": "eager", "gpt_oss": "eager"}
 
 
 def _batch(padding, g):
@@ -103,21 +113,21 @@ def test_registered_name_has_no_flash(tf):
     assert flash_metal.hf.NAME in AttentionMaskInterface._global_mapping
 
 
-@pytest.mark.parametrize("kind", ["llama", "mistral", "gemma2"])
+@pytest.mark.parametrize("kind", ["llama", "mistral", "gemma2", "gpt_oss"])
 @pytest.mark.parametrize("padding", ["none", "left", "right"])
 def test_padded_forward_logits(tf, kind, padding):
     ours, ref = _models(tf, kind, REFERENCE[kind])
     ids, mask = _batch(padding, torch.Generator().manual_seed(1))
     with torch.no_grad(), _Ran() as ran:
         got = ours(input_ids=ids, attention_mask=mask).logits
-    ran.assert_ran(*(["mask"] if padding != "none" else []))
+    ran.assert_ran(*(["mask"] if padding != "none" else []), *(["sinks"] if kind == "gpt_oss" else []))
     with torch.no_grad():
         want = ref(input_ids=ids, attention_mask=mask).logits
     keep = mask.bool()  # padded positions' logits are meaningless in both
     torch.testing.assert_close(got[keep], want[keep], rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("kind", ["llama", "mistral", "gemma2"])
+@pytest.mark.parametrize("kind", ["llama", "mistral", "gemma2", "gpt_oss"])
 @pytest.mark.parametrize("cache", ["dynamic", "static"])
 @pytest.mark.parametrize("padding", ["none", "left"])
 def test_generate_matches(tf, kind, cache, padding):
@@ -134,7 +144,7 @@ def test_generate_matches(tf, kind, cache, padding):
     # Left padding always hands over a mask (in transformers 5.24 as wide as
     # the keys, StaticCache included; test_mask_wider_than_the_keys_...
     # covers a wider one directly).
-    ran.assert_ran(*(["mask"] if padding == "left" else []))
+    ran.assert_ran(*(["mask"] if padding == "left" else []), *(["sinks"] if kind == "gpt_oss" else []))
     with torch.no_grad():
         want = ref.generate(ids, **kwargs)
     assert torch.equal(got.sequences, want.sequences)
@@ -179,7 +189,7 @@ def _labels(ids, mask):
     return labels
 
 
-@pytest.mark.parametrize("kind", ["llama", "mistral", "gemma2"])
+@pytest.mark.parametrize("kind", ["llama", "mistral", "gemma2", "gpt_oss"])
 @pytest.mark.parametrize("padding", ["left", "right"])
 def test_training_step_gradients(tf, kind, padding):
     ours, ref = _models(tf, kind, REFERENCE[kind])
@@ -193,7 +203,7 @@ def test_training_step_gradients(tf, kind, padding):
     with _Ran() as ran:
         loss = ours(input_ids=ids, attention_mask=mask, labels=labels).loss
         loss.backward()
-    ran.assert_ran("mask")
+    ran.assert_ran("mask", *(["sinks"] if kind == "gpt_oss" else []))
     ref_loss = ref(input_ids=ids, attention_mask=mask, labels=labels).loss
     ref_loss.backward()
     torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)

@@ -294,6 +294,7 @@ struct Geometry {
   float scale_log2;       // softmax scale * log2(e), applied to q in float32
   int64_t q_stride[4], k_stride[4], v_stride[4], o_stride[4], lse_stride[3];
   const CallOptions* opt;  // window bounds, varlen sequences, mask, softcap (common.h)
+  const float* sinks2 = nullptr;  // per query head: the sink logit * log2(e) (base 2); nullptr: no sinks
 };
 
 // Query blocks per work item, at most. Every K/V block is packed once per
@@ -380,6 +381,13 @@ void attention_item(const Geometry& g, const T* q, const T* k, const T* v, T* ou
     std::fill(u.o, u.o + u.nrows * Dp, 0.0f);
     std::fill(u.m, u.m + u.ncols, kNegInf);
     std::fill(u.l, u.l + u.ncols, 0.0f);
+    // Attention sinks: each row starts as if it had seen its head's sink, a
+    // key of score sink (base 2, never softcapped or masked) and value zero:
+    // m = sink, l = exp2(sink - m) = 1, O = 0. A sink of -inf is no sink.
+    for (int64_t c = 0; g.sinks2 != nullptr && c < u.nrows; ++c) {
+      u.m[c] = g.sinks2[h0 + c / u.nq];
+      u.l[c] = u.m[c] == kNegInf ? 0.0f : 1.0f;
+    }
   }
 
   const T* k_head = k + seq.bi * g.k_stride[0] + hk * g.k_stride[1] + seq.k0 * g.k_stride[2];
@@ -596,6 +604,11 @@ void attention_forward(const AttentionCall& c, const AttentionOutputs& o) {
   for (int d = 0; d < 3; ++d) g.lse_stride[d] = lse.stride(d);
   const CallOptions opt(c);
   g.opt = &opt;
+  std::vector<float> sinks2;
+  if (p.sinks) {
+    sinks2 = sinks_base2(c);
+    g.sinks2 = sinks2.data();
+  }
 
   switch (q.scalar_type()) {  // check_attention_inputs admitted only these three
     case at::kFloat: run_attention<float>(g, q, k, v, out, lse); break;

@@ -22,6 +22,7 @@ void backward_kernel(const AttentionCall& c, const BackwardTensors& t, const Att
                     "' is not available for tensors on cpu, which run the CPU flash backward kernel; impl must be "
                     "'auto'");
   attention_backward(c, t, g);
+  if (c.p.sinks) sinks_backward(c, t, g.grad_sinks);
 }
 
 FLASH_METAL_DEFINE_OPS(forward_kernel, backward_kernel)

@@ -174,7 +174,7 @@ class Host:
         dev = [self.to_mps(t) for t in (grad_out, q, k, v, out, lse)]
         g = None if grad_lse is None else self.to_mps(grad_lse)
         self.take_recording()
-        grads = torch.ops.flash_metal.attention_backward(*dev, causal, scale, g)
+        grads = torch.ops.flash_metal.attention_backward(*dev, causal, scale, g)[:3]
         return self.take_recording(), grads, (*dev, g)
 
     def backward(self, grad_out, q, k, v, out, lse, causal=False, scale=None, grad_lse=None, library=None):

@@ -1,0 +1,256 @@
+"""Attention sinks (issue 20, section 1): gpt-oss's per-head sink logit on the CPU kernels.
+
+The sink is a virtual key per query head with logit sinks[h] and value zero:
+the softmax runs over [scores, sink] and the sink's probability is dropped;
+lse includes it. Checked against the float64 oracle (flash_metal.reference's
+attention_reference with sinks, which concatenates the sink logit as gpt-oss's
+eager code does) by the 2x rule, forward and backward, with every option;
+grad_sinks against autograd through that oracle; a gradcheck; rows with every
+key masked; the empty problem; validation; the Metal planner's refusal.
+Small ragged shapes: the whole file takes a few seconds.
+"""
+import zlib
+
+import pytest
+import torch
+
+import flash_metal
+from flash_metal import reference as R
+from flash_metal import testing as T
+from numerics import DTYPES, assert_attention_close, assert_gradients_close, assert_varlen_close, dtype_id, make_qkv
+
+
+def _gen(*key):
+    return torch.Generator().manual_seed(zlib.crc32(repr(key).encode()))
+
+
+def _sinks(h, dtype, g):
+    # Logits around the scores' size (|s| ~ 1-3 at scale 1/sqrt(D)), so the
+    # sink takes a real share of each row: a sink ignored, or counted twice,
+    # moves out and lse far beyond the tolerance.
+    return (torch.randn(h, generator=g) * 1.5 + 0.5).to(dtype)
+
+
+def _bool_mask(B, nq, nk, g):
+    # Random key padding with rows 0 and 3 of batch 0 fully masked (they
+    # attend to the sink only).
+    m = torch.rand(B, 1, nq, nk, generator=g) > 0.3
+    m[0, 0, 0] = False
+    m[0, 0, 3] = False
+    return m
+
+
+# (name, causal, options builder): each option the ops take, with sinks.
+CONFIGS = {
+    "plain": (False, lambda B, nq, nk, g, dt: {}),
+    "causal": (True, lambda B, nq, nk, g, dt: {}),
+    "window": (True, lambda B, nq, nk, g, dt: dict(window_left=4)),
+    "softcap": (False, lambda B, nq, nk, g, dt: dict(softcap=2.0)),
+    "bool_mask": (False, lambda B, nq, nk, g, dt: dict(attn_mask=_bool_mask(B, nq, nk, g))),
+    "additive_mask": (True, lambda B, nq, nk, g, dt: dict(attn_mask=torch.randn(1, 4, nq, nk, generator=g).to(dt))),
+}
+
+
+def _case(dtype, config, nq=13, nk=21):
+    g = _gen(str(dtype), config, nq, nk)
+    q, k, v = make_qkv(2, 4, 2, nq, nk, 32, dtype, generator=g)  # GQA 4:2, ragged lengths
+    causal, build = CONFIGS[config]
+    return g, q, k, v, causal, build(2, nq, nk, g, dtype)
+
+
+@pytest.mark.parametrize("sinks_dtype", ["float32", "input"])
+@pytest.mark.parametrize("config", list(CONFIGS))
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+def test_forward_matches_oracle(dtype, config, sinks_dtype):
+    g, q, k, v, causal, options = _case(dtype, config)
+    sinks = _sinks(4, torch.float32 if sinks_dtype == "float32" else dtype, g)
+    out, lse = flash_metal.attention_with_lse(q, k, v, causal, sinks=sinks, **options)
+    assert_attention_close(out, lse, q, k, v, causal, None, sinks=sinks, **options)
+    # The sink really entered: without it, lse is lower by log1p(exp(sink - lse_nosink)) > 0 on every row.
+    _, lse0 = flash_metal.attention_with_lse(q, k, v, causal, **options)
+    fin = torch.isfinite(lse0)
+    assert (lse[fin] > lse0[fin]).all()
+    if config == "bool_mask":  # fully masked rows: zeros, lse = the sink, no NaN
+        assert (out[0, :, [0, 3]] == 0).all()
+        torch.testing.assert_close(lse[0, :, [0, 3]], sinks.float()[:, None].expand(4, 2), rtol=1e-6, atol=1e-6)
+
+
+def _grads(q, k, v, sinks, causal, options, g):
+    qq, kk, vv, ss = (t.detach().clone().requires_grad_(True) for t in (q, k, v, sinks))
+    out, lse = flash_metal.attention_with_lse(qq, kk, vv, causal, sinks=ss, **options)
+    grad_out = torch.randn(out.shape, generator=g).to(q.dtype)
+    grad_lse = torch.randn(lse.shape, generator=g)
+    ((out.float() * grad_out.float()).sum() + (lse * grad_lse).sum()).backward()
+    return (qq.grad, kk.grad, vv.grad, ss.grad), grad_out, grad_lse
+
+
+def _sinks_grad_reference(q, k, v, sinks, grad_out, grad_lse, causal, options):
+    """grad_sinks by autograd through the float64 oracle (the sink concatenated as a logit), and the
+    same sum over absolute values (what its float32 rounding scales with)."""
+    s64 = sinks.detach().double().requires_grad_(True)
+    out, lse = R.attention_reference(q, k, v, causal, None, sinks=s64, **options)
+    loss = (out * grad_out.double()).sum() + (lse * grad_lse.double()).sum()
+    (ref,) = torch.autograd.grad(loss, s64)
+    p_sink = torch.exp(s64.detach().view(1, -1, 1) - lse.detach())
+    bound = (p_sink * (grad_lse.double().abs() + (grad_out.double() * out.detach()).abs().sum(-1))).sum((0, 2))
+    return ref, bound
+
+
+def _sinks_grad_yardstick(q, k, v, sinks, grad_out, grad_lse, causal, options):
+    # gpt-oss's eager attention in the inputs' dtype (softmax in float32),
+    # differentiated: the 2x rule's yardstick for grad_sinks.
+    s = sinks.detach().to(q.dtype).requires_grad_(True)
+    ke, ve = T._expand_kv(q, k, v)
+    S = R.apply_options((q * T._scale(q, None)) @ ke.transpose(-1, -2), causal, **options)
+    Sx = torch.cat([S, s.view(1, -1, 1, 1).expand(*S.shape[:-1], 1)], dim=-1)
+    P = torch.softmax(Sx.float(), dim=-1)[..., :-1].to(q.dtype)
+    loss = ((P @ ve).float() * grad_out.float()).sum() + (torch.logsumexp(Sx.float(), -1) * grad_lse).sum()
+    (pt,) = torch.autograd.grad(loss, s)
+    return pt
+
+
+def assert_sinks_grad_close(grad_sinks, q, k, v, sinks, grad_out, grad_lse, causal, options):
+    assert grad_sinks.shape == sinks.shape and grad_sinks.dtype == sinks.dtype
+    assert torch.isfinite(grad_sinks).all()
+    ref, bound = _sinks_grad_reference(q, k, v, sinks, grad_out, grad_lse, causal, options)
+    pt = _sinks_grad_yardstick(q, k, v, sinks, grad_out, grad_lse, causal, options)
+    rows = q.shape[0] * q.shape[2]
+    tol = (2 * (pt.double() - ref).abs().max().item() + T.rounding_floor(ref, sinks.dtype)
+           + T.fp32_floor(bound, rows))
+    err = (grad_sinks.double() - ref).abs().max().item()
+    assert err <= tol, f"grad_sinks: error {err:.3g} > tolerance {tol:.3g} (max|ref| {ref.abs().max().item():.3g})"
+    assert tol < ref.abs().max().item(), "the tolerance would pass an all-zero grad_sinks"
+
+
+@pytest.mark.parametrize("config", list(CONFIGS))
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+def test_backward_matches_oracle(dtype, config):
+    g, q, k, v, causal, options = _case(dtype, config)
+    sinks = _sinks(4, torch.float32, g)
+    grads, grad_out, grad_lse = _grads(q, k, v, sinks, causal, options, g)
+    assert_gradients_close(grads[:3], q, k, v, grad_out, causal, None, grad_lse, sinks=sinks, **options)
+    assert_sinks_grad_close(grads[3], q, k, v, sinks, grad_out, grad_lse, causal, options)
+
+
+def test_backward_is_deterministic_and_uses_grad_lse():
+    g, q, k, v, causal, options = _case(torch.float32, "causal", nq=200, nk=230)
+    sinks = _sinks(4, torch.float32, g)
+    out, lse = flash_metal.attention_with_lse(q, k, v, causal, sinks=sinks)
+    grad_out = torch.randn(out.shape, generator=g)
+    grad_lse = torch.randn(lse.shape, generator=g)
+    bwd = torch.ops.flash_metal.attention_backward
+    args = (grad_out, q, k, v, out, lse, causal, None, grad_lse, "auto")
+    first, again = bwd(*args, sinks=sinks), bwd(*args, sinks=sinks)
+    for a, b in zip(first, again):
+        assert torch.equal(a, b)
+    # grad_lse enters grad_sinks as + sum P_sink * grad_lse: without it the result differs by exactly that.
+    no_glse = bwd(grad_out, q, k, v, out, lse, causal, None, None, "auto", sinks=sinks)[3]
+    p_sink = torch.exp(sinks.double().view(1, -1, 1) - lse.double())
+    torch.testing.assert_close((first[3] - no_glse).double(), (p_sink * grad_lse.double()).sum((0, 2)),
+                               rtol=1e-4, atol=1e-4)
+    # Without sinks the fourth output is an empty float32 tensor.
+    assert bwd(*args)[3].shape == (0,)
+
+
+@pytest.mark.filterwarnings("ignore:Input #.* is not a double precision:UserWarning")
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_gradcheck(causal):
+    # float32, as tests/test_backward.py's gradcheck (no float64 kernel):
+    # eps = 1e-2 central differences; a missing or doubled sink term is off by O(1).
+    g = _gen("gradcheck", causal)
+    q, k, v = (t.requires_grad_(True) for t in make_qkv(1, 4, 2, 5, 7, 8, torch.float32, generator=g))
+    sinks = _sinks(4, torch.float32, g).requires_grad_(True)
+
+    def fn(q, k, v, s):
+        return flash_metal.attention_with_lse(q, k, v, causal=causal, window_left=3, sinks=s)
+
+    assert torch.autograd.gradcheck(fn, (q, k, v, sinks), eps=1e-2, atol=2e-3, rtol=2e-3, nondet_tol=0.0)
+
+
+def test_reference_sinks_gradient_in_float64():
+    # The oracle's own sinks gradient (autograd through the concatenated
+    # logit) against central differences, in float64.
+    g = _gen("ref-gradcheck")
+    q, k, v = make_qkv(1, 2, 1, 3, 4, 4, torch.float64, generator=g)
+    sinks = torch.randn(2, generator=g, dtype=torch.float64).requires_grad_(True)
+    mask = torch.tensor([[True, True, False, True], [False] * 4, [True] * 4]).view(1, 1, 3, 4)
+    assert torch.autograd.gradcheck(lambda s: R.attention_reference(q, k, v, False, None, attn_mask=mask, sinks=s),
+                                    (sinks,))
+
+
+def test_varlen_with_empty_and_one_token_sequences():
+    g = _gen("varlen")
+    lq, lk = [5, 1, 0, 7, 3], [9, 1, 4, 6, 0]  # one-token, no-query and no-key sequences
+    cu_q = torch.tensor([0] + torch.tensor(lq).cumsum(0).tolist(), dtype=torch.int32)
+    cu_k = torch.tensor([0] + torch.tensor(lk).cumsum(0).tolist(), dtype=torch.int32)
+    q = torch.randn(sum(lq), 4, 16, generator=g)
+    k = torch.randn(sum(lk), 2, 16, generator=g)
+    v = torch.randn(sum(lk), 2, 16, generator=g)
+    sinks = _sinks(4, torch.float32, g).requires_grad_(True)
+    options = dict(window_left=3, softcap=3.0)
+    out, lse = flash_metal.attention_varlen_with_lse(q, k, v, cu_q, cu_k, max(lq), max(lk), True, sinks=sinks,
+                                                     **options)
+    assert_varlen_close(out.detach(), lse.detach(), q, k, v, cu_q, cu_k, True, None, sinks=sinks.detach(),
+                        **options)
+    grad_out = torch.randn(out.shape, generator=g)
+    grad_lse = torch.randn(lse.shape, generator=g)
+    ((out * grad_out).sum() + (lse * grad_lse).sum()).backward()
+    s64 = sinks.detach().double().requires_grad_(True)
+    ro, rl = R.attention_varlen_reference(q, k, v, cu_q, cu_k, True, None, sinks=s64, **options)
+    (ref,) = torch.autograd.grad((ro * grad_out.double()).sum() + (rl * grad_lse.double()).sum(), s64)
+    torch.testing.assert_close(sinks.grad.double(), ref, rtol=1e-4, atol=1e-4)
+
+
+def test_empty_problem():
+    # Nk = 0: every row attends to its sink alone (out 0, lse = sink); grad_sinks = sum of grad_lse.
+    q = torch.randn(2, 4, 3, 8)
+    k = v = torch.randn(2, 2, 0, 8)
+    sinks = torch.randn(4).requires_grad_(True)
+    out, lse = flash_metal.attention_with_lse(q, k, v, sinks=sinks)
+    assert (out == 0).all()
+    torch.testing.assert_close(lse, sinks.detach().view(1, 4, 1).expand(2, 4, 3))
+    grad_lse = torch.randn(lse.shape)
+    (lse * grad_lse).sum().backward()
+    torch.testing.assert_close(sinks.grad, grad_lse.sum((0, 2)))
+
+
+def test_opcheck():
+    g = _gen("opcheck")
+    q, k, v = make_qkv(1, 4, 2, 6, 9, 16, torch.float32, generator=g)
+    sinks = _sinks(4, torch.float32, g)
+    fwd = torch.ops.flash_metal.attention_forward.default
+    torch.library.opcheck(fwd, (q, k, v, True, None, "auto"), {"sinks": sinks})
+    out, lse = torch.ops.flash_metal.attention_forward(q, k, v, True, sinks=sinks)
+    grad_out = torch.randn(out.shape, generator=g)
+    torch.library.opcheck(torch.ops.flash_metal.attention_backward.default,
+                          (grad_out, q, k, v, out, lse, True, None, torch.randn(lse.shape, generator=g), "auto"),
+                          {"sinks": sinks})
+
+
+@pytest.mark.parametrize("bad,exc,pattern", [
+    (torch.zeros(3), ValueError, r"sinks must be 1-D of shape \(q_heads,\) = \(4,\)"),
+    (torch.zeros(1, 4), ValueError, r"sinks must be 1-D"),
+    (torch.zeros(4, dtype=torch.float64), TypeError, r"sinks must be float32 or q's dtype"),
+    (torch.zeros(4, device="meta"), ValueError, r"sinks is on device meta"),
+], ids=["shape", "rank", "dtype", "device"])
+def test_bad_sinks_are_named(bad, exc, pattern):
+    q = torch.randn(1, 4, 3, 8, dtype=torch.float16)
+    k = v = torch.randn(1, 2, 5, 8, dtype=torch.float16)
+    # A meta-device sinks would send the op to its fake (meta) kernel; the
+    # planner (CompositeExplicitAutograd) runs the same C++ checks on it.
+    call = flash_metal.explain if bad.device.type == "meta" else flash_metal.attention
+    with pytest.raises(exc, match=pattern):
+        call(q, k, v, sinks=bad)
+
+
+@pytest.mark.parametrize("backward", [False, True], ids=["forward", "backward"])
+def test_metal_plan_refuses_sinks(backward):
+    # The Metal kernels do not take sinks yet: every plan (the MPS host's and
+    # explain()'s) is refused, never silently planned without the sink.
+    q = torch.randn(1, 4, 16, 64, dtype=torch.float16)
+    k = v = torch.randn(1, 2, 16, 64, dtype=torch.float16)
+    with pytest.raises(NotImplementedError, match=r"sinks .*Metal kernels: not yet"):
+        flash_metal.explain(q, k, v, backward=backward, sinks=torch.zeros(4))
+    flash_metal.explain(q, k, v, backward=backward)  # the same plan without sinks is fine
+    with pytest.raises(ValueError, match=r"sinks must be 1-D"):  # validated before the refusal
+        flash_metal.explain(q, k, v, sinks=torch.zeros(3))
