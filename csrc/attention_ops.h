@@ -79,7 +79,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> run_backward_op(const
                                                                const at::Tensor& out, const at::Tensor& lse,
                                                                const std::optional<at::Tensor>& grad_lse,
                                                                c10::string_view impl, Kernel&& kernel) {
-  check_backward_tensors(op, user_q, grad_out, out, lse, grad_lse, c.p.varlen);
+  check_backward_tensors(op, user_q, c.p.head_dim_v, grad_out, out, lse, grad_lse, c.p.varlen);
   const AttentionGradients g = allocate_gradients(c);
   if (c.p.empty()) {
     // No key (or no query): every gradient is exactly zero (or empty).

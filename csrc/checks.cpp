@@ -45,6 +45,7 @@ AttentionProblem check_qkv(const char* kOp, const at::Tensor& q, const at::Tenso
   p.q_heads = q.size(1);
   p.q_len = q.size(2);
   p.head_dim = q.size(3);
+  p.head_dim_v = v.size(3);
   p.kv_heads = k.size(1);
   p.kv_len = k.size(2);
   p.dtype = q.scalar_type();
@@ -56,9 +57,12 @@ AttentionProblem check_qkv(const char* kOp, const at::Tensor& q, const at::Tenso
   TORCH_CHECK_VALUE(k.size(0) == p.batch, kOp, ": k has batch size ", k.size(0), " but q has batch size ",
                     p.batch, "; they must match");
   TORCH_CHECK_VALUE(k.size(3) == p.head_dim, kOp, ": k has head_dim ", k.size(3), " but q has head_dim ",
-                    p.head_dim, "; they must match");
-  TORCH_CHECK_VALUE(v.sizes() == k.sizes(), kOp, ": v must have the same shape as k ", k.sizes(), "; got ",
-                    v.sizes());
+                    p.head_dim, "; k must have q's head dim (D_qk = ", p.head_dim, "); v may have its own (D_v)");
+  TORCH_CHECK_VALUE(v.sizes().slice(0, 3) == k.sizes().slice(0, 3), kOp,
+                    ": v must have k's batch, heads and seq_len ", k.sizes().slice(0, 3),
+                    " (its head_dim D_v may differ from q's and k's); got shape ", v.sizes());
+  TORCH_CHECK_VALUE(p.head_dim_v <= kMaxHeadDimV, kOp, ": v's head_dim (D_v, last dimension of v) must be between 1 and ",
+                    kMaxHeadDimV, "; got ", p.head_dim_v);
   TORCH_CHECK_VALUE(p.q_heads % p.kv_heads == 0, kOp, ": the number of query heads (", p.q_heads,
                     ") must be a multiple of the number of key/value heads (", p.kv_heads,
                     ") for grouped-query attention");
@@ -142,15 +146,17 @@ void check_row_stats(const char* kOp, const at::Tensor& t, const char* name, con
                     t.sizes());
 }
 
-// out and grad_out: exactly q's shape, dtype and device, any strides.
-void check_like_q(const char* kOp, const at::Tensor& t, const char* name, const at::Tensor& q) {
+// out and grad_out: q's shape with v's head dim D_v, q's dtype and device, any strides.
+void check_like_q(const char* kOp, const at::Tensor& t, const char* name, const at::Tensor& q, int64_t head_dim_v) {
   TORCH_CHECK_VALUE(t.defined(), kOp, ": ", name, " is undefined (None)");
   TORCH_CHECK_TYPE(t.scalar_type() == q.scalar_type(), kOp, ": ", name, " has dtype ", t.scalar_type(),
                    " but q has dtype ", q.scalar_type(), "; they must match");
   TORCH_CHECK_VALUE(t.device() == q.device(), kOp, ": ", name, " is on device ", t.device(), " but q is on device ",
                     q.device());
-  TORCH_CHECK_VALUE(t.sizes() == q.sizes(), kOp, ": ", name, " must have q's shape ", q.sizes(), "; got ",
-                    t.sizes());
+  std::vector<int64_t> want = q.sizes().vec();
+  want.back() = head_dim_v;
+  TORCH_CHECK_VALUE(t.sizes() == at::IntArrayRef(want), kOp, ": ", name, " must have shape ", at::IntArrayRef(want),
+                    " (q's, with v's head_dim D_v = ", head_dim_v, "); got ", t.sizes());
 }
 
 void check_cu_seqlens(const char* kOp, const at::Tensor& cu, const char* name, const at::Tensor& q) {
@@ -250,11 +256,11 @@ AttentionCall check_varlen_inputs(const at::Tensor& q, const at::Tensor& k, cons
   return c;
 }
 
-void check_backward_tensors(const char* kOp, const at::Tensor& user_q, const at::Tensor& grad_out,
+void check_backward_tensors(const char* kOp, const at::Tensor& user_q, int64_t head_dim_v, const at::Tensor& grad_out,
                             const at::Tensor& out, const at::Tensor& lse, const std::optional<at::Tensor>& grad_lse,
                             bool varlen) {
-  check_like_q(kOp, out, "out", user_q);
-  check_like_q(kOp, grad_out, "grad_out", user_q);
+  check_like_q(kOp, out, "out", user_q, head_dim_v);
+  check_like_q(kOp, grad_out, "grad_out", user_q, head_dim_v);
   // The forward's lse: (B, Hq, Nq), or (Hq, total_q) for varlen.
   const std::vector<int64_t> want = varlen ? std::vector<int64_t>{user_q.size(1), user_q.size(0)}
                                            : std::vector<int64_t>{user_q.size(0), user_q.size(1), user_q.size(2)};
@@ -273,10 +279,10 @@ AttentionOutputs allocate_outputs(const AttentionCall& c) {
   AttentionOutputs o;
   const auto opts = c.q.options();
   if (p.varlen) {
-    o.out = at::empty({p.total_q, p.q_heads, p.head_dim}, opts);
+    o.out = at::empty({p.total_q, p.q_heads, p.head_dim_v}, opts);
     o.lse = at::empty({p.q_heads, p.total_q}, opts.dtype(at::kFloat));
   } else {
-    o.out = at::empty({p.batch, p.q_heads, p.q_len, p.head_dim}, opts);
+    o.out = at::empty({p.batch, p.q_heads, p.q_len, p.head_dim_v}, opts);
     o.lse = at::empty({p.batch, p.q_heads, p.q_len}, opts.dtype(at::kFloat));
   }
   o.out4 = as_kernel_view4(o.out, p.varlen);

@@ -10,11 +10,16 @@
 
 namespace flash_metal {
 
-// Largest head dimension any kernel supports. Why 256: it covers every common
-// model (64, 80, 96, 128, 192, 256), and a 256-wide float32 accumulator is the
-// most one GPU thread can keep in registers in the post's one-query-per-thread
-// kernels.
-constexpr int64_t kMaxHeadDim = 256;
+// Largest head dimension of q and k (D_qk) the ops accept. Why 576: the
+// absorbed-MLA decode of DeepSeek-V2/V3 and Kimi (512 latent + 64 rotary
+// features; issue 20). The CPU kernels take any D_qk up to it (their
+// per-row staging buffers are sized by it: 2.3 KB of stack); the Metal
+// kernels stop at their largest head-dim bucket (256) and refuse more with
+// NotImplementedError (csrc/metal_routing.cpp choose_metal_kernel).
+constexpr int64_t kMaxHeadDim = 576;
+// Largest head dimension of v (D_v, also out's and grad_v's). Why 512: the
+// MLA latent, the widest value any model in issue 20 uses.
+constexpr int64_t kMaxHeadDimV = 512;
 
 // The validated problem: sizes, the resolved scale, and nothing else. Tensors
 // stay with the caller; kernels read their strides directly (no copies).
@@ -45,7 +50,8 @@ struct AttentionProblem {
   int64_t kv_heads = 0;  // Hkv (Hq % Hkv == 0)
   int64_t q_len = 0;     // Nq (varlen: max_seqlen_q)
   int64_t kv_len = 0;    // Nk (varlen: max_seqlen_k)
-  int64_t head_dim = 0;  // D
+  int64_t head_dim = 0;    // D_qk: q's and k's head dim (QK^T, dQ, dK; the default scale 1/sqrt(D_qk))
+  int64_t head_dim_v = 0;  // D_v: v's head dim, out's and grad_v's (== head_dim except in MLA-style calls)
   // Keys are bounded above: query i sees keys j <= i + causal_offset(). Set
   // by the causal flag (window_right = 0) or by a right window
   // (window_right >= 0); every kernel's causal code path serves both.
@@ -121,16 +127,16 @@ AttentionCall check_varlen_inputs(const at::Tensor& q, const at::Tensor& k, cons
                                   const char* op = "flash_metal.attention_varlen_forward");
 
 // Validates attention_backward's extra inputs against a checked call: out
-// and grad_out (q's shape, dtype and device as the caller gave q, any
-// strides), lse and the optional grad_lse (float32, the forward's lse
-// shape). Messages name `op` and the argument at fault.
-void check_backward_tensors(const char* op, const at::Tensor& user_q, const at::Tensor& grad_out,
+// and grad_out (q's shape with v's head dim D_v, q's dtype and device, as
+// the caller gave q; any strides), lse and the optional grad_lse (float32,
+// the forward's lse shape). Messages name `op` and the argument at fault.
+void check_backward_tensors(const char* op, const at::Tensor& user_q, int64_t head_dim_v, const at::Tensor& grad_out,
                             const at::Tensor& out, const at::Tensor& lse, const std::optional<at::Tensor>& grad_lse,
                             bool varlen);
 
 // The outputs, as the caller receives them and as the kernels see them.
 struct AttentionOutputs {
-  at::Tensor out, lse;    // returned: (B, Hq, Nq, D) and (B, Hq, Nq); varlen: (total_q, Hq, D) and (Hq, total_q)
+  at::Tensor out, lse;    // returned: (B, Hq, Nq, D_v) and (B, Hq, Nq); varlen: (total_q, Hq, D_v) and (Hq, total_q)
   at::Tensor out4, lse3;  // the same storage as (B, H, N, D) and (B, H, N) views (varlen: B = 1, N = total_q)
 };
 // Allocates them on q's device (out in q's dtype, lse float32), packed.

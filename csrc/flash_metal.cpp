@@ -40,8 +40,8 @@ TORCH_LIBRARY(flash_metal, m) {
   //     value is zero. Each row's softmax runs over [scores, sinks[h]] and the
   //     sink's probability is dropped; lse includes it. The sink is in the
   //     scaled scores' natural-log units, neither softcapped nor masked, so a
-  //     row with every key masked gives out = 0 and lse = sinks[h]. CPU only
-  //     for now: the Metal kernels refuse it (NotImplementedError).
+  //     row with every key masked gives out = 0 and lse = sinks[h]. CPU and
+  //     Metal (fc_has_sinks; the backward's flash_sinks_grad).
   // B, Nq or Nk may be 0: empty outputs, or (Nk = 0) zeros with lse = -inf
   // (with sinks: lse = the sink).
   m.def("attention_forward(Tensor q, Tensor k, Tensor v, bool causal=False, float? scale=None, "
@@ -106,8 +106,8 @@ TORCH_LIBRARY(flash_metal, m) {
   // cu_seqlens_q and cu_seqlens_k the plan is attention_varlen_forward's (or
   // backward's), q, k, v being the packed (total, H, D) tensors. The binding
   // table then also has attn_mask, cu_seqlens_q and cu_seqlens_k. sinks:
-  // validated as the ops do, then refused (NotImplementedError): the Metal
-  // kernels do not take sinks yet.
+  // the forward kernels' fc_has_sinks (the table has sinks), and the
+  // backward's third dispatch, flash_sinks_grad (sinks and grad_sinks).
   m.def("metal_plan(Tensor q, Tensor k, Tensor v, bool causal=False, float? scale=None, str impl=\"auto\", "
         "str gpu=\"base\", int dispatch=0, bool backward=False, Tensor? grad_out=None, Tensor? out=None, "
         "Tensor? lse=None, Tensor? grad_lse=None, Tensor? attn_mask=None, int window_left=-1, int window_right=-1, "

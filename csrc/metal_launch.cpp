@@ -22,6 +22,7 @@ constexpr uint32_t kSlotPartialOut = 6, kSlotPartialStats = 7;
 constexpr uint32_t kSlotGradOut = 8, kSlotGradQ = 9, kSlotGradK = 10, kSlotGradV = 11, kSlotGradLse = 12,
                    kSlotDelta = 13;
 constexpr uint32_t kSlotMask = 14, kSlotCuSeqlensQ = 15, kSlotCuSeqlensK = 16;
+constexpr uint32_t kSlotSinks = 17, kSlotGradSinks = 18;
 constexpr uint32_t kAttentionThreadgroupIndex = 0;  // dynamic threadgroup memory, [[threadgroup(0)]]
 
 // The options' inputs, bound by every feature kernel (prefill, decode,
@@ -34,6 +35,24 @@ std::vector<BufferBinding> with_features(std::vector<BufferBinding> b) {
   b.insert(b.end(), kFeatureBuffers.begin(), kFeatureBuffers.end());
   return b;
 }
+
+// The forward feature kernels (prefill, decode, split pass 1) also bind the
+// sinks (fc_has_sinks; q in the slot without them).
+std::vector<BufferBinding> with_forward_features(std::vector<BufferBinding> b) {
+  b = with_features(std::move(b));
+  b.push_back({LaunchTensor::Sinks, kSlotSinks});
+  return b;
+}
+
+// flash_sinks_grad (shaders/attention_sinks.h): reads lse, Delta, the
+// varlen offsets and the sinks; writes grad_sinks.
+const std::vector<BufferBinding> kSinksGradBuffers = {
+    {LaunchTensor::Lse, kSlotLse}, {LaunchTensor::Delta, kSlotDelta}, {LaunchTensor::CuSeqlensQ, kSlotCuSeqlensQ},
+    {LaunchTensor::CuSeqlensK, kSlotCuSeqlensK}, {LaunchTensor::Sinks, kSlotSinks},
+    {LaunchTensor::GradSinks, kSlotGradSinks}};
+// Its live values per lane: the loop's sum, row, pointers and the sink (a
+// handful, as the merge's model counts; for the estimate only).
+constexpr uint32_t kSinksGradLiveRegisters = 16;
 
 // Every forward kernel (post kernels, prefill, one-pass decode).
 const std::vector<BufferBinding> kForwardBuffers = {
@@ -95,7 +114,7 @@ void decode_launches(const AttentionProblem& p, const KernelChoice& c, const std
   plan->partial_stats_elements = all_rows * c.kv_splits * 2;
   l.kernel_name = "flash_decode_split_" + suffix;
   l.grid = {kv_heads * c.row_chunks, batch, c.kv_splits};
-  l.buffers = with_features(kSplitBuffers);
+  l.buffers = with_forward_features(kSplitBuffers);
   l.estimate = estimate_launch(l, decode_live_registers(c.bucket, p.mask != MaskKind::None), gpu);
   plan->launches.push_back(l);
   // The merge: one SIMD-group per query row, the lanes over the features.
@@ -112,11 +131,13 @@ void decode_launches(const AttentionProblem& p, const KernelChoice& c, const std
 }
 
 
-// The function constants of a feature kernel (indices 0 .. 9); align_q and
-// align_k are the prefill / backward edge specializations (never with
-// varlen, whose sequences have their own lengths), has_grad_lse the dQ kernel's.
-std::vector<bool> feature_constants(const AttentionProblem& p, bool align_q, bool align_k, bool has_grad_lse) {
-  std::vector<bool> c(kFeatureFunctionConstants, false);
+// The function constants of a feature kernel (indices 0 .. 11, fc_dense
+// false: with_dense sets it); align_q and align_k are the prefill / backward
+// edge specializations (never with varlen, whose sequences have their own
+// lengths), has_grad_lse the dQ kernel's, sinks the forward kernels'.
+std::vector<bool> feature_constants(const AttentionProblem& p, bool align_q, bool align_k, bool has_grad_lse,
+                                    bool sinks = false) {
+  std::vector<bool> c(kFunctionConstantCount, false);
   c[kCausalFunctionConstant] = p.causal;
   c[kAlignQFunctionConstant] = align_q && !p.varlen;
   c[kAlignKFunctionConstant] = align_k && !p.varlen;
@@ -127,6 +148,7 @@ std::vector<bool> feature_constants(const AttentionProblem& p, bool align_q, boo
   c[kWindowLeftFunctionConstant] = p.has_window_left();
   c[kSoftcapFunctionConstant] = p.has_softcap();
   c[kVarlenFunctionConstant] = p.varlen;
+  c[kSinksFunctionConstant] = sinks;
   return c;
 }
 
@@ -197,7 +219,7 @@ bool dense_loader(const AttentionProblem& p, const LaunchStrides& s, uint32_t bu
 // A feature kernel's function constants with fc_dense (index
 // kDenseFunctionConstant) appended.
 std::vector<bool> with_dense(std::vector<bool> c, bool dense) {
-  if (c.size() <= kDenseFunctionConstant) c.resize(kDenseFunctionConstant + 1, false);
+  c.resize(kFunctionConstantCount, false);
   c[kDenseFunctionConstant] = dense;
   return c;
 }
@@ -348,20 +370,21 @@ MetalPlan plan_metal_attention(const AttentionProblem& p, const LaunchStrides& s
         std::string why;
         const bool dense = dense_loader(p, s, c.bucket, false, &why);
         l.function_constants =
-            with_dense(feature_constants(p, p.q_len % c.block_q == 0, p.kv_len % c.block_k == 0, false), dense);
+            with_dense(feature_constants(p, p.q_len % c.block_q == 0, p.kv_len % c.block_k == 0, false, p.sinks),
+                       dense);
         plan.reason += loader_reason(dense, why);
       }
-      l.buffers = with_features(kForwardBuffers);
+      l.buffers = with_forward_features(kForwardBuffers);
       l.estimate = estimate_launch(l, prefill_live_registers(c.bucket, c.block_k, c.simdgroups * 8 / c.block_q), gpu);
       plan.launches.push_back(l);
       break;
     default: {
       std::string why;
       const bool dense = decode_dense_loads(p, s, c.bucket, &why);
-      l.function_constants = with_dense(feature_constants(p, false, false, false), dense);
+      l.function_constants = with_dense(feature_constants(p, false, false, false, p.sinks), dense);
       plan.reason += dense ? " K/V loads: each lane reads its contiguous run of a row as vector loads (fc_dense)."
                            : " K/V loads: one strided scalar load per feature (fc_dense off: " + why + ").";
-      l.buffers = with_features(kForwardBuffers);
+      l.buffers = with_forward_features(kForwardBuffers);
       decode_launches(p, c, suffix, gpu, l, &plan);
       break;
     }
@@ -413,6 +436,24 @@ MetalPlan plan_metal_attention_backward(const AttentionProblem& p, const LaunchS
   dkv.estimate =
       estimate_launch(dkv, dkdv_live_floats(c.bucket, c.dkv_block_q, c.dkv_feature_split) + kLiveOverhead, gpu);
   plan.launches.push_back(dkv);
+
+  if (p.sinks) {
+    // grad_sinks from Delta (written by the dQ kernel) and lse: one
+    // SIMD-group per query head (shaders/attention_sinks.h).
+    MetalLaunch sg = dq;
+    sg.kernel_name = "flash_sinks_grad";
+    sg.grid = {static_cast<uint32_t>(p.q_heads), 1, 1};
+    sg.threadgroup = {32, 1, 1};
+    sg.max_threads_per_threadgroup = kSinksGradMaxThreads;
+    sg.threadgroup_memory = 0;
+    sg.function_constants = std::vector<bool>(kFunctionConstantCount, false);
+    sg.function_constants[kVarlenFunctionConstant] = p.varlen;
+    sg.buffers = kSinksGradBuffers;
+    sg.estimate = estimate_launch(sg, kSinksGradLiveRegisters, gpu);
+    plan.launches.push_back(sg);
+    plan.reason += " Sinks: grad_sinks summed per query head from Delta and lse (flash_sinks_grad, one "
+                   "SIMD-group per head, in a fixed order).";
+  }
   check_launch_limits(plan);
   return plan;
 }

@@ -124,11 +124,15 @@ constexpr uint32_t kMaskFloat32FunctionConstant = 6;
 constexpr uint32_t kWindowLeftFunctionConstant = 7;
 constexpr uint32_t kSoftcapFunctionConstant = 8;
 constexpr uint32_t kVarlenFunctionConstant = 9;
-// Function constants of every feature kernel (indices 0 .. 9).
-constexpr uint32_t kFeatureFunctionConstants = 10;
 // The prefill and backward kernels' dense tile loader (fc_dense in
 // shaders/attention_prefill.h; metal_launch.cpp's dense_loader decides it).
 constexpr uint32_t kDenseFunctionConstant = 10;
+// The forward kernels (prefill, decode, split decode): attention sinks are
+// bound (fc_has_sinks in shaders/attention_features.h). False for every
+// other kernel, which never reads it.
+constexpr uint32_t kSinksFunctionConstant = 11;
+// Function constants of every feature kernel launch (indices 0 .. 11).
+constexpr uint32_t kFunctionConstantCount = 12;
 
 // The tensors a launch binds as device buffers. PartialOut and PartialStats
 // are the split-KV decode's float32 scratch, allocated by the host from
@@ -139,12 +143,15 @@ constexpr uint32_t kDenseFunctionConstant = 10;
 // Mask, CuSeqlensQ and CuSeqlensK are the options' inputs: attn_mask (bound
 // as bytes, read in its own type) and the varlen offsets (int32); a launch
 // without them binds q in their slots (never read then: every declared
-// buffer is bound, as Metal's validation layer wants).
+// buffer is bound, as Metal's validation layer wants). Sinks: the attention
+// sinks as float32 (Hq,), contiguous (the host converts them), q in the
+// slot without sinks; GradSinks: the backward's float32 (Hq,) output of
+// flash_sinks_grad (launched only with sinks).
 enum class LaunchTensor : uint8_t {
   Q = 0, K, V, Out, Lse, PartialOut, PartialStats, GradOut, GradQ, GradK, GradV, GradLse, Delta,
-  Mask, CuSeqlensQ, CuSeqlensK
+  Mask, CuSeqlensQ, CuSeqlensK, Sinks, GradSinks
 };
-constexpr size_t kLaunchTensorCount = 16;
+constexpr size_t kLaunchTensorCount = 18;
 
 // One row of a binding table: tensor `tensor` goes to [[buffer(index)]],
 // bound at its storage offset in bytes.
@@ -228,7 +235,8 @@ MetalPlan plan_metal_attention(const AttentionProblem& p, const LaunchStrides& s
                                const GpuSpec& gpu = parse_gpu("base"));
 
 // The backward's plan: the dQ kernel (which also writes Delta), then the
-// dK/dV kernel, on one encoder in that order; delta_elements of scratch.
+// dK/dV kernel, then with sinks flash_sinks_grad (grad_sinks from Delta and
+// lse), on one encoder in that order; delta_elements of scratch.
 // strides.grad_out and strides.grad_lse must be set (grad_lse: lse's when
 // has_grad_lse is false).
 MetalPlan plan_metal_attention_backward(const AttentionProblem& p, const LaunchStrides& strides, bool has_grad_lse,

@@ -80,7 +80,7 @@ metal_plan(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool c
   for (bool c : launch.function_constants) constants.push_back(c);
   // buffer_indices[t] is the [[buffer(n)]] of LaunchTensor t (q, k, v, out,
   // lse, partial_out, partial_stats, grad_out, grad_q, grad_k, grad_v,
-  // grad_lse, delta, attn_mask, cu_seqlens_q, cu_seqlens_k), -1 where this
+  // grad_lse, delta, attn_mask, cu_seqlens_q, cu_seqlens_k, sinks, grad_sinks), -1 where this
   // dispatch binds no such tensor.
   std::vector<int64_t> buffer_indices(kLaunchTensorCount, -1);
   for (const BufferBinding& b : launch.buffers) buffer_indices[static_cast<size_t>(b.tensor)] = b.index;

@@ -47,6 +47,7 @@ std::vector<MetalLaunch> all_metal_launches() {
           p.q_len = shape.q_len;
           p.kv_len = shape.kv_len;
           p.head_dim = d;
+          p.head_dim_v = d;
           p.causal = causal;
           p.scale = 1.0;
           p.dtype = dtype;
@@ -72,6 +73,7 @@ std::vector<MetalLaunch> all_metal_launches() {
               p.q_len = q_len;
               p.kv_len = kv_len;
               p.head_dim = d;
+              p.head_dim_v = d;
               p.causal = causal;
               p.scale = 1.0;
               p.dtype = dtype;
@@ -90,12 +92,13 @@ std::vector<MetalLaunch> all_metal_launches() {
       // (their combinations are the same constants switched together, so
       // these cover every code path each constant guards; the pipelines a
       // combination needs are built on first use like any other).
-      enum Option { BoolMask, InputMask, Float32Mask, WindowLeft, Softcap, Varlen };
-      for (Option option : {BoolMask, InputMask, Float32Mask, WindowLeft, Softcap, Varlen}) {
+      enum Option { BoolMask, InputMask, Float32Mask, WindowLeft, Softcap, Varlen, Sinks };
+      for (Option option : {BoolMask, InputMask, Float32Mask, WindowLeft, Softcap, Varlen, Sinks}) {
         for (bool causal : {false, true}) {
           AttentionProblem p;
           p.batch = p.q_heads = p.kv_heads = 1;
           p.head_dim = d;
+          p.head_dim_v = d;
           p.window_right = causal ? 0 : -1;
           p.causal = causal;
           p.scale = 1.0;
@@ -106,6 +109,7 @@ std::vector<MetalLaunch> all_metal_launches() {
           if (option == WindowLeft) p.window_left = 16;
           if (option == Softcap) p.softcap = 30.0;
           p.varlen = option == Varlen;
+          p.sinks = option == Sinks;  // the forward kernels' fc_has_sinks, and flash_sinks_grad
           const int64_t D = d;
           const LaunchStrides packed{{D, D, D, 1}, {D, D, D, 1}, {D, D, D, 1}, {D, D, D, 1}, {1, 1, 1},
                                      {D, D, D, 1}, {1, 1, 1}, {0, 0, 64, 1}};

@@ -233,11 +233,18 @@ KernelChoice choose_backward(const AttentionProblem& p, KernelRequest requested)
 
 KernelChoice choose_metal_kernel(const AttentionProblem& p, KernelRequest requested, const GpuSpec& gpu,
                                  MetalPass pass) {
-  // Every plan (the MPS host's and metal_plan's) passes here: no Metal kernel
-  // takes sinks yet, so refuse them rather than drop them.
-  TORCH_CHECK_NOT_IMPLEMENTED(!p.sinks, "flash_metal: sinks (attention sinks) on Metal kernels: not yet (",
+  // No Metal kernel takes a v head dim of its own (MLA-style D_qk != D_v, issue 20 §2): every
+  // Metal kernel sizes its Q, K, V and O tiles by one head-dim bucket.
+  TORCH_CHECK_NOT_IMPLEMENTED(p.head_dim_v == p.head_dim, "flash_metal: q/k head dim D_qk = ", p.head_dim,
+                              " different from v's D_v = ", p.head_dim_v, " on Metal kernels: not yet (",
                               pass == MetalPass::Backward ? "backward" : "forward",
-                              "); run on CPU tensors, or without sinks");
+                              "); run on CPU tensors, or give v q's head dim");
+  // Nor head dims past the largest bucket (the CPU kernels take up to
+  // kMaxHeadDim = 576): no Metal instantiation is wider than 256 yet.
+  TORCH_CHECK_NOT_IMPLEMENTED(p.head_dim <= kFastHeadDimBuckets.back(), "flash_metal: head_dim ", p.head_dim,
+                              " on Metal kernels: not yet (at most ", kFastHeadDimBuckets.back(), ", ",
+                              pass == MetalPass::Backward ? "backward" : "forward",
+                              "); run on CPU tensors, which take head dims up to ", kMaxHeadDim);
   if (pass == MetalPass::Backward) return choose_backward(p, requested);
   KernelChoice c;
   const bool explicit_request = requested != KernelRequest::Auto;
@@ -266,10 +273,10 @@ KernelChoice choose_metal_kernel(const AttentionProblem& p, KernelRequest reques
   // or causal attention only. Every option goes to the fast families.
   const bool post_kernel = c.kind == KernelRequest::Untiled || c.kind == KernelRequest::Tiled;
   const bool has_options = p.mask != MaskKind::None || p.has_window_left() || p.has_softcap() || p.varlen ||
-                           (p.causal && p.window_right > 0);
+                           (p.causal && p.window_right > 0) || p.sinks;
   TORCH_CHECK_VALUE(!post_kernel || !has_options, kOp, ": impl='", request_name(c.kind),
                     "' (the post's kernel) serves plain or causal attention only; attn_mask, window_left/"
-                    "window_right, softcap and varlen need impl='auto', 'prefill' or (Nq <= 8) 'decode'");
+                    "window_right, softcap, varlen and sinks need impl='auto', 'prefill' or (Nq <= 8) 'decode'");
   const bool decode_family = c.kind == KernelRequest::Decode || c.kind == KernelRequest::DecodeSplit;
   TORCH_CHECK_VALUE(!decode_family || !p.varlen, kOp, ": impl='", request_name(c.kind),
                     "' does not take packed variable-length sequences; use impl='auto' or 'prefill'");

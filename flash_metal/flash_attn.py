@@ -5,7 +5,9 @@
 Same signatures, (batch, seqlen, heads, head_dim) layout and semantics as
 flash_attn.flash_attn_interface: bottom-right causal, window_size =
 (left, right) with -1 unbounded, softcap, GQA, return_attn_probs giving the
-log-sum-exp. What flash_metal does not implement raises a ValueError naming
+log-sum-exp. v (and v_cache) may have a head dim of its own, D_v, as in
+flash-attn 3 (hdim_v; MLA's 192/128 and 576/512): out then has D_v (CPU
+tensors; Metal refuses it for now). What flash_metal does not implement raises a ValueError naming
 the argument: dropout, alibi_slopes, rotary embedding, paged KV (block_table),
 cache_batch_idx, cache_leftpad. (The third value of return_attn_probs,
 flash-attn's debugging S_dmask, is None.) Deterministic always.
@@ -92,13 +94,16 @@ def flash_attn_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Opti
     q (B, Sq, Hq, D); k_cache, v_cache (B, S_cache, Hkv, D). With k and v
     (B, S_new, Hkv, D), they are written into the cache in place at rows
     cache_seqlens[b] .. cache_seqlens[b] + S_new - 1 first. Batch b then
-    attends to its first cache_seqlens[b] (+ S_new) rows; causal and the
+    attends to its first cache_seqlens[b] (+ S_new) rows, and never reads the
+    rows past them (they may hold anything, NaN included); causal and the
     window are bottom-right aligned to that length (flash-attn's semantics).
     cache_seqlens: an int or an int32 (B,) tensor (None: the whole cache is
     valid, and nothing can be appended).
     Returns out (B, Sq, Hq, D), and lse (B, Hq, Sq) with return_softmax_lse.
-    No backward (as in flash-attn). num_splits is a hint only (the routing
-    function picks the split-KV decode on Metal).
+    No backward (as in flash-attn). num_splits is a hint only. With
+    cache_seqlens given, the call runs the varlen op (on Metal its prefill
+    kernel); without, every row is valid and the dense op runs (on Metal the
+    routing function may pick the split-KV decode).
     """
     what = "flash_attn_with_kvcache"
     _unsupported("rotary_cos", rotary_cos, what)
@@ -121,31 +126,51 @@ def flash_attn_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Opti
     else:
         lengths = cache_seqlens.to(device=k_cache.device, dtype=torch.int64)
     if k is not None:
+        # The new rows must have their cache's head dims (v's D_v may differ from k's D_qk).
+        for name, new, cache in (("k", k, "k_cache"), ("v", v, "v_cache")):
+            want = (k_cache if name == "k" else v_cache).shape[-1]
+            if new.shape[-1] != want:
+                raise ValueError(f"flash_metal.{what}: {name} has head dim {new.shape[-1]} but {cache} has {want}; "
+                                 f"the appended rows must have their cache's head dim")
         s_new = k.shape[1]
         rows = lengths[:, None] + torch.arange(s_new, device=k_cache.device)[None, :]  # (B, S_new)
         if bool((rows >= s_cache).any()):
             raise ValueError(f"flash_metal.{what}: appending {s_new} rows at cache_seqlens overflows the cache of "
                              f"{s_cache} rows")
-        index = rows[:, :, None, None].expand(B, s_new, k_cache.shape[2], k_cache.shape[3])
-        k_cache.scatter_(1, index, k.to(k_cache.dtype))
-        v_cache.scatter_(1, index, v.to(v_cache.dtype))
+        index = rows[:, :, None, None]
+        # v_cache may have a head dim of its own (D_v, MLA-style), so one index each.
+        k_cache.scatter_(1, index.expand(B, s_new, k_cache.shape[2], k_cache.shape[3]), k.to(k_cache.dtype))
+        v_cache.scatter_(1, index.expand(B, s_new, v_cache.shape[2], v_cache.shape[3]), v.to(v_cache.dtype))
         lengths = lengths + s_new
-    sq = q.shape[1]
-    # Per batch b, keys j < lengths[b]; causal and window relative to that
-    # length: query i sees j <= i + lengths[b] - Sq + right and
-    # j >= i + lengths[b] - Sq - left. As one bool mask (B, 1, Sq, S_cache):
-    # O(B * Sq * S_cache) bytes, small for the decode this call is for.
-    j = torch.arange(s_cache, device=k_cache.device)[None, None, :]
-    i = torch.arange(sq, device=k_cache.device)[None, :, None]
-    end = lengths[:, None, None]
-    keep = j < end
-    right_bound = 0 if causal else right
-    if right_bound >= 0:
-        keep = keep & (j <= i + end - sq + right_bound)
-    if left >= 0:
-        keep = keep & (j >= i + end - sq - left)
+    if cache_seqlens is None:  # the whole cache is valid: the dense op, bottom-right aligned as flash-attn
+        with torch.no_grad():
+            out, lse = ops.attention_with_lse(q.transpose(1, 2), k_cache.transpose(1, 2), v_cache.transpose(1, 2),
+                                              causal, softmax_scale, window_left=left, window_right=right,
+                                              softcap=softcap)
+        out = out.transpose(1, 2).contiguous()
+        return (out, lse) if return_softmax_lse else out
+    sq, hq = q.shape[1], q.shape[2]
+    # Batch b attends to its first lengths[b] rows, and the rows past them
+    # are never read (flash-attn's contract: a cache from torch.empty may
+    # hold NaN or inf there; masking them would still let 0 * NaN into
+    # P @ V). The cache as one packed varlen problem of 2B sequences: b's
+    # queries against rows b*S_cache .. b*S_cache + lengths[b] - 1, then a
+    # sequence with no queries holding the unused rows (never read, as it
+    # has no query). cu_seqlens_k thus steps over the unused rows; causal
+    # and the window are bottom-right aligned to lengths[b] within each
+    # sequence. q, the cache and out are reshaped views (the cache is
+    # copied only if its batch and sequence dims cannot be merged).
+    starts = torch.arange(B + 1, device=k_cache.device, dtype=torch.int64) * s_cache
+    cu_k = torch.stack((starts[:-1], starts[:-1] + lengths), dim=1).flatten()
+    cu_k = torch.cat((cu_k, starts[-1:])).to(torch.int32)
+    q_starts = torch.arange(B + 1, device=q.device, dtype=torch.int64) * sq
+    cu_q = torch.stack((q_starts[:-1], q_starts[1:]), dim=1).flatten()
+    cu_q = torch.cat((cu_q, q_starts[-1:])).to(device=k_cache.device, dtype=torch.int32)
+    packed_k = k_cache.reshape(B * s_cache, *k_cache.shape[2:])
+    packed_v = v_cache.reshape(B * s_cache, *v_cache.shape[2:])
     with torch.no_grad():
-        out, lse = ops.attention_with_lse(q.transpose(1, 2), k_cache.transpose(1, 2), v_cache.transpose(1, 2),
-                                          False, softmax_scale, attn_mask=keep[:, None], softcap=softcap)
-    out = out.transpose(1, 2).contiguous()
+        out, lse = ops.attention_varlen_with_lse(q.reshape(B * sq, *q.shape[2:]), packed_k, packed_v, cu_q, cu_k,
+                                                 sq, s_cache, causal, softmax_scale, left, right, softcap)
+    out = out.reshape(B, sq, hq, out.shape[-1])
+    lse = lse.reshape(hq, B, sq).permute(1, 0, 2).contiguous()
     return (out, lse) if return_softmax_lse else out

@@ -18,7 +18,8 @@ top-left: keys are cropped to Nq, as its sdpa path does), sliding windows
 (Mistral, Qwen 2: the mask, or window_left = sliding_window - 1 when there is
 none), softcapping (Gemma 2's softcap kwarg), padding-free packed batches
 (cu_seq_lens_q/k and max_length_q/k: attention_varlen), gpt-oss's attention
-sinks (s_aux: the ops' sinks) and training (the ops' backward). It never
+sinks (s_aux: the ops' sinks), DeepSeek-V3's MLA (a value head dim of its own,
+on CPU) and training (the ops' backward). It never
 imports transformers itself unless transformers is installed; register() may
 also be called by hand.
 """
@@ -37,7 +38,9 @@ NAME = "metal_attention"
 # How many times each route of metal_attention_forward ran: "mask",
 # "mask_cropped" (a mask wider than the keys, as StaticCache hands over),
 # "causal", "static_prefill" (keys cropped to Nq), "decode" and "varlen";
-# "sinks" counts the calls (of any route) that carried attention sinks (s_aux).
+# "sinks" counts the calls (of any route) that carried attention sinks (s_aux),
+# "value_head_dim" those whose value has a head dim of its own (DeepSeek's
+# MLA: q/k 192, v 128 at full size; CPU only, the Metal kernels refuse it).
 # Tests read it to prove a model really ran this implementation; users may
 # read it to see which path their model takes.
 calls = collections.Counter()
@@ -60,6 +63,8 @@ def metal_attention_forward(module, query, key, value, attention_mask, dropout=0
     sinks = kwargs.get("s_aux")
     if sinks is not None:
         calls["sinks"] += 1
+    if value.shape[-1] != query.shape[-1]:
+        calls["value_head_dim"] += 1
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     window_left = int(sliding_window) - 1 if sliding_window else -1
     softcap = float(softcap) if softcap else 0.0

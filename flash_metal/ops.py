@@ -29,7 +29,10 @@ def attention_with_lse(
     """Exact scaled-dot-product attention and its row log-sum-exp.
 
     q: (B, Hq, Nq, D) or (Nq, D); k, v: (B, Hkv, Nk, D) or (Nk, D), with Hq a
-    multiple of Hkv (grouped-query and multi-query attention). Any strides
+    multiple of Hkv (grouped-query and multi-query attention). v may have a
+    head dim of its own, D_v (MLA: DeepSeek's 192/128, absorbed 576/512; as
+    torch's SDPA allows): out then has D_v. D up to 576 and D_v up to 512 on
+    CPU; on Metal D_v must equal D, at most 256 (NotImplementedError). Any strides
     (e.g. ``x.transpose(1, 2)`` of a (B, N, H, D) tensor, or a slice of a KV
     cache) are read in place. float32, float16 or bfloat16; float32
     accumulation. B, Nq or Nk may be 0 (as in SDPA: Nk = 0 gives zeros).
@@ -59,9 +62,10 @@ def attention_with_lse(
     runs over [scores, sinks[h]] and the sink's probability is dropped; lse
     includes it; the sink is neither softcapped nor masked, so a row with
     every key masked gives zeros and lse = sinks[h]. Differentiable (grad
-    flows to sinks). CPU only for now: on Metal it raises NotImplementedError.
+    flows to sinks). CPU and Metal (the Metal kernels: emulated; not yet
+    verified on Apple hardware).
 
-    Returns (out, lse): out like q (packed, q's dtype; 2-D if q was 2-D) and
+    Returns (out, lse): out like q with v's head dim (packed, q's dtype; 2-D if q was 2-D) and
     lse (B, Hq, Nq) float32 (or (Nq,) for 2-D q).
     """
     single_head = isinstance(q, Tensor) and q.dim() == 2
@@ -89,13 +93,13 @@ def attention_varlen_with_lse(
 ) -> Tuple[Tensor, Tensor]:
     """Attention over packed variable-length sequences (flash-attn's flash_attn_varlen_func).
 
-    q: (total_q, Hq, D); k, v: (total_k, Hkv, D). Sequence b is q rows
+    q: (total_q, Hq, D); k (total_k, Hkv, D), v (total_k, Hkv, D_v). Sequence b is q rows
     cu_seqlens_q[b] .. cu_seqlens_q[b + 1] - 1 against k/v rows
     cu_seqlens_k[b] .. cu_seqlens_k[b + 1] - 1 (int32, (B + 1,)); max_seqlen_q
     and max_seqlen_k bound the lengths (host ints, so no device sync). causal,
     the window and softcap apply within each sequence, bottom-right aligned.
-    Nothing is padded or copied. sinks as in attention_with_lse. Returns out
-    (total_q, Hq, D) and lse (Hq, total_q) float32.
+    Nothing is padded or copied. sinks and D_v as in attention_with_lse. Returns out
+    (total_q, Hq, D_v) and lse (Hq, total_q) float32.
     """
     return torch.ops.flash_metal.attention_varlen_forward(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale, window_left, window_right,
@@ -119,10 +123,11 @@ def attention_varlen(
 # (LaunchTensor in csrc/metal_plan.h). partial_out and partial_stats are the
 # split-KV decode's float32 scratch; grad_* are the backward's, and delta its
 # float32 scratch (grad_lse is bound to lse when there is none; never read then);
-# attn_mask, cu_seqlens_q and cu_seqlens_k are the options' inputs (q is bound
-# in their slots when absent; never read then).
+# attn_mask, cu_seqlens_q, cu_seqlens_k and sinks (float32) are the options' inputs
+# (q is bound in their slots when absent; never read then); grad_sinks is the
+# float32 output of the backward's flash_sinks_grad (with sinks only).
 _LAUNCH_TENSORS = ("q", "k", "v", "out", "lse", "partial_out", "partial_stats", "grad_out", "grad_q", "grad_k",
-                   "grad_v", "grad_lse", "delta", "attn_mask", "cu_seqlens_q", "cu_seqlens_k")
+                   "grad_v", "grad_lse", "delta", "attn_mask", "cu_seqlens_q", "cu_seqlens_k", "sinks", "grad_sinks")
 # The scratch tensors of each pass's plans, by name.
 _SCRATCH = {False: ("partial_out", "partial_stats"), True: ("delta",)}
 
@@ -206,8 +211,8 @@ def explain(
     grad_out, out, lse and grad_lse, when given, supply their strides (packed
     otherwise) and grad_lse's presence. attn_mask, the window and softcap as
     in attention(); with cu_seqlens_q and cu_seqlens_k, the plan of
-    attention_varlen (q, k, v packed (total, H, D)). sinks: validated, then
-    refused with NotImplementedError (the Metal kernels do not take them yet).
+    attention_varlen (q, k, v packed (total, H, D)). sinks: the forward
+    kernels' fc_has_sinks, and the backward's third dispatch, flash_sinks_grad.
     """
     varlen = cu_seqlens_q is not None
     args = ((q, k, v) if varlen else (_as_4d(q), _as_4d(k), _as_4d(v))) + (causal, scale, impl, gpu)
@@ -237,8 +242,8 @@ def _attention_forward_fake(q, k, v, causal=False, scale=None, impl="auto", attn
     torch._check(k.shape[1] > 0 and q.shape[1] % k.shape[1] == 0,
                  lambda: "the number of query heads must be a multiple of the number of key/value heads")
     torch._check(impl in _IMPLS, lambda: f"impl must be one of {_IMPLS}; got {impl!r}")
-    B, H, N, D = q.shape
-    out = q.new_empty((B, H, N, D))
+    B, H, N, _ = q.shape
+    out = q.new_empty((B, H, N, v.shape[3]))  # v's head dim (D_v), which may differ from q's and k's
     lse = q.new_empty((B, H, N), dtype=torch.float32)
     return out, lse
 
@@ -265,8 +270,8 @@ def _attention_varlen_forward_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seql
                                    scale=None, window_left=-1, window_right=-1, softcap=0.0, impl="auto", sinks=None):
     torch._check(q.dim() == 3, lambda: f"q must be 3-D (total_tokens, heads, head_dim); got {q.dim()}-D")
     torch._check(k.dim() == 3 and v.dim() == 3, lambda: "k and v must be 3-D (total_tokens, heads, head_dim)")
-    T, H, D = q.shape
-    return q.new_empty((T, H, D)), q.new_empty((H, T), dtype=torch.float32)
+    T, H, _ = q.shape
+    return q.new_empty((T, H, v.shape[2])), q.new_empty((H, T), dtype=torch.float32)
 
 
 def _varlen_grads_like(t):

@@ -198,7 +198,7 @@ def attention_reference(
     attn_mask: Optional[Tensor] = None, window_left: int = -1, window_right: int = -1, softcap: float = 0.0,
     sinks: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Tensor]:
-    """The float64 oracle: (out, lse) for (B, Hq, Nq, D) / (B, Hkv, Nk, D) inputs.
+    """The float64 oracle: (out, lse) for (B, Hq, Nq, D) / (B, Hkv, Nk, D) inputs (v: D or its own D_v).
 
     Computed in float64 through the full score matrix (fine for a reference,
     never used on a flash path). Handles GQA by repeating kv heads,
@@ -235,12 +235,12 @@ def attention_varlen_reference(
     scale: Optional[float] = None, window_left: int = -1, window_right: int = -1, softcap: float = 0.0,
     sinks: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Tensor]:
-    """The float64 oracle of attention_varlen: out (total_q, Hq, D), lse (Hq, total_q).
+    """The float64 oracle of attention_varlen: out (total_q, Hq, D_v), lse (Hq, total_q).
 
     Each sequence b (q rows cu_seqlens_q[b]..[b+1], k/v rows likewise) is
     attention_reference on its own slices.
     """
-    out = q.new_zeros(q.shape, dtype=torch.float64)
+    out = q.new_zeros(q.shape[:-1] + v.shape[-1:], dtype=torch.float64)  # v's head dim (D_v)
     lse = q.new_full((q.shape[1], q.shape[0]), float("-inf"), dtype=torch.float64)
     cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
     for b in range(len(cq) - 1):

@@ -25,7 +25,11 @@ from . import ops
 # unpatch() restores.
 _TORCH_SDPA = torch.nn.functional.scaled_dot_product_attention
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-_MAX_HEAD_DIM = 256  # csrc/checks.h kMaxHeadDim
+# Head dims flash_metal serves, per device: csrc/checks.h kMaxHeadDim (q/k)
+# and kMaxHeadDimV (v) on CPU; the Metal kernels' largest bucket, one head
+# dim for q, k and v (csrc/metal_routing.cpp refuses the rest).
+_MAX_HEAD_DIM = {"cpu": 576, "mps": 256}
+_MAX_HEAD_DIM_V = {"cpu": 512, "mps": 256}
 
 
 class SdpaRoute(NamedTuple):
@@ -59,11 +63,16 @@ def sdpa_route(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False
                       "bfloat16 for all three)")
     if query.dim() < 3 or key.dim() != query.dim() or value.dim() != query.dim():
         return torch_(f"ranks {query.dim()}/{key.dim()}/{value.dim()} (flash_metal: equal ranks of at least 3)")
-    E, L, S = query.shape[-1], query.shape[-2], key.shape[-2]
-    if key.shape[-1] != E or value.shape[-1] != E or value.shape[-2] != S:
-        return torch_("value's or key's feature size differs from query's (flash_metal: one head dim)")
-    if not 1 <= E <= _MAX_HEAD_DIM:
-        return torch_(f"head dim {E} (flash_metal: 1 to {_MAX_HEAD_DIM})")
+    E, L, S, Ev = query.shape[-1], query.shape[-2], key.shape[-2], value.shape[-1]
+    if key.shape[-1] != E or value.shape[-2] != S:
+        return torch_("key's feature size differs from query's, or value's length from key's (PyTorch raises)")
+    dev = query.device.type
+    if Ev != E and dev != "cpu":
+        return torch_(f"value's head dim {Ev} differs from query's {E} (flash_metal: on cpu only, not yet on {dev})")
+    if not 1 <= E <= _MAX_HEAD_DIM[dev]:
+        return torch_(f"head dim {E} (flash_metal on {dev}: 1 to {_MAX_HEAD_DIM[dev]})")
+    if not 1 <= Ev <= _MAX_HEAD_DIM_V[dev]:
+        return torch_(f"value's head dim {Ev} (flash_metal on {dev}: 1 to {_MAX_HEAD_DIM_V[dev]})")
     if query.shape[:-3] != key.shape[:-3] or key.shape[:-2] != value.shape[:-2]:
         return torch_("batch dimensions that differ between query, key and value (broadcast batches)")
     hq, hkv = query.shape[-3], key.shape[-3]
@@ -98,7 +107,8 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor, attn
         return _TORCH_SDPA(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
                            scale=scale, enable_gqa=enable_gqa)
     lead = query.shape[:-3]
-    hq, L, E = query.shape[-3:]
+    hq, L = query.shape[-3], query.shape[-2]
+    Ev = value.shape[-1]  # out has value's head dim (D_v), as in SDPA
     hkv, S = key.shape[-3], key.shape[-2]
     # (..., H, L, E) -> (B, H, L, E): a view for 4-D inputs, a leading 1 for
     # 3-D ones, the batch dimensions flattened (reshape) beyond 4.
@@ -121,7 +131,7 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor, attn
             # j <= i is the bottom-right bound j <= i + (S - L) + (L - S).
             window_right = L - S
     out = ops.attention(q, k, v, causal=causal, scale=scale, attn_mask=mask, window_right=window_right)
-    return out.reshape(tuple(lead) + (hq, L, E))
+    return out.reshape(tuple(lead) + (hq, L, Ev))
 
 
 explain_sdpa = sdpa_route

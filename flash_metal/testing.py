@@ -223,9 +223,10 @@ def attention_errors(out, lse, q, k, v, causal=False, scale=None, strict=False, 
 
     options: attn_mask, window_left, window_right, softcap, as the op takes them.
     """
+    want = q.shape[:-1] + v.shape[-1:]  # q's shape with v's head dim (D_v)
     checks = [
-        _structural("out shape", out.shape == q.shape and out.dtype == q.dtype,
-                    f"out is {tuple(out.shape)} {out.dtype}; expected {tuple(q.shape)} {q.dtype}"),
+        _structural("out shape", out.shape == want and out.dtype == q.dtype,
+                    f"out is {tuple(out.shape)} {out.dtype}; expected {tuple(want)} {q.dtype}"),
         _structural("lse shape", lse.shape == q.shape[:3] and lse.dtype == torch.float32,
                     f"lse is {tuple(lse.shape)} {lse.dtype}; expected {tuple(q.shape[:3])} torch.float32"),
     ]
@@ -297,8 +298,9 @@ def reference_gradients(q, k, v, grad_out, causal=False, scale=None, grad_lse=No
     dk = (dS.transpose(-1, -2) @ q64) * s
     dv = P.transpose(-1, -2) @ do64
     B, Hkv, Nk, D = k.shape
+    Dv = v.shape[-1]  # v's head dim (D_v; D unless MLA-style)
     dk = dk.view(B, Hkv, group, Nk, D).sum(2)
-    dv = dv.view(B, Hkv, group, Nk, D).sum(2)
+    dv = dv.view(B, Hkv, group, Nk, Dv).sum(2)
     if not bounds:
         return dq, dk, dv
     # The same sums taken over absolute values: what float32 rounding error
@@ -308,7 +310,7 @@ def reference_gradients(q, k, v, grad_out, causal=False, scale=None, grad_lse=No
     A = P * (do64.abs() @ ve.abs().transpose(-1, -2) + (do64 * O).abs().sum(-1, keepdim=True))
     bq = (A @ ke.abs()) * abs(s)
     bk = ((A.transpose(-1, -2) @ q64.abs()) * abs(s)).view(B, Hkv, group, Nk, D).sum(2)
-    bv = (P.transpose(-1, -2) @ do64.abs()).view(B, Hkv, group, Nk, D).sum(2)
+    bv = (P.transpose(-1, -2) @ do64.abs()).view(B, Hkv, group, Nk, Dv).sum(2)
     return (dq, dk, dv), (bq, bk, bv)
 
 
@@ -352,7 +354,7 @@ def gradient_tolerances(q, k, v, grad_out, causal=False, scale=None, grad_lse=No
     """
     refs, bounds = reference_gradients(q, k, v, grad_out, causal, scale, grad_lse, bounds=True, **options)
     pts = _same_dtype_gradients(q, k, v, grad_out, causal, scale, grad_lse, **options)
-    length = max(q.shape[2], k.shape[2], q.shape[3])
+    length = max(q.shape[2], k.shape[2], q.shape[3], v.shape[3])
     tols = []
     for ref, pt, bound in zip(refs, pts, bounds):
         err = (pt.double() - ref).abs().max().item() if ref.numel() else 0.0
@@ -418,9 +420,10 @@ def varlen_errors(out, lse, q, k, v, cu_seqlens_q, cu_seqlens_k, causal=False, s
     A sequence with no query rows has nothing to check; one with queries but
     no key must give zeros and lse = -inf. Names are prefixed "seq b: ".
     """
+    want = q.shape[:-1] + v.shape[-1:]  # q's shape with v's head dim (D_v)
     checks = [
-        _structural("out shape", out.shape == q.shape and out.dtype == q.dtype,
-                    f"out is {tuple(out.shape)} {out.dtype}; expected {tuple(q.shape)} {q.dtype}"),
+        _structural("out shape", out.shape == want and out.dtype == q.dtype,
+                    f"out is {tuple(out.shape)} {out.dtype}; expected {tuple(want)} {q.dtype}"),
         _structural("lse shape", lse.shape == (q.shape[1], q.shape[0]) and lse.dtype == torch.float32,
                     f"lse is {tuple(lse.shape)} {lse.dtype}; expected {(q.shape[1], q.shape[0])} torch.float32"),
     ]

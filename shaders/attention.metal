@@ -9,11 +9,13 @@
 //   flash_decode_<dtype>_d<DMAX>, flash_decode_split_<dtype>_d<DMAX>, flash_decode_merge_<dtype>_d<DMAX>
 //   flash_backward_dq_<dtype>_d<DMAX>_bq<BQ>_bk<BK>_wm<WM>_ds<DSPLIT>,
 //   flash_backward_dkdv_<dtype>_d<DMAX>_bq<BQ>_bk<BK>_wm<WM>_ds<DSPLIT>
+//   flash_sinks_grad (float32 only: lse, Delta and the sinks' gradient)
 #include "attention_untiled.h"
 #include "attention_tiled.h"
 #include "attention_prefill.h"
 #include "attention_decode.h"
 #include "attention_backward.h"
+#include "attention_sinks.h"
 
 // The one instantiation macro: a host name plus the template it names; the
 // kernel's signature comes from decltype, so it is never repeated here.
@@ -120,4 +122,5 @@ FM_DECODE_ALL_D(bfloat16, bfloat)
 FM_BACKWARD_FLOAT_ALL_D(float32, float)
 FM_BACKWARD_HALF_ALL_D(float16, half)
 FM_BACKWARD_HALF_ALL_D(bfloat16, bfloat)
+FM_INSTANTIATE("flash_sinks_grad", flash_sinks_grad<32>)
 }  // namespace flash_metal

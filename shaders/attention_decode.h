@@ -63,9 +63,10 @@
 //
 // Function constants fc_causal (index 0), the options' 4-8
 // (attention_features.h: mask, left window, softcap; fc_varlen is always
-// false here, the planner sends varlen to prefill) and fc_dense (10: the
-// lanes' feature layout and vector loads, decode_feature) for flash_decode
-// and flash_decode_split; flash_decode_merge uses none. Buffers: flash_decode
+// false here, the planner sends varlen to prefill), fc_dense (10: the
+// lanes' feature layout and vector loads, decode_feature) and fc_has_sinks
+// (11: sinks at [[buffer(17)]]) for flash_decode and flash_decode_split;
+// flash_decode_merge uses none. Buffers: flash_decode
 // binds q 0, k 1, v 2, out 3, lse 4, params 5; flash_decode_split q 0, k 1,
 // v 2, params 5, partial_o 6, partial_stats 7; both take the attn_mask at
 // 14 (cu_seqlens 15 and 16 are never read); flash_decode_merge out 3,
@@ -155,10 +156,12 @@ inline DecodeRow decode_row(constant AttentionParams& p, int kv_head, int rr) {
 }
 
 // The SIMD-group's row group rg: loads q (zeros for rows past R) and resets
-// the state. Never reads q past head_dim.
+// the state; under fc_has_sinks, if `sink` (the one state of its rows the
+// merges count the sink in: key group 0, of split 0), each live row's state
+// starts from its head's sink (seed_sink). Never reads q past head_dim.
 template <typename T, int DMAX>
 FM_INLINE void decode_init(thread DecodeState<DMAX>& st, device const T* q, constant AttentionParams& p, int batch,
-                           int kv_head, int rg, uint lane) {
+                           int kv_head, int rg, uint lane, device const float* sinks, bool sink) {
   constexpr int RS = DecodeState<DMAX>::RS;
   constexpr int DPL = DecodeState<DMAX>::DPL;
   const int R = p.gqa_ratio * p.q_len;
@@ -176,6 +179,7 @@ FM_INLINE void decode_init(thread DecodeState<DMAX>& st, device const T* q, cons
     }
     st.m[r] = kMaskedScore;
     st.l[r] = 0.0f;
+    if (fc_has_sinks && sink && live) seed_sink(st.m[r], st.l[r], sinks, dr.head);
   }
 }
 
@@ -574,6 +578,7 @@ template <typename T, int DMAX>
     device const uchar* mask [[buffer(14)]],
     device const int* cu_seqlens_q [[buffer(15)]],
     device const int* cu_seqlens_k [[buffer(16)]],
+    device const float* sinks [[buffer(17)]],
     threadgroup float* smem [[threadgroup(0)]],
     uint3 group [[threadgroup_position_in_grid]],
     uint3 groups [[threadgroups_per_grid]],
@@ -599,7 +604,8 @@ template <typename T, int DMAX>
     const int rg = sh.row_group(round);
     const bool live = rg * RS < R;  // uniform per SIMD-group
     DecodeState<DMAX> st;
-    decode_init<T, DMAX>(st, q, p, batch, kv_head, rg, lane);  // a dead row group: zeros, "no key"
+    // a dead row group: zeros, "no key"; the sink in key group 0 only (the key-group merge adds the sums)
+    decode_init<T, DMAX>(st, q, p, batch, kv_head, rg, lane, sinks, sh.kg == 0);
     decode_attend<T, DMAX>(st, k, v, p, seq, mask, batch, kv_head, rg, live, key_begin, key_end, sh.kg, sh.KG,
                            sh.staged, reinterpret_cast<threadgroup T*>(smem), int(tid), sh.threads, lane);
     if (sh.KG > 1) decode_merge_key_groups<DMAX>(st, smem, sh.kg, sh.KG, sh.rgl, sh.RGL, lane);

@@ -22,7 +22,8 @@ inline int64_t decode_partial_index(constant AttentionParams& p, int batch, Deco
 // partials: partial_o[B][Hq][Nq][kv_splits][head_dim] (sum of exp2(s - m) * v)
 // and partial_stats[B][Hq][Nq][kv_splits][2] = (m, l), m the base-2 max and
 // l the sum of exp2(s - m). A block no row may see writes m = kMaskedScore,
-// l = 0 and zeros. Launch: top of this file.
+// l = 0 and zeros (split 0 under fc_has_sinks: m = the sink, l = 1).
+// Launch: top of this file.
 template <typename T, int DMAX>
 [[kernel]] [[max_total_threads_per_threadgroup(kDecodeMaxThreads)]] void flash_decode_split(
     device const T* q [[buffer(0)]],
@@ -34,6 +35,7 @@ template <typename T, int DMAX>
     device const uchar* mask [[buffer(14)]],
     device const int* cu_seqlens_q [[buffer(15)]],
     device const int* cu_seqlens_k [[buffer(16)]],
+    device const float* sinks [[buffer(17)]],
     threadgroup float* smem [[threadgroup(0)]],
     uint3 group [[threadgroup_position_in_grid]],
     uint3 groups [[threadgroups_per_grid]],
@@ -61,7 +63,10 @@ template <typename T, int DMAX>
     const int rg = sh.row_group(round);
     const bool live = rg * RS < R;
     DecodeState<DMAX> st;
-    decode_init<T, DMAX>(st, q, p, batch, kv_head, rg, lane);  // a dead row group: zeros, "no key"
+    // a dead row group: zeros, "no key". The sink in split 0's key group 0
+    // only: the merges add the partial sums, so any other split carrying it
+    // would count it again.
+    decode_init<T, DMAX>(st, q, p, batch, kv_head, rg, lane, sinks, split == 0 && sh.kg == 0);
     decode_attend<T, DMAX>(st, k, v, p, seq, mask, batch, kv_head, rg, live, key_begin, key_end, sh.kg, sh.KG,
                            sh.staged, reinterpret_cast<threadgroup T*>(smem), int(tid), sh.threads, lane);
     if (sh.KG > 1) decode_merge_key_groups<DMAX>(st, smem, sh.kg, sh.KG, sh.rgl, sh.RGL, lane);

@@ -37,6 +37,10 @@ constant bool fc_softcap [[function_constant(8)]];
 // [[function_constant(9)]]: packed variable-length sequences; cu_seqlens_q
 // and cu_seqlens_k (int32, batch + 1 entries) at [[buffer(15)]] and [[buffer(16)]].
 constant bool fc_varlen [[function_constant(9)]];
+// [[function_constant(11)]] (10 is fc_dense, attention_prefill.h): attention
+// sinks (gpt-oss); one float32 logit per query head at [[buffer(17)]], for a
+// virtual key whose value is zero (seed_sink below).
+constant bool fc_has_sinks [[function_constant(11)]];
 
 // One sequence of the batch, as a threadgroup sees it: its lengths, where
 // its rows start in the packed tensors, and its window bounds.
@@ -95,6 +99,25 @@ inline bool key_in_window(thread const SeqView& s, int row, int key) {
 // mask's or a bool mask's own elements).
 inline int64_t mask_head_offset(constant AttentionParams& p, uint batch, uint head) {
   return int64_t(batch) * p.mask_batch_stride + int64_t(head) * p.mask_head_stride;
+}
+
+// Attention sinks: the softmax of each row runs over [scores, sink] and the
+// sink's probability is dropped, so a row's online-softmax state starts as
+// if the sink were its first key: m = sink in base 2 (sink * log2 e; neither
+// softcapped nor masked), l = exp2(0) = 1, and an accumulator of zeros (the
+// sink's value). lse then includes the sink, and a row whose every key is
+// masked gives out = 0 and lse = sink. A sink at or below kMaskedScore (-inf)
+// is no sink: the state stays "no key yet". Only one state per row may be
+// seeded: the decode kernels seed key group 0 (of split 0), since their
+// merges add the partial sums. NaN is not caught (it turns the row NaN, as
+// on the CPU). (MLX's sdpa_vector takes sinks behind a function constant
+// too; this code is the project's own.)
+inline void seed_sink(thread float& m, thread float& l, device const float* sinks, int head) {
+  const float s = sinks[head] * M_LOG2E_F;
+  if (!(s <= kMaskedScore)) {
+    m = s;
+    l = 1.0f;
+  }
 }
 
 // Softcapping of a base-2 score: softcap * tanh(s / softcap), in base 2

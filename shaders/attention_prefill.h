@@ -214,7 +214,8 @@ FM_INLINE void prefill_mma(thread PrefillFrag& d, PrefillFrag a, PrefillFrag b) 
 // Launch: grid (ceil(Nq / BQ), Hq, B), threadgroup (32 * WM, 1, 1),
 // threadgroup memory tg_bytes (top of this file) at index 0, function
 // constants fc_causal (0), fc_align_q (1), fc_align_k (2), the options'
-// 4-9 (attention_features.h) and fc_dense (10: the loader's path). Varlen:
+// 4-9 (attention_features.h), fc_dense (10: the loader's path) and
+// fc_has_sinks (11: sinks at [[buffer(17)]], seed_sink). Varlen:
 // Nq is max_seqlen_q and B the number of sequences; the align constants are
 // then false.
 //
@@ -235,6 +236,7 @@ template <typename T, int DMAX, int BQ, int BK, int WM>
     device const uchar* mask [[buffer(14)]],
     device const int* cu_seqlens_q [[buffer(15)]],
     device const int* cu_seqlens_k [[buffer(16)]],
+    device const float* sinks [[buffer(17)]],
     threadgroup T* smem [[threadgroup(0)]],
     uint3 group [[threadgroup_position_in_grid]],
     uint tid [[thread_index_in_threadgroup]],
@@ -315,6 +317,7 @@ template <typename T, int DMAX, int BQ, int BK, int WM>
   PrefillFrag O[TDP];
   FM_UNROLL for (int id = 0; id < TDP; ++id) O[id] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
   OnlineSoftmax sm;  // this lane's row: running max (base 2) and sum, "no key yet"
+  if (fc_has_sinks) seed_sink(sm.m, sm.l, sinks, int(group.y));  // or the sink, as if a first key
   // The row sum l in two parts: sm.l holds the runs of kPrefillSumRun blocks
   // already settled, l_run the current run's sum (both rescaled by each
   // block's alpha, exactly 1 unless the max grew). Each key block's sum

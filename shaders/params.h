@@ -132,6 +132,8 @@ FM_PROGRAM_CONSTANT constexpr int kPrefillMaxThreads = 256;
 FM_PROGRAM_CONSTANT constexpr int kDecodeMaxThreads = 256;
 // The split-KV merge: one SIMD-group per output row.
 FM_PROGRAM_CONSTANT constexpr int kDecodeMergeMaxThreads = 32;
+// The sinks' gradient (attention_sinks.h): one SIMD-group per query head.
+FM_PROGRAM_CONSTANT constexpr int kSinksGradMaxThreads = 32;
 // Both backward kernels (attention_backward.h): at most 8 SIMD-groups (own
 // 8-row groups x feature parts). Why 8: choose_backward's target, 8
 // resident SIMD-groups per core (issue 19), in one threadgroup where a

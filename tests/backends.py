@@ -150,15 +150,18 @@ def metal_library(instrumented: bool, fast_math: bool = False):
 LAST_DISPATCHES: list = []
 
 
-def _option_tensors(q, attn_mask=None, cu_seqlens_q=None, cu_seqlens_k=None):
+def _option_tensors(q, attn_mask=None, cu_seqlens_q=None, cu_seqlens_k=None, sinks=None):
     """The options' bindings, as the MPS host binds them: the mask expanded to
     (B, Hq, Nq, Nk) as a stride-0 view (never materialized), the varlen offsets,
-    and q in every slot that has nothing (csrc/metal_plan.h)."""
-    t = {"attn_mask": q, "cu_seqlens_q": q, "cu_seqlens_k": q}
+    the sinks as contiguous float32 (attention_mps.mm, sinks_as_float32), and q
+    in every slot that has nothing (csrc/metal_plan.h)."""
+    t = {"attn_mask": q, "cu_seqlens_q": q, "cu_seqlens_k": q, "sinks": q}
     if attn_mask is not None:
         t["attn_mask"] = attn_mask
     if cu_seqlens_q is not None:
         t["cu_seqlens_q"], t["cu_seqlens_k"] = cu_seqlens_q, cu_seqlens_k
+    if sinks is not None:
+        t["sinks"] = sinks.float().contiguous()
     return t
 
 
@@ -169,14 +172,16 @@ def _expanded_mask(attn_mask, q, k):
 
 
 def emulated_metal_attention(q, k, v, causal=False, scale=None, impl="auto", instrumented=False, fast_math=False,
-                             gpu="base", attn_mask=None, window_left=-1, window_right=-1, softcap=0.0):
-    options = dict(attn_mask=attn_mask, window_left=window_left, window_right=window_right, softcap=softcap)
+                             gpu="base", attn_mask=None, window_left=-1, window_right=-1, softcap=0.0, sinks=None):
+    options = dict(attn_mask=attn_mask, window_left=window_left, window_right=window_right, softcap=softcap,
+                   sinks=sinks)
     plan = flash_metal.explain(q, k, v, causal, scale, impl, gpu, **options)
     B, H, N, D = q.shape
     # Outputs and scratch poisoned with NaN: an element never written stays NaN.
     out = torch.full((B, H, N, D), float("nan"), dtype=q.dtype)
     lse = torch.full((B, H, N), float("nan"), dtype=torch.float32)
-    tensors = {"q": q, "k": k, "v": v, "out": out, "lse": lse, **_option_tensors(q, _expanded_mask(attn_mask, q, k))}
+    tensors = {"q": q, "k": k, "v": v, "out": out, "lse": lse,
+               **_option_tensors(q, _expanded_mask(attn_mask, q, k), sinks=sinks)}
     for name, n in plan.scratch.items():
         tensors[name] = torch.full((max(n, 1),), float("nan"), dtype=torch.float32)
     _run_plan(plan, tensors, instrumented, fast_math)
@@ -184,17 +189,17 @@ def emulated_metal_attention(q, k, v, causal=False, scale=None, impl="auto", ins
 
 
 def emulated_metal_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=False, scale=None,
-                          impl="auto", instrumented=False, window_left=-1, window_right=-1, softcap=0.0):
+                          impl="auto", instrumented=False, window_left=-1, window_right=-1, softcap=0.0, sinks=None):
     """attention_varlen_forward through the Metal emulator: q, k, v packed (total, H, D)."""
     varlen = dict(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
                   max_seqlen_k=max_seqlen_k)
     plan = flash_metal.explain(q, k, v, causal, scale, impl, window_left=window_left, window_right=window_right,
-                               softcap=softcap, **varlen)
+                               softcap=softcap, sinks=sinks, **varlen)
     T, H, D = q.shape
     out = torch.full((T, H, D), float("nan"), dtype=q.dtype)
     lse = torch.full((H, T), float("nan"), dtype=torch.float32)
     tensors = {"q": q, "k": k, "v": v, "out": out, "lse": lse,
-               **_option_tensors(q, None, cu_seqlens_q, cu_seqlens_k)}
+               **_option_tensors(q, None, cu_seqlens_q, cu_seqlens_k, sinks)}
     for name, n in plan.scratch.items():
         tensors[name] = torch.full((max(n, 1),), float("nan"), dtype=torch.float32)
     _run_plan(plan, tensors, instrumented, False)
@@ -204,15 +209,16 @@ def emulated_metal_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max
 def emulated_metal_attention_backward(grad_out, q, k, v, out, lse, causal=False, scale=None, grad_lse=None,
                                       instrumented=False, fast_math=False, gpu="base", seed=0, attn_mask=None,
                                       window_left=-1, window_right=-1, softcap=0.0, cu_seqlens_q=None,
-                                      cu_seqlens_k=None, max_seqlen_q=0, max_seqlen_k=0):
+                                      cu_seqlens_k=None, max_seqlen_q=0, max_seqlen_k=0, sinks=None):
     """attention_backward (or, with cu_seqlens, attention_varlen_backward) through the Metal emulator,
     launched from the op's own backward plan.
 
     seed: the emulator's thread schedule (0: fixed order; else a seeded shuffle), for determinism tests.
+    Returns (grad_q, grad_k, grad_v), and grad_sinks (float32, as the kernel writes it) last with sinks.
     """
     options = dict(attn_mask=attn_mask, window_left=window_left, window_right=window_right, softcap=softcap,
                    cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
-                   max_seqlen_k=max_seqlen_k)
+                   max_seqlen_k=max_seqlen_k, sinks=sinks)
     plan = flash_metal.explain(q, k, v, causal, scale, "auto", gpu, backward=True, grad_out=grad_out, out=out,
                                lse=lse, grad_lse=grad_lse, **options)
     # Gradients and scratch poisoned with NaN: an element never written stays NaN.
@@ -227,9 +233,12 @@ def emulated_metal_attention_backward(grad_out, q, k, v, out, lse, causal=False,
                # Without grad_lse the plan binds lse in its place (csrc/metal_plan.h), as the MPS host does.
                "grad_lse": lse if grad_lse is None else grad_lse,
                **_option_tensors(q, None if cu_seqlens_q is not None else _expanded_mask(attn_mask, q, k),
-                                 cu_seqlens_q, cu_seqlens_k)}
+                                 cu_seqlens_q, cu_seqlens_k, sinks)}
     for name, n in plan.scratch.items():
         tensors[name] = torch.full((max(n, 1),), float("nan"), dtype=torch.float32)
+    if sinks is not None:
+        tensors["grad_sinks"] = torch.full((q.shape[1],), float("nan"))  # Hq, 4-D or packed
+        grads.append(tensors["grad_sinks"])
     _run_plan(plan, tensors, instrumented, fast_math, seed)
     return tuple(grads)
 

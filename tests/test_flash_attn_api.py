@@ -94,6 +94,52 @@ def test_kvcache_window_and_int_seqlens():
                            window_left=6, softcap=8.0)
 
 
+
+@pytest.mark.parametrize("fill", [float("nan"), float("inf")], ids=["nan", "inf"])
+@pytest.mark.parametrize("causal,window", [(False, (-1, -1)), (True, (-1, -1)), (False, (5, 2))])
+@pytest.mark.parametrize("new", [0, 3])
+def test_kvcache_never_reads_rows_past_cache_seqlens(fill, causal, window, new):
+    # flash-attn never reads a cache row at or past cache_seqlens[b] (after the
+    # append): a cache from torch.empty may hold NaN or inf there. Masking
+    # such rows is not enough (0 * NaN in P @ V), so every unused row holds
+    # `fill` here, and out and lse must match the used rows alone.
+    g = torch.Generator().manual_seed(7 + new)
+    B, S, H, Hkv, D, Dv, sq = 4, 37, 6, 2, 32, 16, 3
+    seqlens = torch.tensor([5, 0, S - new, 19], dtype=torch.int32)  # one empty, one full after the append
+    k_cache, v_cache = torch.full((B, S, Hkv, D), fill), torch.full((B, S, Hkv, Dv), fill)
+    for b, n in enumerate(seqlens.tolist()):
+        k_cache[b, :n], v_cache[b, :n] = torch.randn(n, Hkv, D, generator=g), torch.randn(n, Hkv, Dv, generator=g)
+    q = _bshd(B, sq, H, D, torch.float32, g)
+    extra = dict(k=_bshd(B, new, Hkv, D, torch.float32, g), v=_bshd(B, new, Hkv, Dv, torch.float32, g)) if new else {}
+    out, lse = flash_metal.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens, causal=causal,
+                                                   window_size=window, return_softmax_lse=True, **extra)
+    assert out.shape == (B, sq, H, Dv) and lse.shape == (B, H, sq)
+    for b, n in enumerate((seqlens + new).tolist()):
+        if n == 0:  # no key at all: zeros and lse = -inf, as for a fully masked row
+            assert torch.equal(out[b], torch.zeros_like(out[b])) and bool((lse[b] == -float("inf")).all())
+            continue
+        assert bool(out[b].isfinite().all()), f"batch {b}: a row past cache_seqlens reached the output"
+        if not causal and window == (-1, -1):
+            assert bool(lse[b].isfinite().all())
+        keys = slice(0, n)
+        assert_attention_close(_bhsd(out[b:b + 1]), lse[b:b + 1], _bhsd(q[b:b + 1]), _bhsd(k_cache[b:b + 1, keys]),
+                               _bhsd(v_cache[b:b + 1, keys]), causal, None, window_left=window[0],
+                               window_right=window[1])
+
+
+
+@pytest.mark.parametrize("causal,window", [(False, (-1, -1)), (True, (-1, -1)), (True, (4, 0))])
+def test_kvcache_without_seqlens_attends_to_the_whole_cache(causal, window):
+    g = torch.Generator().manual_seed(8)
+    k_cache, v_cache = _bshd(2, 23, 2, 32, torch.float32, g), _bshd(2, 23, 2, 32, torch.float32, g)
+    q = _bshd(2, 3, 4, 32, torch.float32, g)
+    out, lse = flash_metal.flash_attn_with_kvcache(q, k_cache, v_cache, causal=causal, window_size=window,
+                                                   softcap=6.0, return_softmax_lse=True)
+    assert out.shape == q.shape and lse.shape == (2, 4, 3)
+    assert_attention_close(_bhsd(out), lse, _bhsd(q), _bhsd(k_cache), _bhsd(v_cache), causal, None,
+                           window_left=window[0], window_right=window[1], softcap=6.0)
+
+
 UNSUPPORTED = [
     ("flash_attn_func", dict(dropout_p=0.1), r"dropout_p must be 0.0 \(flash_metal has no dropout\)"),
     ("flash_attn_func", dict(alibi_slopes=torch.ones(4)), r"alibi_slopes is not supported by flash_metal"),

@@ -193,8 +193,8 @@ def test_routing_blocks_memory_and_reasons_for_every_head_dim(dtype):
         assert dq.grid == (math.ceil(45 / qbq), 4, 3) and dq.threadgroup == (32 * qwm, 1, 1)
         assert dkdv.grid == (math.ceil(30 / kbk), 2, 3) and dkdv.threadgroup == (32 * kwm, 1, 1)
         dense = D == bucket  # fc_dense (index 10): packed inputs, no padding columns
-        assert dq.function_constants == (D % 2 == 0, 45 % qbq == 0, 30 % qbk == 0, True) + (False,) * 6 + (dense,)
-        assert dkdv.function_constants == (D % 2 == 0, 45 % kbq == 0, 30 % kbk == 0, False) + (False,) * 6 + (dense,)
+        assert dq.function_constants == (D % 2 == 0, 45 % qbq == 0, 30 % qbk == 0, True) + (False,) * 6 + (dense, False)
+        assert dkdv.function_constants == (D % 2 == 0, 45 % kbq == 0, 30 % kbk == 0, False) + (False,) * 6 + (dense, False)
         for d, own, streamed in ((dq, qbq, qbk), (dkdv, kbk, kbq)):
             rows = 2 * (own + streamed)
             padded = rows * (bucket * size + 16)

@@ -35,21 +35,22 @@ MASKED_SCORE = -(2.0**100)
 SPLIT_FIELDS_OFFSET = 192
 
 
-# The options' inputs (attn_mask, cu_seqlens): every feature kernel binds them.
-OPTION_SLOTS = {"attn_mask": 14, "cu_seqlens_q": 15, "cu_seqlens_k": 16}
+# The options' inputs (attn_mask, cu_seqlens, sinks): every forward feature kernel binds them.
+OPTION_SLOTS = {"attn_mask": 14, "cu_seqlens_q": 15, "cu_seqlens_k": 16, "sinks": 17}
 
 
 def _no_options(q):
-    # As the host binds them when there is no mask and no varlen: q in each slot, never read.
-    return {14: q, 15: q, 16: q}
+    # As the host binds them when there is no mask, no varlen and no sinks: q in each slot, never read.
+    return {14: q, 15: q, 16: q, 17: q}
 
 
 DENSE = 10  # fc_dense (csrc/metal_plan.h, kDenseFunctionConstant): the lanes' contiguous runs, vector loads
+SINKS = 11  # fc_has_sinks (kSinksFunctionConstant)
 
 
 def _constants(causal, dense=False):
-    # Function constants 0-9 (csrc/metal_plan.h): causal, and every option off; 10: fc_dense.
-    return {**{i: (causal if i == 0 else False) for i in range(10)}, DENSE: dense}
+    # Function constants 0-9 (csrc/metal_plan.h): causal, and every option off; 10: fc_dense; 11: no sinks.
+    return {**{i: (causal if i == 0 else False) for i in range(10)}, DENSE: dense, SINKS: False}
 
 def bucket_of(d):
     """The smallest instantiated head_dim bucket that holds d."""
@@ -188,7 +189,7 @@ def test_planner_launches_exactly_these_shapes(case):
         assert (d.kernel_name, d.grid, d.threadgroup, d.threadgroup_memory) == (one, *shape["one_pass"])
         assert d.buffers == {"q": 0, "k": 1, "v": 2, "out": 3, "lse": 4, **OPTION_SLOTS}
         # no causal, no option (indices: csrc/metal_plan.h); fc_dense for packed K/V with D == its bucket
-        assert d.function_constants == (False,) * 10 + (D == bucket_of(D),)
+        assert d.function_constants == (False,) * 10 + (D == bucket_of(D), False)
         return
     assert per == split_keys_of(Nk, splits)
     d1, d2 = plan.dispatches
@@ -197,7 +198,7 @@ def test_planner_launches_exactly_these_shapes(case):
     assert d1.buffers == {"q": 0, "k": 1, "v": 2, "partial_out": 6, "partial_stats": 7, **OPTION_SLOTS}
     assert d2.buffers == {"out": 3, "lse": 4, "partial_out": 6, "partial_stats": 7}
     assert d2.function_constants == ()
-    assert d1.function_constants == (False,) * 10 + (D == bucket_of(D),)
+    assert d1.function_constants == (False,) * 10 + (D == bucket_of(D), False)
     assert plan.scratch == {"partial_out": B * Hq * Nq * splits * D, "partial_stats": B * Hq * Nq * splits * 2}
 
 

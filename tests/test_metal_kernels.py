@@ -51,6 +51,10 @@ def _plans():
         for bucket, d in FAST_BUCKET_DIMS.items():
             q = torch.empty(1, 1, 9, d, dtype=dtype)
             plans[("backward", dtype, bucket)] = (flash_metal.explain(q, q, q, backward=True), d)
+    # With sinks: the backward's third kernel, flash_sinks_grad (shaders/attention_sinks.h; float32 only).
+    q = torch.empty(1, 1, 9, 32)
+    plans[("backward_sinks", torch.float32, 32)] = (flash_metal.explain(q, q, q, backward=True,
+                                                                        sinks=torch.zeros(1)), 32)
     return plans
 
 
@@ -179,10 +183,11 @@ def test_packaged_shader_sources_are_complete():
 _SIGNATURE_NAMES = {"q": "q", "k": "k", "v": "v", "out": "o", "lse": "lse", "partial_out": "partial_o",
                     "partial_stats": "partial_stats", "grad_out": "dout", "grad_q": "dq", "grad_k": "dk",
                     "grad_v": "dv", "grad_lse": "dlse", "delta": "delta", "attn_mask": "mask",
-                    "cu_seqlens_q": "cu_seqlens_q", "cu_seqlens_k": "cu_seqlens_k"}
+                    "cu_seqlens_q": "cu_seqlens_q", "cu_seqlens_k": "cu_seqlens_k", "sinks": "sinks",
+                    "grad_sinks": "grad_sinks"}
 
 
-@pytest.mark.parametrize("impl", list(FAMILIES) + ["backward"])
+@pytest.mark.parametrize("impl", list(FAMILIES) + ["backward", "backward_sinks"])
 def test_binding_table_matches_every_kernel_signature(impl):
     # The plan's binding table is what the MPS host and the emulated backend
     # bind from; each entry must name the kernel parameter with that

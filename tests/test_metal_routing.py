@@ -65,7 +65,7 @@ def test_prefill_blocks_memory_and_bucket_for_every_head_dim(dtype):
 def test_prefill_edge_constants(nq, nk, aligned, causal):
     plan = flash_metal.explain(*_qkv(nq, nk, 64), causal=causal)
     # no grad_lse, no option; fc_dense (index 10): packed inputs, D == its bucket
-    assert plan.function_constants == (causal, *aligned) + (False,) * 7 + (True,)
+    assert plan.function_constants == (causal, *aligned) + (False,) * 7 + (True, False)
 
 
 def test_decode_one_pass_for_short_contexts_and_split_for_long():
@@ -217,7 +217,8 @@ def test_split_dispatches_share_params_and_bind_the_scratch():
     plan = flash_metal.explain(*_qkv(2, 8192, 64))
     split, merge = plan.dispatches
     assert torch.equal(split.params, merge.params)
-    assert set(split.buffers) == {"q", "k", "v", "partial_out", "partial_stats", "attn_mask", "cu_seqlens_q", "cu_seqlens_k"}
+    assert set(split.buffers) == {"q", "k", "v", "partial_out", "partial_stats", "attn_mask", "cu_seqlens_q", "cu_seqlens_k",
+                                  "sinks"}
     assert set(merge.buffers) == {"out", "lse", "partial_out", "partial_stats"}
     assert split.buffers["partial_out"] == merge.buffers["partial_out"]
     assert split.buffers["partial_stats"] == merge.buffers["partial_stats"]
@@ -257,8 +258,9 @@ def test_each_option_sets_its_function_constant_and_params(nq, dtype):
                     assert d.function_constants == ()  # the merge reads only the partials
                     continue
                 consts = d.function_constants
-                # indices 0-9 and fc_dense (10; packed, D = 64: on), the decode kernels' too (issue 19)
-                assert len(consts) == 11 and consts[10] is True, d.kernel_name
+                # indices 0-9, fc_dense (10; packed, D = 64: on), the decode kernels' too (issue 19), and
+                # fc_has_sinks (11; off: no sinks here, tests/test_sinks.py has them)
+                assert len(consts) == 12 and consts[10] is True and consts[11] is False, d.kernel_name
                 got = {i for i in (CAUSAL, HAS_MASK, MASK_BOOL, MASK_F32, WINDOW_LEFT, SOFTCAP, VARLEN) if consts[i]}
                 assert got == on, (name, d.kernel_name, got)
                 assert d.buffers["attn_mask"] == 14 and d.buffers["cu_seqlens_q"] == 15

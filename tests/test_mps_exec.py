@@ -24,6 +24,7 @@ import pytest
 import torch
 
 import flash_metal
+from flash_metal import reference as R
 import mps_exec
 from numerics import (DTYPES, assert_attention_close, assert_gradients_close, assert_varlen_close,
                       assert_varlen_gradients_close, dtype_id, lay_out, make_qkv)
@@ -98,11 +99,7 @@ SCENARIOS = {
 def scenarios(built, emu, tmp_path_factory):  # emu: its disk cache is warm before the processes start
     specs = {n: {"case": _CASE, **s} for n, s in SCENARIOS.items()}
     specs["kernel_missing"]["drop_kernel"] = _case_kernel()
-    # First alone: it builds the emulator library of the handed-over source,
-    # which the other runtime-compile scenarios then share.
-    first = "forced_runtime_compile"
-    results = _run_scenarios(built, tmp_path_factory, {first: specs.pop(first)})
-    return {**results, **_run_scenarios(built, tmp_path_factory, specs)}
+    return _run_scenarios(built, tmp_path_factory, specs)
 
 
 def _ops(result):
@@ -230,20 +227,51 @@ def test_host_backward_matches_oracle(host, emu, dtype, grad_lse):
     assert ops.count("dispatchThreadgroups") == 2
 
 
+def test_host_binds_the_sinks(host, emu):
+    # Attention sinks through the real .mm: float32 sinks bound at buffer 17
+    # (as given: already float32 and contiguous, so no PyTorch op runs), the
+    # forward's fc_has_sinks, and the backward's flash_sinks_grad writing
+    # grad_sinks straight into the op's output; replayed, vs the oracle.
+    g = torch.Generator().manual_seed(23)
+    q, k, v = make_qkv(1, 4, 2, 16, 20, 64, torch.float16, generator=g)
+    sinks = torch.randn(4, generator=g) + 0.5
+    (out, lse), rec = host.call("attention_forward", q, k, v, True, None, "auto", library=emu, sinks=sinks)
+    assert rec["errors"] == []
+    assert_attention_close(out, lse, q, k, v, True, None, sinks=sinks)
+    state = [e for e in rec["events"] if e["op"] == "setComputePipelineState"]
+    assert [e["kernel"] for e in state] == [d.kernel_name for d in flash_metal.explain(q, k, v, True, sinks=sinks).dispatches]
+    bound = {e["index"] for e in rec["events"] if e["op"] == "setBuffer"}
+    assert 17 in bound
+    grad_out = torch.randn(q.shape, generator=g).half()
+    grad_lse = torch.randn(lse.shape, generator=g)
+    grads, rec = host.call("attention_backward", grad_out, q, k, v, out, lse, True, None, grad_lse, "auto",
+                           library=emu, sinks=sinks)
+    assert rec["errors"] == []
+    assert [e["kernel"] for e in rec["events"] if e["op"] == "setComputePipelineState"][-1] == "flash_sinks_grad"
+    assert_gradients_close(grads[:3], q, k, v, grad_out, True, None, grad_lse, sinks=sinks)
+    s64 = sinks.double().requires_grad_(True)
+    ro, rl = R.attention_reference(q, k, v, True, None, sinks=s64)
+    (ref,) = torch.autograd.grad((ro * grad_out.double()).sum() + (rl * grad_lse.double()).sum(), s64)
+    torch.testing.assert_close(grads[3].double(), ref, rtol=2e-2, atol=2e-2 * ref.abs().max().item())
+
+
 @pytest.mark.parametrize("backward", [False, True], ids=["forward", "backward"])
-def test_host_refuses_sinks(host, backward):
-    # The Metal kernels do not take attention sinks yet: the real .mm refuses
-    # them (the planner's NotImplementedError) before encoding anything.
+def test_host_refuses_a_value_head_dim_of_its_own(host, backward):
+    # The Metal kernels do not take a v head dim of its own (D_v != D_qk)
+    # yet: the real .mm refuses it (the planner's NotImplementedError)
+    # before encoding anything.
     g = torch.Generator().manual_seed(23)
     q, k, v = (host.to_mps(t) for t in make_qkv(1, 4, 2, 16, 16, 64, torch.float16, generator=g))
-    sinks = host.to_mps(torch.zeros(4))
+    pattern = r"D_qk = 64 different from v's D_v = 32 on Metal kernels: not yet"
+    v = host.to_mps(torch.randn(1, 2, 16, 32, generator=g).half())
+    o = host.to_mps(torch.randn(1, 4, 16, 32, generator=g).half())  # out and grad_out have D_v
     host.take_recording()
-    with pytest.raises(NotImplementedError, match=r"sinks .*Metal kernels: not yet"):
+    with pytest.raises(NotImplementedError, match=pattern):
         if backward:
             lse = host.to_mps(torch.zeros(1, 4, 16))
-            torch.ops.flash_metal.attention_backward(q, q, k, v, q, lse, True, sinks=sinks)
+            torch.ops.flash_metal.attention_backward(o, q, k, v, o, lse, True, )
         else:
-            torch.ops.flash_metal.attention_forward(q, k, v, True, sinks=sinks)
+            torch.ops.flash_metal.attention_forward(q, k, v, True, )
     rec = host.take_recording()
     assert not [e for e in rec["events"] if e["op"] == "setComputePipelineState"]
 
@@ -344,7 +372,8 @@ def test_build_all_pipelines_on_the_fake_device(host, emu):
     # the prefill and backward kernels with both edge alignments (and the dQ
     # kernel both has_grad_lse values), and every feature kernel with each
     # option of issue 11 on its own (constants 4-9: mask, bool mask, float32
-    # mask, left window, softcap, varlen; varlen on prefill and backward only).
+    # mask, left window, softcap, varlen; varlen on prefill and backward only),
+    # and sinks (constant 11) on the forward kernels; flash_sinks_grad once.
     pairs = [entry.rsplit("/", 1) for entry in built]
     assert {name for name, _ in pairs} == set(emu.kernel_names())
     combos = lambda n: {"".join(c) for c in itertools.product("01", repeat=n)}  # noqa: E731
@@ -356,8 +385,11 @@ def test_build_all_pipelines_on_the_fake_device(host, emu):
         if name.startswith("flash_decode_merge_"):
             assert bits == {""}, name
             continue
+        if name == "flash_sinks_grad":  # only fc_varlen is read; the registry plans it without
+            assert bits == {"0" * 12}, name
+            continue
         # constant 10 is fc_dense (the dense tile loader; the decode kernels' vector loads), built both ways
-        assert all(len(b) == 11 for b in bits), name
+        assert all(len(b) == 12 for b in bits), name
         assert {b[10] for b in bits} == {"0", "1"}, name
         if name.startswith(("flash_attention_prefill_", "flash_backward_dkdv_")):
             assert {b[:3] for b in bits} == combos(3), name
@@ -365,10 +397,12 @@ def test_build_all_pipelines_on_the_fake_device(host, emu):
             assert {b[:4] for b in bits} == combos(4), name
         else:  # the decode kernels: causal only among 0-3
             assert {b[:4] for b in bits} == {"0000", "1000"}, name
-        options = {b[4:10] for b in bits}
-        want = {"000000", "110000", "100000", "101000", "000100", "000010"}
+        options = {b[4:10] + b[11] for b in bits}
+        want = {"0000000", "1100000", "1000000", "1010000", "0001000", "0000100"}
         if name.startswith(("flash_attention_prefill_", "flash_backward_")):
-            want.add("000001")
+            want.add("0000010")
+        if not name.startswith("flash_backward_"):  # fc_has_sinks: the forward kernels only
+            want.add("0000001")
         assert options == want, (name, options)
     assert all(e["found"] for e in rec["events"] if e["op"] == "newFunctionWithName")
     assert "dispatch_sync" not in _ops(rec)
@@ -441,13 +475,38 @@ def _inlined_shaders(clang, tmp_path):
 
 def test_runtime_compile_path_hands_over_the_inlined_sources(scenarios, clang, tmp_path):
     r = scenarios["forced_runtime_compile"]
-    _assert_ran_and_matched(r)  # replayed against the emulator's compile of the recorded source
+    _assert_ran_and_matched(r)  # the recorded source preprocessed to the shipped code, replayed against its build
     assert "newLibraryWithURL" not in _ops(r)
     with open(r["source_path"], encoding="utf-8") as f:
         source = f.read()
     assert source == _inlined_shaders(clang, tmp_path)
     assert _compile_options(r) == {"languageVersion": _METAL_3_1, "mathMode": _SAFE,
                                    "mathFloatingPointFunctions": _PRECISE}
+
+
+def test_replay_reuses_the_shipped_build_only_for_the_same_code(clang, tmp_path):
+    # scenario.py replays a recorded runtime-compile source against the
+    # shipped library when both preprocess to the same text. The inlined
+    # sources do; comments and blank lines do not matter; a changed token in
+    # an inlined header (planted) does, and so does a dropped instantiation.
+    from metal_emulator import preprocessed
+
+    inlined = _inlined_shaders(clang, tmp_path)
+    shipped = preprocessed(mps_exec.SHADER)
+
+    def text_of(source, name):
+        path = tmp_path / name / "attention.metal"
+        path.parent.mkdir()
+        path.write_text(source, encoding="utf-8")
+        return preprocessed(str(path))
+
+    assert text_of(inlined, "same") == shipped
+    assert text_of("// a comment\n\n" + inlined.replace("\n", "\n\n", 3), "spaced") == shipped
+    assert "constexpr int kDenseLoadBytes = 16;" in inlined
+    assert text_of(inlined.replace("constexpr int kDenseLoadBytes = 16;", "constexpr int kDenseLoadBytes = 8;"),
+                   "planted_token") != shipped
+    assert "FM_DECODE_ALL_D(bfloat16, bfloat)\n" in inlined
+    assert text_of(inlined.replace("FM_DECODE_ALL_D(bfloat16, bfloat)\n", "", 1), "planted_dropped") != shipped
 
 
 def test_runtime_compile_on_macos14_disables_fast_math(scenarios):

@@ -24,7 +24,7 @@ DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def planner_kernel_names():
-    """Every kernel name metal_plan returns, over each dtype, head dim 1..256 and impl, and the backward's two."""
+    """Every kernel name metal_plan returns, over each dtype, head dim 1..256 and impl, and the backward's (with sinks: three)."""
     names = set()
     for dtype in DTYPES:
         for d in range(1, 257):
@@ -35,6 +35,8 @@ def planner_kernel_names():
             for i in range(2):  # the split pass and the merge pass
                 names.add(torch.ops.flash_metal.metal_plan(q, long_k, long_k, False, None, "decode_split", "base", i)[0])
                 names.add(torch.ops.flash_metal.metal_plan(q, q, q, False, None, "auto", "base", i, True)[0])  # backward
+    # The backward's third dispatch with sinks: grad_sinks (one kernel for every dtype and head dim).
+    names.add(torch.ops.flash_metal.metal_plan(q, q, q, False, None, "auto", "base", 2, True, sinks=torch.zeros(1))[0])
     return names
 
 
@@ -60,10 +62,11 @@ def test_every_kernel_builds_a_metal_pipeline():
         raise
     # "<kernel>/<function constants as 0/1>": every planned name, each with
     # both causal settings (constant 0) when it has constants at all (the
-    # decode merge pass has none).
+    # decode merge pass has none; flash_sinks_grad reads only fc_varlen, planned off).
     pairs = [entry.rsplit("/", 1) for entry in built]
     assert {name for name, _ in pairs} == planner_kernel_names()
     for name in planner_kernel_names():
-        assert {bits[:1] for n, bits in pairs if n == name} in ({"0", "1"}, {""}), name
+        want = ({"0"},) if name == "flash_sinks_grad" else ({"0", "1"}, {""})
+        assert {bits[:1] for n, bits in pairs if n == name} in want, name
     if os.environ.get("FLASH_METAL_REQUIRE_METALLIB") == "1":
         assert origin.startswith("the precompiled ") and origin.endswith("flash_metal.metallib"), origin

@@ -6,8 +6,12 @@ lse includes it. Checked against the float64 oracle (flash_metal.reference's
 attention_reference with sinks, which concatenates the sink logit as gpt-oss's
 eager code does) by the 2x rule, forward and backward, with every option;
 grad_sinks against autograd through that oracle; a gradcheck; rows with every
-key masked; the empty problem; validation; the Metal planner's refusal.
-Small ragged shapes: the whole file takes a few seconds.
+key masked; the empty problem; validation. Then the Metal kernels through the
+emulator (tests/backends.py's metal-emu backend): every forward family the
+routing picks (prefill, one-pass decode, split decode) with each option, varlen,
+and the backward's flash_sinks_grad, each with a check that the kernel ran
+with fc_has_sinks. Small ragged shapes: the whole file takes a few seconds
+(plus the shipped emulator library's build when no earlier test made it).
 """
 import zlib
 
@@ -17,6 +21,7 @@ import torch
 import flash_metal
 from flash_metal import reference as R
 from flash_metal import testing as T
+from backends import LAST_DISPATCHES, emulated_metal_attention, emulated_metal_attention_backward, emulated_metal_varlen
 from numerics import DTYPES, assert_attention_close, assert_gradients_close, assert_varlen_close, dtype_id, make_qkv
 
 
@@ -36,7 +41,7 @@ def _bool_mask(B, nq, nk, g):
     # attend to the sink only).
     m = torch.rand(B, 1, nq, nk, generator=g) > 0.3
     m[0, 0, 0] = False
-    m[0, 0, 3] = False
+    m[0, 0, min(3, nq - 1)] = False
     return m
 
 
@@ -243,14 +248,167 @@ def test_bad_sinks_are_named(bad, exc, pattern):
         call(q, k, v, sinks=bad)
 
 
-@pytest.mark.parametrize("backward", [False, True], ids=["forward", "backward"])
-def test_metal_plan_refuses_sinks(backward):
-    # The Metal kernels do not take sinks yet: every plan (the MPS host's and
-    # explain()'s) is refused, never silently planned without the sink.
+def test_post_kernels_refuse_sinks():
+    # The seed post's two kernels serve plain or causal attention only: sinks
+    # are refused with the allowed impls named, never dropped.
     q = torch.randn(1, 4, 16, 64, dtype=torch.float16)
     k = v = torch.randn(1, 2, 16, 64, dtype=torch.float16)
-    with pytest.raises(NotImplementedError, match=r"sinks .*Metal kernels: not yet"):
-        flash_metal.explain(q, k, v, backward=backward, sinks=torch.zeros(4))
-    flash_metal.explain(q, k, v, backward=backward)  # the same plan without sinks is fine
-    with pytest.raises(ValueError, match=r"sinks must be 1-D"):  # validated before the refusal
+    for impl in ("untiled", "tiled"):
+        with pytest.raises(ValueError, match=r"impl='%s'.*sinks need impl='auto', 'prefill'" % impl):
+            flash_metal.explain(q, k, v, impl=impl, sinks=torch.zeros(4))
+    with pytest.raises(ValueError, match=r"sinks must be 1-D"):  # validated as the ops do
         flash_metal.explain(q, k, v, sinks=torch.zeros(3))
+
+
+# ---- the Metal kernels, through the emulator ---------------------------------------------
+
+SINKS = 11  # fc_has_sinks (kSinksFunctionConstant in csrc/metal_plan.h)
+
+# Each forward family the routing picks: (impl, Nq, Nk, the kernels that must run with fc_has_sinks).
+# decode: Nq = 1 with GQA 2 is one row group, so 8 key groups whose states the
+# kernel merges (only key group 0 may carry the sink); split: Nk = 70 cut into
+# 2 key blocks, both with keys (only split 0 may carry it).
+FAMILIES = {
+    "prefill": ("auto", 13, 21, ("flash_attention_prefill_",)),
+    "decode": ("auto", 1, 21, ("flash_decode_",)),
+    "split": ("decode_split", 4, 70, ("flash_decode_split_",)),
+}
+
+
+def _ran_with_sinks(prefixes):
+    ran = [d for d, _ in LAST_DISPATCHES]
+    assert [d.kernel_name for d in ran][:len(prefixes)] and all(
+        d.kernel_name.startswith(p) for d, p in zip(ran, prefixes)), [d.kernel_name for d in ran]
+    assert all(d.function_constants[SINKS] for d in ran[:len(prefixes)])
+    return ran
+
+
+def _fully_masked_rows(options, q):
+    mask = options.get("attn_mask")
+    if mask is None or mask.dtype != torch.bool:
+        return None
+    return ~mask.expand(q.shape[0], q.shape[1], q.shape[2], mask.shape[-1]).any(-1)
+
+
+@pytest.mark.parametrize("config", list(CONFIGS))
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_metal_forward_matches_oracle(family, config):
+    impl, nq, nk, kernels = FAMILIES[family]
+    n = list(FAMILIES).index(family) + list(CONFIGS).index(config)
+    dtype = DTYPES[n % len(DTYPES)]  # each dtype on every family, without the full cross product
+    g, q, k, v, causal, options = _case(dtype, config, nq, nk)
+    sinks = _sinks(4, torch.float32 if n % 2 else dtype, g)
+    if config == "plain":
+        sinks[1] = float("-inf")  # a sink of -inf is no sink (the state stays "no key yet")
+    out, lse = emulated_metal_attention(q, k, v, causal, None, impl, sinks=sinks, **options)
+    ran = _ran_with_sinks(kernels)
+    if family == "split":
+        assert len(ran) == 2 and ran[0].grid[2] == 2  # two key blocks, then the merge
+    assert_attention_close(out, lse, q, k, v, causal, None, sinks=sinks, **options)
+    rows = _fully_masked_rows(options, q)
+    if rows is not None:  # every key masked: zeros and lse = the sink, no NaN
+        assert rows.any()
+        assert (out[rows] == 0).all()
+        want = sinks.float().view(1, -1, 1).expand_as(lse)[rows]
+        torch.testing.assert_close(lse[rows], want, rtol=1e-6, atol=1e-6)
+
+
+def test_metal_varlen_forward_and_backward():
+    # Packed sequences (prefill with fc_varlen): one-token, no-query and
+    # no-key sequences (a no-key sequence's rows: out 0, lse = the sink), a
+    # window and softcap; then the backward, grad_sinks included, against the
+    # CPU kernels (themselves checked against the oracle above).
+    g = _gen("metal-varlen")
+    lq, lk = [5, 1, 0, 7, 3], [9, 1, 4, 6, 0]
+    cu_q = torch.tensor([0] + torch.tensor(lq).cumsum(0).tolist(), dtype=torch.int32)
+    cu_k = torch.tensor([0] + torch.tensor(lk).cumsum(0).tolist(), dtype=torch.int32)
+    q = torch.randn(sum(lq), 4, 16, generator=g)
+    k = torch.randn(sum(lk), 2, 16, generator=g)
+    v = torch.randn(sum(lk), 2, 16, generator=g)
+    sinks = _sinks(4, torch.float32, g)
+    options = dict(window_left=3, softcap=3.0)
+    args = (cu_q, cu_k, max(lq), max(lk), True, None)
+    out, lse = emulated_metal_varlen(q, k, v, *args, sinks=sinks, **options)
+    (d,) = _ran_with_sinks(("flash_attention_prefill_",))
+    assert d.function_constants[9]  # fc_varlen
+    assert_varlen_close(out, lse, q, k, v, cu_q, cu_k, True, None, sinks=sinks, **options)
+    torch.testing.assert_close(lse[:, -3:], sinks.view(4, 1).expand(4, 3), rtol=0, atol=0)  # the no-key sequence
+    grad_out = torch.randn(out.shape, generator=g)
+    grad_lse = torch.randn(lse.shape, generator=g)
+    got = emulated_metal_attention_backward(grad_out, q, k, v, out, lse, True, None, grad_lse, cu_seqlens_q=cu_q,
+                                            cu_seqlens_k=cu_k, max_seqlen_q=max(lq), max_seqlen_k=max(lk),
+                                            sinks=sinks, **options)
+    assert LAST_DISPATCHES[-1][0].kernel_name == "flash_sinks_grad" and LAST_DISPATCHES[-1][0].function_constants[9]
+    want = torch.ops.flash_metal.attention_varlen_backward(grad_out, q, k, v, out, lse, *args, grad_lse,
+                                                           sinks=sinks, **options)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=2e-4, atol=2e-5)
+
+
+@pytest.mark.parametrize("config", ["plain", "bool_mask", "softcap", "window"])
+def test_metal_backward_matches_oracle(config):
+    # The backward's dQ and dK/dV kernels are unchanged (lse holds the sink);
+    # flash_sinks_grad sums -exp(sink - lse) * Delta per head. GQA, ragged
+    # lengths, fully masked rows (bool_mask); a shuffled thread schedule gives
+    # the same bits (fixed-order sums, no atomics).
+    dtype = DTYPES[list(CONFIGS).index(config) % len(DTYPES)]
+    g, q, k, v, causal, options = _case(dtype, config)
+    sinks = _sinks(4, torch.float32, g)
+    out, lse = flash_metal.attention_with_lse(q, k, v, causal, sinks=sinks, **options)
+    grad_out = torch.randn(out.shape, generator=g).to(dtype)
+    grad_lse = torch.randn(lse.shape, generator=g)
+    args = (grad_out, q, k, v, out, lse, causal, None, grad_lse)
+    grads = emulated_metal_attention_backward(*args, sinks=sinks, **options)
+    assert [d.kernel_name.split("_")[1] for d, _ in LAST_DISPATCHES] == ["backward", "backward", "sinks"]
+    assert_gradients_close(grads[:3], q, k, v, grad_out, causal, None, grad_lse, sinks=sinks, **options)
+    assert_sinks_grad_close(grads[3], q, k, v, sinks, grad_out, grad_lse, causal, options)
+    if config == "plain":
+        again = emulated_metal_attention_backward(*args, sinks=sinks, seed=7, **options)
+        assert all(torch.equal(a, b) for a, b in zip(grads, again))
+
+
+@pytest.mark.parametrize("family", ["prefill", "split"])
+def test_metal_sinks_sanitized(family):
+    # fc_has_sinks under the emulator's sanitizers (races, barriers, exact
+    # bounds: the sinks buffer is Hq floats), with fully masked rows; the
+    # prefill case also runs the backward, flash_sinks_grad included.
+    impl, nq, nk, kernels = FAMILIES[family]
+    g, q, k, v, causal, options = _case(torch.float16, "bool_mask", nq, nk)
+    sinks = _sinks(4, torch.float32, g)
+    out, lse = emulated_metal_attention(q, k, v, causal, None, impl, instrumented=True, sinks=sinks, **options)
+    _ran_with_sinks(kernels)
+    assert LAST_DISPATCHES[0][1].device_bytes_read_by_index[17] > 0  # the kernel read the sinks
+    assert_attention_close(out, lse, q, k, v, causal, None, sinks=sinks, **options)
+    # Without sinks the same pipeline family never touches buffer 17 (q is bound there, unread).
+    emulated_metal_attention(q, k, v, causal, None, impl, instrumented=True, **options)
+    assert not LAST_DISPATCHES[0][0].function_constants[SINKS]
+    assert LAST_DISPATCHES[0][1].device_bytes_read_by_index[17] == 0
+    if family == "prefill":
+        grad_out = torch.randn(out.shape, generator=g).half()
+        grad_lse = torch.randn(lse.shape, generator=g)
+        grads = emulated_metal_attention_backward(grad_out, q, k, v, out, lse, causal, None, grad_lse,
+                                                  instrumented=True, sinks=sinks, **options)
+        assert LAST_DISPATCHES[-1][0].kernel_name == "flash_sinks_grad"
+        assert_sinks_grad_close(grads[3], q, k, v, sinks, grad_out, grad_lse, causal, options)
+
+
+@pytest.mark.parametrize("family", ["prefill", "decode"])
+def test_metal_sinks_fast_math(family):
+    # The shaders built with -ffast-math (tests/test_fast_math.py: the
+    # compiler may assume no infinity): rows with every key masked still give
+    # zeros and lse = the sink, and a -inf sink still means "no sink"
+    # (seed_sink compares with the finite kMaskedScore; with causal rows
+    # that all see keys, as a row with neither keys nor sink has no reference).
+    impl, nq, nk, kernels = FAMILIES[family]
+    for config in ("bool_mask", "causal"):
+        g, q, k, v, causal, options = _case(torch.float32, config, nq, nk)
+        sinks = _sinks(4, torch.float32, g)
+        if config == "causal":
+            sinks[2] = float("-inf")
+        out, lse = emulated_metal_attention(q, k, v, causal, None, impl, fast_math=True, sinks=sinks, **options)
+        _ran_with_sinks(kernels)
+        assert_attention_close(out, lse, q, k, v, causal, None, sinks=sinks, **options)
+        rows = _fully_masked_rows(options, q)
+        if rows is not None:
+            assert rows.any() and (out[rows] == 0).all()
+            torch.testing.assert_close(lse[rows], sinks.view(1, -1, 1).expand_as(lse)[rows], rtol=1e-6, atol=1e-6)

@@ -1,9 +1,10 @@
 """Hugging Face transformers models on attn_implementation="metal_attention" (flash_metal/hf.py).
 
-Small randomly initialized Llama, Mistral, Gemma 2 and gpt-oss models built
-from configs (no download), each compared with the same weights on "sdpa" (or
-"eager" where sdpa lacks the feature: Gemma 2's softcapping, gpt-oss's
-attention sinks, passed as s_aux): logits of
+Small randomly initialized Llama, Mistral, Gemma 2, gpt-oss and DeepSeek-V3
+models built from configs (no download), each compared with the same weights
+on "sdpa" (or "eager" where sdpa lacks the feature: Gemma 2's softcapping,
+gpt-oss's attention sinks, passed as s_aux; DeepSeek-V3 against eager, as
+issue 20 asks, its MLA giving q/k and v different head dims): logits of
 padded batches, greedy generate() with DynamicCache and StaticCache, left
 padded or not, padding-free packed batches, and the gradients of a
 training step. transformers is the optional extra '.[hf]'; CI installs it.
@@ -40,6 +41,11 @@ def _config(tf, kind):
         return tf.MistralConfig(**common, sliding_window=6)  # far shorter than the sequences below
     if kind == "gpt_oss":  # layers alternate sliding (window 6) and full, as gpt-oss's; a tiny MoE
         return tf.GptOssConfig(**common, head_dim=16, sliding_window=6, num_local_experts=4, num_experts_per_tok=2)
+    if kind == "deepseek_v3":  # MLA: q/k head dim 16 + 8 (nope + rope) = 24, v 16; a tiny MoE after one dense layer
+        return tf.DeepseekV3Config(**dict(common, num_key_value_heads=4), q_lora_rank=48, kv_lora_rank=32,
+                                   qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=4,
+                                   num_experts_per_tok=2, n_group=1, topk_group=1, moe_intermediate_size=32,
+                                   n_shared_experts=1, first_k_dense_replace=1)
     return tf.Gemma2Config(**common, head_dim=16, sliding_window=6, attn_logit_softcapping=3.0,
                            final_logit_softcapping=None, query_pre_attn_scalar=16)
 
@@ -87,7 +93,10 @@ class _Ran:
             assert self.moved[r] > 0, f"route {r!r} never ran (ran: {dict(self.moved)})"
 
 
-REFERENCE = {"llama": "sdpa", "mistral": "sdpa", "gemma2": "eager", "gpt_oss": "eager"}
+REFERENCE = {"llama": "sdpa", "mistral": "sdpa", "gemma2": "eager", "gpt_oss": "eager", "deepseek_v3": "eager"}
+# The hf.calls routes each kind must run besides the mask/causal/decode ones:
+# gpt-oss's sinks, DeepSeek-V3's value head dim of its own (proves D_v != D_qk reached the ops).
+KIND_ROUTES = {"gpt_oss": ["sinks"], "deepseek_v3": ["value_head_dim"]}
 
 
 def _batch(padding, g):
@@ -113,21 +122,21 @@ def test_registered_name_has_no_flash(tf):
     assert flash_metal.hf.NAME in AttentionMaskInterface._global_mapping
 
 
-@pytest.mark.parametrize("kind", ["llama", "mistral", "gemma2", "gpt_oss"])
+@pytest.mark.parametrize("kind", ["llama", "mistral", "gemma2", "gpt_oss", "deepseek_v3"])
 @pytest.mark.parametrize("padding", ["none", "left", "right"])
 def test_padded_forward_logits(tf, kind, padding):
     ours, ref = _models(tf, kind, REFERENCE[kind])
     ids, mask = _batch(padding, torch.Generator().manual_seed(1))
     with torch.no_grad(), _Ran() as ran:
         got = ours(input_ids=ids, attention_mask=mask).logits
-    ran.assert_ran(*(["mask"] if padding != "none" else []), *(["sinks"] if kind == "gpt_oss" else []))
+    ran.assert_ran(*(["mask"] if padding != "none" else []), *KIND_ROUTES.get(kind, []))
     with torch.no_grad():
         want = ref(input_ids=ids, attention_mask=mask).logits
     keep = mask.bool()  # padded positions' logits are meaningless in both
     torch.testing.assert_close(got[keep], want[keep], rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("kind", ["llama", "mistral", "gemma2", "gpt_oss"])
+@pytest.mark.parametrize("kind", ["llama", "mistral", "gemma2", "gpt_oss", "deepseek_v3"])
 @pytest.mark.parametrize("cache", ["dynamic", "static"])
 @pytest.mark.parametrize("padding", ["none", "left"])
 def test_generate_matches(tf, kind, cache, padding):
@@ -144,7 +153,7 @@ def test_generate_matches(tf, kind, cache, padding):
     # Left padding always hands over a mask (in transformers 5.24 as wide as
     # the keys, StaticCache included; test_mask_wider_than_the_keys_...
     # covers a wider one directly).
-    ran.assert_ran(*(["mask"] if padding == "left" else []), *(["sinks"] if kind == "gpt_oss" else []))
+    ran.assert_ran(*(["mask"] if padding == "left" else []), *KIND_ROUTES.get(kind, []))
     with torch.no_grad():
         want = ref.generate(ids, **kwargs)
     assert torch.equal(got.sequences, want.sequences)
@@ -189,7 +198,7 @@ def _labels(ids, mask):
     return labels
 
 
-@pytest.mark.parametrize("kind", ["llama", "mistral", "gemma2", "gpt_oss"])
+@pytest.mark.parametrize("kind", ["llama", "mistral", "gemma2", "gpt_oss", "deepseek_v3"])
 @pytest.mark.parametrize("padding", ["left", "right"])
 def test_training_step_gradients(tf, kind, padding):
     ours, ref = _models(tf, kind, REFERENCE[kind])
@@ -203,7 +212,7 @@ def test_training_step_gradients(tf, kind, padding):
     with _Ran() as ran:
         loss = ours(input_ids=ids, attention_mask=mask, labels=labels).loss
         loss.backward()
-    ran.assert_ran("mask", *(["sinks"] if kind == "gpt_oss" else []))
+    ran.assert_ran("mask", *KIND_ROUTES.get(kind, []))
     ref_loss = ref(input_ids=ids, attention_mask=mask, labels=labels).loss
     ref_loss.backward()
     torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)

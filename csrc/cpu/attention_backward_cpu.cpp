@@ -11,6 +11,8 @@
 // Options (common.h): softcap and the attn_mask rebuild the forward's scores,
 // dST gains the softcap's factor 1 - tanh^2, key blocks outside the window
 // are skipped; varlen items are (sequence, kv head).
+// Two head dims (issue 20 §2): ST, dQ and dK run over D_qk (q's and k's),
+// dPT, dV and Delta over D_v (v's, dO's, O's); equal but for MLA-style calls.
 // Five products per tile, all on one register-tiled micro-kernel (the
 // forward's 6 x 16 sgemm tile with AVX2/NEON, 6 x 64 with AVX-512):
 // C (+)= A . B with B read as
@@ -54,6 +56,7 @@
 // backward runs at ~85% of GEMM speed. With the AVX2 tile it ran ~75 GFLOP/s
 // per core. 128-query blocks measured the same as 96 (within 4%).
 #include "kernels.h"
+#include "backward_tiles.h"
 #include "common.h"
 #include "simd.h"
 
@@ -77,109 +80,15 @@ constexpr float kLog2e = 1.4426950408889634f;
 constexpr double kLog2eD = 1.4426950408889634;
 constexpr float kInf = std::numeric_limits<float>::infinity();
 
-// The products' vector type is simd.h's MVec (16-lane zmm with AVX-512, see
-// there); the element-wise passes keep simd.h's Vec.
-
-// Register tile: kRows rows x kVecs vectors. 6 x 2 on AVX2 (12 accumulators +
-// 2 loaded vectors + 1 broadcast of 16 ymm registers, the forward's tile);
-// 6 x 4 with 32 registers (AVX-512 zmm, NEON): 24 accumulators + 4 + 1.
-constexpr int kRows = 6;
-#if defined(__AVX512F__) || defined(FLASH_METAL_SIMD_NEON)
-constexpr int kVecs = 4;
-#else
-constexpr int kVecs = 2;
-#endif
-constexpr int kCols = kVecs * kMW;
-// Column granularity of every packed operand: one micro-kernel vector (a
-// multiple of simd.h's kW, so the element-wise passes divide it too).
-constexpr int64_t kG = kMW;
-static_assert(kG % kW == 0, "micro-kernel vectors must hold whole Vecs");
-
-// Queries and keys per block. Why 96 x 96: multiples of the 6-row tile and of
-// the 16-float panel, as in the forward; the two score blocks are 36 KB each
-// and one block's operands (K, V rows, Q, dO in two layouts, dK/dV/dQ slices)
-// stay within the 2 MB L2.
-#ifndef FLASH_METAL_CPU_BWD_BLOCK_Q
-#define FLASH_METAL_CPU_BWD_BLOCK_Q 96
-#endif
-#ifndef FLASH_METAL_CPU_BWD_BLOCK_K
-#define FLASH_METAL_CPU_BWD_BLOCK_K 96
-#endif
-constexpr int64_t kBlockQ = FLASH_METAL_CPU_BWD_BLOCK_Q;
-constexpr int64_t kBlockK = FLASH_METAL_CPU_BWD_BLOCK_K;
-static_assert(kBlockQ % kG == 0, "query block must be a whole number of vectors");
-// Row padding of packed row-major operands (floats). Why 16: a power-of-two
-// head dim would otherwise put every row of a block in the same few L1 sets
-// (the forward measured this on K); 16 floats keeps rows 64-byte aligned.
-constexpr int64_t kRowPad = 16;
-
-// ---------------------------------------------------------------- micro-kernel
-// C[r][0 .. NV*kMW) (+)= sum_k A(r, k) * B[k][0 .. NV*kMW)   for r < MR.
-// A(r, k) = a[r * lda + k] (row-major) or a[k * lda + r] (ATrans); B rows are
-// ldb apart and read as vectors. With Acc the block's product is summed from
-// zero and added to C once (a blocked sum, as the forward's O += P.V): C is
-// rounded once per block, not once per row of A's K dimension, which
-// continuing the fma chain from C's old value would do.
-template <int MR, int NV, bool ATrans, bool Acc>
-inline void mm_tile(const float* a, int64_t lda, const float* b, int64_t ldb, int64_t K, float* c, int64_t ldc) {
-  MVec acc[MR][NV];
-  for (int r = 0; r < MR; ++r)
-    for (int v = 0; v < NV; ++v) acc[r][v] = MVec::zero();
-  for (int64_t k = 0; k < K; ++k) {
-    MVec bv[NV];
-    for (int v = 0; v < NV; ++v) bv[v] = MVec::load(b + k * ldb + v * kMW);
-    for (int r = 0; r < MR; ++r) {
-      const MVec x = MVec::broadcast(ATrans ? a[k * lda + r] : a[r * lda + k]);
-      for (int v = 0; v < NV; ++v) acc[r][v] = fmadd(x, bv[v], acc[r][v]);
-    }
-  }
-  for (int r = 0; r < MR; ++r)
-    for (int v = 0; v < NV; ++v) {
-      float* cp = c + r * ldc + v * kMW;
-      (Acc ? MVec::load(cp) + acc[r][v] : acc[r][v]).store(cp);
-    }
-}
-
-// All M rows of one column panel of NV vectors.
-template <int NV, bool ATrans, bool Acc>
-inline void mm_panel(const float* a, int64_t lda, const float* b, int64_t ldb, int64_t K, int64_t M, float* c,
-                     int64_t ldc) {
-  const int64_t row_step = ATrans ? 1 : lda;  // A's offset from one row to the next
-  int64_t r = 0;
-  for (; r + kRows <= M; r += kRows)
-    mm_tile<kRows, NV, ATrans, Acc>(a + r * row_step, lda, b, ldb, K, c + r * ldc, ldc);
-  const float* ar = a + r * row_step;
-  float* cr = c + r * ldc;
-  switch (M - r) {
-    case 5: mm_tile<5, NV, ATrans, Acc>(ar, lda, b, ldb, K, cr, ldc); break;
-    case 4: mm_tile<4, NV, ATrans, Acc>(ar, lda, b, ldb, K, cr, ldc); break;
-    case 3: mm_tile<3, NV, ATrans, Acc>(ar, lda, b, ldb, K, cr, ldc); break;
-    case 2: mm_tile<2, NV, ATrans, Acc>(ar, lda, b, ldb, K, cr, ldc); break;
-    case 1: mm_tile<1, NV, ATrans, Acc>(ar, lda, b, ldb, K, cr, ldc); break;
-    default: break;
-  }
-}
-
-// C (M x ncols) (+)= A (M x K) . B (K x ncols), ncols a multiple of kMW.
-// Column panels outermost: one B panel (K x 16 floats, 6 KB at K = 96) stays
-// in L1 while A's rows stream past it.
-template <bool ATrans, bool Acc>
-void matmul(const float* a, int64_t lda, const float* b, int64_t ldb, int64_t K, int64_t M, int64_t ncols, float* c,
-            int64_t ldc) {
-  int64_t x = 0;
-  for (; x + kCols <= ncols; x += kCols) mm_panel<kVecs, ATrans, Acc>(a, lda, b + x, ldb, K, M, c + x, ldc);
-  switch ((ncols - x) / kMW) {
-    case 3: mm_panel<3, ATrans, Acc>(a, lda, b + x, ldb, K, M, c + x, ldc); break;
-    case 2: mm_panel<2, ATrans, Acc>(a, lda, b + x, ldb, K, M, c + x, ldc); break;
-    case 1: mm_panel<1, ATrans, Acc>(a, lda, b + x, ldb, K, M, c + x, ldc); break;
-    default: break;
-  }
-}
+using namespace bwd;  // tiling constants, the micro-kernel and packing (backward_tiles.h)
 
 // ---------------------------------------------------------------- geometry
 
 struct BwdGeometry {
-  int64_t batch, q_heads, kv_heads, q_len, kv_len, D, Dp, ld, group;
+  int64_t batch, q_heads, kv_heads, q_len, kv_len, group;
+  // The two head-dim sides (issue 20 §2; equal but for MLA-style calls):
+  // qk = D_qk (Q, K, dQ, dK; the score products), vo = D_v (V, O, dO, dV).
+  Width qk, vo;
   bool causal;
   float scale, scale_log2;
   int64_t q_st[4], k_st[4], v_st[4], o_st[4], go_st[4], lse_st[3], glse_st[3];
@@ -193,35 +102,13 @@ inline const T* row_ptr(const T* base, const int64_t* st, const SeqRange& s, int
   return base + s.bi * st[0] + h * st[1] + ((k_side ? s.k0 : s.q0) + i) * st[2];
 }
 
-// Rows [0, n) of a (B, H, N, D) head -> float32 rows ld apart, zero-padded to Dp.
-template <typename T>
-void pack_rows(const T* src, const int64_t* st, int64_t n, const BwdGeometry& g, float* dst) {
-  for (int64_t j = 0; j < n; ++j) {
-    float* out = dst + j * g.ld;
-    convert_row(src + j * st[2], st[3], g.D, out);
-    std::fill(out + g.D, out + g.Dp, 0.0f);
-  }
-}
-
-// Rows [0, n) -> transposed float32 block dst[d * kBlockQ + i] = mul * x[i][d],
-// columns n .. round_up(n, kG) zero.
-template <typename T>
-void pack_transposed(const T* src, const int64_t* st, int64_t n, float mul, const BwdGeometry& g, float* dst) {
-  float row[kMaxHeadDim];
-  for (int64_t i = 0; i < n; ++i) {
-    convert_row(src + i * st[2], st[3], g.D, row);
-    for (int64_t d = 0; d < g.D; ++d) dst[d * kBlockQ + i] = row[d] * mul;
-  }
-  const int64_t ncols = round_up(n, kG);
-  for (int64_t d = 0; d < g.D; ++d) std::fill(dst + d * kBlockQ + n, dst + d * kBlockQ + ncols, 0.0f);
-}
-
 // Per-thread buffers: the blocks of one query block; with GQA, one query
 // head's dK and dV (Nk rows each, folded into the item's sums after each
 // head, see backward_item); and, unless the caller provides shared ones (the
 // chunked decomposition), packed K and V of one kv head and the item's dK and
 // dV sums (Nk rows each) with, under GQA, their compensations.
 struct BwdWorkspace {
+  // (qk.* for K, dK, Q, dQ; vo.* for V, dV, dO)
   FloatBuffer kr, vr;    // Nk x ld: packed K and V rows
   FloatBuffer dk, dv;    // Nk x Dp: float32 sums over the group
   FloatBuffer ek, ev;    // Nk x Dp: their TwoSum compensations (group > 1)
@@ -233,26 +120,26 @@ struct BwdWorkspace {
   FloatBuffer dfac;      // kBlockK x kBlockQ: the softcap's 1 - tanh^2 (softcap only)
   float lse2[kBlockQ], lse2lo[kBlockQ], delta[kBlockQ];
   BwdWorkspace(const BwdGeometry& g, bool own_head_buffers) {
-    const int64_t kv = g.kv_len * g.Dp;
+    const int64_t kk = g.kv_len * g.qk.Dp, kv = g.kv_len * g.vo.Dp;
     if (own_head_buffers) {
-      kr.resize(g.kv_len * g.ld);
-      vr.resize(g.kv_len * g.ld);
-      dk.resize(kv);
+      kr.resize(g.kv_len * g.qk.ld);
+      vr.resize(g.kv_len * g.vo.ld);
+      dk.resize(kk);
       dv.resize(kv);
       if (g.group > 1) {
-        ek.resize(kv);
+        ek.resize(kk);
         ev.resize(kv);
       }
     }
     if (g.group > 1) {
-      hk.resize(kv);
+      hk.resize(kk);
       hv.resize(kv);
     }
-    qt.resize(g.D * kBlockQ);
-    dot.resize(g.D * kBlockQ);
-    qr.resize(kBlockQ * g.ld);
-    dor.resize(kBlockQ * g.ld);
-    dq.resize(kBlockQ * g.Dp);
+    qt.resize(g.qk.D * kBlockQ);
+    dot.resize(g.vo.D * kBlockQ);
+    qr.resize(kBlockQ * g.qk.ld);
+    dor.resize(kBlockQ * g.vo.ld);
+    dq.resize(kBlockQ * g.qk.Dp);
     st.resize(kBlockK * kBlockQ);
     dst.resize(kBlockK * kBlockQ);
     if (g.opt->softcap) dfac.resize(kBlockK * kBlockQ);
@@ -265,12 +152,12 @@ struct Tensors {
   void *gq, *gk, *gv;
 };
 
-// Packed K and V of one kv head (Nk rows each, ld apart).
+// Packed K and V of one kv head (Nk rows each, qk.ld and vo.ld apart).
 struct PackedHead {
   const float *k, *v;
 };
 
-// One item's dK and dV sums over the GQA group (Nk x Dp float32 each) and
+// One item's dK and dV sums over the GQA group (Nk x qk.Dp and Nk x vo.Dp float32) and
 // their compensations (nullptr when the group is one head).
 struct KVAcc {
   float *dk, *dv, *ek, *ev;
@@ -286,7 +173,8 @@ template <typename T, bool ScoreOpts>
 void query_block(const BwdGeometry& g, const Tensors& t, const SeqRange& s, int64_t h, PackedHead kv, int64_t i0,
                  int64_t nq, BwdWorkspace& ws, float* dk, float* dv) {
   const CallOptions& opt = *g.opt;
-  const int64_t D = g.D, Dp = g.Dp, ld = g.ld;
+  const int64_t D = g.qk.D, Dp = g.qk.Dp, ld = g.qk.ld;     // Q, K, dQ, dK
+  const int64_t Dv = g.vo.D, Dvp = g.vo.Dp, ldv = g.vo.ld;  // V, O, dO, dV
   const int64_t ncols = round_up(nq, kG);
   T* gq = static_cast<T*>(t.gq) + ((s.bi * g.q_heads + h) * opt.rows_q + s.q0 + i0) * D;
   const int64_t key_end = opt.key_end(s, i0 + nq);
@@ -304,10 +192,10 @@ void query_block(const BwdGeometry& g, const Tensors& t, const SeqRange& s, int6
   int64_t moff[kBlockQ];
   if (ScoreOpts && opt.mask != MaskKind::None)
     for (int64_t i = 0; i < nq; ++i) moff[i] = s.bi * opt.ms[0] + h * opt.ms[1] + (i0 + i) * opt.ms[2];
-  pack_transposed(q, g.q_st, nq, g.scale_log2, g, ws.qt.ptr);
-  pack_transposed(go, g.go_st, nq, 1.0f, g, ws.dot.ptr);
-  pack_rows(q, g.q_st, nq, g, ws.qr.ptr);
-  pack_rows(go, g.go_st, nq, g, ws.dor.ptr);
+  pack_transposed(q, g.q_st, nq, g.scale_log2, g.qk, ws.qt.ptr);
+  pack_transposed(go, g.go_st, nq, 1.0f, g.vo, ws.dot.ptr);
+  pack_rows(q, g.q_st, nq, g.qk, ws.qr.ptr);
+  pack_rows(go, g.go_st, nq, g.vo, ws.dor.ptr);
   float orow[kMaxHeadDim];
   for (int64_t i = 0; i < nq; ++i) {
     const float lse = t.lse[lrow0 + i * g.lse_st[2]];
@@ -319,10 +207,10 @@ void query_block(const BwdGeometry& g, const Tensors& t, const SeqRange& s, int6
     const float hi = lse == -kInf ? kInf : lse * kLog2e;
     ws.lse2[i] = hi;
     ws.lse2lo[i] = lse == -kInf ? 0.0f : static_cast<float>(static_cast<double>(lse) * kLog2eD - hi);
-    convert_row(o + i * g.o_st[2], g.o_st[3], D, orow);
-    const float* dorow = ws.dor.ptr + i * ld;
-    float acc = 0.0f;
-    for (int64_t d = 0; d < D; ++d) acc += dorow[d] * orow[d];
+    convert_row(o + i * g.o_st[2], g.o_st[3], Dv, orow);
+    const float* dorow = ws.dor.ptr + i * ldv;
+    float acc = 0.0f;  // Delta = rowsum(dO o O): over D_v
+    for (int64_t d = 0; d < Dv; ++d) acc += dorow[d] * orow[d];
     if (g.has_glse) acc -= t.glse[grow0 + i * g.glse_st[2]];
     ws.delta[i] = acc;
   }
@@ -340,7 +228,7 @@ void query_block(const BwdGeometry& g, const Tensors& t, const SeqRange& s, int6
     const int64_t nk = std::min(kBlockK, key_end - j0);
     const float* kb = kv.k + j0 * ld;
     matmul<false, false>(kb, ld, ws.qt.ptr, kBlockQ, D, nk, ncols, st, kBlockQ);           // ST = K . QT
-    matmul<false, false>(kv.v + j0 * ld, ld, ws.dot.ptr, kBlockQ, D, nk, ncols, dst, kBlockQ);  // dPT = V . dOT
+    matmul<false, false>(kv.v + j0 * ldv, ldv, ws.dot.ptr, kBlockQ, Dv, nk, ncols, dst, kBlockQ);  // dPT = V . dOT
     // Softcap, mask, then the window and causality (straddling blocks only), as the forward.
     if (ScoreOpts) apply_score_options<T>(opt, st, kBlockQ, nk, ncols, nq, moff, j0, ws.dfac.ptr);
     mask_window_block(opt, s, st, kBlockQ, nk, j0, i0, nq, 1);
@@ -359,7 +247,7 @@ void query_block(const BwdGeometry& g, const Tensors& t, const SeqRange& s, int6
           (Vec::load(drow + x * kW) * Vec::load(frow + x * kW)).store(drow + x * kW);
       }
     }
-    matmul<false, true>(st, kBlockQ, ws.dor.ptr, ld, nq, nk, Dp, dv + j0 * Dp, Dp);  // dV += PT . dO
+    matmul<false, true>(st, kBlockQ, ws.dor.ptr, ldv, nq, nk, Dvp, dv + j0 * Dvp, Dvp);  // dV += PT . dO
     matmul<false, true>(dst, kBlockQ, ws.qr.ptr, ld, nq, nk, Dp, dk + j0 * Dp, Dp);  // dK += dST . Q
     matmul<true, true>(dst, kBlockQ, kb, ld, nk, nq, Dp, ws.dq.ptr, Dp);             // dQ += dST^T . K
   }
@@ -371,13 +259,13 @@ void query_block(const BwdGeometry& g, const Tensors& t, const SeqRange& s, int6
 template <typename T>
 void pack_head(const BwdGeometry& g, const Tensors& t, const SeqRange& s, int64_t hk, int64_t j0, int64_t j1,
                float* kr, float* vr) {
-  pack_rows(row_ptr(static_cast<const T*>(t.k), g.k_st, s, hk, j0, true), g.k_st, j1 - j0, g, kr + j0 * g.ld);
-  pack_rows(row_ptr(static_cast<const T*>(t.v), g.v_st, s, hk, j0, true), g.v_st, j1 - j0, g, vr + j0 * g.ld);
+  pack_rows(row_ptr(static_cast<const T*>(t.k), g.k_st, s, hk, j0, true), g.k_st, j1 - j0, g.qk, kr + j0 * g.qk.ld);
+  pack_rows(row_ptr(static_cast<const T*>(t.v), g.v_st, s, hk, j0, true), g.v_st, j1 - j0, g.vo, vr + j0 * g.vo.ld);
 }
 
 // sum[0, n) += x[0, n) by TwoSum, the rounding errors added to comp.
 void fold_two_sum(float* sum, float* comp, const float* x, int64_t n) {
-  for (int64_t i = 0; i < n; i += kW) {  // n is a multiple of Dp, so of kW
+  for (int64_t i = 0; i < n; i += kW) {  // n is a multiple of a padded width (Dp), so of kW
     Vec e = Vec::load(comp + i);
     two_sum(Vec::load(sum + i), Vec::load(x + i), &e).store(sum + i);
     e.store(comp + i);
@@ -385,7 +273,7 @@ void fold_two_sum(float* sum, float* comp, const float* x, int64_t n) {
 }
 
 // One item: query rows [r0, r1) of every query head of kv head hk, sequence s.
-// acc (the sequence's Nk x Dp) is zeroed here and holds this item's sums afterwards.
+// acc (the sequence's Nk x qk.Dp and Nk x vo.Dp) is zeroed here and holds this item's sums afterwards.
 //
 // The sum over the GQA group (issue 24). The kernel used to continue one fma
 // chain per dK/dV element through every row of every query head of the
@@ -407,9 +295,11 @@ void fold_two_sum(float* sum, float* comp, const float* x, int64_t n) {
 template <typename T>
 void backward_item(const BwdGeometry& g, const Tensors& t, const SeqRange& s, int64_t hk, int64_t r0, int64_t r1,
                    PackedHead kv, BwdWorkspace& ws, const KVAcc& acc) {
-  const int64_t n = s.nk * g.Dp;
-  for (float* x : {acc.dk, acc.dv, acc.ek, acc.ev})
+  const int64_t n = s.nk * g.qk.Dp, nv = s.nk * g.vo.Dp;  // dK's and dV's floats
+  for (float* x : {acc.dk, acc.ek})
     if (x != nullptr) std::fill(x, x + n, 0.0f);
+  for (float* x : {acc.dv, acc.ev})
+    if (x != nullptr) std::fill(x, x + nv, 0.0f);
   const bool score_opts = g.opt->score_options();
   for (int64_t h = hk * g.group; h < (hk + 1) * g.group; ++h) {
     const bool first = h == hk * g.group;
@@ -417,7 +307,7 @@ void backward_item(const BwdGeometry& g, const Tensors& t, const SeqRange& s, in
     float* dv = first ? acc.dv : ws.hv.ptr;
     if (!first) {
       std::fill(dk, dk + n, 0.0f);
-      std::fill(dv, dv + n, 0.0f);
+      std::fill(dv, dv + nv, 0.0f);
     }
     for (int64_t i0 = r0; i0 < r1; i0 += kBlockQ) {
       if (score_opts)
@@ -427,36 +317,35 @@ void backward_item(const BwdGeometry& g, const Tensors& t, const SeqRange& s, in
     }
     if (!first) {
       fold_two_sum(acc.dk, acc.ek, dk, n);
-      fold_two_sum(acc.dv, acc.ev, dv, n);
+      fold_two_sum(acc.dv, acc.ev, dv, nv);
     }
   }
 }
 
+// Rows [j0, j1) of one gradient (w.D wide, packed) = mul * the sums of
+// `parts` partials `stride` floats apart (rows w.Dp apart), added in order by
+// TwoSum, each with its compensation (comp, if any) added last.
+template <typename T>
+void write_sum(T* out, const float* sum, const float* comp, const Width& w, int64_t j0, int64_t j1, int64_t parts,
+               int64_t stride, float mul) {
+  for (int64_t j = j0; j < j1; ++j)
+    for (int64_t d = 0; d < w.D; ++d) {
+      const int64_t x = j * w.Dp + d;
+      float s = sum[x], e = 0.0f;
+      for (int64_t c = 1; c < parts; ++c) s = two_sum(s, sum[c * stride + x], &e);
+      for (int64_t c = 0; comp != nullptr && c < parts; ++c) e += comp[c * stride + x];
+      out[j * w.D + d] = static_cast<T>((s + e) * mul);
+    }
+}
+
 // grad_k/grad_v rows [j0, j1) of kv head hk of sequence s = scale * dk, dv:
-// the sums of `parts` partial KVAccs `stride` floats apart, added in order by
-// TwoSum, each with its compensation (if any) added last.
+// the sums of `parts` partial KVAccs (stride_k / stride_v floats apart).
 template <typename T>
 void write_kv(const BwdGeometry& g, const Tensors& t, const SeqRange& s, int64_t hk, int64_t j0, int64_t j1,
-              const KVAcc& acc, int64_t parts, int64_t stride) {
+              const KVAcc& acc, int64_t parts, int64_t stride_k, int64_t stride_v) {
   const int64_t row0 = (s.bi * g.kv_heads + hk) * g.opt->rows_k + s.k0;
-  T* gk = static_cast<T*>(t.gk) + row0 * g.D;
-  T* gv = static_cast<T*>(t.gv) + row0 * g.D;
-  const bool comp = acc.ek != nullptr;
-  for (int64_t j = j0; j < j1; ++j)
-    for (int64_t d = 0; d < g.D; ++d) {
-      const int64_t x = j * g.Dp + d;
-      float sk = acc.dk[x], sv = acc.dv[x], ek = 0.0f, ev = 0.0f;
-      for (int64_t c = 1; c < parts; ++c) {
-        sk = two_sum(sk, acc.dk[c * stride + x], &ek);
-        sv = two_sum(sv, acc.dv[c * stride + x], &ev);
-      }
-      for (int64_t c = 0; comp && c < parts; ++c) {
-        ek += acc.ek[c * stride + x];
-        ev += acc.ev[c * stride + x];
-      }
-      gk[j * g.D + d] = static_cast<T>((sk + ek) * g.scale);
-      gv[j * g.D + d] = static_cast<T>(sv + ev);
-    }
+  write_sum(static_cast<T*>(t.gk) + row0 * g.qk.D, acc.dk, acc.ek, g.qk, j0, j1, parts, stride_k, g.scale);
+  write_sum(static_cast<T*>(t.gv) + row0 * g.vo.D, acc.dv, acc.ev, g.vo, j0, j1, parts, stride_v, 1.0f);
 }
 
 // Query-row boundaries (multiples of kBlockQ) cutting sequence s's [0, Nq)
@@ -507,23 +396,23 @@ void run_backward(const BwdGeometry& g, const Tensors& t) {
         pack_head<T>(g, t, s, hk, 0, g.opt->key_end(s, s.nq), ws.kr.ptr, ws.vr.ptr);
         const KVAcc acc{ws.dk.ptr, ws.dv.ptr, ws.ek.ptr, ws.ev.ptr};
         backward_item<T>(g, t, s, hk, 0, s.nq, {ws.kr.ptr, ws.vr.ptr}, ws, acc);
-        write_kv<T>(g, t, s, hk, 0, s.nk, acc, 1, 0);
+        write_kv<T>(g, t, s, hk, 0, s.nk, acc, 1, 0, 0);
       }
     });
     return;
   }
   // Chunked: K and V of every kv head packed once, shared by its chunks, and
   // partial dK/dV per (kv head, chunk): heads < 4 * threads here, so
-  // 2 * heads * Nk * (ld + chunks * Dp) floats in all, and as much again as
-  // chunks * Dp for the compensations under GQA.
+  // heads * Nk * (qk.ld + vo.ld + chunks * (qk.Dp + vo.Dp)) floats in all,
+  // and as much again as the chunks' part for the compensations under GQA.
   std::vector<std::vector<int64_t>> bounds;  // per sequence
   for (int64_t b = 0; b < g.batch; ++b) bounds.push_back(chunk_bounds(g, g.opt->seq(b), chunks));
   const int64_t key_blocks = (g.kv_len + kBlockK - 1) / kBlockK;
   const int64_t red_items = heads * key_blocks;  // (kv head, key block) pairs
-  const int64_t head_floats = g.kv_len * g.ld;
+  const int64_t head_k = g.kv_len * g.qk.ld, head_v = g.kv_len * g.vo.ld;  // floats per packed head
   FloatBuffer kr, vr;
-  kr.resize(heads * head_floats);
-  vr.resize(heads * head_floats);
+  kr.resize(heads * head_k);
+  vr.resize(heads * head_v);
   std::atomic<int64_t> pack_next{0};
   run_on_threads(std::min(threads_avail, red_items), [&](int64_t) {
     for (int64_t idx = pack_next.fetch_add(1); idx < red_items; idx = pack_next.fetch_add(1)) {
@@ -531,22 +420,22 @@ void run_backward(const BwdGeometry& g, const Tensors& t) {
       const SeqRange s = g.opt->seq(bhk / g.kv_heads);
       const int64_t j1 = std::min(g.opt->key_end(s, s.nq), j0 + kBlockK);
       if (j0 < j1)
-        pack_head<T>(g, t, s, bhk % g.kv_heads, j0, j1, kr.ptr + bhk * head_floats, vr.ptr + bhk * head_floats);
+        pack_head<T>(g, t, s, bhk % g.kv_heads, j0, j1, kr.ptr + bhk * head_k, vr.ptr + bhk * head_v);
     }
   });
-  const int64_t part = g.kv_len * g.Dp;
-  const size_t all = static_cast<size_t>(items * part);
-  std::vector<float> pk(all), pv(all), ek(g.group > 1 ? all : 0), ev(g.group > 1 ? all : 0);
+  const int64_t part_k = g.kv_len * g.qk.Dp, part_v = g.kv_len * g.vo.Dp;  // floats per item's dK, dV
+  const size_t all_k = static_cast<size_t>(items * part_k), all_v = static_cast<size_t>(items * part_v);
+  std::vector<float> pk(all_k), pv(all_v), ek(g.group > 1 ? all_k : 0), ev(g.group > 1 ? all_v : 0);
   const auto partial = [&](int64_t i) {  // item i's KVAcc
-    const auto at = [&](std::vector<float>& x) { return x.empty() ? nullptr : x.data() + i * part; };
-    return KVAcc{at(pk), at(pv), at(ek), at(ev)};
+    const auto at = [&](std::vector<float>& x, int64_t part) { return x.empty() ? nullptr : x.data() + i * part; };
+    return KVAcc{at(pk, part_k), at(pv, part_v), at(ek, part_k), at(ev, part_v)};
   };
   run_on_threads(threads, [&](int64_t) {
     BwdWorkspace ws(g, false);
     for (int64_t idx = next.fetch_add(1); idx < items; idx = next.fetch_add(1)) {
       const int64_t bhk = idx / chunks, c = idx % chunks;
       const int64_t b = bhk / g.kv_heads;
-      const PackedHead kv{kr.ptr + bhk * head_floats, vr.ptr + bhk * head_floats};
+      const PackedHead kv{kr.ptr + bhk * head_k, vr.ptr + bhk * head_v};
       backward_item<T>(g, t, g.opt->seq(b), bhk % g.kv_heads, bounds[b][c], bounds[b][c + 1], kv, ws,
                        partial(idx));
     }
@@ -559,7 +448,7 @@ void run_backward(const BwdGeometry& g, const Tensors& t) {
       const SeqRange s = g.opt->seq(bhk / g.kv_heads);
       if (j0 < s.nk)
         write_kv<T>(g, t, s, bhk % g.kv_heads, j0, std::min(s.nk, j0 + kBlockK), partial(bhk * chunks), chunks,
-                    part);
+                    part_k, part_v);
     }
   });
 }
@@ -579,9 +468,8 @@ void attention_backward(const AttentionCall& c, const BackwardTensors& bt, const
   g.kv_heads = p.kv_heads;
   g.q_len = p.q_len;
   g.kv_len = p.kv_len;
-  g.D = p.head_dim;
-  g.Dp = round_up(g.D, kG);
-  g.ld = g.Dp + kRowPad;
+  g.qk = Width(p.head_dim);
+  g.vo = Width(p.head_dim_v);
   g.group = p.gqa_ratio();
   g.causal = p.causal;
   const CallOptions opt(c);

@@ -27,12 +27,17 @@
 // lengths (common.h SeqRange); items run over (sequence, heads, query
 // blocks), and those past a sequence's end return at once.
 //
+// Two head dims (issue 20 §2): Q.K^T runs over D_qk (q's and k's), P.V and
+// the output over D_v (v's); they differ in MLA-style calls (DeepSeek-V3
+// prefill 192/128, absorbed-MLA decode 576/512) and are equal otherwise, when
+// every loop is the one it always was.
 // Extra memory: one workspace per thread of about
-// 4*kBlockQ*(2D) + kBlockK*(2D) + kBlockK*kBlockQ floats (~1 MB at D = 256,
+// 4*kBlockQ*(D_qk + D_v) + kBlockK*(D_qk + D_v) + kBlockK*kBlockQ floats (~1 MB at D = 256,
 // ~0.5 MB at D = 128), independent of N: never an N x N matrix.
 #include "kernels.h"
 #include "../metal_plan.h"
 #include "common.h"
+#include "forward_tiles.h"
 #include "simd.h"
 
 #include <ATen/ATen.h>
@@ -59,237 +64,14 @@ namespace {
 constexpr float kLn2 = 0.6931471805599453f;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
-// ---------------------------------------------------------------- tiling
-// Register tile of both micro-kernels: kTileRows rows x kTileVecs vectors of
-// simd.h's MVec. Why 6 x 2 on AVX2: 12 accumulators + 2 loaded vectors + 1
-// broadcast = 15 of the 16 ymm registers, the classic sgemm tile. NEON has 32
-// registers of 4 lanes, so 6 x 4 (24 accumulators) keeps the same 16-float
-// column width. AVX-512 also has 32 registers, of 16 lanes: 6 x 4 zmm, a
-// 64-float column panel (the backward's tile). Measured against the 6 x 2
-// ymm tile on this 2-core AVX-512 Xeon (benchmarks.llm --quick, float32
-// forward vs torch SDPA, two interleaved runs each, machine shared and
-// noisy): 1x8x1024x64 0.64-0.70x -> 1.01x, causal 0.73x -> 1.00x;
-// 2x4x512x128 0.76x -> 1.08-1.18x, causal ~1.0x -> 1.25-1.33x; GQA 1x8:2
-// 0.67-0.69x -> 1.00x, causal 0.76x -> 1.02-1.05x; half/bfloat16 prefill
-// gained as much, decode unchanged or better.
-constexpr int kTileRows = 6;
-#if defined(FLASH_METAL_SIMD_NEON) || defined(__AVX512F__)
-constexpr int kTileVecs = 4;
-#else
-constexpr int kTileVecs = 2;
-#endif
-constexpr int kTileCols = kTileVecs * kMW;  // 16 floats on AVX2 and NEON, 64 on AVX-512
-// Column granularity of the score block and of the packed V / O rows: one
-// micro-kernel vector (kW on AVX2 and NEON, 16 on AVX-512).
-constexpr int64_t kG = kMW;
-
-// Queries per query block and keys per key block. Why 96 x 96: both are
-// multiples of the 6-row register tile (no 4-row tail tiles in Q.K^T or P.V)
-// and 96 is six 16-wide column panels (64 + 32 with AVX-512). The score block is 36 KB, about L1;
-// measured single-thread against 64 x 64 on this Zen 3 machine: +5-8% at
-// (2048, D=64/128), e.g. 71.9 -> 76.9 GFLOP/s at D = 128 (64 x 72, 96 x 72
-// and 48 x 72 fell in between). Override with -DFLASH_METAL_CPU_BLOCK_Q/K
-// for tuning on other CPUs.
-#ifndef FLASH_METAL_CPU_BLOCK_Q
-#define FLASH_METAL_CPU_BLOCK_Q 96
-#endif
-constexpr int64_t kBlockQ = FLASH_METAL_CPU_BLOCK_Q;
-#ifndef FLASH_METAL_CPU_BLOCK_K
-#define FLASH_METAL_CPU_BLOCK_K 96
-#endif
-constexpr int64_t kBlockK = FLASH_METAL_CPU_BLOCK_K;
-static_assert(kBlockQ % kG == 0, "query block must be a whole number of vectors");
-
-
-
-// ---------------------------------------------------------------- micro-kernels
-#if defined(__GNUC__) || defined(__clang__)
-#define FLASH_METAL_ALWAYS_INLINE __attribute__((always_inline))
-#else
-#define FLASH_METAL_ALWAYS_INLINE
-#endif
-
-// ST[r][c..c+NV*kMW) = sum_d K[r][d] * QT[d][c..]   for r < MR.
-// K is a packed row tile: k[d * ks + r] (ks >= MR: the tile's packed height),
-// so the MR broadcasts of one step read consecutive floats. QT: row stride ldq.
-// RowMajor: K read in place instead, row r at k + r * ks (decode path).
-template <int MR, int NV, bool RowMajor>
-inline void qk_tile(const float* k, int64_t ks, const float* qt, int64_t ldq, int64_t D, float* st,
-                    int64_t lds) {
-  MVec acc[MR][NV];
-  for (int r = 0; r < MR; ++r)
-    for (int v = 0; v < NV; ++v) acc[r][v] = MVec::zero();
-  for (int64_t d = 0; d < D; ++d) {
-    MVec b[NV];
-    for (int v = 0; v < NV; ++v) b[v] = MVec::load(qt + d * ldq + v * kMW);
-    for (int r = 0; r < MR; ++r) {
-      const MVec a = MVec::broadcast(RowMajor ? k[r * ks + d] : k[d * ks + r]);
-      for (int v = 0; v < NV; ++v) acc[r][v] = fmadd(a, b[v], acc[r][v]);
-    }
-  }
-  for (int r = 0; r < MR; ++r)
-    for (int v = 0; v < NV; ++v) acc[r][v].store(st + r * lds + v * kMW);
-}
-
-// All key rows of one column panel of NV vectors.
-// packed_rows: rows in the packed block, or, for RowMajor, K's row stride.
-template <int NV, bool RowMajor>
-inline void qk_panel(const float* k, int64_t nk, int64_t packed_rows, const float* qt, int64_t ldq, int64_t D,
-                     float* st, int64_t lds) {
-  const int64_t tile_step = RowMajor ? packed_rows : D;  // floats from one row tile to the next, per row
-  int64_t r = 0;
-  for (; r + kTileRows <= nk; r += kTileRows)
-    qk_tile<kTileRows, NV, RowMajor>(k + r * tile_step, RowMajor ? packed_rows : kTileRows, qt, ldq, D,
-                                     st + r * lds, lds);
-  const float* kr = k + r * tile_step;
-  const int64_t ks = RowMajor ? packed_rows : std::min<int64_t>(kTileRows, packed_rows - r);
-  float* sr = st + r * lds;
-  switch (nk - r) {
-    case 5: qk_tile<5, NV, RowMajor>(kr, ks, qt, ldq, D, sr, lds); break;
-    case 4: qk_tile<4, NV, RowMajor>(kr, ks, qt, ldq, D, sr, lds); break;
-    case 3: qk_tile<3, NV, RowMajor>(kr, ks, qt, ldq, D, sr, lds); break;
-    case 2: qk_tile<2, NV, RowMajor>(kr, ks, qt, ldq, D, sr, lds); break;
-    case 1: qk_tile<1, NV, RowMajor>(kr, ks, qt, ldq, D, sr, lds); break;
-    default: break;
-  }
-}
-
-// ST (nk x ncols) = K (nk x D) . QT (D x ncols); ncols a multiple of kG.
-// Column panels outermost: one QT panel (D x kTileCols floats, 16 KB at
-// D = 256 with 16 columns, 32 KB at D = 128 with AVX-512's 64) stays in L1
-// while the key rows stream past it.
-template <bool RowMajor>
-void qk_block(const float* k, int64_t nk, int64_t packed_rows, const float* qt, int64_t ldq, int64_t ncols, int64_t D,
-              float* st, int64_t lds) {
-  int64_t c = 0;
-  for (; c + kTileCols <= ncols; c += kTileCols) qk_panel<kTileVecs, RowMajor>(k, nk, packed_rows, qt + c, ldq, D, st + c, lds);
-  switch ((ncols - c) / kMW) {
-#if defined(FLASH_METAL_SIMD_NEON) || defined(__AVX512F__)
-    case 3: qk_panel<3, RowMajor>(k, nk, packed_rows, qt + c, ldq, D, st + c, lds); break;
-    case 2: qk_panel<2, RowMajor>(k, nk, packed_rows, qt + c, ldq, D, st + c, lds); break;
-#endif
-    case 1: qk_panel<1, RowMajor>(k, nk, packed_rows, qt + c, ldq, D, st + c, lds); break;
-    default: break;
-  }
-}
-
-// O[r][c..] = alpha[r] * O[r][c..] + sum_j P[j][r] * V[j][c..]   for r < MR, NV vectors of columns.
-// P is the transposed probability block (stride ldp), V rows have stride ldv.
-// Always inlined: with the issue 11 options (attention_item's two
-// instantiations) the compiler stopped inlining it, and the float32 forward
-// measured 3-4% slower than before the options (thread CPU time, 1 thread,
-// 1 x 8 x 1024 x 64); inlined, within 2% (the noise of this shared machine).
-template <int MR, int NV>
-FLASH_METAL_ALWAYS_INLINE inline void pv_tile(const float* p, int64_t ldp, int64_t nk, const float* v, int64_t ldv, const float* alpha,
-                    float* o, int64_t ldo) {
-  MVec acc[MR][NV];
-  for (int r = 0; r < MR; ++r) {
-    const MVec a = MVec::broadcast(alpha[r]);
-    for (int c = 0; c < NV; ++c) acc[r][c] = a * MVec::load(o + r * ldo + c * kMW);
-  }
-  for (int64_t j = 0; j < nk; ++j) {
-    MVec b[NV];
-    for (int c = 0; c < NV; ++c) b[c] = MVec::load(v + j * ldv + c * kMW);
-    for (int r = 0; r < MR; ++r) {
-      const MVec a = MVec::broadcast(p[j * ldp + r]);
-      for (int c = 0; c < NV; ++c) acc[r][c] = fmadd(a, b[c], acc[r][c]);
-    }
-  }
-  for (int r = 0; r < MR; ++r)
-    for (int c = 0; c < NV; ++c) acc[r][c].store(o + r * ldo + c * kMW);
-}
-
-// One column panel of NV vectors, all query rows.
-template <int NV>
-inline void pv_panel(const float* p, int64_t ldp, int64_t nk, int64_t nq, const float* v, int64_t ldv,
-                     const float* alpha, float* o, int64_t ldo) {
-  int64_t r = 0;
-  for (; r + kTileRows <= nq; r += kTileRows)
-    pv_tile<kTileRows, NV>(p + r, ldp, nk, v, ldv, alpha + r, o + r * ldo, ldo);
-  switch (nq - r) {
-    case 5: pv_tile<5, NV>(p + r, ldp, nk, v, ldv, alpha + r, o + r * ldo, ldo); break;
-    case 4: pv_tile<4, NV>(p + r, ldp, nk, v, ldv, alpha + r, o + r * ldo, ldo); break;
-    case 3: pv_tile<3, NV>(p + r, ldp, nk, v, ldv, alpha + r, o + r * ldo, ldo); break;
-    case 2: pv_tile<2, NV>(p + r, ldp, nk, v, ldv, alpha + r, o + r * ldo, ldo); break;
-    case 1: pv_tile<1, NV>(p + r, ldp, nk, v, ldv, alpha + r, o + r * ldo, ldo); break;
-    default: break;
-  }
-}
-
-// O (nq x nvec*kMW) = alpha * O + P^T . V   with P (nk x >= nq) transposed probabilities.
-// V is packed panel-major (see pack_v): the panel of columns [c, c + w)
-// starts at v + c * panel_rows with row stride w; only its first nk rows are used. Column panels outermost: one V panel
-// (nk x kTileCols floats: 6 KB at nk = 96 with 16 columns, 24 KB with 64) stays in L1 while every query row tile
-// reuses it.
-// row_stride > 0: V is read in place instead (rows row_stride apart; decode path).
-void pv_block(const float* p, int64_t ldp, int64_t nk, int64_t panel_rows, int64_t nq, const float* v,
-              int64_t row_stride, int64_t nvec, const float* alpha, float* o, int64_t ldo) {
-  const bool in_place = row_stride > 0;
-  int64_t c = 0;
-  for (; c + kTileVecs <= nvec; c += kTileVecs)
-    pv_panel<kTileVecs>(p, ldp, nk, nq, in_place ? v + c * kMW : v + c * kMW * panel_rows,
-                        in_place ? row_stride : kTileCols, alpha, o + c * kMW, ldo);
-  const float* vp = in_place ? v + c * kMW : v + c * kMW * panel_rows;
-  const int64_t w = in_place ? row_stride : (nvec - c) * kMW;
-  switch (nvec - c) {
-#if defined(FLASH_METAL_SIMD_NEON) || defined(__AVX512F__)
-    case 3: pv_panel<3>(p, ldp, nk, nq, vp, w, alpha, o + c * kMW, ldo); break;
-    case 2: pv_panel<2>(p, ldp, nk, nq, vp, w, alpha, o + c * kMW, ldo); break;
-#endif
-    case 1: pv_panel<1>(p, ldp, nk, nq, vp, w, alpha, o + c * kMW, ldo); break;
-    default: break;
-  }
-}
-
-// ---------------------------------------------------------------- packing
-// Outside decode, K and V blocks are always copied (and converted to float32)
-// into small per-thread buffers laid out for the micro-kernels. Reading
-// float32 K/V in place was measured slower at D = 128: with a 512-byte row
-// stride the rows of a block fall into only 8 of L1's 64 sets and evict one
-// another (the V load was the hottest instruction of P.V). Packing costs one
-// pass over the block per item (up to 4 x 96 queries) and makes every dtype
-// and stride take one path.
-
-
-// K rows [0, nk) -> float32 rows with stride D + kKRowPad (read by the
-// RowMajor Q.K^T tile). The pad keeps power-of-two head dims from putting
-// every row of the block into the same few L1 sets. Measured against packing
-// K into interleaved 6-row tiles (qk_tile's other layout, whose scalar
-// scatter was the hottest packing loop): +3-4% at D = 128, a plain vector
-// copy instead of a scatter.
-constexpr int64_t kKRowPad = 16;
-template <typename T>
-void pack_k_rows(const T* k, int64_t row_stride, int64_t dim_stride, int64_t nk, int64_t D, float* dst) {
-  for (int64_t j = 0; j < nk; ++j) convert_row(k + j * row_stride, dim_stride, D, dst + j * (D + kKRowPad));
-}
-
-// V rows [0, nk) -> column panels of kTileCols (the last one narrower):
-// the panel of columns [c, c + w) is dst[c * nk + j * w + (col - c)],
-// zero-padded from D to Dp columns.
-template <typename T>
-void pack_v(const T* v, int64_t row_stride, int64_t dim_stride, int64_t nk, int64_t D, int64_t Dp, float* dst) {
-  float row[kMaxHeadDim + kTileCols];
-  for (int64_t j = 0; j < nk; ++j) {
-    const T* src = v + j * row_stride;
-    const float* from = row;
-    if (std::is_same<T, float>::value && dim_stride == 1 && D == Dp) {
-      from = reinterpret_cast<const float*>(src);  // no staging copy needed
-    } else {
-      convert_row(src, dim_stride, D, row);
-      for (int64_t d = D; d < Dp; ++d) row[d] = 0.0f;
-    }
-    for (int64_t c = 0; c < Dp; c += kTileCols) {
-      const int64_t w = std::min<int64_t>(kTileCols, Dp - c);
-      float* out = dst + c * nk + j * w;
-      for (int64_t x = 0; x < w; x += kW) Vec::load(from + c + x).store(out + x);
-    }
-  }
-}
+using namespace fwd;  // tiling constants, micro-kernels and packing (forward_tiles.h)
 
 // ---------------------------------------------------------------- driver
 
 struct Geometry {
-  int64_t batch, q_heads, kv_heads, q_len, kv_len, head_dim, group;
+  int64_t batch, q_heads, kv_heads, q_len, kv_len, group;
+  int64_t head_dim;    // D_qk: the Q.K^T products' width
+  int64_t head_dim_v;  // D_v: the P.V products', out's (== head_dim but for MLA-style calls)
   bool causal;
   float scale_log2;       // softmax scale * log2(e), applied to q in float32
   int64_t q_stride[4], k_stride[4], v_stride[4], o_stride[4], lse_stride[3];
@@ -310,19 +92,20 @@ constexpr int64_t kMaxSubBlocks = 4;
 // reused by fewer than 16 queries, which does not pay for the copy.
 constexpr int64_t kSmallQueryCols = 16;
 
+// D is D_qk, Dvp is D_v rounded up to whole vectors.
 struct Workspace {
   FloatBuffer qt;  // kMaxSubBlocks x D x kBlockQ: transposed, pre-scaled query blocks
   FloatBuffer kb;  // kBlockK x (D + kKRowPad): converted K rows (pack_k_rows)
-  FloatBuffer vb;  // kBlockK x Dp: V block in column panels (pack_v)
+  FloatBuffer vb;  // kBlockK x Dvp: V block in column panels (pack_v)
   FloatBuffer st;  // kBlockK x kBlockQ: scores, then probabilities (transposed)
-  FloatBuffer o;   // kMaxSubBlocks x kBlockQ x Dp: unnormalised output accumulators
+  FloatBuffer o;   // kMaxSubBlocks x kBlockQ x Dvp: unnormalised output accumulators
   float m[kMaxSubBlocks * kBlockQ], l[kMaxSubBlocks * kBlockQ], alpha[kBlockQ];
-  explicit Workspace(int64_t D, int64_t Dp) {
+  Workspace(int64_t D, int64_t Dvp) {
     qt.resize(kMaxSubBlocks * D * kBlockQ);
     kb.resize(kBlockK * (D + kKRowPad));
-    vb.resize(kBlockK * Dp);
+    vb.resize(kBlockK * Dvp);
     st.resize(kBlockK * kBlockQ);
-    o.resize(kMaxSubBlocks * kBlockQ * Dp);
+    o.resize(kMaxSubBlocks * kBlockQ * Dvp);
   }
 };
 
@@ -340,9 +123,10 @@ void attention_item(const Geometry& g, const T* q, const T* k, const T* v, T* ou
   const CallOptions& opt = *g.opt;
   const SeqRange seq = opt.seq(b);
   if (i0 >= seq.nq) return;
-  const int64_t D = g.head_dim;
-  const int64_t Dp = round_up(D, kG);
-  const int64_t nvec = Dp / kMW;
+  const int64_t D = g.head_dim;     // Q.K^T
+  const int64_t Dv = g.head_dim_v;  // P.V and the output
+  const int64_t Dvp = round_up(Dv, kG);
+  const int64_t nvec = Dvp / kMW;
   const int64_t q_end = std::min(seq.nq, i0 + nsub * bq);
   nsub = (q_end - i0 + bq - 1) / bq;
 
@@ -364,7 +148,7 @@ void attention_item(const Geometry& g, const T* q, const T* k, const T* v, T* ou
     key_end_all = std::max(key_end_all, u.key_end);
     key_begin_all = std::min(key_begin_all, u.key_begin);
     u.qt = ws.qt.ptr + s * D * kBlockQ;
-    u.o = ws.o.ptr + s * kBlockQ * Dp;
+    u.o = ws.o.ptr + s * kBlockQ * Dvp;
     u.m = ws.m + s * kBlockQ;
     u.l = ws.l + s * kBlockQ;
 
@@ -378,7 +162,7 @@ void attention_item(const Geometry& g, const T* q, const T* k, const T* v, T* ou
     }
     for (int64_t d = 0; d < D; ++d)
       for (int64_t c = u.nrows; c < u.ncols; ++c) u.qt[d * kBlockQ + c] = 0.0f;
-    std::fill(u.o, u.o + u.nrows * Dp, 0.0f);
+    std::fill(u.o, u.o + u.nrows * Dvp, 0.0f);
     std::fill(u.m, u.m + u.ncols, kNegInf);
     std::fill(u.l, u.l + u.ncols, 0.0f);
     // Attention sinks: each row starts as if it had seen its head's sink, a
@@ -397,7 +181,7 @@ void attention_item(const Geometry& g, const T* q, const T* k, const T* v, T* ou
   // <= 16 queries and the loop is memory-bound), so read K and V in place.
   constexpr bool is_float = std::is_same<T, float>::value;
   const bool in_place = is_float && nsub == 1 && sub[0].ncols <= kSmallQueryCols && g.k_stride[3] == 1 &&
-                        g.v_stride[3] == 1 && D % kG == 0;
+                        g.v_stride[3] == 1 && Dv % kG == 0;
   float* st = ws.st.ptr;
   // Key blocks start at the first key any sub-block sees (the left window's
   // bound; 0 without one) and stop at the last (the causal/right bound).
@@ -411,7 +195,7 @@ void attention_item(const Geometry& g, const T* q, const T* k, const T* v, T* ou
       vblk = reinterpret_cast<const float*>(v_head) + j0 * g.v_stride[2];
     } else {
       pack_k_rows(k_head + j0 * g.k_stride[2], g.k_stride[2], g.k_stride[3], nk_all, D, ws.kb.ptr);
-      pack_v(v_head + j0 * g.v_stride[2], g.v_stride[2], g.v_stride[3], nk_all, D, Dp, ws.vb.ptr);
+      pack_v(v_head + j0 * g.v_stride[2], g.v_stride[2], g.v_stride[3], nk_all, Dv, Dvp, ws.vb.ptr);
     }
 
     for (int64_t s = 0; s < nsub; ++s) {
@@ -473,7 +257,7 @@ void attention_item(const Geometry& g, const T* q, const T* k, const T* v, T* ou
       }
 
       // 2d. O = alpha * O + P^T V
-      pv_block(st, kBlockQ, nk, nk_all, u.nrows, vblk, in_place ? g.v_stride[2] : 0, nvec, ws.alpha, u.o, Dp);
+      pv_block(st, kBlockQ, nk, nk_all, u.nrows, vblk, in_place ? g.v_stride[2] : 0, nvec, ws.alpha, u.o, Dvp);
     }
   }
 
@@ -486,17 +270,17 @@ void attention_item(const Geometry& g, const T* q, const T* k, const T* v, T* ou
       const int64_t h = h0 + c / u.nq, i = seq.q0 + u.i0 + c % u.nq;
       T* dst = out + seq.bi * g.o_stride[0] + h * g.o_stride[1] + i * g.o_stride[2];
       float* lrow = lse + seq.bi * g.lse_stride[0] + h * g.lse_stride[1] + i * g.lse_stride[2];
-      const float* src = u.o + c * Dp;
+      const float* src = u.o + c * Dvp;
       const float l = u.l[c];
       if (l > 0.0f) {
         const float inv = 1.0f / l;
         if (od == 1)  // the usual packed row: a loop the compiler vectorizes
-          for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<T>(src[d] * inv);
+          for (int64_t d = 0; d < Dv; ++d) dst[d] = static_cast<T>(src[d] * inv);
         else
-          for (int64_t d = 0; d < D; ++d) dst[d * od] = static_cast<T>(src[d] * inv);
+          for (int64_t d = 0; d < Dv; ++d) dst[d * od] = static_cast<T>(src[d] * inv);
         *lrow = kLn2 * (u.m[c] + std::log2(l));
       } else {  // the row sees no key (causal with Nk < Nq, a window, a mask, an empty sequence)
-        for (int64_t d = 0; d < D; ++d) dst[d * od] = static_cast<T>(0.0f);
+        for (int64_t d = 0; d < Dv; ++d) dst[d * od] = static_cast<T>(0.0f);
         *lrow = kNegInf;
       }
     }
@@ -551,7 +335,7 @@ void run_attention(const Geometry& g, const at::Tensor& q, const at::Tensor& k, 
   const int64_t q_items = (q_blocks + nsub - 1) / nsub;
   const int64_t items = lanes * q_items;
   const int64_t D = g.head_dim;
-  const int64_t Dp = round_up(D, kG);
+  const int64_t Dvp = round_up(g.head_dim_v, kG);
 
   // Dynamic scheduling: each thread pulls items from a shared counter. Items
   // are ordered last query block first, so under causal masking the most
@@ -561,7 +345,7 @@ void run_attention(const Geometry& g, const at::Tensor& q, const at::Tensor& k, 
   const int64_t threads = std::min<int64_t>(threads_avail, items);
   const bool score_opts = g.opt->score_options();
   run_on_threads(threads, [&](int64_t /*thread*/) {
-    Workspace ws(D, Dp);
+    Workspace ws(D, Dvp);
     for (int64_t idx = next.fetch_add(1); idx < items; idx = next.fetch_add(1)) {
       const int64_t qi = q_items - 1 - idx / lanes;
       const int64_t lane = idx % lanes;
@@ -592,6 +376,7 @@ void attention_forward(const AttentionCall& c, const AttentionOutputs& o) {
   g.q_len = p.q_len;
   g.kv_len = p.kv_len;
   g.head_dim = p.head_dim;
+  g.head_dim_v = p.head_dim_v;
   g.group = p.gqa_ratio();
   g.causal = p.causal;
   g.scale_log2 = p.scale_log2();

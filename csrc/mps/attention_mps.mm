@@ -196,11 +196,19 @@ at::Tensor scratch(const at::Tensor& like, int64_t n) {
 // The tensors of a plan's binding table: the options' inputs, or q in
 // their slots when absent (declared buffers are always bound; the kernel's
 // function constants keep them unread).
-void put_options(const AttentionCall& c, LaunchTensors* tensors) {
+// sinks32: the sinks as the kernels read them (sinks_as_float32), undefined without sinks.
+void put_options(const AttentionCall& c, const at::Tensor& sinks32, LaunchTensors* tensors) {
   const auto put = [&](LaunchTensor slot, const at::Tensor& t) { (*tensors)[static_cast<size_t>(slot)] = &t; };
   put(LaunchTensor::Mask, c.mask.defined() ? c.mask : c.q);
   put(LaunchTensor::CuSeqlensQ, c.p.varlen ? c.cu_seqlens_q : c.q);
   put(LaunchTensor::CuSeqlensK, c.p.varlen ? c.cu_seqlens_k : c.q);
+  put(LaunchTensor::Sinks, sinks32.defined() ? sinks32 : c.q);
+}
+
+// The sinks as every kernel reads them: float32, contiguous (Hq floats); the
+// tensor itself when it already is (no PyTorch op runs then).
+at::Tensor sinks_as_float32(const AttentionCall& c) {
+  return c.p.sinks ? c.sinks.to(at::kFloat).contiguous() : at::Tensor();
 }
 
 LaunchStrides launch_strides(const AttentionCall& c, const at::Tensor& out4, const at::Tensor& lse3) {
@@ -230,7 +238,8 @@ void forward_kernel(const AttentionCall& c, const AttentionOutputs& o, const std
   put(LaunchTensor::Lse, o.lse3);
   put(LaunchTensor::PartialOut, partial_out);
   put(LaunchTensor::PartialStats, partial_stats);
-  put_options(c, &tensors);
+  const at::Tensor sinks32 = sinks_as_float32(c);
+  put_options(c, sinks32, &tensors);
   encode_plan(plan, tensors, device, {c.q, c.k, c.v}, kForwardOp);
 }
 
@@ -266,8 +275,17 @@ void backward_kernel(const AttentionCall& c, const BackwardTensors& t, const Att
   put(LaunchTensor::GradV, g.grad_v4);
   put(LaunchTensor::GradLse, glse);
   put(LaunchTensor::Delta, delta);
-  put_options(c, &tensors);
+  // With sinks, flash_sinks_grad writes float32 grad_sinks: straight into
+  // g.grad_sinks when that is float32 (it is allocated packed), else into
+  // scratch converted after the encoding (a PyTorch op, queued on the same
+  // stream after the kernels).
+  const at::Tensor sinks32 = sinks_as_float32(c);
+  const bool direct = c.p.sinks && g.grad_sinks.scalar_type() == at::kFloat;
+  const at::Tensor grad_sinks32 = direct ? g.grad_sinks : c.p.sinks ? scratch(c.q, c.p.q_heads) : at::Tensor();
+  if (c.p.sinks) put(LaunchTensor::GradSinks, grad_sinks32);
+  put_options(c, sinks32, &tensors);
   encode_plan(plan, tensors, device, {t.grad_out4, c.q, c.k, c.v}, kBackwardOp);
+  if (c.p.sinks && !direct) g.grad_sinks.copy_(grad_sinks32);
 }
 
 FLASH_METAL_DEFINE_OPS(forward_kernel, backward_kernel)

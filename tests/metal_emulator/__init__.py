@@ -13,7 +13,7 @@ Importable as ``tests.metal_emulator`` or, with tests/ on sys.path, as ``metal_e
 from ._build import BuildError, find_clang
 from ._check import MslRuleError, check_msl_rules
 from ._ir import private_arrays, slow_integer_math
-from ._library import DISPATCHED, DispatchCounts, EmulatorError, Library, compile_library
+from ._library import DISPATCHED, DispatchCounts, EmulatorError, Library, compile_library, preprocessed
 
 __all__ = [
     "BuildError",
@@ -25,6 +25,7 @@ __all__ = [
     "check_msl_rules",
     "compile_library",
     "find_clang",
+    "preprocessed",
     "private_arrays",
     "slow_integer_math",
 ]

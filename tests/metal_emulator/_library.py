@@ -442,3 +442,18 @@ def _compile(paths: list[str], instrumented: bool, fast_math: bool) -> Library:
         decls = [_registry.KernelDecl(d["name"], [_registry.Param(**p) for p in d["params"]], d["max_threads"])
                  for d in json.load(f)]
     return Library(os.path.join(final, "lib.so"), decls, paths, instrumented, fast_math)
+
+
+
+def preprocessed(path: str) -> str:
+    """The tokens of one .metal file after clang's preprocessor, with the
+    emulator's flags and stand-in headers (line markers and blank lines
+    dropped). Two files giving the same text are the same program, so a caller
+    can reuse the build of one for the other: the executed host's
+    runtime-compile scenarios replay the recorded source against the shipped
+    library this way. (Before the pre-pass, whose registrations name the file
+    and line of each kernel: they differ between the two, the code does not.)"""
+    path = os.path.abspath(path)
+    proc = _build._run([_build.find_clang(), *_build.common_flags(), "-I", os.path.dirname(path), "-E", "-P", path],
+                       f"preprocessing {path}")
+    return "\n".join(line.rstrip() for line in proc.stdout.splitlines() if line.strip())

@@ -1,0 +1,279 @@
+"""Different head dims for q/k (D_qk) and v (D_v) on the CPU kernels (issue 20, section 2).
+
+MLA-style attention (DeepSeek-V2/V3, Kimi): q and k have D_qk, v has D_v,
+out and grad_v have D_v, grad_q and grad_k D_qk; the default scale is
+1/sqrt(D_qk) (as in torch's SDPA). Checked against the float64 oracle by the
+2x rule, forward and backward, on the pairs real models use ((192, 128)
+prefill and training, (576, 512) absorbed-MLA decode) and on small ones
+either way round ((64, 32), (32, 64)), with causal, the window, softcap,
+masks, GQA, varlen and sinks (a few combinations, not a full product); a
+gradcheck; opcheck; the bad-input errors; the Metal planner's refusal; the
+SDPA drop-in and the flash-attn API. Small ragged shapes: a few seconds.
+"""
+import zlib
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import flash_metal
+from flash_metal import reference as R
+from numerics import (assert_attention_close, assert_gradients_close, assert_varlen_close,
+                      assert_varlen_gradients_close, dtype_id, make_tensor)
+
+
+def _gen(*key):
+    return torch.Generator().manual_seed(zlib.crc32(repr(key).encode()))
+
+
+def _qkv(B, hq, hkv, nq, nk, dqk, dv, dtype, g, layout="contiguous"):
+    # Fresh random values (never zeros); `layout` applies to v (its strides
+    # are the ones a D_v kernel could confuse with k's).
+    return (make_tensor((B, hq, nq, dqk), "contiguous", dtype, g),
+            make_tensor((B, hkv, nk, dqk), "contiguous", dtype, g),
+            make_tensor((B, hkv, nk, dv), layout, dtype, g))
+
+
+def _bool_mask(B, nq, nk, g):
+    m = torch.rand(B, 1, nq, nk, generator=g) > 0.3
+    m[0, 0, 2] = False  # a fully masked row: zeros, lse = -inf
+    return m
+
+
+# (name, (D_qk, D_v), dtype, B, Hq, Hkv, Nq, Nk, causal, options builder, v layout)
+# Ragged lengths; GQA 4:2 throughout. "decode" rows (Nq = 1, float32, a GQA
+# group of <= 16 columns) take the forward's in-place path, which reads K rows
+# D_qk wide and V rows D_v wide through their own strides.
+CASES = [
+    ("mla192_plain", (192, 128), torch.float32, 2, 4, 2, 13, 21, False, lambda g: {}, "contiguous"),
+    ("mla192_causal_long", (192, 128), torch.float32, 1, 4, 2, 200, 230, True, lambda g: {}, "contiguous"),
+    ("mla192_bf16_window", (192, 128), torch.bfloat16, 2, 4, 2, 13, 21, True, lambda g: dict(window_left=5),
+     "contiguous"),
+    ("mla192_softcap_mask", (192, 128), torch.float16, 1, 4, 2, 13, 21, False,
+     lambda g: dict(softcap=3.0, attn_mask=_bool_mask(1, 13, 21, g)), "every_other"),
+    ("mla192_sinks", (192, 128), torch.float32, 2, 4, 2, 13, 21, True,
+     lambda g: dict(sinks=torch.randn(4, generator=g) + 0.5), "transposed"),
+    ("mla576_decode", (576, 512), torch.float32, 2, 4, 2, 1, 37, False, lambda g: {}, "contiguous"),
+    ("mla576_prefill", (576, 512), torch.float32, 1, 4, 2, 9, 23, True, lambda g: {}, "contiguous"),
+    ("mla576_bf16_decode", (576, 512), torch.bfloat16, 1, 4, 2, 2, 29, True, lambda g: {}, "contiguous"),
+    ("wide_qk", (64, 32), torch.float32, 2, 4, 2, 13, 21, False, lambda g: dict(softcap=2.0), "offset_slice"),
+    ("wide_v", (32, 64), torch.float32, 2, 4, 2, 13, 21, True, lambda g: {}, "contiguous"),
+    ("wide_v_decode", (32, 64), torch.float32, 1, 4, 2, 1, 50, False, lambda g: {}, "contiguous"),
+    ("ragged_dims", (40, 24), torch.bfloat16, 1, 4, 1, 11, 19, False,
+     lambda g: dict(attn_mask=torch.randn(1, 4, 11, 19, generator=g).bfloat16()), "d_outer"),
+]
+IDS = [c[0] for c in CASES]
+
+
+def _case(name):
+    _, (dqk, dv), dtype, B, hq, hkv, nq, nk, causal, build, layout = next(c for c in CASES if c[0] == name)
+    g = _gen(name)
+    q, k, v = _qkv(B, hq, hkv, nq, nk, dqk, dv, dtype, g, layout)
+    return g, q, k, v, causal, build(g)
+
+
+@pytest.mark.parametrize("name", IDS)
+def test_forward_matches_oracle(name):
+    g, q, k, v, causal, options = _case(name)
+    out, lse = flash_metal.attention_with_lse(q, k, v, causal, **options)
+    assert out.shape == q.shape[:-1] + v.shape[-1:] and out.dtype == q.dtype
+    assert_attention_close(out, lse, q, k, v, causal, None, **options)
+
+
+@pytest.mark.parametrize("name", IDS)
+def test_backward_matches_oracle(name):
+    g, q, k, v, causal, options = _case(name)
+    qq, kk, vv = (t.detach().clone().requires_grad_(True) for t in (q, k, v))
+    given = dict(options)
+    if "sinks" in given:  # grad_sinks too: its rowsum(dO * O) runs over D_v
+        given["sinks"] = given["sinks"].clone().requires_grad_(True)
+    out, lse = flash_metal.attention_with_lse(qq, kk, vv, causal, **given)
+    grad_out = torch.randn(out.shape, generator=g).to(q.dtype)
+    grad_lse = torch.randn(lse.shape, generator=g)
+    ((out.float() * grad_out.float()).sum() + (lse * grad_lse).sum()).backward()
+    assert qq.grad.shape == q.shape and kk.grad.shape == k.shape and vv.grad.shape == v.shape
+    assert_gradients_close((qq.grad, kk.grad, vv.grad), q, k, v, grad_out, causal, None, grad_lse, **options)
+    if "sinks" in given:
+        s64 = options["sinks"].double().requires_grad_(True)
+        ro, rl = R.attention_reference(q, k, v, causal, None, **dict(options, sinks=s64))
+        (ref,) = torch.autograd.grad((ro * grad_out.double()).sum() + (rl * grad_lse.double()).sum(), s64)
+        torch.testing.assert_close(given["sinks"].grad.double(), ref, rtol=1e-4, atol=1e-4)
+
+
+def test_empty_problems_have_the_value_dim():
+    # Nk = 0 (zeros, lse = -inf) and Nq = 0: outputs and gradients in their own head dims.
+    q, k, v = torch.randn(2, 4, 3, 24), torch.randn(2, 2, 0, 24), torch.randn(2, 2, 0, 8)
+    out, lse = torch.ops.flash_metal.attention_forward(q, k, v)
+    assert out.shape == (2, 4, 3, 8) and (out == 0).all() and torch.isneginf(lse).all()
+    grads = torch.ops.flash_metal.attention_backward(torch.randn(2, 4, 3, 8), q, k, v, out, lse)[:3]
+    assert [tuple(t.shape) for t in grads] == [(2, 4, 3, 24), (2, 2, 0, 24), (2, 2, 0, 8)] and (grads[0] == 0).all()
+    out, _ = torch.ops.flash_metal.attention_forward(q[:, :, :0], torch.randn(2, 2, 5, 24), torch.randn(2, 2, 5, 8))
+    assert out.shape == (2, 4, 0, 8)
+
+
+def test_backward_chunked_mqa():
+    # B * Hkv = 1 kv head on a 2-thread pool: the backward cuts the query rows
+    # into chunks whose partial dK (D_qk wide) and dV (D_v wide) are summed
+    # afterwards, each with its own width.
+    from numerics import threads
+
+    g = _gen("chunked")
+    q, k, v = _qkv(1, 3, 1, 200, 210, 72, 40, torch.float32, g)
+    grad_out = torch.randn(1, 3, 200, 40, generator=g)
+    with threads(2):
+        out, lse = torch.ops.flash_metal.attention_forward(q, k, v, True)
+        grads = torch.ops.flash_metal.attention_backward(grad_out, q, k, v, out, lse, True)[:3]
+    assert_gradients_close(grads, q, k, v, grad_out, True)
+
+
+def test_varlen():
+    g = _gen("varlen")
+    lq, lk = [5, 1, 0, 7, 3], [9, 1, 4, 6, 0]  # one-token, no-query and no-key sequences
+    cu_q = torch.tensor([0] + torch.tensor(lq).cumsum(0).tolist(), dtype=torch.int32)
+    cu_k = torch.tensor([0] + torch.tensor(lk).cumsum(0).tolist(), dtype=torch.int32)
+    q = torch.randn(sum(lq), 4, 48, generator=g)
+    k = torch.randn(sum(lk), 2, 48, generator=g)
+    v = torch.randn(sum(lk), 2, 24, generator=g)
+    options = dict(window_left=3, softcap=3.0)
+    qq, kk, vv = (t.clone().requires_grad_(True) for t in (q, k, v))
+    out, lse = flash_metal.attention_varlen_with_lse(qq, kk, vv, cu_q, cu_k, max(lq), max(lk), True, **options)
+    assert out.shape == (sum(lq), 4, 24)
+    assert_varlen_close(out.detach(), lse.detach(), q, k, v, cu_q, cu_k, True, None, **options)
+    grad_out = torch.randn(out.shape, generator=g)
+    grad_lse = torch.randn(lse.shape, generator=g)
+    ((out * grad_out).sum() + (lse * grad_lse).sum()).backward()
+    assert_varlen_gradients_close((qq.grad, kk.grad, vv.grad), q, k, v, grad_out, cu_q, cu_k, True, None, grad_lse,
+                                  **options)
+
+
+@pytest.mark.filterwarnings("ignore:Input #.* is not a double precision:UserWarning")
+def test_gradcheck():
+    # float32 central differences (no float64 kernel), as tests/test_backward.py's.
+    g = _gen("gradcheck")
+    q, k, v = (t.requires_grad_(True) for t in _qkv(1, 4, 2, 5, 7, 12, 8, torch.float32, g))
+
+    def fn(q, k, v):
+        return flash_metal.attention_with_lse(q, k, v, causal=True, window_left=3)
+
+    assert torch.autograd.gradcheck(fn, (q, k, v), eps=1e-2, atol=2e-3, rtol=2e-3, nondet_tol=0.0)
+
+
+def test_reference_matches_sdpa_with_its_own_value_dim():
+    # The oracle with D_v != D_qk is torch's math SDPA (which allows it) in float64.
+    g = _gen("oracle")
+    q, k, v = _qkv(2, 4, 4, 6, 9, 20, 12, torch.float64, g)
+    out, _ = R.attention_reference(q, k, v, True, None)
+    want = F.scaled_dot_product_attention(q, k, v, attn_mask=R.visible_keys(6, 9, causal=True))
+    torch.testing.assert_close(out, want, rtol=1e-12, atol=1e-12)
+
+
+def test_opcheck():
+    g = _gen("opcheck")
+    q, k, v = _qkv(1, 4, 2, 6, 9, 24, 16, torch.float32, g)
+    torch.library.opcheck(torch.ops.flash_metal.attention_forward.default, (q, k, v, True, None, "auto"))
+    out, lse = torch.ops.flash_metal.attention_forward(q, k, v, True)
+    grad_out = torch.randn(out.shape, generator=g)
+    torch.library.opcheck(torch.ops.flash_metal.attention_backward.default,
+                          (grad_out, q, k, v, out, lse, True, None, torch.randn(lse.shape, generator=g), "auto"))
+    cu = torch.tensor([0, 2, 6], dtype=torch.int32)
+    qv, kv, vv = q[0].transpose(0, 1), k[0, :, :6].transpose(0, 1), v[0, :, :6].transpose(0, 1)
+    torch.library.opcheck(torch.ops.flash_metal.attention_varlen_forward.default, (qv, kv, vv, cu, cu, 4, 4, True))
+
+
+def test_compile_traces_the_value_dim():
+    # The fake kernels give out D_v: tracing the product with a (D_v, 3)
+    # matrix fails if the fake's out has q's head dim.
+    g = _gen("compile")
+    q, k, v = _qkv(1, 2, 2, 5, 7, 16, 8, torch.float32, g)
+    w = torch.randn(8, 3, generator=g)
+    fn = torch.compile(lambda q, k, v: flash_metal.attention(q, k, v, causal=True) @ w, backend="eager",
+                       fullgraph=True)
+    torch.testing.assert_close(fn(q, k, v), flash_metal.attention(q, k, v, causal=True) @ w)
+
+
+BAD = [
+    # (what, q, k, v shapes, exception, message pattern)
+    ("k's head dim", (1, 4, 8, 192), (1, 2, 9, 128), (1, 2, 9, 128), ValueError,
+     r"k has head_dim 128 but q has head_dim 192; k must have q's head dim \(D_qk = 192\)"),
+    ("v's length", (1, 4, 8, 192), (1, 2, 9, 192), (1, 2, 10, 128), ValueError,
+     r"v must have k's batch, heads and seq_len \[1, 2, 9\] \(its head_dim D_v may differ"),
+    ("v's heads", (1, 4, 8, 192), (1, 2, 9, 192), (1, 1, 9, 128), ValueError, r"v must have k's batch, heads"),
+    ("D_qk too big", (1, 4, 8, 577), (1, 2, 9, 577), (1, 2, 9, 512), ValueError,
+     r"head_dim \(last dimension of q\) must be between 1 and 576; got 577"),
+    ("D_v too big", (1, 4, 8, 576), (1, 2, 9, 576), (1, 2, 9, 513), ValueError,
+     r"v's head_dim \(D_v, last dimension of v\) must be between 1 and 512; got 513"),
+    ("D_v zero", (1, 4, 8, 64), (1, 2, 9, 64), (1, 2, 9, 0), ValueError, r"v must have at least one head and head_dim"),
+]
+
+
+@pytest.mark.parametrize("what,qs,ks,vs,exc,pattern", BAD, ids=[b[0] for b in BAD])
+def test_bad_shapes_are_named(what, qs, ks, vs, exc, pattern):
+    q, k, v = torch.randn(qs), torch.randn(ks), torch.randn(vs)
+    with pytest.raises(exc, match=pattern):
+        flash_metal.attention(q, k, v)
+    with pytest.raises(exc, match=pattern):
+        flash_metal.explain(q, k, v)
+
+
+def test_bad_backward_shapes_are_named():
+    g = _gen("bad-backward")
+    q, k, v = _qkv(1, 4, 2, 8, 9, 32, 16, torch.float32, g)
+    out, lse = torch.ops.flash_metal.attention_forward(q, k, v)
+    bwd = torch.ops.flash_metal.attention_backward
+    with pytest.raises(ValueError, match=r"grad_out must have shape \[1, 4, 8, 16\] \(q's, with v's head_dim D_v = 16\)"
+                                         r"; got \[1, 4, 8, 32\]"):
+        bwd(torch.randn(1, 4, 8, 32), q, k, v, out, lse)
+    with pytest.raises(ValueError, match=r"out must have shape \[1, 4, 8, 16\]"):
+        bwd(torch.randn_like(out), q, k, v, torch.randn(1, 4, 8, 32), lse)
+
+
+@pytest.mark.parametrize("backward", [False, True], ids=["forward", "backward"])
+def test_metal_plan_refuses_different_dims(backward):
+    # No Metal kernel takes D_v != D_qk (or D > 256) yet: every plan (the MPS
+    # host's and explain()'s) is refused, never planned with one head dim.
+    q = torch.randn(1, 4, 16, 192, dtype=torch.float16)
+    k = torch.randn(1, 2, 16, 192, dtype=torch.float16)
+    with pytest.raises(NotImplementedError, match=r"D_qk = 192 different from v's D_v = 128 on Metal kernels: not "
+                                                  r"yet \(" + ("backward" if backward else "forward")):
+        flash_metal.explain(q, k, torch.randn(1, 2, 16, 128, dtype=torch.float16), backward=backward)
+    flash_metal.explain(q, k, torch.randn(1, 2, 16, 192, dtype=torch.float16), backward=backward)  # equal: planned
+    wide = torch.randn(1, 2, 16, 320, dtype=torch.float16)
+    with pytest.raises(NotImplementedError, match=r"head_dim 320 on Metal kernels: not yet \(at most 256"):
+        flash_metal.explain(torch.randn(1, 4, 16, 320, dtype=torch.float16), wide, wide, backward=backward)
+
+
+def test_sdpa_drop_in_takes_its_own_value_dim():
+    g = _gen("sdpa")
+    q, k, v = _qkv(2, 4, 2, 7, 11, 48, 32, torch.float32, g)
+    route = flash_metal.sdpa_route(q, k, v, is_causal=True, enable_gqa=True)
+    assert route.flash_metal, route
+    out = flash_metal.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    want = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), is_causal=True, enable_gqa=True)
+    assert out.shape == (2, 4, 7, 32)
+    torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-5)
+
+
+def test_flash_attn_api_takes_its_own_value_dim():
+    g = _gen("flash-attn")
+    q = torch.randn(2, 7, 4, 48, generator=g)
+    k = torch.randn(2, 11, 2, 48, generator=g)
+    v = torch.randn(2, 11, 2, 32, generator=g)
+    out, lse, _ = flash_metal.flash_attn_func(q, k, v, causal=True, return_attn_probs=True)
+    assert out.shape == (2, 7, 4, 32)
+    ref, ref_lse = R.attention_reference(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), True)
+    torch.testing.assert_close(out.double(), ref.transpose(1, 2), rtol=1e-5, atol=1e-5)
+    # A KV cache whose v has its own head dim (absorbed MLA keeps a D_v latent): append, then attend.
+    k_cache, v_cache = torch.randn(2, 16, 2, 48, generator=g), torch.randn(2, 16, 2, 32, generator=g)
+    k_cache[:, :11], v_cache[:, :11] = k, v
+    knew, vnew = torch.randn(2, 1, 2, 48, generator=g), torch.randn(2, 1, 2, 32, generator=g)
+    dec = flash_metal.flash_attn_with_kvcache(q[:, :1], k_cache, v_cache, knew, vnew,
+                                              cache_seqlens=torch.tensor([11, 11], dtype=torch.int32), causal=True)
+    kf, vf = torch.cat([k, knew], 1), torch.cat([v, vnew], 1)
+    ref, _ = R.attention_reference(q[:, :1].transpose(1, 2), kf.transpose(1, 2), vf.transpose(1, 2), True)
+    assert dec.shape == (2, 1, 4, 32)
+    torch.testing.assert_close(dec.double(), ref.transpose(1, 2), rtol=1e-5, atol=1e-5)
+    # New rows with another head dim than their cache's: named, before anything is written.
+    before = v_cache.clone()
+    with pytest.raises(ValueError, match=r"flash_attn_with_kvcache: v has head dim 48 but v_cache has 32"):
+        flash_metal.flash_attn_with_kvcache(q[:, :1], k_cache, v_cache, knew, knew, cache_seqlens=3)
+    assert torch.equal(v_cache, before)
