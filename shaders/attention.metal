@@ -14,7 +14,8 @@
 #include "attention_tiled.h"
 #include "attention_prefill.h"
 #include "attention_decode.h"
-#include "attention_backward.h"
+#include "attention_backward_dq.h"
+#include "attention_backward_dkdv.h"
 #include "attention_sinks.h"
 
 // The one instantiation macro: a host name plus the template it names; the
