@@ -10,7 +10,9 @@ on-core data):
   scalar softmax work, exp2) spread over the active cores; a key block of one
   threadgroup also has a SERIAL section (the K/V tile load's DRAM latency,
   the barriers, the MMA dependency chains at ~36 cycles per 8x8 float32 MMA,
-  the softmax's shuffles and exp2). With r threadgroups resident per core (the
+  the softmax's shuffles and exp2; the backward's kernels: a streamed block,
+  backward_blocks, whose S and dP chains run over all features in every
+  feature part). With r threadgroups resident per core (the
   planner's estimate, flash_metal.explain(gpu=...).threadgroups_per_core,
   capped by the grid's share) a core finishes r blocks in
   max(r * work, latency + work): latency is hidden only when r * work covers
@@ -134,6 +136,24 @@ def key_blocks(kernel, s, causal):
     return [math.ceil(visible(min(q0 + bq, s.nq) - 1, s, causal) / bk) for q0 in range(0, s.nq, bq)], bk
 
 
+def backward_blocks(kernel, s, causal):
+    """The backward kernels' loop, from the shape: ([streamed blocks per
+    threadgroup of one head], rows per streamed block, heads the grid repeats
+    it over). dQ (flash_backward_dq_..._bq<R>_bk<S>_): a query block of R rows
+    streams the key blocks its last row sees. dK/dV (..._bq<S>_bk<R>_): a key
+    block of R keys streams, for each query head of its GQA group, the query
+    blocks from the first row that sees it (attention_backward_dkdv.h)."""
+    m = re.search(r"_bq(\d+)_bk(\d+)_", kernel)
+    bq, bk = int(m.group(1)), int(m.group(2))
+    if "_dq_" in kernel:
+        return [math.ceil(visible(min(q0 + bq, s.nq) - 1, s, causal) / bk) for q0 in range(0, s.nq, bq)], bk, \
+            s.b * s.hq
+    first_row = lambda k0: max(0, k0 - (s.nk - s.nq)) if causal else 0  # noqa: E731
+    group = s.hq // s.hkv
+    return [group * math.ceil(max(0, s.nq - first_row(k0) // bq * bq) / bq) for k0 in range(0, s.nk, bk)], bq, \
+        s.b * s.hkv
+
+
 def _dmax(kernel):
     return int(re.search(r"_d(\d+)", kernel).group(1))
 
@@ -176,13 +196,28 @@ def dispatch_time(r, index, gpu, s, dtype, causal, k=POINT):
         mma_rate = G.MMA_RATE[gpu.generation][k["mma"]]
         work = (c["simdgroup_mmas"] * FFMA_PER_MMA / mma_rate + c["exp2_calls"] * SCALAR_OPS_PER_EXP2 / LANES_PER_CORE
                 + c["exp2_calls"] / G.EXP2_PER_CORE_CYCLE)  # core-cycles, the whole dispatch
+        d_frags = math.ceil(s.d / 8)
+        serial = None
         if kb and "prefill" in r.kernel:
             blocks, bk = kb
-            total = sum(blocks) * heads
-            w = work / total  # one threadgroup's key block, core-cycles at full rate
-            d_frags = math.ceil(s.d / 8)
             lat = (dram_cycles + 4 * BARRIER_CYCLES + (d_frags + bk // 8) * MMA_LATENCY
                    + 2 * TG_LOAD_LATENCY + 4 * SHUFFLE_LATENCY + 2 * SHUFFLE_LATENCY)
+            serial = blocks, heads, lat
+        elif "flash_backward_" in r.kernel:
+            # A streamed block of the backward: its two tiles' DRAM latency,
+            # 2 barriers, S and dP (independent chains over the features),
+            # then the accumulation over the block's rows (dQ += dS.K; dV,
+            # dK likewise), 2 fragment reads and one exp2, no shuffles (P
+            # comes from lse). Feature parts do not shorten it: each part
+            # runs the whole S and dP chains.
+            blocks, streamed, bheads = backward_blocks(r.kernel, s, causal)
+            lat = (dram_cycles + 2 * BARRIER_CYCLES + (d_frags + streamed // 8) * MMA_LATENCY
+                   + 2 * TG_LOAD_LATENCY + SHUFFLE_LATENCY)
+            serial = blocks, bheads, lat
+        if serial:
+            blocks, heads, lat = serial
+            total = sum(blocks) * heads
+            w = work / total  # one threadgroup's streamed block, core-cycles at full rate
             if causal:  # unequal threadgroups: the average residency, no wave structure
                 cycles = total * max(w, (lat + w) / r_core) / active
             else:  # equal threadgroups in waves of active x tgs_core, a partial last wave costing a whole one

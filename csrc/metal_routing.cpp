@@ -104,6 +104,13 @@ uint32_t decode_splits(const AttentionProblem& p, uint32_t bucket, uint32_t chun
   return static_cast<uint32_t>(splits);
 }
 
+// num / den to two decimals ("1.57"), for the reasons' cost figures.
+std::string ratio_text(uint32_t num, uint32_t den) {
+  const uint32_t hundredths = (num * 100 + den / 2) / den;
+  const uint32_t frac = hundredths % 100;
+  return std::to_string(hundredths / 100) + "." + (frac < 10 ? "0" : "") + std::to_string(frac);
+}
+
 std::string padding_note(int64_t head_dim, uint32_t bucket) {
   if (head_dim == bucket) return "";
   return "; head_dim " + std::to_string(head_dim) + " runs zero-padded in the " + std::to_string(bucket) +
@@ -222,6 +229,12 @@ KernelChoice choose_backward(const AttentionProblem& p, KernelRequest requested)
     c.reason += "; dQ, dK and dV split over " + std::to_string(best.parts) +
                 " simdgroups by features (each recomputes its rows' P and dP; whole, dK and dV would take " +
                 std::to_string(dkdv_live_floats(c.bucket, c.dkv_block_q, 1) + kLiveOverhead) + " registers per lane)";
+    // The price of the rule: per 8 x 8 block pair, a part-free plan runs
+    // 3 products of bucket / 8 MMAs in the dQ kernel (S, dP, dQ) and 4 in
+    // the dK/dV kernel (S, dP, dV, dK); with F parts S and dP run F times
+    // in each: (2F + 1) + (2F + 2) against 7.
+    c.reason += "; the price: S and dP run " + std::to_string(best.parts) + " times, (4F + 3) / 7 = " +
+                ratio_text(4 * best.parts + 3, 7) + "x the matrix products of whole-feature simdgroups";
   }
   c.reason += " (within the " + std::to_string(kBackwardRegisterBudget) + "-value register budget, " +
               std::to_string(best.resident) + " resident simdgroups per core on every named chip)";
@@ -336,7 +349,9 @@ KernelChoice choose_metal_kernel(const AttentionProblem& p, KernelRequest reques
                   " live values per lane, " + std::to_string(best_resident) +
                   " resident simdgroups per core on every named chip" +
                   (best_parts > 1 ? "; each 8-row group on " + std::to_string(best_parts) +
-                                        " simdgroups split by O's features (each recomputes the rows' scores)"
+                                        " simdgroups split by O's features (each recomputes the rows' scores: "
+                                        "(F + 1) / 2 = " + ratio_text(best_parts + 1, 2) +
+                                        "x the matrix products of whole-feature simdgroups)"
                                   : "");
       break;
     }

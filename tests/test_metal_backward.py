@@ -275,6 +275,34 @@ def test_reads_match_the_flashattention2_backward_io_model(causal, D):
         a, b = got[key]
         assert a == b, key
         assert (a < full[key]) if causal else (a == full[key]), key
+    # The time model's loop (benchmarks/metal_model_timing.backward_blocks,
+    # whose blocks each get a serial section) is the kernels': one
+    # threadgroup per listed entry, 2 barriers per streamed block, plus the
+    # dQ kernel's 1 per threadgroup before Delta (2 with feature parts).
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    if root not in sys.path:
+        sys.path.insert(0, root)
+    from benchmarks.metal_model import Shape
+    from benchmarks.metal_model_timing import backward_blocks
+
+    for d, c, per_tg in ((dq, dq_counts, 2 if split > 1 else 1), (dkdv, dkdv_counts, 0)):
+        blocks, _, heads = backward_blocks(d.kernel_name, Shape(B, Hq, Hkv, Nq, Nk, D), causal)
+        assert c.threadgroups == len(blocks) * heads
+        assert c.threadgroup_barriers == 2 * sum(blocks) * heads + per_tg * c.threadgroups
+    if not causal:
+        # The parts' recomputation, counted (what the performance model is
+        # fed): per (8 real rows, streamed block) each of the F parts runs
+        # all of S and dP (D / 8 MMAs per 8 streamed rows each); the
+        # accumulators (dQ; dK and dV) are split across the parts. The
+        # reason states the resulting factor, (4F + 3) / 7.
+        frags = D // 8
+        (_, qbk, _, _), (kbq, _, _, _) = _blocks(dq), _blocks(dkdv)
+        assert dq_counts.simdgroup_mmas == B * Hq * math.ceil(Nq / 8) * math.ceil(Nk / qbk) * (
+            2 * split * frags + frags) * (qbk // 8)
+        assert dkdv_counts.simdgroup_mmas == B * Hq * math.ceil(Nk / 8) * math.ceil(Nq / kbq) * (
+            2 * split * frags + 2 * frags) * (kbq // 8)
+        plan = flash_metal.explain(case[0], case[1], case[2], causal, None, "auto", backward=True)
+        assert (f"(4F + 3) / 7 = {(4 * split + 3) / 7:.2f}x" in plan.reason) == (split > 1)
 
 
 @pytest.mark.parametrize("bucket", [64, 256], ids=["d64", "d256"])

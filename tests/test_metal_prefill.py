@@ -302,6 +302,8 @@ def test_causal_skips_blocks_in_the_future():
     assert active == rowg * sum(walks) - 2 * len(walks)
     # Each part: all of Q.K^T (D / 8 fragments per key fragment), its half of P.V.
     assert c.simdgroup_mmas == active * parts * (bk // 8) * (128 // 8 + 128 // 8 // parts)
+    # explain() states that price: (F + 1) / 2 the products of whole-feature SIMD-groups.
+    assert f"(F + 1) / 2 = {(parts + 1) / 2:.2f}x the matrix products" in flash_metal.explain(q, k, v, True).reason
     # With Nk = Nq + 100 every row sees the first 100 keys: nothing is skipped
     # before the diagonal, and the offset moves it.
     q, k, v = make_qkv(1, 1, 1, 64, 164, 128, torch.float32)
