@@ -117,6 +117,10 @@ def _count_dict(d, c):
     for name, index in d.buffers.items():  # tensors by name; the params struct (bytes=) is left out
         out["read_" + name] = c.device_bytes_read_by_index[index]
         out["write_" + name] = c.device_bytes_written_by_index[index]
+        # The traffic rules (issue 19, metal_model_timing.py): bytes new to their threadgroup (DRAM, if the L1
+        # keeps what a threadgroup shares) and bytes requested after the broadcast rule.
+        out["dram_" + name] = c.device_unique_bytes_read_by_index[index]
+        out["req_" + name] = c.device_request_bytes_by_index[index]
     return out
 
 
@@ -203,9 +207,12 @@ def fa2_decode_kv_bytes(s: Shape, elem):
 
 
 def io_row(impl, s, dtype, causal, records):
+    """(measured, model) bytes of K plus V read, summed over the call's dispatches. Decode: the bytes that reach
+    DRAM (the emulator's bytes new to their threadgroup, "dram_"): a key group's row groups read the same keys,
+    their loads of a line hits in the core's L1 (an assumption, issue 19). Else the bytes the loads ask for."""
     elem = torch.empty((), dtype=dtype).element_size()
-    """(measured, model) bytes of K plus V read, summed over the call's dispatches."""
-    measured = sum(r.counts.get("read_k", 0) + r.counts.get("read_v", 0) for r in records)
+    field = "dram_" if impl.startswith("decode") else "read_"
+    measured = sum(r.counts.get(field + "k", 0) + r.counts.get(field + "v", 0) for r in records)
     if impl.startswith("decode"):
         model = 2 * fa2_decode_kv_bytes(s, elem)
     else:

@@ -11,12 +11,14 @@ on-core data):
   threadgroup also has a SERIAL section (the K/V tile load's DRAM latency,
   the barriers, the MMA dependency chains at ~36 cycles per 8x8 float32 MMA,
   the softmax's shuffles and exp2; the backward's kernels: a streamed block,
-  backward_blocks, whose S and dP chains run over all features in every
-  feature part). With r threadgroups resident per core (the
+  backward_blocks, with its S and dP chains over all features). With r threadgroups resident per core (the
   planner's estimate, flash_metal.explain(gpu=...).threadgroups_per_core,
   capped by the grid's share) a core finishes r blocks in
   max(r * work, latency + work): latency is hidden only when r * work covers
   it. A partial last wave costs a whole one (equal threadgroups, no mask).
+  Each SIMD-group issues from one of a core's 4 schedulers, so a
+  threadgroup of fewer than 4 runs its block at (its SIMD-groups) / 4 of
+  the core's rate, and a core with fewer than 4 resident at that share.
 - Critical path: the longest threadgroup's blocks x (latency + work): a
   causal tail or a grid smaller than the cores cannot go faster than that.
 - The post's scalar kernels (untiled, tiled): per key a dependent dot product
@@ -27,6 +29,10 @@ on-core data):
 - Memory: device bytes over the MEASURED streaming ceiling (0.79-0.87 of
   nominal bandwidth), over Little's law per core (bytes in flight per core /
   DRAM latency), and over 32 B per core-cycle to the rest of the GPU.
+  Device bytes follow the emulator's two traffic rules (issue 19): requests
+  by the broadcast rule (one per address per SIMD-group load instruction),
+  and DRAM bytes as those new to their threadgroup within an 8 KiB window
+  (SIMD-groups sharing lines through the L1: an assumption).
 - On-core data: threadgroup and device bytes at 64 B per core-cycle.
 
 Bands: `predict` at the point figures; `predict_band` at the low and high
@@ -61,13 +67,18 @@ MMA_LATENCY = 36      # one 8x8 float32 MMA to the next that depends on it
 TG_LOAD_LATENCY = 24  # a threadgroup-memory load
 SHUFFLE_LATENCY = 16  # a simd_shuffle_xor, and an exp2 result
 BARRIER_CYCLES = 40   # a threadgroup barrier with every SIMD-group arrived
-# Bytes each lane of a decode kernel keeps in flight: its D/32 features of
-# one K row and one V row (attention_decode.h; the key loop is not unrolled).
+# K/V rows a decode SIMD-group keeps in flight, each lane its D/32
+# features: the key being used and the next one, prefetched (attention_decode.h,
+# decode_attend; an estimate: the compiler may issue further ahead).
 DECODE_ROWS_IN_FLIGHT = 2
 
-POINT = {"clock": 1, "mma": 1, "tg": 1, "dram": 1, "overhead": 1, "stream": 1}
-FAST = {"clock": 2, "mma": 2, "tg": 2, "dram": 0, "overhead": 0, "stream": 2}
-SLOW = {"clock": 0, "mma": 0, "tg": 0, "dram": 2, "overhead": 2, "stream": 0}
+# "lockstep" (decode, several row groups reading the same keys): 1, the
+# siblings keep the same lines in flight (only one SIMD-group's misses are
+# unique: the point and slow end); 0, they drift apart and each one's misses
+# are its own lines (the fast end). Which it is, only a Mac can say.
+POINT = {"clock": 1, "mma": 1, "tg": 1, "dram": 1, "overhead": 1, "stream": 1, "lockstep": 1}
+FAST = {"clock": 2, "mma": 2, "tg": 2, "dram": 0, "overhead": 0, "stream": 2, "lockstep": 0}
+SLOW = {"clock": 0, "mma": 0, "tg": 0, "dram": 2, "overhead": 2, "stream": 0, "lockstep": 1}
 
 
 def _clock(gpu, k):
@@ -88,6 +99,13 @@ def ffma_cycles(ilp, sgs):
             f = (math.log(s) - math.log(a)) / (math.log(b) - math.log(a))
             return table[a] + f * (table[b] - table[a])
     return table[xs[-1]]
+
+
+def issue_share(sgs):
+    """The share of a core's issue rate `sgs` resident SIMD-groups can use:
+    each is bound to one of the core's 4 schedulers (metal-benchmarks, ALU
+    layout), so fewer than 4 leave schedulers idle."""
+    return min(max(sgs, 1), G.SCHEDULERS_PER_CORE) / G.SCHEDULERS_PER_CORE
 
 
 def sg_cycles_per_ffma(ilp, sgs):
@@ -150,6 +168,7 @@ def backward_blocks(kernel, s, causal):
             s.b * s.hq
     first_row = lambda k0: max(0, k0 - (s.nk - s.nq)) if causal else 0  # noqa: E731
     group = s.hq // s.hkv
+    # Feature parts (_ds<F>) are SIMD-groups of one threadgroup: the grid is not multiplied by them.
     return [group * math.ceil(max(0, s.nq - first_row(k0) // bq * bq) / bq) for k0 in range(0, s.nk, bk)], bq, \
         s.b * s.hkv
 
@@ -208,8 +227,7 @@ def dispatch_time(r, index, gpu, s, dtype, causal, k=POINT):
             # 2 barriers, S and dP (independent chains over the features),
             # then the accumulation over the block's rows (dQ += dS.K; dV,
             # dK likewise), 2 fragment reads and one exp2, no shuffles (P
-            # comes from lse). Feature parts do not shorten it: each part
-            # runs the whole S and dP chains.
+            # comes from lse).
             blocks, streamed, bheads = backward_blocks(r.kernel, s, causal)
             lat = (dram_cycles + 2 * BARRIER_CYCLES + (d_frags + streamed // 8) * MMA_LATENCY
                    + 2 * TG_LOAD_LATENCY + SHUFFLE_LATENCY)
@@ -218,38 +236,56 @@ def dispatch_time(r, index, gpu, s, dtype, causal, k=POINT):
             blocks, heads, lat = serial
             total = sum(blocks) * heads
             w = work / total  # one threadgroup's streamed block, core-cycles at full rate
+            # A SIMD-group issues from one of the core's 4 schedulers, so a
+            # threadgroup of fewer than 4 SIMD-groups runs its block at
+            # sg_per_tg / 4 of the core's rate, and the core as a whole at
+            # (resident SIMD-groups) / 4 until all 4 schedulers have one.
+            w_tg = w / issue_share(sg_per_tg)
             if causal:  # unequal threadgroups: the average residency, no wave structure
-                cycles = total * max(w, (lat + w) / r_core) / active
+                cycles = total * max(w / issue_share(sgs), (lat + w_tg) / r_core) / active
             else:  # equal threadgroups in waves of active x tgs_core, a partial last wave costing a whole one
                 # (an assumption: its threadgroups could run faster with fewer per core, but MLX's timings at
                 # N = 256-512 are slower than even this rule predicts, not faster)
                 nb = total / grid_tgs
                 waves = math.ceil(grid_tgs / (active * tgs_core))
-                cycles = waves * nb * max(min(tgs_core, math.ceil(grid_tgs / active)) * w, lat + w)
+                per_core = min(tgs_core, math.ceil(grid_tgs / active))
+                cycles = waves * nb * max(per_core * w / issue_share(per_core * sg_per_tg), lat + w_tg)
             terms["compute"] = cycles / hz
-            terms["critical path"] = max(blocks) * (lat + w) / hz
+            terms["critical path"] = max(blocks) * (lat + w_tg) / hz
         else:
-            terms["compute"] = work / (active * hz) * quant
+            terms["compute"] = work / (active * hz) * quant / issue_share(sgs)
     elif "decode" in r.kernel and "merge" not in r.kernel:
         terms["compute"] = 2 * s.d * s.nq * s.hq * s.b * s.nk / (active * LANES_PER_CORE * hz)
     else:
         terms["compute"] = c["exp2_calls"] / (active * G.EXP2_PER_CORE_CYCLE * hz)
-    dev = sum(v for f, v in c.items() if f.startswith(("read_", "write_")))
-    if "untiled" in r.kernel:  # K/V loads are one address for all 32 lanes: one request
-        dev -= (c["read_k"] + c["read_v"]) * 31 / 32
-    # DRAM bytes: K and V once per (batch, kv head) when other query blocks
-    # re-read them, an estimate: the grid runs a head's query blocks side by
-    # side (x fastest), and a head's K and V (<= 4 MiB at Nk = 8192, D = 128,
-    # 16-bit) stay in the GPU's caches meanwhile. Re-reads move over the
-    # on-GPU link (32 B per core-cycle) instead.
+    # Device bytes requested, by the broadcast rule (issue 19, the
+    # emulator's device_request_bytes: the lanes of a SIMD-group loading one
+    # address in one instruction make one request; the untiled kernel's K/V
+    # rows, say, one per SIMD-group and key). Records without the rule's
+    # counts (hand counts) take every load as its own request.
+    reads = {f[5:]: v for f, v in c.items() if f.startswith("read_")}
+    req = {n: c.get("req_" + n, v) for n, v in reads.items()}
+    dev = sum(req.values()) + sum(v for f, v in c.items() if f.startswith("write_"))
+    # DRAM bytes: K and V as the bytes new to their threadgroup (the
+    # emulator's device_unique_bytes_read: SIMD-groups of one threadgroup
+    # that read the same keys share them through the core's L1, an
+    # assumption, decode's row groups), and at most once per (batch, kv head)
+    # when other threadgroups re-read them, an estimate: the grid runs a
+    # head's query blocks side by side (x fastest), and a head's K and V
+    # (<= 4 MiB at Nk = 8192, D = 128, 16-bit) stay in the GPU's caches
+    # meanwhile. Re-reads move over the on-GPU link (32 B per core-cycle).
     kv_once = 2 * s.b * s.hkv * s.nk * s.d * elem
-    kv_counted = c.get("read_k", 0) + c.get("read_v", 0)
-    dram = dev - kv_counted + min(kv_counted, kv_once) if kv_counted else dev
+    kv_req = req.get("k", 0) + req.get("v", 0)
+    kv_new = sum(c.get("dram_" + n, reads.get(n, 0)) for n in ("k", "v"))
+    dram = dev - kv_req + min(kv_new, kv_once) if kv_req else dev
     stream = G.STREAM_CEILING[k["stream"]] * gpu.bandwidth_gbs * 1e9
     terms["memory"] = max(dram / stream, dev / (active * ON_GPU_BYTES_PER_CYCLE * hz))
     if "decode" in r.kernel and "merge" not in r.kernel:
-        in_flight = sgs * 32 * DECODE_ROWS_IN_FLIGHT * max(1, _dmax(r.kernel) // 32) * elem  # bytes per core
-        terms["little"] = dev / (active * in_flight / (G.DRAM_LATENCY_NS[k["dram"]] * 1e-9))
+        # Unique bytes in flight per core: row groups that read the same keys
+        # (threadgroup (32, 1, RGL), attention_decode.h) count once in lockstep.
+        readers = r.threadgroup[2] if r.threadgroup[1] == 1 and k["lockstep"] else 1
+        in_flight = sgs / readers * 32 * DECODE_ROWS_IN_FLIGHT * max(1, _dmax(r.kernel) // 32) * elem
+        terms["little"] = dram / (active * in_flight / (G.DRAM_LATENCY_NS[k["dram"]] * 1e-9))
     onchip = c["threadgroup_bytes_read"] + c["threadgroup_bytes_written"] + dev
     terms["on-core data"] = onchip / (active * ON_CORE_BYTES_PER_CYCLE * hz) * quant
     return G.DISPATCH_OVERHEAD_S[k["overhead"]] + max(terms.values()), terms, sgs

@@ -89,16 +89,16 @@ void decode_launches(const AttentionProblem& p, const KernelChoice& c, const std
                      MetalLaunch l, MetalPlan* plan) {
   const uint32_t kv_heads = static_cast<uint32_t>(p.kv_heads), batch = static_cast<uint32_t>(p.batch);
   const uint32_t rows_per_simd = static_cast<uint32_t>(decode_rows_per_simd(static_cast<int>(c.bucket)));
-  const uint32_t row_groups = decode_row_groups(p, c.bucket);
-  const uint32_t in_flight = ceil_div(row_groups, c.row_chunks);  // row groups per threadgroup
-  const uint32_t key_groups = row_groups == 1 ? kDecodeKeyGroups : 1;
+  const uint32_t in_flight = decode_row_groups_per_threadgroup(p, c.bucket, c.row_chunks);
+  const uint32_t key_groups = decode_key_groups(in_flight);
   const uint32_t padded_dim = 32 * ceil_div(c.bucket, 32);  // features per row, lanes' padding included
-  // One row group: the key groups' partial states, merged in threadgroup
-  // memory (floats). Several: one staged block of 32 K or V rows (in T),
-  // read by every row group.
-  const uint32_t bytes = row_groups == 1
-                             ? (key_groups * (rows_per_simd + 1 + padded_dim) * 4 + 15) / 16 * 16
-                             : 32 * c.bucket * dtype_bytes(p.dtype);
+  // Several key groups: their partial states, merged in threadgroup memory
+  // (floats). One: none used (its row groups read the same K/V rows from
+  // device memory, issue 19); why 16 bytes then: the least length Metal
+  // takes for the declared [[threadgroup(0)]] argument.
+  const uint32_t bytes = key_groups > 1
+                             ? (key_groups * in_flight * (rows_per_simd + 1 + padded_dim) * 4 + 15) / 16 * 16
+                             : 16;
   l.threadgroup = {32, key_groups, in_flight};
   l.threadgroup_memory = bytes;
   l.max_threads_per_threadgroup = kDecodeMaxThreads;

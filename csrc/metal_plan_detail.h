@@ -113,11 +113,23 @@ inline uint32_t decode_row_groups(const AttentionProblem& p, uint32_t bucket) {
   return ceil_div(p.gqa_ratio() * p.q_len, decode_rows_per_simd(static_cast<int>(bucket)));
 }
 
-// SIMD-groups of one decode threadgroup (attention_decode.h's KG * RGL):
-// 8 key groups for a single row group, else the row groups of one chunk.
+// Row groups of one decode threadgroup (attention_decode.h's RGL): those of
+// one row chunk.
+inline uint32_t decode_row_groups_per_threadgroup(const AttentionProblem& p, uint32_t bucket, uint32_t chunks) {
+  return ceil_div(decode_row_groups(p, bucket), chunks);
+}
+
+// Key groups of one decode threadgroup (attention_decode.h's KG): as many as
+// fill kDecodeMaxSimdgroups beside its RGL row groups (8 for a single row
+// group, 4 for 2, 2 for 3 or 4, else 1). Each key group's row groups share
+// its keys; the key groups split them, so more of them keep more distinct
+// K/V lines in flight per threadgroup (issue 19).
+inline uint32_t decode_key_groups(uint32_t rgl) { return std::max<uint32_t>(1, kDecodeKeyGroups / rgl); }
+
+// SIMD-groups of one decode threadgroup (attention_decode.h's KG * RGL).
 inline uint32_t decode_simdgroups_per_threadgroup(const AttentionProblem& p, uint32_t bucket, uint32_t chunks) {
-  const uint32_t row_groups = decode_row_groups(p, bucket);
-  return row_groups == 1 ? kDecodeKeyGroups : ceil_div(row_groups, chunks);
+  const uint32_t rgl = decode_row_groups_per_threadgroup(p, bucket, chunks);
+  return decode_key_groups(rgl) * rgl;
 }
 
 // ---- Live-value models: 32-bit values per lane each kernel family keeps
@@ -161,11 +173,12 @@ inline uint32_t prefill_live_registers(uint32_t bucket, uint32_t block_k, uint32
 // q, of the accumulator and of the block's partial product, and 5 scalars
 // (running max, running sum, the block's weight p of its key, the rescale
 // alpha, the row's query index), plus the 64-bit offset of its mask row
-// with a mask (2 more); plus one key's slice of K or V. (The scores of the
-// K loop become the weights p; the block bounds are recomputed per block.)
+// with a mask (2 more); plus two keys' slices of K or V (the key's and the
+// next one's, prefetched). (The scores of the K loop become the weights p;
+// the block bounds are recomputed per block.)
 constexpr uint32_t decode_live_registers(uint32_t bucket, uint32_t rows, bool has_mask) {
   const uint32_t slice = (bucket + 31) / 32;
-  return rows * (3 * slice + 5 + (has_mask ? 2 : 0)) + slice + kLiveOverhead;
+  return rows * (3 * slice + 5 + (has_mask ? 2 : 0)) + 2 * slice + kLiveOverhead;
 }
 inline uint32_t decode_live_registers(uint32_t bucket, bool has_mask) {
   return decode_live_registers(bucket, static_cast<uint32_t>(decode_rows_per_simd(static_cast<int>(bucket))),

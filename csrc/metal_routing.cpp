@@ -37,13 +37,17 @@ const char* request_name(KernelRequest r) {
 }
 
 // Split-KV decode knobs.
-// Why 24 SIMD-groups launched per core: a core hides DRAM latency only with
+// Why 24 SIMD-groups' worth of distinct loads launched per core (each key
+// group's, below; the name predates the sharing): a core hides DRAM latency only with
 // many loads in flight, and decode has nothing else to overlap them with;
 // 24 is the occupancy at which metal-benchmarks sees the ALUs saturate (the
 // figure kBackwardRegisterBudget below is sized for), and MLX's sdpa_vector
 // launches 45-410 per core on the same shapes (issue 19). Counted in
-// SIMD-groups, not threadgroups: a staged threadgroup of 2 SIMD-groups
-// keeps a quarter of the loads in flight of one of 8.
+// streams, not threadgroups: a stream is a key group (attention_decode.h),
+// whose SIMD-groups read the same keys, so its loads of a line count once
+// (issue 19); a threadgroup of 2 streams keeps a quarter of the distinct
+// loads in flight of one of 8. So a GQA group of RGL row groups per key group
+// launches RGL x 24 SIMD-groups per core.
 constexpr uint32_t kDecodeSimdgroupsPerCore = 24;
 // Why 128 keys at least per block: the merge pass writes and re-reads
 // head_dim floats of partial output per block and row, R x D x 8 bytes for a
@@ -68,14 +72,14 @@ uint32_t decode_row_chunks(const AttentionProblem& p, uint32_t bucket) {
   return ceil_div(decode_row_groups(p, bucket), kDecodeMaxSimdgroups);
 }
 
-// Split count for the decode kernels: enough key blocks that the SIMD-groups
-// launched, (batch, kv head, row chunk, block) threadgroups x SIMD-groups
+// Split count for the decode kernels: enough key blocks that the streams
+// launched, (batch, kv head, row chunk, block) threadgroups x key groups
 // each, reach kDecodeSimdgroupsPerCore per core of `gpu`, within
 // kMinKeysPerSplit and kMaxKvSplits. At least 2 when forced.
 uint32_t decode_splits(const AttentionProblem& p, uint32_t bucket, uint32_t chunks, const GpuSpec& gpu, bool forced,
                        std::string* why) {
-  const int64_t sg_per_block =
-      std::max<int64_t>(1, p.batch * p.kv_heads * chunks) * decode_simdgroups_per_threadgroup(p, bucket, chunks);
+  const int64_t sg_per_block = std::max<int64_t>(1, p.batch * p.kv_heads * chunks) *
+                               decode_key_groups(decode_row_groups_per_threadgroup(p, bucket, chunks));
   const int64_t target = int64_t{gpu.cores} * kDecodeSimdgroupsPerCore;
   const int64_t want = (target + sg_per_block - 1) / sg_per_block;
   const int64_t by_length = std::max<int64_t>(1, p.kv_len / kMinKeysPerSplit);
@@ -95,12 +99,12 @@ uint32_t decode_splits(const AttentionProblem& p, uint32_t bucket, uint32_t chun
     splits = blocks_for(asked);
     while (splits < wanted && asked < limit) splits = blocks_for(++asked);
   }
-  *why = std::to_string(sg_per_block) + " SIMD-groups per key block want " + std::to_string(want) +
+  *why = std::to_string(sg_per_block) + " key-group streams per key block want " + std::to_string(want) +
          " blocks to launch " + std::to_string(kDecodeSimdgroupsPerCore) + " SIMD-groups per core of a " +
          std::to_string(gpu.cores) + "-core " + gpu.name + "; Nk = " + std::to_string(p.kv_len) + " allows " +
          std::to_string(by_length) + " blocks of >= " + std::to_string(kMinKeysPerSplit) + " keys; at most " +
          std::to_string(kMaxKvSplits) + "; " + std::to_string(sg_per_block * splits / gpu.cores) +
-         " SIMD-groups per core launched";
+         " streams per core launched";
   return static_cast<uint32_t>(splits);
 }
 

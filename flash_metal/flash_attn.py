@@ -7,17 +7,20 @@ flash_attn.flash_attn_interface: bottom-right causal, window_size =
 (left, right) with -1 unbounded, softcap, GQA, return_attn_probs giving the
 log-sum-exp. v (and v_cache) may have a head dim of its own, D_v, as in
 flash-attn 3 (hdim_v; MLA's 192/128 and 576/512): out then has D_v (CPU
-tensors; Metal refuses it for now). What flash_metal does not implement raises a ValueError naming
-the argument: dropout, alibi_slopes, rotary embedding, paged KV (block_table),
-cache_batch_idx, cache_leftpad. (The third value of return_attn_probs,
-flash-attn's debugging S_dmask, is None.) Deterministic always.
+tensors; Metal refuses it for now). Paged KV caches (block_table, any page
+size), cache_batch_idx and cache_leftpad work as in flash-attn; `sinks`
+(gpt-oss's attention sinks, the s_aux / learnable_sink of vLLM's and
+flash-attn 4's kernels) is a flash_metal extension on all three functions.
+What flash_metal does not implement raises a ValueError naming
+the argument: dropout, alibi_slopes, rotary embedding. (The third value of
+return_attn_probs, flash-attn's debugging S_dmask, is None.) Deterministic always.
 """
 from typing import Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor
 
-from . import ops
+from . import _kvcache, ops
 
 
 def _unsupported(name: str, value, what: str) -> None:
@@ -44,8 +47,11 @@ def _dropout(dropout_p: float, what: str) -> None:
 def flash_attn_func(q: Tensor, k: Tensor, v: Tensor, dropout_p: float = 0.0, softmax_scale: Optional[float] = None,
                     causal: bool = False, window_size: Tuple[int, int] = (-1, -1), softcap: float = 0.0,
                     alibi_slopes: Optional[Tensor] = None, deterministic: bool = False,
-                    return_attn_probs: bool = False) -> Union[Tensor, Tuple[Tensor, Tensor, None]]:
+                    return_attn_probs: bool = False,
+                    sinks: Optional[Tensor] = None) -> Union[Tensor, Tuple[Tensor, Tensor, None]]:
     """flash-attn's flash_attn_func: q (B, Sq, Hq, D), k and v (B, Sk, Hkv, D).
+
+    sinks (Hq,): attention sinks, as in flash_metal.attention (a flash_metal extension; differentiable).
 
     Returns out (B, Sq, Hq, D), or with return_attn_probs (out, lse (B, Hq, Sq), None).
     """
@@ -55,7 +61,8 @@ def flash_attn_func(q: Tensor, k: Tensor, v: Tensor, dropout_p: float = 0.0, sof
     left, right = _window(window_size, what)
     # (B, S, H, D) -> (B, H, S, D): views, read in place through their strides.
     out, lse = ops.attention_with_lse(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal,
-                                      softmax_scale, window_left=left, window_right=right, softcap=softcap)
+                                      softmax_scale, window_left=left, window_right=right, softcap=softcap,
+                                      sinks=sinks)
     out = out.transpose(1, 2).contiguous()  # flash-attn returns (B, Sq, Hq, D) contiguous
     return (out, lse, None) if return_attn_probs else out
 
@@ -65,18 +72,41 @@ def flash_attn_varlen_func(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor
                            softmax_scale: Optional[float] = None, causal: bool = False,
                            window_size: Tuple[int, int] = (-1, -1), softcap: float = 0.0,
                            alibi_slopes: Optional[Tensor] = None, deterministic: bool = False,
-                           return_attn_probs: bool = False, block_table: Optional[Tensor] = None):
+                           return_attn_probs: bool = False, block_table: Optional[Tensor] = None,
+                           sinks: Optional[Tensor] = None):
     """flash-attn's flash_attn_varlen_func: q (total_q, Hq, D), k and v (total_k, Hkv, D), int32 cu_seqlens.
 
+    Paged (flash-attn >= 2.6): with block_table (B, max_blocks) int32, k and v
+    are caches (num_blocks, page_size, Hkv, D) and sequence b's j-th key is
+    row j % page_size of block block_table[b, j // page_size]; cu_seqlens_k
+    still gives the key counts. Only the pages in use are read (gathered
+    into one packed buffer first; the kernels do not read through the table
+    themselves yet). sinks (Hq,): attention sinks (a flash_metal extension).
     Returns out (total_q, Hq, D), or with return_attn_probs (out, lse (Hq, total_q), None).
     """
     what = "flash_attn_varlen_func"
     _dropout(dropout_p, what)
     _unsupported("alibi_slopes", alibi_slopes, what)
-    _unsupported("block_table (paged KV)", block_table, what)
     left, right = _window(window_size, what)
+    if block_table is not None:
+        if not isinstance(cu_seqlens_k, Tensor) or cu_seqlens_k.dim() != 1 or cu_seqlens_k.numel() < 1:
+            raise ValueError(f"flash_metal.{what}: cu_seqlens_k must be a 1-D int32 tensor (B + 1,); got "
+                             f"{_short(cu_seqlens_k)}")
+        batch = cu_seqlens_k.numel() - 1
+        table, page, capacity = _kvcache.table_of(k, v, batch, block_table, None, what)
+        ends = (cu_seqlens_k[1:] - cu_seqlens_k[:-1]).to(device=k.device, dtype=torch.int64)
+        if batch and bool((ends < 0).any()):
+            raise ValueError(f"flash_metal.{what}: cu_seqlens_k must be non-decreasing; got {cu_seqlens_k.tolist()}")
+        if batch and bool((ends > capacity).any()):
+            raise ValueError(f"flash_metal.{what}: a sequence of {int(ends.max())} keys (cu_seqlens_k) exceeds the "
+                             f"block table's capacity of {capacity} keys (max_blocks_per_seq * page_size)")
+        _kvcache.check_entries(table, page, ends, k.shape[0], what)
+        rows = _kvcache.rows_in_use(table, page, torch.zeros_like(ends), ends)
+        k, v = _kvcache.gather(k, rows), _kvcache.gather(v, rows)
+        cu_seqlens_k = _kvcache.cumulative(ends)
     out, lse = ops.attention_varlen_with_lse(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q),
-                                             int(max_seqlen_k), causal, softmax_scale, left, right, softcap)
+                                             int(max_seqlen_k), causal, softmax_scale, left, right, softcap,
+                                             sinks=sinks)
     return (out, lse, None) if return_attn_probs else out
 
 
@@ -88,89 +118,112 @@ def flash_attn_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Opti
                             block_table: Optional[Tensor] = None, softmax_scale: Optional[float] = None,
                             causal: bool = False, window_size: Tuple[int, int] = (-1, -1), softcap: float = 0.0,
                             rotary_interleaved: bool = True, alibi_slopes: Optional[Tensor] = None,
-                            num_splits: int = 0, return_softmax_lse: bool = False):
+                            num_splits: int = 0, return_softmax_lse: bool = False, sinks: Optional[Tensor] = None):
     """flash-attn's flash_attn_with_kvcache: attention of q against a KV cache, appending k/v first.
 
-    q (B, Sq, Hq, D); k_cache, v_cache (B, S_cache, Hkv, D). With k and v
-    (B, S_new, Hkv, D), they are written into the cache in place at rows
-    cache_seqlens[b] .. cache_seqlens[b] + S_new - 1 first. Batch b then
-    attends to its first cache_seqlens[b] (+ S_new) rows, and never reads the
-    rows past them (they may hold anything, NaN included); causal and the
-    window are bottom-right aligned to that length (flash-attn's semantics).
-    cache_seqlens: an int or an int32 (B,) tensor (None: the whole cache is
-    valid, and nothing can be appended).
-    Returns out (B, Sq, Hq, D), and lse (B, Hq, Sq) with return_softmax_lse.
-    No backward (as in flash-attn). num_splits is a hint only. With
-    cache_seqlens given, the call runs the varlen op (on Metal its prefill
-    kernel); without, every row is valid and the dense op runs (on Metal the
-    routing function may pick the split-KV decode).
+    q (B, Sq, Hq, D). The cache is either plain, k_cache and v_cache
+    (B_cache, S_cache, Hkv, D) with cache_batch_idx (B,) picking batch b's
+    row (default b), or paged: (num_blocks, page_size, Hkv, D) with
+    block_table (B, max_blocks) int32, key j of batch b living at row
+    j % page_size of block block_table[b, j // page_size]; any page size from
+    1, pages in any order. With k and v (B, S_new, Hkv, D), they are written
+    into the cache in place at keys cache_seqlens[b] .. cache_seqlens[b] +
+    S_new - 1 first (across page boundaries). Batch b then attends to keys
+    cache_leftpad[b] (default 0) .. cache_seqlens[b] (+ S_new) - 1, and never
+    reads the others, nor table entries past them (they may hold anything,
+    NaN included); causal and the window are bottom-right aligned to that
+    range (flash-attn's semantics). cache_seqlens: an int or an int32 (B,)
+    tensor (None: the whole cache, or the whole table, is valid, and nothing
+    can be appended). sinks (Hq,): attention sinks, as in
+    flash_metal.attention (a flash_metal extension).
+    Returns out (B, Sq, Hq, D_v), and lse (B, Hq, Sq) with return_softmax_lse.
+    No backward (as in flash-attn). num_splits is a hint only. A plain cache
+    is read in place: without cache_seqlens and cache_leftpad by the dense op
+    (on Metal the routing may pick the split-KV decode), otherwise by the
+    varlen op over the cache. A paged cache, or cache_batch_idx, gathers
+    the rows in use into one packed buffer first (O(N) memory; the kernels do
+    not read through the table themselves yet).
     """
     what = "flash_attn_with_kvcache"
     _unsupported("rotary_cos", rotary_cos, what)
     _unsupported("rotary_sin", rotary_sin, what)
-    _unsupported("cache_batch_idx", cache_batch_idx, what)
-    _unsupported("cache_leftpad", cache_leftpad, what)
-    _unsupported("block_table (paged KV)", block_table, what)
     _unsupported("alibi_slopes", alibi_slopes, what)
     left, right = _window(window_size, what)
     if (k is None) != (v is None):
         raise ValueError(f"flash_metal.{what}: give both k and v (new keys and values to append) or neither")
-    B, s_cache = k_cache.shape[0], k_cache.shape[1]
-    if cache_seqlens is None:
-        if k is not None:
+    if q.dim() != 4:
+        raise ValueError(f"flash_metal.{what}: q must be 4-D (batch, seqlen, heads, head_dim); got shape "
+                         f"{tuple(q.shape)}")
+    B, sq, hq = q.shape[0], q.shape[1], q.shape[2]
+    device = k_cache.device
+    table, page, capacity = _kvcache.table_of(k_cache, v_cache, B, block_table, cache_batch_idx, what)
+    lengths = _kvcache.int_vector(cache_seqlens, "cache_seqlens", B, device, what, default=capacity)
+    leftpad = _kvcache.int_vector(cache_leftpad, "cache_leftpad", B, device, what)
+    if k is not None:
+        if cache_seqlens is None:
             raise ValueError(f"flash_metal.{what}: appending k and v needs cache_seqlens (where each batch's new "
                              "rows go)")
-        lengths = torch.full((B,), s_cache, dtype=torch.int64, device=k_cache.device)
-    elif isinstance(cache_seqlens, int):
-        lengths = torch.full((B,), cache_seqlens, dtype=torch.int64, device=k_cache.device)
-    else:
-        lengths = cache_seqlens.to(device=k_cache.device, dtype=torch.int64)
-    if k is not None:
         # The new rows must have their cache's head dims (v's D_v may differ from k's D_qk).
         for name, new, cache in (("k", k, "k_cache"), ("v", v, "v_cache")):
             want = (k_cache if name == "k" else v_cache).shape[-1]
             if new.shape[-1] != want:
                 raise ValueError(f"flash_metal.{what}: {name} has head dim {new.shape[-1]} but {cache} has {want}; "
                                  f"the appended rows must have their cache's head dim")
-        s_new = k.shape[1]
-        rows = lengths[:, None] + torch.arange(s_new, device=k_cache.device)[None, :]  # (B, S_new)
-        if bool((rows >= s_cache).any()):
-            raise ValueError(f"flash_metal.{what}: appending {s_new} rows at cache_seqlens overflows the cache of "
-                             f"{s_cache} rows")
-        index = rows[:, :, None, None]
-        # v_cache may have a head dim of its own (D_v, MLA-style), so one index each.
-        k_cache.scatter_(1, index.expand(B, s_new, k_cache.shape[2], k_cache.shape[3]), k.to(k_cache.dtype))
-        v_cache.scatter_(1, index.expand(B, s_new, v_cache.shape[2], v_cache.shape[3]), v.to(v_cache.dtype))
+    s_new = 0 if k is None else k.shape[1]
+    if B and bool((lengths < 0).any()):
+        raise ValueError(f"flash_metal.{what}: cache_seqlens must be >= 0; got {lengths.tolist()}")
+    if B and bool((lengths + s_new > capacity).any()):
+        where = "the block table's capacity (max_blocks_per_seq * page_size)" if block_table is not None else "the cache"
+        raise ValueError(f"flash_metal.{what}: cache_seqlens{' + the appended rows' if s_new else ''} "
+                         f"(up to {int((lengths + s_new).max())}) exceed {where} of {capacity} keys")
+    if block_table is not None:
+        _kvcache.check_entries(table, page, lengths + s_new, k_cache.shape[0], what)
+    if k is not None:
+        _kvcache.append(k_cache, k, table, page, lengths)
+        _kvcache.append(v_cache, v, table, page, lengths)
         lengths = lengths + s_new
-    if cache_seqlens is None:  # the whole cache is valid: the dense op, bottom-right aligned as flash-attn
+    if leftpad is not None and B and bool(((leftpad < 0) | (leftpad > lengths)).any()):
+        raise ValueError(f"flash_metal.{what}: cache_leftpad must lie in [0, cache_seqlens] per batch; got "
+                         f"{leftpad.tolist()} against lengths {lengths.tolist()}")
+    starts = leftpad if leftpad is not None else torch.zeros_like(lengths)
+    options = dict(window_left=left, window_right=right, softcap=softcap, sinks=sinks)
+    plain = block_table is None and cache_batch_idx is None
+    if plain and cache_seqlens is None and leftpad is None:
+        # The whole cache is valid: the dense op, bottom-right aligned as flash-attn.
         with torch.no_grad():
-            out, lse = ops.attention_with_lse(q.transpose(1, 2), k_cache.transpose(1, 2), v_cache.transpose(1, 2),
-                                              causal, softmax_scale, window_left=left, window_right=right,
-                                              softcap=softcap)
+            out, lse = ops.attention_with_lse(q.transpose(1, 2), k_cache[:B].transpose(1, 2),
+                                              v_cache[:B].transpose(1, 2), causal, softmax_scale, **options)
         out = out.transpose(1, 2).contiguous()
         return (out, lse) if return_softmax_lse else out
-    sq, hq = q.shape[1], q.shape[2]
-    # Batch b attends to its first lengths[b] rows, and the rows past them
-    # are never read (flash-attn's contract: a cache from torch.empty may
-    # hold NaN or inf there; masking them would still let 0 * NaN into
-    # P @ V). The cache as one packed varlen problem of 2B sequences: b's
-    # queries against rows b*S_cache .. b*S_cache + lengths[b] - 1, then a
-    # sequence with no queries holding the unused rows (never read, as it
-    # has no query). cu_seqlens_k thus steps over the unused rows; causal
-    # and the window are bottom-right aligned to lengths[b] within each
-    # sequence. q, the cache and out are reshaped views (the cache is
-    # copied only if its batch and sequence dims cannot be merged).
-    starts = torch.arange(B + 1, device=k_cache.device, dtype=torch.int64) * s_cache
-    cu_k = torch.stack((starts[:-1], starts[:-1] + lengths), dim=1).flatten()
-    cu_k = torch.cat((cu_k, starts[-1:])).to(torch.int32)
-    q_starts = torch.arange(B + 1, device=q.device, dtype=torch.int64) * sq
-    cu_q = torch.stack((q_starts[:-1], q_starts[1:]), dim=1).flatten()
-    cu_q = torch.cat((cu_q, q_starts[-1:])).to(device=k_cache.device, dtype=torch.int32)
-    packed_k = k_cache.reshape(B * s_cache, *k_cache.shape[2:])
-    packed_v = v_cache.reshape(B * s_cache, *v_cache.shape[2:])
+    q_starts = torch.arange(B + 1, device=device, dtype=torch.int64) * sq
+    if plain:
+        # Batch b attends to rows starts[b] .. lengths[b] - 1 of its cache
+        # row, and the others are never read (flash-attn's contract: a cache
+        # from torch.empty may hold NaN or inf there; masking them would
+        # still let 0 * NaN into P @ V). The cache as one packed varlen
+        # problem of 3B sequences: per batch, a sequence with no queries
+        # over the rows before starts[b], b's queries over its rows, and a
+        # sequence with no queries over the rows past them (never read, as
+        # they have no query). q, the cache and out are reshaped views (the
+        # cache is copied only if its batch and sequence dims cannot merge).
+        s_cache = k_cache.shape[1]
+        base = torch.arange(B + 1, device=device, dtype=torch.int64) * s_cache
+        cu_k = torch.stack((base[:-1], base[:-1] + starts, base[:-1] + lengths), dim=1).flatten()
+        cu_k = torch.cat((cu_k, base[-1:])).to(torch.int32)
+        cu_q = torch.stack((q_starts[:-1], q_starts[:-1], q_starts[1:]), dim=1).flatten()
+        cu_q = torch.cat((cu_q, q_starts[-1:])).to(torch.int32)
+        packed_k = k_cache[:B].reshape(B * s_cache, *k_cache.shape[2:])
+        packed_v = v_cache[:B].reshape(B * s_cache, *v_cache.shape[2:])
+        max_k = s_cache
+    else:
+        rows = _kvcache.rows_in_use(table, page, starts, lengths)
+        packed_k, packed_v = _kvcache.gather(k_cache, rows), _kvcache.gather(v_cache, rows)
+        cu_k = _kvcache.cumulative(lengths - starts)
+        cu_q = q_starts.to(torch.int32)
+        max_k = int((lengths - starts).max()) if B else 0
     with torch.no_grad():
         out, lse = ops.attention_varlen_with_lse(q.reshape(B * sq, *q.shape[2:]), packed_k, packed_v, cu_q, cu_k,
-                                                 sq, s_cache, causal, softmax_scale, left, right, softcap)
+                                                 sq, max_k, causal, softmax_scale, **options)
     out = out.reshape(B, sq, hq, out.shape[-1])
     lse = lse.reshape(hq, B, sq).permute(1, 0, 2).contiguous()
     return (out, lse) if return_softmax_lse else out

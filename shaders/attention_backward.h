@@ -164,3 +164,7 @@ FM_INLINE float backward_weight(constant AttentionParams& p, device const uchar*
 }
 
 }  // namespace flash_metal
+
+// The two kernels, each in a file of its own.
+#include "attention_backward_dq.h"
+#include "attention_backward_dkdv.h"

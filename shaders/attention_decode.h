@@ -34,16 +34,18 @@
 //   RG   = ceil(R / RS)                               row groups
 //   C    = ceil(RG / 8)                               row chunks: threadgroups per (batch, kv head[, split])
 //   RGL  = ceil(RG / C)                               row groups per threadgroup (SIMD-groups per key group)
-//   KG   = RG == 1 ? 8 : 1                            key groups
+//   KG   = floor(8 / RGL)                             key groups (8, 4, 2, 2, then 1)
 //   threadgroup (32, KG, RGL)                         KG * RGL <= 8 SIMD-groups: <= kDecodeMaxThreads = 256
 //   DP32 = 32 * ceil(DMAX / 32)                       (96 for DMAX 72 and 80, else DMAX)
-//   tg_bytes = RG == 1 ? round_up_16(KG * (RS + 1 + DP32) * 4)     key-group merge (floats)
-//                      : 32 * DMAX * sizeof(T)                      staged K or V block (T)
+//   tg_bytes = KG > 1 ? round_up_16(KG * RGL * (RS + 1 + DP32) * 4)   key-group merge (floats)
+//                     : 16                                            unused (the least length Metal takes)
 //   at [[threadgroup(0)]].
-// Why 8 key groups for one row group: 256 threads keep enough K/V loads in
-// flight per threadgroup when the GQA group is small (often a single row),
-// the 8-way merge costs 8,256 bytes at most, and it splits the sum over keys
-// 8 ways. Why at most 8 row groups per threadgroup: the kernels declare
+// Why key groups up to 8 SIMD-groups: 256 threads keep enough K/V loads in
+// flight per threadgroup when the GQA group is small (often a single row);
+// each key group's row groups share its keys (their loads of one line count
+// once), so the key groups are what keeps distinct lines in flight; the
+// merge of 8 slots costs 8,256 bytes at most, and it splits the sum over
+// keys KG ways. Why at most 8 row groups per threadgroup: the kernels declare
 // [[max_total_threads_per_threadgroup(kDecodeMaxThreads)]] (256, params.h:
 // what the register file holds at any allocation of the at most
 // kDecodeRegisterBudget live values per lane); a bigger GQA group is cut
@@ -73,23 +75,19 @@
 // lse 4, params 5, partial_o 6, partial_stats 7. Scratch: partial_o
 // B * Hq * Nq * kv_splits * D floats, partial_stats B * Hq * Nq * kv_splits * 2.
 //
-// tg_bytes per bucket (RG == 1 | RG > 1 for float32 | float16/bfloat16):
-//   DMAX 32: 1,184 | 4,096 | 2,048    DMAX 64: 2,208 | 8,192 | 4,096
-//   DMAX 72: 3,168 | 9,216 | 4,608    DMAX 80: 3,168 | 10,240 | 5,120
-//   DMAX 96: 3,168 | 12,288 | 6,144   DMAX 128: 4,192 | 16,384 | 8,192
-//   DMAX 256: 8,256 | 32,768 | 16,384
-// float32 at DMAX 256 with more than one row group takes the whole 32 KiB
-// (one threadgroup per core).
+// tg_bytes with KG * RGL = 8 slots (the most), per bucket: DMAX 32: 1,184;
+// 64: 2,208; 72, 80, 96: 3,168; 128: 4,192; 256: 8,256. KG = 1 uses none.
 //
 // Bytes: every K/V element is loaded from device memory once per
 // threadgroup, i.e. once per (batch, kv_head[, split]) for all R rows
 // whenever the GQA group fits one threadgroup (RG <= 8, R <= 8 * RS: 32
 // rows up to DMAX 64, 16 up to 128, 8 at 256; in one-token decode, every
 // GQA model of tests/test_metal_plan_limits.py and MQA up to 16 heads at
-// DMAX 128): with one row group,
-// each key group loads its own keys straight into registers; with several,
-// the threadgroup stages each block in threadgroup memory and all row groups
-// read it there. A bigger group (say GQA 8 at DMAX 128 with Nq >= 3, or MQA)
+// DMAX 128): each key group loads its own keys straight into registers, and
+// when it has several row groups each of them loads the same keys, the
+// siblings' loads counted as hits in the core's L1 (decode_attend: a
+// modelling assumption; the emulator's unique-bytes count per threadgroup is
+// what tests hold to once). A bigger group (say GQA 8 at DMAX 128 with Nq >= 3, or MQA)
 // is read once per row chunk, C = ceil(RG / 8) times, by threadgroups that
 // run side by side. q is loaded once per key group (8 times with RG == 1:
 // 8 * R * D elements, small beside K/V).
@@ -186,9 +184,7 @@ FM_INLINE void decode_init(thread DecodeState<DMAX>& st, device const T* q, cons
 // The lane's slice of one K or V row as float (its features, decode_feature;
 // zeros past head_dim): from device memory (decode_slice_device: under
 // fc_dense as vector runs, decode_slice_dense; else through the element
-// strides), or from a staged tile row (decode_slice_tile). Two names, not
-// an overload on the address space (the emulator erases address spaces;
-// tests/metal_emulator/README.md).
+// strides).
 
 // Elements per vector load of a lane's run of DPL features: the widest of
 // 4, 2, 1 that divides DPL. Why at most 4: vec<T, 4> is the widest vector
@@ -204,8 +200,6 @@ template <>
 struct DecodeRun<1> {
   template <typename T>
   static FM_INLINE void device_load(thread float* x, device const T* s) { x[0] = float(s[0]); }
-  template <typename T>
-  static FM_INLINE void tile_load(thread float* x, threadgroup const T* s) { x[0] = float(s[0]); }
 };
 template <>
 struct DecodeRun<2> {
@@ -215,26 +209,12 @@ struct DecodeRun<2> {
     x[0] = float(w.x);
     x[1] = float(w.y);
   }
-  template <typename T>
-  static FM_INLINE void tile_load(thread float* x, threadgroup const T* s) {
-    const vec<T, 2> w = *reinterpret_cast<threadgroup const vec<T, 2>*>(s);
-    x[0] = float(w.x);
-    x[1] = float(w.y);
-  }
 };
 template <>
 struct DecodeRun<4> {
   template <typename T>
   static FM_INLINE void device_load(thread float* x, device const T* s) {
     const vec<T, 4> w = *reinterpret_cast<device const vec<T, 4>*>(s);
-    x[0] = float(w.x);
-    x[1] = float(w.y);
-    x[2] = float(w.z);
-    x[3] = float(w.w);
-  }
-  template <typename T>
-  static FM_INLINE void tile_load(thread float* x, threadgroup const T* s) {
-    const vec<T, 4> w = *reinterpret_cast<threadgroup const vec<T, 4>*>(s);
     x[0] = float(w.x);
     x[1] = float(w.y);
     x[2] = float(w.z);
@@ -271,62 +251,6 @@ FM_INLINE void decode_slice_device(thread float* x, device const T* row, int64_t
     x[i] = c < D ? float(row[int64_t(c) * dim_stride]) : 0.0f;
   }
 }
-template <int DMAX, int DPL, typename T>
-FM_INLINE void decode_slice_tile(thread float* x, threadgroup const T* row, int D, uint lane) {
-  if (fc_dense) {  // the staged row is whole (D == DMAX) and 16-byte aligned: vector runs as decode_slice_dense
-    constexpr int VW = decode_vector_width(DPL);
-    threadgroup const T* run = row + int(lane) * DPL;
-    FM_UNROLL for (int i = 0; i < DPL; i += VW) {
-      if (32 * DPL == DMAX || int(lane) * DPL + i < DMAX) {
-        DecodeRun<VW>::tile_load(x + i, run + i);
-      } else {
-        x[i] = 0.0f;  // past the row (DMAX 72, 80): the next row's or unstaged memory, never read
-      }
-    }
-    return;
-  }
-  FM_UNROLL for (int i = 0; i < DPL; ++i) {
-    const int c = i * 32 + int(lane);
-    x[i] = c < D ? float(row[c]) : 0.0f;
-  }
-}
-
-// Stages rows [k0, k0 + n) of one head's K or V into `tile` (rows of DMAX
-// elements of T, the first D written), all threads of the threadgroup
-// together: thread tid takes elements tid, tid + nthreads, ... of the
-// n x DMAX tile, so consecutive threads read consecutive features of a row
-// (coalesced when the feature stride is 1). Columns past D are skipped,
-// never read. The row and column come from the element index by the
-// compile-time DMAX (a shift, or for 72/80/96 a multiply by a constant):
-// Apple GPUs have no integer divide, and a division by the runtime D cost
-// a software routine per staged element (issue 19).
-// tests/test_metal_decode.py checks that no division here has a runtime
-// divisor.
-template <int DMAX, typename T>
-FM_INLINE void decode_stage(threadgroup T* tile, device const T* src, int64_t row_stride, int64_t dim_stride, int k0,
-                            int n, int D, int tid, int nthreads) {
-  if (fc_dense) {
-    // Whole rows (D == DMAX) of contiguous, 16-byte aligned features: each
-    // thread copies 16-byte chunks (a uint4: the widest load, as the prefill
-    // loader's kDenseLoadBytes), chunk e = row j, chunk c of it; every
-    // bucket's row is whole chunks (DMAX * sizeof(T) is a multiple of 16).
-    constexpr int CPR = DMAX * int(sizeof(T)) / kDenseLoadBytes;  // chunks per row
-    static_assert(CPR * kDenseLoadBytes == DMAX * int(sizeof(T)), "a bucket row is whole 16-byte chunks");
-    threadgroup uint4* t = reinterpret_cast<threadgroup uint4*>(tile);
-    for (int e = tid; e < n * CPR; e += nthreads) {
-      const int j = e / CPR;
-      const int c = e - j * CPR;
-      t[e] = reinterpret_cast<device const uint4*>(src + int64_t(k0 + j) * row_stride)[c];
-    }
-    return;
-  }
-  for (int e = tid; e < n * DMAX; e += nthreads) {
-    const int j = e / DMAX;
-    const int c = e - j * DMAX;
-    if (c < D) tile[e] = src[int64_t(k0 + j) * row_stride + int64_t(c) * dim_stride];
-  }
-}
-
 // Attends the SIMD-group's rows to the keys of its key group in
 // [key_begin, key_end): blocks of 32 consecutive keys, block kg, kg + KG, ...
 // (each key belongs to exactly one key group). Per block:
@@ -341,23 +265,26 @@ FM_INLINE void decode_stage(threadgroup T* tile, device const T* src, int64_t ro
 //     one rounding per block, not per key (FlashAttention-2's per-block
 //     rescale; at Nk = 8192 float32 this is what keeps within 2x PyTorch's
 //     error).
-// Where the slices come from:
-//  - staged = false (one row group, RG = 1): each SIMD-group loads its own
-//    key group's K/V rows straight from device memory, once. No barrier
-//    inside; the trip count is uniform across the SIMD-group, so every
-//    simd_* call is convergent.
-//  - staged = true (several row groups share the keys; then KG = 1): the
-//    whole threadgroup stages each block's K rows, then its V rows, in
-//    threadgroup memory (32 rows of DMAX elements of T, one matrix at a
-//    time), and every row group reads them there: each K/V element is loaded
-//    from device memory once per threadgroup for all its rows. Every thread
-//    runs the same trips and meets the 4 barriers per block, including
-//    SIMD-groups with no live row group (live = false), which only help load.
+// Every SIMD-group reads its slices straight from device memory, with no
+// barrier inside: the row groups of a key group all read the same rows of
+// every block of its keys, in the
+// same order and at the same pace, so that (a modelling assumption, not
+// verified on Apple hardware) the first SIMD-group's load brings each line
+// into the core's L1 and its siblings' loads hit it: DRAM sees each K/V
+// byte once per threadgroup (the emulator's unique-bytes count). This
+// replaced (issue 19) a staged path: 64-thread threadgroups copying each
+// block to threadgroup memory with 4 barriers per 32 keys. What staging
+// gave, many loads in flight, comes instead from more SIMD-groups (the
+// split count) and a prefetch: each key's K (V) slice is loaded one key
+// ahead, before the previous key's products, so a SIMD-group has two rows
+// in flight (one more slice of registers: decode_live_registers). The trip
+// count is uniform across the SIMD-group, so every simd_* call is
+// convergent.
 template <typename T, int DMAX>
 FM_INLINE void decode_attend(thread DecodeState<DMAX>& st, device const T* k, device const T* v,
                              constant AttentionParams& p, thread const SeqView& seq, device const uchar* mask,
                              int batch, int kv_head, int rg, bool live, int key_begin, int key_end, int kg, int KG,
-                             bool staged, threadgroup T* tile, int tid, int nthreads, uint lane) {
+                             uint lane) {
   constexpr int RS = DecodeState<DMAX>::RS;
   constexpr int DPL = DecodeState<DMAX>::DPL;
   const int R = p.gqa_ratio * p.q_len;
@@ -386,20 +313,16 @@ FM_INLINE void decode_attend(thread DecodeState<DMAX>& st, device const T* k, de
     const int n = min(kDecodeBlock, key_end - k0);  // keys of this block (uniform)
     const int key = k0 + int(lane);                 // the key whose score this lane keeps
 
-    if (staged) {
-      threadgroup_barrier(mem_flags::mem_threadgroup);  // last block's V reads done before K overwrites the tile (WAR)
-      decode_stage<DMAX>(tile, kp, p.k_row_stride, p.k_dim_stride, k0, n, D, tid, nthreads);
-      threadgroup_barrier(mem_flags::mem_threadgroup);  // K staged before anyone reads it (RAW)
-    }
     float s[RS];
     FM_UNROLL for (int r = 0; r < RS; ++r) s[r] = kMaskedScore;
     if (live) {
+      // kn: the next key's slice, loaded before this key's products (see above).
+      float kx[DPL], kn[DPL];
+      decode_slice_device<DMAX, DPL>(kx, kp + int64_t(k0) * p.k_row_stride, p.k_dim_stride, D, lane);
+      FM_UNROLL for (int i = 0; i < DPL; ++i) kn[i] = 0.0f;
       for (int j = 0; j < n; ++j) {
-        float kx[DPL];
-        if (staged) {
-          decode_slice_tile<DMAX, DPL>(kx, tile + j * DMAX, D, lane);
-        } else {
-          decode_slice_device<DMAX, DPL>(kx, kp + int64_t(k0 + j) * p.k_row_stride, p.k_dim_stride, D, lane);
+        if (j + 1 < n) {
+          decode_slice_device<DMAX, DPL>(kn, kp + int64_t(k0 + j + 1) * p.k_row_stride, p.k_dim_stride, D, lane);
         }
         FM_UNROLL for (int r = 0; r < RS; ++r) {
           float part = 0.0f;
@@ -407,6 +330,7 @@ FM_INLINE void decode_attend(thread DecodeState<DMAX>& st, device const T* k, de
           const float score = simd_sum(part);
           if (int(lane) == j) s[r] = score;
         }
+        FM_UNROLL for (int i = 0; i < DPL; ++i) kx[i] = kn[i];
       }
     }
 
@@ -432,27 +356,23 @@ FM_INLINE void decode_attend(thread DecodeState<DMAX>& st, device const T* k, de
       }
     }
 
-    if (staged) {
-      threadgroup_barrier(mem_flags::mem_threadgroup);  // K reads done before V overwrites the tile (WAR)
-      decode_stage<DMAX>(tile, vp, p.v_row_stride, p.v_dim_stride, k0, n, D, tid, nthreads);
-      threadgroup_barrier(mem_flags::mem_threadgroup);  // V staged before anyone reads it (RAW)
-    }
     if (live) {
       float blk[RS][DPL];
       FM_UNROLL for (int r = 0; r < RS; ++r) {
         FM_UNROLL for (int i = 0; i < DPL; ++i) blk[r][i] = 0.0f;
       }
+      float vx[DPL], vn[DPL];  // vn: the next key's slice, as kn
+      decode_slice_device<DMAX, DPL>(vx, vp + int64_t(k0) * p.v_row_stride, p.v_dim_stride, D, lane);
+      FM_UNROLL for (int i = 0; i < DPL; ++i) vn[i] = 0.0f;
       for (int j = 0; j < n; ++j) {
-        float vx[DPL];
-        if (staged) {
-          decode_slice_tile<DMAX, DPL>(vx, tile + j * DMAX, D, lane);
-        } else {
-          decode_slice_device<DMAX, DPL>(vx, vp + int64_t(k0 + j) * p.v_row_stride, p.v_dim_stride, D, lane);
+        if (j + 1 < n) {
+          decode_slice_device<DMAX, DPL>(vn, vp + int64_t(k0 + j + 1) * p.v_row_stride, p.v_dim_stride, D, lane);
         }
         FM_UNROLL for (int r = 0; r < RS; ++r) {
           const float pj = simd_shuffle(pw[r], ushort(j));
           FM_UNROLL for (int i = 0; i < DPL; ++i) blk[r][i] = fma(pj, vx[i], blk[r][i]);
         }
+        FM_UNROLL for (int i = 0; i < DPL; ++i) vx[i] = vn[i];
       }
       FM_UNROLL for (int r = 0; r < RS; ++r) {
         FM_UNROLL for (int i = 0; i < DPL; ++i) st.acc[r][i] = fma(st.acc[r][i], alpha[r], blk[r][i]);
@@ -518,8 +438,6 @@ FM_INLINE void decode_merge_key_groups(thread DecodeState<DMAX>& st, threadgroup
 struct DecodeShape {
   int kv_head, chunk, chunks;
   int kg, KG, rgl, RGL, rounds;
-  int threads;  // 32 * KG * RGL
-  bool staged;  // K/V staged in threadgroup memory for several row groups (KG = 1, RGL > 1)
   // The row group this SIMD-group serves in round `round`.
   int row_group(int round) const { return (round * chunks + chunk) * RGL + rgl; }
 };
@@ -536,8 +454,6 @@ inline DecodeShape decode_shape(constant AttentionParams& p, uint3 group, uint3 
   s.RGL = int(tsize.z);
   const int RG = (p.gqa_ratio * p.q_len + RS - 1) / RS;
   s.rounds = (RG + s.RGL * s.chunks - 1) / (s.RGL * s.chunks);
-  s.threads = int(tsize.x * tsize.y * tsize.z);
-  s.staged = s.KG == 1 && s.RGL > 1;
   return s;
 }
 
@@ -584,7 +500,6 @@ template <typename T, int DMAX>
     uint3 groups [[threadgroups_per_grid]],
     uint3 tpos [[thread_position_in_threadgroup]],
     uint3 tsize [[threads_per_threadgroup]],
-    uint tid [[thread_index_in_threadgroup]],
     uint lane [[thread_index_in_simdgroup]]) {
   constexpr int RS = DecodeState<DMAX>::RS;
   const DecodeShape sh = decode_shape(p, group, groups, tpos, tsize, RS);
@@ -607,7 +522,7 @@ template <typename T, int DMAX>
     // a dead row group: zeros, "no key"; the sink in key group 0 only (the key-group merge adds the sums)
     decode_init<T, DMAX>(st, q, p, batch, kv_head, rg, lane, sinks, sh.kg == 0);
     decode_attend<T, DMAX>(st, k, v, p, seq, mask, batch, kv_head, rg, live, key_begin, key_end, sh.kg, sh.KG,
-                           sh.staged, reinterpret_cast<threadgroup T*>(smem), int(tid), sh.threads, lane);
+                           lane);
     if (sh.KG > 1) decode_merge_key_groups<DMAX>(st, smem, sh.kg, sh.KG, sh.rgl, sh.RGL, lane);
     if (live && sh.kg == 0) {
       FM_UNROLL for (int r = 0; r < RS; ++r) {

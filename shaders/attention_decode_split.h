@@ -41,7 +41,6 @@ template <typename T, int DMAX>
     uint3 groups [[threadgroups_per_grid]],
     uint3 tpos [[thread_position_in_threadgroup]],
     uint3 tsize [[threads_per_threadgroup]],
-    uint tid [[thread_index_in_threadgroup]],
     uint lane [[thread_index_in_simdgroup]]) {
   constexpr int RS = DecodeState<DMAX>::RS;
   constexpr int DPL = DecodeState<DMAX>::DPL;
@@ -68,7 +67,7 @@ template <typename T, int DMAX>
     // would count it again.
     decode_init<T, DMAX>(st, q, p, batch, kv_head, rg, lane, sinks, split == 0 && sh.kg == 0);
     decode_attend<T, DMAX>(st, k, v, p, seq, mask, batch, kv_head, rg, live, key_begin, key_end, sh.kg, sh.KG,
-                           sh.staged, reinterpret_cast<threadgroup T*>(smem), int(tid), sh.threads, lane);
+                           lane);
     if (sh.KG > 1) decode_merge_key_groups<DMAX>(st, smem, sh.kg, sh.KG, sh.rgl, sh.RGL, lane);
     if (live && sh.kg == 0) {
       FM_UNROLL for (int r = 0; r < RS; ++r) {

@@ -144,10 +144,7 @@ UNSUPPORTED = [
     ("flash_attn_func", dict(dropout_p=0.1), r"dropout_p must be 0.0 \(flash_metal has no dropout\)"),
     ("flash_attn_func", dict(alibi_slopes=torch.ones(4)), r"alibi_slopes is not supported by flash_metal"),
     ("flash_attn_with_kvcache", dict(rotary_cos=torch.ones(8, 4)), r"rotary_cos is not supported"),
-    ("flash_attn_with_kvcache", dict(block_table=torch.zeros(2, 1, dtype=torch.int32)),
-     r"block_table \(paged KV\) is not supported"),
-    ("flash_attn_with_kvcache", dict(cache_batch_idx=torch.zeros(2, dtype=torch.int32)),
-     r"cache_batch_idx is not supported"),
+    ("flash_attn_with_kvcache", dict(rotary_sin=torch.ones(8, 4)), r"rotary_sin is not supported"),
     ("flash_attn_func", dict(window_size=(1, 2, 3)), r"window_size must be \(left, right\)"),
 ]
 

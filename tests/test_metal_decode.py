@@ -11,6 +11,7 @@ compared with the float64 oracle by FlashAttention's 2x rule
 (tests/numerics.py). The fast build runs fast math with -inf keys and the
 strict precision check at Nk = 8192 in float32.
 """
+import dataclasses
 import math
 import struct
 
@@ -85,9 +86,10 @@ def decode_launch(B, Hq, Hkv, Nq, dmax, splits, elem_size, chunks=None, rgl=None
     rg = row_groups(Hq, Hkv, Nq, dmax)
     chunks = math.ceil(rg / 8) if chunks is None else chunks
     rgl = math.ceil(rg / chunks) if rgl is None else rgl
-    kg = 8 if rg == 1 else 1
+    kg = max(1, 8 // rgl)  # key groups: as many as fill 8 SIMD-groups beside the row groups
     dp32 = 32 * math.ceil(dmax / 32)
-    mem = 16 * math.ceil(kg * (rs + 1 + dp32) * 4 / 16) if rg == 1 else 32 * dmax * elem_size
+    # several key groups: their merge (floats); one: none used, 16 bytes (the least Metal takes)
+    mem = 16 * math.ceil(kg * rgl * (rs + 1 + dp32) * 4 / 16) if kg > 1 else 16
     tg = (32, kg, rgl)
     return {"one_pass": ((Hkv * chunks, B, 1), tg, mem), "split": ((Hkv * chunks, B, splits), tg, mem),
             "merge": ((Nq, Hq, B), (32, 1, 1), 0)}
@@ -228,30 +230,61 @@ def test_launch_fits_metal_limits(dmax):
                     assert mem <= TG_LIMIT and mem % 16 == 0, (ratio, nq, name, mem)
 
 
-# (dtype, D, gqa_ratio, Nq, splits): one row group (K/V straight to
-# registers, 8 key groups), several row groups (K/V staged in threadgroup
-# memory, read there by 2 and by 4 SIMD-groups), and more row groups than 8
-# SIMD-groups: ratio 8, Nq 8 at D 64 (16 row groups, 2 row chunks), D 72
-# (32, 4 chunks) and D 256 (64 row groups, 8 row chunks).
+# (dtype, D, gqa_ratio, Nq, splits): one row group (8 key groups, each
+# reading its own keys), several row groups (2 and 4 SIMD-groups all reading
+# the same keys), and more row groups than 8 SIMD-groups: ratio 8, Nq 8 at
+# D 64 (16 row groups, 2 row chunks), D 72 (32, 4 chunks) and D 256 (64 row
+# groups, 8 row chunks).
 READ_CASES = [(torch.float16, 128, 2, 1, 1), (torch.float32, 64, 8, 1, 3), (torch.bfloat16, 128, 8, 1, 2),
               (torch.float16, 64, 8, 8, 1), (torch.float16, 72, 8, 8, 1), (torch.float16, 256, 8, 8, 2)]
 
 
+def check_kv_read_once(counts, k, v, chunks, readers):
+    """K and V reach DRAM once per row chunk and each reading SIMD-group loads them once.
+
+    DRAM: the emulator's unique bytes per threadgroup (the L1 keeps what a
+    threadgroup's SIMD-groups share: the model's assumption) are `chunks`
+    times each tensor's size. Loads: the raw bytes are `readers` times it,
+    readers = the live row groups: each reads every key once (its
+    threadgroup's key groups split the keys between them).
+    """
+    unique, raw = counts.device_unique_bytes_read_by_index, counts.device_bytes_read_by_index
+    for buf, t in ((1, k), (2, v)):
+        size = t.numel() * t.element_size()
+        assert unique[buf] == chunks * size, (buf, unique[buf], chunks, size)
+        assert raw[buf] == readers * size, (buf, raw[buf], readers, size)
+
+
 def test_each_key_is_read_once_per_group():
-    # The sanitizing build's device read counts for k and v are exactly
-    # their sizes, one pass or split, while the GQA group fits one
-    # threadgroup (at most 8 row groups): its query rows share every K/V
-    # load. A bigger group is cut into row chunks of at most 8 row groups
-    # (the kernels' 256-thread limit), and each chunk reads K/V once.
+    # The sanitizing build's counts for k and v, one pass or split: while
+    # the GQA group fits one threadgroup (at most 8 row groups) its rows
+    # share every K/V byte at DRAM, and each SIMD-group loads each key once.
+    # A bigger group is cut into row chunks of at most 8 row groups (the
+    # kernels' 256-thread limit), and each chunk reads K/V once.
     for dtype, d, ratio, nq, splits in READ_CASES:
         q, k, v = make_qkv(1, 2 * ratio, 2, nq, 70, d, dtype)
         out, lse, _, _, counts = launch_decode(q, k, v, splits=splits, instrumented=True)
         assert_attention_close(out, lse, q, k, v)
-        chunks = math.ceil(ratio * nq / rows_per_simd(bucket_of(d)) / 8)
-        read = counts[0].device_bytes_read_by_index
-        assert read[1] == chunks * k.numel() * k.element_size(), (dtype, d, ratio, nq, read)
-        assert read[2] == chunks * v.numel() * v.element_size(), (dtype, d, ratio, nq, read)
+        rg = row_groups(2 * ratio, 2, nq, bucket_of(d))
+        check_kv_read_once(counts[0], k, v, math.ceil(rg / 8), rg)
     assert {math.ceil(r * nq / rows_per_simd(bucket_of(d)) / 8) for _, d, r, nq, _ in READ_CASES} == {1, 2, 4, 8}
+
+
+def test_read_once_check_catches_a_second_read():
+    # Planted: a layout that reads K/V twice. (a) Two row chunks where one
+    # threadgroup would do (the chunks each read K/V from DRAM); (b) the
+    # counts of a kernel whose SIMD-groups load each key twice (raw bytes
+    # doubled; their unique bytes unchanged). Both fail the check.
+    q, k, v = make_qkv(1, 8, 2, 1, 70, 128, torch.float16)  # 2 row groups: one threadgroup
+    _, _, _, _, counts = launch_decode(q, k, v, instrumented=True)
+    check_kv_read_once(counts[0], k, v, 1, 2)
+    _, _, _, _, two = launch_decode(q, k, v, instrumented=True, chunks=2, rgl=1)
+    with pytest.raises(AssertionError):
+        check_kv_read_once(two[0], k, v, 1, 2)
+    twice = dataclasses.replace(counts[0], device_bytes_read_by_index={
+        i: 2 * n for i, n in counts[0].device_bytes_read_by_index.items()})
+    with pytest.raises(AssertionError):
+        check_kv_read_once(twice, k, v, 1, 2)
 
 
 # ---- fc_dense: each lane's contiguous run of a K/V row, as vector loads (issue 19) ---------
@@ -266,25 +299,24 @@ def vector_width(dmax):
     return 4 if dpl % 4 == 0 else (2 if dpl % 2 == 0 else 1)
 
 
-def kv_loads(nk, d, elem, staged, dense):
-    """{bytes: load instructions} the decode kernels issue on one of k, v (D == its bucket, read once).
+def kv_loads(nk, d, elem, readers, dense):
+    """{bytes: load instructions} the decode kernels issue on one of k, v (D == its bucket).
 
-    General path: one scalar load per feature, D per key, staged or not.
-    fc_dense, staged: the threadgroup copies each row as 16-byte chunks.
-    fc_dense, from device memory: each lane reads its run of DPL features as
-    DPL / VW loads of VW elements; with VW = 1 (DMAX 72, 80, 96) only the
-    lanes whose run lies in the row load, so D loads per key.
+    Each of `readers` row groups reads every key once (row groups of a key
+    group read the same keys; the key groups split them).
+    General path: one scalar load per feature, D per key. fc_dense: each
+    lane reads its run of DPL features as DPL / VW loads of VW elements;
+    with VW = 1 (DMAX 72, 80, 96) only the lanes whose run lies in the row
+    load, so D loads per key.
     """
     if not dense:
-        return {elem: nk * d}
-    if staged:
-        return {16: nk * d * elem // 16}
+        return {elem: readers * nk * d}
     vw = vector_width(d)
-    return {vw * elem: nk * (32 * features_per_lane(d) // vw if vw > 1 else d)}
+    return {vw * elem: readers * nk * (32 * features_per_lane(d) // vw if vw > 1 else d)}
 
 
 # (dtype, D, gqa ratio, Nq): every bucket at D == bucket, with one row group
-# (K/V from device memory, 8 key groups) or several (K/V staged).
+# (8 key groups) or several (every row group reading every key).
 DENSE_CASES = [(torch.float16, 128, 1, 1), (torch.bfloat16, 64, 2, 1), (torch.float32, 256, 1, 1),
                (torch.float16, 256, 1, 1), (torch.float32, 32, 1, 1), (torch.float16, 80, 1, 1),
                (torch.bfloat16, 96, 1, 1), (torch.float16, 128, 4, 2), (torch.float32, 72, 8, 1),
@@ -300,35 +332,35 @@ def test_dense_cases_cover_both_paths_and_every_bucket():
 @pytest.mark.parametrize("case", DENSE_CASES, ids=lambda c: f"{dtype_id(c[0])}-d{c[1]}-gqa{c[2]}-nq{c[3]}")
 def test_dense_loads_are_vectors_and_match_the_general_path(case):
     # The same problem under fc_dense and without, sanitized: both within
-    # the 2x rule, K/V read once (bytes), and the load instructions per K/V
-    # buffer exactly kv_loads' (so the dense path ran: its widths differ
-    # from the general path's wherever a lane holds 2 or more features, and
-    # the staged copy is 16-byte chunks). K/V in the transposed layout
-    # (B, N, H, D): unit feature stride, aligned rows, row stride H * D.
+    # the 2x rule, K/V read once (check_kv_read_once), and the load
+    # instructions per K/V buffer exactly kv_loads' (so the dense path ran:
+    # its widths differ from the general path's wherever a lane holds 2 or
+    # more features). K/V in the transposed layout (B, N, H, D): unit
+    # feature stride, aligned rows, row stride H * D.
     dtype, d, ratio, nq = case
     g = torch.Generator().manual_seed(7000 + d + ratio)
     nk, causal = 45, ratio > 1
     q, k, v = make_qkv(2, 2 * ratio, 2, nq, nk, d, dtype, layout=("offset_slice", "transposed", "transposed"),
                        generator=g)
-    staged = row_groups(2 * ratio, 2, nq, d) > 1
+    readers = row_groups(2 * ratio, 2, nq, d)
     elem = q.element_size()
     for dense in (False, True):
-        out, lse, _, _, counts = launch_decode(q, k, v, causal, splits=2 if staged else 1, instrumented=True,
+        out, lse, _, _, counts = launch_decode(q, k, v, causal, splits=2 if readers > 1 else 1, instrumented=True,
                                                dense=dense)
         assert_attention_close(out, lse, q, k, v, causal)
         loads = counts[0].device_loads_by_index
-        for buf, t in ((1, k), (2, v)):
-            assert counts[0].device_bytes_read_by_index[buf] == t.numel() * elem, (dense, buf)
-            assert loads[buf] == kv_loads(2 * 2 * nk, d, elem, staged, dense), (dense, buf, loads[buf])
+        check_kv_read_once(counts[0], k, v, 1, readers)
+        for buf in (1, 2):
+            assert loads[buf] == kv_loads(2 * 2 * nk, d, elem, readers, dense), (dense, buf, loads[buf])
 
 
 def test_dense_load_check_catches_scalar_loads():
     # Planted: the general path's counts where dense ones are expected (the
-    # kernel ignoring fc_dense) fail the check, at every vector width > 1 and
-    # on the staged path.
-    for d, staged in ((64, False), (128, False), (256, False), (128, True), (72, True)):
+    # kernel ignoring fc_dense) fail the check, at every vector width > 1,
+    # with one reader and with several.
+    for d, readers in ((64, 1), (128, 1), (256, 1), (128, 2), (64, 4)):
         for elem in (2, 4):
-            assert kv_loads(10, d, elem, staged, False) != kv_loads(10, d, elem, staged, True), (d, staged, elem)
+            assert kv_loads(10, d, elem, readers, False) != kv_loads(10, d, elem, readers, True), (d, readers, elem)
 
 
 def test_planner_sets_fc_dense_for_aligned_unit_stride_kv_only():
@@ -357,8 +389,8 @@ BUCKET_DIMS = {32: 17, 64: 40, 72: 72, 80: 75, 96: 90, 128: 128, 256: 200}
 # (B, Hq, Hkv, Nq, Nk, splits, layout): Nk = 1; Nk < Nq (causal rows with no
 # key, and a split block past the end); a block with one key and empty
 # blocks past Nk; MHA with four splits, the last ragged; MQA with 16 rows.
-# In every bucket both kernels run with one row group (K/V straight to
-# registers) and with several (K/V staged in threadgroup memory).
+# In every bucket both kernels run with one row group (8 key groups) and
+# with several (each reading every key).
 SANITIZED_CASES = [
     (1, 2, 2, 1, 1, 1, "offset_slice"),
     (1, 4, 1, 8, 7, 2, "storage_end"),
@@ -398,8 +430,8 @@ def test_instantiation_sanitized(dtype, bucket, causal):
 
 
 # (Hq, Hkv, Nq, D): GQA ratios 1, 4, 8 and 9, MQA; rows per GQA group from 1
-# to 64, so one row group (8 key groups), 2 to 8 row groups sharing staged
-# K/V blocks, and more than 8, cut into row chunks: 16 row groups into 2
+# to 64, so one row group (8 key groups), 2 to 8 row groups sharing K/V
+# through the L1 (in 4, 2 or 1 key groups), and more than 8, cut into row chunks: 16 row groups into 2
 # chunks of 8, 9 into 2 chunks of 5 (the last with a row group past R), 64
 # (ratio 8, Nq 8, D 256) into 8 chunks of 8.
 GQA_CASES = [(4, 4, 1, 64), (8, 2, 3, 128), (8, 1, 4, 96), (16, 2, 2, 64), (8, 1, 8, 256), (8, 8, 8, 32),
@@ -407,11 +439,12 @@ GQA_CASES = [(4, 4, 1, 64), (8, 2, 3, 128), (8, 1, 4, 96), (16, 2, 2, 64), (8, 1
 
 
 def test_gqa_cases_cover_every_threadgroup_shape():
-    # 8 key groups of one row group; staged blocks for 2 to 8 row groups;
-    # row chunks, even and with a dead row group in the last.
+    # 8 key groups of one row group; key groups of 2 and 4 row groups
+    # sharing their keys (merged); one key group of 5 to 8 row groups; row
+    # chunks, even and with a dead row group in the last.
     launches = [decode_launch(1, hq, hkv, nq, bucket_of(d), 2, 2)["split"] for hq, hkv, nq, d in GQA_CASES]
     shapes = {tg[1:] for _, tg, _ in launches}
-    assert (8, 1) in shapes and (1, 8) in shapes and any(kg == 1 and 1 < rgl < 8 for kg, rgl in shapes)
+    assert {(8, 1), (4, 2), (2, 4), (1, 8)} <= shapes and any(kg == 1 and 1 < rgl < 8 for kg, rgl in shapes)
     chunks = [grid[0] // hkv for (grid, _, _), (_, hkv, _, _) in zip(launches, GQA_CASES)]
     assert {1, 2, 8} <= set(chunks)
     groups = [row_groups(hq, hkv, nq, bucket_of(d)) for hq, hkv, nq, d in GQA_CASES]
@@ -423,7 +456,8 @@ def test_gqa_cases_cover_every_threadgroup_shape():
 def test_sanitized_rounds_with_fewer_chunks(case):
     # The kernels loop over row groups in rounds when a launch has fewer row
     # chunks than it needs (threadgroups_per_grid.x / Hkv): every row is
-    # still written once, and K/V is read once per (chunk, round).
+    # still written once, and K/V is read once per (chunk, round) from DRAM
+    # (the rounds re-read more than the L1 window) and once per row group.
     hq, hkv, nq, d, chunks, rgl = case
     rounds = math.ceil(row_groups(hq, hkv, nq, bucket_of(d)) / (chunks * rgl))
     assert rounds > 1
@@ -434,8 +468,7 @@ def test_sanitized_rounds_with_fewer_chunks(case):
                                                rgl=rgl)
         assert_attention_close(out, lse, q, k, v, causal, 0.3)
         if not causal:
-            read = counts[0].device_bytes_read_by_index
-            assert read[1] == chunks * rounds * k.numel() * k.element_size(), read
+            check_kv_read_once(counts[0], k, v, chunks * rounds, row_groups(hq, hkv, nq, bucket_of(d)))
 
 
 @pytest.mark.parametrize("case", GQA_CASES, ids=lambda c: f"hq{c[0]}-hkv{c[1]}-nq{c[2]}-d{c[3]}")
@@ -545,8 +578,8 @@ def test_strict_precision_at_8192_keys(causal, splits, hq):
     # twice PyTorch's own float32 error (plus the output rounding). One
     # rescale per 32-key block and a blocked P.V sum keep it there
     # (attention_decode.h). 4 query rows of 2 heads (8 rows: one row group,
-    # 8 key groups merged) or of 8 heads (32 rows: 4 row groups over staged
-    # blocks, one key group walking every block).
+    # 8 key groups merged) or of 8 heads (32 rows: 8 row groups, each
+    # walking every block).
     for seed in (0, 1):
         g = torch.Generator().manual_seed(seed)
         q, k, v = make_qkv(1, hq, 1, 4, LONG_NK, 64, torch.float32, generator=g)
@@ -573,66 +606,3 @@ def test_merges_follow_the_block_that_holds_the_max(splits):
         k[0, 0, key] = q[0, 0, 0] * (2000.0 * 8 / q[0, 0, 0].dot(q[0, 0, 0]))  # score 2000 with scale 1/8
         out, lse = run_decode(q, k, v, False, splits=splits, instrumented=splits > 1)
         assert_attention_close(out, lse, q, k, v)
-
-
-# ---- no integer division by a runtime value in the per-block loops (issue 19) --------------
-
-import pathlib  # noqa: E402
-import re  # noqa: E402
-
-DECODE_SOURCE = pathlib.Path(__file__).resolve().parent.parent / "shaders" / "attention_decode.h"
-# Divisors the compiler folds: compile-time template parameters and constants
-# (a shift, or a multiply by a constant for 72/80/96), and number literals.
-COMPILE_TIME_DIVISORS = re.compile(r"(DMAX|DPL|RS|CPR|kDecodeBlock|kDenseLoadBytes|\d+)\b")
-
-
-def _function_body(src, signature):
-    """Text of the brace-balanced body that follows `signature` in src."""
-    start = src.index("{", src.index(signature))
-    depth = 0
-    for i in range(start, len(src)):
-        depth += {"{": 1, "}": -1}.get(src[i], 0)
-        if depth == 0:
-            return src[start:i + 1]
-    raise AssertionError(f"unbalanced body after {signature!r}")
-
-
-def _runtime_divisions(src):
-    """Each `/` or `%` of decode_stage and of decode_attend's block loop whose divisor is not a compile-time constant.
-
-    Apple GPUs have no integer divide instruction: a division by a runtime
-    int (D, q_len, ...) is a software routine, which the per-element
-    staging loop paid per element before issue 19.
-    """
-    stage = _function_body(src, "FM_INLINE void decode_stage(")
-    attend = _function_body(src, "FM_INLINE void decode_attend(")
-    loop = attend[attend.index("for (int k0 = "):]
-    found = []
-    for name, body in (("decode_stage", stage), ("decode_attend block loop", loop)):
-        code = re.sub(r"//[^\n]*", "", body)  # comments may say anything
-        for m in re.finditer(r"[^/*](/|%)\s*([A-Za-z_][\w.]*|\d+)", code):
-            if not COMPILE_TIME_DIVISORS.fullmatch(m.group(2)):
-                found.append((name, f"{m.group(1)} {m.group(2)}"))
-        # decode_row divides by the runtime q_len: setup only, never per block.
-        found += [(name, "decode_row(") for _ in re.finditer(r"\bdecode_row\(", code)]
-    return found
-
-
-def test_decode_loops_divide_by_compile_time_constants_only():
-    src = DECODE_SOURCE.read_text()
-    assert "e / DMAX" in src  # the staging loop's row index: the division the check must accept
-    assert _runtime_divisions(src) == []
-
-
-def test_division_check_catches_a_planted_runtime_divisor():
-    # The staging loop as it was before issue 19 (element index over D,
-    # row = e / D), and a per-block decode_row call: both found.
-    src = DECODE_SOURCE.read_text()
-    planted = src.replace("const int j = e / DMAX;", "const int j = e / D;", 1)
-    assert planted != src and ("decode_stage", "/ D") in _runtime_divisions(planted)
-    planted = src.replace("const int n = min(kDecodeBlock, key_end - k0);",
-                          "const int n = min(kDecodeBlock, key_end - k0) % p.q_len;", 1)
-    assert planted != src and ("decode_attend block loop", "% p.q_len") in _runtime_divisions(planted)
-    planted = src.replace("const int key = k0 + int(lane);",
-                          "const int key = k0 + int(lane) + decode_row(p, 0, 0).row;", 1)
-    assert planted != src and ("decode_attend block loop", "decode_row(") in _runtime_divisions(planted)

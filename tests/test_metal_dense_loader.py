@@ -264,3 +264,35 @@ def test_dense_loader_ir_has_no_64bit_multiply_or_runtime_division():
     assert any(i.startswith("mul") and " i64 " in i for i in planted), planted
     assert any(i.startswith(("sdiv", "srem", "udiv", "urem")) for i in planted), planted
     assert any(i.startswith("mul") and " i64 " in i for i in found["whole_loader_half_r32_d72_t128"])
+
+
+# ---- the Q.K^T feature loop runs to a compile-time bound (issue 19) -------------------------
+
+PREFILL_IR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "prefill_ir.metal")
+# tests/prefill_ir.metal's instantiation: DMAX 32, BK 32, so TD = 4 feature and TK = 4 key fragments.
+PREFILL_IR_KERNEL, PREFILL_TD, PREFILL_TK = "prefill_half_d32_bq32_bk32_wm4", 4, 4
+# The Q.K^T loop as shipped (attention_prefill.h): to the bucket's TD, with a uniform guard.
+QK_LOOP = "      FM_UNROLL for (int dd = 0; dd < TD; ++dd) {\n        if (dd < d_frags) {"
+
+
+def test_prefill_qk_feature_loop_is_unrolled(tmp_path):
+    """In the optimised IR (-O2, as the fast build compiles) of a shipped
+    prefill instantiation, every MMA of Q.K^T and of P.V is its own call
+    site: TD x TK each, so both loops unrolled (the QK loop's trip count is
+    the compile-time TD, not the runtime ceil(D / 8)). Planted: the QK loop
+    run to d_frags, as before issue 19, leaves one loop body of TK sites."""
+    import shutil
+
+    from metal_emulator import mma_call_sites
+
+    assert mma_call_sites(PREFILL_IR) == {PREFILL_IR_KERNEL: 2 * PREFILL_TD * PREFILL_TK}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    shutil.copytree(os.path.join(root, "shaders"), tmp_path / "shaders")
+    (tmp_path / "tests").mkdir()
+    shutil.copy(PREFILL_IR, tmp_path / "tests")
+    header = tmp_path / "shaders" / "attention_prefill.h"
+    text = header.read_text()
+    assert text.count(QK_LOOP) == 1
+    header.write_text(text.replace(QK_LOOP, "      for (int dd = 0; dd < d_frags; ++dd) {\n        {"))
+    planted = mma_call_sites(str(tmp_path / "tests" / "prefill_ir.metal"))[PREFILL_IR_KERNEL]
+    assert planted < 2 * PREFILL_TD * PREFILL_TK, planted

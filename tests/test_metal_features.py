@@ -243,8 +243,10 @@ def test_prefill_window_reads_fewer_kv_bytes(dtype):
 def test_decode_window_reads_only_the_window(family):
     # 1100 keys, Nq 2 of an 8:2 GQA group, window_left 40: the decode kernels
     # read K/V only from row 0's first visible key on, once per (batch, kv
-    # head) for all rows; the split kernel's splits before the window read
-    # nothing. The mask (per query head) is read once per visible pair.
+    # head) for all rows from DRAM (the emulator's bytes new to a
+    # threadgroup) and once per row group (2 of 4 rows) by the loads; the
+    # split kernel's splits before the window read nothing. The mask (per
+    # query head) is read once per visible pair.
     B, Hq, Hkv, Nq, Nk, D, W = 1, 8, 2, 2, 1100, 64, 40
     g = torch.Generator().manual_seed(6)
     q, k, v = make_qkv(B, Hq, Hkv, Nq, Nk, D, torch.float16, generator=g)
@@ -254,9 +256,11 @@ def test_decode_window_reads_only_the_window(family):
         planned(family)
         d, c = LAST_DISPATCHES[0]
         by_name = {name: c.device_bytes_read_by_index[i] for name, i in d.buffers.items()}
+        dram = {name: c.device_unique_bytes_read_by_index[i] for name, i in d.buffers.items()}
         vis = visible_keys(Nq, Nk, False, window)
         first = int(vis[0].nonzero().min())
-        assert by_name["k"] == by_name["v"] == B * Hkv * (Nk - first) * D * 2
+        assert dram["k"] == dram["v"] == B * Hkv * (Nk - first) * D * 2
+        assert by_name["k"] == by_name["v"] == 2 * dram["k"]
         assert by_name["attn_mask"] == 4 * B * Hq * int(vis.sum())
         if family == "decode_split":
             assert d.grid[2] > 2  # several splits, so some lie wholly behind the window

@@ -133,12 +133,14 @@ def test_post_kernels_scalar_work_grows_with_keys():
 
 @pytest.mark.parametrize("impl", ["decode", "decode_split"])
 def test_decode_reads_kv_once_per_kv_head(impl):
-    """Decode: each (batch, kv head) reads its K and V once for all query rows of its GQA group."""
+    """Decode: each (batch, kv head) reads its K and V once from DRAM for all query rows of its GQA group
+    (3 row groups in 2 key groups: each row group loads every key, the L1 shares them)."""
     if not M.available(impl):
         pytest.fail(f"{impl} kernels missing from the emulator library")
     s = M.Shape(1, 4, 1, 3, 600, 63)  # 4:1 GQA, 3 query rows, ragged Nk and D
     recs = M.emulate(impl, s, torch.float16, False)
     measured, model = M.io_row(impl, s, torch.float16, False, recs)
     assert measured == model == 2 * M.fa2_decode_kv_bytes(s, 2)
-    assert sum(r.counts.get("read_v", 0) for r in recs) == model // 2  # the merge pass binds no v
+    assert sum(r.counts.get("dram_v", 0) for r in recs) == model // 2  # the merge pass binds no v
+    assert sum(r.counts.get("read_v", 0) for r in recs) == 3 * model // 2  # loaded by each of 3 row groups
     assert sum(r.counts.get("write_out", 0) for r in recs) == s.b * s.hq * s.nq * s.d * 2

@@ -17,6 +17,7 @@ import flash_metal
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks import apple_gpus as G  # noqa: E402
 from benchmarks import metal_model as M  # noqa: E402
+from benchmarks import metal_backward_model as BM  # noqa: E402
 from benchmarks import metal_model_anchors as A  # noqa: E402
 from benchmarks import metal_model_timing as T  # noqa: E402
 
@@ -92,6 +93,22 @@ def test_latency_is_hidden_only_with_residency(monkeypatch):
     monkeypatch.setattr(T, "planner_residency", lambda *a: (1, "planted"))
     t1 = T.predict(recs, g, s, torch.float16, False)[1]["compute"]
     assert t1 > 1.5 * t3  # one resident (planted): each block pays latency + work, not work alone
+
+
+def test_fewer_simdgroups_than_schedulers_leave_issue_idle(monkeypatch):
+    """A threadgroup of one SIMD-group, alone on its core, issues from 1 of the core's 4 schedulers: its
+    block's work takes 4x as long as the same counts at 4 SIMD-groups per threadgroup (planted), which
+    leaves only the block's serial latency in common (so between 1.4x and 4x the time)."""
+    s = M.Shape(1, 2, 2, 256, 256, 256)
+    g = G.BY_NAME["M3 Max"]
+    recs = BM.counts_for(s, torch.float32, False)
+    assert all(r.threadgroup == (32, 1, 1) for r in recs if "flash_backward" in r.kernel)
+    monkeypatch.setattr(T, "planner_residency", lambda *a: (1, "planted"))
+    one = T.predict(recs, g, s, torch.float32, False)[1]["compute"]
+    four = T.predict([r._replace(threadgroup=(128, 1, 1)) for r in recs], g, s, torch.float32,
+                     False)[1]["compute"]
+    assert 1.4 * four < one < 4.01 * four
+    assert T.issue_share(1) == 0.25 and T.issue_share(2) == 0.5 and T.issue_share(4) == T.issue_share(24) == 1.0
 
 
 def test_ffma_table_is_used_and_interpolates():

@@ -101,7 +101,7 @@ def test_no_dispatch_exceeds_its_declared_limit(model):
 
 def test_sweep_reaches_the_decode_limit():
     # The cap binds: some real shapes plan the decode kernels at exactly N
-    # (one row group with 8 key groups, or 8 staged row groups), none above.
+    # (one row group with 8 key groups, or 8 row groups sharing the keys), none above.
     most = {}
     for model in MODELS:
         for family, n in _most_threads(model).items():
@@ -137,9 +137,9 @@ DECODE_MODELS = ("llama3-8b", "llama3-70b", "qwen2.5-7b", "mistral-7b", "gemma2-
 
 def _decode_live(bucket, rows, mask):
     """decode_live_registers (csrc/metal_plan_detail.h): per row q, acc and block slices plus 5 scalars (+2 with a
-    mask), one K/V slice, and 16 of addresses and counters."""
+    mask), two K/V slices (the key's and the next one's, prefetched), and 16 of addresses and counters."""
     dpl = -(-bucket // 32)
-    return rows * (3 * dpl + 5 + (2 if mask else 0)) + dpl + 16
+    return rows * (3 * dpl + 5 + (2 if mask else 0)) + 2 * dpl + 16
 
 
 def _over_budget(dispatches):

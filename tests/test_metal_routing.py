@@ -81,9 +81,9 @@ def test_decode_one_pass_for_short_contexts_and_split_for_long():
 
 
 def _simdgroups_per_block(dispatch):
-    """SIMD-groups one key block of a decode dispatch launches: its (kv head, row chunk) x batch threadgroups."""
-    tg = dispatch.threadgroup
-    return dispatch.grid[0] * dispatch.grid[1] * tg[0] * tg[1] * tg[2] // 32
+    """Streams one key block of a decode dispatch launches, as decode_splits counts them: its (kv head, row chunk)
+    x batch threadgroups x key groups (threadgroup y; a key group's row groups read the same keys: one stream)."""
+    return dispatch.grid[0] * dispatch.grid[1] * dispatch.threadgroup[1]
 
 
 def _blocks_for(nk, splits):

@@ -12,7 +12,7 @@ Importable as ``tests.metal_emulator`` or, with tests/ on sys.path, as ``metal_e
 
 from ._build import BuildError, find_clang
 from ._check import MslRuleError, check_msl_rules
-from ._ir import private_arrays, slow_integer_math
+from ._ir import mma_call_sites, private_arrays, slow_integer_math
 from ._library import DISPATCHED, DispatchCounts, EmulatorError, Library, compile_library, preprocessed
 
 __all__ = [
@@ -26,6 +26,7 @@ __all__ = [
     "compile_library",
     "find_clang",
     "preprocessed",
+    "mma_call_sites",
     "private_arrays",
     "slow_integer_math",
 ]

@@ -34,29 +34,25 @@ def _c_string(raw: str) -> str:
     return re.sub(r"\\([0-9A-Fa-f]{2})", lambda m: chr(int(m.group(1), 16)), raw)
 
 
-def parse_ir(ir: str) -> dict[str, list[str]]:
-    """{host name: [array type of each alloca in the kernel's function]} from one module's IR."""
+def _kernels(ir: str):
+    """(host name, the kernel function's body, the module's strings) of every kernel registered in one module's IR."""
     strings = {name: _c_string(raw) for name, raw in _STRING.findall(ir)}
     bodies = {name: body for name, body in _DEFINE.findall(ir)}
-    out = {}
     for host_ref, fn in _REGISTER.findall(ir):
         if host_ref not in strings or fn not in bodies:
             raise RuntimeError(f"cannot resolve kernel registration {host_ref} -> {fn} in the IR")
-        out[strings[host_ref]] = _ARRAY_ALLOCA.findall(bodies[fn])
-    return out
+        yield strings[host_ref], bodies[fn], strings
 
 
-def private_arrays(paths) -> dict[str, list[str]]:
-    """{kernel host name: array types it keeps in memory}, for every kernel in the .metal files.
-
-    An empty list means every private array of that kernel was split into
-    scalars (eligible for registers). Cached on disk like the libraries.
-    """
+def _per_kernel(paths, tag: str, measure) -> dict:
+    """{kernel host name: measure(body, strings)} for every kernel in the .metal files, each compiled
+    exactly as the fast build compiles it (same pre-pass, shim and -O2 flags), stopped at LLVM IR.
+    Cached on disk like the libraries, under `tag` (one per measure)."""
     if isinstance(paths, str):
         paths = [paths]
     paths = [os.path.abspath(p) for p in paths]
     flags = _build.kernel_flags(instrumented=False)
-    final = os.path.join(_build.CACHE_DIR, "ir-" + _build.source_key(paths, "emit-llvm", *flags))
+    final = os.path.join(_build.CACHE_DIR, tag + "-" + _build.source_key(paths, "emit-llvm", *flags))
 
     def build(tmp: str) -> None:
         mapping = _build.write_rewritten(paths, os.path.join(tmp, "src"))
@@ -71,13 +67,22 @@ def private_arrays(paths) -> dict[str, list[str]]:
             for ll, job in jobs:
                 job.result()
                 with open(ll, encoding="utf-8") as f:
-                    result.update(parse_ir(f.read()))
-        with open(os.path.join(tmp, "arrays.json"), "w", encoding="utf-8") as f:
+                    result.update({name: measure(body, strings) for name, body, strings in _kernels(f.read())})
+        with open(os.path.join(tmp, "result.json"), "w", encoding="utf-8") as f:
             json.dump(result, f)
 
     _build._atomic_dir(final, build)
-    with open(os.path.join(final, "arrays.json"), encoding="utf-8") as f:
+    with open(os.path.join(final, "result.json"), encoding="utf-8") as f:
         return json.load(f)
+
+
+def private_arrays(paths) -> dict[str, list[str]]:
+    """{kernel host name: array types it keeps in memory}, for every kernel in the .metal files.
+
+    An empty list means every private array of that kernel was split into
+    scalars (eligible for registers).
+    """
+    return _per_kernel(paths, "ir", lambda body, _: _ARRAY_ALLOCA.findall(body))
 
 
 # Instructions that cost an Apple GPU dearly in a loader's inner loop: a 64-bit
@@ -94,29 +99,25 @@ def slow_integer_math(paths) -> dict[str, list[str]]:
     kernel in the .metal files, from the LLVM IR the fast build optimizes (-O2, helpers
     inlined and loops unrolled), so each listed instruction is one the kernel executes.
     Meant for small test kernels wrapping one helper (tests/test_metal_dense_loader.py)."""
-    if isinstance(paths, str):
-        paths = [paths]
-    paths = [os.path.abspath(p) for p in paths]
-    flags = _build.kernel_flags(instrumented=False)
-    final = os.path.join(_build.CACHE_DIR, "slowmath-" + _build.source_key(paths, "emit-llvm", *flags))
+    return _per_kernel(paths, "slowmath", lambda body, _: [x.group(1).strip() for x in _SLOW_MATH.finditer(body)])
 
-    def build(tmp: str) -> None:
-        mapping = _build.write_rewritten(paths, os.path.join(tmp, "src"))
-        result = {}
-        for i, p in enumerate(paths):
-            src = mapping[p]
-            ll = os.path.join(tmp, f"k{i}.ll")
-            _build._run([_build.find_clang(), *flags, "-I", os.path.dirname(src), "-S", "-emit-llvm", src, "-o", ll],
-                        f"compiling {p} to LLVM IR")
-            with open(ll, encoding="utf-8") as f:
-                ir = f.read()
-            strings = {name: _c_string(raw) for name, raw in _STRING.findall(ir)}
-            bodies = {name: body for name, body in _DEFINE.findall(ir)}
-            for host_ref, fn in _REGISTER.findall(ir):
-                result[strings[host_ref]] = [m.group(1).strip() for m in _SLOW_MATH.finditer(bodies[fn])]
-        with open(os.path.join(tmp, "slowmath.json"), "w", encoding="utf-8") as f:
-            json.dump(result, f)
 
-    _build._atomic_dir(final, build)
-    with open(os.path.join(final, "slowmath.json"), encoding="utf-8") as f:
-        return json.load(f)
+# A call of the shim's simdgroup_multiply_accumulate (one per MMA the source
+# names after unrolling), or, were the shim inlined, its exchange call.
+_MMA_CALL = re.compile(r"call void @_ZN5metal29simdgroup_multiply_accumulate\w*\(")
+
+
+def mma_call_sites(paths) -> dict[str, int]:
+    """{kernel host name: the simdgroup MMA call sites in its optimised function}, for every kernel
+    in the .metal files, from the IR the fast build optimizes (-O2). A loop the compiler unrolled
+    contributes one site per trip; a loop left rolled (a runtime trip count) one per body, so a
+    kernel's count tells whether its matrix loops ran to compile-time bounds
+    (tests/test_metal_dense_loader.py)."""
+
+    def count(body, strings):
+        mma_strings = [name for name, text in strings.items() if text == "simdgroup_multiply_accumulate"]
+        inlined = sum(len(re.findall(r"@fm_rt_simd_exchange\([^\n]*" + re.escape(m) + r"\b", body))
+                      for m in mma_strings)
+        return len(_MMA_CALL.findall(body)) + inlined
+
+    return _per_kernel(paths, "mmasites", count)

@@ -68,6 +68,9 @@ class _CountsDesc(ctypes.Structure):
         ("kernel", _KernelCounts),
         ("device_loads", (ctypes.c_uint64 * 5) * 32),
         ("threadgroup_loads", ctypes.c_uint64 * 5),
+        ("device_unique_bytes_read", ctypes.c_uint64 * 32),
+        ("device_load_requests", ctypes.c_uint64 * 32),
+        ("device_request_bytes", ctypes.c_uint64 * 32),
     ]
 
 
@@ -100,7 +103,15 @@ class DispatchCounts:
     {width in bytes: load instructions}} (one access of the -O1 kernel each,
     so a 16-byte uint4 load counts once, a 2-byte half load once), and
     threadgroup_loads_by_width, {width: loads}; widths with no load are left
-    out.
+    out. The traffic model's rules (issue 19), {index: n}:
+    device_unique_bytes_read_by_index, the bytes of each load whose address
+    its threadgroup did not read within its last 8 KiB of such bytes
+    (runtime kL1WindowBytes), summed over threadgroups (DRAM traffic if
+    SIMD-groups of a threadgroup share lines through the core's L1: an
+    assumption); device_load_requests_by_index and
+    device_request_bytes_by_index, the loads and their bytes after the
+    broadcast rule: the lanes of a SIMD-group executing one load instruction
+    at the same address count once.
     """
 
     threadgroups: int
@@ -119,6 +130,9 @@ class DispatchCounts:
     threadgroup_bytes_written: int | None
     device_loads_by_index: dict[int, dict[int, int]] | None
     threadgroup_loads_by_width: dict[int, int] | None
+    device_unique_bytes_read_by_index: dict[int, int] | None = None
+    device_load_requests_by_index: dict[int, int] | None = None
+    device_request_bytes_by_index: dict[int, int] | None = None
 
 
 def _counts(raw: _CountsDesc, instrumented: bool, indices) -> DispatchCounts:
@@ -132,7 +146,10 @@ def _counts(raw: _CountsDesc, instrumented: bool, indices) -> DispatchCounts:
                      threadgroup_bytes_read=int(raw.threadgroup_bytes_read),
                      threadgroup_bytes_written=int(raw.threadgroup_bytes_written),
                      device_loads_by_index={i: _by_width(raw.device_loads[i]) for i in sorted(indices)},
-                     threadgroup_loads_by_width=_by_width(raw.threadgroup_loads))
+                     threadgroup_loads_by_width=_by_width(raw.threadgroup_loads),
+                     device_unique_bytes_read_by_index={i: int(raw.device_unique_bytes_read[i]) for i in sorted(indices)},
+                     device_load_requests_by_index={i: int(raw.device_load_requests[i]) for i in sorted(indices)},
+                     device_request_bytes_by_index={i: int(raw.device_request_bytes[i]) for i in sorted(indices)})
     else:
         exact = dict.fromkeys(("device_bytes_read", "device_bytes_written", "device_bytes_read_by_index",
                                "device_bytes_written_by_index", "threadgroup_bytes_read", "threadgroup_bytes_written",

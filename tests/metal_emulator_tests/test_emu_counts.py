@@ -12,7 +12,8 @@ from metal_emulator import DispatchCounts
 KERNELS = "counts.metal"
 BYTE_FIELDS = ("device_bytes_read", "device_bytes_written", "device_bytes_read_by_index",
                "device_bytes_written_by_index", "threadgroup_bytes_read", "threadgroup_bytes_written",
-               "device_loads_by_index", "threadgroup_loads_by_width")
+               "device_loads_by_index", "threadgroup_loads_by_width", "device_unique_bytes_read_by_index",
+               "device_load_requests_by_index", "device_request_bytes_by_index")
 
 
 def u32(x: int) -> bytes:
@@ -174,3 +175,30 @@ def test_counts_are_per_dispatch():
     first = lib.dispatch("barriers", buffers={0: np.zeros(32, np.uint32)}, **args)
     second = lib.dispatch("barriers", buffers={0: np.zeros(32, np.uint32)}, **args)
     assert first == second and first.threadgroup_barriers == 2
+
+
+@pytest.mark.parametrize("spread", [0, 1], ids=["one_address", "distinct"])
+def test_broadcast_and_unique_bytes(spread):
+    # Planted both ways (kernels/broadcast_loads): 4 load instructions per
+    # lane of src, the 32 lanes at one address (the broadcast rule: 1
+    # request per SIMD-group and instruction) or at 32 distinct ones (32).
+    # Every SIMD-group of a threadgroup reads the same bytes: the unique
+    # bytes count them once per threadgroup, the raw bytes once per lane.
+    lib = library(KERNELS, True)
+    groups, sgs = 3, 2
+    threads = groups * sgs * 32
+    src = rng().random(4 * 32, dtype=np.float32)
+    dst = np.full(threads, np.nan, np.float32)
+    c = lib.dispatch("broadcast_loads", buffers={0: src, 1: dst}, bytes={2: u32(spread)}, grid=(groups,),
+                     threadgroup=(32 * sgs,))
+    lanes = np.arange(32)
+    addr = [lanes * 0 + i if not spread else i * 32 + lanes for i in range(4)]
+    s = src.astype(np.float64)
+    expect = s[addr[0]].sum() + s[addr[1]].sum() + s[addr[2]] + s[addr[3]]
+    np.testing.assert_allclose(dst.reshape(-1, 32), np.broadcast_to(expect, (groups * sgs, 32)), rtol=1e-5)
+    per_instruction = 32 if spread else 1
+    assert c.device_loads_by_index[0] == {4: 4 * threads}
+    assert c.device_load_requests_by_index[0] == 4 * per_instruction * groups * sgs
+    assert c.device_request_bytes_by_index[0] == 4 * c.device_load_requests_by_index[0]
+    assert c.device_bytes_read_by_index[0] == 4 * 4 * threads
+    assert c.device_unique_bytes_read_by_index[0] == 4 * 4 * per_instruction * groups

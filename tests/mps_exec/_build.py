@@ -217,11 +217,53 @@ def tsan_runtime() -> str:
     return out
 
 
-def _compile(unit: tuple[str, str, bool], key_base: str, sdk: int | None = None, sanitize: str | None = None) -> str:
+# torch's headers, parsed once per (flags, clang, torch) into a precompiled
+# header that every Objective-C++ unit including them loads: they are most of
+# each such unit's compile (attention_mps.mm 20 s -> 6 s, fake_mps.mm 20 s
+# -> 6 s on 2 cores; the header itself takes about 18 s, once per flag set).
+# The units still include the headers themselves (the include guards make
+# those no-ops), so what they compile is unchanged.
+_PCH_TEXT = "#include <ATen/ATen.h>\n#include <torch/library.h>\n"
+_USES_TORCH = re.compile(r"#include <(ATen|torch)/")
+
+
+def _pch(flags: list[str], key_base: str) -> str:
+    """The precompiled torch headers for Objective-C++ units compiled with `flags` (cached, built once)."""
+    header_flags = ["objective-c++-header" if f == "objective-c++" else f for f in flags]
+    key = hashlib.sha256((key_base + _PCH_TEXT + " ".join(header_flags)).encode()).hexdigest()[:20]
+    out = os.path.join(CACHE_DIR, "pch", f"torch.{key}.pch")
+    if os.path.exists(out):
+        return out
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    # The header stays beside its .pch: clang checks that the file the PCH
+    # was made from still exists.
+    header = out[:-4] + ".h"
+    with tempfile.TemporaryDirectory(dir=CACHE_DIR) as tmp:
+        staged = os.path.join(tmp, "torch.h")
+        with open(staged, "w", encoding="utf-8") as f:
+            f.write(_PCH_TEXT)
+        _atomic_write_from(staged, header)
+        built = os.path.join(tmp, "torch.pch")
+        proc = subprocess.run([toolchain()["clang"], *header_flags, header, "-o", built], capture_output=True,
+                              text=True)
+        if proc.returncode != 0:
+            raise BuildFailed(f"precompiling torch's headers failed:\n{proc.stderr[-6000:]}")
+        _atomic_write_from(built, out)
+    return out
+
+
+def _unit_flags(objc: bool, sdk: int | None, sanitize: str | None) -> list[str]:
+    # The SDK view only matters to what sees Apple's API: the Objective-C++ units.
+    return compile_flags() + _SANITIZE[sanitize][0] + (OBJC_FLAGS + _sdk_flags(sdk) if objc else ["-x", "c++"])
+
+
+def _compile(unit: tuple[str, str, bool], key_base: str, sdk: int | None = None, sanitize: str | None = None,
+             pch: str | None = None) -> str:
     name, text, objc = unit
     tc = toolchain()
-    # The SDK view only matters to what sees Apple's API: the Objective-C++ units.
-    flags = compile_flags() + _SANITIZE[sanitize][0] + (OBJC_FLAGS + _sdk_flags(sdk) if objc else ["-x", "c++"])
+    flags = _unit_flags(objc, sdk, sanitize)
+    if pch and objc and _USES_TORCH.search(text):
+        flags = flags + ["-include-pch", pch]
     key = hashlib.sha256((key_base + name + "\0" + text + "\0" + " ".join(flags)).encode()).hexdigest()[:20]
     obj = os.path.join(CACHE_DIR, "obj", f"{name}.{key}.o")
     deps_file = obj[:-2] + ".deps.json"
@@ -261,7 +303,12 @@ def _build_locked(tc, links, torch_version, overrides, sdk, sanitize) -> str:
     key_base = hashlib.sha256((tc["version"] + torch_version).encode()).hexdigest()
     units = _source_units(overrides or {})
     with ThreadPoolExecutor(max_workers=max(1, min(len(units), os.cpu_count() or 1))) as pool:
-        objects = list(pool.map(lambda u: _compile(u, key_base, sdk, sanitize), units))
+        # The precompiled header first, the C++ units beside it, then the
+        # Objective-C++ units (which wait for it).
+        pch = pool.submit(_pch, _unit_flags(True, sdk, sanitize), key_base)
+        jobs = {u[0]: pool.submit(lambda u=u: _compile(u, key_base, sdk, sanitize, pch.result() if u[2] else None))
+                for u in sorted(units, key=lambda u: u[2])}
+        objects = [jobs[u[0]].result() for u in units]
     link_flags = [*links, *_SANITIZE[sanitize][1], f"-L{tc['objc_dir']}", "-lobjc", f"-L{tc['blocks_dir']}", "-lBlocksRuntime",
                   "-Wl,-z,defs"]  # every symbol resolved now: a missing fake fails the build, not a test
     key = hashlib.sha256(("\0".join(objects) + " ".join(link_flags)).encode()).hexdigest()[:20]

@@ -345,6 +345,7 @@ static bool resolve_simdgroups(Worker& w) {
                 where_threads_are(w, tids, true));
     }
     g.gen++;
+    forget_simd_loads(w, s);  // every lane is here: the loads before are complete
     if (first.site.kind == 1) w.counts.simdgroup_barriers++;
     bool orders = first.site.kind == 1 && (first.site.flags & 2u);
     for (unsigned l = 0; l < g.width; ++l) {
@@ -380,12 +381,26 @@ static bool resolve_barrier(Worker& w) {
   }
   if (ref->site.flags & 2u) w.epoch++;  // mem_threadgroup orders threadgroup memory
   w.counts.threadgroup_barriers++;
+  for (unsigned s = 0; s < w.nsimd; ++s) forget_simd_loads(w, s);
   for (Fiber& f : w.fibers) f.state = FiberState::Ready;
   return true;
 }
 
+// The broadcast rule's record of SIMD-group `simd`'s loads, dropped when its
+// lanes meet (at a collective or a barrier) or its threadgroup starts.
+void forget_simd_loads(Worker& w, unsigned simd) {
+  w.simds[simd].loads.clear();
+  for (unsigned l = 0; l < FMEMU_SIMD_WIDTH; ++l) {
+    const unsigned t = simd * FMEMU_SIMD_WIDTH + l;
+    if (t < w.nthreads) w.fibers[t].load_seq.clear();
+  }
+}
+
 static void run_group(Worker& w) {
   start_group(w);
+  for (unsigned s = 0; s < w.nsimd; ++s) w.simds[s].loads.clear();
+  w.recent_reads.clear();  // device_unique_bytes_read: per threadgroup
+  w.group_new_bytes = 0;
   w.counts.threadgroups++;
   w.counts.threads += w.nthreads;
   begin_group_memory(w);

@@ -2,6 +2,7 @@
 // sanitizer.cpp). Not seen by kernel code.
 #pragma once
 #include <csetjmp>
+#include <map>
 #include <cstdint>
 #include <string>
 #include <unordered_map>
@@ -47,6 +48,18 @@ struct fm_dispatch_counts {
   // accesses of 1 << w bytes (1, 2, 4, 8, 16).
   uint64_t device_loads[32][5];   // by [[buffer(n)]]
   uint64_t threadgroup_loads[5];
+  // The traffic model's rules (issue 19), by [[buffer(n)]]:
+  // device_unique_bytes_read: bytes of device memory a threadgroup's load
+  // brings in: its address not read by the same threadgroup within its last
+  // kL1WindowBytes of such bytes (what reaches DRAM if a threadgroup's
+  // SIMD-groups share lines through the core's L1: an assumption);
+  // device_load_requests / device_request_bytes: load instructions and
+  // their bytes after the broadcast rule, the lanes of one SIMD-group
+  // executing one load instruction (the same call site, the n-th time since
+  // the SIMD-group last met) at the same address counting once.
+  uint64_t device_unique_bytes_read[32];
+  uint64_t device_load_requests[32];
+  uint64_t device_request_bytes[32];
 };
 // The width slot of an access of `size` bytes (1 << slot == size).
 inline int fm_width_slot(unsigned size) { return size >= 16 ? 4 : size >= 8 ? 3 : size >= 4 ? 2 : size >= 2 ? 1 : 0; }
@@ -62,6 +75,12 @@ constexpr unsigned long kThreadgroupLengthAlign = 16;
 // Redzone after every threadgroup allocation: wider than the widest single
 // access (16 bytes), so an off-by-one element or row lands in it.
 constexpr unsigned long kRedzone = 64;
+// device_unique_bytes_read's window: a load re-reading an address its
+// threadgroup read within its last 8 KiB of new bytes is a cache hit. Why 8
+// KiB: an estimate of a core's L1 data cache (Apple publishes none); big
+// enough for the decode kernels' sibling SIMD-groups, a few rows apart, and
+// small beside any K/V that a threadgroup re-reads in rounds.
+constexpr uint64_t kL1WindowBytes = 8192;
 
 struct Site {
   int kind = 0;  // 0 threadgroup_barrier, 1 simdgroup_barrier, 2 SIMD collective
@@ -86,6 +105,8 @@ struct Fiber {
   unsigned tid = 0;  // thread_index_in_threadgroup
   unsigned lane = 0, simd = 0;
   unsigned simd_epoch = 0;  // simdgroup_barriers this thread's SIMD-group passed
+  // Device loads by call site since the SIMD-group last met (the broadcast rule).
+  std::unordered_map<const void*, uint32_t> load_seq;
   const unsigned char* exchange = nullptr;
   fm_invocation inv{};
 };
@@ -93,6 +114,9 @@ struct Fiber {
 struct SimdGroup {
   unsigned width = 0;
   unsigned gen = 0;  // completed collectives; selects the exchange buffer
+  // One device load instruction of the SIMD-group since it last met, (call
+  // site, n-th execution), -> the (address, width) pairs its lanes read.
+  std::map<std::pair<const void*, uint32_t>, std::vector<std::pair<const char*, unsigned>>> loads;
   alignas(64) unsigned char buf[2][FMEMU_SIMD_WIDTH * FMEMU_SIMD_SLOT_BYTES];
 };
 
@@ -182,6 +206,10 @@ struct Worker {
   std::unordered_set<std::string> report_keys;
   bool instrument_active = false;
   fm_dispatch_counts counts{};
+  // device_unique_bytes_read, per threadgroup: each load address read, ->
+  // group_new_bytes when it was last read; the bytes brought in so far.
+  std::unordered_map<const char*, uint64_t> recent_reads;
+  uint64_t group_new_bytes = 0;
 };
 
 // The worker running a dispatch. A plain global, not thread_local: a library
@@ -191,6 +219,7 @@ struct Worker {
 extern Worker* tls_worker;
 
 // executor.cpp
+void forget_simd_loads(Worker& w, unsigned simd);
 std::string thread_name(const Worker& w, unsigned tid);
 void add_report(Worker& w, const std::string& kind, const std::string& key, const std::string& message,
                 std::vector<uint64_t> pcs);

@@ -95,12 +95,37 @@ void remove_fault_handler() {
 // ---- instrumented accesses --------------------------------------------------------
 static const char* kind_name(bool write) { return write ? "write" : "read"; }
 
+// The traffic model's counts of one device read (fm_dispatch_counts):
+// bytes new to the threadgroup, and the broadcast rule's requests.
+// (A load is matched by its address: a re-read of the same bytes by a
+// load of another width or offset counts as new.)
+static void count_read(Worker& w, const DeviceBuffer& db, const char* p, unsigned size, const void* pc) {
+  auto seen = w.recent_reads.find(p);
+  if (seen != w.recent_reads.end() && w.group_new_bytes - seen->second < kL1WindowBytes) {
+    seen->second = w.group_new_bytes;  // a hit: the line stays recent
+  } else {
+    w.group_new_bytes += size;
+    w.recent_reads[p] = w.group_new_bytes;
+    w.counts.device_unique_bytes_read[db.index] += size;
+  }
+  Fiber& f = *w.current;
+  std::vector<std::pair<const char*, unsigned>>& lanes = w.simds[f.simd].loads[{pc, f.load_seq[pc]++}];
+  for (const auto& a : lanes)
+    if (a.first == p && a.second == size) return;  // a lane before it read the same address: broadcast
+  lanes.emplace_back(p, size);
+  w.counts.device_load_requests[db.index]++;
+  w.counts.device_request_bytes[db.index] += size;
+}
+
 static void device_access(Worker& w, const char* p, unsigned size, bool write, const void* pc) {
   for (const DeviceBuffer& db : w.dev) {
     if (p < db.region_lo || p >= db.region_hi) continue;
     if (p >= db.start && p + size <= db.start + db.size) {
       (write ? w.counts.device_bytes_written : w.counts.device_bytes_read)[db.index] += size;
-      if (!write) w.counts.device_loads[db.index][fm_width_slot(size)]++;
+      if (!write) {
+        w.counts.device_loads[db.index][fm_width_slot(size)]++;
+        count_read(w, db, p, size, pc);
+      }
       return;
     }
     char buf[256];

@@ -87,3 +87,20 @@ using namespace metal;
   threadgroup_barrier(mem_flags::mem_threadgroup);
   for (uint j = 0; j < 8; ++j) dst[(group * tpg + lid) * 8 + j] = tile[lid * 8 + j] * half(2.0f);
 }
+
+// The traffic model's rules (issue 19): every lane runs 4 loads of src, at
+// address i (spread == 0: the 32 lanes of a SIMD-group at one address, a
+// broadcast) or i * 32 + lane (spread != 0: 32 distinct addresses per load
+// instruction); and a simd_sum between the 2nd and 3rd, so the broadcast
+// rule's record of a SIMD-group's loads survives a meeting of its lanes.
+// Every SIMD-group of a threadgroup reads the same addresses.
+[[kernel]] void broadcast_loads(device const float* src [[buffer(0)]], device float* dst [[buffer(1)]],
+                                constant uint& spread [[buffer(2)]], uint gid [[thread_position_in_grid]],
+                                uint lane [[thread_index_in_simdgroup]]) {
+  const uint s = spread;
+  float acc = 0.0f;
+  for (uint i = 0; i < 2; ++i) acc += src[s ? i * 32 + lane : i];
+  acc = simd_sum(acc);
+  for (uint i = 2; i < 4; ++i) acc += src[s ? i * 32 + lane : i];
+  dst[gid] = acc;
+}
