@@ -219,8 +219,14 @@ def dispatch_time(r, index, gpu, s, dtype, causal, k=POINT):
         serial = None
         if kb and "prefill" in r.kernel:
             blocks, bk = kb
-            lat = (dram_cycles + 4 * BARRIER_CYCLES + (d_frags + bk // 8) * MMA_LATENCY
-                   + 2 * TG_LOAD_LATENCY + 4 * SHUFFLE_LATENCY + 2 * SHUFFLE_LATENCY)
+            # Feature parts (8 * WM / BQ, split-K, attention_prefill.h): the
+            # S chain over d_frags / F fragments, then the partials' sum (F
+            # dependent reads; the barrier is the K tile's, already counted).
+            m = re.search(r"_bq(\d+)_bk\d+_wm(\d+)", r.kernel)
+            parts = 8 * int(m.group(2)) // int(m.group(1)) if m else 1
+            reduce = parts * TG_LOAD_LATENCY if parts > 1 else 0
+            lat = (dram_cycles + 4 * BARRIER_CYCLES + (math.ceil(d_frags / parts) + bk // 8) * MMA_LATENCY
+                   + 2 * TG_LOAD_LATENCY + 4 * SHUFFLE_LATENCY + 2 * SHUFFLE_LATENCY + reduce)
             serial = blocks, heads, lat
         elif "flash_backward_" in r.kernel:
             # A streamed block of the backward: its two tiles' DRAM latency,
@@ -228,9 +234,15 @@ def dispatch_time(r, index, gpu, s, dtype, causal, k=POINT):
             # then the accumulation over the block's rows (dQ += dS.K; dV,
             # dK likewise), 2 fragment reads and one exp2, no shuffles (P
             # comes from lse).
+            # Feature parts (_ds<F>, split-K, attention_backward.h): each
+            # part's S and dP chains run over its d_frags / F fragments, then
+            # a third barrier and the partials' sum (F dependent reads).
             blocks, streamed, bheads = backward_blocks(r.kernel, s, causal)
-            lat = (dram_cycles + 2 * BARRIER_CYCLES + (d_frags + streamed // 8) * MMA_LATENCY
-                   + 2 * TG_LOAD_LATENCY + SHUFFLE_LATENCY)
+            ds = re.search(r"_ds(\d+)", r.kernel)
+            parts = int(ds.group(1)) if ds else 1
+            reduce = (BARRIER_CYCLES + parts * TG_LOAD_LATENCY) if parts > 1 else 0
+            lat = (dram_cycles + 2 * BARRIER_CYCLES + (math.ceil(d_frags / parts) + streamed // 8) * MMA_LATENCY
+                   + 2 * TG_LOAD_LATENCY + SHUFFLE_LATENCY + reduce)
             serial = blocks, bheads, lat
         if serial:
             blocks, heads, lat = serial

@@ -365,7 +365,7 @@ MetalPlan plan_metal_attention(const AttentionProblem& p, const LaunchStrides& s
       l.grid = {ceil_div(p.q_len, c.block_q), heads, batch};
       l.threadgroup = {32 * c.simdgroups, 1, 1};
       l.max_threads_per_threadgroup = kPrefillMaxThreads;
-      l.threadgroup_memory = prefill_threadgroup_memory(c.block_q, c.block_k, c.bucket, p.dtype);
+      l.threadgroup_memory = prefill_threadgroup_memory(c.block_q, c.block_k, c.bucket, p.dtype, c.simdgroups * 8 / c.block_q);
       {
         std::string why;
         const bool dense = dense_loader(p, s, c.bucket, false, &why);
@@ -412,7 +412,7 @@ MetalPlan plan_metal_attention_backward(const AttentionProblem& p, const LaunchS
   dq.grid = {ceil_div(p.q_len, c.block_q), static_cast<uint32_t>(p.q_heads), batch};
   dq.threadgroup = {32 * c.simdgroups, 1, 1};
   dq.max_threads_per_threadgroup = kBackwardMaxThreads;
-  dq.threadgroup_memory = backward_threadgroup_memory(c.block_q, c.block_k, c.bucket, p.dtype);
+  dq.threadgroup_memory = backward_threadgroup_memory(c.block_q, c.block_k, c.bucket, p.dtype, c.dq_feature_split);
   // Indices kCausalFunctionConstant, kAlignQ..., kAlignK..., kHasGradLse...
   std::string why;
   const bool dense = dense_loader(p, s, c.bucket, true, &why);
@@ -429,7 +429,8 @@ MetalPlan plan_metal_attention_backward(const AttentionProblem& p, const LaunchS
                     std::to_string(c.dkv_feature_split);
   dkv.grid = {ceil_div(p.kv_len, c.dkv_block_k), static_cast<uint32_t>(p.kv_heads), batch};
   dkv.threadgroup = {32 * c.dkv_simdgroups, 1, 1};
-  dkv.threadgroup_memory = backward_threadgroup_memory(c.dkv_block_k, c.dkv_block_q, c.bucket, p.dtype);
+  dkv.threadgroup_memory = backward_threadgroup_memory(c.dkv_block_k, c.dkv_block_q, c.bucket, p.dtype,
+                                                     c.dkv_feature_split);
   dkv.function_constants =
       with_dense(feature_constants(p, p.q_len % c.dkv_block_q == 0, p.kv_len % c.dkv_block_k == 0, false), dense);
   dkv.buffers = with_features(kBackwardDkdvBuffers);

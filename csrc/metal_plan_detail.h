@@ -55,24 +55,46 @@ inline uint32_t tiled_threadgroup_memory(uint32_t bucket, c10::ScalarType dtype)
 // of block_k rows, used by K and then V in turn (MLX's steel layout), every
 // row holding the bucket's columns plus 16 bytes of padding against bank
 // conflicts (MLX PR #1899), all in the input dtype.
-inline uint32_t prefill_threadgroup_memory(uint32_t block_q, uint32_t block_k, uint32_t bucket, c10::ScalarType dtype) {
+// With feature parts (parts > 1), each of the block_q / 8 * parts
+// SIMD-groups also writes its partial S (block_k / 8 fragments of 8 x 8
+// floats, 256 bytes each) after the tiles: the split-K sum (issue 19).
+inline uint32_t prefill_threadgroup_memory(uint32_t block_q, uint32_t block_k, uint32_t bucket, c10::ScalarType dtype,
+                                           uint32_t parts) {
   const uint32_t row = (bucket + 16 / dtype_bytes(dtype)) * dtype_bytes(dtype);
-  return (block_q + block_k) * row;
+  const uint32_t partials = parts > 1 ? block_q / 8 * parts * (block_k / 8) * 256 : 0;
+  return (block_q + block_k) * row + partials;
 }
 
 // Metal's threadgroup-memory limit on every Apple GPU of the supported
 // macOS versions (MTLDevice.maxThreadgroupMemoryLength is 32 KiB on Apple7+).
 inline constexpr uint32_t kMaxThreadgroupMemory = 32 * 1024;
 
+// The backward's split-K scratch (the shader's backward_partials_bytes):
+// with parts, 2 x streamed / 8 fragments of 8 x 8 floats per SIMD-group,
+// if they fit 32 KiB beside the unpadded tiles; else 0 (the parts then
+// recompute S and dP: float32 at bucket 256).
+inline uint32_t backward_partials_bytes(uint32_t own, uint32_t streamed, uint32_t bucket, c10::ScalarType dtype,
+                                        uint32_t parts) {
+  const uint32_t partials = own / 8 * parts * 2 * (streamed / 8) * 256;
+  const uint32_t tiles = 2 * (own + streamed) * bucket * dtype_bytes(dtype);
+  return parts > 1 && tiles + partials <= kMaxThreadgroupMemory ? partials : 0;
+}
+
 // Threadgroup memory of either backward kernel (shaders/attention_backward.h):
 // two tiles of the rows a simdgroup owns (Q and dO, or K and V) and two of
 // the streamed rows (K and V, or Q and dO), each row the bucket's columns in
 // the input dtype plus 16 bytes of padding, or no padding when the padded
 // tiles would exceed 32 KiB (the shader's backward_row_pad, same rule).
-inline uint32_t backward_threadgroup_memory(uint32_t own, uint32_t streamed, uint32_t bucket, c10::ScalarType dtype) {
+// With feature parts (parts > 1) each of the own / 8 * parts SIMD-groups
+// also writes its partial S and dP (2 x streamed / 8 fragments of 8 x 8
+// floats, 256 bytes each) after the tiles: the split-K sum (issue 19,
+// the shader's backward_partials_bytes).
+inline uint32_t backward_threadgroup_memory(uint32_t own, uint32_t streamed, uint32_t bucket, c10::ScalarType dtype,
+                                            uint32_t parts) {
   const uint32_t rows = 2 * (own + streamed);
   const uint32_t padded = bucket * dtype_bytes(dtype) + 16;
-  return rows * (rows * padded <= kMaxThreadgroupMemory ? padded : padded - 16);
+  const uint32_t partials = backward_partials_bytes(own, streamed, bucket, dtype, parts);
+  return rows * (rows * padded + partials <= kMaxThreadgroupMemory ? padded : padded - 16) + partials;
 }
 
 inline std::string kib(uint32_t bytes) { return std::to_string(bytes) + " bytes"; }

@@ -108,13 +108,6 @@ uint32_t decode_splits(const AttentionProblem& p, uint32_t bucket, uint32_t chun
   return static_cast<uint32_t>(splits);
 }
 
-// num / den to two decimals ("1.57"), for the reasons' cost figures.
-std::string ratio_text(uint32_t num, uint32_t den) {
-  const uint32_t hundredths = (num * 100 + den / 2) / den;
-  const uint32_t frac = hundredths % 100;
-  return std::to_string(hundredths / 100) + "." + (frac < 10 ? "0" : "") + std::to_string(frac);
-}
-
 std::string padding_note(int64_t head_dim, uint32_t bucket) {
   if (head_dim == bucket) return "";
   return "; head_dim " + std::to_string(head_dim) + " runs zero-padded in the " + std::to_string(bucket) +
@@ -169,27 +162,35 @@ KernelChoice choose_backward(const AttentionProblem& p, KernelRequest requested)
   // for dQ, query rows for dK/dV), and F feature parts: each row group runs
   // F SIMD-groups that share its rows and the tiles, each keeping the
   // accumulators of 1 / F of the features (dQ: bucket / 8 / F fragments;
-  // dK and dV twice that) and recomputing the rows' S and dP (metal-flash-
-  // attention blocks along D instead; see attention_backward.h). Every
+  // dK and dV twice that) and multiplying S and dP over those features
+  // only; the parts sum their partials through a threadgroup scratch
+  // (split-K, attention_backward.h: no product repeated, one more barrier
+  // per streamed block; metal-flash-attention blocks along D instead). Every
   // candidate keeps both kernels' live values (accumulators, one block of P
-  // and dP, kLiveOverhead) within the register budget, its four tiles
-  // within 32 KiB and within kBackwardMaxThreads. Among them, in order:
+  // and dP, kLiveOverhead) within the register budget, its four tiles and
+  // the parts' scratch within 32 KiB and within kBackwardMaxThreads. Among
+  // them, in order:
   //  1. resident SIMD-groups per core, on the chip that holds fewest, up to
   //     kResidentTarget (the 32 KiB cores of Apple 9 bind first);
-  //  2. the fewest parts (the least recomputation of S and dP);
-  //  3. the largest R: the streamed side is re-read once per R owned rows,
+  //  2. split-K over recomputation (a part recomputes S and dP only where
+  //     the scratch does not fit: float32 at D = 256);
+  //  3. the fewest parts (the least scratch, partial-sum reads and barriers);
+  //  4. the largest R: the streamed side is re-read once per R owned rows,
   //     so R sets the memory traffic (K/V reads of the dQ kernel);
-  //  4. the largest S (MMAs per barrier pair).
+  //  5. the largest S (MMAs per barrier pair).
   // The result, float16/bfloat16 | float32 (R, S, F), 8 resident
-  // SIMD-groups per core everywhere (shaders/attention.metal instantiates it):
-  //   D = 32: 64,32,1 | 64,32,1   64: 64,32,1 | 32,32,2   72: 64,32,1 | 16,8,3
-  //   D = 80: 64,32,1 | 32,16,2   96: 64,16,1 | 32,8,2    128: 32,32,2 | 16,16,4
-  //   D = 256: 16,16,4 | 8,8,8
+  // SIMD-groups per core except float32 at 72 (6: its scratch costs the
+  // second threadgroup on 32 KiB cores; recomputing parts would keep 12 at
+  // (4F + 3) / 7 = 2.1x the products), shaders/attention.metal instantiates it:
+  //   D = 32: 64,32,1 | 64,32,1   64: 64,32,1 | 32,16,2   72: 64,32,1 | 16,16,3
+  //   D = 80: 64,32,1 | 32,16,2   96: 64,16,1 | 16,16,4   128: 32,16,2 | 16,8,4
+  //   D = 256: 16,8,4 | 8,8,8 (recomputing: no room for the scratch)
   // Tiles keep their 16-byte row padding where it fits (backward_row_pad).
   const uint32_t budget = kBackwardRegisterBudget;
-  struct Best { uint32_t resident = 0, parts = 0, own = 0, streamed = 0; } best;
+  struct Best { uint32_t resident = 0, parts = 0, own = 0, streamed = 0; bool recompute = false; } best;
   const auto better = [](const Best& a, const Best& b) {
     if (a.resident != b.resident) return a.resident > b.resident;
+    if (a.recompute != b.recompute) return !a.recompute;
     if (a.parts != b.parts) return a.parts < b.parts;
     if (a.own != b.own) return a.own > b.own;
     return a.streamed > b.streamed;
@@ -201,14 +202,16 @@ KernelChoice choose_backward(const AttentionProblem& p, KernelRequest requested)
       const uint32_t threads = 32 * simdgroups;
       if (threads > uint32_t{kBackwardMaxThreads}) continue;
       for (uint32_t streamed : {32u, 16u, 8u}) {
-        const uint32_t bytes = backward_threadgroup_memory(own, streamed, c.bucket, p.dtype);
+        const uint32_t bytes = backward_threadgroup_memory(own, streamed, c.bucket, p.dtype, parts);
         const uint32_t live = std::max(dq_live_floats(c.bucket, streamed, parts),
                                        dkdv_live_floats(c.bucket, streamed, parts)) + kLiveOverhead;
         // The general loader gives every thread the same number of elements.
         const bool even = own * c.bucket % threads == 0 && streamed * c.bucket % threads == 0;
         if (bytes > kMaxThreadgroupMemory || live > budget || !even) continue;
+        // Parts whose split-K scratch does not fit recompute S and dP instead.
+        const bool recompute = parts > 1 && backward_partials_bytes(own, streamed, c.bucket, p.dtype, parts) == 0;
         Best cand{std::min(kResidentTarget, resident_on_every_chip(simdgroups, bytes, live)), parts,
-                  own, streamed};
+                  own, streamed, recompute};
         if (best.parts == 0 || better(cand, best)) best = cand;
       }
     }
@@ -218,8 +221,8 @@ KernelChoice choose_backward(const AttentionProblem& p, KernelRequest requested)
   c.block_q = best.own; c.block_k = best.streamed; c.simdgroups = best.own / 8 * best.parts;
   c.dkv_block_k = best.own; c.dkv_block_q = best.streamed; c.dkv_simdgroups = c.simdgroups;
   c.dq_feature_split = c.dkv_feature_split = best.parts;
-  const uint32_t dq_bytes = backward_threadgroup_memory(c.block_q, c.block_k, c.bucket, p.dtype);
-  const uint32_t dkv_bytes = backward_threadgroup_memory(c.dkv_block_k, c.dkv_block_q, c.bucket, p.dtype);
+  const uint32_t dq_bytes = backward_threadgroup_memory(c.block_q, c.block_k, c.bucket, p.dtype, best.parts);
+  const uint32_t dkv_bytes = backward_threadgroup_memory(c.dkv_block_k, c.dkv_block_q, c.bucket, p.dtype, best.parts);
   const uint32_t dq_floats = dq_live_floats(c.bucket, c.block_k, c.dq_feature_split);
   const uint32_t dkv_floats = dkdv_live_floats(c.bucket, c.dkv_block_q, c.dkv_feature_split);
   c.reason = "backward: FlashAttention-2 with recomputation, metal-flash-attention's atomics-free split (dQ and "
@@ -229,16 +232,27 @@ KernelChoice choose_backward(const AttentionProblem& p, KernelRequest requested)
              " live floats per lane; dK/dV kernel: " + std::to_string(c.dkv_block_k) + " keys x " +
              std::to_string(c.dkv_block_q) + " queries on " + std::to_string(c.dkv_simdgroups) + " simdgroups, " +
              kib(dkv_bytes) + ", " + std::to_string(dkv_floats) + " live floats per lane";
-  if (best.parts > 1) {
+  if (best.parts > 1 && best.recompute) {
     c.reason += "; dQ, dK and dV split over " + std::to_string(best.parts) +
-                " simdgroups by features (each recomputes its rows' P and dP; whole, dK and dV would take " +
+                " simdgroups by features; the split-K scratch (" +
+                kib(c.simdgroups * 2 * (c.block_k / 8) * 256) +
+                ") does not fit 32 KiB beside the tiles, so each part recomputes its rows' S and dP over all "
+                "features: the price, (4F + 3) / 7 = " + std::to_string(4 * best.parts + 3) +
+                " / 7 x the matrix products of whole-feature simdgroups";
+  } else if (best.parts > 1) {
+    c.reason += "; dQ, dK and dV split over " + std::to_string(best.parts) +
+                " simdgroups by features (whole, dK and dV would take " +
                 std::to_string(dkdv_live_floats(c.bucket, c.dkv_block_q, 1) + kLiveOverhead) + " registers per lane)";
-    // The price of the rule: per 8 x 8 block pair, a part-free plan runs
-    // 3 products of bucket / 8 MMAs in the dQ kernel (S, dP, dQ) and 4 in
-    // the dK/dV kernel (S, dP, dV, dK); with F parts S and dP run F times
-    // in each: (2F + 1) + (2F + 2) against 7.
-    c.reason += "; the price: S and dP run " + std::to_string(best.parts) + " times, (4F + 3) / 7 = " +
-                ratio_text(4 * best.parts + 3, 7) + "x the matrix products of whole-feature simdgroups";
+    // The price of the parts, split-K (attention_backward.h,
+    // backward_reduce_parts): no matrix product is repeated; each part
+    // multiplies S and dP over its own features, writes the partials to a
+    // threadgroup scratch (counted in the bytes above), one more barrier
+    // per streamed block (3 instead of 2), and sums the F partials it needs.
+    c.reason += "; the price: S and dP are summed over the parts through " +
+                kib(c.simdgroups * 2 * (c.block_k / 8) * 256) + " (dQ kernel) and " +
+                kib(c.dkv_simdgroups * 2 * (c.dkv_block_q / 8) * 256) +
+                " (dK/dV kernel) of threadgroup memory and one more barrier per streamed block (split-K: "
+                "no matrix product repeated)";
   }
   c.reason += " (within the " + std::to_string(kBackwardRegisterBudget) + "-value register budget, " +
               std::to_string(best.resident) + " resident simdgroups per core on every named chip)";
@@ -333,7 +347,7 @@ KernelChoice choose_metal_kernel(const AttentionProblem& p, KernelRequest reques
         const uint32_t simdgroups = c.block_q / 8 * parts;
         if (c.bucket % (8 * parts) != 0 || 32 * simdgroups > uint32_t{kPrefillMaxThreads}) continue;
         for (uint32_t block_k : {32u, 16u, 8u}) {
-          const uint32_t bytes = prefill_threadgroup_memory(c.block_q, block_k, c.bucket, p.dtype);
+          const uint32_t bytes = prefill_threadgroup_memory(c.block_q, block_k, c.bucket, p.dtype, parts);
           const uint32_t live = prefill_live_registers(c.bucket, block_k, parts);
           const bool even = c.block_q * c.bucket % (32 * simdgroups) == 0 && block_k * c.bucket % (32 * simdgroups) == 0;
           if (bytes > kMaxThreadgroupMemory || live > kBackwardRegisterBudget || !even) continue;
@@ -346,16 +360,18 @@ KernelChoice choose_metal_kernel(const AttentionProblem& p, KernelRequest reques
         }
       }
       TORCH_CHECK(best_parts != 0, kOp, ": internal error: no prefill block fits head_dim ", p.head_dim);
-      const uint32_t bytes = prefill_threadgroup_memory(c.block_q, c.block_k, c.bucket, p.dtype);
+      const uint32_t bytes = prefill_threadgroup_memory(c.block_q, c.block_k, c.bucket, p.dtype, best_parts);
       c.reason += "; blocks of " + std::to_string(c.block_q) + " queries x " + std::to_string(c.block_k) +
                   " keys on " + std::to_string(c.simdgroups) + " simdgroups, " + kib(bytes) +
                   " of threadgroup memory, " + std::to_string(prefill_live_registers(c.bucket, c.block_k, best_parts)) +
                   " live values per lane, " + std::to_string(best_resident) +
                   " resident simdgroups per core on every named chip" +
                   (best_parts > 1 ? "; each 8-row group on " + std::to_string(best_parts) +
-                                        " simdgroups split by O's features (each recomputes the rows' scores: "
-                                        "(F + 1) / 2 = " + ratio_text(best_parts + 1, 2) +
-                                        "x the matrix products of whole-feature simdgroups)"
+                                        " simdgroups split by O's features (split-K: each multiplies the scores "
+                                        "over its own features and the parts sum them through " +
+                                        kib(c.simdgroups * (c.block_k / 8) * 256) +
+                                        " of threadgroup memory, no extra barrier and no matrix product "
+                                        "repeated; each runs the rows' softmax)"
                                   : "");
       break;
     }

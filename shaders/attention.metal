@@ -82,8 +82,10 @@
 // choose_backward (csrc/metal_routing.cpp) chooses and explains them: R
 // owned rows (R / 8 row groups), S streamed rows and F feature parts of the
 // accumulators, a SIMD-group each (WM = R / 8 * F), with both kernels'
-// live values within the 72-value register budget, the tiles within
-// 32 KiB, and 8 resident SIMD-groups per core on every named chip.
+// live values within the 72-value register budget, the tiles and the
+// parts' split-K scratch within 32 KiB, and 8 resident SIMD-groups per core
+// on every named chip (6 for float32 at 72: the scratch costs the second
+// threadgroup; float32 at 256 recomputes instead, its scratch not fitting).
 #define FM_BACKWARD(tname, T, D, R, S, F, WM)                                                        \
   FM_INSTANTIATE("flash_backward_dq_" #tname "_d" #D "_bq" #R "_bk" #S "_wm" #WM "_ds" #F,          \
                  flash_backward_dq<T, D, R, S, WM, F>)                                              \
@@ -96,16 +98,16 @@
   FM_BACKWARD(tname, T, 72, 64, 32, 1, 8)  \
   FM_BACKWARD(tname, T, 80, 64, 32, 1, 8)  \
   FM_BACKWARD(tname, T, 96, 64, 16, 1, 8)  \
-  FM_BACKWARD(tname, T, 128, 32, 32, 2, 8) \
-  FM_BACKWARD(tname, T, 256, 16, 16, 4, 8)
+  FM_BACKWARD(tname, T, 128, 32, 16, 2, 8) \
+  FM_BACKWARD(tname, T, 256, 16, 8, 4, 8)
 
 #define FM_BACKWARD_FLOAT_ALL_D(tname, T)  \
   FM_BACKWARD(tname, T, 32, 64, 32, 1, 8)  \
-  FM_BACKWARD(tname, T, 64, 32, 32, 2, 8)  \
-  FM_BACKWARD(tname, T, 72, 16, 8, 3, 6)   \
+  FM_BACKWARD(tname, T, 64, 32, 16, 2, 8)  \
+  FM_BACKWARD(tname, T, 72, 16, 16, 3, 6)  \
   FM_BACKWARD(tname, T, 80, 32, 16, 2, 8)  \
-  FM_BACKWARD(tname, T, 96, 32, 8, 2, 8)   \
-  FM_BACKWARD(tname, T, 128, 16, 16, 4, 8) \
+  FM_BACKWARD(tname, T, 96, 16, 16, 4, 8)  \
+  FM_BACKWARD(tname, T, 128, 16, 8, 4, 8)  \
   FM_BACKWARD(tname, T, 256, 8, 8, 8, 8)
 
 // An explicit instantiation with an unqualified name must sit in the

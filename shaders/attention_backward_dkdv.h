@@ -60,7 +60,8 @@ template <typename T, int DMAX, int BQ, int BK, int WM, int DSPLIT>
   static_assert(BQ % 8 == 0 && DMAX % 8 == 0, "tiles are whole 8x8 fragments");
   constexpr int THREADS = 32 * WM;
   static_assert(THREADS <= kBackwardMaxThreads, "the declared threadgroup limit (params.h)");
-  constexpr int PAD = backward_row_pad<T, DMAX, 2 * (BQ + BK)>();
+  constexpr int PARTIALS = backward_partials_bytes<T, DMAX, 2 * (BQ + BK), WM, BQ, DSPLIT>();
+  constexpr int PAD = backward_row_pad<T, DMAX, 2 * (BQ + BK), PARTIALS>();
   constexpr int LD = DMAX + PAD / int(sizeof(T));
   static_assert(DMAX % (8 * DSPLIT) == 0, "each part is whole fragments");
   constexpr int TQ = BQ / 8;                // query fragments per streamed block
@@ -71,6 +72,8 @@ template <typename T, int DMAX, int BQ, int BK, int WM, int DSPLIT>
   threadgroup T* v_tile = k_tile + BK * LD;
   threadgroup T* q_tile = v_tile + BK * LD;
   threadgroup T* do_tile = q_tile + BQ * LD;
+  // The parts' partial S^T and dP^T (backward_reduce_parts), after the tiles.
+  threadgroup float* partials = reinterpret_cast<threadgroup float*>(do_tile + BQ * LD);
 
   // This threadgroup's sequence; a key block past its keys (varlen: the
   // grid covers the longest sequence) leaves at once, uniformly, before any
@@ -191,12 +194,21 @@ template <typename T, int DMAX, int BQ, int BK, int WM, int DSPLIT>
                                                         q0, D, BQ, tid);
       }
       threadgroup_barrier(mem_flags::mem_threadgroup);  // Q/dO written before anyone reads them (RAW)
-      if (!active) continue;
 
-      // S^T = K.Q^T and dP^T = V.dO^T (8 keys x BQ queries each).
+      // S^T = K.Q^T and dP^T = V.dO^T (8 keys x BQ queries each); with
+      // parts, each over the part's features, then summed (split-K).
       PrefillFrag S[TQ];
       PrefillFrag dP[TQ];
-      backward_products<TQ, DMAX / 8>(S, dP, k_tile, v_tile, q_tile, do_tile, LD, rg * 8, d_frags, fr, fc);
+      if (PARTIALS == 0) {  // whole features, or the recomputing fallback (backward_partials_bytes)
+        if (!active) continue;
+        backward_products<TQ, DMAX / 8>(S, dP, k_tile, v_tile, q_tile, do_tile, LD, rg * 8, d_frags, fr, fc);
+      } else {
+        if (active)
+          backward_products<TQ, TD>(S, dP, k_tile, v_tile, q_tile, do_tile, LD, rg * 8, d_frags, fr, fc,
+                                    int(sg) / ROWG * TD);
+        backward_reduce_parts<TQ, ROWG, DSPLIT>(S, dP, partials, int(sg), rg, int(lane), active);
+        if (!active) continue;
+      }
       // P^T into S, dS^T = P^T * (dP^T - Delta) into dP (times the
       // softcap's derivative). Each element is (this lane's key, query
       // qrow); the query's lse and Delta are read from device memory (a few

@@ -40,7 +40,8 @@ template <typename T, int DMAX, int BQ, int BK, int WM, int DSPLIT>
   static_assert(BK % 8 == 0 && DMAX % (8 * DSPLIT) == 0, "tiles and parts are whole 8x8 fragments");
   constexpr int THREADS = 32 * WM;
   static_assert(THREADS <= kBackwardMaxThreads, "the declared threadgroup limit (params.h)");
-  constexpr int PAD = backward_row_pad<T, DMAX, 2 * (BQ + BK)>();
+  constexpr int PARTIALS = backward_partials_bytes<T, DMAX, 2 * (BQ + BK), WM, BK, DSPLIT>();
+  constexpr int PAD = backward_row_pad<T, DMAX, 2 * (BQ + BK), PARTIALS>();
   constexpr int LD = DMAX + PAD / int(sizeof(T));  // tile row length, in elements
   constexpr int TK = BK / 8;                        // key fragments per block
   constexpr int TD = DMAX / 8;                      // feature fragments
@@ -53,6 +54,8 @@ template <typename T, int DMAX, int BQ, int BK, int WM, int DSPLIT>
   threadgroup T* do_tile = q_tile + BQ * LD;
   threadgroup T* k_tile = do_tile + BQ * LD;
   threadgroup T* v_tile = k_tile + BK * LD;
+  // The parts' partial S and dP (backward_reduce_parts), after the tiles.
+  threadgroup float* partials = reinterpret_cast<threadgroup float*>(v_tile + BK * LD);
 
   // This threadgroup's sequence (the whole problem unless varlen). The
   // varlen grid covers the longest sequence: a block starting past this
@@ -181,12 +184,20 @@ template <typename T, int DMAX, int BQ, int BK, int WM, int DSPLIT>
       prefill_load_tile<BK, DMAX, LD, THREADS, false>(v_tile, v + h.v, p.v_row_stride, p.v_dim_stride, k0, D, BK, tid);
     }
     threadgroup_barrier(mem_flags::mem_threadgroup);  // K/V written before anyone reads them (RAW)
-    if (!active) continue;
 
-    // S = Q.K^T and dP = dO.V^T (8 x BK each).
+    // S = Q.K^T and dP = dO.V^T (8 x BK each); with parts, each over the
+    // part's features, then summed across the parts (split-K).
     PrefillFrag S[TK];
     PrefillFrag dP[TK];
-    backward_products<TK, TD>(S, dP, q_tile, do_tile, k_tile, v_tile, LD, rg * 8, d_frags, fr, fc);
+    if (PARTIALS == 0) {  // whole features, or the recomputing fallback (backward_partials_bytes)
+      if (!active) continue;
+      backward_products<TK, TD>(S, dP, q_tile, do_tile, k_tile, v_tile, LD, rg * 8, d_frags, fr, fc);
+    } else {
+      if (active)
+        backward_products<TK, TDP>(S, dP, q_tile, do_tile, k_tile, v_tile, LD, rg * 8, d_frags, fr, fc, part * TDP);
+      backward_reduce_parts<TK, ROWG, DSPLIT>(S, dP, partials, int(sg), rg, int(lane), active);
+      if (!active) continue;
+    }
     // P and dS = P * (dP - Delta), elementwise, into dP (times the
     // softcap's derivative). Weight 0 (so dS 0) for keys past Nk, keys
     // outside the row's window, masked keys and rows that saw no key, by

@@ -244,10 +244,15 @@ template <typename T, int DMAX, int BQ, int BK, int WM>
     uint lane [[thread_index_in_simdgroup]]) {
   // Feature parts (issue 19): WM = BQ / 8 row groups x PARTS SIMD-groups.
   // The PARTS SIMD-groups of a row group share its 8 query rows and the
-  // tiles; each computes the rows' S and softmax (the same values, so the
-  // same row max and sum) and keeps O for 1 / PARTS of the features, so O
-  // fits the register budget at D = 256 (and float32 D = 128) while the
-  // threadgroup runs more SIMD-groups on the same threadgroup memory.
+  // tiles; each computes S over its own 1 / PARTS of the features, the
+  // parts sum those partials through a threadgroup scratch after the tiles
+  // (split-K: no product repeated; PARTS > 1 only, WM * BK / 8 fragments of
+  // 256 bytes, written before the K tile's WAR barrier and read after it,
+  // so no barrier of its own), then each runs the rows' softmax on the
+  // whole S (the same values in the same order, so the same row max and
+  // sum) and keeps O for 1 / PARTS of the features, so O fits the register
+  // budget at D = 256 (and float32 D = 128) while the threadgroup runs more
+  // SIMD-groups on the same threadgroup memory.
   static_assert((8 * WM) % BQ == 0, "each SIMD-group owns 8 query rows and one feature part of their O");
   constexpr int PARTS = 8 * WM / BQ;
   static_assert(BK % 8 == 0 && DMAX % (8 * PARTS) == 0, "tiles and parts are whole 8x8 fragments");
@@ -263,6 +268,8 @@ template <typename T, int DMAX, int BQ, int BK, int WM>
   const int col0 = part * (DMAX / PARTS);  // first feature of this part
   threadgroup T* q_tile = smem;
   threadgroup T* kv_tile = smem + BQ * LD;
+  threadgroup float* partials = reinterpret_cast<threadgroup float*>(kv_tile + BK * LD);  // PARTS > 1
+  constexpr int SLOT = TK * 64;  // floats of one SIMD-group's partial S
 
   const int D = p.head_dim;
   // The threadgroup's sequence: the whole (Nq, Nk) problem, or under
@@ -361,7 +368,8 @@ template <typename T, int DMAX, int BQ, int BK, int WM>
     PrefillFrag S[TK];
     if (active) {
       FM_UNROLL for (int t = 0; t < TK; ++t) S[t] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
-      FM_UNROLL for (int dd = 0; dd < TD; ++dd) {
+      FM_UNROLL for (int i = 0; i < TDP; ++i) {
+        const int dd = part * TDP + i;  // this part's features only (all of them without parts)
         if (dd < d_frags) {  // uniform: D is the same for every lane
           PrefillFrag qf;
           prefill_read_frag(qf, q_tile, LD, rg * 8, dd * 8, fr, fc);
@@ -369,6 +377,37 @@ template <typename T, int DMAX, int BQ, int BK, int WM>
             PrefillFrag kf;
             prefill_read_frag_t(kf, kv_tile, LD, dd * 8, t * 8, fr, fc);
             prefill_mma(S[t], qf, kf);
+          }
+        }
+      }
+      if (PARTS > 1) {  // this part's partial S, for the other parts of the row group
+        FM_UNROLL for (int t = 0; t < TK; ++t) {
+          FM_UNROLL for (int j = 0; j < 2; ++j) partials[int(sg) * SLOT + t * 64 + int(lane) * 2 + j] =
+              S[t].thread_elements()[j];
+        }
+      }
+    }
+
+    threadgroup_barrier(mem_flags::mem_threadgroup);  // all K reads done before V overwrites the tile (WAR)
+    if (k_edge) {
+      prefill_load_tile<BK, DMAX, LD, THREADS, true>(kv_tile, v + h.v, p.v_row_stride, p.v_dim_stride, k0, D,
+                                                     seq.kv_len - k0, tid);
+    } else {
+      prefill_load_tile<BK, DMAX, LD, THREADS, false>(kv_tile, v + h.v, p.v_row_stride, p.v_dim_stride, k0, D, BK, tid);
+    }
+
+    if (active) {
+      // The parts' partials, summed in part order (the barrier above made
+      // them visible; the next block writes them only after its own two
+      // barriers, which follow these reads: no WAR race).
+      if (PARTS > 1) {
+        FM_UNROLL for (int t = 0; t < TK; ++t) {
+          FM_UNROLL for (int j = 0; j < 2; ++j) {
+            float sum = 0.0f;
+            FM_UNROLL for (int q = 0; q < PARTS; ++q) {
+              sum += partials[(rg + q * ROWG) * SLOT + t * 64 + int(lane) * 2 + j];
+            }
+            S[t].thread_elements()[j] = sum;
           }
         }
       }
@@ -393,14 +432,6 @@ template <typename T, int DMAX, int BQ, int BK, int WM>
           S[t].thread_elements()[j] = sc;
         }
       }
-    }
-
-    threadgroup_barrier(mem_flags::mem_threadgroup);  // all K reads done before V overwrites the tile (WAR)
-    if (k_edge) {
-      prefill_load_tile<BK, DMAX, LD, THREADS, true>(kv_tile, v + h.v, p.v_row_stride, p.v_dim_stride, k0, D,
-                                                     seq.kv_len - k0, tid);
-    } else {
-      prefill_load_tile<BK, DMAX, LD, THREADS, false>(kv_tile, v + h.v, p.v_row_stride, p.v_dim_stride, k0, D, BK, tid);
     }
 
     // Online softmax over the whole block (FlashAttention-2): the row's new

@@ -31,11 +31,12 @@ TG_LIMIT = 32 * 1024
 # The register budget and hard limit choose_metal_kernel quotes (csrc/metal_routing.cpp).
 REGISTER_BUDGET = 72
 # choose_backward's table (csrc/metal_routing.cpp), (bytes per element, bucket): (R owned rows, S streamed rows,
-# F feature parts); 8 resident SIMD-groups per core on every named chip (tests/test_metal_plan_limits.py).
+# F feature parts); 8 resident SIMD-groups per core on every named chip but float32 at 72 (6)
+# (tests/test_metal_plan_limits.py).
 TABLE = {(2, 32): (64, 32, 1), (2, 64): (64, 32, 1), (2, 72): (64, 32, 1), (2, 80): (64, 32, 1),
-         (2, 96): (64, 16, 1), (2, 128): (32, 32, 2), (2, 256): (16, 16, 4),
-         (4, 32): (64, 32, 1), (4, 64): (32, 32, 2), (4, 72): (16, 8, 3), (4, 80): (32, 16, 2),
-         (4, 96): (32, 8, 2), (4, 128): (16, 16, 4), (4, 256): (8, 8, 8)}
+         (2, 96): (64, 16, 1), (2, 128): (32, 16, 2), (2, 256): (16, 8, 4),
+         (4, 32): (64, 32, 1), (4, 64): (32, 16, 2), (4, 72): (16, 16, 3), (4, 80): (32, 16, 2),
+         (4, 96): (16, 16, 4), (4, 128): (16, 8, 4), (4, 256): (8, 8, 8)}
 
 
 def _blocks(dispatch):
@@ -198,7 +199,10 @@ def test_routing_blocks_memory_and_reasons_for_every_head_dim(dtype):
         for d, own, streamed in ((dq, qbq, qbk), (dkdv, kbk, kbq)):
             rows = 2 * (own + streamed)
             padded = rows * (bucket * size + 16)
-            assert d.threadgroup_memory == (padded if padded <= TG_LIMIT else rows * bucket * size)
+            # The parts' split-K scratch (2 x S / 8 fragments of 256 bytes per SIMD-group) if it fits.
+            partials = own // 8 * split * 2 * (streamed // 8) * 256 if split > 1 else 0
+            partials = partials if rows * bucket * size + partials <= TG_LIMIT else 0
+            assert d.threadgroup_memory == (padded if padded + partials <= TG_LIMIT else rows * bucket * size) + partials
             assert d.threadgroup_memory <= TG_LIMIT and d.threadgroup_memory % 16 == 0
         assert plan.scratch == {"delta": 3 * 4 * 45}
         # Live values per lane (accumulators over the parts + one block of P
@@ -277,32 +281,36 @@ def test_reads_match_the_flashattention2_backward_io_model(causal, D):
         assert (a < full[key]) if causal else (a == full[key]), key
     # The time model's loop (benchmarks/metal_model_timing.backward_blocks,
     # whose blocks each get a serial section) is the kernels': one
-    # threadgroup per listed entry, 2 barriers per streamed block, plus the
-    # dQ kernel's 1 per threadgroup before Delta (2 with feature parts).
+    # threadgroup per listed entry, 2 barriers per streamed block (3 with
+    # feature parts: the split-K sum), plus the dQ kernel's 1 per
+    # threadgroup before Delta (2 with feature parts).
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     if root not in sys.path:
         sys.path.insert(0, root)
     from benchmarks.metal_model import Shape
     from benchmarks.metal_model_timing import backward_blocks
 
+    per_block = 3 if split > 1 else 2
     for d, c, per_tg in ((dq, dq_counts, 2 if split > 1 else 1), (dkdv, dkdv_counts, 0)):
         blocks, _, heads = backward_blocks(d.kernel_name, Shape(B, Hq, Hkv, Nq, Nk, D), causal)
         assert c.threadgroups == len(blocks) * heads
-        assert c.threadgroup_barriers == 2 * sum(blocks) * heads + per_tg * c.threadgroups
+        assert c.threadgroup_barriers == per_block * sum(blocks) * heads + per_tg * c.threadgroups
     if not causal:
-        # The parts' recomputation, counted (what the performance model is
-        # fed): per (8 real rows, streamed block) each of the F parts runs
-        # all of S and dP (D / 8 MMAs per 8 streamed rows each); the
-        # accumulators (dQ; dK and dV) are split across the parts. The
-        # reason states the resulting factor, (4F + 3) / 7.
+        # No product is repeated (split-K, attention_backward.h): per (8
+        # real rows, streamed block) the F parts together run S and dP once
+        # (D / 8 MMAs per 8 streamed rows each) and the accumulators (dQ; dK
+        # and dV) once: the counts of whole-feature SIMD-groups (main's
+        # kernels), whatever F is. (Planted: parts that recompute S and dP,
+        # the float32 D = 256 fallback, count 2F x D / 8 for them instead.)
         frags = D // 8
         (_, qbk, _, _), (kbq, _, _, _) = _blocks(dq), _blocks(dkdv)
         assert dq_counts.simdgroup_mmas == B * Hq * math.ceil(Nq / 8) * math.ceil(Nk / qbk) * (
-            2 * split * frags + frags) * (qbk // 8)
+            2 * frags + frags) * (qbk // 8)
         assert dkdv_counts.simdgroup_mmas == B * Hq * math.ceil(Nk / 8) * math.ceil(Nq / kbq) * (
-            2 * split * frags + 2 * frags) * (kbq // 8)
+            2 * frags + 2 * frags) * (kbq // 8)
         plan = flash_metal.explain(case[0], case[1], case[2], causal, None, "auto", backward=True)
-        assert (f"(4F + 3) / 7 = {(4 * split + 3) / 7:.2f}x" in plan.reason) == (split > 1)
+        assert ("split-K: no matrix product repeated" in plan.reason) == (split > 1)
+        assert "recomputes its rows' S and dP" not in plan.reason
 
 
 @pytest.mark.parametrize("bucket", [64, 256], ids=["d64", "d256"])

@@ -56,9 +56,11 @@ def kernel_name(dtype, dmax):
     return f"flash_attention_prefill_{DTYPE_NAMES[dtype]}_d{dmax}_bq{bq}_bk{bk}_wm{wm}"
 
 
-def tg_bytes(bq, bk, dmax, elem_size):
-    """Threadgroup memory of the kernel: the formula at the top of attention_prefill.h."""
-    return (bq + bk) * (dmax * elem_size + 16)
+def tg_bytes(bq, bk, dmax, elem_size, wm=None):
+    """Threadgroup memory of the kernel: the tiles (attention_prefill.h), plus with feature parts
+    (WM * 8 / BQ > 1) each SIMD-group's partial S for the split-K sum (BK / 8 fragments of 256 bytes)."""
+    parts = wm * 8 // bq if wm else 1
+    return (bq + bk) * (dmax * elem_size + 16) + (wm * (bk // 8) * 256 if parts > 1 else 0)
 
 
 def prefill_library(instrumented, fast_math):
@@ -79,7 +81,7 @@ def run_prefill(q, k, v, causal=False, scale=None, instrumented=False, fast_math
     assert plan.grid == (math.ceil(q.shape[2] / bq), q.shape[1], q.shape[0]) and plan.threadgroup == (32 * wm, 1, 1)
     dense = dense_expected(q, k, v)  # fc_dense (index 10): tests/test_metal_dense_loader.py
     assert plan.function_constants == (causal, q.shape[2] % bq == 0, k.shape[2] % bk == 0) + (False,) * 7 + (dense, False)
-    assert plan.threadgroup_memory == tg_bytes(bq, bk, dmax, q.element_size())
+    assert plan.threadgroup_memory == tg_bytes(bq, bk, dmax, q.element_size(), wm)
     return emulated_metal_attention(q, k, v, causal, scale, "prefill", instrumented, fast_math)
 
 
@@ -108,7 +110,7 @@ def test_threadgroup_memory_fits_metal(dtype):
     for dmax in BLOCKS:
         bq, bk, wm = blocks_of(dtype, dmax)
         assert (8 * wm) % bq == 0 and dmax % (8 * wm * 8 // bq) == 0  # 8-row groups of whole feature parts
-        n = tg_bytes(bq, bk, dmax, size)
+        n = tg_bytes(bq, bk, dmax, size, wm)
         assert n <= TG_LIMIT and n % 16 == 0, (dmax, n)
 
 
@@ -300,10 +302,12 @@ def test_causal_skips_blocks_in_the_future():
     active = sum(1 for x, n in enumerate(walks) for s in range(rowg) for kb in range(n)
                  if kb * bk <= x * bq + 8 * s + 7)
     assert active == rowg * sum(walks) - 2 * len(walks)
-    # Each part: all of Q.K^T (D / 8 fragments per key fragment), its half of P.V.
-    assert c.simdgroup_mmas == active * parts * (bk // 8) * (128 // 8 + 128 // 8 // parts)
-    # explain() states that price: (F + 1) / 2 the products of whole-feature SIMD-groups.
-    assert f"(F + 1) / 2 = {(parts + 1) / 2:.2f}x the matrix products" in flash_metal.explain(q, k, v, True).reason
+    # Each part: its half of Q.K^T (split-K: D / 8 / F fragments per key
+    # fragment) and its half of P.V, so the parts together run the products
+    # of whole-feature SIMD-groups once (planted: a part computing all of
+    # Q.K^T, as before split-K, counts (F + 1) / 2 times this).
+    assert c.simdgroup_mmas == active * parts * (bk // 8) * (128 // 8 // parts + 128 // 8 // parts)
+    assert "split-K" in flash_metal.explain(q, k, v, True).reason
     # With Nk = Nq + 100 every row sees the first 100 keys: nothing is skipped
     # before the diagonal, and the offset moves it.
     q, k, v = make_qkv(1, 1, 1, 64, 164, 128, torch.float32)

@@ -52,8 +52,10 @@ def test_prefill_blocks_memory_and_bucket_for_every_head_dim(dtype):
         plan = flash_metal.explain(*_qkv(70, 45, d, dtype), impl="prefill")
         assert plan.kernel_name == f"flash_attention_prefill_{DTYPE_NAMES[dtype]}_d{bucket}_bq{bq}_bk{bk}_wm{wm}"
         assert plan.grid == (-(-70 // bq), 4, 1) and plan.threadgroup == (32 * wm, 1, 1)
-        # Q tile plus one K/V tile, rows padded by 16 bytes (attention_prefill.h).
-        assert plan.threadgroup_memory == (bq + bk) * (bucket * size + 16)
+        # Q tile plus one K/V tile, rows padded by 16 bytes (attention_prefill.h), plus with feature parts
+        # (wm * 8 / bq > 1) each SIMD-group's partial S (bk / 8 fragments of 256 bytes, the split-K sum).
+        partials = wm * (bk // 8) * 256 if wm * 8 // bq > 1 else 0
+        assert plan.threadgroup_memory == (bq + bk) * (bucket * size + 16) + partials
         assert plan.threadgroup_memory <= 32 * 1024 and plan.threadgroup_memory % 16 == 0
         assert ("zero-padded" in plan.reason) == (d != bucket), (d, plan.reason)
         assert "8 resident simdgroups per core on every named chip" in plan.reason
