@@ -238,8 +238,16 @@ def dispatch_time(r, index, gpu, s, dtype, causal, k=POINT):
             # part's S and dP chains run over its d_frags / F fragments, then
             # a third barrier and the partials' sum (F dependent reads).
             blocks, streamed, bheads = backward_blocks(r.kernel, s, causal)
+            # Where the scratch does not fit beside the tiles (float32 at
+            # DMAX 256, backward_partials_bytes) the parts recompute instead:
+            # whole chains, no third barrier.
             ds = re.search(r"_ds(\d+)", r.kernel)
             parts = int(ds.group(1)) if ds else 1
+            m = re.search(r"_bq(\d+)_bk(\d+)_wm(\d+)", r.kernel)
+            dmax = _dmax(r.kernel)
+            if parts > 1 and (2 * (int(m.group(1)) + int(m.group(2))) * dmax * elem
+                              + int(m.group(3)) * 2 * (streamed // 8) * 256 > 32768):
+                parts = 1
             reduce = (BARRIER_CYCLES + parts * TG_LOAD_LATENCY) if parts > 1 else 0
             lat = (dram_cycles + 2 * BARRIER_CYCLES + (math.ceil(d_frags / parts) + streamed // 8) * MMA_LATENCY
                    + 2 * TG_LOAD_LATENCY + SHUFFLE_LATENCY + reduce)

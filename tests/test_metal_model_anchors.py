@@ -102,9 +102,9 @@ def test_fewer_simdgroups_than_schedulers_leave_issue_idle(monkeypatch):
     s = M.Shape(1, 2, 2, 256, 256, 256)
     g = G.BY_NAME["M3 Max"]
     recs = BM.counts_for(s, torch.float32, False)
-    assert all(r.threadgroup == (32, 1, 1) for r in recs if "flash_backward" in r.kernel)
+    assert all("flash_backward" in r.kernel for r in recs)
     monkeypatch.setattr(T, "planner_residency", lambda *a: (1, "planted"))
-    one = T.predict(recs, g, s, torch.float32, False)[1]["compute"]
+    one = T.predict([r._replace(threadgroup=(32, 1, 1)) for r in recs], g, s, torch.float32, False)[1]["compute"]
     four = T.predict([r._replace(threadgroup=(128, 1, 1)) for r in recs], g, s, torch.float32,
                      False)[1]["compute"]
     assert 1.4 * four < one < 4.01 * four
