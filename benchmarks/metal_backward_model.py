@@ -22,8 +22,9 @@ counts: a prediction, not a measurement; nothing here ran on a GPU.
    model, benchmarks/metal_model_timing.py: MMAs at the generation's rate,
    exp2, memory under the streaming ceiling, on-core data; residency from the
    planner's estimates hiding each streamed block's serial section,
-   metal_model_timing.backward_blocks; feature parts' recomputed S and dP
-   are in the counted MMAs; the fused side printed as a band), against an UNFUSED backward's
+   metal_model_timing.backward_blocks; feature parts sum S and dP split-K,
+   except float32 D = 256, whose recomputation is in the counted MMAs; the
+   fused side printed as a band), against an UNFUSED backward's
    model: the composite path (PyTorch's MPS math path, MLX's unfused VJP)
    has P (N x N, saved by its forward) and runs dV = P^T dO, dP = dO V^T,
    the softmax backward dS = P * (dP - rowsum(P * dP)) over N x N, then

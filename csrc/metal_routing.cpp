@@ -330,14 +330,15 @@ KernelChoice choose_metal_kernel(const AttentionProblem& p, KernelRequest reques
       // Blocks: block_q query rows, MLX's steel table's (32; 16 at D = 256,
       // where MLX's 32 x 16 tiles take 40 KB in float32), in 8-row groups
       // that each run `parts` SIMD-groups (each keeping O for 1 / parts of
-      // the features, all computing the rows' scores), and block_k keys per
+      // the features; the scores split-K over the parts, summed through a
+      // scratch counted in the bytes, attention_prefill.h), and block_k keys per
       // block. block_q sets the K/V traffic (read once per query block), so
       // it stays; among block_k in {32, 16, 8} and parts in {1, 2, 4, 8}
       // within the register budget (O, one block of scores, the softmax
       // state, kLiveOverhead), 32 KiB, kPrefillMaxThreads and the loader's
       // even split: the most resident SIMD-groups per core on the chip that
       // holds fewest (up to 8, kResidentTarget), then the fewest
-      // parts (least recomputed scores), then the longest key block. The
+      // parts (least scratch), then the longest key block. The
       // result, float16/bfloat16 | float32 (block_k, parts):
       //   D = 32: 32,1 | 32,1   64, 72, 80: 32,1 | 16,1   96: 32,1 | 8,1
       //   D = 128: 16,1 | 16,2  256: 8,2 | 8,4
