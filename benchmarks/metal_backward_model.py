@@ -1,7 +1,11 @@
 """Performance model of the Metal backward (issue 10), on the emulator's exact
 counts: a prediction, not a measurement; nothing here ran on a GPU.
 
-    python -m benchmarks.metal_backward_model [--quick]
+    python -m benchmarks.metal_backward_model [--quick] [--occupancy]
+
+0. Registers and occupancy (issue 19): a before/after table of the prefill and
+   backward plans' live values per lane and resident SIMD-groups per core
+   (the planner's estimates) on an M1 and an M3 Max; --occupancy prints only it.
 
 1. Counts. attention_backward runs in the instrumented emulator
    (tests/backends.py emulated_metal_attention_backward, launched from the
@@ -11,12 +15,16 @@ counts: a prediction, not a measurement; nothing here ran on a GPU.
    emulated sizes); tests/test_metal_backward.py checks it on a fourth.
 2. I/O model: the split's FlashAttention-2 traffic. dQ kernel: Q, dO, O read
    once, K and V once per query block up to its last visible key. dK/dV
-   kernel: K and V once (per feature part at D = 256), Q and dO once per key
-   block from its first seeing query row. Printed next to the counted bytes.
+   kernel: K and V once (its feature parts are SIMD-groups sharing the
+   threadgroup's tiles), Q and dO once per key block from its first seeing
+   query row. Printed next to the counted bytes.
 3. Time: metal_model.predict on the counted records (the forward's time
    model, benchmarks/metal_model_timing.py: MMAs at the generation's rate,
    exp2, memory under the streaming ceiling, on-core data; residency from the
-   planner's estimates; the fused side printed as a band), against an UNFUSED backward's
+   planner's estimates hiding each streamed block's serial section,
+   metal_model_timing.backward_blocks; feature parts sum S and dP split-K,
+   except float32 D = 256, whose recomputation is in the counted MMAs; the
+   fused side printed as a band), against an UNFUSED backward's
    model: the composite path (PyTorch's MPS math path, MLX's unfused VJP)
    has P (N x N, saved by its forward) and runs dV = P^T dO, dP = dO V^T,
    the softmax backward dS = P * (dP - rowsum(P * dP)) over N x N, then
@@ -92,12 +100,12 @@ def _blocks(kernel):
 def io_model(s: Shape, elem, records, causal):
     """Modelled device bytes read of (K + V, Q + dO), summed over both kernels."""
     bq = _blocks(records[0].kernel)[0]
-    bk, split = _blocks(records[1].kernel)[1:]
+    bk = _blocks(records[1].kernel)[1]
     row = s.d * elem
     kv_dq = sum(M.visible(min(q0 + bq, s.nq) - 1, s, causal) for q0 in range(0, s.nq, bq)) * s.hq
     first_row = lambda k0: max(0, k0 - (s.nk - s.nq)) if causal else 0  # noqa: E731
-    q_dkdv = sum(max(0, s.nq - first_row(k0) // bq * bq) for k0 in range(0, s.nk, bk)) * s.hq * split
-    kv = 2 * (kv_dq + s.nk * s.hkv * split) * row * s.b
+    q_dkdv = sum(max(0, s.nq - first_row(k0) // bq * bq) for k0 in range(0, s.nk, bk)) * s.hq
+    kv = 2 * (kv_dq + s.nk * s.hkv) * row * s.b
     qdo = 2 * (s.nq * s.hq + q_dkdv) * row * s.b
     return kv, qdo
 
@@ -168,10 +176,67 @@ def table(quick):
     return wins
 
 
+# The tile tables before issue 19's occupancy work (prefill: MLX's steel table; backward: one 8-row group
+# per SIMD-group, dK/dV split over 2 threadgroups at D = 256), for the before/after table below:
+# (elem bytes, D) -> (own rows, streamed rows, SIMD-groups per threadgroup, [live values per kernel]).
+_OLD = {
+    "prefill": {(e, d): (bq, bk, wm, [d // 4 + bk // 4 + 22]) for e in (2, 4)
+                for d, (bq, bk, wm) in {64: (32, 32, 4), 80: (32, 32, 4), 96: (32, 32, 4), 128: (32, 16, 4),
+                                        256: (16, 8, 2)}.items()},
+    "backward": {(e, d): (r, st, r // 8, [d // 4 + st // 2 + 16, d // 2 // sp + st // 2 + 16])
+                 for (e, d), (r, st, sp) in {
+                     (4, 64): (32, 16, 1), (4, 80): (32, 16, 1), (4, 96): (32, 8, 1), (4, 128): (16, 8, 1),
+                     (4, 256): (8, 8, 2), (2, 64): (32, 32, 1), (2, 80): (32, 32, 1), (2, 96): (32, 32, 1),
+                     (2, 128): (32, 16, 1), (2, 256): (16, 8, 2)}.items()},
+}
+_CHIP_TG = {"m1": 60 * 1024, "m3-max": 32 * 1024}  # Apple 7/8 and Apple 9+ threadgroup memory per core
+
+
+def _old_resident(kind, e, d, chip):
+    """(max live values, fewest resident SIMD-groups per core) of the old table on `chip`: estimate_launch's rule."""
+    own, st, sgs, lives = _OLD[kind][(e, d)]
+    if kind == "prefill":
+        tg = (own + st) * (d * e + 16)
+    else:
+        rows, padded = 2 * (own + st), d * e + 16
+        tg = rows * (padded if rows * padded <= 32 * 1024 else padded - 16)
+    res = min(max(1, min(208 * 1024 // (live * 128 * sgs), _CHIP_TG[chip] // tg)) * sgs for live in lives)
+    return max(lives), res
+
+
+def occupancy_table():
+    """Before/after: live values per lane (budget 72) and resident SIMD-groups per core (target 8) of the
+    prefill and backward plans on the model grid, on an M1 (60 KB of threadgroup memory per core) and an
+    M3 Max (32 KiB): the planner's estimates (explain), not measurements."""
+    import flash_metal
+
+    print("\n## Registers and occupancy, before -> after (planner estimates, not measurements)")
+    print("| pass | dtype | D | live values (max over kernels) | SIMD-groups per core M1 | M3 Max | kernels now |")
+    print("|---|---|---|---|---|---|---|")
+    for kind in ("prefill", "backward"):
+        for dtype in (torch.float32, torch.float16):
+            e = torch.empty((), dtype=dtype).element_size()
+            for d in (64, 80, 96, 128, 256):
+                q = torch.zeros(1, dtype=dtype).expand(1, 8, 1024, d)
+                cells = []
+                for chip in _CHIP_TG:
+                    plan = flash_metal.explain(q, q, q, True, None, "auto", chip, backward=kind == "backward")
+                    cells.append((max(x.live_registers for x in plan.dispatches),
+                                  min(x.simdgroups_per_core for x in plan.dispatches)))
+                old = [_old_resident(kind, e, d, chip) for chip in _CHIP_TG]
+                names = ", ".join(x.kernel_name.split("_", 3)[-1] for x in plan.dispatches)
+                print(f"| {kind} | {str(dtype)[6:]} | {d} | {old[0][0]} -> {cells[0][0]} | {old[0][1]} -> {cells[0][1]} "
+                      f"| {old[1][1]} -> {cells[1][1]} | {names} |")
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="D = 64, 96, 128 at N = 4096 on an M3 Max only")
+    ap.add_argument("--occupancy", action="store_true", help="only the registers/occupancy before/after table")
     args = ap.parse_args(argv)
+    occupancy_table()
+    if args.occupancy:
+        return []
     wins = table(args.quick)
     for i, what in ((3, "backward"), (4, "forward+backward")):
         faster = [w for w in wins if w[i] > 1.0]

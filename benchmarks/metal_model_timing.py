@@ -168,9 +168,9 @@ def backward_blocks(kernel, s, causal):
             s.b * s.hq
     first_row = lambda k0: max(0, k0 - (s.nk - s.nq)) if causal else 0  # noqa: E731
     group = s.hq // s.hkv
-    ds = re.search(r"_ds(\d+)", kernel)  # the feature split's threadgroups each run the whole loop
+    # Feature parts (_ds<F>) are SIMD-groups of one threadgroup: the grid is not multiplied by them.
     return [group * math.ceil(max(0, s.nq - first_row(k0) // bq * bq) / bq) for k0 in range(0, s.nk, bk)], bq, \
-        s.b * s.hkv * (int(ds.group(1)) if ds else 1)
+        s.b * s.hkv
 
 
 def _dmax(kernel):
@@ -219,8 +219,14 @@ def dispatch_time(r, index, gpu, s, dtype, causal, k=POINT):
         serial = None
         if kb and "prefill" in r.kernel:
             blocks, bk = kb
-            lat = (dram_cycles + 4 * BARRIER_CYCLES + (d_frags + bk // 8) * MMA_LATENCY
-                   + 2 * TG_LOAD_LATENCY + 4 * SHUFFLE_LATENCY + 2 * SHUFFLE_LATENCY)
+            # Feature parts (8 * WM / BQ, split-K, attention_prefill.h): the
+            # S chain over d_frags / F fragments, then the partials' sum (F
+            # dependent reads; the barrier is the K tile's, already counted).
+            m = re.search(r"_bq(\d+)_bk\d+_wm(\d+)", r.kernel)
+            parts = 8 * int(m.group(2)) // int(m.group(1)) if m else 1
+            reduce = parts * TG_LOAD_LATENCY if parts > 1 else 0
+            lat = (dram_cycles + 4 * BARRIER_CYCLES + (math.ceil(d_frags / parts) + bk // 8) * MMA_LATENCY
+                   + 2 * TG_LOAD_LATENCY + 4 * SHUFFLE_LATENCY + 2 * SHUFFLE_LATENCY + reduce)
             serial = blocks, heads, lat
         elif "flash_backward_" in r.kernel:
             # A streamed block of the backward: its two tiles' DRAM latency,
@@ -228,9 +234,23 @@ def dispatch_time(r, index, gpu, s, dtype, causal, k=POINT):
             # then the accumulation over the block's rows (dQ += dS.K; dV,
             # dK likewise), 2 fragment reads and one exp2, no shuffles (P
             # comes from lse).
+            # Feature parts (_ds<F>, split-K, attention_backward.h): each
+            # part's S and dP chains run over its d_frags / F fragments, then
+            # a third barrier and the partials' sum (F dependent reads).
             blocks, streamed, bheads = backward_blocks(r.kernel, s, causal)
-            lat = (dram_cycles + 2 * BARRIER_CYCLES + (d_frags + streamed // 8) * MMA_LATENCY
-                   + 2 * TG_LOAD_LATENCY + SHUFFLE_LATENCY)
+            # Where the scratch does not fit beside the tiles (float32 at
+            # DMAX 256, backward_partials_bytes) the parts recompute instead:
+            # whole chains, no third barrier.
+            ds = re.search(r"_ds(\d+)", r.kernel)
+            parts = int(ds.group(1)) if ds else 1
+            m = re.search(r"_bq(\d+)_bk(\d+)_wm(\d+)", r.kernel)
+            dmax = _dmax(r.kernel)
+            if parts > 1 and (2 * (int(m.group(1)) + int(m.group(2))) * dmax * elem
+                              + int(m.group(3)) * 2 * (streamed // 8) * 256 > 32768):
+                parts = 1
+            reduce = (BARRIER_CYCLES + parts * TG_LOAD_LATENCY) if parts > 1 else 0
+            lat = (dram_cycles + 2 * BARRIER_CYCLES + (math.ceil(d_frags / parts) + streamed // 8) * MMA_LATENCY
+                   + 2 * TG_LOAD_LATENCY + SHUFFLE_LATENCY + reduce)
             serial = blocks, bheads, lat
         if serial:
             blocks, heads, lat = serial

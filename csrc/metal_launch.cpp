@@ -163,9 +163,10 @@ std::vector<bool> feature_constants(const AttentionProblem& p, bool align_q, boo
 }
 
 // Rows of a tile's span the dense loader's 32-bit offsets must cover. Why
-// 128: a tile has at most 32 rows (the largest BQ / BK of any prefill or
-// backward instantiation), and the loader's offsets step up to THREADS / CPR
-// <= 64 rows past it before the loop ends; 128 bounds both with margin.
+// 128: a tile has at most 64 rows (the largest BQ / BK of any prefill or
+// backward instantiation: the backward's 64 owned rows), and the loader's
+// offsets step up to THREADS / CPR <= 64 rows past it (256 threads, at
+// least 4 chunks per row) before the loop ends; 128 bounds both.
 constexpr int64_t kDenseOffsetRows = 128;
 // Bytes per dense load: the shader's kDenseLoadBytes (a uint4, the widest
 // per-thread load in Metal).
@@ -374,7 +375,7 @@ MetalPlan plan_metal_attention(const AttentionProblem& p, const LaunchStrides& s
       l.grid = {ceil_div(p.q_len, c.block_q), heads, batch};
       l.threadgroup = {32 * c.simdgroups, 1, 1};
       l.max_threads_per_threadgroup = kPrefillMaxThreads;
-      l.threadgroup_memory = prefill_threadgroup_memory(c.block_q, c.block_k, c.bucket, p.dtype);
+      l.threadgroup_memory = prefill_threadgroup_memory(c.block_q, c.block_k, c.bucket, p.dtype, c.simdgroups * 8 / c.block_q);
       {
         std::string why;
         const bool dense = dense_loader(p, s, c.bucket, false, &why);
@@ -384,7 +385,7 @@ MetalPlan plan_metal_attention(const AttentionProblem& p, const LaunchStrides& s
         plan.reason += loader_reason(dense, why);
       }
       l.buffers = with_forward_features(kForwardBuffers);
-      l.estimate = estimate_launch(l, prefill_live_registers(c.bucket, c.block_k), gpu);
+      l.estimate = estimate_launch(l, prefill_live_registers(c.bucket, c.block_k, c.simdgroups * 8 / c.block_q), gpu);
       plan.launches.push_back(l);
       break;
     default: {
@@ -417,11 +418,12 @@ MetalPlan plan_metal_attention_backward(const AttentionProblem& p, const LaunchS
   dq.params_index = kAttentionParamsIndex;
   dq.threadgroup_memory_index = kAttentionThreadgroupIndex;
   dq.kernel_name = "flash_backward_dq_" + suffix + "_bq" + std::to_string(c.block_q) + "_bk" +
-                   std::to_string(c.block_k) + "_wm" + std::to_string(c.simdgroups);
+                   std::to_string(c.block_k) + "_wm" + std::to_string(c.simdgroups) + "_ds" +
+                   std::to_string(c.dq_feature_split);
   dq.grid = {ceil_div(p.q_len, c.block_q), static_cast<uint32_t>(p.q_heads), batch};
   dq.threadgroup = {32 * c.simdgroups, 1, 1};
   dq.max_threads_per_threadgroup = kBackwardMaxThreads;
-  dq.threadgroup_memory = backward_threadgroup_memory(c.block_q, c.block_k, c.bucket, p.dtype);
+  dq.threadgroup_memory = backward_threadgroup_memory(c.block_q, c.block_k, c.bucket, p.dtype, c.dq_feature_split);
   // Indices kCausalFunctionConstant, kAlignQ..., kAlignK..., kHasGradLse...
   std::string why;
   const bool dense = dense_loader(p, s, c.bucket, true, &why);
@@ -429,16 +431,17 @@ MetalPlan plan_metal_attention_backward(const AttentionProblem& p, const LaunchS
   dq.function_constants =
       with_dense(feature_constants(p, p.q_len % c.block_q == 0, p.kv_len % c.block_k == 0, has_grad_lse), dense);
   dq.buffers = with_features(kBackwardDqBuffers);
-  dq.estimate = estimate_launch(dq, dq_live_floats(c.bucket, c.block_k) + kLiveOverhead, gpu);
+  dq.estimate = estimate_launch(dq, dq_live_floats(c.bucket, c.block_k, c.dq_feature_split) + kLiveOverhead, gpu);
   plan.launches.push_back(dq);
 
   MetalLaunch dkv = dq;
   dkv.kernel_name = "flash_backward_dkdv_" + suffix + "_bq" + std::to_string(c.dkv_block_q) + "_bk" +
                     std::to_string(c.dkv_block_k) + "_wm" + std::to_string(c.dkv_simdgroups) + "_ds" +
                     std::to_string(c.dkv_feature_split);
-  dkv.grid = {ceil_div(p.kv_len, c.dkv_block_k) * c.dkv_feature_split, static_cast<uint32_t>(p.kv_heads), batch};
+  dkv.grid = {ceil_div(p.kv_len, c.dkv_block_k), static_cast<uint32_t>(p.kv_heads), batch};
   dkv.threadgroup = {32 * c.dkv_simdgroups, 1, 1};
-  dkv.threadgroup_memory = backward_threadgroup_memory(c.dkv_block_k, c.dkv_block_q, c.bucket, p.dtype);
+  dkv.threadgroup_memory = backward_threadgroup_memory(c.dkv_block_k, c.dkv_block_q, c.bucket, p.dtype,
+                                                     c.dkv_feature_split);
   dkv.function_constants =
       with_dense(feature_constants(p, p.q_len % c.dkv_block_q == 0, p.kv_len % c.dkv_block_k == 0, false), dense);
   dkv.buffers = with_features(kBackwardDkdvBuffers);

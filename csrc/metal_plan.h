@@ -181,7 +181,8 @@ struct KernelChoice {
   uint32_t dkv_block_q = 0;     // backward, dK/dV kernel: query rows per streamed block
   uint32_t dkv_block_k = 0;     // backward, dK/dV kernel: keys per threadgroup (8 per simdgroup)
   uint32_t dkv_simdgroups = 0;  // backward, dK/dV kernel: simdgroups per threadgroup
-  uint32_t dkv_feature_split = 1;  // backward, dK/dV kernel: feature parts of dK/dV (a threadgroup each)
+  uint32_t dkv_feature_split = 1;  // backward, dK/dV kernel: feature parts of dK/dV (a SIMD-group each)
+  uint32_t dq_feature_split = 1;   // backward, dQ kernel: feature parts of dQ (a SIMD-group each)
   // (for the backward, block_q / block_k / simdgroups describe its dQ kernel)
   std::string reason;      // why, for humans (flash_metal.explain)
 };

@@ -55,24 +55,46 @@ inline uint32_t tiled_threadgroup_memory(uint32_t bucket, c10::ScalarType dtype)
 // of block_k rows, used by K and then V in turn (MLX's steel layout), every
 // row holding the bucket's columns plus 16 bytes of padding against bank
 // conflicts (MLX PR #1899), all in the input dtype.
-inline uint32_t prefill_threadgroup_memory(uint32_t block_q, uint32_t block_k, uint32_t bucket, c10::ScalarType dtype) {
+// With feature parts (parts > 1), each of the block_q / 8 * parts
+// SIMD-groups also writes its partial S (block_k / 8 fragments of 8 x 8
+// floats, 256 bytes each) after the tiles: the split-K sum (issue 19).
+inline uint32_t prefill_threadgroup_memory(uint32_t block_q, uint32_t block_k, uint32_t bucket, c10::ScalarType dtype,
+                                           uint32_t parts) {
   const uint32_t row = (bucket + 16 / dtype_bytes(dtype)) * dtype_bytes(dtype);
-  return (block_q + block_k) * row;
+  const uint32_t partials = parts > 1 ? block_q / 8 * parts * (block_k / 8) * 256 : 0;
+  return (block_q + block_k) * row + partials;
 }
 
 // Metal's threadgroup-memory limit on every Apple GPU of the supported
 // macOS versions (MTLDevice.maxThreadgroupMemoryLength is 32 KiB on Apple7+).
 inline constexpr uint32_t kMaxThreadgroupMemory = 32 * 1024;
 
+// The backward's split-K scratch (the shader's backward_partials_bytes):
+// with parts, 2 x streamed / 8 fragments of 8 x 8 floats per SIMD-group,
+// if they fit 32 KiB beside the unpadded tiles; else 0 (the parts then
+// recompute S and dP: float32 at bucket 256).
+inline uint32_t backward_partials_bytes(uint32_t own, uint32_t streamed, uint32_t bucket, c10::ScalarType dtype,
+                                        uint32_t parts) {
+  const uint32_t partials = own / 8 * parts * 2 * (streamed / 8) * 256;
+  const uint32_t tiles = 2 * (own + streamed) * bucket * dtype_bytes(dtype);
+  return parts > 1 && tiles + partials <= kMaxThreadgroupMemory ? partials : 0;
+}
+
 // Threadgroup memory of either backward kernel (shaders/attention_backward.h):
 // two tiles of the rows a simdgroup owns (Q and dO, or K and V) and two of
 // the streamed rows (K and V, or Q and dO), each row the bucket's columns in
 // the input dtype plus 16 bytes of padding, or no padding when the padded
 // tiles would exceed 32 KiB (the shader's backward_row_pad, same rule).
-inline uint32_t backward_threadgroup_memory(uint32_t own, uint32_t streamed, uint32_t bucket, c10::ScalarType dtype) {
+// With feature parts (parts > 1) each of the own / 8 * parts SIMD-groups
+// also writes its partial S and dP (2 x streamed / 8 fragments of 8 x 8
+// floats, 256 bytes each) after the tiles: the split-K sum (issue 19,
+// the shader's backward_partials_bytes).
+inline uint32_t backward_threadgroup_memory(uint32_t own, uint32_t streamed, uint32_t bucket, c10::ScalarType dtype,
+                                            uint32_t parts) {
   const uint32_t rows = 2 * (own + streamed);
   const uint32_t padded = bucket * dtype_bytes(dtype) + 16;
-  return rows * (rows * padded <= kMaxThreadgroupMemory ? padded : padded - 16);
+  const uint32_t partials = backward_partials_bytes(own, streamed, bucket, dtype, parts);
+  return rows * (rows * padded + partials <= kMaxThreadgroupMemory ? padded : padded - 16) + partials;
 }
 
 inline std::string kib(uint32_t bytes) { return std::to_string(bytes) + " bytes"; }
@@ -144,10 +166,12 @@ inline uint32_t decode_simdgroups_per_threadgroup(const AttentionProblem& p, uin
 inline constexpr uint32_t kLiveOverhead = 16;
 
 // The backward: accumulators (dQ: bucket / 8 fragments; dK and dV: twice
-// that, over `split` feature parts) plus one block of P and dP (2
+// that; each over `split` feature parts, a SIMD-group each) plus one block of P and dP (2
 // fragments each per 8 keys or queries), 2 floats per fragment per lane.
 // The planner's register budget (metal_routing.cpp) bounds these.
-inline uint32_t dq_live_floats(uint32_t bucket, uint32_t block_k) { return bucket / 4 + block_k / 2; }
+inline uint32_t dq_live_floats(uint32_t bucket, uint32_t block_k, uint32_t split) {
+  return bucket / 4 / split + block_k / 2;
+}
 inline uint32_t dkdv_live_floats(uint32_t bucket, uint32_t block_q, uint32_t split) {
   return bucket / 2 / split + block_q / 2;
 }
@@ -157,12 +181,12 @@ inline uint32_t dkdv_live_floats(uint32_t bucket, uint32_t block_q, uint32_t spl
 // online-softmax state.
 inline uint32_t post_live_registers(uint32_t bucket) { return 2 * bucket + 4 + kLiveOverhead; }
 
-// The prefill kernel: the output rows (bucket / 8 fragments of 2 floats),
+// The prefill kernel: the output rows (bucket / 8 fragments of 2 floats, over `parts` SIMD-groups),
 // one block of scores (block_k / 8 fragments of 2 floats), the row max and
 // sum (2 per fragment row a lane holds) and the Q/K fragments of one 8-wide
 // feature step (2 x 2).
-inline uint32_t prefill_live_registers(uint32_t bucket, uint32_t block_k) {
-  return bucket / 4 + block_k / 4 + 2 + 4 + kLiveOverhead;
+inline uint32_t prefill_live_registers(uint32_t bucket, uint32_t block_k, uint32_t parts) {
+  return bucket / 4 / parts + block_k / 4 + 2 + 4 + kLiveOverhead;
 }
 
 // The decode kernels (shaders/attention_decode.h, decode_attend), at their

@@ -114,23 +114,41 @@ std::string padding_note(int64_t head_dim, uint32_t bucket) {
          "-wide instantiation (no read or write past head_dim)";
 }
 
-// The backward's register budget, in float32 values per lane that live
-// across a whole block: the accumulators (dQ: bucket / 8 fragments; dK and
-// dV: twice that) plus one block of P and dP (2 fragments each per 8 keys or
-// queries), 2 floats per fragment per lane. Why 72: an Apple GPU thread
-// addresses at most 128 32-bit registers (Dougall Johnson's G13
-// architecture notes; [I], not measured here), and the loop needs the rest
-// for the fragments being read, addresses and counters; ~69 is what a thread
-// gets at the occupancy that saturates the ALUs (24 simdgroups per core,
-// metal-benchmarks). MLX's fused backward (PR #3241) had to shrink its blocks
+// The backward's register budget, in 32-bit values per lane: the live
+// registers explain() prints (LaunchEstimate), i.e. the accumulators (dQ:
+// bucket / 8 fragments; dK and dV: twice that; over the feature parts)
+// plus one block of P and dP (2 fragments each per 8 keys or queries), 2
+// floats per fragment per lane, plus kLiveOverhead for addresses, counters
+// and the fragments being read (issue 19: the overhead counts too, as in
+// the decode planner). Why 72: an Apple GPU thread addresses at most 128
+// 32-bit registers (Dougall Johnson's G13 architecture notes; [I], not
+// measured here); ~69 is what a thread gets at the occupancy that
+// saturates the ALUs (24 simdgroups per core, metal-benchmarks). MLX's fused backward (PR #3241) had to shrink its blocks
 // at D = 128 and lost to its unfused path there, so the blocks below shrink
 // the streamed side first and keep the accumulators in registers.
 constexpr uint32_t kBackwardRegisterBudget = 72;
 static_assert(kBackwardRegisterBudget == uint32_t{kDecodeRegisterBudget},
               "one register budget for both planners (shaders/attention_decode_rows.h)");
-// What a thread can address at all ([I], as above).
-constexpr uint32_t kMaxRegistersPerThread = 128;
 
+
+// Resident SIMD-groups per core choose_backward aims for on every named
+// chip. Why 8: a core then has 8 SIMD-groups to switch among while one
+// waits on a barrier, a threadgroup-memory read or an MMA's latency
+// (issue 19's target for the prefill and backward kernels; the decode
+// kernels aim higher, 24 launched, having nothing but loads to overlap).
+constexpr uint32_t kResidentTarget = 8;
+
+// Fewest resident SIMD-groups per core over every named chip (metal_gpus.cpp)
+// of a prefill or backward kernel with `simdgroups` per threadgroup, `bytes` of
+// threadgroup memory and `live` registers per lane: estimate_launch's rule.
+uint32_t resident_on_every_chip(uint32_t simdgroups, uint32_t bytes, uint32_t live) {
+  MetalLaunch l;
+  l.threadgroup = {32 * simdgroups, 1, 1};
+  l.threadgroup_memory = bytes;
+  uint32_t least = UINT32_MAX;
+  for (const GpuSpec& gpu : known_gpus()) least = std::min(least, estimate_launch(l, live, gpu).simdgroups_per_core);
+  return least;
+}
 
 KernelChoice choose_backward(const AttentionProblem& p, KernelRequest requested) {
   TORCH_CHECK_VALUE(requested == KernelRequest::Auto, "flash_metal.attention_backward: impl must be 'auto' (the "
@@ -139,45 +157,73 @@ KernelChoice choose_backward(const AttentionProblem& p, KernelRequest requested)
   KernelChoice c;
   c.kind = KernelRequest::Prefill;  // the simdgroup-matrix family
   c.bucket = bucket_of(p.head_dim, kFastHeadDimBuckets);
-  // dK and dV of 8 keys x the whole bucket would take bucket / 2 floats per
-  // lane: 128 at D = 256, every register a thread has. There each dK/dV
-  // threadgroup keeps half the features (two threadgroups per key block,
-  // each recomputing P and dP): 64.
-  c.dkv_feature_split = dkdv_live_floats(c.bucket, 8, 1) > kBackwardRegisterBudget ? 2 : 1;
-  // Blocks: one rule for both kernels, R rows owned (8 per simdgroup: query
-  // rows for dQ, keys for dK/dV) and S rows streamed per block (keys for dQ,
-  // query rows for dK/dV). Largest R first: the streamed side is re-read
-  // once per R owned rows, so R sets the kernel's memory traffic (the
-  // forward's block_q argument); then the largest S, which sets how many
-  // MMAs share one barrier pair. Both within the register budget (the
-  // accumulators plus S / 8 fragments of P and of dP) and 32 KiB of tiles.
-  // The result, float16/bfloat16 | float32 (R, S):
-  //   D = 32: 32,32 | 32,32   64: 32,32 | 32,16   72, 80: 32,32 | 32,16
-  //   D = 96: 32,32 | 32,8    128: 32,16 | 16,8   256: 16,8 | 8,8
-  // (float32 rows are twice the bytes, so its tiles bind first).
-  // Tiles keep their 16-byte row padding (bank conflicts) if any block pair
-  // fits with it; only float32 at D = 256 (8 + 8 rows) has to drop it.
-  const uint32_t padded_row = c.bucket * dtype_bytes(p.dtype) + 16;
-  bool found = false;
-  for (bool padded : {true, false}) {
-    for (uint32_t own : {32u, 16u, 8u}) {
+  // Blocks: one rule for both kernels. R rows owned (query rows for dQ,
+  // keys for dK/dV) in R / 8 row groups, S rows streamed per block (keys
+  // for dQ, query rows for dK/dV), and F feature parts: each row group runs
+  // F SIMD-groups that share its rows and the tiles, each keeping the
+  // accumulators of 1 / F of the features (dQ: bucket / 8 / F fragments;
+  // dK and dV twice that) and multiplying S and dP over those features
+  // only; the parts sum their partials through a threadgroup scratch
+  // (split-K, attention_backward.h: no product repeated, one more barrier
+  // per streamed block; metal-flash-attention blocks along D instead). Every
+  // candidate keeps both kernels' live values (accumulators, one block of P
+  // and dP, kLiveOverhead) within the register budget, its four tiles and
+  // the parts' scratch within 32 KiB and within kBackwardMaxThreads. Among
+  // them, in order:
+  //  1. resident SIMD-groups per core, on the chip that holds fewest, up to
+  //     kResidentTarget (the 32 KiB cores of Apple 9 bind first);
+  //  2. split-K over recomputation (a part recomputes S and dP only where
+  //     the scratch does not fit: float32 at D = 256);
+  //  3. the fewest parts (the least scratch, partial-sum reads and barriers);
+  //  4. the largest R: the streamed side is re-read once per R owned rows,
+  //     so R sets the memory traffic (K/V reads of the dQ kernel);
+  //  5. the largest S (MMAs per barrier pair).
+  // The result, float16/bfloat16 | float32 (R, S, F), 8 resident
+  // SIMD-groups per core except float32 at 72 (6: its scratch costs the
+  // second threadgroup on 32 KiB cores; recomputing parts would keep 12 at
+  // (4F + 3) / 7 = 2.1x the products), shaders/attention.metal instantiates it:
+  //   D = 32: 64,32,1 | 64,32,1   64: 64,32,1 | 32,16,2   72: 64,32,1 | 16,16,3
+  //   D = 80: 64,32,1 | 32,16,2   96: 64,16,1 | 16,16,4   128: 32,16,2 | 16,8,4
+  //   D = 256: 16,8,4 | 8,8,8 (recomputing: no room for the scratch)
+  // Tiles keep their 16-byte row padding where it fits (backward_row_pad).
+  const uint32_t budget = kBackwardRegisterBudget;
+  struct Best { uint32_t resident = 0, parts = 0, own = 0, streamed = 0; bool recompute = false; } best;
+  const auto better = [](const Best& a, const Best& b) {
+    if (a.resident != b.resident) return a.resident > b.resident;
+    if (a.recompute != b.recompute) return !a.recompute;
+    if (a.parts != b.parts) return a.parts < b.parts;
+    if (a.own != b.own) return a.own > b.own;
+    return a.streamed > b.streamed;
+  };
+  for (uint32_t parts : {1u, 2u, 3u, 4u, 8u}) {
+    if (c.bucket % (8 * parts) != 0) continue;
+    for (uint32_t own : {64u, 32u, 16u, 8u}) {
+      const uint32_t simdgroups = own / 8 * parts;
+      const uint32_t threads = 32 * simdgroups;
+      if (threads > uint32_t{kBackwardMaxThreads}) continue;
       for (uint32_t streamed : {32u, 16u, 8u}) {
-        const bool fits = padded ? 2 * (own + streamed) * padded_row <= kMaxThreadgroupMemory
-                                 : backward_threadgroup_memory(own, streamed, c.bucket, p.dtype) <= kMaxThreadgroupMemory;
-        if (found || !fits || dq_live_floats(c.bucket, streamed) > kBackwardRegisterBudget ||
-            dkdv_live_floats(c.bucket, streamed, c.dkv_feature_split) > kBackwardRegisterBudget) {
-          continue;
-        }
-        found = true;
-        c.block_q = own; c.block_k = streamed; c.simdgroups = own / 8;
-        c.dkv_block_k = own; c.dkv_block_q = streamed; c.dkv_simdgroups = own / 8;
+        const uint32_t bytes = backward_threadgroup_memory(own, streamed, c.bucket, p.dtype, parts);
+        const uint32_t live = std::max(dq_live_floats(c.bucket, streamed, parts),
+                                       dkdv_live_floats(c.bucket, streamed, parts)) + kLiveOverhead;
+        // The general loader gives every thread the same number of elements.
+        const bool even = own * c.bucket % threads == 0 && streamed * c.bucket % threads == 0;
+        if (bytes > kMaxThreadgroupMemory || live > budget || !even) continue;
+        // Parts whose split-K scratch does not fit recompute S and dP instead.
+        const bool recompute = parts > 1 && backward_partials_bytes(own, streamed, c.bucket, p.dtype, parts) == 0;
+        Best cand{std::min(kResidentTarget, resident_on_every_chip(simdgroups, bytes, live)), parts,
+                  own, streamed, recompute};
+        if (best.parts == 0 || better(cand, best)) best = cand;
       }
     }
   }
-  TORCH_CHECK(found, "flash_metal.attention_backward: internal error: no block size fits head_dim ", p.head_dim);
-  const uint32_t dq_bytes = backward_threadgroup_memory(c.block_q, c.block_k, c.bucket, p.dtype);
-  const uint32_t dkv_bytes = backward_threadgroup_memory(c.dkv_block_k, c.dkv_block_q, c.bucket, p.dtype);
-  const uint32_t dq_floats = dq_live_floats(c.bucket, c.block_k);
+  TORCH_CHECK(best.parts != 0, "flash_metal.attention_backward: internal error: no block size fits head_dim ",
+              p.head_dim);
+  c.block_q = best.own; c.block_k = best.streamed; c.simdgroups = best.own / 8 * best.parts;
+  c.dkv_block_k = best.own; c.dkv_block_q = best.streamed; c.dkv_simdgroups = c.simdgroups;
+  c.dq_feature_split = c.dkv_feature_split = best.parts;
+  const uint32_t dq_bytes = backward_threadgroup_memory(c.block_q, c.block_k, c.bucket, p.dtype, best.parts);
+  const uint32_t dkv_bytes = backward_threadgroup_memory(c.dkv_block_k, c.dkv_block_q, c.bucket, p.dtype, best.parts);
+  const uint32_t dq_floats = dq_live_floats(c.bucket, c.block_k, c.dq_feature_split);
   const uint32_t dkv_floats = dkdv_live_floats(c.bucket, c.dkv_block_q, c.dkv_feature_split);
   c.reason = "backward: FlashAttention-2 with recomputation, metal-flash-attention's atomics-free split (dQ and "
              "Delta parallel over query blocks, then dK/dV parallel over key blocks; deterministic); dQ kernel: " +
@@ -186,13 +232,30 @@ KernelChoice choose_backward(const AttentionProblem& p, KernelRequest requested)
              " live floats per lane; dK/dV kernel: " + std::to_string(c.dkv_block_k) + " keys x " +
              std::to_string(c.dkv_block_q) + " queries on " + std::to_string(c.dkv_simdgroups) + " simdgroups, " +
              kib(dkv_bytes) + ", " + std::to_string(dkv_floats) + " live floats per lane";
-  if (c.dkv_feature_split > 1) {
-    c.reason += ", dK and dV split over " + std::to_string(c.dkv_feature_split) +
-                " threadgroups by features (whole, they would take " +
-                std::to_string(dkdv_live_floats(c.bucket, c.dkv_block_q, 1)) + " of a thread's " +
-                std::to_string(kMaxRegistersPerThread) + " registers; each part recomputes P and dP)";
+  if (best.parts > 1 && best.recompute) {
+    c.reason += "; dQ, dK and dV split over " + std::to_string(best.parts) +
+                " simdgroups by features; the split-K scratch (" +
+                kib(c.simdgroups * 2 * (c.block_k / 8) * 256) +
+                ") does not fit 32 KiB beside the tiles, so each part recomputes its rows' S and dP over all "
+                "features: the price, (4F + 3) / 7 = " + std::to_string(4 * best.parts + 3) +
+                " / 7 x the matrix products of whole-feature simdgroups";
+  } else if (best.parts > 1) {
+    c.reason += "; dQ, dK and dV split over " + std::to_string(best.parts) +
+                " simdgroups by features (whole, dK and dV would take " +
+                std::to_string(dkdv_live_floats(c.bucket, c.dkv_block_q, 1) + kLiveOverhead) + " registers per lane)";
+    // The price of the parts, split-K (attention_backward.h,
+    // backward_reduce_parts): no matrix product is repeated; each part
+    // multiplies S and dP over its own features, writes the partials to a
+    // threadgroup scratch (counted in the bytes above), one more barrier
+    // per streamed block (3 instead of 2), and sums the F partials it needs.
+    c.reason += "; the price: S and dP are summed over the parts through " +
+                kib(c.simdgroups * 2 * (c.block_k / 8) * 256) + " (dQ kernel) and " +
+                kib(c.dkv_simdgroups * 2 * (c.dkv_block_q / 8) * 256) +
+                " (dK/dV kernel) of threadgroup memory and one more barrier per streamed block (split-K: "
+                "no matrix product repeated)";
   }
-  c.reason += " (within the " + std::to_string(kBackwardRegisterBudget) + "-float register budget)";
+  c.reason += " (within the " + std::to_string(kBackwardRegisterBudget) + "-value register budget, " +
+              std::to_string(best.resident) + " resident simdgroups per core on every named chip)";
   c.reason += padding_note(p.head_dim, c.bucket);
   return c;
 }
@@ -264,32 +327,53 @@ KernelChoice choose_metal_kernel(const AttentionProblem& p, KernelRequest reques
       break;
     case KernelRequest::Prefill: {
       c.bucket = bucket_of(p.head_dim, kFastHeadDimBuckets);
-      // Block sizes per head-dim bucket (MLX's steel table; PyTorch's prefill
-      // kernel makes the same choice at 256). Each simdgroup owns 8 query
-      // rows, so block_q = 8 * simdgroups. Per lane a simdgroup keeps its
-      // output rows (bucket / 8 fragments of 2 floats) and the scores of one
-      // key block (block_k / 8 fragments of 2 floats) in registers.
-      if (c.bucket <= 96) {
-        // Why 32 x 32 with 4 simdgroups: 128 threads share each K/V block
-        // among 32 query rows; 4 score fragments and at most 12 output
-        // fragments per lane fit the register file without spilling, and
-        // the tiles take at most 25.6 KB (float32, D=96), 13.3 KB in half.
-        c.block_q = 32; c.block_k = 32; c.simdgroups = 4;
-      } else if (c.bucket <= 128) {
-        // Why 16 keys at D=128: 16 output fragments per lane already, so the
-        // score block shrinks to 2 fragments; 25.3 KB in float32, 13.1 KB in half.
-        c.block_q = 32; c.block_k = 16; c.simdgroups = 4;
-      } else {
-        // Why 2 simdgroups and 8 keys at D=256: 32 output fragments per lane
-        // leave room for a single score fragment; 16 query rows keep the
-        // float32 tiles at 25.0 KB (MLX's 32/16 needs 40 KB in float32, and
-        // MLX routes D=256 to its unfused path for that reason).
-        c.block_q = 16; c.block_k = 8; c.simdgroups = 2;
+      // Blocks: block_q query rows, MLX's steel table's (32; 16 at D = 256,
+      // where MLX's 32 x 16 tiles take 40 KB in float32), in 8-row groups
+      // that each run `parts` SIMD-groups (each keeping O for 1 / parts of
+      // the features; the scores split-K over the parts, summed through a
+      // scratch counted in the bytes, attention_prefill.h), and block_k keys per
+      // block. block_q sets the K/V traffic (read once per query block), so
+      // it stays; among block_k in {32, 16, 8} and parts in {1, 2, 4, 8}
+      // within the register budget (O, one block of scores, the softmax
+      // state, kLiveOverhead), 32 KiB, kPrefillMaxThreads and the loader's
+      // even split: the most resident SIMD-groups per core on the chip that
+      // holds fewest (up to 8, kResidentTarget), then the fewest
+      // parts (least scratch), then the longest key block. The
+      // result, float16/bfloat16 | float32 (block_k, parts):
+      //   D = 32: 32,1 | 32,1   64, 72, 80: 32,1 | 16,1   96: 32,1 | 8,1
+      //   D = 128: 16,1 | 16,2  256: 8,2 | 8,4
+      c.block_q = c.bucket == 256 ? 16 : 32;
+      uint32_t best_resident = 0, best_parts = 0;
+      for (uint32_t parts : {1u, 2u, 4u, 8u}) {
+        const uint32_t simdgroups = c.block_q / 8 * parts;
+        if (c.bucket % (8 * parts) != 0 || 32 * simdgroups > uint32_t{kPrefillMaxThreads}) continue;
+        for (uint32_t block_k : {32u, 16u, 8u}) {
+          const uint32_t bytes = prefill_threadgroup_memory(c.block_q, block_k, c.bucket, p.dtype, parts);
+          const uint32_t live = prefill_live_registers(c.bucket, block_k, parts);
+          const bool even = c.block_q * c.bucket % (32 * simdgroups) == 0 && block_k * c.bucket % (32 * simdgroups) == 0;
+          if (bytes > kMaxThreadgroupMemory || live > kBackwardRegisterBudget || !even) continue;
+          const uint32_t resident =
+              std::min(kResidentTarget, resident_on_every_chip(simdgroups, bytes, live));
+          if (resident > best_resident) {  // ties keep the earlier: fewer parts, then longer blocks
+            best_resident = resident; best_parts = parts;
+            c.block_k = block_k; c.simdgroups = simdgroups;
+          }
+        }
       }
-      const uint32_t bytes = prefill_threadgroup_memory(c.block_q, c.block_k, c.bucket, p.dtype);
+      TORCH_CHECK(best_parts != 0, kOp, ": internal error: no prefill block fits head_dim ", p.head_dim);
+      const uint32_t bytes = prefill_threadgroup_memory(c.block_q, c.block_k, c.bucket, p.dtype, best_parts);
       c.reason += "; blocks of " + std::to_string(c.block_q) + " queries x " + std::to_string(c.block_k) +
                   " keys on " + std::to_string(c.simdgroups) + " simdgroups, " + kib(bytes) +
-                  " of threadgroup memory" + (bytes <= 16 * 1024 ? " (two threadgroups fit one core's 32 KiB)" : "");
+                  " of threadgroup memory, " + std::to_string(prefill_live_registers(c.bucket, c.block_k, best_parts)) +
+                  " live values per lane, " + std::to_string(best_resident) +
+                  " resident simdgroups per core on every named chip" +
+                  (best_parts > 1 ? "; each 8-row group on " + std::to_string(best_parts) +
+                                        " simdgroups split by O's features (split-K: each multiplies the scores "
+                                        "over its own features and the parts sum them through " +
+                                        kib(c.simdgroups * (c.block_k / 8) * 256) +
+                                        " of threadgroup memory, no extra barrier and no matrix product "
+                                        "repeated; each runs the rows' softmax)"
+                                  : "");
       break;
     }
     case KernelRequest::Decode:

@@ -7,14 +7,15 @@
 //   flash_attention_tiled_<dtype>_d<DMAX>_bk<BK>_t<THREADS>
 //   flash_attention_prefill_<dtype>_d<DMAX>_bq<BQ>_bk<BK>_wm<WM>
 //   flash_decode_<dtype>_d<DMAX>, flash_decode_split_<dtype>_d<DMAX>, flash_decode_merge_<dtype>_d<DMAX>
-//   flash_backward_dq_<dtype>_d<DMAX>_bq<BQ>_bk<BK>_wm<WM>,
+//   flash_backward_dq_<dtype>_d<DMAX>_bq<BQ>_bk<BK>_wm<WM>_ds<DSPLIT>,
 //   flash_backward_dkdv_<dtype>_d<DMAX>_bq<BQ>_bk<BK>_wm<WM>_ds<DSPLIT>
 //   flash_sinks_grad (float32 only: lse, Delta and the sinks' gradient)
 #include "attention_untiled.h"
 #include "attention_tiled.h"
 #include "attention_prefill.h"
 #include "attention_decode.h"
-#include "attention_backward.h"
+#include "attention_backward_dq.h"
+#include "attention_backward_dkdv.h"
 #include "attention_sinks.h"
 
 // The one instantiation macro: a host name plus the template it names; the
@@ -35,22 +36,32 @@
   FM_POST_KERNELS(tname, T, 128)        \
   FM_POST_KERNELS(tname, T, 256)
 
-// The FlashAttention-2 forward's block sizes per bucket, as the routing
-// function (choose_metal_kernel in csrc/metal_routing.cpp) chooses and explains
-// them: 4 simdgroups of 8 query rows and 32 keys per block up to D = 96, 16
-// keys at D = 128, 2 simdgroups and 8 keys at D = 256.
+// The FlashAttention-2 forward's block sizes per (dtype, bucket), as the
+// routing function (choose_metal_kernel in csrc/metal_routing.cpp) chooses
+// and explains them: 32 query rows (16 at D = 256) in 8-row groups of
+// WM * 8 / BQ SIMD-groups (feature parts of O), keys per block within the
+// register budget and 8 resident SIMD-groups per core.
 #define FM_PREFILL(tname, T, D, BQ, BK, WM)                                                 \
   FM_INSTANTIATE("flash_attention_prefill_" #tname "_d" #D "_bq" #BQ "_bk" #BK "_wm" #WM, \
                  flash_attention_prefill<T, D, BQ, BK, WM>)
 
-#define FM_PREFILL_ALL_D(tname, T)     \
-  FM_PREFILL(tname, T, 32, 32, 32, 4)  \
-  FM_PREFILL(tname, T, 64, 32, 32, 4)  \
-  FM_PREFILL(tname, T, 72, 32, 32, 4)  \
-  FM_PREFILL(tname, T, 80, 32, 32, 4)  \
-  FM_PREFILL(tname, T, 96, 32, 32, 4)  \
-  FM_PREFILL(tname, T, 128, 32, 16, 4) \
-  FM_PREFILL(tname, T, 256, 16, 8, 2)
+#define FM_PREFILL_HALF_ALL_D(tname, T) \
+  FM_PREFILL(tname, T, 32, 32, 32, 4)   \
+  FM_PREFILL(tname, T, 64, 32, 32, 4)   \
+  FM_PREFILL(tname, T, 72, 32, 32, 4)   \
+  FM_PREFILL(tname, T, 80, 32, 32, 4)   \
+  FM_PREFILL(tname, T, 96, 32, 32, 4)   \
+  FM_PREFILL(tname, T, 128, 32, 16, 4)  \
+  FM_PREFILL(tname, T, 256, 16, 8, 4)
+
+#define FM_PREFILL_FLOAT_ALL_D(tname, T) \
+  FM_PREFILL(tname, T, 32, 32, 32, 4)    \
+  FM_PREFILL(tname, T, 64, 32, 16, 4)    \
+  FM_PREFILL(tname, T, 72, 32, 16, 4)    \
+  FM_PREFILL(tname, T, 80, 32, 16, 4)    \
+  FM_PREFILL(tname, T, 96, 32, 8, 4)     \
+  FM_PREFILL(tname, T, 128, 32, 16, 8)   \
+  FM_PREFILL(tname, T, 256, 16, 8, 8)
 
 // The decode kernels (Nq <= 8): one pass, and the split-KV pair.
 #define FM_DECODE(tname, T, D)                                                   \
@@ -67,35 +78,37 @@
   FM_DECODE(tname, T, 128)        \
   FM_DECODE(tname, T, 256)
 
-// The backward's two kernels. Block sizes per (dtype, bucket), as
-// choose_backward (csrc/metal_routing.cpp) chooses and explains them: the most
-// owned rows, then the longest streamed block, with the float32
-// accumulators (dQ; dK and dV) and one block of P and dP per lane within the
-// register budget and the four tiles within 32 KiB; at D = 256 the dK/dV
-// kernel keeps half the features per threadgroup (DSPLIT 2).
-#define FM_BACKWARD(tname, T, D, QBQ, QBK, QWM, KBQ, KBK, KWM, KDS)                                       \
-  FM_INSTANTIATE("flash_backward_dq_" #tname "_d" #D "_bq" #QBQ "_bk" #QBK "_wm" #QWM,                 \
-                 flash_backward_dq<T, D, QBQ, QBK, QWM>)                                                 \
-  FM_INSTANTIATE("flash_backward_dkdv_" #tname "_d" #D "_bq" #KBQ "_bk" #KBK "_wm" #KWM "_ds" #KDS,    \
-                 flash_backward_dkdv<T, D, KBQ, KBK, KWM, KDS>)
+// The backward's two kernels. Blocks per (dtype, bucket), as
+// choose_backward (csrc/metal_routing.cpp) chooses and explains them: R
+// owned rows (R / 8 row groups), S streamed rows and F feature parts of the
+// accumulators, a SIMD-group each (WM = R / 8 * F), with both kernels'
+// live values within the 72-value register budget, the tiles and the
+// parts' split-K scratch within 32 KiB, and 8 resident SIMD-groups per core
+// on every named chip (6 for float32 at 72: the scratch costs the second
+// threadgroup; float32 at 256 recomputes instead, its scratch not fitting).
+#define FM_BACKWARD(tname, T, D, R, S, F, WM)                                                        \
+  FM_INSTANTIATE("flash_backward_dq_" #tname "_d" #D "_bq" #R "_bk" #S "_wm" #WM "_ds" #F,          \
+                 flash_backward_dq<T, D, R, S, WM, F>)                                              \
+  FM_INSTANTIATE("flash_backward_dkdv_" #tname "_d" #D "_bq" #S "_bk" #R "_wm" #WM "_ds" #F,        \
+                 flash_backward_dkdv<T, D, S, R, WM, F>)
 
-#define FM_BACKWARD_HALF_ALL_D(tname, T)              \
-  FM_BACKWARD(tname, T, 32, 32, 32, 4, 32, 32, 4, 1)  \
-  FM_BACKWARD(tname, T, 64, 32, 32, 4, 32, 32, 4, 1)  \
-  FM_BACKWARD(tname, T, 72, 32, 32, 4, 32, 32, 4, 1)  \
-  FM_BACKWARD(tname, T, 80, 32, 32, 4, 32, 32, 4, 1)  \
-  FM_BACKWARD(tname, T, 96, 32, 32, 4, 32, 32, 4, 1)  \
-  FM_BACKWARD(tname, T, 128, 32, 16, 4, 16, 32, 4, 1) \
-  FM_BACKWARD(tname, T, 256, 16, 8, 2, 8, 16, 2, 2)
+#define FM_BACKWARD_HALF_ALL_D(tname, T)   \
+  FM_BACKWARD(tname, T, 32, 64, 32, 1, 8)  \
+  FM_BACKWARD(tname, T, 64, 64, 32, 1, 8)  \
+  FM_BACKWARD(tname, T, 72, 64, 32, 1, 8)  \
+  FM_BACKWARD(tname, T, 80, 64, 32, 1, 8)  \
+  FM_BACKWARD(tname, T, 96, 64, 16, 1, 8)  \
+  FM_BACKWARD(tname, T, 128, 32, 16, 2, 8) \
+  FM_BACKWARD(tname, T, 256, 16, 8, 4, 8)
 
-#define FM_BACKWARD_FLOAT_ALL_D(tname, T)             \
-  FM_BACKWARD(tname, T, 32, 32, 32, 4, 32, 32, 4, 1)  \
-  FM_BACKWARD(tname, T, 64, 32, 16, 4, 16, 32, 4, 1)  \
-  FM_BACKWARD(tname, T, 72, 32, 16, 4, 16, 32, 4, 1)  \
-  FM_BACKWARD(tname, T, 80, 32, 16, 4, 16, 32, 4, 1)  \
-  FM_BACKWARD(tname, T, 96, 32, 8, 4, 8, 32, 4, 1)    \
-  FM_BACKWARD(tname, T, 128, 16, 8, 2, 8, 16, 2, 1)   \
-  FM_BACKWARD(tname, T, 256, 8, 8, 1, 8, 8, 1, 2)
+#define FM_BACKWARD_FLOAT_ALL_D(tname, T)  \
+  FM_BACKWARD(tname, T, 32, 64, 32, 1, 8)  \
+  FM_BACKWARD(tname, T, 64, 32, 16, 2, 8)  \
+  FM_BACKWARD(tname, T, 72, 16, 16, 3, 6)  \
+  FM_BACKWARD(tname, T, 80, 32, 16, 2, 8)  \
+  FM_BACKWARD(tname, T, 96, 16, 16, 4, 8)  \
+  FM_BACKWARD(tname, T, 128, 16, 8, 4, 8)  \
+  FM_BACKWARD(tname, T, 256, 8, 8, 8, 8)
 
 // An explicit instantiation with an unqualified name must sit in the
 // template's own namespace (C++ [temp.explicit]), hence the namespace block.
@@ -103,9 +116,9 @@ namespace flash_metal {
 FM_POST_KERNELS_ALL_D(float32, float)
 FM_POST_KERNELS_ALL_D(float16, half)
 FM_POST_KERNELS_ALL_D(bfloat16, bfloat)
-FM_PREFILL_ALL_D(float32, float)
-FM_PREFILL_ALL_D(float16, half)
-FM_PREFILL_ALL_D(bfloat16, bfloat)
+FM_PREFILL_FLOAT_ALL_D(float32, float)
+FM_PREFILL_HALF_ALL_D(float16, half)
+FM_PREFILL_HALF_ALL_D(bfloat16, bfloat)
 FM_DECODE_ALL_D(float32, float)
 FM_DECODE_ALL_D(float16, half)
 FM_DECODE_ALL_D(bfloat16, bfloat)

@@ -14,16 +14,23 @@
 //     scratch for the second kernel; then over the key blocks the rows see:
 //     S = Q.K^T, P = exp2(S * scale * log2 e - lse_i * log2 e),
 //     dP = dO.V^T, dS = P * (dP - Delta), dQ += dS.K; dQ * scale stored.
-//   flash_backward_dkdv  grid (ceil(Nk / BK) * DSPLIT, Hkv, B), 32 * WM threads
+//   flash_backward_dkdv  grid (ceil(Nk / BK), Hkv, B), 32 * WM threads
 //     over the GQA group's query heads and the query blocks that see the
 //     key block: P^T (recomputed), dV += P^T.dO, dP^T = V.dO^T,
 //     dS^T = P^T * (dP^T - Delta), dK += dS^T.Q; dK * scale and dV stored
 //     (float32: added to grad_k / grad_v after each query head of the
 //     group, so the group's sum rounds once per head, see the kernel).
-//     DSPLIT = 2 (D = 256): each threadgroup keeps dK and dV for one half of
-//     the features only (P^T and dP^T still need all of them), so the
-//     accumulators fit the register file; the price is P^T and dP^T
-//     computed by both halves.
+//   Feature parts (DSPLIT, both kernels, issue 19): WM = (own rows / 8) x
+//     DSPLIT SIMD-groups; the DSPLIT SIMD-groups of one 8-row group share
+//     its rows and the threadgroup's tiles, and each keeps the dQ (dK, dV)
+//     accumulators of 1 / DSPLIT of the features, so the accumulators fit
+//     the register budget and a threadgroup runs more SIMD-groups on the
+//     same threadgroup memory (resident SIMD-groups per core). S and dP
+//     (P^T, dP^T) are split-K: each part multiplies over its own features
+//     only and the parts sum their partials through a threadgroup scratch
+//     (backward_reduce_parts): no recomputed product, one more barrier per
+//     streamed block, the scratch's bytes; K/V (and Q/dO) tiles are still
+//     loaded once per threadgroup.
 //
 // The dK/dV kernel must run after the dQ kernel (it reads Delta); the host
 // encodes them in that order on one serial compute encoder.
@@ -52,6 +59,7 @@
 //   dQ kernel:   Q, dO (OWN = BQ), then K, V (STREAM = BK)
 //   dK/dV kernel: K, V (OWN = BK), then Q, dO (STREAM = BQ)
 //   bytes = 2 * (OWN + STREAM) * (DMAX * sizeof(T) + PAD)
+//           + (DSPLIT > 1: WM * 2 * STREAM / 8 fragments of 256 bytes, the parts' partials)
 //
 // PAD is 16 bytes (the forward's bank-conflict padding), or 0 where the
 // padded tiles would exceed Metal's 32 KiB (only float32 at DMAX 256 with
@@ -77,9 +85,63 @@ constant bool fc_has_grad_lse [[function_constant(3)]];
 // 32 KiB of threadgroup memory, then 0 (float32, DMAX 256: 8-row tiles are
 // 33,280 bytes padded, 32,768 unpadded; the price is bank conflicts on that
 // one configuration). Must match backward_threadgroup_memory in csrc/metal_plan_detail.h.
-template <typename T, int DMAX, int ROWS>
+// EXTRA: the feature parts' partial-sum scratch after the tiles (backward_partials_bytes).
+template <typename T, int DMAX, int ROWS, int EXTRA = 0>
 constexpr int backward_row_pad() {
-  return ROWS * (DMAX * int(sizeof(T)) + kPrefillRowPadBytes) <= 32768 ? kPrefillRowPadBytes : 0;
+  return ROWS * (DMAX * int(sizeof(T)) + kPrefillRowPadBytes) + EXTRA <= 32768 ? kPrefillRowPadBytes : 0;
+}
+
+// Bytes of the feature parts' scratch (issue 19's split-K): with DSPLIT > 1
+// each of the WM SIMD-groups writes its partial S and dP (2 x STREAM / 8
+// fragments of 8 x 8 floats) after the tiles (ROWS rows of DMAX elements,
+// unpadded here). 0 without parts, and 0 where the scratch does not fit
+// 32 KiB beside the tiles (float32 at DMAX 256: its 8 + 8-row tiles take
+// all 32 KiB): the parts then recompute S and dP over all features
+// instead (the fallback; the planner states its price). Must match
+// backward_threadgroup_memory in csrc/metal_plan_detail.h.
+template <typename T, int DMAX, int ROWS, int WM, int STREAM, int DSPLIT>
+constexpr int backward_partials_bytes() {
+  return DSPLIT > 1 && ROWS * DMAX * int(sizeof(T)) + WM * 2 * (STREAM / 8) * 256 <= 32768
+             ? WM * 2 * (STREAM / 8) * 256
+             : 0;
+}
+
+// Split-K over the feature parts (issue 19): the DSPLIT SIMD-groups of a row
+// group each computed S and dP over their own 1 / DSPLIT of the features
+// (backward_products); each writes its partials to `scratch` (its slot:
+// sg), one barrier, then each sums the DSPLIT partials of its row group
+// (slots rg, rg + ROWG, ...) in part order, so every part holds the same
+// whole S and dP, bit for bit. No matrix product is repeated; the price is
+// the scratch, one barrier per streamed block and 2 x N x DSPLIT fragment
+// reads per SIMD-group. `active` (uniform per row group) skips the writes
+// and reads, never the barrier, which every thread of the threadgroup meets.
+// The next block's writes come after its two tile barriers, which follow
+// every read here (no WAR race).
+template <int N, int ROWG, int DSPLIT>
+FM_INLINE void backward_reduce_parts(thread PrefillFrag* S, thread PrefillFrag* dP, threadgroup float* scratch,
+                                     int sg, int rg, int lane, bool active) {
+  constexpr int SLOT = 2 * N * 64;  // floats per SIMD-group: N fragments of S, then N of dP
+  if (active) {
+    FM_UNROLL for (int t = 0; t < N; ++t) {
+      FM_UNROLL for (int j = 0; j < 2; ++j) {
+        scratch[sg * SLOT + t * 64 + lane * 2 + j] = S[t].thread_elements()[j];
+        scratch[sg * SLOT + (N + t) * 64 + lane * 2 + j] = dP[t].thread_elements()[j];
+      }
+    }
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);  // every part's partials written before the sums (RAW)
+  if (!active) return;
+  FM_UNROLL for (int t = 0; t < N; ++t) {
+    FM_UNROLL for (int j = 0; j < 2; ++j) {
+      float s = 0.0f, d = 0.0f;
+      FM_UNROLL for (int q = 0; q < DSPLIT; ++q) {
+        s += scratch[(rg + q * ROWG) * SLOT + t * 64 + lane * 2 + j];
+        d += scratch[(rg + q * ROWG) * SLOT + (N + t) * 64 + lane * 2 + j];
+      }
+      S[t].thread_elements()[j] = s;
+      dP[t].thread_elements()[j] = d;
+    }
+  }
 }
 
 // S = A.B^T and dP = A2.B2^T, the two products both kernels recompute (dQ
@@ -90,15 +152,18 @@ constexpr int backward_row_pad() {
 // compile-time TD (DMAX / 8) with d_frags as a uniform guard, so it unrolls
 // (as the forward's Q.K^T does). Inlined, so S and dP stay arrays of
 // registers (constant indices after unrolling).
+// With feature parts, TD is the part's fragment count and dd0 its first
+// fragment: the result is then the part's partial sum (backward_reduce_parts).
 template <int N, int TD, typename T>
 FM_INLINE void backward_products(thread PrefillFrag* S, thread PrefillFrag* dP, threadgroup const T* a,
                                  threadgroup const T* a2, threadgroup const T* b, threadgroup const T* b2, int ld,
-                                 int row0, int d_frags, int fr, int fc) {
+                                 int row0, int d_frags, int fr, int fc, int dd0 = 0) {
   FM_UNROLL for (int t = 0; t < N; ++t) {
     S[t] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
     dP[t] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
   }
-  FM_UNROLL for (int dd = 0; dd < TD; ++dd) {
+  FM_UNROLL for (int i = 0; i < TD; ++i) {
+    const int dd = dd0 + i;
     if (dd >= d_frags) continue;  // all-padding fragment; uniform across the SIMD-group
     PrefillFrag af, a2f;
     prefill_read_frag(af, a, ld, row0, dd * 8, fr, fc);

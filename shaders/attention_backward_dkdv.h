@@ -1,5 +1,7 @@
-// The backward's dK/dV kernel, flash_backward_dkdv. The algorithm, the
-// tiles and the helpers both backward kernels share: attention_backward.h.
+// The backward's dK/dV kernel (flash_backward_dkdv): see attention_backward.h
+// for the algorithm, the feature parts, the tile layout and the helpers it
+// shares with the dQ kernel (attention_backward_dq.h). Runs after the dQ
+// kernel, whose Delta it reads.
 #pragma once
 
 #include "attention_backward.h"
@@ -27,12 +29,12 @@ FM_INLINE void store_dkdv(device T* kout, device T* vout, thread PrefillFrag* dK
   }
 }
 
-// BK: keys per threadgroup (8 per SIMD-group, BK = 8 * WM). BQ: query rows
-// per streamed block. DSPLIT: feature parts of dK and dV (1, or 2 at
-// DMAX 256: dK and dV of 8 keys x 256 features would be 128 floats per lane,
-// more than a thread's 128 registers can hold beside anything else).
-// Launch: grid (ceil(Nk / BK) * DSPLIT, Hkv, B), threadgroup
-// (32 * WM, 1, 1), threadgroup memory (top of file) at index 0, function
+// BK: keys per threadgroup (8 per row group of SIMD-groups, BK * DSPLIT =
+// 8 * WM). BQ: query rows per streamed block. DSPLIT: feature parts of dK
+// and dV, a SIMD-group each (attention_backward.h; dK and dV of 8 keys x 256
+// features whole would be 128 floats per lane, a thread's every register).
+// Launch: grid (ceil(Nk / BK), Hkv, B), threadgroup
+// (32 * WM, 1, 1), threadgroup memory (attention_backward.h) at index 0, function
 // constants fc_causal (0), fc_align_q (1: Nq % BQ == 0), fc_align_k
 // (2: Nk % BK == 0). Reads Delta as the dQ kernel wrote it.
 template <typename T, int DMAX, int BQ, int BK, int WM, int DSPLIT>
@@ -54,25 +56,30 @@ template <typename T, int DMAX, int BQ, int BK, int WM, int DSPLIT>
     uint tid [[thread_index_in_threadgroup]],
     uint sg [[simdgroup_index_in_threadgroup]],
     uint lane [[thread_index_in_simdgroup]]) {
-  static_assert(BK == 8 * WM, "each SIMD-group owns 8 keys");
+  static_assert(BK * DSPLIT == 8 * WM, "each SIMD-group owns 8 keys and one feature part of their dK and dV");
   static_assert(BQ % 8 == 0 && DMAX % 8 == 0, "tiles are whole 8x8 fragments");
   constexpr int THREADS = 32 * WM;
   static_assert(THREADS <= kBackwardMaxThreads, "the declared threadgroup limit (params.h)");
-  constexpr int PAD = backward_row_pad<T, DMAX, 2 * (BQ + BK)>();
+  constexpr int PARTIALS = backward_partials_bytes<T, DMAX, 2 * (BQ + BK), WM, BQ, DSPLIT>();
+  constexpr int PAD = backward_row_pad<T, DMAX, 2 * (BQ + BK), PARTIALS>();
   constexpr int LD = DMAX + PAD / int(sizeof(T));
   static_assert(DMAX % (8 * DSPLIT) == 0, "each part is whole fragments");
   constexpr int TQ = BQ / 8;                // query fragments per streamed block
-  constexpr int TD = DMAX / 8 / DSPLIT;     // feature fragments of dK and dV this threadgroup keeps
+  constexpr int TD = DMAX / 8 / DSPLIT;     // feature fragments of dK and dV this SIMD-group keeps
+  constexpr int ROWG = BK / 8;              // 8-key groups; SIMD-group sg: group sg % ROWG, part sg / ROWG
+  const int rg = int(sg) % ROWG;
   threadgroup T* k_tile = smem;
   threadgroup T* v_tile = k_tile + BK * LD;
   threadgroup T* q_tile = v_tile + BK * LD;
   threadgroup T* do_tile = q_tile + BQ * LD;
+  // The parts' partial S^T and dP^T (backward_reduce_parts), after the tiles.
+  threadgroup float* partials = reinterpret_cast<threadgroup float*>(do_tile + BQ * LD);
 
   // This threadgroup's sequence; a key block past its keys (varlen: the
   // grid covers the longest sequence) leaves at once, uniformly, before any
   // barrier.
   const SeqView sv = sequence_view(p, cu_seqlens_q, cu_seqlens_k, group.z);
-  const int k0 = int(group.x) / DSPLIT * BK;
+  const int k0 = int(group.x) * BK;
   if (fc_varlen && k0 >= sv.kv_len) return;
   const int q_len = sv.q_len;
   const int kv_len = sv.kv_len;
@@ -91,8 +98,8 @@ template <typename T, int DMAX, int BQ, int BK, int WM, int DSPLIT>
   const uint packed_b = fc_varlen ? 0u : group.z;
   const int packed_q = fc_varlen ? p.total_q : p.q_len;
   const int packed_k = fc_varlen ? p.total_k : p.kv_len;
-  const int col0 = int(group.x) % DSPLIT * (DMAX / DSPLIT);  // first feature of this part
-  const int sg_key0 = k0 + int(sg) * 8;
+  const int col0 = int(sg) / ROWG * (DMAX / DSPLIT);  // first feature of this part
+  const int sg_key0 = k0 + rg * 8;
   const int fr = prefill_frag_row(lane);
   const int fc = prefill_frag_col(lane);
   const int key = sg_key0 + fr;  // this lane's key (its row of the P^T fragments)
@@ -187,12 +194,21 @@ template <typename T, int DMAX, int BQ, int BK, int WM, int DSPLIT>
                                                         q0, D, BQ, tid);
       }
       threadgroup_barrier(mem_flags::mem_threadgroup);  // Q/dO written before anyone reads them (RAW)
-      if (!active) continue;
 
-      // S^T = K.Q^T and dP^T = V.dO^T (8 keys x BQ queries each).
+      // S^T = K.Q^T and dP^T = V.dO^T (8 keys x BQ queries each); with
+      // parts, each over the part's features, then summed (split-K).
       PrefillFrag S[TQ];
       PrefillFrag dP[TQ];
-      backward_products<TQ, DMAX / 8>(S, dP, k_tile, v_tile, q_tile, do_tile, LD, int(sg) * 8, d_frags, fr, fc);
+      if (PARTIALS == 0) {  // whole features, or the recomputing fallback (backward_partials_bytes)
+        if (!active) continue;
+        backward_products<TQ, DMAX / 8>(S, dP, k_tile, v_tile, q_tile, do_tile, LD, rg * 8, d_frags, fr, fc);
+      } else {
+        if (active)
+          backward_products<TQ, TD>(S, dP, k_tile, v_tile, q_tile, do_tile, LD, rg * 8, d_frags, fr, fc,
+                                    int(sg) / ROWG * TD);
+        backward_reduce_parts<TQ, ROWG, DSPLIT>(S, dP, partials, int(sg), rg, int(lane), active);
+        if (!active) continue;
+      }
       // P^T into S, dS^T = P^T * (dP^T - Delta) into dP (times the
       // softcap's derivative). Each element is (this lane's key, query
       // qrow); the query's lse and Delta are read from device memory (a few

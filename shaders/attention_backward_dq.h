@@ -1,21 +1,22 @@
-// The backward's dQ kernel, flash_backward_dq (and the Delta = rowsum(dO o O)
-// it writes for the dK/dV kernel and flash_sinks_grad). The algorithm, the
-// tiles and the helpers both backward kernels share: attention_backward.h.
+// The backward's dQ kernel (flash_backward_dq): see attention_backward.h
+// for the algorithm, the feature parts, the tile layout and the helpers it
+// shares with the dK/dV kernel (attention_backward_dkdv.h).
 #pragma once
 
 #include "attention_backward.h"
 
 namespace flash_metal {
 
-// T, DMAX as in the forward. BQ: query rows per threadgroup (8 per
-// SIMD-group, so BQ = 8 * WM). BK: keys per streamed block. Launch: grid
+// T, DMAX as in the forward. BQ: query rows per threadgroup (8 per row
+// group of SIMD-groups, BQ * DSPLIT = 8 * WM). BK: keys per streamed block.
+// DSPLIT: feature parts of dQ, a SIMD-group each (attention_backward.h). Launch: grid
 // (ceil(Nq / BQ), Hq, B), threadgroup (32 * WM, 1, 1), threadgroup memory
-// (top of file) at index 0, function constants fc_causal (0), fc_align_q
+// (attention_backward.h) at index 0, function constants fc_causal (0), fc_align_q
 // (1: Nq % BQ == 0), fc_align_k (2: Nk % BK == 0), fc_has_grad_lse (3),
 // fc_dense (10: the tile loader's path, attention_prefill.h).
 // grad_lse is always bound (the host binds lse in its place when there is
 // none; it is then never read).
-template <typename T, int DMAX, int BQ, int BK, int WM>
+template <typename T, int DMAX, int BQ, int BK, int WM, int DSPLIT>
 [[kernel]] [[max_total_threads_per_threadgroup(kBackwardMaxThreads)]] void flash_backward_dq(
     device const T* q [[buffer(0)]],
     device const T* k [[buffer(1)]],
@@ -35,18 +36,26 @@ template <typename T, int DMAX, int BQ, int BK, int WM>
     uint tid [[thread_index_in_threadgroup]],
     uint sg [[simdgroup_index_in_threadgroup]],
     uint lane [[thread_index_in_simdgroup]]) {
-  static_assert(BQ == 8 * WM, "each SIMD-group owns 8 query rows");
-  static_assert(BK % 8 == 0 && DMAX % 8 == 0, "tiles are whole 8x8 fragments");
+  static_assert(BQ * DSPLIT == 8 * WM, "each SIMD-group owns 8 query rows and one feature part of their dQ");
+  static_assert(BK % 8 == 0 && DMAX % (8 * DSPLIT) == 0, "tiles and parts are whole 8x8 fragments");
   constexpr int THREADS = 32 * WM;
   static_assert(THREADS <= kBackwardMaxThreads, "the declared threadgroup limit (params.h)");
-  constexpr int PAD = backward_row_pad<T, DMAX, 2 * (BQ + BK)>();
+  constexpr int PARTIALS = backward_partials_bytes<T, DMAX, 2 * (BQ + BK), WM, BK, DSPLIT>();
+  constexpr int PAD = backward_row_pad<T, DMAX, 2 * (BQ + BK), PARTIALS>();
   constexpr int LD = DMAX + PAD / int(sizeof(T));  // tile row length, in elements
   constexpr int TK = BK / 8;                        // key fragments per block
   constexpr int TD = DMAX / 8;                      // feature fragments
+  constexpr int TDP = TD / DSPLIT;                  // feature fragments of dQ this SIMD-group keeps
+  constexpr int ROWG = BQ / 8;                      // 8-row groups; SIMD-group sg: group sg % ROWG, part sg / ROWG
+  const int rg = int(sg) % ROWG;
+  const int part = int(sg) / ROWG;
+  const int col0 = part * (DMAX / DSPLIT);          // first feature of this part
   threadgroup T* q_tile = smem;
   threadgroup T* do_tile = q_tile + BQ * LD;
   threadgroup T* k_tile = do_tile + BQ * LD;
   threadgroup T* v_tile = k_tile + BK * LD;
+  // The parts' partial S and dP (backward_reduce_parts), after the tiles.
+  threadgroup float* partials = reinterpret_cast<threadgroup float*>(v_tile + BK * LD);
 
   // This threadgroup's sequence (the whole problem unless varlen). The
   // varlen grid covers the longest sequence: a block starting past this
@@ -76,7 +85,7 @@ template <typename T, int DMAX, int BQ, int BK, int WM>
   const uint packed_b = fc_varlen ? 0u : group.z;
   const int packed_q = fc_varlen ? p.total_q : p.q_len;
   const int64_t mask_slice = fc_has_mask ? mask_head_offset(p, group.z, group.y) : 0;
-  const int sg_row0 = q0 + int(sg) * 8;
+  const int sg_row0 = q0 + rg * 8;
   const int fr = prefill_frag_row(lane);
   const int fc = prefill_frag_col(lane);
   const int row = sg_row0 + fr;  // this lane's query row (within the sequence)
@@ -98,14 +107,15 @@ template <typename T, int DMAX, int BQ, int BK, int WM>
   // l^9) each take 2 of every 8 features, then two shuffles combine them
   // (the fragment layout's row reduction). O is read once, straight from
   // device memory: no other use, so no tile. Every lane reaches the
-  // shuffles; rows past Nq contribute zeros.
+  // shuffles; rows past Nq contribute zeros. With parts, part 0 alone
+  // reads O (once) and passes Delta on through threadgroup memory below.
   float dsum = 0.0f;
-  if (row_real) {
+  if (row_real && part == 0) {
     device const T* orow = o + h.o + int64_t(row) * p.o_row_stride;
     FM_UNROLL for (int id = 0; id < TD; ++id) {
       FM_UNROLL for (int j = 0; j < 2; ++j) {
         const int c = id * 8 + fc + j;
-        if (c < D) dsum += float(do_tile[(int(sg) * 8 + fr) * LD + c]) * float(orow[int64_t(c) * p.o_dim_stride]);
+        if (c < D) dsum += float(do_tile[(rg * 8 + fr) * LD + c]) * float(orow[int64_t(c) * p.o_dim_stride]);
       }
     }
   }
@@ -125,7 +135,16 @@ template <typename T, int DMAX, int BQ, int BK, int WM>
     m2lo = row_live ? lse2_lo(l, m2) : 0.0f;
     row_delta = dsum;
     if (fc_has_grad_lse) row_delta -= dlse[glse_head + int64_t(row) * p.glse_row_stride];
-    if (fc == 0) delta[(int64_t(packed_b) * p.q_heads + group.y) * packed_q + sv.q_row0 + row] = row_delta;
+    if (fc == 0 && part == 0) delta[(int64_t(packed_b) * p.q_heads + group.y) * packed_q + sv.q_row0 + row] = row_delta;
+  }
+  if (DSPLIT > 1) {
+    // Part 0's Delta to the other parts of its rows, through the K tile's
+    // first BQ floats (unused until the first key block, whose WAR barrier
+    // follows these reads).
+    threadgroup float* shared_delta = reinterpret_cast<threadgroup float*>(k_tile);
+    if (part == 0 && fc == 0) shared_delta[rg * 8 + fr] = row_delta;
+    threadgroup_barrier(mem_flags::mem_threadgroup);  // Delta written before the other parts read it (RAW)
+    row_delta = shared_delta[rg * 8 + fr];
   }
 
   // Key blocks some row of the group can see: up to the last real row's
@@ -138,8 +157,8 @@ template <typename T, int DMAX, int BQ, int BK, int WM>
   const int kb_end = (visible_key_end(sv, last_row) + BK - 1) / BK;
   const int d_frags = (D + 7) / 8;
 
-  PrefillFrag dQ[TD];
-  FM_UNROLL for (int id = 0; id < TD; ++id) dQ[id] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
+  PrefillFrag dQ[TDP];
+  FM_UNROLL for (int id = 0; id < TDP; ++id) dQ[id] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
 
   for (int kb = kb_begin; kb < kb_end; ++kb) {
     const int k0 = kb * BK;
@@ -165,12 +184,20 @@ template <typename T, int DMAX, int BQ, int BK, int WM>
       prefill_load_tile<BK, DMAX, LD, THREADS, false>(v_tile, v + h.v, p.v_row_stride, p.v_dim_stride, k0, D, BK, tid);
     }
     threadgroup_barrier(mem_flags::mem_threadgroup);  // K/V written before anyone reads them (RAW)
-    if (!active) continue;
 
-    // S = Q.K^T and dP = dO.V^T (8 x BK each).
+    // S = Q.K^T and dP = dO.V^T (8 x BK each); with parts, each over the
+    // part's features, then summed across the parts (split-K).
     PrefillFrag S[TK];
     PrefillFrag dP[TK];
-    backward_products<TK, TD>(S, dP, q_tile, do_tile, k_tile, v_tile, LD, int(sg) * 8, d_frags, fr, fc);
+    if (PARTIALS == 0) {  // whole features, or the recomputing fallback (backward_partials_bytes)
+      if (!active) continue;
+      backward_products<TK, TD>(S, dP, q_tile, do_tile, k_tile, v_tile, LD, rg * 8, d_frags, fr, fc);
+    } else {
+      if (active)
+        backward_products<TK, TDP>(S, dP, q_tile, do_tile, k_tile, v_tile, LD, rg * 8, d_frags, fr, fc, part * TDP);
+      backward_reduce_parts<TK, ROWG, DSPLIT>(S, dP, partials, int(sg), rg, int(lane), active);
+      if (!active) continue;
+    }
     // P and dS = P * (dP - Delta), elementwise, into dP (times the
     // softcap's derivative). Weight 0 (so dS 0) for keys past Nk, keys
     // outside the row's window, masked keys and rows that saw no key, by
@@ -192,12 +219,12 @@ template <typename T, int DMAX, int BQ, int BK, int WM>
     }
     // dQ += dS.K, the block's product summed from zero and added once (the
     // forward's blocked sum: one rounding of dQ per block, not per key).
-    FM_UNROLL for (int id = 0; id < TD; ++id) {
-      if (id * 8 < D) {
+    FM_UNROLL for (int id = 0; id < TDP; ++id) {
+      if (col0 + id * 8 < D) {
         PrefillFrag acc = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
         FM_UNROLL for (int t = 0; t < TK; ++t) {
           PrefillFrag kf;
-          prefill_read_frag(kf, k_tile, LD, t * 8, id * 8, fr, fc);
+          prefill_read_frag(kf, k_tile, LD, t * 8, col0 + id * 8, fr, fc);
           prefill_mma(acc, dP[t], kf);
         }
         FM_UNROLL for (int j = 0; j < 2; ++j) dQ[id].thread_elements()[j] += acc.thread_elements()[j];
@@ -209,9 +236,9 @@ template <typename T, int DMAX, int BQ, int BK, int WM>
   // sees no key).
   if (row_real) {
     device T* out = dq + packed_row(packed_b, group.y, p.q_heads, packed_q, sv.q_row0 + row, D);
-    FM_UNROLL for (int id = 0; id < TD; ++id) {
+    FM_UNROLL for (int id = 0; id < TDP; ++id) {
       FM_UNROLL for (int j = 0; j < 2; ++j) {
-        const int c = id * 8 + fc + j;
+        const int c = col0 + id * 8 + fc + j;
         if (c < D) out[c] = static_cast<T>(dQ[id].thread_elements()[j] * p.scale);
       }
     }

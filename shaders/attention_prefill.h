@@ -242,15 +242,34 @@ template <typename T, int DMAX, int BQ, int BK, int WM>
     uint tid [[thread_index_in_threadgroup]],
     uint sg [[simdgroup_index_in_threadgroup]],
     uint lane [[thread_index_in_simdgroup]]) {
-  static_assert(BQ == 8 * WM, "each SIMD-group owns 8 query rows");
-  static_assert(BK % 8 == 0 && DMAX % 8 == 0, "tiles are whole 8x8 fragments");
+  // Feature parts (issue 19): WM = BQ / 8 row groups x PARTS SIMD-groups.
+  // The PARTS SIMD-groups of a row group share its 8 query rows and the
+  // tiles; each computes S over its own 1 / PARTS of the features, the
+  // parts sum those partials through a threadgroup scratch after the tiles
+  // (split-K: no product repeated; PARTS > 1 only, WM * BK / 8 fragments of
+  // 256 bytes, written before the K tile's WAR barrier and read after it,
+  // so no barrier of its own), then each runs the rows' softmax on the
+  // whole S (the same values in the same order, so the same row max and
+  // sum) and keeps O for 1 / PARTS of the features, so O fits the register
+  // budget at D = 256 (and float32 D = 128) while the threadgroup runs more
+  // SIMD-groups on the same threadgroup memory.
+  static_assert((8 * WM) % BQ == 0, "each SIMD-group owns 8 query rows and one feature part of their O");
+  constexpr int PARTS = 8 * WM / BQ;
+  static_assert(BK % 8 == 0 && DMAX % (8 * PARTS) == 0, "tiles and parts are whole 8x8 fragments");
   constexpr int THREADS = 32 * WM;
   static_assert(THREADS <= kPrefillMaxThreads, "the declared threadgroup limit (params.h)");
   constexpr int LD = DMAX + kPrefillRowPadBytes / int(sizeof(T));  // tile row length, in elements
   constexpr int TK = BK / 8;    // key fragments per block: S and P are 8 x BK per SIMD-group
-  constexpr int TD = DMAX / 8;  // feature fragments: O is 8 x DMAX per SIMD-group
+  constexpr int TD = DMAX / 8;  // feature fragments of a row
+  constexpr int TDP = TD / PARTS;  // feature fragments of O this SIMD-group keeps
+  constexpr int ROWG = BQ / 8;     // SIMD-group sg: row group sg % ROWG, part sg / ROWG
+  const int rg = int(sg) % ROWG;
+  const int part = int(sg) / ROWG;
+  const int col0 = part * (DMAX / PARTS);  // first feature of this part
   threadgroup T* q_tile = smem;
   threadgroup T* kv_tile = smem + BQ * LD;
+  threadgroup float* partials = reinterpret_cast<threadgroup float*>(kv_tile + BK * LD);  // PARTS > 1
+  constexpr int SLOT = TK * 64;  // floats of one SIMD-group's partial S
 
   const int D = p.head_dim;
   // The threadgroup's sequence: the whole (Nq, Nk) problem, or under
@@ -270,7 +289,7 @@ template <typename T, int DMAX, int BQ, int BK, int WM>
   h.v += seq.k_row0 * p.v_row_stride;
   // The attn_mask slice of (batch, query head); read only under fc_has_mask.
   const int64_t mask_slice = fc_has_mask ? mask_head_offset(p, group.z, group.y) : 0;
-  const int sg_row0 = q0 + int(sg) * 8;   // first query row of this SIMD-group
+  const int sg_row0 = q0 + rg * 8;        // first query row of this SIMD-group
   const int fr = prefill_frag_row(lane);  // this lane's row within the SIMD-group's 8
   const int fc = prefill_frag_col(lane);  // this lane's first column within a fragment
   const int row = sg_row0 + fr;           // this lane's query row
@@ -302,8 +321,8 @@ template <typename T, int DMAX, int BQ, int BK, int WM>
   // unrolls and the fragment reads can be scheduled ahead of the MMAs.
   const int d_frags = (D + 7) / 8;
 
-  PrefillFrag O[TD];
-  FM_UNROLL for (int id = 0; id < TD; ++id) O[id] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
+  PrefillFrag O[TDP];
+  FM_UNROLL for (int id = 0; id < TDP; ++id) O[id] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
   OnlineSoftmax sm;  // this lane's row: running max (base 2) and sum, "no key yet"
   if (fc_has_sinks) seed_sink(sm.m, sm.l, sinks, int(group.y));  // or the sink, as if a first key
   // The row sum l in two parts: sm.l holds the runs of kPrefillSumRun blocks
@@ -349,14 +368,46 @@ template <typename T, int DMAX, int BQ, int BK, int WM>
     PrefillFrag S[TK];
     if (active) {
       FM_UNROLL for (int t = 0; t < TK; ++t) S[t] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
-      FM_UNROLL for (int dd = 0; dd < TD; ++dd) {
+      FM_UNROLL for (int i = 0; i < TDP; ++i) {
+        const int dd = part * TDP + i;  // this part's features only (all of them without parts)
         if (dd < d_frags) {  // uniform: D is the same for every lane
           PrefillFrag qf;
-          prefill_read_frag(qf, q_tile, LD, int(sg) * 8, dd * 8, fr, fc);
+          prefill_read_frag(qf, q_tile, LD, rg * 8, dd * 8, fr, fc);
           FM_UNROLL for (int t = 0; t < TK; ++t) {
             PrefillFrag kf;
             prefill_read_frag_t(kf, kv_tile, LD, dd * 8, t * 8, fr, fc);
             prefill_mma(S[t], qf, kf);
+          }
+        }
+      }
+      if (PARTS > 1) {  // this part's partial S, for the other parts of the row group
+        FM_UNROLL for (int t = 0; t < TK; ++t) {
+          FM_UNROLL for (int j = 0; j < 2; ++j) partials[int(sg) * SLOT + t * 64 + int(lane) * 2 + j] =
+              S[t].thread_elements()[j];
+        }
+      }
+    }
+
+    threadgroup_barrier(mem_flags::mem_threadgroup);  // all K reads done before V overwrites the tile (WAR)
+    if (k_edge) {
+      prefill_load_tile<BK, DMAX, LD, THREADS, true>(kv_tile, v + h.v, p.v_row_stride, p.v_dim_stride, k0, D,
+                                                     seq.kv_len - k0, tid);
+    } else {
+      prefill_load_tile<BK, DMAX, LD, THREADS, false>(kv_tile, v + h.v, p.v_row_stride, p.v_dim_stride, k0, D, BK, tid);
+    }
+
+    if (active) {
+      // The parts' partials, summed in part order (the barrier above made
+      // them visible; the next block writes them only after its own two
+      // barriers, which follow these reads: no WAR race).
+      if (PARTS > 1) {
+        FM_UNROLL for (int t = 0; t < TK; ++t) {
+          FM_UNROLL for (int j = 0; j < 2; ++j) {
+            float sum = 0.0f;
+            FM_UNROLL for (int q = 0; q < PARTS; ++q) {
+              sum += partials[(rg + q * ROWG) * SLOT + t * 64 + int(lane) * 2 + j];
+            }
+            S[t].thread_elements()[j] = sum;
           }
         }
       }
@@ -381,14 +432,6 @@ template <typename T, int DMAX, int BQ, int BK, int WM>
           S[t].thread_elements()[j] = sc;
         }
       }
-    }
-
-    threadgroup_barrier(mem_flags::mem_threadgroup);  // all K reads done before V overwrites the tile (WAR)
-    if (k_edge) {
-      prefill_load_tile<BK, DMAX, LD, THREADS, true>(kv_tile, v + h.v, p.v_row_stride, p.v_dim_stride, k0, D,
-                                                     seq.kv_len - k0, tid);
-    } else {
-      prefill_load_tile<BK, DMAX, LD, THREADS, false>(kv_tile, v + h.v, p.v_row_stride, p.v_dim_stride, k0, D, BK, tid);
     }
 
     // Online softmax over the whole block (FlashAttention-2): the row's new
@@ -440,12 +483,12 @@ template <typename T, int DMAX, int BQ, int BK, int WM>
     // is the same for every lane); O's index id stays a compile-time
     // constant, so O lives in registers.
     if (active) {
-      FM_UNROLL for (int id = 0; id < TD; ++id) {
-        if (id * 8 < D) {
+      FM_UNROLL for (int id = 0; id < TDP; ++id) {
+        if (col0 + id * 8 < D) {
           PrefillFrag pv = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
           FM_UNROLL for (int t = 0; t < TK; ++t) {
             PrefillFrag vf;
-            prefill_read_frag(vf, kv_tile, LD, t * 8, id * 8, fr, fc);
+            prefill_read_frag(vf, kv_tile, LD, t * 8, col0 + id * 8, fr, fc);
             prefill_mma(pv, S[t], vf);
           }
           FM_UNROLL for (int j = 0; j < 2; ++j) {
@@ -464,13 +507,13 @@ template <typename T, int DMAX, int BQ, int BK, int WM>
   if (fc_align_q || row < seq.q_len) {
     const float inv = sm.inv_sum();
     device T* op = o + h.o + int64_t(row) * p.o_row_stride;
-    FM_UNROLL for (int id = 0; id < TD; ++id) {
+    FM_UNROLL for (int id = 0; id < TDP; ++id) {
       FM_UNROLL for (int j = 0; j < 2; ++j) {
-        const int c = id * 8 + fc + j;
+        const int c = col0 + id * 8 + fc + j;
         if (c < D) op[int64_t(c) * p.o_dim_stride] = static_cast<T>(O[id].thread_elements()[j] * inv);
       }
     }
-    if (fc == 0) {
+    if (fc == 0 && part == 0) {
       // lse = m ln 2 + ln l, with one rounding for the product and the sum
       // (fma) instead of OnlineSoftmax::lse()'s three ((m + log2 l), then
       // * ln 2): at Nk = 8192 in float32 it halves the lse error, well

@@ -122,9 +122,10 @@ static_assert(sizeof(AttentionParams) == 320, "AttentionParams layout changed: u
 // The post's two kernels (attention_untiled.h, attention_tiled.h): one
 // SIMD-group, one query row per thread (the post's configuration).
 FM_PROGRAM_CONSTANT constexpr int kPostMaxThreads = 32;
-// The prefill kernel (attention_prefill.h): 4 SIMD-groups of 8 query rows up
-// to D = 128, 2 at D = 256 (the routing's block table, MLX's steel layout).
-FM_PROGRAM_CONSTANT constexpr int kPrefillMaxThreads = 128;
+// The prefill kernel (attention_prefill.h): 4 SIMD-groups of 8 query rows
+// (MLX's steel layout), or with feature parts (float32 D = 128 and 256) up
+// to 8 SIMD-groups: the routing's block table. Why 8: as the backward's.
+FM_PROGRAM_CONSTANT constexpr int kPrefillMaxThreads = 256;
 // The decode kernels (attention_decode.h, one pass and split pass 1): 8
 // SIMD-groups, 256 threads, leave 208 registers per thread, more than a
 // thread can address, so the decode state (at most kDecodeRegisterBudget =
@@ -137,8 +138,11 @@ FM_PROGRAM_CONSTANT constexpr int kDecodeMaxThreads = 256;
 FM_PROGRAM_CONSTANT constexpr int kDecodeMergeMaxThreads = 32;
 // The sinks' gradient (attention_sinks.h): one SIMD-group per query head.
 FM_PROGRAM_CONSTANT constexpr int kSinksGradMaxThreads = 32;
-// Both backward kernels (attention_backward.h): at most 4 SIMD-groups of 8
-// owned rows (choose_backward's largest block, 32 rows).
-FM_PROGRAM_CONSTANT constexpr int kBackwardMaxThreads = 128;
+// Both backward kernels (attention_backward.h): at most 8 SIMD-groups (own
+// 8-row groups x feature parts). Why 8: choose_backward's target, 8
+// resident SIMD-groups per core (issue 19), in one threadgroup where a
+// core's threadgroup memory holds one; 256 threads leave 208 registers per
+// thread at any allocation, above the 72-value budget the planner keeps.
+FM_PROGRAM_CONSTANT constexpr int kBackwardMaxThreads = 256;
 
 }  // namespace flash_metal

@@ -30,7 +30,13 @@ DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat1
 TG_LIMIT = 32 * 1024
 # The register budget and hard limit choose_metal_kernel quotes (csrc/metal_routing.cpp).
 REGISTER_BUDGET = 72
-MAX_REGISTERS = 128
+# choose_backward's table (csrc/metal_routing.cpp), (bytes per element, bucket): (R owned rows, S streamed rows,
+# F feature parts); 8 resident SIMD-groups per core on every named chip but float32 at 72 (6)
+# (tests/test_metal_plan_limits.py).
+TABLE = {(2, 32): (64, 32, 1), (2, 64): (64, 32, 1), (2, 72): (64, 32, 1), (2, 80): (64, 32, 1),
+         (2, 96): (64, 16, 1), (2, 128): (32, 16, 2), (2, 256): (16, 8, 4),
+         (4, 32): (64, 32, 1), (4, 64): (32, 16, 2), (4, 72): (16, 16, 3), (4, 80): (32, 16, 2),
+         (4, 96): (16, 16, 4), (4, 128): (16, 8, 4), (4, 256): (8, 8, 8)}
 
 
 def _blocks(dispatch):
@@ -180,40 +186,34 @@ def test_routing_blocks_memory_and_reasons_for_every_head_dim(dtype):
         tname = DTYPE_NAMES[dtype]
         assert dq.kernel_name.startswith(f"flash_backward_dq_{tname}_d{bucket}_bq")
         assert dkdv.kernel_name.startswith(f"flash_backward_dkdv_{tname}_d{bucket}_bq")
-        (qbq, qbk, qwm, _), (kbq, kbk, kwm, split) = _blocks(dq), _blocks(dkdv)
-        assert qbq == 8 * qwm and kbk == 8 * kwm  # each simdgroup owns 8 rows
-        assert split == (2 if bucket == 256 else 1)
+        (qbq, qbk, qwm, qsplit), (kbq, kbk, kwm, split) = _blocks(dq), _blocks(dkdv)
+        # One (R owned, S streamed, F feature parts) for both kernels: R / 8
+        # row groups of F SIMD-groups each (choose_backward's table).
+        assert (qbq, qbk, qsplit) == (kbk, kbq, split) == TABLE[(size, bucket)]
+        assert qbq * qsplit == 8 * qwm and kbk * split == 8 * kwm and qwm == kwm <= 8
         assert dq.grid == (math.ceil(45 / qbq), 4, 3) and dq.threadgroup == (32 * qwm, 1, 1)
-        assert dkdv.grid == (math.ceil(30 / kbk) * split, 2, 3) and dkdv.threadgroup == (32 * kwm, 1, 1)
+        assert dkdv.grid == (math.ceil(30 / kbk), 2, 3) and dkdv.threadgroup == (32 * kwm, 1, 1)
         dense = D == bucket  # fc_dense (index 10): packed inputs, no padding columns
         assert dq.function_constants == (D % 2 == 0, 45 % qbq == 0, 30 % qbk == 0, True) + (False,) * 6 + (dense, False)
         assert dkdv.function_constants == (D % 2 == 0, 45 % kbq == 0, 30 % kbk == 0, False) + (False,) * 6 + (dense, False)
         for d, own, streamed in ((dq, qbq, qbk), (dkdv, kbk, kbq)):
             rows = 2 * (own + streamed)
             padded = rows * (bucket * size + 16)
-            assert d.threadgroup_memory == (padded if padded <= TG_LIMIT else rows * bucket * size)
+            # The parts' split-K scratch (2 x S / 8 fragments of 256 bytes per SIMD-group) if it fits.
+            partials = own // 8 * split * 2 * (streamed // 8) * 256 if split > 1 else 0
+            partials = partials if rows * bucket * size + partials <= TG_LIMIT else 0
+            assert d.threadgroup_memory == (padded if padded + partials <= TG_LIMIT else rows * bucket * size) + partials
             assert d.threadgroup_memory <= TG_LIMIT and d.threadgroup_memory % 16 == 0
         assert plan.scratch == {"delta": 3 * 4 * 45}
-        # One (R owned, S streamed) for both kernels: the largest R, then S,
-        # within the register budget and 32 KiB of padded tiles (padding
-        # dropped only when no pair fits with it).
-        assert (qbq, qbk) == (kbk, kbq)
-
-        def fits(r, st, pad):
-            live = max(bucket // 4 + st // 2, bucket // 2 // split + st // 2)
-            return live <= REGISTER_BUDGET and 2 * (r + st) * (bucket * size + pad) <= TG_LIMIT
-
-        pad = 16 if any(fits(r, st, 16) for r in (32, 16, 8) for st in (32, 16, 8)) else 0
-        assert (qbq, qbk) == next((r, st) for r in (32, 16, 8) for st in (32, 16, 8) if fits(r, st, pad))
-        # Live float32 values per lane (accumulators + one block of P and dP).
-        dq_floats, dkdv_floats = bucket // 4 + qbk // 2, bucket // 2 // split + kbq // 2
-        assert dq_floats <= REGISTER_BUDGET and dkdv_floats <= REGISTER_BUDGET
+        # Live values per lane (accumulators over the parts + one block of P
+        # and dP + 16 of addresses and counters), within the budget.
+        dq_floats, dkdv_floats = bucket // 4 // split + qbk // 2, bucket // 2 // split + kbq // 2
+        assert (dq.live_registers, dkdv.live_registers) == (dq_floats + 16, dkdv_floats + 16)
+        assert max(dq_floats, dkdv_floats) + 16 <= REGISTER_BUDGET
         assert plan.reason.startswith("backward:") and "atomics-free" in plan.reason
         assert f"{dq_floats} live floats" in plan.reason and f"{dkdv_floats} live floats" in plan.reason
-        assert "within the 72-float register budget" in plan.reason
-        # Split only where whole dK and dV would fill a thread's registers.
-        assert (split > 1) == (bucket // 2 + kbq // 2 > MAX_REGISTERS)
-        assert ("split over 2 threadgroups by features" in plan.reason) == (split > 1)
+        assert "within the 72-value register budget" in plan.reason
+        assert (f"split over {split} simdgroups by features" in plan.reason) == (split > 1)
         assert ("zero-padded" in plan.reason) == (D != bucket)
 
 
@@ -246,15 +246,17 @@ def test_reads_match_the_flashattention2_backward_io_model(causal, D):
     # once and Q, dO once per (key block, query head), i.e. FlashAttention-2's
     # backward (K/V once, Q/dO once per key block) plus the dQ kernel's K/V
     # pass that replaces its atomics. Causal skips blocks: fewer reads. At
-    # D = 256 the dK/dV kernel's feature split reads all of them per part.
-    B, Hq, Hkv, Nq, Nk, dtype = 1, 4, 2, 70, 50, torch.float16
+    # D = 256 the feature parts (SIMD-groups) share one threadgroup's tiles.
+    # Causal: long enough that both kernels skip blocks at 64 owned rows
+    # (float16 D = 64) and 32 streamed ones.
+    B, Hq, Hkv, Nq, Nk, dtype = (1, 2, 1, 130, 120, torch.float16) if causal else (1, 4, 2, 70, 50, torch.float16)
     case = _case(B, Hq, Hkv, Nq, Nk, D, dtype, causal)
     _check(case, causal, instrumented=True)
     (dq, dq_counts), (dkdv, dkdv_counts) = backends.LAST_DISPATCHES
     e = 2  # bytes per element
     q_bytes, kv_bytes = B * Hq * Nq * D * e, B * Hkv * Nk * D * e
     (bq, _, _, _), (_, bk, _, split) = _blocks(dq), _blocks(dkdv)
-    assert split == (2 if D == 256 else 1)
+    assert split == (4 if D == 256 else 1)  # parts share the threadgroup's tiles: no extra reads
     r1, r2 = dq_counts.device_bytes_read_by_index, dkdv_counts.device_bytes_read_by_index
     idx = dq.buffers
     full = {
@@ -262,8 +264,8 @@ def test_reads_match_the_flashattention2_backward_io_model(causal, D):
         (1, 8): q_bytes,  # dQ kernel: grad_out
         (1, 3): q_bytes,  # dQ kernel: out (Delta)
         (1, 2): math.ceil(Nq / bq) * (Hq // Hkv) * kv_bytes,  # dQ kernel: k (and v below)
-        (2, 1): split * kv_bytes,  # dK/dV kernel: k (and v)
-        (2, 2): math.ceil(Nk / bk) * split * q_bytes,  # dK/dV kernel: q (and grad_out)
+        (2, 1): kv_bytes,  # dK/dV kernel: k (and v)
+        (2, 2): math.ceil(Nk / bk) * q_bytes,  # dK/dV kernel: q (and grad_out)
     }
     got = {
         (1, 1): r1[idx["q"]], (1, 8): r1[idx["grad_out"]], (1, 3): r1[idx["out"]],
@@ -278,19 +280,37 @@ def test_reads_match_the_flashattention2_backward_io_model(causal, D):
         assert a == b, key
         assert (a < full[key]) if causal else (a == full[key]), key
     # The time model's loop (benchmarks/metal_model_timing.backward_blocks,
-    # whose streamed blocks each get a serial section) is the kernels': one
-    # threadgroup per listed entry, 2 barriers per streamed block, plus the
-    # dQ kernel's 1 per threadgroup before its Delta.
+    # whose blocks each get a serial section) is the kernels': one
+    # threadgroup per listed entry, 2 barriers per streamed block (3 with
+    # feature parts: the split-K sum), plus the dQ kernel's 1 per
+    # threadgroup before Delta (2 with feature parts).
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     if root not in sys.path:
         sys.path.insert(0, root)
     from benchmarks.metal_model import Shape
     from benchmarks.metal_model_timing import backward_blocks
 
-    for d, c, per_tg in ((dq, dq_counts, 1), (dkdv, dkdv_counts, 0)):
+    per_block = 3 if split > 1 else 2
+    for d, c, per_tg in ((dq, dq_counts, 2 if split > 1 else 1), (dkdv, dkdv_counts, 0)):
         blocks, _, heads = backward_blocks(d.kernel_name, Shape(B, Hq, Hkv, Nq, Nk, D), causal)
         assert c.threadgroups == len(blocks) * heads
-        assert c.threadgroup_barriers == 2 * sum(blocks) * heads + per_tg * c.threadgroups
+        assert c.threadgroup_barriers == per_block * sum(blocks) * heads + per_tg * c.threadgroups
+    if not causal:
+        # No product is repeated (split-K, attention_backward.h): per (8
+        # real rows, streamed block) the F parts together run S and dP once
+        # (D / 8 MMAs per 8 streamed rows each) and the accumulators (dQ; dK
+        # and dV) once: the counts of whole-feature SIMD-groups (main's
+        # kernels), whatever F is. (Planted: parts that recompute S and dP,
+        # the float32 D = 256 fallback, count 2F x D / 8 for them instead.)
+        frags = D // 8
+        (_, qbk, _, _), (kbq, _, _, _) = _blocks(dq), _blocks(dkdv)
+        assert dq_counts.simdgroup_mmas == B * Hq * math.ceil(Nq / 8) * math.ceil(Nk / qbk) * (
+            2 * frags + frags) * (qbk // 8)
+        assert dkdv_counts.simdgroup_mmas == B * Hq * math.ceil(Nk / 8) * math.ceil(Nq / kbq) * (
+            2 * frags + 2 * frags) * (kbq // 8)
+        plan = flash_metal.explain(case[0], case[1], case[2], causal, None, "auto", backward=True)
+        assert ("split-K: no matrix product repeated" in plan.reason) == (split > 1)
+        assert "recomputes its rows' S and dP" not in plan.reason
 
 
 @pytest.mark.parametrize("bucket", [64, 256], ids=["d64", "d256"])

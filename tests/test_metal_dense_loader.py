@@ -279,18 +279,20 @@ PREFILL_IR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "prefill_i
 # tests/prefill_ir.metal's instantiation: DMAX 32, BK 32, so TD = 4 feature and TK = 4 key fragments.
 PREFILL_IR_KERNEL, PREFILL_TD, PREFILL_TK = "prefill_half_d32_bq32_bk32_wm4", 4, 4
 # The Q.K^T loop as shipped (attention_prefill.h): to the bucket's TD, with a uniform guard.
-QK_LOOP = "      FM_UNROLL for (int dd = 0; dd < TD; ++dd) {\n        if (dd < d_frags) {"
+QK_LOOP = "      FM_UNROLL for (int i = 0; i < TDP; ++i) {\n        const int dd = part * TDP + i;"
 
 
 def test_prefill_qk_feature_loop_is_unrolled(tmp_path):
     """In the optimised IR (-O2, as the fast build compiles) of a shipped
     prefill instantiation, every MMA of Q.K^T and of P.V is its own call
     site: TD x TK each, so both loops unrolled (the QK loop's trip count is
-    the compile-time TD, not the runtime ceil(D / 8)). Planted: the QK loop
+    the compile-time TD / parts, not the runtime ceil(D / 8)). Planted: the QK loop
     run to d_frags, as before issue 19, leaves one loop body of TK sites."""
     from metal_emulator import mma_call_sites
 
     assert mma_call_sites(PREFILL_IR) == {PREFILL_IR_KERNEL: 2 * PREFILL_TD * PREFILL_TK}
-    planted_file = _planted_copy(tmp_path, PREFILL_IR, QK_LOOP, "      for (int dd = 0; dd < d_frags; ++dd) {\n        {")
+    planted_file = _planted_copy(
+        tmp_path, PREFILL_IR, QK_LOOP,
+        "      for (int dd = part * TDP; dd < min(d_frags, part * TDP + TDP); ++dd) {")
     planted = mma_call_sites(planted_file)[PREFILL_IR_KERNEL]
     assert planted < 2 * PREFILL_TD * PREFILL_TK, planted

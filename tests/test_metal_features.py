@@ -43,6 +43,13 @@ MASK_KINDS = [None, "bool", "input", "float32"]
 # (BQ, BK) of the prefill instantiation per head_dim bucket (shaders/attention.metal).
 PREFILL_BLOCKS = {32: (32, 32), 64: (32, 32), 72: (32, 32), 80: (32, 32), 96: (32, 32), 128: (32, 16),
                   256: (16, 8)}
+# float32's key blocks where they differ (choose_metal_kernel: its rows are twice the bytes).
+FLOAT_PREFILL_BK = {64: 16, 72: 16, 80: 16, 96: 8}
+
+
+def prefill_blocks(dtype, bucket):
+    bq, bk = PREFILL_BLOCKS[bucket]
+    return bq, FLOAT_PREFILL_BK.get(bucket, bk) if dtype == torch.float32 else bk
 
 
 def bucket_of(d):
@@ -212,7 +219,7 @@ def test_prefill_window_reads_fewer_kv_bytes(dtype):
     g = torch.Generator().manual_seed(5)
     q, k, v = make_qkv(B, H, H, N, N, D, dtype, generator=g)
     mask = make_mask("bool", (N, N), dtype, g)
-    bq, bk = PREFILL_BLOCKS[bucket_of(D)]
+    bq, bk = prefill_blocks(dtype, bucket_of(D))
     elem = q.element_size()
     read = {}
     for window in (-1, W):
@@ -224,10 +231,12 @@ def test_prefill_window_reads_fewer_kv_bytes(dtype):
         assert by_name["attn_mask"] == int(vis.sum())  # bool: 1 byte per visible (row, key), none elsewhere
         read[window] = by_name["k"]
     # Causal alone: query block b loads keys up to its last row, b + 1
-    # blocks (1,740 rows over the 10 query blocks); window 20 < BK: at most
-    # 2 blocks per query block (the model above: 588 rows).
+    # blocks (1,740 rows over the 10 query blocks); window 20: the BQ + 20
+    # keys a query block's rows see span at most ceil((BQ + 20) / BK) + 1
+    # blocks (float16: 3 of 32 keys; float32: 5 of 16).
     assert read[-1] == sum(min(q0 + bq, N) for q0 in range(0, N, bq)) * D * elem
-    assert read[W] <= math.ceil(N / bq) * 2 * bk * D * elem and 2 * read[W] < read[-1]
+    per_block = math.ceil((bq + W) / bk) + 1
+    assert read[W] <= math.ceil(N / bq) * per_block * bk * D * elem and 2 * read[W] < read[-1]
 
 
 @pytest.mark.parametrize("family", ["decode", "decode_split"])
@@ -481,7 +490,7 @@ def test_prefill_skips_key_blocks_behind_the_window(dtype):
     Nq, Nk, W = 40, 300, 30
     g = torch.Generator().manual_seed(50 + DTYPES.index(dtype))
     for D in (64, 128, 256):
-        bk = PREFILL_BLOCKS[D][1]
+        bk = prefill_blocks(dtype, D)[1]
         q, k, v = make_qkv(1, 2, 1, Nq, Nk, D, dtype, generator=g)
         first = (Nk - Nq - W) // bk * bk
         k_bad, v_bad = poison_before(k, first), poison_before(v, first)

@@ -39,9 +39,9 @@ DECODE_ROWS = tuple(range(1, 9))  # one token, and speculative decoding's few
 PREFILL_ROWS = (9, 128, 2048)
 KV_LENS = (512, 4096, 32768, 131072)
 # The most threads each family's plans may use: shaders/params.h.
-FAMILY_LIMITS = {"flash_attention_untiled_": 32, "flash_attention_tiled_": 32, "flash_attention_prefill_": 128,
+FAMILY_LIMITS = {"flash_attention_untiled_": 32, "flash_attention_tiled_": 32, "flash_attention_prefill_": 256,
                  "flash_decode_merge_": 32, "flash_decode_split_": 256, "flash_decode_": 256,
-                 "flash_backward_dq_": 128, "flash_backward_dkdv_": 128, "flash_sinks_grad": 32}
+                 "flash_backward_dq_": 256, "flash_backward_dkdv_": 256, "flash_sinks_grad": 32}
 
 
 def _family_limit(name):
@@ -107,7 +107,7 @@ def test_sweep_reaches_the_decode_limit():
         for family, n in _most_threads(model).items():
             most[family] = max(most.get(family, 0), n)
     assert most["flash_decode"] == most["flash_decode_split"] == 256, most
-    assert most["flash_attention_prefill"] == most["flash_backward_dq"] == most["flash_backward_dkdv"] == 128, most
+    assert most["flash_attention_prefill"] == most["flash_backward_dq"] == most["flash_backward_dkdv"] == 256, most
 
 
 def test_forced_decode_never_exceeds_the_limit():
@@ -182,3 +182,86 @@ def test_register_check_catches_the_old_rows_per_simd():
         assert _over_budget([Planted]) == [("flash_decode_float16_d64", Planted.live_registers, 256)], bucket
     Planted.live_registers, Planted.threadgroup = 60, (32, 8, 2)  # 512 threads: over the declared limit
     assert _over_budget([Planted]) != []
+
+
+# ---- prefill and backward: registers and occupancy (issue 19) ------------------------------
+
+# Every named chip (csrc/metal_gpus.cpp; tests/test_metal_routing.py pins their cores).
+CHIPS = ("m1", "m1-pro", "m1-max", "m1-ultra", "m2", "m2-pro", "m2-max", "m2-ultra", "m3", "m3-pro", "m3-max",
+         "m3-ultra", "m4", "m4-pro", "m4-max", "m5")
+# The planners' register budget (kBackwardRegisterBudget, csrc/metal_routing.cpp: live values per lane
+# as explain() prints them) and the resident SIMD-groups per core issue 19 asks of every prefill and
+# backward plan (kResidentTarget).
+REGISTER_BUDGET = 72
+RESIDENT_TARGET = 8
+GRID_DIMS = (64, 80, 96, 128, 256)
+
+
+def _misses(dispatches, chip):
+    """Dispatches over the register budget, under the resident target, or over their declared thread limit."""
+    return [(chip, d.kernel_name, d.live_registers, d.simdgroups_per_core, _threads(d)) for d in dispatches
+            if d.live_registers > REGISTER_BUDGET or d.simdgroups_per_core < RESIDENT_TARGET or
+            _threads(d) > d.max_threads_per_threadgroup]
+
+
+@pytest.mark.parametrize("backward", [False, True], ids=["prefill", "backward"])
+def test_prefill_and_backward_plans_meet_the_budget_and_occupancy_on_every_chip(backward):
+    # The prefill kernel, or both backward kernels, at every (dtype, D) of
+    # the model grid on every named chip, causal or not, aligned or ragged:
+    # at most 72 live values per lane, at least 8 resident SIMD-groups per
+    # core (the planner's estimate from registers and threadgroup memory),
+    # within the declared thread limit. No exemption.
+    misses, seen = [], set()
+    for dtype, d, chip, causal, n in itertools.product(DTYPES, GRID_DIMS, CHIPS, (False, True), (1024, 1000)):
+        q, k, v = _qkv(2, 8, 2, n, n, d, dtype)
+        plan = flash_metal.explain(q, k, v, causal, None, "auto", chip, backward=backward)
+        misses += _misses(plan.dispatches, chip)
+        seen |= {re.match(r"(flash_\w+?)_b?float(16|32)_", x.kernel_name).group(1) for x in plan.dispatches}
+    assert misses == []
+    assert seen == ({"flash_backward_dq", "flash_backward_dkdv"} if backward else {"flash_attention_prefill"}), seen
+
+
+def _old_plan(kind, bucket, elem, own, streamed, simdgroups, live):
+    """A dispatch of a planted tile table with estimate_launch's residency (csrc/metal_gpus.cpp) per chip."""
+    if kind == "prefill":
+        tg = (own + streamed) * (bucket * elem + 16)
+    else:
+        rows, padded = 2 * (own + streamed), bucket * elem + 16
+        tg = rows * (padded if rows * padded <= 32 * 1024 else padded - 16)
+    out = []
+    for chip, tg_mem in (("m1", 60 * 1024), ("m3-max", 32 * 1024)):  # Apple 7/8 and Apple 9+ per core
+        by_regs = 208 * 1024 // (live * 128 * simdgroups)
+        d = type("Planted", (), {"kernel_name": f"old_{kind}_{elem}_d{bucket}", "threadgroup": (32 * simdgroups, 1, 1),
+                                 "max_threads_per_threadgroup": 256, "live_registers": live,
+                                 "simdgroups_per_core": max(1, min(by_regs, tg_mem // tg)) * simdgroups})
+        out.append((chip, d))
+    return out
+
+
+def test_grid_check_catches_the_old_tile_tables():
+    # Planted: the tile tables before this change, through the same models
+    # and the same check. Prefill (MLX's table, one 8-row group per
+    # SIMD-group): D = 256 at 88 live values, float32 D >= 64 under 8
+    # resident SIMD-groups on 32 KiB cores. Backward (one 8-row group per
+    # SIMD-group, dK/dV split over 2 threadgroups at D = 256): float32
+    # D = 256 at 1 resident SIMD-group per core, 84 live values.
+    prefill = {64: (32, 32, 4), 80: (32, 32, 4), 96: (32, 32, 4), 128: (32, 16, 4), 256: (16, 8, 2)}
+    backward = {  # (elem, D): (R, S, dK/dV split)
+        (4, 64): (32, 16, 1), (4, 80): (32, 16, 1), (4, 96): (32, 8, 1), (4, 128): (16, 8, 1), (4, 256): (8, 8, 2),
+        (2, 64): (32, 32, 1), (2, 80): (32, 32, 1), (2, 96): (32, 32, 1), (2, 128): (32, 16, 1), (2, 256): (16, 8, 2)}
+    missed = {}
+    for elem in (4, 2):
+        for d, (bq, bk, wm) in prefill.items():
+            live = d // 4 + bk // 4 + 22  # prefill_live_registers with one part
+            for chip, disp in _old_plan("prefill", d, elem, bq, bk, wm, live):
+                if _misses([disp], chip):
+                    missed.setdefault("prefill", set()).add((elem, d))
+    for (elem, d), (r, st, split) in backward.items():
+        for live in (d // 4 + st // 2 + 16, d // 2 // split + st // 2 + 16):  # dQ, dK/dV
+            for chip, disp in _old_plan("backward", d, elem, r, st, r // 8, live):
+                if _misses([disp], chip):
+                    missed.setdefault("backward", set()).add((elem, d))
+    assert missed["prefill"] == {(4, 64), (4, 80), (4, 96), (4, 128), (4, 256), (2, 256)}, missed
+    assert missed["backward"] == set(backward), missed  # every old entry misses on some chip
+    worst = min(disp.simdgroups_per_core for _, disp in _old_plan("backward", 256, 4, 8, 8, 1, 84))
+    assert worst == 1

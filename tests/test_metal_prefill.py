@@ -30,9 +30,17 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LANES_SHADER = os.path.join(ROOT, "tests", "prefill_lanes.metal")
 
 # (BQ, BK, WM) per head_dim bucket: the instantiations in shaders/attention.metal
-# (choose_metal_kernel in csrc/metal_routing.cpp says why).
+# (choose_metal_kernel in csrc/metal_routing.cpp says why), float16/bfloat16;
+# WM * 8 / BQ SIMD-groups per 8-row group (feature parts of O).
 BLOCKS = {32: (32, 32, 4), 64: (32, 32, 4), 72: (32, 32, 4), 80: (32, 32, 4), 96: (32, 32, 4),
-          128: (32, 16, 4), 256: (16, 8, 2)}
+          128: (32, 16, 4), 256: (16, 8, 4)}
+# float32's (its rows are twice the bytes: shorter key blocks, more parts).
+FLOAT_BLOCKS = {32: (32, 32, 4), 64: (32, 16, 4), 72: (32, 16, 4), 80: (32, 16, 4), 96: (32, 8, 4),
+                128: (32, 16, 8), 256: (16, 8, 8)}
+
+
+def blocks_of(dtype, dmax):
+    return (FLOAT_BLOCKS if dtype == torch.float32 else BLOCKS)[dmax]
 DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 # Metal's threadgroup memory limit (32 KiB on every Apple GPU family).
 TG_LIMIT = 32 * 1024
@@ -44,13 +52,15 @@ def bucket_of(d):
 
 
 def kernel_name(dtype, dmax):
-    bq, bk, wm = BLOCKS[dmax]
+    bq, bk, wm = blocks_of(dtype, dmax)
     return f"flash_attention_prefill_{DTYPE_NAMES[dtype]}_d{dmax}_bq{bq}_bk{bk}_wm{wm}"
 
 
-def tg_bytes(bq, bk, dmax, elem_size):
-    """Threadgroup memory of the kernel: the formula at the top of attention_prefill.h."""
-    return (bq + bk) * (dmax * elem_size + 16)
+def tg_bytes(bq, bk, dmax, elem_size, wm=None):
+    """Threadgroup memory of the kernel: the tiles (attention_prefill.h), plus with feature parts
+    (WM * 8 / BQ > 1) each SIMD-group's partial S for the split-K sum (BK / 8 fragments of 256 bytes)."""
+    parts = wm * 8 // bq if wm else 1
+    return (bq + bk) * (dmax * elem_size + 16) + (wm * (bk // 8) * 256 if parts > 1 else 0)
 
 
 def prefill_library(instrumented, fast_math):
@@ -65,13 +75,13 @@ def run_prefill(q, k, v, causal=False, scale=None, instrumented=False, fast_math
     """
     plan = flash_metal.explain(q, k, v, causal, scale, impl="prefill")
     dmax = bucket_of(q.shape[-1])
-    bq, bk, wm = BLOCKS[dmax]
+    bq, bk, wm = blocks_of(q.dtype, dmax)
     # The planner's launch is the one this file's formulas describe.
     assert plan.kernel_name == kernel_name(q.dtype, dmax)
     assert plan.grid == (math.ceil(q.shape[2] / bq), q.shape[1], q.shape[0]) and plan.threadgroup == (32 * wm, 1, 1)
     dense = dense_expected(q, k, v)  # fc_dense (index 10): tests/test_metal_dense_loader.py
     assert plan.function_constants == (causal, q.shape[2] % bq == 0, k.shape[2] % bk == 0) + (False,) * 7 + (dense, False)
-    assert plan.threadgroup_memory == tg_bytes(bq, bk, dmax, q.element_size())
+    assert plan.threadgroup_memory == tg_bytes(bq, bk, dmax, q.element_size(), wm)
     return emulated_metal_attention(q, k, v, causal, scale, "prefill", instrumented, fast_math)
 
 
@@ -97,9 +107,10 @@ def test_library_holds_exactly_the_instantiations():
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
 def test_threadgroup_memory_fits_metal(dtype):
     size = torch.tensor([], dtype=dtype).element_size()
-    for dmax, (bq, bk, wm) in BLOCKS.items():
-        assert bq == 8 * wm  # each SIMD-group owns 8 query rows
-        n = tg_bytes(bq, bk, dmax, size)
+    for dmax in BLOCKS:
+        bq, bk, wm = blocks_of(dtype, dmax)
+        assert (8 * wm) % bq == 0 and dmax % (8 * wm * 8 // bq) == 0  # 8-row groups of whole feature parts
+        n = tg_bytes(bq, bk, dmax, size, wm)
         assert n <= TG_LIMIT and n % 16 == 0, (dmax, n)
 
 
@@ -157,7 +168,7 @@ SANITIZED_CASES = [((64, 64), "offset_slice"), ((32, 45), "storage_end"), ((40, 
 
 
 def test_sanitized_shapes_cover_both_alignments():
-    for bq, bk, _ in BLOCKS.values():
+    for bq, bk, _ in list(BLOCKS.values()) + list(FLOAT_BLOCKS.values()):
         combos = {(nq % bq == 0, nk % bk == 0) for (nq, nk), _ in SANITIZED_CASES}
         assert combos == {(True, True), (True, False), (False, True), (False, False)}, (bq, bk)
 
@@ -244,7 +255,7 @@ def test_barriers_exp2_and_mmas_per_key_block():
     # rescale per block, not one per key); each SIMD-group runs BK / 8 * ceil(D / 8) MMAs for Q.K^T and
     # as many for P.V per block.
     q, k, v = make_qkv(1, 2, 1, 64, 128, 40, torch.float16)
-    bq, bk, wm = BLOCKS[64]
+    bq, bk, wm = blocks_of(torch.float16, 64)
     c = _launch_counts(q, k, v, False)
     groups, blocks = 2 * 2, 128 // bk
     assert c.threadgroups == groups
@@ -265,7 +276,7 @@ def test_device_traffic_is_flash_attention_2s(dtype):
     # build, byte by byte, per buffer.
     B, hq, hkv, nq, nk, d = 1, 4, 2, 64, 96, 64
     q, k, v = make_qkv(B, hq, hkv, nq, nk, d, dtype)
-    bq = BLOCKS[d][0]
+    bq = blocks_of(dtype, d)[0]
     c = _launch_counts(q, k, v, False, instrumented=True)
     size = q.element_size()
     reads, writes = c.device_bytes_read_by_index, c.device_bytes_written_by_index
@@ -281,15 +292,22 @@ def test_causal_skips_blocks_in_the_future():
     # and a SIMD-group skips the math of a block in the future of all its 8
     # rows (SIMD-groups 0 and 1 of block 2x+1).
     q, k, v = make_qkv(1, 1, 1, 128, 128, 128, torch.float32)
-    bq, bk, wm = BLOCKS[128]
+    bq, bk, wm = blocks_of(torch.float32, 128)
+    rowg, parts = bq // 8, wm * 8 // bq  # 8-row groups, and SIMD-groups (feature parts of O) per group
+    assert parts == 2
     c = _launch_counts(q, k, v, True)
     walks = [(x * bq + bq) // bk for x in range(128 // bq)]
     assert walks == [2, 4, 6, 8]
     assert c.threadgroup_barriers == 4 * sum(walks)
-    active = sum(1 for x, n in enumerate(walks) for s in range(wm) for kb in range(n)
+    active = sum(1 for x, n in enumerate(walks) for s in range(rowg) for kb in range(n)
                  if kb * bk <= x * bq + 8 * s + 7)
-    assert active == wm * sum(walks) - 2 * len(walks)
-    assert c.simdgroup_mmas == active * 2 * (bk // 8) * (128 // 8)
+    assert active == rowg * sum(walks) - 2 * len(walks)
+    # Each part: its half of Q.K^T (split-K: D / 8 / F fragments per key
+    # fragment) and its half of P.V, so the parts together run the products
+    # of whole-feature SIMD-groups once (planted: a part computing all of
+    # Q.K^T, as before split-K, counts (F + 1) / 2 times this).
+    assert c.simdgroup_mmas == active * parts * (bk // 8) * (128 // 8 // parts + 128 // 8 // parts)
+    assert "split-K" in flash_metal.explain(q, k, v, True).reason
     # With Nk = Nq + 100 every row sees the first 100 keys: nothing is skipped
     # before the diagonal, and the offset moves it.
     q, k, v = make_qkv(1, 1, 1, 64, 164, 128, torch.float32)

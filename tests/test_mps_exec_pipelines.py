@@ -77,12 +77,15 @@ def test_failed_pipelines_are_all_named_in_one_error(cold_builds):
 
 def test_a_pipeline_below_the_declared_n_fails(cold_builds, emu):
     # The planner may launch a kernel with up to its declared N threads, so a pipeline admitting fewer
-    # fails the build check, named with N: at a limit of 128, exactly the one-pass and split decode
-    # kernels (N = 256) fail, all of them. (all_metal_launches plans each kernel at its largest
-    # threadgroup, today N itself; the check compares with N too, so it holds if that ever changes.)
+    # fails the build check, named with N: at a limit of 128, exactly the kernels declaring N = 256
+    # fail, all of them: the one-pass and split decode kernels, and (issue 19) the prefill and both
+    # backward kernels. (all_metal_launches plans each kernel at its largest threadgroup; the check
+    # compares with N too, so it holds if that ever changes.)
     failed = _value(cold_builds["below_n"])
     decode = {k for k in emu.kernel_names()
-              if k.startswith(("flash_decode_", "flash_decode_split_")) and not k.startswith("flash_decode_merge_")}
+              if k.startswith(("flash_decode_", "flash_decode_split_", "flash_attention_prefill_",
+                               "flash_backward_")) and not k.startswith("flash_decode_merge_")}
+    assert all(emu.max_threads(k) == 256 for k in decode)
     assert set(failed["named"]) == decode, sorted(set(failed["named"]) ^ decode)
     assert "fewer than the 256 the planner may launch it with" in failed["message"]
 
