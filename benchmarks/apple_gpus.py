@@ -54,6 +54,22 @@ SOURCES = {
                          "microseconds is what MLX and PyTorch MPS profiles show for small kernels); band 2-10 us",
     "estimate-dram-latency": "estimate: ~300 ns DRAM load latency on Apple GPUs (the figure issue 19 gives; no Apple "
                              "source), band 250-400 ns",
+    "apple-m5-max": "Apple's M5 Pro / M5 Max announcement (Mar 2026) as listed by notebookcheck.net ('Apple M5 Max "
+                    "40-Core GPU'): 40 GPU cores, each with a neural accelerator, 614 GB/s",
+    "apple-metal4-ml": "Apple's 'Running inline ML operations in a shader with Metal 4' and WWDC26 session 330: on "
+                       "MTLGPUFamily.apple10 (M5) each GPU core has a neural accelerator that tensor ops use",
+    "tzakharko-nax": "tzakharko.github.io apple-neural-accelerators-benchmark: A19 (5 GPU cores) fp16 matrix "
+                     "7.5 TFLOPS; the author's estimate: 1024 fp16 FLOPs per core per clock",
+    "mtlattn-m5pro": "lastowl/mtlattn PERFORMANCE.md: a matmul2d microbenchmark (M = N = K = 64, 4 SIMD-groups) on a "
+                     "20-core M5 Pro: 32.3 TFLOPS half/bfloat16 -> float (= 1023 FLOPs per core-cycle at 1.578 GHz, "
+                     "928 at 1.740)",
+    "rigel-m4": "Rigel (arXiv 2606.12765): on an M4 Max, matmul2d runs on the shader cores (no accelerator) and "
+                "accumulates in at least float32",
+    "mlx-3943": "MLX PR #3943 (quoted in aosama/astronomical#156): accelerator attention (steel_attention_nax), M5 "
+                "Max, float16, B = 1, 32 query / 8 KV heads, L = 4096, D = 96, no mask: 4.127 ms per call",
+    "estimate-accel-overlap": "estimate: whether a core's neural accelerator and its ALUs (the softmax) work at the "
+                              "same time is not published; the point adds their times (the softmax of a block "
+                              "waits on its product, the next product on the softmax), the fast end overlaps them",
     "estimate-gpu-latencies": "estimate, no Apple source: 36 cycles for one 8x8 float32 simdgroup MMA to feed the next "
                               "(issue 19's figure), 24 for a threadgroup load, 16 per SIMD shuffle and per exp2 result, "
                               "40 per threadgroup barrier",
@@ -85,7 +101,9 @@ COMMON_SOURCES = {"fp32_flops": "mb", "fp16_flops": "mb", "mma_ffma32": "mb", "m
                   "exp2": "mb", "schedulers": "mb", "ffma_latency_table": "mb", "mma_rate_m3": "mfa-m3",
                   "mma_rate_m3_check": "mlx-1610", "stream_ceiling": "stinkerings-m5", "stream_ceiling_hi": "mlx-4076",
                   "stream_ceiling_ultra": "mlx-3837", "dispatch": "estimate-dispatch",
-                  "dram_latency": "estimate-dram-latency", "latencies": "estimate-gpu-latencies"}
+                  "dram_latency": "estimate-dram-latency", "latencies": "estimate-gpu-latencies",
+                  "accelerator": "apple-metal4-ml", "accel_rate": "tzakharko-nax", "accel_rate_low": "mtlattn-m5pro",
+                  "tensor_ops_pre_m5": "rigel-m4", "accel_anchor": "mlx-3943", "accel_overlap": "estimate-accel-overlap"}
 
 # simdgroup-matrix FFMAs per core-cycle inside a GEMM, (low, point, high), by
 # M-generation. M1/M2 (Apple 7/8): measured, metal-benchmarks' 101.7 (f32) /
@@ -97,6 +115,26 @@ COMMON_SOURCES = {"fp32_flops": "mb", "fp16_flops": "mb", "mma_ffma32": "mb", "m
 # tensor ops) are a separate unit this model does not describe.
 MMA_RATE = {1: (96.6, 102.5, 107.6), 2: (96.6, 102.5, 107.6), 3: (105.0, 115.2, 120.3),
             4: (105.0, 115.2, 120.3), 5: (105.0, 115.2, 120.3)}
+
+# Tensor-op (Metal 4 matmul2d) FLOPs per core-cycle, 16-bit operands and a
+# float accumulator, (low, point, high), by M-generation. M5 (Apple 10) has a
+# neural accelerator in every core (apple-metal4-ml): 1024 is the estimate of
+# tzakharko-nax from an A19's measured rate; mtlattn-m5pro's microbenchmark
+# gives 1023 at the M5's measured clock and 928 at its listed one, the low
+# end. Nothing suggests more, so the high end is the point. No Apple figure.
+# float32 with relaxed precision (TF32-style, MLX's default for float32 on
+# the accelerators) is ASSUMED to run at the same rate: nobody has published
+# it. Earlier generations have no accelerator: matmul2d runs on the shader
+# cores (rigel-m4), at the simdgroup-matrix rate (2 FLOPs per FFMA).
+ACCEL_FLOPS_PER_CORE_CYCLE = {5: (928.0, 1024.0, 1024.0)}
+
+
+def tensor_op_rate(generation):
+    """(low, point, high) matmul2d FLOPs per core-cycle on this M-generation."""
+    if generation in ACCEL_FLOPS_PER_CORE_CYCLE:
+        return ACCEL_FLOPS_PER_CORE_CYCLE[generation]
+    return tuple(2 * r for r in MMA_RATE[generation])
+
 
 # FFMA32 cost in cycles per instruction (1.0 = full rate) by instruction-level
 # parallelism and resident SIMD-groups per core: metal-benchmarks' "Tables for
@@ -155,8 +193,12 @@ GPUS = [
     _g("M5 Pro", 20, 1.578, 307.0, _M3_TG,
        {"cores": "apple-m5-pro", "clock": "estimate-same-clock", "bandwidth": "apple-m5-pro",
         "tgmem": "estimate-tgmem-m3"}, "m4-pro", 5, (1.578, 1.740)),
+    # MLX #3943's machine (the accelerator anchor). Planned as the 40-core M4 Max, clocked as the M5.
+    _g("M5 Max", 40, 1.578, 614.0, _M3_TG,
+       {"cores": "apple-m5-max", "clock": "estimate-same-clock", "bandwidth": "apple-m5-max",
+        "tgmem": "estimate-tgmem-m3"}, "m4-max", 5, (1.578, 1.740)),
 ]
 BY_NAME = {g.name: g for g in GPUS}
 POST_GPU = "M5 (10-core)"
 # Chips planned under another chip's key (their own is not in csrc/metal_gpus.cpp).
-PLANNED_AS = {"M5 Pro": "M4 Pro"}
+PLANNED_AS = {"M5 Pro": "M4 Pro", "M5 Max": "M4 Max"}

@@ -23,7 +23,8 @@ prediction, labelled as such.
    critical path, streaming ceiling; every prediction a band).
 4. Calibration against the post's M5 measurements, 5. the claims block,
    6. the anchors (benchmarks/metal_model_anchors.py: MLX's and the post's
-   published timings; `--anchors --csv PATH` alone).
+   published timings; `--anchors --csv PATH` alone), 7. M5's neural
+   accelerators (benchmarks/metal_model_accel.py; `--accelerators` alone).
 """
 import argparse
 import math
@@ -350,7 +351,7 @@ def claims(impls):
           "tests/test_metal_model_anchors.py): predicted at MLX's measured speed if the code is as efficient; "
           "unmeasured. Bands: clock, MMA rate, "
           "threadgroup memory per core, DRAM latency, dispatch overhead, streaming ceiling. M5's neural "
-          "accelerators are outside this model.")
+          "accelerators: --accelerators (no tensor-op kernel of ours exists yet).")
     for gname in ("M3 Max", G.POST_GPU):
         gpu = G.BY_NAME[gname]
         for s in (Shape(1, 8, 8, 4096, 4096, 64), Shape(1, 8, 8, 8192, 8192, 128)):
@@ -382,9 +383,15 @@ def main(argv=None):
     ap.add_argument("--anchors", action="store_true",
                     help="only the anchors: MLX's and the post's published timings against the model")
     ap.add_argument("--csv", metavar="PATH", help="with --anchors: write one row per anchor to PATH")
+    ap.add_argument("--accelerators", action="store_true",
+                    help="only M5's neural accelerators: our kernels' counts on tensor ops, and MLX's NAX kernel")
     args = ap.parse_args(argv)
     if args.csv and not args.anchors:
         ap.error("--csv needs --anchors")
+    if args.accelerators:
+        from . import metal_model_accel
+        metal_model_accel.accelerators(args.quick)
+        return
     if args.anchors:
         from . import metal_model_anchors
         metal_model_anchors.anchors(args.csv)
@@ -405,6 +412,8 @@ def main(argv=None):
     claims(impls)
     from . import metal_model_anchors
     metal_model_anchors.anchors()
+    from . import metal_model_accel
+    metal_model_accel.accelerators(args.quick)
     print(f"\n(wall time {time.perf_counter() - t0:.0f} s)")
 
 

@@ -17,7 +17,9 @@ a GPU; the measured figures are MLX's and the post's.
    The M3 MMA rate is INFERRED (apple_gpus.MMA_RATE), with MLX's N = 4096
    timing as a lower bound on it; so N = 4096 is not independent evidence,
    N = 512-2048 and the M3 Ultra anchor are.
-2. The post's untiled and tiled kernels (Apple M5, float32, N = 2048, d = 64,
+2. MLX's accelerator attention (PR #3943, M5 Max, float16, D = 96), hand-
+   counted in metal_model_accel.py: it anchors the tensor-op rate, +-25 %.
+3. The post's untiled and tiled kernels (Apple M5, float32, N = 2048, d = 64,
    causal). A comparison between DIFFERENT PROGRAMS: the post's code as
    printed reads Q inside the key loop and divides by sqrt(D) per key; the
    emulated kernels read Q once and scale once. The band is 2x.
@@ -30,6 +32,7 @@ import torch
 
 from . import apple_gpus as G
 from . import metal_model as M
+from . import metal_model_accel as X
 from . import metal_model_timing as T
 
 
@@ -46,6 +49,7 @@ class Anchor(NamedTuple):
 
 
 MLX_TOL = 0.15  # issue 19: +-15 % where MLX runs at high occupancy
+NAX_TOL = 0.25  # issue 21: MLX's accelerator attention within +-25 %
 POST_TOL = 1.0  # within 2x: the post's kernels are other programs (see the docstring)
 
 ANCHORS = [
@@ -61,6 +65,8 @@ ANCHORS = [
            True, MLX_TOL),
     Anchor("mlx-4330-d72", "M3 Ultra", M.Shape(1, 16, 16, 8192, 8192, 72), torch.bfloat16, False, "prefill", 14.30,
            True, MLX_TOL),
+    Anchor("mlx-nax-m5-max", "M5 Max", M.Shape(1, 32, 8, 4096, 4096, 96), torch.float16, False, "mlx-nax", 4.127,
+           True, NAX_TOL),
     Anchor("post-untiled", G.POST_GPU, M.Shape(1, 1, 1, 2048, 2048, 64), torch.float32, True, "untiled", 3.066, False,
            POST_TOL),
     Anchor("post-tiled", G.POST_GPU, M.Shape(1, 1, 1, 2048, 2048, 64), torch.float32, True, "tiled", 2.159, False,
@@ -113,7 +119,7 @@ BARRIERS_OUTSIDE_LOOP = 2  # MLX's per-threadgroup barriers outside the key loop
 
 def anchor_row(a: Anchor):
     gpu = G.BY_NAME[a.gpu]
-    recs = M.counts_for(a.impl, a.shape, a.dtype, a.causal)
+    recs = X.nax_records(a.shape, a.dtype) if a.impl == "mlx-nax" else M.counts_for(a.impl, a.shape, a.dtype, a.causal)
     low, point, high = T.predict_band(recs, gpu, a.shape, a.dtype, a.causal)
     ratio = point * 1e3 / a.measured_ms
     s = a.shape
@@ -144,8 +150,8 @@ def anchors(csv_path=None, names=None):
           "predicted at MLX's measured speed if the code is as efficient; our kernel is unmeasured. The M3 MMA rate "
           "is inferred (N = 4096 bounds it), so N = 512-2048 and the M3 Ultra row are the independent checks; "
           "N = 256 is outside the regime (under two waves of threadgroups). Post rows: different programs (the post "
-          "reads Q inside the key loop and divides by sqrt(D) per key; ours do neither). M5's neural accelerators "
-          "are outside this model.")
+          "reads Q inside the key loop and divides by sqrt(D) per key; ours do neither). The mlx-nax row: MLX's "
+          "accelerator kernel, hand-counted (metal_model_accel.py); it anchors the estimated tensor-op rate.")
     if csv_path:
         with open(csv_path, "w", newline="") as f:
             w = csv.DictWriter(f, fieldnames=CSV_COLUMNS)

@@ -37,8 +37,10 @@ on-core data):
 
 Bands: `predict` at the point figures; `predict_band` at the low and high
 ends of every uncertain figure together (clock, MMA rate, threadgroup memory
-per core, DRAM latency, dispatch overhead, streaming ceiling). M5's neural
-accelerators (Metal 4 tensor ops) are outside this model.
+per core, DRAM latency, dispatch overhead, streaming ceiling, tensor-op
+rate and its overlap with the ALUs). Tensor ops (Metal 4 matmul2d, counted
+as mpp_flops) run at apple_gpus.tensor_op_rate: M5's neural accelerators,
+else the shader cores' simdgroup-matrix rate (benchmarks/metal_model_accel.py).
 """
 import math
 import re
@@ -76,9 +78,11 @@ DECODE_ROWS_IN_FLIGHT = 2
 # siblings keep the same lines in flight (only one SIMD-group's misses are
 # unique: the point and slow end); 0, they drift apart and each one's misses
 # are its own lines (the fast end). Which it is, only a Mac can say.
-POINT = {"clock": 1, "mma": 1, "tg": 1, "dram": 1, "overhead": 1, "stream": 1, "lockstep": 1}
-FAST = {"clock": 2, "mma": 2, "tg": 2, "dram": 0, "overhead": 0, "stream": 2, "lockstep": 0}
-SLOW = {"clock": 0, "mma": 0, "tg": 0, "dram": 2, "overhead": 2, "stream": 0, "lockstep": 1}
+# "overlap" (tensor ops on M5's neural accelerators): 0, the accelerator's
+# time and the ALUs' (softmax) add; 1, they overlap (estimate-accel-overlap).
+POINT = {"clock": 1, "mma": 1, "tg": 1, "dram": 1, "overhead": 1, "stream": 1, "lockstep": 1, "overlap": 0}
+FAST = {"clock": 2, "mma": 2, "tg": 2, "dram": 0, "overhead": 0, "stream": 2, "lockstep": 0, "overlap": 1}
+SLOW = {"clock": 0, "mma": 0, "tg": 0, "dram": 2, "overhead": 2, "stream": 0, "lockstep": 1, "overlap": 0}
 
 
 def _clock(gpu, k):
@@ -211,10 +215,17 @@ def dispatch_time(r, index, gpu, s, dtype, causal, k=POINT):
         skew = max(blocks) / (sum(blocks) / len(blocks))  # longest threadgroup over the mean
         keys_tg = sg_keys / (grid_tgs * sg_per_tg)
         terms["critical path"] = keys_tg * skew * per_key / hz
-    elif c["simdgroup_mmas"]:
+    elif c["simdgroup_mmas"] or c.get("mpp_flops"):
         mma_rate = G.MMA_RATE[gpu.generation][k["mma"]]
-        work = (c["simdgroup_mmas"] * FFMA_PER_MMA / mma_rate + c["exp2_calls"] * SCALAR_OPS_PER_EXP2 / LANES_PER_CORE
-                + c["exp2_calls"] / G.EXP2_PER_CORE_CYCLE)  # core-cycles, the whole dispatch
+        # core-cycles, the whole dispatch: the products (simdgroup MMAs on
+        # the ALUs; tensor ops, mpp_flops, at apple_gpus.tensor_op_rate) and
+        # the softmax's ALU work. On a neural accelerator (M5) the products
+        # may run beside the ALUs: added at the point, overlapped at the fast end.
+        matrix = (c["simdgroup_mmas"] * FFMA_PER_MMA / mma_rate
+                  + c.get("mpp_flops", 0) / G.tensor_op_rate(gpu.generation)[k["mma"]])
+        alu = c["exp2_calls"] * SCALAR_OPS_PER_EXP2 / LANES_PER_CORE + c["exp2_calls"] / G.EXP2_PER_CORE_CYCLE
+        on_accel = c.get("mpp_flops") and gpu.generation in G.ACCEL_FLOPS_PER_CORE_CYCLE
+        work = max(matrix, alu) if on_accel and k["overlap"] else matrix + alu
         d_frags = math.ceil(s.d / 8)
         serial = None
         if kb and "prefill" in r.kernel:
@@ -299,7 +310,10 @@ def dispatch_time(r, index, gpu, s, dtype, causal, k=POINT):
     kv_new = sum(c.get("dram_" + n, reads.get(n, 0)) for n in ("k", "v"))
     dram = dev - kv_req + min(kv_new, kv_once) if kv_req else dev
     stream = G.STREAM_CEILING[k["stream"]] * gpu.bandwidth_gbs * 1e9
-    terms["memory"] = max(dram / stream, dev / (active * ON_GPU_BYTES_PER_CYCLE * hz))
+    # Bytes that leave their core: re-reads by SIMD-groups of one threadgroup
+    # are served by the core's L1 (the same assumption as the DRAM bytes).
+    link = dev - kv_req + kv_new if kv_req else dev
+    terms["memory"] = max(dram / stream, link / (active * ON_GPU_BYTES_PER_CYCLE * hz))
     if "decode" in r.kernel and "merge" not in r.kernel:
         # Unique bytes in flight per core: row groups that read the same keys
         # (threadgroup (32, 1, RGL), attention_decode.h) count once in lockstep.

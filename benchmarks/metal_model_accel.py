@@ -1,0 +1,140 @@
+"""M5's neural accelerators in the Metal performance model (issue 21, item 6).
+Nothing here ran on a GPU: every figure is a prediction, and the tensor-op
+rate itself is an estimate (benchmarks/apple_gpus.py ACCEL_FLOPS_PER_CORE_CYCLE).
+
+    python -m benchmarks.metal_model --accelerators
+
+1. The anchor. MLX's accelerator attention (steel_attention_nax.h; MLX PR
+   #3943 measured 4.127 ms on an M5 Max, float16, 1 x 32 (8 KV) x 4096 x 96)
+   is hand-counted below, as the steel kernel is in metal_model_anchors.py,
+   and the time model predicts it within +-25 % (the `mlx-nax-m5-max` row of
+   `--anchors`). It pins the tensor-op rate and the softmax cost together: a
+   model that ran matmul2d at the shader cores' rate misses by 2x (tested).
+2. Our kernels on tensor ops. flash_metal has no matmul2d kernel yet; what a
+   forward or backward with the same algorithm would cost is predicted from
+   the emulator's counts of our simdgroup kernels with every 8x8x8 MMA moved
+   to tensor ops (`on_tensor_ops`): the same loads, barriers and softmax, the
+   products at the accelerator's rate. When the kernels land, their own
+   counts (the emulator's mpp_flops) replace the conversion.
+"""
+import torch
+
+from . import apple_gpus as G
+from . import metal_model as M
+from . import metal_model_timing as T
+from . import metal_backward_model as BM
+
+MMA_FLOPS = 2 * 8 * 8 * 8  # one simdgroup_multiply_accumulate on 8x8 tiles
+
+
+def nax_counts(s: M.Shape, elem: int, bq=64, bk=32, wm=4):
+    """MLX's accelerator attention's counts, by hand from its source, for a
+    non-causal problem with Nq % bq == Nk % bk == 0 and D % 32 == 0, in the
+    emulator's units. Per threadgroup (bq query rows of one head, wm
+    SIMD-groups of 16 rows each, no threadgroup memory):
+    - each SIMD-group loads its Q rows once, and every K and V block of
+      bk x D itself, straight from device memory into its fragments: wm
+      requests per byte per threadgroup (req_), one of them new to the
+      threadgroup (dram_; the others meet it in the core's L1, an assumption);
+    - per key block and SIMD-group: S = Q K^T (16 x bk x D) and O += P V
+      (16 x D x bk) as matmul2d on execution_simdgroup: 4 * 16 * bk * D
+      FLOPs (mpp_flops), no simdgroup MMAs;
+    - exp2: a lane holds 8 elements of each 16 x 16 fragment of S (bk / 2
+      per block) plus the rescale factors of its 2 rows;
+    - no barriers (D = 128 adds one halfway through P V; not counted here).
+    """
+    if s.nq % bq or s.nk % bk or s.d % 32:
+        raise ValueError(f"hand count needs Nq % {bq} == Nk % {bk} == D % 32 == 0; got {s}")
+    tgs = s.b * s.hq * (s.nq // bq)
+    blocks = tgs * (s.nk // bk)
+    kv = blocks * bk * s.d * elem
+    return {
+        "threadgroups": tgs,
+        "threads": tgs * 32 * wm,
+        "simdgroup_mmas": 0,
+        "mpp_flops": blocks * wm * 4 * 16 * bk * s.d,
+        "exp2_calls": blocks * wm * 32 * (bk // 2 + 2),
+        "threadgroup_barriers": 0,
+        "threadgroup_bytes_written": 0,
+        "threadgroup_bytes_read": 0,
+        "read_q": s.b * s.hq * s.nq * s.d * elem,
+        "read_k": wm * kv, "req_k": wm * kv, "dram_k": kv,
+        "read_v": wm * kv, "req_v": wm * kv, "dram_v": kv,
+        "write_out": s.b * s.hq * s.nq * s.d * elem,
+    }
+
+
+def nax_records(s: M.Shape, dtype, bq=64, bk=32, wm=4):
+    """One synthetic dispatch with MLX's accelerator-attention counts (no plan of ours behind it)."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    name = f"mlx_nax_attention_{M._dtype_name(dtype)}_d{s.d}_bq{bq}_bk{bk}_wm{wm}"
+    return [M.Record(name, (s.nq // bq, s.hq, s.b), (32, wm, 1), 0, nax_counts(s, elem, bq, bk, wm), False)]
+
+
+def on_tensor_ops(records):
+    """The same dispatches with every simdgroup MMA moved to tensor ops
+    (mpp_flops at apple_gpus.tensor_op_rate); loads, barriers, softmax kept."""
+    out = []
+    for r in records:
+        c = dict(r.counts)
+        c["mpp_flops"] = c.get("mpp_flops", 0) + c["simdgroup_mmas"] * MMA_FLOPS
+        c["simdgroup_mmas"] = 0
+        out.append(r._replace(counts=c))
+    return out
+
+
+M5_FAMILY = ("M5 (10-core)", "M5 Pro", "M5 Max")
+
+
+def _ms(band):
+    low, point, high = band
+    return f"{point * 1e3:.3g} ({low * 1e3:.3g}-{high * 1e3:.3g})"
+
+
+def accelerators(quick=False):
+    """Forward and backward on the M5 family, simdgroup kernels against the same counts on tensor ops."""
+    print("\n## M5's neural accelerators (Metal 4 tensor ops): model, not measurement")
+    print("Tensor-op rate per core-cycle, (low, point, high) FLOPs: "
+          + "; ".join(f"M{g}: {G.tensor_op_rate(g)}" for g in (3, 5))
+          + " (M5: estimate from an A19 and an M5 Pro microbenchmark; M3/M4: the shader cores). "
+          "'tensor ops' = our kernels' emulator counts with the MMAs moved to matmul2d (no such kernel exists "
+          "yet); 'MLX NAX' = MLX's accelerator kernel, hand-counted.")
+    shapes = [M.Shape(1, 32, 8, 4096, 4096, 96)] if quick else [M.Shape(1, 32, 8, 4096, 4096, 96),
+                                                                M.Shape(1, 32, 8, 4096, 4096, 128)]
+    print("| chip | shape | pass | causal | simdgroup ms | tensor ops ms (bound) | speed-up | MLX NAX ms |")
+    print("|---|---|---|---|---|---|---|---|")
+    rows = []
+    for gname in (M5_FAMILY[-1:] if quick else M5_FAMILY):
+        gpu = G.BY_NAME[gname]
+        for shape in shapes:
+            for causal in (False, True):
+                for pas in ("forward", "backward"):
+                    # The backward model's scaling rule needs Hq = Hkv: its rows are the MHA shape.
+                    s = shape if pas == "forward" else shape._replace(hkv=shape.hq)
+                    recs = M.counts_for("prefill", s, torch.float16, causal) if pas == "forward" \
+                        else BM.counts_for(s, torch.float16, causal)
+                    moved = on_tensor_ops(recs)
+                    simd = T.predict_band(recs, gpu, s, torch.float16, causal)
+                    tops = T.predict_band(moved, gpu, s, torch.float16, causal)
+                    terms = T.predict(moved, gpu, s, torch.float16, causal)[1]
+                    nax = "" if pas == "backward" or causal else _ms(
+                        T.predict_band(nax_records(s, torch.float16), gpu, s, torch.float16, causal))
+                    rows.append((gname, s, pas, causal, simd[1], tops[1]))
+                    print(f"| {gname} | 1x{s.hq}:{s.hkv}x{s.nq}x{s.d} f16 | {pas} | {causal} | {_ms(simd)} "
+                          f"| {_ms(tops)} ({max(terms, key=terms.get)}) | {simd[1] / tops[1]:.2f}x | {nax} |")
+    post = post_point()
+    print(f"The post's M5 point (10-core M5, N = 2048, d = 64, causal, one head): simdgroup float32 "
+          f"{_ms(post['simdgroup'])} ms; tensor ops {_ms(post['tensor_ops'])} ms, which ASSUMES float32 with "
+          "relaxed precision (TF32-style, as MLX runs float32 on the accelerators) at the 16-bit rate; exact "
+          "float32 stays on the simdgroup kernel. The post measured 2.159 ms for its tiled float32 kernel.")
+    return rows
+
+
+def post_point():
+    """The post's shape on the post's M5, simdgroup prefill against the same counts on tensor ops (float32)."""
+    gpu = G.BY_NAME[G.POST_GPU]
+    s = M.Shape(1, 1, 1, 2048, 2048, 64)
+    recs = M.counts_for("prefill", s, torch.float32, True)
+    return {"simdgroup": T.predict_band(recs, gpu, s, torch.float32, True),
+            "tensor_ops": T.predict_band(on_tensor_ops(recs), gpu, s, torch.float32, True)}
+

@@ -1,0 +1,75 @@
+"""M5's neural accelerators in the performance model (issue 21, item 6):
+MLX's accelerator attention, hand-counted, lands within +-25 % of its
+published M5 Max timing only at the accelerator's rate; tensor ops run at the
+shader cores' rate before M5; the accelerator/ALU overlap is a band, not a
+point. Every time here is a model's prediction, never a measurement."""
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks import apple_gpus as G  # noqa: E402
+from benchmarks import metal_model as M  # noqa: E402
+from benchmarks import metal_model_accel as X  # noqa: E402
+from benchmarks import metal_model_anchors as A  # noqa: E402
+from benchmarks import metal_model_timing as T  # noqa: E402
+
+NAX = next(a for a in A.ANCHORS if a.name == "mlx-nax-m5-max")
+
+
+def test_nax_hand_count_does_the_useful_flops_once():
+    """The products' FLOPs are exactly the problem's (4 B Hq Nq Nk D): nothing recomputed, nothing skipped;
+    K and V are asked for once per SIMD-group and reach the threadgroup once."""
+    s = NAX.shape
+    c = X.nax_counts(s, 2)
+    assert c["mpp_flops"] == M.useful_flops(s, False) and c["simdgroup_mmas"] == 0
+    assert c["req_k"] == 4 * c["dram_k"] == 4 * s.b * s.hq * s.nq // 64 * s.nk * s.d * 2
+    with pytest.raises(ValueError, match="D % 32"):
+        X.nax_counts(M.Shape(1, 2, 2, 128, 128, 72), 2)  # MLX runs D = 72 on its steel kernel
+
+
+def test_nax_anchor_needs_the_accelerator_rate():
+    """Within +-25 % of MLX's 4.127 ms at the accelerator's rate; planted: the same counts at the shader
+    cores' rate (an M5 Max without accelerators) miss by far more than the band."""
+    recs = X.nax_records(NAX.shape, NAX.dtype)
+    gpu = G.BY_NAME[NAX.gpu]
+    point = T.predict(recs, gpu, NAX.shape, NAX.dtype, False)[0] * 1e3
+    assert abs(point / NAX.measured_ms - 1) <= A.NAX_TOL, point
+    planted = T.predict(recs, gpu._replace(generation=4), NAX.shape, NAX.dtype, False)[0] * 1e3
+    assert planted / NAX.measured_ms > 1 + 4 * A.NAX_TOL, planted
+
+
+def test_tensor_op_rates_are_ordered_and_sourced():
+    for gen in range(1, 6):
+        lo, pt, hi = G.tensor_op_rate(gen)
+        assert 0 < lo <= pt <= hi, gen
+    assert G.tensor_op_rate(3) == tuple(2 * r for r in G.MMA_RATE[3])  # M3: the shader cores
+    assert G.tensor_op_rate(5)[1] > 4 * G.tensor_op_rate(4)[1]  # M5: the accelerators
+    for key in ("accelerator", "accel_rate", "accel_rate_low", "tensor_ops_pre_m5", "accel_anchor", "accel_overlap"):
+        assert G.COMMON_SOURCES[key] in G.SOURCES, key
+
+
+def _record():
+    counts = {"threadgroups": 512, "threads": 512 * 128, "threadgroup_barriers": 512 * 64, "simdgroup_mmas": 10**8,
+              "exp2_calls": 10**8, "threadgroup_bytes_read": 10**8, "threadgroup_bytes_written": 10**7,
+              "read_q": 10**6, "read_k": 10**7, "read_v": 10**7, "write_out": 10**6, "write_lse": 10**4}
+    return [M.Record("synthetic_bq32_bk32_wm4", (512, 1, 1), (128, 1, 1), 0, counts, False)]
+
+
+def test_tensor_ops_change_nothing_before_m5_and_speed_up_m5():
+    """Moving the MMAs to tensor ops keeps the FLOPs; on an M3 Max (no accelerator) the time is the same to the
+    last bit of rounding, on an M5 Max it drops; the accelerator/ALU overlap only moves the fast end."""
+    s = M.Shape(1, 8, 8, 2048, 2048, 64)
+    recs, moved = _record(), X.on_tensor_ops(_record())
+    assert moved[0].counts["mpp_flops"] == recs[0].counts["simdgroup_mmas"] * 1024
+    assert moved[0].counts["simdgroup_mmas"] == 0 and recs[0].counts["simdgroup_mmas"] == 10**8  # not mutated
+    m3 = G.BY_NAME["M3 Max"]
+    assert T.predict(moved, m3, s, torch.float16, False)[0] == pytest.approx(
+        T.predict(recs, m3, s, torch.float16, False)[0], rel=1e-12)
+    m5 = G.BY_NAME["M5 Max"]
+    assert T.predict(moved, m5, s, torch.float16, False)[0] < 0.7 * T.predict(recs, m5, s, torch.float16, False)[0]
+    fast = T.predict(moved, m5, s, torch.float16, False, T.FAST)[0]
+    fast_added = T.predict(moved, m5, s, torch.float16, False, dict(T.FAST, overlap=0))[0]
+    assert fast < fast_added
