@@ -69,7 +69,8 @@ KvCacheCall check_kvcache_inputs(const at::Tensor& q, const at::Tensor& k_cache,
   const int64_t B = q.size(0), D = q.size(3);
   const int64_t num_blocks = k_cache.size(0), page = k_cache.size(1), kv_heads = k_cache.size(2);
   TORCH_CHECK_VALUE(v_cache.sizes().slice(0, 3) == k_cache.sizes().slice(0, 3), kOp,
-                    ": v_cache must have k_cache's ", paged ? "(num_blocks, page_size, kv_heads) " : "(batch, seqlen, kv_heads) ",
+                    ": v_cache must have k_cache's ",
+                    paged ? "(num_blocks, page_size, kv_heads) " : "(batch, seqlen, kv_heads) ",
                     k_cache.sizes().slice(0, 3), " (its head_dim D_v may differ); got shape ", v_cache.sizes());
   TORCH_CHECK_VALUE(k_cache.size(3) == D, kOp, ": k_cache has head_dim ", k_cache.size(3), " but q has head_dim ", D,
                     "; they must match");
