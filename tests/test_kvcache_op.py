@@ -241,3 +241,23 @@ def test_flash_attn_with_kvcache_calls_the_op(monkeypatch):
     flash_metal.flash_attn_with_kvcache(q, plain_k, plain_v, cache_seqlens=lengths,
                                         cache_leftpad=torch.tensor([1, 0], dtype=torch.int32))
     assert len(calls) == 2
+
+
+def test_kvcache_empty_problems():
+    # No sequence, no query row, or a table of no entries (capacity 0): the
+    # op answers on the host as attention_forward does (zeros, lse -inf, or
+    # the sink), on CPU and in explain() (which plans no kernel for them).
+    q = torch.randn(2, 4, 1, 32)
+    cache = torch.randn(3, 4, 2, 32)
+    none = torch.zeros(2, dtype=torch.int32)
+    out, lse = flash_metal.attention_kvcache_with_lse(q[:0], cache, cache, none[:0], torch.zeros(0, 2).int())
+    assert out.shape == (0, 4, 1, 32) and lse.shape == (0, 4, 1)
+    out, lse = flash_metal.attention_kvcache_with_lse(q[:, :, :0], cache, cache, none, torch.zeros(2, 2).int())
+    assert out.shape == (2, 4, 0, 32) and lse.shape == (2, 4, 0)
+    sinks = torch.randn(4)
+    for s in (None, sinks):
+        out, lse = flash_metal.attention_kvcache_with_lse(q, cache, cache, none, torch.zeros(2, 0).int(), sinks=s)
+        assert torch.equal(out, torch.zeros_like(out))
+        assert torch.equal(lse, torch.full_like(lse, float("-inf")) if s is None else s[None, :, None].expand_as(lse))
+    with pytest.raises(ValueError, match="empty problem"):
+        flash_metal.explain(q, cache, cache, block_table=torch.zeros(2, 0).int(), cache_seqlens=none)
