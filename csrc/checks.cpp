@@ -190,6 +190,15 @@ void check_offsets(const char* kOp, const at::Tensor& cu, const char* name, int6
 
 }  // namespace
 
+// For attention_kvcache's checks (csrc/kvcache.cpp): the same rules, the same messages.
+void check_tensor(const char* op, const at::Tensor& t, const char* name, const at::Tensor& q, int64_t rank) {
+  check_one(op, t, name, q, rank);
+}
+void apply_scalar_options(const char* op, const AttentionOptions& o, AttentionProblem* p) { apply_options(op, o, p); }
+at::Tensor checked_sinks(const char* op, const at::Tensor& sinks, const AttentionProblem& p, const at::Tensor& q) {
+  return check_sinks(op, sinks, p, q);
+}
+
 AttentionCall check_attention_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                      const AttentionOptions& options, const char* kOp) {
   TORCH_CHECK_VALUE(q.defined(), kOp, ": q is undefined (None)");

@@ -77,6 +77,15 @@ struct AttentionProblem {
   bool varlen = false;
   int64_t total_q = 0;   // rows of the packed q (otherwise q_len)
   int64_t total_k = 0;   // rows of the packed k and v (otherwise kv_len)
+  // A paged KV cache (attention_kvcache, csrc/kvcache.cpp): k and v are the
+  // caches seen as (num_blocks, Hkv, page_size, D), sequence b's key j is
+  // row j % page_size of block block_table[b, j / page_size], and kv_len is
+  // the table's capacity (max_blocks * page_size); each sequence's own key
+  // count is cache_seqlens[b], read on the device (the decode kernels'
+  // fc_paged). batch is q's.
+  bool paged = false;
+  int64_t page_size = 0;     // keys per block
+  int64_t table_stride = 0;  // int32 entries between rows of block_table (its entries are contiguous)
 
   int64_t gqa_ratio() const { return q_heads / kv_heads; }
   bool has_window_left() const { return window_left >= 0; }
@@ -157,6 +166,13 @@ struct AttentionGradients {
   at::Tensor grad_sinks;
 };
 AttentionGradients allocate_gradients(const AttentionCall& c);
+
+// The per-tensor rules of q, k and v (dtype, device, rank, sizes); the
+// scalar options (scale, causal, window, softcap) into p; sinks (Hq,).
+// For attention_kvcache's checks (csrc/kvcache.cpp), which share them.
+void check_tensor(const char* op, const at::Tensor& t, const char* name, const at::Tensor& q, int64_t rank);
+void apply_scalar_options(const char* op, const AttentionOptions& o, AttentionProblem* p);
+at::Tensor checked_sinks(const char* op, const at::Tensor& sinks, const AttentionProblem& p, const at::Tensor& q);
 
 // 4-D and 3-D views of a backward input given in the caller's layout
 // (varlen: (total, H, D) -> (1, H, total, D); lse (H, total) -> (1, H, total)).

@@ -83,6 +83,27 @@ TORCH_LIBRARY(flash_metal, m) {
         "Tensor cu_seqlens_q, Tensor cu_seqlens_k, int max_seqlen_q, int max_seqlen_k, bool causal=False, "
         "float? scale=None, Tensor? grad_lse=None, int window_left=-1, int window_right=-1, float softcap=0.0, "
         "str impl=\"auto\", Tensor? sinks=None) -> (Tensor grad_q, Tensor grad_k, Tensor grad_v, Tensor grad_sinks)");
+  // Attention against a KV cache (the attention of flash-attn's
+  // flash_attn_with_kvcache; appends stay in Python, flash_metal/flash_attn.py):
+  // q (B, Hq, Nq, D); k_cache (num_blocks, page_size, Hkv, D) and v_cache
+  // (..., D_v), flash-attn's layout; block_table int32 (B, max_blocks):
+  // sequence b's key j is row j % page_size of block block_table[b, j //
+  // page_size]; cache_seqlens int32 (B,): sequence b has keys 0 ..
+  // cache_seqlens[b] - 1, and nothing past them is read (cache rows, table
+  // entries: they may hold anything). block_table None: a plain cache
+  // (B_cache >= B, seqlen, Hkv, D), row b being sequence b. Causal and the
+  // window are bottom-right aligned to each sequence's own length; softcap,
+  // sinks and scale as in attention_forward. Returns out (B, Hq, Nq, D_v)
+  // and lse (B, Hq, Nq) float32 (a sequence with no key: zeros and -inf, or
+  // the sink). Forward only. On Metal the decode kernels read the table
+  // themselves for Nq <= 8 (impl 'auto', 'decode', 'decode_split'); else,
+  // and on CPU, the rows in use are gathered into packed buffers for the
+  // varlen kernels (impl 'prefill' asks for that on Metal). Values
+  // (lengths within the capacity, entries in range) are checked on CPU and
+  // are the caller's contract on MPS, as in flash-attn.
+  m.def("attention_kvcache(Tensor q, Tensor k_cache, Tensor v_cache, Tensor cache_seqlens, Tensor? block_table=None, "
+        "bool causal=False, float? scale=None, int window_left=-1, int window_right=-1, float softcap=0.0, "
+        "Tensor? sinks=None, str impl=\"auto\") -> (Tensor out, Tensor lse)");
   // The Metal launch plan attention_forward (backward=True: attention_backward,
   // reading the strides of the optional grad_out, out, lse and grad_lse,
   // packed when None) would use for these inputs,
@@ -108,11 +129,15 @@ TORCH_LIBRARY(flash_metal, m) {
   // table then also has attn_mask, cu_seqlens_q and cu_seqlens_k. sinks:
   // the forward kernels' fc_has_sinks (the table has sinks), and the
   // backward's third dispatch, flash_sinks_grad (sinks and grad_sinks).
+  // With cache_seqlens (and block_table), attention_kvcache's plan, k and v
+  // being the caches: the paged decode (the table has block_table and
+  // cache_seqlens), or the gather path's varlen plan over the rows in use
+  // (read from cache_seqlens and the table); the reason says which.
   m.def("metal_plan(Tensor q, Tensor k, Tensor v, bool causal=False, float? scale=None, str impl=\"auto\", "
         "str gpu=\"base\", int dispatch=0, bool backward=False, Tensor? grad_out=None, Tensor? out=None, "
         "Tensor? lse=None, Tensor? grad_lse=None, Tensor? attn_mask=None, int window_left=-1, int window_right=-1, "
         "float softcap=0.0, Tensor? cu_seqlens_q=None, Tensor? cu_seqlens_k=None, int max_seqlen_q=0, "
-        "int max_seqlen_k=0, Tensor? sinks=None) "
+        "int max_seqlen_k=0, Tensor? sinks=None, Tensor? block_table=None, Tensor? cache_seqlens=None) "
         "-> (str kernel_name, int[] grid, int[] threadgroup, int threadgroup_memory, int threadgroup_memory_index, "
         "bool[] function_constants, int[] buffer_indices, int params_index, Tensor params, str reason, "
         "int num_dispatches, int[] scratch_elements, int max_threads_per_threadgroup, int[] estimate, "

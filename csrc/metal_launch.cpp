@@ -115,7 +115,7 @@ void decode_launches(const AttentionProblem& p, const KernelChoice& c, const std
   if (c.kv_splits == 1) {
     l.kernel_name = "flash_decode_" + suffix;
     l.grid = {kv_heads * c.row_chunks, batch, 1};
-    l.estimate = estimate_launch(l, decode_live_registers(c.bucket, p.mask != MaskKind::None), gpu);
+    l.estimate = estimate_launch(l, decode_live_registers(c.bucket, p.mask != MaskKind::None, p.paged), gpu);
     plan->launches.push_back(l);
     return;
   }
@@ -125,7 +125,7 @@ void decode_launches(const AttentionProblem& p, const KernelChoice& c, const std
   l.kernel_name = "flash_decode_split_" + suffix;
   l.grid = {kv_heads * c.row_chunks, batch, c.kv_splits};
   l.buffers = with_paged(with_forward_features(kSplitBuffers));
-  l.estimate = estimate_launch(l, decode_live_registers(c.bucket, p.mask != MaskKind::None), gpu);
+  l.estimate = estimate_launch(l, decode_live_registers(c.bucket, p.mask != MaskKind::None, p.paged), gpu);
   plan->launches.push_back(l);
   // The merge: one SIMD-group per query row, the lanes over the features.
   MetalLaunch m = l;
@@ -260,7 +260,8 @@ bool decode_dense_loads(const AttentionProblem& p, const LaunchStrides& s, uint3
       *why = t.offset < 0 ? n + "'s storage offset is unknown" : n + "'s storage offset is not a multiple of 16 bytes";
       return false;
     }
-    if ((p.batch > 1 && !aligned(t.strides[0])) || (p.kv_heads > 1 && !aligned(t.strides[1])) ||
+    // (Paged: the batch stride is the page stride, used whatever the batch.)
+    if (((p.batch > 1 || p.paged) && !aligned(t.strides[0])) || (p.kv_heads > 1 && !aligned(t.strides[1])) ||
         !aligned(t.strides[2])) {
       *why = n + "'s batch, head or row stride is not a multiple of 16 bytes";
       return false;
@@ -310,6 +311,10 @@ AttentionParams make_params(const AttentionProblem& p, const LaunchStrides& s, u
   a.inv_softcap_log2 = p.has_softcap() ? static_cast<float>(1.0 / (p.softcap * 1.4426950408889634)) : 0.0f;
   a.total_q = static_cast<int32_t>(p.total_q);
   a.total_k = static_cast<int32_t>(p.total_k);
+  if (p.paged) {  // the decode kernels' page walk (fc_paged); k/v strides are the cache's (KvCacheCall)
+    a.page_size = static_cast<int32_t>(p.page_size);
+    a.table_stride = static_cast<int32_t>(p.table_stride);
+  }
   if (p.varlen) {
     // The packed tensors are (1, H, total, D) views: a sequence is found by
     // its first row (cu_seqlens), never by a batch stride.
@@ -392,7 +397,8 @@ MetalPlan plan_metal_attention(const AttentionProblem& p, const LaunchStrides& s
       std::string why;
       const bool dense = decode_dense_loads(p, s, c.bucket, &why);
       l.function_constants = with_dense(feature_constants(p, false, false, false, p.sinks), dense);
-      l.function_constants.resize(kDecodeFunctionConstantCount, false);  // fc_paged: not paged
+      l.function_constants.resize(kDecodeFunctionConstantCount, false);
+      l.function_constants[kPagedFunctionConstant] = p.paged;  // K/V through block_table (attention_kvcache)
       plan.reason += dense ? " K/V loads: each lane reads its contiguous run of a row as vector loads (fc_dense)."
                            : " K/V loads: one strided scalar load per feature (fc_dense off: " + why + ").";
       l.buffers = with_paged(with_forward_features(kForwardBuffers));

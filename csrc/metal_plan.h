@@ -238,6 +238,14 @@ struct MetalPlan {
 KernelChoice choose_metal_kernel(const AttentionProblem& p, KernelRequest requested, const GpuSpec& gpu,
                                  MetalPass pass = MetalPass::Forward);
 
+// attention_kvcache's route on Metal (p.paged): true when the decode
+// kernels read K/V through the block table (fc_paged: Nq <= kMaxDecodeRows,
+// impl 'auto', 'decode' or 'decode_split'), false for the gather path (the
+// rows in use copied into packed buffers, then the varlen prefill: Nq > 8,
+// or impl 'prefill'). *why says which and why, for explain(). Throws a
+// ValueError for an impl neither route takes.
+bool kvcache_reads_table(const AttentionProblem& p, KernelRequest requested, std::string* why);
+
 // The full plan: kernel choice, names, grids, threadgroups, memory, params.
 MetalPlan plan_metal_attention(const AttentionProblem& p, const LaunchStrides& strides, KernelRequest requested,
                                const GpuSpec& gpu = parse_gpu("base"));

@@ -202,9 +202,20 @@ constexpr uint32_t decode_live_registers(uint32_t bucket, uint32_t rows, bool ha
   const uint32_t slice = (bucket + 31) / 32;
   return rows * (3 * slice + 5 + (has_mask ? 2 : 0)) + 2 * slice + kLiveOverhead;
 }
-inline uint32_t decode_live_registers(uint32_t bucket, bool has_mask) {
+// Under fc_paged (a paged KV cache, shaders/attention_decode_paged.h) the
+// page walk's values on top, per lane, the same for every row: the cursor
+// of the key being read (table entry, row in page, page: 3; K's cursor,
+// then V's, never both), the block's first key and the fixed step between
+// blocks (two PageSteps, 2 each) and the page size: 8. (The table pointer
+// replaces the batch offset of K and V, which fc_paged drops.) Never with a
+// mask: attention_kvcache takes none.
+inline constexpr uint32_t kPagedLiveValues = 8;
+constexpr uint32_t decode_live_registers(uint32_t bucket, uint32_t rows, bool has_mask, bool paged) {
+  return decode_live_registers(bucket, rows, has_mask) + (paged ? kPagedLiveValues : 0);
+}
+inline uint32_t decode_live_registers(uint32_t bucket, bool has_mask, bool paged = false) {
   return decode_live_registers(bucket, static_cast<uint32_t>(decode_rows_per_simd(static_cast<int>(bucket))),
-                               has_mask);
+                               has_mask, paged);
 }
 // The kernels' rows per SIMD-group are the register budget's: the most (a
 // power of two up to 8) within kDecodeRegisterBudget even with a mask.
@@ -213,6 +224,15 @@ constexpr bool decode_rows_fit_budget(uint32_t bucket) {
   return decode_live_registers(bucket, rs, true) <= uint32_t{kDecodeRegisterBudget} &&
          (rs == 8 || decode_live_registers(bucket, 2 * rs, true) > uint32_t{kDecodeRegisterBudget});
 }
+// The page walk's values fit beside the rows (no mask: see kPagedLiveValues).
+constexpr bool decode_paged_fits_budget(uint32_t bucket) {
+  return decode_live_registers(bucket, static_cast<uint32_t>(decode_rows_per_simd(static_cast<int>(bucket))), false,
+                               true) <= uint32_t{kDecodeRegisterBudget};
+}
+static_assert(decode_paged_fits_budget(32) && decode_paged_fits_budget(64) && decode_paged_fits_budget(72) &&
+                  decode_paged_fits_budget(80) && decode_paged_fits_budget(96) && decode_paged_fits_budget(128) &&
+                  decode_paged_fits_budget(256),
+              "the paged decode's live values within kDecodeRegisterBudget");
 static_assert(decode_rows_fit_budget(32) && decode_rows_fit_budget(64) && decode_rows_fit_budget(72) &&
                   decode_rows_fit_budget(80) && decode_rows_fit_budget(96) && decode_rows_fit_budget(128) &&
                   decode_rows_fit_budget(256),

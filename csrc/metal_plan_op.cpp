@@ -6,6 +6,7 @@
 // test suite's emulated-Metal backend feeds its result to the Metal emulator.
 #include "attention_ops.h"
 #include "checks.h"
+#include "kvcache.h"
 #include "metal_plan.h"
 
 #include <ATen/ATen.h>
@@ -29,17 +30,39 @@ metal_plan(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool c
            const std::optional<at::Tensor>& lse, const std::optional<at::Tensor>& grad_lse,
            const std::optional<at::Tensor>& attn_mask, int64_t window_left, int64_t window_right, double softcap,
            const std::optional<at::Tensor>& cu_seqlens_q, const std::optional<at::Tensor>& cu_seqlens_k,
-           int64_t max_seqlen_q, int64_t max_seqlen_k, const std::optional<at::Tensor>& sinks) {
+           int64_t max_seqlen_q, int64_t max_seqlen_k, const std::optional<at::Tensor>& sinks,
+           const std::optional<at::Tensor>& block_table, const std::optional<at::Tensor>& cache_seqlens) {
   const auto given = [](const std::optional<at::Tensor>& t) { return t.has_value() && t->defined(); };
   const AttentionOptions options = make_options(causal, scale, attn_mask, window_left, window_right, softcap, sinks);
-  const bool varlen = given(cu_seqlens_q) || given(cu_seqlens_k);
+  bool varlen = given(cu_seqlens_q) || given(cu_seqlens_k);
   TORCH_CHECK_VALUE(!varlen || (given(cu_seqlens_q) && given(cu_seqlens_k)),
                     "flash_metal.metal_plan: give both cu_seqlens_q and cu_seqlens_k (varlen) or neither");
-  const AttentionCall call = varlen ? check_varlen_inputs(q, k, v, *cu_seqlens_q, *cu_seqlens_k, max_seqlen_q,
-                                                          max_seqlen_k, options)
-                                    : check_attention_inputs(q, k, v, options);
+  KernelRequest request = parse_kernel_request(std::string(kernel));
+  // attention_kvcache's plan (cache_seqlens given; k and v are the caches):
+  // the paged decode, or the gather path's varlen plan over the gathered
+  // rows (which this reads, from CPU tensors), as the op would run them.
+  std::string route;
+  const bool kvcache = given(cache_seqlens);
+  TORCH_CHECK_VALUE(kvcache || !given(block_table), "flash_metal.metal_plan: block_table needs cache_seqlens");
+  TORCH_CHECK_VALUE(!kvcache || (!varlen && !backward), "flash_metal.metal_plan: cache_seqlens (attention_kvcache) "
+                    "takes no cu_seqlens and has no backward");
+  AttentionCall call;
+  if (kvcache) {
+    const KvCacheCall kc = check_kvcache_inputs(q, k, v, *cache_seqlens, block_table, options);
+    if (kvcache_reads_table(kc.c.p, request, &route)) {
+      call = kc.c;
+    } else {
+      const GatheredKvCache g = gather_kvcache(kc);
+      call = check_varlen_inputs(g.q, g.k, g.v, g.cu_seqlens_q, g.cu_seqlens_k, g.max_seqlen_q, g.max_seqlen_k,
+                                 options, kKvCacheOpName);
+      request = KernelRequest::Auto;
+      varlen = true;
+    }
+  } else {
+    call = varlen ? check_varlen_inputs(q, k, v, *cu_seqlens_q, *cu_seqlens_k, max_seqlen_q, max_seqlen_k, options)
+                  : check_attention_inputs(q, k, v, options);
+  }
   const AttentionProblem& p = call.p;
-  const KernelRequest request = parse_kernel_request(std::string(kernel));
   const GpuSpec gpu_spec = parse_gpu(std::string(gpu));
   // The outputs the forward allocates are packed (allocate_outputs); describe
   // them so. The backward reads out, lse, grad_out and grad_lse as the
@@ -58,6 +81,7 @@ metal_plan(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool c
   // The loaders' inputs' storage offsets (fc_dense); a grad_out not given is planned packed, at offset 0.
   s.offsets = {call.q.storage_offset(), call.k.storage_offset(), call.v.storage_offset(),
                backward && given(grad_out) ? as_kernel_view4(*grad_out, varlen).storage_offset() : 0};
+  // (The gather path's packed buffers are new allocations: offset 0.)
   MetalPlan plan;
   if (backward) {
     if (given(out)) s.o = strides4(as_kernel_view4(*out, varlen));
@@ -94,7 +118,7 @@ metal_plan(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool c
           buffer_indices,
           launch.params_index,
           params,
-          plan.reason,
+          route + plan.reason,
           count,
           {plan.partial_out_elements, plan.partial_stats_elements, plan.delta_elements},
           launch.max_threads_per_threadgroup,

@@ -92,8 +92,9 @@ std::vector<MetalLaunch> all_metal_launches() {
       // (their combinations are the same constants switched together, so
       // these cover every code path each constant guards; the pipelines a
       // combination needs are built on first use like any other).
-      enum Option { BoolMask, InputMask, Float32Mask, WindowLeft, Softcap, Varlen, Sinks };
-      for (Option option : {BoolMask, InputMask, Float32Mask, WindowLeft, Softcap, Varlen, Sinks}) {
+      // Paged: the decode kernels' fc_paged (attention_kvcache), decode only.
+      enum Option { BoolMask, InputMask, Float32Mask, WindowLeft, Softcap, Varlen, Sinks, Paged };
+      for (Option option : {BoolMask, InputMask, Float32Mask, WindowLeft, Softcap, Varlen, Sinks, Paged}) {
         for (bool causal : {false, true}) {
           AttentionProblem p;
           p.batch = p.q_heads = p.kv_heads = 1;
@@ -110,6 +111,8 @@ std::vector<MetalLaunch> all_metal_launches() {
           if (option == Softcap) p.softcap = 30.0;
           p.varlen = option == Varlen;
           p.sinks = option == Sinks;  // the forward kernels' fc_has_sinks, and flash_sinks_grad
+          p.paged = option == Paged;
+          p.page_size = p.table_stride = p.paged ? 16 : 0;
           const int64_t D = d;
           const LaunchStrides packed{{D, D, D, 1}, {D, D, D, 1}, {D, D, D, 1}, {D, D, D, 1}, {1, 1, 1},
                                      {D, D, D, 1}, {1, 1, 1}, {0, 0, 64, 1}};
@@ -117,10 +120,12 @@ std::vector<MetalLaunch> all_metal_launches() {
               {{65, KernelRequest::Prefill}, {1, KernelRequest::Decode}, {1, KernelRequest::DecodeSplit}}};
           for (const auto& [q_len, request] : forward) {
             if (p.varlen && request != KernelRequest::Prefill) continue;
+            if (p.paged && request == KernelRequest::Prefill) continue;
             p.q_len = p.total_q = q_len;
             p.kv_len = p.total_k = request == KernelRequest::DecodeSplit ? 4096 : 65;
             for (const MetalLaunch& l : plan_metal_attention(p, packed, request).launches) add(l);
           }
+          if (p.paged) continue;  // no backward reads a paged cache
           p.q_len = p.kv_len = p.total_q = p.total_k = 65;
           for (bool grad_lse : {false, true}) {
             for (const MetalLaunch& l : plan_metal_attention_backward(p, packed, grad_lse).launches) add(l);

@@ -262,6 +262,31 @@ KernelChoice choose_backward(const AttentionProblem& p, KernelRequest requested)
 
 }  // namespace
 
+bool kvcache_reads_table(const AttentionProblem& p, KernelRequest requested, std::string* why) {
+  const bool decode_request = requested == KernelRequest::Decode || requested == KernelRequest::DecodeSplit;
+  TORCH_CHECK_VALUE(requested == KernelRequest::Auto || requested == KernelRequest::Prefill || decode_request,
+                    "flash_metal.attention_kvcache: impl must be 'auto', 'decode', 'decode_split' (the decode "
+                    "kernels read the block table) or 'prefill' (the gather path); got '", request_name(requested),
+                    "'");
+  TORCH_CHECK_VALUE(!decode_request || p.q_len <= kMaxDecodeRows, "flash_metal.attention_kvcache: impl='",
+                    request_name(requested), "' serves at most ", kMaxDecodeRows, " query rows; got ", p.q_len,
+                    " (use impl='auto' or 'prefill')");
+  const std::string pages = std::to_string(p.page_size) + "-key pages";
+  if (requested == KernelRequest::Prefill || p.q_len > kMaxDecodeRows) {
+    *why = "paged KV cache, gather path (" +
+           (requested == KernelRequest::Prefill ? std::string("impl='prefill'")
+                                                : "Nq = " + std::to_string(p.q_len) + " > " +
+                                                      std::to_string(kMaxDecodeRows) +
+                                                      ": only the decode kernels read the block table") +
+           "): each sequence's rows in use, through the table of " + pages +
+           ", copied into packed K/V buffers (nothing past cache_seqlens read), then the varlen plan: ";
+    return false;
+  }
+  *why = "paged KV cache: the decode kernels read K/V through the block table (" + pages +
+         ", fc_paged; each sequence's own key count from cache_seqlens; nothing copied): ";
+  return true;
+}
+
 KernelChoice choose_metal_kernel(const AttentionProblem& p, KernelRequest requested, const GpuSpec& gpu,
                                  MetalPass pass) {
   // No Metal kernel takes a v head dim of its own (MLA-style D_qk != D_v, issue 20 §2): every
@@ -309,6 +334,9 @@ KernelChoice choose_metal_kernel(const AttentionProblem& p, KernelRequest reques
                     "' (the post's kernel) serves plain or causal attention only; attn_mask, window_left/"
                     "window_right, softcap, varlen and sinks need impl='auto', 'prefill' or (Nq <= 8) 'decode'");
   const bool decode_family = c.kind == KernelRequest::Decode || c.kind == KernelRequest::DecodeSplit;
+  TORCH_CHECK(!p.paged || (decode_family && p.q_len <= kMaxDecodeRows && !p.varlen), kOp,
+              ": internal error: a paged KV cache plans only the decode kernels (kvcache_reads_table sends the rest "
+              "to the gather path)");
   TORCH_CHECK_VALUE(!decode_family || !p.varlen, kOp, ": impl='", request_name(c.kind),
                     "' does not take packed variable-length sequences; use impl='auto' or 'prefill'");
   TORCH_CHECK_VALUE(!decode_family || p.q_len <= kMaxDecodeRows, kOp, ": impl='", request_name(c.kind),
@@ -392,6 +420,10 @@ KernelChoice choose_metal_kernel(const AttentionProblem& p, KernelRequest reques
                     std::to_string(kDecodeMaxSimdgroups) + " SIMD-groups (the kernels' declared " +
                     std::to_string(kDecodeMaxThreads) + "-thread limit), so " + std::to_string(c.row_chunks) +
                     " threadgroups (row chunks) per (batch, kv head) each serve a part and read K/V once each";
+      }
+      if (p.paged) {
+        c.reason += "; blocks sized by the table's capacity, " + std::to_string(p.kv_len) +
+                    " keys (a block past a sequence's cache_seqlens returns at once)";
       }
       if (!forced_one) {
         c.reason += c.kv_splits > 1 ? "; split-KV: " + std::to_string(c.kv_splits) + " key blocks, then a merge pass ("

@@ -10,8 +10,10 @@ only the rows in use, so pages and table entries past a sequence's length
 are never touched (they may hold anything, NaN included).
 
 The gather copies the rows in use into one packed (total, H, D) buffer that
-the varlen op reads: O(N) memory, one extra pass over the keys. The kernels
-do not yet read through the table themselves (README, "Paged KV cache").
+the varlen op reads: O(N) memory, one extra pass over the keys. It serves
+the paged flash_attn_varlen_func and cache_leftpad; flash_attn_with_kvcache
+otherwise calls attention_kvcache, whose Metal decode kernels read through
+the table themselves (csrc/kvcache.cpp gathers by the same rule elsewhere).
 """
 from typing import Optional, Tuple, Union
 

@@ -80,8 +80,8 @@ def flash_attn_varlen_func(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor
     are caches (num_blocks, page_size, Hkv, D) and sequence b's j-th key is
     row j % page_size of block block_table[b, j // page_size]; cu_seqlens_k
     still gives the key counts. Only the pages in use are read (gathered
-    into one packed buffer first; the kernels do not read through the table
-    themselves yet). sinks (Hq,): attention sinks (a flash_metal extension).
+    into one packed buffer first: the paged prefill does not read through the
+    table itself yet). sinks (Hq,): attention sinks (a flash_metal extension).
     Returns out (total_q, Hq, D), or with return_attn_probs (out, lse (Hq, total_q), None).
     """
     what = "flash_attn_varlen_func"
@@ -138,11 +138,15 @@ def flash_attn_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Opti
     flash_metal.attention (a flash_metal extension).
     Returns out (B, Sq, Hq, D_v), and lse (B, Hq, Sq) with return_softmax_lse.
     No backward (as in flash-attn). num_splits is a hint only. A plain cache
-    is read in place: without cache_seqlens and cache_leftpad by the dense op
-    (on Metal the routing may pick the split-KV decode), otherwise by the
-    varlen op over the cache. A paged cache, or cache_batch_idx, gathers
-    the rows in use into one packed buffer first (O(N) memory; the kernels do
-    not read through the table themselves yet).
+    without cache_seqlens and cache_leftpad is read in place by the dense op
+    (on Metal the routing may pick the split-KV decode). A paged cache, or
+    cache_batch_idx (a table of one page per sequence), without
+    cache_leftpad goes to attention_kvcache_with_lse: on Metal, for Sq <= 8,
+    the decode kernels read K/V through the table, nothing copied; on CPU
+    and for longer q the rows in use are gathered into one packed buffer
+    (O(N) memory) for the varlen kernels. So does a plain cache with
+    cache_seqlens on Metal for Sq <= 8; otherwise a plain cache is read in
+    place by the varlen op, and with cache_leftpad a paged one is gathered.
     """
     what = "flash_attn_with_kvcache"
     _unsupported("rotary_cos", rotary_cos, what)
@@ -193,6 +197,21 @@ def flash_attn_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Opti
         with torch.no_grad():
             out, lse = ops.attention_with_lse(q.transpose(1, 2), k_cache[:B].transpose(1, 2),
                                               v_cache[:B].transpose(1, 2), causal, softmax_scale, **options)
+        out = out.transpose(1, 2).contiguous()
+        return (out, lse) if return_softmax_lse else out
+    # attention_kvcache: on Metal the decode kernels read K/V through the
+    # table (Nq <= 8), nothing copied; on CPU, and for longer q, the op
+    # gathers the rows in use for the varlen kernel. cache_batch_idx is a
+    # table of one page per sequence (the cache row), a plain cache the op's
+    # own (row b for batch b). A plain cache that the op would gather (CPU,
+    # or Sq > 8) is read in place by the varlen op below instead.
+    if leftpad is None and (not plain or (device.type == "mps" and sq <= 8)):
+        bt = block_table
+        if cache_batch_idx is not None:
+            bt = table.to(torch.int32)
+        with torch.no_grad():
+            out, lse = ops.attention_kvcache_with_lse(q.transpose(1, 2), k_cache, v_cache, lengths.to(torch.int32),
+                                                      bt, causal, softmax_scale, left, right, softcap, sinks)
         out = out.transpose(1, 2).contiguous()
         return (out, lse) if return_softmax_lse else out
     q_starts = torch.arange(B + 1, device=device, dtype=torch.int64) * sq

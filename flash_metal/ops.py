@@ -119,6 +119,32 @@ def attention_varlen(
     )[0]
 
 
+def attention_kvcache_with_lse(
+    q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens: Tensor, block_table: Optional[Tensor] = None,
+    causal: bool = False, scale: Optional[float] = None, window_left: int = -1, window_right: int = -1,
+    softcap: float = 0.0, sinks: Optional[Tensor] = None, impl: str = "auto",
+) -> Tuple[Tensor, Tensor]:
+    """Attention of q against a (paged) KV cache: the attention of flash-attn's flash_attn_with_kvcache.
+
+    q: (B, Hq, Nq, D). k_cache (num_blocks, page_size, Hkv, D) and v_cache
+    (..., D_v), flash-attn's layout, any page size from 1; block_table int32
+    (B, max_blocks): key j of sequence b is row j % page_size of block
+    block_table[b, j // page_size], pages in any order; None: a plain cache
+    (B_cache >= B, seqlen, Hkv, D), row b for sequence b. cache_seqlens int32
+    (B,): sequence b's keys are 0 .. cache_seqlens[b] - 1; nothing past them
+    is read (cache rows and table entries may hold anything). causal and the
+    window are bottom-right aligned to each sequence's length; softcap,
+    sinks and scale as in attention_with_lse. On Metal the decode kernels
+    read K/V through the table for Nq <= 8 (see explain(..., cache_seqlens=));
+    otherwise, and on CPU, the rows in use are gathered for the varlen
+    kernels. impl (Metal): "auto", "decode", "decode_split" or "prefill"
+    (the gather path). Forward only. Returns out (B, Hq, Nq, D_v) and lse
+    (B, Hq, Nq) float32.
+    """
+    return torch.ops.flash_metal.attention_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, causal, scale,
+                                                   window_left, window_right, softcap, sinks, impl)
+
+
 # The tensors of a launch, in the order of the plan's binding table
 # (LaunchTensor in csrc/metal_plan.h). partial_out and partial_stats are the
 # split-KV decode's float32 scratch; grad_* are the backward's, and delta its
@@ -200,7 +226,7 @@ def explain(
     lse: Optional[Tensor] = None, grad_lse: Optional[Tensor] = None, attn_mask: Optional[Tensor] = None,
     window_left: int = -1, window_right: int = -1, softcap: float = 0.0, cu_seqlens_q: Optional[Tensor] = None,
     cu_seqlens_k: Optional[Tensor] = None, max_seqlen_q: int = 0, max_seqlen_k: int = 0,
-    sinks: Optional[Tensor] = None,
+    sinks: Optional[Tensor] = None, block_table: Optional[Tensor] = None, cache_seqlens: Optional[Tensor] = None,
 ) -> MetalPlan:
     """Which Metal kernels attention() would launch for these inputs, and why.
 
@@ -215,11 +241,14 @@ def explain(
     in attention(); with cu_seqlens_q and cu_seqlens_k, the plan of
     attention_varlen (q, k, v packed (total, H, D)). sinks: the forward
     kernels' fc_has_sinks, and the backward's third dispatch, flash_sinks_grad.
+    With cache_seqlens (and block_table): attention_kvcache_with_lse's plan,
+    k and v being the caches: the decode kernels reading the table, or the
+    gather path's varlen plan (the reason says which).
     """
     varlen = cu_seqlens_q is not None
     args = ((q, k, v) if varlen else (_as_4d(q), _as_4d(k), _as_4d(v))) + (causal, scale, impl, gpu)
     extra = (backward, grad_out, out, lse, grad_lse, attn_mask, window_left, window_right, softcap, cu_seqlens_q,
-             cu_seqlens_k, max_seqlen_q, max_seqlen_k, sinks)
+             cu_seqlens_k, max_seqlen_q, max_seqlen_k, sinks, block_table, cache_seqlens)
     dispatches, count, i = [], 1, 0
     while i < count:
         (name, grid, tg, mem, mem_index, consts, indices, params_index, params, reason, count, scratch, max_threads,
@@ -274,6 +303,16 @@ def _attention_varlen_forward_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seql
     torch._check(k.dim() == 3 and v.dim() == 3, lambda: "k and v must be 3-D (total_tokens, heads, head_dim)")
     T, H, _ = q.shape
     return q.new_empty((T, H, v.shape[2])), q.new_empty((H, T), dtype=torch.float32)
+
+
+@torch.library.register_fake("flash_metal::attention_kvcache")
+def _attention_kvcache_fake(q, k_cache, v_cache, cache_seqlens, block_table=None, causal=False, scale=None,
+                            window_left=-1, window_right=-1, softcap=0.0, sinks=None, impl="auto"):
+    torch._check(q.dim() == 4, lambda: f"q must be 4-D (batch, heads, seq_len, head_dim); got {q.dim()}-D")
+    torch._check(k_cache.dim() == 4 and v_cache.dim() == 4,
+                 lambda: "k_cache and v_cache must be 4-D (num_blocks, page_size, kv_heads, head_dim)")
+    B, H, N, _ = q.shape
+    return q.new_empty((B, H, N, v_cache.shape[3])), q.new_empty((B, H, N), dtype=torch.float32)
 
 
 def _varlen_grads_like(t):

@@ -206,6 +206,47 @@ def emulated_metal_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max
     return out, lse
 
 
+def emulated_metal_kvcache(q, k_cache, v_cache, cache_seqlens, block_table=None, causal=False, scale=None,
+                           impl="auto", instrumented=False, window_left=-1, window_right=-1, softcap=0.0, sinks=None):
+    """attention_kvcache through the Metal emulator, as the MPS host runs it (attention_mps.mm).
+
+    The plan is the op's own (explain with cache_seqlens): the decode
+    kernels reading the table, bound to the caches themselves, block_table
+    and cache_seqlens (a plain cache: the op's table of row b per batch);
+    or, on the gather path, the varlen plan run on the rows in use gathered
+    as csrc/kvcache.cpp gathers them (flash_metal._kvcache, the same rule).
+    Returns (out (B, Hq, Nq, D_v), lse (B, Hq, Nq)), outputs poisoned with NaN.
+    """
+    options = dict(window_left=window_left, window_right=window_right, softcap=softcap, sinks=sinks)
+    plan = flash_metal.explain(q, k_cache, v_cache, causal, scale, impl, block_table=block_table,
+                               cache_seqlens=cache_seqlens, **options)
+    B, Hq, Nq, _ = q.shape
+    if "gather path" in plan.reason:
+        from flash_metal import _kvcache
+
+        table = (torch.arange(B)[:, None] if block_table is None else block_table).to(torch.int64)
+        lengths = cache_seqlens.to(torch.int64)
+        rows = _kvcache.rows_in_use(table, k_cache.shape[1], torch.zeros_like(lengths), lengths)
+        k, v = _kvcache.gather(k_cache, rows), _kvcache.gather(v_cache, rows)
+        cu_q = (torch.arange(B + 1) * Nq).to(torch.int32)
+        max_k = int(lengths.max()) if B else 0
+        out, lse = emulated_metal_varlen(q.transpose(1, 2).reshape(B * Nq, Hq, -1), k, v, cu_q,
+                                         _kvcache.cumulative(lengths), Nq, max_k, causal, scale,
+                                         instrumented=instrumented, **options)
+        return (out.view(B, Nq, Hq, -1).transpose(1, 2).contiguous(),
+                lse.view(Hq, B, Nq).permute(1, 0, 2).contiguous())
+    out = torch.full((B, Hq, Nq, v_cache.shape[3]), float("nan"), dtype=q.dtype)
+    lse = torch.full((B, Hq, Nq), float("nan"), dtype=torch.float32)
+    if block_table is None:
+        block_table = torch.arange(B, dtype=torch.int32)[:, None]
+    tensors = {"q": q, "k": k_cache, "v": v_cache, "out": out, "lse": lse, **_option_tensors(q, sinks=sinks),
+               "block_table": block_table, "cache_seqlens": cache_seqlens.contiguous()}
+    for name, n in plan.scratch.items():
+        tensors[name] = torch.full((max(n, 1),), float("nan"), dtype=torch.float32)
+    _run_plan(plan, tensors, instrumented, False)
+    return out, lse
+
+
 def emulated_metal_attention_backward(grad_out, q, k, v, out, lse, causal=False, scale=None, grad_lse=None,
                                       instrumented=False, fast_math=False, gpu="base", seed=0, attn_mask=None,
                                       window_left=-1, window_right=-1, softcap=0.0, cu_seqlens_q=None,

@@ -47,17 +47,27 @@ def _paginate(plain, lengths, page, g, spare=3, fill=NAN):
 
 
 class _GatherSpy:
-    """Counts the rows flash_metal._kvcache.gather reads (the proof the paged path ran)."""
+    """Counts the rows a paged call reads (the proof the paged path ran): the rows
+    flash_metal._kvcache.gather copies, and the rows in use (2 * sum(cache_seqlens), k
+    and v) of each attention_kvcache call, which reads those and no other
+    (tests/test_kvcache_op.py: NaN rows and poisoned table entries, the sanitizer)."""
 
     def __init__(self, monkeypatch):
+        from flash_metal import ops
+
         self.rows = 0
-        real = _kvcache.gather
+        real, real_op = _kvcache.gather, ops.attention_kvcache_with_lse
 
         def spy(cache, rows):
             self.rows += int(rows[0].numel())
             return real(cache, rows)
 
+        def op_spy(q, k_cache, v_cache, cache_seqlens, *args, **kwargs):
+            self.rows += 2 * int(cache_seqlens.sum())
+            return real_op(q, k_cache, v_cache, cache_seqlens, *args, **kwargs)
+
         monkeypatch.setattr(_kvcache, "gather", spy)
+        monkeypatch.setattr(ops, "attention_kvcache_with_lse", op_spy)
 
 
 def _plain_cache(B, S, Hkv, D, Dv, lengths, dtype, g):

@@ -2,6 +2,7 @@
 // the CPU flash kernels (attention_cpu.cpp, attention_backward_cpu.cpp).
 #include "kernels.h"
 
+#include "../kvcache.h"
 #include "../metal_plan.h"
 
 #include <torch/library.h>
@@ -27,6 +28,20 @@ void backward_kernel(const AttentionCall& c, const BackwardTensors& t, const Att
 
 FLASH_METAL_DEFINE_OPS(forward_kernel, backward_kernel)
 
+// attention_kvcache on CPU: the rows in use gathered through the table,
+// then the varlen flash kernel (csrc/kvcache.h, run_kvcache_gather).
+std::tuple<at::Tensor, at::Tensor> attention_kvcache_impl(
+    const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& cache_seqlens,
+    const std::optional<at::Tensor>& block_table, bool causal, std::optional<double> scale, int64_t window_left,
+    int64_t window_right, double softcap, const std::optional<at::Tensor>& sinks, c10::string_view impl) {
+  TORCH_CHECK_VALUE(impl == "auto", kKvCacheOpName, ": impl='", impl, "' selects a Metal kernel; tensors on cpu "
+                    "gather the rows in use for the CPU flash kernel, so impl must be 'auto'");
+  const KvCacheCall kc = check_kvcache_inputs(
+      q, k_cache, v_cache, cache_seqlens, block_table,
+      make_options(causal, scale, std::nullopt, window_left, window_right, softcap, sinks));
+  return run_kvcache_gather(kc, forward_kernel);
+}
+
 }  // namespace
 }  // namespace cpu
 }  // namespace flash_metal
@@ -34,4 +49,5 @@ FLASH_METAL_DEFINE_OPS(forward_kernel, backward_kernel)
 TORCH_LIBRARY_IMPL(flash_metal, CPU, m) {
   using namespace flash_metal::cpu;
   FLASH_METAL_REGISTER_OPS(m);
+  m.impl("attention_kvcache", &attention_kvcache_impl);
 }

@@ -18,6 +18,7 @@
 // profile_begin below).
 #include "attention_ops.h"
 #include "checks.h"
+#include "kvcache.h"
 #include "metal_plan.h"
 #include "library.h"
 
@@ -38,6 +39,7 @@ namespace {
 
 constexpr const char* kForwardOp = "flash_metal.attention_forward";
 constexpr const char* kBackwardOp = "flash_metal.attention_backward";
+constexpr const char* kKvCacheOp = kKvCacheOpName;
 
 // The MTLBuffer behind an MPS tensor: PyTorch's MPS allocator hands out the
 // buffer object itself as the storage's data pointer (the same cast as
@@ -203,7 +205,7 @@ void put_options(const AttentionCall& c, const at::Tensor& sinks32, LaunchTensor
   put(LaunchTensor::CuSeqlensQ, c.p.varlen ? c.cu_seqlens_q : c.q);
   put(LaunchTensor::CuSeqlensK, c.p.varlen ? c.cu_seqlens_k : c.q);
   put(LaunchTensor::Sinks, sinks32.defined() ? sinks32 : c.q);
-  put(LaunchTensor::BlockTable, c.q);  // the decode kernels' paged cache: not through this op (fc_paged false)
+  put(LaunchTensor::BlockTable, c.q);  // the decode kernels' paged cache: attention_kvcache binds it (encode_forward)
   put(LaunchTensor::CacheSeqlens, c.q);
 }
 
@@ -222,7 +224,12 @@ LaunchStrides launch_strides(const AttentionCall& c, const at::Tensor& out4, con
 }
 
 // attention_forward and attention_varlen_forward on MPS: plan, then encode.
-void forward_kernel(const AttentionCall& c, const AttentionOutputs& o, const std::string& impl) {
+// With kc (attention_kvcache's decode route): c is kc->c, k and v its
+// (num_blocks, Hkv, page_size, D) views of the caches, and the table and
+// lengths are bound at their slots (the plan sets fc_paged, page_size and
+// table_stride: csrc/metal_launch.cpp).
+void encode_forward(const AttentionCall& c, const AttentionOutputs& o, const std::string& impl, const KvCacheCall* kc,
+                    const char* op) {
   // --- Everything that can throw or touch PyTorch happens here, first. ---
   const KernelRequest request = parse_kernel_request(impl);
   id<MTLDevice> device = at::mps::MPSDevice::getInstance()->device();
@@ -242,7 +249,15 @@ void forward_kernel(const AttentionCall& c, const AttentionOutputs& o, const std
   put(LaunchTensor::PartialStats, partial_stats);
   const at::Tensor sinks32 = sinks_as_float32(c);
   put_options(c, sinks32, &tensors);
-  encode_plan(plan, tensors, device, {c.q, c.k, c.v}, kForwardOp);
+  if (kc != nullptr) {
+    put(LaunchTensor::BlockTable, kc->block_table);
+    put(LaunchTensor::CacheSeqlens, kc->cache_seqlens);
+  }
+  encode_plan(plan, tensors, device, {c.q, c.k, c.v}, op);
+}
+
+void forward_kernel(const AttentionCall& c, const AttentionOutputs& o, const std::string& impl) {
+  encode_forward(c, o, impl, nullptr, kForwardOp);
 }
 
 // attention_backward and attention_varlen_backward: the two kernels of
@@ -292,8 +307,30 @@ void backward_kernel(const AttentionCall& c, const BackwardTensors& t, const Att
 
 FLASH_METAL_DEFINE_OPS(forward_kernel, backward_kernel)
 
+// attention_kvcache on MPS: the decode kernels read the table for Nq <= 8
+// (kvcache_reads_table, csrc/metal_routing.cpp); otherwise the rows in use
+// are gathered (PyTorch MPS ops, before any encoding) for the varlen plan.
+std::tuple<at::Tensor, at::Tensor> attention_kvcache_impl(
+    const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& cache_seqlens,
+    const std::optional<at::Tensor>& block_table, bool causal, std::optional<double> scale, int64_t window_left,
+    int64_t window_right, double softcap, const std::optional<at::Tensor>& sinks, c10::string_view impl) {
+  const KvCacheCall kc = check_kvcache_inputs(
+      q, k_cache, v_cache, cache_seqlens, block_table,
+      make_options(causal, scale, std::nullopt, window_left, window_right, softcap, sinks));
+  std::string why;
+  if (!kvcache_reads_table(kc.c.p, parse_kernel_request(std::string(impl)), &why)) {
+    return run_kvcache_gather(kc, forward_kernel);
+  }
+  return run_forward_op(kc.c, impl, [&](const AttentionCall& c, const AttentionOutputs& o, const std::string& i) {
+    encode_forward(c, o, i, &kc, kKvCacheOp);
+  });
+}
+
 }  // namespace
 
-TORCH_LIBRARY_IMPL(flash_metal, MPS, m) { FLASH_METAL_REGISTER_OPS(m); }
+TORCH_LIBRARY_IMPL(flash_metal, MPS, m) {
+  FLASH_METAL_REGISTER_OPS(m);
+  m.impl("attention_kvcache", &attention_kvcache_impl);
+}
 
 }  // namespace flash_metal::mps
