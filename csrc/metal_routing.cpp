@@ -150,6 +150,45 @@ uint32_t resident_on_every_chip(uint32_t simdgroups, uint32_t bytes, uint32_t li
   return least;
 }
 
+// The backward's blocks for one bucket (choose_backward's search, below).
+struct BackwardBlocks {
+  uint32_t resident = 0, parts = 0, own = 0, streamed = 0;
+  bool recompute = false;
+};
+
+BackwardBlocks backward_blocks(uint32_t bucket, c10::ScalarType dtype) {
+  const auto better = [](const BackwardBlocks& a, const BackwardBlocks& b) {
+    if (a.resident != b.resident) return a.resident > b.resident;
+    if (a.recompute != b.recompute) return !a.recompute;
+    if (a.parts != b.parts) return a.parts < b.parts;
+    if (a.own != b.own) return a.own > b.own;
+    return a.streamed > b.streamed;
+  };
+  BackwardBlocks best;
+  for (uint32_t parts : {1u, 2u, 3u, 4u, 8u}) {
+    if (bucket % (8 * parts) != 0) continue;
+    for (uint32_t own : {64u, 32u, 16u, 8u}) {
+      const uint32_t simdgroups = own / 8 * parts;
+      const uint32_t threads = 32 * simdgroups;
+      if (threads > uint32_t{kBackwardMaxThreads}) continue;
+      for (uint32_t streamed : {32u, 16u, 8u}) {
+        const uint32_t bytes = backward_threadgroup_memory(own, streamed, bucket, dtype, parts);
+        const uint32_t live = std::max(dq_live_floats(bucket, streamed, parts),
+                                       dkdv_live_floats(bucket, streamed, parts)) + kLiveOverhead;
+        // The general loader gives every thread the same number of elements.
+        const bool even = own * bucket % threads == 0 && streamed * bucket % threads == 0;
+        if (bytes > kMaxThreadgroupMemory || live > kBackwardRegisterBudget || !even) continue;
+        // Parts whose split-K scratch does not fit recompute S and dP instead.
+        const bool recompute = parts > 1 && backward_partials_bytes(own, streamed, bucket, dtype, parts) == 0;
+        BackwardBlocks cand{std::min(kResidentTarget, resident_on_every_chip(simdgroups, bytes, live)), parts,
+                            own, streamed, recompute};
+        if (best.parts == 0 || better(cand, best)) best = cand;
+      }
+    }
+  }
+  return best;
+}
+
 KernelChoice choose_backward(const AttentionProblem& p, KernelRequest requested) {
   TORCH_CHECK_VALUE(requested == KernelRequest::Auto, "flash_metal.attention_backward: impl must be 'auto' (the "
                     "backward has one kernel family, flash_backward_dq + flash_backward_dkdv); got '",
@@ -169,52 +208,41 @@ KernelChoice choose_backward(const AttentionProblem& p, KernelRequest requested)
   // candidate keeps both kernels' live values (accumulators, one block of P
   // and dP, kLiveOverhead) within the register budget, its four tiles and
   // the parts' scratch within 32 KiB and within kBackwardMaxThreads. Among
-  // them, in order:
+  // them, in order (backward_blocks):
   //  1. resident SIMD-groups per core, on the chip that holds fewest, up to
   //     kResidentTarget (the 32 KiB cores of Apple 9 bind first);
   //  2. split-K over recomputation (a part recomputes S and dP only where
-  //     the scratch does not fit: float32 at D = 256);
+  //     the scratch does not fit: float32 at D = 80 and 256);
   //  3. the fewest parts (the least scratch, partial-sum reads and barriers);
   //  4. the largest R: the streamed side is re-read once per R owned rows,
   //     so R sets the memory traffic (K/V reads of the dQ kernel);
   //  5. the largest S (MMAs per barrier pair).
+  // A bucket none of whose blocks reaches kResidentTarget runs in the next
+  // bucket that does (zero-padded): float32 at 72, whose 9 fragments split
+  // only into 3 parts, where the split-K scratch costs the second
+  // threadgroup on 32 KiB cores (16,16,3: 6 resident), runs 80's 32,16,2
+  // (8 resident, recomputing: 11/7 x 80/72 the products of 72's split-K,
+  // half its K/V re-reads; modelled 1.03-1.12x faster on M1, M3 Max,
+  // M4 Pro, M5 at 1 x 8 x 1024; no instantiation of its own).
   // The result, float16/bfloat16 | float32 (R, S, F), 8 resident
-  // SIMD-groups per core except float32 at 72 (6: its scratch costs the
-  // second threadgroup on 32 KiB cores; recomputing parts would keep 12 at
-  // (4F + 3) / 7 = 2.1x the products), shaders/attention.metal instantiates it:
-  //   D = 32: 64,32,1 | 64,32,1   64: 64,32,1 | 32,16,2   72: 64,32,1 | 16,16,3
-  //   D = 80: 64,32,1 | 32,16,2   96: 64,16,1 | 16,16,4   128: 32,16,2 | 16,8,4
+  // SIMD-groups per core on every named chip, shaders/attention.metal
+  // instantiates it:
+  //   D = 32: 64,32,1 | 64,32,1   64: 64,32,1 | 32,16,2   72: 64,32,1 | (80's)
+  //   D = 80: 64,32,1 | 32,16,2 (recomputing)   96: 64,16,1 | 16,16,4   128: 32,16,2 | 16,8,4
   //   D = 256: 16,8,4 | 8,8,8 (recomputing: no room for the scratch)
   // Tiles keep their 16-byte row padding where it fits (backward_row_pad).
-  const uint32_t budget = kBackwardRegisterBudget;
-  struct Best { uint32_t resident = 0, parts = 0, own = 0, streamed = 0; bool recompute = false; } best;
-  const auto better = [](const Best& a, const Best& b) {
-    if (a.resident != b.resident) return a.resident > b.resident;
-    if (a.recompute != b.recompute) return !a.recompute;
-    if (a.parts != b.parts) return a.parts < b.parts;
-    if (a.own != b.own) return a.own > b.own;
-    return a.streamed > b.streamed;
-  };
-  for (uint32_t parts : {1u, 2u, 3u, 4u, 8u}) {
-    if (c.bucket % (8 * parts) != 0) continue;
-    for (uint32_t own : {64u, 32u, 16u, 8u}) {
-      const uint32_t simdgroups = own / 8 * parts;
-      const uint32_t threads = 32 * simdgroups;
-      if (threads > uint32_t{kBackwardMaxThreads}) continue;
-      for (uint32_t streamed : {32u, 16u, 8u}) {
-        const uint32_t bytes = backward_threadgroup_memory(own, streamed, c.bucket, p.dtype, parts);
-        const uint32_t live = std::max(dq_live_floats(c.bucket, streamed, parts),
-                                       dkdv_live_floats(c.bucket, streamed, parts)) + kLiveOverhead;
-        // The general loader gives every thread the same number of elements.
-        const bool even = own * c.bucket % threads == 0 && streamed * c.bucket % threads == 0;
-        if (bytes > kMaxThreadgroupMemory || live > budget || !even) continue;
-        // Parts whose split-K scratch does not fit recompute S and dP instead.
-        const bool recompute = parts > 1 && backward_partials_bytes(own, streamed, c.bucket, p.dtype, parts) == 0;
-        Best cand{std::min(kResidentTarget, resident_on_every_chip(simdgroups, bytes, live)), parts,
-                  own, streamed, recompute};
-        if (best.parts == 0 || better(cand, best)) best = cand;
-      }
-    }
+  BackwardBlocks best = backward_blocks(c.bucket, p.dtype);
+  std::string wider;
+  for (uint32_t bucket : kFastHeadDimBuckets) {
+    if (best.resident >= kResidentTarget) break;
+    if (bucket <= c.bucket) continue;
+    const BackwardBlocks next = backward_blocks(bucket, p.dtype);
+    if (next.parts == 0 || next.resident <= best.resident) continue;
+    wider = "; the " + std::to_string(c.bucket) + "-wide blocks reach only " + std::to_string(best.resident) +
+            " resident simdgroups per core on some named chip, so the " + std::to_string(bucket) +
+            "-wide instantiation runs instead";
+    c.bucket = bucket;
+    best = next;
   }
   TORCH_CHECK(best.parts != 0, "flash_metal.attention_backward: internal error: no block size fits head_dim ",
               p.head_dim);
@@ -256,7 +284,7 @@ KernelChoice choose_backward(const AttentionProblem& p, KernelRequest requested)
   }
   c.reason += " (within the " + std::to_string(kBackwardRegisterBudget) + "-value register budget, " +
               std::to_string(best.resident) + " resident simdgroups per core on every named chip)";
-  c.reason += padding_note(p.head_dim, c.bucket);
+  c.reason += wider + padding_note(p.head_dim, c.bucket);
   return c;
 }
 

@@ -84,8 +84,9 @@
 // accumulators, a SIMD-group each (WM = R / 8 * F), with both kernels'
 // live values within the 72-value register budget, the tiles and the
 // parts' split-K scratch within 32 KiB, and 8 resident SIMD-groups per core
-// on every named chip (6 for float32 at 72: the scratch costs the second
-// threadgroup; float32 at 256 recomputes instead, its scratch not fitting).
+// on every named chip (float32 at 80 and 256 recomputes instead, the scratch
+// not fitting). float32 has no 72: its blocks there (16,16,3) hold 6 resident
+// SIMD-groups, so head dims 65-72 run zero-padded in 80's (choose_backward).
 #define FM_BACKWARD(tname, T, D, R, S, F, WM)                                                        \
   FM_INSTANTIATE("flash_backward_dq_" #tname "_d" #D "_bq" #R "_bk" #S "_wm" #WM "_ds" #F,          \
                  flash_backward_dq<T, D, R, S, WM, F>)                                              \
@@ -104,7 +105,6 @@
 #define FM_BACKWARD_FLOAT_ALL_D(tname, T)  \
   FM_BACKWARD(tname, T, 32, 64, 32, 1, 8)  \
   FM_BACKWARD(tname, T, 64, 32, 16, 2, 8)  \
-  FM_BACKWARD(tname, T, 72, 16, 16, 3, 6)  \
   FM_BACKWARD(tname, T, 80, 32, 16, 2, 8)  \
   FM_BACKWARD(tname, T, 96, 16, 16, 4, 8)  \
   FM_BACKWARD(tname, T, 128, 16, 8, 4, 8)  \

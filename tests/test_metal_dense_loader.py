@@ -169,12 +169,16 @@ def test_backward_both_loaders_match_the_oracle(dtype, D, layout):
     g = torch.Generator().manual_seed(1)
     q, k, v = make_qkv(1, 4, 2, 45, 38, D, dtype, layout, generator=g)
     dout = make_tensor((1, 4, 45, D), layout, dtype, g)
-    dense = layout == "transposed"
-    assert dense_expected(q, k, v, dout) is dense
+    assert dense_expected(q, k, v, dout) is (layout == "transposed")
+    # float32's backward runs head dims 65-72 in its 80-wide kernels (choose_backward:
+    # 72's blocks hold 6 resident SIMD-groups), where D = 72 is padding: the general path.
+    wider = dtype == torch.float32 and D == 72
+    dense = layout == "transposed" and not wider
     out, lse = torch.ops.flash_metal.attention_forward(q, k, v, True, None, "auto")
     grads = emulated_metal_attention_backward(dout, q, k, v, out, lse, causal=True)
     assert len(LAST_DISPATCHES) == 2
     for d, counts in LAST_DISPATCHES:
+        assert ("_d80_" in d.kernel_name) == wider
         check_path(d, counts, dense, dtype)
     assert_gradients_close(grads, q, k, v, dout, True)
 

@@ -194,7 +194,7 @@ CHIPS = ("m1", "m1-pro", "m1-max", "m1-ultra", "m2", "m2-pro", "m2-max", "m2-ult
 # backward plan (kResidentTarget).
 REGISTER_BUDGET = 72
 RESIDENT_TARGET = 8
-GRID_DIMS = (64, 80, 96, 128, 256)
+GRID_DIMS = (32, 64, 72, 80, 96, 128, 256)  # every head-dim bucket (csrc/metal_plan.h)
 
 
 def _misses(dispatches, chip):
@@ -210,7 +210,8 @@ def test_prefill_and_backward_plans_meet_the_budget_and_occupancy_on_every_chip(
     # the model grid on every named chip, causal or not, aligned or ragged:
     # at most 72 live values per lane, at least 8 resident SIMD-groups per
     # core (the planner's estimate from registers and threadgroup memory),
-    # within the declared thread limit. No exemption.
+    # within the declared thread limit. No exemption: float32 at 72, whose
+    # own blocks hold 6, runs 80's (planted: without that, this fails there).
     misses, seen = [], set()
     for dtype, d, chip, causal, n in itertools.product(DTYPES, GRID_DIMS, CHIPS, (False, True), (1024, 1000)):
         q, k, v = _qkv(2, 8, 2, n, n, d, dtype)
