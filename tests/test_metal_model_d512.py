@@ -1,0 +1,49 @@
+"""Head dim 512 on Metal (issue 20, section 3): the model's verdict on a fused
+plan, from exact emulator counts of the prefill template at D = 512
+(benchmarks/metal_model_d512.py, tests/prefill_d512_probe.metal), and the
+planner's refusal that follows from it."""
+import math
+
+import pytest
+import torch
+
+import flash_metal
+from benchmarks import metal_model as M
+from benchmarks import metal_model_d512 as W
+from numerics import assert_attention_close
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_probe_computes_attention_at_d512(causal):
+    # The counts below are of a kernel that computes the right thing: every
+    # element written (out poisoned with NaN by run_probe), 2x rule vs float64.
+    g = torch.Generator().manual_seed(11)
+    q, k, v = (torch.randn(1, 2, 37, 512, generator=g).to(torch.float16) for _ in range(3))
+    out, lse, counts, _ = W.run_probe(q, k, v, causal, *W.PLANS[0])
+    assert counts.simdgroup_mmas > 0 and not out.isnan().any()
+    assert_attention_close(out, lse, q, k, v, causal, 1 / math.sqrt(512))
+
+
+def test_params_layout_is_parsed_from_the_header():
+    offsets = W.params_offsets()
+    assert offsets["q_batch_stride"] == (0, "int64_t")
+    assert offsets["o_batch_stride"][0] == 12 * 8  # the 13th int64 field
+    # head_dim follows the 19 int64 strides and 6 int32 sizes.
+    assert offsets["head_dim"] == (19 * 8 + 6 * 4, "int32_t")
+
+
+def test_fused_d512_is_predicted_slower_than_unfused_so_it_is_not_routed():
+    # The issue's gate: a fused D = 512 plan is routed only where the model
+    # puts it ahead of unfused. The legal fused plan (8 x 8 blocks, 8 feature
+    # parts) is predicted 2-3x slower when not causal on M3 and later, even
+    # at the fast end of its band...
+    s = M.Shape(1, 8, 8, 1024, 1024, 512)
+    for chip in ("M3 Max", "M4 Pro", "M5 (10-core)"):
+        r = W.compare(s, False, chip)
+        assert r["fused"][0] > 1.5 * r["unfused"], (chip, r)
+        assert r["bound"] == "compute"  # the serial section of each 8 x 8 block, not bandwidth
+    # ... so the planner refuses head dims above 256 on Metal, naming the limit.
+    one = torch.empty(1, 1, 1, 512, dtype=torch.float16)
+    q = one.expand(1, 8, 1024, 512)
+    with pytest.raises(NotImplementedError, match="head_dim 512"):
+        flash_metal.explain(q, q, q, False, None, "auto")
