@@ -23,6 +23,7 @@ enum class KernelRequest {
   Prefill,      // FlashAttention-2 on simdgroup matrices (shaders/attention_prefill.h)
   Decode,       // token generation, Nq <= 8: one pass over the keys (shaders/attention_decode.h)
   DecodeSplit,  // token generation, Nq <= 8: split-KV partials, then a merge pass
+  Composite,    // no kernel of ours: chunked ATen matmuls and softmax (csrc/composite.h)
 };
 
 // Which pass a plan is for: attention_forward, or attention_backward (the

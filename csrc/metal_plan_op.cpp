@@ -6,6 +6,7 @@
 // test suite's emulated-Metal backend feeds its result to the Metal emulator.
 #include "attention_ops.h"
 #include "checks.h"
+#include "composite.h"
 #include "kvcache.h"
 #include "metal_plan.h"
 
@@ -64,6 +65,13 @@ metal_plan(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool c
   }
   const AttentionProblem& p = call.p;
   const GpuSpec gpu_spec = parse_gpu(std::string(gpu));
+  // The composite path launches no kernel of ours: an empty plan (count 0)
+  // with the reason (the emulated backend runs it as impl='composite' on CPU).
+  std::string composite_why;
+  if (composite_route(p, request, backward ? MetalPass::Backward : MetalPass::Forward, &composite_why)) {
+    return {"", {}, {}, 0, 0, c10::List<bool>(), std::vector<int64_t>(kLaunchTensorCount, -1), 0,
+            at::empty({0}, at::kByte), route + composite_why, 0, {0, 0, 0}, 0, {0, 0, 0}, "", gpu_spec.name};
+  }
   // The outputs the forward allocates are packed (allocate_outputs); describe
   // them so. The backward reads out, lse, grad_out and grad_lse as the
   // caller passes them (any strides): their strides when given, packed when not.

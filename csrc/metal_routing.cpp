@@ -18,8 +18,10 @@ KernelRequest parse_kernel_request(const std::string& kernel) {
   if (kernel == "prefill") return KernelRequest::Prefill;
   if (kernel == "decode") return KernelRequest::Decode;
   if (kernel == "decode_split") return KernelRequest::DecodeSplit;
+  if (kernel == "composite") return KernelRequest::Composite;
   TORCH_CHECK_VALUE(false, kOp,
-                    ": impl must be one of 'auto', 'untiled', 'tiled', 'prefill', 'decode', 'decode_split'; got '",
+                    ": impl must be one of 'auto', 'untiled', 'tiled', 'prefill', 'decode', 'decode_split', "
+                    "'composite'; got '",
                     kernel, "'");
 }
 
@@ -32,6 +34,7 @@ const char* request_name(KernelRequest r) {
     case KernelRequest::Prefill: return "prefill";
     case KernelRequest::Decode: return "decode";
     case KernelRequest::DecodeSplit: return "decode_split";
+    case KernelRequest::Composite: return "composite";
     default: return "auto";
   }
 }
@@ -300,6 +303,14 @@ bool kvcache_reads_table(const AttentionProblem& p, KernelRequest requested, std
                     request_name(requested), "' serves at most ", kMaxDecodeRows, " query rows; got ", p.q_len,
                     " (use impl='auto' or 'prefill')");
   const std::string pages = std::to_string(p.page_size) + "-key pages";
+  const int64_t widest = kFastHeadDimBuckets.back();
+  if (requested == KernelRequest::Auto && (p.head_dim > widest || p.head_dim_v > widest)) {
+    *why = "paged KV cache, gather path (head dims " + std::to_string(p.head_dim) + " / " +
+           std::to_string(p.head_dim_v) + " exceed the decode kernels' widest bucket, " + std::to_string(widest) +
+           "): each sequence's rows in use, through the table of " + pages + ", copied into packed K/V buffers, "
+           "then the varlen plan: ";
+    return false;
+  }
   if (requested == KernelRequest::Prefill || p.q_len > kMaxDecodeRows) {
     *why = "paged KV cache, gather path (" +
            (requested == KernelRequest::Prefill ? std::string("impl='prefill'")
@@ -317,6 +328,8 @@ bool kvcache_reads_table(const AttentionProblem& p, KernelRequest requested, std
 
 KernelChoice choose_metal_kernel(const AttentionProblem& p, KernelRequest requested, const GpuSpec& gpu,
                                  MetalPass pass) {
+  TORCH_CHECK(requested != KernelRequest::Composite, "flash_metal: impl='composite' is routed before planning "
+              "(composite_route, csrc/composite.h)");
   // No Metal kernel takes a v head dim of its own (MLA-style D_qk != D_v, issue 20 §2): every
   // Metal kernel sizes its Q, K, V and O tiles by one head-dim bucket.
   TORCH_CHECK_NOT_IMPLEMENTED(p.head_dim_v == p.head_dim, "flash_metal: q/k head dim D_qk = ", p.head_dim,

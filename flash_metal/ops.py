@@ -11,7 +11,7 @@ from typing import Dict, NamedTuple, Optional, Tuple
 import torch
 from torch import Tensor
 
-_IMPLS = ("auto", "untiled", "tiled", "prefill", "decode", "decode_split")
+_IMPLS = ("auto", "untiled", "tiled", "prefill", "decode", "decode_split", "composite")
 
 
 def _as_4d(x: Tensor) -> Tensor:
@@ -253,6 +253,8 @@ def explain(
     while i < count:
         (name, grid, tg, mem, mem_index, consts, indices, params_index, params, reason, count, scratch, max_threads,
          estimate, limit, gpu_name) = torch.ops.flash_metal.metal_plan(*args, i, *extra)
+        if count == 0:  # the composite path (csrc/composite.h): no kernel of ours, only the reason
+            break
         buffers = {t: n for t, n in zip(_LAUNCH_TENSORS, indices) if n >= 0}
         dispatches.append(
             MetalDispatch(name, tuple(grid), tuple(tg), mem, mem_index, tuple(consts), buffers, params_index, params,

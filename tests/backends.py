@@ -148,6 +148,9 @@ def metal_library(instrumented: bool, fast_math: bool = False):
 # What each dispatch of the last emulated call reported (the emulator's
 # per-dispatch counts), for the counting tests and benchmarks.metal_model.
 LAST_DISPATCHES: list = []
+# The reasons of the emulated calls that ran the composite path (no kernel of
+# ours: csrc/composite.h), for the tests that prove it ran.
+COMPOSITE_RUNS: list = []
 
 
 def _option_tensors(q, attn_mask=None, cu_seqlens_q=None, cu_seqlens_k=None, sinks=None):
@@ -176,6 +179,9 @@ def emulated_metal_attention(q, k, v, causal=False, scale=None, impl="auto", ins
     options = dict(attn_mask=attn_mask, window_left=window_left, window_right=window_right, softcap=softcap,
                    sinks=sinks)
     plan = flash_metal.explain(q, k, v, causal, scale, impl, gpu, **options)
+    if not plan.dispatches:  # the composite path: the op's own code (csrc/composite.cpp) on CPU tensors
+        COMPOSITE_RUNS.append(plan.reason)
+        return flash_metal.attention_with_lse(q, k, v, causal, scale, "composite", **options)
     B, H, N, D = q.shape
     # Outputs and scratch poisoned with NaN: an element never written stays NaN.
     out = torch.full((B, H, N, D), float("nan"), dtype=q.dtype)
@@ -195,6 +201,11 @@ def emulated_metal_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max
                   max_seqlen_k=max_seqlen_k)
     plan = flash_metal.explain(q, k, v, causal, scale, impl, window_left=window_left, window_right=window_right,
                                softcap=softcap, sinks=sinks, **varlen)
+    if not plan.dispatches:  # the composite path (see emulated_metal_attention)
+        COMPOSITE_RUNS.append(plan.reason)
+        return flash_metal.attention_varlen_with_lse(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                                     causal, scale, window_left, window_right, softcap, "composite",
+                                                     sinks)
     T, H, D = q.shape
     out = torch.full((T, H, D), float("nan"), dtype=q.dtype)
     lse = torch.full((H, T), float("nan"), dtype=torch.float32)
@@ -262,6 +273,17 @@ def emulated_metal_attention_backward(grad_out, q, k, v, out, lse, causal=False,
                    max_seqlen_k=max_seqlen_k, sinks=sinks)
     plan = flash_metal.explain(q, k, v, causal, scale, "auto", gpu, backward=True, grad_out=grad_out, out=out,
                                lse=lse, grad_lse=grad_lse, **options)
+    if not plan.dispatches:  # the composite path (see emulated_metal_attention)
+        COMPOSITE_RUNS.append(plan.reason)
+        if cu_seqlens_q is None:
+            grads = torch.ops.flash_metal.attention_backward(grad_out, q, k, v, out, lse, causal, scale, grad_lse,
+                                                             "composite", attn_mask, window_left, window_right,
+                                                             softcap, sinks)
+        else:
+            grads = torch.ops.flash_metal.attention_varlen_backward(
+                grad_out, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale,
+                grad_lse, window_left, window_right, softcap, "composite", sinks)
+        return tuple(grads) if sinks is not None else tuple(grads[:3])
     # Gradients and scratch poisoned with NaN: an element never written stays NaN.
     if cu_seqlens_q is None:
         grads = [torch.full(t.shape, float("nan"), dtype=t.dtype) for t in (q, k, v)]

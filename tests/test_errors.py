@@ -70,7 +70,7 @@ def test_bad_scale(scale):
 def test_unknown_kernel_name():
     a = good()
     with pytest.raises(ValueError, match=r"impl must be one of 'auto', 'untiled', 'tiled', 'prefill', 'decode', "
-                                         r"'decode_split'; got 'fast'"):
+                                         r"'decode_split', 'composite'; got 'fast'"):
         OP(a["q"], a["k"], a["v"], False, None, "fast")
 
 

@@ -229,17 +229,27 @@ def test_bad_backward_shapes_are_named():
 
 @pytest.mark.parametrize("backward", [False, True], ids=["forward", "backward"])
 def test_metal_plan_refuses_different_dims(backward):
-    # No Metal kernel takes D_v != D_qk (or D > 256) yet: every plan (the MPS
-    # host's and explain()'s) is refused, never planned with one head dim.
+    # No Metal forward kernel takes D_v != D_qk yet: that plan is refused,
+    # never planned with one head dim. The backward, and any D above 256,
+    # run the composite path instead (csrc/composite.h, tests/test_composite.py):
+    # an empty plan whose reason says why.
     q = torch.randn(1, 4, 16, 192, dtype=torch.float16)
     k = torch.randn(1, 2, 16, 192, dtype=torch.float16)
-    with pytest.raises(NotImplementedError, match=r"D_qk = 192 different from v's D_v = 128 on Metal kernels: not "
-                                                  r"yet \(" + ("backward" if backward else "forward")):
-        flash_metal.explain(q, k, torch.randn(1, 2, 16, 128, dtype=torch.float16), backward=backward)
-    flash_metal.explain(q, k, torch.randn(1, 2, 16, 192, dtype=torch.float16), backward=backward)  # equal: planned
+    v128 = torch.randn(1, 2, 16, 128, dtype=torch.float16)
+    if backward:
+        plan = flash_metal.explain(q, k, v128, backward=True)
+        assert plan.dispatches == () and plan.reason.startswith("composite (backward): D_qk = 192 differs")
+    else:
+        with pytest.raises(NotImplementedError, match=r"D_qk = 192 different from v's D_v = 128 on Metal kernels: "
+                                                      r"not yet \(forward"):
+            flash_metal.explain(q, k, v128)
+    assert flash_metal.explain(q, k, torch.randn(1, 2, 16, 192, dtype=torch.float16), backward=backward).dispatches
     wide = torch.randn(1, 2, 16, 320, dtype=torch.float16)
+    plan = flash_metal.explain(torch.randn(1, 4, 16, 320, dtype=torch.float16), wide, wide, backward=backward)
+    assert plan.dispatches == () and "head dims 320 / 320 exceed the widest fused bucket (256)" in plan.reason
     with pytest.raises(NotImplementedError, match=r"head_dim 320 on Metal kernels: not yet \(at most 256"):
-        flash_metal.explain(torch.randn(1, 4, 16, 320, dtype=torch.float16), wide, wide, backward=backward)
+        flash_metal.explain(torch.randn(1, 4, 16, 320, dtype=torch.float16), wide, wide, impl="prefill",
+                            backward=backward)
 
 
 def test_sdpa_drop_in_takes_its_own_value_dim():

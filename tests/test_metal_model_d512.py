@@ -1,7 +1,7 @@
 """Head dim 512 on Metal (issue 20, section 3): the model's verdict on a fused
 plan, from exact emulator counts of the prefill template at D = 512
 (benchmarks/metal_model_d512.py, tests/prefill_d512_probe.metal), and the
-planner's refusal that follows from it."""
+planner's routing that follows from it (the composite path)."""
 import math
 
 import pytest
@@ -42,8 +42,11 @@ def test_fused_d512_is_predicted_slower_than_unfused_so_it_is_not_routed():
         r = W.compare(s, False, chip)
         assert r["fused"][0] > 1.5 * r["unfused"], (chip, r)
         assert r["bound"] == "compute"  # the serial section of each 8 x 8 block, not bandwidth
-    # ... so the planner refuses head dims above 256 on Metal, naming the limit.
+    # ... so the planner routes head dims above 256 on Metal to the composite
+    # (unfused, chunked) path and says why; asking for a fused kernel is refused.
     one = torch.empty(1, 1, 1, 512, dtype=torch.float16)
     q = one.expand(1, 8, 1024, 512)
+    plan = flash_metal.explain(q, q, q, False, None, "auto")
+    assert plan.dispatches == () and "predicted 2-3x slower than unfused" in plan.reason
     with pytest.raises(NotImplementedError, match="head_dim 512"):
-        flash_metal.explain(q, q, q, False, None, "auto")
+        flash_metal.explain(q, q, q, False, None, "prefill")

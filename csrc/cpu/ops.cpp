@@ -2,6 +2,7 @@
 // the CPU flash kernels (attention_cpu.cpp, attention_backward_cpu.cpp).
 #include "kernels.h"
 
+#include "../composite.h"
 #include "../kvcache.h"
 #include "../metal_plan.h"
 
@@ -11,17 +12,23 @@ namespace flash_metal {
 namespace cpu {
 namespace {
 
+// impl='composite' runs the composite path (csrc/composite.h) on CPU
+// tensors: the code the MPS op runs where no fused kernel serves, testable here.
 void forward_kernel(const AttentionCall& c, const AttentionOutputs& o, const std::string& impl) {
-  TORCH_CHECK_VALUE(parse_kernel_request(impl) == KernelRequest::Auto, "flash_metal.attention_forward: impl='", impl,
-                    "' selects a Metal kernel; tensors on cpu run the CPU flash kernel, so impl must be 'auto'");
+  const KernelRequest request = parse_kernel_request(impl);
+  if (request == KernelRequest::Composite) return composite_forward(c, o);
+  TORCH_CHECK_VALUE(request == KernelRequest::Auto, "flash_metal.attention_forward: impl='", impl,
+                    "' selects a Metal kernel; tensors on cpu run the CPU flash kernel, so impl must be 'auto' (or "
+                    "'composite')");
   attention_forward(c, o);
 }
 
 void backward_kernel(const AttentionCall& c, const BackwardTensors& t, const AttentionGradients& g,
                      const std::string& impl) {
+  if (impl == "composite") return composite_backward(c, t, g);
   TORCH_CHECK_VALUE(impl == "auto", "flash_metal.attention_backward: impl='", impl,
                     "' is not available for tensors on cpu, which run the CPU flash backward kernel; impl must be "
-                    "'auto'");
+                    "'auto' (or 'composite')");
   attention_backward(c, t, g);
   if (c.p.sinks) sinks_backward(c, t, g.grad_sinks);
 }

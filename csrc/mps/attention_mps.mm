@@ -18,6 +18,7 @@
 // profile_begin below).
 #include "attention_ops.h"
 #include "checks.h"
+#include "composite.h"
 #include "kvcache.h"
 #include "metal_plan.h"
 #include "library.h"
@@ -256,7 +257,12 @@ void encode_forward(const AttentionCall& c, const AttentionOutputs& o, const std
   encode_plan(plan, tensors, device, {c.q, c.k, c.v}, op);
 }
 
+// Where no fused kernel serves (composite_route: head dims above 256, or an
+// explicit impl='composite'), the composite path's ATen ops run on the MPS
+// stream instead of a kernel of ours (csrc/composite.h).
 void forward_kernel(const AttentionCall& c, const AttentionOutputs& o, const std::string& impl) {
+  std::string why;
+  if (composite_route(c.p, parse_kernel_request(impl), MetalPass::Forward, &why)) return composite_forward(c, o);
   encode_forward(c, o, impl, nullptr, kForwardOp);
 }
 
@@ -267,6 +273,8 @@ void forward_kernel(const AttentionCall& c, const AttentionOutputs& o, const std
 void backward_kernel(const AttentionCall& c, const BackwardTensors& t, const AttentionGradients& g,
                      const std::string& impl) {
   const KernelRequest request = parse_kernel_request(impl);
+  std::string why;
+  if (composite_route(c.p, request, MetalPass::Backward, &why)) return composite_backward(c, t, g);
   // Without grad_lse, lse is bound in its slot (the kernel's has_grad_lse
   // constant is false, so it is never read): every declared buffer bound.
   const bool has_grad_lse = t.grad_lse3.defined();
