@@ -5,6 +5,13 @@
 // have no tensor ops. Host names encode every template parameter and must
 // match the names csrc/metal_launch.cpp builds:
 //   flash_attention_prefill_mpp_<dtype>_d<D>_bq<BQ>_bk<BK>
+//
+// setup.py compiles every shaders/*.metal with -std=metal3.1 into the one
+// metallib; under MSL 3.1 this file is empty (the guard below), so that
+// build is unchanged and the metallib holds none of these kernels. Building
+// them on a Mac (-std=metal4.0, deployment target 26.2: PyTorch #191794) is
+// a later step, behind a toolchain probe.
+#if defined(__METAL_VERSION__) && __METAL_VERSION__ >= 400 && defined(__HAVE_TENSOR__)
 #include "attention_prefill_mpp.h"
 
 // The one instantiation macro: a host name plus the template it names.
@@ -29,3 +36,4 @@ namespace flash_metal {
 FM_PREFILL_MPP_ALL_D(float16, half)
 FM_PREFILL_MPP_ALL_D(bfloat16, bfloat)
 }  // namespace flash_metal
+#endif  // MSL 4 with tensors
