@@ -303,16 +303,9 @@ void choose_tensor_ops(const AttentionProblem& p, KernelChoice* c) {
   TORCH_CHECK_VALUE(p.head_dim == 64 || p.head_dim == 96 || p.head_dim == 128, kOp,
                     ": impl='tensor_ops' takes head_dim 64, 96 or 128 (its instantiations, unpadded); got ",
                     p.head_dim, " (use impl='prefill' or 'auto')");
-  TORCH_CHECK_VALUE(p.mask == MaskKind::None, kOp, ": impl='tensor_ops' does not take attn_mask yet "
-                    "(use impl='prefill' or 'auto')");
-  TORCH_CHECK_VALUE(!p.has_window_left() && !(p.causal && p.window_right > 0), kOp,
-                    ": impl='tensor_ops' does not take window_left / window_right yet (causal is fine; use "
-                    "impl='prefill' or 'auto')");
-  TORCH_CHECK_VALUE(!p.has_softcap(), kOp, ": impl='tensor_ops' does not take softcap yet (use impl='prefill' "
-                    "or 'auto')");
-  TORCH_CHECK_VALUE(!p.varlen, kOp, ": impl='tensor_ops' does not take packed variable-length sequences "
-                    "(cu_seqlens) yet (use impl='prefill' or 'auto')");
-  TORCH_CHECK_VALUE(!p.sinks, kOp, ": impl='tensor_ops' does not take sinks yet (use impl='prefill' or 'auto')");
+  // The options (attn_mask, window_left / window_right, softcap, varlen,
+  // sinks) run through attention_features.h's helpers, as in the simdgroup
+  // prefill; tests/test_metal_tensor_ops.py checks each under both layouts.
   c->bucket = static_cast<uint32_t>(p.head_dim);
   c->block_q = kTensorOpsBlockQ;
   c->block_k = kTensorOpsBlockK;
