@@ -204,8 +204,10 @@ def emulated_metal_attention(q, k, v, causal=False, scale=None, impl="auto", ins
 
 
 def emulated_metal_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=False, scale=None,
-                          impl="auto", instrumented=False, window_left=-1, window_right=-1, softcap=0.0, sinks=None):
-    """attention_varlen_forward through the Metal emulator: q, k, v packed (total, H, D)."""
+                          impl="auto", instrumented=False, window_left=-1, window_right=-1, softcap=0.0, sinks=None,
+                          mpp_layout="scrambled", mpp_seed=1):
+    """attention_varlen_forward through the Metal emulator: q, k, v packed (total, H, D).
+    mpp_layout / mpp_seed: as emulated_metal_attention's."""
     varlen = dict(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
                   max_seqlen_k=max_seqlen_k)
     plan = flash_metal.explain(q, k, v, causal, scale, impl, window_left=window_left, window_right=window_right,
@@ -217,7 +219,7 @@ def emulated_metal_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max
                **_option_tensors(q, None, cu_seqlens_q, cu_seqlens_k, sinks)}
     for name, n in plan.scratch.items():
         tensors[name] = torch.full((max(n, 1),), float("nan"), dtype=torch.float32)
-    _run_plan(plan, tensors, instrumented, False)
+    _run_plan(plan, tensors, instrumented, False, mpp_layout=mpp_layout, mpp_seed=mpp_seed)
     return out, lse
 
 

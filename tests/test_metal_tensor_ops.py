@@ -10,6 +10,14 @@ poisoned with NaN before each launch (backends.emulated_metal_attention) and
 compared with the float64 oracle by FlashAttention's 2x rule (tests/numerics.py).
 Proof the MPP kernel ran: the plan's kernel name, the MPP library's
 dispatched_names() and the exact count of matmul2d runs (mpp_runs).
+The options (attn_mask bool / additive, windows, softcap, sinks, varlen)
+run under both layouts too, and all together in the instrumented build.
+
+Planted bug, checked by hand (not kept: it would need a second kernel in the
+shipped header): rescaling O by the row its slot has in S's layout
+(s.get_multidimensional_index(i % capacity)) instead of O's own passes under
+"m5", where both destinations map slots to rows alike, and fails under
+"scrambled" (test_matches_float64[*-64-full-130x257-*], f16 and bf16).
 """
 import math
 
@@ -17,8 +25,9 @@ import pytest
 import torch
 
 import flash_metal
-from backends import LAST_DISPATCHES, emulated_metal_attention, metal_mpp_library
-from numerics import assert_attention_close, dtype_id, make_qkv
+from backends import LAST_DISPATCHES, emulated_metal_attention, emulated_metal_varlen, metal_mpp_library
+from numerics import assert_attention_close, assert_varlen_close, dtype_id, make_qkv
+from test_metal_features import make_mask, packed
 
 LAYOUTS = ("m5", "scrambled")
 DTYPES = (torch.float16, torch.bfloat16)
@@ -50,18 +59,24 @@ def expected_runs(B, Hq, Nq, Nk, causal):
     return B * Hq * runs
 
 
-def run(q, k, v, causal, layout, seed=1, instrumented=False, scale=None):
-    plan = flash_metal.explain(q, k, v, causal, scale, "tensor_ops")
+def run(q, k, v, causal, layout, seed=1, instrumented=False, scale=None, runs=True, **options):
+    """The forced tensor_ops launch through the emulator under `layout`; checks the plan and the counts.
+
+    runs: check mpp_runs against expected_runs (plain or causal attention only:
+    a left window skips blocks it does not count)."""
+    plan = flash_metal.explain(q, k, v, causal, scale, "tensor_ops", **options)
     B, Hq, Nq, D = q.shape
     assert plan.kernel_name == kernel_name(q.dtype, D)
     assert plan.grid == (math.ceil(Nq / BQ), Hq, B) and plan.threadgroup == (128, 1, 1)
     # P (16 x 32 in the input dtype) and a float per row, for each of 4 SIMD-groups.
     assert plan.threadgroup_memory == 4 * ROWS * (BK * q.element_size() + 4)
     out, lse = emulated_metal_attention(q, k, v, causal, scale, "tensor_ops", instrumented=instrumented,
-                                        mpp_layout=layout, mpp_seed=seed)
+                                        mpp_layout=layout, mpp_seed=seed, **options)
     ((d, counts),) = LAST_DISPATCHES
     assert d.kernel_name in metal_mpp_library(instrumented).dispatched_names()
-    assert counts.mpp_runs == expected_runs(B, Hq, Nq, k.shape[2], causal) > 0
+    assert counts.mpp_runs > 0
+    if runs:
+        assert counts.mpp_runs == expected_runs(B, Hq, Nq, k.shape[2], causal)
     assert counts.threadgroup_barriers == 0  # SIMD-groups are independent: no threadgroup barrier at all
     return out, lse
 
@@ -136,10 +151,6 @@ def test_msl31_library_holds_none_of_them():
     ("float32", dict(dtype=torch.float32), TypeError, ["float16 or bfloat16", "float32"]),
     ("head_dim 80", dict(d=80), ValueError, ["head_dim 64, 96 or 128", "80"]),
     ("head_dim 256", dict(d=256), ValueError, ["head_dim 64, 96 or 128", "256"]),
-    ("attn_mask", dict(options=dict(attn_mask=torch.ones(64, 64, dtype=torch.bool))), ValueError, ["attn_mask"]),
-    ("window", dict(options=dict(window_left=8)), ValueError, ["window_left"]),
-    ("softcap", dict(options=dict(softcap=30.0)), ValueError, ["softcap"]),
-    ("sinks", dict(options=dict(sinks=torch.zeros(2))), ValueError, ["sinks"]),
 ])
 def test_refuses_what_it_does_not_cover_naming_the_argument(what, kwargs, err, words):
     dtype, d = kwargs.get("dtype", torch.float16), kwargs.get("d", 64)
@@ -150,16 +161,76 @@ def test_refuses_what_it_does_not_cover_naming_the_argument(what, kwargs, err, w
         assert w in str(info.value), (w, str(info.value))
 
 
-def test_refuses_varlen():
-    q = torch.randn(40, 2, 64, dtype=torch.float16)
-    cu = torch.tensor([0, 15, 40], dtype=torch.int32)
-    with pytest.raises(ValueError, match="impl='tensor_ops' does not take packed variable-length"):
-        flash_metal.explain(q, q, q, False, None, "tensor_ops", cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=25,
-                            max_seqlen_k=25)
-
-
 def test_backward_refuses_it():
     q, k, v = make_qkv(1, 2, 1, 64, 64, 64, torch.float16)
     with pytest.raises(ValueError, match="impl"):
         flash_metal.explain(q, k, v, False, None, "tensor_ops", backward=True, grad_out=q, out=q,
                             lse=torch.zeros(1, 2, 64))
+
+
+# ---- the options (attention_features.h's helpers, as the simdgroup prefill) -----------------
+
+OPTION_CASES = {
+    "window": (False, dict(window_left=20, window_right=5)),
+    "causal-window": (True, dict(window_left=40)),
+    "softcap": (True, dict(softcap=3.0)),
+    "sinks": (False, dict(sinks=True)),
+    "mask-bool": (True, dict(attn_mask="bool")),
+    "mask-input": (False, dict(attn_mask="input")),
+    "mask-float32": (False, dict(attn_mask="float32")),
+    "everything": (True, dict(attn_mask="bool", window_left=30, softcap=4.0, sinks=True)),
+}
+
+
+def _options(case, q, k, g):
+    causal, opts = OPTION_CASES[case]
+    opts = dict(opts)
+    if "attn_mask" in opts:  # per (batch, query head): (B, Hq, Nq, Nk)
+        opts["attn_mask"] = make_mask(opts["attn_mask"], q.shape[:3] + k.shape[2:3], q.dtype, g)
+    if opts.get("sinks"):
+        opts["sinks"] = torch.randn(q.shape[1], generator=g)
+    return causal, opts
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("case", list(OPTION_CASES))
+@pytest.mark.parametrize("dtype, d, shape", [(torch.float16, 64, (100, 130)), (torch.bfloat16, 128, (130, 257))],
+                         ids=["float16-64-100x130", "bfloat16-128-130x257"])
+def test_options_match_float64(dtype, d, shape, case, layout):
+    g = torch.Generator().manual_seed(hash((case, d)) % 2**31)
+    q, k, v = make_qkv(1, 4, 2, shape[0], shape[1], d, dtype, generator=g)
+    causal, opts = _options(case, q, k, g)
+    out, lse = run(q, k, v, causal, layout, runs=False, **opts)
+    assert_attention_close(out, lse, q, k, v, causal, **opts)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_options_sanitized(layout):
+    # Every option at once in the instrumented build: the mask read only
+    # inside the sequence, no race on P or the row values.
+    g = torch.Generator().manual_seed(7)
+    q, k, v = make_qkv(1, 2, 1, 37, 45, 64, torch.float16, generator=g)
+    causal, opts = _options("everything", q, k, g)
+    out, lse = run(q, k, v, causal, layout, instrumented=True, runs=False, **opts)
+    assert_attention_close(out, lse, q, k, v, causal, **opts)
+
+
+VARLEN_LENGTHS = [(40, 100), (100, 40), (1, 1), (0, 4), (4, 0), (64, 64), (17, 33)]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("opts", [dict(), dict(causal=True), dict(causal=True, window_left=20, softcap=4.0),
+                                  dict(window_left=3, window_right=5)], ids=["full", "causal", "causal-win-cap",
+                                                                             "window"])
+def test_varlen_matches_float64(opts, layout):
+    # Packed sequences, empty ones included (no rows; rows without keys:
+    # zeros and lse = -inf), GQA 2.
+    opts = dict(opts)
+    causal = opts.pop("causal", False)
+    g = torch.Generator().manual_seed(len(opts) + causal)
+    q, k, v, cu_q, cu_k, mq, mk = packed(VARLEN_LENGTHS, 4, 2, 96, torch.float16, g)
+    out, lse = emulated_metal_varlen(q, k, v, cu_q, cu_k, mq, mk, causal, None, "tensor_ops", mpp_layout=layout,
+                                     **opts)
+    ((d, counts),) = LAST_DISPATCHES
+    assert d.kernel_name == kernel_name(torch.float16, 96) and d.function_constants[9] and counts.mpp_runs > 0
+    assert_varlen_close(out, lse, q, k, v, cu_q, cu_k, causal, None, **opts)
