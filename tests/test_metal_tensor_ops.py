@@ -234,3 +234,19 @@ def test_varlen_matches_float64(opts, layout):
     ((d, counts),) = LAST_DISPATCHES
     assert d.kernel_name == kernel_name(torch.float16, 96) and d.function_constants[9] and counts.mpp_runs > 0
     assert_varlen_close(out, lse, q, k, v, cu_q, cu_k, causal, None, **opts)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_fast_math_build(layout):
+    # Apple compiles with fast math by default: no infinity is computed
+    # with (kMaskedScore, attention_common.h); rows that see no key still
+    # give zeros and lse = -inf (made from bits), and a -inf additive mask
+    # entry is dropped like a False.
+    g = torch.Generator().manual_seed(11)
+    q, k, v = make_qkv(1, 2, 1, 100, 37, 64, torch.float16, generator=g)
+    mask = make_mask("float32", (1, 2, 100, 37), torch.float16, g)
+    out, lse = emulated_metal_attention(q, k, v, True, None, "tensor_ops", fast_math=True, mpp_layout=layout,
+                                        attn_mask=mask)
+    assert LAST_DISPATCHES[0][1].mpp_runs > 0
+    assert_attention_close(out, lse, q, k, v, True, attn_mask=mask)
+    assert torch.all(lse[:, :, :63] == float("-inf")) and torch.all(out[:, :, :63] == 0)
