@@ -23,8 +23,8 @@ TORCH_LIBRARY(flash_metal, m) {
   // Hq % Hkv == 0. Returns out (B, Hq, Nq, D) in q's dtype and the float32
   // log-sum-exp lse (B, Hq, Nq) of each row's scaled scores (natural log; -inf
   // for a row that sees no key). `impl` picks the kernel on Metal: "auto",
-  // "untiled", "tiled", "prefill", "decode" or "decode_split" (see
-  // csrc/metal_plan.h); CPU tensors accept "auto".
+  // "untiled", "tiled", "prefill", "decode", "decode_split" or "tensor_ops"
+  // (see csrc/metal_plan.h); CPU tensors accept "auto".
   // (Not named `kernel`: Inductor's fallback lowering reserves that keyword.)
   // The options after `impl` (compatible: older calls keep working):
   //   attn_mask: bool (True = attend) or additive (q's dtype or float32),

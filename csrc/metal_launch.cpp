@@ -393,6 +393,37 @@ MetalPlan plan_metal_attention(const AttentionProblem& p, const LaunchStrides& s
       l.estimate = estimate_launch(l, prefill_live_registers(c.bucket, c.block_k, c.simdgroups * 8 / c.block_q), gpu);
       plan.launches.push_back(l);
       break;
+    case KernelRequest::TensorOps: {
+      // One threadgroup per (query block, head, batch), as the prefill's.
+      l.kernel_name = "flash_attention_prefill_mpp_" + suffix + "_bq" + std::to_string(c.block_q) + "_bk" +
+                      std::to_string(c.block_k);
+      l.grid = {ceil_div(p.q_len, c.block_q), heads, batch};
+      l.threadgroup = {32 * c.simdgroups, 1, 1};
+      l.max_threads_per_threadgroup = kTensorOpsMaxThreads;
+      l.threadgroup_memory = tensor_ops_threadgroup_memory(p.dtype);
+      // Its library declares fc_causal and the options' constants only (no
+      // align / dense / grad_lse: tensor extents handle the ragged edges);
+      // the values at the other indices are false and Metal ignores values
+      // for constants a function does not declare.
+      l.function_constants = feature_constants(p, false, false, false, p.sinks);
+      l.buffers = with_forward_features(kForwardBuffers);
+      // The kernel's tensors index a head's q, k, v in int32 (matmul2d
+      // extents and strides, shaders/attention_prefill_mpp.h).
+      const auto head_span = [](const std::array<int64_t, 4>& st, int64_t rows, int64_t cols) {
+        return (rows - 1) * st[2] + (cols - 1) * st[3];
+      };
+      TORCH_CHECK_VALUE(head_span(s.q, p.q_len, p.head_dim) < (int64_t{1} << 31) &&
+                            head_span(s.k, p.kv_len, p.head_dim) < (int64_t{1} << 31) &&
+                            head_span(s.v, p.kv_len, p.head_dim) < (int64_t{1} << 31),
+                        kOp, ": impl='tensor_ops' indexes one head of q, k, v in int32: a head spans more than "
+                        "2^31 elements here (use impl='prefill' or 'auto')");
+      // Live values per lane (a model, like the others): O's 16 x D floats
+      // and S's 16 x block_k over the 32 lanes, plus the row state and the
+      // usual overhead.
+      l.estimate = estimate_launch(l, 16 * (c.bucket + c.block_k) / 32 + 8 + kLiveOverhead, gpu);
+      plan.launches.push_back(l);
+      break;
+    }
     default: {
       std::string why;
       const bool dense = decode_dense_loads(p, s, c.bucket, &why);

@@ -23,6 +23,8 @@ enum class KernelRequest {
   Prefill,      // FlashAttention-2 on simdgroup matrices (shaders/attention_prefill.h)
   Decode,       // token generation, Nq <= 8: one pass over the keys (shaders/attention_decode.h)
   DecodeSplit,  // token generation, Nq <= 8: split-KV partials, then a merge pass
+  TensorOps,    // FlashAttention-2 on Metal 4 tensor ops, MPP matmul2d (shaders/attention_prefill_mpp.h,
+                // the MSL 4 library attention_mpp.metal); forced only, never chosen by Auto yet
   Composite,    // no kernel of ours: chunked ATen matmuls and softmax (csrc/composite.h)
 };
 

@@ -65,6 +65,20 @@ inline uint32_t prefill_threadgroup_memory(uint32_t block_q, uint32_t block_k, u
   return (block_q + block_k) * row + partials;
 }
 
+// The tensor-op prefill (impl='tensor_ops', shaders/attention_prefill_mpp.h):
+// 64 query rows in 4 SIMD-groups of 16 (one 16-row matmul2d tile each) and
+// 32 keys per block, MLX NAX's BQ / BK (steel_attention_nax; its host uses
+// bk = 32 though bk = 64 is instantiated), and the threads it declares.
+inline constexpr uint32_t kTensorOpsBlockQ = 64;
+inline constexpr uint32_t kTensorOpsBlockK = 32;
+inline constexpr uint32_t kTensorOpsMaxThreads = 128;  // kPrefillMppMaxThreads in the shader
+// Its threadgroup memory: each SIMD-group's P (16 x block_k in the input
+// dtype) and one float per row (alpha, then 1 / l); a multiple of 16.
+inline uint32_t tensor_ops_threadgroup_memory(c10::ScalarType dtype) {
+  const uint32_t simdgroups = kTensorOpsBlockQ / 16;
+  return simdgroups * 16 * (kTensorOpsBlockK * dtype_bytes(dtype) + 4);
+}
+
 // Metal's threadgroup-memory limit on every Apple GPU of the supported
 // macOS versions (MTLDevice.maxThreadgroupMemoryLength is 32 KiB on Apple7+).
 inline constexpr uint32_t kMaxThreadgroupMemory = 32 * 1024;

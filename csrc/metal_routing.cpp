@@ -18,10 +18,11 @@ KernelRequest parse_kernel_request(const std::string& kernel) {
   if (kernel == "prefill") return KernelRequest::Prefill;
   if (kernel == "decode") return KernelRequest::Decode;
   if (kernel == "decode_split") return KernelRequest::DecodeSplit;
+  if (kernel == "tensor_ops") return KernelRequest::TensorOps;
   if (kernel == "composite") return KernelRequest::Composite;
   TORCH_CHECK_VALUE(false, kOp,
                     ": impl must be one of 'auto', 'untiled', 'tiled', 'prefill', 'decode', 'decode_split', "
-                    "'composite'; got '",
+                    "'tensor_ops', 'composite'; got '",
                     kernel, "'");
 }
 
@@ -34,6 +35,7 @@ const char* request_name(KernelRequest r) {
     case KernelRequest::Prefill: return "prefill";
     case KernelRequest::Decode: return "decode";
     case KernelRequest::DecodeSplit: return "decode_split";
+    case KernelRequest::TensorOps: return "tensor_ops";
     case KernelRequest::Composite: return "composite";
     default: return "auto";
   }
@@ -291,6 +293,32 @@ KernelChoice choose_backward(const AttentionProblem& p, KernelRequest requested)
   return c;
 }
 
+// impl='tensor_ops' (issue 21): the prefill on MPP matmul2d
+// (shaders/attention_prefill_mpp.h). Forced only: Auto never picks it until
+// the build has an MSL 4 probe and the device an Apple10 check (macOS 26.2+
+// with tensor ops compiled in; MLX's is_nax_available, PyTorch's has_mpp).
+// Refuses, naming the argument, what the kernel does not cover yet.
+void choose_tensor_ops(const AttentionProblem& p, KernelChoice* c) {
+  TORCH_CHECK_TYPE(p.dtype == c10::ScalarType::Half || p.dtype == c10::ScalarType::BFloat16, kOp,
+                   ": impl='tensor_ops' takes float16 or bfloat16 q, k, v; got ", dtype_name(p.dtype),
+                   " (float32 runs on impl='prefill' or 'auto')");
+  TORCH_CHECK_VALUE(p.head_dim == 64 || p.head_dim == 96 || p.head_dim == 128, kOp,
+                    ": impl='tensor_ops' takes head_dim 64, 96 or 128 (its instantiations, unpadded); got ",
+                    p.head_dim, " (use impl='prefill' or 'auto')");
+  // The options (attn_mask, window_left / window_right, softcap, varlen,
+  // sinks) run through attention_features.h's helpers, as in the simdgroup
+  // prefill; tests/test_metal_tensor_ops.py checks each under both layouts.
+  c->bucket = static_cast<uint32_t>(p.head_dim);
+  c->block_q = kTensorOpsBlockQ;
+  c->block_k = kTensorOpsBlockK;
+  c->simdgroups = kTensorOpsBlockQ / 16;
+  c->reason = "forced: tensor_ops, not auto-routed until the build probe and an Apple10 device check exist; "
+              "FlashAttention-2 on Metal 4 tensor ops (MPP matmul2d, the MSL 4 library): blocks of " +
+              std::to_string(c->block_q) + " queries x " + std::to_string(c->block_k) + " keys on " +
+              std::to_string(c->simdgroups) + " simdgroups of 16 rows, Q, K and V read from device memory by "
+              "matmul2d, P through " + kib(tensor_ops_threadgroup_memory(p.dtype)) + " of threadgroup memory";
+}
+
 }  // namespace
 
 bool kvcache_reads_table(const AttentionProblem& p, KernelRequest requested, std::string* why) {
@@ -383,6 +411,8 @@ KernelChoice choose_metal_kernel(const AttentionProblem& p, KernelRequest reques
   TORCH_CHECK_VALUE(!decode_family || p.q_len <= kMaxDecodeRows, kOp, ": impl='", request_name(c.kind),
                     "' serves at most ", kMaxDecodeRows, " query rows; got ", p.q_len,
                     " (use impl='prefill' or 'auto')");
+
+  if (c.kind == KernelRequest::TensorOps) choose_tensor_ops(p, &c);
 
   switch (c.kind) {
     case KernelRequest::Untiled:

@@ -11,7 +11,7 @@ from typing import Dict, NamedTuple, Optional, Tuple
 import torch
 from torch import Tensor
 
-_IMPLS = ("auto", "untiled", "tiled", "prefill", "decode", "decode_split", "composite")
+_IMPLS = ("auto", "untiled", "tiled", "prefill", "decode", "decode_split", "tensor_ops", "composite")
 
 
 def _as_4d(x: Tensor) -> Tensor:

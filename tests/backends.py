@@ -16,6 +16,10 @@ import flash_metal
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHADER = os.path.join(ROOT, "shaders", "attention.metal")
+# The MSL 4 library (Metal 4 tensor ops, impl='tensor_ops'): a library of its
+# own, as on a Mac, where attention.metal stays MSL 3.1.
+MPP_SHADER = os.path.join(ROOT, "shaders", "attention_mpp.metal")
+MPP_KERNEL_PREFIX = "flash_attention_prefill_mpp_"
 
 
 # FLASH_METAL_MPS_FULL=1 runs every mps case of the op grids. By default only
@@ -145,6 +149,13 @@ def metal_library(instrumented: bool, fast_math: bool = False):
     return compile_library([SHADER], instrumented=instrumented, fast_math=fast_math)
 
 
+@functools.lru_cache(maxsize=None)
+def metal_mpp_library(instrumented: bool, fast_math: bool = False):
+    from metal_emulator import compile_library
+
+    return compile_library([MPP_SHADER], instrumented=instrumented, fast_math=fast_math, msl=4)
+
+
 # What each dispatch of the last emulated call reported (the emulator's
 # per-dispatch counts), for the counting tests and benchmarks.metal_model.
 LAST_DISPATCHES: list = []
@@ -175,7 +186,11 @@ def _expanded_mask(attn_mask, q, k):
 
 
 def emulated_metal_attention(q, k, v, causal=False, scale=None, impl="auto", instrumented=False, fast_math=False,
-                             gpu="base", attn_mask=None, window_left=-1, window_right=-1, softcap=0.0, sinks=None):
+                             gpu="base", attn_mask=None, window_left=-1, window_right=-1, softcap=0.0, sinks=None,
+                             mpp_layout="scrambled", mpp_seed=1):
+    """attention_forward through the Metal emulator. mpp_layout / mpp_seed: the
+    cooperative-tensor lane layout of MPP kernels (impl='tensor_ops'), "m5" or
+    "scrambled" (tests/metal_emulator/README.md, "MPP tensor ops")."""
     options = dict(attn_mask=attn_mask, window_left=window_left, window_right=window_right, softcap=softcap,
                    sinks=sinks)
     plan = flash_metal.explain(q, k, v, causal, scale, impl, gpu, **options)
@@ -190,13 +205,15 @@ def emulated_metal_attention(q, k, v, causal=False, scale=None, impl="auto", ins
                **_option_tensors(q, _expanded_mask(attn_mask, q, k), sinks=sinks)}
     for name, n in plan.scratch.items():
         tensors[name] = torch.full((max(n, 1),), float("nan"), dtype=torch.float32)
-    _run_plan(plan, tensors, instrumented, fast_math)
+    _run_plan(plan, tensors, instrumented, fast_math, mpp_layout=mpp_layout, mpp_seed=mpp_seed)
     return out, lse
 
 
 def emulated_metal_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=False, scale=None,
-                          impl="auto", instrumented=False, window_left=-1, window_right=-1, softcap=0.0, sinks=None):
-    """attention_varlen_forward through the Metal emulator: q, k, v packed (total, H, D)."""
+                          impl="auto", instrumented=False, window_left=-1, window_right=-1, softcap=0.0, sinks=None,
+                          mpp_layout="scrambled", mpp_seed=1):
+    """attention_varlen_forward through the Metal emulator: q, k, v packed (total, H, D).
+    mpp_layout / mpp_seed: as emulated_metal_attention's."""
     varlen = dict(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
                   max_seqlen_k=max_seqlen_k)
     plan = flash_metal.explain(q, k, v, causal, scale, impl, window_left=window_left, window_right=window_right,
@@ -213,7 +230,7 @@ def emulated_metal_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max
                **_option_tensors(q, None, cu_seqlens_q, cu_seqlens_k, sinks)}
     for name, n in plan.scratch.items():
         tensors[name] = torch.full((max(n, 1),), float("nan"), dtype=torch.float32)
-    _run_plan(plan, tensors, instrumented, False)
+    _run_plan(plan, tensors, instrumented, False, mpp_layout=mpp_layout, mpp_seed=mpp_seed)
     return out, lse
 
 
@@ -306,21 +323,36 @@ def emulated_metal_attention_backward(grad_out, q, k, v, out, lse, causal=False,
     return tuple(grads)
 
 
-def _run_plan(plan, tensors, instrumented, fast_math, seed=0):
-    library = metal_library(instrumented, fast_math)
+# Function constants the MSL 4 library's kernels do not declare: the simdgroup
+# prefill's and backward's align_q / align_k / has_grad_lse / dense (1, 2, 3,
+# 10). The plan carries them false; Metal ignores values set for constants a
+# function does not declare, the emulator refuses them, so they are dropped.
+MPP_UNDECLARED_CONSTANTS = (1, 2, 3, 10)
+
+
+def _run_plan(plan, tensors, instrumented, fast_math, seed=0, mpp_layout="scrambled", mpp_seed=1):
     LAST_DISPATCHES.clear()
     # Each dispatch bound from the plan's binding table, exactly as
     # csrc/mps/attention_mps.mm binds, in the plan's order.
     for d in plan.dispatches:
+        constants = dict(enumerate(d.function_constants))
+        extra = {}
+        if d.kernel_name.startswith(MPP_KERNEL_PREFIX):
+            library = metal_mpp_library(instrumented, fast_math)
+            assert not any(constants.pop(i, False) for i in MPP_UNDECLARED_CONSTANTS), d.function_constants
+            extra = dict(mpp_layout=mpp_layout, mpp_seed=mpp_seed)
+        else:
+            library = metal_library(instrumented, fast_math)
         counts = library.dispatch(
             d.kernel_name,
             buffers={index: tensors[name] for name, index in d.buffers.items()},
             bytes={d.params_index: d.params},
-            function_constants=dict(enumerate(d.function_constants)),
+            function_constants=constants,
             grid=d.grid,
             threadgroup=d.threadgroup,
             threadgroup_memory={d.threadgroup_memory_index: d.threadgroup_memory} if d.threadgroup_memory else {},
             seed=seed,
+            **extra,
         )
         LAST_DISPATCHES.append((d, counts))
 

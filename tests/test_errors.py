@@ -70,11 +70,11 @@ def test_bad_scale(scale):
 def test_unknown_kernel_name():
     a = good()
     with pytest.raises(ValueError, match=r"impl must be one of 'auto', 'untiled', 'tiled', 'prefill', 'decode', "
-                                         r"'decode_split', 'composite'; got 'fast'"):
+                                         r"'decode_split', 'tensor_ops', 'composite'; got 'fast'"):
         OP(a["q"], a["k"], a["v"], False, None, "fast")
 
 
-@pytest.mark.parametrize("kernel", ["untiled", "tiled", "prefill", "decode", "decode_split"])
+@pytest.mark.parametrize("kernel", ["untiled", "tiled", "prefill", "decode", "decode_split", "tensor_ops"])
 def test_metal_kernel_on_cpu_tensors(kernel):
     a = good()
     with pytest.raises(ValueError, match=rf"impl=.{kernel}. selects a Metal kernel"):

@@ -150,7 +150,7 @@ def test_decode_refuses_more_than_eight_rows(impl):
 
 def test_bad_impl_and_gpu_names():
     with pytest.raises(ValueError, match="impl must be one of 'auto', 'untiled', 'tiled', 'prefill', 'decode', 'decode_split', "
-                                         "'composite'"):
+                                         "'tensor_ops', 'composite'"):
         flash_metal.explain(*_qkv(4, 4, 64), impl="fast")
     with pytest.raises(ValueError, match=r"gpu must be a class \('base', 'max', 'ultra'\) or a chip \('m1', .*'m5'\); got 'm9'"):
         flash_metal.explain(*_qkv(4, 4, 64), gpu="m9")

@@ -1,0 +1,39 @@
+// Instantiations of the MSL 4 kernels (Metal 4 tensor operations, issue 21),
+// a library of their own: Apple compiles this file with -std=metal4.0, the
+// emulator with compile_library(..., msl=4). attention.metal (MSL 3.1) never
+// includes it, so the portable library builds with toolchains and OSes that
+// have no tensor ops. Host names encode every template parameter and must
+// match the names csrc/metal_launch.cpp builds:
+//   flash_attention_prefill_mpp_<dtype>_d<D>_bq<BQ>_bk<BK>
+//
+// setup.py compiles every shaders/*.metal with -std=metal3.1 into the one
+// metallib; under MSL 3.1 this file is empty (the guard below), so that
+// build is unchanged and the metallib holds none of these kernels. Building
+// them on a Mac (-std=metal4.0, deployment target 26.2: PyTorch #191794) is
+// a later step, behind a toolchain probe.
+#if defined(__METAL_VERSION__) && __METAL_VERSION__ >= 400 && defined(__HAVE_TENSOR__)
+#include "attention_prefill_mpp.h"
+
+// The one instantiation macro: a host name plus the template it names.
+#define FM_MPP_INSTANTIATE(name, ...) \
+  template [[host_name(name)]] [[kernel]] decltype(__VA_ARGS__) __VA_ARGS__;
+
+// 64 query rows (4 SIMD-groups of 16) x 32 keys per block: MLX NAX's BQ and
+// BK (the host's choice, csrc/metal_routing.cpp). D: the head dims the
+// tensor-op path serves, exactly (no padding bucket yet).
+#define FM_PREFILL_MPP(tname, T, D)                                                      \
+  FM_MPP_INSTANTIATE("flash_attention_prefill_mpp_" #tname "_d" #D "_bq64_bk32",       \
+                     flash_attention_prefill_mpp<T, D, 64, 32>)
+
+#define FM_PREFILL_MPP_ALL_D(tname, T) \
+  FM_PREFILL_MPP(tname, T, 64)         \
+  FM_PREFILL_MPP(tname, T, 96)         \
+  FM_PREFILL_MPP(tname, T, 128)
+
+// An explicit instantiation with an unqualified name sits in the template's
+// own namespace (C++ [temp.explicit]).
+namespace flash_metal {
+FM_PREFILL_MPP_ALL_D(float16, half)
+FM_PREFILL_MPP_ALL_D(bfloat16, bfloat)
+}  // namespace flash_metal
+#endif  // MSL 4 with tensors

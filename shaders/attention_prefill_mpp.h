@@ -1,0 +1,254 @@
+// The FlashAttention-2 forward ("prefill") on Metal 4 tensor operations:
+// Metal Performance Primitives' mpp::tensor_ops::matmul2d, which Apple10 GPUs
+// (M5) run on the per-core neural accelerators (issue 21). MSL 4 only: it is
+// compiled into a library of its own (shaders/attention_mpp.metal), never
+// into the MSL 3.1 attention.metal.
+//
+// Shape of the work, after MLX's steel_attention_nax (ml-explore/mlx,
+// mlx/backend/metal/kernels/steel/attn/kernels/steel_attention_nax.h; ideas
+// only, the code here is this project's): one threadgroup per (batch, query
+// head, block of BQ = 64 query rows), WM = 4 SIMD-groups each owning 16 rows,
+// keys in blocks of BK = 32. Each SIMD-group is independent (its own rows,
+// its own slice of threadgroup memory), so the kernel has no threadgroup
+// barrier at all; K and V are read by matmul2d straight from device memory,
+// as MLX's NAX kernel reads them into registers (no staging tiles).
+//
+// Per key block, per SIMD-group:
+//   S = Q.K^T     matmul2d (16 x BK, K = D, K transposed) into a float
+//                 destination cooperative tensor; Q and K are tensors over
+//                 device memory, sliced at the block's origin; their extents
+//                 end at the sequence's last row, so the ragged last block
+//                 reads zeros past it instead of reading past the end.
+//   softmax       on the cooperative tensor: each element learns its (row,
+//                 key) only from get_multidimensional_index (the lane layout
+//                 is implementation defined and differs across GPU
+//                 generations: PyTorch #182256, #191794), is scaled to base 2
+//                 and masked; row max and row sum by reduce_rows into row
+//                 reduction tensors, which also keep the running max m and
+//                 sum l of the rows across blocks.
+//   P             exp2(S - m) rounded to T (FlashAttention rounds P to the
+//                 input dtype before P.V) and written to threadgroup memory,
+//                 with each row's rescale factor alpha beside it: macOS 26
+//                 has no conversion from a destination cooperative tensor to
+//                 the next op's input for our shapes (WWDC26-330: direct
+//                 chaining is new in macOS 27), and the rows of O's layout
+//                 need not be those of S's, so alpha goes by row number too.
+//   O = alpha*O + P.V   the rescale per element of O's own layout, then
+//                 matmul2d (16 x D, K = BK) with multiply_accumulate into O,
+//                 a float destination cooperative tensor per SIMD-group.
+// Epilogue: O / l stored element by element through the API, lse = m ln 2 +
+// ln l (the convention of attention_prefill.h: zeros and lse = -inf for a
+// row that saw no key).
+//
+// Threadgroup memory at [[threadgroup(0)]], sized by the host
+// (csrc/metal_launch.cpp, mpp_threadgroup_memory):
+//   WM * 16 * BK * sizeof(T)   P of each SIMD-group (16 rows of BK, row-major)
+//   + WM * 16 * 4              a float per row of each SIMD-group (alpha, then 1 / l)
+// 4,352 bytes for float16 / bfloat16 at WM = 4, BK = 32.
+//
+// What the emulator cannot tell (tests/metal_emulator/README.md, "MPP tensor
+// ops"): Apple's real layouts, whether its run() accumulates in another
+// order, and whether tensors over `device const` element types compile on
+// Apple's toolchain as they do here. None of it is measured on an M5 yet.
+#pragma once
+
+#include <metal_tensor>
+#include <MetalPerformancePrimitives/MetalPerformancePrimitives.h>
+#include "attention_features.h"
+
+namespace flash_metal {
+
+// Threads per threadgroup: 4 SIMD-groups (MLX NAX's WM = 4, WN = 1). The
+// host launches exactly this many (csrc/metal_launch.cpp, kMppThreads).
+constant constexpr int kPrefillMppMaxThreads = 128;
+// Query rows per SIMD-group. Why 16: one 16-row matmul2d tile, the M of
+// MLX's and PyTorch's 16 x 32 MPP fragments.
+constant constexpr int kMppRowsPerSimd = 16;
+
+// The value a row reduction tensor `r` holds for row `row`. A thread's
+// reduction tensor holds the rows of its own destination slots (that is what
+// lets the reduction be broadcast back to them); which slot holds which row
+// is the layout's business, so look it up through the API.
+template <typename R>
+FM_INLINE float mpp_row_value(thread const R& r, int row) {
+  float x = 0.0f;
+  for (int j = 0; j < r.get_capacity(); ++j) {
+    if (r.is_valid_element(j) && r.get_multidimensional_index(j)[0] == row) x = r[j];
+  }
+  return x;
+}
+
+// T: half or bfloat (float32 stays on the simdgroup kernel). D: head dim,
+// exactly (64, 96, 128: no padding). BQ = 16 * WM query rows, BK keys.
+// Launch: grid (ceil(Nq / BQ), Hq, B), threadgroup (32 * WM, 1, 1),
+// threadgroup memory at index 0 (top of file), function constants fc_causal
+// (0) and the options' 4-9 and 11 (attention_features.h), buffers as the
+// simdgroup prefill's (attention_prefill.h).
+template <typename T, int D, int BQ, int BK>
+[[kernel]] [[max_total_threads_per_threadgroup(kPrefillMppMaxThreads)]] void flash_attention_prefill_mpp(
+    device const T* q [[buffer(0)]],
+    device const T* k [[buffer(1)]],
+    device const T* v [[buffer(2)]],
+    device T* o [[buffer(3)]],
+    device float* lse [[buffer(4)]],
+    constant AttentionParams& p [[buffer(5)]],
+    device const uchar* mask [[buffer(14)]],
+    device const int* cu_seqlens_q [[buffer(15)]],
+    device const int* cu_seqlens_k [[buffer(16)]],
+    device const float* sinks [[buffer(17)]],
+    threadgroup T* smem [[threadgroup(0)]],
+    uint3 group [[threadgroup_position_in_grid]],
+    uint sg [[simdgroup_index_in_threadgroup]]) {
+  using namespace mpp::tensor_ops;
+  constexpr int R = kMppRowsPerSimd;
+  constexpr int WM = BQ / R;
+  static_assert(BQ % R == 0 && 32 * WM <= kPrefillMppMaxThreads, "WM SIMD-groups of 16 rows, declared limit");
+  threadgroup T* p_tile = smem + int(sg) * R * BK;  // this SIMD-group's P, R x BK
+  threadgroup float* row_stat =
+      reinterpret_cast<threadgroup float*>(smem + WM * R * BK) + int(sg) * R;  // a float per row
+
+  const SeqView seq = sequence_view(p, cu_seqlens_q, cu_seqlens_k, group.z);
+  const int row0 = int(group.x) * BQ + int(sg) * R;  // this SIMD-group's first query row
+  // Rows past the sequence (the ragged last block, or varlen blocks past a
+  // short sequence): nothing to do. Uniform across the SIMD-group, and no
+  // collective spans SIMD-groups, so it may leave alone.
+  if (row0 >= seq.q_len) return;
+  HeadOffsets h = head_offsets(p, group.z, group.y);
+  h.q += seq.q_row0 * p.q_row_stride;
+  h.o += seq.q_row0 * p.o_row_stride;
+  h.lse += seq.q_row0 * p.lse_row_stride;
+  h.k += seq.k_row0 * p.k_row_stride;
+  h.v += seq.k_row0 * p.v_row_stride;
+  const int64_t mask_slice = fc_has_mask ? mask_head_offset(p, group.z, group.y) : 0;
+
+  // Q (rows from row0 on), K and V of the head, as tensors: extents
+  // innermost first (features, rows), strides in elements (the host checked
+  // that a head's offsets fit int32). Their row extents end at the
+  // sequence, so matmul2d reads zeros past it.
+  const auto tq = tensor(q + h.q, dextents<int, 2>(D, seq.q_len), array<int, 2>{int(p.q_dim_stride), int(p.q_row_stride)})
+                      .slice(0, row0);
+  const auto tk = tensor(k + h.k, dextents<int, 2>(D, seq.kv_len), array<int, 2>{int(p.k_dim_stride), int(p.k_row_stride)});
+  const auto tv = tensor(v + h.v, dextents<int, 2>(D, seq.kv_len), array<int, 2>{int(p.v_dim_stride), int(p.v_row_stride)});
+  const auto tp = tensor(p_tile, dextents<int, 2>(BK, R));
+  using QT = decltype(tq);
+  using KT = decltype(tk.slice(0, 0));
+  using PT = decltype(tp);
+
+  // relaxed_precision off: with half / bfloat operands it changes nothing in
+  // the emulator (README), and Apple documents it only as trading accuracy
+  // away; MLX turns it on. To revisit with measurements on an M5.
+  constexpr auto qk_desc = matmul2d_descriptor(R, BK, D, false, true, false, matmul2d_descriptor::mode::multiply);
+  constexpr auto pv_desc =
+      matmul2d_descriptor(R, D, BK, false, false, false, matmul2d_descriptor::mode::multiply_accumulate);
+  matmul2d<qk_desc, execution_simdgroup> qk;
+  matmul2d<pv_desc, execution_simdgroup> pv;
+  auto s = qk.template get_destination_cooperative_tensor<QT, KT, float>();
+  auto acc = pv.template get_destination_cooperative_tensor<PT, KT, float>();
+  // The rows' running max (base 2) and sum, "no key yet" (attention_common.h),
+  // or the sink as if a first key; alpha and the block's max / sum beside them.
+  auto m_r = qk.template get_row_reduction_destination_cooperative_tensor<QT, KT, float>();
+  auto l_r = qk.template get_row_reduction_destination_cooperative_tensor<QT, KT, float>();
+  auto a_r = qk.template get_row_reduction_destination_cooperative_tensor<QT, KT, float>();
+  auto b_r = qk.template get_row_reduction_destination_cooperative_tensor<QT, KT, float>();
+  for (int j = 0; j < m_r.get_capacity(); ++j) {
+    float m0 = kMaskedScore, l0 = 0.0f;
+    if (fc_has_sinks) seed_sink(m0, l0, sinks, int(group.y));
+    m_r[j] = m0;
+    l_r[j] = l0;
+  }
+  for (int i = 0; i < acc.get_capacity(); ++i) acc[i] = 0.0f;
+
+  // Key blocks this SIMD-group's rows can see: as far as its last real row
+  // sees under causal masking or a right window (later blocks are wholly in
+  // the future), and from the block of its first row's first visible key
+  // under a left window. A SIMD-group that sees no key runs no block.
+  const int last_row = min(row0 + R, seq.q_len) - 1;
+  const int n_blocks = (visible_key_end(seq, last_row) + BK - 1) / BK;
+  const int first_block = fc_window_left ? first_visible_key(seq, row0) / BK : 0;
+
+  for (int kb = first_block; kb < n_blocks; ++kb) {
+    const int k0 = kb * BK;
+    qk.run(tq, tk.slice(0, k0), s);
+
+    // Scores to base 2 after the product (in float, as attention_prefill.h),
+    // then the options; a key past the sequence or outside the window is
+    // dropped before the mask is read. Element tests only where the block
+    // crosses an edge for some row of the SIMD-group.
+    const bool k_edge = k0 + BK > seq.kv_len;
+    const bool diagonal = fc_causal && k0 + BK - 1 > row0 + seq.upper;
+    const bool left_edge = fc_window_left && k0 < row0 + R - 1 + seq.lower;
+    for (int i = 0; i < s.get_capacity(); ++i) {
+      if (!s.is_valid_element(i)) continue;
+      const auto idx = s.get_multidimensional_index(i);  // [0] the key, [1] the row, within the block
+      const int row = row0 + idx[1], key = k0 + idx[0];
+      bool keep = true;
+      if (k_edge && key >= seq.kv_len) keep = false;
+      if (diagonal && key > row + seq.upper) keep = false;
+      if (left_edge && key < row + seq.lower) keep = false;
+      if (fc_has_mask && row >= seq.q_len) keep = false;
+      float sc = option_score<T>(p, mask, mask_slice, row, key, s[i] * p.scale_log2, keep);
+      if (sc <= kMaskedScore) sc = kMaskedScore;  // -inf from the inputs or the mask: finite (fast math)
+      s[i] = sc;
+    }
+
+    // The rows' new max and alpha = exp2(old max - new max) (finite, <= 0
+    // argument; a masked score never raises the max above kMaskedScore).
+    reduce_rows(s, b_r, reduction_operation::max, kMaskedScore);
+    for (int j = 0; j < m_r.get_capacity(); ++j) {
+      const float m_new = max(m_r[j], b_r[j]);
+      a_r[j] = exp2(m_r[j] - m_new);
+      m_r[j] = m_new;
+    }
+    // P = exp2(S - max), weight 0 for a masked score by an explicit test;
+    // P in T to threadgroup memory, and each row's alpha from the one thread
+    // holding the row's first key (exactly one writer per row).
+    for (int i = 0; i < s.get_capacity(); ++i) {
+      if (!s.is_valid_element(i)) continue;
+      const auto idx = s.get_multidimensional_index(i);
+      const float w = s[i] <= kMaskedScore ? 0.0f : exp2(s[i] - mpp_row_value(m_r, idx[1]));
+      s[i] = w;
+      p_tile[idx[1] * BK + idx[0]] = static_cast<T>(w);
+      if (idx[0] == 0) row_stat[idx[1]] = mpp_row_value(a_r, idx[1]);
+    }
+    reduce_rows(s, b_r, reduction_operation::sum);
+    for (int j = 0; j < l_r.get_capacity(); ++j) l_r[j] = l_r[j] * a_r[j] + b_r[j];
+    simdgroup_barrier(mem_flags::mem_threadgroup);  // P and alpha written before other lanes read them (RAW)
+
+    for (int i = 0; i < acc.get_capacity(); ++i) {
+      if (acc.is_valid_element(i)) acc[i] *= row_stat[acc.get_multidimensional_index(i)[1]];
+    }
+    // V past the sequence reads as zero, and P is 0 there anyway.
+    pv.run(tp, tv.slice(0, k0), acc);
+    simdgroup_barrier(mem_flags::mem_threadgroup);  // P and alpha read before the next block rewrites them (WAR)
+  }
+
+  // Epilogue: each row's 1 / l (0 for a row that saw no key) to threadgroup
+  // memory, and its lse to device memory, from the row's one first-key
+  // holder; then O / l by every element of O's layout.
+  for (int i = 0; i < s.get_capacity(); ++i) {
+    if (!s.is_valid_element(i)) continue;
+    const auto idx = s.get_multidimensional_index(i);
+    if (idx[0] != 0) continue;
+    const float m = mpp_row_value(m_r, idx[1]), l = mpp_row_value(l_r, idx[1]);
+    row_stat[idx[1]] = l > 0.0f ? 1.0f / l : 0.0f;
+    const int row = row0 + idx[1];
+    if (row < seq.q_len) {
+      // lse = m ln 2 + ln l in one fma (attention_prefill.h); -inf made from
+      // bits for a row that saw no key (attention_common.h, fast math).
+      const uint bits = l > 0.0f ? as_type<uint>(fma(m, M_LN2_F, log(l))) : kNegInfBits;
+      lse[h.lse + int64_t(row) * p.lse_row_stride] = as_type<float>(bits);
+    }
+  }
+  simdgroup_barrier(mem_flags::mem_threadgroup);  // 1 / l written before other lanes read it (RAW)
+  for (int i = 0; i < acc.get_capacity(); ++i) {
+    if (!acc.is_valid_element(i)) continue;
+    const auto idx = acc.get_multidimensional_index(i);  // [0] the feature, [1] the row
+    const int row = row0 + idx[1];
+    if (row < seq.q_len) {
+      o[h.o + int64_t(row) * p.o_row_stride + int64_t(idx[0]) * p.o_dim_stride] =
+          static_cast<T>(acc[i] * row_stat[idx[1]]);
+    }
+  }
+}
+
+}  // namespace flash_metal

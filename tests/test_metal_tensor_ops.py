@@ -1,0 +1,252 @@
+"""The prefill on Metal 4 tensor ops (impl='tensor_ops', issue 21): shaders/attention_prefill_mpp.h.
+
+The kernel runs in the Metal emulator's MSL 4 library (shaders/attention_mpp.metal,
+compile_library(..., msl=4)), launched from the op's own plan (csrc/metal_launch.cpp).
+Every case runs under both cooperative-tensor lane layouts: "m5" (the Apple10 map
+MLX and PyTorch hard-code) and "scrambled" (a seeded permutation): the kernel
+learns an element's (row, key) only through get_multidimensional_index, so a
+kernel that guessed the map would fail the scrambled runs. Outputs and lse are
+poisoned with NaN before each launch (backends.emulated_metal_attention) and
+compared with the float64 oracle by FlashAttention's 2x rule (tests/numerics.py).
+Proof the MPP kernel ran: the plan's kernel name, the MPP library's
+dispatched_names() and the exact count of matmul2d runs (mpp_runs).
+The options (attn_mask bool / additive, windows, softcap, sinks, varlen)
+run under both layouts too, and all together in the instrumented build.
+
+Planted bug, checked by hand (not kept: it would need a second kernel in the
+shipped header): rescaling O by the row its slot has in S's layout
+(s.get_multidimensional_index(i % capacity)) instead of O's own passes under
+"m5", where both destinations map slots to rows alike, and fails under
+"scrambled" (test_matches_float64[*-64-full-130x257-*], f16 and bf16).
+"""
+import math
+
+import pytest
+import torch
+
+import flash_metal
+from backends import LAST_DISPATCHES, emulated_metal_attention, emulated_metal_varlen, metal_mpp_library
+from numerics import assert_attention_close, assert_varlen_close, dtype_id, make_qkv
+from test_metal_features import make_mask, packed
+
+LAYOUTS = ("m5", "scrambled")
+DTYPES = (torch.float16, torch.bfloat16)
+HEAD_DIMS = (64, 96, 128)
+# (Nq, Nk): one row and one key; ragged query and key blocks; exactly one
+# block of each; more queries than keys (causal: early rows see no key);
+# several ragged blocks of both.
+SHAPES = ((1, 1), (17, 33), (64, 64), (100, 37), (130, 257))
+BQ, BK, ROWS = 64, 32, 16  # query rows per threadgroup, keys per block, rows per SIMD-group
+NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
+
+
+def kernel_name(dtype, d):
+    return f"flash_attention_prefill_mpp_{NAMES[dtype]}_d{d}_bq{BQ}_bk{BK}"
+
+
+def expected_runs(B, Hq, Nq, Nk, causal):
+    """matmul2d runs of one launch: 2 (Q.K^T, P.V) per key block each SIMD-group sees.
+
+    A SIMD-group owns rows [r0, r0 + 16) with r0 < Nq; under causal masking
+    (bottom-right) it sees keys up to its last real row's, the blocks
+    before ceil(visible / BK).
+    """
+    runs = 0
+    for r0 in range(0, Nq, ROWS):
+        last = min(r0 + ROWS, Nq) - 1
+        visible = min(max(last + (Nk - Nq) + 1, 0), Nk) if causal else Nk
+        runs += 2 * math.ceil(visible / BK)
+    return B * Hq * runs
+
+
+def run(q, k, v, causal, layout, seed=1, instrumented=False, scale=None, runs=True, **options):
+    """The forced tensor_ops launch through the emulator under `layout`; checks the plan and the counts.
+
+    runs: check mpp_runs against expected_runs (plain or causal attention only:
+    a left window skips blocks it does not count)."""
+    plan = flash_metal.explain(q, k, v, causal, scale, "tensor_ops", **options)
+    B, Hq, Nq, D = q.shape
+    assert plan.kernel_name == kernel_name(q.dtype, D)
+    assert plan.grid == (math.ceil(Nq / BQ), Hq, B) and plan.threadgroup == (128, 1, 1)
+    # P (16 x 32 in the input dtype) and a float per row, for each of 4 SIMD-groups.
+    assert plan.threadgroup_memory == 4 * ROWS * (BK * q.element_size() + 4)
+    out, lse = emulated_metal_attention(q, k, v, causal, scale, "tensor_ops", instrumented=instrumented,
+                                        mpp_layout=layout, mpp_seed=seed, **options)
+    ((d, counts),) = LAST_DISPATCHES
+    assert d.kernel_name in metal_mpp_library(instrumented).dispatched_names()
+    assert counts.mpp_runs > 0
+    if runs:
+        assert counts.mpp_runs == expected_runs(B, Hq, Nq, k.shape[2], causal)
+    assert counts.threadgroup_barriers == 0  # SIMD-groups are independent: no threadgroup barrier at all
+    return out, lse
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("d", HEAD_DIMS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+def test_matches_float64(dtype, d, causal, shape, layout):
+    # GQA everywhere: 2 query heads per kv head. Fresh inputs per case.
+    Nq, Nk = shape
+    g = torch.Generator().manual_seed(hash((d, causal, Nq, Nk)) % 2**31)
+    q, k, v = make_qkv(1, 2, 1, Nq, Nk, d, dtype, generator=g)
+    out, lse = run(q, k, v, causal, layout)
+    assert_attention_close(out, lse, q, k, v, causal)
+    if causal and Nq > Nk:  # rows that see no key: zeros and lse = -inf (attention_prefill.h's convention)
+        blind = Nq - Nk
+        assert torch.all(out[:, :, :blind] == 0) and torch.all(lse[:, :, :blind] == float("-inf"))
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("shape", [(17, 33), (100, 37)], ids=lambda s: f"{s[0]}x{s[1]}")
+def test_sanitized_ragged(shape, causal, layout):
+    # The instrumented build: exact device bounds (the ragged blocks read
+    # nothing past K, V, Q's ends), threadgroup races between the lanes of a
+    # SIMD-group (P and the row values go through threadgroup memory).
+    Nq, Nk = shape
+    q, k, v = make_qkv(1, 2, 1, Nq, Nk, 64, torch.float16, generator=torch.Generator().manual_seed(Nq + Nk))
+    out, lse = run(q, k, v, causal, layout, instrumented=True)
+    assert_attention_close(out, lse, q, k, v, causal)
+
+
+@pytest.mark.parametrize("seed", [2, 3])
+def test_other_scrambled_layouts_and_strided_inputs(seed):
+    # Other seeds are other layouts; batch 2, GQA 3, q, k, v transposed (row
+    # stride H * D) and v with a feature stride of 2.
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = make_qkv(2, 6, 2, 70, 90, 96, torch.bfloat16, layout=("transposed", "transposed", "every_other"),
+                       generator=g)
+    out, lse = run(q, k, v, True, "scrambled", seed=seed, scale=0.3)
+    assert_attention_close(out, lse, q, k, v, True, 0.3)
+
+
+def test_explain_says_forced_and_auto_never_picks_it():
+    q, k, v = make_qkv(1, 2, 1, 128, 128, 128, torch.float16)
+    forced = flash_metal.explain(q, k, v, True, None, "tensor_ops")
+    assert "forced: tensor_ops, not auto-routed until the build probe and an Apple10 device check exist" in \
+        forced.reason
+    for nq in (1, 8, 9, 128, 4096):
+        q, k, v = make_qkv(1, 2, 1, nq, 128, 128, torch.float16)
+        auto = flash_metal.explain(q, k, v, True, None, "auto")
+        assert "mpp" not in auto.kernel_name and "tensor_ops" not in auto.reason
+
+
+def test_library_holds_exactly_the_instantiations_and_their_thread_limit():
+    lib = metal_mpp_library(False)
+    names = {kernel_name(dt, d) for dt in DTYPES for d in HEAD_DIMS}
+    assert set(lib.kernel_names()) == names
+    for name in names:
+        assert lib.max_threads(name) == 128
+
+
+def test_msl31_library_holds_none_of_them():
+    from backends import metal_library
+
+    assert not any("mpp" in n for n in metal_library(False).kernel_names())
+
+
+@pytest.mark.parametrize("what, kwargs, err, words", [
+    ("float32", dict(dtype=torch.float32), TypeError, ["float16 or bfloat16", "float32"]),
+    ("head_dim 80", dict(d=80), ValueError, ["head_dim 64, 96 or 128", "80"]),
+    ("head_dim 256", dict(d=256), ValueError, ["head_dim 64, 96 or 128", "256"]),
+])
+def test_refuses_what_it_does_not_cover_naming_the_argument(what, kwargs, err, words):
+    dtype, d = kwargs.get("dtype", torch.float16), kwargs.get("d", 64)
+    q, k, v = make_qkv(1, 2, 1, 64, 64, d, dtype)
+    with pytest.raises(err) as info:
+        flash_metal.explain(q, k, v, False, None, "tensor_ops", **kwargs.get("options", {}))
+    for w in words + ["impl='tensor_ops'"]:
+        assert w in str(info.value), (w, str(info.value))
+
+
+def test_backward_refuses_it():
+    q, k, v = make_qkv(1, 2, 1, 64, 64, 64, torch.float16)
+    with pytest.raises(ValueError, match="impl"):
+        flash_metal.explain(q, k, v, False, None, "tensor_ops", backward=True, grad_out=q, out=q,
+                            lse=torch.zeros(1, 2, 64))
+
+
+# ---- the options (attention_features.h's helpers, as the simdgroup prefill) -----------------
+
+OPTION_CASES = {
+    "window": (False, dict(window_left=20, window_right=5)),
+    "causal-window": (True, dict(window_left=40)),
+    "softcap": (True, dict(softcap=3.0)),
+    "sinks": (False, dict(sinks=True)),
+    "mask-bool": (True, dict(attn_mask="bool")),
+    "mask-input": (False, dict(attn_mask="input")),
+    "mask-float32": (False, dict(attn_mask="float32")),
+    "everything": (True, dict(attn_mask="bool", window_left=30, softcap=4.0, sinks=True)),
+}
+
+
+def _options(case, q, k, g):
+    causal, opts = OPTION_CASES[case]
+    opts = dict(opts)
+    if "attn_mask" in opts:  # per (batch, query head): (B, Hq, Nq, Nk)
+        opts["attn_mask"] = make_mask(opts["attn_mask"], q.shape[:3] + k.shape[2:3], q.dtype, g)
+    if opts.get("sinks"):
+        opts["sinks"] = torch.randn(q.shape[1], generator=g)
+    return causal, opts
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("case", list(OPTION_CASES))
+@pytest.mark.parametrize("dtype, d, shape", [(torch.float16, 64, (100, 130)), (torch.bfloat16, 128, (130, 257))],
+                         ids=["float16-64-100x130", "bfloat16-128-130x257"])
+def test_options_match_float64(dtype, d, shape, case, layout):
+    g = torch.Generator().manual_seed(hash((case, d)) % 2**31)
+    q, k, v = make_qkv(1, 4, 2, shape[0], shape[1], d, dtype, generator=g)
+    causal, opts = _options(case, q, k, g)
+    out, lse = run(q, k, v, causal, layout, runs=False, **opts)
+    assert_attention_close(out, lse, q, k, v, causal, **opts)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_options_sanitized(layout):
+    # Every option at once in the instrumented build: the mask read only
+    # inside the sequence, no race on P or the row values.
+    g = torch.Generator().manual_seed(7)
+    q, k, v = make_qkv(1, 2, 1, 37, 45, 64, torch.float16, generator=g)
+    causal, opts = _options("everything", q, k, g)
+    out, lse = run(q, k, v, causal, layout, instrumented=True, runs=False, **opts)
+    assert_attention_close(out, lse, q, k, v, causal, **opts)
+
+
+VARLEN_LENGTHS = [(40, 100), (100, 40), (1, 1), (0, 4), (4, 0), (64, 64), (17, 33)]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("opts", [dict(), dict(causal=True), dict(causal=True, window_left=20, softcap=4.0),
+                                  dict(window_left=3, window_right=5)], ids=["full", "causal", "causal-win-cap",
+                                                                             "window"])
+def test_varlen_matches_float64(opts, layout):
+    # Packed sequences, empty ones included (no rows; rows without keys:
+    # zeros and lse = -inf), GQA 2.
+    opts = dict(opts)
+    causal = opts.pop("causal", False)
+    g = torch.Generator().manual_seed(len(opts) + causal)
+    q, k, v, cu_q, cu_k, mq, mk = packed(VARLEN_LENGTHS, 4, 2, 96, torch.float16, g)
+    out, lse = emulated_metal_varlen(q, k, v, cu_q, cu_k, mq, mk, causal, None, "tensor_ops", mpp_layout=layout,
+                                     **opts)
+    ((d, counts),) = LAST_DISPATCHES
+    assert d.kernel_name == kernel_name(torch.float16, 96) and d.function_constants[9] and counts.mpp_runs > 0
+    assert_varlen_close(out, lse, q, k, v, cu_q, cu_k, causal, None, **opts)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_fast_math_build(layout):
+    # Apple compiles with fast math by default: no infinity is computed
+    # with (kMaskedScore, attention_common.h); rows that see no key still
+    # give zeros and lse = -inf (made from bits), and a -inf additive mask
+    # entry is dropped like a False.
+    g = torch.Generator().manual_seed(11)
+    q, k, v = make_qkv(1, 2, 1, 100, 37, 64, torch.float16, generator=g)
+    mask = make_mask("float32", (1, 2, 100, 37), torch.float16, g)
+    out, lse = emulated_metal_attention(q, k, v, True, None, "tensor_ops", fast_math=True, mpp_layout=layout,
+                                        attn_mask=mask)
+    assert LAST_DISPATCHES[0][1].mpp_runs > 0
+    assert_attention_close(out, lse, q, k, v, True, attn_mask=mask)
+    assert torch.all(lse[:, :, :63] == float("-inf")) and torch.all(out[:, :, :63] == 0)
