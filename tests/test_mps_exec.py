@@ -300,6 +300,19 @@ def test_host_refuses_a_value_head_dim_of_its_own(host, backward):
     assert not [e for e in rec["events"] if e["op"] == "setComputePipelineState"]
 
 
+def test_host_refuses_tensor_ops_without_the_msl4_library(host):
+    # The tensor-op kernels (shaders/attention_mpp.metal, MSL 4) are not in
+    # the package's metallib yet: the real .mm says so before planning or
+    # encoding, instead of failing at the pipeline lookup.
+    g = torch.Generator().manual_seed(29)
+    q, k, v = (host.to_mps(t) for t in make_qkv(1, 4, 2, 64, 64, 64, torch.float16, generator=g))
+    host.take_recording()
+    with pytest.raises(NotImplementedError, match=r"impl='tensor_ops' needs the MSL 4 library"):
+        torch.ops.flash_metal.attention_forward(q, k, v, True, None, "tensor_ops")
+    rec = host.take_recording()
+    assert not [e for e in rec["events"] if e["op"] in ("setComputePipelineState", "dispatchThreadgroups:threadsPerThreadgroup:")]
+
+
 def test_host_binds_the_options(host, emu):
     # attn_mask (a broadcast bool view, bound at its storage offset), the
     # window and softcap through the real .mm, forward then backward; and a

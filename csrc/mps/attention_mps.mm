@@ -233,6 +233,11 @@ void encode_forward(const AttentionCall& c, const AttentionOutputs& o, const std
                     const char* op) {
   // --- Everything that can throw or touch PyTorch happens here, first. ---
   const KernelRequest request = parse_kernel_request(impl);
+  // The tensor-op kernels (MSL 4) are not in the package's metallib yet
+  // (setup.py builds MSL 3.1 only): say so rather than fail at lookup.
+  TORCH_CHECK_NOT_IMPLEMENTED(request != KernelRequest::TensorOps, op, ": impl='tensor_ops' needs the MSL 4 "
+                              "library (-std=metal4.0, macOS 26.2), which this build does not have yet; the "
+                              "tensor-op kernels run only in the test suite's Metal emulator so far");
   id<MTLDevice> device = at::mps::MPSDevice::getInstance()->device();
   const MetalPlan plan = plan_metal_attention(c.p, launch_strides(c, o.out4, o.lse3), request, gpu_spec_of(device));
 
