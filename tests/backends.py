@@ -176,9 +176,10 @@ def emulated_metal_attention(q, k, v, causal=False, scale=None, impl="auto", ins
     options = dict(attn_mask=attn_mask, window_left=window_left, window_right=window_right, softcap=softcap,
                    sinks=sinks)
     plan = flash_metal.explain(q, k, v, causal, scale, impl, gpu, **options)
-    B, H, N, D = q.shape
+    B, H, N, _ = q.shape
     # Outputs and scratch poisoned with NaN: an element never written stays NaN.
-    out = torch.full((B, H, N, D), float("nan"), dtype=q.dtype)
+    # out has v's head dim (D_v: q's, except in MLA-style calls).
+    out = torch.full((B, H, N, v.shape[-1]), float("nan"), dtype=q.dtype)
     lse = torch.full((B, H, N), float("nan"), dtype=torch.float32)
     tensors = {"q": q, "k": k, "v": v, "out": out, "lse": lse,
                **_option_tensors(q, _expanded_mask(attn_mask, q, k), sinks=sinks)}
@@ -195,8 +196,8 @@ def emulated_metal_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max
                   max_seqlen_k=max_seqlen_k)
     plan = flash_metal.explain(q, k, v, causal, scale, impl, window_left=window_left, window_right=window_right,
                                softcap=softcap, sinks=sinks, **varlen)
-    T, H, D = q.shape
-    out = torch.full((T, H, D), float("nan"), dtype=q.dtype)
+    T, H, _ = q.shape
+    out = torch.full((T, H, v.shape[-1]), float("nan"), dtype=q.dtype)  # v's head dim (D_v)
     lse = torch.full((H, T), float("nan"), dtype=torch.float32)
     tensors = {"q": q, "k": k, "v": v, "out": out, "lse": lse,
                **_option_tensors(q, None, cu_seqlens_q, cu_seqlens_k, sinks)}

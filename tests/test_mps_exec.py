@@ -358,7 +358,7 @@ def test_encoding_protocol(host, emu):
         e = bound[host.buffer_id(t)]
         assert e["offset"] == t.storage_offset() * t.element_size()
     params = [e for e in inside if e["op"] == "setBytes"]
-    assert len(params) == 1 and len(params[0]["hex"]) == 2 * 320  # sizeof(AttentionParams)
+    assert len(params) == 1 and len(params[0]["hex"]) == 2 * 328  # sizeof(AttentionParams)
     assert params[0]["index"] not in {e["index"] for e in bound.values()}
 
 
