@@ -456,3 +456,26 @@ def test_metal_own_value_dim_is_the_padded_problem_bit_for_bit(family):
     out, lse = emulated_metal_attention(q, k, v, True, None, impl)
     ref_out, ref_lse = emulated_metal_attention(q, k, padded, True, None, impl)
     assert torch.equal(out, ref_out[..., :dv]) and torch.equal(lse, ref_lse)
+
+
+def test_sdpa_drop_in_runs_its_own_value_dim_on_the_metal_kernels(monkeypatch):
+    # The drop-in's op call sent to the emulated Metal backend (as
+    # tests/test_sdpa.py does): 5-D inputs, GQA, top-left causal with L < S
+    # (keys cropped), E_v != E; against PyTorch's SDPA by the 2x rule.
+    from backends import run_attention
+    from flash_metal import sdpa as sdpa_module
+    from test_sdpa import assert_like_sdpa
+
+    def emulated(q, k, v, causal=False, scale=None, impl="auto", **options):
+        return run_attention("metal-emu", q, k, v, causal, scale, impl, **options)[0]
+
+    monkeypatch.setattr(sdpa_module.ops, "attention", emulated)
+    g = _gen("sdpa-metal")
+    q = torch.randn(2, 1, 4, 21, 96, generator=g).half()
+    k = torch.randn(2, 1, 2, 30, 96, generator=g).half()
+    v = torch.randn(2, 1, 2, 30, 64, generator=g).half()
+    assert flash_metal.sdpa_route(q, k, v, is_causal=True, enable_gqa=True).flash_metal
+    LAST_DISPATCHES.clear()
+    out = flash_metal.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    assert [d.kernel_name for d, _ in LAST_DISPATCHES][0].startswith("flash_attention_prefill_float16_")
+    assert_like_sdpa(out, q, k, v, is_causal=True, enable_gqa=True)
