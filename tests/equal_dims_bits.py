@@ -70,7 +70,7 @@ def _run(backends, kind, args, kw):
         plan = flash_metal.explain(q, kc, vc, causal, scale, impl, block_table=table, cache_seqlens=lens)
         res = backends.emulated_metal_kvcache(q, kc, vc, lens, table, causal, scale, impl)
     launches = [dict(name=d.kernel_name, grid=tuple(d.grid), tg=tuple(d.threadgroup),
-                     fc=list(d.function_constants), tgm=d.threadgroup_memory, params=bytes(d.params.numpy().tobytes()))
+                     fc=list(d.function_constants), tgm=d.threadgroup_memory, params=bytes(d.params.tolist()))
                 for d in plan.dispatches]
     return dict(reason=plan.reason, launches=launches, out=res[0].clone(), lse=res[1].clone())
 
