@@ -330,7 +330,9 @@ def _metal_options(i, B, hq, nq, nk, g):
     if kind == 2:
         return True, dict(window_left=7)
     if kind == 3:
-        return False, dict(softcap=4.0, attn_mask=_bool_mask(B, nq, nk, g))
+        mask = torch.rand(B, 1, nq, nk, generator=g) > 0.3
+        mask[0, 0, nq - 1] = False  # a fully masked row: zeros, lse = -inf
+        return False, dict(softcap=4.0, attn_mask=mask)
     if kind == 4:
         return True, dict(sinks=torch.randn(hq, generator=g) + 0.5)
     return False, {}
