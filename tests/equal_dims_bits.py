@@ -7,6 +7,7 @@ Not a pytest module: a tool run twice, once under each build, e.g.
   # the new build, in this tree
   .venv/bin/python tests/equal_dims_bits.py tests check /tmp/bits
 
+(`plans-save` / `plans-check`: the same without running any kernel, the plans only.)
 `save` runs a fixed set of equal-dims forward plans (prefill aligned with the
 dense loader and padded without it, varlen, decode one pass, split decode,
 the paged decode; the three dtypes; causal, window, softcap, masks, sinks,
@@ -53,22 +54,26 @@ def _cases():
     return out
 
 
-def _run(backends, kind, args, kw):
+def _run(backends, kind, args, kw, emulate=True):
     import flash_metal
 
+    res = (torch.zeros(1), torch.zeros(1))  # emulate=False: plans only
     if kind == "attn":
         q, k, v, causal, scale, impl = args
         plan = flash_metal.explain(q, k, v, causal, scale, impl, **kw)
-        res = backends.emulated_metal_attention(q, k, v, causal, scale, impl, **kw)
+        if emulate:
+            res = backends.emulated_metal_attention(q, k, v, causal, scale, impl, **kw)
     elif kind == "varlen":
         q, k, v, cq, ck, mq, mk, causal = args
         plan = flash_metal.explain(q, k, v, causal, cu_seqlens_q=cq, cu_seqlens_k=ck, max_seqlen_q=mq,
                                    max_seqlen_k=mk, **kw)
-        res = backends.emulated_metal_varlen(q, k, v, cq, ck, mq, mk, causal, **kw)
+        if emulate:
+            res = backends.emulated_metal_varlen(q, k, v, cq, ck, mq, mk, causal, **kw)
     else:
         q, kc, vc, lens, table, causal, scale, impl = args
         plan = flash_metal.explain(q, kc, vc, causal, scale, impl, block_table=table, cache_seqlens=lens)
-        res = backends.emulated_metal_kvcache(q, kc, vc, lens, table, causal, scale, impl)
+        if emulate:
+            res = backends.emulated_metal_kvcache(q, kc, vc, lens, table, causal, scale, impl)
     launches = [dict(name=d.kernel_name, grid=tuple(d.grid), tg=tuple(d.threadgroup),
                      fc=list(d.function_constants), tgm=d.threadgroup_memory, params=bytes(d.params.tolist()))
                 for d in plan.dispatches]
@@ -81,14 +86,16 @@ def main():
     import backends
 
     cases = _cases()
+    emulate = not mode.startswith("plans-")  # plans-save / plans-check: the host's plans only, no kernel run
+    mode = mode.replace("plans-", "")
     if mode == "save":
-        torch.save({name: _run(backends, kind, args, kw) for kind, name, args, kw in cases}, path)
+        torch.save({name: _run(backends, kind, args, kw, emulate) for kind, name, args, kw in cases}, path)
         print(f"saved {len(cases)} cases to {path}")
         return 0
     old = torch.load(path)
     bad = []
     for kind, name, args, kw in cases:
-        new, ref = _run(backends, kind, args, kw), old[name]
+        new, ref = _run(backends, kind, args, kw, emulate), old[name]
         for a, b in zip(new["launches"], ref["launches"]):
             n = len(b["params"])
             tail = a["params"][n:]
