@@ -120,7 +120,7 @@ void decode_launches(const AttentionProblem& p, const KernelChoice& c, const std
     return;
   }
   const int64_t all_rows = p.batch * p.q_heads * p.q_len;
-  plan->partial_out_elements = all_rows * c.kv_splits * p.head_dim;
+  plan->partial_out_elements = all_rows * c.kv_splits * p.head_dim_v;  // v's width (the accumulator's)
   plan->partial_stats_elements = all_rows * c.kv_splits * 2;
   l.kernel_name = "flash_decode_split_" + suffix;
   l.grid = {kv_heads * c.row_chunks, batch, c.kv_splits};
@@ -162,6 +162,19 @@ std::vector<bool> feature_constants(const AttentionProblem& p, bool align_q, boo
   return c;
 }
 
+// Why fc_dense is off whenever D_v != D_qk (issue 20 section 2): the bucket
+// is the wider dim's, so the narrower operand has padding columns the dense
+// loader would not zero (it copies whole DMAX-wide rows); and one constant
+// governs every tensor a kernel loads, so keeping it on for the wider
+// operand alone would need a second function constant, i.e. more pipeline
+// variants for a rare shape. The general loader reads each tensor at its own
+// width. The sentence explain() prints for it:
+std::string different_dims_note(const AttentionProblem& p) {
+  return "v's head dim D_v = " + std::to_string(p.head_dim_v) + " differs from q's and k's D_qk = " +
+         std::to_string(p.head_dim) + ", so one of them has padding columns in the bucket (one fc_dense for all "
+         "tensors)";
+}
+
 // Rows of a tile's span the dense loader's 32-bit offsets must cover. Why
 // 128: a tile has at most 64 rows (the largest BQ / BK of any prefill or
 // backward instantiation: the backward's 64 owned rows), and the loader's
@@ -176,8 +189,8 @@ constexpr int64_t kDenseLoadBytes = 16;
 // prefill_load_tile_dense) copy every tile as 16-byte chunks? True when each
 // tensor it reads (q, k, v, and grad_out in the backward) has
 //   - feature stride 1: a row's D features are contiguous;
-//   - D == the bucket: the chunks copy whole DMAX-wide rows, so there are no
-//     padding columns to zero (the general loader zeroes them);
+//   - D == D_v == the bucket: the chunks copy whole DMAX-wide rows, so there
+//     are no padding columns to zero (the general loader zeroes them);
 //   - 16-byte aligned rows: storage offset and the batch, head and row
 //     strides multiples of 16 bytes, so every row the kernel addresses
 //     (any batch, head, row, varlen sequence start) is (the MTLBuffer itself
@@ -196,6 +209,10 @@ bool dense_loader(const AttentionProblem& p, const LaunchStrides& s, uint32_t bu
                             {"k", s.k, s.offsets[1], p.kv_heads},
                             {"v", s.v, s.offsets[2], p.kv_heads},
                             {"grad_out", s.grad_out, s.offsets[3], p.q_heads}};
+  if (p.head_dim_v != p.head_dim) {
+    *why = different_dims_note(p);
+    return false;
+  }
   if (p.head_dim != bucket) {
     *why = "head_dim " + std::to_string(p.head_dim) + " is below its bucket " + std::to_string(bucket);
     return false;
@@ -237,7 +254,7 @@ std::vector<bool> with_dense(std::vector<bool> c, bool dense) {
 // fc_dense for the decode kernels (shaders/attention_decode.h,
 // decode_feature): may each lane read its contiguous run of a K or V row as
 // vector loads? True when k and v (the tensors read per key; q is read once)
-// have feature stride 1, D == the bucket (no padding features) and 16-byte
+// have feature stride 1, D == D_v == the bucket (no padding features) and 16-byte
 // aligned rows (storage offset, batch, head and row strides), as
 // dense_loader requires of them; the decode kernels address rows with
 // 64-bit offsets, so the row stride has no 32-bit bound. Otherwise false,
@@ -245,6 +262,10 @@ std::vector<bool> with_dense(std::vector<bool> c, bool dense) {
 bool decode_dense_loads(const AttentionProblem& p, const LaunchStrides& s, uint32_t bucket, std::string* why) {
   const int64_t elem = dtype_bytes(p.dtype);
   const auto aligned = [&](int64_t elements) { return (elements * elem) % kDenseLoadBytes == 0; };
+  if (p.head_dim_v != p.head_dim) {
+    *why = different_dims_note(p);
+    return false;
+  }
   if (p.head_dim != bucket) {
     *why = "head_dim " + std::to_string(p.head_dim) + " is below its bucket " + std::to_string(bucket);
     return false;
@@ -292,6 +313,8 @@ AttentionParams make_params(const AttentionProblem& p, const LaunchStrides& s, u
   a.q_len = static_cast<int32_t>(p.q_len);
   a.kv_len = static_cast<int32_t>(p.kv_len);
   a.head_dim = static_cast<int32_t>(p.head_dim);
+  a.head_dim_v = static_cast<int32_t>(p.head_dim_v);  // == head_dim unless MLA-style (issue 20 section 2)
+  a.reserved = 0;
   a.causal_offset = static_cast<int32_t>(p.causal_offset());
   a.scale = static_cast<float>(p.scale);
   a.scale_log2 = p.scale_log2();

@@ -77,9 +77,10 @@ metal_plan(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool c
   // caller passes them (any strides): their strides when given, packed when not.
   TORCH_CHECK_VALUE(!p.empty(), "flash_metal.metal_plan: an empty problem (B, Nq or Nk is 0) launches no kernel; "
                     "the op answers it on the host");
-  // allocate_outputs' layouts: (B, Hq, Nq, D) and (B, Hq, Nq); varlen
-  // (total_q, Hq, D) and (Hq, total_q), seen as (1, Hq, total_q, ...).
-  const int64_t D = p.head_dim, H = p.q_heads, N = p.varlen ? p.total_q : p.q_len;
+  // allocate_outputs' layouts: (B, Hq, Nq, D_v) and (B, Hq, Nq); varlen
+  // (total_q, Hq, D_v) and (Hq, total_q), seen as (1, Hq, total_q, ...).
+  // out (and grad_out) have v's head dim D_v (== D_qk unless MLA-style).
+  const int64_t D = p.head_dim_v, H = p.q_heads, N = p.varlen ? p.total_q : p.q_len;
   const std::array<int64_t, 4> packed4 = p.varlen ? std::array<int64_t, 4>{N * H * D, D, H * D, 1}
                                                   : std::array<int64_t, 4>{H * N * D, N * D, D, 1};
   const std::array<int64_t, 3> packed3{H * N, N, 1};

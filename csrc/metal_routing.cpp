@@ -119,6 +119,17 @@ std::string padding_note(int64_t head_dim, uint32_t bucket) {
          "-wide instantiation (no read or write past head_dim)";
 }
 
+// MLA-style calls (D_v != D_qk, issue 20 section 2) run in the wider dim's
+// bucket, each tensor at its own width: the reason says so.
+std::string padding_note(const AttentionProblem& p, uint32_t bucket) {
+  if (p.head_dim_v != p.head_dim) {
+    return "; v has its own head dim (MLA-style): D_qk = " + std::to_string(p.head_dim) + " (q, k: the scores) and D_v = " +
+           std::to_string(p.head_dim_v) + " (v, the P.V product, out) run in the " + std::to_string(bucket) +
+           "-wide instantiation of the wider, each zero-padded past its own width (no read or write past it)";
+  }
+  return padding_note(p.head_dim, bucket);
+}
+
 // The backward's register budget, in 32-bit values per lane: the live
 // registers explain() prints (LaunchEstimate), i.e. the accumulators (dQ:
 // bucket / 8 fragments; dK and dV: twice that; over the feature parts)
@@ -358,19 +369,28 @@ KernelChoice choose_metal_kernel(const AttentionProblem& p, KernelRequest reques
                                  MetalPass pass) {
   TORCH_CHECK(requested != KernelRequest::Composite, "flash_metal: impl='composite' is routed before planning "
               "(composite_route, csrc/composite.h)");
-  // No Metal kernel takes a v head dim of its own (MLA-style D_qk != D_v, issue 20 §2): every
-  // Metal kernel sizes its Q, K, V and O tiles by one head-dim bucket.
-  TORCH_CHECK_NOT_IMPLEMENTED(p.head_dim_v == p.head_dim, "flash_metal: q/k head dim D_qk = ", p.head_dim,
-                              " different from v's D_v = ", p.head_dim_v, " on Metal kernels: not yet (",
-                              pass == MetalPass::Backward ? "backward" : "forward",
-                              "); run on CPU tensors, or give v q's head dim");
+  // A v head dim of its own (MLA-style D_qk != D_v, issue 20 section 2):
+  // the forward's fast families (prefill, decode, split decode, paged)
+  // take it, in the wider dim's bucket (head_dim_v in AttentionParams); the
+  // backward's kernels do not yet (nor the post's kernels, below).
+  const bool own_v = p.head_dim_v != p.head_dim;
+  TORCH_CHECK_NOT_IMPLEMENTED(!own_v || pass != MetalPass::Backward, "flash_metal: q/k head dim D_qk = ",
+                              p.head_dim, " different from v's D_v = ", p.head_dim_v,
+                              " on Metal kernels: not yet (backward; the forward takes it); run the backward on CPU "
+                              "tensors, or give v q's head dim");
   // Nor head dims past the largest bucket (the CPU kernels take up to
-  // kMaxHeadDim = 576): no Metal instantiation is wider than 256 yet.
+  // kMaxHeadDim = 576, D_v up to 512): no Metal instantiation is wider than 256 yet.
   TORCH_CHECK_NOT_IMPLEMENTED(p.head_dim <= kFastHeadDimBuckets.back(), "flash_metal: head_dim ", p.head_dim,
                               " on Metal kernels: not yet (at most ", kFastHeadDimBuckets.back(), ", ",
                               pass == MetalPass::Backward ? "backward" : "forward",
                               "); run on CPU tensors, which take head dims up to ", kMaxHeadDim);
+  TORCH_CHECK_NOT_IMPLEMENTED(p.head_dim_v <= kFastHeadDimBuckets.back(), "flash_metal: v's head dim D_v = ",
+                              p.head_dim_v, " on Metal kernels: not yet (at most ", kFastHeadDimBuckets.back(), ", ",
+                              pass == MetalPass::Backward ? "backward" : "forward",
+                              "); run on CPU tensors, which take D_v up to ", kMaxHeadDimV);
   if (pass == MetalPass::Backward) return choose_backward(p, requested);
+  // The bucket every tile fits: the wider of the two dims (== head_dim unless MLA-style).
+  const int64_t widest = std::max(p.head_dim, p.head_dim_v);
   KernelChoice c;
   const bool explicit_request = requested != KernelRequest::Auto;
   if (explicit_request) {
@@ -402,6 +422,10 @@ KernelChoice choose_metal_kernel(const AttentionProblem& p, KernelRequest reques
   TORCH_CHECK_VALUE(!post_kernel || !has_options, kOp, ": impl='", request_name(c.kind),
                     "' (the post's kernel) serves plain or causal attention only; attn_mask, window_left/"
                     "window_right, softcap, varlen and sinks need impl='auto', 'prefill' or (Nq <= 8) 'decode'");
+  TORCH_CHECK_NOT_IMPLEMENTED(!post_kernel || !own_v, "flash_metal: q/k head dim D_qk = ", p.head_dim,
+                              " different from v's D_v = ", p.head_dim_v, " on Metal kernels: not yet with impl='",
+                              request_name(c.kind), "' (the post's kernel takes one head dim); use impl='auto', "
+                              "'prefill' or (Nq <= 8) 'decode'");
   const bool decode_family = c.kind == KernelRequest::Decode || c.kind == KernelRequest::DecodeSplit;
   TORCH_CHECK(!p.paged || (decode_family && p.q_len <= kMaxDecodeRows && !p.varlen), kOp,
               ": internal error: a paged KV cache plans only the decode kernels (kvcache_reads_table sends the rest "
@@ -417,7 +441,7 @@ KernelChoice choose_metal_kernel(const AttentionProblem& p, KernelRequest reques
   switch (c.kind) {
     case KernelRequest::Untiled:
     case KernelRequest::Tiled:
-      c.bucket = bucket_of(p.head_dim, kHeadDimBuckets);
+      c.bucket = bucket_of(widest, kHeadDimBuckets);
       if (c.kind == KernelRequest::Tiled) {
         c.reason += " (K/V tiles of " + std::to_string(kPostKeysPerTile) + " keys shared by " +
                     std::to_string(kPostThreadsPerGroup) + " queries, " +
@@ -425,7 +449,7 @@ KernelChoice choose_metal_kernel(const AttentionProblem& p, KernelRequest reques
       }
       break;
     case KernelRequest::Prefill: {
-      c.bucket = bucket_of(p.head_dim, kFastHeadDimBuckets);
+      c.bucket = bucket_of(widest, kFastHeadDimBuckets);
       // Blocks: block_q query rows, MLX's steel table's (32; 16 at D = 256,
       // where MLX's 32 x 16 tiles take 40 KB in float32), in 8-row groups
       // that each run `parts` SIMD-groups (each keeping O for 1 / parts of
@@ -477,7 +501,7 @@ KernelChoice choose_metal_kernel(const AttentionProblem& p, KernelRequest reques
     }
     case KernelRequest::Decode:
     case KernelRequest::DecodeSplit: {
-      c.bucket = bucket_of(p.head_dim, kFastHeadDimBuckets);
+      c.bucket = bucket_of(widest, kFastHeadDimBuckets);
       std::string why;
       const bool forced_split = c.kind == KernelRequest::DecodeSplit;
       const bool forced_one = explicit_request && c.kind == KernelRequest::Decode;
@@ -506,7 +530,7 @@ KernelChoice choose_metal_kernel(const AttentionProblem& p, KernelRequest reques
     default:
       break;
   }
-  c.reason += padding_note(p.head_dim, c.bucket);
+  c.reason += padding_note(p, c.bucket);
   return c;
 }
 

@@ -75,7 +75,7 @@
 // v 2, params 5, partial_o 6, partial_stats 7; both take the attn_mask at
 // 14 (cu_seqlens 15 and 16 are never read); flash_decode_merge out 3,
 // lse 4, params 5, partial_o 6, partial_stats 7. Scratch: partial_o
-// B * Hq * Nq * kv_splits * D floats, partial_stats B * Hq * Nq * kv_splits * 2.
+// B * Hq * Nq * kv_splits * D_v floats (head_dim_v), partial_stats B * Hq * Nq * kv_splits * 2.
 //
 // tg_bytes with KG * RGL = 8 slots (the most), per bucket: DMAX 32: 1,184;
 // 64: 2,208; 72, 80, 96: 3,168; 128: 4,192; 256: 8,256. KG = 1 uses none.
@@ -124,14 +124,14 @@ struct DecodeState {
   static constexpr constant int DPL = (DMAX + 31) / 32;
   static constexpr constant int DP32 = DPL * 32;  // features per row including the lanes' padding
   float q[RS][DPL];    // query slice, pre-multiplied by scale * log2(e); 0 past head_dim and for dead rows
-  float acc[RS][DPL];  // unnormalized output slice: sum of exp2(s - m) * v
+  float acc[RS][DPL];  // unnormalized output slice: sum of exp2(s - m) * v; 0 past head_dim_v
   float m[RS];         // running max of the base-2 scores (kMaskedScore: no key yet); same in every lane
   float l[RS];         // running sum of exp2(s - m); same in every lane
 };
 
 // The feature slot i of lane `lane` holds (of q, K, V, the accumulator and
 // the output). dense (fc_dense, set by the host, csrc/metal_launch.cpp,
-// decode_dense_loads, when K and V have unit feature stride, D == DMAX and
+// decode_dense_loads, when K and V have unit feature stride, D == D_v == DMAX and
 // 16-byte aligned rows): lane l holds the contiguous run [l * DPL, l * DPL +
 // DPL), so a lane reads its slice of a K/V row with DPL / VW vector loads
 // (decode_slice_dense; issue 19: 1 load per key at DMAX 64 and 128 instead
@@ -293,7 +293,8 @@ FM_INLINE void decode_attend(thread DecodeState<DMAX>& st, device const T* k, de
   constexpr int RS = DecodeState<DMAX>::RS;
   constexpr int DPL = DecodeState<DMAX>::DPL;
   const int R = p.gqa_ratio * p.q_len;
-  const int D = p.head_dim;
+  const int D = p.head_dim;     // q's and k's features (the scores)
+  const int DV = p.head_dim_v;  // v's (the accumulator): its own in MLA-style calls (issue 20 section 2)
   // fc_paged: the kv head's base in page 0; rows are found through the
   // table (attention_decode_paged.h), `at` is the block's first key, and
   // `step` what the loop advances it by (divided here, once).
@@ -384,7 +385,7 @@ FM_INLINE void decode_attend(thread DecodeState<DMAX>& st, device const T* k, de
       PageCursor vc = fc_paged ? page_cursor(table, at.entry, at.row) : PageCursor{0, 0, 0};
       decode_slice_device<DMAX, DPL>(
           vx, vp + (fc_paged ? page_offset(vc, p.v_batch_stride, p.v_row_stride) : int64_t(k0) * p.v_row_stride),
-          p.v_dim_stride, D, lane);
+          p.v_dim_stride, DV, lane);
       FM_UNROLL for (int i = 0; i < DPL; ++i) vn[i] = 0.0f;
       for (int j = 0; j < n; ++j) {
         if (j + 1 < n) {
@@ -393,7 +394,7 @@ FM_INLINE void decode_attend(thread DecodeState<DMAX>& st, device const T* k, de
               vn,
               vp + (fc_paged ? page_offset(vc, p.v_batch_stride, p.v_row_stride)
                              : int64_t(k0 + j + 1) * p.v_row_stride),
-              p.v_dim_stride, D, lane);
+              p.v_dim_stride, DV, lane);
         }
         FM_UNROLL for (int r = 0; r < RS; ++r) {
           const float pj = simd_shuffle(pw[r], ushort(j));
@@ -485,8 +486,8 @@ inline DecodeShape decode_shape(constant AttentionParams& p, uint3 group, uint3 
   return s;
 }
 
-// The lane's slice of one output row, normalized, and the row's lse (natural
-// log): zeros and -inf (from bits, as store_output_row) for a row that saw no
+// The lane's slice of one output row (its head_dim_v features: v's width),
+// normalized, and the row's lse (natural log): zeros and -inf (from bits, as store_output_row) for a row that saw no
 // key. sm carries the row's (m, l).
 template <typename T, int DMAX>
 FM_INLINE void decode_store_row(device T* o, device float* lse, constant AttentionParams& p, int batch,
@@ -497,7 +498,7 @@ FM_INLINE void decode_store_row(device T* o, device float* lse, constant Attenti
                  int64_t(dr.row) * p.o_row_stride;
   FM_UNROLL for (int i = 0; i < DPL; ++i) {
     const int c = decode_feature<DPL>(i, lane, dense);
-    if (c < p.head_dim) op[int64_t(c) * p.o_dim_stride] = static_cast<T>(acc[i] * inv);
+    if (c < p.head_dim_v) op[int64_t(c) * p.o_dim_stride] = static_cast<T>(acc[i] * inv);
   }
   if (lane == 0) {
     // lse = m ln 2 + ln l with one rounding for both (fma), as the prefill

@@ -19,7 +19,7 @@ inline int64_t decode_partial_index(constant AttentionParams& p, int batch, Deco
 // Split pass 1: the threadgroup (batch, kv_head, split) attends the group's
 // rows to keys [split * split_keys, min((split + 1) * split_keys, Nk)) (and
 // no further than causal masking lets any row see) and writes unnormalized
-// partials: partial_o[B][Hq][Nq][kv_splits][head_dim] (sum of exp2(s - m) * v)
+// partials: partial_o[B][Hq][Nq][kv_splits][head_dim_v] (sum of exp2(s - m) * v, v's width)
 // and partial_stats[B][Hq][Nq][kv_splits][2] = (m, l), m the base-2 max and
 // l the sum of exp2(s - m). A block no row may see writes m = kMaskedScore,
 // l = 0 and zeros (split 0 under fc_has_sinks: m = the sink, l = 1).
@@ -79,10 +79,10 @@ template <typename T, int DMAX>
         const int rr = rg * RS + r;
         if (rr < R) {
           const int64_t idx = decode_partial_index(p, batch, decode_row(p, kv_head, rr), split);
-          device float* po = partial_o + idx * p.head_dim;
+          device float* po = partial_o + idx * p.head_dim_v;
           FM_UNROLL for (int i = 0; i < DPL; ++i) {
             const int c = decode_feature<DPL>(i, lane, fc_dense);
-            if (c < p.head_dim) po[c] = st.acc[r][i];
+            if (c < p.head_dim_v) po[c] = st.acc[r][i];
           }
           if (lane == 0) {
             partial_stats[2 * idx] = st.m[r];
@@ -132,10 +132,10 @@ template <typename T, int DMAX>
   FM_UNROLL for (int i = 0; i < DPL; ++i) acc[i] = 0.0f;
   for (int s = 0; s < S; ++s) {
     const float f = exp2(stats[2 * s] - M);  // finite argument <= 0
-    device const float* po = partial_o + (base + s) * p.head_dim;
+    device const float* po = partial_o + (base + s) * p.head_dim_v;
     FM_UNROLL for (int i = 0; i < DPL; ++i) {
       const int c = i * 32 + int(lane);
-      if (c < p.head_dim) acc[i] = fma(po[c], f, acc[i]);
+      if (c < p.head_dim_v) acc[i] = fma(po[c], f, acc[i]);
     }
   }
   OnlineSoftmax sm;

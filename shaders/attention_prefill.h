@@ -39,7 +39,8 @@ constant bool fc_align_k [[function_constant(2)]];
 // [[function_constant(10)]]: the dense loader (prefill_load_tile_dense).
 // The host (csrc/metal_launch.cpp, dense_loads) sets it when every tensor
 // this kernel loads through prefill_load_tile has unit feature stride, D ==
-// DMAX (no padding columns), and every row start 16-byte aligned (storage
+// DV == DMAX (no padding columns in any tile: off when v has its own head
+// dim, issue 20 section 2), and every row start 16-byte aligned (storage
 // offset, batch, head and row strides all multiples of 16 bytes), with a
 // tile's byte offsets within int32. False: the general per-element loader.
 constant bool fc_dense [[function_constant(10)]];
@@ -271,7 +272,12 @@ template <typename T, int DMAX, int BQ, int BK, int WM>
   threadgroup float* partials = reinterpret_cast<threadgroup float*>(kv_tile + BK * LD);  // PARTS > 1
   constexpr int SLOT = TK * 64;  // floats of one SIMD-group's partial S
 
+  // D: q's and k's features (the Q.K^T product); DV: v's and o's (the P.V
+  // product and the stores), which MLA-style calls give a width of its own
+  // (issue 20 section 2). DMAX is the wider's bucket; each tile zero-fills
+  // the columns past its own tensor's width, so either may be the narrower.
   const int D = p.head_dim;
+  const int DV = p.head_dim_v;
   // The threadgroup's sequence: the whole (Nq, Nk) problem, or under
   // fc_varlen sequence group.z of the packed batch, whose rows start at
   // q_row0 / k_row0 (the planner zeroes the batch strides then).
@@ -390,10 +396,11 @@ template <typename T, int DMAX, int BQ, int BK, int WM>
 
     threadgroup_barrier(mem_flags::mem_threadgroup);  // all K reads done before V overwrites the tile (WAR)
     if (k_edge) {
-      prefill_load_tile<BK, DMAX, LD, THREADS, true>(kv_tile, v + h.v, p.v_row_stride, p.v_dim_stride, k0, D,
+      prefill_load_tile<BK, DMAX, LD, THREADS, true>(kv_tile, v + h.v, p.v_row_stride, p.v_dim_stride, k0, DV,
                                                      seq.kv_len - k0, tid);
     } else {
-      prefill_load_tile<BK, DMAX, LD, THREADS, false>(kv_tile, v + h.v, p.v_row_stride, p.v_dim_stride, k0, D, BK, tid);
+      prefill_load_tile<BK, DMAX, LD, THREADS, false>(kv_tile, v + h.v, p.v_row_stride, p.v_dim_stride, k0, DV, BK,
+                                                      tid);
     }
 
     if (active) {
@@ -479,12 +486,12 @@ template <typename T, int DMAX, int BQ, int BK, int WM>
     // emulator, this at 0.8-1.3x, within the strict 2x rule
     // (tests/test_metal_prefill.py). The cost is one fma per element of O
     // per block. (On a GPU the MMA's internal rounding is not documented;
-    // the emulator rounds after every product, see its README.) Feature fragments that are all padding are skipped (uniform: D
-    // is the same for every lane); O's index id stays a compile-time
+    // the emulator rounds after every product, see its README.) Feature fragments that are all padding (past
+    // v's DV features) are skipped (uniform: DV is the same for every lane); O's index id stays a compile-time
     // constant, so O lives in registers.
     if (active) {
       FM_UNROLL for (int id = 0; id < TDP; ++id) {
-        if (col0 + id * 8 < D) {
+        if (col0 + id * 8 < DV) {
           PrefillFrag pv = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
           FM_UNROLL for (int t = 0; t < TK; ++t) {
             PrefillFrag vf;
@@ -501,7 +508,7 @@ template <typename T, int DMAX, int BQ, int BK, int WM>
 
   sm.l += l_run;
 
-  // Store O / l for real rows (and only the D real features), and the row's
+  // Store O / l for real rows (and only the DV real features of v and o), and the row's
   // lse from one lane of the 4 that share it. A row that saw no key stores
   // zeros and -inf made from bits, exactly as store_output_row does.
   if (fc_align_q || row < seq.q_len) {
@@ -510,7 +517,7 @@ template <typename T, int DMAX, int BQ, int BK, int WM>
     FM_UNROLL for (int id = 0; id < TDP; ++id) {
       FM_UNROLL for (int j = 0; j < 2; ++j) {
         const int c = col0 + id * 8 + fc + j;
-        if (c < D) op[int64_t(c) * p.o_dim_stride] = static_cast<T>(O[id].thread_elements()[j] * inv);
+        if (c < DV) op[int64_t(c) * p.o_dim_stride] = static_cast<T>(O[id].thread_elements()[j] * inv);
       }
     }
     if (fc == 0 && part == 0) {

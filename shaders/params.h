@@ -6,8 +6,10 @@
 // FlashAttention convention), so one struct serves all three dtypes.
 // Tensor layouts, as the op sees them:
 //   q   (batch, q_heads,  q_len,  head_dim)
-//   k,v (batch, kv_heads, kv_len, head_dim)
-//   o   (batch, q_heads,  q_len,  head_dim)
+//   k   (batch, kv_heads, kv_len, head_dim)
+//   v   (batch, kv_heads, kv_len, head_dim_v)
+//   o   (batch, q_heads,  q_len,  head_dim_v)
+// (head_dim_v == head_dim except in MLA-style calls, issue 20 section 2.)
 //   lse (batch, q_heads,  q_len)            always float32
 // and, for the backward (shaders/attention_backward.h):
 //   grad_out (batch, q_heads, q_len, head_dim), any strides (the do_* fields)
@@ -88,17 +90,22 @@ struct AttentionParams {
   int32_t page_size;          // fc_paged (decode): keys per page of the cache; k/v's batch stride is then
                               // the page stride and their row stride the stride within a page (0 otherwise)
   int32_t table_stride;       // fc_paged: int32 entries between consecutive rows of block_table (0 otherwise)
+  // v's own head dim (MLA-style D_v != D_qk, issue 20 section 2), last so every field above keeps its offset.
+  // head_dim (D_qk) sizes the Q.K^T product and the q/k loads; head_dim_v sizes the v loads, the P.V product,
+  // o's stores and the split decode's partials. Both are at most the kernel's bucket. Equal to head_dim otherwise.
+  int32_t head_dim_v;         // D_v, 1..256
+  int32_t reserved;           // always 0: pads the struct to a multiple of 8 bytes, so it has no implicit padding
 };
 
 // 19 int64 + 10 int32 + 2 float (200 bytes, 8-aligned) + 7 int64 = 256
 // bytes, + 4 int64 + 4 int32 + 2 float = 312 bytes, + 2 int32 (paging) =
-// 320 bytes, with no padding.
+// 320 bytes, + 2 int32 (head_dim_v and its pad) = 328 bytes, with no padding.
 // (The forward kernels ignore the backward strides, and kernels without a
 // feature its fields; one struct still, so the host fills and binds one
 // block for every kernel.)
 // The same assertion compiles on the host and in the shader, so a field added
 // on one side only cannot go unnoticed.
-static_assert(sizeof(AttentionParams) == 320, "AttentionParams layout changed: update host and shaders together");
+static_assert(sizeof(AttentionParams) == 328, "AttentionParams layout changed: update host and shaders together");
 
 // ---- threads per threadgroup --------------------------------------------------
 // The most threads each kernel family is ever launched with: the kernels

@@ -197,9 +197,10 @@ def emulated_metal_attention(q, k, v, causal=False, scale=None, impl="auto", ins
     if not plan.dispatches:  # the composite path: the op's own code (csrc/composite.cpp) on CPU tensors
         COMPOSITE_RUNS.append(plan.reason)
         return flash_metal.attention_with_lse(q, k, v, causal, scale, "composite", **options)
-    B, H, N, D = q.shape
+    B, H, N, _ = q.shape
     # Outputs and scratch poisoned with NaN: an element never written stays NaN.
-    out = torch.full((B, H, N, D), float("nan"), dtype=q.dtype)
+    # out has v's head dim (D_v: q's, except in MLA-style calls).
+    out = torch.full((B, H, N, v.shape[-1]), float("nan"), dtype=q.dtype)
     lse = torch.full((B, H, N), float("nan"), dtype=torch.float32)
     tensors = {"q": q, "k": k, "v": v, "out": out, "lse": lse,
                **_option_tensors(q, _expanded_mask(attn_mask, q, k), sinks=sinks)}
@@ -223,8 +224,8 @@ def emulated_metal_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max
         return flash_metal.attention_varlen_with_lse(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                                      causal, scale, window_left, window_right, softcap, "composite",
                                                      sinks)
-    T, H, D = q.shape
-    out = torch.full((T, H, D), float("nan"), dtype=q.dtype)
+    T, H, _ = q.shape
+    out = torch.full((T, H, v.shape[-1]), float("nan"), dtype=q.dtype)  # v's head dim (D_v)
     lse = torch.full((H, T), float("nan"), dtype=torch.float32)
     tensors = {"q": q, "k": k, "v": v, "out": out, "lse": lse,
                **_option_tensors(q, None, cu_seqlens_q, cu_seqlens_k, sinks)}

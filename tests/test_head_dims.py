@@ -10,6 +10,7 @@ masks, GQA, varlen and sinks (a few combinations, not a full product); a
 gradcheck; opcheck; the bad-input errors; the Metal planner's refusal; the
 SDPA drop-in and the flash-attn API. Small ragged shapes: a few seconds.
 """
+import re
 import zlib
 
 import pytest
@@ -19,7 +20,7 @@ import torch.nn.functional as F
 import flash_metal
 from flash_metal import reference as R
 from numerics import (assert_attention_close, assert_gradients_close, assert_varlen_close,
-                      assert_varlen_gradients_close, dtype_id, make_tensor)
+                      assert_varlen_gradients_close, dtype_id, lay_out, make_tensor)
 
 
 def _gen(*key):
@@ -229,20 +230,23 @@ def test_bad_backward_shapes_are_named():
 
 @pytest.mark.parametrize("backward", [False, True], ids=["forward", "backward"])
 def test_metal_plan_refuses_different_dims(backward):
-    # No Metal forward kernel takes D_v != D_qk yet: that plan is refused,
-    # never planned with one head dim. The backward, and any D above 256,
-    # run the composite path instead (csrc/composite.h, tests/test_composite.py):
-    # an empty plan whose reason says why.
+    # The Metal forward takes D_v != D_qk on its fast families (tests below),
+    # never planned with one head dim; the post's kernels refuse it. The
+    # backward, and any D above 256, run the composite path instead
+    # (csrc/composite.h, tests/test_composite.py): an empty plan whose reason
+    # says why.
     q = torch.randn(1, 4, 16, 192, dtype=torch.float16)
     k = torch.randn(1, 2, 16, 192, dtype=torch.float16)
-    v128 = torch.randn(1, 2, 16, 128, dtype=torch.float16)
+    v = torch.randn(1, 2, 16, 128, dtype=torch.float16)
     if backward:
-        plan = flash_metal.explain(q, k, v128, backward=True)
+        plan = flash_metal.explain(q, k, v, backward=True)
         assert plan.dispatches == () and plan.reason.startswith("composite (backward): D_qk = 192 differs")
     else:
-        with pytest.raises(NotImplementedError, match=r"D_qk = 192 different from v's D_v = 128 on Metal kernels: "
-                                                      r"not yet \(forward"):
-            flash_metal.explain(q, k, v128)
+        assert "D_v = 128" in flash_metal.explain(q, k, v).reason  # planned
+        for impl in ("untiled", "tiled"):
+            with pytest.raises(NotImplementedError, match=r"D_qk = 192 different from v's D_v = 128 on Metal "
+                                                          r"kernels: not yet with impl='" + impl + "'"):
+                flash_metal.explain(q, k, v, impl=impl)
     assert flash_metal.explain(q, k, torch.randn(1, 2, 16, 192, dtype=torch.float16), backward=backward).dispatches
     wide = torch.randn(1, 2, 16, 320, dtype=torch.float16)
     plan = flash_metal.explain(torch.randn(1, 4, 16, 320, dtype=torch.float16), wide, wide, backward=backward)
@@ -250,6 +254,12 @@ def test_metal_plan_refuses_different_dims(backward):
     with pytest.raises(NotImplementedError, match=r"head_dim 320 on Metal kernels: not yet \(at most 256"):
         flash_metal.explain(torch.randn(1, 4, 16, 320, dtype=torch.float16), wide, wide, impl="prefill",
                             backward=backward)
+    if not backward:  # a fused request past 256 in either dim names the dim
+        with pytest.raises(NotImplementedError, match=r"head_dim 320 on Metal kernels: not yet \(at most 256"):
+            flash_metal.explain(torch.randn(1, 4, 16, 320, dtype=torch.float16), wide, k[..., :64], impl="prefill")
+        with pytest.raises(NotImplementedError, match=r"v's head dim D_v = 320 on Metal kernels: not yet \(at most "
+                                                      r"256"):
+            flash_metal.explain(q[..., :64], k[..., :64], wide, impl="prefill")
 
 
 def test_sdpa_drop_in_takes_its_own_value_dim():
@@ -287,3 +297,190 @@ def test_flash_attn_api_takes_its_own_value_dim():
     with pytest.raises(ValueError, match=r"flash_attn_with_kvcache: v has head dim 48 but v_cache has 32"):
         flash_metal.flash_attn_with_kvcache(q[:, :1], k_cache, v_cache, knew, knew, cache_seqlens=3)
     assert torch.equal(v_cache, before)
+
+
+# --- The Metal forward with D_v != D_qk, through the emulator -------------------------------
+#
+# The kernels run in the wider dim's bucket (no instantiation of their own):
+# head_dim for the scores, head_dim_v (AttentionParams) for v, P.V, out and
+# the split partials. Every family: prefill (and varlen), decode one pass,
+# split decode (its partials and merge), and the paged decode (fc_paged),
+# f32/f16/bf16, through the fast build on ragged GQA shapes, with the
+# options rotating over the cases; the sanitizing build on a few small ones.
+# Outputs poisoned with NaN (backends.py), the 2x rule against float64, and
+# the dispatched kernels checked to be the planned family's.
+from backends import LAST_DISPATCHES, emulated_metal_attention, emulated_metal_kvcache, emulated_metal_varlen  # noqa: E402
+
+METAL_PAIRS = [(192, 128), (64, 32), (32, 64), (96, 64), (40, 72)]  # (D_qk, D_v); the last two: D_v > D_qk
+METAL_DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+DENSE = 10  # fc_dense's function-constant index (csrc/metal_plan.h, kDenseFunctionConstant)
+# (family, impl, Nq, Nk): ragged lengths; decode_split forced so it splits at a short Nk.
+FAMILIES = {"prefill": ("prefill", 37, 45), "decode": ("decode", 3, 70), "split": ("decode_split", 2, 300)}
+DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
+
+
+def _bucket(d):
+    # The bucket an equal-dims problem of head dim d runs in (the planner's list, whichever it is).
+    x = torch.randn(1, 1, 1, d)
+    return int(re.search(r"_d(\d+)", flash_metal.explain(x, x, x, impl="decode").kernel_name).group(1))
+
+
+def _metal_options(i, B, hq, nq, nk, g):
+    # One option set per case, rotating: none, causal, left window, softcap + bool mask, sinks + causal.
+    kind = i % 5
+    if kind == 1:
+        return True, {}
+    if kind == 2:
+        return True, dict(window_left=7)
+    if kind == 3:
+        mask = torch.rand(B, 1, nq, nk, generator=g) > 0.3
+        mask[0, 0, nq - 1] = False  # a fully masked row: zeros, lse = -inf
+        return False, dict(softcap=4.0, attn_mask=mask)
+    if kind == 4:
+        return True, dict(sinks=torch.randn(hq, generator=g) + 0.5)
+    return False, {}
+
+
+def _assert_ran(prefix, plan):
+    names = [d.kernel_name for d, _ in LAST_DISPATCHES]
+    assert names == [d.kernel_name for d in plan.dispatches] and names[0].startswith(prefix), names
+
+
+METAL_CASES = [(fam, pair, dtype) for fam in FAMILIES for pair in METAL_PAIRS for dtype in METAL_DTYPES]
+
+
+@pytest.mark.parametrize("family,pair,dtype", METAL_CASES,
+                         ids=[f"{f}-{a}x{b}-{dtype_id(t)}" for f, (a, b), t in METAL_CASES])
+def test_metal_forward_own_value_dim(family, pair, dtype):
+    dqk, dv = pair
+    impl, nq, nk = FAMILIES[family]
+    i = METAL_CASES.index((family, pair, dtype))
+    g = _gen("metal", family, pair, dtype_id(dtype))
+    B, hq, hkv = 2, 4, 2
+    layout = ["contiguous", "transposed", "offset_slice"][i % 3]  # v's strides vary
+    q, k, v = _qkv(B, hq, hkv, nq, nk, dqk, dv, dtype, g, layout)
+    causal, options = _metal_options(i, B, hq, nq, nk, g)
+    plan = flash_metal.explain(q, k, v, causal, None, impl, **options)
+    assert f"D_qk = {dqk}" in plan.reason and f"D_v = {dv}" in plan.reason, plan.reason
+    assert not plan.dispatches[0].function_constants[DENSE]  # one fc_dense for all tensors: off (metal_launch.cpp)
+    out, lse = emulated_metal_attention(q, k, v, causal, None, impl, **options)
+    prefix = {"prefill": "flash_attention_prefill_", "decode": "flash_decode_", "split": "flash_decode_split_"}[family]
+    _assert_ran(prefix + f"{DTYPE_NAMES[dtype]}_d{_bucket(max(dqk, dv))}", plan)
+    if family == "split":
+        assert len(plan.dispatches) == 2 and plan.dispatches[1].kernel_name.startswith("flash_decode_merge_")
+        assert plan.scratch["partial_out"] == B * hq * nq * plan.dispatches[0].grid[2] * dv  # D_v wide partials
+    assert out.shape == (B, hq, nq, dv) and not torch.isnan(out).any() and not torch.isnan(lse).any()
+    assert_attention_close(out, lse, q, k, v, causal, None, **options)
+
+
+
+@pytest.mark.parametrize("pair", METAL_PAIRS, ids=[f"{a}x{b}" for a, b in METAL_PAIRS])
+def test_metal_varlen_own_value_dim(pair):
+    dqk, dv = pair
+    dtype = METAL_DTYPES[METAL_PAIRS.index(pair) % 3]
+    g = _gen("metal-varlen", pair)
+    lq, lk = [5, 1, 0, 37, 3], [9, 1, 4, 40, 0]  # one-token, no-query and no-key sequences
+    cu_q = torch.tensor([0] + torch.tensor(lq).cumsum(0).tolist(), dtype=torch.int32)
+    cu_k = torch.tensor([0] + torch.tensor(lk).cumsum(0).tolist(), dtype=torch.int32)
+    q = torch.randn(sum(lq), 4, dqk, generator=g).to(dtype)
+    k = torch.randn(sum(lk), 2, dqk, generator=g).to(dtype)
+    v = torch.randn(sum(lk), 2, dv, generator=g).to(dtype)
+    options = dict(window_left=6, softcap=3.0)
+    out, lse = emulated_metal_varlen(q, k, v, cu_q, cu_k, max(lq), max(lk), True, **options)
+    plan = flash_metal.explain(q, k, v, True, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max(lq),
+                               max_seqlen_k=max(lk), **options)
+    _assert_ran("flash_attention_prefill_", plan)
+    assert out.shape == (sum(lq), 4, dv) and not torch.isnan(out).any()
+    assert_varlen_close(out, lse, q, k, v, cu_q, cu_k, True, None, **options)
+
+
+def _paged(B, hkv, dqk, dv, dtype, page, seqlens, seed):
+    # k and v caches of their own widths on one table: make_paged_cache's page
+    # order is its generator's first draw, so equal seeds give equal tables.
+    from test_metal_decode_paged import make_paged_cache
+
+    kc, _, table, kcont, _ = make_paged_cache(B, hkv, dqk, dtype, page, seqlens, torch.Generator().manual_seed(seed))
+    _, vc, table_v, _, vcont = make_paged_cache(B, hkv, dv, dtype, page, seqlens, torch.Generator().manual_seed(seed))
+    assert torch.equal(table, table_v)
+    return kc, vc, table, kcont, vcont
+
+
+@pytest.mark.parametrize("pair", METAL_PAIRS, ids=[f"{a}x{b}" for a, b in METAL_PAIRS])
+@pytest.mark.parametrize("impl", ["decode", "decode_split"])
+def test_metal_paged_own_value_dim(pair, impl):
+    # attention_kvcache's decode route (fc_paged): k_cache D_qk wide, v_cache
+    # D_v wide, scattered pages, unused rows and table entries poisoned.
+    from test_kvcache_op import check_oracle
+
+    dqk, dv = pair
+    dtype = METAL_DTYPES[(METAL_PAIRS.index(pair) + (impl == "decode_split")) % 3]
+    seqlens = [37, 0, 70]
+    kc, vc, table, kcont, vcont = _paged(3, 2, dqk, dv, dtype, 16, seqlens, zlib.crc32(repr((pair, impl)).encode()))
+    g = _gen("metal-paged", pair, impl)
+    q = torch.randn(3, 4, 2, dqk, generator=g).to(dtype)
+    lengths = torch.tensor(seqlens, dtype=torch.int32)
+    plan = flash_metal.explain(q, kc, vc, True, None, impl, block_table=table, cache_seqlens=lengths)
+    assert plan.dispatches[0].function_constants[12]  # fc_paged (kPagedFunctionConstant)
+    out, lse = emulated_metal_kvcache(q, kc, vc, lengths, table, True, None, impl)
+    _assert_ran("flash_decode_" + ("split_" if impl == "decode_split" else ""), plan)
+    assert out.shape == (3, 4, 2, dv)
+    check_oracle(out, lse, q, kcont, vcont, seqlens, True)
+
+
+# Small ragged shapes through the sanitizing build (bounds, races): each family once, D_v both sides of D_qk.
+SANITIZED = [("prefill", (64, 32), torch.float16), ("decode", (32, 64), torch.bfloat16),
+             ("split", (96, 64), torch.float32), ("prefill", (40, 72), torch.float32)]
+
+
+@pytest.mark.parametrize("family,pair,dtype", SANITIZED,
+                         ids=[f"{f}-{a}x{b}-{dtype_id(t)}" for f, (a, b), t in SANITIZED])
+def test_metal_own_value_dim_sanitized(family, pair, dtype):
+    dqk, dv = pair
+    impl, nq, nk = FAMILIES[family]
+    nq, nk = min(nq, 11), min(nk, 75)
+    g = _gen("metal-sanitized", family, pair)
+    q, k, v = _qkv(1, 4, 2, nq, nk, dqk, dv, dtype, g, "storage_end")  # v ends where its storage ends
+    out, lse = emulated_metal_attention(q, k, v, True, None, impl, instrumented=True)
+    assert not torch.isnan(out).any()
+    assert_attention_close(out, lse, q, k, v, True)
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_metal_own_value_dim_is_the_padded_problem_bit_for_bit(family):
+    # Each output column of P.V depends on its own column of v only, so out
+    # with D_v = 32 must be, bit for bit, the first 32 columns of the
+    # equal-dims run (D = 64) on v zero-padded to 64: same scores, same
+    # softmax, same products. The padded run's v is strided ("every_other"),
+    # so its fc_dense is off too and both read the same lanes' features.
+    dqk, dv = 64, 32
+    impl, nq, nk = FAMILIES[family]
+    g = _gen("metal-padded", family)
+    q, k, v = _qkv(2, 4, 2, nq, nk, dqk, dv, torch.float16, g)
+    padded = lay_out(torch.cat([v, torch.zeros(2, 2, nk, dqk - dv, dtype=v.dtype)], -1), "every_other")
+    assert not flash_metal.explain(q, k, padded, True, None, impl).dispatches[0].function_constants[DENSE]
+    out, lse = emulated_metal_attention(q, k, v, True, None, impl)
+    ref_out, ref_lse = emulated_metal_attention(q, k, padded, True, None, impl)
+    assert torch.equal(out, ref_out[..., :dv]) and torch.equal(lse, ref_lse)
+
+
+def test_sdpa_drop_in_runs_its_own_value_dim_on_the_metal_kernels(monkeypatch):
+    # The drop-in's op call sent to the emulated Metal backend (as
+    # tests/test_sdpa.py does): 5-D inputs, GQA, top-left causal with L < S
+    # (keys cropped), E_v != E; against PyTorch's SDPA by the 2x rule.
+    from backends import run_attention
+    from flash_metal import sdpa as sdpa_module
+    from test_sdpa import assert_like_sdpa
+
+    def emulated(q, k, v, causal=False, scale=None, impl="auto", **options):
+        return run_attention("metal-emu", q, k, v, causal, scale, impl, **options)[0]
+
+    monkeypatch.setattr(sdpa_module.ops, "attention", emulated)
+    g = _gen("sdpa-metal")
+    q = torch.randn(2, 1, 4, 21, 96, generator=g).half()
+    k = torch.randn(2, 1, 2, 30, 96, generator=g).half()
+    v = torch.randn(2, 1, 2, 30, 64, generator=g).half()
+    assert flash_metal.sdpa_route(q, k, v, is_causal=True, enable_gqa=True).flash_metal
+    LAST_DISPATCHES.clear()
+    out = flash_metal.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    assert [d.kernel_name for d, _ in LAST_DISPATCHES][0].startswith("flash_attention_prefill_float16_")
+    assert_like_sdpa(out, q, k, v, is_causal=True, enable_gqa=True)

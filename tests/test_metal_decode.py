@@ -32,7 +32,7 @@ TG_LIMIT = 32 * 1024
 BLOCK = 32
 # shaders/attention_common.h: the finite sentinel a masked score becomes.
 MASKED_SCORE = -(2.0**100)
-# Offset of (kv_splits, split_keys) in the 320-byte AttentionParams (shaders/params.h).
+# Offset of (kv_splits, split_keys) in the 328-byte AttentionParams (shaders/params.h).
 SPLIT_FIELDS_OFFSET = 192
 
 
@@ -124,7 +124,7 @@ def launch_decode(q, k, v, causal=False, scale=None, splits=1, instrumented=Fals
     dmax = bucket_of(D)
     one, split, merge = kernel_names(q.dtype, dmax)
     raw = bytearray(flash_metal.explain(q, k, v, causal, scale, impl="tiled").params.numpy().tobytes())
-    assert len(raw) == 320
+    assert len(raw) == 328
     struct.pack_into("<2i", raw, SPLIT_FIELDS_OFFSET, splits, split_keys_of(Nk, splits) if splits > 1 else Nk)
     params = torch.frombuffer(raw, dtype=torch.uint8)
     out = torch.full((B, Hq, Nq, D), float("nan"), dtype=q.dtype)

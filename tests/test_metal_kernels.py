@@ -153,15 +153,16 @@ def test_params_bytes_carry_strides_and_sizes():
     q, k, v = make_qkv(2, 6, 3, 9, 11, 40, torch.bfloat16, layout="offset_slice")
     plan = flash_metal.explain(q, k, v, causal=True, scale=0.5)
     raw = plan.params.numpy().tobytes()
-    assert len(raw) == 320
-    fields = struct.unpack("<19q8i2f2i7q4q2i2f2i2i", raw)
+    assert len(raw) == 328
+    fields = struct.unpack("<19q8i2f2i7q4q2i2f2i2i2i", raw)
     strides, sizes, (scale, scale_log2), splits = fields[:19], fields[19:27], fields[27:29], fields[29:31]
     assert strides[0:4] == q.stride() and strides[4:8] == k.stride() and strides[8:12] == v.stride()
     assert strides[12:16] == (6 * 9 * 40, 9 * 40, 40, 1) and strides[16:19] == (6 * 9, 9, 1)
     assert sizes == (2, 6, 3, 2, 9, 11, 40, 11 - 9)
     assert scale == 0.5 and abs(scale_log2 - 0.5 * 1.4426950408889634) < 1e-6
     assert splits == (1, 11)  # not a split-KV launch: one block of all the keys
-    assert fields[-2:] == (0, 0)  # page_size, table_stride: not paged
+    assert fields[-4:-2] == (0, 0)  # page_size, table_stride: not paged
+    assert fields[-2:] == (40, 0)  # head_dim_v (v's head dim, here q's), reserved
 
 
 def test_packaged_shader_sources_are_complete():

@@ -17,6 +17,7 @@ harness stands in for Apple's frameworks, which run the host for real there.
 import itertools
 import os
 import re
+import struct
 import subprocess
 import zlib
 
@@ -275,27 +276,35 @@ def test_host_reads_the_paged_kv_cache(host, emu):
     assert 19 in bound and 20 in bound
 
 
-@pytest.mark.parametrize("backward", [False, True], ids=["forward", "backward"])
-def test_host_refuses_a_value_head_dim_of_its_own(host, backward):
-    # The Metal kernels do not take a v head dim of its own (D_v != D_qk)
-    # yet: the real .mm refuses the forward (the planner's
-    # NotImplementedError) before encoding anything, and hands the backward
-    # to the composite path (csrc/composite.h), whose ATen ops this fake MPS
-    # device cannot run (PyTorch's own "Could not run 'aten::..." from the
-    # 'MPS' backend): either way no kernel of ours is encoded.
-    g = torch.Generator().manual_seed(23)
-    q, k, v = (host.to_mps(t) for t in make_qkv(1, 4, 2, 16, 16, 64, torch.float16, generator=g))
-    pattern = (r"Could not run 'aten::\w+' with arguments from the 'MPS' backend" if backward else
-               r"D_qk = 64 different from v's D_v = 32 on Metal kernels: not yet")
-    v = host.to_mps(torch.randn(1, 2, 16, 32, generator=g).half())
-    o = host.to_mps(torch.randn(1, 4, 16, 32, generator=g).half())  # out and grad_out have D_v
+@pytest.mark.parametrize("impl", ["auto", "decode_split"])
+def test_host_runs_a_value_head_dim_of_its_own(host, emu, impl):
+    # MLA-style D_v != D_qk (issue 20 section 2) through the real .mm: out
+    # allocated (B, Hq, Nq, D_v), the params block carrying head_dim_v (its
+    # bytes as the plan's), the split decode's partials D_v wide; replayed, vs
+    # the float64 oracle. The backward runs the composite path (below).
+    g = torch.Generator().manual_seed(29)
+    nq = 3 if impl == "decode_split" else 19
+    q = torch.randn(1, 4, nq, 64, generator=g).half()
+    k = torch.randn(1, 2, 300, 64, generator=g).half()
+    v = lay_out(torch.randn(1, 2, 300, 32, generator=g).half(), "transposed")
+    out, lse, rec, _ = host.attention(q, k, v, True, None, impl, emu)
+    assert rec["errors"] == [] and out.shape == (1, 4, nq, 32)
+    assert_attention_close(out, lse, q, k, v, True)
+    plan = flash_metal.explain(q, k, v, True, impl=impl)
+    assert "D_v = 32" in plan.reason
+    assert [e["kernel"] for e in rec["events"] if e["op"] == "setComputePipelineState"] == \
+        [d.kernel_name for d in plan.dispatches]
+    params = [e["hex"] for e in rec["events"] if e["op"] == "setBytes"]
+    assert params == [bytes(d.params.tolist()).hex() for d in plan.dispatches]
+    assert params[0][-16:] == struct.pack("<2i", 32, 0).hex()  # head_dim_v, reserved: the block's last 8 bytes
+    qm, km, vm = (host.to_mps(t) for t in (q, k, v))
+    o = host.to_mps(torch.randn(1, 4, nq, 32, generator=g).half())  # out and grad_out have D_v
+    # The backward goes to the composite path (csrc/composite.h): PyTorch's
+    # own ops, which this fake MPS device cannot run ("Could not run
+    # 'aten::..." from the 'MPS' backend); no kernel of ours is encoded.
     host.take_recording()
-    with pytest.raises(NotImplementedError, match=pattern):
-        if backward:
-            lse = host.to_mps(torch.zeros(1, 4, 16))
-            torch.ops.flash_metal.attention_backward(o, q, k, v, o, lse, True, )
-        else:
-            torch.ops.flash_metal.attention_forward(q, k, v, True, )
+    with pytest.raises(NotImplementedError, match=r"Could not run 'aten::\w+' with arguments from the 'MPS' backend"):
+        torch.ops.flash_metal.attention_backward(o, qm, km, vm, o, host.to_mps(torch.zeros(1, 4, nq)), True)
     rec = host.take_recording()
     assert not [e for e in rec["events"] if e["op"] == "setComputePipelineState"]
 
@@ -375,7 +384,7 @@ def test_encoding_protocol(host, emu):
         e = bound[host.buffer_id(t)]
         assert e["offset"] == t.storage_offset() * t.element_size()
     params = [e for e in inside if e["op"] == "setBytes"]
-    assert len(params) == 1 and len(params[0]["hex"]) == 2 * 320  # sizeof(AttentionParams)
+    assert len(params) == 1 and len(params[0]["hex"]) == 2 * 328  # sizeof(AttentionParams)
     assert params[0]["index"] not in {e["index"] for e in bound.values()}
 
 
