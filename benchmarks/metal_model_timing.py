@@ -131,7 +131,9 @@ def planner_residency(r, index, gpu, s, dtype, causal):
     if r.source is None or gpu.key is None:
         by_mem = gpu.tgmem_per_core // r.tg_memory if r.tg_memory else 64
         return max(1, by_mem), "threadgroup memory (no plan)"
-    impl, backward = r.source
+    impl, backward, *padded = r.source  # metal_model.padded_to: planned in that bucket
+    if padded:
+        s = s._replace(d=padded[0])
     d = _planned(impl, s, dtype, causal, gpu.key, backward).dispatches[index]
     if d.kernel_name != r.kernel:
         raise AssertionError(f"plan for {gpu.key} launches {d.kernel_name}, the counts are of {r.kernel}")
@@ -226,7 +228,7 @@ def dispatch_time(r, index, gpu, s, dtype, causal, k=POINT):
         alu = c["exp2_calls"] * SCALAR_OPS_PER_EXP2 / LANES_PER_CORE + c["exp2_calls"] / G.EXP2_PER_CORE_CYCLE
         on_accel = c.get("mpp_flops") and gpu.generation in G.ACCEL_FLOPS_PER_CORE_CYCLE
         work = max(matrix, alu) if on_accel and k["overlap"] else matrix + alu
-        d_frags = math.ceil(s.d / 8)
+        d_frags = _dmax(r.kernel) // 8  # the kernels run every fragment of their bucket, padding too
         serial = None
         if kb and "prefill" in r.kernel:
             blocks, bk = kb
