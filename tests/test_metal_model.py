@@ -144,3 +144,34 @@ def test_decode_reads_kv_once_per_kv_head(impl):
     assert sum(r.counts.get("dram_v", 0) for r in recs) == model // 2  # the merge pass binds no v
     assert sum(r.counts.get("read_v", 0) for r in recs) == 3 * model // 2  # loaded by each of 3 row groups
     assert sum(r.counts.get("write_out", 0) for r in recs) == s.b * s.hq * s.nq * s.d * 2
+
+
+# Issue 20 section 3: D = 192 in its own bucket against the 256-wide launch it
+# had before (metal_model.padded_to: the same problem, 256's kernel, blocks and
+# grid, emulated exactly). Emulated at N = 256 (one size, no scaling).
+D192_CHIPS = ("M1", "M3 Max", "M4 Pro", "M5")
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=["f16", "f32"])
+def test_d192_bucket_predicted_faster_than_padding_to_256(dtype):
+    from benchmarks import metal_backward_model as BM
+    s = M.Shape(1, 2, 2, 256, 256, 192)
+    own_fwd, own_bwd = M.emulate("auto", s, dtype, False), BM.emulate(s, dtype, False)
+    with M.padded_to(256):
+        pad_fwd, pad_bwd = M.emulate("auto", s, dtype, False), BM.emulate(s, dtype, False)
+    # Each ran the kernels its name says: 192's, then 256's (planned there, same inputs).
+    assert all("_d192_" in r.kernel for r in own_fwd + own_bwd) and all("_d256_" in r.kernel for r in pad_fwd + pad_bwd)
+    # The same device bytes of q, k, v (no read past D either way); 3/4 of the
+    # feature products in the forward (the same 8x8 tiles of scores, 24 of 32
+    # feature fragments); fewer threadgroup bytes.
+    fwd_o, fwd_p = own_fwd[0].counts, pad_fwd[0].counts
+    assert fwd_o["read_q"] == fwd_p["read_q"] == s.b * s.hq * s.nq * s.d * elem(dtype)
+    assert fwd_o["read_k"] <= fwd_p["read_k"]  # K/V once per query block: 192's f16 blocks hold 32 rows, 256's 16
+    assert 4 * fwd_o["simdgroup_mmas"] == 3 * fwd_p["simdgroup_mmas"]
+    assert fwd_o["threadgroup_bytes_read"] < fwd_p["threadgroup_bytes_read"]
+    assert sum(r.counts["simdgroup_mmas"] for r in own_bwd) < sum(r.counts["simdgroup_mmas"] for r in pad_bwd)
+    for chip in D192_CHIPS:
+        g = G.BY_NAME[chip]
+        for own, pad in ((own_fwd, pad_fwd), (own_bwd, pad_bwd)):
+            t_own, t_pad = M.predict(own, g, s, dtype, False)[0], M.predict(pad, g, s, dtype, False)[0]
+            assert t_own < t_pad, (chip, own[0].kernel, t_own, pad[0].kernel, t_pad)
