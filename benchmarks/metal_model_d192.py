@@ -12,7 +12,7 @@ from . import apple_gpus as G
 from . import metal_backward_model as BM
 from . import metal_model as M
 
-CHIPS = ("M1", "M3 Max", "M4 Pro", "M5")
+CHIPS = ("M1", "M3 Max", "M4 Pro", "M5 (10-core)")
 
 
 def rows(n, heads):

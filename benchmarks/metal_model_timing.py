@@ -228,7 +228,7 @@ def dispatch_time(r, index, gpu, s, dtype, causal, k=POINT):
         alu = c["exp2_calls"] * SCALAR_OPS_PER_EXP2 / LANES_PER_CORE + c["exp2_calls"] / G.EXP2_PER_CORE_CYCLE
         on_accel = c.get("mpp_flops") and gpu.generation in G.ACCEL_FLOPS_PER_CORE_CYCLE
         work = max(matrix, alu) if on_accel and k["overlap"] else matrix + alu
-        d_frags = _dmax(r.kernel) // 8  # the kernels run every fragment of their bucket, padding too
+        d_frags = math.ceil(s.d / 8)
         serial = None
         if kb and "prefill" in r.kernel:
             blocks, bk = kb
