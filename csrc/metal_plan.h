@@ -100,7 +100,9 @@ constexpr std::array<uint32_t, 4> kHeadDimBuckets = {32, 64, 128, 256};
 // towers, 1152/16; 80: Phi-2, 2560/32; 96: Phi-3-mini, 3072/32; 192:
 // DeepSeek-V2/V3 and Kimi's multi-head latent attention in prefill and
 // training, D_qk = 128 + 64 rotary features (issue 20 section 3: in 256 it
-// paid a third more feature products and tile bytes); the rest
+// ran 256's smaller blocks, 16 query rows by 8 keys, and tiles a third
+// wider than its rows; the kernels' guard already skipped the padded
+// products); the rest
 // Llama-family), so those models' D pays no padding; any other D <= 256 runs
 // zero-padded in the next bucket (129..192 in 192, 193..256 in 256). MLX's
 // steel attention's set, plus 192.
