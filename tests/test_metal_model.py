@@ -8,6 +8,8 @@ import sys
 import pytest
 import torch
 
+import flash_metal
+
 # benchmarks/ is a package at the repository root, not installed: put the root on the path.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks import apple_gpus as G  # noqa: E402
@@ -176,4 +178,14 @@ def test_d192_bucket_predicted_faster_than_padding_to_256(dtype):
         g = G.BY_NAME[chip]
         for own, pad in ((own_fwd, pad_fwd), (own_bwd, pad_bwd)):
             t_own, t_pad = M.predict(own, g, s, dtype, False)[0], M.predict(pad, g, s, dtype, False)[0]
+            if chip == "M1" and dtype == torch.float16 and own is own_bwd:
+                # The exception, a finding: on Apple 7/8's 60 KiB cores 256's
+                # dQ blocks (29,440 B) fit two threadgroups, 16 SIMD-groups,
+                # and 192's (16, 16, 4) at 32,768 B one, 8: the planner stops
+                # at 8 resident on the chip that holds fewest (32 KiB cores).
+                one = torch.empty(1, 1, 1, 1, dtype=dtype)
+                res = [flash_metal.explain(*(one.expand(1, 16, 2048, d),) * 3, False, None, "auto", "m1",
+                                           backward=True).dispatches[0].simdgroups_per_core for d in (192, 256)]
+                assert res == [8, 16] and t_own > t_pad, (res, t_own, t_pad)
+                continue
             assert t_own < t_pad, (chip, own[0].kernel, t_own, pad[0].kernel, t_pad)
