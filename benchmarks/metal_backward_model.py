@@ -58,11 +58,11 @@ def _inputs(s: Shape, dtype, causal):
 
 def emulate(s: Shape, dtype, causal):
     """The backward's dispatches in the instrumented emulator; exact counts."""
-    key = (s, dtype, causal)
+    key = (s, dtype, causal, M._PAD)
     if key not in _CACHE:
         backends.emulated_metal_attention_backward(*_inputs(s, dtype, causal), causal, None, None, instrumented=True)
         _CACHE[key] = [M.Record(d.kernel_name, d.grid, d.threadgroup, d.threadgroup_memory, M._count_dict(d, c), False,
-                                ("auto", True))
+                                M._source("auto", True))
                        for d, c in backends.LAST_DISPATCHES]
     return _CACHE[key]
 
@@ -82,7 +82,8 @@ def scaled_counts(s: Shape, dtype, causal, base_ns=M.BASE_NS):
                 raise AssertionError(f"scaling rule gave a fractional {field}: {v}")
             counts[field] = int(v)
         grid = (base.grid[0] * n // base_ns[0], s.hq if i == 0 else s.hkv, s.b)
-        records.append(M.Record(base.kernel, grid, base.threadgroup, base.tg_memory, counts, True, ("auto", True)))
+        records.append(M.Record(base.kernel, grid, base.threadgroup, base.tg_memory, counts, True,
+                                M._source("auto", True)))
     return records
 
 

@@ -27,6 +27,7 @@ prediction, labelled as such.
    accelerators (benchmarks/metal_model_accel.py; `--accelerators` alone).
 """
 import argparse
+import contextlib
 import math
 import os
 import re
@@ -126,15 +127,59 @@ def _count_dict(d, c):
 
 
 _CACHE = {}
+# The bucket padded_to() runs every plan in (None: the planner's own).
+_PAD = None
+
+
+def _source(impl, backward):
+    """A Record's source: the plan, and under padded_to() the bucket it was planned in."""
+    return (impl, backward) + ((_PAD,) if _PAD else ())
+
+
+@contextlib.contextmanager
+def padded_to(bucket):
+    """Within it, every plan of a head dim under `bucket` is the one the
+    planner makes for `bucket` (kernel, blocks, grid, threadgroup memory,
+    alignment constants), carrying the real head dim's params and the general
+    loader (fc_dense off, as for any padded D): the launch a padded bucket
+    makes, such as D = 192 in the 256-wide kernels before the 192 bucket
+    (issue 20 section 3), emulated exactly. Prefill and backward plans."""
+    global _PAD
+    real = flash_metal.explain
+
+    def widened(t):
+        if not isinstance(t, torch.Tensor) or t.dim() != 4 or t.shape[-1] >= bucket:
+            return t
+        return torch.empty(1, dtype=t.dtype).expand(*t.shape[:-1], bucket)
+
+    def explain(*args, **kw):
+        own = real(*args, **kw)
+        if args[0].shape[-1] >= bucket:
+            return own
+        wide = real(*(widened(a) for a in args), **{n: widened(a) for n, a in kw.items()})
+        if any(d.kernel_name.startswith("flash_decode") for d in wide.dispatches):
+            raise ValueError("padded_to: prefill and backward plans only (a decode split count depends on D)")
+        dense = 10  # kDenseFunctionConstant (csrc/metal_plan.h)
+        dispatches = tuple(w._replace(params=o.params, function_constants=w.function_constants[:dense] + (False,) +
+                                      w.function_constants[dense + 1:])
+                           for w, o in zip(wide.dispatches, own.dispatches))
+        return own._replace(dispatches=dispatches, reason=wide.reason)
+
+    saved, _PAD = _PAD, bucket
+    flash_metal.explain = explain
+    try:
+        yield
+    finally:
+        flash_metal.explain, _PAD = real, saved
 
 
 def emulate(impl, s: Shape, dtype, causal):
     """Runs the plan's dispatches in the instrumented emulator; exact counts."""
-    key = (impl, s, dtype, causal)
+    key = (impl, s, dtype, causal, _PAD)
     if key not in _CACHE:
         backends.emulated_metal_attention(*_inputs(s, dtype, real=True), causal, None, impl, instrumented=True)
         _CACHE[key] = [Record(d.kernel_name, d.grid, d.threadgroup, d.threadgroup_memory, _count_dict(d, c), False,
-                              (impl, False))
+                              _source(impl, False))
                        for d, c in backends.LAST_DISPATCHES]
     return _CACHE[key]
 
@@ -172,7 +217,8 @@ def scaled_counts(impl, s: Shape, dtype, causal, base_ns=BASE_NS):
             if v.denominator != 1:
                 raise AssertionError(f"scaling rule gave a fractional {field}: {v}")
             counts[field] = int(v)
-        records.append(Record(d.kernel_name, d.grid, d.threadgroup, d.threadgroup_memory, counts, True, (impl, False)))
+        records.append(Record(d.kernel_name, d.grid, d.threadgroup, d.threadgroup_memory, counts, True,
+                              _source(impl, False)))
     return records
 
 

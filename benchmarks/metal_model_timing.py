@@ -131,7 +131,9 @@ def planner_residency(r, index, gpu, s, dtype, causal):
     if r.source is None or gpu.key is None:
         by_mem = gpu.tgmem_per_core // r.tg_memory if r.tg_memory else 64
         return max(1, by_mem), "threadgroup memory (no plan)"
-    impl, backward = r.source
+    impl, backward, *padded = r.source  # metal_model.padded_to: planned in that bucket
+    if padded:
+        s = s._replace(d=padded[0])
     d = _planned(impl, s, dtype, causal, gpu.key, backward).dispatches[index]
     if d.kernel_name != r.kernel:
         raise AssertionError(f"plan for {gpu.key} launches {d.kernel_name}, the counts are of {r.kernel}")

@@ -100,10 +100,16 @@ constexpr uint32_t kPostKeysPerTile = 16;
 constexpr std::array<uint32_t, 4> kHeadDimBuckets = {32, 64, 128, 256};
 // Head-dim buckets of the fast kernels (prefill and decode): multiples of 8
 // (the simdgroup-matrix tile), one per common model width (72: SigLIP vision
-// towers, 1152/16; 80: Phi-2, 2560/32; 96: Phi-3-mini, 3072/32; the rest
+// towers, 1152/16; 80: Phi-2, 2560/32; 96: Phi-3-mini, 3072/32; 192:
+// DeepSeek-V2/V3 and Kimi's multi-head latent attention in prefill and
+// training, D_qk = 128 + 64 rotary features (issue 20 section 3: in 256 it
+// ran 256's smaller blocks, 16 query rows by 8 keys, and tiles a third
+// wider than its rows; the kernels' guard already skipped the padded
+// products); the rest
 // Llama-family), so those models' D pays no padding; any other D <= 256 runs
-// zero-padded in the next bucket. The set MLX's steel attention instantiates.
-constexpr std::array<uint32_t, 7> kFastHeadDimBuckets = {32, 64, 72, 80, 96, 128, 256};
+// zero-padded in the next bucket (129..192 in 192, 193..256 in 256). MLX's
+// steel attention's set, plus 192.
+constexpr std::array<uint32_t, 8> kFastHeadDimBuckets = {32, 64, 72, 80, 96, 128, 192, 256};
 // Query rows the decode kernels serve at most. Why 8: one 8x8 simdgroup-matrix
 // tile of queries; below it the prefill kernel's 8-row fragments would run
 // mostly empty (MLX switches to its vector kernels at the same point).

@@ -245,11 +245,11 @@ constexpr bool decode_paged_fits_budget(uint32_t bucket) {
 }
 static_assert(decode_paged_fits_budget(32) && decode_paged_fits_budget(64) && decode_paged_fits_budget(72) &&
                   decode_paged_fits_budget(80) && decode_paged_fits_budget(96) && decode_paged_fits_budget(128) &&
-                  decode_paged_fits_budget(256),
+                  decode_paged_fits_budget(192) && decode_paged_fits_budget(256),
               "the paged decode's live values within kDecodeRegisterBudget");
 static_assert(decode_rows_fit_budget(32) && decode_rows_fit_budget(64) && decode_rows_fit_budget(72) &&
                   decode_rows_fit_budget(80) && decode_rows_fit_budget(96) && decode_rows_fit_budget(128) &&
-                  decode_rows_fit_budget(256),
+                  decode_rows_fit_budget(192) && decode_rows_fit_budget(256),
               "decode_rows_per_simd (shaders/attention_decode_rows.h): the most rows within the budget");
 
 // The split-KV merge: one row's partial max, sum and feature slice per lane.

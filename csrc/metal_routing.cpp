@@ -245,6 +245,8 @@ KernelChoice choose_backward(const AttentionProblem& p, KernelRequest requested)
   // instantiates it:
   //   D = 32: 64,32,1 | 64,32,1   64: 64,32,1 | 32,16,2   72: 64,32,1 | (80's)
   //   D = 80: 64,32,1 | 32,16,2 (recomputing)   96: 64,16,1 | 16,16,4   128: 32,16,2 | 16,8,4
+  //   D = 192: 16,16,4 | 8,8,8 (both split-K: 192's tiles leave room for
+  //   the scratch, 256's do not)
   //   D = 256: 16,8,4 | 8,8,8 (recomputing: no room for the scratch)
   // Tiles keep their 16-byte row padding where it fits (backward_row_pad).
   BackwardBlocks best = backward_blocks(c.bucket, p.dtype);
@@ -456,30 +458,42 @@ KernelChoice choose_metal_kernel(const AttentionProblem& p, KernelRequest reques
       // the features; the scores split-K over the parts, summed through a
       // scratch counted in the bytes, attention_prefill.h), and block_k keys per
       // block. block_q sets the K/V traffic (read once per query block), so
-      // it stays; among block_k in {32, 16, 8} and parts in {1, 2, 4, 8}
+      // it stays 32 unless no 32-row block reaches kResidentTarget: then 16
+      // (float32 at D = 192 only: its 32-row blocks hold 4 resident
+      // SIMD-groups, bk 8 with one part, 31,360 bytes, the parts' scratch
+      // not fitting beside the tiles; 16 rows on 4 parts hold 8). Among
+      // block_k in {32, 16, 8} and parts in {1, 2, 4, 8}
       // within the register budget (O, one block of scores, the softmax
       // state, kLiveOverhead), 32 KiB, kPrefillMaxThreads and the loader's
       // even split: the most resident SIMD-groups per core on the chip that
       // holds fewest (up to 8, kResidentTarget), then the fewest
       // parts (least scratch), then the longest key block. The
-      // result, float16/bfloat16 | float32 (block_k, parts):
+      // result, float16/bfloat16 | float32 (block_k, parts; block_q 32 but
+      // where noted):
       //   D = 32: 32,1 | 32,1   64, 72, 80: 32,1 | 16,1   96: 32,1 | 8,1
-      //   D = 128: 16,1 | 16,2  256: 8,2 | 8,4
-      c.block_q = c.bucket == 256 ? 16 : 32;
+      //   D = 128: 16,1 | 16,2  192: 8,1 | 16,4 (block_q 16)
+      //   D = 256: 8,2 | 8,4 (block_q 16)
+      // 192's float16 blocks keep 32 query rows (K/V read half as often as
+      // 16-row blocks) at 72 live values, the budget's edge, in 8-key blocks
+      // (16 keys take 74).
       uint32_t best_resident = 0, best_parts = 0;
-      for (uint32_t parts : {1u, 2u, 4u, 8u}) {
-        const uint32_t simdgroups = c.block_q / 8 * parts;
-        if (c.bucket % (8 * parts) != 0 || 32 * simdgroups > uint32_t{kPrefillMaxThreads}) continue;
-        for (uint32_t block_k : {32u, 16u, 8u}) {
-          const uint32_t bytes = prefill_threadgroup_memory(c.block_q, block_k, c.bucket, p.dtype, parts);
-          const uint32_t live = prefill_live_registers(c.bucket, block_k, parts);
-          const bool even = c.block_q * c.bucket % (32 * simdgroups) == 0 && block_k * c.bucket % (32 * simdgroups) == 0;
-          if (bytes > kMaxThreadgroupMemory || live > kBackwardRegisterBudget || !even) continue;
-          const uint32_t resident =
-              std::min(kResidentTarget, resident_on_every_chip(simdgroups, bytes, live));
-          if (resident > best_resident) {  // ties keep the earlier: fewer parts, then longer blocks
-            best_resident = resident; best_parts = parts;
-            c.block_k = block_k; c.simdgroups = simdgroups;
+      for (uint32_t block_q : {32u, 16u}) {
+        if (best_resident >= kResidentTarget) break;
+        if (block_q == 32 && c.bucket == 256) continue;
+        for (uint32_t parts : {1u, 2u, 4u, 8u}) {
+          const uint32_t simdgroups = block_q / 8 * parts;
+          if (c.bucket % (8 * parts) != 0 || 32 * simdgroups > uint32_t{kPrefillMaxThreads}) continue;
+          for (uint32_t block_k : {32u, 16u, 8u}) {
+            const uint32_t bytes = prefill_threadgroup_memory(block_q, block_k, c.bucket, p.dtype, parts);
+            const uint32_t live = prefill_live_registers(c.bucket, block_k, parts);
+            const bool even = block_q * c.bucket % (32 * simdgroups) == 0 && block_k * c.bucket % (32 * simdgroups) == 0;
+            if (bytes > kMaxThreadgroupMemory || live > kBackwardRegisterBudget || !even) continue;
+            const uint32_t resident =
+                std::min(kResidentTarget, resident_on_every_chip(simdgroups, bytes, live));
+            if (resident > best_resident) {  // ties keep the earlier: more rows, fewer parts, longer blocks
+              best_resident = resident; best_parts = parts;
+              c.block_q = block_q; c.block_k = block_k; c.simdgroups = simdgroups;
+            }
           }
         }
       }

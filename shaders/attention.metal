@@ -38,7 +38,7 @@
 
 // The FlashAttention-2 forward's block sizes per (dtype, bucket), as the
 // routing function (choose_metal_kernel in csrc/metal_routing.cpp) chooses
-// and explains them: 32 query rows (16 at D = 256) in 8-row groups of
+// and explains them: 32 query rows (16 at D = 256, and float32 at 192) in 8-row groups of
 // WM * 8 / BQ SIMD-groups (feature parts of O), keys per block within the
 // register budget and 8 resident SIMD-groups per core.
 #define FM_PREFILL(tname, T, D, BQ, BK, WM)                                                 \
@@ -52,6 +52,7 @@
   FM_PREFILL(tname, T, 80, 32, 32, 4)   \
   FM_PREFILL(tname, T, 96, 32, 32, 4)   \
   FM_PREFILL(tname, T, 128, 32, 16, 4)  \
+  FM_PREFILL(tname, T, 192, 32, 8, 4)   \
   FM_PREFILL(tname, T, 256, 16, 8, 4)
 
 #define FM_PREFILL_FLOAT_ALL_D(tname, T) \
@@ -61,6 +62,7 @@
   FM_PREFILL(tname, T, 80, 32, 16, 4)    \
   FM_PREFILL(tname, T, 96, 32, 8, 4)     \
   FM_PREFILL(tname, T, 128, 32, 16, 8)   \
+  FM_PREFILL(tname, T, 192, 16, 16, 8)   \
   FM_PREFILL(tname, T, 256, 16, 8, 8)
 
 // The decode kernels (Nq <= 8): one pass, and the split-KV pair.
@@ -76,6 +78,7 @@
   FM_DECODE(tname, T, 80)         \
   FM_DECODE(tname, T, 96)         \
   FM_DECODE(tname, T, 128)        \
+  FM_DECODE(tname, T, 192)        \
   FM_DECODE(tname, T, 256)
 
 // The backward's two kernels. Blocks per (dtype, bucket), as
@@ -100,6 +103,7 @@
   FM_BACKWARD(tname, T, 80, 64, 32, 1, 8)  \
   FM_BACKWARD(tname, T, 96, 64, 16, 1, 8)  \
   FM_BACKWARD(tname, T, 128, 32, 16, 2, 8) \
+  FM_BACKWARD(tname, T, 192, 16, 16, 4, 8) \
   FM_BACKWARD(tname, T, 256, 16, 8, 4, 8)
 
 #define FM_BACKWARD_FLOAT_ALL_D(tname, T)  \
@@ -108,6 +112,7 @@
   FM_BACKWARD(tname, T, 80, 32, 16, 2, 8)  \
   FM_BACKWARD(tname, T, 96, 16, 16, 4, 8)  \
   FM_BACKWARD(tname, T, 128, 16, 8, 4, 8)  \
+  FM_BACKWARD(tname, T, 192, 8, 8, 8, 8)   \
   FM_BACKWARD(tname, T, 256, 8, 8, 8, 8)
 
 // An explicit instantiation with an unqualified name must sit in the

@@ -78,12 +78,13 @@
 // B * Hq * Nq * kv_splits * D_v floats (head_dim_v), partial_stats B * Hq * Nq * kv_splits * 2.
 //
 // tg_bytes with KG * RGL = 8 slots (the most), per bucket: DMAX 32: 1,184;
-// 64: 2,208; 72, 80, 96: 3,168; 128: 4,192; 256: 8,256. KG = 1 uses none.
+// 64: 2,208; 72, 80, 96: 3,168; 128: 4,192; 192: 6,208; 256: 8,256. KG = 1
+// uses none.
 //
 // Bytes: every K/V element is loaded from device memory once per
 // threadgroup, i.e. once per (batch, kv_head[, split]) for all R rows
 // whenever the GQA group fits one threadgroup (RG <= 8, R <= 8 * RS: 32
-// rows up to DMAX 64, 16 up to 128, 8 at 256; in one-token decode, every
+// rows up to DMAX 64, 16 up to 128, 8 at 192 and 256; in one-token decode, every
 // GQA model of tests/test_metal_plan_limits.py and MQA up to 16 heads at
 // DMAX 128): each key group loads its own keys straight into registers, and
 // when it has several row groups each of them loads the same keys, the
@@ -194,7 +195,7 @@ FM_INLINE void decode_init(thread DecodeState<DMAX>& st, device const T* q, cons
 // Elements per vector load of a lane's run of DPL features: the widest of
 // 4, 2, 1 that divides DPL. Why at most 4: vec<T, 4> is the widest vector
 // type MSL has for every T (16 bytes of float, 8 of half or bfloat), so
-// DPL 8 (DMAX 256) takes 2 loads; DPL 3 (DMAX 72, 80, 96) takes 3 scalar
+// DPL 8 (DMAX 256) takes 2 loads, DPL 6 (DMAX 192) 3 of 2 elements; DPL 3 (DMAX 72, 80, 96) takes 3 scalar
 // loads, as the strided path.
 constexpr int decode_vector_width(int dpl) { return dpl % 4 == 0 ? 4 : (dpl % 2 == 0 ? 2 : 1); }
 

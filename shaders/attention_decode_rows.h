@@ -18,7 +18,8 @@ FM_PROGRAM_CONSTANT constexpr int kDecodeRegisterBudget = 72;
 // Query rows per SIMD-group (RS), per head-dim bucket: the most rows, a
 // power of two up to 8, whose live values per lane fit kDecodeRegisterBudget
 // by the host's model (decode_live_registers): 4 up to D 64 (70 values with
-// a mask at 64), 2 up to 128 (58), 1 at 256 (55). Before issue 19 it was
+// a mask at 64), 2 up to 128 (58), 1 at 192 (53 with a mask; 2 rows would
+// take 78) and 256 (55). Before issue 19 it was
 // 8 / 4 / 2, 114 / 92 / 84 values by the same model.
 constexpr int decode_rows_per_simd(int dmax) { return dmax <= 64 ? 4 : (dmax <= 128 ? 2 : 1); }
 

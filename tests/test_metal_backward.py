@@ -1,6 +1,6 @@
 """The Metal backward (shaders/attention_backward.h) on Linux, through the emulator.
 
-Every backward instantiation (3 dtypes x 7 buckets less float32 d72, both kernels) runs in the
+Every backward instantiation (3 dtypes x 8 buckets less float32 d72, both kernels) runs in the
 SANITIZING emulator build (races, barrier divergence, out-of-bounds) with
 every function-constant combination the planner produces, on small ragged
 shapes, launched from the op's own plan (tests/backends.py), and is compared
@@ -22,10 +22,10 @@ import flash_metal
 from backends import emulated_metal_attention_backward
 from numerics import DTYPES, assert_gradients_close, dtype_id, lay_out, make_qkv, make_tensor
 
-BUCKETS = (32, 64, 72, 80, 96, 128, 256)
+BUCKETS = (32, 64, 72, 80, 96, 128, 192, 256)
 # A head_dim per bucket, ragged inside it where the bucket allows (zero
 # padding to the bucket), 256 exactly.
-BUCKET_DIMS = {32: 17, 64: 63, 72: 70, 80: 77, 96: 90, 128: 100, 256: 256}
+BUCKET_DIMS = {32: 17, 64: 63, 72: 70, 80: 77, 96: 90, 128: 100, 192: 136, 256: 256}
 DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 TG_LIMIT = 32 * 1024
 # The register budget and hard limit choose_metal_kernel quotes (csrc/metal_routing.cpp).
@@ -34,9 +34,9 @@ REGISTER_BUDGET = 72
 # F feature parts); 8 resident SIMD-groups per core on every named chip (tests/test_metal_plan_limits.py).
 # float32 has no 72: its blocks there (16, 16, 3) hold 6, so head dims 65-72 run in 80's (WIDER).
 TABLE = {(2, 32): (64, 32, 1), (2, 64): (64, 32, 1), (2, 72): (64, 32, 1), (2, 80): (64, 32, 1),
-         (2, 96): (64, 16, 1), (2, 128): (32, 16, 2), (2, 256): (16, 8, 4),
+         (2, 96): (64, 16, 1), (2, 128): (32, 16, 2), (2, 192): (16, 16, 4), (2, 256): (16, 8, 4),
          (4, 32): (64, 32, 1), (4, 64): (32, 16, 2), (4, 80): (32, 16, 2),
-         (4, 96): (16, 16, 4), (4, 128): (16, 8, 4), (4, 256): (8, 8, 8)}
+         (4, 96): (16, 16, 4), (4, 128): (16, 8, 4), (4, 192): (8, 8, 8), (4, 256): (8, 8, 8)}
 WIDER = {(4, 72): 80}  # (bytes per element, bucket): the bucket whose instantiation runs instead
 # Every instantiation once: (dtype, bucket) pairs with an instantiation of their own.
 INSTANTIATIONS = [(dt, b) for dt in DTYPES for b in BUCKETS if (dt.itemsize, b) not in WIDER]

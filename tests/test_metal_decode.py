@@ -22,7 +22,7 @@ import flash_metal
 from backends import emulated_metal_attention, metal_library
 from numerics import DTYPES, LAYOUTS, assert_attention_close, dtype_id, make_qkv
 
-BUCKETS = [32, 64, 72, 80, 96, 128, 256]
+BUCKETS = [32, 64, 72, 80, 96, 128, 192, 256]
 DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 # Threads per threadgroup the decode kernels declare ([[max_total_threads_per_threadgroup]],
 # kDecodeMaxThreads in shaders/params.h), and Metal's threadgroup memory limit.
@@ -326,7 +326,7 @@ def kv_loads(nk, d, elem, readers, dense):
 DENSE_CASES = [(torch.float16, 128, 1, 1), (torch.bfloat16, 64, 2, 1), (torch.float32, 256, 1, 1),
                (torch.float16, 256, 1, 1), (torch.float32, 32, 1, 1), (torch.float16, 80, 1, 1),
                (torch.bfloat16, 96, 1, 1), (torch.float16, 128, 4, 2), (torch.float32, 72, 8, 1),
-               (torch.bfloat16, 256, 2, 1)]
+               (torch.bfloat16, 256, 2, 1), (torch.float16, 192, 1, 1)]
 
 
 def test_dense_cases_cover_both_paths_and_every_bucket():
@@ -391,7 +391,7 @@ def test_planner_sets_fc_dense_for_aligned_unit_stride_kv_only():
 
 # One head_dim per bucket, most of them ragged inside it (a lane's last slice
 # is partly padding; 72 and 80 leave whole lanes of padding in the third).
-BUCKET_DIMS = {32: 17, 64: 40, 72: 72, 80: 75, 96: 90, 128: 128, 256: 200}
+BUCKET_DIMS = {32: 17, 64: 40, 72: 72, 80: 75, 96: 90, 128: 128, 192: 150, 256: 200}
 # (B, Hq, Hkv, Nq, Nk, splits, layout): Nk = 1; Nk < Nq (causal rows with no
 # key, and a split block past the end); a block with one key and empty
 # blocks past Nk; MHA with four splits, the last ragged; MQA with 16 rows.

@@ -30,7 +30,7 @@ RAGGED = [(1, 23), (33, 17), (45, 70)]
 
 # The fast kernels' buckets (kFastHeadDimBuckets), each with a head_dim
 # ragged inside it where the bucket allows.
-FAST_BUCKET_DIMS = {32: 17, 64: 63, 72: 72, 80: 77, 96: 90, 128: 100, 256: 256}
+FAST_BUCKET_DIMS = {32: 17, 64: 63, 72: 72, 80: 77, 96: 90, 128: 100, 192: 192, 256: 256}
 # Every kernel family, with the (Nq, Nk) that reaches it and its buckets.
 FAMILIES = {"untiled": ((2, 2), BUCKET_DIMS), "tiled": ((2, 2), BUCKET_DIMS),
             "prefill": ((9, 9), FAST_BUCKET_DIMS), "decode": ((2, 9), FAST_BUCKET_DIMS),

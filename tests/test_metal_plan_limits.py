@@ -33,6 +33,7 @@ MODELS = {
     "phi2": (32, 32, 80),
     "mqa-d128": (32, 1, 128),  # multi-query attention at D = 128
     "falcon-7b": (71, 1, 64),  # MQA, 71 heads
+    "deepseek-v3-prefill": (128, 128, 192),  # MLA unabsorbed (prefill, training): D_qk = 128 + 64 rotary
 }
 BATCHES = (1, 2, 8)
 DECODE_ROWS = tuple(range(1, 9))  # one token, and speculative decoding's few
@@ -113,7 +114,7 @@ def test_sweep_reaches_the_decode_limit():
 def test_forced_decode_never_exceeds_the_limit():
     # impl="decode" / "decode_split" on the biggest GQA groups Nq <= 8 allows,
     # including groups no model above has (GQA 64, D 32).
-    for (hq, hkv), d, nq, impl in itertools.product([(64, 1), (128, 2), (16, 1), (4, 4)], (32, 64, 80, 128, 256),
+    for (hq, hkv), d, nq, impl in itertools.product([(64, 1), (128, 2), (16, 1), (4, 4)], (32, 64, 80, 128, 192, 256),
                                                     DECODE_ROWS, ("decode", "decode_split")):
         q, k, v = _qkv(1, hq, hkv, nq, 1024, d, torch.float16)
         for disp in flash_metal.explain(q, k, v, False, None, impl).dispatches:
@@ -157,7 +158,7 @@ def test_decode_plans_fit_the_register_budget(model):
     # the model counts them for the kernel's rows per SIMD-group, and
     # threads within the declared limit.
     hq, hkv, d = MODELS[model]
-    bucket = next(b for b in (32, 64, 72, 80, 96, 128, 256) if b >= d)
+    bucket = next(b for b in GRID_DIMS if b >= d)
     rows = 4 if bucket <= 64 else 2 if bucket <= 128 else 1
     seen = set()
     for dtype, B, nq, nk in itertools.product(DTYPES, BATCHES, DECODE_ROWS, KV_LENS):
@@ -194,7 +195,7 @@ CHIPS = ("m1", "m1-pro", "m1-max", "m1-ultra", "m2", "m2-pro", "m2-max", "m2-ult
 # backward plan (kResidentTarget).
 REGISTER_BUDGET = 72
 RESIDENT_TARGET = 8
-GRID_DIMS = (32, 64, 72, 80, 96, 128, 256)  # every head-dim bucket (csrc/metal_plan.h)
+GRID_DIMS = (32, 64, 72, 80, 96, 128, 192, 256)  # every head-dim bucket (csrc/metal_plan.h)
 
 
 def _misses(dispatches, chip):
@@ -266,3 +267,18 @@ def test_grid_check_catches_the_old_tile_tables():
     assert missed["backward"] == set(backward), missed  # every old entry misses on some chip
     worst = min(disp.simdgroups_per_core for _, disp in _old_plan("backward", 256, 4, 8, 8, 1, 84))
     assert worst == 1
+
+
+def test_grid_check_catches_float32_d192_on_32_query_rows():
+    # Planted: float32 at D = 192 with prefill's usual 32 query rows. The
+    # best such block (8 keys, one part: 72 live values, 31,360 bytes; two
+    # parts' scratch does not fit beside the tiles) holds one threadgroup,
+    # 4 SIMD-groups, on a 32 KiB core: the grid check above would fail on
+    # it, so the planner takes 16 rows on 4 parts (8 resident) instead.
+    (_, m1), (_, m3) = _old_plan("prefill", 192, 4, 32, 8, 4, 192 // 4 + 8 // 4 + 22)
+    assert m3.live_registers == 72 and m3.simdgroups_per_core == 4 and _misses([m3], "m3-max")
+    assert m1.simdgroups_per_core == 4  # 60 KiB: one threadgroup of 31,360 bytes, too
+    q, k, v = _qkv(1, 8, 8, 1024, 1024, 192, torch.float32)
+    planned = flash_metal.explain(q, k, v, False, None, "auto", "m3-max")
+    assert planned.kernel_name == "flash_attention_prefill_float32_d192_bq16_bk16_wm8"
+    assert planned.dispatches[0].simdgroups_per_core == 8 and not _misses(planned.dispatches, "m3-max")

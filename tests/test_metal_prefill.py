@@ -33,10 +33,11 @@ LANES_SHADER = os.path.join(ROOT, "tests", "prefill_lanes.metal")
 # (choose_metal_kernel in csrc/metal_routing.cpp says why), float16/bfloat16;
 # WM * 8 / BQ SIMD-groups per 8-row group (feature parts of O).
 BLOCKS = {32: (32, 32, 4), 64: (32, 32, 4), 72: (32, 32, 4), 80: (32, 32, 4), 96: (32, 32, 4),
-          128: (32, 16, 4), 256: (16, 8, 4)}
-# float32's (its rows are twice the bytes: shorter key blocks, more parts).
+          128: (32, 16, 4), 192: (32, 8, 4), 256: (16, 8, 4)}
+# float32's (its rows are twice the bytes: shorter key blocks, more parts; at 192 16 query rows,
+# the only way to 8 resident SIMD-groups per core).
 FLOAT_BLOCKS = {32: (32, 32, 4), 64: (32, 16, 4), 72: (32, 16, 4), 80: (32, 16, 4), 96: (32, 8, 4),
-                128: (32, 16, 8), 256: (16, 8, 8)}
+                128: (32, 16, 8), 192: (16, 16, 8), 256: (16, 8, 8)}
 
 
 def blocks_of(dtype, dmax):
@@ -157,7 +158,7 @@ def test_kernel_lane_layout_is_mlx_layout():
 
 # One head_dim per bucket, ragged inside it where the bucket allows (72, 96
 # and 256 also run full).
-BUCKET_DIMS = {32: 17, 64: 63, 72: 72, 80: 77, 96: 96, 128: 100, 256: 256}
+BUCKET_DIMS = {32: 17, 64: 63, 72: 72, 80: 77, 96: 96, 128: 100, 192: 160, 256: 256}
 # (Nq, Nk) with every pair of (Nq % BQ == 0, Nk % BK == 0) for every block
 # size in BLOCKS (checked below), Nk < Nq so causal rows see no key, and a
 # single query row. Each paired with a layout: the storage_end ones put the

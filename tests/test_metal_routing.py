@@ -13,15 +13,15 @@ import torch
 import flash_metal
 from numerics import DTYPES, dtype_id
 
-FAST_BUCKETS = (32, 64, 72, 80, 96, 128, 256)
+FAST_BUCKETS = (32, 64, 72, 80, 96, 128, 192, 256)
 # (block_q, block_k, simdgroups) per prefill bucket, float16/bfloat16: MLX's steel table, with
 # 16 query rows at 256 on 2 SIMD-groups per 8-row group (see choose_metal_kernel's why-comments).
 PREFILL_BLOCKS = {32: (32, 32, 4), 64: (32, 32, 4), 72: (32, 32, 4), 80: (32, 32, 4), 96: (32, 32, 4),
-                  128: (32, 16, 4), 256: (16, 8, 4)}
+                  128: (32, 16, 4), 192: (32, 8, 4), 256: (16, 8, 4)}
 # float32 (issue 19: within 72 live values and 8 resident SIMD-groups per core; at D = 128 and 256 each
-# 8-row group runs 2 and 4 SIMD-groups, feature parts of O).
+# 8-row group runs 2 and 4 SIMD-groups, feature parts of O; at 192, 16 query rows on 4 each: 32 rows hold 4).
 FLOAT_PREFILL_BLOCKS = {32: (32, 32, 4), 64: (32, 16, 4), 72: (32, 16, 4), 80: (32, 16, 4), 96: (32, 8, 4),
-                        128: (32, 16, 8), 256: (16, 8, 8)}
+                        128: (32, 16, 8), 192: (16, 16, 8), 256: (16, 8, 8)}
 DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
 
