@@ -32,7 +32,7 @@ def _qkv(nq, nk, d, dtype=torch.float16, hq=4, hkv=2, b=1):
 
 
 def _params(dispatch):
-    fields = struct.unpack("<19q8i2f2i7q4q2i2f2i2i", dispatch.params.numpy().tobytes())
+    fields = struct.unpack("<19q8i2f2i7q4q2i2f2i2i2i", dispatch.params.numpy().tobytes())
     return {"kv_len": fields[24], "kv_splits": fields[29], "split_keys": fields[30]}
 
 
@@ -234,7 +234,7 @@ CAUSAL, ALIGN_Q, ALIGN_K, HAS_GRAD_LSE, HAS_MASK, MASK_BOOL, MASK_F32, WINDOW_LE
 
 
 def _option_params(dispatch):
-    fields = struct.unpack("<19q8i2f2i7q4q2i2f2i2i", dispatch.params.numpy().tobytes())
+    fields = struct.unpack("<19q8i2f2i7q4q2i2f2i2i2i", dispatch.params.numpy().tobytes())
     return {"causal_offset": fields[26], "mask_strides": fields[38:42], "window_left": fields[42],
             "window_right": fields[43], "softcap_log2": fields[44], "inv_softcap_log2": fields[45],
             "total_q": fields[46], "total_k": fields[47], "q_batch_stride": fields[0]}
