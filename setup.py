@@ -9,6 +9,12 @@ toolchain). Otherwise the install still succeeds: setup.py warns, and the MPS
 backend compiles the shipped sources at first use with Metal's runtime
 compiler. Shader warnings are errors only with FLASH_METAL_SHADER_WERROR=1
 (our CI), and a missing metallib only with FLASH_METAL_REQUIRE_METALLIB=1.
+The Metal 4 tensor-op kernels (shaders/*_mpp.metal, issue 21) go into a second
+library, flash_metal/flash_metal_mpp.metallib, built only where a second probe
+shows that `metal` compiles MSL 4 tensor ops for macOS 26.2 (Xcode 26 with the
+macOS 26.2 SDK or newer). Where it cannot, setup.py says so and builds
+everything else: an older Xcode never breaks `pip install .`
+(FLASH_METAL_REQUIRE_MPP_METALLIB=1 makes it an error, for a macOS 26 CI leg).
 
 `pip install .` builds against the torch already installed in the target
 environment and never pulls a second one (see _use_installed_torch below).
@@ -163,6 +169,53 @@ using namespace metal;
   x[i] = bfloat(float(x[i]) + 1.0f);
 }
 """
+# --- The MSL 4 library (the Metal 4 tensor-op kernels, issue 21) ---------------------------
+METALLIB_MPP_NAME = "flash_metal_mpp.metallib"
+METALLIB_MPP_HASH_NAME = "flash_metal_mpp.metallib.fnv1a64"
+# Sources whose kernels use Metal 4 tensor ops (<metal_tensor>, MPP matmul2d):
+# compiled only into the MSL 4 library, never with -std=metal3.1.
+MPP_SOURCE_SUFFIX = "_mpp.metal"
+METAL4_STD = "metal4.0"
+# Why 26.2, not the SDK's default: below a 26.2 deployment target Apple's
+# compiler lowers cooperative tensors through MPP's legacy ABI, whose lane
+# layout differs; PyTorch shipped scrambled P.V from exactly that (PyTorch
+# #191794) and MLX saw Xcode 26.5 miscompile its accelerator GEMM without it
+# (MLX #3586, PR #3622). Both now pass 26.2. It is also the first macOS on
+# which matmul2d reaches M5's neural accelerators (MLX is_nax_available).
+METAL4_MACOS_MIN = "26.2"
+METAL4_FLAGS = [f"-std={METAL4_STD}", f"-mmacosx-version-min={METAL4_MACOS_MIN}", "-fno-fast-math",
+                "-Wall", "-Wextra", "-O2"]
+# Set to 1 (a macOS 26 CI leg) to make a toolchain that cannot build the MSL 4
+# library fail the build instead of warning.
+REQUIRE_MPP_METALLIB_ENV = "FLASH_METAL_REQUIRE_MPP_METALLIB"
+# The MSL 4 probe: the API subset our tensor-op kernels use (inline tensors
+# over device memory, a transposed-right matmul2d on one SIMD-group into a
+# float cooperative tensor, its valid elements and multidimensional indices)
+# on bfloat operands, which the macOS 26.0 SDK's MPP headers lack (its dtype
+# table has half x half only): a toolchain that compiles and links this has
+# what attention_mpp.metal needs. tests/test_build.py also compiles it in the
+# project's Metal emulator, so it stays valid MSL 4 as far as we can check.
+METAL4_PROBE_SOURCE = """#include <metal_stdlib>
+#include <metal_tensor>
+#include <MetalPerformancePrimitives/MetalPerformancePrimitives.h>
+using namespace metal;
+using namespace mpp::tensor_ops;
+[[kernel]] void flash_metal_mpp_probe(device bfloat* a [[buffer(0)]], device bfloat* b [[buffer(1)]],
+                                      device float* c [[buffer(2)]]) {
+  auto ta = tensor(a, dextents<int, 2>(16, 16));
+  auto tb = tensor(b, dextents<int, 2>(16, 16));
+  constexpr auto desc = matmul2d_descriptor(16, 16, 16, false, true, false, matmul2d_descriptor::mode::multiply);
+  matmul2d<desc, execution_simdgroup> op;
+  auto acc = op.template get_destination_cooperative_tensor<decltype(ta), decltype(tb), float>();
+  op.run(ta, tb, acc);
+  for (uint16_t i = 0; i < acc.get_capacity(); ++i) {
+    if (acc.is_valid_element(i)) {
+      auto at = acc.get_multidimensional_index(i);
+      c[at[1] * 16 + at[0]] = acc[i];
+    }
+  }
+}
+"""
 # FNV-1a 64-bit offset basis and prime (FNV's published constants), as in
 # csrc/mps/shader_source.h's source_tree_hash, which this mirrors.
 _FNV_OFFSET_BASIS = 0xCBF29CE484222325
@@ -199,12 +252,13 @@ def shader_sources_hash(shader_dir=SHADER_DIR):
     return f"{h:016x}"
 
 
-def metal_compile_command(src, air, shader_dir=SHADER_DIR, werror=False):
-    flags = METAL_FLAGS + (["-Werror"] if werror else [])
+def metal_compile_command(src, air, shader_dir=SHADER_DIR, werror=False, base_flags=None):
+    flags = list(METAL_FLAGS if base_flags is None else base_flags) + (["-Werror"] if werror else [])
     return ["xcrun", "-sdk", "macosx", "metal", *flags, "-I", shader_dir, "-c", src, "-o", air]
 
 
-def _metal_toolchain_problem(work_dir):
+def _metal_toolchain_problem(work_dir, source=METAL_PROBE_SOURCE, flags=None, std=METAL_STD,
+                            name="flash_metal_probe"):
     """None if Apple's Metal toolchain can build our shaders' language; else why not.
 
     Compiles METAL_PROBE_SOURCE with the real flags (less -Wall/-Werror) and
@@ -212,23 +266,29 @@ def _metal_toolchain_problem(work_dir):
     lack the toolchain: no xcrun, Command Line Tools without `metal`, Xcode 26
     without its Metal Toolchain component (`xcrun --find metal` succeeds but
     running it fails), and an Xcode older than 15 whose `metal` does not know
-    -std=metal3.1 or `bfloat`.
+    -std=metal3.1 or `bfloat`. With the MSL 4 arguments (_metal4_toolchain_problem)
+    the same for the tensor-op library.
     """
-    src = os.path.join(work_dir, "flash_metal_probe.metal")
-    air = os.path.join(work_dir, "flash_metal_probe.air")
+    src = os.path.join(work_dir, name + ".metal")
+    air = os.path.join(work_dir, name + ".air")
     with open(src, "w", encoding="ascii") as f:
-        f.write(METAL_PROBE_SOURCE)
-    probe_flags = [f for f in METAL_FLAGS if not f.startswith("-W")]
+        f.write(source)
+    probe_flags = [f for f in (METAL_FLAGS if flags is None else flags) if not f.startswith("-W")]
     for cmd in (["xcrun", "-sdk", "macosx", "metal", *probe_flags, "-c", src, "-o", air],
-                ["xcrun", "-sdk", "macosx", "metallib", air, "-o", os.path.join(work_dir, "probe.metallib")]):
+                ["xcrun", "-sdk", "macosx", "metallib", air, "-o", os.path.join(work_dir, name + ".metallib")]):
         try:
             probe = subprocess.run(cmd, capture_output=True, text=True)
         except OSError as err:
             return f"cannot run xcrun: {err}"
         if probe.returncode != 0:
             output = (probe.stderr or probe.stdout).strip()
-            return f"`xcrun {cmd[3]}` failed on a {METAL_STD} probe kernel" + (f": {output}" if output else "")
+            return f"`xcrun {cmd[3]}` failed on a {std} probe kernel" + (f": {output}" if output else "")
     return None
+
+
+def _metal4_toolchain_problem(work_dir):
+    """None if `metal` builds MSL 4 tensor ops on bfloat for macOS 26.2 (METAL4_PROBE_SOURCE); else why not."""
+    return _metal_toolchain_problem(work_dir, METAL4_PROBE_SOURCE, METAL4_FLAGS, METAL4_STD, "flash_metal_mpp_probe")
 
 
 def _run_shader_tool(cmd):
@@ -242,16 +302,17 @@ def _run_shader_tool(cmd):
         sys.stderr.write(proc.stderr)
 
 
-def remove_metallib(out_dir):
+def remove_metallib(out_dir, names=(METALLIB_NAME, METALLIB_HASH_NAME)):
     """Delete the metallib and its fingerprint from out_dir, so that no stale copy survives a build."""
-    for name in (METALLIB_NAME, METALLIB_HASH_NAME):
+    for name in names:
         path = os.path.join(out_dir, name)
         if os.path.lexists(path):
             os.remove(path)
 
 
 def build_metallib(out_dir, shader_dir=SHADER_DIR):
-    """Compile shader_dir/*.metal into out_dir/flash_metal.metallib and write its fingerprint beside it.
+    """Compile shader_dir/*.metal (all but the MSL 4 *_mpp.metal) into out_dir/flash_metal.metallib, with
+    its fingerprint beside it.
 
     Stale outputs are deleted first. Returns the paths written, or [] after a
     warning when Apple's Metal toolchain is missing or too old to compile
@@ -274,20 +335,77 @@ def build_metallib(out_dir, shader_dir=SHADER_DIR):
         os.makedirs(out_dir, exist_ok=True)
         lib = os.path.join(out_dir, METALLIB_NAME)
         werror = _env_flag(SHADER_WERROR_ENV)
-        sources = sorted(glob.glob(os.path.join(shader_dir, "[!.]*.metal")))
-        airs = [os.path.join(air_dir, os.path.basename(src)[: -len(".metal")] + ".air") for src in sources]
-        # Each .metal is its own `metal` process, so several run at once;
-        # map() re-raises the first failure in source order.
-        with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, min(len(sources), os.cpu_count() or 1))) as pool:
-            list(pool.map(_run_shader_tool,
-                          [metal_compile_command(src, air, shader_dir, werror) for src, air in zip(sources, airs)]))
-        _run_shader_tool(["xcrun", "-sdk", "macosx", "metallib", *airs, "-o", lib])
+        _compile_and_link(metal_sources(shader_dir), air_dir, lib, shader_dir, werror, METAL_FLAGS)
+    return [lib, _write_fingerprint(out_dir, METALLIB_HASH_NAME, shader_dir)]
+
+
+def metal_sources(shader_dir=SHADER_DIR, mpp=False):
+    """The .metal files of one library: the MSL 3.1 one (mpp=False) or the MSL 4 tensor-op one."""
+    sources = sorted(glob.glob(os.path.join(shader_dir, "[!.]*.metal")))
+    return [s for s in sources if s.endswith(MPP_SOURCE_SUFFIX) == mpp]
+
+
+def _compile_and_link(sources, air_dir, lib, shader_dir, werror, flags):
+    airs = [os.path.join(air_dir, os.path.basename(src)[: -len(".metal")] + ".air") for src in sources]
+    # Each .metal is its own `metal` process, so several run at once;
+    # map() re-raises the first failure in source order.
+    with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, min(len(sources), os.cpu_count() or 1))) as pool:
+        list(pool.map(_run_shader_tool,
+                      [metal_compile_command(src, air, shader_dir, werror, flags) for src, air in zip(sources, airs)]))
+    _run_shader_tool(["xcrun", "-sdk", "macosx", "metallib", *airs, "-o", lib])
     if not os.path.isfile(lib):
         raise ShaderBuildError(f"flash_metal: `xcrun metallib` reported success but wrote no {lib}")
-    hash_path = os.path.join(out_dir, METALLIB_HASH_NAME)
+
+
+def _write_fingerprint(out_dir, name, shader_dir):
+    hash_path = os.path.join(out_dir, name)
     with open(hash_path, "w", encoding="ascii") as f:
         f.write(shader_sources_hash(shader_dir) + "\n")
-    return [lib, hash_path]
+    return hash_path
+
+
+MPP_NAMES = (METALLIB_MPP_NAME, METALLIB_MPP_HASH_NAME)
+
+
+def build_mpp_metallib(out_dir, shader_dir=SHADER_DIR):
+    """Compile shader_dir/*_mpp.metal (MSL 4) into out_dir/flash_metal_mpp.metallib, with its fingerprint.
+
+    Optional by design: where the toolchain cannot build MSL 4 tensor ops for
+    macOS 26.2 (the probe fails), or where it passes the probe but rejects our
+    kernels (an Xcode 26 whose MPP headers lack something they use), it warns,
+    leaves no MSL 4 library, and returns []; the rest of the build goes on and
+    the tensor-op kernels are simply unavailable (explain() says so on a Mac).
+    FLASH_METAL_REQUIRE_MPP_METALLIB=1 turns both into errors, and
+    FLASH_METAL_SHADER_WERROR=1 a compile error too (our CI wants to see it).
+    """
+    remove_metallib(out_dir, MPP_NAMES)
+    sources = metal_sources(shader_dir, mpp=True)
+    if not sources:
+        return []
+    required = _env_flag(REQUIRE_MPP_METALLIB_ENV)
+    werror = _env_flag(SHADER_WERROR_ENV)
+    skipped = ("so the Metal 4 tensor-op kernels (impl='tensor_ops', M5's neural accelerators) are not built; "
+               "everything else is. To build them, use Xcode 26 with the macOS 26.2 SDK or newer; if its `metal` "
+               f"is missing, {METAL_TOOLCHAIN_HINT}.")
+    with tempfile.TemporaryDirectory(prefix="flash_metal_air4.") as air_dir:
+        problem = _metal4_toolchain_problem(air_dir)
+        if problem is not None:
+            message = f"flash_metal: Apple's Metal compiler cannot build MSL 4 tensor ops here ({problem}), " + skipped
+            if required:
+                raise ShaderBuildError(message + f" ({REQUIRE_MPP_METALLIB_ENV}=1 makes this an error.)")
+            warnings.warn(message)
+            return []
+        os.makedirs(out_dir, exist_ok=True)
+        lib = os.path.join(out_dir, METALLIB_MPP_NAME)
+        try:
+            _compile_and_link(sources, air_dir, lib, shader_dir, werror, METAL4_FLAGS)
+        except ShaderBuildError as err:
+            remove_metallib(out_dir, MPP_NAMES)
+            if required or werror:
+                raise
+            warnings.warn(f"flash_metal: Apple's Metal compiler rejected the MSL 4 kernels ({err}), " + skipped)
+            return []
+    return [lib, _write_fingerprint(out_dir, METALLIB_MPP_HASH_NAME, shader_dir)]
 
 
 def install_shader_sources(out_dir, shader_dir=SHADER_DIR):
@@ -302,13 +420,20 @@ def install_shader_sources(out_dir, shader_dir=SHADER_DIR):
 
 def build_package_data(package_dir, build_mps, shader_dir=SHADER_DIR):
     """What the build adds to the package beside _C: the shader sources, and with
-    build_mps the metallib (a warning and none if the toolchain cannot build it).
+    build_mps the metallib (a warning and none if the toolchain cannot build it) and the MSL 4 one (the
+    same, when the toolchain cannot build tensor ops).
     Returns the installed shader directory."""
     shader_out = install_shader_sources(package_dir, shader_dir)
     if build_mps:
-        build_metallib(package_dir, shader_dir)
+        # A toolchain that cannot build Metal 3.1 (one warning already said
+        # so) cannot build MSL 4 either: the MSL 4 library is then not tried.
+        if build_metallib(package_dir, shader_dir):
+            build_mpp_metallib(package_dir, shader_dir)
+        else:
+            remove_metallib(package_dir, MPP_NAMES)
     else:
         remove_metallib(package_dir)
+        remove_metallib(package_dir, MPP_NAMES)
     return shader_out
 
 
@@ -347,7 +472,8 @@ class BuildWithShaders(BuildExtension):
         shutil.rmtree(os.path.join(dest, "shaders"), ignore_errors=True)
         self.copy_tree(shader_out, os.path.join(dest, "shaders"))
         remove_metallib(dest)
-        for name in (METALLIB_NAME, METALLIB_HASH_NAME):
+        remove_metallib(dest, MPP_NAMES)
+        for name in (METALLIB_NAME, METALLIB_HASH_NAME) + MPP_NAMES:
             if os.path.exists(os.path.join(package_dir, name)):
                 self.copy_file(os.path.join(package_dir, name), os.path.join(dest, name))
 

@@ -6,11 +6,11 @@
 // match the names csrc/metal_launch.cpp builds:
 //   flash_attention_prefill_mpp_<dtype>_d<D>_bq<BQ>_bk<BK>
 //
-// setup.py compiles every shaders/*.metal with -std=metal3.1 into the one
-// metallib; under MSL 3.1 this file is empty (the guard below), so that
-// build is unchanged and the metallib holds none of these kernels. Building
-// them on a Mac (-std=metal4.0, deployment target 26.2: PyTorch #191794) is
-// a later step, behind a toolchain probe.
+// setup.py compiles this file (every shaders/*_mpp.metal) into a library of
+// its own, flash_metal_mpp.metallib, with -std=metal4.0 and a 26.2
+// deployment target (PyTorch #191794), behind an MSL 4 toolchain probe; the
+// guard below keeps it empty under any older language version, so a
+// Metal 3.1 compile of it (the emulator's MSL 3 checks) sees no kernels.
 #if defined(__METAL_VERSION__) && __METAL_VERSION__ >= 400 && defined(__HAVE_TENSOR__)
 #include "attention_prefill_mpp.h"
 

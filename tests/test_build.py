@@ -37,11 +37,15 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # The fake xcrun: logs its argv, then acts per FAKE_XCRUN_MODE:
 #   ok             a working Metal toolchain (Xcode 15 or newer);
-#   old-metal      an Xcode 14 `metal`: -std=metal3.1 is an unknown value;
+#   old-metal      an Xcode 14 `metal`: -std=metal3.1 (and 4.0) are unknown values;
 #   no-metal       Command Line Tools only, or Xcode 26 without its Metal
 #                  Toolchain component: running `metal` fails;
 #   compile-error  the probe compiles, our shaders do not;
-#   warning        our shaders compile with a warning (an error under -Werror).
+#   warning        our shaders compile with a warning (an error under -Werror);
+#   no-msl4        an Xcode 16 `metal`: knows -std=metal3.1, not metal4.0;
+#   old-mpp        Xcode 26 with the macOS 26.0 SDK: MSL 4 compiles, but its MPP
+#                  headers have no bfloat matmul2d (the MSL 4 probe fails);
+#   mpp-error      the MSL 4 probe compiles, our tensor-op kernels do not.
 FAKE_XCRUN = r"""#!{python}
 import json, os, sys
 args = sys.argv[1:]
@@ -56,10 +60,18 @@ if mode == "no-metal" and tool == "metal":
 out = rest[rest.index("-o") + 1]
 if tool == "metal":
     src = rest[rest.index("-c") + 1]
-    if mode == "old-metal" and "-std=metal3.1" in rest:
-        sys.stderr.write("error: invalid value 'metal3.1' in '-std=metal3.1'\n")
+    std = [a for a in rest if a.startswith("-std=")]
+    newer = {"old-metal": ("-std=metal3.1", "-std=metal4.0"), "no-msl4": ("-std=metal4.0",)}.get(mode, ())
+    if any(a in newer for a in std):
+        sys.stderr.write("error: invalid value '%s' in '%s'\n" % (std[0][5:], std[0]))
         sys.exit(1)
-    probe = os.path.basename(src) == "flash_metal_probe.metal"
+    probe = os.path.basename(src) in ("flash_metal_probe.metal", "flash_metal_mpp_probe.metal")
+    if mode == "old-mpp" and os.path.basename(src) == "flash_metal_mpp_probe.metal":
+        sys.stderr.write(src + ":13:3: error: no matching matmul2d for operand types 'bfloat'\n")
+        sys.exit(1)
+    if mode == "mpp-error" and src.endswith("_mpp.metal"):
+        sys.stderr.write(src + ":30:5: error: no member named 'reduce_rows'\n")
+        sys.exit(1)
     if mode == "compile-error" and not probe:
         sys.stderr.write(src + ":3:1: error: unknown type name 'flaot'\n")
         sys.exit(1)
@@ -128,13 +140,15 @@ def out_dir(tmp_path, setup_py):
     return out
 
 
-def _compile_calls(calls):
-    """The `metal` compiles of our shaders (not the toolchain probe)."""
-    return [c for c in calls if c[2] == "metal" and not c[c.index("-c") + 1].endswith("flash_metal_probe.metal")]
+def _compile_calls(calls, msl=None):
+    """The `metal` compiles of our shaders (not the toolchain probes); msl 3 or 4: only that library's."""
+    std = {None: None, 3: "-std=metal3.1", 4: "-std=metal4.0"}[msl]
+    return [c for c in calls if c[2] == "metal" and not c[c.index("-c") + 1].endswith("_probe.metal")
+            and (std is None or std in c)]
 
 
-def _probe_calls(calls):
-    return [c for c in calls if c[2] == "metal" and c[c.index("-c") + 1].endswith("flash_metal_probe.metal")]
+def _probe_calls(calls, name="flash_metal_probe.metal"):
+    return [c for c in calls if c[2] == "metal" and c[c.index("-c") + 1].endswith(name)]
 
 
 def test_the_toolchain_probe_compiles_metal_3_1(setup_py, xcrun, tmp_path, monkeypatch):
@@ -158,8 +172,9 @@ def test_builds_the_metallib_and_its_fingerprint(setup_py, shaders, xcrun, out_d
     assert re.fullmatch(r"[0-9a-f]{16}\n", fingerprint)
     assert fingerprint.strip() == setup_py.shader_sources_hash(shaders)
     compiles = _compile_calls(xcrun())
+    # Every .metal but the MSL 4 ones, which have a library of their own.
     assert sorted(os.path.basename(c[c.index("-c") + 1]) for c in compiles) == sorted(
-        n for n in os.listdir(shaders) if n.endswith(".metal"))
+        n for n in os.listdir(shaders) if n.endswith(".metal") and not n.endswith("_mpp.metal"))
     for flag in ("-std=metal3.1", "-mmacosx-version-min=14.0", "-fno-fast-math", "-Wall"):
         assert all(flag in c for c in compiles), (flag, compiles)
     assert not any("-ffast-math" in c for c in compiles)
@@ -201,6 +216,8 @@ def test_an_old_compiler_falls_back_and_the_install_goes_on(setup_py, shaders, x
     assert not (out_dir / setup_py.METALLIB_NAME).exists()
     assert not (out_dir / setup_py.METALLIB_HASH_NAME).exists()
     assert _probe_calls(xcrun()) and not _compile_calls(xcrun())  # the shaders were never handed to it
+    # Nor was MSL 4 tried: one warning, not two for one old toolchain.
+    assert not _probe_calls(xcrun(), "flash_metal_mpp_probe.metal")
 
 
 def test_a_missing_toolchain_warns_and_installs_no_metallib(setup_py, shaders, xcrun, out_dir, monkeypatch):
@@ -228,6 +245,97 @@ def test_required_metallib_makes_a_failed_probe_an_error(setup_py, shaders, xcru
     monkeypatch.setenv("FLASH_METAL_REQUIRE_METALLIB", "1")
     with pytest.raises(setup_py.ShaderBuildError, match="FLASH_METAL_REQUIRE_METALLIB=1"):
         setup_py.build_metallib(str(out_dir), shaders)
+
+
+# --- The MSL 4 library (issue 21): built where the toolchain can, never breaking the install.
+
+@pytest.fixture
+def mpp_out(out_dir, setup_py):
+    """out_dir holding a stale MSL 4 library too."""
+    (out_dir / setup_py.METALLIB_MPP_NAME).write_bytes(b"OLD MPP METALLIB")
+    (out_dir / setup_py.METALLIB_MPP_HASH_NAME).write_text("0123456789abcdef\n")
+    return out_dir
+
+
+def _has_mpp_library(setup_py, out):
+    return (out / setup_py.METALLIB_MPP_NAME).exists() or (out / setup_py.METALLIB_MPP_HASH_NAME).exists()
+
+
+def test_the_msl4_probe_asks_for_bfloat_tensor_ops_for_macos_26_2(setup_py, xcrun, tmp_path, monkeypatch):
+    monkeypatch.setenv("FAKE_XCRUN_MODE", "ok")
+    assert setup_py._metal4_toolchain_problem(str(tmp_path)) is None
+    (probe,) = _probe_calls(xcrun(), "flash_metal_mpp_probe.metal")
+    assert "-std=metal4.0" in probe and "-mmacosx-version-min=26.2" in probe and "-fno-fast-math" in probe
+    source = (tmp_path / "flash_metal_mpp_probe.metal").read_text()
+    for needed in ("MetalPerformancePrimitives", "matmul2d", "bfloat", "get_multidimensional_index"):
+        assert needed in source
+    assert any(c[2] == "metallib" for c in xcrun())
+
+
+def test_builds_both_libraries_each_from_its_own_sources(setup_py, shaders, xcrun, mpp_out, monkeypatch):
+    monkeypatch.setenv("FAKE_XCRUN_MODE", "ok")
+    setup_py.build_package_data(str(mpp_out), True, shaders)
+    mpp_sources = sorted(n for n in os.listdir(shaders) if n.endswith("_mpp.metal"))
+    assert mpp_sources, "no MSL 4 source to build"
+    msl4 = _compile_calls(xcrun(), msl=4)
+    assert sorted(os.path.basename(c[c.index("-c") + 1]) for c in msl4) == mpp_sources
+    for flag in ("-mmacosx-version-min=26.2", "-fno-fast-math", "-Wall"):
+        assert all(flag in c for c in msl4), (flag, msl4)
+    assert not any(os.path.basename(c[c.index("-c") + 1]) in mpp_sources for c in _compile_calls(xcrun(), msl=3))
+    lib = (mpp_out / setup_py.METALLIB_MPP_NAME).read_bytes()
+    assert lib.startswith(b"AIR:") and b"flash_attention_prefill_mpp" in lib  # this build's, of the MPP kernels
+    assert b"flash_attention_prefill_mpp" not in (mpp_out / setup_py.METALLIB_NAME).read_bytes()
+    assert (mpp_out / setup_py.METALLIB_MPP_HASH_NAME).read_text().strip() == setup_py.shader_sources_hash(shaders)
+
+
+@pytest.mark.parametrize("mode", ["no-msl4", "old-mpp", "mpp-error"])
+def test_without_msl4_tensor_ops_the_rest_installs(setup_py, shaders, xcrun, mpp_out, monkeypatch, mode):
+    # An Xcode 16 `metal`, the macOS 26.0 SDK's MPP headers, or a toolchain
+    # that passes the probe but rejects our kernels: a warning that names what
+    # is missing, the MSL 3.1 metallib as always, no (stale) MSL 4 library.
+    monkeypatch.setenv("FAKE_XCRUN_MODE", mode)
+    with pytest.warns(UserWarning, match=r"tensor-op kernels .* are not built; everything else is"):
+        setup_py.build_package_data(str(mpp_out), True, shaders)
+    assert (mpp_out / setup_py.METALLIB_NAME).read_bytes().startswith(b"AIR:")
+    assert not _has_mpp_library(setup_py, mpp_out)
+    assert bool(_compile_calls(xcrun(), msl=4)) == (mode == "mpp-error")
+
+
+@pytest.mark.parametrize("mode,env", [("no-msl4", "FLASH_METAL_REQUIRE_MPP_METALLIB"),
+                                      ("mpp-error", "FLASH_METAL_REQUIRE_MPP_METALLIB"),
+                                      ("mpp-error", "FLASH_METAL_SHADER_WERROR")])
+def test_a_macos_26_ci_leg_can_require_the_msl4_library(setup_py, shaders, xcrun, mpp_out, monkeypatch, mode, env):
+    monkeypatch.setenv("FAKE_XCRUN_MODE", mode)
+    monkeypatch.setenv(env, "1")
+    with pytest.raises(setup_py.ShaderBuildError, match=r"reduce_rows|MPP_METALLIB=1"):
+        setup_py.build_mpp_metallib(str(mpp_out), shaders)
+    assert not _has_mpp_library(setup_py, mpp_out)
+
+
+def test_without_mps_no_msl4_library_either(setup_py, shaders, xcrun, mpp_out):
+    setup_py.build_package_data(str(mpp_out), False, shaders)
+    assert not _has_mpp_library(setup_py, mpp_out) and xcrun() == []
+
+
+def test_the_msl4_probe_computes_its_product_in_the_emulator(setup_py, tmp_path):
+    # The probe is real MSL 4 as far as the emulator knows: it compiles (msl=4)
+    # and computes A.B^T under both cooperative-tensor lane layouts. A probe
+    # that no compiler accepts would silently disable the MSL 4 library.
+    import torch
+    from metal_emulator import compile_library
+
+    path = tmp_path / "mpp_probe.metal"
+    path.write_text(setup_py.METAL4_PROBE_SOURCE)
+    lib = compile_library([str(path)], msl=4)
+    gen = torch.Generator().manual_seed(21)
+    a = torch.randn(16, 16, generator=gen).to(torch.bfloat16)
+    b = torch.randn(16, 16, generator=gen).to(torch.bfloat16)
+    want = a.double() @ b.double().T
+    for layout in ("m5", "scrambled"):
+        c = torch.full((16, 16), float("nan"))
+        lib.dispatch("flash_metal_mpp_probe", buffers={0: a, 1: b, 2: c}, threadgroup=(32, 1, 1), mpp_layout=layout)
+        assert not c.isnan().any(), layout
+        torch.testing.assert_close(c.double(), want, rtol=1e-5, atol=1e-5)
 
 
 def test_without_mps_the_build_ships_sources_and_no_metallib(setup_py, shaders, xcrun, out_dir):

@@ -429,12 +429,17 @@ def _shards(rewritten_path: str) -> int:
     return max(1, min(4, os.cpu_count() or 1))
 
 
+def _read_bytes(path: str) -> bytes:
+    with open(path, "rb") as f:
+        return f.read()
+
+
 def _compile(paths: list[str], instrumented: bool, fast_math: bool, msl: int = 3) -> Library:
     clang = _build.find_clang()
     kflags = _build.kernel_flags(instrumented, fast_math, msl)
     # kflags are part of the key, so each flavour has its own cache entry.
     key = _build.source_key(paths, *kflags, *_build.RUNTIME_FLAGS, *_build.link_flags(),
-                            *(open(os.path.join(_build.RUNTIME_DIR, s), "rb").read()
+                            *(_read_bytes(os.path.join(_build.RUNTIME_DIR, s))
                               for s in _build.RUNTIME_SOURCES + _build.RUNTIME_HEADERS))
     flavour = ("inst-" if instrumented else "fast-") + ("fastmath-" if fast_math else "") + ("msl4-" if msl == 4 else "")
     final = os.path.join(_build.CACHE_DIR, flavour + key)
