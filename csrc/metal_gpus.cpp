@@ -20,6 +20,7 @@
 #include "metal_plan_detail.h"
 
 #include <cctype>
+#include <cstdlib>
 
 namespace flash_metal {
 
@@ -39,6 +40,24 @@ struct Chip {
   uint32_t tg_memory;
 };
 
+// MTLGPUFamilyApple<N> of an M-generation: M1 is Apple 7, each generation
+// one more, except that M3 and M4 are both Apple 9 (Apple's Metal feature
+// set tables); M5 is Apple 10. A later "M6" counts as at least Apple 10.
+uint32_t family_of_generation(int generation) {
+  if (generation <= 0) return 0;
+  if (generation <= 3) return 6 + static_cast<uint32_t>(generation);
+  if (generation == 4) return 9;
+  return 5 + static_cast<uint32_t>(generation);
+}
+
+// The generation in a chip key or normalized device name ("m3-pro" -> 3), 0 if none.
+int generation_of(const std::string& key) {
+  if (key.size() < 2 || key[0] != 'm' || !std::isdigit(static_cast<unsigned char>(key[1]))) return 0;
+  int g = 0;
+  for (size_t i = 1; i < key.size() && std::isdigit(static_cast<unsigned char>(key[i])); ++i) g = g * 10 + (key[i] - '0');
+  return g;
+}
+
 constexpr Chip kChips[] = {
     {"m1", "M1", 8, kTgMemoryApple78},          {"m1-pro", "M1 Pro", 16, kTgMemoryApple78},
     {"m1-max", "M1 Max", 32, kTgMemoryApple78}, {"m1-ultra", "M1 Ultra", 64, kTgMemoryApple78},
@@ -48,6 +67,9 @@ constexpr Chip kChips[] = {
     {"m3-max", "M3 Max", 40, kTgMemoryApple9},  {"m3-ultra", "M3 Ultra", 80, kTgMemoryApple9},
     {"m4", "M4", 10, kTgMemoryApple9},          {"m4-pro", "M4 Pro", 20, kTgMemoryApple9},
     {"m4-max", "M4 Max", 40, kTgMemoryApple9},  {"m5", "M5", 10, kTgMemoryApple9},
+    // M5 Pro / Max: Apple's Mar 2026 announcement (benchmarks/apple_gpus.py
+    // "apple-m5-pro", "apple-m5-max"): up to 20 and 40 cores.
+    {"m5-pro", "M5 Pro", 20, kTgMemoryApple9},  {"m5-max", "M5 Max", 40, kTgMemoryApple9},
 };
 
 GpuClass class_of_name(const std::string& name) {
@@ -60,7 +82,9 @@ GpuClass class_of_name(const std::string& name) {
 }
 
 GpuSpec spec_of(const Chip& c) {
-  return {c.name, class_of_name(c.name), c.cores, c.tg_memory, kRegisterFile};
+  GpuSpec spec{c.name, class_of_name(c.name), c.cores, c.tg_memory, kRegisterFile};
+  spec.family = family_of_generation(generation_of(c.key));
+  return spec;
 }
 
 // The representative chip of each class: the M3 generation's.
@@ -88,6 +112,11 @@ std::string normalized(const std::string& name) {
 
 }  // namespace
 
+std::string tensor_ops_switched_off() {
+  const char* value = std::getenv(kDisableTensorOpsEnv);
+  return value != nullptr && std::string(value) == "1" ? std::string(kDisableTensorOpsEnv) + "=1 turns them off" : "";
+}
+
 GpuClass parse_gpu_class(const std::string& name) {
   if (name == "base") return GpuClass::Base;
   if (name == "max") return GpuClass::Max;
@@ -98,6 +127,13 @@ GpuClass parse_gpu_class(const std::string& name) {
 GpuClass gpu_class_from_device_name(const std::string& name) { return class_of_name(name); }
 
 GpuSpec parse_gpu(const std::string& name) {
+  // "<gpu>+tensor_ops": as a Mac process with macOS 26.2 and the MSL 4 library.
+  const std::string suffix = "+tensor_ops";
+  if (name.size() > suffix.size() && name.compare(name.size() - suffix.size(), suffix.size(), suffix) == 0) {
+    GpuSpec spec = parse_gpu(name.substr(0, name.size() - suffix.size()));
+    spec.tensor_ops_missing = tensor_ops_switched_off();
+    return spec;
+  }
   const std::string key = normalized(name);
   if (key == "base") return representative(GpuClass::Base);
   if (key == "max") return representative(GpuClass::Max);
@@ -107,8 +143,8 @@ GpuSpec parse_gpu(const std::string& name) {
     if (key == c.key) return spec_of(c);
     known += std::string(known.empty() ? "" : ", ") + "'" + c.key + "'";
   }
-  TORCH_CHECK_VALUE(false, kOp, ": gpu must be a class ('base', 'max', 'ultra') or a chip (", known, "); got '", name,
-                    "'");
+  TORCH_CHECK_VALUE(false, kOp, ": gpu must be a class ('base', 'max', 'ultra') or a chip (", known,
+                    "), optionally with '+tensor_ops'; got '", name, "'");
 }
 
 GpuSpec gpu_from_device_name(const std::string& name) {
@@ -117,7 +153,10 @@ GpuSpec gpu_from_device_name(const std::string& name) {
   for (const Chip& c : kChips) {
     if (key == c.key) return spec_of(c);
   }
+  // An unknown chip plans as its class's representative, in its own
+  // generation's GPU family ("Apple M6 Max": a Max, Apple 11).
   GpuSpec spec = representative(class_of_name(name));
+  if (const int g = generation_of(key)) spec.family = family_of_generation(g);
   return spec;
 }
 

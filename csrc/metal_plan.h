@@ -47,6 +47,17 @@ GpuClass parse_gpu_class(const std::string& name);
 // From MTLDevice.name, such as "Apple M3 Max"; unknown names give Base.
 GpuClass gpu_class_from_device_name(const std::string& name);
 
+// GpuSpec::tensor_ops_missing of a spec made from a name, not by the MPS host.
+inline constexpr const char* kTensorOpsUnknownOffMac =
+    "planned without a Mac, which cannot tell whether this process has macOS 26.2 and the MSL 4 library (give "
+    "gpu='<chip>+tensor_ops' to plan as if it had)";
+
+// The switch that keeps Auto off the tensor-op kernels, as PyTorch's
+// PYTORCH_MPS_DISABLE_PREFILL_ATTENTION does for its own: "1" turns it on.
+inline constexpr const char* kDisableTensorOpsEnv = "FLASH_METAL_DISABLE_TENSOR_OPS";
+// "" unless that switch is on; then the sentence saying so.
+std::string tensor_ops_switched_off();
+
 // The GPU a plan is sized and estimated for (csrc/metal_gpus.cpp, each
 // figure with its source there). The split-KV decode sizes its blocks by
 // `cores`; the per-launch estimates (LaunchEstimate) use the per-core
@@ -57,11 +68,22 @@ struct GpuSpec {
   uint32_t cores = 0;
   uint32_t threadgroup_memory_per_core = 0;  // bytes resident threadgroups share
   uint32_t register_file_per_core = 0;       // bytes of general-purpose registers
+  // Apple GPU family (MTLGPUFamilyApple<N>): 7 M1, 8 M2, 9 M3 and M4, 10 M5,
+  // whose cores each hold a neural accelerator that Metal 4 tensor ops use.
+  uint32_t family = 0;
+  // Why this process cannot run the Metal 4 tensor-op kernels ("" when it
+  // can): the MPS host fills it (macOS 26.2, the MSL 4 library, the
+  // FLASH_METAL_DISABLE_TENSOR_OPS switch); a plan made off a Mac cannot know
+  // them, unless the gpu argument says "+tensor_ops" (parse_gpu).
+  std::string tensor_ops_missing = kTensorOpsUnknownOffMac;
 };
 // The metal_plan op's `gpu` argument: a class ("base", "max", "ultra": its
 // representative chip, M3 / M3 Max / M3 Ultra) or a chip ("m1", "m1-pro",
-// "m1-max", "m1-ultra", ..., "m3-pro", "m4-max", "m5"; case and spaces or
-// dashes as you like). Throws a ValueError listing them otherwise.
+// "m1-max", "m1-ultra", ..., "m3-pro", "m4-max", "m5", "m5-max"; case and
+// spaces or dashes as you like), optionally followed by "+tensor_ops": plan
+// as a process that has macOS 26.2 and the MSL 4 library would (Auto may
+// then pick the tensor-op kernels; see choose_metal_kernel). Throws a
+// ValueError listing them otherwise.
 GpuSpec parse_gpu(const std::string& name);
 // From MTLDevice.name ("Apple M3 Pro"): the named chip when known, else the
 // representative chip of its class (so a future "Apple M6 Max" plans as a Max).

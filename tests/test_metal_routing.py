@@ -152,14 +152,15 @@ def test_bad_impl_and_gpu_names():
     with pytest.raises(ValueError, match="impl must be one of 'auto', 'untiled', 'tiled', 'prefill', 'decode', 'decode_split', "
                                          "'tensor_ops', 'composite'"):
         flash_metal.explain(*_qkv(4, 4, 64), impl="fast")
-    with pytest.raises(ValueError, match=r"gpu must be a class \('base', 'max', 'ultra'\) or a chip \('m1', .*'m5'\); got 'm9'"):
+    with pytest.raises(ValueError, match=r"gpu must be a class \('base', 'max', 'ultra'\) or a chip \('m1', .*'m5-max'\), optionally "
+                                         r"with '\+tensor_ops'; got 'm9'"):
         flash_metal.explain(*_qkv(4, 4, 64), gpu="m9")
 
 
 # Cores per chip: Apple's and metal-benchmarks' figures, as csrc/metal_gpus.cpp cites them.
 CHIP_CORES = {"m1": 8, "m1-pro": 16, "m1-max": 32, "m1-ultra": 64, "m2": 10, "m2-pro": 19, "m2-max": 38,
               "m2-ultra": 76, "m3": 10, "m3-pro": 18, "m3-max": 40, "m3-ultra": 80, "m4": 10, "m4-pro": 20,
-              "m4-max": 40, "m5": 10}
+              "m4-max": 40, "m5": 10, "m5-pro": 20, "m5-max": 40}
 
 
 @pytest.mark.parametrize("chip", sorted(CHIP_CORES))

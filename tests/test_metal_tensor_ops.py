@@ -122,15 +122,66 @@ def test_other_scrambled_layouts_and_strided_inputs(seed):
     assert_attention_close(out, lse, q, k, v, True, 0.3)
 
 
-def test_explain_says_forced_and_auto_never_picks_it():
+def test_explain_says_forced():
     q, k, v = make_qkv(1, 2, 1, 128, 128, 128, torch.float16)
     forced = flash_metal.explain(q, k, v, True, None, "tensor_ops")
-    assert "forced: tensor_ops, not auto-routed until the build probe and an Apple10 device check exist" in \
-        forced.reason
-    for nq in (1, 8, 9, 128, 4096):
-        q, k, v = make_qkv(1, 2, 1, nq, 128, 128, torch.float16)
-        auto = flash_metal.explain(q, k, v, True, None, "auto")
-        assert "mpp" not in auto.kernel_name and "tensor_ops" not in auto.reason
+    assert forced.reason.startswith("forced: tensor_ops (impl='tensor_ops'); FlashAttention-2 on Metal 4 tensor ops")
+
+
+# Auto's gate (tensor_ops_route, csrc/metal_routing.cpp): an Apple 10 GPU,
+# macOS 26.2 and the MSL 4 library in the process ("+tensor_ops" in explain's
+# gpu says so off a Mac), the switch not off, float16/bfloat16 at 64/96/128.
+# (gpu, dtype, D_qk, D_v, Nq, picked, words in the reason)
+GATE = [
+    ("m5+tensor_ops", torch.float16, 128, 128, 128, True, "tensor ops: an Apple 10 GPU"),
+    ("m5-max+tensor_ops", torch.bfloat16, 96, 96, 9, True, "tensor ops: an Apple 10 GPU"),
+    ("m5-pro+tensor_ops", torch.bfloat16, 64, 64, 4096, True, "with macOS 26.2 and the MSL 4 library"),
+    ("m5", torch.float16, 128, 128, 128, False, "tensor ops not used: planned without a Mac"),
+    ("m4-max+tensor_ops", torch.float16, 128, 128, 128, False, "prefill: Nq = 128"),
+    ("m3+tensor_ops", torch.bfloat16, 64, 64, 128, False, "prefill: Nq = 128"),
+    ("m5+tensor_ops", torch.float32, 128, 128, 128, False, "float32 stays on simdgroup matrices"),
+    ("m5+tensor_ops", torch.float16, 80, 80, 128, False, "head dims 80 / 80: the tensor-op kernels serve"),
+    ("m5+tensor_ops", torch.float16, 128, 64, 128, False, "head dims 128 / 64"),
+    ("m5+tensor_ops", torch.float16, 128, 128, 8, False, "decode: Nq = 8"),
+]
+
+
+@pytest.mark.parametrize("gpu, dtype, dqk, dv, nq, picked, words", GATE)
+def test_auto_picks_tensor_ops_only_where_the_gate_holds(gpu, dtype, dqk, dv, nq, picked, words):
+    g = torch.Generator().manual_seed(nq + dqk)
+    q = torch.randn(1, 4, nq, dqk, generator=g).to(dtype)
+    k = torch.randn(1, 2, 200, dqk, generator=g).to(dtype)
+    v = torch.randn(1, 2, 200, dv, generator=g).to(dtype)
+    plan = flash_metal.explain(q, k, v, True, None, "auto", gpu)
+    assert ("_mpp_" in plan.kernel_name) == picked, (plan.kernel_name, plan.reason)
+    assert words in plan.reason
+    if not picked and gpu.startswith("m5"):
+        assert "tensor ops not used" in plan.reason or "decode" in plan.reason
+    if gpu.startswith(("m3", "m4")):  # not a candidate there: no word of it
+        assert "tensor ops" not in plan.reason
+
+
+def test_the_switch_keeps_auto_off_them(monkeypatch):
+    q, k, v = make_qkv(1, 2, 1, 128, 128, 128, torch.float16)
+    assert "_mpp_" in flash_metal.explain(q, k, v, True, None, "auto", "m5+tensor_ops").kernel_name
+    monkeypatch.setenv("FLASH_METAL_DISABLE_TENSOR_OPS", "1")
+    plan = flash_metal.explain(q, k, v, True, None, "auto", "m5+tensor_ops")
+    assert "_mpp_" not in plan.kernel_name
+    assert "tensor ops not used: FLASH_METAL_DISABLE_TENSOR_OPS=1 turns them off" in plan.reason
+    # Forcing still works: the switch keeps Auto off them, nothing more.
+    assert "_mpp_" in flash_metal.explain(q, k, v, True, None, "tensor_ops", "m5+tensor_ops").kernel_name
+
+
+def test_an_auto_routed_plan_runs_the_tensor_op_kernel():
+    # Auto on an M5 with the library: the emulated backend runs the plan it
+    # gets (the MSL 4 library's kernel, both layouts), against float64.
+    g = torch.Generator().manual_seed(26)
+    q, k, v = make_qkv(1, 4, 2, 70, 90, 96, torch.bfloat16, generator=g)
+    for layout in LAYOUTS:
+        out, lse = emulated_metal_attention(q, k, v, True, None, "auto", gpu="m5+tensor_ops", mpp_layout=layout)
+        ((d, counts),) = LAST_DISPATCHES
+        assert d.kernel_name == kernel_name(torch.bfloat16, 96) and counts.mpp_runs > 0
+        assert_attention_close(out, lse, q, k, v, True)
 
 
 def test_library_holds_exactly_the_instantiations_and_their_thread_limit():

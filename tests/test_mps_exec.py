@@ -309,14 +309,15 @@ def test_host_runs_a_value_head_dim_of_its_own(host, emu, impl):
     assert not [e for e in rec["events"] if e["op"] == "setComputePipelineState"]
 
 
-def test_host_refuses_tensor_ops_without_the_msl4_library(host):
-    # The tensor-op kernels (shaders/attention_mpp.metal, MSL 4) are not in
-    # the package's metallib yet: the real .mm says so before planning or
-    # encoding, instead of failing at the pipeline lookup.
+def test_host_refuses_tensor_ops_where_the_process_cannot_run_them(host):
+    # The tensor-op kernels (shaders/attention_mpp.metal, MSL 4) need macOS
+    # 26.2 and the MSL 4 library: on the fake's macOS 15 the real .mm says so
+    # before planning or encoding, instead of failing at the pipeline lookup.
     g = torch.Generator().manual_seed(29)
     q, k, v = (host.to_mps(t) for t in make_qkv(1, 4, 2, 64, 64, 64, torch.float16, generator=g))
     host.take_recording()
-    with pytest.raises(NotImplementedError, match=r"impl='tensor_ops' needs the MSL 4 library"):
+    with pytest.raises(NotImplementedError, match=r"impl='tensor_ops' cannot run in this process: this Mac runs a "
+                                                  r"macOS older than 26\.2"):
         torch.ops.flash_metal.attention_forward(q, k, v, True, None, "tensor_ops")
     rec = host.take_recording()
     assert not [e for e in rec["events"] if e["op"] in ("setComputePipelineState", "dispatchThreadgroups:threadsPerThreadgroup:")]

@@ -85,8 +85,11 @@ std::array<int64_t, 4> strides4(const at::Tensor& t) { return {t.stride(0), t.st
 // device's name. The name is autoreleased, and this runs on the caller's
 // thread, which may have no pool: hence our own, with the name copied out
 // before it drains. Computed once per process (PyTorch drives a single MPS
-// device).
-const GpuSpec& gpu_spec_of(id<MTLDevice> device) {
+// device); whether this process can run the tensor-op kernels is asked per
+// call (the switch may change; the library is loaded once, library.mm).
+// forced (impl='tensor_ops'): the switch, which only keeps Auto off them,
+// does not count.
+GpuSpec gpu_spec_of(id<MTLDevice> device, bool forced = false) {
   static const GpuSpec cached = [&] {
     std::string name;
     @autoreleasepool {
@@ -95,7 +98,15 @@ const GpuSpec& gpu_spec_of(id<MTLDevice> device) {
     }
     return gpu_from_device_name(name);
   }();
-  return cached;
+  GpuSpec spec = cached;
+  if (!forced && spec.family < 10) {
+    // Not a candidate for Auto (tensor_ops_route): the MSL 4 library is not even loaded.
+    spec.tensor_ops_missing = "an Apple " + std::to_string(spec.family) + " GPU";
+    return spec;
+  }
+  spec.tensor_ops_missing = forced ? "" : tensor_ops_switched_off();
+  if (spec.tensor_ops_missing.empty()) spec.tensor_ops_missing = tensor_ops_library_problem(device);
+  return spec;
 }
 
 // Checks, before any encoding, that the device and the pipeline can run the
@@ -233,13 +244,14 @@ void encode_forward(const AttentionCall& c, const AttentionOutputs& o, const std
                     const char* op) {
   // --- Everything that can throw or touch PyTorch happens here, first. ---
   const KernelRequest request = parse_kernel_request(impl);
-  // The tensor-op kernels (MSL 4) are not in the package's metallib yet
-  // (setup.py builds MSL 3.1 only): say so rather than fail at lookup.
-  TORCH_CHECK_NOT_IMPLEMENTED(request != KernelRequest::TensorOps, op, ": impl='tensor_ops' needs the MSL 4 "
-                              "library (-std=metal4.0, macOS 26.2), which this build does not have yet; the "
-                              "tensor-op kernels run only in the test suite's Metal emulator so far");
   id<MTLDevice> device = at::mps::MPSDevice::getInstance()->device();
-  const MetalPlan plan = plan_metal_attention(c.p, launch_strides(c, o.out4, o.lse3), request, gpu_spec_of(device));
+  const bool forced_tensor_ops = request == KernelRequest::TensorOps;
+  const GpuSpec gpu = gpu_spec_of(device, forced_tensor_ops);
+  // Forced tensor ops where this process cannot run them: say why rather
+  // than fail at pipeline lookup (Auto never picks them then).
+  TORCH_CHECK_NOT_IMPLEMENTED(!forced_tensor_ops || gpu.tensor_ops_missing.empty(), op,
+                              ": impl='tensor_ops' cannot run in this process: ", gpu.tensor_ops_missing);
+  const MetalPlan plan = plan_metal_attention(c.p, launch_strides(c, o.out4, o.lse3), request, gpu);
 
   // The split-KV decode's float32 scratch.
   const at::Tensor partial_out = scratch(c.q, plan.partial_out_elements);

@@ -60,6 +60,15 @@ struct PipelineRequest {
 };
 std::vector<PipelineResult> get_pipelines(id<MTLDevice> device, const std::vector<PipelineRequest>& requests);
 
+// The MSL 4 library (flash_metal_mpp.metallib: the Metal 4 tensor-op
+// kernels, whose names start "flash_attention_prefill_mpp_"; get_pipeline
+// looks them up there): "" when this process can use it on `device`, else
+// why not: macOS older than 26.2, none installed (setup.py builds it only
+// where the toolchain can), stale, or not loadable. Never throws; loads it
+// on first use. There is no runtime-compile fallback for it: a toolchain
+// that cannot build it is what the fallback would lack too.
+std::string tensor_ops_library_problem(id<MTLDevice> device);
+
 // Where the library get_pipeline uses on `device` came from, e.g. "the
 // precompiled /.../flash_metal.metallib"; loads it on first use (same errors).
 std::string library_origin(id<MTLDevice> device);

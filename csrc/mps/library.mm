@@ -81,6 +81,11 @@ constexpr const char* kMetallibName = "flash_metal.metallib";
 constexpr const char* kMetallibHashName = "flash_metal.metallib.fnv1a64";
 constexpr const char* kShaderDirName = "shaders";
 constexpr const char* kShaderSourceName = "shaders/attention.metal";
+// The MSL 4 library (setup.py's build_mpp_metallib) and its fingerprint, and
+// the prefix of the kernels it holds (shaders/attention_mpp.metal's names).
+constexpr const char* kMppMetallibName = "flash_metal_mpp.metallib";
+constexpr const char* kMppMetallibHashName = "flash_metal_mpp.metallib.fnv1a64";
+constexpr const char* kMppKernelPrefix = "flash_attention_prefill_mpp_";
 // Set to 1 to ignore the metallib and compile the shipped sources: lets a
 // Mac with the full toolchain exercise the fallback path users without it get.
 constexpr const char* kForceRuntimeCompileEnv = "FLASH_METAL_RUNTIME_COMPILE";
@@ -177,12 +182,11 @@ id<MTLLibrary> compile_source(id<MTLDevice> device, const std::string& source, s
 
 // Why the metallib in `dir` must not be used, or "" if it was built from the
 // shader sources installed beside it.
-std::string metallib_staleness(const std::string& dir) {
-  std::ifstream in(dir + "/" + kMetallibHashName);
+std::string metallib_staleness(const std::string& dir, const char* hash_name = kMetallibHashName) {
+  std::ifstream in(dir + "/" + hash_name);
   std::string recorded;
   if (!(in >> recorded)) {
-    return std::string("it has no readable ") + kMetallibHashName +
-           " beside it, so it may predate the installed shader sources";
+    return std::string("it has no readable ") + hash_name + " beside it, so it may predate the installed shader sources";
   }
   std::string actual;
   try {
@@ -256,6 +260,53 @@ LoadedLibrary load_library(id<MTLDevice> device) {
   return out;
 }
 
+// The MSL 4 library on a device, or why there is none (LoadedMpp::problem).
+struct LoadedMpp {
+  id<MTLLibrary> library = nil;  // retained for the process lifetime; nil with a problem
+  std::string origin;            // "the precompiled /.../flash_metal_mpp.metallib"
+  std::string problem;           // "" when loaded
+};
+
+// Never throws (tensor_ops_library_problem's promise): every failure is a problem string.
+LoadedMpp load_mpp_library(id<MTLDevice> device) {
+  LoadedMpp out;
+  // Why 26.2: the library's deployment target (setup.py METAL4_MACOS_MIN,
+  // PyTorch #191794), and the first macOS on which matmul2d engages M5's
+  // neural accelerators (MLX's is_nax_available asks the same).
+  if (@available(macOS 26.2, *)) {
+  } else {
+    out.problem = "this Mac runs a macOS older than 26.2, which Metal 4 tensor ops need";
+    return out;
+  }
+  if (device == nil) {
+    out.problem = "no Metal device";
+    return out;
+  }
+  std::string dir;
+  try {
+    dir = package_directory();
+  } catch (const std::exception& e) {
+    out.problem = e.what();
+    return out;
+  }
+  const std::string path = dir + "/" + kMppMetallibName;
+  out.origin = "the precompiled " + path;
+  if (!file_exists(path)) {
+    out.problem = std::string("no MSL 4 library (") + kMppMetallibName + ") was installed: setup.py builds it only "
+                  "with Xcode 26 and the macOS 26.2 SDK or newer, and said why at install time";
+    return out;
+  }
+  const std::string stale = metallib_staleness(dir, kMppMetallibHashName);
+  if (!stale.empty()) {
+    out.problem = "not using " + path + ": " + stale + "; " + kReinstallHint;
+    return out;
+  }
+  std::string error;
+  out.library = load_metallib(device, path, &error);
+  if (out.library == nil) out.problem = "cannot load " + path + " (" + error + ")";
+  return out;
+}
+
 // The pipeline cache's key, and what metal_device_info lists: the device,
 // then kernel name and constants.
 struct PipelineKey {
@@ -282,6 +333,10 @@ std::unordered_map<uintptr_t, LoadedLibrary>& libraries() {
   static auto* map = new std::unordered_map<uintptr_t, LoadedLibrary>();
   return *map;
 }
+std::unordered_map<uintptr_t, LoadedMpp>& mpp_libraries() {
+  static auto* map = new std::unordered_map<uintptr_t, LoadedMpp>();
+  return *map;
+}
 std::unordered_map<PipelineKey, Pipeline, PipelineKeyHash>& pipelines() {
   static auto* map = new std::unordered_map<PipelineKey, Pipeline, PipelineKeyHash>();
   return *map;
@@ -295,6 +350,16 @@ const LoadedLibrary& library_for(id<MTLDevice> device) {
   LoadedLibrary lib = load_library(device);  // a throw leaves no entry: the next call retries
   return libraries().emplace(key, lib).first->second;
 }
+
+// The MSL 4 library for `device`, loaded (or found missing) on first use. Caller holds mutex().
+const LoadedMpp& mpp_library_for(id<MTLDevice> device) {
+  const uintptr_t key = reinterpret_cast<uintptr_t>(device);
+  auto hit = mpp_libraries().find(key);
+  if (hit != mpp_libraries().end()) return hit->second;
+  return mpp_libraries().emplace(key, load_mpp_library(device)).first->second;
+}
+
+bool is_mpp_kernel(const std::string& name) { return name.rfind(kMppKernelPrefix, 0) == 0; }
 
 // Builds a pipeline from `library` (described by `origin`, for messages).
 // Runs without the cache's lock, possibly on several threads at once
@@ -351,6 +416,12 @@ Lookup look_up(id<MTLDevice> device, const PipelineKey& key) {
   std::lock_guard<std::mutex> lock(mutex());
   auto hit = pipelines().find(key);
   if (hit != pipelines().end()) return {hit->second, nil, ""};
+  if (is_mpp_kernel(key.name)) {
+    const LoadedMpp& mpp = mpp_library_for(device);
+    TORCH_CHECK(mpp.library != nil, "flash_metal: kernel '", key.name, "' is a Metal 4 tensor-op kernel, and ",
+                mpp.problem);
+    return {Pipeline{}, mpp.library, mpp.origin};
+  }
   const LoadedLibrary& lib = library_for(device);
   return {Pipeline{}, lib.library, lib.origin};
 }
@@ -414,6 +485,15 @@ PipelineResult try_get_pipeline(id<MTLDevice> device, const std::string& name,
     result.error = "flash_metal: an unknown error while building the pipeline of kernel '" + name + "'";
   }
   return result;
+}
+
+std::string tensor_ops_library_problem(id<MTLDevice> device) {
+  try {
+    std::lock_guard<std::mutex> lock(mutex());
+    return mpp_library_for(device).problem;
+  } catch (const std::exception& e) {  // a failed allocation: report, never throw
+    return std::string("the MSL 4 library could not be looked up: ") + e.what();
+  }
 }
 
 std::string library_origin(id<MTLDevice> device) {
