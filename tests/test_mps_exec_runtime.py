@@ -128,6 +128,49 @@ def test_sdk14_build_runs_the_metallib_path(sdk14_scenarios):
     assert r["stage"] is None, r["error"]
 
 
+# --- The MSL 4 library (issue 21): loaded beside the metallib, tensor-op pipelines taken from it ---
+_MPP_CASE = {"B": 1, "Hq": 4, "Hkv": 2, "Nq": 70, "Nk": 90, "D": 64, "dtype": "float16", "layout": "contiguous",
+             "causal": True, "impl": "tensor_ops", "seed": 21}
+_MACOS_26_2 = {"macos_version": 2602}
+
+
+@pytest.fixture(scope="session")
+def mpp_scenarios(built, emu, tmp_path_factory):
+    specs = {
+        "fresh": {"lib": built, "case": _MPP_CASE, "knobs": _MACOS_26_2, "mpp_metallib": "fresh"},
+        "none": {"lib": built, "case": _MPP_CASE, "knobs": _MACOS_26_2},
+        "stale": {"lib": built, "case": _MPP_CASE, "knobs": _MACOS_26_2, "mpp_metallib": "stale"},
+        "macos26_1": {"lib": built, "case": _MPP_CASE, "knobs": {"macos_version": 2601}, "mpp_metallib": "fresh"},
+    }
+    return run_scenarios(specs, lambda name: tmp_path_factory.mktemp(f"mpp_{name}"))
+
+
+def test_tensor_op_pipelines_come_from_the_msl4_library(mpp_scenarios):
+    # macOS 26.2 and a fresh flash_metal_mpp.metallib: the forced tensor-op
+    # kernel's pipeline is looked up there (the main library has no such
+    # kernel), bound as planned, replayed in the emulator's MSL 4 build and
+    # checked against float64.
+    r = mpp_scenarios["fresh"]
+    assert r["stage"] is None, r["error"]
+    assert r["errors"] == []
+    loaded = [os.path.basename(e["path"]) for e in r["events"] if e["op"] == "newLibraryWithURL"]
+    assert "flash_metal_mpp.metallib" in loaded
+    kernels = [e["kernel"] for e in r["events"] if e["op"] == "setComputePipelineState"]
+    assert kernels == ["flash_attention_prefill_mpp_float16_d64_bq64_bk32"]
+
+
+@pytest.mark.parametrize("name,words", [
+    ("none", "no MSL 4 library (flash_metal_mpp.metallib) was installed"),
+    ("stale", "flash_metal_mpp.metallib: it was built from other shader sources"),
+    ("macos26_1", "this Mac runs a macOS older than 26.2"),
+])
+def test_without_a_usable_msl4_library_tensor_ops_say_why(mpp_scenarios, name, words):
+    r = mpp_scenarios[name]
+    assert r["stage"] == "op" and "impl='tensor_ops' cannot run in this process" in r["error"], r["error"]
+    assert words in r["error"]
+    assert not [e for e in r["events"] if e["op"] == "setComputePipelineState"]
+
+
 # --- macOS: the Linux stand-in skips, CI or not ---------------------------------------------------
 
 

@@ -26,19 +26,29 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 SHADER_DIR = os.path.join(ROOT, "shaders")
 SHADER = os.path.join(SHADER_DIR, "attention.metal")
+MPP_SHADER = os.path.join(SHADER_DIR, "attention_mpp.metal")
 # File names library.mm looks for next to the loaded library (csrc/mps/library.mm).
 METALLIB_NAME = "flash_metal.metallib"
 METALLIB_HASH_NAME = "flash_metal.metallib.fnv1a64"
+# The MSL 4 library (setup.py's build_mpp_metallib) and the prefix of its kernels.
+MPP_METALLIB_NAME = "flash_metal_mpp.metallib"
+MPP_METALLIB_HASH_NAME = "flash_metal_mpp.metallib.fnv1a64"
+MPP_KERNEL_PREFIX = "flash_attention_prefill_mpp_"
+# Constants the .mm sets that the MPP kernels do not declare (tests/backends.py's MPP_UNDECLARED_CONSTANTS).
+MPP_UNDECLARED_CONSTANTS = (1, 2, 3, 10)
 # First line of a fake metallib (fake_runtime.h: kFakeMetallibMagic).
 FAKE_METALLIB_MAGIC = "flash_metal fake metallib v1"
 
 
-def package_dir(lib: str, dest: str, metallib: str = "fresh", kernel_names=None, shaders: bool = True) -> str:
+def package_dir(lib: str, dest: str, metallib: str = "fresh", kernel_names=None, shaders: bool = True,
+                mpp_metallib: str = "none", mpp_kernel_names=None) -> str:
     """An installed-package look-alike in `dest`; returns the library path inside it.
 
     metallib: "fresh" (a fake metallib of `kernel_names` with the fingerprint
     of the shaders beside it), "stale" (a wrong fingerprint), "unloadable"
-    (not a metallib at all, fresh fingerprint), or "none".
+    (not a metallib at all, fresh fingerprint), or "none". mpp_metallib: the
+    same for the MSL 4 library (flash_metal_mpp.metallib, of
+    `mpp_kernel_names`), "none" by default (most builds have none).
     """
     path = copy_library(lib, dest)
     if shaders:
@@ -46,13 +56,16 @@ def package_dir(lib: str, dest: str, metallib: str = "fresh", kernel_names=None,
         for name in os.listdir(SHADER_DIR):
             if _is_shader_file(name):
                 shutil.copyfile(os.path.join(SHADER_DIR, name), os.path.join(dest, "shaders", name))
-    if metallib != "none":
-        names = sorted(kernel_names or [])
-        with open(os.path.join(dest, METALLIB_NAME), "w", encoding="utf-8") as f:
-            f.write(("garbage, not a metallib\n" if metallib == "unloadable" else FAKE_METALLIB_MAGIC + "\n")
-                    + "".join(n + "\n" for n in names))
-        fingerprint = "0123456789abcdef" if metallib == "stale" else source_tree_hash(SHADER_DIR)
-        with open(os.path.join(dest, METALLIB_HASH_NAME), "w", encoding="utf-8") as f:
+    for state, names, lib_name, hash_name in ((metallib, kernel_names, METALLIB_NAME, METALLIB_HASH_NAME),
+                                              (mpp_metallib, mpp_kernel_names, MPP_METALLIB_NAME,
+                                               MPP_METALLIB_HASH_NAME)):
+        if state == "none":
+            continue
+        with open(os.path.join(dest, lib_name), "w", encoding="utf-8") as f:
+            f.write(("garbage, not a metallib\n" if state == "unloadable" else FAKE_METALLIB_MAGIC + "\n")
+                    + "".join(n + "\n" for n in sorted(names or [])))
+        fingerprint = "0123456789abcdef" if state == "stale" else source_tree_hash(SHADER_DIR)
+        with open(os.path.join(dest, hash_name), "w", encoding="utf-8") as f:
             f.write(fingerprint + "\n")
     return path
 
@@ -256,8 +269,10 @@ class ReplayError(Exception):
     """The recording cannot be replayed (what a GPU would reject or misrun)."""
 
 
-def replay(recording: dict, library) -> list[str]:
-    """Runs every dispatch of `recording` in the emulator `library`, with the
+def replay(recording: dict, library, mpp_library=None) -> list[str]:
+    """Runs every dispatch of `recording` in the emulator `library` (an MSL 4
+    tensor-op kernel in `mpp_library`, with the constants it does not declare
+    dropped, as Metal ignores them), with the
     encoder state (pipeline, buffers at their byte offsets, bytes, threadgroup
     memory) as Metal would have it at that point: a new encoder (after the
     stream ended the previous one) starts empty, and a call on an ended
@@ -305,11 +320,19 @@ def replay(recording: dict, library) -> list[str]:
                 grid = [t // g for t, g in zip(threads, group)]
             else:
                 grid, group = e["grid"], e["threadgroup"]
-            library.dispatch(
+            constants = {int(i): v for i, v in pipeline["constants"].items()}
+            target = library
+            if pipeline["kernel"].startswith(MPP_KERNEL_PREFIX):
+                if mpp_library is None:
+                    raise ReplayError(f"{pipeline['kernel']} is an MSL 4 kernel and no MSL 4 library was given")
+                target = mpp_library
+                if any(constants.pop(i, False) for i in MPP_UNDECLARED_CONSTANTS):
+                    raise ReplayError(f"{pipeline['kernel']}: a constant it does not declare is set")
+            target.dispatch(
                 pipeline["kernel"],
                 buffers={i: _buffer_view(*b) for i, b in buffers.items()},
                 bytes=dict(inline),
-                function_constants={int(i): v for i, v in pipeline["constants"].items()},
+                function_constants=constants,
                 grid=tuple(grid), threadgroup=tuple(group), threadgroup_memory=dict(tg_memory))
             ran.append(pipeline["kernel"])
     return ran

@@ -8,6 +8,7 @@ runs in its own process. The spec (JSON):
   metallib       "fresh" | "stale" | "unloadable" | "none"      (default "fresh")
   shaders        ship shaders/ next to the library               (default true)
   drop_kernel    a kernel name left out of the fake metallib     (default none)
+  mpp_metallib   the same states for the MSL 4 library, of the tensor-op kernels   (default "none")
   env            environment variables set before the first call
   knobs          fake knobs (Host.configure)
   runtime_compile  "emulator": newLibraryWithSource: yields the kernels the
@@ -41,8 +42,10 @@ from numerics import assert_attention_close, make_qkv  # noqa: E402
 def main(spec: dict) -> dict:
     shipped = compile_library([mps_exec.SHADER], instrumented=False)
     names = [n for n in shipped.kernel_names() if n != spec.get("drop_kernel")]
+    mpp_state = spec.get("mpp_metallib", "none")
+    mpp = compile_library([mps_exec.MPP_SHADER], instrumented=False, msl=4) if mpp_state != "none" else None
     path = mps_exec.package_dir(spec["lib"], spec["dir"], spec.get("metallib", "fresh"), names,
-                                spec.get("shaders", True))
+                                spec.get("shaders", True), mpp_state, mpp.kernel_names() if mpp else None)
     os.environ.update(spec.get("env", {}))
     host = mps_exec.load(path)
     host.configure(**spec.get("knobs", {}))
@@ -100,7 +103,7 @@ def main(spec: dict) -> dict:
     if result["stage"] is not None:
         return result
     try:
-        mps_exec.replay(rec, library)
+        mps_exec.replay(rec, library, mpp)
     except Exception as err:  # noqa: BLE001
         result.update(stage="replay", error=f"{type(err).__name__}: {err}")
         return result
