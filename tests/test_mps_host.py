@@ -71,9 +71,27 @@ def macos_torch_include():
     return _headers(syntax_check.MACOS_TORCH_VERSION)[0]
 
 
-def _syntax_check(clang, source, include, *extra, std="c++20", sdk=None):
-    cmd = syntax_check.syntax_check_command(clang, source, include, extra, std=std, sdk=sdk)
+def _syntax_check(clang, source, include, *extra, std="c++20", sdk=None, pch=None):
+    cmd = syntax_check.syntax_check_command(clang, source, include, extra, std=std, sdk=sdk, pch=pch)
     return subprocess.run(cmd, capture_output=True, text=True), cmd
+
+
+@pytest.fixture(scope="session")
+def precompiled(clang, tmp_path_factory):
+    """(torch include, std, sdk) -> a precompiled header of the torch headers, built on first use."""
+    made = {}
+
+    def get(include, std, sdk=None):
+        key = (include, std, sdk)
+        if key not in made:
+            cmd, pch = syntax_check.precompiled_header_command(clang, include, str(tmp_path_factory.mktemp("pch")),
+                                                               std=std, sdk=sdk)
+            proc = subprocess.run(cmd, capture_output=True, text=True)
+            assert proc.returncode == 0, f"$ {' '.join(cmd)}\n{proc.stderr}"
+            made[key] = pch
+        return made[key]
+
+    return get
 
 
 # --- the syntax check ---------------------------------------------------------------------
@@ -92,19 +110,25 @@ def test_checked_versions_include_the_minimum_torch():
 
 
 @pytest.mark.parametrize("source", syntax_check.mm_sources(), ids=os.path.basename)
-def test_mm_parses_against_macos_torch_headers(clang, macos_torch, source):
+def test_mm_parses_against_macos_torch_headers(clang, macos_torch, source, precompiled):
+    # The newest torch parses each file as it stands (its own includes, no
+    # precompiled header to supply one it forgot); older ones through a
+    # precompiled header of the torch headers (the same declarations, parsed once).
     include, std = macos_torch
-    proc, cmd = _syntax_check(clang, source, include, std=std)
+    newest = include == syntax_check.macos_torch_include(syntax_check.MACOS_TORCH_VERSION)
+    proc, cmd = _syntax_check(clang, source, include, std=std, pch=None if newest else precompiled(include, std))
     assert proc.returncode == 0, f"$ {' '.join(cmd)}\n{proc.stderr}"
 
 
 @pytest.mark.parametrize("source", syntax_check.mm_sources(), ids=os.path.basename)
-def test_mm_parses_with_the_macos14_sdk(clang, source):
+def test_mm_parses_with_the_macos14_sdk(clang, source, precompiled):
     # Xcode 15 / Command Line Tools 15: the SDK view without the macOS 15 API,
     # with the oldest supported torch (the Apple stubs are what differ; one
-    # torch version is enough to see them).
+    # torch version is enough to see them), through a precompiled header
+    # made in that view.
     include, std = _headers(syntax_check.MINIMUM_TORCH_VERSION)
-    proc, cmd = _syntax_check(clang, source, include, std=std, sdk=syntax_check.SDK_VIEWS["sdk14"])
+    sdk = syntax_check.SDK_VIEWS["sdk14"]
+    proc, cmd = _syntax_check(clang, source, include, std=std, sdk=sdk, pch=precompiled(include, std, sdk))
     assert proc.returncode == 0, f"$ {' '.join(cmd)}\n{proc.stderr}"
 
 
@@ -128,7 +152,7 @@ def test_sdk14_view_lacks_the_macos15_api(clang, macos_torch_include, tmp_path):
 
 
 @pytest.mark.parametrize("plant", ["declarations_dropped", "newer_language_version"])
-def test_sdk14_check_catches_unguarded_macos15_api(clang, macos_torch_include, tmp_path, plant):
+def test_sdk14_check_catches_unguarded_macos15_api(clang, macos_torch_include, tmp_path, plant, precompiled):
     # library.mm declares the macOS 15 API itself when the SDK lacks it. Planted:
     # without that block, or naming a macOS 15 constant it does not declare
     # (MTLLanguageVersion3_2), library.mm still parses in the newest view but
@@ -144,10 +168,16 @@ def test_sdk14_check_catches_unguarded_macos15_api(clang, macos_torch_include, t
     assert n == 1, f"plant {plant} no longer applies to library.mm: update it"
     copy = tmp_path / "library.mm"
     copy.write_text(broken, encoding="utf-8")
-    new, cmd = _syntax_check(clang, str(copy), macos_torch_include, f"-I{MPS_DIR}",
-                             sdk=syntax_check.SDK_VIEWS["sdk26"])
+    # The oldest torch, through the precompiled headers the parse tests made
+    # for both views (the plants are in library.mm's SDK guards, which any torch shows).
+    include, std = _headers(syntax_check.MINIMUM_TORCH_VERSION)
+    views = {v: (syntax_check.SDK_VIEWS[v], precompiled(include, std, syntax_check.SDK_VIEWS[v]))
+             for v in ("sdk26", "sdk14")}
+    new, cmd = _syntax_check(clang, str(copy), include, f"-I{MPS_DIR}", std=std, sdk=views["sdk26"][0],
+                             pch=views["sdk26"][1])
     assert new.returncode == 0, f"$ {' '.join(cmd)}\n{new.stderr}"
-    old, _ = _syntax_check(clang, str(copy), macos_torch_include, f"-I{MPS_DIR}", sdk=syntax_check.SDK_VIEWS["sdk14"])
+    old, _ = _syntax_check(clang, str(copy), include, f"-I{MPS_DIR}", std=std, sdk=views["sdk14"][0],
+                           pch=views["sdk14"][1])
     assert old.returncode != 0
     missing = ("MTLMathModeSafe",) if plant == "declarations_dropped" else ("MTLLanguageVersion3_2",)
     for name in missing:
@@ -164,15 +194,24 @@ def test_library_mm_declares_the_macos15_api_only_for_older_sdks():
         assert name in block.group(1), name
 
 
-def test_correct_calls_of_real_api_pass_the_check(clang, macos_torch_include):
+def _newest(precompiled):
+    """(torch include, std, pch) of the newest checked torch: the checks below
+    parse small plants, so through a precompiled header of its headers."""
+    include = syntax_check.macos_torch_include(syntax_check.MACOS_TORCH_VERSION)
+    std = syntax_check.MACOS_TORCH_VERSIONS[syntax_check.MACOS_TORCH_VERSION]
+    return include, std, precompiled(include, std)
+
+
+def test_correct_calls_of_real_api_pass_the_check(clang, macos_torch_include, precompiled):
     # Real Metal selectors and PyTorch profiler calls the .mm does not (all)
     # make today, used correctly: a correct change must never fail the check.
     sample = os.path.join(syntax_check.HERE, "real_api_sample.mm")
-    proc, cmd = _syntax_check(clang, sample, macos_torch_include)
+    include, std, pch = _newest(precompiled)
+    proc, cmd = _syntax_check(clang, sample, include, std=std, pch=pch)
     assert proc.returncode == 0, f"$ {' '.join(cmd)}\n{proc.stderr}"
 
 
-def test_stubs_reject_wrong_use_of_real_api(clang, macos_torch_include, tmp_path):
+def test_stubs_reject_wrong_use_of_real_api(clang, macos_torch_include, tmp_path, precompiled):
     # The same sample with a wrong argument type and a misspelled selector:
     # the stubs must carry real signatures, not accept anything.
     with open(os.path.join(syntax_check.HERE, "real_api_sample.mm"), encoding="utf-8") as f:
@@ -183,13 +222,14 @@ def test_stubs_reject_wrong_use_of_real_api(clang, macos_torch_include, tmp_path
     text = text.replace("setBufferOffset:16", "setBufferOffset:buffer")
     broken = tmp_path / "real_api_sample.mm"
     broken.write_text(text, encoding="utf-8")
-    proc, _ = _syntax_check(clang, str(broken), macos_torch_include)
+    include, std, pch = _newest(precompiled)
+    proc, _ = _syntax_check(clang, str(broken), include, std=std, pch=pch)
     assert "'-dispatchThreads:threadsPerThreadGroup:' not found" in proc.stderr, proc.stderr
     assert "error: cannot initialize a parameter of type 'NSUInteger'" in proc.stderr, proc.stderr
     assert "setBufferOffset:buffer" in proc.stderr, proc.stderr  # clang quotes the offending line
 
 
-def test_syntax_check_catches_typos(clang, macos_torch_include, tmp_path):
+def test_syntax_check_catches_typos(clang, macos_torch_include, tmp_path, precompiled):
     # One copy, two misspellings: an MPSStream method (checked against the real
     # PyTorch header) and a Metal selector (checked against our stubs).
     with open(os.path.join(MPS_DIR, "attention_mps.mm"), encoding="utf-8") as f:
@@ -199,7 +239,8 @@ def test_syntax_check_catches_typos(clang, macos_torch_include, tmp_path):
     text = text.replace("threadsPerThreadgroup:r.group", "threadsPerThreadGroup:r.group")
     broken = tmp_path / "attention_mps.mm"
     broken.write_text(text, encoding="utf-8")
-    proc, _ = _syntax_check(clang, str(broken), macos_torch_include, f"-I{MPS_DIR}")
+    include, std, pch = _newest(precompiled)
+    proc, _ = _syntax_check(clang, str(broken), include, f"-I{MPS_DIR}", std=std, pch=pch)
     assert proc.returncode != 0
     assert "no member named 'commandEncoderr'" in proc.stderr, proc.stderr
     assert "'-dispatchThreadgroups:threadsPerThreadGroup:' not found" in proc.stderr, proc.stderr
