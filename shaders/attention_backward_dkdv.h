@@ -134,8 +134,9 @@ template <typename T, int DMAX, int BQ, int BK, int WM, int DSPLIT>
   const int dv_frags = (DV + 7) / 8;
 
   // dK and dV go to grad_k (D wide) / grad_v (DV wide), packed, for real
-  // keys and this part's real features only; a key no query sees (causal with Nk > Nq, outside
-  // every window, a sequence with no query) stores zeros.
+  // keys and this part's real features only; a key no query sees (causal
+  // with Nk > Nq, outside every window, a sequence with no query) stores
+  // zeros.
   const bool real_key = fc_align_k || key < kv_len;
   device T* kout = dk + packed_row(packed_b, kv_head, p.kv_heads, packed_k, sv.k_row0 + key, D);
   device T* vout = dv + packed_row(packed_b, kv_head, p.kv_heads, packed_k, sv.k_row0 + key, DV);

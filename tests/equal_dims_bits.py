@@ -77,7 +77,7 @@ def _backward_cases():
             out.append(("bwd", f"backward-{d}-{dt}", (r(1, 4, 29, d, dt=dt), q, k, v, o, lse, True, glse), kw))
         cu = torch.tensor([0, 7, 7, 30], dtype=torch.int32)
         qv, kv, vv = r(30, 4, 64, dt=dt), r(30, 2, 64, dt=dt), r(30, 2, 64, dt=dt)
-        o, lse = flash_metal.attention_varlen(qv, kv, vv, cu, cu, 23, 23, True, window_left=5)
+        o, lse = flash_metal.attention_varlen_with_lse(qv, kv, vv, cu, cu, 23, 23, True, window_left=5)
         out.append(("bwd", f"backward-varlen-{dt}", (r(30, 4, 64, dt=dt), qv, kv, vv, o, lse, True, None),
                     dict(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=23, max_seqlen_k=23, window_left=5)))
     q, k, v = r(1, 2, 21, 192, dt=torch.float16), r(1, 2, 19, 192, dt=torch.float16), r(1, 2, 19, 192,
