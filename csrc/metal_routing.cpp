@@ -304,7 +304,14 @@ KernelChoice choose_backward(const AttentionProblem& p, KernelRequest requested)
   }
   c.reason += " (within the " + std::to_string(kBackwardRegisterBudget) + "-value register budget, " +
               std::to_string(best.resident) + " resident simdgroups per core on every named chip)";
-  c.reason += wider + padding_note(p, c.bucket);
+  if (p.head_dim_v != p.head_dim) {  // MLA-style: which products run over which dim
+    c.reason += wider + "; v has its own head dim (MLA-style): D_qk = " + std::to_string(p.head_dim) +
+                " (q, k: S = Q.K^T, dQ, dK) and D_v = " + std::to_string(p.head_dim_v) +
+                " (v, out, grad_out: Delta, dO.V^T, dV) run in the " + std::to_string(c.bucket) +
+                "-wide instantiation of the wider, each zero-padded past its own width (no read or write past it)";
+  } else {
+    c.reason += wider + padding_note(p.head_dim, c.bucket);
+  }
   return c;
 }
 
