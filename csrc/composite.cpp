@@ -33,12 +33,8 @@ bool composite_route(const AttentionProblem& p, KernelRequest requested, MetalPa
            "memory O(chunk x Nk), not a flash kernel";
     return true;
   }
-  if (pass == MetalPass::Backward && p.head_dim_v != p.head_dim) {
-    *why = "composite (backward): D_qk = " + std::to_string(p.head_dim) + " differs from D_v = " +
-           std::to_string(p.head_dim_v) + " and no Metal backward kernel takes a v head dim of its own yet; chunked "
-           "ATen matmuls recomputing P from lse, memory O(chunk x Nk), not a flash kernel";
-    return true;
-  }
+  // D_qk != D_v within 256 (MLA-style, issue 20 section 2): the fused
+  // kernels, forward and backward, take head_dim_v (the wider dim's bucket).
   return false;
 }
 

@@ -2,9 +2,8 @@
 // by hand, matmul), on whatever device the tensors live on. It is the
 // unfused plan of issue 20, section 3: where no fused Metal kernel exists
 // that the performance model puts ahead of unfused (head dims above 256:
-// benchmarks/metal_model_d512.py) or at all (the backward with a v head dim
-// of its own), the MPS op runs this instead of refusing, and explain() says
-// why. Not a flash path: its memory is O(chunk x Nk) per (batch, head),
+// benchmarks/metal_model_d512.py), the MPS op runs this instead of
+// refusing, and explain() says why. Not a flash path: its memory is O(chunk x Nk) per (batch, head),
 // bounded by kCompositeChunkBytes, never O(Nq x Nk).
 //
 // The same code runs on CPU tensors with impl="composite", which is how the
@@ -28,8 +27,8 @@ constexpr int64_t kCompositeChunkBytes = int64_t{64} << 20;
 
 // Whether this call runs the composite path on Metal, and why (appended to
 // *why). True for impl="composite"; for impl="auto": head dims above the
-// widest fused bucket (the model's verdict), and the backward with
-// D_qk != D_v (no Metal backward kernel takes its own D_v yet).
+// widest fused bucket (the model's verdict), forward and backward. D_qk !=
+// D_v within it runs the fused kernels (issue 20 section 2).
 bool composite_route(const AttentionProblem& p, KernelRequest requested, MetalPass pass, std::string* why);
 
 // attention_forward / attention_varlen_forward: fills o.out4 and o.lse3.

@@ -211,7 +211,9 @@ KernelChoice choose_backward(const AttentionProblem& p, KernelRequest requested)
                     request_name(requested), "'");
   KernelChoice c;
   c.kind = KernelRequest::Prefill;  // the simdgroup-matrix family
-  c.bucket = bucket_of(p.head_dim, kFastHeadDimBuckets);
+  // The bucket every tile fits: the wider of D_qk and D_v (MLA-style calls;
+  // each tile is loaded at its own width, attention_backward.h).
+  c.bucket = bucket_of(std::max(p.head_dim, p.head_dim_v), kFastHeadDimBuckets);
   // Blocks: one rule for both kernels. R rows owned (query rows for dQ,
   // keys for dK/dV) in R / 8 row groups, S rows streamed per block (keys
   // for dQ, query rows for dK/dV), and F feature parts: each row group runs
@@ -262,8 +264,8 @@ KernelChoice choose_backward(const AttentionProblem& p, KernelRequest requested)
     c.bucket = bucket;
     best = next;
   }
-  TORCH_CHECK(best.parts != 0, "flash_metal.attention_backward: internal error: no block size fits head_dim ",
-              p.head_dim);
+  TORCH_CHECK(best.parts != 0, "flash_metal.attention_backward: internal error: no block size fits head dims ",
+              p.head_dim, " / ", p.head_dim_v);
   c.block_q = best.own; c.block_k = best.streamed; c.simdgroups = best.own / 8 * best.parts;
   c.dkv_block_k = best.own; c.dkv_block_q = best.streamed; c.dkv_simdgroups = c.simdgroups;
   c.dq_feature_split = c.dkv_feature_split = best.parts;
@@ -302,7 +304,14 @@ KernelChoice choose_backward(const AttentionProblem& p, KernelRequest requested)
   }
   c.reason += " (within the " + std::to_string(kBackwardRegisterBudget) + "-value register budget, " +
               std::to_string(best.resident) + " resident simdgroups per core on every named chip)";
-  c.reason += wider + padding_note(p.head_dim, c.bucket);
+  if (p.head_dim_v != p.head_dim) {  // MLA-style: which products run over which dim
+    c.reason += wider + "; v has its own head dim (MLA-style): D_qk = " + std::to_string(p.head_dim) +
+                " (q, k: S = Q.K^T, dQ, dK) and D_v = " + std::to_string(p.head_dim_v) +
+                " (v, out, grad_out: Delta, dO.V^T, dV) run in the " + std::to_string(c.bucket) +
+                "-wide instantiation of the wider, each zero-padded past its own width (no read or write past it)";
+  } else {
+    c.reason += wider + padding_note(p.head_dim, c.bucket);
+  }
   return c;
 }
 
@@ -401,14 +410,10 @@ KernelChoice choose_metal_kernel(const AttentionProblem& p, KernelRequest reques
   TORCH_CHECK(requested != KernelRequest::Composite, "flash_metal: impl='composite' is routed before planning "
               "(composite_route, csrc/composite.h)");
   // A v head dim of its own (MLA-style D_qk != D_v, issue 20 section 2):
-  // the forward's fast families (prefill, decode, split decode, paged)
-  // take it, in the wider dim's bucket (head_dim_v in AttentionParams); the
-  // backward's kernels do not yet (nor the post's kernels, below).
+  // the forward's fast families (prefill, decode, split decode, paged) and
+  // the backward's two kernels take it, in the wider dim's bucket
+  // (head_dim_v in AttentionParams); the post's kernels do not (below).
   const bool own_v = p.head_dim_v != p.head_dim;
-  TORCH_CHECK_NOT_IMPLEMENTED(!own_v || pass != MetalPass::Backward, "flash_metal: q/k head dim D_qk = ",
-                              p.head_dim, " different from v's D_v = ", p.head_dim_v,
-                              " on Metal kernels: not yet (backward; the forward takes it); run the backward on CPU "
-                              "tensors, or give v q's head dim");
   // Nor head dims past the largest bucket (the CPU kernels take up to
   // kMaxHeadDim = 576, D_v up to 512): no Metal instantiation is wider than 256 yet.
   TORCH_CHECK_NOT_IMPLEMENTED(p.head_dim <= kFastHeadDimBuckets.back(), "flash_metal: head_dim ", p.head_dim,

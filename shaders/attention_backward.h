@@ -9,6 +9,12 @@
 // both kernels: 7 matrix products per (query, key) block pair instead of 5.
 // P is rebuilt from the forward's lse, never stored (FlashAttention-2).
 //
+//   Head dims (issue 20 section 2, MLA-style): q and k have D = head_dim,
+//   v, o, dO and grad_v have DV = head_dim_v (== D unless MLA-style); both
+//   run in the wider one's bucket DMAX. Delta and dP = dO.V^T, dV = P^T.dO
+//   are over DV features; S = Q.K^T, dQ = dS.K and dK = dS^T.Q over D. Each
+//   tile is loaded at its tensor's own width (columns past it zero) and no
+//   feature past a tensor's own width is stored.
 //   flash_backward_dq    grid (ceil(Nq / BQ), Hq, B), 32 * WM threads
 //     Delta_i = rowsum(dO_i * O_i) - grad_lse_i, written to a float32
 //     scratch for the second kernel; then over the key blocks the rows see:
@@ -147,39 +153,52 @@ FM_INLINE void backward_reduce_parts(thread PrefillFrag* S, thread PrefillFrag* 
 // S = A.B^T and dP = A2.B2^T, the two products both kernels recompute (dQ
 // kernel: Q.K^T and dO.V^T; dK/dV kernel: K.Q^T and V.dO^T), for one
 // SIMD-group's 8 owned rows (row0 of the own tiles a and a2) against the
-// N * 8 streamed rows of tiles b and b2, in one walk over the d_frags
-// feature fragments that hold real features. The walk runs to the
-// compile-time TD (DMAX / 8) with d_frags as a uniform guard, so it unrolls
-// (as the forward's Q.K^T does). Inlined, so S and dP stay arrays of
-// registers (constant indices after unrolling).
+// N * 8 streamed rows of tiles b and b2, in one walk over the feature
+// fragments that hold real features: d_frags of them for S (a, b: q's and
+// k's D features), dv_frags for dP (a2, b2: v's and dO's DV features; equal
+// unless MLA-style). The walk runs to the compile-time TD (DMAX / 8) with
+// d_frags / dv_frags as uniform guards, so it unrolls (as the forward's
+// Q.K^T does); each of S and dP sums its products in the same order
+// whatever the other's guard. Inlined, so S and dP stay arrays of registers
+// (constant indices after unrolling).
 // With feature parts, TD is the part's fragment count and dd0 its first
-// fragment: the result is then the part's partial sum (backward_reduce_parts).
+// fragment: the result is then the part's partial sum (backward_reduce_parts);
+// a part whose fragments are all past D (or DV) keeps a zero partial of S
+// (or dP) and still takes part in the reduction.
 template <int N, int TD, typename T>
 FM_INLINE void backward_products(thread PrefillFrag* S, thread PrefillFrag* dP, threadgroup const T* a,
                                  threadgroup const T* a2, threadgroup const T* b, threadgroup const T* b2, int ld,
-                                 int row0, int d_frags, int fr, int fc, int dd0 = 0) {
+                                 int row0, int d_frags, int dv_frags, int fr, int fc, int dd0 = 0) {
   FM_UNROLL for (int t = 0; t < N; ++t) {
     S[t] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
     dP[t] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
   }
   FM_UNROLL for (int i = 0; i < TD; ++i) {
     const int dd = dd0 + i;
-    if (dd >= d_frags) continue;  // all-padding fragment; uniform across the SIMD-group
-    PrefillFrag af, a2f;
-    prefill_read_frag(af, a, ld, row0, dd * 8, fr, fc);
-    prefill_read_frag(a2f, a2, ld, row0, dd * 8, fr, fc);
-    FM_UNROLL for (int t = 0; t < N; ++t) {
-      PrefillFrag bf, b2f;
-      prefill_read_frag_t(bf, b, ld, dd * 8, t * 8, fr, fc);
-      prefill_mma(S[t], af, bf);
-      prefill_read_frag_t(b2f, b2, ld, dd * 8, t * 8, fr, fc);
-      prefill_mma(dP[t], a2f, b2f);
+    if (dd < d_frags) {  // else an all-padding fragment of q and k; uniform across the SIMD-group
+      PrefillFrag af;
+      prefill_read_frag(af, a, ld, row0, dd * 8, fr, fc);
+      FM_UNROLL for (int t = 0; t < N; ++t) {
+        PrefillFrag bf;
+        prefill_read_frag_t(bf, b, ld, dd * 8, t * 8, fr, fc);
+        prefill_mma(S[t], af, bf);
+      }
+    }
+    if (dd < dv_frags) {  // else an all-padding fragment of v and dO
+      PrefillFrag a2f;
+      prefill_read_frag(a2f, a2, ld, row0, dd * 8, fr, fc);
+      FM_UNROLL for (int t = 0; t < N; ++t) {
+        PrefillFrag b2f;
+        prefill_read_frag_t(b2f, b2, ld, dd * 8, t * 8, fr, fc);
+        prefill_mma(dP[t], a2f, b2f);
+      }
     }
   }
 }
 
 // The packed (B, H, N, D) offset of row `row` of head `head` of batch
-// `batch`: the layout of grad_q, grad_k and grad_v (allocate_gradients).
+// `batch`: the layout of grad_q, grad_k (D = head_dim) and grad_v (D =
+// head_dim_v) (allocate_gradients).
 // Varlen: (1, H, total, D), batch 0, n = total rows, row counted from the
 // start of the packed axis (the sequence's first row plus its own row).
 inline int64_t packed_row(uint batch, uint head, int heads, int n, int64_t row, int D) {

@@ -10,19 +10,21 @@ namespace flash_metal {
 
 // This lane's dK * scale and dV (TD fragments, features c0 + id * 8 + j,
 // c0 = the part's first feature plus the lane's fragment column) into the
-// rows kout / vout, features below D only: written, or with `add` added to
-// what the rows hold (float32: the GQA group's running sum, see
-// flash_backward_dkdv).
+// rows kout / vout, features below D (k's) and DV (v's) only: written, or
+// with `add` added to what the rows hold (float32: the GQA group's running
+// sum, see flash_backward_dkdv).
 template <int TD, typename T>
 FM_INLINE void store_dkdv(device T* kout, device T* vout, thread PrefillFrag* dK, thread PrefillFrag* dV,
-                          int c0, int D, float scale, bool add) {
+                          int c0, int D, int DV, float scale, bool add) {
   FM_UNROLL for (int id = 0; id < TD; ++id) {
     FM_UNROLL for (int j = 0; j < 2; ++j) {
       const int c = c0 + id * 8 + j;
       if (c < D) {
         const float gk = dK[id].thread_elements()[j] * scale;
-        const float gv = dV[id].thread_elements()[j];
         kout[c] = static_cast<T>(add ? float(kout[c]) + gk : gk);
+      }
+      if (c < DV) {
+        const float gv = dV[id].thread_elements()[j];
         vout[c] = static_cast<T>(add ? float(vout[c]) + gv : gv);
       }
     }
@@ -84,7 +86,8 @@ template <typename T, int DMAX, int BQ, int BK, int WM, int DSPLIT>
   const int q_len = sv.q_len;
   const int kv_len = sv.kv_len;
 
-  const int D = p.head_dim;
+  const int D = p.head_dim;    // q's and k's features (S^T = K.Q^T, dK = dS^T.Q)
+  const int DV = p.head_dim_v;  // v's and dO's (dP^T = V.dO^T, dV = P^T.dO); == D unless MLA-style
   const uint kv_head = group.y;
   int64_t k_off = int64_t(group.z) * p.k_batch_stride + int64_t(kv_head) * p.k_head_stride;
   int64_t v_off = int64_t(group.z) * p.v_batch_stride + int64_t(kv_head) * p.v_head_stride;
@@ -107,11 +110,12 @@ template <typename T, int DMAX, int BQ, int BK, int WM, int DSPLIT>
   if (!fc_align_k && k0 + BK > kv_len) {
     prefill_load_tile<BK, DMAX, LD, THREADS, true>(k_tile, k + k_off, p.k_row_stride, p.k_dim_stride, k0, D,
                                                    kv_len - k0, tid);
-    prefill_load_tile<BK, DMAX, LD, THREADS, true>(v_tile, v + v_off, p.v_row_stride, p.v_dim_stride, k0, D,
+    prefill_load_tile<BK, DMAX, LD, THREADS, true>(v_tile, v + v_off, p.v_row_stride, p.v_dim_stride, k0, DV,
                                                    kv_len - k0, tid);
   } else {
     prefill_load_tile<BK, DMAX, LD, THREADS, false>(k_tile, k + k_off, p.k_row_stride, p.k_dim_stride, k0, D, BK, tid);
-    prefill_load_tile<BK, DMAX, LD, THREADS, false>(v_tile, v + v_off, p.v_row_stride, p.v_dim_stride, k0, D, BK, tid);
+    prefill_load_tile<BK, DMAX, LD, THREADS, false>(v_tile, v + v_off, p.v_row_stride, p.v_dim_stride, k0, DV, BK,
+                                                    tid);
   }
   // No barrier of its own: the first streamed block's barrier orders these
   // writes before any read.
@@ -127,13 +131,15 @@ template <typename T, int DMAX, int BQ, int BK, int WM, int DSPLIT>
   const int qb_begin = first_row / BQ;
   const int qb_end = first_row < row_end ? (row_end + BQ - 1) / BQ : qb_begin;
   const int d_frags = (D + 7) / 8;
+  const int dv_frags = (DV + 7) / 8;
 
-  // dK and dV go to grad_k / grad_v, packed, for real keys and this part's
-  // real features only; a key no query sees (causal with Nk > Nq, outside
-  // every window, a sequence with no query) stores zeros.
+  // dK and dV go to grad_k (D wide) / grad_v (DV wide), packed, for real
+  // keys and this part's real features only; a key no query sees (causal
+  // with Nk > Nq, outside every window, a sequence with no query) stores
+  // zeros.
   const bool real_key = fc_align_k || key < kv_len;
   device T* kout = dk + packed_row(packed_b, kv_head, p.kv_heads, packed_k, sv.k_row0 + key, D);
-  device T* vout = dv + packed_row(packed_b, kv_head, p.kv_heads, packed_k, sv.k_row0 + key, D);
+  device T* vout = dv + packed_row(packed_b, kv_head, p.kv_heads, packed_k, sv.k_row0 + key, DV);
   // GQA (issue 24): the group's query heads in a fixed order, so the sum
   // over the group is the same every run (no atomics, no race). One float32
   // register sum through every block of every head rounds group * Nq / BQ
@@ -186,12 +192,12 @@ template <typename T, int DMAX, int BQ, int BK, int WM, int DSPLIT>
         prefill_load_tile<BQ, DMAX, LD, THREADS, true>(q_tile, q + h.q, p.q_row_stride, p.q_dim_stride, q0, D,
                                                        q_len - q0, tid);
         prefill_load_tile<BQ, DMAX, LD, THREADS, true>(do_tile, dout + do_head, p.do_row_stride, p.do_dim_stride,
-                                                       q0, D, q_len - q0, tid);
+                                                       q0, DV, q_len - q0, tid);
       } else {
         prefill_load_tile<BQ, DMAX, LD, THREADS, false>(q_tile, q + h.q, p.q_row_stride, p.q_dim_stride, q0, D, BQ,
                                                         tid);
         prefill_load_tile<BQ, DMAX, LD, THREADS, false>(do_tile, dout + do_head, p.do_row_stride, p.do_dim_stride,
-                                                        q0, D, BQ, tid);
+                                                        q0, DV, BQ, tid);
       }
       threadgroup_barrier(mem_flags::mem_threadgroup);  // Q/dO written before anyone reads them (RAW)
 
@@ -201,10 +207,11 @@ template <typename T, int DMAX, int BQ, int BK, int WM, int DSPLIT>
       PrefillFrag dP[TQ];
       if (PARTIALS == 0) {  // whole features, or the recomputing fallback (backward_partials_bytes)
         if (!active) continue;
-        backward_products<TQ, DMAX / 8>(S, dP, k_tile, v_tile, q_tile, do_tile, LD, rg * 8, d_frags, fr, fc);
+        backward_products<TQ, DMAX / 8>(S, dP, k_tile, v_tile, q_tile, do_tile, LD, rg * 8, d_frags, dv_frags, fr,
+                                        fc);
       } else {
         if (active)
-          backward_products<TQ, TD>(S, dP, k_tile, v_tile, q_tile, do_tile, LD, rg * 8, d_frags, fr, fc,
+          backward_products<TQ, TD>(S, dP, k_tile, v_tile, q_tile, do_tile, LD, rg * 8, d_frags, dv_frags, fr, fc,
                                     int(sg) / ROWG * TD);
         backward_reduce_parts<TQ, ROWG, DSPLIT>(S, dP, partials, int(sg), rg, int(lane), active);
         if (!active) continue;
@@ -236,32 +243,37 @@ template <typename T, int DMAX, int BQ, int BK, int WM, int DSPLIT>
           dP[t].thread_elements()[j] = ds;
         }
       }
-      // dV += P^T.dO and dK += dS^T.Q, each block's product summed from
-      // zero and added once (blocked sums, as in the forward), over this
-      // part's features.
+      // dV += P^T.dO over v's DV features and dK += dS^T.Q over k's D,
+      // each block's product summed from zero and added once (blocked sums,
+      // as in the forward), over this part's features (uniform guards: a
+      // part wholly past DV, or D, skips that product).
       FM_UNROLL for (int id = 0; id < TD; ++id) {
-        if (col0 + id * 8 < D) {
+        const int c = col0 + id * 8;
+        if (c < DV) {
           PrefillFrag av = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
+          FM_UNROLL for (int t = 0; t < TQ; ++t) {
+            PrefillFrag df;
+            prefill_read_frag(df, do_tile, LD, t * 8, c, fr, fc);
+            prefill_mma(av, S[t], df);
+          }
+          FM_UNROLL for (int j = 0; j < 2; ++j) dV[id].thread_elements()[j] += av.thread_elements()[j];
+        }
+        if (c < D) {
           PrefillFrag ak = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
           FM_UNROLL for (int t = 0; t < TQ; ++t) {
-            PrefillFrag df, qf;
-            prefill_read_frag(df, do_tile, LD, t * 8, col0 + id * 8, fr, fc);
-            prefill_mma(av, S[t], df);
-            prefill_read_frag(qf, q_tile, LD, t * 8, col0 + id * 8, fr, fc);
+            PrefillFrag qf;
+            prefill_read_frag(qf, q_tile, LD, t * 8, c, fr, fc);
             prefill_mma(ak, dP[t], qf);
           }
-          FM_UNROLL for (int j = 0; j < 2; ++j) {
-            dV[id].thread_elements()[j] += av.thread_elements()[j];
-            dK[id].thread_elements()[j] += ak.thread_elements()[j];
-          }
+          FM_UNROLL for (int j = 0; j < 2; ++j) dK[id].thread_elements()[j] += ak.thread_elements()[j];
         }
       }
     }
-    if (kGroupInMemory && real_key) store_dkdv<TD>(kout, vout, dK, dV, col0 + fc, D, p.scale, g > 0);
+    if (kGroupInMemory && real_key) store_dkdv<TD>(kout, vout, dK, dV, col0 + fc, D, DV, p.scale, g > 0);
   }
 
   // 16-bit dtypes: dK * scale and dV of the whole group stored once.
-  if (!kGroupInMemory && real_key) store_dkdv<TD>(kout, vout, dK, dV, col0 + fc, D, p.scale, false);
+  if (!kGroupInMemory && real_key) store_dkdv<TD>(kout, vout, dK, dV, col0 + fc, D, DV, p.scale, false);
 }
 
 }  // namespace flash_metal

@@ -67,7 +67,8 @@ template <typename T, int DMAX, int BQ, int BK, int WM, int DSPLIT>
   const int q_len = sv.q_len;
   const int kv_len = sv.kv_len;
 
-  const int D = p.head_dim;
+  const int D = p.head_dim;    // q's and k's features (S = Q.K^T, dQ = dS.K)
+  const int DV = p.head_dim_v;  // v's, o's and dO's (Delta, dP = dO.V^T); == D unless MLA-style
   HeadOffsets h = head_offsets(p, group.z, group.y);
   int64_t do_head = int64_t(group.z) * p.do_batch_stride + int64_t(group.y) * p.do_head_stride;
   int64_t glse_head = int64_t(group.z) * p.glse_batch_stride + int64_t(group.y) * p.glse_head_stride;
@@ -94,12 +95,12 @@ template <typename T, int DMAX, int BQ, int BK, int WM, int DSPLIT>
   if (!fc_align_q && q0 + BQ > q_len) {
     prefill_load_tile<BQ, DMAX, LD, THREADS, true>(q_tile, q + h.q, p.q_row_stride, p.q_dim_stride, q0, D,
                                                    q_len - q0, tid);
-    prefill_load_tile<BQ, DMAX, LD, THREADS, true>(do_tile, dout + do_head, p.do_row_stride, p.do_dim_stride, q0, D,
+    prefill_load_tile<BQ, DMAX, LD, THREADS, true>(do_tile, dout + do_head, p.do_row_stride, p.do_dim_stride, q0, DV,
                                                    q_len - q0, tid);
   } else {
     prefill_load_tile<BQ, DMAX, LD, THREADS, false>(q_tile, q + h.q, p.q_row_stride, p.q_dim_stride, q0, D, BQ, tid);
     prefill_load_tile<BQ, DMAX, LD, THREADS, false>(do_tile, dout + do_head, p.do_row_stride, p.do_dim_stride, q0,
-                                                    D, BQ, tid);
+                                                    DV, BQ, tid);
   }
   threadgroup_barrier(mem_flags::mem_threadgroup);  // Q and dO written before the Delta reads (RAW)
 
@@ -115,7 +116,7 @@ template <typename T, int DMAX, int BQ, int BK, int WM, int DSPLIT>
     FM_UNROLL for (int id = 0; id < TD; ++id) {
       FM_UNROLL for (int j = 0; j < 2; ++j) {
         const int c = id * 8 + fc + j;
-        if (c < D) dsum += float(do_tile[(rg * 8 + fr) * LD + c]) * float(orow[int64_t(c) * p.o_dim_stride]);
+        if (c < DV) dsum += float(do_tile[(rg * 8 + fr) * LD + c]) * float(orow[int64_t(c) * p.o_dim_stride]);
       }
     }
   }
@@ -156,6 +157,7 @@ template <typename T, int DMAX, int BQ, int BK, int WM, int DSPLIT>
   const int kb_begin = fc_window_left ? first_visible_key(sv, q0) / BK : 0;
   const int kb_end = (visible_key_end(sv, last_row) + BK - 1) / BK;
   const int d_frags = (D + 7) / 8;
+  const int dv_frags = (DV + 7) / 8;
 
   PrefillFrag dQ[TDP];
   FM_UNROLL for (int id = 0; id < TDP; ++id) dQ[id] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
@@ -177,11 +179,12 @@ template <typename T, int DMAX, int BQ, int BK, int WM, int DSPLIT>
     if (k_edge) {
       prefill_load_tile<BK, DMAX, LD, THREADS, true>(k_tile, k + h.k, p.k_row_stride, p.k_dim_stride, k0, D,
                                                      kv_len - k0, tid);
-      prefill_load_tile<BK, DMAX, LD, THREADS, true>(v_tile, v + h.v, p.v_row_stride, p.v_dim_stride, k0, D,
+      prefill_load_tile<BK, DMAX, LD, THREADS, true>(v_tile, v + h.v, p.v_row_stride, p.v_dim_stride, k0, DV,
                                                      kv_len - k0, tid);
     } else {
       prefill_load_tile<BK, DMAX, LD, THREADS, false>(k_tile, k + h.k, p.k_row_stride, p.k_dim_stride, k0, D, BK, tid);
-      prefill_load_tile<BK, DMAX, LD, THREADS, false>(v_tile, v + h.v, p.v_row_stride, p.v_dim_stride, k0, D, BK, tid);
+      prefill_load_tile<BK, DMAX, LD, THREADS, false>(v_tile, v + h.v, p.v_row_stride, p.v_dim_stride, k0, DV, BK,
+                                                      tid);
     }
     threadgroup_barrier(mem_flags::mem_threadgroup);  // K/V written before anyone reads them (RAW)
 
@@ -191,10 +194,11 @@ template <typename T, int DMAX, int BQ, int BK, int WM, int DSPLIT>
     PrefillFrag dP[TK];
     if (PARTIALS == 0) {  // whole features, or the recomputing fallback (backward_partials_bytes)
       if (!active) continue;
-      backward_products<TK, TD>(S, dP, q_tile, do_tile, k_tile, v_tile, LD, rg * 8, d_frags, fr, fc);
+      backward_products<TK, TD>(S, dP, q_tile, do_tile, k_tile, v_tile, LD, rg * 8, d_frags, dv_frags, fr, fc);
     } else {
       if (active)
-        backward_products<TK, TDP>(S, dP, q_tile, do_tile, k_tile, v_tile, LD, rg * 8, d_frags, fr, fc, part * TDP);
+        backward_products<TK, TDP>(S, dP, q_tile, do_tile, k_tile, v_tile, LD, rg * 8, d_frags, dv_frags, fr, fc,
+                                   part * TDP);
       backward_reduce_parts<TK, ROWG, DSPLIT>(S, dP, partials, int(sg), rg, int(lane), active);
       if (!active) continue;
     }
@@ -217,7 +221,8 @@ template <typename T, int DMAX, int BQ, int BK, int WM, int DSPLIT>
         dP[t].thread_elements()[j] = ds;
       }
     }
-    // dQ += dS.K, the block's product summed from zero and added once (the
+    // dQ += dS.K over q's D features (a part whose features are all past D
+    // skips it), the block's product summed from zero and added once (the
     // forward's blocked sum: one rounding of dQ per block, not per key).
     FM_UNROLL for (int id = 0; id < TDP; ++id) {
       if (col0 + id * 8 < D) {

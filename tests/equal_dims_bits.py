@@ -1,4 +1,4 @@
-"""Equal head dims stay bit-identical across a change of the Metal forward (issue 20 section 2).
+"""Equal head dims stay bit-identical across a change of the Metal forward or backward (issue 20 section 2).
 
 Not a pytest module: a tool run twice, once under each build, e.g.
 
@@ -11,7 +11,9 @@ Not a pytest module: a tool run twice, once under each build, e.g.
 `save` runs a fixed set of equal-dims forward plans (prefill aligned with the
 dense loader and padded without it, varlen, decode one pass, split decode,
 the paged decode; the three dtypes; causal, window, softcap, masks, sinks,
-GQA) through the emulator's fast build and stores the inputs, the plans
+GQA), and equal-dims backward plans (flash_backward_dq + flash_backward_dkdv
+with and without feature parts, dense and padded loaders, grad_lse, options,
+varlen, sinks), through the emulator's fast build and stores the inputs, the plans
 (kernel names, grids, threadgroups, function constants, params bytes, the
 reason) and the outputs. `check` reruns the same inputs and requires the
 same kernels, launch shapes and constants, the same params bytes over the
@@ -51,6 +53,37 @@ def _cases():
         for impl in ("decode", "decode_split"):
             out.append(("kvcache", f"paged-{impl}-{dt}", (r(2, 4, 1, 64, dt=dt), kc, vc, lens, table, True, None,
                                                              impl), {}))
+    return out + _backward_cases()
+
+
+def _backward_cases():
+    # Equal-dims backward plans (the kernels that take head_dim_v since issue
+    # 20 section 2): 64 (dense loader; float32 in 2 feature parts), 40 (padded
+    # in the 64 bucket), 128 (parts in every dtype), 192 float16 (split-K
+    # parts); out and lse from the CPU forward (unchanged by a Metal change).
+    import flash_metal
+
+    g = torch.Generator().manual_seed(21)
+    r = lambda *s, dt=torch.float32: torch.randn(*s, generator=g).to(dt)  # noqa: E731
+    out = []
+    for dt in (torch.float32, torch.float16, torch.bfloat16):
+        for d, kw in ((64, {}), (40, dict(softcap=3.0)), (128, dict(window_left=9, sinks=True))):
+            q, k, v = r(1, 4, 29, d, dt=dt), r(1, 2, 35, d, dt=dt), r(1, 2, 35, d, dt=dt)
+            kw = dict(kw)
+            if kw.pop("sinks", False):
+                kw["sinks"] = r(4)
+            o, lse = flash_metal.attention_with_lse(q, k, v, True, **kw)
+            glse = r(1, 4, 29) if d == 64 else None
+            out.append(("bwd", f"backward-{d}-{dt}", (r(1, 4, 29, d, dt=dt), q, k, v, o, lse, True, glse), kw))
+        cu = torch.tensor([0, 7, 7, 30], dtype=torch.int32)
+        qv, kv, vv = r(30, 4, 64, dt=dt), r(30, 2, 64, dt=dt), r(30, 2, 64, dt=dt)
+        o, lse = flash_metal.attention_varlen_with_lse(qv, kv, vv, cu, cu, 23, 23, True, window_left=5)
+        out.append(("bwd", f"backward-varlen-{dt}", (r(30, 4, 64, dt=dt), qv, kv, vv, o, lse, True, None),
+                    dict(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=23, max_seqlen_k=23, window_left=5)))
+    q, k, v = r(1, 2, 21, 192, dt=torch.float16), r(1, 2, 19, 192, dt=torch.float16), r(1, 2, 19, 192,
+                                                                                       dt=torch.float16)
+    o, lse = flash_metal.attention_with_lse(q, k, v, False)
+    out.append(("bwd", "backward-192-f16", (r(1, 2, 21, 192, dt=torch.float16), q, k, v, o, lse, False, None), {}))
     return out
 
 
@@ -69,6 +102,14 @@ def _run(backends, kind, args, kw, emulate=True):
                                    max_seqlen_k=mk, **kw)
         if emulate:
             res = backends.emulated_metal_varlen(q, k, v, cq, ck, mq, mk, causal, **kw)
+    elif kind == "bwd":
+        go, q, k, v, o, lse, causal, glse = args
+        plan = flash_metal.explain(q, k, v, causal, None, "auto", backward=True, grad_out=go, out=o, lse=lse,
+                                   grad_lse=glse, **kw)
+        if emulate:
+            grads = backends.emulated_metal_attention_backward(go, q, k, v, o, lse, causal, None, glse, **kw)
+            res = (torch.cat([t.reshape(-1).float() for t in grads[:3]]),
+                   grads[3] if len(grads) > 3 else torch.zeros(1))
     else:
         q, kc, vc, lens, table, causal, scale, impl = args
         plan = flash_metal.explain(q, kc, vc, causal, scale, impl, block_table=table, cache_seqlens=lens)

@@ -1,7 +1,7 @@
 """The composite path (csrc/composite.h): chunked ATen matmuls and softmax, what
 the MPS op runs where no fused Metal kernel serves (head dims above 256, the
-model's verdict in benchmarks/metal_model_d512.py; the backward with
-D_qk != D_v). The same C++ runs here on CPU tensors (impl='composite'),
+model's verdict in benchmarks/metal_model_d512.py; D_qk != D_v within 256
+runs fused, forward and backward). The same C++ runs here on CPU tensors (impl='composite'),
 forward and backward, against the float64 oracle by the 2x rule; explain()
 routes to it and says why; the emulated Metal backend runs it (counted)."""
 import zlib
@@ -131,9 +131,11 @@ def test_explain_routes_to_the_composite_path_and_says_why(dqk, dv, backward, co
         assert "exceed the widest fused bucket (256)" in plan.reason and "metal_model_d512" in plan.reason
 
 
-def test_explain_routes_the_mla_backward_to_the_composite_path():
+def test_explain_plans_the_mla_backward_on_the_fused_kernels():
+    # D_qk != D_v within 256: the fused backward (issue 20 section 2), not the composite path.
     plan = flash_metal.explain(*_views(64, 32), backward=True)
-    assert plan.dispatches == () and "no Metal backward kernel takes a v head dim of its own" in plan.reason
+    assert [d.kernel_name.split("_")[2] for d in plan.dispatches] == ["dq", "dkdv"], plan.reason
+    assert not plan.reason.startswith("composite") and "D_v = 32" in plan.reason
 
 
 def test_explicit_request_and_fused_requests_past_256():

@@ -8,7 +8,8 @@ prefill and training, (576, 512) absorbed-MLA decode) and on small ones
 either way round ((64, 32), (32, 64)), with causal, the window, softcap,
 masks, GQA, varlen and sinks (a few combinations, not a full product); a
 gradcheck; opcheck; the bad-input errors; the Metal planner's refusal; the
-SDPA drop-in and the flash-attn API. Small ragged shapes: a few seconds.
+SDPA drop-in and the flash-attn API; the Metal forward and backward through
+the emulator. Small ragged shapes: a few seconds.
 """
 import re
 import zlib
@@ -230,9 +231,9 @@ def test_bad_backward_shapes_are_named():
 
 @pytest.mark.parametrize("backward", [False, True], ids=["forward", "backward"])
 def test_metal_plan_refuses_different_dims(backward):
-    # The Metal forward takes D_v != D_qk on its fast families (tests below),
-    # never planned with one head dim; the post's kernels refuse it. The
-    # backward, and any D above 256, run the composite path instead
+    # The Metal forward and backward take D_v != D_qk on their fast families
+    # (tests below), never planned with one head dim; the post's kernels
+    # refuse it. Any D above 256 runs the composite path instead
     # (csrc/composite.h, tests/test_composite.py): an empty plan whose reason
     # says why.
     q = torch.randn(1, 4, 16, 192, dtype=torch.float16)
@@ -240,7 +241,9 @@ def test_metal_plan_refuses_different_dims(backward):
     v = torch.randn(1, 2, 16, 128, dtype=torch.float16)
     if backward:
         plan = flash_metal.explain(q, k, v, backward=True)
-        assert plan.dispatches == () and plan.reason.startswith("composite (backward): D_qk = 192 differs")
+        assert [d.kernel_name.split("_float16")[0] for d in plan.dispatches] == ["flash_backward_dq",
+                                                                                "flash_backward_dkdv"]
+        assert "D_qk = 192" in plan.reason and "D_v = 128" in plan.reason, plan.reason
     else:
         assert "D_v = 128" in flash_metal.explain(q, k, v).reason  # planned
         for impl in ("untiled", "tiled"):
@@ -484,3 +487,131 @@ def test_sdpa_drop_in_runs_its_own_value_dim_on_the_metal_kernels(monkeypatch):
     out = flash_metal.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
     assert [d.kernel_name for d, _ in LAST_DISPATCHES][0].startswith("flash_attention_prefill_float16_")
     assert_like_sdpa(out, q, k, v, is_causal=True, enable_gqa=True)
+
+
+# --- The Metal backward with D_v != D_qk, through the emulator -----------------------------
+#
+# flash_backward_dq and flash_backward_dkdv take head_dim_v (issue 20 section
+# 2): Delta, dP = dO.V^T and dV over D_v, S, dQ and dK over D_qk, in the wider
+# dim's bucket (with its feature parts: at 192/128 a part of the 192 bucket
+# holds features past D_v). Against the float64 oracle by the 2x rule, grads
+# poisoned with NaN (backends.py), and the fused kernels proved to have run
+# (not the composite path).
+BWD_PAIRS = [(192, 128), (64, 32), (32, 64), (96, 64)]
+BWD_CASES = [(pair, dtype) for pair in BWD_PAIRS for dtype in METAL_DTYPES]
+
+
+def _assert_fused_backward(plan, dqk, dv, dtype, sinks=False):
+    # The plan is the fused pair (no composite reason), both dims named, fc_dense off;
+    # the emulator ran exactly its dispatches.
+    bucket = _bucket(max(dqk, dv))
+    names = [d.kernel_name for d in plan.dispatches]
+    want = ["flash_backward_dq_", "flash_backward_dkdv_"] + (["flash_sinks_grad"] if sinks else [])
+    assert len(names) == len(want) and all(n.startswith(w) for n, w in zip(names, want)), names
+    assert all(f"{DTYPE_NAMES[dtype]}_d{bucket}_" in n for n in names[:2]), names
+    assert not plan.reason.startswith("composite") and f"D_qk = {dqk}" in plan.reason, plan.reason
+    assert f"D_v = {dv}" in plan.reason, plan.reason
+    assert not any(d.function_constants[DENSE] for d in plan.dispatches[:2])
+    assert [d.kernel_name for d, _ in LAST_DISPATCHES] == names
+
+
+@pytest.mark.parametrize("pair,dtype", BWD_CASES, ids=[f"{a}x{b}-{dtype_id(t)}" for (a, b), t in BWD_CASES])
+def test_metal_backward_own_value_dim(pair, dtype):
+    from backends import emulated_metal_attention_backward
+
+    dqk, dv = pair
+    i = BWD_CASES.index((pair, dtype))
+    g = _gen("metal-backward", pair, dtype_id(dtype))
+    nq, nk = (19, 23) if i % 2 else (23, 17)  # ragged both ways
+    causal = i % 2 == 0
+    options = dict(softcap=4.0) if i % 4 == 1 else dict(window_left=6) if i % 4 == 2 else {}
+    q, k, v = _qkv(1, 4, 2, nq, nk, dqk, dv, dtype, g, ["contiguous", "transposed", "offset_slice"][i % 3])
+    out, lse = flash_metal.attention_with_lse(q, k, v, causal, **options)
+    grad_out = torch.randn(out.shape, generator=g).to(dtype)
+    grad_lse = torch.randn(lse.shape, generator=g) if i % 3 == 0 else None
+    grads = emulated_metal_attention_backward(grad_out, q, k, v, out, lse, causal, None, grad_lse, **options)
+    plan = flash_metal.explain(q, k, v, causal, backward=True, grad_out=grad_out, out=out, lse=lse,
+                               grad_lse=grad_lse, **options)
+    _assert_fused_backward(plan, dqk, dv, dtype)
+    assert [t.shape for t in grads] == [q.shape, k.shape, v.shape]
+    assert not any(torch.isnan(t).any() for t in grads)  # every element written (poisoned with NaN)
+    assert_gradients_close(grads, q, k, v, grad_out, causal, None, grad_lse, **options)
+
+
+def test_metal_backward_own_value_dim_varlen_and_sinks():
+    # One varlen call (no-query and no-key sequences, a window) and one with
+    # sinks (grad_sinks from Delta, whose rowsum(dO * O) runs over D_v).
+    from backends import emulated_metal_attention_backward
+    from test_sinks import assert_sinks_grad_close
+
+    g = _gen("metal-backward-varlen")
+    lq, lk = [5, 0, 19, 3], [9, 4, 22, 0]
+    cu_q = torch.tensor([0] + torch.tensor(lq).cumsum(0).tolist(), dtype=torch.int32)
+    cu_k = torch.tensor([0] + torch.tensor(lk).cumsum(0).tolist(), dtype=torch.int32)
+    q = torch.randn(sum(lq), 4, 192, generator=g).half()
+    k = torch.randn(sum(lk), 2, 192, generator=g).half()
+    v = torch.randn(sum(lk), 2, 128, generator=g).half()
+    lens = dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max(lq), max_seqlen_k=max(lk))
+    out, lse = flash_metal.attention_varlen_with_lse(q, k, v, cu_q, cu_k, max(lq), max(lk), True, window_left=7)
+    grad_out = torch.randn(out.shape, generator=g).half()
+    grads = emulated_metal_attention_backward(grad_out, q, k, v, out, lse, True, None, None, window_left=7, **lens)
+    plan = flash_metal.explain(q, k, v, True, backward=True, grad_out=grad_out, out=out, lse=lse, window_left=7,
+                               **lens)
+    _assert_fused_backward(plan, 192, 128, torch.float16)
+    assert plan.dispatches[0].function_constants[9]  # fc_varlen
+    assert [t.shape for t in grads] == [q.shape, k.shape, v.shape] and not any(t.isnan().any() for t in grads)
+    assert_varlen_gradients_close(grads, q, k, v, grad_out, cu_q, cu_k, True, None, None, window_left=7)
+
+    q, k, v = _qkv(2, 4, 2, 13, 21, 64, 32, torch.float32, g)
+    sinks = torch.randn(4, generator=g) * 1.5 + 0.5
+    out, lse = flash_metal.attention_with_lse(q, k, v, True, sinks=sinks)
+    grad_out, grad_lse = torch.randn(out.shape, generator=g), torch.randn(lse.shape, generator=g)
+    grads = emulated_metal_attention_backward(grad_out, q, k, v, out, lse, True, None, grad_lse, sinks=sinks)
+    plan = flash_metal.explain(q, k, v, True, backward=True, grad_out=grad_out, out=out, lse=lse, grad_lse=grad_lse,
+                               sinks=sinks)
+    _assert_fused_backward(plan, 64, 32, torch.float32, sinks=True)
+    assert not any(t.isnan().any() for t in grads)
+    assert_gradients_close(grads[:3], q, k, v, grad_out, True, None, grad_lse, sinks=sinks)
+    assert_sinks_grad_close(grads[3], q, k, v, sinks, grad_out, grad_lse, True, {})
+
+
+# Small ragged shapes through the sanitizing build (bounds, races, barriers in
+# the parts past a dim): D_v below and above D_qk, the 192 bucket's parts.
+BWD_SANITIZED = [((64, 32), torch.float16), ((32, 64), torch.float32), ((192, 128), torch.bfloat16)]
+
+
+@pytest.mark.parametrize("pair,dtype", BWD_SANITIZED, ids=[f"{a}x{b}-{dtype_id(t)}" for (a, b), t in BWD_SANITIZED])
+def test_metal_backward_own_value_dim_sanitized(pair, dtype):
+    from backends import emulated_metal_attention_backward
+
+    dqk, dv = pair
+    g = _gen("metal-backward-sanitized", pair)
+    q, k, v = _qkv(1, 2, 1, 11, 13, dqk, dv, dtype, g, "storage_end")  # v ends where its storage ends
+    out, lse = flash_metal.attention_with_lse(q, k, v, True)
+    grad_out = lay_out(torch.randn(out.shape, generator=g).to(dtype), "storage_end")
+    grads = emulated_metal_attention_backward(grad_out, q, k, v, out, lse, True, instrumented=True)
+    assert [d.kernel_name for d, _ in LAST_DISPATCHES][0].startswith("flash_backward_dq_")
+    assert not any(t.isnan().any() for t in grads)
+    assert_gradients_close(grads, q, k, v, grad_out, True)
+
+
+def test_metal_backward_own_value_dim_is_the_padded_problem_bit_for_bit():
+    # grad_q and grad_k depend on v and dO only through dP = dO.V^T, which
+    # zero columns leave unchanged; grad_v's first D_v columns are P^T.dO's.
+    # So D_v = 32 must give, bit for bit, the equal-dims run (D = 64) on v,
+    # out and grad_out zero-padded to 64 (strided, so its fc_dense is off too):
+    # the same products in the same order, the padding's skipped.
+    from backends import emulated_metal_attention_backward
+
+    g = _gen("metal-backward-padded")
+    dqk, dv = 64, 32
+    q, k, v = _qkv(1, 4, 2, 21, 19, dqk, dv, torch.float16, g)
+    out, lse = flash_metal.attention_with_lse(q, k, v, True)
+    grad_out = torch.randn(out.shape, generator=g).half()
+    pad = lambda t: lay_out(torch.cat([t, torch.zeros(t.shape[:-1] + (dqk - dv,), dtype=t.dtype)], -1),  # noqa: E731
+                            "every_other")
+    got = emulated_metal_attention_backward(grad_out, q, k, v, out, lse, True)
+    ref = emulated_metal_attention_backward(pad(grad_out), q, k, pad(v), pad(out), lse, True)
+    assert LAST_DISPATCHES[0][0].kernel_name.startswith("flash_backward_dq_float16_d64")
+    assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1]) and torch.equal(got[2], ref[2][..., :dv])
+    assert torch.equal(ref[2][..., dv:], torch.zeros_like(ref[2][..., dv:]))

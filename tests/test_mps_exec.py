@@ -281,7 +281,8 @@ def test_host_runs_a_value_head_dim_of_its_own(host, emu, impl):
     # MLA-style D_v != D_qk (issue 20 section 2) through the real .mm: out
     # allocated (B, Hq, Nq, D_v), the params block carrying head_dim_v (its
     # bytes as the plan's), the split decode's partials D_v wide; replayed, vs
-    # the float64 oracle. The backward runs the composite path (below).
+    # the float64 oracle; then (auto) the backward, the fused dQ and dK/dV
+    # kernels at D_v (grad_v allocated D_v wide), replayed, vs the oracle.
     g = torch.Generator().manual_seed(29)
     nq = 3 if impl == "decode_split" else 19
     q = torch.randn(1, 4, nq, 64, generator=g).half()
@@ -297,16 +298,17 @@ def test_host_runs_a_value_head_dim_of_its_own(host, emu, impl):
     params = [e["hex"] for e in rec["events"] if e["op"] == "setBytes"]
     assert params == [bytes(d.params.tolist()).hex() for d in plan.dispatches]
     assert params[0][-16:] == struct.pack("<2i", 32, 0).hex()  # head_dim_v, reserved: the block's last 8 bytes
-    qm, km, vm = (host.to_mps(t) for t in (q, k, v))
-    o = host.to_mps(torch.randn(1, 4, nq, 32, generator=g).half())  # out and grad_out have D_v
-    # The backward goes to the composite path (csrc/composite.h): PyTorch's
-    # own ops, which this fake MPS device cannot run ("Could not run
-    # 'aten::..." from the 'MPS' backend); no kernel of ours is encoded.
-    host.take_recording()
-    with pytest.raises(NotImplementedError, match=r"Could not run 'aten::\w+' with arguments from the 'MPS' backend"):
-        torch.ops.flash_metal.attention_backward(o, qm, km, vm, o, host.to_mps(torch.zeros(1, 4, nq)), True)
-    rec = host.take_recording()
-    assert not [e for e in rec["events"] if e["op"] == "setComputePipelineState"]
+    if impl != "auto":
+        return
+    grad_out = torch.randn(out.shape, generator=g).half()  # out and grad_out have D_v
+    grads, rec = host.backward(grad_out, q, k, v, out, lse, True, None, None, emu)
+    assert rec["errors"] == [] and [t.shape for t in grads] == [q.shape, k.shape, v.shape]
+    assert_gradients_close(grads, q, k, v, grad_out, True, None, None)
+    plan = flash_metal.explain(q, k, v, True, backward=True)
+    kernels = [e["kernel"] for e in rec["events"] if e["op"] == "setComputePipelineState"]
+    assert kernels == [d.kernel_name for d in plan.dispatches] and kernels[0].startswith("flash_backward_dq_")
+    params = [e["hex"] for e in rec["events"] if e["op"] == "setBytes"]
+    assert params[0][-16:] == struct.pack("<2i", 32, 0).hex()  # the backward's params carry head_dim_v too
 
 
 def test_host_refuses_tensor_ops_where_the_process_cannot_run_them(host):
