@@ -7,8 +7,8 @@ flash_attn.flash_attn_interface: bottom-right causal, window_size =
 (left, right) with -1 unbounded, softcap, GQA, return_attn_probs giving the
 log-sum-exp. v (and v_cache) may have a head dim of its own, D_v, as in
 flash-attn 3 (hdim_v; MLA's 192/128 and 576/512): out then has D_v (CPU
-tensors; on Metal the forward only, both dims at most 256). Paged KV caches (block_table, any page
-size), cache_batch_idx and cache_leftpad work as in flash-attn; `sinks`
+and Metal, forward and backward; on Metal, dims above 256 run the composite
+path). Paged KV caches (block_table, any page size), cache_batch_idx and cache_leftpad work as in flash-attn; `sinks`
 (gpt-oss's attention sinks, the s_aux / learnable_sink of vLLM's and
 flash-attn 4's kernels) is a flash_metal extension on all three functions.
 What flash_metal does not implement raises a ValueError naming

@@ -32,8 +32,9 @@ def attention_with_lse(
     multiple of Hkv (grouped-query and multi-query attention). v may have a
     head dim of its own, D_v (MLA: DeepSeek's 192/128, absorbed 576/512; as
     torch's SDPA allows): out then has D_v. D up to 576 and D_v up to 512 on
-    CPU; on Metal both at most 256, and D_v != D in the forward only (the
-    backward raises NotImplementedError). Any strides
+    CPU; on Metal the fused kernels take both up to 256, forward and
+    backward, D_v != D included, and wider ones run the composite path
+    (chunked matrix products; explain() says which). Any strides
     (e.g. ``x.transpose(1, 2)`` of a (B, N, H, D) tensor, or a slice of a KV
     cache) are read in place. float32, float16 or bfloat16; float32
     accumulation. B, Nq or Nk may be 0 (as in SDPA: Nk = 0 gives zeros).

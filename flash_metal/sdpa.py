@@ -27,8 +27,9 @@ _TORCH_SDPA = torch.nn.functional.scaled_dot_product_attention
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # Head dims flash_metal serves, per device: csrc/checks.h kMaxHeadDim (q/k)
 # and kMaxHeadDimV (v) on CPU; the Metal kernels' largest bucket for either
-# (csrc/metal_routing.cpp refuses the rest). On Metal v's head dim may differ
-# from q's in the forward only (the backward kernels take one head dim).
+# (wider ones would run flash_metal's composite path, not its kernels: PyTorch
+# keeps them here). v's head dim may differ from q's on both, forward and
+# backward (the Metal backward kernels take D_v of their own).
 _MAX_HEAD_DIM = {"cpu": 576, "mps": 256}
 _MAX_HEAD_DIM_V = {"cpu": 512, "mps": 256}
 
@@ -68,9 +69,6 @@ def sdpa_route(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False
     if key.shape[-1] != E or value.shape[-2] != S:
         return torch_("key's feature size differs from query's, or value's length from key's (PyTorch raises)")
     dev = query.device.type
-    if Ev != E and dev != "cpu" and torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
-        return torch_(f"value's head dim {Ev} differs from query's {E} and a tensor requires grad (flash_metal on "
-                      f"{dev}: the forward takes it, the backward not yet)")
     if not 1 <= E <= _MAX_HEAD_DIM[dev]:
         return torch_(f"head dim {E} (flash_metal on {dev}: 1 to {_MAX_HEAD_DIM[dev]})")
     if not 1 <= Ev <= _MAX_HEAD_DIM_V[dev]:
