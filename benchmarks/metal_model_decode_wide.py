@@ -81,7 +81,7 @@ def fused_counts(d, b, hq, hkv, nq, nk, dqk, dv, elem):
     tgs = grid[0] * grid[1] * grid[2]
     kg, rgl = tg[1], tg[2]
     out = {"threadgroups": tgs, "threads": tgs * tg[0] * tg[1] * tg[2], "exp2_calls": 0,
-           "threadgroup_barriers": 0, "simdgroup_mmas": 0}
+           "threadgroup_barriers": 0, "simdgroup_mmas": 0, "threadgroup_bytes_read": 0, "threadgroup_bytes_written": 0}
     rows = b * hq * nq
     if d.kernel_name.startswith("flash_decode_merge_"):
         return out  # filled by records() (it needs the split count)
@@ -98,7 +98,7 @@ def fused_counts(d, b, hq, hkv, nq, nk, dqk, dv, elem):
 
 
 def records(b, hq, hkv, nq, nk, dqk, dv, dtype, chip):
-    """The planner's plan on `chip` as metal_model Records with fused_counts."""
+    """The planner's plan on `chip` as metal_model Records with fused_counts, and the plan."""
     elem = torch.empty((), dtype=dtype).element_size()
     p = plan(b, hq, hkv, nq, nk, dqk, dv, dtype, G.BY_NAME[chip].key)
     rows = b * hq * nq
@@ -114,17 +114,25 @@ def records(b, hq, hkv, nq, nk, dqk, dv, dtype, chip):
             c.update(write_partial_out=rows * splits * dv * 4, write_partial_stats=rows * splits * 2 * 4)
         else:
             c.update(write_out=rows * dv * elem, write_lse=rows * 4)
-        recs.append(M.Record(d.kernel_name, d.grid, d.threadgroup, d.threadgroup_memory, c, True, ("auto", False)))
-    return recs
+        recs.append(M.Record(d.kernel_name, d.grid, d.threadgroup, d.threadgroup_memory, c, True, None))
+    return recs, p
 
 
 def fused_seconds(b, hq, hkv, nq, nk, dqk, dv, dtype, chip):
     """(low, point, high) seconds and the point's largest term."""
     s = M.Shape(b, hq, hkv, nq, nk, dqk)
-    recs = records(b, hq, hkv, nq, nk, dqk, dv, dtype, chip)
+    recs, p = records(b, hq, hkv, nq, nk, dqk, dv, dtype, chip)
     gpu = G.BY_NAME[chip]
-    terms = T.predict(recs, gpu, s, dtype, False)[1]
-    return T.predict_band(recs, gpu, s, dtype, False), max(terms, key=terms.get)
+    # The planner's residency for this very plan (metal_model_timing re-plans from the Shape, which has one
+    # head dim: D_v = 576 is no valid problem).
+    saved = T.planner_residency
+    T.planner_residency = lambda r, i, *_: (p.dispatches[i].threadgroups_per_core, p.dispatches[i].occupancy_limit)
+    try:
+        terms = T.predict(recs, gpu, s, dtype, False)[1]
+        band = T.predict_band(recs, gpu, s, dtype, False)
+    finally:
+        T.planner_residency = saved
+    return band, max(terms, key=terms.get)
 
 
 def _kernels_seconds(kernels, gpu):

@@ -141,6 +141,7 @@ std::vector<MetalLaunch> all_metal_launches() {
     for (const auto& [d, dv] : {std::pair<int64_t, int64_t>{512, 512}, {576, 576}, {576, 512}}) {
       for (const Shape& shape : shapes) {
         if (shape.request != KernelRequest::Decode && shape.request != KernelRequest::DecodeSplit) continue;
+        if (shape.q_heads * shape.q_len > 16) continue;  // composite past 16 rows per kv head (kWideDecodeMaxRows)
         for (bool paged : {false, true}) {
           AttentionProblem p;
           p.batch = p.kv_heads = 1;
