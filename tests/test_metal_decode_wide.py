@@ -1,14 +1,14 @@
 """The fused decode at head dims above 256 (issue 20 sections 2/3): Gemma's
 D = 512 and absorbed MLA's (D_qk, D_v) = (576, 512).
 
-Decode (Nq <= 8) with dims in (256, 576] runs the decode kernels in the
-decode-only buckets 512 and 576 (shaders/attention.metal, csrc/metal_plan.h
+Decode (Nq <= 8, at most 16 query rows per kv head) with dims in (256, 576]
+runs the decode kernels in the decode-only buckets 512 and 576 (shaders/attention.metal, csrc/metal_plan.h
 kDecodeHeadDimBuckets); prefill and backward above 256 stay on the composite
 path. The model's verdict that puts the fused decode ahead is
 tests/test_metal_model_decode_wide.py. Here: the routing and explain()
 text, and results through the emulator against the float64 oracle by the 2x
 rule (tests/numerics.py) in all three dtypes, one pass and split, GQA with one
-KV head for many query heads (row chunks), causal with 2-4 query rows, the
+KV head for 16 query heads (row chunks), causal with 2-4 query rows, the
 paged kvcache op with shuffled pages, and MLA's latent view (k the whole
 576-wide cache, v its first 512 features: same buffer, row stride 576).
 Outputs are poisoned with NaN (tests/backends.py) and each run proves the
@@ -62,18 +62,21 @@ def _explain(nq, nk, dqk, dv, dtype=torch.float16, hq=16, hkv=1, impl="auto", ba
 def test_routing_decode_fused_prefill_and_backward_composite():
     for dqk, dv in ((257, 257), (512, 512), (513, 513), (576, 512), (576, 576), (300, 200)):
         want = bucket(dqk, dv)
-        for nq in (1, 8):
-            plan = _explain(nq, 200, dqk, dv)
+        for nq, hq in ((1, 16), (8, 2)):  # 16 query rows per kv head: the most the wide decode takes
+            plan = _explain(nq, 200, dqk, dv, hq=hq)
             assert plan.dispatches and all(d.kernel_name.endswith(f"_d{want}") for d in plan.dispatches), plan
             assert plan.dispatches[0].kernel_name.startswith("flash_decode")
             assert f"in the decode-only bucket {want}" in plan.reason and "composite path" in plan.reason
             assert "faster than the composite path" in plan.reason, plan.reason
         # A long context on the base chip splits (two dispatches: split pass and merge).
-        assert [d.kernel_name.split("_d")[0] for d in _explain(1, 32768, dqk, dv).dispatches] == \
+        assert [d.kernel_name.rsplit("_d", 1)[0] for d in _explain(1, 32768, dqk, dv).dispatches] == \
             ["flash_decode_split_float16", "flash_decode_merge_float16"]
-        # Prefill (Nq > 8) and the backward stay composite; a forced prefill is refused.
-        for plan in (_explain(9, 200, dqk, dv), _explain(1, 200, dqk, dv, backward=True)):
+        # Prefill (Nq > 8), the backward and more than 16 rows per kv head (MLA's 128 heads: the model puts
+        # the composite path ahead there) stay composite; a forced prefill is refused.
+        for plan in (_explain(9, 200, dqk, dv), _explain(1, 200, dqk, dv, backward=True),
+                     _explain(1, 200, dqk, dv, hq=32), _explain(2, 200, dqk, dv, hq=16)):
             assert plan.dispatches == () and plan.reason.startswith("composite"), plan.reason
+        assert "at most 16 query rows per kv head" in _explain(1, 200, dqk, dv, hq=128).reason
         with pytest.raises(NotImplementedError, match="decode kernels, Nq <= 8, take up to"):
             _explain(9, 200, dqk, dv, impl="prefill")
     # MLA's pair at one token: never dense (D != D_v), strided loads; Gemma's 512: dense vector loads.
@@ -90,7 +93,7 @@ def test_head_dims_above_576_are_refused_with_the_limit():
         flash_metal.explain(torch.empty(1, 4, 1, 576), torch.empty(1, 1, 1, 576), v, False)
 
 
-# (B, Hq, Hkv, nq, nk, impl, causal): one token, many q heads on one KV head (16 rows: 2 row chunks), one pass;
+# (B, Hq, Hkv, nq, nk, impl, causal): one token, 16 q heads on one KV head (2 row chunks), one pass;
 # Gemma-like GQA 2:1 split; a speculative 3 causal split; 2 causal rows one pass.
 CASES = ((1, 16, 1, 1, 150, "decode", False), (2, 4, 2, 1, 290, "decode_split", False),
          (1, 4, 1, 3, 260, "decode_split", True), (1, 2, 1, 2, 70, "decode", True))
@@ -111,10 +114,10 @@ def test_decode_matches_float64(dtype, dims, case):
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
 def test_mla_latent_view(dtype):
-    # k = the 576-wide latent cache, v = its first 512 features (a view, row stride 576), 32 query heads
-    # on the one latent head (4 row chunks), auto routing.
+    # k = the 576-wide latent cache, v = its first 512 features (a view, row stride 576), 16 query heads
+    # on the one latent head (2 row chunks), auto routing.
     g = torch.Generator().manual_seed(7)
-    q, k, v = _inputs(1, 32, 1, 1, 120, 576, 512, dtype, g, latent=True)
+    q, k, v = _inputs(1, 16, 1, 1, 120, 576, 512, dtype, g, latent=True)
     assert v.data_ptr() == k.data_ptr() and v.stride(2) == 576
     out, lse = emulated_metal_attention(q, k, v)
     assert_attention_close(out, lse, q, k, v)
