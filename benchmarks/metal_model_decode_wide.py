@@ -73,8 +73,15 @@ def _views(b, hq, hkv, nq, nk, dqk, dv, dtype):
             one[..., :dv].expand(b, hkv, nk, dv))
 
 
+# Query rows per kv head impl='auto' sends to the wide decode (csrc/metal_routing.cpp kWideDecodeMaxRows).
+ROUTED_ROWS = 16
+
+
 def plan(b, hq, hkv, nq, nk, dqk, dv, dtype, chip="base"):
-    return flash_metal.explain(*_views(b, hq, hkv, nq, nk, dqk, dv, dtype), False, None, "auto", chip)
+    """The planner's fused plan: impl='auto' where it routes the wide decode; past ROUTED_ROWS rows per kv
+    head (the composite path's) the plan a forced impl='decode' runs (one pass: row chunks fill the grid)."""
+    impl = "auto" if hq // hkv * nq <= ROUTED_ROWS else "decode"
+    return flash_metal.explain(*_views(b, hq, hkv, nq, nk, dqk, dv, dtype), False, None, impl, chip)
 
 
 def fused_counts(d, b, hq, hkv, nq, nk, dqk, dv, elem):

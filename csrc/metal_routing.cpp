@@ -375,8 +375,9 @@ bool kvcache_reads_table(const AttentionProblem& p, KernelRequest requested, std
 // rows; the model (benchmarks/metal_model_decode_wide.py) puts it at least
 // 2.4x ahead of the composite path at 16 rows (MLA with 16 query heads,
 // Gemma-like with 8 rows) and behind it at 128 (MLA with 128 heads): past
-// 16 the composite path runs (a decode kernel sharing K/V fragments across
-// rows, on simdgroup matrices, is what MLA's 128 heads need: not built).
+// 16 impl='auto' runs the composite path (a decode kernel sharing K/V
+// fragments across rows, on simdgroup matrices, is what MLA's 128 heads
+// need: not built); impl='decode' / 'decode_split' still take them.
 constexpr int64_t kWideDecodeMaxRows = 16;
 
 bool decode_takes_wide_dims(const AttentionProblem& p, KernelRequest requested, MetalPass pass) {
@@ -386,7 +387,8 @@ bool decode_takes_wide_dims(const AttentionProblem& p, KernelRequest requested, 
                               requested == KernelRequest::DecodeSplit;
   const int64_t widest = kDecodeHeadDimBuckets.back();
   return pass == MetalPass::Forward && decode_request && !p.varlen && p.q_len <= kMaxDecodeRows &&
-         p.gqa_ratio() * p.q_len <= kWideDecodeMaxRows && p.head_dim <= widest && p.head_dim_v <= widest;
+         (requested != KernelRequest::Auto || p.gqa_ratio() * p.q_len <= kWideDecodeMaxRows) &&
+         p.head_dim <= widest && p.head_dim_v <= widest;
 }
 
 // The least speedup the model predicts for the fused wide decode over the
@@ -432,14 +434,14 @@ KernelChoice choose_metal_kernel(const AttentionProblem& p, KernelRequest reques
   TORCH_CHECK_NOT_IMPLEMENTED(wide_decode || p.head_dim <= kFastHeadDimBuckets.back(), "flash_metal: head_dim ",
                               p.head_dim, " on Metal kernels: not yet (at most ", kFastHeadDimBuckets.back(), ", ",
                               pass_name, "; the decode kernels, Nq <= ", kMaxDecodeRows, ", take up to ",
-                              kDecodeHeadDimBuckets.back(), " with at most ", kWideDecodeMaxRows,
-                              " query rows per kv head); run on CPU tensors, which take head dims up to ",
+                              kDecodeHeadDimBuckets.back(), " (impl='auto': at most ", kWideDecodeMaxRows,
+                              " query rows per kv head)); run on CPU tensors, which take head dims up to ",
                               kMaxHeadDim);
   TORCH_CHECK_NOT_IMPLEMENTED(wide_decode || p.head_dim_v <= kFastHeadDimBuckets.back(),
                               "flash_metal: v's head dim D_v = ", p.head_dim_v, " on Metal kernels: not yet (at most ",
                               kFastHeadDimBuckets.back(), ", ", pass_name, "; the decode kernels, Nq <= ",
-                              kMaxDecodeRows, ", take up to ", kMaxHeadDimV, " with at most ", kWideDecodeMaxRows,
-                              " query rows per kv head); run on CPU tensors, which take "
+                              kMaxDecodeRows, ", take up to ", kMaxHeadDimV, " (impl='auto': at most ", kWideDecodeMaxRows,
+                              " query rows per kv head)); run on CPU tensors, which take "
                               "D_v up to ", kMaxHeadDimV);
   if (pass == MetalPass::Backward) return choose_backward(p, requested);
   // The bucket every tile fits: the wider of the two dims (== head_dim unless MLA-style).

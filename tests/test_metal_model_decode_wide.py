@@ -52,8 +52,8 @@ def test_fused_decode_is_predicted_ahead_where_it_is_routed():
     # ahead on some chip at every context: those stay composite (kWideDecodeMaxRows).
     rows = W.table()
     assert len(rows) == len(W.MODELS) * len(W.QUERY_ROWS) * len(W.CONTEXTS) * len(W.DTYPES) * len(W.CHIPS)
-    routed = [r for r in rows if r[2] // r[3] * r[6] <= 16]
-    kept = [r for r in rows if r[2] // r[3] * r[6] > 16]
+    routed = [r for r in rows if r[2] // r[3] * r[6] <= W.ROUTED_ROWS]
+    kept = [r for r in rows if r[2] // r[3] * r[6] > W.ROUTED_ROWS]
     assert routed and kept
     for row in routed:
         (lo, pt, hi), composite = row[10], row[13]
