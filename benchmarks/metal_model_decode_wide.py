@@ -35,7 +35,7 @@ query rows per kv head (gqa_ratio * Nq) the fused decode's slow end beats
 the composite path at every context, chip and dtype, by 2.4x to 6x at the
 point; at 128 rows (MLA's 128 heads, or 16 heads x 8 rows) each row's
 SIMD-group pulls every K/V row through L1 and the composite path is ahead
-(0.45-1.3x): the planner routes the fused decode up to 16 rows only
+(0.3-1.1x): the planner routes the fused decode up to 16 rows only
 (csrc/metal_routing.cpp kWideDecodeMaxRows). Against the generous unfused
 plan (which nothing here runs: it reads 16-bit K/V straight into its
 matmuls) the fused decode is at parity at 2 rows per kv head (memory-bound,
