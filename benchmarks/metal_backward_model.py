@@ -87,10 +87,10 @@ def scaled_counts(s: Shape, dtype, causal, base_ns=M.BASE_NS):
     return records
 
 
-def counts_for(s: Shape, dtype, causal):
+def counts_for(s: Shape, dtype, causal, base_ns=M.BASE_NS):
     if s.b * s.hq * s.nq * s.nk <= M.MAX_EMULATED_PAIRS:
         return emulate(s, dtype, causal)
-    return scaled_counts(s, dtype, causal)
+    return scaled_counts(s, dtype, causal, base_ns)
 
 
 def _blocks(kernel):

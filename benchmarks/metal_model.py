@@ -222,10 +222,10 @@ def scaled_counts(impl, s: Shape, dtype, causal, base_ns=BASE_NS):
     return records
 
 
-def counts_for(impl, s: Shape, dtype, causal):
+def counts_for(impl, s: Shape, dtype, causal, base_ns=BASE_NS):
     if s.b * s.hq * s.nq * s.nk <= MAX_EMULATED_PAIRS or impl.startswith("decode"):
         return emulate(impl, s, dtype, causal)
-    return scaled_counts(impl, s, dtype, causal)
+    return scaled_counts(impl, s, dtype, causal, base_ns)
 
 
 # ---------------------------------------------------------------- I/O model
