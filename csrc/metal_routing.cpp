@@ -361,20 +361,40 @@ bool tensor_ops_route(const AttentionProblem& p, const GpuSpec& gpu, std::string
   return false;
 }
 
+// The paged prefill's K/V tiles (shaders/attention_prefill.h, fc_paged):
+// inside one page, or row by row through the table. The sentence explain() prints.
+std::string prefill_pages_note(const AttentionProblem& p, uint32_t block_k) {
+  const std::string bk = std::to_string(block_k);
+  const std::string reads = "; each (query block, query head) threadgroup reads every key of its sequence it can "
+                            "see once, K and V, only from the pages in use";
+  if (p.kv_len <= p.page_size) {
+    return "; one page per sequence (the table's capacity, " + std::to_string(p.kv_len) + " keys, is one page): "
+           "every " + bk + "-key tile lies in it and loads from its base, one table read per key block" + reads;
+  }
+  if (p.page_size % block_k == 0) {
+    return "; pages of " + std::to_string(p.page_size) + " keys, a multiple of the " + bk + "-key block: every "
+           "tile lies in one page and loads from its base (the dense loader where it applies), one table read per "
+           "key block" + reads;
+  }
+  return "; pages of " + std::to_string(p.page_size) + " keys, not a multiple of the " + bk + "-key block: tiles "
+         "may cross pages, so each row is found through the table (the general per-element loader, a table read "
+         "per page a thread enters; page sizes that are a multiple of " + bk + " load whole tiles)" + reads;
+}
+
 }  // namespace
 
 bool kvcache_reads_table(const AttentionProblem& p, KernelRequest requested, std::string* why) {
   const bool decode_request = requested == KernelRequest::Decode || requested == KernelRequest::DecodeSplit;
   TORCH_CHECK_VALUE(requested == KernelRequest::Auto || requested == KernelRequest::Prefill || decode_request,
-                    "flash_metal.attention_kvcache: impl must be 'auto', 'decode', 'decode_split' (the decode "
-                    "kernels read the block table) or 'prefill' (the gather path); got '", request_name(requested),
+                    "flash_metal.attention_kvcache: impl must be 'auto', 'decode', 'decode_split' or 'prefill' "
+                    "(each reads the block table); got '", request_name(requested),
                     "'");
   TORCH_CHECK_VALUE(!decode_request || p.q_len <= kMaxDecodeRows, "flash_metal.attention_kvcache: impl='",
                     request_name(requested), "' serves at most ", kMaxDecodeRows, " query rows; got ", p.q_len,
                     " (use impl='auto' or 'prefill')");
   const std::string pages = std::to_string(p.page_size) + "-key pages";
   const int64_t widest = kFastHeadDimBuckets.back();
-  if (requested == KernelRequest::Auto && (p.head_dim > widest || p.head_dim_v > widest)) {
+  if (!decode_request && (p.head_dim > widest || p.head_dim_v > widest)) {
     *why = "paged KV cache, gather path (head dims " + std::to_string(p.head_dim) + " / " +
            std::to_string(p.head_dim_v) + " exceed the decode kernels' widest bucket, " + std::to_string(widest) +
            "): each sequence's rows in use, through the table of " + pages + ", copied into packed K/V buffers, "
@@ -382,14 +402,13 @@ bool kvcache_reads_table(const AttentionProblem& p, KernelRequest requested, std
     return false;
   }
   if (requested == KernelRequest::Prefill || p.q_len > kMaxDecodeRows) {
-    *why = "paged KV cache, gather path (" +
+    *why = "paged KV cache: the prefill kernel reads K/V through the block table (" +
            (requested == KernelRequest::Prefill ? std::string("impl='prefill'")
                                                 : "Nq = " + std::to_string(p.q_len) + " > " +
-                                                      std::to_string(kMaxDecodeRows) +
-                                                      ": only the decode kernels read the block table") +
-           "): each sequence's rows in use, through the table of " + pages +
-           ", copied into packed K/V buffers (nothing past cache_seqlens read), then the varlen plan: ";
-    return false;
+                                                      std::to_string(kMaxDecodeRows)) +
+           "; " + pages + ", fc_paged; each sequence's own key count from cache_seqlens, causal and window aligned "
+           "to it; nothing copied): ";
+    return true;
   }
   *why = "paged KV cache: the decode kernels read K/V through the block table (" + pages +
          ", fc_paged; each sequence's own key count from cache_seqlens; nothing copied): ";
@@ -458,9 +477,10 @@ KernelChoice choose_metal_kernel(const AttentionProblem& p, KernelRequest reques
                               request_name(c.kind), "' (the post's kernel takes one head dim); use impl='auto', "
                               "'prefill' or (Nq <= 8) 'decode'");
   const bool decode_family = c.kind == KernelRequest::Decode || c.kind == KernelRequest::DecodeSplit;
-  TORCH_CHECK(!p.paged || (decode_family && p.q_len <= kMaxDecodeRows && !p.varlen), kOp,
-              ": internal error: a paged KV cache plans only the decode kernels (kvcache_reads_table sends the rest "
-              "to the gather path)");
+  TORCH_CHECK(!p.paged || (!p.varlen && (c.kind == KernelRequest::Prefill ||
+                                          (decode_family && p.q_len <= kMaxDecodeRows))), kOp,
+              ": internal error: a paged KV cache plans only the decode and prefill kernels (kvcache_reads_table "
+              "sends the rest to the gather path)");
   TORCH_CHECK_VALUE(!decode_family || !p.varlen, kOp, ": impl='", request_name(c.kind),
                     "' does not take packed variable-length sequences; use impl='auto' or 'prefill'");
   TORCH_CHECK_VALUE(!decode_family || p.q_len <= kMaxDecodeRows, kOp, ": impl='", request_name(c.kind),
@@ -548,6 +568,7 @@ KernelChoice choose_metal_kernel(const AttentionProblem& p, KernelRequest reques
                                         " of threadgroup memory, no extra barrier and no matrix product "
                                         "repeated; each runs the rows' softmax)"
                                   : "");
+      if (p.paged) c.reason += prefill_pages_note(p, c.block_k);
       break;
     }
     case KernelRequest::Decode:
