@@ -22,7 +22,7 @@ import torch
 
 import flash_metal
 from numerics import assert_attention_close
-from backends import LAST_DISPATCHES, emulated_metal_attention, emulated_metal_kvcache
+from backends import LAST_DISPATCHES, _run_plan, emulated_metal_attention, emulated_metal_kvcache
 from test_metal_decode_paged import POISON, SEQLENS, TABLE, check_against_oracle, make_paged_cache
 
 PAGED = 12  # fc_paged (csrc/metal_plan.h, kPagedFunctionConstant)
@@ -198,7 +198,18 @@ def test_poisoned_entry_in_use_trips_the_bounds_checker():
     k_cache, v_cache, table, _, _ = make_paged_cache(2, 1, 32, torch.float32, page, seqlens, g)
     q = torch.randn(2, 2, 12, 32, generator=g)
     lengths = torch.tensor(seqlens, dtype=torch.int32)
-    emulated_metal_kvcache(q, k_cache, v_cache, lengths, table, True, instrumented=True)
+    plan = _plan(q, k_cache, v_cache, lengths, table, True)  # planned with the good table (the CPU op checks entries)
+
+    def run(t):
+        out = torch.full((2, 2, 12, 32), float("nan"))
+        lse = torch.full((2, 2, 12), float("nan"))
+        tensors = {"q": q, "k": k_cache, "v": v_cache, "out": out, "lse": lse, "attn_mask": q, "cu_seqlens_q": q,
+                   "cu_seqlens_k": q, "sinks": q, "block_table": t, "cache_seqlens": lengths}
+        _run_plan(plan, tensors, True, False)
+        return out
+
+    assert not run(table).isnan().any()
+    _assert_paged_prefill_ran(plan.reason)
     table[1, 2] = POISON  # sequence 1's third page (keys 16..19)
     with pytest.raises(EmulatorError, match="(?i)out.of.bounds|bounds"):
-        emulated_metal_kvcache(q, k_cache, v_cache, lengths, table, True, instrumented=True)
+        run(table)
