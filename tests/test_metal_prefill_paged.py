@@ -213,3 +213,26 @@ def test_poisoned_entry_in_use_trips_the_bounds_checker():
     table[1, 2] = POISON  # sequence 1's third page (keys 16..19)
     with pytest.raises(EmulatorError, match="(?i)out.of.bounds|bounds"):
         run(table)
+
+
+def test_paged_prefill_own_value_dim():
+    # MLA-style D_v != D_qk (issue 20 section 2): k_cache 64 wide, v_cache 32,
+    # one table for both; 5-key pages (row by row). Against the oracle, and
+    # bit for bit against the contiguous prefill.
+    from test_head_dims import _paged
+
+    seqlens = [37, 23]
+    kc, vc, table, kcont, vcont = _paged(2, 2, 64, 32, torch.float16, 5, seqlens, 17)
+    q = torch.randn(2, 4, 12, 64, generator=torch.Generator().manual_seed(17)).half()
+    lengths = torch.tensor(seqlens, dtype=torch.int32)
+    plan = _plan(q, kc, vc, lengths, table, True)
+    out, lse = emulated_metal_kvcache(q, kc, vc, lengths, table, True, instrumented=True)
+    d = _assert_paged_prefill_ran(plan.reason)
+    assert out.shape == (2, 4, 12, 32)
+    _check_oracle(out, lse, q, kcont, vcont, seqlens, True)
+    for b, n in enumerate(seqlens):
+        ko, kl = emulated_metal_attention(q[b:b + 1], kcont[b:b + 1, :, :n].contiguous(),
+                                          vcont[b:b + 1, :, :n].contiguous(), True, None, "prefill",
+                                          instrumented=True)
+        assert LAST_DISPATCHES[0][0].kernel_name == d.kernel_name
+        assert torch.equal(out[b:b + 1], ko) and torch.equal(lse[b:b + 1], kl), b

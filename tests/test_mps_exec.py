@@ -256,20 +256,23 @@ def test_host_binds_the_sinks(host, emu):
     torch.testing.assert_close(grads[3].double(), ref, rtol=2e-2, atol=2e-2 * ref.abs().max().item())
 
 
-def test_host_reads_the_paged_kv_cache(host, emu):
-    # attention_kvcache through the real .mm, the decode route: the caches
-    # bound as k/v (their page stride as the batch stride), block_table at
-    # 19 (a slice of a wider table: the row stride the plan carries) and
-    # cache_seqlens at 20, fc_paged on; replayed, vs the oracle per sequence.
+@pytest.mark.parametrize("nq", [1, 12])
+def test_host_reads_the_paged_kv_cache(host, emu, nq):
+    # attention_kvcache through the real .mm, the decode route (nq 1) and the
+    # paged prefill's (nq 12): the caches bound as k/v (their page stride as
+    # the batch stride), block_table at 19 (a slice of a wider table: the row
+    # stride the plan carries) and cache_seqlens at 20, fc_paged on; replayed,
+    # vs the oracle per sequence.
     from test_kvcache_op import PAGED, check_oracle, make_case
 
-    q, k_cache, v_cache, table, kc, vc = make_case(2, 4, 2, 1, 64, torch.float16, 16, [37, 64], 9, wide=2)
+    q, k_cache, v_cache, table, kc, vc = make_case(2, 4, 2, nq, 64, torch.float16, 16, [37, 64], 9, wide=2)
     lengths = torch.tensor([37, 64], dtype=torch.int32)
     (out, lse), rec = host.call("attention_kvcache", q, k_cache, v_cache, lengths, table, True, library=emu)
     assert rec["errors"] == []
     check_oracle(out, lse, q, kc, vc, [37, 64], True)
     plan = flash_metal.explain(q, k_cache, v_cache, True, block_table=table, cache_seqlens=lengths)
     assert plan.dispatches[0].function_constants[PAGED]
+    assert plan.dispatches[0].kernel_name.startswith("flash_decode_" if nq == 1 else "flash_attention_prefill_")
     state = [e["kernel"] for e in rec["events"] if e["op"] == "setComputePipelineState"]
     assert state == [d.kernel_name for d in plan.dispatches]
     bound = {e["index"]: e for e in rec["events"] if e["op"] == "setBuffer"}
