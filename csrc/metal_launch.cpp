@@ -292,6 +292,19 @@ bool decode_dense_loads(const AttentionProblem& p, const LaunchStrides& s, uint3
   return true;
 }
 
+// The paged prefill's page walk on top of prefill_live_registers (per lane,
+// an estimate as kPagedLiveValues is the decode's): through the block loop
+// the block's first key and the step between blocks (two PageSteps, 2
+// each), the one-page-tiles flag and the block's page: 6. Where tiles may
+// cross pages, the row-by-row loader's state while P is live (the V tile):
+// its cursor (2), current row, entry, and 64-bit page base (2): 6 more. Not
+// counted in the planner's block choice (the kernels are the contiguous
+// prefill's instantiations); explain() prints the estimate with them.
+uint32_t prefill_paged_live_values(const AttentionProblem& p, uint32_t block_k) {
+  if (!p.paged) return 0;
+  return p.kv_len <= p.page_size || p.page_size % block_k == 0 ? 6 : 12;
+}
+
 // fc_dense for the paged prefill, past dense_loader's conditions: every
 // tile inside one page (the dense loader steps rows by one stride) and the
 // page stride (k/v's batch stride, used whatever the batch) 16-byte aligned.
@@ -433,7 +446,8 @@ MetalPlan plan_metal_attention(const AttentionProblem& p, const LaunchStrides& s
         plan.reason += loader_reason(dense, why);
       }
       l.buffers = with_paged(with_forward_features(kForwardBuffers));
-      l.estimate = estimate_launch(l, prefill_live_registers(c.bucket, c.block_k, c.simdgroups * 8 / c.block_q), gpu);
+      l.estimate = estimate_launch(l, prefill_live_registers(c.bucket, c.block_k, c.simdgroups * 8 / c.block_q) +
+                                          prefill_paged_live_values(p, c.block_k), gpu);
       plan.launches.push_back(l);
       break;
     case KernelRequest::TensorOps: {

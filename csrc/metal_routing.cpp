@@ -366,19 +366,22 @@ bool tensor_ops_route(const AttentionProblem& p, const GpuSpec& gpu, std::string
 std::string prefill_pages_note(const AttentionProblem& p, uint32_t block_k) {
   const std::string bk = std::to_string(block_k);
   const std::string reads = "; each (query block, query head) threadgroup reads every key of its sequence it can "
-                            "see once, K and V, only from the pages in use";
+                            "see once, K and V, only from the pages in use (GQA heads do not share reads)";
+  const std::string live = "; the page walk adds ";
   if (p.kv_len <= p.page_size) {
     return "; one page per sequence (the table's capacity, " + std::to_string(p.kv_len) + " keys, is one page): "
-           "every " + bk + "-key tile lies in it and loads from its base, one table read per key block" + reads;
+           "every " + bk + "-key tile lies in it and loads from its base, one table read per key block" + reads + live +
+           "6 live values per lane (in the estimate)";
   }
   if (p.page_size % block_k == 0) {
     return "; pages of " + std::to_string(p.page_size) + " keys, a multiple of the " + bk + "-key block: every "
            "tile lies in one page and loads from its base (the dense loader where it applies), one table read per "
-           "key block" + reads;
+           "key block" + reads + live + "6 live values per lane (in the estimate)";
   }
   return "; pages of " + std::to_string(p.page_size) + " keys, not a multiple of the " + bk + "-key block: tiles "
          "may cross pages, so each row is found through the table (the general per-element loader, a table read "
-         "per page a thread enters; page sizes that are a multiple of " + bk + " load whole tiles)" + reads;
+         "per page a thread enters; page sizes that are a multiple of " + bk + " load whole tiles)" + reads + live +
+         "12 live values per lane (in the estimate)";
 }
 
 }  // namespace

@@ -439,13 +439,13 @@ def test_build_all_pipelines_on_the_fake_device(host, emu):
             assert bits == {"0" * 12}, name
             continue
         # constant 10 is fc_dense (the dense tile loader; the decode kernels' vector loads), built both ways;
-        # the decode kernels carry a 13th, fc_paged (the paged KV cache: attention_kvcache), built both ways,
-        # on only alone among the options (no mask, window or sinks beside it in the registry)
-        decode = name.startswith("flash_decode_")
-        assert all(len(b) == (13 if decode else 12) for b in bits), name
-        assert not decode or {b[12] for b in bits} == {"0", "1"}, name
-        assert all(b[4:10] + b[11] == "0000000" for b in bits if decode and b[12] == "1"), name
-        bits = {b[:12] for b in bits if not decode or b[12] == "0"}
+        # the decode and prefill kernels carry a 13th, fc_paged (the paged KV cache: attention_kvcache), built
+        # both ways, on only alone among the options (no mask, window or sinks beside it in the registry)
+        paged = name.startswith(("flash_decode_", "flash_attention_prefill_"))
+        assert all(len(b) == (13 if paged else 12) for b in bits), name
+        assert not paged or {b[12] for b in bits} == {"0", "1"}, name
+        assert all(b[4:10] + b[11] == "0000000" for b in bits if paged and b[12] == "1"), name
+        bits = {b[:12] for b in bits if not paged or b[12] == "0"}
         assert {b[10] for b in bits} == {"0", "1"}, name
         if name.startswith(("flash_attention_prefill_", "flash_backward_dkdv_")):
             assert {b[:3] for b in bits} == combos(3), name
