@@ -54,7 +54,7 @@ def _records(paged: bool, s: M.Shape, dtype, page: int):
 
 def rows(quick: bool):
     dtype = torch.float16
-    s = M.Shape(1, 4, 2, 64, 256, 64) if quick else M.Shape(1, 8, 2, 128, 512, 64)
+    s = M.Shape(1, 4, 2, 64, 256, 64) if quick else M.Shape(1, 8, 2, 64, 512, 64)
     pages = (16, 32) if quick else (1, 16, 32, 64, 256)
     gpus = [G.BY_NAME[n] for n in (("M3 Max",) if quick else ("M3 Max", G.POST_GPU))]
     contig = _records(False, s, dtype, 16)
