@@ -348,7 +348,9 @@ void choose_tensor_ops(const AttentionProblem& p, bool forced, const GpuSpec& gp
 // older ones the path is not a candidate, and their reasons stay short).
 bool tensor_ops_route(const AttentionProblem& p, const GpuSpec& gpu, std::string* why_not) {
   if (gpu.family < 10) return false;
-  if (p.dtype != c10::ScalarType::Half && p.dtype != c10::ScalarType::BFloat16) {
+  if (p.paged) {
+    *why_not = "a paged KV cache (the tensor-op kernels do not read the block table; the simdgroup prefill does)";
+  } else if (p.dtype != c10::ScalarType::Half && p.dtype != c10::ScalarType::BFloat16) {
     *why_not = "float32 stays on simdgroup matrices (the tensor-op kernels take float16 / bfloat16)";
   } else if (p.head_dim_v != p.head_dim || (p.head_dim != 64 && p.head_dim != 96 && p.head_dim != 128)) {
     *why_not = "head dims " + std::to_string(p.head_dim) + " / " + std::to_string(p.head_dim_v) +
@@ -364,24 +366,18 @@ bool tensor_ops_route(const AttentionProblem& p, const GpuSpec& gpu, std::string
 // The paged prefill's K/V tiles (shaders/attention_prefill.h, fc_paged):
 // inside one page, or row by row through the table. The sentence explain() prints.
 std::string prefill_pages_note(const AttentionProblem& p, uint32_t block_k) {
-  const std::string bk = std::to_string(block_k);
-  const std::string reads = "; each (query block, query head) threadgroup reads every key of its sequence it can "
-                            "see once, K and V, only from the pages in use (GQA heads do not share reads)";
-  const std::string live = "; the page walk adds ";
-  if (p.kv_len <= p.page_size) {
-    return "; one page per sequence (the table's capacity, " + std::to_string(p.kv_len) + " keys, is one page): "
-           "every " + bk + "-key tile lies in it and loads from its base, one table read per key block" + reads + live +
-           "6 live values per lane (in the estimate)";
-  }
-  if (p.page_size % block_k == 0) {
-    return "; pages of " + std::to_string(p.page_size) + " keys, a multiple of the " + bk + "-key block: every "
-           "tile lies in one page and loads from its base (the dense loader where it applies), one table read per "
-           "key block" + reads + live + "6 live values per lane (in the estimate)";
-  }
-  return "; pages of " + std::to_string(p.page_size) + " keys, not a multiple of the " + bk + "-key block: tiles "
-         "may cross pages, so each row is found through the table (the general per-element loader, a table read "
-         "per page a thread enters; page sizes that are a multiple of " + bk + " load whole tiles)" + reads + live +
-         "12 live values per lane (in the estimate)";
+  const std::string bk = std::to_string(block_k), pages = std::to_string(p.page_size) + " keys";
+  const bool one = p.kv_len <= p.page_size, whole = one || p.page_size % block_k == 0;
+  return (one ? "; one page per sequence (the table's capacity, " + pages + ", is one page): every " + bk +
+                    "-key tile lies in it"
+              : "; pages of " + pages + (whole ? ", a multiple of the " : ", not a multiple of the ") + bk +
+                    "-key block: " + (whole ? "every tile lies in one page" : "tiles may cross pages")) +
+         (whole ? " and loads from its base (the dense loader where it applies), one table read per key block"
+                : ", so each row is found through the table (the general per-element loader, a table read per "
+                  "page a thread enters; page sizes that are a multiple of " + bk + " load whole tiles)") +
+         "; each (query block, query head) threadgroup reads every key of its sequence it can see once, K and V, "
+         "only from the pages in use (GQA heads do not share reads); the page walk adds " +
+         (whole ? "6" : "12") + " live values per lane (in the estimate)";
 }
 
 }  // namespace

@@ -236,3 +236,20 @@ def test_paged_prefill_own_value_dim():
                                           instrumented=True)
         assert LAST_DISPATCHES[0][0].kernel_name == d.kernel_name
         assert torch.equal(out[b:b + 1], ko) and torch.equal(lse[b:b + 1], kl), b
+
+
+def test_tensor_op_route_leaves_paged_caches_to_the_simdgroup_prefill():
+    # On an Apple 10 GPU with the tensor-op library, Auto's prefill runs on the
+    # tensor-op kernels (issue 21), which do not read the block table: a paged
+    # cache keeps the simdgroup prefill, and the reason says why.
+    q = torch.randn(1, 4, 16, 64).half()
+    cache = torch.randn(4, 16, 2, 64).half()
+    lengths, table = torch.tensor([40], dtype=torch.int32), torch.tensor([[3, 0, 2]], dtype=torch.int32)
+    contiguous = flash_metal.explain(q, cache[:1].transpose(1, 2), cache[:1].transpose(1, 2), True, None, "auto",
+                                     "m5+tensor_ops")
+    assert contiguous.dispatches[0].kernel_name.startswith("flash_attention_prefill_mpp_"), contiguous.reason
+    plan = flash_metal.explain(q, cache, cache, True, None, "auto", "m5+tensor_ops", block_table=table,
+                               cache_seqlens=lengths)
+    d = plan.dispatches[0]
+    assert d.kernel_name.startswith("flash_attention_prefill_") and "mpp" not in d.kernel_name
+    assert d.function_constants[PAGED] and "tensor ops not used: a paged KV cache" in plan.reason, plan.reason
