@@ -7,11 +7,11 @@ with a plain (B, S, Hkv, D) cache (read in place by the varlen op) and once
 with the same keys in a paged cache (num_blocks, page, Hkv, D) whose pages
 are shuffled, for decode (1 query per sequence) and a short chunked prefill
 (64 queries, causal). Both calls are checked equal before timing, and timed
-in the same run, alternating. On CPU (and for the 64-query prefill on MPS)
-the paged call (attention_kvcache) gathers the pages in use into a packed
-buffer before the kernel, so the ratio is that gather's price; on MPS the
-decode row runs the decode kernels reading the block table (fc_paged) for
-both caches (the plain one as one page per sequence).
+in the same run, alternating. On CPU the paged call (attention_kvcache)
+gathers the pages in use into a packed buffer before the kernel, so the
+ratio is that gather's price; on MPS the decode row runs the decode kernels
+and the 64-query row the prefill kernel, each reading the block table
+(fc_paged) for both caches (the plain one as one page per sequence).
 Writes a table to stdout and results/paged_kv_<device>.csv. --model: then
 the Metal model's paged/contiguous decode (benchmarks/paged_kv_model.py, a
 prediction from the emulator's counts, not yet verified on Apple hardware).

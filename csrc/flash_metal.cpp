@@ -96,9 +96,10 @@ TORCH_LIBRARY(flash_metal, m) {
   // sinks and scale as in attention_forward. Returns out (B, Hq, Nq, D_v)
   // and lse (B, Hq, Nq) float32 (a sequence with no key: zeros and -inf, or
   // the sink). Forward only. On Metal the decode kernels read the table
-  // themselves for Nq <= 8 (impl 'auto', 'decode', 'decode_split'); else,
+  // themselves for Nq <= 8 (impl 'auto', 'decode', 'decode_split'), the
+  // prefill kernel for Nq > 8 (or impl 'prefill'); for head dims past 256,
   // and on CPU, the rows in use are gathered into packed buffers for the
-  // varlen kernels (impl 'prefill' asks for that on Metal). Values
+  // varlen kernels. Values
   // (lengths within the capacity, entries in range) are checked on CPU and
   // are the caller's contract on MPS, as in flash-attn.
   m.def("attention_kvcache(Tensor q, Tensor k_cache, Tensor v_cache, Tensor cache_seqlens, Tensor? block_table=None, "
@@ -130,8 +131,8 @@ TORCH_LIBRARY(flash_metal, m) {
   // the forward kernels' fc_has_sinks (the table has sinks), and the
   // backward's third dispatch, flash_sinks_grad (sinks and grad_sinks).
   // With cache_seqlens (and block_table), attention_kvcache's plan, k and v
-  // being the caches: the paged decode (the table has block_table and
-  // cache_seqlens), or the gather path's varlen plan over the rows in use
+  // being the caches: the paged decode or prefill (the table has block_table
+  // and cache_seqlens), or the gather path's varlen plan over the rows in use
   // (read from cache_seqlens and the table); the reason says which.
   m.def("metal_plan(Tensor q, Tensor k, Tensor v, bool causal=False, float? scale=None, str impl=\"auto\", "
         "str gpu=\"base\", int dispatch=0, bool backward=False, Tensor? grad_out=None, Tensor? out=None, "

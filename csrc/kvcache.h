@@ -1,9 +1,10 @@
 // attention_kvcache (flash-attn's flash_attn_with_kvcache, the attention
 // part): q against a KV cache addressed through a block table, each
 // sequence with its own key count. Validation, and the gather path every
-// backend shares (csrc/kvcache.cpp); the Metal decode kernels read the table
-// themselves (fc_paged, shaders/attention_decode_paged.h) where
-// kvcache_reads_table (csrc/metal_routing.cpp) routes them.
+// backend shares (csrc/kvcache.cpp); the Metal decode and prefill kernels
+// read the table themselves (fc_paged, shaders/attention_decode_paged.h,
+// attention_prefill_paged.h) where kvcache_reads_table
+// (csrc/metal_routing.cpp) routes them.
 #pragma once
 
 #include "attention_ops.h"
@@ -22,8 +23,8 @@ constexpr const char* kKvCacheOpName = "flash_metal.attention_kvcache";
 struct KvCacheCall {
   // p.paged, p.page_size, p.table_stride; kv_len = the table's capacity
   // (max_blocks * page_size). q (B, Hq, Nq, D) as given; k and v the caches
-  // seen as (num_blocks, Hkv, page_size, D) views (no copy): the decode
-  // kernels' binding (batch stride = the page stride).
+  // seen as (num_blocks, Hkv, page_size, D) views (no copy): the decode and
+  // prefill kernels' binding (batch stride = the page stride).
   AttentionCall c;
   AttentionOptions options;  // as given (the gather path's varlen call takes them again)
   at::Tensor k_cache, v_cache;  // as given, (num_blocks, page_size, Hkv, D) / (..., D_v)

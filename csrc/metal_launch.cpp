@@ -23,7 +23,7 @@ constexpr uint32_t kSlotGradOut = 8, kSlotGradQ = 9, kSlotGradK = 10, kSlotGradV
                    kSlotDelta = 13;
 constexpr uint32_t kSlotMask = 14, kSlotCuSeqlensQ = 15, kSlotCuSeqlensK = 16;
 constexpr uint32_t kSlotSinks = 17, kSlotGradSinks = 18;
-constexpr uint32_t kSlotBlockTable = 19, kSlotCacheSeqlens = 20;  // the decode kernels' paged cache (fc_paged)
+constexpr uint32_t kSlotBlockTable = 19, kSlotCacheSeqlens = 20;  // the paged cache (fc_paged: decode, prefill)
 constexpr uint32_t kAttentionThreadgroupIndex = 0;  // dynamic threadgroup memory, [[threadgroup(0)]]
 
 // The options' inputs, bound by every feature kernel (prefill, decode,
@@ -45,9 +45,9 @@ std::vector<BufferBinding> with_forward_features(std::vector<BufferBinding> b) {
   return b;
 }
 
-// The decode kernels (one pass, split pass 1) also bind the paged cache's
-// block_table and cache_seqlens (fc_paged; q in the slots without them), and
-// carry fc_paged as a 13th function constant.
+// The decode kernels (one pass, split pass 1) and the prefill also bind the
+// paged cache's block_table and cache_seqlens (fc_paged; q in the slots
+// without them), and carry fc_paged as a 13th function constant.
 std::vector<BufferBinding> with_paged(std::vector<BufferBinding> b) {
   b.push_back({LaunchTensor::BlockTable, kSlotBlockTable});
   b.push_back({LaunchTensor::CacheSeqlens, kSlotCacheSeqlens});
@@ -292,6 +292,35 @@ bool decode_dense_loads(const AttentionProblem& p, const LaunchStrides& s, uint3
   return true;
 }
 
+// The paged prefill's page walk on top of prefill_live_registers (per lane,
+// an estimate as kPagedLiveValues is the decode's): through the block loop
+// the block's first key and the step between blocks (two PageSteps, 2
+// each), the one-page-tiles flag and the block's page: 6. Where tiles may
+// cross pages, the row-by-row loader's state while P is live (the V tile):
+// its cursor (2), current row, entry, and 64-bit page base (2): 6 more. Not
+// counted in the planner's block choice (the kernels are the contiguous
+// prefill's instantiations); explain() prints the estimate with them.
+uint32_t prefill_paged_live_values(const AttentionProblem& p, uint32_t block_k) {
+  if (!p.paged) return 0;
+  return p.kv_len <= p.page_size || p.page_size % block_k == 0 ? 6 : 12;
+}
+
+// fc_dense for the paged prefill, past dense_loader's conditions: every
+// tile inside one page (the dense loader steps rows by one stride) and the
+// page stride (k/v's batch stride, used whatever the batch) 16-byte aligned.
+bool paged_prefill_dense(const AttentionProblem& p, const LaunchStrides& s, uint32_t block_k, std::string* why) {
+  if (p.kv_len > p.page_size && p.page_size % block_k != 0) {
+    *why = "paged, tiles may cross pages (" + std::to_string(p.page_size) + "-key pages, " +
+           std::to_string(block_k) + "-key blocks)";
+    return false;
+  }
+  if ((s.k[0] * dtype_bytes(p.dtype)) % kDenseLoadBytes != 0 || (s.v[0] * dtype_bytes(p.dtype)) % kDenseLoadBytes != 0) {
+    *why = "k's or v's page stride is not a multiple of 16 bytes";
+    return false;
+  }
+  return true;
+}
+
 // The reason's sentence about the loader, for explain().
 std::string loader_reason(bool dense, const std::string& why) {
   return dense ? " Tile loader: dense, one 16-byte load per 16 bytes of a row (fc_dense)."
@@ -406,14 +435,19 @@ MetalPlan plan_metal_attention(const AttentionProblem& p, const LaunchStrides& s
       l.threadgroup_memory = prefill_threadgroup_memory(c.block_q, c.block_k, c.bucket, p.dtype, c.simdgroups * 8 / c.block_q);
       {
         std::string why;
-        const bool dense = dense_loader(p, s, c.bucket, false, &why);
-        l.function_constants =
-            with_dense(feature_constants(p, p.q_len % c.block_q == 0, p.kv_len % c.block_k == 0, false, p.sinks),
-                       dense);
+        bool dense = dense_loader(p, s, c.bucket, false, &why);
+        if (dense && p.paged) dense = paged_prefill_dense(p, s, c.block_k, &why);
+        // Paged: each sequence has its own key count (cache_seqlens), so no key block is known aligned.
+        l.function_constants = with_dense(
+            feature_constants(p, p.q_len % c.block_q == 0, !p.paged && p.kv_len % c.block_k == 0, false, p.sinks),
+            dense);
+        l.function_constants.resize(kDecodeFunctionConstantCount, false);
+        l.function_constants[kPagedFunctionConstant] = p.paged;  // K/V through block_table (attention_kvcache)
         plan.reason += loader_reason(dense, why);
       }
-      l.buffers = with_forward_features(kForwardBuffers);
-      l.estimate = estimate_launch(l, prefill_live_registers(c.bucket, c.block_k, c.simdgroups * 8 / c.block_q), gpu);
+      l.buffers = with_paged(with_forward_features(kForwardBuffers));
+      l.estimate = estimate_launch(l, prefill_live_registers(c.bucket, c.block_k, c.simdgroups * 8 / c.block_q) +
+                                          prefill_paged_live_values(p, c.block_k), gpu);
       plan.launches.push_back(l);
       break;
     case KernelRequest::TensorOps: {

@@ -174,10 +174,10 @@ constexpr uint32_t kDenseFunctionConstant = 10;
 constexpr uint32_t kSinksFunctionConstant = 11;
 // Function constants of every feature kernel launch (indices 0 .. 11).
 constexpr uint32_t kFunctionConstantCount = 12;
-// The decode kernels (one pass, split pass 1) only: a paged KV cache, K/V
-// read through block_table with per-sequence cache_seqlens (fc_paged in
-// shaders/attention_features.h). Their launches carry 13 constants, the
-// other kernels' 12 (they never read index 12).
+// The decode kernels (one pass, split pass 1) and the prefill: a paged KV
+// cache, K/V read through block_table with per-sequence cache_seqlens
+// (fc_paged in shaders/attention_features.h). Their launches carry 13
+// constants, the other kernels' 12 (they never read index 12).
 constexpr uint32_t kPagedFunctionConstant = 12;
 constexpr uint32_t kDecodeFunctionConstantCount = 13;
 
@@ -194,8 +194,8 @@ constexpr uint32_t kDecodeFunctionConstantCount = 13;
 // sinks as float32 (Hq,), contiguous (the host converts them), q in the
 // slot without sinks; GradSinks: the backward's float32 (Hq,) output of
 // flash_sinks_grad (launched only with sinks). BlockTable and CacheSeqlens:
-// the decode kernels' paged KV cache (int32 (B, max_blocks) and (B,)), q in
-// their slots when the cache is not paged.
+// the decode and prefill kernels' paged KV cache (int32 (B, max_blocks) and
+// (B,)), q in their slots when the cache is not paged.
 enum class LaunchTensor : uint8_t {
   Q = 0, K, V, Out, Lse, PartialOut, PartialStats, GradOut, GradQ, GradK, GradV, GradLse, Delta,
   Mask, CuSeqlensQ, CuSeqlensK, Sinks, GradSinks, BlockTable, CacheSeqlens
@@ -279,12 +279,12 @@ struct MetalPlan {
 KernelChoice choose_metal_kernel(const AttentionProblem& p, KernelRequest requested, const GpuSpec& gpu,
                                  MetalPass pass = MetalPass::Forward);
 
-// attention_kvcache's route on Metal (p.paged): true when the decode
-// kernels read K/V through the block table (fc_paged: Nq <= kMaxDecodeRows,
-// impl 'auto', 'decode' or 'decode_split'), false for the gather path (the
-// rows in use copied into packed buffers, then the varlen prefill: Nq > 8,
-// or impl 'prefill'). *why says which and why, for explain(). Throws a
-// ValueError for an impl neither route takes.
+// attention_kvcache's route on Metal (p.paged): true when a kernel reads K/V
+// through the block table (fc_paged): the decode kernels (Nq <= kMaxDecodeRows,
+// impl 'auto', 'decode' or 'decode_split') or the prefill (Nq > 8, or impl
+// 'prefill'); false for the gather path (the rows in use copied into packed
+// buffers, then the varlen plan: head dims past the widest bucket). *why says
+// which and why, for explain(). Throws a ValueError for an impl no route takes.
 bool kvcache_reads_table(const AttentionProblem& p, KernelRequest requested, std::string* why);
 
 // Whether a forward call with head dims above kFastHeadDimBuckets.back()

@@ -271,4 +271,10 @@ inline constexpr uint32_t kMergeLiveRegisters = 8 + kLiveOverhead;
 // Residency of `launch` on `gpu` with `live_registers` per lane (metal_gpus.cpp).
 LaunchEstimate estimate_launch(const MetalLaunch& launch, uint32_t live_registers, const GpuSpec& gpu);
 
+// The tensor-op prefill (csrc/metal_routing_tensor_ops.cpp): whether Auto
+// takes it for a prefill (else *why_not says why, on Apple 10 GPUs), and its
+// blocks and reason, forced or not; refuses what it does not cover.
+bool tensor_ops_route(const AttentionProblem& p, const GpuSpec& gpu, std::string* why_not);
+void choose_tensor_ops(const AttentionProblem& p, bool forced, const GpuSpec& gpu, KernelChoice* c);
+
 }  // namespace flash_metal::plan_detail

@@ -92,7 +92,7 @@ std::vector<MetalLaunch> all_metal_launches() {
       // (their combinations are the same constants switched together, so
       // these cover every code path each constant guards; the pipelines a
       // combination needs are built on first use like any other).
-      // Paged: the decode kernels' fc_paged (attention_kvcache), decode only.
+      // Paged: fc_paged (attention_kvcache), the decode kernels and the prefill.
       enum Option { BoolMask, InputMask, Float32Mask, WindowLeft, Softcap, Varlen, Sinks, Paged };
       for (Option option : {BoolMask, InputMask, Float32Mask, WindowLeft, Softcap, Varlen, Sinks, Paged}) {
         for (bool causal : {false, true}) {
@@ -120,7 +120,6 @@ std::vector<MetalLaunch> all_metal_launches() {
               {{65, KernelRequest::Prefill}, {1, KernelRequest::Decode}, {1, KernelRequest::DecodeSplit}}};
           for (const auto& [q_len, request] : forward) {
             if (p.varlen && request != KernelRequest::Prefill) continue;
-            if (p.paged && request == KernelRequest::Prefill) continue;
             p.q_len = p.total_q = q_len;
             p.kv_len = p.total_k = request == KernelRequest::DecodeSplit ? 4096 : 65;
             for (const MetalLaunch& l : plan_metal_attention(p, packed, request).launches) add(l);

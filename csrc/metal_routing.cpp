@@ -315,59 +315,21 @@ KernelChoice choose_backward(const AttentionProblem& p, KernelRequest requested)
   return c;
 }
 
-// The tensor-op prefill (issue 21): FlashAttention-2 on MPP matmul2d
-// (shaders/attention_prefill_mpp.h), forced by impl='tensor_ops' or picked
-// by Auto (tensor_ops_route). Refuses, naming the argument, what the kernel
-// does not cover yet.
-void choose_tensor_ops(const AttentionProblem& p, bool forced, const GpuSpec& gpu, KernelChoice* c) {
-  TORCH_CHECK_TYPE(p.dtype == c10::ScalarType::Half || p.dtype == c10::ScalarType::BFloat16, kOp,
-                   ": impl='tensor_ops' takes float16 or bfloat16 q, k, v; got ", dtype_name(p.dtype),
-                   " (float32 runs on impl='prefill' or 'auto')");
-  TORCH_CHECK_VALUE(p.head_dim == 64 || p.head_dim == 96 || p.head_dim == 128, kOp,
-                    ": impl='tensor_ops' takes head_dim 64, 96 or 128 (its instantiations, unpadded); got ",
-                    p.head_dim, " (use impl='prefill' or 'auto')");
-  // The options (attn_mask, window_left / window_right, softcap, varlen,
-  // sinks) run through attention_features.h's helpers, as in the simdgroup
-  // prefill; tests/test_metal_tensor_ops.py checks each under both layouts.
-  c->bucket = static_cast<uint32_t>(p.head_dim);
-  c->block_q = kTensorOpsBlockQ;
-  c->block_k = kTensorOpsBlockK;
-  c->simdgroups = kTensorOpsBlockQ / 16;
-  c->reason = forced ? std::string("forced: tensor_ops (impl='tensor_ops'); ")
-                     : "tensor ops: an Apple " + std::to_string(gpu.family) +
-                           " GPU (a neural accelerator in every core) with macOS 26.2 and the MSL 4 library, "
-                           "float16 / bfloat16 at a head dim the kernel serves (FLASH_METAL_DISABLE_TENSOR_OPS=1 "
-                           "turns this off); ";
-  c->reason += "FlashAttention-2 on Metal 4 tensor ops (MPP matmul2d, the MSL 4 library): blocks of " +
-               std::to_string(c->block_q) + " queries x " + std::to_string(c->block_k) + " keys on " +
-               std::to_string(c->simdgroups) + " simdgroups of 16 rows, Q, K and V read from device memory by "
-               "matmul2d, P through " + kib(tensor_ops_threadgroup_memory(p.dtype)) + " of threadgroup memory";
-}
-
-// Whether Auto's prefill runs on the tensor-op kernels, MLX's
-// is_nax_available and PyTorch's has_mpp gate made one function: an Apple 10
-// GPU or later (M5: matmul2d engages its neural accelerators; on Apple 9
-// matmul2d runs on the shader cores, and our model has no figure that it
-// beats the simdgroup kernel there, so it stays off), macOS 26.2 and the MSL
-// 4 library in this process, the switch not off (all three in
-// gpu.tensor_ops_missing), and a problem the kernel serves: float16 or
-// bfloat16 (float32 stays IEEE on simdgroup matrices: relaxed, TF32-like
-// precision is never chosen for the caller) at head dim 64, 96 or 128 for
-// q, k and v alike. *why_not says what failed, for Apple 10 GPUs only (on
-// older ones the path is not a candidate, and their reasons stay short).
-bool tensor_ops_route(const AttentionProblem& p, const GpuSpec& gpu, std::string* why_not) {
-  if (gpu.family < 10) return false;
-  if (p.dtype != c10::ScalarType::Half && p.dtype != c10::ScalarType::BFloat16) {
-    *why_not = "float32 stays on simdgroup matrices (the tensor-op kernels take float16 / bfloat16)";
-  } else if (p.head_dim_v != p.head_dim || (p.head_dim != 64 && p.head_dim != 96 && p.head_dim != 128)) {
-    *why_not = "head dims " + std::to_string(p.head_dim) + " / " + std::to_string(p.head_dim_v) +
-               ": the tensor-op kernels serve 64, 96 and 128 with equal q/k and v dims";
-  } else if (!gpu.tensor_ops_missing.empty()) {
-    *why_not = gpu.tensor_ops_missing;
-  } else {
-    return true;
-  }
-  return false;
+// The paged prefill's K/V tiles (shaders/attention_prefill.h, fc_paged):
+// inside one page, or row by row through the table. The sentence explain() prints.
+std::string prefill_pages_note(const AttentionProblem& p, uint32_t block_k) {
+  const std::string bk = std::to_string(block_k), pages = std::to_string(p.page_size) + " keys";
+  const bool one = p.kv_len <= p.page_size, whole = one || p.page_size % block_k == 0;
+  return (one ? "; one page per sequence (the table's capacity, " + pages + ", is one page): every " + bk +
+                    "-key tile lies in it"
+              : "; pages of " + pages + (whole ? ", a multiple of the " : ", not a multiple of the ") + bk +
+                    "-key block: " + (whole ? "every tile lies in one page" : "tiles may cross pages")) +
+         (whole ? " and loads from its base (the dense loader where it applies), one table read per key block"
+                : ", so each row is found through the table (the general per-element loader, a table read per "
+                  "page a thread enters; page sizes that are a multiple of " + bk + " load whole tiles)") +
+         "; each (query block, query head) threadgroup reads every key of its sequence it can see once, K and V, "
+         "only from the pages in use (GQA heads do not share reads); the page walk adds " +
+         (whole ? "6" : "12") + " live values per lane (in the estimate)";
 }
 
 }  // namespace
@@ -375,32 +337,35 @@ bool tensor_ops_route(const AttentionProblem& p, const GpuSpec& gpu, std::string
 bool kvcache_reads_table(const AttentionProblem& p, KernelRequest requested, std::string* why) {
   const bool decode_request = requested == KernelRequest::Decode || requested == KernelRequest::DecodeSplit;
   TORCH_CHECK_VALUE(requested == KernelRequest::Auto || requested == KernelRequest::Prefill || decode_request,
-                    "flash_metal.attention_kvcache: impl must be 'auto', 'decode', 'decode_split' (the decode "
-                    "kernels read the block table) or 'prefill' (the gather path); got '", request_name(requested),
+                    "flash_metal.attention_kvcache: impl must be 'auto', 'decode', 'decode_split' or 'prefill' "
+                    "(each reads the block table); got '", request_name(requested),
                     "'");
   TORCH_CHECK_VALUE(!decode_request || p.q_len <= kMaxDecodeRows, "flash_metal.attention_kvcache: impl='",
                     request_name(requested), "' serves at most ", kMaxDecodeRows, " query rows; got ", p.q_len,
                     " (use impl='auto' or 'prefill')");
   const std::string pages = std::to_string(p.page_size) + "-key pages";
-  // Dims above 256 read the table too when the decode kernels take them
-  // (decode_takes_wide_dims: Nq <= 8, up to 576); Nq > 8 takes the branch below.
-  const int64_t widest = kDecodeHeadDimBuckets.back();
-  if (requested == KernelRequest::Auto && (p.head_dim > widest || p.head_dim_v > widest)) {
+  // Dims above 256 read the table when the decode kernels take them
+  // (decode_takes_wide_dims: Nq <= 8, up to 576); the prefill's table
+  // reader stops at the fast buckets' 256: wider ones gather.
+  const bool wide = p.head_dim > kFastHeadDimBuckets.back() || p.head_dim_v > kFastHeadDimBuckets.back();
+  const bool decode_rows = !(requested == KernelRequest::Prefill || p.q_len > kMaxDecodeRows);
+  const int64_t widest = decode_rows ? kDecodeHeadDimBuckets.back() : kFastHeadDimBuckets.back();
+  if ((wide && !decode_rows) || p.head_dim > widest || p.head_dim_v > widest) {
     *why = "paged KV cache, gather path (head dims " + std::to_string(p.head_dim) + " / " +
-           std::to_string(p.head_dim_v) + " exceed the decode kernels' widest bucket, " + std::to_string(widest) +
+           std::to_string(p.head_dim_v) + " exceed the " + (decode_rows ? "decode" : "prefill") +
+           " kernels' widest bucket, " + std::to_string(widest) +
            "): each sequence's rows in use, through the table of " + pages + ", copied into packed K/V buffers, "
            "then the varlen plan: ";
     return false;
   }
   if (requested == KernelRequest::Prefill || p.q_len > kMaxDecodeRows) {
-    *why = "paged KV cache, gather path (" +
+    *why = "paged KV cache: the prefill kernel reads K/V through the block table (" +
            (requested == KernelRequest::Prefill ? std::string("impl='prefill'")
                                                 : "Nq = " + std::to_string(p.q_len) + " > " +
-                                                      std::to_string(kMaxDecodeRows) +
-                                                      ": only the decode kernels read the block table") +
-           "): each sequence's rows in use, through the table of " + pages +
-           ", copied into packed K/V buffers (nothing past cache_seqlens read), then the varlen plan: ";
-    return false;
+                                                      std::to_string(kMaxDecodeRows)) +
+           "; " + pages + ", fc_paged; each sequence's own key count from cache_seqlens, causal and window aligned "
+           "to it; nothing copied): ";
+    return true;
   }
   *why = "paged KV cache: the decode kernels read K/V through the block table (" + pages +
          ", fc_paged; each sequence's own key count from cache_seqlens; nothing copied): ";
@@ -516,9 +481,10 @@ KernelChoice choose_metal_kernel(const AttentionProblem& p, KernelRequest reques
                               request_name(c.kind), "' (the post's kernel takes one head dim); use impl='auto', "
                               "'prefill' or (Nq <= 8) 'decode'");
   const bool decode_family = c.kind == KernelRequest::Decode || c.kind == KernelRequest::DecodeSplit;
-  TORCH_CHECK(!p.paged || (decode_family && p.q_len <= kMaxDecodeRows && !p.varlen), kOp,
-              ": internal error: a paged KV cache plans only the decode kernels (kvcache_reads_table sends the rest "
-              "to the gather path)");
+  TORCH_CHECK(!p.paged || (!p.varlen && (c.kind == KernelRequest::Prefill ||
+                                          (decode_family && p.q_len <= kMaxDecodeRows))), kOp,
+              ": internal error: a paged KV cache plans only the decode and prefill kernels (kvcache_reads_table "
+              "sends the rest to the gather path)");
   TORCH_CHECK_VALUE(!decode_family || !p.varlen, kOp, ": impl='", request_name(c.kind),
                     "' does not take packed variable-length sequences; use impl='auto' or 'prefill'");
   TORCH_CHECK_VALUE(!decode_family || p.q_len <= kMaxDecodeRows, kOp, ": impl='", request_name(c.kind),
@@ -606,6 +572,7 @@ KernelChoice choose_metal_kernel(const AttentionProblem& p, KernelRequest reques
                                         " of threadgroup memory, no extra barrier and no matrix product "
                                         "repeated; each runs the rows' softmax)"
                                   : "");
+      if (p.paged) c.reason += prefill_pages_note(p, c.block_k);
       break;
     }
     case KernelRequest::Decode:

@@ -80,8 +80,10 @@ def flash_attn_varlen_func(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor
     are caches (num_blocks, page_size, Hkv, D) and sequence b's j-th key is
     row j % page_size of block block_table[b, j // page_size]; cu_seqlens_k
     still gives the key counts. Only the pages in use are read (gathered
-    into one packed buffer first: the paged prefill does not read through the
-    table itself yet). sinks (Hq,): attention sinks (a flash_metal extension).
+    into one packed buffer first: the paged prefill kernel reads through the
+    table for flash_attn_with_kvcache's equal-length queries, but takes no
+    cu_seqlens_q yet, so packed queries of their own lengths go to the
+    varlen kernel). sinks (Hq,): attention sinks (a flash_metal extension).
     Returns out (total_q, Hq, D), or with return_attn_probs (out, lse (Hq, total_q), None).
     """
     what = "flash_attn_varlen_func"
@@ -141,12 +143,13 @@ def flash_attn_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Opti
     without cache_seqlens and cache_leftpad is read in place by the dense op
     (on Metal the routing may pick the split-KV decode). A paged cache, or
     cache_batch_idx (a table of one page per sequence), without
-    cache_leftpad goes to attention_kvcache_with_lse: on Metal, for Sq <= 8,
-    the decode kernels read K/V through the table, nothing copied; on CPU
-    and for longer q the rows in use are gathered into one packed buffer
-    (O(N) memory) for the varlen kernels. So does a plain cache with
-    cache_seqlens on Metal for Sq <= 8; otherwise a plain cache is read in
-    place by the varlen op, and with cache_leftpad a paged one is gathered.
+    cache_leftpad goes to attention_kvcache_with_lse: on Metal the decode
+    kernels (Sq <= 8) or the prefill kernel (longer q) read K/V through the
+    table, nothing copied (head dims past 256: gathered); on CPU the rows in
+    use are gathered into one packed buffer (O(N) memory) for the varlen
+    kernels. So does a plain cache with cache_seqlens on Metal; on CPU a
+    plain cache is read in place by the varlen op, and with cache_leftpad a
+    paged one is gathered.
     """
     what = "flash_attn_with_kvcache"
     _unsupported("rotary_cos", rotary_cos, what)
@@ -199,13 +202,15 @@ def flash_attn_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Opti
                                               v_cache[:B].transpose(1, 2), causal, softmax_scale, **options)
         out = out.transpose(1, 2).contiguous()
         return (out, lse) if return_softmax_lse else out
-    # attention_kvcache: on Metal the decode kernels read K/V through the
-    # table (Nq <= 8), nothing copied; on CPU, and for longer q, the op
-    # gathers the rows in use for the varlen kernel. cache_batch_idx is a
+    # attention_kvcache: on Metal the decode kernels (Nq <= 8) or the
+    # prefill kernel read K/V through the table, nothing copied; on CPU the
+    # op gathers the rows in use for the varlen kernel. cache_batch_idx is a
     # table of one page per sequence (the cache row), a plain cache the op's
     # own (row b for batch b). A plain cache that the op would gather (CPU,
-    # or Sq > 8) is read in place by the varlen op below instead.
-    if leftpad is None and (not plain or (device.type == "mps" and sq <= 8)):
+    # or, for Sq > 8, head dims past the prefill's widest bucket, 256) is
+    # read in place by the varlen op below instead.
+    widest = max(q.shape[-1], v_cache.shape[-1])
+    if leftpad is None and (not plain or (device.type == "mps" and (sq <= 8 or widest <= 256))):
         bt = block_table
         if cache_batch_idx is not None:
             bt = table.to(torch.int32)

@@ -154,7 +154,7 @@ def attention_kvcache_with_lse(
 # attn_mask, cu_seqlens_q, cu_seqlens_k and sinks (float32) are the options' inputs
 # (q is bound in their slots when absent; never read then); grad_sinks is the
 # float32 output of the backward's flash_sinks_grad (with sinks only);
-# block_table and cache_seqlens the decode kernels' paged cache (q when not paged).
+# block_table and cache_seqlens the decode and prefill kernels' paged cache (q when not paged).
 _LAUNCH_TENSORS = ("q", "k", "v", "out", "lse", "partial_out", "partial_stats", "grad_out", "grad_q", "grad_k",
                    "grad_v", "grad_lse", "delta", "attn_mask", "cu_seqlens_q", "cu_seqlens_k", "sinks", "grad_sinks",
                    "block_table", "cache_seqlens")
@@ -244,8 +244,8 @@ def explain(
     attention_varlen (q, k, v packed (total, H, D)). sinks: the forward
     kernels' fc_has_sinks, and the backward's third dispatch, flash_sinks_grad.
     With cache_seqlens (and block_table): attention_kvcache_with_lse's plan,
-    k and v being the caches: the decode kernels reading the table, or the
-    gather path's varlen plan (the reason says which).
+    k and v being the caches: the decode or prefill kernel reading the table,
+    or the gather path's varlen plan (the reason says which).
     """
     varlen = cu_seqlens_q is not None
     args = ((q, k, v) if varlen else (_as_4d(q), _as_4d(k), _as_4d(v))) + (causal, scale, impl, gpu)

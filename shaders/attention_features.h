@@ -41,10 +41,11 @@ constant bool fc_varlen [[function_constant(9)]];
 // sinks (gpt-oss); one float32 logit per query head at [[buffer(17)]], for a
 // virtual key whose value is zero (seed_sink below).
 constant bool fc_has_sinks [[function_constant(11)]];
-// [[function_constant(12)]] (decode kernels only): a paged KV cache. K/V are
-// read through block_table ([[buffer(19)]], int32 (B, table_stride)) and
-// each sequence has its own key count, cache_seqlens[b] ([[buffer(20)]],
-// int32 (B,)): attention_decode_paged.h.
+// [[function_constant(12)]] (the decode kernels and the prefill): a paged KV
+// cache. K/V are read through block_table ([[buffer(19)]], int32 (B,
+// table_stride)) and each sequence has its own key count, cache_seqlens[b]
+// ([[buffer(20)]], int32 (B,)): attention_decode_paged.h,
+// attention_prefill_paged.h.
 constant bool fc_paged [[function_constant(12)]];
 
 // One sequence of the batch, as a threadgroup sees it: its lengths, where

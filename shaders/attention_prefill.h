@@ -27,6 +27,7 @@
 #pragma once
 
 #include "attention_features.h"
+#include "attention_prefill_paged.h"
 
 namespace flash_metal {
 
@@ -209,6 +210,36 @@ FM_INLINE void prefill_mma(thread PrefillFrag& d, PrefillFrag a, PrefillFrag b) 
   d = c;
 }
 
+// One K or V tile of BK keys from k0 (valid: the sequence's keys from k0;
+// k_edge: the ragged last block). Not paged: rows k0.. of the head at
+// `base`. Under fc_paged, `base` is the kv head in page 0: with page_tiles
+// (every tile inside one page: page_size a multiple of BK, or one page per
+// sequence) rows at.row.. of page `page` (the caller's one table read per
+// block), through the same loaders (fc_dense included); otherwise row by
+// row through the table (prefill_load_tile_paged).
+template <int BK, int DMAX, int LD, int THREADS, typename T>
+FM_INLINE void prefill_load_kv(threadgroup T* tile, device const T* base, int64_t page_stride, int64_t row_stride,
+                               int64_t dim_stride, int k0, int D, int valid, bool k_edge, device const int* table,
+                               PageStep at, bool page_tiles, int page, int page_size, uint tid) {
+  if (fc_paged && !page_tiles) {
+    if (k_edge) {
+      prefill_load_tile_paged<BK, DMAX, LD, THREADS, true>(tile, base, table, at, page_size, page_stride, row_stride,
+                                                           dim_stride, D, valid, tid);
+    } else {
+      prefill_load_tile_paged<BK, DMAX, LD, THREADS, false>(tile, base, table, at, page_size, page_stride,
+                                                            row_stride, dim_stride, D, BK, tid);
+    }
+    return;
+  }
+  device const T* src = fc_paged ? base + int64_t(page) * page_stride : base;
+  const int first = fc_paged ? at.row : k0;
+  if (k_edge) {
+    prefill_load_tile<BK, DMAX, LD, THREADS, true>(tile, src, row_stride, dim_stride, first, D, valid, tid);
+  } else {
+    prefill_load_tile<BK, DMAX, LD, THREADS, false>(tile, src, row_stride, dim_stride, first, D, BK, tid);
+  }
+}
+
 // T: element type of q, k, v and the output (float, half or bfloat).
 // DMAX: head_dim bucket (head_dim <= DMAX, zero padded). BQ: query rows per
 // threadgroup, 8 per SIMD-group. BK: keys per block. WM: SIMD-groups.
@@ -216,7 +247,13 @@ FM_INLINE void prefill_mma(thread PrefillFrag& d, PrefillFrag a, PrefillFrag b) 
 // threadgroup memory tg_bytes (top of this file) at index 0, function
 // constants fc_causal (0), fc_align_q (1), fc_align_k (2), the options'
 // 4-9 (attention_features.h), fc_dense (10: the loader's path) and
-// fc_has_sinks (11: sinks at [[buffer(17)]], seed_sink). Varlen:
+// fc_has_sinks (11: sinks at [[buffer(17)]], seed_sink) and fc_paged (12: a
+// paged KV cache, block_table at [[buffer(19)]] and cache_seqlens at
+// [[buffer(20)]], attention_decode_paged.h; the same meaning as the decode
+// kernels': key j of sequence b is row j % page_size of page
+// block_table[b][j / page_size], k/v's batch stride is the page stride, the
+// sequence's key count is cache_seqlens[b] with causal and window aligned to
+// it; never with varlen; fc_align_k then false). Varlen:
 // Nq is max_seqlen_q and B the number of sequences; the align constants are
 // then false.
 //
@@ -238,6 +275,8 @@ template <typename T, int DMAX, int BQ, int BK, int WM>
     device const int* cu_seqlens_q [[buffer(15)]],
     device const int* cu_seqlens_k [[buffer(16)]],
     device const float* sinks [[buffer(17)]],
+    device const int* block_table [[buffer(19)]],
+    device const int* cache_seqlens [[buffer(20)]],
     threadgroup T* smem [[threadgroup(0)]],
     uint3 group [[threadgroup_position_in_grid]],
     uint tid [[thread_index_in_threadgroup]],
@@ -281,7 +320,9 @@ template <typename T, int DMAX, int BQ, int BK, int WM>
   // The threadgroup's sequence: the whole (Nq, Nk) problem, or under
   // fc_varlen sequence group.z of the packed batch, whose rows start at
   // q_row0 / k_row0 (the planner zeroes the batch strides then).
-  const SeqView seq = sequence_view(p, cu_seqlens_q, cu_seqlens_k, group.z);
+  // Under fc_paged, sequence group.z of the cache: its own key count.
+  const SeqView seq = fc_paged ? paged_sequence_view(p, cache_seqlens, group.z)
+                               : sequence_view(p, cu_seqlens_q, cu_seqlens_k, group.z);
   const int q0 = int(group.x) * BQ;       // first query row of the threadgroup
   // Varlen: the grid covers max_seqlen_q; a block past this sequence's end
   // has nothing to do. Uniform across the threadgroup and before any
@@ -293,6 +334,18 @@ template <typename T, int DMAX, int BQ, int BK, int WM>
   h.lse += seq.q_row0 * p.lse_row_stride;
   h.k += seq.k_row0 * p.k_row_stride;
   h.v += seq.k_row0 * p.v_row_stride;
+  // fc_paged: k/v's batch stride is the page stride, so K and V start at the
+  // kv head in page 0; pages are found through the sequence's table row.
+  device const int* table = block_table + (fc_paged ? int64_t(group.z) * p.table_stride : 0);
+  if (fc_paged) {
+    const uint kv_head = group.y / uint(p.gqa_ratio);
+    h.k = int64_t(kv_head) * p.k_head_stride;
+    h.v = int64_t(kv_head) * p.v_head_stride;
+  }
+  // Tiles inside one page: page_size a multiple of BK (pages start at
+  // multiples of BK, as tiles do), or one page per sequence (a plain cache's
+  // identity table: kv_len, the table's capacity, is one page). Uniform.
+  const bool page_tiles = fc_paged && (p.page_size % BK == 0 || p.kv_len <= p.page_size);
   // The attn_mask slice of (batch, query head); read only under fc_has_mask.
   const int64_t mask_slice = fc_has_mask ? mask_head_offset(p, group.z, group.y) : 0;
   const int sg_row0 = q0 + rg * 8;        // first query row of this SIMD-group
@@ -341,6 +394,10 @@ template <typename T, int DMAX, int BQ, int BK, int WM>
   // Nk = 8192 in float32 (12 seeded cases in the emulator) the worst error
   // falls from 0.89 to 0.68 of the strict 2x rule's tolerance.
   float l_run = 0.0f;
+  // fc_paged: (entry, row) of each block's first key, stepped by BK keys per
+  // block (one division each, here, before the loop; none inside it).
+  const PageStep page_step = fc_paged ? page_split(BK, p.page_size) : PageStep{0, 0};
+  PageStep at = fc_paged ? page_split(first_block * BK, p.page_size) : PageStep{0, 0};
 
   for (int kb = first_block; kb < n_blocks; ++kb) {
     const int k0 = kb * BK;
@@ -360,13 +417,12 @@ template <typename T, int DMAX, int BQ, int BK, int WM>
     // Likewise the left window's edge: some key is behind some row's window.
     const bool left_edge = fc_window_left && k0 < sg_row0 + 7 + seq.lower;
 
+    // page_tiles: the block's page, one table read for K and V (every block
+    // run holds a key below kv_len, so its entry is in use).
+    const int page = page_tiles ? table[at.entry] : 0;
     threadgroup_barrier(mem_flags::mem_threadgroup);  // last block's V reads done before K overwrites it (WAR)
-    if (k_edge) {
-      prefill_load_tile<BK, DMAX, LD, THREADS, true>(kv_tile, k + h.k, p.k_row_stride, p.k_dim_stride, k0, D,
-                                                     seq.kv_len - k0, tid);
-    } else {
-      prefill_load_tile<BK, DMAX, LD, THREADS, false>(kv_tile, k + h.k, p.k_row_stride, p.k_dim_stride, k0, D, BK, tid);
-    }
+    prefill_load_kv<BK, DMAX, LD, THREADS>(kv_tile, k + h.k, p.k_batch_stride, p.k_row_stride, p.k_dim_stride, k0, D,
+                                           seq.kv_len - k0, k_edge, table, at, page_tiles, page, p.page_size, tid);
     threadgroup_barrier(mem_flags::mem_threadgroup);  // K written before anyone reads it (RAW)
 
     // S = Q.K^T (8 x BK), float32 products of the T inputs converted
@@ -395,13 +451,8 @@ template <typename T, int DMAX, int BQ, int BK, int WM>
     }
 
     threadgroup_barrier(mem_flags::mem_threadgroup);  // all K reads done before V overwrites the tile (WAR)
-    if (k_edge) {
-      prefill_load_tile<BK, DMAX, LD, THREADS, true>(kv_tile, v + h.v, p.v_row_stride, p.v_dim_stride, k0, DV,
-                                                     seq.kv_len - k0, tid);
-    } else {
-      prefill_load_tile<BK, DMAX, LD, THREADS, false>(kv_tile, v + h.v, p.v_row_stride, p.v_dim_stride, k0, DV, BK,
-                                                      tid);
-    }
+    prefill_load_kv<BK, DMAX, LD, THREADS>(kv_tile, v + h.v, p.v_batch_stride, p.v_row_stride, p.v_dim_stride, k0,
+                                           DV, seq.kv_len - k0, k_edge, table, at, page_tiles, page, p.page_size, tid);
 
     if (active) {
       // The parts' partials, summed in part order (the barrier above made
@@ -504,6 +555,7 @@ template <typename T, int DMAX, int BQ, int BK, int WM>
         }
       }
     }
+    if (fc_paged) at = page_add(at, page_step, p.page_size);
   }
 
   sm.l += l_run;

@@ -2,8 +2,8 @@
 
 The op on CPU (the rows in use gathered for the varlen kernel) and through
 the Metal emulator as the MPS host runs it (the decode kernels reading the
-block table, fc_paged, for Nq <= 8; the gather path's varlen prefill
-otherwise). Caches are scattered and shuffled, unused table entries
+block table, fc_paged, for Nq <= 8; the prefill kernel reading it, also
+fc_paged, otherwise). Caches are scattered and shuffled, unused table entries
 poisoned with out-of-range page ids and unused rows NaN
 (test_metal_decode_paged.make_paged_cache), outputs poisoned with NaN; each
 sequence is compared with the float64 oracle (2x rule). The emulator runs
@@ -50,14 +50,14 @@ def check_oracle(out, lse, q, k_contig, v_contig, seqlens, causal, **options):
 
 # (B, Hq, Hkv, Nq, D, dtype, page, seqlens, causal, window_left, softcap, sinks, impl, wide):
 # ragged lengths with an empty sequence, pages 16, 5, 1 and 7, GQA and MQA, one pass and split,
-# the window, softcap, sinks, a table that is a slice of a wider one, Nq 12 (the gather path).
+# the window, softcap, sinks, a table that is a slice of a wider one, Nq 12 (the paged prefill).
 CASES = [
     (3, 4, 2, 1, 64, torch.float16, 16, [37, 0, 64], False, -1, 0.0, False, "auto", 3),
     (2, 6, 2, 3, 40, torch.bfloat16, 5, [37, 13], True, 9, 0.0, True, "decode_split", 0),
     (2, 2, 1, 2, 32, torch.float32, 1, [9, 40], True, -1, 5.0, False, "auto", 2),
     (2, 4, 2, 12, 32, torch.float16, 7, [30, 12], True, -1, 0.0, False, "auto", 1),
 ]
-IDS = ["p16-onepass", "p5-split-window-sinks", "p1-mqa-softcap", "p7-nq12-gather"]
+IDS = ["p16-onepass", "p5-split-window-sinks", "p1-mqa-softcap", "p7-nq12-prefill"]
 
 
 def _run(case, backend):
@@ -97,7 +97,7 @@ def test_kvcache_op_cpu(case):
 def test_kvcache_op_emulated(case):
     # Metal (emulated, sanitized): the oracle, and the kernels that ran are the
     # route's: the paged decode (fc_paged on, the table and lengths read) or,
-    # for Nq > 8, the gather path's prefill (no table bound).
+    # for Nq > 8, the paged prefill (fc_paged on too; tests/test_metal_prefill_paged.py).
     out, lse, (q, k_cache, v_cache, table, lengths, k_contig, v_contig, options) = _run(case, "metal-emu")
     check_oracle(out, lse, q, k_contig, v_contig, case[7], case[8], **options)
     first, counts = LAST_DISPATCHES[0]
@@ -109,7 +109,8 @@ def test_kvcache_op_emulated(case):
         page, stride = (int(x) for x in first.params[PAGE_FIELDS:PAGE_FIELDS + 8].view(torch.int32))
         assert (page, stride) == (k_cache.shape[1], table.stride(0))
     else:
-        assert first.kernel_name.startswith("flash_attention_prefill_") and "block_table" not in first.buffers
+        assert first.kernel_name.startswith("flash_attention_prefill_") and first.function_constants[PAGED]
+        assert counts.device_unique_bytes_read_by_index.get(TABLE, 0) > 0
 
 
 def test_kvcache_op_plain_cache_cpu_and_emulated():
@@ -147,7 +148,9 @@ def test_kvcache_explain_routes_and_registers():
     for nq, impl in ((9, "auto"), (1, "prefill")):
         qq = torch.randn(2, 8, nq, 128).half()
         p = flash_metal.explain(qq, k_cache, v_cache, True, impl=impl, block_table=table, cache_seqlens=lengths)
-        assert "gather path" in p.reason and p.dispatches[0].kernel_name.startswith("flash_attention_prefill_")
+        assert "the prefill kernel reads K/V through the block table" in p.reason, p.reason
+        assert p.dispatches[0].kernel_name.startswith("flash_attention_prefill_")
+        assert p.dispatches[0].function_constants[PAGED] and p.dispatches[0].buffers["block_table"] == TABLE
     with pytest.raises(ValueError, match="impl must be 'auto', 'decode', 'decode_split'"):
         flash_metal.explain(q, k_cache, v_cache, impl="tiled", block_table=table, cache_seqlens=lengths)
     with pytest.raises(ValueError, match="serves at most 8 query rows"):

@@ -81,7 +81,9 @@ def run_prefill(q, k, v, causal=False, scale=None, instrumented=False, fast_math
     assert plan.kernel_name == kernel_name(q.dtype, dmax)
     assert plan.grid == (math.ceil(q.shape[2] / bq), q.shape[1], q.shape[0]) and plan.threadgroup == (32 * wm, 1, 1)
     dense = dense_expected(q, k, v)  # fc_dense (index 10): tests/test_metal_dense_loader.py
-    assert plan.function_constants == (causal, q.shape[2] % bq == 0, k.shape[2] % bk == 0) + (False,) * 7 + (dense, False)
+    # fc_paged (12) off: a contiguous K/V
+    assert plan.function_constants == ((causal, q.shape[2] % bq == 0, k.shape[2] % bk == 0) + (False,) * 7 +
+                                       (dense, False, False))
     assert plan.threadgroup_memory == tg_bytes(bq, bk, dmax, q.element_size(), wm)
     return emulated_metal_attention(q, k, v, causal, scale, "prefill", instrumented, fast_math)
 

@@ -256,20 +256,23 @@ def test_host_binds_the_sinks(host, emu):
     torch.testing.assert_close(grads[3].double(), ref, rtol=2e-2, atol=2e-2 * ref.abs().max().item())
 
 
-def test_host_reads_the_paged_kv_cache(host, emu):
-    # attention_kvcache through the real .mm, the decode route: the caches
-    # bound as k/v (their page stride as the batch stride), block_table at
-    # 19 (a slice of a wider table: the row stride the plan carries) and
-    # cache_seqlens at 20, fc_paged on; replayed, vs the oracle per sequence.
+@pytest.mark.parametrize("nq", [1, 12])
+def test_host_reads_the_paged_kv_cache(host, emu, nq):
+    # attention_kvcache through the real .mm, the decode route (nq 1) and the
+    # paged prefill's (nq 12): the caches bound as k/v (their page stride as
+    # the batch stride), block_table at 19 (a slice of a wider table: the row
+    # stride the plan carries) and cache_seqlens at 20, fc_paged on; replayed,
+    # vs the oracle per sequence.
     from test_kvcache_op import PAGED, check_oracle, make_case
 
-    q, k_cache, v_cache, table, kc, vc = make_case(2, 4, 2, 1, 64, torch.float16, 16, [37, 64], 9, wide=2)
+    q, k_cache, v_cache, table, kc, vc = make_case(2, 4, 2, nq, 64, torch.float16, 16, [37, 64], 9, wide=2)
     lengths = torch.tensor([37, 64], dtype=torch.int32)
     (out, lse), rec = host.call("attention_kvcache", q, k_cache, v_cache, lengths, table, True, library=emu)
     assert rec["errors"] == []
     check_oracle(out, lse, q, kc, vc, [37, 64], True)
     plan = flash_metal.explain(q, k_cache, v_cache, True, block_table=table, cache_seqlens=lengths)
     assert plan.dispatches[0].function_constants[PAGED]
+    assert plan.dispatches[0].kernel_name.startswith("flash_decode_" if nq == 1 else "flash_attention_prefill_")
     state = [e["kernel"] for e in rec["events"] if e["op"] == "setComputePipelineState"]
     assert state == [d.kernel_name for d in plan.dispatches]
     bound = {e["index"]: e for e in rec["events"] if e["op"] == "setBuffer"}
@@ -438,13 +441,13 @@ def test_build_all_pipelines_on_the_fake_device(host, emu):
             assert bits == {"0" * 12}, name
             continue
         # constant 10 is fc_dense (the dense tile loader; the decode kernels' vector loads), built both ways;
-        # the decode kernels carry a 13th, fc_paged (the paged KV cache: attention_kvcache), built both ways,
-        # on only alone among the options (no mask, window or sinks beside it in the registry)
-        decode = name.startswith("flash_decode_")
-        assert all(len(b) == (13 if decode else 12) for b in bits), name
-        assert not decode or {b[12] for b in bits} == {"0", "1"}, name
-        assert all(b[4:10] + b[11] == "0000000" for b in bits if decode and b[12] == "1"), name
-        bits = {b[:12] for b in bits if not decode or b[12] == "0"}
+        # the decode and prefill kernels carry a 13th, fc_paged (the paged KV cache: attention_kvcache), built
+        # both ways, on only alone among the options (no mask, window or sinks beside it in the registry)
+        paged = name.startswith(("flash_decode_", "flash_attention_prefill_"))
+        assert all(len(b) == (13 if paged else 12) for b in bits), name
+        assert not paged or {b[12] for b in bits} == {"0", "1"}, name
+        assert all(b[4:10] + b[11] == "0000000" for b in bits if paged and b[12] == "1"), name
+        bits = {b[:12] for b in bits if not paged or b[12] == "0"}
         assert {b[10] for b in bits} == {"0", "1"}, name
         if name.startswith(("flash_attention_prefill_", "flash_backward_dkdv_")):
             assert {b[:3] for b in bits} == combos(3), name

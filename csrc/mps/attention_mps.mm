@@ -217,7 +217,7 @@ void put_options(const AttentionCall& c, const at::Tensor& sinks32, LaunchTensor
   put(LaunchTensor::CuSeqlensQ, c.p.varlen ? c.cu_seqlens_q : c.q);
   put(LaunchTensor::CuSeqlensK, c.p.varlen ? c.cu_seqlens_k : c.q);
   put(LaunchTensor::Sinks, sinks32.defined() ? sinks32 : c.q);
-  put(LaunchTensor::BlockTable, c.q);  // the decode kernels' paged cache: attention_kvcache binds it (encode_forward)
+  put(LaunchTensor::BlockTable, c.q);  // the paged cache (decode, prefill): attention_kvcache binds it (encode_forward)
   put(LaunchTensor::CacheSeqlens, c.q);
 }
 
@@ -236,7 +236,7 @@ LaunchStrides launch_strides(const AttentionCall& c, const at::Tensor& out4, con
 }
 
 // attention_forward and attention_varlen_forward on MPS: plan, then encode.
-// With kc (attention_kvcache's decode route): c is kc->c, k and v its
+// With kc (attention_kvcache's table route: decode or prefill): c is kc->c, k and v its
 // (num_blocks, Hkv, page_size, D) views of the caches, and the table and
 // lengths are bound at their slots (the plan sets fc_paged, page_size and
 // table_stride: csrc/metal_launch.cpp).
@@ -332,9 +332,10 @@ void backward_kernel(const AttentionCall& c, const BackwardTensors& t, const Att
 
 FLASH_METAL_DEFINE_OPS(forward_kernel, backward_kernel)
 
-// attention_kvcache on MPS: the decode kernels read the table for Nq <= 8
-// (kvcache_reads_table, csrc/metal_routing.cpp); otherwise the rows in use
-// are gathered (PyTorch MPS ops, before any encoding) for the varlen plan.
+// attention_kvcache on MPS: the decode kernels (Nq <= 8) or the prefill read
+// the table (kvcache_reads_table, csrc/metal_routing.cpp); otherwise (head
+// dims past 256) the rows in use are gathered (PyTorch MPS ops, before any
+// encoding) for the varlen plan.
 std::tuple<at::Tensor, at::Tensor> attention_kvcache_impl(
     const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& cache_seqlens,
     const std::optional<at::Tensor>& block_table, bool causal, std::optional<double> scale, int64_t window_left,

@@ -1,0 +1,99 @@
+"""The Metal model's paged against contiguous prefill (issue 20, section 4):
+a prediction from the emulator's exact counts, never a measurement, and not
+yet verified on Apple hardware.
+
+    python -m benchmarks.paged_prefill_model [--quick]
+
+Each case runs attention_kvcache's plan twice in the instrumented emulator on
+the same keys: the prefill kernel on a contiguous cache (attention_forward's
+plan) and on a paged one (fc_paged: pages scattered and shuffled,
+tests/test_metal_decode_paged.make_paged_cache, run as the MPS host runs
+attention_kvcache: backends.emulated_metal_kvcache). Both counts go through
+benchmarks/metal_model_timing.predict_band on named Apple GPUs. What paging
+changes in the counts: the block table's bytes (one entry per key block per
+threadgroup when a tile lies in one page; an entry per page a thread enters
+otherwise), the general per-element loader where tiles cross pages (page
+sizes not a multiple of the key block: more, narrower loads), and nothing
+of K/V's bytes (each key in use read once per threadgroup either way).
+What the time model does not see: each tile's address waits on its table
+entry (a dependent load per key block, or per page entered); "stall bound"
+prices each at one DRAM latency, serially and unhidden (a pessimistic upper
+end: the table's lines are likely in the L1 after the first touch).
+"""
+import argparse
+import math
+import sys
+
+import torch
+
+from . import apple_gpus as G
+from . import metal_model as M
+from . import metal_model_timing as T
+
+
+def _records(paged: bool, s: M.Shape, dtype, page: int):
+    import backends
+    import test_metal_decode_paged as P  # tests/ is on sys.path (metal_model puts it there)
+
+    g = torch.Generator().manual_seed(page)
+    k_cache, v_cache, table, k_contig, v_contig = P.make_paged_cache(s.b, s.hkv, s.d, dtype, page, [s.nk] * s.b, g,
+                                                                     0, 0)
+    q = torch.randn(s.b, s.hq, s.nq, s.d, generator=g).to(dtype)
+    lengths = torch.full((s.b,), s.nk, dtype=torch.int32)
+    if paged:
+        out, _ = backends.emulated_metal_kvcache(q, k_cache, v_cache, lengths, table, True, instrumented=True)
+    else:
+        out, _ = backends.emulated_metal_attention(q, k_contig[:, :, :s.nk].contiguous(),
+                                                   v_contig[:, :, :s.nk].contiguous(), True, None, "prefill",
+                                                   instrumented=True)
+    if not bool(torch.isfinite(out).all()):
+        raise AssertionError("the prefill left NaN in the output")
+    return [M.Record(d.kernel_name, d.grid, d.threadgroup, d.threadgroup_memory, M._count_dict(d, c), False,
+                     ("prefill", False)) for d, c in backends.LAST_DISPATCHES]
+
+
+def rows(quick: bool):
+    dtype = torch.float16
+    s = M.Shape(1, 4, 2, 64, 256, 64) if quick else M.Shape(1, 8, 2, 64, 512, 64)
+    pages = (16, 32) if quick else (1, 16, 32, 64, 256)
+    gpus = [G.BY_NAME[n] for n in (("M3 Max",) if quick else ("M3 Max", G.POST_GPU))]
+    contig = _records(False, s, dtype, 16)
+    out = []
+    for page in pages:
+        paged = _records(True, s, dtype, page)
+        d = paged[0]
+        bk = int(d.kernel.split("_bk")[1].split("_")[0])
+        for gpu in gpus:
+            lo_c, t_c, hi_c = T.predict_band(contig, gpu, s, dtype, True)
+            lo_p, t_p, hi_p = T.predict_band(paged, gpu, s, dtype, True)
+            # dependent table loads per threadgroup, serially: one per key block, or one per page entered
+            loads = math.ceil(s.nk / bk) * (1 if page % bk == 0 else max(1, math.ceil(bk / page)))
+            waves = max(1, math.ceil(math.prod(d.grid) / gpu.cores))
+            stall = waves * loads * G.DRAM_LATENCY_NS[1] * 1e-9
+            out.append(dict(gpu=gpu.name, page=page, block_k=bk, contig_ms=t_c * 1e3, paged_ms=t_p * 1e3,
+                            paged_over_contig=t_p / t_c, stall_bound_ms=(t_p + stall) * 1e3,
+                            band=f"{lo_p * 1e3:.3g}-{hi_p * 1e3:.3g}",
+                            table_bytes=d.counts["dram_block_table"],
+                            kv_bytes_equal=(d.counts["dram_k"] == contig[0].counts["dram_k"]
+                                            and d.counts["dram_v"] == contig[0].counts["dram_v"])))
+    return s, out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true")
+    args = ap.parse_args(argv)
+    s, table = rows(args.quick)
+    print(f"Metal model (a prediction, not a measurement; not yet verified on Apple hardware): causal prefill, "
+          f"B {s.b}, Hq {s.hq}, Hkv {s.hkv}, Nq {s.nq}, {s.nk} keys, D {s.d}, float16")
+    print(f"{'gpu':<16}{'page':>6}{'BK':>4}{'contig ms':>11}{'paged ms':>10}{'ratio':>7}{'stall bound':>13}"
+          f"{'table B':>9}  K/V bytes equal")
+    for r in table:
+        print(f"{r['gpu']:<16}{r['page']:>6}{r['block_k']:>4}{r['contig_ms']:>11.4f}{r['paged_ms']:>10.4f}"
+              f"{r['paged_over_contig']:>7.3f}{r['stall_bound_ms']:>13.4f}{r['table_bytes']:>9}  "
+              f"{r['kv_bytes_equal']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,65 @@
+// Auto's gate to the Metal 4 tensor-op prefill and that kernel's choice
+// (issue 21), split from metal_routing.cpp, whose choose_metal_kernel calls
+// both: the one routing function stays there.
+#include "metal_plan_detail.h"
+
+namespace flash_metal::plan_detail {
+
+// The tensor-op prefill (issue 21): FlashAttention-2 on MPP matmul2d
+// (shaders/attention_prefill_mpp.h), forced by impl='tensor_ops' or picked
+// by Auto (tensor_ops_route). Refuses, naming the argument, what the kernel
+// does not cover yet.
+void choose_tensor_ops(const AttentionProblem& p, bool forced, const GpuSpec& gpu, KernelChoice* c) {
+  TORCH_CHECK_TYPE(p.dtype == c10::ScalarType::Half || p.dtype == c10::ScalarType::BFloat16, kOp,
+                   ": impl='tensor_ops' takes float16 or bfloat16 q, k, v; got ", dtype_name(p.dtype),
+                   " (float32 runs on impl='prefill' or 'auto')");
+  TORCH_CHECK_VALUE(p.head_dim == 64 || p.head_dim == 96 || p.head_dim == 128, kOp,
+                    ": impl='tensor_ops' takes head_dim 64, 96 or 128 (its instantiations, unpadded); got ",
+                    p.head_dim, " (use impl='prefill' or 'auto')");
+  // The options (attn_mask, window_left / window_right, softcap, varlen,
+  // sinks) run through attention_features.h's helpers, as in the simdgroup
+  // prefill; tests/test_metal_tensor_ops.py checks each under both layouts.
+  c->bucket = static_cast<uint32_t>(p.head_dim);
+  c->block_q = kTensorOpsBlockQ;
+  c->block_k = kTensorOpsBlockK;
+  c->simdgroups = kTensorOpsBlockQ / 16;
+  c->reason = forced ? std::string("forced: tensor_ops (impl='tensor_ops'); ")
+                     : "tensor ops: an Apple " + std::to_string(gpu.family) +
+                           " GPU (a neural accelerator in every core) with macOS 26.2 and the MSL 4 library, "
+                           "float16 / bfloat16 at a head dim the kernel serves (FLASH_METAL_DISABLE_TENSOR_OPS=1 "
+                           "turns this off); ";
+  c->reason += "FlashAttention-2 on Metal 4 tensor ops (MPP matmul2d, the MSL 4 library): blocks of " +
+               std::to_string(c->block_q) + " queries x " + std::to_string(c->block_k) + " keys on " +
+               std::to_string(c->simdgroups) + " simdgroups of 16 rows, Q, K and V read from device memory by "
+               "matmul2d, P through " + kib(tensor_ops_threadgroup_memory(p.dtype)) + " of threadgroup memory";
+}
+
+// Whether Auto's prefill runs on the tensor-op kernels, MLX's
+// is_nax_available and PyTorch's has_mpp gate made one function: an Apple 10
+// GPU or later (M5: matmul2d engages its neural accelerators; on Apple 9
+// matmul2d runs on the shader cores, and our model has no figure that it
+// beats the simdgroup kernel there, so it stays off), macOS 26.2 and the MSL
+// 4 library in this process, the switch not off (all three in
+// gpu.tensor_ops_missing), and a problem the kernel serves: float16 or
+// bfloat16 (float32 stays IEEE on simdgroup matrices: relaxed, TF32-like
+// precision is never chosen for the caller) at head dim 64, 96 or 128 for
+// q, k and v alike. *why_not says what failed, for Apple 10 GPUs only (on
+// older ones the path is not a candidate, and their reasons stay short).
+bool tensor_ops_route(const AttentionProblem& p, const GpuSpec& gpu, std::string* why_not) {
+  if (gpu.family < 10) return false;
+  if (p.paged) {
+    *why_not = "a paged KV cache (the tensor-op kernels do not read the block table; the simdgroup prefill does)";
+  } else if (p.dtype != c10::ScalarType::Half && p.dtype != c10::ScalarType::BFloat16) {
+    *why_not = "float32 stays on simdgroup matrices (the tensor-op kernels take float16 / bfloat16)";
+  } else if (p.head_dim_v != p.head_dim || (p.head_dim != 64 && p.head_dim != 96 && p.head_dim != 128)) {
+    *why_not = "head dims " + std::to_string(p.head_dim) + " / " + std::to_string(p.head_dim_v) +
+               ": the tensor-op kernels serve 64, 96 and 128 with equal q/k and v dims";
+  } else if (!gpu.tensor_ops_missing.empty()) {
+    *why_not = gpu.tensor_ops_missing;
+  } else {
+    return true;
+  }
+  return false;
+}
+
+}  // namespace flash_metal::plan_detail
