@@ -391,7 +391,8 @@ _CACHE: dict[tuple, Library] = {}
 _CACHE_LOCK = threading.Lock()
 
 
-def compile_library(paths, instrumented: bool = False, fast_math: bool = False, msl: int = 3) -> Library:
+def compile_library(paths, instrumented: bool = False, fast_math: bool = False, msl: int = 3,
+                    only=None) -> Library:
     """Compile .metal files (unmodified) into an emulator library, cached on disk and per process.
 
     instrumented: the sanitizing -O1 build (else -O2). fast_math: compile the
@@ -399,16 +400,21 @@ def compile_library(paths, instrumented: bool = False, fast_math: bool = False, 
     default fast-math mode (no infinities, no NaNs); see README.md. msl: 3
     (default) compiles as MSL 3.1 in C++17, like the shipped shaders; 4 as MSL
     4 in C++20, for kernels using <metal_tensor> and MPP tensor ops.
+    only: None (every kernel) or glob patterns over host names ('*' matches
+    any run of characters): a partial library holding only the kernels that
+    match, built in a fraction of the time. Asking it for another kernel raises
+    EmulatorError naming what it holds.
     """
     if isinstance(paths, str):
         paths = [paths]
     paths = [os.path.abspath(p) for p in paths]
     with _CACHE_LOCK:
-        key = (tuple(paths), bool(instrumented), bool(fast_math), msl)
+        only = _only_patterns(only)
+        key = (tuple(paths), bool(instrumented), bool(fast_math), msl, only)
         if key in _CACHE:
             return _CACHE[key]
         _build.common_flags(msl)  # validates msl
-        lib = _compile(paths, bool(instrumented), bool(fast_math), msl)
+        lib = _compile(paths, bool(instrumented), bool(fast_math), msl, only)
         _CACHE[key] = lib
         return lib
 
@@ -434,14 +440,35 @@ def _read_bytes(path: str) -> bytes:
         return f.read()
 
 
-def _compile(paths: list[str], instrumented: bool, fast_math: bool, msl: int = 3) -> Library:
+_HOST_NAME_PATTERN = re.compile(r"[A-Za-z0-9_*]+")
+
+
+def _only_patterns(only):
+    """only as a sorted tuple of validated glob patterns (None: every kernel)."""
+    if only is None:
+        return None
+    if isinstance(only, str):
+        only = [only]
+    only = tuple(sorted(set(only)))
+    if not only:
+        raise EmulatorError("only= needs at least one host-name pattern (None builds every kernel)")
+    for p in only:
+        if not isinstance(p, str) or not _HOST_NAME_PATTERN.fullmatch(p):
+            raise EmulatorError(f"only= pattern {p!r}: letters, digits, '_' and '*' only")
+    return only
+
+
+def _compile(paths: list[str], instrumented: bool, fast_math: bool, msl: int = 3, only=None) -> Library:
     clang = _build.find_clang()
     kflags = _build.kernel_flags(instrumented, fast_math, msl)
+    if only is not None:
+        kflags = kflags + ["-DFMEMU_ONLY=" + ",".join(f'"{p}"' for p in only)]
     # kflags are part of the key, so each flavour has its own cache entry.
     key = _build.source_key(paths, *kflags, *_build.RUNTIME_FLAGS, *_build.link_flags(),
                             *(_read_bytes(os.path.join(_build.RUNTIME_DIR, s))
                               for s in _build.RUNTIME_SOURCES + _build.RUNTIME_HEADERS))
-    flavour = ("inst-" if instrumented else "fast-") + ("fastmath-" if fast_math else "") + ("msl4-" if msl == 4 else "")
+    flavour = (("inst-" if instrumented else "fast-") + ("fastmath-" if fast_math else "") + ("msl4-" if msl == 4 else "")
+               + ("part-" if only is not None else ""))
     final = os.path.join(_build.CACHE_DIR, flavour + key)
 
     def build(tmp: str) -> None:

@@ -49,6 +49,44 @@ struct kernel_registrar {
 };
 }  // namespace fmemu
 
+// A partial build: compile_library(only=...) passes -DFMEMU_ONLY="p1","p2",...,
+// glob patterns ('*' matches any run of characters) over host names; a
+// registration site whose host name matches none is never instantiated, so a
+// test needing a few kernels of a big library does not compile the rest.
+namespace fmemu {
+constexpr bool glob_match(const char* p, const char* s) {
+  // Iterative '*' matching with one backtrack point (linear for our patterns).
+  const char* star = nullptr;
+  const char* resume = nullptr;
+  while (*s) {
+    if (*p == '*') {
+      star = p++;
+      resume = s;
+    } else if (*p == *s) {
+      ++p;
+      ++s;
+    } else if (star) {
+      p = star + 1;
+      s = ++resume;
+    } else {
+      return false;
+    }
+  }
+  while (*p == '*') ++p;
+  return *p == 0;
+}
+#ifdef FMEMU_ONLY
+constexpr const char* only_patterns[] = {FMEMU_ONLY};
+constexpr bool wanted(const char* host_name) {
+  for (const char* p : only_patterns)
+    if (glob_match(p, host_name)) return true;
+  return false;
+}
+#else
+constexpr bool wanted(const char*) { return true; }
+#endif
+}  // namespace fmemu
+
 #define FMEMU_CAT2(a, b) a##b
 #define FMEMU_CAT(a, b) FMEMU_CAT2(a, b)
 #if defined(FMEMU_SCAN)
@@ -91,5 +129,5 @@ struct kernel_registrar {
     }                                                                                                     \
   };                                                                                                      \
   static const int FMEMU_CAT(fm_kernel_registrar_, n) =                                                   \
-      FMEMU_CAT(fm_kernel_site_, n)<void, (n) % FMEMU_SHARDS == FMEMU_SHARD>::add();
+      FMEMU_CAT(fm_kernel_site_, n)<void, (n) % FMEMU_SHARDS == FMEMU_SHARD && ::fmemu::wanted(host_name)>::add();
 #endif
