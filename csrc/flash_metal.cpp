@@ -99,12 +99,17 @@ TORCH_LIBRARY(flash_metal, m) {
   // themselves for Nq <= 8 (impl 'auto', 'decode', 'decode_split'), the
   // prefill kernel for Nq > 8 (or impl 'prefill'); for head dims past 256,
   // and on CPU, the rows in use are gathered into packed buffers for the
-  // varlen kernels. Values
+  // varlen kernels. With cu_seqlens_q (flash_attn_varlen_func's paged
+  // prefill): q is packed (total_q, Hq, D), sequence b's queries its rows
+  // cu_seqlens_q[b] .. cu_seqlens_q[b + 1] - 1 (max_seqlen_q at most), and
+  // out (total_q, Hq, D_v) and lse (Hq, total_q) as attention_varlen_forward's;
+  // on Metal the prefill kernel reads the table for them too. Values
   // (lengths within the capacity, entries in range) are checked on CPU and
   // are the caller's contract on MPS, as in flash-attn.
   m.def("attention_kvcache(Tensor q, Tensor k_cache, Tensor v_cache, Tensor cache_seqlens, Tensor? block_table=None, "
         "bool causal=False, float? scale=None, int window_left=-1, int window_right=-1, float softcap=0.0, "
-        "Tensor? sinks=None, str impl=\"auto\") -> (Tensor out, Tensor lse)");
+        "Tensor? sinks=None, str impl=\"auto\", Tensor? cu_seqlens_q=None, int max_seqlen_q=0) "
+        "-> (Tensor out, Tensor lse)");
   // The Metal launch plan attention_forward (backward=True: attention_backward,
   // reading the strides of the optional grad_out, out, lse and grad_lse,
   // packed when None) would use for these inputs,

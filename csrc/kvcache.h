@@ -30,6 +30,7 @@ struct KvCacheCall {
   at::Tensor k_cache, v_cache;  // as given, (num_blocks, page_size, Hkv, D) / (..., D_v)
   at::Tensor block_table;       // int32 (B, max_blocks), entries contiguous (a copy when they were not)
   at::Tensor cache_seqlens;     // int32 (B,), contiguous
+  at::Tensor cu_seqlens_q;      // packed queries: int32 (B + 1,), contiguous (undefined otherwise)
 };
 
 // Validates attention_kvcache's inputs: q (B, Hq, Nq, D); k_cache
@@ -41,9 +42,16 @@ struct KvCacheCall {
 // capacity, every table entry in use names a block of the cache); on MPS
 // reading them would cost a device sync, so, as in flash-attn, they are the
 // caller's contract (the kernels do not check them).
+// With cu_seqlens_q (flash_attn_varlen_func's paged prefill), q is packed
+// (total_q, Hq, D): sequence b's queries are its rows cu_seqlens_q[b] ..
+// cu_seqlens_q[b + 1] - 1 (at most max_seqlen_q), its keys as above; then
+// p.varlen, c.q the (1, Hq, total_q, D) view, and out (total_q, Hq, D_v) and
+// lse (Hq, total_q) as attention_varlen's.
 KvCacheCall check_kvcache_inputs(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                  const at::Tensor& cache_seqlens, const std::optional<at::Tensor>& block_table,
-                                 const AttentionOptions& options);
+                                 const AttentionOptions& options,
+                                 const std::optional<at::Tensor>& cu_seqlens_q = std::nullopt,
+                                 int64_t max_seqlen_q = 0);
 
 // The gather path: each sequence's rows in use (keys 0 .. cache_seqlens[b]
 // - 1, through the table; nothing else is read) copied into packed

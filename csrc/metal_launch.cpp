@@ -369,8 +369,10 @@ AttentionParams make_params(const AttentionProblem& p, const LaunchStrides& s, u
   }
   if (p.varlen) {
     // The packed tensors are (1, H, total, D) views: a sequence is found by
-    // its first row (cu_seqlens), never by a batch stride.
-    a.q_batch_stride = a.k_batch_stride = a.v_batch_stride = a.o_batch_stride = 0;
+    // its first row (cu_seqlens), never by a batch stride. A paged cache's
+    // k/v keep theirs: it is the page stride (packed queries, fc_paged).
+    a.q_batch_stride = a.o_batch_stride = 0;
+    if (!p.paged) a.k_batch_stride = a.v_batch_stride = 0;
     a.lse_batch_stride = a.do_batch_stride = a.glse_batch_stride = 0;
   }
   return a;

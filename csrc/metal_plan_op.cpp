@@ -36,20 +36,23 @@ metal_plan(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool c
   const auto given = [](const std::optional<at::Tensor>& t) { return t.has_value() && t->defined(); };
   const AttentionOptions options = make_options(causal, scale, attn_mask, window_left, window_right, softcap, sinks);
   bool varlen = given(cu_seqlens_q) || given(cu_seqlens_k);
-  TORCH_CHECK_VALUE(!varlen || (given(cu_seqlens_q) && given(cu_seqlens_k)),
-                    "flash_metal.metal_plan: give both cu_seqlens_q and cu_seqlens_k (varlen) or neither");
+  const bool kvcache = given(cache_seqlens);
+  // attention_kvcache's packed queries take cu_seqlens_q alone (the key counts are cache_seqlens).
+  TORCH_CHECK_VALUE(!varlen || (given(cu_seqlens_q) && (given(cu_seqlens_k) != kvcache)),
+                    "flash_metal.metal_plan: give both cu_seqlens_q and cu_seqlens_k (varlen) or neither; with "
+                    "cache_seqlens (attention_kvcache), cu_seqlens_q alone (packed queries)");
   KernelRequest request = parse_kernel_request(std::string(kernel));
   // attention_kvcache's plan (cache_seqlens given; k and v are the caches):
   // the paged decode, or the gather path's varlen plan over the gathered
   // rows (which this reads, from CPU tensors), as the op would run them.
   std::string route;
-  const bool kvcache = given(cache_seqlens);
   TORCH_CHECK_VALUE(kvcache || !given(block_table), "flash_metal.metal_plan: block_table needs cache_seqlens");
-  TORCH_CHECK_VALUE(!kvcache || (!varlen && !backward), "flash_metal.metal_plan: cache_seqlens (attention_kvcache) "
-                    "takes no cu_seqlens and has no backward");
+  TORCH_CHECK_VALUE(!kvcache || !backward, "flash_metal.metal_plan: cache_seqlens (attention_kvcache) has no "
+                    "backward");
   AttentionCall call;
   if (kvcache) {
-    const KvCacheCall kc = check_kvcache_inputs(q, k, v, *cache_seqlens, block_table, options);
+    const KvCacheCall kc = check_kvcache_inputs(q, k, v, *cache_seqlens, block_table, options, cu_seqlens_q,
+                                                max_seqlen_q);
     if (kvcache_reads_table(kc.c.p, request, &route)) {
       call = kc.c;
     } else {

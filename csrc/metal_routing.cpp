@@ -340,6 +340,8 @@ bool kvcache_reads_table(const AttentionProblem& p, KernelRequest requested, std
                     "flash_metal.attention_kvcache: impl must be 'auto', 'decode', 'decode_split' or 'prefill' "
                     "(each reads the block table); got '", request_name(requested),
                     "'");
+  TORCH_CHECK_VALUE(!decode_request || !p.varlen, "flash_metal.attention_kvcache: impl='", request_name(requested),
+                    "' does not take packed queries (cu_seqlens_q); use impl='auto' or 'prefill'");
   TORCH_CHECK_VALUE(!decode_request || p.q_len <= kMaxDecodeRows, "flash_metal.attention_kvcache: impl='",
                     request_name(requested), "' serves at most ", kMaxDecodeRows, " query rows; got ", p.q_len,
                     " (use impl='auto' or 'prefill')");
@@ -352,11 +354,14 @@ bool kvcache_reads_table(const AttentionProblem& p, KernelRequest requested, std
            "then the varlen plan: ";
     return false;
   }
-  if (requested == KernelRequest::Prefill || p.q_len > kMaxDecodeRows) {
+  if (requested == KernelRequest::Prefill || p.q_len > kMaxDecodeRows || p.varlen) {
+    // Packed queries (cu_seqlens_q: flash_attn_varlen_func's paged prefill)
+    // go to the prefill whatever their lengths: the decode kernels take no cu_seqlens.
     *why = "paged KV cache: the prefill kernel reads K/V through the block table (" +
            (requested == KernelRequest::Prefill ? std::string("impl='prefill'")
-                                                : "Nq = " + std::to_string(p.q_len) + " > " +
-                                                      std::to_string(kMaxDecodeRows)) +
+            : p.varlen ? "packed queries of their own lengths, cu_seqlens_q, max_seqlen_q = " +
+                             std::to_string(p.q_len) + ": fc_varlen with fc_paged, no gather"
+                       : "Nq = " + std::to_string(p.q_len) + " > " + std::to_string(kMaxDecodeRows)) +
            "; " + pages + ", fc_paged; each sequence's own key count from cache_seqlens, causal and window aligned "
            "to it; nothing copied): ";
     return true;
@@ -424,8 +429,8 @@ KernelChoice choose_metal_kernel(const AttentionProblem& p, KernelRequest reques
                               request_name(c.kind), "' (the post's kernel takes one head dim); use impl='auto', "
                               "'prefill' or (Nq <= 8) 'decode'");
   const bool decode_family = c.kind == KernelRequest::Decode || c.kind == KernelRequest::DecodeSplit;
-  TORCH_CHECK(!p.paged || (!p.varlen && (c.kind == KernelRequest::Prefill ||
-                                          (decode_family && p.q_len <= kMaxDecodeRows))), kOp,
+  TORCH_CHECK(!p.paged || c.kind == KernelRequest::Prefill || (decode_family && !p.varlen && p.q_len <= kMaxDecodeRows),
+              kOp,
               ": internal error: a paged KV cache plans only the decode and prefill kernels (kvcache_reads_table "
               "sends the rest to the gather path)");
   TORCH_CHECK_VALUE(!decode_family || !p.varlen, kOp, ": impl='", request_name(c.kind),

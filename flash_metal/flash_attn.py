@@ -79,11 +79,14 @@ def flash_attn_varlen_func(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor
     Paged (flash-attn >= 2.6): with block_table (B, max_blocks) int32, k and v
     are caches (num_blocks, page_size, Hkv, D) and sequence b's j-th key is
     row j % page_size of block block_table[b, j // page_size]; cu_seqlens_k
-    still gives the key counts. Only the pages in use are read (gathered
-    into one packed buffer first: the paged prefill kernel reads through the
-    table for flash_attn_with_kvcache's equal-length queries, but takes no
-    cu_seqlens_q yet, so packed queries of their own lengths go to the
-    varlen kernel). sinks (Hq,): attention sinks (a flash_metal extension).
+    still gives the key counts; causal and the window are bottom-right
+    aligned to each sequence's own lengths. Only the pages in use are read:
+    on Metal the prefill kernel takes the packed queries (cu_seqlens_q) and
+    reads K/V through the table, nothing copied (head dims past 256: the
+    rows in use are gathered into one packed buffer first); on CPU they are
+    always gathered (O(total keys) memory) for the varlen kernel. Forward
+    only, as flash-attn's paged path. sinks (Hq,): attention sinks (a
+    flash_metal extension).
     Returns out (total_q, Hq, D), or with return_attn_probs (out, lse (Hq, total_q), None).
     """
     what = "flash_attn_varlen_func"
@@ -103,9 +106,15 @@ def flash_attn_varlen_func(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor
             raise ValueError(f"flash_metal.{what}: a sequence of {int(ends.max())} keys (cu_seqlens_k) exceeds the "
                              f"block table's capacity of {capacity} keys (max_blocks_per_seq * page_size)")
         _kvcache.check_entries(table, page, ends, k.shape[0], what)
-        rows = _kvcache.rows_in_use(table, page, torch.zeros_like(ends), ends)
-        k, v = _kvcache.gather(k, rows), _kvcache.gather(v, rows)
-        cu_seqlens_k = _kvcache.cumulative(ends)
+        # attention_kvcache with packed queries: on Metal the prefill kernel
+        # reads the pages in use through the table (nothing gathered); on CPU
+        # the op gathers them for the varlen kernel, as it does for
+        # flash_attn_with_kvcache.
+        with torch.no_grad():
+            out, lse = ops.attention_kvcache_with_lse(q, k, v, ends.to(torch.int32), block_table, causal,
+                                                      softmax_scale, left, right, softcap, sinks,
+                                                      cu_seqlens_q=cu_seqlens_q, max_seqlen_q=int(max_seqlen_q))
+        return (out, lse, None) if return_attn_probs else out
     out, lse = ops.attention_varlen_with_lse(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q),
                                              int(max_seqlen_k), causal, softmax_scale, left, right, softcap,
                                              sinks=sinks)

@@ -125,6 +125,7 @@ def attention_kvcache_with_lse(
     q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens: Tensor, block_table: Optional[Tensor] = None,
     causal: bool = False, scale: Optional[float] = None, window_left: int = -1, window_right: int = -1,
     softcap: float = 0.0, sinks: Optional[Tensor] = None, impl: str = "auto",
+    cu_seqlens_q: Optional[Tensor] = None, max_seqlen_q: int = 0,
 ) -> Tuple[Tensor, Tensor]:
     """Attention of q against a (paged) KV cache: the attention of flash-attn's flash_attn_with_kvcache.
 
@@ -142,9 +143,17 @@ def attention_kvcache_with_lse(
     kernels. impl (Metal): "auto", "decode", "decode_split" or "prefill"
     (the gather path). Forward only. Returns out (B, Hq, Nq, D_v) and lse
     (B, Hq, Nq) float32.
+
+    Packed queries (flash_attn_varlen_func's paged prefill): with
+    cu_seqlens_q int32 (B + 1,), q is (total_q, Hq, D) and sequence b's
+    queries are its rows cu_seqlens_q[b] .. cu_seqlens_q[b + 1] - 1 (at most
+    max_seqlen_q); its keys as above. On Metal the prefill kernel reads the
+    table for them too (fc_varlen with fc_paged; CPU gathers). Returns out
+    (total_q, Hq, D_v) and lse (Hq, total_q), as attention_varlen_with_lse.
     """
     return torch.ops.flash_metal.attention_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, causal, scale,
-                                                   window_left, window_right, softcap, sinks, impl)
+                                                   window_left, window_right, softcap, sinks, impl, cu_seqlens_q,
+                                                   int(max_seqlen_q))
 
 
 # The tensors of a launch, in the order of the plan's binding table
@@ -245,7 +254,8 @@ def explain(
     kernels' fc_has_sinks, and the backward's third dispatch, flash_sinks_grad.
     With cache_seqlens (and block_table): attention_kvcache_with_lse's plan,
     k and v being the caches: the decode or prefill kernel reading the table,
-    or the gather path's varlen plan (the reason says which).
+    or the gather path's varlen plan (the reason says which); with
+    cu_seqlens_q too (no cu_seqlens_k), its packed queries' plan.
     """
     varlen = cu_seqlens_q is not None
     args = ((q, k, v) if varlen else (_as_4d(q), _as_4d(k), _as_4d(v))) + (causal, scale, impl, gpu)
@@ -311,10 +321,16 @@ def _attention_varlen_forward_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seql
 
 @torch.library.register_fake("flash_metal::attention_kvcache")
 def _attention_kvcache_fake(q, k_cache, v_cache, cache_seqlens, block_table=None, causal=False, scale=None,
-                            window_left=-1, window_right=-1, softcap=0.0, sinks=None, impl="auto"):
-    torch._check(q.dim() == 4, lambda: f"q must be 4-D (batch, heads, seq_len, head_dim); got {q.dim()}-D")
+                            window_left=-1, window_right=-1, softcap=0.0, sinks=None, impl="auto",
+                            cu_seqlens_q=None, max_seqlen_q=0):
     torch._check(k_cache.dim() == 4 and v_cache.dim() == 4,
                  lambda: "k_cache and v_cache must be 4-D (num_blocks, page_size, kv_heads, head_dim)")
+    if cu_seqlens_q is not None:  # packed queries: attention_varlen's layouts
+        torch._check(q.dim() == 3, lambda: f"q must be 3-D (total_q, heads, head_dim) with cu_seqlens_q; got "
+                                           f"{q.dim()}-D")
+        T, H, _ = q.shape
+        return q.new_empty((T, H, v_cache.shape[3])), q.new_empty((H, T), dtype=torch.float32)
+    torch._check(q.dim() == 4, lambda: f"q must be 4-D (batch, heads, seq_len, head_dim); got {q.dim()}-D")
     B, H, N, _ = q.shape
     return q.new_empty((B, H, N, v_cache.shape[3])), q.new_empty((B, H, N), dtype=torch.float32)
 

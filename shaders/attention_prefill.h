@@ -253,7 +253,8 @@ FM_INLINE void prefill_load_kv(threadgroup T* tile, device const T* base, int64_
 // kernels': key j of sequence b is row j % page_size of page
 // block_table[b][j / page_size], k/v's batch stride is the page stride, the
 // sequence's key count is cache_seqlens[b] with causal and window aligned to
-// it; never with varlen; fc_align_k then false). Varlen:
+// it; with fc_varlen its queries are packed at cu_seqlens_q[b], and
+// cu_seqlens_k is not read; fc_align_k then false). Varlen:
 // Nq is max_seqlen_q and B the number of sequences; the align constants are
 // then false.
 //
@@ -320,8 +321,9 @@ template <typename T, int DMAX, int BQ, int BK, int WM>
   // The threadgroup's sequence: the whole (Nq, Nk) problem, or under
   // fc_varlen sequence group.z of the packed batch, whose rows start at
   // q_row0 / k_row0 (the planner zeroes the batch strides then).
-  // Under fc_paged, sequence group.z of the cache: its own key count.
-  const SeqView seq = fc_paged ? paged_sequence_view(p, cache_seqlens, group.z)
+  // Under fc_paged, sequence group.z of the cache: its own key count (and
+  // with fc_varlen its packed queries, prefill_paged_sequence_view).
+  const SeqView seq = fc_paged ? prefill_paged_sequence_view(p, cu_seqlens_q, cache_seqlens, group.z)
                                : sequence_view(p, cu_seqlens_q, cu_seqlens_k, group.z);
   const int q0 = int(group.x) * BQ;       // first query row of the threadgroup
   // Varlen: the grid covers max_seqlen_q; a block past this sequence's end

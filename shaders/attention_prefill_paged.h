@@ -10,6 +10,28 @@
 
 namespace flash_metal {
 
+// The view of sequence `batch` under fc_paged: its own key count,
+// cache_seqlens[batch], and its queries either the whole Nq rows
+// (attention_kvcache) or, under fc_varlen (flash_attn_varlen_func with
+// block_table), rows cu_seqlens_q[batch] .. cu_seqlens_q[batch + 1] - 1 of
+// the packed q, o and lse. Causal and the window are bottom-right aligned
+// to the sequence's own lengths, as in the varlen and paged views. Its keys
+// have no packed row (k_row0 0): the table finds them.
+inline SeqView prefill_paged_sequence_view(constant AttentionParams& p, device const int* cu_seqlens_q,
+                                           device const int* cache_seqlens, uint batch) {
+  SeqView s;
+  s.k_row0 = 0;
+  s.kv_len = cache_seqlens[batch];
+  if (fc_varlen) {
+    s.q_row0 = cu_seqlens_q[batch];
+    s.q_len = cu_seqlens_q[batch + 1] - int(s.q_row0);
+  } else {
+    s.q_row0 = 0;
+    s.q_len = p.q_len;
+  }
+  return with_window_bounds(s, p);
+}
+
 // fc_paged, tiles that may cross pages (page_size neither a multiple of BK
 // nor the whole table row): the general loader's element order, each tile
 // row r found through the table. Key k0 + r of the sequence is row

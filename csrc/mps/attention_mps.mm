@@ -339,10 +339,12 @@ FLASH_METAL_DEFINE_OPS(forward_kernel, backward_kernel)
 std::tuple<at::Tensor, at::Tensor> attention_kvcache_impl(
     const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& cache_seqlens,
     const std::optional<at::Tensor>& block_table, bool causal, std::optional<double> scale, int64_t window_left,
-    int64_t window_right, double softcap, const std::optional<at::Tensor>& sinks, c10::string_view impl) {
+    int64_t window_right, double softcap, const std::optional<at::Tensor>& sinks, c10::string_view impl,
+    const std::optional<at::Tensor>& cu_seqlens_q, int64_t max_seqlen_q) {
   const KvCacheCall kc = check_kvcache_inputs(
       q, k_cache, v_cache, cache_seqlens, block_table,
-      make_options(causal, scale, std::nullopt, window_left, window_right, softcap, sinks));
+      make_options(causal, scale, std::nullopt, window_left, window_right, softcap, sinks), cu_seqlens_q,
+      max_seqlen_q);
   std::string why;
   if (!kvcache_reads_table(kc.c.p, parse_kernel_request(std::string(impl)), &why)) {
     return run_kvcache_gather(kc, forward_kernel);
