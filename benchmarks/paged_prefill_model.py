@@ -79,6 +79,50 @@ def rows(quick: bool):
     return s, out
 
 
+def varlen_rows(quick: bool):
+    """flash_attn_varlen_func's paged prefill (packed queries of their own
+    lengths, fc_varlen with fc_paged, 16-key pages) against the varlen kernel
+    on the same keys packed, plus the gather it no longer runs: K and V's
+    rows in use read and written once, priced at the chip's bandwidth (a
+    floor for that copy). The timing model sizes key blocks by the longest
+    sequence, the same approximation for both kernels."""
+    import backends
+    import test_metal_decode_paged as P
+    from test_metal_prefill_paged_varlen import run_paged_varlen
+
+    dtype, hq, hkv, d, page = torch.float16, 8, 2, 64, 16
+    q_lens, k_lens = ([32, 9], [256, 100]) if quick else ([64, 17, 40], [512, 200, 333])
+    g = torch.Generator().manual_seed(5)
+    k_cache, v_cache, table, k_contig, v_contig = P.make_paged_cache(len(q_lens), hkv, d, dtype, page, k_lens, g)
+    cu = lambda n: torch.tensor([0] + torch.tensor(n).cumsum(0).tolist(), dtype=torch.int32)  # noqa: E731
+    q = torch.randn(sum(q_lens), hq, d, generator=g).to(dtype)
+    packed = [torch.cat([c[b, :, :n].transpose(0, 1) for b, n in enumerate(k_lens)]) for c in (k_contig, v_contig)]
+    s = M.Shape(len(q_lens), hq, hkv, max(q_lens), max(k_lens), d)
+
+    def records():
+        return [M.Record(r.kernel_name, r.grid, r.threadgroup, r.threadgroup_memory, M._count_dict(r, c), False,
+                         ("prefill", False)) for r, c in backends.LAST_DISPATCHES]
+
+    run_paged_varlen(q, k_cache, v_cache, cu(q_lens), max(q_lens), torch.tensor(k_lens, dtype=torch.int32), table,
+                     True)
+    paged = records()
+    backends.emulated_metal_varlen(q, *packed, cu(q_lens), cu(k_lens), max(q_lens), max(k_lens), True,
+                                   instrumented=True)
+    contig = records()
+    gather_bytes = 2 * 2 * sum(k_lens) * hkv * d * 2  # K and V, read and written, float16
+    out = []
+    for gpu in [G.BY_NAME[n] for n in (("M3 Max",) if quick else ("M3 Max", G.POST_GPU))]:
+        t_c = T.predict_band(contig, gpu, s, dtype, True)[1]
+        t_p = T.predict_band(paged, gpu, s, dtype, True)[1]
+        t_g = gather_bytes / (gpu.bandwidth_gbs * 1e9)
+        out.append(dict(gpu=gpu.name, q_lens=q_lens, k_lens=k_lens, contig_ms=t_c * 1e3, paged_ms=t_p * 1e3,
+                        gather_ms=t_g * 1e3, paged_over_gather_then_varlen=t_p / (t_c + t_g),
+                        table_bytes=paged[0].counts["dram_block_table"],
+                        kv_bytes_equal=(paged[0].counts["dram_k"] == contig[0].counts["dram_k"]
+                                        and paged[0].counts["dram_v"] == contig[0].counts["dram_v"])))
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true")
@@ -92,6 +136,13 @@ def main(argv=None) -> int:
         print(f"{r['gpu']:<16}{r['page']:>6}{r['block_k']:>4}{r['contig_ms']:>11.4f}{r['paged_ms']:>10.4f}"
               f"{r['paged_over_contig']:>7.3f}{r['stall_bound_ms']:>13.4f}{r['table_bytes']:>9}  "
               f"{r['kv_bytes_equal']}")
+    print("Paged varlen prefill (flash_attn_varlen_func with block_table; 16-key pages, Hq 8, Hkv 2, D 64, "
+          "float16, causal) against the gather then the varlen kernel (the gather at the chip's bandwidth):")
+    print(f"{'gpu':<16}{'varlen ms':>11}{'gather ms':>11}{'paged ms':>10}{'ratio':>7}{'table B':>9}  K/V bytes equal")
+    for r in varlen_rows(args.quick):
+        print(f"{r['gpu']:<16}{r['contig_ms']:>11.4f}{r['gather_ms']:>11.4f}{r['paged_ms']:>10.4f}"
+              f"{r['paged_over_gather_then_varlen']:>7.3f}{r['table_bytes']:>9}  {r['kv_bytes_equal']}  "
+              f"(q {r['q_lens']}, keys {r['k_lens']})")
     return 0
 
 

@@ -11,9 +11,9 @@ are never touched (they may hold anything, NaN included).
 
 The gather copies the rows in use into one packed (total, H, D) buffer that
 the varlen op reads: O(N) memory, one extra pass over the keys. It serves
-the paged flash_attn_varlen_func and cache_leftpad; flash_attn_with_kvcache
-otherwise calls attention_kvcache, whose Metal decode and prefill kernels
-read through the table themselves (csrc/kvcache.cpp gathers by the same rule
+cache_leftpad; flash_attn_with_kvcache otherwise, and the paged
+flash_attn_varlen_func (with its packed queries), call attention_kvcache,
+whose Metal decode and prefill kernels read through the table themselves (csrc/kvcache.cpp gathers by the same rule
 elsewhere).
 """
 from typing import Optional, Tuple, Union

@@ -279,6 +279,36 @@ def test_host_reads_the_paged_kv_cache(host, emu, nq):
     assert 19 in bound and 20 in bound
 
 
+def test_host_reads_the_paged_kv_cache_with_packed_queries(host, emu):
+    # flash_attn_varlen_func's paged prefill through the real .mm:
+    # attention_kvcache with cu_seqlens_q, q packed (total_q, Hq, D); out and
+    # lse allocated as attention_varlen's; cu_seqlens_q bound at 15, the
+    # table at 19, the lengths at 20, fc_varlen and fc_paged on; replayed, vs
+    # the oracle per sequence (one of them with no query).
+    from test_metal_decode_paged import make_paged_cache
+
+    g = torch.Generator().manual_seed(41)
+    q_lens, k_lens = [9, 0, 14], [37, 20, 16]
+    k_cache, v_cache, table, kc, vc = make_paged_cache(3, 2, 64, torch.float16, 16, k_lens, g)
+    cu_q = torch.tensor([0, 9, 9, 23], dtype=torch.int32)
+    q = torch.randn(23, 4, 64, generator=g).half()
+    lengths = torch.tensor(k_lens, dtype=torch.int32)
+    (out, lse), rec = host.call("attention_kvcache", q, k_cache, v_cache, lengths, table, True, library=emu,
+                                cu_seqlens_q=cu_q, max_seqlen_q=14)
+    assert rec["errors"] == [] and out.shape == (23, 4, 64) and lse.shape == (4, 23)
+    for b, (s, e) in enumerate(zip(cu_q[:-1].tolist(), cu_q[1:].tolist())):
+        if e > s:
+            assert_attention_close(out[s:e].transpose(0, 1)[None], lse[:, s:e][None], q[s:e].transpose(0, 1)[None],
+                                   kc[b:b + 1, :, :k_lens[b]], vc[b:b + 1, :, :k_lens[b]], True)
+    plan = flash_metal.explain(q, k_cache, v_cache, True, cu_seqlens_q=cu_q, max_seqlen_q=14, block_table=table,
+                               cache_seqlens=lengths)
+    d = plan.dispatches[0]
+    assert d.kernel_name.startswith("flash_attention_prefill_") and d.function_constants[9] and d.function_constants[12]
+    assert [e["kernel"] for e in rec["events"] if e["op"] == "setComputePipelineState"] == [d.kernel_name]
+    bound = {e["index"] for e in rec["events"] if e["op"] == "setBuffer"}
+    assert {15, 19, 20} <= bound
+
+
 @pytest.mark.parametrize("impl", ["auto", "decode_split"])
 def test_host_runs_a_value_head_dim_of_its_own(host, emu, impl):
     # MLA-style D_v != D_qk (issue 20 section 2) through the real .mm: out
