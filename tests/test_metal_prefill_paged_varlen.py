@@ -193,6 +193,26 @@ def test_flash_attn_varlen_func_routes_paged_caches_to_the_op(monkeypatch):
     assert torch.equal(out, ref) and torch.equal(lse, ref_lse)
 
 
+def test_wide_heads_with_packed_queries_still_gather():
+    # Head dims past the prefill's widest bucket (256): the op gathers the
+    # rows in use and keeps the packed queries (the varlen plan, here the
+    # composite path); on CPU the same call equals the contiguous varlen one.
+    g = torch.Generator().manual_seed(8)
+    q_lens, k_lens = [3, 5], [20, 9]
+    k_cache, v_cache, table, k_contig, v_contig = make_paged_cache(2, 1, 320, torch.float32, 16, k_lens, g)
+    cu_q, lengths = _cu(q_lens), torch.tensor(k_lens, dtype=torch.int32)
+    q = torch.randn(8, 2, 320, generator=g)
+    plan = flash_metal.explain(q, k_cache, v_cache, True, None, "auto", cu_seqlens_q=cu_q, max_seqlen_q=5,
+                               block_table=table, cache_seqlens=lengths)
+    assert "gather path" in plan.reason, plan.reason
+    out, lse = flash_metal.ops.attention_kvcache_with_lse(q, k_cache, v_cache, lengths, table, True,
+                                                          cu_seqlens_q=cu_q, max_seqlen_q=5)
+    ref, ref_lse = flash_metal.attention_varlen_with_lse(q, _gathered(k_contig, k_lens), _gathered(v_contig, k_lens),
+                                                         cu_q, _cu(k_lens), 5, 20, True)
+    assert out.shape == (8, 2, 320) and lse.shape == (2, 8)
+    assert torch.equal(out, ref) and torch.equal(lse, ref_lse)
+
+
 def test_bad_packed_queries_name_the_argument():
     q = torch.randn(10, 2, 32)
     cache = torch.randn(4, 8, 1, 32)
