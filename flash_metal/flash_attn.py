@@ -84,9 +84,10 @@ def flash_attn_varlen_func(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor
     on Metal the prefill kernel takes the packed queries (cu_seqlens_q) and
     reads K/V through the table, nothing copied (head dims past 256: the
     rows in use are gathered into one packed buffer first); on CPU they are
-    always gathered (O(total keys) memory) for the varlen kernel. Forward
-    only, as flash-attn's paged path. sinks (Hq,): attention sinks (a
-    flash_metal extension).
+    always gathered (O(total keys) memory) for the varlen kernel. When a
+    gradient is wanted (grad mode on and q, k, v or sinks requiring it) the
+    pages in use are gathered on every device, so the backward runs as for
+    packed K/V. sinks (Hq,): attention sinks (a flash_metal extension).
     Returns out (total_q, Hq, D), or with return_attn_probs (out, lse (Hq, total_q), None).
     """
     what = "flash_attn_varlen_func"
@@ -106,15 +107,22 @@ def flash_attn_varlen_func(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor
             raise ValueError(f"flash_metal.{what}: a sequence of {int(ends.max())} keys (cu_seqlens_k) exceeds the "
                              f"block table's capacity of {capacity} keys (max_blocks_per_seq * page_size)")
         _kvcache.check_entries(table, page, ends, k.shape[0], what)
-        # attention_kvcache with packed queries: on Metal the prefill kernel
-        # reads the pages in use through the table (nothing gathered); on CPU
-        # the op gathers them for the varlen kernel, as it does for
-        # flash_attn_with_kvcache.
-        with torch.no_grad():
+        grads = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, sinks))
+        if not grads:
+            # attention_kvcache with packed queries: on Metal the prefill
+            # kernel reads the pages in use through the table (nothing
+            # gathered); on CPU the op gathers them for the varlen kernel, as
+            # it does for flash_attn_with_kvcache. The op has no backward.
             out, lse = ops.attention_kvcache_with_lse(q, k, v, ends.to(torch.int32), block_table, causal,
                                                       softmax_scale, left, right, softcap, sinks,
                                                       cu_seqlens_q=cu_seqlens_q, max_seqlen_q=int(max_seqlen_q))
-        return (out, lse, None) if return_attn_probs else out
+            return (out, lse, None) if return_attn_probs else out
+        # Gradients wanted: the rows in use gathered (a differentiable copy)
+        # for the varlen op, whose backward reaches q, the caches and sinks.
+        rows = _kvcache.rows_in_use(table, page, torch.zeros_like(ends), ends)
+        k, v = _kvcache.gather(k, rows), _kvcache.gather(v, rows)
+        cu_seqlens_k = _kvcache.cumulative(ends)
+        max_seqlen_k = int(ends.max()) if batch else 0  # the table's bound, not the caller's (unused above)
     out, lse = ops.attention_varlen_with_lse(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q),
                                              int(max_seqlen_k), causal, softmax_scale, left, right, softcap,
                                              sinks=sinks)

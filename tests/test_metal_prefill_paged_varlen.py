@@ -193,6 +193,32 @@ def test_flash_attn_varlen_func_routes_paged_caches_to_the_op(monkeypatch):
     assert torch.equal(out, ref) and torch.equal(lse, ref_lse)
 
 
+def test_flash_attn_varlen_func_paged_gradients_gather():
+    # With a gradient wanted, the paged call gathers (differentiably) for the
+    # varlen op, whose backward runs: gradients equal to the contiguous call's.
+    g = torch.Generator().manual_seed(9)
+    q_lens, k_lens, page = [4, 7], [11, 6], 4
+    k_cache, v_cache, table, k_contig, v_contig = make_paged_cache(2, 1, 16, torch.float32, page, k_lens, g,
+                                                                   spare_blocks=0)
+    k_cache, v_cache = k_cache.nan_to_num(0.0), v_cache.nan_to_num(0.0)  # every block in use: no NaN to reach a grad
+    cu_q, cu_k = _cu(q_lens), _cu(k_lens)
+    q = torch.randn(11, 2, 16, generator=g, requires_grad=True)
+    kc, vc = k_cache.clone().requires_grad_(True), v_cache.clone().requires_grad_(True)
+    out = flash_metal.flash_attn_varlen_func(q, kc, vc, cu_q, cu_k, 7, 0, causal=True, block_table=table)
+    grad_out = torch.randn(out.shape, generator=g)
+    dq, dk, dv = torch.autograd.grad(out, (q, kc, vc), grad_out)
+    kp, vp = _gathered(k_contig, k_lens).requires_grad_(True), _gathered(v_contig, k_lens).requires_grad_(True)
+    ref = flash_metal.flash_attn_varlen_func(q, kp, vp, cu_q, cu_k, 7, 11, causal=True)
+    rq, rk, rv = torch.autograd.grad(ref, (q, kp, vp), grad_out)
+    assert torch.equal(out, ref) and torch.equal(dq, rq)
+    # each key's gradient lands on its page row
+    for b, n in enumerate(k_lens):
+        for j in range(n):
+            row = int(cu_k[b]) + j
+            assert torch.equal(dk[table[b, j // page], j % page], rk[row])
+            assert torch.equal(dv[table[b, j // page], j % page], rv[row])
+
+
 def test_wide_heads_with_packed_queries_still_gather():
     # Head dims past the prefill's widest bucket (256): the op gathers the
     # rows in use and keeps the packed queries (the varlen plan, here the
