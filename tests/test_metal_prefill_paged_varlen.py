@@ -24,7 +24,7 @@ from backends import LAST_DISPATCHES, _run_plan, emulated_metal_varlen
 from numerics import assert_attention_close
 from test_metal_decode_paged import SEQLENS, TABLE, make_paged_cache
 
-PAGED, VARLEN = 12, 9  # fc_paged, fc_varlen (csrc/metal_plan.h)
+PAGED, VARLEN, DENSE = 12, 9, 10  # fc_paged, fc_varlen, fc_dense (csrc/metal_plan.h)
 CU_Q = 15  # [[buffer(15)]]: cu_seqlens_q
 
 # (Hq, Hkv, D, dtype, page, q_lens, k_lens, causal, window_left, sinks). Small
@@ -100,6 +100,7 @@ def test_paged_varlen_prefill(case):
     d = _assert_paged_varlen_ran(plan)
     bk = int(d.kernel_name.split("_bk")[1].split("_")[0])
     assert ("lies in one page" in plan.reason) == (page % bk == 0), plan.reason
+    assert d.function_constants[DENSE] == (page % bk == 0), plan.reason  # whole tiles: the dense loader
     assert not out.isnan().any() and not lse.isnan().any()  # every element written (poisoned with NaN)
 
     # Bits: the same kernel on the gathered contiguous varlen problem.
