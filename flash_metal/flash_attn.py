@@ -122,7 +122,9 @@ def flash_attn_varlen_func(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor
         rows = _kvcache.rows_in_use(table, page, torch.zeros_like(ends), ends)
         k, v = _kvcache.gather(k, rows), _kvcache.gather(v, rows)
         cu_seqlens_k = _kvcache.cumulative(ends)
-        max_seqlen_k = int(ends.max()) if batch else 0  # the table's bound, not the caller's (unused above)
+        # The gathered call's longest sequence (with a table, flash-attn
+        # callers may pass the cache's bound, or nothing useful, here).
+        max_seqlen_k = int(ends.max()) if batch else 0
     out, lse = ops.attention_varlen_with_lse(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q),
                                              int(max_seqlen_k), causal, softmax_scale, left, right, softcap,
                                              sinks=sinks)
