@@ -57,6 +57,34 @@ class Object {
   std::string body_;
 };
 
+// The "tensor_ops" object: whether Auto runs the Metal 4 tensor-op kernels
+// (issue 21) in this process, and if not why; both sentences come from
+// tensor_ops_problem (metal_plan.h), the rule the routing itself uses, so
+// this never disagrees with explain(). reason: why Auto does not ("" when it
+// does); forced_reason: why impl='tensor_ops' cannot run ("" when it can);
+// family: the Apple GPU family the planner takes the device for (from its
+// name, as the routing does), negative without a device.
+inline std::string tensor_ops(const std::string& reason, const std::string& forced_reason, int64_t family) {
+  Object o;
+  o.flag("usable", reason.empty());
+  if (reason.empty()) {
+    o.null("reason");
+  } else {
+    o.str("reason", reason);
+  }
+  if (forced_reason.empty()) {
+    o.null("forced_reason");
+  } else {
+    o.str("forced_reason", forced_reason);
+  }
+  if (family < 0) {
+    o.null("gpu_family");
+  } else {
+    o.num("gpu_family", family);
+  }
+  return o.json();
+}
+
 // The whole answer when there is no device to describe: every key present,
 // "available" false, `reason` saying why. `mps_backend`: whether this build
 // has the MPS host at all; `macos`: the "macos" object, or "null".
@@ -71,6 +99,7 @@ inline std::string unavailable(const std::string& reason, bool mps_backend, cons
       .null("library")
       .raw("pipelines", "[]")
       .raw("pipeline_errors", "[]")
+      .raw("tensor_ops", tensor_ops("no Metal device: " + reason, "no Metal device: " + reason, -1))
       .json();
 }
 

@@ -181,6 +181,13 @@ TORCH_LIBRARY(flash_metal, m) {
   //   pipelines: [{kernel: str, function_constants: "0101...",
   //     max_total_threads_per_threadgroup, thread_execution_width,
   //     static_threadgroup_memory_length: int}], sorted by kernel, constants;
-  //   pipeline_errors: [{kernel, function_constants, error: str}].
+  //   pipeline_errors: [{kernel, function_constants, error: str}];
+  //   tensor_ops: {usable: bool (Auto runs the Metal 4 tensor-op kernels,
+  //     issue 21), reason: str | null (why not: the GPU family, the
+  //     FLASH_METAL_DISABLE_TENSOR_OPS switch, a macOS older than 26.2, the
+  //     MSL 4 library missing or stale), forced_reason: str | null (why
+  //     impl='tensor_ops' cannot run), gpu_family: int | null (the Apple GPU
+  //     family the planner takes the device for)}; both reasons from the
+  //     routing's rule (metal_plan.h, tensor_ops_problem).
   m.def("metal_device_info(bool build_pipelines=False) -> str");
 }

@@ -10,6 +10,7 @@
 
 #include <array>
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -57,6 +58,22 @@ inline constexpr const char* kTensorOpsUnknownOffMac =
 inline constexpr const char* kDisableTensorOpsEnv = "FLASH_METAL_DISABLE_TENSOR_OPS";
 // "" unless that switch is on; then the sentence saying so.
 std::string tensor_ops_switched_off();
+
+// The oldest Apple GPU family Auto runs the tensor-op kernels on. Why 10:
+// M5's cores each hold a neural accelerator that matmul2d engages; on Apple 9
+// (M3, M4) matmul2d runs on the shader cores, and the model has no figure that
+// it beats the simdgroup kernel there (csrc/metal_routing_tensor_ops.cpp).
+inline constexpr uint32_t kTensorOpsMinFamily = 10;
+// Why a process on an Apple `family` GPU cannot run the tensor-op kernels, ""
+// when it can: the one rule behind a Mac's GpuSpec::tensor_ops_missing
+// (csrc/mps/attention_mps.mm), hence Auto's gate (tensor_ops_route), and
+// behind metal_device_info's "tensor_ops" (csrc/mps/device_info.mm). In order:
+// the GPU family (unless forced: impl='tensor_ops' runs on any family), the
+// FLASH_METAL_DISABLE_TENSOR_OPS switch (unless forced), then
+// library_problem(): macOS 26.2 and the MSL 4 library (library.mm's
+// tensor_ops_library_problem), asked only when the rest holds, since asking
+// loads that library.
+std::string tensor_ops_problem(uint32_t family, bool forced, const std::function<std::string()>& library_problem);
 
 // The GPU a plan is sized and estimated for (csrc/metal_gpus.cpp, each
 // figure with its source there). The split-KV decode sizes its blocks by

@@ -46,7 +46,7 @@ void choose_tensor_ops(const AttentionProblem& p, bool forced, const GpuSpec& gp
 // q, k and v alike. *why_not says what failed, for Apple 10 GPUs only (on
 // older ones the path is not a candidate, and their reasons stay short).
 bool tensor_ops_route(const AttentionProblem& p, const GpuSpec& gpu, std::string* why_not) {
-  if (gpu.family < 10) return false;
+  if (gpu.family < kTensorOpsMinFamily) return false;
   if (p.paged) {
     *why_not = "a paged KV cache (the tensor-op kernels do not read the block table; the simdgroup prefill does)";
   } else if (p.dtype != c10::ScalarType::Half && p.dtype != c10::ScalarType::BFloat16) {
@@ -63,3 +63,19 @@ bool tensor_ops_route(const AttentionProblem& p, const GpuSpec& gpu, std::string
 }
 
 }  // namespace flash_metal::plan_detail
+
+namespace flash_metal {
+
+// Declared in metal_plan.h. The family's sentence stays short: on older GPUs
+// the path is no candidate for Auto, and explain() does not mention it.
+std::string tensor_ops_problem(uint32_t family, bool forced, const std::function<std::string()>& library_problem) {
+  if (!forced && family < kTensorOpsMinFamily) {
+    return "an Apple " + std::to_string(family) + " GPU (Auto runs the tensor-op kernels from Apple " +
+           std::to_string(kTensorOpsMinFamily) + ", M5, on)";
+  }
+  std::string problem = forced ? std::string() : tensor_ops_switched_off();
+  if (problem.empty()) problem = library_problem();
+  return problem;
+}
+
+}  // namespace flash_metal

@@ -26,10 +26,12 @@ from .ops import (attention, attention_kvcache_with_lse, attention_varlen, atten
                   attention_with_lse, explain)
 from .sdpa import explain_sdpa, patch, scaled_dot_product_attention, sdpa_route, unpatch
 from . import hf as _hf
+from ._device_info import device_info
 
 _hf.install()  # "metal_attention" for transformers, if installed (never imported otherwise)
 
-__all__ = ["attention", "attention_kvcache_with_lse", "attention_varlen", "attention_varlen_with_lse", "attention_with_lse", "explain",
+__all__ = ["attention", "attention_kvcache_with_lse", "attention_varlen", "attention_varlen_with_lse", "attention_with_lse",
+           "device_info", "explain",
            "explain_sdpa", "flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache", "patch",
            "reference", "scaled_dot_product_attention", "sdpa_route", "unpatch"]
 __version__ = "0.1.0"

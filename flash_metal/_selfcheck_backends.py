@@ -53,7 +53,8 @@ def parse_device_info(raw) -> dict:
                   "max_threads": p.get("max_total_threads_per_threadgroup"),
                   "thread_execution_width": p.get("thread_execution_width")}
                  for p in info.get("pipelines") or []]
-    return {"available": bool(info.get("available")), "reason": info.get("reason"),
+    tops = info.get("tensor_ops") or {"usable": False, "reason": "this build's metal_device_info does not report it"}
+    return {"available": bool(info.get("available")), "reason": info.get("reason"), "tensor_ops": tops,
             "name": device.get("name"), "families": sorted(k for k, ok in families.items() if ok) or None,
             "macos": (info.get("macos") or {}).get("version"), "library": library,
             "pipelines": pipelines, "pipeline_errors": list(info.get("pipeline_errors") or []), "raw": info}

@@ -27,7 +27,9 @@ from mps_exec.plants import run_scenarios
 
 ON_MAC_WITH_MPS = sys.platform == "darwin" and torch.backends.mps.is_built()
 # Every key of the answer, in every case (schema 1).
-KEYS = {"schema", "available", "reason", "mps_backend", "macos", "device", "library", "pipelines", "pipeline_errors"}
+KEYS = {"schema", "available", "reason", "mps_backend", "macos", "device", "library", "pipelines", "pipeline_errors",
+        "tensor_ops"}
+TENSOR_OPS_KEYS = {"usable", "reason", "forced_reason", "gpu_family"}
 FAMILIES = {"Apple7", "Apple8", "Apple9", "Apple10", "Mac2", "Metal3", "Metal4"}
 # What the fake device (tests/mps_exec/fake_metal.mm) is: an Apple8 GPU.
 FAKE_NAME, FAKE_REGISTRY_ID = "flash_metal mps_exec fake device", 0x100000ABC
@@ -45,6 +47,21 @@ def test_build_without_mps_answers_unavailable():
     assert "no MPS backend" in info["reason"]
     assert info["device"] is None and info["library"] is None and info["macos"] is None
     assert info["pipelines"] == [] and info["pipeline_errors"] == []
+    t = info["tensor_ops"]
+    assert set(t) == TENSOR_OPS_KEYS and t["usable"] is False and t["gpu_family"] is None
+    assert "no MPS backend" in t["reason"] and "no MPS backend" in t["forced_reason"]
+
+
+@pytest.mark.skipif(ON_MAC_WITH_MPS, reason="a build with the MPS backend describes its device (tested below)")
+def test_python_wrapper_parses_the_answer():
+    # flash_metal.device_info(): the op's JSON as a dict; bad arguments named.
+    import flash_metal
+
+    info = flash_metal.device_info()
+    assert set(info) == KEYS and info["available"] is False
+    assert info["tensor_ops"]["usable"] is False and "no MPS backend" in info["tensor_ops"]["reason"]
+    with pytest.raises(TypeError, match="build_pipelines must be a bool"):
+        flash_metal.device_info("yes")
 
 
 # --- the MPS implementation, executed on Linux -------------------------------------------------------
@@ -72,6 +89,11 @@ def test_device_info_describes_the_device(host):
                                    host.package, mps_exec.METALLIB_NAME), "error": None}
     calls = {e["op"] for e in info["_recording"]["events"]}
     assert not calls & {"MTLCreateSystemDefaultDevice", "MTLCopyAllDevices"}  # PyTorch's device was used
+    # The fake's name plans as the base chip (M3, Apple 9): no tensor ops for Auto; forcing them needs
+    # macOS 26.2 (scenarios of each reason: test_mps_exec_runtime.py, test_device_info_says_whether_tensor_ops_run).
+    t = info["tensor_ops"]
+    assert t["usable"] is False and t["gpu_family"] == 9 and t["reason"].startswith("an Apple 9 GPU")
+    assert "macOS older than 26.2" in t["forced_reason"]
 
 
 def test_families_are_asked_on_the_macos_that_knows_them(host):
@@ -114,6 +136,7 @@ def test_no_device_answers_unavailable(host):
     assert set(info) - {"_recording"} == KEYS
     assert info["available"] is False and info["mps_backend"] is True and "no Metal device" in info["reason"]
     assert info["macos"]["major"] == 15 and info["device"] is None and info["library"] is None
+    assert info["tensor_ops"]["usable"] is False and "no Metal device" in info["tensor_ops"]["reason"]
 
 
 def test_pipelines_built_so_far(host):
@@ -195,3 +218,6 @@ def test_device_info_on_this_mac():
     assert info["pipeline_errors"] == [], info["pipeline_errors"]
     if os.environ.get("FLASH_METAL_REQUIRE_METALLIB") == "1":
         assert info["library"]["kind"] == "metallib", info["library"]
+    assert set(info["tensor_ops"]) == TENSOR_OPS_KEYS
+    if os.environ.get("FLASH_METAL_REQUIRE_MPP_METALLIB") == "1":  # the macos-26 leg: an MSL 4 library was built
+        assert "flash_metal_mpp.metallib" not in (info["tensor_ops"]["forced_reason"] or ""), info["tensor_ops"]

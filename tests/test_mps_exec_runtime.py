@@ -142,7 +142,59 @@ def mpp_scenarios(built, emu, tmp_path_factory):
         "stale": {"lib": built, "case": _MPP_CASE, "knobs": _MACOS_26_2, "mpp_metallib": "stale"},
         "macos26_1": {"lib": built, "case": _MPP_CASE, "knobs": {"macos_version": 2601}, "mpp_metallib": "fresh"},
     }
+    # metal_device_info's "tensor_ops" against Auto's choice (checks.tensor_ops_reported), one process
+    # per library state (library.mm loads the MSL 4 library once per process).
+    for name, (state, expected) in _TENSOR_OPS_REPORTS.items():
+        specs[name] = {"lib": built, "mpp_metallib": state, "check": "tensor_ops_reported",
+                       "args": {"expected": expected}}
     return run_scenarios(specs, lambda name: tmp_path_factory.mktemp(f"mpp_{name}"))
+
+
+_M5, _DISABLE = {"device_generation": 5}, {"FLASH_METAL_DISABLE_TENSOR_OPS": "1"}
+_LIBRARY_STALE = "flash_metal_mpp.metallib: it was built from other shader sources"
+_NO_LIBRARY = "no MSL 4 library (flash_metal_mpp.metallib) was installed"
+_OLD_MACOS = "this Mac runs a macOS older than 26.2"
+# Scenario -> (the MSL 4 library's state, [what metal_device_info must say under knobs and env]).
+_TENSOR_OPS_REPORTS = {
+    "report_fresh": ("fresh", [
+        # The fake's own name plans as the base chip, M3: Apple 9, no candidate for Auto; forcing works.
+        {"knobs": _MACOS_26_2, "usable": False, "reason": "an Apple 9 GPU", "forced_reason": None, "family": 9},
+        {"knobs": {**_MACOS_26_2, **_M5}, "usable": True, "forced_reason": None, "family": 10},
+        {"knobs": {**_MACOS_26_2, **_M5}, "env": _DISABLE, "usable": False,
+         "reason": "FLASH_METAL_DISABLE_TENSOR_OPS=1 turns them off", "forced_reason": None, "family": 10},
+    ]),
+    "report_stale": ("stale", [{"knobs": {**_MACOS_26_2, **_M5}, "usable": False, "reason": _LIBRARY_STALE,
+                                "forced_reason": _LIBRARY_STALE, "family": 10}]),
+    "report_none": ("none", [{"knobs": {**_MACOS_26_2, **_M5}, "usable": False, "reason": _NO_LIBRARY,
+                              "forced_reason": _NO_LIBRARY, "family": 10}]),
+    "report_macos26_1": ("fresh", [{"knobs": {"macos_version": 2601, **_M5}, "usable": False, "reason": _OLD_MACOS,
+                                    "forced_reason": _OLD_MACOS, "family": 10}]),
+}
+
+
+@pytest.mark.parametrize("name", list(_TENSOR_OPS_REPORTS))
+def test_device_info_says_whether_tensor_ops_run(mpp_scenarios, name):
+    # The device's family, the switch, the macOS and the MSL 4 library, each
+    # reported as the reason, and Auto picking the tensor-op kernel exactly
+    # when metal_device_info says usable (the same rule, tensor_ops_problem).
+    r = mpp_scenarios[name]
+    assert r["stage"] is None, r["error"]
+    assert len(r["value"]) == len(_TENSOR_OPS_REPORTS[name][1])
+
+
+def test_tensor_ops_report_check_bites(host):
+    # The check is not vacuous: on the session host (macOS 15, no MSL 4
+    # library) the path is not usable, so claiming it is fails, as does a
+    # wrong reason or family.
+    from mps_exec import checks
+
+    [answer] = checks.tensor_ops_reported(host, None, [
+        {"knobs": _M5, "usable": False, "reason": "", "forced_reason": _OLD_MACOS, "family": 10}])
+    assert _OLD_MACOS in answer["reason"]
+    for wrong in ({"usable": True}, {"reason": _NO_LIBRARY}, {"family": 9}, {"forced_reason": None}):
+        entry = {"knobs": _M5, "usable": False, "reason": "", "forced_reason": _OLD_MACOS, "family": 10, **wrong}
+        with pytest.raises(AssertionError):
+            checks.tensor_ops_reported(host, None, [entry])
 
 
 def test_tensor_op_pipelines_come_from_the_msl4_library(mpp_scenarios):

@@ -99,13 +99,10 @@ GpuSpec gpu_spec_of(id<MTLDevice> device, bool forced = false) {
     return gpu_from_device_name(name);
   }();
   GpuSpec spec = cached;
-  if (!forced && spec.family < 10) {
-    // Not a candidate for Auto (tensor_ops_route): the MSL 4 library is not even loaded.
-    spec.tensor_ops_missing = "an Apple " + std::to_string(spec.family) + " GPU";
-    return spec;
-  }
-  spec.tensor_ops_missing = forced ? "" : tensor_ops_switched_off();
-  if (spec.tensor_ops_missing.empty()) spec.tensor_ops_missing = tensor_ops_library_problem(device);
+  // The rule is portable (metal_plan.h); metal_device_info reports the same.
+  // On a GPU that is no candidate for Auto the MSL 4 library is not even loaded.
+  spec.tensor_ops_missing =
+      tensor_ops_problem(spec.family, forced, [device] { return tensor_ops_library_problem(device); });
   return spec;
 }
 

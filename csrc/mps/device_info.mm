@@ -94,12 +94,26 @@ std::string macos_json() {
       .json();
 }
 
-std::string device_json(id<MTLDevice> device, const std::string& source) {
+std::string name_of(id<MTLDevice> device) {
   std::string name;
   @autoreleasepool {
     NSString* ns = [device name];
     if (ns != nil && [ns UTF8String] != nullptr) name = [ns UTF8String];
   }
+  return name;
+}
+
+// Whether this process runs the tensor-op kernels: the routing's own rule
+// (tensor_ops_problem), on the spec the MPS host plans with (the device's name).
+std::string tensor_ops_json(id<MTLDevice> device) {
+  const GpuSpec spec = gpu_from_device_name(name_of(device));
+  const auto library = [device] { return tensor_ops_library_problem(device); };
+  return json::tensor_ops(tensor_ops_problem(spec.family, false, library),
+                          tensor_ops_problem(spec.family, true, library), spec.family);
+}
+
+std::string device_json(id<MTLDevice> device, const std::string& source) {
+  const std::string name = name_of(device);
   const MTLSize most = [device maxThreadsPerThreadgroup];
   return json::Object()
       .str("name", name)
@@ -200,6 +214,7 @@ std::string metal_device_info(bool build_pipelines) {
       .raw("library", library)
       .raw("pipelines", pipelines_json(device))
       .raw("pipeline_errors", error_list)
+      .raw("tensor_ops", tensor_ops_json(device))
       .json();
 }
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 
 import torch
 
@@ -203,7 +204,8 @@ def assert_library(info: dict, kind: str, reason: str = "") -> None:
 @contextlib.contextmanager
 def knobs(host, **values):
     """Fake knobs set for the block, then put back to the defaults given here."""
-    defaults = {"torch_mps_device": 1, "system_default_device": 0, "metal_devices": 1, "macos_version": 1500}
+    defaults = {"torch_mps_device": 1, "system_default_device": 0, "metal_devices": 1, "macos_version": 1500,
+                "device_generation": 0}
     host.configure(**values)
     try:
         yield
@@ -383,3 +385,48 @@ def racing_builds_share_one_pipeline(host, emu, threads: int = 6, rounds: int = 
                 built = [e for e in rec["events"] if e["op"] == "newComputePipelineState"]
                 assert len(built) > 1, "one build for racing threads: the cache's lock is held while building"
                 assert host.live_objects().get("FakePipeline", 0) == before + 1, "a racing build was not released"
+
+
+# --- whether the tensor-op kernels run here (issue 21) -------------------------------------------
+
+
+def tensor_ops_reported(host, emu, expected: list) -> list:
+    """metal_device_info's "tensor_ops" against Auto's own choice, under each entry of `expected`:
+    {"knobs": fake knobs, "env": variables, "usable": bool, "reason": words of the reason (usable: none),
+    "forced_reason": words, or None when impl='tensor_ops' can run, "family": the GPU family}. Auto runs a
+    prefill the tensor-op kernels serve (float16, D 64) and must pick them exactly when the answer says
+    usable: both come from one rule. Returns the answers."""
+    from . import MPP_KERNEL_PREFIX
+
+    q, k, v = make_qkv(1, 4, 2, 70, 90, 64, torch.float16, generator=torch.Generator().manual_seed(21))
+    answers = []
+    for e in expected:
+        env = e.get("env", {})
+        saved = {name: os.environ.get(name) for name in env}
+        os.environ.update(env)
+        try:
+            with knobs(host, **e.get("knobs", {})):
+                info = device_info(host)
+                rec, _ = host.run(q, k, v, True, None, "auto")
+        finally:
+            for name, value in saved.items():
+                if value is None:
+                    os.environ.pop(name, None)
+                else:
+                    os.environ[name] = value
+        assert rec["errors"] == [], rec["errors"]
+        t = info["tensor_ops"]
+        kernels = [ev["kernel"] for ev in rec["events"] if ev["op"] == "setComputePipelineState"]
+        picked = any(name.startswith(MPP_KERNEL_PREFIX) for name in kernels)
+        assert t["usable"] is e["usable"] and picked is e["usable"], (e, t, kernels)
+        assert t["gpu_family"] == e["family"], (e, t)
+        if e["usable"]:
+            assert t["reason"] is None, (e, t)
+        else:
+            assert e["reason"] in t["reason"], (e, t)
+        if e["forced_reason"] is None:
+            assert t["forced_reason"] is None, (e, t)
+        else:
+            assert e["forced_reason"] in t["forced_reason"], (e, t)
+        answers.append(t)
+    return answers

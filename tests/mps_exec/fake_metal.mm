@@ -394,7 +394,8 @@ FM_LABEL(MTLLibrary)
   return fm_exec::knobs().max_threadgroup_memory;
 }
 - (NSString*)name {
-  return fm_exec::autoreleased_string("flash_metal mps_exec fake device");
+  const uint64_t g = fm_exec::knobs().device_generation;
+  return fm_exec::autoreleased_string(g ? "Apple M" + std::to_string(g) : "flash_metal mps_exec fake device");
 }
 - (uint64_t)registryID {
   return 0x100000abcULL;  // Why this value: any fixed IORegistry id; tests compare it
@@ -406,9 +407,17 @@ FM_LABEL(MTLLibrary)
   return YES;  // Apple silicon
 }
 - (BOOL)supportsFamily:(MTLGPUFamily)gpuFamily {
-  // An Apple8 (M2-class) GPU: what the fake claims to be.
-  return gpuFamily == MTLGPUFamilyApple7 || gpuFamily == MTLGPUFamilyApple8 || gpuFamily == MTLGPUFamilyMetal3 ||
-         gpuFamily == MTLGPUFamilyMac2;
+  // An Apple8 (M2-class) GPU: what the fake claims to be, unless knob
+  // device_generation names an M-generation: then its Apple family (M1 7, M2
+  // 8, M3 and M4 9, M5 10; Apple's feature set tables), Metal4 from Apple9 on.
+  const uint64_t g = fm_exec::knobs().device_generation;
+  const int64_t apple = g == 0 ? 8 : g <= 3 ? 6 + static_cast<int64_t>(g) : g == 4 ? 9 : 5 + static_cast<int64_t>(g);
+  const int64_t f = static_cast<int64_t>(gpuFamily);
+  // MTLGPUFamilyApple<N> is 1000 + N (Apple's documented values; MTLGPUFamilyApple7 = 1007).
+  if (f > 1000 && f <= 1020) return f - 1000 <= apple;
+  constexpr int64_t kMetal4 = 5002;  // MTLGPUFamilyMetal4's documented value (device_info.mm)
+  if (f == kMetal4) return apple >= 9;
+  return gpuFamily == MTLGPUFamilyMetal3 || gpuFamily == MTLGPUFamilyMac2;
 }
 - (id<MTLCommandQueue>)newCommandQueue {
   fm_exec::unmodelled("-[MTLDevice newCommandQueue] (the host must use PyTorch's stream)");
@@ -487,6 +496,8 @@ FM_EXPORT int fm_exec_configure(const char* name, uint64_t value) {
     k.dispatch_apply_threads = value;
   } else if (key == "pipeline_compile_us") {
     k.pipeline_compile_us = value;
+  } else if (key == "device_generation") {
+    k.device_generation = value;
   } else {
     return -1;
   }

@@ -121,6 +121,10 @@ struct Knobs {
   // microseconds. Why 0 by default: the suite's many builds stay fast; the
   // concurrency tests set it so that builds overlap whenever the host lets them.
   uint64_t pipeline_compile_us = 0;
+  // 0: the device is "flash_metal mps_exec fake device", an Apple8 GPU (the
+  // planner takes an unknown name for its base chip, M3). N: "Apple M<N>", of
+  // that generation's family (M5: Apple10), for the tensor-op gate (issue 21).
+  uint64_t device_generation = 0;
   // Kernels whose pipelines the fake compiler rejects (fm_exec_set_failing_pipelines).
   std::vector<std::string> failing_pipelines;
 };
