@@ -10,12 +10,22 @@ rate itself is an estimate (benchmarks/apple_gpus.py ACCEL_FLOPS_PER_CORE_CYCLE)
    and the time model predicts it within +-25 % (the `mlx-nax-m5-max` row of
    `--anchors`). It pins the tensor-op rate and the softmax cost together: a
    model that ran matmul2d at the shader cores' rate misses by 2x (tested).
-2. Our kernels on tensor ops. flash_metal has no matmul2d kernel yet; what a
-   forward or backward with the same algorithm would cost is predicted from
-   the emulator's counts of our simdgroup kernels with every 8x8x8 MMA moved
-   to tensor ops (`on_tensor_ops`): the same loads, barriers and softmax, the
-   products at the accelerator's rate. When the kernels land, their own
-   counts (the emulator's mpp_flops) replace the conversion.
+2. Our simdgroup kernels moved to tensor ops (`on_tensor_ops`): the
+   emulator's counts of the simdgroup prefill and backward with every 8x8x8
+   MMA moved to tensor ops: the same loads, barriers and softmax, the
+   products at the accelerator's rate. What the simdgroup kernels' design
+   would gain; the backward has no tensor-op kernel yet, so this is its only
+   prediction.
+3. Our tensor-op forward (impl='tensor_ops', attention_prefill_mpp.h), from
+   its own counts (`tensor_ops_records`): the emulator runs the MPP kernel
+   and counts its matmul2d runs and FLOPs, exp2 calls, barriers (none),
+   threadgroup stores and the device bytes new to each threadgroup, exactly.
+   What the emulator cannot know is how matmul2d itself moves its operands
+   (it reads them lane by lane, as no GPU does): `on_hardware` replaces
+   that with MLX's hand count's rule, each SIMD-group asking for its
+   operands once per run (Q's 16 rows, a 32-key block of K or V, P from
+   threadgroup memory, read once). Large shapes are scaled from one-
+   threadgroup launches (`mpp_scaled_counts`, exact: tested).
 """
 import torch
 
@@ -83,6 +93,63 @@ def on_tensor_ops(records):
     return out
 
 
+# The tensor-op prefill's blocks (csrc/metal_plan_detail.h, kTensorOpsBlockQ / kTensorOpsBlockK): 64 query rows
+# per threadgroup, 4 SIMD-groups of 16 rows, 32 keys per block.
+MPP_BQ, MPP_BK, MPP_ROWS = 64, 32, 16
+
+
+def _per_block(dtype, d):
+    """The tensor-op kernel's counts per threadgroup (fixed) and per key block (each block a threadgroup runs),
+    non-causal: from two emulated launches of one threadgroup, over one and over two key blocks."""
+    [one] = M.emulate("tensor_ops", M.Shape(1, 1, 1, MPP_BQ, MPP_BK, d), dtype, False)
+    [two] = M.emulate("tensor_ops", M.Shape(1, 1, 1, MPP_BQ, 2 * MPP_BK, d), dtype, False)
+    block = {f: two.counts[f] - one.counts[f] for f in one.counts}
+    fixed = {f: one.counts[f] - block[f] for f in one.counts}
+    return fixed, block
+
+
+def mpp_scaled_counts(s: M.Shape, dtype):
+    """The tensor-op forward's counts, non-causal, Nq % 64 == Nk % 32 == 0: every threadgroup (one per 64
+    query rows of one query head) runs Nk / 32 identical key blocks, so its counts are the fixed part plus
+    the per-block part per block (exact: tests/test_metal_model_accel.py checks a direct emulation)."""
+    if s.nq % MPP_BQ or s.nk % MPP_BK:
+        raise ValueError(f"the tensor-op scaling rule needs Nq % {MPP_BQ} == Nk % {MPP_BK} == 0; got {s}")
+    fixed, block = _per_block(dtype, s.d)
+    tgs, blocks = s.b * s.hq * (s.nq // MPP_BQ), s.nk // MPP_BK
+    counts = {f: tgs * (fixed[f] + blocks * block[f]) for f in fixed}
+    d = M.plan("tensor_ops", s, dtype, False).dispatches[0]
+    return [M.Record(d.kernel_name, d.grid, d.threadgroup, d.threadgroup_memory, counts, True, ("tensor_ops", False))]
+
+
+def on_hardware(records, dtype, d):
+    """The tensor-op kernel's counts with matmul2d's operand traffic as a GPU would ask for it: per S = Q K^T
+    run, its SIMD-group's 16 Q rows and one 32-key K block; per O += P V run, one V block; each requested
+    once (req_ = read_), as in MLX's hand count (nax_counts); P and the row factors staged in threadgroup
+    memory read back once. Kept from the emulator: everything the kernel's own code does, and the device
+    bytes new to each threadgroup (dram_, the L1 rule), which do not depend on how lanes split a load."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    out = []
+    for r in records:
+        c = dict(r.counts)
+        pairs = c["mpp_runs"] // 2  # one S = Q K^T and one O += P V per SIMD-group and key block
+        c["read_q"] = c["req_q"] = pairs * MPP_ROWS * d * elem
+        for n in ("k", "v"):
+            c["read_" + n] = c["req_" + n] = pairs * MPP_BK * d * elem
+        c["threadgroup_bytes_read"] = c["threadgroup_bytes_written"]
+        out.append(r._replace(counts=c))
+    return out
+
+
+def tensor_ops_records(s: M.Shape, dtype, causal):
+    """Our tensor-op forward's dispatch, from the MPP kernel's emulated counts (on_hardware's rule for
+    matmul2d's operands): non-causal by mpp_scaled_counts, causal by metal_model's quadratic rule."""
+    if causal or s.nq % MPP_BQ or s.nk % MPP_BK:
+        recs = M.counts_for("tensor_ops", s, dtype, causal)
+    else:
+        recs = mpp_scaled_counts(s, dtype)
+    return on_hardware(recs, dtype, s.d)
+
+
 M5_FAMILY = ("M5 (10-core)", "M5 Pro", "M5 Max")
 
 
@@ -97,12 +164,14 @@ def accelerators(quick=False):
     print("Tensor-op rate per core-cycle, (low, point, high) FLOPs: "
           + "; ".join(f"M{g}: {G.tensor_op_rate(g)}" for g in (3, 5))
           + " (M5: estimate from an A19 and an M5 Pro microbenchmark; M3/M4: the shader cores). "
-          "'tensor ops' = our kernels' emulator counts with the MMAs moved to matmul2d (no such kernel exists "
-          "yet); 'MLX NAX' = MLX's accelerator kernel, hand-counted.")
+          "'simdgroup on tensor ops' = our simdgroup kernels' emulator counts with the MMAs moved to matmul2d; "
+          "'tensor-op kernel' = our forward on matmul2d (impl='tensor_ops') from its own emulated counts "
+          "(tensor_ops_records); 'MLX NAX' = MLX's accelerator kernel, hand-counted.")
     shapes = [M.Shape(1, 32, 8, 4096, 4096, 96)] if quick else [M.Shape(1, 32, 8, 4096, 4096, 96),
                                                                 M.Shape(1, 32, 8, 4096, 4096, 128)]
-    print("| chip | shape | pass | causal | simdgroup ms | tensor ops ms (bound) | speed-up | MLX NAX ms |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| chip | shape | pass | causal | simdgroup ms | simdgroup on tensor ops ms (bound) | speed-up "
+          "| tensor-op kernel ms (bound) | MLX NAX ms |")
+    print("|---|---|---|---|---|---|---|---|---|")
     rows = []
     for gname in (M5_FAMILY[-1:] if quick else M5_FAMILY):
         gpu = G.BY_NAME[gname]
@@ -119,9 +188,19 @@ def accelerators(quick=False):
                     terms = T.predict(moved, gpu, s, torch.float16, causal)[1]
                     nax = "" if pas == "backward" or causal else _ms(
                         T.predict_band(nax_records(s, torch.float16), gpu, s, torch.float16, causal))
+                    ours = ""  # no tensor-op backward exists
+                    if pas == "forward":
+                        recs = tensor_ops_records(s, torch.float16, causal)
+                        band, terms_k = (T.predict_band(recs, gpu, s, torch.float16, causal),
+                                         T.predict(recs, gpu, s, torch.float16, causal)[1])
+                        ours = f"{_ms(band)} ({max(terms_k, key=terms_k.get)})"
                     rows.append((gname, s, pas, causal, simd[1], tops[1]))
                     print(f"| {gname} | 1x{s.hq}:{s.hkv}x{s.nq}x{s.d} f16 | {pas} | {causal} | {_ms(simd)} "
-                          f"| {_ms(tops)} ({max(terms, key=terms.get)}) | {simd[1] / tops[1]:.2f}x | {nax} |")
+                          f"| {_ms(tops)} ({max(terms, key=terms.get)}) | {simd[1] / tops[1]:.2f}x | {ours} | {nax} |")
+    print("Our tensor-op forward has MLX's counts (tests/test_metal_model_accel.py) except that each SIMD-group "
+          "asks for its 16 Q rows again for every key block (MLX keeps them in registers) and stages P in "
+          "threadgroup memory: the model makes it memory-bound on those Q re-reads (with Q read once, the same "
+          "counts predict MLX's time).")
     post = post_point()
     print(f"The post's M5 point (10-core M5, N = 2048, d = 64, causal, one head): simdgroup float32 "
           f"{_ms(post['simdgroup'])} ms; tensor ops {_ms(post['tensor_ops'])} ms, which ASSUMES float32 with "

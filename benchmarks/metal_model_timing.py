@@ -230,7 +230,10 @@ def dispatch_time(r, index, gpu, s, dtype, causal, k=POINT):
         work = max(matrix, alu) if on_accel and k["overlap"] else matrix + alu
         d_frags = math.ceil(s.d / 8)
         serial = None
-        if kb and "prefill" in r.kernel:
+        # The tensor-op prefill (_mpp_) has no such chain of its own to count:
+        # matmul2d's latency is Apple's, unpublished; it is modelled as MLX's
+        # accelerator kernel is (metal_model_accel.py), by throughput alone.
+        if kb and "prefill" in r.kernel and "_mpp_" not in r.kernel:
             blocks, bk = kb
             # Feature parts (8 * WM / BQ, split-K, attention_prefill.h): the
             # S chain over d_frags / F fragments, then the partials' sum (F

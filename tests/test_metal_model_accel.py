@@ -73,3 +73,47 @@ def test_tensor_ops_change_nothing_before_m5_and_speed_up_m5():
     fast = T.predict(moved, m5, s, torch.float16, False, T.FAST)[0]
     fast_added = T.predict(moved, m5, s, torch.float16, False, dict(T.FAST, overlap=0))[0]
     assert fast < fast_added
+
+
+# ---- our tensor-op forward (impl='tensor_ops'), from the MPP kernel's own emulated counts ----------------------
+
+
+def test_tensor_op_scaling_rule_is_exact():
+    """The per-threadgroup and per-block parts, from launches of one threadgroup over one and two key blocks,
+    give a launch of 2 threadgroups x 3 blocks (2 query heads) field by field, as the emulator counts it."""
+    s = M.Shape(1, 2, 1, 128, 96, 96)
+    [scaled] = X.mpp_scaled_counts(s, torch.float16)
+    [direct] = M.emulate("tensor_ops", s, torch.float16, False)
+    assert scaled.kernel == direct.kernel == "flash_attention_prefill_mpp_float16_d96_bq64_bk32"
+    assert scaled.counts == direct.counts
+    assert direct.counts["mpp_runs"] == 2 * 2 * 4 * 3 * 2  # heads x threadgroups x SIMD-groups x blocks x (S, PV)
+    with pytest.raises(ValueError, match="Nq % 64 == Nk % 32 == 0"):
+        X.mpp_scaled_counts(M.Shape(1, 1, 1, 100, 96, 96), torch.float16)
+
+
+def test_tensor_op_forward_has_mlx_counts_but_rereads_q():
+    """At MLX's measured point our kernel's counts equal MLX's hand count in the products, the softmax's
+    exp2, the grid, the (absent) barriers and the K/V traffic; it differs in two ways, both visible in the
+    counts: every SIMD-group asks for its 16 Q rows again per key block, and P goes through threadgroup
+    memory. The model makes it memory-bound on the Q re-reads; with Q read once (planted: MLX's Q traffic)
+    the same counts land within the anchor's +-25 % of MLX's measurement."""
+    s, dtype = NAX.shape, NAX.dtype
+    [ours] = X.tensor_ops_records(s, dtype, False)
+    nax = X.nax_counts(s, 2)
+    same = ("threadgroups", "threads", "simdgroup_mmas", "mpp_flops", "exp2_calls", "threadgroup_barriers",
+            "read_k", "req_k", "dram_k", "read_v", "req_v", "dram_v", "write_out")
+    assert {f: ours.counts[f] for f in same} == {f: nax[f] for f in same}
+    blocks = s.b * s.hq * (s.nq // 64) * (s.nk // 32)
+    assert ours.counts["req_q"] == blocks * 4 * 16 * s.d * 2 == (s.nk // 32) * nax["read_q"]
+    assert ours.counts["threadgroup_bytes_written"] == ours.counts["threadgroup_bytes_read"] > 0
+    gpu = G.BY_NAME[NAX.gpu]
+    low, point, high = T.predict_band([ours], gpu, s, dtype, False)
+    terms = T.predict([ours], gpu, s, dtype, False)[1]
+    assert max(terms, key=terms.get) == "memory" and point * 1e3 > (1 + A.NAX_TOL) * NAX.measured_ms
+    assert low <= point <= high
+    q_once = dict(ours.counts, read_q=nax["read_q"], req_q=nax["read_q"], dram_q=nax["read_q"])
+    planted = T.predict([ours._replace(counts=q_once)], gpu, s, dtype, False)[0] * 1e3
+    assert abs(planted / NAX.measured_ms - 1) <= A.NAX_TOL, planted
+    # Before M5 matmul2d runs on the shader cores: compute-bound there, and far slower than on an M5 Max.
+    m3_time, m3_terms, _ = T.predict([ours], G.BY_NAME["M3 Max"], s, dtype, False)
+    assert max(m3_terms, key=m3_terms.get) == "compute" and m3_time > 2 * point
