@@ -8,7 +8,9 @@ torch and a recent one, on runner images that exist (no retired image; a
 macOS 26 leg with its separate Metal toolchain), a build that fails without a
 metallib and on a shader warning, arm64-only compiles, the device logged but
 not asserted, the pipeline test, the real Metal tests, and the self-check
-report uploaded and shown even after a failed step.
+report uploaded and shown even after a failed step; on the macOS 26 leg, the
+MSL 4 library required (FLASH_METAL_REQUIRE_MPP_METALLIB=1) and selfcheck's
+accelerator section run on its own (issue 21; unverified until it runs).
 """
 import glob
 import os
@@ -105,6 +107,27 @@ def _env_names():
     return setup.REQUIRE_METALLIB_ENV, setup.SHADER_WERROR_ENV, backends.MPS_FULL_ENV
 
 
+def _mpp_problems(text):
+    """The macOS 26 leg requires the MSL 4 library and runs selfcheck's accelerator section (issue 21)."""
+    from test_build import load_setup
+    from flash_metal import _selfcheck_accel
+
+    problems = []
+    env = load_setup().REQUIRE_MPP_METALLIB_ENV
+    assert env == _selfcheck_accel.REQUIRE_ENV  # setup.py and the selfcheck read the same switch
+    legs = dict(re.findall(r"- os: (\S+)\n\s+torch: \"[\d.]+\"\n(?:\s+#.*\n)*\s+require_mpp: \"(\d)\"", text))
+    if legs.get("macos-26") != "1":
+        problems.append(f"the macos-26 leg does not require the MSL 4 library (require_mpp: {legs.get('macos-26')})")
+    if not re.search(rf"^\s+{env}: \$\{{\{{ matrix\.require_mpp \}}\}}$", text, flags=re.M):
+        problems.append(f"{env} does not follow the matrix's require_mpp")
+    step = _step_with(text, "python -m flash_metal.selfcheck --backend mps --accelerator-only")
+    if step is None or "if: always() && matrix.os == 'macos-26'" not in step or "GITHUB_STEP_SUMMARY" not in step:
+        problems.append("the accelerator section does not always run on the macos-26 leg and write the summary")
+    elif 'exit "$status"' not in step:
+        problems.append("the accelerator section's exit status is ignored")
+    return problems
+
+
 def macos_workflow_problems(text):
     """What the macOS workflow text fails to promise (an empty list: nothing)."""
     problems = []
@@ -144,7 +167,7 @@ def macos_workflow_problems(text):
     upload = _step_with(text, "actions/upload-artifact@")
     if upload is None or "if: always()" not in upload or "path: selfcheck-report" not in upload:
         problems.append("the self-check report is not always uploaded")
-    return problems
+    return problems + _mpp_problems(text)
 
 
 def test_macos_workflow_tests_the_promises():
@@ -164,8 +187,15 @@ def test_macos_workflow_tests_the_promises():
      "self-check does not always run"),
     ("        if: always()\n        uses: actions/upload-artifact", "        uses: actions/upload-artifact",
      "not always uploaded"),
+    ('require_mpp: "1"', 'require_mpp: "0"', "does not require the MSL 4 library"),
+    ("FLASH_METAL_REQUIRE_MPP_METALLIB: ${{ matrix.require_mpp }}", "FLASH_METAL_REQUIRE_MPP_METALLIB: \"0\"",
+     "does not follow the matrix"),
+    ("--backend mps --accelerator-only", "--backend mps", "accelerator section does not always run"),
+    ("if: always() && matrix.os == 'macos-26'", "if: matrix.os == 'macos-26'", "accelerator section does not always"),
+    ('          exit "$status"\n\n      - name: Upload', "\n      - name: Upload", "exit status is ignored"),
 ], ids=["retired-image", "no-macos-26", "no-minimum-torch", "no-werror", "universal2", "no-sdist", "device-fatal",
-        "no-mps-tests", "selfcheck-not-always", "upload-not-always"])
+        "no-mps-tests", "selfcheck-not-always", "upload-not-always", "mpp-not-required", "mpp-env-fixed",
+        "no-accelerator-section", "accelerator-not-always", "accelerator-status-ignored"])
 def test_the_promises_check_catches_a_planted_gap(plant, expected, problem):
     text = _read(MACOS)
     assert plant in text, plant
