@@ -98,6 +98,10 @@ def to_markdown(r: dict) -> str:
     out += _pipelines_md(r.get("pipelines", {}))
     out += _checks_md(r)
     out += _timing_md(r.get("timing", {}))
+    if "accelerator" in r:
+        from ._selfcheck_accel import to_markdown as accelerator_md
+
+        out += accelerator_md(r["accelerator"])
     text = "\n".join(out)
     if len(text) + len(_details_md(r)) < MAX_MARKDOWN:
         text += "\n" + _details_md(r)

@@ -11,7 +11,11 @@ probe (the simdgroup_matrix layout the prefill and backward kernels assume),
 run first; a correctness sweep of every kernel family, forward and backward,
 against the float64 oracle by FlashAttention's 2x rule; and a short timing
 table against torch's SDPA (and MLX's, when mlx is installed), measured on
-this machine.
+this machine; then the accelerator section: where the device reports the
+Metal 4 tensor-op kernels usable (flash_metal.device_info()["tensor_ops"]),
+impl="tensor_ops" against the simdgroup prefill, both by the 2x rule, and
+the two timed as a ratio; elsewhere "skipped" with the reason
+(--accelerator-only runs just that section, as the macOS 26 CI leg does).
 
 Exit status: 0 when the lane probe and every check passed; 1 when any
 failed; 2 when the backend cannot run here (the message says why).
@@ -28,6 +32,7 @@ import warnings
 
 import torch
 
+from . import _selfcheck_accel as accel
 from . import _selfcheck_backends as backends_mod
 from . import _selfcheck_report as report_mod
 from . import _selfcheck_sweep as sweep
@@ -44,6 +49,9 @@ def _parser():
     ap.add_argument("--only", metavar="TEXT", help="run only the checks whose id contains TEXT (for debugging)")
     ap.add_argument("--no-timing", action="store_true", help="skip the timing table")
     ap.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    ap.add_argument("--accelerator-only", action="store_true",
+                    help="only the platform, the lane probe and the tensor-op section (impl='tensor_ops')")
+    ap.add_argument("--no-accelerator", action="store_true", help="skip the tensor-op section")
     ap.add_argument("--source", metavar="DIR", help="the source checkout for --backend metal-emu (default: the "
                                                     "current directory, or the one holding the package)")
     return ap
@@ -80,6 +88,7 @@ def _summary(report):
         failures.append(f"building every planner pipeline failed: {ba.get('detail')}")
     bad_pipes = [p for p in report.get("pipelines", {}).get("rows", []) if p["status"] == "failed"]
     failures += [f"pipeline {p['name']}: {p['note']}" for p in bad_pipes]
+    failures += accel.failures(report.get("accelerator"))
     return {"checks": len(checks), "passed": sum(c["status"] == "passed" for c in checks),
             "failed": sum(c["status"] == "failed" for c in checks),
             "errors": sum(c["status"] == "error" for c in checks), "pipelines_failed": len(bad_pipes),
@@ -111,20 +120,28 @@ def _checkpoint(report, args, running):
 
 def _run(backend, args) -> dict:
     t0 = time.perf_counter()
-    cases = [c for c in sweep.cases(args.quick) if not args.only or args.only in c.id]
-    timing = not args.no_timing and not args.only
+    only_accel = args.accelerator_only
+    cases = [] if only_accel else [c for c in sweep.cases(args.quick) if not args.only or args.only in c.id]
+    timing = not args.no_timing and not args.only and not only_accel
     n_timing = len(sweep.timing_cases(backend.timing_device, args.quick)) if timing else 0
-    progress = report_mod.Progress(3 + len(cases) + n_timing, enabled=not args.no_progress)
+    accel_plan = accel.plan(backend, args)
+    n_accel = len(accel_plan["cases"]) + len(accel_plan["timing"])
+    progress = report_mod.Progress(3 + len(cases) + n_timing + n_accel, enabled=not args.no_progress)
     report = {"tool": "flash_metal.selfcheck", "schema": 1, "backend": backend.name, "quick": args.quick,
               "only": args.only, "platform": backend.platform()}
     progress.step("platform")
     _checkpoint(report, args, "the lane-layout probe")
     # The probe first: if the lane layout is not the one the kernels assume, every prefill and backward
     # result below is wrong, and this says why.
-    report["lane_probe"] = backend.lane_probe()
+    if only_accel and not accel_plan["status"]["usable"]:
+        report["lane_probe"] = {"status": "skipped", "runner": "",
+                                "detail": "--accelerator-only, and the accelerator section does not run here"}
+    else:
+        report["lane_probe"] = backend.lane_probe()
     progress.step(f"lane-layout probe: {report['lane_probe']['status']}")
     _checkpoint(report, args, "building every pipeline the planner can name")
-    report["build_all"] = backend.build_all_pipelines()
+    report["build_all"] = ({"status": "skipped", "detail": "--accelerator-only"} if only_accel else
+                           backend.build_all_pipelines())
     report["library"] = backend.library(report["build_all"])
     progress.step("pipelines")
     checks, failed = [], 0
@@ -139,6 +156,8 @@ def _run(backend, args) -> dict:
     report["poisons_outputs"] = poisoned or backend.poisons_outputs
     report["checks"] = checks
     report["pipelines"] = backend.pipelines(_planner_limits(checks))
+    _checkpoint(report, args, "the accelerator section")
+    report["accelerator"] = accel.run_section(backend, args, accel_plan, progress)
     _checkpoint(report, args, "the timing table")
     if timing:
         where = ("this Mac's GPU (MPS)" if backend.timing_device == "mps" else
@@ -168,7 +187,8 @@ def _not_run(name, reason) -> dict:
 def main(argv=None) -> int:
     args = _parser().parse_args(argv)
     faulthandler.enable()  # a crash inside a kernel call still prints where it happened
-    if args.only and not any(args.only in c.id for c in sweep.cases(args.quick)):
+    if args.only and not any(args.only in c.id for c in sweep.cases(args.quick)) and not any(
+            args.only in accel.case_id(c) for c in accel.cases(args.quick)):
         print(f"flash_metal.selfcheck: --only {args.only!r} matches no check", file=sys.stderr)
         return 2
     name = args.backend

@@ -71,7 +71,8 @@ def test_metal_emu_quick_passes_and_writes_both_reports(emu_run):
     bars = [ln for ln in proc.stderr.splitlines() if ln.startswith("selfcheck [")]
     assert len(bars) >= 3
     done, total = bars[-1].split("]")[1].split()[0].split("/")
-    assert done == total and int(total) == 3 + data["summary"]["checks"] + len(data["timing"]["rows"])
+    assert done == total and int(total) == 3 + data["summary"]["checks"] + len(data["timing"]["rows"]) + len(
+        data["accelerator"]["checks"])
 
 
 def test_metal_emu_report_every_check_passed_on_every_family(emu_run):
@@ -129,6 +130,27 @@ def test_metal_emu_markdown_has_every_section(emu_run):
     assert len(md) < report_mod.MAX_MARKDOWN + 5000
 
 
+def test_metal_emu_accelerator_section_runs_in_emulation(emu_run):
+    # The tensor-op section (issue 21) runs in the emulator: impl='tensor_ops' and the simdgroup prefill on the
+    # same inputs, each by the 2x rule; every dtype, head dim and causal value once; no timing.
+    _, data, md = emu_run
+    a = data["accelerator"]
+    assert a["status"] == "passed" and a["usable"] is True and a["emulated"] is True
+    checks = a["checks"]
+    assert {c["dtype"] for c in checks} == {"float16", "bfloat16"} and {c["head_dim"] for c in checks} == {64, 96, 128}
+    assert {c["causal"] for c in checks} == {True, False}
+    for c in checks:
+        assert c["status"] == "passed", c
+        tops, simd = c["tensor_ops"], c["simdgroup"]
+        assert tops["kernels"] == [f"flash_attention_prefill_mpp_{c['dtype']}_d{c['head_dim']}_bq64_bk32"], c
+        assert len(simd["kernels"]) == 1 and simd["kernels"][0].startswith(
+            f"flash_attention_prefill_{c['dtype']}_d{c['head_dim']}_"), c
+        assert 0 <= tops["worst_ratio"] <= 1 and 0 <= simd["worst_ratio"] <= 1
+        assert 0 < c["max_difference"] < 0.1  # two different kernels, both close to float64
+    assert a["timing"]["rows"] == [] and "emulator" in a["timing"]["note"]
+    assert "## Accelerator: Metal 4 tensor ops" in md and all(c["id"] in md for c in checks)
+
+
 # ---- planted failures -----------------------------------------------------------------------
 
 
@@ -168,6 +190,68 @@ def test_planted_wrong_output_fails_and_is_named(tmp_path, monkeypatch):
     assert md.startswith("# flash_metal selfcheck: FAILED")
     assert all(cid in md.split("## Platform")[0] for cid in failed)  # named in the summary at the top
     assert "**FAIL**" in md
+
+
+def test_planted_wrong_tensor_op_output_fails_the_accelerator_section(tmp_path, monkeypatch):
+    _need_emulator()
+    import backends
+
+    only = ("--accelerator-only", "--only", "tensor_ops-float16-d64")
+    rc, data, _ = _run_in_process(tmp_path / "clean", *only)
+    assert rc == 0 and data["checks"] == [] and [c["status"] for c in data["accelerator"]["checks"]] == ["passed"]
+    assert data["build_all"]["status"] == "skipped"
+    original = backends._run_plan
+
+    def planted(plan, tensors, *a, **kw):  # the MPP kernel gets one element wrong, by 0.05
+        original(plan, tensors, *a, **kw)
+        if plan.dispatches[0].kernel_name.startswith("flash_attention_prefill_mpp_"):
+            tensors["out"].view(-1)[-1] += 0.05
+
+    monkeypatch.setattr(backends, "_run_plan", planted)
+    rc, data, md = _run_in_process(tmp_path / "planted", *only)
+    [c] = data["accelerator"]["checks"]
+    assert rc == 1 and data["accelerator"]["status"] == "failed" and c["status"] == "failed"
+    assert c["tensor_ops"]["status"] == "failed" and c["simdgroup"]["status"] == "passed"
+    assert "out: max error" in c["tensor_ops"]["message"]
+    assert any(f.startswith(f"accelerator {c['id']}") for f in data["summary"]["failures"])
+    assert md.startswith("# flash_metal selfcheck: FAILED")
+
+
+class _NoAccelerator:
+    """An MPS backend stand-in whose device reports the tensor-op kernels unusable (metal_device_info's answer)."""
+
+    name = "mps"
+
+    def __init__(self, reason, forced_reason):
+        self.info = sb.parse_device_info(_schema1(tensor_ops={"usable": False, "reason": reason,
+                                                              "forced_reason": forced_reason, "gpu_family": 10}))
+
+    def device_info(self):
+        return self.info
+
+
+def test_accelerator_section_skips_with_the_devices_reason(monkeypatch):
+    from flash_metal import _selfcheck_accel as accel
+
+    args = selfcheck._parser().parse_args(["--quick"])
+    backend = _NoAccelerator("FLASH_METAL_DISABLE_TENSOR_OPS=1 turns them off", None)
+    planned = accel.plan(backend, args)
+    assert planned["cases"] == [] and planned["timing"] == []
+    section = accel.run_section(backend, args, planned)
+    assert section["status"] == "skipped" and "FLASH_METAL_DISABLE_TENSOR_OPS=1" in section["reason"]
+    assert accel.failures(section) == []
+    assert "**skipped**: FLASH_METAL_DISABLE_TENSOR_OPS=1" in "\n".join(accel.to_markdown(section))
+    # A build that must have the MSL 4 library (the macOS 26 CI leg): a missing one fails the section.
+    missing = "no MSL 4 library (flash_metal_mpp.metallib) was installed"
+    backend = _NoAccelerator(missing, missing)
+    monkeypatch.delenv(accel.REQUIRE_ENV, raising=False)
+    assert accel.run_section(backend, args, accel.plan(backend, args))["status"] == "skipped"
+    monkeypatch.setenv(accel.REQUIRE_ENV, "1")
+    section = accel.run_section(backend, args, accel.plan(backend, args))
+    assert section["status"] == "failed" and accel.failures(section) == [f"accelerator: {section['message']}"]
+    # Skipped for another reason (no accelerator on this GPU) is not a failure, even then.
+    backend = _NoAccelerator("an Apple 9 GPU (Auto runs the tensor-op kernels from Apple 10, M5, on)", None)
+    assert accel.run_section(backend, args, accel.plan(backend, args))["status"] == "skipped"
 
 
 def test_planted_lane_layout_fails_the_probe(tmp_path, monkeypatch):
@@ -255,7 +339,10 @@ def _schema1(**over):
             "pipelines": [{"kernel": "flash_decode_float16_d128", "function_constants": "1000000000",
                            "max_total_threads_per_threadgroup": 768, "thread_execution_width": 32,
                            "static_threadgroup_memory_length": 0}],
-            "pipeline_errors": [{"kernel": "k", "function_constants": "0", "error": "compiler error"}]}
+            "pipeline_errors": [{"kernel": "k", "function_constants": "0", "error": "compiler error"}],
+            "tensor_ops": {"usable": False, "reason": "an Apple 8 GPU (Auto runs the tensor-op kernels from Apple 10, "
+                                                      "M5, on)", "forced_reason": "this Mac runs a macOS older than 26.2, "
+                                                      "which Metal 4 tensor ops need", "gpu_family": 8}}
     info.update(over)
     return info
 
@@ -273,6 +360,9 @@ def test_device_info_schema_1_is_read():
     assert info["pipelines"] == [{"name": "flash_decode_float16_d128", "function_constants": "1000000000",
                                   "max_threads": 768, "thread_execution_width": 32}]
     assert info["pipeline_errors"] == raw["pipeline_errors"]
+    assert info["tensor_ops"] == raw["tensor_ops"]  # whether the accelerator section runs, and why not
+    older = sb.parse_device_info(json.dumps({k: v for k, v in raw.items() if k != "tensor_ops"}))
+    assert older["tensor_ops"]["usable"] is False and "does not report it" in older["tensor_ops"]["reason"]
     off = sb.parse_device_info(_schema1(available=False, reason="no Metal device", device=None, library=None,
                                         pipelines=[], pipeline_errors=[]))
     assert off["available"] is False and off["reason"] == "no Metal device" and off["name"] is None
