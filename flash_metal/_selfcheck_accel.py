@@ -223,7 +223,7 @@ def to_markdown(section: Optional[dict]) -> List[str]:
             for c in section.get("checks", [])]
     if rows:
         header = ["check", "options", "tensor-op kernel", "tensor_ops err/tol", "simdgroup err/tol",
-                  "max |tensor_ops - simdgroup|", "status"]
+                  "max abs(tensor_ops - simdgroup)", "status"]
         out += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
         out += ["| " + " | ".join(str(x).replace("|", "\\|") for x in r) + " |" for r in rows] + [""]
     t = section.get("timing", {})

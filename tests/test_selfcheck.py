@@ -149,6 +149,9 @@ def test_metal_emu_accelerator_section_runs_in_emulation(emu_run):
         assert 0 < c["max_difference"] < 0.1  # two different kernels, both close to float64
     assert a["timing"]["rows"] == [] and "emulator" in a["timing"]["note"]
     assert "## Accelerator: Metal 4 tensor ops" in md and all(c["id"] in md for c in checks)
+    section = md.split("## Accelerator")[1].split("\n\n")
+    table = next(part for part in section if part.startswith("| check")).splitlines()
+    assert len(table) == 2 + len(checks) and len({ln.count("|") for ln in table}) == 1  # a well-formed table
 
 
 # ---- planted failures -----------------------------------------------------------------------
