@@ -21,6 +21,7 @@ with warnings.catch_warnings():
 from . import _C  # noqa: F401  (registers torch.ops.flash_metal.*)
 from . import ops as _ops  # noqa: F401  (fake implementations, autograd)
 from . import reference
+from .cpu_paths import cpu_features, cpu_path
 from .flash_attn import flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache
 from .ops import (attention, attention_kvcache_with_lse, attention_varlen, attention_varlen_with_lse,
                   attention_with_lse, explain)
@@ -31,7 +32,7 @@ from ._device_info import device_info
 _hf.install()  # "metal_attention" for transformers, if installed (never imported otherwise)
 
 __all__ = ["attention", "attention_kvcache_with_lse", "attention_varlen", "attention_varlen_with_lse", "attention_with_lse",
-           "device_info", "explain",
+           "cpu_features", "cpu_path", "device_info", "explain",
            "explain_sdpa", "flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache", "patch",
            "reference", "scaled_dot_product_attention", "sdpa_route", "unpatch"]
 __version__ = "0.1.0"

@@ -38,6 +38,8 @@
 #include "../metal_plan.h"
 #include "common.h"
 #include "forward_tiles.h"
+#include "brgemm_tiles.h"
+#include "matrix_units.h"
 #include "simd.h"
 
 #include <ATen/ATen.h>
@@ -77,6 +79,7 @@ struct Geometry {
   int64_t q_stride[4], k_stride[4], v_stride[4], o_stride[4], lse_stride[3];
   const CallOptions* opt;  // window bounds, varlen sequences, mask, softcap (common.h)
   const float* sinks2 = nullptr;  // per query head: the sink logit * log2(e) (base 2); nullptr: no sinks
+  PathChoice path;  // vector or brgemm (matrix_units.h), chosen once per call
 };
 
 // Query blocks per work item, at most. Every K/V block is packed once per
@@ -119,7 +122,8 @@ struct Workspace {
 // softcap and the mask run on each score block (off: not compiled in).
 template <typename T, bool ScoreOpts>
 void attention_item(const Geometry& g, const T* q, const T* k, const T* v, T* out, float* lse, int64_t b,
-                    int64_t hk, int64_t h0, int64_t nh, int64_t i0, int64_t nsub, int64_t bq, Workspace& ws) {
+                    int64_t hk, int64_t h0, int64_t nh, int64_t i0, int64_t nsub, int64_t bq, Workspace& ws,
+                    MxBuffers<T>* mx) {
   const CallOptions& opt = *g.opt;
   const SeqRange seq = opt.seq(b);
   if (i0 >= seq.nq) return;
@@ -152,15 +156,21 @@ void attention_item(const Geometry& g, const T* q, const T* k, const T* v, T* ou
     u.m = ws.m + s * kBlockQ;
     u.l = ws.l + s * kBlockQ;
 
-    // 1. Q block, transposed and pre-scaled.
+    // 1. Q block, transposed and pre-scaled (brgemm path: in T, unscaled).
+    const int64_t q_base = seq.bi * g.q_stride[0] + h0 * g.q_stride[1] + (seq.q0 + u.i0) * g.q_stride[2];
+    if (mx != nullptr) {
+      const int64_t nq = u.nq;
+      const auto q_off = [&](int64_t c) { return q_base + (c / nq) * g.q_stride[1] + (c % nq) * g.q_stride[2]; };
+      mx_load_q(q, g.q_stride[3], q_off, u.nrows, u.ncols, D, *mx, mx->qt.data() + s * mx->Dp * kBlockQ);
+    }
     float row[kMaxHeadDim];
-    for (int64_t c = 0; c < u.nrows; ++c) {
+    for (int64_t c = 0; mx == nullptr && c < u.nrows; ++c) {
       const T* src = q + seq.bi * g.q_stride[0] + (h0 + c / u.nq) * g.q_stride[1] +
                      (seq.q0 + u.i0 + c % u.nq) * g.q_stride[2];
       convert_row(src, g.q_stride[3], D, row);
       for (int64_t d = 0; d < D; ++d) u.qt[d * kBlockQ + c] = row[d] * g.scale_log2;
     }
-    for (int64_t d = 0; d < D; ++d)
+    for (int64_t d = 0; mx == nullptr && d < D; ++d)
       for (int64_t c = u.nrows; c < u.ncols; ++c) u.qt[d * kBlockQ + c] = 0.0f;
     std::fill(u.o, u.o + u.nrows * Dvp, 0.0f);
     std::fill(u.m, u.m + u.ncols, kNegInf);
@@ -190,7 +200,12 @@ void attention_item(const Geometry& g, const T* q, const T* k, const T* v, T* ou
     const int64_t nk_all = std::min(kBlockK, key_end_all - j0);
     const float* kblk = ws.kb.ptr;
     const float* vblk = ws.vb.ptr;
-    if (in_place) {
+    const T *k_mx = nullptr, *v_mx = nullptr;
+    int64_t lda_mx = 0, ldv_mx = 0;
+    if (mx != nullptr) {
+      k_mx = mx_k_operand(k_head + j0 * g.k_stride[2], g.k_stride[2], g.k_stride[3], nk_all, D, *mx, &lda_mx);
+      v_mx = mx_v_operand(v_head + j0 * g.v_stride[2], g.v_stride[2], g.v_stride[3], nk_all, Dv, *mx, &ldv_mx);
+    } else if (in_place) {
       kblk = reinterpret_cast<const float*>(k_head) + j0 * g.k_stride[2];
       vblk = reinterpret_cast<const float*>(v_head) + j0 * g.v_stride[2];
     } else {
@@ -208,7 +223,9 @@ void attention_item(const Geometry& g, const T* q, const T* k, const T* v, T* ou
       const int64_t nk = std::min(nk_all, u.key_end - j0);
 
       // 2a. scores ST = K . QT
-      if (in_place)
+      if (mx != nullptr)
+        mx_scores(k_mx, lda_mx, mx->qt.data() + s * mx->Dp * kBlockQ, nk, u.ncols, D, g.scale_log2, *mx, st);
+      else if (in_place)
         qk_block<true>(kblk, nk, g.k_stride[2], u.qt, kBlockQ, u.ncols, D, st, kBlockQ);
       else
         qk_block<true>(kblk, nk, D + kKRowPad, u.qt, kBlockQ, u.ncols, D, st, kBlockQ);
@@ -257,7 +274,10 @@ void attention_item(const Geometry& g, const T* q, const T* k, const T* v, T* ou
       }
 
       // 2d. O = alpha * O + P^T V
-      pv_block(st, kBlockQ, nk, nk_all, u.nrows, vblk, in_place ? g.v_stride[2] : 0, nvec, ws.alpha, u.o, Dvp);
+      if (mx != nullptr)
+        mx_pv(st, nk, u.nrows, v_mx, ldv_mx, Dv, ws.alpha, u.o, Dvp, *mx);
+      else
+        pv_block(st, kBlockQ, nk, nk_all, u.nrows, vblk, in_place ? g.v_stride[2] : 0, nvec, ws.alpha, u.o, Dvp);
     }
   }
 
@@ -344,8 +364,11 @@ void run_attention(const Geometry& g, const at::Tensor& q, const at::Tensor& k, 
   std::atomic<int64_t> next{0};
   const int64_t threads = std::min<int64_t>(threads_avail, items);
   const bool score_opts = g.opt->score_options();
+  const bool use_mx = g.path.path == CpuPath::Brgemm;
   run_on_threads(threads, [&](int64_t /*thread*/) {
     Workspace ws(D, Dvp);
+    std::unique_ptr<MxBuffers<T>> mx;
+    if (use_mx) mx.reset(new MxBuffers<T>(kMaxSubBlocks, D, g.head_dim_v, g.path.vnni));
     for (int64_t idx = next.fetch_add(1); idx < items; idx = next.fetch_add(1)) {
       const int64_t qi = q_items - 1 - idx / lanes;
       const int64_t lane = idx % lanes;
@@ -355,10 +378,11 @@ void run_attention(const Geometry& g, const at::Tensor& q, const at::Tensor& k, 
       const int64_t h0 = hk * g.group + chunk * heads_per_item;
       const int64_t nh = std::min(heads_per_item, g.group - chunk * heads_per_item);
       if (score_opts)
-        attention_item<T, true>(g, qp, kp, vp, op, lp, b, hk, h0, nh, qi * nsub * bq, nsub, bq, ws);
+        attention_item<T, true>(g, qp, kp, vp, op, lp, b, hk, h0, nh, qi * nsub * bq, nsub, bq, ws, mx.get());
       else
-        attention_item<T, false>(g, qp, kp, vp, op, lp, b, hk, h0, nh, qi * nsub * bq, nsub, bq, ws);
+        attention_item<T, false>(g, qp, kp, vp, op, lp, b, hk, h0, nh, qi * nsub * bq, nsub, bq, ws, mx.get());
     }
+    if (mx) tile_release(g.path.vnni);
   });
 }
 
@@ -395,6 +419,8 @@ void attention_forward(const AttentionCall& c, const AttentionOutputs& o) {
     g.sinks2 = sinks2.data();
   }
 
+  g.path = choose_cpu_path(q.scalar_type(), /*backward=*/false);
+  count_cpu_path(g.path.path, /*backward=*/false);
   switch (q.scalar_type()) {  // check_attention_inputs admitted only these three
     case at::kFloat: run_attention<float>(g, q, k, v, out, lse); break;
     case at::kHalf: run_attention<c10::Half>(g, q, k, v, out, lse); break;

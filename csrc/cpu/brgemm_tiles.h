@@ -1,0 +1,145 @@
+// The forward's tile products on ATen's brgemm (issue 22; the path and its
+// choice are described in matrix_units.h). Internal to attention_cpu.cpp,
+// which keeps the driver and the online softmax; these routines replace only
+// its two float32 micro-kernel calls for 16-bit inputs:
+//   ST (nk x ncols) = K_blk (nk x D) . QT (D x ncols)    K read in place,
+//       QT the query block in the input dtype, unscaled (the scale goes on
+//       the float32 scores after, so Q is not rounded twice);
+//   O (nrows x Dv)  = alpha * O + P^T (nrows x nk) . V_blk (nk x Dv)
+//       with P rounded to the input dtype (FlashAttention's choice; the
+//       softmax's running sum l keeps the float32 probabilities).
+// With vnni (AMX): QT and V are packed pair-interleaved (pack_b) once per
+// item / key block, and the K dimensions of both products are padded to an
+// even count with zero rows (D_qk odd: K is copied; nk odd: P gets a zero
+// column, which meets the next, finite V row or the zero pad row).
+// The idea of running FlashAttention's two products through brgemm with a
+// scalar softmax between them is ATen's CPU flash attention
+// (aten/src/ATen/native/cpu/FlashAttentionKernel.cpp); the layout here is
+// this kernel's own (transposed scores, keys x queries).
+#pragma once
+
+#include "common.h"
+#include "forward_tiles.h"
+#include "matrix_units.h"
+#include "simd.h"
+
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+namespace flash_metal {
+namespace cpu {
+namespace fwd {
+namespace {
+
+// Leading dimension of the rounded P^T block (one row per query, one column
+// per key). Why kBlockK rounded up to even: the VNNI path pads an odd key
+// count to even, and no other constraint applies (192 bytes at 96 keys).
+constexpr int64_t kPtLd = (kBlockK + 1) / 2 * 2;
+
+// Per-thread buffers of the brgemm path, in the input dtype T (value-
+// initialised: zero, so the pads are zero).
+template <typename T>
+struct MxBuffers {
+  bool vnni;
+  int64_t Dp;            // D_qk, rounded up to even with vnni
+  std::vector<T> qt;     // kMaxSub x Dp x kBlockQ: each sub-block's QT (plain, or VNNI with N = ncols)
+  std::vector<T> stage;  // Dp x kBlockQ: QT before its VNNI pack
+  std::vector<T> kb;     // kBlockK x Dp: K rows when they cannot be read in place
+  std::vector<T> vb;     // (kBlockK + 1) x Dv: V rows when they cannot be read in place (+1: the even pad)
+  std::vector<T> vp;     // the same, VNNI-packed
+  std::vector<T> pt;     // kBlockQ x kPtLd: P^T rounded to T
+  MxBuffers(int64_t max_sub, int64_t D, int64_t Dv, bool vnni_)
+      : vnni(vnni_), Dp(vnni_ ? round_up(D, 2) : D), qt(max_sub * Dp * kBlockQ), stage(vnni_ ? Dp * kBlockQ : 0),
+        kb(kBlockK * Dp), vb((kBlockK + 1) * Dv), vp(vnni_ ? (kBlockK + 1) * Dv : 0), pt(kBlockQ * kPtLd) {}
+};
+
+// One sub-block's query rows -> QT (Dp x ncols) in T, unscaled: column c is
+// row c % nq of head h0 + c / nq (q_off(c) gives its element offset);
+// columns [nrows, ncols) and rows [D, Dp) zero. With vnni, packed into dst.
+template <typename T, typename QOff>
+void mx_load_q(const T* q, int64_t d_stride, const QOff& q_off, int64_t nrows, int64_t ncols, int64_t D,
+               MxBuffers<T>& mb, T* dst) {
+  T* qt = mb.vnni ? mb.stage.data() : dst;
+  for (int64_t d = 0; d < mb.Dp; ++d) std::fill(qt + d * kBlockQ + nrows, qt + d * kBlockQ + ncols, T(0.0f));
+  for (int64_t d = D; d < mb.Dp; ++d) std::fill(qt + d * kBlockQ, qt + d * kBlockQ + nrows, T(0.0f));
+  for (int64_t c = 0; c < nrows; ++c) {
+    const T* src = q + q_off(c);
+    for (int64_t d = 0; d < D; ++d) qt[d * kBlockQ + c] = src[d * d_stride];
+  }
+  if (mb.vnni) pack_b(mb.Dp, ncols, kBlockQ, c10::CppTypeToScalarType<T>::value, qt, dst);
+}
+
+// The K block's A operand: in place when its features are contiguous (and,
+// with vnni, D is even), else copied into mb.kb (rows Dp apart, zero pad).
+template <typename T>
+const T* mx_k_operand(const T* k, int64_t row_stride, int64_t d_stride, int64_t nk, int64_t D, MxBuffers<T>& mb,
+                      int64_t* lda) {
+  if (d_stride == 1 && D == mb.Dp) {
+    *lda = row_stride;
+    return k;
+  }
+  for (int64_t j = 0; j < nk; ++j) {
+    T* dst = mb.kb.data() + j * mb.Dp;
+    for (int64_t d = 0; d < D; ++d) dst[d] = k[j * row_stride + d * d_stride];
+    std::fill(dst + D, dst + mb.Dp, T(0.0f));
+  }
+  *lda = mb.Dp;
+  return mb.kb.data();
+}
+
+// The V block's B operand: in place without vnni when its features are
+// contiguous; else copied (nk rows, one zero row after them when nk is
+// odd) and, with vnni, packed.
+template <typename T>
+const T* mx_v_operand(const T* v, int64_t row_stride, int64_t d_stride, int64_t nk, int64_t Dv, MxBuffers<T>& mb,
+                      int64_t* ldv) {
+  if (!mb.vnni && d_stride == 1) {
+    *ldv = row_stride;
+    return v;
+  }
+  for (int64_t j = 0; j < nk; ++j)
+    for (int64_t d = 0; d < Dv; ++d) mb.vb[j * Dv + d] = v[j * row_stride + d * d_stride];
+  const int64_t nkp = round_up(nk, 2);
+  if (nkp > nk) std::fill(mb.vb.data() + nk * Dv, mb.vb.data() + nkp * Dv, T(0.0f));
+  *ldv = Dv;
+  if (!mb.vnni) return mb.vb.data();
+  pack_b(nkp, Dv, Dv, c10::CppTypeToScalarType<T>::value, mb.vb.data(), mb.vp.data());
+  return mb.vp.data();
+}
+
+// ST (nk x ncols, row stride kBlockQ) = scale * K . QT, in base-2 units.
+template <typename T>
+void mx_scores(const T* k, int64_t lda, const T* qt, int64_t nk, int64_t ncols, int64_t D, float scale_log2,
+               const MxBuffers<T>& mb, float* st) {
+  tile_gemm(nk, ncols, mb.vnni ? mb.Dp : D, lda, mb.vnni ? ncols : kBlockQ, kBlockQ, /*add_c=*/false, k, qt, st,
+            mb.vnni);
+  const Vec s = Vec::broadcast(scale_log2);
+  for (int64_t j = 0; j < nk; ++j) {
+    float* row = st + j * kBlockQ;
+    for (int64_t c = 0; c < ncols; c += kW) (s * Vec::load(row + c)).store(row + c);
+  }
+}
+
+// O (nrows x Dv, row stride ldo) = alpha * O + round_T(P)^T . V, P the
+// transposed float32 probabilities (nk x >= nrows, row stride kBlockQ).
+template <typename T>
+void mx_pv(const float* p, int64_t nk, int64_t nrows, const T* v, int64_t ldv, int64_t Dv, const float* alpha,
+           float* o, int64_t ldo, MxBuffers<T>& mb) {
+  const int64_t nkp = mb.vnni ? round_up(nk, 2) : nk;
+  T* pt = mb.pt.data();
+  for (int64_t r = 0; r < nrows; ++r) {
+    T* row = pt + r * kPtLd;
+    for (int64_t j = 0; j < nk; ++j) row[j] = static_cast<T>(p[j * kBlockQ + r]);
+    if (nkp > nk) row[nk] = T(0.0f);
+    const float a = alpha[r];
+    float* orow = o + r * ldo;
+    for (int64_t d = 0; d < Dv; ++d) orow[d] *= a;
+  }
+  tile_gemm(nrows, Dv, nkp, kPtLd, ldv, ldo, /*add_c=*/true, pt, v, o, mb.vnni);
+}
+
+}  // namespace
+}  // namespace fwd
+}  // namespace cpu
+}  // namespace flash_metal
