@@ -180,7 +180,7 @@ def run(args):
     H.finish_metadata(meta, t_start)
     H.write_csv(csv_path, meta, rows, COLUMNS)
     print(f"{pass_name} time in ms: median [min-max] of {args.batches} interleaved batches. {device}, "
-          f"{threads} torch threads, {meta['cpu']}, torch {meta['torch']}, {meta['git_sha'][:12]}")
+          f"{threads} torch threads, {meta['cpu']} [{meta['cpu_isa']}], torch {meta['torch']}, {meta['git_sha'][:12]}")
     print(H.format_table(["case", "dtype", "problem", "visible pairs", "flash_metal ms", "sdpa ms",
                           "flash_metal vs sdpa"], table))
     print(f"\nCSV: {csv_path}   ({meta['wall_seconds']} s)")

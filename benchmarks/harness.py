@@ -299,6 +299,18 @@ def others_cpu_busy(seconds: float = 0.5) -> Optional[float]:
     return (dt - (idle1 - idle0)) / dt if dt > 0 else None
 
 
+def cpu_isa(fm=None) -> str:
+    """The CPU's ISA flags that decide the CPU kernel's path (issue 22), "-" marking an absent one, and the
+    path bfloat16 takes: every CPU table prints this, since a CPU figure holds only for its CPU class."""
+    fm = fm or load_flash_metal()
+    if not hasattr(fm, "cpu_features"):
+        return "?"
+    feats = fm.cpu_features()
+    flags = " ".join(n if feats[n] else "-" + n for n in
+                     ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16", "amx_fp16"))
+    return f"{flags}; bfloat16 path: {fm.cpu_path().path}"
+
+
 def machine_metadata(device: str) -> Dict[str, str]:
     fm = load_flash_metal()
     sha = _git("rev-parse", "HEAD") or "unknown"
@@ -318,6 +330,7 @@ def machine_metadata(device: str) -> Dict[str, str]:
         "flash_metal": f"{getattr(fm, '__version__', '?')} ({Path(fm.__file__).parent})",
         "git_sha": sha,
     }
+    meta["cpu_isa"] = cpu_isa(fm)
     if hasattr(os, "getloadavg"):
         meta["loadavg_1m_at_start"] = f"{os.getloadavg()[0]:.2f}"
     busy = others_cpu_busy()

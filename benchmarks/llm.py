@@ -115,7 +115,7 @@ def run(args):
     H.write_csv(csv_path, meta, rows, COLUMNS)
 
     print(f"Forward time in ms: median [min-max] of {args.batches} batches, TFLOP/s from the median. "
-          f"{device}, {threads} torch threads, {meta['cpu']}, torch {meta['torch']}, {meta['git_sha'][:12]}")
+          f"{device}, {threads} torch threads, {meta['cpu']} [{meta['cpu_isa']}], torch {meta['torch']}, {meta['git_sha'][:12]}")
     header = ["shape", "dtype", "causal"]
     for impl in runnable:
         header += [f"{impl.name} ms", f"{impl.name} TFLOP/s"]

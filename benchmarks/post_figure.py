@@ -59,7 +59,7 @@ def run(args):
     H.write_csv(csv_path, meta, rows, columns)
 
     print(f"Forward time in ms: median [min-max] of {args.batches} batches. float32, B=H=1, "
-          f"{device}, {threads} torch threads, {meta['cpu']}, torch {meta['torch']}, {meta['git_sha'][:12]}")
+          f"{device}, {threads} torch threads, {meta['cpu']} [{meta['cpu_isa']}], torch {meta['torch']}, {meta['git_sha'][:12]}")
     header = ["d", "causal", "N"] + [i.name for i in impls] + [f"{FLASH} speedup vs {BASELINE}"]
     print(H.format_table(header, table))
     print(f"\nCSV: {csv_path}")

@@ -170,7 +170,7 @@ def run(args):
     H.write_csv(csv_path, meta, rows, COLUMNS)
 
     print(f"Forward+backward time in ms: median [min-max] of {args.batches} batches. {device}, {threads} torch "
-          f"threads, {meta['cpu']}, torch {meta['torch']}, {meta['git_sha'][:12]}")
+          f"threads, {meta['cpu']} [{meta['cpu_isa']}], torch {meta['torch']}, {meta['git_sha'][:12]}")
     header = ["shape", "dtype", "causal", "sdpa ms", "flash_metal ms", "flash_metal TFLOP/s", "vs sdpa",
               "grad rel err (ours / sdpa)"]
     print(H.format_table(header, table))
