@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import flash_metal
-from numerics import assert_attention_close, assert_varlen_close, dtype_id, make_qkv
+from numerics import assert_attention_close, assert_gradients_close, assert_varlen_close, dtype_id, make_qkv
 
 COUNTS = torch.ops.flash_metal.cpu_path_counts
 FWD_VECTOR, FWD_BRGEMM = 0, 1
@@ -172,3 +172,45 @@ def test_vnni_pack_layout():
     packed = torch.ops.flash_metal.cpu_vnni_pack(b)
     want = b.view(K // 2, 2, N).transpose(1, 2).reshape(-1)
     assert torch.equal(packed, want)
+
+
+# --- backward ----------------------------------------------------------------------------------
+FWD_BWD = {"vector": 2, "brgemm": 3}  # cpu_path_counts() slots of the backward
+
+
+@pytest.mark.parametrize("path", ["vector", "brgemm"], indirect=True)
+@pytest.mark.parametrize("dtype", HALF_TYPES, ids=dtype_id)
+@pytest.mark.parametrize("case", [CASES[1], CASES[3], CASES[4], CASES[5], CASES[7]],
+                         ids=[CASES[i][0] for i in (1, 3, 4, 5, 7)])
+def test_forced_path_backward(path, dtype, case):
+    """Gradients on each forced path vs the float64 oracle. Hkv = 1 cases (window, D_qk != D_v) with
+    2 threads take the chunked decomposition (partial dK/dV per chunk), the others one item per kv head."""
+    if path == "brgemm" and not HAS_BRGEMM:
+        pytest.skip("this torch has no at::native::cpublas::brgemm")
+    name, B, Hq, Hkv, Nq, Nk, D, Dv, causal, build = case
+    g = _gen("bwd", name, str(dtype))
+    q, k, v = make_qkv(B, Hq, Hkv, Nq, Nk, D, dtype, generator=g)
+    if Dv != D:
+        v = torch.randn(B, Hkv, Nk, Dv, generator=g).to(dtype)
+    options = build(B, Hq, Nq, Nk, g) if build else {}
+    out, lse = flash_metal.attention_with_lse(q, k, v, causal, None, "auto", **options)
+    grad_out = torch.randn(out.shape, generator=g).to(dtype)
+    grad_lse = torch.where(torch.isfinite(lse), torch.randn(lse.shape, generator=g), 0.0)
+    before = COUNTS()
+    saved = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        grads = torch.ops.flash_metal.attention_backward(grad_out, q, k, v, out, lse, causal, None, grad_lse, "auto",
+                                                         **options)[:3]
+    finally:
+        torch.set_num_threads(saved)
+    assert COUNTS()[FWD_BWD[path]] == before[FWD_BWD[path]] + 1, "the backward did not run the forced path"
+    assert_gradients_close(grads, q, k, v, grad_out, causal, None, grad_lse, **options)
+    assert torch.ops.flash_metal.cpu_path_info(dtype, True)[0] == path
+
+
+def test_backward_auto_stays_vector_without_vnni(monkeypatch):
+    monkeypatch.delenv("FLASH_METAL_CPU_PATH", raising=False)
+    for dtype in HALF_TYPES + [torch.float32]:
+        path, reason, vnni = torch.ops.flash_metal.cpu_path_info(dtype, True)
+        assert path == "vector" and not vnni and "backward" in reason, reason

@@ -109,10 +109,16 @@ PathChoice choose_cpu_path(at::ScalarType dtype, bool backward) {
     }
     TORCH_CHECK(brgemm_compiled(), "FLASH_METAL_CPU_PATH=brgemm: this torch has no at::native::cpublas::brgemm for 16-bit inputs (torch >= 2.6 has); use 'auto' or 'vector'");
     pc.path = CpuPath::Brgemm;
-    pc.vnni = packable;
+    pc.vnni = packable && !backward;
     pc.reason = what + ": brgemm, forced by FLASH_METAL_CPU_PATH=brgemm; " +
-                (packable ? "VNNI-packed B on the matrix units (AMX)"
-                          : "ATen's non-VNNI fallback (no AMX for this dtype here)");
+                (pc.vnni ? "VNNI-packed B on the matrix units (AMX)"
+                         : backward ? "non-VNNI brgemm calls (the backward does not pack for AMX yet)"
+                                    : "ATen's non-VNNI fallback (no AMX for this dtype here)");
+    return pc;
+  }
+  if (backward && sixteen) {  // the backward's brgemm products have no VNNI packing yet (issue 22 step 3)
+    pc.reason = what + ": vector (auto: the backward's brgemm path runs without VNNI packing, so not on AMX; "
+                "FLASH_METAL_CPU_PATH=brgemm forces it)";
     return pc;
   }
   if (sixteen && packable) {
