@@ -13,6 +13,9 @@
 // are skipped; varlen items are (sequence, kv head).
 // Two head dims (issue 20 §2): ST, dQ and dK run over D_qk (q's and k's),
 // dPT, dV and Delta over D_v (v's, dO's, O's); equal but for MLA-style calls.
+// The brgemm path (16-bit inputs, matrix_units.h; g.mx) runs the same five
+// products through ATen's brgemm on the 16-bit operands read in place, P and
+// dS rounded to the input dtype, the softmax pass unchanged (no VNNI yet).
 // Five products per tile, all on one register-tiled micro-kernel (the
 // forward's 6 x 16 sgemm tile with AVX2/NEON, 6 x 64 with AVX-512):
 // C (+)= A . B with B read as

@@ -18,7 +18,9 @@
 // read at every call. auto takes brgemm only where it is expected to win:
 // a 16-bit dtype whose B operands ATen can pack for the matrix units;
 // otherwise vector (on AVX2 and plain AVX-512 the FMA path is today's
-// measured one). brgemm forced on float32 runs vector (documented
+// measured one). The backward's brgemm products (attention_backward_cpu.cpp)
+// do not pack for AMX yet: auto keeps the backward on vector, and forced
+// brgemm runs it with plain (non-VNNI) calls. brgemm forced on float32 runs vector (documented
 // fallback: the path exists for 16-bit tiles); forced where this torch has
 // no brgemm (< 2.6) it is an error.
 #pragma once
