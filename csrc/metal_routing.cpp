@@ -360,7 +360,7 @@ bool kvcache_reads_table(const AttentionProblem& p, KernelRequest requested, std
     *why = "paged KV cache: the prefill kernel reads K/V through the block table (" +
            (requested == KernelRequest::Prefill ? std::string("impl='prefill'")
             : p.varlen ? "packed queries of their own lengths, cu_seqlens_q, max_seqlen_q = " +
-                             std::to_string(p.q_len) + ": fc_varlen with fc_paged, no gather"
+                             std::to_string(p.q_len) + ": fc_varlen, no gather"
                        : "Nq = " + std::to_string(p.q_len) + " > " + std::to_string(kMaxDecodeRows)) +
            "; " + pages + ", fc_paged; each sequence's own key count from cache_seqlens, causal and window aligned "
            "to it; nothing copied): ";

@@ -14,7 +14,7 @@
 - macOS itself (issue 18, item 10): this Linux stand-in skips there, CI or not.
 
 Planted bugs for each live in tests/mps_exec/plants.py; the suite runs two
-of them in tests/test_mps_exec.py, FLASH_METAL_MPS_EXEC_ALL_PLANTS=1 the rest
+of them in tests/test_mps_exec_library.py, FLASH_METAL_MPS_EXEC_ALL_PLANTS=1 the rest
 here too.
 """
 import os

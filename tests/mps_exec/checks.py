@@ -37,6 +37,11 @@ BACKWARD_LAYOUTS = {
 _BACKWARD_SHAPE = (2, 4, 2, 21, 19, 40)
 
 
+def recorded_ops(rec: dict) -> list[str]:
+    """The recorded calls' names, in order."""
+    return [e["op"] for e in rec["events"]]
+
+
 def _padded_storage(numel: int, dtype) -> torch.Tensor:
     """A NaN-filled flat tensor twice the size needed: a kernel reading such a view with another
     tensor's strides reads NaN (or its neighbours' values), never memory outside the buffer."""
