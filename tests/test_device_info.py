@@ -54,10 +54,15 @@ def test_build_without_mps_answers_unavailable():
 
 @pytest.mark.skipif(ON_MAC_WITH_MPS, reason="a build with the MPS backend describes its device (tested below)")
 def test_python_wrapper_parses_the_answer():
-    # flash_metal.device_info(): the op's JSON as a dict; bad arguments named.
+    # flash_metal.device_info(): the op's JSON as a dict; bad arguments named. In a fresh process: this
+    # worker may already hold the executed MPS host (tests/mps_exec), whose kernel answers for a fake device.
     import flash_metal
 
-    info = flash_metal.device_info()
+    code = "import json, flash_metal; print(json.dumps(flash_metal.device_info()))"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    assert proc.returncode == 0, proc.stderr
+    info = json.loads(proc.stdout.strip().splitlines()[-1])
     assert set(info) == KEYS and info["available"] is False
     assert info["tensor_ops"]["usable"] is False and "no MPS backend" in info["tensor_ops"]["reason"]
     with pytest.raises(TypeError, match="build_pipelines must be a bool"):
