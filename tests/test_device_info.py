@@ -35,13 +35,19 @@ FAMILIES = {"Apple7", "Apple8", "Apple9", "Apple10", "Mac2", "Metal3", "Metal4"}
 FAKE_NAME, FAKE_REGISTRY_ID = "flash_metal mps_exec fake device", 0x100000ABC
 
 
-@pytest.mark.skipif(ON_MAC_WITH_MPS, reason="a build with the MPS backend describes its device (tested below)")
-def test_build_without_mps_answers_unavailable():
-    code = "import json, torch, flash_metal; print(torch.ops.flash_metal.metal_device_info())"
+def _answer_of_a_fresh_process(statement):
+    """The JSON a new Python process prints after importing flash_metal (never this worker's: it may hold the
+    executed MPS host, whose kernel answers for a fake device)."""
+    code = "import json, torch, flash_metal; " + statement
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           env={**os.environ, "PYTHONWARNINGS": "ignore"})
     assert proc.returncode == 0, proc.stderr
-    info = json.loads(proc.stdout.strip().splitlines()[-1])
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.skipif(ON_MAC_WITH_MPS, reason="a build with the MPS backend describes its device (tested below)")
+def test_build_without_mps_answers_unavailable():
+    info = _answer_of_a_fresh_process("print(torch.ops.flash_metal.metal_device_info())")
     assert set(info) == KEYS
     assert info["schema"] == 1 and info["available"] is False and info["mps_backend"] is False
     assert "no MPS backend" in info["reason"]
@@ -54,15 +60,10 @@ def test_build_without_mps_answers_unavailable():
 
 @pytest.mark.skipif(ON_MAC_WITH_MPS, reason="a build with the MPS backend describes its device (tested below)")
 def test_python_wrapper_parses_the_answer():
-    # flash_metal.device_info(): the op's JSON as a dict; bad arguments named. In a fresh process: this
-    # worker may already hold the executed MPS host (tests/mps_exec), whose kernel answers for a fake device.
+    # flash_metal.device_info(): the op's JSON as a dict; bad arguments named.
     import flash_metal
 
-    code = "import json, flash_metal; print(json.dumps(flash_metal.device_info()))"
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          env={**os.environ, "PYTHONWARNINGS": "ignore"})
-    assert proc.returncode == 0, proc.stderr
-    info = json.loads(proc.stdout.strip().splitlines()[-1])
+    info = _answer_of_a_fresh_process("print(json.dumps(flash_metal.device_info()))")
     assert set(info) == KEYS and info["available"] is False
     assert info["tensor_ops"]["usable"] is False and "no MPS backend" in info["tensor_ops"]["reason"]
     with pytest.raises(TypeError, match="build_pipelines must be a bool"):
