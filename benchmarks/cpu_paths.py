@@ -17,6 +17,13 @@ Shapes: "issue" is issue 22's table; "llm" the LLM preset's (benchmarks/llm.py
 FULL, decode steps included for the forward, left out with --backward as in
 benchmarks/training.py), each non-decode shape causal and not; "llm-quick" its
 --quick shapes. --backward times forward + backward (torch.autograd.grad).
+
+--cpu-time: one thread, timed by the process's CPU time (time.process_time)
+instead of the wall clock. On a machine other processes keep busy, waiting for
+a core then costs nothing, so the ratios of two single-thread kernels stay
+steady where wall-clock ratios swing by 20% (what it cannot remove: caches and
+memory bandwidth shared with the other processes). Use smaller head counts
+with it: per-head work is the same, and one thread is 2x slower.
 """
 import argparse
 import math
@@ -87,13 +94,16 @@ def run(args):
     fm = H.load_flash_metal()
     from flash_metal.cpu_paths import cpu_label, cpu_path_counts
 
-    H.set_threads(args.threads)
+    H.set_threads(1 if args.cpu_time else args.threads)
+    clock = time.process_time if args.cpu_time else time.perf_counter
     saved = os.environ.get("FLASH_METAL_CPU_PATH")
     paths = args.paths.split(",")
     slot = "backward" if args.backward else "forward"
     rows, ratios = [], {}
     try:
         for (B, Hq, Hkv, Nq, Nk, D, causal) in shapes_for(args.shapes, args.backward):
+            if args.heads and Hq > args.heads:  # same per-head work, fewer heads (and batch 1)
+                Hkv, Hq, B = max(1, Hkv * args.heads // Hq), args.heads, 1
             for dname in args.dtypes.split(","):
                 dtype = DTYPES[dname]
                 g = torch.Generator().manual_seed(Nq * D + Hq)
@@ -116,9 +126,9 @@ def run(args):
                 best = {n: float("inf") for n in calls}
                 for _ in range(args.rounds):
                     for name, fn in calls.items():
-                        t = time.perf_counter()
+                        t = clock()
                         fn()
-                        best[name] = min(best[name], time.perf_counter() - t)
+                        best[name] = min(best[name], clock() - t)
                 flops = (3.5 if args.backward else 1.0) * H.attention_flops(B, Hq, Nq, Nk, D, causal)
                 shape = f"{B}x{Hq}{'' if Hkv == Hq else f':{Hkv}'}x{Nq}{'' if Nk == Nq else f'/{Nk}'}x{D}"
                 row = [shape, dname, "yes" if causal else "no", f"{best['sdpa'] * 1e3:.1f}"]
@@ -137,6 +147,7 @@ def run(args):
         else:
             os.environ["FLASH_METAL_CPU_PATH"] = saved
     what = "Forward + backward" if args.backward else "Forward"
+    what += ", one thread, process CPU time" if args.cpu_time else ", wall clock"
     print(f"\n{what}, best of {args.rounds} interleaved rounds, ms; ratio = SDPA time / ours. flash_metal "
           f"{fm.__version__}\nCPU: {cpu_label()}")
     header = ["shape", "dtype", "causal", "sdpa ms"]
@@ -157,6 +168,8 @@ def main(argv=None):
     ap.add_argument("--dtypes", default="bfloat16,float16,float32")
     ap.add_argument("--paths", default="vector,brgemm", help="comma-separated subset of vector,brgemm")
     ap.add_argument("--backward", action="store_true", help="time forward + backward")
+    ap.add_argument("--cpu-time", action="store_true", help="one thread, timed by process CPU time (load-robust)")
+    ap.add_argument("--heads", type=int, default=0, help="cap query heads at this (GQA ratio kept); 0: as the preset")
     return run(ap.parse_args(argv))
 
 
