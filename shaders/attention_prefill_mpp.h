@@ -167,8 +167,8 @@ template <typename T, int D, int BQ, int BK>
   simdgroup_barrier(mem_flags::mem_threadgroup);  // Q written before other lanes' matmul2d reads it (RAW)
 
   // Q's slice, K and V of the head, as tensors: extents innermost first
-  // (features, rows), strides in elements. K's and V's row extents end at
-  // the sequence, so matmul2d reads zeros past it.
+  // (features, rows), strides in elements (int32: checked as above). K's
+  // and V's row extents end at the sequence, so matmul2d reads zeros past it.
   const auto tq = tensor(q_tile, dextents<int, 2>(D, R));
   const auto tk = tensor(k + h.k, dextents<int, 2>(D, seq.kv_len), array<int, 2>{int(p.k_dim_stride), int(p.k_row_stride)});
   const auto tv = tensor(v + h.v, dextents<int, 2>(D, seq.kv_len), array<int, 2>{int(p.v_dim_stride), int(p.v_row_stride)});
