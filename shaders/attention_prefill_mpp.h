@@ -57,9 +57,13 @@
 //                 the next op's input for our shapes (WWDC26-330: direct
 //                 chaining is new in macOS 27), and the rows of O's layout
 //                 need not be those of S's, so alpha goes by row number too.
-//   O = alpha*O + P.V   the rescale per element of O's own layout, then
-//                 matmul2d (16 x D, K = BK) with multiply_accumulate into O,
-//                 a float destination cooperative tensor per SIMD-group.
+//   O = alpha*O + P.V   the rescale per element of O's own layout (alpha
+//                 read from threadgroup memory once per row a thread holds,
+//                 into a row reduction tensor of O's layout, not once per
+//                 element: the model found those reads the largest on-core
+//                 traffic), then matmul2d (16 x D, K = BK) with
+//                 multiply_accumulate into O, a float destination
+//                 cooperative tensor per SIMD-group.
 // Epilogue: O / l stored element by element through the API, lse = m ln 2 +
 // ln l (the convention of attention_prefill.h: zeros and lse = -inf for a
 // row that saw no key).
@@ -103,6 +107,17 @@ FM_INLINE float mpp_row_value(thread const R& r, int row) {
     if (r.is_valid_element(j) && r.get_multidimensional_index(j)[0] == row) x = r[j];
   }
   return x;
+}
+
+// Fills the row reduction tensor `r` (a value per row its thread holds in
+// the destination's layout) from a float per row in threadgroup memory: one
+// load per row held, where reading `by_row` for each destination element
+// would load 16 x N / 32 floats per lane (O's rescale: D / 2 per key block).
+template <typename R>
+FM_INLINE void mpp_rows_from(thread R& r, threadgroup const float* by_row) {
+  for (int j = 0; j < r.get_capacity(); ++j) {
+    if (r.is_valid_element(j)) r[j] = by_row[r.get_multidimensional_index(j)[0]];
+  }
 }
 
 // T: half or bfloat (float32 stays on the simdgroup kernel). D: head dim,
@@ -187,6 +202,8 @@ template <typename T, int D, int BQ, int BK>
   matmul2d<pv_desc, execution_simdgroup> pv;
   auto s = qk.template get_destination_cooperative_tensor<QT, KT, float>();
   auto acc = pv.template get_destination_cooperative_tensor<PT, KT, float>();
+  // A factor per row of O's layout held by this thread (alpha, then 1 / l).
+  auto o_r = pv.template get_row_reduction_destination_cooperative_tensor<PT, KT, float>();
   // The rows' running max (base 2) and sum, "no key yet" (attention_common.h),
   // or the sink as if a first key; alpha and the block's max / sum beside them.
   auto m_r = qk.template get_row_reduction_destination_cooperative_tensor<QT, KT, float>();
@@ -257,8 +274,9 @@ template <typename T, int D, int BQ, int BK>
     for (int j = 0; j < l_r.get_capacity(); ++j) l_r[j] = l_r[j] * a_r[j] + b_r[j];
     simdgroup_barrier(mem_flags::mem_threadgroup);  // P and alpha written before other lanes read them (RAW)
 
+    mpp_rows_from(o_r, row_stat);
     for (int i = 0; i < acc.get_capacity(); ++i) {
-      if (acc.is_valid_element(i)) acc[i] *= row_stat[acc.get_multidimensional_index(i)[1]];
+      if (acc.is_valid_element(i)) acc[i] *= mpp_row_value(o_r, acc.get_multidimensional_index(i)[1]);
     }
     // V past the sequence reads as zero, and P is 0 there anyway.
     pv.run(tp, tv.slice(0, k0), acc);
@@ -283,13 +301,14 @@ template <typename T, int D, int BQ, int BK>
     }
   }
   simdgroup_barrier(mem_flags::mem_threadgroup);  // 1 / l written before other lanes read it (RAW)
+  mpp_rows_from(o_r, row_stat);
   for (int i = 0; i < acc.get_capacity(); ++i) {
     if (!acc.is_valid_element(i)) continue;
     const auto idx = acc.get_multidimensional_index(i);  // [0] the feature, [1] the row
     const int row = row0 + idx[1];
     if (row < seq.q_len) {
       o[h.o + int64_t(row) * p.o_row_stride + int64_t(idx[0]) * p.o_dim_stride] =
-          static_cast<T>(acc[i] * row_stat[idx[1]]);
+          static_cast<T>(acc[i] * mpp_row_value(o_r, idx[1]));
     }
   }
 }
