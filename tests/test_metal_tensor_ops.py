@@ -32,7 +32,7 @@ import torch
 import backends
 import flash_metal
 from backends import LAST_DISPATCHES, emulated_metal_attention, emulated_metal_varlen, metal_mpp_library
-from metal_emulator import compile_library
+from metal_emulator import EmulatorError, compile_library
 from numerics import assert_attention_close, assert_varlen_close, dtype_id, make_qkv
 from test_metal_features import make_mask, packed
 
@@ -152,28 +152,45 @@ REREAD_Q = ("  const auto tq = tensor(q + h.q, dextents<int, 2>(D, seq.q_len),\n
             "                         array<int, 2>{int(p.q_dim_stride), int(p.q_row_stride)}).slice(0, row0);\n")
 
 
-def test_planted_q_reread_is_caught(tmp_path, monkeypatch):
-    """The planted kernel's results pass the 2x rule (reading Q again is not wrong, only slow); the exact
-    count catches it: the emulator's matmul2d reads a device operand's row per destination element, so Q is
-    read 1 + 32 x 5 times. One kernel in a partial library (a planted copy of shaders/)."""
+def _planted_library(tmp_path, monkeypatch, old, new):
+    """A copy of shaders/ with `old` (once in attention_prefill_mpp.h) replaced by `new`, its float16 D = 64
+    kernel alone in an instrumented partial library, which the emulated backend then runs."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     shutil.copytree(os.path.join(root, "shaders"), tmp_path / "shaders")
     header = tmp_path / "shaders" / "attention_prefill_mpp.h"
     text = header.read_text()
-    assert text.count(STAGED_Q) == 1
-    header.write_text(text.replace(STAGED_Q, REREAD_Q))
-    name = kernel_name(torch.float16, 64)
+    assert text.count(old) == 1
+    header.write_text(text.replace(old, new))
     lib = compile_library([str(tmp_path / "shaders" / "attention_mpp.metal")], instrumented=True, msl=4,
-                          only=[name])
+                          only=[kernel_name(torch.float16, 64)])
     monkeypatch.setattr(backends, "metal_mpp_library", lambda instrumented, fast_math=False: lib)
+    return lib
+
+
+def test_planted_q_reread_is_caught(tmp_path, monkeypatch):
+    """The planted kernel's results pass the 2x rule (reading Q again is not wrong, only slow); the exact
+    count catches it: the emulator's matmul2d reads a device operand's row per destination element, so Q is
+    read 1 + 32 x 5 times."""
+    lib = _planted_library(tmp_path, monkeypatch, STAGED_Q, REREAD_Q)
     q, k, v = make_qkv(1, 2, 1, 70, 130, 64, torch.float16, generator=torch.Generator().manual_seed(71))
     out, lse = emulated_metal_attention(q, k, v, False, None, "tensor_ops", instrumented=True, mpp_layout="m5")
     ((d, counts),) = LAST_DISPATCHES
-    assert d.kernel_name == name and name in lib.dispatched_names()
+    assert d.kernel_name in lib.dispatched_names()
     assert_attention_close(out, lse, q, k, v, False)
     with pytest.raises(AssertionError):
         assert_q_read_once(counts, q)
     assert counts.device_bytes_read_by_index[0] == (1 + 32 * 5) * q.numel() * 2
+
+
+def test_planted_missing_barrier_after_staging_q_is_a_race(tmp_path, monkeypatch):
+    """Without the simdgroup_barrier between the lanes' Q stores and matmul2d's reads of them, the
+    instrumented build reports a threadgroup-memory race (lanes run as independent fibers)."""
+    barrier = "  simdgroup_barrier(mem_flags::mem_threadgroup);  // Q written before"
+    _planted_library(tmp_path, monkeypatch, barrier, "  // (planted: no barrier) Q written before")
+    q, k, v = make_qkv(1, 2, 1, 17, 33, 64, torch.float16, generator=torch.Generator().manual_seed(72))
+    with pytest.raises(EmulatorError) as info:
+        emulated_metal_attention(q, k, v, False, None, "tensor_ops", instrumented=True, mpp_layout="m5")
+    assert "race" in info.value.kinds
 
 
 @pytest.mark.parametrize("seed", [2, 3])
