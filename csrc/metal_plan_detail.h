@@ -72,16 +72,21 @@ inline uint32_t prefill_threadgroup_memory(uint32_t block_q, uint32_t block_k, u
 inline constexpr uint32_t kTensorOpsBlockQ = 64;
 inline constexpr uint32_t kTensorOpsBlockK = 32;
 inline constexpr uint32_t kTensorOpsMaxThreads = 128;  // kPrefillMppMaxThreads in the shader
-// Its threadgroup memory: each SIMD-group's P (16 x block_k in the input
-// dtype) and one float per row (alpha, then 1 / l); a multiple of 16.
-inline uint32_t tensor_ops_threadgroup_memory(c10::ScalarType dtype) {
-  const uint32_t simdgroups = kTensorOpsBlockQ / 16;
-  return simdgroups * 16 * (kTensorOpsBlockK * dtype_bytes(dtype) + 4);
-}
-
 // Metal's threadgroup-memory limit on every Apple GPU of the supported
 // macOS versions (MTLDevice.maxThreadgroupMemoryLength is 32 KiB on Apple7+).
 inline constexpr uint32_t kMaxThreadgroupMemory = 32 * 1024;
+
+// Its threadgroup memory: each SIMD-group's P (16 x block_k) and Q rows
+// (16 x head_dim, read from device memory once), both in the input dtype,
+// and one float per row (alpha, then 1 / l); a multiple of 16.
+inline constexpr uint32_t tensor_ops_threadgroup_bytes(uint32_t elem_bytes, uint32_t head_dim) {
+  return kTensorOpsBlockQ / 16 * 16 * ((kTensorOpsBlockK + head_dim) * elem_bytes + 4);
+}
+// The widest instantiation (16-bit, D = 128) fits: 20,736 bytes.
+static_assert(tensor_ops_threadgroup_bytes(2, 128) <= kMaxThreadgroupMemory, "tensor-op prefill over 32 KiB");
+inline uint32_t tensor_ops_threadgroup_memory(c10::ScalarType dtype, uint32_t head_dim) {
+  return tensor_ops_threadgroup_bytes(dtype_bytes(dtype), head_dim);
+}
 
 // The backward's split-K scratch (the shader's backward_partials_bytes):
 // with parts, 2 x streamed / 8 fragments of 8 x 8 floats per SIMD-group,
