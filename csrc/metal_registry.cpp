@@ -133,6 +133,37 @@ std::vector<MetalLaunch> all_metal_launches() {
       }
     }
   }
+  // The decode-only buckets (512, 576; decode_takes_wide_dims): the decode
+  // shapes above, at D = D_v and at MLA's (576, 512), plain and paged (the
+  // widest live-value count, shaders/attention_decode_paged.h).
+  for (c10::ScalarType dtype : {c10::ScalarType::Float, c10::ScalarType::Half, c10::ScalarType::BFloat16}) {
+    for (const auto& [d, dv] : {std::pair<int64_t, int64_t>{512, 512}, {576, 576}, {576, 512}}) {
+      for (const Shape& shape : shapes) {
+        if (shape.request != KernelRequest::Decode && shape.request != KernelRequest::DecodeSplit) continue;
+        if (shape.q_heads * shape.q_len > 16) continue;  // composite past 16 rows per kv head (kWideDecodeMaxRows)
+        for (bool paged : {false, true}) {
+          AttentionProblem p;
+          p.batch = p.kv_heads = 1;
+          p.q_heads = shape.q_heads;
+          p.q_len = p.total_q = shape.q_len;
+          p.kv_len = p.total_k = shape.kv_len;
+          p.head_dim = d;
+          p.head_dim_v = dv;
+          p.scale = 1.0;
+          p.dtype = dtype;
+          p.paged = paged;
+          p.page_size = p.table_stride = paged ? 16 : 0;
+          const int64_t H = p.q_heads, N = p.q_len, M = p.kv_len;
+          const LaunchStrides packed{{H * N * d, N * d, d, 1}, {M * d, M * d, d, 1}, {M * dv, M * dv, dv, 1},
+                                     {H * N * dv, N * dv, dv, 1}, {H * N, N, 1}};
+          for (const MetalLaunch& l : plan_metal_attention(p, packed, shape.request).launches) add(l);
+          LaunchStrides known = packed;  // known zero offsets: fc_dense where D = D_v = the bucket
+          known.offsets = {0, 0, 0, 0};
+          for (const MetalLaunch& l : plan_metal_attention(p, known, shape.request).launches) add(l);
+        }
+      }
+    }
+  }
   for (const MetalLaunch& l : launches) {
     const auto starts = [&](const char* prefix) { return l.kernel_name.rfind(prefix, 0) == 0; };
     const bool decode = starts("flash_decode_") && !starts("flash_decode_merge_");

@@ -346,10 +346,16 @@ bool kvcache_reads_table(const AttentionProblem& p, KernelRequest requested, std
                     request_name(requested), "' serves at most ", kMaxDecodeRows, " query rows; got ", p.q_len,
                     " (use impl='auto' or 'prefill')");
   const std::string pages = std::to_string(p.page_size) + "-key pages";
-  const int64_t widest = kFastHeadDimBuckets.back();
-  if (!decode_request && (p.head_dim > widest || p.head_dim_v > widest)) {
+  // Dims above 256 read the table when the decode kernels take them
+  // (decode_takes_wide_dims: Nq <= 8, up to 576); the prefill's table
+  // reader stops at the fast buckets' 256: wider ones gather.
+  const bool wide = p.head_dim > kFastHeadDimBuckets.back() || p.head_dim_v > kFastHeadDimBuckets.back();
+  const bool decode_rows = !(requested == KernelRequest::Prefill || p.q_len > kMaxDecodeRows);
+  const int64_t widest = decode_rows ? kDecodeHeadDimBuckets.back() : kFastHeadDimBuckets.back();
+  if ((wide && !decode_rows) || p.head_dim > widest || p.head_dim_v > widest) {
     *why = "paged KV cache, gather path (head dims " + std::to_string(p.head_dim) + " / " +
-           std::to_string(p.head_dim_v) + " exceed the kernels' widest bucket, " + std::to_string(widest) +
+           std::to_string(p.head_dim_v) + " exceed the " + (decode_rows ? "decode" : "prefill") +
+           " kernels' widest bucket, " + std::to_string(widest) +
            "): each sequence's rows in use, through the table of " + pages + ", copied into packed K/V buffers, "
            "then the varlen plan: ";
     return false;
@@ -371,6 +377,50 @@ bool kvcache_reads_table(const AttentionProblem& p, KernelRequest requested, std
   return true;
 }
 
+// Query rows per kv head (gqa_ratio * Nq) the wide decode takes at most.
+// Why 16: at 1 row per SIMD-group every row group loads each K/V row
+// through the core's L1, so the kernel's on-core traffic grows with the
+// rows; the model (benchmarks/metal_model_decode_wide.py) puts it at least
+// 2.4x ahead of the composite path at 16 rows (MLA with 16 query heads,
+// Gemma-like with 8 rows) and behind it at 128 (MLA with 128 heads): past
+// 16 impl='auto' runs the composite path (a decode kernel sharing K/V
+// fragments across rows, on simdgroup matrices, is what MLA's 128 heads
+// need: not built); impl='decode' / 'decode_split' still take them.
+constexpr int64_t kWideDecodeMaxRows = 16;
+
+bool decode_takes_wide_dims(const AttentionProblem& p, KernelRequest requested, MetalPass pass) {
+  const int64_t fast = kFastHeadDimBuckets.back();
+  if (p.head_dim <= fast && p.head_dim_v <= fast) return false;
+  const bool decode_request = requested == KernelRequest::Auto || requested == KernelRequest::Decode ||
+                              requested == KernelRequest::DecodeSplit;
+  const int64_t widest = kDecodeHeadDimBuckets.back();
+  return pass == MetalPass::Forward && decode_request && !p.varlen && p.q_len <= kMaxDecodeRows &&
+         (requested != KernelRequest::Auto || p.gqa_ratio() * p.q_len <= kWideDecodeMaxRows) &&
+         p.head_dim <= widest && p.head_dim_v <= widest;
+}
+
+// The least speedup the model predicts for the fused wide decode over the
+// composite path it replaces (csrc/composite.cpp's ATen ops: K and V
+// converted to float32 and re-read, the scores written and re-read per
+// step, a dispatch each), over its table: M1 to M5, f16/bf16, MLA (576, 512)
+// with 16 query heads on one latent head and Gemma-like 512, up to
+// kWideDecodeMaxRows rows per kv head, Nk 1k-32k (benchmarks/metal_model_decode_wide.py). Why a constant:
+// explain() quotes it; tests/test_metal_model_decode_wide.py holds the
+// model to it.
+constexpr const char* kWideDecodeLeastSpeedup = "2x";
+
+// The wide decode's sentence for explain(): the model's verdict (issue 20
+// section 2/3; the figures are benchmarks/metal_model_decode_wide.py's
+// table, asserted by tests/test_metal_model_decode_wide.py).
+static std::string wide_decode_note(const AttentionProblem& p, uint32_t bucket) {
+  return "; head dims " + std::to_string(p.head_dim) + " / " + std::to_string(p.head_dim_v) +
+         " in the decode-only bucket " + std::to_string(bucket) +
+         " (prefill and backward stop at 256): one pass over K/V with 1 query row per SIMD-group, predicted at "
+         "least " + kWideDecodeLeastSpeedup + " faster than the composite path's ATen ops at every modelled decode "
+         "shape of at most " + std::to_string(kWideDecodeMaxRows) + " query rows per kv head "
+         "(benchmarks/metal_model_decode_wide.py: a model, not a measurement)";
+}
+
 KernelChoice choose_metal_kernel(const AttentionProblem& p, KernelRequest requested, const GpuSpec& gpu,
                                  MetalPass pass) {
   TORCH_CHECK(requested != KernelRequest::Composite, "flash_metal: impl='composite' is routed before planning "
@@ -381,15 +431,22 @@ KernelChoice choose_metal_kernel(const AttentionProblem& p, KernelRequest reques
   // (head_dim_v in AttentionParams); the post's kernels do not (below).
   const bool own_v = p.head_dim_v != p.head_dim;
   // Nor head dims past the largest bucket (the CPU kernels take up to
-  // kMaxHeadDim = 576, D_v up to 512): no Metal instantiation is wider than 256 yet.
-  TORCH_CHECK_NOT_IMPLEMENTED(p.head_dim <= kFastHeadDimBuckets.back(), "flash_metal: head_dim ", p.head_dim,
-                              " on Metal kernels: not yet (at most ", kFastHeadDimBuckets.back(), ", ",
-                              pass == MetalPass::Backward ? "backward" : "forward",
-                              "); run on CPU tensors, which take head dims up to ", kMaxHeadDim);
-  TORCH_CHECK_NOT_IMPLEMENTED(p.head_dim_v <= kFastHeadDimBuckets.back(), "flash_metal: v's head dim D_v = ",
-                              p.head_dim_v, " on Metal kernels: not yet (at most ", kFastHeadDimBuckets.back(), ", ",
-                              pass == MetalPass::Backward ? "backward" : "forward",
-                              "); run on CPU tensors, which take D_v up to ", kMaxHeadDimV);
+  // kMaxHeadDim = 576, D_v up to 512): 256 but for the decode kernels, which
+  // take up to 576 (decode_takes_wide_dims).
+  const bool wide_decode = decode_takes_wide_dims(p, requested, pass);
+  const char* pass_name = pass == MetalPass::Backward ? "backward" : "forward";
+  TORCH_CHECK_NOT_IMPLEMENTED(wide_decode || p.head_dim <= kFastHeadDimBuckets.back(), "flash_metal: head_dim ",
+                              p.head_dim, " on Metal kernels: not yet (at most ", kFastHeadDimBuckets.back(), ", ",
+                              pass_name, "; the decode kernels, Nq <= ", kMaxDecodeRows, ", take up to ",
+                              kDecodeHeadDimBuckets.back(), " (impl='auto': at most ", kWideDecodeMaxRows,
+                              " query rows per kv head)); run on CPU tensors, which take head dims up to ",
+                              kMaxHeadDim);
+  TORCH_CHECK_NOT_IMPLEMENTED(wide_decode || p.head_dim_v <= kFastHeadDimBuckets.back(),
+                              "flash_metal: v's head dim D_v = ", p.head_dim_v, " on Metal kernels: not yet (at most ",
+                              kFastHeadDimBuckets.back(), ", ", pass_name, "; the decode kernels, Nq <= ",
+                              kMaxDecodeRows, ", take up to ", kMaxHeadDimV, " (impl='auto': at most ", kWideDecodeMaxRows,
+                              " query rows per kv head)); run on CPU tensors, which take "
+                              "D_v up to ", kMaxHeadDimV);
   if (pass == MetalPass::Backward) return choose_backward(p, requested);
   // The bucket every tile fits: the wider of the two dims (== head_dim unless MLA-style).
   const int64_t widest = std::max(p.head_dim, p.head_dim_v);
@@ -525,7 +582,8 @@ KernelChoice choose_metal_kernel(const AttentionProblem& p, KernelRequest reques
     }
     case KernelRequest::Decode:
     case KernelRequest::DecodeSplit: {
-      c.bucket = bucket_of(widest, kFastHeadDimBuckets);
+      c.bucket = bucket_of(widest, kDecodeHeadDimBuckets);
+      if (c.bucket > kFastHeadDimBuckets.back()) c.reason += wide_decode_note(p, c.bucket);
       std::string why;
       const bool forced_split = c.kind == KernelRequest::DecodeSplit;
       const bool forced_one = explicit_request && c.kind == KernelRequest::Decode;

@@ -46,6 +46,14 @@ def _plans():
                 q = torch.empty(1, 1, nq, d, dtype=dtype)
                 k = torch.empty(1, 1, nk, d, dtype=dtype)
                 plans[(impl, dtype, bucket)] = (flash_metal.explain(q, k, k, impl=impl), d)
+    # The decode-only buckets 512 and 576 (tests/test_metal_decode_wide.py): a ragged Gemma-like 500 in 512,
+    # MLA's (576, 512) in 576 (v a view of k's first 512 features).
+    for impl, nk in (("decode", 9), ("decode_split", 600)):
+        for dtype in DTYPES:
+            for bucket, (dqk, dv) in {512: (500, 500), 576: (576, 512)}.items():
+                q = torch.empty(1, 1, 2, dqk, dtype=dtype)
+                k = torch.empty(1, 1, nk, dqk, dtype=dtype)
+                plans[(impl + "_wide", dtype, bucket)] = (flash_metal.explain(q, k, k[..., :dv], impl=impl), dqk)
     # The backward's two kernels (shaders/attention_backward.h).
     for dtype in DTYPES:
         for bucket, d in FAST_BUCKET_DIMS.items():
