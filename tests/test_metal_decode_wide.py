@@ -14,13 +14,23 @@ paged kvcache op with shuffled pages, and MLA's latent view (k the whole
 Outputs are poisoned with NaN (tests/backends.py) and each run proves the
 wide kernels did the work (the emulator's dispatched names). Contexts stay
 under 300 keys (CI time).
+
+The default emulator builds leave the 18 wide kernels out
+(tests/shader_builds.py: their compile put the CI run over its 30 minutes);
+the runs here go to partial libraries of their own (tests/backends.py
+wide_decode_library): all 18 on the fast build, bfloat16's 6 on the
+sanitizing one. Their private arrays are checked here too, on those 18 alone
+(the shipped-kernels check in metal_emulator_tests/test_emu_registers.py
+covers the default builds' set).
 """
 import pytest
 import torch
 
 import backends
 import flash_metal
-from backends import emulated_metal_attention, emulated_metal_kvcache
+from backends import SHADER, emulated_metal_attention, emulated_metal_kvcache
+from metal_emulator import private_arrays
+from shader_builds import WIDE_DECODE_KERNELS, is_wide_decode
 from numerics import DTYPES, assert_attention_close, dtype_id, make_qkv
 from test_metal_decode_paged import check_against_oracle, make_paged_cache
 
@@ -35,13 +45,30 @@ def bucket(dqk, dv):
     return 512 if max(dqk, dv) <= 512 else 576
 
 
-def _ran(bucket_, splits):
-    """Kernel names of the last emulated call: the wide bucket's decode kernels, split or not."""
+def _ran(bucket_, splits, instrumented=False):
+    """Kernel names of the last emulated call: the wide bucket's decode kernels, split or not, run by the
+    wide decode's own library (the default builds lack them)."""
     names = [d.kernel_name for d, _ in backends.LAST_DISPATCHES]
     want = (["flash_decode_split_", "flash_decode_merge_"] if splits else ["flash_decode_"])
     assert len(names) == len(want) and all(n.startswith(w) and n.endswith(f"_d{bucket_}")
                                            for n, w in zip(names, want)), names
+    assert set(names) <= backends.wide_decode_library(instrumented).dispatched_names(), names
     return names
+
+
+def test_default_builds_leave_the_wide_kernels_out_and_their_own_library_holds_them():
+    default, wide = backends.metal_library(False), backends.wide_decode_library(False)
+    assert not any(is_wide_decode(n) for n in default.kernel_names())
+    assert sorted(wide.kernel_names()) == sorted(default.omitted_names())
+    assert len(wide.kernel_names()) == 3 * 3 * 2  # (one pass, split, merge) x dtypes x (512, 576)
+
+
+def test_wide_kernels_keep_no_array_in_memory():
+    # The rule test_emu_registers.py checks for the default builds' kernels: a query row and accumulator
+    # loop to the compile-time bucket, fully unrolled, so no private array stays in per-thread memory.
+    arrays = private_arrays([SHADER], only=WIDE_DECODE_KERNELS)
+    assert sorted(arrays) == sorted(backends.wide_decode_library(False).kernel_names())
+    assert not {name: a for name, a in arrays.items() if a}
 
 
 def _inputs(B, Hq, Hkv, nq, nk, dqk, dv, dtype, g, latent=False):
@@ -164,4 +191,4 @@ def test_sanitized_build_on_ragged_shapes(dims):
         q, k, v = _inputs(B, Hq, Hkv, nq, nk, dqk, dv, torch.bfloat16, g)
         out, lse = emulated_metal_attention(q, k, v, causal, None, impl, instrumented=True)
         assert_attention_close(out, lse, q, k, v, causal)
-        _ran(bucket(dqk, dv), impl == "decode_split")
+        _ran(bucket(dqk, dv), impl == "decode_split", instrumented=True)

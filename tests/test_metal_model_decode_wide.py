@@ -21,9 +21,11 @@ def test_closed_form_counts_are_the_emulators(shape):
     # kernels move in the instrumented emulator, exactly.
     b, hq, hkv, nq, nk, dqk, dv, impl = shape
     g = torch.Generator().manual_seed(nk)
-    q = torch.randn(b, hq, nq, dqk, generator=g).half()
-    k = torch.randn(b, hkv, nk, dqk, generator=g).half()
-    v = torch.randn(b, hkv, nk, dv, generator=g).half()
+    # bfloat16: the sanitizing wide library's dtype (tests/backends.py SANITIZED_WIDE_DECODE_KERNELS); 2 bytes
+    # an element, as the model's f16 / bf16 rows price.
+    q = torch.randn(b, hq, nq, dqk, generator=g).bfloat16()
+    k = torch.randn(b, hkv, nk, dqk, generator=g).bfloat16()
+    v = torch.randn(b, hkv, nk, dv, generator=g).bfloat16()
     out, lse = backends.emulated_metal_attention(q, k, v, False, None, impl, instrumented=True)
     assert_attention_close(out, lse, q, k, v)
     plan = flash_metal.explain(q, k, v, False, None, impl)
