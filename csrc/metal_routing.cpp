@@ -334,6 +334,17 @@ std::string prefill_pages_note(const AttentionProblem& p, uint32_t block_k) {
 
 }  // namespace
 
+// Query rows per kv head (gqa_ratio * Nq) the wide decode takes at most.
+// Why 16: at 1 row per SIMD-group every row group loads each K/V row
+// through the core's L1, so the kernel's on-core traffic grows with the
+// rows; the model (benchmarks/metal_model_decode_wide.py) puts it at least
+// 2.4x ahead of the composite path at 16 rows (MLA with 16 query heads,
+// Gemma-like with 8 rows) and behind it at 128 (MLA with 128 heads): past
+// 16 impl='auto' runs the composite path (a decode kernel sharing K/V
+// fragments across rows, on simdgroup matrices, is what MLA's 128 heads
+// need: not built); impl='decode' / 'decode_split' still take them.
+constexpr int64_t kWideDecodeMaxRows = 16;
+
 bool kvcache_reads_table(const AttentionProblem& p, KernelRequest requested, std::string* why) {
   const bool decode_request = requested == KernelRequest::Decode || requested == KernelRequest::DecodeSplit;
   TORCH_CHECK_VALUE(requested == KernelRequest::Auto || requested == KernelRequest::Prefill || decode_request,
@@ -346,18 +357,20 @@ bool kvcache_reads_table(const AttentionProblem& p, KernelRequest requested, std
                     request_name(requested), "' serves at most ", kMaxDecodeRows, " query rows; got ", p.q_len,
                     " (use impl='auto' or 'prefill')");
   const std::string pages = std::to_string(p.page_size) + "-key pages";
-  // Dims above 256 read the table when the decode kernels take them
-  // (decode_takes_wide_dims: Nq <= 8, up to 576); the prefill's table
-  // reader stops at the fast buckets' 256: wider ones gather.
+  // Dims above 256 read the table only where the wide decode takes them
+  // (decode_takes_wide_dims: Nq <= 8, no packed queries, up to 576, with
+  // 'auto' at most kWideDecodeMaxRows rows per kv head); the prefill's table
+  // reader stops at the fast buckets' 256, and every other wide call gathers
+  // (then the varlen plan, which runs the composite path).
   const bool wide = p.head_dim > kFastHeadDimBuckets.back() || p.head_dim_v > kFastHeadDimBuckets.back();
-  const bool decode_rows = !(requested == KernelRequest::Prefill || p.q_len > kMaxDecodeRows);
-  const int64_t widest = decode_rows ? kDecodeHeadDimBuckets.back() : kFastHeadDimBuckets.back();
-  if ((wide && !decode_rows) || p.head_dim > widest || p.head_dim_v > widest) {
+  if (wide && !decode_takes_wide_dims(p, requested, MetalPass::Forward)) {
     *why = "paged KV cache, gather path (head dims " + std::to_string(p.head_dim) + " / " +
-           std::to_string(p.head_dim_v) + " exceed the " + (decode_rows ? "decode" : "prefill") +
-           " kernels' widest bucket, " + std::to_string(widest) +
-           "): each sequence's rows in use, through the table of " + pages + ", copied into packed K/V buffers, "
-           "then the varlen plan: ";
+           std::to_string(p.head_dim_v) + " exceed the prefill kernels' widest bucket, " +
+           std::to_string(kFastHeadDimBuckets.back()) + ", and the wide decode does not take this call: it takes Nq <= " +
+           std::to_string(kMaxDecodeRows) + " unpacked query rows, dims up to " +
+           std::to_string(kDecodeHeadDimBuckets.back()) + ", with impl='auto' at most " +
+           std::to_string(kWideDecodeMaxRows) + " query rows per kv head): each sequence's rows in use, through the "
+           "table of " + pages + ", copied into packed K/V buffers, then the varlen plan: ";
     return false;
   }
   if (requested == KernelRequest::Prefill || p.q_len > kMaxDecodeRows || p.varlen) {
@@ -377,16 +390,6 @@ bool kvcache_reads_table(const AttentionProblem& p, KernelRequest requested, std
   return true;
 }
 
-// Query rows per kv head (gqa_ratio * Nq) the wide decode takes at most.
-// Why 16: at 1 row per SIMD-group every row group loads each K/V row
-// through the core's L1, so the kernel's on-core traffic grows with the
-// rows; the model (benchmarks/metal_model_decode_wide.py) puts it at least
-// 2.4x ahead of the composite path at 16 rows (MLA with 16 query heads,
-// Gemma-like with 8 rows) and behind it at 128 (MLA with 128 heads): past
-// 16 impl='auto' runs the composite path (a decode kernel sharing K/V
-// fragments across rows, on simdgroup matrices, is what MLA's 128 heads
-// need: not built); impl='decode' / 'decode_split' still take them.
-constexpr int64_t kWideDecodeMaxRows = 16;
 
 bool decode_takes_wide_dims(const AttentionProblem& p, KernelRequest requested, MetalPass pass) {
   const int64_t fast = kFastHeadDimBuckets.back();
