@@ -36,7 +36,7 @@ the composite path at every context, chip and dtype, by 2.4x to 6x at the
 point; at 128 rows (MLA's 128 heads, or 16 heads x 8 rows) each row's
 SIMD-group pulls every K/V row through L1 and the composite path is ahead
 (0.3-1.1x): the planner routes the fused decode up to 16 rows only
-(csrc/metal_routing.cpp kWideDecodeMaxRows). Against the generous unfused
+(csrc/metal_plan.h kWideDecodeMaxRows). Against the generous unfused
 plan (which nothing here runs: it reads 16-bit K/V straight into its
 matmuls) the fused decode is at parity at 2 rows per kv head (memory-bound,
 1.0-1.1x) and behind at 16 (0.5-0.8x, on-core data): a decode kernel that
@@ -73,7 +73,7 @@ def _views(b, hq, hkv, nq, nk, dqk, dv, dtype):
             one[..., :dv].expand(b, hkv, nk, dv))
 
 
-# Query rows per kv head impl='auto' sends to the wide decode (csrc/metal_routing.cpp kWideDecodeMaxRows).
+# Query rows per kv head impl='auto' sends to the wide decode (csrc/metal_plan.h kWideDecodeMaxRows).
 ROUTED_ROWS = 16
 
 

@@ -163,6 +163,16 @@ constexpr std::array<uint32_t, 10> kDecodeHeadDimBuckets = {32, 64, 72, 80, 96, 
 // tile of queries; below it the prefill kernel's 8-row fragments would run
 // mostly empty (MLX switches to its vector kernels at the same point).
 constexpr int64_t kMaxDecodeRows = 8;
+// Query rows per kv head (gqa_ratio * Nq) the wide decode takes at most.
+// Why 16: at 1 row per SIMD-group every row group loads each K/V row
+// through the core's L1, so the kernel's on-core traffic grows with the
+// rows; the model (benchmarks/metal_model_decode_wide.py) puts it at least
+// 2.4x ahead of the composite path at 16 rows (MLA with 16 query heads,
+// Gemma-like with 8 rows) and behind it at 128 (MLA with 128 heads): past
+// 16 impl='auto' runs the composite path (a decode kernel sharing K/V
+// fragments across rows, on simdgroup matrices, is what MLA's 128 heads
+// need: not built); impl='decode' / 'decode_split' still take them.
+constexpr int64_t kWideDecodeMaxRows = 16;
 // Indices of the [[function_constant]]s: causal masking (every kernel), and
 // the prefill kernel's edge specializations, true when Nq (Nk) is a multiple
 // of the query (key) block, so aligned shapes carry no edge code.

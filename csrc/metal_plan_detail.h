@@ -277,4 +277,8 @@ LaunchEstimate estimate_launch(const MetalLaunch& launch, uint32_t live_register
 bool tensor_ops_route(const AttentionProblem& p, const GpuSpec& gpu, std::string* why_not);
 void choose_tensor_ops(const AttentionProblem& p, bool forced, const GpuSpec& gpu, KernelChoice* c);
 
+// The wide decode's sentence for explain() (csrc/metal_routing_wide.cpp):
+// the bucket and the model's verdict against the composite path.
+std::string wide_decode_note(const AttentionProblem& p, uint32_t bucket);
+
 }  // namespace flash_metal::plan_detail
