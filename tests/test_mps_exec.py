@@ -430,7 +430,8 @@ def test_build_all_pipelines_on_the_fake_device(host, emu):
         assert not paged or {b[12] for b in bits} == {"0", "1"}, name
         assert all(b[4:10] + b[11] == "0000000" for b in bits if paged and b[12] == "1"), name
         bits = {b[:12] for b in bits if not paged or b[12] == "0"}
-        assert {b[10] for b in bits} == {"0", "1"}, name
+        # (the wide decode's 576 bucket never: D_v, at most 512, is never its width)
+        assert {b[10] for b in bits} == ({"0"} if name.endswith("_d576") else {"0", "1"}), name
         if name.startswith(("flash_attention_prefill_", "flash_backward_dkdv_")):
             assert {b[:3] for b in bits} == combos(3), name
         elif name.startswith("flash_backward_dq_"):

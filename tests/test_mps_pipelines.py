@@ -37,8 +37,8 @@ def planner_kernel_names():
                 names.add(torch.ops.flash_metal.metal_plan(q, long_k, long_k, False, None, "decode_split", "base", i)[0])
                 names.add(torch.ops.flash_metal.metal_plan(q, q, q, False, None, "auto", "base", i, True)[0])  # backward
         # The decode-only buckets 512 and 576 (issue 20): Gemma's D = 512, a ragged 300 in 512's, MLA's
-        # (576, 512) and (576, 576) in 576's; one query row (impl='decode' takes any rows per kv head).
-        for dqk, dv in ((512, 512), (300, 300), (576, 512), (576, 576)):
+        # (576, 512) and a ragged (520, 64) in 576's (D_v stops at 512); one query row.
+        for dqk, dv in ((512, 512), (300, 300), (576, 512), (520, 64)):
             q, k, v = (torch.zeros(1, 1, 1, n, dtype=dtype) for n in (dqk, dqk, dv))
             long_k, long_v = torch.zeros(1, 1, 4096, dqk, dtype=dtype), torch.zeros(1, 1, 4096, dv, dtype=dtype)
             names.add(torch.ops.flash_metal.metal_plan(q, k, v, False, None, "decode")[0])

@@ -88,7 +88,7 @@ def _matcher_mistakes(shim_dir):
             for j, n in enumerate(NAMES))
         proc = subprocess.run([_build.find_clang(), *flags, *filter_flags(only, exclude), "-fsyntax-only", "-"],
                               input=body, capture_output=True, text=True)
-        mistakes += [(i, NAMES[int(j)]) for j in re.findall(r"mistake (\d+)", proc.stderr)]
+        mistakes += sorted({(i, NAMES[int(j)]) for j in re.findall(r"mistake (\d+)", proc.stderr)})
         assert proc.returncode == 0 or mistakes, proc.stderr  # a failure other than a mistake: a broken check
     return mistakes
 
