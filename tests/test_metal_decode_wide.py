@@ -192,3 +192,23 @@ def test_sanitized_build_on_ragged_shapes(dims):
         out, lse = emulated_metal_attention(q, k, v, causal, None, impl, instrumented=True)
         assert_attention_close(out, lse, q, k, v, causal)
         _ran(bucket(dqk, dv), impl == "decode_split", instrumented=True)
+
+
+def test_paged_calls_the_wide_decode_does_not_take_gather():
+    # At dims above 256 the table is read only where the wide decode takes the call (csrc/metal_routing.cpp
+    # kvcache_reads_table asks decode_takes_wide_dims); past 16 query rows per kv head with impl='auto', or
+    # past 8 query rows, the pages in use are gathered (then the composite path), never handed to a kernel
+    # that cannot take them; impl='decode' still reads the table at 32 rows per kv head.
+    seqlens, g = [20, 9], torch.Generator().manual_seed(11)
+    k_cache, v_cache, table, _, _ = make_paged_cache(2, 1, 576, torch.float16, 16, seqlens, g)
+    lengths = torch.tensor(seqlens, dtype=torch.int32)
+    for hq, nq, impl, reads in ((16, 1, "auto", True), (32, 1, "auto", False), (16, 2, "auto", False),
+                                (2, 9, "auto", False), (32, 1, "decode", True)):
+        q = torch.empty(2, hq, nq, 576, dtype=torch.float16)
+        plan = flash_metal.explain(q, k_cache, v_cache[..., :512], False, None, impl, block_table=table,
+                                   cache_seqlens=lengths)
+        assert ("gather path" not in plan.reason) == reads, (hq, nq, impl, plan.reason)
+        if reads:
+            assert plan.dispatches[0].kernel_name.endswith("_d576"), plan.reason
+        else:
+            assert "the wide decode does not take this call" in plan.reason and plan.dispatches == (), plan.reason
