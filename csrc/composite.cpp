@@ -24,10 +24,13 @@ bool composite_route(const AttentionProblem& p, KernelRequest requested, MetalPa
   }
   if (requested != KernelRequest::Auto) return false;
   const int64_t widest = kFastHeadDimBuckets.back();
-  if (p.head_dim > widest || p.head_dim_v > widest) {
+  // (Decode, Nq <= 8, takes dims up to 576 fused: decode_takes_wide_dims.)
+  if ((p.head_dim > widest || p.head_dim_v > widest) && !decode_takes_wide_dims(p, requested, pass)) {
     *why = std::string("composite (") + pass_name + "): head dims " + std::to_string(p.head_dim) + " / " +
            std::to_string(p.head_dim_v) + " exceed the widest fused bucket (" + std::to_string(widest) +
-           "); the one fused plan the kernels can express there (the FA2 template at D = 512, 8 x 8 blocks, 8 "
+           ") but decode's (" + std::to_string(kDecodeHeadDimBuckets.back()) + ": Nq <= " +
+           std::to_string(kMaxDecodeRows) + ", at most 16 query rows per kv head, forward only, "
+           "benchmarks/metal_model_decode_wide.py); the one fused prefill plan the kernels can express there (the FA2 template at D = 512, 8 x 8 blocks, 8 "
            "feature parts) is predicted 2-3x slower than unfused when not causal (benchmarks/metal_model_d512.py), "
            "so this runs the unfused plan in chunks of query rows: ATen matmuls and softmax on the MPS stream, "
            "memory O(chunk x Nk), not a flash kernel";

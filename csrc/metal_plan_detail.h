@@ -257,6 +257,19 @@ static_assert(decode_rows_fit_budget(32) && decode_rows_fit_budget(64) && decode
                   decode_rows_fit_budget(192) && decode_rows_fit_budget(256),
               "decode_rows_per_simd (shaders/attention_decode_rows.h): the most rows within the budget");
 
+// The decode-only buckets 512 and 576 (kDecodeHeadDimBuckets) exceed
+// kDecodeRegisterBudget even at one row (slices of 16 and 18 values: 103
+// and 113 with a mask, 111 and 119 paged): they run at lower occupancy,
+// which estimate_launch counts (by registers) and the model prices
+// (benchmarks/metal_model_decode_wide.py); still within the 128 registers
+// an Apple GPU thread addresses (kBackwardRegisterBudget's note), so by
+// this model nothing spills.
+inline constexpr uint32_t kThreadAddressableRegisters = 128;
+static_assert(decode_rows_per_simd(512) == 1 && decode_rows_per_simd(576) == 1 &&
+                  decode_live_registers(576u, 1u, true) <= kThreadAddressableRegisters &&
+                  decode_live_registers(576u, 1u, false, true) <= kThreadAddressableRegisters,
+              "the wide decode buckets: one row per SIMD-group, within the addressable registers");
+
 // The split-KV merge: one row's partial max, sum and feature slice per lane.
 inline constexpr uint32_t kMergeLiveRegisters = 8 + kLiveOverhead;
 
@@ -268,5 +281,9 @@ LaunchEstimate estimate_launch(const MetalLaunch& launch, uint32_t live_register
 // blocks and reason, forced or not; refuses what it does not cover.
 bool tensor_ops_route(const AttentionProblem& p, const GpuSpec& gpu, std::string* why_not);
 void choose_tensor_ops(const AttentionProblem& p, bool forced, const GpuSpec& gpu, KernelChoice* c);
+
+// The wide decode's sentence for explain() (csrc/metal_routing_wide.cpp):
+// the bucket and the model's verdict against the composite path.
+std::string wide_decode_note(const AttentionProblem& p, uint32_t bucket);
 
 }  // namespace flash_metal::plan_detail
