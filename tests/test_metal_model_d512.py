@@ -10,6 +10,7 @@ import torch
 import flash_metal
 from benchmarks import metal_model as M
 from benchmarks import metal_model_d512 as W
+from benchmarks import metal_model_splitd as S
 from numerics import assert_attention_close
 
 
@@ -50,3 +51,60 @@ def test_fused_d512_is_predicted_slower_than_unfused_so_it_is_not_routed():
     assert plan.dispatches == () and "predicted 2-3x slower than unfused" in plan.reason
     with pytest.raises(NotImplementedError, match="head_dim 512"):
         flash_metal.explain(q, q, q, False, None, "prefill")
+
+
+# ---------------------------------------------------------------- split-D
+# The split-D probe (tests/prefill_splitd_probe.metal, benchmarks/metal_model_splitd.py):
+# K/V read per feature part from device memory, Q and O in registers, 32-key blocks.
+
+@pytest.mark.parametrize("family, blocks", [("splitd_coop", (8, 32, 8)), ("splitd", (8, 32, 8))])
+@pytest.mark.parametrize("n", [37, 70])
+@pytest.mark.parametrize("causal", [False, True])
+def test_splitd_computes_attention_at_d512(family, blocks, n, causal):
+    # Instrumented (races, out-of-bounds, divergence raise), out and lse
+    # poisoned with NaN by run(), ragged N, 2x rule vs float64.
+    g = torch.Generator().manual_seed(n + 2 * causal)
+    q, k, v = (torch.randn(1, 2, n, 512, generator=g).to(torch.float16) for _ in range(3))
+    out, lse, counts, _ = S.run(q, k, v, causal, *blocks, family=family)
+    assert counts.simdgroup_mmas > 0 and counts.threadgroup_barriers > 0
+    assert_attention_close(out, lse, q, k, v, causal, 1 / math.sqrt(512))
+
+
+@pytest.mark.parametrize("dtype, blocks, n", [(torch.bfloat16, (8, 32, 8), 37), (torch.float16, (16, 32, 16), 70),
+                                              (torch.float16, (8, 16, 8), 21)])
+def test_splitd_other_instantiations_compute_attention(dtype, blocks, n):
+    # bfloat16; two row groups (a ragged one past Nq); 16-key blocks with Nk < Nq... (Nq = Nk here).
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, 1, n, 512, generator=g).to(dtype) for _ in range(3))
+    out, lse, counts, _ = S.run(q, k, v, True, *blocks)
+    assert counts.simdgroup_mmas > 0
+    assert_attention_close(out, lse, q, k, v, True, 1 / math.sqrt(512))
+
+
+# The model's verdict on the split-D plan (S.PLAN), per chip, at 1x8x1024x512:
+# (causal) -> verdict. A change in the probe's counts or the model that flips
+# any of them fails here.
+SPLITD_VERDICTS = {False: "TBD", True: "TBD"}
+
+
+def test_splitd_verdict_against_unfused():
+    s = M.Shape(1, 8, 8, 1024, 1024, 512)
+    for causal, expected in SPLITD_VERDICTS.items():
+        for chip in W.CHIPS:
+            r = S.compare(s, causal, chip)
+            assert S.verdict(r) == expected, (chip, causal, r)
+
+
+def test_splitd_verdict_follows_the_counts(monkeypatch):
+    # The gate bites: the same plan with 30% more MMAs (a repeated product,
+    # say) is no longer ahead anywhere, causal or not.
+    s = M.Shape(1, 8, 8, 1024, 1024, 512)
+    real = S.records
+
+    def heavier(*args, **kwargs):
+        (r,) = real(*args, **kwargs)
+        return [r._replace(counts=dict(r.counts, simdgroup_mmas=r.counts["simdgroup_mmas"] * 13 // 10))]
+
+    monkeypatch.setattr(S, "records", heavier)
+    for chip in W.CHIPS:
+        assert S.verdict(S.compare(s, False, chip)) == "behind"
