@@ -75,6 +75,8 @@ def run(q, k, v, causal, bq, bk, wm, instrumented=True, family="splitd"):
     tensors = {"q": q, "k": k, "v": v, "out": out, "lse": lse}
     # The kernel's own buffers only (the plan also binds the options' buffers, which it does not declare).
     buffers = {i: tensors[name] for name, i in plan.buffers.items() if name in tensors}
+    unused = torch.zeros(B + 1, dtype=torch.int32)  # cu_seqlens: declared for sequence_view, read only under varlen
+    buffers.update({15: unused, 16: unused})
     nbytes = tg_bytes(family, bq, bk, wm)
     counts = library(instrumented).dispatch(
         f"flash_attention_{family}_{dt}_d512_bq{bq}_bk{bk}_wm{wm}", buffers=buffers,
