@@ -1,8 +1,11 @@
-"""Head dim 512 on Metal (issue 20, section 3): the model's verdict on a fused
-plan, from exact emulator counts of the prefill template at D = 512
-(benchmarks/metal_model_d512.py, tests/prefill_d512_probe.metal), and the
-planner's routing that follows from it (the composite path)."""
+"""Head dim 512 on Metal (issue 20, section 3): the model's verdicts on two
+fused plans, from exact emulator counts at D = 512: the prefill template
+(benchmarks/metal_model_d512.py, tests/prefill_d512_probe.metal) and the
+split-D probe (benchmarks/metal_model_splitd.py, tests/prefill_splitd_probe.metal:
+its correctness, sanitized, its verdict per chip, and planted bugs), and the
+planner's routing that follows from them (the composite path)."""
 import math
+import os
 
 import pytest
 import torch
@@ -49,6 +52,8 @@ def test_fused_d512_is_predicted_slower_than_unfused_so_it_is_not_routed():
     q = one.expand(1, 8, 1024, 512)
     plan = flash_metal.explain(q, q, q, False, None, "auto")
     assert plan.dispatches == () and "predicted 2-3x slower than unfused" in plan.reason
+    # The reason cites the split-D verdict too (test_splitd_verdict_against_unfused holds it).
+    assert "split-D forward probe" in plan.reason and "about 2x ahead when causal" in plan.reason
     with pytest.raises(NotImplementedError, match="head_dim 512"):
         flash_metal.explain(q, q, q, False, None, "prefill")
 
@@ -73,7 +78,7 @@ def test_splitd_computes_attention_at_d512(family, blocks, n, causal):
 @pytest.mark.parametrize("dtype, blocks, n", [(torch.bfloat16, (8, 32, 8), 37), (torch.float16, (16, 32, 16), 70),
                                               (torch.float16, (8, 16, 8), 21)])
 def test_splitd_other_instantiations_compute_attention(dtype, blocks, n):
-    # bfloat16; two row groups (a ragged one past Nq); 16-key blocks with Nk < Nq... (Nq = Nk here).
+    # bfloat16; two row groups (the second past Nq in the last threadgroup); 16-key blocks.
     g = torch.Generator().manual_seed(3)
     q, k, v = (torch.randn(1, 1, n, 512, generator=g).to(dtype) for _ in range(3))
     out, lse, counts, _ = S.run(q, k, v, True, *blocks)
@@ -81,30 +86,72 @@ def test_splitd_other_instantiations_compute_attention(dtype, blocks, n):
     assert_attention_close(out, lse, q, k, v, True, 1 / math.sqrt(512))
 
 
-# The model's verdict on the split-D plan (S.PLAN), per chip, at 1x8x1024x512:
-# (causal) -> verdict. A change in the probe's counts or the model that flips
+# The model's verdict on the split-D plan (S.PLAN: the coop softmax, 8 rows x
+# 32 keys, 8 feature parts) against unfused, per chip, at 1x8xNx512:
+# (N, causal) -> verdicts in W.CHIPS order. Causal: about 2x ahead, the whole
+# band, on every chip (unfused computes every score). Not causal: level
+# (0.99-1.03x at the point), so the verdict sits on the band's middle and
+# differs by chip. A change in the probe's counts or the model that flips
 # any of them fails here.
-SPLITD_VERDICTS = {False: "TBD", True: "TBD"}
+AHEAD = ("ahead",) * 4
+SPLITD_VERDICTS = {
+    (1024, False): ("point only", "point only", "behind", "ahead"),
+    (4096, False): AHEAD,
+    (1024, True): AHEAD,
+    (4096, True): AHEAD,
+}
 
 
 def test_splitd_verdict_against_unfused():
-    s = M.Shape(1, 8, 8, 1024, 1024, 512)
-    for causal, expected in SPLITD_VERDICTS.items():
-        for chip in W.CHIPS:
-            r = S.compare(s, causal, chip)
-            assert S.verdict(r) == expected, (chip, causal, r)
+    for (n, causal), expected in SPLITD_VERDICTS.items():
+        s = M.Shape(1, 8, 8, n, n, 512)
+        got = tuple(S.verdict(S.compare(s, causal, chip)) for chip in W.CHIPS)
+        assert got == expected, (n, causal, got)
 
 
-def test_splitd_verdict_follows_the_counts(monkeypatch):
-    # The gate bites: the same plan with 30% more MMAs (a repeated product,
-    # say) is no longer ahead anywhere, causal or not.
+@pytest.mark.parametrize("causal, factor", [(False, 1.3), (True, 2.5)])
+def test_splitd_verdict_follows_the_counts(monkeypatch, causal, factor):
+    # The gate bites: the same plan with more MMAs (a repeated product, say)
+    # is behind unfused on every chip.
     s = M.Shape(1, 8, 8, 1024, 1024, 512)
     real = S.records
 
     def heavier(*args, **kwargs):
         (r,) = real(*args, **kwargs)
-        return [r._replace(counts=dict(r.counts, simdgroup_mmas=r.counts["simdgroup_mmas"] * 13 // 10))]
+        return [r._replace(counts=dict(r.counts, simdgroup_mmas=int(r.counts["simdgroup_mmas"] * factor)))]
 
     monkeypatch.setattr(S, "records", heavier)
-    for chip in W.CHIPS:
-        assert S.verdict(S.compare(s, False, chip)) == "behind"
+    assert [S.verdict(S.compare(s, causal, chip)) for chip in W.CHIPS] == ["behind"] * 4
+
+
+@pytest.mark.parametrize("old, new, caught", [
+    # the third barrier removed: P and the row sums read before they are written
+    ("    threadgroup_barrier(mem_flags::mem_threadgroup);  // P and row sums written before they are read (RAW)\n",
+     "", "race"),
+    # the causal mask off by one (each row's diagonal key dropped)
+    ("b_key <= q0 + b_row + seq.upper", "b_key < q0 + b_row + seq.upper", "2x rule"),
+])
+def test_planted_splitd_bugs_are_caught(tmp_path, monkeypatch, old, new, caught):
+    # A copy of the probe (and shaders/ beside it) with one bug planted in the
+    # plan's kernel: the sanitizer or the 2x rule must reject it.
+    import shutil
+
+    from metal_emulator import EmulatorError, compile_library
+    from numerics import NotClose
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    shutil.copytree(os.path.join(root, "shaders"), tmp_path / "shaders")
+    (tmp_path / "tests").mkdir()
+    text = open(S.PROBE).read()
+    assert text.count(old) == 1
+    planted = tmp_path / "tests" / os.path.basename(S.PROBE)
+    planted.write_text(text.replace(old, new))
+    family, bq, bk, wm = S.PLAN
+    lib = compile_library([str(planted)], instrumented=True, only=[f"flash_attention_{family}_float16_d512_*"])
+    monkeypatch.setattr(S, "library", lambda instrumented=True: lib)
+    g = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(1, 2, 37, 512, generator=g).to(torch.float16) for _ in range(3))
+    with pytest.raises(EmulatorError if caught == "race" else NotClose) as e:
+        out, lse, _, _ = S.run(q, k, v, True, bq, bk, wm, family=family)
+        assert_attention_close(out, lse, q, k, v, True, 1 / math.sqrt(512))
+    assert caught != "race" or "race" in e.value.kinds
