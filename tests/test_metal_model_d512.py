@@ -6,15 +6,19 @@ its correctness, sanitized, its verdict per chip, and planted bugs), and the
 planner's routing that follows from them (the composite path)."""
 import math
 import os
+import sys
 
 import pytest
 import torch
 
 import flash_metal
-from benchmarks import metal_model as M
-from benchmarks import metal_model_d512 as W
-from benchmarks import metal_model_splitd as S
 from numerics import assert_attention_close
+
+# The checkout's root, for `benchmarks` (also when this file runs alone).
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks import metal_model as M  # noqa: E402
+from benchmarks import metal_model_d512 as W  # noqa: E402
+from benchmarks import metal_model_splitd as S  # noqa: E402
 
 
 @pytest.mark.parametrize("causal", [False, True])
