@@ -98,6 +98,9 @@ def compare(s: M.Shape, causal, chip, plan=PLAN):
     terms = T.predict(recs, gpu, s, torch.float16, causal)[1]
     return {"fused": T.predict_band(recs, gpu, s, torch.float16, causal),
             "unfused": BM.unfused_seconds(s, torch.float16, gpu, forward=True),
+            # the same, its matmuls on M5's neural accelerators (tensor ops; elsewhere the same rate)
+            "unfused_accel": BM.unfused_seconds(s, torch.float16, gpu, forward=True,
+                                                flops_per_core_cycle=G.tensor_op_rate(gpu.generation)[1]),
             "bound": max(terms, key=terms.get),
             "residency": T.probe_residency(recs[0], gpu)[0]}
 
@@ -122,8 +125,9 @@ def main():
           "path's three kernels at the same MMA rate and streaming ceiling, full S even when causal)")
     name = lambda p: f"{p[0].replace('splitd', 'split-D').replace('_', ' ')} bq{p[1]} bk{p[2]}"  # noqa: E731
     print(f"| chip | shape | causal | unfused ms | {name(PLAN)} ms (band) | unfused / split-D | band ahead | "
-          "bound | TGs/core | verdict | " + " | ".join(name(p) + " ms" for p in PLANS[1:]) + " |")
-    print("|" + "---|" * (10 + len(PLANS) - 1))
+          "bound | TGs/core | verdict | " + " | ".join(name(p) + " ms" for p in PLANS[1:])
+          + " | unfused, matmuls on M5's accelerators ms |")
+    print("|" + "---|" * (11 + len(PLANS) - 1))
     for causal in (False, True):
         for n in (1024, 4096):
             s = M.Shape(1, 8, 8, n, n, D)
@@ -134,4 +138,5 @@ def main():
                 print(f"| {chip} | 1x8x{n}x512 | {causal} | {a['unfused'] * 1e3:.2f} | {pt * 1e3:.2f} "
                       f"({lo * 1e3:.2f}-{hi * 1e3:.2f}) | {a['unfused'] / pt:.2f}x | {band_ahead(a):.0%} | "
                       f"{a['bound']} | {a['residency']} | {verdict(a)} | "
-                      + " | ".join(f"{t * 1e3:.2f}" for t in others) + " |")
+                      + " | ".join(f"{t * 1e3:.2f}" for t in others)
+                      + (f" | {a['unfused_accel'] * 1e3:.2f} |" if G.BY_NAME[chip].generation == 5 else " | - |"))

@@ -32,7 +32,9 @@ bool composite_route(const AttentionProblem& p, KernelRequest requested, MetalPa
            "blocks, 8 feature parts) is predicted 2-3x slower than unfused when not causal; the split-D forward "
            "probe (tests/prefill_splitd_probe.metal: 8 rows x 32 keys, 8 feature parts, K/V read from device "
            "memory) is predicted level with unfused when not causal (0.99-1.03x) and about 2x ahead when causal "
-           "on M1 Max, M3 Max, M4 Pro and M5, but it takes no options and is not a shipped kernel yet. So this "
+           "on M1 Max, M3 Max, M4 Pro and M5 (on M5 only if unfused's matmuls run on the shader cores: on its "
+           "neural accelerators unfused is predicted ahead), but it takes no options and is not a shipped kernel "
+           "yet. So this "
            "runs the unfused plan in chunks of query rows: ATen matmuls and softmax on the MPS stream, memory "
            "O(chunk x Nk), not a flash kernel";
     return true;

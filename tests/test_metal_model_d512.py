@@ -111,6 +111,10 @@ def test_splitd_verdict_against_unfused():
         s = M.Shape(1, 8, 8, n, n, 512)
         got = tuple(S.verdict(S.compare(s, causal, chip)) for chip in W.CHIPS)
         assert got == expected, (n, causal, got)
+        # On M5, unfused with its matmuls on the neural accelerators (tensor
+        # ops) is predicted ahead of this simdgroup-matrix plan, even causal.
+        r = S.compare(s, causal, "M5 (10-core)")
+        assert r["fused"][0] > r["unfused_accel"], r
 
 
 @pytest.mark.parametrize("causal, factor", [(False, 1.3), (True, 2.5)])
