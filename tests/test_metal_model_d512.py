@@ -163,3 +163,14 @@ def test_planted_splitd_bugs_are_caught(tmp_path, monkeypatch, old, new, caught)
         out, lse, _, _ = S.run(q, k, v, True, bq, bk, wm, family=family)
         assert_attention_close(out, lse, q, k, v, True, 1 / math.sqrt(512))
     assert caught != "race" or "race" in e.value.kinds
+
+
+def test_splitd_probe_follows_the_msl_rules_and_keeps_its_arrays_in_registers():
+    # Q, O and S are fragment arrays indexed by compile-time constants only:
+    # LLVM splits every one into scalars (none left in memory), which is what
+    # the register count in metal_model_splitd.live_values assumes.
+    from metal_emulator import check_msl_rules, private_arrays
+
+    check_msl_rules([S.PROBE])
+    left = private_arrays([S.PROBE])
+    assert len(left) == 5 and all(arrays == [] for arrays in left.values()), left
