@@ -176,7 +176,9 @@ template <typename T, int DMAX, int ROWG, int BK, int PARTS>
       FM_UNROLL for (int t = 0; t < TK; ++t) {
         FM_UNROLL for (int j = 0; j < 2; ++j) {
           float sum = 0.0f;
-          FM_UNROLL for (int pp = 0; pp < PARTS; ++pp) sum += scratch[(rg + pp * ROWG) * SLOT + t * 64 + int(lane) * 2 + j];
+          FM_UNROLL for (int pp = 0; pp < PARTS; ++pp) {
+            sum += scratch[(rg + pp * ROWG) * SLOT + t * 64 + int(lane) * 2 + j];
+          }
           const int key = k0 + t * 8 + fc + j;
           const bool keep = !(k_edge && key >= seq.kv_len) && !(diagonal && key > row + seq.upper);
           S[t].thread_elements()[j] = keep ? sum * p.scale_log2 : kMaskedScore;
