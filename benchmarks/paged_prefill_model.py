@@ -15,6 +15,11 @@ threadgroup when a tile lies in one page; an entry per page a thread enters
 otherwise), the general per-element loader where tiles cross pages (page
 sizes not a multiple of the key block: more, narrower loads), and nothing
 of K/V's bytes (each key in use read once per threadgroup either way).
+Pack GQA (fc_pack_gqa, pack_rows below): the same paged prefill with and
+without the GQA group's heads packed into each threadgroup's rows, on the
+same cache in the same run; the K/V bytes follow the threadgroup count,
+ceil(Nq * G / BQ) * Hkv against ceil(Nq / BQ) * Hq (G times fewer for a
+chunk of Nq * G <= BQ rows, about the same for long causal prefills).
 What the time model does not see: each tile's address waits on its table
 entry (a dependent load per key block, or per page entered); "stall bound"
 prices each at one DRAM latency, serially and unhidden (a pessimistic upper
@@ -25,6 +30,8 @@ import math
 import sys
 
 import torch
+
+import flash_metal
 
 from . import apple_gpus as G
 from . import metal_model as M
@@ -123,6 +130,45 @@ def varlen_rows(quick: bool):
     return out
 
 
+def pack_rows(quick: bool):
+    """The paged prefill packed (the planner's plan) and unpacked (the same
+    kernel with fc_pack_gqa false on the (ceil(Nq / BQ), Hq, B) grid:
+    tests/test_metal_prefill_pack_gqa.unpacked_plan), causal, 16-key pages,
+    Hq 8, Hkv 2 (G = 4), D 64, float16, 256 keys, impl='prefill' (so an
+    8-row chunk runs it too): the emulator's DRAM K/V bytes of each and the
+    predicted times (a prediction, not a measurement)."""
+    import test_metal_decode_paged as P
+    from test_metal_prefill_pack_gqa import run_plan, unpacked_plan
+
+    dtype, hq, hkv, d, page, nk = torch.float16, 8, 2, 64, 16, 256
+    gpus = [G.BY_NAME[n] for n in (("M3 Max",) if quick else ("M3 Max", G.POST_GPU))]
+    out = []
+    for nq in ((8, 40) if quick else (8, 16, 40, 256)):
+        g = torch.Generator().manual_seed(nq)
+        k_cache, v_cache, table, _, _ = P.make_paged_cache(1, hkv, d, dtype, page, [nk], g, 0, 0)
+        q = torch.randn(1, hq, nq, d, generator=g).to(dtype)
+        lengths = torch.tensor([nk], dtype=torch.int32)
+        plan = flash_metal.explain(q, k_cache, v_cache, True, None, "prefill", block_table=table,
+                                   cache_seqlens=lengths)
+        s = M.Shape(1, hq, hkv, nq, nk, d)
+        recs = {}
+        for name, pl in (("packed", plan), ("unpacked", unpacked_plan(plan, hq, nq))):
+            o, _, counts = run_plan(pl, q, k_cache, v_cache, table, lengths)
+            if not bool(torch.isfinite(o).all()):
+                raise AssertionError("the prefill left NaN in the output")
+            dd = pl.dispatches[0]
+            recs[name] = [M.Record(dd.kernel_name, dd.grid, dd.threadgroup, dd.threadgroup_memory,
+                                   M._count_dict(dd, counts), False, ("prefill", False))]
+        kv = {n: r[0].counts["dram_k"] + r[0].counts["dram_v"] for n, r in recs.items()}
+        for gpu in gpus:
+            t_p = T.predict_band(recs["packed"], gpu, s, dtype, True)[1]
+            t_u = T.predict_band(recs["unpacked"], gpu, s, dtype, True)[1]
+            out.append(dict(gpu=gpu.name, nq=nq, packed_tgs=math.prod(recs["packed"][0].grid),
+                            unpacked_tgs=math.prod(recs["unpacked"][0].grid), packed_kv=kv["packed"],
+                            unpacked_kv=kv["unpacked"], packed_ms=t_p * 1e3, unpacked_ms=t_u * 1e3))
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true")
@@ -143,6 +189,14 @@ def main(argv=None) -> int:
         print(f"{r['gpu']:<16}{r['contig_ms']:>11.4f}{r['gather_ms']:>11.4f}{r['paged_ms']:>10.4f}"
               f"{r['paged_over_gather_then_varlen']:>7.3f}{r['table_bytes']:>9}  {r['kv_bytes_equal']}  "
               f"(q {r['q_lens']}, keys {r['k_lens']})")
+    print("Pack GQA (fc_pack_gqa) in the paged prefill, causal, Hq 8, Hkv 2, D 64, float16, 256 keys in 16-key "
+          "pages: packed against unpacked, same cache, same run (K/V: the emulator's DRAM bytes, exact):")
+    print(f"{'gpu':<16}{'Nq':>5}{'TGs':>9}{'K/V bytes':>21}{'ratio':>7}{'unpacked ms':>13}{'packed ms':>11}"
+          f"{'ratio':>7}")
+    for r in pack_rows(args.quick):
+        print(f"{r['gpu']:<16}{r['nq']:>5}{r['unpacked_tgs']:>4}->{r['packed_tgs']:<3}"
+              f"{r['unpacked_kv']:>10}->{r['packed_kv']:<9}{r['unpacked_kv'] / r['packed_kv']:>7.2f}"
+              f"{r['unpacked_ms']:>13.4f}{r['packed_ms']:>11.4f}{r['unpacked_ms'] / r['packed_ms']:>7.2f}")
     return 0
 
 

@@ -28,7 +28,8 @@ std::vector<MetalLaunch> all_metal_launches() {
   // every block (64) and lengths that are not (65), one decode row with a
   // short and a long context (one row group: 8 key groups, 256 threads), and
   // a 16-head GQA group of 8 decode rows (16 or more row groups: row chunks
-  // of 8 SIMD-groups staging K/V, 256 threads).
+  // of 8 SIMD-groups staging K/V, 256 threads), and a 2-head GQA group in the
+  // prefill (fc_pack_gqa), its packed rows (2 x 64, 2 x 65) aligned or not.
   struct Shape { int64_t q_len, kv_len; KernelRequest request; int64_t q_heads = 1; };
   const Shape shapes[] = {
       {64, 64, KernelRequest::Untiled}, {64, 64, KernelRequest::Tiled},
@@ -36,6 +37,7 @@ std::vector<MetalLaunch> all_metal_launches() {
       {64, 65, KernelRequest::Prefill}, {65, 65, KernelRequest::Prefill},
       {1, 64, KernelRequest::Decode},   {1, 4096, KernelRequest::DecodeSplit},
       {8, 64, KernelRequest::Decode, 16}, {8, 4096, KernelRequest::DecodeSplit, 16},
+      {64, 64, KernelRequest::Prefill, 2}, {65, 65, KernelRequest::Prefill, 2},
   };
   for (c10::ScalarType dtype : {c10::ScalarType::Float, c10::ScalarType::Half, c10::ScalarType::BFloat16}) {
     for (uint32_t d : kFastHeadDimBuckets) {

@@ -317,7 +317,7 @@ KernelChoice choose_backward(const AttentionProblem& p, KernelRequest requested)
 
 // The paged prefill's K/V tiles (shaders/attention_prefill.h, fc_paged):
 // inside one page, or row by row through the table. The sentence explain() prints.
-std::string prefill_pages_note(const AttentionProblem& p, uint32_t block_k) {
+std::string prefill_pages_note(const AttentionProblem& p, uint32_t block_k, bool pack_gqa) {
   const std::string bk = std::to_string(block_k), pages = std::to_string(p.page_size) + " keys";
   const bool one = p.kv_len <= p.page_size, whole = one || p.page_size % block_k == 0;
   return (one ? "; one page per sequence (the table's capacity, " + pages + ", is one page): every " + bk +
@@ -327,9 +327,53 @@ std::string prefill_pages_note(const AttentionProblem& p, uint32_t block_k) {
          (whole ? " and loads from its base (the dense loader where it applies), one table read per key block"
                 : ", so each row is found through the table (the general per-element loader, a table read per "
                   "page a thread enters; page sizes that are a multiple of " + bk + " load whole tiles)") +
-         "; each (query block, query head) threadgroup reads every key of its sequence it can see once, K and V, "
-         "only from the pages in use (GQA heads do not share reads); the page walk adds " +
+         (pack_gqa ? "; each (packed query block, kv head) threadgroup reads every key of its sequence it can see "
+                     "once, K and V, only from the pages in use, for all the GQA group's heads"
+                   : "; each (query block, query head) threadgroup reads every key of its sequence it can see once, "
+                     "K and V, only from the pages in use") +
+         "; the page walk adds " +
          (whole ? "6" : "12") + " live values per lane (in the estimate)";
+}
+
+// Pack GQA for the prefill (fc_pack_gqa, shaders/attention_prefill.h): with
+// G = Hq / Hkv > 1, one threadgroup per (batch, kv head, block of block_q
+// packed rows), packed row m being query row m / G of the group's head m % G,
+// so the group's G heads share every K/V tile a threadgroup loads
+// (FlashAttention-3's and FlashInfer's pack GQA). Each threadgroup still reads
+// the keys its rows see once, so K/V traffic follows the threadgroup count:
+// ceil(Nq * G / block_q) * Hkv instead of ceil(Nq / block_q) * Hq, never more.
+// The saving is G-fold for short queries (Nq * G <= block_q: the whole group
+// in one block, each K/V byte read once per GQA group, as the decode kernels
+// read it), fills the ragged last block otherwise, and is nil for long
+// queries with Nq a multiple of block_q (the same number of threadgroups,
+// each reading all its keys; under causal masking the finer packed blocks
+// stop at their own last row, a little less). The products and the softmax
+// are the same per row. Every prefill form packs: contiguous, paged
+// (attention_kvcache) and varlen (packed queries, with or without a table):
+// a sequence's packed rows are G times its query rows wherever they start,
+// so the kernel's code is the same and the grid covers max_seqlen_q * G
+// (whose blocks past a shorter sequence's end return at once, as they do
+// unpacked). Not when G = 1 (nothing to share) or when Nq * G packed rows
+// would not fit the kernel's int32 row indices. Appends the reason's
+// sentence; returns the decision.
+bool prefill_pack_gqa(const AttentionProblem& p, uint32_t block_q, std::string* reason) {
+  const int64_t g = p.gqa_ratio();
+  if (g <= 1) return false;
+  const std::string G = std::to_string(g);
+  if (p.q_len * g >= (int64_t{1} << 31)) {
+    *reason += "; GQA heads not packed (Nq * G = " + std::to_string(p.q_len * g) +
+               " packed rows exceed the kernel's int32 row indices): each query head reads its K/V";
+    return false;
+  }
+  const int64_t packed = (p.q_len * g + block_q - 1) / block_q * p.kv_heads;
+  const int64_t unpacked = (p.q_len + block_q - 1) / block_q * p.q_heads;
+  *reason += "; pack GQA (fc_pack_gqa): one threadgroup per (batch, kv head, block of " + std::to_string(block_q) +
+             " packed rows), its rows the " + G + " query heads of the kv head's group (packed row m: query row m / " +
+             G + " of head m % " + G + "), which share each K/V tile it loads: " + std::to_string(packed) +
+             " threadgroups per " + (p.varlen ? "sequence" : "batch") + " read the K/V they see instead of " +
+             std::to_string(unpacked) + " (Nq = " + std::to_string(p.q_len) +
+             (p.varlen ? " = max_seqlen_q; each sequence's queries pack the same way)" : ")");
+  return true;
 }
 
 }  // namespace
@@ -520,7 +564,8 @@ KernelChoice choose_metal_kernel(const AttentionProblem& p, KernelRequest reques
                                         " of threadgroup memory, no extra barrier and no matrix product "
                                         "repeated; each runs the rows' softmax)"
                                   : "");
-      if (p.paged) c.reason += prefill_pages_note(p, c.block_k);
+      c.pack_gqa = prefill_pack_gqa(p, c.block_q, &c.reason);
+      if (p.paged) c.reason += prefill_pages_note(p, c.block_k, c.pack_gqa);
       break;
     }
     case KernelRequest::Decode:

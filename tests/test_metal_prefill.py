@@ -79,7 +79,10 @@ def run_prefill(q, k, v, causal=False, scale=None, instrumented=False, fast_math
     bq, bk, wm = blocks_of(q.dtype, dmax)
     # The planner's launch is the one this file's formulas describe.
     assert plan.kernel_name == kernel_name(q.dtype, dmax)
-    assert plan.grid == (math.ceil(q.shape[2] / bq), q.shape[1], q.shape[0]) and plan.threadgroup == (32 * wm, 1, 1)
+    # GQA packs the group's heads into each block (fc_pack_gqa, tests/test_metal_prefill_pack_gqa.py).
+    g = q.shape[1] // k.shape[1]
+    rows, heads = (q.shape[2] * g, k.shape[1]) if g > 1 else (q.shape[2], q.shape[1])
+    assert plan.grid == (math.ceil(rows / bq), heads, q.shape[0]) and plan.threadgroup == (32 * wm, 1, 1)
     dense = dense_expected(q, k, v)  # fc_dense (index 10): tests/test_metal_dense_loader.py
     # fc_paged (12) off: a contiguous K/V
     assert plan.function_constants == ((causal, q.shape[2] % bq == 0, k.shape[2] % bk == 0) + (False,) * 7 +

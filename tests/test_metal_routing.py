@@ -51,7 +51,8 @@ def test_prefill_blocks_memory_and_bucket_for_every_head_dim(dtype):
         bq, bk, wm = (FLOAT_PREFILL_BLOCKS if dtype == torch.float32 else PREFILL_BLOCKS)[bucket]
         plan = flash_metal.explain(*_qkv(70, 45, d, dtype), impl="prefill")
         assert plan.kernel_name == f"flash_attention_prefill_{DTYPE_NAMES[dtype]}_d{bucket}_bq{bq}_bk{bk}_wm{wm}"
-        assert plan.grid == (-(-70 // bq), 4, 1) and plan.threadgroup == (32 * wm, 1, 1)
+        # GQA 4 / 2 packs (fc_pack_gqa): 70 * 2 packed rows per kv head
+        assert plan.grid == (-(-140 // bq), 2, 1) and plan.threadgroup == (32 * wm, 1, 1)
         # Q tile plus one K/V tile, rows padded by 16 bytes (attention_prefill.h), plus with feature parts
         # (wm * 8 / bq > 1) each SIMD-group's partial S (bk / 8 fragments of 256 bytes, the split-K sum).
         partials = wm * (bk // 8) * 256 if wm * 8 // bq > 1 else 0
@@ -298,7 +299,7 @@ def test_varlen_plans_the_prefill_kernel_per_sequence():
     plan = flash_metal.explain(q, k, k, True, **varlen)
     assert plan.reason.startswith("prefill: packed variable-length sequences"), plan.reason
     (d,) = plan.dispatches
-    assert d.grid == (1, 8, 2)  # ceil(29 / 32) query blocks x heads x sequences
+    assert d.grid == (4, 2, 2)  # ceil(29 * 4 / 32) packed query blocks (fc_pack_gqa) x kv heads x sequences
     assert d.function_constants[VARLEN] and d.function_constants[CAUSAL]
     assert not d.function_constants[ALIGN_Q] and not d.function_constants[ALIGN_K]
     prm = _option_params(d)
