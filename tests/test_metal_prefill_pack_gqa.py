@@ -245,6 +245,14 @@ def test_kv_bytes_once_per_packed_block_and_kv_head(nq):
     # Q and the outputs: each element once either way (packing moves rows between threadgroups only).
     assert packed.device_bytes_read_by_index[0] == unpacked.device_bytes_read_by_index[0] == q.numel() * 4
     assert packed.device_bytes_written_by_index[3] == unpacked.device_bytes_written_by_index[3] == out.numel() * 4
+    # Causal with a left window: packed blocks skip other key blocks than unpacked ones, yet a row's visible
+    # keys are one run, so the blocks either grouping adds or skips for it are all masked (weight 0, alpha 1):
+    # bit for bit equal still.
+    plan = flash_metal.explain(q, k, v, True, window_left=9)
+    out, lse, _ = run_plan(plan, q, k, v)
+    out0, lse0, _ = run_plan(unpacked_plan(plan, Hq, nq), q, k, v)
+    assert plan.dispatches[0].function_constants[PACK] and not out.isnan().any()
+    assert torch.equal(out, out0) and torch.equal(lse, lse0)
 
 
 # ---- planted bugs -------------------------------------------------------------------------------------

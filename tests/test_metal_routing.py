@@ -67,8 +67,9 @@ def test_prefill_blocks_memory_and_bucket_for_every_head_dim(dtype):
 @pytest.mark.parametrize("causal", [False, True])
 def test_prefill_edge_constants(nq, nk, aligned, causal):
     plan = flash_metal.explain(*_qkv(nq, nk, 64), causal=causal)
-    # no grad_lse, no option; fc_dense (index 10): packed inputs, D == its bucket; fc_paged (12) off
-    assert plan.function_constants == (causal, *aligned) + (False,) * 7 + (True, False, False)
+    # no grad_lse, no option; fc_dense (index 10): packed inputs, D == its bucket; fc_paged (12) off;
+    # fc_pack_gqa (13) on: GQA 4 / 2 (align_q then counts the 2 * Nq packed rows, aligned exactly when Nq is here)
+    assert plan.function_constants == (causal, *aligned) + (False,) * 7 + (True, False, False, True)
 
 
 def test_decode_one_pass_for_short_contexts_and_split_for_long():
@@ -265,10 +266,12 @@ def test_each_option_sets_its_function_constant_and_params(nq, dtype):
                 consts = d.function_constants
                 # indices 0-9, fc_dense (10; packed, D = 64: on), the decode kernels' too (issue 19), and
                 # fc_has_sinks (11; off: no sinks here, tests/test_sinks.py has them); the decode and prefill
-                # kernels' fc_paged (12; off: the paged cache is tests/test_metal_{decode,prefill}_paged.py's)
-                n = 13 if d.kernel_name.startswith(("flash_decode", "flash_attention_prefill_")) else 12
+                # kernels' fc_paged (12; off: the paged cache is tests/test_metal_{decode,prefill}_paged.py's),
+                # and the prefill's fc_pack_gqa (13; on: GQA 4 / 2, tests/test_metal_prefill_pack_gqa.py)
+                prefill = d.kernel_name.startswith("flash_attention_prefill_")
+                n = 14 if prefill else 13 if d.kernel_name.startswith("flash_decode") else 12
                 assert len(consts) == n and consts[10] is True and consts[11] is False, d.kernel_name
-                assert consts[11:] == (False,) * (n - 11), d.kernel_name
+                assert consts[11:13] == (False,) * (min(n, 13) - 11) and consts[13:] == (True,) * (n - 13)
                 got = {i for i in (CAUSAL, HAS_MASK, MASK_BOOL, MASK_F32, WINDOW_LEFT, SOFTCAP, VARLEN) if consts[i]}
                 assert got == on, (name, d.kernel_name, got)
                 assert d.buffers["attn_mask"] == 14 and d.buffers["cu_seqlens_q"] == 15
