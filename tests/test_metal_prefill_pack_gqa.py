@@ -290,3 +290,32 @@ def test_planted_bug_fails(plant, tmp_path):
     out, lse, _ = run_plan(plan, q, k, v, library=lib)
     with pytest.raises(NotClose):
         assert_attention_close(out, lse, q, k, v, True)
+
+
+# ---- the Metal model prices the packed launch ----------------------------------------------------------
+
+def test_model_prices_the_packed_grid():
+    """benchmarks/metal_model.py's FlashAttention-2 I/O model and the timing model's key blocks follow the
+    packed grid: K/V bytes equal to the emulator's exact counts (not causal) and within 10 % (causal), one key
+    block list entry per packed block, and the scaling rule's unit a kv head with its G query heads."""
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from benchmarks import metal_model as M
+    from benchmarks import metal_model_timing as T
+
+    s = M.Shape(1, 4, 2, 40, 200, 32)
+    for causal in (False, True):
+        recs = M.emulate("prefill", s, torch.float16, causal)
+        assert T.packed_group(recs[0], s) == 2 and M.pack_group("prefill", s, torch.float16, causal) == 2
+        measured, model = M.io_row("prefill", s, torch.float16, causal, recs)
+        assert measured == model if not causal else 1.0 <= measured / model <= 1.10, (causal, measured, model)
+        # the unpacked model would price 4 query heads x 2 blocks: 8 / 6 of the packed bytes here
+        assert M.fa2_kv_bytes(s, 2, 32, False) == M.fa2_kv_bytes(s, 2, 32, False, 2) * 8 // 6
+        blocks, bk = T.key_blocks(recs[0].kernel, s, causal, 2)
+        assert len(blocks) == math.ceil(40 * 2 / 32) and bk == blocks_of_name(recs[0].kernel)[1]
+
+
+def blocks_of_name(name):
+    return int(name.split("_bq")[1].split("_")[0]), int(name.split("_bk")[1].split("_")[0])
