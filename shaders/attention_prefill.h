@@ -46,18 +46,6 @@ constant bool fc_align_k [[function_constant(2)]];
 // offset, batch, head and row strides all multiples of 16 bytes), with a
 // tile's byte offsets within int32. False: the general per-element loader.
 constant bool fc_dense [[function_constant(10)]];
-// [[function_constant(13)]] (11 and 12 are attention_features.h's): pack
-// GQA (issue 20 section 4). A threadgroup serves one (batch, kv head) and
-// BQ packed rows of its group: packed row m is query row m / G of query
-// head kv * G + m % G (G = gqa_ratio), so the group's G heads share every
-// K/V tile the threadgroup loads, and each K/V byte is read once per GQA
-// group rather than once per query head. Masks, block bounds, sinks and
-// the stores use each packed row's own (head, row). The host (csrc/
-// metal_routing.cpp) sets it when G > 1; the grid is then (ceil(Nq * G /
-// BQ), Hkv, B). (An idea of FlashAttention-3's and FlashInfer's "pack
-// GQA"; this code is the project's own.) False: one query head per
-// threadgroup, G = 1 below, and the code folds to the unpacked kernel.
-constant bool fc_pack_gqa [[function_constant(13)]];
 
 // Padding at the end of every tile row, in bytes. Why 16: many bucket rows
 // (DMAX 32, 64, 128, 256 in float; 64, 128, 256 in half) are a multiple of
@@ -186,54 +174,9 @@ FM_INLINE void prefill_load_tile(threadgroup T* tile, device const T* src, int64
   }
 }
 
-// The Q tile under fc_pack_gqa: tile row r is packed row m = first + r,
-// i.e. row m / G of head m % G, `src` pointing at the group's first head
-// (row 0). Rows >= valid_rows are past the sequence's packed rows: zero-
-// filled, not read. Under fc_dense as 16-byte chunks (the host's dense
-// check covers q's head stride too), else per element; either way a row's
-// address takes a runtime division by G, which is why this loader runs once
-// per threadgroup (the Q tile) and never in the key loop, and its offsets
-// are 64-bit (a group's rows span G heads).
-template <int ROWS, int DMAX, int LD, int THREADS, typename T>
-FM_INLINE void prefill_load_q_packed(threadgroup T* tile, device const T* src, int64_t row_stride,
-                                     int64_t head_stride, int64_t dim_stride, int first, int G, int D,
-                                     int valid_rows, uint tid) {
-  if (fc_dense) {
-    constexpr int VEC = kDenseLoadBytes / int(sizeof(T));  // elements per chunk
-    static_assert(DMAX % VEC == 0 && LD % VEC == 0, "rows are whole 16-byte chunks");
-    constexpr int CPR = DMAX / VEC;  // chunks per row
-    constexpr int CHUNKS = ROWS * CPR;
-    constexpr int ITERS = (CHUNKS + THREADS - 1) / THREADS;
-    FM_UNROLL for (int it = 0; it < ITERS; ++it) {
-      const int i = it * THREADS + int(tid);
-      if (CHUNKS % THREADS == 0 || i < CHUNKS) {
-        const int r = i / CPR;  // constant divisors
-        const int c = i % CPR;
-        uint4 x = uint4(0u);
-        if (r < valid_rows) {
-          const int m = first + r;
-          x = *reinterpret_cast<device const uint4*>(src + int64_t(m / G) * row_stride + int64_t(m % G) * head_stride +
-                                                     c * VEC);
-        }
-        reinterpret_cast<threadgroup uint4*>(tile + r * LD)[c] = x;
-      }
-    }
-    return;
-  }
-  constexpr int kElems = ROWS * DMAX;
-  static_assert(kElems % THREADS == 0, "every thread loads the same number of elements");
-  FM_UNROLL for (int it = 0; it < kElems / THREADS; ++it) {
-    const int i = it * THREADS + int(tid);
-    const int r = i / DMAX;
-    const int c = i % DMAX;
-    T x = T(0.0f);
-    if (c < D && r < valid_rows) {
-      const int m = first + r;
-      x = src[int64_t(m / G) * row_stride + int64_t(m % G) * head_stride + int64_t(c) * dim_stride];
-    }
-    tile[r * LD + c] = x;
-  }
-}
+// fc_pack_gqa (13) and the packed Q tile's loader, prefill_load_q_packed:
+// after fc_dense and kDenseLoadBytes, which the loader uses.
+#include "attention_prefill_pack.h"
 
 // Fragment (row0.., col0..) of a row-major tile, converted to float: the
 // lane's two elements are adjacent in the row. (Metal's simdgroup_load cannot
