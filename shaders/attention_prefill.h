@@ -174,9 +174,13 @@ FM_INLINE void prefill_load_tile(threadgroup T* tile, device const T* src, int64
   }
 }
 
+}  // namespace flash_metal
+
 // fc_pack_gqa (13) and the packed Q tile's loader, prefill_load_q_packed:
 // after fc_dense and kDenseLoadBytes, which the loader uses.
 #include "attention_prefill_pack.h"
+
+namespace flash_metal {
 
 // Fragment (row0.., col0..) of a row-major tile, converted to float: the
 // lane's two elements are adjacent in the row. (Metal's simdgroup_load cannot
