@@ -117,12 +117,15 @@ def io_measured(records):
     return kv, qdo
 
 
-def unfused_seconds(s: Shape, dtype, gpu: G.AppleGPU, forward=False):
+def unfused_seconds(s: Shape, dtype, gpu: G.AppleGPU, forward=False, flops_per_core_cycle=None):
     """The composite backward's modelled time (module docstring, 3); forward=True:
-    its forward instead (S = Q K^T written, softmax read and written, O = P V)."""
+    its forward instead (S = Q K^T written, softmax read and written, O = P V).
+    flops_per_core_cycle: the matmuls' rate (default: the same MMA rate as ours;
+    G.tensor_op_rate(5)[1] prices them on M5's neural accelerators)."""
     elem = torch.empty((), dtype=dtype).element_size()
     hz = gpu.clock_ghz * 1e9
-    rate = 2 * G.MMA_RATE[gpu.generation][1] * gpu.cores * hz  # the same MMA rate and streaming ceiling as ours
+    per_cycle = flops_per_core_cycle or 2 * G.MMA_RATE[gpu.generation][1]
+    rate = per_cycle * gpu.cores * hz  # the same MMA rate and streaming ceiling as ours, unless given
     bw = min(G.STREAM_CEILING[1] * gpu.bandwidth_gbs * 1e9, gpu.cores * M.ON_GPU_BYTES_PER_CYCLE * hz)
     heads, nn, nd = s.b * s.hq, s.nq * s.nk, (s.nq + s.nk) * s.d
     gemm_flops = 2 * nn * s.d * heads

@@ -23,9 +23,11 @@ rate itself is an estimate (benchmarks/apple_gpus.py ACCEL_FLOPS_PER_CORE_CYCLE)
    What the emulator cannot know is how matmul2d itself moves its operands
    (it reads them lane by lane, as no GPU does): `on_hardware` replaces
    that with MLX's hand count's rule, each SIMD-group asking for its
-   operands once per run (Q's 16 rows, a 32-key block of K or V, P from
-   threadgroup memory, read once). Large shapes are scaled from one-
-   threadgroup launches (`mpp_scaled_counts`, exact: tested).
+   operands once per run (a 32-key block of K or V from device memory, its
+   16 Q rows and P from threadgroup memory). Q itself is read from device
+   memory once, by the kernel's own staging code (counted exactly). Large
+   shapes are scaled from one-threadgroup launches (`mpp_scaled_counts`,
+   exact: tested).
 """
 import torch
 
@@ -122,20 +124,26 @@ def mpp_scaled_counts(s: M.Shape, dtype):
 
 
 def on_hardware(records, dtype, d):
-    """The tensor-op kernel's counts with matmul2d's operand traffic as a GPU would ask for it: per S = Q K^T
-    run, its SIMD-group's 16 Q rows and one 32-key K block; per O += P V run, one V block; each requested
-    once (req_ = read_), as in MLX's hand count (nax_counts); P and the row factors staged in threadgroup
-    memory read back once. Kept from the emulator: everything the kernel's own code does, and the device
-    bytes new to each threadgroup (dram_, the L1 rule), which do not depend on how lanes split a load."""
+    """The tensor-op kernel's counts with matmul2d's operand traffic as a GPU would ask for it. The emulator's
+    run() reads an operand lane by lane, a row of A and a column of B for every destination element, as no GPU
+    does; here each run asks for each operand once, as in MLX's hand count (nax_counts): per S = Q K^T run a
+    32-key K block from device memory (req_ = read_) and its SIMD-group's 16 Q rows from threadgroup memory;
+    per O += P V run a V block and the 16 x 32 P tile. Kept from the emulator: everything the kernel's own
+    code does (Q's one read from device memory and its staging, P's and the row factors' stores and loads),
+    and the device bytes new to each threadgroup (dram_, the L1 rule), which do not depend on how lanes
+    split a load. Exact for launches whose every matmul2d destination slot is valid (the "m5" layout
+    M.emulate runs: 16 x 32 and 16 x D tiles, D a multiple of 16)."""
     elem = torch.empty((), dtype=dtype).element_size()
     out = []
     for r in records:
         c = dict(r.counts)
         pairs = c["mpp_runs"] // 2  # one S = Q K^T and one O += P V per SIMD-group and key block
-        c["read_q"] = c["req_q"] = pairs * MPP_ROWS * d * elem
         for n in ("k", "v"):
             c["read_" + n] = c["req_" + n] = pairs * MPP_BK * d * elem
-        c["threadgroup_bytes_read"] = c["threadgroup_bytes_written"]
+        # The emulator's run() reads its threadgroup operand (Q's rows for S, P for O) once per destination
+        # element: 16 x 32 x D elements per run, either way.
+        lane_by_lane = pairs * 2 * MPP_ROWS * MPP_BK * d * elem
+        c["threadgroup_bytes_read"] += pairs * (MPP_ROWS * d + MPP_ROWS * MPP_BK) * elem - lane_by_lane
         out.append(r._replace(counts=c))
     return out
 
@@ -197,10 +205,9 @@ def accelerators(quick=False):
                     rows.append((gname, s, pas, causal, simd[1], tops[1]))
                     print(f"| {gname} | 1x{s.hq}:{s.hkv}x{s.nq}x{s.d} f16 | {pas} | {causal} | {_ms(simd)} "
                           f"| {_ms(tops)} ({max(terms, key=terms.get)}) | {simd[1] / tops[1]:.2f}x | {ours} | {nax} |")
-    print("Our tensor-op forward has MLX's counts (tests/test_metal_model_accel.py) except that each SIMD-group "
-          "asks for its 16 Q rows again for every key block (MLX keeps them in registers) and stages P in "
-          "threadgroup memory: the model makes it memory-bound on those Q re-reads (with Q read once, the same "
-          "counts predict MLX's time).")
+    print("Our tensor-op forward has MLX's counts (tests/test_metal_model_accel.py), Q read from device memory "
+          "once included, except that each SIMD-group stages its 16 Q rows in threadgroup memory (MLX keeps them "
+          "in registers) and P too, which matmul2d reads from there every key block (on-core data).")
     post = post_point()
     print(f"The post's M5 point (10-core M5, N = 2048, d = 64, causal, one head): simdgroup float32 "
           f"{_ms(post['simdgroup'])} ms; tensor ops {_ms(post['tensor_ops'])} ms, which ASSUMES float32 with "

@@ -15,6 +15,8 @@ every 8 x 8 block pays a DRAM latency, four barriers and an 8-part
 reduction: the model finds it latency-bound and 2-3x slower than unfused
 when not causal. That is why the planner refuses head dims above 256 on
 Metal (csrc/metal_routing.cpp) rather than routing them to this plan.
+`main` also prints the split-D probe's table (benchmarks/metal_model_splitd.py:
+about 2x ahead of unfused when causal, level when not).
 
 How the counts are made: the probe kernel runs in the instrumented emulator
 on 512-strided views whose launch plan is the D = 256 bucket's (the
@@ -83,18 +85,25 @@ def probe_library(instrumented=True):
     return compile_library([PROBE], instrumented=instrumented)
 
 
-def run_probe(q, k, v, causal, bq, bk, wm, instrumented=True):
-    """(out, lse, counts, dispatch) of the probe at D = 512: q, k, v (B, H, N, 512) float16."""
+def _plan_at_d512(q, k, v, causal):
+    """(the D = 256 bucket's prefill plan of 512-strided views, its params patched to D = 512)."""
     B, H, N, d = q.shape
-    assert d == D and q.dtype == torch.float16
-    scale = 1 / math.sqrt(D)
+    assert d == D
     narrow = [t[..., :256] for t in (q, k, v)]  # 512-strided views: the D = 256 plan's strides are 512's
-    (plan,) = flash_metal.explain(*narrow, causal, scale, "prefill").dispatches
+    (plan,) = flash_metal.explain(*narrow, causal, 1 / math.sqrt(D), "prefill").dispatches
     offsets = params_offsets()
     raw = plan.params.numpy().tobytes() if isinstance(plan.params, torch.Tensor) else bytes(plan.params)
     assert struct.unpack_from("i", raw, offsets["head_dim"][0])[0] == 256, "params.h and the plan disagree"
     params = _patch(raw, offsets, head_dim=D, head_dim_v=D, o_batch_stride=H * N * D,
                     o_head_stride=N * D, o_row_stride=D)
+    return plan, torch.frombuffer(bytearray(params), dtype=torch.uint8)
+
+
+def run_probe(q, k, v, causal, bq, bk, wm, instrumented=True):
+    """(out, lse, counts, dispatch) of the probe at D = 512: q, k, v (B, H, N, 512) float16."""
+    B, H, N, d = q.shape
+    assert d == D and q.dtype == torch.float16
+    plan, params = _plan_at_d512(q, k, v, causal)
     parts = 8 * wm // bq
     row = (D + 8) * 2  # a padded float16 tile row (kPrefillRowPadBytes = 16)
     tg_bytes = (bq + bk) * row + (bq // 8 * parts * (bk // 8) * 256 if parts > 1 else 0)
@@ -104,16 +113,16 @@ def run_probe(q, k, v, causal, bq, bk, wm, instrumented=True):
     counts = probe_library(instrumented).dispatch(
         f"flash_attention_prefill_float16_d512_bq{bq}_bk{bk}_wm{wm}",
         buffers={i: tensors.get(name, q) for name, i in plan.buffers.items()},
-        bytes={plan.params_index: torch.frombuffer(bytearray(params), dtype=torch.uint8)}, function_constants=dict(enumerate(plan.function_constants)),
+        bytes={plan.params_index: params}, function_constants=dict(enumerate(plan.function_constants)),
         grid=(math.ceil(N / bq), H, B), threadgroup=(32 * wm, 1, 1),
         threadgroup_memory={plan.threadgroup_memory_index: tg_bytes})
     return out, lse, counts, (plan, tg_bytes)
 
 
-def _counts(n, causal, plan_blocks):
+def _counts(n, causal, plan_blocks, run):
     g = torch.Generator().manual_seed(n)
     q, k, v = (torch.randn(1, 1, n, D, generator=g).to(torch.float16) for _ in range(3))
-    _, _, c, (plan, tg_bytes) = run_probe(q, k, v, causal, *plan_blocks)
+    _, _, c, (plan, tg_bytes) = run(q, k, v, causal, *plan_blocks)
     r = {f: getattr(c, f) for f in ("threadgroups", "threads", "threadgroup_barriers", "simdgroup_mmas",
                                     "exp2_calls", "threadgroup_bytes_read", "threadgroup_bytes_written")}
     for name in ("q", "k", "v", "out", "lse"):
@@ -128,13 +137,14 @@ def _counts(n, causal, plan_blocks):
 _CACHE = {}
 
 
-def records(s: M.Shape, causal, plan_blocks):
-    """The probe's counts at shape s (Nq = Nk a multiple of 64, Hq = Hkv), as one metal_model Record."""
+def records(s: M.Shape, causal, plan_blocks, run=None, family="prefill", source=None):
+    """The probe's counts at shape s (Nq = Nk a multiple of 64, Hq = Hkv), as one metal_model Record.
+    run / family / source: another probe's launcher, kernel family and Record.source (metal_model_splitd)."""
     if s.nq != s.nk or s.nq % 64 or s.hq != s.hkv or s.d != D:
         raise ValueError(f"the scaling rule needs Nq = Nk (a multiple of 64), Hq = Hkv and D = {D}; got {s}")
-    key = (causal, plan_blocks)
+    key = (family, causal, plan_blocks)
     if key not in _CACHE:
-        _CACHE[key] = [(n, _counts(n * 64, causal, plan_blocks)) for n in BASE_NS]
+        _CACHE[key] = [(n, _counts(n * 64, causal, plan_blocks, run or run_probe)) for n in BASE_NS]
     base = _CACHE[key]
     counts = {}
     for f in base[0][1][0]:
@@ -142,8 +152,9 @@ def records(s: M.Shape, causal, plan_blocks):
         assert v.denominator == 1, f"scaling rule gave a fractional {f}"
         counts[f] = int(v)
     bq, bk, wm = plan_blocks
-    name = f"flash_attention_prefill_float16_d512_bq{bq}_bk{bk}_wm{wm}"
-    return [M.Record(name, (math.ceil(s.nq / bq), s.hq, s.b), (32 * wm, 1, 1), base[0][1][1], counts, True, None)]
+    name = f"flash_attention_{family}_float16_d512_bq{bq}_bk{bk}_wm{wm}"
+    return [M.Record(name, (math.ceil(s.nq / bq), s.hq, s.b), (32 * wm, 1, 1), base[0][1][1], counts, True,
+                     source)]
 
 
 def _quadratic(points, x):
@@ -184,6 +195,9 @@ def main():
                 print(f"| {chip} | 1x8x{n}x512 | {causal} | {a['unfused'] * 1e3:.2f} | {pt * 1e3:.2f} "
                       f"({lo * 1e3:.2f}-{hi * 1e3:.2f}) | {a['unfused'] / pt:.2f}x | {a['bound']} | "
                       f"{b['fused'][1] * 1e3:.2f} |")
+    from . import metal_model_splitd  # imports this module
+
+    metal_model_splitd.main()
 
 
 if __name__ == "__main__":

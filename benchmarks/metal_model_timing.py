@@ -128,6 +128,8 @@ def planner_residency(r, index, gpu, s, dtype, causal):
     """(threadgroups per core, limit) from the planner's estimate for this
     dispatch on this chip; records without a plan (synthetic) fall back to
     threadgroup memory alone."""
+    if r.source and r.source[0] == "live":
+        return probe_residency(r, gpu)
     if r.source is None or gpu.key is None:
         by_mem = gpu.tgmem_per_core // r.tg_memory if r.tg_memory else 64
         return max(1, by_mem), "threadgroup memory (no plan)"
@@ -138,6 +140,23 @@ def planner_residency(r, index, gpu, s, dtype, causal):
     if d.kernel_name != r.kernel:
         raise AssertionError(f"plan for {gpu.key} launches {d.kernel_name}, the counts are of {r.kernel}")
     return d.threadgroups_per_core, d.occupancy_limit
+
+
+# A core's register file, bytes: csrc/metal_gpus.cpp kRegisterFile (metal-benchmarks' ~208 KB, an estimate).
+REGISTER_FILE_PER_CORE = 208 * 1024
+
+
+def probe_residency(r, gpu, tgmem_per_core=None):
+    """(threadgroups per core, limit) of a probe kernel the planner does not
+    plan (benchmarks/metal_model_d512.py's split-D): Record.source =
+    ("live", live values per lane), and the planner's rule
+    (metal_gpus.cpp, estimate_launch): the fewer of the register file over
+    the threadgroup's live registers and the core's threadgroup memory over
+    its bytes."""
+    sgs = max(1, math.ceil(r.threadgroup[0] * r.threadgroup[1] * r.threadgroup[2] / 32))
+    by_regs = REGISTER_FILE_PER_CORE // (r.source[1] * 4 * 32 * sgs)
+    by_mem = (tgmem_per_core or gpu.tgmem_per_core) // r.tg_memory if r.tg_memory else 64
+    return max(1, min(by_regs, by_mem)), "registers" if by_regs <= by_mem else "threadgroup memory"
 
 
 def visible(row, s, causal):
@@ -202,7 +221,10 @@ def dispatch_time(r, index, gpu, s, dtype, causal, k=POINT):
     sg_per_tg = max(1, math.ceil(r.threadgroup[0] * r.threadgroup[1] * r.threadgroup[2] / 32))
     tgs_core, limit = planner_residency(r, index, gpu, s, dtype, causal)
     if limit.startswith("threadgroup memory") and k["tg"] == 2 and gpu.tgmem_per_core <= 32768:
-        tgs_core *= 2  # 64 KiB per core instead of the 32 KiB estimate (its low end: estimate-tgmem-m3)
+        # 64 KiB per core instead of the 32 KiB estimate (its low end: estimate-tgmem-m3); a probe's
+        # registers still bound it
+        tgs_core = probe_residency(r, gpu, 2 * gpu.tgmem_per_core)[0] if r.source and r.source[0] == "live" \
+            else tgs_core * 2
     grid_tgs = c["threadgroups"]
     active = min(gpu.cores, grid_tgs)
     r_core = min(tgs_core, grid_tgs / active)  # threadgroups resident per core, on average
@@ -266,6 +288,23 @@ def dispatch_time(r, index, gpu, s, dtype, causal, k=POINT):
             bq_rows = int(m.group(1)) if m else 32
             avg_rows = rows / math.ceil(rows / bq_rows)
             busy = min(sg_per_tg, max(1, math.ceil(avg_rows / 8)) * parts)
+        elif kb and "_splitd_" in r.kernel:
+            # The split-D probe (tests/prefill_splitd_probe.metal): per key
+            # block, K's fragments from device memory (one DRAM latency: a
+            # part's loads are independent), each part's S chain over its
+            # d_frags / F fragments, the scratch's one barrier and the F
+            # partials' sum, the softmax's shuffles and exp2, V's fragments
+            # from device memory (a second DRAM latency: counted, not assumed
+            # hoisted), and the P.V chain over the block's bk / 8 fragments.
+            # The coop variant shares the softmax: 3 barriers, F reads after
+            # each (partials, row maxima, row sums), 2 quad shuffles twice.
+            blocks, bk = kb
+            m = re.search(r"_bq(\d+)_bk\d+_wm(\d+)", r.kernel)
+            parts = 8 * int(m.group(2)) // int(m.group(1))
+            steps = 3 if "_coop_" in r.kernel else 1
+            lat = (2 * dram_cycles + steps * (BARRIER_CYCLES + parts * TG_LOAD_LATENCY)
+                   + (math.ceil(d_frags / parts) + bk // 8) * MMA_LATENCY + 6 * SHUFFLE_LATENCY)
+            serial = blocks, heads, lat
         elif "flash_backward_" in r.kernel:
             # A streamed block of the backward: its two tiles' DRAM latency,
             # 2 barriers, S and dP (independent chains over the features),

@@ -468,7 +468,7 @@ MetalPlan plan_metal_attention(const AttentionProblem& p, const LaunchStrides& s
       l.grid = {ceil_div(p.q_len, c.block_q), heads, batch};
       l.threadgroup = {32 * c.simdgroups, 1, 1};
       l.max_threads_per_threadgroup = kTensorOpsMaxThreads;
-      l.threadgroup_memory = tensor_ops_threadgroup_memory(p.dtype);
+      l.threadgroup_memory = tensor_ops_threadgroup_memory(p.dtype, c.bucket);
       // Its library declares fc_causal and the options' constants only (no
       // align / dense / grad_lse: tensor extents handle the ragged edges);
       // the values at the other indices are false and Metal ignores values

@@ -149,10 +149,30 @@ constexpr std::array<uint32_t, 4> kHeadDimBuckets = {32, 64, 128, 256};
 // zero-padded in the next bucket (129..192 in 192, 193..256 in 256). MLX's
 // steel attention's set, plus 192.
 constexpr std::array<uint32_t, 8> kFastHeadDimBuckets = {32, 64, 72, 80, 96, 128, 192, 256};
+// Head-dim buckets of the decode kernels: the fast ones plus two above 256
+// that only decode has (issue 20): 512 (Gemma's global layers) and 576
+// (absorbed MLA, D_qk = 576 with D_v = 512; dims in (512, 576]); see
+// shaders/attention.metal for why two. Why decode only: decode is
+// memory-bound and the fused decode reads each K/V row once per GQA group,
+// predicted ahead of the composite path at every modelled decode shape
+// (benchmarks/metal_model_decode_wide.py), while a fused prefill at 512 is
+// predicted 2-3x slower than unfused (benchmarks/metal_model_d512.py): the
+// prefill and backward stop at 256 and run the composite path above.
+constexpr std::array<uint32_t, 10> kDecodeHeadDimBuckets = {32, 64, 72, 80, 96, 128, 192, 256, 512, 576};
 // Query rows the decode kernels serve at most. Why 8: one 8x8 simdgroup-matrix
 // tile of queries; below it the prefill kernel's 8-row fragments would run
 // mostly empty (MLX switches to its vector kernels at the same point).
 constexpr int64_t kMaxDecodeRows = 8;
+// Query rows per kv head (gqa_ratio * Nq) the wide decode takes at most.
+// Why 16: at 1 row per SIMD-group every row group loads each K/V row
+// through the core's L1, so the kernel's on-core traffic grows with the
+// rows; the model (benchmarks/metal_model_decode_wide.py) puts it at least
+// 2.4x ahead of the composite path at 16 rows (MLA with 16 query heads,
+// Gemma-like with 8 rows) and behind it at 128 (MLA with 128 heads): past
+// 16 impl='auto' runs the composite path (a decode kernel sharing K/V
+// fragments across rows, on simdgroup matrices, is what MLA's 128 heads
+// need: not built); impl='decode' / 'decode_split' still take them.
+constexpr int64_t kWideDecodeMaxRows = 16;
 // Indices of the [[function_constant]]s: causal masking (every kernel), and
 // the prefill kernel's edge specializations, true when Nq (Nk) is a multiple
 // of the query (key) block, so aligned shapes carry no edge code.
@@ -300,6 +320,13 @@ KernelChoice choose_metal_kernel(const AttentionProblem& p, KernelRequest reques
 // buffers, then the varlen plan: head dims past the widest bucket). *why says
 // which and why, for explain(). Throws a ValueError for an impl no route takes.
 bool kvcache_reads_table(const AttentionProblem& p, KernelRequest requested, std::string* why);
+
+// Whether a forward call with head dims above kFastHeadDimBuckets.back()
+// (256) runs the fused decode kernels in a wide bucket (kDecodeHeadDimBuckets):
+// Nq <= kMaxDecodeRows, not varlen, impl 'auto', 'decode' or 'decode_split',
+// dims within the widest decode bucket. False for dims <= 256 (the usual
+// routing applies) and for everything else above (composite_route).
+bool decode_takes_wide_dims(const AttentionProblem& p, KernelRequest requested, MetalPass pass);
 
 // The full plan: kernel choice, names, grids, threadgroups, memory, params.
 MetalPlan plan_metal_attention(const AttentionProblem& p, const LaunchStrides& strides, KernelRequest requested,

@@ -72,16 +72,21 @@ inline uint32_t prefill_threadgroup_memory(uint32_t block_q, uint32_t block_k, u
 inline constexpr uint32_t kTensorOpsBlockQ = 64;
 inline constexpr uint32_t kTensorOpsBlockK = 32;
 inline constexpr uint32_t kTensorOpsMaxThreads = 128;  // kPrefillMppMaxThreads in the shader
-// Its threadgroup memory: each SIMD-group's P (16 x block_k in the input
-// dtype) and one float per row (alpha, then 1 / l); a multiple of 16.
-inline uint32_t tensor_ops_threadgroup_memory(c10::ScalarType dtype) {
-  const uint32_t simdgroups = kTensorOpsBlockQ / 16;
-  return simdgroups * 16 * (kTensorOpsBlockK * dtype_bytes(dtype) + 4);
-}
-
 // Metal's threadgroup-memory limit on every Apple GPU of the supported
 // macOS versions (MTLDevice.maxThreadgroupMemoryLength is 32 KiB on Apple7+).
 inline constexpr uint32_t kMaxThreadgroupMemory = 32 * 1024;
+
+// Its threadgroup memory: each SIMD-group's P (16 x block_k) and Q rows
+// (16 x head_dim, read from device memory once), both in the input dtype,
+// and one float per row (alpha, then 1 / l); a multiple of 16.
+inline constexpr uint32_t tensor_ops_threadgroup_bytes(uint32_t elem_bytes, uint32_t head_dim) {
+  return kTensorOpsBlockQ / 16 * 16 * ((kTensorOpsBlockK + head_dim) * elem_bytes + 4);
+}
+// The widest instantiation (16-bit, D = 128) fits: 20,736 bytes.
+static_assert(tensor_ops_threadgroup_bytes(2, 128) <= kMaxThreadgroupMemory, "tensor-op prefill over 32 KiB");
+inline uint32_t tensor_ops_threadgroup_memory(c10::ScalarType dtype, uint32_t head_dim) {
+  return tensor_ops_threadgroup_bytes(dtype_bytes(dtype), head_dim);
+}
 
 // The backward's split-K scratch (the shader's backward_partials_bytes):
 // with parts, 2 x streamed / 8 fragments of 8 x 8 floats per SIMD-group,
@@ -252,6 +257,19 @@ static_assert(decode_rows_fit_budget(32) && decode_rows_fit_budget(64) && decode
                   decode_rows_fit_budget(192) && decode_rows_fit_budget(256),
               "decode_rows_per_simd (shaders/attention_decode_rows.h): the most rows within the budget");
 
+// The decode-only buckets 512 and 576 (kDecodeHeadDimBuckets) exceed
+// kDecodeRegisterBudget even at one row (slices of 16 and 18 values: 103
+// and 113 with a mask, 111 and 119 paged): they run at lower occupancy,
+// which estimate_launch counts (by registers) and the model prices
+// (benchmarks/metal_model_decode_wide.py); still within the 128 registers
+// an Apple GPU thread addresses (kBackwardRegisterBudget's note), so by
+// this model nothing spills.
+inline constexpr uint32_t kThreadAddressableRegisters = 128;
+static_assert(decode_rows_per_simd(512) == 1 && decode_rows_per_simd(576) == 1 &&
+                  decode_live_registers(576u, 1u, true) <= kThreadAddressableRegisters &&
+                  decode_live_registers(576u, 1u, false, true) <= kThreadAddressableRegisters,
+              "the wide decode buckets: one row per SIMD-group, within the addressable registers");
+
 // The split-KV merge: one row's partial max, sum and feature slice per lane.
 inline constexpr uint32_t kMergeLiveRegisters = 8 + kLiveOverhead;
 
@@ -263,5 +281,9 @@ LaunchEstimate estimate_launch(const MetalLaunch& launch, uint32_t live_register
 // blocks and reason, forced or not; refuses what it does not cover.
 bool tensor_ops_route(const AttentionProblem& p, const GpuSpec& gpu, std::string* why_not);
 void choose_tensor_ops(const AttentionProblem& p, bool forced, const GpuSpec& gpu, KernelChoice* c);
+
+// The wide decode's sentence for explain() (csrc/metal_routing_wide.cpp):
+// the bucket and the model's verdict against the composite path.
+std::string wide_decode_note(const AttentionProblem& p, uint32_t bucket);
 
 }  // namespace flash_metal::plan_detail

@@ -39,6 +39,24 @@ std::vector<MetalLaunch> all_metal_launches() {
       {8, 64, KernelRequest::Decode, 16}, {8, 4096, KernelRequest::DecodeSplit, 16},
       {64, 64, KernelRequest::Prefill, 2}, {65, 65, KernelRequest::Prefill, 2},
   };
+  // The options, one at a time (the loops below), causal or not: their
+  // combinations are the same constants switched together, so these cover
+  // every code path each constant guards; the pipelines a combination needs
+  // are built on first use like any other. Paged: fc_paged (attention_kvcache).
+  enum Option { NoOption, BoolMask, InputMask, Float32Mask, WindowLeft, Softcap, Varlen, Sinks, Paged };
+  const auto set_option = [](AttentionProblem& p, Option option, bool causal) {
+    p.window_right = causal ? 0 : -1;
+    p.causal = causal;
+    p.mask = option == BoolMask ? MaskKind::Bool
+             : option == InputMask ? MaskKind::Input
+             : option == Float32Mask ? MaskKind::Float32 : MaskKind::None;
+    p.window_left = option == WindowLeft ? 16 : -1;
+    p.softcap = option == Softcap ? 30.0 : 0.0;
+    p.varlen = option == Varlen;
+    p.sinks = option == Sinks;  // the forward kernels' fc_has_sinks, and flash_sinks_grad
+    p.paged = option == Paged;
+    p.page_size = p.table_stride = p.paged ? 16 : 0;
+  };
   for (c10::ScalarType dtype : {c10::ScalarType::Float, c10::ScalarType::Half, c10::ScalarType::BFloat16}) {
     for (uint32_t d : kFastHeadDimBuckets) {
       for (const Shape& shape : shapes) {
@@ -95,26 +113,15 @@ std::vector<MetalLaunch> all_metal_launches() {
       // these cover every code path each constant guards; the pipelines a
       // combination needs are built on first use like any other).
       // Paged: fc_paged (attention_kvcache), the decode kernels and the prefill.
-      enum Option { BoolMask, InputMask, Float32Mask, WindowLeft, Softcap, Varlen, Sinks, Paged };
       for (Option option : {BoolMask, InputMask, Float32Mask, WindowLeft, Softcap, Varlen, Sinks, Paged}) {
         for (bool causal : {false, true}) {
           AttentionProblem p;
           p.batch = p.q_heads = p.kv_heads = 1;
           p.head_dim = d;
           p.head_dim_v = d;
-          p.window_right = causal ? 0 : -1;
-          p.causal = causal;
           p.scale = 1.0;
           p.dtype = dtype;
-          p.mask = option == BoolMask ? MaskKind::Bool
-                   : option == InputMask ? MaskKind::Input
-                   : option == Float32Mask ? MaskKind::Float32 : MaskKind::None;
-          if (option == WindowLeft) p.window_left = 16;
-          if (option == Softcap) p.softcap = 30.0;
-          p.varlen = option == Varlen;
-          p.sinks = option == Sinks;  // the forward kernels' fc_has_sinks, and flash_sinks_grad
-          p.paged = option == Paged;
-          p.page_size = p.table_stride = p.paged ? 16 : 0;
+          set_option(p, option, causal);
           const int64_t D = d;
           const LaunchStrides packed{{D, D, D, 1}, {D, D, D, 1}, {D, D, D, 1}, {D, D, D, 1}, {1, 1, 1},
                                      {D, D, D, 1}, {1, 1, 1}, {0, 0, 64, 1}};
@@ -130,6 +137,43 @@ std::vector<MetalLaunch> all_metal_launches() {
           p.q_len = p.kv_len = p.total_q = p.total_k = 65;
           for (bool grad_lse : {false, true}) {
             for (const MetalLaunch& l : plan_metal_attention_backward(p, packed, grad_lse).launches) add(l);
+          }
+        }
+      }
+    }
+  }
+  // The decode-only buckets (512, 576; decode_takes_wide_dims): the decode
+  // shapes above of at most 16 query rows per kv head (kWideDecodeMaxRows:
+  // one row, a short and a long context), causal or not, with each decode
+  // option on its own as above (paged: the widest live-value count,
+  // shaders/attention_decode_paged.h), at Gemma's 512 (fc_dense too, with
+  // known zero offsets) and at MLA's (576, 512): D_v stops at 512
+  // (kMaxHeadDimV), so the 576 bucket is never dense.
+  for (c10::ScalarType dtype : {c10::ScalarType::Float, c10::ScalarType::Half, c10::ScalarType::BFloat16}) {
+    for (const auto& [d, dv] : {std::pair<int64_t, int64_t>{512, 512}, {576, 512}}) {
+      for (const Shape& shape : shapes) {
+        if (shape.request != KernelRequest::Decode && shape.request != KernelRequest::DecodeSplit) continue;
+        if (shape.q_heads * shape.q_len > 16) continue;
+        for (bool causal : {false, true}) {
+          for (Option option : {NoOption, BoolMask, InputMask, Float32Mask, WindowLeft, Softcap, Sinks, Paged}) {
+            AttentionProblem p;
+            p.batch = p.kv_heads = 1;
+            p.q_heads = shape.q_heads;
+            p.q_len = p.total_q = shape.q_len;
+            p.kv_len = p.total_k = shape.kv_len;
+            p.head_dim = d;
+            p.head_dim_v = dv;
+            p.scale = 1.0;
+            p.dtype = dtype;
+            set_option(p, option, causal);
+            const int64_t H = p.q_heads, N = p.q_len, M = p.kv_len;
+            const LaunchStrides packed{{H * N * d, N * d, d, 1}, {M * d, M * d, d, 1}, {M * dv, M * dv, dv, 1},
+                                       {H * N * dv, N * dv, dv, 1}, {H * N, N, 1}, {0, 0, 0, 0}, {0, 0, 0},
+                                       {0, 0, M, 1}};
+            for (const MetalLaunch& l : plan_metal_attention(p, packed, shape.request).launches) add(l);
+            LaunchStrides known = packed;  // known zero offsets: fc_dense where D = D_v = the bucket
+            known.offsets = {0, 0, 0, 0};
+            for (const MetalLaunch& l : plan_metal_attention(p, known, shape.request).launches) add(l);
           }
         }
       }

@@ -378,6 +378,7 @@ bool prefill_pack_gqa(const AttentionProblem& p, uint32_t block_q, std::string* 
 
 }  // namespace
 
+
 bool kvcache_reads_table(const AttentionProblem& p, KernelRequest requested, std::string* why) {
   const bool decode_request = requested == KernelRequest::Decode || requested == KernelRequest::DecodeSplit;
   TORCH_CHECK_VALUE(requested == KernelRequest::Auto || requested == KernelRequest::Prefill || decode_request,
@@ -390,12 +391,20 @@ bool kvcache_reads_table(const AttentionProblem& p, KernelRequest requested, std
                     request_name(requested), "' serves at most ", kMaxDecodeRows, " query rows; got ", p.q_len,
                     " (use impl='auto' or 'prefill')");
   const std::string pages = std::to_string(p.page_size) + "-key pages";
-  const int64_t widest = kFastHeadDimBuckets.back();
-  if (!decode_request && (p.head_dim > widest || p.head_dim_v > widest)) {
+  // Dims above 256 read the table only where the wide decode takes them
+  // (decode_takes_wide_dims: Nq <= 8, no packed queries, up to 576, with
+  // 'auto' at most kWideDecodeMaxRows rows per kv head); the prefill's table
+  // reader stops at the fast buckets' 256, and every other wide call gathers
+  // (then the varlen plan, which runs the composite path).
+  const bool wide = p.head_dim > kFastHeadDimBuckets.back() || p.head_dim_v > kFastHeadDimBuckets.back();
+  if (wide && !decode_takes_wide_dims(p, requested, MetalPass::Forward)) {
     *why = "paged KV cache, gather path (head dims " + std::to_string(p.head_dim) + " / " +
-           std::to_string(p.head_dim_v) + " exceed the kernels' widest bucket, " + std::to_string(widest) +
-           "): each sequence's rows in use, through the table of " + pages + ", copied into packed K/V buffers, "
-           "then the varlen plan: ";
+           std::to_string(p.head_dim_v) + " exceed the prefill kernels' widest bucket, " +
+           std::to_string(kFastHeadDimBuckets.back()) + ", and the wide decode does not take this call: it takes Nq <= " +
+           std::to_string(kMaxDecodeRows) + " unpacked query rows, dims up to " +
+           std::to_string(kDecodeHeadDimBuckets.back()) + ", with impl='auto' at most " +
+           std::to_string(kWideDecodeMaxRows) + " query rows per kv head): each sequence's rows in use, through the "
+           "table of " + pages + ", copied into packed K/V buffers, then the varlen plan: ";
     return false;
   }
   if (requested == KernelRequest::Prefill || p.q_len > kMaxDecodeRows || p.varlen) {
@@ -415,6 +424,7 @@ bool kvcache_reads_table(const AttentionProblem& p, KernelRequest requested, std
   return true;
 }
 
+
 KernelChoice choose_metal_kernel(const AttentionProblem& p, KernelRequest requested, const GpuSpec& gpu,
                                  MetalPass pass) {
   TORCH_CHECK(requested != KernelRequest::Composite, "flash_metal: impl='composite' is routed before planning "
@@ -425,15 +435,22 @@ KernelChoice choose_metal_kernel(const AttentionProblem& p, KernelRequest reques
   // (head_dim_v in AttentionParams); the post's kernels do not (below).
   const bool own_v = p.head_dim_v != p.head_dim;
   // Nor head dims past the largest bucket (the CPU kernels take up to
-  // kMaxHeadDim = 576, D_v up to 512): no Metal instantiation is wider than 256 yet.
-  TORCH_CHECK_NOT_IMPLEMENTED(p.head_dim <= kFastHeadDimBuckets.back(), "flash_metal: head_dim ", p.head_dim,
-                              " on Metal kernels: not yet (at most ", kFastHeadDimBuckets.back(), ", ",
-                              pass == MetalPass::Backward ? "backward" : "forward",
-                              "); run on CPU tensors, which take head dims up to ", kMaxHeadDim);
-  TORCH_CHECK_NOT_IMPLEMENTED(p.head_dim_v <= kFastHeadDimBuckets.back(), "flash_metal: v's head dim D_v = ",
-                              p.head_dim_v, " on Metal kernels: not yet (at most ", kFastHeadDimBuckets.back(), ", ",
-                              pass == MetalPass::Backward ? "backward" : "forward",
-                              "); run on CPU tensors, which take D_v up to ", kMaxHeadDimV);
+  // kMaxHeadDim = 576, D_v up to 512): 256 but for the decode kernels, which
+  // take up to 576 (decode_takes_wide_dims).
+  const bool wide_decode = decode_takes_wide_dims(p, requested, pass);
+  const char* pass_name = pass == MetalPass::Backward ? "backward" : "forward";
+  TORCH_CHECK_NOT_IMPLEMENTED(wide_decode || p.head_dim <= kFastHeadDimBuckets.back(), "flash_metal: head_dim ",
+                              p.head_dim, " on Metal kernels: not yet (at most ", kFastHeadDimBuckets.back(), ", ",
+                              pass_name, "; the decode kernels, Nq <= ", kMaxDecodeRows, ", take up to ",
+                              kDecodeHeadDimBuckets.back(), " (impl='auto': at most ", kWideDecodeMaxRows,
+                              " query rows per kv head)); run on CPU tensors, which take head dims up to ",
+                              kMaxHeadDim);
+  TORCH_CHECK_NOT_IMPLEMENTED(wide_decode || p.head_dim_v <= kFastHeadDimBuckets.back(),
+                              "flash_metal: v's head dim D_v = ", p.head_dim_v, " on Metal kernels: not yet (at most ",
+                              kFastHeadDimBuckets.back(), ", ", pass_name, "; the decode kernels, Nq <= ",
+                              kMaxDecodeRows, ", take up to ", kMaxHeadDimV, " (impl='auto': at most ", kWideDecodeMaxRows,
+                              " query rows per kv head)); run on CPU tensors, which take "
+                              "D_v up to ", kMaxHeadDimV);
   if (pass == MetalPass::Backward) return choose_backward(p, requested);
   // The bucket every tile fits: the wider of the two dims (== head_dim unless MLA-style).
   const int64_t widest = std::max(p.head_dim, p.head_dim_v);
@@ -570,7 +587,8 @@ KernelChoice choose_metal_kernel(const AttentionProblem& p, KernelRequest reques
     }
     case KernelRequest::Decode:
     case KernelRequest::DecodeSplit: {
-      c.bucket = bucket_of(widest, kFastHeadDimBuckets);
+      c.bucket = bucket_of(widest, kDecodeHeadDimBuckets);
+      if (c.bucket > kFastHeadDimBuckets.back()) c.reason += wide_decode_note(p, c.bucket);
       std::string why;
       const bool forced_split = c.kind == KernelRequest::DecodeSplit;
       const bool forced_one = explicit_request && c.kind == KernelRequest::Decode;

@@ -30,8 +30,9 @@ void choose_tensor_ops(const AttentionProblem& p, bool forced, const GpuSpec& gp
                            "turns this off); ";
   c->reason += "FlashAttention-2 on Metal 4 tensor ops (MPP matmul2d, the MSL 4 library): blocks of " +
                std::to_string(c->block_q) + " queries x " + std::to_string(c->block_k) + " keys on " +
-               std::to_string(c->simdgroups) + " simdgroups of 16 rows, Q, K and V read from device memory by "
-               "matmul2d, P through " + kib(tensor_ops_threadgroup_memory(p.dtype)) + " of threadgroup memory";
+               std::to_string(c->simdgroups) + " simdgroups of 16 rows, each simdgroup's Q rows read from device "
+               "memory once, K and V by matmul2d, Q and P through " +
+               kib(tensor_ops_threadgroup_memory(p.dtype, c->bucket)) + " of threadgroup memory";
 }
 
 // Whether Auto's prefill runs on the tensor-op kernels, MLX's

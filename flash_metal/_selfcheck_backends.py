@@ -292,7 +292,8 @@ class EmulatorBackend:
             raise Unavailable(f"the Metal emulator needs clang 19: {err}") from err
 
     def prepare(self):
-        """Builds (or loads from its cache) the emulator's library of every shader instantiation."""
+        """Builds (or loads from its cache) the emulator's default library of the shader instantiations
+        (every one but the wide decode's, which tests/backends.py builds on first use)."""
         return self.backends.metal_library(False, False)
 
     def run(self, case, inputs):
@@ -324,8 +325,12 @@ class EmulatorBackend:
 
     def build_all_pipelines(self) -> dict:
         lib = self.prepare()
-        return {"status": "passed", "count": len(lib.kernel_names()),
-                "detail": f"the emulator built all {len(lib.kernel_names())} instantiations of shaders/attention.metal"}
+        built, left_out = len(lib.kernel_names()), len(lib.omitted_names())
+        # The default build leaves the wide decode out (tests/shader_builds.py); it is built on first use.
+        return {"status": "passed", "count": built,
+                "detail": f"the emulator built {built} of the {built + left_out} instantiations of "
+                          f"shaders/attention.metal" + (f" (the other {left_out}, the wide decode's, are built when "
+                                                        "a case runs them)" if left_out else "")}
 
     def pipelines(self, planner: Dict[str, dict]) -> dict:
         lib = self.prepare()

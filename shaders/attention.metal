@@ -7,6 +7,7 @@
 //   flash_attention_tiled_<dtype>_d<DMAX>_bk<BK>_t<THREADS>
 //   flash_attention_prefill_<dtype>_d<DMAX>_bq<BQ>_bk<BK>_wm<WM>
 //   flash_decode_<dtype>_d<DMAX>, flash_decode_split_<dtype>_d<DMAX>, flash_decode_merge_<dtype>_d<DMAX>
+//   (DMAX also 512 and 576: decode only)
 //   flash_backward_dq_<dtype>_d<DMAX>_bq<BQ>_bk<BK>_wm<WM>_ds<DSPLIT>,
 //   flash_backward_dkdv_<dtype>_d<DMAX>_bq<BQ>_bk<BK>_wm<WM>_ds<DSPLIT>
 //   flash_sinks_grad (float32 only: lse, Delta and the sinks' gradient)
@@ -79,7 +80,19 @@
   FM_DECODE(tname, T, 96)         \
   FM_DECODE(tname, T, 128)        \
   FM_DECODE(tname, T, 192)        \
-  FM_DECODE(tname, T, 256)
+  FM_DECODE(tname, T, 256)        \
+  FM_DECODE(tname, T, 512)        \
+  FM_DECODE(tname, T, 576)
+
+// Why two decode-only buckets above 256 (issue 20; the prefill and backward
+// stop at 256, csrc/metal_plan.h kDecodeHeadDimBuckets): 512 serves Gemma's
+// global layers (D = D_v = 512: D == DMAX, so the lanes' 16-feature runs are
+// vector loads, fc_dense, and 16 values per lane per slice rather than 18);
+// 576 serves absorbed MLA (D_qk = 576 = 512 latent + 64 rotary, D_v = 512),
+// never dense (D != D_v), and any dim in (512, 576]. Dims in (256, 512] run
+// in 512's. One row per SIMD-group at both (decode_rows_per_simd); the
+// key-group merge takes 8 * (2 + 576) * 4 = 18,496 bytes at 576, 16,448 at
+// 512, within 32 KiB.
 
 // The backward's two kernels. Blocks per (dtype, bucket), as
 // choose_backward (csrc/metal_routing.cpp) chooses and explains them: R

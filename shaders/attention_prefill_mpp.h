@@ -13,12 +13,36 @@
 // barrier at all; K and V are read by matmul2d straight from device memory,
 // as MLX's NAX kernel reads them into registers (no staging tiles).
 //
+// Q is read from device memory once: each SIMD-group copies its 16 x D rows
+// into its own slice of threadgroup memory before the key loop, and every
+// S = Q.K^T takes that slice as its left operand. Before, S took Q as a
+// tensor over device memory, so each SIMD-group asked for its Q rows again
+// for every key block: 128x the Q traffic at Nk = 4096, which the model
+// (benchmarks/metal_model_accel.py) found made the kernel memory-bound, 1.5x
+// over MLX's measured time. Why threadgroup memory and not registers (a left
+// input cooperative tensor filled once, as MLX keeps Q in fragments):
+//   - a tensor over threadgroup memory as matmul2d's left operand is in the
+//     macOS 26.0 MPP headers (threadgroup loads in its Impl header) and is
+//     what this kernel already does with P; input cooperative tensors
+//     (get_left_input_cooperative_tensor) came with a later SDK, and their
+//     lowering changed at a 26.2 deployment target (MLX #3622: through a
+//     destination-tensor shim below it), where MLX's GEMM was miscompiled
+//     (#3586) and PyTorch's kernel got another lane layout (#191794);
+//   - no registers added per lane (O's 16 x D floats are already there;
+//     mtlattn found a register-resident forward 3x slower for occupancy).
+// Its price: 16 x D x sizeof(T) more threadgroup memory per SIMD-group
+// (below), so fewer threadgroups fit a core by threadgroup memory, and
+// matmul2d reads Q from threadgroup memory each block (on-core bandwidth,
+// not device memory). Which way is faster on an M5 only a Mac can say.
+//
 // Per key block, per SIMD-group:
 //   S = Q.K^T     matmul2d (16 x BK, K = D, K transposed) into a float
-//                 destination cooperative tensor; Q and K are tensors over
-//                 device memory, sliced at the block's origin; their extents
-//                 end at the sequence's last row, so the ragged last block
-//                 reads zeros past it instead of reading past the end.
+//                 destination cooperative tensor; Q from this SIMD-group's
+//                 threadgroup slice (rows past the sequence zero-filled),
+//                 K a tensor over device memory, sliced at the block's
+//                 origin, whose extents end at the sequence's last row, so
+//                 the ragged last block reads zeros past it instead of
+//                 reading past the end.
 //   softmax       on the cooperative tensor: each element learns its (row,
 //                 key) only from get_multidimensional_index (the lane layout
 //                 is implementation defined and differs across GPU
@@ -33,18 +57,25 @@
 //                 the next op's input for our shapes (WWDC26-330: direct
 //                 chaining is new in macOS 27), and the rows of O's layout
 //                 need not be those of S's, so alpha goes by row number too.
-//   O = alpha*O + P.V   the rescale per element of O's own layout, then
-//                 matmul2d (16 x D, K = BK) with multiply_accumulate into O,
-//                 a float destination cooperative tensor per SIMD-group.
+//   O = alpha*O + P.V   the rescale per element of O's own layout (alpha
+//                 read from threadgroup memory once per row a thread holds,
+//                 into a row reduction tensor of O's layout, not once per
+//                 element: the model found those reads the largest on-core
+//                 traffic), then matmul2d (16 x D, K = BK) with
+//                 multiply_accumulate into O, a float destination
+//                 cooperative tensor per SIMD-group.
 // Epilogue: O / l stored element by element through the API, lse = m ln 2 +
 // ln l (the convention of attention_prefill.h: zeros and lse = -inf for a
 // row that saw no key).
 //
 // Threadgroup memory at [[threadgroup(0)]], sized by the host
-// (csrc/metal_launch.cpp, mpp_threadgroup_memory):
+// (csrc/metal_plan_detail.h, tensor_ops_threadgroup_memory):
 //   WM * 16 * BK * sizeof(T)   P of each SIMD-group (16 rows of BK, row-major)
+//   + WM * 16 * D * sizeof(T)  Q of each SIMD-group (16 rows of D, row-major)
 //   + WM * 16 * 4              a float per row of each SIMD-group (alpha, then 1 / l)
-// 4,352 bytes for float16 / bfloat16 at WM = 4, BK = 32.
+// For float16 / bfloat16 at WM = 4, BK = 32: 12,544 bytes at D = 64, 16,640
+// at D = 96, 20,736 at D = 128, under Metal's 32 KiB per threadgroup (the
+// host checks it; no D = 256 instantiation here).
 //
 // What the emulator cannot tell (tests/metal_emulator/README.md, "MPP tensor
 // ops"): Apple's real layouts, whether its run() accumulates in another
@@ -78,6 +109,17 @@ FM_INLINE float mpp_row_value(thread const R& r, int row) {
   return x;
 }
 
+// Fills the row reduction tensor `r` (a value per row its thread holds in
+// the destination's layout) from a float per row in threadgroup memory: one
+// load per row held, where reading `by_row` for each destination element
+// would load 16 x N / 32 floats per lane (O's rescale: D / 2 per key block).
+template <typename R>
+FM_INLINE void mpp_rows_from(thread R& r, threadgroup const float* by_row) {
+  for (int j = 0; j < r.get_capacity(); ++j) {
+    if (r.is_valid_element(j)) r[j] = by_row[r.get_multidimensional_index(j)[0]];
+  }
+}
+
 // T: half or bfloat (float32 stays on the simdgroup kernel). D: head dim,
 // exactly (64, 96, 128: no padding). BQ = 16 * WM query rows, BK keys.
 // Launch: grid (ceil(Nq / BQ), Hq, B), threadgroup (32 * WM, 1, 1),
@@ -98,14 +140,15 @@ template <typename T, int D, int BQ, int BK>
     device const float* sinks [[buffer(17)]],
     threadgroup T* smem [[threadgroup(0)]],
     uint3 group [[threadgroup_position_in_grid]],
-    uint sg [[simdgroup_index_in_threadgroup]]) {
+    uint sg [[simdgroup_index_in_threadgroup]],
+    uint lane [[thread_index_in_simdgroup]]) {
   using namespace mpp::tensor_ops;
   constexpr int R = kMppRowsPerSimd;
   constexpr int WM = BQ / R;
   static_assert(BQ % R == 0 && 32 * WM <= kPrefillMppMaxThreads, "WM SIMD-groups of 16 rows, declared limit");
   threadgroup T* p_tile = smem + int(sg) * R * BK;  // this SIMD-group's P, R x BK
   threadgroup float* row_stat =
-      reinterpret_cast<threadgroup float*>(smem + WM * R * BK) + int(sg) * R;  // a float per row
+      reinterpret_cast<threadgroup float*>(smem + WM * R * (BK + D)) + int(sg) * R;  // a float per row, after P and Q
 
   const SeqView seq = sequence_view(p, cu_seqlens_q, cu_seqlens_k, group.z);
   const int row0 = int(group.x) * BQ + int(sg) * R;  // this SIMD-group's first query row
@@ -121,12 +164,27 @@ template <typename T, int D, int BQ, int BK>
   h.v += seq.k_row0 * p.v_row_stride;
   const int64_t mask_slice = fc_has_mask ? mask_head_offset(p, group.z, group.y) : 0;
 
-  // Q (rows from row0 on), K and V of the head, as tensors: extents
-  // innermost first (features, rows), strides in elements (the host checked
-  // that a head's offsets fit int32). Their row extents end at the
-  // sequence, so matmul2d reads zeros past it.
-  const auto tq = tensor(q + h.q, dextents<int, 2>(D, seq.q_len), array<int, 2>{int(p.q_dim_stride), int(p.q_row_stride)})
-                      .slice(0, row0);
+  // This SIMD-group's Q rows, read from device memory once (top of file):
+  // lane l copies elements l, l + 32, ... of the 16 x D row-major slice, so
+  // consecutive lanes read consecutive features of a row; rows past the
+  // sequence are zeros (S's rows there are never stored). Offsets within the
+  // head in int32 (the host checked that a head's offsets fit).
+  threadgroup T* q_tile = smem + WM * R * BK + int(sg) * R * D;
+  {
+    device const T* q_rows = q + h.q + int64_t(row0) * p.q_row_stride;
+    const int rows = min(R, seq.q_len - row0);
+    const int rs = int(p.q_row_stride), ds = int(p.q_dim_stride);
+    for (int e = int(lane); e < R * D; e += 32) {
+      const int r = e / D, c = e - r * D;  // D a template constant: no division at run time
+      q_tile[e] = r < rows ? q_rows[r * rs + c * ds] : static_cast<T>(0.0f);
+    }
+  }
+  simdgroup_barrier(mem_flags::mem_threadgroup);  // Q written before other lanes' matmul2d reads it (RAW)
+
+  // Q's slice, K and V of the head, as tensors: extents innermost first
+  // (features, rows), strides in elements (int32: checked as above). K's
+  // and V's row extents end at the sequence, so matmul2d reads zeros past it.
+  const auto tq = tensor(q_tile, dextents<int, 2>(D, R));
   const auto tk = tensor(k + h.k, dextents<int, 2>(D, seq.kv_len), array<int, 2>{int(p.k_dim_stride), int(p.k_row_stride)});
   const auto tv = tensor(v + h.v, dextents<int, 2>(D, seq.kv_len), array<int, 2>{int(p.v_dim_stride), int(p.v_row_stride)});
   const auto tp = tensor(p_tile, dextents<int, 2>(BK, R));
@@ -144,6 +202,8 @@ template <typename T, int D, int BQ, int BK>
   matmul2d<pv_desc, execution_simdgroup> pv;
   auto s = qk.template get_destination_cooperative_tensor<QT, KT, float>();
   auto acc = pv.template get_destination_cooperative_tensor<PT, KT, float>();
+  // A factor per row of O's layout held by this thread (alpha, then 1 / l).
+  auto o_r = pv.template get_row_reduction_destination_cooperative_tensor<PT, KT, float>();
   // The rows' running max (base 2) and sum, "no key yet" (attention_common.h),
   // or the sink as if a first key; alpha and the block's max / sum beside them.
   auto m_r = qk.template get_row_reduction_destination_cooperative_tensor<QT, KT, float>();
@@ -214,8 +274,9 @@ template <typename T, int D, int BQ, int BK>
     for (int j = 0; j < l_r.get_capacity(); ++j) l_r[j] = l_r[j] * a_r[j] + b_r[j];
     simdgroup_barrier(mem_flags::mem_threadgroup);  // P and alpha written before other lanes read them (RAW)
 
+    mpp_rows_from(o_r, row_stat);
     for (int i = 0; i < acc.get_capacity(); ++i) {
-      if (acc.is_valid_element(i)) acc[i] *= row_stat[acc.get_multidimensional_index(i)[1]];
+      if (acc.is_valid_element(i)) acc[i] *= mpp_row_value(o_r, acc.get_multidimensional_index(i)[1]);
     }
     // V past the sequence reads as zero, and P is 0 there anyway.
     pv.run(tp, tv.slice(0, k0), acc);
@@ -240,13 +301,14 @@ template <typename T, int D, int BQ, int BK>
     }
   }
   simdgroup_barrier(mem_flags::mem_threadgroup);  // 1 / l written before other lanes read it (RAW)
+  mpp_rows_from(o_r, row_stat);
   for (int i = 0; i < acc.get_capacity(); ++i) {
     if (!acc.is_valid_element(i)) continue;
     const auto idx = acc.get_multidimensional_index(i);  // [0] the feature, [1] the row
     const int row = row0 + idx[1];
     if (row < seq.q_len) {
       o[h.o + int64_t(row) * p.o_row_stride + int64_t(idx[0]) * p.o_dim_stride] =
-          static_cast<T>(acc[i] * row_stat[idx[1]]);
+          static_cast<T>(acc[i] * mpp_row_value(o_r, idx[1]));
     }
   }
 }

@@ -13,9 +13,9 @@ import pytest
 import torch
 
 import flash_metal
+from shader_builds import SHADER, WIDE_DECODE_KERNELS, is_wide_decode, shipped_library
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SHADER = os.path.join(ROOT, "shaders", "attention.metal")
 # The MSL 4 library (Metal 4 tensor ops, impl='tensor_ops'): a library of its
 # own, as on a Mac, where attention.metal stays MSL 3.1.
 MPP_SHADER = os.path.join(ROOT, "shaders", "attention_mpp.metal")
@@ -163,10 +163,26 @@ FAST_MATH_KERNELS = (
 
 @functools.lru_cache(maxsize=None)
 def metal_library(instrumented: bool, fast_math: bool = False):
+    """The default build of attention.metal: every kernel but the wide decode's (shader_builds)."""
+    only = FAST_MATH_KERNELS if fast_math else None
+    return shipped_library(instrumented=instrumented, fast_math=fast_math, only=only)
+
+
+# The wide decode kernels' own partial libraries (the default builds leave them
+# out: tests/shader_builds.py). The sanitizing one holds bfloat16's only: the
+# sanitized wide runs (tests/test_metal_decode_wide.py,
+# tests/test_metal_model_decode_wide.py) use that dtype, and every kernel of
+# the build costs minutes at -O1 with the checks. A wide run outside these
+# lists fails with the emulator's "no kernel named ..." error; add it here.
+SANITIZED_WIDE_DECODE_KERNELS = ("flash_decode*_bfloat16_d512", "flash_decode*_bfloat16_d576")
+
+
+@functools.lru_cache(maxsize=None)
+def wide_decode_library(instrumented: bool):
     from metal_emulator import compile_library
 
-    only = FAST_MATH_KERNELS if fast_math else None
-    return compile_library([SHADER], instrumented=instrumented, fast_math=fast_math, only=only)
+    only = SANITIZED_WIDE_DECODE_KERNELS if instrumented else WIDE_DECODE_KERNELS
+    return compile_library([SHADER], instrumented=instrumented, only=only)
 
 
 @functools.lru_cache(maxsize=None)
@@ -362,6 +378,8 @@ def _run_plan(plan, tensors, instrumented, fast_math, seed=0, mpp_layout="scramb
             library = metal_mpp_library(instrumented, fast_math)
             assert not any(constants.pop(i, False) for i in MPP_UNDECLARED_CONSTANTS), d.function_constants
             extra = dict(mpp_layout=mpp_layout, mpp_seed=mpp_seed)
+        elif is_wide_decode(d.kernel_name) and not fast_math:
+            library = wide_decode_library(instrumented)
         else:
             library = metal_library(instrumented, fast_math)
         counts = library.dispatch(

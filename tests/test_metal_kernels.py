@@ -15,6 +15,7 @@ import torch
 
 import flash_metal
 from backends import SHADER, emulated_metal_attention, metal_library
+from shader_builds import is_wide_decode, shipped_library
 from numerics import DTYPES, assert_attention_close, dtype_id, make_qkv
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -46,6 +47,14 @@ def _plans():
                 q = torch.empty(1, 1, nq, d, dtype=dtype)
                 k = torch.empty(1, 1, nk, d, dtype=dtype)
                 plans[(impl, dtype, bucket)] = (flash_metal.explain(q, k, k, impl=impl), d)
+    # The decode-only buckets 512 and 576 (tests/test_metal_decode_wide.py): a ragged Gemma-like 500 in 512,
+    # MLA's (576, 512) in 576 (v a view of k's first 512 features).
+    for impl, nk in (("decode", 9), ("decode_split", 600)):
+        for dtype in DTYPES:
+            for bucket, (dqk, dv) in {512: (500, 500), 576: (576, 512)}.items():
+                q = torch.empty(1, 1, 2, dqk, dtype=dtype)
+                k = torch.empty(1, 1, nk, dqk, dtype=dtype)
+                plans[(impl + "_wide", dtype, bucket)] = (flash_metal.explain(q, k, k[..., :dv], impl=impl), dqk)
     # The backward's two kernels (shaders/attention_backward.h).
     for dtype in DTYPES:
         for bucket, d in FAST_BUCKET_DIMS.items():
@@ -67,8 +76,13 @@ def _plan_names():
 def test_every_instantiation_is_reachable_from_the_planner():
     # Each instantiation in shaders/ is produced by some plan, and every plan
     # names an existing instantiation: the sanitized tests (here and in
-    # test_metal_prefill.py, test_metal_decode.py) then run all of them.
-    lib_names = set(metal_library(False).kernel_names())
+    # test_metal_prefill.py, test_metal_decode.py, test_metal_decode_wide.py)
+    # then run all of them. The default build leaves the wide decode's 18 out
+    # (tests/shader_builds.py) and names them: the source's names count.
+    lib = metal_library(False)
+    assert sorted(lib.omitted_names()) == sorted(n for n in lib.source_kernel_names() if is_wide_decode(n))
+    assert len(lib.omitted_names()) == 3 * 3 * 2  # (one pass, split, merge) x dtypes x (512, 576)
+    lib_names = set(lib.source_kernel_names())
     planned = set(_plan_names().values())
     assert planned == lib_names, f"never planned: {sorted(lib_names - planned)}; missing: {sorted(planned - lib_names)}"
 
@@ -168,14 +182,13 @@ def test_params_bytes_carry_strides_and_sizes():
 def test_packaged_shader_sources_are_complete():
     # What pip installs into flash_metal/shaders/ (the MPS backend's runtime-
     # compile fallback) compiles as-is and holds the same kernels.
-    from metal_emulator import compile_library
-
     pkg = os.path.join(os.path.dirname(flash_metal.__file__), "shaders")
     shipped = os.path.join(pkg, "attention.metal")
     assert os.path.exists(shipped), f"shader sources not installed in {pkg}"
     repo_files = sorted(os.path.basename(p) for p in glob.glob(os.path.join(ROOT, "shaders", "*")))
     assert sorted(os.listdir(pkg)) == repo_files
-    lib = compile_library([shipped], instrumented=False)
+    lib = shipped_library(path=shipped)
+    assert set(lib.source_kernel_names()) == set(metal_library(False).source_kernel_names())
     assert set(lib.kernel_names()) == set(metal_library(False).kernel_names())
     assert os.path.abspath(SHADER) != os.path.abspath(shipped)
 
@@ -189,7 +202,7 @@ _SIGNATURE_NAMES = {"q": "q", "k": "k", "v": "v", "out": "o", "lse": "lse", "par
                     "grad_sinks": "grad_sinks", "block_table": "block_table", "cache_seqlens": "cache_seqlens"}
 
 
-@pytest.mark.parametrize("impl", list(FAMILIES) + ["backward", "backward_sinks"])
+@pytest.mark.parametrize("impl", list(FAMILIES) + ["decode_wide", "decode_split_wide", "backward", "backward_sinks"])
 def test_binding_table_matches_every_kernel_signature(impl):
     # The plan's binding table is what the MPS host and the emulated backend
     # bind from; each entry must name the kernel parameter with that

@@ -10,6 +10,9 @@ poisoned with NaN before each launch (backends.emulated_metal_attention) and
 compared with the float64 oracle by FlashAttention's 2x rule (tests/numerics.py).
 Proof the MPP kernel ran: the plan's kernel name, the MPP library's
 dispatched_names() and the exact count of matmul2d runs (mpp_runs).
+Q is read from device memory once (each element by one load, exactly, in
+every instrumented run); a planted kernel that reads it per key block is
+caught by that count alone (its results are right).
 The options (attn_mask bool / additive, windows, softcap, sinks, varlen)
 run under both layouts too, and all together in the instrumented build.
 
@@ -20,12 +23,16 @@ shipped header): rescaling O by the row its slot has in S's layout
 "scrambled" (test_matches_float64[*-64-full-130x257-*], f16 and bf16).
 """
 import math
+import os
+import shutil
 
 import pytest
 import torch
 
+import backends
 import flash_metal
 from backends import LAST_DISPATCHES, emulated_metal_attention, emulated_metal_varlen, metal_mpp_library
+from metal_emulator import EmulatorError, compile_library
 from numerics import assert_attention_close, assert_varlen_close, dtype_id, make_qkv
 from test_metal_features import make_mask, packed
 
@@ -68,8 +75,8 @@ def run(q, k, v, causal, layout, seed=1, instrumented=False, scale=None, runs=Tr
     B, Hq, Nq, D = q.shape
     assert plan.kernel_name == kernel_name(q.dtype, D)
     assert plan.grid == (math.ceil(Nq / BQ), Hq, B) and plan.threadgroup == (128, 1, 1)
-    # P (16 x 32 in the input dtype) and a float per row, for each of 4 SIMD-groups.
-    assert plan.threadgroup_memory == 4 * ROWS * (BK * q.element_size() + 4)
+    # P (16 x 32) and Q (16 x D) in the input dtype and a float per row, for each of 4 SIMD-groups.
+    assert plan.threadgroup_memory == 4 * ROWS * ((BK + D) * q.element_size() + 4)
     out, lse = emulated_metal_attention(q, k, v, causal, scale, "tensor_ops", instrumented=instrumented,
                                         mpp_layout=layout, mpp_seed=seed, **options)
     ((d, counts),) = LAST_DISPATCHES
@@ -78,7 +85,19 @@ def run(q, k, v, causal, layout, seed=1, instrumented=False, scale=None, runs=Tr
     if runs:
         assert counts.mpp_runs == expected_runs(B, Hq, Nq, k.shape[2], causal)
     assert counts.threadgroup_barriers == 0  # SIMD-groups are independent: no threadgroup barrier at all
+    if instrumented:
+        assert_q_read_once(counts, q)
     return out, lse
+
+
+def assert_q_read_once(counts, q):
+    """Q (buffer 0) read from device memory exactly once: each of its B x Hq x Nq x D elements by one load of
+    its own width, whatever the number of key blocks (every SIMD-group stages its 16 rows in threadgroup
+    memory before the key loop, attention_prefill_mpp.h); also once by the L1-window rule the model uses."""
+    n, elem = q.numel(), q.element_size()
+    assert counts.device_bytes_read_by_index[0] == n * elem, (counts.device_bytes_read_by_index[0], n * elem)
+    assert counts.device_loads_by_index[0] == {elem: n}, counts.device_loads_by_index[0]
+    assert counts.device_unique_bytes_read_by_index[0] == n * elem
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -109,6 +128,69 @@ def test_sanitized_ragged(shape, causal, layout):
     q, k, v = make_qkv(1, 2, 1, Nq, Nk, 64, torch.float16, generator=torch.Generator().manual_seed(Nq + Nk))
     out, lse = run(q, k, v, causal, layout, instrumented=True)
     assert_attention_close(out, lse, q, k, v, causal)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_q_is_read_once_per_threadgroup(layout):
+    # 5 key blocks and 2 threadgroups per head (the second ragged: one
+    # SIMD-group of 6 rows, three with none), instrumented: run() asserts Q's
+    # device bytes and loads exactly (assert_q_read_once); a kernel reading Q
+    # per key block would read it 1 + 32 x 5 times here (test below).
+    q, k, v = make_qkv(1, 2, 1, 70, 130, 64, torch.float16, generator=torch.Generator().manual_seed(70))
+    out, lse = run(q, k, v, False, layout, instrumented=True)
+    assert_attention_close(out, lse, q, k, v, False)
+    ((_, counts),) = LAST_DISPATCHES
+    # Threadgroup stores, per head: 5 SIMD-groups with rows (4 + 1), each staging its 16 x 64 Q halves once
+    # (zero rows included), then per key block P (16 x 32 halves) and each row's alpha, and 1 / l at the end.
+    assert counts.threadgroup_bytes_written == 2 * 5 * (ROWS * 64 * 2 + 5 * (ROWS * BK * 2 + ROWS * 4) + ROWS * 4)
+
+
+# Planted: S = Q.K^T takes Q as a tensor over device memory again (the kernel
+# before Q was staged; it still stages, so nothing else changes).
+STAGED_Q = "  const auto tq = tensor(q_tile, dextents<int, 2>(D, R));\n"
+REREAD_Q = ("  const auto tq = tensor(q + h.q, dextents<int, 2>(D, seq.q_len),\n"
+            "                         array<int, 2>{int(p.q_dim_stride), int(p.q_row_stride)}).slice(0, row0);\n")
+
+
+def _planted_library(tmp_path, monkeypatch, old, new):
+    """A copy of shaders/ with `old` (once in attention_prefill_mpp.h) replaced by `new`, its float16 D = 64
+    kernel alone in an instrumented partial library, which the emulated backend then runs."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    shutil.copytree(os.path.join(root, "shaders"), tmp_path / "shaders")
+    header = tmp_path / "shaders" / "attention_prefill_mpp.h"
+    text = header.read_text()
+    assert text.count(old) == 1
+    header.write_text(text.replace(old, new))
+    lib = compile_library([str(tmp_path / "shaders" / "attention_mpp.metal")], instrumented=True, msl=4,
+                          only=[kernel_name(torch.float16, 64)])
+    monkeypatch.setattr(backends, "metal_mpp_library", lambda instrumented, fast_math=False: lib)
+    return lib
+
+
+def test_planted_q_reread_is_caught(tmp_path, monkeypatch):
+    """The planted kernel's results pass the 2x rule (reading Q again is not wrong, only slow); the exact
+    count catches it: the emulator's matmul2d reads a device operand's row per destination element, so Q is
+    read 1 + 32 x 5 times."""
+    lib = _planted_library(tmp_path, monkeypatch, STAGED_Q, REREAD_Q)
+    q, k, v = make_qkv(1, 2, 1, 70, 130, 64, torch.float16, generator=torch.Generator().manual_seed(71))
+    out, lse = emulated_metal_attention(q, k, v, False, None, "tensor_ops", instrumented=True, mpp_layout="m5")
+    ((d, counts),) = LAST_DISPATCHES
+    assert d.kernel_name in lib.dispatched_names()
+    assert_attention_close(out, lse, q, k, v, False)
+    with pytest.raises(AssertionError):
+        assert_q_read_once(counts, q)
+    assert counts.device_bytes_read_by_index[0] == (1 + 32 * 5) * q.numel() * 2
+
+
+def test_planted_missing_barrier_after_staging_q_is_a_race(tmp_path, monkeypatch):
+    """Without the simdgroup_barrier between the lanes' Q stores and matmul2d's reads of them, the
+    instrumented build reports a threadgroup-memory race (lanes run as independent fibers)."""
+    barrier = "  simdgroup_barrier(mem_flags::mem_threadgroup);  // Q written before"
+    _planted_library(tmp_path, monkeypatch, barrier, "  // (planted: no barrier) Q written before")
+    q, k, v = make_qkv(1, 2, 1, 17, 33, 64, torch.float16, generator=torch.Generator().manual_seed(72))
+    with pytest.raises(EmulatorError) as info:
+        emulated_metal_attention(q, k, v, False, None, "tensor_ops", instrumented=True, mpp_layout="m5")
+    assert "race" in info.value.kinds
 
 
 @pytest.mark.parametrize("seed", [2, 3])

@@ -85,7 +85,7 @@ def test_a_pipeline_below_the_declared_n_fails(cold_builds, emu):
     # backward kernels. (all_metal_launches plans each kernel at its largest threadgroup; the check
     # compares with N too, so it holds if that ever changes.)
     failed = _value(cold_builds["below_n"])
-    decode = {k for k in emu.kernel_names()
+    decode = {k for k in emu.source_kernel_names()
               if k.startswith(("flash_decode_", "flash_decode_split_", "flash_attention_prefill_",
                                "flash_backward_")) and not k.startswith("flash_decode_merge_")}
     assert all(emu.max_threads(k) == 256 for k in decode)

@@ -394,7 +394,8 @@ def test_inlined_shaders_are_one_complete_source(inliner):
 def test_inlined_shaders_compile_in_the_emulator(inliner, tmp_path):
     # The installed copy is what library.mm reads (next to the _C extension).
     import flash_metal
-    from metal_emulator import compile_library, preprocessed
+    from metal_emulator import preprocessed
+    from shader_builds import shipped_library
 
     installed = os.path.join(os.path.dirname(os.path.abspath(flash_metal.__file__)), "shaders", "attention.metal")
     assert os.path.exists(installed), "pip install . did not ship shaders/attention.metal"
@@ -407,7 +408,7 @@ def test_inlined_shaders_compile_in_the_emulator(inliner, tmp_path):
     # program, so the emulator's build of the shipped shaders stands for it
     # (a second full build of the inlined file cost minutes of CI).
     assert preprocessed(str(single)) == preprocessed(SHADER)
-    assert compile_library([SHADER], instrumented=False).kernel_names()
+    assert shipped_library().kernel_names()
 
 
 def test_inliner_includes_each_file_once_and_keeps_line_numbers(inliner, clang, tmp_path):

@@ -232,17 +232,23 @@ void pack_v(const T* v, int64_t row_stride, int64_t dim_stride, int64_t nk, int6
   float row[kMaxHeadDim + kTileCols];
   for (int64_t j = 0; j < nk; ++j) {
     const T* src = v + j * row_stride;
-    const float* from = row;
-    if (std::is_same<T, float>::value && dim_stride == 1 && D == Dp) {
-      from = reinterpret_cast<const float*>(src);  // no staging copy needed
-    } else {
-      convert_row(src, dim_stride, D, row);
-      for (int64_t d = D; d < Dp; ++d) row[d] = 0.0f;
+    if (dim_stride == 1 && D == Dp) {
+      // Contiguous row of whole vectors: convert straight into the panels.
+      // A staging row cost a second pass: pack_v<BFloat16> was 4.9% of the
+      // bfloat16 forward's samples (perf, 1 x 2 x 3072 x 128, one thread).
+      for (int64_t c = 0; c < Dp; c += kTileCols) {
+        const int64_t w = std::min<int64_t>(kTileCols, Dp - c);
+        float* out = dst + c * nk + j * w;
+        for (int64_t x = 0; x < w; x += kW) load_convert(src + c + x).store(out + x);
+      }
+      continue;
     }
+    convert_row(src, dim_stride, D, row);  // strided or padded: through a zero-padded staging row
+    for (int64_t d = D; d < Dp; ++d) row[d] = 0.0f;
     for (int64_t c = 0; c < Dp; c += kTileCols) {
       const int64_t w = std::min<int64_t>(kTileCols, Dp - c);
       float* out = dst + c * nk + j * w;
-      for (int64_t x = 0; x < w; x += kW) Vec::load(from + c + x).store(out + x);
+      for (int64_t x = 0; x < w; x += kW) Vec::load(row + c + x).store(out + x);
     }
   }
 }

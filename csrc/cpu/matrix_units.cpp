@@ -11,6 +11,7 @@
 
 #include <atomic>
 #include <cstdlib>
+#include <cstring>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -86,52 +87,78 @@ bool brgemm_compiled() {
 #endif
 }
 
+// Whether ATen can pack this 16-bit dtype for the matrix units: asked once
+// per dtype (the CPU does not change under a running process).
+static bool packable_16(at::ScalarType dtype) {
+#ifdef FLASH_METAL_HAS_BRGEMM
+  static const bool bf16 = at::native::cpublas::could_pack(at::kBFloat16);
+  static const bool f16 = at::native::cpublas::could_pack(at::kHalf);
+  return dtype == at::kBFloat16 ? bf16 : dtype == at::kHalf ? f16 : false;
+#else
+  (void)dtype;
+  return false;
+#endif
+}
+
 PathChoice choose_cpu_path(at::ScalarType dtype, bool backward) {
+  // Read at every call (tests and benchmarks switch it between calls), but
+  // with plain C-string compares: no allocation on the kernels' hot path.
   const char* env = std::getenv("FLASH_METAL_CPU_PATH");
-  const std::string want = env == nullptr || *env == '\0' ? "auto" : env;
-  TORCH_CHECK_VALUE(want == "auto" || want == "vector" || want == "brgemm", "FLASH_METAL_CPU_PATH='", want,
+  const bool is_auto = env == nullptr || *env == '\0' || std::strcmp(env, "auto") == 0;
+  const bool is_vector = !is_auto && std::strcmp(env, "vector") == 0;
+  const bool is_brgemm = !is_auto && std::strcmp(env, "brgemm") == 0;
+  TORCH_CHECK_VALUE(is_auto || is_vector || is_brgemm, "FLASH_METAL_CPU_PATH='", env,
                     "' is not a CPU path; allowed: 'auto' (default), 'vector' or 'brgemm'");
-  const std::string what = std::string(backward ? "backward" : "forward") + " " + dtype_name(dtype);
   PathChoice pc;
   const bool sixteen = dtype == at::kBFloat16 || dtype == at::kHalf;
-  bool packable = false;
-#ifdef FLASH_METAL_HAS_BRGEMM
-  if (sixteen) packable = at::native::cpublas::could_pack(dtype);
-#endif
-  if (want == "vector") {
-    pc.reason = what + ": vector (float32 FMA tiles), forced by FLASH_METAL_CPU_PATH=vector";
-    return pc;
-  }
-  if (want == "brgemm") {
+  const bool packable = sixteen && packable_16(dtype);
+  if (is_vector) {
+    pc.why = PathWhy::ForcedVector;
+  } else if (is_brgemm) {
     if (!sixteen) {
-      pc.reason = what + ": vector; FLASH_METAL_CPU_PATH=brgemm covers 16-bit dtypes only, float32 keeps its FMA tiles";
+      pc.why = PathWhy::ForcedBrgemmFloat32;
       return pc;
     }
     TORCH_CHECK(brgemm_compiled(), "FLASH_METAL_CPU_PATH=brgemm: this torch has no at::native::cpublas::brgemm for 16-bit inputs (torch >= 2.6 has); use 'auto' or 'vector'");
     pc.path = CpuPath::Brgemm;
     pc.vnni = packable && !backward;
-    pc.reason = what + ": brgemm, forced by FLASH_METAL_CPU_PATH=brgemm; " +
-                (pc.vnni ? "VNNI-packed B on the matrix units (AMX)"
-                         : backward ? "non-VNNI brgemm calls (the backward does not pack for AMX yet)"
-                                    : "ATen's non-VNNI fallback (no AMX for this dtype here)");
-    return pc;
-  }
-  if (backward && sixteen) {  // the backward's brgemm products have no VNNI packing yet (issue 22 step 3)
-    pc.reason = what + ": vector (auto: the backward's brgemm path runs without VNNI packing, so not on AMX; "
-                "FLASH_METAL_CPU_PATH=brgemm forces it)";
-    return pc;
-  }
-  if (sixteen && packable) {
+    pc.why = PathWhy::ForcedBrgemm;
+  } else if (backward && sixteen) {  // the backward's brgemm products have no VNNI packing yet (issue 22 step 3)
+    pc.why = PathWhy::AutoBackward16;
+  } else if (packable) {
     pc.path = CpuPath::Brgemm;
     pc.vnni = true;
-    pc.reason = what + ": brgemm on the matrix units (auto: ATen can pack " + dtype_name(dtype) + " for AMX here)";
-  } else if (sixteen) {
-    pc.reason = what + ": vector (auto: no AMX for " + dtype_name(dtype) +
-                " here, and ATen's non-AMX brgemm does not beat the FMA tiles)";
+    pc.why = PathWhy::AutoMatrixUnits;
   } else {
-    pc.reason = what + ": vector (auto: float32 always runs the FMA tiles)";
+    pc.why = sixteen ? PathWhy::AutoNoMatrixUnits : PathWhy::AutoFloat32;
   }
   return pc;
+}
+
+std::string describe_cpu_path(const PathChoice& pc, at::ScalarType dtype, bool backward) {
+  const std::string what = std::string(backward ? "backward" : "forward") + " " + dtype_name(dtype);
+  switch (pc.why) {
+    case PathWhy::ForcedVector:
+      return what + ": vector (float32 FMA tiles), forced by FLASH_METAL_CPU_PATH=vector";
+    case PathWhy::ForcedBrgemmFloat32:
+      return what + ": vector; FLASH_METAL_CPU_PATH=brgemm covers 16-bit dtypes only, float32 keeps its FMA tiles";
+    case PathWhy::ForcedBrgemm:
+      return what + ": brgemm, forced by FLASH_METAL_CPU_PATH=brgemm; " +
+             (pc.vnni ? "VNNI-packed B on the matrix units (AMX)"
+                      : backward ? "non-VNNI brgemm calls (the backward does not pack for AMX yet)"
+                                 : "ATen's non-VNNI fallback (no AMX for this dtype here)");
+    case PathWhy::AutoBackward16:
+      return what + ": vector (auto: the backward's brgemm path runs without VNNI packing, so not on AMX; "
+                    "FLASH_METAL_CPU_PATH=brgemm forces it)";
+    case PathWhy::AutoMatrixUnits:
+      return what + ": brgemm on the matrix units (auto: ATen can pack " + dtype_name(dtype) + " for AMX here)";
+    case PathWhy::AutoNoMatrixUnits:
+      return what + ": vector (auto: no AMX for " + dtype_name(dtype) +
+             " here, and ATen's non-AMX brgemm does not beat the FMA tiles)";
+    case PathWhy::AutoFloat32:
+      return what + ": vector (auto: float32 always runs the FMA tiles)";
+  }
+  return what;
 }
 
 void count_cpu_path(CpuPath path, bool backward) { ++g_counts[(backward ? 2 : 0) + static_cast<int>(path)]; }
@@ -179,7 +206,7 @@ std::tuple<std::string, std::string, bool> cpu_path_info(at::ScalarType dtype, b
   TORCH_CHECK_VALUE(dtype == at::kFloat || dtype == at::kHalf || dtype == at::kBFloat16,
                     "flash_metal.cpu_path_info: dtype must be float32, float16 or bfloat16; got ", dtype);
   const PathChoice pc = choose_cpu_path(dtype, backward);
-  return {pc.path == CpuPath::Brgemm ? "brgemm" : "vector", pc.reason, pc.vnni};
+  return {pc.path == CpuPath::Brgemm ? "brgemm" : "vector", describe_cpu_path(pc, dtype, backward), pc.vnni};
 }
 
 std::vector<int64_t> cpu_path_counts() {
@@ -192,11 +219,7 @@ std::vector<int64_t> cpu_path_counts() {
 // whether ATen can pack bfloat16 / float16 for the matrix units.
 std::tuple<std::vector<std::string>, std::vector<int64_t>> cpu_features_op() {
   const CpuFeatures& f = cpu_features();
-  bool pack_bf16 = false, pack_f16 = false;
-#ifdef FLASH_METAL_HAS_BRGEMM
-  pack_bf16 = at::native::cpublas::could_pack(at::kBFloat16);
-  pack_f16 = at::native::cpublas::could_pack(at::kHalf);
-#endif
+  const bool pack_bf16 = packable_16(at::kBFloat16), pack_f16 = packable_16(at::kHalf);
   return {{"avx2", "fma", "avx512f", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16", "amx_fp16",
            "torch_brgemm", "could_pack_bf16", "could_pack_f16"},
           {f.avx2, f.fma, f.avx512f, f.avx512_bf16, f.avx512_fp16, f.amx_tile, f.amx_bf16, f.amx_fp16,

@@ -37,15 +37,31 @@ namespace cpu {
 
 enum class CpuPath { Vector = 0, Brgemm = 1 };
 
-struct PathChoice {
-  CpuPath path = CpuPath::Vector;
-  bool vnni = false;   // brgemm with pair-interleaved B operands (matrix units)
-  std::string reason;  // why, for cpu_path_info / explain
+// Why a path was chosen: a code, so that choosing costs no allocation on
+// every kernel call; the sentence is built only when introspection asks
+// (describe_cpu_path, for cpu_path_info / explain).
+enum class PathWhy : uint8_t {
+  ForcedVector,         // FLASH_METAL_CPU_PATH=vector
+  ForcedBrgemmFloat32,  // =brgemm on float32: vector (the path is for 16-bit tiles)
+  ForcedBrgemm,         // =brgemm on a 16-bit dtype
+  AutoBackward16,       // auto, backward, 16-bit: vector (no VNNI packing in the backward yet)
+  AutoMatrixUnits,      // auto, forward, 16-bit, ATen can pack for AMX: brgemm
+  AutoNoMatrixUnits,    // auto, 16-bit, no AMX for the dtype: vector
+  AutoFloat32,          // auto, float32: vector
 };
 
-// The path a call of this dtype takes now (reads FLASH_METAL_CPU_PATH).
+struct PathChoice {
+  CpuPath path = CpuPath::Vector;
+  bool vnni = false;  // brgemm with pair-interleaved B operands (matrix units)
+  PathWhy why = PathWhy::AutoFloat32;
+};
+
+// The path a call of this dtype takes now (reads FLASH_METAL_CPU_PATH; no
+// allocation unless the variable holds a bad value, which is an error).
 // backward: the backward's products (same rule; named in the reason).
 PathChoice choose_cpu_path(at::ScalarType dtype, bool backward);
+// The reason of a choice as a sentence, e.g. "forward bfloat16: vector (auto: ...)".
+std::string describe_cpu_path(const PathChoice& pc, at::ScalarType dtype, bool backward);
 
 // Counts one call of a kernel on `path` (forward or backward), for tests.
 void count_cpu_path(CpuPath path, bool backward);

@@ -19,6 +19,7 @@ import re
 from concurrent.futures import ThreadPoolExecutor
 
 from . import _build
+from ._library import filter_flags
 
 # One function definition: its mangled name and its body.
 _DEFINE = re.compile(r"^define [^\n]*?@([\w.$]+)\((?:[^\n]*)\{\n(.*?)^\}", re.S | re.M)
@@ -44,14 +45,15 @@ def _kernels(ir: str):
         yield strings[host_ref], bodies[fn], strings
 
 
-def _per_kernel(paths, tag: str, measure) -> dict:
+def _per_kernel(paths, tag: str, measure, only=None, exclude=None) -> dict:
     """{kernel host name: measure(body, strings)} for every kernel in the .metal files, each compiled
     exactly as the fast build compiles it (same pre-pass, shim and -O2 flags), stopped at LLVM IR.
-    Cached on disk like the libraries, under `tag` (one per measure)."""
+    Cached on disk like the libraries, under `tag` (one per measure). only / exclude: the kernels
+    measured, as compile_library's partial libraries choose them."""
     if isinstance(paths, str):
         paths = [paths]
     paths = [os.path.abspath(p) for p in paths]
-    flags = _build.kernel_flags(instrumented=False)
+    flags = _build.kernel_flags(instrumented=False) + filter_flags(only, exclude)
     final = os.path.join(_build.CACHE_DIR, tag + "-" + _build.source_key(paths, "emit-llvm", *flags))
 
     def build(tmp: str) -> None:
@@ -76,13 +78,14 @@ def _per_kernel(paths, tag: str, measure) -> dict:
         return json.load(f)
 
 
-def private_arrays(paths) -> dict[str, list[str]]:
-    """{kernel host name: array types it keeps in memory}, for every kernel in the .metal files.
+def private_arrays(paths, only=None, exclude=None) -> dict[str, list[str]]:
+    """{kernel host name: array types it keeps in memory}, for every kernel in the .metal files
+    (only / exclude: those compile_library's partial library of the same patterns holds).
 
     An empty list means every private array of that kernel was split into
     scalars (eligible for registers).
     """
-    return _per_kernel(paths, "ir", lambda body, _: _ARRAY_ALLOCA.findall(body))
+    return _per_kernel(paths, "ir", lambda body, _: _ARRAY_ALLOCA.findall(body), only, exclude)
 
 
 # Instructions that cost an Apple GPU dearly in a loader's inner loop: a 64-bit

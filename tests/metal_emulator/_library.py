@@ -226,7 +226,8 @@ class Library:
         self._lib = ctypes.CDLL(so_path)
         self._lock = threading.Lock()
         lib = self._lib
-        for name in ("fm_kernel_host_name", "fm_kernel_expr", "fm_kernel_file", "fm_function_constant_name", "fm_last_reports"):
+        for name in ("fm_kernel_host_name", "fm_kernel_expr", "fm_kernel_file", "fm_function_constant_name", "fm_last_reports",
+                     "fm_omitted_kernel_host_name", "fm_omitted_kernel_expr"):
             getattr(lib, name).restype = ctypes.c_char_p
         lib.fm_set_function_constant.argtypes = [ctypes.c_int, ctypes.c_double]
         lib.fm_dispatch.argtypes = [ctypes.POINTER(_DispatchDesc)]
@@ -240,27 +241,53 @@ class Library:
             if host in self._kernels:
                 raise EmulatorError(f"two kernels share the host name {host!r}")
             self._kernels[host] = (i, _registry.match(expr, decls))
+        # Kernels of the source a partial build left out (compile_library's only / exclude): their
+        # declarations (signature, max threads) but nothing to run.
+        self._omitted: dict[str, _registry.KernelDecl] = {}
+        for i in range(lib.fm_num_omitted_kernels()):
+            host = lib.fm_omitted_kernel_host_name(i).decode()
+            if host in self._kernels or host in self._omitted:
+                raise EmulatorError(f"two kernels share the host name {host!r}")
+            self._omitted[host] = _registry.match(lib.fm_omitted_kernel_expr(i).decode(), decls)
         self._fc_indices = {lib.fm_function_constant_index(i) for i in range(lib.fm_num_function_constants())}
         self.dispatched: set[str] = set()
 
     def kernel_names(self) -> list[str]:
-        """Every host name (instantiation) in the library, sorted."""
+        """Every host name (instantiation) in the library, sorted: the kernels it can run."""
         return sorted(self._kernels)
+
+    def omitted_names(self) -> list[str]:
+        """The host names of the source a partial build left out (compile_library's only / exclude),
+        sorted; [] for a whole library. signature() and max_threads() answer for them, dispatch() refuses."""
+        return sorted(self._omitted)
+
+    def source_kernel_names(self) -> list[str]:
+        """Every host name the source holds, built or left out, sorted: what a Metal compiler's library
+        of the same source would hold."""
+        return sorted([*self._kernels, *self._omitted])
 
     def dispatched_names(self) -> set[str]:
         return set(self.dispatched)
 
     def signature(self, name: str) -> list[_registry.Param]:
-        return list(self._kernel(name)[1].params)
+        """The kernel's parameters (a left-out kernel's too: omitted_names)."""
+        return list(self._decl(name).params)
 
     def max_threads(self, name: str) -> int:
-        """The kernel's [[max_total_threads_per_threadgroup(N)]], 0 when it declares none."""
-        return self._kernel(name)[1].max_threads
+        """The kernel's [[max_total_threads_per_threadgroup(N)]], 0 when it declares none (a left-out
+        kernel's too: omitted_names)."""
+        return self._decl(name).max_threads
+
+    def _decl(self, name: str) -> _registry.KernelDecl:
+        return self._omitted[name] if name in self._omitted else self._kernel(name)[1]
 
     def _kernel(self, name: str):
         try:
             return self._kernels[name]
         except KeyError:
+            if name in self._omitted:
+                raise EmulatorError(f"kernel {name!r} was left out of this partial library (compile_library's "
+                                    f"only / exclude); build one that holds it") from None
             raise EmulatorError(f"no kernel named {name!r}; the library has: {', '.join(self.kernel_names())}") from None
 
     def dispatch(self, name: str, buffers=None, bytes=None, function_constants=None, grid=(1, 1, 1),
@@ -392,7 +419,7 @@ _CACHE_LOCK = threading.Lock()
 
 
 def compile_library(paths, instrumented: bool = False, fast_math: bool = False, msl: int = 3,
-                    only=None) -> Library:
+                    only=None, exclude=None) -> Library:
     """Compile .metal files (unmodified) into an emulator library, cached on disk and per process.
 
     instrumented: the sanitizing -O1 build (else -O2). fast_math: compile the
@@ -403,18 +430,22 @@ def compile_library(paths, instrumented: bool = False, fast_math: bool = False, 
     only: None (every kernel) or glob patterns over host names ('*' matches
     any run of characters): a partial library holding only the kernels that
     match, built in a fraction of the time. Asking it for another kernel raises
-    EmulatorError naming what it holds.
+    EmulatorError naming what it holds. exclude: None or glob patterns of
+    kernels to leave out (applied after only): a default build can leave out
+    kernels that only a few tests run, and those tests build them alone.
+    A partial library still names the kernels it left out (omitted_names).
     """
     if isinstance(paths, str):
         paths = [paths]
     paths = [os.path.abspath(p) for p in paths]
     with _CACHE_LOCK:
-        only = _only_patterns(only)
-        key = (tuple(paths), bool(instrumented), bool(fast_math), msl, only)
+        only = _host_patterns(only, "only")
+        exclude = _host_patterns(exclude, "exclude")
+        key = (tuple(paths), bool(instrumented), bool(fast_math), msl, only, exclude)
         if key in _CACHE:
             return _CACHE[key]
         _build.common_flags(msl)  # validates msl
-        lib = _compile(paths, bool(instrumented), bool(fast_math), msl, only)
+        lib = _compile(paths, bool(instrumented), bool(fast_math), msl, only, exclude)
         _CACHE[key] = lib
         return lib
 
@@ -443,32 +474,41 @@ def _read_bytes(path: str) -> bytes:
 _HOST_NAME_PATTERN = re.compile(r"[A-Za-z0-9_*]+")
 
 
-def _only_patterns(only):
-    """only as a sorted tuple of validated glob patterns (None: every kernel)."""
-    if only is None:
+def _host_patterns(patterns, what: str):
+    """only= / exclude= as a sorted tuple of validated glob patterns (None: no filter)."""
+    if patterns is None:
         return None
-    if isinstance(only, str):
-        only = [only]
-    only = tuple(sorted(set(only)))
-    if not only:
-        raise EmulatorError("only= needs at least one host-name pattern (None builds every kernel)")
-    for p in only:
+    if isinstance(patterns, str):
+        patterns = [patterns]
+    patterns = tuple(sorted(set(patterns)))
+    if not patterns:
+        raise EmulatorError(f"{what}= needs at least one host-name pattern (None: no filter)")
+    for p in patterns:
         if not isinstance(p, str) or not _HOST_NAME_PATTERN.fullmatch(p):
-            raise EmulatorError(f"only= pattern {p!r}: letters, digits, '_' and '*' only")
-    return only
+            raise EmulatorError(f"{what}= pattern {p!r}: letters, digits, '_' and '*' only")
+    return patterns
 
 
-def _compile(paths: list[str], instrumented: bool, fast_math: bool, msl: int = 3, only=None) -> Library:
-    clang = _build.find_clang()
-    kflags = _build.kernel_flags(instrumented, fast_math, msl)
+def filter_flags(only=None, exclude=None) -> list[str]:
+    """The kernel compile's -D flags for a partial build (include/fm/kernel.h: FMEMU_ONLY, FMEMU_EXCEPT)."""
+    only, exclude = _host_patterns(only, "only"), _host_patterns(exclude, "exclude")
+    flags = []
     if only is not None:
-        kflags = kflags + ["-DFMEMU_ONLY=" + ",".join(f'"{p}"' for p in only)]
+        flags.append("-DFMEMU_ONLY=" + ",".join(f'"{p}"' for p in only))
+    if exclude is not None:
+        flags.append("-DFMEMU_EXCEPT=" + ",".join(f'"{p}"' for p in exclude))
+    return flags
+
+
+def _compile(paths: list[str], instrumented: bool, fast_math: bool, msl: int = 3, only=None, exclude=None) -> Library:
+    clang = _build.find_clang()
+    kflags = _build.kernel_flags(instrumented, fast_math, msl) + filter_flags(only, exclude)
     # kflags are part of the key, so each flavour has its own cache entry.
     key = _build.source_key(paths, *kflags, *_build.RUNTIME_FLAGS, *_build.link_flags(),
                             *(_read_bytes(os.path.join(_build.RUNTIME_DIR, s))
                               for s in _build.RUNTIME_SOURCES + _build.RUNTIME_HEADERS))
     flavour = (("inst-" if instrumented else "fast-") + ("fastmath-" if fast_math else "") + ("msl4-" if msl == 4 else "")
-               + ("part-" if only is not None else ""))
+               + ("part-" if only is not None or exclude is not None else ""))
     final = os.path.join(_build.CACHE_DIR, flavour + key)
 
     def build(tmp: str) -> None:

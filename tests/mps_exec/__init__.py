@@ -7,7 +7,7 @@ tensors. The fakes record every encoder call; replay() runs the recording
 in the Metal emulator, buffer for buffer, so the result is what a GPU would
 compute from exactly the bindings the host made.
 
-    host = load(package_dir(build(), tmp, kernel_names=emu_library.kernel_names()))  # once per process
+    host = load(package_dir(build(), tmp, kernel_names=emu_library.source_kernel_names()))  # once per process
     out, lse, recording, tensors = host.attention(q, k, v, causal, scale, impl, emu_library)
 """
 from __future__ import annotations
@@ -223,14 +223,15 @@ _SESSION: dict = {}
 
 def session_host(lib: str, emu_library, directory: str) -> Host:
     """The host loaded into this process once, from a package look-alike in `directory` with a fresh
-    fake metallib of emu_library's kernels. Later calls (from any test module) return the same Host,
+    fake metallib of emu_library's source's kernels (source_kernel_names: a metallib holds every kernel,
+    the ones a partial emulator build left out too). Later calls (from any test module) return the same Host,
     whatever they pass: a second copy of the library cannot load into the process (its op
     registrations would clash). The process's first op call, which loads the shader library, is kept
     as host.first_recording."""
     if "host" not in _SESSION:
         from numerics import make_qkv
 
-        h = load(package_dir(lib, directory, "fresh", emu_library.kernel_names()))
+        h = load(package_dir(lib, directory, "fresh", emu_library.source_kernel_names()))
         h.package = directory
         q, k, v = make_qkv(1, 2, 1, 5, 7, 16, torch.float32, generator=torch.Generator().manual_seed(0))
         h.first_recording, _ = h.run(q, k, v)

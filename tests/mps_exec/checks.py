@@ -229,7 +229,7 @@ def builds_all_pipelines(host, emu) -> None:
             rec = host.take_recording()
         assert rec["errors"] == [], rec["errors"]
         assert origin.startswith("the precompiled ") and set(n.rsplit("/", 1)[0] for n in built) == set(
-            emu.kernel_names()), origin
+            emu.source_kernel_names()), origin
         calls = [e["op"] for e in rec["events"] if e["op"] in ("MTLCopyAllDevices", "MTLCreateSystemDefaultDevice")]
         assert calls == ([source_call] if source_call else []), calls
 
@@ -248,7 +248,7 @@ def every_pipeline_built(host, emu) -> None:
     function constants) pair metal_build_all_pipelines names among them."""
     info = device_info(host, build_pipelines=True)
     assert info["pipeline_errors"] == [], info["pipeline_errors"]
-    assert {p["kernel"] for p in info["pipelines"]} == set(emu.kernel_names())
+    assert {p["kernel"] for p in info["pipelines"]} == set(emu.source_kernel_names())
     _, built = torch.ops.flash_metal.metal_build_all_pipelines()
     listed = {(p["kernel"], p["function_constants"]) for p in info["pipelines"]}
     missing = {tuple(b.rsplit("/", 1)) for b in built} - listed
@@ -263,7 +263,7 @@ def pipeline_errors_reported(host, emu, missing: str) -> None:
     assert errors == {missing}, info["pipeline_errors"]
     assert all("is not in the precompiled" in e["error"] for e in info["pipeline_errors"])
     built = {p["kernel"] for p in info["pipelines"]}
-    assert built == set(emu.kernel_names()) - {missing}, sorted(set(emu.kernel_names()) ^ built)
+    assert built == set(emu.source_kernel_names()) - {missing}, sorted(set(emu.source_kernel_names()) ^ built)
 
 
 # --- building every pipeline at once (issue 18, item 12) ------------------------------------------
@@ -294,7 +294,7 @@ def builds_pipelines_concurrently(host, emu, threads: int = 4) -> dict:
     assert applies[0]["iterations"] == len(built) and applies[0]["threads"] == min(threads, len(built)), applies
     compiled = _pairs(rec["events"])
     assert sorted(compiled) == sorted(built) and len(set(built)) == len(built)  # each built once
-    assert {b.rsplit("/", 1)[0] for b in built} == set(emu.kernel_names())
+    assert {b.rsplit("/", 1)[0] for b in built} == set(emu.source_kernel_names())
     most = max(e["concurrent"] for e in rec["events"] if e["op"] == "newComputePipelineState")
     if threads > 1:
         assert most > 1, f"{len(built)} pipelines built one at a time with {threads} dispatch_apply threads"

@@ -12,9 +12,11 @@ def built():
 
 @pytest.fixture(scope="session")
 def emu():
-    from metal_emulator import compile_library
+    """The emulator's default build of the shipped shaders (tests/shader_builds.py: the wide decode
+    left out but named, source_kernel_names)."""
+    from shader_builds import shipped_library
 
-    return compile_library([SHADER], instrumented=False)
+    return shipped_library(path=SHADER)
 
 
 @pytest.fixture(scope="session")

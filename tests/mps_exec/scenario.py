@@ -36,12 +36,14 @@ import torch  # noqa: E402
 
 import mps_exec  # noqa: E402
 from metal_emulator import compile_library, preprocessed  # noqa: E402
+from shader_builds import shipped_library  # noqa: E402
 from numerics import assert_attention_close, make_qkv  # noqa: E402
 
 
 def main(spec: dict) -> dict:
-    shipped = compile_library([mps_exec.SHADER], instrumented=False)
-    names = [n for n in shipped.kernel_names() if n != spec.get("drop_kernel")]
+    shipped = shipped_library(path=mps_exec.SHADER)
+    # The metallib's kernels: all of the source's, the ones the emulator's default build left out too.
+    names = [n for n in shipped.source_kernel_names() if n != spec.get("drop_kernel")]
     mpp_state = spec.get("mpp_metallib", "none")
     mpp = compile_library([mps_exec.MPP_SHADER], instrumented=False, msl=4) if mpp_state != "none" else None
     path = mps_exec.package_dir(spec["lib"], spec["dir"], spec.get("metallib", "fresh"), names,
@@ -53,7 +55,7 @@ def main(spec: dict) -> dict:
     if compile_mode == "emulator":
         # What the runtime compiler would find; checked below against the
         # emulator's compile of the source actually handed over.
-        host.set_runtime_compile(shipped.kernel_names())
+        host.set_runtime_compile(shipped.source_kernel_names())
     else:
         host.set_runtime_compile((), compile_mode.split(":", 1)[1])
     if "check" in spec:

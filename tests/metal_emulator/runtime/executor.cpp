@@ -15,6 +15,7 @@
 #include <cstdio>
 #include <cstring>
 #include <map>
+#include <utility>
 
 #include "internal.h"
 
@@ -34,6 +35,13 @@ Worker* tls_worker = nullptr;
 
 static std::vector<KernelEntry>& kernels() {
   static std::vector<KernelEntry> k;
+  return k;
+}
+// Registration sites a partial build left out (include/fm/kernel.h: host name
+// and expression only, the kernel never instantiated), so a library can name
+// what its source holds beyond what it built.
+static std::vector<std::pair<std::string, std::string>>& omitted_kernels() {
+  static std::vector<std::pair<std::string, std::string>> k;
   return k;
 }
 static std::vector<FunctionConstant>& function_constants() {
@@ -438,6 +446,9 @@ void fm_rt_register_kernel(const char* host_name, const char* expr, void* fn, fm
                            const char* file, int line) {
   kernels().push_back(KernelEntry{host_name, expr, file, line, fn, invoke, nparams});
 }
+void fm_rt_register_omitted_kernel(const char* host_name, const char* expr) {
+  omitted_kernels().emplace_back(host_name, expr);
+}
 void fm_rt_register_function_constant(int index, int type, void* value, bool* defined, const char* name) {
   function_constants().push_back(FunctionConstant{index, type, value, defined, name});
 }
@@ -494,6 +505,9 @@ FMEMU_EXPORT const char* fm_kernel_host_name(int i) { return kernels()[i].host.c
 FMEMU_EXPORT const char* fm_kernel_expr(int i) { return kernels()[i].expr.c_str(); }
 FMEMU_EXPORT const char* fm_kernel_file(int i) { return kernels()[i].file.c_str(); }
 FMEMU_EXPORT int fm_kernel_nparams(int i) { return kernels()[i].nparams; }
+FMEMU_EXPORT int fm_num_omitted_kernels() { return (int)omitted_kernels().size(); }
+FMEMU_EXPORT const char* fm_omitted_kernel_host_name(int i) { return omitted_kernels()[i].first.c_str(); }
+FMEMU_EXPORT const char* fm_omitted_kernel_expr(int i) { return omitted_kernels()[i].second.c_str(); }
 FMEMU_EXPORT int fm_num_function_constants() { return (int)function_constants().size(); }
 FMEMU_EXPORT int fm_function_constant_index(int i) { return function_constants()[i].index; }
 FMEMU_EXPORT int fm_function_constant_type(int i) { return function_constants()[i].type; }

@@ -4,7 +4,7 @@
 // keeps the clang AST dump that the registry scan reads small).
 #pragma once
 
-#define FMEMU_ABI_VERSION 3
+#define FMEMU_ABI_VERSION 4
 
 // Bytes one lane may contribute to a SIMD collective. 64 covers the widest
 // operand we support (a 16-element float vector) and the three 2-element
@@ -73,6 +73,9 @@ extern "C" {
 // Registration (static initializers of the kernel TU).
 void fm_rt_register_kernel(const char* host_name, const char* expr, void* fn, fm_invoker invoke, int nparams,
                            const char* file, int line);
+// A registration site a partial build filtered out (FMEMU_ONLY / FMEMU_EXCEPT):
+// its name and expression, nothing instantiated.
+void fm_rt_register_omitted_kernel(const char* host_name, const char* expr);
 void fm_rt_register_function_constant(int index, int type_code, void* value, bool* defined, const char* name);
 
 // Synchronisation. kind: 0 = threadgroup_barrier, 1 = simdgroup_barrier.

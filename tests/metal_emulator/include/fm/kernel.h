@@ -50,9 +50,14 @@ struct kernel_registrar {
 }  // namespace fmemu
 
 // A partial build: compile_library(only=...) passes -DFMEMU_ONLY="p1","p2",...,
-// glob patterns ('*' matches any run of characters) over host names; a
-// registration site whose host name matches none is never instantiated, so a
-// test needing a few kernels of a big library does not compile the rest.
+// and compile_library(exclude=...) -DFMEMU_EXCEPT="p1",..., glob patterns ('*'
+// matches any run of characters) over host names. A registration site is
+// built when its host name matches some FMEMU_ONLY pattern (or there is none)
+// and no FMEMU_EXCEPT pattern; any other site is never instantiated, so a test
+// needing a few kernels of a big library does not compile the rest, and a
+// default build can leave out kernels only a few tests run. A left-out site
+// still registers its host name and expression (fm_rt_register_omitted_kernel:
+// strings only), so the library can name every kernel its source holds.
 namespace fmemu {
 constexpr bool glob_match(const char* p, const char* s) {
   // Iterative '*' matching with one backtrack point (linear for our patterns).
@@ -77,14 +82,31 @@ constexpr bool glob_match(const char* p, const char* s) {
 }
 #ifdef FMEMU_ONLY
 constexpr const char* only_patterns[] = {FMEMU_ONLY};
-constexpr bool wanted(const char* host_name) {
+constexpr bool in_only(const char* host_name) {
   for (const char* p : only_patterns)
     if (glob_match(p, host_name)) return true;
   return false;
 }
 #else
-constexpr bool wanted(const char*) { return true; }
+constexpr bool in_only(const char*) { return true; }
 #endif
+#ifdef FMEMU_EXCEPT
+constexpr const char* except_patterns[] = {FMEMU_EXCEPT};
+constexpr bool in_except(const char* host_name) {
+  for (const char* p : except_patterns)
+    if (glob_match(p, host_name)) return true;
+  return false;
+}
+#else
+constexpr bool in_except(const char*) { return false; }
+#endif
+constexpr bool wanted(const char* host_name) { return in_only(host_name) && !in_except(host_name); }
+// A registration site's part in this translation unit: not its shard's
+// (nothing), built, or left out by the filters (its name only).
+enum site_mode : int { site_elsewhere = 0, site_built = 1, site_omitted = 2 };
+constexpr int site_mode_of(bool mine, const char* host_name) {
+  return !mine ? site_elsewhere : wanted(host_name) ? site_built : site_omitted;
+}
 }  // namespace fmemu
 
 #define FMEMU_CAT2(a, b) a##b
@@ -117,17 +139,25 @@ constexpr bool wanted(const char*) { return true; }
 #define FMEMU_REGISTER_KERNEL(host_name, ...) FMEMU_REGISTER_AT(__COUNTER__, host_name, __VA_ARGS__)
 #define FMEMU_REGISTER_AT(n, host_name, ...) FMEMU_REGISTER_AT2(n, host_name, __VA_ARGS__)
 #define FMEMU_REGISTER_AT2(n, host_name, ...)                                                              \
-  template <class FMEMU_T, bool FMEMU_MINE>                                                               \
+  template <class FMEMU_T, int FMEMU_MODE>                                                                \
   struct FMEMU_CAT(fm_kernel_site_, n) {                                                                  \
     static int add() { return 0; }                                                                        \
   };                                                                                                      \
   template <class FMEMU_T>                                                                                \
-  struct FMEMU_CAT(fm_kernel_site_, n)<FMEMU_T, true> {                                                   \
+  struct FMEMU_CAT(fm_kernel_site_, n)<FMEMU_T, ::fmemu::site_built> {                                    \
     static int add() {                                                                                    \
       static ::fmemu::kernel_registrar r(host_name, #__VA_ARGS__, &__VA_ARGS__, __FILE__, __LINE__);      \
       return 1;                                                                                           \
     }                                                                                                     \
   };                                                                                                      \
+  template <class FMEMU_T>                                                                                \
+  struct FMEMU_CAT(fm_kernel_site_, n)<FMEMU_T, ::fmemu::site_omitted> {                                  \
+    static int add() {                                                                                    \
+      fm_rt_register_omitted_kernel(host_name, #__VA_ARGS__);                                             \
+      return 2;                                                                                           \
+    }                                                                                                     \
+  };                                                                                                      \
   static const int FMEMU_CAT(fm_kernel_registrar_, n) =                                                   \
-      FMEMU_CAT(fm_kernel_site_, n)<void, (n) % FMEMU_SHARDS == FMEMU_SHARD && ::fmemu::wanted(host_name)>::add();
+      FMEMU_CAT(fm_kernel_site_, n)<void, ::fmemu::site_mode_of((n) % FMEMU_SHARDS == FMEMU_SHARD,         \
+                                                                host_name)>::add();
 #endif
