@@ -20,6 +20,7 @@ without the GQA group's heads packed into each threadgroup's rows, on the
 same cache in the same run; the K/V bytes follow the threadgroup count,
 ceil(Nq * G / BQ) * Hkv against ceil(Nq / BQ) * Hq (G times fewer for a
 chunk of Nq * G <= BQ rows, about the same for long causal prefills).
+The planner packs only where one head's rows fill at most half a block.
 What the time model does not see: each tile's address waits on its table
 entry (a dependent load per key block, or per page entered); "stall bound"
 prices each at one DRAM latency, serially and unhidden (a pessimistic upper
@@ -131,28 +132,35 @@ def varlen_rows(quick: bool):
 
 
 def pack_rows(quick: bool):
-    """The paged prefill packed (the planner's plan) and unpacked (the same
-    kernel with fc_pack_gqa false on the (ceil(Nq / BQ), Hq, B) grid:
-    tests/test_metal_prefill_pack_gqa.unpacked_plan), causal, 16-key pages,
-    Hq 8, Hkv 2 (G = 4), D 64, float16, 256 keys, impl='prefill' (so an
-    8-row chunk runs it too): the emulator's DRAM K/V bytes of each and the
-    predicted times (a prediction, not a measurement)."""
+    """The paged prefill with and without the GQA group's heads packed, on
+    the same cache in the same run: causal, 16-key pages, a batch that fills
+    the GPU (8 sequences of 1024 keys, Hq 32, Hkv 8: G = 4), D 64, float16,
+    impl='prefill'. Packed is the planner's plan where it packs (2 * Nq <= BQ)
+    and forced elsewhere (tests/test_metal_prefill_pack_gqa.packed_plan);
+    unpacked is the same kernel with fc_pack_gqa false on the (ceil(Nq / BQ),
+    Hq, B) grid (unpacked_plan). The emulator's DRAM K/V bytes of each and the
+    predicted times (a prediction, not a measurement). The routing rule in
+    csrc/metal_routing.cpp (prefill_pack_gqa) quotes this table."""
     import test_metal_decode_paged as P
-    from test_metal_prefill_pack_gqa import run_plan, unpacked_plan
+    from test_metal_prefill_pack_gqa import packed_plan, run_plan, unpacked_plan
 
-    dtype, hq, hkv, d, page, nk = torch.float16, 8, 2, 64, 16, 256
-    gpus = [G.BY_NAME[n] for n in (("M3 Max",) if quick else ("M3 Max", G.POST_GPU))]
+    dtype, b, hq, hkv, d, page, nk = torch.float16, 8, 32, 8, 64, 16, 1024
+    if quick:
+        b, nk = 2, 256
+    gpus = [G.BY_NAME[n] for n in (("M3 Max",) if quick else ("M1 Max", "M3 Max", "M4 Pro", G.POST_GPU))]
     out = []
-    for nq in ((8, 40) if quick else (8, 16, 40, 256)):
+    for nq in ((12, 40) if quick else (12, 16, 24, 40)):
         g = torch.Generator().manual_seed(nq)
-        k_cache, v_cache, table, _, _ = P.make_paged_cache(1, hkv, d, dtype, page, [nk], g, 0, 0)
-        q = torch.randn(1, hq, nq, d, generator=g).to(dtype)
-        lengths = torch.tensor([nk], dtype=torch.int32)
+        k_cache, v_cache, table, _, _ = P.make_paged_cache(b, hkv, d, dtype, page, [nk] * b, g, 0, 0)
+        q = torch.randn(b, hq, nq, d, generator=g).to(dtype)
+        lengths = torch.full((b,), nk, dtype=torch.int32)
         plan = flash_metal.explain(q, k_cache, v_cache, True, None, "prefill", block_table=table,
                                    cache_seqlens=lengths)
-        s = M.Shape(1, hq, hkv, nq, nk, d)
+        routed = bool(plan.dispatches[0].function_constants[13])
+        base = unpacked_plan(plan, hq, nq) if routed else plan
+        s = M.Shape(b, hq, hkv, nq, nk, d)
         recs = {}
-        for name, pl in (("packed", plan), ("unpacked", unpacked_plan(plan, hq, nq))):
+        for name, pl in (("packed", packed_plan(base, hq, hkv, nq)), ("unpacked", base)):
             o, _, counts = run_plan(pl, q, k_cache, v_cache, table, lengths)
             if not bool(torch.isfinite(o).all()):
                 raise AssertionError("the prefill left NaN in the output")
@@ -163,7 +171,7 @@ def pack_rows(quick: bool):
         for gpu in gpus:
             t_p = T.predict_band(recs["packed"], gpu, s, dtype, True)[1]
             t_u = T.predict_band(recs["unpacked"], gpu, s, dtype, True)[1]
-            out.append(dict(gpu=gpu.name, nq=nq, packed_tgs=math.prod(recs["packed"][0].grid),
+            out.append(dict(gpu=gpu.name, nq=nq, routed=routed, packed_tgs=math.prod(recs["packed"][0].grid),
                             unpacked_tgs=math.prod(recs["unpacked"][0].grid), packed_kv=kv["packed"],
                             unpacked_kv=kv["unpacked"], packed_ms=t_p * 1e3, unpacked_ms=t_u * 1e3))
     return out
@@ -189,13 +197,14 @@ def main(argv=None) -> int:
         print(f"{r['gpu']:<16}{r['contig_ms']:>11.4f}{r['gather_ms']:>11.4f}{r['paged_ms']:>10.4f}"
               f"{r['paged_over_gather_then_varlen']:>7.3f}{r['table_bytes']:>9}  {r['kv_bytes_equal']}  "
               f"(q {r['q_lens']}, keys {r['k_lens']})")
-    print("Pack GQA (fc_pack_gqa) in the paged prefill, causal, Hq 8, Hkv 2, D 64, float16, 256 keys in 16-key "
-          "pages: packed against unpacked, same cache, same run (K/V: the emulator's DRAM bytes, exact):")
-    print(f"{'gpu':<16}{'Nq':>5}{'TGs':>9}{'K/V bytes':>21}{'ratio':>7}{'unpacked ms':>13}{'packed ms':>11}"
-          f"{'ratio':>7}")
+    print("Pack GQA (fc_pack_gqa) in the paged prefill, causal, B 8 x 1024 keys in 16-key pages (--quick: B 2 x "
+          "256), Hq 32, Hkv 8, D 64, float16: packed against unpacked, same cache, same run (K/V: the emulator's "
+          "DRAM bytes, exact; 'routed': the planner packs this Nq):")
+    print(f"{'gpu':<16}{'Nq':>5}{'routed':>7}{'TGs':>11}{'K/V bytes':>23}{'ratio':>7}{'unpacked ms':>13}"
+          f"{'packed ms':>11}{'ratio':>7}")
     for r in pack_rows(args.quick):
-        print(f"{r['gpu']:<16}{r['nq']:>5}{r['unpacked_tgs']:>4}->{r['packed_tgs']:<3}"
-              f"{r['unpacked_kv']:>10}->{r['packed_kv']:<9}{r['unpacked_kv'] / r['packed_kv']:>7.2f}"
+        print(f"{r['gpu']:<16}{r['nq']:>5}{'yes' if r['routed'] else 'no':>7}{r['unpacked_tgs']:>5}->{r['packed_tgs']:<4}"
+              f"{r['unpacked_kv']:>11}->{r['packed_kv']:<10}{r['unpacked_kv'] / r['packed_kv']:>7.2f}"
               f"{r['unpacked_ms']:>13.4f}{r['packed_ms']:>11.4f}{r['unpacked_ms'] / r['packed_ms']:>7.2f}")
     return 0
 

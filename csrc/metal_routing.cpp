@@ -348,7 +348,7 @@ std::string prefill_pages_note(const AttentionProblem& p, uint32_t block_k, bool
 // queries with Nq a multiple of block_q (the same number of threadgroups,
 // each reading all its keys; under causal masking the finer packed blocks
 // stop at their own last row, a little less). The products and the softmax
-// are the same per row. Routed only where the saving is G-fold (below); the
+// are the same per row. Routed only for short queries (below); the
 // kernel itself takes any Nq, and the tests run it packed at ragged Nq too.
 // Every prefill form can pack: contiguous, paged (attention_kvcache) and
 // varlen (packed queries, with or without a table): a sequence's packed rows
@@ -363,24 +363,28 @@ bool prefill_pack_gqa(const AttentionProblem& p, uint32_t block_q, std::string* 
   const int64_t rows = p.q_len * g;
   const int64_t packed = (rows + block_q - 1) / block_q * p.kv_heads;
   const int64_t unpacked = (p.q_len + block_q - 1) / block_q * p.q_heads;
-  // Why only when the whole group fits one block: every threadgroup reads each
-  // key its rows see once, so K/V traffic follows the threadgroup count. With
-  // Nq * G <= BQ a kv head's group is one threadgroup (K/V read once per group,
-  // G-fold less); past that packing saves only the last block's reads, and the
-  // Metal model predicts no gain and up to 7% slower where fuller threadgroups
-  // lengthen a grid smaller than the GPU (benchmarks/paged_prefill_model.py).
-  if (rows > block_q) {
-    *reason += "; GQA heads not packed (Nq * G = " + std::to_string(rows) + " rows exceed one block of " +
-               std::to_string(block_q) + ": packing would read K/V in " + std::to_string(packed) +
+  // Why only short queries (2 * Nq <= BQ: one head's rows fill at most half
+  // a block, so every unpacked threadgroup is at least half idle): every
+  // threadgroup reads each key its rows see once, so K/V traffic follows the
+  // threadgroup count, and filling the idle rows with the group's other heads
+  // cuts it. The Metal model, on a batch that fills the GPU (8 x 32(8) heads,
+  // Nk 1024, D 64, causal, f16), predicts packing 1.27-1.74x faster on M3 Max,
+  // M4 Pro and M5 at Nq 12-16 (M1 Max 1.00-1.32x), level at Nq 24 and 40, and
+  // 9% slower at Nq 40 on one sequence, where fuller threadgroups lengthen a
+  // grid smaller than the GPU (benchmarks/paged_prefill_model.py; a model,
+  // not a measurement).
+  if (2 * p.q_len > block_q) {
+    *reason += "; GQA heads not packed (Nq = " + std::to_string(p.q_len) + " fills more than half a block of " +
+               std::to_string(block_q) + " rows: packing would read K/V in " + std::to_string(packed) +
                " threadgroups instead of " + std::to_string(unpacked) +
-               ", and the Metal model predicts no gain, up to 7% slower on small grids; a model, not a measurement)";
+               ", and the Metal model predicts it level or slower there; a model, not a measurement)";
     return false;
   }
-  *reason += "; pack GQA (fc_pack_gqa): one threadgroup per (batch, kv head), its " + std::to_string(rows) +
-             " rows the " + G + " query heads of the kv head's group (packed row m: query row m / " + G +
-             " of head m % " + G + "), which share each K/V tile it loads: " + std::to_string(packed) +
+  *reason += "; pack GQA (fc_pack_gqa): one threadgroup per (batch, kv head, block of " + std::to_string(block_q) +
+             " packed rows), its rows the " + G + " query heads of the kv head's group (packed row m: query row m / " +
+             G + " of head m % " + G + "), which share each K/V tile it loads: " + std::to_string(packed) +
              " threadgroups per " + (p.varlen ? "sequence" : "batch") + " read the K/V they see instead of " +
-             std::to_string(unpacked) + ", each K/V byte once per group (Nq = " + std::to_string(p.q_len) +
+             std::to_string(unpacked) + " (Nq = " + std::to_string(p.q_len) +
              (p.varlen ? " = max_seqlen_q; each sequence's queries pack the same way)" : ")");
   return true;
 }

@@ -123,9 +123,23 @@ def test_host_matches_oracle(host, emu, layout, impl, dtype, causal, heads):
     assert kernels == [d.kernel_name for d in flash_metal.explain(q, k, v, causal, impl=impl).dispatches]
     if impl != "auto":
         assert kernels[0].startswith(f"flash_attention_{impl}_")
-    if kernels[0].startswith("flash_attention_prefill_"):  # GQA: the host sets fc_pack_gqa (13) from the plan
+    if kernels[0].startswith("flash_attention_prefill_"):  # Nq 63: GQA does not pack (fc_pack_gqa, 13, off)
         (state,) = [e for e in rec["events"] if e["op"] == "setComputePipelineState"]
-        assert state["constants"]["13"] == (hq != hkv), state["constants"]
+        assert state["constants"]["13"] in (False, 0), state["constants"]
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_host_runs_the_packed_gqa_prefill(host, emu, causal):
+    # A short chunk of GQA queries (Nq 12, G 2: 2 * Nq <= BQ) packs; the host sets fc_pack_gqa (13) from the plan
+    # and launches the packed grid (ceil(Nq * G / BQ), Hkv, B).
+    q, k, v = _inputs("contiguous", torch.float16, 4, 2, seed=12, shape=(2, 12, 65, 80))
+    out, lse, rec, _ = host.attention(q, k, v, causal, None, "auto", emu)
+    assert rec["errors"] == []
+    assert_attention_close(out, lse, q, k, v, causal)
+    (state,) = [e for e in rec["events"] if e["op"] == "setComputePipelineState"]
+    assert state["kernel"].startswith("flash_attention_prefill_") and state["constants"]["13"] in (True, 1), state
+    (d,) = flash_metal.explain(q, k, v, causal).dispatches
+    assert d.function_constants[13] and d.grid[1:] == (2, 2), d.grid
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
