@@ -34,8 +34,10 @@ METALLIB_HASH_NAME = "flash_metal.metallib.fnv1a64"
 MPP_METALLIB_NAME = "flash_metal_mpp.metallib"
 MPP_METALLIB_HASH_NAME = "flash_metal_mpp.metallib.fnv1a64"
 MPP_KERNEL_PREFIX = "flash_attention_prefill_mpp_"
+# The MSL 4 library's kernels: the forward's and the backward's (csrc/metal_plan.h, is_tensor_ops_kernel).
+MPP_KERNEL_PREFIXES = (MPP_KERNEL_PREFIX, "flash_backward_mpp_")
 # Constants the .mm sets that the MPP kernels do not declare (tests/backends.py's MPP_UNDECLARED_CONSTANTS).
-MPP_UNDECLARED_CONSTANTS = (1, 2, 3, 10)
+MPP_UNDECLARED_CONSTANTS = (1, 2, 10)
 # First line of a fake metallib (fake_runtime.h: kFakeMetallibMagic).
 FAKE_METALLIB_MAGIC = "flash_metal fake metallib v1"
 
@@ -323,7 +325,7 @@ def replay(recording: dict, library, mpp_library=None) -> list[str]:
                 grid, group = e["grid"], e["threadgroup"]
             constants = {int(i): v for i, v in pipeline["constants"].items()}
             target = library
-            if pipeline["kernel"].startswith(MPP_KERNEL_PREFIX):
+            if pipeline["kernel"].startswith(MPP_KERNEL_PREFIXES):
                 if mpp_library is None:
                     raise ReplayError(f"{pipeline['kernel']} is an MSL 4 kernel and no MSL 4 library was given")
                 target = mpp_library
