@@ -234,7 +234,7 @@ def test_library_holds_the_backward_instantiations():
 # ---- planted bugs -----------------------------------------------------------------------------------------
 
 
-def _planted_library(tmp_path, monkeypatch, old, new, kernel):
+def _planted_library(tmp_path, monkeypatch, old, new):
     """A copy of shaders/ with `old` (once in attention_backward_mpp.h) replaced by `new`; the float16 D = 64
     backward kernels alone in an instrumented partial library (`kernel` planted), which the backend runs."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -280,7 +280,7 @@ HARDCODED = """      const auto idx0 = s.get_multidimensional_index(i);
 
 def test_planted_hardcoded_lane_map_is_caught_under_scrambled(tmp_path, monkeypatch):
     old = "      const auto idx = s.get_multidimensional_index(i);  // [0] the key, [1] the row, within the block\n"
-    _planted_library(tmp_path, monkeypatch, old, HARDCODED, "dq")
+    _planted_library(tmp_path, monkeypatch, old, HARDCODED)
     case = _planted_case()
     assert not _caught(case, "m5")  # the map is M5's: right there
     assert _caught(case, "scrambled")
@@ -288,7 +288,7 @@ def test_planted_hardcoded_lane_map_is_caught_under_scrambled(tmp_path, monkeypa
 
 def test_planted_missing_barrier_before_the_dq_product_is_a_race(tmp_path, monkeypatch):
     barrier = "    simdgroup_barrier(mem_flags::mem_threadgroup);  // dS written before"
-    _planted_library(tmp_path, monkeypatch, barrier, "    // (planted: no barrier) dS written before", "dq")
+    _planted_library(tmp_path, monkeypatch, barrier, "    // (planted: no barrier) dS written before")
     q, k, v, out, lse, grad_out, gl = _planted_case()
     with pytest.raises(EmulatorError) as info:
         emulated_metal_attention_backward(grad_out, q, k, v, out, lse, True, impl="tensor_ops", instrumented=True,
@@ -301,6 +301,6 @@ def test_planted_stats_along_the_wrong_dimension_is_caught(tmp_path, monkeypatch
     # query's (idx[0]): a row quantity broadcast along the wrong dimension.
     old = "        threadgroup const float* st = stats + idx[0] * kMppStats;\n"
     new = "        threadgroup const float* st = stats + idx[1] * kMppStats;\n"
-    _planted_library(tmp_path, monkeypatch, old, new, "dkdv")
+    _planted_library(tmp_path, monkeypatch, old, new)
     case = _planted_case()
     assert _caught(case, "m5") and _caught(case, "scrambled")
