@@ -181,7 +181,7 @@ class Host:
         return self.to_cpu(tensors[3]), self.to_cpu(tensors[4]), rec, tensors
 
 
-    def run_backward(self, grad_out, q, k, v, out, lse, causal=False, scale=None, grad_lse=None):
+    def run_backward(self, grad_out, q, k, v, out, lse, causal=False, scale=None, grad_lse=None, impl="auto"):
         """Calls attention_backward on fake MPS copies (layouts kept), without replay.
 
         Returns (recording, (grad_q, grad_k, grad_v) as fake MPS tensors, the inputs as fake MPS tensors).
@@ -189,7 +189,7 @@ class Host:
         dev = [self.to_mps(t) for t in (grad_out, q, k, v, out, lse)]
         g = None if grad_lse is None else self.to_mps(grad_lse)
         self.take_recording()
-        grads = torch.ops.flash_metal.attention_backward(*dev, causal, scale, g)[:3]
+        grads = torch.ops.flash_metal.attention_backward(*dev, causal, scale, g, impl)[:3]
         return self.take_recording(), grads, (*dev, g)
 
     def backward(self, grad_out, q, k, v, out, lse, causal=False, scale=None, grad_lse=None, library=None):
