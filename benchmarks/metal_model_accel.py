@@ -175,11 +175,12 @@ def backward_on_hardware(records, dtype, d):
     """The tensor-op backward's counts with matmul2d's operands asked for once per run (on_hardware's rule).
     dQ kernel, per SIMD-group and key block, 3 runs: S = Q.K^T and dP = dO.V^T (Q, dO tiles from threadgroup
     memory; K, V blocks from device memory), dQ += dS.K (dS tile, K block). dK/dV kernel, per SIMD-group, query
-    head and query block, 4 runs: S^T = K.Q^T, dP^T = V.dO^T, dV += P^T.dO, dK += dS^T.Q (the K, V, P^T, dS^T
-    tiles from threadgroup memory; Q, dO blocks from device memory). The device operands are read by matmul2d
-    only (k, v in the dQ kernel; q, grad_out in the dK/dV kernel), so their read_ / req_ bytes are replaced;
-    the kernels' own loads and the dram_ bytes are kept. Every run's M x N x K is 16 x 32 x D, which the
-    emulator reads from the threadgroup operand element by element."""
+    head and query block, 4 runs: S^T = K.Q^T, dP^T = V.dO^T, dV += P^T.dO, dK += dS^T.Q (the SIMD-group's
+    16 rows of K and V and the Q, dO blocks from device memory; P^T and dS^T from threadgroup memory). The
+    device operands are read by matmul2d only (k, v in the dQ kernel; all four in the dK/dV kernel), so their
+    read_ / req_ bytes are replaced; the kernels' own loads and the dram_ bytes (the L1 rule) are kept. In
+    the dQ kernel every run's threadgroup operand is read by the emulator element by element (16 x 32 x D
+    elements per run); in the dK/dV kernel only dV's and dK's (P^T, dS^T)."""
     elem = torch.empty((), dtype=dtype).element_size()
     block = MPP_BWD_BLOCK * d * elem
     out = []
@@ -188,11 +189,16 @@ def backward_on_hardware(records, dtype, d):
         dkdv = "_dkdv_" in r.kernel
         runs = c["mpp_runs"]
         blocks = runs // (4 if dkdv else 3)
-        device = {"q": 2, "grad_out": 2} if dkdv else {"k": 2, "v": 1}  # operand blocks per streamed block
+        # Device operand bytes per streamed block: dQ: K twice (32 rows), V once; dK/dV: Q and dO twice (32
+        # rows), the SIMD-group's 16 rows of K and V once each.
+        rows16 = MPP_ROWS * d * elem
+        device = {"q": 2 * block, "grad_out": 2 * block, "k": rows16, "v": rows16} if dkdv \
+            else {"k": 2 * block, "v": block}
         for n, per in device.items():
-            c["read_" + n] = c["req_" + n] = blocks * per * block
-        tiles = 2 * MPP_ROWS * d + (2 if dkdv else 1) * MPP_ROWS * MPP_BWD_BLOCK
-        c["threadgroup_bytes_read"] += blocks * tiles * elem - runs * MPP_ROWS * MPP_BWD_BLOCK * d * elem
+            c["read_" + n] = c["req_" + n] = blocks * per
+        tg_runs = 2 if dkdv else 3  # runs with a threadgroup operand per block
+        tiles = 2 * MPP_ROWS * MPP_BWD_BLOCK if dkdv else 2 * MPP_ROWS * d + MPP_ROWS * MPP_BWD_BLOCK
+        c["threadgroup_bytes_read"] += (blocks * tiles - blocks * tg_runs * MPP_ROWS * MPP_BWD_BLOCK * d) * elem
         out.append(r._replace(counts=c))
     return out
 

@@ -41,10 +41,10 @@
 // each stages its own tiles in its own slice of threadgroup memory, so no
 // threadgroup barrier is needed, only simdgroup_barrier between the phases
 // that pass data through threadgroup memory (lane to lane). Threadgroup
-// memory per SIMD-group (csrc/metal_plan_detail.h, tensor_ops_backward_*_bytes):
+// memory per SIMD-group (csrc/metal_plan_detail.h, tensor_ops_backward_slice):
 //   dQ:    Q and dO (16 x D each, T), dS (16 x BK, T), 4 floats per row
-//   dK/dV: K and V (16 x D each, T), P^T and dS^T (16 x BQ each, T),
-//          4 floats per streamed query (m2, m2lo, Delta, seen)
+//   dK/dV: P^T and dS^T (16 x BQ each, T), 4 floats per streamed query
+//          (m2, m2lo, Delta, seen); K and V from device memory (see the kernel)
 // The host picks BQ (dQ) and BKV (dK/dV) as the most SIMD-groups (4, else 2)
 // whose slices fit Metal's 32 KiB.
 //
@@ -257,11 +257,16 @@ template <typename T, int D, int BKV, int BQ>
   constexpr int WM = BKV / R;
   static_assert(BKV % R == 0 && 32 * WM <= kPrefillMppMaxThreads, "WM SIMD-groups of 16 keys, declared limit");
   static_assert(BQ <= 32, "one lane per streamed query fills the stats");
-  // This SIMD-group's slice: K, V, P^T, dS^T, then the block's query stats.
-  constexpr int SLICE = 2 * R * D + 2 * R * BQ + BQ * kMppStats * 4 / int(sizeof(T));
-  threadgroup T* k_tile = smem + int(sg) * SLICE;
-  threadgroup T* v_tile = k_tile + R * D;
-  threadgroup T* pt_tile = v_tile + R * D;
+  // This SIMD-group's slice: P^T, dS^T, then the block's query stats. K and
+  // V are not staged: matmul2d reads the SIMD-group's 16 rows of each from
+  // device memory (the same rows every block, an L1 hit after the first),
+  // which keeps the slice at 2,560 bytes, so 4 SIMD-groups (64 keys) per
+  // threadgroup at every D, and 3 threadgroups per 32 KiB core: staged,
+  // D = 96 / 128 fit only 2 SIMD-groups and one threadgroup per core, and
+  // the model found the kernel bound by the Q / dO traffic that left
+  // (benchmarks/metal_model_accel.py).
+  constexpr int SLICE = 2 * R * BQ + BQ * kMppStats * 4 / int(sizeof(T));
+  threadgroup T* pt_tile = smem + int(sg) * SLICE;
   threadgroup T* dst_tile = pt_tile + R * BQ;
   threadgroup float* stats = reinterpret_cast<threadgroup float*>(dst_tile + R * BQ);
 
@@ -271,22 +276,12 @@ template <typename T, int D, int BKV, int BQ>
   const uint kv_head = group.y;
   const int64_t k_off = int64_t(group.z) * p.k_batch_stride + int64_t(kv_head) * p.k_head_stride;
   const int64_t v_off = int64_t(group.z) * p.v_batch_stride + int64_t(kv_head) * p.v_head_stride;
-  const int keys = min(R, seq.kv_len - key0);
-  {
-    device const T* k_rows = k + k_off + int64_t(key0) * p.k_row_stride;
-    device const T* v_rows = v + v_off + int64_t(key0) * p.v_row_stride;
-    const int ks = int(p.k_row_stride), kd = int(p.k_dim_stride);
-    const int vs = int(p.v_row_stride), vd = int(p.v_dim_stride);
-    for (int e = int(lane); e < R * D; e += 32) {
-      const int r = e / D, c = e - r * D;
-      k_tile[e] = r < keys ? k_rows[r * ks + c * kd] : static_cast<T>(0.0f);
-      v_tile[e] = r < keys ? v_rows[r * vs + c * vd] : static_cast<T>(0.0f);
-    }
-  }
-  // No barrier of its own: the first block's stats barrier orders these writes.
-
-  const auto tkt = tensor(k_tile, dextents<int, 2>(D, R));
-  const auto tvt = tensor(v_tile, dextents<int, 2>(D, R));
+  // The SIMD-group's 16 keys of K and V as device tensors from key0, their
+  // row extents ending at the sequence (matmul2d reads zeros past it).
+  const auto tkt = tensor(k + k_off, dextents<int, 2>(D, seq.kv_len),
+                          array<int, 2>{int(p.k_dim_stride), int(p.k_row_stride)}).slice(0, key0);
+  const auto tvt = tensor(v + v_off, dextents<int, 2>(D, seq.kv_len),
+                          array<int, 2>{int(p.v_dim_stride), int(p.v_row_stride)}).slice(0, key0);
   const auto tpt = tensor(pt_tile, dextents<int, 2>(BQ, R));
   const auto tdst = tensor(dst_tile, dextents<int, 2>(BQ, R));
   using KT = decltype(tkt);
@@ -340,7 +335,7 @@ template <typename T, int D, int BKV, int BQ>
         }
         mpp_row_stats(stats + int(lane) * kMppStats, l, dl);
       }
-      simdgroup_barrier(mem_flags::mem_threadgroup);  // stats (and the first K/V) written before reads (RAW)
+      simdgroup_barrier(mem_flags::mem_threadgroup);  // stats written before other lanes read them (RAW)
       st_op.run(tkt, tq.slice(0, q0), s);
       st_op.run(tvt, tdo.slice(0, q0), dp);
       // P^T and dS^T = P^T * (dP^T - Delta) into threadgroup memory,

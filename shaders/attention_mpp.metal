@@ -37,7 +37,7 @@
 // query rows per dK/dV block (one lane per streamed query fills the
 // stats); as many SIMD-groups of 16 rows (4, else 2) as fit 32 KiB of
 // threadgroup memory: dQ 4 at D 64 / 96 (21,504 / 29,696 bytes), 2 at 128
-// (18,944); dK/dV 4 at D 64 (26,624), 2 at 96 / 128 (17,408 / 21,504).
+// (18,944); dK/dV 4 at every D (10,240).
 // The host's table is csrc/metal_plan_detail.h, tensor_ops_backward_rows.
 #define FM_BACKWARD_MPP(tname, T, D, BQ, BKV)                                              \
   FM_MPP_INSTANTIATE("flash_backward_mpp_dq_" #tname "_d" #D "_bq" #BQ "_bk32",            \
@@ -47,8 +47,8 @@
 
 #define FM_BACKWARD_MPP_ALL_D(tname, T) \
   FM_BACKWARD_MPP(tname, T, 64, 64, 64) \
-  FM_BACKWARD_MPP(tname, T, 96, 64, 32) \
-  FM_BACKWARD_MPP(tname, T, 128, 32, 32)
+  FM_BACKWARD_MPP(tname, T, 96, 64, 64) \
+  FM_BACKWARD_MPP(tname, T, 128, 32, 64)
 
 // An explicit instantiation with an unqualified name sits in the template's
 // own namespace (C++ [temp.explicit]).

@@ -144,5 +144,6 @@ def test_tensor_op_backward_counts_its_seven_products_once():
     block = 32 * s.d * 2
     assert dq.counts["req_k"] == 2 * dq.counts["mpp_runs"] // 3 * block
     assert dkv.counts["req_q"] == dkv.counts["req_grad_out"] == 2 * dkv.counts["mpp_runs"] // 4 * block
+    assert dkv.counts["req_k"] == dkv.counts["mpp_runs"] // 4 * 16 * s.d * 2
     # The emulator read the threadgroup operand element by element (16 x 32 x D per run): far more.
     assert raw[0].counts["threadgroup_bytes_read"] > 10 * dq.counts["threadgroup_bytes_read"] > 0

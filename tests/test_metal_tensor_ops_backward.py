@@ -38,7 +38,7 @@ ROWS, BLOCK = 16, 32  # rows per SIMD-group; keys per dQ block, query rows per d
 # SIMD-groups per threadgroup (csrc/metal_plan_detail.h, tensor_ops_backward_simdgroups): as many of 4 or 2
 # as have their slices fit 32 KiB.
 DQ_WM = {64: 4, 96: 4, 128: 2}
-DKV_WM = {64: 4, 96: 2, 128: 2}
+DKV_WM = {64: 4, 96: 4, 128: 4}
 
 
 def names(dtype, d):
@@ -47,9 +47,9 @@ def names(dtype, d):
 
 
 def slice_bytes(dkdv, d):
-    """One SIMD-group's threadgroup memory (16-bit T): two 16 x D tiles, one or two 16 x 32 tiles, 4 floats
-    per row (dQ) or per streamed query (dK/dV)."""
-    return 2 * ROWS * d * 2 + (2 * ROWS * BLOCK * 2 + BLOCK * 16 if dkdv else ROWS * BLOCK * 2 + ROWS * 16)
+    """One SIMD-group's threadgroup memory (16-bit T). dQ: Q and dO (16 x D), dS (16 x 32), 4 floats per row;
+    dK/dV: P^T and dS^T (16 x 32), 4 floats per streamed query (K and V are read from device memory)."""
+    return 2 * ROWS * BLOCK * 2 + BLOCK * 16 if dkdv else 2 * ROWS * d * 2 + ROWS * BLOCK * 2 + ROWS * 16
 
 
 def expected_runs(B, Hq, Hkv, Nq, Nk, causal):
