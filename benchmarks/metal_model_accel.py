@@ -14,8 +14,7 @@ rate itself is an estimate (benchmarks/apple_gpus.py ACCEL_FLOPS_PER_CORE_CYCLE)
    emulator's counts of the simdgroup prefill and backward with every 8x8x8
    MMA moved to tensor ops: the same loads, barriers and softmax, the
    products at the accelerator's rate. What the simdgroup kernels' design
-   would gain; the backward has no tensor-op kernel yet, so this is its only
-   prediction.
+   would gain (for the backward, beside our tensor-op backward, item 4).
 3. Our tensor-op forward (impl='tensor_ops', attention_prefill_mpp.h), from
    its own counts (`tensor_ops_records`): the emulator runs the MPP kernel
    and counts its matmul2d runs and FLOPs, exp2 calls, barriers (none),

@@ -108,8 +108,8 @@ inline constexpr uint32_t tensor_ops_backward_simdgroups(bool dkdv, uint32_t ele
 static_assert(2 * tensor_ops_backward_slice(true, 2, 128) <= kMaxThreadgroupMemory &&
                   2 * tensor_ops_backward_slice(false, 2, 128) <= kMaxThreadgroupMemory,
               "tensor-op backward: two SIMD-groups' slices fit 32 KiB at D = 128");
-static_assert(tensor_ops_backward_simdgroups(false, 2, 96) == 4 && tensor_ops_backward_simdgroups(true, 2, 128) == 4 &&
-                  tensor_ops_backward_simdgroups(false, 2, 128) == 2 && tensor_ops_backward_simdgroups(true, 2, 64) == 4,
+static_assert(tensor_ops_backward_simdgroups(false, 2, 96) == 4 && tensor_ops_backward_simdgroups(false, 2, 128) == 2 &&
+                  tensor_ops_backward_simdgroups(true, 2, 64) == 4 && tensor_ops_backward_simdgroups(true, 2, 128) == 4,
               "the instantiations in shaders/attention_mpp.metal");
 
 // The backward's split-K scratch (the shader's backward_partials_bytes):

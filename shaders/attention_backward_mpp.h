@@ -178,8 +178,10 @@ template <typename T, int D, int BQ, int BK>
   const auto tq = tensor(q_tile, dextents<int, 2>(D, R));
   const auto tdo = tensor(do_tile, dextents<int, 2>(D, R));
   const auto tds = tensor(ds_tile, dextents<int, 2>(BK, R));
-  const auto tk = tensor(k + h.k, dextents<int, 2>(D, seq.kv_len), array<int, 2>{int(p.k_dim_stride), int(p.k_row_stride)});
-  const auto tv = tensor(v + h.v, dextents<int, 2>(D, seq.kv_len), array<int, 2>{int(p.v_dim_stride), int(p.v_row_stride)});
+  const auto tk =
+      tensor(k + h.k, dextents<int, 2>(D, seq.kv_len), array<int, 2>{int(p.k_dim_stride), int(p.k_row_stride)});
+  const auto tv =
+      tensor(v + h.v, dextents<int, 2>(D, seq.kv_len), array<int, 2>{int(p.v_dim_stride), int(p.v_row_stride)});
   using QT = decltype(tq);
   using KT = decltype(tk.slice(0, 0));
   using DST = decltype(tds);
@@ -317,9 +319,10 @@ template <typename T, int D, int BKV, int BQ>
     const HeadOffsets h = head_offsets(p, group.z, head);
     const int64_t do_head = int64_t(group.z) * p.do_batch_stride + int64_t(head) * p.do_head_stride;
     device const float* head_delta = delta + mpp_packed_row(group.z, head, p.q_heads, p.q_len, 0, 1);
-    const auto tq = tensor(q + h.q, dextents<int, 2>(D, seq.q_len), array<int, 2>{int(p.q_dim_stride), int(p.q_row_stride)});
-    const auto tdo =
-        tensor(dout + do_head, dextents<int, 2>(D, seq.q_len), array<int, 2>{int(p.do_dim_stride), int(p.do_row_stride)});
+    const auto tq =
+        tensor(q + h.q, dextents<int, 2>(D, seq.q_len), array<int, 2>{int(p.q_dim_stride), int(p.q_row_stride)});
+    const auto tdo = tensor(dout + do_head, dextents<int, 2>(D, seq.q_len),
+                            array<int, 2>{int(p.do_dim_stride), int(p.do_row_stride)});
     auto s = st_op.template get_destination_cooperative_tensor<KT, QT, float>();
     auto dp = st_op.template get_destination_cooperative_tensor<KT, QT, float>();
     for (int qb = qb_begin; qb < qb_end; ++qb) {
