@@ -128,11 +128,13 @@ def test_matches_float64(dtype, d, shape, hq, hkv, causal, layout):
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_sanitized_with_grad_lse(causal, layout):
+@pytest.mark.parametrize("dtype, d, shape", [(torch.float16, 64, (23, 41)), (torch.bfloat16, 128, (1, 1)),
+                                             (torch.float16, 96, (1, 40))], ids=["f16-64", "bf16-128-1x1", "f16-96-1x40"])
+def test_sanitized_with_grad_lse(dtype, d, shape, causal, layout):
     # The instrumented build: exact device bounds (ragged blocks read nothing past q, k, v, dO's ends),
     # threadgroup races between a SIMD-group's lanes (dS, P^T, dS^T and the stats go through threadgroup
-    # memory). Batch 2, GQA 2, a gradient flowing into lse too.
-    case = _case(2, 2, 1, 23, 41, 64, torch.float16, causal, seed=23 + causal, grad_lse=True)
+    # memory). Batch 2, GQA 2, a gradient flowing into lse too; one row and one key; one row, many keys.
+    case = _case(2, 2, 1, *shape, d, dtype, causal, seed=sum(shape) + causal, grad_lse=True)
     grads = run(case, causal, layout, instrumented=True)
     q, k, v, out, lse, grad_out, gl = case
     assert_gradients_close(grads, q, k, v, grad_out, causal, None, gl)
