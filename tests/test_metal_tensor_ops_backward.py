@@ -128,8 +128,9 @@ def test_matches_float64(dtype, d, shape, hq, hkv, causal, layout):
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("dtype, d, shape", [(torch.float16, 64, (23, 41)), (torch.bfloat16, 128, (1, 1)),
-                                             (torch.float16, 96, (1, 40))], ids=["f16-64", "bf16-128-1x1", "f16-96-1x40"])
+@pytest.mark.parametrize("dtype, d, shape",
+                         [(torch.float16, 64, (23, 41)), (torch.bfloat16, 128, (1, 1)), (torch.float16, 96, (1, 40))],
+                         ids=["f16-64", "bf16-128-1x1", "f16-96-1x40"])
 def test_sanitized_with_grad_lse(dtype, d, shape, causal, layout):
     # The instrumented build: exact device bounds (ragged blocks read nothing past q, k, v, dO's ends),
     # threadgroup races between a SIMD-group's lanes (dS, P^T, dS^T and the stats go through threadgroup
