@@ -26,8 +26,9 @@
 // the same matmul2d type with operands of the same types, so their
 // destination cooperative tensors have one type and hold the same element in
 // the same slot: dS is formed slot by slot from the two (the layout is a
-// function of the op, its operand and element types and the thread: notes
-// "Cooperative tensors"; the emulator keys it by exactly those).
+// function of the type and the thread, never of the instance: notes
+// "Cooperative tensors"; the emulator keys its layouts by the op's descriptor
+// and scope, and proves this use in test_emu_mpp.py).
 //
 // P and dS are rounded to T before their products: matmul2d's operand table
 // pairs half with half and bfloat with bfloat (no float x half), as
