@@ -449,27 +449,28 @@ def run_varlen(backend, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_s
     raise ValueError(backend)
 
 
-def run_backward(backend, grad_out, q, k, v, out, lse, causal=False, scale=None, grad_lse=None, **options):
+def run_backward(backend, grad_out, q, k, v, out, lse, causal=False, scale=None, grad_lse=None, impl="auto",
+                 **options):
     """Runs attention_backward on `backend`; inputs and gradients live on the CPU.
 
     out and lse are the forward's results (from any backend: the backward
     only needs them to be the attention of q, k, v). options: attn_mask,
-    window_left, window_right, softcap.
+    window_left, window_right, softcap. impl: "auto", or "tensor_ops" on the Metal backends.
     """
     args = (grad_out, q, k, v, out, lse)
     if backend == "cpu":
-        return torch.ops.flash_metal.attention_backward(*args, causal, scale, grad_lse, "auto", **options)[:3]
+        return torch.ops.flash_metal.attention_backward(*args, causal, scale, grad_lse, impl, **options)[:3]
     if backend in ("metal-emu", "metal-emu-sanitized", "metal-emu-fast-math"):
         return emulated_metal_attention_backward(
             *args, causal, scale, grad_lse, instrumented=backend == "metal-emu-sanitized",
-            fast_math=backend == "metal-emu-fast-math", **options,
+            fast_math=backend == "metal-emu-fast-math", impl=impl, **options,
         )
     if backend == "mps":
         dev = [to_mps_same_layout(t) for t in args]
         g = None if grad_lse is None else to_mps_same_layout(grad_lse)
         if options.get("attn_mask") is not None:
             options = dict(options, attn_mask=to_mps_same_layout(options["attn_mask"]))
-        return tuple(t.cpu() for t in torch.ops.flash_metal.attention_backward(*dev, causal, scale, g, "auto",
+        return tuple(t.cpu() for t in torch.ops.flash_metal.attention_backward(*dev, causal, scale, g, impl,
                                                                               **options)[:3])
     raise ValueError(backend)
 
