@@ -56,22 +56,25 @@ def _inputs(s: Shape, dtype, causal):
     return torch.randn(out.shape, generator=g).to(dtype), q, k, v, out, lse
 
 
-def emulate(s: Shape, dtype, causal):
-    """The backward's dispatches in the instrumented emulator; exact counts."""
-    key = (s, dtype, causal, M._PAD)
+def emulate(s: Shape, dtype, causal, impl="auto"):
+    """The backward's dispatches in the instrumented emulator; exact counts. impl="tensor_ops": the tensor-op
+    backward (attention_backward_mpp.h), in the published M5 lane layout (as metal_model.emulate runs the
+    tensor-op forward)."""
+    key = (s, dtype, causal, M._PAD, impl)
     if key not in _CACHE:
-        backends.emulated_metal_attention_backward(*_inputs(s, dtype, causal), causal, None, None, instrumented=True)
+        backends.emulated_metal_attention_backward(*_inputs(s, dtype, causal), causal, None, None, instrumented=True,
+                                                   impl=impl, mpp_layout="m5")
         _CACHE[key] = [M.Record(d.kernel_name, d.grid, d.threadgroup, d.threadgroup_memory, M._count_dict(d, c), False,
-                                M._source("auto", True))
+                                M._source(impl, True))
                        for d, c in backends.LAST_DISPATCHES]
     return _CACHE[key]
 
 
-def scaled_counts(s: Shape, dtype, causal, base_ns=M.BASE_NS):
+def scaled_counts(s: Shape, dtype, causal, base_ns=M.BASE_NS, impl="auto"):
     """metal_model's scaling rule for the backward (Nq = Nk = n * UNIT, Hq = Hkv)."""
     if s.nq != s.nk or s.nq % M.UNIT or s.hq != s.hkv:
         raise ValueError(f"the scaling rule needs Nq = Nk, a multiple of {M.UNIT}, and Hq = Hkv; got {s}")
-    bases = [emulate(Shape(1, 1, 1, n * M.UNIT, n * M.UNIT, s.d), dtype, causal) for n in base_ns]
+    bases = [emulate(Shape(1, 1, 1, n * M.UNIT, n * M.UNIT, s.d), dtype, causal, impl) for n in base_ns]
     n, heads = s.nq // M.UNIT, s.b * s.hq
     records = []
     for i, base in enumerate(bases[0]):
@@ -83,14 +86,14 @@ def scaled_counts(s: Shape, dtype, causal, base_ns=M.BASE_NS):
             counts[field] = int(v)
         grid = (base.grid[0] * n // base_ns[0], s.hq if i == 0 else s.hkv, s.b)
         records.append(M.Record(base.kernel, grid, base.threadgroup, base.tg_memory, counts, True,
-                                M._source("auto", True)))
+                                M._source(impl, True)))
     return records
 
 
-def counts_for(s: Shape, dtype, causal, base_ns=M.BASE_NS):
+def counts_for(s: Shape, dtype, causal, base_ns=M.BASE_NS, impl="auto"):
     if s.b * s.hq * s.nq * s.nk <= M.MAX_EMULATED_PAIRS:
-        return emulate(s, dtype, causal)
-    return scaled_counts(s, dtype, causal, base_ns)
+        return emulate(s, dtype, causal, impl)
+    return scaled_counts(s, dtype, causal, base_ns, impl)
 
 
 def _blocks(kernel):

@@ -14,8 +14,7 @@ rate itself is an estimate (benchmarks/apple_gpus.py ACCEL_FLOPS_PER_CORE_CYCLE)
    emulator's counts of the simdgroup prefill and backward with every 8x8x8
    MMA moved to tensor ops: the same loads, barriers and softmax, the
    products at the accelerator's rate. What the simdgroup kernels' design
-   would gain; the backward has no tensor-op kernel yet, so this is its only
-   prediction.
+   would gain (for the backward, beside our tensor-op backward, item 4).
 3. Our tensor-op forward (impl='tensor_ops', attention_prefill_mpp.h), from
    its own counts (`tensor_ops_records`): the emulator runs the MPP kernel
    and counts its matmul2d runs and FLOPs, exp2 calls, barriers (none),
@@ -28,6 +27,14 @@ rate itself is an estimate (benchmarks/apple_gpus.py ACCEL_FLOPS_PER_CORE_CYCLE)
    memory once, by the kernel's own staging code (counted exactly). Large
    shapes are scaled from one-threadgroup launches (`mpp_scaled_counts`,
    exact: tested).
+4. Our tensor-op backward (attention_backward_mpp.h), from its own counts
+   (`tensor_ops_backward_records`: metal_backward_model's emulation and
+   scaling rule with impl='tensor_ops', "m5" layout), matmul2d's operand
+   traffic replaced by the same rule (`backward_on_hardware`): each run asks
+   for its device operand block (32 rows of K or V in the dQ kernel, of Q or
+   dO in the dK/dV kernel) and its threadgroup operand (a 16-row tile) once.
+   16-bit inputs only: the kernels take float16 / bfloat16 (P and dS rounded
+   to them before their products), so every backward figure here is float16.
 """
 import torch
 
@@ -158,6 +165,48 @@ def tensor_ops_records(s: M.Shape, dtype, causal):
     return on_hardware(recs, dtype, s.d)
 
 
+# The tensor-op backward's blocks (csrc/metal_plan_detail.h, kTensorOpsBackwardBlock): SIMD-groups of 16 rows,
+# 32 keys per dQ block, 32 query rows per dK/dV block.
+MPP_BWD_BLOCK = 32
+
+
+def backward_on_hardware(records, dtype, d):
+    """The tensor-op backward's counts with matmul2d's operands asked for once per run (on_hardware's rule).
+    dQ kernel, per SIMD-group and key block, 3 runs: S = Q.K^T and dP = dO.V^T (Q, dO tiles from threadgroup
+    memory; K, V blocks from device memory), dQ += dS.K (dS tile, K block). dK/dV kernel, per SIMD-group, query
+    head and query block, 4 runs: S^T = K.Q^T, dP^T = V.dO^T, dV += P^T.dO, dK += dS^T.Q (the SIMD-group's
+    16 rows of K and V and the Q, dO blocks from device memory; P^T and dS^T from threadgroup memory). The
+    device operands are read by matmul2d only (k, v in the dQ kernel; all four in the dK/dV kernel), so their
+    read_ / req_ bytes are replaced; the kernels' own loads and the dram_ bytes (the L1 rule) are kept. In
+    the dQ kernel every run's threadgroup operand is read by the emulator element by element (16 x 32 x D
+    elements per run); in the dK/dV kernel only dV's and dK's (P^T, dS^T)."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    block = MPP_BWD_BLOCK * d * elem
+    out = []
+    for r in records:
+        c = dict(r.counts)
+        dkdv = "_dkdv_" in r.kernel
+        runs = c["mpp_runs"]
+        blocks = runs // (4 if dkdv else 3)
+        # Device operand bytes per streamed block: dQ: K twice (32 rows), V once; dK/dV: Q and dO twice (32
+        # rows), the SIMD-group's 16 rows of K and V once each.
+        rows16 = MPP_ROWS * d * elem
+        device = {"q": 2 * block, "grad_out": 2 * block, "k": rows16, "v": rows16} if dkdv \
+            else {"k": 2 * block, "v": block}
+        for n, per in device.items():
+            c["read_" + n] = c["req_" + n] = blocks * per
+        tg_runs = 2 if dkdv else 3  # runs with a threadgroup operand per block
+        tiles = 2 * MPP_ROWS * MPP_BWD_BLOCK if dkdv else 2 * MPP_ROWS * d + MPP_ROWS * MPP_BWD_BLOCK
+        c["threadgroup_bytes_read"] += (blocks * tiles - blocks * tg_runs * MPP_ROWS * MPP_BWD_BLOCK * d) * elem
+        out.append(r._replace(counts=c))
+    return out
+
+
+def tensor_ops_backward_records(s: M.Shape, dtype, causal):
+    """Our tensor-op backward's two dispatches (impl='tensor_ops'), from their emulated counts, on_hardware."""
+    return backward_on_hardware(BM.counts_for(s, dtype, causal, impl="tensor_ops"), dtype, s.d)
+
+
 M5_FAMILY = ("M5 (10-core)", "M5 Pro", "M5 Max")
 
 
@@ -173,8 +222,8 @@ def accelerators(quick=False):
           + "; ".join(f"M{g}: {G.tensor_op_rate(g)}" for g in (3, 5))
           + " (M5: estimate from an A19 and an M5 Pro microbenchmark; M3/M4: the shader cores). "
           "'simdgroup on tensor ops' = our simdgroup kernels' emulator counts with the MMAs moved to matmul2d; "
-          "'tensor-op kernel' = our forward on matmul2d (impl='tensor_ops') from its own emulated counts "
-          "(tensor_ops_records); 'MLX NAX' = MLX's accelerator kernel, hand-counted.")
+          "'tensor-op kernel' = our forward / backward on matmul2d (impl='tensor_ops') from its own emulated "
+          "counts (tensor_ops_records, tensor_ops_backward_records); 'MLX NAX' = MLX's accelerator kernel, hand-counted.")
     shapes = [M.Shape(1, 32, 8, 4096, 4096, 96)] if quick else [M.Shape(1, 32, 8, 4096, 4096, 96),
                                                                 M.Shape(1, 32, 8, 4096, 4096, 128)]
     print("| chip | shape | pass | causal | simdgroup ms | simdgroup on tensor ops ms (bound) | speed-up "
@@ -196,18 +245,19 @@ def accelerators(quick=False):
                     terms = T.predict(moved, gpu, s, torch.float16, causal)[1]
                     nax = "" if pas == "backward" or causal else _ms(
                         T.predict_band(nax_records(s, torch.float16), gpu, s, torch.float16, causal))
-                    ours = ""  # no tensor-op backward exists
-                    if pas == "forward":
-                        recs = tensor_ops_records(s, torch.float16, causal)
-                        band, terms_k = (T.predict_band(recs, gpu, s, torch.float16, causal),
-                                         T.predict(recs, gpu, s, torch.float16, causal)[1])
-                        ours = f"{_ms(band)} ({max(terms_k, key=terms_k.get)})"
+                    recs = tensor_ops_records(s, torch.float16, causal) if pas == "forward" \
+                        else tensor_ops_backward_records(s, torch.float16, causal)
+                    band, terms_k = (T.predict_band(recs, gpu, s, torch.float16, causal),
+                                     T.predict(recs, gpu, s, torch.float16, causal)[1])
+                    ours = f"{_ms(band)} ({max(terms_k, key=terms_k.get)})"
                     rows.append((gname, s, pas, causal, simd[1], tops[1]))
                     print(f"| {gname} | 1x{s.hq}:{s.hkv}x{s.nq}x{s.d} f16 | {pas} | {causal} | {_ms(simd)} "
                           f"| {_ms(tops)} ({max(terms, key=terms.get)}) | {simd[1] / tops[1]:.2f}x | {ours} | {nax} |")
     print("Our tensor-op forward has MLX's counts (tests/test_metal_model_accel.py), Q read from device memory "
           "once included, except that each SIMD-group stages its 16 Q rows in threadgroup memory (MLX keeps them "
-          "in registers) and P too, which matmul2d reads from there every key block (on-core data).")
+          "in registers) and P too, which matmul2d reads from there every key block (on-core data). Our tensor-op "
+          "backward: float16 (its kernels take 16-bit inputs), not yet verified on Apple hardware; no anchor runs "
+          "a backward on the accelerators (mtlattn reports ~5.8 TFLOPS on an M5 Pro, varlen, unverified here).")
     post = post_point()
     print(f"The post's M5 point (10-core M5, N = 2048, d = 64, causal, one head): simdgroup float32 "
           f"{_ms(post['simdgroup'])} ms; tensor ops {_ms(post['tensor_ops'])} ms, which ASSUMES float32 with "

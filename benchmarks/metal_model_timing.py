@@ -305,7 +305,9 @@ def dispatch_time(r, index, gpu, s, dtype, causal, k=POINT):
             lat = (2 * dram_cycles + steps * (BARRIER_CYCLES + parts * TG_LOAD_LATENCY)
                    + (math.ceil(d_frags / parts) + bk // 8) * MMA_LATENCY + 6 * SHUFFLE_LATENCY)
             serial = blocks, heads, lat
-        elif "flash_backward_" in r.kernel:
+        elif "flash_backward_" in r.kernel and "_mpp_" not in r.kernel:
+            # (The tensor-op backward, flash_backward_mpp_*, by throughput
+            # alone, as the tensor-op prefill above.)
             # A streamed block of the backward: its two tiles' DRAM latency,
             # 2 barriers, S and dP (independent chains over the features),
             # then the accumulation over the block's rows (dQ += dS.K; dV,

@@ -55,8 +55,8 @@ TORCH_LIBRARY(flash_metal, m) {
   // means zero). Returns grad_q, grad_k, grad_v packed in the shapes and
   // dtype of q, k and v; with grouped-query attention grad_k and grad_v sum
   // over each kv head's query heads. Deterministic: the same inputs give
-  // bitwise-equal gradients. `impl` as in attention_forward ("auto" only,
-  // for now: one backward kernel family per backend). No gradient flows
+  // bitwise-equal gradients. `impl`: "auto", or on Metal "tensor_ops"
+  // (the Metal 4 tensor-op backward, shaders/attention_backward_mpp.h). No gradient flows
   // into attn_mask. With sinks (the forward's), grad_sinks is the sinks'
   // gradient ((Hq,), sinks' dtype): sum over rows of P_sink * (grad_lse - D)
   // with P_sink = exp(sink - lse) and D = rowsum(grad_out * out), summed in

@@ -24,10 +24,17 @@ enum class KernelRequest {
   Prefill,      // FlashAttention-2 on simdgroup matrices (shaders/attention_prefill.h)
   Decode,       // token generation, Nq <= 8: one pass over the keys (shaders/attention_decode.h)
   DecodeSplit,  // token generation, Nq <= 8: split-KV partials, then a merge pass
-  TensorOps,    // FlashAttention-2 on Metal 4 tensor ops, MPP matmul2d (shaders/attention_prefill_mpp.h,
-                // the MSL 4 library attention_mpp.metal); forced only, never chosen by Auto yet
+  TensorOps,    // FlashAttention-2 on Metal 4 tensor ops, MPP matmul2d (shaders/attention_prefill_mpp.h and
+                // attention_backward_mpp.h, the MSL 4 library attention_mpp.metal); forced, or Auto's gate
   Composite,    // no kernel of ours: chunked ATen matmuls and softmax (csrc/composite.h)
 };
+
+// Whether a host name is one of the MSL 4 library's kernels
+// (shaders/attention_mpp.metal: the tensor-op forward and backward), which
+// the MPS host looks up in that library rather than the portable one.
+inline bool is_tensor_ops_kernel(const std::string& name) {
+  return name.rfind("flash_attention_prefill_mpp_", 0) == 0 || name.rfind("flash_backward_mpp_", 0) == 0;
+}
 
 // Which pass a plan is for: attention_forward, or attention_backward (the
 // two kernels of shaders/attention_backward.h).

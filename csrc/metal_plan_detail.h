@@ -88,6 +88,30 @@ inline uint32_t tensor_ops_threadgroup_memory(c10::ScalarType dtype, uint32_t he
   return tensor_ops_threadgroup_bytes(dtype_bytes(dtype), head_dim);
 }
 
+// The tensor-op backward (shaders/attention_backward_mpp.h): SIMD-groups of
+// 16 rows (query rows for dQ, keys for dK/dV), each with its own slice of
+// threadgroup memory; 32 keys per dQ block and 32 query rows per dK/dV
+// block (one lane per streamed query fills its stats). Slices, 16-bit T:
+//   dQ:    Q and dO (16 x D each), dS (16 x 32), 4 floats per row
+//   dK/dV: P^T and dS^T (16 x 32 each), 4 floats per query (K and V from device memory)
+inline constexpr uint32_t kTensorOpsBackwardBlock = 32;
+inline constexpr uint32_t tensor_ops_backward_slice(bool dkdv, uint32_t elem_bytes, uint32_t head_dim) {
+  return dkdv ? 2 * 16 * kTensorOpsBackwardBlock * elem_bytes + kTensorOpsBackwardBlock * 16
+              : 2 * 16 * head_dim * elem_bytes + 16 * kTensorOpsBackwardBlock * elem_bytes + 16 * 16;
+}
+// SIMD-groups per threadgroup: 4 (MLX NAX's WM) where their slices fit 32
+// KiB, else 2 (the instantiations of shaders/attention_mpp.metal: dQ 4, 4, 2
+// at D 64, 96, 128; dK/dV 4 at every D).
+inline constexpr uint32_t tensor_ops_backward_simdgroups(bool dkdv, uint32_t elem_bytes, uint32_t head_dim) {
+  return 4 * tensor_ops_backward_slice(dkdv, elem_bytes, head_dim) <= kMaxThreadgroupMemory ? 4 : 2;
+}
+static_assert(2 * tensor_ops_backward_slice(true, 2, 128) <= kMaxThreadgroupMemory &&
+                  2 * tensor_ops_backward_slice(false, 2, 128) <= kMaxThreadgroupMemory,
+              "tensor-op backward: two SIMD-groups' slices fit 32 KiB at D = 128");
+static_assert(tensor_ops_backward_simdgroups(false, 2, 96) == 4 && tensor_ops_backward_simdgroups(false, 2, 128) == 2 &&
+                  tensor_ops_backward_simdgroups(true, 2, 64) == 4 && tensor_ops_backward_simdgroups(true, 2, 128) == 4,
+              "the instantiations in shaders/attention_mpp.metal");
+
 // The backward's split-K scratch (the shader's backward_partials_bytes):
 // with parts, 2 x streamed / 8 fragments of 8 x 8 floats per SIMD-group,
 // if they fit 32 KiB beside the unpadded tiles; else 0 (the parts then
@@ -281,6 +305,10 @@ LaunchEstimate estimate_launch(const MetalLaunch& launch, uint32_t live_register
 // blocks and reason, forced or not; refuses what it does not cover.
 bool tensor_ops_route(const AttentionProblem& p, const GpuSpec& gpu, std::string* why_not);
 void choose_tensor_ops(const AttentionProblem& p, bool forced, const GpuSpec& gpu, KernelChoice* c);
+// The tensor-op backward: whether Auto takes it (the forward's gate plus
+// what the backward kernels cover; else *why_not), and its blocks and reason.
+bool tensor_ops_backward_route(const AttentionProblem& p, const GpuSpec& gpu, std::string* why_not);
+void choose_tensor_ops_backward(const AttentionProblem& p, bool forced, const GpuSpec& gpu, KernelChoice* c);
 
 // The prefill's (csrc/metal_routing_prefill.cpp): the paged prefill's
 // sentence for explain(), and whether a prefill packs its GQA group's heads

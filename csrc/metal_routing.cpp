@@ -205,10 +205,20 @@ BackwardBlocks backward_blocks(uint32_t bucket, c10::ScalarType dtype) {
   return best;
 }
 
-KernelChoice choose_backward(const AttentionProblem& p, KernelRequest requested) {
-  TORCH_CHECK_VALUE(requested == KernelRequest::Auto, "flash_metal.attention_backward: impl must be 'auto' (the "
-                    "backward has one kernel family, flash_backward_dq + flash_backward_dkdv); got '",
-                    request_name(requested), "'");
+KernelChoice choose_backward(const AttentionProblem& p, KernelRequest requested, const GpuSpec& gpu) {
+  TORCH_CHECK_VALUE(requested == KernelRequest::Auto || requested == KernelRequest::TensorOps,
+                    "flash_metal.attention_backward: impl must be 'auto' or 'tensor_ops' (the backward has two "
+                    "kernel families: flash_backward_dq + flash_backward_dkdv on simdgroup matrices, and their "
+                    "Metal 4 tensor-op twins); got '", request_name(requested), "'");
+  // The tensor-op backward (shaders/attention_backward_mpp.h): forced, or
+  // Auto's gate, the forward's (tensor_ops_route) plus what its kernels
+  // cover; explain() says why not on Apple 10 GPUs.
+  std::string tensor_ops_why_not;
+  if (requested == KernelRequest::TensorOps || tensor_ops_backward_route(p, gpu, &tensor_ops_why_not)) {
+    KernelChoice t;
+    choose_tensor_ops_backward(p, requested == KernelRequest::TensorOps, gpu, &t);
+    return t;
+  }
   KernelChoice c;
   c.kind = KernelRequest::Prefill;  // the simdgroup-matrix family
   // The bucket every tile fits: the wider of D_qk and D_v (MLA-style calls;
@@ -312,6 +322,7 @@ KernelChoice choose_backward(const AttentionProblem& p, KernelRequest requested)
   } else {
     c.reason += wider + padding_note(p.head_dim, c.bucket);
   }
+  if (!tensor_ops_why_not.empty()) c.reason += "; tensor ops not used: " + tensor_ops_why_not;
   return c;
 }
 
@@ -390,7 +401,7 @@ KernelChoice choose_metal_kernel(const AttentionProblem& p, KernelRequest reques
                               kMaxDecodeRows, ", take up to ", kMaxHeadDimV, " (impl='auto': at most ", kWideDecodeMaxRows,
                               " query rows per kv head)); run on CPU tensors, which take "
                               "D_v up to ", kMaxHeadDimV);
-  if (pass == MetalPass::Backward) return choose_backward(p, requested);
+  if (pass == MetalPass::Backward) return choose_backward(p, requested, gpu);
   // The bucket every tile fits: the wider of the two dims (== head_dim unless MLA-style).
   const int64_t widest = std::max(p.head_dim, p.head_dim_v);
   KernelChoice c;

@@ -63,6 +63,62 @@ bool tensor_ops_route(const AttentionProblem& p, const GpuSpec& gpu, std::string
   return false;
 }
 
+// What the tensor-op backward (shaders/attention_backward_mpp.h) does not
+// cover yet, as the sentence that names it ("" when it covers the call):
+// its kernels take causal and GQA, and leave masks, windows, softcap, sinks
+// and varlen to the simdgroup backward, which has them all.
+std::string tensor_ops_backward_gap(const AttentionProblem& p) {
+  if (p.head_dim_v != p.head_dim) return "a v head dim of its own (MLA-style)";
+  if (p.mask != MaskKind::None) return "attn_mask";
+  if (p.has_window_left() || (p.causal && p.window_right > 0)) return "window_left / window_right";
+  if (p.has_softcap()) return "softcap";
+  if (p.sinks) return "sinks";
+  if (p.varlen) return "varlen (cu_seqlens)";
+  return "";
+}
+
+// The tensor-op backward, forced (impl='tensor_ops') or by Auto: the
+// forward's dtype and head-dim rules (choose_tensor_ops refuses the rest,
+// naming the argument), then the options its kernels take.
+void choose_tensor_ops_backward(const AttentionProblem& p, bool forced, const GpuSpec& gpu, KernelChoice* c) {
+  choose_tensor_ops(p, forced, gpu, c);
+  const std::string gap = tensor_ops_backward_gap(p);
+  TORCH_CHECK_VALUE(gap.empty(), "flash_metal.attention_backward: impl='tensor_ops' takes causal and GQA but not ",
+                    gap, " yet (the simdgroup backward, impl='auto', takes it)");
+  const uint32_t elem = dtype_bytes(p.dtype), d = c->bucket;
+  c->kind = KernelRequest::TensorOps;
+  c->simdgroups = tensor_ops_backward_simdgroups(false, elem, d);
+  c->block_q = 16 * c->simdgroups;
+  c->block_k = kTensorOpsBackwardBlock;
+  c->dkv_simdgroups = tensor_ops_backward_simdgroups(true, elem, d);
+  c->dkv_block_k = 16 * c->dkv_simdgroups;
+  c->dkv_block_q = kTensorOpsBackwardBlock;
+  c->reason = (forced ? std::string("forced: tensor_ops (impl='tensor_ops'); ")
+                      : "tensor ops: an Apple " + std::to_string(gpu.family) +
+                            " GPU with macOS 26.2 and the MSL 4 library, float16 / bfloat16 at a head dim the "
+                            "kernels serve, causal / GQA only (FLASH_METAL_DISABLE_TENSOR_OPS=1 turns this off); ") +
+              "backward: FlashAttention-2 with recomputation on Metal 4 tensor ops (MPP matmul2d, the MSL 4 "
+              "library), the atomics-free split (dQ and Delta over query blocks, then dK/dV over key blocks; "
+              "deterministic); dQ kernel: " + std::to_string(c->block_q) + " queries x " +
+              std::to_string(c->block_k) + " keys on " + std::to_string(c->simdgroups) + " simdgroups of 16 rows, " +
+              kib(c->simdgroups * tensor_ops_backward_slice(false, elem, d)) + "; dK/dV kernel: " +
+              std::to_string(c->dkv_block_k) + " keys x " + std::to_string(c->dkv_block_q) + " queries on " +
+              std::to_string(c->dkv_simdgroups) + " simdgroups of 16 keys, " +
+              kib(c->dkv_simdgroups * tensor_ops_backward_slice(true, elem, d)) +
+              "; P and dS rounded to the input dtype before their products (matmul2d takes 16-bit operand "
+              "pairs), float32 accumulators";
+}
+
+// Auto's gate for the backward: the forward's (tensor_ops_route) and the
+// options its kernels take.
+bool tensor_ops_backward_route(const AttentionProblem& p, const GpuSpec& gpu, std::string* why_not) {
+  if (!tensor_ops_route(p, gpu, why_not)) return false;
+  const std::string gap = tensor_ops_backward_gap(p);
+  if (gap.empty()) return true;
+  *why_not = gap + " (the tensor-op backward takes causal and GQA only; the simdgroup backward takes every option)";
+  return false;
+}
+
 }  // namespace flash_metal::plan_detail
 
 namespace flash_metal {

@@ -1,4 +1,4 @@
-"""python -m flash_metal.selfcheck's accelerator section (issue 21): the Metal 4 tensor-op prefill.
+"""python -m flash_metal.selfcheck's accelerator section (issue 21): the Metal 4 tensor-op prefill and backward.
 
 Where metal_device_info says Auto runs the tensor-op kernels (its "tensor_ops"
 answer: an Apple 10 GPU, macOS 26.2, the MSL 4 library, the
@@ -6,7 +6,10 @@ FLASH_METAL_DISABLE_TENSOR_OPS switch not set; the routing's own rule), every
 case runs impl="tensor_ops" and the simdgroup prefill (impl="prefill") on the
 same inputs, each against the float64 oracle by FlashAttention's 2x rule, and
 checks that the launched kernels are the ones asked for; then both are timed
-on the same inputs, in the same run, as a ratio. Elsewhere the section says
+on the same inputs, in the same run, as a ratio. The backward cases run
+impl="tensor_ops" on attention_backward and the simdgroup backward (impl="auto"
+with FLASH_METAL_DISABLE_TENSOR_OPS=1 for that call, which keeps Auto off the
+tensor-op kernels), both against float64; no backward timing yet. Elsewhere the section says
 "skipped" and why. --backend metal-emu runs the cases in the Metal emulator
 (cooperative tensors in its scrambled lane layout): correctness only, never a
 timing.
@@ -28,6 +31,10 @@ HEAD_DIMS = (64, 96, 128)
 SHAPE = (1, 4, 2, 70, 90)
 MPP_PREFIX = "flash_attention_prefill_mpp_"
 SIMDGROUP_PREFIX = "flash_attention_prefill_"
+MPP_BACKWARD_PREFIX = "flash_backward_mpp_"
+SIMDGROUP_BACKWARD_PREFIX = "flash_backward_"
+# The switch the simdgroup backward's run sets (csrc/metal_plan.h, kDisableTensorOpsEnv).
+DISABLE_ENV = "FLASH_METAL_DISABLE_TENSOR_OPS"
 # setup.py's switch that makes a missing MSL 4 library an install error (the macOS 26 CI leg).
 REQUIRE_ENV = "FLASH_METAL_REQUIRE_MPP_METALLIB"
 
@@ -49,10 +56,15 @@ def cases(quick: bool) -> List[sweep.Case]:
     if quick:
         grid = [(torch.float16, 64, True), (torch.bfloat16, 96, False), (torch.float16, 128, False),
                 (torch.bfloat16, 128, True)]
-    return [sweep.Case("prefill", dt, d, SHAPE, causal=causal) for dt, d, causal in grid]
+    forward = [sweep.Case("prefill", dt, d, SHAPE, causal=causal) for dt, d, causal in grid]
+    # The backward (attention_backward_mpp.h): with a gradient into lse; quick: two cases.
+    bgrid = [(torch.float16, 64, True), (torch.bfloat16, 128, False)] if quick else grid
+    return forward + [sweep.Case("backward", dt, d, SHAPE, causal=causal, grad_lse=True) for dt, d, causal in bgrid]
 
 
 def case_id(case: sweep.Case) -> str:
+    if case.backward:
+        return "tensor_ops_backward" + case.id[len("backward"):]
     return "tensor_ops" + case.id[len("prefill"):]
 
 
@@ -116,11 +128,29 @@ def _run_forced(backend, case, impl, inputs, prefix, not_prefix=None) -> dict:
     return rec
 
 
+def _simdgroup_backward(backend, case, inputs) -> dict:
+    """The simdgroup backward on the same inputs: impl='auto' with the switch on for this call."""
+    before = os.environ.get(DISABLE_ENV)
+    os.environ[DISABLE_ENV] = "1"
+    try:
+        return _run_forced(backend, case, "auto", inputs, SIMDGROUP_BACKWARD_PREFIX, not_prefix=MPP_BACKWARD_PREFIX)
+    finally:
+        if before is None:
+            os.environ.pop(DISABLE_ENV, None)
+        else:
+            os.environ[DISABLE_ENV] = before
+
+
 def run_case(backend, case) -> dict:
-    """One case: impl='tensor_ops' and impl='prefill' on the same inputs, each by the 2x rule."""
+    """One case: impl='tensor_ops' and the simdgroup kernels (impl='prefill'; for the backward impl='auto' with
+    the switch on) on the same inputs, each by the 2x rule."""
     inputs = sweep.make_inputs(case)
-    tops = _run_forced(backend, case, "tensor_ops", inputs, MPP_PREFIX)
-    simd = _run_forced(backend, case, "prefill", inputs, SIMDGROUP_PREFIX, not_prefix=MPP_PREFIX)
+    if case.backward:
+        tops = _run_forced(backend, case, "tensor_ops", inputs, MPP_BACKWARD_PREFIX)
+        simd = _simdgroup_backward(backend, case, inputs)
+    else:
+        tops = _run_forced(backend, case, "tensor_ops", inputs, MPP_PREFIX)
+        simd = _run_forced(backend, case, "prefill", inputs, SIMDGROUP_PREFIX, not_prefix=MPP_PREFIX)
     record = {"id": case_id(case), "dtype": sweep.dtype_name(case.dtype), "head_dim": case.d, "causal": case.causal,
               "shape": list(case.shape), "options": case.options_text()}
     diff = None
@@ -211,8 +241,9 @@ def to_markdown(section: Optional[dict]) -> List[str]:
     if section.get("status") == "skipped":
         return out + [f"**skipped**: {section.get('reason')}", ""]
     where = section.get("note") or f"Apple {section.get('gpu_family')} GPU"
-    out += [f"**{section['status']}** ({where}). Each case: impl='tensor_ops' and the simdgroup prefill on the "
-            "same inputs, each against float64 by the 2x rule (error / tolerance <= 1).", ""]
+    out += [f"**{section['status']}** ({where}). Each case: impl='tensor_ops' and the simdgroup prefill (backward "
+            "cases: the simdgroup backward) on the same inputs, each against float64 by the 2x rule (error / "
+            "tolerance <= 1).", ""]
     if section.get("message"):
         out += [section["message"], ""]
     rows = [(c["id"], c["options"], ", ".join(c["tensor_ops"]["kernels"]),

@@ -184,7 +184,7 @@ class MpsBackend:
         elif case.backward:
             res = torch.ops.flash_metal.attention_backward(
                 d(inputs["grad_out"]), q, k, v, d(inputs["out"]), d(inputs["lse"]), case.causal, None,
-                d(inputs["grad_lse"]), "auto", **opts)[:3]
+                d(inputs["grad_lse"]), case.impl, **opts)[:3]
         else:
             res = flash_metal.attention_with_lse(q, k, v, case.causal, None, case.impl, **opts)
         torch.mps.synchronize()
@@ -306,7 +306,7 @@ class EmulatorBackend:
                                         *inputs["varlen"], case.causal, None, inputs["grad_lse"], **opts)
         elif case.backward:
             res = b.run_backward("metal-emu", inputs["grad_out"], q, k, v, inputs["out"], inputs["lse"], case.causal,
-                                 None, inputs["grad_lse"], **opts)
+                                 None, inputs["grad_lse"], impl=case.impl, **opts)
         else:
             res = b.run_attention("metal-emu", q, k, v, case.causal, None, case.impl, **opts)
         # The launches that ran: the emulator's record of this call's dispatches.

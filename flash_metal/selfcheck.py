@@ -13,8 +13,9 @@ against the float64 oracle by FlashAttention's 2x rule; and a short timing
 table against torch's SDPA (and MLX's, when mlx is installed), measured on
 this machine; then the accelerator section: where the device reports the
 Metal 4 tensor-op kernels usable (flash_metal.device_info()["tensor_ops"]),
-impl="tensor_ops" against the simdgroup prefill, both by the 2x rule, and
-the two timed as a ratio; elsewhere "skipped" with the reason
+impl="tensor_ops" against the simdgroup prefill (and the tensor-op backward
+against the simdgroup backward), both by the 2x rule, and the forward pair
+timed as a ratio; elsewhere "skipped" with the reason
 (--accelerator-only runs just that section, as the macOS 26 CI leg does).
 
 Exit status: 0 when the lane probe and every check passed; 1 when any

@@ -5,6 +5,8 @@
 // have no tensor ops. Host names encode every template parameter and must
 // match the names csrc/metal_launch.cpp builds:
 //   flash_attention_prefill_mpp_<dtype>_d<D>_bq<BQ>_bk<BK>
+//   flash_backward_mpp_dq_<dtype>_d<D>_bq<BQ>_bk<BK>
+//   flash_backward_mpp_dkdv_<dtype>_d<D>_bk<BKV>_bq<BQ>
 //
 // setup.py compiles this file (every shaders/*_mpp.metal) into a library of
 // its own, flash_metal_mpp.metallib, with -std=metal4.0 and a 26.2
@@ -13,6 +15,7 @@
 // Metal 3.1 compile of it (the emulator's MSL 3 checks) sees no kernels.
 #if defined(__METAL_VERSION__) && __METAL_VERSION__ >= 400 && defined(__HAVE_TENSOR__)
 #include "attention_prefill_mpp.h"
+#include "attention_backward_mpp.h"
 
 // The one instantiation macro: a host name plus the template it names.
 #define FM_MPP_INSTANTIATE(name, ...) \
@@ -30,10 +33,29 @@
   FM_PREFILL_MPP(tname, T, 96)         \
   FM_PREFILL_MPP(tname, T, 128)
 
+// The backward (attention_backward_mpp.h): 32 keys per dQ block and 32
+// query rows per dK/dV block (one lane per streamed query fills the
+// stats); as many SIMD-groups of 16 rows (4, else 2) as fit 32 KiB of
+// threadgroup memory: dQ 4 at D 64 / 96 (21,504 / 29,696 bytes), 2 at 128
+// (18,944); dK/dV 4 at every D (10,240).
+// The host's table is csrc/metal_plan_detail.h, tensor_ops_backward_rows.
+#define FM_BACKWARD_MPP(tname, T, D, BQ, BKV)                                              \
+  FM_MPP_INSTANTIATE("flash_backward_mpp_dq_" #tname "_d" #D "_bq" #BQ "_bk32",            \
+                     flash_backward_mpp_dq<T, D, BQ, 32>)                                  \
+  FM_MPP_INSTANTIATE("flash_backward_mpp_dkdv_" #tname "_d" #D "_bk" #BKV "_bq32",         \
+                     flash_backward_mpp_dkdv<T, D, BKV, 32>)
+
+#define FM_BACKWARD_MPP_ALL_D(tname, T) \
+  FM_BACKWARD_MPP(tname, T, 64, 64, 64) \
+  FM_BACKWARD_MPP(tname, T, 96, 64, 64) \
+  FM_BACKWARD_MPP(tname, T, 128, 32, 64)
+
 // An explicit instantiation with an unqualified name sits in the template's
 // own namespace (C++ [temp.explicit]).
 namespace flash_metal {
 FM_PREFILL_MPP_ALL_D(float16, half)
 FM_PREFILL_MPP_ALL_D(bfloat16, bfloat)
+FM_BACKWARD_MPP_ALL_D(float16, half)
+FM_BACKWARD_MPP_ALL_D(bfloat16, bfloat)
 }  // namespace flash_metal
 #endif  // MSL 4 with tensors

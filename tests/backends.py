@@ -20,6 +20,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # own, as on a Mac, where attention.metal stays MSL 3.1.
 MPP_SHADER = os.path.join(ROOT, "shaders", "attention_mpp.metal")
 MPP_KERNEL_PREFIX = "flash_attention_prefill_mpp_"
+# Every kernel of the MSL 4 library: the forward's and the backward's
+# (csrc/metal_plan.h, is_tensor_ops_kernel).
+MPP_KERNEL_PREFIXES = (MPP_KERNEL_PREFIX, "flash_backward_mpp_")
 
 
 # FLASH_METAL_MPS_FULL=1 runs every mps case of the op grids. By default only
@@ -315,17 +318,19 @@ def emulated_metal_kvcache(q, k_cache, v_cache, cache_seqlens, block_table=None,
 def emulated_metal_attention_backward(grad_out, q, k, v, out, lse, causal=False, scale=None, grad_lse=None,
                                       instrumented=False, fast_math=False, gpu="base", seed=0, attn_mask=None,
                                       window_left=-1, window_right=-1, softcap=0.0, cu_seqlens_q=None,
-                                      cu_seqlens_k=None, max_seqlen_q=0, max_seqlen_k=0, sinks=None):
+                                      cu_seqlens_k=None, max_seqlen_q=0, max_seqlen_k=0, sinks=None, impl="auto",
+                                      mpp_layout="scrambled", mpp_seed=1):
     """attention_backward (or, with cu_seqlens, attention_varlen_backward) through the Metal emulator,
     launched from the op's own backward plan.
 
     seed: the emulator's thread schedule (0: fixed order; else a seeded shuffle), for determinism tests.
+    impl: "auto" or "tensor_ops"; mpp_layout / mpp_seed: as emulated_metal_attention's.
     Returns (grad_q, grad_k, grad_v), and grad_sinks (float32, as the kernel writes it) last with sinks.
     """
     options = dict(attn_mask=attn_mask, window_left=window_left, window_right=window_right, softcap=softcap,
                    cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
                    max_seqlen_k=max_seqlen_k, sinks=sinks)
-    plan = flash_metal.explain(q, k, v, causal, scale, "auto", gpu, backward=True, grad_out=grad_out, out=out,
+    plan = flash_metal.explain(q, k, v, causal, scale, impl, gpu, backward=True, grad_out=grad_out, out=out,
                                lse=lse, grad_lse=grad_lse, **options)
     if not plan.dispatches:  # the composite path (see emulated_metal_attention)
         COMPOSITE_RUNS.append(plan.reason)
@@ -356,15 +361,16 @@ def emulated_metal_attention_backward(grad_out, q, k, v, out, lse, causal=False,
     if sinks is not None:
         tensors["grad_sinks"] = torch.full((q.shape[1],), float("nan"))  # Hq, 4-D or packed
         grads.append(tensors["grad_sinks"])
-    _run_plan(plan, tensors, instrumented, fast_math, seed)
+    _run_plan(plan, tensors, instrumented, fast_math, seed, mpp_layout=mpp_layout, mpp_seed=mpp_seed)
     return tuple(grads)
 
 
 # Function constants the MSL 4 library's kernels do not declare: the simdgroup
-# prefill's and backward's align_q / align_k / has_grad_lse / dense (1, 2, 3,
-# 10). The plan carries them false; Metal ignores values set for constants a
-# function does not declare, the emulator refuses them, so they are dropped.
-MPP_UNDECLARED_CONSTANTS = (1, 2, 3, 10)
+# prefill's and backward's align_q / align_k / dense (1, 2, 10). The plan
+# carries them false; Metal ignores values set for constants a function does
+# not declare, the emulator refuses them, so they are dropped. has_grad_lse
+# (3) is declared by the tensor-op backward (attention_backward_mpp.h).
+MPP_UNDECLARED_CONSTANTS = (1, 2, 10)
 
 
 def _run_plan(plan, tensors, instrumented, fast_math, seed=0, mpp_layout="scrambled", mpp_seed=1):
@@ -374,7 +380,7 @@ def _run_plan(plan, tensors, instrumented, fast_math, seed=0, mpp_layout="scramb
     for d in plan.dispatches:
         constants = dict(enumerate(d.function_constants))
         extra = {}
-        if d.kernel_name.startswith(MPP_KERNEL_PREFIX):
+        if d.kernel_name.startswith(MPP_KERNEL_PREFIXES):
             library = metal_mpp_library(instrumented, fast_math)
             assert not any(constants.pop(i, False) for i in MPP_UNDECLARED_CONSTANTS), d.function_constants
             extra = dict(mpp_layout=mpp_layout, mpp_seed=mpp_seed)
@@ -443,27 +449,28 @@ def run_varlen(backend, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_s
     raise ValueError(backend)
 
 
-def run_backward(backend, grad_out, q, k, v, out, lse, causal=False, scale=None, grad_lse=None, **options):
+def run_backward(backend, grad_out, q, k, v, out, lse, causal=False, scale=None, grad_lse=None, impl="auto",
+                 **options):
     """Runs attention_backward on `backend`; inputs and gradients live on the CPU.
 
     out and lse are the forward's results (from any backend: the backward
     only needs them to be the attention of q, k, v). options: attn_mask,
-    window_left, window_right, softcap.
+    window_left, window_right, softcap. impl: "auto", or "tensor_ops" on the Metal backends.
     """
     args = (grad_out, q, k, v, out, lse)
     if backend == "cpu":
-        return torch.ops.flash_metal.attention_backward(*args, causal, scale, grad_lse, "auto", **options)[:3]
+        return torch.ops.flash_metal.attention_backward(*args, causal, scale, grad_lse, impl, **options)[:3]
     if backend in ("metal-emu", "metal-emu-sanitized", "metal-emu-fast-math"):
         return emulated_metal_attention_backward(
             *args, causal, scale, grad_lse, instrumented=backend == "metal-emu-sanitized",
-            fast_math=backend == "metal-emu-fast-math", **options,
+            fast_math=backend == "metal-emu-fast-math", impl=impl, **options,
         )
     if backend == "mps":
         dev = [to_mps_same_layout(t) for t in args]
         g = None if grad_lse is None else to_mps_same_layout(grad_lse)
         if options.get("attn_mask") is not None:
             options = dict(options, attn_mask=to_mps_same_layout(options["attn_mask"]))
-        return tuple(t.cpu() for t in torch.ops.flash_metal.attention_backward(*dev, causal, scale, g, "auto",
+        return tuple(t.cpu() for t in torch.ops.flash_metal.attention_backward(*dev, causal, scale, g, impl,
                                                                               **options)[:3])
     raise ValueError(backend)
 

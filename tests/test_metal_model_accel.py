@@ -124,3 +124,26 @@ def test_tensor_op_forward_has_mlx_counts_and_reads_q_once():
     # Before M5 matmul2d runs on the shader cores: compute-bound there, and far slower than on an M5 Max.
     m3_time, m3_terms, _ = T.predict([ours], G.BY_NAME["M3 Max"], s, dtype, False)
     assert max(m3_terms, key=m3_terms.get) == "compute" and m3_time > 2 * point
+
+
+def test_tensor_op_backward_counts_its_seven_products_once():
+    """The tensor-op backward's emulated counts (impl='tensor_ops', attention_backward_mpp.h), non-causal,
+    aligned: the dQ kernel runs 3 matmul2d products per (16 rows, 32 keys) and the dK/dV kernel 4 per (16 keys,
+    32 rows), 7 x 2 x 16 x 32 x D FLOPs, i.e. 3.5x the forward's useful FLOPs (4 B Hq Nq Nk D), no simdgroup
+    MMA, no threadgroup barrier. backward_on_hardware then asks for each device operand block once per run:
+    K twice and V once per dQ block, Q and dO twice per dK/dV block; and its threadgroup tile once."""
+    s = M.Shape(1, 2, 1, 64, 96, 64)
+    raw = X.BM.emulate(s, torch.float16, False, impl="tensor_ops")
+    dq, dkv = X.backward_on_hardware(raw, torch.float16, s.d)
+    assert dq.kernel.startswith("flash_backward_mpp_dq_") and dkv.kernel.startswith("flash_backward_mpp_dkdv_")
+    assert dq.counts["mpp_flops"] + dkv.counts["mpp_flops"] == 3.5 * M.useful_flops(s, False)
+    assert dq.counts["mpp_runs"] == 3 * (s.hq * s.nq // 16) * (s.nk // 32)
+    assert dkv.counts["mpp_runs"] == 4 * (s.hq * s.nk // 16) * (s.nq // 32)  # the group's 2 heads per kv head
+    for r in (dq, dkv):
+        assert r.counts["simdgroup_mmas"] == 0 and r.counts["threadgroup_barriers"] == 0
+    block = 32 * s.d * 2
+    assert dq.counts["req_k"] == 2 * dq.counts["mpp_runs"] // 3 * block
+    assert dkv.counts["req_q"] == dkv.counts["req_grad_out"] == 2 * dkv.counts["mpp_runs"] // 4 * block
+    assert dkv.counts["req_k"] == dkv.counts["mpp_runs"] // 4 * 16 * s.d * 2
+    # The emulator read the threadgroup operand element by element (16 x 32 x D per run): far more.
+    assert raw[0].counts["threadgroup_bytes_read"] > 10 * dq.counts["threadgroup_bytes_read"] > 0

@@ -269,7 +269,10 @@ def test_an_auto_routed_plan_runs_the_tensor_op_kernel():
 def test_library_holds_exactly_the_instantiations_and_their_thread_limit():
     lib = metal_mpp_library(False)
     names = {kernel_name(dt, d) for dt in DTYPES for d in HEAD_DIMS}
-    assert set(lib.kernel_names()) == names
+    # and the backward's two per (dtype, D) (tests/test_metal_tensor_ops_backward.py)
+    backward = {n for n in lib.kernel_names() if n.startswith("flash_backward_mpp_")}
+    assert len(backward) == 2 * len(DTYPES) * len(HEAD_DIMS)
+    assert set(lib.kernel_names()) == names | backward
     for name in names:
         assert lib.max_threads(name) == 128
 
@@ -294,11 +297,13 @@ def test_refuses_what_it_does_not_cover_naming_the_argument(what, kwargs, err, w
         assert w in str(info.value), (w, str(info.value))
 
 
-def test_backward_refuses_it():
+def test_backward_takes_it():
+    # The tensor-op backward's two kernels (tests/test_metal_tensor_ops_backward.py runs them).
     q, k, v = make_qkv(1, 2, 1, 64, 64, 64, torch.float16)
-    with pytest.raises(ValueError, match="impl"):
-        flash_metal.explain(q, k, v, False, None, "tensor_ops", backward=True, grad_out=q, out=q,
-                            lse=torch.zeros(1, 2, 64))
+    plan = flash_metal.explain(q, k, v, False, None, "tensor_ops", backward=True, grad_out=q, out=q,
+                               lse=torch.zeros(1, 2, 64))
+    assert [d.kernel_name for d in plan.dispatches] == ["flash_backward_mpp_dq_float16_d64_bq64_bk32",
+                                                        "flash_backward_mpp_dkdv_float16_d64_bk64_bq32"]
 
 
 # ---- the options (attention_features.h's helpers, as the simdgroup prefill) -----------------

@@ -141,6 +141,7 @@ def mpp_scenarios(built, emu, tmp_path_factory):
         "none": {"lib": built, "case": _MPP_CASE, "knobs": _MACOS_26_2},
         "stale": {"lib": built, "case": _MPP_CASE, "knobs": _MACOS_26_2, "mpp_metallib": "stale"},
         "macos26_1": {"lib": built, "case": _MPP_CASE, "knobs": {"macos_version": 2601}, "mpp_metallib": "fresh"},
+        "backward": {"lib": built, "knobs": _MACOS_26_2, "mpp_metallib": "fresh", "check": "tensor_ops_backward"},
     }
     # metal_device_info's "tensor_ops" against Auto's choice (checks.tensor_ops_reported), one process
     # per library state (library.mm loads the MSL 4 library once per process).
@@ -209,6 +210,14 @@ def test_tensor_op_pipelines_come_from_the_msl4_library(mpp_scenarios):
     assert "flash_metal_mpp.metallib" in loaded
     kernels = [e["kernel"] for e in r["events"] if e["op"] == "setComputePipelineState"]
     assert kernels == ["flash_attention_prefill_mpp_float16_d64_bq64_bk32"]
+
+
+def test_tensor_op_backward_pipelines_come_from_the_msl4_library(mpp_scenarios):
+    # The forced tensor-op backward through the executed host: the dQ kernel, then the dK/dV kernel, both
+    # from the MSL 4 library, replayed and checked against float64 (checks.tensor_ops_backward).
+    r = mpp_scenarios["backward"]
+    assert r["stage"] is None, r["error"]
+    assert r["value"] == ["flash_backward_mpp_dq_float16_d64_bq64_bk32", "flash_backward_mpp_dkdv_float16_d64_bk64_bq32"]
 
 
 @pytest.mark.parametrize("name,words", [

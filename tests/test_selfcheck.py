@@ -132,13 +132,23 @@ def test_metal_emu_markdown_has_every_section(emu_run):
 
 def test_metal_emu_accelerator_section_runs_in_emulation(emu_run):
     # The tensor-op section (issue 21) runs in the emulator: impl='tensor_ops' and the simdgroup prefill on the
-    # same inputs, each by the 2x rule; every dtype, head dim and causal value once; no timing.
+    # same inputs, each by the 2x rule; every dtype, head dim and causal value once; no timing. The backward
+    # cases: impl='tensor_ops' and the simdgroup backward (auto with the switch on), both kernels each.
     _, data, md = emu_run
     a = data["accelerator"]
     assert a["status"] == "passed" and a["usable"] is True and a["emulated"] is True
-    checks = a["checks"]
+    backward = [c for c in a["checks"] if c["id"].startswith("tensor_ops_backward-")]
+    checks = [c for c in a["checks"] if c not in backward]
     assert {c["dtype"] for c in checks} == {"float16", "bfloat16"} and {c["head_dim"] for c in checks} == {64, 96, 128}
     assert {c["causal"] for c in checks} == {True, False}
+    assert {c["dtype"] for c in backward} == {"float16", "bfloat16"} and {c["causal"] for c in backward} == {True, False}
+    for c in backward:
+        assert c["status"] == "passed", c
+        tops, simd = c["tensor_ops"], c["simdgroup"]
+        assert [k.rsplit("_d", 1)[0] for k in tops["kernels"]] == [
+            f"flash_backward_mpp_dq_{c['dtype']}", f"flash_backward_mpp_dkdv_{c['dtype']}"], c
+        assert [k.split("_")[2] for k in simd["kernels"]] == ["dq", "dkdv"], c  # flash_backward_dq_..., not _mpp_
+        assert 0 <= tops["worst_ratio"] <= 1 and 0 <= simd["worst_ratio"] <= 1 and 0 < c["max_difference"] < 0.1
     for c in checks:
         assert c["status"] == "passed", c
         tops, simd = c["tensor_ops"], c["simdgroup"]
@@ -148,10 +158,10 @@ def test_metal_emu_accelerator_section_runs_in_emulation(emu_run):
         assert 0 <= tops["worst_ratio"] <= 1 and 0 <= simd["worst_ratio"] <= 1
         assert 0 < c["max_difference"] < 0.1  # two different kernels, both close to float64
     assert a["timing"]["rows"] == [] and "emulator" in a["timing"]["note"]
-    assert "## Accelerator: Metal 4 tensor ops" in md and all(c["id"] in md for c in checks)
+    assert "## Accelerator: Metal 4 tensor ops" in md and all(c["id"] in md for c in a["checks"])
     section = md.split("## Accelerator")[1].split("\n\n")
     table = next(part for part in section if part.startswith("| check")).splitlines()
-    assert len(table) == 2 + len(checks) and len({ln.count("|") for ln in table}) == 1  # a well-formed table
+    assert len(table) == 2 + len(a["checks"]) and len({ln.count("|") for ln in table}) == 1  # a well-formed table
 
 
 # ---- planted failures -----------------------------------------------------------------------
@@ -218,6 +228,28 @@ def test_planted_wrong_tensor_op_output_fails_the_accelerator_section(tmp_path, 
     assert "out: max error" in c["tensor_ops"]["message"]
     assert any(f.startswith(f"accelerator {c['id']}") for f in data["summary"]["failures"])
     assert md.startswith("# flash_metal selfcheck: FAILED")
+
+
+def test_planted_wrong_tensor_op_gradient_fails_the_accelerator_section(tmp_path, monkeypatch):
+    # The backward cases bite too: the tensor-op dQ kernel's last grad_q element off by 0.05 fails the
+    # tensor_ops side of the case (the simdgroup backward's side still passes).
+    _need_emulator()
+    import backends
+
+    only = ("--accelerator-only", "--only", "tensor_ops_backward-float16-d64")
+    original = backends._run_plan
+
+    def planted(plan, tensors, *a, **kw):
+        original(plan, tensors, *a, **kw)
+        if plan.dispatches[0].kernel_name.startswith("flash_backward_mpp_dq_"):
+            tensors["grad_q"].view(-1)[-1] += 0.05
+
+    monkeypatch.setattr(backends, "_run_plan", planted)
+    rc, data, md = _run_in_process(tmp_path / "planted", *only)
+    [c] = data["accelerator"]["checks"]
+    assert rc == 1 and data["accelerator"]["status"] == "failed" and c["status"] == "failed"
+    assert c["tensor_ops"]["status"] == "failed" and c["simdgroup"]["status"] == "passed"
+    assert "max error" in c["tensor_ops"]["message"]
 
 
 class _NoAccelerator:

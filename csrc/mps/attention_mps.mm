@@ -294,11 +294,16 @@ void backward_kernel(const AttentionCall& c, const BackwardTensors& t, const Att
   const bool has_grad_lse = t.grad_lse3.defined();
   const at::Tensor& glse = has_grad_lse ? t.grad_lse3 : t.lse3;
   id<MTLDevice> device = at::mps::MPSDevice::getInstance()->device();
+  // As the forward: forced tensor ops where this process cannot run them say why.
+  const bool forced_tensor_ops = request == KernelRequest::TensorOps;
+  const GpuSpec gpu = gpu_spec_of(device, forced_tensor_ops);
+  TORCH_CHECK_NOT_IMPLEMENTED(!forced_tensor_ops || gpu.tensor_ops_missing.empty(), kBackwardOp,
+                              ": impl='tensor_ops' cannot run in this process: ", gpu.tensor_ops_missing);
   LaunchStrides strides = launch_strides(c, t.out4, t.lse3);
   strides.grad_out = strides4(t.grad_out4);
   strides.offsets[3] = t.grad_out4.storage_offset();
   strides.grad_lse = {glse.stride(0), glse.stride(1), glse.stride(2)};
-  const MetalPlan plan = plan_metal_attention_backward(c.p, strides, has_grad_lse, request, gpu_spec_of(device));
+  const MetalPlan plan = plan_metal_attention_backward(c.p, strides, has_grad_lse, request, gpu);
 
   const at::Tensor delta = scratch(c.q, plan.delta_elements);
   LaunchTensors tensors{};

@@ -15,6 +15,7 @@
 // infinities; see shaders/attention_common.h), but IEEE semantics are what
 // the emulator tests, so they are what we ask Apple's compiler for.
 #include "library.h"
+#include "metal_plan.h"  // is_tensor_ops_kernel
 #include "shader_source.h"
 
 #include <ATen/mps/MPSDevice.h>
@@ -82,10 +83,9 @@ constexpr const char* kMetallibHashName = "flash_metal.metallib.fnv1a64";
 constexpr const char* kShaderDirName = "shaders";
 constexpr const char* kShaderSourceName = "shaders/attention.metal";
 // The MSL 4 library (setup.py's build_mpp_metallib) and its fingerprint, and
-// the prefix of the kernels it holds (shaders/attention_mpp.metal's names).
+// (its kernels' names: is_tensor_ops_kernel, csrc/metal_plan.h).
 constexpr const char* kMppMetallibName = "flash_metal_mpp.metallib";
 constexpr const char* kMppMetallibHashName = "flash_metal_mpp.metallib.fnv1a64";
-constexpr const char* kMppKernelPrefix = "flash_attention_prefill_mpp_";
 // Set to 1 to ignore the metallib and compile the shipped sources: lets a
 // Mac with the full toolchain exercise the fallback path users without it get.
 constexpr const char* kForceRuntimeCompileEnv = "FLASH_METAL_RUNTIME_COMPILE";
@@ -359,7 +359,8 @@ const LoadedMpp& mpp_library_for(id<MTLDevice> device) {
   return mpp_libraries().emplace(key, load_mpp_library(device)).first->second;
 }
 
-bool is_mpp_kernel(const std::string& name) { return name.rfind(kMppKernelPrefix, 0) == 0; }
+// The forward's and the backward's tensor-op kernels (metal_plan.h's rule).
+bool is_mpp_kernel(const std::string& name) { return is_tensor_ops_kernel(name); }
 
 // Builds a pipeline from `library` (described by `origin`, for messages).
 // Runs without the cache's lock, possibly on several threads at once

@@ -245,3 +245,34 @@ def test_slot_by_slot_copy_into_an_input_is_right_under_m5_only():
     assert_product(*chain("mpp_chain_slot_copy_bug", "m5")[1:], 16)
     with pytest.raises(AssertionError):
         assert_product(*chain("mpp_chain_slot_copy_bug", "scrambled")[1:], 16)
+
+
+def same_op_slots(name, layout):
+    """(A B^T) * (A2 B2^T) elementwise from two destination cooperative tensors combined slot by slot; for the
+    planted bug the second is (A2 B2') from an op of another descriptor (B2' = B2 read as 16 x 32)."""
+    rng = np.random.default_rng(29)
+    a, a2 = (torch.from_numpy(rng.standard_normal((16, 16))).to(torch.float16) for _ in range(2))
+    b, b2 = (torch.from_numpy(rng.standard_normal((32, 16))).to(torch.float16) for _ in range(2))
+    out = poisoned(16, 32)
+    lib(True).dispatch(name, buffers={0: a, 1: b, 2: a2, 3: b2, 4: out}, grid=(1,), threadgroup=(32,),
+                       mpp_layout=layout)
+    b2m = f64(b2).T if name == "mpp_same_op_slots" else f64(b2).reshape(16, 32)
+    x, y = f64(a) @ f64(b).T, f64(a2) @ b2m
+    # Each factor's float32 error is within 2 k eps of its |A||B| (assert_product), so the product's within
+    # twice that of the two bounds' product (plus one rounding, far below).
+    bound = 2 * (np.abs(f64(a)) @ np.abs(f64(b)).T) * (np.abs(f64(a2)) @ np.abs(b2m))
+    return out, x * y, bound
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_destinations_of_one_op_type_share_their_slots(layout):
+    """What the tensor-op backward relies on (dS = P * (dP - Delta) slot by slot): two destination cooperative
+    tensors of one op type hold the same element in the same slot, a cooperative tensor's layout being a
+    function of its type and thread (README, "MPP tensor ops"), in every layout."""
+    assert_product(*same_op_slots("mpp_same_op_slots", layout), 16)
+
+
+def test_destinations_of_other_op_types_combined_slot_by_slot_is_right_under_m5_only():
+    assert_product(*same_op_slots("mpp_other_op_slots_bug", "m5"), 16)
+    with pytest.raises(AssertionError):
+        assert_product(*same_op_slots("mpp_other_op_slots_bug", "scrambled"), 16)

@@ -34,8 +34,10 @@ METALLIB_HASH_NAME = "flash_metal.metallib.fnv1a64"
 MPP_METALLIB_NAME = "flash_metal_mpp.metallib"
 MPP_METALLIB_HASH_NAME = "flash_metal_mpp.metallib.fnv1a64"
 MPP_KERNEL_PREFIX = "flash_attention_prefill_mpp_"
+# The MSL 4 library's kernels: the forward's and the backward's (csrc/metal_plan.h, is_tensor_ops_kernel).
+MPP_KERNEL_PREFIXES = (MPP_KERNEL_PREFIX, "flash_backward_mpp_")
 # Constants the .mm sets that the MPP kernels do not declare (tests/backends.py's MPP_UNDECLARED_CONSTANTS).
-MPP_UNDECLARED_CONSTANTS = (1, 2, 3, 10)
+MPP_UNDECLARED_CONSTANTS = (1, 2, 10)
 # First line of a fake metallib (fake_runtime.h: kFakeMetallibMagic).
 FAKE_METALLIB_MAGIC = "flash_metal fake metallib v1"
 
@@ -179,7 +181,7 @@ class Host:
         return self.to_cpu(tensors[3]), self.to_cpu(tensors[4]), rec, tensors
 
 
-    def run_backward(self, grad_out, q, k, v, out, lse, causal=False, scale=None, grad_lse=None):
+    def run_backward(self, grad_out, q, k, v, out, lse, causal=False, scale=None, grad_lse=None, impl="auto"):
         """Calls attention_backward on fake MPS copies (layouts kept), without replay.
 
         Returns (recording, (grad_q, grad_k, grad_v) as fake MPS tensors, the inputs as fake MPS tensors).
@@ -187,7 +189,7 @@ class Host:
         dev = [self.to_mps(t) for t in (grad_out, q, k, v, out, lse)]
         g = None if grad_lse is None else self.to_mps(grad_lse)
         self.take_recording()
-        grads = torch.ops.flash_metal.attention_backward(*dev, causal, scale, g)[:3]
+        grads = torch.ops.flash_metal.attention_backward(*dev, causal, scale, g, impl)[:3]
         return self.take_recording(), grads, (*dev, g)
 
     def backward(self, grad_out, q, k, v, out, lse, causal=False, scale=None, grad_lse=None, library=None):
@@ -323,7 +325,7 @@ def replay(recording: dict, library, mpp_library=None) -> list[str]:
                 grid, group = e["grid"], e["threadgroup"]
             constants = {int(i): v for i, v in pipeline["constants"].items()}
             target = library
-            if pipeline["kernel"].startswith(MPP_KERNEL_PREFIX):
+            if pipeline["kernel"].startswith(MPP_KERNEL_PREFIXES):
                 if mpp_library is None:
                     raise ReplayError(f"{pipeline['kernel']} is an MSL 4 kernel and no MSL 4 library was given")
                 target = mpp_library

@@ -435,3 +435,27 @@ def tensor_ops_reported(host, emu, expected: list) -> list:
             assert e["forced_reason"] in t["forced_reason"], (e, t)
         answers.append(t)
     return answers
+
+
+# --- the tensor-op backward (issue 21 item 2) through the executed host ---------------------------
+
+
+def tensor_ops_backward(host, library) -> dict:
+    """impl='tensor_ops' backward through the .mm: its two kernels' pipelines come from the MSL 4 library
+    (flash_metal_mpp.metallib), bound as planned (a gradient into lse too: function constant 3), replayed in
+    the emulator's MSL 4 build ("scrambled" lane layout) and checked against float64 by the 2x rule.
+    Returns the kernels the host set, in order."""
+    from metal_emulator import compile_library
+    from mps_exec import MPP_SHADER, replay
+
+    mpp = compile_library([MPP_SHADER], instrumented=False, msl=4)
+    g = torch.Generator().manual_seed(41)
+    q, k, v = make_qkv(1, 4, 2, 37, 45, 64, torch.float16, generator=g)
+    out, lse = torch.ops.flash_metal.attention_forward(q, k, v, True, None, "auto")
+    grad_out = torch.randn(q.shape, generator=g).to(torch.float16)
+    grad_lse = torch.randn(lse.shape, generator=g)
+    rec, grads, _ = host.run_backward(grad_out, q, k, v, out, lse, True, None, grad_lse, impl="tensor_ops")
+    replay(rec, library, mpp)
+    host.complete_gpu_work()
+    assert_gradients_close(tuple(host.to_cpu(t) for t in grads), q, k, v, grad_out, True, None, grad_lse)
+    return [e["kernel"] for e in rec["events"] if e["op"] == "setComputePipelineState"]

@@ -208,3 +208,47 @@ template <bool CONVERT>
 }
 template [[host_name("mpp_chain")]] [[kernel]] decltype(mpp_chain<true>) mpp_chain<true>;
 template [[host_name("mpp_chain_slot_copy_bug")]] [[kernel]] decltype(mpp_chain<false>) mpp_chain<false>;
+
+// out = (A B^T) * (A2 B2^T) elementwise, the two products in two destination
+// cooperative tensors combined slot by slot (the tensor-op backward's dS =
+// P * (dP - Delta), shaders/attention_backward_mpp.h). SAME: both from one
+// op type (same descriptor, scope, operand and element types), whose slots
+// hold the same elements. The planted bug: the second product from an op of
+// another descriptor (B2 read untransposed, same 16 x 32 shape), whose
+// layout need not match: right under "m5" only.
+template <bool SAME>
+[[kernel]] void mpp_same_op_slots(device half* a [[buffer(0)]], device half* b [[buffer(1)]],
+                                  device half* a2 [[buffer(2)]], device half* b2 [[buffer(3)]],
+                                  device float* out [[buffer(4)]]) {
+  auto ta = tensor(a, dextents<int, 2>(16, 16));
+  auto tb = tensor(b, dextents<int, 2>(16, 32));   // 32 x 16, read transposed
+  auto ta2 = tensor(a2, dextents<int, 2>(16, 16));
+  auto tb2 = tensor(b2, dextents<int, 2>(16, 32));  // as b (SAME); the bug reads it as 16 x 32 below
+  auto tb2n = tensor(b2, dextents<int, 2>(32, 16));
+  constexpr auto dt = matmul2d_descriptor(16, 32, 16, false, true);
+  constexpr auto dn = matmul2d_descriptor(16, 32, 16, false, false);
+  matmul2d<dt, execution_simdgroup> op;
+  matmul2d<dn, execution_simdgroup> other;
+  auto x = op.template get_destination_cooperative_tensor<decltype(ta), decltype(tb), float>();
+  op.run(ta, tb, x);
+  if (SAME) {
+    auto y = op.template get_destination_cooperative_tensor<decltype(ta), decltype(tb), float>();
+    op.run(ta2, tb2, y);
+    for (int i = 0; i < x.get_capacity(); ++i) {
+      if (!x.is_valid_element(i)) continue;
+      auto idx = x.get_multidimensional_index(i);
+      out[idx[1] * 32 + idx[0]] = x[i] * y[i];
+    }
+  } else {
+    auto y = other.template get_destination_cooperative_tensor<decltype(ta), decltype(tb2n), float>();
+    other.run(ta2, tb2n, y);
+    for (int i = 0; i < x.get_capacity(); ++i) {
+      if (!x.is_valid_element(i)) continue;
+      auto idx = x.get_multidimensional_index(i);
+      out[idx[1] * 32 + idx[0]] = x[i] * y[i];
+    }
+  }
+}
+template [[host_name("mpp_same_op_slots")]] [[kernel]] decltype(mpp_same_op_slots<true>) mpp_same_op_slots<true>;
+template [[host_name("mpp_other_op_slots_bug")]] [[kernel]] decltype(mpp_same_op_slots<false>)
+    mpp_same_op_slots<false>;

@@ -1,0 +1,380 @@
+// The FlashAttention-2 backward on Metal 4 tensor operations (MPP matmul2d,
+// issue 21 item 2): the simdgroup backward's algorithm and atomics-free
+// split (shaders/attention_backward.h; metal-flash-attention's idea), with
+// every matrix product on matmul2d. Two kernels, no atomics, deterministic:
+//
+//   flash_backward_mpp_dq    grid (ceil(Nq / BQ), Hq, B), 32 * BQ / 16 threads
+//     per SIMD-group of 16 query rows: Delta = rowsum(dO * O) - grad_lse
+//     (written to the float32 scratch for the second kernel), then over the
+//     key blocks of BK keys the rows see: S = Q.K^T, dP = dO.V^T (two runs
+//     of one 16 x BK op, K and V transposed from device memory),
+//     P = exp2(S * scale * log2 e - lse * log2 e), dS = P * (dP - Delta),
+//     dQ += dS.K (multiply_accumulate into a float destination); dQ * scale.
+//   flash_backward_mpp_dkdv  grid (ceil(Nk / BKV), Hkv, B), 32 * BKV / 16 threads
+//     per SIMD-group of 16 keys, over the GQA group's query heads and the
+//     query blocks of BQ rows that see its keys: S^T = K.Q^T and
+//     dP^T = V.dO^T (two runs of one 16 x BQ op), P^T, dS^T = P^T * (dP^T -
+//     Delta), dV += P^T.dO, dK += dS^T.Q; dK * scale and dV stored.
+//
+// S^T and dP^T are computed transposed (keys as rows) rather than as Q.K^T
+// transposed afterwards, so the products P^T.dO and dS^T.Q take P^T and dS^T
+// as plain (untransposed) left operands: no transpose_left is needed.
+//
+// The lane layout of a cooperative tensor is the implementation's (PyTorch
+// #182256, #191794): every element learns its (row, column) only through
+// get_multidimensional_index. S and dP (S^T and dP^T) come from two runs of
+// the same matmul2d type with operands of the same types, so their
+// destination cooperative tensors have one type and hold the same element in
+// the same slot: dS is formed slot by slot from the two (the layout is a
+// function of the type and the thread, never of the instance: notes
+// "Cooperative tensors"; the emulator keys its layouts by the op's descriptor
+// and scope, and proves this use in test_emu_mpp.py).
+//
+// P and dS are rounded to T before their products: matmul2d's operand table
+// pairs half with half and bfloat with bfloat (no float x half), as
+// FlashAttention-2 on CUDA rounds them for its tensor cores. (The simdgroup
+// backward keeps them float32: its 8x8 fragments are float. The 2x rule
+// against PyTorch's attention in the same dtype, which rounds P too, holds
+// for both.) Accumulation is float32: destination cooperative tensors of
+// float, multiply_accumulate across blocks.
+//
+// SIMD-groups are independent, as in the forward (attention_prefill_mpp.h):
+// each stages its own tiles in its own slice of threadgroup memory, so no
+// threadgroup barrier is needed, only simdgroup_barrier between the phases
+// that pass data through threadgroup memory (lane to lane). Threadgroup
+// memory per SIMD-group (csrc/metal_plan_detail.h, tensor_ops_backward_slice):
+//   dQ:    Q and dO (16 x D each, T), dS (16 x BK, T), 4 floats per row
+//   dK/dV: P^T and dS^T (16 x BQ each, T), 4 floats per streamed query
+//          (m2, m2lo, Delta, seen); K and V from device memory (see the kernel)
+// The host picks BQ (dQ) and BKV (dK/dV) as the most SIMD-groups (4, else 2)
+// whose slices fit Metal's 32 KiB.
+//
+// Options: causal (bottom-right, block skipping in both kernels) and GQA
+// only; masks, windows, softcap, sinks and varlen stay on the simdgroup
+// backward (the host routes them there and says so).
+//
+// Not yet verified on Apple hardware: the emulator runs it under the
+// published M5 layout and a scrambled one (tests/test_metal_tensor_ops_backward.py).
+#pragma once
+
+namespace flash_metal {
+
+// [[function_constant(3)]], as the simdgroup backward's fc_has_grad_lse (the
+// host sets the same index): a gradient flows into lse (grad_lse is read).
+constant bool fc_mpp_has_grad_lse [[function_constant(3)]];
+
+// log2 e's float32 remainder, (log2 e) - (float)(log2 e), as
+// attention_backward.h's kLog2eLo: the row's base-2 lse is m2 + m2lo, m2 =
+// lse * log2 e rounded, m2lo its rounding error plus lse times this.
+constant float kMppLog2eLo = 1.925963e-08f;
+
+// Floats per row (dQ) or streamed query (dK/dV) in a SIMD-group's stats:
+// m2, m2lo, Delta, and 1 / 0 for a row that saw some key / none.
+constant constexpr int kMppStats = 4;
+
+// The packed (B, H, N, D) offset of row `row` of head `head` (grad_q,
+// grad_k, grad_v and, with D = 1, Delta).
+inline int64_t mpp_packed_row(uint batch, uint head, int heads, int n, int64_t row, int D) {
+  return ((int64_t(batch) * heads + int64_t(head)) * n + row) * D;
+}
+
+// A row's stats from its lse (and Delta): m2 + m2lo = lse * log2 e, and
+// whether it saw a key (the forward's -inf, tested on the bits: fast math).
+FM_INLINE void mpp_row_stats(threadgroup float* st, float l, float dl) {
+  const bool seen = as_type<uint>(l) != kNegInfBits;
+  const float m2 = seen ? l * M_LOG2E_F : 0.0f;
+  st[0] = m2;
+  st[1] = seen ? fma(l, M_LOG2E_F, -m2) + l * kMppLog2eLo : 0.0f;
+  st[2] = dl;
+  st[3] = seen ? 1.0f : 0.0f;
+}
+
+// P of one element from its raw score s and its row's stats (0 where the
+// key is dropped or the row saw none), the simdgroup backward's
+// exp2(fma(S, scale_log2, -m2) - m2lo).
+FM_INLINE float mpp_weight(threadgroup const float* st, float s, float scale_log2, bool keep) {
+  return keep && st[3] != 0.0f ? exp2(fma(s, scale_log2, -st[0]) - st[1]) : 0.0f;
+}
+
+// T: half or bfloat. D: 64, 96, 128 exactly. BQ = 16 * WM query rows per
+// threadgroup, BK keys per block. Launch: grid (ceil(Nq / BQ), Hq, B),
+// threadgroup (32 * WM, 1, 1), threadgroup memory at index 0 (top of file),
+// function constants fc_causal (0) and fc_mpp_has_grad_lse (3).
+template <typename T, int D, int BQ, int BK>
+[[kernel]] [[max_total_threads_per_threadgroup(kPrefillMppMaxThreads)]] void flash_backward_mpp_dq(
+    device const T* q [[buffer(0)]],
+    device const T* k [[buffer(1)]],
+    device const T* v [[buffer(2)]],
+    device const T* o [[buffer(3)]],
+    device const float* lse [[buffer(4)]],
+    constant AttentionParams& p [[buffer(5)]],
+    device const T* dout [[buffer(8)]],
+    device T* dq [[buffer(9)]],
+    device const float* dlse [[buffer(12)]],
+    device float* delta [[buffer(13)]],
+    threadgroup T* smem [[threadgroup(0)]],
+    uint3 group [[threadgroup_position_in_grid]],
+    uint sg [[simdgroup_index_in_threadgroup]],
+    uint lane [[thread_index_in_simdgroup]]) {
+  using namespace mpp::tensor_ops;
+  constexpr int R = kMppRowsPerSimd;
+  constexpr int WM = BQ / R;
+  static_assert(BQ % R == 0 && 32 * WM <= kPrefillMppMaxThreads, "WM SIMD-groups of 16 rows, declared limit");
+  // This SIMD-group's slice: Q, dO, dS, then its rows' stats.
+  constexpr int SLICE = 2 * R * D + R * BK + R * kMppStats * 4 / int(sizeof(T));
+  threadgroup T* q_tile = smem + int(sg) * SLICE;
+  threadgroup T* do_tile = q_tile + R * D;
+  threadgroup T* ds_tile = do_tile + R * D;
+  threadgroup float* stats = reinterpret_cast<threadgroup float*>(ds_tile + R * BK);
+
+  const SeqView seq = sequence_view(p, nullptr, nullptr, group.z);
+  const int row0 = int(group.x) * BQ + int(sg) * R;
+  if (row0 >= seq.q_len) return;  // uniform per SIMD-group; no collective spans SIMD-groups
+  const HeadOffsets h = head_offsets(p, group.z, group.y);
+  const int64_t do_head = int64_t(group.z) * p.do_batch_stride + int64_t(group.y) * p.do_head_stride;
+  const int64_t glse_head = int64_t(group.z) * p.glse_batch_stride + int64_t(group.y) * p.glse_head_stride;
+  const int rows = min(R, seq.q_len - row0);
+
+  // Q and dO rows to threadgroup memory (zeros past the sequence), lane l
+  // copying elements l, l + 32, ... (consecutive lanes, consecutive features).
+  {
+    device const T* q_rows = q + h.q + int64_t(row0) * p.q_row_stride;
+    device const T* do_rows = dout + do_head + int64_t(row0) * p.do_row_stride;
+    const int qs = int(p.q_row_stride), qd = int(p.q_dim_stride);
+    const int ds = int(p.do_row_stride), dd = int(p.do_dim_stride);
+    for (int e = int(lane); e < R * D; e += 32) {
+      const int r = e / D, c = e - r * D;
+      q_tile[e] = r < rows ? q_rows[r * qs + c * qd] : static_cast<T>(0.0f);
+      do_tile[e] = r < rows ? do_rows[r * ds + c * dd] : static_cast<T>(0.0f);
+    }
+  }
+  simdgroup_barrier(mem_flags::mem_threadgroup);  // dO written before the Delta reads (RAW)
+
+  // Delta = rowsum(dO * O) - grad_lse in float32: lanes 2r and 2r + 1 take
+  // the even / odd features of row r, one shuffle adds the halves. O is read
+  // once, from device memory (no other use). Then the row's stats, from the
+  // even lane; Delta to the scratch for the dK/dV kernel.
+  {
+    const int r = int(lane) / 2;
+    float dsum = 0.0f;
+    if (r < rows) {
+      device const T* orow = o + h.o + int64_t(row0 + r) * p.o_row_stride;
+      for (int c = int(lane) & 1; c < D; c += 2) dsum += float(do_tile[r * D + c]) * float(orow[c * p.o_dim_stride]);
+    }
+    dsum += simd_shuffle_xor(dsum, 1);
+    if ((lane & 1) == 0) {
+      float l = as_type<float>(kNegInfBits), dl = 0.0f;
+      if (r < rows) {
+        const int row = row0 + r;
+        l = lse[h.lse + int64_t(row) * p.lse_row_stride];
+        dl = dsum;
+        if (fc_mpp_has_grad_lse) dl -= dlse[glse_head + int64_t(row) * p.glse_row_stride];
+        delta[mpp_packed_row(group.z, group.y, p.q_heads, p.q_len, row, 1)] = dl;
+      }
+      mpp_row_stats(stats + r * kMppStats, l, dl);
+    }
+  }
+  simdgroup_barrier(mem_flags::mem_threadgroup);  // stats written before other lanes read them (RAW)
+
+  const auto tq = tensor(q_tile, dextents<int, 2>(D, R));
+  const auto tdo = tensor(do_tile, dextents<int, 2>(D, R));
+  const auto tds = tensor(ds_tile, dextents<int, 2>(BK, R));
+  const auto tk =
+      tensor(k + h.k, dextents<int, 2>(D, seq.kv_len), array<int, 2>{int(p.k_dim_stride), int(p.k_row_stride)});
+  const auto tv =
+      tensor(v + h.v, dextents<int, 2>(D, seq.kv_len), array<int, 2>{int(p.v_dim_stride), int(p.v_row_stride)});
+  using QT = decltype(tq);
+  using KT = decltype(tk.slice(0, 0));
+  using DST = decltype(tds);
+  // S = Q.K^T and dP = dO.V^T: one op type (16 x BK, K = D, right
+  // transposed) run twice. dQ += dS.K: 16 x D, K = BK, accumulating.
+  constexpr auto s_desc = matmul2d_descriptor(R, BK, D, false, true, false, matmul2d_descriptor::mode::multiply);
+  constexpr auto dq_desc =
+      matmul2d_descriptor(R, D, BK, false, false, false, matmul2d_descriptor::mode::multiply_accumulate);
+  matmul2d<s_desc, execution_simdgroup> s_op;
+  matmul2d<dq_desc, execution_simdgroup> dq_op;
+  auto s = s_op.template get_destination_cooperative_tensor<QT, KT, float>();
+  auto dp = s_op.template get_destination_cooperative_tensor<QT, KT, float>();
+  auto acc = dq_op.template get_destination_cooperative_tensor<DST, KT, float>();
+  for (int i = 0; i < acc.get_capacity(); ++i) acc[i] = 0.0f;
+
+  // Key blocks the rows see: up to the last real row's last visible key
+  // (causal: later blocks are wholly in the future, as in the forward).
+  const int n_blocks = (visible_key_end(seq, row0 + rows - 1) + BK - 1) / BK;
+  for (int kb = 0; kb < n_blocks; ++kb) {
+    const int k0 = kb * BK;
+    s_op.run(tq, tk.slice(0, k0), s);
+    s_op.run(tdo, tv.slice(0, k0), dp);
+    // dS = P * (dP - Delta) into threadgroup memory, rounded to T; each of
+    // the 16 x BK elements is held by exactly one valid slot, so the whole
+    // tile is written (zeros where dropped).
+    const bool k_edge = k0 + BK > seq.kv_len;
+    const bool diagonal = fc_causal && k0 + BK - 1 > row0 + seq.upper;
+    for (int i = 0; i < s.get_capacity(); ++i) {
+      if (!s.is_valid_element(i)) continue;
+      const auto idx = s.get_multidimensional_index(i);  // [0] the key, [1] the row, within the block
+      const int row = row0 + idx[1], key = k0 + idx[0];
+      bool keep = !(k_edge && key >= seq.kv_len);
+      if (diagonal && key > row + seq.upper) keep = false;
+      threadgroup const float* st = stats + idx[1] * kMppStats;
+      const float pw = mpp_weight(st, s[i], p.scale_log2, keep);
+      ds_tile[idx[1] * BK + idx[0]] = static_cast<T>(pw * (dp[i] - st[2]));
+    }
+    simdgroup_barrier(mem_flags::mem_threadgroup);  // dS written before other lanes' matmul2d reads it (RAW)
+    dq_op.run(tds, tk.slice(0, k0), acc);  // K past the sequence reads as zero; dS is 0 there
+    simdgroup_barrier(mem_flags::mem_threadgroup);  // dS read before the next block rewrites it (WAR)
+  }
+
+  // dQ * scale, packed, real rows only (zeros for a row that saw no key).
+  for (int i = 0; i < acc.get_capacity(); ++i) {
+    if (!acc.is_valid_element(i)) continue;
+    const auto idx = acc.get_multidimensional_index(i);  // [0] the feature, [1] the row
+    const int row = row0 + idx[1];
+    if (row < seq.q_len)
+      dq[mpp_packed_row(group.z, group.y, p.q_heads, p.q_len, row, D) + idx[0]] = static_cast<T>(acc[i] * p.scale);
+  }
+}
+
+// T, D as above. BKV = 16 * WM keys per threadgroup, BQ query rows per
+// streamed block. Launch: grid (ceil(Nk / BKV), Hkv, B), threadgroup
+// (32 * WM, 1, 1), threadgroup memory at index 0 (top of file), function
+// constant fc_causal (0). Reads Delta as the dQ kernel wrote it (the host
+// encodes the two in that order).
+template <typename T, int D, int BKV, int BQ>
+[[kernel]] [[max_total_threads_per_threadgroup(kPrefillMppMaxThreads)]] void flash_backward_mpp_dkdv(
+    device const T* q [[buffer(0)]],
+    device const T* k [[buffer(1)]],
+    device const T* v [[buffer(2)]],
+    device const float* lse [[buffer(4)]],
+    constant AttentionParams& p [[buffer(5)]],
+    device const T* dout [[buffer(8)]],
+    device T* dk [[buffer(10)]],
+    device T* dv [[buffer(11)]],
+    device const float* delta [[buffer(13)]],
+    threadgroup T* smem [[threadgroup(0)]],
+    uint3 group [[threadgroup_position_in_grid]],
+    uint sg [[simdgroup_index_in_threadgroup]],
+    uint lane [[thread_index_in_simdgroup]]) {
+  using namespace mpp::tensor_ops;
+  constexpr int R = kMppRowsPerSimd;
+  constexpr int WM = BKV / R;
+  static_assert(BKV % R == 0 && 32 * WM <= kPrefillMppMaxThreads, "WM SIMD-groups of 16 keys, declared limit");
+  static_assert(BQ <= 32, "one lane per streamed query fills the stats");
+  // This SIMD-group's slice: P^T, dS^T, then the block's query stats. K and
+  // V are not staged: matmul2d reads the SIMD-group's 16 rows of each from
+  // device memory (the same rows every block, an L1 hit after the first),
+  // which keeps the slice at 2,560 bytes, so 4 SIMD-groups (64 keys) per
+  // threadgroup at every D, and 3 threadgroups per 32 KiB core: staged,
+  // D = 96 / 128 fit only 2 SIMD-groups and one threadgroup per core, and
+  // the model found the kernel bound by the Q / dO traffic that left
+  // (benchmarks/metal_model_accel.py).
+  constexpr int SLICE = 2 * R * BQ + BQ * kMppStats * 4 / int(sizeof(T));
+  threadgroup T* pt_tile = smem + int(sg) * SLICE;
+  threadgroup T* dst_tile = pt_tile + R * BQ;
+  threadgroup float* stats = reinterpret_cast<threadgroup float*>(dst_tile + R * BQ);
+
+  const SeqView seq = sequence_view(p, nullptr, nullptr, group.z);
+  const int key0 = int(group.x) * BKV + int(sg) * R;  // this SIMD-group's first key
+  if (key0 >= seq.kv_len) return;  // uniform per SIMD-group
+  const uint kv_head = group.y;
+  const int64_t k_off = int64_t(group.z) * p.k_batch_stride + int64_t(kv_head) * p.k_head_stride;
+  const int64_t v_off = int64_t(group.z) * p.v_batch_stride + int64_t(kv_head) * p.v_head_stride;
+  // The SIMD-group's 16 keys of K and V as device tensors from key0, their
+  // row extents ending at the sequence (matmul2d reads zeros past it).
+  const auto tkt = tensor(k + k_off, dextents<int, 2>(D, seq.kv_len),
+                          array<int, 2>{int(p.k_dim_stride), int(p.k_row_stride)}).slice(0, key0);
+  const auto tvt = tensor(v + v_off, dextents<int, 2>(D, seq.kv_len),
+                          array<int, 2>{int(p.v_dim_stride), int(p.v_row_stride)}).slice(0, key0);
+  const auto tpt = tensor(pt_tile, dextents<int, 2>(BQ, R));
+  const auto tdst = tensor(dst_tile, dextents<int, 2>(BQ, R));
+  using KT = decltype(tkt);
+  using PT = decltype(tpt);
+  // S^T = K.Q^T and dP^T = V.dO^T: one op type (16 x BQ, K = D, right
+  // transposed). dV += P^T.dO and dK += dS^T.Q: one op type (16 x D, K = BQ).
+  constexpr auto st_desc = matmul2d_descriptor(R, BQ, D, false, true, false, matmul2d_descriptor::mode::multiply);
+  constexpr auto acc_desc =
+      matmul2d_descriptor(R, D, BQ, false, false, false, matmul2d_descriptor::mode::multiply_accumulate);
+  matmul2d<st_desc, execution_simdgroup> st_op;
+  matmul2d<acc_desc, execution_simdgroup> acc_op;
+
+  // Query blocks that see some key of this SIMD-group: causal, query i sees
+  // key j only if i >= j - upper, so from row key0 - upper on. Per
+  // SIMD-group (they are independent), so the block skipping is per 16 keys.
+  const int first_row = fc_causal ? clamp(key0 - seq.upper, 0, seq.q_len) : 0;
+  const int qb_begin = first_row / BQ;
+  const int qb_end = (seq.q_len + BQ - 1) / BQ;
+
+  // The group's query heads in a fixed order, summed in the float32
+  // registers of the accumulators (16-bit gradients: their rounding dwarfs
+  // the sum's, as in the simdgroup backward's 16-bit path).
+  // Q's and dO's slices (device tensors of T with strides): one type.
+  using QT = decltype(tensor(q, dextents<int, 2>(D, 1), array<int, 2>{1, 1}).slice(0, 0));
+  auto dk_acc = acc_op.template get_destination_cooperative_tensor<PT, QT, float>();
+  auto dv_acc = acc_op.template get_destination_cooperative_tensor<PT, QT, float>();
+  for (int i = 0; i < dk_acc.get_capacity(); ++i) {
+    dk_acc[i] = 0.0f;
+    dv_acc[i] = 0.0f;
+  }
+  for (int g = 0; g < p.gqa_ratio; ++g) {
+    const uint head = kv_head * uint(p.gqa_ratio) + uint(g);
+    const HeadOffsets h = head_offsets(p, group.z, head);
+    const int64_t do_head = int64_t(group.z) * p.do_batch_stride + int64_t(head) * p.do_head_stride;
+    device const float* head_delta = delta + mpp_packed_row(group.z, head, p.q_heads, p.q_len, 0, 1);
+    const auto tq =
+        tensor(q + h.q, dextents<int, 2>(D, seq.q_len), array<int, 2>{int(p.q_dim_stride), int(p.q_row_stride)});
+    const auto tdo = tensor(dout + do_head, dextents<int, 2>(D, seq.q_len),
+                            array<int, 2>{int(p.do_dim_stride), int(p.do_row_stride)});
+    auto s = st_op.template get_destination_cooperative_tensor<KT, QT, float>();
+    auto dp = st_op.template get_destination_cooperative_tensor<KT, QT, float>();
+    for (int qb = qb_begin; qb < qb_end; ++qb) {
+      const int q0 = qb * BQ;
+      // The block's queries' stats, a lane each (zeros, "no key", past the
+      // sequence). The previous block's reads of them ended at its WAR barrier.
+      if (int(lane) < BQ) {
+        const int row = q0 + int(lane);
+        float l = as_type<float>(kNegInfBits), dl = 0.0f;
+        if (row < seq.q_len) {
+          l = lse[h.lse + int64_t(row) * p.lse_row_stride];
+          dl = head_delta[row];
+        }
+        mpp_row_stats(stats + int(lane) * kMppStats, l, dl);
+      }
+      simdgroup_barrier(mem_flags::mem_threadgroup);  // stats written before other lanes read them (RAW)
+      st_op.run(tkt, tq.slice(0, q0), s);
+      st_op.run(tvt, tdo.slice(0, q0), dp);
+      // P^T and dS^T = P^T * (dP^T - Delta) into threadgroup memory,
+      // rounded to T, every element of both tiles by its one valid slot.
+      const bool diagonal = fc_causal && key0 + R - 1 > q0 + seq.upper;
+      for (int i = 0; i < s.get_capacity(); ++i) {
+        if (!s.is_valid_element(i)) continue;
+        const auto idx = s.get_multidimensional_index(i);  // [0] the query, [1] the key, within the block
+        const int key = key0 + idx[1], row = q0 + idx[0];
+        bool keep = key < seq.kv_len;
+        if (diagonal && key > row + seq.upper) keep = false;
+        threadgroup const float* st = stats + idx[0] * kMppStats;
+        const float pw = mpp_weight(st, s[i], p.scale_log2, keep);
+        pt_tile[idx[1] * BQ + idx[0]] = static_cast<T>(pw);
+        dst_tile[idx[1] * BQ + idx[0]] = static_cast<T>(pw * (dp[i] - st[2]));
+      }
+      simdgroup_barrier(mem_flags::mem_threadgroup);  // P^T, dS^T written before matmul2d reads them (RAW)
+      // Queries past the sequence read as zero from dO and Q; P^T is 0 there.
+      acc_op.run(tpt, tdo.slice(0, q0), dv_acc);
+      acc_op.run(tdst, tq.slice(0, q0), dk_acc);
+      simdgroup_barrier(mem_flags::mem_threadgroup);  // tiles and stats read before the next block (WAR)
+    }
+  }
+
+  // dK * scale and dV, packed (B, Hkv, Nk, D), real keys only (zeros for a
+  // key no query sees).
+  for (int i = 0; i < dk_acc.get_capacity(); ++i) {
+    if (!dk_acc.is_valid_element(i)) continue;
+    const auto idx = dk_acc.get_multidimensional_index(i);  // [0] the feature, [1] the key
+    const int key = key0 + idx[1];
+    if (key >= seq.kv_len) continue;
+    const int64_t at = mpp_packed_row(group.z, kv_head, p.kv_heads, p.kv_len, key, D) + idx[0];
+    dk[at] = static_cast<T>(dk_acc[i] * p.scale);
+    dv[at] = static_cast<T>(dv_acc[i]);
+  }
+}
+
+}  // namespace flash_metal

@@ -1,0 +1,308 @@
+"""The backward on Metal 4 tensor ops (impl='tensor_ops', issue 21 item 2): shaders/attention_backward_mpp.h.
+
+Two kernels of the MSL 4 library (shaders/attention_mpp.metal, run by the emulator's
+compile_library(..., msl=4)): flash_backward_mpp_dq (Delta and dQ over query blocks),
+then flash_backward_mpp_dkdv (dK and dV over key blocks, the GQA group's heads summed
+in a fixed order), launched from the op's own backward plan (csrc/metal_launch.cpp).
+Every numerical case runs under both cooperative-tensor lane layouts, "m5" (the
+Apple10 map MLX and PyTorch hard-code) and "scrambled" (a seeded permutation), with
+the gradients NaN-poisoned before the launch (backends.emulated_metal_attention_backward),
+against autograd of the float64 reference by FlashAttention's 2x rule
+(assert_gradients_close). Proof the tensor-op kernels ran: the plan's two kernel names,
+the MPP library's dispatched_names() and the exact count of matmul2d runs.
+
+Planted bugs (each a one-line change to a copy of the header, one kernel built):
+a hard-coded lane map (MLX's M5 formula in place of get_multidimensional_index):
+right under "m5", caught under "scrambled"; a missing simdgroup_barrier between
+writing dS and the matmul2d that reads it: a race in the instrumented build; the
+per-query stats of the dK/dV kernel looked up along the wrong dimension (the key
+instead of the query): caught by the 2x rule.
+"""
+import math
+import os
+import shutil
+
+import pytest
+import torch
+
+import backends
+import flash_metal
+from backends import LAST_DISPATCHES, emulated_metal_attention_backward, metal_mpp_library
+from metal_emulator import EmulatorError, compile_library
+from numerics import assert_gradients_close, dtype_id, make_qkv, make_tensor
+
+LAYOUTS = ("m5", "scrambled")
+DTYPES = (torch.float16, torch.bfloat16)
+NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
+ROWS, BLOCK = 16, 32  # rows per SIMD-group; keys per dQ block, query rows per dK/dV block
+# SIMD-groups per threadgroup (csrc/metal_plan_detail.h, tensor_ops_backward_simdgroups): as many of 4 or 2
+# as have their slices fit 32 KiB.
+DQ_WM = {64: 4, 96: 4, 128: 2}
+DKV_WM = {64: 4, 96: 4, 128: 4}
+
+
+def names(dtype, d):
+    return (f"flash_backward_mpp_dq_{NAMES[dtype]}_d{d}_bq{16 * DQ_WM[d]}_bk{BLOCK}",
+            f"flash_backward_mpp_dkdv_{NAMES[dtype]}_d{d}_bk{16 * DKV_WM[d]}_bq{BLOCK}")
+
+
+def slice_bytes(dkdv, d):
+    """One SIMD-group's threadgroup memory (16-bit T). dQ: Q and dO (16 x D), dS (16 x 32), 4 floats per row;
+    dK/dV: P^T and dS^T (16 x 32), 4 floats per streamed query (K and V are read from device memory)."""
+    return 2 * ROWS * BLOCK * 2 + BLOCK * 16 if dkdv else 2 * ROWS * d * 2 + ROWS * BLOCK * 2 + ROWS * 16
+
+
+def expected_runs(B, Hq, Hkv, Nq, Nk, causal):
+    """matmul2d runs: dQ kernel 3 per (16-row SIMD-group, key block it sees) (S, dP, dQ); dK/dV kernel 4 per
+    (16-key SIMD-group, query head of its group, query block that sees it) (S^T, dP^T, dV, dK). Causal is
+    bottom-right: row i sees keys j <= i + Nk - Nq."""
+    up = Nk - Nq
+    dq = 0
+    for r0 in range(0, Nq, ROWS):
+        last = min(r0 + ROWS, Nq) - 1
+        visible = min(max(last + up + 1, 0), Nk) if causal else Nk
+        dq += 3 * math.ceil(visible / BLOCK)
+    dkv = 0
+    for k0 in range(0, Nk, ROWS):
+        first = min(max(k0 - up, 0), Nq) if causal else 0
+        dkv += 4 * (math.ceil(Nq / BLOCK) - first // BLOCK)
+    return B * Hq * dq, B * Hq * dkv
+
+
+def _case(B, Hq, Hkv, Nq, Nk, D, dtype, causal, seed, grad_lse=False):
+    """Fresh inputs, the forward's out and lse (the CPU kernel, same dtype), grad_out and grad_lse."""
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = make_qkv(B, Hq, Hkv, Nq, Nk, D, dtype, generator=g)
+    out, lse = torch.ops.flash_metal.attention_forward(q, k, v, causal, None, "auto")
+    grad_out = make_tensor((B, Hq, Nq, D), "contiguous", dtype, g)
+    gl = torch.randn(B, Hq, Nq, generator=g) if grad_lse else None
+    return q, k, v, out, lse, grad_out, gl
+
+
+def run(case, causal, layout, instrumented=False, seed=0, mpp_seed=1, check_runs=True):
+    """The forced tensor_ops backward through the emulator under `layout`; checks the plan and the counts."""
+    q, k, v, out, lse, grad_out, gl = case
+    B, Hq, Nq, D = q.shape
+    Hkv, Nk = k.shape[1], k.shape[2]
+    plan = flash_metal.explain(q, k, v, causal, None, "tensor_ops", backward=True, grad_out=grad_out, out=out,
+                               lse=lse, grad_lse=gl)
+    dq_name, dkv_name = names(q.dtype, D)
+    assert [d.kernel_name for d in plan.dispatches] == [dq_name, dkv_name]
+    dq_plan, dkv_plan = plan.dispatches
+    assert dq_plan.grid == (math.ceil(Nq / (16 * DQ_WM[D])), Hq, B) and dq_plan.threadgroup == (32 * DQ_WM[D], 1, 1)
+    assert dkv_plan.grid == (math.ceil(Nk / (16 * DKV_WM[D])), Hkv, B)
+    assert dkv_plan.threadgroup == (32 * DKV_WM[D], 1, 1)
+    assert dq_plan.threadgroup_memory == DQ_WM[D] * slice_bytes(False, D) <= 32768
+    assert dkv_plan.threadgroup_memory == DKV_WM[D] * slice_bytes(True, D) <= 32768
+    grads = emulated_metal_attention_backward(grad_out, q, k, v, out, lse, causal, None, gl, impl="tensor_ops",
+                                              instrumented=instrumented, seed=seed, mpp_layout=layout,
+                                              mpp_seed=mpp_seed)
+    (d1, c1), (d2, c2) = LAST_DISPATCHES
+    ran = metal_mpp_library(instrumented).dispatched_names()
+    assert d1.kernel_name == dq_name and d2.kernel_name == dkv_name and {dq_name, dkv_name} <= set(ran)
+    if check_runs:
+        assert (c1.mpp_runs, c2.mpp_runs) == expected_runs(B, Hq, Hkv, Nq, Nk, causal)
+    # SIMD-groups are independent (each its own slice of threadgroup memory): no threadgroup barrier.
+    assert c1.threadgroup_barriers == 0 and c2.threadgroup_barriers == 0
+    return grads
+
+
+# (D, (Nq, Nk), Hq, Hkv): every head dim, GQA 2 and 3 and Hkv = 2, Nq < Nk and Nq > Nk (causal, bottom-right:
+# with Nq > Nk the first Nq - Nk rows see no key), ragged blocks throughout.
+SHAPES = [(64, (37, 50), 2, 1), (96, (50, 21), 3, 1), (128, (33, 70), 2, 2)]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("d, shape, hq, hkv", SHAPES, ids=lambda x: None)
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+def test_matches_float64(dtype, d, shape, hq, hkv, causal, layout):
+    Nq, Nk = shape
+    case = _case(1, hq, hkv, Nq, Nk, d, dtype, causal, seed=hash((d, Nq, Nk, causal, str(dtype))) % 2**31)
+    grads = run(case, causal, layout)
+    q, k, v, out, lse, grad_out, gl = case
+    assert_gradients_close(grads, q, k, v, grad_out, causal, None, gl)
+    if causal and Nq > Nk:  # rows that see no key get dQ = 0 exactly
+        assert torch.all(grads[0][:, :, :Nq - Nk] == 0)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("dtype, d, shape",
+                         [(torch.float16, 64, (23, 41)), (torch.bfloat16, 128, (1, 1)), (torch.float16, 96, (1, 40))],
+                         ids=["f16-64", "bf16-128-1x1", "f16-96-1x40"])
+def test_sanitized_with_grad_lse(dtype, d, shape, causal, layout):
+    # The instrumented build: exact device bounds (ragged blocks read nothing past q, k, v, dO's ends),
+    # threadgroup races between a SIMD-group's lanes (dS, P^T, dS^T and the stats go through threadgroup
+    # memory). Batch 2, GQA 2, a gradient flowing into lse too; one row and one key; one row, many keys.
+    case = _case(2, 2, 1, *shape, d, dtype, causal, seed=sum(shape) + causal, grad_lse=True)
+    grads = run(case, causal, layout, instrumented=True)
+    q, k, v, out, lse, grad_out, gl = case
+    assert_gradients_close(grads, q, k, v, grad_out, causal, None, gl)
+
+
+def test_deterministic_across_schedules_and_layout_seeds():
+    # Bitwise the same gradients from two thread schedules (the emulator's seeded shuffles) under one
+    # layout: no atomics, every element written by one thread in a fixed order.
+    case = _case(1, 4, 2, 45, 52, 64, torch.bfloat16, True, seed=45)
+    a = run(case, True, "scrambled", seed=0)
+    b = run(case, True, "scrambled", seed=7)
+    for x, y in zip(a, b):
+        assert torch.equal(x, y)
+    # Another scrambled layout (another seed): still within the 2x rule.
+    q, k, v, out, lse, grad_out, gl = case
+    assert_gradients_close(run(case, True, "scrambled", mpp_seed=5), q, k, v, grad_out, True)
+
+
+# ---- routing: impl='tensor_ops' and Auto's gate (csrc/metal_routing_tensor_ops.cpp) -----------------------
+
+
+def _explain(dtype=torch.float16, d=64, gpu="base", impl="tensor_ops", causal=True, Hq=4, Hkv=2, **options):
+    q = torch.randn(1, Hq, 40, d).to(dtype)
+    k = torch.randn(1, Hkv, 60, d).to(dtype)
+    return flash_metal.explain(q, k, k, causal, None, impl, gpu, backward=True, grad_out=q, out=q,
+                               lse=torch.zeros(1, Hq, 40), **options)
+
+
+def test_forced_explains_itself():
+    plan = _explain()
+    assert plan.reason.startswith("forced: tensor_ops (impl='tensor_ops'); backward: FlashAttention-2")
+    assert "P and dS rounded to the input dtype" in plan.reason
+
+
+@pytest.mark.parametrize("gpu, dtype, d, picked, words", [
+    ("m5+tensor_ops", torch.float16, 128, True, "tensor ops: an Apple 10 GPU"),
+    ("m5-max+tensor_ops", torch.bfloat16, 96, True, "causal / GQA only"),
+    ("m5", torch.float16, 64, False, "tensor ops not used: planned without a Mac"),
+    ("m5+tensor_ops", torch.float32, 64, False, "tensor ops not used: float32 stays on simdgroup matrices"),
+    ("m5+tensor_ops", torch.float16, 80, False, "head dims 80 / 80"),
+    ("m4-max+tensor_ops", torch.float16, 64, False, "backward: FlashAttention-2 with recomputation"),
+])
+def test_auto_takes_it_only_where_the_gate_holds(gpu, dtype, d, picked, words):
+    plan = _explain(dtype, d, gpu, "auto")
+    assert all(("_mpp_" in x.kernel_name) == picked for x in plan.dispatches), plan.reason
+    assert words in plan.reason
+    if gpu.startswith("m4"):  # not a candidate there: no word of it
+        assert "tensor ops" not in plan.reason
+
+
+def test_the_switch_keeps_auto_off_it(monkeypatch):
+    assert "_mpp_" in _explain(gpu="m5+tensor_ops", impl="auto").dispatches[0].kernel_name
+    monkeypatch.setenv("FLASH_METAL_DISABLE_TENSOR_OPS", "1")
+    plan = _explain(gpu="m5+tensor_ops", impl="auto")
+    assert "_mpp_" not in plan.dispatches[0].kernel_name
+    assert "tensor ops not used: FLASH_METAL_DISABLE_TENSOR_OPS=1 turns them off" in plan.reason
+    assert "_mpp_" in _explain(gpu="m5+tensor_ops").dispatches[0].kernel_name  # forcing still works
+
+
+@pytest.mark.parametrize("options, words", [
+    (dict(window_left=8), "window_left / window_right"),
+    (dict(softcap=5.0), "softcap"),
+    (dict(sinks=torch.zeros(4)), "sinks"),
+])
+def test_options_stay_on_the_simdgroup_backward(options, words):
+    # Auto: the simdgroup backward, saying why; forced: refused, naming the option.
+    plan = _explain(gpu="m5+tensor_ops", impl="auto", **options)
+    assert "_mpp_" not in plan.dispatches[0].kernel_name
+    assert f"tensor ops not used: {words}" in plan.reason
+    with pytest.raises(ValueError, match="impl='tensor_ops' takes causal and GQA but not " + words.split(" ")[0]):
+        _explain(**options)
+
+
+def test_refuses_float32_and_other_head_dims_naming_the_argument():
+    with pytest.raises(TypeError, match="float16 or bfloat16"):
+        _explain(torch.float32)
+    with pytest.raises(ValueError, match="head_dim 64, 96 or 128"):
+        _explain(d=80)
+
+
+def test_auto_routed_backward_runs_the_tensor_op_kernels():
+    case = _case(1, 2, 1, 30, 40, 96, torch.float16, False, seed=30)
+    q, k, v, out, lse, grad_out, gl = case
+    grads = emulated_metal_attention_backward(grad_out, q, k, v, out, lse, False, gpu="m5+tensor_ops",
+                                              mpp_layout="scrambled")
+    assert [d.kernel_name for d, _ in LAST_DISPATCHES] == list(names(torch.float16, 96))
+    assert_gradients_close(grads, q, k, v, grad_out, False)
+
+
+def test_library_holds_the_backward_instantiations():
+    lib = metal_mpp_library(False)
+    want = {n for dt in DTYPES for d in DQ_WM for n in names(dt, d)}
+    assert want <= set(lib.kernel_names())
+    for name in want:
+        assert lib.max_threads(name) == 128
+
+
+# ---- planted bugs -----------------------------------------------------------------------------------------
+
+
+def _planted_library(tmp_path, monkeypatch, old, new):
+    """A copy of shaders/ with `old` (once in attention_backward_mpp.h) replaced by `new`; the float16 D = 64
+    backward kernels alone in an instrumented partial library (`kernel` planted), which the backend runs."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    shutil.copytree(os.path.join(root, "shaders"), tmp_path / "shaders")
+    header = tmp_path / "shaders" / "attention_backward_mpp.h"
+    text = header.read_text()
+    assert text.count(old) == 1, old
+    header.write_text(text.replace(old, new))
+    lib = compile_library([str(tmp_path / "shaders" / "attention_mpp.metal")], instrumented=True, msl=4,
+                          only=list(names(torch.float16, 64)))
+    monkeypatch.setattr(backends, "metal_mpp_library", lambda instrumented, fast_math=False: lib)
+    return lib
+
+
+def _planted_case():
+    return _case(1, 2, 1, 37, 50, 64, torch.float16, True, seed=37)
+
+
+def _caught(case, layout):
+    """Whether the planted kernels fail: an emulator finding, or gradients outside the 2x rule."""
+    q, k, v, out, lse, grad_out, gl = case
+    try:
+        grads = emulated_metal_attention_backward(grad_out, q, k, v, out, lse, True, impl="tensor_ops",
+                                                  instrumented=True, mpp_layout=layout)
+        assert_gradients_close(grads, q, k, v, grad_out, True)
+    except (AssertionError, EmulatorError):
+        return True
+    return False
+
+
+# MLX's hard-coded Apple10 map of a 16 x 32 destination (BaseNAXFrag::get_coord; slots 0-7 the first 16
+# columns, 8-15 the second): right under "m5" only.
+HARDCODED = """      const auto idx0 = s.get_multidimensional_index(i);
+      array<int, 2> idx;
+      {
+        const int l = int(lane), half = i / 8, j = i % 8;
+        idx[1] = (((l / 4) & 4) | ((l / 2) & 3)) + 8 * (j / 4);
+        idx[0] = half * 16 + ((((l / 4) & 2) | (l & 1)) * 4) + j % 4;
+        (void)idx0;
+      }  // [0] the key, [1] the row, within the block
+"""
+
+
+def test_planted_hardcoded_lane_map_is_caught_under_scrambled(tmp_path, monkeypatch):
+    old = "      const auto idx = s.get_multidimensional_index(i);  // [0] the key, [1] the row, within the block\n"
+    _planted_library(tmp_path, monkeypatch, old, HARDCODED)
+    case = _planted_case()
+    assert not _caught(case, "m5")  # the map is M5's: right there
+    assert _caught(case, "scrambled")
+
+
+def test_planted_missing_barrier_before_the_dq_product_is_a_race(tmp_path, monkeypatch):
+    barrier = "    simdgroup_barrier(mem_flags::mem_threadgroup);  // dS written before"
+    _planted_library(tmp_path, monkeypatch, barrier, "    // (planted: no barrier) dS written before")
+    q, k, v, out, lse, grad_out, gl = _planted_case()
+    with pytest.raises(EmulatorError) as info:
+        emulated_metal_attention_backward(grad_out, q, k, v, out, lse, True, impl="tensor_ops", instrumented=True,
+                                          mpp_layout="m5")
+    assert "race" in info.value.kinds
+
+
+def test_planted_stats_along_the_wrong_dimension_is_caught(tmp_path, monkeypatch):
+    # The dK/dV kernel's per-query lse and Delta looked up by the key's index (idx[1]) instead of the
+    # query's (idx[0]): a row quantity broadcast along the wrong dimension.
+    old = "        threadgroup const float* st = stats + idx[0] * kMppStats;\n"
+    new = "        threadgroup const float* st = stats + idx[1] * kMppStats;\n"
+    _planted_library(tmp_path, monkeypatch, old, new)
+    case = _planted_case()
+    assert _caught(case, "m5") and _caught(case, "scrambled")
