@@ -321,6 +321,14 @@ bool kvcache_reads_table(const AttentionProblem& p, KernelRequest requested, std
 // routing applies) and for everything else above (composite_route).
 bool decode_takes_wide_dims(const AttentionProblem& p, KernelRequest requested, MetalPass pass);
 
+// Whether a call with head dims above kFastHeadDimBuckets.back() runs the
+// split-D forward at D = 512 (shaders/attention_prefill_splitd.h,
+// csrc/metal_routing_splitd.cpp): forward, D_qk = D_v = 512, no paged
+// cache, and impl 'prefill', or impl 'auto' when causal (window_right 0)
+// with Nq > kMaxDecodeRows (the model's verdict). Else false and *why_not
+// (if given) says why, for explain(); composite_route then takes the call.
+bool splitd_takes(const AttentionProblem& p, KernelRequest requested, MetalPass pass, std::string* why_not);
+
 // The full plan: kernel choice, names, grids, threadgroups, memory, params.
 MetalPlan plan_metal_attention(const AttentionProblem& p, const LaunchStrides& strides, KernelRequest requested,
                                const GpuSpec& gpu = parse_gpu("base"));

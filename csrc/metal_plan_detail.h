@@ -282,6 +282,13 @@ LaunchEstimate estimate_launch(const MetalLaunch& launch, uint32_t live_register
 bool tensor_ops_route(const AttentionProblem& p, const GpuSpec& gpu, std::string* why_not);
 void choose_tensor_ops(const AttentionProblem& p, bool forced, const GpuSpec& gpu, KernelChoice* c);
 
+// The split-D forward at D = 512 (csrc/metal_routing_splitd.cpp): its blocks
+// and reason (choose_metal_kernel, when splitd_takes), and its launch's
+// name, grid, threadgroup, memory and estimate (plan_metal_attention sets
+// the constants and bindings, as for the prefill).
+KernelChoice choose_splitd(const AttentionProblem& p, KernelRequest requested, const GpuSpec& gpu);
+void splitd_launch(const AttentionProblem& p, const KernelChoice& c, const GpuSpec& gpu, MetalLaunch* l);
+
 // The wide decode's sentence for explain() (csrc/metal_routing_wide.cpp):
 // the bucket and the model's verdict against the composite path.
 std::string wide_decode_note(const AttentionProblem& p, uint32_t bucket);

@@ -394,20 +394,25 @@ KernelChoice choose_metal_kernel(const AttentionProblem& p, KernelRequest reques
   // kMaxHeadDim = 576, D_v up to 512): 256 but for the decode kernels, which
   // take up to 576 (decode_takes_wide_dims).
   const bool wide_decode = decode_takes_wide_dims(p, requested, pass);
+  // And the split-D forward at D = 512 (csrc/metal_routing_splitd.cpp).
+  std::string splitd_why;
+  const bool wide = p.head_dim > kFastHeadDimBuckets.back() || p.head_dim_v > kFastHeadDimBuckets.back();
+  const bool splitd = wide && !wide_decode && splitd_takes(p, requested, pass, &splitd_why);
   const char* pass_name = pass == MetalPass::Backward ? "backward" : "forward";
-  TORCH_CHECK_NOT_IMPLEMENTED(wide_decode || p.head_dim <= kFastHeadDimBuckets.back(), "flash_metal: head_dim ",
-                              p.head_dim, " on Metal kernels: not yet (at most ", kFastHeadDimBuckets.back(), ", ",
-                              pass_name, "; the decode kernels, Nq <= ", kMaxDecodeRows, ", take up to ",
-                              kDecodeHeadDimBuckets.back(), " (impl='auto': at most ", kWideDecodeMaxRows,
-                              " query rows per kv head)); run on CPU tensors, which take head dims up to ",
-                              kMaxHeadDim);
-  TORCH_CHECK_NOT_IMPLEMENTED(wide_decode || p.head_dim_v <= kFastHeadDimBuckets.back(),
+  TORCH_CHECK_NOT_IMPLEMENTED(wide_decode || splitd || p.head_dim <= kFastHeadDimBuckets.back(),
+                              "flash_metal: head_dim ", p.head_dim, " on Metal kernels: not yet (at most ",
+                              kFastHeadDimBuckets.back(), ", ", pass_name, "; the decode kernels, Nq <= ",
+                              kMaxDecodeRows, ", take up to ", kDecodeHeadDimBuckets.back(), " (impl='auto': at most ",
+                              kWideDecodeMaxRows, " query rows per kv head); the split-D forward takes 512 (",
+                              splitd_why, ")); run on CPU tensors, which take head dims up to ", kMaxHeadDim);
+  TORCH_CHECK_NOT_IMPLEMENTED(wide_decode || splitd || p.head_dim_v <= kFastHeadDimBuckets.back(),
                               "flash_metal: v's head dim D_v = ", p.head_dim_v, " on Metal kernels: not yet (at most ",
                               kFastHeadDimBuckets.back(), ", ", pass_name, "; the decode kernels, Nq <= ",
                               kMaxDecodeRows, ", take up to ", kMaxHeadDimV, " (impl='auto': at most ", kWideDecodeMaxRows,
                               " query rows per kv head)); run on CPU tensors, which take "
                               "D_v up to ", kMaxHeadDimV);
   if (pass == MetalPass::Backward) return choose_backward(p, requested);
+  if (splitd) return choose_splitd(p, requested, gpu);
   // The bucket every tile fits: the wider of the two dims (== head_dim unless MLA-style).
   const int64_t widest = std::max(p.head_dim, p.head_dim_v);
   KernelChoice c;
