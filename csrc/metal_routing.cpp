@@ -351,7 +351,7 @@ bool kvcache_reads_table(const AttentionProblem& p, KernelRequest requested, std
   // (decode_takes_wide_dims: Nq <= 8, no packed queries, up to 576, with
   // 'auto' at most kWideDecodeMaxRows rows per kv head); the prefill's table
   // reader stops at the fast buckets' 256, and every other wide call gathers
-  // (then the varlen plan, which runs the composite path).
+  // (then the varlen plan: the split-D kernel for causal D = 512, else the composite path).
   const bool wide = p.head_dim > kFastHeadDimBuckets.back() || p.head_dim_v > kFastHeadDimBuckets.back();
   if (wide && !decode_takes_wide_dims(p, requested, MetalPass::Forward)) {
     *why = "paged KV cache, gather path (head dims " + std::to_string(p.head_dim) + " / " +
