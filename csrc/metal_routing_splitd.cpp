@@ -101,6 +101,7 @@ KernelChoice choose_splitd(const AttentionProblem& p, KernelRequest requested, c
   l.threadgroup = {32 * kSplitDSimdgroups, 1, 1};
   l.threadgroup_memory = splitd_threadgroup_bytes(kSplitDBlockK, kSplitDSimdgroups);
   const LaunchEstimate e = estimate_launch(l, splitd_live_registers(), gpu);
+  const uint32_t query_blocks = ceil_div(p.q_len, kSplitDBlockQ);
   c.reason = std::string("prefill (split-D): ") +
              (requested == KernelRequest::Prefill ? "requested by the caller (impl='prefill') at D = 512"
                                                   : std::string("D_qk = D_v = 512, ") + kSplitDVerdictCausal) +
@@ -113,7 +114,8 @@ KernelChoice choose_splitd(const AttentionProblem& p, KernelRequest requested, c
              "through threadgroup memory and the softmax shared (3 barriers per key block), " +
              kib(l.threadgroup_memory) + " of threadgroup memory, " + std::to_string(splitd_live_registers()) +
              " live values per lane, " + std::to_string(e.simdgroups_per_core) + " resident simdgroups per core on " +
-             gpu.name + "; not yet verified on Apple hardware";
+             gpu.name + " (" + std::to_string(query_blocks) + " query blocks per head)"
+             "; not yet verified on Apple hardware";
   return c;
 }
 
