@@ -155,9 +155,10 @@ constexpr std::array<uint32_t, 8> kFastHeadDimBuckets = {32, 64, 72, 80, 96, 128
 // shaders/attention.metal for why two. Why decode only: decode is
 // memory-bound and the fused decode reads each K/V row once per GQA group,
 // predicted ahead of the composite path at every modelled decode shape
-// (benchmarks/metal_model_decode_wide.py), while a fused prefill at 512 is
+// (benchmarks/metal_model_decode_wide.py), while the FA2 template at 512 is
 // predicted 2-3x slower than unfused (benchmarks/metal_model_d512.py): the
-// prefill and backward stop at 256 and run the composite path above.
+// template and the backward stop at 256; above, causal D = 512 forwards run
+// the split-D kernel (splitd_takes) and the rest the composite path.
 constexpr std::array<uint32_t, 10> kDecodeHeadDimBuckets = {32, 64, 72, 80, 96, 128, 192, 256, 512, 576};
 // Query rows the decode kernels serve at most. Why 8: one 8x8 simdgroup-matrix
 // tile of queries; below it the prefill kernel's 8-row fragments would run
