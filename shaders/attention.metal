@@ -94,8 +94,9 @@
   FM_DECODE(tname, T, 512)        \
   FM_DECODE(tname, T, 576)
 
-// Why two decode-only buckets above 256 (issue 20; the prefill and backward
-// stop at 256, csrc/metal_plan.h kDecodeHeadDimBuckets): 512 serves Gemma's
+// Why two decode-only buckets above 256 (issue 20; the prefill template and
+// the backward stop at 256, csrc/metal_plan.h kDecodeHeadDimBuckets; the
+// split-D forward above serves causal D = 512): 512 serves Gemma's
 // global layers (D = D_v = 512: D == DMAX, so the lanes' 16-feature runs are
 // vector loads, fc_dense, and 16 values per lane per slice rather than 18);
 // 576 serves absorbed MLA (D_qk = 576 = 512 latent + 64 rotary, D_v = 512),
