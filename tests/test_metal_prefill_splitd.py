@@ -11,7 +11,9 @@ backward, D_v != D_qk and a right window; impl='prefill' at 512 forces it.
 Every run here is sanitized (races, out-of-bounds, barrier divergence
 raise), outputs are poisoned with NaN (tests/backends.py), and each proves
 the split-D kernel ran (the emulator's dispatch list). Shapes stay small and
-ragged (CI time): Nq != Nk both ways, rows with no visible key, GQA.
+ragged (CI time): Nq != Nk both ways, rows with no visible key, GQA; and a
+paged KV cache at 512, whose pages the gather path packs before the varlen
+plan runs the split-D kernel.
 """
 import math
 import os
@@ -22,8 +24,9 @@ import torch
 
 import backends
 import flash_metal
-from backends import emulated_metal_attention, emulated_metal_varlen
+from backends import emulated_metal_attention, emulated_metal_kvcache, emulated_metal_varlen
 from numerics import DTYPES, NotClose, assert_attention_close, assert_varlen_close, dtype_id
+from test_metal_decode_paged import check_against_oracle, make_paged_cache
 
 D = 512
 PREFIX = "flash_attention_prefill_splitd_"
@@ -200,3 +203,17 @@ def test_planted_bugs_are_caught(tmp_path, monkeypatch, old, new, caught):
         out, lse = emulated_metal_attention(q, k, v, True, None, instrumented=True)
         assert_attention_close(out, lse, q, k, v, True)
     assert caught != "race" or "race" in e.value.kinds
+
+
+def test_paged_kvcache_prefill_gathers_then_runs_split_d():
+    # attention_kvcache at 512 with 9 query rows: the wide decode does not take it, so the pages in use are
+    # gathered (csrc/kvcache.cpp) and the varlen plan runs: causal, so the split-D kernel (one sequence empty).
+    seqlens, g = [30, 0, 17], torch.Generator().manual_seed(12)
+    k_cache, v_cache, table, k_contig, v_contig = make_paged_cache(3, 1, D, torch.float16, 16, seqlens, g)
+    q = torch.randn(3, 2, 9, D, generator=g).to(torch.float16)
+    lengths = torch.tensor(seqlens, dtype=torch.int32)
+    plan = flash_metal.explain(q, k_cache, v_cache, True, block_table=table, cache_seqlens=lengths)
+    assert "gather path" in plan.reason and plan.dispatches[0].kernel_name.startswith(PREFIX), plan.reason
+    out, lse = emulated_metal_kvcache(q, k_cache, v_cache, lengths, table, True, instrumented=True)
+    _ran(torch.float16)
+    check_against_oracle(out, lse, q, k_contig, v_contig, seqlens, True)
