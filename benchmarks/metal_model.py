@@ -201,19 +201,32 @@ def _quadratic_at(points, x):
     return total
 
 
+# Index of fc_pack_gqa (kPackGqaFunctionConstant, csrc/metal_plan.h): the prefill packs a GQA group's heads.
+PACK_GQA = 13
+
+
+def pack_group(impl, s: Shape, dtype, causal):
+    """G when the plan's prefill packs GQA (one threadgroup per (batch, kv head, packed block)), else 1."""
+    fc = plan(impl, s, dtype, causal).dispatches[0].function_constants
+    return s.hq // s.hkv if len(fc) > PACK_GQA and fc[PACK_GQA] else 1
+
+
 def scaled_counts(impl, s: Shape, dtype, causal, base_ns=BASE_NS):
     """Counts of a problem too big to emulate, from three emulated ones.
 
     Rule: every (batch, query head) runs the same dispatches on its own data,
     so counts are linear in B * Hq; for Nq = Nk = n * UNIT, counts of one head
     are a polynomial of degree <= 2 in n, fixed by n in base_ns. Only for
-    query-block kernels (not decode) with Nq = Nk a multiple of UNIT."""
+    query-block kernels (not decode) with Nq = Nk a multiple of UNIT. A packed
+    GQA prefill (fc_pack_gqa) shares K/V tiles within a group, so its unit is
+    one (batch, kv head) with its G query heads: linear in B * Hkv."""
     if s.nq != s.nk or s.nq % UNIT or impl.startswith("decode"):
         raise ValueError(f"the scaling rule needs Nq = Nk, a multiple of {UNIT}, and a query-block kernel; got {s}")
-    bases = [emulate(impl, Shape(1, 1, 1, n * UNIT, n * UNIT, s.d), dtype, causal) for n in base_ns]
+    g = pack_group(impl, s, dtype, causal)
+    bases = [emulate(impl, Shape(1, g, 1, n * UNIT, n * UNIT, s.d), dtype, causal) for n in base_ns]
     full = plan(impl, s, dtype, causal).dispatches
     n = s.nq // UNIT
-    heads = s.b * s.hq
+    heads = s.b * (s.hkv if g > 1 else s.hq)
     records = []
     for i, d in enumerate(full):
         counts = {}
@@ -246,11 +259,17 @@ def block_rows(impl, kernel):
     return int(m.group(1)) if m else None
 
 
-def fa2_kv_bytes(s: Shape, elem, rows, causal):
+def fa2_kv_bytes(s: Shape, elem, rows, causal, group=1):
     """FlashAttention-2's K (= V) bytes: each query block of `rows` rows of one
-    query head reads the keys its last row sees, once."""
-    per_head = sum(visible(min(q0 + rows, s.nq) - 1, s, causal) for q0 in range(0, s.nq, rows)) * s.d * elem
-    return per_head * s.b * s.hq
+    query head reads the keys its last row sees, once. group = G > 1: pack GQA
+    (fc_pack_gqa), each block of `rows` packed rows of one kv head (query row
+    m // G of head m % G) reads the keys its last query row sees, once: G
+    times less than unpacked when Nq * G <= rows, the same when Nq is a
+    multiple of rows (and not causal)."""
+    packed = s.nq * group
+    per_head = sum(visible((min(p0 + rows, packed) - 1) // group, s, causal)
+                   for p0 in range(0, packed, rows)) * s.d * elem
+    return per_head * s.b * (s.hkv if group > 1 else s.hq)
 
 
 def fa2_decode_kv_bytes(s: Shape, elem):
@@ -268,7 +287,8 @@ def io_row(impl, s, dtype, causal, records):
     if impl.startswith("decode"):
         model = 2 * fa2_decode_kv_bytes(s, elem)
     else:
-        model = 2 * fa2_kv_bytes(s, elem, block_rows(impl, records[0].kernel), causal)
+        group = pack_group(impl, s, dtype, causal)
+        model = 2 * fa2_kv_bytes(s, elem, block_rows(impl, records[0].kernel), causal, group)
     return measured, model
 
 

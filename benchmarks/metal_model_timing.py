@@ -163,10 +163,13 @@ def visible(row, s, causal):
     return min(max(row + s.nk - s.nq + 1, 0), s.nk) if causal else s.nk
 
 
-def key_blocks(kernel, s, causal):
+def key_blocks(kernel, s, causal, group=1):
     """Key blocks (or keys, for the untiled kernel) each threadgroup of one
     head runs, from the shape: [(rows, blocks)] per query block. None for
-    kernels whose loop this model does not know."""
+    kernels whose loop this model does not know. group = G > 1: the packed
+    GQA prefill (fc_pack_gqa), whose threadgroups of one kv head each take
+    bq packed rows (query row m // G of head m % G) and run the key blocks
+    their last query row sees."""
     m = re.search(r"_bq(\d+)_bk(\d+)_", kernel)
     if m:
         bq, bk = int(m.group(1)), int(m.group(2))
@@ -176,7 +179,15 @@ def key_blocks(kernel, s, causal):
         bk, bq = 1, int(m.group(1))
     else:
         return None
-    return [math.ceil(visible(min(q0 + bq, s.nq) - 1, s, causal) / bk) for q0 in range(0, s.nq, bq)], bk
+    rows = s.nq * group
+    return [math.ceil(visible((min(p0 + bq, rows) - 1) // group, s, causal) / bk) for p0 in range(0, rows, bq)], bk
+
+
+def packed_group(r, s):
+    """G when dispatch record r is the packed GQA prefill (its grid runs over kv heads: fc_pack_gqa), else 1."""
+    g = s.hq // s.hkv
+    packed = g > 1 and "prefill" in r.kernel and "_mpp_" not in r.kernel and r.grid[1] == s.hkv
+    return g if packed else 1
 
 
 def backward_blocks(kernel, s, causal):
@@ -221,8 +232,9 @@ def dispatch_time(r, index, gpu, s, dtype, causal, k=POINT):
     waves = grid_tgs / (active * tgs_core)
     quant = math.ceil(waves) / waves if waves > 1 and not causal else 1.0
     dram_cycles = G.DRAM_LATENCY_NS[k["dram"]] * 1e-9 * hz
-    kb = key_blocks(r.kernel, s, causal)
-    heads = s.b * s.hq
+    group = packed_group(r, s)
+    kb = key_blocks(r.kernel, s, causal, group)
+    heads = s.b * (s.hkv if group > 1 else s.hq)  # threadgroup rows of the grid (kv heads when packed)
     terms = {}
     if "untiled" in r.kernel or "_tiled_" in r.kernel:
         # One SIMD-group-key: 32 rows' (row, key) pairs, two exp2 each (OnlineSoftmax.update).
@@ -252,6 +264,7 @@ def dispatch_time(r, index, gpu, s, dtype, causal, k=POINT):
         work = max(matrix, alu) if on_accel and k["overlap"] else matrix + alu
         d_frags = math.ceil(s.d / 8)
         serial = None
+        busy = sg_per_tg  # SIMD-groups of a threadgroup that run the products (the prefill's below)
         # The tensor-op prefill (_mpp_) has no such chain of its own to count:
         # matmul2d's latency is Apple's, unpublished; it is modelled as MLX's
         # accelerator kernel is (metal_model_accel.py), by throughput alone.
@@ -283,6 +296,15 @@ def dispatch_time(r, index, gpu, s, dtype, causal, k=POINT):
             lat = (dram_cycles + 4 * BARRIER_CYCLES + (math.ceil(d_frags / parts) + bk // 8) * MMA_LATENCY
                    + 2 * TG_LOAD_LATENCY + 4 * SHUFFLE_LATENCY + 2 * SHUFFLE_LATENCY + reduce)
             serial = blocks, heads, lat
+            # SIMD-groups with rows: a SIMD-group whose 8 rows are all past Nq
+            # skips the block's products (the emulator counts none), so a
+            # threadgroup of few rows (Nq < bq unpacked; pack GQA fills them)
+            # issues from fewer schedulers. The average over the grid's
+            # threadgroups of one head (kv head when packed), times the parts.
+            rows = s.nq * group
+            bq_rows = int(m.group(1)) if m else 32
+            avg_rows = rows / math.ceil(rows / bq_rows)
+            busy = min(sg_per_tg, max(1, math.ceil(avg_rows / 8)) * parts)
         elif "flash_backward_" in r.kernel:
             # A streamed block of the backward: its two tiles' DRAM latency,
             # 2 barriers, S and dP (independent chains over the features),
@@ -315,7 +337,7 @@ def dispatch_time(r, index, gpu, s, dtype, causal, k=POINT):
             # threadgroup of fewer than 4 SIMD-groups runs its block at
             # sg_per_tg / 4 of the core's rate, and the core as a whole at
             # (resident SIMD-groups) / 4 until all 4 schedulers have one.
-            w_tg = w / issue_share(sg_per_tg)
+            w_tg = w / issue_share(busy)
             if causal:  # unequal threadgroups: the average residency, no wave structure
                 cycles = total * max(w / issue_share(sgs), (lat + w_tg) / r_core) / active
             else:  # equal threadgroups in waves of active x tgs_core, a partial last wave costing a whole one
@@ -324,7 +346,7 @@ def dispatch_time(r, index, gpu, s, dtype, causal, k=POINT):
                 nb = total / grid_tgs
                 waves = math.ceil(grid_tgs / (active * tgs_core))
                 per_core = min(tgs_core, math.ceil(grid_tgs / active))
-                cycles = waves * nb * max(per_core * w / issue_share(per_core * sg_per_tg), lat + w_tg)
+                cycles = waves * nb * max(per_core * w / issue_share(per_core * busy), lat + w_tg)
             terms["compute"] = cycles / hz
             terms["critical path"] = max(blocks) * (lat + w_tg) / hz
         else:

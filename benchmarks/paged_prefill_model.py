@@ -15,6 +15,12 @@ threadgroup when a tile lies in one page; an entry per page a thread enters
 otherwise), the general per-element loader where tiles cross pages (page
 sizes not a multiple of the key block: more, narrower loads), and nothing
 of K/V's bytes (each key in use read once per threadgroup either way).
+Pack GQA (fc_pack_gqa, pack_rows below): the same paged prefill with and
+without the GQA group's heads packed into each threadgroup's rows, on the
+same cache in the same run; the K/V bytes follow the threadgroup count,
+ceil(Nq * G / BQ) * Hkv against ceil(Nq / BQ) * Hq (G times fewer for a
+chunk of Nq * G <= BQ rows, about the same for long causal prefills).
+The planner packs only where one head's rows fill at most half a block.
 What the time model does not see: each tile's address waits on its table
 entry (a dependent load per key block, or per page entered); "stall bound"
 prices each at one DRAM latency, serially and unhidden (a pessimistic upper
@@ -25,6 +31,8 @@ import math
 import sys
 
 import torch
+
+import flash_metal
 
 from . import apple_gpus as G
 from . import metal_model as M
@@ -123,6 +131,52 @@ def varlen_rows(quick: bool):
     return out
 
 
+def pack_rows(quick: bool):
+    """The paged prefill with and without the GQA group's heads packed, on
+    the same cache in the same run: causal, 16-key pages, a batch that fills
+    the GPU (8 sequences of 1024 keys, Hq 32, Hkv 8: G = 4), D 64, float16,
+    impl='prefill'. Packed is the planner's plan where it packs (2 * Nq <= BQ)
+    and forced elsewhere (tests/test_metal_prefill_pack_gqa.packed_plan);
+    unpacked is the same kernel with fc_pack_gqa false on the (ceil(Nq / BQ),
+    Hq, B) grid (unpacked_plan). The emulator's DRAM K/V bytes of each and the
+    predicted times (a prediction, not a measurement). The routing rule in
+    csrc/metal_routing.cpp (prefill_pack_gqa) quotes this table."""
+    import test_metal_decode_paged as P
+    from test_metal_prefill_pack_gqa import packed_plan, run_plan, unpacked_plan
+
+    dtype, b, hq, hkv, d, page, nk = torch.float16, 8, 32, 8, 64, 16, 1024
+    if quick:
+        b, nk = 2, 256
+    gpus = [G.BY_NAME[n] for n in (("M3 Max",) if quick else ("M1 Max", "M3 Max", "M4 Pro", G.POST_GPU))]
+    out = []
+    for nq in ((12, 40) if quick else (12, 16, 24, 40)):
+        g = torch.Generator().manual_seed(nq)
+        k_cache, v_cache, table, _, _ = P.make_paged_cache(b, hkv, d, dtype, page, [nk] * b, g, 0, 0)
+        q = torch.randn(b, hq, nq, d, generator=g).to(dtype)
+        lengths = torch.full((b,), nk, dtype=torch.int32)
+        plan = flash_metal.explain(q, k_cache, v_cache, True, None, "prefill", block_table=table,
+                                   cache_seqlens=lengths)
+        routed = bool(plan.dispatches[0].function_constants[13])
+        base = unpacked_plan(plan, hq, nq) if routed else plan
+        s = M.Shape(b, hq, hkv, nq, nk, d)
+        recs = {}
+        for name, pl in (("packed", packed_plan(base, hq, hkv, nq)), ("unpacked", base)):
+            o, _, counts = run_plan(pl, q, k_cache, v_cache, table, lengths)
+            if not bool(torch.isfinite(o).all()):
+                raise AssertionError("the prefill left NaN in the output")
+            dd = pl.dispatches[0]
+            recs[name] = [M.Record(dd.kernel_name, dd.grid, dd.threadgroup, dd.threadgroup_memory,
+                                   M._count_dict(dd, counts), False, ("prefill", False))]
+        kv = {n: r[0].counts["dram_k"] + r[0].counts["dram_v"] for n, r in recs.items()}
+        for gpu in gpus:
+            t_p = T.predict_band(recs["packed"], gpu, s, dtype, True)[1]
+            t_u = T.predict_band(recs["unpacked"], gpu, s, dtype, True)[1]
+            out.append(dict(gpu=gpu.name, nq=nq, routed=routed, packed_tgs=math.prod(recs["packed"][0].grid),
+                            unpacked_tgs=math.prod(recs["unpacked"][0].grid), packed_kv=kv["packed"],
+                            unpacked_kv=kv["unpacked"], packed_ms=t_p * 1e3, unpacked_ms=t_u * 1e3))
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true")
@@ -143,6 +197,15 @@ def main(argv=None) -> int:
         print(f"{r['gpu']:<16}{r['contig_ms']:>11.4f}{r['gather_ms']:>11.4f}{r['paged_ms']:>10.4f}"
               f"{r['paged_over_gather_then_varlen']:>7.3f}{r['table_bytes']:>9}  {r['kv_bytes_equal']}  "
               f"(q {r['q_lens']}, keys {r['k_lens']})")
+    print("Pack GQA (fc_pack_gqa) in the paged prefill, causal, B 8 x 1024 keys in 16-key pages (--quick: B 2 x "
+          "256), Hq 32, Hkv 8, D 64, float16: packed against unpacked, same cache, same run (K/V: the emulator's "
+          "DRAM bytes, exact; 'routed': the planner packs this Nq):")
+    print(f"{'gpu':<16}{'Nq':>5}{'routed':>7}{'TGs':>11}{'K/V bytes':>23}{'ratio':>7}{'unpacked ms':>13}"
+          f"{'packed ms':>11}{'ratio':>7}")
+    for r in pack_rows(args.quick):
+        print(f"{r['gpu']:<16}{r['nq']:>5}{'yes' if r['routed'] else 'no':>7}{r['unpacked_tgs']:>5}->{r['packed_tgs']:<4}"
+              f"{r['unpacked_kv']:>11}->{r['packed_kv']:<10}{r['unpacked_kv'] / r['packed_kv']:>7.2f}"
+              f"{r['unpacked_ms']:>13.4f}{r['packed_ms']:>11.4f}{r['unpacked_ms'] / r['packed_ms']:>7.2f}")
     return 0
 
 

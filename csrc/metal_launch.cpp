@@ -438,7 +438,13 @@ MetalPlan plan_metal_attention(const AttentionProblem& p, const LaunchStrides& s
       }
       l.kernel_name = "flash_attention_prefill_" + suffix + "_bq" + std::to_string(c.block_q) + "_bk" +
                       std::to_string(c.block_k) + "_wm" + std::to_string(c.simdgroups);
-      l.grid = {ceil_div(p.q_len, c.block_q), heads, batch};
+      {
+        // Pack GQA: the rows of a threadgroup are packed rows of its kv
+        // head's group, Nq * G of them per (batch, kv head) (routing checked
+        // they fit int32).
+        const int64_t rows = c.pack_gqa ? p.q_len * p.gqa_ratio() : p.q_len;
+        l.grid = {ceil_div(rows, c.block_q), c.pack_gqa ? static_cast<uint32_t>(p.kv_heads) : heads, batch};
+      }
       l.threadgroup = {32 * c.simdgroups, 1, 1};
       l.max_threads_per_threadgroup = kPrefillMaxThreads;
       l.threadgroup_memory = prefill_threadgroup_memory(c.block_q, c.block_k, c.bucket, p.dtype, c.simdgroups * 8 / c.block_q);
@@ -447,11 +453,14 @@ MetalPlan plan_metal_attention(const AttentionProblem& p, const LaunchStrides& s
         bool dense = dense_loader(p, s, c.bucket, false, &why);
         if (dense && p.paged) dense = paged_prefill_dense(p, s, c.block_k, &why);
         // Paged: each sequence has its own key count (cache_seqlens), so no key block is known aligned.
+        // Packed: no ragged query block when the packed rows, Nq * G, fill whole blocks.
+        const int64_t rows = c.pack_gqa ? p.q_len * p.gqa_ratio() : p.q_len;
         l.function_constants = with_dense(
-            feature_constants(p, p.q_len % c.block_q == 0, !p.paged && p.kv_len % c.block_k == 0, false, p.sinks),
+            feature_constants(p, rows % c.block_q == 0, !p.paged && p.kv_len % c.block_k == 0, false, p.sinks),
             dense);
-        l.function_constants.resize(kDecodeFunctionConstantCount, false);
+        l.function_constants.resize(kPrefillFunctionConstantCount, false);
         l.function_constants[kPagedFunctionConstant] = p.paged;  // K/V through block_table (attention_kvcache)
+        l.function_constants[kPackGqaFunctionConstant] = c.pack_gqa;
         plan.reason += loader_reason(dense, why);
       }
       l.buffers = with_paged(with_forward_features(kForwardBuffers));

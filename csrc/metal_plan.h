@@ -208,6 +208,12 @@ constexpr uint32_t kFunctionConstantCount = 12;
 // constants, the other kernels' 12 (they never read index 12).
 constexpr uint32_t kPagedFunctionConstant = 12;
 constexpr uint32_t kDecodeFunctionConstantCount = 13;
+// The prefill (flash_attention_prefill) only: pack GQA, one threadgroup per
+// (batch, kv head, block of packed rows) whose rows are the group's query
+// heads' (fc_pack_gqa in shaders/attention_prefill.h; KernelChoice::pack_gqa).
+// Its launches carry 14 constants.
+constexpr uint32_t kPackGqaFunctionConstant = 13;
+constexpr uint32_t kPrefillFunctionConstantCount = 14;
 
 // The tensors a launch binds as device buffers. PartialOut and PartialStats
 // are the split-KV decode's float32 scratch, allocated by the host from
@@ -244,6 +250,7 @@ struct KernelChoice {
   uint32_t block_q = 0;    // prefill: query rows per threadgroup (8 per simdgroup)
   uint32_t block_k = 0;    // prefill: keys per K/V block
   uint32_t simdgroups = 0; // prefill: simdgroups per threadgroup
+  bool pack_gqa = false;   // prefill: fc_pack_gqa, a threadgroup per (batch, kv head, block_q packed rows)
   uint32_t kv_splits = 1;  // split decode: key blocks
   uint32_t row_chunks = 1; // decode: threadgroups sharing one (batch, kv head[, key block]), each a part of
                            // its GQA group's rows (more than kDecodeMaxThreads / 32 row groups)

@@ -282,6 +282,12 @@ LaunchEstimate estimate_launch(const MetalLaunch& launch, uint32_t live_register
 bool tensor_ops_route(const AttentionProblem& p, const GpuSpec& gpu, std::string* why_not);
 void choose_tensor_ops(const AttentionProblem& p, bool forced, const GpuSpec& gpu, KernelChoice* c);
 
+// The prefill's (csrc/metal_routing_prefill.cpp): the paged prefill's
+// sentence for explain(), and whether a prefill packs its GQA group's heads
+// into each threadgroup (fc_pack_gqa; appends the reason's sentence).
+std::string prefill_pages_note(const AttentionProblem& p, uint32_t block_k, bool pack_gqa);
+bool prefill_pack_gqa(const AttentionProblem& p, uint32_t block_q, std::string* reason);
+
 // The split-D forward at D = 512 (csrc/metal_routing_splitd.cpp): its blocks
 // and reason (choose_metal_kernel, when splitd_takes), and its launch's
 // name, grid, threadgroup, memory and estimate (plan_metal_attention sets

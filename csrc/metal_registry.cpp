@@ -28,7 +28,9 @@ std::vector<MetalLaunch> all_metal_launches() {
   // every block (64) and lengths that are not (65), one decode row with a
   // short and a long context (one row group: 8 key groups, 256 threads), and
   // a 16-head GQA group of 8 decode rows (16 or more row groups: row chunks
-  // of 8 SIMD-groups staging K/V, 256 threads).
+  // of 8 SIMD-groups staging K/V, 256 threads), and a 4-head GQA group in the
+  // prefill, short enough to pack (fc_pack_gqa: 2 * Nq <= BQ in every
+  // bucket), its packed rows (4 x 8, 4 x 7) aligned or not.
   struct Shape { int64_t q_len, kv_len; KernelRequest request; int64_t q_heads = 1; };
   const Shape shapes[] = {
       {64, 64, KernelRequest::Untiled}, {64, 64, KernelRequest::Tiled},
@@ -36,6 +38,7 @@ std::vector<MetalLaunch> all_metal_launches() {
       {64, 65, KernelRequest::Prefill}, {65, 65, KernelRequest::Prefill},
       {1, 64, KernelRequest::Decode},   {1, 4096, KernelRequest::DecodeSplit},
       {8, 64, KernelRequest::Decode, 16}, {8, 4096, KernelRequest::DecodeSplit, 16},
+      {8, 64, KernelRequest::Prefill, 4}, {7, 65, KernelRequest::Prefill, 4},
   };
   // The options, one at a time (the loops below), causal or not: their
   // combinations are the same constants switched together, so these cover

@@ -315,23 +315,6 @@ KernelChoice choose_backward(const AttentionProblem& p, KernelRequest requested)
   return c;
 }
 
-// The paged prefill's K/V tiles (shaders/attention_prefill.h, fc_paged):
-// inside one page, or row by row through the table. The sentence explain() prints.
-std::string prefill_pages_note(const AttentionProblem& p, uint32_t block_k) {
-  const std::string bk = std::to_string(block_k), pages = std::to_string(p.page_size) + " keys";
-  const bool one = p.kv_len <= p.page_size, whole = one || p.page_size % block_k == 0;
-  return (one ? "; one page per sequence (the table's capacity, " + pages + ", is one page): every " + bk +
-                    "-key tile lies in it"
-              : "; pages of " + pages + (whole ? ", a multiple of the " : ", not a multiple of the ") + bk +
-                    "-key block: " + (whole ? "every tile lies in one page" : "tiles may cross pages")) +
-         (whole ? " and loads from its base (the dense loader where it applies), one table read per key block"
-                : ", so each row is found through the table (the general per-element loader, a table read per "
-                  "page a thread enters; page sizes that are a multiple of " + bk + " load whole tiles)") +
-         "; each (query block, query head) threadgroup reads every key of its sequence it can see once, K and V, "
-         "only from the pages in use (GQA heads do not share reads); the page walk adds " +
-         (whole ? "6" : "12") + " live values per lane (in the estimate)";
-}
-
 }  // namespace
 
 
@@ -542,7 +525,8 @@ KernelChoice choose_metal_kernel(const AttentionProblem& p, KernelRequest reques
                                         " of threadgroup memory, no extra barrier and no matrix product "
                                         "repeated; each runs the rows' softmax)"
                                   : "");
-      if (p.paged) c.reason += prefill_pages_note(p, c.block_k);
+      c.pack_gqa = prefill_pack_gqa(p, c.block_q, &c.reason);
+      if (p.paged) c.reason += prefill_pages_note(p, c.block_k, c.pack_gqa);
       break;
     }
     case KernelRequest::Decode:

@@ -1,5 +1,6 @@
 // The FlashAttention-2 forward ("prefill") kernel on simdgroup_matrix: the
-// default for Nq > 8. One threadgroup owns BQ query rows of one (batch, head);
+// default for Nq > 8. One threadgroup owns BQ query rows of one (batch, head),
+// or under fc_pack_gqa BQ packed rows of one (batch, kv head)'s GQA group;
 // each of its WM SIMD-groups owns 8 of them. K and V stream through
 // threadgroup memory BK keys at a time; S = Q.K^T and P.V run as 8x8
 // simdgroup_matrix<float> products, and the online softmax works on whole
@@ -173,6 +174,14 @@ FM_INLINE void prefill_load_tile(threadgroup T* tile, device const T* src, int64
   }
 }
 
+}  // namespace flash_metal
+
+// fc_pack_gqa (13) and the packed Q tile's loader, prefill_load_q_packed:
+// after fc_dense and kDenseLoadBytes, which the loader uses.
+#include "attention_prefill_pack.h"
+
+namespace flash_metal {
+
 // Fragment (row0.., col0..) of a row-major tile, converted to float: the
 // lane's two elements are adjacent in the row. (Metal's simdgroup_load cannot
 // convert T to float; MLX reads thread_elements() the same way.)
@@ -243,7 +252,8 @@ FM_INLINE void prefill_load_kv(threadgroup T* tile, device const T* base, int64_
 // T: element type of q, k, v and the output (float, half or bfloat).
 // DMAX: head_dim bucket (head_dim <= DMAX, zero padded). BQ: query rows per
 // threadgroup, 8 per SIMD-group. BK: keys per block. WM: SIMD-groups.
-// Launch: grid (ceil(Nq / BQ), Hq, B), threadgroup (32 * WM, 1, 1),
+// Launch: grid (ceil(Nq / BQ), Hq, B), or under fc_pack_gqa (13: packed
+// GQA rows, above) (ceil(Nq * G / BQ), Hkv, B), threadgroup (32 * WM, 1, 1),
 // threadgroup memory tg_bytes (top of this file) at index 0, function
 // constants fc_causal (0), fc_align_q (1), fc_align_k (2), the options'
 // 4-9 (attention_features.h), fc_dense (10: the loader's path) and
@@ -325,12 +335,20 @@ template <typename T, int DMAX, int BQ, int BK, int WM>
   // with fc_varlen its packed queries, prefill_paged_sequence_view).
   const SeqView seq = fc_paged ? prefill_paged_sequence_view(p, cu_seqlens_q, cache_seqlens, group.z)
                                : sequence_view(p, cu_seqlens_q, cu_seqlens_k, group.z);
-  const int q0 = int(group.x) * BQ;       // first query row of the threadgroup
-  // Varlen: the grid covers max_seqlen_q; a block past this sequence's end
-  // has nothing to do. Uniform across the threadgroup and before any
-  // barrier, so every thread leaves together.
-  if (fc_varlen && q0 >= seq.q_len) return;
-  HeadOffsets h = head_offsets(p, group.z, group.y);
+  // Rows: under fc_pack_gqa the threadgroup's rows are packed rows of its
+  // kv head's group (G per query row, fc_pack_gqa above); without it G = 1
+  // and a packed row is a query row of query head group.y. `rows`: the
+  // sequence's packed rows. The row-axis tests below (edges, the varlen
+  // exit, stores) run on packed rows; the key bounds on query rows (m / G).
+  const int G = fc_pack_gqa ? p.gqa_ratio : 1;
+  const int rows = seq.q_len * G;
+  const uint head0 = fc_pack_gqa ? group.y * uint(G) : group.y;  // the threadgroup's first query head
+  const int q0 = int(group.x) * BQ;       // first packed row of the threadgroup
+  // Varlen: the grid covers max_seqlen_q (times G); a block past this
+  // sequence's end has nothing to do. Uniform across the threadgroup and
+  // before any barrier, so every thread leaves together.
+  if (fc_varlen && q0 >= rows) return;
+  HeadOffsets h = head_offsets(p, group.z, head0);
   h.q += seq.q_row0 * p.q_row_stride;
   h.o += seq.q_row0 * p.o_row_stride;
   h.lse += seq.q_row0 * p.lse_row_stride;
@@ -340,7 +358,7 @@ template <typename T, int DMAX, int BQ, int BK, int WM>
   // kv head in page 0; pages are found through the sequence's table row.
   device const int* table = block_table + (fc_paged ? int64_t(group.z) * p.table_stride : 0);
   if (fc_paged) {
-    const uint kv_head = group.y / uint(p.gqa_ratio);
+    const uint kv_head = head0 / uint(p.gqa_ratio);
     h.k = int64_t(kv_head) * p.k_head_stride;
     h.v = int64_t(kv_head) * p.v_head_stride;
   }
@@ -348,16 +366,25 @@ template <typename T, int DMAX, int BQ, int BK, int WM>
   // multiples of BK, as tiles do), or one page per sequence (a plain cache's
   // identity table: kv_len, the table's capacity, is one page). Uniform.
   const bool page_tiles = fc_paged && (p.page_size % BK == 0 || p.kv_len <= p.page_size);
-  // The attn_mask slice of (batch, query head); read only under fc_has_mask.
-  const int64_t mask_slice = fc_has_mask ? mask_head_offset(p, group.z, group.y) : 0;
-  const int sg_row0 = q0 + rg * 8;        // first query row of this SIMD-group
+  const int sg_row0 = q0 + rg * 8;        // first packed row of this SIMD-group
   const int fr = prefill_frag_row(lane);  // this lane's row within the SIMD-group's 8
   const int fc = prefill_frag_col(lane);  // this lane's first column within a fragment
-  const int row = sg_row0 + fr;           // this lane's query row
+  const int prow = sg_row0 + fr;          // this lane's packed row
+  const int row = prow / G;               // its query row (the causal and window bounds, the mask)
+  const int hoff = prow - row * G;        // its head within the group (0 unpacked)
+  // The SIMD-group's first and last query rows (its 8 packed rows span
+  // these; equal to sg_row0 and sg_row0 + 7 unpacked), for block bounds.
+  const int sg_qfirst = sg_row0 / G;
+  const int sg_qlast = (sg_row0 + 7) / G;
+  // The attn_mask slice of (batch, this lane's query head); read only under fc_has_mask.
+  const int64_t mask_slice = fc_has_mask ? mask_head_offset(p, group.z, head0 + uint(hoff)) : 0;
 
   // Q once, unscaled, in T. No barrier of its own: the first key block's
   // barrier orders these writes before any read.
-  if (!fc_align_q && q0 + BQ > seq.q_len) {
+  if (fc_pack_gqa) {
+    prefill_load_q_packed<BQ, DMAX, LD, THREADS>(q_tile, q + h.q, p.q_row_stride, p.q_head_stride, p.q_dim_stride,
+                                                 q0, G, D, min(BQ, rows - q0), tid);
+  } else if (!fc_align_q && q0 + BQ > seq.q_len) {
     prefill_load_tile<BQ, DMAX, LD, THREADS, true>(q_tile, q + h.q, p.q_row_stride, p.q_dim_stride, q0, D,
                                                    seq.q_len - q0, tid);
   } else {
@@ -373,9 +400,9 @@ template <typename T, int DMAX, int BQ, int BK, int WM>
   // thread, so all meet at the same barriers. A group whose rows see no key
   // at all (Nk < Nq, or an empty sequence) runs no block and stores zeros
   // and -inf.
-  const int last_row = (fc_align_q ? q0 + BQ : min(q0 + BQ, seq.q_len)) - 1;
+  const int last_row = ((fc_align_q ? q0 + BQ : min(q0 + BQ, rows)) - 1) / G;  // query row of the last packed row
   const int n_blocks = (visible_key_end(seq, last_row) + BK - 1) / BK;
-  const int first_block = fc_window_left ? first_visible_key(seq, q0) / BK : 0;
+  const int first_block = fc_window_left ? first_visible_key(seq, q0 / G) / BK : 0;
   // Q.K^T runs over the 8-wide feature fragments that hold real features;
   // those past ceil(D / 8) are all zero padding. The loop runs to the
   // compile-time TD with this uniform guard (as the P.V loop does), so it
@@ -385,7 +412,7 @@ template <typename T, int DMAX, int BQ, int BK, int WM>
   PrefillFrag O[TDP];
   FM_UNROLL for (int id = 0; id < TDP; ++id) O[id] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
   OnlineSoftmax sm;  // this lane's row: running max (base 2) and sum, "no key yet"
-  if (fc_has_sinks) seed_sink(sm.m, sm.l, sinks, int(group.y));  // or the sink, as if a first key
+  if (fc_has_sinks) seed_sink(sm.m, sm.l, sinks, int(head0) + hoff);  // or the row's head's sink, as a first key
   // The row sum l in two parts: sm.l holds the runs of kPrefillSumRun blocks
   // already settled, l_run the current run's sum (both rescaled by each
   // block's alpha, exactly 1 unless the max grew). Each key block's sum
@@ -411,13 +438,13 @@ template <typename T, int DMAX, int BQ, int BK, int WM>
     // the window of all of them. Uniform across the SIMD-group, so its
     // collectives below stay convergent; the group still loads and meets
     // every barrier.
-    const bool active = (fc_align_q || sg_row0 < seq.q_len) && (!fc_causal || k0 <= sg_row0 + 7 + seq.upper) &&
-                        (!fc_window_left || k0 + BK - 1 >= sg_row0 + seq.lower);
+    const bool active = (fc_align_q || sg_row0 < rows) && (!fc_causal || k0 <= sg_qlast + seq.upper) &&
+                        (!fc_window_left || k0 + BK - 1 >= sg_qfirst + seq.lower);
     // The block straddles the diagonal for this SIMD-group: some key is in
     // the future of some row. Only then are element masks applied.
-    const bool diagonal = fc_causal && k0 + BK - 1 > sg_row0 + seq.upper;
+    const bool diagonal = fc_causal && k0 + BK - 1 > sg_qfirst + seq.upper;
     // Likewise the left window's edge: some key is behind some row's window.
-    const bool left_edge = fc_window_left && k0 < sg_row0 + 7 + seq.lower;
+    const bool left_edge = fc_window_left && k0 < sg_qlast + seq.lower;
 
     // page_tiles: the block's page, one table read for K and V (every block
     // run holds a key below kv_len, so its entry is in use).
@@ -486,7 +513,7 @@ template <typename T, int DMAX, int BQ, int BK, int WM>
           if (k_edge && key >= seq.kv_len) keep = false;
           if (diagonal && key > row + seq.upper) keep = false;
           if (left_edge && key < row + seq.lower) keep = false;
-          if (fc_has_mask && !fc_align_q && row >= seq.q_len) keep = false;
+          if (fc_has_mask && !fc_align_q && prow >= rows) keep = false;
           float sc = option_score<T>(p, mask, mask_slice, row, key, S[t].thread_elements()[j] * p.scale_log2, keep);
           if (sc <= kMaskedScore) sc = kMaskedScore;
           S[t].thread_elements()[j] = sc;
@@ -565,9 +592,9 @@ template <typename T, int DMAX, int BQ, int BK, int WM>
   // Store O / l for real rows (and only the DV real features of v and o), and the row's
   // lse from one lane of the 4 that share it. A row that saw no key stores
   // zeros and -inf made from bits, exactly as store_output_row does.
-  if (fc_align_q || row < seq.q_len) {
+  if (fc_align_q || prow < rows) {
     const float inv = sm.inv_sum();
-    device T* op = o + h.o + int64_t(row) * p.o_row_stride;
+    device T* op = o + h.o + int64_t(row) * p.o_row_stride + int64_t(hoff) * p.o_head_stride;
     FM_UNROLL for (int id = 0; id < TDP; ++id) {
       FM_UNROLL for (int j = 0; j < 2; ++j) {
         const int c = col0 + id * 8 + fc + j;
@@ -580,7 +607,7 @@ template <typename T, int DMAX, int BQ, int BK, int WM>
       // * ln 2): at Nk = 8192 in float32 it halves the lse error, well
       // inside the strict 2x rule. Same value otherwise.
       const uint bits = sm.has_key() ? as_type<uint>(fma(sm.m, M_LN2_F, log(sm.l))) : kNegInfBits;
-      lse[h.lse + int64_t(row) * p.lse_row_stride] = as_type<float>(bits);
+      lse[h.lse + int64_t(row) * p.lse_row_stride + int64_t(hoff) * p.lse_head_stride] = as_type<float>(bits);
     }
   }
 }

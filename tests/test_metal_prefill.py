@@ -79,11 +79,16 @@ def run_prefill(q, k, v, causal=False, scale=None, instrumented=False, fast_math
     bq, bk, wm = blocks_of(q.dtype, dmax)
     # The planner's launch is the one this file's formulas describe.
     assert plan.kernel_name == kernel_name(q.dtype, dmax)
-    assert plan.grid == (math.ceil(q.shape[2] / bq), q.shape[1], q.shape[0]) and plan.threadgroup == (32 * wm, 1, 1)
+    # Short GQA queries (2 * Nq <= BQ) pack the group's heads into each block (fc_pack_gqa,
+    # tests/test_metal_prefill_pack_gqa.py).
+    g = q.shape[1] // k.shape[1]
+    packs = g > 1 and 2 * q.shape[2] <= bq
+    rows, heads = (q.shape[2] * g, k.shape[1]) if packs else (q.shape[2], q.shape[1])
+    assert plan.grid == (math.ceil(rows / bq), heads, q.shape[0]) and plan.threadgroup == (32 * wm, 1, 1)
     dense = dense_expected(q, k, v)  # fc_dense (index 10): tests/test_metal_dense_loader.py
-    # fc_paged (12) off: a contiguous K/V
-    assert plan.function_constants == ((causal, q.shape[2] % bq == 0, k.shape[2] % bk == 0) + (False,) * 7 +
-                                       (dense, False, False))
+    # fc_paged (12) off: a contiguous K/V; fc_pack_gqa (13) as above, align_q then over the packed rows
+    assert plan.function_constants == ((causal, rows % bq == 0, k.shape[2] % bk == 0) + (False,) * 7 +
+                                       (dense, False, False, packs))
     assert plan.threadgroup_memory == tg_bytes(bq, bk, dmax, q.element_size(), wm)
     return emulated_metal_attention(q, k, v, causal, scale, "prefill", instrumented, fast_math)
 

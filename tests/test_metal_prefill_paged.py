@@ -154,17 +154,19 @@ def _tiles(seqlens, nq, bk):
 @pytest.mark.parametrize("page", [5, 32])
 def test_paged_prefill_reads_each_page_once_per_threadgroup(page):
     """What the kernel reads (not causal, so every key is visible): one
-    threadgroup per (query block, query head, sequence) reads each key in use
-    of its kv head once, K and V, from its page, and no other row (unique
-    == raw bytes, both exactly that). GQA heads do not share the reads: the
-    kv head's rows are read once per query head of its group. The table:
+    threadgroup per (packed query block, kv head, sequence) reads each key in
+    use of its kv head once, K and V, from its page, and no other row (unique
+    == raw bytes, both exactly that). GQA heads share the reads (pack GQA,
+    fc_pack_gqa, a chunk of Nq = 16 queries): a threadgroup's 32 packed rows
+    are the group's 2 heads' rows, so the kv head's keys are read once per
+    sequence, not once per query head (2 per group). The table:
     pages of whole blocks (32 here: BK for float32 D 32), one entry read per
     key block per threadgroup (the same for every thread); otherwise each
     thread reads an entry on entering a page, never one past the sequence's
     last page (the unused entries are out of range: the sanitizer would
     report them)."""
     g = torch.Generator().manual_seed(11 + page)
-    B, Hq, Hkv, Nq, D, dtype, seqlens = 2, 4, 2, 40, 32, torch.float32, [70, 33]
+    B, Hq, Hkv, Nq, D, dtype, seqlens = 2, 4, 2, 16, 32, torch.float32, [70, 33]
     k_cache, v_cache, table, _, _ = make_paged_cache(B, Hkv, D, dtype, page, seqlens, g)
     q = torch.randn(B, Hq, Nq, D, generator=g).to(dtype)
     lengths = torch.tensor(seqlens, dtype=torch.int32)
@@ -174,17 +176,19 @@ def test_paged_prefill_reads_each_page_once_per_threadgroup(page):
     counts = LAST_DISPATCHES[0][1]
     bq = int(d.kernel_name.split("_bq")[1].split("_")[0])
     bk = int(d.kernel_name.split("_bk")[1].split("_")[0])
-    q_blocks = math.ceil(Nq / bq)
+    assert d.function_constants[13] and d.grid == (math.ceil(Nq * Hq // Hkv / bq), Hkv, B)  # fc_pack_gqa
+    readers = math.ceil(Nq * (Hq // Hkv) / bq) * Hkv  # (packed query block, kv head) threadgroups per sequence
+    assert readers == 2 < math.ceil(Nq / bq) * Hq == 4
     per_head = sum(seqlens) * D * 4  # bytes of one kv head's keys in use
     unique, raw = counts.device_unique_bytes_read_by_index, counts.device_bytes_read_by_index
     for buf in (1, 2):
-        assert unique[buf] == raw[buf] == q_blocks * Hq * per_head, (buf, unique[buf], raw[buf])
+        assert unique[buf] == raw[buf] == readers * per_head, (buf, unique[buf], raw[buf])
     entries_in_use = sum(math.ceil(n / page) for n in seqlens)
     if page % bk == 0:
-        assert unique[TABLE] == 4 * q_blocks * Hq * _tiles(seqlens, Nq, bk), unique[TABLE]
+        assert unique[TABLE] == 4 * readers * _tiles(seqlens, Nq, bk), unique[TABLE]
     else:
-        assert 4 * q_blocks * Hq * entries_in_use <= unique[TABLE], unique[TABLE]
-    assert 0 < unique[SEQLENS] <= 4 * q_blocks * Hq * B
+        assert 4 * readers * entries_in_use <= unique[TABLE], unique[TABLE]
+    assert 0 < unique[SEQLENS] <= 4 * readers * B
 
 
 def test_poisoned_entry_in_use_trips_the_bounds_checker():

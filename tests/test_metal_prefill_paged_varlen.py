@@ -138,7 +138,9 @@ def test_cases_cover_the_edges():
 @pytest.mark.parametrize("page", [5, 32])
 def test_paged_varlen_reads_only_the_pages_in_use(page):
     """What the kernel reads (not causal: every key is visible). Each
-    (query block, query head) threadgroup of a sequence reads that
+    (packed query block, kv head) threadgroup of a sequence (pack GQA,
+    fc_pack_gqa, short chunks of queries: a block's 32 packed rows are the
+    GQA group's 2 heads' rows, ceil(2 * Nq / 32) blocks per kv head) reads that
     sequence's keys once, K and V, from its pages; a sequence without
     queries (here the first) is never read, nor any other row (unique ==
     raw bytes, both exactly that). Query blocks past a sequence's end return
@@ -146,7 +148,7 @@ def test_paged_varlen_reads_only_the_pages_in_use(page):
     key block per threadgroup; otherwise at least one per page entered."""
     g = torch.Generator().manual_seed(21 + page)
     Hq, Hkv, D, dtype = 4, 2, 32, torch.float32
-    q_lens, k_lens = [0, 20, 45], [30, 33, 70]
+    q_lens, k_lens = [0, 9, 14], [30, 33, 70]
     k_cache, v_cache, table, _, _ = make_paged_cache(3, Hkv, D, dtype, page, k_lens, g)
     cu_q = _cu(q_lens)
     q = torch.randn(int(cu_q[-1]), Hq, D, generator=g)
@@ -157,15 +159,16 @@ def test_paged_varlen_reads_only_the_pages_in_use(page):
     counts = LAST_DISPATCHES[0][1]
     bq = int(d.kernel_name.split("_bq")[1].split("_")[0])
     bk = int(d.kernel_name.split("_bk")[1].split("_")[0])
-    blocks = [math.ceil(n / bq) for n in q_lens]  # threadgroups per head that read keys
-    want = Hq * sum(nb * n for nb, n in zip(blocks, k_lens)) * D * 4
+    assert d.function_constants[13] and d.grid[:2] == (1, Hkv)  # fc_pack_gqa: 2 x 14 rows, one block
+    blocks = [math.ceil(n * Hq // Hkv / bq) for n in q_lens]  # threadgroups per kv head that read keys
+    want = Hkv * sum(nb * n for nb, n in zip(blocks, k_lens)) * D * 4
     unique, raw = counts.device_unique_bytes_read_by_index, counts.device_bytes_read_by_index
     for buf in (1, 2):
         assert unique[buf] == raw[buf] == want, (buf, unique[buf], raw[buf], want)
     if page % bk == 0:
-        assert unique[TABLE] == 4 * Hq * sum(nb * math.ceil(n / bk) for nb, n in zip(blocks, k_lens)), unique[TABLE]
+        assert unique[TABLE] == 4 * Hkv * sum(nb * math.ceil(n / bk) for nb, n in zip(blocks, k_lens)), unique[TABLE]
     else:
-        assert 4 * Hq * sum(nb * math.ceil(n / page) for nb, n in zip(blocks, k_lens)) <= unique[TABLE]
+        assert 4 * Hkv * sum(nb * math.ceil(n / page) for nb, n in zip(blocks, k_lens)) <= unique[TABLE]
 
 
 def test_flash_attn_varlen_func_routes_paged_caches_to_the_op(monkeypatch):

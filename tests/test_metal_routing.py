@@ -51,6 +51,7 @@ def test_prefill_blocks_memory_and_bucket_for_every_head_dim(dtype):
         bq, bk, wm = (FLOAT_PREFILL_BLOCKS if dtype == torch.float32 else PREFILL_BLOCKS)[bucket]
         plan = flash_metal.explain(*_qkv(70, 45, d, dtype), impl="prefill")
         assert plan.kernel_name == f"flash_attention_prefill_{DTYPE_NAMES[dtype]}_d{bucket}_bq{bq}_bk{bk}_wm{wm}"
+        # GQA 4 / 2 at Nq 70 does not pack (fc_pack_gqa only when 2 * Nq <= BQ)
         assert plan.grid == (-(-70 // bq), 4, 1) and plan.threadgroup == (32 * wm, 1, 1)
         # Q tile plus one K/V tile, rows padded by 16 bytes (attention_prefill.h), plus with feature parts
         # (wm * 8 / bq > 1) each SIMD-group's partial S (bk / 8 fragments of 256 bytes, the split-K sum).
@@ -66,8 +67,9 @@ def test_prefill_blocks_memory_and_bucket_for_every_head_dim(dtype):
 @pytest.mark.parametrize("causal", [False, True])
 def test_prefill_edge_constants(nq, nk, aligned, causal):
     plan = flash_metal.explain(*_qkv(nq, nk, 64), causal=causal)
-    # no grad_lse, no option; fc_dense (index 10): packed inputs, D == its bucket; fc_paged (12) off
-    assert plan.function_constants == (causal, *aligned) + (False,) * 7 + (True, False, False)
+    # no grad_lse, no option; fc_dense (index 10): packed inputs, D == its bucket; fc_paged (12) off;
+    # fc_pack_gqa (13) off: GQA 4 / 2, but Nq fills more than half a block (tests/test_metal_prefill_pack_gqa.py)
+    assert plan.function_constants == (causal, *aligned) + (False,) * 7 + (True, False, False, False)
 
 
 def test_decode_one_pass_for_short_contexts_and_split_for_long():
@@ -264,10 +266,12 @@ def test_each_option_sets_its_function_constant_and_params(nq, dtype):
                 consts = d.function_constants
                 # indices 0-9, fc_dense (10; packed, D = 64: on), the decode kernels' too (issue 19), and
                 # fc_has_sinks (11; off: no sinks here, tests/test_sinks.py has them); the decode and prefill
-                # kernels' fc_paged (12; off: the paged cache is tests/test_metal_{decode,prefill}_paged.py's)
-                n = 13 if d.kernel_name.startswith(("flash_decode", "flash_attention_prefill_")) else 12
+                # kernels' fc_paged (12; off: the paged cache is tests/test_metal_{decode,prefill}_paged.py's),
+                # and the prefill's fc_pack_gqa (13; off: Nq 100 is long, tests/test_metal_prefill_pack_gqa.py)
+                prefill = d.kernel_name.startswith("flash_attention_prefill_")
+                n = 14 if prefill else 13 if d.kernel_name.startswith("flash_decode") else 12
                 assert len(consts) == n and consts[10] is True and consts[11] is False, d.kernel_name
-                assert consts[11:] == (False,) * (n - 11), d.kernel_name
+                assert consts[11:13] == (False,) * (min(n, 13) - 11) and consts[13:] == (False,) * (n - 13)
                 got = {i for i in (CAUSAL, HAS_MASK, MASK_BOOL, MASK_F32, WINDOW_LEFT, SOFTCAP, VARLEN) if consts[i]}
                 assert got == on, (name, d.kernel_name, got)
                 assert d.buffers["attn_mask"] == 14 and d.buffers["cu_seqlens_q"] == 15
@@ -298,7 +302,7 @@ def test_varlen_plans_the_prefill_kernel_per_sequence():
     plan = flash_metal.explain(q, k, k, True, **varlen)
     assert plan.reason.startswith("prefill: packed variable-length sequences"), plan.reason
     (d,) = plan.dispatches
-    assert d.grid == (1, 8, 2)  # ceil(29 / 32) query blocks x heads x sequences
+    assert d.grid == (1, 8, 2)  # ceil(29 / 32) query blocks x heads x sequences (29 rows: not packed)
     assert d.function_constants[VARLEN] and d.function_constants[CAUSAL]
     assert not d.function_constants[ALIGN_Q] and not d.function_constants[ALIGN_K]
     prm = _option_params(d)

@@ -123,6 +123,23 @@ def test_host_matches_oracle(host, emu, layout, impl, dtype, causal, heads):
     assert kernels == [d.kernel_name for d in flash_metal.explain(q, k, v, causal, impl=impl).dispatches]
     if impl != "auto":
         assert kernels[0].startswith(f"flash_attention_{impl}_")
+    if kernels[0].startswith("flash_attention_prefill_"):  # Nq 63: GQA does not pack (fc_pack_gqa, 13, off)
+        (state,) = [e for e in rec["events"] if e["op"] == "setComputePipelineState"]
+        assert state["constants"]["13"] in (False, 0), state["constants"]
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_host_runs_the_packed_gqa_prefill(host, emu, causal):
+    # A short chunk of GQA queries (Nq 12, G 2: 2 * Nq <= BQ) packs; the host sets fc_pack_gqa (13) from the plan
+    # and launches the packed grid (ceil(Nq * G / BQ), Hkv, B).
+    q, k, v = _inputs("contiguous", torch.float16, 4, 2, seed=12, shape=(2, 12, 65, 80))
+    out, lse, rec, _ = host.attention(q, k, v, causal, None, "auto", emu)
+    assert rec["errors"] == []
+    assert_attention_close(out, lse, q, k, v, causal)
+    (state,) = [e for e in rec["events"] if e["op"] == "setComputePipelineState"]
+    assert state["kernel"].startswith("flash_attention_prefill_") and state["constants"]["13"] in (True, 1), state
+    (d,) = flash_metal.explain(q, k, v, causal).dispatches
+    assert d.function_constants[13] and d.grid[1:] == (2, 2), d.grid
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
@@ -449,7 +466,14 @@ def test_build_all_pipelines_on_the_fake_device(host, emu):
         # the decode and prefill kernels carry a 13th, fc_paged (the paged KV cache: attention_kvcache), built
         # both ways, on only alone among the options (no mask, window or sinks beside it in the registry)
         paged = name.startswith(("flash_decode_", "flash_attention_prefill_"))
-        assert all(len(b) == (13 if paged else 12) for b in bits), name
+        prefill = name.startswith("flash_attention_prefill_")
+        # the prefill carries a 14th, fc_pack_gqa (its GQA shapes pack), built both ways: on with the
+        # registry's GQA prefill shapes only (both causal settings and query alignments, no option)
+        assert all(len(b) == (14 if prefill else 13 if paged else 12) for b in bits), name
+        if prefill:
+            packed = {b for b in bits if b[13] == "1"}
+            assert {b[:2] for b in packed} == combos(2) and all(b[4:10] + b[11:13] == "0" * 8 for b in packed), name
+            bits = {b[:13] for b in bits if b[13] == "0"}
         assert not paged or {b[12] for b in bits} == {"0", "1"}, name
         assert all(b[4:10] + b[11] == "0000000" for b in bits if paged and b[12] == "1"), name
         bits = {b[:12] for b in bits if not paged or b[12] == "0"}

@@ -58,6 +58,9 @@ def _value(result):
 def test_all_pipelines_build_concurrently(cold_builds):
     concurrent = _value(cold_builds["concurrent"])
     assert concurrent["most_concurrent"] > 1 and len(concurrent["built"]) > 100
+    # The registry's packed GQA prefills (fc_pack_gqa, constant 13) are built like any other pair.
+    pairs = [entry.rsplit("/", 1) for entry in concurrent["built"]]
+    assert any(n.startswith("flash_attention_prefill_") and "mpp" not in n and bits[13:14] == "1" for n, bits in pairs)
 
 
 def test_concurrent_build_equals_the_sequential_one(cold_builds):

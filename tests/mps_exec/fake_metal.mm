@@ -8,6 +8,8 @@
 // cannot see (see record_error calls). Never shipped.
 #include "fake_runtime.h"
 
+#include "device_info.h"
+
 #include <algorithm>
 #include <atomic>
 #include <chrono>
@@ -59,27 +61,9 @@ void record_error(const std::string& message) {
   errors().push_back(message);
 }
 
-std::string quote(const std::string& text) {
-  std::string out = "\"";
-  for (unsigned char c : text) {
-    switch (c) {
-      case '"': out += "\\\""; break;
-      case '\\': out += "\\\\"; break;
-      case '\n': out += "\\n"; break;
-      case '\r': out += "\\r"; break;
-      case '\t': out += "\\t"; break;
-      default:
-        if (c < 0x20) {
-          char buf[8];
-          std::snprintf(buf, sizeof(buf), "\\u%04x", c);
-          out += buf;
-        } else {
-          out += static_cast<char>(c);
-        }
-    }
-  }
-  return out + "\"";
-}
+// One JSON quoting for the recording and the product's device_info answer
+// (csrc/device_info.h: RFC 8259 escaping).
+std::string quote(const std::string& text) { return flash_metal::device_info::quote(text); }
 
 Knobs& knobs() {
   static Knobs k;
