@@ -1,19 +1,18 @@
-"""A split-D forward for head dim 512 on Metal (issue 20, section 3), priced
-by the model before anything routes to it. Nothing here ran on a GPU: every
-time is a prediction ("model, not measurement").
+"""The split-D forward for head dim 512 on Metal (issue 20, section 3), priced
+by the model: the verdict csrc/metal_routing_splitd.cpp routes on. Nothing
+here ran on a GPU: every time is a prediction ("model, not measurement").
 
-The kernel is a probe (tests/prefill_splitd_probe.metal, never shipped): one
-threadgroup per 8 (or 16) query rows, 8 SIMD-groups per 8-row group each
+The kernel is the shipped one (shaders/attention_prefill_splitd.h, first
+written as a probe): one threadgroup per 8 query rows, 8 SIMD-groups each
 owning 64 of the 512 features of Q and O in registers, K and V read straight
-from device memory per part, S summed over the parts through a
-double-buffered threadgroup scratch (one barrier per key block of 32 keys).
-Its counts come from the instrumented emulator exactly as
-benchmarks/metal_model_d512.py takes the FA2 template's (512-strided views
-planned in the D = 256 bucket, params patched to 512, N = 128, 192, 256 for
-one head, scaled by the quadratic rule); its time from
+from device memory per part, S summed over the parts through threadgroup
+memory and the softmax shared among them (3 barriers per 32-key block).
+Its counts come from the instrumented emulator on the planner's own launch
+(impl='prefill' at D = 512), N = 128, 192, 256 for one head, scaled by the
+quadratic rule (benchmarks/metal_model_d512.py records); its time from
 metal_model_timing.predict / predict_band with the split-D serial section
 (metal_model_timing, "_splitd_") and the planner's residency rule applied to
-its live values (LIVE) and threadgroup memory; unfused from
+its live values (live_values) and threadgroup memory; unfused from
 metal_backward_model.unfused_seconds(forward=True), which prices the
 composite path's full S (it does not skip causal blocks: the composite path
 computes every score and masks them).
@@ -24,6 +23,8 @@ import os
 
 import torch
 
+import flash_metal
+
 from . import apple_gpus as G
 from . import metal_backward_model as BM
 from . import metal_model as M
@@ -31,58 +32,56 @@ from . import metal_model_d512 as W
 from . import metal_model_timing as T
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PROBE = os.path.join(_ROOT, "tests", "prefill_splitd_probe.metal")
+HEADER = os.path.join(_ROOT, "shaders", "attention_prefill_splitd.h")
 D = W.D
-# (family, BQ, BK, WM) of the probe's float16 instantiations; the first is the plan.
-PLANS = (("splitd_coop", 8, 32, 8), ("splitd", 8, 32, 8), ("splitd", 8, 16, 8), ("splitd", 16, 32, 16))
+# (family, BQ, BK, WM) of the shipped instantiation (its host name's parameters).
+PLANS = (("prefill_splitd", 8, 32, 8),)
 PLAN = PLANS[0]
-PARTS = 8  # SIMD-groups per 8-row group: 64 features each (the probe's comment says why)
+PARTS = 8  # SIMD-groups per 8-row group: 64 features each (the header says why)
+KERNELS = ("flash_attention_prefill_splitd_*",)  # the partial emulator library run() uses
 # kLiveOverhead (csrc/metal_plan_detail.h): addresses, loop counters, the row's indices.
 LIVE_OVERHEAD = 16
 
 
 def live_values(bk, parts=PARTS):
-    """Live 32-bit values per lane, the planner's prefill formula
-    (prefill_live_registers) plus Q's fragments, which the template keeps in
-    threadgroup memory and this kernel in registers: O and Q (D / 4 / parts
-    each), one block of S (bk / 4), the row max and sum (2), two operand
-    fragments (4), kLiveOverhead."""
-    return 2 * (D // 4 // parts) + bk // 4 + 2 + 4 + LIVE_OVERHEAD
+    """Live 32-bit values per lane, the planner's (csrc/metal_routing_splitd.cpp splitd_live_registers):
+    the prefill formula (prefill_live_registers) plus Q's fragments, which the template keeps in
+    threadgroup memory and this kernel in registers: O and Q (D / 4 / parts each), one block of S
+    (bk / 4), the row max and sum (2), two operand fragments (4), kLiveOverhead, and the shared
+    step's second running max (1)."""
+    return 2 * (D // 4 // parts) + bk // 4 + 2 + 4 + LIVE_OVERHEAD + 1
 
 
-def tg_bytes(family, bq, bk, wm):
-    """Threadgroup memory: the simple kernel's double-buffered partial S (2 x WM SIMD-groups x BK / 8
-    fragments x 256 bytes); coop's single partials, the block's P and two rows of 8 per part, in floats."""
-    if family == "splitd_coop":
-        return (wm * 8 * bk + 8 * bk + 2 * wm * 8) * 4
-    return 2 * wm * (bk // 8) * 256
+def tg_bytes(bk=PLAN[2], wm=PLAN[3]):
+    """Threadgroup memory (splitd_threadgroup_bytes): WM x 8 x BK partials, the block's P and two rows of
+    8 per part, in floats."""
+    return (wm * 8 * bk + 8 * bk + 2 * wm * 8) * 4
 
 
 def library(instrumented=True):
-    from metal_emulator import compile_library  # tests/ on sys.path (metal_model imports tests/backends)
+    from shader_builds import shipped_library  # tests/ on sys.path (metal_model imports tests/backends)
 
-    return compile_library([PROBE], instrumented=instrumented)
+    return shipped_library(instrumented=instrumented, only=KERNELS)
 
 
-def run(q, k, v, causal, bq, bk, wm, instrumented=True, family="splitd"):
-    """(out, lse, counts, (plan, tg bytes)) of the split-D probe: q, k, v (B, H, N, 512), float16 or bfloat16."""
+def run(q, k, v, causal, bq=PLAN[1], bk=PLAN[2], wm=PLAN[3], instrumented=True, family=PLAN[0]):
+    """(out, lse, counts, (plan, tg bytes)) of the shipped split-D kernel, on the planner's launch
+    (impl='prefill'): q, k, v (B, H, N, 512), outputs poisoned with NaN."""
     B, H, N, d = q.shape
-    assert d == D and q.dtype in (torch.float16, torch.bfloat16)
-    plan, params = W._plan_at_d512(q, k, v, causal)
-    dt = "float16" if q.dtype == torch.float16 else "bfloat16"
+    assert d == D
+    (plan,) = flash_metal.explain(q, k, v, causal, 1 / math.sqrt(D), "prefill").dispatches
+    assert plan.kernel_name == f"flash_attention_{family}_{str(q.dtype)[6:]}_d512_bq{bq}_bk{bk}_wm{wm}", plan
+    assert plan.threadgroup_memory == tg_bytes(bk, wm)
     out = torch.full((B, H, N, D), float("nan"), dtype=q.dtype)
     lse = torch.full((B, H, N), float("nan"))
     tensors = {"q": q, "k": k, "v": v, "out": out, "lse": lse}
-    # The kernel's own buffers only (the plan also binds the options' buffers, which it does not declare).
-    buffers = {i: tensors[name] for name, i in plan.buffers.items() if name in tensors}
-    unused = torch.zeros(B + 1, dtype=torch.int32)  # cu_seqlens: declared for sequence_view, read only under varlen
-    buffers.update({15: unused, 16: unused})
-    nbytes = tg_bytes(family, bq, bk, wm)
+    # The options' slots hold q, as the MPS host binds them without options.
+    buffers = {i: tensors.get(name, q) for name, i in plan.buffers.items()}
     counts = library(instrumented).dispatch(
-        f"flash_attention_{family}_{dt}_d512_bq{bq}_bk{bk}_wm{wm}", buffers=buffers,
-        bytes={plan.params_index: params}, function_constants=dict(enumerate(plan.function_constants)),
-        grid=(math.ceil(N / bq), H, B), threadgroup=(32 * wm, 1, 1), threadgroup_memory={0: nbytes})
-    return out, lse, counts, (plan, nbytes)
+        plan.kernel_name, buffers=buffers, bytes={plan.params_index: plan.params},
+        function_constants=dict(enumerate(plan.function_constants)), grid=plan.grid,
+        threadgroup=plan.threadgroup, threadgroup_memory={plan.threadgroup_memory_index: plan.threadgroup_memory})
+    return out, lse, counts, (plan, plan.threadgroup_memory)
 
 
 def records(s: M.Shape, causal, plan=PLAN):
@@ -120,23 +119,19 @@ def verdict(r):
 
 
 def main():
-    print("\n## Head dim 512, float16, split-D probe vs unfused: model, not measurement")
+    print("\n## Head dim 512, float16, split-D (shipped) vs unfused: model, not measurement")
     print("(fused band: every uncertain figure at its fast end, then its slow end; unfused: the composite "
           "path's three kernels at the same MMA rate and streaming ceiling, full S even when causal)")
-    name = lambda p: f"{p[0].replace('splitd', 'split-D').replace('_', ' ')} bq{p[1]} bk{p[2]}"  # noqa: E731
-    print(f"| chip | shape | causal | unfused ms | {name(PLAN)} ms (band) | unfused / split-D | band ahead | "
-          "bound | TGs/core | verdict | " + " | ".join(name(p) + " ms" for p in PLANS[1:])
-          + " | unfused, matmuls on M5's accelerators ms |")
-    print("|" + "---|" * (11 + len(PLANS) - 1))
+    print("| chip | shape | causal | unfused ms | split-D bq8 bk32 ms (band) | unfused / split-D | band ahead | "
+          "bound | TGs/core | verdict | unfused, matmuls on M5's accelerators ms |")
+    print("|" + "---|" * 11)
     for causal in (False, True):
         for n in (1024, 4096):
             s = M.Shape(1, 8, 8, n, n, D)
             for chip in W.CHIPS:
                 a = compare(s, causal, chip)
-                others = [compare(s, causal, chip, p)["fused"][1] for p in PLANS[1:]]
                 lo, pt, hi = a["fused"]
                 print(f"| {chip} | 1x8x{n}x512 | {causal} | {a['unfused'] * 1e3:.2f} | {pt * 1e3:.2f} "
                       f"({lo * 1e3:.2f}-{hi * 1e3:.2f}) | {a['unfused'] / pt:.2f}x | {band_ahead(a):.0%} | "
                       f"{a['bound']} | {a['residency']} | {verdict(a)} | "
-                      + " | ".join(f"{t * 1e3:.2f}" for t in others)
-                      + (f" | {a['unfused_accel'] * 1e3:.2f} |" if G.BY_NAME[chip].generation == 5 else " | - |"))
+                      + (f"{a['unfused_accel'] * 1e3:.2f} |" if G.BY_NAME[chip].generation == 5 else "- |"))

@@ -268,7 +268,24 @@ def dispatch_time(r, index, gpu, s, dtype, causal, k=POINT):
         # The tensor-op prefill (_mpp_) has no such chain of its own to count:
         # matmul2d's latency is Apple's, unpublished; it is modelled as MLX's
         # accelerator kernel is (metal_model_accel.py), by throughput alone.
-        if kb and "prefill" in r.kernel and "_mpp_" not in r.kernel:
+        if kb and "_splitd_" in r.kernel:
+            # The split-D forward (shaders/attention_prefill_splitd.h): per key
+            # block, K's fragments from device memory (one DRAM latency: a
+            # part's loads are independent), each part's S chain over its
+            # d_frags / F fragments, the scratch's one barrier and the F
+            # partials' sum, the softmax's shuffles and exp2, V's fragments
+            # from device memory (a second DRAM latency: counted, not assumed
+            # hoisted), and the P.V chain over the block's bk / 8 fragments.
+            # The softmax is shared: 3 barriers, F reads after each
+            # (partials, row maxima, row sums), 2 quad shuffles twice.
+            blocks, bk = kb
+            m = re.search(r"_bq(\d+)_bk\d+_wm(\d+)", r.kernel)
+            parts = 8 * int(m.group(2)) // int(m.group(1))
+            steps = 3
+            lat = (2 * dram_cycles + steps * (BARRIER_CYCLES + parts * TG_LOAD_LATENCY)
+                   + (math.ceil(d_frags / parts) + bk // 8) * MMA_LATENCY + 6 * SHUFFLE_LATENCY)
+            serial = blocks, heads, lat
+        elif kb and "prefill" in r.kernel and "_mpp_" not in r.kernel:
             blocks, bk = kb
             # Feature parts (8 * WM / BQ, split-K, attention_prefill.h): the
             # S chain over d_frags / F fragments, then the partials' sum (F
@@ -288,23 +305,6 @@ def dispatch_time(r, index, gpu, s, dtype, causal, k=POINT):
             bq_rows = int(m.group(1)) if m else 32
             avg_rows = rows / math.ceil(rows / bq_rows)
             busy = min(sg_per_tg, max(1, math.ceil(avg_rows / 8)) * parts)
-        elif kb and "_splitd_" in r.kernel:
-            # The split-D probe (tests/prefill_splitd_probe.metal): per key
-            # block, K's fragments from device memory (one DRAM latency: a
-            # part's loads are independent), each part's S chain over its
-            # d_frags / F fragments, the scratch's one barrier and the F
-            # partials' sum, the softmax's shuffles and exp2, V's fragments
-            # from device memory (a second DRAM latency: counted, not assumed
-            # hoisted), and the P.V chain over the block's bk / 8 fragments.
-            # The coop variant shares the softmax: 3 barriers, F reads after
-            # each (partials, row maxima, row sums), 2 quad shuffles twice.
-            blocks, bk = kb
-            m = re.search(r"_bq(\d+)_bk\d+_wm(\d+)", r.kernel)
-            parts = 8 * int(m.group(2)) // int(m.group(1))
-            steps = 3 if "_coop_" in r.kernel else 1
-            lat = (2 * dram_cycles + steps * (BARRIER_CYCLES + parts * TG_LOAD_LATENCY)
-                   + (math.ceil(d_frags / parts) + bk // 8) * MMA_LATENCY + 6 * SHUFFLE_LATENCY)
-            serial = blocks, heads, lat
         elif "flash_backward_" in r.kernel and "_mpp_" not in r.kernel:
             # (The tensor-op backward, flash_backward_mpp_*, by throughput
             # alone, as the tensor-op prefill above.)

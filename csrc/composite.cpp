@@ -24,21 +24,20 @@ bool composite_route(const AttentionProblem& p, KernelRequest requested, MetalPa
   }
   if (requested != KernelRequest::Auto) return false;
   const int64_t widest = kFastHeadDimBuckets.back();
-  // (Decode, Nq <= 8, takes dims up to 576 fused: decode_takes_wide_dims.)
-  if ((p.head_dim > widest || p.head_dim_v > widest) && !decode_takes_wide_dims(p, requested, pass)) {
+  // (Decode, Nq <= 8, takes dims up to 576 fused: decode_takes_wide_dims;
+  // the split-D forward takes causal D = 512: splitd_takes.)
+  std::string splitd_why;
+  if ((p.head_dim > widest || p.head_dim_v > widest) && !decode_takes_wide_dims(p, requested, pass) &&
+      !splitd_takes(p, requested, pass, &splitd_why)) {
     *why = std::string("composite (") + pass_name + "): head dims " + std::to_string(p.head_dim) + " / " +
            std::to_string(p.head_dim_v) + " exceed the widest fused bucket (" + std::to_string(widest) +
            ") but decode's (" + std::to_string(kDecodeHeadDimBuckets.back()) + ": Nq <= " +
            std::to_string(kMaxDecodeRows) + ", at most 16 query rows per kv head, forward only, "
-           "benchmarks/metal_model_decode_wide.py). The model's verdicts at D = 512 (benchmarks/"
-           "metal_model_d512.py, exact emulator counts; a model, not a measurement): the FA2 template (8 x 8 "
-           "blocks, 8 feature parts) is predicted 2-3x slower than unfused when not causal; the split-D forward "
-           "probe (tests/prefill_splitd_probe.metal: 8 rows x 32 keys, 8 feature parts, K/V read from device "
-           "memory) is predicted level with unfused when not causal (0.99-1.03x) and about 2x ahead when causal "
-           "on M1 Max, M3 Max, M4 Pro and M5 (on M5 only if unfused's matmuls run on the shader cores: on its "
-           "neural accelerators unfused is predicted ahead), but it takes no options and is not a shipped kernel "
-           "yet. So this runs the unfused plan in chunks of query rows: ATen matmuls and softmax on the MPS "
-           "stream, memory O(chunk x Nk), not a flash kernel";
+           "benchmarks/metal_model_decode_wide.py) and the split-D forward's (D = 512), which does not take this "
+           "call: " + splitd_why + ". (The FA2 template at D = 512, 8 x 8 blocks, is predicted 2-3x slower than "
+           "unfused: benchmarks/metal_model_d512.py, a model, not a measurement.) So this runs the unfused plan in "
+           "chunks of query rows: ATen matmuls and softmax on the MPS stream, memory O(chunk x Nk), not a flash "
+           "kernel";
     return true;
   }
   // D_qk != D_v within 256 (MLA-style, issue 20 section 2): the fused

@@ -1,8 +1,9 @@
 // The composite path: attention as chunked ATen operations (matmul, softmax
 // by hand, matmul), on whatever device the tensors live on. It is the
 // unfused plan of issue 20, section 3: where no fused Metal kernel exists
-// that the performance model puts ahead of unfused (head dims above 256:
-// benchmarks/metal_model_d512.py), the MPS op runs this instead of
+// that the performance model puts ahead of unfused (head dims above 256 but
+// causal D = 512 forwards and wide decode: benchmarks/metal_model_d512.py),
+// the MPS op runs this instead of
 // refusing, and explain() says why. Not a flash path: its memory is O(chunk x Nk) per (batch, head),
 // bounded by kCompositeChunkBytes, never O(Nq x Nk).
 //
@@ -27,8 +28,10 @@ constexpr int64_t kCompositeChunkBytes = int64_t{64} << 20;
 
 // Whether this call runs the composite path on Metal, and why (appended to
 // *why). True for impl="composite"; for impl="auto": head dims above the
-// widest fused bucket (the model's verdict), forward and backward. D_qk !=
-// D_v within it runs the fused kernels (issue 20 section 2).
+// widest fused bucket (the model's verdict), forward and backward, but the
+// calls the wide decode (decode_takes_wide_dims) or the split-D forward
+// (splitd_takes: causal D = 512) take. D_qk != D_v within it runs the fused
+// kernels (issue 20 section 2).
 bool composite_route(const AttentionProblem& p, KernelRequest requested, MetalPass pass, std::string* why);
 
 // attention_forward / attention_varlen_forward: fills o.out4 and o.lse3.

@@ -478,6 +478,13 @@ MetalPlan plan_metal_attention(const AttentionProblem& p, const LaunchStrides& s
       plan.launches.push_back(l);
       break;
     case KernelRequest::Prefill:
+      if (c.bucket > kFastHeadDimBuckets.back()) {  // the split-D forward at 512 (metal_routing_splitd.cpp)
+        l.function_constants = feature_constants(p, false, false, false, p.sinks);
+        l.buffers = with_forward_features(kForwardBuffers);
+        splitd_launch(p, c, gpu, &l);
+        plan.launches.push_back(l);
+        break;
+      }
       l.kernel_name = "flash_attention_prefill_" + suffix + "_bq" + std::to_string(c.block_q) + "_bk" +
                       std::to_string(c.block_k) + "_wm" + std::to_string(c.simdgroups);
       {

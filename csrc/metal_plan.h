@@ -162,9 +162,10 @@ constexpr std::array<uint32_t, 8> kFastHeadDimBuckets = {32, 64, 72, 80, 96, 128
 // shaders/attention.metal for why two. Why decode only: decode is
 // memory-bound and the fused decode reads each K/V row once per GQA group,
 // predicted ahead of the composite path at every modelled decode shape
-// (benchmarks/metal_model_decode_wide.py), while a fused prefill at 512 is
+// (benchmarks/metal_model_decode_wide.py), while the FA2 template at 512 is
 // predicted 2-3x slower than unfused (benchmarks/metal_model_d512.py): the
-// prefill and backward stop at 256 and run the composite path above.
+// template and the backward stop at 256; above, causal D = 512 forwards run
+// the split-D kernel (splitd_takes) and the rest the composite path.
 constexpr std::array<uint32_t, 10> kDecodeHeadDimBuckets = {32, 64, 72, 80, 96, 128, 192, 256, 512, 576};
 // Query rows the decode kernels serve at most. Why 8: one 8x8 simdgroup-matrix
 // tile of queries; below it the prefill kernel's 8-row fragments would run
@@ -334,6 +335,14 @@ bool kvcache_reads_table(const AttentionProblem& p, KernelRequest requested, std
 // dims within the widest decode bucket. False for dims <= 256 (the usual
 // routing applies) and for everything else above (composite_route).
 bool decode_takes_wide_dims(const AttentionProblem& p, KernelRequest requested, MetalPass pass);
+
+// Whether a call with head dims above kFastHeadDimBuckets.back() runs the
+// split-D forward at D = 512 (shaders/attention_prefill_splitd.h,
+// csrc/metal_routing_splitd.cpp): forward, D_qk = D_v = 512, no paged
+// cache, and impl 'prefill', or impl 'auto' when causal (window_right 0)
+// with Nq > kMaxDecodeRows (the model's verdict). Else false and *why_not
+// (if given) says why, for explain(); composite_route then takes the call.
+bool splitd_takes(const AttentionProblem& p, KernelRequest requested, MetalPass pass, std::string* why_not);
 
 // The full plan: kernel choice, names, grids, threadgroups, memory, params.
 MetalPlan plan_metal_attention(const AttentionProblem& p, const LaunchStrides& strides, KernelRequest requested,

@@ -316,6 +316,13 @@ void choose_tensor_ops_backward(const AttentionProblem& p, bool forced, const Gp
 std::string prefill_pages_note(const AttentionProblem& p, uint32_t block_k, bool pack_gqa);
 bool prefill_pack_gqa(const AttentionProblem& p, uint32_t block_q, std::string* reason);
 
+// The split-D forward at D = 512 (csrc/metal_routing_splitd.cpp): its blocks
+// and reason (choose_metal_kernel, when splitd_takes), and its launch's
+// name, grid, threadgroup, memory and estimate (plan_metal_attention sets
+// the constants and bindings, as for the prefill).
+KernelChoice choose_splitd(const AttentionProblem& p, KernelRequest requested, const GpuSpec& gpu);
+void splitd_launch(const AttentionProblem& p, const KernelChoice& c, const GpuSpec& gpu, MetalLaunch* l);
+
 // The wide decode's sentence for explain() (csrc/metal_routing_wide.cpp):
 // the bucket and the model's verdict against the composite path.
 std::string wide_decode_note(const AttentionProblem& p, uint32_t bucket);

@@ -180,6 +180,26 @@ std::vector<MetalLaunch> all_metal_launches() {
       }
     }
   }
+  // The split-D forward at D = 512 (splitd_takes): impl='prefill', causal
+  // or not, ragged (65 rows), each option on its own as above but paged
+  // (it reads no paged cache: the gather path packs the pages first).
+  for (c10::ScalarType dtype : {c10::ScalarType::Float, c10::ScalarType::Half, c10::ScalarType::BFloat16}) {
+    for (bool causal : {false, true}) {
+      for (Option option : {NoOption, BoolMask, InputMask, Float32Mask, WindowLeft, Softcap, Varlen, Sinks}) {
+        AttentionProblem p;
+        p.batch = p.q_heads = p.kv_heads = 1;
+        p.q_len = p.kv_len = p.total_q = p.total_k = 65;
+        p.head_dim = p.head_dim_v = 512;
+        p.scale = 1.0;
+        p.dtype = dtype;
+        set_option(p, option, causal);
+        const int64_t D = 512, N = 65;
+        const LaunchStrides packed{{N * D, N * D, D, 1}, {N * D, N * D, D, 1}, {N * D, N * D, D, 1},
+                                   {N * D, N * D, D, 1}, {N, N, 1}, {0, 0, 0, 0}, {0, 0, 0}, {0, 0, N, 1}};
+        for (const MetalLaunch& l : plan_metal_attention(p, packed, KernelRequest::Prefill).launches) add(l);
+      }
+    }
+  }
   for (const MetalLaunch& l : launches) {
     const auto starts = [&](const char* prefix) { return l.kernel_name.rfind(prefix, 0) == 0; };
     const bool decode = starts("flash_decode_") && !starts("flash_decode_merge_");

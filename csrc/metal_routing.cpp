@@ -345,7 +345,7 @@ bool kvcache_reads_table(const AttentionProblem& p, KernelRequest requested, std
   // (decode_takes_wide_dims: Nq <= 8, no packed queries, up to 576, with
   // 'auto' at most kWideDecodeMaxRows rows per kv head); the prefill's table
   // reader stops at the fast buckets' 256, and every other wide call gathers
-  // (then the varlen plan, which runs the composite path).
+  // (then the varlen plan: the split-D kernel for causal D = 512, else the composite path).
   const bool wide = p.head_dim > kFastHeadDimBuckets.back() || p.head_dim_v > kFastHeadDimBuckets.back();
   if (wide && !decode_takes_wide_dims(p, requested, MetalPass::Forward)) {
     *why = "paged KV cache, gather path (head dims " + std::to_string(p.head_dim) + " / " +
@@ -388,20 +388,25 @@ KernelChoice choose_metal_kernel(const AttentionProblem& p, KernelRequest reques
   // kMaxHeadDim = 576, D_v up to 512): 256 but for the decode kernels, which
   // take up to 576 (decode_takes_wide_dims).
   const bool wide_decode = decode_takes_wide_dims(p, requested, pass);
+  // And the split-D forward at D = 512 (csrc/metal_routing_splitd.cpp).
+  std::string splitd_why;
+  const bool wide = p.head_dim > kFastHeadDimBuckets.back() || p.head_dim_v > kFastHeadDimBuckets.back();
+  const bool splitd = wide && !wide_decode && splitd_takes(p, requested, pass, &splitd_why);
   const char* pass_name = pass == MetalPass::Backward ? "backward" : "forward";
-  TORCH_CHECK_NOT_IMPLEMENTED(wide_decode || p.head_dim <= kFastHeadDimBuckets.back(), "flash_metal: head_dim ",
-                              p.head_dim, " on Metal kernels: not yet (at most ", kFastHeadDimBuckets.back(), ", ",
-                              pass_name, "; the decode kernels, Nq <= ", kMaxDecodeRows, ", take up to ",
-                              kDecodeHeadDimBuckets.back(), " (impl='auto': at most ", kWideDecodeMaxRows,
-                              " query rows per kv head)); run on CPU tensors, which take head dims up to ",
-                              kMaxHeadDim);
-  TORCH_CHECK_NOT_IMPLEMENTED(wide_decode || p.head_dim_v <= kFastHeadDimBuckets.back(),
+  TORCH_CHECK_NOT_IMPLEMENTED(wide_decode || splitd || p.head_dim <= kFastHeadDimBuckets.back(),
+                              "flash_metal: head_dim ", p.head_dim, " on Metal kernels: not yet (at most ",
+                              kFastHeadDimBuckets.back(), ", ", pass_name, "; the decode kernels, Nq <= ",
+                              kMaxDecodeRows, ", take up to ", kDecodeHeadDimBuckets.back(), " (impl='auto': at most ",
+                              kWideDecodeMaxRows, " query rows per kv head); the split-D forward takes 512 (",
+                              splitd_why, ")); run on CPU tensors, which take head dims up to ", kMaxHeadDim);
+  TORCH_CHECK_NOT_IMPLEMENTED(wide_decode || splitd || p.head_dim_v <= kFastHeadDimBuckets.back(),
                               "flash_metal: v's head dim D_v = ", p.head_dim_v, " on Metal kernels: not yet (at most ",
                               kFastHeadDimBuckets.back(), ", ", pass_name, "; the decode kernels, Nq <= ",
                               kMaxDecodeRows, ", take up to ", kMaxHeadDimV, " (impl='auto': at most ", kWideDecodeMaxRows,
                               " query rows per kv head)); run on CPU tensors, which take "
                               "D_v up to ", kMaxHeadDimV);
   if (pass == MetalPass::Backward) return choose_backward(p, requested, gpu);
+  if (splitd) return choose_splitd(p, requested, gpu);
   // The bucket every tile fits: the wider of the two dims (== head_dim unless MLA-style).
   const int64_t widest = std::max(p.head_dim, p.head_dim_v);
   KernelChoice c;

@@ -6,6 +6,7 @@
 //   flash_attention_untiled_<dtype>_d<DMAX>_t<THREADS>
 //   flash_attention_tiled_<dtype>_d<DMAX>_bk<BK>_t<THREADS>
 //   flash_attention_prefill_<dtype>_d<DMAX>_bq<BQ>_bk<BK>_wm<WM>
+//   flash_attention_prefill_splitd_<dtype>_d<DMAX>_bq<BQ>_bk<BK>_wm<WM> (DMAX 512 only)
 //   flash_decode_<dtype>_d<DMAX>, flash_decode_split_<dtype>_d<DMAX>, flash_decode_merge_<dtype>_d<DMAX>
 //   (DMAX also 512 and 576: decode only)
 //   flash_backward_dq_<dtype>_d<DMAX>_bq<BQ>_bk<BK>_wm<WM>_ds<DSPLIT>,
@@ -14,6 +15,7 @@
 #include "attention_untiled.h"
 #include "attention_tiled.h"
 #include "attention_prefill.h"
+#include "attention_prefill_splitd.h"
 #include "attention_decode.h"
 #include "attention_backward_dq.h"
 #include "attention_backward_dkdv.h"
@@ -66,6 +68,14 @@
   FM_PREFILL(tname, T, 192, 16, 16, 8)   \
   FM_PREFILL(tname, T, 256, 16, 8, 8)
 
+// The split-D forward at head dim 512 (attention_prefill_splitd.h, issue 20
+// section 3): 8 query rows x 32 keys on 8 SIMD-groups of 64 features each,
+// the blocks csrc/metal_routing_splitd.cpp plans and explains (the header
+// says why these). One per dtype: only D_qk = D_v = 512 runs it.
+#define FM_PREFILL_SPLITD(tname, T)                                                   \
+  FM_INSTANTIATE("flash_attention_prefill_splitd_" #tname "_d512_bq8_bk32_wm8",        \
+                 flash_attention_prefill_splitd<T, 512, 8, 32, 8>)
+
 // The decode kernels (Nq <= 8): one pass, and the split-KV pair.
 #define FM_DECODE(tname, T, D)                                                   \
   FM_INSTANTIATE("flash_decode_" #tname "_d" #D, flash_decode<T, D>)             \
@@ -84,8 +94,9 @@
   FM_DECODE(tname, T, 512)        \
   FM_DECODE(tname, T, 576)
 
-// Why two decode-only buckets above 256 (issue 20; the prefill and backward
-// stop at 256, csrc/metal_plan.h kDecodeHeadDimBuckets): 512 serves Gemma's
+// Why two decode-only buckets above 256 (issue 20; the prefill template and
+// the backward stop at 256, csrc/metal_plan.h kDecodeHeadDimBuckets; the
+// split-D forward above serves causal D = 512): 512 serves Gemma's
 // global layers (D = D_v = 512: D == DMAX, so the lanes' 16-feature runs are
 // vector loads, fc_dense, and 16 values per lane per slice rather than 18);
 // 576 serves absorbed MLA (D_qk = 576 = 512 latent + 64 rotary, D_v = 512),
@@ -137,6 +148,9 @@ FM_POST_KERNELS_ALL_D(bfloat16, bfloat)
 FM_PREFILL_FLOAT_ALL_D(float32, float)
 FM_PREFILL_HALF_ALL_D(float16, half)
 FM_PREFILL_HALF_ALL_D(bfloat16, bfloat)
+FM_PREFILL_SPLITD(float32, float)
+FM_PREFILL_SPLITD(float16, half)
+FM_PREFILL_SPLITD(bfloat16, bfloat)
 FM_DECODE_ALL_D(float32, float)
 FM_DECODE_ALL_D(float16, half)
 FM_DECODE_ALL_D(bfloat16, bfloat)

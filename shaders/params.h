@@ -133,6 +133,11 @@ FM_PROGRAM_CONSTANT constexpr int kPostMaxThreads = 32;
 // (MLX's steel layout), or with feature parts (float32 D = 128 and 256) up
 // to 8 SIMD-groups: the routing's block table. Why 8: as the backward's.
 FM_PROGRAM_CONSTANT constexpr int kPrefillMaxThreads = 256;
+// The split-D prefill for head dim 512 (attention_prefill_splitd.h): 8
+// SIMD-groups, one per 64-feature part of 8 query rows. Why 256: its
+// planned layout (WM = 8); 208 registers per thread at any allocation, far
+// above its ~63 live values per lane.
+FM_PROGRAM_CONSTANT constexpr int kPrefillSplitDMaxThreads = 256;
 // The decode kernels (attention_decode.h, one pass and split pass 1): 8
 // SIMD-groups, 256 threads, leave 208 registers per thread, more than a
 // thread can address, so the decode state (at most kDecodeRegisterBudget =

@@ -141,8 +141,11 @@ def test_explain_plans_the_mla_backward_on_the_fused_kernels():
 def test_explicit_request_and_fused_requests_past_256():
     plan = flash_metal.explain(*_views(64, 64), impl="composite")
     assert plan.dispatches == () and "requested by the caller" in plan.reason
-    with pytest.raises(NotImplementedError, match="head_dim 512"):
-        flash_metal.explain(*_views(512, 512), impl="prefill")
+    with pytest.raises(NotImplementedError, match="head_dim 576"):
+        flash_metal.explain(*_views(576, 512), impl="prefill")
+    # At D_qk = D_v = 512 impl='prefill' names the split-D forward (tests/test_metal_prefill_splitd.py).
+    assert flash_metal.explain(*_views(512, 512), impl="prefill").dispatches[0].kernel_name.startswith(
+        "flash_attention_prefill_splitd_")
 
 
 @pytest.mark.parametrize("backward", [False, True])
@@ -150,11 +153,12 @@ def test_the_emulated_metal_backend_runs_the_composite_path(backward):
     g = _gen("emu", backward)
     q, k, v = _qkv(1, 4, 2, 9, 21, 512, 512, torch.float16, g)
     before = len(backends.COMPOSITE_RUNS)
-    out, lse = backends.run_attention("metal-emu", q, k, v, True)
+    # Not causal: causal D = 512 forwards run the split-D kernel (tests/test_metal_prefill_splitd.py).
+    out, lse = backends.run_attention("metal-emu", q, k, v, False)
     assert len(backends.COMPOSITE_RUNS) == before + 1
-    assert_attention_close(out, lse, q, k, v, True, None)
+    assert_attention_close(out, lse, q, k, v, False, None)
     if backward:
         grad_out = torch.randn(out.shape, generator=g).to(q.dtype)
-        grads = backends.emulated_metal_attention_backward(grad_out, q, k, v, out, lse, True)
+        grads = backends.emulated_metal_attention_backward(grad_out, q, k, v, out, lse, False)
         assert len(backends.COMPOSITE_RUNS) == before + 2
-        assert_gradients_close(grads, q, k, v, grad_out, True, None)
+        assert_gradients_close(grads, q, k, v, grad_out, False, None)

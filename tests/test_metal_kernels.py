@@ -55,6 +55,11 @@ def _plans():
                 q = torch.empty(1, 1, 2, dqk, dtype=dtype)
                 k = torch.empty(1, 1, nk, dqk, dtype=dtype)
                 plans[(impl + "_wide", dtype, bucket)] = (flash_metal.explain(q, k, k[..., :dv], impl=impl), dqk)
+    # The split-D forward at 512 (shaders/attention_prefill_splitd.h; impl='prefill' at D = 512;
+    # tests/test_metal_prefill_splitd.py runs it, sanitized).
+    for dtype in DTYPES:
+        q = torch.empty(1, 1, 9, 512, dtype=dtype)
+        plans[("prefill_splitd", dtype, 512)] = (flash_metal.explain(q, q, q, impl="prefill"), 512)
     # The backward's two kernels (shaders/attention_backward.h).
     for dtype in DTYPES:
         for bucket, d in FAST_BUCKET_DIMS.items():
@@ -202,7 +207,8 @@ _SIGNATURE_NAMES = {"q": "q", "k": "k", "v": "v", "out": "o", "lse": "lse", "par
                     "grad_sinks": "grad_sinks", "block_table": "block_table", "cache_seqlens": "cache_seqlens"}
 
 
-@pytest.mark.parametrize("impl", list(FAMILIES) + ["decode_wide", "decode_split_wide", "backward", "backward_sinks"])
+@pytest.mark.parametrize("impl", list(FAMILIES) + ["decode_wide", "decode_split_wide", "prefill_splitd", "backward",
+                                  "backward_sinks"])
 def test_binding_table_matches_every_kernel_signature(impl):
     # The plan's binding table is what the MPS host and the emulated backend
     # bind from; each entry must name the kernel parameter with that

@@ -1,9 +1,11 @@
 """Head dim 512 on Metal (issue 20, section 3): the model's verdicts on two
 fused plans, from exact emulator counts at D = 512: the prefill template
 (benchmarks/metal_model_d512.py, tests/prefill_d512_probe.metal) and the
-split-D probe (benchmarks/metal_model_splitd.py, tests/prefill_splitd_probe.metal:
-its correctness, sanitized, its verdict per chip, and planted bugs), and the
-planner's routing that follows from them (the composite path)."""
+shipped split-D kernel (benchmarks/metal_model_splitd.py,
+shaders/attention_prefill_splitd.h: its counts' correctness, its verdict per
+chip), and the planner's routing that follows from them: causal to the
+split-D kernel, not causal to the composite path. The kernel's own tests
+(options, planted bugs) are tests/test_metal_prefill_splitd.py."""
 import math
 import os
 import sys
@@ -50,53 +52,42 @@ def test_fused_d512_is_predicted_slower_than_unfused_so_it_is_not_routed():
         r = W.compare(s, False, chip)
         assert r["fused"][0] > 1.5 * r["unfused"], (chip, r)
         assert r["bound"] == "compute"  # the serial section of each 8 x 8 block, not bandwidth
-    # ... so the planner routes head dims above 256 on Metal to the composite
-    # (unfused, chunked) path and says why; asking for a fused kernel is refused.
+    # ... so the planner keeps that plan out: not causal, D = 512 runs the composite (unfused, chunked) path
+    # and says why, citing the split-D verdict (level); causal runs the split-D kernel (~2x ahead).
     one = torch.empty(1, 1, 1, 512, dtype=torch.float16)
     q = one.expand(1, 8, 1024, 512)
     plan = flash_metal.explain(q, q, q, False, None, "auto")
     assert plan.dispatches == () and "predicted 2-3x slower than unfused" in plan.reason
-    # The reason cites the split-D verdict too (test_splitd_verdict_against_unfused holds it).
-    assert "split-D forward probe" in plan.reason and "about 2x ahead when causal" in plan.reason
-    with pytest.raises(NotImplementedError, match="head_dim 512"):
-        flash_metal.explain(q, q, q, False, None, "prefill")
+    assert "the model puts the split-D plan level" in plan.reason
+    (d,) = flash_metal.explain(q, q, q, True, None, "auto").dispatches
+    assert d.kernel_name.startswith("flash_attention_prefill_splitd_float16_d512")
+    (d,) = flash_metal.explain(q, q, q, False, None, "prefill").dispatches  # forced: the split-D kernel
+    assert d.kernel_name.startswith("flash_attention_prefill_splitd_float16_d512")
 
 
 # ---------------------------------------------------------------- split-D
-# The split-D probe (tests/prefill_splitd_probe.metal, benchmarks/metal_model_splitd.py):
-# K/V read per feature part from device memory, Q and O in registers, 32-key blocks.
+# The shipped split-D kernel (shaders/attention_prefill_splitd.h, benchmarks/metal_model_splitd.py):
+# K/V read per feature part from device memory, Q and O in registers, 32-key blocks, the softmax shared.
 
-@pytest.mark.parametrize("family, blocks", [("splitd_coop", (8, 32, 8)), ("splitd", (8, 32, 8))])
-@pytest.mark.parametrize("n", [37, 70])
+@pytest.mark.parametrize("dtype, n", [(torch.float16, 37), (torch.bfloat16, 70), (torch.float32, 21)])
 @pytest.mark.parametrize("causal", [False, True])
-def test_splitd_computes_attention_at_d512(family, blocks, n, causal):
-    # Instrumented (races, out-of-bounds, divergence raise), out and lse
-    # poisoned with NaN by run(), ragged N, 2x rule vs float64.
+def test_splitd_counts_come_from_a_kernel_that_computes_attention(dtype, n, causal):
+    # The model's runner (S.run: the planner's launch, instrumented, out and lse poisoned with NaN),
+    # ragged N, 2x rule vs float64.
     g = torch.Generator().manual_seed(n + 2 * causal)
-    q, k, v = (torch.randn(1, 2, n, 512, generator=g).to(torch.float16) for _ in range(3))
-    out, lse, counts, _ = S.run(q, k, v, causal, *blocks, family=family)
+    q, k, v = (torch.randn(1, 2, n, 512, generator=g).to(dtype) for _ in range(3))
+    out, lse, counts, _ = S.run(q, k, v, causal)
     assert counts.simdgroup_mmas > 0 and counts.threadgroup_barriers > 0
     assert_attention_close(out, lse, q, k, v, causal, 1 / math.sqrt(512))
 
 
-@pytest.mark.parametrize("dtype, blocks, n", [(torch.bfloat16, (8, 32, 8), 37), (torch.float16, (16, 32, 16), 70),
-                                              (torch.float16, (8, 16, 8), 21)])
-def test_splitd_other_instantiations_compute_attention(dtype, blocks, n):
-    # bfloat16; two row groups (the second past Nq in the last threadgroup); 16-key blocks.
-    g = torch.Generator().manual_seed(3)
-    q, k, v = (torch.randn(1, 1, n, 512, generator=g).to(dtype) for _ in range(3))
-    out, lse, counts, _ = S.run(q, k, v, True, *blocks)
-    assert counts.simdgroup_mmas > 0
-    assert_attention_close(out, lse, q, k, v, True, 1 / math.sqrt(512))
-
-
-# The model's verdict on the split-D plan (S.PLAN: the coop softmax, 8 rows x
+# The model's verdict on the split-D plan (S.PLAN: the shared softmax, 8 rows x
 # 32 keys, 8 feature parts) against unfused, per chip, at 1x8xNx512:
 # (N, causal) -> verdicts in W.CHIPS order. Causal: about 2x ahead, the whole
 # band, on every chip (unfused computes every score). Not causal: level
 # (0.99-1.03x at the point), so the verdict sits on the band's middle and
-# differs by chip. A change in the probe's counts or the model that flips
-# any of them fails here.
+# differs by chip. A change in the kernel's counts or the model that flips
+# any of them fails here (csrc/metal_routing_splitd.cpp routes on them).
 AHEAD = ("ahead",) * 4
 SPLITD_VERDICTS = {
     (1024, False): ("point only", "point only", "behind", "ahead"),
@@ -130,47 +121,3 @@ def test_splitd_verdict_follows_the_counts(monkeypatch, causal, factor):
 
     monkeypatch.setattr(S, "records", heavier)
     assert [S.verdict(S.compare(s, causal, chip)) for chip in W.CHIPS] == ["behind"] * 4
-
-
-@pytest.mark.parametrize("old, new, caught", [
-    # the third barrier removed: P and the row sums read before they are written
-    ("    threadgroup_barrier(mem_flags::mem_threadgroup);  // P and row sums written before they are read (RAW)\n",
-     "", "race"),
-    # the causal mask off by one (each row's diagonal key dropped)
-    ("b_key <= q0 + b_row + seq.upper", "b_key < q0 + b_row + seq.upper", "2x rule"),
-])
-def test_planted_splitd_bugs_are_caught(tmp_path, monkeypatch, old, new, caught):
-    # A copy of the probe (and shaders/ beside it) with one bug planted in the
-    # plan's kernel: the sanitizer or the 2x rule must reject it.
-    import shutil
-
-    from metal_emulator import EmulatorError, compile_library
-    from numerics import NotClose
-
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    shutil.copytree(os.path.join(root, "shaders"), tmp_path / "shaders")
-    (tmp_path / "tests").mkdir()
-    text = open(S.PROBE).read()
-    assert text.count(old) == 1
-    planted = tmp_path / "tests" / os.path.basename(S.PROBE)
-    planted.write_text(text.replace(old, new))
-    family, bq, bk, wm = S.PLAN
-    lib = compile_library([str(planted)], instrumented=True, only=[f"flash_attention_{family}_float16_d512_*"])
-    monkeypatch.setattr(S, "library", lambda instrumented=True: lib)
-    g = torch.Generator().manual_seed(2)
-    q, k, v = (torch.randn(1, 2, 37, 512, generator=g).to(torch.float16) for _ in range(3))
-    with pytest.raises(EmulatorError if caught == "race" else NotClose) as e:
-        out, lse, _, _ = S.run(q, k, v, True, bq, bk, wm, family=family)
-        assert_attention_close(out, lse, q, k, v, True, 1 / math.sqrt(512))
-    assert caught != "race" or "race" in e.value.kinds
-
-
-def test_splitd_probe_follows_the_msl_rules_and_keeps_its_arrays_in_registers():
-    # Q, O and S are fragment arrays indexed by compile-time constants only:
-    # LLVM splits every one into scalars (none left in memory), which is what
-    # the register count in metal_model_splitd.live_values assumes.
-    from metal_emulator import check_msl_rules, private_arrays
-
-    check_msl_rules([S.PROBE])
-    left = private_arrays([S.PROBE])
-    assert len(left) == 5 and all(arrays == [] for arrays in left.values()), left

@@ -313,6 +313,23 @@ def test_host_runs_a_value_head_dim_of_its_own(host, emu, impl):
     assert params[0][-16:] == struct.pack("<2i", 32, 0).hex()  # the backward's params carry head_dim_v too
 
 
+def test_host_runs_the_split_d_forward_at_512(host, emu):
+    # A causal D = 512 forward (issue 20 section 3) through the real .mm: composite_route lets it pass,
+    # the planner routes it to the split-D kernel (shaders/attention_prefill_splitd.h, 9,728 bytes of
+    # threadgroup memory, 256 threads), replayed, vs the float64 oracle (GQA 2:1, Nq != Nk, ragged).
+    g = torch.Generator().manual_seed(31)
+    q = torch.randn(1, 2, 19, 512, generator=g).half()
+    k, v = (torch.randn(1, 1, 23, 512, generator=g).half() for _ in range(2))
+    out, lse, rec, _ = host.attention(q, k, v, True, None, "auto", emu)
+    assert rec["errors"] == []
+    assert_attention_close(out, lse, q, k, v, True)
+    plan = flash_metal.explain(q, k, v, True)
+    kernels = [e["kernel"] for e in rec["events"] if e["op"] == "setComputePipelineState"]
+    assert kernels == [d.kernel_name for d in plan.dispatches] == [
+        "flash_attention_prefill_splitd_float16_d512_bq8_bk32_wm8"]
+    assert [e["length"] for e in rec["events"] if e["op"] == "setThreadgroupMemoryLength"] == [9728]
+
+
 def test_host_refuses_tensor_ops_where_the_process_cannot_run_them(host):
     # The tensor-op kernels (shaders/attention_mpp.metal, MSL 4) need macOS
     # 26.2 and the MSL 4 library: on the fake's macOS 15 the real .mm says so
@@ -438,6 +455,12 @@ def test_build_all_pipelines_on_the_fake_device(host, emu):
             continue
         if name == "flash_sinks_grad":  # only fc_varlen is read; the registry plans it without
             assert bits == {"0" * 12}, name
+            continue
+        if name.startswith("flash_attention_prefill_splitd_"):  # 12 constants: causal, the options, sinks
+            assert all(len(b) == 12 and b[1:4] + b[10] == "0000" for b in bits), name
+            assert {b[0] for b in bits} == {"0", "1"}, name
+            assert {b[4:10] + b[11] for b in bits} == {"0000000", "1100000", "1000000", "1010000", "0001000",
+                                                        "0000100", "0000010", "0000001"}, name
             continue
         # constant 10 is fc_dense (the dense tile loader; the decode kernels' vector loads), built both ways;
         # the decode and prefill kernels carry a 13th, fc_paged (the paged KV cache: attention_kvcache), built

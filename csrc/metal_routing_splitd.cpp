@@ -1,0 +1,135 @@
+// The split-D forward's routing and launch (issue 20 section 3): which
+// calls with head dims above 256 run the fused split-D kernel at D = 512
+// (shaders/attention_prefill_splitd.h), with the sentence explain() prints
+// either way, its blocks and its launch shape. The rest of the routing is
+// csrc/metal_routing.cpp (choose_metal_kernel) and csrc/composite.cpp
+// (composite_route, the fallback), which ask splitd_takes.
+#include "metal_plan_detail.h"
+
+namespace flash_metal {
+
+namespace {
+
+using namespace plan_detail;
+
+// The one head dim the split-D kernel is instantiated for (D_qk = D_v, no
+// padding columns: its fragments read whole 64-feature parts). Why 512:
+// Gemma's global layers; MLA's (576, 512) is a decode shape
+// (decode_takes_wide_dims) and dims in (256, 512) are rare.
+constexpr int64_t kSplitDHeadDim = 512;
+
+// The model's verdict the route follows (benchmarks/metal_model_d512.py
+// prints it, benchmarks/metal_model_splitd.py computes it from exact
+// emulator counts, tests/test_metal_model_d512.py holds it): a model, not a
+// measurement, at 1 x 8 x {1024, 4096} x 512, float16.
+constexpr const char* kSplitDVerdictCausal =
+    "causal: the model predicts the split-D plan about 2x ahead of the composite (unfused) path on M1 Max, M3 Max, "
+    "M4 Pro and M5, over its whole uncertainty band (benchmarks/metal_model_d512.py, from "
+    "benchmarks/metal_model_splitd.py's exact emulator counts at 1x8x{1024,4096}x512: a model, not a measurement; "
+    "on M5 only against unfused matmuls on the shader cores: on its neural accelerators unfused is predicted "
+    "ahead)";
+constexpr const char* kSplitDVerdictLevel =
+    "not causal: the model puts the split-D plan level with the composite (unfused) path (0.99-1.03x at "
+    "1x8x{1024,4096}x512 on M1 Max, M3 Max, M4 Pro and M5; benchmarks/metal_model_d512.py: a model, not a "
+    "measurement; the verdict differs by chip and length, within the model's uncertainty), so the route keeps "
+    "the composite path (impl='prefill' runs the split-D kernel)";
+
+}  // namespace
+
+bool splitd_takes(const AttentionProblem& p, KernelRequest requested, MetalPass pass, std::string* why_not) {
+  std::string why;
+  const bool forced = requested == KernelRequest::Prefill;
+  if (pass != MetalPass::Forward) {
+    why = "the split-D kernel is a forward (the backward at D = 512 runs the composite path)";
+  } else if (p.head_dim != kSplitDHeadDim || p.head_dim_v != kSplitDHeadDim) {
+    why = "the split-D kernel runs D_qk = D_v = " + std::to_string(kSplitDHeadDim) +
+          " exactly (whole 64-feature parts, no padding columns); got " + std::to_string(p.head_dim) + " / " +
+          std::to_string(p.head_dim_v);
+  } else if (p.paged) {
+    why = "the split-D kernel does not read a paged KV cache (the gather path packs the pages first)";
+  } else if (!forced && requested != KernelRequest::Auto) {
+    why = "this impl does not name the split-D kernel (impl='auto' or 'prefill' does)";
+  } else if (!forced && !p.causal) {
+    why = kSplitDVerdictLevel;
+  } else if (!forced && p.window_right > 0) {
+    why = "a right window (window_right = " + std::to_string(p.window_right) +
+          " > 0): the model priced causal attention only (impl='prefill' runs the split-D kernel)";
+  } else if (!forced && p.q_len <= kMaxDecodeRows) {
+    why = "Nq = " + std::to_string(p.q_len) + " <= " + std::to_string(kMaxDecodeRows) +
+          " past the wide decode's rows per kv head: the model priced the split-D plan on prefill shapes only "
+          "(impl='prefill' runs it)";
+  }
+  if (why_not != nullptr) *why_not = why;
+  return why.empty();
+}
+
+namespace plan_detail {
+
+// The kernel's blocks: 8 query rows, 32 keys, 8 SIMD-groups of 64
+// features (the header says why these). The host name encodes them.
+constexpr uint32_t kSplitDBlockQ = 8, kSplitDBlockK = 32, kSplitDSimdgroups = 8;
+
+// Threadgroup memory, the kernel's layout in floats: WM x 8 x BK partial
+// scores, 8 x BK weights P, WM x 8 row maxima and WM x 8 row sums.
+constexpr uint32_t splitd_threadgroup_bytes(uint32_t block_k, uint32_t simdgroups) {
+  return (simdgroups * 8 * block_k + 8 * block_k + 2 * simdgroups * 8) * 4;
+}
+static_assert(splitd_threadgroup_bytes(kSplitDBlockK, kSplitDSimdgroups) == 9728 &&
+                  splitd_threadgroup_bytes(kSplitDBlockK, kSplitDSimdgroups) <= kMaxThreadgroupMemory &&
+                  splitd_threadgroup_bytes(kSplitDBlockK, kSplitDSimdgroups) % 16 == 0,
+              "the split-D scratch: within 32 KiB, a multiple of 16 bytes");
+static_assert(32 * kSplitDSimdgroups <= uint32_t{kPrefillSplitDMaxThreads}, "its declared limit (params.h)");
+
+// Live values per lane: the prefill's model (O's fragments over the parts,
+// one block of S, the row state, two operand fragments, kLiveOverhead)
+// plus Q's fragments, which the template keeps in threadgroup memory and
+// this kernel in registers, and its second running max (the shared step's
+// row): 32 + 8 + 6 + 16 + 1 = 63.
+constexpr uint32_t splitd_live_registers() {
+  return 2 * (kSplitDHeadDim / 4 / kSplitDSimdgroups) + kSplitDBlockK / 4 + 2 + 4 + kLiveOverhead + 1;
+}
+static_assert(splitd_live_registers() <= uint32_t{kDecodeRegisterBudget}, "within the planner's 72-value budget");
+
+KernelChoice choose_splitd(const AttentionProblem& p, KernelRequest requested, const GpuSpec& gpu) {
+  KernelChoice c;
+  c.kind = KernelRequest::Prefill;
+  c.bucket = static_cast<uint32_t>(kSplitDHeadDim);
+  c.block_q = kSplitDBlockQ;
+  c.block_k = kSplitDBlockK;
+  c.simdgroups = kSplitDSimdgroups;
+  MetalLaunch l;
+  l.threadgroup = {32 * kSplitDSimdgroups, 1, 1};
+  l.threadgroup_memory = splitd_threadgroup_bytes(kSplitDBlockK, kSplitDSimdgroups);
+  const LaunchEstimate e = estimate_launch(l, splitd_live_registers(), gpu);
+  const uint32_t query_blocks = ceil_div(p.q_len, kSplitDBlockQ);
+  c.reason = std::string("prefill (split-D): ") +
+             (requested == KernelRequest::Prefill ? "requested by the caller (impl='prefill') at D = 512"
+                                                  : std::string("D_qk = D_v = 512, ") + kSplitDVerdictCausal) +
+             "; the FA2 template's 512-wide tiles leave 8 x 8 blocks in 32 KiB (predicted 2-3x slower than "
+             "unfused), so the head dimension is blocked instead (metal-flash-attention's idea): blocks of " +
+             std::to_string(kSplitDBlockQ) + " queries x " + std::to_string(kSplitDBlockK) + " keys on " +
+             std::to_string(kSplitDSimdgroups) + " simdgroups of " +
+             std::to_string(kSplitDHeadDim / kSplitDSimdgroups) +
+             " features each, Q and O in registers, K/V read from device memory per part, the scores summed "
+             "through threadgroup memory and the softmax shared (3 barriers per key block), " +
+             kib(l.threadgroup_memory) + " of threadgroup memory, " + std::to_string(splitd_live_registers()) +
+             " live values per lane, " + std::to_string(e.simdgroups_per_core) + " resident simdgroups per core on " +
+             gpu.name + " (" + std::to_string(query_blocks) + " query blocks per head)"
+             "; not yet verified on Apple hardware";
+  return c;
+}
+
+void splitd_launch(const AttentionProblem& p, const KernelChoice& c, const GpuSpec& gpu, MetalLaunch* l) {
+  l->kernel_name = std::string("flash_attention_prefill_splitd_") + dtype_name(p.dtype) + "_d" +
+                   std::to_string(c.bucket) + "_bq" + std::to_string(c.block_q) + "_bk" + std::to_string(c.block_k) +
+                   "_wm" + std::to_string(c.simdgroups);
+  l->grid = {ceil_div(p.q_len, c.block_q), static_cast<uint32_t>(p.q_heads), static_cast<uint32_t>(p.batch)};
+  l->threadgroup = {32 * c.simdgroups, 1, 1};
+  l->max_threads_per_threadgroup = kPrefillSplitDMaxThreads;
+  l->threadgroup_memory = splitd_threadgroup_bytes(c.block_k, c.simdgroups);
+  l->estimate = estimate_launch(*l, splitd_live_registers(), gpu);
+}
+
+}  // namespace plan_detail
+
+}  // namespace flash_metal
