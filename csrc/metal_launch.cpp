@@ -3,28 +3,13 @@
 // names, grids, threadgroups, threadgroup memory, function constants, the
 // binding table and the AttentionParams block. The MPS host and the
 // emulated backend both run exactly these launches.
-#include "metal_plan_detail.h"
+#include "metal_launch_detail.h"
 
 namespace flash_metal {
 
 using namespace plan_detail;
 
-namespace {
-
-// The binding slots of the attention kernels: they mirror the [[buffer(n)]]
-// and [[threadgroup(n)]] attributes of the kernel templates in shaders/*.h
-// (tests/test_metal_kernels.py checks each instantiation's signature against
-// these tables). One slot per tensor across every kernel, so a tensor is
-// always at the same index.
-constexpr uint32_t kSlotQ = 0, kSlotK = 1, kSlotV = 2, kSlotOut = 3, kSlotLse = 4;
-constexpr uint32_t kAttentionParamsIndex = 5;       // constant AttentionParams& p [[buffer(5)]]
-constexpr uint32_t kSlotPartialOut = 6, kSlotPartialStats = 7;
-constexpr uint32_t kSlotGradOut = 8, kSlotGradQ = 9, kSlotGradK = 10, kSlotGradV = 11, kSlotGradLse = 12,
-                   kSlotDelta = 13;
-constexpr uint32_t kSlotMask = 14, kSlotCuSeqlensQ = 15, kSlotCuSeqlensK = 16;
-constexpr uint32_t kSlotSinks = 17, kSlotGradSinks = 18;
-constexpr uint32_t kSlotBlockTable = 19, kSlotCacheSeqlens = 20;  // the paged cache (fc_paged: decode, prefill)
-constexpr uint32_t kAttentionThreadgroupIndex = 0;  // dynamic threadgroup memory, [[threadgroup(0)]]
+namespace plan_detail {
 
 // The options' inputs, bound by every feature kernel (prefill, decode,
 // split decode, both backward kernels) after its own tensors.
@@ -60,9 +45,6 @@ const std::vector<BufferBinding> kSinksGradBuffers = {
     {LaunchTensor::Lse, kSlotLse}, {LaunchTensor::Delta, kSlotDelta}, {LaunchTensor::CuSeqlensQ, kSlotCuSeqlensQ},
     {LaunchTensor::CuSeqlensK, kSlotCuSeqlensK}, {LaunchTensor::Sinks, kSlotSinks},
     {LaunchTensor::GradSinks, kSlotGradSinks}};
-// Its live values per lane: the loop's sum, row, pointers and the sink (a
-// handful, as the merge's model counts; for the estimate only).
-constexpr uint32_t kSinksGradLiveRegisters = 16;
 
 // Every forward kernel (post kernels, prefill, one-pass decode).
 const std::vector<BufferBinding> kForwardBuffers = {
@@ -146,7 +128,7 @@ void decode_launches(const AttentionProblem& p, const KernelChoice& c, const std
 // edge specializations (never with varlen, whose sequences have their own
 // lengths), has_grad_lse the dQ kernel's, sinks the forward kernels'.
 std::vector<bool> feature_constants(const AttentionProblem& p, bool align_q, bool align_k, bool has_grad_lse,
-                                    bool sinks = false) {
+                                    bool sinks) {
   std::vector<bool> c(kFunctionConstantCount, false);
   c[kCausalFunctionConstant] = p.causal;
   c[kAlignQFunctionConstant] = align_q && !p.varlen;
@@ -391,56 +373,7 @@ void check_launch_limits(const MetalPlan& plan) {
   }
 }
 
-// The tensor-op backward's two launches (shaders/attention_backward_mpp.h):
-// dQ and Delta over query blocks, then dK/dV over key blocks, each
-// SIMD-group 16 rows with its own slice of threadgroup memory. Function
-// constants: fc_causal and fc_has_grad_lse (3); the others false (the
-// MSL 4 library declares no align / dense constants).
-void tensor_ops_backward_launches(const AttentionProblem& p, const LaunchStrides& s, bool has_grad_lse,
-                                  const KernelChoice& c, const std::string& suffix, const GpuSpec& gpu,
-                                  MetalPlan* plan) {
-  const uint32_t elem = dtype_bytes(p.dtype), batch = static_cast<uint32_t>(p.batch);
-  // The kernels' tensors index a head's q, k, v and grad_out in int32, as the forward's.
-  const auto head_span = [](const std::array<int64_t, 4>& st, int64_t rows, int64_t cols) {
-    return (rows - 1) * st[2] + (cols - 1) * st[3];
-  };
-  TORCH_CHECK_VALUE(head_span(s.q, p.q_len, p.head_dim) < (int64_t{1} << 31) &&
-                        head_span(s.k, p.kv_len, p.head_dim) < (int64_t{1} << 31) &&
-                        head_span(s.v, p.kv_len, p.head_dim) < (int64_t{1} << 31) &&
-                        head_span(s.grad_out, p.q_len, p.head_dim) < (int64_t{1} << 31),
-                    "flash_metal.attention_backward: impl='tensor_ops' indexes one head in int32: a head spans more "
-                    "than 2^31 elements here (use impl='auto')");
-  MetalLaunch dq;
-  dq.params = make_params(p, s, 1);
-  dq.params_index = kAttentionParamsIndex;
-  dq.threadgroup_memory_index = kAttentionThreadgroupIndex;
-  dq.kernel_name = "flash_backward_mpp_dq_" + suffix + "_bq" + std::to_string(c.block_q) + "_bk" +
-                   std::to_string(c.block_k);
-  dq.grid = {ceil_div(p.q_len, c.block_q), static_cast<uint32_t>(p.q_heads), batch};
-  dq.threadgroup = {32 * c.simdgroups, 1, 1};
-  dq.max_threads_per_threadgroup = kTensorOpsMaxThreads;
-  dq.threadgroup_memory = c.simdgroups * tensor_ops_backward_slice(false, elem, c.bucket);
-  dq.function_constants = feature_constants(p, false, false, has_grad_lse);
-  dq.buffers = kBackwardDqBuffers;
-  // Live values per lane (a model): dQ's 16 x D floats, S's and dP's 16 x 32
-  // over the 32 lanes, and the usual overhead.
-  dq.estimate = estimate_launch(dq, 16 * (c.bucket + 2 * c.block_k) / 32 + kLiveOverhead, gpu);
-  plan->launches.push_back(dq);
-
-  MetalLaunch dkv = dq;
-  dkv.kernel_name = "flash_backward_mpp_dkdv_" + suffix + "_bk" + std::to_string(c.dkv_block_k) + "_bq" +
-                    std::to_string(c.dkv_block_q);
-  dkv.grid = {ceil_div(p.kv_len, c.dkv_block_k), static_cast<uint32_t>(p.kv_heads), batch};
-  dkv.threadgroup = {32 * c.dkv_simdgroups, 1, 1};
-  dkv.threadgroup_memory = c.dkv_simdgroups * tensor_ops_backward_slice(true, elem, c.bucket);
-  dkv.function_constants = feature_constants(p, false, false, false);
-  dkv.buffers = kBackwardDkdvBuffers;
-  // dK's and dV's 16 x D floats, S^T's and dP^T's 16 x 32.
-  dkv.estimate = estimate_launch(dkv, 16 * (2 * c.bucket + 2 * c.dkv_block_q) / 32 + kLiveOverhead, gpu);
-  plan->launches.push_back(dkv);
-}
-
-}  // namespace
+}  // namespace plan_detail
 
 MetalPlan plan_metal_attention(const AttentionProblem& p, const LaunchStrides& s, KernelRequest requested,
                                const GpuSpec& gpu) {
@@ -560,77 +493,6 @@ MetalPlan plan_metal_attention(const AttentionProblem& p, const LaunchStrides& s
       decode_launches(p, c, suffix, gpu, l, &plan);
       break;
     }
-  }
-  check_launch_limits(plan);
-  return plan;
-}
-
-MetalPlan plan_metal_attention_backward(const AttentionProblem& p, const LaunchStrides& s, bool has_grad_lse,
-                                        KernelRequest requested, const GpuSpec& gpu) {
-  const KernelChoice c = choose_metal_kernel(p, requested, gpu, MetalPass::Backward);
-  MetalPlan plan;
-  plan.reason = c.reason;
-  plan.delta_elements = p.varlen ? p.q_heads * p.total_q : p.batch * p.q_heads * p.q_len;
-  const std::string suffix = std::string(dtype_name(p.dtype)) + "_d" + std::to_string(c.bucket);
-  const uint32_t batch = static_cast<uint32_t>(p.batch);
-  if (c.kind == KernelRequest::TensorOps) {
-    tensor_ops_backward_launches(p, s, has_grad_lse, c, suffix, gpu, &plan);
-    check_launch_limits(plan);
-    return plan;
-  }
-
-  MetalLaunch dq;
-  dq.params = make_params(p, s, 1);
-  dq.params_index = kAttentionParamsIndex;
-  dq.threadgroup_memory_index = kAttentionThreadgroupIndex;
-  dq.kernel_name = "flash_backward_dq_" + suffix + "_bq" + std::to_string(c.block_q) + "_bk" +
-                   std::to_string(c.block_k) + "_wm" + std::to_string(c.simdgroups) + "_ds" +
-                   std::to_string(c.dq_feature_split);
-  dq.grid = {ceil_div(p.q_len, c.block_q), static_cast<uint32_t>(p.q_heads), batch};
-  dq.threadgroup = {32 * c.simdgroups, 1, 1};
-  dq.max_threads_per_threadgroup = kBackwardMaxThreads;
-  dq.threadgroup_memory = backward_threadgroup_memory(c.block_q, c.block_k, c.bucket, p.dtype, c.dq_feature_split);
-  // Indices kCausalFunctionConstant, kAlignQ..., kAlignK..., kHasGradLse...
-  std::string why;
-  const bool dense = dense_loader(p, s, c.bucket, true, &why);
-  plan.reason += loader_reason(dense, why);
-  dq.function_constants =
-      with_dense(feature_constants(p, p.q_len % c.block_q == 0, p.kv_len % c.block_k == 0, has_grad_lse), dense);
-  dq.buffers = with_features(kBackwardDqBuffers);
-  dq.estimate = estimate_launch(dq, dq_live_floats(c.bucket, c.block_k, c.dq_feature_split) + kLiveOverhead, gpu);
-  plan.launches.push_back(dq);
-
-  MetalLaunch dkv = dq;
-  dkv.kernel_name = "flash_backward_dkdv_" + suffix + "_bq" + std::to_string(c.dkv_block_q) + "_bk" +
-                    std::to_string(c.dkv_block_k) + "_wm" + std::to_string(c.dkv_simdgroups) + "_ds" +
-                    std::to_string(c.dkv_feature_split);
-  dkv.grid = {ceil_div(p.kv_len, c.dkv_block_k), static_cast<uint32_t>(p.kv_heads), batch};
-  dkv.threadgroup = {32 * c.dkv_simdgroups, 1, 1};
-  dkv.threadgroup_memory = backward_threadgroup_memory(c.dkv_block_k, c.dkv_block_q, c.bucket, p.dtype,
-                                                     c.dkv_feature_split);
-  dkv.function_constants =
-      with_dense(feature_constants(p, p.q_len % c.dkv_block_q == 0, p.kv_len % c.dkv_block_k == 0, false), dense);
-  dkv.buffers = with_features(kBackwardDkdvBuffers);
-  dkv.estimate =
-      estimate_launch(dkv, dkdv_live_floats(c.bucket, c.dkv_block_q, c.dkv_feature_split) + kLiveOverhead, gpu);
-  plan.launches.push_back(dkv);
-
-  if (p.sinks) {
-    // grad_sinks from Delta (written by the dQ kernel) and lse: one
-    // SIMD-group per query head (shaders/attention_sinks.h).
-    MetalLaunch sg = dq;
-    sg.kernel_name = "flash_sinks_grad";
-    sg.grid = {static_cast<uint32_t>(p.q_heads), 1, 1};
-    sg.threadgroup = {32, 1, 1};
-    sg.max_threads_per_threadgroup = kSinksGradMaxThreads;
-    sg.threadgroup_memory = 0;
-    sg.function_constants = std::vector<bool>(kFunctionConstantCount, false);
-    sg.function_constants[kVarlenFunctionConstant] = p.varlen;
-    sg.buffers = kSinksGradBuffers;
-    sg.estimate = estimate_launch(sg, kSinksGradLiveRegisters, gpu);
-    plan.launches.push_back(sg);
-    plan.reason += " Sinks: grad_sinks summed per query head from Delta and lse (flash_sinks_grad, one "
-                   "SIMD-group per head, in a fixed order).";
   }
   check_launch_limits(plan);
   return plan;
