@@ -50,13 +50,17 @@ bool tensor_ops_forward_route(const AttentionProblem& p, const GpuSpec& gpu, std
 }
 
 void choose_tensor_ops_forward(const AttentionProblem& p, bool forced, const GpuSpec& gpu, KernelChoice* c) {
+  TORCH_CHECK_TYPE(p.dtype == c10::ScalarType::Half || p.dtype == c10::ScalarType::BFloat16, kOp,
+                   ": impl='tensor_ops' takes float16 or bfloat16 q, k, v; got ", dtype_name(p.dtype),
+                   " (float32 runs on impl='prefill' or 'auto')");
+  // The forward's head dims, named here (choose_tensor_ops's refusal is the backward's too, which has no 256).
+  TORCH_CHECK_VALUE(p.head_dim == 64 || p.head_dim == 96 || p.head_dim == 128 || p.head_dim == kTensorOpsDsplitHeadDim,
+                    kOp, ": impl='tensor_ops' takes head_dim 64, 96, 128 or 256 (its instantiations, unpadded; 256 "
+                    "split along D); got ", p.head_dim, " (use impl='prefill' or 'auto')");
   if (p.head_dim != kTensorOpsDsplitHeadDim) {
     choose_tensor_ops(p, forced, gpu, c);
     return;
   }
-  TORCH_CHECK_TYPE(p.dtype == c10::ScalarType::Half || p.dtype == c10::ScalarType::BFloat16, kOp,
-                   ": impl='tensor_ops' takes float16 or bfloat16 q, k, v; got ", dtype_name(p.dtype),
-                   " (float32 runs on impl='prefill' or 'auto')");
   TORCH_CHECK_VALUE(p.head_dim_v == p.head_dim, kOp, ": impl='tensor_ops' at head_dim 256 takes v's head dim 256 "
                     "too; got ", p.head_dim_v, " (use impl='prefill' or 'auto')");
   c->bucket = kTensorOpsDsplitHeadDim;
