@@ -162,7 +162,8 @@ def test_dsplit_counts_scale_exactly_and_ask_for_half_rows():
     assert scaled.kernel == direct.kernel == "flash_attention_prefill_mpp_dsplit_float16_d256_bq32_bk32_wn2"
     assert scaled.counts == direct.counts
     tgs, blocks = 2 * 2, 3  # heads x threadgroups; key blocks
-    assert direct.counts["mpp_runs"] == tgs * 4 * blocks * 2 and direct.counts["threadgroup_barriers"] == tgs * blocks * 2
+    assert direct.counts["mpp_runs"] == tgs * 4 * blocks * 2
+    assert direct.counts["threadgroup_barriers"] == tgs * blocks * 2
     assert direct.counts["mpp_flops"] == M.useful_flops(s, False)
     [hw] = X.on_hardware([direct], torch.float16, s.d)
     pairs = direct.counts["mpp_runs"] // 2
