@@ -21,8 +21,8 @@
 //     get_multidimensional_index, never from the lane layout), a threadgroup
 //     barrier, then each adds the other half's partial at the same (row,
 //     key). IEEE addition is commutative, so both halves hold bit-identical
-//     scores S = S_0 + S_1 (and one rounding, as a single K = 256 product
-//     summed in two float halves would have).
+//     scores S = S_0 + S_1 (float partials: one float rounding more than a
+//     single K = 256 product, far below the inputs' 16-bit rounding).
 //   - Both halves run the online softmax on their (identical) S, as MLX's
 //     dsplit does. Why not one half computing P for both: that would need
 //     a second exchange (P and the row's alpha) and a barrier, where the
