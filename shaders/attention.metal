@@ -75,8 +75,7 @@
 // says why these). Three per dtype: D_qk = D_v = 512, and
 // MLA's pairs (issue 20 section 2) name both dims: (576, 512), the
 // absorbed-MLA latent (and its decode, packed over the query heads:
-// fc_pack_gqa), and (256, 512). Left out of the emulator's default builds
-// (tests/shader_builds.py SPLITD_MLA_KERNELS: their own partial libraries).
+// fc_pack_gqa), and (256, 512).
 #define FM_PREFILL_SPLITD(tname, T)                                                          \
   FM_INSTANTIATE("flash_attention_prefill_splitd_" #tname "_d512_bq8_bk32_wm8",               \
                  flash_attention_prefill_splitd<T, 512, 512, 8, 32, 8>)                       \
