@@ -51,7 +51,7 @@ PAIRS = ((576, 512), (256, 512))
 CHIPS = W.CHIPS  # M1 Max, M3 Max, M4 Pro, M5 (10-core)
 PREFILL_NS = (1024, 4096)
 # (B, Hq): DeepSeek's absorbed MLA on one latent kv head, per GPU shard (16) and whole (128).
-DECODE_SHAPES = ((1, 16), (8, 16), (1, 128), (8, 128))
+DECODE_SHAPES = ((1, 16), (8, 16), (1, 128), (2, 128), (4, 128), (8, 128))
 DECODE_NKS = (4096, 32768)
 DECODE_BASE_NKS = (256, 512)  # the linear rule's two points (whole 32-key blocks)
 LIVE_OVERHEAD = 16  # kLiveOverhead (csrc/metal_plan_detail.h)
@@ -189,6 +189,35 @@ def decode_table():
             for chip in CHIPS]
 
 
+# The least packed grid csrc/metal_routing_splitd.cpp routes the MLA decode to
+# split-D with (kSplitDMlaDecodeMinThreadgroups).
+ROUTED_DECODE_THREADGROUPS = 32
+
+
+def verdicts(prefill=None, decode=None):
+    """The routing's figures: {'causal': (least, most) unfused / split-D and whether every band is ahead,
+    'level': the same not causal, 'decode': (least, most) composite / split-D over the routed decode rows
+    (B x Hq / 8 >= ROUTED_DECODE_THREADGROUPS, Hq past the wide decode's 16) and whether every band is ahead,
+    'decode_wide': (least, most) wide / split-D there, 'small': the unrouted rows' composite / split-D and
+    whether any band is behind}."""
+    prefill = prefill_table() if prefill is None else prefill
+    decode = decode_table() if decode is None else decode
+    out = {}
+    for name, causal in (("causal", True), ("level", False)):
+        rows = [r for _, _, c, _, _, r in prefill if c == causal]
+        ratios = [r["unfused"] / r["fused"][1] for r in rows]
+        out[name] = (min(ratios), max(ratios), all(ahead(r, "unfused") for r in rows))
+    routed = [r for b, hq, _, _, r in decode if hq > 16 and b * hq // 8 >= ROUTED_DECODE_THREADGROUPS]
+    small = [r for b, hq, _, _, r in decode if hq > 16 and b * hq // 8 < ROUTED_DECODE_THREADGROUPS]
+    ratios = [r["composite"] / r["fused"][1] for r in routed]
+    out["decode"] = (min(ratios), max(ratios), all(ahead(r, "composite") for r in routed))
+    ratios = [r["wide"][1] / r["fused"][1] for r in routed]
+    out["decode_wide"] = (min(ratios), max(ratios), all(ahead(r, "wide") for r in routed))
+    ratios = [r["composite"] / r["fused"][1] for r in small]
+    out["small"] = (min(ratios), max(ratios), not all(ahead(r, "composite") for r in small))
+    return out
+
+
 def main():
     print("\n## MLA head dims, float16, split-D prefill vs unfused and composite: model, not measurement")
     print("| chip | shape | causal | split-D ms (band) | bound | unfused ms | composite ms | unfused / split-D | "
@@ -211,6 +240,8 @@ def main():
               f"{r['composite'] * 1e6:.1f} | {wp * 1e6:.1f} ({wl * 1e6:.1f}-{wh * 1e6:.1f}) | "
               f"{r['unfused'] * 1e6:.1f} | {r['composite'] / pt:.2f}x | {wp / pt:.2f}x | "
               f"{'yes' if ahead(r, 'composite') else 'no'} | {'yes' if ahead(r, 'wide') else 'no'} |")
+    for name, (lo, hi, flag) in verdicts().items():
+        print(f"\n{name}: {lo:.2f}x to {hi:.2f}x ({flag})")
 
 
 if __name__ == "__main__":

@@ -49,9 +49,36 @@ constexpr const char* kSplitDVerdictLevel =
 // MLA's pairs, (576, 512) and (256, 512) (benchmarks/metal_model_splitd_mla.py
 // computes these from exact emulator counts; tests/test_metal_model_splitd_mla.py
 // holds them): a model, not a measurement.
-constexpr const char* kSplitDMlaVerdictCausal = "MLA_CAUSAL_TBD";
-constexpr const char* kSplitDMlaVerdictLevel = "MLA_LEVEL_TBD";
-constexpr const char* kSplitDMlaVerdictDecode = "MLA_DECODE_TBD";
+constexpr const char* kSplitDMlaVerdictCausal =
+    "causal: the model predicts the split-D plan 2.0-2.1x ahead of the composite (unfused) path at (576, 512) and "
+    "(256, 512) on M1 Max, M3 Max, M4 Pro and M5, over its whole uncertainty band (1x8x{1024,4096}, float16, "
+    "benchmarks/metal_model_splitd_mla.py from exact emulator counts: a model, not a measurement)";
+constexpr const char* kSplitDMlaVerdictLevel =
+    "not causal: the model puts the split-D plan level with the composite (unfused) path at (576, 512) and "
+    "(256, 512) (0.99-1.05x at 1x8x{1024,4096} on M1 Max, M3 Max, M4 Pro and M5; "
+    "benchmarks/metal_model_splitd_mla.py: a model, not a measurement), so the route keeps the composite path "
+    "(impl='prefill' runs the split-D kernel)";
+constexpr const char* kSplitDMlaVerdictDecode =
+    "the absorbed-MLA decode past the wide decode's rows per kv head: the model predicts the packed split-D plan "
+    "ahead of the composite path over its whole uncertainty band from 32 threadgroups (B x 128 query heads on one "
+    "latent kv head, B 2-8, Nq 1, Nk 4096-32768: 1.1-2.3x on M1 Max, M3 Max, M4 Pro and M5) and 1.8-3.5x ahead of "
+    "the wide decode forced there; a grid smaller than that runs each threadgroup's whole key walk on one core "
+    "(B 1 x 128: 0.6-0.8x on M1 Max and M3 Max), so it stays composite (benchmarks/metal_model_splitd_mla.py: a "
+    "model, not a measurement)";
+// The least grid the MLA decode routes to split-D with: the model's band is
+// ahead of the composite path on every chip from 32 threadgroups (B 2 x 128
+// heads, packed) and behind on M1 Max and M3 Max at 16 (B 1 x 128), where
+// each core walks all Nk keys of one threadgroup serially (no split along
+// keys: benchmarks/metal_model_splitd_mla.py).
+constexpr int64_t kSplitDMlaDecodeMinThreadgroups = 32;
+
+// The split-D grid's threadgroups (packed as prefill_pack_gqa packs: G > 1
+// and 2 * Nq <= 8 rows).
+int64_t splitd_threadgroups(const AttentionProblem& p) {
+  const int64_t g = p.gqa_ratio();
+  const bool packed = g > 1 && 2 * p.q_len <= 8;
+  return p.batch * (packed ? p.kv_heads * ((p.q_len * g + 7) / 8) : p.q_heads * ((p.q_len + 7) / 8));
+}
 
 }  // namespace
 
@@ -71,8 +98,14 @@ bool splitd_takes(const AttentionProblem& p, KernelRequest requested, MetalPass 
     why = "this impl does not name the split-D kernel (impl='auto' or 'prefill' does)";
   } else if (!forced && mla && p.q_len <= kMaxDecodeRows) {
     // The absorbed-MLA decode past the wide decode's rows per kv head
-    // (decode_takes_wide_dims answers first): packed split-D, the model's
-    // kSplitDMlaVerdictDecode. Every option the kernel has keeps it.
+    // (decode_takes_wide_dims answers first): packed split-D where the grid
+    // fills the GPU, the model's kSplitDMlaVerdictDecode. Every option the
+    // kernel has keeps it.
+    const int64_t tgs = splitd_threadgroups(p);
+    if (tgs < kSplitDMlaDecodeMinThreadgroups) {
+      why = "a decode grid of " + std::to_string(tgs) + " split-D threadgroups < " +
+            std::to_string(kSplitDMlaDecodeMinThreadgroups) + ": " + kSplitDMlaVerdictDecode;
+    }
   } else if (!forced && !p.causal) {
     why = mla ? kSplitDMlaVerdictLevel : kSplitDVerdictLevel;
   } else if (!forced && p.window_right > 0) {

@@ -31,9 +31,10 @@ PACK = 13  # fc_pack_gqa's function constant (csrc/metal_plan.h kPackGqaFunction
 @pytest.fixture(scope="module")
 def splitd_lib():
     """The sanitizing partial library of the split-D kernels (9: 3 pairs x 3 dtypes), shared by the module."""
-    from metal_emulator import compile_library
+    from shader_builds import shipped_library
 
-    return compile_library([backends.SHADER], instrumented=True, only=[PREFIX + "*"])
+    # The same build as benchmarks/metal_model_splitd.py's (tests/test_metal_model_d512.py): one compile.
+    return shipped_library(instrumented=True, only=[PREFIX + "*"])
 
 
 @pytest.fixture
@@ -105,10 +106,26 @@ def test_many_heads_mla_decode_packs_the_group():
     assert plan5.dispatches[0].grid == (1, 8, 1) and not plan5.dispatches[0].function_constants[PACK]
 
 
+@pytest.mark.parametrize("dqk", [576, 256])
+def test_causal_mla_prefill_routes_to_split_d_with_the_model_verdict(dqk):
+    plan = _explain(dqk=dqk, nq=40, nk=70)
+    (d,) = plan.dispatches
+    assert d.kernel_name == _name(torch.float16, dqk, 512) and d.grid == (5, 2, 1)
+    assert plan.reason.startswith(f"prefill (split-D): D_qk = {dqk}, D_v = 512, causal: the model predicts")
+    assert "2.0-2.1x ahead" in plan.reason and "a model, not a measurement" in plan.reason
+    mask = torch.ones(1, 1, 40, 70, dtype=torch.bool)
+    for options in (dict(window_left=16), dict(softcap=30.0), dict(attn_mask=mask), dict(sinks=torch.zeros(2))):
+        assert _explain(dqk=dqk, nq=40, nk=70, **options).dispatches[0].kernel_name == d.kernel_name, options
+
+
 def test_what_split_d_does_not_take_at_mla_pairs_says_why():
     cases = {  # call -> the reason's words
+        "not causal": (_explain(causal=False), "level with the composite (unfused) path at (576, 512)"),
+        "right window": (_explain(causal=False, window_right=4), "a right window"),
         "backward": (_explain(backward=True), "the split-D kernel is a forward"),
         "dims": (_explain(dqk=320), "(576, 512) or (256, 512) exactly"),
+        # 128 heads, B 1: 16 packed threadgroups, each walking all keys on one core
+        "small decode grid": (_explain(hq=128, nq=1, nk=300), "a decode grid of 16 split-D threadgroups < 32"),
     }
     for name, (plan, words) in cases.items():
         assert plan.dispatches == () and plan.reason.startswith("composite"), (name, plan.reason)
