@@ -113,7 +113,7 @@ bool splitd_takes(const AttentionProblem& p, KernelRequest requested, MetalPass 
           " > 0): the model priced causal attention only (impl='prefill' runs the split-D kernel)";
   } else if (!forced && p.q_len <= kMaxDecodeRows) {
     why = "Nq = " + std::to_string(p.q_len) + " <= " + std::to_string(kMaxDecodeRows) +
-          " past the wide decode's rows per kv head: the model priced the split-D plan at D = 512 on prefill "
+          " past the wide decode's rows per kv head: the model priced the split-D plan on prefill "
           "shapes only (impl='prefill' runs it)";
   }
   if (why_not != nullptr) *why_not = why;
@@ -166,7 +166,8 @@ KernelChoice choose_splitd(const AttentionProblem& p, KernelRequest requested, c
   c.block_k = kSplitDBlockK;
   c.simdgroups = kSplitDSimdgroups;
   const bool mla = p.head_dim != p.head_dim_v;
-  const std::string dims = "D_qk = " + std::to_string(p.head_dim) + ", D_v = " + std::to_string(p.head_dim_v);
+  const std::string dims = mla ? "D_qk = " + std::to_string(p.head_dim) + ", D_v = " + std::to_string(p.head_dim_v)
+                               : "D_qk = D_v = " + std::to_string(p.head_dim);
   MetalLaunch l;
   l.threadgroup = {32 * kSplitDSimdgroups, 1, 1};
   l.threadgroup_memory = splitd_threadgroup_bytes(kSplitDBlockK, kSplitDSimdgroups);
@@ -174,7 +175,7 @@ KernelChoice choose_splitd(const AttentionProblem& p, KernelRequest requested, c
   const LaunchEstimate e = estimate_launch(l, live, gpu);
   std::string verdict;
   if (requested == KernelRequest::Prefill) {
-    verdict = "requested by the caller (impl='prefill') at " + dims;
+    verdict = "requested by the caller (impl='prefill') at " + (mla ? dims : "D = " + std::to_string(p.head_dim));
   } else if (!mla) {
     verdict = dims + ", " + kSplitDVerdictCausal;
   } else {
