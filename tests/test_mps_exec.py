@@ -456,9 +456,12 @@ def test_build_all_pipelines_on_the_fake_device(host, emu):
         if name == "flash_sinks_grad":  # only fc_varlen is read; the registry plans it without
             assert bits == {"0" * 12}, name
             continue
-        if name.startswith("flash_attention_prefill_splitd_"):  # 12 constants: causal, the options, sinks
-            assert all(len(b) == 12 and b[1:4] + b[10] == "0000" for b in bits), name
+        if name.startswith("flash_attention_prefill_splitd_"):
+            # 14 constants: causal, the options, sinks, fc_paged (never) and fc_pack_gqa (13), packed only at
+            # (576, 512) (the absorbed-MLA decode), each option either way
+            assert all(len(b) == 14 and b[1:4] + b[10] + b[12] == "00000" for b in bits), name
             assert {b[0] for b in bits} == {"0", "1"}, name
+            assert {b[13] for b in bits} == ({"0", "1"} if "_dqk576_" in name else {"0"}), name
             assert {b[4:10] + b[11] for b in bits} == {"0000000", "1100000", "1000000", "1010000", "0001000",
                                                         "0000100", "0000010", "0000001"}, name
             continue
