@@ -237,3 +237,22 @@ def test_planted_bugs_are_caught(tmp_path, monkeypatch, old, new):
         out, lse = emulated_metal_attention(q, k, v, True, None, "prefill", instrumented=True, attn_mask=mask)
         _ran(bad, torch.float16, 576, 512, packed=True)
         assert_attention_close(out, lse, q, k, v, True, attn_mask=mask)
+
+
+def test_paged_latent_mla_decode_gathers_then_runs_packed_split_d(lib):
+    # attention_kvcache on a paged latent cache (v_cache = k_cache[..., :512]), 64 heads on one kv head, one
+    # token, 4 sequences (one empty): past the wide decode's rows, so the pages in use are gathered
+    # (csrc/kvcache.cpp) and the varlen plan runs the packed split-D kernel (8 threadgroups per sequence).
+    from backends import emulated_metal_kvcache
+    from test_metal_decode_paged import check_against_oracle, make_paged_cache
+
+    seqlens, g = [30, 0, 17, 40], torch.Generator().manual_seed(12)
+    k_cache, _, table, k_contig, _ = make_paged_cache(4, 1, 576, torch.float16, 16, seqlens, g)
+    q = torch.randn(4, 64, 1, 576, generator=g).to(torch.float16)
+    lengths = torch.tensor(seqlens, dtype=torch.int32)
+    plan = flash_metal.explain(q, k_cache, k_cache[..., :512], True, block_table=table, cache_seqlens=lengths)
+    assert "gather path" in plan.reason and "pack GQA" in plan.reason, plan.reason
+    out, lse = emulated_metal_kvcache(q, k_cache, k_cache[..., :512], lengths, table, True, instrumented=True)
+    d = _ran(lib, torch.float16, 576, 512, packed=True)
+    assert d.grid == (8, 1, 4)
+    check_against_oracle(out, lse, q, k_contig, k_contig[..., :512], seqlens, True)
