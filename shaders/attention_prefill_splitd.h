@@ -75,8 +75,8 @@
 // state), GQA (head_offsets), pack GQA (fc_pack_gqa, below). Not: a paged
 // KV cache (attention_kvcache gathers wide calls into packed buffers
 // first), head dims other than the instantiated (DQK, DV) (no padding
-// columns: the host routes only those exactly), the backward. A row that sees no key stores zeros and lse = -inf, or the
-// sink's logit with sinks.
+// columns: the host routes only those exactly), the backward. A row that
+// sees no key stores zeros and lse = -inf, or the sink's logit with sinks.
 //
 // MSL subset: as attention_common.h.
 #pragma once
@@ -145,7 +145,8 @@ FM_INLINE void splitd_frag_t(thread PrefillFrag& f, device const T* base, int64_
 // as the prefill's. Strides are in elements and each tensor has its own, so
 // k and v may be overlapping views of one latent cache (v = k[..., :DV]).
 //
-// Pack GQA (fc_pack_gqa, attention_prefill_pack.h): the threadgroup's 8
+// Pack GQA (fc_pack_gqa, attention_prefill_pack.h; FlashAttention-3's and
+// FlashInfer's idea, the code this project's own): the threadgroup's 8
 // rows are packed rows of one (batch, kv head)'s group, packed row m being
 // query row m / G of query head kv * G + m % G, so every K/V fragment a part
 // reads serves up to 8 query heads (absorbed-MLA decode: Hq heads on one
