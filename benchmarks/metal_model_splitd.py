@@ -135,3 +135,6 @@ def main():
                       f"({lo * 1e3:.2f}-{hi * 1e3:.2f}) | {a['unfused'] / pt:.2f}x | {band_ahead(a):.0%} | "
                       f"{a['bound']} | {a['residency']} | {verdict(a)} | "
                       + (f"{a['unfused_accel'] * 1e3:.2f} |" if G.BY_NAME[chip].generation == 5 else "- |"))
+    from . import metal_model_splitd_mla  # MLA's pairs and the packed absorbed-MLA decode
+
+    metal_model_splitd_mla.main()

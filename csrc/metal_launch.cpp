@@ -411,7 +411,7 @@ MetalPlan plan_metal_attention(const AttentionProblem& p, const LaunchStrides& s
       plan.launches.push_back(l);
       break;
     case KernelRequest::Prefill:
-      if (c.bucket > kFastHeadDimBuckets.back()) {  // the split-D forward at 512 (metal_routing_splitd.cpp)
+      if (c.bucket > kFastHeadDimBuckets.back()) {  // the split-D forward (metal_routing_splitd.cpp: its 3 pairs)
         l.function_constants = feature_constants(p, false, false, false, p.sinks);
         l.buffers = with_forward_features(kForwardBuffers);
         splitd_launch(p, c, gpu, &l);

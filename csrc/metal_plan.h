@@ -337,10 +337,11 @@ bool kvcache_reads_table(const AttentionProblem& p, KernelRequest requested, std
 bool decode_takes_wide_dims(const AttentionProblem& p, KernelRequest requested, MetalPass pass);
 
 // Whether a call with head dims above kFastHeadDimBuckets.back() runs the
-// split-D forward at D = 512 (shaders/attention_prefill_splitd.h,
-// csrc/metal_routing_splitd.cpp): forward, D_qk = D_v = 512, no paged
-// cache, and impl 'prefill', or impl 'auto' when causal (window_right 0)
-// with Nq > kMaxDecodeRows (the model's verdict). Else false and *why_not
+// split-D forward (shaders/attention_prefill_splitd.h,
+// csrc/metal_routing_splitd.cpp): forward, (D_qk, D_v) = (512, 512),
+// (576, 512) or (256, 512), no paged cache, and impl 'prefill', or impl
+// 'auto' where the model puts it ahead (512: causal, window_right 0, Nq >
+// kMaxDecodeRows; MLA's pairs: kSplitDMla* there). Else false and *why_not
 // (if given) says why, for explain(); composite_route then takes the call.
 bool splitd_takes(const AttentionProblem& p, KernelRequest requested, MetalPass pass, std::string* why_not);
 

@@ -397,7 +397,7 @@ KernelChoice choose_metal_kernel(const AttentionProblem& p, KernelRequest reques
                               "flash_metal: head_dim ", p.head_dim, " on Metal kernels: not yet (at most ",
                               kFastHeadDimBuckets.back(), ", ", pass_name, "; the decode kernels, Nq <= ",
                               kMaxDecodeRows, ", take up to ", kDecodeHeadDimBuckets.back(), " (impl='auto': at most ",
-                              kWideDecodeMaxRows, " query rows per kv head); the split-D forward takes 512 (",
+                              kWideDecodeMaxRows, " query rows per kv head); the split-D forward takes (512, 512), (576, 512) and (256, 512) (",
                               splitd_why, ")); run on CPU tensors, which take head dims up to ", kMaxHeadDim);
   TORCH_CHECK_NOT_IMPLEMENTED(wide_decode || splitd || p.head_dim_v <= kFastHeadDimBuckets.back(),
                               "flash_metal: v's head dim D_v = ", p.head_dim_v, " on Metal kernels: not yet (at most ",

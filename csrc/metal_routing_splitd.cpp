@@ -1,7 +1,9 @@
-// The split-D forward's routing and launch (issue 20 section 3): which
-// calls with head dims above 256 run the fused split-D kernel at D = 512
-// (shaders/attention_prefill_splitd.h), with the sentence explain() prints
-// either way, its blocks and its launch shape. The rest of the routing is
+// The split-D forward's routing and launch (issue 20 sections 2 and 3):
+// which calls with head dims above 256 run the fused split-D kernel
+// (shaders/attention_prefill_splitd.h) at D = 512 and at MLA's (576, 512)
+// and (256, 512), packed over the GQA group's heads where that saves K/V
+// reads (the absorbed-MLA decode), with the sentence explain() prints either
+// way, its blocks and its launch shape. The rest of the routing is
 // csrc/metal_routing.cpp (choose_metal_kernel) and csrc/composite.cpp
 // (composite_route, the fallback), which ask splitd_takes.
 #include "metal_plan_detail.h"
@@ -12,11 +14,21 @@ namespace {
 
 using namespace plan_detail;
 
-// The one head dim the split-D kernel is instantiated for (D_qk = D_v, no
-// padding columns: its fragments read whole 64-feature parts). Why 512:
-// Gemma's global layers; MLA's (576, 512) is a decode shape
-// (decode_takes_wide_dims) and dims in (256, 512) are rare.
+// The (D_qk, D_v) pairs the split-D kernel is instantiated for, exactly (no
+// padding columns: its fragments read whole parts of D / 8 features). Why
+// these: 512 / 512, Gemma's global layers; 576 / 512, absorbed MLA (DeepSeek
+// V2/V3, Kimi: a 512-wide latent plus a 64-wide rope part, v the latent);
+// 256 / 512, the other MLA pair issue 20 names. Other dims in (256, 576]
+// are rare and stay composite.
 constexpr int64_t kSplitDHeadDim = 512;
+constexpr std::pair<int64_t, int64_t> kSplitDPairs[] = {{512, 512}, {576, 512}, {256, 512}};
+
+bool splitd_pair(const AttentionProblem& p) {
+  for (const auto& [dqk, dv] : kSplitDPairs) {
+    if (p.head_dim == dqk && p.head_dim_v == dv) return true;
+  }
+  return false;
+}
 
 // The model's verdict the route follows (benchmarks/metal_model_d512.py
 // prints it, benchmarks/metal_model_splitd.py computes it from exact
@@ -34,30 +46,75 @@ constexpr const char* kSplitDVerdictLevel =
     "measurement; the verdict differs by chip and length, within the model's uncertainty), so the route keeps "
     "the composite path (impl='prefill' runs the split-D kernel)";
 
+// MLA's pairs, (576, 512) and (256, 512) (benchmarks/metal_model_splitd_mla.py
+// computes these from exact emulator counts; tests/test_metal_model_splitd_mla.py
+// holds them): a model, not a measurement.
+constexpr const char* kSplitDMlaVerdictCausal =
+    "causal: the model predicts the split-D plan 2.0-2.1x ahead of the composite (unfused) path at (576, 512) and "
+    "(256, 512) on M1 Max, M3 Max, M4 Pro and M5, over its whole uncertainty band (1x8x{1024,4096}, float16, "
+    "benchmarks/metal_model_splitd_mla.py from exact emulator counts: a model, not a measurement)";
+constexpr const char* kSplitDMlaVerdictLevel =
+    "not causal: the model puts the split-D plan level with the composite (unfused) path at (576, 512) and "
+    "(256, 512) (0.99-1.05x at 1x8x{1024,4096} on M1 Max, M3 Max, M4 Pro and M5; "
+    "benchmarks/metal_model_splitd_mla.py: a model, not a measurement), so the route keeps the composite path "
+    "(impl='prefill' runs the split-D kernel)";
+constexpr const char* kSplitDMlaVerdictDecode =
+    "the absorbed-MLA decode past the wide decode's rows per kv head: the model predicts the packed split-D plan "
+    "ahead of the composite path over its whole uncertainty band from 32 threadgroups (B x 128 query heads on one "
+    "latent kv head, B 2-8, Nq 1, Nk 4096-32768: 1.1-2.3x on M1 Max, M3 Max, M4 Pro and M5) and 1.8-3.5x ahead of "
+    "the wide decode forced there; a grid smaller than that runs each threadgroup's whole key walk on one core "
+    "(B 1 x 128: 0.6-0.8x on M1 Max and M3 Max), so it stays composite (benchmarks/metal_model_splitd_mla.py: a "
+    "model, not a measurement)";
+// The least grid the MLA decode routes to split-D with: the model's band is
+// ahead of the composite path on every chip from 32 threadgroups (B 2 x 128
+// heads, packed) and behind on M1 Max and M3 Max at 16 (B 1 x 128), where
+// each core walks all Nk keys of one threadgroup serially (no split along
+// keys: benchmarks/metal_model_splitd_mla.py).
+constexpr int64_t kSplitDMlaDecodeMinThreadgroups = 32;
+
+// The split-D grid's threadgroups (packed as prefill_pack_gqa packs: G > 1
+// and 2 * Nq <= 8 rows).
+int64_t splitd_threadgroups(const AttentionProblem& p) {
+  const int64_t g = p.gqa_ratio();
+  const bool packed = g > 1 && 2 * p.q_len <= 8;
+  return p.batch * (packed ? p.kv_heads * ((p.q_len * g + 7) / 8) : p.q_heads * ((p.q_len + 7) / 8));
+}
+
 }  // namespace
 
 bool splitd_takes(const AttentionProblem& p, KernelRequest requested, MetalPass pass, std::string* why_not) {
   std::string why;
   const bool forced = requested == KernelRequest::Prefill;
+  const bool mla = p.head_dim != p.head_dim_v;
   if (pass != MetalPass::Forward) {
-    why = "the split-D kernel is a forward (the backward at D = 512 runs the composite path)";
-  } else if (p.head_dim != kSplitDHeadDim || p.head_dim_v != kSplitDHeadDim) {
-    why = "the split-D kernel runs D_qk = D_v = " + std::to_string(kSplitDHeadDim) +
-          " exactly (whole 64-feature parts, no padding columns); got " + std::to_string(p.head_dim) + " / " +
+    why = "the split-D kernel is a forward (the backward above 256 runs the composite path)";
+  } else if (!splitd_pair(p)) {
+    why = "the split-D kernel runs (D_qk, D_v) = (512, 512), (576, 512) or (256, 512) exactly (whole parts of "
+          "D / 8 features, no padding columns); got " + std::to_string(p.head_dim) + " / " +
           std::to_string(p.head_dim_v);
   } else if (p.paged) {
     why = "the split-D kernel does not read a paged KV cache (the gather path packs the pages first)";
   } else if (!forced && requested != KernelRequest::Auto) {
     why = "this impl does not name the split-D kernel (impl='auto' or 'prefill' does)";
+  } else if (!forced && mla && p.q_len <= kMaxDecodeRows) {
+    // The absorbed-MLA decode past the wide decode's rows per kv head
+    // (decode_takes_wide_dims answers first): packed split-D where the grid
+    // fills the GPU, the model's kSplitDMlaVerdictDecode. Every option the
+    // kernel has keeps it.
+    const int64_t tgs = splitd_threadgroups(p);
+    if (tgs < kSplitDMlaDecodeMinThreadgroups) {
+      why = "a decode grid of " + std::to_string(tgs) + " split-D threadgroups < " +
+            std::to_string(kSplitDMlaDecodeMinThreadgroups) + ": " + kSplitDMlaVerdictDecode;
+    }
   } else if (!forced && !p.causal) {
-    why = kSplitDVerdictLevel;
+    why = mla ? kSplitDMlaVerdictLevel : kSplitDVerdictLevel;
   } else if (!forced && p.window_right > 0) {
     why = "a right window (window_right = " + std::to_string(p.window_right) +
           " > 0): the model priced causal attention only (impl='prefill' runs the split-D kernel)";
   } else if (!forced && p.q_len <= kMaxDecodeRows) {
     why = "Nq = " + std::to_string(p.q_len) + " <= " + std::to_string(kMaxDecodeRows) +
-          " past the wide decode's rows per kv head: the model priced the split-D plan on prefill shapes only "
-          "(impl='prefill' runs it)";
+          " past the wide decode's rows per kv head: the model priced the split-D plan on prefill "
+          "shapes only (impl='prefill' runs it)";
   }
   if (why_not != nullptr) *why_not = why;
   return why.empty();
@@ -84,50 +141,80 @@ static_assert(32 * kSplitDSimdgroups <= uint32_t{kPrefillSplitDMaxThreads}, "its
 // one block of S, the row state, two operand fragments, kLiveOverhead)
 // plus Q's fragments, which the template keeps in threadgroup memory and
 // this kernel in registers, and its second running max (the shared step's
-// row): 32 + 8 + 6 + 16 + 1 = 63.
-constexpr uint32_t splitd_live_registers() {
-  return 2 * (kSplitDHeadDim / 4 / kSplitDSimdgroups) + kSplitDBlockK / 4 + 2 + 4 + kLiveOverhead + 1;
+// row): at 512 / 512 16 + 16 + 8 + 6 + 16 + 1 = 63; at 576 / 512 18 for Q,
+// 65; at 256 / 512 8, 55. Pack GQA's row offsets are computed once, before
+// the key loop, and not counted.
+constexpr uint32_t splitd_live_registers(int64_t dqk, int64_t dv) {
+  return static_cast<uint32_t>((dqk + dv) / 4 / kSplitDSimdgroups) + kSplitDBlockK / 4 + 2 + 4 + kLiveOverhead + 1;
 }
-static_assert(splitd_live_registers() <= uint32_t{kDecodeRegisterBudget}, "within the planner's 72-value budget");
+static_assert(splitd_live_registers(512, 512) == 63 && splitd_live_registers(576, 512) == 65 &&
+                  splitd_live_registers(576, 512) <= uint32_t{kDecodeRegisterBudget} &&
+                  splitd_live_registers(256, 512) <= uint32_t{kDecodeRegisterBudget},
+              "within the planner's 72-value budget");
+
+// The kernel's host name: d<D> where D_qk = D_v, else dqk<D_qk>_dv<D_v>.
+std::string splitd_dims_name(const AttentionProblem& p) {
+  return p.head_dim == p.head_dim_v ? "d" + std::to_string(p.head_dim)
+                                    : "dqk" + std::to_string(p.head_dim) + "_dv" + std::to_string(p.head_dim_v);
+}
 
 KernelChoice choose_splitd(const AttentionProblem& p, KernelRequest requested, const GpuSpec& gpu) {
   KernelChoice c;
   c.kind = KernelRequest::Prefill;
-  c.bucket = static_cast<uint32_t>(kSplitDHeadDim);
+  c.bucket = static_cast<uint32_t>(std::max(p.head_dim, p.head_dim_v));  // > 256: metal_launch's split-D case
   c.block_q = kSplitDBlockQ;
   c.block_k = kSplitDBlockK;
   c.simdgroups = kSplitDSimdgroups;
+  const bool mla = p.head_dim != p.head_dim_v;
+  const std::string dims = mla ? "D_qk = " + std::to_string(p.head_dim) + ", D_v = " + std::to_string(p.head_dim_v)
+                               : "D_qk = D_v = " + std::to_string(p.head_dim);
   MetalLaunch l;
   l.threadgroup = {32 * kSplitDSimdgroups, 1, 1};
   l.threadgroup_memory = splitd_threadgroup_bytes(kSplitDBlockK, kSplitDSimdgroups);
-  const LaunchEstimate e = estimate_launch(l, splitd_live_registers(), gpu);
-  const uint32_t query_blocks = ceil_div(p.q_len, kSplitDBlockQ);
-  c.reason = std::string("prefill (split-D): ") +
-             (requested == KernelRequest::Prefill ? "requested by the caller (impl='prefill') at D = 512"
-                                                  : std::string("D_qk = D_v = 512, ") + kSplitDVerdictCausal) +
+  const uint32_t live = splitd_live_registers(p.head_dim, p.head_dim_v);
+  const LaunchEstimate e = estimate_launch(l, live, gpu);
+  std::string verdict;
+  if (requested == KernelRequest::Prefill) {
+    verdict = "requested by the caller (impl='prefill') at " + (mla ? dims : "D = " + std::to_string(p.head_dim));
+  } else if (!mla) {
+    verdict = dims + ", " + kSplitDVerdictCausal;
+  } else {
+    verdict = dims + ", " + (p.q_len <= kMaxDecodeRows ? kSplitDMlaVerdictDecode : kSplitDMlaVerdictCausal);
+  }
+  c.reason = "prefill (split-D): " + verdict +
              "; the FA2 template's 512-wide tiles leave 8 x 8 blocks in 32 KiB (predicted 2-3x slower than "
              "unfused), so the head dimension is blocked instead (metal-flash-attention's idea): blocks of " +
              std::to_string(kSplitDBlockQ) + " queries x " + std::to_string(kSplitDBlockK) + " keys on " +
-             std::to_string(kSplitDSimdgroups) + " simdgroups of " +
-             std::to_string(kSplitDHeadDim / kSplitDSimdgroups) +
-             " features each, Q and O in registers, K/V read from device memory per part, the scores summed "
-             "through threadgroup memory and the softmax shared (3 barriers per key block), " +
-             kib(l.threadgroup_memory) + " of threadgroup memory, " + std::to_string(splitd_live_registers()) +
+             std::to_string(kSplitDSimdgroups) + " simdgroups of " + std::to_string(p.head_dim / kSplitDSimdgroups) +
+             " features of Q and " + std::to_string(p.head_dim_v / kSplitDSimdgroups) +
+             " of O each, Q and O in registers, K/V read from device memory per part" +
+             (mla ? " (strides in elements: k and v may be views of one latent cache)" : "") +
+             ", the scores summed through threadgroup memory and the softmax shared (3 barriers per key block), " +
+             kib(l.threadgroup_memory) + " of threadgroup memory, " + std::to_string(live) +
              " live values per lane, " + std::to_string(e.simdgroups_per_core) + " resident simdgroups per core on " +
-             gpu.name + " (" + std::to_string(query_blocks) + " query blocks per head)"
-             "; not yet verified on Apple hardware";
+             gpu.name;
+  c.pack_gqa = prefill_pack_gqa(p, kSplitDBlockQ, &c.reason);
+  const int64_t rows = c.pack_gqa ? p.q_len * p.gqa_ratio() : p.q_len;
+  c.reason += " (" + std::to_string(ceil_div(rows, kSplitDBlockQ)) + " query blocks per " +
+              (c.pack_gqa ? "kv head" : "head") + "); not yet verified on Apple hardware";
   return c;
 }
 
 void splitd_launch(const AttentionProblem& p, const KernelChoice& c, const GpuSpec& gpu, MetalLaunch* l) {
-  l->kernel_name = std::string("flash_attention_prefill_splitd_") + dtype_name(p.dtype) + "_d" +
-                   std::to_string(c.bucket) + "_bq" + std::to_string(c.block_q) + "_bk" + std::to_string(c.block_k) +
+  l->kernel_name = std::string("flash_attention_prefill_splitd_") + dtype_name(p.dtype) + "_" +
+                   splitd_dims_name(p) + "_bq" + std::to_string(c.block_q) + "_bk" + std::to_string(c.block_k) +
                    "_wm" + std::to_string(c.simdgroups);
-  l->grid = {ceil_div(p.q_len, c.block_q), static_cast<uint32_t>(p.q_heads), static_cast<uint32_t>(p.batch)};
+  // Pack GQA: the rows are packed rows of a kv head's group, Nq * G of them
+  // per (batch, kv head) (fc_pack_gqa).
+  const int64_t rows = c.pack_gqa ? p.q_len * p.gqa_ratio() : p.q_len;
+  l->grid = {ceil_div(rows, c.block_q), static_cast<uint32_t>(c.pack_gqa ? p.kv_heads : p.q_heads),
+             static_cast<uint32_t>(p.batch)};
   l->threadgroup = {32 * c.simdgroups, 1, 1};
   l->max_threads_per_threadgroup = kPrefillSplitDMaxThreads;
   l->threadgroup_memory = splitd_threadgroup_bytes(c.block_k, c.simdgroups);
-  l->estimate = estimate_launch(*l, splitd_live_registers(), gpu);
+  l->function_constants.resize(kPrefillFunctionConstantCount, false);
+  l->function_constants[kPackGqaFunctionConstant] = c.pack_gqa;
+  l->estimate = estimate_launch(*l, splitd_live_registers(p.head_dim, p.head_dim_v), gpu);
 }
 
 }  // namespace plan_detail

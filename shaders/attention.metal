@@ -6,7 +6,8 @@
 //   flash_attention_untiled_<dtype>_d<DMAX>_t<THREADS>
 //   flash_attention_tiled_<dtype>_d<DMAX>_bk<BK>_t<THREADS>
 //   flash_attention_prefill_<dtype>_d<DMAX>_bq<BQ>_bk<BK>_wm<WM>
-//   flash_attention_prefill_splitd_<dtype>_d<DMAX>_bq<BQ>_bk<BK>_wm<WM> (DMAX 512 only)
+//   flash_attention_prefill_splitd_<dtype>_d<D>_bq<BQ>_bk<BK>_wm<WM> (D_qk = D_v = D = 512 only), and
+//   flash_attention_prefill_splitd_<dtype>_dqk<DQK>_dv<DV>_bq<BQ>_bk<BK>_wm<WM> where D_qk != D_v ((576, 512), (256, 512))
 //   flash_decode_<dtype>_d<DMAX>, flash_decode_split_<dtype>_d<DMAX>, flash_decode_merge_<dtype>_d<DMAX>
 //   (DMAX also 512 and 576: decode only)
 //   flash_backward_dq_<dtype>_d<DMAX>_bq<BQ>_bk<BK>_wm<WM>_ds<DSPLIT>,
@@ -71,10 +72,17 @@
 // The split-D forward at head dim 512 (attention_prefill_splitd.h, issue 20
 // section 3): 8 query rows x 32 keys on 8 SIMD-groups of 64 features each,
 // the blocks csrc/metal_routing_splitd.cpp plans and explains (the header
-// says why these). One per dtype: only D_qk = D_v = 512 runs it.
-#define FM_PREFILL_SPLITD(tname, T)                                                   \
-  FM_INSTANTIATE("flash_attention_prefill_splitd_" #tname "_d512_bq8_bk32_wm8",        \
-                 flash_attention_prefill_splitd<T, 512, 8, 32, 8>)
+// says why these). Three per dtype: D_qk = D_v = 512, and
+// MLA's pairs (issue 20 section 2) name both dims: (576, 512), the
+// absorbed-MLA latent (and its decode, packed over the query heads:
+// fc_pack_gqa), and (256, 512).
+#define FM_PREFILL_SPLITD(tname, T)                                                          \
+  FM_INSTANTIATE("flash_attention_prefill_splitd_" #tname "_d512_bq8_bk32_wm8",               \
+                 flash_attention_prefill_splitd<T, 512, 512, 8, 32, 8>)                       \
+  FM_INSTANTIATE("flash_attention_prefill_splitd_" #tname "_dqk576_dv512_bq8_bk32_wm8",       \
+                 flash_attention_prefill_splitd<T, 576, 512, 8, 32, 8>)                       \
+  FM_INSTANTIATE("flash_attention_prefill_splitd_" #tname "_dqk256_dv512_bq8_bk32_wm8",       \
+                 flash_attention_prefill_splitd<T, 256, 512, 8, 32, 8>)
 
 // The decode kernels (Nq <= 8): one pass, and the split-KV pair.
 #define FM_DECODE(tname, T, D)                                                   \

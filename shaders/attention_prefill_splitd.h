@@ -1,8 +1,11 @@
-// The split-D forward for head dim 512 (issue 20, section 3): FlashAttention-2
-// with the head dimension blocked across SIMD-groups, for the calls the FA2
-// template (attention_prefill.h) cannot serve well. Routed by
-// csrc/metal_routing_splitd.cpp (causal D_qk = D_v = 512 forwards, and
-// impl='prefill' at 512), priced by benchmarks/metal_model_splitd.py.
+// The split-D forward for head dims 512 and MLA's (576, 512) and (256, 512)
+// (issue 20, sections 2 and 3): FlashAttention-2 with the head dimension
+// blocked across SIMD-groups, for the calls the FA2 template
+// (attention_prefill.h) cannot serve well. Routed by
+// csrc/metal_routing_splitd.cpp (splitd_takes: causal D_qk = D_v = 512
+// forwards, the absorbed-MLA decode packed over its query heads, and
+// impl='prefill' at the instantiated pairs), priced by
+// benchmarks/metal_model_splitd.py and benchmarks/metal_model_splitd_mla.py.
 //
 // Why a kernel of its own. The template keeps the whole 512-wide Q block and
 // a 512-wide K/V tile in threadgroup memory: 1,040 bytes per float16 row, so
@@ -14,9 +17,11 @@
 // threadgroup memory; the code here is this project's own):
 //
 //   - A threadgroup owns 8 query rows (BQ) and runs WM SIMD-groups
-//     ("parts"); part p owns features [p * F, (p + 1) * F), F = DMAX / WM
-//     (64 at 8 parts), of Q and of O, both in registers (F / 8 fragments
-//     each: 16 values per lane per matrix).
+//     ("parts"); part p owns features [p * F, (p + 1) * F) of Q and K,
+//     F = DQK / WM (64 at 512 and 8 parts, 72 at 576, 32 at 256), and
+//     [p * Fv, (p + 1) * Fv) of V and O, Fv = DV / WM (64 at 512), Q and O
+//     in registers (F / 8 and Fv / 8 fragments: 16 values per lane per
+//     matrix at 512, 18 for Q at 576).
 //   - K and V: each part reads its own F features of each BK-key block
 //     straight from device memory into fragments. With one 8-row group no
 //     K/V element is read by two SIMD-groups of a threadgroup, so staging
@@ -48,9 +53,11 @@
 //     twice per threadgroup (16 rows on 16 SIMD-groups were modelled
 //     31-44% slower: 512 threads, one threadgroup per core).
 //   WM = 8 parts: F = 64, so Q and O take 16 values each; live values
-//     2 * DMAX / 4 / WM + BK / 4 + 2 + 4 + 16 = 62 at BK 32 (63 with the
-//     second running max), within the planner's 72-value budget
-//     (csrc/metal_routing.cpp). 4 parts would need 32 + 32.
+//     (DQK + DV) / 4 / WM + BK / 4 + 2 + 4 + 16 = 62 at 512 and BK 32 (63
+//     with the second running max; 65 at (576, 512), 55 at (256, 512)),
+//     within the planner's 72-value budget (csrc/metal_routing.cpp). 4
+//     parts would need 32 + 32. float32 has the same counts: fragments are
+//     float whatever T, and the scratch is float.
 //   BK = 4 * WM = 32: one key per lane per part in the shared step; S is 4
 //     fragments (8 values per lane), and a block's 256 MMAs per part cover
 //     its two DRAM latencies (K, then V). 16 keys were modelled about the
@@ -65,11 +72,11 @@
 // (fc_window_left: key blocks behind every row's window skipped), softcap
 // and bool / additive masks (option_score), packed variable-length
 // sequences (fc_varlen), attention sinks (fc_has_sinks: seed the running
-// state), GQA (head_offsets). Not: a paged KV cache (attention_kvcache
-// gathers wide calls into packed buffers first), D_v != D_qk, head dims
-// other than DMAX (no padding columns: the host routes only D = DMAX), the
-// backward. A row that sees no key stores zeros and lse = -inf, or the
-// sink's logit with sinks.
+// state), GQA (head_offsets), pack GQA (fc_pack_gqa, below). Not: a paged
+// KV cache (attention_kvcache gathers wide calls into packed buffers
+// first), head dims other than the instantiated (DQK, DV) (no padding
+// columns: the host routes only those exactly), the backward. A row that
+// sees no key stores zeros and lse = -inf, or the sink's logit with sinks.
 //
 // MSL subset: as attention_common.h.
 #pragma once
@@ -95,6 +102,23 @@ FM_INLINE void splitd_frag(thread PrefillFrag& f, device const T* base, int64_t 
   f.thread_elements()[1] = b;
 }
 
+// Fragment (row0 + fr, col0..) where the lane's row starts at `rowp` (its
+// own address: under fc_pack_gqa a packed row's query row and head are a
+// runtime division, done once by the caller); a row with !valid is zeros
+// and is not read.
+template <typename T>
+FM_INLINE void splitd_frag_row(thread PrefillFrag& f, device const T* rowp, bool valid, int64_t dim_stride, int col0,
+                               int fc) {
+  float a = 0.0f, b = 0.0f;
+  if (valid) {
+    device const T* s = rowp + int64_t(col0 + fc) * dim_stride;
+    a = float(s[0]);
+    b = float(s[dim_stride]);
+  }
+  f.thread_elements()[0] = a;
+  f.thread_elements()[1] = b;
+}
+
 // The transpose: element (r, c) is key key0 + c, feature col0 + r, of a
 // row-major (keys, features) matrix (K^T for S = Q.K^T). The lane's two
 // elements are one feature of two adjacent keys; keys >= valid are zeros
@@ -107,15 +131,31 @@ FM_INLINE void splitd_frag_t(thread PrefillFrag& f, device const T* base, int64_
   f.thread_elements()[1] = key0 + fc + 1 < valid ? float(s[row_stride]) : 0.0f;
 }
 
-// T: q, k, v, o's type. DMAX: the head dim (q, k and v alike, exactly). BQ:
-// query rows per threadgroup (8). BK: keys per block (4 x WM). WM:
-// SIMD-groups, each owning DMAX / WM features of Q and O.
-// Launch: grid (ceil(Nq / BQ), Hq, B), threadgroup (32 * WM, 1, 1),
-// threadgroup memory (WM * 8 * BK + 8 * BK + 2 * WM * 8) * 4 bytes at index
-// 0; function constants fc_causal (0), the options' 4-9, fc_has_sinks (11)
-// (the others are not read). AttentionParams at buffer 5 with head_dim =
-// head_dim_v = DMAX; mask, cu_seqlens and sinks at 14-17 as the prefill's.
-template <typename T, int DMAX, int BQ, int BK, int WM>
+// T: q, k, v, o's type. DQK: q and k's head dim, DV: v and o's (exactly:
+// 512 / 512, and MLA's 576 / 512 and 256 / 512). BQ: query rows per
+// threadgroup (8). BK: keys per block (4 x WM). WM: SIMD-groups, each owning
+// DQK / WM features of Q and DV / WM of O (576 / 8 = 72: 9 fragments of Q;
+// 256 / 8 = 32: 4).
+// Launch: grid (ceil(Nq / BQ), Hq, B), or under fc_pack_gqa
+// (ceil(Nq * G / BQ), Hkv, B); threadgroup (32 * WM, 1, 1), threadgroup
+// memory (WM * 8 * BK + 8 * BK + 2 * WM * 8) * 4 bytes at index 0; function
+// constants fc_causal (0), the options' 4-9, fc_has_sinks (11) and
+// fc_pack_gqa (13) (the others are not read). AttentionParams at buffer 5
+// with head_dim = DQK, head_dim_v = DV; mask, cu_seqlens and sinks at 14-17
+// as the prefill's. Strides are in elements and each tensor has its own, so
+// k and v may be overlapping views of one latent cache (v = k[..., :DV]).
+//
+// Pack GQA (fc_pack_gqa, attention_prefill_pack.h; FlashAttention-3's and
+// FlashInfer's idea, the code this project's own): the threadgroup's 8
+// rows are packed rows of one (batch, kv head)'s group, packed row m being
+// query row m / G of query head kv * G + m % G, so every K/V fragment a part
+// reads serves up to 8 query heads (absorbed-MLA decode: Hq heads on one
+// latent kv head, Nq of 1 to a few rows, reads K/V ceil(Nq * G / 8) times per
+// kv head instead of Hq times). Each lane's row has two views (its fragment
+// row and its shared-step row), and each view its own (query row, head):
+// the Q loads, the stores, the mask slice and the sink use them; the key
+// bounds use the query rows of the threadgroup's first and last packed rows.
+template <typename T, int DQK, int DV, int BQ, int BK, int WM>
 [[kernel]] [[max_total_threads_per_threadgroup(kPrefillSplitDMaxThreads)]] void flash_attention_prefill_splitd(
     device const T* q [[buffer(0)]],
     device const T* k [[buffer(1)]],
@@ -135,69 +175,88 @@ template <typename T, int DMAX, int BQ, int BK, int WM>
   static_assert(BQ == 8, "one 8-row group per threadgroup: the shared softmax maps 8 rows x 4 keys to 32 lanes");
   static_assert(32 * WM <= kPrefillSplitDMaxThreads, "the declared threadgroup limit (params.h)");
   static_assert(BK == 4 * PARTS, "each part finishes 4 keys of the block, one (row, key) per lane");
-  static_assert(DMAX % (8 * PARTS) == 0, "parts are whole 8x8 fragments");
-  constexpr int TK = BK / 8;            // key fragments of S per block
-  constexpr int TF = DMAX / 8 / PARTS;  // feature fragments of Q and O this part keeps
-  constexpr int SLOT = 8 * BK;          // floats of one part's partial S, row-major (row * BK + key)
+  static_assert(DQK % (8 * PARTS) == 0 && DV % (8 * PARTS) == 0, "parts are whole 8x8 fragments");
+  constexpr int TK = BK / 8;             // key fragments of S per block
+  constexpr int TQ = DQK / 8 / PARTS;    // feature fragments of Q (and K) this part keeps
+  constexpr int TF = DV / 8 / PARTS;     // feature fragments of O (and V) this part keeps
+  constexpr int SLOT = 8 * BK;           // floats of one part's partial S, row-major (row * BK + key)
   threadgroup float* scratch = smem;                    // PARTS x 8 x BK partials
   threadgroup float* weights = scratch + PARTS * SLOT;  // 8 x BK: the block's P
   threadgroup float* row_max = weights + SLOT;          // PARTS x 8
   threadgroup float* row_sum = row_max + PARTS * 8;     // PARTS x 8
   const int part = int(sg);
-  const int col0 = part * (DMAX / PARTS);
+  const int qcol0 = part * (DQK / PARTS);  // this part's first feature of Q and K
+  const int col0 = part * (DV / PARTS);    // and of V and O
 
   // The threadgroup's sequence (varlen: group.z's, its rows from q_row0 /
-  // k_row0). A query block past its sequence's end leaves at once: uniform
-  // across the threadgroup and before any barrier.
+  // k_row0) and rows: under fc_pack_gqa `rows` packed rows of its kv head's
+  // group, else G = 1 and a packed row is a query row of head group.y. A
+  // block past the sequence's rows leaves at once: uniform across the
+  // threadgroup and before any barrier.
   const SeqView seq = sequence_view(p, cu_seqlens_q, cu_seqlens_k, group.z);
-  const int q0 = int(group.x) * BQ;
-  if (fc_varlen && q0 >= seq.q_len) return;
-  HeadOffsets h = head_offsets(p, group.z, group.y);
+  const int G = fc_pack_gqa ? p.gqa_ratio : 1;
+  const int rows = seq.q_len * G;
+  const uint head0 = fc_pack_gqa ? group.y * uint(G) : group.y;  // the threadgroup's first query head
+  const int q0 = int(group.x) * BQ;                              // its first packed row
+  if (fc_varlen && q0 >= rows) return;
+  HeadOffsets h = head_offsets(p, group.z, head0);
   h.q += seq.q_row0 * p.q_row_stride;
   h.o += seq.q_row0 * p.o_row_stride;
   h.lse += seq.q_row0 * p.lse_row_stride;
   h.k += seq.k_row0 * p.k_row_stride;
   h.v += seq.k_row0 * p.v_row_stride;
-  const int64_t mask_slice = fc_has_mask ? mask_head_offset(p, group.z, group.y) : 0;
   const int fr = prefill_frag_row(lane);
   const int fc = prefill_frag_col(lane);
-  const int row = q0 + fr;                      // this lane's row in the fragments (O, P.V)
-  const int b_row = int(lane) / 4;              // and in the shared softmax step
-  const int b_col = part * 4 + int(lane) % 4;   // its key there, within the block
-  const int b_query = q0 + b_row;
+  // The fragment view (Q, O, P.V): packed row q0 + fr, its query row and head.
+  const int prow = q0 + fr;
+  const int row = prow / G;
+  const int hoff = prow - row * G;
+  const bool row_real = prow < rows;
+  // The shared step's view: packed row q0 + lane / 4, its key lane % 4 of this part's 4.
+  const int b_row = int(lane) / 4;
+  const int b_col = part * 4 + int(lane) % 4;
+  const int b_prow = q0 + b_row;
+  const int b_query = b_prow / G;
+  const int b_hoff = b_prow - b_query * G;
+  const int64_t mask_slice = fc_has_mask ? mask_head_offset(p, group.z, head0 + uint(b_hoff)) : 0;
 
-  // Q: this part's 8 x F slice, once, unscaled (scaled in float after the
-  // product, as the template does).
-  PrefillFrag Q[TF];
-  FM_UNROLL for (int i = 0; i < TF; ++i) {
-    splitd_frag(Q[i], q + h.q, p.q_row_stride, p.q_dim_stride, q0, col0 + i * 8, seq.q_len, fr, fc);
+  // Q: this part's 8 x DQK / WM slice, once, unscaled (scaled in float after
+  // the product, as the template does).
+  PrefillFrag Q[TQ];
+  {
+    device const T* qrow = q + h.q + int64_t(row) * p.q_row_stride + int64_t(hoff) * p.q_head_stride;
+    FM_UNROLL for (int i = 0; i < TQ; ++i) splitd_frag_row(Q[i], qrow, row_real, p.q_dim_stride, qcol0 + i * 8, fc);
   }
   PrefillFrag O[TF];
   FM_UNROLL for (int i = 0; i < TF; ++i) O[i] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
-  // Running state: m_frag is row `row`'s max (the O rescale), m_b row
-  // b_query's (the weights): the same values per row in every lane that
-  // holds the row. l: the settled row sum, l_run the current run's
+  // Running state: m_frag is the fragment row's max (the O rescale), m_b the
+  // shared step's row's (the weights): the same values per row in every lane
+  // that holds the row. l: the settled row sum, l_run the current run's
   // (the template's two-level sum, kPrefillSumRun). With sinks, both maxima
-  // start at the sink and l at 1 (seed_sink: the sink as a first key).
+  // start at their row's head's sink and l at 1 (seed_sink: the sink as a
+  // first key).
   float m_frag = kMaskedScore;
   float l = 0.0f, l_run = 0.0f;
-  if (fc_has_sinks) seed_sink(m_frag, l, sinks, int(group.y));
-  float m_b = m_frag;
+  float m_b = kMaskedScore, l_b = 0.0f;
+  if (fc_has_sinks) {
+    seed_sink(m_frag, l, sinks, int(head0) + hoff);
+    seed_sink(m_b, l_b, sinks, int(head0) + b_hoff);
+  }
 
   // Key blocks: up to what the group's last real row sees (causal or a
   // right window), from the block holding the first row's first visible key
   // (a left window). Uniform: one row group.
-  const int last_row = min(q0 + BQ, seq.q_len) - 1;
+  const int last_row = (min(q0 + BQ, rows) - 1) / G;
   const int n_blocks = (visible_key_end(seq, last_row) + BK - 1) / BK;
-  const int first_block = fc_window_left ? first_visible_key(seq, q0) / BK : 0;
+  const int first_block = fc_window_left ? first_visible_key(seq, q0 / G) / BK : 0;
   for (int kb = first_block; kb < n_blocks; ++kb) {
     const int k0 = kb * BK;
     PrefillFrag S[TK];
     FM_UNROLL for (int t = 0; t < TK; ++t) S[t] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
-    FM_UNROLL for (int i = 0; i < TF; ++i) {
+    FM_UNROLL for (int i = 0; i < TQ; ++i) {
       FM_UNROLL for (int t = 0; t < TK; ++t) {
         PrefillFrag kf;
-        splitd_frag_t(kf, k + h.k, p.k_row_stride, p.k_dim_stride, k0 + t * 8, col0 + i * 8, seq.kv_len, fr, fc);
+        splitd_frag_t(kf, k + h.k, p.k_row_stride, p.k_dim_stride, k0 + t * 8, qcol0 + i * 8, seq.kv_len, fr, fc);
         prefill_mma(S[t], Q[i], kf);
       }
     }
@@ -213,7 +272,7 @@ template <typename T, int DMAX, int BQ, int BK, int WM>
     float s = 0.0f;
     FM_UNROLL for (int pp = 0; pp < PARTS; ++pp) s += scratch[pp * SLOT + b_row * BK + b_col];
     const int b_key = k0 + b_col;
-    const bool keep = b_query < seq.q_len && b_key < seq.kv_len && key_in_window(seq, b_query, b_key);
+    const bool keep = b_prow < rows && b_key < seq.kv_len && key_in_window(seq, b_query, b_key);
     s = option_score<T>(p, mask, mask_slice, b_query, b_key, s * p.scale_log2, keep);
     if (s <= kMaskedScore) s = kMaskedScore;
     float mx = max(s, simd_shuffle_xor(s, 1));  // lanes 4r..4r+3 hold row r's 4 keys of this part
@@ -263,10 +322,10 @@ template <typename T, int DMAX, int BQ, int BK, int WM>
   // Store this part's features of O / l for real rows, and the row's lse
   // (m ln 2 + ln l in one fma, as the template) from one lane of part 0. A
   // row that saw no key (and no sink) stores zeros and -inf made from bits.
-  if (row < seq.q_len) {
+  if (row_real) {
     const bool has_key = l > 0.0f;
     const float inv = has_key ? 1.0f / l : 0.0f;
-    device T* op = o + h.o + int64_t(row) * p.o_row_stride;
+    device T* op = o + h.o + int64_t(row) * p.o_row_stride + int64_t(hoff) * p.o_head_stride;
     FM_UNROLL for (int i = 0; i < TF; ++i) {
       FM_UNROLL for (int j = 0; j < 2; ++j) {
         op[int64_t(col0 + i * 8 + fc + j) * p.o_dim_stride] = static_cast<T>(O[i].thread_elements()[j] * inv);
@@ -274,7 +333,7 @@ template <typename T, int DMAX, int BQ, int BK, int WM>
     }
     if (fc == 0 && part == 0) {
       const uint bits = has_key ? as_type<uint>(fma(m_frag, M_LN2_F, log(l))) : kNegInfBits;
-      lse[h.lse + int64_t(row) * p.lse_row_stride] = as_type<float>(bits);
+      lse[h.lse + int64_t(row) * p.lse_row_stride + int64_t(hoff) * p.lse_head_stride] = as_type<float>(bits);
     }
   }
 }

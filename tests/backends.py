@@ -159,7 +159,8 @@ def select_mps_cases(items, full=None):
 FAST_MATH_KERNELS = (
     "flash_attention_untiled_*",
     "flash_attention_tiled_*",
-    "flash_attention_prefill_*",
+    "flash_attention_prefill_float*",  # the FA2 template's (not split-D's: no fast-math test runs it)
+    "flash_attention_prefill_bfloat*",
     "flash_decode*_d32",  # test_sinks' decode cases
     "flash_decode*_d64",  # test_nonfinite's D = 40, test_metal_features' cases
     "flash_backward_*_d64_*",  # test_metal_backward's fast-math buckets 64 and 256

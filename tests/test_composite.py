@@ -142,10 +142,12 @@ def test_explicit_request_and_fused_requests_past_256():
     plan = flash_metal.explain(*_views(64, 64), impl="composite")
     assert plan.dispatches == () and "requested by the caller" in plan.reason
     with pytest.raises(NotImplementedError, match="head_dim 576"):
-        flash_metal.explain(*_views(576, 512), impl="prefill")
-    # At D_qk = D_v = 512 impl='prefill' names the split-D forward (tests/test_metal_prefill_splitd.py).
-    assert flash_metal.explain(*_views(512, 512), impl="prefill").dispatches[0].kernel_name.startswith(
-        "flash_attention_prefill_splitd_")
+        flash_metal.explain(*_views(576, 256), impl="prefill")
+    # At (512, 512), (576, 512) and (256, 512) impl='prefill' names the split-D forward
+    # (tests/test_metal_prefill_splitd.py, tests/test_metal_prefill_splitd_mla.py).
+    for dqk in (512, 576, 256):
+        assert flash_metal.explain(*_views(dqk, 512), impl="prefill").dispatches[0].kernel_name.startswith(
+            "flash_attention_prefill_splitd_")
 
 
 @pytest.mark.parametrize("backward", [False, True])

@@ -98,13 +98,15 @@ def test_routing_decode_fused_prefill_and_backward_composite():
         # A long context on the base chip splits (two dispatches: split pass and merge).
         assert [d.kernel_name.rsplit("_d", 1)[0] for d in _explain(1, 32768, dqk, dv).dispatches] == \
             ["flash_decode_split_float16", "flash_decode_merge_float16"]
-        # Prefill (Nq > 8), the backward and more than 16 rows per kv head (MLA's 128 heads: the model puts
-        # the composite path ahead there) stay composite; a forced prefill is refused.
+        # Prefill (Nq > 8, not causal), the backward and more than 16 rows per kv head on a small grid (MLA's
+        # 128 heads at B 1: the model puts the composite path ahead of the wide decode there, and of the
+        # packed split-D below 32 threadgroups) stay composite; a forced prefill is refused but at the
+        # split-D pairs.
         for plan in (_explain(9, 200, dqk, dv), _explain(1, 200, dqk, dv, backward=True),
                      _explain(1, 200, dqk, dv, hq=32), _explain(2, 200, dqk, dv, hq=16)):
             assert plan.dispatches == () and plan.reason.startswith("composite"), plan.reason
         assert "at most 16 query rows per kv head" in _explain(1, 200, dqk, dv, hq=128).reason
-        if (dqk, dv) == (512, 512):  # the split-D forward takes it (tests/test_metal_prefill_splitd.py)
+        if (dqk, dv) in ((512, 512), (576, 512)):  # the split-D forward takes them (test_metal_prefill_splitd*.py)
             assert _explain(9, 200, dqk, dv, impl="prefill").dispatches[0].kernel_name.startswith(
                 "flash_attention_prefill_splitd_")
         else:

@@ -55,11 +55,13 @@ def _plans():
                 q = torch.empty(1, 1, 2, dqk, dtype=dtype)
                 k = torch.empty(1, 1, nk, dqk, dtype=dtype)
                 plans[(impl + "_wide", dtype, bucket)] = (flash_metal.explain(q, k, k[..., :dv], impl=impl), dqk)
-    # The split-D forward at 512 (shaders/attention_prefill_splitd.h; impl='prefill' at D = 512;
-    # tests/test_metal_prefill_splitd.py runs it, sanitized).
+    # The split-D forward at (512, 512), (576, 512) and (256, 512) (shaders/attention_prefill_splitd.h;
+    # impl='prefill'; tests/test_metal_prefill_splitd.py and tests/test_metal_prefill_splitd_mla.py run them,
+    # sanitized). Keyed by D_qk.
     for dtype in DTYPES:
-        q = torch.empty(1, 1, 9, 512, dtype=dtype)
-        plans[("prefill_splitd", dtype, 512)] = (flash_metal.explain(q, q, q, impl="prefill"), 512)
+        for dqk in (512, 576, 256):
+            q, v = torch.empty(1, 1, 9, dqk, dtype=dtype), torch.empty(1, 1, 9, 512, dtype=dtype)
+            plans[("prefill_splitd", dtype, dqk)] = (flash_metal.explain(q, q, v, impl="prefill"), dqk)
     # The backward's two kernels (shaders/attention_backward.h).
     for dtype in DTYPES:
         for bucket, d in FAST_BUCKET_DIMS.items():

@@ -72,7 +72,7 @@ def test_what_split_d_does_not_take_stays_composite_with_the_reason():
     cases = {  # call -> the reason's words
         "not causal": (_explain(causal=False), "the model puts the split-D plan level"),
         "backward": (_explain(backward=True), "the split-D kernel is a forward"),
-        "D_v != D_qk": (_explain(dv=256), "D_qk = D_v = 512 exactly"),
+        "D_v != D_qk": (_explain(dv=256), "(576, 512) or (256, 512) exactly"),
         "right window": (_explain(causal=False, window_right=4), "a right window"),
         "decode rows": (_explain(nq=8, hq=4), "the model priced the split-D plan on prefill shapes only"),
     }
@@ -86,7 +86,7 @@ def test_impl_prefill_forces_split_d_at_512():
         plan = _explain(causal=causal, impl="prefill")
         assert plan.dispatches[0].kernel_name.startswith(PREFIX)
         assert "requested by the caller (impl='prefill') at D = 512" in plan.reason
-    with pytest.raises(NotImplementedError, match="D_qk = D_v = 512 exactly"):
+    with pytest.raises(NotImplementedError, match=r"\(576, 512\) or \(256, 512\) exactly"):
         _explain(dv=256, impl="prefill")
 
 

@@ -330,6 +330,23 @@ def test_host_runs_the_split_d_forward_at_512(host, emu):
     assert [e["length"] for e in rec["events"] if e["op"] == "setThreadgroupMemoryLength"] == [9728]
 
 
+def test_host_runs_the_packed_mla_decode_on_a_latent_cache(host, emu):
+    # The absorbed-MLA decode (issue 20 section 2) through the real .mm: 64 query heads on one latent kv head,
+    # v = k[..., :512] (one buffer, row stride 576), B 4: past the wide decode's 16 rows per kv head and at
+    # the model's 32 threadgroups, so impl='auto' runs the split-D kernel packed (fc_pack_gqa), replayed.
+    g = torch.Generator().manual_seed(37)
+    q = torch.randn(4, 64, 1, 576, generator=g).half()
+    k = torch.randn(4, 1, 40, 576, generator=g).half()
+    v = k[..., :512]
+    out, lse, rec, _ = host.attention(q, k, v, False, None, "auto", emu)
+    assert rec["errors"] == []
+    assert_attention_close(out, lse, q, k, v, False)
+    (d,) = flash_metal.explain(q, k, v, False).dispatches
+    kernels = [e["kernel"] for e in rec["events"] if e["op"] == "setComputePipelineState"]
+    assert kernels == [d.kernel_name] == ["flash_attention_prefill_splitd_float16_dqk576_dv512_bq8_bk32_wm8"]
+    assert d.grid == (8, 1, 4) and d.function_constants[13]
+
+
 def test_host_refuses_tensor_ops_where_the_process_cannot_run_them(host):
     # The tensor-op kernels (shaders/attention_mpp.metal, MSL 4) need macOS
     # 26.2 and the MSL 4 library: on the fake's macOS 15 the real .mm says so
@@ -456,9 +473,12 @@ def test_build_all_pipelines_on_the_fake_device(host, emu):
         if name == "flash_sinks_grad":  # only fc_varlen is read; the registry plans it without
             assert bits == {"0" * 12}, name
             continue
-        if name.startswith("flash_attention_prefill_splitd_"):  # 12 constants: causal, the options, sinks
-            assert all(len(b) == 12 and b[1:4] + b[10] == "0000" for b in bits), name
+        if name.startswith("flash_attention_prefill_splitd_"):
+            # 14 constants: causal, the options, sinks, fc_paged (never) and fc_pack_gqa (13), packed only at
+            # (576, 512) (the absorbed-MLA decode), each option either way
+            assert all(len(b) == 14 and b[1:4] + b[10] + b[12] == "00000" for b in bits), name
             assert {b[0] for b in bits} == {"0", "1"}, name
+            assert {b[13] for b in bits} == ({"0", "1"} if "_dqk576_" in name else {"0"}), name
             assert {b[4:10] + b[11] for b in bits} == {"0000000", "1100000", "1000000", "1010000", "0001000",
                                                         "0000100", "0000010", "0000001"}, name
             continue

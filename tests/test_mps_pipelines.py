@@ -25,7 +25,7 @@ DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 def planner_kernel_names():
     """Every kernel name metal_plan returns, over each dtype, head dim 1..256 and impl, the decode's wide
-    buckets (512, 576), the split-D forward at 512, and the backward's (with sinks: three)."""
+    buckets (512, 576), the split-D forward at its three (D_qk, D_v) pairs, and the backward's (with sinks: three)."""
     names = set()
     for dtype in DTYPES:
         for d in range(1, 257):
@@ -44,9 +44,11 @@ def planner_kernel_names():
             names.add(torch.ops.flash_metal.metal_plan(q, k, v, False, None, "decode")[0])
             for i in range(2):
                 names.add(torch.ops.flash_metal.metal_plan(q, long_k, long_v, False, None, "decode_split", "base", i)[0])
-        # The split-D forward at D = 512 (shaders/attention_prefill_splitd.h): impl='prefill', 9 query rows.
-        q = torch.zeros(1, 1, 9, 512, dtype=dtype)
-        names.add(torch.ops.flash_metal.metal_plan(q, q, q, False, None, "prefill")[0])
+        # The split-D forward at (512, 512), (576, 512) and (256, 512) (shaders/attention_prefill_splitd.h):
+        # impl='prefill', 9 query rows.
+        for dqk in (512, 576, 256):
+            q, v = torch.zeros(1, 1, 9, dqk, dtype=dtype), torch.zeros(1, 1, 9, 512, dtype=dtype)
+            names.add(torch.ops.flash_metal.metal_plan(q, q, v, False, None, "prefill")[0])
     q = torch.zeros(1, 1, 1, 32)
     # The backward's third dispatch with sinks: grad_sinks (one kernel for every dtype and head dim).
     names.add(torch.ops.flash_metal.metal_plan(q, q, q, False, None, "auto", "base", 2, True, sinks=torch.zeros(1))[0])

@@ -43,10 +43,10 @@ def test_shipped_attention_kernels_keep_no_array_in_memory():
     # 3 decode kernels x 3 dtypes x 8 buckets (192 since issue 20 section 3),
     # the backward's 2 kernels x 3 dtypes x 8 buckets less float32 d72 (it
     # runs d80's: 8 resident SIMD-groups per core, choose_backward), and the
-    # sinks' gradient (flash_sinks_grad, one), and the split-D forward at 512
-    # (one per dtype: Q, O and S fragment arrays, indexed by constants only):
-    # 170. The default builds' set: the wide decode's 18 (decode buckets 512
+    # sinks' gradient (flash_sinks_grad, one), and the split-D forward at
+    # (512, 512), (576, 512) and (256, 512) (three per dtype: Q, O and S
+    # fragment arrays, indexed by constants only): 176. The default builds' set: the wide decode's 18 (decode buckets 512
     # and 576) are checked on their own, tests/test_metal_decode_wide.py.
-    assert len(arrays) == 2 * 3 * 4 + 4 * 3 * 8 + 2 * (3 * 8 - 1) + 1 + 3
+    assert len(arrays) == 2 * 3 * 4 + 4 * 3 * 8 + 2 * (3 * 8 - 1) + 1 + 3 * 3
     in_memory = {name: a for name, a in arrays.items() if a}
     assert not in_memory, f"private arrays left in per-thread memory: {in_memory}"
