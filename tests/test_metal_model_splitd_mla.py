@@ -9,11 +9,14 @@ causal (576, 512) prefill verdict at N = 1024 (three runs, quadratic rule);
 the rest of the table is `python -m benchmarks.metal_model_splitd_mla`.
 """
 import math
+import os
+import sys
 
 import torch
 
 import flash_metal
-from benchmarks import metal_model_splitd_mla as S
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks import metal_model_splitd_mla as S  # noqa: E402
 from numerics import assert_attention_close
 
 
