@@ -38,7 +38,7 @@ void tensor_ops_backward_launches(const AttentionProblem& p, const LaunchStrides
   dq.grid = {ceil_div(p.q_len, c.block_q), static_cast<uint32_t>(p.q_heads), batch};
   dq.threadgroup = {32 * c.simdgroups, 1, 1};
   dq.max_threads_per_threadgroup = kTensorOpsMaxThreads;
-  dq.threadgroup_memory = c.simdgroups * tensor_ops_backward_slice(false, elem, c.bucket);
+  dq.threadgroup_memory = tensor_ops_backward_bytes(false, elem, c.bucket, c.simdgroups);
   dq.function_constants = feature_constants(p, false, false, has_grad_lse);
   dq.buffers = kBackwardDqBuffers;
   // Live values per lane (a model): dQ's 16 x D floats, S's and dP's 16 x 32
@@ -51,7 +51,7 @@ void tensor_ops_backward_launches(const AttentionProblem& p, const LaunchStrides
                     std::to_string(c.dkv_block_q);
   dkv.grid = {ceil_div(p.kv_len, c.dkv_block_k), static_cast<uint32_t>(p.kv_heads), batch};
   dkv.threadgroup = {32 * c.dkv_simdgroups, 1, 1};
-  dkv.threadgroup_memory = c.dkv_simdgroups * tensor_ops_backward_slice(true, elem, c.bucket);
+  dkv.threadgroup_memory = tensor_ops_backward_bytes(true, elem, c.bucket, c.dkv_simdgroups);
   dkv.function_constants = feature_constants(p, false, false, false);
   dkv.buffers = kBackwardDkdvBuffers;
   // dK's and dV's 16 x D floats, S^T's and dP^T's 16 x 32.

@@ -101,10 +101,10 @@ void choose_tensor_ops_backward(const AttentionProblem& p, bool forced, const Gp
               "library), the atomics-free split (dQ and Delta over query blocks, then dK/dV over key blocks; "
               "deterministic); dQ kernel: " + std::to_string(c->block_q) + " queries x " +
               std::to_string(c->block_k) + " keys on " + std::to_string(c->simdgroups) + " simdgroups of 16 rows, " +
-              kib(c->simdgroups * tensor_ops_backward_slice(false, elem, d)) + "; dK/dV kernel: " +
+              kib(tensor_ops_backward_bytes(false, elem, d, c->simdgroups)) + "; dK/dV kernel: " +
               std::to_string(c->dkv_block_k) + " keys x " + std::to_string(c->dkv_block_q) + " queries on " +
-              std::to_string(c->dkv_simdgroups) + " simdgroups of 16 keys, " +
-              kib(c->dkv_simdgroups * tensor_ops_backward_slice(true, elem, d)) +
+              std::to_string(c->dkv_simdgroups) + " simdgroups of 16 keys sharing each Q / dO block (staged once per threadgroup), " +
+              kib(tensor_ops_backward_bytes(true, elem, d, c->dkv_simdgroups)) +
               "; P and dS rounded to the input dtype before their products (matmul2d takes 16-bit operand "
               "pairs), float32 accumulators";
 }

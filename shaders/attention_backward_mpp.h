@@ -38,16 +38,21 @@
 // for both.) Accumulation is float32: destination cooperative tensors of
 // float, multiply_accumulate across blocks.
 //
-// SIMD-groups are independent, as in the forward (attention_prefill_mpp.h):
-// each stages its own tiles in its own slice of threadgroup memory, so no
-// threadgroup barrier is needed, only simdgroup_barrier between the phases
-// that pass data through threadgroup memory (lane to lane). Threadgroup
-// memory per SIMD-group (csrc/metal_plan_detail.h, tensor_ops_backward_slice):
-//   dQ:    Q and dO (16 x D each, T), dS (16 x BK, T), 4 floats per row
-//   dK/dV: P^T and dS^T (16 x BQ each, T), 4 floats per streamed query
-//          (m2, m2lo, Delta, seen); K and V from device memory (see the kernel)
+// The dQ kernel's SIMD-groups are independent, as in the forward
+// (attention_prefill_mpp.h): each stages its own tiles in its own slice of
+// threadgroup memory, so no threadgroup barrier is needed, only
+// simdgroup_barrier between the phases that pass data through threadgroup
+// memory (lane to lane). The dK/dV kernel's SIMD-groups share each streamed
+// Q / dO block (and its queries' lse and Delta): the threadgroup stages it
+// once, cooperatively, between two threadgroup barriers per block (the
+// simdgroup dK/dV kernel's scheme). Threadgroup memory
+// (csrc/metal_plan_detail.h, tensor_ops_backward_bytes):
+//   dQ:    per SIMD-group Q and dO (16 x D each, T), dS (16 x BK, T), 4 floats per row
+//   dK/dV: shared Q and dO (BQ x D each, T) and 4 floats per streamed query
+//          (m2, m2lo, Delta, seen); per SIMD-group P^T and dS^T (16 x BQ
+//          each, T); K and V from device memory (see the kernel)
 // The host picks BQ (dQ) and BKV (dK/dV) as the most SIMD-groups (4, else 2)
-// whose slices fit Metal's 32 KiB.
+// that fit Metal's 32 KiB.
 //
 // Options: causal (bottom-right, block skipping in both kernels) and GQA
 // only; masks, windows, softcap, sinks and varlen stay on the simdgroup
@@ -253,41 +258,53 @@ template <typename T, int D, int BKV, int BQ>
     device const float* delta [[buffer(13)]],
     threadgroup T* smem [[threadgroup(0)]],
     uint3 group [[threadgroup_position_in_grid]],
+    uint tid [[thread_index_in_threadgroup]],
     uint sg [[simdgroup_index_in_threadgroup]],
     uint lane [[thread_index_in_simdgroup]]) {
   using namespace mpp::tensor_ops;
   constexpr int R = kMppRowsPerSimd;
   constexpr int WM = BKV / R;
-  static_assert(BKV % R == 0 && 32 * WM <= kPrefillMppMaxThreads, "WM SIMD-groups of 16 keys, declared limit");
-  static_assert(BQ <= 32, "one lane per streamed query fills the stats");
-  // This SIMD-group's slice: P^T, dS^T, then the block's query stats. K and
-  // V are not staged: matmul2d reads the SIMD-group's 16 rows of each from
-  // device memory (the same rows every block, an L1 hit after the first),
-  // which keeps the slice at 2,560 bytes, so 4 SIMD-groups (64 keys) per
-  // threadgroup at every D, and 3 threadgroups per 32 KiB core: staged,
-  // D = 96 / 128 fit only 2 SIMD-groups and one threadgroup per core, and
-  // the model found the kernel bound by the Q / dO traffic that left
-  // (benchmarks/metal_model_accel.py).
-  constexpr int SLICE = 2 * R * BQ + BQ * kMppStats * 4 / int(sizeof(T));
-  threadgroup T* pt_tile = smem + int(sg) * SLICE;
+  constexpr int THREADS = 32 * WM;
+  static_assert(BKV % R == 0 && THREADS <= kPrefillMppMaxThreads, "WM SIMD-groups of 16 keys, declared limit");
+  static_assert(BQ <= THREADS, "one thread per streamed query fills the stats");
+  // Threadgroup memory: the streamed block, shared by the SIMD-groups (Q and
+  // dO, BQ x D each, and the block's query stats), then each SIMD-group's
+  // P^T and dS^T (16 x BQ each). The block is read from device memory once
+  // per threadgroup, cooperatively, as the simdgroup dK/dV kernel loads its
+  // Q / dO tiles (attention_backward_dkdv.h): before, each SIMD-group's
+  // matmul2d asked for Q and dO itself, twice per block each, and the model
+  // found the kernel bound by that traffic (benchmarks/metal_model_accel.py).
+  // K and V are not staged: matmul2d reads the SIMD-group's 16 rows of each
+  // from device memory (the same rows every block, an L1 hit after the first).
+  threadgroup T* q_blk = smem;
+  threadgroup T* do_blk = q_blk + BQ * D;
+  threadgroup float* stats = reinterpret_cast<threadgroup float*>(do_blk + BQ * D);
+  threadgroup T* pt_tile = reinterpret_cast<threadgroup T*>(stats + BQ * kMppStats) + int(sg) * 2 * R * BQ;
   threadgroup T* dst_tile = pt_tile + R * BQ;
-  threadgroup float* stats = reinterpret_cast<threadgroup float*>(dst_tile + R * BQ);
 
   const SeqView seq = sequence_view(p, nullptr, nullptr, group.z);
-  const int key0 = int(group.x) * BKV + int(sg) * R;  // this SIMD-group's first key
-  if (key0 >= seq.kv_len) return;  // uniform per SIMD-group
+  const int tg_key0 = int(group.x) * BKV;  // the threadgroup's first key
+  if (tg_key0 >= seq.kv_len) return;  // uniform per threadgroup: before any barrier
+  const int key0 = tg_key0 + int(sg) * R;  // this SIMD-group's first key
+  // A SIMD-group past the sequence (the ragged last threadgroup) computes
+  // nothing but still stages its share and meets every barrier.
+  const bool active = key0 < seq.kv_len;
   const uint kv_head = group.y;
   const int64_t k_off = int64_t(group.z) * p.k_batch_stride + int64_t(kv_head) * p.k_head_stride;
   const int64_t v_off = int64_t(group.z) * p.v_batch_stride + int64_t(kv_head) * p.v_head_stride;
   // The SIMD-group's 16 keys of K and V as device tensors from key0, their
   // row extents ending at the sequence (matmul2d reads zeros past it).
+  const int own0 = active ? key0 : tg_key0;
   const auto tkt = tensor(k + k_off, dextents<int, 2>(D, seq.kv_len),
-                          array<int, 2>{int(p.k_dim_stride), int(p.k_row_stride)}).slice(0, key0);
+                          array<int, 2>{int(p.k_dim_stride), int(p.k_row_stride)}).slice(0, own0);
   const auto tvt = tensor(v + v_off, dextents<int, 2>(D, seq.kv_len),
-                          array<int, 2>{int(p.v_dim_stride), int(p.v_row_stride)}).slice(0, key0);
+                          array<int, 2>{int(p.v_dim_stride), int(p.v_row_stride)}).slice(0, own0);
+  const auto tq = tensor(q_blk, dextents<int, 2>(D, BQ));
+  const auto tdo = tensor(do_blk, dextents<int, 2>(D, BQ));
   const auto tpt = tensor(pt_tile, dextents<int, 2>(BQ, R));
   const auto tdst = tensor(dst_tile, dextents<int, 2>(BQ, R));
   using KT = decltype(tkt);
+  using QT = decltype(tq);
   using PT = decltype(tpt);
   // S^T = K.Q^T and dP^T = V.dO^T: one op type (16 x BQ, K = D, right
   // transposed). dV += P^T.dO and dK += dS^T.Q: one op type (16 x D, K = BQ).
@@ -297,75 +314,87 @@ template <typename T, int D, int BKV, int BQ>
   matmul2d<st_desc, execution_simdgroup> st_op;
   matmul2d<acc_desc, execution_simdgroup> acc_op;
 
-  // Query blocks that see some key of this SIMD-group: causal, query i sees
-  // key j only if i >= j - upper, so from row key0 - upper on. Per
-  // SIMD-group (they are independent), so the block skipping is per 16 keys.
-  const int first_row = fc_causal ? clamp(key0 - seq.upper, 0, seq.q_len) : 0;
-  const int qb_begin = first_row / BQ;
+  // Query blocks that see some key of the threadgroup (the loop every
+  // thread runs, for the barriers), and of this SIMD-group (the blocks it
+  // computes): causal, query i sees key j only if i >= j - upper.
+  const int tg_first_row = fc_causal ? clamp(tg_key0 - seq.upper, 0, seq.q_len) : 0;
+  const int sg_first_row = fc_causal ? clamp(key0 - seq.upper, 0, seq.q_len) : 0;
+  const int qb_begin = tg_first_row / BQ, sg_qb_begin = sg_first_row / BQ;
   const int qb_end = (seq.q_len + BQ - 1) / BQ;
 
   // The group's query heads in a fixed order, summed in the float32
   // registers of the accumulators (16-bit gradients: their rounding dwarfs
   // the sum's, as in the simdgroup backward's 16-bit path).
-  // Q's and dO's slices (device tensors of T with strides): one type.
-  using QT = decltype(tensor(q, dextents<int, 2>(D, 1), array<int, 2>{1, 1}).slice(0, 0));
   auto dk_acc = acc_op.template get_destination_cooperative_tensor<PT, QT, float>();
   auto dv_acc = acc_op.template get_destination_cooperative_tensor<PT, QT, float>();
   for (int i = 0; i < dk_acc.get_capacity(); ++i) {
     dk_acc[i] = 0.0f;
     dv_acc[i] = 0.0f;
   }
+  auto s = st_op.template get_destination_cooperative_tensor<KT, QT, float>();
+  auto dp = st_op.template get_destination_cooperative_tensor<KT, QT, float>();
   for (int g = 0; g < p.gqa_ratio; ++g) {
     const uint head = kv_head * uint(p.gqa_ratio) + uint(g);
     const HeadOffsets h = head_offsets(p, group.z, head);
     const int64_t do_head = int64_t(group.z) * p.do_batch_stride + int64_t(head) * p.do_head_stride;
     device const float* head_delta = delta + mpp_packed_row(group.z, head, p.q_heads, p.q_len, 0, 1);
-    const auto tq =
-        tensor(q + h.q, dextents<int, 2>(D, seq.q_len), array<int, 2>{int(p.q_dim_stride), int(p.q_row_stride)});
-    const auto tdo = tensor(dout + do_head, dextents<int, 2>(D, seq.q_len),
-                            array<int, 2>{int(p.do_dim_stride), int(p.do_row_stride)});
-    auto s = st_op.template get_destination_cooperative_tensor<KT, QT, float>();
-    auto dp = st_op.template get_destination_cooperative_tensor<KT, QT, float>();
+    device const T* q_head = q + h.q;
+    device const T* do_head_ptr = dout + do_head;
+    const int qs = int(p.q_row_stride), qd = int(p.q_dim_stride);
+    const int ds = int(p.do_row_stride), dd = int(p.do_dim_stride);
     for (int qb = qb_begin; qb < qb_end; ++qb) {
       const int q0 = qb * BQ;
-      // The block's queries' stats, a lane each (zeros, "no key", past the
-      // sequence). The previous block's reads of them ended at its WAR barrier.
-      if (int(lane) < BQ) {
-        const int row = q0 + int(lane);
+      // Stage the block: Q and dO rows (zeros past the sequence), thread t
+      // copying elements t, t + THREADS, ... (consecutive threads,
+      // consecutive features; offsets within the head in int32, checked by
+      // the host), and each query's stats from one thread. The previous
+      // block's reads of all three ended at its closing barrier.
+      for (int e = int(tid); e < BQ * D; e += THREADS) {
+        const int r = e / D, c = e - r * D;  // D a template constant: no division at run time
+        const int row = q0 + r;
+        const bool in = row < seq.q_len;
+        q_blk[e] = in ? q_head[row * qs + c * qd] : static_cast<T>(0.0f);
+        do_blk[e] = in ? do_head_ptr[row * ds + c * dd] : static_cast<T>(0.0f);
+      }
+      if (int(tid) < BQ) {
+        const int row = q0 + int(tid);
         float l = as_type<float>(kNegInfBits), dl = 0.0f;
         if (row < seq.q_len) {
           l = lse[h.lse + int64_t(row) * p.lse_row_stride];
           dl = head_delta[row];
         }
-        mpp_row_stats(stats + int(lane) * kMppStats, l, dl);
+        mpp_row_stats(stats + int(tid) * kMppStats, l, dl);
       }
-      simdgroup_barrier(mem_flags::mem_threadgroup);  // stats written before other lanes read them (RAW)
-      st_op.run(tkt, tq.slice(0, q0), s);
-      st_op.run(tvt, tdo.slice(0, q0), dp);
-      // P^T and dS^T = P^T * (dP^T - Delta) into threadgroup memory,
-      // rounded to T, every element of both tiles by its one valid slot.
-      const bool diagonal = fc_causal && key0 + R - 1 > q0 + seq.upper;
-      for (int i = 0; i < s.get_capacity(); ++i) {
-        if (!s.is_valid_element(i)) continue;
-        const auto idx = s.get_multidimensional_index(i);  // [0] the query, [1] the key, within the block
-        const int key = key0 + idx[1], row = q0 + idx[0];
-        bool keep = key < seq.kv_len;
-        if (diagonal && key > row + seq.upper) keep = false;
-        threadgroup const float* st = stats + idx[0] * kMppStats;
-        const float pw = mpp_weight(st, s[i], p.scale_log2, keep);
-        pt_tile[idx[1] * BQ + idx[0]] = static_cast<T>(pw);
-        dst_tile[idx[1] * BQ + idx[0]] = static_cast<T>(pw * (dp[i] - st[2]));
+      threadgroup_barrier(mem_flags::mem_threadgroup);  // the block staged before any SIMD-group reads it (RAW)
+      if (active && qb >= sg_qb_begin) {  // uniform per SIMD-group
+        st_op.run(tkt, tq, s);
+        st_op.run(tvt, tdo, dp);
+        // P^T and dS^T = P^T * (dP^T - Delta) into threadgroup memory,
+        // rounded to T, every element of both tiles by its one valid slot.
+        const bool diagonal = fc_causal && key0 + R - 1 > q0 + seq.upper;
+        for (int i = 0; i < s.get_capacity(); ++i) {
+          if (!s.is_valid_element(i)) continue;
+          const auto idx = s.get_multidimensional_index(i);  // [0] the query, [1] the key, within the block
+          const int key = key0 + idx[1], row = q0 + idx[0];
+          bool keep = key < seq.kv_len;
+          if (diagonal && key > row + seq.upper) keep = false;
+          threadgroup const float* st = stats + idx[0] * kMppStats;
+          const float pw = mpp_weight(st, s[i], p.scale_log2, keep);
+          pt_tile[idx[1] * BQ + idx[0]] = static_cast<T>(pw);
+          dst_tile[idx[1] * BQ + idx[0]] = static_cast<T>(pw * (dp[i] - st[2]));
+        }
+        simdgroup_barrier(mem_flags::mem_threadgroup);  // P^T, dS^T written before matmul2d reads them (RAW)
+        // Queries past the sequence are zero rows of Q and dO; P^T is 0 there.
+        acc_op.run(tpt, tdo, dv_acc);
+        acc_op.run(tdst, tq, dk_acc);
       }
-      simdgroup_barrier(mem_flags::mem_threadgroup);  // P^T, dS^T written before matmul2d reads them (RAW)
-      // Queries past the sequence read as zero from dO and Q; P^T is 0 there.
-      acc_op.run(tpt, tdo.slice(0, q0), dv_acc);
-      acc_op.run(tdst, tq.slice(0, q0), dk_acc);
-      simdgroup_barrier(mem_flags::mem_threadgroup);  // tiles and stats read before the next block (WAR)
+      threadgroup_barrier(mem_flags::mem_threadgroup);  // the block and the tiles read before the next stage (WAR)
     }
   }
 
   // dK * scale and dV, packed (B, Hkv, Nk, D), real keys only (zeros for a
   // key no query sees).
+  if (!active) return;
   for (int i = 0; i < dk_acc.get_capacity(); ++i) {
     if (!dk_acc.is_valid_element(i)) continue;
     const auto idx = dk_acc.get_multidimensional_index(i);  // [0] the feature, [1] the key

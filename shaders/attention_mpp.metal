@@ -37,7 +37,8 @@
 // query rows per dK/dV block (one lane per streamed query fills the
 // stats); as many SIMD-groups of 16 rows (4, else 2) as fit 32 KiB of
 // threadgroup memory: dQ 4 at D 64 / 96 (21,504 / 29,696 bytes), 2 at 128
-// (18,944); dK/dV 4 at every D (10,240).
+// (18,944); dK/dV 4 at every D (16,896 / 20,992 / 25,088: the shared Q / dO
+// block and four SIMD-groups' P^T and dS^T).
 // The host's table is csrc/metal_plan_detail.h, tensor_ops_backward_rows.
 #define FM_BACKWARD_MPP(tname, T, D, BQ, BKV)                                              \
   FM_MPP_INSTANTIATE("flash_backward_mpp_dq_" #tname "_d" #D "_bq" #BQ "_bk32",            \

@@ -16,7 +16,8 @@ a hard-coded lane map (MLX's M5 formula in place of get_multidimensional_index):
 right under "m5", caught under "scrambled"; a missing simdgroup_barrier between
 writing dS and the matmul2d that reads it: a race in the instrumented build; the
 per-query stats of the dK/dV kernel looked up along the wrong dimension (the key
-instead of the query): caught by the 2x rule.
+instead of the query): caught by the 2x rule; the threadgroup barrier after the dK/dV
+kernel stages the Q / dO block its SIMD-groups share left out: a race.
 """
 import math
 import os
@@ -46,10 +47,13 @@ def names(dtype, d):
             f"flash_backward_mpp_dkdv_{NAMES[dtype]}_d{d}_bk{16 * DKV_WM[d]}_bq{BLOCK}")
 
 
-def slice_bytes(dkdv, d):
-    """One SIMD-group's threadgroup memory (16-bit T). dQ: Q and dO (16 x D), dS (16 x 32), 4 floats per row;
-    dK/dV: P^T and dS^T (16 x 32), 4 floats per streamed query (K and V are read from device memory)."""
-    return 2 * ROWS * BLOCK * 2 + BLOCK * 16 if dkdv else 2 * ROWS * d * 2 + ROWS * BLOCK * 2 + ROWS * 16
+def tg_bytes(dkdv, d):
+    """A threadgroup's memory (16-bit T). dQ, per SIMD-group: Q and dO (16 x D), dS (16 x 32), 4 floats per row.
+    dK/dV: the streamed Q and dO block (32 x D each) and 4 floats per query, shared by the SIMD-groups; per
+    SIMD-group P^T and dS^T (16 x 32) (K and V are read from device memory)."""
+    if dkdv:
+        return 2 * BLOCK * d * 2 + BLOCK * 16 + DKV_WM[d] * 2 * ROWS * BLOCK * 2
+    return DQ_WM[d] * (2 * ROWS * d * 2 + ROWS * BLOCK * 2 + ROWS * 16)
 
 
 def expected_runs(B, Hq, Hkv, Nq, Nk, causal):
@@ -67,6 +71,20 @@ def expected_runs(B, Hq, Hkv, Nq, Nk, causal):
         first = min(max(k0 - up, 0), Nq) if causal else 0
         dkv += 4 * (math.ceil(Nq / BLOCK) - first // BLOCK)
     return B * Hq * dq, B * Hq * dkv
+
+
+def dkdv_staged(B, Hq, Nq, Nk, d, causal):
+    """The dK/dV kernel's streamed blocks: (blocks, rows) over every (threadgroup, query head of its group,
+    query block that sees some key of the threadgroup); each block is staged once between two threadgroup
+    barriers (RAW, then WAR), its real rows read from device memory once."""
+    up, bkv = Nk - Nq, 16 * DKV_WM[d]
+    blocks = rows = 0
+    for k0 in range(0, Nk, bkv):
+        first = min(max(k0 - up, 0), Nq) if causal else 0
+        for q0 in range(first // BLOCK * BLOCK, Nq, BLOCK):
+            blocks += 1
+            rows += min(BLOCK, Nq - q0)
+    return B * Hq * blocks, B * Hq * rows
 
 
 def _case(B, Hq, Hkv, Nq, Nk, D, dtype, causal, seed, grad_lse=False):
@@ -92,8 +110,8 @@ def run(case, causal, layout, instrumented=False, seed=0, mpp_seed=1, check_runs
     assert dq_plan.grid == (math.ceil(Nq / (16 * DQ_WM[D])), Hq, B) and dq_plan.threadgroup == (32 * DQ_WM[D], 1, 1)
     assert dkv_plan.grid == (math.ceil(Nk / (16 * DKV_WM[D])), Hkv, B)
     assert dkv_plan.threadgroup == (32 * DKV_WM[D], 1, 1)
-    assert dq_plan.threadgroup_memory == DQ_WM[D] * slice_bytes(False, D) <= 32768
-    assert dkv_plan.threadgroup_memory == DKV_WM[D] * slice_bytes(True, D) <= 32768
+    assert dq_plan.threadgroup_memory == tg_bytes(False, D) <= 32768
+    assert dkv_plan.threadgroup_memory == tg_bytes(True, D) <= 32768
     grads = emulated_metal_attention_backward(grad_out, q, k, v, out, lse, causal, None, gl, impl="tensor_ops",
                                               instrumented=instrumented, seed=seed, mpp_layout=layout,
                                               mpp_seed=mpp_seed)
@@ -102,8 +120,14 @@ def run(case, causal, layout, instrumented=False, seed=0, mpp_seed=1, check_runs
     assert d1.kernel_name == dq_name and d2.kernel_name == dkv_name and {dq_name, dkv_name} <= set(ran)
     if check_runs:
         assert (c1.mpp_runs, c2.mpp_runs) == expected_runs(B, Hq, Hkv, Nq, Nk, causal)
-    # SIMD-groups are independent (each its own slice of threadgroup memory): no threadgroup barrier.
-    assert c1.threadgroup_barriers == 0 and c2.threadgroup_barriers == 0
+    # dQ: SIMD-groups are independent (each its own slice of threadgroup memory): no threadgroup barrier.
+    # dK/dV: the SIMD-groups share each streamed Q / dO block, staged between two threadgroup barriers.
+    assert c1.threadgroup_barriers == 0
+    blocks, rows = dkdv_staged(B, Hq, Nq, Nk, D, causal)
+    if check_runs:
+        assert c2.threadgroup_barriers == 2 * blocks
+    if instrumented:  # Q and dO read from device memory once per threadgroup, not per SIMD-group
+        assert c2.device_bytes_read_by_index[0] == c2.device_bytes_read_by_index[8] == rows * D * q.element_size()
     return grads
 
 
@@ -306,3 +330,15 @@ def test_planted_stats_along_the_wrong_dimension_is_caught(tmp_path, monkeypatch
     _planted_library(tmp_path, monkeypatch, old, new)
     case = _planted_case()
     assert _caught(case, "m5") and _caught(case, "scrambled")
+
+
+def test_planted_missing_barrier_after_staging_the_shared_block_is_a_race(tmp_path, monkeypatch):
+    # The dK/dV kernel's SIMD-groups share the Q / dO block one threadgroup stages: without the threadgroup
+    # barrier after the staging, a SIMD-group's matmul2d reads elements other SIMD-groups are still writing.
+    barrier = "      threadgroup_barrier(mem_flags::mem_threadgroup);  // the block staged before"
+    _planted_library(tmp_path, monkeypatch, barrier, "      // (planted: no barrier) the block staged before")
+    q, k, v, out, lse, grad_out, gl = _planted_case()
+    with pytest.raises(EmulatorError) as info:
+        emulated_metal_attention_backward(grad_out, q, k, v, out, lse, True, impl="tensor_ops", instrumented=True,
+                                          mpp_layout="m5")
+    assert "race" in info.value.kinds
