@@ -62,6 +62,8 @@
 // published M5 layout and a scrambled one (tests/test_metal_tensor_ops_backward.py).
 #pragma once
 
+#include "attention_mpp_common.h"
+
 namespace flash_metal {
 
 // [[function_constant(3)]], as the simdgroup backward's fc_has_grad_lse (the
@@ -142,17 +144,10 @@ template <typename T, int D, int BQ, int BK>
 
   // Q and dO rows to threadgroup memory (zeros past the sequence), lane l
   // copying elements l, l + 32, ... (consecutive lanes, consecutive features).
-  {
-    device const T* q_rows = q + h.q + int64_t(row0) * p.q_row_stride;
-    device const T* do_rows = dout + do_head + int64_t(row0) * p.do_row_stride;
-    const int qs = int(p.q_row_stride), qd = int(p.q_dim_stride);
-    const int ds = int(p.do_row_stride), dd = int(p.do_dim_stride);
-    for (int e = int(lane); e < R * D; e += 32) {
-      const int r = e / D, c = e - r * D;
-      q_tile[e] = r < rows ? q_rows[r * qs + c * qd] : static_cast<T>(0.0f);
-      do_tile[e] = r < rows ? do_rows[r * ds + c * dd] : static_cast<T>(0.0f);
-    }
-  }
+  mpp_stage_rows<D>(q_tile, q + h.q + int64_t(row0) * p.q_row_stride, rows, int(p.q_row_stride),
+                    int(p.q_dim_stride), lane);
+  mpp_stage_rows<D>(do_tile, dout + do_head + int64_t(row0) * p.do_row_stride, rows, int(p.do_row_stride),
+                    int(p.do_dim_stride), lane);
   simdgroup_barrier(mem_flags::mem_threadgroup);  // dO written before the Delta reads (RAW)
 
   // Delta = rowsum(dO * O) - grad_lse in float32: lanes 2r and 2r + 1 take
@@ -184,24 +179,20 @@ template <typename T, int D, int BQ, int BK>
   const auto tq = tensor(q_tile, dextents<int, 2>(D, R));
   const auto tdo = tensor(do_tile, dextents<int, 2>(D, R));
   const auto tds = tensor(ds_tile, dextents<int, 2>(BK, R));
-  const auto tk =
-      tensor(k + h.k, dextents<int, 2>(D, seq.kv_len), array<int, 2>{int(p.k_dim_stride), int(p.k_row_stride)});
-  const auto tv =
-      tensor(v + h.v, dextents<int, 2>(D, seq.kv_len), array<int, 2>{int(p.v_dim_stride), int(p.v_row_stride)});
+  const auto tk = mpp_device_rows<D>(k + h.k, seq.kv_len, p.k_row_stride, p.k_dim_stride);
+  const auto tv = mpp_device_rows<D>(v + h.v, seq.kv_len, p.v_row_stride, p.v_dim_stride);
   using QT = decltype(tq);
   using KT = decltype(tk.slice(0, 0));
   using DST = decltype(tds);
-  // S = Q.K^T and dP = dO.V^T: one op type (16 x BK, K = D, right
-  // transposed) run twice. dQ += dS.K: 16 x D, K = BK, accumulating.
-  constexpr auto s_desc = matmul2d_descriptor(R, BK, D, false, true, false, matmul2d_descriptor::mode::multiply);
-  constexpr auto dq_desc =
-      matmul2d_descriptor(R, D, BK, false, false, false, matmul2d_descriptor::mode::multiply_accumulate);
-  matmul2d<s_desc, execution_simdgroup> s_op;
-  matmul2d<dq_desc, execution_simdgroup> dq_op;
+  // The 16-row step (attention_mpp_common.h): S = Q.K^T and dP = dO.V^T,
+  // one op type (16 x BK, K = D, right transposed) run twice; dQ += dS.K
+  // (16 x D, K = BK, accumulating).
+  typename MppRowStep<D, BK>::Scores s_op;
+  typename MppRowStep<D, BK>::Accumulate dq_op;
   auto s = s_op.template get_destination_cooperative_tensor<QT, KT, float>();
   auto dp = s_op.template get_destination_cooperative_tensor<QT, KT, float>();
   auto acc = dq_op.template get_destination_cooperative_tensor<DST, KT, float>();
-  for (int i = 0; i < acc.get_capacity(); ++i) acc[i] = 0.0f;
+  mpp_clear(acc);
 
   // Key blocks the rows see: up to the last real row's last visible key
   // (causal: later blocks are wholly in the future, as in the forward).
@@ -295,10 +286,8 @@ template <typename T, int D, int BKV, int BQ>
   // The SIMD-group's 16 keys of K and V as device tensors from key0, their
   // row extents ending at the sequence (matmul2d reads zeros past it).
   const int own0 = active ? key0 : tg_key0;
-  const auto tkt = tensor(k + k_off, dextents<int, 2>(D, seq.kv_len),
-                          array<int, 2>{int(p.k_dim_stride), int(p.k_row_stride)}).slice(0, own0);
-  const auto tvt = tensor(v + v_off, dextents<int, 2>(D, seq.kv_len),
-                          array<int, 2>{int(p.v_dim_stride), int(p.v_row_stride)}).slice(0, own0);
+  const auto tkt = mpp_device_rows<D>(k + k_off, seq.kv_len, p.k_row_stride, p.k_dim_stride).slice(0, own0);
+  const auto tvt = mpp_device_rows<D>(v + v_off, seq.kv_len, p.v_row_stride, p.v_dim_stride).slice(0, own0);
   const auto tq = tensor(q_blk, dextents<int, 2>(D, BQ));
   const auto tdo = tensor(do_blk, dextents<int, 2>(D, BQ));
   const auto tpt = tensor(pt_tile, dextents<int, 2>(BQ, R));
@@ -306,13 +295,11 @@ template <typename T, int D, int BKV, int BQ>
   using KT = decltype(tkt);
   using QT = decltype(tq);
   using PT = decltype(tpt);
-  // S^T = K.Q^T and dP^T = V.dO^T: one op type (16 x BQ, K = D, right
-  // transposed). dV += P^T.dO and dK += dS^T.Q: one op type (16 x D, K = BQ).
-  constexpr auto st_desc = matmul2d_descriptor(R, BQ, D, false, true, false, matmul2d_descriptor::mode::multiply);
-  constexpr auto acc_desc =
-      matmul2d_descriptor(R, D, BQ, false, false, false, matmul2d_descriptor::mode::multiply_accumulate);
-  matmul2d<st_desc, execution_simdgroup> st_op;
-  matmul2d<acc_desc, execution_simdgroup> acc_op;
+  // The 16-row step (attention_mpp_common.h), keys as rows: S^T = K.Q^T and
+  // dP^T = V.dO^T, one op type (16 x BQ, K = D, right transposed); dV +=
+  // P^T.dO and dK += dS^T.Q, one op type (16 x D, K = BQ).
+  typename MppRowStep<D, BQ>::Scores st_op;
+  typename MppRowStep<D, BQ>::Accumulate acc_op;
 
   // Query blocks that see some key of the threadgroup (the loop every
   // thread runs, for the barriers), and of this SIMD-group (the blocks it
@@ -327,10 +314,8 @@ template <typename T, int D, int BKV, int BQ>
   // the sum's, as in the simdgroup backward's 16-bit path).
   auto dk_acc = acc_op.template get_destination_cooperative_tensor<PT, QT, float>();
   auto dv_acc = acc_op.template get_destination_cooperative_tensor<PT, QT, float>();
-  for (int i = 0; i < dk_acc.get_capacity(); ++i) {
-    dk_acc[i] = 0.0f;
-    dv_acc[i] = 0.0f;
-  }
+  mpp_clear(dk_acc);
+  mpp_clear(dv_acc);
   auto s = st_op.template get_destination_cooperative_tensor<KT, QT, float>();
   auto dp = st_op.template get_destination_cooperative_tensor<KT, QT, float>();
   for (int g = 0; g < p.gqa_ratio; ++g) {
