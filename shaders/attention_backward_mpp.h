@@ -54,9 +54,15 @@
 // The host picks BQ (dQ) and BKV (dK/dV) as the most SIMD-groups (4, else 2)
 // that fit Metal's 32 KiB.
 //
-// Options: causal (bottom-right, block skipping in both kernels) and GQA
-// only; masks, windows, softcap, sinks and varlen stay on the simdgroup
-// backward (the host routes them there and says so).
+// Options, as the simdgroup backward takes them (attention_features.h's
+// helpers, each behind its function constant): causal (bottom-right) and
+// windows, with block skipping in both kernels (the dK/dV kernel per 16
+// keys); softcap (dS times the cap's derivative); bool and additive masks
+// (read only for kept keys); varlen (each threadgroup one sequence of the
+// packed tensors, packed gradients); GQA; sinks (the forward's lse includes
+// them, so P needs nothing; grad_sinks by the simdgroup backward's
+// flash_sinks_grad from Delta and lse, a dispatch the host appends). A v
+// head dim of its own (MLA-style) stays on the simdgroup backward.
 //
 // Not yet verified on Apple hardware: the emulator runs it under the
 // published M5 layout and a scrambled one (tests/test_metal_tensor_ops_backward.py).
@@ -98,9 +104,31 @@ FM_INLINE void mpp_row_stats(threadgroup float* st, float l, float dl) {
 
 // P of one element from its raw score s and its row's stats (0 where the
 // key is dropped or the row saw none), the simdgroup backward's
-// exp2(fma(S, scale_log2, -m2) - m2lo).
-FM_INLINE float mpp_weight(threadgroup const float* st, float s, float scale_log2, bool keep) {
-  return keep && st[3] != 0.0f ? exp2(fma(s, scale_log2, -st[0]) - st[1]) : 0.0f;
+// exp2(fma(S, scale_log2, -m2) - m2lo). With fc_softcap or fc_has_mask the
+// forward's order (attention_features.h): softcap on the base-2 score, then
+// the mask (a dropped key, or a score at or below kMaskedScore, gives 0),
+// read only for a kept key; *cap_grad gets softcap's derivative 1 - t^2 (t
+// = tanh(s / softcap), recomputed), which scales dS, else 1. The simdgroup
+// backward's backward_weight (attention_backward.h), over the stats layout
+// of this file; sinks need nothing here (the forward's lse includes them).
+template <typename T>
+FM_INLINE float mpp_weight(constant AttentionParams& p, device const uchar* mask, int64_t mask_slice, int row, int key,
+                           threadgroup const float* st, float s, bool keep, thread float* cap_grad) {
+  *cap_grad = 1.0f;
+  if (!keep || st[3] == 0.0f) return 0.0f;
+  if (!fc_softcap && !fc_has_mask) return exp2(fma(s, p.scale_log2, -st[0]) - st[1]);
+  float s2 = s * p.scale_log2;
+  if (fc_softcap) {
+    float t;
+    s2 = softcap_score(p, s2, &t);
+    *cap_grad = 1.0f - t * t;
+  }
+  if (fc_has_mask) {
+    bool drop;
+    s2 += mask_term<T>(p, mask, mask_slice, row, key, &drop);
+    if (drop || s2 <= kMaskedScore) return 0.0f;
+  }
+  return exp2((s2 - st[0]) - st[1]);
 }
 
 // T: half or bfloat. D: 64, 96, 128 exactly. BQ = 16 * WM query rows per
@@ -119,6 +147,9 @@ template <typename T, int D, int BQ, int BK>
     device T* dq [[buffer(9)]],
     device const float* dlse [[buffer(12)]],
     device float* delta [[buffer(13)]],
+    device const uchar* mask [[buffer(14)]],
+    device const int* cu_seqlens_q [[buffer(15)]],
+    device const int* cu_seqlens_k [[buffer(16)]],
     threadgroup T* smem [[threadgroup(0)]],
     uint3 group [[threadgroup_position_in_grid]],
     uint sg [[simdgroup_index_in_threadgroup]],
@@ -134,12 +165,24 @@ template <typename T, int D, int BQ, int BK>
   threadgroup T* ds_tile = do_tile + R * D;
   threadgroup float* stats = reinterpret_cast<threadgroup float*>(ds_tile + R * BK);
 
-  const SeqView seq = sequence_view(p, nullptr, nullptr, group.z);
+  const SeqView seq = sequence_view(p, cu_seqlens_q, cu_seqlens_k, group.z);
   const int row0 = int(group.x) * BQ + int(sg) * R;
   if (row0 >= seq.q_len) return;  // uniform per SIMD-group; no collective spans SIMD-groups
-  const HeadOffsets h = head_offsets(p, group.z, group.y);
-  const int64_t do_head = int64_t(group.z) * p.do_batch_stride + int64_t(group.y) * p.do_head_stride;
-  const int64_t glse_head = int64_t(group.z) * p.glse_batch_stride + int64_t(group.y) * p.glse_head_stride;
+  // The sequence's first rows (0 unless varlen: the planner zeroed the batch
+  // strides); packed outputs (grad_q, Delta) are (1, H, total, ...) then.
+  HeadOffsets h = head_offsets(p, group.z, group.y);
+  h.q += seq.q_row0 * p.q_row_stride;
+  h.o += seq.q_row0 * p.o_row_stride;
+  h.lse += seq.q_row0 * p.lse_row_stride;
+  h.k += seq.k_row0 * p.k_row_stride;
+  h.v += seq.k_row0 * p.v_row_stride;
+  const int64_t do_head = int64_t(group.z) * p.do_batch_stride + int64_t(group.y) * p.do_head_stride +
+                          seq.q_row0 * p.do_row_stride;
+  const int64_t glse_head = int64_t(group.z) * p.glse_batch_stride + int64_t(group.y) * p.glse_head_stride +
+                            seq.q_row0 * p.glse_row_stride;
+  const uint packed_b = fc_varlen ? 0u : group.z;
+  const int packed_q = fc_varlen ? p.total_q : p.q_len;
+  const int64_t mask_slice = fc_has_mask ? mask_head_offset(p, group.z, group.y) : 0;
   const int rows = min(R, seq.q_len - row0);
 
   // Q and dO rows to threadgroup memory (zeros past the sequence), lane l
@@ -169,7 +212,7 @@ template <typename T, int D, int BQ, int BK>
         l = lse[h.lse + int64_t(row) * p.lse_row_stride];
         dl = dsum;
         if (fc_mpp_has_grad_lse) dl -= dlse[glse_head + int64_t(row) * p.glse_row_stride];
-        delta[mpp_packed_row(group.z, group.y, p.q_heads, p.q_len, row, 1)] = dl;
+        delta[mpp_packed_row(packed_b, group.y, p.q_heads, packed_q, seq.q_row0 + row, 1)] = dl;
       }
       mpp_row_stats(stats + r * kMppStats, l, dl);
     }
@@ -195,9 +238,11 @@ template <typename T, int D, int BQ, int BK>
   mpp_clear(acc);
 
   // Key blocks the rows see: up to the last real row's last visible key
-  // (causal: later blocks are wholly in the future, as in the forward).
+  // (causal or a right window: later blocks are wholly in the future, as in
+  // the forward), and from the first row's first visible key (a left window).
   const int n_blocks = (visible_key_end(seq, row0 + rows - 1) + BK - 1) / BK;
-  for (int kb = 0; kb < n_blocks; ++kb) {
+  const int first_block = fc_window_left ? first_visible_key(seq, row0) / BK : 0;
+  for (int kb = first_block; kb < n_blocks; ++kb) {
     const int k0 = kb * BK;
     s_op.run(tq, tk.slice(0, k0), s);
     s_op.run(tdo, tv.slice(0, k0), dp);
@@ -206,15 +251,18 @@ template <typename T, int D, int BQ, int BK>
     // tile is written (zeros where dropped).
     const bool k_edge = k0 + BK > seq.kv_len;
     const bool diagonal = fc_causal && k0 + BK - 1 > row0 + seq.upper;
+    const bool left_edge = fc_window_left && k0 < row0 + R - 1 + seq.lower;
     for (int i = 0; i < s.get_capacity(); ++i) {
       if (!s.is_valid_element(i)) continue;
       const auto idx = s.get_multidimensional_index(i);  // [0] the key, [1] the row, within the block
       const int row = row0 + idx[1], key = k0 + idx[0];
-      bool keep = !(k_edge && key >= seq.kv_len);
+      bool keep = !(k_edge && key >= seq.kv_len) && row < seq.q_len;
       if (diagonal && key > row + seq.upper) keep = false;
+      if (left_edge && key < row + seq.lower) keep = false;
       threadgroup const float* st = stats + idx[1] * kMppStats;
-      const float pw = mpp_weight(st, s[i], p.scale_log2, keep);
-      ds_tile[idx[1] * BK + idx[0]] = static_cast<T>(pw * (dp[i] - st[2]));
+      float cap_grad;
+      const float pw = mpp_weight<T>(p, mask, mask_slice, row, key, st, s[i], keep, &cap_grad);
+      ds_tile[idx[1] * BK + idx[0]] = static_cast<T>(pw * (dp[i] - st[2]) * cap_grad);
     }
     simdgroup_barrier(mem_flags::mem_threadgroup);  // dS written before other lanes' matmul2d reads it (RAW)
     dq_op.run(tds, tk.slice(0, k0), acc);  // K past the sequence reads as zero; dS is 0 there
@@ -227,7 +275,8 @@ template <typename T, int D, int BQ, int BK>
     const auto idx = acc.get_multidimensional_index(i);  // [0] the feature, [1] the row
     const int row = row0 + idx[1];
     if (row < seq.q_len)
-      dq[mpp_packed_row(group.z, group.y, p.q_heads, p.q_len, row, D) + idx[0]] = static_cast<T>(acc[i] * p.scale);
+      dq[mpp_packed_row(packed_b, group.y, p.q_heads, packed_q, seq.q_row0 + row, D) + idx[0]] =
+          static_cast<T>(acc[i] * p.scale);
   }
 }
 
@@ -247,6 +296,9 @@ template <typename T, int D, int BKV, int BQ>
     device T* dk [[buffer(10)]],
     device T* dv [[buffer(11)]],
     device const float* delta [[buffer(13)]],
+    device const uchar* mask [[buffer(14)]],
+    device const int* cu_seqlens_q [[buffer(15)]],
+    device const int* cu_seqlens_k [[buffer(16)]],
     threadgroup T* smem [[threadgroup(0)]],
     uint3 group [[threadgroup_position_in_grid]],
     uint tid [[thread_index_in_threadgroup]],
@@ -273,7 +325,7 @@ template <typename T, int D, int BKV, int BQ>
   threadgroup T* pt_tile = reinterpret_cast<threadgroup T*>(stats + BQ * kMppStats) + int(sg) * 2 * R * BQ;
   threadgroup T* dst_tile = pt_tile + R * BQ;
 
-  const SeqView seq = sequence_view(p, nullptr, nullptr, group.z);
+  const SeqView seq = sequence_view(p, cu_seqlens_q, cu_seqlens_k, group.z);
   const int tg_key0 = int(group.x) * BKV;  // the threadgroup's first key
   if (tg_key0 >= seq.kv_len) return;  // uniform per threadgroup: before any barrier
   const int key0 = tg_key0 + int(sg) * R;  // this SIMD-group's first key
@@ -281,8 +333,15 @@ template <typename T, int D, int BKV, int BQ>
   // nothing but still stages its share and meets every barrier.
   const bool active = key0 < seq.kv_len;
   const uint kv_head = group.y;
-  const int64_t k_off = int64_t(group.z) * p.k_batch_stride + int64_t(kv_head) * p.k_head_stride;
-  const int64_t v_off = int64_t(group.z) * p.v_batch_stride + int64_t(kv_head) * p.v_head_stride;
+  // The sequence's first rows (0 unless varlen: the planner zeroed the batch
+  // strides); packed outputs (grad_k, grad_v; Delta read) are (1, H, total, ...) then.
+  const int64_t k_off = int64_t(group.z) * p.k_batch_stride + int64_t(kv_head) * p.k_head_stride +
+                        seq.k_row0 * p.k_row_stride;
+  const int64_t v_off = int64_t(group.z) * p.v_batch_stride + int64_t(kv_head) * p.v_head_stride +
+                        seq.k_row0 * p.v_row_stride;
+  const uint packed_b = fc_varlen ? 0u : group.z;
+  const int packed_q = fc_varlen ? p.total_q : p.q_len;
+  const int packed_k = fc_varlen ? p.total_k : p.kv_len;
   // The SIMD-group's 16 keys of K and V as device tensors from key0, their
   // row extents ending at the sequence (matmul2d reads zeros past it).
   const int own0 = active ? key0 : tg_key0;
@@ -303,11 +362,15 @@ template <typename T, int D, int BKV, int BQ>
 
   // Query blocks that see some key of the threadgroup (the loop every
   // thread runs, for the barriers), and of this SIMD-group (the blocks it
-  // computes): causal, query i sees key j only if i >= j - upper.
+  // computes): causal (or a right window), query i sees key j only if i >=
+  // j - upper; a left window, only if i <= j - lower.
+  const int tg_last_key = min(tg_key0 + BKV, seq.kv_len) - 1, sg_last_key = min(key0 + R, seq.kv_len) - 1;
   const int tg_first_row = fc_causal ? clamp(tg_key0 - seq.upper, 0, seq.q_len) : 0;
   const int sg_first_row = fc_causal ? clamp(key0 - seq.upper, 0, seq.q_len) : 0;
+  const int tg_row_end = fc_window_left ? clamp(tg_last_key - seq.lower + 1, 0, seq.q_len) : seq.q_len;
+  const int sg_row_end = fc_window_left ? clamp(sg_last_key - seq.lower + 1, 0, seq.q_len) : seq.q_len;
   const int qb_begin = tg_first_row / BQ, sg_qb_begin = sg_first_row / BQ;
-  const int qb_end = (seq.q_len + BQ - 1) / BQ;
+  const int qb_end = (tg_row_end + BQ - 1) / BQ, sg_qb_end = (sg_row_end + BQ - 1) / BQ;
 
   // The group's query heads in a fixed order, summed in the float32
   // registers of the accumulators (16-bit gradients: their rounding dwarfs
@@ -320,9 +383,13 @@ template <typename T, int D, int BKV, int BQ>
   auto dp = st_op.template get_destination_cooperative_tensor<KT, QT, float>();
   for (int g = 0; g < p.gqa_ratio; ++g) {
     const uint head = kv_head * uint(p.gqa_ratio) + uint(g);
-    const HeadOffsets h = head_offsets(p, group.z, head);
-    const int64_t do_head = int64_t(group.z) * p.do_batch_stride + int64_t(head) * p.do_head_stride;
-    device const float* head_delta = delta + mpp_packed_row(group.z, head, p.q_heads, p.q_len, 0, 1);
+    HeadOffsets h = head_offsets(p, group.z, head);
+    h.q += seq.q_row0 * p.q_row_stride;
+    h.lse += seq.q_row0 * p.lse_row_stride;
+    const int64_t do_head = int64_t(group.z) * p.do_batch_stride + int64_t(head) * p.do_head_stride +
+                            seq.q_row0 * p.do_row_stride;
+    device const float* head_delta = delta + mpp_packed_row(packed_b, head, p.q_heads, packed_q, seq.q_row0, 1);
+    const int64_t mask_slice = fc_has_mask ? mask_head_offset(p, group.z, head) : 0;
     device const T* q_head = q + h.q;
     device const T* do_head_ptr = dout + do_head;
     const int qs = int(p.q_row_stride), qd = int(p.q_dim_stride);
@@ -351,22 +418,25 @@ template <typename T, int D, int BKV, int BQ>
         mpp_row_stats(stats + int(tid) * kMppStats, l, dl);
       }
       threadgroup_barrier(mem_flags::mem_threadgroup);  // the block staged before any SIMD-group reads it (RAW)
-      if (active && qb >= sg_qb_begin) {  // uniform per SIMD-group
+      if (active && qb >= sg_qb_begin && qb < sg_qb_end) {  // uniform per SIMD-group
         st_op.run(tkt, tq, s);
         st_op.run(tvt, tdo, dp);
         // P^T and dS^T = P^T * (dP^T - Delta) into threadgroup memory,
         // rounded to T, every element of both tiles by its one valid slot.
         const bool diagonal = fc_causal && key0 + R - 1 > q0 + seq.upper;
+        const bool left_edge = fc_window_left && key0 < q0 + BQ - 1 + seq.lower;
         for (int i = 0; i < s.get_capacity(); ++i) {
           if (!s.is_valid_element(i)) continue;
           const auto idx = s.get_multidimensional_index(i);  // [0] the query, [1] the key, within the block
           const int key = key0 + idx[1], row = q0 + idx[0];
-          bool keep = key < seq.kv_len;
+          bool keep = key < seq.kv_len && row < seq.q_len;
           if (diagonal && key > row + seq.upper) keep = false;
+          if (left_edge && key < row + seq.lower) keep = false;
           threadgroup const float* st = stats + idx[0] * kMppStats;
-          const float pw = mpp_weight(st, s[i], p.scale_log2, keep);
+          float cap_grad;
+          const float pw = mpp_weight<T>(p, mask, mask_slice, row, key, st, s[i], keep, &cap_grad);
           pt_tile[idx[1] * BQ + idx[0]] = static_cast<T>(pw);
-          dst_tile[idx[1] * BQ + idx[0]] = static_cast<T>(pw * (dp[i] - st[2]));
+          dst_tile[idx[1] * BQ + idx[0]] = static_cast<T>(pw * (dp[i] - st[2]) * cap_grad);
         }
         simdgroup_barrier(mem_flags::mem_threadgroup);  // P^T, dS^T written before matmul2d reads them (RAW)
         // Queries past the sequence are zero rows of Q and dO; P^T is 0 there.
@@ -385,7 +455,7 @@ template <typename T, int D, int BKV, int BQ>
     const auto idx = dk_acc.get_multidimensional_index(i);  // [0] the feature, [1] the key
     const int key = key0 + idx[1];
     if (key >= seq.kv_len) continue;
-    const int64_t at = mpp_packed_row(group.z, kv_head, p.kv_heads, p.kv_len, key, D) + idx[0];
+    const int64_t at = mpp_packed_row(packed_b, kv_head, p.kv_heads, packed_k, seq.k_row0 + key, D) + idx[0];
     dk[at] = static_cast<T>(dk_acc[i] * p.scale);
     dv[at] = static_cast<T>(dv_acc[i]);
   }

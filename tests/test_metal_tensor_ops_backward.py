@@ -19,6 +19,7 @@ per-query stats of the dK/dV kernel looked up along the wrong dimension (the key
 instead of the query): caught by the 2x rule; the threadgroup barrier after the dK/dV
 kernel stages the Q / dO block its SIMD-groups share left out: a race.
 """
+import itertools
 import math
 import os
 import shutil
@@ -29,8 +30,10 @@ import torch
 import backends
 import flash_metal
 from backends import LAST_DISPATCHES, emulated_metal_attention_backward, metal_mpp_library
+from flash_metal.reference import attention_reference, attention_varlen_reference
 from metal_emulator import EmulatorError, compile_library
-from numerics import assert_gradients_close, dtype_id, make_qkv, make_tensor
+from numerics import assert_gradients_close, assert_varlen_gradients_close, dtype_id, make_qkv, make_tensor
+from test_sinks import assert_sinks_grad_close
 
 LAYOUTS = ("m5", "scrambled")
 DTYPES = (torch.float16, torch.bfloat16)
@@ -178,6 +181,109 @@ def test_deterministic_across_schedules_and_layout_seeds():
     assert_gradients_close(run(case, True, "scrambled", mpp_seed=5), q, k, v, grad_out, True)
 
 
+# ---- the options (attention_features.h's helpers, as the simdgroup backward) ----------------------------------
+
+# (causal, options, dtype, D): one small ragged GQA case each, dtypes and head dims alternating. Masks are
+# per (batch, query head); sinks come with grad_sinks (flash_sinks_grad, appended to the plan).
+OPTION_CASES = {
+    "window": (False, dict(window_left=9, window_right=4), torch.float16, 64),
+    "causal-window-softcap": (True, dict(window_left=13, softcap=3.0), torch.bfloat16, 96),
+    "mask-bool": (True, dict(attn_mask="bool"), torch.bfloat16, 64),
+    "mask-input": (False, dict(attn_mask="input"), torch.float16, 128),
+    "mask-float32": (False, dict(attn_mask="float32"), torch.float16, 64),
+    "sinks": (True, dict(sinks=True), torch.float16, 64),
+}
+
+
+def _option_case(name, Nq, Nk, grad_lse=False, B=1):
+    """Fresh inputs with the options of OPTION_CASES[name] made concrete, out and lse from the float64 oracle
+    (rounded to the dtype and float32): the backward only needs them to be the attention of q, k, v."""
+    causal, opts, dtype, d = OPTION_CASES[name]
+    g = torch.Generator().manual_seed(hash((name, Nq, Nk)) % 2**31)
+    q, k, v = make_qkv(B, 2, 1, Nq, Nk, d, dtype, generator=g)
+    opts = dict(opts)
+    kind = opts.get("attn_mask")
+    if kind is not None:
+        drop = torch.rand(B, 2, Nq, Nk, generator=g) < 0.3
+        opts["attn_mask"] = ~drop if kind == "bool" else torch.randn(B, 2, Nq, Nk, generator=g).masked_fill(
+            drop, float("-inf")).to(torch.float32 if kind == "float32" else dtype)
+    if opts.get("sinks"):
+        opts["sinks"] = torch.randn(2, generator=g)
+    out, lse = attention_reference(q, k, v, causal, None, **opts)
+    grad_out = make_tensor(q.shape, "contiguous", dtype, g)
+    gl = torch.randn(B, 2, Nq, generator=g) if grad_lse else None
+    return (q, k, v, out.to(dtype), lse.float(), grad_out, gl), causal, opts
+
+
+def _check_options(case, causal, opts, layout, instrumented=False, skips=True):
+    q, k, v, out, lse, grad_out, gl = case
+    grads = emulated_metal_attention_backward(grad_out, q, k, v, out, lse, causal, None, gl, impl="tensor_ops",
+                                              instrumented=instrumented, mpp_layout=layout, **opts)
+    ran = [d.kernel_name for d, _ in LAST_DISPATCHES]
+    assert ran[:2] == list(names(q.dtype, q.shape[-1]))
+    assert ran[2:] == (["flash_sinks_grad"] if "sinks" in opts else [])
+    (_, c1), (_, c2) = LAST_DISPATCHES[:2]
+    full = expected_runs(*q.shape[:2], k.shape[1], q.shape[2], k.shape[2], causal)
+    if "window_left" in opts:  # block skipping: fewer products than without the left window, in both kernels
+        assert c1.mpp_runs < full[0] and c2.mpp_runs < full[1] if skips else c1.mpp_runs <= full[0]
+    else:
+        assert (c1.mpp_runs, c2.mpp_runs) == full
+    assert_gradients_close(grads[:3], q, k, v, grad_out, causal, None, gl, **opts)
+    if "sinks" in opts:
+        assert_sinks_grad_close(grads[3], q, k, v, opts["sinks"], grad_out,
+                                torch.zeros_like(lse) if gl is None else gl, causal,
+                                {k: x for k, x in opts.items() if k != "sinks"})
+    return grads
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("name", list(OPTION_CASES))
+def test_options_match_float64(name, layout):
+    case, causal, opts = _option_case(name, 45, 70)
+    _check_options(case, causal, opts, layout)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_options_sanitized(layout):
+    # Every option at once in the instrumented build (masks read only inside the sequence and window, no race
+    # on the shared block), batch 2, a gradient into lse; a mask that leaves some rows no key.
+    case, causal, opts = _option_case("sinks", 37, 41, grad_lse=True, B=2)
+    q, k = case[0], case[1]
+    mask = torch.rand(2, 2, 37, 41, generator=torch.Generator().manual_seed(3)) > 0.3
+    mask[:, :, :3] = False
+    opts.update(attn_mask=mask, window_left=20, softcap=4.0)
+    case = case[:3] + tuple(t.to(d) for t, d in zip(attention_reference(q, k, case[2], causal, None, **opts),
+                                                       (q.dtype, torch.float32))) + case[5:]
+    _check_options(case, causal, opts, layout, instrumented=True, skips=False)
+
+
+VARLEN_LENGTHS = [(40, 50), (50, 21), (1, 1), (0, 4), (4, 0), (17, 33)]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("causal, opts", [(False, {}), (True, dict(window_left=12, softcap=4.0))],
+                         ids=["full", "causal-win-cap"])
+def test_varlen_sanitized(causal, opts, layout):
+    # Packed sequences, empty ones included, GQA 2, in the instrumented build: each threadgroup reads only its
+    # sequence's rows; the gradients packed (total, H, D).
+    g = torch.Generator().manual_seed(11 + causal)
+    cq = torch.tensor([0, *itertools.accumulate(a for a, _ in VARLEN_LENGTHS)], dtype=torch.int32)
+    ck = torch.tensor([0, *itertools.accumulate(b for _, b in VARLEN_LENGTHS)], dtype=torch.int32)
+    q = torch.randn(int(cq[-1]), 4, 64, generator=g).half()
+    k = torch.randn(int(ck[-1]), 2, 64, generator=g).half()
+    v = torch.randn(int(ck[-1]), 2, 64, generator=g).half()
+    out, lse = attention_varlen_reference(q, k, v, cq, ck, causal, None, **opts)
+    grad_out = torch.randn(q.shape, generator=g).half()
+    mq, mk = max(a for a, _ in VARLEN_LENGTHS), max(b for _, b in VARLEN_LENGTHS)
+    grads = emulated_metal_attention_backward(grad_out, q, k, v, out.half(), lse.float(), causal, None, None,
+                                              impl="tensor_ops", instrumented=True, mpp_layout=layout,
+                                              cu_seqlens_q=cq, cu_seqlens_k=ck, max_seqlen_q=mq, max_seqlen_k=mk,
+                                              **opts)
+    assert [d.kernel_name for d, _ in LAST_DISPATCHES] == list(names(torch.float16, 64))
+    assert all(d.function_constants[9] for d, _ in LAST_DISPATCHES)  # fc_varlen
+    assert_varlen_gradients_close(grads, q, k, v, grad_out, cq, ck, causal, None, None, **opts)
+
+
 # ---- routing: impl='tensor_ops' and Auto's gate (csrc/metal_routing_tensor_ops.cpp) -----------------------
 
 
@@ -196,7 +302,7 @@ def test_forced_explains_itself():
 
 @pytest.mark.parametrize("gpu, dtype, d, picked, words", [
     ("m5+tensor_ops", torch.float16, 128, True, "tensor ops: an Apple 10 GPU"),
-    ("m5-max+tensor_ops", torch.bfloat16, 96, True, "causal / GQA only"),
+    ("m5-max+tensor_ops", torch.bfloat16, 96, True, "equal q/k and v dims"),
     ("m5", torch.float16, 64, False, "tensor ops not used: planned without a Mac"),
     ("m5+tensor_ops", torch.float32, 64, False, "tensor ops not used: float32 stays on simdgroup matrices"),
     ("m5+tensor_ops", torch.float16, 80, False, "head dims 80 / 80"),
@@ -219,18 +325,28 @@ def test_the_switch_keeps_auto_off_it(monkeypatch):
     assert "_mpp_" in _explain(gpu="m5+tensor_ops").dispatches[0].kernel_name  # forcing still works
 
 
-@pytest.mark.parametrize("options, words", [
-    (dict(window_left=8), "window_left / window_right"),
-    (dict(softcap=5.0), "softcap"),
-    (dict(sinks=torch.zeros(4)), "sinks"),
-])
-def test_options_stay_on_the_simdgroup_backward(options, words):
-    # Auto: the simdgroup backward, saying why; forced: refused, naming the option.
+@pytest.mark.parametrize("options", [dict(window_left=8), dict(softcap=5.0), dict(sinks=torch.zeros(4)),
+                                     dict(attn_mask=torch.ones(40, 60, dtype=torch.bool))],
+                         ids=["window", "softcap", "sinks", "mask"])
+def test_auto_takes_the_options(options):
     plan = _explain(gpu="m5+tensor_ops", impl="auto", **options)
+    assert "_mpp_" in plan.dispatches[0].kernel_name and "_mpp_" in plan.dispatches[1].kernel_name, plan.reason
+    assert "options (masks, windows, softcap, varlen, sinks)" in plan.reason
+    assert ("flash_sinks_grad" in [d.kernel_name for d in plan.dispatches]) == ("sinks" in options)
+
+
+def test_a_v_head_dim_of_its_own_stays_on_the_simdgroup_backward():
+    # Auto: the simdgroup backward, saying why; forced: refused, naming the option.
+    q = torch.randn(1, 4, 40, 64).half()
+    k = torch.randn(1, 2, 60, 64).half()
+    v = torch.randn(1, 2, 60, 128).half()
+    out = torch.randn(1, 4, 40, 128).half()
+    args = dict(backward=True, grad_out=out, out=out, lse=torch.zeros(1, 4, 40))
+    plan = flash_metal.explain(q, k, v, True, None, "auto", "m5+tensor_ops", **args)
     assert "_mpp_" not in plan.dispatches[0].kernel_name
-    assert f"tensor ops not used: {words}" in plan.reason
-    with pytest.raises(ValueError, match="impl='tensor_ops' takes causal and GQA but not " + words.split(" ")[0]):
-        _explain(**options)
+    assert "tensor ops not used: head dims 64 / 128" in plan.reason
+    with pytest.raises(ValueError, match="impl='tensor_ops' takes every option but a v head dim of its own"):
+        flash_metal.explain(q, k, v, True, None, "tensor_ops", **args)
 
 
 def test_refuses_float32_and_other_head_dims_naming_the_argument():
