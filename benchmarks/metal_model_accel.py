@@ -262,7 +262,8 @@ def accelerators(quick=False):
     print("Our tensor-op forward has MLX's counts (tests/test_metal_model_accel.py), Q read from device memory "
           "once included, except that each SIMD-group stages its 16 Q rows in threadgroup memory (MLX keeps them "
           "in registers) and P too, which matmul2d reads from there every key block (on-core data). Our tensor-op "
-          "backward: float16 (its kernels take 16-bit inputs), not yet verified on Apple hardware; no anchor runs "
+          "backward: float16 (its kernels take 16-bit inputs); its dK/dV kernel stages each Q / dO block once per "
+          "threadgroup for its 4 SIMD-groups; not yet verified on Apple hardware; no anchor runs "
           "a backward on the accelerators (mtlattn reports ~5.8 TFLOPS on an M5 Pro, varlen, unverified here).")
     post = post_point()
     print(f"The post's M5 point (10-core M5, N = 2048, d = 64, causal, one head): simdgroup float32 "

@@ -17,7 +17,13 @@ right under "m5", caught under "scrambled"; a missing simdgroup_barrier between
 writing dS and the matmul2d that reads it: a race in the instrumented build; the
 per-query stats of the dK/dV kernel looked up along the wrong dimension (the key
 instead of the query): caught by the 2x rule; the threadgroup barrier after the dK/dV
-kernel stages the Q / dO block its SIMD-groups share left out: a race.
+kernel stages the Q / dO block its SIMD-groups share left out: a race; softcap's
+derivative left out of the dQ kernel's dS: grad_q fails the 2x rule.
+
+The options (windows, softcap, bool / additive masks, varlen, sinks with grad_sinks)
+run on small ragged GQA shapes under both layouts against the float64 oracle
+(flash_metal/reference.py), every option at once and varlen (empty sequences
+included) in the instrumented build.
 """
 import itertools
 import math
@@ -458,3 +464,19 @@ def test_planted_missing_barrier_after_staging_the_shared_block_is_a_race(tmp_pa
         emulated_metal_attention_backward(grad_out, q, k, v, out, lse, True, impl="tensor_ops", instrumented=True,
                                           mpp_layout="m5")
     assert "race" in info.value.kinds
+
+
+def test_planted_softcap_derivative_left_out_is_caught(tmp_path, monkeypatch):
+    # The options' checker bites: the dQ kernel's dS without softcap's derivative (1 - tanh^2) fails the 2x
+    # rule against the float64 oracle with softcap (the dK/dV kernel keeps it, so only grad_q is wrong).
+    old = "      ds_tile[idx[1] * BK + idx[0]] = static_cast<T>(pw * (dp[i] - st[2]) * cap_grad);\n"
+    _planted_library(tmp_path, monkeypatch, old, old.replace(" * cap_grad", ""))
+    g = torch.Generator().manual_seed(5)
+    q, k, v = make_qkv(1, 2, 1, 37, 50, 64, torch.float16, generator=g)
+    opts = dict(softcap=2.0)
+    out, lse = attention_reference(q, k, v, True, None, **opts)
+    grad_out = make_tensor(q.shape, "contiguous", torch.float16, g)
+    grads = emulated_metal_attention_backward(grad_out, q, k, v, out.half(), lse.float(), True, impl="tensor_ops",
+                                              instrumented=True, mpp_layout="m5", **opts)
+    with pytest.raises(AssertionError, match="grad_q"):
+        assert_gradients_close(grads, q, k, v, grad_out, True, None, None, **opts)
