@@ -134,7 +134,8 @@ FM_INLINE float mpp_weight(constant AttentionParams& p, device const uchar* mask
 // T: half or bfloat. D: 64, 96, 128 exactly. BQ = 16 * WM query rows per
 // threadgroup, BK keys per block. Launch: grid (ceil(Nq / BQ), Hq, B),
 // threadgroup (32 * WM, 1, 1), threadgroup memory at index 0 (top of file),
-// function constants fc_causal (0) and fc_mpp_has_grad_lse (3).
+// function constants fc_causal (0), fc_mpp_has_grad_lse (3) and the
+// options' 4-9 (attention_features.h), their buffers at 14-16.
 template <typename T, int D, int BQ, int BK>
 [[kernel]] [[max_total_threads_per_threadgroup(kPrefillMppMaxThreads)]] void flash_backward_mpp_dq(
     device const T* q [[buffer(0)]],
@@ -283,8 +284,9 @@ template <typename T, int D, int BQ, int BK>
 // T, D as above. BKV = 16 * WM keys per threadgroup, BQ query rows per
 // streamed block. Launch: grid (ceil(Nk / BKV), Hkv, B), threadgroup
 // (32 * WM, 1, 1), threadgroup memory at index 0 (top of file), function
-// constant fc_causal (0). Reads Delta as the dQ kernel wrote it (the host
-// encodes the two in that order).
+// constants fc_causal (0) and the options' 4-9, their buffers at 14-16.
+// Reads Delta as the dQ kernel wrote it (the host encodes the two in that
+// order).
 template <typename T, int D, int BKV, int BQ>
 [[kernel]] [[max_total_threads_per_threadgroup(kPrefillMppMaxThreads)]] void flash_backward_mpp_dkdv(
     device const T* q [[buffer(0)]],
