@@ -17,6 +17,7 @@ on this Mac's GPU in this run). Elsewhere the section says
 timing.
 """
 import contextlib
+import dataclasses
 import os
 from dataclasses import dataclass
 from typing import List, Optional
@@ -60,9 +61,13 @@ def cases(quick: bool) -> List[sweep.Case]:
         grid = [(torch.float16, 64, True), (torch.bfloat16, 96, False), (torch.float16, 128, False),
                 (torch.bfloat16, 128, True)]
     forward = [sweep.Case("prefill", dt, d, SHAPE, causal=causal) for dt, d, causal in grid]
-    # The backward (attention_backward_mpp.h): with a gradient into lse; quick: two cases.
+    # The backward (attention_backward_mpp.h): with a gradient into lse; quick: two cases. Both: one with
+    # the options (a bool key-padding mask, a left window, softcap) on top.
     bgrid = [(torch.float16, 64, True), (torch.bfloat16, 128, False)] if quick else grid
-    return forward + [sweep.Case("backward", dt, d, SHAPE, causal=causal, grad_lse=True) for dt, d, causal in bgrid]
+    backward = [sweep.Case("backward", dt, d, SHAPE, causal=causal, grad_lse=True) for dt, d, causal in bgrid]
+    options = sweep.Case("backward", torch.float16, 96, SHAPE, causal=True, mask="bool", window_left=40, softcap=4.0,
+                         grad_lse=True)
+    return forward + backward + [options]
 
 
 def case_id(case: sweep.Case) -> str:
@@ -119,7 +124,7 @@ def _library_missing(st: dict) -> Optional[str]:
 
 
 def _run_forced(backend, case, impl, inputs, prefix, not_prefix=None) -> dict:
-    run = ForcedCase(case.family, case.dtype, case.d, case.shape, causal=case.causal, forced=impl)
+    run = ForcedCase(**{f.name: getattr(case, f.name) for f in dataclasses.fields(sweep.Case)}, forced=impl)
     rec = {"impl": impl, "kernels": [], "status": "error", "message": "", "worst_ratio": None}
     try:
         result, launches = backend.run(run, inputs)
