@@ -459,7 +459,8 @@ def test_planted_missing_barrier_after_staging_the_shared_block_is_a_race(tmp_pa
     # barrier after the staging, a SIMD-group's matmul2d reads elements other SIMD-groups are still writing.
     barrier = "      threadgroup_barrier(mem_flags::mem_threadgroup);  // the block staged before"
     _planted_library(tmp_path, monkeypatch, barrier, "      // (planted: no barrier) the block staged before")
-    q, k, v, out, lse, grad_out, gl = _planted_case()
+    # One threadgroup of 4 SIMD-groups (64 keys), one query head and block: the smallest case that stages.
+    q, k, v, out, lse, grad_out, gl = _case(1, 1, 1, 20, 64, 64, torch.float16, True, seed=20)
     with pytest.raises(EmulatorError) as info:
         emulated_metal_attention_backward(grad_out, q, k, v, out, lse, True, impl="tensor_ops", instrumented=True,
                                           mpp_layout="m5")
