@@ -304,8 +304,7 @@ template <typename T, int D, int BKV, int BQ>
     threadgroup T* smem [[threadgroup(0)]],
     uint3 group [[threadgroup_position_in_grid]],
     uint tid [[thread_index_in_threadgroup]],
-    uint sg [[simdgroup_index_in_threadgroup]],
-    uint lane [[thread_index_in_simdgroup]]) {
+    uint sg [[simdgroup_index_in_threadgroup]]) {
   using namespace mpp::tensor_ops;
   constexpr int R = kMppRowsPerSimd;
   constexpr int WM = BKV / R;
