@@ -103,7 +103,7 @@ void choose_tensor_ops_backward(const AttentionProblem& p, bool forced, const Gp
               kib(tensor_ops_backward_bytes(true, elem, d, c->dkv_simdgroups)) +
               "; P and dS rounded to the input dtype before their products (matmul2d takes 16-bit operand "
               "pairs), float32 accumulators; options (masks, windows, softcap, varlen, sinks) by "
-              "attention_features.h's helpers, as the simdgroup backward";
+              "attention_features.h's helpers, as the simdgroup backward.";
 }
 
 // Auto's gate for the backward: the forward's (tensor_ops_route) and the
