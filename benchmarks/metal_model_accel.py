@@ -105,15 +105,22 @@ def on_tensor_ops(records):
 
 
 # The tensor-op prefill's blocks (csrc/metal_plan_detail.h, kTensorOpsBlockQ / kTensorOpsBlockK): 64 query rows
-# per threadgroup, 4 SIMD-groups of 16 rows, 32 keys per block.
+# per threadgroup, 4 SIMD-groups of 16 rows, 32 keys per block. At D = 256 the split-D kernel
+# (attention_prefill_mpp_dsplit.h, kTensorOpsDsplitBlockQ): 32 query rows, 2 pairs of SIMD-groups, each half of a
+# pair owning D / 2 features, so each matmul2d's operands are D / 2 wide.
 MPP_BQ, MPP_BK, MPP_ROWS = 64, 32, 16
+DSPLIT_D, DSPLIT_BQ, DSPLIT_HALVES = 256, 32, 2
+
+
+def _bq(d):
+    return DSPLIT_BQ if d == DSPLIT_D else MPP_BQ
 
 
 def _per_block(dtype, d):
     """The tensor-op kernel's counts per threadgroup (fixed) and per key block (each block a threadgroup runs),
     non-causal: from two emulated launches of one threadgroup, over one and over two key blocks."""
-    [one] = M.emulate("tensor_ops", M.Shape(1, 1, 1, MPP_BQ, MPP_BK, d), dtype, False)
-    [two] = M.emulate("tensor_ops", M.Shape(1, 1, 1, MPP_BQ, 2 * MPP_BK, d), dtype, False)
+    [one] = M.emulate("tensor_ops", M.Shape(1, 1, 1, _bq(d), MPP_BK, d), dtype, False)
+    [two] = M.emulate("tensor_ops", M.Shape(1, 1, 1, _bq(d), 2 * MPP_BK, d), dtype, False)
     block = {f: two.counts[f] - one.counts[f] for f in one.counts}
     fixed = {f: one.counts[f] - block[f] for f in one.counts}
     return fixed, block
@@ -123,10 +130,11 @@ def mpp_scaled_counts(s: M.Shape, dtype):
     """The tensor-op forward's counts, non-causal, Nq % 64 == Nk % 32 == 0: every threadgroup (one per 64
     query rows of one query head) runs Nk / 32 identical key blocks, so its counts are the fixed part plus
     the per-block part per block (exact: tests/test_metal_model_accel.py checks a direct emulation)."""
-    if s.nq % MPP_BQ or s.nk % MPP_BK:
-        raise ValueError(f"the tensor-op scaling rule needs Nq % {MPP_BQ} == Nk % {MPP_BK} == 0; got {s}")
+    bq = _bq(s.d)
+    if s.nq % bq or s.nk % MPP_BK:
+        raise ValueError(f"the tensor-op scaling rule needs Nq % {bq} == Nk % {MPP_BK} == 0; got {s}")
     fixed, block = _per_block(dtype, s.d)
-    tgs, blocks = s.b * s.hq * (s.nq // MPP_BQ), s.nk // MPP_BK
+    tgs, blocks = s.b * s.hq * (s.nq // bq), s.nk // MPP_BK
     counts = {f: tgs * (fixed[f] + blocks * block[f]) for f in fixed}
     d = M.plan("tensor_ops", s, dtype, False).dispatches[0]
     return [M.Record(d.kernel_name, d.grid, d.threadgroup, d.threadgroup_memory, counts, True, ("tensor_ops", False))]
@@ -141,10 +149,14 @@ def on_hardware(records, dtype, d):
     code does (Q's one read from device memory and its staging, P's and the row factors' stores and loads),
     and the device bytes new to each threadgroup (dram_, the L1 rule), which do not depend on how lanes
     split a load. Exact for launches whose every matmul2d destination slot is valid (the "m5" layout
-    M.emulate runs: 16 x 32 and 16 x D tiles, D a multiple of 16)."""
+    M.emulate runs: 16 x 32 and 16 x D tiles, D a multiple of 16). The split-D kernel (D = 256): the same rule
+    with D / 2 (each SIMD-group's runs take its half of K, V and Q); its partial scores' exchange is the
+    kernel's own code (threadgroup stores and loads, barriers), kept from the emulator."""
     elem = torch.empty((), dtype=dtype).element_size()
     out = []
+    full_d = d
     for r in records:
+        d = full_d // DSPLIT_HALVES if "_dsplit_" in r.kernel else full_d
         c = dict(r.counts)
         pairs = c["mpp_runs"] // 2  # one S = Q K^T and one O += P V per SIMD-group and key block
         for n in ("k", "v"):
@@ -160,7 +172,7 @@ def on_hardware(records, dtype, d):
 def tensor_ops_records(s: M.Shape, dtype, causal):
     """Our tensor-op forward's dispatch, from the MPP kernel's emulated counts (on_hardware's rule for
     matmul2d's operands): non-causal by mpp_scaled_counts, causal by metal_model's quadratic rule."""
-    if causal or s.nq % MPP_BQ or s.nk % MPP_BK:
+    if causal or s.nq % _bq(s.d) or s.nk % MPP_BK:
         recs = M.counts_for("tensor_ops", s, dtype, causal)
     else:
         recs = mpp_scaled_counts(s, dtype)
@@ -214,6 +226,44 @@ def tensor_ops_backward_records(s: M.Shape, dtype, causal):
 
 
 M5_FAMILY = ("M5 (10-core)", "M5 Pro", "M5 Max")
+# The shape of the D = 256 verdict (csrc/metal_routing_tensor_ops_dsplit.cpp, kDsplitModelWins): MLX's
+# anchor's heads and length (#3943) at head dim 256.
+DSPLIT_SHAPE = M.Shape(1, 32, 8, 4096, 4096, DSPLIT_D)
+
+
+def dsplit_against_simdgroup(gpus=M5_FAMILY, causals=(False, True), s=DSPLIT_SHAPE):
+    """The split-D tensor-op forward (impl='tensor_ops' at D = 256) against the simdgroup prefill at D = 256,
+    float16, each from its own emulated counts: {(gpu, causal): (simdgroup band, tensor-op band, bound)},
+    bands (low, point, high) in seconds."""
+    out = {}
+    for gname in gpus:
+        gpu = G.BY_NAME[gname]
+        for causal in causals:
+            simd = T.predict_band(M.counts_for("prefill", s, torch.float16, causal), gpu, s, torch.float16, causal)
+            recs = tensor_ops_records(s, torch.float16, causal)
+            tops = T.predict_band(recs, gpu, s, torch.float16, causal)
+            terms = T.predict(recs, gpu, s, torch.float16, causal)[1]
+            out[(gname, causal)] = (simd, tops, max(terms, key=terms.get))
+    return out
+
+
+def dsplit_model_wins(results):
+    """The routing verdict: the tensor-op point ahead of the simdgroup point on every (GPU, causal) priced."""
+    return all(tops[1] < simd[1] for simd, tops, _ in results.values())
+
+
+def print_dsplit(quick=False):
+    res = dsplit_against_simdgroup(M5_FAMILY[-1:] if quick else M5_FAMILY)
+    s = DSPLIT_SHAPE
+    print(f"\n### D = 256 split along D (1x{s.hq}({s.hkv})x{s.nq}x{s.d} f16): model, not measurement")
+    print("| chip | causal | simdgroup prefill ms | split-D tensor-op ms (bound) | speed-up |")
+    print("|---|---|---|---|---|")
+    for (gname, causal), (simd, tops, bound) in res.items():
+        print(f"| {gname} | {causal} | {_ms(simd)} | {_ms(tops)} ({bound}) | {simd[1] / tops[1]:.2f}x |")
+    print(f"Verdict for Auto (kDsplitModelWins): {dsplit_model_wins(res)}. Context, not an anchor: MLX #3842 "
+          "measured its D = 256 d-split kernel 1.18-1.55x over its unfused path on an M5 Max at GQA 32/8 and "
+          "64/8, qL 1024-2048, kL 16K-32K (a different shape and baseline).")
+    return res
 
 
 def _ms(band):
@@ -265,6 +315,7 @@ def accelerators(quick=False):
           "backward: float16 (its kernels take 16-bit inputs); its dK/dV kernel stages each Q / dO block once per "
           "threadgroup for its 4 SIMD-groups; not yet verified on Apple hardware; no anchor runs "
           "a backward on the accelerators (mtlattn reports ~5.8 TFLOPS on an M5 Pro, varlen, unverified here).")
+    print_dsplit(quick)
     post = post_point()
     print(f"The post's M5 point (10-core M5, N = 2048, d = 64, causal, one head): simdgroup float32 "
           f"{_ms(post['simdgroup'])} ms; tensor ops {_ms(post['tensor_ops'])} ms, which ASSUMES float32 with "

@@ -88,6 +88,28 @@ inline uint32_t tensor_ops_threadgroup_memory(c10::ScalarType dtype, uint32_t he
   return tensor_ops_threadgroup_bytes(dtype_bytes(dtype), head_dim);
 }
 
+// The tensor-op prefill at D = 256 split along D (shaders/
+// attention_prefill_mpp_dsplit.h, MLX's attention_nax_dsplit idea): 32
+// query rows in 2 row groups of 16, each served by a pair of SIMD-groups
+// owning 128 features apiece (4 SIMD-groups), 32 keys per block.
+inline constexpr uint32_t kTensorOpsDsplitHeadDim = 256;
+inline constexpr uint32_t kTensorOpsDsplitBlockQ = 32;
+inline constexpr uint32_t kTensorOpsDsplitHalves = 2;  // WN: SIMD-groups per row group
+// Its threadgroup memory: per SIMD-group P (16 x block_k) and its Q slice
+// (16 x head_dim / 2) in the input dtype and a float per row; per row group
+// one float slot of partial S (16 x block_k) per half.
+inline constexpr uint32_t tensor_ops_dsplit_threadgroup_bytes(uint32_t elem_bytes, uint32_t head_dim) {
+  return kTensorOpsDsplitBlockQ / 16 * kTensorOpsDsplitHalves *
+         (16 * (kTensorOpsBlockK + head_dim / kTensorOpsDsplitHalves) * elem_bytes + 16 * 4 +
+          16 * kTensorOpsBlockK * 4);
+}
+// 28,928 bytes at 16-bit, D = 256: Q staged in threadgroup memory fits only
+// with one slot of partials per half (two barriers per block; the shader's
+// header explains the choice).
+static_assert(tensor_ops_dsplit_threadgroup_bytes(2, kTensorOpsDsplitHeadDim) == 28928 &&
+                  tensor_ops_dsplit_threadgroup_bytes(2, kTensorOpsDsplitHeadDim) <= kMaxThreadgroupMemory,
+              "tensor-op split-D prefill over 32 KiB");
+
 // The tensor-op backward (shaders/attention_backward_mpp.h): SIMD-groups of
 // 16 rows (query rows for dQ, keys for dK/dV); 32 keys per dQ block and 32
 // query rows per dK/dV block (one thread per streamed query fills its
@@ -315,6 +337,11 @@ LaunchEstimate estimate_launch(const MetalLaunch& launch, uint32_t live_register
 // blocks and reason, forced or not; refuses what it does not cover.
 bool tensor_ops_route(const AttentionProblem& p, const GpuSpec& gpu, std::string* why_not);
 void choose_tensor_ops(const AttentionProblem& p, bool forced, const GpuSpec& gpu, KernelChoice* c);
+// The forward's own gate and choice (csrc/metal_routing_tensor_ops_dsplit.cpp):
+// D = 256 on the split-D kernel, Auto only where the model says it wins;
+// every other head dim as tensor_ops_route / choose_tensor_ops.
+bool tensor_ops_forward_route(const AttentionProblem& p, const GpuSpec& gpu, std::string* why_not);
+void choose_tensor_ops_forward(const AttentionProblem& p, bool forced, const GpuSpec& gpu, KernelChoice* c);
 // The tensor-op backward: whether Auto takes it (the forward's gate plus
 // what the backward kernels cover; else *why_not), and its blocks and reason.
 bool tensor_ops_backward_route(const AttentionProblem& p, const GpuSpec& gpu, std::string* why_not);

@@ -457,13 +457,13 @@ KernelChoice choose_metal_kernel(const AttentionProblem& p, KernelRequest reques
 
   if (!explicit_request && c.kind == KernelRequest::Prefill) {
     std::string why_not;
-    if (tensor_ops_route(p, gpu, &why_not)) {
+    if (tensor_ops_forward_route(p, gpu, &why_not)) {
       c.kind = KernelRequest::TensorOps;
     } else if (!why_not.empty()) {
       c.reason += "; tensor ops not used: " + why_not;
     }
   }
-  if (c.kind == KernelRequest::TensorOps) choose_tensor_ops(p, explicit_request, gpu, &c);
+  if (c.kind == KernelRequest::TensorOps) choose_tensor_ops_forward(p, explicit_request, gpu, &c);
 
   switch (c.kind) {
     case KernelRequest::Untiled:

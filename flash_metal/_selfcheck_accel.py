@@ -27,8 +27,10 @@ import torch
 from . import _selfcheck_sweep as sweep
 
 DTYPES = (torch.float16, torch.bfloat16)
-# The head dims the tensor-op kernels are instantiated for (csrc/metal_routing_tensor_ops.cpp).
+# The head dims the tensor-op kernels are instantiated for (csrc/metal_routing_tensor_ops.cpp): the
+# backward's; the forward's add 256, split along D (attention_prefill_mpp_dsplit.h).
 HEAD_DIMS = (64, 96, 128)
+FORWARD_HEAD_DIMS = HEAD_DIMS + (256,)
 # Why this shape: GQA (4 query heads on 2 KV heads); 70 query rows, one full
 # 64-row block and a ragged one; 90 keys, two full 32-key blocks and a ragged
 # one; more keys than queries, so causal masking (bottom-right) cuts mid-block.
@@ -56,14 +58,15 @@ class ForcedCase(sweep.Case):
 
 def cases(quick: bool) -> List[sweep.Case]:
     """Full: every dtype x head dim x causal. Quick: each dtype, head dim and causal value at least once."""
-    grid = [(dt, d, causal) for dt in DTYPES for d in HEAD_DIMS for causal in (True, False)]
+    grid = [(dt, d, causal) for dt in DTYPES for d in FORWARD_HEAD_DIMS for causal in (True, False)]
     if quick:
         grid = [(torch.float16, 64, True), (torch.bfloat16, 96, False), (torch.float16, 128, False),
-                (torch.bfloat16, 128, True)]
+                (torch.bfloat16, 128, True), (torch.float16, 256, True)]
     forward = [sweep.Case("prefill", dt, d, SHAPE, causal=causal) for dt, d, causal in grid]
-    # The backward (attention_backward_mpp.h): with a gradient into lse; quick: two cases. Both: one with
-    # the options (a bool key-padding mask, a left window, softcap) on top.
-    bgrid = [(torch.float16, 64, True), (torch.bfloat16, 128, False)] if quick else grid
+    # The backward (attention_backward_mpp.h; no D = 256): with a gradient into lse; quick: two cases. Both:
+    # one with the options (a bool key-padding mask, a left window, softcap) on top.
+    bgrid = [(torch.float16, 64, True), (torch.bfloat16, 128, False)] if quick else \
+        [(dt, d, causal) for dt, d, causal in grid if d in HEAD_DIMS]
     backward = [sweep.Case("backward", dt, d, SHAPE, causal=causal, grad_lse=True) for dt, d, causal in bgrid]
     options = sweep.Case("backward", torch.float16, 96, SHAPE, causal=True, mask="bool", window_left=40, softcap=4.0,
                          grad_lse=True)
@@ -81,7 +84,7 @@ def timing_shapes(quick: bool) -> List[tuple]:
     (f16, 1x32(8)x4096x96: 4.13 ms for its accelerator kernel, MLX PR #3943) for comparison."""
     if quick:
         return [(1, 16, 4, 1024, 128, True, torch.float16)]
-    out = [(1, 16, 4, 2048, d, True, dt) for dt in DTYPES for d in HEAD_DIMS]
+    out = [(1, 16, 4, 2048, d, True, dt) for dt in DTYPES for d in FORWARD_HEAD_DIMS]
     return out + [(1, 32, 8, 4096, 96, False, torch.float16)]
 
 

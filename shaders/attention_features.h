@@ -3,7 +3,7 @@
 // logit softcapping and packed variable-length sequences. Each is a
 // function constant, so a pipeline built without it carries no code for it.
 //
-// The contract (README "Masks, windows, softcap, varlen"; the float64
+// The contract (docs/usage.md, "Masks, sliding windows, softcapping, packed sequences"; the float64
 // oracle flash_metal/reference.py spells the same rules):
 //   score  s   = scale * q.k                       (kernels keep it in base 2:
 //                                                   s2 = s * log2(e), q pre-scaled)

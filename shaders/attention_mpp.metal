@@ -5,6 +5,7 @@
 // have no tensor ops. Host names encode every template parameter and must
 // match the names csrc/metal_launch.cpp builds:
 //   flash_attention_prefill_mpp_<dtype>_d<D>_bq<BQ>_bk<BK>
+//   flash_attention_prefill_mpp_dsplit_<dtype>_d<D>_bq<BQ>_bk<BK>_wn<WN>
 //   flash_backward_mpp_dq_<dtype>_d<D>_bq<BQ>_bk<BK>
 //   flash_backward_mpp_dkdv_<dtype>_d<D>_bk<BKV>_bq<BQ>
 //
@@ -16,6 +17,7 @@
 #if defined(__METAL_VERSION__) && __METAL_VERSION__ >= 400 && defined(__HAVE_TENSOR__)
 #include "attention_mpp_common.h"  // first: the MSL 4 headers all include it
 #include "attention_prefill_mpp.h"
+#include "attention_prefill_mpp_dsplit.h"
 #include "attention_backward_mpp.h"
 
 // The one instantiation macro: a host name plus the template it names.
@@ -33,6 +35,14 @@
   FM_PREFILL_MPP(tname, T, 64)         \
   FM_PREFILL_MPP(tname, T, 96)         \
   FM_PREFILL_MPP(tname, T, 128)
+
+// D = 256 split along D (attention_prefill_mpp_dsplit.h): 32 query rows
+// (2 row groups of 16, each a pair of SIMD-groups owning 128 features
+// apiece) x 32 keys; 28,928 bytes of threadgroup memory (the host's table:
+// csrc/metal_plan_detail.h, tensor_ops_dsplit_threadgroup_bytes).
+#define FM_PREFILL_MPP_DSPLIT(tname, T)                                                          \
+  FM_MPP_INSTANTIATE("flash_attention_prefill_mpp_dsplit_" #tname "_d256_bq32_bk32_wn2",       \
+                     flash_attention_prefill_mpp_dsplit<T, 256, 32, 32, 2>)
 
 // The backward (attention_backward_mpp.h): 32 keys per dQ block and 32
 // query rows per dK/dV block (one lane per streamed query fills the
@@ -57,6 +67,8 @@
 namespace flash_metal {
 FM_PREFILL_MPP_ALL_D(float16, half)
 FM_PREFILL_MPP_ALL_D(bfloat16, bfloat)
+FM_PREFILL_MPP_DSPLIT(float16, half)
+FM_PREFILL_MPP_DSPLIT(bfloat16, bfloat)
 FM_BACKWARD_MPP_ALL_D(float16, half)
 FM_BACKWARD_MPP_ALL_D(bfloat16, bfloat)
 }  // namespace flash_metal

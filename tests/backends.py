@@ -23,6 +23,10 @@ MPP_KERNEL_PREFIX = "flash_attention_prefill_mpp_"
 # Every kernel of the MSL 4 library: the forward's and the backward's
 # (csrc/metal_plan.h, is_tensor_ops_kernel).
 MPP_KERNEL_PREFIXES = (MPP_KERNEL_PREFIX, "flash_backward_mpp_")
+# The D = 256 split-D forward (attention_prefill_mpp_dsplit.h) stays out of
+# the default MPP build (CI time: only tests/test_metal_tensor_ops_d256.py and
+# the model run it); metal_mpp_dsplit_library builds it alone.
+MPP_DSPLIT_KERNELS = "flash_attention_prefill_mpp_dsplit_*"
 
 
 # FLASH_METAL_MPS_FULL=1 runs every mps case of the op grids. By default only
@@ -192,7 +196,17 @@ def wide_decode_library(instrumented: bool):
 def metal_mpp_library(instrumented: bool, fast_math: bool = False):
     from metal_emulator import compile_library
 
-    return compile_library([MPP_SHADER], instrumented=instrumented, fast_math=fast_math, msl=4)
+    return compile_library([MPP_SHADER], instrumented=instrumented, fast_math=fast_math, msl=4,
+                           exclude=[MPP_DSPLIT_KERNELS])
+
+
+@functools.lru_cache(maxsize=None)
+def metal_mpp_dsplit_library(instrumented: bool, fast_math: bool = False):
+    """The D = 256 split-D tensor-op forward alone (a partial MSL 4 build: seconds, not minutes)."""
+    from metal_emulator import compile_library
+
+    return compile_library([MPP_SHADER], instrumented=instrumented, fast_math=fast_math, msl=4,
+                           only=[MPP_DSPLIT_KERNELS])
 
 
 # What each dispatch of the last emulated call reported (the emulator's
@@ -381,7 +395,8 @@ def _run_plan(plan, tensors, instrumented, fast_math, seed=0, mpp_layout="scramb
         constants = dict(enumerate(d.function_constants))
         extra = {}
         if d.kernel_name.startswith(MPP_KERNEL_PREFIXES):
-            library = metal_mpp_library(instrumented, fast_math)
+            dsplit = d.kernel_name.startswith(MPP_KERNEL_PREFIX + "dsplit_")
+            library = (metal_mpp_dsplit_library if dsplit else metal_mpp_library)(instrumented, fast_math)
             assert not any(constants.pop(i, False) for i in MPP_UNDECLARED_CONSTANTS), d.function_constants
             extra = dict(mpp_layout=mpp_layout, mpp_seed=mpp_seed)
         elif is_wide_decode(d.kernel_name) and not fast_math:

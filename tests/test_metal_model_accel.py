@@ -151,3 +151,44 @@ def test_tensor_op_backward_counts_its_seven_products_once():
     # The emulator read the threadgroup operand element by element (16 x 32 x D per run): far more.
     assert raw[0].counts["threadgroup_bytes_read"] > 10 * dq.counts["threadgroup_bytes_read"] > 0
     assert raw[1].counts["threadgroup_bytes_read"] > 5 * dkv.counts["threadgroup_bytes_read"] > 0
+
+
+# ---- the split-D tensor-op forward at D = 256 (attention_prefill_mpp_dsplit.h) -------------------------------
+
+
+def test_dsplit_counts_scale_exactly_and_ask_for_half_rows():
+    """The D = 256 kernel's scaling rule (32-row threadgroups) is exact against a direct emulation; its products
+    are the useful FLOPs once (each half multiplies over its 128 features), 2 threadgroup barriers per key
+    block; on_hardware asks for each run's half-width K / V block (32 x 128) once."""
+    s = M.Shape(1, 2, 1, 64, 96, 256)
+    [scaled] = X.mpp_scaled_counts(s, torch.float16)
+    [direct] = M.emulate("tensor_ops", s, torch.float16, False)
+    assert scaled.kernel == direct.kernel == "flash_attention_prefill_mpp_dsplit_float16_d256_bq32_bk32_wn2"
+    assert scaled.counts == direct.counts
+    tgs, blocks = 2 * 2, 3  # heads x threadgroups; key blocks
+    assert direct.counts["mpp_runs"] == tgs * 4 * blocks * 2
+    assert direct.counts["threadgroup_barriers"] == tgs * blocks * 2
+    assert direct.counts["mpp_flops"] == M.useful_flops(s, False)
+    [hw] = X.on_hardware([direct], torch.float16, s.d)
+    pairs = direct.counts["mpp_runs"] // 2
+    assert hw.counts["read_k"] == hw.counts["req_k"] == hw.counts["read_v"] == pairs * 32 * 128 * 2
+    assert direct.counts["read_k"] > hw.counts["read_k"]  # the emulator's lane-by-lane reads, replaced
+    with pytest.raises(ValueError, match="Nq % 32 == Nk % 32 == 0"):
+        X.mpp_scaled_counts(M.Shape(1, 1, 1, 40, 96, 256), torch.float16)
+
+
+def test_dsplit_verdict_is_the_routing_constant():
+    """Auto takes the split-D kernel at D = 256 on an M5 with the library exactly when the model predicts it
+    ahead of the simdgroup prefill at 1 x 32 (8) x 4096 x 256 float16, causal and not, on every M5-family
+    GPU (csrc/metal_routing_tensor_ops_dsplit.cpp, kDsplitModelWins; a model, not a measurement)."""
+    import flash_metal
+
+    res = X.dsplit_against_simdgroup()
+    assert set(res) == {(g, c) for g in X.M5_FAMILY for c in (False, True)}
+    for simd, tops, _ in res.values():
+        assert simd[0] <= simd[1] <= simd[2] and tops[0] <= tops[1] <= tops[2]
+    q = torch.zeros(1, 4, 64, 256, dtype=torch.float16)
+    k = torch.zeros(1, 2, 64, 256, dtype=torch.float16)
+    plan = flash_metal.explain(q, k, k, True, None, "auto", "m5+tensor_ops")
+    assert ("_mpp_dsplit_" in plan.kernel_name) == X.dsplit_model_wins(res), plan.reason
+    assert "a model, not a measurement" in plan.reason

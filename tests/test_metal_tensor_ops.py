@@ -285,8 +285,9 @@ def test_msl31_library_holds_none_of_them():
 
 @pytest.mark.parametrize("what, kwargs, err, words", [
     ("float32", dict(dtype=torch.float32), TypeError, ["float16 or bfloat16", "float32"]),
-    ("head_dim 80", dict(d=80), ValueError, ["head_dim 64, 96 or 128", "80"]),
-    ("head_dim 256", dict(d=256), ValueError, ["head_dim 64, 96 or 128", "256"]),
+    ("head_dim 80", dict(d=80), ValueError, ["head_dim 64, 96, 128 or 256", "80"]),
+    # (256 runs on the split-D kernel: tests/test_metal_tensor_ops_d256.py)
+    ("head_dim 192", dict(d=192), ValueError, ["head_dim 64, 96, 128 or 256", "192"]),
 ])
 def test_refuses_what_it_does_not_cover_naming_the_argument(what, kwargs, err, words):
     dtype, d = kwargs.get("dtype", torch.float16), kwargs.get("d", 64)

@@ -142,6 +142,9 @@ def mpp_scenarios(built, emu, tmp_path_factory):
         "stale": {"lib": built, "case": _MPP_CASE, "knobs": _MACOS_26_2, "mpp_metallib": "stale"},
         "macos26_1": {"lib": built, "case": _MPP_CASE, "knobs": {"macos_version": 2601}, "mpp_metallib": "fresh"},
         "backward": {"lib": built, "knobs": _MACOS_26_2, "mpp_metallib": "fresh", "check": "tensor_ops_backward"},
+        # D = 256: the split-D kernel (attention_prefill_mpp_dsplit.h), replayed in its own partial build.
+        "dsplit": {"lib": built, "case": {**_MPP_CASE, "Nq": 40, "Nk": 45, "D": 256, "dtype": "bfloat16"},
+                   "knobs": _MACOS_26_2, "mpp_metallib": "fresh"},
     }
     # metal_device_info's "tensor_ops" against Auto's choice (checks.tensor_ops_reported), one process
     # per library state (library.mm loads the MSL 4 library once per process).
@@ -210,6 +213,20 @@ def test_tensor_op_pipelines_come_from_the_msl4_library(mpp_scenarios):
     assert "flash_metal_mpp.metallib" in loaded
     kernels = [e["kernel"] for e in r["events"] if e["op"] == "setComputePipelineState"]
     assert kernels == ["flash_attention_prefill_mpp_float16_d64_bq64_bk32"]
+
+
+def test_split_d_tensor_op_pipeline_is_bound_as_planned(mpp_scenarios):
+    # D = 256, forced: the .mm takes the split-D kernel from the MSL 4 library, sets the threadgroup memory the
+    # plan sized (csrc/metal_plan_detail.h, tensor_ops_dsplit_threadgroup_bytes) and dispatches 4 SIMD-groups
+    # per 32 query rows; replayed in the emulator and checked against float64.
+    r = mpp_scenarios["dsplit"]
+    assert r["stage"] is None, r["error"]
+    assert r["errors"] == []
+    kernels = [e["kernel"] for e in r["events"] if e["op"] == "setComputePipelineState"]
+    assert kernels == ["flash_attention_prefill_mpp_dsplit_bfloat16_d256_bq32_bk32_wn2"]
+    assert [e["length"] for e in r["events"] if e["op"] == "setThreadgroupMemoryLength"] == [28928]
+    [dispatch] = [e for e in r["events"] if e["op"] == "dispatchThreadgroups"]
+    assert list(dispatch["grid"]) == [2, 4, 1] and list(dispatch["threadgroup"]) == [128, 1, 1]
 
 
 def test_tensor_op_backward_pipelines_come_from_the_msl4_library(mpp_scenarios):

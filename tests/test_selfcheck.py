@@ -139,7 +139,8 @@ def test_metal_emu_accelerator_section_runs_in_emulation(emu_run):
     assert a["status"] == "passed" and a["usable"] is True and a["emulated"] is True
     backward = [c for c in a["checks"] if c["id"].startswith("tensor_ops_backward-")]
     checks = [c for c in a["checks"] if c not in backward]
-    assert {c["dtype"] for c in checks} == {"float16", "bfloat16"} and {c["head_dim"] for c in checks} == {64, 96, 128}
+    assert {c["dtype"] for c in checks} == {"float16", "bfloat16"} and {c["head_dim"] for c in checks} == {64, 96, 128,
+                                                                                                        256}
     assert {c["causal"] for c in checks} == {True, False}
     assert {c["dtype"] for c in backward} == {"float16", "bfloat16"} and {c["causal"] for c in backward} == {True, False}
     assert any("-bool-mask-window40-softcap4-" in c["id"] for c in backward)  # the options case, forced too
@@ -153,7 +154,9 @@ def test_metal_emu_accelerator_section_runs_in_emulation(emu_run):
     for c in checks:
         assert c["status"] == "passed", c
         tops, simd = c["tensor_ops"], c["simdgroup"]
-        assert tops["kernels"] == [f"flash_attention_prefill_mpp_{c['dtype']}_d{c['head_dim']}_bq64_bk32"], c
+        want = (f"flash_attention_prefill_mpp_dsplit_{c['dtype']}_d256_bq32_bk32_wn2" if c["head_dim"] == 256
+                else f"flash_attention_prefill_mpp_{c['dtype']}_d{c['head_dim']}_bq64_bk32")  # 256: split along D
+        assert tops["kernels"] == [want], c
         assert len(simd["kernels"]) == 1 and simd["kernels"][0].startswith(
             f"flash_attention_prefill_{c['dtype']}_d{c['head_dim']}_"), c
         assert 0 <= tops["worst_ratio"] <= 1 and 0 <= simd["worst_ratio"] <= 1

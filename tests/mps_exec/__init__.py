@@ -36,6 +36,20 @@ MPP_METALLIB_HASH_NAME = "flash_metal_mpp.metallib.fnv1a64"
 MPP_KERNEL_PREFIX = "flash_attention_prefill_mpp_"
 # The MSL 4 library's kernels: the forward's and the backward's (csrc/metal_plan.h, is_tensor_ops_kernel).
 MPP_KERNEL_PREFIXES = (MPP_KERNEL_PREFIX, "flash_backward_mpp_")
+# The D = 256 split-D forward: left out of the default MSL 4 emulator build,
+# built alone where a scenario runs it (tests/backends.py, MPP_DSPLIT_KERNELS).
+MPP_DSPLIT_KERNELS = MPP_KERNEL_PREFIX + "dsplit_*"
+
+
+def mpp_library(head_dim=None):
+    """The emulator's MSL 4 build a scenario replays with: the default one (the dsplit kernels left out, the
+    same build as tests/backends.py's), or at head dim 256 the dsplit kernels alone. Either names every
+    kernel of the source (source_kernel_names: the fake metallib's contents)."""
+    from metal_emulator import compile_library
+
+    if head_dim == 256:
+        return compile_library([MPP_SHADER], instrumented=False, msl=4, only=[MPP_DSPLIT_KERNELS])
+    return compile_library([MPP_SHADER], instrumented=False, msl=4, exclude=[MPP_DSPLIT_KERNELS])
 # Constants the .mm sets that the MPP kernels do not declare (tests/backends.py's MPP_UNDECLARED_CONSTANTS).
 MPP_UNDECLARED_CONSTANTS = (1, 2, 10)
 # First line of a fake metallib (fake_runtime.h: kFakeMetallibMagic).

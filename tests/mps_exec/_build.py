@@ -32,7 +32,8 @@ CACHE_DIR = os.environ.get("FLASH_METAL_MPS_EXEC_CACHE", os.path.join(HERE, ".bu
 # The portable C++ the host calls (compiled again here: setup.py builds the
 # _C extension with hidden visibility, so it exports none of it).
 PORTABLE_SOURCES = ("checks.cpp", "composite.cpp", "kvcache.cpp", "metal_routing.cpp", "metal_routing_tensor_ops.cpp",
-                    "metal_routing_wide.cpp", "metal_routing_prefill.cpp", "metal_routing_splitd.cpp",
+                    "metal_routing_tensor_ops_dsplit.cpp", "metal_routing_wide.cpp", "metal_routing_prefill.cpp",
+                    "metal_routing_splitd.cpp",
                     "metal_launch.cpp", "metal_launch_backward.cpp", "metal_registry.cpp", "metal_gpus.cpp")
 FAKE_SOURCES = ("fake_foundation.mm", "fake_metal.mm", "fake_encoder.mm", "fake_mps.mm", "race_driver.mm", "personality.cpp")
 # What apt must install for this build (Debian bookworm names).

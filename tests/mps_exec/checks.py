@@ -445,10 +445,9 @@ def tensor_ops_backward(host, library) -> dict:
     (flash_metal_mpp.metallib), bound as planned (a gradient into lse too: function constant 3), replayed in
     the emulator's MSL 4 build ("scrambled" lane layout) and checked against float64 by the 2x rule.
     Returns the kernels the host set, in order."""
-    from metal_emulator import compile_library
-    from mps_exec import MPP_SHADER, replay
+    from mps_exec import mpp_library, replay
 
-    mpp = compile_library([MPP_SHADER], instrumented=False, msl=4)
+    mpp = mpp_library()
     g = torch.Generator().manual_seed(41)
     q, k, v = make_qkv(1, 4, 2, 37, 45, 64, torch.float16, generator=g)
     out, lse = torch.ops.flash_metal.attention_forward(q, k, v, True, None, "auto")

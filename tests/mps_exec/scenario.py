@@ -35,7 +35,7 @@ sys.path.insert(0, TESTS)
 import torch  # noqa: E402
 
 import mps_exec  # noqa: E402
-from metal_emulator import compile_library, preprocessed  # noqa: E402
+from metal_emulator import preprocessed  # noqa: E402
 from shader_builds import shipped_library  # noqa: E402
 from numerics import assert_attention_close, make_qkv  # noqa: E402
 
@@ -45,9 +45,9 @@ def main(spec: dict) -> dict:
     # The metallib's kernels: all of the source's, the ones the emulator's default build left out too.
     names = [n for n in shipped.source_kernel_names() if n != spec.get("drop_kernel")]
     mpp_state = spec.get("mpp_metallib", "none")
-    mpp = compile_library([mps_exec.MPP_SHADER], instrumented=False, msl=4) if mpp_state != "none" else None
+    mpp = mps_exec.mpp_library(spec.get("case", {}).get("D")) if mpp_state != "none" else None
     path = mps_exec.package_dir(spec["lib"], spec["dir"], spec.get("metallib", "fresh"), names,
-                                spec.get("shaders", True), mpp_state, mpp.kernel_names() if mpp else None)
+                                spec.get("shaders", True), mpp_state, mpp.source_kernel_names() if mpp else None)
     os.environ.update(spec.get("env", {}))
     host = mps_exec.load(path)
     host.configure(**spec.get("knobs", {}))

@@ -1,0 +1,272 @@
+// The tensor-op (Metal 4 matmul2d) prefill at head dim 256, split along D
+// (issue 21, item 1: "D 64/96/128, and 256 split along D"). MSL 4 only, in
+// the library of shaders/attention_mpp.metal, as attention_prefill_mpp.h.
+//
+// Why a kernel of its own. attention_prefill_mpp.h gives each SIMD-group 16
+// query rows and the whole head: at D = 256 its O accumulator is a 16 x 256
+// float destination cooperative tensor (128 floats per lane), and its Q
+// slice 16 x 256 halves (8 KiB per SIMD-group, 32 KiB for 4: no room left for
+// P). The idea here is MLX's attention_nax_dsplit (ml-explore/mlx PR #3842,
+// steel_attention_nax.h; ideas only, the code is this project's): the
+// SIMD-groups work in pairs, and each half of a pair owns half of D.
+//
+//   - A threadgroup owns BQ = 32 query rows: WM = 2 row groups of 16, each
+//     served by a pair of WN = 2 SIMD-groups (4 SIMD-groups, 128 threads).
+//     SIMD-group sg is half h = sg % WN of row group sg / WN.
+//   - Half h owns features [h * 128, (h + 1) * 128) of Q and of O (and of K
+//     and V). Its partial S_h = Q[:, half] . K[block, half]^T is a matmul2d
+//     with K = D / 2 into a float destination cooperative tensor (16 x BK).
+//   - The exchange: each half writes its partial to its own slot of
+//     threadgroup memory (by (row, key), learnt from
+//     get_multidimensional_index, never from the lane layout), a threadgroup
+//     barrier, then each adds the other half's partial at the same (row,
+//     key). IEEE addition is commutative, so both halves hold bit-identical
+//     scores S = S_0 + S_1 (float partials: one float rounding more than a
+//     single K = 256 product, far below the inputs' 16-bit rounding).
+//   - Both halves run the online softmax on their (identical) S, as MLX's
+//     dsplit does. Why not one half computing P for both: that would need
+//     a second exchange (P and the row's alpha) and a barrier, where the
+//     repeated softmax costs each half the same exp2 work the pair would do
+//     anyway, in parallel (the halves run side by side on the core). Each
+//     half writes its own copy of P (T) and alpha for its own P.V, so P
+//     needs no barrier beyond the SIMD-group's own.
+//   - O_h = alpha * O_h + P . V[block, half]: matmul2d (16 x 128, K = BK)
+//     multiply_accumulate into a float 16 x 128 destination cooperative
+//     tensor (64 floats per lane, as the D = 128 kernel's O).
+//
+// Threadgroup memory: the 32 KiB budget decides where Q lives. Per
+// threadgroup, float16 / bfloat16, BK = 32 (csrc/metal_plan_detail.h,
+// tensor_ops_dsplit_threadgroup_bytes, checks the same sum statically):
+//   P:         4 SIMD-groups x 16 x BK x 2        =  4,096
+//   Q:         4 SIMD-groups x 16 x 128 x 2       = 16,384 (each half's 16 x 128 slice)
+//   partial S: 2 row groups x 2 halves x 16 x BK x 4 = 8,192 (float)
+//   row stats: 4 SIMD-groups x 16 x 4             =    256 (alpha, then 1 / l)
+//   total                                          = 28,928 bytes
+// Q is staged (each SIMD-group copies its 16 x 128 slice from device memory
+// once, as attention_prefill_mpp.h does: a device Q operand would be read
+// again every key block, which the model found made the D <= 128 kernel
+// memory-bound). The price of staging is one slot of partial S per half: a
+// second (double-buffered) slot would take the partials to 16 KiB and the
+// total over 32 KiB, so the kernel takes two threadgroup barriers per key
+// block instead of one (after the partials are written: RAW; after the
+// block's P.V, once both halves have read the other's partial: WAR). BQ =
+// 64 (MLX's, 8 SIMD-groups) would need 32 KiB for Q alone.
+//
+// Uniform control flow: threadgroup barriers must be reached by every
+// thread of the threadgroup, so nothing here returns early except a whole
+// threadgroup past its sequence (varlen), and the key loop's bounds are the
+// threadgroup's: up to what its last real row sees (causal or a right
+// window), from the block of its first row's first visible key (a left
+// window). A row group with no real row (the ragged last block) runs the
+// loop on zero Q rows and stores nothing; rows that see no key in a block
+// keep weight 0 there (masked scores), as in attention_prefill_mpp.h.
+//
+// Options and conventions: every one of attention_prefill_mpp.h's, through
+// the same attention_features.h helpers (causal bottom-right with block
+// skipping, GQA via head_offsets, bool / additive masks, windows, softcap,
+// sinks, varlen, lse); zeros and lse = -inf for a row that saw no key. lse
+// is stored by half 0 alone (both halves hold the same m and l).
+//
+// What the emulator cannot tell: as attention_prefill_mpp.h (Apple's real
+// layouts, run()'s accumulation order), and whether the halves stay in step
+// on an M5 (the barrier cost). Not yet verified on Apple hardware.
+#pragma once
+
+#include "attention_prefill_mpp.h"
+
+namespace flash_metal {
+
+// T: half or bfloat. D: the head dim (256; q, k and v alike). BQ: query rows
+// per threadgroup (16 per row group). BK: keys per block. WN: SIMD-groups
+// per row group, each owning D / WN features (2: a pair).
+// Launch: grid (ceil(Nq / BQ), Hq, B), threadgroup (32 * BQ / 16 * WN, 1,
+// 1), threadgroup memory at index 0 (top of file), function constants and
+// buffers as flash_attention_prefill_mpp.
+template <typename T, int D, int BQ, int BK, int WN>
+[[kernel]] [[max_total_threads_per_threadgroup(kPrefillMppMaxThreads)]] void flash_attention_prefill_mpp_dsplit(
+    device const T* q [[buffer(0)]],
+    device const T* k [[buffer(1)]],
+    device const T* v [[buffer(2)]],
+    device T* o [[buffer(3)]],
+    device float* lse [[buffer(4)]],
+    constant AttentionParams& p [[buffer(5)]],
+    device const uchar* mask [[buffer(14)]],
+    device const int* cu_seqlens_q [[buffer(15)]],
+    device const int* cu_seqlens_k [[buffer(16)]],
+    device const float* sinks [[buffer(17)]],
+    threadgroup T* smem [[threadgroup(0)]],
+    uint3 group [[threadgroup_position_in_grid]],
+    uint sg [[simdgroup_index_in_threadgroup]],
+    uint lane [[thread_index_in_simdgroup]]) {
+  using namespace mpp::tensor_ops;
+  constexpr int R = kMppRowsPerSimd;
+  constexpr int WM = BQ / R;   // row groups
+  constexpr int NSG = WM * WN; // SIMD-groups
+  constexpr int DH = D / WN;   // features each half owns
+  static_assert(WN == 2, "pairs: each half adds the other's partial S (commutative, so both agree bit for bit)");
+  static_assert(BQ % R == 0 && D % WN == 0 && 32 * NSG <= kPrefillMppMaxThreads, "row groups of 16, the limit");
+  const int half_id = int(sg) % WN;
+  const int rg = int(sg) / WN;
+  // Threadgroup memory, in order: P (NSG x R x BK, T), Q (NSG x R x DH, T),
+  // the partials (WM x WN x R x BK floats), a float per row (NSG x R).
+  threadgroup T* p_tile = smem + int(sg) * R * BK;
+  threadgroup T* q_tile = smem + NSG * R * BK + int(sg) * R * DH;
+  threadgroup float* partials = reinterpret_cast<threadgroup float*>(smem + NSG * R * (BK + DH));
+  threadgroup float* mine = partials + (rg * WN + half_id) * R * BK;
+  threadgroup const float* other = partials + (rg * WN + (1 - half_id)) * R * BK;
+  threadgroup float* row_stat = partials + WM * WN * R * BK + int(sg) * R;
+
+  // A threadgroup past its sequence (varlen) leaves whole: uniform, before
+  // any barrier.
+  const SeqView seq = sequence_view(p, cu_seqlens_q, cu_seqlens_k, group.z);
+  const int q0 = int(group.x) * BQ;
+  if (q0 >= seq.q_len) return;
+  const int row0 = q0 + rg * R;  // this row group's first row (may be past the sequence)
+  HeadOffsets h = head_offsets(p, group.z, group.y);
+  h.q += seq.q_row0 * p.q_row_stride;
+  h.o += seq.q_row0 * p.o_row_stride;
+  h.lse += seq.q_row0 * p.lse_row_stride;
+  h.k += seq.k_row0 * p.k_row_stride;
+  h.v += seq.k_row0 * p.v_row_stride;
+  const int64_t mask_slice = fc_has_mask ? mask_head_offset(p, group.z, group.y) : 0;
+  const int f0 = half_id * DH;  // this half's first feature
+
+  // This half's Q slice (16 rows x DH features), read from device memory
+  // once (as attention_prefill_mpp.h: consecutive lanes, consecutive
+  // features; rows past the sequence zero-filled).
+  {
+    const int rows = max(0, min(R, seq.q_len - row0));
+    device const T* q_rows = q + h.q + int64_t(min(row0, seq.q_len - 1)) * p.q_row_stride;
+    const int rs = int(p.q_row_stride), ds = int(p.q_dim_stride);
+    for (int e = int(lane); e < R * DH; e += 32) {
+      const int r = e / DH, c = e - r * DH;
+      q_tile[e] = r < rows ? q_rows[r * rs + (f0 + c) * ds] : static_cast<T>(0.0f);
+    }
+  }
+  simdgroup_barrier(mem_flags::mem_threadgroup);  // Q written before other lanes' matmul2d reads it (RAW)
+
+  // This half's features of K and V as tensors (extents innermost first;
+  // row extents end at the sequence, so matmul2d reads zeros past it).
+  const auto tq = tensor(q_tile, dextents<int, 2>(DH, R));
+  const auto tk = tensor(k + h.k + int64_t(f0) * p.k_dim_stride, dextents<int, 2>(DH, seq.kv_len),
+                         array<int, 2>{int(p.k_dim_stride), int(p.k_row_stride)});
+  const auto tv = tensor(v + h.v + int64_t(f0) * p.v_dim_stride, dextents<int, 2>(DH, seq.kv_len),
+                         array<int, 2>{int(p.v_dim_stride), int(p.v_row_stride)});
+  const auto tp = tensor(p_tile, dextents<int, 2>(BK, R));
+  using QT = decltype(tq);
+  using KT = decltype(tk.slice(0, 0));
+  using PT = decltype(tp);
+
+  constexpr auto qk_desc = matmul2d_descriptor(R, BK, DH, false, true, false, matmul2d_descriptor::mode::multiply);
+  constexpr auto pv_desc =
+      matmul2d_descriptor(R, DH, BK, false, false, false, matmul2d_descriptor::mode::multiply_accumulate);
+  matmul2d<qk_desc, execution_simdgroup> qk;
+  matmul2d<pv_desc, execution_simdgroup> pv;
+  auto s = qk.template get_destination_cooperative_tensor<QT, KT, float>();
+  auto acc = pv.template get_destination_cooperative_tensor<PT, KT, float>();
+  auto o_r = pv.template get_row_reduction_destination_cooperative_tensor<PT, KT, float>();
+  auto m_r = qk.template get_row_reduction_destination_cooperative_tensor<QT, KT, float>();
+  auto l_r = qk.template get_row_reduction_destination_cooperative_tensor<QT, KT, float>();
+  auto a_r = qk.template get_row_reduction_destination_cooperative_tensor<QT, KT, float>();
+  auto b_r = qk.template get_row_reduction_destination_cooperative_tensor<QT, KT, float>();
+  for (int j = 0; j < m_r.get_capacity(); ++j) {
+    float m0 = kMaskedScore, l0 = 0.0f;
+    if (fc_has_sinks) seed_sink(m0, l0, sinks, int(group.y));
+    m_r[j] = m0;
+    l_r[j] = l0;
+  }
+  for (int i = 0; i < acc.get_capacity(); ++i) acc[i] = 0.0f;
+
+  // Key blocks, the threadgroup's (uniform: every SIMD-group meets every
+  // barrier): up to what its last real row sees, from its first row's first
+  // visible key's block under a left window.
+  const int last_row = min(q0 + BQ, seq.q_len) - 1;
+  const int n_blocks = (visible_key_end(seq, last_row) + BK - 1) / BK;
+  const int first_block = fc_window_left ? first_visible_key(seq, q0) / BK : 0;
+
+  for (int kb = first_block; kb < n_blocks; ++kb) {
+    const int k0 = kb * BK;
+    qk.run(tq, tk.slice(0, k0), s);  // this half's partial S
+    for (int i = 0; i < s.get_capacity(); ++i) {
+      if (!s.is_valid_element(i)) continue;
+      const auto idx = s.get_multidimensional_index(i);  // [0] the key, [1] the row, within the block
+      mine[idx[1] * BK + idx[0]] = s[i];
+    }
+    threadgroup_barrier(mem_flags::mem_threadgroup);  // both halves' partials written before they are added (RAW)
+
+    const bool k_edge = k0 + BK > seq.kv_len;
+    const bool diagonal = fc_causal && k0 + BK - 1 > row0 + seq.upper;
+    const bool left_edge = fc_window_left && k0 < row0 + R - 1 + seq.lower;
+    for (int i = 0; i < s.get_capacity(); ++i) {
+      if (!s.is_valid_element(i)) continue;
+      const auto idx = s.get_multidimensional_index(i);
+      const int row = row0 + idx[1], key = k0 + idx[0];
+      const float full = s[i] + other[idx[1] * BK + idx[0]];  // S_h + S_other: the same float in both halves
+      bool keep = true;
+      if (k_edge && key >= seq.kv_len) keep = false;
+      if (diagonal && key > row + seq.upper) keep = false;
+      if (left_edge && key < row + seq.lower) keep = false;
+      if (row >= seq.q_len) keep = false;  // a row past the sequence: never stored, the mask not read
+      float sc = option_score<T>(p, mask, mask_slice, row, key, full * p.scale_log2, keep);
+      if (sc <= kMaskedScore) sc = kMaskedScore;
+      s[i] = sc;
+    }
+
+    // The online softmax, as attention_prefill_mpp.h (both halves alike).
+    reduce_rows(s, b_r, reduction_operation::max, kMaskedScore);
+    for (int j = 0; j < m_r.get_capacity(); ++j) {
+      const float m_new = max(m_r[j], b_r[j]);
+      a_r[j] = exp2(m_r[j] - m_new);
+      m_r[j] = m_new;
+    }
+    for (int i = 0; i < s.get_capacity(); ++i) {
+      if (!s.is_valid_element(i)) continue;
+      const auto idx = s.get_multidimensional_index(i);
+      const float w = s[i] <= kMaskedScore ? 0.0f : exp2(s[i] - mpp_row_value(m_r, idx[1]));
+      s[i] = w;
+      p_tile[idx[1] * BK + idx[0]] = static_cast<T>(w);
+      if (idx[0] == 0) row_stat[idx[1]] = mpp_row_value(a_r, idx[1]);
+    }
+    reduce_rows(s, b_r, reduction_operation::sum);
+    for (int j = 0; j < l_r.get_capacity(); ++j) l_r[j] = l_r[j] * a_r[j] + b_r[j];
+    simdgroup_barrier(mem_flags::mem_threadgroup);  // P and alpha written before other lanes read them (RAW)
+
+    mpp_rows_from(o_r, row_stat);
+    for (int i = 0; i < acc.get_capacity(); ++i) {
+      if (acc.is_valid_element(i)) acc[i] *= mpp_row_value(o_r, acc.get_multidimensional_index(i)[1]);
+    }
+    pv.run(tp, tv.slice(0, k0), acc);
+    // The other half has read this half's partial, and this SIMD-group's
+    // lanes have read P and alpha, before the next block rewrites them (WAR;
+    // one slot of partials, top of file).
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+  }
+
+  // Epilogue (as attention_prefill_mpp.h): 1 / l per row to this
+  // SIMD-group's row stats, lse from half 0, then this half's features of O.
+  for (int i = 0; i < s.get_capacity(); ++i) {
+    if (!s.is_valid_element(i)) continue;
+    const auto idx = s.get_multidimensional_index(i);
+    if (idx[0] != 0) continue;
+    const float m = mpp_row_value(m_r, idx[1]), l = mpp_row_value(l_r, idx[1]);
+    row_stat[idx[1]] = l > 0.0f ? 1.0f / l : 0.0f;
+    const int row = row0 + idx[1];
+    if (half_id == 0 && row < seq.q_len) {
+      const uint bits = l > 0.0f ? as_type<uint>(fma(m, M_LN2_F, log(l))) : kNegInfBits;
+      lse[h.lse + int64_t(row) * p.lse_row_stride] = as_type<float>(bits);
+    }
+  }
+  simdgroup_barrier(mem_flags::mem_threadgroup);  // 1 / l written before other lanes read it (RAW)
+  mpp_rows_from(o_r, row_stat);
+  for (int i = 0; i < acc.get_capacity(); ++i) {
+    if (!acc.is_valid_element(i)) continue;
+    const auto idx = acc.get_multidimensional_index(i);  // [0] the feature within the half, [1] the row
+    const int row = row0 + idx[1];
+    if (row < seq.q_len) {
+      o[h.o + int64_t(row) * p.o_row_stride + int64_t(f0 + idx[0]) * p.o_dim_stride] =
+          static_cast<T>(acc[i] * mpp_row_value(o_r, idx[1]));
+    }
+  }
+}
+
+}  // namespace flash_metal
