@@ -31,8 +31,10 @@ rate itself is an estimate (benchmarks/apple_gpus.py ACCEL_FLOPS_PER_CORE_CYCLE)
    (`tensor_ops_backward_records`: metal_backward_model's emulation and
    scaling rule with impl='tensor_ops', "m5" layout), matmul2d's operand
    traffic replaced by the same rule (`backward_on_hardware`): each run asks
-   for its device operand block (32 rows of K or V in the dQ kernel, of Q or
-   dO in the dK/dV kernel) and its threadgroup operand (a 16-row tile) once.
+   for its device operand (32 rows of K or V in the dQ kernel, the
+   SIMD-group's 16 rows of K or V in the dK/dV kernel) and its threadgroup
+   operands (tiles; the dK/dV kernel's Q / dO block, staged once per
+   threadgroup and shared by its SIMD-groups) once.
    16-bit inputs only: the kernels take float16 / bfloat16 (P and dS rounded
    to them before their products), so every backward figure here is float16.
 """
@@ -186,30 +188,34 @@ def backward_on_hardware(records, dtype, d):
     """The tensor-op backward's counts with matmul2d's operands asked for once per run (on_hardware's rule).
     dQ kernel, per SIMD-group and key block, 3 runs: S = Q.K^T and dP = dO.V^T (Q, dO tiles from threadgroup
     memory; K, V blocks from device memory), dQ += dS.K (dS tile, K block). dK/dV kernel, per SIMD-group, query
-    head and query block, 4 runs: S^T = K.Q^T, dP^T = V.dO^T, dV += P^T.dO, dK += dS^T.Q (the SIMD-group's
-    16 rows of K and V and the Q, dO blocks from device memory; P^T and dS^T from threadgroup memory). The
-    device operands are read by matmul2d only (k, v in the dQ kernel; all four in the dK/dV kernel), so their
-    read_ / req_ bytes are replaced; the kernels' own loads and the dram_ bytes (the L1 rule) are kept. In
-    the dQ kernel every run's threadgroup operand is read by the emulator element by element (16 x 32 x D
-    elements per run); in the dK/dV kernel only dV's and dK's (P^T, dS^T)."""
+    head and query block, 4 runs: S^T = K.Q^T, dP^T = V.dO^T, dV += P^T.dO, dK += dS^T.Q: the SIMD-group's 16
+    rows of K and V from device memory; the Q and dO block from threadgroup memory, where the threadgroup staged
+    it once for its SIMD-groups (the kernel's own loads: device bytes and threadgroup stores counted exactly by
+    the emulator, kept); P^T and dS^T from the SIMD-group's tiles. The device operands read by matmul2d (k, v in
+    both kernels) have their read_ / req_ bytes replaced; the kernels' own loads and the dram_ bytes (the L1
+    rule) are kept. The emulator reads a threadgroup operand element by element, M x N x K elements per run:
+    in the dQ kernel one per run, in the dK/dV kernel one in S^T's and dP^T's runs, two in dV's and dK's."""
     elem = torch.empty((), dtype=dtype).element_size()
-    block = MPP_BWD_BLOCK * d * elem
+    bq = MPP_BWD_BLOCK
     out = []
     for r in records:
         c = dict(r.counts)
         dkdv = "_dkdv_" in r.kernel
         runs = c["mpp_runs"]
         blocks = runs // (4 if dkdv else 3)
-        # Device operand bytes per streamed block: dQ: K twice (32 rows), V once; dK/dV: Q and dO twice (32
-        # rows), the SIMD-group's 16 rows of K and V once each.
         rows16 = MPP_ROWS * d * elem
-        device = {"q": 2 * block, "grad_out": 2 * block, "k": rows16, "v": rows16} if dkdv \
-            else {"k": 2 * block, "v": block}
+        # Device operand bytes matmul2d asks for per streamed block: dQ: K twice (32 rows), V once; dK/dV: the
+        # SIMD-group's 16 rows of K and of V once each.
+        device = {"k": rows16, "v": rows16} if dkdv else {"k": 2 * bq * d * elem, "v": bq * d * elem}
         for n, per in device.items():
             c["read_" + n] = c["req_" + n] = blocks * per
-        tg_runs = 2 if dkdv else 3  # runs with a threadgroup operand per block
-        tiles = 2 * MPP_ROWS * MPP_BWD_BLOCK if dkdv else 2 * MPP_ROWS * d + MPP_ROWS * MPP_BWD_BLOCK
-        c["threadgroup_bytes_read"] += (blocks * tiles - blocks * tg_runs * MPP_ROWS * MPP_BWD_BLOCK * d) * elem
+        if dkdv:
+            once = 4 * bq * d + 2 * MPP_ROWS * bq  # Q, dO (twice each), P^T, dS^T
+            lane_by_lane = 6 * MPP_ROWS * bq * d
+        else:
+            once = 2 * MPP_ROWS * d + MPP_ROWS * bq  # Q, dO, dS
+            lane_by_lane = 3 * MPP_ROWS * bq * d
+        c["threadgroup_bytes_read"] += blocks * (once - lane_by_lane) * elem
         out.append(r._replace(counts=c))
     return out
 
@@ -306,7 +312,8 @@ def accelerators(quick=False):
     print("Our tensor-op forward has MLX's counts (tests/test_metal_model_accel.py), Q read from device memory "
           "once included, except that each SIMD-group stages its 16 Q rows in threadgroup memory (MLX keeps them "
           "in registers) and P too, which matmul2d reads from there every key block (on-core data). Our tensor-op "
-          "backward: float16 (its kernels take 16-bit inputs), not yet verified on Apple hardware; no anchor runs "
+          "backward: float16 (its kernels take 16-bit inputs); its dK/dV kernel stages each Q / dO block once per "
+          "threadgroup for its 4 SIMD-groups; not yet verified on Apple hardware; no anchor runs "
           "a backward on the accelerators (mtlattn reports ~5.8 TFLOPS on an M5 Pro, varlen, unverified here).")
     print_dsplit(quick)
     post = post_point()

@@ -10,11 +10,32 @@ using namespace plan_detail;
 
 namespace {
 
+// grad_sinks from Delta (written by the dQ kernel) and lse: one SIMD-group
+// per query head (shaders/attention_sinks.h, in the MSL 3.1 library), after
+// either backward's dQ and dK/dV kernels; `dq` gives the params and bindings.
+void sinks_grad_launch(const AttentionProblem& p, const MetalLaunch& dq, const GpuSpec& gpu, MetalPlan* plan) {
+  MetalLaunch sg = dq;
+  sg.kernel_name = "flash_sinks_grad";
+  sg.grid = {static_cast<uint32_t>(p.q_heads), 1, 1};
+  sg.threadgroup = {32, 1, 1};
+  sg.max_threads_per_threadgroup = kSinksGradMaxThreads;
+  sg.threadgroup_memory = 0;
+  sg.function_constants = std::vector<bool>(kFunctionConstantCount, false);
+  sg.function_constants[kVarlenFunctionConstant] = p.varlen;
+  sg.buffers = kSinksGradBuffers;
+  sg.estimate = estimate_launch(sg, kSinksGradLiveRegisters, gpu);
+  plan->launches.push_back(sg);
+  plan->reason += " Sinks: grad_sinks summed per query head from Delta and lse (flash_sinks_grad, one "
+                  "SIMD-group per head, in a fixed order).";
+}
+
 // The tensor-op backward's two launches (shaders/attention_backward_mpp.h):
 // dQ and Delta over query blocks, then dK/dV over key blocks, each
-// SIMD-group 16 rows with its own slice of threadgroup memory. Function
-// constants: fc_causal and fc_has_grad_lse (3); the others false (the
-// MSL 4 library declares no align / dense constants).
+// SIMD-group 16 rows (the dK/dV kernel's share each streamed Q / dO block).
+// Function constants: the simdgroup backward's (fc_causal, fc_has_grad_lse,
+// the options'), align / dense false (the MSL 4 library declares none).
+// Sinks: flash_sinks_grad after them, as the simdgroup backward
+// (sinks_grad_launch).
 void tensor_ops_backward_launches(const AttentionProblem& p, const LaunchStrides& s, bool has_grad_lse,
                                   const KernelChoice& c, const std::string& suffix, const GpuSpec& gpu,
                                   MetalPlan* plan) {
@@ -38,9 +59,9 @@ void tensor_ops_backward_launches(const AttentionProblem& p, const LaunchStrides
   dq.grid = {ceil_div(p.q_len, c.block_q), static_cast<uint32_t>(p.q_heads), batch};
   dq.threadgroup = {32 * c.simdgroups, 1, 1};
   dq.max_threads_per_threadgroup = kTensorOpsMaxThreads;
-  dq.threadgroup_memory = c.simdgroups * tensor_ops_backward_slice(false, elem, c.bucket);
+  dq.threadgroup_memory = tensor_ops_backward_bytes(false, elem, c.bucket, c.simdgroups);
   dq.function_constants = feature_constants(p, false, false, has_grad_lse);
-  dq.buffers = kBackwardDqBuffers;
+  dq.buffers = with_features(kBackwardDqBuffers);
   // Live values per lane (a model): dQ's 16 x D floats, S's and dP's 16 x 32
   // over the 32 lanes, and the usual overhead.
   dq.estimate = estimate_launch(dq, 16 * (c.bucket + 2 * c.block_k) / 32 + kLiveOverhead, gpu);
@@ -51,12 +72,13 @@ void tensor_ops_backward_launches(const AttentionProblem& p, const LaunchStrides
                     std::to_string(c.dkv_block_q);
   dkv.grid = {ceil_div(p.kv_len, c.dkv_block_k), static_cast<uint32_t>(p.kv_heads), batch};
   dkv.threadgroup = {32 * c.dkv_simdgroups, 1, 1};
-  dkv.threadgroup_memory = c.dkv_simdgroups * tensor_ops_backward_slice(true, elem, c.bucket);
+  dkv.threadgroup_memory = tensor_ops_backward_bytes(true, elem, c.bucket, c.dkv_simdgroups);
   dkv.function_constants = feature_constants(p, false, false, false);
-  dkv.buffers = kBackwardDkdvBuffers;
+  dkv.buffers = with_features(kBackwardDkdvBuffers);
   // dK's and dV's 16 x D floats, S^T's and dP^T's 16 x 32.
   dkv.estimate = estimate_launch(dkv, 16 * (2 * c.bucket + 2 * c.dkv_block_q) / 32 + kLiveOverhead, gpu);
   plan->launches.push_back(dkv);
+  if (p.sinks) sinks_grad_launch(p, dq, gpu, plan);
 }
 
 }  // namespace
@@ -111,23 +133,7 @@ MetalPlan plan_metal_attention_backward(const AttentionProblem& p, const LaunchS
       estimate_launch(dkv, dkdv_live_floats(c.bucket, c.dkv_block_q, c.dkv_feature_split) + kLiveOverhead, gpu);
   plan.launches.push_back(dkv);
 
-  if (p.sinks) {
-    // grad_sinks from Delta (written by the dQ kernel) and lse: one
-    // SIMD-group per query head (shaders/attention_sinks.h).
-    MetalLaunch sg = dq;
-    sg.kernel_name = "flash_sinks_grad";
-    sg.grid = {static_cast<uint32_t>(p.q_heads), 1, 1};
-    sg.threadgroup = {32, 1, 1};
-    sg.max_threads_per_threadgroup = kSinksGradMaxThreads;
-    sg.threadgroup_memory = 0;
-    sg.function_constants = std::vector<bool>(kFunctionConstantCount, false);
-    sg.function_constants[kVarlenFunctionConstant] = p.varlen;
-    sg.buffers = kSinksGradBuffers;
-    sg.estimate = estimate_launch(sg, kSinksGradLiveRegisters, gpu);
-    plan.launches.push_back(sg);
-    plan.reason += " Sinks: grad_sinks summed per query head from Delta and lse (flash_sinks_grad, one "
-                   "SIMD-group per head, in a fixed order).";
-  }
+  if (p.sinks) sinks_grad_launch(p, dq, gpu, &plan);
   check_launch_limits(plan);
   return plan;
 }

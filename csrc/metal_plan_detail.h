@@ -111,25 +111,35 @@ static_assert(tensor_ops_dsplit_threadgroup_bytes(2, kTensorOpsDsplitHeadDim) ==
               "tensor-op split-D prefill over 32 KiB");
 
 // The tensor-op backward (shaders/attention_backward_mpp.h): SIMD-groups of
-// 16 rows (query rows for dQ, keys for dK/dV), each with its own slice of
-// threadgroup memory; 32 keys per dQ block and 32 query rows per dK/dV
-// block (one lane per streamed query fills its stats). Slices, 16-bit T:
-//   dQ:    Q and dO (16 x D each), dS (16 x 32), 4 floats per row
-//   dK/dV: P^T and dS^T (16 x 32 each), 4 floats per query (K and V from device memory)
+// 16 rows (query rows for dQ, keys for dK/dV); 32 keys per dQ block and 32
+// query rows per dK/dV block (one thread per streamed query fills its
+// stats). Threadgroup memory, 16-bit T:
+//   dQ:    per SIMD-group Q and dO (16 x D each), dS (16 x 32), 4 floats per row
+//   dK/dV: shared by the SIMD-groups, the streamed Q and dO block (32 x D
+//          each) and 4 floats per query; per SIMD-group P^T and dS^T (16 x
+//          32 each) (K and V from device memory)
 inline constexpr uint32_t kTensorOpsBackwardBlock = 32;
 inline constexpr uint32_t tensor_ops_backward_slice(bool dkdv, uint32_t elem_bytes, uint32_t head_dim) {
-  return dkdv ? 2 * 16 * kTensorOpsBackwardBlock * elem_bytes + kTensorOpsBackwardBlock * 16
+  return dkdv ? 2 * 16 * kTensorOpsBackwardBlock * elem_bytes
               : 2 * 16 * head_dim * elem_bytes + 16 * kTensorOpsBackwardBlock * elem_bytes + 16 * 16;
 }
-// SIMD-groups per threadgroup: 4 (MLX NAX's WM) where their slices fit 32
-// KiB, else 2 (the instantiations of shaders/attention_mpp.metal: dQ 4, 4, 2
-// at D 64, 96, 128; dK/dV 4 at every D).
-inline constexpr uint32_t tensor_ops_backward_simdgroups(bool dkdv, uint32_t elem_bytes, uint32_t head_dim) {
-  return 4 * tensor_ops_backward_slice(dkdv, elem_bytes, head_dim) <= kMaxThreadgroupMemory ? 4 : 2;
+inline constexpr uint32_t tensor_ops_backward_shared(bool dkdv, uint32_t elem_bytes, uint32_t head_dim) {
+  return dkdv ? 2 * kTensorOpsBackwardBlock * head_dim * elem_bytes + kTensorOpsBackwardBlock * 16 : 0;
 }
-static_assert(2 * tensor_ops_backward_slice(true, 2, 128) <= kMaxThreadgroupMemory &&
-                  2 * tensor_ops_backward_slice(false, 2, 128) <= kMaxThreadgroupMemory,
-              "tensor-op backward: two SIMD-groups' slices fit 32 KiB at D = 128");
+inline constexpr uint32_t tensor_ops_backward_bytes(bool dkdv, uint32_t elem_bytes, uint32_t head_dim,
+                                                    uint32_t simdgroups) {
+  return tensor_ops_backward_shared(dkdv, elem_bytes, head_dim) +
+         simdgroups * tensor_ops_backward_slice(dkdv, elem_bytes, head_dim);
+}
+// SIMD-groups per threadgroup: 4 (MLX NAX's WM) where they fit 32 KiB, else
+// 2 (the instantiations of shaders/attention_mpp.metal: dQ 4, 4, 2 at D 64,
+// 96, 128; dK/dV 4 at every D: 16,896 / 20,992 / 25,088 bytes).
+inline constexpr uint32_t tensor_ops_backward_simdgroups(bool dkdv, uint32_t elem_bytes, uint32_t head_dim) {
+  return tensor_ops_backward_bytes(dkdv, elem_bytes, head_dim, 4) <= kMaxThreadgroupMemory ? 4 : 2;
+}
+static_assert(tensor_ops_backward_bytes(true, 2, 128, 2) <= kMaxThreadgroupMemory &&
+                  tensor_ops_backward_bytes(false, 2, 128, 2) <= kMaxThreadgroupMemory,
+              "tensor-op backward: two SIMD-groups fit 32 KiB at D = 128");
 static_assert(tensor_ops_backward_simdgroups(false, 2, 96) == 4 && tensor_ops_backward_simdgroups(false, 2, 128) == 2 &&
                   tensor_ops_backward_simdgroups(true, 2, 64) == 4 && tensor_ops_backward_simdgroups(true, 2, 128) == 4,
               "the instantiations in shaders/attention_mpp.metal");

@@ -64,16 +64,12 @@ bool tensor_ops_route(const AttentionProblem& p, const GpuSpec& gpu, std::string
 }
 
 // What the tensor-op backward (shaders/attention_backward_mpp.h) does not
-// cover yet, as the sentence that names it ("" when it covers the call):
-// its kernels take causal and GQA, and leave masks, windows, softcap, sinks
-// and varlen to the simdgroup backward, which has them all.
+// cover, as the sentence that names it ("" when it covers the call): its
+// kernels take causal, windows, softcap, bool / additive masks, varlen,
+// sinks and GQA (attention_features.h's helpers, as the simdgroup backward),
+// and leave a v head dim of its own to the simdgroup backward.
 std::string tensor_ops_backward_gap(const AttentionProblem& p) {
   if (p.head_dim_v != p.head_dim) return "a v head dim of its own (MLA-style)";
-  if (p.mask != MaskKind::None) return "attn_mask";
-  if (p.has_window_left() || (p.causal && p.window_right > 0)) return "window_left / window_right";
-  if (p.has_softcap()) return "softcap";
-  if (p.sinks) return "sinks";
-  if (p.varlen) return "varlen (cu_seqlens)";
   return "";
 }
 
@@ -83,8 +79,8 @@ std::string tensor_ops_backward_gap(const AttentionProblem& p) {
 void choose_tensor_ops_backward(const AttentionProblem& p, bool forced, const GpuSpec& gpu, KernelChoice* c) {
   choose_tensor_ops(p, forced, gpu, c);
   const std::string gap = tensor_ops_backward_gap(p);
-  TORCH_CHECK_VALUE(gap.empty(), "flash_metal.attention_backward: impl='tensor_ops' takes causal and GQA but not ",
-                    gap, " yet (the simdgroup backward, impl='auto', takes it)");
+  TORCH_CHECK_VALUE(gap.empty(), "flash_metal.attention_backward: impl='tensor_ops' takes every option but ", gap,
+                    " yet (the simdgroup backward, impl='auto', takes it)");
   const uint32_t elem = dtype_bytes(p.dtype), d = c->bucket;
   c->kind = KernelRequest::TensorOps;
   c->simdgroups = tensor_ops_backward_simdgroups(false, elem, d);
@@ -96,17 +92,18 @@ void choose_tensor_ops_backward(const AttentionProblem& p, bool forced, const Gp
   c->reason = (forced ? std::string("forced: tensor_ops (impl='tensor_ops'); ")
                       : "tensor ops: an Apple " + std::to_string(gpu.family) +
                             " GPU with macOS 26.2 and the MSL 4 library, float16 / bfloat16 at a head dim the "
-                            "kernels serve, causal / GQA only (FLASH_METAL_DISABLE_TENSOR_OPS=1 turns this off); ") +
+                            "kernels serve, equal q/k and v dims (FLASH_METAL_DISABLE_TENSOR_OPS=1 turns this off); ") +
               "backward: FlashAttention-2 with recomputation on Metal 4 tensor ops (MPP matmul2d, the MSL 4 "
               "library), the atomics-free split (dQ and Delta over query blocks, then dK/dV over key blocks; "
               "deterministic); dQ kernel: " + std::to_string(c->block_q) + " queries x " +
               std::to_string(c->block_k) + " keys on " + std::to_string(c->simdgroups) + " simdgroups of 16 rows, " +
-              kib(c->simdgroups * tensor_ops_backward_slice(false, elem, d)) + "; dK/dV kernel: " +
+              kib(tensor_ops_backward_bytes(false, elem, d, c->simdgroups)) + "; dK/dV kernel: " +
               std::to_string(c->dkv_block_k) + " keys x " + std::to_string(c->dkv_block_q) + " queries on " +
-              std::to_string(c->dkv_simdgroups) + " simdgroups of 16 keys, " +
-              kib(c->dkv_simdgroups * tensor_ops_backward_slice(true, elem, d)) +
+              std::to_string(c->dkv_simdgroups) + " simdgroups of 16 keys sharing each Q / dO block (staged once per threadgroup), " +
+              kib(tensor_ops_backward_bytes(true, elem, d, c->dkv_simdgroups)) +
               "; P and dS rounded to the input dtype before their products (matmul2d takes 16-bit operand "
-              "pairs), float32 accumulators";
+              "pairs), float32 accumulators; options (masks, windows, softcap, varlen, sinks) by "
+              "attention_features.h's helpers, as the simdgroup backward.";
 }
 
 // Auto's gate for the backward: the forward's (tensor_ops_route) and the
@@ -115,7 +112,7 @@ bool tensor_ops_backward_route(const AttentionProblem& p, const GpuSpec& gpu, st
   if (!tensor_ops_route(p, gpu, why_not)) return false;
   const std::string gap = tensor_ops_backward_gap(p);
   if (gap.empty()) return true;
-  *why_not = gap + " (the tensor-op backward takes causal and GQA only; the simdgroup backward takes every option)";
+  *why_not = gap + " (the tensor-op backward takes equal q/k and v head dims; the simdgroup backward takes both)";
   return false;
 }
 

@@ -9,11 +9,15 @@ checks that the launched kernels are the ones asked for; then both are timed
 on the same inputs, in the same run, as a ratio. The backward cases run
 impl="tensor_ops" on attention_backward and the simdgroup backward (impl="auto"
 with FLASH_METAL_DISABLE_TENSOR_OPS=1 for that call, which keeps Auto off the
-tensor-op kernels), both against float64; no backward timing yet. Elsewhere the section says
+tensor-op kernels), both against float64; then both backwards are timed the
+same way (a row per shape: tensor-op ms, simdgroup ms, their ratio, measured
+on this Mac's GPU in this run). Elsewhere the section says
 "skipped" and why. --backend metal-emu runs the cases in the Metal emulator
 (cooperative tensors in its scrambled lane layout): correctness only, never a
 timing.
 """
+import contextlib
+import dataclasses
 import os
 from dataclasses import dataclass
 from typing import List, Optional
@@ -59,10 +63,14 @@ def cases(quick: bool) -> List[sweep.Case]:
         grid = [(torch.float16, 64, True), (torch.bfloat16, 96, False), (torch.float16, 128, False),
                 (torch.bfloat16, 128, True), (torch.float16, 256, True)]
     forward = [sweep.Case("prefill", dt, d, SHAPE, causal=causal) for dt, d, causal in grid]
-    # The backward (attention_backward_mpp.h; no D = 256): with a gradient into lse; quick: two cases.
+    # The backward (attention_backward_mpp.h; no D = 256): with a gradient into lse; quick: two cases. Both:
+    # one with the options (a bool key-padding mask, a left window, softcap) on top.
     bgrid = [(torch.float16, 64, True), (torch.bfloat16, 128, False)] if quick else \
         [(dt, d, causal) for dt, d, causal in grid if d in HEAD_DIMS]
-    return forward + [sweep.Case("backward", dt, d, SHAPE, causal=causal, grad_lse=True) for dt, d, causal in bgrid]
+    backward = [sweep.Case("backward", dt, d, SHAPE, causal=causal, grad_lse=True) for dt, d, causal in bgrid]
+    options = sweep.Case("backward", torch.float16, 96, SHAPE, causal=True, mask="bool", window_left=40, softcap=4.0,
+                         grad_lse=True)
+    return forward + backward + [options]
 
 
 def case_id(case: sweep.Case) -> str:
@@ -78,6 +86,16 @@ def timing_shapes(quick: bool) -> List[tuple]:
         return [(1, 16, 4, 1024, 128, True, torch.float16)]
     out = [(1, 16, 4, 2048, d, True, dt) for dt in DTYPES for d in FORWARD_HEAD_DIMS]
     return out + [(1, 32, 8, 4096, 96, False, torch.float16)]
+
+
+def backward_timing_shapes(quick: bool) -> List[tuple]:
+    """(B, Hq, Hkv, N, D, causal, dtype) for the backward rows: LLM shapes, and the model's point (f16,
+    1x32x4096x96 MHA: python -m benchmarks.metal_model --accelerators predicts it for the M5 family, a
+    prediction this row can check)."""
+    if quick:
+        return [(1, 16, 4, 1024, 128, True, torch.float16)]
+    out = [(1, 16, 4, 2048, d, True, dt) for dt in DTYPES for d in HEAD_DIMS]
+    return out + [(1, 32, 32, 4096, 96, False, torch.float16)]
 
 
 def status(backend) -> dict:
@@ -109,7 +127,7 @@ def _library_missing(st: dict) -> Optional[str]:
 
 
 def _run_forced(backend, case, impl, inputs, prefix, not_prefix=None) -> dict:
-    run = ForcedCase(case.family, case.dtype, case.d, case.shape, causal=case.causal, forced=impl)
+    run = ForcedCase(**{f.name: getattr(case, f.name) for f in dataclasses.fields(sweep.Case)}, forced=impl)
     rec = {"impl": impl, "kernels": [], "status": "error", "message": "", "worst_ratio": None}
     try:
         result, launches = backend.run(run, inputs)
@@ -131,17 +149,24 @@ def _run_forced(backend, case, impl, inputs, prefix, not_prefix=None) -> dict:
     return rec
 
 
-def _simdgroup_backward(backend, case, inputs) -> dict:
-    """The simdgroup backward on the same inputs: impl='auto' with the switch on for this call."""
+@contextlib.contextmanager
+def _simdgroup_only():
+    """FLASH_METAL_DISABLE_TENSOR_OPS=1 for the calls inside: Auto stays off the tensor-op kernels."""
     before = os.environ.get(DISABLE_ENV)
     os.environ[DISABLE_ENV] = "1"
     try:
-        return _run_forced(backend, case, "auto", inputs, SIMDGROUP_BACKWARD_PREFIX, not_prefix=MPP_BACKWARD_PREFIX)
+        yield
     finally:
         if before is None:
             os.environ.pop(DISABLE_ENV, None)
         else:
             os.environ[DISABLE_ENV] = before
+
+
+def _simdgroup_backward(backend, case, inputs) -> dict:
+    """The simdgroup backward on the same inputs: impl='auto' with the switch on for this call."""
+    with _simdgroup_only():
+        return _run_forced(backend, case, "auto", inputs, SIMDGROUP_BACKWARD_PREFIX, not_prefix=MPP_BACKWARD_PREFIX)
 
 
 def run_case(backend, case) -> dict:
@@ -192,6 +217,43 @@ def run_timing(quick: bool, progress=None) -> List[dict]:
     return rows
 
 
+def time_backward(shape, device="mps", sync=None, repeats=10, ops=None) -> dict:
+    """One backward row: median ms of attention_backward with impl='tensor_ops' and of the simdgroup backward
+    (impl='auto', the switch on for those calls) on the same inputs, in one run, and their ratio
+    (speedup = simdgroup ms / tensor_ops ms). out and lse come from one forward (impl='auto'). `device`,
+    `sync` and `ops` (torch.ops.flash_metal) are parameters so Linux tests can run the row on fakes; only
+    device 'mps' is a Mac figure, and run_timing is only called where it is."""
+    ops = ops or torch.ops.flash_metal
+    sync = sync or torch.mps.synchronize
+    B, Hq, Hkv, n, d, causal, dt = shape
+    g = torch.Generator().manual_seed(21)
+    q, k, v, grad_out = (torch.randn(B, h, n, d, generator=g).to(dt).to(device) for h in (Hq, Hkv, Hkv, Hq))
+    row = {"dtype": sweep.dtype_name(dt), "shape": f"{B}x{Hq}:{Hkv}x{n}x{n}x{d}", "causal": causal}
+    try:
+        with torch.no_grad():
+            out, lse = ops.attention_forward(q, k, v, causal, None, "auto")
+
+            def backward(impl):
+                return lambda: ops.attention_backward(grad_out, q, k, v, out, lse, causal, None, None, impl)
+
+            row["tensor_ops_ms"] = sweep._median_ms(backward("tensor_ops"), sync, repeats)
+            with _simdgroup_only():
+                row["simdgroup_ms"] = sweep._median_ms(backward("auto"), sync, repeats)
+        row["speedup"] = row["simdgroup_ms"] / row["tensor_ops_ms"]
+    except Exception as err:  # noqa: BLE001  (reported in the row; the section goes on)
+        row["error"] = f"{type(err).__name__}: {str(err)[:300]}"
+    return row
+
+
+def run_backward_timing(quick: bool, progress=None, **kw) -> List[dict]:
+    rows = []
+    for shape in backward_timing_shapes(quick):
+        rows.append(time_backward(shape, repeats=5 if quick else 10, **kw))
+        if progress:
+            progress.step(f"accelerator backward timing {rows[-1]['shape']}")
+    return rows
+
+
 def plan(backend, args) -> dict:
     """What the section will run (for the progress bar's total): the status, the cases, the timing shapes."""
     st = status(backend)
@@ -199,7 +261,8 @@ def plan(backend, args) -> dict:
     if not st["usable"] or getattr(args, "no_accelerator", False):
         chosen = []
     timed = st["usable"] and not st["emulated"] and not args.no_timing and not args.only
-    return {"status": st, "cases": chosen, "timing": timing_shapes(args.quick) if timed else []}
+    shapes = timing_shapes(args.quick) + backward_timing_shapes(args.quick)
+    return {"status": st, "cases": chosen, "timing": shapes if timed else []}
 
 
 def run_section(backend, args, planned: dict, progress=None) -> dict:
@@ -217,7 +280,11 @@ def run_section(backend, args, planned: dict, progress=None) -> dict:
     if planned["timing"]:
         section["timing"] = {"note": "Measured on this Mac's GPU: medians after a warm-up, one run of this command, "
                                      "same inputs; speedup = prefill ms / tensor_ops ms.",
-                             "rows": run_timing(args.quick, progress)}
+                             "rows": run_timing(args.quick, progress),
+                             "backward_note": "Measured on this Mac's GPU, as above: attention_backward with "
+                                              "impl='tensor_ops' and the simdgroup backward (impl='auto' with "
+                                              f"{DISABLE_ENV}=1); speedup = simdgroup ms / tensor_ops ms.",
+                             "backward_rows": run_backward_timing(args.quick, progress)}
     else:
         section["timing"]["note"] = ("not measured: " + ("the emulator times nothing" if st["emulated"] else
                                                          "--no-timing or --only"))
@@ -232,9 +299,18 @@ def failures(section: Optional[dict]) -> List[str]:
            if c["status"] != "passed"]
     if section.get("status") == "failed" and section.get("message"):
         out.append(f"accelerator: {section['message']}")
-    out += [f"accelerator timing {r['shape']}: {r['error']}" for r in section.get("timing", {}).get("rows", [])
+    t = section.get("timing", {})
+    out += [f"accelerator timing {r['shape']}: {r['error']}" for r in t.get("rows", []) if "error" in r]
+    out += [f"accelerator backward timing {r['shape']}: {r['error']}" for r in t.get("backward_rows", [])
             if "error" in r]
     return out
+
+
+def _timing_line(r: dict, baseline: str) -> str:
+    """A timing row: tensor_ops ms, the baseline's ms (prefill_ms or simdgroup_ms), speedup; or its error."""
+    cells = ([f"{r['tensor_ops_ms']:.3f}", f"{r[baseline]:.3f}", f"{r['speedup']:.2f}x"]
+             if "speedup" in r else [r.get("error", ""), "", ""])
+    return "| " + " | ".join([r["dtype"], r["shape"], str(r["causal"]), *cells]) + " |"
 
 
 def to_markdown(section: Optional[dict]) -> List[str]:
@@ -264,11 +340,11 @@ def to_markdown(section: Optional[dict]) -> List[str]:
     if t.get("rows"):
         out += [t["note"], "", "| dtype | B x Hq:Hkv x Nq x Nk x D | causal | tensor_ops ms | prefill ms | speedup |",
                 "|---|---|---|---|---|---|"]
-        for r in t["rows"]:
-            cells = ([f"{r['tensor_ops_ms']:.3f}", f"{r['prefill_ms']:.3f}", f"{r['speedup']:.2f}x"]
-                     if "speedup" in r else [r.get("error", ""), "", ""])
-            out.append("| " + " | ".join([r["dtype"], r["shape"], str(r["causal"]), *cells]) + " |")
-        out.append("")
-    else:
+        out += [_timing_line(r, "prefill_ms") for r in t["rows"]] + [""]
+    if t.get("backward_rows"):
+        out += [t["backward_note"], "", "| dtype | B x Hq:Hkv x Nq x Nk x D | causal | tensor_ops backward ms "
+                "| simdgroup backward ms | speedup |", "|---|---|---|---|---|---|"]
+        out += [_timing_line(r, "simdgroup_ms") for r in t["backward_rows"]] + [""]
+    if not t.get("rows") and not t.get("backward_rows"):
         out += [f"Timing {t.get('note', 'not measured')}.", ""]
     return out

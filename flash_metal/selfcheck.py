@@ -14,8 +14,9 @@ table against torch's SDPA (and MLX's, when mlx is installed), measured on
 this machine; then the accelerator section: where the device reports the
 Metal 4 tensor-op kernels usable (flash_metal.device_info()["tensor_ops"]),
 impl="tensor_ops" against the simdgroup prefill (and the tensor-op backward
-against the simdgroup backward), both by the 2x rule, and the forward pair
-timed as a ratio; elsewhere "skipped" with the reason
+against the simdgroup backward), both by the 2x rule, and each pair (the
+forward's, the backward's) timed as a ratio on that Mac; elsewhere "skipped"
+with the reason, and the emulator never times them
 (--accelerator-only runs just that section, as the macOS 26 CI leg does).
 
 Exit status: 0 when the lane probe and every check passed; 1 when any

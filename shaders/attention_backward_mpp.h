@@ -38,24 +38,37 @@
 // for both.) Accumulation is float32: destination cooperative tensors of
 // float, multiply_accumulate across blocks.
 //
-// SIMD-groups are independent, as in the forward (attention_prefill_mpp.h):
-// each stages its own tiles in its own slice of threadgroup memory, so no
-// threadgroup barrier is needed, only simdgroup_barrier between the phases
-// that pass data through threadgroup memory (lane to lane). Threadgroup
-// memory per SIMD-group (csrc/metal_plan_detail.h, tensor_ops_backward_slice):
-//   dQ:    Q and dO (16 x D each, T), dS (16 x BK, T), 4 floats per row
-//   dK/dV: P^T and dS^T (16 x BQ each, T), 4 floats per streamed query
-//          (m2, m2lo, Delta, seen); K and V from device memory (see the kernel)
+// The dQ kernel's SIMD-groups are independent, as in the forward
+// (attention_prefill_mpp.h): each stages its own tiles in its own slice of
+// threadgroup memory, so no threadgroup barrier is needed, only
+// simdgroup_barrier between the phases that pass data through threadgroup
+// memory (lane to lane). The dK/dV kernel's SIMD-groups share each streamed
+// Q / dO block (and its queries' lse and Delta): the threadgroup stages it
+// once, cooperatively, between two threadgroup barriers per block (the
+// simdgroup dK/dV kernel's scheme). Threadgroup memory
+// (csrc/metal_plan_detail.h, tensor_ops_backward_bytes):
+//   dQ:    per SIMD-group Q and dO (16 x D each, T), dS (16 x BK, T), 4 floats per row
+//   dK/dV: shared Q and dO (BQ x D each, T) and 4 floats per streamed query
+//          (m2, m2lo, Delta, seen); per SIMD-group P^T and dS^T (16 x BQ
+//          each, T); K and V from device memory (see the kernel)
 // The host picks BQ (dQ) and BKV (dK/dV) as the most SIMD-groups (4, else 2)
-// whose slices fit Metal's 32 KiB.
+// that fit Metal's 32 KiB.
 //
-// Options: causal (bottom-right, block skipping in both kernels) and GQA
-// only; masks, windows, softcap, sinks and varlen stay on the simdgroup
-// backward (the host routes them there and says so).
+// Options, as the simdgroup backward takes them (attention_features.h's
+// helpers, each behind its function constant): causal (bottom-right) and
+// windows, with block skipping in both kernels (the dK/dV kernel per 16
+// keys); softcap (dS times the cap's derivative); bool and additive masks
+// (read only for kept keys); varlen (each threadgroup one sequence of the
+// packed tensors, packed gradients); GQA; sinks (the forward's lse includes
+// them, so P needs nothing; grad_sinks by the simdgroup backward's
+// flash_sinks_grad from Delta and lse, a dispatch the host appends). A v
+// head dim of its own (MLA-style) stays on the simdgroup backward.
 //
 // Not yet verified on Apple hardware: the emulator runs it under the
 // published M5 layout and a scrambled one (tests/test_metal_tensor_ops_backward.py).
 #pragma once
+
+#include "attention_mpp_common.h"
 
 namespace flash_metal {
 
@@ -91,15 +104,38 @@ FM_INLINE void mpp_row_stats(threadgroup float* st, float l, float dl) {
 
 // P of one element from its raw score s and its row's stats (0 where the
 // key is dropped or the row saw none), the simdgroup backward's
-// exp2(fma(S, scale_log2, -m2) - m2lo).
-FM_INLINE float mpp_weight(threadgroup const float* st, float s, float scale_log2, bool keep) {
-  return keep && st[3] != 0.0f ? exp2(fma(s, scale_log2, -st[0]) - st[1]) : 0.0f;
+// exp2(fma(S, scale_log2, -m2) - m2lo). With fc_softcap or fc_has_mask the
+// forward's order (attention_features.h): softcap on the base-2 score, then
+// the mask (a dropped key, or a score at or below kMaskedScore, gives 0),
+// read only for a kept key; *cap_grad gets softcap's derivative 1 - t^2 (t
+// = tanh(s / softcap), recomputed), which scales dS, else 1. The simdgroup
+// backward's backward_weight (attention_backward.h), over the stats layout
+// of this file; sinks need nothing here (the forward's lse includes them).
+template <typename T>
+FM_INLINE float mpp_weight(constant AttentionParams& p, device const uchar* mask, int64_t mask_slice, int row, int key,
+                           threadgroup const float* st, float s, bool keep, thread float* cap_grad) {
+  *cap_grad = 1.0f;
+  if (!keep || st[3] == 0.0f) return 0.0f;
+  if (!fc_softcap && !fc_has_mask) return exp2(fma(s, p.scale_log2, -st[0]) - st[1]);
+  float s2 = s * p.scale_log2;
+  if (fc_softcap) {
+    float t;
+    s2 = softcap_score(p, s2, &t);
+    *cap_grad = 1.0f - t * t;
+  }
+  if (fc_has_mask) {
+    bool drop;
+    s2 += mask_term<T>(p, mask, mask_slice, row, key, &drop);
+    if (drop || s2 <= kMaskedScore) return 0.0f;
+  }
+  return exp2((s2 - st[0]) - st[1]);
 }
 
 // T: half or bfloat. D: 64, 96, 128 exactly. BQ = 16 * WM query rows per
 // threadgroup, BK keys per block. Launch: grid (ceil(Nq / BQ), Hq, B),
 // threadgroup (32 * WM, 1, 1), threadgroup memory at index 0 (top of file),
-// function constants fc_causal (0) and fc_mpp_has_grad_lse (3).
+// function constants fc_causal (0), fc_mpp_has_grad_lse (3) and the
+// options' 4-9 (attention_features.h), their buffers at 14-16.
 template <typename T, int D, int BQ, int BK>
 [[kernel]] [[max_total_threads_per_threadgroup(kPrefillMppMaxThreads)]] void flash_backward_mpp_dq(
     device const T* q [[buffer(0)]],
@@ -112,6 +148,9 @@ template <typename T, int D, int BQ, int BK>
     device T* dq [[buffer(9)]],
     device const float* dlse [[buffer(12)]],
     device float* delta [[buffer(13)]],
+    device const uchar* mask [[buffer(14)]],
+    device const int* cu_seqlens_q [[buffer(15)]],
+    device const int* cu_seqlens_k [[buffer(16)]],
     threadgroup T* smem [[threadgroup(0)]],
     uint3 group [[threadgroup_position_in_grid]],
     uint sg [[simdgroup_index_in_threadgroup]],
@@ -127,27 +166,32 @@ template <typename T, int D, int BQ, int BK>
   threadgroup T* ds_tile = do_tile + R * D;
   threadgroup float* stats = reinterpret_cast<threadgroup float*>(ds_tile + R * BK);
 
-  const SeqView seq = sequence_view(p, nullptr, nullptr, group.z);
+  const SeqView seq = sequence_view(p, cu_seqlens_q, cu_seqlens_k, group.z);
   const int row0 = int(group.x) * BQ + int(sg) * R;
   if (row0 >= seq.q_len) return;  // uniform per SIMD-group; no collective spans SIMD-groups
-  const HeadOffsets h = head_offsets(p, group.z, group.y);
-  const int64_t do_head = int64_t(group.z) * p.do_batch_stride + int64_t(group.y) * p.do_head_stride;
-  const int64_t glse_head = int64_t(group.z) * p.glse_batch_stride + int64_t(group.y) * p.glse_head_stride;
+  // The sequence's first rows (0 unless varlen: the planner zeroed the batch
+  // strides); packed outputs (grad_q, Delta) are (1, H, total, ...) then.
+  HeadOffsets h = head_offsets(p, group.z, group.y);
+  h.q += seq.q_row0 * p.q_row_stride;
+  h.o += seq.q_row0 * p.o_row_stride;
+  h.lse += seq.q_row0 * p.lse_row_stride;
+  h.k += seq.k_row0 * p.k_row_stride;
+  h.v += seq.k_row0 * p.v_row_stride;
+  const int64_t do_head = int64_t(group.z) * p.do_batch_stride + int64_t(group.y) * p.do_head_stride +
+                          seq.q_row0 * p.do_row_stride;
+  const int64_t glse_head = int64_t(group.z) * p.glse_batch_stride + int64_t(group.y) * p.glse_head_stride +
+                            seq.q_row0 * p.glse_row_stride;
+  const uint packed_b = fc_varlen ? 0u : group.z;
+  const int packed_q = fc_varlen ? p.total_q : p.q_len;
+  const int64_t mask_slice = fc_has_mask ? mask_head_offset(p, group.z, group.y) : 0;
   const int rows = min(R, seq.q_len - row0);
 
   // Q and dO rows to threadgroup memory (zeros past the sequence), lane l
   // copying elements l, l + 32, ... (consecutive lanes, consecutive features).
-  {
-    device const T* q_rows = q + h.q + int64_t(row0) * p.q_row_stride;
-    device const T* do_rows = dout + do_head + int64_t(row0) * p.do_row_stride;
-    const int qs = int(p.q_row_stride), qd = int(p.q_dim_stride);
-    const int ds = int(p.do_row_stride), dd = int(p.do_dim_stride);
-    for (int e = int(lane); e < R * D; e += 32) {
-      const int r = e / D, c = e - r * D;
-      q_tile[e] = r < rows ? q_rows[r * qs + c * qd] : static_cast<T>(0.0f);
-      do_tile[e] = r < rows ? do_rows[r * ds + c * dd] : static_cast<T>(0.0f);
-    }
-  }
+  mpp_stage_rows<D>(q_tile, q + h.q + int64_t(row0) * p.q_row_stride, rows, int(p.q_row_stride),
+                    int(p.q_dim_stride), lane);
+  mpp_stage_rows<D>(do_tile, dout + do_head + int64_t(row0) * p.do_row_stride, rows, int(p.do_row_stride),
+                    int(p.do_dim_stride), lane);
   simdgroup_barrier(mem_flags::mem_threadgroup);  // dO written before the Delta reads (RAW)
 
   // Delta = rowsum(dO * O) - grad_lse in float32: lanes 2r and 2r + 1 take
@@ -169,7 +213,7 @@ template <typename T, int D, int BQ, int BK>
         l = lse[h.lse + int64_t(row) * p.lse_row_stride];
         dl = dsum;
         if (fc_mpp_has_grad_lse) dl -= dlse[glse_head + int64_t(row) * p.glse_row_stride];
-        delta[mpp_packed_row(group.z, group.y, p.q_heads, p.q_len, row, 1)] = dl;
+        delta[mpp_packed_row(packed_b, group.y, p.q_heads, packed_q, seq.q_row0 + row, 1)] = dl;
       }
       mpp_row_stats(stats + r * kMppStats, l, dl);
     }
@@ -179,29 +223,27 @@ template <typename T, int D, int BQ, int BK>
   const auto tq = tensor(q_tile, dextents<int, 2>(D, R));
   const auto tdo = tensor(do_tile, dextents<int, 2>(D, R));
   const auto tds = tensor(ds_tile, dextents<int, 2>(BK, R));
-  const auto tk =
-      tensor(k + h.k, dextents<int, 2>(D, seq.kv_len), array<int, 2>{int(p.k_dim_stride), int(p.k_row_stride)});
-  const auto tv =
-      tensor(v + h.v, dextents<int, 2>(D, seq.kv_len), array<int, 2>{int(p.v_dim_stride), int(p.v_row_stride)});
+  const auto tk = mpp_device_rows<D>(k + h.k, seq.kv_len, p.k_row_stride, p.k_dim_stride);
+  const auto tv = mpp_device_rows<D>(v + h.v, seq.kv_len, p.v_row_stride, p.v_dim_stride);
   using QT = decltype(tq);
   using KT = decltype(tk.slice(0, 0));
   using DST = decltype(tds);
-  // S = Q.K^T and dP = dO.V^T: one op type (16 x BK, K = D, right
-  // transposed) run twice. dQ += dS.K: 16 x D, K = BK, accumulating.
-  constexpr auto s_desc = matmul2d_descriptor(R, BK, D, false, true, false, matmul2d_descriptor::mode::multiply);
-  constexpr auto dq_desc =
-      matmul2d_descriptor(R, D, BK, false, false, false, matmul2d_descriptor::mode::multiply_accumulate);
-  matmul2d<s_desc, execution_simdgroup> s_op;
-  matmul2d<dq_desc, execution_simdgroup> dq_op;
+  // The 16-row step (attention_mpp_common.h): S = Q.K^T and dP = dO.V^T,
+  // one op type (16 x BK, K = D, right transposed) run twice; dQ += dS.K
+  // (16 x D, K = BK, accumulating).
+  typename MppRowStep<D, BK>::Scores s_op;
+  typename MppRowStep<D, BK>::Accumulate dq_op;
   auto s = s_op.template get_destination_cooperative_tensor<QT, KT, float>();
   auto dp = s_op.template get_destination_cooperative_tensor<QT, KT, float>();
   auto acc = dq_op.template get_destination_cooperative_tensor<DST, KT, float>();
-  for (int i = 0; i < acc.get_capacity(); ++i) acc[i] = 0.0f;
+  mpp_clear(acc);
 
   // Key blocks the rows see: up to the last real row's last visible key
-  // (causal: later blocks are wholly in the future, as in the forward).
+  // (causal or a right window: later blocks are wholly in the future, as in
+  // the forward), and from the first row's first visible key (a left window).
   const int n_blocks = (visible_key_end(seq, row0 + rows - 1) + BK - 1) / BK;
-  for (int kb = 0; kb < n_blocks; ++kb) {
+  const int first_block = fc_window_left ? first_visible_key(seq, row0) / BK : 0;
+  for (int kb = first_block; kb < n_blocks; ++kb) {
     const int k0 = kb * BK;
     s_op.run(tq, tk.slice(0, k0), s);
     s_op.run(tdo, tv.slice(0, k0), dp);
@@ -210,15 +252,18 @@ template <typename T, int D, int BQ, int BK>
     // tile is written (zeros where dropped).
     const bool k_edge = k0 + BK > seq.kv_len;
     const bool diagonal = fc_causal && k0 + BK - 1 > row0 + seq.upper;
+    const bool left_edge = fc_window_left && k0 < row0 + R - 1 + seq.lower;
     for (int i = 0; i < s.get_capacity(); ++i) {
       if (!s.is_valid_element(i)) continue;
       const auto idx = s.get_multidimensional_index(i);  // [0] the key, [1] the row, within the block
       const int row = row0 + idx[1], key = k0 + idx[0];
-      bool keep = !(k_edge && key >= seq.kv_len);
+      bool keep = !(k_edge && key >= seq.kv_len) && row < seq.q_len;
       if (diagonal && key > row + seq.upper) keep = false;
+      if (left_edge && key < row + seq.lower) keep = false;
       threadgroup const float* st = stats + idx[1] * kMppStats;
-      const float pw = mpp_weight(st, s[i], p.scale_log2, keep);
-      ds_tile[idx[1] * BK + idx[0]] = static_cast<T>(pw * (dp[i] - st[2]));
+      float cap_grad;
+      const float pw = mpp_weight<T>(p, mask, mask_slice, row, key, st, s[i], keep, &cap_grad);
+      ds_tile[idx[1] * BK + idx[0]] = static_cast<T>(pw * (dp[i] - st[2]) * cap_grad);
     }
     simdgroup_barrier(mem_flags::mem_threadgroup);  // dS written before other lanes' matmul2d reads it (RAW)
     dq_op.run(tds, tk.slice(0, k0), acc);  // K past the sequence reads as zero; dS is 0 there
@@ -231,15 +276,17 @@ template <typename T, int D, int BQ, int BK>
     const auto idx = acc.get_multidimensional_index(i);  // [0] the feature, [1] the row
     const int row = row0 + idx[1];
     if (row < seq.q_len)
-      dq[mpp_packed_row(group.z, group.y, p.q_heads, p.q_len, row, D) + idx[0]] = static_cast<T>(acc[i] * p.scale);
+      dq[mpp_packed_row(packed_b, group.y, p.q_heads, packed_q, seq.q_row0 + row, D) + idx[0]] =
+          static_cast<T>(acc[i] * p.scale);
   }
 }
 
 // T, D as above. BKV = 16 * WM keys per threadgroup, BQ query rows per
 // streamed block. Launch: grid (ceil(Nk / BKV), Hkv, B), threadgroup
 // (32 * WM, 1, 1), threadgroup memory at index 0 (top of file), function
-// constant fc_causal (0). Reads Delta as the dQ kernel wrote it (the host
-// encodes the two in that order).
+// constants fc_causal (0) and the options' 4-9, their buffers at 14-16.
+// Reads Delta as the dQ kernel wrote it (the host encodes the two in that
+// order).
 template <typename T, int D, int BKV, int BQ>
 [[kernel]] [[max_total_threads_per_threadgroup(kPrefillMppMaxThreads)]] void flash_backward_mpp_dkdv(
     device const T* q [[buffer(0)]],
@@ -251,127 +298,165 @@ template <typename T, int D, int BKV, int BQ>
     device T* dk [[buffer(10)]],
     device T* dv [[buffer(11)]],
     device const float* delta [[buffer(13)]],
+    device const uchar* mask [[buffer(14)]],
+    device const int* cu_seqlens_q [[buffer(15)]],
+    device const int* cu_seqlens_k [[buffer(16)]],
     threadgroup T* smem [[threadgroup(0)]],
     uint3 group [[threadgroup_position_in_grid]],
-    uint sg [[simdgroup_index_in_threadgroup]],
-    uint lane [[thread_index_in_simdgroup]]) {
+    uint tid [[thread_index_in_threadgroup]],
+    uint sg [[simdgroup_index_in_threadgroup]]) {
   using namespace mpp::tensor_ops;
   constexpr int R = kMppRowsPerSimd;
   constexpr int WM = BKV / R;
-  static_assert(BKV % R == 0 && 32 * WM <= kPrefillMppMaxThreads, "WM SIMD-groups of 16 keys, declared limit");
-  static_assert(BQ <= 32, "one lane per streamed query fills the stats");
-  // This SIMD-group's slice: P^T, dS^T, then the block's query stats. K and
-  // V are not staged: matmul2d reads the SIMD-group's 16 rows of each from
-  // device memory (the same rows every block, an L1 hit after the first),
-  // which keeps the slice at 2,560 bytes, so 4 SIMD-groups (64 keys) per
-  // threadgroup at every D, and 3 threadgroups per 32 KiB core: staged,
-  // D = 96 / 128 fit only 2 SIMD-groups and one threadgroup per core, and
-  // the model found the kernel bound by the Q / dO traffic that left
-  // (benchmarks/metal_model_accel.py).
-  constexpr int SLICE = 2 * R * BQ + BQ * kMppStats * 4 / int(sizeof(T));
-  threadgroup T* pt_tile = smem + int(sg) * SLICE;
+  constexpr int THREADS = 32 * WM;
+  static_assert(BKV % R == 0 && THREADS <= kPrefillMppMaxThreads, "WM SIMD-groups of 16 keys, declared limit");
+  static_assert(BQ <= THREADS, "one thread per streamed query fills the stats");
+  // Threadgroup memory: the streamed block, shared by the SIMD-groups (Q and
+  // dO, BQ x D each, and the block's query stats), then each SIMD-group's
+  // P^T and dS^T (16 x BQ each). The block is read from device memory once
+  // per threadgroup, cooperatively, as the simdgroup dK/dV kernel loads its
+  // Q / dO tiles (attention_backward_dkdv.h): before, each SIMD-group's
+  // matmul2d asked for Q and dO itself, twice per block each, and the model
+  // found the kernel bound by that traffic (benchmarks/metal_model_accel.py).
+  // K and V are not staged: matmul2d reads the SIMD-group's 16 rows of each
+  // from device memory (the same rows every block, an L1 hit after the first).
+  threadgroup T* q_blk = smem;
+  threadgroup T* do_blk = q_blk + BQ * D;
+  threadgroup float* stats = reinterpret_cast<threadgroup float*>(do_blk + BQ * D);
+  threadgroup T* pt_tile = reinterpret_cast<threadgroup T*>(stats + BQ * kMppStats) + int(sg) * 2 * R * BQ;
   threadgroup T* dst_tile = pt_tile + R * BQ;
-  threadgroup float* stats = reinterpret_cast<threadgroup float*>(dst_tile + R * BQ);
 
-  const SeqView seq = sequence_view(p, nullptr, nullptr, group.z);
-  const int key0 = int(group.x) * BKV + int(sg) * R;  // this SIMD-group's first key
-  if (key0 >= seq.kv_len) return;  // uniform per SIMD-group
+  const SeqView seq = sequence_view(p, cu_seqlens_q, cu_seqlens_k, group.z);
+  const int tg_key0 = int(group.x) * BKV;  // the threadgroup's first key
+  if (tg_key0 >= seq.kv_len) return;  // uniform per threadgroup: before any barrier
+  const int key0 = tg_key0 + int(sg) * R;  // this SIMD-group's first key
+  // A SIMD-group past the sequence (the ragged last threadgroup) computes
+  // nothing but still stages its share and meets every barrier.
+  const bool active = key0 < seq.kv_len;
   const uint kv_head = group.y;
-  const int64_t k_off = int64_t(group.z) * p.k_batch_stride + int64_t(kv_head) * p.k_head_stride;
-  const int64_t v_off = int64_t(group.z) * p.v_batch_stride + int64_t(kv_head) * p.v_head_stride;
+  // The sequence's first rows (0 unless varlen: the planner zeroed the batch
+  // strides); packed outputs (grad_k, grad_v; Delta read) are (1, H, total, ...) then.
+  const int64_t k_off = int64_t(group.z) * p.k_batch_stride + int64_t(kv_head) * p.k_head_stride +
+                        seq.k_row0 * p.k_row_stride;
+  const int64_t v_off = int64_t(group.z) * p.v_batch_stride + int64_t(kv_head) * p.v_head_stride +
+                        seq.k_row0 * p.v_row_stride;
+  const uint packed_b = fc_varlen ? 0u : group.z;
+  const int packed_q = fc_varlen ? p.total_q : p.q_len;
+  const int packed_k = fc_varlen ? p.total_k : p.kv_len;
   // The SIMD-group's 16 keys of K and V as device tensors from key0, their
   // row extents ending at the sequence (matmul2d reads zeros past it).
-  const auto tkt = tensor(k + k_off, dextents<int, 2>(D, seq.kv_len),
-                          array<int, 2>{int(p.k_dim_stride), int(p.k_row_stride)}).slice(0, key0);
-  const auto tvt = tensor(v + v_off, dextents<int, 2>(D, seq.kv_len),
-                          array<int, 2>{int(p.v_dim_stride), int(p.v_row_stride)}).slice(0, key0);
+  const int own0 = active ? key0 : tg_key0;
+  const auto tkt = mpp_device_rows<D>(k + k_off, seq.kv_len, p.k_row_stride, p.k_dim_stride).slice(0, own0);
+  const auto tvt = mpp_device_rows<D>(v + v_off, seq.kv_len, p.v_row_stride, p.v_dim_stride).slice(0, own0);
+  const auto tq = tensor(q_blk, dextents<int, 2>(D, BQ));
+  const auto tdo = tensor(do_blk, dextents<int, 2>(D, BQ));
   const auto tpt = tensor(pt_tile, dextents<int, 2>(BQ, R));
   const auto tdst = tensor(dst_tile, dextents<int, 2>(BQ, R));
   using KT = decltype(tkt);
+  using QT = decltype(tq);
   using PT = decltype(tpt);
-  // S^T = K.Q^T and dP^T = V.dO^T: one op type (16 x BQ, K = D, right
-  // transposed). dV += P^T.dO and dK += dS^T.Q: one op type (16 x D, K = BQ).
-  constexpr auto st_desc = matmul2d_descriptor(R, BQ, D, false, true, false, matmul2d_descriptor::mode::multiply);
-  constexpr auto acc_desc =
-      matmul2d_descriptor(R, D, BQ, false, false, false, matmul2d_descriptor::mode::multiply_accumulate);
-  matmul2d<st_desc, execution_simdgroup> st_op;
-  matmul2d<acc_desc, execution_simdgroup> acc_op;
+  // The 16-row step (attention_mpp_common.h), keys as rows: S^T = K.Q^T and
+  // dP^T = V.dO^T, one op type (16 x BQ, K = D, right transposed); dV +=
+  // P^T.dO and dK += dS^T.Q, one op type (16 x D, K = BQ).
+  typename MppRowStep<D, BQ>::Scores st_op;
+  typename MppRowStep<D, BQ>::Accumulate acc_op;
 
-  // Query blocks that see some key of this SIMD-group: causal, query i sees
-  // key j only if i >= j - upper, so from row key0 - upper on. Per
-  // SIMD-group (they are independent), so the block skipping is per 16 keys.
-  const int first_row = fc_causal ? clamp(key0 - seq.upper, 0, seq.q_len) : 0;
-  const int qb_begin = first_row / BQ;
-  const int qb_end = (seq.q_len + BQ - 1) / BQ;
+  // Query blocks that see some key of the threadgroup (the loop every
+  // thread runs, for the barriers), and of this SIMD-group (the blocks it
+  // computes): causal (or a right window), query i sees key j only if i >=
+  // j - upper; a left window, only if i <= j - lower.
+  const int tg_last_key = min(tg_key0 + BKV, seq.kv_len) - 1, sg_last_key = min(key0 + R, seq.kv_len) - 1;
+  const int tg_first_row = fc_causal ? clamp(tg_key0 - seq.upper, 0, seq.q_len) : 0;
+  const int sg_first_row = fc_causal ? clamp(key0 - seq.upper, 0, seq.q_len) : 0;
+  const int tg_row_end = fc_window_left ? clamp(tg_last_key - seq.lower + 1, 0, seq.q_len) : seq.q_len;
+  const int sg_row_end = fc_window_left ? clamp(sg_last_key - seq.lower + 1, 0, seq.q_len) : seq.q_len;
+  const int qb_begin = tg_first_row / BQ, sg_qb_begin = sg_first_row / BQ;
+  const int qb_end = (tg_row_end + BQ - 1) / BQ, sg_qb_end = (sg_row_end + BQ - 1) / BQ;
 
   // The group's query heads in a fixed order, summed in the float32
   // registers of the accumulators (16-bit gradients: their rounding dwarfs
   // the sum's, as in the simdgroup backward's 16-bit path).
-  // Q's and dO's slices (device tensors of T with strides): one type.
-  using QT = decltype(tensor(q, dextents<int, 2>(D, 1), array<int, 2>{1, 1}).slice(0, 0));
   auto dk_acc = acc_op.template get_destination_cooperative_tensor<PT, QT, float>();
   auto dv_acc = acc_op.template get_destination_cooperative_tensor<PT, QT, float>();
-  for (int i = 0; i < dk_acc.get_capacity(); ++i) {
-    dk_acc[i] = 0.0f;
-    dv_acc[i] = 0.0f;
-  }
+  mpp_clear(dk_acc);
+  mpp_clear(dv_acc);
+  auto s = st_op.template get_destination_cooperative_tensor<KT, QT, float>();
+  auto dp = st_op.template get_destination_cooperative_tensor<KT, QT, float>();
   for (int g = 0; g < p.gqa_ratio; ++g) {
     const uint head = kv_head * uint(p.gqa_ratio) + uint(g);
-    const HeadOffsets h = head_offsets(p, group.z, head);
-    const int64_t do_head = int64_t(group.z) * p.do_batch_stride + int64_t(head) * p.do_head_stride;
-    device const float* head_delta = delta + mpp_packed_row(group.z, head, p.q_heads, p.q_len, 0, 1);
-    const auto tq =
-        tensor(q + h.q, dextents<int, 2>(D, seq.q_len), array<int, 2>{int(p.q_dim_stride), int(p.q_row_stride)});
-    const auto tdo = tensor(dout + do_head, dextents<int, 2>(D, seq.q_len),
-                            array<int, 2>{int(p.do_dim_stride), int(p.do_row_stride)});
-    auto s = st_op.template get_destination_cooperative_tensor<KT, QT, float>();
-    auto dp = st_op.template get_destination_cooperative_tensor<KT, QT, float>();
+    HeadOffsets h = head_offsets(p, group.z, head);
+    h.q += seq.q_row0 * p.q_row_stride;
+    h.lse += seq.q_row0 * p.lse_row_stride;
+    const int64_t do_head = int64_t(group.z) * p.do_batch_stride + int64_t(head) * p.do_head_stride +
+                            seq.q_row0 * p.do_row_stride;
+    device const float* head_delta = delta + mpp_packed_row(packed_b, head, p.q_heads, packed_q, seq.q_row0, 1);
+    const int64_t mask_slice = fc_has_mask ? mask_head_offset(p, group.z, head) : 0;
+    device const T* q_head = q + h.q;
+    device const T* do_head_ptr = dout + do_head;
+    const int qs = int(p.q_row_stride), qd = int(p.q_dim_stride);
+    const int ds = int(p.do_row_stride), dd = int(p.do_dim_stride);
     for (int qb = qb_begin; qb < qb_end; ++qb) {
       const int q0 = qb * BQ;
-      // The block's queries' stats, a lane each (zeros, "no key", past the
-      // sequence). The previous block's reads of them ended at its WAR barrier.
-      if (int(lane) < BQ) {
-        const int row = q0 + int(lane);
+      // Stage the block: Q and dO rows (zeros past the sequence), thread t
+      // copying elements t, t + THREADS, ... (consecutive threads,
+      // consecutive features; offsets within the head in int32, checked by
+      // the host), and each query's stats from one thread. The previous
+      // block's reads of all three ended at its closing barrier.
+      for (int e = int(tid); e < BQ * D; e += THREADS) {
+        const int r = e / D, c = e - r * D;  // D a template constant: no division at run time
+        const int row = q0 + r;
+        const bool in = row < seq.q_len;
+        q_blk[e] = in ? q_head[row * qs + c * qd] : static_cast<T>(0.0f);
+        do_blk[e] = in ? do_head_ptr[row * ds + c * dd] : static_cast<T>(0.0f);
+      }
+      if (int(tid) < BQ) {
+        const int row = q0 + int(tid);
         float l = as_type<float>(kNegInfBits), dl = 0.0f;
         if (row < seq.q_len) {
           l = lse[h.lse + int64_t(row) * p.lse_row_stride];
           dl = head_delta[row];
         }
-        mpp_row_stats(stats + int(lane) * kMppStats, l, dl);
+        mpp_row_stats(stats + int(tid) * kMppStats, l, dl);
       }
-      simdgroup_barrier(mem_flags::mem_threadgroup);  // stats written before other lanes read them (RAW)
-      st_op.run(tkt, tq.slice(0, q0), s);
-      st_op.run(tvt, tdo.slice(0, q0), dp);
-      // P^T and dS^T = P^T * (dP^T - Delta) into threadgroup memory,
-      // rounded to T, every element of both tiles by its one valid slot.
-      const bool diagonal = fc_causal && key0 + R - 1 > q0 + seq.upper;
-      for (int i = 0; i < s.get_capacity(); ++i) {
-        if (!s.is_valid_element(i)) continue;
-        const auto idx = s.get_multidimensional_index(i);  // [0] the query, [1] the key, within the block
-        const int key = key0 + idx[1], row = q0 + idx[0];
-        bool keep = key < seq.kv_len;
-        if (diagonal && key > row + seq.upper) keep = false;
-        threadgroup const float* st = stats + idx[0] * kMppStats;
-        const float pw = mpp_weight(st, s[i], p.scale_log2, keep);
-        pt_tile[idx[1] * BQ + idx[0]] = static_cast<T>(pw);
-        dst_tile[idx[1] * BQ + idx[0]] = static_cast<T>(pw * (dp[i] - st[2]));
+      threadgroup_barrier(mem_flags::mem_threadgroup);  // the block staged before any SIMD-group reads it (RAW)
+      if (active && qb >= sg_qb_begin && qb < sg_qb_end) {  // uniform per SIMD-group
+        st_op.run(tkt, tq, s);
+        st_op.run(tvt, tdo, dp);
+        // P^T and dS^T = P^T * (dP^T - Delta) into threadgroup memory,
+        // rounded to T, every element of both tiles by its one valid slot.
+        const bool diagonal = fc_causal && key0 + R - 1 > q0 + seq.upper;
+        const bool left_edge = fc_window_left && key0 < q0 + BQ - 1 + seq.lower;
+        for (int i = 0; i < s.get_capacity(); ++i) {
+          if (!s.is_valid_element(i)) continue;
+          const auto idx = s.get_multidimensional_index(i);  // [0] the query, [1] the key, within the block
+          const int key = key0 + idx[1], row = q0 + idx[0];
+          bool keep = key < seq.kv_len && row < seq.q_len;
+          if (diagonal && key > row + seq.upper) keep = false;
+          if (left_edge && key < row + seq.lower) keep = false;
+          threadgroup const float* st = stats + idx[0] * kMppStats;
+          float cap_grad;
+          const float pw = mpp_weight<T>(p, mask, mask_slice, row, key, st, s[i], keep, &cap_grad);
+          pt_tile[idx[1] * BQ + idx[0]] = static_cast<T>(pw);
+          dst_tile[idx[1] * BQ + idx[0]] = static_cast<T>(pw * (dp[i] - st[2]) * cap_grad);
+        }
+        simdgroup_barrier(mem_flags::mem_threadgroup);  // P^T, dS^T written before matmul2d reads them (RAW)
+        // Queries past the sequence are zero rows of Q and dO; P^T is 0 there.
+        acc_op.run(tpt, tdo, dv_acc);
+        acc_op.run(tdst, tq, dk_acc);
       }
-      simdgroup_barrier(mem_flags::mem_threadgroup);  // P^T, dS^T written before matmul2d reads them (RAW)
-      // Queries past the sequence read as zero from dO and Q; P^T is 0 there.
-      acc_op.run(tpt, tdo.slice(0, q0), dv_acc);
-      acc_op.run(tdst, tq.slice(0, q0), dk_acc);
-      simdgroup_barrier(mem_flags::mem_threadgroup);  // tiles and stats read before the next block (WAR)
+      threadgroup_barrier(mem_flags::mem_threadgroup);  // the block and the tiles read before the next stage (WAR)
     }
   }
 
   // dK * scale and dV, packed (B, Hkv, Nk, D), real keys only (zeros for a
   // key no query sees).
+  if (!active) return;
   for (int i = 0; i < dk_acc.get_capacity(); ++i) {
     if (!dk_acc.is_valid_element(i)) continue;
     const auto idx = dk_acc.get_multidimensional_index(i);  // [0] the feature, [1] the key
     const int key = key0 + idx[1];
     if (key >= seq.kv_len) continue;
-    const int64_t at = mpp_packed_row(group.z, kv_head, p.kv_heads, p.kv_len, key, D) + idx[0];
+    const int64_t at = mpp_packed_row(packed_b, kv_head, p.kv_heads, packed_k, seq.k_row0 + key, D) + idx[0];
     dk[at] = static_cast<T>(dk_acc[i] * p.scale);
     dv[at] = static_cast<T>(dv_acc[i]);
   }

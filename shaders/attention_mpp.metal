@@ -15,6 +15,7 @@
 // guard below keeps it empty under any older language version, so a
 // Metal 3.1 compile of it (the emulator's MSL 3 checks) sees no kernels.
 #if defined(__METAL_VERSION__) && __METAL_VERSION__ >= 400 && defined(__HAVE_TENSOR__)
+#include "attention_mpp_common.h"  // first: the MSL 4 headers all include it
 #include "attention_prefill_mpp.h"
 #include "attention_prefill_mpp_dsplit.h"
 #include "attention_backward_mpp.h"
@@ -47,7 +48,8 @@
 // query rows per dK/dV block (one lane per streamed query fills the
 // stats); as many SIMD-groups of 16 rows (4, else 2) as fit 32 KiB of
 // threadgroup memory: dQ 4 at D 64 / 96 (21,504 / 29,696 bytes), 2 at 128
-// (18,944); dK/dV 4 at every D (10,240).
+// (18,944); dK/dV 4 at every D (16,896 / 20,992 / 25,088: the shared Q / dO
+// block and four SIMD-groups' P^T and dS^T).
 // The host's table is csrc/metal_plan_detail.h, tensor_ops_backward_rows.
 #define FM_BACKWARD_MPP(tname, T, D, BQ, BKV)                                              \
   FM_MPP_INSTANTIATE("flash_backward_mpp_dq_" #tname "_d" #D "_bq" #BQ "_bk32",            \

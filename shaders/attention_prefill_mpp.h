@@ -83,42 +83,9 @@
 // Apple's toolchain as they do here. None of it is measured on an M5 yet.
 #pragma once
 
-#include <metal_tensor>
-#include <MetalPerformancePrimitives/MetalPerformancePrimitives.h>
-#include "attention_features.h"
+#include "attention_mpp_common.h"
 
 namespace flash_metal {
-
-// Threads per threadgroup: 4 SIMD-groups (MLX NAX's WM = 4, WN = 1). The
-// host launches exactly this many (csrc/metal_launch.cpp, kMppThreads).
-constant constexpr int kPrefillMppMaxThreads = 128;
-// Query rows per SIMD-group. Why 16: one 16-row matmul2d tile, the M of
-// MLX's and PyTorch's 16 x 32 MPP fragments.
-constant constexpr int kMppRowsPerSimd = 16;
-
-// The value a row reduction tensor `r` holds for row `row`. A thread's
-// reduction tensor holds the rows of its own destination slots (that is what
-// lets the reduction be broadcast back to them); which slot holds which row
-// is the layout's business, so look it up through the API.
-template <typename R>
-FM_INLINE float mpp_row_value(thread const R& r, int row) {
-  float x = 0.0f;
-  for (int j = 0; j < r.get_capacity(); ++j) {
-    if (r.is_valid_element(j) && r.get_multidimensional_index(j)[0] == row) x = r[j];
-  }
-  return x;
-}
-
-// Fills the row reduction tensor `r` (a value per row its thread holds in
-// the destination's layout) from a float per row in threadgroup memory: one
-// load per row held, where reading `by_row` for each destination element
-// would load 16 x N / 32 floats per lane (O's rescale: D / 2 per key block).
-template <typename R>
-FM_INLINE void mpp_rows_from(thread R& r, threadgroup const float* by_row) {
-  for (int j = 0; j < r.get_capacity(); ++j) {
-    if (r.is_valid_element(j)) r[j] = by_row[r.get_multidimensional_index(j)[0]];
-  }
-}
 
 // T: half or bfloat (float32 stays on the simdgroup kernel). D: head dim,
 // exactly (64, 96, 128: no padding). BQ = 16 * WM query rows, BK keys.
@@ -170,36 +137,25 @@ template <typename T, int D, int BQ, int BK>
   // sequence are zeros (S's rows there are never stored). Offsets within the
   // head in int32 (the host checked that a head's offsets fit).
   threadgroup T* q_tile = smem + WM * R * BK + int(sg) * R * D;
-  {
-    device const T* q_rows = q + h.q + int64_t(row0) * p.q_row_stride;
-    const int rows = min(R, seq.q_len - row0);
-    const int rs = int(p.q_row_stride), ds = int(p.q_dim_stride);
-    for (int e = int(lane); e < R * D; e += 32) {
-      const int r = e / D, c = e - r * D;  // D a template constant: no division at run time
-      q_tile[e] = r < rows ? q_rows[r * rs + c * ds] : static_cast<T>(0.0f);
-    }
-  }
+  mpp_stage_rows<D>(q_tile, q + h.q + int64_t(row0) * p.q_row_stride, min(R, seq.q_len - row0), int(p.q_row_stride),
+                    int(p.q_dim_stride), lane);
   simdgroup_barrier(mem_flags::mem_threadgroup);  // Q written before other lanes' matmul2d reads it (RAW)
 
   // Q's slice, K and V of the head, as tensors: extents innermost first
   // (features, rows), strides in elements (int32: checked as above). K's
   // and V's row extents end at the sequence, so matmul2d reads zeros past it.
   const auto tq = tensor(q_tile, dextents<int, 2>(D, R));
-  const auto tk = tensor(k + h.k, dextents<int, 2>(D, seq.kv_len), array<int, 2>{int(p.k_dim_stride), int(p.k_row_stride)});
-  const auto tv = tensor(v + h.v, dextents<int, 2>(D, seq.kv_len), array<int, 2>{int(p.v_dim_stride), int(p.v_row_stride)});
+  const auto tk = mpp_device_rows<D>(k + h.k, seq.kv_len, p.k_row_stride, p.k_dim_stride);
+  const auto tv = mpp_device_rows<D>(v + h.v, seq.kv_len, p.v_row_stride, p.v_dim_stride);
   const auto tp = tensor(p_tile, dextents<int, 2>(BK, R));
   using QT = decltype(tq);
   using KT = decltype(tk.slice(0, 0));
   using PT = decltype(tp);
 
-  // relaxed_precision off: with half / bfloat operands it changes nothing in
-  // the emulator (README), and Apple documents it only as trading accuracy
-  // away; MLX turns it on. To revisit with measurements on an M5.
-  constexpr auto qk_desc = matmul2d_descriptor(R, BK, D, false, true, false, matmul2d_descriptor::mode::multiply);
-  constexpr auto pv_desc =
-      matmul2d_descriptor(R, D, BK, false, false, false, matmul2d_descriptor::mode::multiply_accumulate);
-  matmul2d<qk_desc, execution_simdgroup> qk;
-  matmul2d<pv_desc, execution_simdgroup> pv;
+  // The 16-row step (attention_mpp_common.h): S = Q.K^T (16 x BK, K = D)
+  // and O += P.V (16 x D, K = BK).
+  typename MppRowStep<D, BK>::Scores qk;
+  typename MppRowStep<D, BK>::Accumulate pv;
   auto s = qk.template get_destination_cooperative_tensor<QT, KT, float>();
   auto acc = pv.template get_destination_cooperative_tensor<PT, KT, float>();
   // A factor per row of O's layout held by this thread (alpha, then 1 / l).
@@ -216,7 +172,7 @@ template <typename T, int D, int BQ, int BK>
     m_r[j] = m0;
     l_r[j] = l0;
   }
-  for (int i = 0; i < acc.get_capacity(); ++i) acc[i] = 0.0f;
+  mpp_clear(acc);
 
   // Key blocks this SIMD-group's rows can see: as far as its last real row
   // sees under causal masking or a right window (later blocks are wholly in

@@ -130,8 +130,10 @@ def test_tensor_op_backward_counts_its_seven_products_once():
     """The tensor-op backward's emulated counts (impl='tensor_ops', attention_backward_mpp.h), non-causal,
     aligned: the dQ kernel runs 3 matmul2d products per (16 rows, 32 keys) and the dK/dV kernel 4 per (16 keys,
     32 rows), 7 x 2 x 16 x 32 x D FLOPs, i.e. 3.5x the forward's useful FLOPs (4 B Hq Nq Nk D), no simdgroup
-    MMA, no threadgroup barrier. backward_on_hardware then asks for each device operand block once per run:
-    K twice and V once per dQ block, Q and dO twice per dK/dV block; and its threadgroup tile once."""
+    MMA; the dQ kernel no threadgroup barrier, the dK/dV kernel 2 per shared Q / dO block it stages.
+    backward_on_hardware then asks for each device operand once per run: K twice and V once per dQ block, the
+    SIMD-group's 16 rows of K and V per dK/dV block; Q and dO are read from device memory once per
+    threadgroup (its own staging, kept exact from the emulator)."""
     s = M.Shape(1, 2, 1, 64, 96, 64)
     raw = X.BM.emulate(s, torch.float16, False, impl="tensor_ops")
     dq, dkv = X.backward_on_hardware(raw, torch.float16, s.d)
@@ -139,14 +141,16 @@ def test_tensor_op_backward_counts_its_seven_products_once():
     assert dq.counts["mpp_flops"] + dkv.counts["mpp_flops"] == 3.5 * M.useful_flops(s, False)
     assert dq.counts["mpp_runs"] == 3 * (s.hq * s.nq // 16) * (s.nk // 32)
     assert dkv.counts["mpp_runs"] == 4 * (s.hq * s.nk // 16) * (s.nq // 32)  # the group's 2 heads per kv head
-    for r in (dq, dkv):
-        assert r.counts["simdgroup_mmas"] == 0 and r.counts["threadgroup_barriers"] == 0
+    tgs = -(-s.nk // 64)  # dK/dV threadgroups of 64 keys (the last one ragged: 32)
+    assert dq.counts["simdgroup_mmas"] == dkv.counts["simdgroup_mmas"] == dq.counts["threadgroup_barriers"] == 0
+    assert dkv.counts["threadgroup_barriers"] == 2 * tgs * s.hq * (s.nq // 32)
     block = 32 * s.d * 2
     assert dq.counts["req_k"] == 2 * dq.counts["mpp_runs"] // 3 * block
-    assert dkv.counts["req_q"] == dkv.counts["req_grad_out"] == 2 * dkv.counts["mpp_runs"] // 4 * block
+    assert dkv.counts["req_q"] == dkv.counts["req_grad_out"] == tgs * s.hq * s.nq * s.d * 2
     assert dkv.counts["req_k"] == dkv.counts["mpp_runs"] // 4 * 16 * s.d * 2
     # The emulator read the threadgroup operand element by element (16 x 32 x D per run): far more.
     assert raw[0].counts["threadgroup_bytes_read"] > 10 * dq.counts["threadgroup_bytes_read"] > 0
+    assert raw[1].counts["threadgroup_bytes_read"] > 5 * dkv.counts["threadgroup_bytes_read"] > 0
 
 
 # ---- the split-D tensor-op forward at D = 256 (attention_prefill_mpp_dsplit.h) -------------------------------

@@ -16,8 +16,16 @@ a hard-coded lane map (MLX's M5 formula in place of get_multidimensional_index):
 right under "m5", caught under "scrambled"; a missing simdgroup_barrier between
 writing dS and the matmul2d that reads it: a race in the instrumented build; the
 per-query stats of the dK/dV kernel looked up along the wrong dimension (the key
-instead of the query): caught by the 2x rule.
+instead of the query): caught by the 2x rule; the threadgroup barrier after the dK/dV
+kernel stages the Q / dO block its SIMD-groups share left out: a race; softcap's
+derivative left out of the dQ kernel's dS: grad_q fails the 2x rule.
+
+The options (windows, softcap, bool / additive masks, varlen, sinks with grad_sinks)
+run on small ragged GQA shapes under both layouts against the float64 oracle
+(flash_metal/reference.py), every option at once and varlen (empty sequences
+included) in the instrumented build.
 """
+import itertools
 import math
 import os
 import shutil
@@ -28,8 +36,10 @@ import torch
 import backends
 import flash_metal
 from backends import LAST_DISPATCHES, emulated_metal_attention_backward, metal_mpp_library
+from flash_metal.reference import attention_reference, attention_varlen_reference
 from metal_emulator import EmulatorError, compile_library
-from numerics import assert_gradients_close, dtype_id, make_qkv, make_tensor
+from numerics import assert_gradients_close, assert_varlen_gradients_close, dtype_id, make_qkv, make_tensor
+from test_sinks import assert_sinks_grad_close
 
 LAYOUTS = ("m5", "scrambled")
 DTYPES = (torch.float16, torch.bfloat16)
@@ -46,10 +56,13 @@ def names(dtype, d):
             f"flash_backward_mpp_dkdv_{NAMES[dtype]}_d{d}_bk{16 * DKV_WM[d]}_bq{BLOCK}")
 
 
-def slice_bytes(dkdv, d):
-    """One SIMD-group's threadgroup memory (16-bit T). dQ: Q and dO (16 x D), dS (16 x 32), 4 floats per row;
-    dK/dV: P^T and dS^T (16 x 32), 4 floats per streamed query (K and V are read from device memory)."""
-    return 2 * ROWS * BLOCK * 2 + BLOCK * 16 if dkdv else 2 * ROWS * d * 2 + ROWS * BLOCK * 2 + ROWS * 16
+def tg_bytes(dkdv, d):
+    """A threadgroup's memory (16-bit T). dQ, per SIMD-group: Q and dO (16 x D), dS (16 x 32), 4 floats per row.
+    dK/dV: the streamed Q and dO block (32 x D each) and 4 floats per query, shared by the SIMD-groups; per
+    SIMD-group P^T and dS^T (16 x 32) (K and V are read from device memory)."""
+    if dkdv:
+        return 2 * BLOCK * d * 2 + BLOCK * 16 + DKV_WM[d] * 2 * ROWS * BLOCK * 2
+    return DQ_WM[d] * (2 * ROWS * d * 2 + ROWS * BLOCK * 2 + ROWS * 16)
 
 
 def expected_runs(B, Hq, Hkv, Nq, Nk, causal):
@@ -67,6 +80,20 @@ def expected_runs(B, Hq, Hkv, Nq, Nk, causal):
         first = min(max(k0 - up, 0), Nq) if causal else 0
         dkv += 4 * (math.ceil(Nq / BLOCK) - first // BLOCK)
     return B * Hq * dq, B * Hq * dkv
+
+
+def dkdv_staged(B, Hq, Nq, Nk, d, causal):
+    """The dK/dV kernel's streamed blocks: (blocks, rows) over every (threadgroup, query head of its group,
+    query block that sees some key of the threadgroup); each block is staged once between two threadgroup
+    barriers (RAW, then WAR), its real rows read from device memory once."""
+    up, bkv = Nk - Nq, 16 * DKV_WM[d]
+    blocks = rows = 0
+    for k0 in range(0, Nk, bkv):
+        first = min(max(k0 - up, 0), Nq) if causal else 0
+        for q0 in range(first // BLOCK * BLOCK, Nq, BLOCK):
+            blocks += 1
+            rows += min(BLOCK, Nq - q0)
+    return B * Hq * blocks, B * Hq * rows
 
 
 def _case(B, Hq, Hkv, Nq, Nk, D, dtype, causal, seed, grad_lse=False):
@@ -92,8 +119,8 @@ def run(case, causal, layout, instrumented=False, seed=0, mpp_seed=1, check_runs
     assert dq_plan.grid == (math.ceil(Nq / (16 * DQ_WM[D])), Hq, B) and dq_plan.threadgroup == (32 * DQ_WM[D], 1, 1)
     assert dkv_plan.grid == (math.ceil(Nk / (16 * DKV_WM[D])), Hkv, B)
     assert dkv_plan.threadgroup == (32 * DKV_WM[D], 1, 1)
-    assert dq_plan.threadgroup_memory == DQ_WM[D] * slice_bytes(False, D) <= 32768
-    assert dkv_plan.threadgroup_memory == DKV_WM[D] * slice_bytes(True, D) <= 32768
+    assert dq_plan.threadgroup_memory == tg_bytes(False, D) <= 32768
+    assert dkv_plan.threadgroup_memory == tg_bytes(True, D) <= 32768
     grads = emulated_metal_attention_backward(grad_out, q, k, v, out, lse, causal, None, gl, impl="tensor_ops",
                                               instrumented=instrumented, seed=seed, mpp_layout=layout,
                                               mpp_seed=mpp_seed)
@@ -102,8 +129,14 @@ def run(case, causal, layout, instrumented=False, seed=0, mpp_seed=1, check_runs
     assert d1.kernel_name == dq_name and d2.kernel_name == dkv_name and {dq_name, dkv_name} <= set(ran)
     if check_runs:
         assert (c1.mpp_runs, c2.mpp_runs) == expected_runs(B, Hq, Hkv, Nq, Nk, causal)
-    # SIMD-groups are independent (each its own slice of threadgroup memory): no threadgroup barrier.
-    assert c1.threadgroup_barriers == 0 and c2.threadgroup_barriers == 0
+    # dQ: SIMD-groups are independent (each its own slice of threadgroup memory): no threadgroup barrier.
+    # dK/dV: the SIMD-groups share each streamed Q / dO block, staged between two threadgroup barriers.
+    assert c1.threadgroup_barriers == 0
+    blocks, rows = dkdv_staged(B, Hq, Nq, Nk, D, causal)
+    if check_runs:
+        assert c2.threadgroup_barriers == 2 * blocks
+    if instrumented:  # Q and dO read from device memory once per threadgroup, not per SIMD-group
+        assert c2.device_bytes_read_by_index[0] == c2.device_bytes_read_by_index[8] == rows * D * q.element_size()
     return grads
 
 
@@ -154,6 +187,109 @@ def test_deterministic_across_schedules_and_layout_seeds():
     assert_gradients_close(run(case, True, "scrambled", mpp_seed=5), q, k, v, grad_out, True)
 
 
+# ---- the options (attention_features.h's helpers, as the simdgroup backward) ----------------------------------
+
+# (causal, options, dtype, D): one small ragged GQA case each, dtypes and head dims alternating. Masks are
+# per (batch, query head); sinks come with grad_sinks (flash_sinks_grad, appended to the plan).
+OPTION_CASES = {
+    "window": (False, dict(window_left=9, window_right=4), torch.float16, 64),
+    "causal-window-softcap": (True, dict(window_left=13, softcap=3.0), torch.bfloat16, 96),
+    "mask-bool": (True, dict(attn_mask="bool"), torch.bfloat16, 64),
+    "mask-input": (False, dict(attn_mask="input"), torch.float16, 128),
+    "mask-float32": (False, dict(attn_mask="float32"), torch.float16, 64),
+    "sinks": (True, dict(sinks=True), torch.float16, 64),
+}
+
+
+def _option_case(name, Nq, Nk, grad_lse=False, B=1):
+    """Fresh inputs with the options of OPTION_CASES[name] made concrete, out and lse from the float64 oracle
+    (rounded to the dtype and float32): the backward only needs them to be the attention of q, k, v."""
+    causal, opts, dtype, d = OPTION_CASES[name]
+    g = torch.Generator().manual_seed(hash((name, Nq, Nk)) % 2**31)
+    q, k, v = make_qkv(B, 2, 1, Nq, Nk, d, dtype, generator=g)
+    opts = dict(opts)
+    kind = opts.get("attn_mask")
+    if kind is not None:
+        drop = torch.rand(B, 2, Nq, Nk, generator=g) < 0.3
+        opts["attn_mask"] = ~drop if kind == "bool" else torch.randn(B, 2, Nq, Nk, generator=g).masked_fill(
+            drop, float("-inf")).to(torch.float32 if kind == "float32" else dtype)
+    if opts.get("sinks"):
+        opts["sinks"] = torch.randn(2, generator=g)
+    out, lse = attention_reference(q, k, v, causal, None, **opts)
+    grad_out = make_tensor(q.shape, "contiguous", dtype, g)
+    gl = torch.randn(B, 2, Nq, generator=g) if grad_lse else None
+    return (q, k, v, out.to(dtype), lse.float(), grad_out, gl), causal, opts
+
+
+def _check_options(case, causal, opts, layout, instrumented=False, skips=True):
+    q, k, v, out, lse, grad_out, gl = case
+    grads = emulated_metal_attention_backward(grad_out, q, k, v, out, lse, causal, None, gl, impl="tensor_ops",
+                                              instrumented=instrumented, mpp_layout=layout, **opts)
+    ran = [d.kernel_name for d, _ in LAST_DISPATCHES]
+    assert ran[:2] == list(names(q.dtype, q.shape[-1]))
+    assert ran[2:] == (["flash_sinks_grad"] if "sinks" in opts else [])
+    (_, c1), (_, c2) = LAST_DISPATCHES[:2]
+    full = expected_runs(*q.shape[:2], k.shape[1], q.shape[2], k.shape[2], causal)
+    if "window_left" in opts:  # block skipping: fewer products than without the left window, in both kernels
+        assert c1.mpp_runs < full[0] and c2.mpp_runs < full[1] if skips else c1.mpp_runs <= full[0]
+    else:
+        assert (c1.mpp_runs, c2.mpp_runs) == full
+    assert_gradients_close(grads[:3], q, k, v, grad_out, causal, None, gl, **opts)
+    if "sinks" in opts:
+        assert_sinks_grad_close(grads[3], q, k, v, opts["sinks"], grad_out,
+                                torch.zeros_like(lse) if gl is None else gl, causal,
+                                {k: x for k, x in opts.items() if k != "sinks"})
+    return grads
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("name", list(OPTION_CASES))
+def test_options_match_float64(name, layout):
+    case, causal, opts = _option_case(name, 45, 70)
+    _check_options(case, causal, opts, layout)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_options_sanitized(layout):
+    # Every option at once in the instrumented build (masks read only inside the sequence and window, no race
+    # on the shared block), batch 2, a gradient into lse; a mask that leaves some rows no key.
+    case, causal, opts = _option_case("sinks", 37, 41, grad_lse=True, B=2)
+    q, k = case[0], case[1]
+    mask = torch.rand(2, 2, 37, 41, generator=torch.Generator().manual_seed(3)) > 0.3
+    mask[:, :, :3] = False
+    opts.update(attn_mask=mask, window_left=20, softcap=4.0)
+    case = case[:3] + tuple(t.to(d) for t, d in zip(attention_reference(q, k, case[2], causal, None, **opts),
+                                                       (q.dtype, torch.float32))) + case[5:]
+    _check_options(case, causal, opts, layout, instrumented=True, skips=False)
+
+
+VARLEN_LENGTHS = [(40, 50), (50, 21), (1, 1), (0, 4), (4, 0), (17, 33)]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("causal, opts", [(False, {}), (True, dict(window_left=12, softcap=4.0))],
+                         ids=["full", "causal-win-cap"])
+def test_varlen_sanitized(causal, opts, layout):
+    # Packed sequences, empty ones included, GQA 2, in the instrumented build: each threadgroup reads only its
+    # sequence's rows; the gradients packed (total, H, D).
+    g = torch.Generator().manual_seed(11 + causal)
+    cq = torch.tensor([0, *itertools.accumulate(a for a, _ in VARLEN_LENGTHS)], dtype=torch.int32)
+    ck = torch.tensor([0, *itertools.accumulate(b for _, b in VARLEN_LENGTHS)], dtype=torch.int32)
+    q = torch.randn(int(cq[-1]), 4, 64, generator=g).half()
+    k = torch.randn(int(ck[-1]), 2, 64, generator=g).half()
+    v = torch.randn(int(ck[-1]), 2, 64, generator=g).half()
+    out, lse = attention_varlen_reference(q, k, v, cq, ck, causal, None, **opts)
+    grad_out = torch.randn(q.shape, generator=g).half()
+    mq, mk = max(a for a, _ in VARLEN_LENGTHS), max(b for _, b in VARLEN_LENGTHS)
+    grads = emulated_metal_attention_backward(grad_out, q, k, v, out.half(), lse.float(), causal, None, None,
+                                              impl="tensor_ops", instrumented=True, mpp_layout=layout,
+                                              cu_seqlens_q=cq, cu_seqlens_k=ck, max_seqlen_q=mq, max_seqlen_k=mk,
+                                              **opts)
+    assert [d.kernel_name for d, _ in LAST_DISPATCHES] == list(names(torch.float16, 64))
+    assert all(d.function_constants[9] for d, _ in LAST_DISPATCHES)  # fc_varlen
+    assert_varlen_gradients_close(grads, q, k, v, grad_out, cq, ck, causal, None, None, **opts)
+
+
 # ---- routing: impl='tensor_ops' and Auto's gate (csrc/metal_routing_tensor_ops.cpp) -----------------------
 
 
@@ -172,7 +308,7 @@ def test_forced_explains_itself():
 
 @pytest.mark.parametrize("gpu, dtype, d, picked, words", [
     ("m5+tensor_ops", torch.float16, 128, True, "tensor ops: an Apple 10 GPU"),
-    ("m5-max+tensor_ops", torch.bfloat16, 96, True, "causal / GQA only"),
+    ("m5-max+tensor_ops", torch.bfloat16, 96, True, "equal q/k and v dims"),
     ("m5", torch.float16, 64, False, "tensor ops not used: planned without a Mac"),
     ("m5+tensor_ops", torch.float32, 64, False, "tensor ops not used: float32 stays on simdgroup matrices"),
     ("m5+tensor_ops", torch.float16, 80, False, "head dims 80 / 80"),
@@ -195,18 +331,28 @@ def test_the_switch_keeps_auto_off_it(monkeypatch):
     assert "_mpp_" in _explain(gpu="m5+tensor_ops").dispatches[0].kernel_name  # forcing still works
 
 
-@pytest.mark.parametrize("options, words", [
-    (dict(window_left=8), "window_left / window_right"),
-    (dict(softcap=5.0), "softcap"),
-    (dict(sinks=torch.zeros(4)), "sinks"),
-])
-def test_options_stay_on_the_simdgroup_backward(options, words):
-    # Auto: the simdgroup backward, saying why; forced: refused, naming the option.
+@pytest.mark.parametrize("options", [dict(window_left=8), dict(softcap=5.0), dict(sinks=torch.zeros(4)),
+                                     dict(attn_mask=torch.ones(40, 60, dtype=torch.bool))],
+                         ids=["window", "softcap", "sinks", "mask"])
+def test_auto_takes_the_options(options):
     plan = _explain(gpu="m5+tensor_ops", impl="auto", **options)
+    assert "_mpp_" in plan.dispatches[0].kernel_name and "_mpp_" in plan.dispatches[1].kernel_name, plan.reason
+    assert "options (masks, windows, softcap, varlen, sinks)" in plan.reason
+    assert ("flash_sinks_grad" in [d.kernel_name for d in plan.dispatches]) == ("sinks" in options)
+
+
+def test_a_v_head_dim_of_its_own_stays_on_the_simdgroup_backward():
+    # Auto: the simdgroup backward, saying why; forced: refused, naming the option.
+    q = torch.randn(1, 4, 40, 64).half()
+    k = torch.randn(1, 2, 60, 64).half()
+    v = torch.randn(1, 2, 60, 128).half()
+    out = torch.randn(1, 4, 40, 128).half()
+    args = dict(backward=True, grad_out=out, out=out, lse=torch.zeros(1, 4, 40))
+    plan = flash_metal.explain(q, k, v, True, None, "auto", "m5+tensor_ops", **args)
     assert "_mpp_" not in plan.dispatches[0].kernel_name
-    assert f"tensor ops not used: {words}" in plan.reason
-    with pytest.raises(ValueError, match="impl='tensor_ops' takes causal and GQA but not " + words.split(" ")[0]):
-        _explain(**options)
+    assert "tensor ops not used: head dims 64 / 128" in plan.reason
+    with pytest.raises(ValueError, match="impl='tensor_ops' takes every option but a v head dim of its own"):
+        flash_metal.explain(q, k, v, True, None, "tensor_ops", **args)
 
 
 def test_refuses_float32_and_other_head_dims_naming_the_argument():
@@ -306,3 +452,32 @@ def test_planted_stats_along_the_wrong_dimension_is_caught(tmp_path, monkeypatch
     _planted_library(tmp_path, monkeypatch, old, new)
     case = _planted_case()
     assert _caught(case, "m5") and _caught(case, "scrambled")
+
+
+def test_planted_missing_barrier_after_staging_the_shared_block_is_a_race(tmp_path, monkeypatch):
+    # The dK/dV kernel's SIMD-groups share the Q / dO block one threadgroup stages: without the threadgroup
+    # barrier after the staging, a SIMD-group's matmul2d reads elements other SIMD-groups are still writing.
+    barrier = "      threadgroup_barrier(mem_flags::mem_threadgroup);  // the block staged before"
+    _planted_library(tmp_path, monkeypatch, barrier, "      // (planted: no barrier) the block staged before")
+    # One threadgroup of 4 SIMD-groups (64 keys), one query head and block: the smallest case that stages.
+    q, k, v, out, lse, grad_out, gl = _case(1, 1, 1, 20, 64, 64, torch.float16, True, seed=20)
+    with pytest.raises(EmulatorError) as info:
+        emulated_metal_attention_backward(grad_out, q, k, v, out, lse, True, impl="tensor_ops", instrumented=True,
+                                          mpp_layout="m5")
+    assert "race" in info.value.kinds
+
+
+def test_planted_softcap_derivative_left_out_is_caught(tmp_path, monkeypatch):
+    # The options' checker bites: the dQ kernel's dS without softcap's derivative (1 - tanh^2) fails the 2x
+    # rule against the float64 oracle with softcap (the dK/dV kernel keeps it, so only grad_q is wrong).
+    old = "      ds_tile[idx[1] * BK + idx[0]] = static_cast<T>(pw * (dp[i] - st[2]) * cap_grad);\n"
+    _planted_library(tmp_path, monkeypatch, old, old.replace(" * cap_grad", ""))
+    g = torch.Generator().manual_seed(5)
+    q, k, v = make_qkv(1, 2, 1, 37, 50, 64, torch.float16, generator=g)
+    opts = dict(softcap=2.0)
+    out, lse = attention_reference(q, k, v, True, None, **opts)
+    grad_out = make_tensor(q.shape, "contiguous", torch.float16, g)
+    grads = emulated_metal_attention_backward(grad_out, q, k, v, out.half(), lse.float(), True, impl="tensor_ops",
+                                              instrumented=True, mpp_layout="m5", **opts)
+    with pytest.raises(AssertionError, match="grad_q"):
+        assert_gradients_close(grads, q, k, v, grad_out, True, None, None, **opts)

@@ -143,6 +143,7 @@ def test_metal_emu_accelerator_section_runs_in_emulation(emu_run):
                                                                                                         256}
     assert {c["causal"] for c in checks} == {True, False}
     assert {c["dtype"] for c in backward} == {"float16", "bfloat16"} and {c["causal"] for c in backward} == {True, False}
+    assert any("-bool-mask-window40-softcap4-" in c["id"] for c in backward)  # the options case, forced too
     for c in backward:
         assert c["status"] == "passed", c
         tops, simd = c["tensor_ops"], c["simdgroup"]

@@ -457,4 +457,23 @@ def tensor_ops_backward(host, library) -> dict:
     replay(rec, library, mpp)
     host.complete_gpu_work()
     assert_gradients_close(tuple(host.to_cpu(t) for t in grads), q, k, v, grad_out, True, None, grad_lse)
-    return [e["kernel"] for e in rec["events"] if e["op"] == "setComputePipelineState"]
+    kernels = [e["kernel"] for e in rec["events"] if e["op"] == "setComputePipelineState"]
+    # With options (a left window, softcap, sinks): the same two MSL 4 kernels, then flash_sinks_grad from
+    # the MSL 3.1 library, one plan across both libraries; grad_sinks checked as tests/test_sinks.py does.
+    from flash_metal.reference import attention_reference
+    from test_sinks import assert_sinks_grad_close
+
+    sinks = torch.randn(4, generator=g)
+    opts = dict(window_left=20, softcap=4.0)
+    out2, lse2 = attention_reference(q, k, v, True, None, sinks=sinks, **opts)
+    dev = [host.to_mps(t) for t in (grad_out, q, k, v, out2.to(torch.float16), lse2.float(), sinks)]
+    host.take_recording()
+    res = torch.ops.flash_metal.attention_backward(*dev[:6], True, None, None, "tensor_ops", None, 20, -1, 4.0,
+                                                   dev[6])
+    rec = host.take_recording()
+    replay(rec, library, mpp)
+    host.complete_gpu_work()
+    got = [host.to_cpu(t) for t in res]
+    assert_gradients_close(tuple(got[:3]), q, k, v, grad_out, True, None, None, sinks=sinks, **opts)
+    assert_sinks_grad_close(got[3], q, k, v, sinks, grad_out, torch.zeros_like(lse), True, opts)
+    return kernels + [e["kernel"] for e in rec["events"] if e["op"] == "setComputePipelineState"]

@@ -1,0 +1,109 @@
+// What the Metal 4 tensor-op kernels (issue 21) share: the forward
+// (attention_prefill_mpp.h) and both backward kernels
+// (attention_backward_mpp.h) are built from one 16-row step on MPP
+// matmul2d, run by each SIMD-group on its own 16 rows:
+//
+//   scores      C = A.B^T      16 x 32, K = D, the right operand transposed
+//                              (forward S = Q.K^T; dQ kernel S = Q.K^T and
+//                              dP = dO.V^T; dK/dV kernel S^T = K.Q^T and
+//                              dP^T = V.dO^T)
+//   accumulate  C += A.B       16 x D, K = 32, into a float destination
+//                              (forward O += P.V; dQ += dS.K; dV += P^T.dO,
+//                              dK += dS^T.Q)
+//
+// with A's rows staged in threadgroup memory (mpp_stage_rows) or read from
+// device memory, and B's rows a tensor over device memory whose row extent
+// ends at the sequence (mpp_device_rows), or a staged tile. Two ops of one
+// type (same descriptor, scope and operand types) have one destination
+// layout, which the backward's slot-by-slot dS relies on (notes
+// "Cooperative tensors"; tests/metal_emulator/README.md).
+//
+// MSL 4 only, as the kernels: shaders/attention_mpp.metal includes this
+// first (tests/test_mps_host.py checks that no MSL 4 header reaches the
+// MSL 3.1 library).
+#pragma once
+
+#include <metal_tensor>
+#include <MetalPerformancePrimitives/MetalPerformancePrimitives.h>
+#include "attention_features.h"
+
+namespace flash_metal {
+
+// Threads per threadgroup: 4 SIMD-groups (MLX NAX's WM = 4, WN = 1). The
+// host launches at most this many (csrc/metal_plan_detail.h, kTensorOpsMaxThreads).
+constant constexpr int kPrefillMppMaxThreads = 128;
+// Rows per SIMD-group. Why 16: one 16-row matmul2d tile, the M of MLX's
+// and PyTorch's 16 x 32 MPP fragments.
+constant constexpr int kMppRowsPerSimd = 16;
+
+// The step's two matmul2d types (top of file) for head dim D and BK columns
+// of scores (keys, or queries in the dK/dV kernel). relaxed_precision off:
+// with half / bfloat operands it changes nothing in the emulator (README),
+// and Apple documents it only as trading accuracy away; MLX turns it on. To
+// revisit with measurements on an M5.
+template <int D, int BK>
+struct MppRowStep {
+  static constexpr mpp::tensor_ops::matmul2d_descriptor kScores = mpp::tensor_ops::matmul2d_descriptor(
+      kMppRowsPerSimd, BK, D, false, true, false, mpp::tensor_ops::matmul2d_descriptor::mode::multiply);
+  static constexpr mpp::tensor_ops::matmul2d_descriptor kAccumulate = mpp::tensor_ops::matmul2d_descriptor(
+      kMppRowsPerSimd, D, BK, false, false, false, mpp::tensor_ops::matmul2d_descriptor::mode::multiply_accumulate);
+  using Scores = mpp::tensor_ops::matmul2d<kScores, metal::execution_simdgroup>;
+  using Accumulate = mpp::tensor_ops::matmul2d<kAccumulate, metal::execution_simdgroup>;
+};
+
+// `rows` rows of D features from `base` (a head's first row) as a matmul2d
+// operand: extents innermost first (features, rows), strides in elements
+// (int32: the host checks that a head's offsets fit). The row extent ends
+// at the sequence, so a block sliced near its end reads zeros past it.
+template <int D, typename T>
+FM_INLINE auto mpp_device_rows(device const T* base, int rows, int64_t row_stride, int64_t dim_stride) {
+  return tensor(base, dextents<int, 2>(D, rows), array<int, 2>{int(dim_stride), int(row_stride)});
+}
+
+// Copies a SIMD-group's 16 rows of D features from device memory (`src`
+// its first row, strides in elements, int32 within a head) to a row-major
+// 16 x D tile of threadgroup memory, zeros past `rows`: lane l copies
+// elements l, l + 32, ..., so consecutive lanes read consecutive features.
+// The caller's simdgroup_barrier then orders the tile before other lanes
+// read it.
+template <int D, typename T>
+FM_INLINE void mpp_stage_rows(threadgroup T* tile, device const T* src, int rows, int row_stride, int dim_stride,
+                              uint lane) {
+  for (int e = int(lane); e < kMppRowsPerSimd * D; e += 32) {
+    const int r = e / D, c = e - r * D;  // D a template constant: no division at run time
+    tile[e] = r < rows ? src[r * row_stride + c * dim_stride] : static_cast<T>(0.0f);
+  }
+}
+
+// Every slot of a float destination cooperative tensor to 0 (Apple leaves
+// a new one's values undefined; the emulator poisons them with NaN).
+template <typename C>
+FM_INLINE void mpp_clear(thread C& c) {
+  for (int i = 0; i < c.get_capacity(); ++i) c[i] = 0.0f;
+}
+
+// The value a row reduction tensor `r` holds for row `row`. A thread's
+// reduction tensor holds the rows of its own destination slots (that is what
+// lets the reduction be broadcast back to them); which slot holds which row
+// is the layout's business, so look it up through the API.
+template <typename R>
+FM_INLINE float mpp_row_value(thread const R& r, int row) {
+  float x = 0.0f;
+  for (int j = 0; j < r.get_capacity(); ++j) {
+    if (r.is_valid_element(j) && r.get_multidimensional_index(j)[0] == row) x = r[j];
+  }
+  return x;
+}
+
+// Fills the row reduction tensor `r` (a value per row its thread holds in
+// the destination's layout) from a float per row in threadgroup memory: one
+// load per row held, where reading `by_row` for each destination element
+// would load 16 x N / 32 floats per lane (O's rescale: D / 2 per key block).
+template <typename R>
+FM_INLINE void mpp_rows_from(thread R& r, threadgroup const float* by_row) {
+  for (int j = 0; j < r.get_capacity(); ++j) {
+    if (r.is_valid_element(j)) r[j] = by_row[r.get_multidimensional_index(j)[0]];
+  }
+}
+
+}  // namespace flash_metal
