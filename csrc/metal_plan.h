@@ -343,6 +343,10 @@ bool decode_takes_wide_dims(const AttentionProblem& p, KernelRequest requested, 
 // with Nq > kMaxDecodeRows (the model's verdict). Else false and *why_not
 // (if given) says why, for explain(); composite_route then takes the call.
 bool splitd_takes(const AttentionProblem& p, KernelRequest requested, MetalPass pass, std::string* why_not);
+// The backward's part of it: D_qk = D_v = 512, not paged, and impl='prefill'
+// (forced) or impl='auto' where the model puts the split-D backward ahead
+// (csrc/metal_routing_splitd.cpp says where).
+bool splitd_backward_takes(const AttentionProblem& p, KernelRequest requested, std::string* why_not);
 
 // The full plan: kernel choice, names, grids, threadgroups, memory, params.
 MetalPlan plan_metal_attention(const AttentionProblem& p, const LaunchStrides& strides, KernelRequest requested,

@@ -405,6 +405,7 @@ KernelChoice choose_metal_kernel(const AttentionProblem& p, KernelRequest reques
                               kMaxDecodeRows, ", take up to ", kMaxHeadDimV, " (impl='auto': at most ", kWideDecodeMaxRows,
                               " query rows per kv head)); run on CPU tensors, which take "
                               "D_v up to ", kMaxHeadDimV);
+  if (pass == MetalPass::Backward && splitd) return choose_splitd_backward(p, requested, gpu);
   if (pass == MetalPass::Backward) return choose_backward(p, requested, gpu);
   if (splitd) return choose_splitd(p, requested, gpu);
   // The bucket every tile fits: the wider of the two dims (== head_dim unless MLA-style).

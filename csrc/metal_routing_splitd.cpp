@@ -34,14 +34,20 @@ constexpr const char* kSplitDVerdictLevel =
     "measurement; the verdict differs by chip and length, within the model's uncertainty), so the route keeps "
     "the composite path (impl='prefill' runs the split-D kernel)";
 
+// The backward's verdict (benchmarks/metal_model_splitd_backward.py prints
+// it from the split-D backward's exact emulator counts against the
+// composite backward's model; tests/test_metal_backward_splitd.py holds it):
+// a model, not a measurement, at 1 x 8 x {1024, 4096} x 512, float16.
+constexpr const char* kSplitDBackwardVerdict = "VERDICT_PLACEHOLDER";
+constexpr const char* kSplitDBackwardVerdictNotCausal = "VERDICT_NC_PLACEHOLDER";
+
 }  // namespace
 
 bool splitd_takes(const AttentionProblem& p, KernelRequest requested, MetalPass pass, std::string* why_not) {
   std::string why;
   const bool forced = requested == KernelRequest::Prefill;
-  if (pass != MetalPass::Forward) {
-    why = "the split-D kernel is a forward (the backward at D = 512 runs the composite path)";
-  } else if (p.head_dim != kSplitDHeadDim || p.head_dim_v != kSplitDHeadDim) {
+  if (pass == MetalPass::Backward) return splitd_backward_takes(p, requested, why_not);
+  if (p.head_dim != kSplitDHeadDim || p.head_dim_v != kSplitDHeadDim) {
     why = "the split-D kernel runs D_qk = D_v = " + std::to_string(kSplitDHeadDim) +
           " exactly (whole 64-feature parts, no padding columns); got " + std::to_string(p.head_dim) + " / " +
           std::to_string(p.head_dim_v);
@@ -58,6 +64,30 @@ bool splitd_takes(const AttentionProblem& p, KernelRequest requested, MetalPass 
     why = "Nq = " + std::to_string(p.q_len) + " <= " + std::to_string(kMaxDecodeRows) +
           " past the wide decode's rows per kv head: the model priced the split-D plan on prefill shapes only "
           "(impl='prefill' runs it)";
+  }
+  if (why_not != nullptr) *why_not = why;
+  return why.empty();
+}
+
+bool splitd_backward_takes(const AttentionProblem& p, KernelRequest requested, std::string* why_not) {
+  std::string why;
+  const bool forced = requested == KernelRequest::Prefill;
+  if (p.head_dim != kSplitDHeadDim || p.head_dim_v != kSplitDHeadDim) {
+    why = "the split-D backward runs D_qk = D_v = " + std::to_string(kSplitDHeadDim) +
+          " exactly (whole 64-feature parts, no padding columns); got " + std::to_string(p.head_dim) + " / " +
+          std::to_string(p.head_dim_v);
+  } else if (p.paged) {
+    why = "a paged KV cache has no backward";
+  } else if (!forced && requested != KernelRequest::Auto) {
+    why = "this impl does not name the split-D backward (impl='auto' or 'prefill' does)";
+  } else if (!forced && !p.causal) {
+    why = kSplitDBackwardVerdictNotCausal;
+  } else if (!forced && p.window_right > 0) {
+    why = "a right window (window_right = " + std::to_string(p.window_right) +
+          " > 0): the model priced causal attention only (impl='prefill' runs the split-D backward)";
+  } else if (!forced && p.q_len <= kMaxDecodeRows) {
+    why = "Nq = " + std::to_string(p.q_len) + " <= " + std::to_string(kMaxDecodeRows) +
+          ": the model priced the split-D backward on prefill shapes only (impl='prefill' runs it)";
   }
   if (why_not != nullptr) *why_not = why;
   return why.empty();
@@ -128,6 +158,75 @@ void splitd_launch(const AttentionProblem& p, const KernelChoice& c, const GpuSp
   l->max_threads_per_threadgroup = kPrefillSplitDMaxThreads;
   l->threadgroup_memory = splitd_threadgroup_bytes(c.block_k, c.simdgroups);
   l->estimate = estimate_launch(*l, splitd_live_registers(), gpu);
+}
+
+// The split-D backward's blocks (shaders/attention_backward_splitd.h says
+// why): dQ over 8 query rows x 32-key blocks, dK/dV over 8 keys x 32-row
+// query blocks, each on 8 SIMD-groups of 64 features. Host names encode them.
+constexpr uint32_t kSplitDBackwardOwn = 8, kSplitDBackwardStreamed = 32, kSplitDBackwardSimdgroups = 8;
+
+// Threadgroup memory, the kernels' layouts in floats: 2 x WM x 8 x S
+// partials (S and dP), then the dQ kernel's 8 x S dS and WM x 8 Delta
+// shares, or the dK/dV kernel's 8 x S P^T and 8 x S dS^T.
+constexpr uint32_t splitd_backward_bytes(bool dkdv) {
+  const uint32_t block = 8 * kSplitDBackwardStreamed;
+  return (2 * kSplitDBackwardSimdgroups * block + (dkdv ? 2 * block : block + kSplitDBackwardSimdgroups * 8)) * 4;
+}
+static_assert(splitd_backward_bytes(false) == 17664 && splitd_backward_bytes(true) == 18432 &&
+                  splitd_backward_bytes(true) <= kMaxThreadgroupMemory && splitd_backward_bytes(false) % 16 == 0 &&
+                  splitd_backward_bytes(true) % 16 == 0,
+              "the split-D backward's scratch: within 32 KiB, a multiple of 16 bytes");
+static_assert(32 * kSplitDBackwardSimdgroups <= uint32_t{kBackwardMaxThreads}, "its declared limit (params.h)");
+
+// Live values per lane: the dQ kernel's Q and dQ fragments (16 each at 64
+// features) plus one block of S or dP (8), two operand fragments (4) and
+// kLiveOverhead: 60; the dK/dV kernel's dK and dV (16 each) plus S^T and
+// dP^T (8 each) and the same: 68. dO (dQ kernel) and K and V (dK/dV kernel)
+// are re-read per block, not kept (they would add 16 and 32).
+constexpr uint32_t splitd_backward_live(bool dkdv) {
+  const uint32_t part = kSplitDHeadDim / 4 / kSplitDBackwardSimdgroups;  // one 8 x 64 slice, in floats per lane
+  const uint32_t block = kSplitDBackwardStreamed / 4;                     // one 8 x 32 block
+  return (dkdv ? 2 * part + 2 * block : 2 * part + block) + 4 + kLiveOverhead;
+}
+static_assert(splitd_backward_live(false) <= uint32_t{kDecodeRegisterBudget} &&
+                  splitd_backward_live(true) <= uint32_t{kDecodeRegisterBudget},
+              "within the planner's 72-value budget");
+
+uint32_t splitd_backward_threadgroup_bytes(bool dkdv) { return splitd_backward_bytes(dkdv); }
+uint32_t splitd_backward_live_registers(bool dkdv) { return splitd_backward_live(dkdv); }
+
+KernelChoice choose_splitd_backward(const AttentionProblem& p, KernelRequest requested, const GpuSpec& gpu) {
+  KernelChoice c;
+  c.kind = KernelRequest::Prefill;  // the simdgroup-matrix family
+  c.bucket = static_cast<uint32_t>(kSplitDHeadDim);
+  c.block_q = kSplitDBackwardOwn;
+  c.block_k = kSplitDBackwardStreamed;
+  c.simdgroups = kSplitDBackwardSimdgroups;
+  c.dkv_block_k = kSplitDBackwardOwn;
+  c.dkv_block_q = kSplitDBackwardStreamed;
+  c.dkv_simdgroups = kSplitDBackwardSimdgroups;
+  c.dq_feature_split = c.dkv_feature_split = kSplitDBackwardSimdgroups;
+  MetalLaunch l;
+  l.threadgroup = {32 * kSplitDBackwardSimdgroups, 1, 1};
+  l.threadgroup_memory = splitd_backward_bytes(true);
+  const LaunchEstimate e = estimate_launch(l, splitd_backward_live(false), gpu);
+  c.reason = std::string("backward (split-D): ") +
+             (requested == KernelRequest::Prefill ? "requested by the caller (impl='prefill') at D = 512"
+                                                  : std::string("D_qk = D_v = 512, ") + kSplitDBackwardVerdict) +
+             "; the simdgroup backward's four 512-wide tiles do not fit 32 KiB, so the head dimension is blocked "
+             "(metal-flash-attention's idea) in FlashAttention-2's atomics-free split: a dQ kernel over " +
+             std::to_string(kSplitDBackwardOwn) + " query rows x " + std::to_string(kSplitDBackwardStreamed) +
+             "-key blocks (Q, dO, dQ in registers, " + kib(splitd_backward_bytes(false)) + ", " +
+             std::to_string(splitd_backward_live(false)) + " live values per lane), then a dK/dV kernel over " +
+             std::to_string(kSplitDBackwardOwn) + " keys x " + std::to_string(kSplitDBackwardStreamed) +
+             "-row query blocks (dK, dV in registers, K/V re-read, the GQA group's heads in order, " +
+             kib(splitd_backward_bytes(true)) + ", " + std::to_string(splitd_backward_live(true)) +
+             " live values per lane), each on " + std::to_string(kSplitDBackwardSimdgroups) + " simdgroups of " +
+             std::to_string(kSplitDHeadDim / kSplitDBackwardSimdgroups) +
+             " features reading their operands from device memory, S and dP summed through threadgroup memory "
+             "(2 barriers per block), no atomics, deterministic; " + std::to_string(e.simdgroups_per_core) +
+             " resident simdgroups per core on " + gpu.name + "; not yet verified on Apple hardware";
+  return c;
 }
 
 }  // namespace plan_detail

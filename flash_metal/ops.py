@@ -298,8 +298,9 @@ def _attention_backward_fake(grad_out, q, k, v, out, lse, causal=False, scale=No
                              attn_mask=None, window_left=-1, window_right=-1, softcap=0.0, sinks=None):
     torch._check(q.dim() == 4 and k.dim() == 4 and v.dim() == 4,
                  lambda: "q, k and v must be 4-D (batch, heads, seq_len, head_dim)")
-    torch._check(impl in ("auto", "tensor_ops"),
-                 lambda: f"attention_backward accepts only impl='auto' or 'tensor_ops'; got {impl!r}")
+    torch._check(impl in ("auto", "tensor_ops", "prefill"),
+                 lambda: f"attention_backward accepts only impl='auto', 'tensor_ops' or (D = 512) 'prefill'; "
+                         f"got {impl!r}")
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), _grad_sinks_like(q, sinks)
 
 

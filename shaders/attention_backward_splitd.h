@@ -19,8 +19,8 @@
 // read by two SIMD-groups of a threadgroup, so staging would buy no reuse.
 //
 //   flash_backward_splitd_dq     grid (ceil(Nq / 8), Hq, B), 32 * WM threads
-//     Part p keeps Q, dO (its 8 x F slices, read once) and the dQ
-//     accumulator in registers. Delta = rowsum(dO * O) (- grad_lse): each
+//     Part p keeps Q (its 8 x F slice, read once) and the dQ accumulator
+//     in registers, and re-reads its dO slice per key block. Delta = rowsum(dO * O) (- grad_lse): each
 //     part sums its features, the parts' sums meet in threadgroup memory
 //     (summed in part order) and Delta is stored for the dK/dV kernel and
 //     flash_sinks_grad. Per key block of BK keys: partial S = Q_p.K_p^T and
@@ -54,12 +54,14 @@
 //     forward's mapping), and one row group reads no operand twice.
 //   Streamed block 32 (= 4 x WM): one element per lane per part in the
 //     shared step; S and dP are 4 fragments each.
-//   Registers (32-bit values per lane): dQ kernel Q, dO and dQ, 16 each,
-//     plus one block of S (8) while it is written out, then dP's 8: 56 with
-//     the fragments being read; dK/dV kernel dK and dV, 16 each, plus S^T
-//     and dP^T's 16: 48. K and V (dK/dV kernel) are re-read per query block
-//     from device memory, not kept: keeping them would need 80 values, past
-//     the planner's 72-value budget; their 8 x 64 slices stay cache-hot.
+//   Registers (32-bit values per lane, the planner's count with 4 for the
+//     fragments being read and 16 of overhead): dQ kernel Q and dQ, 16
+//     each, plus one block of S (8) while it is written out, then dP's:
+//     60; dK/dV kernel dK and dV, 16 each, plus S^T and dP^T (8 each): 68.
+//     dO (dQ kernel) and K, V (dK/dV kernel) are re-read per block from
+//     device memory, not kept: keeping them would need 76 and 100 values,
+//     past the planner's 72-value budget; their 8 x 64 slices stay
+//     cache-hot.
 //   Threadgroup memory (floats): 2 x WM x 8 x 32 partials, 8 x 32 dS (the
 //     dK/dV kernel: P^T and dS^T, 2 x 8 x 32), WM x 8 Delta partials (dQ
 //     kernel): 17,664 bytes (dQ) and 18,432 (dK/dV): one threadgroup, 8
@@ -150,22 +152,25 @@ template <typename T, int DMAX, int BQ, int BK, int WM>
   const int b_col = part * 4 + int(lane) % 4;  // its key there, within the block
   const int b_query = q0 + b_row;
 
-  // Q and dO: this part's 8 x F slices, once (rows past the sequence zero).
+  // Q: this part's 8 x F slice, once (rows past the sequence zero). dO's
+  // slice is re-read per key block (cache-hot), not kept: Q, dO and dQ
+  // together would be 48 values per lane, 76 with a block of S and the
+  // overhead, past the 72-value budget.
   PrefillFrag Q[TF];
-  PrefillFrag dO[TF];
   FM_UNROLL for (int i = 0; i < TF; ++i) {
     splitd_frag(Q[i], q + h.q, p.q_row_stride, p.q_dim_stride, q0, col0 + i * 8, sv.q_len, fr, fc);
-    splitd_frag(dO[i], dout + do_head, p.do_row_stride, p.do_dim_stride, q0, col0 + i * 8, sv.q_len, fr, fc);
   }
-  // Delta: this part's share of rowsum(dO * O) (O read once, at dO's
+  // Delta: this part's share of rowsum(dO * O) (dO and O read once, at the
   // fragment positions), the row's 4 lanes combined by two shuffles, then
   // the parts' shares through threadgroup memory, in part order.
   float dsum = 0.0f;
   if (row < sv.q_len) {
     device const T* orow = o + h.o + int64_t(row) * p.o_row_stride;
+    device const T* drow = dout + do_head + int64_t(row) * p.do_row_stride;
     FM_UNROLL for (int i = 0; i < TF; ++i) {
       FM_UNROLL for (int j = 0; j < 2; ++j) {
-        dsum += dO[i].thread_elements()[j] * float(orow[int64_t(col0 + i * 8 + fc + j) * p.o_dim_stride]);
+        const int64_t c = col0 + i * 8 + fc + j;
+        dsum += float(drow[c * p.do_dim_stride]) * float(orow[c * p.o_dim_stride]);
       }
     }
   }
@@ -206,15 +211,18 @@ template <typename T, int DMAX, int BQ, int BK, int WM>
       PrefillFrag S[TK];
       FM_UNROLL for (int t = 0; t < TK; ++t) S[t] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
       FM_UNROLL for (int i = 0; i < TF; ++i) {
+        PrefillFrag af = Q[i];
+        if (pass == 1) {
+          splitd_frag(af, dout + do_head, p.do_row_stride, p.do_dim_stride, q0, col0 + i * 8, sv.q_len, fr, fc);
+        }
         FM_UNROLL for (int t = 0; t < TK; ++t) {
           PrefillFrag kf;
           if (pass == 0) {
             splitd_frag_t(kf, k + h.k, p.k_row_stride, p.k_dim_stride, k0 + t * 8, col0 + i * 8, sv.kv_len, fr, fc);
-            prefill_mma(S[t], Q[i], kf);
           } else {
             splitd_frag_t(kf, v + h.v, p.v_row_stride, p.v_dim_stride, k0 + t * 8, col0 + i * 8, sv.kv_len, fr, fc);
-            prefill_mma(S[t], dO[i], kf);
           }
+          prefill_mma(S[t], af, kf);
         }
       }
       threadgroup float* out = pass == 0 ? part_s : part_dp;
