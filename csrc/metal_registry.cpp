@@ -180,9 +180,9 @@ std::vector<MetalLaunch> all_metal_launches() {
       }
     }
   }
-  // The split-D forward at D = 512 (splitd_takes): impl='prefill', causal
-  // or not, ragged (65 rows), each option on its own as above but paged
-  // (it reads no paged cache: the gather path packs the pages first).
+  // The split-D forward and backward at D = 512 (splitd_takes): impl='prefill',
+  // causal or not, ragged (65 rows), each option on its own as above but
+  // paged (neither reads a paged cache: the gather path packs the pages first).
   for (c10::ScalarType dtype : {c10::ScalarType::Float, c10::ScalarType::Half, c10::ScalarType::BFloat16}) {
     for (bool causal : {false, true}) {
       for (Option option : {NoOption, BoolMask, InputMask, Float32Mask, WindowLeft, Softcap, Varlen, Sinks}) {
@@ -197,6 +197,14 @@ std::vector<MetalLaunch> all_metal_launches() {
         const LaunchStrides packed{{N * D, N * D, D, 1}, {N * D, N * D, D, 1}, {N * D, N * D, D, 1},
                                    {N * D, N * D, D, 1}, {N, N, 1}, {0, 0, 0, 0}, {0, 0, 0}, {0, 0, N, 1}};
         for (const MetalLaunch& l : plan_metal_attention(p, packed, KernelRequest::Prefill).launches) add(l);
+        // The split-D backward (splitd_backward_takes: impl='prefill' at 512), with and
+        // without grad_lse; with sinks, flash_sinks_grad (already listed) after it.
+        const LaunchStrides bwd{packed.q, packed.k, packed.v, packed.o, packed.lse, packed.q, packed.lse,
+                                packed.mask};
+        for (bool grad_lse : {false, true}) {
+          for (const MetalLaunch& l : plan_metal_attention_backward(p, bwd, grad_lse, KernelRequest::Prefill).launches)
+            add(l);
+        }
       }
     }
   }

@@ -219,7 +219,7 @@ KernelChoice choose_splitd_backward(const AttentionProblem&, KernelRequest, cons
              "; the simdgroup backward's four 512-wide tiles do not fit 32 KiB, so the head dimension is blocked "
              "(metal-flash-attention's idea) in FlashAttention-2's atomics-free split: a dQ kernel over " +
              std::to_string(kSplitDBackwardOwn) + " query rows x " + std::to_string(kSplitDBackwardStreamed) +
-             "-key blocks (Q, dO, dQ in registers, " + kib(splitd_backward_bytes(false)) + ", " +
+             "-key blocks (Q and dQ in registers, dO re-read, " + kib(splitd_backward_bytes(false)) + ", " +
              std::to_string(splitd_backward_live(false)) + " live values per lane), then a dK/dV kernel over " +
              std::to_string(kSplitDBackwardOwn) + " keys x " + std::to_string(kSplitDBackwardStreamed) +
              "-row query blocks (dK, dV in registers, K/V re-read, the GQA group's heads in order, " +
