@@ -137,24 +137,26 @@ def _mask(kind, nq, nk, dtype, g):
         torch.float32 if kind == "float32" else dtype)
 
 
-# Each option on its own (float16, GQA 2:1, 21 x 45), causal unless named.
-OPTIONS = ["not_causal", "window", "softcap", "bool_mask", "float32_mask", "sinks"]
+# Each option on its own (float16, GQA 2:1, 21 x 45), causal unless named; the input-dtype additive mask
+# in bfloat16.
+OPTIONS = ["not_causal", "window", "softcap", "bool_mask", "float32_mask", "input_mask", "sinks"]
 
 
 @pytest.mark.parametrize("option", OPTIONS)
 def test_options_match_float64(option):
     nq, nk, causal = 21, 45, option != "not_causal"
+    dtype = torch.bfloat16 if option == "input_mask" else torch.float16
     g = torch.Generator().manual_seed(len(option))
     options = {}
     if option.endswith("mask"):
-        options["attn_mask"] = _mask(option.split("_")[0], nq, nk, torch.float16, g)
+        options["attn_mask"] = _mask(option.split("_")[0], nq, nk, dtype, g)
     elif option == "window":
         options.update(window_left=9, window_right=3)  # blocks behind every row's window are skipped
     elif option == "softcap":
         options["softcap"] = 2.0
     elif option == "sinks":
         options["sinks"] = torch.tensor([0.5, -1.0])
-    case = _case(1, 2, 1, nq, nk, torch.float16, causal, seed=17, grad_lse=option == "sinks", **options)
+    case = _case(1, 2, 1, nq, nk, dtype, causal, seed=17, grad_lse=option == "sinks", **options)
     grads = _check(case, causal, **options)
     if option == "sinks":
         q, k, v, _, _, grad_out, gl = case
