@@ -121,7 +121,9 @@ SHAPES = ((11, 37), (37, 11))
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
 def test_causal_gqa_grad_lse_matches_float64(dtype, shape):
     nq, nk = shape
-    case = _case(1, 2, 1, nq, nk, dtype, True, seed=nq + 3 * nk, grad_lse=dtype != torch.bfloat16)
+    # Nq > Nk also runs 2 batches of 2 kv heads (GQA 2:1): the group's query heads and the batch offsets.
+    B, Hq, Hkv = (2, 4, 2) if nq > nk else (1, 2, 1)
+    case = _case(B, Hq, Hkv, nq, nk, dtype, True, seed=nq + 3 * nk, grad_lse=dtype != torch.bfloat16)
     dq, dk, dv = _check(case, True)
     if nq > nk:
         assert (dq[:, :, : nq - nk] == 0).all() and (dq[:, :, nq - nk:] != 0).any()
