@@ -340,12 +340,14 @@ bool decode_takes_wide_dims(const AttentionProblem& p, KernelRequest requested, 
 // split-D forward at D = 512 (shaders/attention_prefill_splitd.h,
 // csrc/metal_routing_splitd.cpp): forward, D_qk = D_v = 512, no paged
 // cache, and impl 'prefill', or impl 'auto' when causal (window_right 0)
-// with Nq > kMaxDecodeRows (the model's verdict). Else false and *why_not
+// with Nq > kMaxDecodeRows (the model's verdict); a backward call asks
+// splitd_backward_takes. Else false and *why_not
 // (if given) says why, for explain(); composite_route then takes the call.
 bool splitd_takes(const AttentionProblem& p, KernelRequest requested, MetalPass pass, std::string* why_not);
-// The backward's part of it: D_qk = D_v = 512, not paged, and impl='prefill'
-// (forced) or impl='auto' where the model puts the split-D backward ahead
-// (csrc/metal_routing_splitd.cpp says where).
+// The backward's part of it (shaders/attention_backward_splitd.h): D_qk =
+// D_v = 512, not paged, and impl='prefill'. impl='auto' never: the model puts
+// the split-D backward behind the composite backward on every named chip
+// (benchmarks/metal_model_splitd_backward.py), and *why_not says so.
 bool splitd_backward_takes(const AttentionProblem& p, KernelRequest requested, std::string* why_not);
 
 // The full plan: kernel choice, names, grids, threadgroups, memory, params.

@@ -1,7 +1,9 @@
-// The split-D forward's routing and launch (issue 20 section 3): which
-// calls with head dims above 256 run the fused split-D kernel at D = 512
-// (shaders/attention_prefill_splitd.h), with the sentence explain() prints
-// either way, its blocks and its launch shape. The rest of the routing is
+// The split-D kernels' routing (issue 20 section 3): which calls with head
+// dims above 256 run the fused split-D forward at D = 512
+// (shaders/attention_prefill_splitd.h) or the split-D backward
+// (shaders/attention_backward_splitd.h; its launches are in
+// csrc/metal_launch_backward.cpp), with the sentence explain() prints either
+// way, their blocks and the forward's launch shape. The rest of the routing is
 // csrc/metal_routing.cpp (choose_metal_kernel) and csrc/composite.cpp
 // (composite_route, the fallback), which ask splitd_takes.
 #include "metal_plan_detail.h"
