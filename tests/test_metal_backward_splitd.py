@@ -110,6 +110,35 @@ def test_what_the_split_d_backward_does_not_take():
         flash_metal.explain(q, q, q, True, None, "prefill", backward=True)
 
 
+def test_autograd_forwards_impl_prefill_to_the_backward_at_512_on_metal():
+    # flash_metal/ops.py: impl='prefill' at D_qk = D_v = 512 on an MPS tensor makes autograd's backward ask
+    # for the split-D pair; everything else keeps 'auto'. (Stand-ins for the MPS tensors: only device and
+    # shape are read; the fake MPS device of tests/mps_exec does not run autograd.)
+    from types import SimpleNamespace
+
+    from flash_metal import ops
+
+    class Ctx:
+        def save_for_backward(self, *tensors):
+            self.saved_tensors = tensors
+
+    def impl_for(device, d, impl):
+        t = SimpleNamespace(device=torch.device(device), shape=(1, 2, 9, d), requires_grad=False)
+        ctx = Ctx()
+        ops._setup_context(ctx, (t, t, t, True, None, impl, None, -1, -1, 0.0, None), (None, None))
+        return ctx.backward_impl
+
+    assert impl_for("mps", 512, "prefill") == "prefill"
+    assert impl_for("mps", 512, "auto") == impl_for("mps", 256, "prefill") == impl_for("cpu", 512, "prefill") == "auto"
+    # _backward passes it on: the CPU op refuses 'prefill', which proves it arrived.
+    q, k, v, out, lse, grad_out, _ = _case(1, 1, 1, 4, 4, torch.float32, True, seed=1)
+    ctx = Ctx()
+    ctx.save_for_backward(q, k, v, out, lse, None, None)
+    ctx.options, ctx.features, ctx.mask_needs_grad, ctx.backward_impl = (True, None), (-1, 0, 0.0), False, "prefill"
+    with pytest.raises(ValueError, match="impl='prefill'"):
+        ops._backward(ctx, grad_out, None)
+
+
 # ---------------------------------------------------------------- results
 
 # (Nq, Nk): more keys than queries, and more queries than keys (causal: the
