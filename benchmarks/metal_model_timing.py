@@ -268,7 +268,22 @@ def dispatch_time(r, index, gpu, s, dtype, causal, k=POINT):
         # The tensor-op prefill (_mpp_) has no such chain of its own to count:
         # matmul2d's latency is Apple's, unpublished; it is modelled as MLX's
         # accelerator kernel is (metal_model_accel.py), by throughput alone.
-        if kb and "_splitd_" in r.kernel:
+        if kb and "flash_backward_splitd_" in r.kernel:
+            # The split-D backward (shaders/attention_backward_splitd.h): per
+            # streamed block, the operands' fragments from device memory (two
+            # DRAM latencies: S's, then dP's, counted, not assumed hoisted),
+            # each part's S and dP chains over its d_frags / F fragments one
+            # after the other (the kernel writes S out before it computes
+            # dP, for registers), a barrier and the F partials' sums, the
+            # shared step's exp2 (no shuffles: P comes from lse), a second
+            # barrier and the dS reads, then the accumulation over the
+            # block's streamed / 8 fragments (dQ += dS.K; dV and dK alike).
+            blocks, streamed, bheads = backward_blocks(r.kernel, s, causal)
+            parts = int(re.search(r"_wm(\d+)", r.kernel).group(1))
+            lat = (2 * dram_cycles + 2 * BARRIER_CYCLES + (parts + 1) * TG_LOAD_LATENCY
+                   + (2 * math.ceil(d_frags / parts) + streamed // 8) * MMA_LATENCY)
+            serial = blocks, bheads, lat
+        elif kb and "_splitd_" in r.kernel:
             # The split-D forward (shaders/attention_prefill_splitd.h): per key
             # block, K's fragments from device memory (one DRAM latency: a
             # part's loads are independent), each part's S chain over its

@@ -29,8 +29,9 @@ constexpr int64_t kCompositeChunkBytes = int64_t{64} << 20;
 // Whether this call runs the composite path on Metal, and why (appended to
 // *why). True for impl="composite"; for impl="auto": head dims above the
 // widest fused bucket (the model's verdict), forward and backward, but the
-// calls the wide decode (decode_takes_wide_dims) or the split-D forward
-// (splitd_takes: causal D = 512) take. D_qk != D_v within it runs the fused
+// calls the wide decode (decode_takes_wide_dims) or the split-D kernels
+// (splitd_takes: causal D = 512 forwards; impl='prefill' at 512, forward or
+// backward) take. D_qk != D_v within it runs the fused
 // kernels (issue 20 section 2).
 bool composite_route(const AttentionProblem& p, KernelRequest requested, MetalPass pass, std::string* why);
 

@@ -81,6 +81,42 @@ void tensor_ops_backward_launches(const AttentionProblem& p, const LaunchStrides
   if (p.sinks) sinks_grad_launch(p, dq, gpu, plan);
 }
 
+// The split-D backward's two launches at D = 512 (shaders/attention_backward_splitd.h,
+// csrc/metal_routing_splitd.cpp): dQ and Delta over 8-row query blocks,
+// then dK/dV over 8-key blocks, 256 threads each. Function constants: the
+// feature kernels' (fc_causal, fc_has_grad_lse on dQ, the options); the
+// alignment and dense-loader ones are false (no tile loader: every operand
+// is read per part from device memory, rows past the sequence as zeros).
+void splitd_backward_launches(const AttentionProblem& p, const LaunchStrides& s, bool has_grad_lse,
+                              const KernelChoice& c, const std::string& suffix, const GpuSpec& gpu, MetalPlan* plan) {
+  const uint32_t batch = static_cast<uint32_t>(p.batch);
+  MetalLaunch dq;
+  dq.params = make_params(p, s, 1);
+  dq.params_index = kAttentionParamsIndex;
+  dq.threadgroup_memory_index = kAttentionThreadgroupIndex;
+  dq.kernel_name = "flash_backward_splitd_dq_" + suffix + "_bq" + std::to_string(c.block_q) + "_bk" +
+                   std::to_string(c.block_k) + "_wm" + std::to_string(c.simdgroups);
+  dq.grid = {ceil_div(p.q_len, c.block_q), static_cast<uint32_t>(p.q_heads), batch};
+  dq.threadgroup = {32 * c.simdgroups, 1, 1};
+  dq.max_threads_per_threadgroup = kBackwardMaxThreads;
+  dq.threadgroup_memory = splitd_backward_threadgroup_bytes(false);
+  dq.function_constants = feature_constants(p, false, false, has_grad_lse);
+  dq.buffers = with_features(kBackwardDqBuffers);
+  dq.estimate = estimate_launch(dq, splitd_backward_live_registers(false), gpu);
+  plan->launches.push_back(dq);
+
+  MetalLaunch dkv = dq;
+  dkv.kernel_name = "flash_backward_splitd_dkdv_" + suffix + "_bq" + std::to_string(c.dkv_block_q) + "_bk" +
+                    std::to_string(c.dkv_block_k) + "_wm" + std::to_string(c.dkv_simdgroups);
+  dkv.grid = {ceil_div(p.kv_len, c.dkv_block_k), static_cast<uint32_t>(p.kv_heads), batch};
+  dkv.threadgroup = {32 * c.dkv_simdgroups, 1, 1};
+  dkv.threadgroup_memory = splitd_backward_threadgroup_bytes(true);
+  dkv.function_constants = feature_constants(p, false, false, false);
+  dkv.buffers = with_features(kBackwardDkdvBuffers);
+  dkv.estimate = estimate_launch(dkv, splitd_backward_live_registers(true), gpu);
+  plan->launches.push_back(dkv);
+}
+
 }  // namespace
 
 MetalPlan plan_metal_attention_backward(const AttentionProblem& p, const LaunchStrides& s, bool has_grad_lse,
@@ -96,44 +132,47 @@ MetalPlan plan_metal_attention_backward(const AttentionProblem& p, const LaunchS
     check_launch_limits(plan);
     return plan;
   }
+  const bool splitd = c.reason.rfind("backward (split-D)", 0) == 0;
+  if (splitd) {
+    splitd_backward_launches(p, s, has_grad_lse, c, suffix, gpu, &plan);
+  } else {
+    MetalLaunch dq;
+    dq.params = make_params(p, s, 1);
+    dq.params_index = kAttentionParamsIndex;
+    dq.threadgroup_memory_index = kAttentionThreadgroupIndex;
+    dq.kernel_name = "flash_backward_dq_" + suffix + "_bq" + std::to_string(c.block_q) + "_bk" +
+                     std::to_string(c.block_k) + "_wm" + std::to_string(c.simdgroups) + "_ds" +
+                     std::to_string(c.dq_feature_split);
+    dq.grid = {ceil_div(p.q_len, c.block_q), static_cast<uint32_t>(p.q_heads), batch};
+    dq.threadgroup = {32 * c.simdgroups, 1, 1};
+    dq.max_threads_per_threadgroup = kBackwardMaxThreads;
+    dq.threadgroup_memory = backward_threadgroup_memory(c.block_q, c.block_k, c.bucket, p.dtype, c.dq_feature_split);
+    // Indices kCausalFunctionConstant, kAlignQ..., kAlignK..., kHasGradLse...
+    std::string why;
+    const bool dense = dense_loader(p, s, c.bucket, true, &why);
+    plan.reason += loader_reason(dense, why);
+    dq.function_constants =
+        with_dense(feature_constants(p, p.q_len % c.block_q == 0, p.kv_len % c.block_k == 0, has_grad_lse), dense);
+    dq.buffers = with_features(kBackwardDqBuffers);
+    dq.estimate = estimate_launch(dq, dq_live_floats(c.bucket, c.block_k, c.dq_feature_split) + kLiveOverhead, gpu);
+    plan.launches.push_back(dq);
 
-  MetalLaunch dq;
-  dq.params = make_params(p, s, 1);
-  dq.params_index = kAttentionParamsIndex;
-  dq.threadgroup_memory_index = kAttentionThreadgroupIndex;
-  dq.kernel_name = "flash_backward_dq_" + suffix + "_bq" + std::to_string(c.block_q) + "_bk" +
-                   std::to_string(c.block_k) + "_wm" + std::to_string(c.simdgroups) + "_ds" +
-                   std::to_string(c.dq_feature_split);
-  dq.grid = {ceil_div(p.q_len, c.block_q), static_cast<uint32_t>(p.q_heads), batch};
-  dq.threadgroup = {32 * c.simdgroups, 1, 1};
-  dq.max_threads_per_threadgroup = kBackwardMaxThreads;
-  dq.threadgroup_memory = backward_threadgroup_memory(c.block_q, c.block_k, c.bucket, p.dtype, c.dq_feature_split);
-  // Indices kCausalFunctionConstant, kAlignQ..., kAlignK..., kHasGradLse...
-  std::string why;
-  const bool dense = dense_loader(p, s, c.bucket, true, &why);
-  plan.reason += loader_reason(dense, why);
-  dq.function_constants =
-      with_dense(feature_constants(p, p.q_len % c.block_q == 0, p.kv_len % c.block_k == 0, has_grad_lse), dense);
-  dq.buffers = with_features(kBackwardDqBuffers);
-  dq.estimate = estimate_launch(dq, dq_live_floats(c.bucket, c.block_k, c.dq_feature_split) + kLiveOverhead, gpu);
-  plan.launches.push_back(dq);
-
-  MetalLaunch dkv = dq;
-  dkv.kernel_name = "flash_backward_dkdv_" + suffix + "_bq" + std::to_string(c.dkv_block_q) + "_bk" +
-                    std::to_string(c.dkv_block_k) + "_wm" + std::to_string(c.dkv_simdgroups) + "_ds" +
-                    std::to_string(c.dkv_feature_split);
-  dkv.grid = {ceil_div(p.kv_len, c.dkv_block_k), static_cast<uint32_t>(p.kv_heads), batch};
-  dkv.threadgroup = {32 * c.dkv_simdgroups, 1, 1};
-  dkv.threadgroup_memory = backward_threadgroup_memory(c.dkv_block_k, c.dkv_block_q, c.bucket, p.dtype,
-                                                     c.dkv_feature_split);
-  dkv.function_constants =
-      with_dense(feature_constants(p, p.q_len % c.dkv_block_q == 0, p.kv_len % c.dkv_block_k == 0, false), dense);
-  dkv.buffers = with_features(kBackwardDkdvBuffers);
-  dkv.estimate =
-      estimate_launch(dkv, dkdv_live_floats(c.bucket, c.dkv_block_q, c.dkv_feature_split) + kLiveOverhead, gpu);
-  plan.launches.push_back(dkv);
-
-  if (p.sinks) sinks_grad_launch(p, dq, gpu, &plan);
+    MetalLaunch dkv = dq;
+    dkv.kernel_name = "flash_backward_dkdv_" + suffix + "_bq" + std::to_string(c.dkv_block_q) + "_bk" +
+                      std::to_string(c.dkv_block_k) + "_wm" + std::to_string(c.dkv_simdgroups) + "_ds" +
+                      std::to_string(c.dkv_feature_split);
+    dkv.grid = {ceil_div(p.kv_len, c.dkv_block_k), static_cast<uint32_t>(p.kv_heads), batch};
+    dkv.threadgroup = {32 * c.dkv_simdgroups, 1, 1};
+    dkv.threadgroup_memory = backward_threadgroup_memory(c.dkv_block_k, c.dkv_block_q, c.bucket, p.dtype,
+                                                       c.dkv_feature_split);
+    dkv.function_constants =
+        with_dense(feature_constants(p, p.q_len % c.dkv_block_q == 0, p.kv_len % c.dkv_block_k == 0, false), dense);
+    dkv.buffers = with_features(kBackwardDkdvBuffers);
+    dkv.estimate =
+        estimate_launch(dkv, dkdv_live_floats(c.bucket, c.dkv_block_q, c.dkv_feature_split) + kLiveOverhead, gpu);
+    plan.launches.push_back(dkv);
+  }
+  if (p.sinks) sinks_grad_launch(p, plan.launches.front(), gpu, &plan);  // the dQ launch: its params
   check_launch_limits(plan);
   return plan;
 }

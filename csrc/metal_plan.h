@@ -341,9 +341,15 @@ bool decode_takes_wide_dims(const AttentionProblem& p, KernelRequest requested, 
 // csrc/metal_routing_splitd.cpp): forward, (D_qk, D_v) = (512, 512),
 // (576, 512) or (256, 512), no paged cache, and impl 'prefill', or impl
 // 'auto' where the model puts it ahead (512: causal, window_right 0, Nq >
-// kMaxDecodeRows; MLA's pairs: kSplitDMla* there). Else false and *why_not
+// kMaxDecodeRows; MLA's pairs: kSplitDMla* there); a backward call asks
+// splitd_backward_takes. Else false and *why_not
 // (if given) says why, for explain(); composite_route then takes the call.
 bool splitd_takes(const AttentionProblem& p, KernelRequest requested, MetalPass pass, std::string* why_not);
+// The backward's part of it (shaders/attention_backward_splitd.h): D_qk =
+// D_v = 512, not paged, and impl='prefill'. impl='auto' never: the model puts
+// the split-D backward behind the composite backward on every named chip
+// (benchmarks/metal_model_splitd_backward.py), and *why_not says so.
+bool splitd_backward_takes(const AttentionProblem& p, KernelRequest requested, std::string* why_not);
 
 // The full plan: kernel choice, names, grids, threadgroups, memory, params.
 MetalPlan plan_metal_attention(const AttentionProblem& p, const LaunchStrides& strides, KernelRequest requested,

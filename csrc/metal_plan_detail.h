@@ -359,6 +359,13 @@ bool prefill_pack_gqa(const AttentionProblem& p, uint32_t block_q, std::string* 
 // the constants and bindings, as for the prefill).
 KernelChoice choose_splitd(const AttentionProblem& p, KernelRequest requested, const GpuSpec& gpu);
 void splitd_launch(const AttentionProblem& p, const KernelChoice& c, const GpuSpec& gpu, MetalLaunch* l);
+// The split-D backward at D = 512 (the same file): its blocks and reason
+// (whether it takes a call: splitd_backward_takes, metal_plan.h), and its two
+// kernels' threadgroup bytes and live values (dkdv: the dK/dV kernel's, else
+// the dQ kernel's) for csrc/metal_launch_backward.cpp.
+KernelChoice choose_splitd_backward(const AttentionProblem& p, KernelRequest requested, const GpuSpec& gpu);
+uint32_t splitd_backward_threadgroup_bytes(bool dkdv);
+uint32_t splitd_backward_live_registers(bool dkdv);
 
 // The wide decode's sentence for explain() (csrc/metal_routing_wide.cpp):
 // the bucket and the model's verdict against the composite path.

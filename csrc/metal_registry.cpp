@@ -185,6 +185,8 @@ std::vector<MetalLaunch> all_metal_launches() {
   // on its own as above but paged (it reads no paged cache: the gather path
   // packs the pages first); and at (576, 512) the absorbed-MLA decode packed
   // over 16 query heads on one kv head (fc_pack_gqa), each option likewise.
+  // The split-D backward at (512, 512) (splitd_backward_takes), with and
+  // without grad_lse; with sinks, flash_sinks_grad (already listed) after it.
   for (c10::ScalarType dtype : {c10::ScalarType::Float, c10::ScalarType::Half, c10::ScalarType::BFloat16}) {
     for (const auto& [d, dv] : {std::pair<int64_t, int64_t>{512, 512}, {576, 512}, {256, 512}}) {
       for (bool pack : {false, true}) {
@@ -206,6 +208,14 @@ std::vector<MetalLaunch> all_metal_launches() {
                                        {H * N * dv, N * dv, dv, 1}, {H * N, N, 1}, {0, 0, 0, 0}, {0, 0, 0},
                                        {0, 0, M, 1}};
             for (const MetalLaunch& l : plan_metal_attention(p, packed, KernelRequest::Prefill).launches) add(l);
+            if (d != 512 || pack) continue;
+            const LaunchStrides bwd{packed.q, packed.k, packed.v, packed.o, packed.lse, packed.q, packed.lse,
+                                    packed.mask};
+            for (bool grad_lse : {false, true}) {
+              for (const MetalLaunch& l :
+                   plan_metal_attention_backward(p, bwd, grad_lse, KernelRequest::Prefill).launches)
+                add(l);
+            }
           }
         }
       }

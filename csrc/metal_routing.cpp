@@ -209,7 +209,8 @@ KernelChoice choose_backward(const AttentionProblem& p, KernelRequest requested,
   TORCH_CHECK_VALUE(requested == KernelRequest::Auto || requested == KernelRequest::TensorOps,
                     "flash_metal.attention_backward: impl must be 'auto' or 'tensor_ops' (the backward has two "
                     "kernel families: flash_backward_dq + flash_backward_dkdv on simdgroup matrices, and their "
-                    "Metal 4 tensor-op twins); got '", request_name(requested), "'");
+                    "Metal 4 tensor-op twins; and at D_qk = D_v = 512 'prefill' names the split-D backward); got '",
+                    request_name(requested), "'");
   // The tensor-op backward (shaders/attention_backward_mpp.h): forced, or
   // Auto's gate, the forward's (tensor_ops_route) plus what its kernels
   // cover; explain() says why not on Apple 10 GPUs.
@@ -405,6 +406,7 @@ KernelChoice choose_metal_kernel(const AttentionProblem& p, KernelRequest reques
                               kMaxDecodeRows, ", take up to ", kMaxHeadDimV, " (impl='auto': at most ", kWideDecodeMaxRows,
                               " query rows per kv head)); run on CPU tensors, which take "
                               "D_v up to ", kMaxHeadDimV);
+  if (pass == MetalPass::Backward && splitd) return choose_splitd_backward(p, requested, gpu);
   if (pass == MetalPass::Backward) return choose_backward(p, requested, gpu);
   if (splitd) return choose_splitd(p, requested, gpu);
   // The bucket every tile fits: the wider of the two dims (== head_dim unless MLA-style).

@@ -298,8 +298,9 @@ def _attention_backward_fake(grad_out, q, k, v, out, lse, causal=False, scale=No
                              attn_mask=None, window_left=-1, window_right=-1, softcap=0.0, sinks=None):
     torch._check(q.dim() == 4 and k.dim() == 4 and v.dim() == 4,
                  lambda: "q, k and v must be 4-D (batch, heads, seq_len, head_dim)")
-    torch._check(impl in ("auto", "tensor_ops"),
-                 lambda: f"attention_backward accepts only impl='auto' or 'tensor_ops'; got {impl!r}")
+    torch._check(impl in ("auto", "tensor_ops", "prefill"),
+                 lambda: f"attention_backward accepts only impl='auto', 'tensor_ops' or (D = 512) 'prefill'; "
+                         f"got {impl!r}")
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), _grad_sinks_like(q, sinks)
 
 
@@ -362,6 +363,10 @@ def _setup_context(ctx, inputs, output):
     ctx.options = (causal, scale)
     ctx.features = (window_left, window_right, softcap)
     ctx.mask_needs_grad = attn_mask is not None and attn_mask.requires_grad
+    # impl='prefill' at D_qk = D_v = 512 on Metal also forces the backward's fused split-D pair
+    # (impl='auto' runs the composite backward there: csrc/metal_routing_splitd.cpp says why).
+    ctx.backward_impl = ("prefill" if impl == "prefill" and q.device.type == "mps"
+                         and q.shape[-1] == v.shape[-1] == 512 else "auto")
 
 
 def _backward(ctx, grad_out, grad_lse):
@@ -376,10 +381,10 @@ def _backward(ctx, grad_out, grad_lse):
     # grad_out is never None, even when only lse was used: torch.library's
     # autograd materializes an unused output's gradient as zeros on every
     # supported torch (tests/test_backward.py::test_autograd_lse_only_and_both).
-    # The forward's impl names a forward kernel; every backend has one
-    # backward family, chosen by "auto".
+    # The forward's impl names a forward kernel; the backward's family is
+    # chosen by "auto", but for impl='prefill' at D = 512 on Metal (the split-D pair).
     grad_q, grad_k, grad_v, grad_sinks = torch.ops.flash_metal.attention_backward(
-        grad_out, q, k, v, out, lse, *ctx.options, grad_lse, "auto", attn_mask,
+        grad_out, q, k, v, out, lse, *ctx.options, grad_lse, ctx.backward_impl, attn_mask,
         *ctx.features, sinks,
     )
     return grad_q, grad_k, grad_v, None, None, None, None, None, None, None, (grad_sinks if sinks is not None else None)

@@ -12,6 +12,8 @@
 //   (DMAX also 512 and 576: decode only)
 //   flash_backward_dq_<dtype>_d<DMAX>_bq<BQ>_bk<BK>_wm<WM>_ds<DSPLIT>,
 //   flash_backward_dkdv_<dtype>_d<DMAX>_bq<BQ>_bk<BK>_wm<WM>_ds<DSPLIT>
+//   flash_backward_splitd_dq_<dtype>_d<DMAX>_bq<BQ>_bk<BK>_wm<WM>,
+//   flash_backward_splitd_dkdv_<dtype>_d<DMAX>_bq<BQ>_bk<BK>_wm<WM> (DMAX 512 only)
 //   flash_sinks_grad (float32 only: lse, Delta and the sinks' gradient)
 #include "attention_untiled.h"
 #include "attention_tiled.h"
@@ -20,6 +22,7 @@
 #include "attention_decode.h"
 #include "attention_backward_dq.h"
 #include "attention_backward_dkdv.h"
+#include "attention_backward_splitd.h"
 #include "attention_sinks.h"
 
 // The one instantiation macro: a host name plus the template it names; the
@@ -128,6 +131,16 @@
   FM_INSTANTIATE("flash_backward_dkdv_" #tname "_d" #D "_bq" #S "_bk" #R "_wm" #WM "_ds" #F,        \
                  flash_backward_dkdv<T, D, S, R, WM, F>)
 
+// The split-D backward at head dim 512 (attention_backward_splitd.h, issue
+// 20 section 3): dQ over 8 query rows x 32-key blocks, dK/dV over 8 keys x
+// 32-row query blocks, each on 8 SIMD-groups of 64 features (the header says
+// why these; csrc/metal_routing_splitd.cpp plans them). One pair per dtype.
+#define FM_BACKWARD_SPLITD(tname, T)                                                  \
+  FM_INSTANTIATE("flash_backward_splitd_dq_" #tname "_d512_bq8_bk32_wm8",              \
+                 flash_backward_splitd_dq<T, 512, 8, 32, 8>)                          \
+  FM_INSTANTIATE("flash_backward_splitd_dkdv_" #tname "_d512_bq32_bk8_wm8",            \
+                 flash_backward_splitd_dkdv<T, 512, 32, 8, 8>)
+
 #define FM_BACKWARD_HALF_ALL_D(tname, T)   \
   FM_BACKWARD(tname, T, 32, 64, 32, 1, 8)  \
   FM_BACKWARD(tname, T, 64, 64, 32, 1, 8)  \
@@ -165,5 +178,8 @@ FM_DECODE_ALL_D(bfloat16, bfloat)
 FM_BACKWARD_FLOAT_ALL_D(float32, float)
 FM_BACKWARD_HALF_ALL_D(float16, half)
 FM_BACKWARD_HALF_ALL_D(bfloat16, bfloat)
+FM_BACKWARD_SPLITD(float32, float)
+FM_BACKWARD_SPLITD(float16, half)
+FM_BACKWARD_SPLITD(bfloat16, bfloat)
 FM_INSTANTIATE("flash_sinks_grad", flash_sinks_grad<32>)
 }  // namespace flash_metal

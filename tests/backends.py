@@ -13,7 +13,8 @@ import pytest
 import torch
 
 import flash_metal
-from shader_builds import SHADER, WIDE_DECODE_KERNELS, is_wide_decode, shipped_library
+from shader_builds import (SHADER, SPLITD_BACKWARD_KERNELS, WIDE_DECODE_KERNELS, is_splitd_backward, is_wide_decode,
+                           shipped_library)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The MSL 4 library (Metal 4 tensor ops, impl='tensor_ops'): a library of its
@@ -191,6 +192,15 @@ def wide_decode_library(instrumented: bool):
 
     only = SANITIZED_WIDE_DECODE_KERNELS if instrumented else WIDE_DECODE_KERNELS
     return compile_library([SHADER], instrumented=instrumented, only=only)
+
+
+@functools.lru_cache(maxsize=None)
+def splitd_backward_library(instrumented: bool):
+    """The split-D backward's partial library (the default builds leave it out: tests/shader_builds.py),
+    with flash_sinks_grad, which its plans with sinks run after it."""
+    from metal_emulator import compile_library
+
+    return compile_library([SHADER], instrumented=instrumented, only=SPLITD_BACKWARD_KERNELS + ("flash_sinks_grad",))
 
 
 @functools.lru_cache(maxsize=None)
@@ -390,6 +400,8 @@ MPP_UNDECLARED_CONSTANTS = (1, 2, 10)
 
 def _run_plan(plan, tensors, instrumented, fast_math, seed=0, mpp_layout="scrambled", mpp_seed=1):
     LAST_DISPATCHES.clear()
+    # A split-D backward plan runs all of its dispatches (flash_sinks_grad too) from its partial library.
+    splitd = any(is_splitd_backward(d.kernel_name) for d in plan.dispatches) and not fast_math
     # Each dispatch bound from the plan's binding table, exactly as
     # csrc/mps/attention_mps.mm binds, in the plan's order.
     for d in plan.dispatches:
@@ -400,6 +412,8 @@ def _run_plan(plan, tensors, instrumented, fast_math, seed=0, mpp_layout="scramb
             library = (metal_mpp_dsplit_library if dsplit else metal_mpp_library)(instrumented, fast_math)
             assert not any(constants.pop(i, False) for i in MPP_UNDECLARED_CONSTANTS), d.function_constants
             extra = dict(mpp_layout=mpp_layout, mpp_seed=mpp_seed)
+        elif splitd:
+            library = splitd_backward_library(instrumented)
         elif is_wide_decode(d.kernel_name) and not fast_math:
             library = wide_decode_library(instrumented)
         else:

@@ -22,12 +22,22 @@ SHADER = os.path.join(ROOT, "shaders", "attention.metal")
 # (Library.omitted_names), so the registry, the planner and the executed
 # host's fake metallib are checked against every kernel of the source.
 WIDE_DECODE_KERNELS = ("flash_decode*_d512", "flash_decode*_d576")
-DEFAULT_EXCLUDE = WIDE_DECODE_KERNELS
+# The split-D backward at D = 512 (issue 20 section 3, shaders/attention_backward_splitd.h:
+# 2 kernels x 3 dtypes). Out of the default builds for the same reason (CI time): only
+# tests/test_metal_backward_splitd.py and benchmarks/metal_model_splitd_backward.py run them,
+# on a partial library of their own (tests/backends.py splitd_backward_library).
+SPLITD_BACKWARD_KERNELS = ("flash_backward_splitd_*",)
+DEFAULT_EXCLUDE = WIDE_DECODE_KERNELS + SPLITD_BACKWARD_KERNELS
 
 
 def is_wide_decode(kernel_name: str) -> bool:
     """Whether `kernel_name` is one of WIDE_DECODE_KERNELS (the default builds' left-out kernels)."""
     return any(fnmatch.fnmatchcase(kernel_name, p) for p in WIDE_DECODE_KERNELS)
+
+
+def is_splitd_backward(kernel_name: str) -> bool:
+    """Whether `kernel_name` is one of SPLITD_BACKWARD_KERNELS."""
+    return any(fnmatch.fnmatchcase(kernel_name, p) for p in SPLITD_BACKWARD_KERNELS)
 
 
 def shipped_library(instrumented: bool = False, fast_math: bool = False, only=None, path: str = SHADER):

@@ -15,7 +15,7 @@ import torch
 
 import flash_metal
 from backends import SHADER, emulated_metal_attention, metal_library
-from shader_builds import is_wide_decode, shipped_library
+from shader_builds import is_splitd_backward, is_wide_decode, shipped_library
 from numerics import DTYPES, assert_attention_close, dtype_id, make_qkv
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -62,6 +62,11 @@ def _plans():
         for dqk in (512, 576, 256):
             q, v = torch.empty(1, 1, 9, dqk, dtype=dtype), torch.empty(1, 1, 9, 512, dtype=dtype)
             plans[("prefill_splitd", dtype, dqk)] = (flash_metal.explain(q, q, v, impl="prefill"), dqk)
+    # The split-D backward at 512 (shaders/attention_backward_splitd.h; impl='prefill' at D = 512;
+    # tests/test_metal_backward_splitd.py runs it, sanitized, from its own partial library).
+    for dtype in DTYPES:
+        q = torch.empty(1, 1, 9, 512, dtype=dtype)
+        plans[("backward_splitd", dtype, 512)] = (flash_metal.explain(q, q, q, impl="prefill", backward=True), 512)
     # The backward's two kernels (shaders/attention_backward.h).
     for dtype in DTYPES:
         for bucket, d in FAST_BUCKET_DIMS.items():
@@ -83,12 +88,15 @@ def _plan_names():
 def test_every_instantiation_is_reachable_from_the_planner():
     # Each instantiation in shaders/ is produced by some plan, and every plan
     # names an existing instantiation: the sanitized tests (here and in
-    # test_metal_prefill.py, test_metal_decode.py, test_metal_decode_wide.py)
-    # then run all of them. The default build leaves the wide decode's 18 out
+    # test_metal_prefill.py, test_metal_decode.py, test_metal_decode_wide.py,
+    # test_metal_backward_splitd.py) then run all of them. The default build
+    # leaves the wide decode's 18 and the split-D backward's 6 out
     # (tests/shader_builds.py) and names them: the source's names count.
     lib = metal_library(False)
-    assert sorted(lib.omitted_names()) == sorted(n for n in lib.source_kernel_names() if is_wide_decode(n))
-    assert len(lib.omitted_names()) == 3 * 3 * 2  # (one pass, split, merge) x dtypes x (512, 576)
+    omitted = [n for n in lib.source_kernel_names() if is_wide_decode(n) or is_splitd_backward(n)]
+    assert sorted(lib.omitted_names()) == sorted(omitted)
+    # (one pass, split, merge) x dtypes x (512, 576), and the split-D backward's pair x dtypes
+    assert len(lib.omitted_names()) == 3 * 3 * 2 + 2 * 3
     lib_names = set(lib.source_kernel_names())
     planned = set(_plan_names().values())
     assert planned == lib_names, f"never planned: {sorted(lib_names - planned)}; missing: {sorted(planned - lib_names)}"
@@ -210,7 +218,7 @@ _SIGNATURE_NAMES = {"q": "q", "k": "k", "v": "v", "out": "o", "lse": "lse", "par
 
 
 @pytest.mark.parametrize("impl", list(FAMILIES) + ["decode_wide", "decode_split_wide", "prefill_splitd", "backward",
-                                  "backward_sinks"])
+                                  "backward_splitd", "backward_sinks"])
 def test_binding_table_matches_every_kernel_signature(impl):
     # The plan's binding table is what the MPS host and the emulated backend
     # bind from; each entry must name the kernel parameter with that

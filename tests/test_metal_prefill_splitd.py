@@ -6,8 +6,10 @@ rule (tests/numerics.py), and planted bugs.
 Routing (csrc/metal_routing_splitd.cpp): impl='auto' runs it for causal
 D_qk = D_v = 512 forwards with Nq > 8 (the model's verdict: about 2x ahead of
 the composite path, benchmarks/metal_model_d512.py; a model, not a
-measurement); not causal stays composite (the verdict is level), as do the
-backward, D_v != D_qk and a right window; impl='prefill' at 512 forces it.
+measurement); not causal stays composite (the verdict is level), as do
+D_v != D_qk and a right window, and auto backward calls (the split-D
+backward's verdict: tests/test_metal_backward_splitd.py); impl='prefill' at
+512 forces it.
 Every run here is sanitized (races, out-of-bounds, barrier divergence
 raise), outputs are poisoned with NaN (tests/backends.py), and each proves
 the split-D kernel ran (the emulator's dispatch list). Shapes stay small and
@@ -71,7 +73,7 @@ def test_causal_d512_routes_to_split_d_with_the_model_verdict():
 def test_what_split_d_does_not_take_stays_composite_with_the_reason():
     cases = {  # call -> the reason's words
         "not causal": (_explain(causal=False), "the model puts the split-D plan level"),
-        "backward": (_explain(backward=True), "the split-D kernel is a forward"),
+        "backward": (_explain(backward=True), "the model puts the split-D backward behind"),
         "D_v != D_qk": (_explain(dv=256), "(576, 512) or (256, 512) exactly"),
         "right window": (_explain(causal=False, window_right=4), "a right window"),
         "decode rows": (_explain(nq=8, hq=4), "the model priced the split-D plan on prefill shapes only"),

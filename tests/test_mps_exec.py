@@ -347,6 +347,31 @@ def test_host_runs_the_packed_mla_decode_on_a_latent_cache(host, emu):
     assert d.grid == (8, 1, 4) and d.function_constants[13]
 
 
+def test_host_runs_the_split_d_backward_at_512(host):
+    # The backward at D = 512 with impl='prefill' (issue 20 section 3: impl='auto' keeps the composite
+    # path, the model's verdict) through the real .mm: the split-D pair (shaders/attention_backward_splitd.h,
+    # 17,664 and 18,432 bytes of threadgroup memory), replayed into its partial library (the default
+    # builds leave it out: tests/shader_builds.py), vs float64 autograd (GQA 2:1, Nq != Nk, ragged).
+    import backends
+
+    g = torch.Generator().manual_seed(37)
+    q = torch.randn(1, 2, 13, 512, generator=g).half()
+    k, v = (torch.randn(1, 1, 17, 512, generator=g).half() for _ in range(2))
+    out, lse = R.attention_reference(q, k, v, True)
+    out, lse = out.half(), lse.float()
+    grad_out = torch.randn(out.shape, generator=g).half()
+    rec, grads, _ = host.run_backward(grad_out, q, k, v, out, lse, True, None, None, "prefill")
+    mps_exec.replay(rec, backends.splitd_backward_library(True))
+    host.complete_gpu_work()
+    assert rec["errors"] == []
+    grads = tuple(host.to_cpu(t) for t in grads)
+    assert_gradients_close(grads, q, k, v, grad_out, True, None, None)
+    kernels = [e["kernel"] for e in rec["events"] if e["op"] == "setComputePipelineState"]
+    assert kernels == ["flash_backward_splitd_dq_float16_d512_bq8_bk32_wm8",
+                       "flash_backward_splitd_dkdv_float16_d512_bq32_bk8_wm8"]
+    assert [e["length"] for e in rec["events"] if e["op"] == "setThreadgroupMemoryLength"] == [17664, 18432]
+
+
 def test_host_refuses_tensor_ops_where_the_process_cannot_run_them(host):
     # The tensor-op kernels (shaders/attention_mpp.metal, MSL 4) need macOS
     # 26.2 and the MSL 4 library: on the fake's macOS 15 the real .mm says so
@@ -472,6 +497,12 @@ def test_build_all_pipelines_on_the_fake_device(host, emu):
             continue
         if name == "flash_sinks_grad":  # only fc_varlen is read; the registry plans it without
             assert bits == {"0" * 12}, name
+            continue
+        if name.startswith("flash_backward_splitd_"):  # 12 constants: causal, grad_lse (dQ), the options
+            assert all(len(b) == 12 and b[1:3] + b[10:] == "0000" for b in bits), name
+            assert {b[0] + b[3] for b in bits} == ({"00", "01", "10", "11"} if "_dq_" in name else {"00", "10"}), name
+            assert {b[4:10] for b in bits} == {"000000", "110000", "100000", "101000", "000100", "000010",
+                                               "000001"}, name
             continue
         if name.startswith("flash_attention_prefill_splitd_"):
             # 14 constants: causal, the options, sinks, fc_paged (never) and fc_pack_gqa (13), packed only at

@@ -25,7 +25,8 @@ DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 def planner_kernel_names():
     """Every kernel name metal_plan returns, over each dtype, head dim 1..256 and impl, the decode's wide
-    buckets (512, 576), the split-D forward at its three (D_qk, D_v) pairs, and the backward's (with sinks: three)."""
+    buckets (512, 576), the split-D forward at its three (D_qk, D_v) pairs and the split-D backward at 512,
+    and the backward's (with sinks: three)."""
     names = set()
     for dtype in DTYPES:
         for d in range(1, 257):
@@ -49,6 +50,10 @@ def planner_kernel_names():
         for dqk in (512, 576, 256):
             q, v = torch.zeros(1, 1, 9, dqk, dtype=dtype), torch.zeros(1, 1, 9, 512, dtype=dtype)
             names.add(torch.ops.flash_metal.metal_plan(q, q, v, False, None, "prefill")[0])
+        # The split-D backward at D = 512 (shaders/attention_backward_splitd.h): impl='prefill', its pair.
+        q = torch.zeros(1, 1, 9, 512, dtype=dtype)
+        for i in range(2):
+            names.add(torch.ops.flash_metal.metal_plan(q, q, q, False, None, "prefill", "base", i, True)[0])
     q = torch.zeros(1, 1, 1, 32)
     # The backward's third dispatch with sinks: grad_sinks (one kernel for every dtype and head dim).
     names.add(torch.ops.flash_metal.metal_plan(q, q, q, False, None, "auto", "base", 2, True, sinks=torch.zeros(1))[0])
@@ -57,7 +62,7 @@ def planner_kernel_names():
 
 def test_planner_names_are_exactly_the_shader_instantiations():
     from metal_emulator import BuildError
-    from shader_builds import is_wide_decode, shipped_library
+    from shader_builds import is_splitd_backward, is_wide_decode, shipped_library
 
     try:
         library = shipped_library()
@@ -65,10 +70,12 @@ def test_planner_names_are_exactly_the_shader_instantiations():
         if IN_CI:
             pytest.fail(str(err))
         pytest.skip(str(err))
-    # The default build leaves the wide decode out (tests/shader_builds.py) but names it: the planner's
+    # The default build leaves the wide decode and the split-D backward out (tests/shader_builds.py) but
+    # names them: the planner's
     # names are the source's, built or not.
     assert planner_kernel_names() == set(library.source_kernel_names())
-    assert library.omitted_names() and all(is_wide_decode(n) for n in library.omitted_names())
+    assert library.omitted_names() and all(is_wide_decode(n) or is_splitd_backward(n)
+                                           for n in library.omitted_names())
 
 
 @pytest.mark.skipif(not ON_MAC_WITH_MPS, reason="builds Metal pipelines: macOS with an MPS-enabled torch only")
