@@ -87,6 +87,83 @@
 
 namespace flash_metal {
 
+// One key block's online softmax on the scores' cooperative tensor `s`
+// (scaled to base 2 and masked by the caller), shared by this forward and
+// its split-D version (attention_prefill_mpp_dsplit.h): the rows' new max
+// m_r and alpha a_r = exp2(old max - new max) (finite, <= 0 argument; a
+// masked score never raises the max above kMaskedScore); P = exp2(S - max),
+// weight 0 for a masked score by an explicit test, in T to the SIMD-group's
+// p_tile (16 rows of BK), with each row's alpha to row_stat from the one
+// thread holding the row's first key (exactly one writer per row); the sum
+// l_r; then, after the barrier, O's accumulator `acc` rescaled by alpha per
+// element of its own layout (o_r: a row reduction tensor of O's layout).
+// b_r is scratch. The caller runs O += P.V next.
+template <int BK, typename S, typename SR, typename T, typename A, typename AR>
+FM_INLINE void mpp_softmax_block(thread S& s, thread SR& m_r, thread SR& l_r, thread SR& a_r, thread SR& b_r,
+                                 threadgroup T* p_tile, threadgroup float* row_stat, thread A& acc, thread AR& o_r) {
+  using namespace mpp::tensor_ops;
+  reduce_rows(s, b_r, reduction_operation::max, kMaskedScore);
+  for (int j = 0; j < m_r.get_capacity(); ++j) {
+    const float m_new = max(m_r[j], b_r[j]);
+    a_r[j] = exp2(m_r[j] - m_new);
+    m_r[j] = m_new;
+  }
+  for (int i = 0; i < s.get_capacity(); ++i) {
+    if (!s.is_valid_element(i)) continue;
+    const auto idx = s.get_multidimensional_index(i);  // [0] the key, [1] the row, within the block
+    const float w = s[i] <= kMaskedScore ? 0.0f : exp2(s[i] - mpp_row_value(m_r, idx[1]));
+    s[i] = w;
+    p_tile[idx[1] * BK + idx[0]] = static_cast<T>(w);
+    if (idx[0] == 0) row_stat[idx[1]] = mpp_row_value(a_r, idx[1]);
+  }
+  reduce_rows(s, b_r, reduction_operation::sum);
+  for (int j = 0; j < l_r.get_capacity(); ++j) l_r[j] = l_r[j] * a_r[j] + b_r[j];
+  simdgroup_barrier(mem_flags::mem_threadgroup);  // P and alpha written before other lanes read them (RAW)
+
+  mpp_rows_from(o_r, row_stat);
+  for (int i = 0; i < acc.get_capacity(); ++i) {
+    if (acc.is_valid_element(i)) acc[i] *= mpp_row_value(o_r, acc.get_multidimensional_index(i)[1]);
+  }
+}
+
+// The epilogue, shared likewise: each row's 1 / l (0 for a row that saw no
+// key) to row_stat and, if `write_lse`, its lse to `lse_rows` (the head's
+// first row) from the row's one first-key holder; then O / l by every
+// element of O's layout, to `o_rows` (the head's first row) at feature
+// f0 + the element's column, for rows before `q_len`. row0: the
+// SIMD-group's first row. lse = m ln 2 + ln l in one fma
+// (attention_prefill.h); -inf made from bits for a row that saw no key
+// (attention_common.h, fast math).
+template <typename T, typename S, typename SR, typename A, typename AR>
+FM_INLINE void mpp_store_rows(thread const S& s, thread const SR& m_r, thread const SR& l_r, thread const A& acc,
+                              thread AR& o_r, threadgroup float* row_stat, int row0, int q_len, bool write_lse,
+                              device float* lse_rows, int64_t lse_row_stride, device T* o_rows,
+                              int64_t o_row_stride, int64_t o_dim_stride, int f0) {
+  for (int i = 0; i < s.get_capacity(); ++i) {
+    if (!s.is_valid_element(i)) continue;
+    const auto idx = s.get_multidimensional_index(i);
+    if (idx[0] != 0) continue;
+    const float m = mpp_row_value(m_r, idx[1]), l = mpp_row_value(l_r, idx[1]);
+    row_stat[idx[1]] = l > 0.0f ? 1.0f / l : 0.0f;
+    const int row = row0 + idx[1];
+    if (write_lse && row < q_len) {
+      const uint bits = l > 0.0f ? as_type<uint>(fma(m, M_LN2_F, log(l))) : kNegInfBits;
+      lse_rows[int64_t(row) * lse_row_stride] = as_type<float>(bits);
+    }
+  }
+  simdgroup_barrier(mem_flags::mem_threadgroup);  // 1 / l written before other lanes read it (RAW)
+  mpp_rows_from(o_r, row_stat);
+  for (int i = 0; i < acc.get_capacity(); ++i) {
+    if (!acc.is_valid_element(i)) continue;
+    const auto idx = acc.get_multidimensional_index(i);  // [0] the feature, [1] the row
+    const int row = row0 + idx[1];
+    if (row < q_len) {
+      o_rows[int64_t(row) * o_row_stride + int64_t(f0 + idx[0]) * o_dim_stride] =
+          static_cast<T>(acc[i] * mpp_row_value(o_r, idx[1]));
+    }
+  }
+}
+
 // T: half or bfloat (float32 stays on the simdgroup kernel). D: head dim,
 // exactly (64, 96, 128: no padding). BQ = 16 * WM query rows, BK keys.
 // Launch: grid (ceil(Nq / BQ), Hq, B), threadgroup (32 * WM, 1, 1),
@@ -207,66 +284,15 @@ template <typename T, int D, int BQ, int BK>
       s[i] = sc;
     }
 
-    // The rows' new max and alpha = exp2(old max - new max) (finite, <= 0
-    // argument; a masked score never raises the max above kMaskedScore).
-    reduce_rows(s, b_r, reduction_operation::max, kMaskedScore);
-    for (int j = 0; j < m_r.get_capacity(); ++j) {
-      const float m_new = max(m_r[j], b_r[j]);
-      a_r[j] = exp2(m_r[j] - m_new);
-      m_r[j] = m_new;
-    }
-    // P = exp2(S - max), weight 0 for a masked score by an explicit test;
-    // P in T to threadgroup memory, and each row's alpha from the one thread
-    // holding the row's first key (exactly one writer per row).
-    for (int i = 0; i < s.get_capacity(); ++i) {
-      if (!s.is_valid_element(i)) continue;
-      const auto idx = s.get_multidimensional_index(i);
-      const float w = s[i] <= kMaskedScore ? 0.0f : exp2(s[i] - mpp_row_value(m_r, idx[1]));
-      s[i] = w;
-      p_tile[idx[1] * BK + idx[0]] = static_cast<T>(w);
-      if (idx[0] == 0) row_stat[idx[1]] = mpp_row_value(a_r, idx[1]);
-    }
-    reduce_rows(s, b_r, reduction_operation::sum);
-    for (int j = 0; j < l_r.get_capacity(); ++j) l_r[j] = l_r[j] * a_r[j] + b_r[j];
-    simdgroup_barrier(mem_flags::mem_threadgroup);  // P and alpha written before other lanes read them (RAW)
-
-    mpp_rows_from(o_r, row_stat);
-    for (int i = 0; i < acc.get_capacity(); ++i) {
-      if (acc.is_valid_element(i)) acc[i] *= mpp_row_value(o_r, acc.get_multidimensional_index(i)[1]);
-    }
+    mpp_softmax_block<BK>(s, m_r, l_r, a_r, b_r, p_tile, row_stat, acc, o_r);
     // V past the sequence reads as zero, and P is 0 there anyway.
     pv.run(tp, tv.slice(0, k0), acc);
     simdgroup_barrier(mem_flags::mem_threadgroup);  // P and alpha read before the next block rewrites them (WAR)
   }
 
-  // Epilogue: each row's 1 / l (0 for a row that saw no key) to threadgroup
-  // memory, and its lse to device memory, from the row's one first-key
-  // holder; then O / l by every element of O's layout.
-  for (int i = 0; i < s.get_capacity(); ++i) {
-    if (!s.is_valid_element(i)) continue;
-    const auto idx = s.get_multidimensional_index(i);
-    if (idx[0] != 0) continue;
-    const float m = mpp_row_value(m_r, idx[1]), l = mpp_row_value(l_r, idx[1]);
-    row_stat[idx[1]] = l > 0.0f ? 1.0f / l : 0.0f;
-    const int row = row0 + idx[1];
-    if (row < seq.q_len) {
-      // lse = m ln 2 + ln l in one fma (attention_prefill.h); -inf made from
-      // bits for a row that saw no key (attention_common.h, fast math).
-      const uint bits = l > 0.0f ? as_type<uint>(fma(m, M_LN2_F, log(l))) : kNegInfBits;
-      lse[h.lse + int64_t(row) * p.lse_row_stride] = as_type<float>(bits);
-    }
-  }
-  simdgroup_barrier(mem_flags::mem_threadgroup);  // 1 / l written before other lanes read it (RAW)
-  mpp_rows_from(o_r, row_stat);
-  for (int i = 0; i < acc.get_capacity(); ++i) {
-    if (!acc.is_valid_element(i)) continue;
-    const auto idx = acc.get_multidimensional_index(i);  // [0] the feature, [1] the row
-    const int row = row0 + idx[1];
-    if (row < seq.q_len) {
-      o[h.o + int64_t(row) * p.o_row_stride + int64_t(idx[0]) * p.o_dim_stride] =
-          static_cast<T>(acc[i] * mpp_row_value(o_r, idx[1]));
-    }
-  }
+  // Epilogue: 1 / l and lse per row, then O / l (mpp_store_rows).
+  mpp_store_rows(s, m_r, l_r, acc, o_r, row_stat, row0, seq.q_len, true, lse + h.lse, p.lse_row_stride, o + h.o,
+                 p.o_row_stride, p.o_dim_stride, 0);
 }
 
 }  // namespace flash_metal

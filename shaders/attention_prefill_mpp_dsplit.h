@@ -213,28 +213,7 @@ template <typename T, int D, int BQ, int BK, int WN>
     }
 
     // The online softmax, as attention_prefill_mpp.h (both halves alike).
-    reduce_rows(s, b_r, reduction_operation::max, kMaskedScore);
-    for (int j = 0; j < m_r.get_capacity(); ++j) {
-      const float m_new = max(m_r[j], b_r[j]);
-      a_r[j] = exp2(m_r[j] - m_new);
-      m_r[j] = m_new;
-    }
-    for (int i = 0; i < s.get_capacity(); ++i) {
-      if (!s.is_valid_element(i)) continue;
-      const auto idx = s.get_multidimensional_index(i);
-      const float w = s[i] <= kMaskedScore ? 0.0f : exp2(s[i] - mpp_row_value(m_r, idx[1]));
-      s[i] = w;
-      p_tile[idx[1] * BK + idx[0]] = static_cast<T>(w);
-      if (idx[0] == 0) row_stat[idx[1]] = mpp_row_value(a_r, idx[1]);
-    }
-    reduce_rows(s, b_r, reduction_operation::sum);
-    for (int j = 0; j < l_r.get_capacity(); ++j) l_r[j] = l_r[j] * a_r[j] + b_r[j];
-    simdgroup_barrier(mem_flags::mem_threadgroup);  // P and alpha written before other lanes read them (RAW)
-
-    mpp_rows_from(o_r, row_stat);
-    for (int i = 0; i < acc.get_capacity(); ++i) {
-      if (acc.is_valid_element(i)) acc[i] *= mpp_row_value(o_r, acc.get_multidimensional_index(i)[1]);
-    }
+    mpp_softmax_block<BK>(s, m_r, l_r, a_r, b_r, p_tile, row_stat, acc, o_r);
     pv.run(tp, tv.slice(0, k0), acc);
     // The other half has read this half's partial, and this SIMD-group's
     // lanes have read P and alpha, before the next block rewrites them (WAR;
@@ -242,31 +221,10 @@ template <typename T, int D, int BQ, int BK, int WN>
     threadgroup_barrier(mem_flags::mem_threadgroup);
   }
 
-  // Epilogue (as attention_prefill_mpp.h): 1 / l per row to this
-  // SIMD-group's row stats, lse from half 0, then this half's features of O.
-  for (int i = 0; i < s.get_capacity(); ++i) {
-    if (!s.is_valid_element(i)) continue;
-    const auto idx = s.get_multidimensional_index(i);
-    if (idx[0] != 0) continue;
-    const float m = mpp_row_value(m_r, idx[1]), l = mpp_row_value(l_r, idx[1]);
-    row_stat[idx[1]] = l > 0.0f ? 1.0f / l : 0.0f;
-    const int row = row0 + idx[1];
-    if (half_id == 0 && row < seq.q_len) {
-      const uint bits = l > 0.0f ? as_type<uint>(fma(m, M_LN2_F, log(l))) : kNegInfBits;
-      lse[h.lse + int64_t(row) * p.lse_row_stride] = as_type<float>(bits);
-    }
-  }
-  simdgroup_barrier(mem_flags::mem_threadgroup);  // 1 / l written before other lanes read it (RAW)
-  mpp_rows_from(o_r, row_stat);
-  for (int i = 0; i < acc.get_capacity(); ++i) {
-    if (!acc.is_valid_element(i)) continue;
-    const auto idx = acc.get_multidimensional_index(i);  // [0] the feature within the half, [1] the row
-    const int row = row0 + idx[1];
-    if (row < seq.q_len) {
-      o[h.o + int64_t(row) * p.o_row_stride + int64_t(f0 + idx[0]) * p.o_dim_stride] =
-          static_cast<T>(acc[i] * mpp_row_value(o_r, idx[1]));
-    }
-  }
+  // Epilogue (mpp_store_rows, as attention_prefill_mpp.h): 1 / l per row to
+  // this SIMD-group's row stats, lse from half 0, then this half's features of O.
+  mpp_store_rows(s, m_r, l_r, acc, o_r, row_stat, row0, seq.q_len, half_id == 0, lse + h.lse, p.lse_row_stride,
+                 o + h.o, p.o_row_stride, p.o_dim_stride, f0);
 }
 
 }  // namespace flash_metal
