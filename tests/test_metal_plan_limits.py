@@ -42,7 +42,8 @@ KV_LENS = (512, 4096, 32768, 131072)
 # The most threads each family's plans may use: shaders/params.h.
 FAMILY_LIMITS = {"flash_attention_untiled_": 32, "flash_attention_tiled_": 32, "flash_attention_prefill_": 256,
                  "flash_decode_merge_": 32, "flash_decode_split_": 256, "flash_decode_": 256,
-                 "flash_backward_dq_": 256, "flash_backward_dkdv_": 256, "flash_sinks_grad": 32}
+                 "flash_backward_dq_": 256, "flash_backward_dkdv_": 256, "flash_backward_splitd_": 256,
+                 "flash_sinks_grad": 32}
 
 
 def _family_limit(name):

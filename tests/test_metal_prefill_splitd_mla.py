@@ -122,7 +122,7 @@ def test_what_split_d_does_not_take_at_mla_pairs_says_why():
     cases = {  # call -> the reason's words
         "not causal": (_explain(causal=False), "level with the composite (unfused) path at (576, 512)"),
         "right window": (_explain(causal=False, window_right=4), "a right window"),
-        "backward": (_explain(backward=True), "the split-D kernel is a forward"),
+        "backward": (_explain(backward=True), "the split-D backward runs D_qk = D_v = 512 exactly"),
         "dims": (_explain(dqk=320), "(576, 512) or (256, 512) exactly"),
         # 128 heads, B 1: 16 packed threadgroups, each walking all keys on one core
         "small decode grid": (_explain(hq=128, nq=1, nk=300), "a decode grid of 16 split-D threadgroups < 32"),
