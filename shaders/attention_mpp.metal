@@ -8,6 +8,8 @@
 //   flash_attention_prefill_mpp_dsplit_<dtype>_d<D>_bq<BQ>_bk<BK>_wn<WN>
 //   flash_backward_mpp_dq_<dtype>_d<D>_bq<BQ>_bk<BK>
 //   flash_backward_mpp_dkdv_<dtype>_d<D>_bk<BKV>_bq<BQ>
+//   flash_backward_mpp_dsplit_dq_<dtype>_d<D>_bq<BQ>_bk<BK>_wn<WN>
+//   flash_backward_mpp_dsplit_dkdv_<dtype>_d<D>_bk<BKV>_bq<BQ>_wn<WN>
 //
 // setup.py compiles this file (every shaders/*_mpp.metal) into a library of
 // its own, flash_metal_mpp.metallib, with -std=metal4.0 and a 26.2
@@ -19,6 +21,7 @@
 #include "attention_prefill_mpp.h"
 #include "attention_prefill_mpp_dsplit.h"
 #include "attention_backward_mpp.h"
+#include "attention_backward_mpp_dsplit.h"
 
 // The one instantiation macro: a host name plus the template it names.
 #define FM_MPP_INSTANTIATE(name, ...) \
@@ -62,6 +65,16 @@
   FM_BACKWARD_MPP(tname, T, 96, 64, 64) \
   FM_BACKWARD_MPP(tname, T, 128, 32, 64)
 
+// The backward at D = 256 split along D (attention_backward_mpp_dsplit.h):
+// dQ on one pair (16 rows, 32 keys per block, 27,264 bytes), dK/dV on two
+// pairs (32 keys, 16 queries per streamed block, 28,928 bytes); the host's
+// table is csrc/metal_plan_detail.h, tensor_ops_dsplit_backward_bytes.
+#define FM_BACKWARD_MPP_DSPLIT(tname, T)                                                          \
+  FM_MPP_INSTANTIATE("flash_backward_mpp_dsplit_dq_" #tname "_d256_bq16_bk32_wn2",               \
+                     flash_backward_mpp_dsplit_dq<T, 256, 32, 2>)                                 \
+  FM_MPP_INSTANTIATE("flash_backward_mpp_dsplit_dkdv_" #tname "_d256_bk32_bq16_wn2",             \
+                     flash_backward_mpp_dsplit_dkdv<T, 256, 32, 16, 2>)
+
 // An explicit instantiation with an unqualified name sits in the template's
 // own namespace (C++ [temp.explicit]).
 namespace flash_metal {
@@ -71,5 +84,7 @@ FM_PREFILL_MPP_DSPLIT(float16, half)
 FM_PREFILL_MPP_DSPLIT(bfloat16, bfloat)
 FM_BACKWARD_MPP_ALL_D(float16, half)
 FM_BACKWARD_MPP_ALL_D(bfloat16, bfloat)
+FM_BACKWARD_MPP_DSPLIT(float16, half)
+FM_BACKWARD_MPP_DSPLIT(bfloat16, bfloat)
 }  // namespace flash_metal
 #endif  // MSL 4 with tensors

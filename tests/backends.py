@@ -28,6 +28,10 @@ MPP_KERNEL_PREFIXES = (MPP_KERNEL_PREFIX, "flash_backward_mpp_")
 # the default MPP build (CI time: only tests/test_metal_tensor_ops_d256.py and
 # the model run it); metal_mpp_dsplit_library builds it alone.
 MPP_DSPLIT_KERNELS = "flash_attention_prefill_mpp_dsplit_*"
+# The D = 256 split-D backward (attention_backward_mpp_dsplit.h): also out of
+# the default MPP build; metal_mpp_dsplit_backward_library builds it alone
+# (tests/test_metal_tensor_ops_backward_d256.py, the model).
+MPP_DSPLIT_BACKWARD_KERNELS = "flash_backward_mpp_dsplit_*"
 
 
 # FLASH_METAL_MPS_FULL=1 runs every mps case of the op grids. By default only
@@ -208,7 +212,7 @@ def metal_mpp_library(instrumented: bool, fast_math: bool = False):
     from metal_emulator import compile_library
 
     return compile_library([MPP_SHADER], instrumented=instrumented, fast_math=fast_math, msl=4,
-                           exclude=[MPP_DSPLIT_KERNELS])
+                           exclude=[MPP_DSPLIT_KERNELS, MPP_DSPLIT_BACKWARD_KERNELS])
 
 
 @functools.lru_cache(maxsize=None)
@@ -218,6 +222,15 @@ def metal_mpp_dsplit_library(instrumented: bool, fast_math: bool = False):
 
     return compile_library([MPP_SHADER], instrumented=instrumented, fast_math=fast_math, msl=4,
                            only=[MPP_DSPLIT_KERNELS])
+
+
+@functools.lru_cache(maxsize=None)
+def metal_mpp_dsplit_backward_library(instrumented: bool, fast_math: bool = False):
+    """The D = 256 split-D tensor-op backward alone (its dQ and dK/dV kernels, both dtypes: a partial build)."""
+    from metal_emulator import compile_library
+
+    return compile_library([MPP_SHADER], instrumented=instrumented, fast_math=fast_math, msl=4,
+                           only=[MPP_DSPLIT_BACKWARD_KERNELS])
 
 
 # What each dispatch of the last emulated call reported (the emulator's
@@ -408,8 +421,13 @@ def _run_plan(plan, tensors, instrumented, fast_math, seed=0, mpp_layout="scramb
         constants = dict(enumerate(d.function_constants))
         extra = {}
         if d.kernel_name.startswith(MPP_KERNEL_PREFIXES):
-            dsplit = d.kernel_name.startswith(MPP_KERNEL_PREFIX + "dsplit_")
-            library = (metal_mpp_dsplit_library if dsplit else metal_mpp_library)(instrumented, fast_math)
+            if d.kernel_name.startswith(MPP_KERNEL_PREFIX + "dsplit_"):
+                build = metal_mpp_dsplit_library
+            elif d.kernel_name.startswith("flash_backward_mpp_dsplit_"):
+                build = metal_mpp_dsplit_backward_library
+            else:
+                build = metal_mpp_library
+            library = build(instrumented, fast_math)
             assert not any(constants.pop(i, False) for i in MPP_UNDECLARED_CONSTANTS), d.function_constants
             extra = dict(mpp_layout=mpp_layout, mpp_seed=mpp_seed)
         elif splitd:
