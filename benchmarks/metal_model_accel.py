@@ -182,6 +182,8 @@ def tensor_ops_records(s: M.Shape, dtype, causal):
 # The tensor-op backward's blocks (csrc/metal_plan_detail.h, kTensorOpsBackwardBlock): SIMD-groups of 16 rows,
 # 32 keys per dQ block, 32 query rows per dK/dV block.
 MPP_BWD_BLOCK = 32
+# The split-D backward's dK/dV block (csrc/metal_plan_detail.h, kTensorOpsDsplitBackwardBlock): 16 query rows.
+DSPLIT_BWD_BQ = 16
 
 
 def backward_on_hardware(records, dtype, d):
@@ -196,11 +198,17 @@ def backward_on_hardware(records, dtype, d):
     rule) are kept. The emulator reads a threadgroup operand element by element, M x N x K elements per run:
     in the dQ kernel one per run, in the dK/dV kernel one in S^T's and dP^T's runs, two in dV's and dK's."""
     elem = torch.empty((), dtype=dtype).element_size()
-    bq = MPP_BWD_BLOCK
     out = []
+    full_d = d
     for r in records:
         c = dict(r.counts)
         dkdv = "_dkdv_" in r.kernel
+        # The split-D kernels (D = 256, attention_backward_mpp_dsplit.h): the same rule at D / 2 per SIMD-group
+        # (each half's runs take its features of Q, K, V, dO), 16 queries per dK/dV block; their partials'
+        # exchange is the kernels' own code (threadgroup stores, loads, barriers), kept from the emulator.
+        dsplit = "_dsplit_" in r.kernel
+        d = full_d // DSPLIT_HALVES if dsplit else full_d
+        bq = DSPLIT_BWD_BQ if dsplit and dkdv else MPP_BWD_BLOCK
         runs = c["mpp_runs"]
         blocks = runs // (4 if dkdv else 3)
         rows16 = MPP_ROWS * d * elem
@@ -266,6 +274,39 @@ def print_dsplit(quick=False):
     return res
 
 
+# The D = 256 backward verdict's shape (kDsplitBackwardModelWins): DSPLIT_SHAPE's, MHA because the backward
+# model's scaling rule needs Hq = Hkv (the same FLOPs as 32 (8); GQA only lowers K / V traffic).
+DSPLIT_BWD_SHAPE = DSPLIT_SHAPE._replace(hkv=DSPLIT_SHAPE.hq)
+
+
+def dsplit_backward_against_simdgroup(gpus=M5_FAMILY, causals=(False, True), s=DSPLIT_BWD_SHAPE):
+    """The split-D tensor-op backward (impl='tensor_ops' at D = 256) against the simdgroup backward at D = 256,
+    float16, each from its own emulated counts: {(gpu, causal): (simdgroup band, tensor-op band, bound)}."""
+    out = {}
+    for gname in gpus:
+        gpu = G.BY_NAME[gname]
+        for causal in causals:
+            simd = T.predict_band(BM.counts_for(s, torch.float16, causal), gpu, s, torch.float16, causal)
+            recs = tensor_ops_backward_records(s, torch.float16, causal)
+            tops = T.predict_band(recs, gpu, s, torch.float16, causal)
+            terms = T.predict(recs, gpu, s, torch.float16, causal)[1]
+            out[(gname, causal)] = (simd, tops, max(terms, key=terms.get))
+    return out
+
+
+def print_dsplit_backward(quick=False):
+    res = dsplit_backward_against_simdgroup(M5_FAMILY[-1:] if quick else M5_FAMILY)
+    s = DSPLIT_BWD_SHAPE
+    print(f"\n### Backward at D = 256 split along D (1x{s.hq}({s.hkv})x{s.nq}x{s.d} f16): model, not measurement")
+    print("| chip | causal | simdgroup backward ms | split-D tensor-op backward ms (bound) | speed-up |")
+    print("|---|---|---|---|---|")
+    for (gname, causal), (simd, tops, bound) in res.items():
+        print(f"| {gname} | {causal} | {_ms(simd)} | {_ms(tops)} ({bound}) | {simd[1] / tops[1]:.2f}x |")
+    print(f"Verdict for Auto (kDsplitBackwardModelWins): {dsplit_model_wins(res)}. No anchor runs a backward on "
+          "the accelerators; not yet verified on Apple hardware.")
+    return res
+
+
 def _ms(band):
     low, point, high = band
     return f"{point * 1e3:.3g} ({low * 1e3:.3g}-{high * 1e3:.3g})"
@@ -316,6 +357,7 @@ def accelerators(quick=False):
           "threadgroup for its 4 SIMD-groups; not yet verified on Apple hardware; no anchor runs "
           "a backward on the accelerators (mtlattn reports ~5.8 TFLOPS on an M5 Pro, varlen, unverified here).")
     print_dsplit(quick)
+    print_dsplit_backward(quick)
     post = post_point()
     print(f"The post's M5 point (10-core M5, N = 2048, d = 64, causal, one head): simdgroup float32 "
           f"{_ms(post['simdgroup'])} ms; tensor ops {_ms(post['tensor_ops'])} ms, which ASSUMES float32 with "

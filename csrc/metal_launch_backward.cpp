@@ -50,33 +50,42 @@ void tensor_ops_backward_launches(const AttentionProblem& p, const LaunchStrides
                         head_span(s.grad_out, p.q_len, p.head_dim) < (int64_t{1} << 31),
                     "flash_metal.attention_backward: impl='tensor_ops' indexes one head in int32: a head spans more "
                     "than 2^31 elements here (use impl='auto')");
+  // D = 256: the split-D kernels (attention_backward_mpp_dsplit.h), pairs of
+  // SIMD-groups each owning half the features: their names, bytes, and per
+  // lane half the accumulator width.
+  const bool dsplit = c.bucket == kTensorOpsDsplitHeadDim;
+  const std::string family = dsplit ? "flash_backward_mpp_dsplit_" : "flash_backward_mpp_";
+  const std::string wn = dsplit ? "_wn" + std::to_string(kTensorOpsDsplitHalves) : "";
+  const uint32_t width = dsplit ? c.bucket / kTensorOpsDsplitHalves : c.bucket;
   MetalLaunch dq;
   dq.params = make_params(p, s, 1);
   dq.params_index = kAttentionParamsIndex;
   dq.threadgroup_memory_index = kAttentionThreadgroupIndex;
-  dq.kernel_name = "flash_backward_mpp_dq_" + suffix + "_bq" + std::to_string(c.block_q) + "_bk" +
-                   std::to_string(c.block_k);
+  dq.kernel_name = family + "dq_" + suffix + "_bq" + std::to_string(c.block_q) + "_bk" +
+                   std::to_string(c.block_k) + wn;
   dq.grid = {ceil_div(p.q_len, c.block_q), static_cast<uint32_t>(p.q_heads), batch};
   dq.threadgroup = {32 * c.simdgroups, 1, 1};
   dq.max_threads_per_threadgroup = kTensorOpsMaxThreads;
-  dq.threadgroup_memory = tensor_ops_backward_bytes(false, elem, c.bucket, c.simdgroups);
+  dq.threadgroup_memory = dsplit ? tensor_ops_dsplit_backward_bytes(false, elem, c.bucket)
+                                 : tensor_ops_backward_bytes(false, elem, c.bucket, c.simdgroups);
   dq.function_constants = feature_constants(p, false, false, has_grad_lse);
   dq.buffers = with_features(kBackwardDqBuffers);
   // Live values per lane (a model): dQ's 16 x D floats, S's and dP's 16 x 32
   // over the 32 lanes, and the usual overhead.
-  dq.estimate = estimate_launch(dq, 16 * (c.bucket + 2 * c.block_k) / 32 + kLiveOverhead, gpu);
+  dq.estimate = estimate_launch(dq, 16 * (width + 2 * c.block_k) / 32 + kLiveOverhead, gpu);
   plan->launches.push_back(dq);
 
   MetalLaunch dkv = dq;
-  dkv.kernel_name = "flash_backward_mpp_dkdv_" + suffix + "_bk" + std::to_string(c.dkv_block_k) + "_bq" +
-                    std::to_string(c.dkv_block_q);
+  dkv.kernel_name = family + "dkdv_" + suffix + "_bk" + std::to_string(c.dkv_block_k) + "_bq" +
+                    std::to_string(c.dkv_block_q) + wn;
   dkv.grid = {ceil_div(p.kv_len, c.dkv_block_k), static_cast<uint32_t>(p.kv_heads), batch};
   dkv.threadgroup = {32 * c.dkv_simdgroups, 1, 1};
-  dkv.threadgroup_memory = tensor_ops_backward_bytes(true, elem, c.bucket, c.dkv_simdgroups);
+  dkv.threadgroup_memory = dsplit ? tensor_ops_dsplit_backward_bytes(true, elem, c.bucket)
+                                  : tensor_ops_backward_bytes(true, elem, c.bucket, c.dkv_simdgroups);
   dkv.function_constants = feature_constants(p, false, false, false);
   dkv.buffers = with_features(kBackwardDkdvBuffers);
   // dK's and dV's 16 x D floats, S^T's and dP^T's 16 x 32.
-  dkv.estimate = estimate_launch(dkv, 16 * (2 * c.bucket + 2 * c.dkv_block_q) / 32 + kLiveOverhead, gpu);
+  dkv.estimate = estimate_launch(dkv, 16 * (2 * width + 2 * c.dkv_block_q) / 32 + kLiveOverhead, gpu);
   plan->launches.push_back(dkv);
   if (p.sinks) sinks_grad_launch(p, dq, gpu, plan);
 }

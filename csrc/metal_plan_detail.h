@@ -144,6 +144,32 @@ static_assert(tensor_ops_backward_simdgroups(false, 2, 96) == 4 && tensor_ops_ba
                   tensor_ops_backward_simdgroups(true, 2, 64) == 4 && tensor_ops_backward_simdgroups(true, 2, 128) == 4,
               "the instantiations in shaders/attention_mpp.metal");
 
+// The tensor-op backward at D = 256 split along D (shaders/
+// attention_backward_mpp_dsplit.h): pairs of SIMD-groups, each half owning
+// 128 features. dQ: one pair on 16 query rows, 32 keys per block; dK/dV:
+// two pairs on 16 keys each, 16 queries per streamed block (a 32-row Q / dO
+// block at D = 256 is 32 KiB alone). Threadgroup memory, 16-bit T:
+//   dQ:    per half Q_h and dO_h (16 x 128 each), dS (16 x 32); float
+//          partial S and dP (16 x 32 each), 4 stats and a partial Delta per row
+//   dK/dV: the shared Q and dO block (16 x 256 each) and 4 floats per query;
+//          per SIMD-group float partial S^T and dP^T (16 x 16 each) and P^T,
+//          dS^T (16 x 16 each)
+inline constexpr uint32_t kTensorOpsDsplitBackwardBlock = 16;  // dQ rows; dK/dV streamed queries
+inline constexpr uint32_t kTensorOpsDsplitBackwardPairs = 2;   // dK/dV pairs (dQ: one)
+inline constexpr uint32_t tensor_ops_dsplit_backward_bytes(bool dkdv, uint32_t elem_bytes, uint32_t head_dim) {
+  constexpr uint32_t r = 16, bq = kTensorOpsDsplitBackwardBlock, bk = kTensorOpsBackwardBlock;
+  const uint32_t dh = head_dim / kTensorOpsDsplitHalves;
+  return dkdv ? 2 * bq * head_dim * elem_bytes + bq * 16 +
+                    kTensorOpsDsplitBackwardPairs * kTensorOpsDsplitHalves * (2 * r * bq * 4 + 2 * r * bq * elem_bytes)
+              : kTensorOpsDsplitHalves * (r * (2 * dh + bk) * elem_bytes + (2 * r * bk + r * 4 + r) * 4);
+}
+// 27,264 (dQ) and 28,928 (dK/dV) bytes at 16-bit, D = 256: under Metal's 32 KiB.
+static_assert(tensor_ops_dsplit_backward_bytes(false, 2, kTensorOpsDsplitHeadDim) == 27264 &&
+                  tensor_ops_dsplit_backward_bytes(true, 2, kTensorOpsDsplitHeadDim) == 28928 &&
+                  tensor_ops_dsplit_backward_bytes(false, 2, kTensorOpsDsplitHeadDim) <= kMaxThreadgroupMemory &&
+                  tensor_ops_dsplit_backward_bytes(true, 2, kTensorOpsDsplitHeadDim) <= kMaxThreadgroupMemory,
+              "tensor-op split-D backward over 32 KiB");
+
 // The backward's split-K scratch (the shader's backward_partials_bytes):
 // with parts, 2 x streamed / 8 fragments of 8 x 8 floats per SIMD-group,
 // if they fit 32 KiB beside the unpadded tiles; else 0 (the parts then
@@ -346,6 +372,11 @@ void choose_tensor_ops_forward(const AttentionProblem& p, bool forced, const Gpu
 // what the backward kernels cover; else *why_not), and its blocks and reason.
 bool tensor_ops_backward_route(const AttentionProblem& p, const GpuSpec& gpu, std::string* why_not);
 void choose_tensor_ops_backward(const AttentionProblem& p, bool forced, const GpuSpec& gpu, KernelChoice* c);
+// The backward at every head dim (csrc/metal_routing_tensor_ops_dsplit.cpp):
+// D = 256 on the split-D kernels (Auto only where the model says they win),
+// every other as tensor_ops_backward_route / choose_tensor_ops_backward.
+bool tensor_ops_backward_route_all_d(const AttentionProblem& p, const GpuSpec& gpu, std::string* why_not);
+void choose_tensor_ops_backward_all_d(const AttentionProblem& p, bool forced, const GpuSpec& gpu, KernelChoice* c);
 
 // The prefill's (csrc/metal_routing_prefill.cpp): the paged prefill's
 // sentence for explain(), and whether a prefill packs its GQA group's heads

@@ -215,9 +215,9 @@ KernelChoice choose_backward(const AttentionProblem& p, KernelRequest requested,
   // Auto's gate, the forward's (tensor_ops_route) plus what its kernels
   // cover; explain() says why not on Apple 10 GPUs.
   std::string tensor_ops_why_not;
-  if (requested == KernelRequest::TensorOps || tensor_ops_backward_route(p, gpu, &tensor_ops_why_not)) {
+  if (requested == KernelRequest::TensorOps || tensor_ops_backward_route_all_d(p, gpu, &tensor_ops_why_not)) {
     KernelChoice t;
-    choose_tensor_ops_backward(p, requested == KernelRequest::TensorOps, gpu, &t);
+    choose_tensor_ops_backward_all_d(p, requested == KernelRequest::TensorOps, gpu, &t);
     return t;
   }
   KernelChoice c;

@@ -192,3 +192,48 @@ def test_dsplit_verdict_is_the_routing_constant():
     plan = flash_metal.explain(q, k, k, True, None, "auto", "m5+tensor_ops")
     assert ("_mpp_dsplit_" in plan.kernel_name) == X.dsplit_model_wins(res), plan.reason
     assert "a model, not a measurement" in plan.reason
+
+
+# ---- the split-D tensor-op backward at D = 256 (attention_backward_mpp_dsplit.h) -----------------------------
+
+
+def test_dsplit_backward_counts_its_products_once_and_asks_for_half_rows():
+    """The D = 256 backward's emulated counts, non-causal, aligned: dQ 3 runs per half per (16 rows, 32 keys)
+    and 1 + 2 threadgroup barriers per key block; dK/dV 4 runs per half per (16 keys, 16 queries) and 3
+    barriers per staged block; the products are 3.5x the forward's useful FLOPs, as at D <= 128 (each half
+    multiplies over its 128 features). backward_on_hardware asks for half-width operands: K twice per dQ
+    block (32 x 128), the pair's 16 keys x 128 per dK/dV block; Q / dO read once per dK/dV threadgroup."""
+    s = M.Shape(1, 2, 2, 64, 96, 256)
+    raw = X.BM.emulate(s, torch.float16, False, impl="tensor_ops")
+    dq, dkv = X.backward_on_hardware(raw, torch.float16, s.d)
+    assert dq.kernel.startswith("flash_backward_mpp_dsplit_dq_") and dkv.kernel.startswith("flash_backward_mpp_dsplit_dkdv_")
+    assert dq.counts["mpp_flops"] + dkv.counts["mpp_flops"] == 3.5 * M.useful_flops(s, False)
+    dq_tgs, kblocks = s.hq * s.nq // 16, s.nk // 32
+    assert dq.counts["mpp_runs"] == 6 * dq_tgs * kblocks
+    assert dq.counts["threadgroup_barriers"] == dq_tgs * (1 + 2 * kblocks)
+    kv_tgs, qblocks = s.hkv * s.nk // 32, s.nq // 16
+    assert dkv.counts["mpp_runs"] == 16 * kv_tgs * qblocks
+    assert dkv.counts["threadgroup_barriers"] == 3 * kv_tgs * qblocks
+    assert dq.counts["req_k"] == 2 * dq.counts["mpp_runs"] // 3 * 32 * 128 * 2
+    assert dkv.counts["req_k"] == dkv.counts["mpp_runs"] // 4 * 16 * 128 * 2
+    assert dkv.counts["req_q"] == dkv.counts["req_grad_out"] == kv_tgs * s.nq * s.d * 2
+    assert raw[0].counts["threadgroup_bytes_read"] > 5 * dq.counts["threadgroup_bytes_read"] > 0
+
+
+def test_dsplit_backward_verdict_is_the_routing_constant():
+    """Auto takes the split-D tensor-op backward at D = 256 on an M5 with the library exactly when the model
+    predicts it ahead of the simdgroup backward at 1 x 32 x 4096 x 256 float16, causal and not, on every
+    M5-family GPU (csrc/metal_routing_tensor_ops_dsplit.cpp, kDsplitBackwardModelWins; a model, not a
+    measurement)."""
+    import flash_metal
+
+    res = X.dsplit_backward_against_simdgroup()
+    assert set(res) == {(g, c) for g in X.M5_FAMILY for c in (False, True)}
+    for simd, tops, _ in res.values():
+        assert simd[0] <= simd[1] <= simd[2] and tops[0] <= tops[1] <= tops[2]
+    q = torch.zeros(1, 4, 64, 256, dtype=torch.float16)
+    k = torch.zeros(1, 2, 64, 256, dtype=torch.float16)
+    plan = flash_metal.explain(q, k, k, True, None, "auto", "m5+tensor_ops", backward=True, grad_out=q, out=q,
+                               lse=torch.zeros(1, 4, 64))
+    assert ("_mpp_dsplit_" in plan.dispatches[0].kernel_name) == X.dsplit_model_wins(res), plan.reason
+    assert "a model, not a measurement" in plan.reason

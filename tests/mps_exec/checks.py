@@ -476,4 +476,16 @@ def tensor_ops_backward(host, library) -> dict:
     got = [host.to_cpu(t) for t in res]
     assert_gradients_close(tuple(got[:3]), q, k, v, grad_out, True, None, None, sinks=sinks, **opts)
     assert_sinks_grad_close(got[3], q, k, v, sinks, grad_out, torch.zeros_like(lse), True, opts)
+    kernels += [e["kernel"] for e in rec["events"] if e["op"] == "setComputePipelineState"]
+    # D = 256: the split-D pair (attention_backward_mpp_dsplit.h) from the same MSL 4 library, replayed in the
+    # emulator's build of those kernels alone; their threadgroup memory as planned.
+    q, k, v = make_qkv(1, 2, 1, 20, 35, 256, torch.bfloat16, generator=g)
+    out, lse = torch.ops.flash_metal.attention_forward(q, k, v, True, None, "auto")
+    grad_out = torch.randn(q.shape, generator=g).to(torch.bfloat16)
+    rec, grads, _ = host.run_backward(grad_out, q, k, v, out, lse, True, None, None, impl="tensor_ops")
+    replay(rec, library, mpp_library(256, backward=True))
+    host.complete_gpu_work()
+    assert_gradients_close(tuple(host.to_cpu(t) for t in grads), q, k, v, grad_out, True)
+    lengths = [e["length"] for e in rec["events"] if e["op"] == "setThreadgroupMemoryLength"]
+    assert lengths == [27264, 28928], lengths
     return kernels + [e["kernel"] for e in rec["events"] if e["op"] == "setComputePipelineState"]
