@@ -358,7 +358,7 @@ def test_a_v_head_dim_of_its_own_stays_on_the_simdgroup_backward():
 def test_refuses_float32_and_other_head_dims_naming_the_argument():
     with pytest.raises(TypeError, match="float16 or bfloat16"):
         _explain(torch.float32)
-    with pytest.raises(ValueError, match="head_dim 64, 96 or 128"):
+    with pytest.raises(ValueError, match="head_dim 64, 96, 128 or 256"):  # 256: the split-D backward
         _explain(d=80)
 
 

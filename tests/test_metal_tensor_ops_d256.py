@@ -232,15 +232,16 @@ def test_forced_refuses_what_it_does_not_cover(what, dv, dtype, err, words):
         assert w in str(info.value), (w, str(info.value))
 
 
-def test_the_backward_still_refuses_256():
-    # No tensor-op backward at D = 256: forced, it names the head dim; Auto keeps the simdgroup backward.
+def test_the_backward_at_256_runs_the_split_d_backward():
+    # The tensor-op backward at D = 256 has split-D kernels of its own (attention_backward_mpp_dsplit.h;
+    # tests/test_metal_tensor_ops_backward_d256.py runs them): forced, and by Auto on an M5 with the library.
     q, k, v = _qkv(torch.float16)
     lse = torch.zeros(1, 4, 64)
-    with pytest.raises(ValueError, match="head_dim 64, 96 or 128"):
-        flash_metal.explain(q, k, v, False, None, "tensor_ops", backward=True, grad_out=q, out=q, lse=lse)
-    plan = flash_metal.explain(q, k, v, False, None, "auto", "m5+tensor_ops", backward=True, grad_out=q, out=q,
-                               lse=lse)
-    assert not any("_mpp_" in d.kernel_name for d in plan.dispatches)
+    for impl, gpu in (("tensor_ops", "base"), ("auto", "m5+tensor_ops")):
+        plan = flash_metal.explain(q, k, v, False, None, impl, gpu, backward=True, grad_out=q, out=q, lse=lse)
+        assert [d.kernel_name for d in plan.dispatches] == [
+            "flash_backward_mpp_dsplit_dq_float16_d256_bq16_bk32_wn2",
+            "flash_backward_mpp_dsplit_dkdv_float16_d256_bk32_bq16_wn2"], plan.reason
 
 
 def test_library_holds_the_two_instantiations_apart_from_the_default_build():
