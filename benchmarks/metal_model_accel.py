@@ -228,8 +228,37 @@ def backward_on_hardware(records, dtype, d):
     return out
 
 
+def dsplit_backward_scaled_counts(s: M.Shape, dtype):
+    """The split-D backward's counts (D = 256), non-causal, Nq % 16 == Nk % 32 == 0, Hq = Hkv: each dQ
+    threadgroup (16 rows of one head) runs Nk / 32 identical key blocks and each dK/dV threadgroup (32 keys of
+    one head) Nq / 16 identical query blocks, so a kernel's counts are its threadgroups times a fixed part plus
+    a part per block, fixed by three one-head launches of (Nq, Nk) = (16, 32), (16, 64), (32, 32) (exact:
+    tests/test_metal_model_accel.py checks a direct emulation; seconds where BM.scaled_counts' 256-token
+    launches take minutes)."""
+    if s.nq % DSPLIT_BWD_BQ or s.nk % MPP_BWD_BLOCK or s.hq != s.hkv or s.d != DSPLIT_D:
+        raise ValueError(f"the split-D backward scaling rule needs D = 256, Nq % 16 == Nk % 32 == 0, Hq = Hkv; got {s}")
+    base = {ab: BM.emulate(M.Shape(1, 1, 1, DSPLIT_BWD_BQ * ab[0], MPP_BWD_BLOCK * ab[1], DSPLIT_D), dtype, False,
+                           impl="tensor_ops") for ab in ((1, 1), (1, 2), (2, 1))}
+    out = []
+    # dQ: threadgroups along Nq (a), blocks along Nk (b); dK/dV: threadgroups along Nk, blocks along Nq.
+    for i, (tgs, blocks, step) in enumerate(((s.nq // DSPLIT_BWD_BQ, s.nk // MPP_BWD_BLOCK, (1, 2)),
+                                             (s.nk // MPP_BWD_BLOCK, s.nq // DSPLIT_BWD_BQ, (2, 1)))):
+        one, two = base[(1, 1)][i], base[step][i]
+        counts = {}
+        for f in one.counts:
+            block = two.counts[f] - one.counts[f]
+            counts[f] = s.b * s.hq * tgs * (one.counts[f] - block + blocks * block)
+        grid = (tgs, s.hq, s.b)
+        out.append(M.Record(one.kernel, grid, one.threadgroup, one.tg_memory, counts, True, one.source))
+    return out
+
+
 def tensor_ops_backward_records(s: M.Shape, dtype, causal):
-    """Our tensor-op backward's two dispatches (impl='tensor_ops'), from their emulated counts, on_hardware."""
+    """Our tensor-op backward's two dispatches (impl='tensor_ops'), from their emulated counts, on_hardware
+    (at D = 256, non-causal and aligned, by dsplit_backward_scaled_counts)."""
+    if s.d == DSPLIT_D and not causal and not (s.nq % DSPLIT_BWD_BQ or s.nk % MPP_BWD_BLOCK) and s.hq == s.hkv \
+            and s.b * s.hq * s.nq * s.nk > M.MAX_EMULATED_PAIRS:
+        return backward_on_hardware(dsplit_backward_scaled_counts(s, dtype), dtype, s.d)
     return backward_on_hardware(BM.counts_for(s, dtype, causal, impl="tensor_ops"), dtype, s.d)
 
 

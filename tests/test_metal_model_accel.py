@@ -218,19 +218,27 @@ def test_dsplit_backward_counts_its_products_once_and_asks_for_half_rows():
     assert dkv.counts["req_k"] == dkv.counts["mpp_runs"] // 4 * 16 * 128 * 2
     assert dkv.counts["req_q"] == dkv.counts["req_grad_out"] == kv_tgs * s.nq * s.d * 2
     assert raw[0].counts["threadgroup_bytes_read"] > 5 * dq.counts["threadgroup_bytes_read"] > 0
+    # The per-block scaling rule the model uses at 4096 tokens is exact here.
+    scaled = X.dsplit_backward_scaled_counts(s, torch.float16)
+    assert [(r.kernel, r.grid, r.counts) for r in scaled] == [(r.kernel, r.grid, r.counts) for r in raw]
+    with pytest.raises(ValueError, match="Hq = Hkv"):
+        X.dsplit_backward_scaled_counts(M.Shape(1, 4, 2, 64, 96, 256), torch.float16)
 
 
 def test_dsplit_backward_verdict_is_the_routing_constant():
     """Auto takes the split-D tensor-op backward at D = 256 on an M5 with the library exactly when the model
     predicts it ahead of the simdgroup backward at 1 x 32 x 4096 x 256 float16, causal and not, on every
     M5-family GPU (csrc/metal_routing_tensor_ops_dsplit.cpp, kDsplitBackwardModelWins; a model, not a
-    measurement)."""
+    measurement). CI time: non-causal here (the simdgroup side's emulation is most of it, ~30 s); the causal
+    points, which `python -m benchmarks.metal_model --accelerators` prints, scale with the same kernels' block
+    skipping (3.8x there too), and the margin asserted here keeps the verdict from hanging on a few percent."""
     import flash_metal
 
-    res = X.dsplit_backward_against_simdgroup()
-    assert set(res) == {(g, c) for g in X.M5_FAMILY for c in (False, True)}
+    res = X.dsplit_backward_against_simdgroup(causals=(False,))
+    assert set(res) == {(g, False) for g in X.M5_FAMILY}
     for simd, tops, _ in res.values():
         assert simd[0] <= simd[1] <= simd[2] and tops[0] <= tops[1] <= tops[2]
+        assert simd[1] > 2 * tops[1] or simd[1] < tops[1] / 2  # a clear verdict either way
     q = torch.zeros(1, 4, 64, 256, dtype=torch.float16)
     k = torch.zeros(1, 2, 64, 256, dtype=torch.float16)
     plan = flash_metal.explain(q, k, k, True, None, "auto", "m5+tensor_ops", backward=True, grad_out=q, out=q,
