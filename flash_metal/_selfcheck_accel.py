@@ -27,8 +27,8 @@ import torch
 from . import _selfcheck_sweep as sweep
 
 DTYPES = (torch.float16, torch.bfloat16)
-# The head dims the tensor-op kernels are instantiated for (csrc/metal_routing_tensor_ops.cpp): the
-# backward's; the forward's add 256, split along D (attention_prefill_mpp_dsplit.h).
+# The head dims the tensor-op kernels are instantiated for (csrc/metal_routing_tensor_ops.cpp), and 256
+# split along D (attention_prefill_mpp_dsplit.h forward, attention_backward_mpp_dsplit.h backward).
 HEAD_DIMS = (64, 96, 128)
 FORWARD_HEAD_DIMS = HEAD_DIMS + (256,)
 # Why this shape: GQA (4 query heads on 2 KV heads); 70 query rows, one full
@@ -63,10 +63,10 @@ def cases(quick: bool) -> List[sweep.Case]:
         grid = [(torch.float16, 64, True), (torch.bfloat16, 96, False), (torch.float16, 128, False),
                 (torch.bfloat16, 128, True), (torch.float16, 256, True)]
     forward = [sweep.Case("prefill", dt, d, SHAPE, causal=causal) for dt, d, causal in grid]
-    # The backward (attention_backward_mpp.h; no D = 256): with a gradient into lse; quick: two cases. Both:
-    # one with the options (a bool key-padding mask, a left window, softcap) on top.
-    bgrid = [(torch.float16, 64, True), (torch.bfloat16, 128, False)] if quick else \
-        [(dt, d, causal) for dt, d, causal in grid if d in HEAD_DIMS]
+    # The backward (attention_backward_mpp.h; D = 256 split along D, attention_backward_mpp_dsplit.h, in the
+    # full grid): with a gradient into lse; quick: two cases. Both: one with the options (a bool key-padding
+    # mask, a left window, softcap) on top.
+    bgrid = [(torch.float16, 64, True), (torch.bfloat16, 128, False)] if quick else grid
     backward = [sweep.Case("backward", dt, d, SHAPE, causal=causal, grad_lse=True) for dt, d, causal in bgrid]
     options = sweep.Case("backward", torch.float16, 96, SHAPE, causal=True, mask="bool", window_left=40, softcap=4.0,
                          grad_lse=True)
@@ -94,7 +94,7 @@ def backward_timing_shapes(quick: bool) -> List[tuple]:
     prediction this row can check)."""
     if quick:
         return [(1, 16, 4, 1024, 128, True, torch.float16)]
-    out = [(1, 16, 4, 2048, d, True, dt) for dt in DTYPES for d in HEAD_DIMS]
+    out = [(1, 16, 4, 2048, d, True, dt) for dt in DTYPES for d in FORWARD_HEAD_DIMS]
     return out + [(1, 32, 32, 4096, 96, False, torch.float16)]
 
 
