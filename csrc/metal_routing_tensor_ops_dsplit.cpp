@@ -106,7 +106,7 @@ constexpr const char* kDsplitBackwardModelNote =
     "float16, causal and not)";
 constexpr const char* kDsplitBackwardModelAgainst =
     "the model (benchmarks/metal_model_accel.py: a model, not a measurement) does not predict the split-D "
-    "tensor-op backward ahead of the simdgroup backward at D = 256 on the M5 family";
+    "tensor-op backward ahead of the simdgroup backward at D = 256 on the M5 family.";
 
 }  // namespace
 
