@@ -65,7 +65,8 @@ constexpr const char* kSplitDMlaVerdictDecode =
     "ahead of the composite path over its whole uncertainty band from 32 threadgroups (B x 128 query heads on one "
     "latent kv head, B 2-8, Nq 1, Nk 4096-32768: 1.1-2.3x on M1 Max, M3 Max, M4 Pro and M5) and 1.8-3.5x ahead of "
     "the wide decode forced there; a grid smaller than that runs each threadgroup's whole key walk on one core "
-    "(B 1 x 128: 0.6-0.8x on M1 Max and M3 Max), so it stays composite (benchmarks/metal_model_splitd_mla.py: a "
+    "(B 1 x 128: 0.6-0.8x on M1 Max and M3 Max), so below it only the split along keys is routed (packed, "
+    "Nk >= 4096, the rows the model prices) and the rest stays composite (benchmarks/metal_model_splitd_mla.py: a "
     "model, not a measurement)";
 // The least grid the MLA decode routes to split-D with: the model's band is
 // ahead of the composite path on every chip from 32 threadgroups (B 2 x 128
@@ -88,10 +89,13 @@ int64_t splitd_threadgroups(const AttentionProblem& p) {
 //   kSplitDMlaDecodeMinThreadgroups, the grids the model finds short of
 //   threadgroups (each core walks one threadgroup's whole key range);
 //   larger grids stay one pass (their band is already ahead unsplit);
-// - how many: enough that the grid holds as many threadgroups as the chip
-//   keeps resident (cores x resident threadgroups per core, estimate_launch),
-//   each split at least kSplitDMinKeysPerSplit keys, at most
-//   kSplitDMaxKvSplits.
+// - how many: as many as the chip keeps resident allow (cores x resident
+//   threadgroups per core, estimate_launch, over the unsplit grid, rounded
+//   down: one more split past the resident slots starts a second wave of a
+//   few threadgroups, which the model prices at a whole wave: M5's 10 cores
+//   x 3 over 16 threadgroups give 1, so it runs one pass, which the model
+//   puts ahead there), each split at least kSplitDMinKeysPerSplit keys, at
+//   most kSplitDMaxKvSplits.
 // Why 256 keys at least per split: a packed threadgroup's partials are 8 rows
 // x 512 floats (16 KiB written, then re-read by the merge) against its K/V
 // reads of 256 x (576 + 512) x 2 bytes (557 KB in half): 6 %; and its Q
@@ -107,9 +111,12 @@ constexpr uint32_t kSplitDMaxKvSplits = 64;
 constexpr int64_t kSplitDMlaSplitMinKeys = 4096;
 constexpr const char* kSplitDMlaVerdictSplit =
     "the absorbed-MLA decode on a grid below 32 packed threadgroups (B 1 x 128 query heads on one latent kv "
-    "head), split along keys (fc_split_kv) then merged (flash_decode_merge): the model predicts it ahead of the "
-    "composite path and of the unsplit packed kernel over its whole uncertainty band at Nk 4096-32768 on M1 Max, "
-    "M3 Max, M4 Pro and M5 (benchmarks/metal_model_splitd_mla.py: a model, not a measurement)";
+    "head, Nk >= 4096), split along keys (fc_split_kv) as the chip's resident threadgroups allow, then merged "
+    "(flash_decode_merge): the model predicts it ahead of the composite path and of the unsplit packed kernel "
+    "over its whole uncertainty band at Nk 4096 and 32768 (1.3-2.6x over composite, 1.2-3.4x over unsplit on "
+    "M1 Max, M3 Max and M4 Pro); where the resident slots allow no second split (M5, 10 cores) it runs one pass, "
+    "which the model puts ahead of composite there (benchmarks/metal_model_splitd_mla.py: a model, not a "
+    "measurement)";
 
 bool splitd_decode_splits_keys(const AttentionProblem& p) {
   return p.q_len <= kMaxDecodeRows && splitd_packs(p) && splitd_threadgroups(p) < kSplitDMlaDecodeMinThreadgroups;
@@ -278,7 +285,7 @@ KernelChoice choose_splitd(const AttentionProblem& p, KernelRequest requested, c
     const int64_t base = splitd_threadgroups(p);
     const int64_t resident = std::max<int64_t>(1, e.simdgroups_per_core / kSplitDSimdgroups);
     const int64_t target = int64_t{gpu.cores} * resident;
-    const int64_t want = (target + base - 1) / base;
+    const int64_t want = target / base;  // rounded down: no partial second wave
     const int64_t by_length = std::max<int64_t>(1, p.kv_len / kSplitDMinKeysPerSplit);
     const int64_t asked = std::max<int64_t>(1, std::min<int64_t>({want, by_length, int64_t{kSplitDMaxKvSplits}}));
     const int64_t per = split_keys(p.kv_len, static_cast<uint32_t>(asked));
