@@ -306,20 +306,24 @@ def split_ahead(r, over):
 
 
 def split_verdicts(table=None):
-    """{'routed': (least, most) composite / split and unsplit / split over the rows auto splits (Hq past the
-    wide decode's 16, B x Hq / 8 < 32) and whether every band is ahead of both; 'wide': the same against the
-    wide decode at Hq 16 (not routed: the wide decode keeps those)}."""
+    """The split's figures: {'routed': (least, most) composite / split, (least, most) unsplit / split over the
+    rows auto splits (Hq past the wide decode's 16, B x Hq / 8 < 32, the planner's count > 1) and whether every
+    band is ahead of both; 'one_pass': (least, most) composite / unsplit over the rows where the planner's rule
+    leaves one split (M5) and whether every band is ahead; 'wide': wide / split at Hq 16 and whether every band is
+    ahead (not routed: the wide decode keeps those)}."""
     table = split_table() if table is None else table
-    out = {}
-    routed = [r for b, hq, _, _, r in table if hq > 16 and b * hq // 8 < ROUTED_DECODE_THREADGROUPS]
-    out["routed"] = (min(r["composite"] / r["split"][1] for r in routed),
-                     max(r["composite"] / r["split"][1] for r in routed),
-                     min(r["fused"][1] / r["split"][1] for r in routed),
-                     max(r["fused"][1] / r["split"][1] for r in routed),
-                     all(split_ahead(r, "composite") and split_ahead(r, "fused") for r in routed))
+    small = [r for b, hq, _, _, r in table if hq > 16 and b * hq // 8 < ROUTED_DECODE_THREADGROUPS]
+    routed = [r for r in small if r["split"] is not None]
+    one = [r for r in small if r["split"] is None]
+    comp = [r["composite"] / r["split"][1] for r in routed]
+    uns = [r["fused"][1] / r["split"][1] for r in routed]
+    out = {"routed": (min(comp), max(comp), min(uns), max(uns),
+                      all(split_ahead(r, "composite") and split_ahead(r, "fused") for r in routed))}
+    ratios = [r["composite"] / r["fused"][1] for r in one]
+    out["one_pass"] = (min(ratios), max(ratios), all(ahead(r, "composite") for r in one)) if one else None
     wide = [r for b, hq, _, _, r in table if hq == 16 and r["split"] is not None]
-    out["wide"] = (min(r["wide"][1] / r["split"][1] for r in wide), max(r["wide"][1] / r["split"][1] for r in wide),
-                   all(split_ahead(r, "wide") for r in wide))
+    ratios = [r["wide"][1] / r["split"][1] for r in wide]
+    out["wide"] = (min(ratios), max(ratios), all(split_ahead(r, "wide") for r in wide))
     return out
 
 
@@ -436,6 +440,8 @@ def main():
     v = split_verdicts(table)
     print("\nrouted (B 1 x 128): composite / split {:.2f}-{:.2f}x, unsplit / split {:.2f}-{:.2f}x, "
           "every band ahead of both: {}".format(*v["routed"]))
+    if v["one_pass"]:
+        print("one split allowed (M5): composite / unsplit {:.2f}-{:.2f}x, every band ahead: {}".format(*v["one_pass"]))
     print("Hq 16: wide / split {:.2f}-{:.2f}x, every band ahead: {}".format(*v["wide"]))
 
 

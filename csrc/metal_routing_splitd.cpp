@@ -113,10 +113,10 @@ constexpr const char* kSplitDMlaVerdictSplit =
     "the absorbed-MLA decode on a grid below 32 packed threadgroups (B 1 x 128 query heads on one latent kv "
     "head, Nk >= 4096), split along keys (fc_split_kv) as the chip's resident threadgroups allow, then merged "
     "(flash_decode_merge): the model predicts it ahead of the composite path and of the unsplit packed kernel "
-    "over its whole uncertainty band at Nk 4096 and 32768 (1.3-2.6x over composite, 1.2-3.4x over unsplit on "
+    "over its whole uncertainty band at Nk 4096 and 32768 (1.9-2.8x over composite, 1.8-4.2x over unsplit on "
     "M1 Max, M3 Max and M4 Pro); where the resident slots allow no second split (M5, 10 cores) it runs one pass, "
-    "which the model puts ahead of composite there (benchmarks/metal_model_splitd_mla.py: a model, not a "
-    "measurement)";
+    "which the model puts 1.75-1.94x ahead of composite there (benchmarks/metal_model_splitd_mla.py: a model, "
+    "not a measurement)";
 
 bool splitd_decode_splits_keys(const AttentionProblem& p) {
   return p.q_len <= kMaxDecodeRows && splitd_packs(p) && splitd_threadgroups(p) < kSplitDMlaDecodeMinThreadgroups;
