@@ -323,7 +323,7 @@ def split_verdicts(table=None):
     out["one_pass"] = (min(ratios), max(ratios), all(ahead(r, "composite") for r in one)) if one else None
     wide = [r for b, hq, _, _, r in table if hq == 16 and r["split"] is not None]
     ratios = [r["wide"][1] / r["split"][1] for r in wide]
-    out["wide"] = (min(ratios), max(ratios), all(split_ahead(r, "wide") for r in wide))
+    out["wide"] = (min(ratios), max(ratios), all(split_ahead(r, "wide") for r in wide)) if wide else None
     return out
 
 
@@ -442,7 +442,9 @@ def main():
           "every band ahead of both: {}".format(*v["routed"]))
     if v["one_pass"]:
         print("one split allowed (M5): composite / unsplit {:.2f}-{:.2f}x, every band ahead: {}".format(*v["one_pass"]))
-    print("Hq 16: wide / split {:.2f}-{:.2f}x, every band ahead: {}".format(*v["wide"]))
+    if v["wide"]:
+        print("Hq 16 (not routed: the wide decode keeps it): wide / split {:.2f}-{:.2f}x, every band ahead: "
+              "{}".format(*v["wide"]))
 
 
 if __name__ == "__main__":

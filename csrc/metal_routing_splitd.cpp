@@ -114,9 +114,9 @@ constexpr const char* kSplitDMlaVerdictSplit =
     "head, Nk >= 4096), split along keys (fc_split_kv) as the chip's resident threadgroups allow, then merged "
     "(flash_decode_merge): the model predicts it ahead of the composite path and of the unsplit packed kernel "
     "over its whole uncertainty band at Nk 4096 and 32768 (1.9-2.8x over composite, 1.8-4.2x over unsplit on "
-    "M1 Max, M3 Max and M4 Pro); where the resident slots allow no second split (M5, 10 cores) it runs one pass, "
-    "which the model puts 1.75-1.94x ahead of composite there (benchmarks/metal_model_splitd_mla.py: a model, "
-    "not a measurement)";
+    "M1 Max, M3 Max and M4 Pro); where the resident slots allow no second split (M5 and the base chips, 8-10 "
+    "cores) it runs one pass, which the model puts 1.75-1.94x ahead of composite on M5 (1.8-2.7x on base M1-M4) "
+    "(benchmarks/metal_model_splitd_mla.py: a model, not a measurement)";
 
 bool splitd_decode_splits_keys(const AttentionProblem& p) {
   return p.q_len <= kMaxDecodeRows && splitd_packs(p) && splitd_threadgroups(p) < kSplitDMlaDecodeMinThreadgroups;

@@ -41,9 +41,10 @@ def test_mla_decode_verdict_and_its_threshold():
     # The planner draws the line where the model does: one pass from 32 threadgroups; below, split along keys
     # from Nk 4096 (test_split_verdict), composite under it.
     one = torch.empty(1, 1, 1, 576, dtype=torch.float16)
-    for b, nk, launches in ((1, 2048, 0), (1, 4096, 2), (2, 4096, 1)):
+    for b, nk, gpu, launches in ((1, 2048, "m1-max", 0), (1, 4096, "m1-max", 2), (1, 4096, "m5", 1),
+                                 (1, 4096, "base", 1), (2, 4096, "m1-max", 1)):
         q, k = one.expand(b, 128, 1, 576), one.expand(b, 1, nk, 576)
-        plan = flash_metal.explain(q, k, k[..., :512], False)
+        plan = flash_metal.explain(q, k, k[..., :512], False, gpu=gpu)
         assert len(plan.dispatches) == launches, plan.reason
         assert "a model, not a measurement" in plan.reason
 
@@ -63,6 +64,11 @@ def test_split_verdict():
     plan = flash_metal.explain(torch.empty(1, 128, 1, 576), torch.empty(1, 1, 4096, 576),
                                torch.empty(1, 1, 4096, 512), True, gpu="m1-max")
     assert "1.9-2.8x over composite, 1.8-4.2x over unsplit" in plan.reason and "1.75-1.94x" in plan.reason
+    # the base chips (8-10 cores): one pass, as M5, ahead of composite (the sentence's 1.8-2.7x)
+    for chip in ("M1", "M2", "M3", "M4"):
+        for nk in S.DECODE_NKS:
+            r = S.split_row(1, 128, nk, chip)
+            assert r["splits"] == 1 and S.ahead(r, "composite") and 1.8 <= r["composite"] / r["fused"][1] < 2.7
 
 
 def test_causal_mla_prefill_verdict():
