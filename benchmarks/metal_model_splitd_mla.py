@@ -21,6 +21,14 @@ metal_model_timing.predict / predict_band (the "_splitd_" serial section;
 the packed grid through packed_group), residency by the planner's rule on
 live_values and the threadgroup memory.
 
+Split along keys (fc_split_kv, the packed decode below 32 threadgroups): the
+planner's own split count per chip (explain(gpu=...)), the split pass priced
+as the packed kernel on Nk / splits keys (one split threadgroup's counts from
+exact emulator runs at 256 and 512 keys per split, linear, times the grid;
+the last, shorter split priced as a whole one), plus the merge pass
+(flash_decode_merge_*_d512: exact counts at 2 and 8 splits per row, linear
+in splits, times the rows; run in bfloat16, whose bytes are float16's).
+
 Baselines, from benchmarks/metal_model_decode_wide.py:
   * unfused: S = Q K^T, softmax, O = P V at the full MMA rate and streaming
     ceiling, K and V read once per kv head, full S even when causal:
@@ -35,6 +43,7 @@ latent cache (v = k[..., :512]): on a GPU the shared lines would be read
 once, which favours the fused kernels further.
 """
 import math
+import struct
 
 import torch
 
@@ -75,16 +84,21 @@ def run(q, k, v, causal, instrumented=True):
     outputs poisoned with NaN."""
     B, H, N, _ = q.shape
     dv = v.shape[-1]
-    (d,) = flash_metal.explain(q, k, v, causal, None, "prefill").dispatches
+    ds = flash_metal.explain(q, k, v, causal, None, "prefill").dispatches
+    d = ds[0]
     assert "_splitd_" in d.kernel_name, d.kernel_name
+    fcs, grid, params = dict(enumerate(d.function_constants)), d.grid, d.params
+    if len(ds) > 1:  # the planner split it along keys (fc_split_kv): the one-pass kernel is priced here
+        splits = struct.unpack_from("<2i", d.params.numpy().tobytes(), SPLIT_FIELDS_OFFSET)[0]
+        fcs[14], grid, params = False, (grid[0] // splits, grid[1], grid[2]), _with_splits(d.params, 1, k.shape[2])
     out = torch.full((B, H, N, dv), float("nan"), dtype=q.dtype)
     lse = torch.full((B, H, N), float("nan"))
     tensors = {"q": q, "k": k, "v": v, "out": out, "lse": lse}
     counts = library(instrumented).dispatch(
         d.kernel_name, buffers={i: tensors.get(name, q) for name, i in d.buffers.items()},
-        bytes={d.params_index: d.params}, function_constants=dict(enumerate(d.function_constants)),
-        grid=d.grid, threadgroup=d.threadgroup, threadgroup_memory={d.threadgroup_memory_index: d.threadgroup_memory})
-    return out, lse, counts, d
+        bytes={d.params_index: params}, function_constants=fcs,
+        grid=grid, threadgroup=d.threadgroup, threadgroup_memory={d.threadgroup_memory_index: d.threadgroup_memory})
+    return out, lse, counts, d._replace(grid=grid) if hasattr(d, "_replace") else d
 
 
 def _fields(c, d):
@@ -147,6 +161,170 @@ def decode_records(b, hq, nk, dqk=576, dv=512):
     counts = {f: (c0[f] + (c1[f] - c0[f]) * (nk - n0) // (n1 - n0)) * tgs for f in c0}
     return [M.Record(d.kernel_name, (math.ceil(hq / 8), 1, b), d.threadgroup, d.threadgroup_memory, counts, True,
                      ("live", live_values(dqk, dv)))]
+
+
+# The split rows (issue 20): B 1 / 2 x Hq 16 / 128 on one latent kv head, Nq 1.
+SPLIT_SHAPES = ((1, 16), (2, 16), (1, 128), (2, 128))
+SPLIT_BASE_KEYS = (256, 512)  # keys per split of the linear rule's two points
+MERGE_BASE_SPLITS = (2, 8)
+SPLIT_FIELDS_OFFSET = 192  # (kv_splits, split_keys) in the 328-byte AttentionParams (shaders/params.h)
+
+
+def _with_splits(params, splits, keys):
+    raw = bytearray(params.numpy().tobytes())
+    struct.pack_into("<2i", raw, SPLIT_FIELDS_OFFSET, splits, keys)
+    return torch.frombuffer(raw, dtype=torch.uint8)
+
+
+def run_split(q, k, v, splits, keys, instrumented=True):
+    """(partial_o, partial_stats, counts, dispatch) of the split-D kernel split along keys (fc_split_kv) into
+    `splits` ranges of `keys` keys, on the packed plan's launch; partials poisoned with NaN."""
+    B, H, N, _ = q.shape
+    dv = v.shape[-1]
+    d = flash_metal.explain(q, k, v, False, None, "prefill").dispatches[0]
+    assert "_splitd_" in d.kernel_name and d.function_constants[13], d
+    fcs = dict(enumerate(d.function_constants))
+    planned = struct.unpack_from("<2i", d.params.numpy().tobytes(), SPLIT_FIELDS_OFFSET)[0] if fcs[14] else 1
+    fcs[14] = True
+    po = torch.full((B * H * N * splits * dv,), float("nan"))
+    ps = torch.full((B * H * N * splits * 2,), float("nan"))
+    tensors = {"q": q, "k": k, "v": v, "partial_out": po, "partial_stats": ps}
+    grid = (d.grid[0] // planned * splits, d.grid[1], d.grid[2])
+    counts = library(instrumented).dispatch(
+        d.kernel_name, buffers={i: tensors.get(name, q) for name, i in d.buffers.items()},
+        bytes={d.params_index: _with_splits(d.params, splits, keys)}, function_constants=fcs, grid=grid,
+        threadgroup=d.threadgroup, threadgroup_memory={d.threadgroup_memory_index: d.threadgroup_memory})
+    return po, ps, counts, d
+
+
+def merge_library():
+    import backends  # tests/ on sys.path (metal_model imports it)
+
+    return backends.wide_decode_library(True)  # the sanitizing wide build: bfloat16's merge at d512
+
+
+def run_merge(q, po, ps, splits, dv=512):
+    """(out, lse, counts) of flash_decode_merge_bfloat16_d512 over the partials of q's rows (B, H, N)."""
+    B, H, N, _ = q.shape
+    bf = torch.bfloat16  # a params block with out's (B, H, N, D_v) strides and Hq, Nq
+    d = flash_metal.explain(q.to(bf), torch.empty(B, 1, 1, q.shape[-1], dtype=bf), torch.empty(B, 1, 1, dv, dtype=bf),
+                            False, None, "prefill").dispatches[0]
+    out = torch.full((B, H, N, dv), float("nan"), dtype=torch.bfloat16)
+    lse = torch.full((B, H, N), float("nan"))
+    params = _with_splits(d.params, splits, 32)
+    tensors = {"out": out, "lse": lse, "partial_out": po, "partial_stats": ps}
+    counts = merge_library().dispatch(
+        "flash_decode_merge_bfloat16_d512", buffers={3: out, 4: lse, 6: po, 7: ps}, bytes={5: params},
+        grid=(N, H, B), threadgroup=(32, 1, 1))
+    return out, lse, counts
+
+
+def _merge_fields(c):
+    r = {f: getattr(c, f) for f in FIELDS}
+    for name, i in (("out", 3), ("lse", 4), ("po", 6), ("ps", 7)):
+        r["read_" + name] = c.device_bytes_read_by_index[i]
+        r["write_" + name] = c.device_bytes_written_by_index[i]
+    return r
+
+
+def split_plan(b, hq, nk, chip, dqk=576, dv=512):
+    """(splits, keys per split) of the planner's packed decode on `chip` (1, keys: one pass)."""
+    one = torch.empty(1, 1, 1, dqk, dtype=torch.float16)
+    q, k = one.expand(b, hq, 1, dqk), one.expand(b, 1, nk, dqk)
+    ds = flash_metal.explain(q, k, k[..., :dv], False, None, "prefill", gpu=G.BY_NAME[chip].key).dispatches
+    if len(ds) == 1:
+        return 1, nk
+    raw = ds[0].params.numpy().tobytes()
+    return struct.unpack_from("<2i", raw, SPLIT_FIELDS_OFFSET)
+
+
+def split_records(b, hq, nk, chip, dqk=576, dv=512):
+    """(records of the split pass, its Shape, records of the merge, splits): the planner's split on `chip`."""
+    splits, keys = split_plan(b, hq, nk, chip, dqk, dv)
+    assert splits > 1, (b, hq, nk, chip)
+    key = ("split", dqk, dv)
+    if key not in _CACHE:
+        base = []
+        for n in SPLIT_BASE_KEYS:  # one packed threadgroup's 8 heads, 2 splits of n keys each
+            q, k, v = _inputs(1, 8, 1, 1, 2 * n, dqk, dv, n)
+            _, _, c, d = run_split(q, k, v, 2, n)
+            assert c.threadgroups == 2, c.threadgroups
+            base.append((n, {f: x / 2 for f, x in _fields(c, d).items() if not f.endswith(("_out", "_lse"))}, d))
+        merges = []
+        for s in MERGE_BASE_SPLITS:  # 8 rows' partials: random, l > 0
+            g = torch.Generator().manual_seed(s)
+            q = torch.empty(1, 8, 1, dqk)
+            po = torch.randn(8 * s * dv, generator=g)
+            ps = torch.stack([torch.randn(8 * s, generator=g), torch.rand(8 * s, generator=g) + 0.5], 1).flatten()
+            merges.append((s, _merge_fields(run_merge(q, po, ps, s, dv)[2])))
+        _CACHE[key] = base, merges
+    (base, merges) = _CACHE[key]
+    (n0, c0, d), (n1, c1, _) = base
+    tgs = b * math.ceil(hq / 8) * splits
+    counts = {f: round((c0[f] + (c1[f] - c0[f]) * (keys - n0) / (n1 - n0)) * tgs) for f in c0}
+    # the partials the split pass writes: 8 rows x (D_v + 2) floats per threadgroup
+    counts["write_partials"] = tgs * 8 * (dv + 2) * 4
+    s_split = M.Shape(b * splits, hq, 1, 1, keys, dqk)
+    split = M.Record(d.kernel_name, (math.ceil(hq / 8) * splits, 1, b), d.threadgroup, d.threadgroup_memory, counts,
+                     True, ("live", live_values(dqk, dv)))
+    (s0, m0), (s1, m1) = merges
+    rows = b * hq
+    mcounts = {f: round((m0[f] + (m1[f] - m0[f]) * (splits - s0) / (s1 - s0)) * rows / 8) for f in m0}
+    merge = M.Record("flash_decode_merge_float16_d512", (1, hq, b), (32, 1, 1), 0, mcounts, True, None)
+    return [split], s_split, [merge], splits
+
+
+def split_band(b, hq, nk, chip, dqk=576, dv=512):
+    """(low, point, high) seconds of the split plan (split pass + merge) on `chip`, float16, and its splits."""
+    split, s_split, merge, splits = split_records(b, hq, nk, chip, dqk, dv)
+    gpu = G.BY_NAME[chip]
+    s = M.Shape(b, hq, 1, 1, nk, dqk)
+    corners = [T.predict(split, gpu, s_split, torch.float16, False, k)[0]
+               + T.predict(merge, gpu, s, torch.float16, False, k)[0] for k in (T.FAST, T.POINT, T.SLOW)]
+    return (min(corners), corners[1], max(corners)), splits
+
+
+def split_row(b, hq, nk, chip):
+    """decode_row's figures plus 'split': the split plan's band and 'splits' (the planner's count on chip)."""
+    r = decode_row(b, hq, nk, chip)
+    splits, _ = split_plan(b, hq, nk, chip)
+    r["splits"] = splits
+    r["split"] = split_band(b, hq, nk, chip)[0] if splits > 1 else None
+    return r
+
+
+def split_table():
+    return [(b, hq, nk, chip, split_row(b, hq, nk, chip)) for b, hq in SPLIT_SHAPES for nk in DECODE_NKS
+            for chip in CHIPS]
+
+
+def split_ahead(r, over):
+    """Whether the split plan's slow end beats `over` ('composite': its time; 'fused', the unsplit packed
+    kernel, and 'wide': their fast ends)."""
+    base = r[over][0] if isinstance(r[over], tuple) else r[over]
+    return r["split"] is not None and r["split"][2] < base
+
+
+def split_verdicts(table=None):
+    """The split's figures: {'routed': (least, most) composite / split, (least, most) unsplit / split over the
+    rows auto splits (Hq past the wide decode's 16, B x Hq / 8 < 32, the planner's count > 1) and whether every
+    band is ahead of both; 'one_pass': (least, most) composite / unsplit over the rows where the planner's rule
+    leaves one split (M5) and whether every band is ahead; 'wide': wide / split at Hq 16 and whether every band is
+    ahead (not routed: the wide decode keeps those)}."""
+    table = split_table() if table is None else table
+    small = [r for b, hq, _, _, r in table if hq > 16 and b * hq // 8 < ROUTED_DECODE_THREADGROUPS]
+    routed = [r for r in small if r["split"] is not None]
+    one = [r for r in small if r["split"] is None]
+    comp = [r["composite"] / r["split"][1] for r in routed]
+    uns = [r["fused"][1] / r["split"][1] for r in routed]
+    out = {"routed": (min(comp), max(comp), min(uns), max(uns),
+                      all(split_ahead(r, "composite") and split_ahead(r, "fused") for r in routed))}
+    ratios = [r["composite"] / r["fused"][1] for r in one]
+    out["one_pass"] = (min(ratios), max(ratios), all(ahead(r, "composite") for r in one)) if one else None
+    wide = [r for b, hq, _, _, r in table if hq == 16 and r["split"] is not None]
+    ratios = [r["wide"][1] / r["split"][1] for r in wide]
+    out["wide"] = (min(ratios), max(ratios), all(split_ahead(r, "wide") for r in wide)) if wide else None
+    return out
 
 
 def _band(recs, chip, s, causal):
@@ -242,6 +420,31 @@ def main():
               f"{'yes' if ahead(r, 'composite') else 'no'} | {'yes' if ahead(r, 'wide') else 'no'} |")
     for name, (lo, hi, flag) in verdicts().items():
         print(f"\n{name}: {lo:.2f}x to {hi:.2f}x ({flag})")
+    print("\n## Absorbed-MLA decode (576, 512), Hkv 1, Nq 1, float16: split along keys (fc_split_kv + merge) vs "
+          "the unsplit packed kernel, the composite path and the wide decode: model, not measurement")
+    print("| chip | B x Hq | Nk | splits | split us (band) | unsplit us (band) | composite us | wide us | "
+          "unsplit / split | composite / split | wide / split | split band ahead of unsplit, composite |")
+    print("|" + "---|" * 12)
+    table = split_table()
+    for b, hq, nk, chip, r in table:
+        if r["split"] is None:
+            print(f"| {chip} | {b} x {hq} | {nk} | 1 | - | {r['fused'][1] * 1e6:.1f} | {r['composite'] * 1e6:.1f} | "
+                  f"{r['wide'][1] * 1e6:.1f} | - | - | - | - |")
+            continue
+        lo, pt, hi = r["split"]
+        print(f"| {chip} | {b} x {hq} | {nk} | {r['splits']} | {pt * 1e6:.1f} ({lo * 1e6:.1f}-{hi * 1e6:.1f}) | "
+              f"{r['fused'][1] * 1e6:.1f} ({r['fused'][0] * 1e6:.1f}-{r['fused'][2] * 1e6:.1f}) | "
+              f"{r['composite'] * 1e6:.1f} | {r['wide'][1] * 1e6:.1f} | {r['fused'][1] / pt:.2f}x | "
+              f"{r['composite'] / pt:.2f}x | {r['wide'][1] / pt:.2f}x | "
+              f"{'yes' if split_ahead(r, 'fused') else 'no'}, {'yes' if split_ahead(r, 'composite') else 'no'} |")
+    v = split_verdicts(table)
+    print("\nrouted (B 1 x 128): composite / split {:.2f}-{:.2f}x, unsplit / split {:.2f}-{:.2f}x, "
+          "every band ahead of both: {}".format(*v["routed"]))
+    if v["one_pass"]:
+        print("one split allowed (M5): composite / unsplit {:.2f}-{:.2f}x, every band ahead: {}".format(*v["one_pass"]))
+    if v["wide"]:
+        print("Hq 16 (not routed: the wide decode keeps it): wide / split {:.2f}-{:.2f}x, every band ahead: "
+              "{}".format(*v["wide"]))
 
 
 if __name__ == "__main__":

@@ -122,6 +122,35 @@ void decode_launches(const AttentionProblem& p, const KernelChoice& c, const std
   plan->launches.push_back(m);
 }
 
+// The split-D forward split along keys (metal_routing_splitd.cpp chooses
+// c.kv_splits): the merge pass after its launch `l`.
+void splitd_merge_launch(const AttentionProblem& p, const KernelChoice& c, const GpuSpec& gpu, const MetalLaunch& l,
+                         MetalPlan* plan) {
+  if (c.kv_splits <= 1) return;
+  // The partials, flash_decode_split's layout: [B][Hq][Nq][splits][D_v]
+  // floats and (m, l) pairs; varlen: batch 0, Nq = total_q rows.
+  const int64_t rows = p.q_heads * (p.varlen ? p.total_q : p.batch * p.q_len);
+  plan->partial_out_elements = rows * c.kv_splits * p.head_dim_v;
+  plan->partial_stats_elements = rows * c.kv_splits * 2;
+  // The merge: the decode's own (attention_decode_split.h) at D_v = 512, one
+  // SIMD-group per output row; varlen rows are the packed rows of batch 0.
+  MetalLaunch m = l;
+  m.kernel_name = std::string("flash_decode_merge_") + dtype_name(p.dtype) + "_d" + std::to_string(p.head_dim_v);
+  if (p.varlen) {
+    m.params.q_len = static_cast<int32_t>(p.total_q);
+    m.params.batch = 1;
+  }
+  m.grid = {static_cast<uint32_t>(p.varlen ? p.total_q : p.q_len), static_cast<uint32_t>(p.q_heads),
+            static_cast<uint32_t>(p.varlen ? 1 : p.batch)};
+  m.threadgroup = {32, 1, 1};
+  m.max_threads_per_threadgroup = kDecodeMergeMaxThreads;
+  m.threadgroup_memory = 0;
+  m.function_constants.clear();
+  m.buffers = kMergeBuffers;
+  m.estimate = estimate_launch(m, kMergeLiveRegisters, gpu);
+  plan->launches.push_back(m);
+}
+
 
 // The function constants of a feature kernel (indices 0 .. 11, fc_dense
 // false: with_dense sets it); align_q and align_k are the prefill / backward
@@ -414,8 +443,12 @@ MetalPlan plan_metal_attention(const AttentionProblem& p, const LaunchStrides& s
       if (c.bucket > kFastHeadDimBuckets.back()) {  // the split-D forward (metal_routing_splitd.cpp: its 3 pairs)
         l.function_constants = feature_constants(p, false, false, false, p.sinks);
         l.buffers = with_forward_features(kForwardBuffers);
+        // the partials (fc_split_kv), bound always: the kernel declares them
+        l.buffers.push_back({LaunchTensor::PartialOut, kSlotPartialOut});
+        l.buffers.push_back({LaunchTensor::PartialStats, kSlotPartialStats});
         splitd_launch(p, c, gpu, &l);
         plan.launches.push_back(l);
+        splitd_merge_launch(p, c, gpu, l, &plan);
         break;
       }
       l.kernel_name = "flash_attention_prefill_" + suffix + "_bq" + std::to_string(c.block_q) + "_bk" +

@@ -221,6 +221,12 @@ constexpr uint32_t kDecodeFunctionConstantCount = 13;
 // Its launches carry 14 constants.
 constexpr uint32_t kPackGqaFunctionConstant = 13;
 constexpr uint32_t kPrefillFunctionConstantCount = 14;
+// The split-D forward (flash_attention_prefill_splitd) only: split along
+// keys, the threadgroup's key range one of KernelChoice::kv_splits, partials
+// for flash_decode_merge (fc_split_kv in shaders/attention_prefill_splitd.h).
+// Its launches carry 15 constants.
+constexpr uint32_t kSplitKvFunctionConstant = 14;
+constexpr uint32_t kSplitDFunctionConstantCount = 15;
 
 // The tensors a launch binds as device buffers. PartialOut and PartialStats
 // are the split-KV decode's float32 scratch, allocated by the host from

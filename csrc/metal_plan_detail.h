@@ -390,6 +390,10 @@ bool prefill_pack_gqa(const AttentionProblem& p, uint32_t block_q, std::string* 
 // the constants and bindings, as for the prefill).
 KernelChoice choose_splitd(const AttentionProblem& p, KernelRequest requested, const GpuSpec& gpu);
 void splitd_launch(const AttentionProblem& p, const KernelChoice& c, const GpuSpec& gpu, MetalLaunch* l);
+// Split along keys (c.kv_splits > 1, fc_split_kv): the partials' sizes and
+// the merge pass (flash_decode_merge at D_v) after `l`, the split-D launch.
+void splitd_merge_launch(const AttentionProblem& p, const KernelChoice& c, const GpuSpec& gpu, const MetalLaunch& l,
+                         MetalPlan* plan);
 // The split-D backward at D = 512 (the same file): its blocks and reason
 // (whether it takes a call: splitd_backward_takes, metal_plan.h), and its two
 // kernels' threadgroup bytes and live values (dkdv: the dK/dV kernel's, else

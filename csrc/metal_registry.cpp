@@ -184,37 +184,41 @@ std::vector<MetalLaunch> all_metal_launches() {
   // (256, 512): impl='prefill', causal or not, ragged (65 rows), each option
   // on its own as above but paged (it reads no paged cache: the gather path
   // packs the pages first); and at (576, 512) the absorbed-MLA decode packed
-  // over 16 query heads on one kv head (fc_pack_gqa), each option likewise.
+  // over 16 query heads on one kv head (fc_pack_gqa), each option likewise,
+  // at 65 keys (one pass) and 4,096 (split along keys: fc_split_kv, then
+  // flash_decode_merge at D_v 512).
   // The split-D backward at (512, 512) (splitd_backward_takes), with and
   // without grad_lse; with sinks, flash_sinks_grad (already listed) after it.
   for (c10::ScalarType dtype : {c10::ScalarType::Float, c10::ScalarType::Half, c10::ScalarType::BFloat16}) {
     for (const auto& [d, dv] : {std::pair<int64_t, int64_t>{512, 512}, {576, 512}, {256, 512}}) {
       for (bool pack : {false, true}) {
         if (pack && d != 576) continue;
-        for (bool causal : {false, true}) {
-          for (Option option : {NoOption, BoolMask, InputMask, Float32Mask, WindowLeft, Softcap, Varlen, Sinks}) {
-            AttentionProblem p;
-            p.batch = p.kv_heads = 1;
-            p.q_heads = pack ? 16 : 1;
-            p.q_len = p.total_q = pack ? 1 : 65;
-            p.kv_len = p.total_k = 65;
-            p.head_dim = d;
-            p.head_dim_v = dv;
-            p.scale = 1.0;
-            p.dtype = dtype;
-            set_option(p, option, causal);
-            const int64_t H = p.q_heads, N = p.q_len, M = p.kv_len;
-            const LaunchStrides packed{{H * N * d, N * d, d, 1}, {M * d, M * d, d, 1}, {M * dv, M * dv, dv, 1},
-                                       {H * N * dv, N * dv, dv, 1}, {H * N, N, 1}, {0, 0, 0, 0}, {0, 0, 0},
-                                       {0, 0, M, 1}};
-            for (const MetalLaunch& l : plan_metal_attention(p, packed, KernelRequest::Prefill).launches) add(l);
-            if (d != 512 || pack) continue;
-            const LaunchStrides bwd{packed.q, packed.k, packed.v, packed.o, packed.lse, packed.q, packed.lse,
-                                    packed.mask};
-            for (bool grad_lse : {false, true}) {
-              for (const MetalLaunch& l :
-                   plan_metal_attention_backward(p, bwd, grad_lse, KernelRequest::Prefill).launches)
-                add(l);
+        for (int64_t nk : pack ? std::vector<int64_t>{65, 4096} : std::vector<int64_t>{65}) {
+          for (bool causal : {false, true}) {
+            for (Option option : {NoOption, BoolMask, InputMask, Float32Mask, WindowLeft, Softcap, Varlen, Sinks}) {
+              AttentionProblem p;
+              p.batch = p.kv_heads = 1;
+              p.q_heads = pack ? 16 : 1;
+              p.q_len = p.total_q = pack ? 1 : 65;
+              p.kv_len = p.total_k = nk;
+              p.head_dim = d;
+              p.head_dim_v = dv;
+              p.scale = 1.0;
+              p.dtype = dtype;
+              set_option(p, option, causal);
+              const int64_t H = p.q_heads, N = p.q_len, M = p.kv_len;
+              const LaunchStrides packed{{H * N * d, N * d, d, 1}, {M * d, M * d, d, 1}, {M * dv, M * dv, dv, 1},
+                                         {H * N * dv, N * dv, dv, 1}, {H * N, N, 1}, {0, 0, 0, 0}, {0, 0, 0},
+                                         {0, 0, M, 1}};
+              for (const MetalLaunch& l : plan_metal_attention(p, packed, KernelRequest::Prefill).launches) add(l);
+              if (d != 512 || pack) continue;
+              const LaunchStrides bwd{packed.q, packed.k, packed.v, packed.o, packed.lse, packed.q, packed.lse,
+                                      packed.mask};
+              for (bool grad_lse : {false, true}) {
+                for (const MetalLaunch& l :
+                     plan_metal_attention_backward(p, bwd, grad_lse, KernelRequest::Prefill).launches)
+                  add(l);
+              }
             }
           }
         }

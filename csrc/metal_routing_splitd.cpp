@@ -65,7 +65,8 @@ constexpr const char* kSplitDMlaVerdictDecode =
     "ahead of the composite path over its whole uncertainty band from 32 threadgroups (B x 128 query heads on one "
     "latent kv head, B 2-8, Nq 1, Nk 4096-32768: 1.1-2.3x on M1 Max, M3 Max, M4 Pro and M5) and 1.8-3.5x ahead of "
     "the wide decode forced there; a grid smaller than that runs each threadgroup's whole key walk on one core "
-    "(B 1 x 128: 0.6-0.8x on M1 Max and M3 Max), so it stays composite (benchmarks/metal_model_splitd_mla.py: a "
+    "(B 1 x 128: 0.6-0.8x on M1 Max and M3 Max), so below it only the split along keys is routed (packed, "
+    "Nk >= 4096, the rows the model prices) and the rest stays composite (benchmarks/metal_model_splitd_mla.py: a "
     "model, not a measurement)";
 // The least grid the MLA decode routes to split-D with: the model's band is
 // ahead of the composite path on every chip from 32 threadgroups (B 2 x 128
@@ -74,12 +75,51 @@ constexpr const char* kSplitDMlaVerdictDecode =
 // keys: benchmarks/metal_model_splitd_mla.py).
 constexpr int64_t kSplitDMlaDecodeMinThreadgroups = 32;
 
-// The split-D grid's threadgroups (packed as prefill_pack_gqa packs: G > 1
-// and 2 * Nq <= 8 rows).
+// Whether the split-D grid packs (as prefill_pack_gqa packs: G > 1 and
+// 2 * Nq <= 8 rows), and its threadgroups before any split along keys.
+bool splitd_packs(const AttentionProblem& p) { return p.gqa_ratio() > 1 && 2 * p.q_len <= 8; }
 int64_t splitd_threadgroups(const AttentionProblem& p) {
   const int64_t g = p.gqa_ratio();
-  const bool packed = g > 1 && 2 * p.q_len <= 8;
-  return p.batch * (packed ? p.kv_heads * ((p.q_len * g + 7) / 8) : p.q_heads * ((p.q_len + 7) / 8));
+  return p.batch * (splitd_packs(p) ? p.kv_heads * ((p.q_len * g + 7) / 8) : p.q_heads * ((p.q_len + 7) / 8));
+}
+
+// The split along keys (fc_split_kv) of the packed decode, the one rule
+// (splitd_kv_splits below applies it; splitd_takes routes on it):
+// - where: a packed decode (Nq <= kMaxDecodeRows) whose grid is below
+//   kSplitDMlaDecodeMinThreadgroups, the grids the model finds short of
+//   threadgroups (each core walks one threadgroup's whole key range);
+//   larger grids stay one pass (their band is already ahead unsplit);
+// - how many: as many as the chip keeps resident allow (cores x resident
+//   threadgroups per core, estimate_launch, over the unsplit grid, rounded
+//   down: one more split past the resident slots starts a second wave of a
+//   few threadgroups, which the model prices at a whole wave: M5's 10 cores
+//   x 3 over 16 threadgroups give 1, so it runs one pass, which the model
+//   puts ahead there), each split at least kSplitDMinKeysPerSplit keys, at
+//   most kSplitDMaxKvSplits.
+// Why 256 keys at least per split: a packed threadgroup's partials are 8 rows
+// x 512 floats (16 KiB written, then re-read by the merge) against its K/V
+// reads of 256 x (576 + 512) x 2 bytes (557 KB in half): 6 %; and its Q
+// (8 x 576) is loaded once per 8 key blocks at least.
+constexpr int64_t kSplitDMinKeysPerSplit = 256;
+// Why at most 64: bounds the merge's loop over splits (one SIMD-group per
+// row walks them) and the scratch (64 x 512 floats per row); 16 threadgroups
+// x 64 = 1,024 is past what the largest named chip (M3 Max / M4 Max's 40
+// cores x 3 resident) keeps in flight.
+constexpr uint32_t kSplitDMaxKvSplits = 64;
+// The least Nk the auto route splits at: the model's rows (Nk 4096 and 32768;
+// benchmarks/metal_model_splitd_mla.py split_verdicts) start there.
+constexpr int64_t kSplitDMlaSplitMinKeys = 4096;
+constexpr const char* kSplitDMlaVerdictSplit =
+    "the absorbed-MLA decode on a grid below 32 packed threadgroups (B 1 x 128 query heads on one latent kv "
+    "head, Nk >= 4096), split along keys (fc_split_kv) as the chip's resident threadgroups allow, then merged "
+    "(flash_decode_merge): the model predicts it ahead of the composite path and of the unsplit packed kernel "
+    "over its whole uncertainty band at Nk 4096 and 32768 (1.9-2.8x over composite, 1.8-4.2x over unsplit on "
+    "M1 Max, M3 Max and M4 Pro); where the resident slots allow no second split (M5 and the base chips, 8-10 "
+    "cores) it runs one pass, which the model puts 1.75-1.94x ahead of composite on M5 (1.8-2.7x on base M1-M4) "
+    "(benchmarks/metal_model_splitd_mla.py: a model, not a measurement)";
+
+bool splitd_decode_splits_keys(const AttentionProblem& p) {
+  return p.q_len <= kMaxDecodeRows && splitd_packs(p) && splitd_threadgroups(p) < kSplitDMlaDecodeMinThreadgroups;
 }
 
 // The backward's verdict (benchmarks/metal_model_splitd_backward.py prints
@@ -118,10 +158,15 @@ bool splitd_takes(const AttentionProblem& p, KernelRequest requested, MetalPass 
     // (decode_takes_wide_dims answers first): packed split-D where the grid
     // fills the GPU, the model's kSplitDMlaVerdictDecode. Every option the
     // kernel has keeps it.
+    // Below its threadgroups, the split along keys where the model prices it
+    // (kSplitDMlaVerdictSplit): packed, Nk >= kSplitDMlaSplitMinKeys.
     const int64_t tgs = splitd_threadgroups(p);
-    if (tgs < kSplitDMlaDecodeMinThreadgroups) {
+    const bool split = splitd_decode_splits_keys(p) && p.kv_len >= kSplitDMlaSplitMinKeys;
+    if (tgs < kSplitDMlaDecodeMinThreadgroups && !split) {
       why = "a decode grid of " + std::to_string(tgs) + " split-D threadgroups < " +
-            std::to_string(kSplitDMlaDecodeMinThreadgroups) + ": " + kSplitDMlaVerdictDecode;
+            std::to_string(kSplitDMlaDecodeMinThreadgroups) + (splitd_packs(p) ? ", Nk = " +
+            std::to_string(p.kv_len) + " < " + std::to_string(kSplitDMlaSplitMinKeys) + " for the split along keys" :
+            ", unpacked") + ": " + kSplitDMlaVerdictDecode;
     }
   } else if (!forced && !p.causal) {
     why = mla ? kSplitDMlaVerdictLevel : kSplitDVerdictLevel;
@@ -213,8 +258,10 @@ KernelChoice choose_splitd(const AttentionProblem& p, KernelRequest requested, c
     verdict = "requested by the caller (impl='prefill') at " + (mla ? dims : "D = " + std::to_string(p.head_dim));
   } else if (!mla) {
     verdict = dims + ", " + kSplitDVerdictCausal;
+  } else if (p.q_len > kMaxDecodeRows) {
+    verdict = dims + ", " + kSplitDMlaVerdictCausal;
   } else {
-    verdict = dims + ", " + (p.q_len <= kMaxDecodeRows ? kSplitDMlaVerdictDecode : kSplitDMlaVerdictCausal);
+    verdict = dims + ", " + (splitd_decode_splits_keys(p) ? kSplitDMlaVerdictSplit : kSplitDMlaVerdictDecode);
   }
   c.reason = "prefill (split-D): " + verdict +
              "; the FA2 template's 512-wide tiles leave 8 x 8 blocks in 32 KiB (predicted 2-3x slower than "
@@ -231,9 +278,32 @@ KernelChoice choose_splitd(const AttentionProblem& p, KernelRequest requested, c
   c.pack_gqa = prefill_pack_gqa(p, kSplitDBlockQ, &c.reason);
   const int64_t rows = c.pack_gqa ? p.q_len * p.gqa_ratio() : p.q_len;
   c.reason += " (" + std::to_string(ceil_div(rows, kSplitDBlockQ)) + " query blocks per " +
-              (c.pack_gqa ? "kv head" : "head") + "); not yet verified on Apple hardware";
+              (c.pack_gqa ? "kv head" : "head") + ")";
+  if (c.pack_gqa && splitd_decode_splits_keys(p)) {
+    // The split along keys (the rule above kSplitDMinKeysPerSplit): fill the
+    // chip's resident threadgroups, whole 32-key quanta, empty splits dropped.
+    const int64_t base = splitd_threadgroups(p);
+    const int64_t resident = std::max<int64_t>(1, e.simdgroups_per_core / kSplitDSimdgroups);
+    const int64_t target = int64_t{gpu.cores} * resident;
+    const int64_t want = target / base;  // rounded down: no partial second wave
+    const int64_t by_length = std::max<int64_t>(1, p.kv_len / kSplitDMinKeysPerSplit);
+    const int64_t asked = std::max<int64_t>(1, std::min<int64_t>({want, by_length, int64_t{kSplitDMaxKvSplits}}));
+    const int64_t per = split_keys(p.kv_len, static_cast<uint32_t>(asked));
+    c.kv_splits = static_cast<uint32_t>((std::max<int64_t>(1, p.kv_len) + per - 1) / per);
+    c.reason += "; " + std::to_string(base) + " packed threadgroups against " + std::to_string(target) +
+                " resident on " + gpu.name + " (" + std::to_string(resident) + " per core), Nk = " +
+                std::to_string(p.kv_len) + " allows " + std::to_string(by_length) + " splits of >= " +
+                std::to_string(kSplitDMinKeysPerSplit) + " keys, at most " + std::to_string(kSplitDMaxKvSplits) +
+                (c.kv_splits > 1 ? ": split along keys (fc_split_kv) into " + std::to_string(c.kv_splits) +
+                                       " ranges of " + std::to_string(per) +
+                                       " keys, partials merged by flash_decode_merge (d512)"
+                                 : ": one pass");
+  }
+  c.reason += "; not yet verified on Apple hardware";
   return c;
 }
+
+static_assert(kSplitKeyQuantum == kSplitDBlockK, "fc_split_kv: a split's keys are whole key blocks");
 
 void splitd_launch(const AttentionProblem& p, const KernelChoice& c, const GpuSpec& gpu, MetalLaunch* l) {
   l->kernel_name = std::string("flash_attention_prefill_splitd_") + dtype_name(p.dtype) + "_" +
@@ -242,13 +312,15 @@ void splitd_launch(const AttentionProblem& p, const KernelChoice& c, const GpuSp
   // Pack GQA: the rows are packed rows of a kv head's group, Nq * G of them
   // per (batch, kv head) (fc_pack_gqa).
   const int64_t rows = c.pack_gqa ? p.q_len * p.gqa_ratio() : p.q_len;
-  l->grid = {ceil_div(rows, c.block_q), static_cast<uint32_t>(c.pack_gqa ? p.kv_heads : p.q_heads),
+  // Split along keys: x runs over (split, query block) (fc_split_kv).
+  l->grid = {ceil_div(rows, c.block_q) * c.kv_splits, static_cast<uint32_t>(c.pack_gqa ? p.kv_heads : p.q_heads),
              static_cast<uint32_t>(p.batch)};
   l->threadgroup = {32 * c.simdgroups, 1, 1};
   l->max_threads_per_threadgroup = kPrefillSplitDMaxThreads;
   l->threadgroup_memory = splitd_threadgroup_bytes(c.block_k, c.simdgroups);
-  l->function_constants.resize(kPrefillFunctionConstantCount, false);
+  l->function_constants.resize(kSplitDFunctionConstantCount, false);
   l->function_constants[kPackGqaFunctionConstant] = c.pack_gqa;
+  l->function_constants[kSplitKvFunctionConstant] = c.kv_splits > 1;
   l->estimate = estimate_launch(*l, splitd_live_registers(p.head_dim, p.head_dim_v), gpu);
 }
 

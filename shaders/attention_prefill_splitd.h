@@ -85,6 +85,21 @@
 
 namespace flash_metal {
 
+// [[function_constant(14)]] (13 is fc_pack_gqa, attention_prefill_pack.h):
+// split along keys ("flash decoding" for the packed absorbed-MLA decode,
+// issue 20). The grid's x runs over (key split, query block): threadgroup x
+// serves query block x % (groups.x / kv_splits) and keys [split *
+// split_keys, (split + 1) * split_keys) of every row it holds, and writes
+// unnormalized partials in flash_decode_split's layout (attention_decode_split.h:
+// partial_o [B][Hq][Nq][kv_splits][D_v], partial_stats [..][2] = (m, l),
+// base 2; varlen: batch 0 and the packed row, Nq = total_q) for
+// flash_decode_merge_<T>_d512 to merge. The sink seeds split 0 only (the
+// merge adds the splits' sums). Why: a grid of 16 packed threadgroups (B 1
+// x 128 heads) leaves most cores idle while each walks all Nk keys; splits
+// give every core threadgroups (csrc/metal_routing_splitd.cpp,
+// splitd_kv_splits, chooses how many).
+constant bool fc_split_kv [[function_constant(14)]];
+
 // Fragment (row0.., col0..) of a row-major (rows, features) matrix in device
 // memory, converted to float; rows >= valid are zeros and are not read. The
 // lane's two elements are adjacent features of one row.
@@ -137,10 +152,11 @@ FM_INLINE void splitd_frag_t(thread PrefillFrag& f, device const T* base, int64_
 // DQK / WM features of Q and DV / WM of O (576 / 8 = 72: 9 fragments of Q;
 // 256 / 8 = 32: 4).
 // Launch: grid (ceil(Nq / BQ), Hq, B), or under fc_pack_gqa
-// (ceil(Nq * G / BQ), Hkv, B); threadgroup (32 * WM, 1, 1), threadgroup
+// (ceil(Nq * G / BQ), Hkv, B), x times kv_splits under fc_split_kv (14:
+// partials at buffers 6 and 7, always bound); threadgroup (32 * WM, 1, 1), threadgroup
 // memory (WM * 8 * BK + 8 * BK + 2 * WM * 8) * 4 bytes at index 0; function
 // constants fc_causal (0), the options' 4-9, fc_has_sinks (11) and
-// fc_pack_gqa (13) (the others are not read). AttentionParams at buffer 5
+// fc_pack_gqa (13) and fc_split_kv (14) (the others are not read). AttentionParams at buffer 5
 // with head_dim = DQK, head_dim_v = DV; mask, cu_seqlens and sinks at 14-17
 // as the prefill's. Strides are in elements and each tensor has its own, so
 // k and v may be overlapping views of one latent cache (v = k[..., :DV]).
@@ -163,12 +179,15 @@ template <typename T, int DQK, int DV, int BQ, int BK, int WM>
     device T* o [[buffer(3)]],
     device float* lse [[buffer(4)]],
     constant AttentionParams& p [[buffer(5)]],
+    device float* partial_o [[buffer(6)]],
+    device float* partial_stats [[buffer(7)]],
     device const uchar* mask [[buffer(14)]],
     device const int* cu_seqlens_q [[buffer(15)]],
     device const int* cu_seqlens_k [[buffer(16)]],
     device const float* sinks [[buffer(17)]],
     threadgroup float* smem [[threadgroup(0)]],
     uint3 group [[threadgroup_position_in_grid]],
+    uint3 groups [[threadgroups_per_grid]],
     uint sg [[simdgroup_index_in_threadgroup]],
     uint lane [[thread_index_in_simdgroup]]) {
   constexpr int PARTS = WM;
@@ -197,7 +216,10 @@ template <typename T, int DQK, int DV, int BQ, int BK, int WM>
   const int G = fc_pack_gqa ? p.gqa_ratio : 1;
   const int rows = seq.q_len * G;
   const uint head0 = fc_pack_gqa ? group.y * uint(G) : group.y;  // the threadgroup's first query head
-  const int q0 = int(group.x) * BQ;                              // its first packed row
+  // fc_split_kv: x = split * (query blocks) + query block.
+  const int q_blocks = fc_split_kv ? int(groups.x) / p.kv_splits : int(groups.x);
+  const int split = fc_split_kv ? int(group.x) / q_blocks : 0;
+  const int q0 = (int(group.x) - split * q_blocks) * BQ;  // its first packed row
   if (fc_varlen && q0 >= rows) return;
   HeadOffsets h = head_offsets(p, group.z, head0);
   h.q += seq.q_row0 * p.q_row_stride;
@@ -238,7 +260,7 @@ template <typename T, int DQK, int DV, int BQ, int BK, int WM>
   float m_frag = kMaskedScore;
   float l = 0.0f, l_run = 0.0f;
   float m_b = kMaskedScore, l_b = 0.0f;
-  if (fc_has_sinks) {
+  if (fc_has_sinks && split == 0) {  // split 0 only under fc_split_kv: the merge sums the splits' l
     seed_sink(m_frag, l, sinks, int(head0) + hoff);
     seed_sink(m_b, l_b, sinks, int(head0) + b_hoff);
   }
@@ -246,9 +268,17 @@ template <typename T, int DQK, int DV, int BQ, int BK, int WM>
   // Key blocks: up to what the group's last real row sees (causal or a
   // right window), from the block holding the first row's first visible key
   // (a left window). Uniform: one row group.
+  // Under fc_split_kv, cut to this split's blocks (split_keys is a whole
+  // number of BK-key blocks: kSplitKeyQuantum == BK, csrc); a split past
+  // them runs none and writes the "no key" partial (m = kMaskedScore, l = 0
+  // and zeros, or the sink in split 0), which the merge weighs 0.
   const int last_row = (min(q0 + BQ, rows) - 1) / G;
-  const int n_blocks = (visible_key_end(seq, last_row) + BK - 1) / BK;
-  const int first_block = fc_window_left ? first_visible_key(seq, q0 / G) / BK : 0;
+  int n_blocks = (visible_key_end(seq, last_row) + BK - 1) / BK;
+  int first_block = fc_window_left ? first_visible_key(seq, q0 / G) / BK : 0;
+  if (fc_split_kv) {
+    first_block = max(first_block, split * (p.split_keys / BK));
+    n_blocks = min(n_blocks, (split + 1) * (p.split_keys / BK));
+  }
   for (int kb = first_block; kb < n_blocks; ++kb) {
     const int k0 = kb * BK;
     PrefillFrag S[TK];
@@ -318,6 +348,27 @@ template <typename T, int DQK, int DV, int BQ, int BK, int WM>
     }
   }
   l += l_run;
+
+  // fc_split_kv: this part's features of the unnormalized O and the row's
+  // (m, l) into the partials, for the merge (decode_partial_index's layout;
+  // varlen rows by their packed index in Nq = total_q rows of batch 0).
+  if (fc_split_kv) {
+    if (row_real) {
+      const int64_t nrows = fc_varlen ? p.total_q : p.q_len;
+      const int64_t qrow = fc_varlen ? int64_t(seq.q_row0) + row : int64_t(row);
+      const int64_t bidx = fc_varlen ? 0 : int64_t(group.z);
+      const int64_t idx = ((bidx * p.q_heads + int64_t(head0) + hoff) * nrows + qrow) * p.kv_splits + split;
+      device float* po = partial_o + idx * p.head_dim_v;
+      FM_UNROLL for (int i = 0; i < TF; ++i) {
+        FM_UNROLL for (int j = 0; j < 2; ++j) po[col0 + i * 8 + fc + j] = O[i].thread_elements()[j];
+      }
+      if (fc == 0 && part == 0) {
+        partial_stats[2 * idx] = m_frag;
+        partial_stats[2 * idx + 1] = l;
+      }
+    }
+    return;
+  }
 
   // Store this part's features of O / l for real rows, and the row's lse
   // (m ln 2 + ln l in one fma, as the template) from one lane of part 0. A

@@ -62,6 +62,11 @@ def _plans():
         for dqk in (512, 576, 256):
             q, v = torch.empty(1, 1, 9, dqk, dtype=dtype), torch.empty(1, 1, 9, 512, dtype=dtype)
             plans[("prefill_splitd", dtype, dqk)] = (flash_metal.explain(q, q, v, impl="prefill"), dqk)
+    # Its packed MLA decode split along keys (fc_split_kv), then the decode's merge at D_v = 512: 16 heads on
+    # one latent kv head, 600 keys (tests/test_metal_prefill_splitd_splitkv.py runs it, sanitized).
+    for dtype in DTYPES:
+        q, k = torch.empty(1, 16, 1, 576, dtype=dtype), torch.empty(1, 1, 600, 576, dtype=dtype)
+        plans[("prefill_splitd_splitkv", dtype, 576)] = (flash_metal.explain(q, k, k[..., :512], impl="prefill"), 576)
     # The split-D backward at 512 (shaders/attention_backward_splitd.h; impl='prefill' at D = 512;
     # tests/test_metal_backward_splitd.py runs it, sanitized, from its own partial library).
     for dtype in DTYPES:
@@ -217,8 +222,8 @@ _SIGNATURE_NAMES = {"q": "q", "k": "k", "v": "v", "out": "o", "lse": "lse", "par
                     "grad_sinks": "grad_sinks", "block_table": "block_table", "cache_seqlens": "cache_seqlens"}
 
 
-@pytest.mark.parametrize("impl", list(FAMILIES) + ["decode_wide", "decode_split_wide", "prefill_splitd", "backward",
-                                  "backward_splitd", "backward_sinks"])
+@pytest.mark.parametrize("impl", list(FAMILIES) + ["decode_wide", "decode_split_wide", "prefill_splitd",
+                                  "prefill_splitd_splitkv", "backward", "backward_splitd", "backward_sinks"])
 def test_binding_table_matches_every_kernel_signature(impl):
     # The plan's binding table is what the MPS host and the emulated backend
     # bind from; each entry must name the kernel parameter with that

@@ -347,6 +347,35 @@ def test_host_runs_the_packed_mla_decode_on_a_latent_cache(host, emu):
     assert d.grid == (8, 1, 4) and d.function_constants[13]
 
 
+def test_host_runs_the_mla_decode_split_along_keys(host, emu):
+    # The packed absorbed-MLA decode split along keys (fc_split_kv) through the real .mm: 16 heads on one latent
+    # kv head, 600 keys, impl='prefill' (auto gives 16 heads to the wide decode): the split pass, then the
+    # decode's merge at d512 on the same encoder, reading the partials the host allocated. Replayed: the split-D
+    # kernel from the default build, the merge from the wide decode's sanitizing bfloat16 build (the default
+    # builds leave it out).
+    import backends
+
+    class Both:  # the replay's one library: the merge from its own build
+        def dispatch(self, name, **kw):
+            lib = backends.wide_decode_library(True) if name.startswith("flash_decode_merge_") else emu
+            return lib.dispatch(name, **kw)
+
+    g = torch.Generator().manual_seed(41)
+    q = torch.randn(1, 16, 1, 576, generator=g).to(torch.bfloat16)
+    k = torch.randn(1, 1, 600, 576, generator=g).to(torch.bfloat16)
+    v = k[..., :512]
+    rec, tensors = host.run(q, k, v, True, None, "prefill")
+    mps_exec.replay(rec, Both())
+    host.complete_gpu_work()
+    assert rec["errors"] == []
+    assert_attention_close(host.to_cpu(tensors[3]), host.to_cpu(tensors[4]), q, k, v, True)
+    pipelines = [e for e in rec["events"] if e["op"] == "setComputePipelineState"]
+    assert [e["kernel"] for e in pipelines] == ["flash_attention_prefill_splitd_bfloat16_dqk576_dv512_bq8_bk32_wm8",
+                                                "flash_decode_merge_bfloat16_d512"]
+    constants = {int(i): c for i, c in pipelines[0]["constants"].items()}
+    assert constants[13] and constants[14]  # fc_pack_gqa, fc_split_kv
+
+
 def test_host_runs_the_split_d_backward_at_512(host):
     # The backward at D = 512 with impl='prefill' (issue 20 section 3: impl='auto' keeps the composite
     # path, the model's verdict) through the real .mm: the split-D pair (shaders/attention_backward_splitd.h,
@@ -505,11 +534,14 @@ def test_build_all_pipelines_on_the_fake_device(host, emu):
                                                "000001"}, name
             continue
         if name.startswith("flash_attention_prefill_splitd_"):
-            # 14 constants: causal, the options, sinks, fc_paged (never) and fc_pack_gqa (13), packed only at
-            # (576, 512) (the absorbed-MLA decode), each option either way
-            assert all(len(b) == 14 and b[1:4] + b[10] + b[12] == "00000" for b in bits), name
+            # 15 constants: causal, the options, sinks, fc_paged (never), fc_pack_gqa (13), packed only at
+            # (576, 512) (the absorbed-MLA decode), each option either way, and fc_split_kv (14), split only
+            # there and packed (its 4,096-key decode)
+            assert all(len(b) == 15 and b[1:4] + b[10] + b[12] == "00000" for b in bits), name
             assert {b[0] for b in bits} == {"0", "1"}, name
             assert {b[13] for b in bits} == ({"0", "1"} if "_dqk576_" in name else {"0"}), name
+            assert {b[14] for b in bits} == ({"0", "1"} if "_dqk576_" in name else {"0"}), name
+            assert all(b[13] == "1" for b in bits if b[14] == "1"), name
             assert {b[4:10] + b[11] for b in bits} == {"0000000", "1100000", "1000000", "1010000", "0001000",
                                                         "0000100", "0000010", "0000001"}, name
             continue
