@@ -39,9 +39,19 @@ bool is_dsplit(const AttentionProblem& p) {
 // 64-row kernel asks for each K/V block once per 64 query rows instead of 32,
 // which is what bounds the 32-row kernel (bytes to the core), but has half as
 // many threadgroups, so a grid too small to fill the GPU's cores twice over runs
-// fewer SIMD-groups per core. Its verdict, as a rule: the 64-row kernel when the
-// grid of 64-row threadgroups (ceil(Nq / 64) x Hq x B) is at least
-// kDsplitWideMinPerCore per core of the GPU, and the 32-row kernel below.
+// fewer SIMD-groups per core, and both run one threadgroup per core (the 32-row
+// one by its 28,928 bytes, the 64-row one by its 128 live values x 256 threads),
+// so a partial last wave costs the 64-row kernel twice the work. Its verdict
+// (M5, M5 Pro, M5 Max, float16, causal and not, Nq 128-2048, Hq 1-40; t = 64-row
+// threadgroups per core): the 32-row kernel ahead at t <= 0.4 (1.14-1.40x the
+// 64-row kernel's time) and, not causal, at t = 1.2 (a second wave nearly
+// empty: 1.09x at the point); the 64-row kernel ahead over its whole band at
+// every t >= 2 sampled (0.71-0.88x; 0.72x at 1 x 32 (8) x 4096), and between
+// 0.8 and 1.6 except t = 1.2. As a rule: the 64-row kernel when the grid of
+// 64-row threadgroups (ceil(Nq / 64) x Hq x B) is at least
+// kDsplitWideMinPerCore = 2 per core of the GPU, else the 32-row kernel
+// (which keeps some shapes the model gives the 64-row kernel by 1-13 %: the
+// rule stays where the model's verdict does not swing with the waves).
 // tests/test_metal_model_accel.py recomputes the model on both sides of the
 // threshold and fails if this rule disagrees with it.
 constexpr int64_t kDsplitWideMinPerCore = 2;
