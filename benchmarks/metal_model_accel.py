@@ -330,13 +330,21 @@ def dsplit_model_wins(results):
 
 
 def print_dsplit(quick=False):
-    res = dsplit_against_simdgroup(M5_FAMILY[-1:] if quick else M5_FAMILY)
+    gpus = M5_FAMILY[-1:] if quick else M5_FAMILY
+    res = dsplit_against_simdgroup(gpus)
+    wide = wide_against_32(gpus)
     s = DSPLIT_SHAPE
     print(f"\n### D = 256 split along D (1x{s.hq}({s.hkv})x{s.nq}x{s.d} f16): model, not measurement")
-    print("| chip | causal | simdgroup prefill ms | split-D tensor-op ms (bound) | speed-up |")
-    print("|---|---|---|---|---|")
+    print("| chip | causal | simdgroup prefill ms | split-D 32 rows ms (bound) | split-D 64 rows ms (bound) "
+          "| 64 rows vs 32 | 64 rows vs simdgroup |")
+    print("|---|---|---|---|---|---|---|")
     for (gname, causal), (simd, tops, bound) in res.items():
-        print(f"| {gname} | {causal} | {_ms(simd)} | {_ms(tops)} ({bound}) | {simd[1] / tops[1]:.2f}x |")
+        _, _, w, wb = wide[(gname, s, causal)]
+        print(f"| {gname} | {causal} | {_ms(simd)} | {_ms(tops)} ({bound}) | {_ms(w)} ({wb}) "
+              f"| {tops[1] / w[1]:.2f}x{' (whole band)' if wide_ahead(w, tops) else ''} | {simd[1] / w[1]:.2f}x |")
+    print("Auto and impl='tensor_ops' take the 64-row kernel when its grid has at least 2 threadgroups per core "
+          "(csrc/metal_routing_tensor_ops_dsplit.cpp, kDsplitWideMinPerCore; the model's sweep there), else the "
+          "32-row kernel; FLASH_METAL_TENSOR_OPS_DSPLIT_ROWS=32 / 64 forces one.")
     print(f"Verdict for Auto (kDsplitModelWins): {dsplit_model_wins(res)}. Context, not an anchor: MLX #3842 "
           "measured its D = 256 d-split kernel 1.18-1.55x over its unfused path on an M5 Max at GQA 32/8 and "
           "64/8, qL 1024-2048, kL 16K-32K (a different shape and baseline).")
