@@ -52,6 +52,34 @@
 // block's P.V, once both halves have read the other's partial: WAR). BQ =
 // 64 (MLX's, 8 SIMD-groups) would need 32 KiB for Q alone.
 //
+// The 64-row kernel (flash_attention_prefill_mpp_dsplit_wide, issue 21: the
+// model finds the 32-row kernel memory-bound, each K/V block fetched once per
+// 32 query rows). The choices, with the arithmetic (16-bit T):
+//   - 4 pairs of 16-row SIMD-groups (8 SIMD-groups, 256 threads), not 2 pairs
+//     of 32 rows: a 32-row SIMD-group's O would be 32 x 128 floats, 128 per
+//     lane before anything else.
+//   - Q in registers, not staged (64 x 256 x 2 = 32,768 bytes, the whole
+//     budget) and not a device operand of every S run (64 x 256 x 2 bytes
+//     requested per threadgroup and key block, as many as its K and V: the
+//     bytes the 64 rows save would come back as Q's). Each SIMD-group reads
+//     its 16 x 128 slice once into a left-input cooperative tensor of the S
+//     op: 16 x 128 x 2 bytes / 32 lanes = 128 bytes, 32 registers of 32 bits.
+//   - The register budget sets the key block: per lane O 64 + Q 32 + S
+//     (16 x BK floats / 32) + 8 row values + 16 overhead = 136 at BK 32, over
+//     the 128 registers a thread addresses; 128 at BK 16
+//     (csrc/metal_plan_detail.h, tensor_ops_dsplit_live_registers).
+//   - K / V not staged either: matmul2d reads them from device memory as in
+//     the 32-row kernel (the SIMD-groups of a threadgroup that read one block
+//     share it through the core's L1, the model's assumption; staging 16 keys
+//     of K and V would add 16 KiB and two barriers per block).
+//   - Threadgroup memory, BK 16: P 8 x 16 x 16 x 2 = 4,096, two slots of
+//     partials 2 x 4 x 2 x 16 x 16 x 4 = 16,384, row floats 512: 20,992
+//     bytes. The second slot lets each key block take ONE barrier (the slot a
+//     half writes next was read by the other half before the barrier both
+//     just passed), plus a SIMD-group barrier for P and alpha.
+// MLX's attention_nax_dsplit also keeps Q in fragments at BQ 64 (there at BK
+// 32: its count of live registers is Apple's compiler's, ours a model).
+//
 // Uniform control flow: threadgroup barriers must be reached by every
 // thread of the threadgroup, so nothing here returns early except a whole
 // threadgroup past its sequence (varlen), and the key loop's bounds are the
