@@ -146,8 +146,8 @@ def mpp_scenarios(built, emu, tmp_path_factory):
         "dsplit": {"lib": built, "case": {**_MPP_CASE, "Nq": 40, "Nk": 45, "D": 256, "dtype": "bfloat16"},
                    "knobs": _MACOS_26_2, "mpp_metallib": "fresh"},
         # Its 64-row variant (Q in registers, 256 threads), forced by the routing's switch.
-        "dsplit64": {"lib": built, "case": {**_MPP_CASE, "Nq": 70, "Nk": 45, "D": 256},
-                     "knobs": _MACOS_26_2, "mpp_metallib": "fresh", "env": {"FLASH_METAL_TENSOR_OPS_DSPLIT_ROWS": "64"}},
+        "dsplit64": {"lib": built, "case": {**_MPP_CASE, "Nq": 70, "Nk": 45, "D": 256}, "knobs": _MACOS_26_2,
+                     "mpp_metallib": "fresh", "env": {"FLASH_METAL_TENSOR_OPS_DSPLIT_ROWS": "64"}},
     }
     # metal_device_info's "tensor_ops" against Auto's choice (checks.tensor_ops_reported), one process
     # per library state (library.mm loads the MSL 4 library once per process).
