@@ -38,6 +38,10 @@ rate itself is an estimate (benchmarks/apple_gpus.py ACCEL_FLOPS_PER_CORE_CYCLE)
    16-bit inputs only: the kernels take float16 / bfloat16 (P and dS rounded
    to them before their products), so every backward figure here is float16.
 """
+import contextlib
+import os
+import re
+
 import torch
 
 from . import apple_gpus as G
@@ -110,33 +114,71 @@ def on_tensor_ops(records):
 # pair owning D / 2 features, so each matmul2d's operands are D / 2 wide.
 MPP_BQ, MPP_BK, MPP_ROWS = 64, 32, 16
 DSPLIT_D, DSPLIT_BQ, DSPLIT_HALVES = 256, 32, 2
+# The split-D kernel's 64-row variant (flash_attention_prefill_mpp_dsplit_wide; kTensorOpsDsplitWideBlockQ / K):
+# 64 query rows (8 SIMD-groups), 16 keys per block (the register budget: Q is held in registers).
+DSPLIT_WIDE_BQ, DSPLIT_WIDE_BK = 64, 16
+# The routing's switch (csrc/metal_routing_tensor_ops_dsplit.cpp): which split-D kernel a plan at D = 256 takes.
+DSPLIT_ROWS_ENV = "FLASH_METAL_TENSOR_OPS_DSPLIT_ROWS"
+_ROWS_CACHES = {}
 
 
-def _bq(d):
-    return DSPLIT_BQ if d == DSPLIT_D else MPP_BQ
+@contextlib.contextmanager
+def dsplit_rows(rows):
+    """Within it, every plan at D = 256 (forced or Auto) takes the `rows`-row split-D kernel (the routing's
+    switch), and the emulated counts and the timing model's plans are cached apart per kernel: the scaling
+    rules' small launches and the full shape's plan must be of one kernel (metal_model_timing checks it)."""
+    saved_env, saved_cache = os.environ.get(DSPLIT_ROWS_ENV), M._CACHE
+    os.environ[DSPLIT_ROWS_ENV] = str(rows)
+    M._CACHE = _ROWS_CACHES.setdefault(rows, {})
+    T._planned.cache_clear()
+    try:
+        yield
+    finally:
+        if saved_env is None:
+            os.environ.pop(DSPLIT_ROWS_ENV, None)
+        else:
+            os.environ[DSPLIT_ROWS_ENV] = saved_env
+        M._CACHE = saved_cache
+        T._planned.cache_clear()
 
 
-def _per_block(dtype, d):
+def _bq(d, rows=DSPLIT_BQ):
+    return rows if d == DSPLIT_D else MPP_BQ
+
+
+def _bk(d, rows=DSPLIT_BQ):
+    return DSPLIT_WIDE_BK if d == DSPLIT_D and rows == DSPLIT_WIDE_BQ else MPP_BK
+
+
+def _rows_context(d, rows):
+    return dsplit_rows(rows) if d == DSPLIT_D else contextlib.nullcontext()
+
+
+def _per_block(dtype, d, rows=DSPLIT_BQ):
     """The tensor-op kernel's counts per threadgroup (fixed) and per key block (each block a threadgroup runs),
     non-causal: from two emulated launches of one threadgroup, over one and over two key blocks."""
-    [one] = M.emulate("tensor_ops", M.Shape(1, 1, 1, _bq(d), MPP_BK, d), dtype, False)
-    [two] = M.emulate("tensor_ops", M.Shape(1, 1, 1, _bq(d), 2 * MPP_BK, d), dtype, False)
+    bq, bk = _bq(d, rows), _bk(d, rows)
+    with _rows_context(d, rows):
+        [one] = M.emulate("tensor_ops", M.Shape(1, 1, 1, bq, bk, d), dtype, False)
+        [two] = M.emulate("tensor_ops", M.Shape(1, 1, 1, bq, 2 * bk, d), dtype, False)
     block = {f: two.counts[f] - one.counts[f] for f in one.counts}
     fixed = {f: one.counts[f] - block[f] for f in one.counts}
     return fixed, block
 
 
-def mpp_scaled_counts(s: M.Shape, dtype):
+def mpp_scaled_counts(s: M.Shape, dtype, rows=DSPLIT_BQ):
     """The tensor-op forward's counts, non-causal, Nq % 64 == Nk % 32 == 0: every threadgroup (one per 64
     query rows of one query head) runs Nk / 32 identical key blocks, so its counts are the fixed part plus
-    the per-block part per block (exact: tests/test_metal_model_accel.py checks a direct emulation)."""
-    bq = _bq(s.d)
-    if s.nq % bq or s.nk % MPP_BK:
-        raise ValueError(f"the tensor-op scaling rule needs Nq % {bq} == Nk % {MPP_BK} == 0; got {s}")
-    fixed, block = _per_block(dtype, s.d)
-    tgs, blocks = s.b * s.hq * (s.nq // bq), s.nk // MPP_BK
+    the per-block part per block (exact: tests/test_metal_model_accel.py checks a direct emulation). At
+    D = 256 `rows` picks the split-D kernel: 32 rows and 32 keys, or 64 rows and 16 keys."""
+    bq, bk = _bq(s.d, rows), _bk(s.d, rows)
+    if s.nq % bq or s.nk % bk:
+        raise ValueError(f"the tensor-op scaling rule needs Nq % {bq} == Nk % {bk} == 0; got {s}")
+    fixed, block = _per_block(dtype, s.d, rows)
+    tgs, blocks = s.b * s.hq * (s.nq // bq), s.nk // bk
     counts = {f: tgs * (fixed[f] + blocks * block[f]) for f in fixed}
-    d = M.plan("tensor_ops", s, dtype, False).dispatches[0]
+    with _rows_context(s.d, rows):
+        d = M.plan("tensor_ops", s, dtype, False).dispatches[0]
     return [M.Record(d.kernel_name, d.grid, d.threadgroup, d.threadgroup_memory, counts, True, ("tensor_ops", False))]
 
 
@@ -151,31 +193,41 @@ def on_hardware(records, dtype, d):
     split a load. Exact for launches whose every matmul2d destination slot is valid (the "m5" layout
     M.emulate runs: 16 x 32 and 16 x D tiles, D a multiple of 16). The split-D kernel (D = 256): the same rule
     with D / 2 (each SIMD-group's runs take its half of K, V and Q); its partial scores' exchange is the
-    kernel's own code (threadgroup stores and loads, barriers), kept from the emulator."""
+    kernel's own code (threadgroup stores and loads, barriers), kept from the emulator. Its 64-row variant
+    (_bq64_bk16_): blocks of 16 keys, and Q in registers (a left-input cooperative tensor, which the emulator
+    moves between lanes, not through threadgroup memory): its S runs read no threadgroup operand, so only P's
+    16 x 16 tile is asked for once per P.V run (on-core data in registers is not priced: an assumption)."""
     elem = torch.empty((), dtype=dtype).element_size()
     out = []
     full_d = d
     for r in records:
         d = full_d // DSPLIT_HALVES if "_dsplit_" in r.kernel else full_d
+        bk = int(re.search(r"_bk(\d+)", r.kernel).group(1))
+        q_in_registers = "_dsplit_" in r.kernel and f"_bq{DSPLIT_WIDE_BQ}_" in r.kernel
         c = dict(r.counts)
         pairs = c["mpp_runs"] // 2  # one S = Q K^T and one O += P V per SIMD-group and key block
         for n in ("k", "v"):
-            c["read_" + n] = c["req_" + n] = pairs * MPP_BK * d * elem
-        # The emulator's run() reads its threadgroup operand (Q's rows for S, P for O) once per destination
-        # element: 16 x 32 x D elements per run, either way.
-        lane_by_lane = pairs * 2 * MPP_ROWS * MPP_BK * d * elem
-        c["threadgroup_bytes_read"] += pairs * (MPP_ROWS * d + MPP_ROWS * MPP_BK) * elem - lane_by_lane
+            c["read_" + n] = c["req_" + n] = pairs * bk * d * elem
+        # The emulator's run() reads its threadgroup operands (Q's rows for S when staged, P for O) once per
+        # destination element: 16 x BK x D elements per run that has one.
+        tg_runs = 1 if q_in_registers else 2
+        lane_by_lane = pairs * tg_runs * MPP_ROWS * bk * d * elem
+        once = MPP_ROWS * bk + (0 if q_in_registers else MPP_ROWS * d)
+        c["threadgroup_bytes_read"] += pairs * once * elem - lane_by_lane
         out.append(r._replace(counts=c))
     return out
 
 
-def tensor_ops_records(s: M.Shape, dtype, causal):
+def tensor_ops_records(s: M.Shape, dtype, causal, rows=DSPLIT_BQ):
     """Our tensor-op forward's dispatch, from the MPP kernel's emulated counts (on_hardware's rule for
-    matmul2d's operands): non-causal by mpp_scaled_counts, causal by metal_model's quadratic rule."""
-    if causal or s.nq % _bq(s.d) or s.nk % MPP_BK:
-        recs = M.counts_for("tensor_ops", s, dtype, causal)
+    matmul2d's operands): non-causal by mpp_scaled_counts, causal by metal_model's quadratic rule. At D = 256
+    `rows` picks the split-D kernel (32 or 64 rows); price them inside dsplit_rows(rows) too (the timing
+    model plans the shape again)."""
+    if causal or s.nq % _bq(s.d, rows) or s.nk % _bk(s.d, rows):
+        with _rows_context(s.d, rows):
+            recs = M.counts_for("tensor_ops", s, dtype, causal)
     else:
-        recs = mpp_scaled_counts(s, dtype)
+        recs = mpp_scaled_counts(s, dtype, rows)
     return on_hardware(recs, dtype, s.d)
 
 
@@ -277,10 +329,35 @@ def dsplit_against_simdgroup(gpus=M5_FAMILY, causals=(False, True), s=DSPLIT_SHA
         gpu = G.BY_NAME[gname]
         for causal in causals:
             simd = T.predict_band(M.counts_for("prefill", s, torch.float16, causal), gpu, s, torch.float16, causal)
-            recs = tensor_ops_records(s, torch.float16, causal)
-            tops = T.predict_band(recs, gpu, s, torch.float16, causal)
-            terms = T.predict(recs, gpu, s, torch.float16, causal)[1]
-            out[(gname, causal)] = (simd, tops, max(terms, key=terms.get))
+            tops, bound = dsplit_band(s, gpu, causal, DSPLIT_BQ)
+            out[(gname, causal)] = (simd, tops, bound)
+    return out
+
+
+def dsplit_band(s: M.Shape, gpu, causal, rows, dtype=torch.float16):
+    """(band, bound) of the `rows`-row split-D kernel at `s` on `gpu`, from its emulated counts."""
+    recs = tensor_ops_records(s, dtype, causal, rows)
+    with dsplit_rows(rows):
+        band = T.predict_band(recs, gpu, s, dtype, causal)
+        terms = T.predict(recs, gpu, s, dtype, causal)[1]
+    return band, max(terms, key=terms.get)
+
+
+def wide_ahead(wide, narrow):
+    """The 64-row kernel ahead over its whole band: faster at the low end, the point and the high end each."""
+    return all(w < n for w, n in zip(wide, narrow))
+
+
+def wide_against_32(gpus=M5_FAMILY, causals=(False, True), shapes=(DSPLIT_SHAPE,)):
+    """The 64-row split-D kernel against the 32-row one, float16: {(gpu, shape, causal): (32-row band, bound,
+    64-row band, bound)}."""
+    out = {}
+    for gname in gpus:
+        gpu = G.BY_NAME[gname]
+        for s in shapes:
+            for causal in causals:
+                out[(gname, s, causal)] = dsplit_band(s, gpu, causal, DSPLIT_BQ) + dsplit_band(s, gpu, causal,
+                                                                                                DSPLIT_WIDE_BQ)
     return out
 
 
@@ -290,13 +367,21 @@ def dsplit_model_wins(results):
 
 
 def print_dsplit(quick=False):
-    res = dsplit_against_simdgroup(M5_FAMILY[-1:] if quick else M5_FAMILY)
+    gpus = M5_FAMILY[-1:] if quick else M5_FAMILY
+    res = dsplit_against_simdgroup(gpus)
+    wide = wide_against_32(gpus)
     s = DSPLIT_SHAPE
     print(f"\n### D = 256 split along D (1x{s.hq}({s.hkv})x{s.nq}x{s.d} f16): model, not measurement")
-    print("| chip | causal | simdgroup prefill ms | split-D tensor-op ms (bound) | speed-up |")
-    print("|---|---|---|---|---|")
+    print("| chip | causal | simdgroup prefill ms | split-D 32 rows ms (bound) | split-D 64 rows ms (bound) "
+          "| 64 rows vs 32 | 64 rows vs simdgroup |")
+    print("|---|---|---|---|---|---|---|")
     for (gname, causal), (simd, tops, bound) in res.items():
-        print(f"| {gname} | {causal} | {_ms(simd)} | {_ms(tops)} ({bound}) | {simd[1] / tops[1]:.2f}x |")
+        _, _, w, wb = wide[(gname, s, causal)]
+        print(f"| {gname} | {causal} | {_ms(simd)} | {_ms(tops)} ({bound}) | {_ms(w)} ({wb}) "
+              f"| {tops[1] / w[1]:.2f}x{' (whole band)' if wide_ahead(w, tops) else ''} | {simd[1] / w[1]:.2f}x |")
+    print("Auto and impl='tensor_ops' take the 64-row kernel when its grid has at least 2 threadgroups per core "
+          "(csrc/metal_routing_tensor_ops_dsplit.cpp, kDsplitWideMinPerCore; the model's sweep there), else the "
+          "32-row kernel; FLASH_METAL_TENSOR_OPS_DSPLIT_ROWS=32 / 64 forces one.")
     print(f"Verdict for Auto (kDsplitModelWins): {dsplit_model_wins(res)}. Context, not an anchor: MLX #3842 "
           "measured its D = 256 d-split kernel 1.18-1.55x over its unfused path on an M5 Max at GQA 32/8 and "
           "64/8, qL 1024-2048, kL 16K-32K (a different shape and baseline).")

@@ -487,15 +487,18 @@ MetalPlan plan_metal_attention(const AttentionProblem& p, const LaunchStrides& s
       // One threadgroup per (query block, head, batch), as the prefill's.
       // D = 256: the split-D kernel (pairs of SIMD-groups, each half of D;
       // shaders/attention_prefill_mpp_dsplit.h), its name ending in the halves.
+      // Its 64-row variant (block_q 64: Q in registers, 8 SIMD-groups) declares 256 threads.
       const bool dsplit = c.bucket == kTensorOpsDsplitHeadDim;
+      const bool wide = dsplit && c.block_q == kTensorOpsDsplitWideBlockQ;
       l.kernel_name = std::string("flash_attention_prefill_mpp_") + (dsplit ? "dsplit_" : "") + suffix + "_bq" +
                       std::to_string(c.block_q) + "_bk" + std::to_string(c.block_k) +
                       (dsplit ? "_wn" + std::to_string(kTensorOpsDsplitHalves) : "");
       l.grid = {ceil_div(p.q_len, c.block_q), heads, batch};
       l.threadgroup = {32 * c.simdgroups, 1, 1};
-      l.max_threads_per_threadgroup = kTensorOpsMaxThreads;
-      l.threadgroup_memory = dsplit ? tensor_ops_dsplit_threadgroup_bytes(dtype_bytes(p.dtype), c.bucket)
-                                    : tensor_ops_threadgroup_memory(p.dtype, c.bucket);
+      l.max_threads_per_threadgroup = wide ? kTensorOpsDsplitWideMaxThreads : kTensorOpsMaxThreads;
+      l.threadgroup_memory = wide     ? tensor_ops_dsplit_wide_threadgroup_bytes(dtype_bytes(p.dtype))
+                             : dsplit ? tensor_ops_dsplit_threadgroup_bytes(dtype_bytes(p.dtype), c.bucket)
+                                      : tensor_ops_threadgroup_memory(p.dtype, c.bucket);
       // Its library declares fc_causal and the options' constants only (no
       // align / dense / grad_lse: tensor extents handle the ragged edges);
       // the values at the other indices are false and Metal ignores values
@@ -514,9 +517,11 @@ MetalPlan plan_metal_attention(const AttentionProblem& p, const LaunchStrides& s
                         "2^31 elements here (use impl='prefill' or 'auto')");
       // Live values per lane (a model, like the others): O's 16 x D floats
       // and S's 16 x block_k over the 32 lanes (O's 16 x D / 2 at D = 256,
-      // split), plus the row state and the usual overhead.
-      const uint32_t o_cols = dsplit ? c.bucket / kTensorOpsDsplitHalves : c.bucket;
-      l.estimate = estimate_launch(l, 16 * (o_cols + c.block_k) / 32 + 8 + kLiveOverhead, gpu);
+      // split; the 64-row variant adds Q's slice: tensor_ops_dsplit_live_registers),
+      // plus the row state and the usual overhead.
+      l.estimate = estimate_launch(l, dsplit ? tensor_ops_dsplit_live_registers(c.block_q, c.block_k)
+                                             : 16 * (c.bucket + c.block_k) / 32 + 8 + kLiveOverhead,
+                                   gpu);
       plan.launches.push_back(l);
       break;
     }

@@ -110,6 +110,32 @@ static_assert(tensor_ops_dsplit_threadgroup_bytes(2, kTensorOpsDsplitHeadDim) ==
                   tensor_ops_dsplit_threadgroup_bytes(2, kTensorOpsDsplitHeadDim) <= kMaxThreadgroupMemory,
               "tensor-op split-D prefill over 32 KiB");
 
+// The 64-row variant (flash_attention_prefill_mpp_dsplit_wide, the same
+// header; issue 21's "memory-bound at 32 rows"): 64 query rows in 4 row
+// groups, 8 SIMD-groups (256 threads, the threads it declares), 16 keys per
+// block. Q cannot be staged: 64 x 256 x 2 = 32,768 bytes, the whole budget;
+// it lives in registers (a left-input cooperative tensor per SIMD-group),
+// which is what sets BK: per lane O's 16 x 128 floats (64) + Q's 16 x 128
+// 16-bit values (32) + S's 16 x BK floats (BK / 2) + 8 row values + the
+// overhead (16) is 136 at BK 32, over the 128 registers a thread addresses,
+// and 128 at BK 16 (tensor_ops_dsplit_live_registers). Threadgroup memory:
+// per SIMD-group P (16 x 16, T) and a float per row, and TWO slots of
+// partial S (double-buffered: one barrier per block), 20,992 bytes.
+inline constexpr uint32_t kTensorOpsDsplitWideBlockQ = 64;
+inline constexpr uint32_t kTensorOpsDsplitWideBlockK = 16;
+inline constexpr uint32_t kTensorOpsDsplitWideMaxThreads = 256;  // kPrefillMppDsplitWideMaxThreads in the shader
+inline constexpr uint32_t kTensorOpsDsplitWideSlots = 2;
+inline constexpr uint32_t tensor_ops_dsplit_wide_threadgroup_bytes(uint32_t elem_bytes) {
+  constexpr uint32_t sgs = kTensorOpsDsplitWideBlockQ / 16 * kTensorOpsDsplitHalves;
+  return sgs * 16 * kTensorOpsDsplitWideBlockK * elem_bytes + sgs * 16 * 4 +
+         kTensorOpsDsplitWideSlots * sgs * 16 * kTensorOpsDsplitWideBlockK * 4;
+}
+static_assert(tensor_ops_dsplit_wide_threadgroup_bytes(2) == 20992 &&
+                  tensor_ops_dsplit_wide_threadgroup_bytes(2) <= kMaxThreadgroupMemory &&
+                  // staged Q would not fit: its slices alone are the budget
+                  kTensorOpsDsplitWideBlockQ * kTensorOpsDsplitHeadDim * 2 >= kMaxThreadgroupMemory,
+              "tensor-op split-D 64-row prefill: 32 KiB");
+
 // The tensor-op backward (shaders/attention_backward_mpp.h): SIMD-groups of
 // 16 rows (query rows for dQ, keys for dK/dV); 32 keys per dQ block and 32
 // query rows per dK/dV block (one thread per streamed query fills its
@@ -351,6 +377,22 @@ static_assert(decode_rows_per_simd(512) == 1 && decode_rows_per_simd(576) == 1 &
                   decode_live_registers(576u, 1u, true) <= kThreadAddressableRegisters &&
                   decode_live_registers(576u, 1u, false, true) <= kThreadAddressableRegisters,
               "the wide decode buckets: one row per SIMD-group, within the addressable registers");
+
+// The tensor-op split-D forward's live values per lane (a model, as the
+// others): O's 16 x 128 floats and S's 16 x block_k floats over 32 lanes, 8
+// row values (max, sum, alpha, the block's reduction) and the overhead; the
+// 64-row kernel adds Q's 16 x 128 16-bit values (Q in registers), so it
+// takes 16 keys per block to stay within the addressable registers.
+constexpr uint32_t tensor_ops_dsplit_live_registers(uint32_t block_q, uint32_t block_k) {
+  const uint32_t half = kTensorOpsDsplitHeadDim / kTensorOpsDsplitHalves;
+  return 16 * (half + block_k) / 32 + 8 + kLiveOverhead +
+         (block_q == kTensorOpsDsplitWideBlockQ ? 16 * half * 2 / 4 / 32 : 0);
+}
+static_assert(tensor_ops_dsplit_live_registers(kTensorOpsDsplitWideBlockQ, kTensorOpsDsplitWideBlockK) == 128 &&
+                  tensor_ops_dsplit_live_registers(kTensorOpsDsplitWideBlockQ, kTensorOpsDsplitWideBlockK) <=
+                      kThreadAddressableRegisters &&
+                  tensor_ops_dsplit_live_registers(kTensorOpsDsplitWideBlockQ, 32) > kThreadAddressableRegisters,
+              "the 64-row split-D kernel: BK 16 is what fits the addressable registers with Q held");
 
 // The split-KV merge: one row's partial max, sum and feature slice per lane.
 inline constexpr uint32_t kMergeLiveRegisters = 8 + kLiveOverhead;

@@ -5,6 +5,9 @@
 // Every other head dim goes to tensor_ops_route / choose_tensor_ops
 // (metal_routing_tensor_ops.cpp), which the backward shares: the backward has
 // no D = 256 kernel, so those two keep refusing 256.
+#include <cstdlib>
+#include <string>
+
 #include "metal_plan_detail.h"
 
 namespace flash_metal::plan_detail {
@@ -28,6 +31,61 @@ constexpr const char* kDsplitModelAgainst =
 
 bool is_dsplit(const AttentionProblem& p) {
   return p.head_dim == kTensorOpsDsplitHeadDim && p.head_dim_v == kTensorOpsDsplitHeadDim;
+}
+
+// The 32-row kernel or the 64-row one (flash_attention_prefill_mpp_dsplit_wide,
+// Q in registers). The model (benchmarks/metal_model_accel.py, wide_against_32:
+// a model, not a measurement) prices both from their emulated counts: the
+// 64-row kernel asks for each K/V block once per 64 query rows instead of 32,
+// which is what bounds the 32-row kernel (bytes to the core), but has half as
+// many threadgroups, so a grid too small to fill the GPU's cores twice over runs
+// fewer SIMD-groups per core, and both run one threadgroup per core (the 32-row
+// one by its 28,928 bytes, the 64-row one by its 128 live values x 256 threads),
+// so a partial last wave costs the 64-row kernel twice the work. Its verdict
+// (M5, M5 Pro, M5 Max, float16, causal and not, Nq 128-2048, Hq 1-40; t = 64-row
+// threadgroups per core): the 32-row kernel ahead at t <= 0.4 (1.14-1.40x the
+// 64-row kernel's time) and, not causal, at t = 1.2 (a second wave nearly
+// empty: 1.09x at the point); the 64-row kernel ahead over its whole band at
+// every t >= 2 sampled (0.71-0.88x; 0.72x at 1 x 32 (8) x 4096), and between
+// 0.8 and 1.6 except t = 1.2. As a rule: the 64-row kernel when the grid of
+// 64-row threadgroups (ceil(Nq / 64) x Hq x B) is at least
+// kDsplitWideMinPerCore = 2 per core of the GPU, else the 32-row kernel
+// (which keeps some shapes the model gives the 64-row kernel by 1-13 %: the
+// rule stays where the model's verdict does not swing with the waves).
+// tests/test_metal_model_accel.py recomputes the model on both sides of the
+// threshold and fails if this rule disagrees with it.
+constexpr int64_t kDsplitWideMinPerCore = 2;
+// FLASH_METAL_TENSOR_OPS_DSPLIT_ROWS=32 or 64 picks the kernel whatever the
+// rule says (the model prices both; a Mac can time both).
+constexpr const char* kDsplitRowsEnv = "FLASH_METAL_TENSOR_OPS_DSPLIT_ROWS";
+
+// 0 when the rule decides, else the rows the switch asks for.
+int64_t dsplit_rows_forced() {
+  const char* value = std::getenv(kDsplitRowsEnv);
+  if (value == nullptr || *value == '\0') return 0;
+  const std::string v(value);
+  TORCH_CHECK_VALUE(v == "32" || v == "64", kOp, ": ", kDsplitRowsEnv, " must be 32 or 64; got '", v, "'");
+  return v == "64" ? 64 : 32;
+}
+
+// Whether the 64-row kernel takes the call, and a sentence saying why.
+bool dsplit_wide_takes(const AttentionProblem& p, const GpuSpec& gpu, std::string* why) {
+  const int64_t forced = dsplit_rows_forced();
+  if (forced != 0) {
+    *why = std::string(kDsplitRowsEnv) + "=" + std::to_string(forced) + " picks the " + std::to_string(forced) +
+           "-row kernel";
+    return forced == 64;
+  }
+  const int64_t tgs = (p.q_len + kTensorOpsDsplitWideBlockQ - 1) / kTensorOpsDsplitWideBlockQ * p.q_heads * p.batch;
+  const int64_t need = kDsplitWideMinPerCore * static_cast<int64_t>(gpu.cores);
+  const bool wide = tgs >= need;
+  *why = std::to_string(tgs) + " threadgroups of 64 rows " + (wide ? ">= " : "< ") + std::to_string(need) + " (" +
+         std::to_string(kDsplitWideMinPerCore) + " per core of the " + gpu.name + "'s " + std::to_string(gpu.cores) +
+         "): the model (benchmarks/metal_model_accel.py; a model, not a measurement) puts the " +
+         (wide ? "64-row kernel ahead there (each K/V block fetched once per 64 query rows instead of 32, which "
+                 "bounds the 32-row kernel)"
+               : "32-row kernel ahead there (twice the threadgroups to fill the cores)");
+  return wide;
 }
 
 }  // namespace
@@ -63,10 +121,12 @@ void choose_tensor_ops_forward(const AttentionProblem& p, bool forced, const Gpu
   }
   TORCH_CHECK_VALUE(p.head_dim_v == p.head_dim, kOp, ": impl='tensor_ops' at head_dim 256 takes v's head dim 256 "
                     "too; got ", p.head_dim_v, " (use impl='prefill' or 'auto')");
+  std::string rows_why;
+  const bool wide = dsplit_wide_takes(p, gpu, &rows_why);
   c->bucket = kTensorOpsDsplitHeadDim;
-  c->block_q = kTensorOpsDsplitBlockQ;
-  c->block_k = kTensorOpsBlockK;
-  c->simdgroups = kTensorOpsDsplitBlockQ / 16 * kTensorOpsDsplitHalves;
+  c->block_q = wide ? kTensorOpsDsplitWideBlockQ : kTensorOpsDsplitBlockQ;
+  c->block_k = wide ? kTensorOpsDsplitWideBlockK : kTensorOpsBlockK;
+  c->simdgroups = c->block_q / 16 * kTensorOpsDsplitHalves;
   c->reason = forced ? std::string("forced: tensor_ops (impl='tensor_ops'); ")
                      : "tensor ops: an Apple " + std::to_string(gpu.family) +
                            " GPU (a neural accelerator in every core) with macOS 26.2 and the MSL 4 library, "
@@ -76,9 +136,13 @@ void choose_tensor_ops_forward(const AttentionProblem& p, bool forced, const Gpu
                std::to_string(c->block_q) + " queries x " + std::to_string(c->block_k) + " keys on " +
                std::to_string(c->simdgroups) + " simdgroups, pairs of them sharing 16 rows with 128 features each "
                "(partial scores summed through threadgroup memory, both halves run the softmax), Q slices read "
-               "from device memory once, " +
-               kib(tensor_ops_dsplit_threadgroup_bytes(dtype_bytes(p.dtype), c->bucket)) +
-               " of threadgroup memory";
+               "from device memory once " +
+               (wide ? "into registers (left-input cooperative tensors; staged they would fill 32 KiB), partials "
+                       "double-buffered, "
+                     : "into threadgroup memory, ") +
+               kib(wide ? tensor_ops_dsplit_wide_threadgroup_bytes(dtype_bytes(p.dtype))
+                        : tensor_ops_dsplit_threadgroup_bytes(dtype_bytes(p.dtype), c->bucket)) +
+               " of threadgroup memory; " + std::to_string(c->block_q) + " rows: " + rows_why;
 }
 
 }  // namespace flash_metal::plan_detail

@@ -5,7 +5,7 @@
 // have no tensor ops. Host names encode every template parameter and must
 // match the names csrc/metal_launch.cpp builds:
 //   flash_attention_prefill_mpp_<dtype>_d<D>_bq<BQ>_bk<BK>
-//   flash_attention_prefill_mpp_dsplit_<dtype>_d<D>_bq<BQ>_bk<BK>_wn<WN>
+//   flash_attention_prefill_mpp_dsplit_<dtype>_d<D>_bq<BQ>_bk<BK>_wn<WN> (BQ 32 and 64)
 //   flash_backward_mpp_dq_<dtype>_d<D>_bq<BQ>_bk<BK>
 //   flash_backward_mpp_dkdv_<dtype>_d<D>_bk<BKV>_bq<BQ>
 //   flash_backward_mpp_dsplit_dq_<dtype>_d<D>_bq<BQ>_bk<BK>_wn<WN>
@@ -43,9 +43,15 @@
 // (2 row groups of 16, each a pair of SIMD-groups owning 128 features
 // apiece) x 32 keys; 28,928 bytes of threadgroup memory (the host's table:
 // csrc/metal_plan_detail.h, tensor_ops_dsplit_threadgroup_bytes).
+// The 64-row variant (the same header): 64 query rows (4 row groups, 8
+// SIMD-groups, 256 threads) x 16 keys, Q in registers, two slots of
+// partials; 20,992 bytes (tensor_ops_dsplit_wide_threadgroup_bytes). Why
+// 16 keys: the register budget (csrc/metal_plan_detail.h).
 #define FM_PREFILL_MPP_DSPLIT(tname, T)                                                          \
   FM_MPP_INSTANTIATE("flash_attention_prefill_mpp_dsplit_" #tname "_d256_bq32_bk32_wn2",       \
-                     flash_attention_prefill_mpp_dsplit<T, 256, 32, 32, 2>)
+                     flash_attention_prefill_mpp_dsplit<T, 256, 32, 32, 2>)                    \
+  FM_MPP_INSTANTIATE("flash_attention_prefill_mpp_dsplit_" #tname "_d256_bq64_bk16_wn2",       \
+                     flash_attention_prefill_mpp_dsplit_wide<T, 256, 64, 16, 2>)
 
 // The backward (attention_backward_mpp.h): 32 keys per dQ block and 32
 // query rows per dK/dV block (one lane per streamed query fills the

@@ -52,6 +52,34 @@
 // block's P.V, once both halves have read the other's partial: WAR). BQ =
 // 64 (MLX's, 8 SIMD-groups) would need 32 KiB for Q alone.
 //
+// The 64-row kernel (flash_attention_prefill_mpp_dsplit_wide, issue 21: the
+// model finds the 32-row kernel memory-bound, each K/V block fetched once per
+// 32 query rows). The choices, with the arithmetic (16-bit T):
+//   - 4 pairs of 16-row SIMD-groups (8 SIMD-groups, 256 threads), not 2 pairs
+//     of 32 rows: a 32-row SIMD-group's O would be 32 x 128 floats, 128 per
+//     lane before anything else.
+//   - Q in registers, not staged (64 x 256 x 2 = 32,768 bytes, the whole
+//     budget) and not a device operand of every S run (64 x 256 x 2 bytes
+//     requested per threadgroup and key block, as many as its K and V: the
+//     bytes the 64 rows save would come back as Q's). Each SIMD-group reads
+//     its 16 x 128 slice once into a left-input cooperative tensor of the S
+//     op: 16 x 128 x 2 bytes / 32 lanes = 128 bytes, 32 registers of 32 bits.
+//   - The register budget sets the key block: per lane O 64 + Q 32 + S
+//     (16 x BK floats / 32) + 8 row values + 16 overhead = 136 at BK 32, over
+//     the 128 registers a thread addresses; 128 at BK 16
+//     (csrc/metal_plan_detail.h, tensor_ops_dsplit_live_registers).
+//   - K / V not staged either: matmul2d reads them from device memory as in
+//     the 32-row kernel (the SIMD-groups of a threadgroup that read one block
+//     share it through the core's L1, the model's assumption; staging 16 keys
+//     of K and V would add 16 KiB and two barriers per block).
+//   - Threadgroup memory, BK 16: P 8 x 16 x 16 x 2 = 4,096, two slots of
+//     partials 2 x 4 x 2 x 16 x 16 x 4 = 16,384, row floats 512: 20,992
+//     bytes. The second slot lets each key block take ONE barrier (the slot a
+//     half writes next was read by the other half before the barrier both
+//     just passed), plus a SIMD-group barrier for P and alpha.
+// MLX's attention_nax_dsplit also keeps Q in fragments at BQ 64 (there at BK
+// 32: its count of live registers is Apple's compiler's, ours a model).
+//
 // Uniform control flow: threadgroup barriers must be reached by every
 // thread of the threadgroup, so nothing here returns early except a whole
 // threadgroup past its sequence (varlen), and the key loop's bounds are the
@@ -76,84 +104,104 @@
 
 namespace flash_metal {
 
-// T: half or bfloat. D: the head dim (256; q, k and v alike). BQ: query rows
-// per threadgroup (16 per row group). BK: keys per block. WN: SIMD-groups
-// per row group, each owning D / WN features (2: a pair).
-// Launch: grid (ceil(Nq / BQ), Hq, B), threadgroup (32 * BQ / 16 * WN, 1,
-// 1), threadgroup memory at index 0 (top of file), function constants and
-// buffers as flash_attention_prefill_mpp.
+// Threads the 64-row kernel declares (8 SIMD-groups; the 32-row one declares
+// kPrefillMppMaxThreads, 128). A program-scope constant: the attribute may
+// not depend on template parameters (the emulator reads it from the template).
+constant constexpr int kPrefillMppDsplitWideMaxThreads = 256;
+
+// Where a split-D instantiation keeps Q and how many slots of partial S it
+// has: the 32 KiB budget decides (csrc/metal_plan_detail.h checks the same
+// sums statically). Threadgroup memory, in order: P (NSG x R x BK, T), Q if
+// staged (NSG x R x DH, T), the partials (kSlots x WM x WN x R x BK floats),
+// a float per row (NSG x R).
+//   - Q staged when its slices fit beside P, one slot of partials and the
+//     row floats: BQ 32 (28,928 bytes, above). At BQ 64 Q alone is 64 x 256 x
+//     2 = 32,768 bytes, the whole budget, so Q goes to registers: each
+//     SIMD-group's 16 x 128 slice in a left-input cooperative tensor, read
+//     from device memory once (not re-read per key block: as a device
+//     operand of every S run Q would cost the threadgroup 32 KiB of requests
+//     per block, as much as its K and V, undoing what the 64 rows save).
+//   - Two slots (double-buffered partials) when they fit: then one
+//     threadgroup barrier per key block (the next write to a slot comes two
+//     blocks later, after a barrier every reader has passed), else one slot
+//     and two barriers (above).
 template <typename T, int D, int BQ, int BK, int WN>
-[[kernel]] [[max_total_threads_per_threadgroup(kPrefillMppMaxThreads)]] void flash_attention_prefill_mpp_dsplit(
-    device const T* q [[buffer(0)]],
-    device const T* k [[buffer(1)]],
-    device const T* v [[buffer(2)]],
-    device T* o [[buffer(3)]],
-    device float* lse [[buffer(4)]],
-    constant AttentionParams& p [[buffer(5)]],
-    device const uchar* mask [[buffer(14)]],
-    device const int* cu_seqlens_q [[buffer(15)]],
-    device const int* cu_seqlens_k [[buffer(16)]],
-    device const float* sinks [[buffer(17)]],
-    threadgroup T* smem [[threadgroup(0)]],
-    uint3 group [[threadgroup_position_in_grid]],
-    uint sg [[simdgroup_index_in_threadgroup]],
-    uint lane [[thread_index_in_simdgroup]]) {
-  using namespace mpp::tensor_ops;
-  constexpr int R = kMppRowsPerSimd;
-  constexpr int WM = BQ / R;   // row groups
-  constexpr int NSG = WM * WN; // SIMD-groups
-  constexpr int DH = D / WN;   // features each half owns
+struct MppDsplitShape {
+  static constexpr int R = kMppRowsPerSimd;
+  static constexpr int WM = BQ / R;   // row groups
+  static constexpr int NSG = WM * WN; // SIMD-groups
+  static constexpr int DH = D / WN;   // features each half owns
+  static constexpr int kP = NSG * R * BK * int(sizeof(T));
+  static constexpr int kQ = NSG * R * DH * int(sizeof(T));
+  static constexpr int kSlot = WM * WN * R * BK * 4;
+  static constexpr int kRows = NSG * R * 4;
+  static constexpr bool kQStaged = kP + kQ + kSlot + kRows <= 32768;
+  static constexpr int kSlots = kP + (kQStaged ? kQ : 0) + 2 * kSlot + kRows <= 32768 ? 2 : 1;
+  static constexpr int kBytes = kP + (kQStaged ? kQ : 0) + kSlots * kSlot + kRows;
   static_assert(WN == 2, "pairs: each half adds the other's partial S (commutative, so both agree bit for bit)");
-  static_assert(BQ % R == 0 && D % WN == 0 && 32 * NSG <= kPrefillMppMaxThreads, "row groups of 16, the limit");
-  const int half_id = int(sg) % WN;
-  const int rg = int(sg) / WN;
-  // Threadgroup memory, in order: P (NSG x R x BK, T), Q (NSG x R x DH, T),
-  // the partials (WM x WN x R x BK floats), a float per row (NSG x R).
+  static_assert(BQ % R == 0 && D % WN == 0 && kBytes <= 32768, "row groups of 16, within 32 KiB");
+};
+
+// What every SIMD-group of a split-D threadgroup knows before its key loop.
+struct MppDsplitWork {
+  SeqView seq;
+  HeadOffsets h;
+  int64_t mask_slice;
+  int q0;       // the threadgroup's first row
+  int row0;     // this row group's first row (may be past the sequence)
+  int rg;       // row group
+  int half_id;  // which half of D: features [f0, f0 + D / WN)
+  int f0;
+};
+
+// The threadgroup's rows and this SIMD-group's part; false for a threadgroup
+// past its sequence (varlen), which leaves whole: uniform, before any barrier.
+template <int BQ, int WN, int DH>
+FM_INLINE bool mpp_dsplit_begin(constant AttentionParams& p, device const int* cu_seqlens_q,
+                                device const int* cu_seqlens_k, uint3 group, uint sg, thread MppDsplitWork& w) {
+  w.seq = sequence_view(p, cu_seqlens_q, cu_seqlens_k, group.z);
+  w.q0 = int(group.x) * BQ;
+  if (w.q0 >= w.seq.q_len) return false;
+  w.half_id = int(sg) % WN;
+  w.rg = int(sg) / WN;
+  w.row0 = w.q0 + w.rg * kMppRowsPerSimd;
+  w.h = head_offsets(p, group.z, group.y);
+  w.h.q += w.seq.q_row0 * p.q_row_stride;
+  w.h.o += w.seq.q_row0 * p.o_row_stride;
+  w.h.lse += w.seq.q_row0 * p.lse_row_stride;
+  w.h.k += w.seq.k_row0 * p.k_row_stride;
+  w.h.v += w.seq.k_row0 * p.v_row_stride;
+  w.mask_slice = fc_has_mask ? mask_head_offset(p, group.z, group.y) : 0;
+  w.f0 = w.half_id * DH;
+  return true;
+}
+
+// The key loop and the epilogue, shared by both instantiations: `tq` is this
+// half's Q slice (16 rows x DH), a tensor over threadgroup memory (staged) or
+// a left-input cooperative tensor of the S op (registers).
+template <typename T, int D, int BQ, int BK, int WN, typename QOp>
+FM_INLINE void mpp_dsplit_blocks(thread const QOp& tq, thread const MppDsplitWork& w, device const T* k,
+                                 device const T* v, device T* o, device float* lse, constant AttentionParams& p,
+                                 device const uchar* mask, device const float* sinks, threadgroup T* smem,
+                                 uint3 group, uint sg) {
+  using namespace mpp::tensor_ops;
+  using Shape = MppDsplitShape<T, D, BQ, BK, WN>;
+  constexpr int R = Shape::R, WM = Shape::WM, NSG = Shape::NSG, DH = Shape::DH;
+  const SeqView seq = w.seq;
+  const int rg = w.rg, half_id = w.half_id, row0 = w.row0, q0 = w.q0;
   threadgroup T* p_tile = smem + int(sg) * R * BK;
-  threadgroup T* q_tile = smem + NSG * R * BK + int(sg) * R * DH;
-  threadgroup float* partials = reinterpret_cast<threadgroup float*>(smem + NSG * R * (BK + DH));
-  threadgroup float* mine = partials + (rg * WN + half_id) * R * BK;
-  threadgroup const float* other = partials + (rg * WN + (1 - half_id)) * R * BK;
-  threadgroup float* row_stat = partials + WM * WN * R * BK + int(sg) * R;
-
-  // A threadgroup past its sequence (varlen) leaves whole: uniform, before
-  // any barrier.
-  const SeqView seq = sequence_view(p, cu_seqlens_q, cu_seqlens_k, group.z);
-  const int q0 = int(group.x) * BQ;
-  if (q0 >= seq.q_len) return;
-  const int row0 = q0 + rg * R;  // this row group's first row (may be past the sequence)
-  HeadOffsets h = head_offsets(p, group.z, group.y);
-  h.q += seq.q_row0 * p.q_row_stride;
-  h.o += seq.q_row0 * p.o_row_stride;
-  h.lse += seq.q_row0 * p.lse_row_stride;
-  h.k += seq.k_row0 * p.k_row_stride;
-  h.v += seq.k_row0 * p.v_row_stride;
-  const int64_t mask_slice = fc_has_mask ? mask_head_offset(p, group.z, group.y) : 0;
-  const int f0 = half_id * DH;  // this half's first feature
-
-  // This half's Q slice (16 rows x DH features), read from device memory
-  // once (as attention_prefill_mpp.h: consecutive lanes, consecutive
-  // features; rows past the sequence zero-filled).
-  {
-    const int rows = max(0, min(R, seq.q_len - row0));
-    device const T* q_rows = q + h.q + int64_t(min(row0, seq.q_len - 1)) * p.q_row_stride;
-    const int rs = int(p.q_row_stride), ds = int(p.q_dim_stride);
-    for (int e = int(lane); e < R * DH; e += 32) {
-      const int r = e / DH, c = e - r * DH;
-      q_tile[e] = r < rows ? q_rows[r * rs + (f0 + c) * ds] : static_cast<T>(0.0f);
-    }
-  }
-  simdgroup_barrier(mem_flags::mem_threadgroup);  // Q written before other lanes' matmul2d reads it (RAW)
+  threadgroup float* partials =
+      reinterpret_cast<threadgroup float*>(smem + NSG * R * (BK + (Shape::kQStaged ? DH : 0)));
+  threadgroup float* row_stat = partials + Shape::kSlots * WM * WN * R * BK + int(sg) * R;
 
   // This half's features of K and V as tensors (extents innermost first;
   // row extents end at the sequence, so matmul2d reads zeros past it).
-  const auto tq = tensor(q_tile, dextents<int, 2>(DH, R));
-  const auto tk = tensor(k + h.k + int64_t(f0) * p.k_dim_stride, dextents<int, 2>(DH, seq.kv_len),
+  const auto tk = tensor(k + w.h.k + int64_t(w.f0) * p.k_dim_stride, dextents<int, 2>(DH, seq.kv_len),
                          array<int, 2>{int(p.k_dim_stride), int(p.k_row_stride)});
-  const auto tv = tensor(v + h.v + int64_t(f0) * p.v_dim_stride, dextents<int, 2>(DH, seq.kv_len),
+  const auto tv = tensor(v + w.h.v + int64_t(w.f0) * p.v_dim_stride, dextents<int, 2>(DH, seq.kv_len),
                          array<int, 2>{int(p.v_dim_stride), int(p.v_row_stride)});
   const auto tp = tensor(p_tile, dextents<int, 2>(BK, R));
-  using QT = decltype(tq);
+  using QT = QOp;
   using KT = decltype(tk.slice(0, 0));
   using PT = decltype(tp);
 
@@ -186,6 +234,10 @@ template <typename T, int D, int BQ, int BK, int WN>
 
   for (int kb = first_block; kb < n_blocks; ++kb) {
     const int k0 = kb * BK;
+    // This block's slot of partials (alternating when double-buffered).
+    threadgroup float* slot = partials + (Shape::kSlots == 2 ? (kb & 1) : 0) * WM * WN * R * BK;
+    threadgroup float* mine = slot + (rg * WN + half_id) * R * BK;
+    threadgroup const float* other = slot + (rg * WN + (1 - half_id)) * R * BK;
     qk.run(tq, tk.slice(0, k0), s);  // this half's partial S
     for (int i = 0; i < s.get_capacity(); ++i) {
       if (!s.is_valid_element(i)) continue;
@@ -207,7 +259,7 @@ template <typename T, int D, int BQ, int BK, int WN>
       if (diagonal && key > row + seq.upper) keep = false;
       if (left_edge && key < row + seq.lower) keep = false;
       if (row >= seq.q_len) keep = false;  // a row past the sequence: never stored, the mask not read
-      float sc = option_score<T>(p, mask, mask_slice, row, key, full * p.scale_log2, keep);
+      float sc = option_score<T>(p, mask, w.mask_slice, row, key, full * p.scale_log2, keep);
       if (sc <= kMaskedScore) sc = kMaskedScore;
       s[i] = sc;
     }
@@ -215,16 +267,118 @@ template <typename T, int D, int BQ, int BK, int WN>
     // The online softmax, as attention_prefill_mpp.h (both halves alike).
     mpp_softmax_block<BK>(s, m_r, l_r, a_r, b_r, p_tile, row_stat, acc, o_r);
     pv.run(tp, tv.slice(0, k0), acc);
-    // The other half has read this half's partial, and this SIMD-group's
-    // lanes have read P and alpha, before the next block rewrites them (WAR;
-    // one slot of partials, top of file).
-    threadgroup_barrier(mem_flags::mem_threadgroup);
+    if (Shape::kSlots == 1) {
+      // The other half has read this half's partial, and this SIMD-group's
+      // lanes have read P and alpha, before the next block rewrites them
+      // (WAR; one slot of partials, top of file).
+      threadgroup_barrier(mem_flags::mem_threadgroup);
+    } else {
+      // Two slots: the next block's partials go to the other slot, and its
+      // P and alpha are written after its barrier, which every thread
+      // reaches only after this block's P.V; the epilogue's 1 / l, though,
+      // rewrites row_stat with no barrier between: this SIMD-group's lanes
+      // have read alpha first (WAR).
+      simdgroup_barrier(mem_flags::mem_threadgroup);
+    }
   }
 
   // Epilogue (mpp_store_rows, as attention_prefill_mpp.h): 1 / l per row to
   // this SIMD-group's row stats, lse from half 0, then this half's features of O.
-  mpp_store_rows(s, m_r, l_r, acc, o_r, row_stat, row0, seq.q_len, half_id == 0, lse + h.lse, p.lse_row_stride,
-                 o + h.o, p.o_row_stride, p.o_dim_stride, f0);
+  mpp_store_rows(s, m_r, l_r, acc, o_r, row_stat, row0, seq.q_len, half_id == 0, lse + w.h.lse, p.lse_row_stride,
+                 o + w.h.o, p.o_row_stride, p.o_dim_stride, w.f0);
+}
+
+// T: half or bfloat. D: the head dim (256; q, k and v alike). BQ: query rows
+// per threadgroup (16 per row group). BK: keys per block. WN: SIMD-groups
+// per row group, each owning D / WN features (2: a pair).
+// Launch: grid (ceil(Nq / BQ), Hq, B), threadgroup (32 * BQ / 16 * WN, 1,
+// 1), threadgroup memory at index 0 (MppDsplitShape::kBytes), function
+// constants and buffers as flash_attention_prefill_mpp.
+// The 32-row kernel (BQ 32, 4 SIMD-groups): Q staged in threadgroup memory.
+template <typename T, int D, int BQ, int BK, int WN>
+[[kernel]] [[max_total_threads_per_threadgroup(kPrefillMppMaxThreads)]] void flash_attention_prefill_mpp_dsplit(
+    device const T* q [[buffer(0)]],
+    device const T* k [[buffer(1)]],
+    device const T* v [[buffer(2)]],
+    device T* o [[buffer(3)]],
+    device float* lse [[buffer(4)]],
+    constant AttentionParams& p [[buffer(5)]],
+    device const uchar* mask [[buffer(14)]],
+    device const int* cu_seqlens_q [[buffer(15)]],
+    device const int* cu_seqlens_k [[buffer(16)]],
+    device const float* sinks [[buffer(17)]],
+    threadgroup T* smem [[threadgroup(0)]],
+    uint3 group [[threadgroup_position_in_grid]],
+    uint sg [[simdgroup_index_in_threadgroup]],
+    uint lane [[thread_index_in_simdgroup]]) {
+  using Shape = MppDsplitShape<T, D, BQ, BK, WN>;
+  constexpr int R = Shape::R, NSG = Shape::NSG, DH = Shape::DH;
+  static_assert(Shape::kQStaged && 32 * NSG <= kPrefillMppMaxThreads, "Q staged; the declared limit");
+  MppDsplitWork w;
+  if (!mpp_dsplit_begin<BQ, WN, DH>(p, cu_seqlens_q, cu_seqlens_k, group, sg, w)) return;
+
+  // This half's Q slice (16 rows x DH features), read from device memory
+  // once (as attention_prefill_mpp.h: consecutive lanes, consecutive
+  // features; rows past the sequence zero-filled).
+  threadgroup T* q_tile = smem + NSG * R * BK + int(sg) * R * DH;
+  {
+    const int rows = max(0, min(R, w.seq.q_len - w.row0));
+    device const T* q_rows = q + w.h.q + int64_t(min(w.row0, w.seq.q_len - 1)) * p.q_row_stride;
+    const int rs = int(p.q_row_stride), ds = int(p.q_dim_stride);
+    for (int e = int(lane); e < R * DH; e += 32) {
+      const int r = e / DH, c = e - r * DH;
+      q_tile[e] = r < rows ? q_rows[r * rs + (w.f0 + c) * ds] : static_cast<T>(0.0f);
+    }
+  }
+  simdgroup_barrier(mem_flags::mem_threadgroup);  // Q written before other lanes' matmul2d reads it (RAW)
+  const auto tq = tensor(q_tile, dextents<int, 2>(DH, R));
+  mpp_dsplit_blocks<T, D, BQ, BK, WN>(tq, w, k, v, o, lse, p, mask, sinks, smem, group, sg);
+}
+
+// The 64-row kernel (BQ 64, 8 SIMD-groups: 4 row groups, each a pair): Q in
+// registers (MppDsplitShape: staged Q would be the whole 32 KiB), each
+// SIMD-group's 16 x DH slice read from device memory once into a left-input
+// cooperative tensor of the S op, element by element through the API (row
+// and feature from get_multidimensional_index; rows past the sequence zero).
+// Left-input cooperative tensors are the later SDKs' API (26.2 deployment
+// target: the library's, setup.py), as MLX NAX keeps Q in fragments.
+template <typename T, int D, int BQ, int BK, int WN>
+[[kernel]] [[max_total_threads_per_threadgroup(kPrefillMppDsplitWideMaxThreads)]] void
+flash_attention_prefill_mpp_dsplit_wide(
+    device const T* q [[buffer(0)]],
+    device const T* k [[buffer(1)]],
+    device const T* v [[buffer(2)]],
+    device T* o [[buffer(3)]],
+    device float* lse [[buffer(4)]],
+    constant AttentionParams& p [[buffer(5)]],
+    device const uchar* mask [[buffer(14)]],
+    device const int* cu_seqlens_q [[buffer(15)]],
+    device const int* cu_seqlens_k [[buffer(16)]],
+    device const float* sinks [[buffer(17)]],
+    threadgroup T* smem [[threadgroup(0)]],
+    uint3 group [[threadgroup_position_in_grid]],
+    uint sg [[simdgroup_index_in_threadgroup]]) {
+  using namespace mpp::tensor_ops;
+  using Shape = MppDsplitShape<T, D, BQ, BK, WN>;
+  constexpr int R = Shape::R, NSG = Shape::NSG, DH = Shape::DH;
+  static_assert(!Shape::kQStaged && 32 * NSG <= kPrefillMppDsplitWideMaxThreads, "Q in registers; the limit");
+  MppDsplitWork w;
+  if (!mpp_dsplit_begin<BQ, WN, DH>(p, cu_seqlens_q, cu_seqlens_k, group, sg, w)) return;
+
+  constexpr auto qk_desc = matmul2d_descriptor(R, BK, DH, false, true, false, matmul2d_descriptor::mode::multiply);
+  matmul2d<qk_desc, execution_simdgroup> qk;  // the S op of mpp_dsplit_blocks (same descriptor and scope)
+  auto tq = qk.template get_left_input_cooperative_tensor<T, T, float>();
+  {
+    const int rows = max(0, min(R, w.seq.q_len - w.row0));
+    device const T* q_rows = q + w.h.q + int64_t(min(w.row0, w.seq.q_len - 1)) * p.q_row_stride;
+    const int rs = int(p.q_row_stride), ds = int(p.q_dim_stride);
+    for (int i = 0; i < tq.get_capacity(); ++i) {
+      if (!tq.is_valid_element(i)) continue;
+      const auto idx = tq.get_multidimensional_index(i);  // [0] the feature within the half, [1] the row
+      tq[i] = idx[1] < rows ? q_rows[idx[1] * rs + (w.f0 + idx[0]) * ds] : static_cast<T>(0.0f);
+    }
+  }
+  mpp_dsplit_blocks<T, D, BQ, BK, WN>(tq, w, k, v, o, lse, p, mask, sinks, smem, group, sg);
 }
 
 }  // namespace flash_metal

@@ -245,3 +245,56 @@ def test_dsplit_backward_verdict_is_the_routing_constant():
                                lse=torch.zeros(1, 4, 64))
     assert ("_mpp_dsplit_" in plan.dispatches[0].kernel_name) == X.dsplit_model_wins(res), plan.reason
     assert "a model, not a measurement" in plan.reason
+
+
+# ---- the 64-row split-D kernel (flash_attention_prefill_mpp_dsplit_wide) ------------------------------------
+
+
+def test_wide_dsplit_counts_scale_exactly_with_q_in_registers():
+    """The 64-row kernel's scaling rule (64-row threadgroups, 16-key blocks) is exact against a direct emulation;
+    its products are the useful FLOPs once, one threadgroup barrier per key block (two slots of partials);
+    on_hardware asks for each run's half-width 16-key K / V block once and, Q being in registers, only P's
+    16 x 16 tile from threadgroup memory per P.V run."""
+    s = M.Shape(1, 2, 1, 64, 48, 256)
+    [scaled] = X.mpp_scaled_counts(s, torch.float16, rows=64)
+    with X.dsplit_rows(64):
+        [direct] = M.emulate("tensor_ops", s, torch.float16, False)
+    assert scaled.kernel == direct.kernel == "flash_attention_prefill_mpp_dsplit_float16_d256_bq64_bk16_wn2"
+    assert scaled.counts == direct.counts
+    tgs, blocks = 2, 3  # heads x threadgroups; key blocks
+    assert direct.counts["mpp_runs"] == tgs * 8 * blocks * 2
+    assert direct.counts["threadgroup_barriers"] == tgs * blocks
+    assert direct.counts["mpp_flops"] == M.useful_flops(s, False)
+    [hw] = X.on_hardware([direct], torch.float16, s.d)
+    pairs = direct.counts["mpp_runs"] // 2
+    assert hw.counts["read_k"] == hw.counts["req_k"] == hw.counts["read_v"] == pairs * 16 * 128 * 2
+    lane_by_lane = pairs * 16 * 16 * 128 * 2  # the emulator's P reads, one row of P per element of O
+    assert hw.counts["threadgroup_bytes_read"] == direct.counts["threadgroup_bytes_read"] - lane_by_lane \
+        + pairs * 16 * 16 * 2
+    # The same shape on the 32-row kernel, outside dsplit_rows: the planner's own pick for a small grid.
+    assert M.emulate("tensor_ops", s, torch.float16, False)[0].kernel.endswith("_bq32_bk32_wn2")
+
+
+# (64-row threadgroups per core of an M5 Max, whether the model puts the 64-row kernel ahead over its whole band)
+RULE_POINTS = [(0.4, False), (2.0, True), (2.2, True)]
+
+
+def test_rows_rule_takes_the_wide_kernel_only_where_the_model_puts_it_ahead():
+    """csrc/metal_routing_tensor_ops_dsplit.cpp (kDsplitWideMinPerCore = 2): the 64-row kernel from 2
+    threadgroups of 64 rows per core. The model, recomputed (M5 Max, float16, not causal, Nq 64, Nk 1024, and
+    MLX's shape 1 x 32 (8) x 4096): ahead over its whole band at and past the threshold, where the routing takes
+    it; behind at 0.4 per core, where the routing keeps the 32-row kernel. A model, not a measurement."""
+    import flash_metal
+
+    gpu = G.BY_NAME["M5 Max"]
+    shapes = [M.Shape(1, round(t * gpu.cores), 1, 64, 1024, 256) for t, _ in RULE_POINTS] + [X.DSPLIT_SHAPE]
+    res = X.wide_against_32(("M5 Max",), (False,), shapes)
+    for (_, s, _), (narrow, _, wide, _) in res.items():
+        t = s.hq * s.nq / 64 / gpu.cores
+        ahead = dict(RULE_POINTS).get(t, True)
+        assert X.wide_ahead(wide, narrow) == ahead, (s, narrow, wide)
+        q = torch.zeros(1, 1, 1, 256, dtype=torch.float16).expand(s.b, s.hq, s.nq, 256)
+        k = torch.zeros(1, 1, 1, 256, dtype=torch.float16).expand(s.b, s.hkv, s.nk, 256)
+        plan = flash_metal.explain(q, k, k, False, None, "auto", "m5-max+tensor_ops")
+        assert plan.kernel_name.endswith("_bq64_bk16_wn2" if t >= 2 else "_bq32_bk32_wn2"), (s, plan.reason)
+        assert (not ahead) <= (t < 2)  # the 32-row kernel kept wherever the model does not put the 64 ahead

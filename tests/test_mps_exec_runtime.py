@@ -145,6 +145,9 @@ def mpp_scenarios(built, emu, tmp_path_factory):
         # D = 256: the split-D kernel (attention_prefill_mpp_dsplit.h), replayed in its own partial build.
         "dsplit": {"lib": built, "case": {**_MPP_CASE, "Nq": 40, "Nk": 45, "D": 256, "dtype": "bfloat16"},
                    "knobs": _MACOS_26_2, "mpp_metallib": "fresh"},
+        # Its 64-row variant (Q in registers, 256 threads), forced by the routing's switch.
+        "dsplit64": {"lib": built, "case": {**_MPP_CASE, "Nq": 70, "Nk": 45, "D": 256}, "knobs": _MACOS_26_2,
+                     "mpp_metallib": "fresh", "env": {"FLASH_METAL_TENSOR_OPS_DSPLIT_ROWS": "64"}},
     }
     # metal_device_info's "tensor_ops" against Auto's choice (checks.tensor_ops_reported), one process
     # per library state (library.mm loads the MSL 4 library once per process).
@@ -227,6 +230,20 @@ def test_split_d_tensor_op_pipeline_is_bound_as_planned(mpp_scenarios):
     assert [e["length"] for e in r["events"] if e["op"] == "setThreadgroupMemoryLength"] == [28928]
     [dispatch] = [e for e in r["events"] if e["op"] == "dispatchThreadgroups"]
     assert list(dispatch["grid"]) == [2, 4, 1] and list(dispatch["threadgroup"]) == [128, 1, 1]
+
+
+def test_split_d_64_row_pipeline_is_bound_as_planned(mpp_scenarios):
+    # The 64-row split-D kernel through the executed host: from the MSL 4 library, its 20,992 bytes of
+    # threadgroup memory (tensor_ops_dsplit_wide_threadgroup_bytes), 8 SIMD-groups per 64 query rows (Nq = 70:
+    # two threadgroups, the second ragged); replayed in the emulator and checked against float64.
+    r = mpp_scenarios["dsplit64"]
+    assert r["stage"] is None, r["error"]
+    assert r["errors"] == []
+    kernels = [e["kernel"] for e in r["events"] if e["op"] == "setComputePipelineState"]
+    assert kernels == ["flash_attention_prefill_mpp_dsplit_float16_d256_bq64_bk16_wn2"]
+    assert [e["length"] for e in r["events"] if e["op"] == "setThreadgroupMemoryLength"] == [20992]
+    [dispatch] = [e for e in r["events"] if e["op"] == "dispatchThreadgroups"]
+    assert list(dispatch["grid"]) == [2, 4, 1] and list(dispatch["threadgroup"]) == [256, 1, 1]
 
 
 def test_tensor_op_backward_pipelines_come_from_the_msl4_library(mpp_scenarios):
