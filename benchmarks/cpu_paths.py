@@ -165,7 +165,8 @@ def run(args):
     print(H.format_table(header, rows))
     for (p, dname), rs in sorted(ratios.items()):
         geo = math.exp(sum(math.log(r) for r in rs) / len(rs))
-        print(f"{p} {dname}: geomean {geo:.2f}x, min {min(rs):.2f}x over {len(rs)} shapes")
+        label = "brgemm[VNNI emulated]" if emulated and p == "brgemm" else p
+        print(f"{label} {dname}: geomean {geo:.2f}x, min {min(rs):.2f}x over {len(rs)} shapes")
     return 0
 
 
