@@ -103,7 +103,8 @@ struct MxBackward {
     poison_if_emulated(dst_, wp * kBlockQ, vnni);
     for (int64_t i = 0; i < n; ++i)
       for (int64_t d = 0; d < w; ++d) dst_[d * kBlockQ + i] = src[i * st[2] + d * st[3]];
-    for (int64_t d = 0; d < wp; ++d) std::fill(dst_ + d * kBlockQ + (d < w ? n : 0), dst_ + d * kBlockQ + ncols, T(0.0f));
+    for (int64_t d = 0; d < wp; ++d)
+      std::fill(dst_ + d * kBlockQ + (d < w ? n : 0), dst_ + d * kBlockQ + ncols, T(0.0f));
     if (!packs(vnni)) return op(dst_, kBlockQ);
     pack_b(wp, ncols, kBlockQ, c10::CppTypeToScalarType<T>::value, dst_, packed.data(), vnni);
     return op(as<T>(packed), ncols);
