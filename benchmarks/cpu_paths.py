@@ -18,6 +18,10 @@ FULL, decode steps included for the forward, left out with --backward as in
 benchmarks/training.py), each non-decode shape causal and not; "llm-quick" its
 --quick shapes. --backward times forward + backward (torch.autograd.grad).
 
+FLASH_METAL_CPU_VNNI=emulate (the scalar VNNI test seam, csrc/cpu/matrix_units.h)
+is slow by design: if it is set, the brgemm columns are labelled "brgemm[VNNI
+emulated]" and the table says its times are no performance figure.
+
 --cpu-time: one thread, timed by the process's CPU time (time.process_time)
 instead of the wall clock. On a machine other processes keep busy, waiting for
 a core then costs nothing, so the ratios of two single-thread kernels stay
@@ -151,12 +155,18 @@ def run(args):
     print(f"\n{what}, best of {args.rounds} interleaved rounds, ms; ratio = SDPA time / ours. flash_metal "
           f"{fm.__version__}\nCPU: {cpu_label()}")
     header = ["shape", "dtype", "causal", "sdpa ms"]
+    emulated = os.environ.get("FLASH_METAL_CPU_VNNI") == "emulate"
+    if emulated:
+        print("FLASH_METAL_CPU_VNNI=emulate: brgemm ran the scalar VNNI emulation (a test seam, slow by design); "
+              "its times are not a performance figure")
     for p in paths:
-        header += [f"{p} ms", f"{p} vs sdpa"]
+        label = "brgemm[VNNI emulated]" if emulated and p == "brgemm" else p
+        header += [f"{label} ms", f"{label} vs sdpa"]
     print(H.format_table(header, rows))
     for (p, dname), rs in sorted(ratios.items()):
         geo = math.exp(sum(math.log(r) for r in rs) / len(rs))
-        print(f"{p} {dname}: geomean {geo:.2f}x, min {min(rs):.2f}x over {len(rs)} shapes")
+        label = "brgemm[VNNI emulated]" if emulated and p == "brgemm" else p
+        print(f"{label} {dname}: geomean {geo:.2f}x, min {min(rs):.2f}x over {len(rs)} shapes")
     return 0
 
 

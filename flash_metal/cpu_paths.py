@@ -8,12 +8,22 @@ every call, in C++ (csrc/cpu/matrix_units.h), from the environment variable
 FLASH_METAL_CPU_PATH:
 
     auto    (default) brgemm for a 16-bit dtype where ATen can pack it for the
-            matrix units (AMX-BF16 / AMX-FP16), vector otherwise;
+            matrix units (AMX-BF16 / AMX-FP16), forward and backward alike,
+            vector otherwise;
     vector  always the FMA tiles;
     brgemm  brgemm for bfloat16/float16 (without AMX: ATen's fallback, slow,
             for testing the path); float32 keeps the FMA tiles.
 
-Any other value is a ValueError at the next CPU call.
+FLASH_METAL_CPU_VNNI sets how brgemm lays out its B operands:
+
+    auto    (default) pair-interleaved (VNNI, packed by ATen) where ATen can pack
+            the dtype for the matrix units, plain rows otherwise;
+    emulate a test seam: VNNI packing and products by the project's scalar code on
+            any CPU (slow), and auto takes brgemm as if the matrix units were
+            there; the reason then says "VNNI emulated";
+    off     plain rows always (no matrix units), and auto keeps vector.
+
+Any other value of either is a ValueError at the next CPU call.
 """
 from typing import Dict, NamedTuple
 
@@ -42,7 +52,8 @@ def cpu_features() -> Dict[str, bool]:
 def cpu_path_counts() -> Dict[str, int]:
     """CPU kernel calls so far in this process, per path (for tests and logs)."""
     c = torch.ops.flash_metal.cpu_path_counts()
-    return {"forward_vector": c[0], "forward_brgemm": c[1], "backward_vector": c[2], "backward_brgemm": c[3]}
+    return {"forward_vector": c[0], "forward_brgemm": c[1], "backward_vector": c[2], "backward_brgemm": c[3],
+            "forward_vnni_emulated": c[4], "backward_vnni_emulated": c[5], "emulated_tile_products": c[6]}
 
 
 def cpu_label() -> str:

@@ -11,6 +11,14 @@ reference path (impl="composite", csrc/composite.h). Every result is checked
 against the float64 oracle by the 2x rule (tests/numerics.py), outputs NaN-
 poisoned (conftest.py), and torch.ops.flash_metal.cpu_path_counts() proves
 the forced path ran.
+
+FLASH_METAL_CPU_VNNI=emulate (matrix_units.h) makes every brgemm choice pack
+its B operands pair-interleaved (VNNI) with the project's scalar pack and
+multiply them with its scalar gemm, on any CPU: the forward's and the
+backward's VNNI operand code (even pads of odd D / Nq / Nk, packed leading
+dimensions) runs here although no machine here has AMX. Emulated, the kernels
+NaN-poison their staging buffers before each fill, so a pad left unzeroed
+fails these tests. Counter slots 4-6 prove the emulation ran.
 """
 import zlib
 
@@ -18,10 +26,13 @@ import pytest
 import torch
 
 import flash_metal
-from numerics import assert_attention_close, assert_gradients_close, assert_varlen_close, dtype_id, make_qkv
+from numerics import (assert_attention_close, assert_gradients_close, assert_varlen_close,
+                      assert_varlen_gradients_close, dtype_id, make_qkv, threads)
 
 COUNTS = torch.ops.flash_metal.cpu_path_counts
 FWD_VECTOR, FWD_BRGEMM = 0, 1
+EMU_FWD, EMU_BWD, EMU_GEMM = 4, 5, 6  # brgemm calls with emulated VNNI (forward, backward), emulated products
+INFO = flash_metal.cpu_path  # (path, reason, vnni) as a NamedTuple
 HALF_TYPES = [torch.bfloat16, torch.float16]
 HAS_BRGEMM = dict(zip(*torch.ops.flash_metal.cpu_features()))["torch_brgemm"] == 1
 
@@ -145,9 +156,10 @@ def test_brgemm_on_float32_runs_vector(monkeypatch):
 
 def test_auto_takes_brgemm_only_with_matrix_units(monkeypatch):
     monkeypatch.delenv("FLASH_METAL_CPU_PATH", raising=False)
+    monkeypatch.delenv("FLASH_METAL_CPU_VNNI", raising=False)
     feats = dict(zip(*torch.ops.flash_metal.cpu_features()))
     for dtype, key in ((torch.bfloat16, "could_pack_bf16"), (torch.float16, "could_pack_f16")):
-        path, reason, vnni = torch.ops.flash_metal.cpu_path_info(dtype)
+        path, reason, vnni = INFO(dtype)
         want = "brgemm" if feats[key] else "vector"
         assert (path, vnni) == (want, bool(feats[key])), (dtype, reason, feats)
         assert "auto" in reason
@@ -172,10 +184,31 @@ def test_vnni_pack_layout():
     packed = torch.ops.flash_metal.cpu_vnni_pack(b)
     want = b.view(K // 2, 2, N).transpose(1, 2).reshape(-1)
     assert torch.equal(packed, want)
+    assert torch.equal(torch.ops.flash_metal.cpu_vnni_pack(b, emulated=True), packed)  # the emulation is ATen's
 
 
 # --- backward ----------------------------------------------------------------------------------
 FWD_BWD = {"vector": 2, "brgemm": 3}  # cpu_path_counts() slots of the backward
+
+
+def _run_backward(case, dtype, layout="contiguous"):
+    """Gradients of one case with 2 threads vs the float64 oracle; returns the counters' change."""
+    name, B, Hq, Hkv, Nq, Nk, D, Dv, causal, build = case
+    g = _gen("bwd", name, str(dtype), layout)
+    q, k, v = make_qkv(B, Hq, Hkv, Nq, Nk, D, dtype, layout=layout, generator=g)
+    if Dv != D:
+        v = torch.randn(B, Hkv, Nk, Dv, generator=g).to(dtype)
+    options = build(B, Hq, Nq, Nk, g) if build else {}
+    out, lse = flash_metal.attention_with_lse(q, k, v, causal, None, "auto", **options)
+    grad_out = torch.randn(out.shape, generator=g).to(dtype)
+    grad_lse = torch.where(torch.isfinite(lse), torch.randn(lse.shape, generator=g), 0.0)
+    before = COUNTS()
+    with threads(2):
+        grads = torch.ops.flash_metal.attention_backward(grad_out, q, k, v, out, lse, causal, None, grad_lse, "auto",
+                                                         **options)[:3]
+    after = COUNTS()
+    assert_gradients_close(grads, q, k, v, grad_out, causal, None, grad_lse, **options)
+    return [x - y for x, y in zip(after, before)]
 
 
 @pytest.mark.parametrize("path", ["vector", "brgemm"], indirect=True)
@@ -187,30 +220,135 @@ def test_forced_path_backward(path, dtype, case):
     2 threads take the chunked decomposition (partial dK/dV per chunk), the others one item per kv head."""
     if path == "brgemm" and not HAS_BRGEMM:
         pytest.skip("this torch has no at::native::cpublas::brgemm")
-    name, B, Hq, Hkv, Nq, Nk, D, Dv, causal, build = case
-    g = _gen("bwd", name, str(dtype))
-    q, k, v = make_qkv(B, Hq, Hkv, Nq, Nk, D, dtype, generator=g)
-    if Dv != D:
-        v = torch.randn(B, Hkv, Nk, Dv, generator=g).to(dtype)
-    options = build(B, Hq, Nq, Nk, g) if build else {}
-    out, lse = flash_metal.attention_with_lse(q, k, v, causal, None, "auto", **options)
-    grad_out = torch.randn(out.shape, generator=g).to(dtype)
-    grad_lse = torch.where(torch.isfinite(lse), torch.randn(lse.shape, generator=g), 0.0)
-    before = COUNTS()
-    saved = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
-        grads = torch.ops.flash_metal.attention_backward(grad_out, q, k, v, out, lse, causal, None, grad_lse, "auto",
-                                                         **options)[:3]
-    finally:
-        torch.set_num_threads(saved)
-    assert COUNTS()[FWD_BWD[path]] == before[FWD_BWD[path]] + 1, "the backward did not run the forced path"
-    assert_gradients_close(grads, q, k, v, grad_out, causal, None, grad_lse, **options)
-    assert torch.ops.flash_metal.cpu_path_info(dtype, True)[0] == path
+    delta = _run_backward(case, dtype)
+    assert delta[FWD_BWD[path]] == 1, "the backward did not run the forced path"
+    assert INFO(dtype, True)[0] == path
 
 
-def test_backward_auto_stays_vector_without_vnni(monkeypatch):
+def test_backward_auto_follows_the_forward(monkeypatch):
+    """auto takes brgemm + VNNI for the 16-bit backward exactly where it does for the forward (could_pack)."""
     monkeypatch.delenv("FLASH_METAL_CPU_PATH", raising=False)
-    for dtype in HALF_TYPES + [torch.float32]:
-        path, reason, vnni = torch.ops.flash_metal.cpu_path_info(dtype, True)
-        assert path == "vector" and not vnni and "backward" in reason, reason
+    monkeypatch.delenv("FLASH_METAL_CPU_VNNI", raising=False)
+    feats = dict(zip(*torch.ops.flash_metal.cpu_features()))
+    for dtype, key in ((torch.bfloat16, "could_pack_bf16"), (torch.float16, "could_pack_f16"), (torch.float32, None)):
+        fwd, bwd = INFO(dtype, False), INFO(dtype, True)
+        assert (bwd.path, bwd.vnni) == (fwd.path, fwd.vnni), (fwd, bwd)
+        assert bwd.path == ("brgemm" if key and feats[key] else "vector") and "backward" in bwd.reason, bwd
+
+
+# --- emulated VNNI (FLASH_METAL_CPU_VNNI=emulate) ----------------------------------------------
+# Odd D_qk / D_v (a zero pad column in K / V, a zero row in QT / dOT), odd Nq and Nk (zero rows
+# in Q / dO / K, zero columns in P / dS), 1 to 3 key blocks of 96 (97 leaves a last block of one key;
+# 221 three blocks), D_qk != D_v, GQA, masks, window + softcap.
+EMU_CASES = [
+    ("odd-d", 1, 2, 2, 67, 131, 33, 33, False, None),
+    ("gqa-dqk-ne-dv", 1, 4, 2, 131, 97, 40, 25, True, None),
+    ("bool-mask", 2, 2, 2, 45, 101, 63, 63, False, _mask_bool),
+    ("window-softcap", 1, 2, 1, 99, 221, 47, 47, True, lambda *a: {"window_left": 37, "softcap": 5.0}),
+]
+EMU_FWD_ONLY = [  # the forward's GQA-packed decode items and sinks
+    ("decode-gqa", 2, 8, 2, 1, 197, 65, 65, False, None),
+    ("sinks-causal", 1, 2, 2, 97, 97, 64, 64, True, _sinks),
+]
+
+
+@pytest.fixture
+def emulated(monkeypatch):
+    monkeypatch.setenv("FLASH_METAL_CPU_PATH", "brgemm")
+    monkeypatch.setenv("FLASH_METAL_CPU_VNNI", "emulate")
+
+
+def _assert_emulated(delta, dtype, backward):
+    slot, emu = (FWD_BWD["brgemm"], EMU_BWD) if backward else (FWD_BRGEMM, EMU_FWD)
+    assert delta[slot] == 1 and delta[emu] == 1, f"the emulated VNNI path did not run: {delta}"
+    assert delta[EMU_GEMM] > 0, f"no emulated tile product ran: {delta}"
+    path, reason, vnni = INFO(dtype, backward)
+    assert path == "brgemm" and vnni and "VNNI emulated" in reason, reason
+
+
+@pytest.mark.parametrize("dtype", HALF_TYPES, ids=dtype_id)
+@pytest.mark.parametrize("case", EMU_CASES + EMU_FWD_ONLY, ids=[c[0] for c in EMU_CASES + EMU_FWD_ONLY])
+def test_emulated_vnni_forward(emulated, dtype, case):
+    before = COUNTS()
+    _run_case(case, dtype)
+    _assert_emulated([x - y for x, y in zip(COUNTS(), before)], dtype, backward=False)
+
+
+@pytest.mark.parametrize("dtype", HALF_TYPES, ids=dtype_id)
+@pytest.mark.parametrize("case", EMU_CASES, ids=[c[0] for c in EMU_CASES])
+def test_emulated_vnni_backward(emulated, dtype, case):
+    _assert_emulated(_run_backward(case, dtype), dtype, backward=True)
+
+
+@pytest.mark.parametrize("layout", ["every_other", "transposed"])
+def test_emulated_vnni_strided(emulated, layout):
+    """Feature stride 2 and (B, N, H, D) rows: every operand copied before its pack."""
+    before = COUNTS()
+    _run_case(EMU_CASES[0], torch.bfloat16, layout=layout)
+    _assert_emulated([x - y for x, y in zip(COUNTS(), before)], torch.bfloat16, backward=False)
+    _assert_emulated(_run_backward(EMU_CASES[1], torch.bfloat16, layout=layout), torch.bfloat16, backward=True)
+
+
+def test_emulated_vnni_varlen(emulated):
+    g = _gen("varlen-emulated")
+    lq, lk = [5, 0, 130, 33], [40, 17, 130, 101]
+    cu_q = torch.tensor([0] + list(torch.tensor(lq).cumsum(0)), dtype=torch.int32)
+    cu_k = torch.tensor([0] + list(torch.tensor(lk).cumsum(0)), dtype=torch.int32)
+    q = torch.randn(sum(lq), 4, 47, generator=g).to(torch.float16)
+    k = torch.randn(sum(lk), 2, 47, generator=g).to(torch.float16)
+    v = torch.randn(sum(lk), 2, 47, generator=g).to(torch.float16)
+    before = COUNTS()
+    out, lse = flash_metal.attention_varlen_with_lse(q, k, v, cu_q, cu_k, max(lq), max(lk), causal=True,
+                                                     window_left=50)
+    _assert_emulated([x - y for x, y in zip(COUNTS(), before)], torch.float16, backward=False)
+    assert_varlen_close(out, lse, q, k, v, cu_q, cu_k, causal=True, window_left=50)
+    grad_out = torch.randn(out.shape, generator=g).to(torch.float16)
+    before = COUNTS()
+    grads = torch.ops.flash_metal.attention_varlen_backward(grad_out, q, k, v, out, lse, cu_q, cu_k, max(lq),
+                                                            max(lk), True, None, None, 50, -1)[:3]
+    _assert_emulated([x - y for x, y in zip(COUNTS(), before)], torch.float16, backward=True)
+    assert_varlen_gradients_close(grads, q, k, v, grad_out, cu_q, cu_k, True, None, window_left=50)
+
+
+@pytest.mark.parametrize("dtype", HALF_TYPES, ids=dtype_id)
+def test_emulated_pack_layout(dtype):
+    """The emulated pack writes the documented layout out[(k // 2) * 2N + 2n + k % 2] = in[k][n], on any CPU."""
+    K, N = 6, 37
+    b = torch.randn(K, N).to(dtype)
+    packed = torch.ops.flash_metal.cpu_vnni_pack(b, emulated=True)
+    assert torch.equal(packed, b.view(K // 2, 2, N).transpose(1, 2).reshape(-1))
+    with pytest.raises(ValueError, match="even row count"):
+        torch.ops.flash_metal.cpu_vnni_pack(b[:5], emulated=True)
+
+
+def test_auto_rule_through_the_vnni_switch(monkeypatch):
+    """could_pack cannot be faked: the auto rule's other branches through FLASH_METAL_CPU_VNNI."""
+    monkeypatch.delenv("FLASH_METAL_CPU_PATH", raising=False)
+    monkeypatch.setenv("FLASH_METAL_CPU_VNNI", "emulate")  # as if the matrix units were there
+    for dtype in HALF_TYPES:
+        for backward in (False, True):
+            path, reason, vnni = INFO(dtype, backward)
+            assert (path, vnni) == ("brgemm", True) and "auto" in reason and "VNNI emulated" in reason, reason
+    assert INFO(torch.float32, True)[:1] == ("vector",) and INFO(torch.float32, False)[:1] == ("vector",)
+    monkeypatch.setenv("FLASH_METAL_CPU_VNNI", "off")  # never the matrix units: auto keeps vector
+    for dtype in HALF_TYPES:
+        for backward in (False, True):
+            path, reason, vnni = INFO(dtype, backward)
+            assert (path, vnni) == ("vector", False) and "FLASH_METAL_CPU_VNNI=off" in reason, reason
+    monkeypatch.setenv("FLASH_METAL_CPU_PATH", "brgemm")  # forced brgemm without packing
+    path, reason, vnni = INFO(torch.bfloat16, True)
+    assert (path, vnni) == ("brgemm", False) and "non-VNNI" in reason, reason
+
+
+def test_auto_with_emulation_runs_it(monkeypatch):
+    """auto + emulate: forward and backward both take brgemm with emulated VNNI (the rule, end to end)."""
+    monkeypatch.delenv("FLASH_METAL_CPU_PATH", raising=False)
+    monkeypatch.setenv("FLASH_METAL_CPU_VNNI", "emulate")
+    _assert_emulated(_run_backward(EMU_CASES[0], torch.bfloat16), torch.bfloat16, backward=True)
+
+
+def test_bad_vnni_mode_is_a_clear_error(monkeypatch):
+    monkeypatch.setenv("FLASH_METAL_CPU_VNNI", "amx")
+    q = torch.randn(1, 1, 4, 16)
+    with pytest.raises(ValueError, match="FLASH_METAL_CPU_VNNI='amx'.*'auto'.*'emulate'.*'off'"):
+        flash_metal.attention(q, q, q)

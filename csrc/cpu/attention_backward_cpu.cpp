@@ -14,8 +14,10 @@
 // Two head dims (issue 20 §2): ST, dQ and dK run over D_qk (q's and k's),
 // dPT, dV and Delta over D_v (v's, dO's, O's); equal but for MLA-style calls.
 // The brgemm path (16-bit inputs, matrix_units.h; g.mx) runs the same five
-// products through ATen's brgemm on the 16-bit operands read in place, P and
-// dS rounded to the input dtype, the softmax pass unchanged (no VNNI yet).
+// products through the block GEMM on the 16-bit operands, P and dS rounded to
+// the input dtype, the softmax pass unchanged; with VNNI (AMX, or the
+// emulated test seam) its B operands are packed once per block and every
+// reduction dim padded to even (brgemm_backward.h).
 // Five products per tile, all on one register-tiled micro-kernel (the
 // forward's 6 x 16 sgemm tile with AVX2/NEON, 6 x 64 with AVX-512):
 // C (+)= A . B with B read as
@@ -60,6 +62,7 @@
 // per core. 128-query blocks measured the same as 96 (within 4%).
 #include "kernels.h"
 #include "backward_tiles.h"
+#include "brgemm_backward.h"
 #include "common.h"
 #include "matrix_units.h"
 #include "simd.h"
@@ -98,7 +101,8 @@ struct BwdGeometry {
   int64_t q_st[4], k_st[4], v_st[4], o_st[4], go_st[4], lse_st[3], glse_st[3];
   bool has_glse;
   const CallOptions* opt;  // window bounds, varlen sequences, mask, softcap (common.h)
-  bool mx = false;  // the brgemm path (matrix_units.h): 16-bit products through ATen's brgemm, no VNNI
+  bool mx = false;        // the brgemm path (matrix_units.h): 16-bit products on the block GEMM
+  Vnni vnni = Vnni::Off;  // its B operands' layout (brgemm_backward.h)
 };
 
 // Row i of head h of sequence s (its batch index and first row).
@@ -124,17 +128,9 @@ struct BwdWorkspace {
   FloatBuffer st, dst;   // kBlockK x kBlockQ: PT and dST
   FloatBuffer dfac;      // kBlockK x kBlockQ: the softcap's 1 - tanh^2 (softcap only)
   float lse2[kBlockQ], lse2lo[kBlockQ], delta[kBlockQ];
-  // The brgemm path's 16-bit operands (bfloat16 and float16 are both 2 bytes;
-  // empty on the vector path): QT and dOT (D x kBlockQ), Q and dO rows when
-  // strided, K and V block rows when strided, PT and dST rounded (kBlockK x
-  // kBlockQ), dS (kBlockQ x kBlockK).
-  std::vector<uint16_t> m_qt, m_dot, m_qr, m_dor, m_kb, m_vb, m_pt, m_ds, m_dst;
+  MxBackward mx;  // the brgemm path's 16-bit operands (empty on the vector path)
   BwdWorkspace(const BwdGeometry& g, bool own_head_buffers) {
-    if (g.mx) {
-      for (auto* b : {&m_qt, &m_qr, &m_kb}) b->resize(kBlockQ * g.qk.Dp + kBlockK * g.qk.Dp);
-      for (auto* b : {&m_dot, &m_dor, &m_vb}) b->resize(kBlockQ * g.vo.Dp + kBlockK * g.vo.Dp);
-      for (auto* b : {&m_pt, &m_ds, &m_dst}) b->resize(kBlockQ * kBlockK);
-    }
+    if (g.mx) mx = MxBackward(g.qk.D, g.vo.D, g.vnni);
     const int64_t kk = g.kv_len * g.qk.Dp, kv = g.kv_len * g.vo.Dp;
     if (own_head_buffers) {
       kr.resize(g.kv_len * g.qk.ld);
@@ -178,39 +174,6 @@ struct KVAcc {
   float *dk, *dv, *ek, *ev;
 };
 
-// ---- the brgemm path's operands (T: bfloat16 or float16, stored as uint16_t)
-template <typename T>
-T* mx_ptr(std::vector<uint16_t>& b) {
-  return reinterpret_cast<T*>(b.data());
-}
-template <typename T>
-struct MxRows {
-  const T* p = nullptr;
-  int64_t ld = 0;
-};
-// Rows [0, n) of width w: read in place when features are contiguous, else copied to buf (rows w apart).
-template <typename T>
-MxRows<T> mx_rows(const T* src, const int64_t* st, int64_t n, int64_t w, std::vector<uint16_t>& buf) {
-  if (st[3] == 1) return {src, st[2]};
-  T* dst = mx_ptr<T>(buf);
-  for (int64_t j = 0; j < n; ++j)
-    for (int64_t d = 0; d < w; ++d) dst[j * w + d] = src[j * st[2] + d * st[3]];
-  return {dst, w};
-}
-// Rows [0, n) -> dst[d * kBlockQ + i] (w x kBlockQ), columns [n, ncols) zero.
-template <typename T>
-void mx_transposed(const T* src, const int64_t* st, int64_t n, int64_t ncols, int64_t w, std::vector<uint16_t>& buf) {
-  T* dst = mx_ptr<T>(buf);
-  for (int64_t i = 0; i < n; ++i)
-    for (int64_t d = 0; d < w; ++d) dst[d * kBlockQ + i] = src[i * st[2] + d * st[3]];
-  for (int64_t d = 0; d < w; ++d) std::fill(dst + d * kBlockQ + n, dst + d * kBlockQ + ncols, T(0.0f));
-}
-template <typename T>
-void mx_gemm(int64_t M, int64_t N, int64_t K, const T* a, int64_t lda, const T* b, int64_t ldb, float* c, int64_t ldc,
-             bool add) {
-  if constexpr (sizeof(T) == 2) tile_gemm(M, N, K, lda, ldb, ldc, add, a, b, c, /*vnni=*/false);
-}
-
 // One query block: rows [i0, i0 + nq) of query head h, whose kv head is
 // packed in kv. Adds to dk/dv (float32, Nk x Dp) and writes the block's
 // grad_q rows.
@@ -244,13 +207,7 @@ void query_block(const BwdGeometry& g, const Tensors& t, const SeqRange& s, int6
   pack_transposed(go, g.go_st, nq, 1.0f, g.vo, ws.dot.ptr);
   pack_rows(q, g.q_st, nq, g.qk, ws.qr.ptr);
   pack_rows(go, g.go_st, nq, g.vo, ws.dor.ptr);
-  MxRows<T> mq, mdo;  // brgemm path: Q and dO rows in T (B operands of dK and dV)
-  if (g.mx) {
-    mx_transposed(q, g.q_st, nq, ncols, D, ws.m_qt);
-    mx_transposed(go, g.go_st, nq, ncols, Dv, ws.m_dot);
-    mq = mx_rows(q, g.q_st, nq, D, ws.m_qr);
-    mdo = mx_rows(go, g.go_st, nq, Dv, ws.m_dor);
-  }
+  if (g.mx) ws.mx.load_query(q, g.q_st, go, g.go_st, nq, ncols);  // brgemm path: QT, dOT, Q, dO in T
   float orow[kMaxHeadDim];
   for (int64_t i = 0; i < nq; ++i) {
     const float lse = t.lse[lrow0 + i * g.lse_st[2]];
@@ -282,16 +239,11 @@ void query_block(const BwdGeometry& g, const Tensors& t, const SeqRange& s, int6
   for (int64_t j0 = key_begin; j0 < key_end; j0 += kBlockK) {
     const int64_t nk = std::min(kBlockK, key_end - j0);
     const float* kb = kv.k + j0 * ld;
-    MxRows<T> mk, mv;  // brgemm path: the block's K and V rows in T
-    if (g.mx) {
+    if (g.mx) {  // ST = K . QT, dPT = V . dOT on the block GEMM
       const int64_t hk = h / g.group;
-      mk = mx_rows(row_ptr(static_cast<const T*>(t.k), g.k_st, s, hk, j0, true), g.k_st, nk, D, ws.m_kb);
-      mv = mx_rows(row_ptr(static_cast<const T*>(t.v), g.v_st, s, hk, j0, true), g.v_st, nk, Dv, ws.m_vb);
-      mx_gemm(nk, ncols, D, mk.p, mk.ld, mx_ptr<T>(ws.m_qt), kBlockQ, st, kBlockQ, false);    // ST = K . QT
-      mx_gemm(nk, ncols, Dv, mv.p, mv.ld, mx_ptr<T>(ws.m_dot), kBlockQ, dst, kBlockQ, false);  // dPT = V . dOT
-      const Vec sc = Vec::broadcast(g.scale_log2);
-      for (int64_t j = 0; j < nk; ++j)
-        for (int64_t x = 0; x < ncols; x += kW) (sc * Vec::load(st + j * kBlockQ + x)).store(st + j * kBlockQ + x);
+      ws.mx.load_keys(row_ptr(static_cast<const T*>(t.k), g.k_st, s, hk, j0, true), g.k_st,
+                      row_ptr(static_cast<const T*>(t.v), g.v_st, s, hk, j0, true), g.v_st, nk);
+      ws.mx.scores<T>(nk, ncols, g.scale_log2, st, dst);
     } else {
       matmul<false, false>(kb, ld, ws.qt.ptr, kBlockQ, D, nk, ncols, st, kBlockQ);           // ST = K . QT
       matmul<false, false>(kv.v + j0 * ldv, ldv, ws.dot.ptr, kBlockQ, Dv, nk, ncols, dst, kBlockQ);  // dPT = V . dOT
@@ -314,16 +266,8 @@ void query_block(const BwdGeometry& g, const Tensors& t, const SeqRange& s, int6
           (Vec::load(drow + x * kW) * Vec::load(frow + x * kW)).store(drow + x * kW);
       }
     }
-    if (g.mx) {  // P and dS rounded to T (FlashAttention's choice), then the three products on brgemm
-      T *pt = mx_ptr<T>(ws.m_pt), *dsr = mx_ptr<T>(ws.m_dst), *ds = mx_ptr<T>(ws.m_ds);
-      for (int64_t j = 0; j < nk; ++j)
-        for (int64_t i = 0; i < nq; ++i) {
-          pt[j * kBlockQ + i] = static_cast<T>(st[j * kBlockQ + i]);
-          dsr[j * kBlockQ + i] = ds[i * kBlockK + j] = static_cast<T>(dst[j * kBlockQ + i]);
-        }
-      mx_gemm(nk, Dv, nq, pt, kBlockQ, mdo.p, mdo.ld, dv + j0 * Dvp, Dvp, true);  // dV += PT . dO
-      mx_gemm(nk, D, nq, dsr, kBlockQ, mq.p, mq.ld, dk + j0 * Dp, Dp, true);      // dK += dST . Q
-      mx_gemm(nq, D, nk, ds, kBlockK, mk.p, mk.ld, ws.dq.ptr, Dp, true);          // dQ += dS . K
+    if (g.mx) {  // P and dS rounded to T (FlashAttention's choice), then dV, dK, dQ on the block GEMM
+      ws.mx.grads<T>(st, dst, nk, nq, dv + j0 * Dvp, Dvp, dk + j0 * Dp, Dp, ws.dq.ptr, Dp);
       continue;
     }
     matmul<false, true>(st, kBlockQ, ws.dor.ptr, ldv, nq, nk, Dvp, dv + j0 * Dvp, Dvp);  // dV += PT . dO
@@ -477,6 +421,7 @@ void run_backward(const BwdGeometry& g, const Tensors& t) {
         backward_item<T>(g, t, s, hk, 0, s.nq, {ws.kr.ptr, ws.vr.ptr}, ws, acc);
         write_kv<T>(g, t, s, hk, 0, s.nk, acc, 1, 0, 0);
       }
+      tile_release(g.vnni);
     });
     return;
   }
@@ -518,6 +463,7 @@ void run_backward(const BwdGeometry& g, const Tensors& t) {
       backward_item<T>(g, t, g.opt->seq(b), bhk % g.kv_heads, bounds[b][c], bounds[b][c + 1], kv, ws,
                        partial(idx));
     }
+    tile_release(g.vnni);
   });
   // Sum the chunks in order, in parallel over (kv head, key block).
   std::atomic<int64_t> red_next{0};
@@ -573,8 +519,9 @@ void attention_backward(const AttentionCall& c, const BackwardTensors& bt, const
             grad_k.mutable_data_ptr(), grad_v.mutable_data_ptr()};
 
   const PathChoice path = choose_cpu_path(q.scalar_type(), /*backward=*/true);
-  count_cpu_path(path.path, /*backward=*/true);
+  count_cpu_path(path, /*backward=*/true);
   g.mx = path.path == CpuPath::Brgemm;
+  g.vnni = g.mx ? path.vnni : Vnni::Off;
   switch (q.scalar_type()) {  // check_backward_inputs admitted only these three
     case at::kFloat: run_backward<float>(g, t); break;
     case at::kHalf: run_backward<c10::Half>(g, t); break;

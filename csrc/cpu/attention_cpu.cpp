@@ -420,7 +420,7 @@ void attention_forward(const AttentionCall& c, const AttentionOutputs& o) {
   }
 
   g.path = choose_cpu_path(q.scalar_type(), /*backward=*/false);
-  count_cpu_path(g.path.path, /*backward=*/false);
+  count_cpu_path(g.path, /*backward=*/false);
   switch (q.scalar_type()) {  // check_attention_inputs admitted only these three
     case at::kFloat: run_attention<float>(g, q, k, v, out, lse); break;
     case at::kHalf: run_attention<c10::Half>(g, q, k, v, out, lse); break;

@@ -8,10 +8,13 @@
 //   O (nrows x Dv)  = alpha * O + P^T (nrows x nk) . V_blk (nk x Dv)
 //       with P rounded to the input dtype (FlashAttention's choice; the
 //       softmax's running sum l keeps the float32 probabilities).
-// With vnni (AMX): QT and V are packed pair-interleaved (pack_b) once per
+// With VNNI (mb.vnni Aten on AMX, or Emulated, the test seam of
+// matrix_units.h): QT and V are packed pair-interleaved (pack_b) once per
 // item / key block, and the K dimensions of both products are padded to an
 // even count with zero rows (D_qk odd: K is copied; nk odd: P gets a zero
-// column, which meets the next, finite V row or the zero pad row).
+// column, which meets the next, finite V row or the zero pad row). Emulated,
+// the staging buffers are NaN-poisoned before each fill, so a pad left
+// unzeroed shows in the tests' outputs.
 // The idea of running FlashAttention's two products through brgemm with a
 // scalar softmax between them is ATen's CPU flash attention
 // (aten/src/ATen/native/cpu/FlashAttentionKernel.cpp); the layout here is
@@ -41,17 +44,18 @@ constexpr int64_t kPtLd = (kBlockK + 1) / 2 * 2;
 // initialised: zero, so the pads are zero).
 template <typename T>
 struct MxBuffers {
-  bool vnni;
-  int64_t Dp;            // D_qk, rounded up to even with vnni
+  Vnni vnni;
+  int64_t Dp;            // D_qk, rounded up to even with VNNI
   std::vector<T> qt;     // kMaxSub x Dp x kBlockQ: each sub-block's QT (plain, or VNNI with N = ncols)
   std::vector<T> stage;  // Dp x kBlockQ: QT before its VNNI pack
   std::vector<T> kb;     // kBlockK x Dp: K rows when they cannot be read in place
   std::vector<T> vb;     // (kBlockK + 1) x Dv: V rows when they cannot be read in place (+1: the even pad)
   std::vector<T> vp;     // the same, VNNI-packed
   std::vector<T> pt;     // kBlockQ x kPtLd: P^T rounded to T
-  MxBuffers(int64_t max_sub, int64_t D, int64_t Dv, bool vnni_)
-      : vnni(vnni_), Dp(vnni_ ? round_up(D, 2) : D), qt(max_sub * Dp * kBlockQ), stage(vnni_ ? Dp * kBlockQ : 0),
-        kb(kBlockK * Dp), vb((kBlockK + 1) * Dv), vp(vnni_ ? (kBlockK + 1) * Dv : 0), pt(kBlockQ * kPtLd) {}
+  MxBuffers(int64_t max_sub, int64_t D, int64_t Dv, Vnni vnni_)
+      : vnni(vnni_), Dp(packs(vnni_) ? round_up(D, 2) : D), qt(max_sub * Dp * kBlockQ),
+        stage(packs(vnni_) ? Dp * kBlockQ : 0), kb(kBlockK * Dp), vb((kBlockK + 1) * Dv),
+        vp(packs(vnni_) ? (kBlockK + 1) * Dv : 0), pt(kBlockQ * kPtLd) {}
 };
 
 // One sub-block's query rows -> QT (Dp x ncols) in T, unscaled: column c is
@@ -60,14 +64,15 @@ struct MxBuffers {
 template <typename T, typename QOff>
 void mx_load_q(const T* q, int64_t d_stride, const QOff& q_off, int64_t nrows, int64_t ncols, int64_t D,
                MxBuffers<T>& mb, T* dst) {
-  T* qt = mb.vnni ? mb.stage.data() : dst;
+  T* qt = packs(mb.vnni) ? mb.stage.data() : dst;
+  poison_if_emulated(qt, mb.Dp * kBlockQ, mb.vnni);
   for (int64_t d = 0; d < mb.Dp; ++d) std::fill(qt + d * kBlockQ + nrows, qt + d * kBlockQ + ncols, T(0.0f));
   for (int64_t d = D; d < mb.Dp; ++d) std::fill(qt + d * kBlockQ, qt + d * kBlockQ + nrows, T(0.0f));
   for (int64_t c = 0; c < nrows; ++c) {
     const T* src = q + q_off(c);
     for (int64_t d = 0; d < D; ++d) qt[d * kBlockQ + c] = src[d * d_stride];
   }
-  if (mb.vnni) pack_b(mb.Dp, ncols, kBlockQ, c10::CppTypeToScalarType<T>::value, qt, dst);
+  if (packs(mb.vnni)) pack_b(mb.Dp, ncols, kBlockQ, c10::CppTypeToScalarType<T>::value, qt, dst, mb.vnni);
 }
 
 // The K block's A operand: in place when its features are contiguous (and,
@@ -79,6 +84,7 @@ const T* mx_k_operand(const T* k, int64_t row_stride, int64_t d_stride, int64_t 
     *lda = row_stride;
     return k;
   }
+  poison_if_emulated(mb.kb.data(), static_cast<int64_t>(mb.kb.size()), mb.vnni);
   for (int64_t j = 0; j < nk; ++j) {
     T* dst = mb.kb.data() + j * mb.Dp;
     for (int64_t d = 0; d < D; ++d) dst[d] = k[j * row_stride + d * d_stride];
@@ -94,17 +100,18 @@ const T* mx_k_operand(const T* k, int64_t row_stride, int64_t d_stride, int64_t 
 template <typename T>
 const T* mx_v_operand(const T* v, int64_t row_stride, int64_t d_stride, int64_t nk, int64_t Dv, MxBuffers<T>& mb,
                       int64_t* ldv) {
-  if (!mb.vnni && d_stride == 1) {
+  if (!packs(mb.vnni) && d_stride == 1) {
     *ldv = row_stride;
     return v;
   }
+  poison_if_emulated(mb.vb.data(), static_cast<int64_t>(mb.vb.size()), mb.vnni);
   for (int64_t j = 0; j < nk; ++j)
     for (int64_t d = 0; d < Dv; ++d) mb.vb[j * Dv + d] = v[j * row_stride + d * d_stride];
   const int64_t nkp = round_up(nk, 2);
   if (nkp > nk) std::fill(mb.vb.data() + nk * Dv, mb.vb.data() + nkp * Dv, T(0.0f));
   *ldv = Dv;
-  if (!mb.vnni) return mb.vb.data();
-  pack_b(nkp, Dv, Dv, c10::CppTypeToScalarType<T>::value, mb.vb.data(), mb.vp.data());
+  if (!packs(mb.vnni)) return mb.vb.data();
+  pack_b(nkp, Dv, Dv, c10::CppTypeToScalarType<T>::value, mb.vb.data(), mb.vp.data(), mb.vnni);
   return mb.vp.data();
 }
 
@@ -112,8 +119,8 @@ const T* mx_v_operand(const T* v, int64_t row_stride, int64_t d_stride, int64_t 
 template <typename T>
 void mx_scores(const T* k, int64_t lda, const T* qt, int64_t nk, int64_t ncols, int64_t D, float scale_log2,
                const MxBuffers<T>& mb, float* st) {
-  tile_gemm(nk, ncols, mb.vnni ? mb.Dp : D, lda, mb.vnni ? ncols : kBlockQ, kBlockQ, /*add_c=*/false, k, qt, st,
-            mb.vnni);
+  const bool vnni = packs(mb.vnni);
+  tile_gemm(nk, ncols, vnni ? mb.Dp : D, lda, vnni ? ncols : kBlockQ, kBlockQ, /*add_c=*/false, k, qt, st, mb.vnni);
   const Vec s = Vec::broadcast(scale_log2);
   for (int64_t j = 0; j < nk; ++j) {
     float* row = st + j * kBlockQ;
@@ -126,8 +133,9 @@ void mx_scores(const T* k, int64_t lda, const T* qt, int64_t nk, int64_t ncols, 
 template <typename T>
 void mx_pv(const float* p, int64_t nk, int64_t nrows, const T* v, int64_t ldv, int64_t Dv, const float* alpha,
            float* o, int64_t ldo, MxBuffers<T>& mb) {
-  const int64_t nkp = mb.vnni ? round_up(nk, 2) : nk;
+  const int64_t nkp = packs(mb.vnni) ? round_up(nk, 2) : nk;
   T* pt = mb.pt.data();
+  poison_if_emulated(pt, nrows * kPtLd, mb.vnni);
   for (int64_t r = 0; r < nrows; ++r) {
     T* row = pt + r * kPtLd;
     for (int64_t j = 0; j < nk; ++j) row[j] = static_cast<T>(p[j * kBlockQ + r]);

@@ -9,6 +9,7 @@
 #include <c10/util/Exception.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstdlib>
 #include <cstring>
@@ -32,8 +33,11 @@ namespace flash_metal {
 namespace cpu {
 namespace {
 
-// Calls per path: [forward vector, forward brgemm, backward vector, backward brgemm].
-std::atomic<int64_t> g_counts[4];
+// Calls per path: [forward vector, forward brgemm, backward vector, backward
+// brgemm], then the brgemm calls of each pass that emulated VNNI, then the
+// emulated tile products run (any pass): the tests' proof the seam ran.
+constexpr int kEmuFwd = 4, kEmuBwd = 5, kEmuGemm = 6;
+std::atomic<int64_t> g_counts[7];
 
 #ifdef FLASH_METAL_X86_CPUID
 CpuFeatures detect() {
@@ -100,43 +104,68 @@ static bool packable_16(at::ScalarType dtype) {
 #endif
 }
 
-PathChoice choose_cpu_path(at::ScalarType dtype, bool backward) {
-  // Read at every call (tests and benchmarks switch it between calls), but
-  // with plain C-string compares: no allocation on the kernels' hot path.
-  const char* env = std::getenv("FLASH_METAL_CPU_PATH");
-  const bool is_auto = env == nullptr || *env == '\0' || std::strcmp(env, "auto") == 0;
-  const bool is_vector = !is_auto && std::strcmp(env, "vector") == 0;
-  const bool is_brgemm = !is_auto && std::strcmp(env, "brgemm") == 0;
-  TORCH_CHECK_VALUE(is_auto || is_vector || is_brgemm, "FLASH_METAL_CPU_PATH='", env,
-                    "' is not a CPU path; allowed: 'auto' (default), 'vector' or 'brgemm'");
+PathChoice choose_path_rule(PathMode mode, VnniMode vnni, bool sixteen, bool packable) {
   PathChoice pc;
-  const bool sixteen = dtype == at::kBFloat16 || dtype == at::kHalf;
-  const bool packable = sixteen && packable_16(dtype);
-  if (is_vector) {
+  if (mode == PathMode::Vector) {
     pc.why = PathWhy::ForcedVector;
-  } else if (is_brgemm) {
-    if (!sixteen) {
-      pc.why = PathWhy::ForcedBrgemmFloat32;
-      return pc;
-    }
-    TORCH_CHECK(brgemm_compiled(), "FLASH_METAL_CPU_PATH=brgemm: this torch has no at::native::cpublas::brgemm for 16-bit inputs (torch >= 2.6 has); use 'auto' or 'vector'");
+  } else if (!sixteen) {
+    pc.why = mode == PathMode::Brgemm ? PathWhy::ForcedBrgemmFloat32 : PathWhy::AutoFloat32;
+  } else if (mode == PathMode::Brgemm) {
     pc.path = CpuPath::Brgemm;
-    pc.vnni = packable && !backward;
+    pc.vnni = vnni == VnniMode::Emulate ? Vnni::Emulated
+              : vnni == VnniMode::Auto && packable ? Vnni::Aten
+                                                   : Vnni::Off;
     pc.why = PathWhy::ForcedBrgemm;
-  } else if (backward && sixteen) {  // the backward's brgemm products have no VNNI packing yet (issue 22 step 3)
-    pc.why = PathWhy::AutoBackward16;
+  } else if (vnni == VnniMode::Emulate) {
+    pc.path = CpuPath::Brgemm;
+    pc.vnni = Vnni::Emulated;
+    pc.why = PathWhy::AutoEmulated;
+  } else if (vnni == VnniMode::Off) {
+    pc.why = PathWhy::AutoVnniOff;
   } else if (packable) {
     pc.path = CpuPath::Brgemm;
-    pc.vnni = true;
+    pc.vnni = Vnni::Aten;
     pc.why = PathWhy::AutoMatrixUnits;
   } else {
-    pc.why = sixteen ? PathWhy::AutoNoMatrixUnits : PathWhy::AutoFloat32;
+    pc.why = PathWhy::AutoNoMatrixUnits;
   }
+  return pc;
+}
+
+PathChoice choose_cpu_path(at::ScalarType dtype, bool backward) {
+  (void)backward;  // the same rule for both passes (the backward packs as the forward does)
+  // Read at every call (tests and benchmarks switch them between calls), but
+  // with plain C-string compares: no allocation on the kernels' hot path.
+  const char* env = std::getenv("FLASH_METAL_CPU_PATH");
+  PathMode mode = PathMode::Auto;
+  if (env != nullptr && *env != '\0' && std::strcmp(env, "auto") != 0) {
+    const bool is_vector = std::strcmp(env, "vector") == 0, is_brgemm = std::strcmp(env, "brgemm") == 0;
+    TORCH_CHECK_VALUE(is_vector || is_brgemm, "FLASH_METAL_CPU_PATH='", env,
+                      "' is not a CPU path; allowed: 'auto' (default), 'vector' or 'brgemm'");
+    mode = is_vector ? PathMode::Vector : PathMode::Brgemm;
+  }
+  const char* venv = std::getenv("FLASH_METAL_CPU_VNNI");
+  VnniMode vm = VnniMode::Auto;
+  if (venv != nullptr && *venv != '\0' && std::strcmp(venv, "auto") != 0) {
+    const bool is_emulate = std::strcmp(venv, "emulate") == 0, is_off = std::strcmp(venv, "off") == 0;
+    TORCH_CHECK_VALUE(is_emulate || is_off, "FLASH_METAL_CPU_VNNI='", venv,
+                      "' is not a VNNI mode; allowed: 'auto' (default), 'emulate' or 'off'");
+    vm = is_emulate ? VnniMode::Emulate : VnniMode::Off;
+  }
+  const bool sixteen = dtype == at::kBFloat16 || dtype == at::kHalf;
+  const PathChoice pc = choose_path_rule(mode, vm, sixteen, sixteen && packable_16(dtype));
+  // The emulation needs nothing of ATen's; the other brgemm modes need its brgemm.
+  TORCH_CHECK(pc.path != CpuPath::Brgemm || pc.vnni == Vnni::Emulated || brgemm_compiled(),
+              "FLASH_METAL_CPU_PATH=brgemm: this torch has no at::native::cpublas::brgemm for 16-bit inputs "
+              "(torch >= 2.6 has); use 'auto' or 'vector' (or FLASH_METAL_CPU_VNNI=emulate, the scalar test seam)");
   return pc;
 }
 
 std::string describe_cpu_path(const PathChoice& pc, at::ScalarType dtype, bool backward) {
   const std::string what = std::string(backward ? "backward" : "forward") + " " + dtype_name(dtype);
+  const char* emulated =
+      "VNNI emulated (FLASH_METAL_CPU_VNNI=emulate: pair-interleaved B packed and multiplied by this project's "
+      "scalar code, a test seam, slow)";
   switch (pc.why) {
     case PathWhy::ForcedVector:
       return what + ": vector (float32 FMA tiles), forced by FLASH_METAL_CPU_PATH=vector";
@@ -144,14 +173,16 @@ std::string describe_cpu_path(const PathChoice& pc, at::ScalarType dtype, bool b
       return what + ": vector; FLASH_METAL_CPU_PATH=brgemm covers 16-bit dtypes only, float32 keeps its FMA tiles";
     case PathWhy::ForcedBrgemm:
       return what + ": brgemm, forced by FLASH_METAL_CPU_PATH=brgemm; " +
-             (pc.vnni ? "VNNI-packed B on the matrix units (AMX)"
-                      : backward ? "non-VNNI brgemm calls (the backward does not pack for AMX yet)"
-                                 : "ATen's non-VNNI fallback (no AMX for this dtype here)");
-    case PathWhy::AutoBackward16:
-      return what + ": vector (auto: the backward's brgemm path runs without VNNI packing, so not on AMX; "
-                    "FLASH_METAL_CPU_PATH=brgemm forces it)";
+             (pc.vnni == Vnni::Aten       ? "VNNI-packed B on the matrix units (AMX)"
+              : pc.vnni == Vnni::Emulated ? emulated
+                                          : "ATen's non-VNNI calls (no AMX for this dtype here, or "
+                                            "FLASH_METAL_CPU_VNNI=off)");
     case PathWhy::AutoMatrixUnits:
       return what + ": brgemm on the matrix units (auto: ATen can pack " + dtype_name(dtype) + " for AMX here)";
+    case PathWhy::AutoEmulated:
+      return what + ": brgemm, " + emulated + " (auto, as if the matrix units were there)";
+    case PathWhy::AutoVnniOff:
+      return what + ": vector (auto: FLASH_METAL_CPU_VNNI=off keeps brgemm off the matrix units)";
     case PathWhy::AutoNoMatrixUnits:
       return what + ": vector (auto: no AMX for " + dtype_name(dtype) +
              " here, and ATen's non-AMX brgemm does not beat the FMA tiles)";
@@ -161,43 +192,92 @@ std::string describe_cpu_path(const PathChoice& pc, at::ScalarType dtype, bool b
   return what;
 }
 
-void count_cpu_path(CpuPath path, bool backward) { ++g_counts[(backward ? 2 : 0) + static_cast<int>(path)]; }
+void count_cpu_path(const PathChoice& pc, bool backward) {
+  ++g_counts[(backward ? 2 : 0) + static_cast<int>(pc.path)];
+  if (pc.path == CpuPath::Brgemm && pc.vnni == Vnni::Emulated) ++g_counts[backward ? kEmuBwd : kEmuFwd];
+}
+
+// ---- the emulated VNNI operands and products (Vnni::Emulated): scalar,
+// written from the layout's definition, so the kernels' packed-operand code
+// is checked against a layout independent of oneDNN's.
+namespace {
+
+void emulated_pack(int64_t K, int64_t N, int64_t ld_in, const uint16_t* in, uint16_t* out) {
+  TORCH_CHECK(K % 2 == 0, "flash_metal: a VNNI pack needs an even row count (pad with a zero row); got ", K);
+  for (int64_t k = 0; k < K; ++k)
+    for (int64_t n = 0; n < N; ++n) out[(k / 2) * 2 * N + 2 * n + k % 2] = in[k * ld_in + n];
+}
+
+// C = [C +] A . B, B in the VNNI layout (pair p of rows at b + p * 2 * ldb),
+// accumulated in float32 straight into C, pair by pair, as the AMX
+// dot-product instructions do.
+template <typename T>
+void emulated_gemm(int64_t M, int64_t N, int64_t K, int64_t lda, int64_t ldb, int64_t ldc, bool add_c, const T* a,
+                   const T* b, float* c) {
+  TORCH_CHECK(K % 2 == 0, "flash_metal: a VNNI product needs an even reduction dim (pad with zeros); got ", K);
+  ++g_counts[kEmuGemm];
+  for (int64_t m = 0; m < M; ++m) {
+    float* crow = c + m * ldc;
+    if (!add_c) std::fill(crow, crow + N, 0.0f);
+    const T* arow = a + m * lda;
+    for (int64_t p = 0; p < K / 2; ++p) {
+      const float a0 = static_cast<float>(arow[2 * p]), a1 = static_cast<float>(arow[2 * p + 1]);
+      const T* bp = b + p * 2 * ldb;
+      for (int64_t n = 0; n < N; ++n)
+        crow[n] += a0 * static_cast<float>(bp[2 * n]) + a1 * static_cast<float>(bp[2 * n + 1]);
+    }
+  }
+}
+
+}  // namespace
 
 #ifdef FLASH_METAL_HAS_BRGEMM
 void tile_gemm(int64_t M, int64_t N, int64_t K, int64_t lda, int64_t ldb, int64_t ldc, bool add_c,
-               const c10::BFloat16* a, const c10::BFloat16* b, float* c, bool vnni) {
-  at::native::cpublas::brgemm(M, N, K, lda, ldb, ldc, add_c, a, b, c, vnni);
+               const c10::BFloat16* a, const c10::BFloat16* b, float* c, Vnni vnni) {
+  if (vnni == Vnni::Emulated) return emulated_gemm(M, N, K, lda, ldb, ldc, add_c, a, b, c);
+  at::native::cpublas::brgemm(M, N, K, lda, ldb, ldc, add_c, a, b, c, vnni == Vnni::Aten);
 }
 void tile_gemm(int64_t M, int64_t N, int64_t K, int64_t lda, int64_t ldb, int64_t ldc, bool add_c,
-               const c10::Half* a, const c10::Half* b, float* c, bool vnni) {
-  at::native::cpublas::brgemm(M, N, K, lda, ldb, ldc, add_c, a, b, c, vnni);
+               const c10::Half* a, const c10::Half* b, float* c, Vnni vnni) {
+  if (vnni == Vnni::Emulated) return emulated_gemm(M, N, K, lda, ldb, ldc, add_c, a, b, c);
+  at::native::cpublas::brgemm(M, N, K, lda, ldb, ldc, add_c, a, b, c, vnni == Vnni::Aten);
 }
 void tile_gemm(int64_t M, int64_t N, int64_t K, int64_t lda, int64_t ldb, int64_t ldc, bool add_c, const float* a,
-               const float* b, float* c, bool vnni) {
-  at::native::cpublas::brgemm(M, N, K, lda, ldb, ldc, add_c, a, b, c, vnni);
+               const float* b, float* c, Vnni vnni) {
+  TORCH_CHECK(vnni == Vnni::Off, "flash_metal: a float32 block product has no VNNI form");
+  at::native::cpublas::brgemm(M, N, K, lda, ldb, ldc, add_c, a, b, c, false);
 }
-void pack_b(int64_t K, int64_t N, int64_t ld_in, at::ScalarType dtype, const void* in, void* out) {
+void pack_b(int64_t K, int64_t N, int64_t ld_in, at::ScalarType dtype, const void* in, void* out, Vnni vnni) {
+  TORCH_CHECK(vnni != Vnni::Off, "flash_metal: pack_b called without a VNNI mode");
+  TORCH_CHECK(dtype == at::kBFloat16 || dtype == at::kHalf, "flash_metal: pack_b takes 16-bit operands");
+  if (vnni == Vnni::Emulated)
+    return emulated_pack(K, N, ld_in, static_cast<const uint16_t*>(in), static_cast<uint16_t*>(out));
   at::native::cpublas::pack(K, N, ld_in, N, dtype, dtype, in, out);
 }
-void tile_release(bool vnni) {
-  if (vnni) at::native::cpublas::brgemm_release(true);
+void tile_release(Vnni vnni) {
+  if (vnni == Vnni::Aten) at::native::cpublas::brgemm_release(true);
 }
 #else
-void tile_gemm(int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, bool, const c10::BFloat16*,
-               const c10::BFloat16*, float*, bool) {
+// No ATen brgemm: only the emulation runs (choose_cpu_path never picks Off / Aten brgemm here).
+void tile_gemm(int64_t M, int64_t N, int64_t K, int64_t lda, int64_t ldb, int64_t ldc, bool add_c,
+               const c10::BFloat16* a, const c10::BFloat16* b, float* c, Vnni vnni) {
+  TORCH_CHECK(vnni == Vnni::Emulated, "flash_metal: brgemm is unavailable in this torch");
+  emulated_gemm(M, N, K, lda, ldb, ldc, add_c, a, b, c);
+}
+void tile_gemm(int64_t M, int64_t N, int64_t K, int64_t lda, int64_t ldb, int64_t ldc, bool add_c,
+               const c10::Half* a, const c10::Half* b, float* c, Vnni vnni) {
+  TORCH_CHECK(vnni == Vnni::Emulated, "flash_metal: brgemm is unavailable in this torch");
+  emulated_gemm(M, N, K, lda, ldb, ldc, add_c, a, b, c);
+}
+void tile_gemm(int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, bool, const float*, const float*, float*, Vnni) {
   TORCH_CHECK(false, "flash_metal: brgemm is unavailable in this torch");
 }
-void tile_gemm(int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, bool, const c10::Half*, const c10::Half*, float*,
-               bool) {
-  TORCH_CHECK(false, "flash_metal: brgemm is unavailable in this torch");
+void pack_b(int64_t K, int64_t N, int64_t ld_in, at::ScalarType dtype, const void* in, void* out, Vnni vnni) {
+  TORCH_CHECK(vnni == Vnni::Emulated, "flash_metal: cpublas::pack is unavailable in this torch");
+  TORCH_CHECK(dtype == at::kBFloat16 || dtype == at::kHalf, "flash_metal: pack_b takes 16-bit operands");
+  emulated_pack(K, N, ld_in, static_cast<const uint16_t*>(in), static_cast<uint16_t*>(out));
 }
-void tile_gemm(int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, bool, const float*, const float*, float*, bool) {
-  TORCH_CHECK(false, "flash_metal: brgemm is unavailable in this torch");
-}
-void pack_b(int64_t, int64_t, int64_t, at::ScalarType, const void*, void*) {
-  TORCH_CHECK(false, "flash_metal: cpublas::pack is unavailable in this torch");
-}
-void tile_release(bool) {}
+void tile_release(Vnni) {}
 #endif
 
 namespace {
@@ -206,7 +286,7 @@ std::tuple<std::string, std::string, bool> cpu_path_info(at::ScalarType dtype, b
   TORCH_CHECK_VALUE(dtype == at::kFloat || dtype == at::kHalf || dtype == at::kBFloat16,
                     "flash_metal.cpu_path_info: dtype must be float32, float16 or bfloat16; got ", dtype);
   const PathChoice pc = choose_cpu_path(dtype, backward);
-  return {pc.path == CpuPath::Brgemm ? "brgemm" : "vector", describe_cpu_path(pc, dtype, backward), pc.vnni};
+  return {pc.path == CpuPath::Brgemm ? "brgemm" : "vector", describe_cpu_path(pc, dtype, backward), packs(pc.vnni)};
 }
 
 std::vector<int64_t> cpu_path_counts() {
@@ -227,18 +307,18 @@ std::tuple<std::vector<std::string>, std::vector<int64_t>> cpu_features_op() {
 }
 
 // b (K x N, bfloat16/float16, K even) packed by pack_b, flattened: lets the
-// tests check the VNNI layout brgemm_tiles.h relies on, where could_pack.
-at::Tensor cpu_vnni_pack(const at::Tensor& b) {
+// tests check the VNNI layout brgemm_tiles.h / brgemm_backward.h rely on.
+// emulated: this project's pack (any CPU); else ATen's (only where could_pack).
+at::Tensor cpu_vnni_pack(const at::Tensor& b, bool emulated) {
   TORCH_CHECK_VALUE(b.dim() == 2 && b.device().is_cpu() && b.size(0) % 2 == 0 &&
                         (b.scalar_type() == at::kBFloat16 || b.scalar_type() == at::kHalf),
                     "flash_metal.cpu_vnni_pack: b must be a 2-D CPU bfloat16/float16 tensor with an even row count");
-#ifdef FLASH_METAL_HAS_BRGEMM
-  TORCH_CHECK(at::native::cpublas::could_pack(b.scalar_type()),
+  TORCH_CHECK(emulated || packable_16(b.scalar_type()),
               "flash_metal.cpu_vnni_pack: ATen cannot pack this dtype for the matrix units on this CPU");
-#endif
   const at::Tensor in = b.contiguous();
   at::Tensor out = at::empty({b.numel()}, b.options());
-  pack_b(b.size(0), b.size(1), b.size(1), b.scalar_type(), in.const_data_ptr(), out.mutable_data_ptr());
+  pack_b(b.size(0), b.size(1), b.size(1), b.scalar_type(), in.const_data_ptr(), out.mutable_data_ptr(),
+         emulated ? Vnni::Emulated : Vnni::Aten);
   return out;
 }
 
@@ -251,8 +331,9 @@ TORCH_LIBRARY_FRAGMENT(flash_metal, m) {
   // (FLASH_METAL_CPU_PATH, csrc/cpu/matrix_units.h): (path, reason, vnni).
   m.def("cpu_path_info(ScalarType dtype, bool backward=False) -> (str path, str reason, bool vnni)",
         &flash_metal::cpu::cpu_path_info);
-  // CPU kernel calls so far per path: [fwd vector, fwd brgemm, bwd vector, bwd brgemm].
+  // CPU kernel calls so far per path: [fwd vector, fwd brgemm, bwd vector, bwd brgemm,
+  // fwd brgemm with emulated VNNI, bwd the same, emulated tile products].
   m.def("cpu_path_counts() -> int[]", &flash_metal::cpu::cpu_path_counts);
   m.def("cpu_features() -> (str[] names, int[] values)", &flash_metal::cpu::cpu_features_op);
-  m.def("cpu_vnni_pack(Tensor b) -> Tensor", &flash_metal::cpu::cpu_vnni_pack);
+  m.def("cpu_vnni_pack(Tensor b, bool emulated=False) -> Tensor", &flash_metal::cpu::cpu_vnni_pack);
 }

@@ -16,13 +16,27 @@
 //           same calls, which is how this machine without AMX tests the path.
 // The choice: FLASH_METAL_CPU_PATH = auto (default) | vector | brgemm,
 // read at every call. auto takes brgemm only where it is expected to win:
-// a 16-bit dtype whose B operands ATen can pack for the matrix units;
-// otherwise vector (on AVX2 and plain AVX-512 the FMA path is today's
-// measured one). The backward's brgemm products (attention_backward_cpu.cpp)
-// do not pack for AMX yet: auto keeps the backward on vector, and forced
-// brgemm runs it with plain (non-VNNI) calls. brgemm forced on float32 runs vector (documented
-// fallback: the path exists for 16-bit tiles); forced where this torch has
-// no brgemm (< 2.6) it is an error.
+// a 16-bit dtype whose B operands ATen can pack for the matrix units
+// (could_pack), forward and backward alike; otherwise vector (on AVX2 and
+// plain AVX-512 the FMA path is today's measured one). brgemm forced on
+// float32 runs vector (documented fallback: the path exists for 16-bit
+// tiles); forced where this torch has no brgemm (< 2.6) it is an error.
+//
+// The VNNI mode (enum Vnni, carried in PathChoice and passed to every
+// pack_b / tile_gemm call, so an ATen-packed operand never meets the
+// emulated product): FLASH_METAL_CPU_VNNI = auto (default) | emulate | off.
+//   auto     brgemm packs B with ATen (Vnni::Aten) where could_pack, else
+//            runs ATen's plain calls (Vnni::Off);
+//   emulate  a test seam: every brgemm choice packs B pair-interleaved with
+//            this project's scalar pack and multiplies with its scalar
+//            gemm (Vnni::Emulated), on any CPU, and auto takes brgemm for
+//            16-bit dtypes as if the matrix units were there. So the
+//            kernels' VNNI operand code (the even pads, the packed leading
+//            dimensions, the once-per-block packs) runs in tests on every
+//            x86-64 machine. Slow by design (scalar products): never chosen
+//            unless asked for;
+//   off      brgemm never packs (Vnni::Off; ATen's non-VNNI calls, even on
+//            AMX), and auto keeps vector.
 #pragma once
 
 #include <c10/core/ScalarType.h>
@@ -30,6 +44,7 @@
 #include <c10/util/Half.h>
 
 #include <cstdint>
+#include <limits>
 #include <string>
 
 namespace flash_metal {
@@ -44,27 +59,46 @@ enum class PathWhy : uint8_t {
   ForcedVector,         // FLASH_METAL_CPU_PATH=vector
   ForcedBrgemmFloat32,  // =brgemm on float32: vector (the path is for 16-bit tiles)
   ForcedBrgemm,         // =brgemm on a 16-bit dtype
-  AutoBackward16,       // auto, backward, 16-bit: vector (no VNNI packing in the backward yet)
-  AutoMatrixUnits,      // auto, forward, 16-bit, ATen can pack for AMX: brgemm
+  AutoMatrixUnits,      // auto, 16-bit, ATen can pack for AMX: brgemm + Vnni::Aten
+  AutoEmulated,         // auto, 16-bit, FLASH_METAL_CPU_VNNI=emulate: brgemm + Vnni::Emulated
+  AutoVnniOff,          // auto, 16-bit, FLASH_METAL_CPU_VNNI=off: vector
   AutoNoMatrixUnits,    // auto, 16-bit, no AMX for the dtype: vector
   AutoFloat32,          // auto, float32: vector
 };
 
+// How brgemm's B operands are laid out and who multiplies them (see above).
+enum class Vnni : uint8_t {
+  Off,       // plain row-major B; ATen's brgemm (its fallback GEMM without AMX)
+  Aten,      // B packed by ATen's cpublas::pack; ATen's brgemm on the matrix units
+  Emulated,  // B packed by this project's scalar pack; its scalar gemm (test seam)
+};
+// Whether B operands are packed pair-interleaved (and every reduction dim padded to even).
+inline bool packs(Vnni v) { return v != Vnni::Off; }
+
+// FLASH_METAL_CPU_PATH and FLASH_METAL_CPU_VNNI as read (allocation-free).
+enum class PathMode : uint8_t { Auto, Vector, Brgemm };
+enum class VnniMode : uint8_t { Auto, Emulate, Off };
+
 struct PathChoice {
   CpuPath path = CpuPath::Vector;
-  bool vnni = false;  // brgemm with pair-interleaved B operands (matrix units)
+  Vnni vnni = Vnni::Off;  // brgemm only: B operands' layout and the product's implementation
   PathWhy why = PathWhy::AutoFloat32;
 };
 
-// The path a call of this dtype takes now (reads FLASH_METAL_CPU_PATH; no
-// allocation unless the variable holds a bad value, which is an error).
-// backward: the backward's products (same rule; named in the reason).
+// The rule itself, a pure function (the tests reach it through the two
+// variables; could_pack cannot be faked): sixteen = bfloat16/float16,
+// packable = could_pack(dtype). The same for forward and backward.
+PathChoice choose_path_rule(PathMode mode, VnniMode vnni, bool sixteen, bool packable);
+// The path a call of this dtype takes now (reads FLASH_METAL_CPU_PATH and
+// FLASH_METAL_CPU_VNNI; no allocation unless a variable holds a bad value,
+// which is an error). backward: named in the reason.
 PathChoice choose_cpu_path(at::ScalarType dtype, bool backward);
 // The reason of a choice as a sentence, e.g. "forward bfloat16: vector (auto: ...)".
 std::string describe_cpu_path(const PathChoice& pc, at::ScalarType dtype, bool backward);
 
-// Counts one call of a kernel on `path` (forward or backward), for tests.
-void count_cpu_path(CpuPath path, bool backward);
+// Counts one call of a kernel on its path (forward or backward), and one
+// more in the pass's emulated-VNNI slot when the choice emulates, for tests.
+void count_cpu_path(const PathChoice& pc, bool backward);
 
 // The CPU's features as cpuid and the OS report them (x86-64; all false
 // elsewhere), for the benchmarks' labels and the reasons above.
@@ -74,24 +108,36 @@ struct CpuFeatures {
 };
 const CpuFeatures& cpu_features();
 
-// ---- ATen's block GEMM (matrix_units.cpp; callable only when
-// brgemm_compiled()): C (M x N, ldc) = [C +] A (M x K, lda) . B (K x N, ldb),
-// float32 C. vnni: B was packed by pack_b (rows taken in pairs).
+// ---- The block GEMM (matrix_units.cpp; Off / Aten callable only when
+// brgemm_compiled()): C (M x N, ldc) = [C +] A (M x K, lda) . B (K x N),
+// float32 C. vnni Off: B row-major, row stride ldb. Aten / Emulated: B was
+// packed by pack_b with the same mode, rows taken in pairs, pair p of rows
+// starting at p * 2 * ldb (ldb = N as pack_b writes it), K even.
 bool brgemm_compiled();
 void tile_gemm(int64_t M, int64_t N, int64_t K, int64_t lda, int64_t ldb, int64_t ldc, bool add_c,
-               const c10::BFloat16* a, const c10::BFloat16* b, float* c, bool vnni);
+               const c10::BFloat16* a, const c10::BFloat16* b, float* c, Vnni vnni);
 void tile_gemm(int64_t M, int64_t N, int64_t K, int64_t lda, int64_t ldb, int64_t ldc, bool add_c,
-               const c10::Half* a, const c10::Half* b, float* c, bool vnni);
+               const c10::Half* a, const c10::Half* b, float* c, Vnni vnni);
 // float32: never chosen (the path is for 16-bit tiles); present so the
-// kernels' templates instantiate for every dtype. Calls ATen's float brgemm.
+// kernels' templates instantiate for every dtype. ATen's float brgemm, Off only.
 void tile_gemm(int64_t M, int64_t N, int64_t K, int64_t lda, int64_t ldb, int64_t ldc, bool add_c, const float* a,
-               const float* b, float* c, bool vnni);
-// B (K x N, row stride ld_in) -> the VNNI layout brgemm reads with ldb = N:
-// out[(k / 2) * 2N + 2n + k % 2] = in[k * ld_in + n] (K even). Only where
-// could_pack(dtype).
-void pack_b(int64_t K, int64_t N, int64_t ld_in, at::ScalarType dtype, const void* in, void* out);
-// End of a thread's brgemm work (frees the AMX tile state; no-op without vnni).
-void tile_release(bool vnni);
+               const float* b, float* c, Vnni vnni);
+// B (K x N, row stride ld_in, K even) -> the VNNI layout the products read
+// with ldb = N: out[(k / 2) * 2N + 2n + k % 2] = in[k * ld_in + n]. vnni
+// Aten: ATen's pack (only where could_pack(dtype)); Emulated: this
+// project's scalar pack (anywhere). Off is an error.
+void pack_b(int64_t K, int64_t N, int64_t ld_in, at::ScalarType dtype, const void* in, void* out, Vnni vnni);
+// End of a thread's brgemm work (frees the AMX tile state with Aten; no-op otherwise).
+void tile_release(Vnni vnni);
+
+// Emulated mode only: fills a staging buffer with NaN before the kernel
+// writes an operand into it, so a pad the code forgets to zero reaches the
+// product as NaN (0 * NaN = NaN) and the tests see it. No-op otherwise.
+template <typename T>
+inline void poison_if_emulated(T* p, int64_t n, Vnni vnni) {
+  if (vnni == Vnni::Emulated)
+    for (int64_t i = 0; i < n; ++i) p[i] = static_cast<T>(std::numeric_limits<float>::quiet_NaN());
+}
 
 }  // namespace cpu
 }  // namespace flash_metal
