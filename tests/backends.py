@@ -28,6 +28,10 @@ MPP_KERNEL_PREFIXES = (MPP_KERNEL_PREFIX, "flash_backward_mpp_")
 # the default MPP build (CI time: only tests/test_metal_tensor_ops_d256.py and
 # the model run it); metal_mpp_dsplit_library builds it alone.
 MPP_DSPLIT_KERNELS = "flash_attention_prefill_mpp_dsplit_*"
+# The MLA pair's kernels (a v head dim of its own: "_dqk<D>_dv<DV>_" in the
+# name) stay out of it too (CI time: tests/test_metal_tensor_ops_mla.py and
+# the model run them); metal_mpp_mla_library builds them alone.
+MPP_MLA_KERNELS = "flash_*_mpp_*_dqk*"
 
 
 # FLASH_METAL_MPS_FULL=1 runs every mps case of the op grids. By default only
@@ -208,7 +212,16 @@ def metal_mpp_library(instrumented: bool, fast_math: bool = False):
     from metal_emulator import compile_library
 
     return compile_library([MPP_SHADER], instrumented=instrumented, fast_math=fast_math, msl=4,
-                           exclude=[MPP_DSPLIT_KERNELS])
+                           exclude=[MPP_DSPLIT_KERNELS, MPP_MLA_KERNELS])
+
+
+@functools.lru_cache(maxsize=None)
+def metal_mpp_mla_library(instrumented: bool, fast_math: bool = False):
+    """The tensor-op kernels of the MLA pair (q/k 192, v 128) alone (a partial MSL 4 build)."""
+    from metal_emulator import compile_library
+
+    return compile_library([MPP_SHADER], instrumented=instrumented, fast_math=fast_math, msl=4,
+                           only=[MPP_MLA_KERNELS])
 
 
 @functools.lru_cache(maxsize=None)
@@ -409,7 +422,9 @@ def _run_plan(plan, tensors, instrumented, fast_math, seed=0, mpp_layout="scramb
         extra = {}
         if d.kernel_name.startswith(MPP_KERNEL_PREFIXES):
             dsplit = d.kernel_name.startswith(MPP_KERNEL_PREFIX + "dsplit_")
-            library = (metal_mpp_dsplit_library if dsplit else metal_mpp_library)(instrumented, fast_math)
+            mla = "_dqk" in d.kernel_name
+            library = (metal_mpp_dsplit_library if dsplit else metal_mpp_mla_library if mla
+                       else metal_mpp_library)(instrumented, fast_math)
             assert not any(constants.pop(i, False) for i in MPP_UNDECLARED_CONSTANTS), d.function_constants
             extra = dict(mpp_layout=mpp_layout, mpp_seed=mpp_seed)
         elif splitd:
