@@ -9,8 +9,10 @@ Only the pair's kernels are built, in a partial MSL 4 library of their own (back
 Every numerical case runs under both lane layouts ("m5" and "scrambled"), with outputs and gradients
 NaN-poisoned by the backend, against the float64 oracle by FlashAttention's 2x rule. Proof the pair's kernels
 ran: the plan's kernel names, the library's dispatched_names() and exact matmul2d run counts.
-Planted bugs (a one-line change to a copy of the header, one kernel built): dP reduced over D_qk instead of
-D_v (dO's tile read 192 wide), and dK written with D_v's row stride: both caught by the 2x rule.
+Planted bugs (a one- or two-line change to a copy of the header, one kernel built): dP reduced over D_qk
+instead of D_v (dO's tile read 192 wide), and dK written with D_v's row stride: both caught by the 2x rule;
+S and dP from two static-K ops (two types) combined slot by slot: right under "m5", caught under "scrambled"
+(why the shared op's K is dynamic).
 """
 import math
 import os
@@ -294,25 +296,29 @@ class _Mixed:
         return set(self.planted.dispatched_names()) | set(self.real.dispatched_names())
 
 
-def _plant(tmp_path, monkeypatch, kernel, old, new):
+def _plant(tmp_path, monkeypatch, kernel, *changes):
+    """A copy of shaders/ with each (old, new) of `changes` made once in attention_backward_mpp.h; `kernel`
+    alone built from it (instrumented), the pair's other kernels from the real library."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     shutil.copytree(os.path.join(root, "shaders"), tmp_path / "shaders")
     header = tmp_path / "shaders" / "attention_backward_mpp.h"
     text = header.read_text()
-    assert text.count(old) == 1, old
-    header.write_text(text.replace(old, new))
+    for old, new in changes:
+        assert text.count(old) == 1, old
+        text = text.replace(old, new)
+    header.write_text(text)
     planted = compile_library([str(tmp_path / "shaders" / "attention_mpp.metal")], instrumented=True, msl=4,
                               only=[kernel])
     mixed = _Mixed(planted, metal_mpp_mla_library(True))
     monkeypatch.setattr(backends, "metal_mpp_mla_library", lambda instrumented, fast_math=False: mixed)
 
 
-def _caught():
+def _caught(layout="m5"):
     case = backward_case(1, 2, 1, 37, 45, torch.float16, True, seed=37)
     q, k, v, out, lse, grad_out, gl = case
     try:
         grads = emulated_metal_attention_backward(grad_out, q, k, v, out, lse, True, impl="tensor_ops",
-                                                  instrumented=True, mpp_layout="m5")
+                                                  instrumented=True, mpp_layout=layout)
         assert_gradients_close(grads[:3], q, k, v, grad_out, True)
     except (AssertionError, EmulatorError):
         return True
@@ -321,13 +327,28 @@ def _caught():
 
 def test_planted_dp_reduced_over_dqk_is_caught(tmp_path, monkeypatch):
     # dO's tile read as 192 wide: dP = dO.V^T reduced over D_qk, past dO's 128 features into the next tile.
-    _plant(tmp_path, monkeypatch, bwd_names(torch.float16)[0], "  const auto tdo = tensor(do_tile, dextents<int, 2>(DV, R));",
-           "  const auto tdo = tensor(do_tile, dextents<int, 2>(D, R));")
+    assert not _caught()  # the case passes unplanted (the real library)
+    _plant(tmp_path, monkeypatch, bwd_names(torch.float16)[0],
+           ("  const auto tdo = tensor(do_tile, dextents<int, 2>(DV, R));",
+            "  const auto tdo = tensor(do_tile, dextents<int, 2>(D, R));"))
     assert _caught()
 
 
 def test_planted_dk_written_with_dv_columns_is_caught(tmp_path, monkeypatch):
     # dK's packed rows laid out 128 apart (D_v's row stride) instead of 192.
     old = "    const int64_t at = mpp_packed_row(packed_b, kv_head, p.kv_heads, packed_k, seq.k_row0 + key, D) + idx[0];"
-    _plant(tmp_path, monkeypatch, bwd_names(torch.float16)[1], old, old.replace(", D)", ", DV)"))
+    _plant(tmp_path, monkeypatch, bwd_names(torch.float16)[1], (old, old.replace(", D)", ", DV)")))
     assert _caught()
+
+
+def test_planted_scores_and_dp_of_two_static_ops_are_caught_under_scrambled(tmp_path, monkeypatch):
+    # Why K is dynamic: dP from an op of its own (K = 128 static: another type, so another layout) combined
+    # slot by slot with S (K = 192) is right under "m5", where both map slots alike, and wrong under
+    # "scrambled", whose layouts are keyed by the descriptor.
+    _plant(tmp_path, monkeypatch, bwd_names(torch.float16)[0],
+           ("  auto dp = s_op.template get_destination_cooperative_tensor<QT, KT, float>();",
+            "  typename MppRowStep<DV, BK>::Scores dp_op;\n"
+            "  auto dp = dp_op.template get_destination_cooperative_tensor<QT, KT, float>();"),
+           ("    s_op.run(tdo, tv.slice(0, k0), dp);", "    dp_op.run(tdo, tv.slice(0, k0), dp);"))
+    assert not _caught("m5")
+    assert _caught("scrambled")
