@@ -116,11 +116,12 @@ def _bq(d):
     return DSPLIT_BQ if d == DSPLIT_D else MPP_BQ
 
 
-def _per_block(dtype, d):
+def _per_block(dtype, d, dv=0):
     """The tensor-op kernel's counts per threadgroup (fixed) and per key block (each block a threadgroup runs),
-    non-causal: from two emulated launches of one threadgroup, over one and over two key blocks."""
-    [one] = M.emulate("tensor_ops", M.Shape(1, 1, 1, _bq(d), MPP_BK, d), dtype, False)
-    [two] = M.emulate("tensor_ops", M.Shape(1, 1, 1, _bq(d), 2 * MPP_BK, d), dtype, False)
+    non-causal: from two emulated launches of one threadgroup, over one and over two key blocks. dv: v's own
+    head dim (the MLA pair), 0 for d."""
+    [one] = M.emulate("tensor_ops", M.Shape(1, 1, 1, _bq(d), MPP_BK, d, dv), dtype, False)
+    [two] = M.emulate("tensor_ops", M.Shape(1, 1, 1, _bq(d), 2 * MPP_BK, d, dv), dtype, False)
     block = {f: two.counts[f] - one.counts[f] for f in one.counts}
     fixed = {f: one.counts[f] - block[f] for f in one.counts}
     return fixed, block
@@ -133,14 +134,14 @@ def mpp_scaled_counts(s: M.Shape, dtype):
     bq = _bq(s.d)
     if s.nq % bq or s.nk % MPP_BK:
         raise ValueError(f"the tensor-op scaling rule needs Nq % {bq} == Nk % {MPP_BK} == 0; got {s}")
-    fixed, block = _per_block(dtype, s.d)
+    fixed, block = _per_block(dtype, s.d, s.dv)
     tgs, blocks = s.b * s.hq * (s.nq // bq), s.nk // MPP_BK
     counts = {f: tgs * (fixed[f] + blocks * block[f]) for f in fixed}
     d = M.plan("tensor_ops", s, dtype, False).dispatches[0]
     return [M.Record(d.kernel_name, d.grid, d.threadgroup, d.threadgroup_memory, counts, True, ("tensor_ops", False))]
 
 
-def on_hardware(records, dtype, d):
+def on_hardware(records, dtype, d, dv=0):
     """The tensor-op kernel's counts with matmul2d's operand traffic as a GPU would ask for it. The emulator's
     run() reads an operand lane by lane, a row of A and a column of B for every destination element, as no GPU
     does; here each run asks for each operand once, as in MLX's hand count (nax_counts): per S = Q K^T run a
@@ -151,19 +152,21 @@ def on_hardware(records, dtype, d):
     split a load. Exact for launches whose every matmul2d destination slot is valid (the "m5" layout
     M.emulate runs: 16 x 32 and 16 x D tiles, D a multiple of 16). The split-D kernel (D = 256): the same rule
     with D / 2 (each SIMD-group's runs take its half of K, V and Q); its partial scores' exchange is the
-    kernel's own code (threadgroup stores and loads, barriers), kept from the emulator."""
+    kernel's own code (threadgroup stores and loads, barriers), kept from the emulator. dv: the MLA pair's v
+    head dim (V blocks and O's product dv wide), 0 for d."""
     elem = torch.empty((), dtype=dtype).element_size()
     out = []
     full_d = d
     for r in records:
         d = full_d // DSPLIT_HALVES if "_dsplit_" in r.kernel else full_d
+        d_v = dv or d
         c = dict(r.counts)
         pairs = c["mpp_runs"] // 2  # one S = Q K^T and one O += P V per SIMD-group and key block
-        for n in ("k", "v"):
-            c["read_" + n] = c["req_" + n] = pairs * MPP_BK * d * elem
+        for n, width in (("k", d), ("v", d_v)):
+            c["read_" + n] = c["req_" + n] = pairs * MPP_BK * width * elem
         # The emulator's run() reads its threadgroup operand (Q's rows for S, P for O) once per destination
-        # element: 16 x 32 x D elements per run, either way.
-        lane_by_lane = pairs * 2 * MPP_ROWS * MPP_BK * d * elem
+        # element: 16 x 32 x D elements for S, 16 x D_v x 32 for O.
+        lane_by_lane = pairs * MPP_ROWS * MPP_BK * (d + d_v) * elem
         c["threadgroup_bytes_read"] += pairs * (MPP_ROWS * d + MPP_ROWS * MPP_BK) * elem - lane_by_lane
         out.append(r._replace(counts=c))
     return out
@@ -176,7 +179,7 @@ def tensor_ops_records(s: M.Shape, dtype, causal):
         recs = M.counts_for("tensor_ops", s, dtype, causal)
     else:
         recs = mpp_scaled_counts(s, dtype)
-    return on_hardware(recs, dtype, s.d)
+    return on_hardware(recs, dtype, s.d, s.dv)
 
 
 # The tensor-op backward's blocks (csrc/metal_plan_detail.h, kTensorOpsBackwardBlock): SIMD-groups of 16 rows,
@@ -184,7 +187,7 @@ def tensor_ops_records(s: M.Shape, dtype, causal):
 MPP_BWD_BLOCK = 32
 
 
-def backward_on_hardware(records, dtype, d):
+def backward_on_hardware(records, dtype, d, dv=0):
     """The tensor-op backward's counts with matmul2d's operands asked for once per run (on_hardware's rule).
     dQ kernel, per SIMD-group and key block, 3 runs: S = Q.K^T and dP = dO.V^T (Q, dO tiles from threadgroup
     memory; K, V blocks from device memory), dQ += dS.K (dS tile, K block). dK/dV kernel, per SIMD-group, query
@@ -194,27 +197,29 @@ def backward_on_hardware(records, dtype, d):
     the emulator, kept); P^T and dS^T from the SIMD-group's tiles. The device operands read by matmul2d (k, v in
     both kernels) have their read_ / req_ bytes replaced; the kernels' own loads and the dram_ bytes (the L1
     rule) are kept. The emulator reads a threadgroup operand element by element, M x N x K elements per run:
-    in the dQ kernel one per run, in the dK/dV kernel one in S^T's and dP^T's runs, two in dV's and dK's."""
+    in the dQ kernel one per run, in the dK/dV kernel one in S^T's and dP^T's runs, two in dV's and dK's.
+    dv: the MLA pair's v head dim (V, dO, dP's reduction and dV dv wide; Q, K, dQ, dK d wide), 0 for d."""
     elem = torch.empty((), dtype=dtype).element_size()
     bq = MPP_BWD_BLOCK
+    d_v = dv or d
     out = []
     for r in records:
         c = dict(r.counts)
         dkdv = "_dkdv_" in r.kernel
         runs = c["mpp_runs"]
         blocks = runs // (4 if dkdv else 3)
-        rows16 = MPP_ROWS * d * elem
         # Device operand bytes matmul2d asks for per streamed block: dQ: K twice (32 rows), V once; dK/dV: the
         # SIMD-group's 16 rows of K and of V once each.
-        device = {"k": rows16, "v": rows16} if dkdv else {"k": 2 * bq * d * elem, "v": bq * d * elem}
+        device = {"k": MPP_ROWS * d * elem, "v": MPP_ROWS * d_v * elem} if dkdv \
+            else {"k": 2 * bq * d * elem, "v": bq * d_v * elem}
         for n, per in device.items():
             c["read_" + n] = c["req_" + n] = blocks * per
         if dkdv:
-            once = 4 * bq * d + 2 * MPP_ROWS * bq  # Q, dO (twice each), P^T, dS^T
-            lane_by_lane = 6 * MPP_ROWS * bq * d
+            once = 2 * bq * (d + d_v) + 2 * MPP_ROWS * bq  # Q, dO (twice each), P^T, dS^T
+            lane_by_lane = 3 * MPP_ROWS * bq * (d + d_v)  # S^T, dP^T: K x 16 x 32; dV, dK: 2 x 16 x width x 32
         else:
-            once = 2 * MPP_ROWS * d + MPP_ROWS * bq  # Q, dO, dS
-            lane_by_lane = 3 * MPP_ROWS * bq * d
+            once = MPP_ROWS * (d + d_v) + MPP_ROWS * bq  # Q, dO, dS
+            lane_by_lane = MPP_ROWS * bq * (2 * d + d_v)  # S over d, dP over d_v, dQ 16 x d x 32
         c["threadgroup_bytes_read"] += blocks * (once - lane_by_lane) * elem
         out.append(r._replace(counts=c))
     return out
@@ -222,7 +227,7 @@ def backward_on_hardware(records, dtype, d):
 
 def tensor_ops_backward_records(s: M.Shape, dtype, causal):
     """Our tensor-op backward's two dispatches (impl='tensor_ops'), from their emulated counts, on_hardware."""
-    return backward_on_hardware(BM.counts_for(s, dtype, causal, impl="tensor_ops"), dtype, s.d)
+    return backward_on_hardware(BM.counts_for(s, dtype, causal, impl="tensor_ops"), dtype, s.d, s.dv)
 
 
 M5_FAMILY = ("M5 (10-core)", "M5 Pro", "M5 Max")
@@ -263,6 +268,48 @@ def print_dsplit(quick=False):
     print(f"Verdict for Auto (kDsplitModelWins): {dsplit_model_wins(res)}. Context, not an anchor: MLX #3842 "
           "measured its D = 256 d-split kernel 1.18-1.55x over its unfused path on an M5 Max at GQA 32/8 and "
           "64/8, qL 1024-2048, kL 16K-32K (a different shape and baseline).")
+    return res
+
+
+# The MLA pair's verdict (csrc/metal_routing_tensor_ops.cpp, kMlaModelWins): DeepSeek-V2-Lite's 16 heads
+# (MHA: the backward model's scaling rule needs Hq = Hkv), 4096 tokens, q/k 192 and v 128.
+MLA_SHAPE = M.Shape(1, 16, 16, 4096, 4096, 192, 128)
+
+
+def mla_against_simdgroup(gpus=M5_FAMILY, causals=(False, True), s=MLA_SHAPE):
+    """The tensor-op forward and backward at the MLA pair against the simdgroup kernels (the prefill and the
+    backward at bucket 192, each operand at its own width), float16, each from its own emulated counts:
+    {(gpu, pass, causal): (simdgroup band, tensor-op band, bound)}, bands (low, point, high) in seconds."""
+    out = {}
+    for gname in gpus:
+        gpu = G.BY_NAME[gname]
+        for causal in causals:
+            for pas in ("forward", "backward"):
+                simd_recs = M.counts_for("prefill", s, torch.float16, causal) if pas == "forward" \
+                    else BM.counts_for(s, torch.float16, causal)
+                recs = tensor_ops_records(s, torch.float16, causal) if pas == "forward" \
+                    else tensor_ops_backward_records(s, torch.float16, causal)
+                simd = T.predict_band(simd_recs, gpu, s, torch.float16, causal)
+                tops = T.predict_band(recs, gpu, s, torch.float16, causal)
+                terms = T.predict(recs, gpu, s, torch.float16, causal)[1]
+                out[(gname, pas, causal)] = (simd, tops, max(terms, key=terms.get))
+    return out
+
+
+def mla_model_wins(results):
+    """The routing verdict: the tensor-op point ahead of the simdgroup point on every (GPU, pass, causal)."""
+    return all(tops[1] < simd[1] for simd, tops, _ in results.values())
+
+
+def print_mla(quick=False):
+    res = mla_against_simdgroup(M5_FAMILY[-1:] if quick else M5_FAMILY)
+    s = MLA_SHAPE
+    print(f"\n### The MLA pair (1x{s.hq}x{s.nq}x({s.d}, {s.dv}) f16): model, not measurement")
+    print("| chip | pass | causal | simdgroup ms | tensor-op ms (bound) | speed-up |")
+    print("|---|---|---|---|---|---|")
+    for (gname, pas, causal), (simd, tops, bound) in res.items():
+        print(f"| {gname} | {pas} | {causal} | {_ms(simd)} | {_ms(tops)} ({bound}) | {simd[1] / tops[1]:.2f}x |")
+    print(f"Verdict for Auto (kMlaModelWins): {mla_model_wins(res)}. No anchor runs this pair on the accelerators.")
     return res
 
 
@@ -316,6 +363,7 @@ def accelerators(quick=False):
           "threadgroup for its 4 SIMD-groups; not yet verified on Apple hardware; no anchor runs "
           "a backward on the accelerators (mtlattn reports ~5.8 TFLOPS on an M5 Pro, varlen, unverified here).")
     print_dsplit(quick)
+    print_mla(quick)
     post = post_point()
     print(f"The post's M5 point (10-core M5, N = 2048, d = 64, causal, one head): simdgroup float32 "
           f"{_ms(post['simdgroup'])} ms; tensor ops {_ms(post['tensor_ops'])} ms, which ASSUMES float32 with "

@@ -283,22 +283,21 @@ def test_library_holds_the_pair():
 
 
 class _Mixed:
-    """The pair's library with one kernel taken from a planted build (the rest from the real one)."""
+    """The pair's library with the kernels named in `use` taken from a planted build, the rest from the real one."""
 
-    def __init__(self, planted, real):
-        self.planted, self.real = planted, real
+    def __init__(self, planted, real, use):
+        self.planted, self.real, self.use = planted, real, set(use)
 
     def dispatch(self, name, **kw):
-        lib = self.planted if name in self.planted.kernel_names() else self.real
-        return lib.dispatch(name, **kw)
+        return (self.planted if name in self.use else self.real).dispatch(name, **kw)
 
     def dispatched_names(self):
         return set(self.planted.dispatched_names()) | set(self.real.dispatched_names())
 
 
-def _plant(tmp_path, monkeypatch, kernel, *changes):
-    """A copy of shaders/ with each (old, new) of `changes` made once in attention_backward_mpp.h; `kernel`
-    alone built from it (instrumented), the pair's other kernels from the real library."""
+def _plant(tmp_path, kernels, *changes):
+    """A copy of shaders/ with each (old, new) of `changes` made once in attention_backward_mpp.h; `kernels`
+    alone built from it (a partial, instrumented MSL 4 library)."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     shutil.copytree(os.path.join(root, "shaders"), tmp_path / "shaders")
     header = tmp_path / "shaders" / "attention_backward_mpp.h"
@@ -307,13 +306,14 @@ def _plant(tmp_path, monkeypatch, kernel, *changes):
         assert text.count(old) == 1, old
         text = text.replace(old, new)
     header.write_text(text)
-    planted = compile_library([str(tmp_path / "shaders" / "attention_mpp.metal")], instrumented=True, msl=4,
-                              only=[kernel])
-    mixed = _Mixed(planted, metal_mpp_mla_library(True))
+    return compile_library([str(tmp_path / "shaders" / "attention_mpp.metal")], instrumented=True, msl=4,
+                           only=list(kernels))
+
+
+def _caught(monkeypatch, planted, use, layout="m5"):
+    """Whether the backward with `use` from `planted` fails: an emulator finding, or the 2x rule."""
+    mixed = _Mixed(planted, metal_mpp_mla_library(True), use)
     monkeypatch.setattr(backends, "metal_mpp_mla_library", lambda instrumented, fast_math=False: mixed)
-
-
-def _caught(layout="m5"):
     case = backward_case(1, 2, 1, 37, 45, torch.float16, True, seed=37)
     q, k, v, out, lse, grad_out, gl = case
     try:
@@ -325,30 +325,30 @@ def _caught(layout="m5"):
     return False
 
 
-def test_planted_dp_reduced_over_dqk_is_caught(tmp_path, monkeypatch):
-    # dO's tile read as 192 wide: dP = dO.V^T reduced over D_qk, past dO's 128 features into the next tile.
-    assert not _caught()  # the case passes unplanted (the real library)
-    _plant(tmp_path, monkeypatch, bwd_names(torch.float16)[0],
-           ("  const auto tdo = tensor(do_tile, dextents<int, 2>(DV, R));",
-            "  const auto tdo = tensor(do_tile, dextents<int, 2>(D, R));"))
-    assert _caught()
-
-
-def test_planted_dk_written_with_dv_columns_is_caught(tmp_path, monkeypatch):
-    # dK's packed rows laid out 128 apart (D_v's row stride) instead of 192.
-    old = "    const int64_t at = mpp_packed_row(packed_b, kv_head, p.kv_heads, packed_k, seq.k_row0 + key, D) + idx[0];"
-    _plant(tmp_path, monkeypatch, bwd_names(torch.float16)[1], (old, old.replace(", D)", ", DV)")))
-    assert _caught()
+def test_planted_dp_over_dqk_and_dk_with_dv_columns_are_caught(tmp_path, monkeypatch):
+    # One planted build of both kernels, each bug run alone (the other kernel from the real library):
+    # dQ kernel: dO's tile read as 192 wide, so dP = dO.V^T is reduced over D_qk, past dO's 128 features;
+    # dK/dV kernel: dK's packed rows laid out 128 apart (D_v's row stride) instead of 192.
+    dq, dkdv = bwd_names(torch.float16)
+    at = "    const int64_t at = mpp_packed_row(packed_b, kv_head, p.kv_heads, packed_k, seq.k_row0 + key, D) + idx[0];"
+    planted = _plant(tmp_path, (dq, dkdv),
+                     ("  const auto tdo = tensor(do_tile, dextents<int, 2>(DV, R));",
+                      "  const auto tdo = tensor(do_tile, dextents<int, 2>(D, R));"),
+                     (at, at.replace(", D)", ", DV)")))
+    assert not _caught(monkeypatch, planted, ())  # the case passes with the real kernels
+    assert _caught(monkeypatch, planted, (dq,))
+    assert _caught(monkeypatch, planted, (dkdv,))
 
 
 def test_planted_scores_and_dp_of_two_static_ops_are_caught_under_scrambled(tmp_path, monkeypatch):
     # Why K is dynamic: dP from an op of its own (K = 128 static: another type, so another layout) combined
     # slot by slot with S (K = 192) is right under "m5", where both map slots alike, and wrong under
     # "scrambled", whose layouts are keyed by the descriptor.
-    _plant(tmp_path, monkeypatch, bwd_names(torch.float16)[0],
-           ("  auto dp = s_op.template get_destination_cooperative_tensor<QT, KT, float>();",
-            "  typename MppRowStep<DV, BK>::Scores dp_op;\n"
-            "  auto dp = dp_op.template get_destination_cooperative_tensor<QT, KT, float>();"),
-           ("    s_op.run(tdo, tv.slice(0, k0), dp);", "    dp_op.run(tdo, tv.slice(0, k0), dp);"))
-    assert not _caught("m5")
-    assert _caught("scrambled")
+    dq = bwd_names(torch.float16)[0]
+    planted = _plant(tmp_path, (dq,),
+                     ("  auto dp = s_op.template get_destination_cooperative_tensor<QT, KT, float>();",
+                      "  typename MppRowStep<DV, BK>::Scores dp_op;\n"
+                      "  auto dp = dp_op.template get_destination_cooperative_tensor<QT, KT, float>();"),
+                     ("    s_op.run(tdo, tv.slice(0, k0), dp);", "    dp_op.run(tdo, tv.slice(0, k0), dp);"))
+    assert not _caught(monkeypatch, planted, (dq,), "m5")
+    assert _caught(monkeypatch, planted, (dq,), "scrambled")
