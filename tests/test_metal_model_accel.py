@@ -192,3 +192,42 @@ def test_dsplit_verdict_is_the_routing_constant():
     plan = flash_metal.explain(q, k, k, True, None, "auto", "m5+tensor_ops")
     assert ("_mpp_dsplit_" in plan.kernel_name) == X.dsplit_model_wins(res), plan.reason
     assert "a model, not a measurement" in plan.reason
+
+
+# ---- the MLA pair (192, 128) on the tensor-op kernels ---------------------------------------------------------
+
+
+def test_mla_counts_scale_exactly_and_ask_for_each_width():
+    """The MLA pair's forward (q/k 192, v 128): the scaling rule is exact against a direct emulation, the
+    products are the useful FLOPs once (2 Nq Nk (192 + 128) per head), and on_hardware asks for 32 x 192 K
+    and 32 x 128 V blocks once per run pair."""
+    s = M.Shape(1, 2, 1, 64, 96, 192, 128)
+    [scaled] = X.mpp_scaled_counts(s, torch.float16)
+    [direct] = M.emulate("tensor_ops", s, torch.float16, False)
+    assert scaled.kernel == direct.kernel == "flash_attention_prefill_mpp_float16_dqk192_dv128_bq64_bk32"
+    assert scaled.counts == direct.counts
+    assert direct.counts["mpp_flops"] == 2 * 2 * 64 * 96 * (192 + 128)
+    [hw] = X.on_hardware([direct], torch.float16, s.d, s.dv)
+    pairs = direct.counts["mpp_runs"] // 2
+    assert (hw.counts["read_k"], hw.counts["read_v"]) == (pairs * 32 * 192 * 2, pairs * 32 * 128 * 2)
+
+
+def test_mla_verdict_is_the_routing_constant():
+    """Auto takes the tensor-op kernels at (192, 128) on an M5 with the library, forward and backward, exactly
+    when the model predicts them ahead of the simdgroup kernels at 1 x 16 x 4096 x (192, 128) float16, causal
+    and not, on every M5-family GPU (csrc/metal_routing_tensor_ops.cpp, kMlaModelWins; a model, not a
+    measurement)."""
+    import flash_metal
+
+    res = X.mla_against_simdgroup()
+    assert set(res) == {(g, p, c) for g in X.M5_FAMILY for p in ("forward", "backward") for c in (False, True)}
+    for simd, tops, _ in res.values():
+        assert simd[0] <= simd[1] <= simd[2] and tops[0] <= tops[1] <= tops[2]
+    q = torch.zeros(1, 4, 64, 192, dtype=torch.float16)
+    k = torch.zeros(1, 2, 64, 192, dtype=torch.float16)
+    v = torch.zeros(1, 2, 64, 128, dtype=torch.float16)
+    o = torch.zeros(1, 4, 64, 128, dtype=torch.float16)
+    for extra in ({}, dict(backward=True, grad_out=o, out=o, lse=torch.zeros(1, 4, 64))):
+        plan = flash_metal.explain(q, k, v, True, None, "auto", "m5+tensor_ops", **extra)
+        assert all(("_dqk192_dv128_" in d.kernel_name) == X.mla_model_wins(res) for d in plan.dispatches)
+        assert "a model, not a measurement" in plan.reason
