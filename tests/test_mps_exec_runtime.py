@@ -232,11 +232,16 @@ def test_split_d_tensor_op_pipeline_is_bound_as_planned(mpp_scenarios):
 def test_tensor_op_backward_pipelines_come_from_the_msl4_library(mpp_scenarios):
     # The forced tensor-op backward through the executed host: the dQ kernel, then the dK/dV kernel, both
     # from the MSL 4 library, replayed and checked against float64 (checks.tensor_ops_backward); then with a
-    # window, softcap and sinks: the same two, then flash_sinks_grad from the MSL 3.1 library.
+    # window, softcap and sinks: the same two, then flash_sinks_grad from the MSL 3.1 library; then the MLA
+    # pair's forward and backward.
     r = mpp_scenarios["backward"]
     assert r["stage"] is None, r["error"]
+    # Then the MLA pair (q/k 192, v 128): its forward, dQ and dK/dV kernels from the MSL 4 library.
     pair = ["flash_backward_mpp_dq_float16_d64_bq64_bk32", "flash_backward_mpp_dkdv_float16_d64_bk64_bq32"]
-    assert r["value"] == pair + pair + ["flash_sinks_grad"]
+    mla = ["flash_attention_prefill_mpp_float16_dqk192_dv128_bq64_bk32",
+           "flash_backward_mpp_dq_float16_dqk192_dv128_bq32_bk32",
+           "flash_backward_mpp_dkdv_float16_dqk192_dv128_bk64_bq32"]
+    assert r["value"] == pair + pair + ["flash_sinks_grad"] + mla
 
 
 @pytest.mark.parametrize("name,words", [
