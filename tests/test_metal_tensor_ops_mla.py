@@ -256,6 +256,7 @@ def test_auto_takes_the_pair_behind_the_gate_on_the_models_word(backward):
     plan = _explain("auto", "m5-max+tensor_ops", backward=backward)
     assert all("_dqk192_dv128_" in d.kernel_name for d in plan.dispatches), plan.reason
     assert "a model, not a measurement" in plan.reason and "(192, 128)" in plan.reason
+    assert "zero-padded" not in plan.reason  # each dim at its own width: no padding bucket on this path
     # Without the accelerator gate (no Mac, or an M4): the simdgroup kernels.
     for gpu in ("m5", "m4-max+tensor_ops"):
         assert not any("_mpp_" in d.kernel_name for d in _explain("auto", gpu, backward=backward).dispatches)
