@@ -51,7 +51,7 @@ def _inputs(s: Shape, dtype, causal):
     g = torch.Generator().manual_seed(0)
     q = torch.randn(s.b, s.hq, s.nq, s.d, generator=g).to(dtype)
     k = torch.randn(s.b, s.hkv, s.nk, s.d, generator=g).to(dtype)
-    v = torch.randn(s.b, s.hkv, s.nk, s.d, generator=g).to(dtype)
+    v = torch.randn(s.b, s.hkv, s.nk, s.d_v, generator=g).to(dtype)
     out, lse = torch.ops.flash_metal.attention_forward(q, k, v, causal, None, "auto")
     return torch.randn(out.shape, generator=g).to(dtype), q, k, v, out, lse
 
@@ -74,7 +74,7 @@ def scaled_counts(s: Shape, dtype, causal, base_ns=M.BASE_NS, impl="auto"):
     """metal_model's scaling rule for the backward (Nq = Nk = n * UNIT, Hq = Hkv)."""
     if s.nq != s.nk or s.nq % M.UNIT or s.hq != s.hkv:
         raise ValueError(f"the scaling rule needs Nq = Nk, a multiple of {M.UNIT}, and Hq = Hkv; got {s}")
-    bases = [emulate(Shape(1, 1, 1, n * M.UNIT, n * M.UNIT, s.d), dtype, causal, impl) for n in base_ns]
+    bases = [emulate(Shape(1, 1, 1, n * M.UNIT, n * M.UNIT, s.d, s.dv), dtype, causal, impl) for n in base_ns]
     n, heads = s.nq // M.UNIT, s.b * s.hq
     records = []
     for i, base in enumerate(bases[0]):

@@ -71,6 +71,11 @@ class Shape(NamedTuple):
     nq: int
     nk: int
     d: int
+    dv: int = 0  # v's head dim when it has its own (MLA, issue 20 section 2); 0: d
+
+    @property
+    def d_v(self):
+        return self.dv or self.d
 
 
 class Record(NamedTuple):
@@ -93,10 +98,11 @@ def _inputs(s: Shape, dtype, real: bool):
         g = torch.Generator().manual_seed(0)
         return (torch.randn(s.b, s.hq, s.nq, s.d, generator=g).to(dtype),
                 torch.randn(s.b, s.hkv, s.nk, s.d, generator=g).to(dtype),
-                torch.randn(s.b, s.hkv, s.nk, s.d, generator=g).to(dtype))
+                torch.randn(s.b, s.hkv, s.nk, s.d_v, generator=g).to(dtype))
     # planning only: zero-stride views, no memory
     one = torch.empty(1, 1, 1, s.d, dtype=dtype)
-    return one.expand(s.b, s.hq, s.nq, s.d), one.expand(s.b, s.hkv, s.nk, s.d), one.expand(s.b, s.hkv, s.nk, s.d)
+    one_v = torch.empty(1, 1, 1, s.d_v, dtype=dtype)
+    return one.expand(s.b, s.hq, s.nq, s.d), one.expand(s.b, s.hkv, s.nk, s.d), one_v.expand(s.b, s.hkv, s.nk, s.d_v)
 
 
 def plan(impl, s: Shape, dtype, causal):
@@ -223,7 +229,7 @@ def scaled_counts(impl, s: Shape, dtype, causal, base_ns=BASE_NS):
     if s.nq != s.nk or s.nq % UNIT or impl.startswith("decode"):
         raise ValueError(f"the scaling rule needs Nq = Nk, a multiple of {UNIT}, and a query-block kernel; got {s}")
     g = pack_group(impl, s, dtype, causal)
-    bases = [emulate(impl, Shape(1, g, 1, n * UNIT, n * UNIT, s.d), dtype, causal) for n in base_ns]
+    bases = [emulate(impl, Shape(1, g, 1, n * UNIT, n * UNIT, s.d, s.dv), dtype, causal) for n in base_ns]
     full = plan(impl, s, dtype, causal).dispatches
     n = s.nq // UNIT
     heads = s.b * (s.hkv if g > 1 else s.hq)

@@ -154,13 +154,14 @@ def _rows_context(d, rows):
     return dsplit_rows(rows) if d == DSPLIT_D else contextlib.nullcontext()
 
 
-def _per_block(dtype, d, rows=DSPLIT_BQ):
+def _per_block(dtype, d, rows=DSPLIT_BQ, dv=0):
     """The tensor-op kernel's counts per threadgroup (fixed) and per key block (each block a threadgroup runs),
-    non-causal: from two emulated launches of one threadgroup, over one and over two key blocks."""
+    non-causal: from two emulated launches of one threadgroup, over one and over two key blocks. dv: v's own
+    head dim (the MLA pair), 0 for d."""
     bq, bk = _bq(d, rows), _bk(d, rows)
     with _rows_context(d, rows):
-        [one] = M.emulate("tensor_ops", M.Shape(1, 1, 1, bq, bk, d), dtype, False)
-        [two] = M.emulate("tensor_ops", M.Shape(1, 1, 1, bq, 2 * bk, d), dtype, False)
+        [one] = M.emulate("tensor_ops", M.Shape(1, 1, 1, bq, bk, d, dv), dtype, False)
+        [two] = M.emulate("tensor_ops", M.Shape(1, 1, 1, bq, 2 * bk, d, dv), dtype, False)
     block = {f: two.counts[f] - one.counts[f] for f in one.counts}
     fixed = {f: one.counts[f] - block[f] for f in one.counts}
     return fixed, block
@@ -174,7 +175,7 @@ def mpp_scaled_counts(s: M.Shape, dtype, rows=DSPLIT_BQ):
     bq, bk = _bq(s.d, rows), _bk(s.d, rows)
     if s.nq % bq or s.nk % bk:
         raise ValueError(f"the tensor-op scaling rule needs Nq % {bq} == Nk % {bk} == 0; got {s}")
-    fixed, block = _per_block(dtype, s.d, rows)
+    fixed, block = _per_block(dtype, s.d, rows, s.dv)
     tgs, blocks = s.b * s.hq * (s.nq // bq), s.nk // bk
     counts = {f: tgs * (fixed[f] + blocks * block[f]) for f in fixed}
     with _rows_context(s.d, rows):
@@ -182,7 +183,7 @@ def mpp_scaled_counts(s: M.Shape, dtype, rows=DSPLIT_BQ):
     return [M.Record(d.kernel_name, d.grid, d.threadgroup, d.threadgroup_memory, counts, True, ("tensor_ops", False))]
 
 
-def on_hardware(records, dtype, d):
+def on_hardware(records, dtype, d, dv=0):
     """The tensor-op kernel's counts with matmul2d's operand traffic as a GPU would ask for it. The emulator's
     run() reads an operand lane by lane, a row of A and a column of B for every destination element, as no GPU
     does; here each run asks for each operand once, as in MLX's hand count (nax_counts): per S = Q K^T run a
@@ -196,7 +197,8 @@ def on_hardware(records, dtype, d):
     kernel's own code (threadgroup stores and loads, barriers), kept from the emulator. Its 64-row variant
     (_bq64_bk16_): blocks of 16 keys, and Q in registers (a left-input cooperative tensor, which the emulator
     moves between lanes, not through threadgroup memory): its S runs read no threadgroup operand, so only P's
-    16 x 16 tile is asked for once per P.V run (on-core data in registers is not priced: an assumption)."""
+    16 x 16 tile is asked for once per P.V run (on-core data in registers is not priced: an assumption).
+    dv: the MLA pair's v head dim (V blocks and O's product dv wide), 0 for d."""
     elem = torch.empty((), dtype=dtype).element_size()
     out = []
     full_d = d
@@ -204,14 +206,14 @@ def on_hardware(records, dtype, d):
         d = full_d // DSPLIT_HALVES if "_dsplit_" in r.kernel else full_d
         bk = int(re.search(r"_bk(\d+)", r.kernel).group(1))
         q_in_registers = "_dsplit_" in r.kernel and f"_bq{DSPLIT_WIDE_BQ}_" in r.kernel
+        d_v = d if "_dsplit_" in r.kernel else (dv or d)
         c = dict(r.counts)
         pairs = c["mpp_runs"] // 2  # one S = Q K^T and one O += P V per SIMD-group and key block
-        for n in ("k", "v"):
-            c["read_" + n] = c["req_" + n] = pairs * bk * d * elem
+        for n, width in (("k", d), ("v", d_v)):
+            c["read_" + n] = c["req_" + n] = pairs * bk * width * elem
         # The emulator's run() reads its threadgroup operands (Q's rows for S when staged, P for O) once per
-        # destination element: 16 x BK x D elements per run that has one.
-        tg_runs = 1 if q_in_registers else 2
-        lane_by_lane = pairs * tg_runs * MPP_ROWS * bk * d * elem
+        # destination element: 16 x BK x D elements for S (when Q is staged), 16 x D_v x BK for O.
+        lane_by_lane = pairs * MPP_ROWS * bk * ((0 if q_in_registers else d) + d_v) * elem
         once = MPP_ROWS * bk + (0 if q_in_registers else MPP_ROWS * d)
         c["threadgroup_bytes_read"] += pairs * once * elem - lane_by_lane
         out.append(r._replace(counts=c))
@@ -228,7 +230,7 @@ def tensor_ops_records(s: M.Shape, dtype, causal, rows=DSPLIT_BQ):
             recs = M.counts_for("tensor_ops", s, dtype, causal)
     else:
         recs = mpp_scaled_counts(s, dtype, rows)
-    return on_hardware(recs, dtype, s.d)
+    return on_hardware(recs, dtype, s.d, s.dv)
 
 
 # The tensor-op backward's blocks (csrc/metal_plan_detail.h, kTensorOpsBackwardBlock): SIMD-groups of 16 rows,
@@ -238,7 +240,7 @@ MPP_BWD_BLOCK = 32
 DSPLIT_BWD_BQ = 16
 
 
-def backward_on_hardware(records, dtype, d):
+def backward_on_hardware(records, dtype, d, dv=0):
     """The tensor-op backward's counts with matmul2d's operands asked for once per run (on_hardware's rule).
     dQ kernel, per SIMD-group and key block, 3 runs: S = Q.K^T and dP = dO.V^T (Q, dO tiles from threadgroup
     memory; K, V blocks from device memory), dQ += dS.K (dS tile, K block). dK/dV kernel, per SIMD-group, query
@@ -248,7 +250,8 @@ def backward_on_hardware(records, dtype, d):
     the emulator, kept); P^T and dS^T from the SIMD-group's tiles. The device operands read by matmul2d (k, v in
     both kernels) have their read_ / req_ bytes replaced; the kernels' own loads and the dram_ bytes (the L1
     rule) are kept. The emulator reads a threadgroup operand element by element, M x N x K elements per run:
-    in the dQ kernel one per run, in the dK/dV kernel one in S^T's and dP^T's runs, two in dV's and dK's."""
+    in the dQ kernel one per run, in the dK/dV kernel one in S^T's and dP^T's runs, two in dV's and dK's.
+    dv: the MLA pair's v head dim (V, dO, dP's reduction and dV dv wide; Q, K, dQ, dK d wide), 0 for d."""
     elem = torch.empty((), dtype=dtype).element_size()
     out = []
     full_d = d
@@ -260,21 +263,22 @@ def backward_on_hardware(records, dtype, d):
         # exchange is the kernels' own code (threadgroup stores, loads, barriers), kept from the emulator.
         dsplit = "_dsplit_" in r.kernel
         d = full_d // DSPLIT_HALVES if dsplit else full_d
+        d_v = d if dsplit else (dv or d)
         bq = DSPLIT_BWD_BQ if dsplit and dkdv else MPP_BWD_BLOCK
         runs = c["mpp_runs"]
         blocks = runs // (4 if dkdv else 3)
-        rows16 = MPP_ROWS * d * elem
         # Device operand bytes matmul2d asks for per streamed block: dQ: K twice (32 rows), V once; dK/dV: the
         # SIMD-group's 16 rows of K and of V once each.
-        device = {"k": rows16, "v": rows16} if dkdv else {"k": 2 * bq * d * elem, "v": bq * d * elem}
+        device = {"k": MPP_ROWS * d * elem, "v": MPP_ROWS * d_v * elem} if dkdv \
+            else {"k": 2 * bq * d * elem, "v": bq * d_v * elem}
         for n, per in device.items():
             c["read_" + n] = c["req_" + n] = blocks * per
         if dkdv:
-            once = 4 * bq * d + 2 * MPP_ROWS * bq  # Q, dO (twice each), P^T, dS^T
-            lane_by_lane = 6 * MPP_ROWS * bq * d
+            once = 2 * bq * (d + d_v) + 2 * MPP_ROWS * bq  # Q, dO (twice each), P^T, dS^T
+            lane_by_lane = 3 * MPP_ROWS * bq * (d + d_v)  # S^T, dP^T: K x 16 x 32; dV, dK: 2 x 16 x width x 32
         else:
-            once = 2 * MPP_ROWS * d + MPP_ROWS * bq  # Q, dO, dS
-            lane_by_lane = 3 * MPP_ROWS * bq * d
+            once = MPP_ROWS * (d + d_v) + MPP_ROWS * bq  # Q, dO, dS
+            lane_by_lane = MPP_ROWS * bq * (2 * d + d_v)  # S over d, dP over d_v, dQ 16 x d x 32
         c["threadgroup_bytes_read"] += blocks * (once - lane_by_lane) * elem
         out.append(r._replace(counts=c))
     return out
@@ -311,7 +315,7 @@ def tensor_ops_backward_records(s: M.Shape, dtype, causal):
     if s.d == DSPLIT_D and not causal and not (s.nq % DSPLIT_BWD_BQ or s.nk % MPP_BWD_BLOCK) and s.hq == s.hkv \
             and s.b * s.hq * s.nq * s.nk > M.MAX_EMULATED_PAIRS:
         return backward_on_hardware(dsplit_backward_scaled_counts(s, dtype), dtype, s.d)
-    return backward_on_hardware(BM.counts_for(s, dtype, causal, impl="tensor_ops"), dtype, s.d)
+    return backward_on_hardware(BM.counts_for(s, dtype, causal, impl="tensor_ops"), dtype, s.d, s.dv)
 
 
 M5_FAMILY = ("M5 (10-core)", "M5 Pro", "M5 Max")
@@ -418,6 +422,47 @@ def print_dsplit_backward(quick=False):
         print(f"| {gname} | {causal} | {_ms(simd)} | {_ms(tops)} ({bound}) | {simd[1] / tops[1]:.2f}x |")
     print(f"Verdict for Auto (kDsplitBackwardModelWins): {dsplit_model_wins(res)}. No anchor runs a backward on "
           "the accelerators; not yet verified on Apple hardware.")
+
+
+# The MLA pair's verdict (csrc/metal_routing_tensor_ops.cpp, kMlaModelWins): DeepSeek-V2-Lite's 16 heads
+# (MHA: the backward model's scaling rule needs Hq = Hkv), 4096 tokens, q/k 192 and v 128.
+MLA_SHAPE = M.Shape(1, 16, 16, 4096, 4096, 192, 128)
+
+
+def mla_against_simdgroup(gpus=M5_FAMILY, causals=(False, True), s=MLA_SHAPE):
+    """The tensor-op forward and backward at the MLA pair against the simdgroup kernels (the prefill and the
+    backward at bucket 192, each operand at its own width), float16, each from its own emulated counts:
+    {(gpu, pass, causal): (simdgroup band, tensor-op band, bound)}, bands (low, point, high) in seconds."""
+    out = {}
+    for gname in gpus:
+        gpu = G.BY_NAME[gname]
+        for causal in causals:
+            for pas in ("forward", "backward"):
+                simd_recs = M.counts_for("prefill", s, torch.float16, causal) if pas == "forward" \
+                    else BM.counts_for(s, torch.float16, causal)
+                recs = tensor_ops_records(s, torch.float16, causal) if pas == "forward" \
+                    else tensor_ops_backward_records(s, torch.float16, causal)
+                simd = T.predict_band(simd_recs, gpu, s, torch.float16, causal)
+                tops = T.predict_band(recs, gpu, s, torch.float16, causal)
+                terms = T.predict(recs, gpu, s, torch.float16, causal)[1]
+                out[(gname, pas, causal)] = (simd, tops, max(terms, key=terms.get))
+    return out
+
+
+def mla_model_wins(results):
+    """The routing verdict: the tensor-op point ahead of the simdgroup point on every (GPU, pass, causal)."""
+    return all(tops[1] < simd[1] for simd, tops, _ in results.values())
+
+
+def print_mla(quick=False):
+    res = mla_against_simdgroup(M5_FAMILY[-1:] if quick else M5_FAMILY)
+    s = MLA_SHAPE
+    print(f"\n### The MLA pair (1x{s.hq}x{s.nq}x({s.d}, {s.dv}) f16): model, not measurement")
+    print("| chip | pass | causal | simdgroup ms | tensor-op ms (bound) | speed-up |")
+    print("|---|---|---|---|---|---|")
+    for (gname, pas, causal), (simd, tops, bound) in res.items():
+        print(f"| {gname} | {pas} | {causal} | {_ms(simd)} | {_ms(tops)} ({bound}) | {simd[1] / tops[1]:.2f}x |")
+    print(f"Verdict for Auto (kMlaModelWins): {mla_model_wins(res)}. No anchor runs this pair on the accelerators.")
     return res
 
 
@@ -472,6 +517,7 @@ def accelerators(quick=False):
           "a backward on the accelerators (mtlattn reports ~5.8 TFLOPS on an M5 Pro, varlen, unverified here).")
     print_dsplit(quick)
     print_dsplit_backward(quick)
+    print_mla(quick)
     post = post_point()
     print(f"The post's M5 point (10-core M5, N = 2048, d = 64, causal, one head): simdgroup float32 "
           f"{_ms(post['simdgroup'])} ms; tensor ops {_ms(post['tensor_ops'])} ms, which ASSUMES float32 with "

@@ -120,7 +120,9 @@ def sg_cycles_per_ffma(ilp, sgs):
 @lru_cache(maxsize=None)
 def _planned(impl, s, dtype, causal, key, backward):
     one = torch.empty(1, 1, 1, s.d, dtype=dtype)
-    q, k, v = one.expand(s.b, s.hq, s.nq, s.d), one.expand(s.b, s.hkv, s.nk, s.d), one.expand(s.b, s.hkv, s.nk, s.d)
+    dv = getattr(s, "dv", 0) or s.d  # MLA: v's own head dim
+    q, k = one.expand(s.b, s.hq, s.nq, s.d), one.expand(s.b, s.hkv, s.nk, s.d)
+    v = torch.empty(1, 1, 1, dv, dtype=dtype).expand(s.b, s.hkv, s.nk, dv)
     return flash_metal.explain(q, k, v, causal, None, impl, key, backward=backward)
 
 
@@ -388,7 +390,7 @@ def dispatch_time(r, index, gpu, s, dtype, causal, k=POINT):
     # head's query blocks side by side (x fastest), and a head's K and V
     # (<= 4 MiB at Nk = 8192, D = 128, 16-bit) stay in the GPU's caches
     # meanwhile. Re-reads move over the on-GPU link (32 B per core-cycle).
-    kv_once = 2 * s.b * s.hkv * s.nk * s.d * elem
+    kv_once = s.b * s.hkv * s.nk * (s.d + (getattr(s, "dv", 0) or s.d)) * elem  # K, then V (D_v wide if MLA)
     kv_req = req.get("k", 0) + req.get("v", 0)
     kv_new = sum(c.get("dram_" + n, reads.get(n, 0)) for n in ("k", "v"))
     dram = dev - kv_req + min(kv_new, kv_once) if kv_req else dev

@@ -490,7 +490,8 @@ MetalPlan plan_metal_attention(const AttentionProblem& p, const LaunchStrides& s
       // Its 64-row variant (block_q 64: Q in registers, 8 SIMD-groups) declares 256 threads.
       const bool dsplit = c.bucket == kTensorOpsDsplitHeadDim;
       const bool wide = dsplit && c.block_q == kTensorOpsDsplitWideBlockQ;
-      l.kernel_name = std::string("flash_attention_prefill_mpp_") + (dsplit ? "dsplit_" : "") + suffix + "_bq" +
+      l.kernel_name = std::string("flash_attention_prefill_mpp_") + (dsplit ? "dsplit_" : "") +
+                      tensor_ops_suffix(p, suffix) + "_bq" +
                       std::to_string(c.block_q) + "_bk" + std::to_string(c.block_k) +
                       (dsplit ? "_wn" + std::to_string(kTensorOpsDsplitHalves) : "");
       l.grid = {ceil_div(p.q_len, c.block_q), heads, batch};
@@ -512,15 +513,16 @@ MetalPlan plan_metal_attention(const AttentionProblem& p, const LaunchStrides& s
       };
       TORCH_CHECK_VALUE(head_span(s.q, p.q_len, p.head_dim) < (int64_t{1} << 31) &&
                             head_span(s.k, p.kv_len, p.head_dim) < (int64_t{1} << 31) &&
-                            head_span(s.v, p.kv_len, p.head_dim) < (int64_t{1} << 31),
+                            head_span(s.v, p.kv_len, p.head_dim_v) < (int64_t{1} << 31),
                         kOp, ": impl='tensor_ops' indexes one head of q, k, v in int32: a head spans more than "
                         "2^31 elements here (use impl='prefill' or 'auto')");
-      // Live values per lane (a model, like the others): O's 16 x D floats
+      // Live values per lane (a model, like the others): O's 16 x D_v floats
       // and S's 16 x block_k over the 32 lanes (O's 16 x D / 2 at D = 256,
       // split; the 64-row variant adds Q's slice: tensor_ops_dsplit_live_registers),
       // plus the row state and the usual overhead.
       l.estimate = estimate_launch(l, dsplit ? tensor_ops_dsplit_live_registers(c.block_q, c.block_k)
-                                             : 16 * (c.bucket + c.block_k) / 32 + 8 + kLiveOverhead,
+                                             : 16 * (static_cast<uint32_t>(p.head_dim_v) + c.block_k) / 32 + 8 +
+                                                   kLiveOverhead,
                                    gpu);
       plan.launches.push_back(l);
       break;

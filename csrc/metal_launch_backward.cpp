@@ -40,14 +40,16 @@ void tensor_ops_backward_launches(const AttentionProblem& p, const LaunchStrides
                                   const KernelChoice& c, const std::string& suffix, const GpuSpec& gpu,
                                   MetalPlan* plan) {
   const uint32_t elem = dtype_bytes(p.dtype), batch = static_cast<uint32_t>(p.batch);
+  const uint32_t dv = static_cast<uint32_t>(p.head_dim_v);  // c.bucket but for the MLA pair (192, 128)
+  const std::string dims = tensor_ops_suffix(p, suffix);
   // The kernels' tensors index a head's q, k, v and grad_out in int32, as the forward's.
   const auto head_span = [](const std::array<int64_t, 4>& st, int64_t rows, int64_t cols) {
     return (rows - 1) * st[2] + (cols - 1) * st[3];
   };
   TORCH_CHECK_VALUE(head_span(s.q, p.q_len, p.head_dim) < (int64_t{1} << 31) &&
                         head_span(s.k, p.kv_len, p.head_dim) < (int64_t{1} << 31) &&
-                        head_span(s.v, p.kv_len, p.head_dim) < (int64_t{1} << 31) &&
-                        head_span(s.grad_out, p.q_len, p.head_dim) < (int64_t{1} << 31),
+                        head_span(s.v, p.kv_len, p.head_dim_v) < (int64_t{1} << 31) &&
+                        head_span(s.grad_out, p.q_len, p.head_dim_v) < (int64_t{1} << 31),
                     "flash_metal.attention_backward: impl='tensor_ops' indexes one head in int32: a head spans more "
                     "than 2^31 elements here (use impl='auto')");
   // D = 256: the split-D kernels (attention_backward_mpp_dsplit.h), pairs of
@@ -61,31 +63,31 @@ void tensor_ops_backward_launches(const AttentionProblem& p, const LaunchStrides
   dq.params = make_params(p, s, 1);
   dq.params_index = kAttentionParamsIndex;
   dq.threadgroup_memory_index = kAttentionThreadgroupIndex;
-  dq.kernel_name = family + "dq_" + suffix + "_bq" + std::to_string(c.block_q) + "_bk" +
+  dq.kernel_name = family + "dq_" + dims + "_bq" + std::to_string(c.block_q) + "_bk" +
                    std::to_string(c.block_k) + wn;
   dq.grid = {ceil_div(p.q_len, c.block_q), static_cast<uint32_t>(p.q_heads), batch};
   dq.threadgroup = {32 * c.simdgroups, 1, 1};
   dq.max_threads_per_threadgroup = kTensorOpsMaxThreads;
   dq.threadgroup_memory = dsplit ? tensor_ops_dsplit_backward_bytes(false, elem, c.bucket)
-                                 : tensor_ops_backward_bytes(false, elem, c.bucket, c.simdgroups);
+                                 : tensor_ops_backward_bytes(false, elem, c.bucket, dv, c.simdgroups);
   dq.function_constants = feature_constants(p, false, false, has_grad_lse);
   dq.buffers = with_features(kBackwardDqBuffers);
   // Live values per lane (a model): dQ's 16 x D floats, S's and dP's 16 x 32
-  // over the 32 lanes, and the usual overhead.
+  // over the 32 lanes, and the usual overhead (dO's width does not count).
   dq.estimate = estimate_launch(dq, 16 * (width + 2 * c.block_k) / 32 + kLiveOverhead, gpu);
   plan->launches.push_back(dq);
 
   MetalLaunch dkv = dq;
-  dkv.kernel_name = family + "dkdv_" + suffix + "_bk" + std::to_string(c.dkv_block_k) + "_bq" +
+  dkv.kernel_name = family + "dkdv_" + dims + "_bk" + std::to_string(c.dkv_block_k) + "_bq" +
                     std::to_string(c.dkv_block_q) + wn;
   dkv.grid = {ceil_div(p.kv_len, c.dkv_block_k), static_cast<uint32_t>(p.kv_heads), batch};
   dkv.threadgroup = {32 * c.dkv_simdgroups, 1, 1};
   dkv.threadgroup_memory = dsplit ? tensor_ops_dsplit_backward_bytes(true, elem, c.bucket)
-                                  : tensor_ops_backward_bytes(true, elem, c.bucket, c.dkv_simdgroups);
+                                  : tensor_ops_backward_bytes(true, elem, c.bucket, dv, c.dkv_simdgroups);
   dkv.function_constants = feature_constants(p, false, false, false);
   dkv.buffers = with_features(kBackwardDkdvBuffers);
-  // dK's and dV's 16 x D floats, S^T's and dP^T's 16 x 32.
-  dkv.estimate = estimate_launch(dkv, 16 * (2 * width + 2 * c.dkv_block_q) / 32 + kLiveOverhead, gpu);
+  // dK's 16 x D and dV's 16 x D_v floats (half of each at D = 256, split), S^T's and dP^T's 16 x 32.
+  dkv.estimate = estimate_launch(dkv, 16 * (width + (dsplit ? width : dv) + 2 * c.dkv_block_q) / 32 + kLiveOverhead, gpu);
   plan->launches.push_back(dkv);
   if (p.sinks) sinks_grad_launch(p, dq, gpu, plan);
 }

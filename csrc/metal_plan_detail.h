@@ -84,6 +84,28 @@ inline constexpr uint32_t tensor_ops_threadgroup_bytes(uint32_t elem_bytes, uint
 }
 // The widest instantiation (16-bit, D = 128) fits: 20,736 bytes.
 static_assert(tensor_ops_threadgroup_bytes(2, 128) <= kMaxThreadgroupMemory, "tensor-op prefill over 32 KiB");
+
+// The MLA pair the tensor-op kernels serve beside equal head dims (issue 20
+// section 2: DeepSeek-V2/V3's and Kimi's prefill and training), q/k 192 and
+// v 128. Why these and no other: the pair real models use; (128, 64) and
+// (96, 64) would be two more instantiations each per dtype in every build.
+inline constexpr uint32_t kTensorOpsMlaHeadDim = 192;
+inline constexpr uint32_t kTensorOpsMlaHeadDimV = 128;
+inline bool is_tensor_ops_mla(const AttentionProblem& p) {
+  return p.head_dim == kTensorOpsMlaHeadDim && p.head_dim_v == kTensorOpsMlaHeadDimV;
+}
+// The forward stages Q only (192 wide), so its memory is D = 192's: 28,928
+// bytes at 16-bit, 4 SIMD-groups, as the equal-dims kernels.
+static_assert(tensor_ops_threadgroup_bytes(2, kTensorOpsMlaHeadDim) == 28928 &&
+                  tensor_ops_threadgroup_bytes(2, kTensorOpsMlaHeadDim) <= kMaxThreadgroupMemory,
+              "tensor-op MLA prefill over 32 KiB");
+// The MSL 4 library's names: _d<D> for equal head dims, _dqk<D>_dv<DV> for
+// the MLA pair (shaders/attention_mpp.metal).
+inline std::string tensor_ops_suffix(const AttentionProblem& p, const std::string& dtype_suffix_d) {
+  if (p.head_dim_v == p.head_dim) return dtype_suffix_d;
+  return std::string(dtype_name(p.dtype)) + "_dqk" + std::to_string(p.head_dim) + "_dv" +
+         std::to_string(p.head_dim_v);
+}
 inline uint32_t tensor_ops_threadgroup_memory(c10::ScalarType dtype, uint32_t head_dim) {
   return tensor_ops_threadgroup_bytes(dtype_bytes(dtype), head_dim);
 }
@@ -145,24 +167,50 @@ static_assert(tensor_ops_dsplit_wide_threadgroup_bytes(2) == 20992 &&
 //          each) and 4 floats per query; per SIMD-group P^T and dS^T (16 x
 //          32 each) (K and V from device memory)
 inline constexpr uint32_t kTensorOpsBackwardBlock = 32;
-inline constexpr uint32_t tensor_ops_backward_slice(bool dkdv, uint32_t elem_bytes, uint32_t head_dim) {
+// With the MLA pair dO (hence its tiles) is head_dim_v wide, Q head_dim.
+inline constexpr uint32_t tensor_ops_backward_slice(bool dkdv, uint32_t elem_bytes, uint32_t head_dim,
+                                                    uint32_t head_dim_v) {
   return dkdv ? 2 * 16 * kTensorOpsBackwardBlock * elem_bytes
-              : 2 * 16 * head_dim * elem_bytes + 16 * kTensorOpsBackwardBlock * elem_bytes + 16 * 16;
+              : 16 * (head_dim + head_dim_v) * elem_bytes + 16 * kTensorOpsBackwardBlock * elem_bytes + 16 * 16;
+}
+inline constexpr uint32_t tensor_ops_backward_slice(bool dkdv, uint32_t elem_bytes, uint32_t head_dim) {
+  return tensor_ops_backward_slice(dkdv, elem_bytes, head_dim, head_dim);
+}
+inline constexpr uint32_t tensor_ops_backward_shared(bool dkdv, uint32_t elem_bytes, uint32_t head_dim,
+                                                     uint32_t head_dim_v) {
+  return dkdv ? kTensorOpsBackwardBlock * (head_dim + head_dim_v) * elem_bytes + kTensorOpsBackwardBlock * 16 : 0;
 }
 inline constexpr uint32_t tensor_ops_backward_shared(bool dkdv, uint32_t elem_bytes, uint32_t head_dim) {
-  return dkdv ? 2 * kTensorOpsBackwardBlock * head_dim * elem_bytes + kTensorOpsBackwardBlock * 16 : 0;
+  return tensor_ops_backward_shared(dkdv, elem_bytes, head_dim, head_dim);
+}
+inline constexpr uint32_t tensor_ops_backward_bytes(bool dkdv, uint32_t elem_bytes, uint32_t head_dim,
+                                                    uint32_t head_dim_v, uint32_t simdgroups) {
+  return tensor_ops_backward_shared(dkdv, elem_bytes, head_dim, head_dim_v) +
+         simdgroups * tensor_ops_backward_slice(dkdv, elem_bytes, head_dim, head_dim_v);
 }
 inline constexpr uint32_t tensor_ops_backward_bytes(bool dkdv, uint32_t elem_bytes, uint32_t head_dim,
                                                     uint32_t simdgroups) {
-  return tensor_ops_backward_shared(dkdv, elem_bytes, head_dim) +
-         simdgroups * tensor_ops_backward_slice(dkdv, elem_bytes, head_dim);
+  return tensor_ops_backward_bytes(dkdv, elem_bytes, head_dim, head_dim, simdgroups);
 }
 // SIMD-groups per threadgroup: 4 (MLX NAX's WM) where they fit 32 KiB, else
 // 2 (the instantiations of shaders/attention_mpp.metal: dQ 4, 4, 2 at D 64,
 // 96, 128; dK/dV 4 at every D: 16,896 / 20,992 / 25,088 bytes).
-inline constexpr uint32_t tensor_ops_backward_simdgroups(bool dkdv, uint32_t elem_bytes, uint32_t head_dim) {
-  return tensor_ops_backward_bytes(dkdv, elem_bytes, head_dim, 4) <= kMaxThreadgroupMemory ? 4 : 2;
+inline constexpr uint32_t tensor_ops_backward_simdgroups(bool dkdv, uint32_t elem_bytes, uint32_t head_dim,
+                                                         uint32_t head_dim_v) {
+  return tensor_ops_backward_bytes(dkdv, elem_bytes, head_dim, head_dim_v, 4) <= kMaxThreadgroupMemory ? 4 : 2;
 }
+inline constexpr uint32_t tensor_ops_backward_simdgroups(bool dkdv, uint32_t elem_bytes, uint32_t head_dim) {
+  return tensor_ops_backward_simdgroups(dkdv, elem_bytes, head_dim, head_dim);
+}
+// The MLA pair (192, 128), 16-bit: dQ 4 SIMD-groups would need 46,080 bytes
+// (each stages Q 16 x 192 and dO 16 x 128), so 2 (23,040); dK/dV 4 (29,184:
+// the shared Q 32 x 192 and dO 32 x 128 block, then P^T and dS^T per
+// SIMD-group). The instantiations in shaders/attention_mpp.metal match.
+static_assert(tensor_ops_backward_simdgroups(false, 2, kTensorOpsMlaHeadDim, kTensorOpsMlaHeadDimV) == 2 &&
+                  tensor_ops_backward_bytes(false, 2, kTensorOpsMlaHeadDim, kTensorOpsMlaHeadDimV, 2) == 23040 &&
+                  tensor_ops_backward_simdgroups(true, 2, kTensorOpsMlaHeadDim, kTensorOpsMlaHeadDimV) == 4 &&
+                  tensor_ops_backward_bytes(true, 2, kTensorOpsMlaHeadDim, kTensorOpsMlaHeadDimV, 4) == 29184,
+              "tensor-op MLA backward: the instantiations in shaders/attention_mpp.metal, under 32 KiB");
 static_assert(tensor_ops_backward_bytes(true, 2, 128, 2) <= kMaxThreadgroupMemory &&
                   tensor_ops_backward_bytes(false, 2, 128, 2) <= kMaxThreadgroupMemory,
               "tensor-op backward: two SIMD-groups fit 32 KiB at D = 128");

@@ -574,7 +574,8 @@ KernelChoice choose_metal_kernel(const AttentionProblem& p, KernelRequest reques
     default:
       break;
   }
-  c.reason += padding_note(p, c.bucket);
+  // The tensor-op kernels run each head dim at its own width (the MLA pair too): no padding to note.
+  if (c.kind != KernelRequest::TensorOps) c.reason += padding_note(p, c.bucket);
   return c;
 }
 

@@ -5,6 +5,30 @@
 
 namespace flash_metal::plan_detail {
 
+namespace {
+
+// The model's verdict on the MLA pair (benchmarks/metal_model_accel.py,
+// mla_against_simdgroup; a model, not a measurement): on every M5-family
+// GPU, at 1 x 16 x 4096 x (192, 128) float16, causal and not, forward and
+// backward, the tensor-op kernels against the simdgroup kernels.
+// tests/test_metal_model_accel.py recomputes it and fails if this constant
+// disagrees with the model.
+constexpr bool kMlaModelWins = true;
+constexpr const char* kMlaModelNote =
+    "the model (benchmarks/metal_model_accel.py, from the kernels' emulated counts: a model, not a measurement) "
+    "predicts them ahead of the simdgroup kernels at (192, 128) on every M5-family GPU (1 x 16 x 4096, float16, "
+    "causal and not, forward and backward)";
+constexpr const char* kMlaModelAgainst =
+    "the model (benchmarks/metal_model_accel.py: a model, not a measurement) does not predict the tensor-op "
+    "kernels ahead of the simdgroup kernels at (192, 128) on the M5 family";
+
+bool served_dims(const AttentionProblem& p) {
+  return (p.head_dim_v == p.head_dim && (p.head_dim == 64 || p.head_dim == 96 || p.head_dim == 128)) ||
+         is_tensor_ops_mla(p);
+}
+
+}  // namespace
+
 // The tensor-op prefill (issue 21): FlashAttention-2 on MPP matmul2d
 // (shaders/attention_prefill_mpp.h), forced by impl='tensor_ops' or picked
 // by Auto (tensor_ops_route). Refuses, naming the argument, what the kernel
@@ -13,9 +37,10 @@ void choose_tensor_ops(const AttentionProblem& p, bool forced, const GpuSpec& gp
   TORCH_CHECK_TYPE(p.dtype == c10::ScalarType::Half || p.dtype == c10::ScalarType::BFloat16, kOp,
                    ": impl='tensor_ops' takes float16 or bfloat16 q, k, v; got ", dtype_name(p.dtype),
                    " (float32 runs on impl='prefill' or 'auto')");
-  TORCH_CHECK_VALUE(p.head_dim == 64 || p.head_dim == 96 || p.head_dim == 128, kOp,
-                    ": impl='tensor_ops' takes head_dim 64, 96 or 128 (its instantiations, unpadded); got ",
-                    p.head_dim, " (use impl='prefill' or 'auto')");
+  TORCH_CHECK_VALUE(served_dims(p), kOp,
+                    ": impl='tensor_ops' takes head_dim 64, 96 or 128 with v's head dim equal, or the MLA pair "
+                    "q/k 192 with v 128 (its instantiations, unpadded); got ", p.head_dim, " / ", p.head_dim_v,
+                    " (use impl='prefill' or 'auto')");
   // The options (attn_mask, window_left / window_right, softcap, varlen,
   // sinks) run through attention_features.h's helpers, as in the simdgroup
   // prefill; tests/test_metal_tensor_ops.py checks each under both layouts.
@@ -27,11 +52,14 @@ void choose_tensor_ops(const AttentionProblem& p, bool forced, const GpuSpec& gp
                      : "tensor ops: an Apple " + std::to_string(gpu.family) +
                            " GPU (a neural accelerator in every core) with macOS 26.2 and the MSL 4 library, "
                            "float16 / bfloat16 at a head dim the kernel serves (FLASH_METAL_DISABLE_TENSOR_OPS=1 "
-                           "turns this off); ";
+                           "turns this off)" + (is_tensor_ops_mla(p) ? std::string(", and at (192, 128) ") +
+                           kMlaModelNote : std::string()) + "; ";
   c->reason += "FlashAttention-2 on Metal 4 tensor ops (MPP matmul2d, the MSL 4 library): blocks of " +
                std::to_string(c->block_q) + " queries x " + std::to_string(c->block_k) + " keys on " +
                std::to_string(c->simdgroups) + " simdgroups of 16 rows, each simdgroup's Q rows read from device "
-               "memory once, K and V by matmul2d, Q and P through " +
+               "memory once, K and V by matmul2d" +
+               (is_tensor_ops_mla(p) ? std::string(" (S = Q.K^T over q/k's 192 features, O += P.V 128 wide)")
+                                     : std::string()) + ", Q and P through " +
                kib(tensor_ops_threadgroup_memory(p.dtype, c->bucket)) + " of threadgroup memory";
 }
 
@@ -44,7 +72,8 @@ void choose_tensor_ops(const AttentionProblem& p, bool forced, const GpuSpec& gp
 // gpu.tensor_ops_missing), and a problem the kernel serves: float16 or
 // bfloat16 (float32 stays IEEE on simdgroup matrices: relaxed, TF32-like
 // precision is never chosen for the caller) at head dim 64, 96 or 128 for
-// q, k and v alike. *why_not says what failed, for Apple 10 GPUs only (on
+// q, k and v alike, or the MLA pair (192, 128) when the model puts the
+// tensor-op kernels ahead there (kMlaModelWins). *why_not says what failed, for Apple 10 GPUs only (on
 // older ones the path is not a candidate, and their reasons stay short).
 bool tensor_ops_route(const AttentionProblem& p, const GpuSpec& gpu, std::string* why_not) {
   if (gpu.family < kTensorOpsMinFamily) return false;
@@ -52,11 +81,13 @@ bool tensor_ops_route(const AttentionProblem& p, const GpuSpec& gpu, std::string
     *why_not = "a paged KV cache (the tensor-op kernels do not read the block table; the simdgroup prefill does)";
   } else if (p.dtype != c10::ScalarType::Half && p.dtype != c10::ScalarType::BFloat16) {
     *why_not = "float32 stays on simdgroup matrices (the tensor-op kernels take float16 / bfloat16)";
-  } else if (p.head_dim_v != p.head_dim || (p.head_dim != 64 && p.head_dim != 96 && p.head_dim != 128)) {
+  } else if (!served_dims(p)) {
     *why_not = "head dims " + std::to_string(p.head_dim) + " / " + std::to_string(p.head_dim_v) +
-               ": the tensor-op kernels serve 64, 96 and 128 with equal q/k and v dims";
+               ": the tensor-op kernels serve 64, 96 and 128 with equal q/k and v dims, and the MLA pair 192 / 128";
   } else if (!gpu.tensor_ops_missing.empty()) {
     *why_not = gpu.tensor_ops_missing;
+  } else if (is_tensor_ops_mla(p) && !kMlaModelWins) {
+    *why_not = kMlaModelAgainst;
   } else {
     return true;
   }
@@ -67,9 +98,10 @@ bool tensor_ops_route(const AttentionProblem& p, const GpuSpec& gpu, std::string
 // cover, as the sentence that names it ("" when it covers the call): its
 // kernels take causal, windows, softcap, bool / additive masks, varlen,
 // sinks and GQA (attention_features.h's helpers, as the simdgroup backward),
-// and leave a v head dim of its own to the simdgroup backward.
+// and a v head dim of its own at the MLA pair (192, 128) only (choose_tensor_ops
+// refuses other pairs).
 std::string tensor_ops_backward_gap(const AttentionProblem& p) {
-  if (p.head_dim_v != p.head_dim) return "a v head dim of its own (MLA-style)";
+  if (p.head_dim_v != p.head_dim && !is_tensor_ops_mla(p)) return "a v head dim of its own other than (192, 128)";
   return "";
 }
 
@@ -81,26 +113,31 @@ void choose_tensor_ops_backward(const AttentionProblem& p, bool forced, const Gp
   const std::string gap = tensor_ops_backward_gap(p);
   TORCH_CHECK_VALUE(gap.empty(), "flash_metal.attention_backward: impl='tensor_ops' takes every option but ", gap,
                     " yet (the simdgroup backward, impl='auto', takes it)");
-  const uint32_t elem = dtype_bytes(p.dtype), d = c->bucket;
+  const uint32_t elem = dtype_bytes(p.dtype), d = c->bucket, dv = static_cast<uint32_t>(p.head_dim_v);
   c->kind = KernelRequest::TensorOps;
-  c->simdgroups = tensor_ops_backward_simdgroups(false, elem, d);
+  c->simdgroups = tensor_ops_backward_simdgroups(false, elem, d, dv);
   c->block_q = 16 * c->simdgroups;
   c->block_k = kTensorOpsBackwardBlock;
-  c->dkv_simdgroups = tensor_ops_backward_simdgroups(true, elem, d);
+  c->dkv_simdgroups = tensor_ops_backward_simdgroups(true, elem, d, dv);
   c->dkv_block_k = 16 * c->dkv_simdgroups;
   c->dkv_block_q = kTensorOpsBackwardBlock;
   c->reason = (forced ? std::string("forced: tensor_ops (impl='tensor_ops'); ")
                       : "tensor ops: an Apple " + std::to_string(gpu.family) +
                             " GPU with macOS 26.2 and the MSL 4 library, float16 / bfloat16 at a head dim the "
-                            "kernels serve, equal q/k and v dims (FLASH_METAL_DISABLE_TENSOR_OPS=1 turns this off); ") +
+                            "kernels serve, " + (is_tensor_ops_mla(p) ? std::string("the MLA pair (192, 128): ") +
+                            kMlaModelNote : std::string("equal q/k and v dims")) +
+                            " (FLASH_METAL_DISABLE_TENSOR_OPS=1 turns this off); ") +
               "backward: FlashAttention-2 with recomputation on Metal 4 tensor ops (MPP matmul2d, the MSL 4 "
               "library), the atomics-free split (dQ and Delta over query blocks, then dK/dV over key blocks; "
               "deterministic); dQ kernel: " + std::to_string(c->block_q) + " queries x " +
               std::to_string(c->block_k) + " keys on " + std::to_string(c->simdgroups) + " simdgroups of 16 rows, " +
-              kib(tensor_ops_backward_bytes(false, elem, d, c->simdgroups)) + "; dK/dV kernel: " +
+              kib(tensor_ops_backward_bytes(false, elem, d, dv, c->simdgroups)) + "; dK/dV kernel: " +
               std::to_string(c->dkv_block_k) + " keys x " + std::to_string(c->dkv_block_q) + " queries on " +
               std::to_string(c->dkv_simdgroups) + " simdgroups of 16 keys sharing each Q / dO block (staged once per threadgroup), " +
-              kib(tensor_ops_backward_bytes(true, elem, d, c->dkv_simdgroups)) +
+              kib(tensor_ops_backward_bytes(true, elem, d, dv, c->dkv_simdgroups)) +
+              (d != dv ? std::string("; q/k 192 and v 128 wide (S = Q.K^T and dP = dO.V^T one matmul2d type with "
+                                     "K read from the operands, dQ and dK 192 wide, dV 128)")
+                       : std::string()) +
               "; P and dS rounded to the input dtype before their products (matmul2d takes 16-bit operand "
               "pairs), float32 accumulators; options (masks, windows, softcap, varlen, sinks) by "
               "attention_features.h's helpers, as the simdgroup backward.";
@@ -112,7 +149,8 @@ bool tensor_ops_backward_route(const AttentionProblem& p, const GpuSpec& gpu, st
   if (!tensor_ops_route(p, gpu, why_not)) return false;
   const std::string gap = tensor_ops_backward_gap(p);
   if (gap.empty()) return true;
-  *why_not = gap + " (the tensor-op backward takes equal q/k and v head dims; the simdgroup backward takes both)";
+  *why_not = gap + " (the tensor-op backward takes equal q/k and v head dims and (192, 128); the simdgroup "
+                   "backward takes every pair)";
   return false;
 }
 

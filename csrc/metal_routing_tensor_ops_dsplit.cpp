@@ -108,6 +108,10 @@ bool tensor_ops_forward_route(const AttentionProblem& p, const GpuSpec& gpu, std
 }
 
 void choose_tensor_ops_forward(const AttentionProblem& p, bool forced, const GpuSpec& gpu, KernelChoice* c) {
+  if (is_tensor_ops_mla(p)) {  // the MLA pair (192, 128): the D <= 128 kernel's template (metal_routing_tensor_ops.cpp)
+    choose_tensor_ops(p, forced, gpu, c);
+    return;
+  }
   TORCH_CHECK_TYPE(p.dtype == c10::ScalarType::Half || p.dtype == c10::ScalarType::BFloat16, kOp,
                    ": impl='tensor_ops' takes float16 or bfloat16 q, k, v; got ", dtype_name(p.dtype),
                    " (float32 runs on impl='prefill' or 'auto')");

@@ -61,8 +61,23 @@
 // (read only for kept keys); varlen (each threadgroup one sequence of the
 // packed tensors, packed gradients); GQA; sinks (the forward's lse includes
 // them, so P needs nothing; grad_sinks by the simdgroup backward's
-// flash_sinks_grad from Delta and lse, a dispatch the host appends). A v
-// head dim of its own (MLA-style) stays on the simdgroup backward.
+// flash_sinks_grad from Delta and lse, a dispatch the host appends).
+//
+// A v head dim of its own (MLA, DeepSeek's D = 192, DV = 128; issue 20
+// section 2): S = Q.K^T reduces over D, dP = dO.V^T over DV, dQ and dK
+// have D columns, dV DV. dS is still formed slot by slot from S's and dP's
+// destinations, so the two runs must stay one matmul2d type: their shared
+// op (MppScoresPair below) leaves K dynamic when D != DV. The destination
+// is M x N whatever the reduction width; the MPP header's descriptor has
+// K = dynamic as its default, read from the operands at run(), and the
+// cooperative tensor's driver functions (MPPTensorOpsMatMul2dImpl.h,
+// __tensorops_impl_matmul2d_op_cooperative_tensor_*) take the op's
+// descriptor and element types, never an operand's extents: a dynamic-K op
+// run on a D-wide and a DV-wide left operand of one tensor type gives
+// destinations of one type, hence one layout (notes "matmul2d_descriptor"
+// and "Cooperative tensors"; the emulator reads a dynamic K from the left
+// operand and keys its layouts by the descriptor, so a static-K pair, two
+// types, would fail under "scrambled").
 //
 // Not yet verified on Apple hardware: the emulator runs it under the
 // published M5 layout and a scrambled one (tests/test_metal_tensor_ops_backward.py).
@@ -84,6 +99,21 @@ constant float kMppLog2eLo = 1.925963e-08f;
 // Floats per row (dQ) or streamed query (dK/dV) in a SIMD-group's stats:
 // m2, m2lo, Delta, and 1 / 0 for a row that saw some key / none.
 constant constexpr int kMppStats = 4;
+
+// The scores op of both kernels, run twice per block (S over D, dP over DV;
+// top of file): 16 x BK, right operand transposed, K = D when D == DV (the
+// 16-row step's own scores op: the equal-dims kernels are unchanged), else
+// dynamic (MPP's static_cast<int>(metal::dynamic_extent), 26.0's
+// dynamic_length_v<int>): K comes from each run's left operand, and the
+// two runs stay one type. Both widths are multiples of 32 (reported: a
+// static K that is not was truncated by Xcode 26.1; not a concern here).
+template <int D, int DV, int BK>
+struct MppScoresPair {
+  static constexpr int kReduction = D == DV ? D : static_cast<int>(metal::dynamic_extent);
+  static constexpr mpp::tensor_ops::matmul2d_descriptor kDesc = mpp::tensor_ops::matmul2d_descriptor(
+      kMppRowsPerSimd, BK, kReduction, false, true, false, mpp::tensor_ops::matmul2d_descriptor::mode::multiply);
+  using Op = mpp::tensor_ops::matmul2d<kDesc, metal::execution_simdgroup>;
+};
 
 // The packed (B, H, N, D) offset of row `row` of head `head` (grad_q,
 // grad_k, grad_v and, with D = 1, Delta).
@@ -131,12 +161,13 @@ FM_INLINE float mpp_weight(constant AttentionParams& p, device const uchar* mask
   return exp2((s2 - st[0]) - st[1]);
 }
 
-// T: half or bfloat. D: 64, 96, 128 exactly. BQ = 16 * WM query rows per
+// T: half or bfloat. D: q's and k's head dim, DV: v's (64, 96, 128 with
+// DV = D, or D = 192, DV = 128), exactly. BQ = 16 * WM query rows per
 // threadgroup, BK keys per block. Launch: grid (ceil(Nq / BQ), Hq, B),
 // threadgroup (32 * WM, 1, 1), threadgroup memory at index 0 (top of file),
 // function constants fc_causal (0), fc_mpp_has_grad_lse (3) and the
 // options' 4-9 (attention_features.h), their buffers at 14-16.
-template <typename T, int D, int BQ, int BK>
+template <typename T, int D, int DV, int BQ, int BK>
 [[kernel]] [[max_total_threads_per_threadgroup(kPrefillMppMaxThreads)]] void flash_backward_mpp_dq(
     device const T* q [[buffer(0)]],
     device const T* k [[buffer(1)]],
@@ -159,11 +190,11 @@ template <typename T, int D, int BQ, int BK>
   constexpr int R = kMppRowsPerSimd;
   constexpr int WM = BQ / R;
   static_assert(BQ % R == 0 && 32 * WM <= kPrefillMppMaxThreads, "WM SIMD-groups of 16 rows, declared limit");
-  // This SIMD-group's slice: Q, dO, dS, then its rows' stats.
-  constexpr int SLICE = 2 * R * D + R * BK + R * kMppStats * 4 / int(sizeof(T));
+  // This SIMD-group's slice: Q (16 x D), dO (16 x DV), dS, then its rows' stats.
+  constexpr int SLICE = R * (D + DV) + R * BK + R * kMppStats * 4 / int(sizeof(T));
   threadgroup T* q_tile = smem + int(sg) * SLICE;
   threadgroup T* do_tile = q_tile + R * D;
-  threadgroup T* ds_tile = do_tile + R * D;
+  threadgroup T* ds_tile = do_tile + R * DV;
   threadgroup float* stats = reinterpret_cast<threadgroup float*>(ds_tile + R * BK);
 
   const SeqView seq = sequence_view(p, cu_seqlens_q, cu_seqlens_k, group.z);
@@ -190,7 +221,7 @@ template <typename T, int D, int BQ, int BK>
   // copying elements l, l + 32, ... (consecutive lanes, consecutive features).
   mpp_stage_rows<D>(q_tile, q + h.q + int64_t(row0) * p.q_row_stride, rows, int(p.q_row_stride),
                     int(p.q_dim_stride), lane);
-  mpp_stage_rows<D>(do_tile, dout + do_head + int64_t(row0) * p.do_row_stride, rows, int(p.do_row_stride),
+  mpp_stage_rows<DV>(do_tile, dout + do_head + int64_t(row0) * p.do_row_stride, rows, int(p.do_row_stride),
                     int(p.do_dim_stride), lane);
   simdgroup_barrier(mem_flags::mem_threadgroup);  // dO written before the Delta reads (RAW)
 
@@ -203,7 +234,7 @@ template <typename T, int D, int BQ, int BK>
     float dsum = 0.0f;
     if (r < rows) {
       device const T* orow = o + h.o + int64_t(row0 + r) * p.o_row_stride;
-      for (int c = int(lane) & 1; c < D; c += 2) dsum += float(do_tile[r * D + c]) * float(orow[c * p.o_dim_stride]);
+      for (int c = int(lane) & 1; c < DV; c += 2) dsum += float(do_tile[r * DV + c]) * float(orow[c * p.o_dim_stride]);
     }
     dsum += simd_shuffle_xor(dsum, 1);
     if ((lane & 1) == 0) {
@@ -221,17 +252,19 @@ template <typename T, int D, int BQ, int BK>
   simdgroup_barrier(mem_flags::mem_threadgroup);  // stats written before other lanes read them (RAW)
 
   const auto tq = tensor(q_tile, dextents<int, 2>(D, R));
-  const auto tdo = tensor(do_tile, dextents<int, 2>(D, R));
+  const auto tdo = tensor(do_tile, dextents<int, 2>(DV, R));
   const auto tds = tensor(ds_tile, dextents<int, 2>(BK, R));
   const auto tk = mpp_device_rows<D>(k + h.k, seq.kv_len, p.k_row_stride, p.k_dim_stride);
-  const auto tv = mpp_device_rows<D>(v + h.v, seq.kv_len, p.v_row_stride, p.v_dim_stride);
+  const auto tv = mpp_device_rows<DV>(v + h.v, seq.kv_len, p.v_row_stride, p.v_dim_stride);
   using QT = decltype(tq);
   using KT = decltype(tk.slice(0, 0));
   using DST = decltype(tds);
   // The 16-row step (attention_mpp_common.h): S = Q.K^T and dP = dO.V^T,
-  // one op type (16 x BK, K = D, right transposed) run twice; dQ += dS.K
-  // (16 x D, K = BK, accumulating).
-  typename MppRowStep<D, BK>::Scores s_op;
+  // one op type (16 x BK, right transposed; K = D, or dynamic when DV != D:
+  // MppScoresPair) run twice; dQ += dS.K (16 x D, K = BK, accumulating).
+  // Q's and dO's tiles are tensors of one type (threadgroup T, two dynamic
+  // extents), as are K's and V's, so S and dP are one destination type.
+  typename MppScoresPair<D, DV, BK>::Op s_op;
   typename MppRowStep<D, BK>::Accumulate dq_op;
   auto s = s_op.template get_destination_cooperative_tensor<QT, KT, float>();
   auto dp = s_op.template get_destination_cooperative_tensor<QT, KT, float>();
@@ -281,13 +314,13 @@ template <typename T, int D, int BQ, int BK>
   }
 }
 
-// T, D as above. BKV = 16 * WM keys per threadgroup, BQ query rows per
+// T, D, DV as above. BKV = 16 * WM keys per threadgroup, BQ query rows per
 // streamed block. Launch: grid (ceil(Nk / BKV), Hkv, B), threadgroup
 // (32 * WM, 1, 1), threadgroup memory at index 0 (top of file), function
 // constants fc_causal (0) and the options' 4-9, their buffers at 14-16.
 // Reads Delta as the dQ kernel wrote it (the host encodes the two in that
 // order).
-template <typename T, int D, int BKV, int BQ>
+template <typename T, int D, int DV, int BKV, int BQ>
 [[kernel]] [[max_total_threads_per_threadgroup(kPrefillMppMaxThreads)]] void flash_backward_mpp_dkdv(
     device const T* q [[buffer(0)]],
     device const T* k [[buffer(1)]],
@@ -321,8 +354,8 @@ template <typename T, int D, int BKV, int BQ>
   // K and V are not staged: matmul2d reads the SIMD-group's 16 rows of each
   // from device memory (the same rows every block, an L1 hit after the first).
   threadgroup T* q_blk = smem;
-  threadgroup T* do_blk = q_blk + BQ * D;
-  threadgroup float* stats = reinterpret_cast<threadgroup float*>(do_blk + BQ * D);
+  threadgroup T* do_blk = q_blk + BQ * D;  // BQ x DV
+  threadgroup float* stats = reinterpret_cast<threadgroup float*>(do_blk + BQ * DV);
   threadgroup T* pt_tile = reinterpret_cast<threadgroup T*>(stats + BQ * kMppStats) + int(sg) * 2 * R * BQ;
   threadgroup T* dst_tile = pt_tile + R * BQ;
 
@@ -347,19 +380,22 @@ template <typename T, int D, int BKV, int BQ>
   // row extents ending at the sequence (matmul2d reads zeros past it).
   const int own0 = active ? key0 : tg_key0;
   const auto tkt = mpp_device_rows<D>(k + k_off, seq.kv_len, p.k_row_stride, p.k_dim_stride).slice(0, own0);
-  const auto tvt = mpp_device_rows<D>(v + v_off, seq.kv_len, p.v_row_stride, p.v_dim_stride).slice(0, own0);
+  const auto tvt = mpp_device_rows<DV>(v + v_off, seq.kv_len, p.v_row_stride, p.v_dim_stride).slice(0, own0);
   const auto tq = tensor(q_blk, dextents<int, 2>(D, BQ));
-  const auto tdo = tensor(do_blk, dextents<int, 2>(D, BQ));
+  const auto tdo = tensor(do_blk, dextents<int, 2>(DV, BQ));
   const auto tpt = tensor(pt_tile, dextents<int, 2>(BQ, R));
   const auto tdst = tensor(dst_tile, dextents<int, 2>(BQ, R));
   using KT = decltype(tkt);
   using QT = decltype(tq);
   using PT = decltype(tpt);
   // The 16-row step (attention_mpp_common.h), keys as rows: S^T = K.Q^T and
-  // dP^T = V.dO^T, one op type (16 x BQ, K = D, right transposed); dV +=
-  // P^T.dO and dK += dS^T.Q, one op type (16 x D, K = BQ).
-  typename MppRowStep<D, BQ>::Scores st_op;
-  typename MppRowStep<D, BQ>::Accumulate acc_op;
+  // dP^T = V.dO^T, one op type (16 x BQ, right transposed; K = D, or
+  // dynamic when DV != D: MppScoresPair); dV += P^T.dO (16 x DV, K = BQ)
+  // and dK += dS^T.Q (16 x D, K = BQ), one op type when DV = D. dK's and
+  // dV's destinations are never combined, so two types are fine.
+  typename MppScoresPair<D, DV, BQ>::Op st_op;
+  typename MppRowStep<D, BQ>::Accumulate dk_op;
+  typename MppRowStep<DV, BQ>::Accumulate dv_op;
 
   // Query blocks that see some key of the threadgroup (the loop every
   // thread runs, for the barriers), and of this SIMD-group (the blocks it
@@ -376,8 +412,8 @@ template <typename T, int D, int BKV, int BQ>
   // The group's query heads in a fixed order, summed in the float32
   // registers of the accumulators (16-bit gradients: their rounding dwarfs
   // the sum's, as in the simdgroup backward's 16-bit path).
-  auto dk_acc = acc_op.template get_destination_cooperative_tensor<PT, QT, float>();
-  auto dv_acc = acc_op.template get_destination_cooperative_tensor<PT, QT, float>();
+  auto dk_acc = dk_op.template get_destination_cooperative_tensor<PT, QT, float>();
+  auto dv_acc = dv_op.template get_destination_cooperative_tensor<PT, QT, float>();
   mpp_clear(dk_acc);
   mpp_clear(dv_acc);
   auto s = st_op.template get_destination_cooperative_tensor<KT, QT, float>();
@@ -407,7 +443,14 @@ template <typename T, int D, int BKV, int BQ>
         const int row = q0 + r;
         const bool in = row < seq.q_len;
         q_blk[e] = in ? q_head[row * qs + c * qd] : static_cast<T>(0.0f);
-        do_blk[e] = in ? do_head_ptr[row * ds + c * dd] : static_cast<T>(0.0f);
+        if (DV == D) do_blk[e] = in ? do_head_ptr[row * ds + c * dd] : static_cast<T>(0.0f);
+      }
+      if (DV != D) {  // dO at its own width (MLA): a loop of its own
+        for (int e = int(tid); e < BQ * DV; e += THREADS) {
+          const int r = e / DV, c = e - r * DV;
+          const int row = q0 + r;
+          do_blk[e] = row < seq.q_len ? do_head_ptr[row * ds + c * dd] : static_cast<T>(0.0f);
+        }
       }
       if (int(tid) < BQ) {
         const int row = q0 + int(tid);
@@ -441,15 +484,16 @@ template <typename T, int D, int BKV, int BQ>
         }
         simdgroup_barrier(mem_flags::mem_threadgroup);  // P^T, dS^T written before matmul2d reads them (RAW)
         // Queries past the sequence are zero rows of Q and dO; P^T is 0 there.
-        acc_op.run(tpt, tdo, dv_acc);
-        acc_op.run(tdst, tq, dk_acc);
+        dv_op.run(tpt, tdo, dv_acc);
+        dk_op.run(tdst, tq, dk_acc);
       }
       threadgroup_barrier(mem_flags::mem_threadgroup);  // the block and the tiles read before the next stage (WAR)
     }
   }
 
-  // dK * scale and dV, packed (B, Hkv, Nk, D), real keys only (zeros for a
-  // key no query sees).
+  // dK * scale, packed (B, Hkv, Nk, D), and dV, packed (B, Hkv, Nk, DV),
+  // real keys only (zeros for a key no query sees). One loop when the two
+  // are one type (same slot, same element); each by its own layout else.
   if (!active) return;
   for (int i = 0; i < dk_acc.get_capacity(); ++i) {
     if (!dk_acc.is_valid_element(i)) continue;
@@ -458,7 +502,16 @@ template <typename T, int D, int BKV, int BQ>
     if (key >= seq.kv_len) continue;
     const int64_t at = mpp_packed_row(packed_b, kv_head, p.kv_heads, packed_k, seq.k_row0 + key, D) + idx[0];
     dk[at] = static_cast<T>(dk_acc[i] * p.scale);
-    dv[at] = static_cast<T>(dv_acc[i]);
+    if (DV == D) dv[at] = static_cast<T>(dv_acc[i]);
+  }
+  if (DV == D) return;
+  for (int i = 0; i < dv_acc.get_capacity(); ++i) {
+    if (!dv_acc.is_valid_element(i)) continue;
+    const auto idx = dv_acc.get_multidimensional_index(i);  // [0] the feature, [1] the key
+    const int key = key0 + idx[1];
+    if (key < seq.kv_len)
+      dv[mpp_packed_row(packed_b, kv_head, p.kv_heads, packed_k, seq.k_row0 + key, DV) + idx[0]] =
+          static_cast<T>(dv_acc[i]);
   }
 }
 

@@ -10,6 +10,7 @@
 //   flash_backward_mpp_dkdv_<dtype>_d<D>_bk<BKV>_bq<BQ>
 //   flash_backward_mpp_dsplit_dq_<dtype>_d<D>_bq<BQ>_bk<BK>_wn<WN>
 //   flash_backward_mpp_dsplit_dkdv_<dtype>_d<D>_bk<BKV>_bq<BQ>_wn<WN>
+// and, for a v head dim of its own (MLA), _dqk<D>_dv<DV> in place of _d<D>.
 //
 // setup.py compiles this file (every shaders/*_mpp.metal) into a library of
 // its own, flash_metal_mpp.metallib, with -std=metal4.0 and a 26.2
@@ -32,12 +33,20 @@
 // tensor-op path serves, exactly (no padding bucket yet).
 #define FM_PREFILL_MPP(tname, T, D)                                                      \
   FM_MPP_INSTANTIATE("flash_attention_prefill_mpp_" #tname "_d" #D "_bq64_bk32",       \
-                     flash_attention_prefill_mpp<T, D, 64, 32>)
+                     flash_attention_prefill_mpp<T, D, D, 64, 32>)
+
+// DeepSeek-V2/V3's and Kimi's MLA pair, q/k 192 and v 128 (issue 20
+// section 2): the same blocks; 28,928 bytes of threadgroup memory (Q's
+// staging is 192 wide; V is not staged).
+#define FM_PREFILL_MPP_MLA(tname, T, D, DV)                                                       \
+  FM_MPP_INSTANTIATE("flash_attention_prefill_mpp_" #tname "_dqk" #D "_dv" #DV "_bq64_bk32",    \
+                     flash_attention_prefill_mpp<T, D, DV, 64, 32>)
 
 #define FM_PREFILL_MPP_ALL_D(tname, T) \
   FM_PREFILL_MPP(tname, T, 64)         \
   FM_PREFILL_MPP(tname, T, 96)         \
-  FM_PREFILL_MPP(tname, T, 128)
+  FM_PREFILL_MPP(tname, T, 128)         \
+  FM_PREFILL_MPP_MLA(tname, T, 192, 128)
 
 // D = 256 split along D (attention_prefill_mpp_dsplit.h): 32 query rows
 // (2 row groups of 16, each a pair of SIMD-groups owning 128 features
@@ -62,14 +71,24 @@
 // The host's table is csrc/metal_plan_detail.h, tensor_ops_backward_rows.
 #define FM_BACKWARD_MPP(tname, T, D, BQ, BKV)                                              \
   FM_MPP_INSTANTIATE("flash_backward_mpp_dq_" #tname "_d" #D "_bq" #BQ "_bk32",            \
-                     flash_backward_mpp_dq<T, D, BQ, 32>)                                  \
+                     flash_backward_mpp_dq<T, D, D, BQ, 32>)                               \
   FM_MPP_INSTANTIATE("flash_backward_mpp_dkdv_" #tname "_d" #D "_bk" #BKV "_bq32",         \
-                     flash_backward_mpp_dkdv<T, D, BKV, 32>)
+                     flash_backward_mpp_dkdv<T, D, D, BKV, 32>)
+
+// The MLA pair (192, 128): dQ on 2 SIMD-groups (4 would need 46,080 bytes:
+// Q 16 x 192 and dO 16 x 128 per SIMD-group; 2 take 23,040), dK/dV on 4
+// (29,184: the shared Q 32 x 192 and dO 32 x 128 block).
+#define FM_BACKWARD_MPP_MLA(tname, T, D, DV, BQ, BKV)                                              \
+  FM_MPP_INSTANTIATE("flash_backward_mpp_dq_" #tname "_dqk" #D "_dv" #DV "_bq" #BQ "_bk32",        \
+                     flash_backward_mpp_dq<T, D, DV, BQ, 32>)                                      \
+  FM_MPP_INSTANTIATE("flash_backward_mpp_dkdv_" #tname "_dqk" #D "_dv" #DV "_bk" #BKV "_bq32",     \
+                     flash_backward_mpp_dkdv<T, D, DV, BKV, 32>)
 
 #define FM_BACKWARD_MPP_ALL_D(tname, T) \
   FM_BACKWARD_MPP(tname, T, 64, 64, 64) \
   FM_BACKWARD_MPP(tname, T, 96, 64, 64) \
-  FM_BACKWARD_MPP(tname, T, 128, 32, 64)
+  FM_BACKWARD_MPP(tname, T, 128, 32, 64) \
+  FM_BACKWARD_MPP_MLA(tname, T, 192, 128, 32, 64)
 
 // The backward at D = 256 split along D (attention_backward_mpp_dsplit.h):
 // dQ on one pair (16 rows, 32 keys per block, 27,264 bytes), dK/dV on two

@@ -74,8 +74,9 @@
 //   + WM * 16 * D * sizeof(T)  Q of each SIMD-group (16 rows of D, row-major)
 //   + WM * 16 * 4              a float per row of each SIMD-group (alpha, then 1 / l)
 // For float16 / bfloat16 at WM = 4, BK = 32: 12,544 bytes at D = 64, 16,640
-// at D = 96, 20,736 at D = 128, under Metal's 32 KiB per threadgroup (the
-// host checks it; no D = 256 instantiation here).
+// at D = 96, 20,736 at D = 128 and 28,928 at the MLA pair (D = 192, DV =
+// 128: only Q is staged, so DV does not count), under Metal's 32 KiB per
+// threadgroup (the host checks it statically; no D = 256 instantiation here).
 //
 // What the emulator cannot tell (tests/metal_emulator/README.md, "MPP tensor
 // ops"): Apple's real layouts, whether its run() accumulates in another
@@ -164,13 +165,15 @@ FM_INLINE void mpp_store_rows(thread const S& s, thread const SR& m_r, thread co
   }
 }
 
-// T: half or bfloat (float32 stays on the simdgroup kernel). D: head dim,
-// exactly (64, 96, 128: no padding). BQ = 16 * WM query rows, BK keys.
+// T: half or bfloat (float32 stays on the simdgroup kernel). D: q's and
+// k's head dim, DV: v's and o's, exactly (64, 96, 128 with DV = D, or
+// DeepSeek's MLA pair D = 192, DV = 128: no padding). BQ = 16 * WM query
+// rows, BK keys.
 // Launch: grid (ceil(Nq / BQ), Hq, B), threadgroup (32 * WM, 1, 1),
 // threadgroup memory at index 0 (top of file), function constants fc_causal
 // (0) and the options' 4-9 and 11 (attention_features.h), buffers as the
 // simdgroup prefill's (attention_prefill.h).
-template <typename T, int D, int BQ, int BK>
+template <typename T, int D, int DV, int BQ, int BK>
 [[kernel]] [[max_total_threads_per_threadgroup(kPrefillMppMaxThreads)]] void flash_attention_prefill_mpp(
     device const T* q [[buffer(0)]],
     device const T* k [[buffer(1)]],
@@ -223,16 +226,18 @@ template <typename T, int D, int BQ, int BK>
   // and V's row extents end at the sequence, so matmul2d reads zeros past it.
   const auto tq = tensor(q_tile, dextents<int, 2>(D, R));
   const auto tk = mpp_device_rows<D>(k + h.k, seq.kv_len, p.k_row_stride, p.k_dim_stride);
-  const auto tv = mpp_device_rows<D>(v + h.v, seq.kv_len, p.v_row_stride, p.v_dim_stride);
+  const auto tv = mpp_device_rows<DV>(v + h.v, seq.kv_len, p.v_row_stride, p.v_dim_stride);
   const auto tp = tensor(p_tile, dextents<int, 2>(BK, R));
   using QT = decltype(tq);
   using KT = decltype(tk.slice(0, 0));
   using PT = decltype(tp);
 
   // The 16-row step (attention_mpp_common.h): S = Q.K^T (16 x BK, K = D)
-  // and O += P.V (16 x D, K = BK).
+  // and O += P.V (16 x DV, K = BK). DV != D (MLA): S's op is the D-wide
+  // step's, O's the DV-wide one's (two op types either way; nothing is
+  // combined slot by slot across them).
   typename MppRowStep<D, BK>::Scores qk;
-  typename MppRowStep<D, BK>::Accumulate pv;
+  typename MppRowStep<DV, BK>::Accumulate pv;
   auto s = qk.template get_destination_cooperative_tensor<QT, KT, float>();
   auto acc = pv.template get_destination_cooperative_tensor<PT, KT, float>();
   // A factor per row of O's layout held by this thread (alpha, then 1 / l).

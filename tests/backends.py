@@ -32,6 +32,10 @@ MPP_DSPLIT_KERNELS = "flash_attention_prefill_mpp_dsplit_*"
 # the default MPP build; metal_mpp_dsplit_backward_library builds it alone
 # (tests/test_metal_tensor_ops_backward_d256.py, the model).
 MPP_DSPLIT_BACKWARD_KERNELS = "flash_backward_mpp_dsplit_*"
+# The MLA pair's kernels (a v head dim of its own: "_dqk<D>_dv<DV>_" in the
+# name) stay out of it too (CI time: tests/test_metal_tensor_ops_mla.py and
+# the model run them); metal_mpp_mla_library builds them alone.
+MPP_MLA_KERNELS = "flash_*_mpp_*_dqk*"
 
 
 # FLASH_METAL_MPS_FULL=1 runs every mps case of the op grids. By default only
@@ -212,7 +216,16 @@ def metal_mpp_library(instrumented: bool, fast_math: bool = False):
     from metal_emulator import compile_library
 
     return compile_library([MPP_SHADER], instrumented=instrumented, fast_math=fast_math, msl=4,
-                           exclude=[MPP_DSPLIT_KERNELS, MPP_DSPLIT_BACKWARD_KERNELS])
+                           exclude=[MPP_DSPLIT_KERNELS, MPP_DSPLIT_BACKWARD_KERNELS, MPP_MLA_KERNELS])
+
+
+@functools.lru_cache(maxsize=None)
+def metal_mpp_mla_library(instrumented: bool, fast_math: bool = False):
+    """The tensor-op kernels of the MLA pair (q/k 192, v 128) alone (a partial MSL 4 build)."""
+    from metal_emulator import compile_library
+
+    return compile_library([MPP_SHADER], instrumented=instrumented, fast_math=fast_math, msl=4,
+                           only=[MPP_MLA_KERNELS])
 
 
 @functools.lru_cache(maxsize=None)
@@ -425,6 +438,8 @@ def _run_plan(plan, tensors, instrumented, fast_math, seed=0, mpp_layout="scramb
                 build = metal_mpp_dsplit_library
             elif d.kernel_name.startswith("flash_backward_mpp_dsplit_"):
                 build = metal_mpp_dsplit_backward_library
+            elif "_dqk" in d.kernel_name:
+                build = metal_mpp_mla_library
             else:
                 build = metal_mpp_library
             library = build(instrumented, fast_math)

@@ -342,7 +342,8 @@ def test_auto_takes_the_options(options):
 
 
 def test_a_v_head_dim_of_its_own_stays_on_the_simdgroup_backward():
-    # Auto: the simdgroup backward, saying why; forced: refused, naming the option.
+    # (64, 128), not the MLA pair the kernels serve (tests/test_metal_tensor_ops_mla.py): Auto runs the
+    # simdgroup backward, saying why; forced: refused, naming the dims.
     q = torch.randn(1, 4, 40, 64).half()
     k = torch.randn(1, 2, 60, 64).half()
     v = torch.randn(1, 2, 60, 128).half()
@@ -351,7 +352,7 @@ def test_a_v_head_dim_of_its_own_stays_on_the_simdgroup_backward():
     plan = flash_metal.explain(q, k, v, True, None, "auto", "m5+tensor_ops", **args)
     assert "_mpp_" not in plan.dispatches[0].kernel_name
     assert "tensor ops not used: head dims 64 / 128" in plan.reason
-    with pytest.raises(ValueError, match="impl='tensor_ops' takes every option but a v head dim of its own"):
+    with pytest.raises(ValueError, match="with v's head dim equal, or the MLA pair q/k 192 with v 128"):
         flash_metal.explain(q, k, v, True, None, "tensor_ops", **args)
 
 

@@ -250,13 +250,18 @@ def test_tensor_op_backward_pipelines_come_from_the_msl4_library(mpp_scenarios):
     # The forced tensor-op backward through the executed host: the dQ kernel, then the dK/dV kernel, both
     # from the MSL 4 library, replayed and checked against float64 (checks.tensor_ops_backward); then with a
     # window, softcap and sinks: the same two, then flash_sinks_grad from the MSL 3.1 library; then at D = 256
-    # the split-D pair (attention_backward_mpp_dsplit.h), its threadgroup memory as planned.
+    # the split-D pair (attention_backward_mpp_dsplit.h), its threadgroup memory as planned; then the MLA
+    # pair's forward and backward.
     r = mpp_scenarios["backward"]
     assert r["stage"] is None, r["error"]
+    # Then the MLA pair (q/k 192, v 128): its forward, dQ and dK/dV kernels from the MSL 4 library.
     pair = ["flash_backward_mpp_dq_float16_d64_bq64_bk32", "flash_backward_mpp_dkdv_float16_d64_bk64_bq32"]
     dsplit = ["flash_backward_mpp_dsplit_dq_bfloat16_d256_bq16_bk32_wn2",
               "flash_backward_mpp_dsplit_dkdv_bfloat16_d256_bk32_bq16_wn2"]
-    assert r["value"] == pair + pair + ["flash_sinks_grad"] + dsplit
+    mla = ["flash_attention_prefill_mpp_float16_dqk192_dv128_bq64_bk32",
+           "flash_backward_mpp_dq_float16_dqk192_dv128_bq32_bk32",
+           "flash_backward_mpp_dkdv_float16_dqk192_dv128_bk64_bq32"]
+    assert r["value"] == pair + pair + ["flash_sinks_grad"] + dsplit + mla
 
 
 @pytest.mark.parametrize("name,words", [

@@ -41,19 +41,25 @@ MPP_KERNEL_PREFIXES = (MPP_KERNEL_PREFIX, "flash_backward_mpp_")
 MPP_DSPLIT_KERNELS = MPP_KERNEL_PREFIX + "dsplit_*"
 # The D = 256 split-D backward: likewise (tests/backends.py, MPP_DSPLIT_BACKWARD_KERNELS).
 MPP_DSPLIT_BACKWARD_KERNELS = "flash_backward_mpp_dsplit_*"
+# The MLA pair's kernels (q/k 192, v 128: "_dqk192_dv128_"), left out of the default build too and built
+# alone where a check runs them (tests/backends.py, MPP_MLA_KERNELS).
+MPP_MLA_KERNELS = "flash_*_mpp_*_dqk*"
 
 
 def mpp_library(head_dim=None, backward=False):
-    """The emulator's MSL 4 build a scenario replays with: the default one (the dsplit kernels left out, the
-    same build as tests/backends.py's), or at head dim 256 the dsplit forward (backward=True: backward)
-    kernels alone. Either names every kernel of the source (source_kernel_names: the fake metallib's contents)."""
+    """The emulator's MSL 4 build a scenario replays with: the default one (the dsplit and MLA kernels left
+    out, the same build as tests/backends.py's), at head dim 256 the dsplit forward (backward=True: backward)
+    kernels alone, at "mla" the MLA pair's alone. Each names every kernel of the source (source_kernel_names:
+    the fake metallib's contents)."""
     from metal_emulator import compile_library
 
     if head_dim == 256:
         only = MPP_DSPLIT_BACKWARD_KERNELS if backward else MPP_DSPLIT_KERNELS
         return compile_library([MPP_SHADER], instrumented=False, msl=4, only=[only])
+    if head_dim == "mla":
+        return compile_library([MPP_SHADER], instrumented=False, msl=4, only=[MPP_MLA_KERNELS])
     return compile_library([MPP_SHADER], instrumented=False, msl=4,
-                           exclude=[MPP_DSPLIT_KERNELS, MPP_DSPLIT_BACKWARD_KERNELS])
+                           exclude=[MPP_DSPLIT_KERNELS, MPP_DSPLIT_BACKWARD_KERNELS, MPP_MLA_KERNELS])
 # Constants the .mm sets that the MPP kernels do not declare (tests/backends.py's MPP_UNDECLARED_CONSTANTS).
 MPP_UNDECLARED_CONSTANTS = (1, 2, 10)
 # First line of a fake metallib (fake_runtime.h: kFakeMetallibMagic).
