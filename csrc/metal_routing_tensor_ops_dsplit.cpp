@@ -200,12 +200,16 @@ bool tensor_ops_backward_route_all_d(const AttentionProblem& p, const GpuSpec& g
 
 void choose_tensor_ops_backward_all_d(const AttentionProblem& p, bool forced, const GpuSpec& gpu, KernelChoice* c) {
   constexpr const char* kBwd = "flash_metal.attention_backward";
+  if (is_tensor_ops_mla(p)) {  // the MLA pair (192, 128): the D <= 128 kernels' template
+    choose_tensor_ops_backward(p, forced, gpu, c);
+    return;
+  }
   TORCH_CHECK_TYPE(p.dtype == c10::ScalarType::Half || p.dtype == c10::ScalarType::BFloat16, kBwd,
                    ": impl='tensor_ops' takes float16 or bfloat16 q, k, v; got ", dtype_name(p.dtype),
                    " (float32 runs on impl='auto')");
   TORCH_CHECK_VALUE(p.head_dim == 64 || p.head_dim == 96 || p.head_dim == 128 || p.head_dim == kTensorOpsDsplitHeadDim,
                     kBwd, ": impl='tensor_ops' takes head_dim 64, 96, 128 or 256 (its instantiations, unpadded; 256 "
-                    "split along D); got ", p.head_dim, " (use impl='auto')");
+                    "split along D), or the MLA pair q/k 192 with v 128; got ", p.head_dim, " (use impl='auto')");
   if (p.head_dim != kTensorOpsDsplitHeadDim) {
     choose_tensor_ops_backward(p, forced, gpu, c);
     return;
