@@ -31,6 +31,8 @@ DTYPES = (torch.float16, torch.bfloat16)
 # split along D (attention_prefill_mpp_dsplit.h forward, attention_backward_mpp_dsplit.h backward).
 HEAD_DIMS = (64, 96, 128)
 FORWARD_HEAD_DIMS = HEAD_DIMS + (256,)
+# The MLA pair both passes serve (q/k 192, v 128: DeepSeek-V2/V3 prefill and training).
+MLA_DIMS = (192, 128)
 # Why this shape: GQA (4 query heads on 2 KV heads); 70 query rows, one full
 # 64-row block and a ragged one; 90 keys, two full 32-key blocks and a ragged
 # one; more keys than queries, so causal masking (bottom-right) cuts mid-block.
@@ -70,7 +72,12 @@ def cases(quick: bool) -> List[sweep.Case]:
     backward = [sweep.Case("backward", dt, d, SHAPE, causal=causal, grad_lse=True) for dt, d, causal in bgrid]
     options = sweep.Case("backward", torch.float16, 96, SHAPE, causal=True, mask="bool", window_left=40, softcap=4.0,
                          grad_lse=True)
-    return forward + backward + [options]
+    # The MLA pair, forward and backward, in the full grid (the macOS 26 CI leg's): both dtypes, causal and not.
+    mgrid = [] if quick else [(dt, causal) for dt in DTYPES for causal in (True, False)]
+    dqk, dv = MLA_DIMS
+    mla = [sweep.Case(family, dt, dqk, SHAPE, causal=causal, grad_lse=family == "backward", dv=dv)
+           for family in ("prefill", "backward") for dt, causal in mgrid]
+    return forward + backward + [options] + mla
 
 
 def case_id(case: sweep.Case) -> str:
@@ -179,8 +186,9 @@ def run_case(backend, case) -> dict:
     else:
         tops = _run_forced(backend, case, "tensor_ops", inputs, MPP_PREFIX)
         simd = _run_forced(backend, case, "prefill", inputs, SIMDGROUP_PREFIX, not_prefix=MPP_PREFIX)
-    record = {"id": case_id(case), "dtype": sweep.dtype_name(case.dtype), "head_dim": case.d, "causal": case.causal,
-              "shape": list(case.shape), "options": case.options_text()}
+    record = {"id": case_id(case), "dtype": sweep.dtype_name(case.dtype), "head_dim": case.d,
+              "head_dim_v": case.dv or case.d, "causal": case.causal, "shape": list(case.shape),
+              "options": case.options_text()}
     diff = None
     if "result" in tops and "result" in simd:
         diff = (tops["result"].double() - simd["result"].double()).abs().max().item()

@@ -46,6 +46,7 @@ class Case:
     grad_lse: bool = False
     lengths: Tuple[Tuple[int, int], ...] = ()  # varlen: (q rows, k rows) per sequence
     note: str = ""
+    dv: int = 0  # v's own head dim (MLA-style, e.g. q/k 192 with v 128); 0: v's is d
 
     @property
     def backward(self) -> bool:
@@ -58,7 +59,7 @@ class Case:
     @property
     def id(self) -> str:
         B, Hq, Hkv, Nq, Nk = self.shape
-        parts = [self.family, dtype_name(self.dtype), f"d{self.d}"]
+        parts = [self.family, dtype_name(self.dtype), f"d{self.d}"] + ([f"dv{self.dv}"] if self.dv else [])
         if self.lengths:
             parts.append("seqs" + "+".join(f"{a}x{b}" for a, b in self.lengths))
         else:
@@ -174,14 +175,14 @@ def make_inputs(case: Case) -> Dict[str, object]:
         tq, tk = sum(a for a, _ in case.lengths), sum(b for _, b in case.lengths)
         q = (torch.randn(tq, Hq, case.d, generator=g) * amp).to(case.dtype)
         k = (torch.randn(tk, Hkv, case.d, generator=g) * amp).to(case.dtype)
-        v = torch.randn(tk, Hkv, case.d, generator=g).to(case.dtype)
+        v = torch.randn(tk, Hkv, case.dv or case.d, generator=g).to(case.dtype)
         cq = torch.tensor([0] + [a for a, _ in case.lengths], dtype=torch.int32).cumsum(0, dtype=torch.int32)
         ck = torch.tensor([0] + [b for _, b in case.lengths], dtype=torch.int32).cumsum(0, dtype=torch.int32)
         inputs["varlen"] = (cq, ck, max(a for a, _ in case.lengths), max(b for _, b in case.lengths))
     else:
         q = (torch.randn(B, Hq, Nq, case.d, generator=g) * amp).to(case.dtype)
         k = (torch.randn(B, Hkv, Nk, case.d, generator=g) * amp).to(case.dtype)
-        v = torch.randn(B, Hkv, Nk, case.d, generator=g).to(case.dtype)
+        v = torch.randn(B, Hkv, Nk, case.dv or case.d, generator=g).to(case.dtype)
         if case.mask == "bool":  # right padding: batch entry b keeps its first Nk - 7 (b + 1) keys (at least one)
             keep = torch.arange(Nk)[None, :] < torch.tensor([max(1, Nk - 7 * (b + 1)) for b in range(B)])[:, None]
             opts["attn_mask"] = keep[:, None, None, :]
@@ -194,7 +195,8 @@ def make_inputs(case: Case) -> Dict[str, object]:
         # The forward's out and lse from the float64 oracle (rounded as a kernel stores them), so a
         # backward check measures the backward kernels alone.
         if case.lengths:
-            out, lse = torch.empty_like(q), torch.empty(q.shape[1], q.shape[0], dtype=torch.float32)
+            out = q.new_empty(q.shape[:-1] + (v.shape[-1],))
+            lse = torch.empty(q.shape[1], q.shape[0], dtype=torch.float32)
             for qs, ks in testing.varlen_sequences(*inputs["varlen"][:2]):
                 o, l_ = attention_reference(testing.as_batch(q, qs), testing.as_batch(k, ks),
                                             testing.as_batch(v, ks), case.causal, None, **opts)
@@ -203,7 +205,7 @@ def make_inputs(case: Case) -> Dict[str, object]:
         else:
             o, l_ = attention_reference(q, k, v, case.causal, None, **opts)
             out, lse = o.to(case.dtype), l_.float()
-        inputs.update(out=out, lse=lse, grad_out=torch.randn(q.shape, generator=g).to(case.dtype))
+        inputs.update(out=out, lse=lse, grad_out=torch.randn(out.shape, generator=g).to(case.dtype))
         inputs["grad_lse"] = torch.randn(lse.shape, generator=g) if case.grad_lse else None
     return inputs
 
@@ -225,8 +227,8 @@ def compare(case: Case, inputs: dict, result) -> List[testing.Comparison]:
 def run_case(backend, case: Case) -> dict:
     """One check: the record selfcheck.json holds for it."""
     record = {"id": case.id, "family": case.family, "direction": "backward" if case.backward else "forward",
-              "dtype": dtype_name(case.dtype), "head_dim": case.d, "shape": list(case.shape),
-              "options": case.options_text(), "kernels": [], "comparisons": [], "status": "error", "message": ""}
+              "dtype": dtype_name(case.dtype), "head_dim": case.d, "head_dim_v": case.dv or case.d,
+              "shape": list(case.shape), "options": case.options_text(), "kernels": [], "comparisons": [], "status": "error", "message": ""}
     t0 = time.perf_counter()
     try:
         inputs = make_inputs(case)

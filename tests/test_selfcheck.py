@@ -543,3 +543,24 @@ def test_markdown_stays_pasteable_with_many_checks():
               "platform": {}, "lane_probe": {"status": "passed"}, "checks": [check] * 2000, "timing": {}}
     md = report_mod.to_markdown(report)
     assert len(md) < report_mod.MAX_MARKDOWN and "selfcheck.json" in md
+
+
+def test_accelerator_section_checks_the_mla_pair_both_passes():
+    # The full grid (the macOS 26 CI leg runs it) has the MLA pair (q/k 192, v 128) forward and backward, with
+    # v, out and grad_out 128 wide; one case runs through the emulated backend and passes both sides, the
+    # tensor-op side on the pair's own kernels.
+    _need_emulator()
+    from flash_metal import _selfcheck_accel as accel
+
+    mla = [c for c in accel.cases(quick=False) if c.dv]
+    assert {(c.family, c.d, c.dv) for c in mla} == {("prefill", 192, 128), ("backward", 192, 128)} and len(mla) == 8
+    assert not [c for c in accel.cases(quick=True) if c.dv]
+    case = next(c for c in mla if c.backward and c.dtype == torch.bfloat16 and c.causal)
+    inputs = sweep.make_inputs(case)
+    assert inputs["v"].shape[-1] == inputs["out"].shape[-1] == inputs["grad_out"].shape[-1] == 128
+    assert inputs["q"].shape[-1] == inputs["k"].shape[-1] == 192
+    rec = accel.run_case(selfcheck.make_backend("metal-emu", ROOT), case)
+    assert rec["status"] == "passed", rec["message"]
+    assert rec["id"].startswith("tensor_ops_backward-bfloat16-d192-dv128-") and rec["head_dim_v"] == 128
+    assert rec["tensor_ops"]["kernels"][:2] == ["flash_backward_mpp_dq_bfloat16_dqk192_dv128_bq32_bk32",
+                                                "flash_backward_mpp_dkdv_bfloat16_dqk192_dv128_bk64_bq32"]
