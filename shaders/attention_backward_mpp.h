@@ -132,6 +132,96 @@ FM_INLINE void mpp_row_stats(threadgroup float* st, float l, float dl) {
   st[3] = seen ? 1.0f : 0.0f;
 }
 
+// The query blocks (BQ rows each) a dK/dV threadgroup walks, for keys
+// [tg_key0, tg_key0 + tg_keys): [begin, end) see some of them (the loop
+// every thread runs, for the barriers); [own_begin, own_end) see some of
+// keys [key0, key0 + keys), the ones a SIMD-group (or a split-D pair)
+// computes. Causal (or a right window): query i sees key j only if i >= j -
+// upper; a left window, only if i <= j - lower. Shared by the dK/dV kernels
+// here and in attention_backward_mpp_dsplit.h.
+struct MppQueryBlocks {
+  int begin, end, own_begin, own_end;
+};
+template <int BQ>
+FM_INLINE MppQueryBlocks mpp_query_blocks(SeqView seq, int tg_key0, int tg_keys, int key0, int keys) {
+  const int tg_last_key = min(tg_key0 + tg_keys, seq.kv_len) - 1, own_last_key = min(key0 + keys, seq.kv_len) - 1;
+  const int tg_first_row = fc_causal ? clamp(tg_key0 - seq.upper, 0, seq.q_len) : 0;
+  const int own_first_row = fc_causal ? clamp(key0 - seq.upper, 0, seq.q_len) : 0;
+  const int tg_row_end = fc_window_left ? clamp(tg_last_key - seq.lower + 1, 0, seq.q_len) : seq.q_len;
+  const int own_row_end = fc_window_left ? clamp(own_last_key - seq.lower + 1, 0, seq.q_len) : seq.q_len;
+  MppQueryBlocks b;
+  b.begin = tg_first_row / BQ;
+  b.end = (tg_row_end + BQ - 1) / BQ;
+  b.own_begin = own_first_row / BQ;
+  b.own_end = (own_row_end + BQ - 1) / BQ;
+  return b;
+}
+
+// One query head's rows as a dK/dV kernel streams them: Q and dO of the
+// sequence (element strides), the offset of its lse, its Delta (packed) and
+// its mask slice. Shared as mpp_query_blocks is.
+template <typename T>
+struct MppHeadRows {
+  device const T* q;
+  device const T* dout;
+  device const float* delta;
+  int64_t lse;
+  int64_t mask_slice;
+  int qs, qd, ds, dd;
+};
+template <typename T>
+FM_INLINE MppHeadRows<T> mpp_head_rows(constant AttentionParams& p, SeqView seq, uint batch, uint head, uint packed_b,
+                                       int packed_q, device const T* q, device const T* dout,
+                                       device const float* delta) {
+  HeadOffsets h = head_offsets(p, batch, head);
+  MppHeadRows<T> r;
+  r.q = q + h.q + seq.q_row0 * p.q_row_stride;
+  r.dout = dout + int64_t(batch) * p.do_batch_stride + int64_t(head) * p.do_head_stride + seq.q_row0 * p.do_row_stride;
+  r.delta = delta + mpp_packed_row(packed_b, head, p.q_heads, packed_q, seq.q_row0, 1);
+  r.lse = h.lse + seq.q_row0 * p.lse_row_stride;
+  r.mask_slice = fc_has_mask ? mask_head_offset(p, batch, head) : 0;
+  r.qs = int(p.q_row_stride);
+  r.qd = int(p.q_dim_stride);
+  r.ds = int(p.do_row_stride);
+  r.dd = int(p.do_dim_stride);
+  return r;
+}
+
+// Stages query block [q0, q0 + BQ) of one head into threadgroup memory for
+// all the threadgroup's SIMD-groups: Q (BQ x D) and dO (BQ x DV) rows, zeros
+// past the sequence, thread t copying elements t, t + THREADS, ...
+// (consecutive threads, consecutive features; offsets within the head in
+// int32, checked by the host), and each query's stats from one thread. The
+// caller's barrier follows; the previous block's reads ended at its own.
+template <typename T, int D, int DV, int BQ, int THREADS>
+FM_INLINE void mpp_stage_query_block(MppHeadRows<T> hr, device const float* lse, constant AttentionParams& p, int q0,
+                                     int q_len, uint tid, threadgroup T* q_blk, threadgroup T* do_blk,
+                                     threadgroup float* stats) {
+  for (int e = int(tid); e < BQ * D; e += THREADS) {
+    const int r = e / D, c = e - r * D;  // D a template constant: no division at run time
+    const int row = q0 + r;
+    const bool in = row < q_len;
+    q_blk[e] = in ? hr.q[row * hr.qs + c * hr.qd] : static_cast<T>(0.0f);
+    if (DV == D) do_blk[e] = in ? hr.dout[row * hr.ds + c * hr.dd] : static_cast<T>(0.0f);
+  }
+  if (DV != D) {  // dO at its own width (MLA): a loop of its own
+    for (int e = int(tid); e < BQ * DV; e += THREADS) {
+      const int r = e / DV, c = e - r * DV;
+      const int row = q0 + r;
+      do_blk[e] = row < q_len ? hr.dout[row * hr.ds + c * hr.dd] : static_cast<T>(0.0f);
+    }
+  }
+  if (int(tid) < BQ) {
+    const int row = q0 + int(tid);
+    float l = as_type<float>(kNegInfBits), dl = 0.0f;
+    if (row < q_len) {
+      l = lse[hr.lse + int64_t(row) * p.lse_row_stride];
+      dl = hr.delta[row];
+    }
+    mpp_row_stats(stats + int(tid) * kMppStats, l, dl);
+  }
+}
+
 // P of one element from its raw score s and its row's stats (0 where the
 // key is dropped or the row saw none), the simdgroup backward's
 // exp2(fma(S, scale_log2, -m2) - m2lo). With fc_softcap or fc_has_mask the
@@ -399,15 +489,8 @@ template <typename T, int D, int DV, int BKV, int BQ>
 
   // Query blocks that see some key of the threadgroup (the loop every
   // thread runs, for the barriers), and of this SIMD-group (the blocks it
-  // computes): causal (or a right window), query i sees key j only if i >=
-  // j - upper; a left window, only if i <= j - lower.
-  const int tg_last_key = min(tg_key0 + BKV, seq.kv_len) - 1, sg_last_key = min(key0 + R, seq.kv_len) - 1;
-  const int tg_first_row = fc_causal ? clamp(tg_key0 - seq.upper, 0, seq.q_len) : 0;
-  const int sg_first_row = fc_causal ? clamp(key0 - seq.upper, 0, seq.q_len) : 0;
-  const int tg_row_end = fc_window_left ? clamp(tg_last_key - seq.lower + 1, 0, seq.q_len) : seq.q_len;
-  const int sg_row_end = fc_window_left ? clamp(sg_last_key - seq.lower + 1, 0, seq.q_len) : seq.q_len;
-  const int qb_begin = tg_first_row / BQ, sg_qb_begin = sg_first_row / BQ;
-  const int qb_end = (tg_row_end + BQ - 1) / BQ, sg_qb_end = (sg_row_end + BQ - 1) / BQ;
+  // computes).
+  const MppQueryBlocks qbs = mpp_query_blocks<BQ>(seq, tg_key0, BKV, key0, R);
 
   // The group's query heads in a fixed order, summed in the float32
   // registers of the accumulators (16-bit gradients: their rounding dwarfs
@@ -420,49 +503,12 @@ template <typename T, int D, int DV, int BKV, int BQ>
   auto dp = st_op.template get_destination_cooperative_tensor<KT, QT, float>();
   for (int g = 0; g < p.gqa_ratio; ++g) {
     const uint head = kv_head * uint(p.gqa_ratio) + uint(g);
-    HeadOffsets h = head_offsets(p, group.z, head);
-    h.q += seq.q_row0 * p.q_row_stride;
-    h.lse += seq.q_row0 * p.lse_row_stride;
-    const int64_t do_head = int64_t(group.z) * p.do_batch_stride + int64_t(head) * p.do_head_stride +
-                            seq.q_row0 * p.do_row_stride;
-    device const float* head_delta = delta + mpp_packed_row(packed_b, head, p.q_heads, packed_q, seq.q_row0, 1);
-    const int64_t mask_slice = fc_has_mask ? mask_head_offset(p, group.z, head) : 0;
-    device const T* q_head = q + h.q;
-    device const T* do_head_ptr = dout + do_head;
-    const int qs = int(p.q_row_stride), qd = int(p.q_dim_stride);
-    const int ds = int(p.do_row_stride), dd = int(p.do_dim_stride);
-    for (int qb = qb_begin; qb < qb_end; ++qb) {
+    const MppHeadRows<T> hr = mpp_head_rows(p, seq, group.z, head, packed_b, packed_q, q, dout, delta);
+    for (int qb = qbs.begin; qb < qbs.end; ++qb) {
       const int q0 = qb * BQ;
-      // Stage the block: Q and dO rows (zeros past the sequence), thread t
-      // copying elements t, t + THREADS, ... (consecutive threads,
-      // consecutive features; offsets within the head in int32, checked by
-      // the host), and each query's stats from one thread. The previous
-      // block's reads of all three ended at its closing barrier.
-      for (int e = int(tid); e < BQ * D; e += THREADS) {
-        const int r = e / D, c = e - r * D;  // D a template constant: no division at run time
-        const int row = q0 + r;
-        const bool in = row < seq.q_len;
-        q_blk[e] = in ? q_head[row * qs + c * qd] : static_cast<T>(0.0f);
-        if (DV == D) do_blk[e] = in ? do_head_ptr[row * ds + c * dd] : static_cast<T>(0.0f);
-      }
-      if (DV != D) {  // dO at its own width (MLA): a loop of its own
-        for (int e = int(tid); e < BQ * DV; e += THREADS) {
-          const int r = e / DV, c = e - r * DV;
-          const int row = q0 + r;
-          do_blk[e] = row < seq.q_len ? do_head_ptr[row * ds + c * dd] : static_cast<T>(0.0f);
-        }
-      }
-      if (int(tid) < BQ) {
-        const int row = q0 + int(tid);
-        float l = as_type<float>(kNegInfBits), dl = 0.0f;
-        if (row < seq.q_len) {
-          l = lse[h.lse + int64_t(row) * p.lse_row_stride];
-          dl = head_delta[row];
-        }
-        mpp_row_stats(stats + int(tid) * kMppStats, l, dl);
-      }
+      mpp_stage_query_block<T, D, DV, BQ, THREADS>(hr, lse, p, q0, seq.q_len, tid, q_blk, do_blk, stats);
       threadgroup_barrier(mem_flags::mem_threadgroup);  // the block staged before any SIMD-group reads it (RAW)
-      if (active && qb >= sg_qb_begin && qb < sg_qb_end) {  // uniform per SIMD-group
+      if (active && qb >= qbs.own_begin && qb < qbs.own_end) {  // uniform per SIMD-group
         st_op.run(tkt, tq, s);
         st_op.run(tvt, tdo, dp);
         // P^T and dS^T = P^T * (dP^T - Delta) into threadgroup memory,
@@ -478,7 +524,7 @@ template <typename T, int D, int DV, int BKV, int BQ>
           if (left_edge && key < row + seq.lower) keep = false;
           threadgroup const float* st = stats + idx[0] * kMppStats;
           float cap_grad;
-          const float pw = mpp_weight<T>(p, mask, mask_slice, row, key, st, s[i], keep, &cap_grad);
+          const float pw = mpp_weight<T>(p, mask, hr.mask_slice, row, key, st, s[i], keep, &cap_grad);
           pt_tile[idx[1] * BQ + idx[0]] = static_cast<T>(pw);
           dst_tile[idx[1] * BQ + idx[0]] = static_cast<T>(pw * (dp[i] - st[2]) * cap_grad);
         }

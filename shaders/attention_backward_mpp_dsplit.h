@@ -325,13 +325,7 @@ template <typename T, int D, int BKV, int BQ, int WN>
 
   // Query blocks that see some key of the threadgroup (every thread's loop)
   // and of this pair (the blocks it computes), as attention_backward_mpp.h.
-  const int tg_last_key = min(tg_key0 + BKV, seq.kv_len) - 1, pr_last_key = min(key0 + R, seq.kv_len) - 1;
-  const int tg_first_row = fc_causal ? clamp(tg_key0 - seq.upper, 0, seq.q_len) : 0;
-  const int pr_first_row = fc_causal ? clamp(key0 - seq.upper, 0, seq.q_len) : 0;
-  const int tg_row_end = fc_window_left ? clamp(tg_last_key - seq.lower + 1, 0, seq.q_len) : seq.q_len;
-  const int pr_row_end = fc_window_left ? clamp(pr_last_key - seq.lower + 1, 0, seq.q_len) : seq.q_len;
-  const int qb_begin = tg_first_row / BQ, pr_qb_begin = pr_first_row / BQ;
-  const int qb_end = (tg_row_end + BQ - 1) / BQ, pr_qb_end = (pr_row_end + BQ - 1) / BQ;
+  const MppQueryBlocks qbs = mpp_query_blocks<BQ>(seq, tg_key0, BKV, key0, R);
 
   auto dk_acc = acc_op.template get_destination_cooperative_tensor<PT, QT, float>();
   auto dv_acc = acc_op.template get_destination_cooperative_tensor<PT, QT, float>();
@@ -341,41 +335,13 @@ template <typename T, int D, int BKV, int BQ, int WN>
   auto dp = st_op.template get_destination_cooperative_tensor<KT, QT, float>();
   for (int g = 0; g < p.gqa_ratio; ++g) {
     const uint head = kv_head * uint(p.gqa_ratio) + uint(g);
-    HeadOffsets h = head_offsets(p, group.z, head);
-    h.q += seq.q_row0 * p.q_row_stride;
-    h.lse += seq.q_row0 * p.lse_row_stride;
-    const int64_t do_head = int64_t(group.z) * p.do_batch_stride + int64_t(head) * p.do_head_stride +
-                            seq.q_row0 * p.do_row_stride;
-    device const float* head_delta = delta + mpp_packed_row(packed_b, head, p.q_heads, packed_q, seq.q_row0, 1);
-    const int64_t mask_slice = fc_has_mask ? mask_head_offset(p, group.z, head) : 0;
-    device const T* q_head = q + h.q;
-    device const T* do_head_ptr = dout + do_head;
-    const int qs = int(p.q_row_stride), qd = int(p.q_dim_stride);
-    const int ds = int(p.do_row_stride), dd = int(p.do_dim_stride);
-    for (int qb = qb_begin; qb < qb_end; ++qb) {
+    const MppHeadRows<T> hr = mpp_head_rows(p, seq, group.z, head, packed_b, packed_q, q, dout, delta);
+    for (int qb = qbs.begin; qb < qbs.end; ++qb) {
       const int q0 = qb * BQ;
-      // Stage the block (whole rows of D: both halves of both pairs read
-      // it), thread t copying elements t, t + THREADS, ...; each query's
-      // stats from one thread. The previous block's reads ended at its
-      // closing barrier.
-      for (int e = int(tid); e < BQ * D; e += THREADS) {
-        const int r = e / D, c = e - r * D;
-        const int row = q0 + r;
-        const bool in = row < seq.q_len;
-        q_blk[e] = in ? q_head[row * qs + c * qd] : static_cast<T>(0.0f);
-        do_blk[e] = in ? do_head_ptr[row * ds + c * dd] : static_cast<T>(0.0f);
-      }
-      if (int(tid) < BQ) {
-        const int row = q0 + int(tid);
-        float l = as_type<float>(kNegInfBits), dl = 0.0f;
-        if (row < seq.q_len) {
-          l = lse[h.lse + int64_t(row) * p.lse_row_stride];
-          dl = head_delta[row];
-        }
-        mpp_row_stats(stats + int(tid) * kMppStats, l, dl);
-      }
+      // Whole rows of D: both halves of both pairs read the block.
+      mpp_stage_query_block<T, D, D, BQ, THREADS>(hr, lse, p, q0, seq.q_len, tid, q_blk, do_blk, stats);
       threadgroup_barrier(mem_flags::mem_threadgroup);  // the block staged before any SIMD-group reads it (RAW)
-      const bool compute = active && qb >= pr_qb_begin && qb < pr_qb_end;  // uniform per pair
+      const bool compute = active && qb >= qbs.own_begin && qb < qbs.own_end;  // uniform per pair
       if (compute) {
         st_op.run(tkt, tq, s);
         st_op.run(tvt, tdo, dp);
@@ -401,7 +367,7 @@ template <typename T, int D, int BKV, int BQ, int WN>
           if (left_edge && key < row + seq.lower) keep = false;
           threadgroup const float* st = stats + idx[0] * kMppStats;
           float cap_grad;
-          const float pw = mpp_weight<T>(p, mask, mask_slice, row, key, st, s_full, keep, &cap_grad);
+          const float pw = mpp_weight<T>(p, mask, hr.mask_slice, row, key, st, s_full, keep, &cap_grad);
           pt_tile[idx[1] * BQ + idx[0]] = static_cast<T>(pw);
           dst_tile[idx[1] * BQ + idx[0]] = static_cast<T>(pw * (dp_full - st[2]) * cap_grad);
         }
