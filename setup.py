@@ -102,10 +102,57 @@ def _openmp_flags():
     return []
 
 
+def _cxx_compiler():
+    """The C++ compiler distutils will run: $CXX, else Python's configured CXX, else c++."""
+    import shlex
+    import sysconfig
+    return shlex.split(os.environ.get("CXX") or sysconfig.get_config_var("CXX") or "c++")[0]
+
+
+def _shared_libstdcxx_args(cxx=None, maps="/proc/self/maps"):
+    """Link the process's libstdc++.so.6 explicitly where the compiler would link libstdc++.a (issue 39).
+
+    A relocated GCC without libstdc++.so (seen on an AMX Xeon: /opt/gcc/bin/g++,
+    Ubuntu's gcc 13.3 copied without its shared runtime) links libstdc++.a into
+    the extension silently. The process then holds two C++ runtimes: torch's
+    libstdc++.so.6 and the extension's private copy, whose locale and iostream
+    state were never set up. The first `ostream << long` in the extension (any
+    error message with a number in it, e.g. "q must be 4-D; got a 3-D tensor")
+    crashed with SIGSEGV instead of raising ValueError. Naming the already
+    loaded libstdc++.so.6 on the link line (before g++'s implicit -lstdc++)
+    resolves every C++ runtime symbol from it, so nothing of libstdc++.a is
+    pulled in. Returns [] where the compiler has its shared libstdc++ (the
+    usual case) and off Linux.
+    """
+    if not sys.platform.startswith("linux"):
+        return []
+    try:
+        found = subprocess.run([cxx or _cxx_compiler(), "-print-file-name=libstdc++.so"], capture_output=True,
+                               text=True, timeout=60).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return []
+    if os.path.isabs(found) and os.path.exists(found):
+        return []  # the compiler links its shared libstdc++: nothing to do
+    try:
+        with open(maps) as f:
+            loaded = sorted({line.split()[-1] for line in f if "/libstdc++.so" in line})
+    except OSError:
+        loaded = []
+    if not loaded:
+        sys.exit(f"flash_metal: the C++ compiler {cxx or _cxx_compiler()} has no shared libstdc++ (it would link "
+                 "libstdc++.a into the extension, which crashes on the first error message) and this process "
+                 "has no libstdc++.so.6 loaded to link instead; set CXX to a compiler with its shared runtime "
+                 "(e.g. CXX=/usr/bin/g++)")
+    print(f"flash_metal: {cxx or _cxx_compiler()} has no shared libstdc++ (-print-file-name gave {found!r}); "
+          f"linking {loaded[0]} explicitly so that no static copy of the C++ runtime enters the extension",
+          file=sys.stderr)
+    return [loaded[0]]
+
+
 def _extension():
     sources = sorted(glob.glob("csrc/*.cpp")) + sorted(glob.glob("csrc/cpu/*.cpp"))
     extra_compile_args = {"cxx": _cxx_flags()}
-    extra_link_args = list(_openmp_flags())
+    extra_link_args = list(_openmp_flags()) + _shared_libstdcxx_args()
     if BUILD_MPS:
         sources += sorted(glob.glob("csrc/mps/*.mm"))
         # PyTorch's MPS headers assume manual retain/release: never ARC.

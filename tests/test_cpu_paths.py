@@ -173,18 +173,67 @@ def test_bad_path_is_a_clear_error(monkeypatch):
         flash_metal.attention(q, q, q)
 
 
-def test_vnni_pack_layout():
-    """The pair-interleaved layout brgemm_tiles.h relies on (matrix_units.h pack_b):
-    out[(k // 2) * 2N + 2n + k % 2] = in[k][n]. Only where ATen can pack for AMX."""
+def blocked_vnni(b):
+    """matrix_units.h's packed B: 64-column blocks, block b of nb columns packed pair-interleaved with
+    ld_out = nb rounded up to 16 (pad columns zero): out[(k // 2) * 2 ld_out + 2n + k % 2] = in[k][n]."""
+    K, N = b.shape
+    parts = []
+    for c0 in range(0, N, 64):
+        nb = min(64, N - c0)
+        ldo = -(-nb // 16) * 16
+        blk = torch.zeros(K, ldo, dtype=b.dtype)
+        blk[:, :nb] = b[:, c0:c0 + nb]
+        parts.append(blk.view(K // 2, 2, ldo).transpose(1, 2).reshape(-1))
+    return torch.cat(parts)
+
+
+@pytest.mark.parametrize("N", [40, 64, 100, 128, 200])
+def test_vnni_pack_layout(N):
+    """The blocked pair-interleaved layout brgemm_tiles.h relies on, packed by ATen (matrix_units.h pack_b),
+    and the emulation bit for bit equal to it. Only where ATen can pack for AMX. (Before issue 39 one pack of
+    all N columns: ATen refuses N > 64, so every bfloat16 call on an AMX Xeon raised.)"""
     feats = dict(zip(*torch.ops.flash_metal.cpu_features()))
     if not feats["could_pack_bf16"]:
         pytest.skip("ATen cannot pack bfloat16 for the matrix units on this CPU (no AMX): layout not checkable here")
-    K, N = 6, 40
+    K = 6
     b = torch.randn(K, N).to(torch.bfloat16)
     packed = torch.ops.flash_metal.cpu_vnni_pack(b)
-    want = b.view(K // 2, 2, N).transpose(1, 2).reshape(-1)
-    assert torch.equal(packed, want)
+    assert torch.equal(packed, blocked_vnni(b))
     assert torch.equal(torch.ops.flash_metal.cpu_vnni_pack(b, emulated=True), packed)  # the emulation is ATen's
+
+
+# ld_out values around ATen's accepted set {16, 32, 48, 64} (oneDNN's transform; measured on an AMX Xeon).
+LD_OUTS = [8, 16, 24, 32, 40, 48, 56, 64, 80, 96, 128]
+
+
+@pytest.mark.parametrize("dtype", HALF_TYPES, ids=dtype_id)
+def test_emulated_pack_refuses_what_aten_refuses(dtype):
+    """One pack call per ld_out: the emulation accepts exactly ld_out in {16, 32, 48, 64} and refuses the rest
+    with oneDNN's words, on any CPU. Where ATen can pack (AMX), ATen's own pack is asked the same and must agree,
+    call by call, and write the same bits. Planted "pack all D columns at once" (kPackBlock = 128 in
+    matrix_units.h): the emulated D = 128 / 80 cases below raise this refusal."""
+    can_aten = dict(zip(*torch.ops.flash_metal.cpu_features()))[
+        "could_pack_bf16" if dtype == torch.bfloat16 else "could_pack_f16"] == 1
+    K, N = 10, 8
+    b = torch.randn(K, N).to(dtype)
+    for ld_out in LD_OUTS:
+        ok = ld_out in (16, 32, 48, 64)
+        if ok:
+            got = torch.ops.flash_metal.cpu_vnni_pack(b, emulated=True, ld_out=ld_out)
+            pad = torch.zeros(K, ld_out, dtype=dtype)
+            pad[:, :N] = b
+            assert torch.equal(got, pad.view(K // 2, 2, ld_out).transpose(1, 2).reshape(-1)), ld_out
+        else:
+            with pytest.raises(RuntimeError, match="could not create a BRGeMM ukernel packing B object"):
+                torch.ops.flash_metal.cpu_vnni_pack(b, emulated=True, ld_out=ld_out)
+        if can_aten:
+            if ok:
+                assert torch.equal(torch.ops.flash_metal.cpu_vnni_pack(b, ld_out=ld_out), got), ld_out
+            else:
+                with pytest.raises(RuntimeError, match="could not create a BRGeMM ukernel packing B object"):
+                    torch.ops.flash_metal.cpu_vnni_pack(b, ld_out=ld_out)
+    with pytest.raises(ValueError, match="ld_out must be at least b's column count"):
+        torch.ops.flash_metal.cpu_vnni_pack(torch.randn(4, 40).to(dtype), emulated=True, ld_out=32)
 
 
 # --- backward ----------------------------------------------------------------------------------
@@ -245,6 +294,8 @@ EMU_CASES = [
     ("gqa-dqk-ne-dv", 1, 4, 2, 131, 97, 40, 25, True, None),
     ("bool-mask", 2, 2, 2, 45, 101, 63, 63, False, _mask_bool),
     ("window-softcap", 1, 2, 1, 99, 221, 47, 47, True, lambda *a: {"window_left": 37, "softcap": 5.0}),
+    # Wider than one 64-column pack block (issue 39): D_qk 128 (two blocks), D_v 80 (64 + a ragged 16).
+    ("d128-dv80", 1, 4, 2, 77, 109, 128, 80, True, None),
 ]
 EMU_FWD_ONLY = [  # the forward's GQA-packed decode items and sinks
     ("decode-gqa", 2, 8, 2, 1, 197, 65, 65, False, None),
@@ -311,12 +362,13 @@ def test_emulated_vnni_varlen(emulated):
 
 
 @pytest.mark.parametrize("dtype", HALF_TYPES, ids=dtype_id)
-def test_emulated_pack_layout(dtype):
-    """The emulated pack writes the documented layout out[(k // 2) * 2N + 2n + k % 2] = in[k][n], on any CPU."""
-    K, N = 6, 37
+@pytest.mark.parametrize("N", [37, 64, 150])
+def test_emulated_pack_layout(dtype, N):
+    """The emulated pack writes the documented blocked layout (blocked_vnni), on any CPU."""
+    K = 6
     b = torch.randn(K, N).to(dtype)
     packed = torch.ops.flash_metal.cpu_vnni_pack(b, emulated=True)
-    assert torch.equal(packed, b.view(K // 2, 2, N).transpose(1, 2).reshape(-1))
+    assert torch.equal(packed, blocked_vnni(b))
     with pytest.raises(ValueError, match="even row count"):
         torch.ops.flash_metal.cpu_vnni_pack(b[:5], emulated=True)
 

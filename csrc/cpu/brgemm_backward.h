@@ -42,6 +42,9 @@ namespace {
 // Why: an odd row count of a block (nq < kBlockQ, nk < kBlockK) is padded
 // to even inside the block's buffers, whose leading dims are the block sizes.
 static_assert(kBlockQ % 2 == 0 && kBlockK % 2 == 0, "the VNNI pads live inside the blocks");
+// Why: packed QT / dOT (N = ncols <= kBlockQ) take round_up(ncols, 16)
+// columns (matrix_units.h's column blocks), which must fit their slots.
+static_assert(kBlockQ % 16 == 0, "packed QT / dOT blocks are padded to 16 columns");
 
 // The 16-bit operands of one thread (bfloat16 and float16 are both 2 bytes:
 // stored as uint16_t, read as T by the templated members).
@@ -58,7 +61,7 @@ struct MxBackward {
   std::vector<uint16_t> qr, dor;     // kBlockQ x D, kBlockQ x Dv: Q, dO rows when copied
   std::vector<uint16_t> kb, vb;      // kBlockK x Dq2, kBlockK x Dv2: K, V block rows when copied
   std::vector<uint16_t> qtp, dotp;   // VNNI: QT, dOT packed (N = ncols)
-  std::vector<uint16_t> qp, dop, kp;  // VNNI: Q, dO, K block packed (N = D, Dv, D)
+  std::vector<uint16_t> qp, dop, kp;  // VNNI: Q, dO, K block packed (N = D, Dv, D; packed_elems)
   std::vector<uint16_t> pt, dst, ds;  // kBlockK x kBlockQ: PT, dST rounded; kBlockQ x kBlockK: dS
   Op a_k, a_v, b_qt, b_dot, b_q, b_do, b_k;  // the current blocks' operands
 
@@ -74,9 +77,9 @@ struct MxBackward {
     if (packs(v)) {
       qtp.resize(qt.size());
       dotp.resize(dot.size());
-      qp.resize(qr.size());
-      dop.resize(dor.size());
-      kp.resize(kBlockK * D);
+      qp.resize(packed_elems(kBlockQ, D));
+      dop.resize(packed_elems(kBlockQ, Dv));
+      kp.resize(packed_elems(kBlockK, D));
     }
     for (auto* b : {&pt, &dst, &ds}) b->resize(kBlockK * kBlockQ);
   }

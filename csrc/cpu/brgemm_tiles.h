@@ -39,6 +39,9 @@ namespace {
 // per key). Why kBlockK rounded up to even: the VNNI path pads an odd key
 // count to even, and no other constraint applies (192 bytes at 96 keys).
 constexpr int64_t kPtLd = (kBlockK + 1) / 2 * 2;
+// Why: a packed QT of ncols <= kBlockQ columns takes Dp x round_up(ncols, 16)
+// elements (matrix_units.h), which must fit the Dp x kBlockQ slot.
+static_assert(kBlockQ % 16 == 0, "packed QT blocks are padded to 16 columns");
 
 // Per-thread buffers of the brgemm path, in the input dtype T (value-
 // initialised: zero, so the pads are zero).
@@ -50,12 +53,12 @@ struct MxBuffers {
   std::vector<T> stage;  // Dp x kBlockQ: QT before its VNNI pack
   std::vector<T> kb;     // kBlockK x Dp: K rows when they cannot be read in place
   std::vector<T> vb;     // (kBlockK + 1) x Dv: V rows when they cannot be read in place (+1: the even pad)
-  std::vector<T> vp;     // the same, VNNI-packed
+  std::vector<T> vp;     // the same, VNNI-packed (column blocks of <= 64, matrix_units.h)
   std::vector<T> pt;     // kBlockQ x kPtLd: P^T rounded to T
   MxBuffers(int64_t max_sub, int64_t D, int64_t Dv, Vnni vnni_)
       : vnni(vnni_), Dp(packs(vnni_) ? round_up(D, 2) : D), qt(max_sub * Dp * kBlockQ),
         stage(packs(vnni_) ? Dp * kBlockQ : 0), kb(kBlockK * Dp), vb((kBlockK + 1) * Dv),
-        vp(packs(vnni_) ? (kBlockK + 1) * Dv : 0), pt(kBlockQ * kPtLd) {}
+        vp(packs(vnni_) ? packed_elems(kBlockK + 1, Dv) : 0), pt(kBlockQ * kPtLd) {}
 };
 
 // One sub-block's query rows -> QT (Dp x ncols) in T, unscaled: column c is

@@ -10,6 +10,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <optional>
 #include <atomic>
 #include <cstdlib>
 #include <cstring>
@@ -202,10 +203,16 @@ void count_cpu_path(const PathChoice& pc, bool backward) {
 // is checked against a layout independent of oneDNN's.
 namespace {
 
-void emulated_pack(int64_t K, int64_t N, int64_t ld_in, const uint16_t* in, uint16_t* out) {
+// One column block, as ATen's pack (oneDNN's transform) is called: it
+// refuses an ld_out oneDNN refuses, with oneDNN's words, so a kernel that
+// would pack more than 64 columns at once fails here on every CPU.
+void emulated_pack_block(int64_t K, int64_t N, int64_t ld_in, int64_t ld_out, const uint16_t* in, uint16_t* out) {
+  TORCH_CHECK(pack_ld_ok(ld_out),
+              "could not create a BRGeMM ukernel packing B object (flash_metal's VNNI emulation refuses what "
+              "ATen's cpublas::pack refuses: ld_out must be 16, 32, 48 or 64; got ", ld_out, ")");
   TORCH_CHECK(K % 2 == 0, "flash_metal: a VNNI pack needs an even row count (pad with a zero row); got ", K);
   for (int64_t k = 0; k < K; ++k)
-    for (int64_t n = 0; n < N; ++n) out[(k / 2) * 2 * N + 2 * n + k % 2] = in[k * ld_in + n];
+    for (int64_t n = 0; n < ld_out; ++n) out[(k / 2) * 2 * ld_out + 2 * n + k % 2] = n < N ? in[k * ld_in + n] : 0;
 }
 
 // C = [C +] A . B, B in the VNNI layout (pair p of rows at b + p * 2 * ldb),
@@ -229,56 +236,89 @@ void emulated_gemm(int64_t M, int64_t N, int64_t K, int64_t lda, int64_t ldb, in
   }
 }
 
+// C = [C +] A . B with B in the blocked VNNI layout (matrix_units.h): one
+// product per column block, its B rows ld_out = pack_block_ld(nb) apart.
+template <typename T>
+void packed_gemm(int64_t M, int64_t N, int64_t K, int64_t lda, int64_t ldb, int64_t ldc, bool add_c, const T* a,
+                 const T* b, float* c, Vnni vnni) {
+  TORCH_CHECK(ldb == N, "flash_metal: a packed B operand is read with its own N (ldb ", ldb, " != N ", N, ")");
+  for (int64_t c0 = 0; c0 < N; c0 += kPackBlock) {
+    const int64_t nb = std::min(kPackBlock, N - c0), ldo = pack_block_ld(nb);
+    if (vnni == Vnni::Emulated) {
+      emulated_gemm(M, nb, K, lda, ldo, ldc, add_c, a, b + K * c0, c + c0);
+    } else {
+#ifdef FLASH_METAL_HAS_BRGEMM
+      at::native::cpublas::brgemm(M, nb, K, lda, ldo, ldc, add_c, a, b + K * c0, c + c0, true);
+#else
+      TORCH_CHECK(false, "flash_metal: brgemm is unavailable in this torch");
+#endif
+    }
+  }
+}
+
+template <typename T>
+void tile_gemm_16(int64_t M, int64_t N, int64_t K, int64_t lda, int64_t ldb, int64_t ldc, bool add_c, const T* a,
+                  const T* b, float* c, Vnni vnni) {
+  if (packs(vnni)) return packed_gemm(M, N, K, lda, ldb, ldc, add_c, a, b, c, vnni);
+#ifdef FLASH_METAL_HAS_BRGEMM
+  at::native::cpublas::brgemm(M, N, K, lda, ldb, ldc, add_c, a, b, c, false);
+#else
+  TORCH_CHECK(false, "flash_metal: brgemm is unavailable in this torch");
+#endif
+}
+
 }  // namespace
 
-#ifdef FLASH_METAL_HAS_BRGEMM
 void tile_gemm(int64_t M, int64_t N, int64_t K, int64_t lda, int64_t ldb, int64_t ldc, bool add_c,
                const c10::BFloat16* a, const c10::BFloat16* b, float* c, Vnni vnni) {
-  if (vnni == Vnni::Emulated) return emulated_gemm(M, N, K, lda, ldb, ldc, add_c, a, b, c);
-  at::native::cpublas::brgemm(M, N, K, lda, ldb, ldc, add_c, a, b, c, vnni == Vnni::Aten);
+  tile_gemm_16(M, N, K, lda, ldb, ldc, add_c, a, b, c, vnni);
 }
 void tile_gemm(int64_t M, int64_t N, int64_t K, int64_t lda, int64_t ldb, int64_t ldc, bool add_c,
                const c10::Half* a, const c10::Half* b, float* c, Vnni vnni) {
-  if (vnni == Vnni::Emulated) return emulated_gemm(M, N, K, lda, ldb, ldc, add_c, a, b, c);
-  at::native::cpublas::brgemm(M, N, K, lda, ldb, ldc, add_c, a, b, c, vnni == Vnni::Aten);
+  tile_gemm_16(M, N, K, lda, ldb, ldc, add_c, a, b, c, vnni);
 }
 void tile_gemm(int64_t M, int64_t N, int64_t K, int64_t lda, int64_t ldb, int64_t ldc, bool add_c, const float* a,
                const float* b, float* c, Vnni vnni) {
   TORCH_CHECK(vnni == Vnni::Off, "flash_metal: a float32 block product has no VNNI form");
+#ifdef FLASH_METAL_HAS_BRGEMM
   at::native::cpublas::brgemm(M, N, K, lda, ldb, ldc, add_c, a, b, c, false);
-}
-void pack_b(int64_t K, int64_t N, int64_t ld_in, at::ScalarType dtype, const void* in, void* out, Vnni vnni) {
-  TORCH_CHECK(vnni != Vnni::Off, "flash_metal: pack_b called without a VNNI mode");
-  TORCH_CHECK(dtype == at::kBFloat16 || dtype == at::kHalf, "flash_metal: pack_b takes 16-bit operands");
-  if (vnni == Vnni::Emulated)
-    return emulated_pack(K, N, ld_in, static_cast<const uint16_t*>(in), static_cast<uint16_t*>(out));
-  at::native::cpublas::pack(K, N, ld_in, N, dtype, dtype, in, out);
-}
-void tile_release(Vnni vnni) {
-  if (vnni == Vnni::Aten) at::native::cpublas::brgemm_release(true);
-}
 #else
-// No ATen brgemm: only the emulation runs (choose_cpu_path never picks Off / Aten brgemm here).
-void tile_gemm(int64_t M, int64_t N, int64_t K, int64_t lda, int64_t ldb, int64_t ldc, bool add_c,
-               const c10::BFloat16* a, const c10::BFloat16* b, float* c, Vnni vnni) {
-  TORCH_CHECK(vnni == Vnni::Emulated, "flash_metal: brgemm is unavailable in this torch");
-  emulated_gemm(M, N, K, lda, ldb, ldc, add_c, a, b, c);
-}
-void tile_gemm(int64_t M, int64_t N, int64_t K, int64_t lda, int64_t ldb, int64_t ldc, bool add_c,
-               const c10::Half* a, const c10::Half* b, float* c, Vnni vnni) {
-  TORCH_CHECK(vnni == Vnni::Emulated, "flash_metal: brgemm is unavailable in this torch");
-  emulated_gemm(M, N, K, lda, ldb, ldc, add_c, a, b, c);
-}
-void tile_gemm(int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, bool, const float*, const float*, float*, Vnni) {
+  (void)M, (void)N, (void)K, (void)lda, (void)ldb, (void)ldc, (void)add_c, (void)a, (void)b, (void)c;
   TORCH_CHECK(false, "flash_metal: brgemm is unavailable in this torch");
-}
-void pack_b(int64_t K, int64_t N, int64_t ld_in, at::ScalarType dtype, const void* in, void* out, Vnni vnni) {
-  TORCH_CHECK(vnni == Vnni::Emulated, "flash_metal: cpublas::pack is unavailable in this torch");
-  TORCH_CHECK(dtype == at::kBFloat16 || dtype == at::kHalf, "flash_metal: pack_b takes 16-bit operands");
-  emulated_pack(K, N, ld_in, static_cast<const uint16_t*>(in), static_cast<uint16_t*>(out));
-}
-void tile_release(Vnni) {}
 #endif
+}
+
+void pack_block(int64_t K, int64_t N, int64_t ld_in, int64_t ld_out, at::ScalarType dtype, const void* in, void* out,
+                Vnni vnni) {
+  TORCH_CHECK(vnni != Vnni::Off, "flash_metal: pack_block called without a VNNI mode");
+  TORCH_CHECK(dtype == at::kBFloat16 || dtype == at::kHalf, "flash_metal: pack_b takes 16-bit operands");
+  TORCH_CHECK(N <= ld_out, "flash_metal: a VNNI block of ", N, " columns needs ld_out >= N (got ", ld_out,
+              "): with N > ld_out ATen writes a blocked layout the products do not read");
+  if (vnni == Vnni::Emulated)
+    return emulated_pack_block(K, N, ld_in, ld_out, static_cast<const uint16_t*>(in), static_cast<uint16_t*>(out));
+#ifdef FLASH_METAL_HAS_BRGEMM
+  at::native::cpublas::pack(K, N, ld_in, ld_out, dtype, dtype, in, out);
+#else
+  TORCH_CHECK(false, "flash_metal: cpublas::pack is unavailable in this torch");
+#endif
+}
+
+void pack_b(int64_t K, int64_t N, int64_t ld_in, at::ScalarType dtype, const void* in, void* out, Vnni vnni) {
+  const auto* src = static_cast<const uint16_t*>(in);  // both 16-bit dtypes: 2-byte elements
+  auto* dst = static_cast<uint16_t*>(out);
+  for (int64_t c0 = 0; c0 < N; c0 += kPackBlock) {
+    const int64_t nb = std::min(kPackBlock, N - c0);
+    pack_block(K, nb, ld_in, pack_block_ld(nb), dtype, src + c0, dst + K * c0, vnni);
+  }
+}
+
+void tile_release(Vnni vnni) {
+#ifdef FLASH_METAL_HAS_BRGEMM
+  if (vnni == Vnni::Aten) at::native::cpublas::brgemm_release(true);
+#else
+  (void)vnni;
+#endif
+}
 
 namespace {
 
@@ -306,19 +346,29 @@ std::tuple<std::vector<std::string>, std::vector<int64_t>> cpu_features_op() {
            brgemm_compiled(), pack_bf16, pack_f16}};
 }
 
-// b (K x N, bfloat16/float16, K even) packed by pack_b, flattened: lets the
-// tests check the VNNI layout brgemm_tiles.h / brgemm_backward.h rely on.
-// emulated: this project's pack (any CPU); else ATen's (only where could_pack).
-at::Tensor cpu_vnni_pack(const at::Tensor& b, bool emulated) {
+// b (K x N, bfloat16/float16, K even) packed, flattened: lets the tests
+// check the VNNI layout brgemm_tiles.h / brgemm_backward.h rely on, and that
+// the emulation refuses what ATen refuses. ld_out None: pack_b (the blocked
+// layout, packed_elems(K, N) elements); ld_out given: one pack_block call with
+// that ld_out (K x ld_out elements), as ATen's pack is called. emulated: this
+// project's pack (any CPU); else ATen's (only where could_pack).
+at::Tensor cpu_vnni_pack(const at::Tensor& b, bool emulated, std::optional<int64_t> ld_out) {
   TORCH_CHECK_VALUE(b.dim() == 2 && b.device().is_cpu() && b.size(0) % 2 == 0 &&
                         (b.scalar_type() == at::kBFloat16 || b.scalar_type() == at::kHalf),
                     "flash_metal.cpu_vnni_pack: b must be a 2-D CPU bfloat16/float16 tensor with an even row count");
+  TORCH_CHECK_VALUE(!ld_out.has_value() || (*ld_out >= b.size(1) && *ld_out <= 4096),
+                    "flash_metal.cpu_vnni_pack: ld_out must be at least b's column count (", b.size(1),
+                    ") and at most 4096; got ", ld_out.value_or(0));
   TORCH_CHECK(emulated || packable_16(b.scalar_type()),
               "flash_metal.cpu_vnni_pack: ATen cannot pack this dtype for the matrix units on this CPU");
   const at::Tensor in = b.contiguous();
-  at::Tensor out = at::empty({b.numel()}, b.options());
-  pack_b(b.size(0), b.size(1), b.size(1), b.scalar_type(), in.const_data_ptr(), out.mutable_data_ptr(),
-         emulated ? Vnni::Emulated : Vnni::Aten);
+  const int64_t K = b.size(0), N = b.size(1);
+  const Vnni mode = emulated ? Vnni::Emulated : Vnni::Aten;
+  at::Tensor out = at::empty({ld_out.has_value() ? K * *ld_out : packed_elems(K, N)}, b.options());
+  if (ld_out.has_value())
+    pack_block(K, N, N, *ld_out, b.scalar_type(), in.const_data_ptr(), out.mutable_data_ptr(), mode);
+  else
+    pack_b(K, N, N, b.scalar_type(), in.const_data_ptr(), out.mutable_data_ptr(), mode);
   return out;
 }
 
@@ -335,5 +385,5 @@ TORCH_LIBRARY_FRAGMENT(flash_metal, m) {
   // fwd brgemm with emulated VNNI, bwd the same, emulated tile products].
   m.def("cpu_path_counts() -> int[]", &flash_metal::cpu::cpu_path_counts);
   m.def("cpu_features() -> (str[] names, int[] values)", &flash_metal::cpu::cpu_features_op);
-  m.def("cpu_vnni_pack(Tensor b, bool emulated=False) -> Tensor", &flash_metal::cpu::cpu_vnni_pack);
+  m.def("cpu_vnni_pack(Tensor b, bool emulated=False, int? ld_out=None) -> Tensor", &flash_metal::cpu::cpu_vnni_pack);
 }

@@ -108,11 +108,32 @@ struct CpuFeatures {
 };
 const CpuFeatures& cpu_features();
 
+// ---- The VNNI layout, in column blocks of at most 64 (ATen's pack limits).
+// ATen's cpublas::pack is oneDNN's ukernel transform, whose destination
+// leading dimension (ld_out) must be 16, 32, 48 or 64 (oneDNN's
+// doc/ukernel/operations/transform.md, "Implementation limitations"; measured
+// on a Sapphire-Rapids-class AMX Xeon with torch 2.11 / oneDNN 3.10: every
+// other ld_out raises "could not create a BRGeMM ukernel packing B object",
+// any ld_in >= N works, and with N > ld_out it writes a blocked layout of its
+// own). PyTorch's CPU flash attention packs in 64-column blocks for the same
+// reason (FlashAttentionKernel.cpp, packb_size). So a packed B operand of K
+// rows and N columns is a sequence of column blocks: block b holds columns
+// [64b, 64b + nb), nb = min(64, N - 64b), packed with ld_out = nb rounded up
+// to 16 (pad columns zero) and stored from element K * 64b; pair p of its
+// rows starts at p * 2 * ld_out. The products run block by block (brgemm
+// itself takes any N <= ldb, measured on the same machine). Total size:
+// K * round_up(N, 16) elements (packed_elems).
+constexpr int64_t kPackBlock = 64;
+// ld_out values ATen's pack accepts (oneDNN's transform), and the one a block of nb columns uses.
+inline bool pack_ld_ok(int64_t ld_out) { return ld_out == 16 || ld_out == 32 || ld_out == 48 || ld_out == 64; }
+inline int64_t pack_block_ld(int64_t nb) { return (nb + 15) / 16 * 16; }
+inline int64_t packed_elems(int64_t K, int64_t N) { return K * pack_block_ld(N); }
+
 // ---- The block GEMM (matrix_units.cpp; Off / Aten callable only when
 // brgemm_compiled()): C (M x N, ldc) = [C +] A (M x K, lda) . B (K x N),
 // float32 C. vnni Off: B row-major, row stride ldb. Aten / Emulated: B was
-// packed by pack_b with the same mode, rows taken in pairs, pair p of rows
-// starting at p * 2 * ldb (ldb = N as pack_b writes it), K even.
+// packed by pack_b with the same mode and the same N (ldb must equal N), in
+// the column blocks above, K even.
 bool brgemm_compiled();
 void tile_gemm(int64_t M, int64_t N, int64_t K, int64_t lda, int64_t ldb, int64_t ldc, bool add_c,
                const c10::BFloat16* a, const c10::BFloat16* b, float* c, Vnni vnni);
@@ -122,11 +143,16 @@ void tile_gemm(int64_t M, int64_t N, int64_t K, int64_t lda, int64_t ldb, int64_
 // kernels' templates instantiate for every dtype. ATen's float brgemm, Off only.
 void tile_gemm(int64_t M, int64_t N, int64_t K, int64_t lda, int64_t ldb, int64_t ldc, bool add_c, const float* a,
                const float* b, float* c, Vnni vnni);
-// B (K x N, row stride ld_in, K even) -> the VNNI layout the products read
-// with ldb = N: out[(k / 2) * 2N + 2n + k % 2] = in[k * ld_in + n]. vnni
-// Aten: ATen's pack (only where could_pack(dtype)); Emulated: this
-// project's scalar pack (anywhere). Off is an error.
+// B (K x N, row stride ld_in, K even) -> the blocked VNNI layout above
+// (packed_elems(K, N) elements at out). vnni Aten: ATen's pack, one call per
+// block (only where could_pack(dtype)); Emulated: this project's scalar
+// pack, which refuses what ATen's refuses (anywhere). Off is an error.
 void pack_b(int64_t K, int64_t N, int64_t ld_in, at::ScalarType dtype, const void* in, void* out, Vnni vnni);
+// One block: B (K x N, row stride ld_in) packed with this ld_out, as ATen's
+// pack is called (the emulation raises ATen's error for an ld_out ATen
+// refuses; both modes refuse N > ld_out, a layout the products do not read).
+void pack_block(int64_t K, int64_t N, int64_t ld_in, int64_t ld_out, at::ScalarType dtype, const void* in, void* out,
+                Vnni vnni);
 // End of a thread's brgemm work (frees the AMX tile state with Aten; no-op otherwise).
 void tile_release(Vnni vnni);
 
