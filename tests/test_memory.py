@@ -12,7 +12,7 @@ SCRIPT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))
 def measure(impl, n, causal=False, backward=False, window=-1):
     res = subprocess.run([sys.executable, SCRIPT, "--impl", impl, "--n", str(n), "--d", "64",
                           *(["--causal"] if causal else []), *(["--backward"] if backward else []),
-                          "--window", str(window)],
+                          "--window", str(window), "--threads", "2"],
                          capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr
     return json.loads(res.stdout.strip().splitlines()[-1])

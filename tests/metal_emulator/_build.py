@@ -33,6 +33,10 @@ class BuildError(Exception):
     """clang rejected a shader (message holds its diagnostics)."""
 
 
+class ClangMissing(BuildError):
+    """No clang 19 on this machine: a missing prerequisite (tests/prereqs.py), not a shader error."""
+
+
 @functools.lru_cache(maxsize=None)
 def find_clang() -> str:
     """clang++ from $FLASH_METAL_CLANG, clang++-19 / clang-19 on PATH, or /usr/lib/llvm-19/bin."""
@@ -43,7 +47,7 @@ def find_clang() -> str:
     for c in candidates:
         if c and os.path.isfile(c) and os.access(c, os.X_OK):
             return c
-    raise BuildError(
+    raise ClangMissing(
         "clang 19 not found: install it with `apt-get install -y clang-19 libclang-rt-19-dev` "
         "or point FLASH_METAL_CLANG at a clang++ binary"
     )
