@@ -426,6 +426,9 @@ def test_mps_backend_without_mps_says_why(tmp_path, args):
 
 
 def test_metal_emu_outside_a_source_checkout_says_so(tmp_path):
+    from metal_emulator import _build
+
+    _build.find_clang()  # without clang 19 selfcheck names that first (a missing prerequisite; tests/conftest.py)
     proc = _selfcheck("--backend", "metal-emu", "--out", str(tmp_path / "r"), cwd=str(tmp_path), timeout=300)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert "needs a source checkout" in proc.stderr
