@@ -28,6 +28,7 @@
 
 #include "backward_tiles.h"
 #include "matrix_units.h"
+#include "round_tiles.h"
 #include "simd.h"
 
 #include <algorithm>
@@ -195,12 +196,11 @@ struct MxBackward {
     poison_if_emulated(dsr, kBlockK * kBlockQ, vnni);
     poison_if_emulated(dsq, kBlockK * kBlockQ, vnni);
     for (int64_t j = 0; j < nk; ++j) {
-      for (int64_t i = 0; i < nq; ++i) {
-        p[j * kBlockQ + i] = static_cast<T>(st[j * kBlockQ + i]);
-        dsr[j * kBlockQ + i] = dsq[i * kBlockK + j] = static_cast<T>(dsf[j * kBlockQ + i]);
-      }
+      round_row(st + j * kBlockQ, nq, p + j * kBlockQ);
+      round_row(dsf + j * kBlockQ, nq, dsr + j * kBlockQ);
       if (nq2 > nq) p[j * kBlockQ + nq] = dsr[j * kBlockQ + nq] = T(0.0f);
     }
+    transpose_round(dsf, kBlockQ, nk, nq, dsq, kBlockK);  // rows >= nq may be written, never read
     for (int64_t i = 0; nk2 > nk && i < nq; ++i) dsq[i * kBlockK + nk] = T(0.0f);
     tile_gemm(nk, Dv, nq2, kBlockQ, b_do.ld, ldv, /*add_c=*/true, p, rd<T>(b_do), dv, vnni);     // dV += PT . dO
     tile_gemm(nk, D, nq2, kBlockQ, b_q.ld, ldk, /*add_c=*/true, dsr, rd<T>(b_q), dk, vnni);      // dK += dST . Q

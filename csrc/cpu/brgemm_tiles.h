@@ -24,6 +24,7 @@
 #include "common.h"
 #include "forward_tiles.h"
 #include "matrix_units.h"
+#include "round_tiles.h"
 #include "simd.h"
 
 #include <algorithm>
@@ -139,59 +140,6 @@ void mx_scores(const T* k, int64_t lda, const T* qt, int64_t nk, int64_t ncols, 
   }
 }
 
-// pt[r * kPtLd + j] = T(p[j * kBlockQ + r]) for r < nrows, j < nk: P^T rounded to
-// T (round to nearest even, as c10's conversions). Rows r in [nrows,
-// round_up(nrows, 8)) may be written too (p has ncols >= that many columns,
-// pt kBlockQ rows), never read by the product.
-template <typename T>
-inline void transpose_round(const float* p, int64_t nk, int64_t nrows, T* pt) {
-  for (int64_t r = 0; r < nrows; ++r)
-    for (int64_t j = 0; j < nk; ++j) pt[r * kPtLd + j] = static_cast<T>(p[j * kBlockQ + r]);
-}
-
-#if defined(__AVX2__)
-// bfloat16: 8 x 8 float tiles transposed in registers and rounded 8 at a time
-// (the scalar loop above was the forward's hottest loop on the matrix units:
-// one strided load and one scalar rounding per probability).
-inline __m128i round_bf16x8(__m256 v) {
-  const __m256i x = _mm256_castps_si256(v);
-  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(x, 16), _mm256_set1_epi32(1));
-  __m256i h = _mm256_srli_epi32(_mm256_add_epi32(x, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF))), 16);
-  h = _mm256_blendv_epi8(h, _mm256_set1_epi32(0x7FC0), _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
-  const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(h, h), 0xD8);
-  return _mm256_castsi256_si128(packed);
-}
-
-template <>
-inline void transpose_round<c10::BFloat16>(const float* p, int64_t nk, int64_t nrows, c10::BFloat16* pt) {
-  const int64_t nk8 = nk / 8 * 8;
-  for (int64_t r0 = 0; r0 < nrows; r0 += 8) {
-    for (int64_t j0 = 0; j0 < nk8; j0 += 8) {
-      __m256 a[8], t[8];
-      for (int i = 0; i < 8; ++i) a[i] = _mm256_loadu_ps(p + (j0 + i) * kBlockQ + r0);
-      for (int i = 0; i < 8; i += 2) {
-        t[i] = _mm256_unpacklo_ps(a[i], a[i + 1]);
-        t[i + 1] = _mm256_unpackhi_ps(a[i], a[i + 1]);
-      }
-      for (int i = 0; i < 8; i += 4) {
-        a[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
-        a[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xEE);
-        a[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
-        a[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
-      }
-      for (int i = 0; i < 4; ++i) {  // row r0 + i takes lanes 0-3 of a[i] and a[i + 4]; row r0 + 4 + i lanes 4-7
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(pt + (r0 + i) * kPtLd + j0),
-                         round_bf16x8(_mm256_permute2f128_ps(a[i], a[i + 4], 0x20)));
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(pt + (r0 + 4 + i) * kPtLd + j0),
-                         round_bf16x8(_mm256_permute2f128_ps(a[i], a[i + 4], 0x31)));
-      }
-    }
-    for (int64_t r = r0; r < std::min(nrows, r0 + 8); ++r)
-      for (int64_t j = nk8; j < nk; ++j) pt[r * kPtLd + j] = static_cast<c10::BFloat16>(p[j * kBlockQ + r]);
-  }
-}
-#endif
-
 // O (nrows x Dv, row stride ldo) = alpha * O + round_T(P)^T . V, P the
 // transposed float32 probabilities (nk x >= nrows, row stride kBlockQ).
 template <typename T>
@@ -200,7 +148,7 @@ void mx_pv(const float* p, int64_t nk, int64_t nrows, const T* v, int64_t ldv, i
   const int64_t nkp = packs(mb.vnni) ? round_up(nk, 2) : nk;
   T* pt = mb.pt.data();
   poison_if_emulated(pt, nrows * kPtLd, mb.vnni);
-  transpose_round(p, nk, nrows, pt);
+  transpose_round(p, kBlockQ, nk, nrows, pt, kPtLd);  // rows >= nrows may be written, never read
   for (int64_t r = 0; r < nrows; ++r) {
     T* row = pt + r * kPtLd;
     if (nkp > nk) row[nk] = T(0.0f);
