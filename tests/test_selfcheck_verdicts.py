@@ -7,7 +7,8 @@ the exit status): a correctness check that passed, failed or errored; the
 lane probe passed, failed, errored or skipped with its reason; the
 accelerator section passed, failed, errored, skipped with the device's
 reason, skipped by --no-accelerator, or failed because a build that must have
-the MSL 4 library lacks it; the whole run not run. Then each check's own
+the MSL 4 library lacks it; the whole run not run, or stopped mid-way (the
+checks after it not run). Then each check's own
 guard gets a planted fault that the report must name: the kernels a sweep
 check launched, the kernels each side of an accelerator case launched, the
 library the device reports, the lane layout.
@@ -343,6 +344,24 @@ def test_not_run_says_why(tmp_path, monkeypatch, capfd):
     assert data["reason"] == "planted: no Metal here, and here is what to do instead"
     assert md.startswith("# flash_metal selfcheck: NOT RUN") and "**Could not run:** planted: no Metal here" in md
     assert "cannot run: planted" in capfd.readouterr().err
+
+
+def test_a_run_that_stops_leaves_an_incomplete_report(tmp_path, monkeypatch, capfd):
+    # The checks after the one during which the process dies are not run: the report on disk says which was
+    # running, and that the run is not a pass.
+    target = next(i for i in SWEEP_IDS if i.startswith("tiled-"))
+
+    def dies(result, launches):
+        raise KeyboardInterrupt  # stands in for a GPU fault killing the process: nothing after it runs
+
+    with pytest.raises(KeyboardInterrupt):
+        _run(tmp_path, monkeypatch, capfd, FakeBackend(fault=_only(target, dies)), "--only", SWEEP_ONLY)
+    data = json.loads((tmp_path / "selfcheck.json").read_text())
+    md = (tmp_path / "selfcheck.md").read_text()
+    done = SWEEP_IDS[:SWEEP_IDS.index(target)]
+    assert data["status"] == "incomplete" and data["passed"] is False and data["running"] == f"check {target}"
+    assert [c["id"] for c in data["checks"]] == done and all(c["status"] == "passed" for c in data["checks"])
+    assert md.startswith("# flash_metal selfcheck: INCOMPLETE") and f"during check {target}" in _head(md)
 
 
 # ---- each guard, with a planted fault the report must name ------------------------------------
