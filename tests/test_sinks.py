@@ -45,7 +45,7 @@ import flash_metal
 from flash_metal import reference as R
 from flash_metal import testing as T
 import backends
-from backends import LAST_DISPATCHES, emulated_metal_attention, emulated_metal_attention_backward, emulated_metal_varlen
+from backends import LAST_DISPATCHES, emulated_metal_attention, emulated_metal_attention_backward
 from numerics import (DTYPES, assert_attention_close, assert_gradients_close, assert_varlen_close,
                       assert_varlen_gradients_close, dtype_id, lay_out, make_qkv)
 
