@@ -224,6 +224,31 @@ def compare(case: Case, inputs: dict, result) -> List[testing.Comparison]:
     return testing.attention_errors(*result, q, k, v, case.causal, None, **opts)
 
 
+# The kernels each check must launch (host-name prefixes, the planner's names: csrc/metal_plan_detail.h), in
+# the case's dtype. A family forced by impl runs exactly its own, in order, never a tensor-op kernel (their names
+# hold "_mpp_" after the prefix, so "prefill_" + dtype excludes them); a family that runs impl='auto' (varlen, the
+# backward) may run any kernel of its pass, the tensor-op ones included (Auto picks them on an M5).
+FORCED_KERNELS = {"prefill": ("flash_attention_prefill_",), "decode": ("flash_decode_",),
+                  "decode_split": ("flash_decode_split_", "flash_decode_merge_"),
+                  "untiled": ("flash_attention_untiled_",), "tiled": ("flash_attention_tiled_",)}
+AUTO_KERNELS = {"varlen": "flash_attention_prefill_", "backward": "flash_backward_",
+                "varlen_backward": "flash_backward_"}
+
+
+def kernel_problem(case: Case, kernels: List[str]) -> Optional[str]:
+    """Why the launched kernels are not the check's (None when they are): a check that ran another kernel,
+    or none (the composite path), would vouch for a kernel it never ran."""
+    dt = dtype_name(case.dtype)
+    if case.family in FORCED_KERNELS:
+        want = [p + dt + "_" for p in FORCED_KERNELS[case.family]]
+        ok = len(kernels) == len(want) and all(k.startswith(w) for k, w in zip(kernels, want))
+        names = ", ".join(w + "*" for w in want)
+        return None if ok else f"launched {kernels or 'no kernel'}, not the {case.family} kernels ({names})"
+    prefix = AUTO_KERNELS[case.family]
+    ok = kernels and all(k.startswith(prefix) and f"_{dt}_" in k for k in kernels)
+    return None if ok else f"launched {kernels or 'no kernel'}, not {prefix}* kernels in {dt}"
+
+
 def run_case(backend, case: Case) -> dict:
     """One check: the record selfcheck.json holds for it."""
     record = {"id": case.id, "family": case.family, "direction": "backward" if case.backward else "forward",
@@ -245,6 +270,9 @@ def run_case(backend, case: Case) -> dict:
     record["comparisons"] = [{"name": c.name, "error": c.error, "tolerance": c.tolerance, "ok": c.ok}
                              for c in comps if c.error is not None or not c.ok]
     failed = [c.message for c in comps if not c.ok]
+    problem = kernel_problem(case, record["kernels"])
+    if problem:
+        failed.insert(0, problem)
     record["status"] = "failed" if failed else "passed"
     measured = [c for c in comps if c.error is not None and c.tolerance]
     worst = max(measured, key=lambda c: c.error / c.tolerance, default=None)

@@ -15,6 +15,7 @@ What flash_metal does not implement raises a ValueError naming
 the argument: dropout, alibi_slopes, rotary embedding. (The third value of
 return_attn_probs, flash-attn's debugging S_dmask, is None.) Deterministic always.
 """
+import contextlib
 from typing import Optional, Sequence, Tuple, Union
 
 import torch
@@ -107,24 +108,16 @@ def flash_attn_varlen_func(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor
             raise ValueError(f"flash_metal.{what}: a sequence of {int(ends.max())} keys (cu_seqlens_k) exceeds the "
                              f"block table's capacity of {capacity} keys (max_blocks_per_seq * page_size)")
         _kvcache.check_entries(table, page, ends, k.shape[0], what)
-        grads = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, sinks))
-        if not grads:
-            # attention_kvcache with packed queries: on Metal the prefill
-            # kernel reads the pages in use through the table (nothing
-            # gathered); on CPU the op gathers them for the varlen kernel, as
-            # it does for flash_attn_with_kvcache. The op has no backward.
-            out, lse = ops.attention_kvcache_with_lse(q, k, v, ends.to(torch.int32), block_table, causal,
-                                                      softmax_scale, left, right, softcap, sinks,
-                                                      cu_seqlens_q=cu_seqlens_q, max_seqlen_q=int(max_seqlen_q))
-            return (out, lse, None) if return_attn_probs else out
-        # Gradients wanted: the rows in use gathered (a differentiable copy)
-        # for the varlen op, whose backward reaches q, the caches and sinks.
-        rows = _kvcache.rows_in_use(table, page, torch.zeros_like(ends), ends)
-        k, v = _kvcache.gather(k, rows), _kvcache.gather(v, rows)
-        cu_seqlens_k = _kvcache.cumulative(ends)
-        # The gathered call's longest sequence (with a table, flash-attn
-        # callers may pass the cache's bound, or nothing useful, here).
-        max_seqlen_k = int(ends.max()) if batch else 0
+        # attention_kvcache with packed queries: on Metal the prefill kernel
+        # reads the pages in use through the table (nothing gathered); on CPU
+        # the op gathers them for the varlen kernel, as it does for
+        # flash_attn_with_kvcache. When a gradient is wanted (q, the caches or
+        # sinks requiring grad) the wrapper gathers them as a differentiable
+        # copy for the varlen op, whose backward reaches all four.
+        out, lse = ops.attention_kvcache_with_lse(q, k, v, ends.to(torch.int32), block_table, causal, softmax_scale,
+                                                  left, right, softcap, sinks, cu_seqlens_q=cu_seqlens_q,
+                                                  max_seqlen_q=int(max_seqlen_q))
+        return (out, lse, None) if return_attn_probs else out
     out, lse = ops.attention_varlen_with_lse(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q),
                                              int(max_seqlen_k), causal, softmax_scale, left, right, softcap,
                                              sinks=sinks)
@@ -158,7 +151,11 @@ def flash_attn_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Opti
     can be appended). sinks (Hq,): attention sinks, as in
     flash_metal.attention (a flash_metal extension).
     Returns out (B, Sq, Hq, D_v), and lse (B, Hq, Sq) with return_softmax_lse.
-    No backward (as in flash-attn). num_splits is a hint only. A plain cache
+    num_splits is a hint only. Differentiable in q, the caches and sinks when
+    a gradient is wanted (grad mode on and one of them requiring it; a
+    flash_metal extension, flash-attn's has no backward): the paths below
+    then run their differentiable form (paged: the rows in use gathered); the
+    appended k and v are written without one. A plain cache
     without cache_seqlens and cache_leftpad is read in place by the dense op
     (on Metal the routing may pick the split-KV decode). A paged cache, or
     cache_batch_idx (a table of one page per sequence), without
@@ -205,8 +202,9 @@ def flash_attn_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Opti
     if block_table is not None:
         _kvcache.check_entries(table, page, lengths + s_new, k_cache.shape[0], what)
     if k is not None:
-        _kvcache.append(k_cache, k, table, page, lengths)
-        _kvcache.append(v_cache, v, table, page, lengths)
+        with torch.no_grad():  # an in-place write into the user's cache, outside any graph
+            _kvcache.append(k_cache, k, table, page, lengths)
+            _kvcache.append(v_cache, v, table, page, lengths)
         lengths = lengths + s_new
     if leftpad is not None and B and bool(((leftpad < 0) | (leftpad > lengths)).any()):
         raise ValueError(f"flash_metal.{what}: cache_leftpad must lie in [0, cache_seqlens] per batch; got "
@@ -214,9 +212,11 @@ def flash_attn_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Opti
     starts = leftpad if leftpad is not None else torch.zeros_like(lengths)
     options = dict(window_left=left, window_right=right, softcap=softcap, sinks=sinks)
     plain = block_table is None and cache_batch_idx is None
+    # No graph unless a gradient is wanted (then every path below is differentiable).
+    graph = contextlib.nullcontext if ops._wants_grad(q, k_cache, v_cache, sinks) else torch.no_grad
     if plain and cache_seqlens is None and leftpad is None:
         # The whole cache is valid: the dense op, bottom-right aligned as flash-attn.
-        with torch.no_grad():
+        with graph():
             out, lse = ops.attention_with_lse(q.transpose(1, 2), k_cache[:B].transpose(1, 2),
                                               v_cache[:B].transpose(1, 2), causal, softmax_scale, **options)
         out = out.transpose(1, 2).contiguous()
@@ -233,7 +233,7 @@ def flash_attn_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Opti
         bt = block_table
         if cache_batch_idx is not None:
             bt = table.to(torch.int32)
-        with torch.no_grad():
+        with graph():
             out, lse = ops.attention_kvcache_with_lse(q.transpose(1, 2), k_cache, v_cache, lengths.to(torch.int32),
                                                       bt, causal, softmax_scale, left, right, softcap, sinks)
         out = out.transpose(1, 2).contiguous()
@@ -264,7 +264,7 @@ def flash_attn_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Opti
         cu_k = _kvcache.cumulative(lengths - starts)
         cu_q = q_starts.to(torch.int32)
         max_k = int((lengths - starts).max()) if B else 0
-    with torch.no_grad():
+    with graph():
         out, lse = ops.attention_varlen_with_lse(q.reshape(B * sq, *q.shape[2:]), packed_k, packed_v, cu_q, cu_k,
                                                  sq, max_k, causal, softmax_scale, **options)
     out = out.reshape(B, sq, hq, out.shape[-1])

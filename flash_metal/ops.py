@@ -141,8 +141,12 @@ def attention_kvcache_with_lse(
     read K/V through the table for Nq <= 8 (see explain(..., cache_seqlens=));
     otherwise, and on CPU, the rows in use are gathered for the varlen
     kernels. impl (Metal): "auto", "decode", "decode_split" or "prefill"
-    (the gather path). Forward only. Returns out (B, Hq, Nq, D_v) and lse
-    (B, Hq, Nq) float32.
+    (the gather path). Returns out (B, Hq, Nq, D_v) and lse (B, Hq, Nq)
+    float32. Differentiable: when a gradient is wanted (grad mode on and q,
+    a cache or sinks requiring it) the rows in use are gathered (a
+    differentiable copy) for attention_varlen, whose backward reaches q, the
+    caches and sinks; impl must then be "auto". (The op itself,
+    torch.ops.flash_metal.attention_kvcache, has no backward and says so.)
 
     Packed queries (flash_attn_varlen_func's paged prefill): with
     cu_seqlens_q int32 (B + 1,), q is (total_q, Hq, D) and sequence b's
@@ -151,9 +155,50 @@ def attention_kvcache_with_lse(
     table for them too (fc_varlen with fc_paged; CPU gathers). Returns out
     (total_q, Hq, D_v) and lse (Hq, total_q), as attention_varlen_with_lse.
     """
+    if _wants_grad(q, k_cache, v_cache, sinks):
+        return _kvcache_by_gather(q, k_cache, v_cache, cache_seqlens, block_table, causal, scale, window_left,
+                                  window_right, softcap, sinks, impl, cu_seqlens_q, int(max_seqlen_q))
     return torch.ops.flash_metal.attention_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, causal, scale,
                                                    window_left, window_right, softcap, sinks, impl, cu_seqlens_q,
                                                    int(max_seqlen_q))
+
+
+def _wants_grad(*tensors) -> bool:
+    return torch.is_grad_enabled() and any(isinstance(t, Tensor) and t.requires_grad for t in tensors)
+
+
+def _kvcache_by_gather(q, k_cache, v_cache, cache_seqlens, block_table, causal, scale, window_left, window_right,
+                       softcap, sinks, impl, cu_seqlens_q, max_seqlen_q):
+    """attention_kvcache_with_lse when a gradient is wanted: the rows in use gathered, then attention_varlen."""
+    from . import _kvcache
+
+    what = "attention_kvcache"
+    if impl != "auto":
+        raise ValueError(f"flash_metal.{what}: impl={impl!r} picks a forward-only kernel; with a gradient wanted "
+                         "(grad mode on and q, a cache or sinks requiring grad) the rows in use are gathered for "
+                         "attention_varlen, so impl must be 'auto'")
+    packed = cu_seqlens_q is not None
+    if not packed and (not isinstance(q, Tensor) or q.dim() != 4):
+        raise ValueError(f"flash_metal.{what}: q must be 4-D (batch, heads, seq_len, head_dim); got "
+                         f"{getattr(q, 'shape', q)}")
+    batch = cu_seqlens_q.numel() - 1 if packed else q.shape[0]
+    table, page, capacity = _kvcache.table_of(k_cache, v_cache, batch, block_table, None, what)
+    lengths = _kvcache.int_vector(cache_seqlens, "cache_seqlens", batch, k_cache.device, what)
+    if batch and bool(((lengths < 0) | (lengths > capacity)).any()):
+        raise ValueError(f"flash_metal.{what}: cache_seqlens must lie in [0, {capacity}] (the table's capacity in "
+                         f"keys); got {lengths.tolist()}")
+    _kvcache.check_entries(table, page, lengths, k_cache.shape[0], what)
+    rows = _kvcache.rows_in_use(table, page, torch.zeros_like(lengths), lengths)
+    k, v = _kvcache.gather(k_cache, rows), _kvcache.gather(v_cache, rows)
+    cu_k, max_k = _kvcache.cumulative(lengths), int(lengths.max()) if batch else 0
+    options = (causal, scale, window_left, window_right, softcap)
+    if packed:
+        return attention_varlen_with_lse(q, k, v, cu_seqlens_q, cu_k, max_seqlen_q, max_k, *options, sinks=sinks)
+    B, H, N = q.shape[:3]
+    cu_q = (torch.arange(B + 1, device=q.device, dtype=torch.int32) * N)
+    out, lse = attention_varlen_with_lse(q.transpose(1, 2).reshape(B * N, H, q.shape[3]), k, v, cu_q, cu_k, N, max_k,
+                                         *options, sinks=sinks)
+    return out.view(B, N, H, out.shape[-1]).transpose(1, 2), lse.view(H, B, N).permute(1, 0, 2)
 
 
 # The tensors of a launch, in the order of the plan's binding table
@@ -436,3 +481,17 @@ torch.library.register_autograd(
 torch.library.register_autograd(
     "flash_metal::attention_varlen_backward", _no_double_backward, setup_context=_backward_setup_context
 )
+
+
+def _kvcache_no_backward(ctx, *grads):
+    # Without this, autograd would pass the op by with a deprecation warning and
+    # leave q's and the sinks' gradients None: a gradient silently dropped.
+    raise NotImplementedError(
+        "torch.ops.flash_metal.attention_kvcache has no backward: call flash_metal.attention_kvcache_with_lse (or "
+        "flash_attn_varlen_func / flash_attn_with_kvcache), which gather the rows in use for attention_varlen when "
+        "a gradient is wanted"
+    )
+
+
+torch.library.register_autograd("flash_metal::attention_kvcache", _kvcache_no_backward,
+                                setup_context=_backward_setup_context)

@@ -471,6 +471,11 @@ def to_mps_same_layout(t):
     return base.to("mps").as_strided(t.size(), t.stride(), t.storage_offset())
 
 
+def _mps_options(options):
+    """The options' tensors (attn_mask, sinks) on MPS, in their own layouts."""
+    return {n: (to_mps_same_layout(t) if isinstance(t, torch.Tensor) else t) for n, t in options.items()}
+
+
 def _metal_emu_flags(backend):
     return dict(instrumented=backend == "metal-emu-sanitized")
 
@@ -488,9 +493,7 @@ def run_attention(backend, q, k, v, causal=False, scale=None, impl="auto", **opt
         return emulated_metal_attention(q, k, v, causal, scale, impl, fast_math=True, **options)
     if backend == "mps":
         dev = [to_mps_same_layout(t) for t in (q, k, v)]
-        if options.get("attn_mask") is not None:
-            options = dict(options, attn_mask=to_mps_same_layout(options["attn_mask"]))
-        out, lse = flash_metal.attention_with_lse(*dev, causal, scale, impl, **options)
+        out, lse = flash_metal.attention_with_lse(*dev, causal, scale, impl, **_mps_options(options))
         return out.cpu(), lse.cpu()
     raise ValueError(backend)
 
@@ -506,7 +509,7 @@ def run_varlen(backend, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_s
     if backend == "mps":
         dev = [to_mps_same_layout(t) for t in (q, k, v)]
         out, lse = flash_metal.attention_varlen_with_lse(
-            *dev, cu_seqlens_q.to("mps"), cu_seqlens_k.to("mps"), *args[2:], impl=impl, **options
+            *dev, cu_seqlens_q.to("mps"), cu_seqlens_k.to("mps"), *args[2:], impl=impl, **_mps_options(options)
         )
         return out.cpu(), lse.cpu()
     raise ValueError(backend)
@@ -518,11 +521,13 @@ def run_backward(backend, grad_out, q, k, v, out, lse, causal=False, scale=None,
 
     out and lse are the forward's results (from any backend: the backward
     only needs them to be the attention of q, k, v). options: attn_mask,
-    window_left, window_right, softcap. impl: "auto", or "tensor_ops" on the Metal backends.
+    window_left, window_right, softcap, sinks. impl: "auto", or "tensor_ops" on the Metal backends.
+    Returns (grad_q, grad_k, grad_v), and grad_sinks last with sinks (every backend).
     """
     args = (grad_out, q, k, v, out, lse)
+    n = _n_grads(options)
     if backend == "cpu":
-        return torch.ops.flash_metal.attention_backward(*args, causal, scale, grad_lse, impl, **options)[:3]
+        return torch.ops.flash_metal.attention_backward(*args, causal, scale, grad_lse, impl, **options)[:n]
     if backend in ("metal-emu", "metal-emu-sanitized", "metal-emu-fast-math"):
         return emulated_metal_attention_backward(
             *args, causal, scale, grad_lse, instrumented=backend == "metal-emu-sanitized",
@@ -531,21 +536,26 @@ def run_backward(backend, grad_out, q, k, v, out, lse, causal=False, scale=None,
     if backend == "mps":
         dev = [to_mps_same_layout(t) for t in args]
         g = None if grad_lse is None else to_mps_same_layout(grad_lse)
-        if options.get("attn_mask") is not None:
-            options = dict(options, attn_mask=to_mps_same_layout(options["attn_mask"]))
         return tuple(t.cpu() for t in torch.ops.flash_metal.attention_backward(*dev, causal, scale, g, impl,
-                                                                              **options)[:3])
+                                                                              **_mps_options(options))[:n])
     raise ValueError(backend)
+
+
+def _n_grads(options):
+    """The backward's outputs a run_* helper returns: q, k and v's gradients, and the sinks' with sinks."""
+    return 4 if options.get("sinks") is not None else 3
 
 
 def run_varlen_backward(backend, grad_out, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                         max_seqlen_k, causal=False, scale=None, grad_lse=None, **options):
-    """Runs attention_varlen_backward on `backend` (options: window_left, window_right, softcap)."""
+    """Runs attention_varlen_backward on `backend` (options: window_left, window_right, softcap, sinks);
+    returns the gradients as run_backward does."""
     lengths = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    n = _n_grads(options)
     if backend == "cpu":
         return torch.ops.flash_metal.attention_varlen_backward(
             grad_out, q, k, v, out, lse, *lengths, causal, scale, grad_lse, **options
-        )[:3]
+        )[:n]
     if backend in ("metal-emu", "metal-emu-sanitized"):
         return emulated_metal_attention_backward(
             grad_out, q, k, v, out, lse, causal, scale, grad_lse, instrumented=backend == "metal-emu-sanitized",
@@ -557,9 +567,9 @@ def run_varlen_backward(backend, grad_out, q, k, v, out, lse, cu_seqlens_q, cu_s
         g = None if grad_lse is None else to_mps_same_layout(grad_lse)
         grads = torch.ops.flash_metal.attention_varlen_backward(
             *dev, cu_seqlens_q.to("mps"), cu_seqlens_k.to("mps"), max_seqlen_q, max_seqlen_k, causal, scale, g,
-            **options,
+            **_mps_options(options),
         )
-        return tuple(t.cpu() for t in grads[:3])
+        return tuple(t.cpu() for t in grads[:n])
     raise ValueError(backend)
 
 

@@ -1,4 +1,4 @@
-"""Attention sinks (issue 20, section 1): gpt-oss's per-head sink logit on the CPU kernels.
+"""Attention sinks (issue 20, section 1): gpt-oss's per-head sink logit on the CPU and Metal kernels.
 
 The sink is a virtual key per query head with logit sinks[h] and value zero:
 the softmax runs over [scores, sink] and the sink's probability is dropped;
@@ -10,8 +10,31 @@ key masked; the empty problem; validation. Then the Metal kernels through the
 emulator (tests/backends.py's metal-emu backend): every forward family the
 routing picks (prefill, one-pass decode, split decode) with each option, varlen,
 and the backward's flash_sinks_grad, each with a check that the kernel ran
-with fc_has_sinks. Small ragged shapes: the whole file takes a few seconds
-(plus the shipped emulator library's build when no earlier test made it).
+with fc_has_sinks.
+
+Issue 41: each kernel's test stands on its own (the backward's out and lse
+come from the float64 oracle, never from another kernel under test) and
+reaches past 32 query rows per head: the prefill 37 rows, the backward 2 x 37
+= 74 rows per head (so flash_sinks_grad's lanes each sum rows i, i + 32,
+i + 64, and rows 16-31 sit in the upper half of the SIMD-group), varlen a
+37-row sequence among one-token, no-query and no-key ones (the decode
+kernels serve at most 8 query rows by design: kMaxDecodeRows). The
+backward reads out and grad_out strided, each in a layout of its own (out a
+slice of a larger buffer, grad_out transposed), and the autograd test takes
+grad_out through a transposed view, as a model's loss does; the backward
+tests run on the cpu and metal-emu backends alike (tests/backends.py).
+Planted, each run against this file and reverted: flash_sinks_grad without
+its `simd_shuffle_xor(sum, 16)` (the lane sums of rows 16-31 dropped) fails
+test_backward_kernels_match_oracle[metal-emu-*] (all four),
+test_varlen_forward_and_backward[metal-emu] and
+test_metal_sinks_sanitized[prefill]; the CPU's head_sum reading out with
+grad_out's row stride (csrc/cpu/sinks_cpu.cpp) fails
+test_backward_kernels_match_oracle[cpu-*], test_backward_matches_oracle (all
+18), test_autograd_with_strided_grad_out and
+test_varlen_forward_and_backward[cpu]. (The audit found both escaping this
+file's earlier tests: 13 rows at most, out and grad_out packed alike.)
+Small ragged shapes: the whole file takes ~20 s (plus the emulator's
+library builds when no earlier test made them).
 """
 import zlib
 
@@ -21,8 +44,10 @@ import torch
 import flash_metal
 from flash_metal import reference as R
 from flash_metal import testing as T
-from backends import LAST_DISPATCHES, emulated_metal_attention, emulated_metal_attention_backward, emulated_metal_varlen
-from numerics import DTYPES, assert_attention_close, assert_gradients_close, assert_varlen_close, dtype_id, make_qkv
+import backends
+from backends import LAST_DISPATCHES, emulated_metal_attention, emulated_metal_attention_backward
+from numerics import (DTYPES, assert_attention_close, assert_gradients_close, assert_varlen_close,
+                      assert_varlen_gradients_close, dtype_id, lay_out, make_qkv)
 
 
 def _gen(*key):
@@ -56,7 +81,7 @@ CONFIGS = {
 }
 
 
-def _case(dtype, config, nq=13, nk=21):
+def _case(dtype, config, nq=37, nk=45):
     g = _gen(str(dtype), config, nq, nk)
     q, k, v = make_qkv(2, 4, 2, nq, nk, 32, dtype, generator=g)  # GQA 4:2, ragged lengths
     causal, build = CONFIGS[config]
@@ -80,13 +105,16 @@ def test_forward_matches_oracle(dtype, config, sinks_dtype):
         torch.testing.assert_close(lse[0, :, [0, 3]], sinks.float()[:, None].expand(4, 2), rtol=1e-6, atol=1e-6)
 
 
-def _grads(q, k, v, sinks, causal, options, g):
-    qq, kk, vv, ss = (t.detach().clone().requires_grad_(True) for t in (q, k, v, sinks))
-    out, lse = flash_metal.attention_with_lse(qq, kk, vv, causal, sinks=ss, **options)
+def _backward_inputs(q, k, v, sinks, causal, options, g):
+    """out (q's dtype) and lse (float32) from the float64 oracle, as a forward kernel stores them but from no
+    kernel under test; grad_out and grad_lse random. out and grad_out come back strided, each in its own
+    layout: out a slice of a larger NaN-filled buffer, grad_out transposed (issue 41: a kernel that reads one
+    with the other's strides, or assumes packed rows, fails)."""
+    o, l_ = R.attention_reference(q, k, v, causal, None, sinks=sinks, **options)
+    out, lse = o.to(q.dtype), l_.float()
     grad_out = torch.randn(out.shape, generator=g).to(q.dtype)
     grad_lse = torch.randn(lse.shape, generator=g)
-    ((out.float() * grad_out.float()).sum() + (lse * grad_lse).sum()).backward()
-    return (qq.grad, kk.grad, vv.grad, ss.grad), grad_out, grad_lse
+    return lay_out(out, "offset_slice"), lse, lay_out(grad_out, "transposed"), grad_lse
 
 
 def _sinks_grad_reference(q, k, v, sinks, grad_out, grad_lse, causal, options):
@@ -130,11 +158,31 @@ def assert_sinks_grad_close(grad_sinks, q, k, v, sinks, grad_out, grad_lse, caus
 @pytest.mark.parametrize("config", list(CONFIGS))
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
 def test_backward_matches_oracle(dtype, config):
+    # The CPU backward, every dtype and option: 2 x 37 rows per head, strided out and grad_out.
     g, q, k, v, causal, options = _case(dtype, config)
     sinks = _sinks(4, torch.float32, g)
-    grads, grad_out, grad_lse = _grads(q, k, v, sinks, causal, options, g)
+    out, lse, grad_out, grad_lse = _backward_inputs(q, k, v, sinks, causal, options, g)
+    assert out.stride() != grad_out.stride() and not out.is_contiguous()
+    grads = torch.ops.flash_metal.attention_backward(grad_out, q, k, v, out, lse, causal, None, grad_lse, "auto",
+                                                     sinks=sinks, **options)
     assert_gradients_close(grads[:3], q, k, v, grad_out, causal, None, grad_lse, sinks=sinks, **options)
     assert_sinks_grad_close(grads[3], q, k, v, sinks, grad_out, grad_lse, causal, options)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+def test_autograd_with_strided_grad_out(dtype):
+    # The user's path: flash_metal.attention's autograd, the loss taken through a transposed view of out, as a
+    # model's (B, N, H, D) reshape does, so the backward gets grad_out in other strides than out.
+    g, q, k, v, causal, options = _case(dtype, "causal")
+    leaves = [t.detach().clone().requires_grad_(True) for t in (q, k, v, _sinks(4, torch.float32, g))]
+    out, lse = flash_metal.attention_with_lse(*leaves[:3], causal, sinks=leaves[3], **options)
+    weight = torch.randn(out.transpose(1, 2).shape, generator=g).to(dtype)  # (B, N, H, D), contiguous
+    grad_lse = torch.randn(lse.shape, generator=g)
+    ((out.transpose(1, 2).float() * weight.float()).sum() + (lse * grad_lse).sum()).backward()
+    grad_out = weight.transpose(1, 2)
+    assert_gradients_close([t.grad for t in leaves[:3]], q, k, v, grad_out, causal, None, grad_lse,
+                           sinks=leaves[3].detach(), **options)
+    assert_sinks_grad_close(leaves[3].grad, q, k, v, leaves[3].detach(), grad_out, grad_lse, causal, options)
 
 
 def test_backward_is_deterministic_and_uses_grad_lse():
@@ -183,27 +231,47 @@ def test_reference_sinks_gradient_in_float64():
                                     (sinks,))
 
 
-def test_varlen_with_empty_and_one_token_sequences():
-    g = _gen("varlen")
-    lq, lk = [5, 1, 0, 7, 3], [9, 1, 4, 6, 0]  # one-token, no-query and no-key sequences
+@pytest.mark.parametrize("backend", [backends.backend_param("cpu"), backends.backend_param("metal-emu")])
+def test_varlen_forward_and_backward(backend):
+    # Packed sequences: one-token, no-query and no-key sequences (a no-key sequence's rows: out 0, lse = the
+    # sink) and one of 37 rows (past a SIMD-group's 32), a window and softcap; forward and backward (grad_sinks
+    # included) against the float64 oracle, the backward's out and lse the oracle's, out and grad_out strided.
+    g = _gen("varlen", backend)
+    lq, lk = [5, 1, 0, 37, 3], [9, 1, 4, 40, 0]
     cu_q = torch.tensor([0] + torch.tensor(lq).cumsum(0).tolist(), dtype=torch.int32)
     cu_k = torch.tensor([0] + torch.tensor(lk).cumsum(0).tolist(), dtype=torch.int32)
     q = torch.randn(sum(lq), 4, 16, generator=g)
     k = torch.randn(sum(lk), 2, 16, generator=g)
     v = torch.randn(sum(lk), 2, 16, generator=g)
-    sinks = _sinks(4, torch.float32, g).requires_grad_(True)
+    sinks = _sinks(4, torch.float32, g)
     options = dict(window_left=3, softcap=3.0)
-    out, lse = flash_metal.attention_varlen_with_lse(q, k, v, cu_q, cu_k, max(lq), max(lk), True, sinks=sinks,
-                                                     **options)
-    assert_varlen_close(out.detach(), lse.detach(), q, k, v, cu_q, cu_k, True, None, sinks=sinks.detach(),
-                        **options)
-    grad_out = torch.randn(out.shape, generator=g)
-    grad_lse = torch.randn(lse.shape, generator=g)
-    ((out * grad_out).sum() + (lse * grad_lse).sum()).backward()
-    s64 = sinks.detach().double().requires_grad_(True)
+    args = (cu_q, cu_k, max(lq), max(lk), True, None)
+    out, lse = backends.run_varlen(backend, q, k, v, *args, sinks=sinks, **options)
+    if backend == "metal-emu":
+        (d,) = _ran_with_sinks(("flash_attention_prefill_",))
+        assert d.function_constants[9]  # fc_varlen
+    assert_varlen_close(out, lse, q, k, v, cu_q, cu_k, True, None, sinks=sinks, **options)
+    # The no-key sequence: lse is the sink (Metal: exactly; the CPU forms ln 2 * (sink * log2 e), within an ulp).
+    ulp = 0.0 if backend == "metal-emu" else 2 ** -23
+    torch.testing.assert_close(lse[:, -3:], sinks.view(4, 1).expand(4, 3), rtol=ulp, atol=0)
+    ref_out, ref_lse = R.attention_varlen_reference(q, k, v, cu_q, cu_k, True, None, sinks=sinks, **options)
+    T_, H = q.shape[:2]
+    out_s = torch.full((T_, H + 1, 19), float("nan"))[:, 1:, 2:18]  # a slice of a larger buffer
+    out_s.copy_(ref_out.float())
+    weight = torch.randn(H, T_, 16, generator=g)
+    grad_out = weight.transpose(0, 1)  # (total, H, D) viewed from an (H, total, D) buffer
+    grad_lse = torch.randn(H, T_, generator=g)
+    grads = backends.run_varlen_backward(backend, grad_out, q, k, v, out_s, ref_lse.float(), *args, grad_lse,
+                                         sinks=sinks, **options)
+    if backend == "metal-emu":
+        assert LAST_DISPATCHES[-1][0].kernel_name == "flash_sinks_grad" and LAST_DISPATCHES[-1][0].function_constants[9]
+    assert_varlen_gradients_close(grads[:3], q, k, v, grad_out, cu_q, cu_k, True, None, grad_lse, sinks=sinks,
+                                  **options)
+    s64 = sinks.double().requires_grad_(True)
     ro, rl = R.attention_varlen_reference(q, k, v, cu_q, cu_k, True, None, sinks=s64, **options)
     (ref,) = torch.autograd.grad((ro * grad_out.double()).sum() + (rl * grad_lse.double()).sum(), s64)
-    torch.testing.assert_close(sinks.grad.double(), ref, rtol=1e-4, atol=1e-4)
+    assert grads[3].shape == (4,) and ref.abs().max() > 0.05
+    torch.testing.assert_close(grads[3].double(), ref, rtol=1e-4, atol=1e-4)
 
 
 def test_empty_problem():
@@ -269,7 +337,7 @@ SINKS = 11  # fc_has_sinks (kSinksFunctionConstant in csrc/metal_plan.h)
 # kernel merges (only key group 0 may carry the sink); split: Nk = 70 cut into
 # 2 key blocks, both with keys (only split 0 may carry it).
 FAMILIES = {
-    "prefill": ("auto", 13, 21, ("flash_attention_prefill_",)),
+    "prefill": ("auto", 37, 45, ("flash_attention_prefill_",)),  # 37 rows: two query blocks, the second ragged
     "decode": ("auto", 1, 21, ("flash_decode_",)),
     "split": ("decode_split", 4, 70, ("flash_decode_split_",)),
 }
@@ -313,56 +381,24 @@ def test_metal_forward_matches_oracle(family, config):
         torch.testing.assert_close(lse[rows], want, rtol=1e-6, atol=1e-6)
 
 
-def test_metal_varlen_forward_and_backward():
-    # Packed sequences (prefill with fc_varlen): one-token, no-query and
-    # no-key sequences (a no-key sequence's rows: out 0, lse = the sink), a
-    # window and softcap; then the backward, grad_sinks included, against the
-    # CPU kernels (themselves checked against the oracle above).
-    g = _gen("metal-varlen")
-    lq, lk = [5, 1, 0, 7, 3], [9, 1, 4, 6, 0]
-    cu_q = torch.tensor([0] + torch.tensor(lq).cumsum(0).tolist(), dtype=torch.int32)
-    cu_k = torch.tensor([0] + torch.tensor(lk).cumsum(0).tolist(), dtype=torch.int32)
-    q = torch.randn(sum(lq), 4, 16, generator=g)
-    k = torch.randn(sum(lk), 2, 16, generator=g)
-    v = torch.randn(sum(lk), 2, 16, generator=g)
-    sinks = _sinks(4, torch.float32, g)
-    options = dict(window_left=3, softcap=3.0)
-    args = (cu_q, cu_k, max(lq), max(lk), True, None)
-    out, lse = emulated_metal_varlen(q, k, v, *args, sinks=sinks, **options)
-    (d,) = _ran_with_sinks(("flash_attention_prefill_",))
-    assert d.function_constants[9]  # fc_varlen
-    assert_varlen_close(out, lse, q, k, v, cu_q, cu_k, True, None, sinks=sinks, **options)
-    torch.testing.assert_close(lse[:, -3:], sinks.view(4, 1).expand(4, 3), rtol=0, atol=0)  # the no-key sequence
-    grad_out = torch.randn(out.shape, generator=g)
-    grad_lse = torch.randn(lse.shape, generator=g)
-    got = emulated_metal_attention_backward(grad_out, q, k, v, out, lse, True, None, grad_lse, cu_seqlens_q=cu_q,
-                                            cu_seqlens_k=cu_k, max_seqlen_q=max(lq), max_seqlen_k=max(lk),
-                                            sinks=sinks, **options)
-    assert LAST_DISPATCHES[-1][0].kernel_name == "flash_sinks_grad" and LAST_DISPATCHES[-1][0].function_constants[9]
-    want = torch.ops.flash_metal.attention_varlen_backward(grad_out, q, k, v, out, lse, *args, grad_lse,
-                                                           sinks=sinks, **options)
-    for a, b in zip(got, want):
-        torch.testing.assert_close(a, b, rtol=2e-4, atol=2e-5)
-
-
 @pytest.mark.parametrize("config", ["plain", "bool_mask", "softcap", "window"])
-def test_metal_backward_matches_oracle(config):
-    # The backward's dQ and dK/dV kernels are unchanged (lse holds the sink);
-    # flash_sinks_grad sums -exp(sink - lse) * Delta per head. GQA, ragged
-    # lengths, fully masked rows (bool_mask); a shuffled thread schedule gives
-    # the same bits (fixed-order sums, no atomics).
+@pytest.mark.parametrize("backend", [backends.backend_param("cpu"), backends.backend_param("metal-emu")])
+def test_backward_kernels_match_oracle(backend, config):
+    # Each backend's backward kernels with sinks: on Metal the dQ and dK/dV kernels (lse holds the sink) and
+    # flash_sinks_grad (-sum exp(sink - lse) * Delta per head). GQA, 2 x 37 rows per head, ragged keys, fully
+    # masked rows (bool_mask), out and grad_out strided, out and lse the oracle's. On Metal a shuffled thread
+    # schedule gives the same bits (fixed-order sums, no atomics).
     dtype = DTYPES[list(CONFIGS).index(config) % len(DTYPES)]
     g, q, k, v, causal, options = _case(dtype, config)
     sinks = _sinks(4, torch.float32, g)
-    out, lse = flash_metal.attention_with_lse(q, k, v, causal, sinks=sinks, **options)
-    grad_out = torch.randn(out.shape, generator=g).to(dtype)
-    grad_lse = torch.randn(lse.shape, generator=g)
+    out, lse, grad_out, grad_lse = _backward_inputs(q, k, v, sinks, causal, options, g)
     args = (grad_out, q, k, v, out, lse, causal, None, grad_lse)
-    grads = emulated_metal_attention_backward(*args, sinks=sinks, **options)
-    assert [d.kernel_name.split("_")[1] for d, _ in LAST_DISPATCHES] == ["backward", "backward", "sinks"]
+    grads = backends.run_backward(backend, *args, sinks=sinks, **options)
+    if backend == "metal-emu":
+        assert [d.kernel_name.split("_")[1] for d, _ in LAST_DISPATCHES] == ["backward", "backward", "sinks"]
     assert_gradients_close(grads[:3], q, k, v, grad_out, causal, None, grad_lse, sinks=sinks, **options)
     assert_sinks_grad_close(grads[3], q, k, v, sinks, grad_out, grad_lse, causal, options)
-    if config == "plain":
+    if config == "plain" and backend == "metal-emu":
         again = emulated_metal_attention_backward(*args, sinks=sinks, seed=7, **options)
         assert all(torch.equal(a, b) for a, b in zip(grads, again))
 
@@ -373,6 +409,8 @@ def test_metal_sinks_sanitized(family):
     # bounds: the sinks buffer is Hq floats), with fully masked rows; the
     # prefill case also runs the backward, flash_sinks_grad included.
     impl, nq, nk, kernels = FAMILIES[family]
+    if family == "prefill":  # sanitized runs are slow: past 32 rows (33), few keys
+        nq, nk = 33, 21
     g, q, k, v, causal, options = _case(torch.float16, "bool_mask", nq, nk)
     sinks = _sinks(4, torch.float32, g)
     out, lse = emulated_metal_attention(q, k, v, causal, None, impl, instrumented=True, sinks=sinks, **options)
