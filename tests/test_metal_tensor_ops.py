@@ -209,9 +209,10 @@ def test_other_scrambled_layouts_and_strided_inputs(seed):
 def test_a_strided_head_dim_of_k_or_v_is_routed_away_or_refused(strided):
     """k and v are read as Metal tensors, whose innermost stride must be 1 (Apple, MTLTensorDescriptor.strides;
     the emulator refuses any other: test_emu_mpp.py). A feature stride of 2: Auto routes to the simdgroup
-    prefill, saying why; impl='tensor_ops' refuses, naming the argument. Planted bug, checked by hand: with
-    the route's stride test removed, Auto picks the tensor-op kernel here and the emulator reports
-    "innermost stride must be 1" on the launch."""
+    prefill, saying why; impl='tensor_ops' refuses, naming the argument. The bug this guards, seen before the
+    host checked: forced launches with v's feature stride 2 (this file's strided-inputs test then) failed in
+    the emulator with "a tensor's innermost stride must be 1"; without the route's test Auto would pick the
+    tensor-op kernel here (the first assertion)."""
     layouts = tuple("every_other" if name == strided else "contiguous" for name in ("q", "k", "v"))
     q, k, v = make_qkv(1, 2, 1, 128, 128, 128, torch.float16, layout=layouts, generator=torch.Generator().manual_seed(9))
     plan = flash_metal.explain(q, k, v, True, None, "auto", "m5+tensor_ops")

@@ -311,7 +311,8 @@ def test_a_static_k_past_the_operands_k_extents_is_nan():
 def test_execution_simdgroups_1_is_execution_simdgroup():
     """Planted bug (mpp_one_as_many_bug): execution_simdgroups<1> on a threadgroup of two SIMD-groups, meant as
     one op the two share. It is execution_simdgroup (one type in Apple's headers): each SIMD-group runs the
-    whole op (two runs, not one), so both write every element of out, a race the instrumented build reports."""
+    whole op (two runs, not one), so both write every element of the threadgroup tile, a race the instrumented
+    build reports."""
     rng = np.random.default_rng(37)
     a, b = (torch.from_numpy(rng.standard_normal(s)).to(torch.float16) for s in ((32, 16), (16, 16)))
     out = poisoned(32, 16)

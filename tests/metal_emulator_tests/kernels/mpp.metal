@@ -277,15 +277,19 @@ template [[host_name("mpp_k_edge_static_bug")]] [[kernel]] decltype(mpp_k_edge<f
 // execution_simdgroups<1> is execution_simdgroup (Apple's traits: one type),
 // so on a threadgroup of two SIMD-groups each runs its own 32 x 16 op. The
 // planted bug: a kernel that meant the two to share one 32 x 16 tile (each
-// half of it), as execution_simdgroups<2> would: both write all of `out`.
+// half of it), as execution_simdgroups<2> would: both write all of the
+// threadgroup tile, which is then copied out.
 [[kernel]] void mpp_one_as_many_bug(device half* a [[buffer(0)]], device half* b [[buffer(1)]],
-                                    device float* out [[buffer(2)]]) {
+                                    device float* out [[buffer(2)]], uint tid [[thread_index_in_threadgroup]]) {
+  threadgroup float tile[32 * 16];
   auto ta = tensor(a, dextents<int, 2>(16, 32));
   auto tb = tensor(b, dextents<int, 2>(16, 16));
-  auto to = tensor(out, dextents<int, 2>(16, 32));
+  auto tt = tensor(tile, dextents<int, 2>(16, 32));
   constexpr auto desc = matmul2d_descriptor(32, 16, 16);
   matmul2d<desc, execution_simdgroups<1>> op;
-  op.run(ta, tb, to);
+  op.run(ta, tb, tt);
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  for (uint e = tid; e < 32 * 16; e += 64) out[e] = tile[e];
 }
 
 // out (16 x 32) = A B with transposed input cooperative tensors (MLX's nax.h

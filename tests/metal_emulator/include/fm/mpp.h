@@ -310,6 +310,9 @@ struct matmul2d {
     using B = fm_detail::bare<T>;
     if constexpr (fm_detail::is_coop<B>) {
       static_assert(B::kKind == Kind, "run(): a cooperative-tensor operand must be this op's input of that side");
+      static_assert(fm_rules::is_same<typename B::op_type, matmul2d>::value,
+                    "run(): an input cooperative tensor must come from this op's get_left/right_input_cooperative_tensor "
+                    "(its layout is that op's)");
     } else {
       static_assert(fm_rules::is_tensor<B>, "matmul2d run(): left and right must be tensors (or, in later SDKs, "
                     "this op's input cooperative tensors): Apple's __run");
