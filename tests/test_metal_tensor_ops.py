@@ -193,6 +193,16 @@ def test_planted_missing_barrier_after_staging_q_is_a_race(tmp_path, monkeypatch
     assert "race" in info.value.kinds
 
 
+def test_planted_static_k_on_the_ragged_key_block_is_nan(tmp_path, monkeypatch):
+    """O += P.V with a static K = 32 (the kernel before issue 40) on 33 keys: the last block's product reads V
+    rows (and P columns) past the block's valid key, undefined on Apple's GPUs (NaN on M5s, llama.cpp PR
+    #27450) and NaN in the emulator, so every row's output is NaN; the dynamic K (MppAccumulate) is right."""
+    _planted_library(tmp_path, monkeypatch, "  MppAccumulate<DV> pv;\n", "  typename MppRowStep<DV, BK>::Accumulate pv;\n")
+    q, k, v = make_qkv(1, 2, 1, 17, 33, 64, torch.float16, generator=torch.Generator().manual_seed(73))
+    out, _ = emulated_metal_attention(q, k, v, False, None, "tensor_ops", instrumented=True, mpp_layout="scrambled")
+    assert out.isnan().all()
+
+
 @pytest.mark.parametrize("seed", [2, 3])
 def test_other_scrambled_layouts_and_strided_inputs(seed):
     # Other seeds are other layouts; batch 2, GQA 3, q with a feature stride
