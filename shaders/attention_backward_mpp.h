@@ -349,11 +349,12 @@ template <typename T, int D, int DV, int BQ, int BK>
   // The 16-row step (attention_mpp_common.h): S = Q.K^T and dP = dO.V^T,
   // one op type (16 x BK, right transposed; K = D, or dynamic when DV != D:
   // MppScoresPair) run twice; dQ += dS.K (16 x D, accumulating, K the
-  // block's valid keys: MppAccumulate).
+  // block's valid keys: mpp_accumulate_descriptor).
   // Q's and dO's tiles are tensors of one type (threadgroup T, two dynamic
   // extents), as are K's and V's, so S and dP are one destination type.
   typename MppScoresPair<D, DV, BK>::Op s_op;
-  MppAccumulate<D> dq_op;
+  constexpr auto dq_desc = mpp_accumulate_descriptor(D);
+  matmul2d<dq_desc, execution_simdgroup> dq_op;
   auto s = s_op.template get_destination_cooperative_tensor<QT, KT, float>();
   auto dp = s_op.template get_destination_cooperative_tensor<QT, KT, float>();
   auto acc = dq_op.template get_destination_cooperative_tensor<DST, KT, float>();

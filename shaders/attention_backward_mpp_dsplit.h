@@ -27,7 +27,7 @@
 //     sums its features, the halves exchange (one barrier); then per block
 //     of BK = 32 keys: partial S_h, dP_h (one 16 x 32 op, K = 128, run
 //     twice), exchange, dS = P (dP - Delta), dQ_h += dS.K_h (16 x 128, K the
-//     block's valid keys, at most 32: MppAccumulate).
+//     block's valid keys, at most 32: mpp_accumulate_descriptor).
 //   flash_backward_mpp_dsplit_dkdv  grid (ceil(Nk / 32), Hkv, B), 128 threads:
 //     two pairs, 16 keys each, over the GQA group's heads and the query
 //     blocks of BQ = 16 rows that see the threadgroup's keys: the block's Q
@@ -186,9 +186,10 @@ template <typename T, int D, int BK, int WN>
   using DST = MppTileTensor<T>;
   // The 16-row step at DH (attention_mpp_common.h): partial S_h = Q_h.K_h^T
   // and dP_h = dO_h.V_h^T (16 x BK, K = 128) and dQ_h += dS.K_h (16 x 128, K
-  // the block's valid keys: MppAccumulate).
+  // the block's valid keys: mpp_accumulate_descriptor).
   typename MppRowStep<DH, BK>::Scores s_op;
-  MppAccumulate<DH> dq_op;
+  constexpr auto dq_desc = mpp_accumulate_descriptor(DH);
+  matmul2d<dq_desc, execution_simdgroup> dq_op;
   auto s = s_op.template get_destination_cooperative_tensor<QT, KT, float>();
   auto dp = s_op.template get_destination_cooperative_tensor<QT, KT, float>();
   auto acc = dq_op.template get_destination_cooperative_tensor<DST, KT, float>();

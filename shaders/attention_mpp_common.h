@@ -10,7 +10,7 @@
 //   accumulate  C += A.B       16 x D, K = 32, into a float destination
 //                              (forward O += P.V and dQ += dS.K with K
 //                              dynamic, the block's valid keys:
-//                              MppAccumulate; dV += P^T.dO, dK += dS^T.Q
+//                              mpp_accumulate_descriptor; dV += P^T.dO, dK += dS^T.Q
 //                              with K = 32 static over staged tiles)
 //
 // with A's rows staged in threadgroup memory (mpp_stage_rows) or read from
@@ -57,7 +57,7 @@ struct MppRowStep {
   using Accumulate = mpp::tensor_ops::matmul2d<kAccumulate, metal::execution_simdgroup>;
 };
 
-// C += A.B along keys, 16 x D, K dynamic: O += P.V in the forwards, dQ +=
+// C += A.B along keys, 16 x d, K dynamic: O += P.V in the forwards, dQ +=
 // dS.K in the dQ kernels. Their reduction runs over a key block, ragged
 // when the sequence is not a multiple of the block. With a static K,
 // matmul2d does not edge-check K and reads K elements of each operand
@@ -70,13 +70,14 @@ struct MppRowStep {
 // product as a static K = BK; what the dynamic K costs on an M5 is not
 // measured. (The dK/dV products along queries keep MppRowStep's static K:
 // their operands are staged tiles read within their extents, rows past the
-// sequence stored as zeros.) The descriptor is a template argument
-// expression, as llama.cpp's kernel_mul_mm writes its own.
-template <int D>
-using MppAccumulate = mpp::tensor_ops::matmul2d<
-    mpp::tensor_ops::matmul2d_descriptor(kMppRowsPerSimd, D, static_cast<int>(metal::dynamic_extent), false, false,
-                                         false, mpp::tensor_ops::matmul2d_descriptor::mode::multiply_accumulate),
-    metal::execution_simdgroup>;
+// sequence stored as zeros.) A kernel names its op as MLX's nax.h does, a
+// local constexpr descriptor as the template argument:
+//   constexpr auto pv_desc = mpp_accumulate_descriptor(DV);
+//   matmul2d<pv_desc, execution_simdgroup> pv;
+constexpr mpp::tensor_ops::matmul2d_descriptor mpp_accumulate_descriptor(int d) {
+  return mpp::tensor_ops::matmul2d_descriptor(kMppRowsPerSimd, d, static_cast<int>(metal::dynamic_extent), false, false,
+                                              false, mpp::tensor_ops::matmul2d_descriptor::mode::multiply_accumulate);
+}
 
 // The operand tensors of the kernels, their types spelled out: inline
 // tensors over device or threadgroup memory, two dynamic extents (innermost
@@ -94,7 +95,7 @@ using MppTileTensor = tensor<threadgroup T, dextents<int, 2>, tensor_inline>;
 // csrc/metal_routing_tensor_ops.cpp). The row extent ends at the sequence:
 // along M and N matmul2d edge-checks the extents (a block sliced near the
 // end reads zeros past it), along K it does so only with a dynamic K
-// (MppAccumulate below). The element type is T, not const T: Apple's __run
+// (mpp_accumulate_descriptor below). The element type is T, not const T: Apple's __run
 // picks its data-type branch on the element type with the address space
 // removed and const kept, so a tensor over `device const T` matches none
 // (MPPTensorOpsMatMul2dImpl.h); llama.cpp's kernel_mul_mm tensor path and

@@ -64,7 +64,7 @@
 //                 traffic), then matmul2d (16 x D) with
 //                 multiply_accumulate into O, a float destination
 //                 cooperative tensor per SIMD-group; K dynamic, read from P's
-//                 and V's views of the block's valid keys (MppAccumulate:
+//                 and V's views of the block's valid keys (mpp_accumulate_descriptor:
 //                 a static K would read past V's last row on a ragged
 //                 block, undefined on Apple's GPUs).
 // Epilogue: O / l stored element by element through the API, lse = m ln 2 +
@@ -234,11 +234,12 @@ template <typename T, int D, int DV, int BQ, int BK>
   using PT = MppTileTensor<T>;
 
   // The 16-row step (attention_mpp_common.h): S = Q.K^T (16 x BK, K = D)
-  // and O += P.V (16 x DV, K the block's valid keys: MppAccumulate). DV != D
+  // and O += P.V (16 x DV, K the block's valid keys: mpp_accumulate_descriptor). DV != D
   // (MLA): S's op is D wide, O's DV wide (two op types either way; nothing
   // is combined slot by slot across them).
   typename MppRowStep<D, BK>::Scores qk;
-  MppAccumulate<DV> pv;
+  constexpr auto pv_desc = mpp_accumulate_descriptor(DV);
+  matmul2d<pv_desc, execution_simdgroup> pv;
   auto s = qk.template get_destination_cooperative_tensor<QT, KT, float>();
   auto acc = pv.template get_destination_cooperative_tensor<PT, KT, float>();
   // A factor per row of O's layout held by this thread (alpha, then 1 / l).

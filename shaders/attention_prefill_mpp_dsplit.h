@@ -31,7 +31,7 @@
 //     half writes its own copy of P (T) and alpha for its own P.V, so P
 //     needs no barrier beyond the SIMD-group's own.
 //   - O_h = alpha * O_h + P . V[block, half]: matmul2d (16 x 128, K the
-//     block's valid keys, dynamic: MppAccumulate) multiply_accumulate into
+//     block's valid keys, dynamic: mpp_accumulate_descriptor) multiply_accumulate into
 //     a float 16 x 128 destination cooperative tensor (64 floats per lane,
 //     as the D = 128 kernel's O).
 //
@@ -205,10 +205,11 @@ FM_INLINE void mpp_dsplit_blocks(thread QOp& tq, thread const MppDsplitWork& w, 
   using PT = MppTileTensor<T>;
 
   // S_h over this half's DH features (static K: Q's and K's features, never
-  // ragged); O_h += P.V_h with K the block's valid keys (MppAccumulate).
+  // ragged); O_h += P.V_h with K the block's valid keys (mpp_accumulate_descriptor).
   constexpr auto qk_desc = matmul2d_descriptor(R, BK, DH, false, true, false, matmul2d_descriptor::mode::multiply);
   matmul2d<qk_desc, execution_simdgroup> qk;
-  MppAccumulate<DH> pv;
+  constexpr auto pv_desc = mpp_accumulate_descriptor(DH);
+  matmul2d<pv_desc, execution_simdgroup> pv;
   auto s = qk.template get_destination_cooperative_tensor<QT, KT, float>();
   auto acc = pv.template get_destination_cooperative_tensor<PT, KT, float>();
   auto o_r = pv.template get_row_reduction_destination_cooperative_tensor<PT, KT, float>();

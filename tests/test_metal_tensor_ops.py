@@ -196,8 +196,9 @@ def test_planted_missing_barrier_after_staging_q_is_a_race(tmp_path, monkeypatch
 def test_planted_static_k_on_the_ragged_key_block_is_nan(tmp_path, monkeypatch):
     """O += P.V with a static K = 32 (the kernel before issue 40) on 33 keys: the last block's product reads V
     rows (and P columns) past the block's valid key, undefined on Apple's GPUs (NaN on M5s, llama.cpp PR
-    #27450) and NaN in the emulator, so every row's output is NaN; the dynamic K (MppAccumulate) is right."""
-    _planted_library(tmp_path, monkeypatch, "  MppAccumulate<DV> pv;\n", "  typename MppRowStep<DV, BK>::Accumulate pv;\n")
+    #27450) and NaN in the emulator, so every row's output is NaN; the dynamic K (mpp_accumulate_descriptor) is right."""
+    _planted_library(tmp_path, monkeypatch, "  constexpr auto pv_desc = mpp_accumulate_descriptor(DV);\n",
+                     "  constexpr auto pv_desc = MppRowStep<DV, BK>::kAccumulate;\n")
     q, k, v = make_qkv(1, 2, 1, 17, 33, 64, torch.float16, generator=torch.Generator().manual_seed(73))
     out, _ = emulated_metal_attention(q, k, v, False, None, "tensor_ops", instrumented=True, mpp_layout="scrambled")
     assert out.isnan().all()
