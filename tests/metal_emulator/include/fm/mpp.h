@@ -70,6 +70,11 @@ inline float relax(float x) {
   return __builtin_bit_cast(float, b & ~0x1fffu);
 }
 template <class T> inline float to_float(T v) { return float(v); }
+// A NaN the optimizer cannot see: under -ffast-math (no NaNs assumed) a
+// branch that returns a constant NaN may be folded away, and with it the
+// extent test that guards an operand read; a volatile load of the bits stays.
+inline volatile unsigned opaque_nan_bits = 0x7fc00000u;
+inline float opaque_nan() { return __builtin_bit_cast(float, (unsigned)opaque_nan_bits); }
 }  // namespace fm_detail
 
 // Elem: the element type; Op: the matmul2d whose layout it has; Kind: above;
@@ -270,29 +275,31 @@ struct matmul2d {
     return v;
   }
 
-  // Operand elements outside a tensor's extents. Along M and N the op edge-
-  // checks against the extents ([H]: "edge checking for all thread groups
-  // against extents of original tensor"): zeros, nothing read. Along K:
-  // with a dynamic K the op derives K from the operands and edge-checks the
-  // tile against their extents (zeros); with a static K it does not check K
-  // at all, and reading past an operand's K extent is undefined (NaN or
-  // stale data on M5s: ggml-org/llama.cpp PR #27450, NVIDIA/NeMo-Speech.cpp
-  // PR #20, both fixed by a dynamic K for the remainder), so here such a
-  // read is NaN.
-  static float edge(bool past_k) { return past_k && !dynamic_k ? __builtin_nanf("") : 0.0f; }
+  // Operand elements outside a tensor's extents. With a dynamic K the op
+  // derives K from the operands and edge-checks the tile against their
+  // extents ([H]: "edge checking for all thread groups against extents of
+  // original tensor", of its K = dynamic examples; llama.cpp PR #27450: "the
+  // dynamic-K op derives K from the operand extents and edge-checks the tile
+  // against the tensor extents"): zeros, nothing read. With a static K the op
+  // does not check K, and a read past an operand's K extent is undefined
+  // (NaN or stale data on M5s: ggml-org/llama.cpp PR #27450,
+  // NVIDIA/NeMo-Speech.cpp PR #20, both fixed by a dynamic K); whether it
+  // checks M and N then is not documented. So here, under a static K, every
+  // read past an operand's extents (M, N or K) is NaN: a kernel may run a
+  // static-K op over a ragged tile only if it never uses what lies past the
+  // extents (masked scores), and never if K itself is ragged.
+  static float edge() { return dynamic_k ? 0.0f : fm_detail::opaque_nan(); }
   template <class L>
   static float left(const L& a, int m, int k) {
     int x = D.transpose_left ? m : k, y = D.transpose_left ? k : m;
-    const bool past_k = D.transpose_left ? y >= a.ext(1) : x >= a.ext(0);
-    if (x >= a.ext(0) || y >= a.ext(1)) return edge(past_k);
+    if (x >= a.ext(0) || y >= a.ext(1)) return edge();
     float v = a.get(x, y);
     return D.relaxed_precision ? fm_detail::relax(v) : v;
   }
   template <class R>
   static float right(const R& b, int k, int n) {
     int x = D.transpose_right ? k : n, y = D.transpose_right ? n : k;
-    const bool past_k = D.transpose_right ? x >= b.ext(0) : y >= b.ext(1);
-    if (x >= b.ext(0) || y >= b.ext(1)) return edge(past_k);
+    if (x >= b.ext(0) || y >= b.ext(1)) return edge();
     float v = b.get(x, y);
     return D.relaxed_precision ? fm_detail::relax(v) : v;
   }
