@@ -470,7 +470,7 @@ template <typename T, int D, int DV, int BKV, int BQ>
   const int packed_q = fc_varlen ? p.total_q : p.q_len;
   const int packed_k = fc_varlen ? p.total_k : p.kv_len;
   // The SIMD-group's 16 keys of K and V as device tensors from key0, their
-  // row extents ending at the sequence (M of S^T: edge-checked, zeros past it).
+  // row extents ending at the sequence (M of S^T: rows past it never used).
   const int own0 = active ? key0 : tg_key0;
   const auto tkt = mpp_device_rows<D>(k + k_off, seq.kv_len, p.k_row_stride, p.k_dim_stride).slice(0, own0);
   const auto tvt = mpp_device_rows<DV>(v + v_off, seq.kv_len, p.v_row_stride, p.v_dim_stride).slice(0, own0);

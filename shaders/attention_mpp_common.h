@@ -92,10 +92,15 @@ using MppTileTensor = tensor<threadgroup T, dextents<int, 2>, tensor_inline>;
 // block's) as a matmul2d operand: extents innermost first (features, rows),
 // strides in elements (int32: the host checks that a head's offsets fit;
 // the feature stride is 1, the host routes any other away:
-// csrc/metal_routing_tensor_ops.cpp). The row extent ends at the sequence:
-// along M and N matmul2d edge-checks the extents (a block sliced near the
-// end reads zeros past it), along K it does so only with a dynamic K
-// (mpp_accumulate_descriptor below). The element type is T, not const T: Apple's __run
+// csrc/metal_routing_tensor_ops.cpp). The row extent ends at the sequence
+// or the block's last valid key. Along K, only a dynamic-K op edge-checks it
+// (mpp_accumulate_descriptor above). Along M and N (the scores' keys or
+// queries past the sequence) the static-K score ops rely on what the kernels
+// compute there being masked, never used: Apple documents the edge check for
+// its dynamic-K examples only (the emulator makes such reads NaN); that M5s
+// check M and N under a static K too is what llama.cpp's static-K
+// kernel_mul_mm showed, ragged in N for months and wrong only when K was
+// ragged (PR #27450). The element type is T, not const T: Apple's __run
 // picks its data-type branch on the element type with the address space
 // removed and const kept, so a tensor over `device const T` matches none
 // (MPPTensorOpsMatMul2dImpl.h); llama.cpp's kernel_mul_mm tensor path and

@@ -40,9 +40,8 @@
 //                 destination cooperative tensor; Q from this SIMD-group's
 //                 threadgroup slice (rows past the sequence zero-filled),
 //                 K a tensor over device memory, the block's rows, whose
-//                 row extent ends at the block's last valid key: along N
-//                 matmul2d edge-checks the extents, so the ragged last
-//                 block reads nothing past the sequence.
+//                 row extent ends at the block's last valid key; scores
+//                 past it are masked, never used (mpp_device_rows).
 //   softmax       on the cooperative tensor: each element learns its (row,
 //                 key) only from get_multidimensional_index (the lane layout
 //                 is implementation defined and differs across GPU
@@ -268,9 +267,9 @@ template <typename T, int D, int DV, int BQ, int BK>
 
   for (int kb = first_block; kb < n_blocks; ++kb) {
     const int k0 = kb * BK, keys = min(BK, seq.kv_len - k0);  // the block's valid keys (>= 1)
-    // The block's K rows (N of S: edge-checked, zeros past the sequence) and
-    // V rows (K of P.V: the extent the dynamic K reads). Named: run() takes
-    // lvalues (Apple declares no other overload).
+    // The block's K rows (N of S: scores past them are masked) and V rows (K
+    // of P.V: the extent the dynamic K reads). Named: run() takes lvalues
+    // (Apple declares no other overload).
     auto k_blk = mpp_device_rows<D>(k + h.k + int64_t(k0) * p.k_row_stride, keys, p.k_row_stride, p.k_dim_stride);
     auto v_blk = mpp_device_rows<DV>(v + h.v + int64_t(k0) * p.v_row_stride, keys, p.v_row_stride, p.v_dim_stride);
     qk.run(tq, k_blk, s);

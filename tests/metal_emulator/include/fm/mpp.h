@@ -136,10 +136,14 @@ struct matmul2d {
   // so transposed when the descriptor transposes it (MLX's nax.h fills a
   // transposed right input with fragments of B as stored, N x K).
   static constexpr int rows_of(int kind) {
-    return kind == fm_detail::kLeft ? (D.transpose_left ? K : M) : kind == fm_detail::kRight ? (D.transpose_right ? N : K) : M;
+    if (kind == fm_detail::kLeft) return D.transpose_left ? K : M;
+    if (kind == fm_detail::kRight) return D.transpose_right ? N : K;
+    return M;
   }
   static constexpr int cols_of(int kind) {
-    return kind == fm_detail::kLeft ? (D.transpose_left ? M : K) : kind == fm_detail::kRight ? (D.transpose_right ? K : N) : N;
+    if (kind == fm_detail::kLeft) return D.transpose_left ? M : K;
+    if (kind == fm_detail::kRight) return D.transpose_right ? K : N;
+    return N;
   }
   // The layout of a cooperative tensor of this op: reduction destinations
   // derive from the destination's; input operands have their own (scrambled:
@@ -269,7 +273,8 @@ struct matmul2d {
     static_assert(Kind == fm_detail::kLeft || Kind == fm_detail::kRight,
                   "run(): a cooperative-tensor operand must be this op's left or right input");
     static_assert(S == 1, "the emulator takes cooperative-tensor operands on one SIMD-group only");
-    if (Kind != want) fm_rt_fail("run(): a left-input cooperative tensor passed as the right operand or back", file, line);
+    if (Kind != want)
+      fm_rt_fail("run(): a left-input cooperative tensor passed as the right operand or back", file, line);
     fm_detail::tile_view<rows_of(Kind), cols_of(Kind)> v;
     fm_detail::gather(ct, v.v, "matmul2d run (cooperative operand)", file, line, col);
     return v;
@@ -318,8 +323,8 @@ struct matmul2d {
     if constexpr (fm_detail::is_coop<B>) {
       static_assert(B::kKind == Kind, "run(): a cooperative-tensor operand must be this op's input of that side");
       static_assert(fm_rules::is_same<typename B::op_type, matmul2d>::value,
-                    "run(): an input cooperative tensor must come from this op's get_left/right_input_cooperative_tensor "
-                    "(its layout is that op's)");
+                    "run(): an input cooperative tensor must come from this op's "
+                    "get_left/right_input_cooperative_tensor (its layout is that op's)");
     } else {
       static_assert(fm_rules::is_tensor<B>, "matmul2d run(): left and right must be tensors (or, in later SDKs, "
                     "this op's input cooperative tensors): Apple's __run");
