@@ -235,30 +235,68 @@ METAL4_FLAGS = [f"-std={METAL4_STD}", f"-mmacosx-version-min={METAL4_MACOS_MIN}"
 # Set to 1 (a macOS 26 CI leg) to make a toolchain that cannot build the MSL 4
 # library fail the build instead of warning.
 REQUIRE_MPP_METALLIB_ENV = "FLASH_METAL_REQUIRE_MPP_METALLIB"
-# The MSL 4 probe: the API subset our tensor-op kernels use (inline tensors
-# over device memory, a transposed-right matmul2d on one SIMD-group into a
-# float cooperative tensor, its valid elements and multidimensional indices)
-# on bfloat operands, which the macOS 26.0 SDK's MPP headers lack (its dtype
-# table has half x half only): a toolchain that compiles and links this has
-# what attention_mpp.metal needs. tests/test_build.py also compiles it in the
-# project's Metal emulator, so it stays valid MSL 4 as far as we can check.
+# The MSL 4 probe: the API surface our tensor-op kernels use, on bfloat
+# operands (the macOS 26.0 SDK's MPP headers have half x half only): an
+# input cooperative tensor (the later SDKs' get_left_input_cooperative_tensor,
+# as the 64-row D = 256 forward keeps Q), a transposed-right matmul2d on one
+# SIMD-group into a float destination cooperative tensor, a named slice as
+# run()'s operand (Apple declares run(thread L &, thread R &, thread D &)
+# only), tensors over device memory whose const the kernel casts away
+# (Apple's __run has no branch for a const element type), a row reduction
+# with a float identity, a threadgroup tensor with a row stride, and a
+# multiply_accumulate op with a dynamic K over operand views clamped to a
+# ragged block (the kernels' O += P.V and dQ += dS.K). A toolchain that
+# compiles and links this has what attention_mpp.metal needs, as far as the
+# probe can tell; tests/test_build.py checks that it uses every MPP construct
+# the kernels use, and compiles and runs it in the project's Metal emulator.
 METAL4_PROBE_SOURCE = """#include <metal_stdlib>
 #include <metal_tensor>
 #include <MetalPerformancePrimitives/MetalPerformancePrimitives.h>
 using namespace metal;
 using namespace mpp::tensor_ops;
-[[kernel]] void flash_metal_mpp_probe(device bfloat* a [[buffer(0)]], device bfloat* b [[buffer(1)]],
-                                      device float* c [[buffer(2)]]) {
-  auto ta = tensor(a, dextents<int, 2>(16, 16));
-  auto tb = tensor(b, dextents<int, 2>(16, 16));
-  constexpr auto desc = matmul2d_descriptor(16, 16, 16, false, true, false, matmul2d_descriptor::mode::multiply);
-  matmul2d<desc, execution_simdgroup> op;
-  auto acc = op.template get_destination_cooperative_tensor<decltype(ta), decltype(tb), float>();
-  op.run(ta, tb, acc);
-  for (uint16_t i = 0; i < acc.get_capacity(); ++i) {
-    if (acc.is_valid_element(i)) {
-      auto at = acc.get_multidimensional_index(i);
-      c[at[1] * 16 + at[0]] = acc[i];
+constant float kProbeFloor = -1.0e30f;
+// c (16 x 16) = (Q K^T - rowmax) over its first 20 columns, rounded to bfloat, times V's first 20 rows.
+[[kernel]] void flash_metal_mpp_probe(device const bfloat* q [[buffer(0)]], device const bfloat* k [[buffer(1)]],
+                                      device const bfloat* v [[buffer(2)]], device float* c [[buffer(3)]]) {
+  threadgroup bfloat p[16 * 32];
+  using DevT = tensor<device bfloat, dextents<int, 2>, tensor_inline>;
+  using TgT = tensor<threadgroup bfloat, dextents<int, 2>, tensor_inline>;
+  constexpr auto sd = matmul2d_descriptor(16, 32, 32, false, true, false, matmul2d_descriptor::mode::multiply);
+  matmul2d<sd, execution_simdgroup> qk;
+  auto qin = qk.get_left_input_cooperative_tensor<bfloat, bfloat, float>();
+  for (int i = 0; i < qin.get_capacity(); ++i) {
+    if (!qin.is_valid_element(i)) continue;
+    auto at = qin.get_multidimensional_index(i);
+    qin[i] = q[at[1] * 32 + at[0]];
+  }
+  DevT tk(const_cast<device bfloat*>(k), dextents<int, 2>(32, 32), array<int, 2>{1, 32});
+  auto k_blk = tk.slice(0, 0);
+  auto s = qk.get_destination_cooperative_tensor<decltype(qin), decltype(k_blk), float>();
+  qk.run(qin, k_blk, s);
+  auto m = qk.get_row_reduction_destination_cooperative_tensor<decltype(qin), decltype(k_blk), float>();
+  reduce_rows(s, m, reduction_operation::max, float(kProbeFloor));
+  for (int i = 0; i < s.get_capacity(); ++i) {
+    if (!s.is_valid_element(i)) continue;
+    auto at = s.get_multidimensional_index(i);
+    float mx = 0.0f;
+    for (int j = 0; j < m.get_capacity(); ++j)
+      if (m.is_valid_element(j) && m.get_multidimensional_index(j)[0] == at[1]) mx = m[j];
+    p[at[1] * 32 + at[0]] = bfloat(s[i] - mx);
+  }
+  simdgroup_barrier(mem_flags::mem_threadgroup);
+  const int keys = 20;
+  TgT p_blk(p, dextents<int, 2>(keys, 16), array<int, 2>{1, 32});
+  DevT v_blk(const_cast<device bfloat*>(v), dextents<int, 2>(16, keys), array<int, 2>{1, 16});
+  constexpr auto od = matmul2d_descriptor(16, 16, static_cast<int>(dynamic_extent), false, false, false,
+                                          matmul2d_descriptor::mode::multiply_accumulate);
+  matmul2d<od, execution_simdgroup> pv;
+  auto o = pv.get_destination_cooperative_tensor<decltype(p_blk), decltype(v_blk), float>();
+  for (int i = 0; i < o.get_capacity(); ++i) o[i] = 0.0f;
+  pv.run(p_blk, v_blk, o);
+  for (int i = 0; i < o.get_capacity(); ++i) {
+    if (o.is_valid_element(i)) {
+      auto at = o.get_multidimensional_index(i);
+      c[at[1] * 16 + at[0]] = o[i];
     }
   }
 }

@@ -51,6 +51,8 @@ AttentionProblem check_qkv(const char* kOp, const at::Tensor& q, const at::Tenso
   p.dtype = q.scalar_type();
   p.total_q = p.q_len;
   p.total_k = p.kv_len;
+  p.k_dim_stride = k.size(3) == 1 ? 1 : k.stride(3);  // a single feature has no stride to speak of
+  p.v_dim_stride = v.size(3) == 1 ? 1 : v.stride(3);
 
   TORCH_CHECK_VALUE(p.head_dim <= kMaxHeadDim, kOp, ": head_dim (last dimension of q) must be between 1 and ",
                     kMaxHeadDim, "; got ", p.head_dim);

@@ -86,6 +86,11 @@ struct AttentionProblem {
   bool paged = false;
   int64_t page_size = 0;     // keys per block
   int64_t table_stride = 0;  // int32 entries between rows of block_table (its entries are contiguous)
+  // k's and v's strides along the head dim, in elements (1 for packed rows):
+  // the tensor-op kernels read k and v as Metal tensors, whose innermost
+  // stride must be 1 (csrc/metal_routing_tensor_ops.cpp routes or refuses).
+  int64_t k_dim_stride = 1;
+  int64_t v_dim_stride = 1;
 
   int64_t gqa_ratio() const { return q_heads / kv_heads; }
   bool has_window_left() const { return window_left >= 0; }

@@ -452,6 +452,10 @@ LaunchEstimate estimate_launch(const MetalLaunch& launch, uint32_t live_register
 // takes it for a prefill (else *why_not says why, on Apple 10 GPUs), and its
 // blocks and reason, forced or not; refuses what it does not cover.
 bool tensor_ops_route(const AttentionProblem& p, const GpuSpec& gpu, std::string* why_not);
+// Why the tensor-op kernels cannot read k and v as given ("" when they can:
+// unit feature strides), and the forced path's refusal naming it.
+std::string tensor_ops_stride_gap(const AttentionProblem& p);
+void check_tensor_ops_strides(const AttentionProblem& p, const char* op);
 void choose_tensor_ops(const AttentionProblem& p, bool forced, const GpuSpec& gpu, KernelChoice* c);
 // The forward's own gate and choice (csrc/metal_routing_tensor_ops_dsplit.cpp):
 // D = 256 on the split-D kernel, Auto only where the model says it wins;

@@ -29,6 +29,27 @@ bool served_dims(const AttentionProblem& p) {
 
 }  // namespace
 
+// Why the tensor-op kernels cannot read k and v as given ("" when they can):
+// they read both as Metal tensors over device memory, whose innermost stride
+// must be 1 (Apple: "The stride value of the array's first element needs to
+// be exactly 1, because it is the innermost dimension",
+// developer.apple.com/documentation/metal/mtltensordescriptor/strides; the
+// public MPP kernels build theirs with {1, ld}); the Metal emulator refuses
+// any other. q and grad_out are staged element by element, out and the
+// gradients written so: any strides there.
+std::string tensor_ops_stride_gap(const AttentionProblem& p) {
+  if (p.k_dim_stride == 1 && p.v_dim_stride == 1) return "";
+  return std::string(p.k_dim_stride != 1 ? "k" : "v") + " strided along the head dim (feature stride " +
+         std::to_string(p.k_dim_stride != 1 ? p.k_dim_stride : p.v_dim_stride) +
+         "): the tensor-op kernels read k and v as Metal tensors, whose innermost stride must be 1";
+}
+
+void check_tensor_ops_strides(const AttentionProblem& p, const char* op) {
+  const std::string gap = tensor_ops_stride_gap(p);
+  TORCH_CHECK_VALUE(gap.empty(), op, ": impl='tensor_ops' cannot take ", gap, " (Apple's rule for tensor strides); "
+                    "pass a view with unit feature stride (e.g. .contiguous()) or use impl='auto'");
+}
+
 // The tensor-op prefill (issue 21): FlashAttention-2 on MPP matmul2d
 // (shaders/attention_prefill_mpp.h), forced by impl='tensor_ops' or picked
 // by Auto (tensor_ops_route). Refuses, naming the argument, what the kernel
@@ -79,6 +100,8 @@ bool tensor_ops_route(const AttentionProblem& p, const GpuSpec& gpu, std::string
   if (gpu.family < kTensorOpsMinFamily) return false;
   if (p.paged) {
     *why_not = "a paged KV cache (the tensor-op kernels do not read the block table; the simdgroup prefill does)";
+  } else if (!tensor_ops_stride_gap(p).empty()) {
+    *why_not = tensor_ops_stride_gap(p);
   } else if (p.dtype != c10::ScalarType::Half && p.dtype != c10::ScalarType::BFloat16) {
     *why_not = "float32 stays on simdgroup matrices (the tensor-op kernels take float16 / bfloat16)";
   } else if (!served_dims(p)) {

@@ -95,6 +95,8 @@ bool tensor_ops_forward_route(const AttentionProblem& p, const GpuSpec& gpu, std
   if (gpu.family < kTensorOpsMinFamily) return false;
   if (p.paged) {
     *why_not = "a paged KV cache (the tensor-op kernels do not read the block table; the simdgroup prefill does)";
+  } else if (!tensor_ops_stride_gap(p).empty()) {
+    *why_not = tensor_ops_stride_gap(p);
   } else if (p.dtype != c10::ScalarType::Half && p.dtype != c10::ScalarType::BFloat16) {
     *why_not = "float32 stays on simdgroup matrices (the tensor-op kernels take float16 / bfloat16)";
   } else if (!gpu.tensor_ops_missing.empty()) {
@@ -108,6 +110,7 @@ bool tensor_ops_forward_route(const AttentionProblem& p, const GpuSpec& gpu, std
 }
 
 void choose_tensor_ops_forward(const AttentionProblem& p, bool forced, const GpuSpec& gpu, KernelChoice* c) {
+  check_tensor_ops_strides(p, kOp);
   if (is_tensor_ops_mla(p)) {  // the MLA pair (192, 128): the D <= 128 kernel's template (metal_routing_tensor_ops.cpp)
     choose_tensor_ops(p, forced, gpu, c);
     return;
@@ -183,6 +186,8 @@ bool tensor_ops_backward_route_all_d(const AttentionProblem& p, const GpuSpec& g
   if (gpu.family < kTensorOpsMinFamily) return false;
   if (p.paged) {
     *why_not = "a paged KV cache (the tensor-op kernels do not read the block table; the simdgroup prefill does)";
+  } else if (!tensor_ops_stride_gap(p).empty()) {
+    *why_not = tensor_ops_stride_gap(p);
   } else if (p.dtype != c10::ScalarType::Half && p.dtype != c10::ScalarType::BFloat16) {
     *why_not = "float32 stays on simdgroup matrices (the tensor-op kernels take float16 / bfloat16)";
   } else if (p.head_dim_v != p.head_dim) {
@@ -200,6 +205,7 @@ bool tensor_ops_backward_route_all_d(const AttentionProblem& p, const GpuSpec& g
 
 void choose_tensor_ops_backward_all_d(const AttentionProblem& p, bool forced, const GpuSpec& gpu, KernelChoice* c) {
   constexpr const char* kBwd = "flash_metal.attention_backward";
+  check_tensor_ops_strides(p, kBwd);
   if (is_tensor_ops_mla(p)) {  // the MLA pair (192, 128): the D <= 128 kernels' template
     choose_tensor_ops_backward(p, forced, gpu, c);
     return;

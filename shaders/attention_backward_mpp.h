@@ -341,21 +341,20 @@ template <typename T, int D, int DV, int BQ, int BK>
   }
   simdgroup_barrier(mem_flags::mem_threadgroup);  // stats written before other lanes read them (RAW)
 
-  const auto tq = tensor(q_tile, dextents<int, 2>(D, R));
-  const auto tdo = tensor(do_tile, dextents<int, 2>(DV, R));
-  const auto tds = tensor(ds_tile, dextents<int, 2>(BK, R));
-  const auto tk = mpp_device_rows<D>(k + h.k, seq.kv_len, p.k_row_stride, p.k_dim_stride);
-  const auto tv = mpp_device_rows<DV>(v + h.v, seq.kv_len, p.v_row_stride, p.v_dim_stride);
-  using QT = decltype(tq);
-  using KT = decltype(tk.slice(0, 0));
-  using DST = decltype(tds);
+  const MppTileTensor<T> tq = mpp_tile(q_tile, D, R, D);
+  const MppTileTensor<T> tdo = mpp_tile(do_tile, DV, R, DV);
+  using QT = MppTileTensor<T>;
+  using KT = MppDeviceTensor<T>;  // a key block's rows of K or V (below)
+  using DST = MppTileTensor<T>;
   // The 16-row step (attention_mpp_common.h): S = Q.K^T and dP = dO.V^T,
   // one op type (16 x BK, right transposed; K = D, or dynamic when DV != D:
-  // MppScoresPair) run twice; dQ += dS.K (16 x D, K = BK, accumulating).
+  // MppScoresPair) run twice; dQ += dS.K (16 x D, accumulating, K the
+  // block's valid keys: mpp_accumulate_descriptor).
   // Q's and dO's tiles are tensors of one type (threadgroup T, two dynamic
   // extents), as are K's and V's, so S and dP are one destination type.
   typename MppScoresPair<D, DV, BK>::Op s_op;
-  typename MppRowStep<D, BK>::Accumulate dq_op;
+  constexpr auto dq_desc = mpp_accumulate_descriptor(D);
+  matmul2d<dq_desc, execution_simdgroup> dq_op;
   auto s = s_op.template get_destination_cooperative_tensor<QT, KT, float>();
   auto dp = s_op.template get_destination_cooperative_tensor<QT, KT, float>();
   auto acc = dq_op.template get_destination_cooperative_tensor<DST, KT, float>();
@@ -367,9 +366,12 @@ template <typename T, int D, int DV, int BQ, int BK>
   const int n_blocks = (visible_key_end(seq, row0 + rows - 1) + BK - 1) / BK;
   const int first_block = fc_window_left ? first_visible_key(seq, row0) / BK : 0;
   for (int kb = first_block; kb < n_blocks; ++kb) {
-    const int k0 = kb * BK;
-    s_op.run(tq, tk.slice(0, k0), s);
-    s_op.run(tdo, tv.slice(0, k0), dp);
+    const int k0 = kb * BK, keys = min(BK, seq.kv_len - k0);  // the block's valid keys (>= 1)
+    // The block's rows of K and V; named: run() takes lvalues (Apple declares no other overload).
+    auto k_blk = mpp_device_rows<D>(k + h.k + int64_t(k0) * p.k_row_stride, keys, p.k_row_stride, p.k_dim_stride);
+    auto v_blk = mpp_device_rows<DV>(v + h.v + int64_t(k0) * p.v_row_stride, keys, p.v_row_stride, p.v_dim_stride);
+    s_op.run(tq, k_blk, s);
+    s_op.run(tdo, v_blk, dp);
     // dS = P * (dP - Delta) into threadgroup memory, rounded to T; each of
     // the 16 x BK elements is held by exactly one valid slot, so the whole
     // tile is written (zeros where dropped).
@@ -389,7 +391,8 @@ template <typename T, int D, int DV, int BQ, int BK>
       ds_tile[idx[1] * BK + idx[0]] = static_cast<T>(pw * (dp[i] - st[2]) * cap_grad);
     }
     simdgroup_barrier(mem_flags::mem_threadgroup);  // dS written before other lanes' matmul2d reads it (RAW)
-    dq_op.run(tds, tk.slice(0, k0), acc);  // K past the sequence reads as zero; dS is 0 there
+    auto ds_blk = mpp_tile(ds_tile, keys, R, BK);  // dS's first `keys` columns: K's K extent
+    dq_op.run(ds_blk, k_blk, acc);
     simdgroup_barrier(mem_flags::mem_threadgroup);  // dS read before the next block rewrites it (WAR)
   }
 
@@ -467,14 +470,14 @@ template <typename T, int D, int DV, int BKV, int BQ>
   const int packed_q = fc_varlen ? p.total_q : p.q_len;
   const int packed_k = fc_varlen ? p.total_k : p.kv_len;
   // The SIMD-group's 16 keys of K and V as device tensors from key0, their
-  // row extents ending at the sequence (matmul2d reads zeros past it).
+  // row extents ending at the sequence (M of S^T: rows past it never used).
   const int own0 = active ? key0 : tg_key0;
   const auto tkt = mpp_device_rows<D>(k + k_off, seq.kv_len, p.k_row_stride, p.k_dim_stride).slice(0, own0);
   const auto tvt = mpp_device_rows<DV>(v + v_off, seq.kv_len, p.v_row_stride, p.v_dim_stride).slice(0, own0);
-  const auto tq = tensor(q_blk, dextents<int, 2>(D, BQ));
-  const auto tdo = tensor(do_blk, dextents<int, 2>(DV, BQ));
-  const auto tpt = tensor(pt_tile, dextents<int, 2>(BQ, R));
-  const auto tdst = tensor(dst_tile, dextents<int, 2>(BQ, R));
+  const MppTileTensor<T> tq = mpp_tile(q_blk, D, BQ, D);
+  const MppTileTensor<T> tdo = mpp_tile(do_blk, DV, BQ, DV);
+  const MppTileTensor<T> tpt = mpp_tile(pt_tile, BQ, R, BQ);
+  const MppTileTensor<T> tdst = mpp_tile(dst_tile, BQ, R, BQ);
   using KT = decltype(tkt);
   using QT = decltype(tq);
   using PT = decltype(tpt);

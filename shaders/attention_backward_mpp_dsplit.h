@@ -26,7 +26,8 @@
 //     one pair, 16 query rows. Delta = rowsum(dO * O) - grad_lse: each half
 //     sums its features, the halves exchange (one barrier); then per block
 //     of BK = 32 keys: partial S_h, dP_h (one 16 x 32 op, K = 128, run
-//     twice), exchange, dS = P (dP - Delta), dQ_h += dS.K_h (16 x 128, K = 32).
+//     twice), exchange, dS = P (dP - Delta), dQ_h += dS.K_h (16 x 128, K the
+//     block's valid keys, at most 32: mpp_accumulate_descriptor).
 //   flash_backward_mpp_dsplit_dkdv  grid (ceil(Nk / 32), Hkv, B), 128 threads:
 //     two pairs, 16 keys each, over the GQA group's heads and the query
 //     blocks of BQ = 16 rows that see the threadgroup's keys: the block's Q
@@ -176,20 +177,19 @@ template <typename T, int D, int BK, int WN>
   }
   simdgroup_barrier(mem_flags::mem_threadgroup);  // stats written before other lanes read them (RAW)
 
-  const auto tq = tensor(q_tile, dextents<int, 2>(DH, R));
-  const auto tdo = tensor(do_tile, dextents<int, 2>(DH, R));
-  const auto tds = tensor(ds_tile, dextents<int, 2>(BK, R));
-  const auto tk = mpp_device_rows<DH>(k + h.k + int64_t(f0) * p.k_dim_stride, seq.kv_len, p.k_row_stride,
-                                      p.k_dim_stride);
-  const auto tv = mpp_device_rows<DH>(v + h.v + int64_t(f0) * p.v_dim_stride, seq.kv_len, p.v_row_stride,
-                                      p.v_dim_stride);
-  using QT = decltype(tq);
-  using KT = decltype(tk.slice(0, 0));
-  using DST = decltype(tds);
+  const MppTileTensor<T> tq = mpp_tile(q_tile, DH, R, DH);
+  const MppTileTensor<T> tdo = mpp_tile(do_tile, DH, R, DH);
+  device const T* k_half = k + h.k + int64_t(f0) * p.k_dim_stride;  // this half's features of each row
+  device const T* v_half = v + h.v + int64_t(f0) * p.v_dim_stride;
+  using QT = MppTileTensor<T>;
+  using KT = MppDeviceTensor<T>;  // a key block's rows of K_h or V_h (below)
+  using DST = MppTileTensor<T>;
   // The 16-row step at DH (attention_mpp_common.h): partial S_h = Q_h.K_h^T
-  // and dP_h = dO_h.V_h^T (16 x BK, K = 128) and dQ_h += dS.K_h (16 x 128, K = BK).
+  // and dP_h = dO_h.V_h^T (16 x BK, K = 128) and dQ_h += dS.K_h (16 x 128, K
+  // the block's valid keys: mpp_accumulate_descriptor).
   typename MppRowStep<DH, BK>::Scores s_op;
-  typename MppRowStep<DH, BK>::Accumulate dq_op;
+  constexpr auto dq_desc = mpp_accumulate_descriptor(DH);
+  matmul2d<dq_desc, execution_simdgroup> dq_op;
   auto s = s_op.template get_destination_cooperative_tensor<QT, KT, float>();
   auto dp = s_op.template get_destination_cooperative_tensor<QT, KT, float>();
   auto acc = dq_op.template get_destination_cooperative_tensor<DST, KT, float>();
@@ -199,9 +199,12 @@ template <typename T, int D, int BK, int WN>
   const int n_blocks = (visible_key_end(seq, row0 + rows - 1) + BK - 1) / BK;
   const int first_block = fc_window_left ? first_visible_key(seq, row0) / BK : 0;
   for (int kb = first_block; kb < n_blocks; ++kb) {
-    const int k0 = kb * BK;
-    s_op.run(tq, tk.slice(0, k0), s);
-    s_op.run(tdo, tv.slice(0, k0), dp);
+    const int k0 = kb * BK, keys = min(BK, seq.kv_len - k0);  // the block's valid keys (>= 1)
+    // The block's rows of K_h and V_h; named: run() takes lvalues (Apple declares no other overload).
+    auto k_blk = mpp_device_rows<DH>(k_half + int64_t(k0) * p.k_row_stride, keys, p.k_row_stride, p.k_dim_stride);
+    auto v_blk = mpp_device_rows<DH>(v_half + int64_t(k0) * p.v_row_stride, keys, p.v_row_stride, p.v_dim_stride);
+    s_op.run(tq, k_blk, s);
+    s_op.run(tdo, v_blk, dp);
     for (int i = 0; i < s.get_capacity(); ++i) {
       if (!s.is_valid_element(i)) continue;
       const auto idx = s.get_multidimensional_index(i);  // [0] the key, [1] the row, within the block
@@ -227,7 +230,8 @@ template <typename T, int D, int BK, int WN>
       ds_tile[idx[1] * BK + idx[0]] = static_cast<T>(pw * (dp_full - st[2]) * cap_grad);
     }
     simdgroup_barrier(mem_flags::mem_threadgroup);  // dS written before other lanes' matmul2d reads it (RAW)
-    dq_op.run(tds, tk.slice(0, k0), acc);
+    auto ds_blk = mpp_tile(ds_tile, keys, R, BK);  // dS's first `keys` columns: K_h's K extent
+    dq_op.run(ds_blk, k_blk, acc);
     // The other half has read this half's partials, and this SIMD-group's
     // lanes have read dS, before the next block rewrites them (WAR).
     threadgroup_barrier(mem_flags::mem_threadgroup);
@@ -310,10 +314,10 @@ template <typename T, int D, int BKV, int BQ, int WN>
   const auto tkt = mpp_device_rows<DH>(k + k_off, seq.kv_len, p.k_row_stride, p.k_dim_stride).slice(0, own0);
   const auto tvt = mpp_device_rows<DH>(v + v_off, seq.kv_len, p.v_row_stride, p.v_dim_stride).slice(0, own0);
   // This half's features of the shared block: columns [f0, f0 + DH) of rows of D.
-  const auto tq = tensor(q_blk + f0, dextents<int, 2>(DH, BQ), array<int, 2>{1, D});
-  const auto tdo = tensor(do_blk + f0, dextents<int, 2>(DH, BQ), array<int, 2>{1, D});
-  const auto tpt = tensor(pt_tile, dextents<int, 2>(BQ, R));
-  const auto tdst = tensor(dst_tile, dextents<int, 2>(BQ, R));
+  const MppTileTensor<T> tq = mpp_tile(q_blk + f0, DH, BQ, D);
+  const MppTileTensor<T> tdo = mpp_tile(do_blk + f0, DH, BQ, D);
+  const MppTileTensor<T> tpt = mpp_tile(pt_tile, BQ, R, BQ);
+  const MppTileTensor<T> tdst = mpp_tile(dst_tile, BQ, R, BQ);
   using KT = decltype(tkt);
   using QT = decltype(tq);
   using PT = decltype(tpt);

@@ -8,12 +8,18 @@
 //                              dP = dO.V^T; dK/dV kernel S^T = K.Q^T and
 //                              dP^T = V.dO^T)
 //   accumulate  C += A.B       16 x D, K = 32, into a float destination
-//                              (forward O += P.V; dQ += dS.K; dV += P^T.dO,
-//                              dK += dS^T.Q)
+//                              (forward O += P.V and dQ += dS.K with K
+//                              dynamic, the block's valid keys:
+//                              mpp_accumulate_descriptor; dV += P^T.dO, dK += dS^T.Q
+//                              with K = 32 static over staged tiles)
 //
 // with A's rows staged in threadgroup memory (mpp_stage_rows) or read from
 // device memory, and B's rows a tensor over device memory whose row extent
-// ends at the sequence (mpp_device_rows), or a staged tile. Two ops of one
+// ends at the sequence or the block's last valid key (mpp_device_rows), or a
+// staged tile. Every operand is a named tensor (run() takes non-const
+// lvalue references) over a non-const element type (Apple's __run has no
+// branch for a const one): tests/metal_emulator_tests/test_emu_mpp_rules.py
+// holds the shim to Apple's rules. Two ops of one
 // type (same descriptor, scope and operand types) have one destination
 // layout, which the backward's slot-by-slot dS relies on (notes
 // "Cooperative tensors"; tests/metal_emulator/README.md).
@@ -51,13 +57,65 @@ struct MppRowStep {
   using Accumulate = mpp::tensor_ops::matmul2d<kAccumulate, metal::execution_simdgroup>;
 };
 
-// `rows` rows of D features from `base` (a head's first row) as a matmul2d
-// operand: extents innermost first (features, rows), strides in elements
-// (int32: the host checks that a head's offsets fit). The row extent ends
-// at the sequence, so a block sliced near its end reads zeros past it.
+// C += A.B along keys, 16 x d, K dynamic: O += P.V in the forwards, dQ +=
+// dS.K in the dQ kernels. Their reduction runs over a key block, ragged
+// when the sequence is not a multiple of the block. With a static K,
+// matmul2d does not edge-check K and reads K elements of each operand
+// whatever its extents, and a read past an operand is undefined (NaN or
+// stale data on M5s: ggml-org/llama.cpp PR #27450, NVIDIA/NeMo-Speech.cpp
+// PR #20, both fixed by a dynamic K); with a dynamic K it reads K from the
+// operands and edge-checks them. So the kernels give both operands a K
+// extent of the block's valid keys, min(BK, kv_len - k0) (mpp_tile,
+// mpp_device_rows), as llama.cpp's fix does: on a full block the same
+// product as a static K = BK; what the dynamic K costs on an M5 is not
+// measured. (The dK/dV products along queries keep MppRowStep's static K:
+// their operands are staged tiles read within their extents, rows past the
+// sequence stored as zeros.) A kernel names its op as MLX's nax.h does, a
+// local constexpr descriptor as the template argument:
+//   constexpr auto pv_desc = mpp_accumulate_descriptor(DV);
+//   matmul2d<pv_desc, execution_simdgroup> pv;
+constexpr mpp::tensor_ops::matmul2d_descriptor mpp_accumulate_descriptor(int d) {
+  return mpp::tensor_ops::matmul2d_descriptor(kMppRowsPerSimd, d, static_cast<int>(metal::dynamic_extent), false, false,
+                                              false, mpp::tensor_ops::matmul2d_descriptor::mode::multiply_accumulate);
+}
+
+// The operand tensors of the kernels, their types spelled out: inline
+// tensors over device or threadgroup memory, two dynamic extents (innermost
+// first), int32 indices (Apple's __run static_asserts "Index type must be
+// int": MPPTensorOpsMatMul2dImpl.h).
+template <typename T>
+using MppDeviceTensor = tensor<device T, dextents<int, 2>, tensor_inline>;
+template <typename T>
+using MppTileTensor = tensor<threadgroup T, dextents<int, 2>, tensor_inline>;
+
+// `rows` rows of D features from `base` (a head's first row, or a key
+// block's) as a matmul2d operand: extents innermost first (features, rows),
+// strides in elements (int32: the host checks that a head's offsets fit;
+// the feature stride is 1, the host routes any other away:
+// csrc/metal_routing_tensor_ops.cpp). The row extent ends at the sequence
+// or the block's last valid key. Along K, only a dynamic-K op edge-checks it
+// (mpp_accumulate_descriptor above). Along M and N (the scores' keys or
+// queries past the sequence) the static-K score ops rely on what the kernels
+// compute there being masked, never used: Apple documents the edge check for
+// its dynamic-K examples only (the emulator makes such reads NaN); that M5s
+// check M and N under a static K too is what llama.cpp's static-K
+// kernel_mul_mm showed, ragged in N for months and wrong only when K was
+// ragged (PR #27450). The element type is T, not const T: Apple's __run
+// picks its data-type branch on the element type with the address space
+// removed and const kept, so a tensor over `device const T` matches none
+// (MPPTensorOpsMatMul2dImpl.h); llama.cpp's kernel_mul_mm tensor path and
+// mtlattn cast the const away likewise. matmul2d only reads its operands.
 template <int D, typename T>
-FM_INLINE auto mpp_device_rows(device const T* base, int rows, int64_t row_stride, int64_t dim_stride) {
-  return tensor(base, dextents<int, 2>(D, rows), array<int, 2>{int(dim_stride), int(row_stride)});
+FM_INLINE MppDeviceTensor<T> mpp_device_rows(device const T* base, int rows, int64_t row_stride, int64_t dim_stride) {
+  return MppDeviceTensor<T>(const_cast<device T*>(base), dextents<int, 2>(D, rows),
+                            array<int, 2>{int(dim_stride), int(row_stride)});
+}
+
+// `cols` columns of the first `rows` rows of a row-major tile `ld` wide in
+// threadgroup memory, as a matmul2d operand.
+template <typename T>
+FM_INLINE MppTileTensor<T> mpp_tile(threadgroup T* base, int cols, int rows, int ld) {
+  return MppTileTensor<T>(base, dextents<int, 2>(cols, rows), array<int, 2>{1, ld});
 }
 
 // Copies a SIMD-group's 16 rows of D features from device memory (`src`

@@ -39,10 +39,9 @@
 //   S = Q.K^T     matmul2d (16 x BK, K = D, K transposed) into a float
 //                 destination cooperative tensor; Q from this SIMD-group's
 //                 threadgroup slice (rows past the sequence zero-filled),
-//                 K a tensor over device memory, sliced at the block's
-//                 origin, whose extents end at the sequence's last row, so
-//                 the ragged last block reads zeros past it instead of
-//                 reading past the end.
+//                 K a tensor over device memory, the block's rows, whose
+//                 row extent ends at the block's last valid key; scores
+//                 past it are masked, never used (mpp_device_rows).
 //   softmax       on the cooperative tensor: each element learns its (row,
 //                 key) only from get_multidimensional_index (the lane layout
 //                 is implementation defined and differs across GPU
@@ -61,9 +60,12 @@
 //                 read from threadgroup memory once per row a thread holds,
 //                 into a row reduction tensor of O's layout, not once per
 //                 element: the model found those reads the largest on-core
-//                 traffic), then matmul2d (16 x D, K = BK) with
+//                 traffic), then matmul2d (16 x D) with
 //                 multiply_accumulate into O, a float destination
-//                 cooperative tensor per SIMD-group.
+//                 cooperative tensor per SIMD-group; K dynamic, read from P's
+//                 and V's views of the block's valid keys (mpp_accumulate_descriptor:
+//                 a static K would read past V's last row on a ragged
+//                 block, undefined on Apple's GPUs).
 // Epilogue: O / l stored element by element through the API, lse = m ln 2 +
 // ln l (the convention of attention_prefill.h: zeros and lse = -inf for a
 // row that saw no key).
@@ -80,8 +82,9 @@
 //
 // What the emulator cannot tell (tests/metal_emulator/README.md, "MPP tensor
 // ops"): Apple's real layouts, whether its run() accumulates in another
-// order, and whether tensors over `device const` element types compile on
-// Apple's toolchain as they do here. None of it is measured on an M5 yet.
+// order, and whether Apple's compiler takes the kernel (the emulator's shim
+// holds it to the rules of Apple's MPP headers, but Apple's compiler has
+// never seen it). Not yet verified on Apple hardware.
 #pragma once
 
 #include "attention_mpp_common.h"
@@ -103,7 +106,7 @@ template <int BK, typename S, typename SR, typename T, typename A, typename AR>
 FM_INLINE void mpp_softmax_block(thread S& s, thread SR& m_r, thread SR& l_r, thread SR& a_r, thread SR& b_r,
                                  threadgroup T* p_tile, threadgroup float* row_stat, thread A& acc, thread AR& o_r) {
   using namespace mpp::tensor_ops;
-  reduce_rows(s, b_r, reduction_operation::max, kMaskedScore);
+  reduce_rows(s, b_r, reduction_operation::max, float(kMaskedScore));  // one element type: float
   for (int j = 0; j < m_r.get_capacity(); ++j) {
     const float m_new = max(m_r[j], b_r[j]);
     a_r[j] = exp2(m_r[j] - m_new);
@@ -221,23 +224,21 @@ template <typename T, int D, int DV, int BQ, int BK>
                     int(p.q_dim_stride), lane);
   simdgroup_barrier(mem_flags::mem_threadgroup);  // Q written before other lanes' matmul2d reads it (RAW)
 
-  // Q's slice, K and V of the head, as tensors: extents innermost first
-  // (features, rows), strides in elements (int32: checked as above). K's
-  // and V's row extents end at the sequence, so matmul2d reads zeros past it.
-  const auto tq = tensor(q_tile, dextents<int, 2>(D, R));
-  const auto tk = mpp_device_rows<D>(k + h.k, seq.kv_len, p.k_row_stride, p.k_dim_stride);
-  const auto tv = mpp_device_rows<DV>(v + h.v, seq.kv_len, p.v_row_stride, p.v_dim_stride);
-  const auto tp = tensor(p_tile, dextents<int, 2>(BK, R));
-  using QT = decltype(tq);
-  using KT = decltype(tk.slice(0, 0));
-  using PT = decltype(tp);
+  // Q's slice as a tensor; K's and V's rows per key block (below): extents
+  // innermost first (features, rows), strides in elements (int32: checked
+  // as above), the row extent the block's valid keys.
+  const MppTileTensor<T> tq = mpp_tile(q_tile, D, R, D);
+  using QT = MppTileTensor<T>;
+  using KT = MppDeviceTensor<T>;
+  using PT = MppTileTensor<T>;
 
   // The 16-row step (attention_mpp_common.h): S = Q.K^T (16 x BK, K = D)
-  // and O += P.V (16 x DV, K = BK). DV != D (MLA): S's op is the D-wide
-  // step's, O's the DV-wide one's (two op types either way; nothing is
-  // combined slot by slot across them).
+  // and O += P.V (16 x DV, K the block's valid keys: mpp_accumulate_descriptor). DV != D
+  // (MLA): S's op is D wide, O's DV wide (two op types either way; nothing
+  // is combined slot by slot across them).
   typename MppRowStep<D, BK>::Scores qk;
-  typename MppRowStep<DV, BK>::Accumulate pv;
+  constexpr auto pv_desc = mpp_accumulate_descriptor(DV);
+  matmul2d<pv_desc, execution_simdgroup> pv;
   auto s = qk.template get_destination_cooperative_tensor<QT, KT, float>();
   auto acc = pv.template get_destination_cooperative_tensor<PT, KT, float>();
   // A factor per row of O's layout held by this thread (alpha, then 1 / l).
@@ -265,8 +266,13 @@ template <typename T, int D, int DV, int BQ, int BK>
   const int first_block = fc_window_left ? first_visible_key(seq, row0) / BK : 0;
 
   for (int kb = first_block; kb < n_blocks; ++kb) {
-    const int k0 = kb * BK;
-    qk.run(tq, tk.slice(0, k0), s);
+    const int k0 = kb * BK, keys = min(BK, seq.kv_len - k0);  // the block's valid keys (>= 1)
+    // The block's K rows (N of S: scores past them are masked) and V rows (K
+    // of P.V: the extent the dynamic K reads). Named: run() takes lvalues
+    // (Apple declares no other overload).
+    auto k_blk = mpp_device_rows<D>(k + h.k + int64_t(k0) * p.k_row_stride, keys, p.k_row_stride, p.k_dim_stride);
+    auto v_blk = mpp_device_rows<DV>(v + h.v + int64_t(k0) * p.v_row_stride, keys, p.v_row_stride, p.v_dim_stride);
+    qk.run(tq, k_blk, s);
 
     // Scores to base 2 after the product (in float, as attention_prefill.h),
     // then the options; a key past the sequence or outside the window is
@@ -290,8 +296,9 @@ template <typename T, int D, int DV, int BQ, int BK>
     }
 
     mpp_softmax_block<BK>(s, m_r, l_r, a_r, b_r, p_tile, row_stat, acc, o_r);
-    // V past the sequence reads as zero, and P is 0 there anyway.
-    pv.run(tp, tv.slice(0, k0), acc);
+    // P's first `keys` columns: the same K extent as V's rows.
+    auto p_blk = mpp_tile(p_tile, keys, R, BK);
+    pv.run(p_blk, v_blk, acc);
     simdgroup_barrier(mem_flags::mem_threadgroup);  // P and alpha read before the next block rewrites them (WAR)
   }
 

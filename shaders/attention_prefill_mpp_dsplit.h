@@ -30,9 +30,10 @@
 //     anyway, in parallel (the halves run side by side on the core). Each
 //     half writes its own copy of P (T) and alpha for its own P.V, so P
 //     needs no barrier beyond the SIMD-group's own.
-//   - O_h = alpha * O_h + P . V[block, half]: matmul2d (16 x 128, K = BK)
-//     multiply_accumulate into a float 16 x 128 destination cooperative
-//     tensor (64 floats per lane, as the D = 128 kernel's O).
+//   - O_h = alpha * O_h + P . V[block, half]: matmul2d (16 x 128, K the
+//     block's valid keys, dynamic: mpp_accumulate_descriptor) multiply_accumulate into
+//     a float 16 x 128 destination cooperative tensor (64 floats per lane,
+//     as the D = 128 kernel's O).
 //
 // Threadgroup memory: the 32 KiB budget decides where Q lives. Per
 // threadgroup, float16 / bfloat16, BK = 32 (csrc/metal_plan_detail.h,
@@ -180,7 +181,7 @@ FM_INLINE bool mpp_dsplit_begin(constant AttentionParams& p, device const int* c
 // half's Q slice (16 rows x DH), a tensor over threadgroup memory (staged) or
 // a left-input cooperative tensor of the S op (registers).
 template <typename T, int D, int BQ, int BK, int WN, typename QOp>
-FM_INLINE void mpp_dsplit_blocks(thread const QOp& tq, thread const MppDsplitWork& w, device const T* k,
+FM_INLINE void mpp_dsplit_blocks(thread QOp& tq, thread const MppDsplitWork& w, device const T* k,
                                  device const T* v, device T* o, device float* lse, constant AttentionParams& p,
                                  device const uchar* mask, device const float* sinks, threadgroup T* smem,
                                  uint3 group, uint sg) {
@@ -194,21 +195,20 @@ FM_INLINE void mpp_dsplit_blocks(thread const QOp& tq, thread const MppDsplitWor
       reinterpret_cast<threadgroup float*>(smem + NSG * R * (BK + (Shape::kQStaged ? DH : 0)));
   threadgroup float* row_stat = partials + Shape::kSlots * WM * WN * R * BK + int(sg) * R;
 
-  // This half's features of K and V as tensors (extents innermost first;
-  // row extents end at the sequence, so matmul2d reads zeros past it).
-  const auto tk = tensor(k + w.h.k + int64_t(w.f0) * p.k_dim_stride, dextents<int, 2>(DH, seq.kv_len),
-                         array<int, 2>{int(p.k_dim_stride), int(p.k_row_stride)});
-  const auto tv = tensor(v + w.h.v + int64_t(w.f0) * p.v_dim_stride, dextents<int, 2>(DH, seq.kv_len),
-                         array<int, 2>{int(p.v_dim_stride), int(p.v_row_stride)});
-  const auto tp = tensor(p_tile, dextents<int, 2>(BK, R));
+  // This half's features of K and V start at feature f0 of each row; each
+  // key block's rows become tensors below (extents innermost first, the
+  // row extent the block's valid keys).
+  device const T* k_half = k + w.h.k + int64_t(w.f0) * p.k_dim_stride;
+  device const T* v_half = v + w.h.v + int64_t(w.f0) * p.v_dim_stride;
   using QT = QOp;
-  using KT = decltype(tk.slice(0, 0));
-  using PT = decltype(tp);
+  using KT = MppDeviceTensor<T>;
+  using PT = MppTileTensor<T>;
 
+  // S_h over this half's DH features (static K: Q's and K's features, never
+  // ragged); O_h += P.V_h with K the block's valid keys (mpp_accumulate_descriptor).
   constexpr auto qk_desc = matmul2d_descriptor(R, BK, DH, false, true, false, matmul2d_descriptor::mode::multiply);
-  constexpr auto pv_desc =
-      matmul2d_descriptor(R, DH, BK, false, false, false, matmul2d_descriptor::mode::multiply_accumulate);
   matmul2d<qk_desc, execution_simdgroup> qk;
+  constexpr auto pv_desc = mpp_accumulate_descriptor(DH);
   matmul2d<pv_desc, execution_simdgroup> pv;
   auto s = qk.template get_destination_cooperative_tensor<QT, KT, float>();
   auto acc = pv.template get_destination_cooperative_tensor<PT, KT, float>();
@@ -238,7 +238,11 @@ FM_INLINE void mpp_dsplit_blocks(thread const QOp& tq, thread const MppDsplitWor
     threadgroup float* slot = partials + (Shape::kSlots == 2 ? (kb & 1) : 0) * WM * WN * R * BK;
     threadgroup float* mine = slot + (rg * WN + half_id) * R * BK;
     threadgroup const float* other = slot + (rg * WN + (1 - half_id)) * R * BK;
-    qk.run(tq, tk.slice(0, k0), s);  // this half's partial S
+    const int keys = min(BK, seq.kv_len - k0);  // the block's valid keys (>= 1)
+    // Named: run() takes lvalues (Apple declares no other overload).
+    auto k_blk = mpp_device_rows<DH>(k_half + int64_t(k0) * p.k_row_stride, keys, p.k_row_stride, p.k_dim_stride);
+    auto v_blk = mpp_device_rows<DH>(v_half + int64_t(k0) * p.v_row_stride, keys, p.v_row_stride, p.v_dim_stride);
+    qk.run(tq, k_blk, s);  // this half's partial S
     for (int i = 0; i < s.get_capacity(); ++i) {
       if (!s.is_valid_element(i)) continue;
       const auto idx = s.get_multidimensional_index(i);  // [0] the key, [1] the row, within the block
@@ -266,7 +270,8 @@ FM_INLINE void mpp_dsplit_blocks(thread const QOp& tq, thread const MppDsplitWor
 
     // The online softmax, as attention_prefill_mpp.h (both halves alike).
     mpp_softmax_block<BK>(s, m_r, l_r, a_r, b_r, p_tile, row_stat, acc, o_r);
-    pv.run(tp, tv.slice(0, k0), acc);
+    auto p_blk = mpp_tile(p_tile, keys, R, BK);  // P's first `keys` columns: V's K extent
+    pv.run(p_blk, v_blk, acc);
     if (Shape::kSlots == 1) {
       // The other half has read this half's partial, and this SIMD-group's
       // lanes have read P and alpha, before the next block rewrites them
@@ -331,7 +336,7 @@ template <typename T, int D, int BQ, int BK, int WN>
     }
   }
   simdgroup_barrier(mem_flags::mem_threadgroup);  // Q written before other lanes' matmul2d reads it (RAW)
-  const auto tq = tensor(q_tile, dextents<int, 2>(DH, R));
+  const MppTileTensor<T> tq = mpp_tile(q_tile, DH, R, DH);
   mpp_dsplit_blocks<T, D, BQ, BK, WN>(tq, w, k, v, o, lse, p, mask, sinks, smem, group, sg);
 }
 

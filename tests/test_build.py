@@ -318,9 +318,10 @@ def test_without_mps_no_msl4_library_either(setup_py, shaders, xcrun, mpp_out):
 
 
 def test_the_msl4_probe_computes_its_product_in_the_emulator(setup_py, tmp_path):
-    # The probe is real MSL 4 as far as the emulator knows: it compiles (msl=4)
-    # and computes A.B^T under both cooperative-tensor lane layouts. A probe
-    # that no compiler accepts would silently disable the MSL 4 library.
+    # The probe is real MSL 4 as far as the emulator knows (whose MPP shim
+    # refuses what Apple's headers refuse): it compiles (msl=4) and computes
+    # its product under both cooperative-tensor lane layouts. A probe that no
+    # compiler accepts would silently disable the MSL 4 library.
     import torch
     from metal_emulator import compile_library
 
@@ -328,14 +329,78 @@ def test_the_msl4_probe_computes_its_product_in_the_emulator(setup_py, tmp_path)
     path.write_text(setup_py.METAL4_PROBE_SOURCE)
     lib = compile_library([str(path)], msl=4)
     gen = torch.Generator().manual_seed(21)
-    a = torch.randn(16, 16, generator=gen).to(torch.bfloat16)
-    b = torch.randn(16, 16, generator=gen).to(torch.bfloat16)
-    want = a.double() @ b.double().T
+    q, k = (torch.randn(s, generator=gen).to(torch.bfloat16) for s in ((16, 32), (32, 32)))
+    v = torch.randn(32, 16, generator=gen).to(torch.bfloat16)
+    s = q.double() @ k.double().T
+    p = (s - s.max(1, keepdim=True).values).to(torch.bfloat16).double()[:, :20]  # the 20 keys of the ragged block
+    want, bound = p @ v.double()[:20], p.abs() @ v.double()[:20].abs()
     for layout in ("m5", "scrambled"):
         c = torch.full((16, 16), float("nan"))
-        lib.dispatch("flash_metal_mpp_probe", buffers={0: a, 1: b, 2: c}, threadgroup=(32, 1, 1), mpp_layout=layout)
+        lib.dispatch("flash_metal_mpp_probe", buffers={0: q, 1: k, 2: v, 3: c}, threadgroup=(32, 1, 1),
+                     mpp_layout=layout)
         assert not c.isnan().any(), layout
-        torch.testing.assert_close(c.double(), want, rtol=1e-5, atol=1e-5)
+        # P's bfloat rounding of a float32 S may fall on the other side of a tie: one bfloat ulp of P.
+        assert ((c.double() - want).abs() <= 2.0**-8 * bound + 1e-6).all(), layout
+
+
+# The MPP / Metal 4 tensor constructs of the tensor-op kernels, each as a pattern of its source text: a Mac
+# whose toolchain cannot build one of them should fail the probe, not the library build after it.
+MPP_CONSTRUCTS = {
+    "a slice of a tensor (named, as run()'s operand)": r"\.slice\(",
+    "a static slice": r"\bstatic_slice<|\.slice<",
+    "an inline tensor over device memory": r"tensor<device ",
+    "an inline tensor over threadgroup memory": r"tensor<threadgroup ",
+    "a tensor with explicit strides": r"array<int, 2>\{",
+    "a const pointer cast for a device operand": r"const_cast<device ",
+    "a left-input cooperative tensor": r"get_left_input_cooperative_tensor",
+    "a right-input cooperative tensor": r"get_right_input_cooperative_tensor",
+    "a destination cooperative tensor": r"get_destination_cooperative_tensor",
+    "a row reduction destination": r"get_row_reduction_destination_cooperative_tensor",
+    "a column reduction destination": r"get_column_reduction_destination_cooperative_tensor",
+    "reduce_rows": r"\breduce_rows\(",
+    "reduce_columns": r"\breduce_columns\(",
+    "a reduction with a float identity": r"reduce_rows\([^;]*\bfloat\(",
+    "a dynamic K": r"static_cast<int>\((?:metal::)?dynamic_extent\)",
+    "multiply_accumulate": r"mode::multiply_accumulate",
+    "a multi-SIMD-group scope": r"execution_simdgroups<",
+    "a cooperative load": r"\.load\(",
+    "a cooperative store": r"\.store\(",
+    "map_iterator": r"\bmap_iterator\b",
+    "relaxed precision": r"relaxed_precision\s*=\s*true",
+}
+CORE_CONSTRUCTS = ("a slice of a tensor (named, as run()'s operand)", "a left-input cooperative tensor",
+                   "a dynamic K", "a reduction with a float identity", "a const pointer cast for a device operand")
+
+
+def _mpp_kernel_text():
+    """Every source of the MSL 4 library (shaders/*_mpp.metal and the headers it includes: *mpp*.h), found by glob."""
+    shader_dir = os.path.join(ROOT, "shaders")
+    names = sorted(n for n in os.listdir(shader_dir) if n.endswith("_mpp.metal") or
+                   (n.endswith(".h") and "mpp" in n))
+    assert any(n.endswith("_mpp.metal") for n in names), names
+    text = ""
+    for n in names:
+        with open(os.path.join(shader_dir, n), encoding="utf-8") as f:
+            text += f.read()
+    return text
+
+
+def probe_gaps(kernel_text, probe_text):
+    """The constructs the kernels use and the probe does not."""
+    return [name for name, pattern in MPP_CONSTRUCTS.items()
+            if re.search(pattern, kernel_text) and not re.search(pattern, probe_text)]
+
+
+def test_the_msl4_probe_uses_every_construct_the_kernels_use(setup_py):
+    """So a Mac whose toolchain cannot build the kernels says so at install time (the probe fails: a warning,
+    or an error under FLASH_METAL_REQUIRE_MPP_METALLIB=1) rather than after the probe passed. Planted: a
+    construct the kernels gain (a static slice appended to their text) is reported missing from the probe."""
+    kernels, probe = _mpp_kernel_text(), setup_py.METAL4_PROBE_SOURCE
+    used = [name for name, pattern in MPP_CONSTRUCTS.items() if re.search(pattern, kernels)]
+    assert set(CORE_CONSTRUCTS) <= set(used), used  # the patterns still find what the kernels spell
+    assert probe_gaps(kernels, probe) == []
+    assert "bfloat" in probe and "bfloat" in kernels
+    assert probe_gaps(kernels + "  auto t = x.static_slice<16, 16>(0, 0);", probe) == ["a static slice"]
 
 
 def test_without_mps_the_build_ships_sources_and_no_metallib(setup_py, shaders, xcrun, out_dir):

@@ -147,9 +147,9 @@ def test_q_is_read_once_per_threadgroup(layout):
 
 # Planted: S = Q.K^T takes Q as a tensor over device memory again (the kernel
 # before Q was staged; it still stages, so nothing else changes).
-STAGED_Q = "  const auto tq = tensor(q_tile, dextents<int, 2>(D, R));\n"
-REREAD_Q = ("  const auto tq = tensor(q + h.q, dextents<int, 2>(D, seq.q_len),\n"
-            "                         array<int, 2>{int(p.q_dim_stride), int(p.q_row_stride)}).slice(0, row0);\n")
+STAGED_Q = "  const MppTileTensor<T> tq = mpp_tile(q_tile, D, R, D);\n"
+REREAD_Q = ("  const MppDeviceTensor<T> tq = mpp_device_rows<D>(q + h.q + int64_t(row0) * p.q_row_stride,\n"
+            "                                                  min(R, seq.q_len - row0), p.q_row_stride, p.q_dim_stride);\n")
 
 
 def _planted_library(tmp_path, monkeypatch, old, new):
@@ -193,15 +193,52 @@ def test_planted_missing_barrier_after_staging_q_is_a_race(tmp_path, monkeypatch
     assert "race" in info.value.kinds
 
 
+def test_planted_static_k_on_the_ragged_key_block_is_nan(tmp_path, monkeypatch):
+    """O += P.V with a static K = 32 (the kernel before issue 40) on 33 keys: the last block's product reads V
+    rows (and P columns) past the block's valid key, undefined on Apple's GPUs (NaN on M5s, llama.cpp PR
+    #27450) and NaN in the emulator, so every row's output is NaN; the dynamic K (mpp_accumulate_descriptor) is right."""
+    _planted_library(tmp_path, monkeypatch, "  constexpr auto pv_desc = mpp_accumulate_descriptor(DV);\n",
+                     "  constexpr auto pv_desc = MppRowStep<DV, BK>::kAccumulate;\n")
+    q, k, v = make_qkv(1, 2, 1, 17, 33, 64, torch.float16, generator=torch.Generator().manual_seed(73))
+    out, _ = emulated_metal_attention(q, k, v, False, None, "tensor_ops", instrumented=True, mpp_layout="scrambled")
+    assert out.isnan().all()
+
+
 @pytest.mark.parametrize("seed", [2, 3])
 def test_other_scrambled_layouts_and_strided_inputs(seed):
-    # Other seeds are other layouts; batch 2, GQA 3, q, k, v transposed (row
-    # stride H * D) and v with a feature stride of 2.
+    # Other seeds are other layouts; batch 2, GQA 3, q with a feature stride
+    # of 2 (staged element by element), k transposed (row stride H * D), v a
+    # slice of a larger buffer (offset, wider rows and heads).
     g = torch.Generator().manual_seed(seed)
-    q, k, v = make_qkv(2, 6, 2, 70, 90, 96, torch.bfloat16, layout=("transposed", "transposed", "every_other"),
+    q, k, v = make_qkv(2, 6, 2, 70, 90, 96, torch.bfloat16, layout=("every_other", "transposed", "offset_slice"),
                        generator=g)
     out, lse = run(q, k, v, True, "scrambled", seed=seed, scale=0.3)
     assert_attention_close(out, lse, q, k, v, True, 0.3)
+
+
+@pytest.mark.parametrize("strided", ["k", "v"])
+def test_a_strided_head_dim_of_k_or_v_is_routed_away_or_refused(strided):
+    """k and v are read as Metal tensors, whose innermost stride must be 1 (Apple, MTLTensorDescriptor.strides;
+    the emulator refuses any other: test_emu_mpp.py). A feature stride of 2: Auto routes to the simdgroup
+    prefill, saying why; impl='tensor_ops' refuses, naming the argument. The bug this guards, seen before the
+    host checked: forced launches with v's feature stride 2 (this file's strided-inputs test then) failed in
+    the emulator with "a tensor's innermost stride must be 1"; without the route's test Auto would pick the
+    tensor-op kernel here (the first assertion)."""
+    layouts = tuple("every_other" if name == strided else "contiguous" for name in ("q", "k", "v"))
+    q, k, v = make_qkv(1, 2, 1, 128, 128, 128, torch.float16, layout=layouts, generator=torch.Generator().manual_seed(9))
+    plan = flash_metal.explain(q, k, v, True, None, "auto", "m5+tensor_ops")
+    assert "_mpp_" not in plan.kernel_name
+    assert f"tensor ops not used: {strided} strided along the head dim (feature stride 2)" in plan.reason
+    with pytest.raises(ValueError, match=f"impl='tensor_ops' cannot take {strided} strided along the head dim"):
+        flash_metal.explain(q, k, v, True, None, "tensor_ops", "m5+tensor_ops")
+    out, lse = emulated_metal_attention(q, k, v, True, None, "auto", gpu="m5+tensor_ops")
+    assert_attention_close(out, lse, q, k, v, True)
+    # The backward's gate and refusal (csrc/metal_routing_tensor_ops_dsplit.cpp's entry) alike.
+    grads = dict(backward=True, grad_out=torch.zeros_like(q), out=torch.zeros_like(q), lse=torch.zeros(1, 2, 128))
+    plan = flash_metal.explain(q, k, v, True, None, "auto", "m5+tensor_ops", **grads)
+    assert all("_mpp_" not in x.kernel_name for x in plan.dispatches) and f"{strided} strided" in plan.reason
+    with pytest.raises(ValueError, match=f"attention_backward: impl='tensor_ops' cannot take {strided} strided"):
+        flash_metal.explain(q, k, v, True, None, "tensor_ops", "m5+tensor_ops", **grads)
 
 
 def test_explain_says_forced():

@@ -482,3 +482,16 @@ def test_planted_softcap_derivative_left_out_is_caught(tmp_path, monkeypatch):
                                               instrumented=True, mpp_layout="m5", **opts)
     with pytest.raises(AssertionError, match="grad_q"):
         assert_gradients_close(grads, q, k, v, grad_out, True, None, None, **opts)
+
+
+def test_planted_static_k_on_the_ragged_key_block_is_nan(tmp_path, monkeypatch):
+    """dQ += dS.K with a static K = 32 (the kernel before issue 40) on a sequence of 50 keys: its last block reads
+    K rows past the block's valid keys, undefined on Apple's GPUs (NaN on M5s, llama.cpp PR #27450) and NaN in
+    the emulator, so grad_q is NaN under both layouts; the dynamic K (mpp_accumulate_descriptor) is right (the other tests)."""
+    _planted_library(tmp_path, monkeypatch, "  constexpr auto dq_desc = mpp_accumulate_descriptor(D);\n",
+                     "  constexpr auto dq_desc = MppRowStep<D, BK>::kAccumulate;\n")
+    q, k, v, out, lse, grad_out, _ = _planted_case()
+    for layout in LAYOUTS:
+        dq, dk, dv = emulated_metal_attention_backward(grad_out, q, k, v, out, lse, True, impl="tensor_ops",
+                                                       instrumented=True, mpp_layout=layout)[:3]
+        assert dq.isnan().any() and not dk.isnan().any() and not dv.isnan().any(), layout

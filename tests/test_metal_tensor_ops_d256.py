@@ -145,10 +145,11 @@ def test_sanitized_ragged(rows, layout):
 
 @pytest.mark.parametrize("rows, layout", [(32, "m5"), (32, "scrambled"), (64, "scrambled")])
 def test_strided_inputs_and_batches(rows, layout):
-    # Batch 2, GQA 3, q and k transposed (row stride H * D), v with a feature stride of 2 (each half's slice
-    # starts at feature 128, element 256 of the row), a scale of its own.
+    # Batch 2, GQA 3, q with a feature stride of 2 (each half's slice starts at feature 128, element 256 of
+    # the row; staged element by element), k transposed (row stride H * D), v a slice of a larger buffer
+    # (offset, wider rows), a scale of its own. (k and v need a unit feature stride: test_metal_tensor_ops.py.)
     g = torch.Generator().manual_seed(5)
-    q, k, v = make_qkv(2, 3, 1, 20, 37, D, torch.bfloat16, layout=("transposed", "transposed", "every_other"),
+    q, k, v = make_qkv(2, 3, 1, 20, 37, D, torch.bfloat16, layout=("every_other", "transposed", "offset_slice"),
                        generator=g)
     with forced_rows(rows):
         plan = flash_metal.explain(q, k, v, False, 0.3, "tensor_ops")

@@ -333,8 +333,8 @@ def test_planted_dp_over_dqk_and_dk_with_dv_columns_are_caught(tmp_path, monkeyp
     dq, dkdv = bwd_names(torch.float16)
     at = "    const int64_t at = mpp_packed_row(packed_b, kv_head, p.kv_heads, packed_k, seq.k_row0 + key, D) + idx[0];"
     planted = _plant(tmp_path, (dq, dkdv),
-                     ("  const auto tdo = tensor(do_tile, dextents<int, 2>(DV, R));",
-                      "  const auto tdo = tensor(do_tile, dextents<int, 2>(D, R));"),
+                     ("  const MppTileTensor<T> tdo = mpp_tile(do_tile, DV, R, DV);",
+                      "  const MppTileTensor<T> tdo = mpp_tile(do_tile, D, R, D);"),
                      (at, at.replace(", D)", ", DV)")))
     assert not _caught(monkeypatch, planted, ())  # the case passes with the real kernels
     assert _caught(monkeypatch, planted, (dq,))
@@ -350,6 +350,6 @@ def test_planted_scores_and_dp_of_two_static_ops_are_caught_under_scrambled(tmp_
                      ("  auto dp = s_op.template get_destination_cooperative_tensor<QT, KT, float>();",
                       "  typename MppRowStep<DV, BK>::Scores dp_op;\n"
                       "  auto dp = dp_op.template get_destination_cooperative_tensor<QT, KT, float>();"),
-                     ("    s_op.run(tdo, tv.slice(0, k0), dp);", "    dp_op.run(tdo, tv.slice(0, k0), dp);"))
+                     ("    s_op.run(tdo, v_blk, dp);", "    dp_op.run(tdo, v_blk, dp);"))
     assert not _caught(monkeypatch, planted, (dq,), "m5")
     assert _caught(monkeypatch, planted, (dq,), "scrambled")

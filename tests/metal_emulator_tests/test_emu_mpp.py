@@ -36,8 +36,8 @@ def assert_product(out, expect, bound, k):
 GEMMS = [
     ("mpp_gemm_half_16x32_nt_mul", torch.float16, 16, 32, 24, False, True, False, (3, 1, 0, 2)),
     ("mpp_gemm_bfloat_16x32_tn_acc", torch.bfloat16, 16, 32, 40, True, False, True, (0, 5, 2, 0)),
-    ("mpp_gemm_float_20x24_nn_acc", torch.float32, 20, 24, 17, False, False, True, (1, 1, 1, 1)),
-    ("mpp_gemm_float_20x24_tt_mul", torch.float32, 20, 24, 9, True, True, False, (2, 0, 0, 3)),
+    ("mpp_gemm_float_20x32_nn_acc", torch.float32, 20, 32, 17, False, False, True, (1, 1, 1, 1)),
+    ("mpp_gemm_float_20x32_tt_mul", torch.float32, 20, 32, 9, True, True, False, (2, 0, 0, 3)),
 ]
 
 
@@ -276,3 +276,71 @@ def test_destinations_of_other_op_types_combined_slot_by_slot_is_right_under_m5_
     assert_product(*same_op_slots("mpp_other_op_slots_bug", "m5"), 16)
     with pytest.raises(AssertionError):
         assert_product(*same_op_slots("mpp_other_op_slots_bug", "scrambled"), 16)
+
+
+def k_edge(name, kv, layout, instrumented=False):
+    """out = A B over the first kv of 32 keys, both operands' K extents ending at kv (kernels/mpp.metal)."""
+    rng = np.random.default_rng(31)
+    a, b = (torch.from_numpy(rng.standard_normal(s)).to(torch.float16) for s in ((16, 32), (32, 32)))
+    out = poisoned(16, 32)
+    counts = lib(instrumented).dispatch(name, buffers={0: a, 1: b, 2: out}, bytes={3: np.array([kv], np.int32).tobytes()},
+                                        grid=(1,), threadgroup=(32,), mpp_layout=layout)
+    la, lb = f64(a)[:, :kv], f64(b)[:kv]
+    return counts, out, la @ lb, np.abs(la) @ np.abs(lb)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_a_dynamic_k_reads_the_operands_k_extents(layout):
+    """The ragged last key block, as the kernels' O += P.V and dQ += dS.K run it: K from the operands."""
+    counts, out, expect, bound = k_edge("mpp_k_edge", 20, layout, instrumented=True)
+    assert (counts.mpp_runs, counts.mpp_flops) == (1, 2 * 16 * 32 * 20)
+    assert_product(out, expect, bound, 20)
+
+
+def test_a_static_k_past_the_operands_k_extents_is_nan():
+    """Planted bug (mpp_k_edge_static_bug): a static K = 32 over operands whose K extents end at 20 keys, as the
+    tensor-op kernels' P.V and dS.K ran their last key block before issue 40. Apple's matmul2d does not
+    edge-check a static K (undefined: NaN on M5s, llama.cpp PR #27450); the emulator makes every such read NaN,
+    so the whole product is NaN. A full block (K extents 32) is right."""
+    _, out, *_ = k_edge("mpp_k_edge_static_bug", 20, "m5")
+    assert np.isnan(out).all()
+    _, out, expect, bound = k_edge("mpp_k_edge_static_bug", 32, "m5")
+    assert_product(out, expect, bound, 32)
+
+
+def test_execution_simdgroups_1_is_execution_simdgroup():
+    """Planted bug (mpp_one_as_many_bug): execution_simdgroups<1> on a threadgroup of two SIMD-groups, meant as
+    one op the two share. It is execution_simdgroup (one type in Apple's headers): each SIMD-group runs the
+    whole op (two runs, not one), so both write every element of the threadgroup tile, a race the instrumented
+    build reports."""
+    rng = np.random.default_rng(37)
+    a, b = (torch.from_numpy(rng.standard_normal(s)).to(torch.float16) for s in ((32, 16), (16, 16)))
+    out = poisoned(32, 16)
+    counts = lib().dispatch("mpp_one_as_many_bug", buffers={0: a, 1: b, 2: out}, grid=(1,), threadgroup=(64,))
+    assert (counts.mpp_runs, counts.mpp_flops) == (2, 2 * (2 * 32 * 16 * 16))
+    assert_product(out, f64(a) @ f64(b), np.abs(f64(a)) @ np.abs(f64(b)), 16)
+    with pytest.raises(EmulatorError) as e:
+        lib(True).dispatch("mpp_one_as_many_bug", buffers={0: a, 1: b, 2: poisoned(32, 16)}, grid=(1,),
+                           threadgroup=(64,))
+    assert "race" in e.value.kinds, str(e.value)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("name,tl", [("mpp_transposed_inputs_tt", True), ("mpp_transposed_inputs_nt", False)])
+def test_transposed_input_cooperative_tensors(name, tl, layout):
+    """Input cooperative tensors of an op with transpose flags (as MLX's nax.h runs them) hold the operand as
+    stored and the op reads it transposed: A^T B^T and A B^T from one stored A."""
+    rng = np.random.default_rng(41)
+    a, b = (torch.from_numpy(rng.standard_normal(s)).to(torch.float16) for s in ((16, 16), (32, 16)))
+    out = poisoned(16, 32)
+    lib().dispatch(name, buffers={0: a, 1: b, 2: out}, grid=(1,), threadgroup=(32,), mpp_layout=layout)
+    la, lb = (f64(a).T if tl else f64(a)), f64(b).T
+    assert_product(out, la @ lb, np.abs(la) @ np.abs(lb), 16)
+
+
+def test_an_innermost_stride_other_than_1_is_refused():
+    """Planted bug (mpp_strided_bug): a tensor whose innermost stride is 2 (Apple: it must be 1)."""
+    a = torch.randn(16, 32).to(torch.float16)
+    with pytest.raises(EmulatorError) as e:
+        lib().dispatch("mpp_strided_bug", buffers={0: a, 1: poisoned(16, 16)}, grid=(1,), threadgroup=(32,))
+    assert "innermost stride must be 1" in str(e.value), str(e.value)

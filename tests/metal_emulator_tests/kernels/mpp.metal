@@ -36,10 +36,10 @@ template [[host_name("mpp_gemm_half_16x32_nt_mul")]] [[kernel]] decltype(mpp_gem
     mpp_gemm<half, 16, 32, false, true, false>;
 template [[host_name("mpp_gemm_bfloat_16x32_tn_acc")]] [[kernel]] decltype(mpp_gemm<bfloat, 16, 32, true, false, true>)
     mpp_gemm<bfloat, 16, 32, true, false, true>;
-template [[host_name("mpp_gemm_float_20x24_nn_acc")]] [[kernel]] decltype(mpp_gemm<float, 20, 24, false, false, true>)
-    mpp_gemm<float, 20, 24, false, false, true>;
-template [[host_name("mpp_gemm_float_20x24_tt_mul")]] [[kernel]] decltype(mpp_gemm<float, 20, 24, true, true, false>)
-    mpp_gemm<float, 20, 24, true, true, false>;
+template [[host_name("mpp_gemm_float_20x32_nn_acc")]] [[kernel]] decltype(mpp_gemm<float, 20, 32, false, false, true>)
+    mpp_gemm<float, 20, 32, false, false, true>;
+template [[host_name("mpp_gemm_float_20x32_tt_mul")]] [[kernel]] decltype(mpp_gemm<float, 20, 32, true, true, false>)
+    mpp_gemm<float, 20, 32, true, true, false>;
 
 // Planted bug: the 16 x 32 product written out through MLX's hard-coded
 // Apple10 lane map (nax.h get_coord) instead of get_multidimensional_index:
@@ -252,3 +252,76 @@ template <bool SAME>
 template [[host_name("mpp_same_op_slots")]] [[kernel]] decltype(mpp_same_op_slots<true>) mpp_same_op_slots<true>;
 template [[host_name("mpp_other_op_slots_bug")]] [[kernel]] decltype(mpp_same_op_slots<false>)
     mpp_same_op_slots<false>;
+
+// out (16 x 32) = A B over the first `kv` (p[0]) columns of A (16 x 32
+// stored, lda 32) and rows of B (32 x 32 stored), both operands' K extents
+// ending at kv, as a ragged last key block's are. DYNAMIC: K read from the
+// operands (edge-checked: nothing past kv is read). The planted bug: a
+// static K = 32 with the same operands, which reads past both K extents
+// (undefined on Apple: NaN here, as on M5s in llama.cpp PR #27450).
+template <bool DYNAMIC>
+[[kernel]] void mpp_k_edge(device half* a [[buffer(0)]], device half* b [[buffer(1)]], device float* out [[buffer(2)]],
+                           constant int* p [[buffer(3)]]) {
+  const int kv = p[0];
+  tensor<device half, dextents<int, 2>, tensor_inline> ta(a, dextents<int, 2>(kv, 16), array<int, 2>{1, 32});
+  tensor<device half, dextents<int, 2>, tensor_inline> tb(b, dextents<int, 2>(32, kv), array<int, 2>{1, 32});
+  constexpr auto desc = matmul2d_descriptor(16, 32, DYNAMIC ? static_cast<int>(dynamic_extent) : 32);
+  matmul2d<desc, execution_simdgroup> op;
+  auto ct = op.template get_destination_cooperative_tensor<decltype(ta), decltype(tb), float>();
+  op.run(ta, tb, ct);
+  ct.store(tensor(out, dextents<int, 2>(32, 16)));
+}
+template [[host_name("mpp_k_edge")]] [[kernel]] decltype(mpp_k_edge<true>) mpp_k_edge<true>;
+template [[host_name("mpp_k_edge_static_bug")]] [[kernel]] decltype(mpp_k_edge<false>) mpp_k_edge<false>;
+
+// execution_simdgroups<1> is execution_simdgroup (Apple's traits: one type),
+// so on a threadgroup of two SIMD-groups each runs its own 32 x 16 op. The
+// planted bug: a kernel that meant the two to share one 32 x 16 tile (each
+// half of it), as execution_simdgroups<2> would: both write all of the
+// threadgroup tile, which is then copied out.
+[[kernel]] void mpp_one_as_many_bug(device half* a [[buffer(0)]], device half* b [[buffer(1)]],
+                                    device float* out [[buffer(2)]], uint tid [[thread_index_in_threadgroup]]) {
+  threadgroup float tile[32 * 16];
+  auto ta = tensor(a, dextents<int, 2>(16, 32));
+  auto tb = tensor(b, dextents<int, 2>(16, 16));
+  auto tt = tensor(tile, dextents<int, 2>(16, 32));
+  constexpr auto desc = matmul2d_descriptor(32, 16, 16);
+  matmul2d<desc, execution_simdgroups<1>> op;
+  op.run(ta, tb, tt);
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  for (uint e = tid; e < 32 * 16; e += 64) out[e] = tile[e];
+}
+
+// out (16 x 32) = A B with transposed input cooperative tensors (MLX's nax.h
+// runs such with transpose flags): the left input holds A as stored (16 x 16,
+// read as A^T when TL), the right input B as stored (32 x 16, N x K, read as
+// B^T), each filled by load() from its stored tensor.
+template <bool TL>
+[[kernel]] void mpp_transposed_inputs(device half* a [[buffer(0)]], device half* b [[buffer(1)]],
+                                      device float* out [[buffer(2)]]) {
+  auto ta = tensor(a, dextents<int, 2>(16, 16));
+  auto tb = tensor(b, dextents<int, 2>(16, 32));
+  constexpr auto desc = matmul2d_descriptor(16, 32, 16, TL, true, false, matmul2d_descriptor::mode::multiply);
+  matmul2d<desc, execution_simdgroup> op;
+  auto ca = op.template get_left_input_cooperative_tensor<half, half, float>();
+  auto cb = op.template get_right_input_cooperative_tensor<half, half, float>();
+  ca.load(ta);
+  cb.load(tb);
+  auto ct = op.template get_destination_cooperative_tensor<decltype(ca), decltype(cb), float>();
+  op.run(ca, cb, ct);
+  ct.store(tensor(out, dextents<int, 2>(32, 16)));
+}
+template [[host_name("mpp_transposed_inputs_tt")]] [[kernel]] decltype(mpp_transposed_inputs<true>)
+    mpp_transposed_inputs<true>;
+template [[host_name("mpp_transposed_inputs_nt")]] [[kernel]] decltype(mpp_transposed_inputs<false>)
+    mpp_transposed_inputs<false>;
+
+// The planted bug: an operand tensor with an innermost stride of 2 (every
+// other feature), which Apple's tensors do not take.
+[[kernel]] void mpp_strided_bug(device half* a [[buffer(0)]], device float* out [[buffer(1)]]) {
+  tensor<device half, dextents<int, 2>, tensor_inline> ta(a, dextents<int, 2>(16, 16), array<int, 2>{2, 32});
+  auto to = tensor(out, dextents<int, 2>(16, 16));
+  constexpr auto desc = matmul2d_descriptor(16, 16, 16);
+  matmul2d<desc, execution_simdgroup> op;
+  op.run(ta, ta, to);
+}

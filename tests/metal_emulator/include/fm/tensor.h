@@ -47,13 +47,32 @@ struct dext<I, 0, E...> {
 };
 template <class T> struct strip { using type = T; };
 template <class T> struct strip<const T> { using type = T; };
+// The address space of a type and the type without it: 0 is `thread`
+// (clang's default), 1 device, 2 constant, 3 threadgroup (base.h's numbers
+// under FMEMU_CHECK_MSL). Runtime builds erase address spaces, so there
+// every type is 0. A const-qualified type is matched through `const T`
+// first: clang does not match `address_space(N) T` against it.
+template <class T> struct space {
+  static constexpr int value = 0;
+  using type = T;
+};
+template <class T> struct space<const T> {
+  static constexpr int value = space<T>::value;
+  using type = const typename space<T>::type;
+};
+template <class T, int N> struct space<__attribute__((address_space(N))) T> {
+  static constexpr int value = N;
+  using type = T;
+};
 }  // namespace fm_tensor_detail
 
 template <class I, int R>
 using dextents = typename fm_tensor_detail::dext<I, R>::type;
 
-// Address spaces are erased in runtime builds; MSL kernels name this trait.
-template <class T> struct remove_addrspace { using type = T; };
+// metal::remove_addrspace_t: the type without its address space, cv kept
+// (Apple's MPP headers strip the address space alone before comparing
+// element types: MPPTensorOpsMatMul2dImpl.h, __run and load / store).
+template <class T> struct remove_addrspace { using type = typename fm_tensor_detail::space<T>::type; };
 template <class T> using remove_addrspace_t = typename remove_addrspace<T>::type;
 
 // Tags: an MTLTensor bound by the host, a tensor built in the shader from a
@@ -63,10 +82,13 @@ struct tensor_inline {};
 struct tensor_offset {};
 
 // A rank-R view: element (x0, x1, ...) lives at data[sum x_r * stride_r].
+// value_type is the element type without address space and cv (what Apple's
+// MPP layouts read the operand data type from); element_type keeps both.
 template <class T, class Ext, class Tag = tensor_inline>
 struct tensor {
   using element_type = T;
-  using value_type = typename fm_tensor_detail::strip<T>::type;
+  using value_type = typename fm_tensor_detail::strip<typename fm_tensor_detail::space<T>::type>::type;
+  using data_handle_type = T*;
   using extents_type = Ext;
   using index_type = typename Ext::index_type;
   using tag_type = Tag;
@@ -84,8 +106,21 @@ struct tensor {
       s *= e.extent(r);
     }
   }
-  tensor(T* p, Ext e, array<index_type, size_t(rank_v)> s) : data(p), ext(e) {
+  // Strides as given, the innermost one 1: Apple documents that rule for a
+  // tensor's strides ("The stride value of the array's first element needs
+  // to be exactly 1, because it is the innermost dimension":
+  // developer.apple.com/documentation/metal/mtltensordescriptor/strides),
+  // and every public MPP kernel builds its inline tensors with {1, ld}
+  // (mtlattn src/attn_mpp.metal, llama.cpp's kernel_mul_mm tensor path). The
+  // emulator refuses any other at run time rather than guess what matmul2d
+  // makes of it (the host routes such views away: csrc/metal_routing_tensor_ops.cpp).
+  tensor(T* p, Ext e, array<index_type, size_t(rank_v)> s, const char* file = __builtin_FILE(),
+         int line = __builtin_LINE())
+      : data(p), ext(e) {
     for (int r = 0; r < rank_v; ++r) stride[r] = s[r];
+    if (stride[0] != 1)
+      fm_rt_fail("a tensor's innermost stride must be 1 (Apple, MTLTensorDescriptor.strides); this one's is not",
+                 file, line);
   }
   static constexpr int get_rank() { return rank_v; }
   index_type get_extent(int r) const { return ext.extent(r); }
@@ -105,12 +140,17 @@ struct tensor {
     t.stride[1] = stride[1];
     return t;
   }
-  // slice<W, H>(x, y): a W-column, H-row tile at (x, y), its size fixed at compile time.
+  // slice<W, H>(x, y): a W-column, H-row tile at (x, y), its size fixed at
+  // compile time; a dynamic_extent W or H runs to the end of that extent, as
+  // the K loop of Apple's header example does with
+  // A.static_slice<dynamic_extent, 64>(k, ...) (MPPTensorOpsMatMul2d.h).
   template <size_t W, size_t H>
   tensor<T, metal::extents<index_type, W, H>, tensor_offset> slice(index_type x, index_type y) const {
     static_assert(rank_v == 2, "the emulator slices rank-2 tensors only");
     tensor<T, metal::extents<index_type, W, H>, tensor_offset> t;
     t.data = data + x * stride[0] + y * stride[1];
+    if (W == dynamic_extent) t.ext.e[0] = ext.extent(0) - x;
+    if (H == dynamic_extent) t.ext.e[1] = ext.extent(1) - y;
     t.stride[0] = stride[0];
     t.stride[1] = stride[1];
     return t;
@@ -121,7 +161,9 @@ struct tensor {
   }
 };
 
-// Deduction: tensor(ptr, extents) and tensor(ptr, extents, strides) build inline tensors.
+// Deduction: tensor(ptr, extents) and tensor(ptr, extents, strides) build
+// inline tensors (llama.cpp's kernel_mul_mm tensor path writes
+// `auto tA = tensor(sa, dextents<int32_t, 2>(NK, NR0))`: Apple's header deduces too).
 template <class T, class Ext>
 tensor(T*, Ext) -> tensor<T, Ext, tensor_inline>;
 template <class T, class Ext, class S, size_t R>

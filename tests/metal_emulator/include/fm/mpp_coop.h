@@ -1,0 +1,262 @@
+// Cooperative tensors and their reductions, for mpp.h (included at its end):
+// an op's destination, row / column reduction destinations and input
+// operands, their accessors, load / store, reduce_rows / reduce_columns.
+// Rules cite Apple's MPP headers ([H], mpp_rules.h); the layouts are
+// mpp_layout.h's. The code is the emulator's own.
+#pragma once
+
+namespace mpp {
+namespace tensor_ops {
+
+template <class Elem, class Op, int Kind, class LeftT, class RightT>
+struct cooperative_tensor {
+  using value_type = Elem;
+  using element_type = Elem;
+  using op_type = Op;
+  using left_type = LeftT;
+  using right_type = RightT;
+  using scope_check = typename Op::scope;
+  static constexpr int kKind = Kind;
+  static constexpr int M = Op::M, N = Op::N, S = Op::S;
+  static constexpr bool kReduction = Kind == fm_detail::kRows || Kind == fm_detail::kCols;
+  static_assert(!(Kind == fm_detail::kLeft || Kind == fm_detail::kRight) || Op::K > 0,
+                "input cooperative tensors need a static k in the descriptor");
+  // The matrix the slots cover: M x N (destinations and reductions), the
+  // left (M x K) or right (K x N) operand as stored (transposed when the
+  // descriptor says so: matmul2d::rows_of / cols_of).
+  static constexpr int R = Op::rows_of(Kind);
+  static constexpr int C = Op::cols_of(Kind);
+  static constexpr int kDestCap = ::fmemu::mpp::dest_capacity_max(R, C, S);
+  // A reduction destination holds at most the distinct rows (columns) of a
+  // thread's destination slots, plus the scrambled layout's invalid slot.
+  static constexpr int kCap = kReduction ? kDestCap + 1 : kDestCap;
+  using index_array = metal::array<int, kReduction ? 1 : 2>;
+  Elem v[kCap];
+  int map[kCap];  // kDest: row * C + col; kRows: row; kCols: column; -1 invalid
+  int cap = 0;
+
+  // Every slot starts as NaN: Apple leaves a new cooperative tensor's values
+  // undefined, so a kernel that accumulates into one without clearing it fails.
+  cooperative_tensor() {
+    const ::fmemu::mpp::DestLayout lay = Op::layout(Kind);
+    const unsigned t = Op::scope_thread();
+    for (int i = 0; i < kCap; ++i) {
+      v[i] = fm_detail::poison<Elem>();
+      map[i] = -1;
+    }
+    if (!kReduction) {
+      cap = lay.capacity();
+      for (int i = 0; i < cap; ++i) map[i] = lay.element(t, i);
+      return;
+    }
+    // Reduction destinations: the distinct rows (columns) of this thread's
+    // destination slots, so every thread holding part of a row gets its
+    // reduction (replicated across those threads).
+    for (int i = 0, dc = lay.capacity(); i < dc; ++i) {
+      int e = lay.element(t, i);
+      if (e < 0) continue;
+      int x = Kind == fm_detail::kRows ? e / N : e % N;
+      bool seen = false;
+      for (int j = 0; j < cap; ++j) seen = seen || map[j] == x;
+      if (!seen) map[cap++] = x;
+    }
+    if (lay.layout == FMEMU_MPP_LAYOUT_M5) {  // ascending
+      for (int i = 1; i < cap; ++i)
+        for (int j = i; j > 0 && map[j - 1] > map[j]; --j) {
+          int s = map[j];
+          map[j] = map[j - 1];
+          map[j - 1] = s;
+        }
+      return;
+    }
+    // Scrambled: a seeded order plus one invalid slot at a seeded place.
+    unsigned long long k = ::fmemu::mpp::mix(lay.key ^ (0x5bd1e995ull * (t + 1)) ^ (unsigned long long)Kind);
+    map[cap++] = -1;
+    for (int i = cap - 1; i > 0; --i) {
+      k = ::fmemu::mpp::mix(k);
+      int j = int(k % unsigned(i + 1)), s = map[i];
+      map[i] = map[j];
+      map[j] = s;
+    }
+  }
+
+  int get_capacity() const { return cap; }
+  bool is_valid_element(int i) const { return i >= 0 && i < cap && map[i] >= 0; }
+  // [0] the column (innermost extent), [1] the row; a reduction destination
+  // has one index, its row (column). -1 for an invalid slot.
+  index_array get_multidimensional_index(int i) const {
+    index_array r;
+    int e = is_valid_element(i) ? map[i] : -1;
+    if (!kReduction) {
+      r[0] = e < 0 ? -1 : e % C;
+      r[1] = e < 0 ? -1 : e / C;
+    } else {
+      r[0] = e;
+    }
+    return r;
+  }
+  Elem& operator[](int i) { return v[i]; }
+  const Elem& operator[](int i) const { return v[i]; }
+
+  // Iteration visits the valid slots only (Apple does not say; a kernel that
+  // needs the invalid ones cannot name them through the iterator anyway).
+  struct iterator {
+    cooperative_tensor* ct;
+    int i;
+    void skip() {
+      while (i < ct->cap && !ct->is_valid_element(i)) ++i;
+    }
+    Elem& operator*() const { return ct->v[i]; }
+    iterator& operator++() {
+      ++i;
+      skip();
+      return *this;
+    }
+    bool operator==(const iterator& o) const { return i == o.i; }
+    bool operator!=(const iterator& o) const { return i != o.i; }
+    index_array get_multidimensional_index() const { return ct->get_multidimensional_index(i); }
+  };
+  iterator begin() {
+    iterator it{this, 0};
+    it.skip();
+    return it;
+  }
+  iterator end() { return iterator{this, cap}; }
+
+  // [H] load / store take `const thread tensor &` (a temporary binds) and
+  // static_assert that the tensor's element type, address space removed and
+  // cv kept, is the cooperative tensor's ("Source tensor datatype does not
+  // match cooperative tensor"); device or threadgroup memory only.
+  template <class T>
+  static constexpr void check_memory() {
+    static_assert(!kReduction, "load/store: destination or input cooperative tensors only (here)");
+    static_assert(fm_rules::is_same<typename ::metal::remove_addrspace_t<T>, Elem>::value,
+                  "cooperative tensor load / store: the tensor's element type must be the cooperative tensor's "
+                  "exactly (Apple's MPPTensorOpsMatMul2dImpl.h: \"Source tensor datatype does not match "
+                  "cooperative tensor\"; a const element type does not match either)");
+    static_assert(fm_rules::operand_space<T>(), "cooperative tensor load / store: device or threadgroup memory "
+                  "only (Apple's header: \"Unsupported address space\")");
+  }
+  // Copy this thread's valid elements from / to memory (not reductions).
+  template <class T, class X, class G>
+  void load(const metal::tensor<T, X, G>& t) {
+    check_memory<T>();
+    for (int i = 0; i < cap; ++i)
+      if (map[i] >= 0) v[i] = Elem(t.at(map[i] % C, map[i] / C));
+  }
+  template <class T, class X, class G>
+  void store(const metal::tensor<T, X, G>& t) const {
+    check_memory<T>();
+    for (int i = 0; i < cap; ++i)
+      if (map[i] >= 0) t.at(map[i] % C, map[i] / C) = T(v[i]);
+  }
+};
+
+namespace fm_detail {
+inline float combine(reduction_operation op, float acc, float x) {
+  if (op == reduction_operation::sum) return acc + x;
+  if (op == reduction_operation::max) return x > acc ? x : acc;
+  return x < acc ? x : acc;
+}
+// The SIMD-group's whole R x C tile of `ct`, from every lane's slots (SIMD
+// exchanges of 16 floats per lane, so every lane must call: a collective).
+template <class CT>
+void gather(const CT& ct, float* tile, const char* what, const char* file, int line, int col) {
+  using Op = typename CT::op_type;
+  static_assert(Op::S == 1, "the emulator moves cooperative tensors between lanes of one SIMD-group only");
+  constexpr int kChunk = FMEMU_SIMD_SLOT_BYTES / 4;
+  if (fm_rt_simd_width() != 32) fm_rt_fail("MPP tensor ops need full 32-lane SIMD-groups", file, line);
+  const ::fmemu::mpp::DestLayout lay = Op::layout(CT::kKind);
+  for (int c = 0; c * kChunk < ct.kCap; ++c) {
+    float mine[kChunk];
+    for (int j = 0; j < kChunk; ++j) {
+      int i = c * kChunk + j;
+      mine[j] = i < ct.kCap ? to_float(ct.v[i]) : 0.0f;
+    }
+    const unsigned char* s = fm_rt_simd_exchange(mine, sizeof mine, what, file, line, col);
+    for (unsigned l = 0; l < 32; ++l)
+      for (int j = 0; j < kChunk && c * kChunk + j < ct.cap; ++j) {
+        int e = lay.element(l, c * kChunk + j);
+        if (e >= 0) tile[e] = reinterpret_cast<const float*>(s + l * FMEMU_SIMD_SLOT_BYTES)[j];
+      }
+  }
+}
+
+// What Apple's reduce_rows / reduce_columns accept ([H]: one ElementType
+// deduced from the source, the destination and the identity, all three by
+// non-const lvalue reference or value; __reduce_rows static_asserts the
+// source a destination cooperative tensor, the destination the reduction of
+// that dimension, both of execution_simdgroup ("reduce_rows requires a
+// single SIMD group"), equal descriptors and operand types, and an element
+// type of half, int32_t or float).
+template <int Kind, class Src, class Dst, class I>
+constexpr void check_reduce() {
+  static_assert(!fm_rules::is_const<Src>::value && !fm_rules::is_const<Dst>::value,
+                "reduce_rows / reduce_columns take the source and destination by non-const reference (Apple)");
+  if constexpr (!is_coop<Src> || !is_coop<Dst>) {
+    static_assert(is_coop<Src> && is_coop<Dst>, "reduce_rows / reduce_columns take cooperative tensors");
+  } else {
+    static_assert(Src::kKind == kDest, "reduce: the source must be a matmul2d destination cooperative tensor "
+                  "(Apple's __reduce_rows)");
+    static_assert(Dst::kKind == Kind, "reduce_rows needs a row reduction destination "
+                  "(get_row_reduction_destination_cooperative_tensor), reduce_columns a column one (Apple)");
+    static_assert(fm_rules::is_same<typename Src::scope_check, ::metal::execution_simdgroup>::value,
+                  "reduce_rows / reduce_columns require a single SIMD group (Apple's __reduce_rows)");
+    static_assert(fm_rules::is_same<typename Src::op_type, typename Dst::op_type>::value,
+                  "reduce: source and destination must come from one op (Apple: \"Source and destination matmul2d "
+                  "descriptor must match\")");
+    static_assert(fm_rules::is_same<typename Src::left_type, typename Dst::left_type>::value &&
+                      fm_rules::is_same<typename Src::right_type, typename Dst::right_type>::value,
+                  "reduce: \"Source and destination operand types must match\" (Apple's __reduce_rows)");
+    static_assert(fm_rules::is_same<typename Src::value_type, typename Dst::value_type>::value,
+                  "reduce: the destination's element type must be the source's (Apple deduces one ElementType for "
+                  "both: \"Source and destination element types must match\")");
+    static_assert(fm_rules::is_same<typename Src::value_type, I>::value,
+                  "reduce: the identity's type must be the tensors' element type (Apple deduces ElementType from "
+                  "it too): write float(x) for a float reduction");
+    static_assert(fm_rules::is_same<typename Src::value_type, half>::value ||
+                      fm_rules::is_same<typename Src::value_type, int32_t>::value ||
+                      fm_rules::is_same<typename Src::value_type, float>::value,
+                  "reduce: half, int32_t or float elements only (Apple's __reduce_rows: \"Unsupported type\")");
+  }
+}
+
+// Folds each of dst's rows (columns) of the gathered tile from `identity`
+// in column (row) order. Apple's reduction order is not documented.
+template <int Kind, class Src, class Dst>
+inline void reduce(const Src& src, Dst& dst, reduction_operation op, float identity, const char* what,
+                   const char* file, int line, int col) {
+  using Op = typename Src::op_type;
+  constexpr int M = Op::M, N = Op::N;
+  float tile[M * N];
+  gather(src, tile, what, file, line, col);
+  for (int i = 0; i < dst.cap; ++i) {
+    int x = dst.map[i];
+    if (x < 0) continue;
+    float acc = identity;
+    if (Kind == kRows)
+      for (int n = 0; n < N; ++n) acc = combine(op, acc, tile[x * N + n]);
+    else
+      for (int m = 0; m < M; ++m) acc = combine(op, acc, tile[m * N + x]);
+    dst.v[i] = typename Dst::value_type(acc);
+  }
+}
+template <class T> struct elem_of { using type = float; };
+template <class E, class Op, int Kind, class L, class R>
+struct elem_of<cooperative_tensor<E, Op, Kind, L, R>> { using type = E; };
+}  // namespace fm_detail
+
+template <class Src, class Dst, class I = typename fm_detail::elem_of<Src>::type>
+inline void reduce_rows(Src& src, Dst& dst, reduction_operation op = reduction_operation::sum, I identity = I(0),
+                        FMEMU_MPP_SITE_PARAMS) {
+  fm_detail::check_reduce<fm_detail::kRows, Src, Dst, I>();
+  fm_detail::reduce<fm_detail::kRows>(src, dst, op, float(identity), "reduce_rows", file, line, col);
+}
+template <class Src, class Dst, class I = typename fm_detail::elem_of<Src>::type>
+inline void reduce_columns(Src& src, Dst& dst, reduction_operation op = reduction_operation::sum, I identity = I(0),
+                           FMEMU_MPP_SITE_PARAMS) {
+  fm_detail::check_reduce<fm_detail::kCols, Src, Dst, I>();
+  fm_detail::reduce<fm_detail::kCols>(src, dst, op, float(identity), "reduce_columns", file, line, col);
+}
+}  // namespace tensor_ops
+}  // namespace mpp
