@@ -135,7 +135,10 @@ MetalPlan plan_metal_attention_backward(const AttentionProblem& p, const LaunchS
   const KernelChoice c = choose_metal_kernel(p, requested, gpu, MetalPass::Backward);
   MetalPlan plan;
   plan.reason = c.reason;
-  plan.delta_elements = p.varlen ? p.q_heads * p.total_q : p.batch * p.q_heads * p.q_len;
+  // Delta (B * Hq * Nq, or Hq * total_q), then, float32, the dQ kernel's log2 row sums of P for the dK/dV
+  // kernel (the renormalized rows, shaders/attention_backward.h: backward_renorm_offset).
+  plan.delta_elements = (p.varlen ? p.q_heads * p.total_q : p.batch * p.q_heads * p.q_len) *
+                        (p.dtype == c10::ScalarType::Float ? 2 : 1);
   const std::string suffix = std::string(dtype_name(p.dtype)) + "_d" + std::to_string(c.bucket);
   const uint32_t batch = static_cast<uint32_t>(p.batch);
   if (c.kind == KernelRequest::TensorOps) {
