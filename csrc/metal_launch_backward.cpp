@@ -135,7 +135,10 @@ MetalPlan plan_metal_attention_backward(const AttentionProblem& p, const LaunchS
   const KernelChoice c = choose_metal_kernel(p, requested, gpu, MetalPass::Backward);
   MetalPlan plan;
   plan.reason = c.reason;
-  plan.delta_elements = p.varlen ? p.q_heads * p.total_q : p.batch * p.q_heads * p.q_len;
+  // Delta (B * Hq * Nq, or Hq * total_q), then, float32, the dQ kernel's log2 row sums of P for the dK/dV
+  // kernel (the renormalized rows, shaders/attention_backward.h: backward_renorm_offset).
+  plan.delta_elements = (p.varlen ? p.q_heads * p.total_q : p.batch * p.q_heads * p.q_len) *
+                        (p.dtype == c10::ScalarType::Float ? 2 : 1);
   const std::string suffix = std::string(dtype_name(p.dtype)) + "_d" + std::to_string(c.bucket);
   const uint32_t batch = static_cast<uint32_t>(p.batch);
   if (c.kind == KernelRequest::TensorOps) {
@@ -162,8 +165,10 @@ MetalPlan plan_metal_attention_backward(const AttentionProblem& p, const LaunchS
     std::string why;
     const bool dense = dense_loader(p, s, c.bucket, true, &why);
     plan.reason += loader_reason(dense, why);
-    dq.function_constants =
-        with_dense(feature_constants(p, p.q_len % c.block_q == 0, p.kv_len % c.block_k == 0, has_grad_lse), dense);
+    // fc_has_sinks on the dQ kernel: its float32 first pass, which renormalizes each row's P to sum to one,
+    // is skipped with sinks (the sink's share is part of the row's sum; shaders/attention_backward.h).
+    dq.function_constants = with_dense(
+        feature_constants(p, p.q_len % c.block_q == 0, p.kv_len % c.block_k == 0, has_grad_lse, p.sinks), dense);
     dq.buffers = with_features(kBackwardDqBuffers);
     dq.estimate = estimate_launch(dq, dq_live_floats(c.bucket, c.block_k, c.dq_feature_split) + kLiveOverhead, gpu);
     plan.launches.push_back(dq);

@@ -165,15 +165,23 @@ FM_INLINE void backward_reduce_parts(thread PrefillFrag* S, thread PrefillFrag* 
 // fragment: the result is then the part's partial sum (backward_reduce_parts);
 // a part whose fragments are all past D (or DV) keeps a zero partial of S
 // (or dP) and still takes part in the reduction.
-template <int N, int TD, typename T>
-FM_INLINE void backward_products(thread PrefillFrag* S, thread PrefillFrag* dP, threadgroup const T* a,
-                                 threadgroup const T* a2, threadgroup const T* b, threadgroup const T* b2, int ld,
-                                 int row0, int d_frags, int dv_frags, int fr, int fc, int dd0 = 0) {
-  FM_UNROLL for (int t = 0; t < N; ++t) {
-    S[t] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
-    dP[t] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
-  }
-  FM_UNROLL for (int i = 0; i < TD; ++i) {
+// float32 (issue 40): S and dP are blocked sums of kBackwardChunk fragments
+// (64 features), each chunk from zero and added to S (dP) once. One chain of
+// simdgroup multiply-accumulates through all of D rounds at the running
+// sum's magnitude D times (the emulator's MMA continues its fma chain from
+// the accumulator; Apple documents no order); at D = 256 with large scores
+// that put up to 1.4e-4 on a base-2 score and dQ at 3x PyTorch's error, 10x
+// less as 64-feature blocks (PyTorch's GEMM sums in blocks too). The first
+// chunk goes straight into S (dP), so D <= 64, and 16-bit inputs, are as before.
+constant constexpr int kBackwardChunk = 8;
+
+// Fragments [i0, i1) of backward_products' walk, added to S and dP.
+template <int N, typename T>
+FM_INLINE void backward_products_range(thread PrefillFrag* S, thread PrefillFrag* dP, threadgroup const T* a,
+                                       threadgroup const T* a2, threadgroup const T* b, threadgroup const T* b2,
+                                       int ld, int row0, int d_frags, int dv_frags, int fr, int fc, int dd0, int i0,
+                                       int i1) {
+  FM_UNROLL for (int i = i0; i < i1; ++i) {
     const int dd = dd0 + i;
     if (dd < d_frags) {  // else an all-padding fragment of q and k; uniform across the SIMD-group
       PrefillFrag af;
@@ -191,6 +199,32 @@ FM_INLINE void backward_products(thread PrefillFrag* S, thread PrefillFrag* dP, 
         PrefillFrag b2f;
         prefill_read_frag_t(b2f, b2, ld, dd * 8, t * 8, fr, fc);
         prefill_mma(dP[t], a2f, b2f);
+      }
+    }
+  }
+}
+
+template <int N, int TD, typename T>
+FM_INLINE void backward_products(thread PrefillFrag* S, thread PrefillFrag* dP, threadgroup const T* a,
+                                 threadgroup const T* a2, threadgroup const T* b, threadgroup const T* b2, int ld,
+                                 int row0, int d_frags, int dv_frags, int fr, int fc, int dd0 = 0) {
+  constexpr int CH = sizeof(T) == 4 ? kBackwardChunk : TD;  // fragments per blocked sum
+  FM_UNROLL for (int t = 0; t < N; ++t) {
+    S[t] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
+    dP[t] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
+  }
+  backward_products_range<N>(S, dP, a, a2, b, b2, ld, row0, d_frags, dv_frags, fr, fc, dd0, 0, min(CH, TD));
+  FM_UNROLL for (int i0 = CH; i0 < TD; i0 += CH) {
+    PrefillFrag cs[N], cd[N];
+    FM_UNROLL for (int t = 0; t < N; ++t) {
+      cs[t] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
+      cd[t] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
+    }
+    backward_products_range<N>(cs, cd, a, a2, b, b2, ld, row0, d_frags, dv_frags, fr, fc, dd0, i0, min(i0 + CH, TD));
+    FM_UNROLL for (int t = 0; t < N; ++t) {
+      FM_UNROLL for (int j = 0; j < 2; ++j) {
+        S[t].thread_elements()[j] += cs[t].thread_elements()[j];
+        dP[t].thread_elements()[j] += cd[t].thread_elements()[j];
       }
     }
   }
@@ -223,16 +257,23 @@ FM_INLINE float lse2_lo(float l, float m2) { return fma(l, M_LOG2E_F, -m2) + l *
 // or below kMaskedScore, gives exactly 0); *cap_grad gets the softcap's
 // derivative 1 - t^2 (t = tanh(s / softcap), recomputed), else 1. Without
 // either option this is the plain fused exp2(S * scale * log2 e - m2 - m2lo).
+// With softcap the capped score softcap_log2 * t is taken as that product
+// plus its rounding error (fma, exact), added after m2 is subtracted: the
+// product is ~70 at large logits (softcap 50 in base 2), where its float32
+// rounding (3.8e-6) would scale P by up to 2.6e-6, twice PyTorch's own
+// rounding of the natural-log score (issue 40; the CPU's
+// csrc/cpu/backward_precise.h does the same).
 template <typename T>
 FM_INLINE float backward_weight(constant AttentionParams& p, device const uchar* mask, int64_t mask_slice, int row,
                                 int key, float S, float m2, float m2lo, bool keep, thread float* cap_grad) {
   *cap_grad = 1.0f;
   if (!fc_softcap && !fc_has_mask) return keep ? exp2(fma(S, p.scale_log2, -m2) - m2lo) : 0.0f;
   if (!keep) return 0.0f;
-  float s2 = S * p.scale_log2;
+  float s2 = S * p.scale_log2, lo = 0.0f;
   if (fc_softcap) {
     float t;
     s2 = softcap_score(p, s2, &t);
+    lo = fma(p.softcap_log2, t, -s2);
     *cap_grad = 1.0f - t * t;
   }
   if (fc_has_mask) {
@@ -240,7 +281,38 @@ FM_INLINE float backward_weight(constant AttentionParams& p, device const uchar*
     s2 += mask_term<T>(p, mask, mask_slice, row, key, &drop);
     if (drop || s2 <= kMaskedScore) return 0.0f;
   }
-  return exp2((s2 - m2) - m2lo);
+  return exp2(((s2 - m2) + lo) - m2lo);
+}
+
+// float32 rows renormalized (issue 40): P rebuilt from the forward's lse
+// carries lse's float32 rounding (half an ulp of |lse|, 1.9e-6 at |lse| ~
+// 50) and any difference between the forward's and this kernel's scores,
+// one factor on every P of the row, which PyTorch's softmax divides away;
+// float32 dQ, dK and dV came out at up to 3-6x PyTorch's error. The dQ
+// kernel sees whole rows: it sums each row's P as it goes, divides its dQ
+// by the sum at the end (dQ is linear in the row's P) and stores log2 of
+// the sum after Delta's rows in the scratch, which the dK/dV kernel adds to
+// the row's m2lo (so its P of the row sums to one too). Not with sinks
+// (the sink's P is part of the row's sum, and the dQ kernel does not read
+// the sinks): those keep the forward's lse as is. 16-bit inputs skip it
+// (their rounding is far above this term).
+template <typename T>
+constexpr bool backward_renormalizes() {
+  return sizeof(T) == 4;
+}
+
+// Where the row sums' log2 sit in the Delta scratch: after Delta's rows
+// (the host sizes the scratch for both: csrc/metal_launch_backward.cpp).
+FM_INLINE int64_t backward_renorm_offset(constant AttentionParams& p) {
+  return int64_t(fc_varlen ? 1 : p.batch) * p.q_heads * (fc_varlen ? p.total_q : p.q_len);
+}
+
+// log2 of a row's sum of P, which is 1 up to rounding: the series of
+// log2(1 + d) where |d| < 2^-10 (exact to 1e-13 there, whatever the GPU's
+// log2 precision near 1), else log2.
+FM_INLINE float backward_renorm_log2(float sum) {
+  const float d = sum - 1.0f;
+  return fabs(d) < 0.0009765625f ? (d - d * d * (0.5f - d * (1.0f / 3.0f))) * M_LOG2E_F : log2(sum);
 }
 
 }  // namespace flash_metal

@@ -172,6 +172,7 @@ template <typename T, int DMAX, int BQ, int BK, int WM, int DSPLIT>
       do_head += sv.q_row0 * p.do_row_stride;
     }
     device const float* head_delta = delta + (int64_t(packed_b) * p.q_heads + head) * packed_q + sv.q_row0;
+    const int64_t renorm_at = backward_renorm_offset(p);  // the dQ kernel's log2 row sums (attention_backward.h)
     const int64_t mask_slice = fc_has_mask ? mask_head_offset(p, group.z, head) : 0;
     for (int qb = qb_begin; qb < qb_end; ++qb) {
       const int q0 = qb * BQ;
@@ -232,7 +233,8 @@ template <typename T, int DMAX, int BQ, int BK, int WM, int DSPLIT>
             if (left_edge && key < qrow + sv.lower) keep = false;
             if (!fc_align_k && key >= kv_len) keep = false;
             const float m2 = keep ? l * M_LOG2E_F : 0.0f;
-            const float m2lo = keep ? lse2_lo(l, m2) : 0.0f;
+            float m2lo = keep ? lse2_lo(l, m2) : 0.0f;
+            if (backward_renormalizes<T>() && keep) m2lo += head_delta[renorm_at + qrow];  // the row's log2(sum of P)
             pw = backward_weight<T>(p, mask, mask_slice, qrow, key, S[t].thread_elements()[j], m2, m2lo, keep,
                                     &cap_grad);
             dl = head_delta[qrow];

@@ -136,7 +136,11 @@ template <typename T, int DMAX, int BQ, int BK, int WM, int DSPLIT>
     m2lo = row_live ? lse2_lo(l, m2) : 0.0f;
     row_delta = dsum;
     if (fc_has_grad_lse) row_delta -= dlse[glse_head + int64_t(row) * p.glse_row_stride];
-    if (fc == 0 && part == 0) delta[(int64_t(packed_b) * p.q_heads + group.y) * packed_q + sv.q_row0 + row] = row_delta;
+    if (fc == 0 && part == 0) {
+      const int64_t at = (int64_t(packed_b) * p.q_heads + group.y) * packed_q + sv.q_row0 + row;
+      delta[at] = row_delta;
+      if (backward_renormalizes<T>()) delta[backward_renorm_offset(p) + at] = 0.0f;  // no change (sinks: final)
+    }
   }
   if (DSPLIT > 1) {
     // Part 0's Delta to the other parts of its rows, through the K tile's
@@ -162,80 +166,113 @@ template <typename T, int DMAX, int BQ, int BK, int WM, int DSPLIT>
   PrefillFrag dQ[TDP];
   FM_UNROLL for (int id = 0; id < TDP; ++id) dQ[id] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
 
-  for (int kb = kb_begin; kb < kb_end; ++kb) {
-    const int k0 = kb * BK;
-    const bool k_edge = !fc_align_k && k0 + BK > kv_len;
-    // As in the forward: the SIMD-group has real rows that see some key of
-    // the block (uniform across it: its last row's upper bound, its first
-    // row's lower bound), and the block straddles its diagonal (some key
-    // after a row's upper bound) or its left edge (some key before a row's
-    // lower bound), where each element is tested.
-    const bool active = (fc_align_q || sg_row0 < q_len) && (!fc_causal || k0 - sv.upper <= sg_row0 + 7) &&
-                        (!fc_window_left || sg_row0 + sv.lower <= k0 + BK - 1);
-    const bool diagonal = fc_causal && k0 + BK - 1 - sv.upper > sg_row0;
-    const bool left_edge = fc_window_left && sg_row0 + 7 + sv.lower > k0;
-
-    threadgroup_barrier(mem_flags::mem_threadgroup);  // last block's K/V reads done before overwriting (WAR)
-    if (k_edge) {
-      prefill_load_tile<BK, DMAX, LD, THREADS, true>(k_tile, k + h.k, p.k_row_stride, p.k_dim_stride, k0, D,
-                                                     kv_len - k0, tid);
-      prefill_load_tile<BK, DMAX, LD, THREADS, true>(v_tile, v + h.v, p.v_row_stride, p.v_dim_stride, k0, DV,
-                                                     kv_len - k0, tid);
-    } else {
-      prefill_load_tile<BK, DMAX, LD, THREADS, false>(k_tile, k + h.k, p.k_row_stride, p.k_dim_stride, k0, D, BK, tid);
-      prefill_load_tile<BK, DMAX, LD, THREADS, false>(v_tile, v + h.v, p.v_row_stride, p.v_dim_stride, k0, DV, BK,
-                                                      tid);
-    }
-    threadgroup_barrier(mem_flags::mem_threadgroup);  // K/V written before anyone reads them (RAW)
-
-    // S = Q.K^T and dP = dO.V^T (8 x BK each); with parts, each over the
-    // part's features, then summed across the parts (split-K).
-    PrefillFrag S[TK];
-    PrefillFrag dP[TK];
-    if (PARTIALS == 0) {  // whole features, or the recomputing fallback (backward_partials_bytes)
-      if (!active) continue;
-      backward_products<TK, TD>(S, dP, q_tile, do_tile, k_tile, v_tile, LD, rg * 8, d_frags, dv_frags, fr, fc);
-    } else {
-      if (active)
-        backward_products<TK, TDP>(S, dP, q_tile, do_tile, k_tile, v_tile, LD, rg * 8, d_frags, dv_frags, fr, fc,
-                                   part * TDP);
-      backward_reduce_parts<TK, ROWG, DSPLIT>(S, dP, partials, int(sg), rg, int(lane), active);
-      if (!active) continue;
-    }
-    // P and dS = P * (dP - Delta), elementwise, into dP (times the
-    // softcap's derivative). Weight 0 (so dS 0) for keys past Nk, keys
-    // outside the row's window, masked keys and rows that saw no key, by
-    // explicit tests (no exp2 of an infinity).
-    FM_UNROLL for (int t = 0; t < TK; ++t) {
-      FM_UNROLL for (int j = 0; j < 2; ++j) {
-        const int key = k0 + t * 8 + fc + j;
-        bool keep = row_live;
-        if (k_edge && key >= kv_len) keep = false;
-        if (diagonal && key - sv.upper > row) keep = false;
-        if (left_edge && key < row + sv.lower) keep = false;
-        float cap_grad;
-        const float pw = backward_weight<T>(p, mask, mask_slice, row, key, S[t].thread_elements()[j], m2, m2lo,
-                                            keep, &cap_grad);
-        float ds = pw * (dP[t].thread_elements()[j] - row_delta);
-        if (fc_softcap) ds *= cap_grad;
-        dP[t].thread_elements()[j] = ds;
-      }
-    }
-    // dQ += dS.K over q's D features (a part whose features are all past D
-    // skips it), the block's product summed from zero and added once (the
-    // forward's blocked sum: one rounding of dQ per block, not per key).
-    FM_UNROLL for (int id = 0; id < TDP; ++id) {
-      if (col0 + id * 8 < D) {
-        PrefillFrag acc = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
-        FM_UNROLL for (int t = 0; t < TK; ++t) {
-          PrefillFrag kf;
-          prefill_read_frag(kf, k_tile, LD, t * 8, col0 + id * 8, fr, fc);
-          prefill_mma(acc, dP[t], kf);
+  // float32 (attention_backward.h, issue 40): a first pass over the same key
+  // blocks (pass 0) sums each row's P and P * dP (this lane's share), then
+  // the row's m2lo and Delta become those of the renormalized P, stored for
+  // the dK/dV kernel; the second pass (pass 1) is the usual one. Not with
+  // sinks (the first pass is skipped: the forward's lse and Delta as ever).
+  const bool stats_pass = backward_renormalizes<T>() && !fc_has_sinks;
+  float psum = 0.0f, pdp = 0.0f;
+  for (int pass = stats_pass ? 0 : 1; pass < 2; ++pass) {
+    if (pass == 1 && stats_pass) {
+      psum += simd_shuffle_xor(psum, 1);  // the row's 4 lanes, as Delta's sum
+      psum += simd_shuffle_xor(psum, 8);
+      pdp += simd_shuffle_xor(pdp, 1);
+      pdp += simd_shuffle_xor(pdp, 8);
+      if (row_live && psum > 0.0f) {
+        const float corr = backward_renorm_log2(psum);
+        m2lo += corr;
+        row_delta = pdp / psum;  // rowsum(P o dP) of this kernel's own P and dP, in place of rowsum(dO o O)
+        if (fc_has_grad_lse) row_delta -= dlse[glse_head + int64_t(row) * p.glse_row_stride];
+        if (fc == 0 && part == 0) {  // every part holds the same whole P and dP, so the same sums
+          const int64_t at = (int64_t(packed_b) * p.q_heads + group.y) * packed_q + sv.q_row0 + row;
+          delta[at] = row_delta;
+          delta[backward_renorm_offset(p) + at] = corr;
         }
-        FM_UNROLL for (int j = 0; j < 2; ++j) dQ[id].thread_elements()[j] += acc.thread_elements()[j];
       }
     }
-  }
+    for (int kb = kb_begin; kb < kb_end; ++kb) {
+      const int k0 = kb * BK;
+      const bool k_edge = !fc_align_k && k0 + BK > kv_len;
+      // As in the forward: the SIMD-group has real rows that see some key of
+      // the block (uniform across it: its last row's upper bound, its first
+      // row's lower bound), and the block straddles its diagonal (some key
+      // after a row's upper bound) or its left edge (some key before a row's
+      // lower bound), where each element is tested.
+      const bool active = (fc_align_q || sg_row0 < q_len) && (!fc_causal || k0 - sv.upper <= sg_row0 + 7) &&
+                          (!fc_window_left || sg_row0 + sv.lower <= k0 + BK - 1);
+      const bool diagonal = fc_causal && k0 + BK - 1 - sv.upper > sg_row0;
+      const bool left_edge = fc_window_left && sg_row0 + 7 + sv.lower > k0;
+
+      threadgroup_barrier(mem_flags::mem_threadgroup);  // last block's K/V reads done before overwriting (WAR)
+      if (k_edge) {
+        prefill_load_tile<BK, DMAX, LD, THREADS, true>(k_tile, k + h.k, p.k_row_stride, p.k_dim_stride, k0, D,
+                                                       kv_len - k0, tid);
+        prefill_load_tile<BK, DMAX, LD, THREADS, true>(v_tile, v + h.v, p.v_row_stride, p.v_dim_stride, k0, DV,
+                                                       kv_len - k0, tid);
+      } else {
+        prefill_load_tile<BK, DMAX, LD, THREADS, false>(k_tile, k + h.k, p.k_row_stride, p.k_dim_stride, k0, D, BK,
+                                                        tid);
+        prefill_load_tile<BK, DMAX, LD, THREADS, false>(v_tile, v + h.v, p.v_row_stride, p.v_dim_stride, k0, DV, BK,
+                                                        tid);
+      }
+      threadgroup_barrier(mem_flags::mem_threadgroup);  // K/V written before anyone reads them (RAW)
+
+      // S = Q.K^T and dP = dO.V^T (8 x BK each); with parts, each over the
+      // part's features, then summed across the parts (split-K).
+      PrefillFrag S[TK];
+      PrefillFrag dP[TK];
+      if (PARTIALS == 0) {  // whole features, or the recomputing fallback (backward_partials_bytes)
+        if (!active) continue;
+        backward_products<TK, TD>(S, dP, q_tile, do_tile, k_tile, v_tile, LD, rg * 8, d_frags, dv_frags, fr, fc);
+      } else {
+        if (active)
+          backward_products<TK, TDP>(S, dP, q_tile, do_tile, k_tile, v_tile, LD, rg * 8, d_frags, dv_frags, fr, fc,
+                                     part * TDP);
+        backward_reduce_parts<TK, ROWG, DSPLIT>(S, dP, partials, int(sg), rg, int(lane), active);
+        if (!active) continue;
+      }
+      // P and dS = P * (dP - Delta), elementwise, into dP (times the
+      // softcap's derivative). Weight 0 (so dS 0) for keys past Nk, keys
+      // outside the row's window, masked keys and rows that saw no key, by
+      // explicit tests (no exp2 of an infinity).
+      FM_UNROLL for (int t = 0; t < TK; ++t) {
+        FM_UNROLL for (int j = 0; j < 2; ++j) {
+          const int key = k0 + t * 8 + fc + j;
+          bool keep = row_live;
+          if (k_edge && key >= kv_len) keep = false;
+          if (diagonal && key - sv.upper > row) keep = false;
+          if (left_edge && key < row + sv.lower) keep = false;
+          float cap_grad;
+          const float pw = backward_weight<T>(p, mask, mask_slice, row, key, S[t].thread_elements()[j], m2, m2lo,
+                                              keep, &cap_grad);
+          if (pass == 0) {
+            psum += pw;
+            pdp += pw * dP[t].thread_elements()[j];
+            continue;
+          }
+          float ds = pw * (dP[t].thread_elements()[j] - row_delta);
+          if (fc_softcap) ds *= cap_grad;
+          dP[t].thread_elements()[j] = ds;
+        }
+      }
+      if (pass == 0) continue;
+      // dQ += dS.K over q's D features (a part whose features are all past D
+      // skips it), the block's product summed from zero and added once (the
+      // forward's blocked sum: one rounding of dQ per block, not per key).
+      FM_UNROLL for (int id = 0; id < TDP; ++id) {
+        if (col0 + id * 8 < D) {
+          PrefillFrag acc = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
+          FM_UNROLL for (int t = 0; t < TK; ++t) {
+            PrefillFrag kf;
+            prefill_read_frag(kf, k_tile, LD, t * 8, col0 + id * 8, fr, fc);
+            prefill_mma(acc, dP[t], kf);
+          }
+          FM_UNROLL for (int j = 0; j < 2; ++j) dQ[id].thread_elements()[j] += acc.thread_elements()[j];
+        }
+      }
+    }
+  }  // pass
 
   // dQ * scale, packed, real rows and features only (zeros for a row that
   // sees no key).

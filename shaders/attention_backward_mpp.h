@@ -109,10 +109,12 @@ constant constexpr int kMppStats = 4;
 // static K that is not was truncated by Xcode 26.1; not a concern here).
 template <int D, int DV, int BK>
 struct MppScoresPair {
-  static constexpr int kReduction = D == DV ? D : static_cast<int>(metal::dynamic_extent);
-  static constexpr mpp::tensor_ops::matmul2d_descriptor kDesc = mpp::tensor_ops::matmul2d_descriptor(
-      kMppRowsPerSimd, BK, kReduction, false, true, false, mpp::tensor_ops::matmul2d_descriptor::mode::multiply);
-  using Op = mpp::tensor_ops::matmul2d<kDesc, metal::execution_simdgroup>;
+  static constant constexpr int kReduction = D == DV ? D : static_cast<int>(metal::dynamic_extent);
+  // The descriptor in place, not a static member (MppRowStep says why).
+  using Op = mpp::tensor_ops::matmul2d<
+      mpp::tensor_ops::matmul2d_descriptor(kMppRowsPerSimd, BK, kReduction, false, true, false,
+                                           mpp::tensor_ops::matmul2d_descriptor::mode::multiply),
+      metal::execution_simdgroup>;
 };
 
 // The packed (B, H, N, D) offset of row `row` of head `head` (grad_q,

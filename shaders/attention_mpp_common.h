@@ -46,15 +46,22 @@ constant constexpr int kMppRowsPerSimd = 16;
 // of scores (keys, or queries in the dK/dV kernel). relaxed_precision off:
 // with half / bfloat operands it changes nothing in the emulator (README),
 // and Apple documents it only as trading accuracy away; MLX turns it on. To
-// revisit with measurements on an M5.
+// revisit with measurements on an M5. The descriptors are template argument
+// expressions, not static data members: MSL puts every variable with static
+// storage in `constant` (MSL specification 4, section 4.2), and a class-type
+// template argument copied out of `constant` is an address-space conversion
+// this code need not depend on (llama.cpp's kernel_mul_mm writes its
+// descriptor in place the same way).
 template <int D, int BK>
 struct MppRowStep {
-  static constexpr mpp::tensor_ops::matmul2d_descriptor kScores = mpp::tensor_ops::matmul2d_descriptor(
-      kMppRowsPerSimd, BK, D, false, true, false, mpp::tensor_ops::matmul2d_descriptor::mode::multiply);
-  static constexpr mpp::tensor_ops::matmul2d_descriptor kAccumulate = mpp::tensor_ops::matmul2d_descriptor(
-      kMppRowsPerSimd, D, BK, false, false, false, mpp::tensor_ops::matmul2d_descriptor::mode::multiply_accumulate);
-  using Scores = mpp::tensor_ops::matmul2d<kScores, metal::execution_simdgroup>;
-  using Accumulate = mpp::tensor_ops::matmul2d<kAccumulate, metal::execution_simdgroup>;
+  using Scores = mpp::tensor_ops::matmul2d<
+      mpp::tensor_ops::matmul2d_descriptor(kMppRowsPerSimd, BK, D, false, true, false,
+                                           mpp::tensor_ops::matmul2d_descriptor::mode::multiply),
+      metal::execution_simdgroup>;
+  using Accumulate = mpp::tensor_ops::matmul2d<
+      mpp::tensor_ops::matmul2d_descriptor(kMppRowsPerSimd, D, BK, false, false, false,
+                                           mpp::tensor_ops::matmul2d_descriptor::mode::multiply_accumulate),
+      metal::execution_simdgroup>;
 };
 
 // C += A.B along keys, 16 x d, K dynamic: O += P.V in the forwards, dQ +=

@@ -128,17 +128,17 @@ constant constexpr int kPrefillMppDsplitWideMaxThreads = 256;
 //     and two barriers (above).
 template <typename T, int D, int BQ, int BK, int WN>
 struct MppDsplitShape {
-  static constexpr int R = kMppRowsPerSimd;
-  static constexpr int WM = BQ / R;   // row groups
-  static constexpr int NSG = WM * WN; // SIMD-groups
-  static constexpr int DH = D / WN;   // features each half owns
-  static constexpr int kP = NSG * R * BK * int(sizeof(T));
-  static constexpr int kQ = NSG * R * DH * int(sizeof(T));
-  static constexpr int kSlot = WM * WN * R * BK * 4;
-  static constexpr int kRows = NSG * R * 4;
-  static constexpr bool kQStaged = kP + kQ + kSlot + kRows <= 32768;
-  static constexpr int kSlots = kP + (kQStaged ? kQ : 0) + 2 * kSlot + kRows <= 32768 ? 2 : 1;
-  static constexpr int kBytes = kP + (kQStaged ? kQ : 0) + kSlots * kSlot + kRows;
+  static constant constexpr int R = kMppRowsPerSimd;
+  static constant constexpr int WM = BQ / R;   // row groups
+  static constant constexpr int NSG = WM * WN; // SIMD-groups
+  static constant constexpr int DH = D / WN;   // features each half owns
+  static constant constexpr int kP = NSG * R * BK * int(sizeof(T));
+  static constant constexpr int kQ = NSG * R * DH * int(sizeof(T));
+  static constant constexpr int kSlot = WM * WN * R * BK * 4;
+  static constant constexpr int kRows = NSG * R * 4;
+  static constant constexpr bool kQStaged = kP + kQ + kSlot + kRows <= 32768;
+  static constant constexpr int kSlots = kP + (kQStaged ? kQ : 0) + 2 * kSlot + kRows <= 32768 ? 2 : 1;
+  static constant constexpr int kBytes = kP + (kQStaged ? kQ : 0) + kSlots * kSlot + kRows;
   static_assert(WN == 2, "pairs: each half adds the other's partial S (commutative, so both agree bit for bit)");
   static_assert(BQ % R == 0 && D % WN == 0 && kBytes <= 32768, "row groups of 16, within 32 KiB");
 };

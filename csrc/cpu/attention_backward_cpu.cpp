@@ -62,6 +62,7 @@
 // per core. 128-query blocks measured the same as 96 (within 4%).
 #include "kernels.h"
 #include "backward_tiles.h"
+#include "backward_precise.h"
 #include "brgemm_backward.h"
 #include "common.h"
 #include "matrix_units.h"
@@ -102,6 +103,10 @@ struct BwdGeometry {
   bool has_glse;
   const CallOptions* opt;  // window bounds, varlen sequences, mask, softcap (common.h)
   bool mx = false;        // the brgemm path (matrix_units.h): 16-bit products on the block GEMM
+  // float32 (backward_precise.h): rows renormalized, softcap scores as hi + lo;
+  // sinks2: the sinks in base 2 (a row's sum includes its sink's P), or nullptr.
+  bool precise = false;
+  const float* sinks2 = nullptr;
   Vnni vnni = Vnni::Off;  // its B operands' layout (brgemm_backward.h)
 };
 
@@ -127,7 +132,8 @@ struct BwdWorkspace {
   FloatBuffer dq;        // kBlockQ x Dp
   FloatBuffer st, dst;   // kBlockK x kBlockQ: PT and dST
   FloatBuffer dfac;      // kBlockK x kBlockQ: the softcap's 1 - tanh^2 (softcap only)
-  float lse2[kBlockQ], lse2lo[kBlockQ], delta[kBlockQ];
+  FloatBuffer slo;       // kBlockK x kBlockQ: the softcapped scores' remainders (precise softcap only)
+  float lse2[kBlockQ], lse2lo[kBlockQ], delta[kBlockQ], delta_o[kBlockQ];
   MxBackward mx;  // the brgemm path's 16-bit operands (empty on the vector path)
   BwdWorkspace(const BwdGeometry& g, bool own_head_buffers) {
     if (g.mx) mx = MxBackward(g.qk.D, g.vo.D, g.vnni);
@@ -154,6 +160,7 @@ struct BwdWorkspace {
     st.resize(kBlockK * kBlockQ);
     dst.resize(kBlockK * kBlockQ);
     if (g.opt->softcap) dfac.resize(kBlockK * kBlockQ);
+    if (g.opt->softcap && g.precise) slo.resize(kBlockK * kBlockQ);
   }
 };
 
@@ -173,6 +180,69 @@ struct PackedHead {
 struct KVAcc {
   float *dk, *dv, *ek, *ev;
 };
+
+// The options of one block of base-2 scores st (kBlockK x kBlockQ, nk keys
+// from j0): softcap, the mask, then the window and causality (straddling
+// blocks only), as the forward. dfac (optional): the softcap's derivative.
+// The precise float32 path keeps the softcapped scores' remainders in ws.slo.
+template <typename T, bool ScoreOpts>
+void block_options(const BwdGeometry& g, const SeqRange& s, float* st, int64_t nk, int64_t j0, int64_t i0, int64_t nq,
+                   const int64_t* moff, BwdWorkspace& ws, float* dfac) {
+  const CallOptions& opt = *g.opt;
+  const int64_t ncols = round_up(nq, kG);
+  if (ScoreOpts && g.precise && opt.softcap) {
+    softcap_precise(opt, st, ws.slo.ptr, dfac, kBlockQ, nk, ncols);
+    apply_mask_only<T>(opt, st, kBlockQ, nk, nq, moff, j0);
+  } else if (ScoreOpts) {
+    apply_score_options<T>(opt, st, kBlockQ, nk, ncols, nq, moff, j0, dfac);
+  }
+  mask_window_block(opt, s, st, kBlockQ, nk, j0, i0, nq, 1);
+}
+
+// The precise path's first pass (backward_precise.h): each row's sums of
+// its rebuilt P and of P * dP over the keys it sees (and its sink's P);
+// log2 of the first joins lse2lo, so the main loop's P of the row sums to
+// one, and Delta becomes rowsum(P o dP) / sum - grad_lse, this kernel's own
+// (rowsum(dO o O) takes O from the forward, whose P differs from the one
+// rebuilt here by both kernels' roundings). Two products per key block
+// (K . Q^T, V . dO^T); each block's sums in float32, the blocks' in double.
+template <typename T, bool ScoreOpts>
+void renormalize_rows(const BwdGeometry& g, const SeqRange& s, int64_t h, PackedHead kv, int64_t i0, int64_t nq,
+                      int64_t key_begin, int64_t key_end, const int64_t* moff, BwdWorkspace& ws) {
+  const int64_t ncols = round_up(nq, kG), nchunks = ncols / kW, ld = g.qk.ld;
+  const bool lo = ScoreOpts && g.opt->softcap;
+  double total[kBlockQ] = {}, pdp[kBlockQ] = {};
+  alignas(64) float part[kBlockQ], partd[kBlockQ];
+  float* st = ws.st.ptr;
+  float* dpt = ws.dst.ptr;
+  for (int64_t j0 = key_begin; j0 < key_end; j0 += kBlockK) {
+    const int64_t nk = std::min(kBlockK, key_end - j0);
+    blocked_scores(kv.k + j0 * ld, ld, ws.qt.ptr, kBlockQ, g.qk.D, nk, ncols, st, kBlockQ);  // ST = K . QT
+    blocked_scores(kv.v + j0 * g.vo.ld, g.vo.ld, ws.dot.ptr, kBlockQ, g.vo.D, nk, ncols, dpt, kBlockQ);
+    block_options<T, ScoreOpts>(g, s, st, nk, j0, i0, nq, moff, ws, nullptr);
+    for (int64_t x = 0; x < nchunks; ++x) {
+      Vec acc = Vec::zero(), accd = Vec::zero();
+      for (int64_t j = 0; j < nk; ++j) {
+        const Vec pj = rebuilt_p(st + j * kBlockQ, lo ? ws.slo.ptr + j * kBlockQ : nullptr, ws.lse2, ws.lse2lo, x * kW);
+        acc = acc + pj;
+        accd = fmadd(pj, Vec::load(dpt + j * kBlockQ + x * kW), accd);
+      }
+      acc.store(part + x * kW);
+      accd.store(partd + x * kW);
+    }
+    for (int64_t i = 0; i < nq; ++i) {
+      total[i] += part[i];
+      pdp[i] += partd[i];
+    }
+  }
+  for (int64_t i = 0; i < nq; ++i) {
+    if (ws.lse2[i] == kInf) continue;  // a row that saw nothing
+    if (g.sinks2) total[i] += std::exp2(static_cast<double>(g.sinks2[h]) - ws.lse2[i] - ws.lse2lo[i]);
+    if (!(total[i] > 0.0)) continue;
+    ws.lse2lo[i] += static_cast<float>(std::log2(total[i]));
+    ws.delta[i] += static_cast<float>(pdp[i] / total[i]) - ws.delta_o[i];  // rowsum(P o dP) in place of rowsum(dO o O)
+  }
+}
 
 // One query block: rows [i0, i0 + nq) of query head h, whose kv head is
 // packed in kv. Adds to dk/dv (float32, Nk x Dp) and writes the block's
@@ -223,6 +293,7 @@ void query_block(const BwdGeometry& g, const Tensors& t, const SeqRange& s, int6
     const float* dorow = ws.dor.ptr + i * ldv;
     float acc = 0.0f;  // Delta = rowsum(dO o O): over D_v
     for (int64_t d = 0; d < Dv; ++d) acc += dorow[d] * orow[d];
+    ws.delta_o[i] = acc;
     if (g.has_glse) acc -= t.glse[grow0 + i * g.glse_st[2]];
     ws.delta[i] = acc;
   }
@@ -231,6 +302,7 @@ void query_block(const BwdGeometry& g, const Tensors& t, const SeqRange& s, int6
     ws.lse2lo[i] = 0.0f;
     ws.delta[i] = 0.0f;
   }
+  if (g.precise) renormalize_rows<T, ScoreOpts>(g, s, h, kv, i0, nq, key_begin, key_end, moff, ws);
   std::fill(ws.dq.ptr, ws.dq.ptr + nq * Dp, 0.0f);
 
   float* st = ws.st.ptr;
@@ -244,19 +316,20 @@ void query_block(const BwdGeometry& g, const Tensors& t, const SeqRange& s, int6
       ws.mx.load_keys(row_ptr(static_cast<const T*>(t.k), g.k_st, s, hk, j0, true), g.k_st,
                       row_ptr(static_cast<const T*>(t.v), g.v_st, s, hk, j0, true), g.v_st, nk);
       ws.mx.scores<T>(nk, ncols, g.scale_log2, st, dst);
+    } else if (g.precise) {  // blocked sums (backward_precise.h)
+      blocked_scores(kb, ld, ws.qt.ptr, kBlockQ, D, nk, ncols, st, kBlockQ);                // ST = K . QT
+      blocked_scores(kv.v + j0 * ldv, ldv, ws.dot.ptr, kBlockQ, Dv, nk, ncols, dst, kBlockQ);  // dPT = V . dOT
     } else {
       matmul<false, false>(kb, ld, ws.qt.ptr, kBlockQ, D, nk, ncols, st, kBlockQ);           // ST = K . QT
       matmul<false, false>(kv.v + j0 * ldv, ldv, ws.dot.ptr, kBlockQ, Dv, nk, ncols, dst, kBlockQ);  // dPT = V . dOT
     }
-    // Softcap, mask, then the window and causality (straddling blocks only), as the forward.
-    if (ScoreOpts) apply_score_options<T>(opt, st, kBlockQ, nk, ncols, nq, moff, j0, ws.dfac.ptr);
-    mask_window_block(opt, s, st, kBlockQ, nk, j0, i0, nq, 1);
+    block_options<T, ScoreOpts>(g, s, st, nk, j0, i0, nq, moff, ws, ws.dfac.ptr);
     for (int64_t j = 0; j < nk; ++j) {
       float* srow = st + j * kBlockQ;
       float* drow = dst + j * kBlockQ;
+      const float* lorow = ScoreOpts && g.precise && opt.softcap ? ws.slo.ptr + j * kBlockQ : nullptr;
       for (int64_t x = 0; x < nchunks; ++x) {
-        const Vec p =
-            exp2_approx((Vec::load(srow + x * kW) - Vec::load(ws.lse2 + x * kW)) - Vec::load(ws.lse2lo + x * kW));
+        const Vec p = rebuilt_p(srow, lorow, ws.lse2, ws.lse2lo, x * kW);
         p.store(srow + x * kW);
         (p * (Vec::load(drow + x * kW) - Vec::load(ws.delta + x * kW))).store(drow + x * kW);
       }
@@ -522,6 +595,9 @@ void attention_backward(const AttentionCall& c, const BackwardTensors& bt, const
   count_cpu_path(path, /*backward=*/true);
   g.mx = path.path == CpuPath::Brgemm;
   g.vnni = g.mx ? path.vnni : Vnni::Off;
+  g.precise = q.scalar_type() == at::kFloat && !g.mx;  // backward_precise.h: float32's own rounding is the issue
+  const std::vector<float> sinks2 = p.sinks && g.precise ? sinks_base2(c) : std::vector<float>();
+  g.sinks2 = sinks2.empty() ? nullptr : sinks2.data();
   switch (q.scalar_type()) {  // check_backward_inputs admitted only these three
     case at::kFloat: run_backward<float>(g, t); break;
     case at::kHalf: run_backward<c10::Half>(g, t); break;

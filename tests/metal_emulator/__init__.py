@@ -11,7 +11,7 @@ Importable as ``tests.metal_emulator`` or, with tests/ on sys.path, as ``metal_e
 """
 
 from ._build import BuildError, find_clang
-from ._check import MslRuleError, check_msl_rules
+from ._check import MslRuleError, check_msl_rules, check_shader_tree, uncovered_shader_files
 from ._ir import mma_call_sites, private_arrays, slow_integer_math
 from ._library import DISPATCHED, DispatchCounts, EmulatorError, Library, compile_library, preprocessed
 
@@ -23,10 +23,12 @@ __all__ = [
     "Library",
     "MslRuleError",
     "check_msl_rules",
+    "check_shader_tree",
     "compile_library",
     "find_clang",
     "preprocessed",
     "mma_call_sites",
     "private_arrays",
     "slow_integer_math",
+    "uncovered_shader_files",
 ]
