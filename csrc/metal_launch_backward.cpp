@@ -165,10 +165,12 @@ MetalPlan plan_metal_attention_backward(const AttentionProblem& p, const LaunchS
     std::string why;
     const bool dense = dense_loader(p, s, c.bucket, true, &why);
     plan.reason += loader_reason(dense, why);
-    // fc_has_sinks on the dQ kernel: its float32 first pass, which renormalizes each row's P to sum to one,
-    // is skipped with sinks (the sink's share is part of the row's sum; shaders/attention_backward.h).
+    // fc_has_sinks on the float32 dQ kernel: its first pass, which renormalizes each row's P to sum to one,
+    // is skipped with sinks (the sink's share is part of the row's sum; shaders/attention_backward.h). The
+    // 16-bit kernels do not read it: left off, so they keep one pipeline with and without sinks.
+    const bool dq_sinks = p.sinks && p.dtype == c10::ScalarType::Float;
     dq.function_constants = with_dense(
-        feature_constants(p, p.q_len % c.block_q == 0, p.kv_len % c.block_k == 0, has_grad_lse, p.sinks), dense);
+        feature_constants(p, p.q_len % c.block_q == 0, p.kv_len % c.block_k == 0, has_grad_lse, dq_sinks), dense);
     dq.buffers = with_features(kBackwardDqBuffers);
     dq.estimate = estimate_launch(dq, dq_live_floats(c.bucket, c.block_k, c.dq_feature_split) + kLiveOverhead, gpu);
     plan.launches.push_back(dq);

@@ -16,8 +16,10 @@
 //   tile is loaded at its tensor's own width (columns past it zero) and no
 //   feature past a tensor's own width is stored.
 //   flash_backward_dq    grid (ceil(Nq / BQ), Hq, B), 32 * WM threads
-//     Delta_i = rowsum(dO_i * O_i) - grad_lse_i, written to a float32
-//     scratch for the second kernel; then over the key blocks the rows see:
+//     Delta_i = rowsum(dO_i * O_i) - grad_lse_i (float32: rowsum(P_i * dP_i)
+//     of a first pass, and the rows renormalized, see backward_renormalizes),
+//     written to a float32 scratch for the second kernel; then over the key
+//     blocks the rows see:
 //     S = Q.K^T, P = exp2(S * scale * log2 e - lse_i * log2 e),
 //     dP = dO.V^T, dS = P * (dP - Delta), dQ += dS.K; dQ * scale stored.
 //   flash_backward_dkdv  grid (ceil(Nk / BK), Hkv, B), 32 * WM threads
@@ -288,14 +290,21 @@ FM_INLINE float backward_weight(constant AttentionParams& p, device const uchar*
 // carries lse's float32 rounding (half an ulp of |lse|, 1.9e-6 at |lse| ~
 // 50) and any difference between the forward's and this kernel's scores,
 // one factor on every P of the row, which PyTorch's softmax divides away;
-// float32 dQ, dK and dV came out at up to 3-6x PyTorch's error. The dQ
-// kernel sees whole rows: it sums each row's P as it goes, divides its dQ
-// by the sum at the end (dQ is linear in the row's P) and stores log2 of
-// the sum after Delta's rows in the scratch, which the dK/dV kernel adds to
-// the row's m2lo (so its P of the row sums to one too). Not with sinks
+// and Delta = rowsum(dO o O) takes O from the forward, whose P differs from
+// the one rebuilt here, where PyTorch's softmax backward subtracts
+// rowsum(P o dP) of its own P and dP. With the softcap's product rounding
+// and the one-chain score sums (backward_weight, backward_products), float32
+// dQ, dK and dV came out at up to 3.4x, 4.1x and 6.7x PyTorch's error on
+// flash-attn's varlen test (tests/test_flash_attn_varlen_backward.py). The
+// dQ kernel sees whole rows: a first pass over its key blocks (S and dP
+// again, as the main pass makes them) sums each row's P and P * dP; log2 of
+// the first joins the row's m2lo and Delta becomes the second over the
+// first, both stored (log2 after Delta's rows in the scratch) for the dK/dV
+// kernel, so every P of the row sums to one in both kernels. Not with sinks
 // (the sink's P is part of the row's sum, and the dQ kernel does not read
-// the sinks): those keep the forward's lse as is. 16-bit inputs skip it
-// (their rounding is far above this term).
+// the sinks): those keep the forward's lse and Delta. 16-bit inputs skip it
+// (their rounding is far above these terms). The cost: the dQ kernel's S
+// and dP products twice (at D 256, +46% of the backward's MMAs).
 template <typename T>
 constexpr bool backward_renormalizes() {
   return sizeof(T) == 4;

@@ -103,8 +103,9 @@ struct BwdGeometry {
   bool has_glse;
   const CallOptions* opt;  // window bounds, varlen sequences, mask, softcap (common.h)
   bool mx = false;        // the brgemm path (matrix_units.h): 16-bit products on the block GEMM
-  // float32 (backward_precise.h): rows renormalized, softcap scores as hi + lo;
-  // sinks2: the sinks in base 2 (a row's sum includes its sink's P), or nullptr.
+  // float32 (backward_precise.h): rows renormalized and Delta their own (a first pass
+  // over the keys), softcap scores as hi + lo, blocked score sums; sinks2: the sinks
+  // in base 2 (a row's sum includes its sink's P), or nullptr.
   bool precise = false;
   const float* sinks2 = nullptr;
   Vnni vnni = Vnni::Off;  // its B operands' layout (brgemm_backward.h)

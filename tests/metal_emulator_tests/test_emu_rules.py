@@ -202,7 +202,8 @@ def test_msl4_headers_may_use_cxx17(tmp_path):
     shutil.copytree(SHADERS, copy)
     where = "attention_mpp_common.h"
     text = (copy / where).read_text()
-    plant = "\nnamespace flash_metal {\ntemplate <int N> inline int fm_planted() { if constexpr (N > 0) return N; return 0; }\n}\n"
+    plant = ("\nnamespace flash_metal {\n"
+             "template <int N> inline int fm_planted() { if constexpr (N > 0) return N; return 0; }\n}\n")
     (copy / where).write_text(text + plant)
     entry = copy / "planted_mpp.metal"
     entry.write_text(f'#include "{where}"\n')
