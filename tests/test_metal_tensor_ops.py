@@ -198,7 +198,8 @@ def test_planted_static_k_on_the_ragged_key_block_is_nan(tmp_path, monkeypatch):
     rows (and P columns) past the block's valid key, undefined on Apple's GPUs (NaN on M5s, llama.cpp PR
     #27450) and NaN in the emulator, so every row's output is NaN; the dynamic K (mpp_accumulate_descriptor) is right."""
     _planted_library(tmp_path, monkeypatch, "  constexpr auto pv_desc = mpp_accumulate_descriptor(DV);\n",
-                     "  constexpr auto pv_desc = MppRowStep<DV, BK>::kAccumulate;\n")
+                     "  constexpr auto pv_desc = mpp::tensor_ops::matmul2d_descriptor(kMppRowsPerSimd, DV, BK, false, false, false, "
+                     "mpp::tensor_ops::matmul2d_descriptor::mode::multiply_accumulate);\n")
     q, k, v = make_qkv(1, 2, 1, 17, 33, 64, torch.float16, generator=torch.Generator().manual_seed(73))
     out, _ = emulated_metal_attention(q, k, v, False, None, "tensor_ops", instrumented=True, mpp_layout="scrambled")
     assert out.isnan().all()
