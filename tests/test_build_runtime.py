@@ -12,7 +12,6 @@ has no shared runtime (_shared_libstdcxx_args). These tests hold that fix:
 - the smallest reproducer, built with a static runtime, loses the number from its
   message (or crashes), and built with the helper's link line raises it intact.
 """
-import importlib.util
 import os
 import shutil
 import struct
@@ -26,17 +25,11 @@ import torch
 import torch.utils.cpp_extension
 
 import flash_metal
+from test_build import load_setup  # setup.py as a module
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LINUX = sys.platform.startswith("linux")
 pytestmark = pytest.mark.skipif(not LINUX, reason="ELF shared objects and libstdc++: Linux only")
-
-
-def _setup_module():
-    spec = importlib.util.spec_from_file_location("flash_metal_setup_rt", os.path.join(ROOT, "setup.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def elf_dynamic(path):
@@ -81,7 +74,7 @@ def test_extension_uses_the_shared_cxx_runtime():
 def test_helper_links_the_loaded_runtime_for_a_compiler_without_one(tmp_path):
     """A compiler whose -print-file-name finds no libstdc++.so gets the process's libstdc++.so.6 named explicitly;
     a compiler that has its shared runtime gets nothing added."""
-    setup = _setup_module()
+    setup = load_setup()
     fake = tmp_path / "g++"
     fake.write_text("#!/bin/sh\necho libstdc++.so\n")  # what GCC prints for a library it cannot find
     fake.chmod(0o755)
@@ -121,7 +114,7 @@ def test_static_runtime_reproducer_and_its_fix(tmp_path):
     """The smallest reproducer (tests/cxx_runtime/throw_op.cpp): with a private static libstdc++ its ValueError
     loses the numbers (Debian 12) or the process crashes (the AMX Xeon); linked as setup.py now links a compiler
     without a shared runtime, it raises the whole message."""
-    setup = _setup_module()
+    setup = load_setup()
     fake = tmp_path / "fake-g++"
     fake.write_text("#!/bin/sh\necho libstdc++.so\n")
     fake.chmod(0o755)

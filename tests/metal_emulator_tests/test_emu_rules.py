@@ -1,12 +1,12 @@
 """The compile-only MSL rules check: every rule on every shader file, each library in its own language version."""
 
-import functools
-import importlib.util
 import os
 import shutil
 
 import pytest
 from conftest import kernel_path
+
+from test_build import load_setup
 
 from metal_emulator import MslRuleError, check_msl_rules, check_shader_tree, uncovered_shader_files
 
@@ -14,19 +14,10 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 SHADERS = os.path.join(REPO, "shaders")
 
 
-@functools.lru_cache(maxsize=None)
-def _setup():
-    """setup.py as a module (its setup() call runs only as __main__): the build's own split of the libraries."""
-    spec = importlib.util.spec_from_file_location("flash_metal_setup_rules", os.path.join(REPO, "setup.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def libraries(shader_dir):
     """Every .metal under shader_dir -> its language version, as setup.py builds them: *_mpp.metal in
     the MSL 4 library (-std=metal4.0), the others in the MSL 3.1 one (setup.metal_sources globs them)."""
-    setup = _setup()
+    setup = load_setup()  # setup.py as a module (tests/test_build.py)
     out = {src: 3 for src in setup.metal_sources(shader_dir)}
     out.update({src: 4 for src in setup.metal_sources(shader_dir, mpp=True)})
     return out
