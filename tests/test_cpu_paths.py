@@ -32,6 +32,7 @@ from numerics import (assert_attention_close, assert_gradients_close, assert_var
 COUNTS = torch.ops.flash_metal.cpu_path_counts
 FWD_VECTOR, FWD_BRGEMM = 0, 1
 EMU_FWD, EMU_BWD, EMU_GEMM = 4, 5, 6  # brgemm calls with emulated VNNI (forward, backward), emulated products
+FWD_COLS = 7  # forward brgemm calls in the column form (csrc/cpu/brgemm_cols.h)
 INFO = flash_metal.cpu_path  # (path, reason, vnni) as a NamedTuple
 HALF_TYPES = [torch.bfloat16, torch.float16]
 HAS_BRGEMM = dict(zip(*torch.ops.flash_metal.cpu_features()))["torch_brgemm"] == 1
@@ -322,7 +323,30 @@ def _assert_emulated(delta, dtype, backward):
 def test_emulated_vnni_forward(emulated, dtype, case):
     before = COUNTS()
     _run_case(case, dtype)
-    _assert_emulated([x - y for x, y in zip(COUNTS(), before)], dtype, backward=False)
+    delta = [x - y for x, y in zip(COUNTS(), before)]
+    _assert_emulated(delta, dtype, backward=False)
+    # Query blocks of >= 32 columns take the column form (P as the packed B operand, V^T as A); the
+    # decode item (1 query x 4 heads) keeps the row form (P^T, V packed per block).
+    assert delta[FWD_COLS] == (0 if case[0] == "decode-gqa" else 1), delta
+
+
+@pytest.mark.parametrize("block_k", ["34", "96", "256"])
+@pytest.mark.parametrize("case", EMU_CASES + EMU_FWD_ONLY[1:], ids=[c[0] for c in EMU_CASES + EMU_FWD_ONLY[1:]])
+def test_emulated_column_form_block_sizes(emulated, monkeypatch, block_k, case):
+    """The column form's key blocks (FLASH_METAL_CPU_MX_BLOCK_K): 34 leaves odd ragged blocks and many
+    rescales, 256 one block for most cases; each must match the oracle."""
+    monkeypatch.setenv("FLASH_METAL_CPU_MX_BLOCK_K", block_k)
+    before = COUNTS()[FWD_COLS]
+    _run_case(case, torch.bfloat16)
+    assert COUNTS()[FWD_COLS] == before + 1
+
+
+@pytest.mark.parametrize("bad", ["33", "30", "258", "x", "96k"])
+def test_bad_column_block_is_a_clear_error(emulated, monkeypatch, bad):
+    monkeypatch.setenv("FLASH_METAL_CPU_MX_BLOCK_K", bad)
+    q = torch.randn(1, 2, 64, 32).to(torch.bfloat16)
+    with pytest.raises(ValueError, match="FLASH_METAL_CPU_MX_BLOCK_K must be an even key count in \\[32, 256\\]"):
+        flash_metal.attention(q, q, q)
 
 
 @pytest.mark.parametrize("dtype", HALF_TYPES, ids=dtype_id)

@@ -38,7 +38,9 @@
 #include "../metal_plan.h"
 #include "common.h"
 #include "forward_tiles.h"
+#include "brgemm_cols.h"
 #include "brgemm_tiles.h"
+#include "phase_clock.h"
 #include "matrix_units.h"
 #include "simd.h"
 
@@ -123,15 +125,18 @@ struct Workspace {
 template <typename T, bool ScoreOpts>
 void attention_item(const Geometry& g, const T* q, const T* k, const T* v, T* out, float* lse, int64_t b,
                     int64_t hk, int64_t h0, int64_t nh, int64_t i0, int64_t nsub, int64_t bq, Workspace& ws,
-                    MxBuffers<T>* mx) {
+                    MxBuffers<T>* mx, const ColForm<T>& cf) {
   const CallOptions& opt = *g.opt;
   const SeqRange seq = opt.seq(b);
   if (i0 >= seq.nq) return;
+  FM_PHASE_START;
   const int64_t D = g.head_dim;     // Q.K^T
   const int64_t Dv = g.head_dim_v;  // P.V and the output
   const int64_t Dvp = round_up(Dv, kG);
   const int64_t nvec = Dvp / kMW;
   const int64_t q_end = std::min(seq.nq, i0 + nsub * bq);
+  // The column form (brgemm_cols.h) where the call built V^T for it.
+  const bool cols = mx != nullptr && cf.vt != nullptr;
   nsub = (q_end - i0 + bq - 1) / bq;
 
   struct Sub {
@@ -161,7 +166,11 @@ void attention_item(const Geometry& g, const T* q, const T* k, const T* v, T* ou
     if (mx != nullptr) {
       const int64_t nq = u.nq;
       const auto q_off = [&](int64_t c) { return q_base + (c / nq) * g.q_stride[1] + (c % nq) * g.q_stride[2]; };
-      mx_load_q(q, g.q_stride[3], q_off, u.nrows, u.ncols, D, *mx, mx->qt.data() + s * mx->Dp * kBlockQ);
+      if (cols)
+        col_load_q(q, g.q_stride[3], q_off, u.nrows, u.ncols, D, cf.buf->Dp, cf.buf->qv.data() + s * cf.buf->Dp * kBlockQ,
+                   mx->vnni);
+      else
+        mx_load_q(q, g.q_stride[3], q_off, u.nrows, u.ncols, D, *mx, mx->qt.data() + s * mx->Dp * kBlockQ);
     }
     float row[kMaxHeadDim];
     for (int64_t c = 0; mx == nullptr && c < u.nrows; ++c) {
@@ -172,7 +181,7 @@ void attention_item(const Geometry& g, const T* q, const T* k, const T* v, T* ou
     }
     for (int64_t d = 0; mx == nullptr && d < D; ++d)
       for (int64_t c = u.nrows; c < u.ncols; ++c) u.qt[d * kBlockQ + c] = 0.0f;
-    std::fill(u.o, u.o + u.nrows * Dvp, 0.0f);
+    std::fill(u.o, u.o + (cols ? Dv * kBlockQ : u.nrows * Dvp), 0.0f);  // O, or O^T in the column form
     std::fill(u.m, u.m + u.ncols, kNegInf);
     std::fill(u.l, u.l + u.ncols, 0.0f);
     // Attention sinks: each row starts as if it had seen its head's sink, a
@@ -183,6 +192,7 @@ void attention_item(const Geometry& g, const T* q, const T* k, const T* v, T* ou
       u.l[c] = u.m[c] == kNegInf ? 0.0f : 1.0f;
     }
   }
+  FM_PHASE(kPhQ);
 
   const T* k_head = k + seq.bi * g.k_stride[0] + hk * g.k_stride[1] + seq.k0 * g.k_stride[2];
   const T* v_head = v + seq.bi * g.v_stride[0] + hk * g.v_stride[1] + seq.k0 * g.v_stride[2];
@@ -192,19 +202,26 @@ void attention_item(const Geometry& g, const T* q, const T* k, const T* v, T* ou
   constexpr bool is_float = std::is_same<T, float>::value;
   const bool in_place = is_float && nsub == 1 && sub[0].ncols <= kSmallQueryCols && g.k_stride[3] == 1 &&
                         g.v_stride[3] == 1 && Dv % kG == 0;
-  float* st = ws.st.ptr;
+  float* st = cols ? cf.buf->st.ptr : ws.st.ptr;
+  const int64_t block_k = cols ? cf.block_k : kBlockK;
+  const T* vt_head = cols ? cf.vt + (seq.bi * g.kv_heads + hk) * Dv * cf.vt_ld + seq.k0 : nullptr;
+  // The column form folds the scale into the softmax (sc) unless the score
+  // options need the scaled block first (or a scale <= 0 would turn the max around).
+  const bool fold_scale = cols && !ScoreOpts && g.scale_log2 > 0.0f;
   // Key blocks start at the first key any sub-block sees (the left window's
   // bound; 0 without one) and stop at the last (the causal/right bound).
-  for (int64_t j0 = key_begin_all; j0 < key_end_all; j0 += kBlockK) {
+  for (int64_t j0 = key_begin_all; j0 < key_end_all; j0 += block_k) {
     // K and V block -> packed panels, shared by all sub-blocks.
-    const int64_t nk_all = std::min(kBlockK, key_end_all - j0);
+    const int64_t nk_all = std::min(block_k, key_end_all - j0);
     const float* kblk = ws.kb.ptr;
     const float* vblk = ws.vb.ptr;
     const T *k_mx = nullptr, *v_mx = nullptr;
     int64_t lda_mx = 0, ldv_mx = 0;
     if (mx != nullptr) {
       k_mx = mx_k_operand(k_head + j0 * g.k_stride[2], g.k_stride[2], g.k_stride[3], nk_all, D, *mx, &lda_mx);
-      v_mx = mx_v_operand(v_head + j0 * g.v_stride[2], g.v_stride[2], g.v_stride[3], nk_all, Dv, *mx, &ldv_mx);
+      FM_PHASE(kPhK);
+      if (!cols)
+        v_mx = mx_v_operand(v_head + j0 * g.v_stride[2], g.v_stride[2], g.v_stride[3], nk_all, Dv, *mx, &ldv_mx);
     } else if (in_place) {
       kblk = reinterpret_cast<const float*>(k_head) + j0 * g.k_stride[2];
       vblk = reinterpret_cast<const float*>(v_head) + j0 * g.v_stride[2];
@@ -212,6 +229,7 @@ void attention_item(const Geometry& g, const T* q, const T* k, const T* v, T* ou
       pack_k_rows(k_head + j0 * g.k_stride[2], g.k_stride[2], g.k_stride[3], nk_all, D, ws.kb.ptr);
       pack_v(v_head + j0 * g.v_stride[2], g.v_stride[2], g.v_stride[3], nk_all, Dv, Dvp, ws.vb.ptr);
     }
+    FM_PHASE(kPhV);
 
     for (int64_t s = 0; s < nsub; ++s) {
       Sub& u = sub[s];
@@ -223,12 +241,17 @@ void attention_item(const Geometry& g, const T* q, const T* k, const T* v, T* ou
       const int64_t nk = std::min(nk_all, u.key_end - j0);
 
       // 2a. scores ST = K . QT
-      if (mx != nullptr)
+      if (cols) {
+        tile_gemm_vnni(nk, u.ncols, cf.buf->Dp, lda_mx, kBlockQ, kBlockQ, /*add_c=*/false, k_mx,
+                       cf.buf->qv.data() + s * cf.buf->Dp * kBlockQ, st, mx->vnni);
+        if (!fold_scale) scale_block(st, nk, u.ncols, g.scale_log2);
+      } else if (mx != nullptr)
         mx_scores(k_mx, lda_mx, mx->qt.data() + s * mx->Dp * kBlockQ, nk, u.ncols, D, g.scale_log2, *mx, st);
       else if (in_place)
         qk_block<true>(kblk, nk, g.k_stride[2], u.qt, kBlockQ, u.ncols, D, st, kBlockQ);
       else
         qk_block<true>(kblk, nk, D + kKRowPad, u.qt, kBlockQ, u.ncols, D, st, kBlockQ);
+      FM_PHASE(kPhQK);
 
       // 2b. softcap, then the attn_mask (common.h), then the window and
       // causality, only where the block crosses a bound.
@@ -240,7 +263,20 @@ void attention_item(const Geometry& g, const T* q, const T* k, const T* v, T* ou
         apply_score_options<T>(opt, st, kBlockQ, nk, u.ncols, u.nrows, moff, j0, nullptr);
       }
       if (opt.causal || opt.window_left) mask_window_block(opt, seq, st, kBlockQ, nk, j0, u.i0, u.nq, nh);
+      FM_PHASE(kPhOpts);
 
+      if (cols) {  // 2c-d in the column form: softmax written as P's VNNI operand, then O^T += V^T P
+        const int64_t nkp = round_up(nk, 2);
+        poison_if_emulated(cf.buf->pp.data(), nkp * kBlockQ, mx->vnni);
+        col_softmax_pack(st, nk, u.ncols, fold_scale ? g.scale_log2 : 1.0f, u.m, u.l, ws.alpha, cf.buf->pp.data());
+        FM_PHASE(kPhExp);
+        col_scale_o(u.o, Dv, u.ncols, ws.alpha);
+        FM_PHASE(kPhPack);
+        tile_gemm_vnni(Dv, u.ncols, nkp, cf.vt_ld, kBlockQ, kBlockQ, /*add_c=*/true, vt_head + j0, cf.buf->pp.data(), u.o,
+                       mx->vnni);
+        FM_PHASE(kPhPV);
+        continue;
+      }
       // 2c. online softmax down the columns, traversed row by row: the
       // score block (36 KB) is a little larger than L1, and walking it one
       // column chunk at a time (a 384-byte stride) made the exp pass's store
@@ -258,6 +294,7 @@ void attention_item(const Geometry& g, const T* q, const T* k, const T* v, T* ou
         m_use[x] = select_eq(m_new[x], Vec::broadcast(kNegInf), Vec::zero(), m_new[x]);
         sum[x] = Vec::zero();
       }
+      FM_PHASE(kPhMax);
       for (int64_t j = 0; j < nk; ++j) {
         float* srow = st + j * kBlockQ;
         for (int64_t x = 0; x < nchunks; ++x) {
@@ -273,11 +310,15 @@ void attention_item(const Geometry& g, const T* q, const T* k, const T* v, T* ou
         alpha.store(ws.alpha + x * kW);
       }
 
+      FM_PHASE(kPhExp);
       // 2d. O = alpha * O + P^T V
-      if (mx != nullptr)
-        mx_pv(st, nk, u.nrows, v_mx, ldv_mx, Dv, ws.alpha, u.o, Dvp, *mx);
-      else
+      if (mx != nullptr) {
+        mx_pv_round(st, nk, u.nrows, Dv, ws.alpha, u.o, Dvp, *mx);
+        FM_PHASE(kPhPack);
+        mx_pv_product(nk, u.nrows, v_mx, ldv_mx, Dv, u.o, Dvp, *mx);
+      } else
         pv_block(st, kBlockQ, nk, nk_all, u.nrows, vblk, in_place ? g.v_stride[2] : 0, nvec, ws.alpha, u.o, Dvp);
+      FM_PHASE(kPhPV);
     }
   }
 
@@ -290,14 +331,16 @@ void attention_item(const Geometry& g, const T* q, const T* k, const T* v, T* ou
       const int64_t h = h0 + c / u.nq, i = seq.q0 + u.i0 + c % u.nq;
       T* dst = out + seq.bi * g.o_stride[0] + h * g.o_stride[1] + i * g.o_stride[2];
       float* lrow = lse + seq.bi * g.lse_stride[0] + h * g.lse_stride[1] + i * g.lse_stride[2];
-      const float* src = u.o + c * Dvp;
+      // O's row c: contiguous, or (column form) column c of O^T
+      const float* src = cols ? u.o + c : u.o + c * Dvp;
+      const int64_t sd = cols ? kBlockQ : 1;
       const float l = u.l[c];
       if (l > 0.0f) {
         const float inv = 1.0f / l;
-        if (od == 1)  // the usual packed row: a loop the compiler vectorizes
+        if (od == 1 && sd == 1)  // the usual packed row: a loop the compiler vectorizes
           for (int64_t d = 0; d < Dv; ++d) dst[d] = static_cast<T>(src[d] * inv);
         else
-          for (int64_t d = 0; d < Dv; ++d) dst[d * od] = static_cast<T>(src[d] * inv);
+          for (int64_t d = 0; d < Dv; ++d) dst[d * od] = static_cast<T>(src[d * sd] * inv);
         *lrow = kLn2 * (u.m[c] + std::log2(l));
       } else {  // the row sees no key (causal with Nk < Nq, a window, a mask, an empty sequence)
         for (int64_t d = 0; d < Dv; ++d) dst[d * od] = static_cast<T>(0.0f);
@@ -305,6 +348,7 @@ void attention_item(const Geometry& g, const T* q, const T* k, const T* v, T* ou
       }
     }
   }
+  FM_PHASE(kPhOut);
 }
 
 
@@ -365,10 +409,28 @@ void run_attention(const Geometry& g, const at::Tensor& q, const at::Tensor& k, 
   const int64_t threads = std::min<int64_t>(threads_avail, items);
   const bool score_opts = g.opt->score_options();
   const bool use_mx = g.path.path == CpuPath::Brgemm;
+  // The column form of the brgemm path (brgemm_cols.h): with packed operands,
+  // for blocks of at least kColMinQueries query columns. V^T is built here,
+  // once per call (one pass over V, the size of V: O(N) memory).
+  const bool use_cols = use_mx && packs(g.path.vnni) && rows_per_block * heads_per_item >= kColMinQueries;
+  std::unique_ptr<T[]> vt;
+  const int64_t vt_ld = round_up(v.size(2), 32);
+  const int64_t block_k = use_cols ? mx_block_k() : 0;  // read before any work (a bad value is an error)
+  if (use_cols) {
+    count_cpu_cols_form();
+    vt.reset(new T[g.batch * g.kv_heads * g.head_dim_v * vt_ld]);
+    build_vt(vp, g.v_stride, g.batch, g.kv_heads, v.size(2), g.head_dim_v, vt_ld, vt.get());
+  }
   run_on_threads(threads, [&](int64_t /*thread*/) {
     Workspace ws(D, Dvp);
     std::unique_ptr<MxBuffers<T>> mx;
+    std::unique_ptr<ColBuffers<T>> colbuf;
     if (use_mx) mx.reset(new MxBuffers<T>(kMaxSubBlocks, D, g.head_dim_v, g.path.vnni));
+    ColForm<T> cf;
+    if (use_cols) {
+      colbuf.reset(new ColBuffers<T>(kMaxSubBlocks, D));
+      cf = ColForm<T>{colbuf.get(), vt.get(), vt_ld, block_k};
+    }
     for (int64_t idx = next.fetch_add(1); idx < items; idx = next.fetch_add(1)) {
       const int64_t qi = q_items - 1 - idx / lanes;
       const int64_t lane = idx % lanes;
@@ -378,9 +440,9 @@ void run_attention(const Geometry& g, const at::Tensor& q, const at::Tensor& k, 
       const int64_t h0 = hk * g.group + chunk * heads_per_item;
       const int64_t nh = std::min(heads_per_item, g.group - chunk * heads_per_item);
       if (score_opts)
-        attention_item<T, true>(g, qp, kp, vp, op, lp, b, hk, h0, nh, qi * nsub * bq, nsub, bq, ws, mx.get());
+        attention_item<T, true>(g, qp, kp, vp, op, lp, b, hk, h0, nh, qi * nsub * bq, nsub, bq, ws, mx.get(), cf);
       else
-        attention_item<T, false>(g, qp, kp, vp, op, lp, b, hk, h0, nh, qi * nsub * bq, nsub, bq, ws, mx.get());
+        attention_item<T, false>(g, qp, kp, vp, op, lp, b, hk, h0, nh, qi * nsub * bq, nsub, bq, ws, mx.get(), cf);
     }
     if (mx) tile_release(g.path.vnni);
   });

@@ -52,13 +52,14 @@ struct MxBuffers {
   int64_t Dp;            // D_qk, rounded up to even with VNNI
   std::vector<T> qt;     // kMaxSub x Dp x kBlockQ: each sub-block's QT (plain, or VNNI with N = ncols)
   std::vector<T> stage;  // Dp x kBlockQ: QT before its VNNI pack
-  std::vector<T> kb;     // kBlockK x Dp: K rows when they cannot be read in place
+  std::vector<T> kb;     // max(kBlockK, 256) x Dp: K rows when they cannot be read in place (256: the
+                         // column form's largest block, brgemm_cols.h)
   std::vector<T> vb;     // (kBlockK + 1) x Dv: V rows when they cannot be read in place (+1: the even pad)
   std::vector<T> vp;     // the same, VNNI-packed (column blocks of <= 64, matrix_units.h)
   std::vector<T> pt;     // kBlockQ x kPtLd: P^T rounded to T
   MxBuffers(int64_t max_sub, int64_t D, int64_t Dv, Vnni vnni_)
       : vnni(vnni_), Dp(packs(vnni_) ? round_up(D, 2) : D), qt(max_sub * Dp * kBlockQ),
-        stage(packs(vnni_) ? Dp * kBlockQ : 0), kb(kBlockK * Dp), vb((kBlockK + 1) * Dv),
+        stage(packs(vnni_) ? Dp * kBlockQ : 0), kb(std::max<int64_t>(kBlockK, 256) * Dp), vb((kBlockK + 1) * Dv),
         vp(packs(vnni_) ? packed_elems(kBlockK + 1, Dv) : 0), pt(kBlockQ * kPtLd) {}
 };
 
@@ -141,10 +142,12 @@ void mx_scores(const T* k, int64_t lda, const T* qt, int64_t nk, int64_t ncols, 
 }
 
 // O (nrows x Dv, row stride ldo) = alpha * O + round_T(P)^T . V, P the
-// transposed float32 probabilities (nk x >= nrows, row stride kBlockQ).
+// transposed float32 probabilities (nk x >= nrows, row stride kBlockQ), in
+// two steps (the phase clock times them apart): mx_pv_round rounds and
+// transposes P and scales O, mx_pv_product adds the product.
 template <typename T>
-void mx_pv(const float* p, int64_t nk, int64_t nrows, const T* v, int64_t ldv, int64_t Dv, const float* alpha,
-           float* o, int64_t ldo, MxBuffers<T>& mb) {
+void mx_pv_round(const float* p, int64_t nk, int64_t nrows, int64_t Dv, const float* alpha, float* o, int64_t ldo,
+                 MxBuffers<T>& mb) {
   const int64_t nkp = packs(mb.vnni) ? round_up(nk, 2) : nk;
   T* pt = mb.pt.data();
   poison_if_emulated(pt, nrows * kPtLd, mb.vnni);
@@ -156,7 +159,12 @@ void mx_pv(const float* p, int64_t nk, int64_t nrows, const T* v, int64_t ldv, i
     float* orow = o + r * ldo;
     for (int64_t d = 0; d < Dv; ++d) orow[d] *= a;
   }
-  tile_gemm(nrows, Dv, nkp, kPtLd, ldv, ldo, /*add_c=*/true, pt, v, o, mb.vnni);
+}
+template <typename T>
+void mx_pv_product(int64_t nk, int64_t nrows, const T* v, int64_t ldv, int64_t Dv, float* o, int64_t ldo,
+                   MxBuffers<T>& mb) {
+  const int64_t nkp = packs(mb.vnni) ? round_up(nk, 2) : nk;
+  tile_gemm(nrows, Dv, nkp, kPtLd, ldv, ldo, /*add_c=*/true, mb.pt.data(), v, o, mb.vnni);
 }
 
 }  // namespace

@@ -36,9 +36,10 @@ namespace {
 
 // Calls per path: [forward vector, forward brgemm, backward vector, backward
 // brgemm], then the brgemm calls of each pass that emulated VNNI, then the
-// emulated tile products run (any pass): the tests' proof the seam ran.
-constexpr int kEmuFwd = 4, kEmuBwd = 5, kEmuGemm = 6;
-std::atomic<int64_t> g_counts[7];
+// emulated tile products run (any pass): the tests' proof the seam ran;
+// then the forward calls that took the column form (brgemm_cols.h).
+constexpr int kEmuFwd = 4, kEmuBwd = 5, kEmuGemm = 6, kColsFwd = 7;
+std::atomic<int64_t> g_counts[8];
 
 #ifdef FLASH_METAL_X86_CPUID
 CpuFeatures detect() {
@@ -193,6 +194,8 @@ std::string describe_cpu_path(const PathChoice& pc, at::ScalarType dtype, bool b
   return what;
 }
 
+void count_cpu_cols_form() { ++g_counts[kColsFwd]; }
+
 void count_cpu_path(const PathChoice& pc, bool backward) {
   ++g_counts[(backward ? 2 : 0) + static_cast<int>(pc.path)];
   if (pc.path == CpuPath::Brgemm && pc.vnni == Vnni::Emulated) ++g_counts[backward ? kEmuBwd : kEmuFwd];
@@ -267,7 +270,35 @@ void tile_gemm_16(int64_t M, int64_t N, int64_t K, int64_t lda, int64_t ldb, int
 #endif
 }
 
+template <typename T>
+void tile_gemm_vnni_16(int64_t M, int64_t N, int64_t K, int64_t lda, int64_t ldb, int64_t ldc, bool add_c,
+                       const T* a, const T* b, float* c, Vnni vnni) {
+  TORCH_CHECK(packs(vnni), "flash_metal: a plain-VNNI product needs a VNNI mode");
+  TORCH_CHECK(N <= ldb && ldb <= kPlainVnniMaxLd && K % 2 == 0,
+              "flash_metal: a plain-VNNI B operand needs N <= ldb <= ", kPlainVnniMaxLd,
+              " (the widths measured on AMX) and an even K; got N ", N, ", ldb ", ldb, ", K ", K);
+  if (vnni == Vnni::Emulated) return emulated_gemm(M, N, K, lda, ldb, ldc, add_c, a, b, c);
+#ifdef FLASH_METAL_HAS_BRGEMM
+  at::native::cpublas::brgemm(M, N, K, lda, ldb, ldc, add_c, a, b, c, true);
+#else
+  TORCH_CHECK(false, "flash_metal: brgemm is unavailable in this torch");
+#endif
+}
+
 }  // namespace
+
+void tile_gemm_vnni(int64_t M, int64_t N, int64_t K, int64_t lda, int64_t ldb, int64_t ldc, bool add_c,
+                    const c10::BFloat16* a, const c10::BFloat16* b, float* c, Vnni vnni) {
+  tile_gemm_vnni_16(M, N, K, lda, ldb, ldc, add_c, a, b, c, vnni);
+}
+void tile_gemm_vnni(int64_t M, int64_t N, int64_t K, int64_t lda, int64_t ldb, int64_t ldc, bool add_c,
+                    const c10::Half* a, const c10::Half* b, float* c, Vnni vnni) {
+  tile_gemm_vnni_16(M, N, K, lda, ldb, ldc, add_c, a, b, c, vnni);
+}
+void tile_gemm_vnni(int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, bool, const float*, const float*, float*,
+                    Vnni) {
+  TORCH_CHECK(false, "flash_metal: a float32 block product has no VNNI form");
+}
 
 void tile_gemm(int64_t M, int64_t N, int64_t K, int64_t lda, int64_t ldb, int64_t ldc, bool add_c,
                const c10::BFloat16* a, const c10::BFloat16* b, float* c, Vnni vnni) {
@@ -382,7 +413,7 @@ TORCH_LIBRARY_FRAGMENT(flash_metal, m) {
   m.def("cpu_path_info(ScalarType dtype, bool backward=False) -> (str path, str reason, bool vnni)",
         &flash_metal::cpu::cpu_path_info);
   // CPU kernel calls so far per path: [fwd vector, fwd brgemm, bwd vector, bwd brgemm,
-  // fwd brgemm with emulated VNNI, bwd the same, emulated tile products].
+  // fwd brgemm with emulated VNNI, bwd the same, emulated tile products, fwd brgemm in the column form].
   m.def("cpu_path_counts() -> int[]", &flash_metal::cpu::cpu_path_counts);
   m.def("cpu_features() -> (str[] names, int[] values)", &flash_metal::cpu::cpu_features_op);
   m.def("cpu_vnni_pack(Tensor b, bool emulated=False, int? ld_out=None) -> Tensor", &flash_metal::cpu::cpu_vnni_pack);

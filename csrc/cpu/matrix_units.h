@@ -100,6 +100,9 @@ std::string describe_cpu_path(const PathChoice& pc, at::ScalarType dtype, bool b
 // more in the pass's emulated-VNNI slot when the choice emulates, for tests.
 void count_cpu_path(const PathChoice& pc, bool backward);
 
+// Counts one forward call that took the brgemm path's column form (brgemm_cols.h).
+void count_cpu_cols_form();
+
 // The CPU's features as cpuid and the OS report them (x86-64; all false
 // elsewhere), for the benchmarks' labels and the reasons above.
 struct CpuFeatures {
@@ -143,6 +146,21 @@ void tile_gemm(int64_t M, int64_t N, int64_t K, int64_t lda, int64_t ldb, int64_
 // kernels' templates instantiate for every dtype. ATen's float brgemm, Off only.
 void tile_gemm(int64_t M, int64_t N, int64_t K, int64_t lda, int64_t ldb, int64_t ldc, bool add_c, const float* a,
                const float* b, float* c, Vnni vnni);
+// The same product with B in the plain VNNI layout this project packs itself
+// (brgemm_cols.h): pair p of B's rows at b + p * 2 * ldb, element (k, n) at
+// b[(k / 2) * 2 * ldb + 2 * n + k % 2], N <= ldb <= kPlainVnniMaxLd, K even.
+// ATen's brgemm reads exactly this layout for any N <= ldb: measured on the
+// AMX Xeon (issue 39) for N 8 to 256 and ldb N, 64 and 128, M 1 to 96 and
+// K 2 to 576, every result exact. Nothing wider was measured, so the
+// emulation refuses an ldb above 256 as the real path would be untested
+// there. vnni Aten or Emulated only.
+constexpr int64_t kPlainVnniMaxLd = 256;
+void tile_gemm_vnni(int64_t M, int64_t N, int64_t K, int64_t lda, int64_t ldb, int64_t ldc, bool add_c,
+                    const c10::BFloat16* a, const c10::BFloat16* b, float* c, Vnni vnni);
+void tile_gemm_vnni(int64_t M, int64_t N, int64_t K, int64_t lda, int64_t ldb, int64_t ldc, bool add_c,
+                    const c10::Half* a, const c10::Half* b, float* c, Vnni vnni);
+void tile_gemm_vnni(int64_t M, int64_t N, int64_t K, int64_t lda, int64_t ldb, int64_t ldc, bool add_c,
+                    const float* a, const float* b, float* c, Vnni vnni);  // never called: an error
 // B (K x N, row stride ld_in, K even) -> the blocked VNNI layout above
 // (packed_elems(K, N) elements at out). vnni Aten: ATen's pack, one call per
 // block (only where could_pack(dtype)); Emulated: this project's scalar

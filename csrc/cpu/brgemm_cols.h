@@ -1,0 +1,245 @@
+// The forward's column form on the matrix units (issue 39): the brgemm path
+// for query blocks of at least kColMinQueries columns. Measured on the AMX
+// Xeon (csrc/cpu/phase_clock.h), the row form of brgemm_tiles.h spent 31% of
+// its time around its products (the P^T transpose alone 15%, the scaled
+// softmax in 8-lane vectors 16%) and its products ran at half of brgemm's
+// attainable rate: four calls per 96 x 96 block, each a different kernel,
+// and every switch between kernels costs about 2,500 cycles of tile
+// reconfiguration (measured: a 16 x 16 x 32 product alone 426 ticks a call,
+// alternating with a second shape 3,343).
+//
+// The column form keeps the transposed scores (keys x queries, so the masks,
+// windows and softcap of common.h apply unchanged) and turns the second
+// product around:
+//   ST  (nk x ncols)  = K_blk (nk x D) . QT (D x ncols)       one call
+//   O^T (Dv x ncols) += V^T_blk (Dv x nk) . P (nk x ncols)    one call
+// P, the probabilities of the transposed block, is already in the layout the
+// second product's B operand needs once each pair of key rows is interleaved
+// (the plain VNNI layout, matrix_units.h), so the softmax writes it straight
+// from registers, rounded to T, with no transpose. V^T is built once per call
+// and kv head (the cost of one pass over V), and Q^T once per query block, both
+// packed by this file (any width up to kPlainVnniMaxLd), so each key block is
+// one call of each kernel on blocks of up to mx_block_k() keys.
+// PyTorch's CPU flash attention packs K and V once per head and runs large
+// blocks too (FlashAttentionKernel.cpp); the transposed block with P as the
+// B operand is this kernel's own.
+#pragma once
+
+#include "common.h"
+#include "forward_tiles.h"
+#include "matrix_units.h"
+#include "simd.h"
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdlib>
+#include <vector>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
+#include <immintrin.h>
+#define FLASH_METAL_COLS_AVX512_BF16 1
+#endif
+
+namespace flash_metal {
+namespace cpu {
+namespace fwd {
+namespace {
+
+// Query columns from which an item takes the column form. Why 32: below it
+// (decode, short GQA groups) the P^T transpose of the row form is small and
+// the per-call V^T build (a pass over V) would cost as much as the products.
+constexpr int64_t kColMinQueries = 32;
+// Keys per block of the column form, at most (buffers are sized for it).
+constexpr int64_t kColBlockKMax = 256;
+
+// Keys per block: FLASH_METAL_CPU_MX_BLOCK_K (a tuning aid, read at every
+// call: an even count in [32, 256]; anything else is an error) or the
+// default. Why 192 by default: each block is one call of each kernel, so two
+// tile reconfigurations per block; measured on the AMX Xeon (issue 39)
+// against 96, 128 and 256 (docs/benchmarks.md).
+inline int64_t mx_block_k() {
+  const char* e = std::getenv("FLASH_METAL_CPU_MX_BLOCK_K");
+  if (e == nullptr || *e == '\0') return 192;
+  char* end = nullptr;
+  const long v = std::strtol(e, &end, 10);
+  TORCH_CHECK_VALUE(*end == '\0' && v >= 32 && v <= kColBlockKMax && v % 2 == 0,
+                    "FLASH_METAL_CPU_MX_BLOCK_K must be an even key count in [32, ", kColBlockKMax, "]; got '", e, "'");
+  return v;
+}
+
+// Per-thread buffers of the column form, in the input dtype T.
+template <typename T>
+struct ColBuffers {
+  int64_t Dp;          // D_qk rounded up to even
+  std::vector<T> qv;   // max_sub x (Dp x kBlockQ): each sub-block's Q^T, plain VNNI, ldb kBlockQ
+  std::vector<T> pp;   // kColBlockKMax x kBlockQ: P, plain VNNI, ldb kBlockQ
+  FloatBuffer st;      // kColBlockKMax x kBlockQ: the scores (keys x queries)
+  ColBuffers(int64_t max_sub, int64_t D) : Dp(round_up(D, 2)), qv(max_sub * Dp * kBlockQ), pp(kColBlockKMax * kBlockQ) {
+    st.resize(kColBlockKMax * kBlockQ);
+  }
+};
+
+// Q^T of one sub-block in the plain VNNI layout: element (d, c) at
+// dst[(d / 2) * 2 * kBlockQ + 2 * c + d % 2] = q(c, d), unscaled; columns
+// [nrows, ncols) and the odd-D pad row zero. q_off(c): element offset of
+// query column c's row.
+template <typename T, typename QOff>
+void col_load_q(const T* q, int64_t d_stride, const QOff& q_off, int64_t nrows, int64_t ncols, int64_t D, int64_t Dp,
+                T* dst, Vnni vnni) {
+  poison_if_emulated(dst, Dp * kBlockQ, vnni);
+  for (int64_t p = 0; p < Dp / 2; ++p) std::fill(dst + p * 2 * kBlockQ + 2 * nrows, dst + p * 2 * kBlockQ + 2 * ncols, T(0.0f));
+  for (int64_t c = 0; c < nrows; ++c) {
+    const T* src = q + q_off(c);
+    T* col = dst + 2 * c;
+    for (int64_t d = 0; d < D; ++d) col[(d / 2) * 2 * kBlockQ + d % 2] = src[d * d_stride];
+    if (Dp > D) col[(D / 2) * 2 * kBlockQ + 1] = T(0.0f);
+  }
+}
+
+// V^T of every (batch row, kv head): vt[((b * Hk + h) * Dv + d) * vt_ld + j]
+// = v[b, h, j, d] for j < Nk, zero for j in [Nk, vt_ld). Parallel over heads
+// and 16-feature slices; 16 x 16 blocks keep both sides' lines in cache.
+template <typename T>
+void build_vt(const T* v, const int64_t* vs, int64_t B, int64_t Hk, int64_t Nk, int64_t Dv, int64_t vt_ld, T* vt) {
+  const int64_t slices = (Dv + 15) / 16;
+  at::parallel_for(0, B * Hk * slices, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t w = begin; w < end; ++w) {
+      const int64_t bh = w / slices, d0 = (w % slices) * 16, d1 = std::min(Dv, d0 + 16);
+      const T* src = v + (bh / Hk) * vs[0] + (bh % Hk) * vs[1];
+      T* dst = vt + bh * Dv * vt_ld;
+      for (int64_t j0 = 0; j0 < Nk; j0 += 16)
+        for (int64_t d = d0; d < d1; ++d)
+          for (int64_t j = j0; j < std::min(Nk, j0 + 16); ++j) dst[d * vt_ld + j] = src[j * vs[2] + d * vs[3]];
+      for (int64_t d = d0; d < d1; ++d) std::fill(dst + d * vt_ld + Nk, dst + (d + 1) * vt_ld, T(0.0f));
+    }
+  });
+}
+
+// The online softmax of one transposed block, column by column (one column
+// per query), written as the second product's B operand. st: nk x ncols raw
+// scores (row stride kBlockQ) whose base-2 logits are st * sc (sc > 0: the
+// caller passes 1 after scaling the block itself). Updates m (running max,
+// base 2) and l (running sum of the float32 probabilities), writes alpha
+// (each column's rescale of O) and P rounded to T into pp, pair of key rows
+// p at pp + p * 2 * kBlockQ, interleaved (the plain VNNI layout); an odd nk
+// gets a zero partner row.
+template <typename T>
+void col_softmax_pack(const float* st, int64_t nk, int64_t ncols, float sc, float* m, float* l, float* alpha, T* pp) {
+  const int64_t nkp = round_up(nk, 2);
+  const float ninf = -std::numeric_limits<float>::infinity();
+  for (int64_t x = 0; x < ncols; x += kW) {
+    Vec mx = Vec::broadcast(ninf);
+    for (int64_t j = 0; j < nk; ++j) mx = vmax(mx, Vec::load(st + j * kBlockQ + x));
+    const Vec m_old = Vec::load(m + x);
+    const Vec m_new = vmax(m_old, mx * Vec::broadcast(sc));
+    // A column that has seen only masked keys keeps m = -inf; exponentiate against 0 so no NaN appears.
+    const Vec m_use = select_eq(m_new, Vec::broadcast(ninf), Vec::zero(), m_new);
+    const Vec neg = Vec::zero() - m_use, s = Vec::broadcast(sc);
+    Vec sum = Vec::zero();
+    float p0[kW], p1[kW];
+    for (int64_t j = 0; j < nkp; j += 2) {
+      const Vec a = exp2_approx(fmadd(Vec::load(st + j * kBlockQ + x), s, neg));
+      const Vec b = j + 1 < nk ? exp2_approx(fmadd(Vec::load(st + (j + 1) * kBlockQ + x), s, neg)) : Vec::zero();
+      sum = sum + a + b;
+      a.store(p0);
+      b.store(p1);
+      T* dst = pp + (j / 2) * 2 * kBlockQ + 2 * x;
+      for (int i = 0; i < kW; ++i) {
+        dst[2 * i] = static_cast<T>(p0[i]);
+        dst[2 * i + 1] = static_cast<T>(p1[i]);
+      }
+    }
+    const Vec a = exp2_approx(m_old - m_use);
+    fmadd(a, Vec::load(l + x), sum).store(l + x);
+    m_new.store(m + x);
+    a.store(alpha + x);
+  }
+}
+
+#if defined(FLASH_METAL_COLS_AVX512_BF16)
+// 16 lanes of exp2_approx (simd.h): the same clamp, polynomial and exponent
+// construction, so both forms give the same probabilities.
+inline __m512 exp2_16(__m512 x) {
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-127.0f)), _mm512_set1_ps(127.0f));
+  const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(x, n);
+  __m512 p = _mm512_set1_ps(1.5345799e-04f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3399932e-03f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6184891e-03f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5503286e-02f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022646e-01f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718e-01f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+  const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
+}
+
+// bfloat16 on AVX-512 BF16: 16 columns at a time; each pair of rows is
+// rounded by one cvtne2ps (round to nearest even, as c10 rounds) and
+// interleaved by one 16-bit permute.
+template <>
+inline void col_softmax_pack<c10::BFloat16>(const float* st, int64_t nk, int64_t ncols, float sc, float* m, float* l,
+                                            float* alpha, c10::BFloat16* pp) {
+  const int64_t nkp = round_up(nk, 2);
+  const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity()), s = _mm512_set1_ps(sc);
+  // lane 2i takes element i of the first row (the low half), lane 2i + 1 element i of the second
+  alignas(64) static const uint16_t kMix[32] = {0,  16, 1,  17, 2,  18, 3,  19, 4,  20, 5,  21, 6,  22, 7,  23,
+                                                8,  24, 9,  25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+  const __m512i mix = _mm512_load_si512(kMix);
+  static_assert(kG % 16 == 0, "score blocks are whole 16-column vectors with AVX-512");
+  for (int64_t x = 0; x < ncols; x += 16) {
+    __m512 mx = ninf;
+    for (int64_t j = 0; j < nk; ++j) mx = _mm512_max_ps(mx, _mm512_loadu_ps(st + j * kBlockQ + x));
+    const __m512 m_old = _mm512_loadu_ps(m + x);
+    const __m512 m_new = _mm512_max_ps(m_old, _mm512_mul_ps(mx, s));
+    const __m512 m_use = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(m_new, ninf, _CMP_EQ_OQ), m_new, _mm512_setzero_ps());
+    const __m512 neg = _mm512_sub_ps(_mm512_setzero_ps(), m_use);
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t j = 0; j < nkp; j += 2) {
+      const __m512 a = exp2_16(_mm512_fmadd_ps(_mm512_loadu_ps(st + j * kBlockQ + x), s, neg));
+      const __m512 b =
+          j + 1 < nk ? exp2_16(_mm512_fmadd_ps(_mm512_loadu_ps(st + (j + 1) * kBlockQ + x), s, neg)) : _mm512_setzero_ps();
+      sum = _mm512_add_ps(_mm512_add_ps(sum, a), b);
+      const __m512i ab = (__m512i)_mm512_cvtne2ps_pbh(b, a);  // low half row j, high half row j + 1
+      _mm512_storeu_si512(pp + (j / 2) * 2 * kBlockQ + 2 * x, _mm512_permutexvar_epi16(mix, ab));
+    }
+    const __m512 al = exp2_16(_mm512_sub_ps(m_old, m_use));
+    _mm512_storeu_ps(l + x, _mm512_fmadd_ps(al, _mm512_loadu_ps(l + x), sum));
+    _mm512_storeu_ps(m + x, m_new);
+    _mm512_storeu_ps(alpha + x, al);
+  }
+}
+#endif
+
+// What an item needs for the column form: the thread's buffers and the
+// call's V^T (nullptr: the item takes the row form of brgemm_tiles.h).
+template <typename T>
+struct ColForm {
+  ColBuffers<T>* buf = nullptr;
+  const T* vt = nullptr;
+  int64_t vt_ld = 0;
+  int64_t block_k = 0;  // keys per block (mx_block_k)
+};
+
+// st (nk x ncols, row stride kBlockQ) *= scale, for blocks whose score
+// options need the base-2 logits before the softmax.
+inline void scale_block(float* st, int64_t nk, int64_t ncols, float scale) {
+  const Vec s = Vec::broadcast(scale);
+  for (int64_t j = 0; j < nk; ++j)
+    for (int64_t x = 0; x < ncols; x += kW) (s * Vec::load(st + j * kBlockQ + x)).store(st + j * kBlockQ + x);
+}
+
+// O^T (Dv x ncols, row stride kBlockQ) *= alpha, column by column.
+inline void col_scale_o(float* o, int64_t Dv, int64_t ncols, const float* alpha) {
+  for (int64_t d = 0; d < Dv; ++d) {
+    float* row = o + d * kBlockQ;
+    for (int64_t x = 0; x < ncols; x += kW) (Vec::load(row + x) * Vec::load(alpha + x)).store(row + x);
+  }
+}
+
+}  // namespace
+}  // namespace fwd
+}  // namespace cpu
+}  // namespace flash_metal
