@@ -56,12 +56,16 @@ constexpr int64_t kColBlockKMax = 256;
 
 // Keys per block: FLASH_METAL_CPU_MX_BLOCK_K (a tuning aid, read at every
 // call: an even count in [32, 256]; anything else is an error) or the
-// default. Why 192 by default: each block is one call of each kernel, so two
-// tile reconfigurations per block; measured on the AMX Xeon (issue 39)
-// against 96, 128 and 256 (docs/benchmarks.md).
+// default. Why 128: each block is one call of each kernel, so two tile
+// reconfigurations per block, and larger blocks amortise them; but the
+// scores block (keys x 96 floats) leaves L1 beyond ~128 keys. On the AMX Xeon
+// (issue 39, 2 threads, ratio to SDPA in the same process) 128 gave the best
+// geomean of 96 / 128 / 192 / 256 over four shapes (0.92 against 0.79-0.80),
+// from a run whose four block sizes shared the machine: a weak measurement,
+// docs/benchmarks.md says so.
 inline int64_t mx_block_k() {
   const char* e = std::getenv("FLASH_METAL_CPU_MX_BLOCK_K");
-  if (e == nullptr || *e == '\0') return 192;
+  if (e == nullptr || *e == '\0') return 128;
   char* end = nullptr;
   const long v = std::strtol(e, &end, 10);
   TORCH_CHECK_VALUE(*end == '\0' && v >= 32 && v <= kColBlockKMax && v % 2 == 0,
