@@ -81,12 +81,25 @@ struct cooperative_tensor {
   }
 
   int get_capacity() const { return cap; }
-  bool is_valid_element(int i) const { return i >= 0 && i < cap && map[i] >= 0; }
+  // The coordinate queries (is_valid_element, get_multidimensional_index,
+  // map_iterator) each count one in fm_rt_counts.mpp_coord_queries: the
+  // kernel's bookkeeping of the layout (on Apple's GPUs a call of the driver's
+  // functions each, unless its compiler folds them); the emulator's own
+  // uses go through valid() and coords(), which do not count.
+  bool valid(int i) const { return i >= 0 && i < cap && map[i] >= 0; }
+  bool is_valid_element(int i) const {
+    fm_rt_counts.mpp_coord_queries++;
+    return valid(i);
+  }
   // [0] the column (innermost extent), [1] the row; a reduction destination
   // has one index, its row (column). -1 for an invalid slot.
   index_array get_multidimensional_index(int i) const {
+    fm_rt_counts.mpp_coord_queries++;
+    return coords(i);
+  }
+  index_array coords(int i) const {
     index_array r;
-    int e = is_valid_element(i) ? map[i] : -1;
+    int e = valid(i) ? map[i] : -1;
     if (!kReduction) {
       r[0] = e < 0 ? -1 : e % C;
       r[1] = e < 0 ? -1 : e / C;
@@ -104,7 +117,7 @@ struct cooperative_tensor {
     cooperative_tensor* ct;
     int i;
     void skip() {
-      while (i < ct->cap && !ct->is_valid_element(i)) ++i;
+      while (i < ct->cap && !ct->valid(i)) ++i;
     }
     Elem& operator*() const { return ct->v[i]; }
     iterator& operator++() {
