@@ -53,7 +53,7 @@ class _DispatchDesc(ctypes.Structure):
 
 class _KernelCounts(ctypes.Structure):
     _fields_ = [(n, ctypes.c_ulonglong) for n in ("simdgroup_mmas", "simdgroup_loads", "simdgroup_stores", "exp2_calls",
-                                                  "mpp_runs", "mpp_flops")]
+                                                  "mpp_runs", "mpp_flops", "mpp_coord_queries")]
 
 
 class _CountsDesc(ctypes.Structure):
@@ -94,7 +94,10 @@ class DispatchCounts:
     fast:: and precise:: exp2 and exp, per thread per call, a vector of n
     elements counting n); mpp_runs (MPP matmul2d run(), once per scope per
     call: per SIMD-group on execution_simdgroup, per threadgroup on
-    execution_simdgroups<N>) and mpp_flops (2 M N K per counted run).
+    execution_simdgroups<N>) and mpp_flops (2 M N K per counted run);
+    mpp_coord_queries (cooperative-tensor bookkeeping, per thread per call:
+    get_multidimensional_index of a cooperative tensor or its iterator,
+    is_valid_element and map_iterator).
 
     Instrumented build only (None in the fast build, whose loads and stores
     are not hooked): device_bytes_read / device_bytes_written, the bytes of
@@ -138,6 +141,7 @@ class DispatchCounts:
     device_request_bytes_by_index: dict[int, int] | None = None
     mpp_runs: int = 0
     mpp_flops: int = 0
+    mpp_coord_queries: int = 0
 
 
 def _counts(raw: _CountsDesc, instrumented: bool, indices) -> DispatchCounts:
@@ -164,6 +168,7 @@ def _counts(raw: _CountsDesc, instrumented: bool, indices) -> DispatchCounts:
                           simdgroup_barriers=int(raw.simdgroup_barriers), simdgroup_mmas=int(k.simdgroup_mmas),
                           simdgroup_loads=int(k.simdgroup_loads), simdgroup_stores=int(k.simdgroup_stores),
                           exp2_calls=int(k.exp2_calls), mpp_runs=int(k.mpp_runs), mpp_flops=int(k.mpp_flops),
+                          mpp_coord_queries=int(k.mpp_coord_queries),
                           **exact)
 
 

@@ -344,3 +344,36 @@ def test_an_innermost_stride_other_than_1_is_refused():
     with pytest.raises(EmulatorError) as e:
         lib().dispatch("mpp_strided_bug", buffers={0: a, 1: poisoned(16, 16)}, grid=(1,), threadgroup=(32,))
     assert "innermost stride must be 1" in str(e.value), str(e.value)
+
+
+def map_rows(name, layout, seed=1):
+    rng = np.random.default_rng(17)
+    s, t = rng.standard_normal((16, 32)).astype(np.float32), rng.standard_normal((16, 16)).astype(np.float32)
+    out, out2, flag = poisoned(16, 32), poisoned(16, 16), np.full(1, -1, np.int32)
+    counts = lib().dispatch(name, buffers={0: s, 1: t, 2: out, 3: out2, 4: flag}, grid=(1,), threadgroup=(32,),
+                            mpp_layout=layout, mpp_seed=seed)
+    return s, t, out, out2, int(flag[0]), counts
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_map_iterator_broadcasts_a_row_reduction(layout):
+    # Same op: always compatible; another op's 16 x 16 tile: compatible under "m5" (a lane holds the same rows
+    # in every 16-row destination there), not under this "scrambled" layout, where the checked kernel skips it.
+    s, t, out, out2, flag, counts = map_rows("mpp_map_iterator", layout)
+    np.testing.assert_array_equal(out, s - s.max(1, keepdims=True))
+    assert flag == (1 if layout == "m5" else 0)
+    if flag:
+        np.testing.assert_array_equal(out2, t - s.max(1, keepdims=True))
+    else:
+        assert np.isnan(out2).all()
+    # Coordinate queries per lane: 2 compatibility checks, one map_iterator per valid element mapped.
+    assert counts.mpp_coord_queries == 32 * 2 + 16 * 32 + (16 * 16 if flag else 0)
+
+
+def test_map_iterator_without_the_compatibility_check_is_refused():
+    # The planted bug: mapping another op's elements without asking is_iterator_compatible is right under "m5"
+    # and a failure under "scrambled" (undefined on Apple's GPUs where the answer is false).
+    s, t, _, out2, _, _ = map_rows("mpp_map_iterator_unchecked_bug", "m5")
+    np.testing.assert_array_equal(out2, t - s.max(1, keepdims=True))
+    with pytest.raises(EmulatorError, match="is_iterator_compatible"):
+        map_rows("mpp_map_iterator_unchecked_bug", "scrambled")

@@ -47,6 +47,8 @@ PLANTS = {
     8: "require a single SIMD group",                     # reduce_rows on execution_simdgroups<2>
     10: "must be the cooperative tensor's exactly",       # a float cooperative tensor loaded from half
     11: "can only be float, half or int32_t",             # a bfloat destination cooperative tensor
+    12: "member of a row or column reduction destination",  # map_iterator of a destination
+    13: "iterator over a matmul2d destination",           # map_iterator over a reduction's iterator
 }
 
 

@@ -325,3 +325,43 @@ template [[host_name("mpp_transposed_inputs_nt")]] [[kernel]] decltype(mpp_trans
   matmul2d<desc, execution_simdgroup> op;
   op.run(ta, ta, to);
 }
+
+// map_iterator (MSL specification 4, section 7.2.1): s (16 x 32) loaded into a
+// destination of op `a`, its row max into a row reduction of `a`; then out =
+// s - rowmax(s) through a.map_iterator over s's iterator (SAME: always
+// iterator-compatible), and out2 = t - rowmax(s) for a 16 x 16 tile t of
+// another op, `b` (compatible only where b's layout gives a lane the rows a's
+// does). CHECKED: out2 asks is_iterator_compatible first, and flag[0] says
+// what it answered (where false, out2 stays NaN: the fallback is the
+// kernel's business); unchecked, the planted bug, maps whatever the answer.
+template <bool CHECKED>
+[[kernel]] void mpp_map_iterator(device float* s [[buffer(0)]], device float* t [[buffer(1)]],
+                                 device float* out [[buffer(2)]], device float* out2 [[buffer(3)]],
+                                 device int* flag [[buffer(4)]], uint lane [[thread_index_in_simdgroup]]) {
+  auto ts = tensor(s, dextents<int, 2>(32, 16));
+  auto tt = tensor(t, dextents<int, 2>(16, 16));
+  auto to = tensor(out, dextents<int, 2>(32, 16));
+  auto to2 = tensor(out2, dextents<int, 2>(16, 16));
+  constexpr auto da = matmul2d_descriptor(16, 32, 16);
+  constexpr auto db = matmul2d_descriptor(16, 16, 16);
+  matmul2d<da, execution_simdgroup> a;
+  matmul2d<db, execution_simdgroup> b;
+  auto cs = a.template get_destination_cooperative_tensor<decltype(ts), decltype(ts), float>();
+  auto ct = b.template get_destination_cooperative_tensor<decltype(tt), decltype(tt), float>();
+  auto mx = a.template get_row_reduction_destination_cooperative_tensor<decltype(ts), decltype(ts), float>();
+  cs.load(ts);
+  ct.load(tt);
+  reduce_rows(cs, mx, reduction_operation::max, -INFINITY);
+  if (is_iterator_compatible(cs, mx)) {
+    for (auto it = cs.begin(); it != cs.end(); it++) *it -= *mx.map_iterator(it);
+  }
+  cs.store(to);
+  const bool ok = is_iterator_compatible(ct, mx);
+  if (lane == 0) flag[0] = ok ? 1 : 0;
+  if (CHECKED && !ok) return;
+  for (auto it = ct.begin(); it != ct.end(); it++) *it -= *mx.map_iterator(it);
+  ct.store(to2);
+}
+template [[host_name("mpp_map_iterator")]] [[kernel]] decltype(mpp_map_iterator<true>) mpp_map_iterator<true>;
+template [[host_name("mpp_map_iterator_unchecked_bug")]] [[kernel]] decltype(mpp_map_iterator<false>)
+    mpp_map_iterator<false>;

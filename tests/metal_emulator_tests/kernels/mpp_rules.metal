@@ -85,5 +85,15 @@ static_assert(fmemu::is_same<execution_simdgroups<1>, execution_simdgroup>::valu
       if (rows.is_valid_element(j) && rows.get_multidimensional_index(j)[0] == idx[1]) m = rows[j];
     to.at(idx[0], idx[1]) = s[i] - m;
   }
+#if PLANT == 12  // map_iterator of a destination (not a reduction) cooperative tensor
+  auto s_copy = op.get_destination_cooperative_tensor<DevT, DevT, float>();
+  for (auto it = s.begin(); it != s.end(); it++) *it -= *s_copy.map_iterator(it);
+#elif PLANT == 13  // map_iterator over the iterator of a reduction, not of a destination
+  for (auto it = rows.begin(); it != rows.end(); it++) *it -= *rows.map_iterator(it);
+#else
+  if (is_iterator_compatible(s, rows)) {  // map_iterator as the MSL specification (7.2.1) writes it
+    for (auto it = s.begin(); it != s.end(); it++) *it -= *rows.map_iterator(it);
+  }
+#endif
   s.store(to);
 }

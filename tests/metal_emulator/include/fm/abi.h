@@ -4,7 +4,7 @@
 // keeps the clang AST dump that the registry scan reads small).
 #pragma once
 
-#define FMEMU_ABI_VERSION 4
+#define FMEMU_ABI_VERSION 5
 
 // Bytes one lane may contribute to a SIMD collective. 64 covers the widest
 // operand we support (a 16-element float vector) and the three 2-element
@@ -118,6 +118,10 @@ struct fm_kernel_counts {
   unsigned long long exp2_calls;        // exp / exp2 (metal::, fast::, precise::), per thread per element
   unsigned long long mpp_runs;          // MPP matmul2d run(), once per scope (1 or N SIMD-groups) per call
   unsigned long long mpp_flops;         // 2 M N K of each counted run() (K as run() read it)
+  // Cooperative-tensor bookkeeping, per thread per call: get_multidimensional_index (of a cooperative
+  // tensor or its iterator), is_valid_element and map_iterator, each one coordinate query of the
+  // layout (Apple: the driver's get_coordinate / is_valid_element / map_index functions).
+  unsigned long long mpp_coord_queries;
 };
 extern struct fm_kernel_counts fm_rt_counts;
 

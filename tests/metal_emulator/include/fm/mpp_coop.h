@@ -38,16 +38,18 @@ struct cooperative_tensor {
   // Every slot starts as NaN: Apple leaves a new cooperative tensor's values
   // undefined, so a kernel that accumulates into one without clearing it fails.
   cooperative_tensor() {
+    for (int i = 0; i < kCap; ++i) v[i] = fm_detail::poison<Elem>();
+    cap = build(Op::scope_thread(), map);
+  }
+  // The slots of scope thread t (map as above); returns the capacity.
+  static int build(unsigned t, int* map) {
     const ::fmemu::mpp::DestLayout lay = Op::layout(Kind);
-    const unsigned t = Op::scope_thread();
-    for (int i = 0; i < kCap; ++i) {
-      v[i] = fm_detail::poison<Elem>();
-      map[i] = -1;
-    }
+    int cap = 0;
+    for (int i = 0; i < kCap; ++i) map[i] = -1;
     if (!kReduction) {
       cap = lay.capacity();
       for (int i = 0; i < cap; ++i) map[i] = lay.element(t, i);
-      return;
+      return cap;
     }
     // Reduction destinations: the distinct rows (columns) of this thread's
     // destination slots, so every thread holding part of a row gets its
@@ -67,7 +69,7 @@ struct cooperative_tensor {
           map[j] = map[j - 1];
           map[j - 1] = s;
         }
-      return;
+      return cap;
     }
     // Scrambled: a seeded order plus one invalid slot at a seeded place.
     unsigned long long k = ::fmemu::mpp::mix(lay.key ^ (0x5bd1e995ull * (t + 1)) ^ (unsigned long long)Kind);
@@ -78,15 +80,72 @@ struct cooperative_tensor {
       map[i] = map[j];
       map[j] = s;
     }
+    return cap;
+  }
+
+  // Whether map_iterator of this tensor (a row or column reduction
+  // destination) can serve every element of a Src destination (MSL
+  // specification 4, section 7.2.1, and Apple's MPPTensorOpsMatMul2d.h:
+  // is_iterator_compatible(source, destination), a run-time answer of the
+  // implementation, which a kernel must ask before map_iterator and fall
+  // back to threadgroup memory where it is false). Here: true iff in every
+  // thread of the scope each valid element of Src has its row (column) in
+  // one of this tensor's slots of that thread. So a reduction of Src's own
+  // op always is; one of another op is under "m5" when both ops give a lane
+  // the same rows (every 16-row destination there), and seldom under
+  // "scrambled". One answer per dispatch, uniform across the scope.
+  template <class Src>
+  static bool compatible_with() {
+    if constexpr (!kReduction || !fm_detail::is_coop<Src>) {
+      return false;
+    } else if constexpr (Src::kKind != fm_detail::kDest || Src::S != S) {
+      return false;
+    } else {
+      static unsigned long long seen_seed = 0;
+      static int seen_layout = -1;
+      static bool answer = false;
+      if (seen_layout == fm_rt_mpp.layout && seen_seed == fm_rt_mpp.seed) return answer;
+      const ::fmemu::mpp::DestLayout src = Src::op_type::layout(fm_detail::kDest);
+      bool ok = true;
+      for (unsigned t = 0; ok && t < 32u * unsigned(S); ++t) {
+        int mine[kCap];
+        const int c = build(t, mine);
+        for (int i = 0, sc = src.capacity(); ok && i < sc; ++i) {
+          const int e = src.element(t, i);
+          if (e < 0) continue;
+          const int x = Kind == fm_detail::kRows ? e / Src::C : e % Src::C;
+          bool found = false;
+          for (int j = 0; j < c; ++j) found = found || mine[j] == x;
+          ok = found;
+        }
+      }
+      seen_layout = fm_rt_mpp.layout;
+      seen_seed = fm_rt_mpp.seed;
+      answer = ok;
+      return ok;
+    }
   }
 
   int get_capacity() const { return cap; }
-  bool is_valid_element(int i) const { return i >= 0 && i < cap && map[i] >= 0; }
+  // The coordinate queries (is_valid_element, get_multidimensional_index,
+  // map_iterator) each count one in fm_rt_counts.mpp_coord_queries: the
+  // kernel's bookkeeping of the layout (on Apple's GPUs a call of the driver's
+  // functions each, unless its compiler folds them); the emulator's own
+  // uses go through valid() and coords(), which do not count.
+  bool valid(int i) const { return i >= 0 && i < cap && map[i] >= 0; }
+  bool is_valid_element(int i) const {
+    fm_rt_counts.mpp_coord_queries++;
+    return valid(i);
+  }
   // [0] the column (innermost extent), [1] the row; a reduction destination
   // has one index, its row (column). -1 for an invalid slot.
   index_array get_multidimensional_index(int i) const {
+    fm_rt_counts.mpp_coord_queries++;
+    return coords(i);
+  }
+  index_array coords(int i) const {
     index_array r;
-    int e = is_valid_element(i) ? map[i] : -1;
+    int e = valid(i) ? map[i] : -1;
     if (!kReduction) {
       r[0] = e < 0 ? -1 : e % C;
       r[1] = e < 0 ? -1 : e / C;
@@ -101,16 +160,22 @@ struct cooperative_tensor {
   // Iteration visits the valid slots only (Apple does not say; a kernel that
   // needs the invalid ones cannot name them through the iterator anyway).
   struct iterator {
+    using owner = cooperative_tensor;
     cooperative_tensor* ct;
     int i;
     void skip() {
-      while (i < ct->cap && !ct->is_valid_element(i)) ++i;
+      while (i < ct->cap && !ct->valid(i)) ++i;
     }
     Elem& operator*() const { return ct->v[i]; }
     iterator& operator++() {
       ++i;
       skip();
       return *this;
+    }
+    iterator operator++(int) {  // it++, as Apple's examples write it
+      iterator was = *this;
+      ++*this;
+      return was;
     }
     bool operator==(const iterator& o) const { return i == o.i; }
     bool operator!=(const iterator& o) const { return i != o.i; }
@@ -122,6 +187,34 @@ struct cooperative_tensor {
     return it;
   }
   iterator end() { return iterator{this, cap}; }
+
+  // red.map_iterator(it): the slot of this reduction destination that holds
+  // the row (column) of the element `it` points at, in a destination
+  // cooperative tensor (MSL specification 4, section 7.2.1, the gemm_map
+  // example: `auto cTred_it = cTred.map_iterator(it); *it += *cTred_it;`).
+  // Only where is_iterator_compatible(source, this) is true: anywhere else
+  // the result is not defined (the spec: "check if the iterators are
+  // compatible"; the header: "fall back to storing sourceCT to threadgroup
+  // memory"), and here it is a failure, whatever this thread holds.
+  template <class It>
+  iterator map_iterator(const It& src, FMEMU_MPP_SITE_PARAMS) {
+    using Src = typename It::owner;
+    static_assert(kReduction, "map_iterator is a member of a row or column reduction destination cooperative tensor "
+                  "(MSL specification 4, section 7.2.1: the result of a reduction used with another tensor)");
+    static_assert(Src::kKind == fm_detail::kDest, "map_iterator takes an iterator over a matmul2d destination "
+                  "cooperative tensor (MSL specification 4, section 7.2.1)");
+    fm_rt_counts.mpp_coord_queries++;
+    if (!compatible_with<Src>())
+      fm_rt_fail("map_iterator on cooperative tensors that are not iterator-compatible in this layout: ask "
+                 "is_iterator_compatible(source, destination) first and fall back to threadgroup memory where it "
+                 "is false (MSL specification 4, section 7.2.1; Apple's MPPTensorOpsMatMul2d.h)", file, line);
+    const int e = src.ct->map[src.i];
+    const int x = Kind == fm_detail::kRows ? e / Src::C : e % Src::C;
+    for (int j = 0; j < cap; ++j)
+      if (map[j] == x) return iterator{this, j};
+    fm_rt_fail("map_iterator: an iterator at an invalid slot or past the end", file, line);
+    return end();
+  }
 
   // [H] load / store take `const thread tensor &` (a temporary binds) and
   // static_assert that the tensor's element type, address space removed and
@@ -245,6 +338,21 @@ template <class T> struct elem_of { using type = float; };
 template <class E, class Op, int Kind, class L, class R>
 struct elem_of<cooperative_tensor<E, Op, Kind, L, R>> { using type = E; };
 }  // namespace fm_detail
+
+// is_iterator_compatible(source, destination) (MSL specification 4, section
+// 7.2.1; MPPTensorOpsMatMul2d.h): whether destination.map_iterator(it) is
+// valid for the iterators of source. Any two cooperative tensors may be
+// asked; the emulator's answer: cooperative_tensor::compatible_with. One
+// coordinate query of the layout (mpp_coord_queries).
+template <class A, class B>
+inline bool is_iterator_compatible(const A& source, const B& destination) {
+  static_assert(fm_detail::is_coop<A> && fm_detail::is_coop<B>,
+                "is_iterator_compatible takes two cooperative tensors (Apple's MPPTensorOpsMatMul2d.h)");
+  (void)source;
+  (void)destination;
+  fm_rt_counts.mpp_coord_queries++;
+  return B::template compatible_with<A>();
+}
 
 template <class Src, class Dst, class I = typename fm_detail::elem_of<Src>::type>
 inline void reduce_rows(Src& src, Dst& dst, reduction_operation op = reduction_operation::sum, I identity = I(0),
