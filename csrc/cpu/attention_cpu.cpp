@@ -202,7 +202,7 @@ void attention_item(const Geometry& g, const T* q, const T* k, const T* v, T* ou
   constexpr bool is_float = std::is_same<T, float>::value;
   const bool in_place = is_float && nsub == 1 && sub[0].ncols <= kSmallQueryCols && g.k_stride[3] == 1 &&
                         g.v_stride[3] == 1 && Dv % kG == 0;
-  float* st = cols ? cf.buf->st.ptr : ws.st.ptr;
+  float* const st_all = cols ? cf.buf->st.ptr : ws.st.ptr;
   const int64_t block_k = cols ? cf.block_k : kBlockK;
   const T* vt_head = cols ? cf.vt + (seq.bi * g.kv_heads + hk) * Dv * cf.vt_ld + seq.k0 : nullptr;
   // The column form folds the scale into the softmax (sc) unless the score
@@ -231,6 +231,15 @@ void attention_item(const Geometry& g, const T* q, const T* k, const T* v, T* ou
     }
     FM_PHASE(kPhV);
 
+    // The column form runs each stage for every sub-block before the next
+    // stage (all the Q.K products, then the softmaxes, then the P.V
+    // products), each sub-block with scores and P of its own: the two
+    // products are two brgemm kernels, and every switch between them costs
+    // about 2,000 ticks of tile reconfiguration (issue 39, measured on the
+    // AMX Xeon), so a key block pays two switches instead of two per
+    // sub-block. The other forms do all of a sub-block at once (one stage).
+    const int stages = cols ? 3 : 1;
+    for (int stage = 0; stage < stages; ++stage)
     for (int64_t s = 0; s < nsub; ++s) {
       Sub& u = sub[s];
       // Skip a key block wholly outside u's window: in its future (causal)
@@ -239,19 +248,31 @@ void attention_item(const Geometry& g, const T* q, const T* k, const T* v, T* ou
       // Rows of the packed tiles are in key order, so a prefix of the block
       // is a prefix of the packed K rows; V panels are indexed by nk_all.
       const int64_t nk = std::min(nk_all, u.key_end - j0);
+      float* const st = cols ? st_all + s * kColBlockKMax * kBlockQ : st_all;
+      T* const pp = cols ? cf.buf->pp.data() + s * kColBlockKMax * kBlockQ : nullptr;
+      const int64_t nkp = round_up(nk, 2);
 
-      // 2a. scores ST = K . QT
-      if (cols) {
-        tile_gemm_vnni(nk, u.ncols, cf.buf->Dp, lda_mx, kBlockQ, kBlockQ, /*add_c=*/false, k_mx,
-                       cf.buf->qv.data() + s * cf.buf->Dp * kBlockQ, st, mx->vnni);
-        if (!fold_scale) scale_block(st, nk, u.ncols, g.scale_log2);
-      } else if (mx != nullptr)
-        mx_scores(k_mx, lda_mx, mx->qt.data() + s * mx->Dp * kBlockQ, nk, u.ncols, D, g.scale_log2, *mx, st);
-      else if (in_place)
-        qk_block<true>(kblk, nk, g.k_stride[2], u.qt, kBlockQ, u.ncols, D, st, kBlockQ);
-      else
-        qk_block<true>(kblk, nk, D + kKRowPad, u.qt, kBlockQ, u.ncols, D, st, kBlockQ);
-      FM_PHASE(kPhQK);
+      if (cols && stage == 2) {  // 2d in the column form: O^T += V^T P
+        tile_gemm_vnni(Dv, u.ncols, nkp, cf.vt_ld, kBlockQ, kBlockQ, /*add_c=*/true, vt_head + j0, pp, u.o, mx->vnni);
+        FM_PHASE(kPhPV);
+        continue;
+      }
+      if (stage == 0) {
+        // 2a. scores ST = K . QT
+        if (cols) {
+          tile_gemm_vnni(nk, u.ncols, cf.buf->Dp, lda_mx, kBlockQ, kBlockQ, /*add_c=*/false, k_mx,
+                         cf.buf->qv.data() + s * cf.buf->Dp * kBlockQ, st, mx->vnni);
+          FM_PHASE(kPhQK);
+          continue;
+        } else if (mx != nullptr)
+          mx_scores(k_mx, lda_mx, mx->qt.data() + s * mx->Dp * kBlockQ, nk, u.ncols, D, g.scale_log2, *mx, st);
+        else if (in_place)
+          qk_block<true>(kblk, nk, g.k_stride[2], u.qt, kBlockQ, u.ncols, D, st, kBlockQ);
+        else
+          qk_block<true>(kblk, nk, D + kKRowPad, u.qt, kBlockQ, u.ncols, D, st, kBlockQ);
+        FM_PHASE(kPhQK);
+      }
+      if (cols && !fold_scale) scale_block(st, nk, u.ncols, g.scale_log2);
 
       // 2b. softcap, then the attn_mask (common.h), then the window and
       // causality, only where the block crosses a bound.
@@ -265,16 +286,12 @@ void attention_item(const Geometry& g, const T* q, const T* k, const T* v, T* ou
       if (opt.causal || opt.window_left) mask_window_block(opt, seq, st, kBlockQ, nk, j0, u.i0, u.nq, nh);
       FM_PHASE(kPhOpts);
 
-      if (cols) {  // 2c-d in the column form: softmax written as P's VNNI operand, then O^T += V^T P
-        const int64_t nkp = round_up(nk, 2);
-        poison_if_emulated(cf.buf->pp.data(), nkp * kBlockQ, mx->vnni);
-        col_softmax_pack(st, nk, u.ncols, fold_scale ? g.scale_log2 : 1.0f, u.m, u.l, ws.alpha, cf.buf->pp.data());
+      if (cols) {  // 2c in the column form: the softmax written as P's VNNI operand, O^T rescaled
+        poison_if_emulated(pp, nkp * kBlockQ, mx->vnni);
+        const bool rescale = col_softmax_pack(st, nk, u.ncols, fold_scale ? g.scale_log2 : 1.0f, u.m, u.l, ws.alpha, pp);
         FM_PHASE(kPhExp);
-        col_scale_o(u.o, Dv, u.ncols, ws.alpha);
+        if (rescale) col_scale_o(u.o, Dv, u.ncols, ws.alpha);
         FM_PHASE(kPhPack);
-        tile_gemm_vnni(Dv, u.ncols, nkp, cf.vt_ld, kBlockQ, kBlockQ, /*add_c=*/true, vt_head + j0, cf.buf->pp.data(), u.o,
-                       mx->vnni);
-        FM_PHASE(kPhPV);
         continue;
       }
       // 2c. online softmax down the columns, traversed row by row: the
@@ -413,13 +430,14 @@ void run_attention(const Geometry& g, const at::Tensor& q, const at::Tensor& k, 
   // for blocks of at least kColMinQueries query columns. V^T is built here,
   // once per call (one pass over V, the size of V: O(N) memory).
   const bool use_cols = use_mx && packs(g.path.vnni) && rows_per_block * heads_per_item >= kColMinQueries;
-  std::unique_ptr<T[]> vt;
+  AlignedVec<T> vt;  // 64-byte aligned rows (vt_ld is a multiple of 32): the A operand of O^T += V^T P
   const int64_t vt_ld = round_up(v.size(2), 32);
   const int64_t block_k = use_cols ? mx_block_k() : 0;  // read before any work (a bad value is an error)
   if (use_cols) {
     count_cpu_cols_form();
-    vt.reset(new T[g.batch * g.kv_heads * g.head_dim_v * vt_ld]);
-    build_vt(vp, g.v_stride, g.batch, g.kv_heads, v.size(2), g.head_dim_v, vt_ld, vt.get());
+    vt = AlignedVec<T>();
+    vt.resize(g.batch * g.kv_heads * g.head_dim_v * vt_ld, /*zero=*/false);  // build_vt writes every element
+    build_vt(vp, g.v_stride, g.batch, g.kv_heads, v.size(2), g.head_dim_v, vt_ld, vt.data());
   }
   run_on_threads(threads, [&](int64_t /*thread*/) {
     Workspace ws(D, Dvp);
@@ -429,7 +447,7 @@ void run_attention(const Geometry& g, const at::Tensor& q, const at::Tensor& k, 
     ColForm<T> cf;
     if (use_cols) {
       colbuf.reset(new ColBuffers<T>(kMaxSubBlocks, D));
-      cf = ColForm<T>{colbuf.get(), vt.get(), vt_ld, block_k};
+      cf = ColForm<T>{colbuf.get(), vt.data(), vt_ld, block_k};
     }
     for (int64_t idx = next.fetch_add(1); idx < items; idx = next.fetch_add(1)) {
       const int64_t qi = q_items - 1 - idx / lanes;

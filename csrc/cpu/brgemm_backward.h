@@ -58,12 +58,12 @@ struct MxBackward {
   Vnni vnni = Vnni::Off;
   int64_t D = 0, Dv = 0;     // D_qk, D_v
   int64_t Dq2 = 0, Dv2 = 0;  // the score products' reduction dims (D, Dv; rounded to even with VNNI)
-  std::vector<uint16_t> qt, dot;     // Dq2 x kBlockQ, Dv2 x kBlockQ: QT, dOT (VNNI: before packing)
-  std::vector<uint16_t> qr, dor;     // kBlockQ x D, kBlockQ x Dv: Q, dO rows when copied
-  std::vector<uint16_t> kb, vb;      // kBlockK x Dq2, kBlockK x Dv2: K, V block rows when copied
-  std::vector<uint16_t> qtp, dotp;   // VNNI: QT, dOT packed (N = ncols)
-  std::vector<uint16_t> qp, dop, kp;  // VNNI: Q, dO, K block packed (N = D, Dv, D; packed_elems)
-  std::vector<uint16_t> pt, dst, ds;  // kBlockK x kBlockQ: PT, dST rounded; kBlockQ x kBlockK: dS
+  AlignedVec<uint16_t> qt, dot;     // Dq2 x kBlockQ, Dv2 x kBlockQ: QT, dOT (VNNI: before packing)
+  AlignedVec<uint16_t> qr, dor;     // kBlockQ x D, kBlockQ x Dv: Q, dO rows when copied
+  AlignedVec<uint16_t> kb, vb;      // kBlockK x Dq2, kBlockK x Dv2: K, V block rows when copied
+  AlignedVec<uint16_t> qtp, dotp;   // VNNI: QT, dOT packed (N = ncols)
+  AlignedVec<uint16_t> qp, dop, kp;  // VNNI: Q, dO, K block packed (N = D, Dv, D; packed_elems)
+  AlignedVec<uint16_t> pt, dst, ds;  // kBlockK x kBlockQ: PT, dST rounded; kBlockQ x kBlockK: dS
   Op a_k, a_v, b_qt, b_dot, b_q, b_do, b_k;  // the current blocks' operands
 
   MxBackward() = default;
@@ -86,7 +86,7 @@ struct MxBackward {
   }
 
   template <typename T>
-  static T* as(std::vector<uint16_t>& b) {
+  static T* as(AlignedVec<uint16_t>& b) {
     return reinterpret_cast<T*>(b.data());
   }
   template <typename T>
@@ -102,7 +102,7 @@ struct MxBackward {
   // (wp x kBlockQ): columns [n, ncols) and rows [w, wp) zero; packed with VNNI.
   template <typename T>
   Op transposed(const T* src, const int64_t* st, int64_t n, int64_t ncols, int64_t w, int64_t wp,
-                std::vector<uint16_t>& buf, std::vector<uint16_t>& packed) {
+                AlignedVec<uint16_t>& buf, AlignedVec<uint16_t>& packed) {
     T* dst_ = as<T>(buf);
     poison_if_emulated(dst_, wp * kBlockQ, vnni);
     for (int64_t i = 0; i < n; ++i)
@@ -118,8 +118,8 @@ struct MxBackward {
   // contiguous features), else copied (rows w apart); with VNNI a zero row
   // at an odd n, then packed.
   template <typename T>
-  Op rows_b(const T* src, const int64_t* st, int64_t n, int64_t w, std::vector<uint16_t>& buf,
-            std::vector<uint16_t>& packed) {
+  Op rows_b(const T* src, const int64_t* st, int64_t n, int64_t w, AlignedVec<uint16_t>& buf,
+            AlignedVec<uint16_t>& packed) {
     if (!packs(vnni) && st[3] == 1) return op(src, st[2]);
     T* dst_ = as<T>(buf);
     const int64_t n2 = packs(vnni) ? round_up(n, 2) : n;
@@ -138,7 +138,7 @@ struct MxBackward {
   // rows, packed next as dQ's B).
   template <typename T>
   Op rows_a(const T* src, const int64_t* st, int64_t n, int64_t w, int64_t wp, bool pad_row,
-            std::vector<uint16_t>& buf) {
+            AlignedVec<uint16_t>& buf) {
     if (!pad_row && st[3] == 1 && w == wp) return op(src, st[2]);
     T* dst_ = as<T>(buf);
     const int64_t n2 = pad_row ? round_up(n, 2) : n;

@@ -77,11 +77,12 @@ inline int64_t mx_block_k() {
 template <typename T>
 struct ColBuffers {
   int64_t Dp;          // D_qk rounded up to even
-  std::vector<T> qv;   // max_sub x (Dp x kBlockQ): each sub-block's Q^T, plain VNNI, ldb kBlockQ
-  std::vector<T> pp;   // kColBlockKMax x kBlockQ: P, plain VNNI, ldb kBlockQ
-  FloatBuffer st;      // kColBlockKMax x kBlockQ: the scores (keys x queries)
-  ColBuffers(int64_t max_sub, int64_t D) : Dp(round_up(D, 2)), qv(max_sub * Dp * kBlockQ), pp(kColBlockKMax * kBlockQ) {
-    st.resize(kColBlockKMax * kBlockQ);
+  AlignedVec<T> qv;   // max_sub x (Dp x kBlockQ): each sub-block's Q^T, plain VNNI, ldb kBlockQ
+  AlignedVec<T> pp;   // max_sub x (kColBlockKMax x kBlockQ): each sub-block's P, plain VNNI, ldb kBlockQ
+  FloatBuffer st;      // max_sub x (kColBlockKMax x kBlockQ): each sub-block's scores (keys x queries)
+  ColBuffers(int64_t max_sub, int64_t D)
+      : Dp(round_up(D, 2)), qv(max_sub * Dp * kBlockQ), pp(max_sub * kColBlockKMax * kBlockQ) {
+    st.resize(max_sub * kColBlockKMax * kBlockQ);
   }
 };
 
@@ -128,9 +129,10 @@ void build_vt(const T* v, const int64_t* vs, int64_t B, int64_t Hk, int64_t Nk, 
 // base 2) and l (running sum of the float32 probabilities), writes alpha
 // (each column's rescale of O) and P rounded to T into pp, pair of key rows
 // p at pp + p * 2 * kBlockQ, interleaved (the plain VNNI layout); an odd nk
-// gets a zero partner row.
+// gets a zero partner row. Returns false when every alpha is 1 (O^T needs no
+// rescale); this generic version always rescales.
 template <typename T>
-void col_softmax_pack(const float* st, int64_t nk, int64_t ncols, float sc, float* m, float* l, float* alpha, T* pp) {
+bool col_softmax_pack(const float* st, int64_t nk, int64_t ncols, float sc, float* m, float* l, float* alpha, T* pp) {
   const int64_t nkp = round_up(nk, 2);
   const float ninf = -std::numeric_limits<float>::infinity();
   for (int64_t x = 0; x < ncols; x += kW) {
@@ -160,31 +162,40 @@ void col_softmax_pack(const float* st, int64_t nk, int64_t ncols, float sc, floa
     m_new.store(m + x);
     a.store(alpha + x);
   }
+  return true;
 }
 
 #if defined(FLASH_METAL_COLS_AVX512_BF16)
-// 16 lanes of exp2_approx (simd.h): the same clamp, polynomial and exponent
-// construction, so both forms give the same probabilities.
+// 2^x for 16 lanes, x <= 0 (a score minus its column's running max), to
+// about 3e-6 relative error: P is rounded to bfloat16 next (2^-9), so the
+// float32 polynomial of exp2_approx (simd.h, degree 6, two more FMAs and a
+// four-instruction exponent build) buys nothing here. The exponent goes on
+// with one vscalefps. Below -125 (a masked key is x = -inf) the lane is an
+// exact 0, by the zeroing mask: letting vscalefps underflow instead costs a
+// floating-point assist per lane, which made causal blocks three times slower
+// (measured on the AMX Xeon, issue 39). The degree-4 coefficients fit 2^f on
+// [-1/2, 1/2] with p(0) = 1 exactly (a column's max key gets probability 1),
+// relative error weighted; fitted by this project (iteratively reweighted
+// least squares), not taken from a library.
 inline __m512 exp2_16(__m512 x) {
-  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-127.0f)), _mm512_set1_ps(127.0f));
+  const __mmask16 live = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-125.0f), _CMP_GE_OQ);
+  x = _mm512_max_ps(x, _mm512_set1_ps(-125.0f));
   const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m512 f = _mm512_sub_ps(x, n);
-  __m512 p = _mm512_set1_ps(1.5345799e-04f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3399932e-03f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6184891e-03f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5503286e-02f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022646e-01f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718e-01f));
+  __m512 p = _mm512_set1_ps(0.009582853f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.055906426f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.24024099f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.69312418f));
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-  const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-  return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
+  return _mm512_maskz_scalef_ps(live, p, n);
 }
 
 // bfloat16 on AVX-512 BF16: 16 columns at a time; each pair of rows is
 // rounded by one cvtne2ps (round to nearest even, as c10 rounds) and
-// interleaved by one 16-bit permute.
+// interleaved by one 16-bit permute. A column whose max did not move keeps
+// alpha = 1 exactly (no polynomial), so the caller can skip O's rescale.
 template <>
-inline void col_softmax_pack<c10::BFloat16>(const float* st, int64_t nk, int64_t ncols, float sc, float* m, float* l,
+inline bool col_softmax_pack<c10::BFloat16>(const float* st, int64_t nk, int64_t ncols, float sc, float* m, float* l,
                                             float* alpha, c10::BFloat16* pp) {
   const int64_t nkp = round_up(nk, 2);
   const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity()), s = _mm512_set1_ps(sc);
@@ -193,6 +204,7 @@ inline void col_softmax_pack<c10::BFloat16>(const float* st, int64_t nk, int64_t
                                                 8,  24, 9,  25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
   const __m512i mix = _mm512_load_si512(kMix);
   static_assert(kG % 16 == 0, "score blocks are whole 16-column vectors with AVX-512");
+  __mmask16 moved = 0;
   for (int64_t x = 0; x < ncols; x += 16) {
     __m512 mx = ninf;
     for (int64_t j = 0; j < nk; ++j) mx = _mm512_max_ps(mx, _mm512_loadu_ps(st + j * kBlockQ + x));
@@ -209,11 +221,14 @@ inline void col_softmax_pack<c10::BFloat16>(const float* st, int64_t nk, int64_t
       const __m512i ab = (__m512i)_mm512_cvtne2ps_pbh(b, a);  // low half row j, high half row j + 1
       _mm512_storeu_si512(pp + (j / 2) * 2 * kBlockQ + 2 * x, _mm512_permutexvar_epi16(mix, ab));
     }
-    const __m512 al = exp2_16(_mm512_sub_ps(m_old, m_use));
+    const __mmask16 same = _mm512_cmp_ps_mask(m_old, m_use, _CMP_EQ_OQ);
+    moved |= static_cast<__mmask16>(~same);
+    const __m512 al = _mm512_mask_blend_ps(same, exp2_16(_mm512_sub_ps(m_old, m_use)), _mm512_set1_ps(1.0f));
     _mm512_storeu_ps(l + x, _mm512_fmadd_ps(al, _mm512_loadu_ps(l + x), sum));
     _mm512_storeu_ps(m + x, m_new);
     _mm512_storeu_ps(alpha + x, al);
   }
+  return moved != 0;
 }
 #endif
 

@@ -50,13 +50,13 @@ template <typename T>
 struct MxBuffers {
   Vnni vnni;
   int64_t Dp;            // D_qk, rounded up to even with VNNI
-  std::vector<T> qt;     // kMaxSub x Dp x kBlockQ: each sub-block's QT (plain, or VNNI with N = ncols)
-  std::vector<T> stage;  // Dp x kBlockQ: QT before its VNNI pack
-  std::vector<T> kb;     // max(kBlockK, 256) x Dp: K rows when they cannot be read in place (256: the
+  AlignedVec<T> qt;     // kMaxSub x Dp x kBlockQ: each sub-block's QT (plain, or VNNI with N = ncols)
+  AlignedVec<T> stage;  // Dp x kBlockQ: QT before its VNNI pack
+  AlignedVec<T> kb;     // max(kBlockK, 256) x Dp: K rows when they cannot be read in place (256: the
                          // column form's largest block, brgemm_cols.h)
-  std::vector<T> vb;     // (kBlockK + 1) x Dv: V rows when they cannot be read in place (+1: the even pad)
-  std::vector<T> vp;     // the same, VNNI-packed (column blocks of <= 64, matrix_units.h)
-  std::vector<T> pt;     // kBlockQ x kPtLd: P^T rounded to T
+  AlignedVec<T> vb;     // (kBlockK + 1) x Dv: V rows when they cannot be read in place (+1: the even pad)
+  AlignedVec<T> vp;     // the same, VNNI-packed (column blocks of <= 64, matrix_units.h)
+  AlignedVec<T> pt;     // kBlockQ x kPtLd: P^T rounded to T
   MxBuffers(int64_t max_sub, int64_t D, int64_t Dv, Vnni vnni_)
       : vnni(vnni_), Dp(packs(vnni_) ? round_up(D, 2) : D), qt(max_sub * Dp * kBlockQ),
         stage(packs(vnni_) ? Dp * kBlockQ : 0), kb(std::max<int64_t>(kBlockK, 256) * Dp), vb((kBlockK + 1) * Dv),
