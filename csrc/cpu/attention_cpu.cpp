@@ -344,6 +344,23 @@ void attention_item(const Geometry& g, const T* q, const T* k, const T* v, T* ou
   const int64_t od = g.o_stride[3];
   for (int64_t s = 0; s < nsub; ++s) {
     const Sub& u = sub[s];
+    if (cols && od == 1) {  // the column form: O^T's columns, transposed in registers where it can
+      const auto row_of = [&](int64_t c) {
+        return out + seq.bi * g.o_stride[0] + (h0 + c / u.nq) * g.o_stride[1] + (seq.q0 + u.i0 + c % u.nq) * g.o_stride[2];
+      };
+#if defined(FLASH_METAL_COLS_AVX512_BF16)
+      if (std::is_same<T, c10::BFloat16>::value)
+        col_write_out_bf16(u.o, u.nrows, Dv, u.l, [&](int64_t c) { return reinterpret_cast<c10::BFloat16*>(row_of(c)); });
+      else
+#endif
+        col_write_out<T>(u.o, u.nrows, Dv, u.l, row_of);
+      for (int64_t c = 0; c < u.nrows; ++c) {
+        const int64_t h = h0 + c / u.nq, i = seq.q0 + u.i0 + c % u.nq;
+        float* lrow = lse + seq.bi * g.lse_stride[0] + h * g.lse_stride[1] + i * g.lse_stride[2];
+        *lrow = u.l[c] > 0.0f ? kLn2 * (u.m[c] + std::log2(u.l[c])) : kNegInf;
+      }
+      continue;
+    }
     for (int64_t c = 0; c < u.nrows; ++c) {
       const int64_t h = h0 + c / u.nq, i = seq.q0 + u.i0 + c % u.nq;
       T* dst = out + seq.bi * g.o_stride[0] + h * g.o_stride[1] + i * g.o_stride[2];
