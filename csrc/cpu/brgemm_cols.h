@@ -215,40 +215,79 @@ inline __m512 exp2_16(__m512 x) {
   return _mm512_maskz_scalef_ps(live, p, n);
 }
 
+// How far (base 2) a column's block max may pass its running max before the
+// max is raised: below it, probabilities are taken against the stale max (at
+// most 2^8, exact in float32 and as exact in bfloat16 as any other value),
+// and O^T, l and the max stay as they are. The result is the same softmax:
+// out = O / l and lse = m + log2(l) use one max, whichever it is. So after
+// the first key block a column's O^T is rarely rescaled and one pass over the
+// scores usually does (FlashAttention-4 rescales lazily, with a threshold,
+// for the same reason; this is that idea on the CPU).
+constexpr float kLazyRescale = 8.0f;
+
 // bfloat16 on AVX-512 BF16: 16 columns at a time; each pair of rows is
 // rounded by one cvtne2ps (round to nearest even, as c10 rounds) and
-// interleaved by one 16-bit permute. A column whose max did not move keeps
-// alpha = 1 exactly (no polynomial), so the caller can skip O's rescale.
+// interleaved by one 16-bit permute. Where a chunk's running max is finite,
+// one pass takes the probabilities against it and finds the block max on
+// the way; only if that max passes it by more than kLazyRescale (rare after
+// the first block) does a second pass redo the chunk against the new max.
+// alpha is exactly 1 where the max stayed, and the return says whether any
+// column moved (else O^T needs no rescale).
 template <>
 inline bool col_softmax_pack<c10::BFloat16>(const float* st, int64_t nk, int64_t ncols, float sc, float* m, float* l,
                                             float* alpha, c10::BFloat16* pp) {
   const int64_t nkp = round_up(nk, 2);
   const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity()), s = _mm512_set1_ps(sc);
+  const __m512 lazy = _mm512_set1_ps(kLazyRescale), one = _mm512_set1_ps(1.0f);
   // lane 2i takes element i of the first row (the low half), lane 2i + 1 element i of the second
   alignas(64) static const uint16_t kMix[32] = {0,  16, 1,  17, 2,  18, 3,  19, 4,  20, 5,  21, 6,  22, 7,  23,
                                                 8,  24, 9,  25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
   const __m512i mix = _mm512_load_si512(kMix);
   static_assert(kG % 16 == 0, "score blocks are whole 16-column vectors with AVX-512");
-  __mmask16 moved = 0;
-  for (int64_t x = 0; x < ncols; x += 16) {
-    __m512 mx = ninf;
-    for (int64_t j = 0; j < nk; ++j) mx = _mm512_max_ps(mx, _mm512_loadu_ps(st + j * kBlockQ + x));
-    const __m512 m_old = _mm512_loadu_ps(m + x);
-    const __m512 m_new = _mm512_max_ps(m_old, _mm512_mul_ps(mx, s));
-    const __m512 m_use = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(m_new, ninf, _CMP_EQ_OQ), m_new, _mm512_setzero_ps());
+  // One pass of probabilities against m_use (finite; 0 for a column with no max yet), summed, and the
+  // raw block max found on the way.
+  const auto pass = [&](int64_t x, __m512 m_use, __m512* sum, __m512* mx) {
     const __m512 neg = _mm512_sub_ps(_mm512_setzero_ps(), m_use);
-    __m512 sum = _mm512_setzero_ps();
+    __m512 acc = _mm512_setzero_ps(), hi = ninf;
     for (int64_t j = 0; j < nkp; j += 2) {
-      const __m512 a = exp2_16(_mm512_fmadd_ps(_mm512_loadu_ps(st + j * kBlockQ + x), s, neg));
-      const __m512 b =
-          j + 1 < nk ? exp2_16(_mm512_fmadd_ps(_mm512_loadu_ps(st + (j + 1) * kBlockQ + x), s, neg)) : _mm512_setzero_ps();
-      sum = _mm512_add_ps(_mm512_add_ps(sum, a), b);
+      const __m512 ra = _mm512_loadu_ps(st + j * kBlockQ + x);
+      const __m512 rb = j + 1 < nk ? _mm512_loadu_ps(st + (j + 1) * kBlockQ + x) : ninf;
+      hi = _mm512_max_ps(hi, _mm512_max_ps(ra, rb));
+      const __m512 a = exp2_16(_mm512_fmadd_ps(ra, s, neg));
+      const __m512 b = exp2_16(_mm512_fmadd_ps(rb, s, neg));  // the odd block's partner row: -inf, so 0
+      acc = _mm512_add_ps(_mm512_add_ps(acc, a), b);
       const __m512i ab = (__m512i)_mm512_cvtne2ps_pbh(b, a);  // low half row j, high half row j + 1
       _mm512_storeu_si512(pp + (j / 2) * 2 * kBlockQ + 2 * x, _mm512_permutexvar_epi16(mix, ab));
     }
-    const __mmask16 same = _mm512_cmp_ps_mask(m_old, m_use, _CMP_EQ_OQ);
-    moved |= static_cast<__mmask16>(~same);
-    const __m512 al = _mm512_mask_blend_ps(same, exp2_16(_mm512_sub_ps(m_old, m_use)), _mm512_set1_ps(1.0f));
+    *sum = acc;
+    *mx = hi;
+  };
+  __mmask16 moved = 0;
+  for (int64_t x = 0; x < ncols; x += 16) {
+    const __m512 m_old = _mm512_loadu_ps(m + x);
+    const __mmask16 had = _mm512_cmp_ps_mask(m_old, ninf, _CMP_NEQ_OQ);  // columns with a running max
+    __m512 sum, mx;
+    if (had == 0xFFFF) {
+      pass(x, m_old, &sum, &mx);
+      if (_mm512_cmp_ps_mask(_mm512_mul_ps(mx, s), _mm512_add_ps(m_old, lazy), _CMP_GT_OQ) == 0) {
+        _mm512_storeu_ps(l + x, _mm512_add_ps(_mm512_loadu_ps(l + x), sum));
+        _mm512_storeu_ps(alpha + x, one);
+        continue;
+      }
+    } else {
+      mx = ninf;
+      for (int64_t j = 0; j < nk; ++j) mx = _mm512_max_ps(mx, _mm512_loadu_ps(st + j * kBlockQ + x));
+    }
+    // Raise the max where the block's passes it by more than kLazyRescale, or where there was none.
+    const __m512 bmax = _mm512_mul_ps(mx, s);
+    const __mmask16 raise = _mm512_cmp_ps_mask(bmax, _mm512_add_ps(m_old, lazy), _CMP_GT_OQ);
+    const __m512 m_new = _mm512_mask_blend_ps(raise, m_old, bmax);
+    const __m512 m_use = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(m_new, ninf, _CMP_EQ_OQ), m_new, _mm512_setzero_ps());
+    pass(x, m_use, &sum, &mx);
+    // alpha = 1 where the max stayed, or where there was none (O^T and l are still 0 there)
+    const __mmask16 rescaled = raise & had;
+    moved |= rescaled;
+    const __m512 al = _mm512_mask_blend_ps(rescaled, one, exp2_16(_mm512_sub_ps(m_old, m_new)));
     _mm512_storeu_ps(l + x, _mm512_fmadd_ps(al, _mm512_loadu_ps(l + x), sum));
     _mm512_storeu_ps(m + x, m_new);
     _mm512_storeu_ps(alpha + x, al);
@@ -317,10 +356,13 @@ inline void scale_block(float* st, int64_t nk, int64_t ncols, float scale) {
 }
 
 // O^T (Dv x ncols, row stride kBlockQ) *= alpha, column by column.
+// A chunk of kW columns whose alphas are all 1 is skipped (the lazy rescale
+// of col_softmax_pack leaves most of them so).
 inline void col_scale_o(float* o, int64_t Dv, int64_t ncols, const float* alpha) {
-  for (int64_t d = 0; d < Dv; ++d) {
-    float* row = o + d * kBlockQ;
-    for (int64_t x = 0; x < ncols; x += kW) (Vec::load(row + x) * Vec::load(alpha + x)).store(row + x);
+  for (int64_t x = 0; x < ncols; x += kW) {
+    if (std::all_of(alpha + x, alpha + x + kW, [](float a) { return a == 1.0f; })) continue;
+    const Vec a = Vec::load(alpha + x);
+    for (int64_t d = 0; d < Dv; ++d) (Vec::load(o + d * kBlockQ + x) * a).store(o + d * kBlockQ + x);
   }
 }
 
