@@ -128,3 +128,21 @@ def test_impl_must_be_auto():
     out, lse = FWD(q, k, v)
     with pytest.raises(ValueError, match=r"attention_backward: impl='tiled'.*impl must be 'auto'"):
         BWD(out, q, k, v, out, lse, False, None, None, "tiled")
+
+
+@pytest.mark.parametrize("logit_scale, first_pass", [(1.0, False), (8.0, True)], ids=["small-lse", "large-lse"])
+def test_float32_first_pass_gated_by_lse(logit_scale, first_pass):
+    """float32's first pass (renormalized rows, backward_precise.h) runs only for query blocks whose
+    |lse| passes kRenormLse = 12, or with a softcap or sinks: randn scores over 256 keys give
+    |lse| ~ 6 and skip it; q scaled by 8 gives |lse| ~ 20 and takes it. Both meet the 2x rule,
+    and the counter shows which way each block went (every block alike here)."""
+    from flash_metal.cpu_paths import cpu_path_counts
+    q, k, v = make_qkv(1, 2, 2, 200, 256, 64, torch.float32, generator=torch.Generator().manual_seed(5))
+    q = q * logit_scale
+    lse = FWD(q, k, v, False, None)[1]
+    assert (lse.abs().max().item() > 12.0) == first_pass and (lse.abs().min().item() > 12.0) == first_pass
+    before = cpu_path_counts()["backward_float32_first_pass_blocks"]
+    grad_out, grads = forward_backward(q, k, v, False)
+    taken = cpu_path_counts()["backward_float32_first_pass_blocks"] - before
+    assert taken == (2 * 3 if first_pass else 0), taken  # 2 heads x 3 query blocks of <= 96 rows
+    assert_gradients_close(grads, q, k, v, grad_out, False)

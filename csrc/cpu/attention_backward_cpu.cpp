@@ -303,7 +303,20 @@ void query_block(const BwdGeometry& g, const Tensors& t, const SeqRange& s, int6
     ws.lse2lo[i] = 0.0f;
     ws.delta[i] = 0.0f;
   }
-  if (g.precise) renormalize_rows<T, ScoreOpts>(g, s, h, kv, i0, nq, key_begin, key_end, moff, ws);
+  // The first pass is for large logits (backward_precise.h): P's error from
+  // the forward's float32 lse is half an ulp of |lse|, one factor on every P
+  // of the row. Below kRenormLse that is at most 4.8e-7 (ulp(12) / 2), the
+  // size of float32's own roundings in PyTorch's backward, so rows whose
+  // |lse| all stay below it skip the pass (~40% of the float32 backward), and
+  // a softcap keeps it (its logits sit at the cap).
+  float lse_mag = 0.0f;
+  for (int64_t i = 0; i < nq; ++i)
+    if (ws.lse2[i] != kInf) lse_mag = std::max(lse_mag, std::fabs(ws.lse2[i]) * 0.69314718f);  // |lse2| ln 2 = |lse|
+  const bool renorm = g.precise && ((ScoreOpts && opt.softcap) || lse_mag > kRenormLse || g.sinks2 != nullptr);
+  if (renorm) {
+    count_cpu_renormalized_block();
+    renormalize_rows<T, ScoreOpts>(g, s, h, kv, i0, nq, key_begin, key_end, moff, ws);
+  }
   std::fill(ws.dq.ptr, ws.dq.ptr + nq * Dp, 0.0f);
 
   float* st = ws.st.ptr;

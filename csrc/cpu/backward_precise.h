@@ -53,6 +53,9 @@ namespace flash_metal {
 namespace cpu {
 namespace bwd {
 
+// |lse| (natural log) above which a query block takes the first pass; see query_block.
+constexpr float kRenormLse = 12.0f;
+
 // Softcap of a kBlockK x ld block of base-2 scores st (rows [0, nk),
 // columns [0, ncols)): st becomes hi, slo the remainder lo, dfac (optional)
 // 1 - tanh^2. x = st / cap2 as the forward forms it (o.inv_cap2).

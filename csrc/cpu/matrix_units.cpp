@@ -37,9 +37,10 @@ namespace {
 // Calls per path: [forward vector, forward brgemm, backward vector, backward
 // brgemm], then the brgemm calls of each pass that emulated VNNI, then the
 // emulated tile products run (any pass): the tests' proof the seam ran;
-// then the forward calls that took the column form (brgemm_cols.h).
-constexpr int kEmuFwd = 4, kEmuBwd = 5, kEmuGemm = 6, kColsFwd = 7;
-std::atomic<int64_t> g_counts[8];
+// then the forward calls that took the column form (brgemm_cols.h), then the
+// float32 backward's query blocks that took the first pass (backward_precise.h).
+constexpr int kEmuFwd = 4, kEmuBwd = 5, kEmuGemm = 6, kColsFwd = 7, kRenormBwd = 8;
+std::atomic<int64_t> g_counts[9];
 
 #ifdef FLASH_METAL_X86_CPUID
 CpuFeatures detect() {
@@ -195,6 +196,7 @@ std::string describe_cpu_path(const PathChoice& pc, at::ScalarType dtype, bool b
 }
 
 void count_cpu_cols_form() { ++g_counts[kColsFwd]; }
+void count_cpu_renormalized_block() { ++g_counts[kRenormBwd]; }
 
 void count_cpu_path(const PathChoice& pc, bool backward) {
   ++g_counts[(backward ? 2 : 0) + static_cast<int>(pc.path)];

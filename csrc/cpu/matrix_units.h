@@ -102,6 +102,8 @@ void count_cpu_path(const PathChoice& pc, bool backward);
 
 // Counts one forward call that took the brgemm path's column form (brgemm_cols.h).
 void count_cpu_cols_form();
+// Counts one float32 backward query block that took the first pass (backward_precise.h).
+void count_cpu_renormalized_block();
 
 // The CPU's features as cpuid and the OS report them (x86-64; all false
 // elsewhere), for the benchmarks' labels and the reasons above.
