@@ -54,7 +54,8 @@ def cpu_path_counts() -> Dict[str, int]:
     c = torch.ops.flash_metal.cpu_path_counts()
     return {"forward_vector": c[0], "forward_brgemm": c[1], "backward_vector": c[2], "backward_brgemm": c[3],
             "forward_vnni_emulated": c[4], "backward_vnni_emulated": c[5], "emulated_tile_products": c[6],
-            "forward_brgemm_column_form": c[7], "backward_float32_first_pass_blocks": c[8]}
+            "forward_brgemm_column_form": c[7], "backward_float32_first_pass_blocks": c[8],
+            "forward_float16_split_bf16": c[9]}
 
 
 def cpu_label() -> str:

@@ -33,6 +33,7 @@ COUNTS = torch.ops.flash_metal.cpu_path_counts
 FWD_VECTOR, FWD_BRGEMM = 0, 1
 EMU_FWD, EMU_BWD, EMU_GEMM = 4, 5, 6  # brgemm calls with emulated VNNI (forward, backward), emulated products
 FWD_COLS = 7  # forward brgemm calls in the column form (csrc/cpu/brgemm_cols.h)
+FWD_SPLIT = 9  # float16 forward calls as bfloat16 pairs (csrc/cpu/brgemm_split.h)
 INFO = flash_metal.cpu_path  # (path, reason, vnni) as a NamedTuple
 HALF_TYPES = [torch.bfloat16, torch.float16]
 HAS_BRGEMM = dict(zip(*torch.ops.flash_metal.cpu_features()))["torch_brgemm"] == 1
@@ -160,10 +161,16 @@ def test_auto_takes_brgemm_only_with_matrix_units(monkeypatch):
     monkeypatch.delenv("FLASH_METAL_CPU_VNNI", raising=False)
     feats = dict(zip(*torch.ops.flash_metal.cpu_features()))
     for dtype, key in ((torch.bfloat16, "could_pack_bf16"), (torch.float16, "could_pack_f16")):
-        path, reason, vnni = INFO(dtype)
+        path, reason, vnni = INFO(dtype, True)  # the backward: on the matrix units where the dtype packs
         want = "brgemm" if feats[key] else "vector"
         assert (path, vnni) == (want, bool(feats[key])), (dtype, reason, feats)
         assert "auto" in reason
+    # The forward: float16 also takes them, as bfloat16 pairs, where only bfloat16 packs (brgemm_split.h).
+    split = feats["could_pack_bf16"] and not feats["could_pack_f16"]
+    for dtype, packs in ((torch.bfloat16, feats["could_pack_bf16"]), (torch.float16, feats["could_pack_f16"] or split)):
+        path, reason, vnni = INFO(dtype)
+        assert (path, vnni) == ("brgemm" if packs else "vector", bool(packs)), (dtype, reason, feats)
+        assert "auto" in reason and ("split exactly into two bfloat16s" in reason) == (split and dtype == torch.float16)
     assert torch.ops.flash_metal.cpu_path_info(torch.float32)[0] == "vector"
 
 
@@ -276,13 +283,17 @@ def test_forced_path_backward(path, dtype, case):
 
 
 def test_backward_auto_follows_the_forward(monkeypatch):
-    """auto takes brgemm + VNNI for the 16-bit backward exactly where it does for the forward (could_pack)."""
+    """auto takes brgemm + VNNI for the 16-bit backward exactly where the dtype packs (could_pack), as
+    the forward does, except the forward's float16 as bfloat16 pairs (brgemm_split.h), which the
+    backward has not: there the float16 backward stays on the vector path."""
     monkeypatch.delenv("FLASH_METAL_CPU_PATH", raising=False)
     monkeypatch.delenv("FLASH_METAL_CPU_VNNI", raising=False)
     feats = dict(zip(*torch.ops.flash_metal.cpu_features()))
+    split = feats["could_pack_bf16"] and not feats["could_pack_f16"]
     for dtype, key in ((torch.bfloat16, "could_pack_bf16"), (torch.float16, "could_pack_f16"), (torch.float32, None)):
         fwd, bwd = INFO(dtype, False), INFO(dtype, True)
-        assert (bwd.path, bwd.vnni) == (fwd.path, fwd.vnni), (fwd, bwd)
+        if not (split and dtype == torch.float16):
+            assert (bwd.path, bwd.vnni) == (fwd.path, fwd.vnni), (fwd, bwd)
         assert bwd.path == ("brgemm" if key and feats[key] else "vector") and "backward" in bwd.reason, bwd
 
 
@@ -328,6 +339,10 @@ def test_emulated_vnni_forward(emulated, dtype, case):
     # Query blocks of >= 32 columns take the column form (P as the packed B operand, V^T as A); the
     # decode item (1 query x 4 heads) keeps the row form (P^T, V packed per block).
     assert delta[FWD_COLS] == (0 if case[0] == "decode-gqa" else 1), delta
+    # float16's column form splits into bfloat16 pairs wherever float16 itself does not pack (the
+    # emulation mirrors a Xeon with AMX-BF16 and no AMX-FP16); the decode item runs float16's row form.
+    split = dtype == torch.float16 and not dict(zip(*torch.ops.flash_metal.cpu_features()))["could_pack_f16"]
+    assert delta[FWD_SPLIT] == (1 if split and case[0] != "decode-gqa" else 0), delta
 
 
 @pytest.mark.parametrize("block_k", ["34", "96", "256"])

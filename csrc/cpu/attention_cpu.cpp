@@ -39,6 +39,7 @@
 #include "common.h"
 #include "forward_tiles.h"
 #include "brgemm_cols.h"
+#include "brgemm_split.h"
 #include "brgemm_tiles.h"
 #include "phase_clock.h"
 #include "matrix_units.h"
@@ -105,6 +106,7 @@ struct Workspace {
   FloatBuffer st;  // kBlockK x kBlockQ: scores, then probabilities (transposed)
   FloatBuffer o;   // kMaxSubBlocks x kBlockQ x Dvp: unnormalised output accumulators
   float m[kMaxSubBlocks * kBlockQ], l[kMaxSubBlocks * kBlockQ], alpha[kBlockQ];
+  float lr[kMaxSubBlocks * kBlockQ];  // the column form: sums of P as rounded for P.V (brgemm_cols.h)
   Workspace(int64_t D, int64_t Dvp) {
     qt.resize(kMaxSubBlocks * D * kBlockQ);
     kb.resize(kBlockK * (D + kKRowPad));
@@ -136,12 +138,13 @@ void attention_item(const Geometry& g, const T* q, const T* k, const T* v, T* ou
   const int64_t nvec = Dvp / kMW;
   const int64_t q_end = std::min(seq.nq, i0 + nsub * bq);
   // The column form (brgemm_cols.h) where the call built V^T for it.
-  const bool cols = mx != nullptr && cf.vt != nullptr;
+  const bool cols = mx != nullptr && (cf.vt != nullptr || cf.split);
+  const bool split = cols && cf.split;  // float16 as bfloat16 pairs (brgemm_split.h)
   nsub = (q_end - i0 + bq - 1) / bq;
 
   struct Sub {
     int64_t i0, nq, nrows, ncols, key_begin, key_end;
-    float *qt, *o, *m, *l;
+    float *qt, *o, *m, *l, *lr;
   } sub[kMaxSubBlocks];
   int64_t key_end_all = 0, key_begin_all = seq.nk;
   int64_t moff[kBlockQ];  // mask offsets of one sub-block's columns (ScoreOpts with a mask)
@@ -160,13 +163,17 @@ void attention_item(const Geometry& g, const T* q, const T* k, const T* v, T* ou
     u.o = ws.o.ptr + s * kBlockQ * Dvp;
     u.m = ws.m + s * kBlockQ;
     u.l = ws.l + s * kBlockQ;
+    u.lr = ws.lr + s * kBlockQ;
 
     // 1. Q block, transposed and pre-scaled (brgemm path: in T, unscaled).
     const int64_t q_base = seq.bi * g.q_stride[0] + h0 * g.q_stride[1] + (seq.q0 + u.i0) * g.q_stride[2];
     if (mx != nullptr) {
       const int64_t nq = u.nq;
       const auto q_off = [&](int64_t c) { return q_base + (c / nq) * g.q_stride[1] + (c % nq) * g.q_stride[2]; };
-      if (cols)
+      if (split)
+        col_load_q_split(q, g.q_stride[3], q_off, u.nrows, u.ncols, D, cf.buf->Dp,
+                         cf.buf->qs.data() + s * 4 * cf.buf->Dp * kBlockQ, mx->vnni, cf.buf->stage.data());
+      else if (cols)
         col_load_q(q, g.q_stride[3], q_off, u.nrows, u.ncols, D, cf.buf->Dp, cf.buf->qv.data() + s * cf.buf->Dp * kBlockQ,
                    mx->vnni);
       else
@@ -184,12 +191,13 @@ void attention_item(const Geometry& g, const T* q, const T* k, const T* v, T* ou
     std::fill(u.o, u.o + (cols ? Dv * kBlockQ : u.nrows * Dvp), 0.0f);  // O, or O^T in the column form
     std::fill(u.m, u.m + u.ncols, kNegInf);
     std::fill(u.l, u.l + u.ncols, 0.0f);
+    std::fill(u.lr, u.lr + u.ncols, 0.0f);
     // Attention sinks: each row starts as if it had seen its head's sink, a
     // key of score sink (base 2, never softcapped or masked) and value zero:
     // m = sink, l = exp2(sink - m) = 1, O = 0. A sink of -inf is no sink.
     for (int64_t c = 0; g.sinks2 != nullptr && c < u.nrows; ++c) {
       u.m[c] = g.sinks2[h0 + c / u.nq];
-      u.l[c] = u.m[c] == kNegInf ? 0.0f : 1.0f;
+      u.l[c] = u.lr[c] = u.m[c] == kNegInf ? 0.0f : 1.0f;
     }
   }
   FM_PHASE(kPhQ);
@@ -204,7 +212,11 @@ void attention_item(const Geometry& g, const T* q, const T* k, const T* v, T* ou
                         g.v_stride[3] == 1 && Dv % kG == 0;
   float* const st_all = cols ? cf.buf->st.ptr : ws.st.ptr;
   const int64_t block_k = cols ? cf.block_k : kBlockK;
-  const T* vt_head = cols ? cf.vt + (seq.bi * g.kv_heads + hk) * Dv * cf.vt_ld + seq.k0 : nullptr;
+  const int64_t vt_off = (seq.bi * g.kv_heads + hk) * Dv * cf.vt_ld + seq.k0;
+  const T* vt_head = cols && !split ? cf.vt + vt_off : nullptr;
+  const c10::BFloat16* vth_head = split ? cf.vth + vt_off : nullptr;
+  const c10::BFloat16* vtl_head = split ? cf.vtl + vt_off : nullptr;
+  const c10::BFloat16* kx_head = split ? cf.kx + ((seq.bi * g.kv_heads + hk) * cf.k_rows + seq.k0) * cf.kx_ld : nullptr;
   // The column form folds the scale into the softmax (sc) unless the score
   // options need the scaled block first (or a scale <= 0 would turn the max around).
   const bool fold_scale = cols && !ScoreOpts && g.scale_log2 > 0.0f;
@@ -217,7 +229,9 @@ void attention_item(const Geometry& g, const T* q, const T* k, const T* v, T* ou
     const float* vblk = ws.vb.ptr;
     const T *k_mx = nullptr, *v_mx = nullptr;
     int64_t lda_mx = 0, ldv_mx = 0;
-    if (mx != nullptr) {
+    if (split) {
+      FM_PHASE(kPhK);  // K' was built for the call
+    } else if (mx != nullptr) {
       k_mx = mx_k_operand(k_head + j0 * g.k_stride[2], g.k_stride[2], g.k_stride[3], nk_all, D, *mx, &lda_mx);
       FM_PHASE(kPhK);
       if (!cols)
@@ -249,17 +263,45 @@ void attention_item(const Geometry& g, const T* q, const T* k, const T* v, T* ou
       // is a prefix of the packed K rows; V panels are indexed by nk_all.
       const int64_t nk = std::min(nk_all, u.key_end - j0);
       float* const st = cols ? st_all + s * kColBlockKMax * kBlockQ : st_all;
-      T* const pp = cols ? cf.buf->pp.data() + s * kColBlockKMax * kBlockQ : nullptr;
+      T* const pp = cols && !split ? cf.buf->pp.data() + s * kColBlockKMax * kBlockQ : nullptr;
+      c10::BFloat16* const ph = split ? cf.buf->ph.data() + s * kColBlockKMax * kBlockQ : nullptr;
+      c10::BFloat16* const pl = split ? cf.buf->pl.data() + s * kColBlockKMax * kBlockQ : nullptr;
       const int64_t nkp = round_up(nk, 2);
 
-      if (cols && stage == 2) {  // 2d in the column form: O^T += V^T P
-        tile_gemm_vnni(Dv, u.ncols, nkp, cf.vt_ld, kBlockQ, kBlockQ, /*add_c=*/true, vt_head + j0, pp, u.o, mx->vnni);
+      // 2d in the column form. With an odd nk the products take the even
+      // nk - 1 keys and col_last_key adds the last: V^T's column past it is
+      // the next key of the call (another sequence's under varlen, or one
+      // outside the window), which may hold anything, NaN included, and
+      // 0 * NaN is NaN; the row form pads a staged copy instead.
+      const int64_t nke = nk - nk % 2;
+      if (split && stage == 2) {  // O^T += Vh^T Ph + Vl^T Ph + Vh^T Pl, one kernel three times
+        if (nke > 0) {
+          tile_gemm_vnni(Dv, u.ncols, nke, cf.vt_ld, kBlockQ, kBlockQ, true, vth_head + j0, ph, u.o, mx->vnni);
+          tile_gemm_vnni(Dv, u.ncols, nke, cf.vt_ld, kBlockQ, kBlockQ, true, vtl_head + j0, ph, u.o, mx->vnni);
+          tile_gemm_vnni(Dv, u.ncols, nke, cf.vt_ld, kBlockQ, kBlockQ, true, vth_head + j0, pl, u.o, mx->vnni);
+        }
+        if (nke < nk) col_last_key(u.o, Dv, u.ncols, vth_head + j0 + nke, vtl_head + j0 + nke, cf.vt_ld, ph + nke * kBlockQ,
+                                   pl + nke * kBlockQ);
+        FM_PHASE(kPhPV);
+        continue;
+      }
+      if (cols && stage == 2) {  // O^T += V^T P
+        if (nke > 0)
+          tile_gemm_vnni(Dv, u.ncols, nke, cf.vt_ld, kBlockQ, kBlockQ, /*add_c=*/true, vt_head + j0, pp, u.o, mx->vnni);
+        if (nke < nk)
+          col_last_key(u.o, Dv, u.ncols, vt_head + j0 + nke, static_cast<const T*>(nullptr), cf.vt_ld, pp + nke * kBlockQ,
+                       static_cast<const T*>(nullptr));
         FM_PHASE(kPhPV);
         continue;
       }
       if (stage == 0) {
         // 2a. scores ST = K . QT
-        if (cols) {
+        if (split) {  // S^T = [Kh | Kl | Kh' | Kl] . [Qh ; Qh' ; Ql ; Ql]
+          tile_gemm_vnni(nk, u.ncols, 4 * cf.buf->Dp, cf.kx_ld, kBlockQ, kBlockQ, /*add_c=*/false, kx_head + j0 * cf.kx_ld,
+                         cf.buf->qs.data() + s * 4 * cf.buf->Dp * kBlockQ, st, mx->vnni);
+          FM_PHASE(kPhQK);
+          continue;
+        } else if (cols) {
           tile_gemm_vnni(nk, u.ncols, cf.buf->Dp, lda_mx, kBlockQ, kBlockQ, /*add_c=*/false, k_mx,
                          cf.buf->qv.data() + s * cf.buf->Dp * kBlockQ, st, mx->vnni);
           FM_PHASE(kPhQK);
@@ -287,8 +329,16 @@ void attention_item(const Geometry& g, const T* q, const T* k, const T* v, T* ou
       FM_PHASE(kPhOpts);
 
       if (cols) {  // 2c in the column form: the softmax written as P's VNNI operand, O^T rescaled
-        poison_if_emulated(pp, nkp * kBlockQ, mx->vnni);
-        const bool rescale = col_softmax_pack(st, nk, u.ncols, fold_scale ? g.scale_log2 : 1.0f, u.m, u.l, ws.alpha, pp);
+        const float sc = fold_scale ? g.scale_log2 : 1.0f;
+        bool rescale;
+        if (split) {
+          poison_if_emulated(ph, nkp * kBlockQ, mx->vnni);
+          poison_if_emulated(pl, nkp * kBlockQ, mx->vnni);
+          rescale = col_softmax_pack<c10::BFloat16>(st, nk, u.ncols, sc, u.m, u.l, u.lr, ws.alpha, ph, pl);
+        } else {
+          poison_if_emulated(pp, nkp * kBlockQ, mx->vnni);
+          rescale = col_softmax_pack(st, nk, u.ncols, sc, u.m, u.l, u.lr, ws.alpha, pp);
+        }
         FM_PHASE(kPhExp);
         if (rescale) col_scale_o(u.o, Dv, u.ncols, ws.alpha);
         FM_PHASE(kPhPack);
@@ -350,10 +400,13 @@ void attention_item(const Geometry& g, const T* q, const T* k, const T* v, T* ou
       };
 #if defined(FLASH_METAL_COLS_AVX512_BF16)
       if (std::is_same<T, c10::BFloat16>::value)
-        col_write_out_bf16(u.o, u.nrows, Dv, u.l, [&](int64_t c) { return reinterpret_cast<c10::BFloat16*>(row_of(c)); });
+        col_write_out_16<c10::BFloat16>(u.o, u.nrows, Dv, u.lr,
+                                        [&](int64_t c) { return reinterpret_cast<c10::BFloat16*>(row_of(c)); });
+      else if (std::is_same<T, c10::Half>::value)
+        col_write_out_16<c10::Half>(u.o, u.nrows, Dv, u.lr, [&](int64_t c) { return reinterpret_cast<c10::Half*>(row_of(c)); });
       else
 #endif
-        col_write_out<T>(u.o, u.nrows, Dv, u.l, row_of);
+        col_write_out<T>(u.o, u.nrows, Dv, u.lr, row_of);
       for (int64_t c = 0; c < u.nrows; ++c) {
         const int64_t h = h0 + c / u.nq, i = seq.q0 + u.i0 + c % u.nq;
         float* lrow = lse + seq.bi * g.lse_stride[0] + h * g.lse_stride[1] + i * g.lse_stride[2];
@@ -442,16 +495,40 @@ void run_attention(const Geometry& g, const at::Tensor& q, const at::Tensor& k, 
   std::atomic<int64_t> next{0};
   const int64_t threads = std::min<int64_t>(threads_avail, items);
   const bool score_opts = g.opt->score_options();
-  const bool use_mx = g.path.path == CpuPath::Brgemm;
   // The column form of the brgemm path (brgemm_cols.h): with packed operands,
   // for blocks of at least kColMinQueries query columns. V^T is built here,
-  // once per call (one pass over V, the size of V: O(N) memory).
-  const bool use_cols = use_mx && packs(g.path.vnni) && rows_per_block * heads_per_item >= kColMinQueries;
+  // once per call (one pass over V, the size of V: O(N) memory). The split
+  // float16 form (brgemm_split.h) exists only as a column form: its shorter
+  // blocks (decode) run the vector path, as float16 does without it.
+  const bool col_blocks = rows_per_block * heads_per_item >= kColMinQueries;
+  // What runs: a split call whose blocks are too short for the column form
+  // runs the vector path under auto, and the row form on float16 itself when
+  // brgemm is forced or emulated (ATen's non-VNNI products where it cannot
+  // pack float16). Counted as it runs, for the tests.
+  PathChoice ran = g.path;
+  if (ran.split && !col_blocks) {
+    if (ran.why == PathWhy::AutoSplitBf16) {
+      ran = PathChoice{};
+    } else {
+      ran.split = false;
+      if (ran.vnni == Vnni::Aten) ran.vnni = Vnni::Off;
+    }
+  }
+  count_cpu_path(ran, /*backward=*/false);
+  const bool split = ran.split;
+  const bool use_mx = ran.path == CpuPath::Brgemm;
+  const bool use_cols = use_mx && packs(ran.vnni) && col_blocks;
   AlignedVec<T> vt;  // 64-byte aligned rows (vt_ld is a multiple of 32): the A operand of O^T += V^T P
   const int64_t vt_ld = round_up(v.size(2), 32);
   const int64_t block_k = use_cols ? mx_block_k() : 0;  // read before any work (a bad value is an error)
-  if (use_cols) {
-    count_cpu_cols_form();
+  SplitOperands so;
+  if (split) {
+    build_split_operands(kp, g.k_stride, vp, g.v_stride, g.batch, g.kv_heads, k.size(2), g.head_dim, g.head_dim_v, vt_ld,
+                         &so);
+    count_cpu_split_form();
+  }
+  if (use_cols) count_cpu_cols_form();
+  if (use_cols && !split) {
     vt = AlignedVec<T>();
     vt.resize(g.batch * g.kv_heads * g.head_dim_v * vt_ld, /*zero=*/false);  // build_vt writes every element
     build_vt(vp, g.v_stride, g.batch, g.kv_heads, v.size(2), g.head_dim_v, vt_ld, vt.data());
@@ -460,11 +537,19 @@ void run_attention(const Geometry& g, const at::Tensor& q, const at::Tensor& k, 
     Workspace ws(D, Dvp);
     std::unique_ptr<MxBuffers<T>> mx;
     std::unique_ptr<ColBuffers<T>> colbuf;
-    if (use_mx) mx.reset(new MxBuffers<T>(kMaxSubBlocks, D, g.head_dim_v, g.path.vnni));
+    if (use_mx) mx.reset(new MxBuffers<T>(kMaxSubBlocks, D, g.head_dim_v, ran.vnni));
     ColForm<T> cf;
     if (use_cols) {
-      colbuf.reset(new ColBuffers<T>(kMaxSubBlocks, D));
+      colbuf.reset(new ColBuffers<T>(kMaxSubBlocks, D, split));
       cf = ColForm<T>{colbuf.get(), vt.data(), vt_ld, block_k};
+      if (split) {
+        cf.split = true;
+        cf.kx = so.kx.data();
+        cf.kx_ld = so.kx_ld;
+        cf.k_rows = so.k_rows;
+        cf.vth = so.vth.data();
+        cf.vtl = so.vtl.data();
+      }
     }
     for (int64_t idx = next.fetch_add(1); idx < items; idx = next.fetch_add(1)) {
       const int64_t qi = q_items - 1 - idx / lanes;
@@ -479,7 +564,7 @@ void run_attention(const Geometry& g, const at::Tensor& q, const at::Tensor& k, 
       else
         attention_item<T, false>(g, qp, kp, vp, op, lp, b, hk, h0, nh, qi * nsub * bq, nsub, bq, ws, mx.get(), cf);
     }
-    if (mx) tile_release(g.path.vnni);
+    if (mx) tile_release(ran.vnni);
   });
 }
 
@@ -517,7 +602,6 @@ void attention_forward(const AttentionCall& c, const AttentionOutputs& o) {
   }
 
   g.path = choose_cpu_path(q.scalar_type(), /*backward=*/false);
-  count_cpu_path(g.path, /*backward=*/false);
   switch (q.scalar_type()) {  // check_attention_inputs admitted only these three
     case at::kFloat: run_attention<float>(g, q, k, v, out, lse); break;
     case at::kHalf: run_attention<c10::Half>(g, q, k, v, out, lse); break;

@@ -81,8 +81,19 @@ struct ColBuffers {
   AlignedVec<T> qv;   // max_sub x (Dp x kBlockQ): each sub-block's Q^T, plain VNNI, ldb kBlockQ
   AlignedVec<T> pp;   // max_sub x (kColBlockKMax x kBlockQ): each sub-block's P, plain VNNI, ldb kBlockQ
   FloatBuffer st;      // max_sub x (kColBlockKMax x kBlockQ): each sub-block's scores (keys x queries)
-  ColBuffers(int64_t max_sub, int64_t D)
-      : Dp(round_up(D, 2)), qv(max_sub * Dp * kBlockQ), pp(max_sub * kColBlockKMax * kBlockQ) {
+  // split (brgemm_split.h): Q' (4Dp rows) and P's two halves, in bfloat16, in place of qv and pp
+  AlignedVec<c10::BFloat16> qs, ph, pl, stage;  // stage: one sub-block's split Q rows (3 x kBlockQ x Dp)
+  ColBuffers(int64_t max_sub, int64_t D, bool split = false) : Dp(round_up(D, 2)) {
+    const int64_t nq = max_sub * Dp * kBlockQ, np = max_sub * kColBlockKMax * kBlockQ;
+    if (split) {
+      qs.resize(4 * nq);
+      stage.resize(3 * kBlockQ * Dp);
+      ph.resize(np);
+      pl.resize(np);
+    } else {
+      qv.resize(nq);
+      pp.resize(np);
+    }
     st.resize(max_sub * kColBlockKMax * kBlockQ);
   }
 };
@@ -154,10 +165,17 @@ void build_vt(const T* v, const int64_t* vs, int64_t B, int64_t Hk, int64_t Nk, 
 // base 2) and l (running sum of the float32 probabilities), writes alpha
 // (each column's rescale of O) and P rounded to T into pp, pair of key rows
 // p at pp + p * 2 * kBlockQ, interleaved (the plain VNNI layout); an odd nk
-// gets a zero partner row. Returns false when every alpha is 1 (O^T needs no
-// rescale); this generic version always rescales.
+// gets a zero partner row. l sums the float32 probabilities (for lse), lr the
+// probabilities as P.V multiplies them, rounded to T: the output divides by
+// lr, so the weights it applies sum to 1 exactly (divided by l, a row of
+// equal scores came out up to 2^-9 off, one bfloat16 ulp of its output:
+// test_nonfinite's "huge" keys on the AMX Xeon). With pl, also P's
+// remainders P - T(P), rounded to T (the split float16 forward of
+// brgemm_split.h), and lr sums P itself, which hi + lo carries to 16 bits. Returns false when every
+// alpha is 1 (O^T needs no rescale); this generic version always rescales.
 template <typename T>
-bool col_softmax_pack(const float* st, int64_t nk, int64_t ncols, float sc, float* m, float* l, float* alpha, T* pp) {
+bool col_softmax_pack(const float* st, int64_t nk, int64_t ncols, float sc, float* m, float* l, float* lr, float* alpha,
+                      T* pp, T* pl = nullptr) {
   const int64_t nkp = round_up(nk, 2);
   const float ninf = -std::numeric_limits<float>::infinity();
   for (int64_t x = 0; x < ncols; x += kW) {
@@ -168,12 +186,11 @@ bool col_softmax_pack(const float* st, int64_t nk, int64_t ncols, float sc, floa
     // A column that has seen only masked keys keeps m = -inf; exponentiate against 0 so no NaN appears.
     const Vec m_use = select_eq(m_new, Vec::broadcast(ninf), Vec::zero(), m_new);
     const Vec neg = Vec::zero() - m_use, s = Vec::broadcast(sc);
-    Vec sum = Vec::zero();
+    Vec sum = Vec::zero(), sum_r = Vec::zero();
     float p0[kW], p1[kW];
     for (int64_t j = 0; j < nkp; j += 2) {
       const Vec a = exp2_approx(fmadd(Vec::load(st + j * kBlockQ + x), s, neg));
       const Vec b = j + 1 < nk ? exp2_approx(fmadd(Vec::load(st + (j + 1) * kBlockQ + x), s, neg)) : Vec::zero();
-      sum = sum + a + b;
       a.store(p0);
       b.store(p1);
       T* dst = pp + (j / 2) * 2 * kBlockQ + 2 * x;
@@ -181,9 +198,25 @@ bool col_softmax_pack(const float* st, int64_t nk, int64_t ncols, float sc, floa
         dst[2 * i] = static_cast<T>(p0[i]);
         dst[2 * i + 1] = static_cast<T>(p1[i]);
       }
+      sum = sum + a + b;
+      if (pl == nullptr) {  // lr sums the P that P.V multiplies (rounded to T)
+        for (int i = 0; i < kW; ++i) {
+          p0[i] = static_cast<float>(dst[2 * i]);
+          p1[i] = static_cast<float>(dst[2 * i + 1]);
+        }
+        sum_r = sum_r + Vec::load(p0) + Vec::load(p1);
+      }
+      if (pl != nullptr) {  // the remainders (brgemm_split.h): P = hi + lo to 16 bits
+        T* lo = pl + (j / 2) * 2 * kBlockQ + 2 * x;
+        for (int i = 0; i < kW; ++i) {
+          lo[2 * i] = static_cast<T>(p0[i] - static_cast<float>(dst[2 * i]));
+          lo[2 * i + 1] = static_cast<T>(p1[i] - static_cast<float>(dst[2 * i + 1]));
+        }
+      }
     }
     const Vec a = exp2_approx(m_old - m_use);
     fmadd(a, Vec::load(l + x), sum).store(l + x);
+    fmadd(a, Vec::load(lr + x), pl != nullptr ? sum : sum_r).store(lr + x);
     m_new.store(m + x);
     a.store(alpha + x);
   }
@@ -235,7 +268,7 @@ constexpr float kLazyRescale = 8.0f;
 // column moved (else O^T needs no rescale).
 template <>
 inline bool col_softmax_pack<c10::BFloat16>(const float* st, int64_t nk, int64_t ncols, float sc, float* m, float* l,
-                                            float* alpha, c10::BFloat16* pp) {
+                                            float* lr, float* alpha, c10::BFloat16* pp, c10::BFloat16* pl) {
   const int64_t nkp = round_up(nk, 2);
   const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity()), s = _mm512_set1_ps(sc);
   const __m512 lazy = _mm512_set1_ps(kLazyRescale), one = _mm512_set1_ps(1.0f);
@@ -246,31 +279,54 @@ inline bool col_softmax_pack<c10::BFloat16>(const float* st, int64_t nk, int64_t
   static_assert(kG % 16 == 0, "score blocks are whole 16-column vectors with AVX-512");
   // One pass of probabilities against m_use (finite; 0 for a column with no max yet), summed, and the
   // raw block max found on the way.
-  const auto pass = [&](int64_t x, __m512 m_use, __m512* sum, __m512* mx) {
+  // The exponent is clamped to kLazyRescale: past it only by rounding, at logits so large (|s| ~ 1e12,
+  // where an ulp is 2^18) that the max itself rounds; a stale max's larger exponents are redone below.
+  // Where a max is past 2^20 (an ulp of 1/8 or more), the exponent is s * score rounded, then minus
+  // the max, as the max itself was formed, so the max's own key gets exactly 2^0 = 1 (with one fma,
+  // at 1e10 its rounding error alone would take every key of the row to 0).
+  // (vmulps with an explicit rounding mode: GCC contracts a plain multiply and add into an fma.)
+  const __m512 big = _mm512_set1_ps(1048576.0f);
+  const auto mul_rn = [](__m512 a, __m512 b) { return _mm512_mul_round_ps(a, b, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); };
+  const auto pass = [&](int64_t x, __m512 m_use, __m512* sum, __m512* sum_r, __m512* mx, __m512* top) {
     const __m512 neg = _mm512_sub_ps(_mm512_setzero_ps(), m_use);
-    __m512 acc = _mm512_setzero_ps(), hi = ninf;
+    const bool exact = _mm512_cmp_ps_mask(_mm512_abs_ps(m_use), big, _CMP_GT_OQ) != 0;
+    __m512 acc = _mm512_setzero_ps(), acc_r = _mm512_setzero_ps(), hi = ninf, hx = ninf;
     for (int64_t j = 0; j < nkp; j += 2) {
       const __m512 ra = _mm512_loadu_ps(st + j * kBlockQ + x);
       const __m512 rb = j + 1 < nk ? _mm512_loadu_ps(st + (j + 1) * kBlockQ + x) : ninf;
       hi = _mm512_max_ps(hi, _mm512_max_ps(ra, rb));
-      const __m512 a = exp2_16(_mm512_fmadd_ps(ra, s, neg));
-      const __m512 b = exp2_16(_mm512_fmadd_ps(rb, s, neg));  // the odd block's partner row: -inf, so 0
-      acc = _mm512_add_ps(_mm512_add_ps(acc, a), b);
+      const __m512 xa = exact ? _mm512_add_ps(mul_rn(ra, s), neg) : _mm512_fmadd_ps(ra, s, neg);
+      const __m512 xb = exact ? _mm512_add_ps(mul_rn(rb, s), neg) : _mm512_fmadd_ps(rb, s, neg);
+      hx = _mm512_max_ps(hx, _mm512_max_ps(xa, xb));
+      const __m512 a = exp2_16(_mm512_min_ps(xa, lazy));
+      const __m512 b = exp2_16(_mm512_min_ps(xb, lazy));  // the odd block's partner row: -inf, so 0
       const __m512i ab = (__m512i)_mm512_cvtne2ps_pbh(b, a);  // low half row j, high half row j + 1
       _mm512_storeu_si512(pp + (j / 2) * 2 * kBlockQ + 2 * x, _mm512_permutexvar_epi16(mix, ab));
+      const __m512 ha = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(ab)), 16));
+      const __m512 hb = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(ab, 1)), 16));
+      if (pl != nullptr) {  // remainders: a - float(bf16(a)), exact in float32, rounded to bfloat16
+        const __m512i lo = (__m512i)_mm512_cvtne2ps_pbh(_mm512_sub_ps(b, hb), _mm512_sub_ps(a, ha));
+        _mm512_storeu_si512(pl + (j / 2) * 2 * kBlockQ + 2 * x, _mm512_permutexvar_epi16(mix, lo));
+      } else {
+        acc_r = _mm512_add_ps(_mm512_add_ps(acc_r, ha), hb);  // the P that P.V multiplies (see col_softmax_pack)
+      }
+      acc = _mm512_add_ps(_mm512_add_ps(acc, a), b);
     }
     *sum = acc;
+    *sum_r = pl != nullptr ? acc : acc_r;  // P to 16 bits (split): the float32 sum is its own
     *mx = hi;
+    *top = hx;
   };
   __mmask16 moved = 0;
   for (int64_t x = 0; x < ncols; x += 16) {
     const __m512 m_old = _mm512_loadu_ps(m + x);
     const __mmask16 had = _mm512_cmp_ps_mask(m_old, ninf, _CMP_NEQ_OQ);  // columns with a running max
-    __m512 sum, mx;
+    __m512 sum, sum_r, mx, top;
     if (had == 0xFFFF) {
-      pass(x, m_old, &sum, &mx);
-      if (_mm512_cmp_ps_mask(_mm512_mul_ps(mx, s), _mm512_add_ps(m_old, lazy), _CMP_GT_OQ) == 0) {
+      pass(x, m_old, &sum, &sum_r, &mx, &top);
+      if (_mm512_cmp_ps_mask(top, lazy, _CMP_GT_OQ) == 0) {  // no exponent past the threshold: done
         _mm512_storeu_ps(l + x, _mm512_add_ps(_mm512_loadu_ps(l + x), sum));
+        _mm512_storeu_ps(lr + x, _mm512_add_ps(_mm512_loadu_ps(lr + x), sum_r));
         _mm512_storeu_ps(alpha + x, one);
         continue;
       }
@@ -279,16 +335,17 @@ inline bool col_softmax_pack<c10::BFloat16>(const float* st, int64_t nk, int64_t
       for (int64_t j = 0; j < nk; ++j) mx = _mm512_max_ps(mx, _mm512_loadu_ps(st + j * kBlockQ + x));
     }
     // Raise the max where the block's passes it by more than kLazyRescale, or where there was none.
-    const __m512 bmax = _mm512_mul_ps(mx, s);
+    const __m512 bmax = mul_rn(mx, s);
     const __mmask16 raise = _mm512_cmp_ps_mask(bmax, _mm512_add_ps(m_old, lazy), _CMP_GT_OQ);
     const __m512 m_new = _mm512_mask_blend_ps(raise, m_old, bmax);
     const __m512 m_use = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(m_new, ninf, _CMP_EQ_OQ), m_new, _mm512_setzero_ps());
-    pass(x, m_use, &sum, &mx);
+    pass(x, m_use, &sum, &sum_r, &mx, &top);
     // alpha = 1 where the max stayed, or where there was none (O^T and l are still 0 there)
     const __mmask16 rescaled = raise & had;
     moved |= rescaled;
     const __m512 al = _mm512_mask_blend_ps(rescaled, one, exp2_16(_mm512_sub_ps(m_old, m_new)));
     _mm512_storeu_ps(l + x, _mm512_fmadd_ps(al, _mm512_loadu_ps(l + x), sum));
+    _mm512_storeu_ps(lr + x, _mm512_fmadd_ps(al, _mm512_loadu_ps(lr + x), sum_r));
     _mm512_storeu_ps(m + x, m_new);
     _mm512_storeu_ps(alpha + x, al);
   }
@@ -312,10 +369,16 @@ void col_write_out(const float* ot, int64_t nrows, int64_t Dv, const float* l, c
 #if defined(FLASH_METAL_COLS_AVX512_BF16)
 // 16 columns x 16 features at a time through a register transpose (the
 // scalar loop above reads O^T down its columns, a 384-byte stride, and was
-// 5-20% of the bfloat16 forward on the AMX Xeon). Rounded to nearest even by
-// vcvtneps2bf16, as c10 rounds.
-template <typename Dst>
-void col_write_out_bf16(const float* ot, int64_t nrows, int64_t Dv, const float* l, const Dst& dst) {
+// 5-20% of the bfloat16 forward on the AMX Xeon).
+inline void store16(c10::BFloat16* p, __mmask16 m, __m512 x) {
+  _mm256_mask_storeu_epi16(p, m, (__m256i)_mm512_cvtneps_pbh(x));
+}
+inline void store16(c10::Half* p, __mmask16 m, __m512 x) {
+  _mm256_mask_storeu_epi16(p, m, _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+// O (16-bit T: bfloat16 by vcvtneps2bf16, float16 by vcvtps2ph, both round to nearest even).
+template <typename T, typename Dst>
+void col_write_out_16(const float* ot, int64_t nrows, int64_t Dv, const float* l, const Dst& dst) {
   for (int64_t c0 = 0; c0 < nrows; c0 += 16) {
     const int64_t cn = std::min<int64_t>(16, nrows - c0);
     const __mmask16 cmask = static_cast<__mmask16>((1u << cn) - 1);
@@ -328,14 +391,28 @@ void col_write_out_bf16(const float* ot, int64_t nrows, int64_t Dv, const float*
         r[i] = i < dn ? _mm512_maskz_loadu_ps(cmask, ot + (d0 + i) * kBlockQ + c0) : _mm512_setzero_ps();
       transpose16x16_ps(r);
       const __mmask16 dmask = static_cast<__mmask16>((1u << dn) - 1);
-      for (int64_t i = 0; i < cn; ++i) {
-        const __m256i h = (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(r[i], _mm512_set1_ps(inv[i])));
-        _mm256_mask_storeu_epi16(dst(c0 + i) + d0, dmask, h);
-      }
+      for (int64_t i = 0; i < cn; ++i) store16(dst(c0 + i) + d0, dmask, _mm512_mul_ps(r[i], _mm512_set1_ps(inv[i])));
     }
   }
 }
 #endif
+
+// O^T (Dv x ncols, row stride kBlockQ) += V^T's column of one key times its
+// row of P, for the last key of an odd block (see attention_item): vh[d *
+// ld] (+ vl[d * ld], the split form's low half) is the key's feature d, and
+// p[2 * c] (+ pl[2 * c]) its probability in query column c (the first of
+// its VNNI pair, whose partner is the zero pad).
+template <typename V, typename P>
+void col_last_key(float* o, int64_t Dv, int64_t ncols, const V* vh, const V* vl, int64_t ld, const P* p, const P* pl) {
+  alignas(64) float pf[kBlockQ];
+  for (int64_t c = 0; c < ncols; ++c)
+    pf[c] = static_cast<float>(p[2 * c]) + (pl != nullptr ? static_cast<float>(pl[2 * c]) : 0.0f);
+  for (int64_t d = 0; d < Dv; ++d) {
+    const Vec vd = Vec::broadcast(static_cast<float>(vh[d * ld]) + (vl != nullptr ? static_cast<float>(vl[d * ld]) : 0.0f));
+    float* row = o + d * kBlockQ;
+    for (int64_t x = 0; x < ncols; x += kW) fmadd(vd, Vec::load(pf + x), Vec::load(row + x)).store(row + x);
+  }
+}
 
 // What an item needs for the column form: the thread's buffers and the
 // call's V^T (nullptr: the item takes the row form of brgemm_tiles.h).
@@ -345,6 +422,12 @@ struct ColForm {
   const T* vt = nullptr;
   int64_t vt_ld = 0;
   int64_t block_k = 0;  // keys per block (mx_block_k)
+  // The split float16 form (brgemm_split.h): K' rows, kx_ld apart, k_rows per
+  // (b, kv head), and V^T's two bfloat16 halves (vt_ld as vt); vt is null.
+  bool split = false;
+  const c10::BFloat16* kx = nullptr;
+  int64_t kx_ld = 0, k_rows = 0;
+  const c10::BFloat16 *vth = nullptr, *vtl = nullptr;
 };
 
 // st (nk x ncols, row stride kBlockQ) *= scale, for blocks whose score

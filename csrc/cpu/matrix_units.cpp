@@ -39,8 +39,9 @@ namespace {
 // emulated tile products run (any pass): the tests' proof the seam ran;
 // then the forward calls that took the column form (brgemm_cols.h), then the
 // float32 backward's query blocks that took the first pass (backward_precise.h).
-constexpr int kEmuFwd = 4, kEmuBwd = 5, kEmuGemm = 6, kColsFwd = 7, kRenormBwd = 8;
-std::atomic<int64_t> g_counts[9];
+// Then the float16 forward calls that took the split bfloat16 form (brgemm_split.h).
+constexpr int kEmuFwd = 4, kEmuBwd = 5, kEmuGemm = 6, kColsFwd = 7, kRenormBwd = 8, kSplitFwd = 9;
+std::atomic<int64_t> g_counts[10];
 
 #ifdef FLASH_METAL_X86_CPUID
 CpuFeatures detect() {
@@ -136,7 +137,6 @@ PathChoice choose_path_rule(PathMode mode, VnniMode vnni, bool sixteen, bool pac
 }
 
 PathChoice choose_cpu_path(at::ScalarType dtype, bool backward) {
-  (void)backward;  // the same rule for both passes (the backward packs as the forward does)
   // Read at every call (tests and benchmarks switch them between calls), but
   // with plain C-string compares: no allocation on the kernels' hot path.
   const char* env = std::getenv("FLASH_METAL_CPU_PATH");
@@ -156,7 +156,21 @@ PathChoice choose_cpu_path(at::ScalarType dtype, bool backward) {
     vm = is_emulate ? VnniMode::Emulate : VnniMode::Off;
   }
   const bool sixteen = dtype == at::kBFloat16 || dtype == at::kHalf;
-  const PathChoice pc = choose_path_rule(mode, vm, sixteen, sixteen && packable_16(dtype));
+  PathChoice pc = choose_path_rule(mode, vm, sixteen, sixteen && packable_16(dtype));
+  // float16 forward where float16 has no AMX: on the bfloat16 tiles as split pairs
+  // (brgemm_split.h): auto takes it where bfloat16 packs; a forced or emulated
+  // brgemm forward of float16 splits wherever float16 itself does not pack.
+  if (dtype == at::kHalf && !backward && !packable_16(at::kHalf)) {
+    if (pc.path == CpuPath::Brgemm) {
+      if (pc.vnni == Vnni::Off && vm == VnniMode::Auto && packable_16(at::kBFloat16)) pc.vnni = Vnni::Aten;
+      pc.split = pc.vnni != Vnni::Off;
+    } else if (pc.why == PathWhy::AutoNoMatrixUnits && packable_16(at::kBFloat16)) {
+      pc.path = CpuPath::Brgemm;
+      pc.vnni = Vnni::Aten;
+      pc.why = PathWhy::AutoSplitBf16;
+      pc.split = true;
+    }
+  }
   // The emulation needs nothing of ATen's; the other brgemm modes need its brgemm.
   TORCH_CHECK(pc.path != CpuPath::Brgemm || pc.vnni == Vnni::Emulated || brgemm_compiled(),
               "FLASH_METAL_CPU_PATH=brgemm: this torch has no at::native::cpublas::brgemm for 16-bit inputs "
@@ -169,34 +183,45 @@ std::string describe_cpu_path(const PathChoice& pc, at::ScalarType dtype, bool b
   const char* emulated =
       "VNNI emulated (FLASH_METAL_CPU_VNNI=emulate: pair-interleaved B packed and multiplied by this project's "
       "scalar code, a test seam, slow)";
-  switch (pc.why) {
-    case PathWhy::ForcedVector:
-      return what + ": vector (float32 FMA tiles), forced by FLASH_METAL_CPU_PATH=vector";
-    case PathWhy::ForcedBrgemmFloat32:
-      return what + ": vector; FLASH_METAL_CPU_PATH=brgemm covers 16-bit dtypes only, float32 keeps its FMA tiles";
-    case PathWhy::ForcedBrgemm:
-      return what + ": brgemm, forced by FLASH_METAL_CPU_PATH=brgemm; " +
-             (pc.vnni == Vnni::Aten       ? "VNNI-packed B on the matrix units (AMX)"
-              : pc.vnni == Vnni::Emulated ? emulated
-                                          : "ATen's non-VNNI calls (no AMX for this dtype here, or "
-                                            "FLASH_METAL_CPU_VNNI=off)");
-    case PathWhy::AutoMatrixUnits:
-      return what + ": brgemm on the matrix units (auto: ATen can pack " + dtype_name(dtype) + " for AMX here)";
-    case PathWhy::AutoEmulated:
-      return what + ": brgemm, " + emulated + " (auto, as if the matrix units were there)";
-    case PathWhy::AutoVnniOff:
-      return what + ": vector (auto: FLASH_METAL_CPU_VNNI=off keeps brgemm off the matrix units)";
-    case PathWhy::AutoNoMatrixUnits:
-      return what + ": vector (auto: no AMX for " + dtype_name(dtype) +
-             " here, and ATen's non-AMX brgemm does not beat the FMA tiles)";
-    case PathWhy::AutoFloat32:
-      return what + ": vector (auto: float32 always runs the FMA tiles)";
-  }
-  return what;
+  const std::string tail = pc.split && pc.why != PathWhy::AutoSplitBf16
+                               ? "; each float16 split exactly into two bfloat16s for the bfloat16 tile products"
+                               : "";
+  const auto sentence = [&]() -> std::string {
+    switch (pc.why) {
+      case PathWhy::ForcedVector:
+        return what + ": vector (float32 FMA tiles), forced by FLASH_METAL_CPU_PATH=vector";
+      case PathWhy::ForcedBrgemmFloat32:
+        return what + ": vector; FLASH_METAL_CPU_PATH=brgemm covers 16-bit dtypes only, float32 keeps its FMA tiles";
+      case PathWhy::ForcedBrgemm:
+        return what + ": brgemm, forced by FLASH_METAL_CPU_PATH=brgemm; " +
+               (pc.vnni == Vnni::Aten       ? "VNNI-packed B on the matrix units (AMX)"
+                : pc.vnni == Vnni::Emulated ? emulated
+                                            : "ATen's non-VNNI calls (no AMX for this dtype here, or "
+                                              "FLASH_METAL_CPU_VNNI=off)");
+      case PathWhy::AutoMatrixUnits:
+        return what + ": brgemm on the matrix units (auto: ATen can pack " + dtype_name(dtype) + " for AMX here)";
+      case PathWhy::AutoEmulated:
+        return what + ": brgemm, " + emulated + " (auto, as if the matrix units were there)";
+      case PathWhy::AutoVnniOff:
+        return what + ": vector (auto: FLASH_METAL_CPU_VNNI=off keeps brgemm off the matrix units)";
+      case PathWhy::AutoNoMatrixUnits:
+        return what + ": vector (auto: no AMX for " + dtype_name(dtype) +
+               " here, and ATen's non-AMX brgemm does not beat the FMA tiles)";
+      case PathWhy::AutoFloat32:
+        return what + ": vector (auto: float32 always runs the FMA tiles)";
+      case PathWhy::AutoSplitBf16:
+        return what + ": brgemm on the bfloat16 matrix units, each float16 split exactly into two bfloat16s "
+                      "(auto: no AMX for float16 here; four tile products per score, three per output term; query blocks "
+                      "under 32 columns run the vector path)";
+    }
+    return what;
+  };
+  return sentence() + tail;
 }
 
 void count_cpu_cols_form() { ++g_counts[kColsFwd]; }
 void count_cpu_renormalized_block() { ++g_counts[kRenormBwd]; }
+void count_cpu_split_form() { ++g_counts[kSplitFwd]; }
 
 void count_cpu_path(const PathChoice& pc, bool backward) {
   ++g_counts[(backward ? 2 : 0) + static_cast<int>(pc.path)];

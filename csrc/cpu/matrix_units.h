@@ -64,6 +64,7 @@ enum class PathWhy : uint8_t {
   AutoVnniOff,          // auto, 16-bit, FLASH_METAL_CPU_VNNI=off: vector
   AutoNoMatrixUnits,    // auto, 16-bit, no AMX for the dtype: vector
   AutoFloat32,          // auto, float32: vector
+  AutoSplitBf16,        // auto, float16 forward, AMX-BF16 without AMX-FP16: brgemm + Aten, split
 };
 
 // How brgemm's B operands are laid out and who multiplies them (see above).
@@ -83,6 +84,10 @@ struct PathChoice {
   CpuPath path = CpuPath::Vector;
   Vnni vnni = Vnni::Off;  // brgemm only: B operands' layout and the product's implementation
   PathWhy why = PathWhy::AutoFloat32;
+  // float16 forward on the bfloat16 matrix units, each operand split into two
+  // bfloat16s (brgemm_split.h): where float16 itself has no AMX (no AMX-FP16)
+  // and the brgemm path packs (vnni Aten or Emulated).
+  bool split = false;
 };
 
 // The rule itself, a pure function (the tests reach it through the two
@@ -104,6 +109,8 @@ void count_cpu_path(const PathChoice& pc, bool backward);
 void count_cpu_cols_form();
 // Counts one float32 backward query block that took the first pass (backward_precise.h).
 void count_cpu_renormalized_block();
+// Counts one float16 forward call that took the split bfloat16 form (brgemm_split.h).
+void count_cpu_split_form();
 
 // The CPU's features as cpuid and the OS report them (x86-64; all false
 // elsewhere), for the benchmarks' labels and the reasons above.
