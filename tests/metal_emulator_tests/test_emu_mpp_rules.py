@@ -49,6 +49,7 @@ PLANTS = {
     11: "can only be float, half or int32_t",             # a bfloat destination cooperative tensor
     12: "member of a row or column reduction destination",  # map_iterator of a destination
     13: "iterator over a matmul2d destination",           # map_iterator over a reduction's iterator
+    14: "no matching constructor for initialization of",  # the mode passed where relaxed_precision goes
 }
 
 
