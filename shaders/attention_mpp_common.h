@@ -223,7 +223,8 @@ FM_INLINE void mpp_slot_codes(thread C& codes) {
 template <typename R>
 FM_INLINE void mpp_row_codes(thread R& rows) {
   FM_UNROLL
-  for (int j = 0; j < rows.get_capacity(); ++j) rows[j] = rows.is_valid_element(j) ? float(rows.get_multidimensional_index(j)[0]) : -1.0f;
+  for (int j = 0; j < rows.get_capacity(); ++j)
+    rows[j] = rows.is_valid_element(j) ? float(rows.get_multidimensional_index(j)[0]) : -1.0f;
 }
 
 // The value a row reduction tensor `r` holds for row `row`, found through

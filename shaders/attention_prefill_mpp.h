@@ -253,7 +253,8 @@ template <typename T, int D, int DV, int BQ, int BK>
   // Q's slice as a tensor; K's and V's rows per key block (below): extents
   // innermost first (features, rows), strides in elements (int32: checked
   // as above), the row extent the block's valid keys.
-  const MppStaticTileTensor<T, D, R> tq = mpp_static_tile<D, R>(q_tile, D);  // whole: rows past the sequence are zeros
+  // Q's tile is whole (rows past the sequence are zeros): static extents.
+  const MppStaticTileTensor<T, D, R> tq = mpp_static_tile<D, R>(q_tile, D);
   using QT = MppStaticTileTensor<T, D, R>;
   using KT = MppDeviceTensor<T>;
   using PT = MppTileTensor<T>;

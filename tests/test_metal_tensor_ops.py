@@ -150,7 +150,7 @@ def test_q_is_read_once_per_threadgroup(layout):
 
 # Planted: S = Q.K^T takes Q as a tensor over device memory again (the kernel
 # before Q was staged; it still stages, so nothing else changes).
-STAGED_Q = "  const MppStaticTileTensor<T, D, R> tq = mpp_static_tile<D, R>(q_tile, D);  // whole: rows past the sequence are zeros\n"
+STAGED_Q = "  const MppStaticTileTensor<T, D, R> tq = mpp_static_tile<D, R>(q_tile, D);\n"
 REREAD_Q = ("  const MppDeviceTensor<T> tq = mpp_device_rows<D>(q + h.q + int64_t(row0) * p.q_row_stride,\n"
             "                                                  min(R, seq.q_len - row0), p.q_row_stride, p.q_dim_stride);\n")
 
@@ -200,9 +200,10 @@ def test_planted_static_k_on_the_ragged_key_block_is_nan(tmp_path, monkeypatch):
     """O += P.V with a static K = 32 (the kernel before issue 40) on 33 keys: the last block's product reads V
     rows (and P columns) past the block's valid key, undefined on Apple's GPUs (NaN on M5s, llama.cpp PR
     #27450) and NaN in the emulator, so every row's output is NaN; the dynamic K (mpp_accumulate_descriptor) is right."""
-    _planted_library(tmp_path, monkeypatch, "  constexpr auto pv_desc = mpp_accumulate_descriptor(DV, mpp_relaxed(sizeof(T)));\n",
-                     "  constexpr auto pv_desc = mpp::tensor_ops::matmul2d_descriptor(kMppRowsPerSimd, DV, BK, false, false, true, "
-                     "mpp::tensor_ops::matmul2d_descriptor::mode::multiply_accumulate);\n")
+    _planted_library(tmp_path, monkeypatch,
+                     "  constexpr auto pv_desc = mpp_accumulate_descriptor(DV, mpp_relaxed(sizeof(T)));\n",
+                     "  constexpr auto pv_desc = mpp::tensor_ops::matmul2d_descriptor(kMppRowsPerSimd, DV, BK, false, "
+                     "false, true, mpp::tensor_ops::matmul2d_descriptor::mode::multiply_accumulate);\n")
     q, k, v = make_qkv(1, 2, 1, 17, 33, 64, torch.float16, generator=torch.Generator().manual_seed(73))
     out, _ = emulated_metal_attention(q, k, v, False, None, "tensor_ops", instrumented=True, mpp_layout="scrambled")
     assert out.isnan().all()

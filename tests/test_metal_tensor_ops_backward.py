@@ -486,9 +486,10 @@ def test_planted_static_k_on_the_ragged_key_block_is_nan(tmp_path, monkeypatch):
     """dQ += dS.K with a static K = 32 (the kernel before issue 40) on a sequence of 50 keys: its last block reads
     K rows past the block's valid keys, undefined on Apple's GPUs (NaN on M5s, llama.cpp PR #27450) and NaN in
     the emulator, so grad_q is NaN under both layouts; the dynamic K (mpp_accumulate_descriptor) is right (the other tests)."""
-    _planted_library(tmp_path, monkeypatch, "  constexpr auto dq_desc = mpp_accumulate_descriptor(D, mpp_relaxed(sizeof(T)));\n",
-                     "  constexpr auto dq_desc = mpp::tensor_ops::matmul2d_descriptor(kMppRowsPerSimd, D, BK, false, false, true, "
-                     "mpp::tensor_ops::matmul2d_descriptor::mode::multiply_accumulate);\n")
+    _planted_library(tmp_path, monkeypatch,
+                     "  constexpr auto dq_desc = mpp_accumulate_descriptor(D, mpp_relaxed(sizeof(T)));\n",
+                     "  constexpr auto dq_desc = mpp::tensor_ops::matmul2d_descriptor(kMppRowsPerSimd, D, BK, false, "
+                     "false, true, mpp::tensor_ops::matmul2d_descriptor::mode::multiply_accumulate);\n")
     q, k, v, out, lse, grad_out, _ = _planted_case()
     for layout in LAYOUTS:
         dq, dk, dv = emulated_metal_attention_backward(grad_out, q, k, v, out, lse, True, impl="tensor_ops",

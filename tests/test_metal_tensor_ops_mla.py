@@ -350,7 +350,8 @@ def test_planted_scores_and_dp_of_two_static_ops_are_caught_under_scrambled(tmp_
                      ("  auto dp = s_op.template get_destination_cooperative_tensor<QT, KT, float>();",
                       "  typename MppRowStep<DV, BK, T>::Scores dp_op;\n"
                       "  auto dp = dp_op.template get_destination_cooperative_tensor<QT, KT, float>();"),
-                     ("      s_op.run(tdo, v_blk, dp);\n    } else {", "      dp_op.run(tdo, v_blk, dp);\n    } else {"),
+                     ("      s_op.run(tdo, v_blk, dp);\n    } else {",
+                      "      dp_op.run(tdo, v_blk, dp);\n    } else {"),
                      ("      s_op.run(tdo, v_blk, dp);\n    }\n", "      dp_op.run(tdo, v_blk, dp);\n    }\n"))
     assert not _caught(monkeypatch, planted, (dq,), "m5")
     assert _caught(monkeypatch, planted, (dq,), "scrambled")
