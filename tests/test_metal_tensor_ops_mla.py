@@ -333,8 +333,8 @@ def test_planted_dp_over_dqk_and_dk_with_dv_columns_are_caught(tmp_path, monkeyp
     dq, dkdv = bwd_names(torch.float16)
     at = "    const int64_t at = mpp_packed_row(packed_b, kv_head, p.kv_heads, packed_k, seq.k_row0 + key, D) + idx[0];"
     planted = _plant(tmp_path, (dq, dkdv),
-                     ("  const MppTileTensor<T> tdo = mpp_tile(do_tile, DV, R, DV);",
-                      "  const MppTileTensor<T> tdo = mpp_tile(do_tile, D, R, D);"),
+                     ("  const MppStaticTileTensor<T, DV, R> tdo = mpp_static_tile<DV, R>(do_tile, DV);",
+                      "  const MppStaticTileTensor<T, D, R> tdo = mpp_static_tile<D, R>(do_tile, D);"),
                      (at, at.replace(", D)", ", DV)")))
     assert not _caught(monkeypatch, planted, ())  # the case passes with the real kernels
     assert _caught(monkeypatch, planted, (dq,))

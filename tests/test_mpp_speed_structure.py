@@ -64,7 +64,7 @@ def test_every_cooperative_tensor_loop_is_unrolled():
         text = open(os.path.join(SHADERS, name)).read()
         loops += sum(bool(_COOP_LOOP.match(line)) for line in text.splitlines())
         assert not_unrolled(text) == [], name
-    assert loops >= 30  # the check sees the kernels' loops (39 when written)
+    assert loops >= 25  # the check sees the kernels' loops (28 when written)
 
 
 def test_the_unroll_check_bites():
@@ -127,18 +127,17 @@ def test_full_blocks_run_static_and_every_run_is_relaxed(dtype):
     g = torch.Generator().manual_seed(40)
     # Aligned: every block full, no checked run anywhere (forward, dQ, dK/dV).
     q, k, v = make_qkv(1, 1, 1, 64, 128, 64, dtype, generator=g)
-    LAST_DISPATCHES.clear()
     out, lse = emulated_metal_attention(q, k, v, False, None, "tensor_ops", mpp_layout="m5")
+    mpp = [(d.kernel_name, c) for d, c in LAST_DISPATCHES]  # each call records its own dispatches
     emulated_metal_attention_backward(torch.randn_like(out), q, k, v, out, lse, impl="tensor_ops", mpp_layout="m5")
-    mpp = [(d.kernel_name, c) for d, c in LAST_DISPATCHES if "_mpp_" in d.kernel_name]
-    assert len(mpp) == 3
+    mpp += [(d.kernel_name, c) for d, c in LAST_DISPATCHES if "_mpp_" in d.kernel_name]
+    assert len(mpp) == 3 and all("_mpp_" in name for name, _ in mpp)
     for name, c in mpp:
         assert c.mpp_runs > 0 and c.mpp_checked_runs == 0, name
         assert c.mpp_relaxed_runs == c.mpp_runs, name
     # Ragged (100 keys: the last block 4 keys): the forward's 4 SIMD-groups each run S and P.V over dynamic
     # extents on that block alone; the full blocks stay static.
     q, k, v = make_qkv(1, 1, 1, 64, 100, 64, dtype, generator=g)
-    LAST_DISPATCHES.clear()
     emulated_metal_attention(q, k, v, False, None, "tensor_ops", mpp_layout="m5")
     ((d, c),) = LAST_DISPATCHES
     assert c.mpp_runs == 4 * 2 * 4 and c.mpp_checked_runs == 4 * 2, d.kernel_name
