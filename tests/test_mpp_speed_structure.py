@@ -13,8 +13,9 @@
 - relaxed_precision for 16-bit operands: every matmul2d run of a float16 / bfloat16 call is relaxed
   (mpp_relaxed_runs), and the shim's descriptor is Apple's field for field (the mode in relaxed's place is
   refused: tests/metal_emulator_tests/test_emu_mpp_rules.py, PLANT 14).
-Runtime: about 40 s on one core with the emulator's libraries cached (the bookkeeping table runs 22 small
-dispatches).
+Runtime: about 5 s on one core with the emulator's libraries cached (the bookkeeping table runs 22 small
+dispatches); a cold cache adds the planted partial library's build and the tensor-op libraries the other
+tensor-op tests build anyway.
 """
 import os
 import re
