@@ -245,7 +245,10 @@ REQUIRE_MPP_METALLIB_ENV = "FLASH_METAL_REQUIRE_MPP_METALLIB"
 # (Apple's __run has no branch for a const element type), a row reduction
 # with a float identity, a threadgroup tensor with a row stride, and a
 # multiply_accumulate op with a dynamic K over operand views clamped to a
-# ragged block (the kernels' O += P.V and dQ += dS.K). A toolchain that
+# ragged block (the kernels' O += P.V and dQ += dS.K); since issue 40 also a
+# static slice as an operand (the kernels' full key blocks), relaxed_precision
+# set (their 16-bit products) and a row value broadcast by map_iterator behind
+# is_iterator_compatible (their rescale). A toolchain that
 # compiles and links this has what attention_mpp.metal needs, as far as the
 # probe can tell; tests/test_build.py checks that it uses every MPP construct
 # the kernels use, and compiles and runs it in the project's Metal emulator.
@@ -261,7 +264,7 @@ constant float kProbeFloor = -1.0e30f;
   threadgroup bfloat p[16 * 32];
   using DevT = tensor<device bfloat, dextents<int, 2>, tensor_inline>;
   using TgT = tensor<threadgroup bfloat, dextents<int, 2>, tensor_inline>;
-  constexpr auto sd = matmul2d_descriptor(16, 32, 32, false, true, false, matmul2d_descriptor::mode::multiply);
+  constexpr auto sd = matmul2d_descriptor(16, 32, 32, false, true, true, matmul2d_descriptor::mode::multiply);
   matmul2d<sd, execution_simdgroup> qk;
   auto qin = qk.get_left_input_cooperative_tensor<bfloat, bfloat, float>();
   for (int i = 0; i < qin.get_capacity(); ++i) {
@@ -271,23 +274,28 @@ constant float kProbeFloor = -1.0e30f;
   }
   DevT tk(const_cast<device bfloat*>(k), dextents<int, 2>(32, 32), array<int, 2>{1, 32});
   auto k_blk = tk.slice(0, 0);
+  auto k_full = tk.static_slice<32, 32>(0, 0);
   auto s = qk.get_destination_cooperative_tensor<decltype(qin), decltype(k_blk), float>();
-  qk.run(qin, k_blk, s);
+  qk.run(qin, k_full, s);
   auto m = qk.get_row_reduction_destination_cooperative_tensor<decltype(qin), decltype(k_blk), float>();
   reduce_rows(s, m, reduction_operation::max, float(kProbeFloor));
+  const bool mapped = is_iterator_compatible(s, m);
+  if (mapped) {
+    for (auto it = s.begin(); it != s.end(); it++) *it -= *m.map_iterator(it);
+  }
   for (int i = 0; i < s.get_capacity(); ++i) {
     if (!s.is_valid_element(i)) continue;
     auto at = s.get_multidimensional_index(i);
     float mx = 0.0f;
     for (int j = 0; j < m.get_capacity(); ++j)
-      if (m.is_valid_element(j) && m.get_multidimensional_index(j)[0] == at[1]) mx = m[j];
+      if (!mapped && m.is_valid_element(j) && m.get_multidimensional_index(j)[0] == at[1]) mx = m[j];
     p[at[1] * 32 + at[0]] = bfloat(s[i] - mx);
   }
   simdgroup_barrier(mem_flags::mem_threadgroup);
   const int keys = 20;
   TgT p_blk(p, dextents<int, 2>(keys, 16), array<int, 2>{1, 32});
   DevT v_blk(const_cast<device bfloat*>(v), dextents<int, 2>(16, keys), array<int, 2>{1, 16});
-  constexpr auto od = matmul2d_descriptor(16, 16, static_cast<int>(dynamic_extent), false, false, false,
+  constexpr auto od = matmul2d_descriptor(16, 16, static_cast<int>(dynamic_extent), false, false, true,
                                           matmul2d_descriptor::mode::multiply_accumulate);
   matmul2d<od, execution_simdgroup> pv;
   auto o = pv.get_destination_cooperative_tensor<decltype(p_blk), decltype(v_blk), float>();

@@ -48,6 +48,7 @@ from . import apple_gpus as G
 from . import metal_model as M
 from . import metal_model_timing as T
 from . import metal_backward_model as BM
+from . import metal_model_bookkeeping as MB
 
 MMA_FLOPS = 2 * 8 * 8 * 8  # one simdgroup_multiply_accumulate on 8x8 tiles
 
@@ -518,6 +519,7 @@ def accelerators(quick=False):
     print_dsplit(quick)
     print_dsplit_backward(quick)
     print_mla(quick)
+    MB.print_bookkeeping()
     post = post_point()
     print(f"The post's M5 point (10-core M5, N = 2048, d = 64, causal, one head): simdgroup float32 "
           f"{_ms(post['simdgroup'])} ms; tensor ops {_ms(post['tensor_ops'])} ms, which ASSUMES float32 with "

@@ -11,6 +11,8 @@ from typing import Dict, NamedTuple, Optional, Tuple
 import torch
 from torch import Tensor
 
+from . import _mpp_bookkeeping
+
 _IMPLS = ("auto", "untiled", "tiled", "prefill", "decode", "decode_split", "tensor_ops", "composite")
 
 
@@ -239,6 +241,11 @@ class MetalDispatch(NamedTuple):
     threadgroups_per_core: int
     simdgroups_per_core: int
     occupancy_limit: str
+    # Tensor-op kernels (issue 40): their per-block bookkeeping as the Metal emulator counts it
+    # (flash_metal/_mpp_bookkeeping.py: coordinate queries per lane, barriers, matmul2d runs and the
+    # edge-checked ones, and the coordinate queries before issue 40). Emulator counts, not measured on Apple
+    # hardware; None for every other kernel.
+    mpp_bookkeeping: Optional[Dict[str, float]] = None
 
 
 class MetalPlan(NamedTuple):
@@ -315,7 +322,7 @@ def explain(
         buffers = {t: n for t, n in zip(_LAUNCH_TENSORS, indices) if n >= 0}
         dispatches.append(
             MetalDispatch(name, tuple(grid), tuple(tg), mem, mem_index, tuple(consts), buffers, params_index, params,
-                          max_threads, *estimate, limit)
+                          max_threads, *estimate, limit, _mpp_bookkeeping.counts(name))
         )
         i += 1
     sizes = dict(zip(("partial_out", "partial_stats", "delta"), scratch))

@@ -107,12 +107,12 @@ constant constexpr int kMppStats = 4;
 // dynamic_length_v<int>): K comes from each run's left operand, and the
 // two runs stay one type. Both widths are multiples of 32 (reported: a
 // static K that is not was truncated by Xcode 26.1; not a concern here).
-template <int D, int DV, int BK>
+template <int D, int DV, int BK, typename T>
 struct MppScoresPair {
   static constant constexpr int kReduction = D == DV ? D : static_cast<int>(metal::dynamic_extent);
   // The descriptor in place, not a static member (MppRowStep says why).
   using Op = mpp::tensor_ops::matmul2d<
-      mpp::tensor_ops::matmul2d_descriptor(kMppRowsPerSimd, BK, kReduction, false, true, false,
+      mpp::tensor_ops::matmul2d_descriptor(kMppRowsPerSimd, BK, kReduction, false, true, mpp_relaxed(sizeof(T)),
                                            mpp::tensor_ops::matmul2d_descriptor::mode::multiply),
       metal::execution_simdgroup>;
 };
@@ -343,24 +343,32 @@ template <typename T, int D, int DV, int BQ, int BK>
   }
   simdgroup_barrier(mem_flags::mem_threadgroup);  // stats written before other lanes read them (RAW)
 
-  const MppTileTensor<T> tq = mpp_tile(q_tile, D, R, D);
-  const MppTileTensor<T> tdo = mpp_tile(do_tile, DV, R, DV);
+  // Q's and dO's tiles are whole (zeros past the sequence): static extents.
+  const MppStaticTileTensor<T, D, R> tq = mpp_static_tile<D, R>(q_tile, D);
+  const MppStaticTileTensor<T, DV, R> tdo = mpp_static_tile<DV, R>(do_tile, DV);
   using QT = MppTileTensor<T>;
   using KT = MppDeviceTensor<T>;  // a key block's rows of K or V (below)
   using DST = MppTileTensor<T>;
+  // The sequence's K and V rows: full key blocks take static slices of them.
+  const MppDeviceTensor<T> k_seq = mpp_device_rows<D>(k + h.k, seq.kv_len, p.k_row_stride, p.k_dim_stride);
+  const MppDeviceTensor<T> v_seq = mpp_device_rows<DV>(v + h.v, seq.kv_len, p.v_row_stride, p.v_dim_stride);
   // The 16-row step (attention_mpp_common.h): S = Q.K^T and dP = dO.V^T,
   // one op type (16 x BK, right transposed; K = D, or dynamic when DV != D:
   // MppScoresPair) run twice; dQ += dS.K (16 x D, accumulating, K the
-  // block's valid keys: mpp_accumulate_descriptor).
-  // Q's and dO's tiles are tensors of one type (threadgroup T, two dynamic
-  // extents), as are K's and V's, so S and dP are one destination type.
-  typename MppScoresPair<D, DV, BK>::Op s_op;
-  constexpr auto dq_desc = mpp_accumulate_descriptor(D);
+  // block's valid keys: mpp_accumulate_descriptor). S and dP are asked for
+  // with one pair of operand types, so they are one destination type (the
+  // static slices they run on are the same element types: Apple keys the
+  // layout by those, attention_prefill_mpp.h).
+  typename MppScoresPair<D, DV, BK, T>::Op s_op;
+  constexpr auto dq_desc = mpp_accumulate_descriptor(D, mpp_relaxed(sizeof(T)));
   matmul2d<dq_desc, execution_simdgroup> dq_op;
   auto s = s_op.template get_destination_cooperative_tensor<QT, KT, float>();
   auto dp = s_op.template get_destination_cooperative_tensor<QT, KT, float>();
   auto acc = dq_op.template get_destination_cooperative_tensor<DST, KT, float>();
   mpp_clear(acc);
+  // S's layout, once: row * BK + key per slot (attention_mpp_common.h).
+  auto s_at = s_op.template get_destination_cooperative_tensor<QT, KT, float>();
+  mpp_slot_codes<BK>(s_at);
 
   // Key blocks the rows see: up to the last real row's last visible key
   // (causal or a right window: later blocks are wholly in the future, as in
@@ -369,36 +377,55 @@ template <typename T, int D, int DV, int BQ, int BK>
   const int first_block = fc_window_left ? first_visible_key(seq, row0) / BK : 0;
   for (int kb = first_block; kb < n_blocks; ++kb) {
     const int k0 = kb * BK, keys = min(BK, seq.kv_len - k0);  // the block's valid keys (>= 1)
-    // The block's rows of K and V; named: run() takes lvalues (Apple declares no other overload).
-    auto k_blk = mpp_device_rows<D>(k + h.k + int64_t(k0) * p.k_row_stride, keys, p.k_row_stride, p.k_dim_stride);
-    auto v_blk = mpp_device_rows<DV>(v + h.v + int64_t(k0) * p.v_row_stride, keys, p.v_row_stride, p.v_dim_stride);
-    s_op.run(tq, k_blk, s);
-    s_op.run(tdo, v_blk, dp);
+    // The block's rows of K and V: static slices on a full block, tensors
+    // ending at its last valid key on the ragged one (uniform). Named:
+    // run() takes lvalues (Apple declares no other overload).
+    const bool full = keys == BK;
+    if (full) {
+      auto k_blk = k_seq.template static_slice<D, BK>(0, k0);
+      auto v_blk = v_seq.template static_slice<DV, BK>(0, k0);
+      s_op.run(tq, k_blk, s);
+      s_op.run(tdo, v_blk, dp);
+    } else {
+      auto k_blk = mpp_device_rows<D>(k + h.k + int64_t(k0) * p.k_row_stride, keys, p.k_row_stride, p.k_dim_stride);
+      auto v_blk = mpp_device_rows<DV>(v + h.v + int64_t(k0) * p.v_row_stride, keys, p.v_row_stride, p.v_dim_stride);
+      s_op.run(tq, k_blk, s);
+      s_op.run(tdo, v_blk, dp);
+    }
     // dS = P * (dP - Delta) into threadgroup memory, rounded to T; each of
     // the 16 x BK elements is held by exactly one valid slot, so the whole
     // tile is written (zeros where dropped).
-    const bool k_edge = k0 + BK > seq.kv_len;
+    const bool k_edge = !full;
     const bool diagonal = fc_causal && k0 + BK - 1 > row0 + seq.upper;
     const bool left_edge = fc_window_left && k0 < row0 + R - 1 + seq.lower;
+    FM_UNROLL
     for (int i = 0; i < s.get_capacity(); ++i) {
-      if (!s.is_valid_element(i)) continue;
-      const auto idx = s.get_multidimensional_index(i);  // [0] the key, [1] the row, within the block
-      const int row = row0 + idx[1], key = k0 + idx[0];
+      const int code = int(s_at[i]);  // row * BK + key within the block
+      if (code < 0) continue;
+      const int r = code / BK, row = row0 + r, key = k0 + code % BK;
       bool keep = !(k_edge && key >= seq.kv_len) && row < seq.q_len;
       if (diagonal && key > row + seq.upper) keep = false;
       if (left_edge && key < row + seq.lower) keep = false;
-      threadgroup const float* st = stats + idx[1] * kMppStats;
+      threadgroup const float* st = stats + r * kMppStats;
       float cap_grad;
       const float pw = mpp_weight<T>(p, mask, mask_slice, row, key, st, s[i], keep, &cap_grad);
-      ds_tile[idx[1] * BK + idx[0]] = static_cast<T>(pw * (dp[i] - st[2]) * cap_grad);
+      ds_tile[code] = static_cast<T>(pw * (dp[i] - st[2]) * cap_grad);
     }
     simdgroup_barrier(mem_flags::mem_threadgroup);  // dS written before other lanes' matmul2d reads it (RAW)
-    auto ds_blk = mpp_tile(ds_tile, keys, R, BK);  // dS's first `keys` columns: K's K extent
-    dq_op.run(ds_blk, k_blk, acc);
+    if (full) {
+      auto ds_blk = mpp_static_tile<BK, R>(ds_tile, BK);
+      auto k_blk = k_seq.template static_slice<D, BK>(0, k0);
+      dq_op.run(ds_blk, k_blk, acc);
+    } else {
+      auto ds_blk = mpp_tile(ds_tile, keys, R, BK);  // dS's first `keys` columns: K's K extent
+      auto k_blk = mpp_device_rows<D>(k + h.k + int64_t(k0) * p.k_row_stride, keys, p.k_row_stride, p.k_dim_stride);
+      dq_op.run(ds_blk, k_blk, acc);
+    }
     simdgroup_barrier(mem_flags::mem_threadgroup);  // dS read before the next block rewrites it (WAR)
   }
 
   // dQ * scale, packed, real rows only (zeros for a row that saw no key).
+  FM_UNROLL
   for (int i = 0; i < acc.get_capacity(); ++i) {
     if (!acc.is_valid_element(i)) continue;
     const auto idx = acc.get_multidimensional_index(i);  // [0] the feature, [1] the row
@@ -473,13 +500,21 @@ template <typename T, int D, int DV, int BKV, int BQ>
   const int packed_k = fc_varlen ? p.total_k : p.kv_len;
   // The SIMD-group's 16 keys of K and V as device tensors from key0, their
   // row extents ending at the sequence (M of S^T: rows past it never used).
+  // A SIMD-group whose 16 keys are all in the sequence (every one but the
+  // ragged last) takes them as static slices (no edge checks: Apple's
+  // static_slice for inside tiles); the ragged one as tensors whose row
+  // extent ends at the sequence. The staged tiles are whole (zeros past the
+  // sequence): static extents.
   const int own0 = active ? key0 : tg_key0;
-  const auto tkt = mpp_device_rows<D>(k + k_off, seq.kv_len, p.k_row_stride, p.k_dim_stride).slice(0, own0);
-  const auto tvt = mpp_device_rows<DV>(v + v_off, seq.kv_len, p.v_row_stride, p.v_dim_stride).slice(0, own0);
-  const MppTileTensor<T> tq = mpp_tile(q_blk, D, BQ, D);
-  const MppTileTensor<T> tdo = mpp_tile(do_blk, DV, BQ, DV);
-  const MppTileTensor<T> tpt = mpp_tile(pt_tile, BQ, R, BQ);
-  const MppTileTensor<T> tdst = mpp_tile(dst_tile, BQ, R, BQ);
+  const bool full_keys = key0 + R <= seq.kv_len;  // uniform per SIMD-group
+  const MppDeviceTensor<T> k_seq = mpp_device_rows<D>(k + k_off, seq.kv_len, p.k_row_stride, p.k_dim_stride);
+  const MppDeviceTensor<T> v_seq = mpp_device_rows<DV>(v + v_off, seq.kv_len, p.v_row_stride, p.v_dim_stride);
+  const auto tkt = k_seq.slice(0, own0);
+  const auto tvt = v_seq.slice(0, own0);
+  const MppStaticTileTensor<T, D, BQ> tq = mpp_static_tile<D, BQ>(q_blk, D);
+  const MppStaticTileTensor<T, DV, BQ> tdo = mpp_static_tile<DV, BQ>(do_blk, DV);
+  const MppStaticTileTensor<T, BQ, R> tpt = mpp_static_tile<BQ, R>(pt_tile, BQ);
+  const MppStaticTileTensor<T, BQ, R> tdst = mpp_static_tile<BQ, R>(dst_tile, BQ);
   using KT = decltype(tkt);
   using QT = decltype(tq);
   using PT = decltype(tpt);
@@ -488,9 +523,9 @@ template <typename T, int D, int DV, int BKV, int BQ>
   // dynamic when DV != D: MppScoresPair); dV += P^T.dO (16 x DV, K = BQ)
   // and dK += dS^T.Q (16 x D, K = BQ), one op type when DV = D. dK's and
   // dV's destinations are never combined, so two types are fine.
-  typename MppScoresPair<D, DV, BQ>::Op st_op;
-  typename MppRowStep<D, BQ>::Accumulate dk_op;
-  typename MppRowStep<DV, BQ>::Accumulate dv_op;
+  typename MppScoresPair<D, DV, BQ, T>::Op st_op;
+  typename MppRowStep<D, BQ, T>::Accumulate dk_op;
+  typename MppRowStep<DV, BQ, T>::Accumulate dv_op;
 
   // Query blocks that see some key of the threadgroup (the loop every
   // thread runs, for the barriers), and of this SIMD-group (the blocks it
@@ -506,6 +541,9 @@ template <typename T, int D, int DV, int BKV, int BQ>
   mpp_clear(dv_acc);
   auto s = st_op.template get_destination_cooperative_tensor<KT, QT, float>();
   auto dp = st_op.template get_destination_cooperative_tensor<KT, QT, float>();
+  // S^T's layout, once: key * BQ + query per slot (attention_mpp_common.h).
+  auto s_at = st_op.template get_destination_cooperative_tensor<KT, QT, float>();
+  mpp_slot_codes<BQ>(s_at);
   for (int g = 0; g < p.gqa_ratio; ++g) {
     const uint head = kv_head * uint(p.gqa_ratio) + uint(g);
     const MppHeadRows<T> hr = mpp_head_rows(p, seq, group.z, head, packed_b, packed_q, q, dout, delta);
@@ -514,24 +552,34 @@ template <typename T, int D, int DV, int BKV, int BQ>
       mpp_stage_query_block<T, D, DV, BQ, THREADS>(hr, lse, p, q0, seq.q_len, tid, q_blk, do_blk, stats);
       threadgroup_barrier(mem_flags::mem_threadgroup);  // the block staged before any SIMD-group reads it (RAW)
       if (active && qb >= qbs.own_begin && qb < qbs.own_end) {  // uniform per SIMD-group
-        st_op.run(tkt, tq, s);
-        st_op.run(tvt, tdo, dp);
+        if (full_keys) {
+          auto k_own = k_seq.template static_slice<D, R>(0, key0);
+          auto v_own = v_seq.template static_slice<DV, R>(0, key0);
+          st_op.run(k_own, tq, s);
+          st_op.run(v_own, tdo, dp);
+        } else {
+          auto k_own = tkt;
+          auto v_own = tvt;
+          st_op.run(k_own, tq, s);
+          st_op.run(v_own, tdo, dp);
+        }
         // P^T and dS^T = P^T * (dP^T - Delta) into threadgroup memory,
         // rounded to T, every element of both tiles by its one valid slot.
         const bool diagonal = fc_causal && key0 + R - 1 > q0 + seq.upper;
         const bool left_edge = fc_window_left && key0 < q0 + BQ - 1 + seq.lower;
+        FM_UNROLL
         for (int i = 0; i < s.get_capacity(); ++i) {
-          if (!s.is_valid_element(i)) continue;
-          const auto idx = s.get_multidimensional_index(i);  // [0] the query, [1] the key, within the block
-          const int key = key0 + idx[1], row = q0 + idx[0];
+          const int code = int(s_at[i]);  // key * BQ + query within the block
+          if (code < 0) continue;
+          const int qi = code % BQ, key = key0 + code / BQ, row = q0 + qi;
           bool keep = key < seq.kv_len && row < seq.q_len;
           if (diagonal && key > row + seq.upper) keep = false;
           if (left_edge && key < row + seq.lower) keep = false;
-          threadgroup const float* st = stats + idx[0] * kMppStats;
+          threadgroup const float* st = stats + qi * kMppStats;
           float cap_grad;
           const float pw = mpp_weight<T>(p, mask, hr.mask_slice, row, key, st, s[i], keep, &cap_grad);
-          pt_tile[idx[1] * BQ + idx[0]] = static_cast<T>(pw);
-          dst_tile[idx[1] * BQ + idx[0]] = static_cast<T>(pw * (dp[i] - st[2]) * cap_grad);
+          pt_tile[code] = static_cast<T>(pw);
+          dst_tile[code] = static_cast<T>(pw * (dp[i] - st[2]) * cap_grad);
         }
         simdgroup_barrier(mem_flags::mem_threadgroup);  // P^T, dS^T written before matmul2d reads them (RAW)
         // Queries past the sequence are zero rows of Q and dO; P^T is 0 there.
@@ -546,6 +594,7 @@ template <typename T, int D, int DV, int BKV, int BQ>
   // real keys only (zeros for a key no query sees). One loop when the two
   // are one type (same slot, same element); each by its own layout else.
   if (!active) return;
+  FM_UNROLL
   for (int i = 0; i < dk_acc.get_capacity(); ++i) {
     if (!dk_acc.is_valid_element(i)) continue;
     const auto idx = dk_acc.get_multidimensional_index(i);  // [0] the feature, [1] the key
@@ -556,6 +605,7 @@ template <typename T, int D, int DV, int BKV, int BQ>
     if (DV == D) dv[at] = static_cast<T>(dv_acc[i]);
   }
   if (DV == D) return;
+  FM_UNROLL
   for (int i = 0; i < dv_acc.get_capacity(); ++i) {
     if (!dv_acc.is_valid_element(i)) continue;
     const auto idx = dv_acc.get_multidimensional_index(i);  // [0] the feature, [1] the key

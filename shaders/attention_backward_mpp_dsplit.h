@@ -177,67 +177,92 @@ template <typename T, int D, int BK, int WN>
   }
   simdgroup_barrier(mem_flags::mem_threadgroup);  // stats written before other lanes read them (RAW)
 
-  const MppTileTensor<T> tq = mpp_tile(q_tile, DH, R, DH);
-  const MppTileTensor<T> tdo = mpp_tile(do_tile, DH, R, DH);
+  const MppStaticTileTensor<T, DH, R> tq = mpp_static_tile<DH, R>(q_tile, DH);  // whole: zeros past the sequence
+  const MppStaticTileTensor<T, DH, R> tdo = mpp_static_tile<DH, R>(do_tile, DH);
   device const T* k_half = k + h.k + int64_t(f0) * p.k_dim_stride;  // this half's features of each row
   device const T* v_half = v + h.v + int64_t(f0) * p.v_dim_stride;
+  const MppDeviceTensor<T> k_seq = mpp_device_rows<DH>(k_half, seq.kv_len, p.k_row_stride, p.k_dim_stride);
+  const MppDeviceTensor<T> v_seq = mpp_device_rows<DH>(v_half, seq.kv_len, p.v_row_stride, p.v_dim_stride);
   using QT = MppTileTensor<T>;
   using KT = MppDeviceTensor<T>;  // a key block's rows of K_h or V_h (below)
   using DST = MppTileTensor<T>;
   // The 16-row step at DH (attention_mpp_common.h): partial S_h = Q_h.K_h^T
   // and dP_h = dO_h.V_h^T (16 x BK, K = 128) and dQ_h += dS.K_h (16 x 128, K
   // the block's valid keys: mpp_accumulate_descriptor).
-  typename MppRowStep<DH, BK>::Scores s_op;
-  constexpr auto dq_desc = mpp_accumulate_descriptor(DH);
+  typename MppRowStep<DH, BK, T>::Scores s_op;
+  constexpr auto dq_desc = mpp_accumulate_descriptor(DH, mpp_relaxed(sizeof(T)));
   matmul2d<dq_desc, execution_simdgroup> dq_op;
   auto s = s_op.template get_destination_cooperative_tensor<QT, KT, float>();
   auto dp = s_op.template get_destination_cooperative_tensor<QT, KT, float>();
   auto acc = dq_op.template get_destination_cooperative_tensor<DST, KT, float>();
   mpp_clear(acc);
+  // S's layout, once: row * BK + key per slot (attention_mpp_common.h).
+  auto s_at = s_op.template get_destination_cooperative_tensor<QT, KT, float>();
+  mpp_slot_codes<BK>(s_at);
 
   // The pair's key blocks (the same in both halves: uniform for the barriers).
   const int n_blocks = (visible_key_end(seq, row0 + rows - 1) + BK - 1) / BK;
   const int first_block = fc_window_left ? first_visible_key(seq, row0) / BK : 0;
   for (int kb = first_block; kb < n_blocks; ++kb) {
     const int k0 = kb * BK, keys = min(BK, seq.kv_len - k0);  // the block's valid keys (>= 1)
-    // The block's rows of K_h and V_h; named: run() takes lvalues (Apple declares no other overload).
-    auto k_blk = mpp_device_rows<DH>(k_half + int64_t(k0) * p.k_row_stride, keys, p.k_row_stride, p.k_dim_stride);
-    auto v_blk = mpp_device_rows<DH>(v_half + int64_t(k0) * p.v_row_stride, keys, p.v_row_stride, p.v_dim_stride);
-    s_op.run(tq, k_blk, s);
-    s_op.run(tdo, v_blk, dp);
+    // The block's rows of K_h and V_h: static slices on a full block, tensors
+    // ending at its last valid key on the ragged one. Named: run() takes
+    // lvalues (Apple declares no other overload).
+    const bool full = keys == BK;
+    if (full) {
+      auto k_blk = k_seq.template static_slice<DH, BK>(0, k0);
+      auto v_blk = v_seq.template static_slice<DH, BK>(0, k0);
+      s_op.run(tq, k_blk, s);
+      s_op.run(tdo, v_blk, dp);
+    } else {
+      auto k_blk = mpp_device_rows<DH>(k_half + int64_t(k0) * p.k_row_stride, keys, p.k_row_stride, p.k_dim_stride);
+      auto v_blk = mpp_device_rows<DH>(v_half + int64_t(k0) * p.v_row_stride, keys, p.v_row_stride, p.v_dim_stride);
+      s_op.run(tq, k_blk, s);
+      s_op.run(tdo, v_blk, dp);
+    }
+    FM_UNROLL
     for (int i = 0; i < s.get_capacity(); ++i) {
-      if (!s.is_valid_element(i)) continue;
-      const auto idx = s.get_multidimensional_index(i);  // [0] the key, [1] the row, within the block
-      s_mine[idx[1] * BK + idx[0]] = s[i];
-      dp_mine[idx[1] * BK + idx[0]] = dp[i];
+      const int code = int(s_at[i]);  // row * BK + key within the block
+      if (code < 0) continue;
+      s_mine[code] = s[i];
+      dp_mine[code] = dp[i];
     }
     threadgroup_barrier(mem_flags::mem_threadgroup);  // both halves' partial S and dP written before they are added (RAW)
-    const bool k_edge = k0 + BK > seq.kv_len;
+    const bool k_edge = !full;
     const bool diagonal = fc_causal && k0 + BK - 1 > row0 + seq.upper;
     const bool left_edge = fc_window_left && k0 < row0 + R - 1 + seq.lower;
+    FM_UNROLL
     for (int i = 0; i < s.get_capacity(); ++i) {
-      if (!s.is_valid_element(i)) continue;
-      const auto idx = s.get_multidimensional_index(i);
-      const int row = row0 + idx[1], key = k0 + idx[0];
-      const float s_full = s[i] + s_other[idx[1] * BK + idx[0]];
-      const float dp_full = dp[i] + dp_other[idx[1] * BK + idx[0]];
+      const int code = int(s_at[i]);
+      if (code < 0) continue;
+      const int r = code / BK, row = row0 + r, key = k0 + code % BK;
+      const float s_full = s[i] + s_other[code];
+      const float dp_full = dp[i] + dp_other[code];
       bool keep = !(k_edge && key >= seq.kv_len) && row < seq.q_len;
       if (diagonal && key > row + seq.upper) keep = false;
       if (left_edge && key < row + seq.lower) keep = false;
-      threadgroup const float* st = stats + idx[1] * kMppStats;
+      threadgroup const float* st = stats + r * kMppStats;
       float cap_grad;
       const float pw = mpp_weight<T>(p, mask, mask_slice, row, key, st, s_full, keep, &cap_grad);
-      ds_tile[idx[1] * BK + idx[0]] = static_cast<T>(pw * (dp_full - st[2]) * cap_grad);
+      ds_tile[code] = static_cast<T>(pw * (dp_full - st[2]) * cap_grad);
     }
     simdgroup_barrier(mem_flags::mem_threadgroup);  // dS written before other lanes' matmul2d reads it (RAW)
-    auto ds_blk = mpp_tile(ds_tile, keys, R, BK);  // dS's first `keys` columns: K_h's K extent
-    dq_op.run(ds_blk, k_blk, acc);
+    if (full) {
+      auto ds_blk = mpp_static_tile<BK, R>(ds_tile, BK);
+      auto k_blk = k_seq.template static_slice<DH, BK>(0, k0);
+      dq_op.run(ds_blk, k_blk, acc);
+    } else {
+      auto ds_blk = mpp_tile(ds_tile, keys, R, BK);  // dS's first `keys` columns: K_h's K extent
+      auto k_blk = mpp_device_rows<DH>(k_half + int64_t(k0) * p.k_row_stride, keys, p.k_row_stride, p.k_dim_stride);
+      dq_op.run(ds_blk, k_blk, acc);
+    }
     // The other half has read this half's partials, and this SIMD-group's
     // lanes have read dS, before the next block rewrites them (WAR).
     threadgroup_barrier(mem_flags::mem_threadgroup);
   }
 
   // This half's features of dQ * scale, packed, real rows only.
+  FM_UNROLL
   for (int i = 0; i < acc.get_capacity(); ++i) {
     if (!acc.is_valid_element(i)) continue;
     const auto idx = acc.get_multidimensional_index(i);  // [0] the feature within the half, [1] the row
@@ -310,22 +335,28 @@ template <typename T, int D, int BKV, int BQ, int WN>
   const int packed_q = fc_varlen ? p.total_q : p.q_len;
   const int packed_k = fc_varlen ? p.total_k : p.kv_len;
   // This half's features of the pair's 16 keys of K and V (device; zeros past the sequence).
+  // A pair whose 16 keys are all in the sequence takes them as static
+  // slices; the ragged last pair as tensors ending at the sequence.
   const int own0 = active ? key0 : tg_key0;
-  const auto tkt = mpp_device_rows<DH>(k + k_off, seq.kv_len, p.k_row_stride, p.k_dim_stride).slice(0, own0);
-  const auto tvt = mpp_device_rows<DH>(v + v_off, seq.kv_len, p.v_row_stride, p.v_dim_stride).slice(0, own0);
-  // This half's features of the shared block: columns [f0, f0 + DH) of rows of D.
-  const MppTileTensor<T> tq = mpp_tile(q_blk + f0, DH, BQ, D);
-  const MppTileTensor<T> tdo = mpp_tile(do_blk + f0, DH, BQ, D);
-  const MppTileTensor<T> tpt = mpp_tile(pt_tile, BQ, R, BQ);
-  const MppTileTensor<T> tdst = mpp_tile(dst_tile, BQ, R, BQ);
+  const bool full_keys = key0 + R <= seq.kv_len;  // uniform per pair
+  const MppDeviceTensor<T> k_seq = mpp_device_rows<DH>(k + k_off, seq.kv_len, p.k_row_stride, p.k_dim_stride);
+  const MppDeviceTensor<T> v_seq = mpp_device_rows<DH>(v + v_off, seq.kv_len, p.v_row_stride, p.v_dim_stride);
+  const auto tkt = k_seq.slice(0, own0);
+  const auto tvt = v_seq.slice(0, own0);
+  // This half's features of the shared block: columns [f0, f0 + DH) of rows
+  // of D; the staged tiles are whole (zeros past the sequence): static extents.
+  const MppStaticTileTensor<T, DH, BQ> tq = mpp_static_tile<DH, BQ>(q_blk + f0, D);
+  const MppStaticTileTensor<T, DH, BQ> tdo = mpp_static_tile<DH, BQ>(do_blk + f0, D);
+  const MppStaticTileTensor<T, BQ, R> tpt = mpp_static_tile<BQ, R>(pt_tile, BQ);
+  const MppStaticTileTensor<T, BQ, R> tdst = mpp_static_tile<BQ, R>(dst_tile, BQ);
   using KT = decltype(tkt);
   using QT = decltype(tq);
   using PT = decltype(tpt);
   // Keys as rows (attention_backward_mpp.h's dK/dV): partial S^T_h = K_h.Q_h^T
   // and dP^T_h = V_h.dO_h^T (16 x BQ, K = 128); dV_h += P^T.dO_h and dK_h +=
   // dS^T.Q_h (16 x 128, K = BQ).
-  typename MppRowStep<DH, BQ>::Scores st_op;
-  typename MppRowStep<DH, BQ>::Accumulate acc_op;
+  typename MppRowStep<DH, BQ, T>::Scores st_op;
+  typename MppRowStep<DH, BQ, T>::Accumulate acc_op;
 
   // Query blocks that see some key of the threadgroup (every thread's loop)
   // and of this pair (the blocks it computes), as attention_backward_mpp.h.
@@ -337,6 +368,9 @@ template <typename T, int D, int BKV, int BQ, int WN>
   mpp_clear(dv_acc);
   auto s = st_op.template get_destination_cooperative_tensor<KT, QT, float>();
   auto dp = st_op.template get_destination_cooperative_tensor<KT, QT, float>();
+  // S^T's layout, once: key * BQ + query per slot (attention_mpp_common.h).
+  auto s_at = st_op.template get_destination_cooperative_tensor<KT, QT, float>();
+  mpp_slot_codes<BQ>(s_at);
   for (int g = 0; g < p.gqa_ratio; ++g) {
     const uint head = kv_head * uint(p.gqa_ratio) + uint(g);
     const MppHeadRows<T> hr = mpp_head_rows(p, seq, group.z, head, packed_b, packed_q, q, dout, delta);
@@ -347,33 +381,44 @@ template <typename T, int D, int BKV, int BQ, int WN>
       threadgroup_barrier(mem_flags::mem_threadgroup);  // the block staged before any SIMD-group reads it (RAW)
       const bool compute = active && qb >= qbs.own_begin && qb < qbs.own_end;  // uniform per pair
       if (compute) {
-        st_op.run(tkt, tq, s);
-        st_op.run(tvt, tdo, dp);
+        if (full_keys) {
+          auto k_own = k_seq.template static_slice<DH, R>(0, key0);
+          auto v_own = v_seq.template static_slice<DH, R>(0, key0);
+          st_op.run(k_own, tq, s);
+          st_op.run(v_own, tdo, dp);
+        } else {
+          auto k_own = tkt;
+          auto v_own = tvt;
+          st_op.run(k_own, tq, s);
+          st_op.run(v_own, tdo, dp);
+        }
+        FM_UNROLL
         for (int i = 0; i < s.get_capacity(); ++i) {
-          if (!s.is_valid_element(i)) continue;
-          const auto idx = s.get_multidimensional_index(i);  // [0] the query, [1] the key, within the block
-          s_mine[idx[1] * BQ + idx[0]] = s[i];
-          dp_mine[idx[1] * BQ + idx[0]] = dp[i];
+          const int code = int(s_at[i]);  // key * BQ + query within the block
+          if (code < 0) continue;
+          s_mine[code] = s[i];
+          dp_mine[code] = dp[i];
         }
       }
       threadgroup_barrier(mem_flags::mem_threadgroup);  // both halves' partial S^T and dP^T written (RAW)
       if (compute) {
         const bool diagonal = fc_causal && key0 + R - 1 > q0 + seq.upper;
         const bool left_edge = fc_window_left && key0 < q0 + BQ - 1 + seq.lower;
+        FM_UNROLL
         for (int i = 0; i < s.get_capacity(); ++i) {
-          if (!s.is_valid_element(i)) continue;
-          const auto idx = s.get_multidimensional_index(i);
-          const int key = key0 + idx[1], row = q0 + idx[0];
-          const float s_full = s[i] + s_other[idx[1] * BQ + idx[0]];
-          const float dp_full = dp[i] + dp_other[idx[1] * BQ + idx[0]];
+          const int code = int(s_at[i]);
+          if (code < 0) continue;
+          const int qi = code % BQ, key = key0 + code / BQ, row = q0 + qi;
+          const float s_full = s[i] + s_other[code];
+          const float dp_full = dp[i] + dp_other[code];
           bool keep = key < seq.kv_len && row < seq.q_len;
           if (diagonal && key > row + seq.upper) keep = false;
           if (left_edge && key < row + seq.lower) keep = false;
-          threadgroup const float* st = stats + idx[0] * kMppStats;
+          threadgroup const float* st = stats + qi * kMppStats;
           float cap_grad;
           const float pw = mpp_weight<T>(p, mask, hr.mask_slice, row, key, st, s_full, keep, &cap_grad);
-          pt_tile[idx[1] * BQ + idx[0]] = static_cast<T>(pw);
-          dst_tile[idx[1] * BQ + idx[0]] = static_cast<T>(pw * (dp_full - st[2]) * cap_grad);
+          pt_tile[code] = static_cast<T>(pw);
+          dst_tile[code] = static_cast<T>(pw * (dp_full - st[2]) * cap_grad);
         }
         simdgroup_barrier(mem_flags::mem_threadgroup);  // P^T, dS^T written before matmul2d reads them (RAW)
         acc_op.run(tpt, tdo, dv_acc);
@@ -386,6 +431,7 @@ template <typename T, int D, int BKV, int BQ, int WN>
 
   // This half's features of dK * scale and dV, packed (B, Hkv, Nk, D), real keys only.
   if (!active) return;
+  FM_UNROLL
   for (int i = 0; i < dk_acc.get_capacity(); ++i) {
     if (!dk_acc.is_valid_element(i)) continue;
     const auto idx = dk_acc.get_multidimensional_index(i);  // [0] the feature within the half, [1] the key

@@ -42,24 +42,36 @@ constant constexpr int kPrefillMppMaxThreads = 128;
 // and PyTorch's 16 x 32 MPP fragments.
 constant constexpr int kMppRowsPerSimd = 16;
 
-// The step's two matmul2d types (top of file) for head dim D and BK columns
-// of scores (keys, or queries in the dK/dV kernel). relaxed_precision off:
-// with half / bfloat operands it changes nothing in the emulator (README),
-// and Apple documents it only as trading accuracy away; MLX turns it on. To
-// revisit with measurements on an M5. The descriptors are template argument
-// expressions, not static data members: MSL puts every variable with static
-// storage in `constant` (MSL specification 4, section 4.2), and a class-type
-// template argument copied out of `constant` is an address-space conversion
-// this code need not depend on (llama.cpp's kernel_mul_mm writes its
-// descriptor in place the same way).
-template <int D, int BK>
+// 16-bit operands take relaxed_precision (the descriptor's sixth field, as
+// Apple's MPPTensorOpsMatMul2d.h orders them: m, n, k, transpose_left,
+// transpose_right, relaxed_precision, matmul_mode). Apple documents it only
+// as letting the implementation "sacrifice accuracy for performance"; MLX's
+// NAX attention (nax.h: every MMA descriptor has relaxed = true) and
+// PyTorch's MPP attention set it for half and bfloat inputs. The tensor-op
+// kernels take half and bfloat only (float32 stays on the simdgroup
+// kernels), so it is on in every instantiation; a float instantiation would
+// get it off (exact) unless asked. What it changes on an M5 is not
+// documented and not measured (the emulator treats half and bfloat operands
+// as exact either way, float ones as TF32 under it: tests/metal_emulator/README.md).
+// Not yet verified on Apple hardware.
+constexpr bool mpp_relaxed(int elem_bytes) { return elem_bytes == 2; }
+
+// The step's two matmul2d types (top of file) for head dim D, BK columns of
+// scores (keys, or queries in the dK/dV kernel) and operand type T. The
+// descriptors are template argument expressions, not static data members:
+// MSL puts every variable with static storage in `constant` (MSL
+// specification 4, section 4.2), and a class-type template argument copied
+// out of `constant` is an address-space conversion this code need not
+// depend on (llama.cpp's kernel_mul_mm writes its descriptor in place the
+// same way).
+template <int D, int BK, typename T>
 struct MppRowStep {
   using Scores = mpp::tensor_ops::matmul2d<
-      mpp::tensor_ops::matmul2d_descriptor(kMppRowsPerSimd, BK, D, false, true, false,
+      mpp::tensor_ops::matmul2d_descriptor(kMppRowsPerSimd, BK, D, false, true, mpp_relaxed(sizeof(T)),
                                            mpp::tensor_ops::matmul2d_descriptor::mode::multiply),
       metal::execution_simdgroup>;
   using Accumulate = mpp::tensor_ops::matmul2d<
-      mpp::tensor_ops::matmul2d_descriptor(kMppRowsPerSimd, D, BK, false, false, false,
+      mpp::tensor_ops::matmul2d_descriptor(kMppRowsPerSimd, D, BK, false, false, mpp_relaxed(sizeof(T)),
                                            mpp::tensor_ops::matmul2d_descriptor::mode::multiply_accumulate),
       metal::execution_simdgroup>;
 };
@@ -73,17 +85,18 @@ struct MppRowStep {
 // PR #20, both fixed by a dynamic K); with a dynamic K it reads K from the
 // operands and edge-checks them. So the kernels give both operands a K
 // extent of the block's valid keys, min(BK, kv_len - k0) (mpp_tile,
-// mpp_device_rows), as llama.cpp's fix does: on a full block the same
-// product as a static K = BK; what the dynamic K costs on an M5 is not
-// measured. (The dK/dV products along queries keep MppRowStep's static K:
-// their operands are staged tiles read within their extents, rows past the
-// sequence stored as zeros.) A kernel names its op as MLX's nax.h does, a
-// local constexpr descriptor as the template argument:
-//   constexpr auto pv_desc = mpp_accumulate_descriptor(DV);
+// mpp_device_rows), as llama.cpp's fix does; on a full block the operands
+// are static slices of BK keys (mpp_static_rows, mpp_static_tile), so K is
+// known at compile time there and nothing is edge-checked (Apple's header:
+// static_slice on inside tiles). (The dK/dV products along queries keep
+// MppRowStep's static K: their operands are staged tiles read within their
+// extents, rows past the sequence stored as zeros.) A kernel names its op
+// as MLX's nax.h does, a local constexpr descriptor as the template argument:
+//   constexpr auto pv_desc = mpp_accumulate_descriptor(DV, mpp_relaxed(sizeof(T)));
 //   matmul2d<pv_desc, execution_simdgroup> pv;
-constexpr mpp::tensor_ops::matmul2d_descriptor mpp_accumulate_descriptor(int d) {
+constexpr mpp::tensor_ops::matmul2d_descriptor mpp_accumulate_descriptor(int d, bool relaxed) {
   return mpp::tensor_ops::matmul2d_descriptor(kMppRowsPerSimd, d, static_cast<int>(metal::dynamic_extent), false, false,
-                                              false, mpp::tensor_ops::matmul2d_descriptor::mode::multiply_accumulate);
+                                              relaxed, mpp::tensor_ops::matmul2d_descriptor::mode::multiply_accumulate);
 }
 
 // The operand tensors of the kernels, their types spelled out: inline
@@ -125,6 +138,23 @@ FM_INLINE MppTileTensor<T> mpp_tile(threadgroup T* base, int cols, int rows, int
   return MppTileTensor<T>(base, dextents<int, 2>(cols, rows), array<int, 2>{1, ld});
 }
 
+// Static extents (W columns, H rows), for the tiles a kernel knows are
+// whole: a key block of BK valid keys, a staged tile. Apple's header: an op
+// edge-checks its tile "against extents of original tensor ... In high
+// performance code we can avoid edge checking for inside thread groups" with
+// static_slice (MPPTensorOpsMatMul2d.h, its matMul example). So full key
+// blocks take static slices (static_slice<W, H> of the sequence's rows:
+// mpp_device_rows over the sequence) and the ragged last block the dynamic
+// tensors above. The emulator refuses a static slice that does not fit
+// its tensor's extents, and counts runs over dynamic extents
+// (mpp_checked_runs).
+template <typename T, int W, int H>
+using MppStaticTileTensor = tensor<threadgroup T, extents<int, W, H>, tensor_inline>;
+template <int W, int H, typename T>
+FM_INLINE MppStaticTileTensor<T, W, H> mpp_static_tile(threadgroup T* base, int ld) {
+  return MppStaticTileTensor<T, W, H>(base, extents<int, W, H>(), array<int, 2>{1, ld});
+}
+
 // Copies a SIMD-group's 16 rows of D features from device memory (`src`
 // its first row, strides in elements, int32 within a head) to a row-major
 // 16 x D tile of threadgroup memory, zeros past `rows`: lane l copies
@@ -140,35 +170,94 @@ FM_INLINE void mpp_stage_rows(threadgroup T* tile, device const T* src, int rows
   }
 }
 
+// The coordinate bookkeeping of the kernels (issue 40): every element of a
+// cooperative tensor learns its (row, column) only through the API
+// (get_multidimensional_index, is_valid_element), whose answers are a
+// function of the tensor's type and the thread, never of the instance or
+// the block (Apple's header: the layout "depends on operation, data type,
+// number of threads in opscope"). So the kernels ask once per kernel, before
+// their loops, and keep the answers in cooperative tensors of the same types
+// ("code" tensors, float, one value per slot: the same slots as the tensors
+// they describe, whatever Apple's capacity is), not once per element per
+// block. Their price: one register per slot (16 x BK / 32 per lane for S).
+// MLX's nax.h pays nothing: it hard-codes the M5 lane map (notes
+// "MLX NAX attention"), which this project does not rely on.
+//
+// Every loop over a cooperative tensor's slots is fully unrolled (FM_UNROLL,
+// attention_common.h): "It is imperative for performance to include 'unroll
+// pragma' so compiler fully unrolls the loop" (Apple's
+// MPPTensorOpsMatMul2d.h, its cooperative-tensor example). The capacity is
+// not a constant of the MSL front end (get_capacity() is the driver's
+// __tensorops_impl_matmul2d_op_cooperative_tensor_num_elements, and the
+// storage a deferred-size alloca in the AIR): the driver resolves both when
+// it links its implementation, which is where the unrolling takes effect.
+// tests/test_mpp_speed_structure.py checks that every such loop carries it.
+
 // Every slot of a float destination cooperative tensor to 0 (Apple leaves
 // a new one's values undefined; the emulator poisons them with NaN).
 template <typename C>
 FM_INLINE void mpp_clear(thread C& c) {
+  FM_UNROLL
   for (int i = 0; i < c.get_capacity(); ++i) c[i] = 0.0f;
 }
 
-// The value a row reduction tensor `r` holds for row `row`. A thread's
-// reduction tensor holds the rows of its own destination slots (that is what
-// lets the reduction be broadcast back to them); which slot holds which row
-// is the layout's business, so look it up through the API.
-template <typename R>
-FM_INLINE float mpp_row_value(thread const R& r, int row) {
-  float x = 0.0f;
-  for (int j = 0; j < r.get_capacity(); ++j) {
-    if (r.is_valid_element(j) && r.get_multidimensional_index(j)[0] == row) x = r[j];
+// A destination's code tensor (a float cooperative tensor of its type):
+// slot i holds row * W + column of the element slot i holds, or -1 for an
+// invalid slot. W: the destination's columns (a power of two, so the
+// kernels' code / W and code % W are shifts).
+template <int W, typename C>
+FM_INLINE void mpp_slot_codes(thread C& codes) {
+  FM_UNROLL
+  for (int i = 0; i < codes.get_capacity(); ++i) {
+    float code = -1.0f;
+    if (codes.is_valid_element(i)) {
+      const auto idx = codes.get_multidimensional_index(i);  // [0] the column, [1] the row
+      code = float(idx[1] * W + idx[0]);
+    }
+    codes[i] = code;
   }
+}
+
+// A row reduction tensor's code tensor (one of its type): slot j holds the
+// row it reduces, or -1.
+template <typename R>
+FM_INLINE void mpp_row_codes(thread R& rows) {
+  FM_UNROLL
+  for (int j = 0; j < rows.get_capacity(); ++j)
+    rows[j] = rows.is_valid_element(j) ? float(rows.get_multidimensional_index(j)[0]) : -1.0f;
+}
+
+// The value a row reduction tensor `r` holds for row `row`, found through
+// its code tensor `rows` (one of r's type): no coordinate query. A thread's
+// reduction tensor holds the rows of its own destination slots (that is what
+// lets the reduction be broadcast back to them).
+template <typename R>
+FM_INLINE float mpp_row_value(thread const R& r, thread const R& rows, int row) {
+  float x = 0.0f;
+  FM_UNROLL
+  for (int j = 0; j < r.get_capacity(); ++j) x = rows[j] == float(row) ? r[j] : x;
   return x;
 }
 
-// Fills the row reduction tensor `r` (a value per row its thread holds in
-// the destination's layout) from a float per row in threadgroup memory: one
-// load per row held, where reading `by_row` for each destination element
-// would load 16 x N / 32 floats per lane (O's rescale: D / 2 per key block).
+// Fills the row reduction tensor `r` from a float per row in threadgroup
+// memory (its rows from its code tensor `rows`): one load per row held.
 template <typename R>
-FM_INLINE void mpp_rows_from(thread R& r, threadgroup const float* by_row) {
-  for (int j = 0; j < r.get_capacity(); ++j) {
-    if (r.is_valid_element(j)) r[j] = by_row[r.get_multidimensional_index(j)[0]];
-  }
+FM_INLINE void mpp_rows_from(thread R& r, thread const R& rows, threadgroup const float* by_row) {
+  FM_UNROLL
+  for (int j = 0; j < r.get_capacity(); ++j) r[j] = rows[j] >= 0.0f ? by_row[int(rows[j])] : 0.0f;
+}
+
+// acc *= the factor of each element's row, held in `f`, a row reduction
+// tensor whose map_iterator serves acc's iterators: acc's own op's, or
+// another op's where is_iterator_compatible(acc, f) said so (MSL
+// specification 4, section 7.2.1; Apple's MPPTensorOpsMatMul2d.h: ask, and
+// "fall back to storing sourceCT to threadgroup memory" where it is false).
+// One map_iterator per element: Apple's documented broadcast of a row value
+// (the emulator counts each as a coordinate query).
+template <typename A, typename F>
+FM_INLINE void mpp_scale_rows(thread A& acc, thread F& f) {
+  FM_UNROLL
+  for (auto it = acc.begin(); it != acc.end(); it++) *it *= *f.map_iterator(it);
 }
 
 }  // namespace flash_metal

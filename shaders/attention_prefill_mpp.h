@@ -91,79 +91,105 @@
 
 namespace flash_metal {
 
+// What a forward kernel learns of its cooperative tensors' layouts once,
+// before its key loop (attention_mpp_common.h, "coordinate bookkeeping"),
+// passed to the helpers below: s_at, S's code tensor (row * BK + key, -1
+// for an invalid slot); m_rows, the rows of S's row reductions (m, l,
+// alpha); o_rows, those of O's (o_r); and alpha_in_registers, whether
+// alpha's reduction (of S's op) can serve O's elements directly:
+// is_iterator_compatible(acc, a_r) (MSL specification 4, section 7.2.1).
+// When it can, alpha stays in registers (a_r.map_iterator); when not, it
+// goes by row number through threadgroup memory (row_stat), as Apple's
+// header prescribes for incompatible layouts. Under the published M5 layout
+// both 16-row destinations give a lane the same rows, so it can.
+
 // One key block's online softmax on the scores' cooperative tensor `s`
 // (scaled to base 2 and masked by the caller), shared by this forward and
 // its split-D version (attention_prefill_mpp_dsplit.h): the rows' new max
 // m_r and alpha a_r = exp2(old max - new max) (finite, <= 0 argument; a
 // masked score never raises the max above kMaskedScore); P = exp2(S - max),
 // weight 0 for a masked score by an explicit test, in T to the SIMD-group's
-// p_tile (16 rows of BK), with each row's alpha to row_stat from the one
-// thread holding the row's first key (exactly one writer per row); the sum
-// l_r; then, after the barrier, O's accumulator `acc` rescaled by alpha per
-// element of its own layout (o_r: a row reduction tensor of O's layout).
-// b_r is scratch. The caller runs O += P.V next.
+// p_tile (16 rows of BK, at the element's code), and, only where alpha
+// cannot stay in registers, each row's alpha to row_stat from the one thread
+// holding the row's first key (exactly one writer per row); the sum l_r;
+// then, after the barrier, O's accumulator `acc` rescaled by alpha per
+// element of its own layout. b_r is scratch; o_r is O's row reduction (the
+// fallback's alpha). The caller runs O += P.V next. No coordinate query but
+// O's map_iterator: the codes were learnt before the loop (above).
 template <int BK, typename S, typename SR, typename T, typename A, typename AR>
 FM_INLINE void mpp_softmax_block(thread S& s, thread SR& m_r, thread SR& l_r, thread SR& a_r, thread SR& b_r,
-                                 threadgroup T* p_tile, threadgroup float* row_stat, thread A& acc, thread AR& o_r) {
+                                 threadgroup T* p_tile, threadgroup float* row_stat, thread A& acc, thread AR& o_r,
+                                 thread const S& s_at, thread const SR& m_rows, thread const AR& o_rows,
+                                 bool alpha_in_registers) {
   using namespace mpp::tensor_ops;
   reduce_rows(s, b_r, reduction_operation::max, float(kMaskedScore));  // one element type: float
+  FM_UNROLL
   for (int j = 0; j < m_r.get_capacity(); ++j) {
     const float m_new = max(m_r[j], b_r[j]);
     a_r[j] = exp2(m_r[j] - m_new);
     m_r[j] = m_new;
   }
+  FM_UNROLL
   for (int i = 0; i < s.get_capacity(); ++i) {
-    if (!s.is_valid_element(i)) continue;
-    const auto idx = s.get_multidimensional_index(i);  // [0] the key, [1] the row, within the block
-    const float w = s[i] <= kMaskedScore ? 0.0f : exp2(s[i] - mpp_row_value(m_r, idx[1]));
+    const int code = int(s_at[i]);  // row * BK + key within the block
+    if (code < 0) continue;
+    const int row = code / BK;
+    const float w = s[i] <= kMaskedScore ? 0.0f : exp2(s[i] - mpp_row_value(m_r, m_rows, row));
     s[i] = w;
-    p_tile[idx[1] * BK + idx[0]] = static_cast<T>(w);
-    if (idx[0] == 0) row_stat[idx[1]] = mpp_row_value(a_r, idx[1]);
+    p_tile[code] = static_cast<T>(w);
+    if (!alpha_in_registers && code % BK == 0) row_stat[row] = mpp_row_value(a_r, m_rows, row);
   }
   reduce_rows(s, b_r, reduction_operation::sum);
+  FM_UNROLL
   for (int j = 0; j < l_r.get_capacity(); ++j) l_r[j] = l_r[j] * a_r[j] + b_r[j];
-  simdgroup_barrier(mem_flags::mem_threadgroup);  // P and alpha written before other lanes read them (RAW)
+  simdgroup_barrier(mem_flags::mem_threadgroup);  // P (and alpha) written before other lanes read them (RAW)
 
-  mpp_rows_from(o_r, row_stat);
-  for (int i = 0; i < acc.get_capacity(); ++i) {
-    if (acc.is_valid_element(i)) acc[i] *= mpp_row_value(o_r, acc.get_multidimensional_index(i)[1]);
+  if (alpha_in_registers) {
+    mpp_scale_rows(acc, a_r);
+  } else {
+    mpp_rows_from(o_r, o_rows, row_stat);
+    mpp_scale_rows(acc, o_r);
   }
 }
 
 // The epilogue, shared likewise: each row's 1 / l (0 for a row that saw no
 // key) to row_stat and, if `write_lse`, its lse to `lse_rows` (the head's
 // first row) from the row's one first-key holder; then O / l by every
-// element of O's layout, to `o_rows` (the head's first row) at feature
+// element of O's layout, to `o_out` (the head's first row) at feature
 // f0 + the element's column, for rows before `q_len`. row0: the
 // SIMD-group's first row. lse = m ln 2 + ln l in one fma
 // (attention_prefill.h); -inf made from bits for a row that saw no key
-// (attention_common.h, fast math).
-template <typename T, typename S, typename SR, typename A, typename AR>
-FM_INLINE void mpp_store_rows(thread const S& s, thread const SR& m_r, thread const SR& l_r, thread const A& acc,
-                              thread AR& o_r, threadgroup float* row_stat, int row0, int q_len, bool write_lse,
-                              device float* lse_rows, int64_t lse_row_stride, device T* o_rows,
-                              int64_t o_row_stride, int64_t o_dim_stride, int f0) {
-  for (int i = 0; i < s.get_capacity(); ++i) {
-    if (!s.is_valid_element(i)) continue;
-    const auto idx = s.get_multidimensional_index(i);
-    if (idx[0] != 0) continue;
-    const float m = mpp_row_value(m_r, idx[1]), l = mpp_row_value(l_r, idx[1]);
-    row_stat[idx[1]] = l > 0.0f ? 1.0f / l : 0.0f;
-    const int row = row0 + idx[1];
+// (attention_common.h, fast math). Once per kernel: O's coordinates are
+// asked here (O's code tensor would cost 16 x D / 32 registers).
+template <int BK, typename T, typename S, typename SR, typename A, typename AR>
+FM_INLINE void mpp_store_rows(thread const SR& m_r, thread const SR& l_r, thread A& acc, thread AR& o_r,
+                              thread const S& s_at, thread const SR& m_rows, thread const AR& o_rows,
+                              threadgroup float* row_stat, int row0,
+                              int q_len, bool write_lse, device float* lse_rows, int64_t lse_row_stride,
+                              device T* o_out, int64_t o_row_stride, int64_t o_dim_stride, int f0) {
+  FM_UNROLL
+  for (int i = 0; i < s_at.get_capacity(); ++i) {
+    const int code = int(s_at[i]);
+    if (code < 0 || code % BK != 0) continue;
+    const int r = code / BK;
+    const float m = mpp_row_value(m_r, m_rows, r), l = mpp_row_value(l_r, m_rows, r);
+    row_stat[r] = l > 0.0f ? 1.0f / l : 0.0f;
+    const int row = row0 + r;
     if (write_lse && row < q_len) {
       const uint bits = l > 0.0f ? as_type<uint>(fma(m, M_LN2_F, log(l))) : kNegInfBits;
       lse_rows[int64_t(row) * lse_row_stride] = as_type<float>(bits);
     }
   }
-  simdgroup_barrier(mem_flags::mem_threadgroup);  // 1 / l written before other lanes read it (RAW)
-  mpp_rows_from(o_r, row_stat);
+  simdgroup_barrier(mem_flags::mem_threadgroup);  // 1 / l written before other lanes read them (RAW)
+  mpp_rows_from(o_r, o_rows, row_stat);
+  FM_UNROLL
   for (int i = 0; i < acc.get_capacity(); ++i) {
     if (!acc.is_valid_element(i)) continue;
     const auto idx = acc.get_multidimensional_index(i);  // [0] the feature, [1] the row
     const int row = row0 + idx[1];
     if (row < q_len) {
-      o_rows[int64_t(row) * o_row_stride + int64_t(f0 + idx[0]) * o_dim_stride] =
-          static_cast<T>(acc[i] * mpp_row_value(o_r, idx[1]));
+      o_out[int64_t(row) * o_row_stride + int64_t(f0 + idx[0]) * o_dim_stride] =
+          static_cast<T>(acc[i] * mpp_row_value(o_r, o_rows, idx[1]));
     }
   }
 }
@@ -227,21 +253,31 @@ template <typename T, int D, int DV, int BQ, int BK>
   // Q's slice as a tensor; K's and V's rows per key block (below): extents
   // innermost first (features, rows), strides in elements (int32: checked
   // as above), the row extent the block's valid keys.
-  const MppTileTensor<T> tq = mpp_tile(q_tile, D, R, D);
-  using QT = MppTileTensor<T>;
+  // Q's tile is whole (rows past the sequence are zeros): static extents.
+  const MppStaticTileTensor<T, D, R> tq = mpp_static_tile<D, R>(q_tile, D);
+  using QT = MppStaticTileTensor<T, D, R>;
   using KT = MppDeviceTensor<T>;
   using PT = MppTileTensor<T>;
+  // The sequence's K and V rows, whose static slices are the full key
+  // blocks' operands (mpp_static_tile's note, attention_mpp_common.h).
+  const MppDeviceTensor<T> k_seq = mpp_device_rows<D>(k + h.k, seq.kv_len, p.k_row_stride, p.k_dim_stride);
+  const MppDeviceTensor<T> v_seq = mpp_device_rows<DV>(v + h.v, seq.kv_len, p.v_row_stride, p.v_dim_stride);
 
   // The 16-row step (attention_mpp_common.h): S = Q.K^T (16 x BK, K = D)
   // and O += P.V (16 x DV, K the block's valid keys: mpp_accumulate_descriptor). DV != D
   // (MLA): S's op is D wide, O's DV wide (two op types either way; nothing
-  // is combined slot by slot across them).
-  typename MppRowStep<D, BK>::Scores qk;
-  constexpr auto pv_desc = mpp_accumulate_descriptor(DV);
+  // is combined slot by slot across them). A destination is asked for with
+  // the dynamic operand types and run with the static slices too: Apple's
+  // layouts are keyed by the operands' element types (the AIR of a
+  // matmul2d kernel names its cooperative tensor's layout
+  // __operand_layout<descriptor, index, scope, half, half, float, int>).
+  typename MppRowStep<D, BK, T>::Scores qk;
+  constexpr auto pv_desc = mpp_accumulate_descriptor(DV, mpp_relaxed(sizeof(T)));
   matmul2d<pv_desc, execution_simdgroup> pv;
   auto s = qk.template get_destination_cooperative_tensor<QT, KT, float>();
   auto acc = pv.template get_destination_cooperative_tensor<PT, KT, float>();
-  // A factor per row of O's layout held by this thread (alpha, then 1 / l).
+  // A factor per row of O's layout held by this thread (alpha where it
+  // cannot stay in registers, then 1 / l).
   auto o_r = pv.template get_row_reduction_destination_cooperative_tensor<PT, KT, float>();
   // The rows' running max (base 2) and sum, "no key yet" (attention_common.h),
   // or the sink as if a first key; alpha and the block's max / sum beside them.
@@ -249,6 +285,7 @@ template <typename T, int D, int DV, int BQ, int BK>
   auto l_r = qk.template get_row_reduction_destination_cooperative_tensor<QT, KT, float>();
   auto a_r = qk.template get_row_reduction_destination_cooperative_tensor<QT, KT, float>();
   auto b_r = qk.template get_row_reduction_destination_cooperative_tensor<QT, KT, float>();
+  FM_UNROLL
   for (int j = 0; j < m_r.get_capacity(); ++j) {
     float m0 = kMaskedScore, l0 = 0.0f;
     if (fc_has_sinks) seed_sink(m0, l0, sinks, int(group.y));
@@ -256,6 +293,14 @@ template <typename T, int D, int DV, int BQ, int BK>
     l_r[j] = l0;
   }
   mpp_clear(acc);
+  // The layouts' coordinates, once (mpp_softmax_block's note above).
+  auto s_at = qk.template get_destination_cooperative_tensor<QT, KT, float>();
+  auto m_rows = qk.template get_row_reduction_destination_cooperative_tensor<QT, KT, float>();
+  auto o_rows = pv.template get_row_reduction_destination_cooperative_tensor<PT, KT, float>();
+  mpp_slot_codes<BK>(s_at);
+  mpp_row_codes(m_rows);
+  mpp_row_codes(o_rows);
+  const bool alpha_in_registers = is_iterator_compatible(acc, a_r);
 
   // Key blocks this SIMD-group's rows can see: as far as its last real row
   // sees under causal masking or a right window (later blocks are wholly in
@@ -267,24 +312,32 @@ template <typename T, int D, int DV, int BQ, int BK>
 
   for (int kb = first_block; kb < n_blocks; ++kb) {
     const int k0 = kb * BK, keys = min(BK, seq.kv_len - k0);  // the block's valid keys (>= 1)
-    // The block's K rows (N of S: scores past them are masked) and V rows (K
-    // of P.V: the extent the dynamic K reads). Named: run() takes lvalues
-    // (Apple declares no other overload).
-    auto k_blk = mpp_device_rows<D>(k + h.k + int64_t(k0) * p.k_row_stride, keys, p.k_row_stride, p.k_dim_stride);
-    auto v_blk = mpp_device_rows<DV>(v + h.v + int64_t(k0) * p.v_row_stride, keys, p.v_row_stride, p.v_dim_stride);
-    qk.run(tq, k_blk, s);
+    // The block's K rows (N of S) and V rows (K of P.V): a full block's as
+    // static slices (no edge checks), the ragged last block's as tensors
+    // whose row extent ends at its last valid key (scores past it are
+    // masked, never used; P.V's dynamic K reads that extent). Uniform per
+    // SIMD-group. Named: run() takes lvalues (Apple declares no other overload).
+    const bool full = keys == BK;
+    if (full) {
+      auto k_blk = k_seq.template static_slice<D, BK>(0, k0);
+      qk.run(tq, k_blk, s);
+    } else {
+      auto k_blk = mpp_device_rows<D>(k + h.k + int64_t(k0) * p.k_row_stride, keys, p.k_row_stride, p.k_dim_stride);
+      qk.run(tq, k_blk, s);
+    }
 
     // Scores to base 2 after the product (in float, as attention_prefill.h),
     // then the options; a key past the sequence or outside the window is
     // dropped before the mask is read. Element tests only where the block
     // crosses an edge for some row of the SIMD-group.
-    const bool k_edge = k0 + BK > seq.kv_len;
+    const bool k_edge = !full;
     const bool diagonal = fc_causal && k0 + BK - 1 > row0 + seq.upper;
     const bool left_edge = fc_window_left && k0 < row0 + R - 1 + seq.lower;
+    FM_UNROLL
     for (int i = 0; i < s.get_capacity(); ++i) {
-      if (!s.is_valid_element(i)) continue;
-      const auto idx = s.get_multidimensional_index(i);  // [0] the key, [1] the row, within the block
-      const int row = row0 + idx[1], key = k0 + idx[0];
+      const int code = int(s_at[i]);  // row * BK + key within the block
+      if (code < 0) continue;
+      const int row = row0 + code / BK, key = k0 + code % BK;
       bool keep = true;
       if (k_edge && key >= seq.kv_len) keep = false;
       if (diagonal && key > row + seq.upper) keep = false;
@@ -295,16 +348,24 @@ template <typename T, int D, int DV, int BQ, int BK>
       s[i] = sc;
     }
 
-    mpp_softmax_block<BK>(s, m_r, l_r, a_r, b_r, p_tile, row_stat, acc, o_r);
-    // P's first `keys` columns: the same K extent as V's rows.
-    auto p_blk = mpp_tile(p_tile, keys, R, BK);
-    pv.run(p_blk, v_blk, acc);
+    mpp_softmax_block<BK>(s, m_r, l_r, a_r, b_r, p_tile, row_stat, acc, o_r, s_at, m_rows, o_rows,
+                          alpha_in_registers);
+    if (full) {
+      auto p_blk = mpp_static_tile<BK, R>(p_tile, BK);
+      auto v_blk = v_seq.template static_slice<DV, BK>(0, k0);
+      pv.run(p_blk, v_blk, acc);
+    } else {
+      // P's first `keys` columns: the same K extent as V's rows.
+      auto p_blk = mpp_tile(p_tile, keys, R, BK);
+      auto v_blk = mpp_device_rows<DV>(v + h.v + int64_t(k0) * p.v_row_stride, keys, p.v_row_stride, p.v_dim_stride);
+      pv.run(p_blk, v_blk, acc);
+    }
     simdgroup_barrier(mem_flags::mem_threadgroup);  // P and alpha read before the next block rewrites them (WAR)
   }
 
   // Epilogue: 1 / l and lse per row, then O / l (mpp_store_rows).
-  mpp_store_rows(s, m_r, l_r, acc, o_r, row_stat, row0, seq.q_len, true, lse + h.lse, p.lse_row_stride, o + h.o,
-                 p.o_row_stride, p.o_dim_stride, 0);
+  mpp_store_rows<BK>(m_r, l_r, acc, o_r, s_at, m_rows, o_rows, row_stat, row0, seq.q_len, true, lse + h.lse,
+                     p.lse_row_stride, o + h.o, p.o_row_stride, p.o_dim_stride, 0);
 }
 
 }  // namespace flash_metal

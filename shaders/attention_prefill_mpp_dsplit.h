@@ -195,20 +195,24 @@ FM_INLINE void mpp_dsplit_blocks(thread QOp& tq, thread const MppDsplitWork& w, 
       reinterpret_cast<threadgroup float*>(smem + NSG * R * (BK + (Shape::kQStaged ? DH : 0)));
   threadgroup float* row_stat = partials + Shape::kSlots * WM * WN * R * BK + int(sg) * R;
 
-  // This half's features of K and V start at feature f0 of each row; each
-  // key block's rows become tensors below (extents innermost first, the
-  // row extent the block's valid keys).
+  // This half's features of K and V start at feature f0 of each row: the
+  // sequence's rows of them, whose static slices are the full key blocks'
+  // operands, the ragged last block's rows as tensors of their own below
+  // (extents innermost first, the row extent the block's valid keys).
   device const T* k_half = k + w.h.k + int64_t(w.f0) * p.k_dim_stride;
   device const T* v_half = v + w.h.v + int64_t(w.f0) * p.v_dim_stride;
+  const MppDeviceTensor<T> k_seq = mpp_device_rows<DH>(k_half, seq.kv_len, p.k_row_stride, p.k_dim_stride);
+  const MppDeviceTensor<T> v_seq = mpp_device_rows<DH>(v_half, seq.kv_len, p.v_row_stride, p.v_dim_stride);
   using QT = QOp;
   using KT = MppDeviceTensor<T>;
   using PT = MppTileTensor<T>;
 
   // S_h over this half's DH features (static K: Q's and K's features, never
   // ragged); O_h += P.V_h with K the block's valid keys (mpp_accumulate_descriptor).
-  constexpr auto qk_desc = matmul2d_descriptor(R, BK, DH, false, true, false, matmul2d_descriptor::mode::multiply);
+  constexpr auto qk_desc = matmul2d_descriptor(R, BK, DH, false, true, mpp_relaxed(sizeof(T)),
+                                               matmul2d_descriptor::mode::multiply);
   matmul2d<qk_desc, execution_simdgroup> qk;
-  constexpr auto pv_desc = mpp_accumulate_descriptor(DH);
+  constexpr auto pv_desc = mpp_accumulate_descriptor(DH, mpp_relaxed(sizeof(T)));
   matmul2d<pv_desc, execution_simdgroup> pv;
   auto s = qk.template get_destination_cooperative_tensor<QT, KT, float>();
   auto acc = pv.template get_destination_cooperative_tensor<PT, KT, float>();
@@ -217,13 +221,22 @@ FM_INLINE void mpp_dsplit_blocks(thread QOp& tq, thread const MppDsplitWork& w, 
   auto l_r = qk.template get_row_reduction_destination_cooperative_tensor<QT, KT, float>();
   auto a_r = qk.template get_row_reduction_destination_cooperative_tensor<QT, KT, float>();
   auto b_r = qk.template get_row_reduction_destination_cooperative_tensor<QT, KT, float>();
+  FM_UNROLL
   for (int j = 0; j < m_r.get_capacity(); ++j) {
     float m0 = kMaskedScore, l0 = 0.0f;
     if (fc_has_sinks) seed_sink(m0, l0, sinks, int(group.y));
     m_r[j] = m0;
     l_r[j] = l0;
   }
-  for (int i = 0; i < acc.get_capacity(); ++i) acc[i] = 0.0f;
+  mpp_clear(acc);
+  // The layouts' coordinates, once (attention_prefill_mpp.h, mpp_softmax_block).
+  auto s_at = qk.template get_destination_cooperative_tensor<QT, KT, float>();
+  auto m_rows = qk.template get_row_reduction_destination_cooperative_tensor<QT, KT, float>();
+  auto o_rows = pv.template get_row_reduction_destination_cooperative_tensor<PT, KT, float>();
+  mpp_slot_codes<BK>(s_at);
+  mpp_row_codes(m_rows);
+  mpp_row_codes(o_rows);
+  const bool alpha_in_registers = is_iterator_compatible(acc, a_r);
 
   // Key blocks, the threadgroup's (uniform: every SIMD-group meets every
   // barrier): up to what its last real row sees, from its first row's first
@@ -239,39 +252,52 @@ FM_INLINE void mpp_dsplit_blocks(thread QOp& tq, thread const MppDsplitWork& w, 
     threadgroup float* mine = slot + (rg * WN + half_id) * R * BK;
     threadgroup const float* other = slot + (rg * WN + (1 - half_id)) * R * BK;
     const int keys = min(BK, seq.kv_len - k0);  // the block's valid keys (>= 1)
-    // Named: run() takes lvalues (Apple declares no other overload).
-    auto k_blk = mpp_device_rows<DH>(k_half + int64_t(k0) * p.k_row_stride, keys, p.k_row_stride, p.k_dim_stride);
-    auto v_blk = mpp_device_rows<DH>(v_half + int64_t(k0) * p.v_row_stride, keys, p.v_row_stride, p.v_dim_stride);
-    qk.run(tq, k_blk, s);  // this half's partial S
+    const bool full = keys == BK;  // uniform: static slices (attention_prefill_mpp.h)
+    if (full) {
+      auto k_blk = k_seq.template static_slice<DH, BK>(0, k0);
+      qk.run(tq, k_blk, s);  // this half's partial S
+    } else {
+      auto k_blk = mpp_device_rows<DH>(k_half + int64_t(k0) * p.k_row_stride, keys, p.k_row_stride, p.k_dim_stride);
+      qk.run(tq, k_blk, s);
+    }
+    FM_UNROLL
     for (int i = 0; i < s.get_capacity(); ++i) {
-      if (!s.is_valid_element(i)) continue;
-      const auto idx = s.get_multidimensional_index(i);  // [0] the key, [1] the row, within the block
-      mine[idx[1] * BK + idx[0]] = s[i];
+      const int code = int(s_at[i]);  // row * BK + key within the block
+      if (code >= 0) mine[code] = s[i];
     }
     threadgroup_barrier(mem_flags::mem_threadgroup);  // both halves' partials written before they are added (RAW)
 
-    const bool k_edge = k0 + BK > seq.kv_len;
+    const bool k_edge = !full;
     const bool diagonal = fc_causal && k0 + BK - 1 > row0 + seq.upper;
     const bool left_edge = fc_window_left && k0 < row0 + R - 1 + seq.lower;
+    FM_UNROLL
     for (int i = 0; i < s.get_capacity(); ++i) {
-      if (!s.is_valid_element(i)) continue;
-      const auto idx = s.get_multidimensional_index(i);
-      const int row = row0 + idx[1], key = k0 + idx[0];
-      const float full = s[i] + other[idx[1] * BK + idx[0]];  // S_h + S_other: the same float in both halves
+      const int code = int(s_at[i]);
+      if (code < 0) continue;
+      const int row = row0 + code / BK, key = k0 + code % BK;
+      const float full_score = s[i] + other[code];  // S_h + S_other: the same float in both halves
       bool keep = true;
       if (k_edge && key >= seq.kv_len) keep = false;
       if (diagonal && key > row + seq.upper) keep = false;
       if (left_edge && key < row + seq.lower) keep = false;
       if (row >= seq.q_len) keep = false;  // a row past the sequence: never stored, the mask not read
-      float sc = option_score<T>(p, mask, w.mask_slice, row, key, full * p.scale_log2, keep);
+      float sc = option_score<T>(p, mask, w.mask_slice, row, key, full_score * p.scale_log2, keep);
       if (sc <= kMaskedScore) sc = kMaskedScore;
       s[i] = sc;
     }
 
     // The online softmax, as attention_prefill_mpp.h (both halves alike).
-    mpp_softmax_block<BK>(s, m_r, l_r, a_r, b_r, p_tile, row_stat, acc, o_r);
-    auto p_blk = mpp_tile(p_tile, keys, R, BK);  // P's first `keys` columns: V's K extent
-    pv.run(p_blk, v_blk, acc);
+    mpp_softmax_block<BK>(s, m_r, l_r, a_r, b_r, p_tile, row_stat, acc, o_r, s_at, m_rows, o_rows,
+                          alpha_in_registers);
+    if (full) {
+      auto p_blk = mpp_static_tile<BK, R>(p_tile, BK);
+      auto v_blk = v_seq.template static_slice<DH, BK>(0, k0);
+      pv.run(p_blk, v_blk, acc);
+    } else {
+      auto p_blk = mpp_tile(p_tile, keys, R, BK);  // P's first `keys` columns: V's K extent
+      auto v_blk = mpp_device_rows<DH>(v_half + int64_t(k0) * p.v_row_stride, keys, p.v_row_stride, p.v_dim_stride);
+      pv.run(p_blk, v_blk, acc);
+    }
     if (Shape::kSlots == 1) {
       // The other half has read this half's partial, and this SIMD-group's
       // lanes have read P and alpha, before the next block rewrites them
@@ -289,8 +315,8 @@ FM_INLINE void mpp_dsplit_blocks(thread QOp& tq, thread const MppDsplitWork& w, 
 
   // Epilogue (mpp_store_rows, as attention_prefill_mpp.h): 1 / l per row to
   // this SIMD-group's row stats, lse from half 0, then this half's features of O.
-  mpp_store_rows(s, m_r, l_r, acc, o_r, row_stat, row0, seq.q_len, half_id == 0, lse + w.h.lse, p.lse_row_stride,
-                 o + w.h.o, p.o_row_stride, p.o_dim_stride, w.f0);
+  mpp_store_rows<BK>(m_r, l_r, acc, o_r, s_at, m_rows, o_rows, row_stat, row0, seq.q_len, half_id == 0,
+                     lse + w.h.lse, p.lse_row_stride, o + w.h.o, p.o_row_stride, p.o_dim_stride, w.f0);
 }
 
 // T: half or bfloat. D: the head dim (256; q, k and v alike). BQ: query rows
@@ -336,7 +362,7 @@ template <typename T, int D, int BQ, int BK, int WN>
     }
   }
   simdgroup_barrier(mem_flags::mem_threadgroup);  // Q written before other lanes' matmul2d reads it (RAW)
-  const MppTileTensor<T> tq = mpp_tile(q_tile, DH, R, DH);
+  const MppStaticTileTensor<T, DH, R> tq = mpp_static_tile<DH, R>(q_tile, DH);  // whole: zeros past the sequence
   mpp_dsplit_blocks<T, D, BQ, BK, WN>(tq, w, k, v, o, lse, p, mask, sinks, smem, group, sg);
 }
 
@@ -370,13 +396,15 @@ flash_attention_prefill_mpp_dsplit_wide(
   MppDsplitWork w;
   if (!mpp_dsplit_begin<BQ, WN, DH>(p, cu_seqlens_q, cu_seqlens_k, group, sg, w)) return;
 
-  constexpr auto qk_desc = matmul2d_descriptor(R, BK, DH, false, true, false, matmul2d_descriptor::mode::multiply);
+  constexpr auto qk_desc = matmul2d_descriptor(R, BK, DH, false, true, mpp_relaxed(sizeof(T)),
+                                               matmul2d_descriptor::mode::multiply);
   matmul2d<qk_desc, execution_simdgroup> qk;  // the S op of mpp_dsplit_blocks (same descriptor and scope)
   auto tq = qk.template get_left_input_cooperative_tensor<T, T, float>();
   {
     const int rows = max(0, min(R, w.seq.q_len - w.row0));
     device const T* q_rows = q + w.h.q + int64_t(min(w.row0, w.seq.q_len - 1)) * p.q_row_stride;
     const int rs = int(p.q_row_stride), ds = int(p.q_dim_stride);
+    FM_UNROLL
     for (int i = 0; i < tq.get_capacity(); ++i) {
       if (!tq.is_valid_element(i)) continue;
       const auto idx = tq.get_multidimensional_index(i);  // [0] the feature within the half, [1] the row

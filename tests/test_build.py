@@ -394,13 +394,14 @@ def probe_gaps(kernel_text, probe_text):
 def test_the_msl4_probe_uses_every_construct_the_kernels_use(setup_py):
     """So a Mac whose toolchain cannot build the kernels says so at install time (the probe fails: a warning,
     or an error under FLASH_METAL_REQUIRE_MPP_METALLIB=1) rather than after the probe passed. Planted: a
-    construct the kernels gain (a static slice appended to their text) is reported missing from the probe."""
+    construct the kernels gain (a multi-SIMD-group scope appended to their text) is reported missing from the
+    probe."""
     kernels, probe = _mpp_kernel_text(), setup_py.METAL4_PROBE_SOURCE
     used = [name for name, pattern in MPP_CONSTRUCTS.items() if re.search(pattern, kernels)]
     assert set(CORE_CONSTRUCTS) <= set(used), used  # the patterns still find what the kernels spell
     assert probe_gaps(kernels, probe) == []
     assert "bfloat" in probe and "bfloat" in kernels
-    assert probe_gaps(kernels + "  auto t = x.static_slice<16, 16>(0, 0);", probe) == ["a static slice"]
+    assert probe_gaps(kernels + "  matmul2d<d, execution_simdgroups<4>> op;", probe) == ["a multi-SIMD-group scope"]
 
 
 def test_without_mps_the_build_ships_sources_and_no_metallib(setup_py, shaders, xcrun, out_dir):

@@ -141,13 +141,16 @@ def test_q_is_read_once_per_threadgroup(layout):
     assert_attention_close(out, lse, q, k, v, False)
     ((_, counts),) = LAST_DISPATCHES
     # Threadgroup stores, per head: 5 SIMD-groups with rows (4 + 1), each staging its 16 x 64 Q halves once
-    # (zero rows included), then per key block P (16 x 32 halves) and each row's alpha, and 1 / l at the end.
-    assert counts.threadgroup_bytes_written == 2 * 5 * (ROWS * 64 * 2 + 5 * (ROWS * BK * 2 + ROWS * 4) + ROWS * 4)
+    # (zero rows included), then per key block P (16 x 32 halves) and, only where alpha's row reduction cannot
+    # serve O's layout (is_iterator_compatible false: "scrambled"), each row's alpha; 1 / l at the end. Under
+    # "m5" alpha stays in registers (a_r.map_iterator): 5 x 16 floats fewer per SIMD-group.
+    alpha = 0 if layout == "m5" else ROWS * 4
+    assert counts.threadgroup_bytes_written == 2 * 5 * (ROWS * 64 * 2 + 5 * (ROWS * BK * 2 + alpha) + ROWS * 4)
 
 
 # Planted: S = Q.K^T takes Q as a tensor over device memory again (the kernel
 # before Q was staged; it still stages, so nothing else changes).
-STAGED_Q = "  const MppTileTensor<T> tq = mpp_tile(q_tile, D, R, D);\n"
+STAGED_Q = "  const MppStaticTileTensor<T, D, R> tq = mpp_static_tile<D, R>(q_tile, D);\n"
 REREAD_Q = ("  const MppDeviceTensor<T> tq = mpp_device_rows<D>(q + h.q + int64_t(row0) * p.q_row_stride,\n"
             "                                                  min(R, seq.q_len - row0), p.q_row_stride, p.q_dim_stride);\n")
 
@@ -197,9 +200,10 @@ def test_planted_static_k_on_the_ragged_key_block_is_nan(tmp_path, monkeypatch):
     """O += P.V with a static K = 32 (the kernel before issue 40) on 33 keys: the last block's product reads V
     rows (and P columns) past the block's valid key, undefined on Apple's GPUs (NaN on M5s, llama.cpp PR
     #27450) and NaN in the emulator, so every row's output is NaN; the dynamic K (mpp_accumulate_descriptor) is right."""
-    _planted_library(tmp_path, monkeypatch, "  constexpr auto pv_desc = mpp_accumulate_descriptor(DV);\n",
-                     "  constexpr auto pv_desc = mpp::tensor_ops::matmul2d_descriptor(kMppRowsPerSimd, DV, BK, false, false, false, "
-                     "mpp::tensor_ops::matmul2d_descriptor::mode::multiply_accumulate);\n")
+    _planted_library(tmp_path, monkeypatch,
+                     "  constexpr auto pv_desc = mpp_accumulate_descriptor(DV, mpp_relaxed(sizeof(T)));\n",
+                     "  constexpr auto pv_desc = mpp::tensor_ops::matmul2d_descriptor(kMppRowsPerSimd, DV, BK, false, "
+                     "false, true, mpp::tensor_ops::matmul2d_descriptor::mode::multiply_accumulate);\n")
     q, k, v = make_qkv(1, 2, 1, 17, 33, 64, torch.float16, generator=torch.Generator().manual_seed(73))
     out, _ = emulated_metal_attention(q, k, v, False, None, "tensor_ops", instrumented=True, mpp_layout="scrambled")
     assert out.isnan().all()

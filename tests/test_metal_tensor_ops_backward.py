@@ -415,21 +415,19 @@ def _caught(case, layout):
 
 
 # MLX's hard-coded Apple10 map of a 16 x 32 destination (BaseNAXFrag::get_coord; slots 0-7 the first 16
-# columns, 8-15 the second): right under "m5" only.
-HARDCODED = """      const auto idx0 = s.get_multidimensional_index(i);
-      array<int, 2> idx;
-      {
-        const int l = int(lane), half = i / 8, j = i % 8;
-        idx[1] = (((l / 4) & 4) | ((l / 2) & 3)) + 8 * (j / 4);
-        idx[0] = half * 16 + ((((l / 4) & 2) | (l & 1)) * 4) + j % 4;
-        (void)idx0;
-      }  // [0] the key, [1] the row, within the block
+# columns, 8-15 the second) as the dQ kernel's code tensor of S, in place of asking the layout: right under
+# "m5" only.
+HARDCODED = """  FM_UNROLL
+  for (int i = 0; i < s_at.get_capacity(); ++i) {
+    const int l = int(lane), half = i / 8, j = i % 8;
+    const int row = (((l / 4) & 4) | ((l / 2) & 3)) + 8 * (j / 4);
+    s_at[i] = float(row * BK + half * 16 + ((((l / 4) & 2) | (l & 1)) * 4) + j % 4);
+  }
 """
 
 
 def test_planted_hardcoded_lane_map_is_caught_under_scrambled(tmp_path, monkeypatch):
-    old = "      const auto idx = s.get_multidimensional_index(i);  // [0] the key, [1] the row, within the block\n"
-    _planted_library(tmp_path, monkeypatch, old, HARDCODED)
+    _planted_library(tmp_path, monkeypatch, "  mpp_slot_codes<BK>(s_at);\n", HARDCODED)
     case = _planted_case()
     assert not _caught(case, "m5")  # the map is M5's: right there
     assert _caught(case, "scrambled")
@@ -446,10 +444,10 @@ def test_planted_missing_barrier_before_the_dq_product_is_a_race(tmp_path, monke
 
 
 def test_planted_stats_along_the_wrong_dimension_is_caught(tmp_path, monkeypatch):
-    # The dK/dV kernel's per-query lse and Delta looked up by the key's index (idx[1]) instead of the
-    # query's (idx[0]): a row quantity broadcast along the wrong dimension.
-    old = "        threadgroup const float* st = stats + idx[0] * kMppStats;\n"
-    new = "        threadgroup const float* st = stats + idx[1] * kMppStats;\n"
+    # The dK/dV kernel's per-query lse and Delta looked up by the key's index (code / BQ) instead of the
+    # query's (qi, code % BQ): a row quantity broadcast along the wrong dimension.
+    old = "          threadgroup const float* st = stats + qi * kMppStats;\n"
+    new = "          threadgroup const float* st = stats + (code / BQ) * kMppStats;\n"
     _planted_library(tmp_path, monkeypatch, old, new)
     case = _planted_case()
     assert _caught(case, "m5") and _caught(case, "scrambled")
@@ -471,7 +469,7 @@ def test_planted_missing_barrier_after_staging_the_shared_block_is_a_race(tmp_pa
 def test_planted_softcap_derivative_left_out_is_caught(tmp_path, monkeypatch):
     # The options' checker bites: the dQ kernel's dS without softcap's derivative (1 - tanh^2) fails the 2x
     # rule against the float64 oracle with softcap (the dK/dV kernel keeps it, so only grad_q is wrong).
-    old = "      ds_tile[idx[1] * BK + idx[0]] = static_cast<T>(pw * (dp[i] - st[2]) * cap_grad);\n"
+    old = "      ds_tile[code] = static_cast<T>(pw * (dp[i] - st[2]) * cap_grad);\n"
     _planted_library(tmp_path, monkeypatch, old, old.replace(" * cap_grad", ""))
     g = torch.Generator().manual_seed(5)
     q, k, v = make_qkv(1, 2, 1, 37, 50, 64, torch.float16, generator=g)
@@ -488,9 +486,10 @@ def test_planted_static_k_on_the_ragged_key_block_is_nan(tmp_path, monkeypatch):
     """dQ += dS.K with a static K = 32 (the kernel before issue 40) on a sequence of 50 keys: its last block reads
     K rows past the block's valid keys, undefined on Apple's GPUs (NaN on M5s, llama.cpp PR #27450) and NaN in
     the emulator, so grad_q is NaN under both layouts; the dynamic K (mpp_accumulate_descriptor) is right (the other tests)."""
-    _planted_library(tmp_path, monkeypatch, "  constexpr auto dq_desc = mpp_accumulate_descriptor(D);\n",
-                     "  constexpr auto dq_desc = mpp::tensor_ops::matmul2d_descriptor(kMppRowsPerSimd, D, BK, false, false, false, "
-                     "mpp::tensor_ops::matmul2d_descriptor::mode::multiply_accumulate);\n")
+    _planted_library(tmp_path, monkeypatch,
+                     "  constexpr auto dq_desc = mpp_accumulate_descriptor(D, mpp_relaxed(sizeof(T)));\n",
+                     "  constexpr auto dq_desc = mpp::tensor_ops::matmul2d_descriptor(kMppRowsPerSimd, D, BK, false, "
+                     "false, true, mpp::tensor_ops::matmul2d_descriptor::mode::multiply_accumulate);\n")
     q, k, v, out, lse, grad_out, _ = _planted_case()
     for layout in LAYOUTS:
         dq, dk, dv = emulated_metal_attention_backward(grad_out, q, k, v, out, lse, True, impl="tensor_ops",

@@ -345,7 +345,7 @@ def test_planted_missing_barrier_before_the_partials_sum_is_a_race(tmp_path, mon
 
 
 def test_planted_summing_the_wrong_partial_is_not_close(tmp_path, monkeypatch):
-    right = "const float dp_full = dp[i] + dp_other[idx[1] * BK + idx[0]];"
-    _planted(tmp_path, monkeypatch, right, "const float dp_full = dp[i] + dp_mine[idx[1] * BK + idx[0]];")
+    right = "\n      const float dp_full = dp[i] + dp_other[code];"  # the dQ kernel's (the dK/dV kernel's is deeper)
+    _planted(tmp_path, monkeypatch, right, "\n      const float dp_full = dp[i] + dp_mine[code];")
     with pytest.raises(NotClose):
         _planted_run()

@@ -333,8 +333,8 @@ def test_planted_dp_over_dqk_and_dk_with_dv_columns_are_caught(tmp_path, monkeyp
     dq, dkdv = bwd_names(torch.float16)
     at = "    const int64_t at = mpp_packed_row(packed_b, kv_head, p.kv_heads, packed_k, seq.k_row0 + key, D) + idx[0];"
     planted = _plant(tmp_path, (dq, dkdv),
-                     ("  const MppTileTensor<T> tdo = mpp_tile(do_tile, DV, R, DV);",
-                      "  const MppTileTensor<T> tdo = mpp_tile(do_tile, D, R, D);"),
+                     ("  const MppStaticTileTensor<T, DV, R> tdo = mpp_static_tile<DV, R>(do_tile, DV);",
+                      "  const MppStaticTileTensor<T, D, R> tdo = mpp_static_tile<D, R>(do_tile, D);"),
                      (at, at.replace(", D)", ", DV)")))
     assert not _caught(monkeypatch, planted, ())  # the case passes with the real kernels
     assert _caught(monkeypatch, planted, (dq,))
@@ -348,8 +348,10 @@ def test_planted_scores_and_dp_of_two_static_ops_are_caught_under_scrambled(tmp_
     dq = bwd_names(torch.float16)[0]
     planted = _plant(tmp_path, (dq,),
                      ("  auto dp = s_op.template get_destination_cooperative_tensor<QT, KT, float>();",
-                      "  typename MppRowStep<DV, BK>::Scores dp_op;\n"
+                      "  typename MppRowStep<DV, BK, T>::Scores dp_op;\n"
                       "  auto dp = dp_op.template get_destination_cooperative_tensor<QT, KT, float>();"),
-                     ("    s_op.run(tdo, v_blk, dp);", "    dp_op.run(tdo, v_blk, dp);"))
+                     ("      s_op.run(tdo, v_blk, dp);\n    } else {",
+                      "      dp_op.run(tdo, v_blk, dp);\n    } else {"),
+                     ("      s_op.run(tdo, v_blk, dp);\n    }\n", "      dp_op.run(tdo, v_blk, dp);\n    }\n"))
     assert not _caught(monkeypatch, planted, (dq,), "m5")
     assert _caught(monkeypatch, planted, (dq,), "scrambled")

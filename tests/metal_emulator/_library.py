@@ -53,7 +53,8 @@ class _DispatchDesc(ctypes.Structure):
 
 class _KernelCounts(ctypes.Structure):
     _fields_ = [(n, ctypes.c_ulonglong) for n in ("simdgroup_mmas", "simdgroup_loads", "simdgroup_stores", "exp2_calls",
-                                                  "mpp_runs", "mpp_flops", "mpp_coord_queries")]
+                                                  "mpp_runs", "mpp_flops", "mpp_coord_queries",
+                                                  "mpp_checked_runs", "mpp_relaxed_runs")]
 
 
 class _CountsDesc(ctypes.Structure):
@@ -97,7 +98,10 @@ class DispatchCounts:
     execution_simdgroups<N>) and mpp_flops (2 M N K per counted run);
     mpp_coord_queries (cooperative-tensor bookkeeping, per thread per call:
     get_multidimensional_index of a cooperative tensor or its iterator,
-    is_valid_element and map_iterator).
+    is_valid_element and map_iterator); mpp_checked_runs, the counted runs
+    with a tensor operand of some dynamic extent (edge-checked against it;
+    static slices are not), and mpp_relaxed_runs, those whose descriptor
+    sets relaxed_precision.
 
     Instrumented build only (None in the fast build, whose loads and stores
     are not hooked): device_bytes_read / device_bytes_written, the bytes of
@@ -142,6 +146,8 @@ class DispatchCounts:
     mpp_runs: int = 0
     mpp_flops: int = 0
     mpp_coord_queries: int = 0
+    mpp_checked_runs: int = 0
+    mpp_relaxed_runs: int = 0
 
 
 def _counts(raw: _CountsDesc, instrumented: bool, indices) -> DispatchCounts:
@@ -169,6 +175,7 @@ def _counts(raw: _CountsDesc, instrumented: bool, indices) -> DispatchCounts:
                           simdgroup_loads=int(k.simdgroup_loads), simdgroup_stores=int(k.simdgroup_stores),
                           exp2_calls=int(k.exp2_calls), mpp_runs=int(k.mpp_runs), mpp_flops=int(k.mpp_flops),
                           mpp_coord_queries=int(k.mpp_coord_queries),
+                          mpp_checked_runs=int(k.mpp_checked_runs), mpp_relaxed_runs=int(k.mpp_relaxed_runs),
                           **exact)
 
 

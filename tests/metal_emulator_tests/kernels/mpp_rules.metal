@@ -27,6 +27,9 @@ static_assert(fmemu::is_same<execution_simdgroups<1>, execution_simdgroup>::valu
   auto to = tensor(out, dextents<int, 2>(32, 16));
   constexpr auto desc = matmul2d_descriptor(16, 32, 16, false, true, false, matmul2d_descriptor::mode::multiply);
   matmul2d<desc, execution_simdgroups<1>> op;
+#if PLANT == 14  // the mode where Apple's sixth field, relaxed_precision, goes (MPPTensorOpsMatMul2d.h's order)
+  constexpr auto swapped = matmul2d_descriptor(16, 32, 16, false, true, matmul2d_descriptor::mode::multiply);
+#endif
   auto s = op.get_destination_cooperative_tensor<DevT, DevT, float>();
   auto rows = op.get_row_reduction_destination_cooperative_tensor<DevT, DevT, float>();
   auto b_blk = tb.slice(0, 16);

@@ -122,6 +122,11 @@ struct fm_kernel_counts {
   // tensor or its iterator), is_valid_element and map_iterator, each one coordinate query of the
   // layout (Apple: the driver's get_coordinate / is_valid_element / map_index functions).
   unsigned long long mpp_coord_queries;
+  // MPP matmul2d runs (counted as mpp_runs) with a tensor operand of some dynamic extent, which the op
+  // edge-checks against (Apple's header: static slices spare inside tiles the check), and runs whose
+  // descriptor sets relaxed_precision.
+  unsigned long long mpp_checked_runs;
+  unsigned long long mpp_relaxed_runs;
 };
 extern struct fm_kernel_counts fm_rt_counts;
 

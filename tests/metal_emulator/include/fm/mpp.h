@@ -254,10 +254,26 @@ struct matmul2d {
 
   // One count per scope per call (Library.dispatch's mpp_runs / mpp_flops),
   // by the scope's thread 0 after the rendezvous every thread reaches.
-  static void count(int kk) {
+  static void count(int kk, bool checked) {
     if (scope_thread() != 0) return;
     fm_rt_counts.mpp_runs++;
     fm_rt_counts.mpp_flops += 2ull * unsigned(M) * unsigned(N) * unsigned(kk);
+    if (checked) fm_rt_counts.mpp_checked_runs++;
+    if (D.relaxed_precision) fm_rt_counts.mpp_relaxed_runs++;
+  }
+  // Whether an operand has a dynamic extent the op checks its tile against
+  // (a tensor of dextents, or a slice of one; not a static slice, not a
+  // cooperative tensor).
+  template <class T>
+  static constexpr bool dynamic_extents() {
+    using B = fm_detail::bare<T>;
+    if constexpr (fm_rules::is_tensor<B>) {
+      for (int r = 0; r < B::rank_v; ++r)
+        if (B::extents_type::static_extent(r) == ::metal::dynamic_extent) return true;
+      return false;
+    } else {
+      return false;
+    }
   }
 
   // Operands: tensors are read in place, cooperative tensors (this op's
@@ -364,7 +380,7 @@ struct matmul2d {
     const auto va = view(a, fm_detail::kLeft, file, line, col);
     const auto vb = view(b, fm_detail::kRight, file, line, col);
     const int kk = !dynamic_k ? K : va.ext(D.transpose_left ? 1 : 0);  // a dynamic K: the left operand's extent
-    count(kk);
+    count(kk, dynamic_extents<L>() || dynamic_extents<R>() || dynamic_extents<Dst>());
     write(va, vb, kk, d);
   }
   // Any operand a temporary: Apple declares no overload that takes one.

@@ -144,9 +144,18 @@ struct tensor {
   // compile time; a dynamic_extent W or H runs to the end of that extent, as
   // the K loop of Apple's header example does with
   // A.static_slice<dynamic_extent, 64>(k, ...) (MPPTensorOpsMatMul2d.h).
+  // A static extent past the tensor's own is refused: the tile would claim
+  // elements the tensor does not have, and the op would not edge-check them
+  // (Apple's header uses static slices for inside tiles only).
   template <size_t W, size_t H>
-  tensor<T, metal::extents<index_type, W, H>, tensor_offset> slice(index_type x, index_type y) const {
+  tensor<T, metal::extents<index_type, W, H>, tensor_offset> slice(index_type x, index_type y,
+                                                                   const char* file = __builtin_FILE(),
+                                                                   int line = __builtin_LINE()) const {
     static_assert(rank_v == 2, "the emulator slices rank-2 tensors only");
+    if ((W != dynamic_extent && (long long)x + (long long)W > (long long)ext.extent(0)) ||
+        (H != dynamic_extent && (long long)y + (long long)H > (long long)ext.extent(1)))
+      fm_rt_fail("a static slice past its tensor's extents (static extents are for inside tiles: Apple's "
+                 "MPPTensorOpsMatMul2d.h, static_slice)", file, line);
     tensor<T, metal::extents<index_type, W, H>, tensor_offset> t;
     t.data = data + x * stride[0] + y * stride[1];
     if (W == dynamic_extent) t.ext.e[0] = ext.extent(0) - x;
@@ -156,8 +165,10 @@ struct tensor {
     return t;
   }
   template <size_t W, size_t H>
-  tensor<T, metal::extents<index_type, W, H>, tensor_offset> static_slice(index_type x, index_type y) const {
-    return slice<W, H>(x, y);
+  tensor<T, metal::extents<index_type, W, H>, tensor_offset> static_slice(index_type x, index_type y,
+                                                                          const char* file = __builtin_FILE(),
+                                                                          int line = __builtin_LINE()) const {
+    return slice<W, H>(x, y, file, line);
   }
 };
 
