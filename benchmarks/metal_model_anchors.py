@@ -266,6 +266,6 @@ def decode_vs_mlx(nk=8192):
         print(f"| {hq}:{hkv} | {d} | decode_split | {gbs[1]:.0f} ({gbs[0]:.0f}-{gbs[2]:.0f}) "
               f"| {gbs[1] / gpu.bandwidth_gbs:.0%} | {mlx:.0f} |")
     print("MLX's GQA-1 figure (282 GB/s, 0.92 of nominal) is above the dense qmv its issue measured on the same "
-          "machine (0.87): the streaming ceiling is a band, not a bound. Where ours is below MLX's (few kv heads), "
-          "Little's law binds: the bytes each lane keeps in flight (DECODE_ROWS_IN_FLIGHT) are an estimate.")
+          "machine (0.87): the streaming ceiling is a band, not a bound. These rows use the prefill model's "
+          "dispatch terms; the decode model (metal_model_decode.side_by_side) prices each design on its own launch.")
     return out
