@@ -312,16 +312,19 @@ FM_INLINE void decode_attend(thread DecodeState<DMAX>& st, device const T* k, de
   PageStep at = fc_paged ? page_split(key_begin + kg * kDecodeBlock, p.page_size) : PageStep{0, 0};
 
   // Per row, one value across the loop (the register model counts it):
-  // its query row, or -1 for a row past R; the keys it may see come from it
-  // per block (first_visible_key / visible_key_end, a few adds). Each row
-  // has its own query head (a GQA group's rows span gqa_ratio heads), so its
-  // own attn_mask slice, whose offset is recomputed per block (a few
-  // multiply-adds; the register model counts only the block's mask term).
+  // its query head and query row packed as head * 8 + row (q_len <= 8,
+  // kMaxDecodeRows: shifts and masks unpack it, no division in the loop),
+  // or -1 for a row past R; the keys it may see come from its row per block
+  // (first_visible_key / visible_key_end, a few adds). Each row has its own
+  // query head (a GQA group's rows span gqa_ratio heads), so its own
+  // attn_mask slice, whose offset is recomputed per block from the head (a
+  // few multiply-adds; the register model counts only the block's mask term).
   int row_q[RS];
   FM_UNROLL for (int r = 0; r < RS; ++r) {
     const int rr = rg * RS + r;
     const bool real = live && rr < R;
-    row_q[r] = real ? decode_row(p, kv_head, rr).row : -1;
+    const DecodeRow dr = decode_row(p, kv_head, real ? rr : 0);
+    row_q[r] = real ? dr.head * 8 + dr.row : -1;
   }
 
   for (int k0 = key_begin + kg * kDecodeBlock; k0 < key_end; k0 += KG * kDecodeBlock) {
@@ -335,13 +338,13 @@ FM_INLINE void decode_attend(thread DecodeState<DMAX>& st, device const T* k, de
     float mterm[RS];
     bool any = false;
     FM_UNROLL for (int r = 0; r < RS; ++r) {
-      bool keep = int(lane) < n && row_q[r] >= 0 && key < visible_key_end(seq, row_q[r]) &&
-                  (!fc_window_left || key >= first_visible_key(seq, row_q[r]));
+      const int qrow = row_q[r] & 7;  // the query row (see row_q)
+      bool keep = int(lane) < n && row_q[r] >= 0 && key < visible_key_end(seq, qrow) &&
+                  (!fc_window_left || key >= first_visible_key(seq, qrow));
       mterm[r] = 0.0f;
       if (fc_has_mask && keep) {
-        const DecodeRow dr = decode_row(p, kv_head, rg * RS + r);
         bool drop;
-        const float t = mask_term<T>(p, mask, mask_head_offset(p, uint(batch), uint(dr.head)), dr.row, key, &drop);
+        const float t = mask_term<T>(p, mask, mask_head_offset(p, uint(batch), uint(row_q[r] >> 3)), qrow, key, &drop);
         if (drop || t <= kMaskedScore) keep = false;
         mterm[r] = t;
       }
