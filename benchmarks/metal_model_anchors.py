@@ -46,6 +46,7 @@ class Anchor(NamedTuple):
     measured_ms: float
     in_regime: bool   # inside the regime the model claims (high occupancy, MMA kernels)
     tolerance: float  # the claimed band around the point prediction, as a ratio
+    role: str = "validation"  # "calibration": it set a constant (DERIVATIONS names it); "validation": it set nothing
 
 
 MLX_TOL = 0.15  # issue 19: +-15 % where MLX runs at high occupancy
@@ -54,7 +55,7 @@ POST_TOL = 1.0  # within 2x: the post's kernels are other programs (see the docs
 
 ANCHORS = [
     Anchor("mlx-1610-n256", "M3 Max", M.Shape(1, 32, 32, 256, 256, 64), torch.float16, False, "prefill", 0.103, False,
-           MLX_TOL),
+           MLX_TOL, "calibration"),
     Anchor("mlx-1610-n512", "M3 Max", M.Shape(1, 32, 32, 512, 512, 64), torch.float16, False, "prefill", 0.241, True,
            MLX_TOL),
     Anchor("mlx-1610-n1024", "M3 Max", M.Shape(1, 32, 32, 1024, 1024, 64), torch.float16, False, "prefill", 0.784,
@@ -62,18 +63,51 @@ ANCHORS = [
     Anchor("mlx-1610-n2048", "M3 Max", M.Shape(1, 32, 32, 2048, 2048, 64), torch.float16, False, "prefill", 2.98, True,
            MLX_TOL),
     Anchor("mlx-1610-n4096", "M3 Max", M.Shape(1, 32, 32, 4096, 4096, 64), torch.float16, False, "prefill", 11.71,
-           True, MLX_TOL),
+           True, MLX_TOL, "calibration"),
     Anchor("mlx-4330-d72", "M3 Ultra", M.Shape(1, 16, 16, 8192, 8192, 72), torch.bfloat16, False, "prefill", 14.30,
            True, MLX_TOL),
     Anchor("mlx-nax-m5-max", "M5 Max", M.Shape(1, 32, 8, 4096, 4096, 96), torch.float16, False, "mlx-nax", 4.127,
-           True, NAX_TOL),
+           True, NAX_TOL, "calibration"),
+    # MLX, M3 Max, (1, 24, 8192, 128) float16: 75.2 ms (the notes' "75 ms" row; issue 43). Set nothing.
+    Anchor("mlx-m3max-d128", "M3 Max", M.Shape(1, 24, 24, 8192, 8192, 128), torch.float16, False, "prefill", 75.2,
+           True, MLX_TOL),
     Anchor("post-untiled", G.POST_GPU, M.Shape(1, 1, 1, 2048, 2048, 64), torch.float32, True, "untiled", 3.066, False,
            POST_TOL),
     Anchor("post-tiled", G.POST_GPU, M.Shape(1, 1, 1, 2048, 2048, 64), torch.float32, True, "tiled", 2.159, False,
            POST_TOL),
 ]
 CSV_COLUMNS = ["anchor", "gpu", "shape", "measured_ms", "predicted_low_ms", "predicted_ms", "predicted_high_ms",
-               "ratio", "in_regime"]
+               "ratio", "in_regime", "role"]
+
+# How each constant was derived from anchors (a validation anchor's value may appear in none of them:
+# tests/test_metal_model_anchors.py). apple_gpus.MMA_RATE[3] (M3 and later): its low end, 105 FFMAs per
+# core-cycle, is MLX's N = 4096 timing's lower bound (11.73e12 / (40 x 1.398e9 x 2)); the tensor-op
+# softmax rule (additive, metal_model_timing "overlap" at the point) was chosen on the NAX row.
+# PER_CALL_FLOOR: per_call_floor() below, on the two calibration rows of MLX #1610.
+PREFILL_DERIVATIONS = {
+    "MMA_RATE[3..5] low end": {"anchors": ["mlx-1610-n4096"], "inputs": [11.71]},
+    "tensor-op softmax rule": {"anchors": ["mlx-nax-m5-max"], "inputs": [4.127]},
+}
+
+
+def per_call_floor():
+    """MLX's steel attention on the M3 Max as a per-call floor plus FLOPs at one rate (issue 43's fit,
+    replacing the whole-wave rule and the 5 us dispatch for these rows), fitted EXACTLY on the two
+    calibration rows (N = 256 and 4096; no validation row enters it): (floor seconds, FLOPs per second).
+    Recorded in PREFILL_DERIVATIONS."""
+    cal = [a for a in ANCHORS if a.role == "calibration" and a.name.startswith("mlx-1610")]
+    (a0, a1) = sorted(cal, key=lambda a: a.shape.nq)
+    f0, f1 = (M.useful_flops(a.shape, a.causal) for a in (a0, a1))
+    rate = (f1 - f0) / ((a1.measured_ms - a0.measured_ms) * 1e-3)
+    floor = a0.measured_ms * 1e-3 - f0 / rate
+    PREFILL_DERIVATIONS["PER_CALL_FLOOR"] = {"anchors": [a0.name, a1.name], "inputs": [a0.measured_ms, a1.measured_ms],
+                                             "value": (floor, rate)}
+    return floor, rate
+
+
+def floor_applies(a):
+    """Rows the per-call floor prices: MLX's steel attention on the chip it was fitted on (M3 Max, prefill)."""
+    return a.impl == "prefill" and a.gpu == "M3 Max" and a.name.startswith("mlx")
 
 
 def steel_counts(s: M.Shape, elem: int, bq=32, bk=32, wm=4):
@@ -119,14 +153,30 @@ BARRIERS_OUTSIDE_LOOP = 2  # MLX's per-threadgroup barriers outside the key loop
 
 def anchor_row(a: Anchor):
     gpu = G.BY_NAME[a.gpu]
-    recs = X.nax_records(a.shape, a.dtype) if a.impl == "mlx-nax" else M.counts_for(a.impl, a.shape, a.dtype, a.causal)
-    low, point, high = T.predict_band(recs, gpu, a.shape, a.dtype, a.causal)
+    if floor_applies(a):
+        # MLX on the M3 Max: the per-call floor plus the FLOPs at the fitted rate; its band, the time model's
+        # relative band (every unmeasured input: clock, MMA rate, ...) around it.
+        floor, rate = per_call_floor()
+        point = floor + M.useful_flops(a.shape, a.causal) / rate
+        recs = M.counts_for(a.impl, a.shape, a.dtype, a.causal)
+        lo, pt, hi = T.predict_band(recs, gpu, a.shape, a.dtype, a.causal)
+        low, high = point * lo / pt, point * hi / pt
+    else:
+        recs = X.nax_records(a.shape, a.dtype) if a.impl == "mlx-nax" else M.counts_for(a.impl, a.shape, a.dtype,
+                                                                                          a.causal)
+        low, point, high = T.predict_band(recs, gpu, a.shape, a.dtype, a.causal)
     ratio = point * 1e3 / a.measured_ms
     s = a.shape
     return {"anchor": a.name, "gpu": a.gpu,
             "shape": f"{s.b}x{s.hq}x{s.nq}x{s.d} {M._dtype_name(a.dtype)}{' causal' if a.causal else ''} {a.impl}",
             "measured_ms": a.measured_ms, "predicted_low_ms": round(low * 1e3, 4), "predicted_ms": round(point * 1e3, 4),
-            "predicted_high_ms": round(high * 1e3, 4), "ratio": round(ratio, 3), "in_regime": a.in_regime}
+            "predicted_high_ms": round(high * 1e3, 4), "ratio": round(ratio, 3), "in_regime": a.in_regime,
+            "role": a.role}
+
+
+def in_band(row):
+    """The measurement lies inside the predicted band."""
+    return row["predicted_low_ms"] <= row["measured_ms"] <= row["predicted_high_ms"]
 
 
 def within(row, a: Anchor):
@@ -140,18 +190,28 @@ def anchors(csv_path=None, names=None):
     chosen = [a for a in ANCHORS if names is None or a.name in names]
     rows = [anchor_row(a) for a in chosen]
     print("\n## Anchors: published timings of other programs against this model (predictions, not measurements)")
-    print("| " + " | ".join(CSV_COLUMNS) + " | within its band |")
-    print("|" + "---|" * (len(CSV_COLUMNS) + 1))
-    for a, r in zip(chosen, rows):
-        band = f"+-{a.tolerance:.0%}" if a.tolerance < 1 else f"{1 + a.tolerance:.0f}x"
-        print("| " + " | ".join(str(r[c]) for c in CSV_COLUMNS) + f" | {within(r, a)} ({band}) |")
-    print("MLX rows: the prefill kernel's counts equal MLX steel attention's (hand count, "
-          "tests/test_metal_model_anchors.py); "
-          "predicted at MLX's measured speed if the code is as efficient; our kernel is unmeasured. The M3 MMA rate "
-          "is inferred (N = 4096 bounds it), so N = 512-2048 and the M3 Ultra row are the independent checks; "
-          "N = 256 is outside the regime (under two waves of threadgroups). Post rows: different programs (the post "
+    for role, what in (("calibration", "set a constant (PREFILL_DERIVATIONS / metal_model_decode.DERIVATIONS)"),
+                       ("validation", "set nothing")):
+        print(f"\n### {role} anchors: {what}")
+        print("| " + " | ".join(CSV_COLUMNS) + " | within its tolerance | inside its band |")
+        print("|" + "---|" * (len(CSV_COLUMNS) + 2))
+        for a, r in zip(chosen, rows):
+            if a.role != role:
+                continue
+            band = f"+-{a.tolerance:.0%}" if a.tolerance < 1 else f"{1 + a.tolerance:.0f}x"
+            print("| " + " | ".join(str(r[c]) for c in CSV_COLUMNS) + f" | {within(r, a)} ({band}) | {in_band(r)} |")
+    val = [(a, r) for a, r in zip(chosen, rows) if a.role == "validation"]
+    print(f"\nValidation: {sum(within(r, a) for a, r in val)} of {len(val)} rows within their tolerance, "
+          f"{sum(in_band(r) for _, r in val)} of {len(val)} inside their predicted band.")
+    floor, rate = per_call_floor()
+    print(f"MLX M3 Max rows: a per-call floor of {floor * 1e6:.1f} us plus the FLOPs at {rate / 1e12:.2f} TFLOPS, "
+          "fitted on the two calibration rows (N = 256, 4096) alone, replacing the whole-wave rule and the 5 us "
+          "dispatch; their bands are the time model's relative band. The prefill kernel's counts equal MLX steel "
+          "attention's (hand count, tests/test_metal_model_anchors.py). Post rows: different programs (the post "
           "reads Q inside the key loop and divides by sqrt(D) per key; ours do neither). The mlx-nax row: MLX's "
-          "accelerator kernel, hand-counted (metal_model_accel.py); it anchors the estimated tensor-op rate.")
+          "accelerator kernel, hand-counted (metal_model_accel.py); it chose the tensor-op softmax rule.")
+    from . import metal_model_decode as DM
+    DM.side_by_side()
     if csv_path:
         with open(csv_path, "w", newline="") as f:
             w = csv.DictWriter(f, fieldnames=CSV_COLUMNS)
@@ -159,6 +219,26 @@ def anchors(csv_path=None, names=None):
             w.writerows(rows)
         print(f"(wrote {len(rows)} rows to {csv_path})")
     return rows
+
+
+class DecodeAnchor(NamedTuple):
+    """A measured decode bandwidth (K/V bytes counted once over the time per call) and its role: "calibration"
+    (it set a constant: metal_model_decode.DERIVATIONS names it) or "validation" (it set nothing)."""
+    name: str
+    gpu: str
+    shape: M.Shape
+    measured_gbs: float
+    role: str
+
+
+# MLX issue #4076, M5 Pro, float16, one query row, 8K keys, D = 128, 32 query heads: sdpa_vector_2pass at
+# GQA 1 / 4 / 8, as issue 43 quotes them (281 / 264 / 190 GB/s). GQA 1 calibrates the decode's streaming
+# fraction (metal_model_decode.calibrate); GQA 4 and 8 validate the model, its L1 term included.
+DECODE_ANCHORS = [
+    DecodeAnchor("mlx-4076-gqa1", "M5 Pro", M.Shape(1, 32, 32, 1, 8192, 128), 281.0, "calibration"),
+    DecodeAnchor("mlx-4076-gqa4", "M5 Pro", M.Shape(1, 32, 8, 1, 8192, 128), 264.0, "validation"),
+    DecodeAnchor("mlx-4076-gqa8", "M5 Pro", M.Shape(1, 32, 4, 1, 8192, 128), 190.0, "validation"),
+]
 
 
 # Decode against MLX's measured decode (mlx-4076, M5 Pro, float16, q_len 1, 8K context; its 8K column, which
@@ -186,6 +266,6 @@ def decode_vs_mlx(nk=8192):
         print(f"| {hq}:{hkv} | {d} | decode_split | {gbs[1]:.0f} ({gbs[0]:.0f}-{gbs[2]:.0f}) "
               f"| {gbs[1] / gpu.bandwidth_gbs:.0%} | {mlx:.0f} |")
     print("MLX's GQA-1 figure (282 GB/s, 0.92 of nominal) is above the dense qmv its issue measured on the same "
-          "machine (0.87): the streaming ceiling is a band, not a bound. Where ours is below MLX's (few kv heads), "
-          "Little's law binds: the bytes each lane keeps in flight (DECODE_ROWS_IN_FLIGHT) are an estimate.")
+          "machine (0.87): the streaming ceiling is a band, not a bound. These rows use the prefill model's "
+          "dispatch terms; the decode model (metal_model_decode.side_by_side) prices each design on its own launch.")
     return out

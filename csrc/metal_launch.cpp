@@ -80,17 +80,11 @@ const std::vector<BufferBinding> kBackwardDkdvBuffers = {
 void decode_launches(const AttentionProblem& p, const KernelChoice& c, const std::string& suffix, const GpuSpec& gpu,
                      MetalLaunch l, MetalPlan* plan) {
   const uint32_t kv_heads = static_cast<uint32_t>(p.kv_heads), batch = static_cast<uint32_t>(p.batch);
-  const uint32_t rows_per_simd = static_cast<uint32_t>(decode_rows_per_simd(static_cast<int>(c.bucket)));
   const uint32_t in_flight = decode_row_groups_per_threadgroup(p, c.bucket, c.row_chunks);
   const uint32_t key_groups = decode_key_groups(in_flight);
-  const uint32_t padded_dim = 32 * ceil_div(c.bucket, 32);  // features per row, lanes' padding included
-  // Several key groups: their partial states, merged in threadgroup memory
-  // (floats). One: none used (its row groups read the same K/V rows from
-  // device memory, issue 19); why 16 bytes then: the least length Metal
-  // takes for the declared [[threadgroup(0)]] argument.
-  const uint32_t bytes = key_groups > 1
-                             ? (key_groups * in_flight * (rows_per_simd + 1 + padded_dim) * 4 + 15) / 16 * 16
-                             : 16;
+  // Several key groups: their partial states merged in threadgroup memory;
+  // one: 16 bytes, unused (decode_threadgroup_memory).
+  const uint32_t bytes = decode_threadgroup_memory(p, c.bucket, c.row_chunks);
   l.threadgroup = {32, key_groups, in_flight};
   l.threadgroup_memory = bytes;
   l.max_threads_per_threadgroup = kDecodeMaxThreads;
@@ -339,7 +333,8 @@ std::string loader_reason(bool dense, const std::string& why) {
 }
 
 // The parameter block of every launch: strides as given, sizes from the problem.
-AttentionParams make_params(const AttentionProblem& p, const LaunchStrides& s, uint32_t kv_splits) {
+AttentionParams make_params(const AttentionProblem& p, const LaunchStrides& s, uint32_t kv_splits,
+                            int64_t split_quantum) {
   AttentionParams a{};
   a.q_batch_stride = s.q[0]; a.q_head_stride = s.q[1]; a.q_row_stride = s.q[2]; a.q_dim_stride = s.q[3];
   a.k_batch_stride = s.k[0]; a.k_head_stride = s.k[1]; a.k_row_stride = s.k[2]; a.k_dim_stride = s.k[3];
@@ -359,7 +354,7 @@ AttentionParams make_params(const AttentionProblem& p, const LaunchStrides& s, u
   a.scale = static_cast<float>(p.scale);
   a.scale_log2 = p.scale_log2();
   a.kv_splits = static_cast<int32_t>(kv_splits);
-  a.split_keys = kv_splits > 1 ? static_cast<int32_t>(split_keys(p.kv_len, kv_splits))
+  a.split_keys = kv_splits > 1 ? static_cast<int32_t>(split_keys(p.kv_len, kv_splits, split_quantum))
                                  : static_cast<int32_t>(p.kv_len);
 
   a.do_batch_stride = s.grad_out[0]; a.do_head_stride = s.grad_out[1];
@@ -411,7 +406,10 @@ MetalPlan plan_metal_attention(const AttentionProblem& p, const LaunchStrides& s
   plan.reason = c.reason;
   const std::string suffix = std::string(dtype_name(p.dtype)) + "_d" + std::to_string(c.bucket);
 
-  const AttentionParams a = make_params(p, s, c.kv_splits);
+  // The decode's blocks in whole quanta of its key groups x 32 (decode_splits).
+  const bool decode_family = c.kind == KernelRequest::Decode || c.kind == KernelRequest::DecodeSplit;
+  const AttentionParams a =
+      make_params(p, s, c.kv_splits, decode_family ? decode_split_quantum(p, c.bucket, c.row_chunks) : kSplitKeyQuantum);
 
   MetalLaunch l;
   l.params = a;

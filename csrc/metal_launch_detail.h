@@ -47,7 +47,9 @@ bool dense_loader(const AttentionProblem& p, const LaunchStrides& s, uint32_t bu
 // The reason's sentence about the tile loader, for explain().
 std::string loader_reason(bool dense, const std::string& why);
 // The parameter block of every launch: strides as given, sizes from the problem.
-AttentionParams make_params(const AttentionProblem& p, const LaunchStrides& s, uint32_t kv_splits);
+// Split blocks hold whole quanta of split_quantum keys (split_keys).
+AttentionParams make_params(const AttentionProblem& p, const LaunchStrides& s, uint32_t kv_splits,
+                            int64_t split_quantum = kSplitKeyQuantum);
 // Every launch within Metal's threadgroup-memory limit and its kernel's thread limit.
 void check_launch_limits(const MetalPlan& plan);
 

@@ -283,11 +283,14 @@ inline uint64_t threads_of(const MetalLaunch& launch) {
 // SIMD-group of keys in every decode kernel layout.
 inline constexpr int64_t kSplitKeyQuantum = 32;
 
-// Keys per split-KV block: Nk over `splits`, rounded up to whole quanta.
-inline uint32_t split_keys(int64_t kv_len, uint32_t splits) {
+// Keys per split-KV block: Nk over `splits`, rounded up to whole quanta of
+// `quantum` keys (a multiple of kSplitKeyQuantum). The decode kernels pass
+// key groups x 32 (decode_split_quantum): every key group of every full
+// block then runs the same number of 32-key blocks (issue 43).
+inline uint32_t split_keys(int64_t kv_len, uint32_t splits, int64_t quantum = kSplitKeyQuantum) {
   const int64_t keys = std::max<int64_t>(1, kv_len);
   int64_t per = (keys + splits - 1) / splits;
-  return static_cast<uint32_t>((per + kSplitKeyQuantum - 1) / kSplitKeyQuantum * kSplitKeyQuantum);
+  return static_cast<uint32_t>((per + quantum - 1) / quantum * quantum);
 }
 
 // Query rows per SIMD-group of the decode kernels: decode_rows_per_simd
@@ -327,6 +330,25 @@ inline uint32_t decode_key_groups(uint32_t rgl) { return std::max<uint32_t>(1, k
 inline uint32_t decode_simdgroups_per_threadgroup(const AttentionProblem& p, uint32_t bucket, uint32_t chunks) {
   const uint32_t rgl = decode_row_groups_per_threadgroup(p, bucket, chunks);
   return decode_key_groups(rgl) * rgl;
+}
+
+// The split-KV decode's block quantum: key groups x 32 keys, so the key
+// groups of a block (which take its 32-key blocks in turn) split it evenly.
+inline int64_t decode_split_quantum(const AttentionProblem& p, uint32_t bucket, uint32_t chunks) {
+  return kSplitKeyQuantum * decode_key_groups(decode_row_groups_per_threadgroup(p, bucket, chunks));
+}
+
+// Threadgroup memory of a decode threadgroup (attention_decode.h's
+// tg_bytes): with several key groups, their partial states merged in
+// threadgroup memory (floats); with one, none used (its row groups read the
+// same K/V rows from device memory, issue 19), and 16 bytes, the least
+// length Metal takes for the declared [[threadgroup(0)]] argument.
+inline uint32_t decode_threadgroup_memory(const AttentionProblem& p, uint32_t bucket, uint32_t chunks) {
+  const uint32_t rgl = decode_row_groups_per_threadgroup(p, bucket, chunks);
+  const uint32_t kg = decode_key_groups(rgl);
+  const uint32_t padded_dim = 32 * ceil_div(bucket, 32);
+  const uint32_t rs = static_cast<uint32_t>(decode_rows_per_simd(static_cast<int>(bucket)));
+  return kg > 1 ? (kg * rgl * (rs + 1 + padded_dim) * 4 + 15) / 16 * 16 : 16;
 }
 
 // ---- Live-value models: 32-bit values per lane each kernel family keeps
@@ -369,13 +391,16 @@ inline uint32_t prefill_live_registers(uint32_t bucket, uint32_t block_k, uint32
 // SIMD-group: per row a lane holds its slice (ceil(bucket / 32) values) of
 // q, of the accumulator and of the block's partial product, and 5 scalars
 // (running max, running sum, the block's weight p of its key, the rescale
-// alpha, the row's query index), plus the 64-bit offset of its mask row
-// with a mask (2 more); plus two keys' slices of K or V (the key's and the
-// next one's, prefetched). (The scores of the K loop become the weights p;
-// the block bounds are recomputed per block.)
+// alpha, the row's query index), plus with a mask the block's mask term of
+// its key (read once, before K: the block skip; 1 more; its row's offset is
+// recomputed per block, issue 43); plus decode_keys_in_flight keys' slices
+// of K or V (the unrolled step's loads, all issued before the first is
+// used). (The scores of the K loop become the weights p; the block bounds
+// are recomputed per block.)
 constexpr uint32_t decode_live_registers(uint32_t bucket, uint32_t rows, bool has_mask) {
   const uint32_t slice = (bucket + 31) / 32;
-  return rows * (3 * slice + 5 + (has_mask ? 2 : 0)) + 2 * slice + kLiveOverhead;
+  const uint32_t in_flight = static_cast<uint32_t>(decode_keys_in_flight(static_cast<int>(bucket)));
+  return rows * (3 * slice + 5 + (has_mask ? 1 : 0)) + in_flight * slice + kLiveOverhead;
 }
 // Under fc_paged (a paged KV cache, shaders/attention_decode_paged.h) the
 // page walk's values on top, per lane, the same for every row: the cursor
@@ -393,29 +418,39 @@ inline uint32_t decode_live_registers(uint32_t bucket, bool has_mask, bool paged
                                has_mask, paged);
 }
 // The kernels' rows per SIMD-group are the register budget's: the most (a
-// power of two up to 8) within kDecodeRegisterBudget even with a mask.
+// power of two up to 8) within kDecodeRegisterBudget even with a mask; at
+// one row (D 192, 256) whatever one row takes (D 256: 78 with a mask, over
+// the budget: it runs at the occupancy estimate_launch gives it).
 constexpr bool decode_rows_fit_budget(uint32_t bucket) {
   const uint32_t rs = static_cast<uint32_t>(decode_rows_per_simd(static_cast<int>(bucket)));
-  return decode_live_registers(bucket, rs, true) <= uint32_t{kDecodeRegisterBudget} &&
+  return (rs == 1 || decode_live_registers(bucket, rs, true) <= uint32_t{kDecodeRegisterBudget}) &&
          (rs == 8 || decode_live_registers(bucket, 2 * rs, true) > uint32_t{kDecodeRegisterBudget});
 }
-// The page walk's values fit beside the rows (no mask: see kPagedLiveValues).
+// The page walk's values fit beside the rows (no mask: see kPagedLiveValues)
+// but at D 64 (76: 4 rows and 4 keys in flight), 128 (74) and 256 (85),
+// which run at the occupancy estimate_launch gives them (2 threadgroups of 8
+// SIMD-groups per core at 64 and 128: 16 SIMD-groups x 4 rows in flight,
+// where 24 x 2 were before issue 43), within the addressable 128.
 constexpr bool decode_paged_fits_budget(uint32_t bucket) {
   return decode_live_registers(bucket, static_cast<uint32_t>(decode_rows_per_simd(static_cast<int>(bucket))), false,
                                true) <= uint32_t{kDecodeRegisterBudget};
 }
-static_assert(decode_paged_fits_budget(32) && decode_paged_fits_budget(64) && decode_paged_fits_budget(72) &&
-                  decode_paged_fits_budget(80) && decode_paged_fits_budget(96) && decode_paged_fits_budget(128) &&
-                  decode_paged_fits_budget(192) && decode_paged_fits_budget(256),
-              "the paged decode's live values within kDecodeRegisterBudget");
+static_assert(decode_paged_fits_budget(32) && decode_paged_fits_budget(72) && decode_paged_fits_budget(80) &&
+                  decode_paged_fits_budget(96) && decode_paged_fits_budget(192) &&
+                  decode_live_registers(64u, 4u, false, true) == 76 &&
+                  decode_live_registers(128u, 2u, false, true) == 74 && decode_live_registers(256u, 1u, false, true) == 85,
+              "the paged decode's live values within kDecodeRegisterBudget but at D 64, 128 and 256");
 static_assert(decode_rows_fit_budget(32) && decode_rows_fit_budget(64) && decode_rows_fit_budget(72) &&
                   decode_rows_fit_budget(80) && decode_rows_fit_budget(96) && decode_rows_fit_budget(128) &&
                   decode_rows_fit_budget(192) && decode_rows_fit_budget(256),
               "decode_rows_per_simd (shaders/attention_decode_rows.h): the most rows within the budget");
+static_assert(decode_live_registers(256u, 1u, true) == 78 && decode_live_registers(256u, 1u, false, true) == 85 &&
+                  decode_live_registers(256u, 1u, false, true) <= 128,
+              "D 256 with 4 keys in flight: over the budget, within the addressable registers");
 
 // The decode-only buckets 512 and 576 (kDecodeHeadDimBuckets) exceed
-// kDecodeRegisterBudget even at one row (slices of 16 and 18 values: 103
-// and 113 with a mask, 111 and 119 paged): they run at lower occupancy,
+// kDecodeRegisterBudget even at one row (slices of 16 and 18 values, 2 keys
+// in flight: 102 and 112 with a mask, 109 and 119 paged): they run at lower occupancy,
 // which estimate_launch counts (by registers) and the model prices
 // (benchmarks/metal_model_decode_wide.py); still within the 128 registers
 // an Apple GPU thread addresses (kBackwardRegisterBudget's note), so by

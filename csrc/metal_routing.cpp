@@ -42,18 +42,17 @@ const char* request_name(KernelRequest r) {
 }
 
 // Split-KV decode knobs.
-// Why 24 SIMD-groups' worth of distinct loads launched per core (each key
-// group's, below; the name predates the sharing): a core hides DRAM latency only with
-// many loads in flight, and decode has nothing else to overlap them with;
-// 24 is the occupancy at which metal-benchmarks sees the ALUs saturate (the
-// figure kBackwardRegisterBudget below is sized for), and MLX's sdpa_vector
-// launches 45-410 per core on the same shapes (issue 19). Counted in
-// streams, not threadgroups: a stream is a key group (attention_decode.h),
-// whose SIMD-groups read the same keys, so its loads of a line count once
-// (issue 19); a threadgroup of 2 streams keeps a quarter of the distinct
-// loads in flight of one of 8. So a GQA group of RGL row groups per key group
-// launches RGL x 24 SIMD-groups per core.
-constexpr uint32_t kDecodeSimdgroupsPerCore = 24;
+// The split count fills ONE WAVE of resident threadgroups (issue 43): the
+// launch's SIMD-groups, (batch, kv head, row chunk, key block)
+// threadgroups x their KG * RGL SIMD-groups, at most the SIMD-groups the
+// cores hold at once (estimate_launch's residency on `gpu`, by registers
+// and threadgroup memory). Counted in SIMD-groups, not key-group streams:
+// before issue 43 the rule launched 24 streams per core, and a stream is
+// RGL SIMD-groups, so GQA launches ran 2-2.13 waves (Llama-3-8B on an M3
+// Max at 4k keys: 256 threadgroups for 120 slots), every SIMD-group paying
+// its fixed costs (q load, first-row latency, merge, partial stores) for one
+// 32-key block. A second wave only repeats those costs: the bytes in flight
+// per core are the resident SIMD-groups' either way.
 // Why 128 keys at least per block: the merge pass writes and re-reads
 // head_dim floats of partial output per block and row, R x D x 8 bytes for a
 // GQA group of R rows, which must stay small next to the block's own K/V
@@ -77,39 +76,62 @@ uint32_t decode_row_chunks(const AttentionProblem& p, uint32_t bucket) {
   return ceil_div(decode_row_groups(p, bucket), kDecodeMaxSimdgroups);
 }
 
-// Split count for the decode kernels: enough key blocks that the streams
-// launched, (batch, kv head, row chunk, block) threadgroups x key groups
-// each, reach kDecodeSimdgroupsPerCore per core of `gpu`, within
-// kMinKeysPerSplit and kMaxKvSplits. At least 2 when forced.
+// Resident decode threadgroups per core of `gpu`: estimate_launch's rule
+// on the launch decode_launches makes (metal_launch.cpp), the figure
+// explain() reports as threadgroups_per_core.
+uint32_t decode_resident_threadgroups(const AttentionProblem& p, uint32_t bucket, uint32_t chunks,
+                                      const GpuSpec& gpu) {
+  MetalLaunch l;
+  const uint32_t rgl = decode_row_groups_per_threadgroup(p, bucket, chunks);
+  l.threadgroup = {32, decode_key_groups(rgl), rgl};
+  l.threadgroup_memory = decode_threadgroup_memory(p, bucket, chunks);
+  return estimate_launch(l, decode_live_registers(bucket, p.mask != MaskKind::None, p.paged), gpu)
+      .threadgroups_per_core;
+}
+
+// Split count for the decode kernels: the most key blocks whose
+// threadgroups, with the (batch, kv head, row chunk) ones of each block, fit
+// one wave of resident threadgroups on `gpu` (kDecode notes above), within
+// kMinKeysPerSplit and kMaxKvSplits; the blocks then rounded to whole
+// quanta of key groups x 32 keys (decode_split_quantum), so every key group
+// of a full block runs the same number of 32-key blocks and the last block's
+// differ by at most one; rounding up leaves the fewest blocks of that size.
+// At least 2 when forced. *why says what bound the count and how many waves
+// the launch is (more than one only when the (batch, kv head, row chunk)
+// threadgroups alone exceed a wave).
 uint32_t decode_splits(const AttentionProblem& p, uint32_t bucket, uint32_t chunks, const GpuSpec& gpu, bool forced,
                        std::string* why) {
-  const int64_t sg_per_block = std::max<int64_t>(1, p.batch * p.kv_heads * chunks) *
-                               decode_key_groups(decode_row_groups_per_threadgroup(p, bucket, chunks));
-  const int64_t target = int64_t{gpu.cores} * kDecodeSimdgroupsPerCore;
-  const int64_t want = (target + sg_per_block - 1) / sg_per_block;
+  const int64_t per_block = std::max<int64_t>(1, p.batch * p.kv_heads * chunks);  // threadgroups per key block
+  const uint32_t sgs = decode_simdgroups_per_threadgroup(p, bucket, chunks);
+  const uint32_t resident = decode_resident_threadgroups(p, bucket, chunks, gpu);
+  const int64_t slots = int64_t{gpu.cores} * resident;  // threadgroups in one wave
+  const int64_t fit = slots / per_block;
   const int64_t by_length = std::max<int64_t>(1, p.kv_len / kMinKeysPerSplit);
-  const int64_t limit = std::min<int64_t>(by_length, kMaxKvSplits);
-  const int64_t wanted = std::max<int64_t>(1, std::min<int64_t>(want, limit));
-  int64_t splits = forced ? std::max<int64_t>(wanted, 2) : wanted;
-  if (!forced) {
-    // Whole blocks of a multiple of 32 keys, empty ones dropped: rounding
-    // the block up to 32 keys can leave fewer blocks than asked for, so ask
-    // for more (within the limit) until the blocks reach the wanted count.
-    const int64_t keys = std::max<int64_t>(1, p.kv_len);
-    const auto blocks_for = [&](int64_t asked) {
-      const int64_t per = split_keys(p.kv_len, static_cast<uint32_t>(asked));
-      return (keys + per - 1) / per;
-    };
-    int64_t asked = splits;
-    splits = blocks_for(asked);
-    while (splits < wanted && asked < limit) splits = blocks_for(++asked);
+  const int64_t cap = std::max<int64_t>(1, std::min<int64_t>({fit, by_length, int64_t{kMaxKvSplits}}));
+  const int64_t quantum = decode_split_quantum(p, bucket, chunks);
+  const int64_t keys = std::max<int64_t>(1, p.kv_len);
+  const int64_t per = split_keys(p.kv_len, static_cast<uint32_t>(cap), quantum);
+  int64_t splits = (keys + per - 1) / per;
+  if (forced) splits = std::max<int64_t>(splits, 2);
+  const int64_t launched = per_block * splits;
+  const int64_t waves = (launched + slots - 1) / slots;
+  const int64_t kg = quantum / kSplitKeyQuantum;
+  *why = std::to_string(per_block) + " threadgroups (batch x kv heads x row chunks) per key block, " +
+         std::to_string(sgs) + " SIMD-groups each, " + std::to_string(resident) + " resident per core of a " +
+         std::to_string(gpu.cores) + "-core " + gpu.name + ": one wave holds " + std::to_string(slots) +
+         " threadgroups, so at most " + std::to_string(std::max<int64_t>(fit, 0)) + " blocks; Nk = " +
+         std::to_string(p.kv_len) + " allows " + std::to_string(by_length) + " blocks of >= " +
+         std::to_string(kMinKeysPerSplit) + " keys; at most " + std::to_string(kMaxKvSplits) + "; blocks of " +
+         std::to_string(splits > 1 ? split_keys(p.kv_len, static_cast<uint32_t>(splits), quantum) : keys) +
+         " keys, whole quanta of " + std::to_string(kg) + " key groups x 32 (every key group of a full block " +
+         std::to_string(per / quantum) + " 32-key blocks); " + std::to_string(launched) + " threadgroups launched, " +
+         std::to_string(waves) + (waves == 1 ? " wave" : " waves");
+  if (waves > 1) {
+    *why += forced && fit >= 1 ? " (impl='decode_split' forces 2 blocks beyond the wave)"
+                               : " (more than one wave: the " + std::to_string(per_block) +
+                                     " (batch, kv head, row chunk) threadgroups of a single block exceed the " +
+                                     std::to_string(slots) + " a wave holds; more blocks would only add waves)";
   }
-  *why = std::to_string(sg_per_block) + " key-group streams per key block want " + std::to_string(want) +
-         " blocks to launch " + std::to_string(kDecodeSimdgroupsPerCore) + " SIMD-groups per core of a " +
-         std::to_string(gpu.cores) + "-core " + gpu.name + "; Nk = " + std::to_string(p.kv_len) + " allows " +
-         std::to_string(by_length) + " blocks of >= " + std::to_string(kMinKeysPerSplit) + " keys; at most " +
-         std::to_string(kMaxKvSplits) + "; " + std::to_string(sg_per_block * splits / gpu.cores) +
-         " streams per core launched";
   return static_cast<uint32_t>(splits);
 }
 

@@ -260,6 +260,11 @@ FM_INLINE void decode_slice_device(thread float* x, device const T* row, int64_t
 // Attends the SIMD-group's rows to the keys of its key group in
 // [key_begin, key_end): blocks of 32 consecutive keys, block kg, kg + KG, ...
 // (each key belongs to exactly one key group). Per block:
+//  0. visibility: each lane decides, per row, whether its key may be seen
+//     (window, causal, past R) and reads the mask's term for it; a block no
+//     row of the SIMD-group may see is skipped before any K or V load
+//     (llama.cpp's flash_attn_ext_vec skips fully masked blocks the same
+//     way; issue 43);
 //  1. scores: for each key j, every lane takes its slice of K row j, and
 //     each row's score is simd_sum of the lane partials; lane j keeps the
 //     score of key j (kMaskedScore if masked);
@@ -281,11 +286,12 @@ FM_INLINE void decode_slice_device(thread float* x, device const T* row, int64_t
 // replaced (issue 19) a staged path: 64-thread threadgroups copying each
 // block to threadgroup memory with 4 barriers per 32 keys. What staging
 // gave, many loads in flight, comes instead from more SIMD-groups (the
-// split count) and a prefetch: each key's K (V) slice is loaded one key
-// ahead, before the previous key's products, so a SIMD-group has two rows
-// in flight (one more slice of registers: decode_live_registers). The trip
-// count is uniform across the SIMD-group, so every simd_* call is
-// convergent.
+// split count) and unrolling: the K and V loops step UK =
+// decode_keys_in_flight(DMAX) keys at a time (4 up to D 256), and a step
+// issues all its UK rows' loads before the first product, so a SIMD-group
+// has UK rows in flight (issue 43; before it, one key prefetched: 2 rows;
+// the emulator's device_load_window counts prove it). The trip count is
+// uniform across the SIMD-group, so every simd_* call is convergent.
 template <typename T, int DMAX>
 FM_INLINE void decode_attend(thread DecodeState<DMAX>& st, device const T* k, device const T* v,
                              constant AttentionParams& p, thread const SeqView& seq, device const uchar* mask,
@@ -293,6 +299,7 @@ FM_INLINE void decode_attend(thread DecodeState<DMAX>& st, device const T* k, de
                              int key_end, int kg, int KG, uint lane) {
   constexpr int RS = DecodeState<DMAX>::RS;
   constexpr int DPL = DecodeState<DMAX>::DPL;
+  constexpr int UK = decode_keys_in_flight(DMAX);
   const int R = p.gqa_ratio * p.q_len;
   const int D = p.head_dim;     // q's and k's features (the scores)
   const int DV = p.head_dim_v;  // v's (the accumulator): its own in MLA-style calls (issue 20 section 2)
@@ -305,107 +312,135 @@ FM_INLINE void decode_attend(thread DecodeState<DMAX>& st, device const T* k, de
   PageStep at = fc_paged ? page_split(key_begin + kg * kDecodeBlock, p.page_size) : PageStep{0, 0};
 
   // Per row, one value across the loop (the register model counts it):
-  // its query row, or -1 for a row past R; the keys it may see come from it
-  // per block (first_visible_key / visible_key_end, a few adds). Each row
-  // has its own query head (a GQA group's rows span gqa_ratio heads), so its
-  // own attn_mask slice: mask_row, the element offset of its mask row
-  // (fc_has_mask only; 2 more values).
+  // its query head and query row packed as head * 8 + row (q_len <= 8,
+  // kMaxDecodeRows: shifts and masks unpack it, no division in the loop),
+  // or -1 for a row past R; the keys it may see come from its row per block
+  // (first_visible_key / visible_key_end, a few adds). Each row has its own
+  // query head (a GQA group's rows span gqa_ratio heads), so its own
+  // attn_mask slice, whose offset is recomputed per block from the head (a
+  // few multiply-adds; the register model counts only the block's mask term).
   int row_q[RS];
-  int64_t mask_row[RS];
   FM_UNROLL for (int r = 0; r < RS; ++r) {
     const int rr = rg * RS + r;
     const bool real = live && rr < R;
     const DecodeRow dr = decode_row(p, kv_head, real ? rr : 0);
-    row_q[r] = real ? dr.row : -1;
-    mask_row[r] = fc_has_mask ? mask_head_offset(p, uint(batch), uint(dr.head)) + int64_t(dr.row) * p.mask_row_stride
-                              : 0;
+    row_q[r] = real ? dr.head * 8 + dr.row : -1;
   }
 
   for (int k0 = key_begin + kg * kDecodeBlock; k0 < key_end; k0 += KG * kDecodeBlock) {
     const int n = min(kDecodeBlock, key_end - k0);  // keys of this block (uniform)
     const int key = k0 + int(lane);                 // the key whose score this lane keeps
 
+    // 0. Which rows may see this lane's key, and the mask's term for it
+    // (bool False and additive terms at or below kMaskedScore: kMaskedScore,
+    // which any finite score below 2^76 leaves masked after the add: the
+    // same rule as option_score's, read before K instead of after).
+    float mterm[RS];
+    bool any = false;
+    FM_UNROLL for (int r = 0; r < RS; ++r) {
+      const int qrow = row_q[r] & 7;  // the query row (see row_q)
+      bool keep = int(lane) < n && row_q[r] >= 0 && key < visible_key_end(seq, qrow) &&
+                  (!fc_window_left || key >= first_visible_key(seq, qrow));
+      mterm[r] = 0.0f;
+      if (fc_has_mask && keep) {
+        bool drop;
+        const float t = mask_term<T>(p, mask, mask_head_offset(p, uint(batch), uint(row_q[r] >> 3)), qrow, key, &drop);
+        if (drop || t <= kMaskedScore) keep = false;
+        mterm[r] = t;
+      }
+      if (!keep) mterm[r] = kMaskedScore;
+      any = any || keep;
+    }
+    // A block none of this SIMD-group's rows may see: skipped before its
+    // loads (uniform: simd_any). Its state is unchanged, as the masked
+    // block would leave it (alpha 1, no weight).
+    if (!simd_any(any)) {
+      if (fc_paged) at = page_add(at, step, p.page_size);
+      continue;
+    }
+
     float s[RS];
     FM_UNROLL for (int r = 0; r < RS; ++r) s[r] = kMaskedScore;
-    if (live) {
-      // kn: the next key's slice, loaded before this key's products (see above).
-      // fc_paged: kc walks the block's keys (advanced only to a key that is read).
-      float kx[DPL], kn[DPL];
-      PageCursor kc = fc_paged ? page_cursor(table, at.entry, at.row) : PageCursor{0, 0, 0};
-      decode_slice_device<DMAX, DPL>(
-          kx, kp + (fc_paged ? page_offset(kc, p.k_batch_stride, p.k_row_stride) : int64_t(k0) * p.k_row_stride),
-          p.k_dim_stride, D, lane);
-      FM_UNROLL for (int i = 0; i < DPL; ++i) kn[i] = 0.0f;
-      for (int j = 0; j < n; ++j) {
-        if (j + 1 < n) {
-          if (fc_paged) page_next(kc, table, p.page_size);
+    // fc_paged: kc walks the block's keys (advanced only to a key that is read).
+    PageCursor kc = fc_paged ? page_cursor(table, at.entry, at.row) : PageCursor{0, 0, 0};
+    for (int j0 = 0; j0 < n; j0 += UK) {
+      float kx[UK][DPL];  // the step's UK rows, every load issued before the first product
+      FM_UNROLL for (int u = 0; u < UK; ++u) {
+        const int j = j0 + u;
+        if (j < n) {
+          if (fc_paged && j > 0) page_next(kc, table, p.page_size);
           decode_slice_device<DMAX, DPL>(
-              kn,
-              kp + (fc_paged ? page_offset(kc, p.k_batch_stride, p.k_row_stride)
-                             : int64_t(k0 + j + 1) * p.k_row_stride),
+              kx[u], kp + (fc_paged ? page_offset(kc, p.k_batch_stride, p.k_row_stride) : int64_t(k0 + j) * p.k_row_stride),
               p.k_dim_stride, D, lane);
+        } else {
+          FM_UNROLL for (int i = 0; i < DPL; ++i) kx[u][i] = 0.0f;
         }
-        FM_UNROLL for (int r = 0; r < RS; ++r) {
-          float part = 0.0f;
-          FM_UNROLL for (int i = 0; i < DPL; ++i) part = fma(st.q[r][i], kx[i], part);
-          const float score = simd_sum(part);
-          if (int(lane) == j) s[r] = score;
+      }
+      FM_UNROLL for (int u = 0; u < UK; ++u) {
+        if (j0 + u < n) {
+          FM_UNROLL for (int r = 0; r < RS; ++r) {
+            float part = 0.0f;
+            FM_UNROLL for (int i = 0; i < DPL; ++i) part = fma(st.q[r][i], kx[u][i], part);
+            const float score = simd_sum(part);
+            if (int(lane) == j0 + u) s[r] = score;
+          }
         }
-        FM_UNROLL for (int i = 0; i < DPL; ++i) kx[i] = kn[i];
       }
     }
 
     // Masking: keys outside this row's window (causal, left window, or
-    // past R) are dropped first; the rest go through the options (softcap,
-    // then the mask, read only for them: option_score); scores that are
-    // -inf or below the floor, from the inputs or an additive mask, become
-    // the finite sentinel by comparisons fast math cannot fold.
+    // past R) or dropped by the mask were marked in step 0; the rest get
+    // softcap, then the mask's term; scores that are -inf or below the
+    // floor, from the inputs or an additive mask, become the finite
+    // sentinel by comparisons fast math cannot fold.
     float pw[RS];
     float alpha[RS];
-    if (live) {
-      FM_UNROLL for (int r = 0; r < RS; ++r) {
-        const bool keep = int(lane) < n && row_q[r] >= 0 && key < visible_key_end(seq, row_q[r]) &&
-                          (!fc_window_left || key >= first_visible_key(seq, row_q[r]));
-        const float sr = option_score<T>(p, mask, mask_row[r], 0, key, s[r], keep);  // row folded into mask_row
-        const bool masked = !keep || sr <= kMaskedScore;
-        const float sc = masked ? kMaskedScore : sr;
-        const float m_new = max(st.m[r], simd_max(sc));  // finite
-        alpha[r] = exp2(st.m[r] - m_new);                // finite argument <= 0
-        pw[r] = masked ? 0.0f : exp2(sc - m_new);
-        st.l[r] = fma(st.l[r], alpha[r], simd_sum(pw[r]));
-        st.m[r] = m_new;
+    FM_UNROLL for (int r = 0; r < RS; ++r) {
+      const bool keep = mterm[r] > kMaskedScore;
+      float sr = s[r];
+      if (fc_softcap) {
+        float t;
+        sr = softcap_score(p, sr, &t);
       }
+      sr += mterm[r];
+      const bool masked = !keep || sr <= kMaskedScore;
+      const float sc = masked ? kMaskedScore : sr;
+      const float m_new = max(st.m[r], simd_max(sc));  // finite
+      alpha[r] = exp2(st.m[r] - m_new);                // finite argument <= 0
+      pw[r] = masked ? 0.0f : exp2(sc - m_new);
+      st.l[r] = fma(st.l[r], alpha[r], simd_sum(pw[r]));
+      st.m[r] = m_new;
     }
 
-    if (live) {
-      float blk[RS][DPL];
-      FM_UNROLL for (int r = 0; r < RS; ++r) {
-        FM_UNROLL for (int i = 0; i < DPL; ++i) blk[r][i] = 0.0f;
-      }
-      float vx[DPL], vn[DPL];  // vn: the next key's slice, as kn (vc: as kc)
-      PageCursor vc = fc_paged ? page_cursor(table, at.entry, at.row) : PageCursor{0, 0, 0};
-      decode_slice_device<DMAX, DPL>(
-          vx, vp + (fc_paged ? page_offset(vc, p.v_batch_stride, p.v_row_stride) : int64_t(k0) * p.v_row_stride),
-          p.v_dim_stride, DV, lane);
-      FM_UNROLL for (int i = 0; i < DPL; ++i) vn[i] = 0.0f;
-      for (int j = 0; j < n; ++j) {
-        if (j + 1 < n) {
-          if (fc_paged) page_next(vc, table, p.page_size);
+    float blk[RS][DPL];
+    FM_UNROLL for (int r = 0; r < RS; ++r) {
+      FM_UNROLL for (int i = 0; i < DPL; ++i) blk[r][i] = 0.0f;
+    }
+    PageCursor vc = fc_paged ? page_cursor(table, at.entry, at.row) : PageCursor{0, 0, 0};  // as kc
+    for (int j0 = 0; j0 < n; j0 += UK) {
+      float vx[UK][DPL];  // as kx
+      FM_UNROLL for (int u = 0; u < UK; ++u) {
+        const int j = j0 + u;
+        if (j < n) {
+          if (fc_paged && j > 0) page_next(vc, table, p.page_size);
           decode_slice_device<DMAX, DPL>(
-              vn,
-              vp + (fc_paged ? page_offset(vc, p.v_batch_stride, p.v_row_stride)
-                             : int64_t(k0 + j + 1) * p.v_row_stride),
+              vx[u], vp + (fc_paged ? page_offset(vc, p.v_batch_stride, p.v_row_stride) : int64_t(k0 + j) * p.v_row_stride),
               p.v_dim_stride, DV, lane);
+        } else {
+          FM_UNROLL for (int i = 0; i < DPL; ++i) vx[u][i] = 0.0f;
         }
-        FM_UNROLL for (int r = 0; r < RS; ++r) {
-          const float pj = simd_shuffle(pw[r], ushort(j));
-          FM_UNROLL for (int i = 0; i < DPL; ++i) blk[r][i] = fma(pj, vx[i], blk[r][i]);
+      }
+      FM_UNROLL for (int u = 0; u < UK; ++u) {
+        if (j0 + u < n) {
+          FM_UNROLL for (int r = 0; r < RS; ++r) {
+            const float pj = simd_shuffle(pw[r], ushort(j0 + u));
+            FM_UNROLL for (int i = 0; i < DPL; ++i) blk[r][i] = fma(pj, vx[u][i], blk[r][i]);
+          }
         }
-        FM_UNROLL for (int i = 0; i < DPL; ++i) vx[i] = vn[i];
       }
-      FM_UNROLL for (int r = 0; r < RS; ++r) {
-        FM_UNROLL for (int i = 0; i < DPL; ++i) st.acc[r][i] = fma(st.acc[r][i], alpha[r], blk[r][i]);
-      }
+    }
+    FM_UNROLL for (int r = 0; r < RS; ++r) {
+      FM_UNROLL for (int i = 0; i < DPL; ++i) st.acc[r][i] = fma(st.acc[r][i], alpha[r], blk[r][i]);
     }
     if (fc_paged) at = page_add(at, step, p.page_size);
   }

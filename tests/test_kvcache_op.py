@@ -144,7 +144,10 @@ def test_kvcache_explain_routes_and_registers():
     # The page walk's live values (kPagedLiveValues): 8 over the same decode on a contiguous cache.
     contiguous = torch.empty(2, 2, table.shape[1] * 16, 128, dtype=torch.float16)
     plain = flash_metal.explain(q, contiguous, contiguous, True).dispatches[0]
-    assert not plain.function_constants[PAGED] and d.live_registers == plain.live_registers + 8 <= 72
+    # The page walk's 8 values on top (kPagedLiveValues); at D 128 with 4 keys in flight (issue 43) 74, over
+    # the 72-value budget: it runs at the residency explain() reports (threadgroups_per_core).
+    assert not plain.function_constants[PAGED] and d.live_registers == plain.live_registers + 8
+    assert d.threadgroups_per_core == max(1, 208 * 1024 // (d.live_registers * 4 * 32 * 8))
     for nq, impl in ((9, "auto"), (1, "prefill")):
         qq = torch.randn(2, 8, nq, 128).half()
         p = flash_metal.explain(qq, k_cache, v_cache, True, impl=impl, block_table=table, cache_seqlens=lengths)
@@ -158,8 +161,14 @@ def test_kvcache_explain_routes_and_registers():
                             cache_seqlens=lengths)
 
 
+# The paged decode's live values per lane over the 72-value budget with 4 keys in flight (issue 43,
+# csrc/metal_plan_detail.h: D 64 76, 128 74, 256 85); every other bucket within it, all within the 128
+# registers a thread addresses.
+PAGED_OVER_BUDGET = {64: 76, 128: 74, 256: 85}
+
+
 def test_kvcache_paged_plans_fit_the_register_budget():
-    # Every head-dim bucket, one pass and split: the paged decode within the budget.
+    # Every head-dim bucket, one pass and split: the paged decode within the budget, but where listed.
     for d in (32, 64, 72, 80, 96, 128, 256):
         q = torch.randn(1, 4, 2, d).half()
         cache = torch.empty(64, 16, 2, d, dtype=torch.float16)
@@ -167,7 +176,9 @@ def test_kvcache_paged_plans_fit_the_register_budget():
         for impl in ("decode", "decode_split"):
             plan = flash_metal.explain(q, cache, cache, impl=impl, block_table=table,
                                        cache_seqlens=torch.tensor([5], dtype=torch.int32))
-            assert plan.dispatches[0].live_registers <= 72, (d, impl, plan.dispatches[0].live_registers)
+            live = plan.dispatches[0].live_registers
+            assert live == PAGED_OVER_BUDGET[d] if d in PAGED_OVER_BUDGET else live <= 72, (d, impl, live)
+            assert live <= 128
 
 
 def test_opcheck_attention_kvcache():

@@ -137,19 +137,29 @@ DECODE_REGISTER_BUDGET = 72
 DECODE_MODELS = ("llama3-8b", "llama3-70b", "qwen2.5-7b", "mistral-7b", "gemma2-9b", "gpt-oss-20b", "phi3-mini")
 
 
-def _decode_live(bucket, rows, mask):
-    """decode_live_registers (csrc/metal_plan_detail.h): per row q, acc and block slices plus 5 scalars (+2 with a
-    mask), two K/V slices (the key's and the next one's, prefetched), and 16 of addresses and counters."""
+def _decode_live(bucket, rows, mask, keys_in_flight=4):
+    """decode_live_registers (csrc/metal_plan_detail.h): per row q, acc and block slices plus 5 scalars (+1 with a
+    mask: the block's mask term), the K/V slices of the unrolled step's keys in flight (4 up to D 256, issue 43;
+    2 before it: the key's and the prefetched next one's), and 16 of addresses and counters."""
     dpl = -(-bucket // 32)
-    return rows * (3 * dpl + 5 + (2 if mask else 0)) + 2 * dpl + 16
+    return rows * (3 * dpl + 5 + (1 if mask else 0)) + keys_in_flight * dpl + 16
+
+
+# The buckets of one row per SIMD-group (192, 256): 256's row exceeds the budget with 4 keys in flight
+# (issue 43) and runs at the occupancy its registers give it (explain()'s threadgroups_per_core), within the
+# 128 a thread addresses.
+ADDRESSABLE_REGISTERS = 128
 
 
 def _over_budget(dispatches):
-    """The decode dispatches (not the merge) above the register budget or their declared thread limit."""
+    """The decode dispatches (not the merge) above the register budget (at one row per SIMD-group, D 192 and
+    256: above the addressable registers) or their declared thread limit."""
+    def limit(d):
+        return ADDRESSABLE_REGISTERS if re.search(r"_d(192|256)$", d.kernel_name) else DECODE_REGISTER_BUDGET
     return [(d.kernel_name, d.live_registers, _threads(d)) for d in dispatches
             if d.kernel_name.startswith(("flash_decode_", "flash_decode_split_")) and not
             d.kernel_name.startswith("flash_decode_merge_") and
-            (d.live_registers > DECODE_REGISTER_BUDGET or _threads(d) > d.max_threads_per_threadgroup)]
+            (d.live_registers > limit(d) or _threads(d) > d.max_threads_per_threadgroup)]
 
 
 @pytest.mark.parametrize("model", DECODE_MODELS)
@@ -170,7 +180,8 @@ def test_decode_plans_fit_the_register_budget(model):
             first = plan.dispatches[0]
             assert first.live_registers == _decode_live(bucket, rows, mask is not None), (model, first.live_registers)
             seen.add(first.live_registers)
-    assert max(seen) <= DECODE_REGISTER_BUDGET and len(seen) == 2  # with and without a mask
+    assert len(seen) == 2  # with and without a mask
+    assert max(seen) <= (DECODE_REGISTER_BUDGET if rows > 1 else ADDRESSABLE_REGISTERS)
 
 
 def test_register_check_catches_the_old_rows_per_simd():
@@ -179,8 +190,8 @@ def test_register_check_catches_the_old_rows_per_simd():
     # _over_budget reports on a dispatch carrying those figures.
     class Planted:
         kernel_name, threadgroup, max_threads_per_threadgroup = "flash_decode_float16_d64", (32, 8, 1), 256
-    for bucket, old_rows in ((32, 8), (64, 8), (96, 4), (128, 4), (256, 2)):
-        Planted.live_registers = _decode_live(bucket, old_rows, False)
+    for bucket, old_rows in ((32, 8), (64, 8), (96, 4), (128, 4)):
+        Planted.live_registers = _decode_live(bucket, old_rows, False, keys_in_flight=2)
         assert _over_budget([Planted]) == [("flash_decode_float16_d64", Planted.live_registers, 256)], bucket
     Planted.live_registers, Planted.threadgroup = 60, (32, 8, 2)  # 512 threads: over the declared limit
     assert _over_budget([Planted]) != []

@@ -84,28 +84,16 @@ def test_decode_one_pass_for_short_contexts_and_split_for_long():
         long.kernel_name  # noqa: B018  (the single-dispatch view refuses a two-dispatch plan)
 
 
-def _simdgroups_per_block(dispatch):
-    """Streams one key block of a decode dispatch launches, as decode_splits counts them: its (kv head, row chunk)
-    x batch threadgroups x key groups (threadgroup y; a key group's row groups read the same keys: one stream)."""
-    return dispatch.grid[0] * dispatch.grid[1] * dispatch.threadgroup[1]
-
-
-def _blocks_for(nk, splits):
-    """Blocks left after cutting Nk into `splits` blocks of a multiple of 32 keys and dropping empty ones."""
-    per = -(-(-(-nk // splits)) // 32) * 32
-    return -(-nk // per)
-
-
-def _planned_blocks(nk, want):
-    """The split count decode_splits plans: `want` blocks within max(1, Nk // 128) and 256, asking for more
-    while rounding blocks up to 32 keys leaves fewer than wanted."""
-    limit = min(max(1, nk // 128), 256)
-    wanted = max(1, min(want, limit))
-    asked, blocks = wanted, _blocks_for(nk, wanted)
-    while blocks < wanted and asked < limit:
-        asked += 1
-        blocks = _blocks_for(nk, asked)
-    return blocks
+def _planned_blocks(dispatch, nk, cores):
+    """The split count decode_splits plans (issue 43): the most blocks whose threadgroups (the grid's x * y per
+    block) fit one wave of the chip's resident threadgroups (explain()'s threadgroups_per_core), within
+    max(1, Nk // 128) and 256; blocks of whole quanta of key groups (threadgroup y) x 32 keys, the fewest of
+    the smallest such size."""
+    per_block = dispatch.grid[0] * dispatch.grid[1]
+    cap = max(1, min(cores * dispatch.threadgroups_per_core // per_block, max(1, nk // 128), 256))
+    quantum = 32 * dispatch.threadgroup[1]
+    per = -(-(-(-nk // cap)) // quantum) * quantum
+    return -(-nk // per), per
 
 
 @pytest.mark.parametrize("b,hkv,nk", [(1, 1, 100_000), (1, 8, 8192), (4, 8, 32768), (1, 2, 700), (2, 1, 257)])
@@ -116,12 +104,15 @@ def test_split_count_and_blocks(b, hkv, nk, gpu):
     p = _params(plan.dispatches[0])
     splits, per = p["kv_splits"], p["split_keys"]
     cores = {"base": 10, "max": 40, "ultra": 80}[gpu]
-    # Blocks wanted: 24 SIMD-groups launched per core (metal_routing.cpp's
-    # kDecodeSimdgroupsPerCore), at most 256, each block >= 128 keys.
-    want = -(-cores * 24 // _simdgroups_per_block(plan.dispatches[0]))
-    assert splits == _planned_blocks(nk, want)
+    # Blocks: the most one wave of resident threadgroups holds (metal_routing.cpp's decode_splits), at most
+    # 256, each >= 128 keys, in whole quanta of key groups x 32 keys.
+    want, want_per = _planned_blocks(plan.dispatches[0], nk, cores)
+    assert splits == want
+    per_block = plan.dispatches[0].grid[0] * plan.dispatches[0].grid[1]
+    slots = cores * plan.dispatches[0].threadgroups_per_core
+    assert per_block * splits <= slots or (splits == 1 and per_block > slots and "more than one wave" in plan.reason)
     if splits > 1:
-        assert per % 32 == 0 and per >= 128
+        assert per == want_per and per % (32 * plan.dispatches[0].threadgroup[1]) == 0 and per >= 128
         assert (splits - 1) * per < nk <= splits * per  # every block holds keys
         assert plan.scratch == {"partial_out": b * hkv * 4 * 2 * splits * 64, "partial_stats": b * hkv * 4 * 2 * splits * 2}
     else:
@@ -167,12 +158,14 @@ CHIP_CORES = {"m1": 8, "m1-pro": 16, "m1-max": 32, "m1-ultra": 64, "m2": 10, "m2
 
 @pytest.mark.parametrize("chip", sorted(CHIP_CORES))
 def test_named_chips_size_the_split_by_their_cores(chip):
-    # One (batch, kv head): the split count wants 24 SIMD-groups per core
+    # One (batch, kv head): the split count fills one wave of the chip's resident threadgroups
     # (long enough context that nothing else bounds it below 256).
     q, k, v = _qkv(1, 200_000, 64, hq=4, hkv=1)
     plan = flash_metal.explain(q, k, v, gpu=chip)
-    want = -(-CHIP_CORES[chip] * 24 // _simdgroups_per_block(plan.dispatches[0]))
-    assert _params(plan.dispatches[0])["kv_splits"] == _planned_blocks(200_000, want) >= min(256, want)
+    want = min(256, CHIP_CORES[chip] * plan.dispatches[0].threadgroups_per_core)
+    splits = _params(plan.dispatches[0])["kv_splits"]
+    assert splits == _planned_blocks(plan.dispatches[0], 200_000, CHIP_CORES[chip])[0]
+    assert 0.8 * want <= splits <= want  # rounding to whole quanta may leave a few slots of the wave empty
     assert f"{CHIP_CORES[chip]}-core" in plan.reason
     assert plan.gpu.lower().replace(" ", "-") == chip
     # Spellings: "M3 Pro", "m3_pro", "M3-PRO" name the same chip.
@@ -312,7 +305,7 @@ def test_varlen_plans_the_prefill_kernel_per_sequence():
     assert all(x.function_constants[VARLEN] for x in back.dispatches)
 
 
-# --- issue 19: decode fills the GPU in SIMD-groups --------------------------------------------
+# --- issues 19 and 43: decode fills one wave of the GPU, counted in SIMD-groups ----------------
 
 # (q heads, kv heads, head_dim) from each model's published config.
 DECODE_MODELS = {"llama3-8b": (32, 8, 128), "llama3-70b": (64, 8, 128), "qwen2.5-7b": (28, 4, 128),
@@ -320,9 +313,8 @@ DECODE_MODELS = {"llama3-8b": (32, 8, 128), "llama3-70b": (64, 8, 128), "qwen2.5
                  "phi3-mini": (32, 32, 96)}
 DECODE_BATCHES = range(1, 9)
 DECODE_NK = tuple(2**e for e in range(9, 18))  # 512 .. 128k
-# Below this Nk some shape of the grid has too few keys for enough blocks of
-# >= 128 keys on the biggest chips (the exemption below); from it on, every
-# shape reaches 24 SIMD-groups per core on every chip with no exemption.
+# From this Nk on, no shape of the grid is short of keys for the blocks a wave holds on any chip
+# (the exemption below is reached only under it).
 DECODE_NK_ALWAYS_FULL = 16384
 
 
@@ -332,22 +324,32 @@ def _meta_qkv(b, hq, hkv, nq, nk, d, dtype=torch.float16):
     return one.expand(b, hq, nq, d), one.expand(b, hkv, nk, d), one.expand(b, hkv, nk, d)
 
 
-def _fill_verdict(grid, threadgroup, splits, cores, nk):
-    """'full' (>= 24 SIMD-groups launched per core), 'exempt' (below, with as many blocks as Nk allows) or 'short'."""
-    fill = grid[0] * grid[1] * threadgroup[0] * threadgroup[1] * threadgroup[2] // 32 * splits / cores
-    if fill >= 24:
+def _fill_verdict(grid, threadgroup, splits, cores, nk, resident):
+    """Against one wave of `resident` threadgroups per core: 'full' (the launch holds at least half the wave's
+    SIMD-groups and no more than the wave, or its single block's threadgroups alone exceed it), 'exempt' (less,
+    with as many blocks as Nk allows: Nk // 128 blocks, rounded to whole quanta of key groups (threadgroup y)
+    x 32 keys), 'over' (more than a wave, splittable) or 'short'."""
+    per_block = grid[0] * grid[1]
+    slots = cores * resident
+    if per_block * splits > slots:
+        return "full" if splits == 1 else "over"
+    if 2 * per_block * splits >= slots:
         return "full"
-    return "exempt" if splits == max(1, nk // 128) else "short"
+    quantum = 32 * threadgroup[1]
+    per = -(-(-(-nk // max(1, nk // 128))) // quantum) * quantum
+    return "exempt" if splits == -(-nk // per) else "short"
 
 
-def test_decode_launches_24_simdgroups_per_core_on_every_chip_and_model():
+def test_decode_fills_one_wave_on_every_chip_and_model():
     # Every named chip (its own core count), every model of the grid, batch
-    # 1-8, Nq 1 and 4, Nk 512-128k: the decode launches >= 24 SIMD-groups
-    # per core, unless Nk allows no more blocks of >= 128 keys (the split
-    # count then equals Nk // 128: the exemption, which the grid reaches only
-    # below DECODE_NK_ALWAYS_FULL). And in one-token decode each K/V element
-    # is read by one threadgroup per (batch, kv head, block): the GQA group's
-    # rows share it (the emulator's byte counts, test_metal_decode.py).
+    # 1-8, Nq 1 and 4, Nk 512-128k: the decode launch holds at least half of
+    # one wave of resident SIMD-groups and never more than a wave (issue 43;
+    # whole quanta of key groups x 32 keys can leave part of the wave empty),
+    # unless Nk allows no more blocks of >= 128 keys (the exemption, reached
+    # only below DECODE_NK_ALWAYS_FULL). And in one-token decode each K/V
+    # element is read by one threadgroup per (batch, kv head, block): the
+    # GQA group's rows share it (the emulator's byte counts,
+    # test_metal_decode.py).
     exempt = set()
     for (model, (hq, hkv, d)), b, nq, nk in itertools.product(DECODE_MODELS.items(), DECODE_BATCHES, (1, 4), DECODE_NK):
         q, k, v = _meta_qkv(b, hq, hkv, nq, nk, d)
@@ -361,19 +363,23 @@ def test_decode_launches_24_simdgroups_per_core_on_every_chip_and_model():
             rows = 4 if d <= 64 else 2 if d <= 128 else 1
             chunks = -(-(-(-hq // hkv * nq // rows)) // 8)
             assert first.grid[:2] == (hkv * chunks, b) and (nq > 1 or chunks == 1), (case, first.grid)
-            verdict = _fill_verdict(first.grid, first.threadgroup, _params(first)["kv_splits"], cores, nk)
-            assert verdict != "short", (case, first.grid, first.threadgroup, plan.reason)
+            verdict = _fill_verdict(first.grid, first.threadgroup, _params(first)["kv_splits"], cores, nk,
+                                    first.threadgroups_per_core)
+            assert verdict in ("full", "exempt"), (case, verdict, first.grid, first.threadgroup, plan.reason)
             if verdict == "exempt":
                 exempt.add(case)
     assert exempt and max(e[3] for e in exempt) < DECODE_NK_ALWAYS_FULL, sorted(exempt, key=lambda e: e[3])[-5:]
 
 
 def test_decode_fill_check_catches_a_planted_threadgroup_count():
-    # The verdict on planted launches. The old heuristic (4 threadgroups per
-    # core, SIMD-groups not counted) on Llama-3-70B, B = 1, Nk = 128k, M3
-    # Ultra: 8 kv heads x 2 SIMD-groups x 40 blocks over 80 cores = 8 per
-    # core while Nk allows 256 blocks: "short". Then the same at Nk = 5120
-    # with the 40 blocks Nk allows: "exempt"; and 120 blocks: "full".
-    assert _fill_verdict((8, 1, 40), (32, 1, 2), 40, 80, 131072) == "short"
-    assert _fill_verdict((8, 1, 40), (32, 1, 2), 40, 80, 5120) == "exempt"
-    assert _fill_verdict((8, 1, 120), (32, 1, 2), 120, 80, 131072) == "full"
+    # The verdict on planted launches, 3 resident threadgroups per core. The
+    # issue-19 rule (24 key-group streams per core) on Llama-3-8B, B = 1, 4k
+    # keys, M3 Max: 8 threadgroups x 32 blocks = 256 for a wave of 120:
+    # "over". The heuristic before it (SIMD-groups not counted) on
+    # Llama-3-70B at 128k, M3 Ultra: 8 x 4 blocks = 32 for 240: "short";
+    # the same at Nk = 512 with the 4 blocks Nk allows: "exempt"; 30 blocks:
+    # "full".
+    assert _fill_verdict((8, 1, 32), (32, 4, 2), 32, 40, 4096, 3) == "over"
+    assert _fill_verdict((8, 1, 4), (32, 2, 4), 4, 80, 131072, 3) == "short"
+    assert _fill_verdict((8, 1, 4), (32, 2, 4), 4, 80, 512, 3) == "exempt"
+    assert _fill_verdict((8, 1, 30), (32, 2, 4), 30, 80, 131072, 3) == "full"

@@ -73,6 +73,9 @@ class _CountsDesc(ctypes.Structure):
         ("device_unique_bytes_read", ctypes.c_uint64 * 32),
         ("device_load_requests", ctypes.c_uint64 * 32),
         ("device_request_bytes", ctypes.c_uint64 * 32),
+        ("device_load_windows", ctypes.c_uint64 * 32),
+        ("device_window_loads", ctypes.c_uint64 * 32),
+        ("device_window_max", ctypes.c_uint64 * 32),
     ]
 
 
@@ -121,7 +124,13 @@ class DispatchCounts:
     assumption); device_load_requests_by_index and
     device_request_bytes_by_index, the loads and their bytes after the
     broadcast rule: the lanes of a SIMD-group executing one load instruction
-    at the same address count once.
+    at the same address count once. Loads in flight (issue 43):
+    device_load_windows_by_index, device_window_loads_by_index and
+    device_window_max_by_index: a SIMD-group's load window is its run of
+    load instructions (as the broadcast rule counts them) between two of its
+    meetings (collective, barrier, threadgroup end), loads that can all be
+    in flight at once; the windows holding a load of buffer n, their load
+    instructions, and the most in one window.
     """
 
     threadgroups: int
@@ -143,6 +152,9 @@ class DispatchCounts:
     device_unique_bytes_read_by_index: dict[int, int] | None = None
     device_load_requests_by_index: dict[int, int] | None = None
     device_request_bytes_by_index: dict[int, int] | None = None
+    device_load_windows_by_index: dict[int, int] | None = None
+    device_window_loads_by_index: dict[int, int] | None = None
+    device_window_max_by_index: dict[int, int] | None = None
     mpp_runs: int = 0
     mpp_flops: int = 0
     mpp_coord_queries: int = 0
@@ -164,7 +176,10 @@ def _counts(raw: _CountsDesc, instrumented: bool, indices) -> DispatchCounts:
                      threadgroup_loads_by_width=_by_width(raw.threadgroup_loads),
                      device_unique_bytes_read_by_index={i: int(raw.device_unique_bytes_read[i]) for i in sorted(indices)},
                      device_load_requests_by_index={i: int(raw.device_load_requests[i]) for i in sorted(indices)},
-                     device_request_bytes_by_index={i: int(raw.device_request_bytes[i]) for i in sorted(indices)})
+                     device_request_bytes_by_index={i: int(raw.device_request_bytes[i]) for i in sorted(indices)},
+                     device_load_windows_by_index={i: int(raw.device_load_windows[i]) for i in sorted(indices)},
+                     device_window_loads_by_index={i: int(raw.device_window_loads[i]) for i in sorted(indices)},
+                     device_window_max_by_index={i: int(raw.device_window_max[i]) for i in sorted(indices)})
     else:
         exact = dict.fromkeys(("device_bytes_read", "device_bytes_written", "device_bytes_read_by_index",
                                "device_bytes_written_by_index", "threadgroup_bytes_read", "threadgroup_bytes_written",

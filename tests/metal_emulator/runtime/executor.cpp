@@ -397,7 +397,15 @@ static bool resolve_barrier(Worker& w) {
 // The broadcast rule's record of SIMD-group `simd`'s loads, dropped when its
 // lanes meet (at a collective or a barrier) or its threadgroup starts.
 void forget_simd_loads(Worker& w, unsigned simd) {
-  w.simds[simd].loads.clear();
+  SimdGroup& g = w.simds[simd];
+  for (int i = 0; i < 32; ++i) {  // its load window closes (device_load_windows)
+    if (!g.window_loads[i]) continue;
+    w.counts.device_load_windows[i]++;
+    w.counts.device_window_loads[i] += g.window_loads[i];
+    if (g.window_loads[i] > w.counts.device_window_max[i]) w.counts.device_window_max[i] = g.window_loads[i];
+    g.window_loads[i] = 0;
+  }
+  g.loads.clear();
   for (unsigned l = 0; l < FMEMU_SIMD_WIDTH; ++l) {
     const unsigned t = simd * FMEMU_SIMD_WIDTH + l;
     if (t < w.nthreads) w.fibers[t].load_seq.clear();
@@ -406,7 +414,10 @@ void forget_simd_loads(Worker& w, unsigned simd) {
 
 static void run_group(Worker& w) {
   start_group(w);
-  for (unsigned s = 0; s < w.nsimd; ++s) w.simds[s].loads.clear();
+  for (unsigned s = 0; s < w.nsimd; ++s) {
+    w.simds[s].loads.clear();
+    for (uint32_t& n : w.simds[s].window_loads) n = 0;
+  }
   w.recent_reads.clear();  // device_unique_bytes_read: per threadgroup
   w.group_new_bytes = 0;
   w.counts.threadgroups++;
@@ -427,7 +438,10 @@ static void run_group(Worker& w) {
       w.current = nullptr;
     }
     if (resolve_simdgroups(w)) continue;
-    if (!resolve_barrier(w)) return;  // every thread finished
+    if (!resolve_barrier(w)) {  // every thread finished: the last load windows close
+      for (unsigned s = 0; s < w.nsimd; ++s) forget_simd_loads(w, s);
+      return;
+    }
   }
 }
 

@@ -60,6 +60,20 @@ struct fm_dispatch_counts {
   uint64_t device_unique_bytes_read[32];
   uint64_t device_load_requests[32];
   uint64_t device_request_bytes[32];
+  // Loads in flight (issue 43), by [[buffer(n)]]: a SIMD-group's "load
+  // window" is the run of device load instructions (as the broadcast rule
+  // counts them: call site and its n-th execution) between two of its
+  // meetings (a collective, a barrier, or its threadgroup's end). Nothing
+  // between two meetings makes one of those loads wait for another, so the
+  // loads of a window can all be in flight at once; a meeting whose
+  // operands come from them waits for them (a load whose value is not used
+  // there, a prefetch, may stay in flight past it: the window does not see
+  // that). device_load_windows: windows holding at least one load of
+  // buffer n; device_window_loads: the load instructions in them (their sum);
+  // device_window_max: the most in one window.
+  uint64_t device_load_windows[32];
+  uint64_t device_window_loads[32];
+  uint64_t device_window_max[32];
 };
 // The width slot of an access of `size` bytes (1 << slot == size).
 inline int fm_width_slot(unsigned size) { return size >= 16 ? 4 : size >= 8 ? 3 : size >= 4 ? 2 : size >= 2 ? 1 : 0; }
@@ -117,6 +131,8 @@ struct SimdGroup {
   // One device load instruction of the SIMD-group since it last met, (call
   // site, n-th execution), -> the (address, width) pairs its lanes read.
   std::map<std::pair<const void*, uint32_t>, std::vector<std::pair<const char*, unsigned>>> loads;
+  // Its load instructions since it last met, by [[buffer(n)]] (the load window).
+  uint32_t window_loads[32] = {};
   alignas(64) unsigned char buf[2][FMEMU_SIMD_WIDTH * FMEMU_SIMD_SLOT_BYTES];
 };
 

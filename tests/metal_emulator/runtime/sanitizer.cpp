@@ -110,6 +110,7 @@ static void count_read(Worker& w, const DeviceBuffer& db, const char* p, unsigne
   }
   Fiber& f = *w.current;
   std::vector<std::pair<const char*, unsigned>>& lanes = w.simds[f.simd].loads[{pc, f.load_seq[pc]++}];
+  if (lanes.empty()) w.simds[f.simd].window_loads[db.index]++;  // a new load instruction of its window
   for (const auto& a : lanes)
     if (a.first == p && a.second == size) return;  // a lane before it read the same address: broadcast
   lanes.emplace_back(p, size);
