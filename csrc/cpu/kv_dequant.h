@@ -55,6 +55,64 @@ inline float hsum(QV a) { return a.v; }
 #endif
 constexpr int kQW = QV::kWidth;
 
+// Horizontal sums of kQW vectors at once: out[perm[i]] = hsum(acc[i]) for
+// the permutation reduce_lanes_perm() reports. A tree of lane shuffles and
+// adds (AVX-512: 15 shuffle pairs for 16 sums, against 16 x 4 for one sum
+// at a time), halving the vector count per level; where each sum lands
+// follows from the shuffles, and reduce_lanes_perm() measures it once by
+// running the tree on vectors whose lanes all hold their own index.
+inline void reduce_lanes(const QV* acc, float* out) {
+#if defined(__AVX512F__)
+  __m512 r1[8], r2[4], r3[2];
+  for (int i = 0; i < 8; ++i) {  // 128-bit quarters: a's q0 + q2, q1 + q3 next to b's
+    const __m512 a = acc[2 * i].v, b = acc[2 * i + 1].v;
+    r1[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xEE));
+  }
+  for (int i = 0; i < 4; ++i) {  // one 128-bit lane per source vector
+    const __m512 x = r1[2 * i], y = r1[2 * i + 1];
+    r2[i] = _mm512_add_ps(_mm512_shuffle_f32x4(x, y, 0x88), _mm512_shuffle_f32x4(x, y, 0xDD));
+  }
+  for (int i = 0; i < 2; ++i) {  // within 128-bit lanes: pairs of floats
+    const __m512 x = r2[2 * i], y = r2[2 * i + 1];
+    r3[i] = _mm512_add_ps(_mm512_unpacklo_ps(x, y), _mm512_unpackhi_ps(x, y));
+  }
+  const __m512d u = _mm512_castps_pd(r3[0]), w = _mm512_castps_pd(r3[1]);
+  const __m512 s = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(u, w)), _mm512_castpd_ps(_mm512_unpackhi_pd(u, w)));
+  _mm512_storeu_ps(out, s);
+#elif defined(FLASH_METAL_SIMD_AVX2)
+  __m256 r1[4], r2[2];
+  for (int i = 0; i < 4; ++i) {
+    const __m256 a = acc[2 * i].v, b = acc[2 * i + 1].v;
+    r1[i] = _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
+  }
+  for (int i = 0; i < 2; ++i) {
+    const __m256 x = r1[2 * i], y = r1[2 * i + 1];
+    r2[i] = _mm256_add_ps(_mm256_unpacklo_ps(x, y), _mm256_unpackhi_ps(x, y));
+  }
+  const __m256d u = _mm256_castps_pd(r2[0]), w = _mm256_castps_pd(r2[1]);
+  _mm256_storeu_ps(out, _mm256_add_ps(_mm256_castpd_ps(_mm256_unpacklo_pd(u, w)),
+                                      _mm256_castpd_ps(_mm256_unpackhi_pd(u, w))));
+#else
+  for (int i = 0; i < kQW; ++i) out[i] = hsum(acc[i]);
+#endif
+}
+
+// perm[i]: the lane of reduce_lanes' output holding acc[i]'s sum.
+inline const int* reduce_lanes_perm() {
+  struct Perm {
+    int p[kQW];
+    Perm() {
+      QV acc[kQW];
+      for (int i = 0; i < kQW; ++i) acc[i] = QV::broadcast(static_cast<float>(i));
+      alignas(64) float out[kQW];
+      reduce_lanes(acc, out);
+      for (int lane = 0; lane < kQW; ++lane) p[static_cast<int>(out[lane]) / kQW] = lane;
+    }
+  };
+  static const Perm perm;
+  return perm.p;
+}
+
 // Bytes per element of a row, as a fraction: element d starts at byte d * num / den.
 template <CodeFmt F>
 constexpr int64_t byte_offset(int64_t d) {

@@ -53,11 +53,7 @@ namespace cpu {
 namespace {
 
 constexpr int kKeyBlock = 64;
-#if defined(__AVX512F__)
-constexpr int kMaxCols = 16;
-#else
-constexpr int kMaxCols = 8;
-#endif
+constexpr int kMaxCols = kQW >= 8 ? kQW : 8;  // 16 with AVX-512, 8 with AVX2 (and NEON / scalar)
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 constexpr float kLn2 = 0.6931471805599453f;
 
@@ -133,14 +129,18 @@ Side make_side(const KvSide& s) {
 
 // S[c * kKeyBlock + j] = q[c] . k_j over D for the block's nk keys (4-bit:
 // k_j's groups scaled and biased in registers: gsc / gbi[j * groups + g]).
+// kQW / NC keys per step, so that kQW accumulators (keys x columns) reduce
+// in one shuffle tree (reduce_lanes). A step's keys past nk repeat key 0
+// and their sums are dropped.
+// (More columns than lanes, NEON / scalar builds: one key at a time, one
+// horizontal sum per column.)
 template <CodeFmt F, int NC>
-void score_block(const uint8_t* const* rows, int nk, const float* qp, int64_t ldq, int64_t D, const float* gsc,
-                 const float* gbi, int64_t groups, int64_t gs, float* S) {
+void score_block_per_key(const uint8_t* const* rows, int nk, const float* qp, int64_t ldq, int64_t D,
+                         const float* gsc, const float* gbi, int64_t groups, int64_t gs, float* S) {
   for (int j = 0; j < nk; ++j) {
     QV acc[NC];
     for (int c = 0; c < NC; ++c) acc[c] = QV::zero();
-    int64_t d = 0;
-    for (; d < D; d += kQW) {
+    for (int64_t d = 0; d < D; d += kQW) {
       QV kv = d + kQW <= D ? load_codes<F>(rows[j], d) : load_tail<F>(rows[j], d, D - d);
       if (F == CodeFmt::Q4) {
         const int64_t g = j * groups + d / gs;
@@ -149,6 +149,43 @@ void score_block(const uint8_t* const* rows, int nk, const float* qp, int64_t ld
       for (int c = 0; c < NC; ++c) acc[c] = fmadd(kv, QV::load(qp + c * ldq + d), acc[c]);
     }
     for (int c = 0; c < NC; ++c) S[c * kKeyBlock + j] = hsum(acc[c]);
+  }
+}
+
+template <CodeFmt F, int NC>
+void score_block(const uint8_t* const* rows, int nk, const float* qp, int64_t ldq, int64_t D, const float* gsc,
+                 const float* gbi, int64_t groups, int64_t gs, float* S) {
+  if constexpr (NC > kQW || kQW < 8) {
+    score_block_per_key<F, NC>(rows, nk, qp, ldq, D, gsc, gbi, groups, gs, S);
+    return;
+  }
+  constexpr int KS = NC <= kQW ? kQW / NC : 1;
+  const int* perm = reduce_lanes_perm();
+  for (int j0 = 0; j0 < nk; j0 += KS) {
+    const uint8_t* r[KS];
+    int64_t gbase[KS];
+    for (int kk = 0; kk < KS; ++kk) {
+      const int j = j0 + kk < nk ? j0 + kk : 0;
+      r[kk] = rows[j];
+      gbase[kk] = j * groups;
+    }
+    QV acc[kQW];
+    for (int i = 0; i < kQW; ++i) acc[i] = QV::zero();
+    for (int64_t d = 0; d < D; d += kQW) {
+      const bool full = d + kQW <= D;
+      for (int kk = 0; kk < KS; ++kk) {
+        QV kv = full ? load_codes<F>(r[kk], d) : load_tail<F>(r[kk], d, D - d);
+        if (F == CodeFmt::Q4) {
+          const int64_t g = gbase[kk] + d / gs;
+          kv = fmadd(kv, QV::broadcast(gsc[g]), QV::broadcast(gbi[g]));
+        }
+        for (int c = 0; c < NC; ++c) acc[kk * NC + c] = fmadd(kv, QV::load(qp + c * ldq + d), acc[kk * NC + c]);
+      }
+    }
+    alignas(64) float sums[kQW];
+    reduce_lanes(acc, sums);
+    for (int kk = 0; kk < KS && j0 + kk < nk; ++kk)
+      for (int c = 0; c < NC; ++c) S[c * kKeyBlock + j0 + kk] = sums[perm[kk * NC + c]];
   }
 }
 
