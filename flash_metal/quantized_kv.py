@@ -180,3 +180,90 @@ def dequantize_kv(codes: Tensor, scale: Optional[Tensor] = None, bias: Optional[
                          f"head_dim {D}; got {tuple(scale.shape)}")
     qg = q.reshape(*q.shape[:-1], G, D // G)
     return (qg * scale.float()[..., None] + bias.float()[..., None]).flatten(-2).to(dtype)
+
+
+# ---------------------------------------------------------------- flash_attn_with_kvcache on a quantized cache
+
+
+def _side_params(side: str, cache: Tensor, scale, bias, descale, what: str):
+    """(format, the op's scale, the op's bias) of one side, checking which names were given."""
+    fmt = format_of(cache)
+    if fmt == "fp8_e4m3":
+        if scale is not None or bias is not None:
+            raise ValueError(f"flash_metal.{what}: {side}_cache is float8_e4m3fn, whose scale is {side}_descale "
+                             f"(flash-attn 3's name, (B, Hkv) or one element); {side}_scale / {side}_bias are for "
+                             f"int8 and 4-bit caches")
+        if descale is None:
+            raise ValueError(f"flash_metal.{what}: {side}_cache is float8_e4m3fn but {side}_descale is missing")
+        return fmt, descale, None
+    if descale is not None:
+        raise ValueError(f"flash_metal.{what}: {side}_descale was given but {side}_cache is {cache.dtype}; a "
+                         f"descale goes with a float8_e4m3fn cache")
+    return fmt, scale, bias
+
+
+def _append(fmt, new, cache, scale, bias, table, page, at):
+    """Quantize new rows (B, S_new, Hkv, D) into the cache's format and write codes and scales in place."""
+    from . import _kvcache
+
+    if fmt == "int8":
+        r = quantize_kv(new, "int8")
+        _kvcache.append(cache, r.codes, table, page, at)
+        _kvcache.append(scale, r.scale, table, page, at)
+    elif fmt == "q4":
+        group = new.shape[-1] // scale.shape[-1]
+        r = quantize_kv(new, "q4", group_size=group, packing="uint32" if cache.dtype == torch.uint32 else "uint8",
+                        scale_dtype=scale.dtype)
+        if cache.dtype == torch.uint32:  # index_put_ on the same bytes seen as int32
+            _kvcache.append(cache.view(torch.int32), r.codes.view(torch.int32), table, page, at)
+        else:
+            _kvcache.append(cache, r.codes, table, page, at)
+        _kvcache.append(scale, r.scale, table, page, at)
+        _kvcache.append(bias, r.bias, table, page, at)
+    else:  # fp8: the cache's descale stays; values past +-448 * descale saturate
+        d = scale if scale.numel() == 1 else scale[: new.shape[0]]
+        r = quantize_kv(new, "fp8_e4m3", descale=d)
+        _kvcache.append(cache.view(torch.uint8), r.codes.view(torch.uint8), table, page, at)
+
+
+def with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, cache_leftpad, block_table,
+                 softmax_scale, causal, left, right, softcap, return_softmax_lse, sinks, k_scale, v_scale, k_bias,
+                 v_bias, k_descale, v_descale):
+    """flash_attn_with_kvcache's quantized path (flash_metal.flash_attn calls it; see its doc)."""
+    from . import _kvcache, ops
+
+    what = "flash_attn_with_kvcache"
+    if cache_leftpad is not None:
+        raise ValueError(f"flash_metal.{what}: cache_leftpad is not supported with a quantized cache")
+    kf, ks, kb = _side_params("k", k_cache, k_scale, k_bias, k_descale, what)
+    vf, vs, vb = _side_params("v", v_cache, v_scale, v_bias, v_descale, what)
+    B = q.shape[0]
+    device = k_cache.device
+    table, page, capacity = _kvcache.table_of(k_cache, v_cache, B, block_table, cache_batch_idx, what)
+    lengths = _kvcache.int_vector(cache_seqlens, "cache_seqlens", B, device, what, default=capacity)
+    s_new = 0 if k is None else k.shape[1]
+    if B and bool((lengths < 0).any() or (lengths + s_new > capacity).any()):
+        raise ValueError(f"flash_metal.{what}: cache_seqlens (+ the {s_new} appended rows) must lie in [0, "
+                         f"{capacity}]; got {lengths.tolist()}")
+    if block_table is not None:
+        _kvcache.check_entries(table, page, lengths + s_new, k_cache.shape[0], what)
+    if k is not None:
+        if cache_seqlens is None:
+            raise ValueError(f"flash_metal.{what}: appending k and v needs cache_seqlens (where each batch's new "
+                             "rows go)")
+        with torch.no_grad():
+            for fmt, new, cache, sc, bi, name in ((kf, k, k_cache, ks, kb, "k"), (vf, v, v_cache, vs, vb, "v")):
+                if fmt == "native":
+                    _kvcache.append(cache, new, table, page, lengths)
+                elif sc is None or (fmt == "q4" and bi is None):
+                    raise ValueError(f"flash_metal.{what}: {name}_cache is {fmt} but its scales are missing")
+                else:
+                    _append(fmt, new, cache, sc, bi, table, page, lengths)
+        lengths = lengths + s_new
+    bt = block_table if block_table is not None else (table.to(torch.int32) if cache_batch_idx is not None else None)
+    with torch.no_grad():
+        out, lse = ops.attention_kvcache_with_lse(q.transpose(1, 2), k_cache, v_cache, lengths.to(torch.int32), bt,
+                                                  causal, softmax_scale, left, right, softcap, sinks, k_scale=ks,
+                                                  k_bias=kb, v_scale=vs, v_bias=vb)
+    out = out.transpose(1, 2).contiguous()
+    return (out, lse) if return_softmax_lse else out

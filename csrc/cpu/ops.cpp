@@ -48,8 +48,8 @@ std::tuple<at::Tensor, at::Tensor> attention_kvcache_impl(
     const std::optional<at::Tensor>& k_bias, const std::optional<at::Tensor>& v_scale,
     const std::optional<at::Tensor>& v_bias, c10::string_view k_format, c10::string_view v_format) {
   TORCH_CHECK_VALUE(impl == "auto" || impl == "direct", kKvCacheOpName, ": impl='", impl, "' selects a Metal "
-                    "kernel; tensors on cpu take 'auto' (a native cache: the rows in use gathered for the CPU flash "
-                    "kernel; a quantized one: read in place) or 'direct' (any cache read in place)");
+                    "kernel; for tensors on cpu, impl must be 'auto' (a native cache: the rows in use gathered for the "
+                    "CPU flash kernel; a quantized one: read in place) or 'direct' (any cache read in place)");
   TORCH_CHECK_VALUE(q.defined(), kKvCacheOpName, ": q is undefined (None)");
   const bool varlen = cu_seqlens_q.has_value() && cu_seqlens_q->defined();
   const int64_t batch = varlen ? cu_seqlens_q->size(0) - 1 : (q.dim() > 0 ? q.size(0) : 0);
