@@ -17,8 +17,9 @@ counts these calls under "quantized_kv".
 Formats per side: "int8" (per-token scale), "q4" (MLX's 4-bit, group_size
 along D), "fp8_e4m3" (a per-(batch, kv head) descale set from the first
 tokens with 4x headroom; later tokens beyond it saturate at +-448 x descale).
-Forward only; no padding masks (a left-padded batch is refused), no beam
-search reordering, no cropping.
+Sliding-window layers keep every token and window in the kernel. Forward
+only; no padding masks (a left-padded batch is refused), no beam search
+reordering, no cropping.
 """
 from typing import Optional, Tuple
 
@@ -172,6 +173,8 @@ def quantized_forward(layer, query, attention_mask, scaling, causal, window_left
         i = torch.arange(n_q, device=m.device)[:, None]
         j = torch.arange(m.shape[-1], device=m.device)[None, :]
         want = (j <= i + n_k - n_q) & (j < n_k) if causal else j < n_k
+        if window_left >= 0:  # a sliding layer's mask (gpt-oss, Mistral): the window too
+            want = want & (j >= i + n_k - n_q - window_left)
         if not bool((m[..., :n_k] == want[:, :n_k]).all()):
             raise ValueError("metal_attention: a quantized KV cache (MetalQuantizedCache) takes no padding mask; "
                              "generate unpadded batches (one sequence, or sequences of equal length)")

@@ -39,16 +39,32 @@ def _config(tf):
 
 
 def _dequantizing_cache(tf, k_format, v_format, group_size):
-    """A DynamicCache whose layers store dequantize(quantize(states)): the reference's cache."""
+    """A cache whose layers quantize as MetalQuantizedCache does (its _Side: same scales, fp8's descale from
+    the first tokens) and hand the attention the dequantized states: the reference's cache."""
     from transformers.cache_utils import Cache, DynamicLayer
 
-    def round_trip(x, fmt):
-        r = quantize_kv(x.transpose(1, 2), fmt, group_size=group_size, scale_dtype=torch.float32)
-        return dequantize_kv(r.codes, r.scale, r.bias).transpose(1, 2).to(x.dtype)
+    from flash_metal.hf_quantized import _Side
 
     class Layer(DynamicLayer):
+        def __init__(self):
+            super().__init__()
+            self.sides, self.n = (_Side(k_format, group_size), _Side(v_format, group_size)), 0
+
         def update(self, key_states, value_states, *args, **kwargs):
-            return super().update(round_trip(key_states, k_format), round_trip(value_states, v_format))
+            if not self.is_initialized:
+                self.lazy_initialization(key_states, value_states)
+            out = []
+            for side, x in zip(self.sides, (key_states, value_states)):
+                side.append(x.transpose(1, 2), self.n)
+            self.n += key_states.shape[2]
+            for side, x in zip(self.sides, (key_states, value_states)):
+                codes, scale, bias = side.codes[:, :self.n], side.scale, side.bias
+                if side.fmt != "fp8_e4m3":
+                    scale = scale[:, :self.n]
+                    bias = None if bias is None else bias[:, :self.n]
+                out.append(dequantize_kv(codes, scale, bias).transpose(1, 2).to(x.dtype))
+            self.keys, self.values = out
+            return out[0], out[1]
 
     return Cache(layers=[Layer() for _ in range(2)])
 
@@ -82,6 +98,35 @@ def test_generate_from_a_quantized_cache(tf):
     err = max((a - c).abs().max().item() for a, c in zip(want.logits, fl.logits))
     scale = max(c.abs().max().item() for c in fl.logits)
     assert 0 < err < 0.1 * scale, (err, scale)
+
+
+def test_generate_gpt_oss_from_a_quantized_cache(tf):
+    """gpt-oss: sinks, and layers alternating sliding (window 6) and full; K int8, V fp8 (descale per head)."""
+    from flash_metal.hf_quantized import MetalQuantizedCache
+
+    cfg = lambda: tf.GptOssConfig(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,  # noqa
+                                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                                  pad_token_id=0, bos_token_id=1, eos_token_id=2, attention_dropout=0.0, head_dim=16,
+                                  sliding_window=6, num_local_experts=4, num_experts_per_tok=2)
+    torch.manual_seed(0)
+    ours = tf.AutoModelForCausalLM.from_config(cfg(), attn_implementation="metal_attention").eval()
+    with torch.no_grad():
+        for name, p in ours.named_parameters():
+            if name.endswith(".sinks"):
+                p.copy_(torch.randn(p.shape) * 1.5)
+    ref = tf.AutoModelForCausalLM.from_config(cfg(), attn_implementation="eager").eval()
+    ref.load_state_dict(ours.state_dict())
+    ids = torch.randint(3, 97, (1, 10), generator=torch.Generator().manual_seed(6))
+    kw = dict(max_new_tokens=6, do_sample=False, pad_token_id=0, return_dict_in_generate=True, output_logits=True)
+    calls0 = collections.Counter(flash_metal.hf.calls)
+    with torch.no_grad():
+        got = ours.generate(ids, past_key_values=MetalQuantizedCache(ours.config, "int8", "fp8_e4m3"), **kw)
+        want = ref.generate(ids, past_key_values=_dequantizing_cache(tf, "int8", "fp8_e4m3", 64), **kw)
+    moved = flash_metal.hf.calls - calls0
+    assert moved["quantized_kv"] >= 10 and moved["sinks"] >= moved["quantized_kv"], dict(moved)
+    assert torch.equal(got.sequences, want.sequences)
+    for a, b in zip(got.logits, want.logits):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
 
 
 def test_padding_mask_is_refused(tf):
