@@ -224,3 +224,15 @@ def test_no_backward():
     with pytest.raises(ValueError, match="quantized cache has no backward"):
         flash_metal.attention_kvcache_with_lse(q, a["k_cache"], a["v_cache"], a["cache_seqlens"], a["block_table"],
                                                **case.kwargs())
+
+
+def test_opcheck_and_compile():
+    """The schema, the fake (a 4-bit v_cache's logical head dim) and torch.compile agree with the kernel."""
+    case = Case(2, 4, 2, 1, 64, "int8", "q4", [30, 17], 16, torch.float32, seed=41)
+    k, v = case.sides["k"], case.sides["v"]
+    args = (case.q, k[1], v[1], case.lens, case.table)
+    kwargs = dict(causal=True, k_scale=k[2], v_scale=v[2], v_bias=v[3])
+    torch.library.opcheck(torch.ops.flash_metal.attention_kvcache.default, args, kwargs)
+    compiled = torch.compile(lambda *a: torch.ops.flash_metal.attention_kvcache(*a, **kwargs), fullgraph=True)
+    out, lse = compiled(*args)
+    check(case, out, lse, True)
