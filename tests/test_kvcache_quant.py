@@ -12,6 +12,8 @@ Planted bugs -- nibbles swapped, a group's scale taken from the next group,
 the zero point ignored -- are each caught: the same check fails against a
 reference dequantized with the bug.
 """
+import os
+
 import pytest
 import torch
 
@@ -236,3 +238,18 @@ def test_opcheck_and_compile():
     compiled = torch.compile(lambda *a: torch.ops.flash_metal.attention_kvcache(*a, **kwargs), fullgraph=True)
     out, lse = compiled(*args)
     check(case, out, lse, True)
+
+
+# Every K x V format pair, decode and chunked prefill, paged and plain, 16-bit and float32 q: an opt-in grid
+# (FLASH_METAL_KVQ_WIDE=1; 72 cases, about 3 s on 2 cores), the CASES above being its fast subset.
+WIDE = [(kf, vf, nq, page, dtype) for kf in FMTS[3:] for vf in FMTS[3:] for nq in (1, 33) for page in (None, 5)
+        for dtype in (torch.float32, torch.bfloat16)]
+
+
+@pytest.mark.skipif(os.environ.get("FLASH_METAL_KVQ_WIDE") != "1", reason="wide grid: set FLASH_METAL_KVQ_WIDE=1")
+@pytest.mark.parametrize("kf, vf, nq, page, dtype", WIDE)
+def test_wide_grid(kf, vf, nq, page, dtype):
+    exact = dtype != torch.float32
+    case = Case(2, 6, 2, nq, 64, kf, vf, [70, 41], page, dtype, exact, seed=nq + (page or 0))
+    out, lse = case.run(True, window_left=30 if nq == 1 else -1)
+    check(case, out, lse, True, window_left=30 if nq == 1 else -1)
