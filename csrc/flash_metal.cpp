@@ -106,10 +106,21 @@ TORCH_LIBRARY(flash_metal, m) {
   // on Metal the prefill kernel reads the table for them too. Values
   // (lengths within the capacity, entries in range) are checked on CPU and
   // are the caller's contract on MPS, as in flash-attn.
+  // Quantized caches (issue 44; layouts in csrc/kvcache_quant.h): k_cache /
+  // v_cache int8 with k_scale / v_scale float32 (num_blocks, page_size, Hkv),
+  // value = code * scale; uint32 (..., D / 8) or uint8 (..., D / 2) 4-bit
+  // codes in MLX's packing with scale and bias (..., Hkv, D / group_size),
+  // value = code * scale + bias; float8_e4m3fn with the descale in k_scale /
+  // v_scale, float32 (B, Hkv) or one element. K and V may differ. k_format /
+  // v_format: 'auto' (from the dtype) or the format's name, which must match.
+  // On CPU a quantized cache is read in place (decode, split, paged, chunked
+  // prefill; impl 'direct' does the same for a native cache); MPS does not
+  // take quantized caches yet and says so.
   m.def("attention_kvcache(Tensor q, Tensor k_cache, Tensor v_cache, Tensor cache_seqlens, Tensor? block_table=None, "
         "bool causal=False, float? scale=None, int window_left=-1, int window_right=-1, float softcap=0.0, "
-        "Tensor? sinks=None, str impl=\"auto\", Tensor? cu_seqlens_q=None, int max_seqlen_q=0) "
-        "-> (Tensor out, Tensor lse)");
+        "Tensor? sinks=None, str impl=\"auto\", Tensor? cu_seqlens_q=None, int max_seqlen_q=0, "
+        "Tensor? k_scale=None, Tensor? k_bias=None, Tensor? v_scale=None, Tensor? v_bias=None, "
+        "str k_format=\"auto\", str v_format=\"auto\") -> (Tensor out, Tensor lse)");
   // The Metal launch plan attention_forward (backward=True: attention_backward,
   // reading the strides of the optional grad_out, out, lse and grad_lse,
   // packed when None) would use for these inputs,

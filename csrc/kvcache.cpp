@@ -13,9 +13,9 @@ constexpr const char* kOp = kKvCacheOpName;
 // (attention_decode_paged.h); page offsets are 64-bit.
 constexpr int64_t kMaxInt32 = std::numeric_limits<int32_t>::max();
 
-void check_cache(const at::Tensor& t, const char* name, const at::Tensor& q, bool paged) {
+void check_cache(const at::Tensor& t, const char* name, const at::Tensor& q, bool paged, bool quantized) {
   TORCH_CHECK_VALUE(t.defined(), kOp, ": ", name, " is undefined (None)");
-  TORCH_CHECK_TYPE(t.scalar_type() == q.scalar_type(), kOp, ": ", name, " has dtype ", t.scalar_type(),
+  TORCH_CHECK_TYPE(quantized || t.scalar_type() == q.scalar_type(), kOp, ": ", name, " has dtype ", t.scalar_type(),
                    " but q has dtype ", q.scalar_type(), "; q and the caches must share one dtype");
   TORCH_CHECK_VALUE(t.device() == q.device(), kOp, ": ", name, " is on device ", t.device(), " but q is on device ",
                     q.device());
@@ -88,14 +88,19 @@ void check_query_offsets(const at::Tensor& cu, int64_t total_q, int64_t max_seql
 KvCacheCall check_kvcache_inputs(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                  const at::Tensor& cache_seqlens, const std::optional<at::Tensor>& block_table,
                                  const AttentionOptions& options, const std::optional<at::Tensor>& cu_seqlens_q,
-                                 int64_t max_seqlen_q) {
+                                 int64_t max_seqlen_q, const KvQuant* quant) {
   TORCH_CHECK_VALUE(q.defined(), kOp, ": q is undefined (None)");
   const bool varlen = cu_seqlens_q.has_value() && cu_seqlens_q->defined();
   check_tensor(kOp, q, "q", q, varlen ? 3 : 4);
   if (varlen) check_packed_queries(*cu_seqlens_q, max_seqlen_q, q);
   const bool paged = block_table.has_value() && block_table->defined();
-  check_cache(k_cache, "k_cache", q, paged);
-  check_cache(v_cache, "v_cache", q, paged);
+  const bool qk = quant != nullptr && quant->k.format != KvFormat::Native;
+  const bool qv = quant != nullptr && quant->v.format != KvFormat::Native;
+  check_cache(k_cache, "k_cache", q, paged, qk);
+  check_cache(v_cache, "v_cache", q, paged, qv);
+  // The logical head dims (a 4-bit cache packs 8 or 2 codes per element).
+  const int64_t k_dim = qk ? quant->k.head_dim : k_cache.size(3);
+  const int64_t v_dim = qv ? quant->v.head_dim : v_cache.size(3);
   TORCH_CHECK_VALUE(!(options.attn_mask.has_value() && options.attn_mask->defined()), kOp,
                     ": attn_mask is not supported with a KV cache (as in flash-attn)");
   // Packed queries (total_q, Hq, D) are seen as the kernels' (1, Hq, total_q, D) view.
@@ -106,7 +111,7 @@ KvCacheCall check_kvcache_inputs(const at::Tensor& q, const at::Tensor& k_cache,
                     ": v_cache must have k_cache's ",
                     paged ? "(num_blocks, page_size, kv_heads) " : "(batch, seqlen, kv_heads) ",
                     k_cache.sizes().slice(0, 3), " (its head_dim D_v may differ); got shape ", v_cache.sizes());
-  TORCH_CHECK_VALUE(k_cache.size(3) == D, kOp, ": k_cache has head_dim ", k_cache.size(3), " but q has head_dim ", D,
+  TORCH_CHECK_VALUE(k_dim == D, kOp, ": k_cache has head_dim ", k_dim, " but q has head_dim ", D,
                     "; they must match");
   TORCH_CHECK_VALUE(kv_heads >= 1 && q4.size(1) % kv_heads == 0, kOp, ": the number of query heads (", q4.size(1),
                     ") must be a multiple of k_cache's kv_heads (", kv_heads, ", dimension 2)");
@@ -145,7 +150,7 @@ KvCacheCall check_kvcache_inputs(const at::Tensor& q, const at::Tensor& k_cache,
   p.q_heads = q4.size(1);
   p.q_len = varlen ? max_seqlen_q : q4.size(2);
   p.head_dim = D;
-  p.head_dim_v = v_cache.size(3);
+  p.head_dim_v = v_dim;
   p.kv_heads = kv_heads;
   p.kv_len = capacity;
   p.dtype = q.scalar_type();

@@ -9,6 +9,7 @@
 
 #include "attention_ops.h"
 #include "checks.h"
+#include "kvcache_quant.h"
 
 #include <ATen/ATen.h>
 
@@ -47,11 +48,13 @@ struct KvCacheCall {
 // cu_seqlens_q[b + 1] - 1 (at most max_seqlen_q), its keys as above; then
 // p.varlen, c.q the (1, Hq, total_q, D) view, and out (total_q, Hq, D_v) and
 // lse (Hq, total_q) as attention_varlen's.
+// quant (a quantized cache, csrc/kvcache_quant.h, already validated): a
+// quantized side's dtype is its format's, and its head dim the logical one.
 KvCacheCall check_kvcache_inputs(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                  const at::Tensor& cache_seqlens, const std::optional<at::Tensor>& block_table,
                                  const AttentionOptions& options,
                                  const std::optional<at::Tensor>& cu_seqlens_q = std::nullopt,
-                                 int64_t max_seqlen_q = 0);
+                                 int64_t max_seqlen_q = 0, const KvQuant* quant = nullptr);
 
 // The gather path: each sequence's rows in use (keys 0 .. cache_seqlens[b]
 // - 1, through the table; nothing else is read) copied into packed

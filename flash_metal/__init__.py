@@ -25,6 +25,7 @@ from .cpu_paths import cpu_features, cpu_path
 from .flash_attn import flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache
 from .ops import (attention, attention_kvcache_with_lse, attention_varlen, attention_varlen_with_lse,
                   attention_with_lse, explain)
+from .quantized_kv import QuantizedKV, dequantize_kv, quantize_kv
 from .sdpa import explain_sdpa, patch, scaled_dot_product_attention, sdpa_route, unpatch
 from . import hf as _hf
 from ._device_info import device_info
@@ -32,7 +33,7 @@ from ._device_info import device_info
 _hf.install()  # "metal_attention" for transformers, if installed (never imported otherwise)
 
 __all__ = ["attention", "attention_kvcache_with_lse", "attention_varlen", "attention_varlen_with_lse", "attention_with_lse",
-           "cpu_features", "cpu_path", "device_info", "explain",
+           "cpu_features", "cpu_path", "dequantize_kv", "device_info", "explain",
            "explain_sdpa", "flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache", "patch",
-           "reference", "scaled_dot_product_attention", "sdpa_route", "unpatch"]
+           "QuantizedKV", "quantize_kv", "reference", "scaled_dot_product_attention", "sdpa_route", "unpatch"]
 __version__ = "0.1.0"

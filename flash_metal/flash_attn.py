@@ -21,7 +21,7 @@ from typing import Optional, Sequence, Tuple, Union
 import torch
 from torch import Tensor
 
-from . import _kvcache, ops
+from . import _kvcache, ops, quantized_kv
 
 
 def _unsupported(name: str, value, what: str) -> None:
@@ -132,8 +132,21 @@ def flash_attn_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Opti
                             block_table: Optional[Tensor] = None, softmax_scale: Optional[float] = None,
                             causal: bool = False, window_size: Tuple[int, int] = (-1, -1), softcap: float = 0.0,
                             rotary_interleaved: bool = True, alibi_slopes: Optional[Tensor] = None,
-                            num_splits: int = 0, return_softmax_lse: bool = False, sinks: Optional[Tensor] = None):
+                            num_splits: int = 0, return_softmax_lse: bool = False, sinks: Optional[Tensor] = None,
+                            k_scale: Optional[Tensor] = None, v_scale: Optional[Tensor] = None,
+                            k_bias: Optional[Tensor] = None, v_bias: Optional[Tensor] = None,
+                            k_descale: Optional[Tensor] = None, v_descale: Optional[Tensor] = None):
     """flash-attn's flash_attn_with_kvcache: attention of q against a KV cache, appending k/v first.
+
+    Quantized caches (issue 44; layouts in flash_metal.quantized_kv), K and V
+    each in its own format: int8 k_cache / v_cache with k_scale / v_scale
+    float32 (B, Nk, Hkv); float8_e4m3fn with k_descale / v_descale float32
+    (B, Hkv) or one element (flash-attn 3's names); 4-bit uint32 (B, Nk, Hkv,
+    D / 8) in MLX's packing (or uint8 (..., D / 2)) with k_scale, k_bias,
+    v_scale, v_bias (B, Nk, Hkv, D / group_size), the group size inferred.
+    Appended k / v are quantized on the way in (fp8: with the cache's
+    descale). Read in place by the CPU kernel (nothing dequantized); no
+    cache_leftpad, no backward.
 
     q (B, Sq, Hq, D). The cache is either plain, k_cache and v_cache
     (B_cache, S_cache, Hkv, D) with cache_batch_idx (B,) picking batch b's
@@ -177,6 +190,14 @@ def flash_attn_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Opti
     if q.dim() != 4:
         raise ValueError(f"flash_metal.{what}: q must be 4-D (batch, seqlen, heads, head_dim); got shape "
                          f"{tuple(q.shape)}")
+    if any(x is not None for x in (k_scale, v_scale, k_bias, v_bias, k_descale, v_descale)) or \
+            quantized_kv.format_of(k_cache) != "native" or quantized_kv.format_of(v_cache) != "native":
+        if (k is None) != (v is None):
+            raise ValueError(f"flash_metal.{what}: give both k and v (new keys and values to append) or neither")
+        return quantized_kv.with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, cache_leftpad,
+                                         block_table, softmax_scale, causal, left, right, softcap,
+                                         return_softmax_lse, sinks, k_scale, v_scale, k_bias, v_bias, k_descale,
+                                         v_descale)
     B, sq, hq = q.shape[0], q.shape[1], q.shape[2]
     device = k_cache.device
     table, page, capacity = _kvcache.table_of(k_cache, v_cache, B, block_table, cache_batch_idx, what)

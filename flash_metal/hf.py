@@ -40,7 +40,8 @@ NAME = "metal_attention"
 # "causal", "static_prefill" (keys cropped to Nq), "decode" and "varlen";
 # "sinks" counts the calls (of any route) that carried attention sinks (s_aux),
 # "value_head_dim" those whose value has a head dim of its own (DeepSeek's
-# MLA: q/k 192, v 128 at full size; CPU only, the Metal kernels refuse it).
+# MLA: q/k 192, v 128 at full size; CPU only, the Metal kernels refuse it);
+# "quantized_kv" those that read a MetalQuantizedCache's codes in place.
 # Tests read it to prove a model really ran this implementation; users may
 # read it to see which path their model takes.
 calls = collections.Counter()
@@ -69,6 +70,14 @@ def metal_attention_forward(module, query, key, value, attention_mask, dropout=0
     window_left = int(sliding_window) - 1 if sliding_window else -1
     softcap = float(softcap) if softcap else 0.0
     n_q, n_k = query.shape[2], key.shape[2]
+    # A MetalQuantizedCache layer's stand-in keys (flash_metal/hf_quantized.py): its codes, read in place.
+    quantized_layer = getattr(key, "_flash_metal_kv", None)
+    if quantized_layer is not None:
+        from .hf_quantized import quantized_forward
+
+        calls["quantized_kv"] += 1
+        return quantized_forward(quantized_layer, query, attention_mask, scaling, causal, window_left, softcap,
+                                 sinks), None
 
     cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
     if cu_q is not None and cu_k is not None and query.shape[0] == 1:

@@ -127,7 +127,9 @@ def attention_kvcache_with_lse(
     q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens: Tensor, block_table: Optional[Tensor] = None,
     causal: bool = False, scale: Optional[float] = None, window_left: int = -1, window_right: int = -1,
     softcap: float = 0.0, sinks: Optional[Tensor] = None, impl: str = "auto",
-    cu_seqlens_q: Optional[Tensor] = None, max_seqlen_q: int = 0,
+    cu_seqlens_q: Optional[Tensor] = None, max_seqlen_q: int = 0, k_scale: Optional[Tensor] = None,
+    k_bias: Optional[Tensor] = None, v_scale: Optional[Tensor] = None, v_bias: Optional[Tensor] = None,
+    k_format: str = "auto", v_format: str = "auto",
 ) -> Tuple[Tensor, Tensor]:
     """Attention of q against a (paged) KV cache: the attention of flash-attn's flash_attn_with_kvcache.
 
@@ -156,7 +158,24 @@ def attention_kvcache_with_lse(
     max_seqlen_q); its keys as above. On Metal the prefill kernel reads the
     table for them too (fc_varlen with fc_paged; CPU gathers). Returns out
     (total_q, Hq, D_v) and lse (Hq, total_q), as attention_varlen_with_lse.
+
+    Quantized caches (flash_metal.quantized_kv): k_cache / v_cache int8
+    with k_scale / v_scale (per token), 4-bit (uint32 / uint8, MLX's packing)
+    with k_scale, k_bias / v_scale, v_bias (per group), or float8_e4m3fn with
+    the descale in k_scale / v_scale ((B, Hkv) or one element); K and V may
+    differ. Read in place on CPU (impl 'auto'; 'direct' reads a native cache
+    the same way); forward only.
     """
+    quantized = any(t is not None for t in (k_scale, k_bias, v_scale, v_bias)) or \
+        k_format != "auto" or v_format != "auto"
+    if quantized:
+        if _wants_grad(q, sinks):
+            raise ValueError("flash_metal.attention_kvcache: a quantized cache has no backward (its codes are "
+                             "not differentiable); call under torch.no_grad() or detach q and sinks")
+        return torch.ops.flash_metal.attention_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, causal,
+                                                       scale, window_left, window_right, softcap, sinks, impl,
+                                                       cu_seqlens_q, int(max_seqlen_q), k_scale, k_bias, v_scale,
+                                                       v_bias, k_format, v_format)
     if _wants_grad(q, k_cache, v_cache, sinks):
         return _kvcache_by_gather(q, k_cache, v_cache, cache_seqlens, block_table, causal, scale, window_left,
                                   window_right, softcap, sinks, impl, cu_seqlens_q, int(max_seqlen_q))
@@ -376,17 +395,20 @@ def _attention_varlen_forward_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seql
 @torch.library.register_fake("flash_metal::attention_kvcache")
 def _attention_kvcache_fake(q, k_cache, v_cache, cache_seqlens, block_table=None, causal=False, scale=None,
                             window_left=-1, window_right=-1, softcap=0.0, sinks=None, impl="auto",
-                            cu_seqlens_q=None, max_seqlen_q=0):
+                            cu_seqlens_q=None, max_seqlen_q=0, k_scale=None, k_bias=None, v_scale=None,
+                            v_bias=None, k_format="auto", v_format="auto"):
+    # A 4-bit v_cache packs its head dim (8 codes per uint32, 2 per uint8); its scale has one entry per group.
+    v_dim = v_cache.shape[3] * {torch.uint32: 8, torch.uint8: 2}.get(v_cache.dtype, 1) if v_cache.dim() == 4 else 0
     torch._check(k_cache.dim() == 4 and v_cache.dim() == 4,
                  lambda: "k_cache and v_cache must be 4-D (num_blocks, page_size, kv_heads, head_dim)")
     if cu_seqlens_q is not None:  # packed queries: attention_varlen's layouts
         torch._check(q.dim() == 3, lambda: f"q must be 3-D (total_q, heads, head_dim) with cu_seqlens_q; got "
                                            f"{q.dim()}-D")
         T, H, _ = q.shape
-        return q.new_empty((T, H, v_cache.shape[3])), q.new_empty((H, T), dtype=torch.float32)
+        return q.new_empty((T, H, v_dim)), q.new_empty((H, T), dtype=torch.float32)
     torch._check(q.dim() == 4, lambda: f"q must be 4-D (batch, heads, seq_len, head_dim); got {q.dim()}-D")
     B, H, N, _ = q.shape
-    return q.new_empty((B, H, N, v_cache.shape[3])), q.new_empty((B, H, N), dtype=torch.float32)
+    return q.new_empty((B, H, N, v_dim)), q.new_empty((B, H, N), dtype=torch.float32)
 
 
 def _varlen_grads_like(t):

@@ -342,7 +342,18 @@ std::tuple<at::Tensor, at::Tensor> attention_kvcache_impl(
     const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& cache_seqlens,
     const std::optional<at::Tensor>& block_table, bool causal, std::optional<double> scale, int64_t window_left,
     int64_t window_right, double softcap, const std::optional<at::Tensor>& sinks, c10::string_view impl,
-    const std::optional<at::Tensor>& cu_seqlens_q, int64_t max_seqlen_q) {
+    const std::optional<at::Tensor>& cu_seqlens_q, int64_t max_seqlen_q, const std::optional<at::Tensor>& k_scale,
+    const std::optional<at::Tensor>& k_bias, const std::optional<at::Tensor>& v_scale,
+    const std::optional<at::Tensor>& v_bias, c10::string_view k_format, c10::string_view v_format) {
+  // Quantized caches (issue 44) are validated as on CPU, then refused: the
+  // Metal kernels do not read them yet.
+  const bool varlen = cu_seqlens_q.has_value() && cu_seqlens_q->defined();
+  const int64_t batch = varlen ? cu_seqlens_q->size(0) - 1 : (q.dim() > 0 ? q.size(0) : 0);
+  const KvQuant kq = check_kv_quant(kKvCacheOp, q, k_cache, v_cache, k_scale, k_bias, v_scale, v_bias,
+                                    std::string(k_format), std::string(v_format), batch);
+  TORCH_CHECK_NOT_IMPLEMENTED(!kq.quantized(), kKvCacheOp, ": quantized KV caches (k: ", kv_format_name(kq.k.format),
+                              ", v: ", kv_format_name(kq.v.format), ") are read on CPU only for now; on MPS give "
+                              "caches in q's dtype (flash_metal.dequantize_kv)");
   const KvCacheCall kc = check_kvcache_inputs(
       q, k_cache, v_cache, cache_seqlens, block_table,
       make_options(causal, scale, std::nullopt, window_left, window_right, softcap, sinks), cu_seqlens_q,

@@ -31,7 +31,7 @@ STUB_DIR = os.path.join(TESTS, "mps_syntax", "stubs")
 CACHE_DIR = os.environ.get("FLASH_METAL_MPS_EXEC_CACHE", os.path.join(HERE, ".build"))
 # The portable C++ the host calls (compiled again here: setup.py builds the
 # _C extension with hidden visibility, so it exports none of it).
-PORTABLE_SOURCES = ("checks.cpp", "composite.cpp", "kvcache.cpp", "metal_routing.cpp", "metal_routing_tensor_ops.cpp",
+PORTABLE_SOURCES = ("checks.cpp", "composite.cpp", "kvcache.cpp", "kvcache_quant.cpp", "metal_routing.cpp", "metal_routing_tensor_ops.cpp",
                     "metal_routing_tensor_ops_dsplit.cpp", "metal_routing_wide.cpp", "metal_routing_prefill.cpp",
                     "metal_routing_splitd.cpp",
                     "metal_launch.cpp", "metal_launch_backward.cpp", "metal_registry.cpp", "metal_gpus.cpp")
