@@ -13,7 +13,9 @@ KERNELS = "counts.metal"
 BYTE_FIELDS = ("device_bytes_read", "device_bytes_written", "device_bytes_read_by_index",
                "device_bytes_written_by_index", "threadgroup_bytes_read", "threadgroup_bytes_written",
                "device_loads_by_index", "threadgroup_loads_by_width", "device_unique_bytes_read_by_index",
-               "device_load_requests_by_index", "device_request_bytes_by_index")
+               "device_load_requests_by_index", "device_request_bytes_by_index",
+               # the load windows of issue 43 (instrumented builds only, like the byte counts)
+               "device_load_windows_by_index", "device_window_loads_by_index", "device_window_max_by_index")
 
 
 def u32(x: int) -> bytes:
