@@ -1,0 +1,211 @@
+"""What the ranks of tests/test_distributed*.py run (inside tests/distributed_pool.py's processes).
+
+Every task is called on every rank with the same arguments; rank 0 returns
+the verdicts (the others return None or their own observations). Inputs are
+drawn from one seed on every rank, so each rank holds the whole sequence and
+takes its shard of it; the checks run on the whole results gathered back
+(unshard), against the float64 oracle by FlashAttention's 2x rule
+(flash_metal.testing) and against the single-process op.
+"""
+import contextlib
+import math
+
+import torch
+import torch.distributed as dist
+
+import flash_metal
+import flash_metal.distributed as fmd
+from flash_metal import testing
+from flash_metal.distributed import _blocks, _comm, _layout, _ring
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def _docs(total, cuts):
+    return torch.tensor([0] + list(cuts) + [total], dtype=torch.int32)
+
+
+def _inputs(case):
+    """The whole problem, the same on every rank: q, k, v, grad_out, grad_lse, sinks, cu_seqlens."""
+    g = torch.Generator().manual_seed(case["seed"])
+    dtype = DTYPES[case.get("dtype", "float32")]
+    B, Hq, Hkv, N, D = case.get("B", 1), case["Hq"], case.get("Hkv", case["Hq"]), case["N"], case.get("D", 16)
+    Dv = case.get("Dv", D)
+    varlen = case.get("docs") is not None
+    if varlen:
+        shapes = [(N, Hq, D), (N, Hkv, D), (N, Hkv, Dv), (N, Hq, Dv)]
+    else:
+        shapes = [(B, Hq, N, D), (B, Hkv, N, D), (B, Hkv, N, Dv), (B, Hq, N, Dv)]
+    q, k, v, do = (torch.randn(s, generator=g).to(dtype) for s in shapes)
+    dlse = torch.randn((Hq, N) if varlen else (B, Hq, N), generator=g) if case.get("grad_lse") else None
+    sinks = (torch.randn(Hq, generator=g) * 1.5).to(dtype) if case.get("sinks") else None
+    cu = _docs(N, case["docs"]) if varlen else None
+    return q, k, v, do, dlse, sinks, cu
+
+
+def _options(case):
+    return dict(causal=case.get("causal", False), scale=case.get("scale"), window_left=case.get("window_left", -1),
+                window_right=case.get("window_right", -1), softcap=case.get("softcap", 0.0))
+
+
+def _distributed(case, q, k, v, do, dlse, sinks, cu, group=None):
+    """Runs the distributed attention on this rank's shards; returns whole (out, lse, dq, dk, dv, dsinks)."""
+    variant = case["variant"]
+    dim = 0 if cu is not None else 2
+    ldim = 1 if cu is not None else 2  # lse's sequence dim: (Hq, t) or (B, Hq, n)
+    shards = [fmd.shard(t, dim, variant, group).detach().clone().requires_grad_(True) for t in (q, k, v)]
+    s = None if sinks is None else sinks.detach().clone().requires_grad_(True)
+    out, lse = fmd.attention_with_lse(*shards, group=group, variant=variant, sinks=s, cu_seqlens=cu,
+                                      **_options(case))
+    loss = (out.float() * fmd.shard(do, dim, variant, group).float()).sum()
+    if dlse is not None:
+        loss = loss + (lse * fmd.shard(dlse, ldim, variant, group)).sum()
+    loss.backward()
+    whole = [fmd.unshard(x, d, variant, group) for x, d in
+             ((out, dim), (lse, ldim), (shards[0].grad, dim), (shards[1].grad, dim), (shards[2].grad, dim))]
+    dsinks = None
+    if s is not None:
+        dsinks = s.grad.float().clone()
+        dist.all_reduce(dsinks, group=group)  # every rank's share of the sinks' gradient
+    return whole + [dsinks]
+
+
+def _single(case, q, k, v, do, dlse, sinks, cu):
+    """The single-process op on the whole problem, with autograd."""
+    leaves = [t.detach().clone().requires_grad_(True) for t in (q, k, v)]
+    s = None if sinks is None else sinks.detach().clone().requires_grad_(True)
+    opts = _options(case)
+    if cu is None:
+        out, lse = flash_metal.attention_with_lse(*leaves, sinks=s, **opts)
+    else:
+        n = int((cu[1:] - cu[:-1]).max())
+        out, lse = flash_metal.attention_varlen_with_lse(*leaves, cu, cu, n, n, opts["causal"], opts["scale"],
+                                                         opts["window_left"], opts["window_right"], opts["softcap"],
+                                                         sinks=s)
+    loss = (out.float() * do.float()).sum() + ((lse * dlse).sum() if dlse is not None else 0)
+    loss.backward()
+    return [out.detach(), lse.detach()] + [t.grad for t in leaves] + [None if s is None else s.grad.float()]
+
+
+def _sinks_reference(case, q, k, v, do, dlse, sinks, cu):
+    """d loss / d sinks in float64, by autograd through the oracle."""
+    s = sinks.detach().double().requires_grad_(True)
+    opts = _options(case)
+    if cu is None:
+        out, lse = flash_metal.reference.attention_reference(q, k, v, sinks=s, **opts)
+    else:
+        out, lse = flash_metal.reference.attention_varlen_reference(q, k, v, cu, cu, sinks=s, **opts)
+    loss = (out * do.double()).sum() + ((lse.masked_fill(torch.isinf(lse), 0) * dlse.double()).sum()
+                                         if dlse is not None else 0)
+    loss.backward()
+    return s.grad
+
+
+def _verdicts(case, whole, single, q, k, v, do, dlse, sinks, cu):
+    """Comparisons: the oracle's (2x rule) for out, lse and the gradients; the sinks' gradient; and the
+    largest difference from the single-process op (reported, bounded by the same tolerances)."""
+    out, lse, dq, dk, dv, dsinks = whole
+    opts = _options(case)
+    if sinks is not None:
+        opts["sinks"] = sinks
+    if cu is None:
+        checks = testing.attention_errors(out, lse, q, k, v, **opts)
+        checks += testing.gradient_errors((dq, dk, dv), q, k, v, do, grad_lse=dlse, **opts)
+    else:
+        causal, scale = opts.pop("causal"), opts.pop("scale")
+        checks = testing.varlen_errors(out, lse, q, k, v, cu, cu, causal, scale, **opts)
+        checks += testing.varlen_gradient_errors((dq, dk, dv), q, k, v, do, cu, cu, causal, scale, dlse, **opts)
+    if sinks is not None:
+        ref = _sinks_reference(case, q, k, v, do, dlse, sinks, cu)
+        err_single = (single[5].double() - ref).abs().max().item()
+        tol = 2 * err_single + 1e-4 * ref.abs().max().item() + 1e-6
+        err = (dsinks.double() - ref).abs().max().item()
+        checks.append(testing.Comparison("grad_sinks", err, tol, err <= tol,
+                                         f"grad_sinks: max error {err:.3g} vs tolerance {tol:.3g}"))
+    diffs = {name: (a.double() - b.double()).nan_to_num(posinf=0, neginf=0).abs().max().item()
+             for name, a, b in zip(("out", "lse", "grad_q", "grad_k", "grad_v"), whole[:5], single[:5])}
+    return [tuple(c) for c in checks], diffs
+
+
+def check(rank, world, case, group_ranks=None):
+    """The distributed attention vs the oracle and the single-process op. Rank 0 returns
+    (verdicts, differences from the single-process op, stats moved); the others their stats moved."""
+    group = dist.new_group(group_ranks) if group_ranks else None
+    if group_ranks and rank not in group_ranks:
+        return None
+    before = _blocks.stats.copy()
+    data = _inputs(case)
+    whole = _distributed(case, *data, group=group)
+    moved = dict(_blocks.stats - before)
+    if (dist.get_rank(group) if group else rank) != 0:
+        return {"stats": moved}
+    single = _single(case, *data)
+    verdicts, diffs = _verdicts(case, whole, single, *data)
+    return {"verdicts": verdicts, "diffs": diffs, "stats": moved}
+
+
+def run_twice(rank, world, case):
+    """Bitwise equal results run to run (whole out, lse and gradients)."""
+    data = _inputs(case)
+    a = _distributed(case, *data)
+    b = _distributed(case, *data)
+    return all(torch.equal(x, y) for x, y in zip(a[:5], b[:5]))
+
+
+# ------------------------------------------------------------------ planted bugs
+
+
+def _wrong_merge(acc_out, acc_lse, out, lse):
+    """A merge that forgets to rescale the accumulator (adds the new block as if lse were equal)."""
+    new = torch.logaddexp(acc_lse, lse)
+    w = torch.exp(lse - torch.where(torch.isfinite(new), new, 0.0)).nan_to_num(0.0).unsqueeze(-1)
+    acc_out.add_(out.float() * w)
+    acc_lse.copy_(new)
+
+
+def _off_by_one(self, step):
+    return (self.g.rank - step - 1) % self.g.size
+
+
+def _swapped_zigzag(rank, world):
+    return 2 * world - 1 - rank, rank
+
+
+PLANTS = {
+    "wrong_merge": (_blocks, "merge", _wrong_merge),
+    "ring_off_by_one": (_ring.RingConfig, "source", _off_by_one),
+    "zigzag_swapped": (_layout, "zigzag_chunks", _swapped_zigzag),
+}
+
+
+@contextlib.contextmanager
+def _planted(name):
+    owner, attr, bad = PLANTS[name]
+    good = getattr(owner, attr)
+    setattr(owner, attr, bad)
+    try:
+        yield
+    finally:
+        setattr(owner, attr, good)
+
+
+def planted(rank, world, case, plant):
+    """check() with a bug planted in the attention only: shard and unshard keep the true layout."""
+    data = _inputs(case)
+    variant = case["variant"]
+    dim = 2
+    shards = [fmd.shard(t, dim, variant) for t in data[:3]]
+    with _planted(plant):
+        # The planted attention; its inputs and outputs are laid out by the good shard and unshard.
+        for t in shards:
+            t.requires_grad_(True)
+        out, lse = fmd.attention_with_lse(*shards, variant=variant, **_options(case))
+        (out.float() * fmd.shard(data[3], dim, variant).float()).sum().backward()
+    whole = [fmd.unshard(x, 2, variant) for x in (out, lse, shards[0].grad, shards[1].grad, shards[2].grad)]
+    if rank != 0:
+        return None
+    q, k, v, do = data[:4]
+    opts = _options(case)
+    checks = testing.attention_errors(whole[0], whole[1], q, k, v, **opts)
+    checks += testing.gradient_errors(tuple(whole[2:5]), q, k, v, do, **opts)
+    return [tuple(c) for c in checks]
