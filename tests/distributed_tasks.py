@@ -209,3 +209,61 @@ def planted(rank, world, case, plant):
     checks = testing.attention_errors(whole[0], whole[1], q, k, v, **opts)
     checks += testing.gradient_errors(tuple(whole[2:5]), q, k, v, do, **opts)
     return [tuple(c) for c in checks]
+
+
+# ------------------------------------------------------------------ the local blocks on the emulated Metal kernels
+
+# The kernels the emulated test's shapes route to (float32, D 32; flash_metal.explain says which): a partial
+# build of attention.metal, seconds rather than minutes (tests/metal_emulator, compile_library's `only`).
+EMULATED_KERNELS = ("flash_decode_float32_d32", "flash_attention_prefill_float32_d32_*",
+                    "flash_backward_*_float32_d32_*")
+
+
+def emulated_library():
+    from metal_emulator import compile_library
+    from shader_builds import SHADER
+
+    return compile_library([SHADER], only=EMULATED_KERNELS)
+
+
+class EmulatedKernels:
+    """_blocks.KERNELS on the Metal emulator: each block planned by the op's own Metal planner
+    (flash_metal.explain) and run by tests/backends.py as the MPS host would launch it."""
+
+    def __init__(self):
+        import backends
+
+        self.backends = backends
+        self.calls = {"forward": 0, "backward": 0, "kernels": set()}
+        library = emulated_library()
+        backends.metal_library = lambda instrumented=False, fast_math=False: library
+
+    def _ran(self, what):
+        self.calls[what] += 1
+        self.calls["kernels"].update(d.kernel_name for d, _ in self.backends.LAST_DISPATCHES)
+
+    def forward(self, q, k, v, scale, window_left, window_right, softcap):
+        out, lse = self.backends.emulated_metal_attention(q, k, v, False, scale, window_left=window_left,
+                                                          window_right=window_right, softcap=softcap)
+        self._ran("forward")
+        return out, lse
+
+    def backward(self, grad_out, q, k, v, out, lse, scale, grad_lse, window_left, window_right, softcap):
+        grads = self.backends.emulated_metal_attention_backward(grad_out, q, k, v, out, lse, False, scale, grad_lse,
+                                                                window_left=window_left, window_right=window_right,
+                                                                softcap=softcap)
+        self._ran("backward")
+        return grads
+
+
+def check_emulated(rank, world, case):
+    """check() with every local block of the ring on the emulated Metal kernels."""
+    emulated = EmulatedKernels()
+    good = _blocks.KERNELS
+    _blocks.KERNELS = emulated
+    try:
+        result = check(rank, world, case)
+    finally:
+        _blocks.KERNELS = good
+    calls = dict(emulated.calls, kernels=sorted(emulated.calls["kernels"]))
+    return {**(result or {}), "emulated": calls}
