@@ -80,8 +80,9 @@ class Pool:
                 if dead or time.monotonic() > deadline:
                     self.kill()
                     why = f"rank(s) {dead} died" if dead else f"no answer in {TIMEOUT_S:.0f} s (a deadlock?)"
-                    raise AssertionError(f"task {task} on {self.world} ranks: {why}; answered: {sorted(got)}, "
-                                         f"failed: {[r for r, _ in failures]}")
+                    failed = "".join(f"\nrank {r} failed:\n{tb}" for r, tb in failures)
+                    raise AssertionError(f"task {task} on {self.world} ranks: {why}; answered: {sorted(got)}"
+                                         f"{failed}")
                 continue
             if ok:
                 got[rank] = value
@@ -117,16 +118,21 @@ class Pool:
 
 
 class Pools:
-    """One Pool per world size, created on first use; a killed one is replaced."""
+    """One Pool per world size, created on first use; a killed one is replaced. At most `keep` pools live at
+    once (the least recently used is closed), to spare the shared machine's memory."""
 
-    def __init__(self, threads: int = 1):
-        self.threads = threads
+    def __init__(self, threads: int = 1, keep: int = 2):
+        self.threads, self.keep = threads, keep
         self.pools = {}
 
     def __call__(self, world: int) -> Pool:
-        pool = self.pools.get(world)
+        pool = self.pools.pop(world, None)
         if pool is None or pool.broken:
-            pool = self.pools[world] = Pool(world, self.threads)
+            pool = Pool(world, self.threads)
+        self.pools[world] = pool  # most recently used last
+        while len(self.pools) > self.keep:
+            oldest = next(iter(self.pools))
+            self.pools.pop(oldest).close()
         return pool
 
     def run(self, world: int, task: str, **kwargs):

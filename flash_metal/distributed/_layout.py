@@ -87,6 +87,16 @@ class Block(NamedTuple):
     def full(self) -> bool:
         return self.window_left < 0 and self.window_right < 0
 
+    def visible(self) -> int:
+        """How many (query, key) pairs of the block the window lets through."""
+        o = self.nk - self.nq
+        total = 0
+        for i in range(self.nq):
+            lo = 0 if self.window_left < 0 else max(0, i + o - self.window_left)
+            hi = self.nk - 1 if self.window_right < 0 else min(self.nk - 1, i + o + self.window_right)
+            total += max(0, hi - lo + 1)
+        return total
+
 
 def pair_block(qseg: Segment, kseg: Segment, band: Band) -> Optional[Block]:
     """The call that computes query segment qseg against key segment kseg under band, or None (nothing visible).

@@ -116,6 +116,8 @@ def _forward_block(cfg: RingConfig, call: Call, q, k, v, acc_out, acc_lse) -> No
     stats["compute_s"] += time.perf_counter() - t0
     stats["block_calls"] += 1
     stats[f"{call.kind}_blocks"] += 1
+    if call.kind == "dense":
+        stats["score_pairs"] += _layout.Block(*call[1:7]).visible() * q.shape[0] * q.shape[1]
     _blocks.merge(_rows(acc_out, call.q0, call.nq), _rows(acc_lse, call.q0, call.nq), out, lse)
 
 
