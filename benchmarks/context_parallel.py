@@ -10,7 +10,8 @@ forward + backward of flash_metal.distributed.attention over a sequence of
 rank: the forward's and backward's wall time; the peak extra resident memory
 of that call (VmHWM reset through /proc/self/clear_refs after the inputs
 exist and a warm-up, so it counts outputs, saved tensors, gradients,
-received shards and every temporary); the forward's block compute time and
+received shards and every temporary; glibc's mmap threshold is fixed at
+1 MiB, so that freed buffers leave the resident set); the forward's block compute time and
 its exposed wait for transfers (flash_metal.distributed.stats), and the same
 transfers timed alone (a ring of K/V exchanges with no compute). Overlap =
 1 - exposed wait / transfers alone: the share of the communication hidden
@@ -119,6 +120,10 @@ def _rank(rank, world, init, args, results):
 
 
 def measure(variant, world, args):
+    # glibc raises its mmap threshold after each large free (up to 32 MiB), after which freed shards stay in
+    # the heap and count in the resident peak; a fixed threshold returns every large buffer on free, so the
+    # peak resident memory follows the live tensors (spawned processes inherit it).
+    os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(1 << 20))
     ctx = mp.get_context("spawn")
     fd, init = tempfile.mkstemp(prefix="cp_bench_")
     os.close(fd)

@@ -201,8 +201,10 @@ def ring_backward(cfg: RingConfig, saved: Sequence[Tensor], k: Tensor, v: Tensor
     """(dq, dk, dv) in float32 for this rank's shards. saved: (grad_out, q, out, lse, grad_lse): the final
     out and the merged lse (with the sinks).
 
-    Sends are waited for only at the end: a gloo send completes once its
-    receiver has posted the receive, and the next rank posts it one step later.
+    A dK/dV send is waited for one step later, not at once: a gloo send
+    completes once its receiver has posted the receive, and the next rank
+    posts it at the start of its next step. (Waiting for all of them only at
+    the end would keep every step's accumulators alive: O(N) memory.)
     """
     g = cfg.g
     grad_out, q, out, lse, grad_lse = saved
@@ -254,6 +256,8 @@ def ring_backward(cfg: RingConfig, saved: Sequence[Tensor], k: Tensor, v: Tensor
             ex, ik, iv = pending
             kv = ex.wait()
             k_cur, v_cur = kv[ik], kv[iv]
+        while len(sends) > 1:  # the sends of earlier steps have been received by now, or soon will be
+            sends.pop(0).wait()
     for ex in sends:
         ex.wait()
     return dq, dk_home, dv_home
