@@ -140,6 +140,16 @@ def _verdicts(case, whole, single, q, k, v, do, dlse, sinks, cu):
                                          f"grad_sinks: max error {err:.3g} vs tolerance {tol:.3g}"))
     diffs = {name: (a.double() - b.double()).nan_to_num(posinf=0, neginf=0).abs().max().item()
              for name, a, b in zip(("out", "lse", "grad_q", "grad_k", "grad_v"), whole[:5], single[:5])}
+    # The single-process op's result, within the oracle check's own tolerance of ours (for varlen, the
+    # loosest document's): the distributed attention reproduces the op, not merely the mathematics.
+    for name, diff in diffs.items():
+        tols = [c.tolerance for c in checks if c.tolerance is not None and (c.name == name or
+                                                                             c.name.endswith(": " + name))]
+        if tols:
+            ok = diff <= max(tols)
+            checks.append(testing.Comparison(f"vs single-process op: {name}", diff, max(tols), ok,
+                                             f"{name}: {diff:.3g} from the single-process op "
+                                             f"{'<=' if ok else '>'} {max(tols):.3g}"))
     return [tuple(c) for c in checks], diffs
 
 
