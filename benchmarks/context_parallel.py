@@ -55,7 +55,7 @@ def _reset_peak():
         f.write("5")
 
 
-def _transfers_alone(fmd_comm, g, k, v, steps):
+def _transfers_alone(g, k, v, steps):
     """The forward's K/V ring (steps - 1 exchanges) with no compute: the communication time alone."""
     from flash_metal.distributed._comm import TAG_K, TAG_V, Exchange
 
@@ -110,7 +110,7 @@ def _rank(rank, world, init, args, results):
     backward_s = time.perf_counter() - t0
     bwd = _blocks.stats - before
     peak_extra = (_vm_kib("VmHWM") - base_rss) * 1024
-    comm = _transfers_alone(_comm, _comm.Group(None, q.device), k.detach(), v.detach(), world) \
+    comm = _transfers_alone(_comm.Group(None, q.device), k.detach(), v.detach(), world) \
         if variant != "ulysses" and world > 1 else 0.0
     results.put(dict(rank=rank, n=n, forward_s=forward_s, backward_s=backward_s, peak_extra=peak_extra,
                      fwd_compute_s=fwd["compute_s"], fwd_wait_s=fwd["wait_s"], bwd_compute_s=bwd["compute_s"],

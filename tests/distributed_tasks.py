@@ -8,7 +8,6 @@ takes its shard of it; the checks run on the whole results gathered back
 (flash_metal.testing) and against the single-process op.
 """
 import contextlib
-import math
 
 import torch
 import torch.distributed as dist
