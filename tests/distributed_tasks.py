@@ -416,3 +416,34 @@ def train_llama(rank, world, variant, steps=3, n=48):
         opt_ours.step(), opt_ref.step()
         opt_ours.zero_grad(), opt_ref.zero_grad()
     return {"history": history, "attention_calls": fmd_hf.calls[variant] - ran, "local_tokens": mine[0].shape[1]}
+
+
+def llama_refuses(rank, world):
+    """metal_ring_attention refuses what it cannot serve: a padding mask, attention dropout in training."""
+    import transformers as tf
+
+    from flash_metal.distributed import hf as fmd_hf
+
+    tf.logging.set_verbosity_error()
+    model = _llama(tf, fmd_hf.register(variant="ring"))
+    ids = fmd.shard(torch.randint(3, 97, (1, 16)), 1, "ring")
+    pos = fmd.shard(torch.arange(16)[None], 1, "ring")
+    errors = []
+    mask = torch.ones_like(ids)
+    mask[0, 0] = 0
+    for kwargs in (dict(attention_mask=mask), ):
+        try:
+            model(input_ids=ids, position_ids=pos, use_cache=False, **kwargs)
+            errors.append(None)
+        except ValueError as e:
+            errors.append(str(e))
+    model.config.attention_dropout = 0.1
+    for layer in model.model.layers:
+        layer.self_attn.attention_dropout = 0.1
+    model.train()
+    try:
+        model(input_ids=ids, position_ids=pos, use_cache=False)
+        errors.append(None)
+    except ValueError as e:
+        errors.append(str(e))
+    return errors

@@ -272,3 +272,16 @@ def test_bad_arguments_raise_on_every_rank(pools, what):
         assert message in errors[1], errors
         if bad_rank == 1 and what not in ("zigzag_lengths",):
             assert "rank(s) [1]" in errors[0], errors
+
+
+def test_demo_under_torchrun():
+    """The README's command (torchrun, 2 processes), on 2048 tokens: every rank matches the single-process op."""
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m",
+           "flash_metal.distributed.demo", "--tokens", "2048"]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "all ranks match the single-process op" in run.stdout, run.stdout
+    assert run.stdout.count("-> ok") == 2, run.stdout

@@ -36,3 +36,9 @@ def test_sharded_llama_trains_like_one_process(pools, variant):
         assert abs(ours - ref) <= 1e-5 * abs(ref), losses
     for _, _, grad_diff in results[0]["history"]:
         assert grad_diff <= 1e-4, results[0]["history"]
+
+
+def test_refuses_padding_and_dropout(pools):
+    for errors in pools.run(2, "llama_refuses"):
+        assert errors[0] is not None and "padded" in errors[0], errors
+        assert errors[1] is not None and "dropout" in errors[1], errors
