@@ -89,13 +89,14 @@ class Block(NamedTuple):
 
     def visible(self) -> int:
         """How many (query, key) pairs of the block the window lets through."""
+        import torch
+
+        i = torch.arange(self.nq)
         o = self.nk - self.nq
-        total = 0
-        for i in range(self.nq):
-            lo = 0 if self.window_left < 0 else max(0, i + o - self.window_left)
-            hi = self.nk - 1 if self.window_right < 0 else min(self.nk - 1, i + o + self.window_right)
-            total += max(0, hi - lo + 1)
-        return total
+        lo = (i + o - self.window_left).clamp(min=0) if self.window_left >= 0 else torch.zeros_like(i)
+        hi = (i + o + self.window_right).clamp(max=self.nk - 1) if self.window_right >= 0 else \
+            torch.full_like(i, self.nk - 1)
+        return int((hi - lo + 1).clamp(min=0).sum())
 
 
 def pair_block(qseg: Segment, kseg: Segment, band: Band) -> Optional[Block]:
