@@ -55,7 +55,7 @@ def cpu_path_counts() -> Dict[str, int]:
     return {"forward_vector": c[0], "forward_brgemm": c[1], "backward_vector": c[2], "backward_brgemm": c[3],
             "forward_vnni_emulated": c[4], "backward_vnni_emulated": c[5], "emulated_tile_products": c[6],
             "forward_brgemm_column_form": c[7], "backward_float32_first_pass_blocks": c[8],
-            "forward_float16_split_bf16": c[9]}
+            "forward_float16_split_bf16": c[9], "forward_key_split": c[10]}
 
 
 def cpu_label() -> str:

@@ -41,6 +41,7 @@
 #include "brgemm_cols.h"
 #include "brgemm_split.h"
 #include "brgemm_tiles.h"
+#include "key_split.h"
 #include "phase_clock.h"
 #include "matrix_units.h"
 #include "simd.h"
@@ -127,7 +128,7 @@ struct Workspace {
 template <typename T, bool ScoreOpts>
 void attention_item(const Geometry& g, const T* q, const T* k, const T* v, T* out, float* lse, int64_t b,
                     int64_t hk, int64_t h0, int64_t nh, int64_t i0, int64_t nsub, int64_t bq, Workspace& ws,
-                    MxBuffers<T>* mx, const ColForm<T>& cf) {
+                    MxBuffers<T>* mx, const ColForm<T>& cf, const KeySplit* ks) {
   const CallOptions& opt = *g.opt;
   const SeqRange seq = opt.seq(b);
   if (i0 >= seq.nq) return;
@@ -195,7 +196,7 @@ void attention_item(const Geometry& g, const T* q, const T* k, const T* v, T* ou
     // Attention sinks: each row starts as if it had seen its head's sink, a
     // key of score sink (base 2, never softcapped or masked) and value zero:
     // m = sink, l = exp2(sink - m) = 1, O = 0. A sink of -inf is no sink.
-    for (int64_t c = 0; g.sinks2 != nullptr && c < u.nrows; ++c) {
+    for (int64_t c = 0; g.sinks2 != nullptr && (ks == nullptr || ks->s == 0) && c < u.nrows; ++c) {
       u.m[c] = g.sinks2[h0 + c / u.nq];
       u.l[c] = u.lr[c] = u.m[c] == kNegInf ? 0.0f : 1.0f;
     }
@@ -212,6 +213,7 @@ void attention_item(const Geometry& g, const T* q, const T* k, const T* v, T* ou
                         g.v_stride[3] == 1 && Dv % kG == 0;
   float* const st_all = cols ? cf.buf->st.ptr : ws.st.ptr;
   const int64_t block_k = cols ? cf.block_k : kBlockK;
+  if (ks != nullptr) key_split_clip(*ks, block_k, &key_begin_all, &key_end_all);  // split decode (key_split.h)
   const int64_t vt_off = (seq.bi * g.kv_heads + hk) * Dv * cf.vt_ld + seq.k0;
   const T* vt_head = cols && !split ? cf.vt + vt_off : nullptr;
   const c10::BFloat16* vth_head = split ? cf.vth + vt_off : nullptr;
@@ -390,8 +392,15 @@ void attention_item(const Geometry& g, const T* q, const T* k, const T* v, T* ou
   }
 
   // 3. normalise and write out through the outputs' strides (varlen: views
-  // of (total_q, Hq, D) and (Hq, total_q)).
+  // of (total_q, Hq, D) and (Hq, total_q)); split decode: this split's part.
   const int64_t od = g.o_stride[3];
+  if (ks != nullptr) {
+    const Sub& u = sub[0];  // split calls have one sub-block
+    const KeySplitRows r{seq.bi, seq.q0 + u.i0, h0, u.nq, u.nrows, g.q_heads, cols ? kBlockQ : 1, cols ? 1 : Dvp};
+    write_key_split(*ks, r, Dv, u.o, u.m, u.l, cols ? u.lr : u.l, out, g.o_stride, lse, g.lse_stride);
+    FM_PHASE(kPhOut);
+    return;
+  }
   for (int64_t s = 0; s < nsub; ++s) {
     const Sub& u = sub[s];
     if (cols && od == 1) {  // the column form: O^T's columns, transposed in registers where it can
@@ -485,6 +494,11 @@ void run_attention(const Geometry& g, const at::Tensor& q, const at::Tensor& k, 
   }
   const int64_t q_items = (q_blocks + nsub - 1) / nsub;
   const int64_t items = lanes * q_items;
+  // Split decode (key_split.h): a decode-like call with fewer items than
+  // threads spreads each item's keys over S splits, items x S in all.
+  const int64_t splits = choose_key_splits(q_blocks == 1, items, threads_avail, g.kv_len);
+  KeySplitBuffers ksb(splits, q.size(0) * g.q_heads * q.size(2), g.head_dim_v, items);
+  if (splits > 1) count_cpu_key_split();
   const int64_t D = g.head_dim;
   const int64_t Dvp = round_up(g.head_dim_v, kG);
 
@@ -493,7 +507,7 @@ void run_attention(const Geometry& g, const at::Tensor& q, const at::Tensor& k, 
   // expensive blocks start first and the cheap ones fill the gaps at the end
   // (a static split would give one thread all the long diagonal blocks).
   std::atomic<int64_t> next{0};
-  const int64_t threads = std::min<int64_t>(threads_avail, items);
+  const int64_t threads = std::min<int64_t>(threads_avail, items * splits);
   const bool score_opts = g.opt->score_options();
   // The column form of the brgemm path (brgemm_cols.h): with packed operands,
   // for blocks of at least kColMinQueries query columns. V^T is built here,
@@ -551,7 +565,15 @@ void run_attention(const Geometry& g, const at::Tensor& q, const at::Tensor& k, 
         cf.vtl = so.vtl.data();
       }
     }
-    for (int64_t idx = next.fetch_add(1); idx < items; idx = next.fetch_add(1)) {
+    for (int64_t job = next.fetch_add(1); job < items * splits; job = next.fetch_add(1)) {
+      const int64_t idx = job / splits;
+      KeySplit ks_item;
+      const KeySplit* ksp = nullptr;
+      if (splits > 1) {
+        ks_item = KeySplit{splits, job % splits, q.size(0) * g.q_heads * q.size(2), q.size(2), ksb.o.data(),
+                           ksb.lse.data(), &ksb.done[idx]};
+        ksp = &ks_item;
+      }
       const int64_t qi = q_items - 1 - idx / lanes;
       const int64_t lane = idx % lanes;
       const int64_t chunk = lane % head_chunks;
@@ -560,9 +582,9 @@ void run_attention(const Geometry& g, const at::Tensor& q, const at::Tensor& k, 
       const int64_t h0 = hk * g.group + chunk * heads_per_item;
       const int64_t nh = std::min(heads_per_item, g.group - chunk * heads_per_item);
       if (score_opts)
-        attention_item<T, true>(g, qp, kp, vp, op, lp, b, hk, h0, nh, qi * nsub * bq, nsub, bq, ws, mx.get(), cf);
+        attention_item<T, true>(g, qp, kp, vp, op, lp, b, hk, h0, nh, qi * nsub * bq, nsub, bq, ws, mx.get(), cf, ksp);
       else
-        attention_item<T, false>(g, qp, kp, vp, op, lp, b, hk, h0, nh, qi * nsub * bq, nsub, bq, ws, mx.get(), cf);
+        attention_item<T, false>(g, qp, kp, vp, op, lp, b, hk, h0, nh, qi * nsub * bq, nsub, bq, ws, mx.get(), cf, ksp);
     }
     if (mx) tile_release(ran.vnni);
   });

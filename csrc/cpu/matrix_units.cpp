@@ -40,8 +40,8 @@ namespace {
 // then the forward calls that took the column form (brgemm_cols.h), then the
 // float32 backward's query blocks that took the first pass (backward_precise.h).
 // Then the float16 forward calls that took the split bfloat16 form (brgemm_split.h).
-constexpr int kEmuFwd = 4, kEmuBwd = 5, kEmuGemm = 6, kColsFwd = 7, kRenormBwd = 8, kSplitFwd = 9;
-std::atomic<int64_t> g_counts[10];
+constexpr int kEmuFwd = 4, kEmuBwd = 5, kEmuGemm = 6, kColsFwd = 7, kRenormBwd = 8, kSplitFwd = 9, kKeySplitFwd = 10;
+std::atomic<int64_t> g_counts[11];
 
 #ifdef FLASH_METAL_X86_CPUID
 CpuFeatures detect() {
@@ -222,6 +222,7 @@ std::string describe_cpu_path(const PathChoice& pc, at::ScalarType dtype, bool b
 void count_cpu_cols_form() { ++g_counts[kColsFwd]; }
 void count_cpu_renormalized_block() { ++g_counts[kRenormBwd]; }
 void count_cpu_split_form() { ++g_counts[kSplitFwd]; }
+void count_cpu_key_split() { ++g_counts[kKeySplitFwd]; }
 
 void count_cpu_path(const PathChoice& pc, bool backward) {
   ++g_counts[(backward ? 2 : 0) + static_cast<int>(pc.path)];

@@ -111,6 +111,8 @@ void count_cpu_cols_form();
 void count_cpu_renormalized_block();
 // Counts one float16 forward call that took the split bfloat16 form (brgemm_split.h).
 void count_cpu_split_form();
+// Counts one forward call that spread its items' keys over several splits (key_split.h).
+void count_cpu_key_split();
 
 // The CPU's features as cpuid and the OS report them (x86-64; all false
 // elsewhere), for the benchmarks' labels and the reasons above.
