@@ -123,9 +123,9 @@ def test_device_found_without_pytorch(host):
 
 
 def test_the_selfcheck_reads_the_executed_hosts_answer(host):
-    # python -m flash_metal.selfcheck parses this op's JSON (flash_metal/_selfcheck_backends.py):
+    # python -m flash_metal.selfcheck parses this op's JSON (flash_metal/selfcheck/backends.py):
     # the fake device's real answer, not a hand-written one.
-    from flash_metal._selfcheck_backends import parse_device_info
+    from flash_metal.selfcheck.backends import parse_device_info
 
     raw = checks.device_info(host)
     raw.pop("_recording")

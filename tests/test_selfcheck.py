@@ -18,11 +18,12 @@ import pytest
 import torch
 
 import flash_metal
-from flash_metal import _selfcheck_backends as sb
-from flash_metal import _selfcheck_lanes as lanes
-from flash_metal import _selfcheck_report as report_mod
-from flash_metal import _selfcheck_sweep as sweep
-from flash_metal import selfcheck, testing
+from flash_metal import testing
+from flash_metal.selfcheck import backends as sb
+from flash_metal.selfcheck import cli
+from flash_metal.selfcheck import lanes
+from flash_metal.selfcheck import report as report_mod
+from flash_metal.selfcheck import sweep
 from prereqs import unavailable
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -172,7 +173,7 @@ def test_metal_emu_accelerator_section_runs_in_emulation(emu_run):
 
 
 def _run_in_process(tmp_path, *args):
-    rc = selfcheck.main(["--backend", "metal-emu", "--quick", "--source", ROOT, "--out", str(tmp_path), "--no-progress",
+    rc = cli.main(["--backend", "metal-emu", "--quick", "--source", ROOT, "--out", str(tmp_path), "--no-progress",
                          *args])
     data = json.loads((tmp_path / "selfcheck.json").read_text())
     return rc, data, (tmp_path / "selfcheck.md").read_text()
@@ -270,9 +271,9 @@ class _NoAccelerator:
 
 
 def test_accelerator_section_skips_with_the_devices_reason(monkeypatch):
-    from flash_metal import _selfcheck_accel as accel
+    from flash_metal.selfcheck import accel
 
-    args = selfcheck._parser().parse_args(["--quick"])
+    args = cli._parser().parse_args(["--quick"])
     backend = _NoAccelerator("FLASH_METAL_DISABLE_TENSOR_OPS=1 turns them off", None)
     planned = accel.plan(backend, args)
     assert planned["cases"] == [] and planned["timing"] == []
@@ -345,7 +346,7 @@ def test_a_run_that_dies_leaves_a_report_naming_where(tmp_path, monkeypatch):
 
 
 def test_only_matching_nothing_is_an_error(tmp_path):
-    assert selfcheck.main(["--backend", "metal-emu", "--only", "no-such-check", "--out", str(tmp_path)]) == 2
+    assert cli.main(["--backend", "metal-emu", "--only", "no-such-check", "--out", str(tmp_path)]) == 2
 
 
 def test_pipeline_below_the_planners_n_fails():
@@ -362,7 +363,7 @@ def test_pipeline_below_the_planners_n_fails():
     assert rows["k3"]["status"] == "failed" and "sweep launched 512" in rows["k3"]["note"]
     assert rows["k4"]["status"] == rows["k5"]["status"] == "unchecked"
     report = {"checks": [], "lane_probe": {"status": "passed"}, "pipelines": {"rows": list(rows.values())}}
-    s = selfcheck._summary(report)
+    s = cli._summary(report)
     assert s["pipelines_failed"] == 2 and any("pipeline k1" in f for f in s["failures"])
 
 
@@ -553,7 +554,7 @@ def test_accelerator_section_checks_the_mla_pair_both_passes():
     # v, out and grad_out 128 wide; one case runs through the emulated backend and passes both sides, the
     # tensor-op side on the pair's own kernels.
     _need_emulator()
-    from flash_metal import _selfcheck_accel as accel
+    from flash_metal.selfcheck import accel
 
     mla = [c for c in accel.cases(quick=False) if c.dv]
     assert {(c.family, c.d, c.dv) for c in mla} == {("prefill", 192, 128), ("backward", 192, 128)} and len(mla) == 8
@@ -562,7 +563,7 @@ def test_accelerator_section_checks_the_mla_pair_both_passes():
     inputs = sweep.make_inputs(case)
     assert inputs["v"].shape[-1] == inputs["out"].shape[-1] == inputs["grad_out"].shape[-1] == 128
     assert inputs["q"].shape[-1] == inputs["k"].shape[-1] == 192
-    rec = accel.run_case(selfcheck.make_backend("metal-emu", ROOT), case)
+    rec = accel.run_case(cli.make_backend("metal-emu", ROOT), case)
     assert rec["status"] == "passed", rec["message"]
     assert rec["id"].startswith("tensor_ops_backward-bfloat16-d192-dv128-") and rec["head_dim_v"] == 128
     assert rec["tensor_ops"]["kernels"][:2] == ["flash_backward_mpp_dq_bfloat16_dqk192_dv128_bq32_bk32",

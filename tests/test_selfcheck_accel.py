@@ -6,9 +6,9 @@ import os
 
 import torch
 
-from flash_metal import _selfcheck_backends as sb
-from flash_metal import _selfcheck_sweep as sweep
-from flash_metal import selfcheck
+from flash_metal.selfcheck import backends as sb
+from flash_metal.selfcheck import cli
+from flash_metal.selfcheck import sweep
 from test_selfcheck import _NoAccelerator, _schema1
 
 
@@ -24,7 +24,7 @@ class _FakeOps:
         return torch.zeros_like(q), torch.zeros(q.shape[:3])
 
     def attention_backward(self, grad_out, q, k, v, out, lse, causal, scale, grad_lse, impl):
-        from flash_metal import _selfcheck_accel as accel
+        from flash_metal.selfcheck import accel
 
         self.calls.append((impl, os.environ.get(accel.DISABLE_ENV)))
         if impl == self.fail:
@@ -36,7 +36,7 @@ def test_accelerator_backward_timing_row_on_fakes(monkeypatch):
     # The row's logic on Linux, never a Mac figure: fake ops on CPU tensors, a fake median (per impl, from the
     # call the row made) in place of the clock. tensor_ops runs with the switch off, the simdgroup backward
     # (impl='auto') with it on, the switch restored after; speedup = simdgroup / tensor_ops.
-    from flash_metal import _selfcheck_accel as accel
+    from flash_metal.selfcheck import accel
 
     monkeypatch.delenv(accel.DISABLE_ENV, raising=False)
     ops = _FakeOps()
@@ -71,15 +71,15 @@ def test_accelerator_backward_timing_row_on_fakes(monkeypatch):
 def test_accelerator_timing_is_planned_on_a_mac_only(monkeypatch):
     # A Mac whose device reports the tensor-op kernels usable plans the forward and the backward rows; the
     # emulator, --no-timing and a device without them plan none.
-    from flash_metal import _selfcheck_accel as accel
+    from flash_metal.selfcheck import accel
 
     class _Usable(_NoAccelerator):
         def __init__(self):
             self.info = sb.parse_device_info(_schema1(tensor_ops={"usable": True, "reason": None,
                                                                   "forced_reason": None, "gpu_family": 10}))
 
-    args = selfcheck._parser().parse_args(["--quick"])
+    args = cli._parser().parse_args(["--quick"])
     planned = accel.plan(_Usable(), args)
     assert planned["timing"] == accel.timing_shapes(True) + accel.backward_timing_shapes(True)
-    assert accel.plan(_Usable(), selfcheck._parser().parse_args(["--quick", "--no-timing"]))["timing"] == []
+    assert accel.plan(_Usable(), cli._parser().parse_args(["--quick", "--no-timing"]))["timing"] == []
     assert accel.plan(_NoAccelerator("an Apple 9 GPU", None), args)["timing"] == []

@@ -1,7 +1,7 @@
 """python -m flash_metal.selfcheck's verdicts, tested like a product (issue 41).
 
 Every way a part of the selfcheck can end, driven through the real code
-that decides and reports it (selfcheck.main: the sweep's run_case and
+that decides and reports it (cli.main: the sweep's run_case and
 compare, the accelerator section, _summary, the Markdown and JSON writers,
 the exit status): a correctness check that passed, failed or errored; the
 lane probe passed, failed, errored or skipped with its reason; the
@@ -20,11 +20,11 @@ an accelerator case have their real kernel names), and a fault hook. So the
 whole file needs no emulator: ~5 s on 2 cores. The emulator-backed runs of
 the same report code are tests/test_selfcheck.py's.
 
-Planted in flash_metal/, each run against this file and reverted:
-  * selfcheck._summary counting only status "failed" as a failure (the
+Planted in flash_metal/selfcheck/, each run against this file and reverted:
+  * cli._summary counting only status "failed" as a failure (the
     escaped bug: an errored check left out, the report said PASSED): fails
     test_a_check_ends_in_the_report[error] (exit 0, "PASSED"); the same in
-    _selfcheck_accel.failures fails test_accelerator_outcome_in_the_report[error].
+    selfcheck/accel.py's failures fails test_accelerator_outcome_in_the_report[error].
   * The simdgroup side no longer checked for tensor-op kernels (the escaped
     bug): not_prefix dropped from the forward's or the backward's
     _run_forced call, or from its _kernel_problem call, fails
@@ -33,7 +33,7 @@ Planted in flash_metal/, each run against this file and reverted:
     forced_reason, fails test_required_library_problems_fail_the_section[forced_reason];
     one marker only ("MSL 4 library", or "flash_metal_mpp.metallib"), or no
     check at all, fails both of its cases.
-  * _selfcheck_sweep.run_case without its kernel_problem guard fails all four
+  * selfcheck/sweep.py's run_case without its kernel_problem guard fails all four
     test_sweep_check_that_ran_another_kernel_is_named cases.
   * check_lanes without its two simdgroup_load comparisons fails
     test_lane_probe_fault_is_named (the probe passes a foreign layout).
@@ -47,11 +47,11 @@ import pytest
 import torch
 
 import flash_metal
-from flash_metal import _selfcheck_accel as accel
-from flash_metal import _selfcheck_backends as sb
-from flash_metal import _selfcheck_lanes as lanes
-from flash_metal import _selfcheck_sweep as sweep
-from flash_metal import selfcheck
+from flash_metal.selfcheck import accel
+from flash_metal.selfcheck import backends as sb
+from flash_metal.selfcheck import cli
+from flash_metal.selfcheck import lanes
+from flash_metal.selfcheck import sweep
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LIBRARY_MM = os.path.join(ROOT, "csrc", "mps", "library.mm")
@@ -140,9 +140,9 @@ def _device(usable, reason=None, forced_reason=None, family=10):
 
 
 def _run(tmp_path, monkeypatch, capfd, backend, *args):
-    """selfcheck.main on `backend`: (exit status, JSON report, Markdown report, stdout)."""
-    monkeypatch.setattr(selfcheck, "make_backend", lambda name, source=None: backend)
-    rc = selfcheck.main(["--backend", "metal-emu", "--quick", "--out", str(tmp_path), "--no-progress", "--no-timing",
+    """cli.main on `backend`: (exit status, JSON report, Markdown report, stdout)."""
+    monkeypatch.setattr(cli, "make_backend", lambda name, source=None: backend)
+    rc = cli.main(["--backend", "metal-emu", "--quick", "--out", str(tmp_path), "--no-progress", "--no-timing",
                          *args])
     data = json.loads((tmp_path / "selfcheck.json").read_text())
     return rc, data, (tmp_path / "selfcheck.md").read_text(), capfd.readouterr().out
@@ -336,8 +336,8 @@ def test_not_run_says_why(tmp_path, monkeypatch, capfd):
     def unavailable(name, source=None):
         raise sb.Unavailable("planted: no Metal here, and here is what to do instead")
 
-    monkeypatch.setattr(selfcheck, "make_backend", unavailable)
-    rc = selfcheck.main(["--backend", "metal-emu", "--out", str(tmp_path), "--no-progress"])
+    monkeypatch.setattr(cli, "make_backend", unavailable)
+    rc = cli.main(["--backend", "metal-emu", "--out", str(tmp_path), "--no-progress"])
     data = json.loads((tmp_path / "selfcheck.json").read_text())
     md = (tmp_path / "selfcheck.md").read_text()
     assert rc == 2 and data["status"] == "not run" and data["passed"] is False

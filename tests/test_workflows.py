@@ -110,11 +110,11 @@ def _env_names():
 def _mpp_problems(text):
     """The macOS 26 leg requires the MSL 4 library and runs selfcheck's accelerator section (issue 21)."""
     from test_build import load_setup
-    from flash_metal import _selfcheck_accel
+    from flash_metal.selfcheck import accel
 
     problems = []
     env = load_setup().REQUIRE_MPP_METALLIB_ENV
-    assert env == _selfcheck_accel.REQUIRE_ENV  # setup.py and the selfcheck read the same switch
+    assert env == accel.REQUIRE_ENV  # setup.py and the selfcheck read the same switch
     legs = dict(re.findall(r"- os: (\S+)\n\s+torch: \"[\d.]+\"\n(?:\s+#.*\n)*\s+require_mpp: \"(\d)\"", text))
     if legs.get("macos-26") != "1":
         problems.append(f"the macos-26 leg does not require the MSL 4 library (require_mpp: {legs.get('macos-26')})")

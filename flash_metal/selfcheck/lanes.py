@@ -67,11 +67,11 @@ _PRAGMA_ONCE = re.compile(r"^\s*#\s*pragma\s+once\b")
 
 def shader_directory(source_root: Optional[str] = None) -> Optional[str]:
     """Where the shader headers are: the installed package's copy, else a source checkout's shaders/."""
-    here = os.path.dirname(os.path.abspath(__file__))
-    candidates = [os.path.join(here, "shaders")]
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # flash_metal/ (this is selfcheck/lanes.py)
+    candidates = [os.path.join(package, "shaders")]
     if source_root:
         candidates.insert(0, os.path.join(source_root, "shaders"))
-    candidates.append(os.path.join(os.path.dirname(here), "shaders"))
+    candidates.append(os.path.join(os.path.dirname(package), "shaders"))
     for c in candidates:
         if os.path.isfile(os.path.join(c, "attention_prefill.h")):
             return c

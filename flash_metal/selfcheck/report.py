@@ -99,7 +99,7 @@ def to_markdown(r: dict) -> str:
     out += _checks_md(r)
     out += _timing_md(r.get("timing", {}))
     if "accelerator" in r:
-        from ._selfcheck_accel import to_markdown as accelerator_md
+        from .accel import to_markdown as accelerator_md
 
         out += accelerator_md(r["accelerator"])
     text = "\n".join(out)

@@ -24,7 +24,7 @@ from typing import List, Optional
 
 import torch
 
-from . import _selfcheck_sweep as sweep
+from . import sweep
 
 DTYPES = (torch.float16, torch.bfloat16)
 # The head dims the tensor-op kernels are instantiated for (csrc/metal_routing_tensor_ops.cpp), and 256

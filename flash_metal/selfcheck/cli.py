@@ -1,30 +1,11 @@
 """Check flash_metal on this machine and write a report to paste into an issue.
 
-    python -m flash_metal.selfcheck [--backend mps|metal-emu] [--out DIR] [--quick]
-
-Writes DIR/selfcheck.md (Markdown, for an issue) and DIR/selfcheck.json
-(the same, for tools): the platform (macOS, chip, GPU and its families,
-torch and flash_metal versions); where the kernels came from (the metallib,
-or a runtime compile and why); every pipeline built, with its
-maxTotalThreadsPerThreadgroup against the planner's N; the lane-layout
-probe (the simdgroup_matrix layout the prefill and backward kernels assume),
-run first; a correctness sweep of every kernel family, forward and backward,
-against the float64 oracle by FlashAttention's 2x rule; and a short timing
-table against torch's SDPA (and MLX's, when mlx is installed), measured on
-this machine; then the accelerator section: where the device reports the
-Metal 4 tensor-op kernels usable (flash_metal.device_info()["tensor_ops"]),
-impl="tensor_ops" against the simdgroup prefill (and the tensor-op backward
-against the simdgroup backward), both by the 2x rule, and each pair (the
-forward's, the backward's) timed as a ratio on that Mac; elsewhere "skipped"
-with the reason, and the emulator never times them
-(--accelerator-only runs just that section, as the macOS 26 CI leg does).
-
-Exit status: 0 when the lane probe and every check passed; 1 when any
-failed; 2 when the backend cannot run here (the message says why).
-
---backend mps (the default where torch.backends.mps.is_available()) runs on
-the Mac's GPU. --backend metal-emu runs the same sweep through the project's
-Metal emulator, in a source checkout (it imports tests/backends.py).
+The command behind python -m flash_metal.selfcheck (the package's docstring
+says what it checks and what its exit status means): it parses the arguments,
+starts a backend (backends.py), runs the sections in order (the platform, the
+lane-layout probe of lanes.py, the pipelines, the sweep of sweep.py, the
+accelerator section of accel.py, the timing table), writes the report so far
+after each (report.py), and returns the exit status.
 """
 import argparse
 import faulthandler
@@ -34,10 +15,9 @@ import warnings
 
 import torch
 
-from . import _selfcheck_accel as accel
-from . import _selfcheck_backends as backends_mod
-from . import _selfcheck_report as report_mod
-from . import _selfcheck_sweep as sweep
+from . import accel, sweep
+from . import backends as backends_mod
+from . import report as report_mod
 
 
 def _parser():
@@ -226,7 +206,3 @@ def main(argv=None) -> int:
         print(f"  FAILED {f}")
     print(f"report: {md} and {js} (please paste {md} into an issue)")
     return 0 if report["passed"] else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -18,8 +18,8 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from . import testing
-from .reference import attention_reference
+from .. import testing
+from ..reference import attention_reference
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # A head dim that is no instantiated bucket (32, 64, 72, 80, 96, 128, 192, 256):

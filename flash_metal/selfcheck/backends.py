@@ -23,7 +23,7 @@ import torch
 
 import flash_metal
 
-from . import _selfcheck_lanes
+from . import lanes
 
 NOT_AVAILABLE = "not available in this build"
 
@@ -246,12 +246,13 @@ class MpsBackend:
                 "source": f"metal_build_all_pipelines() (thread limits: {info.get('reason')})"}
 
     def lane_probe(self) -> dict:
-        return _selfcheck_lanes.run_on_mps()
+        return lanes.run_on_mps()
 
 
 def find_source_root(explicit: Optional[str] = None) -> Optional[str]:
     """A source checkout: the given directory, the current one, or the one holding this package."""
-    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    # the directory above flash_metal/ (this file is flash_metal/selfcheck/backends.py)
+    here = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     for root in ([explicit] if explicit else [os.getcwd(), here]):
         if all(os.path.exists(os.path.join(root, p)) for p in ("tests/backends.py", "tests/metal_emulator/__init__.py",
                                                                 "shaders/attention.metal")):
@@ -348,4 +349,4 @@ class EmulatorBackend:
     def lane_probe(self) -> dict:
         from metal_emulator import compile_library
 
-        return _selfcheck_lanes.run_on_emulator(compile_library, self.root)
+        return lanes.run_on_emulator(compile_library, self.root)
