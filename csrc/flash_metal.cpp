@@ -24,7 +24,7 @@ TORCH_LIBRARY(flash_metal, m) {
   // log-sum-exp lse (B, Hq, Nq) of each row's scaled scores (natural log; -inf
   // for a row that sees no key). `impl` picks the kernel on Metal: "auto",
   // "untiled", "tiled", "prefill", "decode", "decode_split" or "tensor_ops"
-  // (see csrc/metal_plan.h); CPU tensors accept "auto".
+  // (see csrc/metal/plan.h); CPU tensors accept "auto".
   // (Not named `kernel`: Inductor's fallback lowering reserves that keyword.)
   // The options after `impl` (compatible: older calls keep working):
   //   attn_mask: bool (True = attend) or additive (q's dtype or float32),
@@ -199,6 +199,6 @@ TORCH_LIBRARY(flash_metal, m) {
   //     MSL 4 library missing or stale), forced_reason: str | null (why
   //     impl='tensor_ops' cannot run), gpu_family: int | null (the Apple GPU
   //     family the planner takes the device for)}; both reasons from the
-  //     routing's rule (metal_plan.h, tensor_ops_problem).
+  //     routing's rule (csrc/metal/plan.h, tensor_ops_problem).
   m.def("metal_device_info(bool build_pipelines=False) -> str");
 }

@@ -8,7 +8,7 @@
 #include "checks.h"
 #include "composite.h"
 #include "kvcache.h"
-#include "metal_plan.h"
+#include "metal/plan.h"
 
 #include <ATen/ATen.h>
 #include <torch/library.h>

@@ -223,7 +223,7 @@ def _kvcache_by_gather(q, k_cache, v_cache, cache_seqlens, block_table, causal, 
 
 
 # The tensors of a launch, in the order of the plan's binding table
-# (LaunchTensor in csrc/metal_plan.h). partial_out and partial_stats are the
+# (LaunchTensor in csrc/metal/plan.h). partial_out and partial_stats are the
 # split-KV decode's float32 scratch; grad_* are the backward's, and delta its
 # float32 scratch (grad_lse is bound to lse when there is none; never read then);
 # attn_mask, cu_seqlens_q, cu_seqlens_k and sinks (float32) are the options' inputs
@@ -238,7 +238,7 @@ _SCRATCH = {False: ("partial_out", "partial_stats"), True: ("delta",)}
 
 
 class MetalDispatch(NamedTuple):
-    """One Metal dispatch of a plan (MetalLaunch in csrc/metal_plan.h)."""
+    """One Metal dispatch of a plan (MetalLaunch in csrc/metal/plan.h)."""
 
     kernel_name: str
     grid: Tuple[int, int, int]
@@ -252,7 +252,7 @@ class MetalDispatch(NamedTuple):
     # The kernel's [[max_total_threads_per_threadgroup(N)]] (shaders/params.h): the
     # most threads the planner ever launches it with; threadgroup's product <= N.
     max_threads_per_threadgroup: int
-    # The planner's estimates on the plan's GPU (LaunchEstimate, csrc/metal_plan.h):
+    # The planner's estimates on the plan's GPU (LaunchEstimate, csrc/metal/plan.h):
     # a model, not a measurement. 32-bit values per lane the kernel keeps live,
     # threadgroups and SIMD-groups resident per core, and what bounds them
     # ("registers" or "threadgroup memory").
@@ -268,7 +268,7 @@ class MetalDispatch(NamedTuple):
 
 
 class MetalPlan(NamedTuple):
-    """What attention_forward encodes on Metal for these inputs, and why (see csrc/metal_plan.h).
+    """What attention_forward encodes on Metal for these inputs, and why (see csrc/metal/plan.h).
 
     dispatches run in order on one encoder; scratch gives the float32
     elements of the pass's scratch tensors (0 when unused): the forward's
@@ -438,7 +438,7 @@ def _setup_context(ctx, inputs, output):
     ctx.features = (window_left, window_right, softcap)
     ctx.mask_needs_grad = attn_mask is not None and attn_mask.requires_grad
     # impl='prefill' at D_qk = D_v = 512 on Metal also forces the backward's fused split-D pair
-    # (impl='auto' runs the composite backward there: csrc/metal_routing_splitd.cpp says why).
+    # (impl='auto' runs the composite backward there: csrc/metal/routing_splitd.cpp says why).
     ctx.backward_impl = ("prefill" if impl == "prefill" and q.device.type == "mps"
                          and q.shape[-1] == v.shape[-1] == 512 else "auto")
 

@@ -1,7 +1,7 @@
 // The prefill's two sentences for explain() and its pack GQA decision
-// (issue 20 section 4), out of csrc/metal_routing.cpp, whose
+// (issue 20 section 4), out of csrc/metal/routing.cpp, whose
 // choose_metal_kernel asks them when it plans a prefill.
-#include "metal_plan_detail.h"
+#include "metal/plan_detail.h"
 
 namespace flash_metal::plan_detail {
 

@@ -2,7 +2,7 @@
 // family and its shape are chosen (choose_metal_kernel: forward, and the
 // backward's blocks), each with the reason flash_metal.explain() prints;
 // plus the parsers of the op's `impl` and `gpu` arguments.
-#include "metal_plan_detail.h"
+#include "metal/plan_detail.h"
 
 #include <algorithm>
 #include <cmath>
@@ -77,7 +77,7 @@ uint32_t decode_row_chunks(const AttentionProblem& p, uint32_t bucket) {
 }
 
 // Resident decode threadgroups per core of `gpu`: estimate_launch's rule
-// on the launch decode_launches makes (metal_launch.cpp), the figure
+// on the launch decode_launches makes (csrc/metal/launch.cpp), the figure
 // explain() reports as threadgroups_per_core.
 uint32_t decode_resident_threadgroups(const AttentionProblem& p, uint32_t bucket, uint32_t chunks,
                                       const GpuSpec& gpu) {
@@ -176,7 +176,7 @@ static_assert(kBackwardRegisterBudget == uint32_t{kDecodeRegisterBudget},
 // kernels aim higher, 24 launched, having nothing but loads to overlap).
 constexpr uint32_t kResidentTarget = 8;
 
-// Fewest resident SIMD-groups per core over every named chip (metal_gpus.cpp)
+// Fewest resident SIMD-groups per core over every named chip (csrc/metal/gpus.cpp)
 // of a prefill or backward kernel with `simdgroups` per threadgroup, `bytes` of
 // threadgroup memory and `live` registers per lane: estimate_launch's rule.
 uint32_t resident_on_every_chip(uint32_t simdgroups, uint32_t bytes, uint32_t live) {
@@ -411,7 +411,7 @@ KernelChoice choose_metal_kernel(const AttentionProblem& p, KernelRequest reques
   // kMaxHeadDim = 576, D_v up to 512): 256 but for the decode kernels, which
   // take up to 576 (decode_takes_wide_dims).
   const bool wide_decode = decode_takes_wide_dims(p, requested, pass);
-  // And the split-D forward at D = 512 (csrc/metal_routing_splitd.cpp).
+  // And the split-D forward at D = 512 (csrc/metal/routing_splitd.cpp).
   std::string splitd_why;
   const bool wide = p.head_dim > kFastHeadDimBuckets.back() || p.head_dim_v > kFastHeadDimBuckets.back();
   const bool splitd = wide && !wide_decode && splitd_takes(p, requested, pass, &splitd_why);

@@ -3,12 +3,12 @@
 // impl='tensor_ops' or taken by Auto behind the same gate as the D <= 128
 // tensor-op forward plus the model's verdict against the simdgroup prefill.
 // Every other head dim goes to tensor_ops_route / choose_tensor_ops
-// (metal_routing_tensor_ops.cpp), which the backward shares: the backward has
+// (csrc/metal/routing_tensor_ops.cpp), which the backward shares: the backward has
 // no D = 256 kernel, so those two keep refusing 256.
 #include <cstdlib>
 #include <string>
 
-#include "metal_plan_detail.h"
+#include "metal/plan_detail.h"
 
 namespace flash_metal::plan_detail {
 
@@ -111,7 +111,7 @@ bool tensor_ops_forward_route(const AttentionProblem& p, const GpuSpec& gpu, std
 
 void choose_tensor_ops_forward(const AttentionProblem& p, bool forced, const GpuSpec& gpu, KernelChoice* c) {
   check_tensor_ops_strides(p, kOp);
-  if (is_tensor_ops_mla(p)) {  // the MLA pair (192, 128): the D <= 128 kernel's template (metal_routing_tensor_ops.cpp)
+  if (is_tensor_ops_mla(p)) {  // the MLA pair (192, 128): the D <= 128 kernel's template (csrc/metal/routing_tensor_ops.cpp)
     choose_tensor_ops(p, forced, gpu, c);
     return;
   }
@@ -159,7 +159,7 @@ void choose_tensor_ops_forward(const AttentionProblem& p, bool forced, const Gpu
 // impl='tensor_ops' or taken by Auto behind the D <= 128 tensor-op
 // backward's gate plus the model's verdict against the simdgroup backward
 // at D = 256. Every other head dim goes to tensor_ops_backward_route /
-// choose_tensor_ops_backward (metal_routing_tensor_ops.cpp).
+// choose_tensor_ops_backward (csrc/metal/routing_tensor_ops.cpp).
 namespace flash_metal::plan_detail {
 
 namespace {

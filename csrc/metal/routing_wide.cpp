@@ -1,10 +1,10 @@
 // The wide decode's routing (issue 20 sections 2/3): which forward calls
 // with head dims above 256 the decode kernels take, in the decode-only
-// buckets 512 and 576 (csrc/metal_plan.h kDecodeHeadDimBuckets), and the
+// buckets 512 and 576 (csrc/metal/plan.h kDecodeHeadDimBuckets), and the
 // sentence explain() adds for them. The rest of the routing is
-// csrc/metal_routing.cpp (choose_metal_kernel, kvcache_reads_table) and
+// csrc/metal/routing.cpp (choose_metal_kernel, kvcache_reads_table) and
 // csrc/composite.cpp (composite_route), which ask decode_takes_wide_dims.
-#include "metal_plan_detail.h"
+#include "metal/plan_detail.h"
 
 namespace flash_metal {
 

@@ -3,12 +3,12 @@
 // at D = 512 and at MLA's (576, 512) and (256, 512), packed over the GQA
 // group's heads where that saves K/V reads (the absorbed-MLA decode), or the
 // split-D backward at D = 512 (shaders/attention_backward_splitd.h; its
-// launches are in csrc/metal_launch_backward.cpp), with the sentence
+// launches are in csrc/metal/launch_backward.cpp), with the sentence
 // explain() prints either way, their blocks and the forward's launch shape.
 // The rest of the routing is
-// csrc/metal_routing.cpp (choose_metal_kernel) and csrc/composite.cpp
+// csrc/metal/routing.cpp (choose_metal_kernel) and csrc/composite.cpp
 // (composite_route, the fallback), which ask splitd_takes.
-#include "metal_plan_detail.h"
+#include "metal/plan_detail.h"
 
 namespace flash_metal {
 

@@ -1,7 +1,7 @@
 // Auto's gate to the Metal 4 tensor-op prefill and that kernel's choice
-// (issue 21), split from metal_routing.cpp, whose choose_metal_kernel calls
+// (issue 21), split from csrc/metal/routing.cpp, whose choose_metal_kernel calls
 // both: the one routing function stays there.
-#include "metal_plan_detail.h"
+#include "metal/plan_detail.h"
 
 namespace flash_metal::plan_detail {
 
@@ -181,7 +181,7 @@ bool tensor_ops_backward_route(const AttentionProblem& p, const GpuSpec& gpu, st
 
 namespace flash_metal {
 
-// Declared in metal_plan.h. The family's sentence stays short: on older GPUs
+// Declared in csrc/metal/plan.h. The family's sentence stays short: on older GPUs
 // the path is no candidate for Auto, and explain() does not mention it.
 std::string tensor_ops_problem(uint32_t family, bool forced, const std::function<std::string()>& library_problem) {
   if (!forced && family < kTensorOpsMinFamily) {
