@@ -281,6 +281,11 @@ class MetalPlan(NamedTuple):
     scratch: Dict[str, int]
     reason: str
     gpu: str  # the chip the plan is sized and estimated for
+    # The routing table (csrc/metal/families/table.cpp), one line per kernel
+    # family in priority order, then the composite path's: "<family>: took the
+    # call", "<family>: no: <why>", or "<family>: would take it too; <first>
+    # comes first".
+    families: Tuple[str, ...] = ()
 
     def _only(self) -> MetalDispatch:
         if len(self.dispatches) != 1:
@@ -326,7 +331,9 @@ def explain(
     With cache_seqlens (and block_table): attention_kvcache_with_lse's plan,
     k and v being the caches: the decode or prefill kernel reading the table,
     or the gather path's varlen plan (the reason says which); with
-    cu_seqlens_q too (no cu_seqlens_k), its packed queries' plan.
+    cu_seqlens_q too (no cu_seqlens_k), its packed queries' plan. families:
+    the routing table's verdicts, one line per kernel family (took the call,
+    or why not), then the composite path's.
     """
     varlen = cu_seqlens_q is not None
     args = ((q, k, v) if varlen else (_as_4d(q), _as_4d(k), _as_4d(v))) + (causal, scale, impl, gpu)
@@ -335,7 +342,7 @@ def explain(
     dispatches, count, i = [], 1, 0
     while i < count:
         (name, grid, tg, mem, mem_index, consts, indices, params_index, params, reason, count, scratch, max_threads,
-         estimate, limit, gpu_name) = torch.ops.flash_metal.metal_plan(*args, i, *extra)
+         estimate, limit, gpu_name, families) = torch.ops.flash_metal.metal_plan(*args, i, *extra)
         if count == 0:  # the composite path (csrc/composite.h): no kernel of ours, only the reason
             break
         buffers = {t: n for t, n in zip(_LAUNCH_TENSORS, indices) if n >= 0}
@@ -345,7 +352,8 @@ def explain(
         )
         i += 1
     sizes = dict(zip(("partial_out", "partial_stats", "delta"), scratch))
-    return MetalPlan(tuple(dispatches), {name: sizes[name] for name in _SCRATCH[backward]}, reason, gpu_name)
+    return MetalPlan(tuple(dispatches), {name: sizes[name] for name in _SCRATCH[backward]}, reason, gpu_name,
+                     tuple(families))
 
 
 @torch.library.register_fake("flash_metal::attention_forward")

@@ -538,6 +538,7 @@ MetalPlan plan_metal_attention(const AttentionProblem& p, const LaunchStrides& s
       break;
     }
   }
+  for (MetalLaunch& launch : plan.launches) launch.family = c.family;
   check_launch_limits(plan);
   return plan;
 }

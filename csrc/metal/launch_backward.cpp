@@ -143,6 +143,7 @@ MetalPlan plan_metal_attention_backward(const AttentionProblem& p, const LaunchS
   const uint32_t batch = static_cast<uint32_t>(p.batch);
   if (c.kind == KernelRequest::TensorOps) {
     tensor_ops_backward_launches(p, s, has_grad_lse, c, suffix, gpu, &plan);
+    for (MetalLaunch& launch : plan.launches) launch.family = c.family;
     check_launch_limits(plan);
     return plan;
   }
@@ -191,6 +192,7 @@ MetalPlan plan_metal_attention_backward(const AttentionProblem& p, const LaunchS
     plan.launches.push_back(dkv);
   }
   if (p.sinks) sinks_grad_launch(p, plan.launches.front(), gpu, &plan);  // the dQ launch: its params
+  for (MetalLaunch& launch : plan.launches) launch.family = c.family;
   check_launch_limits(plan);
   return plan;
 }

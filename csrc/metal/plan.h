@@ -274,6 +274,7 @@ struct KernelChoice {
   uint32_t dq_feature_split = 1;   // backward, dQ kernel: feature parts of dQ (a SIMD-group each)
   // (for the backward, block_q / block_k / simdgroups describe its dQ kernel)
   std::string reason;      // why, for humans (flash_metal.explain)
+  std::string family;      // the routing table's row that chose it (csrc/metal/families/table.cpp)
 };
 
 // The planner's estimates for one launch on one GPU (not measurements; a
@@ -307,6 +308,7 @@ struct MetalLaunch {
   uint32_t params_index = 0;               // [[buffer(i)]] of AttentionParams, bound with setBytes
   AttentionParams params{};                // the parameter block itself
   LaunchEstimate estimate;                 // on the plan's GpuSpec
+  std::string family;                      // the routing table's row that planned it (KernelChoice::family)
 };
 
 // Everything attention_forward encodes, in order, on one compute encoder
