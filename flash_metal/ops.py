@@ -446,7 +446,7 @@ def _setup_context(ctx, inputs, output):
     ctx.features = (window_left, window_right, softcap)
     ctx.mask_needs_grad = attn_mask is not None and attn_mask.requires_grad
     # impl='prefill' at D_qk = D_v = 512 on Metal also forces the backward's fused split-D pair
-    # (impl='auto' runs the composite backward there: csrc/metal/routing_splitd.cpp says why).
+    # (impl='auto' runs the composite backward there: csrc/metal/families/prefill_splitd.cpp says why).
     ctx.backward_impl = ("prefill" if impl == "prefill" and q.device.type == "mps"
                          and q.shape[-1] == v.shape[-1] == 512 else "auto")
 

@@ -201,7 +201,7 @@ def test_sanitized_build_on_ragged_shapes(dims):
 
 
 def test_paged_calls_the_wide_decode_does_not_take_gather():
-    # At dims above 256 the table is read only where the wide decode takes the call (csrc/metal/routing.cpp
+    # At dims above 256 the table is read only where the wide decode takes the call (csrc/metal/families/paged.cpp
     # kvcache_reads_table asks decode_takes_wide_dims); past 16 query rows per kv head with impl='auto', or
     # past 8 query rows, the pages in use are gathered (then the composite path), never handed to a kernel
     # that cannot take them; impl='decode' still reads the table at 32 rows per kv head.

@@ -202,7 +202,7 @@ def test_register_check_catches_the_old_rows_per_simd():
 # Every named chip (csrc/metal/gpus.cpp; tests/test_metal_routing.py pins their cores).
 CHIPS = ("m1", "m1-pro", "m1-max", "m1-ultra", "m2", "m2-pro", "m2-max", "m2-ultra", "m3", "m3-pro", "m3-max",
          "m3-ultra", "m4", "m4-pro", "m4-max", "m5")
-# The planners' register budget (kBackwardRegisterBudget, csrc/metal/routing.cpp: live values per lane
+# The planners' register budget (kBackwardRegisterBudget, csrc/metal/families/family.h: live values per lane
 # as explain() prints them) and the resident SIMD-groups per core issue 19 asks of every prefill and
 # backward plan (kResidentTarget).
 REGISTER_BUDGET = 72

@@ -29,7 +29,7 @@ PAGED = 12  # fc_paged (csrc/metal/plan.h, kPagedFunctionConstant)
 DENSE = 10  # fc_dense
 
 # (B, Hq, Hkv, Nq, D, dtype, page, seqlens, causal, window_left, softcap, sinks)
-# Small shapes (CI time). Blocks (csrc/metal/routing.cpp): D 32 float32: 32
+# Small shapes (CI time). Blocks (csrc/metal/families/prefill.cpp): D 32 float32: 32
 # keys; D 64 half: 32 keys (float32: 16); D 128 half: 16 keys.
 CASES = [
     # page 1: every key its own page (the row-by-row loader), GQA, causal

@@ -1,4 +1,4 @@
-"""The routing function (choose_metal_kernel in csrc/metal/routing.cpp), through flash_metal.explain.
+"""The routing function (choose_metal_kernel walking the table of csrc/metal/families/table.cpp), through flash_metal.explain.
 
 Planner only, no kernel runs: which family each problem gets, with which
 blocks, bucket, split count and scratch, and why. The kernels themselves run
@@ -104,7 +104,7 @@ def test_split_count_and_blocks(b, hkv, nk, gpu):
     p = _params(plan.dispatches[0])
     splits, per = p["kv_splits"], p["split_keys"]
     cores = {"base": 10, "max": 40, "ultra": 80}[gpu]
-    # Blocks: the most one wave of resident threadgroups holds (csrc/metal/routing.cpp's decode_splits), at most
+    # Blocks: the most one wave of resident threadgroups holds (csrc/metal/families/decode.cpp's decode_splits), at most
     # 256, each >= 128 keys, in whole quanta of key groups x 32 keys.
     want, want_per = _planned_blocks(plan.dispatches[0], nk, cores)
     assert splits == want

@@ -238,7 +238,7 @@ def test_a_strided_head_dim_of_k_or_v_is_routed_away_or_refused(strided):
         flash_metal.explain(q, k, v, True, None, "tensor_ops", "m5+tensor_ops")
     out, lse = emulated_metal_attention(q, k, v, True, None, "auto", gpu="m5+tensor_ops")
     assert_attention_close(out, lse, q, k, v, True)
-    # The backward's gate and refusal (csrc/metal/routing_tensor_ops_dsplit.cpp's entry) alike.
+    # The backward's gate and refusal (csrc/metal/families/tensor_ops_dsplit.cpp's entry) alike.
     grads = dict(backward=True, grad_out=torch.zeros_like(q), out=torch.zeros_like(q), lse=torch.zeros(1, 2, 128))
     plan = flash_metal.explain(q, k, v, True, None, "auto", "m5+tensor_ops", **grads)
     assert all("_mpp_" not in x.kernel_name for x in plan.dispatches) and f"{strided} strided" in plan.reason
@@ -252,7 +252,7 @@ def test_explain_says_forced():
     assert forced.reason.startswith("forced: tensor_ops (impl='tensor_ops'); FlashAttention-2 on Metal 4 tensor ops")
 
 
-# Auto's gate (tensor_ops_route, csrc/metal/routing.cpp): an Apple 10 GPU,
+# Auto's gate (tensor_ops_route, csrc/metal/families/tensor_ops.cpp): an Apple 10 GPU,
 # macOS 26.2 and the MSL 4 library in the process ("+tensor_ops" in explain's
 # gpu says so off a Mac), the switch not off, float16/bfloat16 at 64/96/128.
 # (gpu, dtype, D_qk, D_v, Nq, picked, words in the reason)

@@ -242,7 +242,7 @@ def test_varlen_sanitized(causal, opts, layout):
     assert_varlen_gradients_close(grads, q, k, v, grad_out, cq, ck, causal, None, None, **opts)
 
 
-# ---- routing: impl='tensor_ops' and Auto's gate (csrc/metal/routing_tensor_ops_dsplit.cpp) ----------------
+# ---- routing: impl='tensor_ops' and Auto's gate (csrc/metal/families/backward_tensor_ops_dsplit.cpp) ----------------
 
 
 def _explain(dtype=torch.float16, d=D, gpu="base", impl="tensor_ops", dv=None, **options):

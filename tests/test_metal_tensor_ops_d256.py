@@ -5,7 +5,7 @@ and O; their partial scores meet in threadgroup memory. Two kernels: 32 query
 rows (Q staged in threadgroup memory, 32 keys per block, 2 barriers per block)
 and 64 rows (8 SIMD-groups, Q in left-input cooperative tensors, 16 keys, two
 slots of partials, 1 barrier per block); the routing picks by the grid
-(csrc/metal/routing_tensor_ops_dsplit.cpp), FLASH_METAL_TENSOR_OPS_DSPLIT_ROWS
+(csrc/metal/families/tensor_ops_dsplit.cpp), FLASH_METAL_TENSOR_OPS_DSPLIT_ROWS
 forces one (the tests below run each kernel so). The kernels run from a
 partial MSL 4 build of their own (backends.metal_mpp_dsplit_library: only the
 four dsplit instantiations, seconds to build), launched from the op's plan

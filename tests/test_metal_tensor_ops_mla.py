@@ -238,7 +238,7 @@ def test_varlen(layout):
     assert_varlen_gradients_close(grads, q, k, v, grad_out, cq, ck, True, None, None)
 
 
-# ---- routing (csrc/metal/routing_tensor_ops.cpp) ------------------------------------------------------------
+# ---- routing (csrc/metal/families/tensor_ops.cpp) ------------------------------------------------------------
 
 def _explain(impl, gpu, dqk=DQK, dv=DV, dtype=torch.float16, backward=False):
     q = torch.randn(1, 4, 40, dqk).to(dtype)

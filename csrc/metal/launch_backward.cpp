@@ -1,5 +1,5 @@
 // The backward's launches on Metal (csrc/metal/launch.cpp has the
-// forward's): from the backward's KernelChoice (csrc/metal/routing.cpp,
+// forward's): from the backward's KernelChoice (csrc/metal/families/table.cpp,
 // choose_backward) to the dQ and dK/dV dispatches of the simdgroup-matrix
 // backward or of the tensor-op one, and flash_sinks_grad with sinks.
 #include "metal/launch_detail.h"
@@ -93,7 +93,7 @@ void tensor_ops_backward_launches(const AttentionProblem& p, const LaunchStrides
 }
 
 // The split-D backward's two launches at D = 512 (shaders/attention_backward_splitd.h,
-// csrc/metal/routing_splitd.cpp): dQ and Delta over 8-row query blocks,
+// csrc/metal/families/backward_splitd.cpp): dQ and Delta over 8-row query blocks,
 // then dK/dV over 8-key blocks, 256 threads each. Function constants: the
 // feature kernels' (fc_causal, fc_has_grad_lse on dQ, the options); the
 // alignment and dense-loader ones are false (no tile loader: every operand

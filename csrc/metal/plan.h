@@ -69,7 +69,7 @@ std::string tensor_ops_switched_off();
 // The oldest Apple GPU family Auto runs the tensor-op kernels on. Why 10:
 // M5's cores each hold a neural accelerator that matmul2d engages; on Apple 9
 // (M3, M4) matmul2d runs on the shader cores, and the model has no figure that
-// it beats the simdgroup kernel there (csrc/metal/routing_tensor_ops.cpp).
+// it beats the simdgroup kernel there (csrc/metal/families/tensor_ops.cpp).
 inline constexpr uint32_t kTensorOpsMinFamily = 10;
 // Why a process on an Apple `family` GPU cannot run the tensor-op kernels, ""
 // when it can: the one rule behind a Mac's GpuSpec::tensor_ops_missing
@@ -346,7 +346,7 @@ bool decode_takes_wide_dims(const AttentionProblem& p, KernelRequest requested, 
 
 // Whether a call with head dims above kFastHeadDimBuckets.back() runs the
 // split-D forward (shaders/attention_prefill_splitd.h,
-// csrc/metal/routing_splitd.cpp): forward, (D_qk, D_v) = (512, 512),
+// csrc/metal/families/prefill_splitd.cpp): forward, (D_qk, D_v) = (512, 512),
 // (576, 512) or (256, 512), no paged cache, and impl 'prefill', or impl
 // 'auto' where the model puts it ahead (512: causal, window_right 0, Nq >
 // kMaxDecodeRows; MLA's pairs: kSplitDMla* there); a backward call asks

@@ -335,7 +335,7 @@ void backward_kernel(const AttentionCall& c, const BackwardTensors& t, const Att
 FLASH_METAL_DEFINE_OPS(forward_kernel, backward_kernel)
 
 // attention_kvcache on MPS: the decode kernels (Nq <= 8) or the prefill read
-// the table (kvcache_reads_table, csrc/metal/routing.cpp); otherwise (head
+// the table (kvcache_reads_table, csrc/metal/families/paged.cpp); otherwise (head
 // dims past 256) the rows in use are gathered (PyTorch MPS ops, before any
 // encoding) for the varlen plan.
 std::tuple<at::Tensor, at::Tensor> attention_kvcache_impl(
