@@ -12,7 +12,9 @@
 // rows, then the simdgroup backward, Auto's catch-all.
 #include "metal/families/family.h"
 
+#include <algorithm>
 #include <atomic>
+#include <iterator>
 #include <mutex>
 
 namespace flash_metal {
