@@ -150,7 +150,10 @@ def _shared_libstdcxx_args(cxx=None, maps="/proc/self/maps"):
 
 
 def _extension():
-    sources = sorted(glob.glob("csrc/*.cpp")) + sorted(glob.glob("csrc/cpu/*.cpp"))
+    # Every C++ source under csrc/: the op layer (csrc/), the CPU kernels
+    # (csrc/cpu/) and the portable Metal planner (csrc/metal/ and its subfolders).
+    # (The root's first, as before the subfolders: the order files link in.)
+    sources = sorted(glob.glob("csrc/*.cpp")) + sorted(glob.glob("csrc/*/**/*.cpp", recursive=True))
     extra_compile_args = {"cxx": _cxx_flags()}
     extra_link_args = list(_openmp_flags()) + _shared_libstdcxx_args()
     if BUILD_MPS:

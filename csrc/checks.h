@@ -15,7 +15,7 @@ namespace flash_metal {
 // features; issue 20). The CPU kernels take any D_qk up to it (their
 // per-row staging buffers are sized by it: 2.3 KB of stack); the Metal
 // kernels stop at their largest head-dim bucket (256) and refuse more with
-// NotImplementedError (csrc/metal_routing.cpp choose_metal_kernel).
+// NotImplementedError (csrc/metal/families/table.cpp choose_metal_kernel).
 constexpr int64_t kMaxHeadDim = 576;
 // Largest head dimension of v (D_v, also out's and grad_v's). Why 512: the
 // MLA latent, the widest value any model in issue 20 uses.
@@ -88,7 +88,7 @@ struct AttentionProblem {
   int64_t table_stride = 0;  // int32 entries between rows of block_table (its entries are contiguous)
   // k's and v's strides along the head dim, in elements (1 for packed rows):
   // the tensor-op kernels read k and v as Metal tensors, whose innermost
-  // stride must be 1 (csrc/metal_routing_tensor_ops.cpp routes or refuses).
+  // stride must be 1 (csrc/metal/families/tensor_ops.cpp routes or refuses).
   int64_t k_dim_stride = 1;
   int64_t v_dim_stride = 1;
 

@@ -13,7 +13,7 @@
 
 #include "attention_ops.h"
 #include "checks.h"
-#include "metal_plan.h"
+#include "metal/plan.h"
 
 #include <string>
 

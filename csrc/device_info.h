@@ -59,7 +59,7 @@ class Object {
 
 // The "tensor_ops" object: whether Auto runs the Metal 4 tensor-op kernels
 // (issue 21) in this process, and if not why; both sentences come from
-// tensor_ops_problem (metal_plan.h), the rule the routing itself uses, so
+// tensor_ops_problem (csrc/metal/plan.h), the rule the routing itself uses, so
 // this never disagrees with explain(). reason: why Auto does not ("" when it
 // does); forced_reason: why impl='tensor_ops' cannot run ("" when it can);
 // family: the Apple GPU family the planner takes the device for (from its

@@ -2,7 +2,9 @@
 // implementations with TORCH_LIBRARY_IMPL in their own files:
 //   csrc/cpu/attention_cpu.cpp   CPU
 //   csrc/mps/attention_mps.mm    MPS (macOS builds only)
-//   csrc/metal_plan_op.cpp       metal_plan (device-independent introspection)
+//   csrc/metal_plan_op.cpp       metal_plan (device-independent introspection), and the
+//                                routing table's ops (metal_routing_table, metal_registry_routes,
+//                                metal_routing_register_family: tests only)
 //   csrc/mps/pipelines.mm        metal_build_all_pipelines (macOS builds only)
 //   csrc/mps/device_info.mm      metal_device_info (macOS builds; csrc/device_info.cpp elsewhere)
 #include <Python.h>
@@ -24,7 +26,7 @@ TORCH_LIBRARY(flash_metal, m) {
   // log-sum-exp lse (B, Hq, Nq) of each row's scaled scores (natural log; -inf
   // for a row that sees no key). `impl` picks the kernel on Metal: "auto",
   // "untiled", "tiled", "prefill", "decode", "decode_split" or "tensor_ops"
-  // (see csrc/metal_plan.h); CPU tensors accept "auto".
+  // (see csrc/metal/plan.h); CPU tensors accept "auto".
   // (Not named `kernel`: Inductor's fallback lowering reserves that keyword.)
   // The options after `impl` (compatible: older calls keep working):
   //   attn_mask: bool (True = attend) or additive (q's dtype or float32),
@@ -150,6 +152,9 @@ TORCH_LIBRARY(flash_metal, m) {
   // being the caches: the paged decode or prefill (the table has block_table
   // and cache_seqlens), or the gather path's varlen plan over the rows in use
   // (read from cache_seqlens and the table); the reason says which.
+  // families: the routing table's verdicts, one line per kernel family
+  // (csrc/metal/families/table.cpp: took the call, or why not), then the
+  // composite path's.
   m.def("metal_plan(Tensor q, Tensor k, Tensor v, bool causal=False, float? scale=None, str impl=\"auto\", "
         "str gpu=\"base\", int dispatch=0, bool backward=False, Tensor? grad_out=None, Tensor? out=None, "
         "Tensor? lse=None, Tensor? grad_lse=None, Tensor? attn_mask=None, int window_left=-1, int window_right=-1, "
@@ -158,13 +163,24 @@ TORCH_LIBRARY(flash_metal, m) {
         "-> (str kernel_name, int[] grid, int[] threadgroup, int threadgroup_memory, int threadgroup_memory_index, "
         "bool[] function_constants, int[] buffer_indices, int params_index, Tensor params, str reason, "
         "int num_dispatches, int[] scratch_elements, int max_threads_per_threadgroup, int[] estimate, "
-        "str occupancy_limit, str gpu_name)");
+        "str occupancy_limit, str gpu_name, str[] families)");
   // macOS builds only (csrc/mps/pipelines.mm), for tests: loads the shader
   // library as attention_forward would and builds the pipeline of every
   // (kernel, function constants) pair the planner can produce, on the
   // system's Metal device. Returns where the library came from and
   // "<kernel>/<constants as 0/1 digits>" for each pipeline built.
   m.def("metal_build_all_pipelines() -> (str library, str[] pipelines)");
+  // The routing tables (csrc/metal/families/table.cpp): every kernel family
+  // of each pass in priority order, with its declaration (what it takes)
+  // and the host names it plans (comma-separated glob patterns).
+  m.def("metal_routing_table() -> (str[] passes, str[] names, str[] declares, str[] kernels)");
+  // The registry of compiled kernels (csrc/metal/registry.cpp's
+  // all_metal_launches): each launch's host name and the family that planned it.
+  m.def("metal_registry_routes() -> (str[] kernels, str[] families)");
+  // Tests only: inserts the FamilyRow at address `row` (a test double the
+  // test builds and loads itself) at `position` of its pass's table; row 0
+  // removes every registered one.
+  m.def("metal_routing_register_family(int row, int position=0) -> ()");
   // What the Metal device, the OS and the shader library report, as JSON
   // text, for python -m flash_metal.selfcheck and CI logs. Never raises for
   // a missing device or backend: "available" is then false and "reason" says
@@ -199,6 +215,6 @@ TORCH_LIBRARY(flash_metal, m) {
   //     MSL 4 library missing or stale), forced_reason: str | null (why
   //     impl='tensor_ops' cannot run), gpu_family: int | null (the Apple GPU
   //     family the planner takes the device for)}; both reasons from the
-  //     routing's rule (metal_plan.h, tensor_ops_problem).
+  //     routing's rule (csrc/metal/plan.h, tensor_ops_problem).
   m.def("metal_device_info(bool build_pipelines=False) -> str");
 }

@@ -4,7 +4,7 @@
 // backend shares (csrc/kvcache.cpp); the Metal decode and prefill kernels
 // read the table themselves (fc_paged, shaders/attention_decode_paged.h,
 // attention_prefill_paged.h) where kvcache_reads_table
-// (csrc/metal_routing.cpp) routes them.
+// (csrc/metal/families/paged.cpp) routes them.
 #pragma once
 
 #include "attention_ops.h"

@@ -8,7 +8,8 @@
 #include "checks.h"
 #include "composite.h"
 #include "kvcache.h"
-#include "metal_plan.h"
+#include "metal/families/family.h"
+#include "metal/plan.h"
 
 #include <ATen/ATen.h>
 #include <torch/library.h>
@@ -24,7 +25,7 @@ std::array<int64_t, 4> strides4(const at::Tensor& t) {
 
 std::tuple<std::string, std::vector<int64_t>, std::vector<int64_t>, int64_t, int64_t, c10::List<bool>,
            std::vector<int64_t>, int64_t, at::Tensor, std::string, int64_t, std::vector<int64_t>, int64_t,
-           std::vector<int64_t>, std::string, std::string>
+           std::vector<int64_t>, std::string, std::string, std::vector<std::string>>
 metal_plan(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool causal,
            std::optional<double> scale, c10::string_view kernel, c10::string_view gpu, int64_t dispatch,
            bool backward, const std::optional<at::Tensor>& grad_out, const std::optional<at::Tensor>& out,
@@ -70,11 +71,17 @@ metal_plan(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool c
   const GpuSpec gpu_spec = parse_gpu(std::string(gpu));
   // The composite path launches no kernel of ours: an empty plan (count 0)
   // with the reason (the emulated backend runs it as impl='composite' on CPU).
+  // The routing table's verdicts, one line per kernel family (explain()'s table).
+  const MetalPass pass = backward ? MetalPass::Backward : MetalPass::Forward;
+  std::vector<std::string> families = explain_metal_families(p, request, gpu_spec, pass);
   std::string composite_why;
-  if (composite_route(p, request, backward ? MetalPass::Backward : MetalPass::Forward, &composite_why)) {
+  if (composite_route(p, request, pass, &composite_why)) {
+    families.push_back("composite: took the call (no kernel of ours)");
     return {"", {}, {}, 0, 0, c10::List<bool>(), std::vector<int64_t>(kLaunchTensorCount, -1), 0,
-            at::empty({0}, at::kByte), route + composite_why, 0, {0, 0, 0}, 0, {0, 0, 0}, "", gpu_spec.name};
+            at::empty({0}, at::kByte), route + composite_why, 0, {0, 0, 0}, 0, {0, 0, 0}, "", gpu_spec.name,
+            families};
   }
+  families.push_back("composite: no: a kernel family takes the call");
   // The outputs the forward allocates are packed (allocate_outputs); describe
   // them so. The backward reads out, lse, grad_out and grad_lse as the
   // caller passes them (any strides): their strides when given, packed when not.
@@ -137,11 +144,52 @@ metal_plan(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool c
           {launch.estimate.live_registers, launch.estimate.threadgroups_per_core,
            launch.estimate.simdgroups_per_core},
           launch.estimate.limit,
-          gpu_spec.name};
+          gpu_spec.name,
+          families};
+}
+
+// The routing tables (csrc/metal/families/table.cpp), for tests and docs:
+// each row's pass, name, declaration and kernel patterns, in priority order.
+std::tuple<std::vector<std::string>, std::vector<std::string>, std::vector<std::string>, std::vector<std::string>>
+metal_routing_table() {
+  std::vector<std::string> passes, names, declares, kernels;
+  for (MetalPass pass : {MetalPass::Forward, MetalPass::Backward}) {
+    for (const FamilyRow* row : metal_family_table(pass)) {
+      passes.push_back(pass == MetalPass::Forward ? "forward" : "backward");
+      names.push_back(row->name);
+      declares.push_back(row->declares);
+      kernels.push_back(row->kernels);
+    }
+  }
+  return {passes, names, declares, kernels};
+}
+
+// The registry of compiled kernels (all_metal_launches, csrc/metal/registry.cpp):
+// each launch's host name and the row that planned it.
+std::tuple<std::vector<std::string>, std::vector<std::string>> metal_registry_routes() {
+  std::vector<std::string> kernels, families;
+  for (const MetalLaunch& l : all_metal_launches()) {
+    kernels.push_back(l.kernel_name);
+    families.push_back(l.family);
+  }
+  return {kernels, families};
+}
+
+// Tests only: a FamilyRow at address `row` (a test double's, built and
+// loaded by the test itself, never part of this library) inserted at
+// `position` of its pass's table; row 0 removes every registered one.
+void metal_routing_register_family(int64_t row, int64_t position) {
+  register_metal_family(reinterpret_cast<const FamilyRow*>(static_cast<intptr_t>(row)), position);
 }
 
 }  // namespace
 
 TORCH_LIBRARY_IMPL(flash_metal, CompositeExplicitAutograd, m) { m.impl("metal_plan", &metal_plan); }
+
+TORCH_LIBRARY_IMPL(flash_metal, CompositeExplicitAutograd, m) {
+  m.impl("metal_routing_table", &metal_routing_table);
+  m.impl("metal_registry_routes", &metal_registry_routes);
+  m.impl("metal_routing_register_family", &metal_routing_register_family);
+}
 
 }  // namespace flash_metal

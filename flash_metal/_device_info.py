@@ -4,7 +4,7 @@ The op (csrc/mps/device_info.mm on macOS builds, csrc/device_info.cpp
 elsewhere) describes the Metal device, the macOS version, where the shader
 library came from, the pipelines built and, under "tensor_ops", whether Auto
 runs the Metal 4 tensor-op kernels here and why not (the routing's own rule,
-tensor_ops_problem in csrc/metal_plan.h). Its keys are documented at the
+tensor_ops_problem in csrc/metal/plan.h). Its keys are documented at the
 schema, in csrc/flash_metal.cpp.
 """
 import json

@@ -223,7 +223,7 @@ def _kvcache_by_gather(q, k_cache, v_cache, cache_seqlens, block_table, causal, 
 
 
 # The tensors of a launch, in the order of the plan's binding table
-# (LaunchTensor in csrc/metal_plan.h). partial_out and partial_stats are the
+# (LaunchTensor in csrc/metal/plan.h). partial_out and partial_stats are the
 # split-KV decode's float32 scratch; grad_* are the backward's, and delta its
 # float32 scratch (grad_lse is bound to lse when there is none; never read then);
 # attn_mask, cu_seqlens_q, cu_seqlens_k and sinks (float32) are the options' inputs
@@ -238,7 +238,7 @@ _SCRATCH = {False: ("partial_out", "partial_stats"), True: ("delta",)}
 
 
 class MetalDispatch(NamedTuple):
-    """One Metal dispatch of a plan (MetalLaunch in csrc/metal_plan.h)."""
+    """One Metal dispatch of a plan (MetalLaunch in csrc/metal/plan.h)."""
 
     kernel_name: str
     grid: Tuple[int, int, int]
@@ -252,7 +252,7 @@ class MetalDispatch(NamedTuple):
     # The kernel's [[max_total_threads_per_threadgroup(N)]] (shaders/params.h): the
     # most threads the planner ever launches it with; threadgroup's product <= N.
     max_threads_per_threadgroup: int
-    # The planner's estimates on the plan's GPU (LaunchEstimate, csrc/metal_plan.h):
+    # The planner's estimates on the plan's GPU (LaunchEstimate, csrc/metal/plan.h):
     # a model, not a measurement. 32-bit values per lane the kernel keeps live,
     # threadgroups and SIMD-groups resident per core, and what bounds them
     # ("registers" or "threadgroup memory").
@@ -268,7 +268,7 @@ class MetalDispatch(NamedTuple):
 
 
 class MetalPlan(NamedTuple):
-    """What attention_forward encodes on Metal for these inputs, and why (see csrc/metal_plan.h).
+    """What attention_forward encodes on Metal for these inputs, and why (see csrc/metal/plan.h).
 
     dispatches run in order on one encoder; scratch gives the float32
     elements of the pass's scratch tensors (0 when unused): the forward's
@@ -281,6 +281,11 @@ class MetalPlan(NamedTuple):
     scratch: Dict[str, int]
     reason: str
     gpu: str  # the chip the plan is sized and estimated for
+    # The routing table (csrc/metal/families/table.cpp), one line per kernel
+    # family in priority order, then the composite path's: "<family>: took the
+    # call", "<family>: no: <why>", or "<family>: would take it too; <first>
+    # comes first".
+    families: Tuple[str, ...] = ()
 
     def _only(self) -> MetalDispatch:
         if len(self.dispatches) != 1:
@@ -326,7 +331,9 @@ def explain(
     With cache_seqlens (and block_table): attention_kvcache_with_lse's plan,
     k and v being the caches: the decode or prefill kernel reading the table,
     or the gather path's varlen plan (the reason says which); with
-    cu_seqlens_q too (no cu_seqlens_k), its packed queries' plan.
+    cu_seqlens_q too (no cu_seqlens_k), its packed queries' plan. families:
+    the routing table's verdicts, one line per kernel family (took the call,
+    or why not), then the composite path's.
     """
     varlen = cu_seqlens_q is not None
     args = ((q, k, v) if varlen else (_as_4d(q), _as_4d(k), _as_4d(v))) + (causal, scale, impl, gpu)
@@ -335,7 +342,7 @@ def explain(
     dispatches, count, i = [], 1, 0
     while i < count:
         (name, grid, tg, mem, mem_index, consts, indices, params_index, params, reason, count, scratch, max_threads,
-         estimate, limit, gpu_name) = torch.ops.flash_metal.metal_plan(*args, i, *extra)
+         estimate, limit, gpu_name, families) = torch.ops.flash_metal.metal_plan(*args, i, *extra)
         if count == 0:  # the composite path (csrc/composite.h): no kernel of ours, only the reason
             break
         buffers = {t: n for t, n in zip(_LAUNCH_TENSORS, indices) if n >= 0}
@@ -345,7 +352,8 @@ def explain(
         )
         i += 1
     sizes = dict(zip(("partial_out", "partial_stats", "delta"), scratch))
-    return MetalPlan(tuple(dispatches), {name: sizes[name] for name in _SCRATCH[backward]}, reason, gpu_name)
+    return MetalPlan(tuple(dispatches), {name: sizes[name] for name in _SCRATCH[backward]}, reason, gpu_name,
+                     tuple(families))
 
 
 @torch.library.register_fake("flash_metal::attention_forward")
@@ -438,7 +446,7 @@ def _setup_context(ctx, inputs, output):
     ctx.features = (window_left, window_right, softcap)
     ctx.mask_needs_grad = attn_mask is not None and attn_mask.requires_grad
     # impl='prefill' at D_qk = D_v = 512 on Metal also forces the backward's fused split-D pair
-    # (impl='auto' runs the composite backward there: csrc/metal_routing_splitd.cpp says why).
+    # (impl='auto' runs the composite backward there: csrc/metal/families/prefill_splitd.cpp says why).
     ctx.backward_impl = ("prefill" if impl == "prefill" and q.device.type == "mps"
                          and q.shape[-1] == v.shape[-1] == 512 else "auto")
 

@@ -22,7 +22,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MPP_SHADER = os.path.join(ROOT, "shaders", "attention_mpp.metal")
 MPP_KERNEL_PREFIX = "flash_attention_prefill_mpp_"
 # Every kernel of the MSL 4 library: the forward's and the backward's
-# (csrc/metal_plan.h, is_tensor_ops_kernel).
+# (csrc/metal/plan.h, is_tensor_ops_kernel).
 MPP_KERNEL_PREFIXES = (MPP_KERNEL_PREFIX, "flash_backward_mpp_")
 # The D = 256 split-D forward (attention_prefill_mpp_dsplit.h) stays out of
 # the default MPP build (CI time: only tests/test_metal_tensor_ops_d256.py and
@@ -258,7 +258,7 @@ def _option_tensors(q, attn_mask=None, cu_seqlens_q=None, cu_seqlens_k=None, sin
     """The options' bindings, as the MPS host binds them: the mask expanded to
     (B, Hq, Nq, Nk) as a stride-0 view (never materialized), the varlen offsets,
     the sinks as contiguous float32 (attention_mps.mm, sinks_as_float32), and q
-    in every slot that has nothing (csrc/metal_plan.h)."""
+    in every slot that has nothing (csrc/metal/plan.h)."""
     t = {"attn_mask": q, "cu_seqlens_q": q, "cu_seqlens_k": q, "sinks": q, "block_table": q, "cache_seqlens": q}
     if attn_mask is not None:
         t["attn_mask"] = attn_mask
@@ -403,7 +403,7 @@ def emulated_metal_attention_backward(grad_out, q, k, v, out, lse, causal=False,
         grads = [b.transpose(1, 2).squeeze(0) for b in bound]
     tensors = {"q": q, "k": k, "v": v, "out": out, "lse": lse, "grad_out": grad_out,
                "grad_q": bound[0], "grad_k": bound[1], "grad_v": bound[2],
-               # Without grad_lse the plan binds lse in its place (csrc/metal_plan.h), as the MPS host does.
+               # Without grad_lse the plan binds lse in its place (csrc/metal/plan.h), as the MPS host does.
                "grad_lse": lse if grad_lse is None else grad_lse,
                **_option_tensors(q, None if cu_seqlens_q is not None else _expanded_mask(attn_mask, q, k),
                                  cu_seqlens_q, cu_seqlens_k, sinks)}

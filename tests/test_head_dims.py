@@ -316,7 +316,7 @@ from backends import LAST_DISPATCHES, emulated_metal_attention, emulated_metal_k
 
 METAL_PAIRS = [(192, 128), (64, 32), (32, 64), (96, 64), (40, 72)]  # (D_qk, D_v); the last two: D_v > D_qk
 METAL_DTYPES = [torch.float32, torch.float16, torch.bfloat16]
-DENSE = 10  # fc_dense's function-constant index (csrc/metal_plan.h, kDenseFunctionConstant)
+DENSE = 10  # fc_dense's function-constant index (csrc/metal/plan.h, kDenseFunctionConstant)
 # (family, impl, Nq, Nk): ragged lengths; decode_split forced so it splits at a short Nk.
 FAMILIES = {"prefill": ("prefill", 37, 45), "decode": ("decode", 3, 70), "split": ("decode_split", 2, 300)}
 DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
@@ -365,7 +365,7 @@ def test_metal_forward_own_value_dim(family, pair, dtype):
     causal, options = _metal_options(i, B, hq, nq, nk, g)
     plan = flash_metal.explain(q, k, v, causal, None, impl, **options)
     assert f"D_qk = {dqk}" in plan.reason and f"D_v = {dv}" in plan.reason, plan.reason
-    assert not plan.dispatches[0].function_constants[DENSE]  # one fc_dense for all tensors: off (metal_launch.cpp)
+    assert not plan.dispatches[0].function_constants[DENSE]  # one fc_dense for all tensors: off (csrc/metal/launch.cpp)
     out, lse = emulated_metal_attention(q, k, v, causal, None, impl, **options)
     prefix = {"prefill": "flash_attention_prefill_", "decode": "flash_decode_", "split": "flash_decode_split_"}[family]
     _assert_ran(prefix + f"{DTYPE_NAMES[dtype]}_d{_bucket(max(dqk, dv))}", plan)

@@ -162,7 +162,7 @@ def test_kvcache_explain_routes_and_registers():
 
 
 # The paged decode's live values per lane over the 72-value budget with 4 keys in flight (issue 43,
-# csrc/metal_plan_detail.h: D 64 76, 128 74, 256 85); every other bucket within it, all within the 128
+# csrc/metal/plan_detail.h: D 64 76, 128 74, 256 85); every other bucket within it, all within the 128
 # registers a thread addresses.
 PAGED_OVER_BUDGET = {64: 76, 128: 74, 256: 85}
 

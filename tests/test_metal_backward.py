@@ -28,9 +28,9 @@ BUCKETS = (32, 64, 72, 80, 96, 128, 192, 256)
 BUCKET_DIMS = {32: 17, 64: 63, 72: 70, 80: 77, 96: 90, 128: 100, 192: 136, 256: 256}
 DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 TG_LIMIT = 32 * 1024
-# The register budget and hard limit choose_metal_kernel quotes (csrc/metal_routing.cpp).
+# The register budget and hard limit choose_metal_kernel quotes (csrc/metal/families/family.h).
 REGISTER_BUDGET = 72
-# choose_backward's table (csrc/metal_routing.cpp), (bytes per element, bucket): (R owned rows, S streamed rows,
+# choose_backward's table (csrc/metal/families/backward.cpp), (bytes per element, bucket): (R owned rows, S streamed rows,
 # F feature parts); 8 resident SIMD-groups per core on every named chip (tests/test_metal_plan_limits.py).
 # float32 has no 72: its blocks there (16, 16, 3) hold 6, so head dims 65-72 run in 80's (WIDER).
 TABLE = {(2, 32): (64, 32, 1), (2, 64): (64, 32, 1), (2, 72): (64, 32, 1), (2, 80): (64, 32, 1),

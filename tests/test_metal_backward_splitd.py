@@ -3,7 +3,7 @@ shaders/attention_backward_splitd.h): its routing and explain() text, its
 gradients through the sanitizing emulator against float64 autograd by the 2x
 rule (tests/numerics.py), determinism, and planted bugs.
 
-Routing (csrc/metal_routing_splitd.cpp, splitd_backward_takes): the model
+Routing (csrc/metal/families/backward_splitd.cpp, splitd_backward_takes): the model
 (benchmarks/metal_model_splitd_backward.py) puts the split-D backward behind
 the composite backward at 1x8x{1024,4096}x512 on every named chip, so
 impl='auto' keeps the composite path and says why; impl='prefill' (the

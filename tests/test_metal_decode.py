@@ -47,13 +47,13 @@ def _no_options(q):
     return {14: q, 15: q, 16: q, 17: q, 19: q, 20: q}
 
 
-DENSE = 10  # fc_dense (csrc/metal_plan.h, kDenseFunctionConstant): the lanes' contiguous runs, vector loads
+DENSE = 10  # fc_dense (csrc/metal/plan.h, kDenseFunctionConstant): the lanes' contiguous runs, vector loads
 SINKS = 11  # fc_has_sinks (kSinksFunctionConstant)
 PAGED = 12  # fc_paged (kPagedFunctionConstant): the paged KV cache, tests/test_metal_decode_paged.py
 
 
 def _constants(causal, dense=False):
-    # Function constants 0-9 (csrc/metal_plan.h): causal, and every option off; 10: fc_dense; 11: no sinks;
+    # Function constants 0-9 (csrc/metal/plan.h): causal, and every option off; 10: fc_dense; 11: no sinks;
     # 12: not paged.
     return {**{i: (causal if i == 0 else False) for i in range(10)}, DENSE: dense, SINKS: False, PAGED: False}
 
@@ -187,7 +187,7 @@ PLANNER_CASES = [(1, 8, 2, 1, 300, 128, torch.float16, "decode"), (2, 32, 8, 1, 
 
 @pytest.mark.parametrize("case", PLANNER_CASES, ids=lambda c: f"{c[0]}x{c[1]}:{c[2]}-{c[3]}x{c[4]}-d{c[5]}-{c[7]}")
 def test_planner_launches_exactly_these_shapes(case):
-    # csrc/metal_launch.cpp and decode_launch() both transcribe the formulas at
+    # csrc/metal/launch.cpp and decode_launch() both transcribe the formulas at
     # the top of attention_decode.h; they must agree on every field.
     B, Hq, Hkv, Nq, Nk, D, dtype, impl = case
     q, k = torch.empty(B, Hq, Nq, D, dtype=dtype), torch.empty(B, Hkv, Nk, D, dtype=dtype)
@@ -201,7 +201,7 @@ def test_planner_launches_exactly_these_shapes(case):
         (d,) = plan.dispatches
         assert (d.kernel_name, d.grid, d.threadgroup, d.threadgroup_memory) == (one, *shape["one_pass"])
         assert d.buffers == {"q": 0, "k": 1, "v": 2, "out": 3, "lse": 4, **OPTION_SLOTS, **PAGED_SLOTS}
-        # no causal, no option (indices: csrc/metal_plan.h); fc_dense for packed K/V with D == its bucket;
+        # no causal, no option (indices: csrc/metal/plan.h); fc_dense for packed K/V with D == its bucket;
         # no sinks, not paged
         assert d.function_constants == (False,) * 10 + (D == bucket_of(D), False, False)
         return
@@ -377,7 +377,7 @@ def test_dense_load_check_catches_scalar_loads():
 
 
 def test_planner_sets_fc_dense_for_aligned_unit_stride_kv_only():
-    # decode_dense_loads (csrc/metal_launch.cpp): K and V feature stride 1,
+    # decode_dense_loads (csrc/metal/launch.cpp): K and V feature stride 1,
     # D == bucket, 16-byte aligned rows; q's layout does not matter (read once).
     def dense_and_reason(q, k, v):
         plan = flash_metal.explain(q, k, v, impl="decode")

@@ -8,7 +8,7 @@
    runs the same number of 32-key blocks, and no two key groups of one threadgroup differ by more than one.
 
 The grid (issue 43): Llama-3-8B/70B, Qwen2.5-7B, Mistral-7B, Gemma-2-9B, gpt-oss-20b; batch 1-8; Nk 512-128k;
-every chip csrc/metal_gpus.cpp names. Every figure here is the planner's model of a launch, not a measurement.
+every chip csrc/metal/gpus.cpp names. Every figure here is the planner's model of a launch, not a measurement.
 """
 import struct
 
@@ -28,7 +28,7 @@ CHIPS = ("m1", "m1-pro", "m1-max", "m1-ultra", "m2", "m2-pro", "m2-max", "m2-ult
 CORES = {"m1": 8, "m1-pro": 16, "m1-max": 32, "m1-ultra": 64, "m2": 10, "m2-pro": 19, "m2-max": 38, "m2-ultra": 76,
          "m3": 10, "m3-pro": 18, "m3-max": 40, "m3-ultra": 80, "m4": 10, "m4-pro": 20, "m4-max": 40, "m5": 10,
          "m5-pro": 20, "m5-max": 40}
-MIN_KEYS_PER_SPLIT, MAX_SPLITS = 128, 256  # kMinKeysPerSplit, kMaxKvSplits (csrc/metal_routing.cpp)
+MIN_KEYS_PER_SPLIT, MAX_SPLITS = 128, 256  # kMinKeysPerSplit, kMaxKvSplits (csrc/metal/families/decode.cpp)
 
 
 def _qkv(b, hq, hkv, nq, nk, d):

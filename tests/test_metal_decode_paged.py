@@ -27,13 +27,13 @@ PARAMS_BYTES = 328  # sizeof(AttentionParams), shaders/params.h
 # Byte offsets in AttentionParams (shaders/params.h): k's and v's four
 # strides, (kv_splits, split_keys), and (page_size, table_stride).
 K_STRIDES, V_STRIDES, SPLIT_FIELDS, PAGE_FIELDS = 32, 64, 192, 312
-PAGED = 12  # fc_paged (csrc/metal_plan.h, kPagedFunctionConstant)
+PAGED = 12  # fc_paged (csrc/metal/plan.h, kPagedFunctionConstant)
 # A table entry no sequence uses: a page id so far out of range (2^30 pages,
 # terabytes past the cache, either way) that a read through it lands outside
 # every buffer, where the sanitizer reports it (a small id such as -7 or
 # num_blocks + 1000 could land inside another bound buffer and go unseen).
 POISON = 1 << 30
-TABLE, SEQLENS = 19, 20  # [[buffer(n)]] of block_table and cache_seqlens (csrc/metal_launch.cpp kSlot*)
+TABLE, SEQLENS = 19, 20  # [[buffer(n)]] of block_table and cache_seqlens (csrc/metal/launch.cpp kSlot*)
 
 
 def bucket_of(d):

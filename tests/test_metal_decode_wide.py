@@ -2,7 +2,7 @@
 D = 512 and absorbed MLA's (D_qk, D_v) = (576, 512).
 
 Decode (Nq <= 8, at most 16 query rows per kv head) with dims in (256, 576]
-runs the decode kernels in the decode-only buckets 512 and 576 (shaders/attention.metal, csrc/metal_plan.h
+runs the decode kernels in the decode-only buckets 512 and 576 (shaders/attention.metal, csrc/metal/plan.h
 kDecodeHeadDimBuckets); prefill and backward above 256 stay on the composite
 path. The model's verdict that puts the fused decode ahead is
 tests/test_metal_model_decode_wide.py. Here: the routing and explain()
@@ -34,7 +34,7 @@ from shader_builds import WIDE_DECODE_KERNELS, is_wide_decode
 from numerics import DTYPES, assert_attention_close, dtype_id, make_qkv
 from test_metal_decode_paged import check_against_oracle, make_paged_cache
 
-PAGED = 12  # fc_paged (csrc/metal_plan.h kPagedFunctionConstant)
+PAGED = 12  # fc_paged (csrc/metal/plan.h kPagedFunctionConstant)
 DENSE = 10  # fc_dense (kDenseFunctionConstant)
 # (D_qk, D_v) pairs: Gemma's global layers, absorbed MLA, and a ragged dim in 512's bucket.
 PAIRS = ((512, 512), (576, 512))
@@ -201,7 +201,7 @@ def test_sanitized_build_on_ragged_shapes(dims):
 
 
 def test_paged_calls_the_wide_decode_does_not_take_gather():
-    # At dims above 256 the table is read only where the wide decode takes the call (csrc/metal_routing.cpp
+    # At dims above 256 the table is read only where the wide decode takes the call (csrc/metal/families/paged.cpp
     # kvcache_reads_table asks decode_takes_wide_dims); past 16 query rows per kv head with impl='auto', or
     # past 8 query rows, the pages in use are gathered (then the composite path), never handed to a kernel
     # that cannot take them; impl='decode' still reads the table at 32 rows per kv head.

@@ -4,7 +4,7 @@ The prefill and backward kernels copy their Q, K, V (and dO) tiles with
 prefill_load_tile (shaders/attention_prefill.h). Under fc_dense it copies
 16-byte uint4 chunks, each thread stepping 32-bit offsets along the tile;
 otherwise one load per element at any stride. The planner
-(csrc/metal_launch.cpp, dense_loader) sets fc_dense when every loaded tensor
+(csrc/metal/launch.cpp, dense_loader) sets fc_dense when every loaded tensor
 has unit feature stride, D equals its bucket, 16-byte aligned rows (storage
 offset, batch, head and row strides) and row strides small enough for 32-bit
 offsets; dense_expected below restates that rule.
@@ -27,7 +27,7 @@ import flash_metal
 from backends import LAST_DISPATCHES, emulated_metal_attention, emulated_metal_attention_backward
 from numerics import assert_attention_close, assert_gradients_close, dtype_id, lay_out, make_qkv, make_tensor
 
-DENSE = 10  # index of fc_dense (kDenseFunctionConstant in csrc/metal_plan.h)
+DENSE = 10  # index of fc_dense (kDenseFunctionConstant in csrc/metal/plan.h)
 BUCKETS = (32, 64, 72, 80, 96, 128, 256)
 
 
@@ -36,7 +36,7 @@ def bucket_of(d):
 
 
 def dense_expected(*tensors):
-    """csrc/metal_launch.cpp's dense_loader rule for (B, H, N, D) tensors: unit
+    """csrc/metal/launch.cpp's dense_loader rule for (B, H, N, D) tensors: unit
     feature stride, D == bucket, 16-byte aligned storage offset and strides
     (batch and head only where that dimension has more than one entry), row
     stride * 128 rows * element size below 2^31."""

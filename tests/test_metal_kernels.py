@@ -20,7 +20,7 @@ from numerics import DTYPES, assert_attention_close, dtype_id, make_qkv
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 IMPLS = ["untiled", "tiled"]
-# One head_dim per bucket of csrc/metal_plan.h (32, 64, 128, 256), each ragged
+# One head_dim per bucket of csrc/metal/plan.h (32, 64, 128, 256), each ragged
 # inside its bucket so partial vectors and tile rows are exercised.
 BUCKET_DIMS = {32: 17, 64: 63, 128: 80, 256: 256}
 # Ragged (Nq, Nk): not multiples of the 32-row groups or the 16-key tiles,
@@ -227,7 +227,7 @@ _SIGNATURE_NAMES = {"q": "q", "k": "k", "v": "v", "out": "o", "lse": "lse", "par
 def test_binding_table_matches_every_kernel_signature(impl):
     # The plan's binding table is what the MPS host and the emulated backend
     # bind from; each entry must name the kernel parameter with that
-    # [[buffer(n)]] (a swapped k/v slot in csrc/metal_launch.cpp fails here).
+    # [[buffer(n)]] (a swapped k/v slot in csrc/metal/launch.cpp fails here).
     from metal_emulator import _prepass
 
     lib = metal_library(False)

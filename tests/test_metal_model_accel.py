@@ -179,7 +179,7 @@ def test_dsplit_counts_scale_exactly_and_ask_for_half_rows():
 def test_dsplit_verdict_is_the_routing_constant():
     """Auto takes the split-D kernel at D = 256 on an M5 with the library exactly when the model predicts it
     ahead of the simdgroup prefill at 1 x 32 (8) x 4096 x 256 float16, causal and not, on every M5-family
-    GPU (csrc/metal_routing_tensor_ops_dsplit.cpp, kDsplitModelWins; a model, not a measurement)."""
+    GPU (csrc/metal/families/tensor_ops_dsplit.cpp, kDsplitModelWins; a model, not a measurement)."""
     import flash_metal
 
     res = X.dsplit_against_simdgroup()
@@ -227,7 +227,7 @@ def test_dsplit_backward_counts_its_products_once_and_asks_for_half_rows():
 def test_dsplit_backward_verdict_is_the_routing_constant():
     """Auto takes the split-D tensor-op backward at D = 256 on an M5 with the library exactly when the model
     predicts it ahead of the simdgroup backward at 1 x 32 x 4096 x 256 float16, causal and not, on every
-    M5-family GPU (csrc/metal_routing_tensor_ops_dsplit.cpp, kDsplitBackwardModelWins; a model, not a
+    M5-family GPU (csrc/metal/families/backward_tensor_ops_dsplit.cpp, kDsplitBackwardModelWins; a model, not a
     measurement). CI time: non-causal here (the simdgroup side's emulation is most of it, ~30 s); the causal
     points, which `python -m benchmarks.metal_model --accelerators` prints, scale with the same kernels' block
     skipping (3.8x there too), and the margin asserted here keeps the verdict from hanging on a few percent."""
@@ -279,7 +279,7 @@ RULE_POINTS = [(0.4, False), (2.0, True), (2.2, True)]
 
 
 def test_rows_rule_takes_the_wide_kernel_only_where_the_model_puts_it_ahead():
-    """csrc/metal_routing_tensor_ops_dsplit.cpp (kDsplitWideMinPerCore = 2): the 64-row kernel from 2
+    """csrc/metal/families/tensor_ops_dsplit.cpp (kDsplitWideMinPerCore = 2): the 64-row kernel from 2
     threadgroups of 64 rows per core. The model, recomputed (M5 Max, float16, not causal, Nq 64, Nk 1024, and
     MLX's shape 1 x 32 (8) x 4096): ahead over its whole band at and past the threshold, where the routing takes
     it; behind at 0.4 per core, where the routing keeps the 32-row kernel. A model, not a measurement."""
@@ -320,7 +320,7 @@ def test_mla_counts_scale_exactly_and_ask_for_each_width():
 def test_mla_verdict_is_the_routing_constant():
     """Auto takes the tensor-op kernels at (192, 128) on an M5 with the library, forward and backward, exactly
     when the model predicts them ahead of the simdgroup kernels at 1 x 16 x 4096 x (192, 128) float16 on every
-    M5-family GPU (csrc/metal_routing_tensor_ops.cpp, kMlaModelWins; a model, not a measurement). CI time:
+    M5-family GPU (csrc/metal/families/tensor_ops.cpp, kMlaModelWins; a model, not a measurement). CI time:
     non-causal here (the causal emulations doubled this test to ~155 s); the causal points, which
     `python -m benchmarks.metal_model --accelerators` prints, skip blocks alike on both sides (4.2-5.3x there
     too), and the margin asserted keeps the verdict from hanging on a few percent."""

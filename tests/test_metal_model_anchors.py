@@ -147,7 +147,7 @@ def _cores_in_reason(key):
 @pytest.mark.parametrize("gpu", [g for g in G.GPUS if g.key], ids=lambda g: g.name)
 def test_apple_gpus_agree_with_the_planner_chip_table(gpu):
     """Cores (through the split-KV decode's reason) and threadgroup memory (through the planner's residency of a
-    launch that threadgroup memory limits) match csrc/metal_gpus.cpp."""
+    launch that threadgroup memory limits) match csrc/metal/gpus.cpp."""
     cores, name = _cores_in_reason(gpu.key)
     assert cores == gpu.cores, (gpu.name, cores)
     if gpu.name not in G.PLANNED_AS:

@@ -87,7 +87,7 @@ def test_splitd_counts_come_from_a_kernel_that_computes_attention(dtype, n, caus
 # band, on every chip (unfused computes every score). Not causal: level
 # (0.99-1.03x at the point), so the verdict sits on the band's middle and
 # differs by chip. A change in the kernel's counts or the model that flips
-# any of them fails here (csrc/metal_routing_splitd.cpp routes on them).
+# any of them fails here (csrc/metal/families/prefill_splitd.cpp routes on them).
 AHEAD = ("ahead",) * 4
 SPLITD_VERDICTS = {
     (1024, False): ("point only", "point only", "behind", "ahead"),

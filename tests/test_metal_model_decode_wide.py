@@ -54,7 +54,7 @@ def test_fused_decode_is_predicted_ahead_where_it_is_routed():
     # The gate. Up to 16 query rows per kv head (MLA with 16 heads at one token, Gemma-like GQA 2:1
     # at Nq 1 and 8), the fused decode's slow end beats the composite path it replaces (the ATen ops
     # csrc/composite.cpp runs) at every context, chip and dtype, by at least the factor explain() quotes
-    # (csrc/metal_routing_wide.cpp kWideDecodeLeastSpeedup). At 128 rows (MLA's 128 heads, or 16 heads x 8
+    # (csrc/metal/families/wide_decode.cpp kWideDecodeLeastSpeedup). At 128 rows (MLA's 128 heads, or 16 heads x 8
     # rows) each row's SIMD-group pulls every K/V row through L1 ("on-core data") and the composite path is
     # ahead on some chip at every context: those stay composite (kWideDecodeMaxRows).
     rows = W.table()

@@ -1,5 +1,5 @@
 """The model's verdicts the split-D routing at MLA's head dims follows
-(benchmarks/metal_model_splitd_mla.py; csrc/metal_routing_splitd.cpp quotes
+(benchmarks/metal_model_splitd_mla.py; csrc/metal/families/prefill_splitd.cpp quotes
 them in explain()): a model, not a measurement. Its counts come from the
 shipped kernel in the sanitizing emulator (the partial split-D library
 tests/test_metal_model_d512.py builds too), so these also check that the

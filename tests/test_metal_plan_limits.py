@@ -138,7 +138,7 @@ DECODE_MODELS = ("llama3-8b", "llama3-70b", "qwen2.5-7b", "mistral-7b", "gemma2-
 
 
 def _decode_live(bucket, rows, mask, keys_in_flight=4):
-    """decode_live_registers (csrc/metal_plan_detail.h): per row q, acc and block slices plus 5 scalars (+1 with a
+    """decode_live_registers (csrc/metal/plan_detail.h): per row q, acc and block slices plus 5 scalars (+1 with a
     mask: the block's mask term), the K/V slices of the unrolled step's keys in flight (4 up to D 256, issue 43;
     2 before it: the key's and the prefetched next one's), and 16 of addresses and counters."""
     dpl = -(-bucket // 32)
@@ -199,15 +199,15 @@ def test_register_check_catches_the_old_rows_per_simd():
 
 # ---- prefill and backward: registers and occupancy (issue 19) ------------------------------
 
-# Every named chip (csrc/metal_gpus.cpp; tests/test_metal_routing.py pins their cores).
+# Every named chip (csrc/metal/gpus.cpp; tests/test_metal_routing.py pins their cores).
 CHIPS = ("m1", "m1-pro", "m1-max", "m1-ultra", "m2", "m2-pro", "m2-max", "m2-ultra", "m3", "m3-pro", "m3-max",
          "m3-ultra", "m4", "m4-pro", "m4-max", "m5")
-# The planners' register budget (kBackwardRegisterBudget, csrc/metal_routing.cpp: live values per lane
+# The planners' register budget (kBackwardRegisterBudget, csrc/metal/families/family.h: live values per lane
 # as explain() prints them) and the resident SIMD-groups per core issue 19 asks of every prefill and
 # backward plan (kResidentTarget).
 REGISTER_BUDGET = 72
 RESIDENT_TARGET = 8
-GRID_DIMS = (32, 64, 72, 80, 96, 128, 192, 256)  # every head-dim bucket (csrc/metal_plan.h)
+GRID_DIMS = (32, 64, 72, 80, 96, 128, 192, 256)  # every head-dim bucket (csrc/metal/plan.h)
 
 
 def _misses(dispatches, chip):
@@ -236,7 +236,7 @@ def test_prefill_and_backward_plans_meet_the_budget_and_occupancy_on_every_chip(
 
 
 def _old_plan(kind, bucket, elem, own, streamed, simdgroups, live):
-    """A dispatch of a planted tile table with estimate_launch's residency (csrc/metal_gpus.cpp) per chip."""
+    """A dispatch of a planted tile table with estimate_launch's residency (csrc/metal/gpus.cpp) per chip."""
     if kind == "prefill":
         tg = (own + streamed) * (bucket * elem + 16)
     else:

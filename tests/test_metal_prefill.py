@@ -10,7 +10,7 @@ Nk = 8192 in float32 under the strict rule (no float32 floor), which the
 post's tiled kernel (one rescale per key) does not meet. The emulator's
 counters check the structure: 4 barriers and one alpha per key block,
 causal blocks skipped, FlashAttention-2's device traffic. run_prefill
-launches the kernel as csrc/metal_launch.cpp will (grid, threadgroup,
+launches the kernel as csrc/metal/launch.cpp will (grid, threadgroup,
 function constants, threadgroup memory).
 """
 import math
@@ -30,7 +30,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LANES_SHADER = os.path.join(ROOT, "tests", "prefill_lanes.metal")
 
 # (BQ, BK, WM) per head_dim bucket: the instantiations in shaders/attention.metal
-# (choose_metal_kernel in csrc/metal_routing.cpp says why), float16/bfloat16;
+# (finish_prefill in csrc/metal/families/prefill.cpp says why), float16/bfloat16;
 # WM * 8 / BQ SIMD-groups per 8-row group (feature parts of O).
 BLOCKS = {32: (32, 32, 4), 64: (32, 32, 4), 72: (32, 32, 4), 80: (32, 32, 4), 96: (32, 32, 4),
           128: (32, 16, 4), 192: (32, 8, 4), 256: (16, 8, 4)}

@@ -1,7 +1,7 @@
 """The prefill's pack GQA (fc_pack_gqa; issue 20, section 4).
 
 With G = Hq / Hkv > 1 and a short chunk of queries (2 * Nq <= BQ: one head's
-rows fill at most half a block) the planner (csrc/metal_routing.cpp,
+rows fill at most half a block) the planner (csrc/metal/families/prefill.cpp,
 prefill_pack_gqa) launches the prefill kernel with one threadgroup per (batch, kv head, block
 of BQ packed rows), packed row m being query row m / G of query head
 kv * G + m % G (shaders/attention_prefill.h), so the group's heads share the
@@ -29,7 +29,7 @@ from backends import emulated_metal_varlen
 from numerics import assert_attention_close, assert_varlen_close, make_qkv
 from test_metal_decode_paged import check_against_oracle, make_paged_cache
 
-PACK, ALIGN_Q, DENSE, VARLEN = 13, 1, 10, 9  # kPackGqa / kAlignQ / kDense / kVarlen FunctionConstant (metal_plan.h)
+PACK, ALIGN_Q, DENSE, VARLEN = 13, 1, 10, 9  # kPackGqa / kAlignQ / kDense / kVarlen FunctionConstant (csrc/metal/plan.h)
 
 
 def blocks(d):
@@ -134,7 +134,7 @@ def test_routing_packs_paged_and_varlen_prefills():
 # ---- the kernel against the float64 oracle ------------------------------------------------------
 
 # (B, Hq, Hkv, Nq, Nk, D, dtype, layout, causal, window_left, softcap, sinks, mask). Small ragged shapes
-# (CI time); blocks (csrc/metal_routing.cpp): D 32 float32 bq 32 bk 32, D 64 half/bfloat16 bq 32 bk 32.
+# (CI time); blocks (csrc/metal/families/prefill.cpp): D 32 float32 bq 32 bk 32, D 64 half/bfloat16 bq 32 bk 32.
 CASES = [
     # G = 2, causal, BNHD layout (q's dense loader reads packed rows from two heads), two batches
     (2, 4, 2, 13, 29, 32, torch.float32, "transposed", True, -1, 0.0, False, False),

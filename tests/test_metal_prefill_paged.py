@@ -25,11 +25,11 @@ from numerics import assert_attention_close
 from backends import LAST_DISPATCHES, _run_plan, emulated_metal_attention, emulated_metal_kvcache
 from test_metal_decode_paged import POISON, SEQLENS, TABLE, check_against_oracle, make_paged_cache
 
-PAGED = 12  # fc_paged (csrc/metal_plan.h, kPagedFunctionConstant)
+PAGED = 12  # fc_paged (csrc/metal/plan.h, kPagedFunctionConstant)
 DENSE = 10  # fc_dense
 
 # (B, Hq, Hkv, Nq, D, dtype, page, seqlens, causal, window_left, softcap, sinks)
-# Small shapes (CI time). Blocks (csrc/metal_routing.cpp): D 32 float32: 32
+# Small shapes (CI time). Blocks (csrc/metal/families/prefill.cpp): D 32 float32: 32
 # keys; D 64 half: 32 keys (float32: 16); D 128 half: 16 keys.
 CASES = [
     # page 1: every key its own page (the row-by-row loader), GQA, causal

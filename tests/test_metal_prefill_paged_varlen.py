@@ -24,11 +24,11 @@ from backends import LAST_DISPATCHES, _run_plan, emulated_metal_varlen
 from numerics import assert_attention_close
 from test_metal_decode_paged import SEQLENS, TABLE, make_paged_cache
 
-PAGED, VARLEN, DENSE = 12, 9, 10  # fc_paged, fc_varlen, fc_dense (csrc/metal_plan.h)
+PAGED, VARLEN, DENSE = 12, 9, 10  # fc_paged, fc_varlen, fc_dense (csrc/metal/plan.h)
 CU_Q = 15  # [[buffer(15)]]: cu_seqlens_q
 
 # (Hq, Hkv, D, dtype, page, q_lens, k_lens, causal, window_left, sinks). Small
-# shapes (CI time). Blocks (csrc/metal_routing.cpp): D 32 float32: 32 keys;
+# shapes (CI time). Blocks (csrc/metal/families/prefill.cpp): D 32 float32: 32 keys;
 # D 64 half: 32 keys; D 64 bfloat16 likewise.
 CASES = [
     # page 1 (every key its own page: the row-by-row loader), GQA, causal; a sequence with fewer keys than queries

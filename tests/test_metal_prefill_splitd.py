@@ -3,7 +3,7 @@ shaders/attention_prefill_splitd.h): its routing and explain() text, its
 results through the sanitizing emulator against the float64 oracle by the 2x
 rule (tests/numerics.py), and planted bugs.
 
-Routing (csrc/metal_routing_splitd.cpp): impl='auto' runs it for causal
+Routing (csrc/metal/families/prefill_splitd.cpp): impl='auto' runs it for causal
 D_qk = D_v = 512 forwards with Nq > 8 (the model's verdict: about 2x ahead of
 the composite path, benchmarks/metal_model_d512.py; a model, not a
 measurement); not causal stays composite (the verdict is level), as do

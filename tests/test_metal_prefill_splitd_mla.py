@@ -4,7 +4,7 @@ k and v as overlapping views of one latent cache, and the absorbed-MLA decode
 packed over its query heads (fc_pack_gqa: a threadgroup's 8 rows are
 (head, query) pairs of one kv head).
 
-Routing (csrc/metal_routing_splitd.cpp, splitd_takes) follows the model in
+Routing (csrc/metal/families/prefill_splitd.cpp, splitd_takes) follows the model in
 benchmarks/metal_model_splitd_mla.py (a model, not a measurement). Results
 run on a sanitizing PARTIAL emulator library holding only the split-D kernels
 (races, out-of-bounds and barrier divergence raise), outputs poisoned with
@@ -25,7 +25,7 @@ from backends import emulated_metal_attention, emulated_metal_varlen
 from numerics import NotClose, assert_attention_close, assert_varlen_close
 
 PREFIX = "flash_attention_prefill_splitd_"
-PACK = 13  # fc_pack_gqa's function constant (csrc/metal_plan.h kPackGqaFunctionConstant)
+PACK = 13  # fc_pack_gqa's function constant (csrc/metal/plan.h kPackGqaFunctionConstant)
 
 
 @pytest.fixture(scope="module")

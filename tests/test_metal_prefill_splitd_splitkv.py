@@ -3,7 +3,7 @@ shaders/attention_prefill_splitd.h): each split-D threadgroup attends its 8
 packed rows to one key range and writes unnormalized partials, then the
 decode's own merge (flash_decode_merge_<dtype>_d512) sums them.
 
-Routing (csrc/metal_routing_splitd.cpp: splitd_takes and the split rule in
+Routing (csrc/metal/families/prefill_splitd.cpp: splitd_takes and the split rule in
 choose_splitd) follows benchmarks/metal_model_splitd_mla.py (a model, not a
 measurement). Results run bfloat16 on two sanitizing PARTIAL libraries the
 suite already builds: the split-D kernels' (tests/test_metal_model_d512.py,
@@ -28,7 +28,7 @@ from numerics import NotClose, assert_attention_close, assert_varlen_close
 PREFIX = "flash_attention_prefill_splitd_"
 SPLITD = PREFIX + "bfloat16_dqk576_dv512_bq8_bk32_wm8"
 MERGE = "flash_decode_merge_bfloat16_d512"
-PACK, SPLIT_KV = 13, 14  # fc_pack_gqa, fc_split_kv (csrc/metal_plan.h)
+PACK, SPLIT_KV = 13, 14  # fc_pack_gqa, fc_split_kv (csrc/metal/plan.h)
 SPLIT_FIELDS_OFFSET = 192  # (kv_splits, split_keys) in AttentionParams (shaders/params.h)
 
 

@@ -1,4 +1,4 @@
-"""The routing function (choose_metal_kernel in csrc/metal_routing.cpp), through flash_metal.explain.
+"""The routing function (choose_metal_kernel walking the table of csrc/metal/families/table.cpp), through flash_metal.explain.
 
 Planner only, no kernel runs: which family each problem gets, with which
 blocks, bucket, split count and scratch, and why. The kernels themselves run
@@ -104,7 +104,7 @@ def test_split_count_and_blocks(b, hkv, nk, gpu):
     p = _params(plan.dispatches[0])
     splits, per = p["kv_splits"], p["split_keys"]
     cores = {"base": 10, "max": 40, "ultra": 80}[gpu]
-    # Blocks: the most one wave of resident threadgroups holds (metal_routing.cpp's decode_splits), at most
+    # Blocks: the most one wave of resident threadgroups holds (csrc/metal/families/decode.cpp's decode_splits), at most
     # 256, each >= 128 keys, in whole quanta of key groups x 32 keys.
     want, want_per = _planned_blocks(plan.dispatches[0], nk, cores)
     assert splits == want
@@ -150,7 +150,7 @@ def test_bad_impl_and_gpu_names():
         flash_metal.explain(*_qkv(4, 4, 64), gpu="m9")
 
 
-# Cores per chip: Apple's and metal-benchmarks' figures, as csrc/metal_gpus.cpp cites them.
+# Cores per chip: Apple's and metal-benchmarks' figures, as csrc/metal/gpus.cpp cites them.
 CHIP_CORES = {"m1": 8, "m1-pro": 16, "m1-max": 32, "m1-ultra": 64, "m2": 10, "m2-pro": 19, "m2-max": 38,
               "m2-ultra": 76, "m3": 10, "m3-pro": 18, "m3-max": 40, "m3-ultra": 80, "m4": 10, "m4-pro": 20,
               "m4-max": 40, "m5": 10, "m5-pro": 20, "m5-max": 40}
@@ -189,7 +189,7 @@ def _estimates(plan):
 def test_estimates_follow_registers_and_threadgroup_memory(shape, impl):
     # Residency = min(register file / (live x 4 B x 32 lanes x SIMD-groups),
     # threadgroup memory per core / the launch's), recomputed here from the
-    # plan's own numbers and the chip's figures (csrc/metal_gpus.cpp).
+    # plan's own numbers and the chip's figures (csrc/metal/gpus.cpp).
     nq, nk, d = shape
     for gpu, tg_mem in (("m1", 60 * 1024), ("m3-max", 32 * 1024)):
         plan = flash_metal.explain(*_qkv(nq, nk, d), impl=impl, gpu=gpu)
@@ -225,7 +225,7 @@ def test_split_dispatches_share_params_and_bind_the_scratch():
 
 # --- issue 11's options -------------------------------------------------------------------------
 
-# Indices of the function constants (csrc/metal_plan.h; shaders/attention_features.h).
+# Indices of the function constants (csrc/metal/plan.h; shaders/attention_features.h).
 CAUSAL, ALIGN_Q, ALIGN_K, HAS_GRAD_LSE, HAS_MASK, MASK_BOOL, MASK_F32, WINDOW_LEFT, SOFTCAP, VARLEN = range(10)
 
 

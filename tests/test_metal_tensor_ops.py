@@ -1,7 +1,7 @@
 """The prefill on Metal 4 tensor ops (impl='tensor_ops', issue 21): shaders/attention_prefill_mpp.h.
 
 The kernel runs in the Metal emulator's MSL 4 library (shaders/attention_mpp.metal,
-compile_library(..., msl=4)), launched from the op's own plan (csrc/metal_launch.cpp).
+compile_library(..., msl=4)), launched from the op's own plan (csrc/metal/launch.cpp).
 Every case runs under both cooperative-tensor lane layouts: "m5" (the Apple10 map
 MLX and PyTorch hard-code) and "scrambled" (a seeded permutation): the kernel
 learns an element's (row, key) only through get_multidimensional_index, so a
@@ -238,7 +238,7 @@ def test_a_strided_head_dim_of_k_or_v_is_routed_away_or_refused(strided):
         flash_metal.explain(q, k, v, True, None, "tensor_ops", "m5+tensor_ops")
     out, lse = emulated_metal_attention(q, k, v, True, None, "auto", gpu="m5+tensor_ops")
     assert_attention_close(out, lse, q, k, v, True)
-    # The backward's gate and refusal (csrc/metal_routing_tensor_ops_dsplit.cpp's entry) alike.
+    # The backward's gate and refusal (csrc/metal/families/tensor_ops_dsplit.cpp's entry) alike.
     grads = dict(backward=True, grad_out=torch.zeros_like(q), out=torch.zeros_like(q), lse=torch.zeros(1, 2, 128))
     plan = flash_metal.explain(q, k, v, True, None, "auto", "m5+tensor_ops", **grads)
     assert all("_mpp_" not in x.kernel_name for x in plan.dispatches) and f"{strided} strided" in plan.reason
@@ -252,7 +252,7 @@ def test_explain_says_forced():
     assert forced.reason.startswith("forced: tensor_ops (impl='tensor_ops'); FlashAttention-2 on Metal 4 tensor ops")
 
 
-# Auto's gate (tensor_ops_route, csrc/metal_routing.cpp): an Apple 10 GPU,
+# Auto's gate (tensor_ops_route, csrc/metal/families/tensor_ops.cpp): an Apple 10 GPU,
 # macOS 26.2 and the MSL 4 library in the process ("+tensor_ops" in explain's
 # gpu says so off a Mac), the switch not off, float16/bfloat16 at 64/96/128.
 # (gpu, dtype, D_qk, D_v, Nq, picked, words in the reason)

@@ -3,7 +3,7 @@
 Two kernels of the MSL 4 library (shaders/attention_mpp.metal, run by the emulator's
 compile_library(..., msl=4)): flash_backward_mpp_dq (Delta and dQ over query blocks),
 then flash_backward_mpp_dkdv (dK and dV over key blocks, the GQA group's heads summed
-in a fixed order), launched from the op's own backward plan (csrc/metal_launch.cpp).
+in a fixed order), launched from the op's own backward plan (csrc/metal/launch.cpp).
 Every numerical case runs under both cooperative-tensor lane layouts, "m5" (the
 Apple10 map MLX and PyTorch hard-code) and "scrambled" (a seeded permutation), with
 the gradients NaN-poisoned before the launch (backends.emulated_metal_attention_backward),
@@ -45,7 +45,7 @@ LAYOUTS = ("m5", "scrambled")
 DTYPES = (torch.float16, torch.bfloat16)
 NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
 ROWS, BLOCK = 16, 32  # rows per SIMD-group; keys per dQ block, query rows per dK/dV block
-# SIMD-groups per threadgroup (csrc/metal_plan_detail.h, tensor_ops_backward_simdgroups): as many of 4 or 2
+# SIMD-groups per threadgroup (csrc/metal/plan_detail.h, tensor_ops_backward_simdgroups): as many of 4 or 2
 # as have their slices fit 32 KiB.
 DQ_WM = {64: 4, 96: 4, 128: 2}
 DKV_WM = {64: 4, 96: 4, 128: 4}
@@ -290,7 +290,7 @@ def test_varlen_sanitized(causal, opts, layout):
     assert_varlen_gradients_close(grads, q, k, v, grad_out, cq, ck, causal, None, None, **opts)
 
 
-# ---- routing: impl='tensor_ops' and Auto's gate (csrc/metal_routing_tensor_ops.cpp) -----------------------
+# ---- routing: impl='tensor_ops' and Auto's gate (csrc/metal/families/backward_tensor_ops.cpp) -----------------------
 
 
 def _explain(dtype=torch.float16, d=64, gpu="base", impl="tensor_ops", causal=True, Hq=4, Hkv=2, **options):

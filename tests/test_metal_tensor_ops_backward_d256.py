@@ -4,7 +4,7 @@ Two kernels: flash_backward_mpp_dsplit_dq (one pair of SIMD-groups on 16 query r
 owning 128 features; Delta and dQ) and flash_backward_mpp_dsplit_dkdv (two pairs on 16 keys each,
 sharing each staged 16-row Q / dO block; dK, dV). Partial S and dP meet in threadgroup memory.
 They run from a partial MSL 4 build of their own (backends.metal_mpp_dsplit_backward_library),
-launched from the op's backward plan (csrc/metal_launch_backward.cpp), under both lane layouts
+launched from the op's backward plan (csrc/metal/launch_backward.cpp), under both lane layouts
 ("m5" and "scrambled"), gradients NaN-poisoned before the launch
 (backends.emulated_metal_attention_backward) and compared with autograd of the float64 reference by
 the 2x rule. Proof the kernels ran: the plan's names, the partial library's dispatched_names(), and
@@ -242,7 +242,7 @@ def test_varlen_sanitized(causal, opts, layout):
     assert_varlen_gradients_close(grads, q, k, v, grad_out, cq, ck, causal, None, None, **opts)
 
 
-# ---- routing: impl='tensor_ops' and Auto's gate (csrc/metal_routing_tensor_ops_dsplit.cpp) ----------------
+# ---- routing: impl='tensor_ops' and Auto's gate (csrc/metal/families/backward_tensor_ops_dsplit.cpp) ----------------
 
 
 def _explain(dtype=torch.float16, d=D, gpu="base", impl="tensor_ops", dv=None, **options):

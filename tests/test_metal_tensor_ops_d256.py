@@ -5,11 +5,11 @@ and O; their partial scores meet in threadgroup memory. Two kernels: 32 query
 rows (Q staged in threadgroup memory, 32 keys per block, 2 barriers per block)
 and 64 rows (8 SIMD-groups, Q in left-input cooperative tensors, 16 keys, two
 slots of partials, 1 barrier per block); the routing picks by the grid
-(csrc/metal_routing_tensor_ops_dsplit.cpp), FLASH_METAL_TENSOR_OPS_DSPLIT_ROWS
+(csrc/metal/families/tensor_ops_dsplit.cpp), FLASH_METAL_TENSOR_OPS_DSPLIT_ROWS
 forces one (the tests below run each kernel so). The kernels run from a
 partial MSL 4 build of their own (backends.metal_mpp_dsplit_library: only the
 four dsplit instantiations, seconds to build), launched from the op's plan
-(csrc/metal_launch.cpp), under both cooperative-tensor lane layouts ("m5",
+(csrc/metal/launch.cpp), under both cooperative-tensor lane layouts ("m5",
 the published Apple10 map, and "scrambled"), with outputs NaN-poisoned before
 each launch and compared with the float64 oracle by the 2x rule. Proof the
 kernel ran: the plan's kernel name, the library's dispatched_names() and the
@@ -39,7 +39,7 @@ from test_metal_features import make_mask, packed
 LAYOUTS = ("m5", "scrambled")
 NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
 D, ROWS, HALVES = 256, 16, 2  # head dim, rows per pair
-# rows per threadgroup -> keys per block: the 32-row kernel and the 64-row one (csrc/metal_plan_detail.h)
+# rows per threadgroup -> keys per block: the 32-row kernel and the 64-row one (csrc/metal/plan_detail.h)
 BK_OF = {32: 32, 64: 16}
 KERNELS = tuple(BK_OF)
 BQ, BK = 32, 32  # the 32-row kernel's (the routing's pick for the small grids below unless forced)
@@ -237,7 +237,7 @@ def test_forced_plan_and_reason():
     plan = flash_metal.explain(q, q, q, True, None, "tensor_ops", "m5")
     assert plan.kernel_name == kernel_name(torch.float16, 64)
     assert plan.threadgroup == (256, 1, 1) and plan.dispatches[0].max_threads_per_threadgroup == 256
-    # Per lane O 64 + Q 32 + S 8 + 8 row values + 16: the addressable 128 (csrc/metal_plan_detail.h).
+    # Per lane O 64 + Q 32 + S 8 + 8 row values + 16: the addressable 128 (csrc/metal/plan_detail.h).
     assert plan.dispatches[0].live_registers == 128
     for words in ("20992 bytes", "into registers (left-input cooperative tensors", "64 rows: 20 threadgroups of 64 "
                   "rows >= 20 (2 per core of the M5's 10)", "a model, not a measurement", "64-row kernel ahead"):

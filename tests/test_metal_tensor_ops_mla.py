@@ -36,7 +36,7 @@ DTYPES = (torch.float16, torch.bfloat16)
 NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
 DQK, DV = 192, 128
 ROWS, BK = 16, 32  # rows per SIMD-group; keys per forward / dQ block, query rows per dK/dV block
-# Threadgroups (csrc/metal_plan_detail.h): the forward 4 SIMD-groups (28,928 bytes: P 16 x 32 and Q 16 x 192
+# Threadgroups (csrc/metal/plan_detail.h): the forward 4 SIMD-groups (28,928 bytes: P 16 x 32 and Q 16 x 192
 # per SIMD-group, a float per row); dQ 2 (23,040: Q 16 x 192, dO 16 x 128, dS 16 x 32, 4 floats per row, per
 # SIMD-group); dK/dV 4 (29,184: the shared Q 32 x 192 and dO 32 x 128 block and 4 floats per query, then P^T
 # and dS^T 16 x 32 per SIMD-group).
@@ -238,7 +238,7 @@ def test_varlen(layout):
     assert_varlen_gradients_close(grads, q, k, v, grad_out, cq, ck, True, None, None)
 
 
-# ---- routing (csrc/metal_routing_tensor_ops.cpp) ------------------------------------------------------------
+# ---- routing (csrc/metal/families/tensor_ops.cpp) ------------------------------------------------------------
 
 def _explain(impl, gpu, dqk=DQK, dv=DV, dtype=torch.float16, backward=False):
     q = torch.randn(1, 4, 40, dqk).to(dtype)

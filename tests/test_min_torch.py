@@ -1,6 +1,6 @@
 """The C++ sources compile against the oldest supported torch (pyproject.toml).
 
-Every csrc/*.cpp and csrc/cpu/*.cpp is syntax-checked (templates instantiated,
+Every csrc/**/*.cpp (the op layer, csrc/cpu/, csrc/metal/) is syntax-checked (templates instantiated,
 op registrations type-checked) against the headers of the torch 2.4.0 macOS
 wheel, with C++17, the standard that torch builds extensions with. The headers
 are the ones tests/test_mps_host.py downloads; their C++ API is the same on
@@ -20,7 +20,7 @@ from mps_syntax import syntax_check
 from prereqs import unavailable
 
 ROOT = syntax_check.ROOT
-SOURCES = sorted(glob.glob(os.path.join(ROOT, "csrc", "*.cpp")) + glob.glob(os.path.join(ROOT, "csrc", "cpu", "*.cpp")))
+SOURCES = sorted(glob.glob(os.path.join(ROOT, "csrc", "**", "*.cpp"), recursive=True))
 VERSION = syntax_check.MINIMUM_TORCH_VERSION
 STD = f"-std={syntax_check.MACOS_TORCH_VERSIONS[VERSION]}"
 

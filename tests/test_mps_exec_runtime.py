@@ -220,7 +220,7 @@ def test_tensor_op_pipelines_come_from_the_msl4_library(mpp_scenarios):
 
 def test_split_d_tensor_op_pipeline_is_bound_as_planned(mpp_scenarios):
     # D = 256, forced: the .mm takes the split-D kernel from the MSL 4 library, sets the threadgroup memory the
-    # plan sized (csrc/metal_plan_detail.h, tensor_ops_dsplit_threadgroup_bytes) and dispatches 4 SIMD-groups
+    # plan sized (csrc/metal/plan_detail.h, tensor_ops_dsplit_threadgroup_bytes) and dispatches 4 SIMD-groups
     # per 32 query rows; replayed in the emulator and checked against float64.
     r = mpp_scenarios["dsplit"]
     assert r["stage"] is None, r["error"]

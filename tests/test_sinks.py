@@ -330,7 +330,7 @@ def test_post_kernels_refuse_sinks():
 
 # ---- the Metal kernels, through the emulator ---------------------------------------------
 
-SINKS = 11  # fc_has_sinks (kSinksFunctionConstant in csrc/metal_plan.h)
+SINKS = 11  # fc_has_sinks (kSinksFunctionConstant in csrc/metal/plan.h)
 
 # Each forward family the routing picks: (impl, Nq, Nk, the kernels that must run with fc_has_sinks).
 # decode: Nq = 1 with GQA 2 is one row group, so 8 key groups whose states the

@@ -35,7 +35,7 @@
 // 4*kBlockQ*(D_qk + D_v) + kBlockK*(D_qk + D_v) + kBlockK*kBlockQ floats (~1 MB at D = 256,
 // ~0.5 MB at D = 128), independent of N: never an N x N matrix.
 #include "kernels.h"
-#include "../metal_plan.h"
+#include "../metal/plan.h"
 #include "common.h"
 #include "forward_tiles.h"
 #include "brgemm_cols.h"

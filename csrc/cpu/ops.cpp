@@ -5,7 +5,7 @@
 
 #include "../composite.h"
 #include "../kvcache.h"
-#include "../metal_plan.h"
+#include "../metal/plan.h"
 
 #include <torch/library.h>
 

@@ -1,5 +1,5 @@
 // flash_metal::attention_forward and attention_backward for MPS tensors: turn
-// the portable plans (csrc/metal_plan.h) into Metal calls on PyTorch's own
+// the portable plans (csrc/metal/plan.h) into Metal calls on PyTorch's own
 // MPS stream, through one encoding function (encode_plan).
 //
 // The encoding follows the pattern of PyTorch's own Attention.mm and its
@@ -20,7 +20,7 @@
 #include "checks.h"
 #include "composite.h"
 #include "kvcache.h"
-#include "metal_plan.h"
+#include "metal/plan.h"
 #include "library.h"
 
 #include <ATen/ATen.h>
@@ -81,7 +81,7 @@ void profile_end(id<MTLComputePipelineState> state) noexcept {
 
 std::array<int64_t, 4> strides4(const at::Tensor& t) { return {t.stride(0), t.stride(1), t.stride(2), t.stride(3)}; }
 
-// The GPU the plans are sized for (GpuSpec in metal_plan.h), from the
+// The GPU the plans are sized for (GpuSpec in csrc/metal/plan.h), from the
 // device's name. The name is autoreleased, and this runs on the caller's
 // thread, which may have no pool: hence our own, with the name copied out
 // before it drains. Computed once per process (PyTorch drives a single MPS
@@ -99,7 +99,7 @@ GpuSpec gpu_spec_of(id<MTLDevice> device, bool forced = false) {
     return gpu_from_device_name(name);
   }();
   GpuSpec spec = cached;
-  // The rule is portable (metal_plan.h); metal_device_info reports the same.
+  // The rule is portable (csrc/metal/plan.h); metal_device_info reports the same.
   // On a GPU that is no candidate for Auto the MSL 4 library is not even loaded.
   spec.tensor_ops_missing =
       tensor_ops_problem(spec.family, forced, [device] { return tensor_ops_library_problem(device); });
@@ -236,7 +236,7 @@ LaunchStrides launch_strides(const AttentionCall& c, const at::Tensor& out4, con
 // With kc (attention_kvcache's table route: decode or prefill): c is kc->c, k and v its
 // (num_blocks, Hkv, page_size, D) views of the caches, and the table and
 // lengths are bound at their slots (the plan sets fc_paged, page_size and
-// table_stride: csrc/metal_launch.cpp).
+// table_stride: csrc/metal/launch.cpp).
 void encode_forward(const AttentionCall& c, const AttentionOutputs& o, const std::string& impl, const KvCacheCall* kc,
                     const char* op) {
   // --- Everything that can throw or touch PyTorch happens here, first. ---
@@ -335,7 +335,7 @@ void backward_kernel(const AttentionCall& c, const BackwardTensors& t, const Att
 FLASH_METAL_DEFINE_OPS(forward_kernel, backward_kernel)
 
 // attention_kvcache on MPS: the decode kernels (Nq <= 8) or the prefill read
-// the table (kvcache_reads_table, csrc/metal_routing.cpp); otherwise (head
+// the table (kvcache_reads_table, csrc/metal/families/paged.cpp); otherwise (head
 // dims past 256) the rows in use are gathered (PyTorch MPS ops, before any
 // encoding) for the varlen plan.
 std::tuple<at::Tensor, at::Tensor> attention_kvcache_impl(

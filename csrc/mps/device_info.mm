@@ -6,7 +6,7 @@
 // what a first Mac user or a CI job pastes into an issue.
 #include "device_info.h"
 #include "library.h"
-#include "metal_plan.h"
+#include "metal/plan.h"
 
 #include <Foundation/Foundation.h>
 #include <c10/util/Exception.h>

@@ -15,7 +15,7 @@
 // infinities; see shaders/attention_common.h), but IEEE semantics are what
 // the emulator tests, so they are what we ask Apple's compiler for.
 #include "library.h"
-#include "metal_plan.h"  // is_tensor_ops_kernel
+#include "metal/plan.h"  // is_tensor_ops_kernel
 #include "shader_source.h"
 
 #include <ATen/mps/MPSDevice.h>
@@ -83,7 +83,7 @@ constexpr const char* kMetallibHashName = "flash_metal.metallib.fnv1a64";
 constexpr const char* kShaderDirName = "shaders";
 constexpr const char* kShaderSourceName = "shaders/attention.metal";
 // The MSL 4 library (setup.py's build_mpp_metallib) and its fingerprint, and
-// (its kernels' names: is_tensor_ops_kernel, csrc/metal_plan.h).
+// (its kernels' names: is_tensor_ops_kernel, csrc/metal/plan.h).
 constexpr const char* kMppMetallibName = "flash_metal_mpp.metallib";
 constexpr const char* kMppMetallibHashName = "flash_metal_mpp.metallib.fnv1a64";
 // Set to 1 to ignore the metallib and compile the shipped sources: lets a
@@ -359,7 +359,7 @@ const LoadedMpp& mpp_library_for(id<MTLDevice> device) {
   return mpp_libraries().emplace(key, load_mpp_library(device)).first->second;
 }
 
-// The forward's and the backward's tensor-op kernels (metal_plan.h's rule).
+// The forward's and the backward's tensor-op kernels (csrc/metal/plan.h's rule).
 bool is_mpp_kernel(const std::string& name) { return is_tensor_ops_kernel(name); }
 
 // Builds a pipeline from `library` (described by `origin`, for messages).

@@ -24,7 +24,7 @@
 // serialized its function specializations after a 2020 report of a crash
 // with concurrent ones on the same library, KhronosGroup/MoltenVK#961).
 #include "library.h"
-#include "metal_plan.h"
+#include "metal/plan.h"
 
 #include <dispatch/dispatch.h>
 #include <torch/library.h>

@@ -34,7 +34,7 @@ METALLIB_HASH_NAME = "flash_metal.metallib.fnv1a64"
 MPP_METALLIB_NAME = "flash_metal_mpp.metallib"
 MPP_METALLIB_HASH_NAME = "flash_metal_mpp.metallib.fnv1a64"
 MPP_KERNEL_PREFIX = "flash_attention_prefill_mpp_"
-# The MSL 4 library's kernels: the forward's and the backward's (csrc/metal_plan.h, is_tensor_ops_kernel).
+# The MSL 4 library's kernels: the forward's and the backward's (csrc/metal/plan.h, is_tensor_ops_kernel).
 MPP_KERNEL_PREFIXES = (MPP_KERNEL_PREFIX, "flash_backward_mpp_")
 # The D = 256 split-D forward: left out of the default MSL 4 emulator build,
 # built alone where a scenario runs it (tests/backends.py, MPP_DSPLIT_KERNELS).

@@ -31,10 +31,16 @@ STUB_DIR = os.path.join(TESTS, "mps_syntax", "stubs")
 CACHE_DIR = os.environ.get("FLASH_METAL_MPS_EXEC_CACHE", os.path.join(HERE, ".build"))
 # The portable C++ the host calls (compiled again here: setup.py builds the
 # _C extension with hidden visibility, so it exports none of it).
-PORTABLE_SOURCES = ("checks.cpp", "composite.cpp", "kvcache.cpp", "kvcache_quant.cpp", "metal_routing.cpp", "metal_routing_tensor_ops.cpp",
-                    "metal_routing_tensor_ops_dsplit.cpp", "metal_routing_wide.cpp", "metal_routing_prefill.cpp",
-                    "metal_routing_splitd.cpp",
-                    "metal_launch.cpp", "metal_launch_backward.cpp", "metal_registry.cpp", "metal_gpus.cpp")
+# Paths relative to csrc/: the op layer's portable files, and the whole Metal
+# planner (csrc/metal/ and its subfolders, by glob: a new file there is built too).
+OP_LAYER_SOURCES = ("checks.cpp", "composite.cpp", "kvcache.cpp", "kvcache_quant.cpp")
+
+
+def portable_sources() -> list[str]:
+    planner = glob.glob(os.path.join(CSRC, "metal", "**", "*.cpp"), recursive=True)
+    return list(OP_LAYER_SOURCES) + sorted(os.path.relpath(p, CSRC).replace(os.sep, "/") for p in planner)
+
+
 FAKE_SOURCES = ("fake_foundation.mm", "fake_metal.mm", "fake_encoder.mm", "fake_mps.mm", "race_driver.mm", "personality.cpp")
 # What apt must install for this build (Debian bookworm names).
 APT_PACKAGES = "clang-19 libobjc-12-dev libblocksruntime-dev"
@@ -189,9 +195,12 @@ def _source_units(overrides: dict[str, str]) -> list[tuple[str, str, bool]]:
                 text = f.read()
         # Line markers keep diagnostics pointing at the file on disk.
         units.append((name, _AVAILABLE_DECL + f'#line 1 "{path}"\n' + rewrite_available(text), True))
-    for name in PORTABLE_SOURCES:
-        with open(os.path.join(CSRC, name), encoding="utf-8") as f:
-            units.append((name, f'#line 1 "{os.path.join(CSRC, name)}"\n' + f.read(), False))
+    for rel in portable_sources():
+        # The unit's name is its path under csrc/ with "/" as "-" (metal-routing.cpp): a flat file name in
+        # the cache, distinct across folders. Its includes are rooted at csrc/ (-I), as in setup.py's build.
+        path = os.path.join(CSRC, rel)
+        with open(path, encoding="utf-8") as f:
+            units.append((rel.replace("/", "-"), f'#line 1 "{path}"\n' + f.read(), False))
     for name in FAKE_SOURCES:
         with open(os.path.join(HERE, name), encoding="utf-8") as f:
             units.append((name, f'#line 1 "{os.path.join(HERE, name)}"\n' + f.read(), name.endswith(".mm")))

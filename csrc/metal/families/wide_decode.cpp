@@ -1,10 +1,10 @@
 // The wide decode's routing (issue 20 sections 2/3): which forward calls
 // with head dims above 256 the decode kernels take, in the decode-only
-// buckets 512 and 576 (csrc/metal_plan.h kDecodeHeadDimBuckets), and the
-// sentence explain() adds for them. The rest of the routing is
-// csrc/metal_routing.cpp (choose_metal_kernel, kvcache_reads_table) and
-// csrc/composite.cpp (composite_route), which ask decode_takes_wide_dims.
-#include "metal_plan_detail.h"
+// buckets 512 and 576 (csrc/metal/plan.h kDecodeHeadDimBuckets), and the
+// sentence explain() adds for them; the "wide decode" row, which plans with
+// the decode's finish_decode (decode.cpp). The paged row (kvcache_reads_table)
+// and csrc/composite.cpp (composite_route) ask decode_takes_wide_dims too.
+#include "metal/families/family.h"
 
 namespace flash_metal {
 
@@ -45,4 +45,46 @@ std::string wide_decode_note(const AttentionProblem& p, uint32_t bucket) {
 
 }  // namespace plan_detail
 
+namespace {
+
+using namespace plan_detail;
+
+WhyNot wide_decode_takes(const RouteContext& ctx) {
+  const AttentionProblem& p = ctx.p;
+  if (decode_takes_wide_dims(p, ctx.requested, ctx.pass)) return std::nullopt;
+  if (within_fast_dims(p)) return std::string("head dims within 256 (the decode rows)");
+  const int64_t widest = kDecodeHeadDimBuckets.back();
+  if (p.head_dim > widest || p.head_dim_v > widest) {
+    return "head dims " + std::to_string(p.head_dim) + " / " + std::to_string(p.head_dim_v) + " past " +
+           std::to_string(widest);
+  }
+  if (ctx.requested != KernelRequest::Auto && ctx.requested != KernelRequest::Decode &&
+      ctx.requested != KernelRequest::DecodeSplit) {
+    return std::string("impl='") + request_name(ctx.requested) + "' names another family";
+  }
+  if (p.varlen) return std::string("packed variable-length sequences (the decode kernels take no cu_seqlens)");
+  if (p.q_len > kMaxDecodeRows) {
+    return "Nq = " + std::to_string(p.q_len) + " > " + std::to_string(kMaxDecodeRows) + " query rows";
+  }
+  return std::to_string(p.gqa_ratio() * p.q_len) + " query rows per kv head > " +
+         std::to_string(kWideDecodeMaxRows) + " (impl='auto'; the model puts it behind past them)";
+}
+
+KernelChoice wide_decode_plan(const RouteContext& ctx) {
+  KernelChoice c = forward_opening(ctx);
+  finish_decode(ctx, &c);
+  return c;
+}
+
+}  // namespace
+
+extern const FamilyRow kWideDecodeFamily = {
+    "wide decode", MetalPass::Forward,
+    "forward; float32, float16, bfloat16; head dims in (256, 576], D_v up to 512 (buckets 512 and 576); every "
+    "option but varlen; Nq <= 8 (impl 'auto': at most 16 query rows per kv head); paged or not; impl 'auto', "
+    "'decode' or 'decode_split'; any GPU",
+    "flash_decode_*_d512,flash_decode_*_d576",
+    wide_decode_takes, wide_decode_plan};
+
 }  // namespace flash_metal
+

@@ -1,9 +1,9 @@
-// Launch shapes of the Metal path: from a KernelChoice (metal_routing.cpp)
+// Launch shapes of the Metal path: from a KernelChoice (csrc/metal/families/table.cpp)
 // to the dispatches attention_forward / attention_backward encode: kernel
 // names, grids, threadgroups, threadgroup memory, function constants, the
 // binding table and the AttentionParams block. The MPS host and the
 // emulated backend both run exactly these launches.
-#include "metal_launch_detail.h"
+#include "metal/launch_detail.h"
 
 namespace flash_metal {
 
@@ -116,7 +116,7 @@ void decode_launches(const AttentionProblem& p, const KernelChoice& c, const std
   plan->launches.push_back(m);
 }
 
-// The split-D forward split along keys (metal_routing_splitd.cpp chooses
+// The split-D forward split along keys (csrc/metal/families/prefill_splitd.cpp chooses
 // c.kv_splits): the merge pass after its launch `l`.
 void splitd_merge_launch(const AttentionProblem& p, const KernelChoice& c, const GpuSpec& gpu, const MetalLaunch& l,
                          MetalPlan* plan) {
@@ -438,7 +438,7 @@ MetalPlan plan_metal_attention(const AttentionProblem& p, const LaunchStrides& s
       plan.launches.push_back(l);
       break;
     case KernelRequest::Prefill:
-      if (c.bucket > kFastHeadDimBuckets.back()) {  // the split-D forward (metal_routing_splitd.cpp: its 3 pairs)
+      if (c.bucket > kFastHeadDimBuckets.back()) {  // the split-D forward (csrc/metal/families/prefill_splitd.cpp: its 3 pairs)
         l.function_constants = feature_constants(p, false, false, false, p.sinks);
         l.buffers = with_forward_features(kForwardBuffers);
         // the partials (fc_split_kv), bound always: the kernel declares them
@@ -538,6 +538,7 @@ MetalPlan plan_metal_attention(const AttentionProblem& p, const LaunchStrides& s
       break;
     }
   }
+  for (MetalLaunch& launch : plan.launches) launch.family = c.family;
   check_launch_limits(plan);
   return plan;
 }

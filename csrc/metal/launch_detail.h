@@ -1,10 +1,10 @@
-// What the Metal launch files share (csrc/metal_launch.cpp: the forward's
-// launches and the helpers; csrc/metal_launch_backward.cpp: the backward's):
+// What the Metal launch files share (csrc/metal/launch.cpp: the forward's
+// launches and the helpers; csrc/metal/launch_backward.cpp: the backward's):
 // the kernels' binding slots and tables, and the helpers both build
-// launches with. Internal to csrc/; the plan's public shape is metal_plan.h.
+// launches with. Internal to csrc/; the plan's public shape is csrc/metal/plan.h.
 #pragma once
 
-#include "metal_plan_detail.h"
+#include "metal/plan_detail.h"
 
 namespace flash_metal::plan_detail {
 
@@ -23,7 +23,7 @@ constexpr uint32_t kSlotSinks = 17, kSlotGradSinks = 18;
 constexpr uint32_t kSlotBlockTable = 19, kSlotCacheSeqlens = 20;  // the paged cache (fc_paged: decode, prefill)
 constexpr uint32_t kAttentionThreadgroupIndex = 0;  // dynamic threadgroup memory, [[threadgroup(0)]]
 
-// Binding tables (csrc/metal_launch.cpp has each one's comment).
+// Binding tables (csrc/metal/launch.cpp has each one's comment).
 extern const std::vector<BufferBinding> kBackwardDqBuffers;
 extern const std::vector<BufferBinding> kBackwardDkdvBuffers;
 extern const std::vector<BufferBinding> kSinksGradBuffers;
@@ -41,7 +41,7 @@ std::vector<bool> feature_constants(const AttentionProblem& p, bool align_q, boo
 // Those constants with fc_dense set.
 std::vector<bool> with_dense(std::vector<bool> c, bool dense);
 // fc_dense: may the feature kernels load whole 16-byte runs of each row
-// (metal_launch.cpp has the conditions); *why says why not.
+// (csrc/metal/launch.cpp has the conditions); *why says why not.
 bool dense_loader(const AttentionProblem& p, const LaunchStrides& s, uint32_t bucket, bool backward,
                   std::string* why);
 // The reason's sentence about the tile loader, for explain().

@@ -5,8 +5,8 @@
 // emulator runs exactly the launches a Mac would. No Objective-C, no Metal.
 #pragma once
 
-#include "checks.h"
-#include "../shaders/params.h"
+#include "../checks.h"
+#include "../../shaders/params.h"
 
 #include <array>
 #include <cstdint>
@@ -69,7 +69,7 @@ std::string tensor_ops_switched_off();
 // The oldest Apple GPU family Auto runs the tensor-op kernels on. Why 10:
 // M5's cores each hold a neural accelerator that matmul2d engages; on Apple 9
 // (M3, M4) matmul2d runs on the shader cores, and the model has no figure that
-// it beats the simdgroup kernel there (csrc/metal_routing_tensor_ops.cpp).
+// it beats the simdgroup kernel there (csrc/metal/families/tensor_ops.cpp).
 inline constexpr uint32_t kTensorOpsMinFamily = 10;
 // Why a process on an Apple `family` GPU cannot run the tensor-op kernels, ""
 // when it can: the one rule behind a Mac's GpuSpec::tensor_ops_missing
@@ -82,7 +82,7 @@ inline constexpr uint32_t kTensorOpsMinFamily = 10;
 // loads that library.
 std::string tensor_ops_problem(uint32_t family, bool forced, const std::function<std::string()>& library_problem);
 
-// The GPU a plan is sized and estimated for (csrc/metal_gpus.cpp, each
+// The GPU a plan is sized and estimated for (csrc/metal/gpus.cpp, each
 // figure with its source there). The split-KV decode sizes its blocks by
 // `cores`; the per-launch estimates (LaunchEstimate) use the per-core
 // register file and threadgroup memory.
@@ -201,7 +201,7 @@ constexpr uint32_t kWindowLeftFunctionConstant = 7;
 constexpr uint32_t kSoftcapFunctionConstant = 8;
 constexpr uint32_t kVarlenFunctionConstant = 9;
 // The prefill and backward kernels' dense tile loader (fc_dense in
-// shaders/attention_prefill.h; metal_launch.cpp's dense_loader decides it).
+// shaders/attention_prefill.h; csrc/metal/launch.cpp's dense_loader decides it).
 constexpr uint32_t kDenseFunctionConstant = 10;
 // The forward kernels (prefill, decode, split decode): attention sinks are
 // bound (fc_has_sinks in shaders/attention_features.h). False for every
@@ -274,12 +274,13 @@ struct KernelChoice {
   uint32_t dq_feature_split = 1;   // backward, dQ kernel: feature parts of dQ (a SIMD-group each)
   // (for the backward, block_q / block_k / simdgroups describe its dQ kernel)
   std::string reason;      // why, for humans (flash_metal.explain)
+  std::string family;      // the routing table's row that chose it (csrc/metal/families/table.cpp)
 };
 
 // The planner's estimates for one launch on one GPU (not measurements; a
 // model of what the compiler and the GPU will do, for explain() and the
 // performance model): registers from each kernel family's live-value model
-// (csrc/metal_plan_detail.h), residency from registers and threadgroup memory.
+// (csrc/metal/plan_detail.h), residency from registers and threadgroup memory.
 struct LaunchEstimate {
   uint32_t live_registers = 0;        // 32-bit values per lane the kernel keeps live
   uint32_t threadgroups_per_core = 0; // resident at once (at least 1)
@@ -301,12 +302,13 @@ struct MetalLaunch {
   std::vector<bool> function_constants;    // value of [[function_constant(i)]] at index i
   // The binding table: the MPS host (csrc/mps/attention_mps.mm) and the
   // test suite's emulated backend both bind from it, so the slots are written
-  // down once, in metal_launch.cpp, beside the kernels' [[buffer(n)]]
+  // down once, in csrc/metal/launch.cpp, beside the kernels' [[buffer(n)]]
   // attributes they mirror.
   std::vector<BufferBinding> buffers;
   uint32_t params_index = 0;               // [[buffer(i)]] of AttentionParams, bound with setBytes
   AttentionParams params{};                // the parameter block itself
   LaunchEstimate estimate;                 // on the plan's GpuSpec
+  std::string family;                      // the routing table's row that planned it (KernelChoice::family)
 };
 
 // Everything attention_forward encodes, in order, on one compute encoder
@@ -344,7 +346,7 @@ bool decode_takes_wide_dims(const AttentionProblem& p, KernelRequest requested, 
 
 // Whether a call with head dims above kFastHeadDimBuckets.back() runs the
 // split-D forward (shaders/attention_prefill_splitd.h,
-// csrc/metal_routing_splitd.cpp): forward, (D_qk, D_v) = (512, 512),
+// csrc/metal/families/prefill_splitd.cpp): forward, (D_qk, D_v) = (512, 512),
 // (576, 512) or (256, 512), no paged cache, and impl 'prefill', or impl
 // 'auto' where the model puts it ahead (512: causal, window_right 0, Nq >
 // kMaxDecodeRows; MLA's pairs: kSplitDMla* there); a backward call asks

@@ -1,7 +1,9 @@
-// Auto's gate to the Metal 4 tensor-op prefill and that kernel's choice
-// (issue 21), split from metal_routing.cpp, whose choose_metal_kernel calls
-// both: the one routing function stays there.
-#include "metal_plan_detail.h"
+// The tensor-op prefill (issue 21): FlashAttention-2 on Metal 4 tensor ops
+// (MPP matmul2d, shaders/attention_prefill_mpp.h, the MSL 4 library) at head
+// dims 64, 96, 128 and the MLA pair (192, 128): Auto's gate (tensor_ops_route,
+// which the backward's shares), the kernel's choice, and the "tensor ops"
+// row. D = 256 is the split-D row's (tensor_ops_dsplit.cpp).
+#include "metal/families/family.h"
 
 namespace flash_metal::plan_detail {
 
@@ -14,13 +16,19 @@ namespace {
 // tests/test_metal_model_accel.py recomputes it and fails if this constant
 // disagrees with the model.
 constexpr bool kMlaModelWins = true;
-constexpr const char* kMlaModelNote =
-    "the model (benchmarks/metal_model_accel.py, from the kernels' emulated counts: a model, not a measurement) "
-    "predicts them ahead of the simdgroup kernels at (192, 128) on every M5-family GPU (1 x 16 x 4096, float16, "
-    "causal and not, forward and backward)";
 constexpr const char* kMlaModelAgainst =
     "the model (benchmarks/metal_model_accel.py: a model, not a measurement) does not predict the tensor-op "
     "kernels ahead of the simdgroup kernels at (192, 128) on the M5 family";
+
+}  // namespace
+
+// The backward's reason quotes it too (backward_tensor_ops.cpp).
+const char* const kMlaModelNote =
+    "the model (benchmarks/metal_model_accel.py, from the kernels' emulated counts: a model, not a measurement) "
+    "predicts them ahead of the simdgroup kernels at (192, 128) on every M5-family GPU (1 x 16 x 4096, float16, "
+    "causal and not, forward and backward)";
+
+namespace {
 
 bool served_dims(const AttentionProblem& p) {
   return (p.head_dim_v == p.head_dim && (p.head_dim == 64 || p.head_dim == 96 || p.head_dim == 128)) ||
@@ -117,71 +125,11 @@ bool tensor_ops_route(const AttentionProblem& p, const GpuSpec& gpu, std::string
   return false;
 }
 
-// What the tensor-op backward (shaders/attention_backward_mpp.h) does not
-// cover, as the sentence that names it ("" when it covers the call): its
-// kernels take causal, windows, softcap, bool / additive masks, varlen,
-// sinks and GQA (attention_features.h's helpers, as the simdgroup backward),
-// and a v head dim of its own at the MLA pair (192, 128) only (choose_tensor_ops
-// refuses other pairs).
-std::string tensor_ops_backward_gap(const AttentionProblem& p) {
-  if (p.head_dim_v != p.head_dim && !is_tensor_ops_mla(p)) return "a v head dim of its own other than (192, 128)";
-  return "";
-}
-
-// The tensor-op backward, forced (impl='tensor_ops') or by Auto: the
-// forward's dtype and head-dim rules (choose_tensor_ops refuses the rest,
-// naming the argument), then the options its kernels take.
-void choose_tensor_ops_backward(const AttentionProblem& p, bool forced, const GpuSpec& gpu, KernelChoice* c) {
-  choose_tensor_ops(p, forced, gpu, c);
-  const std::string gap = tensor_ops_backward_gap(p);
-  TORCH_CHECK_VALUE(gap.empty(), "flash_metal.attention_backward: impl='tensor_ops' takes every option but ", gap,
-                    " yet (the simdgroup backward, impl='auto', takes it)");
-  const uint32_t elem = dtype_bytes(p.dtype), d = c->bucket, dv = static_cast<uint32_t>(p.head_dim_v);
-  c->kind = KernelRequest::TensorOps;
-  c->simdgroups = tensor_ops_backward_simdgroups(false, elem, d, dv);
-  c->block_q = 16 * c->simdgroups;
-  c->block_k = kTensorOpsBackwardBlock;
-  c->dkv_simdgroups = tensor_ops_backward_simdgroups(true, elem, d, dv);
-  c->dkv_block_k = 16 * c->dkv_simdgroups;
-  c->dkv_block_q = kTensorOpsBackwardBlock;
-  c->reason = (forced ? std::string("forced: tensor_ops (impl='tensor_ops'); ")
-                      : "tensor ops: an Apple " + std::to_string(gpu.family) +
-                            " GPU with macOS 26.2 and the MSL 4 library, float16 / bfloat16 at a head dim the "
-                            "kernels serve, " + (is_tensor_ops_mla(p) ? std::string("the MLA pair (192, 128): ") +
-                            kMlaModelNote : std::string("equal q/k and v dims")) +
-                            " (FLASH_METAL_DISABLE_TENSOR_OPS=1 turns this off); ") +
-              "backward: FlashAttention-2 with recomputation on Metal 4 tensor ops (MPP matmul2d, the MSL 4 "
-              "library), the atomics-free split (dQ and Delta over query blocks, then dK/dV over key blocks; "
-              "deterministic); dQ kernel: " + std::to_string(c->block_q) + " queries x " +
-              std::to_string(c->block_k) + " keys on " + std::to_string(c->simdgroups) + " simdgroups of 16 rows, " +
-              kib(tensor_ops_backward_bytes(false, elem, d, dv, c->simdgroups)) + "; dK/dV kernel: " +
-              std::to_string(c->dkv_block_k) + " keys x " + std::to_string(c->dkv_block_q) + " queries on " +
-              std::to_string(c->dkv_simdgroups) + " simdgroups of 16 keys sharing each Q / dO block (staged once per threadgroup), " +
-              kib(tensor_ops_backward_bytes(true, elem, d, dv, c->dkv_simdgroups)) +
-              (d != dv ? std::string("; q/k 192 and v 128 wide (S = Q.K^T and dP = dO.V^T one matmul2d type with "
-                                     "K read from the operands, dQ and dK 192 wide, dV 128)")
-                       : std::string()) +
-              "; P and dS rounded to the input dtype before their products (matmul2d takes 16-bit operand "
-              "pairs), float32 accumulators; options (masks, windows, softcap, varlen, sinks) by "
-              "attention_features.h's helpers, as the simdgroup backward.";
-}
-
-// Auto's gate for the backward: the forward's (tensor_ops_route) and the
-// options its kernels take.
-bool tensor_ops_backward_route(const AttentionProblem& p, const GpuSpec& gpu, std::string* why_not) {
-  if (!tensor_ops_route(p, gpu, why_not)) return false;
-  const std::string gap = tensor_ops_backward_gap(p);
-  if (gap.empty()) return true;
-  *why_not = gap + " (the tensor-op backward takes equal q/k and v head dims and (192, 128); the simdgroup "
-                   "backward takes every pair)";
-  return false;
-}
-
 }  // namespace flash_metal::plan_detail
 
 namespace flash_metal {
 
-// Declared in metal_plan.h. The family's sentence stays short: on older GPUs
+// Declared in csrc/metal/plan.h. The family's sentence stays short: on older GPUs
 // the path is no candidate for Auto, and explain() does not mention it.
 std::string tensor_ops_problem(uint32_t family, bool forced, const std::function<std::string()>& library_problem) {
   if (!forced && family < kTensorOpsMinFamily) {
@@ -192,5 +140,70 @@ std::string tensor_ops_problem(uint32_t family, bool forced, const std::function
   if (problem.empty()) problem = library_problem();
   return problem;
 }
+
+}  // namespace flash_metal
+
+namespace flash_metal {
+
+namespace {
+
+using namespace plan_detail;
+
+// The "tensor ops" and "tensor ops split-D" rows' common question: a call
+// the tensor-op forward may take (impl='tensor_ops', or Auto's prefill
+// calls), before the gate. `dsplit`: whether D = 256 is the row's.
+WhyNot tensor_ops_candidate(const RouteContext& ctx, bool dsplit) {
+  const AttentionProblem& p = ctx.p;
+  if (!within_fast_dims(p)) return past_fast_dims(p);
+  if (ctx.requested == KernelRequest::TensorOps) {
+    if ((p.head_dim == kTensorOpsDsplitHeadDim) == dsplit) return std::nullopt;
+    return std::string(dsplit ? "head_dim " + std::to_string(p.head_dim) + " is not 256 (the tensor ops row)"
+                              : "head_dim 256 (the tensor ops split-D row)");
+  }
+  if (ctx.requested != KernelRequest::Auto) {
+    return std::string("impl='") + request_name(ctx.requested) + "' names another family";
+  }
+  if (!p.varlen && p.q_len <= kMaxDecodeRows) {
+    return "Nq = " + std::to_string(p.q_len) + " <= " + std::to_string(kMaxDecodeRows) +
+           " query rows, not packed (the decode kernels)";
+  }
+  const bool is_dsplit = p.head_dim == kTensorOpsDsplitHeadDim && p.head_dim_v == kTensorOpsDsplitHeadDim;
+  if (is_dsplit != dsplit) {
+    return std::string(dsplit ? "head dims other than 256 / 256 (the tensor ops row)"
+                              : "head dims 256 / 256 (the tensor ops split-D row)");
+  }
+  std::string why_not;
+  if (tensor_ops_forward_route(p, ctx.gpu, &why_not)) return std::nullopt;
+  if (why_not.empty()) why_not = tensor_ops_problem(ctx.gpu.family, false, [] { return std::string(); });
+  return why_not;
+}
+
+WhyNot tensor_ops_takes(const RouteContext& ctx) { return tensor_ops_candidate(ctx, false); }
+
+}  // namespace
+
+namespace plan_detail {
+
+// Both tensor-op rows plan so: forward_opening's checks, then the kernel's
+// choice (its reason replaces the opening's; no padding: each head dim runs
+// at its own width).
+KernelChoice tensor_ops_forward_plan(const RouteContext& ctx) {
+  KernelChoice c = forward_opening(ctx);
+  c.kind = KernelRequest::TensorOps;
+  choose_tensor_ops_forward(ctx.p, ctx.requested != KernelRequest::Auto, ctx.gpu, &c);
+  return c;
+}
+
+WhyNot tensor_ops_forward_candidate(const RouteContext& ctx, bool dsplit) { return tensor_ops_candidate(ctx, dsplit); }
+
+}  // namespace plan_detail
+
+extern const FamilyRow kTensorOpsFamily = {
+    "tensor ops", MetalPass::Forward,
+    "forward; float16, bfloat16; head dims 64, 96, 128 (D_v = D_qk) or the MLA pair (192, 128); every option; "
+    "impl 'auto' at Nq > 8 or varlen, or 'tensor_ops'; unit feature strides of k and v; not paged; an Apple 10 "
+    "GPU (M5) with macOS 26.2 and the MSL 4 library (any family when forced)",
+    "flash_attention_prefill_mpp_float16_*,flash_attention_prefill_mpp_bfloat16_*",
+    tensor_ops_takes, plan_detail::tensor_ops_forward_plan};
 
 }  // namespace flash_metal

@@ -1,14 +1,11 @@
-// The split-D kernels' routing (issue 20 sections 2 and 3): which calls with
+// The split-D forward's routing (issue 20 sections 2 and 3): which calls with
 // head dims above 256 run the fused split-D forward (shaders/attention_prefill_splitd.h)
 // at D = 512 and at MLA's (576, 512) and (256, 512), packed over the GQA
-// group's heads where that saves K/V reads (the absorbed-MLA decode), or the
-// split-D backward at D = 512 (shaders/attention_backward_splitd.h; its
-// launches are in csrc/metal_launch_backward.cpp), with the sentence
-// explain() prints either way, their blocks and the forward's launch shape.
-// The rest of the routing is
-// csrc/metal_routing.cpp (choose_metal_kernel) and csrc/composite.cpp
-// (composite_route, the fallback), which ask splitd_takes.
-#include "metal_plan_detail.h"
+// group's heads where that saves K/V reads (the absorbed-MLA decode), with
+// the sentence explain() prints either way, its blocks, its launch shape and
+// the "prefill split-D" row. The split-D backward is backward_splitd.cpp's;
+// csrc/composite.cpp (composite_route, the fallback) asks splitd_takes too.
+#include "metal/families/family.h"
 
 namespace flash_metal {
 
@@ -22,7 +19,6 @@ using namespace plan_detail;
 // V2/V3, Kimi: a 512-wide latent plus a 64-wide rope part, v the latent);
 // 256 / 512, the other MLA pair issue 20 names. Other dims in (256, 576]
 // are rare and stay composite.
-constexpr int64_t kSplitDHeadDim = 512;
 constexpr std::pair<int64_t, int64_t> kSplitDPairs[] = {{512, 512}, {576, 512}, {256, 512}};
 
 bool splitd_pair(const AttentionProblem& p) {
@@ -122,22 +118,6 @@ bool splitd_decode_splits_keys(const AttentionProblem& p) {
   return p.q_len <= kMaxDecodeRows && splitd_packs(p) && splitd_threadgroups(p) < kSplitDMlaDecodeMinThreadgroups;
 }
 
-// The backward's verdict (benchmarks/metal_model_splitd_backward.py prints
-// it from the split-D backward's exact emulator counts against the
-// composite backward's model; tests/test_metal_backward_splitd.py holds it):
-// a model, not a measurement, at 1 x 8 x {1024, 4096} x 512, float16.
-// Behind everywhere: the dK/dV kernel, owning 8 keys, re-reads Q and dO once
-// per 8 keys (twice per block: S^T's transposed fragments, then dK's), the
-// dQ kernel K and V once per 8 query rows, and at 512 features those bytes
-// outweigh the composite path's N x N traffic. So impl='auto' never routes
-// it; impl='prefill' runs it (O(N) memory, deterministic).
-constexpr const char* kSplitDBackwardVerdict =
-    "the model puts the split-D backward behind the composite backward (unfused / split-D 0.34-0.52x causal, "
-    "0.18-0.26x not causal, at 1x8x{1024,4096}x512 float16 on M1 Max, M3 Max, M4 Pro and M5, the whole band "
-    "behind; memory-bound: its dK/dV kernel re-reads Q and dO once per 8 keys; "
-    "benchmarks/metal_model_splitd_backward.py: a model, not a measurement), so impl='auto' keeps the composite "
-    "path (impl='prefill' runs the split-D backward: O(N) memory, deterministic)";
-
 }  // namespace
 
 bool splitd_takes(const AttentionProblem& p, KernelRequest requested, MetalPass pass, std::string* why_not) {
@@ -177,24 +157,6 @@ bool splitd_takes(const AttentionProblem& p, KernelRequest requested, MetalPass 
     why = "Nq = " + std::to_string(p.q_len) + " <= " + std::to_string(kMaxDecodeRows) +
           " past the wide decode's rows per kv head: the model priced the split-D plan on prefill "
           "shapes only (impl='prefill' runs it)";
-  }
-  if (why_not != nullptr) *why_not = why;
-  return why.empty();
-}
-
-bool splitd_backward_takes(const AttentionProblem& p, KernelRequest requested, std::string* why_not) {
-  std::string why;
-  const bool forced = requested == KernelRequest::Prefill;
-  if (p.head_dim != kSplitDHeadDim || p.head_dim_v != kSplitDHeadDim) {
-    why = "the split-D backward runs D_qk = D_v = " + std::to_string(kSplitDHeadDim) +
-          " exactly (whole 64-feature parts, no padding columns); got " + std::to_string(p.head_dim) + " / " +
-          std::to_string(p.head_dim_v);
-  } else if (p.paged) {
-    why = "a paged KV cache has no backward";
-  } else if (!forced && requested != KernelRequest::Auto) {
-    why = "this impl does not name the split-D backward (impl='auto' or 'prefill' does)";
-  } else if (!forced) {
-    why = kSplitDBackwardVerdict;
   }
   if (why_not != nullptr) *why_not = why;
   return why.empty();
@@ -324,75 +286,32 @@ void splitd_launch(const AttentionProblem& p, const KernelChoice& c, const GpuSp
   l->estimate = estimate_launch(*l, splitd_live_registers(p.head_dim, p.head_dim_v), gpu);
 }
 
-// The split-D backward's blocks (shaders/attention_backward_splitd.h says
-// why): dQ over 8 query rows x 32-key blocks, dK/dV over 8 keys x 32-row
-// query blocks, each on 8 SIMD-groups of 64 features. Host names encode them.
-constexpr uint32_t kSplitDBackwardOwn = 8, kSplitDBackwardStreamed = 32, kSplitDBackwardSimdgroups = 8;
-
-// Threadgroup memory, the kernels' layouts in floats: 2 x WM x 8 x S
-// partials (S and dP), then the dQ kernel's 8 x S dS and WM x 8 Delta
-// shares, or the dK/dV kernel's 8 x S P^T and 8 x S dS^T.
-constexpr uint32_t splitd_backward_bytes(bool dkdv) {
-  const uint32_t block = 8 * kSplitDBackwardStreamed;
-  return (2 * kSplitDBackwardSimdgroups * block + (dkdv ? 2 * block : block + kSplitDBackwardSimdgroups * 8)) * 4;
-}
-static_assert(splitd_backward_bytes(false) == 17664 && splitd_backward_bytes(true) == 18432 &&
-                  splitd_backward_bytes(true) <= kMaxThreadgroupMemory && splitd_backward_bytes(false) % 16 == 0 &&
-                  splitd_backward_bytes(true) % 16 == 0,
-              "the split-D backward's scratch: within 32 KiB, a multiple of 16 bytes");
-static_assert(32 * kSplitDBackwardSimdgroups <= uint32_t{kBackwardMaxThreads}, "its declared limit (params.h)");
-
-// Live values per lane: the dQ kernel's Q and dQ fragments (16 each at 64
-// features) plus one block of S or dP (8), two operand fragments (4) and
-// kLiveOverhead: 60; the dK/dV kernel's dK and dV (16 each) plus S^T and
-// dP^T (8 each) and the same: 68. dO (dQ kernel) and K and V (dK/dV kernel)
-// are re-read per block, not kept (they would add 16 and 32).
-constexpr uint32_t splitd_backward_live(bool dkdv) {
-  const uint32_t part = kSplitDHeadDim / 4 / kSplitDBackwardSimdgroups;  // one 8 x 64 slice, in floats per lane
-  const uint32_t block = kSplitDBackwardStreamed / 4;                     // one 8 x 32 block
-  return (dkdv ? 2 * part + 2 * block : 2 * part + block) + 4 + kLiveOverhead;
-}
-static_assert(splitd_backward_live(false) <= uint32_t{kDecodeRegisterBudget} &&
-                  splitd_backward_live(true) <= uint32_t{kDecodeRegisterBudget},
-              "within the planner's 72-value budget");
-
-uint32_t splitd_backward_threadgroup_bytes(bool dkdv) { return splitd_backward_bytes(dkdv); }
-uint32_t splitd_backward_live_registers(bool dkdv) { return splitd_backward_live(dkdv); }
-
-KernelChoice choose_splitd_backward(const AttentionProblem&, KernelRequest, const GpuSpec& gpu) {
-  KernelChoice c;
-  c.kind = KernelRequest::Prefill;  // the simdgroup-matrix family
-  c.bucket = static_cast<uint32_t>(kSplitDHeadDim);
-  c.block_q = kSplitDBackwardOwn;
-  c.block_k = kSplitDBackwardStreamed;
-  c.simdgroups = kSplitDBackwardSimdgroups;
-  c.dkv_block_k = kSplitDBackwardOwn;
-  c.dkv_block_q = kSplitDBackwardStreamed;
-  c.dkv_simdgroups = kSplitDBackwardSimdgroups;
-  c.dq_feature_split = c.dkv_feature_split = kSplitDBackwardSimdgroups;
-  MetalLaunch l;
-  l.threadgroup = {32 * kSplitDBackwardSimdgroups, 1, 1};
-  l.threadgroup_memory = splitd_backward_bytes(true);
-  const LaunchEstimate e = estimate_launch(l, splitd_backward_live(false), gpu);
-  c.reason = std::string("backward (split-D): ") +
-             "requested by the caller (impl='prefill') at D = 512 (impl='auto' keeps the composite path: " +
-             kSplitDBackwardVerdict + ")" +
-             "; the simdgroup backward's four 512-wide tiles do not fit 32 KiB, so the head dimension is blocked "
-             "(metal-flash-attention's idea) in FlashAttention-2's atomics-free split: a dQ kernel over " +
-             std::to_string(kSplitDBackwardOwn) + " query rows x " + std::to_string(kSplitDBackwardStreamed) +
-             "-key blocks (Q and dQ in registers, dO re-read, " + kib(splitd_backward_bytes(false)) + ", " +
-             std::to_string(splitd_backward_live(false)) + " live values per lane), then a dK/dV kernel over " +
-             std::to_string(kSplitDBackwardOwn) + " keys x " + std::to_string(kSplitDBackwardStreamed) +
-             "-row query blocks (dK, dV in registers, K/V re-read, the GQA group's heads in order, " +
-             kib(splitd_backward_bytes(true)) + ", " + std::to_string(splitd_backward_live(true)) +
-             " live values per lane), each on " + std::to_string(kSplitDBackwardSimdgroups) + " simdgroups of " +
-             std::to_string(kSplitDHeadDim / kSplitDBackwardSimdgroups) +
-             " features reading their operands from device memory, S and dP summed through threadgroup memory "
-             "(2 barriers per block), no atomics, deterministic; " + std::to_string(e.simdgroups_per_core) +
-             " resident simdgroups per core on " + gpu.name + "; not yet verified on Apple hardware";
-  return c;
-}
-
 }  // namespace plan_detail
 
+namespace {
+
+using namespace plan_detail;
+
+WhyNot prefill_splitd_takes(const RouteContext& ctx) {
+  const int64_t fast = kFastHeadDimBuckets.back();
+  if (ctx.p.head_dim <= fast && ctx.p.head_dim_v <= fast) {
+    return std::string("head dims within 256 (the split-D forward runs (512, 512), (576, 512) and (256, 512))");
+  }
+  std::string why_not;
+  if (splitd_takes(ctx.p, ctx.requested, MetalPass::Forward, &why_not)) return std::nullopt;
+  return why_not;
+}
+
+KernelChoice prefill_splitd_plan(const RouteContext& ctx) { return choose_splitd(ctx.p, ctx.requested, ctx.gpu); }
+
+}  // namespace
+
+extern const FamilyRow kPrefillSplitDFamily = {
+    "prefill split-D", MetalPass::Forward,
+    "forward; float32, float16, bfloat16; head dims (512, 512), (576, 512), (256, 512) exactly; every option; impl "
+    "'auto' where the model puts it ahead (causal prefill, MLA's packed decode) or 'prefill'; not paged; any GPU",
+    "flash_attention_prefill_splitd_*,flash_decode_merge_*_d512",
+    prefill_splitd_takes, prefill_splitd_plan};
+
 }  // namespace flash_metal
+

@@ -1,8 +1,8 @@
-// The backward's launches on Metal (csrc/metal_launch.cpp has the
-// forward's): from the backward's KernelChoice (metal_routing.cpp,
+// The backward's launches on Metal (csrc/metal/launch.cpp has the
+// forward's): from the backward's KernelChoice (csrc/metal/families/table.cpp,
 // choose_backward) to the dQ and dK/dV dispatches of the simdgroup-matrix
 // backward or of the tensor-op one, and flash_sinks_grad with sinks.
-#include "metal_launch_detail.h"
+#include "metal/launch_detail.h"
 
 namespace flash_metal {
 
@@ -93,7 +93,7 @@ void tensor_ops_backward_launches(const AttentionProblem& p, const LaunchStrides
 }
 
 // The split-D backward's two launches at D = 512 (shaders/attention_backward_splitd.h,
-// csrc/metal_routing_splitd.cpp): dQ and Delta over 8-row query blocks,
+// csrc/metal/families/backward_splitd.cpp): dQ and Delta over 8-row query blocks,
 // then dK/dV over 8-key blocks, 256 threads each. Function constants: the
 // feature kernels' (fc_causal, fc_has_grad_lse on dQ, the options); the
 // alignment and dense-loader ones are false (no tile loader: every operand
@@ -143,6 +143,7 @@ MetalPlan plan_metal_attention_backward(const AttentionProblem& p, const LaunchS
   const uint32_t batch = static_cast<uint32_t>(p.batch);
   if (c.kind == KernelRequest::TensorOps) {
     tensor_ops_backward_launches(p, s, has_grad_lse, c, suffix, gpu, &plan);
+    for (MetalLaunch& launch : plan.launches) launch.family = c.family;
     check_launch_limits(plan);
     return plan;
   }
@@ -191,6 +192,7 @@ MetalPlan plan_metal_attention_backward(const AttentionProblem& p, const LaunchS
     plan.launches.push_back(dkv);
   }
   if (p.sinks) sinks_grad_launch(p, plan.launches.front(), gpu, &plan);  // the dQ launch: its params
+  for (MetalLaunch& launch : plan.launches) launch.family = c.family;
   check_launch_limits(plan);
   return plan;
 }

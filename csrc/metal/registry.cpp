@@ -3,7 +3,7 @@
 // (so it cannot drift from the planner), each at its largest threadgroup.
 // The macOS pipeline test builds each; the emulator tests compare the names
 // with the metallib's.
-#include "metal_plan_detail.h"
+#include "metal/plan_detail.h"
 
 namespace flash_metal {
 

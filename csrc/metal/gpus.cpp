@@ -1,4 +1,4 @@
-// The Apple GPUs the planner knows by name (GpuSpec in metal_plan.h), and
+// The Apple GPUs the planner knows by name (GpuSpec in csrc/metal/plan.h), and
 // the per-launch estimates (LaunchEstimate): registers per lane and the
 // threadgroups / SIMD-groups a core keeps resident. These are models for
 // explain() and benchmarks/metal_model.py, never measurements; only the
@@ -17,7 +17,7 @@
 //   register file per core: ~208 KB (metal-benchmarks' register figures,
 //     as /work/shared/notes/fast-kernels.md gives them), every generation: an
 //     estimate past M2.
-#include "metal_plan_detail.h"
+#include "metal/plan_detail.h"
 
 #include <cctype>
 #include <cstdlib>

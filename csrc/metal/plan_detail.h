@@ -1,12 +1,13 @@
-// Helpers shared by the Metal planner's three files: metal_routing.cpp (which
-// kernel and which blocks: choose_metal_kernel), metal_launch.cpp (grids,
+// Helpers shared by the Metal planner's files: the routing (csrc/metal/routing.cpp
+// and the kernel families of csrc/metal/families/: which kernel and which
+// blocks, choose_metal_kernel), csrc/metal/launch.cpp (grids,
 // threadgroups, bindings and params: plan_metal_attention and its backward)
-// and metal_registry.cpp (every launch the planner can produce). Internal:
+// and csrc/metal/registry.cpp (every launch the planner can produce). Internal:
 // nothing outside those files includes it.
 #pragma once
 
-#include "metal_plan.h"
-#include "../shaders/attention_decode_rows.h"
+#include "metal/plan.h"
+#include "../../shaders/attention_decode_rows.h"
 
 #include <c10/util/Exception.h>
 
@@ -365,7 +366,7 @@ inline constexpr uint32_t kLiveOverhead = 16;
 // The backward: accumulators (dQ: bucket / 8 fragments; dK and dV: twice
 // that; each over `split` feature parts, a SIMD-group each) plus one block of P and dP (2
 // fragments each per 8 keys or queries), 2 floats per fragment per lane.
-// The planner's register budget (metal_routing.cpp) bounds these.
+// The planner's register budget (kBackwardRegisterBudget, csrc/metal/families/family.h) bounds these.
 inline uint32_t dq_live_floats(uint32_t bucket, uint32_t block_k, uint32_t split) {
   return bucket / 4 / split + block_k / 2;
 }
@@ -480,10 +481,10 @@ static_assert(tensor_ops_dsplit_live_registers(kTensorOpsDsplitWideBlockQ, kTens
 // The split-KV merge: one row's partial max, sum and feature slice per lane.
 inline constexpr uint32_t kMergeLiveRegisters = 8 + kLiveOverhead;
 
-// Residency of `launch` on `gpu` with `live_registers` per lane (metal_gpus.cpp).
+// Residency of `launch` on `gpu` with `live_registers` per lane (csrc/metal/gpus.cpp).
 LaunchEstimate estimate_launch(const MetalLaunch& launch, uint32_t live_registers, const GpuSpec& gpu);
 
-// The tensor-op prefill (csrc/metal_routing_tensor_ops.cpp): whether Auto
+// The tensor-op prefill (csrc/metal/families/tensor_ops.cpp): whether Auto
 // takes it for a prefill (else *why_not says why, on Apple 10 GPUs), and its
 // blocks and reason, forced or not; refuses what it does not cover.
 bool tensor_ops_route(const AttentionProblem& p, const GpuSpec& gpu, std::string* why_not);
@@ -492,28 +493,28 @@ bool tensor_ops_route(const AttentionProblem& p, const GpuSpec& gpu, std::string
 std::string tensor_ops_stride_gap(const AttentionProblem& p);
 void check_tensor_ops_strides(const AttentionProblem& p, const char* op);
 void choose_tensor_ops(const AttentionProblem& p, bool forced, const GpuSpec& gpu, KernelChoice* c);
-// The forward's own gate and choice (csrc/metal_routing_tensor_ops_dsplit.cpp):
+// The forward's own gate and choice (csrc/metal/families/tensor_ops_dsplit.cpp):
 // D = 256 on the split-D kernel, Auto only where the model says it wins;
 // every other head dim as tensor_ops_route / choose_tensor_ops.
 bool tensor_ops_forward_route(const AttentionProblem& p, const GpuSpec& gpu, std::string* why_not);
 void choose_tensor_ops_forward(const AttentionProblem& p, bool forced, const GpuSpec& gpu, KernelChoice* c);
-// The tensor-op backward: whether Auto takes it (the forward's gate plus
+// The tensor-op backward (csrc/metal/families/backward_tensor_ops.cpp): whether Auto takes it (the forward's gate plus
 // what the backward kernels cover; else *why_not), and its blocks and reason.
 bool tensor_ops_backward_route(const AttentionProblem& p, const GpuSpec& gpu, std::string* why_not);
 void choose_tensor_ops_backward(const AttentionProblem& p, bool forced, const GpuSpec& gpu, KernelChoice* c);
-// The backward at every head dim (csrc/metal_routing_tensor_ops_dsplit.cpp):
+// The backward at every head dim (csrc/metal/families/backward_tensor_ops_dsplit.cpp):
 // D = 256 on the split-D kernels (Auto only where the model says they win),
 // every other as tensor_ops_backward_route / choose_tensor_ops_backward.
 bool tensor_ops_backward_route_all_d(const AttentionProblem& p, const GpuSpec& gpu, std::string* why_not);
 void choose_tensor_ops_backward_all_d(const AttentionProblem& p, bool forced, const GpuSpec& gpu, KernelChoice* c);
 
-// The prefill's (csrc/metal_routing_prefill.cpp): the paged prefill's
+// The prefill's (csrc/metal/families/prefill.cpp): the paged prefill's
 // sentence for explain(), and whether a prefill packs its GQA group's heads
 // into each threadgroup (fc_pack_gqa; appends the reason's sentence).
 std::string prefill_pages_note(const AttentionProblem& p, uint32_t block_k, bool pack_gqa);
 bool prefill_pack_gqa(const AttentionProblem& p, uint32_t block_q, std::string* reason);
 
-// The split-D forward at D = 512 (csrc/metal_routing_splitd.cpp): its blocks
+// The split-D forward at D = 512 (csrc/metal/families/prefill_splitd.cpp): its blocks
 // and reason (choose_metal_kernel, when splitd_takes), and its launch's
 // name, grid, threadgroup, memory and estimate (plan_metal_attention sets
 // the constants and bindings, as for the prefill).
@@ -523,15 +524,15 @@ void splitd_launch(const AttentionProblem& p, const KernelChoice& c, const GpuSp
 // the merge pass (flash_decode_merge at D_v) after `l`, the split-D launch.
 void splitd_merge_launch(const AttentionProblem& p, const KernelChoice& c, const GpuSpec& gpu, const MetalLaunch& l,
                          MetalPlan* plan);
-// The split-D backward at D = 512 (the same file): its blocks and reason
-// (whether it takes a call: splitd_backward_takes, metal_plan.h), and its two
+// The split-D backward at D = 512 (csrc/metal/families/backward_splitd.cpp): its blocks and reason
+// (whether it takes a call: splitd_backward_takes, csrc/metal/plan.h), and its two
 // kernels' threadgroup bytes and live values (dkdv: the dK/dV kernel's, else
-// the dQ kernel's) for csrc/metal_launch_backward.cpp.
+// the dQ kernel's) for csrc/metal/launch_backward.cpp.
 KernelChoice choose_splitd_backward(const AttentionProblem& p, KernelRequest requested, const GpuSpec& gpu);
 uint32_t splitd_backward_threadgroup_bytes(bool dkdv);
 uint32_t splitd_backward_live_registers(bool dkdv);
 
-// The wide decode's sentence for explain() (csrc/metal_routing_wide.cpp):
+// The wide decode's sentence for explain() (csrc/metal/families/wide_decode.cpp):
 // the bucket and the model's verdict against the composite path.
 std::string wide_decode_note(const AttentionProblem& p, uint32_t bucket);
 
