@@ -6,7 +6,7 @@
 #pragma once
 
 #include "metal_plan.h"
-#include "../shaders/attention_decode_rows.h"
+#include "../shaders/decode/attention_decode_rows.h"
 
 #include <c10/util/Exception.h>
 

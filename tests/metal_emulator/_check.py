@@ -285,11 +285,12 @@ def check_msl_rules(paths, msl: int = 3) -> set[str]:
 
 
 def shader_files(shader_dir: str) -> list[str]:
-    """Every file under shader_dir (hidden ones aside): what the rules must cover."""
+    """Every shader source (*.metal, *.h) under shader_dir, in every subfolder, hidden ones aside: what
+    the rules must cover. Other files (shaders/README.md) are not code; setup.py ships the same set."""
     out = []
     for root, dirs, files in os.walk(shader_dir):
         dirs[:] = [d for d in dirs if not d.startswith(".")]
-        out += [os.path.join(root, f) for f in files if not f.startswith(".")]
+        out += [os.path.join(root, f) for f in files if not f.startswith(".") and f.endswith((".metal", ".h"))]
     return sorted(os.path.abspath(f) for f in out)
 
 
