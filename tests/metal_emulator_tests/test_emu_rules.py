@@ -108,6 +108,27 @@ def test_planted_in_a_copy_of_the_shaders(tmp_path, where, old, new, fragment):
     assert any(fragment in v and where in v for v in e.value.violations), e.value.violations
 
 
+def test_a_shared_header_reached_through_a_family_folder_is_checked(tmp_path):
+    """The family headers include the shared ones by a relative path ("../common/attention_common.h"):
+    clang names such a file "post/../common/attention_common.h", and the check must still know it for
+    the copy of common/attention_common.h (the rules and the covered files both), or every shared header
+    would go unchecked."""
+    copy = tmp_path / "shaders"
+    shutil.copytree(SHADERS, copy)
+    where = "common/attention_common.h"
+    text = (copy / where).read_text()
+    entry = copy / "planted.metal"
+    entry.write_text('#include "post/attention_untiled.h"\n')
+    assert str(copy / where) in check_msl_rules([str(entry)])
+    # A rule only the AST walk sees (no compiler diagnostic): a static data member without `constant`.
+    plant = "\nnamespace flash_metal {\nstruct FmPlanted { static constexpr int kPlanted = 1; };\n}\n"
+    (copy / where).write_text(text + plant)
+    with pytest.raises(MslRuleError) as e:
+        check_msl_rules([str(entry)])
+    assert any("a static data member 'kPlanted'" in v and v.startswith(str(copy / where))
+               for v in e.value.violations), e.value.violations
+
+
 def test_static_member_planted_in_an_msl4_header_fails_the_suite(tmp_path):
     """Issue 40's class: a static data member without `constant` in an MSL 4 header. The shaders,
     copied, with MppDsplitShape::kBytes (one of the 15 members issue 40 fixed) stripped of its
