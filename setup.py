@@ -173,14 +173,25 @@ def _extension():
 
 
 def _shader_files(shader_dir=SHADER_DIR):
-    """The shader sources the package ships (and library.mm fingerprints): *.metal and *.h.
+    """The shader sources the package ships (and library.mm fingerprints): every *.metal and *.h
+    under shader_dir, its family subfolders (common/, prefill/, ...; shaders/README.md) included.
 
-    Dot-files never count: macOS writes AppleDouble companions (`._attention.metal`)
-    beside files copied to non-Apple file systems or unpacked from some archives,
-    and they would change the fingerprint and ship as "shaders". (glob's `*` skips
-    names starting with a dot; the pattern says so explicitly.)
+    Dot-files and dot-folders never count: macOS writes AppleDouble companions
+    (`._attention.metal`) beside files copied to non-Apple file systems or unpacked
+    from some archives, and they would change the fingerprint and ship as "shaders".
+    The same rule as shader_source::is_shader_file and list_shader_files.
     """
-    return sorted(glob.glob(os.path.join(shader_dir, "[!.]*.metal")) + glob.glob(os.path.join(shader_dir, "[!.]*.h")))
+    found = []
+    for root, dirs, files in os.walk(shader_dir):
+        dirs[:] = [d for d in dirs if not d.startswith(".")]
+        found += [os.path.join(root, f) for f in files if not f.startswith(".") and f.endswith((".metal", ".h"))]
+    return sorted(found)
+
+
+def _shader_relpath(path, shader_dir=SHADER_DIR):
+    """A shader file's path relative to shader_dir, '/'-separated ("common/params.h"): its name in the
+    fingerprint and its place in the installed flash_metal/shaders/."""
+    return os.path.relpath(path, shader_dir).replace(os.sep, "/")
 
 
 # --- The metallib ----------------------------------------------------------------------------
@@ -329,8 +340,9 @@ def _env_flag(name):
 def shader_sources_hash(shader_dir=SHADER_DIR):
     """The fingerprint library.mm recomputes from the installed shaders (16 hex digits).
 
-    FNV-1a-64 over, per shader file in byte order of its name,
-    "<name>\\n<size>\\n<contents>"; see shader_source::source_tree_hash.
+    FNV-1a-64 over, per shader file in byte order of its path relative to shader_dir
+    ('/'-separated: "common/params.h"), "<path>\\n<size>\\n<contents>"; see
+    shader_source::source_tree_hash.
     """
     h = _FNV_OFFSET_BASIS
 
@@ -339,7 +351,7 @@ def shader_sources_hash(shader_dir=SHADER_DIR):
             h = ((h ^ byte) * _FNV_PRIME) & 0xFFFFFFFFFFFFFFFF
         return h
 
-    names = sorted((os.path.basename(p).encode() for p in _shader_files(shader_dir)))
+    names = sorted(_shader_relpath(p, shader_dir).encode() for p in _shader_files(shader_dir))
     for name in names:
         with open(os.path.join(shader_dir, name.decode()), "rb") as f:
             data = f.read()
@@ -436,7 +448,10 @@ def build_metallib(out_dir, shader_dir=SHADER_DIR):
 
 
 def metal_sources(shader_dir=SHADER_DIR, mpp=False):
-    """The .metal files of one library: the MSL 3.1 one (mpp=False) or the MSL 4 tensor-op one."""
+    """The .metal files of one library: the MSL 3.1 one (mpp=False) or the MSL 4 tensor-op one.
+
+    Only shader_dir's root holds translation units; the subfolders hold the headers they include
+    (shaders/README.md)."""
     sources = sorted(glob.glob(os.path.join(shader_dir, "[!.]*.metal")))
     return [s for s in sources if s.endswith(MPP_SOURCE_SUFFIX) == mpp]
 
@@ -505,12 +520,15 @@ def build_mpp_metallib(out_dir, shader_dir=SHADER_DIR):
 
 
 def install_shader_sources(out_dir, shader_dir=SHADER_DIR):
-    """Replace out_dir/shaders/ with exactly this checkout's shader sources (no leftovers)."""
+    """Replace out_dir/shaders/ with exactly this checkout's shader sources (no leftovers), in the
+    same subfolders (their #include paths are relative)."""
     dest = os.path.join(out_dir, "shaders")
     shutil.rmtree(dest, ignore_errors=True)
     os.makedirs(dest)
     for path in _shader_files(shader_dir):
-        shutil.copy2(path, dest)
+        target = os.path.join(dest, *_shader_relpath(path, shader_dir).split("/"))
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        shutil.copy2(path, target)
     return dest
 
 

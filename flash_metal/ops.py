@@ -249,7 +249,7 @@ class MetalDispatch(NamedTuple):
     buffers: Dict[str, int]  # the binding table: tensor name (see _LAUNCH_TENSORS) -> [[buffer(n)]]
     params_index: int  # [[buffer(n)]] of the AttentionParams bytes
     params: Tensor
-    # The kernel's [[max_total_threads_per_threadgroup(N)]] (shaders/params.h): the
+    # The kernel's [[max_total_threads_per_threadgroup(N)]] (shaders/common/params.h): the
     # most threads the planner ever launches it with; threadgroup's product <= N.
     max_threads_per_threadgroup: int
     # The planner's estimates on the plan's GPU (LaunchEstimate, csrc/metal/plan.h):

@@ -15,15 +15,15 @@
 //   flash_backward_splitd_dq_<dtype>_d<DMAX>_bq<BQ>_bk<BK>_wm<WM>,
 //   flash_backward_splitd_dkdv_<dtype>_d<DMAX>_bq<BQ>_bk<BK>_wm<WM> (DMAX 512 only)
 //   flash_sinks_grad (float32 only: lse, Delta and the sinks' gradient)
-#include "attention_untiled.h"
-#include "attention_tiled.h"
-#include "attention_prefill.h"
-#include "attention_prefill_splitd.h"
-#include "attention_decode.h"
-#include "attention_backward_dq.h"
-#include "attention_backward_dkdv.h"
-#include "attention_backward_splitd.h"
-#include "attention_sinks.h"
+#include "post/attention_untiled.h"
+#include "post/attention_tiled.h"
+#include "prefill/attention_prefill.h"
+#include "prefill/attention_prefill_splitd.h"
+#include "decode/attention_decode.h"
+#include "backward/attention_backward_dq.h"
+#include "backward/attention_backward_dkdv.h"
+#include "backward/attention_backward_splitd.h"
+#include "backward/attention_sinks.h"
 
 // The one instantiation macro: a host name plus the template it names; the
 // kernel's signature comes from decltype, so it is never repeated here.

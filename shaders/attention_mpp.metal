@@ -18,11 +18,11 @@
 // guard below keeps it empty under any older language version, so a
 // Metal 3.1 compile of it (the emulator's MSL 3 checks) sees no kernels.
 #if defined(__METAL_VERSION__) && __METAL_VERSION__ >= 400 && defined(__HAVE_TENSOR__)
-#include "attention_mpp_common.h"  // first: the MSL 4 headers all include it
-#include "attention_prefill_mpp.h"
-#include "attention_prefill_mpp_dsplit.h"
-#include "attention_backward_mpp.h"
-#include "attention_backward_mpp_dsplit.h"
+#include "tensor_ops/attention_mpp_common.h"  // first: the MSL 4 headers all include it
+#include "tensor_ops/attention_prefill_mpp.h"
+#include "tensor_ops/attention_prefill_mpp_dsplit.h"
+#include "tensor_ops/attention_backward_mpp.h"
+#include "tensor_ops/attention_backward_mpp_dsplit.h"
 
 // The one instantiation macro: a host name plus the template it names.
 #define FM_MPP_INSTANTIATE(name, ...) \

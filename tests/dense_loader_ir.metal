@@ -4,7 +4,7 @@
 // path alone at the shapes the kernels instantiate, the whole loader (whose
 // general path does 64-bit index math), and a planted dense-style loader
 // with a 64-bit multiply and a runtime division per chunk.
-#include "../shaders/attention_prefill.h"
+#include "../shaders/prefill/attention_prefill.h"
 
 namespace flash_metal {
 

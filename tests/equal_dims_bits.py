@@ -26,7 +26,7 @@ import sys
 
 import torch
 
-# Byte offset of head_dim in AttentionParams (shaders/params.h): after 19 int64 strides and 6 int32 sizes.
+# Byte offset of head_dim in AttentionParams (shaders/common/params.h): after 19 int64 strides and 6 int32 sizes.
 HEAD_DIM_OFFSET = 19 * 8 + 6 * 4
 
 

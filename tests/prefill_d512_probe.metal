@@ -2,9 +2,9 @@
 // FlashAttention-2 prefill template instantiated at D = 512, which no
 // shipped bucket has, so the model can price a fused D = 512 plan from exact
 // emulator counts before anything routes to one (issue 20, section 3).
-#include "../shaders/attention_prefill.h"
-#include "../shaders/attention_decode.h"    // its function constants, so a plan's full list binds
-#include "../shaders/attention_backward.h"  // likewise (fc_has_grad_lse)
+#include "../shaders/prefill/attention_prefill.h"
+#include "../shaders/decode/attention_decode.h"      // its function constants, so a plan's full list binds
+#include "../shaders/backward/attention_backward.h"  // likewise (fc_has_grad_lse)
 
 namespace flash_metal {
 

@@ -1,7 +1,7 @@
 // Test-only kernel (never shipped): the prefill kernel's fragment helpers
-// (shaders/attention_prefill.h), lane by lane, for the lane-layout pin test
+// (shaders/prefill/attention_prefill.h), lane by lane, for the lane-layout pin test
 // in tests/test_metal_prefill.py. One SIMD-group.
-#include "../shaders/attention_prefill.h"
+#include "../shaders/prefill/attention_prefill.h"
 
 namespace flash_metal {
 

@@ -22,7 +22,7 @@ SHADER = os.path.join(ROOT, "shaders", "attention.metal")
 # (Library.omitted_names), so the registry, the planner and the executed
 # host's fake metallib are checked against every kernel of the source.
 WIDE_DECODE_KERNELS = ("flash_decode*_d512", "flash_decode*_d576")
-# The split-D backward at D = 512 (issue 20 section 3, shaders/attention_backward_splitd.h:
+# The split-D backward at D = 512 (issue 20 section 3, shaders/backward/attention_backward_splitd.h:
 # 2 kernels x 3 dtypes). Out of the default builds for the same reason (CI time): only
 # tests/test_metal_backward_splitd.py and benchmarks/metal_model_splitd_backward.py run them,
 # on a partial library of their own (tests/backends.py splitd_backward_library).

@@ -104,6 +104,18 @@ def setup_py():
     return load_setup()
 
 
+def _files(root):
+    """Every file under root, at any depth, hidden ones included, as sorted '/'-separated relative paths."""
+    return sorted(os.path.relpath(os.path.join(d, f), root).replace(os.sep, "/")
+                  for d, _, names in os.walk(root) for f in names)
+
+
+def _shader_sources(root):
+    """The shader sources under root (its family subfolders too), as setup.py ships them: *.metal and *.h,
+    never a dot-file; shaders/README.md is not one."""
+    return [f for f in _files(root) if f.endswith((".metal", ".h")) and not os.path.basename(f).startswith(".")]
+
+
 @pytest.fixture
 def shaders(tmp_path):
     dest = tmp_path / "shaders"
@@ -212,7 +224,7 @@ def test_an_old_compiler_falls_back_and_the_install_goes_on(setup_py, shaders, x
     monkeypatch.setenv("FAKE_XCRUN_MODE", "old-metal")
     with pytest.warns(UserWarning, match=r"metal3\.1.*The install continues.*downloadComponent MetalToolchain"):
         installed = setup_py.build_package_data(str(out_dir), True, shaders)
-    assert sorted(os.listdir(installed)) == sorted(os.listdir(shaders))
+    assert _files(installed) == _shader_sources(shaders)
     assert not (out_dir / setup_py.METALLIB_NAME).exists()
     assert not (out_dir / setup_py.METALLIB_HASH_NAME).exists()
     assert _probe_calls(xcrun()) and not _compile_calls(xcrun())  # the shaders were never handed to it
@@ -373,10 +385,11 @@ CORE_CONSTRUCTS = ("a slice of a tensor (named, as run()'s operand)", "a left-in
 
 
 def _mpp_kernel_text():
-    """Every source of the MSL 4 library (shaders/*_mpp.metal and the headers it includes: *mpp*.h), found by glob."""
+    """Every source of the MSL 4 library (shaders/*_mpp.metal and the headers it includes, every file of
+    shaders/tensor_ops/), found by walking the folder."""
     shader_dir = os.path.join(ROOT, "shaders")
-    names = sorted(n for n in os.listdir(shader_dir) if n.endswith("_mpp.metal") or
-                   (n.endswith(".h") and "mpp" in n))
+    names = [n for n in _shader_sources(shader_dir) if n.endswith("_mpp.metal") or n.startswith("tensor_ops/")]
+    assert any(n.startswith("tensor_ops/") for n in names), names
     assert any(n.endswith("_mpp.metal") for n in names), names
     text = ""
     for n in names:
@@ -406,14 +419,15 @@ def test_the_msl4_probe_uses_every_construct_the_kernels_use(setup_py):
 
 def test_without_mps_the_build_ships_sources_and_no_metallib(setup_py, shaders, xcrun, out_dir):
     installed = setup_py.build_package_data(str(out_dir), False, shaders)
-    assert sorted(os.listdir(installed)) == sorted(os.listdir(shaders))
+    assert _files(installed) == _shader_sources(shaders)  # the family subfolders, and nothing else
+    assert "common/params.h" in _files(installed) and "attention.metal" in _files(installed)
     assert not (out_dir / setup_py.METALLIB_NAME).exists()  # the stale one is gone
     assert xcrun() == []
 
 
 def test_fingerprint_follows_every_shader_byte(setup_py, shaders):
     before = setup_py.shader_sources_hash(shaders)
-    with open(os.path.join(shaders, "params.h"), "ab") as f:
+    with open(os.path.join(shaders, "common", "params.h"), "ab") as f:
         f.write(b"\n")
     assert setup_py.shader_sources_hash(shaders) != before
 
@@ -425,7 +439,7 @@ APPLE_DOUBLE = b"\x00\x05\x16\x07\x00\x02\x00\x00Mac OS X        " + bytes(16)
 
 @pytest.fixture
 def shaders_with_dot_files(shaders):
-    for name in ("._attention.metal", "._params.h"):
+    for name in ("._attention.metal", os.path.join("common", "._params.h")):
         with open(os.path.join(shaders, name), "wb") as f:
             f.write(APPLE_DOUBLE)
     return shaders
@@ -436,7 +450,7 @@ def test_dot_files_are_not_shaders(setup_py, shaders_with_dot_files, xcrun, tmp_
     shutil.copytree(shaders_with_dot_files, clean, ignore=shutil.ignore_patterns(".*"))
     assert setup_py.shader_sources_hash(shaders_with_dot_files) == setup_py.shader_sources_hash(str(clean))
     installed = setup_py.install_shader_sources(str(tmp_path / "pkg"), shaders_with_dot_files)
-    assert sorted(os.listdir(installed)) == sorted(os.listdir(clean))
+    assert _files(installed) == _shader_sources(str(clean))
     monkeypatch.setenv("FAKE_XCRUN_MODE", "ok")
     setup_py.build_metallib(str(tmp_path / "pkg"), shaders_with_dot_files)
     assert not any("._" in c[c.index("-c") + 1] for c in _compile_calls(xcrun()))
@@ -462,8 +476,12 @@ def test_shader_install_leaves_no_leftovers(setup_py, shaders, tmp_path):
     pkg = tmp_path / "pkg2"
     (pkg / "shaders").mkdir(parents=True)
     (pkg / "shaders" / "removed_kernel.h").write_text("// from an older checkout\n")
+    (pkg / "shaders" / "prefill").mkdir()
+    (pkg / "shaders" / "prefill" / "removed_kernel.h").write_text("// from an older checkout\n")
+    (pkg / "shaders" / "removed_family").mkdir()
+    (pkg / "shaders" / "removed_family" / "attention_removed.h").write_text("// from an older checkout\n")
     setup_py.install_shader_sources(str(pkg), shaders)
-    assert sorted(os.listdir(pkg / "shaders")) == sorted(os.listdir(shaders))
+    assert _files(pkg / "shaders") == _shader_sources(shaders)
 
 
 def test_package_data_never_ships_a_metallib_or_shaders():
@@ -485,8 +503,10 @@ q, k, v, grad_out = (inputs[n] for n in ("q", "k", "v", "grad_out"))
 out, lse = flash_metal.attention_with_lse(q, k, v, True)
 grads = torch.ops.flash_metal.attention_backward(grad_out, q, k, v, out, lse, True)[:3]
 pkg = os.path.dirname(flash_metal.__file__)
+shaders = os.path.join(pkg, "shaders")
 torch.save({"out": out, "lse": lse, "grads": grads, "package": pkg,
-            "shaders": sorted(os.listdir(os.path.join(pkg, "shaders")))}, sys.argv[2])
+            "shaders": sorted(os.path.relpath(os.path.join(d, f), shaders).replace(os.sep, "/")
+                              for d, _, names in os.walk(shaders) for f in names)}, sys.argv[2])
 """
 
 
@@ -529,7 +549,8 @@ def _fresh_venv(tmp_path):
 # sdist is built from: none may reach the sdist.
 LEFTOVERS = ("flash_metal/_C.cpython-311-x86_64-linux-gnu.so", "flash_metal/flash_metal.metallib",
              "flash_metal/flash_metal.metallib.fnv1a64", "flash_metal/shaders/attention.metal",
-             "shaders/._attention.metal", "csrc/._flash_metal.cpp")
+             "flash_metal/shaders/prefill/attention_prefill.h", "shaders/._attention.metal",
+             "shaders/common/._params.h", "csrc/._flash_metal.cpp")
 
 
 def _source_files():
@@ -621,6 +642,6 @@ def test_the_sdist_installs_into_a_fresh_venv_and_runs(sdist, tmp_path):
     assert run.returncode == 0, run.stderr[-4000:]
     result = torch.load(tmp_path / "result.pt")
     assert result["package"].startswith(str(tmp_path / "venv")), result["package"]  # not this env's copy
-    assert result["shaders"] == sorted(n for n in os.listdir(os.path.join(ROOT, "shaders")) if not n.startswith("."))
+    assert result["shaders"] == _shader_sources(os.path.join(ROOT, "shaders"))
     assert_attention_close(result["out"], result["lse"], q, k, v, causal=True)
     assert_gradients_close(result["grads"], q, k, v, grad_out, causal=True)

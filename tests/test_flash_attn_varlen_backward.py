@@ -22,7 +22,7 @@ kernels' roundings (rowsum(P o dP) of the backward's own P is what
 PyTorch's softmax backward uses); the softcap in base 2 (cap2 * tanh
 rounded at ~70; the CPU's tanh_approx error times the cap); and the score
 products summed in one fma chain over 256 features. The fixes:
-csrc/cpu/backward_precise.h and shaders/attention_backward.h. With them
+csrc/cpu/backward_precise.h and shaders/backward/attention_backward.h. With them
 the same grid is within 1.6x (CPU) and 1.1x (Metal).
 
 Planted, the code before issue 40 (its CPU extension, its three backward

@@ -18,7 +18,7 @@ from numerics import assert_attention_close
 from test_metal_decode_paged import POISON, make_paged_cache
 
 PAGED, TABLE, SEQLENS = 12, 19, 20  # fc_paged; [[buffer(n)]] of block_table and cache_seqlens
-PAGE_FIELDS = 312  # byte offset of (page_size, table_stride) in AttentionParams (shaders/params.h)
+PAGE_FIELDS = 312  # byte offset of (page_size, table_stride) in AttentionParams (shaders/common/params.h)
 
 
 def make_case(B, Hq, Hkv, Nq, D, dtype, page, seqlens, seed, wide=0):

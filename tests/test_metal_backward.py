@@ -1,4 +1,4 @@
-"""The Metal backward (shaders/attention_backward.h) on Linux, through the emulator.
+"""The Metal backward (shaders/backward/attention_backward.h) on Linux, through the emulator.
 
 Every backward instantiation (3 dtypes x 8 buckets less float32 d72, both kernels) runs in the
 SANITIZING emulator build (races, barrier divergence, out-of-bounds) with

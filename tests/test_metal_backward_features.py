@@ -1,6 +1,6 @@
 """The Metal backward's options (issue 11) on Linux, through the emulator.
 
-shaders/attention_backward.h serves attn_mask (bool, additive in q's dtype,
+shaders/backward/attention_backward.h serves attn_mask (bool, additive in q's dtype,
 additive float32; any broadcast shape), sliding windows, softcap and packed
 variable-length sequences, each behind its function constant (4-9). Here
 every option, and their combinations, runs on both kernels in the
@@ -28,7 +28,7 @@ import flash_metal
 from flash_metal.reference import attention_reference, attention_varlen_reference, visible_keys
 from numerics import DTYPES, assert_gradients_close, assert_varlen_gradients_close, dtype_id, make_qkv, make_tensor
 
-# Function-constant indices (csrc/metal/plan.h, shaders/attention_features.h).
+# Function-constant indices (csrc/metal/plan.h, shaders/common/attention_features.h).
 CAUSAL, ALIGN_Q, ALIGN_K, GRAD_LSE, HAS_MASK, MASK_BOOL, MASK_F32, WINDOW_LEFT, SOFTCAP, VARLEN = range(10)
 MASK_KINDS = ("bool", "input", "float32")
 # Share of mask elements that drop their key: enough that some rows lose

@@ -5,7 +5,7 @@ Each launch comes from the host's own plan (flash_metal.explain), run
 through tests/backends.py's emulated backend; the sanitizing build counts every device and
 threadgroup byte exactly (tests/metal_emulator/README.md, "Counters"). The
 expected values are derived here from the kernel sources
-(shaders/attention_tiled.h, attention_untiled.h, attention_common.h):
+(shaders/post/attention_tiled.h, attention_untiled.h, attention_common.h):
 
 - one query row per thread, THREADS = 32 rows per threadgroup, grid
   (ceil(Nq / 32), Hq, B);

@@ -1,6 +1,6 @@
 """The decode (Nq <= 8) Metal kernels: one pass, and the split-KV pair.
 
-Every decode instantiation (shaders/attention_decode.h, instantiated in
+Every decode instantiation (shaders/decode/attention_decode.h, instantiated in
 shaders/attention.metal) runs through the
 emulator's sanitizing build (races, barrier and SIMD divergence,
 out-of-bounds, threadgroup overflow) on small ragged shapes: Nq 1..8, Nk from
@@ -25,14 +25,14 @@ from numerics import DTYPES, LAYOUTS, assert_attention_close, dtype_id, make_qkv
 BUCKETS = [32, 64, 72, 80, 96, 128, 192, 256]
 DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 # Threads per threadgroup the decode kernels declare ([[max_total_threads_per_threadgroup]],
-# kDecodeMaxThreads in shaders/params.h), and Metal's threadgroup memory limit.
+# kDecodeMaxThreads in shaders/common/params.h), and Metal's threadgroup memory limit.
 MAX_THREADS = 256
 TG_LIMIT = 32 * 1024
 # Keys per block of the kernels' softmax, and the granularity of split_keys.
 BLOCK = 32
-# shaders/attention_common.h: the finite sentinel a masked score becomes.
+# shaders/common/attention_common.h: the finite sentinel a masked score becomes.
 MASKED_SCORE = -(2.0**100)
-# Offset of (kv_splits, split_keys) in the 328-byte AttentionParams (shaders/params.h).
+# Offset of (kv_splits, split_keys) in the 328-byte AttentionParams (shaders/common/params.h).
 SPLIT_FIELDS_OFFSET = 192
 
 
@@ -69,7 +69,7 @@ def kernel_names(dtype, dmax):
 
 
 def rows_per_simd(dmax):
-    # decode_rows_per_simd (shaders/attention_decode_rows.h): the most rows within the register budget.
+    # decode_rows_per_simd (shaders/decode/attention_decode_rows.h): the most rows within the register budget.
     return 4 if dmax <= 64 else (2 if dmax <= 128 else 1)
 
 
@@ -78,7 +78,7 @@ def row_groups(Hq, Hkv, Nq, dmax):
 
 
 def decode_launch(B, Hq, Hkv, Nq, dmax, splits, elem_size, chunks=None, rgl=None):
-    """The launch formulas at the top of shaders/attention_decode.h.
+    """The launch formulas at the top of shaders/decode/attention_decode.h.
 
     Returns {kernel: (grid, threadgroup, threadgroup memory bytes)} for
     "one_pass", "split" and "merge" (merge: no threadgroup memory). chunks

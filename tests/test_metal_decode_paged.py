@@ -2,7 +2,7 @@
 
 K/V live in pages of a (num_blocks, page, Hkv, D) cache, addressed through
 an int32 block_table (B, max_blocks), with each sequence's own key count
-cache_seqlens[b] (shaders/attention_decode_paged.h). Every case runs through
+cache_seqlens[b] (shaders/common/attention_decode_paged.h). Every case runs through
 the emulator's sanitizing build with the pages scattered and shuffled, every
 table entry a sequence does not use poisoned with an out-of-range page id
 and every cache row past a sequence's length filled with NaN: a kernel that
@@ -23,8 +23,8 @@ from numerics import assert_attention_close
 DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 BUCKETS = [32, 64, 72, 80, 96, 128, 256]
 BLOCK = 32  # keys per block of the decode kernels' softmax (kDecodeBlock)
-PARAMS_BYTES = 328  # sizeof(AttentionParams), shaders/params.h
-# Byte offsets in AttentionParams (shaders/params.h): k's and v's four
+PARAMS_BYTES = 328  # sizeof(AttentionParams), shaders/common/params.h
+# Byte offsets in AttentionParams (shaders/common/params.h): k's and v's four
 # strides, (kv_splits, split_keys), and (page_size, table_stride).
 K_STRIDES, V_STRIDES, SPLIT_FIELDS, PAGE_FIELDS = 32, 64, 192, 312
 PAGED = 12  # fc_paged (csrc/metal/plan.h, kPagedFunctionConstant)
@@ -100,7 +100,7 @@ def launch_paged(q, k_cache, v_cache, table, seqlens, causal=False, splits=1, wi
     plan = flash_metal.explain(q, shadow, shadow, causal, None, "decode", window_left=window_left)
     d0 = plan.dispatches[0]
     raw = bytearray(d0.params.numpy().tobytes())
-    assert len(raw) == PARAMS_BYTES  # (an installed package older than shaders/params.h: reinstall)
+    assert len(raw) == PARAMS_BYTES  # (an installed package older than shaders/common/params.h: reinstall)
     _pack_strides(raw, K_STRIDES, k_cache)
     _pack_strides(raw, V_STRIDES, v_cache)
     struct.pack_into("<2i", raw, SPLIT_FIELDS, splits, split_keys_of(cap, splits) if splits > 1 else cap)

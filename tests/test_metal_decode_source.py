@@ -1,11 +1,11 @@
-"""The decode kernels' source (shaders/attention_decode.h), read as text: no
+"""The decode kernels' source (shaders/decode/attention_decode.h), read as text: no
 integer division by a runtime value in the per-block loops (issue 19).
 Moved out of test_metal_decode.py to keep each file under ~600 lines."""
 import pathlib
 import re
 
 
-DECODE_SOURCE = pathlib.Path(__file__).resolve().parent.parent / "shaders" / "attention_decode.h"
+DECODE_SOURCE = pathlib.Path(__file__).resolve().parent.parent / "shaders" / "decode" / "attention_decode.h"
 # Divisors the compiler folds: compile-time template parameters and constants
 # (a shift, or a multiply by a constant for 72/80/96), and number literals.
 COMPILE_TIME_DIVISORS = re.compile(r"(DMAX|DPL|RS|CPR|kDecodeBlock|kDenseLoadBytes|\d+)\b")

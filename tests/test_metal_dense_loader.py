@@ -1,7 +1,7 @@
 """The tile loader's dense path (issue 19): fc_dense, [[function_constant(10)]].
 
 The prefill and backward kernels copy their Q, K, V (and dO) tiles with
-prefill_load_tile (shaders/attention_prefill.h). Under fc_dense it copies
+prefill_load_tile (shaders/prefill/attention_prefill.h). Under fc_dense it copies
 16-byte uint4 chunks, each thread stepping 32-bit offsets along the tile;
 otherwise one load per element at any stride. The planner
 (csrc/metal/launch.cpp, dense_loader) sets fc_dense when every loaded tensor
@@ -245,7 +245,7 @@ def _planted_copy(tmp_path, kernels, old, new):
     shutil.copytree(os.path.join(root, "shaders"), tmp_path / "shaders")
     (tmp_path / "tests").mkdir()
     shutil.copy(kernels, tmp_path / "tests")
-    header = tmp_path / "shaders" / "attention_prefill.h"
+    header = tmp_path / "shaders" / "prefill" / "attention_prefill.h"
     text = header.read_text()
     assert text.count(old) == 1
     header.write_text(text.replace(old, new))

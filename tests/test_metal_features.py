@@ -1,10 +1,10 @@
 """The Metal forward kernels with issue 11's options: attn_mask, sliding
 windows, softcap and packed variable-length sequences.
 
-shaders/attention_prefill.h (FlashAttention-2 prefill) and
-shaders/attention_decode.h (one-pass decode, split-KV decode and its merge)
+shaders/prefill/attention_prefill.h (FlashAttention-2 prefill) and
+shaders/decode/attention_decode.h (one-pass decode, split-KV decode and its merge)
 serve every option through the function constants of
-shaders/attention_features.h. Each run here goes through the op's own plan
+shaders/common/attention_features.h. Each run here goes through the op's own plan
 (tests/backends.py: the planner chooses the kernel, its function constants
 and bindings, exactly as the MPS host launches them) and is compared with
 the float64 oracle by FlashAttention's 2x rule (tests/numerics.py).

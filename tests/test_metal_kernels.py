@@ -55,7 +55,7 @@ def _plans():
                 q = torch.empty(1, 1, 2, dqk, dtype=dtype)
                 k = torch.empty(1, 1, nk, dqk, dtype=dtype)
                 plans[(impl + "_wide", dtype, bucket)] = (flash_metal.explain(q, k, k[..., :dv], impl=impl), dqk)
-    # The split-D forward at (512, 512), (576, 512) and (256, 512) (shaders/attention_prefill_splitd.h;
+    # The split-D forward at (512, 512), (576, 512) and (256, 512) (shaders/prefill/attention_prefill_splitd.h;
     # impl='prefill'; tests/test_metal_prefill_splitd.py and tests/test_metal_prefill_splitd_mla.py run them,
     # sanitized). Keyed by D_qk.
     for dtype in DTYPES:
@@ -67,17 +67,17 @@ def _plans():
     for dtype in DTYPES:
         q, k = torch.empty(1, 16, 1, 576, dtype=dtype), torch.empty(1, 1, 600, 576, dtype=dtype)
         plans[("prefill_splitd_splitkv", dtype, 576)] = (flash_metal.explain(q, k, k[..., :512], impl="prefill"), 576)
-    # The split-D backward at 512 (shaders/attention_backward_splitd.h; impl='prefill' at D = 512;
+    # The split-D backward at 512 (shaders/backward/attention_backward_splitd.h; impl='prefill' at D = 512;
     # tests/test_metal_backward_splitd.py runs it, sanitized, from its own partial library).
     for dtype in DTYPES:
         q = torch.empty(1, 1, 9, 512, dtype=dtype)
         plans[("backward_splitd", dtype, 512)] = (flash_metal.explain(q, q, q, impl="prefill", backward=True), 512)
-    # The backward's two kernels (shaders/attention_backward.h).
+    # The backward's two kernels (shaders/backward/attention_backward.h).
     for dtype in DTYPES:
         for bucket, d in FAST_BUCKET_DIMS.items():
             q = torch.empty(1, 1, 9, d, dtype=dtype)
             plans[("backward", dtype, bucket)] = (flash_metal.explain(q, q, q, backward=True), d)
-    # With sinks: the backward's third kernel, flash_sinks_grad (shaders/attention_sinks.h; float32 only).
+    # With sinks: the backward's third kernel, flash_sinks_grad (shaders/backward/attention_sinks.h; float32 only).
     q = torch.empty(1, 1, 9, 32)
     plans[("backward_sinks", torch.float32, 32)] = (flash_metal.explain(q, q, q, backward=True,
                                                                         sinks=torch.zeros(1)), 32)
@@ -183,7 +183,7 @@ def test_threadgroup_memory_within_metal_limit_for_every_head_dim(impl):
 
 
 def test_params_bytes_carry_strides_and_sizes():
-    # The params block, decoded with the layout of shaders/params.h.
+    # The params block, decoded with the layout of shaders/common/params.h.
     q, k, v = make_qkv(2, 6, 3, 9, 11, 40, torch.bfloat16, layout="offset_slice")
     plan = flash_metal.explain(q, k, v, causal=True, scale=0.5)
     raw = plan.params.numpy().tobytes()
@@ -205,8 +205,12 @@ def test_packaged_shader_sources_are_complete():
     pkg = os.path.join(os.path.dirname(flash_metal.__file__), "shaders")
     shipped = os.path.join(pkg, "attention.metal")
     assert os.path.exists(shipped), f"shader sources not installed in {pkg}"
-    repo_files = sorted(os.path.basename(p) for p in glob.glob(os.path.join(ROOT, "shaders", "*")))
-    assert sorted(os.listdir(pkg)) == repo_files
+    # Every shader source, in every family folder (shaders/README.md is not one and is not installed).
+    repo = os.path.join(ROOT, "shaders")
+    repo_files = sorted(os.path.relpath(p, repo) for p in glob.glob(os.path.join(repo, "**", "*"), recursive=True)
+                        if p.endswith((".metal", ".h")))
+    assert sorted(os.path.relpath(p, pkg) for p in glob.glob(os.path.join(pkg, "**", "*"), recursive=True)
+                  if os.path.isfile(p)) == repo_files
     lib = shipped_library(path=shipped)
     assert set(lib.source_kernel_names()) == set(metal_library(False).source_kernel_names())
     assert set(lib.kernel_names()) == set(metal_library(False).kernel_names())

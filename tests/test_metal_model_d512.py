@@ -2,7 +2,7 @@
 fused plans, from exact emulator counts at D = 512: the prefill template
 (benchmarks/metal_model_d512.py, tests/prefill_d512_probe.metal) and the
 shipped split-D kernel (benchmarks/metal_model_splitd.py,
-shaders/attention_prefill_splitd.h: its counts' correctness, its verdict per
+shaders/prefill/attention_prefill_splitd.h: its counts' correctness, its verdict per
 chip), and the planner's routing that follows from them: causal to the
 split-D kernel, not causal to the composite path. The kernel's own tests
 (options, planted bugs) are tests/test_metal_prefill_splitd.py."""
@@ -66,7 +66,7 @@ def test_fused_d512_is_predicted_slower_than_unfused_so_it_is_not_routed():
 
 
 # ---------------------------------------------------------------- split-D
-# The shipped split-D kernel (shaders/attention_prefill_splitd.h, benchmarks/metal_model_splitd.py):
+# The shipped split-D kernel (shaders/prefill/attention_prefill_splitd.h, benchmarks/metal_model_splitd.py):
 # K/V read per feature part from device memory, Q and O in registers, 32-key blocks, the softmax shared.
 
 @pytest.mark.parametrize("dtype, n", [(torch.float16, 37), (torch.bfloat16, 70), (torch.float32, 21)])

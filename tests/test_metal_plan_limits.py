@@ -1,7 +1,7 @@
 """The planner never launches a kernel with more threads than it declares.
 
 Every kernel declares [[max_total_threads_per_threadgroup(N)]] (N from
-shaders/params.h); a Metal pipeline admits at most N threads per
+shaders/common/params.h); a Metal pipeline admits at most N threads per
 threadgroup, so a plan over N would fail on a Mac. This sweeps the
 planner (the code the MPS host runs) over real models' attention shapes,
 every dtype, one-token and multi-token decode and prefill, forward and
@@ -39,7 +39,7 @@ BATCHES = (1, 2, 8)
 DECODE_ROWS = tuple(range(1, 9))  # one token, and speculative decoding's few
 PREFILL_ROWS = (9, 128, 2048)
 KV_LENS = (512, 4096, 32768, 131072)
-# The most threads each family's plans may use: shaders/params.h.
+# The most threads each family's plans may use: shaders/common/params.h.
 FAMILY_LIMITS = {"flash_attention_untiled_": 32, "flash_attention_tiled_": 32, "flash_attention_prefill_": 256,
                  "flash_decode_merge_": 32, "flash_decode_split_": 256, "flash_decode_": 256,
                  "flash_backward_dq_": 256, "flash_backward_dkdv_": 256, "flash_backward_splitd_": 256,
@@ -132,7 +132,8 @@ def test_declared_limits_match_the_shaders():
 
 # ---- decode registers (issue 19) ---------------------------------------------------------
 
-# The decode kernels' register budget, 32-bit values per lane (kDecodeRegisterBudget, shaders/attention_decode_rows.h).
+# The decode kernels' register budget, 32-bit values per lane (kDecodeRegisterBudget,
+# shaders/decode/attention_decode_rows.h).
 DECODE_REGISTER_BUDGET = 72
 DECODE_MODELS = ("llama3-8b", "llama3-70b", "qwen2.5-7b", "mistral-7b", "gemma2-9b", "gpt-oss-20b", "phi3-mini")
 

@@ -1,4 +1,4 @@
-"""The FlashAttention-2 forward ("prefill") kernel, shaders/attention_prefill.h.
+"""The FlashAttention-2 forward ("prefill") kernel, shaders/prefill/attention_prefill.h.
 
 Every instantiation runs through the Metal emulator's sanitizing build
 (races, barrier and SIMD divergence, out-of-bounds, threadgroup overflow) on

@@ -4,7 +4,7 @@ With G = Hq / Hkv > 1 and a short chunk of queries (2 * Nq <= BQ: one head's
 rows fill at most half a block) the planner (csrc/metal/families/prefill.cpp,
 prefill_pack_gqa) launches the prefill kernel with one threadgroup per (batch, kv head, block
 of BQ packed rows), packed row m being query row m / G of query head
-kv * G + m % G (shaders/attention_prefill.h), so the group's heads share the
+kv * G + m % G (shaders/prefill/attention_prefill.h), so the group's heads share the
 K/V tiles a threadgroup loads. An idea of FlashAttention-3's and
 FlashInfer's; the code is the project's own. Longer queries are not packed
 (the Metal model predicts it level or slower there), but the kernel takes any
@@ -298,7 +298,7 @@ def test_planted_bug_fails(plant, tmp_path):
 
     old, new = PLANTS[plant]
     shutil.copytree(SHADER.rsplit("/", 1)[0], tmp_path / "shaders")
-    header = tmp_path / "shaders" / "attention_prefill.h"
+    header = tmp_path / "shaders" / "prefill" / "attention_prefill.h"
     text = header.read_text()
     assert text.count(old) == 1, plant
     header.write_text(text.replace(old, new))

@@ -4,7 +4,7 @@ attention_kvcache with more than 8 query rows (or impl='prefill') runs the
 FlashAttention-2 prefill kernel on the caches themselves: key j of sequence b
 is row j % page_size of page block_table[b][j // page_size], each sequence
 with its own key count cache_seqlens[b], causal and window aligned to it
-(shaders/attention_prefill.h, attention_prefill_paged.h). Nothing is gathered.
+(shaders/prefill/attention_prefill.h, attention_prefill_paged.h). Nothing is gathered.
 
 Every case runs in the emulator's sanitizing build with the pages scattered
 and shuffled (test_metal_decode_paged.make_paged_cache), every unused table

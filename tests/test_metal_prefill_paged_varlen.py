@@ -4,7 +4,7 @@
 attention_kvcache with cu_seqlens_q: q is packed (total_q, Hq, D), sequence
 b's queries are rows cu_seqlens_q[b] .. cu_seqlens_q[b + 1] - 1, its keys
 cache_seqlens[b] of them through table row b. The prefill kernel runs it with
-fc_varlen and fc_paged together (shaders/attention_prefill_paged.h,
+fc_varlen and fc_paged together (shaders/prefill/attention_prefill_paged.h,
 prefill_paged_sequence_view): nothing is gathered.
 
 Every case runs in the emulator's sanitizing build on a scattered, shuffled

@@ -1,5 +1,5 @@
 """The split-D forward at head dim 512 (issue 20 section 3,
-shaders/attention_prefill_splitd.h): its routing and explain() text, its
+shaders/prefill/attention_prefill_splitd.h): its routing and explain() text, its
 results through the sanitizing emulator against the float64 oracle by the 2x
 rule (tests/numerics.py), and planted bugs.
 
@@ -193,7 +193,7 @@ def test_planted_bugs_are_caught(tmp_path, monkeypatch, old, new, caught):
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     shutil.copytree(os.path.join(root, "shaders"), tmp_path / "shaders")
-    header = tmp_path / "shaders" / "attention_prefill_splitd.h"
+    header = tmp_path / "shaders" / "prefill" / "attention_prefill_splitd.h"
     text = header.read_text()
     assert text.count(old) == 1
     header.write_text(text.replace(old, new))

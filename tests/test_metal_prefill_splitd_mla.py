@@ -1,5 +1,5 @@
 """The split-D forward at MLA's head dims (issue 20 sections 2 and 3,
-shaders/attention_prefill_splitd.h): (D_qk, D_v) = (576, 512) and (256, 512),
+shaders/prefill/attention_prefill_splitd.h): (D_qk, D_v) = (576, 512) and (256, 512),
 k and v as overlapping views of one latent cache, and the absorbed-MLA decode
 packed over its query heads (fc_pack_gqa: a threadgroup's 8 rows are
 (head, query) pairs of one kv head).
@@ -224,7 +224,7 @@ def test_planted_bugs_are_caught(tmp_path, monkeypatch, old, new):
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     shutil.copytree(os.path.join(root, "shaders"), tmp_path / "shaders")
-    header = tmp_path / "shaders" / "attention_prefill_splitd.h"
+    header = tmp_path / "shaders" / "prefill" / "attention_prefill_splitd.h"
     text = header.read_text()
     assert text.count(old) == 1
     header.write_text(text.replace(old, new))

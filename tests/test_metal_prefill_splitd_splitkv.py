@@ -1,5 +1,5 @@
 """The packed absorbed-MLA decode split along keys (issue 20; fc_split_kv in
-shaders/attention_prefill_splitd.h): each split-D threadgroup attends its 8
+shaders/prefill/attention_prefill_splitd.h): each split-D threadgroup attends its 8
 packed rows to one key range and writes unnormalized partials, then the
 decode's own merge (flash_decode_merge_<dtype>_d512) sums them.
 
@@ -29,7 +29,7 @@ PREFIX = "flash_attention_prefill_splitd_"
 SPLITD = PREFIX + "bfloat16_dqk576_dv512_bq8_bk32_wm8"
 MERGE = "flash_decode_merge_bfloat16_d512"
 PACK, SPLIT_KV = 13, 14  # fc_pack_gqa, fc_split_kv (csrc/metal/plan.h)
-SPLIT_FIELDS_OFFSET = 192  # (kv_splits, split_keys) in AttentionParams (shaders/params.h)
+SPLIT_FIELDS_OFFSET = 192  # (kv_splits, split_keys) in AttentionParams (shaders/common/params.h)
 
 
 @pytest.fixture(scope="module")
@@ -157,7 +157,7 @@ def test_planted_split_range_bug_is_caught(tmp_path, monkeypatch):
     old = "n_blocks = min(n_blocks, (split + 1) * (p.split_keys / BK));"
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     shutil.copytree(os.path.join(root, "shaders"), tmp_path / "shaders")
-    header = tmp_path / "shaders" / "attention_prefill_splitd.h"
+    header = tmp_path / "shaders" / "prefill" / "attention_prefill_splitd.h"
     text = header.read_text()
     assert text.count(old) == 1
     header.write_text(text.replace(old, old.replace("/ BK))", "/ BK) + 1)")))

@@ -225,7 +225,7 @@ def test_split_dispatches_share_params_and_bind_the_scratch():
 
 # --- issue 11's options -------------------------------------------------------------------------
 
-# Indices of the function constants (csrc/metal/plan.h; shaders/attention_features.h).
+# Indices of the function constants (csrc/metal/plan.h; shaders/common/attention_features.h).
 CAUSAL, ALIGN_Q, ALIGN_K, HAS_GRAD_LSE, HAS_MASK, MASK_BOOL, MASK_F32, WINDOW_LEFT, SOFTCAP, VARLEN = range(10)
 
 

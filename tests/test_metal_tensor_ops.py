@@ -1,4 +1,4 @@
-"""The prefill on Metal 4 tensor ops (impl='tensor_ops', issue 21): shaders/attention_prefill_mpp.h.
+"""The prefill on Metal 4 tensor ops (impl='tensor_ops', issue 21): shaders/tensor_ops/attention_prefill_mpp.h.
 
 The kernel runs in the Metal emulator's MSL 4 library (shaders/attention_mpp.metal,
 compile_library(..., msl=4)), launched from the op's own plan (csrc/metal/launch.cpp).
@@ -160,7 +160,7 @@ def _planted_library(tmp_path, monkeypatch, old, new):
     kernel alone in an instrumented partial library, which the emulated backend then runs."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     shutil.copytree(os.path.join(root, "shaders"), tmp_path / "shaders")
-    header = tmp_path / "shaders" / "attention_prefill_mpp.h"
+    header = tmp_path / "shaders" / "tensor_ops" / "attention_prefill_mpp.h"
     text = header.read_text()
     assert text.count(old) == 1
     header.write_text(text.replace(old, new))

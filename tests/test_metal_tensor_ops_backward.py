@@ -1,4 +1,4 @@
-"""The backward on Metal 4 tensor ops (impl='tensor_ops', issue 21 item 2): shaders/attention_backward_mpp.h.
+"""The backward on Metal 4 tensor ops (impl='tensor_ops', issue 21 item 2): shaders/tensor_ops/attention_backward_mpp.h.
 
 Two kernels of the MSL 4 library (shaders/attention_mpp.metal, run by the emulator's
 compile_library(..., msl=4)): flash_backward_mpp_dq (Delta and dQ over query blocks),
@@ -388,7 +388,7 @@ def _planted_library(tmp_path, monkeypatch, old, new):
     backward kernels alone in an instrumented partial library (`kernel` planted), which the backend runs."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     shutil.copytree(os.path.join(root, "shaders"), tmp_path / "shaders")
-    header = tmp_path / "shaders" / "attention_backward_mpp.h"
+    header = tmp_path / "shaders" / "tensor_ops" / "attention_backward_mpp.h"
     text = header.read_text()
     assert text.count(old) == 1, old
     header.write_text(text.replace(old, new))

@@ -1,4 +1,4 @@
-"""The tensor-op backward at head dim 256, split along D (issue 21, item 2): shaders/attention_backward_mpp_dsplit.h.
+"""The tensor-op backward at head dim 256, split along D (issue 21, item 2): shaders/tensor_ops/attention_backward_mpp_dsplit.h.
 
 Two kernels: flash_backward_mpp_dsplit_dq (one pair of SIMD-groups on 16 query rows, each half
 owning 128 features; Delta and dQ) and flash_backward_mpp_dsplit_dkdv (two pairs on 16 keys each,
@@ -318,7 +318,7 @@ def _planted(tmp_path, monkeypatch, old, new):
     kernels alone in an instrumented partial library, which the backend runs."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     shutil.copytree(os.path.join(root, "shaders"), tmp_path / "shaders")
-    header = tmp_path / "shaders" / "attention_backward_mpp_dsplit.h"
+    header = tmp_path / "shaders" / "tensor_ops" / "attention_backward_mpp_dsplit.h"
     text = header.read_text()
     assert text.count(old) == 1, old
     header.write_text(text.replace(old, new))

@@ -1,4 +1,4 @@
-"""The tensor-op prefill at head dim 256, split along D (issue 21, item 1): shaders/attention_prefill_mpp_dsplit.h.
+"""The tensor-op prefill at head dim 256, split along D (issue 21, item 1): shaders/tensor_ops/attention_prefill_mpp_dsplit.h.
 
 Pairs of SIMD-groups share 16 query rows, each half owning 128 features of Q
 and O; their partial scores meet in threadgroup memory. Two kernels: 32 query
@@ -350,7 +350,7 @@ def _planted(tmp_path, monkeypatch, old, new, rows=32):
     float16 kernel alone in an instrumented partial library the emulated backend then runs."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     shutil.copytree(os.path.join(root, "shaders"), tmp_path / "shaders")
-    header = tmp_path / "shaders" / "attention_prefill_mpp_dsplit.h"
+    header = tmp_path / "shaders" / "tensor_ops" / "attention_prefill_mpp_dsplit.h"
     text = header.read_text()
     assert text.count(old) == 1
     header.write_text(text.replace(old, new))

@@ -1,6 +1,6 @@
 """The tensor-op forward and backward at DeepSeek's MLA pair, q/k 192 and v 128 (issues 20 section 2 and 21).
 
-shaders/attention_prefill_mpp.h and attention_backward_mpp.h instantiated with D = 192, DV = 128
+shaders/tensor_ops/attention_prefill_mpp.h and attention_backward_mpp.h instantiated with D = 192, DV = 128
 (names _dqk192_dv128_): S = Q.K^T reduces over 192 features, O += P.V is 128 wide; in the backward
 dP = dO.V^T reduces over 128, dQ and dK are 192 wide, dV 128. The backward's S and dP are two runs of one
 matmul2d type whose K is dynamic (read from each run's left operand), so dS is still formed slot by slot.
@@ -301,7 +301,7 @@ def _plant(tmp_path, kernels, *changes):
     alone built from it (a partial, instrumented MSL 4 library)."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     shutil.copytree(os.path.join(root, "shaders"), tmp_path / "shaders")
-    header = tmp_path / "shaders" / "attention_backward_mpp.h"
+    header = tmp_path / "shaders" / "tensor_ops" / "attention_backward_mpp.h"
     text = header.read_text()
     for old, new in changes:
         assert text.count(old) == 1, old

@@ -35,7 +35,10 @@ from flash_metal import _mpp_bookkeeping
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHADERS = os.path.join(ROOT, "shaders")
 RESULTS = os.path.join(ROOT, "benchmarks", "results")
-MPP_HEADERS = sorted(f for f in os.listdir(SHADERS) if "mpp" in f and f.endswith(".h"))
+# Every header under shaders/, in every family folder (found by walking, never listed): a cooperative
+# tensor can only appear in the MSL 4 ones (shaders/tensor_ops/), but a new header anywhere is checked too.
+HEADERS = sorted(os.path.relpath(os.path.join(d, f), SHADERS) for d, _, files in os.walk(SHADERS)
+                 for f in files if f.endswith(".h") and not f.startswith("."))
 
 
 # ---- every cooperative-tensor loop unrolled ---------------------------------------------------------------------
@@ -61,7 +64,8 @@ def not_unrolled(text: str) -> list[int]:
 
 def test_every_cooperative_tensor_loop_is_unrolled():
     loops = 0
-    for name in MPP_HEADERS:
+    assert any(name.startswith("tensor_ops" + os.sep) for name in HEADERS), HEADERS
+    for name in HEADERS:
         text = open(os.path.join(SHADERS, name)).read()
         loops += sum(bool(_COOP_LOOP.match(line)) for line in text.splitlines())
         assert not_unrolled(text) == [], name
@@ -69,7 +73,7 @@ def test_every_cooperative_tensor_loop_is_unrolled():
 
 
 def test_the_unroll_check_bites():
-    text = open(os.path.join(SHADERS, "attention_prefill_mpp.h")).read()
+    text = open(os.path.join(SHADERS, "tensor_ops", "attention_prefill_mpp.h")).read()
     assert not_unrolled(text) == []
     planted = text.replace("  FM_UNROLL\n  for (int i = 0; i < s.get_capacity(); ++i) {",
                            "  for (int i = 0; i < s.get_capacity(); ++i) {", 1)
@@ -149,7 +153,7 @@ def test_a_static_slice_on_the_ragged_block_is_refused(tmp_path, monkeypatch):
     the emulator refuses (a static extent the tensor does not have; Apple's header keeps static slices for
     inside tiles)."""
     shutil.copytree(SHADERS, tmp_path / "shaders")
-    header = tmp_path / "shaders" / "attention_prefill_mpp.h"
+    header = tmp_path / "shaders" / "tensor_ops" / "attention_prefill_mpp.h"
     text = header.read_text()
     assert text.count("    const bool full = keys == BK;\n") == 1
     header.write_text(text.replace("    const bool full = keys == BK;\n", "    const bool full = true;\n"))

@@ -315,7 +315,7 @@ def test_host_runs_a_value_head_dim_of_its_own(host, emu, impl):
 
 def test_host_runs_the_split_d_forward_at_512(host, emu):
     # A causal D = 512 forward (issue 20 section 3) through the real .mm: composite_route lets it pass,
-    # the planner routes it to the split-D kernel (shaders/attention_prefill_splitd.h, 9,728 bytes of
+    # the planner routes it to the split-D kernel (shaders/prefill/attention_prefill_splitd.h, 9,728 bytes of
     # threadgroup memory, 256 threads), replayed, vs the float64 oracle (GQA 2:1, Nq != Nk, ragged).
     g = torch.Generator().manual_seed(31)
     q = torch.randn(1, 2, 19, 512, generator=g).half()
@@ -378,7 +378,7 @@ def test_host_runs_the_mla_decode_split_along_keys(host, emu):
 
 def test_host_runs_the_split_d_backward_at_512(host):
     # The backward at D = 512 with impl='prefill' (issue 20 section 3: impl='auto' keeps the composite
-    # path, the model's verdict) through the real .mm: the split-D pair (shaders/attention_backward_splitd.h,
+    # path, the model's verdict) through the real .mm: the split-D pair (shaders/backward/attention_backward_splitd.h,
     # 17,664 and 18,432 bytes of threadgroup memory), replayed into its partial library (the default
     # builds leave it out: tests/shader_builds.py), vs float64 autograd (GQA 2:1, Nq != Nk, ragged).
     import backends

@@ -19,6 +19,7 @@ failed download fails the tests instead of skipping them.
 """
 import os
 import re
+import shutil
 import subprocess
 import sys
 
@@ -386,9 +387,11 @@ def test_inlined_shaders_are_one_complete_source(inliner):
     # The MSL 4 headers belong to attention_mpp.metal's library alone (tensor
     # ops): never part of the MSL 3.1 source. They are the ones it includes.
     mpp_source = open(os.path.join(os.path.dirname(SHADER), "attention_mpp.metal"), encoding="utf-8").read()
-    msl4 = set(re.findall(r'^\s*#\s*include\s*"([^"]+)"', mpp_source, flags=re.M))
+    msl4 = {os.path.basename(p) for p in re.findall(r'^\s*#\s*include\s*"([^"]+)"', mpp_source, flags=re.M)}
     assert {"attention_prefill_mpp.h", "attention_backward_mpp.h"} <= msl4, msl4
-    headers = sorted(os.path.basename(p) for p in os.listdir(os.path.dirname(SHADER)) if p.endswith(".h"))
+    # Every header, in every family folder of shaders/ (the #line markers name files by basename).
+    headers = sorted(f for _, _, files in os.walk(os.path.dirname(SHADER)) for f in files if f.endswith(".h"))
+    assert len(headers) == len(set(headers)), "two shader headers share a name"
     for h in headers:  # every other shader header reachable from attention.metal, each inlined exactly once
         assert text.count(f'#line 1 "{h}"\n') == (0 if h in msl4 else 1), h
 
@@ -432,6 +435,27 @@ def test_inliner_includes_each_file_once_and_keeps_line_numbers(inliner, clang, 
     assert diag.returncode != 0 and "c.h:5:" in diag.stderr, diag.stderr
 
 
+def test_inliner_resolves_parent_folders_and_includes_each_file_once(inliner, clang, tmp_path):
+    # shaders/'s layout: a main file at the root includes family headers ("prefill/a.h"), which include
+    # shared ones by a relative path ("../common/d.h"). Two spellings of one file are one file.
+    for sub in ("prefill", "decode", "common"):
+        (tmp_path / sub).mkdir()
+    (tmp_path / "common" / "d.h").write_text("#pragma once\nint d_value = 4;\n")
+    (tmp_path / "prefill" / "a.h").write_text('#pragma once\n#include "../common/d.h"\nint a_value = d_value;\n')
+    (tmp_path / "decode" / "b.h").write_text('#pragma once\n#include "../prefill/a.h"\n#include "../common/./d.h"\n'
+                                             'int b_value = a_value;\n')
+    (tmp_path / "main.cpp").write_text('#include "prefill/a.h"\n#include "decode/b.h"\n#include "common/d.h"\n'
+                                       'int main() { return b_value; }\n')
+    proc = _inline(inliner, tmp_path / "main.cpp")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.count("int d_value") == 1 and proc.stdout.count("int a_value") == 1
+    alone = tmp_path / "alone"
+    alone.mkdir()
+    (alone / "main.cpp").write_text(proc.stdout)
+    diag = subprocess.run([clang, "-std=c++17", "-fsyntax-only", str(alone / "main.cpp")], capture_output=True, text=True)
+    assert diag.returncode == 0, diag.stderr
+
+
 def test_inliner_names_a_missing_header(inliner, tmp_path):
     (tmp_path / "main.metal").write_text('#include "absent.h"\n')
     proc = _inline(inliner, tmp_path / "main.metal")
@@ -462,8 +486,20 @@ def test_source_fingerprint_matches_setup_py(inliner, tmp_path):
     proc = subprocess.run([inliner, "--hash", shaders], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == setup.shader_sources_hash(shaders)
-    for name in os.listdir(shaders):
-        (tmp_path / name).write_bytes(open(os.path.join(shaders, name), "rb").read())
-    (tmp_path / "attention_common.h").write_bytes((tmp_path / "attention_common.h").read_bytes() + b" ")
-    edited = subprocess.run([inliner, "--hash", str(tmp_path)], capture_output=True, text=True).stdout.strip()
-    assert edited == setup.shader_sources_hash(str(tmp_path)) != proc.stdout.strip()
+    copy = tmp_path / "shaders"
+    shutil.copytree(shaders, copy)  # the family subfolders too
+    common = copy / "common" / "attention_common.h"
+    common.write_bytes(common.read_bytes() + b" ")
+    edited = subprocess.run([inliner, "--hash", str(copy)], capture_output=True, text=True).stdout.strip()
+    assert edited == setup.shader_sources_hash(str(copy)) != proc.stdout.strip()
+    # A file moved to another folder, its bytes unchanged, changes it too: the hash is over paths.
+    os.rename(copy / "post" / "attention_tiled.h", copy / "prefill" / "attention_tiled.h")
+    moved = subprocess.run([inliner, "--hash", str(copy)], capture_output=True, text=True).stdout.strip()
+    assert moved == setup.shader_sources_hash(str(copy)) not in (edited, proc.stdout.strip())
+    # Hidden folders and files and non-shader files (shaders/README.md) never count.
+    (copy / ".cache").mkdir()
+    (copy / ".cache" / "stale.h").write_text("// an editor's leftovers\n")
+    (copy / "prefill" / "._attention_tiled.h").write_text("AppleDouble")
+    (copy / "NOTES.md").write_text("notes\n")
+    again = subprocess.run([inliner, "--hash", str(copy)], capture_output=True, text=True).stdout.strip()
+    assert again == setup.shader_sources_hash(str(copy)) == moved

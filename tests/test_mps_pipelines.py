@@ -45,12 +45,12 @@ def planner_kernel_names():
             names.add(torch.ops.flash_metal.metal_plan(q, k, v, False, None, "decode")[0])
             for i in range(2):
                 names.add(torch.ops.flash_metal.metal_plan(q, long_k, long_v, False, None, "decode_split", "base", i)[0])
-        # The split-D forward at (512, 512), (576, 512) and (256, 512) (shaders/attention_prefill_splitd.h):
+        # The split-D forward at (512, 512), (576, 512) and (256, 512) (shaders/prefill/attention_prefill_splitd.h):
         # impl='prefill', 9 query rows.
         for dqk in (512, 576, 256):
             q, v = torch.zeros(1, 1, 9, dqk, dtype=dtype), torch.zeros(1, 1, 9, 512, dtype=dtype)
             names.add(torch.ops.flash_metal.metal_plan(q, q, v, False, None, "prefill")[0])
-        # The split-D backward at D = 512 (shaders/attention_backward_splitd.h): impl='prefill', its pair.
+        # The split-D backward at D = 512 (shaders/backward/attention_backward_splitd.h): impl='prefill', its pair.
         q = torch.zeros(1, 1, 9, 512, dtype=dtype)
         for i in range(2):
             names.add(torch.ops.flash_metal.metal_plan(q, q, q, False, None, "prefill", "base", i, True)[0])

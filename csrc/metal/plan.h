@@ -6,7 +6,7 @@
 #pragma once
 
 #include "../checks.h"
-#include "../../shaders/params.h"
+#include "../../shaders/common/params.h"
 
 #include <array>
 #include <cstdint>

@@ -7,7 +7,7 @@
 #pragma once
 
 #include "metal/plan.h"
-#include "../../shaders/attention_decode_rows.h"
+#include "../../shaders/decode/attention_decode_rows.h"
 
 #include <c10/util/Exception.h>
 

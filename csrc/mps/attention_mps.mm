@@ -281,7 +281,7 @@ void forward_kernel(const AttentionCall& c, const AttentionOutputs& o, const std
 }
 
 // attention_backward and attention_varlen_backward: the two kernels of
-// shaders/attention_backward.h (dQ and Delta, then dK/dV), planned by
+// shaders/backward/attention_backward.h (dQ and Delta, then dK/dV), planned by
 // plan_metal_attention_backward. Inputs are read in place with their own
 // strides; the gradients are packed.
 void backward_kernel(const AttentionCall& c, const BackwardTensors& t, const AttentionGradients& g,

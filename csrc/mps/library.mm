@@ -12,7 +12,7 @@
 // runtime compile (MTLMathModeSafe) and the -fno-fast-math both PyTorch and
 // MLX pass to `metal` (setup.py does too). The kernels are written to stay
 // right under fast math (a finite running-max sentinel, no arithmetic on
-// infinities; see shaders/attention_common.h), but IEEE semantics are what
+// infinities; see shaders/common/attention_common.h), but IEEE semantics are what
 // the emulator tests, so they are what we ask Apple's compiler for.
 #include "library.h"
 #include "metal/plan.h"  // is_tensor_ops_kernel

@@ -1,7 +1,7 @@
 // Turns the shipped shader sources into the single string Metal's runtime
 // compiler needs. MTLCompileOptions has no include path, so
-// newLibraryWithSource: cannot resolve `#include "attention_tiled.h"`; this
-// inlines every local (quoted) include, recursively, each file once.
+// newLibraryWithSource: cannot resolve `#include "post/attention_tiled.h"`;
+// this inlines every local (quoted) include, recursively, each file once.
 //
 // Portable C++ with no Objective-C, no Metal and no torch, so that a Linux
 // test (tests/test_mps_host.py) can compile it into a tiny binary and hand
@@ -9,8 +9,11 @@
 // .mm includes it, and setup.py compiles only csrc/mps/*.mm on macOS.
 //
 // Rules, which the shaders in shaders/ follow:
-// - `#include "x"` is local: resolved next to the including file and inlined.
-//   `#include <x>` (metal_stdlib) is left for the compiler.
+// - `#include "x"` is local: resolved relative to the including file's
+//   directory (shaders/ has family subfolders: "../common/params.h") and
+//   inlined. `#include <x>` (metal_stdlib) is left for the compiler.
+// - A file is known by its path with "." and "dir/.." segments removed, so
+//   "prefill/../common/params.h" and "decode/../common/params.h" are one file.
 // - Each local file is inlined once, at its first include; later includes of
 //   it are dropped. That equals `#pragma once` as long as local includes are
 //   not inside #if blocks (ours never are), and `#pragma once` lines of
@@ -24,6 +27,7 @@
 #pragma once
 
 #include <dirent.h>
+#include <sys/stat.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -48,6 +52,32 @@ inline std::string directory_of(const std::string& path) {
 inline std::string basename_of(const std::string& path) {
   const auto slash = path.find_last_of('/');
   return slash == std::string::npos ? path : path.substr(slash + 1);
+}
+
+// `path` with its "." segments and each "name/.." pair removed, textually
+// (no file system access; symbolic links are not followed): "a/b/../c.h" ->
+// "a/c.h", "./x.h" -> "x.h", "../x.h" stays (nothing to cancel). A leading
+// "/" is kept.
+inline std::string normalize_path(const std::string& path) {
+  const bool absolute = !path.empty() && path[0] == '/';
+  std::vector<std::string> parts;
+  size_t start = 0;
+  while (start <= path.size()) {
+    size_t end = path.find('/', start);
+    if (end == std::string::npos) end = path.size();
+    const std::string part = path.substr(start, end - start);
+    if (part.empty() || part == ".") {
+      // nothing
+    } else if (part == ".." && !parts.empty() && parts.back() != "..") {
+      parts.pop_back();
+    } else if (!(part == ".." && absolute)) {  // "/.." is "/"
+      parts.push_back(part);
+    }
+    start = end + 1;
+  }
+  std::string out = absolute ? "/" : "";
+  for (size_t i = 0; i < parts.size(); ++i) out += (i ? "/" : "") + parts[i];
+  return out.empty() ? "." : out;
 }
 
 namespace detail {
@@ -105,7 +135,7 @@ inline void inline_into(const std::string& path, const std::string& included_fro
       continue;
     }
     if (directive(line, "include", &rest) && quoted_name(rest, &name)) {
-      const std::string child = directory_of(path) + "/" + name;
+      const std::string child = normalize_path(directory_of(path) + "/" + name);
       if (!seen->count(child)) {
         inline_into(child, path, seen, out);
       }
@@ -122,11 +152,11 @@ inline void inline_into(const std::string& path, const std::string& included_fro
 
 // The full text of `path` with every local include inlined (see the rules
 // above). Throws std::runtime_error naming a file that cannot be read.
-// Paths are joined textually ("dir/name"): the shaders include only siblings.
+// Paths are joined and normalized textually (normalize_path).
 inline std::string inline_local_includes(const std::string& path) {
   std::set<std::string> seen;
   std::string out;
-  detail::inline_into(path, "", &seen, &out);
+  detail::inline_into(normalize_path(path), "", &seen, &out);
   return out;
 }
 
@@ -158,19 +188,42 @@ inline bool is_shader_file(const std::string& name) {
   return ends_with(".metal") || ends_with(".h");
 }
 
-// The fingerprint of the shader sources in `dir`, as 16 lowercase hex
-// digits: FNV-1a-64 over, for each *.metal and *.h file in byte order of its
-// name, "<name>\n<size in bytes>\n<contents>". setup.py's
-// _shader_sources_hash computes the same. Throws std::runtime_error if the
+namespace detail {
+
+// Appends to *names the path, relative to `root` and joined with '/', of
+// every shader file (is_shader_file) under root/rel, in every subfolder but
+// hidden ones (a name starting with '.').
+inline void list_shader_files(const std::string& root, const std::string& rel, std::vector<std::string>* names) {
+  const std::string dir = rel.empty() ? root : root + "/" + rel;
+  DIR* d = opendir(dir.c_str());
+  if (d == nullptr) throw std::runtime_error("cannot list shader directory '" + dir + "'");
+  std::vector<std::string> subdirs;
+  while (const dirent* entry = readdir(d)) {
+    const std::string name = entry->d_name;
+    if (name.empty() || name[0] == '.') continue;  // ".", "..", hidden files and folders
+    const std::string child = rel.empty() ? name : rel + "/" + name;
+    struct stat st;
+    if (stat((root + "/" + child).c_str(), &st) == 0 && S_ISDIR(st.st_mode)) {
+      subdirs.push_back(child);
+    } else if (is_shader_file(name)) {
+      names->push_back(child);
+    }
+  }
+  closedir(d);
+  for (const std::string& sub : subdirs) list_shader_files(root, sub, names);
+}
+
+}  // namespace detail
+
+// The fingerprint of the shader sources under `dir` (its family subfolders
+// included), as 16 lowercase hex digits: FNV-1a-64 over, for each *.metal
+// and *.h file in byte order of its path relative to `dir` ('/'-separated:
+// "common/params.h"), "<path>\n<size in bytes>\n<contents>". setup.py's
+// shader_sources_hash computes the same. Throws std::runtime_error if a
 // directory or a file cannot be read.
 inline std::string source_tree_hash(const std::string& dir) {
   std::vector<std::string> names;
-  DIR* d = opendir(dir.c_str());
-  if (d == nullptr) throw std::runtime_error("cannot list shader directory '" + dir + "'");
-  while (const dirent* entry = readdir(d)) {
-    if (is_shader_file(entry->d_name)) names.emplace_back(entry->d_name);
-  }
-  closedir(d);
+  detail::list_shader_files(dir, "", &names);
   std::sort(names.begin(), names.end());
   uint64_t hash = kFnvOffsetBasis;
   for (const std::string& name : names) {

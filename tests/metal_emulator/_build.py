@@ -289,11 +289,14 @@ def write_rewritten(paths: list[str], dest: str) -> dict[str, str]:
 def source_key(paths: list[str], *extra) -> str:
     # Keyed by file names and contents, not directories: an identical copy of
     # the shaders elsewhere (the installed package's, say) reuses the build.
+    # A name is the path relative to the first .metal's folder (shaders/ has
+    # family subfolders: "prefill/attention_prefill.h").
     sources = _prepass.collect_sources(paths)
+    base = os.path.dirname(sources[0]) if sources else ""
     return _hash(
         clang_version(),
         _read(os.path.join(HERE, "_prepass.py")),
-        *(os.path.basename(p).encode() + b"\0" + _read(p) for p in sources),
+        *(os.path.relpath(p, base).replace(os.sep, "/").encode() + b"\0" + _read(p) for p in sources),
         *(_read(p) for p in _shim_files()),
         *extra,
     )

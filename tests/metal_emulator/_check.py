@@ -135,8 +135,8 @@ def ast_violations(ast: dict, copies: dict[str, str], msl: int = 3) -> list[str]
                 if isinstance(loc.get(key), dict):
                     location(loc[key])
             return
-        if "file" in loc:
-            where["file"] = loc["file"]
+        if "file" in loc:  # normalized: a header reached through "../common/x.h" is the copy of common/x.h
+            where["file"] = os.path.normpath(loc["file"])
         if "line" in loc:
             where["line"] = loc["line"]
 
@@ -218,7 +218,7 @@ def _dependencies(depfile: str, copies: dict[str, str]) -> set[str]:
             text = f.read()
     except OSError:
         return set()
-    words = text.replace("\\\n", " ").split(":", 1)[-1].split()
+    words = [os.path.normpath(w) for w in text.replace("\\\n", " ").split(":", 1)[-1].split()]
     return {copies[w] for w in words if w in copies}
 
 
@@ -285,11 +285,12 @@ def check_msl_rules(paths, msl: int = 3) -> set[str]:
 
 
 def shader_files(shader_dir: str) -> list[str]:
-    """Every file under shader_dir (hidden ones aside): what the rules must cover."""
+    """Every shader source (*.metal, *.h) under shader_dir, in every subfolder, hidden ones aside: what
+    the rules must cover. Other files (shaders/README.md) are not code; setup.py ships the same set."""
     out = []
     for root, dirs, files in os.walk(shader_dir):
         dirs[:] = [d for d in dirs if not d.startswith(".")]
-        out += [os.path.join(root, f) for f in files if not f.startswith(".")]
+        out += [os.path.join(root, f) for f in files if not f.startswith(".") and f.endswith((".metal", ".h"))]
     return sorted(os.path.abspath(f) for f in out)
 
 

@@ -82,11 +82,13 @@ def test_the_shipped_msl4_library_compiles_clean(check):
 # The kernels' spellings before issue 40, planted back into a copy of shaders/: a temporary slice passed to
 # run(), and tensors over the head's `device const T` rows.
 OLD_SPELLINGS = {
-    "prvalue-slice": ("attention_prefill_mpp.h", [("      qk.run(tq, k_blk, s);\n    } else {",
-                                                   "      qk.run(tq, k_blk.slice(0, 0), s);\n    } else {")],
+    "prvalue-slice": ("tensor_ops/attention_prefill_mpp.h",
+                      [("      qk.run(tq, k_blk, s);\n    } else {",
+                        "      qk.run(tq, k_blk.slice(0, 0), s);\n    } else {")],
                       "takes non-const lvalue references"),
-    "const-rows": ("attention_mpp_common.h", [("using MppDeviceTensor = tensor<device T,", "using MppDeviceTensor = tensor<device const T,"),
-                                             ("const_cast<device T*>(base)", "base")],
+    "const-rows": ("tensor_ops/attention_mpp_common.h",
+                   [("using MppDeviceTensor = tensor<device T,", "using MppDeviceTensor = tensor<device const T,"),
+                    ("const_cast<device T*>(base)", "base")],
                    "const element type"),
 }
 

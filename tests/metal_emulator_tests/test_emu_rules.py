@@ -61,7 +61,8 @@ def test_shipped_shaders_follow_the_rules():
     libs = libraries(SHADERS)
     assert 4 in libs.values() and 3 in libs.values(), libs
     covered = check_shader_tree(SHADERS, libs)
-    for header in ("attention_mpp_common.h", "attention_prefill_mpp_dsplit.h", "attention_backward_mpp.h"):
+    for header in ("tensor_ops/attention_mpp_common.h", "tensor_ops/attention_prefill_mpp_dsplit.h",
+                   "tensor_ops/attention_backward_mpp.h"):
         assert os.path.join(SHADERS, header) in covered  # the MSL 4 headers, reached only by the MSL 4 parse
 
 
@@ -78,12 +79,12 @@ def test_good_kernel_passes_as_cxx14_too():
     "where,old,new,fragment",
     [
         # the class issue 18 found: a static data member without `constant`
-        ("attention_decode.h", "static constexpr constant int RS =", "static constexpr int RS =",
+        ("decode/attention_decode.h", "static constexpr constant int RS =", "static constexpr int RS =",
          "a static data member 'RS'"),
         # a C++17-only construct in a shipped shader
-        ("attention_decode.h", "const int R = p.gqa_ratio * p.q_len;",
+        ("decode/attention_decode.h", "const int R = p.gqa_ratio * p.q_len;",
          "const int R = p.gqa_ratio * p.q_len; if constexpr (DMAX > 0) {}", "C++17"),
-        ("attention_common.h", "constant float kMaskedScore = -1267650600228229401496703205376.0f;",
+        ("common/attention_common.h", "constant float kMaskedScore = -1267650600228229401496703205376.0f;",
          "constant float kMaskedScore = -0x1p100f;", "hexadecimal floating literals are a C++17 feature"),
     ],
     ids=["static_member", "if_constexpr", "hex_float"],
@@ -107,6 +108,27 @@ def test_planted_in_a_copy_of_the_shaders(tmp_path, where, old, new, fragment):
     assert any(fragment in v and where in v for v in e.value.violations), e.value.violations
 
 
+def test_a_shared_header_reached_through_a_family_folder_is_checked(tmp_path):
+    """The family headers include the shared ones by a relative path ("../common/attention_common.h"):
+    clang names such a file "post/../common/attention_common.h", and the check must still know it for
+    the copy of common/attention_common.h (the rules and the covered files both), or every shared header
+    would go unchecked."""
+    copy = tmp_path / "shaders"
+    shutil.copytree(SHADERS, copy)
+    where = "common/attention_common.h"
+    text = (copy / where).read_text()
+    entry = copy / "planted.metal"
+    entry.write_text('#include "post/attention_untiled.h"\n')
+    assert str(copy / where) in check_msl_rules([str(entry)])
+    # A rule only the AST walk sees (no compiler diagnostic): a static data member without `constant`.
+    plant = "\nnamespace flash_metal {\nstruct FmPlanted { static constexpr int kPlanted = 1; };\n}\n"
+    (copy / where).write_text(text + plant)
+    with pytest.raises(MslRuleError) as e:
+        check_msl_rules([str(entry)])
+    assert any("a static data member 'kPlanted'" in v and v.startswith(str(copy / where))
+               for v in e.value.violations), e.value.violations
+
+
 def test_static_member_planted_in_an_msl4_header_fails_the_suite(tmp_path):
     """Issue 40's class: a static data member without `constant` in an MSL 4 header. The shaders,
     copied, with MppDsplitShape::kBytes (one of the 15 members issue 40 fixed) stripped of its
@@ -115,7 +137,7 @@ def test_static_member_planted_in_an_msl4_header_fails_the_suite(tmp_path):
     as MSL 3.1, where its guard leaves it empty, and all 15 went through."""
     copy = tmp_path / "shaders"
     shutil.copytree(SHADERS, copy)
-    where = "attention_prefill_mpp_dsplit.h"
+    where = "tensor_ops/attention_prefill_mpp_dsplit.h"
     old, new = "static constant constexpr int kBytes =", "static constexpr int kBytes ="
     text = (copy / where).read_text()
     assert old in text, f"the planting site moved: {old!r} not in {where}"
@@ -129,16 +151,25 @@ def test_static_member_planted_in_an_msl4_header_fails_the_suite(tmp_path):
 
 def test_a_shader_file_no_check_reads_is_reported(tmp_path):
     """A file under shaders/ that no library includes (a new header not yet wired in) is listed, so it
-    cannot escape the rules; so is one reached only under a language version no library is built in."""
+    cannot escape the rules, at any depth (the family folders, and a new one); so is one reached only
+    under a language version no library is built in. Files that are not shader sources (README.md) are
+    not listed."""
     copy = tmp_path / "shaders"
     shutil.copytree(SHADERS, copy)
+    assert (copy / "README.md").exists()
     assert uncovered_shader_files(str(copy), libraries(str(copy))) == []
-    (copy / "attention_orphan.h").write_text("#pragma once\nstruct FmOrphan { static constexpr int kN = 1; };\n")
+    orphan = "#pragma once\nstruct FmOrphan { static constexpr int kN = 1; };\n"
+    (copy / "attention_orphan.h").write_text(orphan)
+    (copy / "prefill" / "attention_prefill_orphan.h").write_text(orphan)
+    (copy / "newfamily").mkdir()
+    (copy / "newfamily" / "attention_newfamily.h").write_text(orphan)
+    orphans = sorted(str(copy / f) for f in ("attention_orphan.h", "prefill/attention_prefill_orphan.h",
+                                             "newfamily/attention_newfamily.h"))
     # attention_mpp.metal's headers as if its library were MSL 3.1 only: its guard hides them
     as_msl3 = {path: 3 for path in libraries(str(copy))}
-    assert uncovered_shader_files(str(copy), libraries(str(copy))) == [str(copy / "attention_orphan.h")]
+    assert uncovered_shader_files(str(copy), libraries(str(copy))) == orphans
     missed = uncovered_shader_files(str(copy), as_msl3)
-    assert str(copy / "attention_orphan.h") in missed and str(copy / "attention_mpp_common.h") in missed
+    assert set(orphans) <= set(missed) and str(copy / "tensor_ops" / "attention_mpp_common.h") in missed
 
 
 # Section 1.5.4 of the MSL specification: C++ features Metal does not have. Each snippet goes in a
@@ -191,7 +222,7 @@ def test_msl4_headers_may_use_cxx17(tmp_path):
     construct in an MSL 3.1 header fails (test_planted_in_a_copy_of_the_shaders[if_constexpr])."""
     copy = tmp_path / "shaders"
     shutil.copytree(SHADERS, copy)
-    where = "attention_mpp_common.h"
+    where = "tensor_ops/attention_mpp_common.h"
     text = (copy / where).read_text()
     plant = ("\nnamespace flash_metal {\n"
              "template <int N> inline int fm_planted() { if constexpr (N > 0) return N; return 0; }\n}\n")

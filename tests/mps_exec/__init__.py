@@ -78,10 +78,10 @@ def package_dir(lib: str, dest: str, metallib: str = "fresh", kernel_names=None,
     """
     path = copy_library(lib, dest)
     if shaders:
-        os.makedirs(os.path.join(dest, "shaders"), exist_ok=True)
-        for name in os.listdir(SHADER_DIR):
-            if _is_shader_file(name):
-                shutil.copyfile(os.path.join(SHADER_DIR, name), os.path.join(dest, "shaders", name))
+        for name in shader_sources(SHADER_DIR):  # the family subfolders too, as setup.py installs them
+            target = os.path.join(dest, "shaders", *name.split("/"))
+            os.makedirs(os.path.dirname(target), exist_ok=True)
+            shutil.copyfile(os.path.join(SHADER_DIR, *name.split("/")), target)
     for state, names, lib_name, hash_name in ((metallib, kernel_names, METALLIB_NAME, METALLIB_HASH_NAME),
                                               (mpp_metallib, mpp_kernel_names, MPP_METALLIB_NAME,
                                                MPP_METALLIB_HASH_NAME)):
@@ -101,6 +101,17 @@ def _is_shader_file(name: str) -> bool:
     return not name.startswith(".") and name.endswith((".metal", ".h"))
 
 
+def shader_sources(directory: str) -> list[str]:
+    """The shader files under directory, at any depth (hidden folders aside), as '/'-separated paths
+    relative to it ("common/params.h"): shader_source.h's list_shader_files."""
+    out = []
+    for root, dirs, files in os.walk(directory):
+        dirs[:] = [d for d in dirs if not d.startswith(".")]
+        out += [os.path.relpath(os.path.join(root, f), directory).replace(os.sep, "/")
+                for f in files if _is_shader_file(f)]
+    return sorted(out)
+
+
 # FNV-1a 64-bit offset basis and prime (the published constants).
 _FNV_BASIS, _FNV_PRIME = 0xCBF29CE484222325, 0x100000001B3
 
@@ -109,8 +120,8 @@ def source_tree_hash(directory: str) -> str:
     """The fingerprint library.mm checks a metallib against (shader_source.h's
     source_tree_hash; Host.source_tree_hash runs the C++ one to prove they agree)."""
     h = _FNV_BASIS
-    for name in sorted(n.encode() for n in os.listdir(directory) if _is_shader_file(n)):
-        with open(os.path.join(directory, name.decode()), "rb") as f:
+    for name in sorted(n.encode() for n in shader_sources(directory)):
+        with open(os.path.join(directory, *name.decode().split("/")), "rb") as f:
             text = f.read()
         for byte in name + b"\n" + str(len(text)).encode() + b"\n" + text:
             h = ((h ^ byte) * _FNV_PRIME) & 0xFFFFFFFFFFFFFFFF

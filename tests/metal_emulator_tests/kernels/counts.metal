@@ -70,7 +70,7 @@ using namespace metal;
   out[gid] = dyn[lid] + dyn[(lid + 1) % tpg] + float(tag[(lid + 2) % tpg]);
 }
 
-// The dense tile loader's MSL forms (shaders/attention_prefill.h): half rows
+// The dense tile loader's MSL forms (shaders/prefill/attention_prefill.h): half rows
 // read and written as raw 16-byte uint4 chunks through reinterpret_cast
 // pointers, staged in threadgroup memory, then read back as halves. Thread i
 // copies chunk i (8 halves) of src with one 16-byte device load; then writes

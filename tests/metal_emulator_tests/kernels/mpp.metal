@@ -211,7 +211,7 @@ template [[host_name("mpp_chain_slot_copy_bug")]] [[kernel]] decltype(mpp_chain<
 
 // out = (A B^T) * (A2 B2^T) elementwise, the two products in two destination
 // cooperative tensors combined slot by slot (the tensor-op backward's dS =
-// P * (dP - Delta), shaders/attention_backward_mpp.h). SAME: both from one
+// P * (dP - Delta), shaders/tensor_ops/attention_backward_mpp.h). SAME: both from one
 // op type (same descriptor, scope, operand and element types), whose slots
 // hold the same elements. The planted bug: the second product from an op of
 // another descriptor (B2 read untransposed, same 16 x 32 shape), whose

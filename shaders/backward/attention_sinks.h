@@ -20,7 +20,7 @@
 // MSL subset: as attention_common.h.
 #pragma once
 
-#include "attention_features.h"
+#include "../common/attention_features.h"
 
 namespace flash_metal {
 

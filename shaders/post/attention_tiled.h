@@ -5,7 +5,7 @@
 // query.
 #pragma once
 
-#include "attention_common.h"
+#include "../common/attention_common.h"
 
 namespace flash_metal {
 

@@ -27,7 +27,7 @@
 // attention.metal (float32, DMAX 96, BQ = BK = 32).
 #pragma once
 
-#include "attention_features.h"
+#include "../common/attention_features.h"
 #include "attention_prefill_paged.h"
 
 namespace flash_metal {

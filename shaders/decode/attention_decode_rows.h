@@ -4,7 +4,7 @@
 // Valid MSL and C++ alike, as params.h.
 #pragma once
 
-#include "params.h"
+#include "../common/params.h"
 
 namespace flash_metal {
 

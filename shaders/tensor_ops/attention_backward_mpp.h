@@ -1,6 +1,6 @@
 // The FlashAttention-2 backward on Metal 4 tensor operations (MPP matmul2d,
 // issue 21 item 2): the simdgroup backward's algorithm and atomics-free
-// split (shaders/attention_backward.h; metal-flash-attention's idea), with
+// split (shaders/backward/attention_backward.h; metal-flash-attention's idea), with
 // every matrix product on matmul2d. Two kernels, no atomics, deterministic:
 //
 //   flash_backward_mpp_dq    grid (ceil(Nq / BQ), Hq, B), 32 * BQ / 16 threads

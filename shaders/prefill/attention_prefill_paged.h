@@ -6,7 +6,7 @@
 // serves the tiles that may cross pages.
 #pragma once
 
-#include "attention_decode_paged.h"
+#include "../common/attention_decode_paged.h"
 
 namespace flash_metal {
 

@@ -11,7 +11,7 @@
 //   o   (batch, q_heads,  q_len,  head_dim_v)
 // (head_dim_v == head_dim except in MLA-style calls, issue 20 section 2.)
 //   lse (batch, q_heads,  q_len)            always float32
-// and, for the backward (shaders/attention_backward.h):
+// and, for the backward (shaders/backward/attention_backward.h):
 //   grad_out (batch, q_heads, q_len, head_dim), any strides (the do_* fields)
 //   grad_lse (batch, q_heads, q_len), float32, any strides (the glse_* fields)
 //   grad_q, grad_k, grad_v and the Delta scratch: packed, so no strides here
@@ -19,7 +19,7 @@
 // A varlen call (attention_varlen_*) passes its packed (total, H, D) tensors
 // as (1, H, total, D) views (batch strides unused); q_len and kv_len are then
 // max_seqlen_q and max_seqlen_k, and each sequence's own lengths and first
-// rows come from the cu_seqlens buffers (shaders/attention_features.h).
+// rows come from the cu_seqlens buffers (shaders/common/attention_features.h).
 #pragma once
 
 #ifdef __METAL_VERSION__
@@ -72,7 +72,7 @@ struct AttentionParams {
   int64_t glse_batch_stride;  // backward: as for lse, for grad_lse (the gradient of lse)
   int64_t glse_head_stride;   // elements between consecutive heads of grad_lse
   int64_t glse_row_stride;    // elements between consecutive rows of grad_lse
-  // The options of shaders/attention_features.h, last so every field above
+  // The options of shaders/common/attention_features.h, last so every field above
   // keeps its offset. attn_mask is seen as (batch, q_heads, q_len, kv_len)
   // with stride 0 on every broadcast dimension; strides count elements of
   // the mask's own type (1 byte for bool).

@@ -98,10 +98,10 @@
 // only its rows below cache_seqlens[b], and no other page at all.
 #pragma once
 
-#include "attention_decode_paged.h"
+#include "../common/attention_decode_paged.h"
 #include "attention_decode_rows.h"
-#include "attention_features.h"
-#include "attention_prefill.h"  // fc_dense [[function_constant(10)]], the prefill loader's, reused here
+#include "../common/attention_features.h"
+#include "../prefill/attention_prefill.h"  // fc_dense [[function_constant(10)]], the prefill loader's, reused here
 
 namespace flash_metal {
 

@@ -43,7 +43,7 @@
 // The dK/dV kernel must run after the dQ kernel (it reads Delta); the host
 // encodes them in that order on one serial compute encoder.
 //
-// The options of shaders/attention_features.h, each behind its function
+// The options of shaders/common/attention_features.h, each behind its function
 // constant (a pipeline without it carries none of its code): P is rebuilt as
 // the forward builds it, softcap, then mask, then window (a masked key has
 // P = 0 exactly), and with softcap dS is multiplied by the cap's derivative
@@ -55,7 +55,7 @@
 // grad_k, grad_v and Delta are then (1, H, total, ...) with total_q /
 // total_k rows.
 //
-// Both kernels share one layout (the forward's, shaders/attention_prefill.h,
+// Both kernels share one layout (the forward's, shaders/prefill/attention_prefill.h,
 // whose loader, fragment reads and lane layout they reuse): each of the WM
 // SIMD-groups "owns" 8 rows (queries in the dQ kernel, keys in the dK/dV
 // kernel) and keeps its accumulators for them in 8x8 simdgroup_matrix<float>
@@ -78,8 +78,8 @@
 // twice and dO twice per block, so a shared tile would be loaded twice.
 #pragma once
 
-#include "attention_features.h"
-#include "attention_prefill.h"
+#include "../common/attention_features.h"
+#include "../prefill/attention_prefill.h"
 
 namespace flash_metal {
 

@@ -5,7 +5,7 @@
 // the same K and V rows separately.
 #pragma once
 
-#include "attention_common.h"
+#include "../common/attention_common.h"
 
 namespace flash_metal {
 

@@ -79,7 +79,7 @@
 #pragma once
 
 #include "attention_backward.h"
-#include "attention_prefill_splitd.h"
+#include "../prefill/attention_prefill_splitd.h"
 
 namespace flash_metal {
 

@@ -31,7 +31,7 @@
 
 #include <metal_tensor>
 #include <MetalPerformancePrimitives/MetalPerformancePrimitives.h>
-#include "attention_features.h"
+#include "../common/attention_features.h"
 
 namespace flash_metal {
 
