@@ -8,7 +8,7 @@ rate itself is an estimate (core/gpus.py ACCEL_FLOPS_PER_CORE_CYCLE).
    #3943 measured 4.127 ms on an M5 Max, float16, 1 x 32 (8 KV) x 4096 x 96)
    is hand-counted in core/anchors.py (nax_counts), as the steel kernel is,
    and the time model predicts it within +-25 % (the `mlx-nax-m5-max` row of
-   `--anchors`). It pins the tensor-op rate and the softmax cost together: a
+   `anchors`). It pins the tensor-op rate and the softmax cost together: a
    model that ran matmul2d at the shader cores' rate misses by 2x (tested).
 2. Our simdgroup kernels moved to tensor ops (`on_tensor_ops`): the
    emulator's counts of the simdgroup prefill and backward with every 8x8x8

@@ -133,7 +133,7 @@ def claims(impls):
           "tests/test_metal_model_anchors.py): predicted at MLX's measured speed if the code is as efficient; "
           "unmeasured. Bands: clock, MMA rate, "
           "threadgroup memory per core, DRAM latency, dispatch overhead, streaming ceiling. M5's neural "
-          "accelerators: --accelerators (our tensor-op forward from its own emulated counts).")
+          "accelerators: the accel command (our tensor-op forward from its own emulated counts).")
     for gname in ("M3 Max", G.POST_GPU):
         gpu = G.BY_NAME[gname]
         for s in (Shape(1, 8, 8, 4096, 4096, 64), Shape(1, 8, 8, 8192, 8192, 128)):
