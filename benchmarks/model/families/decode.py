@@ -48,9 +48,9 @@ import torch
 
 import flash_metal
 
+from ..core import anchors as A
 from ..core import gpus as G
 from ..core import timing as T
-from ..core import anchors as A
 from ..core.counts import Shape
 
 

@@ -70,10 +70,11 @@ def calibration(pred, ns):
     ratios = {}
     for (impl, n, d, causal), ms in POST_MS.items():
         s = Shape(1, 1, 1, n, n, d)
-        p, terms, sgs = T.predict(M.counts_for(impl, s, torch.float32, causal), gpu, s, torch.float32, causal)
+        recs = M.counts_for(impl, s, torch.float32, causal)
+        p, terms, sgs = T.predict(recs, gpu, s, torch.float32, causal)
         ratios[impl] = p * 1e3 / ms
         parts = ", ".join(f"{k} {_fmt_ms(v)}" for k, v in terms.items())
-        print(f"| {impl} | {_band_ms(M.counts_for(impl, s, torch.float32, causal), gpu, s, torch.float32, causal)} | {ms} "
+        print(f"| {impl} | {_band_ms(recs, gpu, s, torch.float32, causal)} | {ms} "
               f"| {ratios[impl]:.2f} | {parts} | {sgs:.1f} |")
     outside = [k for k, r in ratios.items() if not 0.5 <= r <= 2.0]
     configs = [(n, d, c) for d in (32, 64) for c in (False, True) for n in ns]
