@@ -22,7 +22,7 @@ Part 2, a projection (no measurement): per ring step on 8-64 Macs over
 Thunderbolt 5 (80 Gb/s) and 10 GbE, the communication time of one K/V shard
 (and of K/V + dK/dV in the backward) against the compute of one block, from
 (a) this CPU's per-pair times measured in part 1 and (b) an Apple GPU's
-matrix rate at an assumed efficiency (benchmarks/apple_gpus.py's M4 Max);
+matrix rate at an assumed efficiency (benchmarks/model/core/gpus.py's M4 Max);
 the communication-to-compute ratio per step says when the ring hides its
 transfers (ratio < 1). Every assumption is printed with it.
 """
@@ -155,7 +155,7 @@ GPU_EFFICIENCY = 0.5  # share of the matrix rate an attention block reaches (ass
 
 def _m4_max_rate():
     sys.path.insert(0, os.path.dirname(HERE))
-    from benchmarks import apple_gpus as G
+    from benchmarks.model.core import gpus as G
 
     gpu = next(x for x in G.GPUS if x.name == "M4 Max")
     return gpu.cores * gpu.clock_ghz * 1e9 * 2 * G.MMA_FFMA16_PER_CORE_CYCLE, gpu
@@ -239,7 +239,7 @@ def main(argv=None):
               "per ring step.")
         print(f"# Compute: this CPU's measured seconds per (query, key) pair x dim (forward {fwd_pp:.3g}, "
               f"backward {bwd_pp:.3g}, one process, {os.cpu_count()} threads), or the M4 Max GPU's matrix rate "
-              f"({rate / 1e12:.1f} TFLOP/s, benchmarks/apple_gpus.py) at an assumed {GPU_EFFICIENCY:.0%}.")
+              f"({rate / 1e12:.1f} TFLOP/s, benchmarks/model/core/gpus.py) at an assumed {GPU_EFFICIENCY:.0%}.")
         print("# Links: raw bandwidth, 50 us per message (assumed); the ring hides a transfer when "
               "communication / compute < 1.")
         print("| tokens | Macs | link | compute | shard | fwd comm ms | fwd compute ms | fwd ratio | bwd comm ms | "

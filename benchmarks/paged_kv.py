@@ -13,7 +13,7 @@ ratio is that gather's price; on MPS the decode row runs the decode kernels
 and the 64-query row the prefill kernel, each reading the block table
 (fc_paged) for both caches (the plain one as one page per sequence).
 Writes a table to stdout and results/paged_kv_<device>.csv. --model: then
-the Metal model's paged/contiguous decode (benchmarks/paged_kv_model.py, a
+the Metal model's paged/contiguous decode (python -m benchmarks.model paged-kv, a
 prediction from the emulator's counts, not yet verified on Apple hardware).
 """
 import argparse
@@ -94,9 +94,9 @@ def main(argv=None) -> int:
     name = f"paged_kv{'_quick' if args.quick else ''}_{device}.csv"
     H.write_csv(args.out_dir / name, meta, rows, COLUMNS)
     if args.model:
-        from . import paged_kv_model
+        from .model.families import paged
 
-        paged_kv_model.main(["--quick"] if args.quick else [])
+        paged.report_decode(args.quick)
     return 0
 
 

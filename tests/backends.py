@@ -247,7 +247,7 @@ def metal_mpp_dsplit_backward_library(instrumented: bool, fast_math: bool = Fals
 
 
 # What each dispatch of the last emulated call reported (the emulator's
-# per-dispatch counts), for the counting tests and benchmarks.metal_model.
+# per-dispatch counts), for the counting tests and the model (benchmarks/model).
 LAST_DISPATCHES: list = []
 # The reasons of the emulated calls that ran the composite path (no kernel of
 # ours: csrc/composite.h), for the tests that prove it ran.

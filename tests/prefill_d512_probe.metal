@@ -1,4 +1,4 @@
-// Test-only kernels (never shipped) for benchmarks/metal_model_d512.py: the
+// Test-only kernels (never shipped) for benchmarks/model/families/d512.py: the
 // FlashAttention-2 prefill template instantiated at D = 512, which no
 // shipped bucket has, so the model can price a fused D = 512 plan from exact
 // emulator counts before anything routes to one (issue 20, section 3).

@@ -24,7 +24,7 @@ SHADER = os.path.join(ROOT, "shaders", "attention.metal")
 WIDE_DECODE_KERNELS = ("flash_decode*_d512", "flash_decode*_d576")
 # The split-D backward at D = 512 (issue 20 section 3, shaders/backward/attention_backward_splitd.h:
 # 2 kernels x 3 dtypes). Out of the default builds for the same reason (CI time): only
-# tests/test_metal_backward_splitd.py and benchmarks/metal_model_splitd_backward.py run them,
+# tests/test_metal_backward_splitd.py and benchmarks/model/families/splitd_backward.py run them,
 # on a partial library of their own (tests/backends.py splitd_backward_library).
 SPLITD_BACKWARD_KERNELS = ("flash_backward_splitd_*",)
 DEFAULT_EXCLUDE = WIDE_DECODE_KERNELS + SPLITD_BACKWARD_KERNELS

@@ -1,6 +1,6 @@
 """The composite path (csrc/composite.h): chunked ATen matmuls and softmax, what
 the MPS op runs where no fused Metal kernel serves (head dims above 256, the
-model's verdict in benchmarks/metal_model_d512.py; D_qk != D_v within 256
+model's verdict in benchmarks/model/families/d512.py; D_qk != D_v within 256
 runs fused, forward and backward). The same C++ runs here on CPU tensors (impl='composite'),
 forward and backward, against the float64 oracle by the 2x rule; explain()
 routes to it and says why; the emulated Metal backend runs it (counted)."""

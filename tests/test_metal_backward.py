@@ -287,7 +287,7 @@ def test_reads_match_the_flashattention2_backward_io_model(causal, D):
         a, b = got[key]
         assert a == b, key
         assert (a < full[key]) if causal else (a == full[key]), key
-    # The time model's loop (benchmarks/metal_model_timing.backward_blocks,
+    # The time model's loop (benchmarks/model/core/timing.py backward_blocks,
     # whose blocks each get a serial section) is the kernels': one
     # threadgroup per listed entry, 2 barriers per streamed block (3 with
     # feature parts: the split-K sum), plus the dQ kernel's 1 per
@@ -295,8 +295,8 @@ def test_reads_match_the_flashattention2_backward_io_model(causal, D):
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     if root not in sys.path:
         sys.path.insert(0, root)
-    from benchmarks.metal_model import Shape
-    from benchmarks.metal_model_timing import backward_blocks
+    from benchmarks.model.core.counts import Shape
+    from benchmarks.model.core.timing import backward_blocks
 
     per_block = 3 if split > 1 else 2
     for d, c, per_tg in ((dq, dq_counts, 2 if split > 1 else 1), (dkdv, dkdv_counts, 0)):
@@ -337,7 +337,7 @@ def test_fast_math_build(dtype, bucket):
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_backward_model_scaling_rule_and_io_model(causal):
-    # benchmarks/metal_backward_model.py predicts big problems from counts
+    # The model's backward (benchmarks/model) predicts big problems from counts
     # scaled off three emulated sizes (n = 2, 3, 4 units of 64): the rule
     # must reproduce a fourth emulated size (n = 5, two heads) exactly, and
     # its I/O model must equal the counted K+V and Q+dO reads.
@@ -345,8 +345,11 @@ def test_backward_model_scaling_rule_and_io_model(causal):
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     if root not in sys.path:
         sys.path.insert(0, root)
-    from benchmarks import metal_backward_model as BM
-    from benchmarks.metal_model import Shape
+    from benchmarks.model.core import backward_counts as BM
+    from benchmarks.model.core import gpus as G
+    from benchmarks.model.core.counts import Shape
+    from benchmarks.model.core.unfused import unfused_seconds
+    from benchmarks.model.families.backward import io_measured, io_model
 
     s = Shape(1, 2, 2, 320, 320, 32)
     emulated = BM.emulate(s, torch.float16, causal)
@@ -354,7 +357,7 @@ def test_backward_model_scaling_rule_and_io_model(causal):
     assert [r.kernel for r in scaled] == [r.kernel for r in emulated]
     for a, b in zip(scaled, emulated):
         assert a.counts == b.counts and a.grid == b.grid
-    assert BM.io_measured(emulated) == BM.io_model(s, 2, emulated, causal)
+    assert io_measured(emulated) == io_model(s, 2, emulated, causal)
     # The unfused model: 4 GEMMs of 2 N^2 D FLOPs and 7 N^2 elements per head, at least.
-    gpu = BM.G.BY_NAME["M3 Max"]
-    assert BM.unfused_seconds(s, torch.float16, gpu) > 0
+    gpu = G.BY_NAME["M3 Max"]
+    assert unfused_seconds(s, torch.float16, gpu) > 0

@@ -4,7 +4,7 @@ gradients through the sanitizing emulator against float64 autograd by the 2x
 rule (tests/numerics.py), determinism, and planted bugs.
 
 Routing (csrc/metal/families/backward_splitd.cpp, splitd_backward_takes): the model
-(benchmarks/metal_model_splitd_backward.py) puts the split-D backward behind
+(benchmarks/model/families/splitd_backward.py) puts the split-D backward behind
 the composite backward at 1x8x{1024,4096}x512 on every named chip, so
 impl='auto' keeps the composite path and says why; impl='prefill' (the
 backward's forcing impl at D = 512) runs the two kernels. Every run here is

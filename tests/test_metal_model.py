@@ -1,4 +1,4 @@
-"""benchmarks/metal_model.py: its I/O model agrees with the emulator's exact
+"""The Metal performance model (benchmarks/model): its I/O model agrees with the emulator's exact
 counts, its scaling rule reproduces an emulated count, every device figure
 has a source, and its time model never predicts less time for more work."""
 import math
@@ -12,8 +12,10 @@ import flash_metal
 
 # benchmarks/ is a package at the repository root, not installed: put the root on the path.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks import apple_gpus as G  # noqa: E402
-from benchmarks import metal_model as M  # noqa: E402
+from benchmarks.model.core import counts as M  # noqa: E402
+from benchmarks.model.core import gpus as G  # noqa: E402
+from benchmarks.model.core import iomodel as IO  # noqa: E402
+from benchmarks.model.core import timing as T  # noqa: E402
 
 # Ragged on purpose: Nq not a multiple of any query block, Nk not a multiple
 # of any key block, D = 63 runs padded in the 64 bucket; GQA 2:1.
@@ -33,7 +35,7 @@ def test_tiled_kv_reads_are_exactly_the_fa2_model(dtype):
     blocks = math.ceil(s.nq / 32)
     expected = blocks * s.nk * s.d * elem(dtype) * s.b * s.hq
     assert r.counts["read_k"] == r.counts["read_v"] == expected
-    assert M.fa2_kv_bytes(s, elem(dtype), M.block_rows("tiled", r.kernel), False) == expected
+    assert IO.fa2_kv_bytes(s, elem(dtype), IO.block_rows("tiled", r.kernel), False) == expected
 
 
 @pytest.mark.parametrize("impl", ["tiled", "prefill"])
@@ -43,7 +45,7 @@ def test_kv_reads_within_ten_percent_of_fa2(impl, causal):
         pytest.fail(f"{impl} kernels missing from the emulator library")
     s = RAGGED_CAUSAL if causal else RAGGED
     recs = M.emulate(impl, s, torch.float16, causal)
-    measured, model = M.io_row(impl, s, torch.float16, causal, recs)
+    measured, model = IO.io_row(impl, s, torch.float16, causal, recs)
     assert recs[0].counts["read_k"] == recs[0].counts["read_v"] and measured == 2 * recs[0].counts["read_k"]
     assert 1.0 <= measured / model <= 1.10, (measured, model)
     # Q read once, O and lse written once
@@ -55,7 +57,7 @@ def test_kv_reads_within_ten_percent_of_fa2(impl, causal):
 def test_untiled_reads_kv_once_per_row():
     s = RAGGED
     (r,) = M.emulate("untiled", s, torch.float32, False)
-    assert r.counts["read_k"] == M.fa2_kv_bytes(s, 4, 1, False)  # the FA2 model with one-row blocks
+    assert r.counts["read_k"] == IO.fa2_kv_bytes(s, 4, 1, False)  # the FA2 model with one-row blocks
 
 
 @pytest.mark.parametrize("impl,d,dtype,causal", [("tiled", 32, torch.float32, True),
@@ -103,7 +105,7 @@ def test_more_work_never_predicts_less_time(field, gpu):
     s = M.Shape(1, 1, 1, 2048, 2048, 64)
     g = G.BY_NAME[gpu]
     base = _record()
-    times = [M.predict([_record(**{field: base.counts[field] * f})], g, s, torch.float16, False)[0]
+    times = [T.predict([_record(**{field: base.counts[field] * f})], g, s, torch.float16, False)[0]
              for f in (1, 2, 10, 1000)]
     assert times == sorted(times) and times[-1] > times[0]
 
@@ -111,10 +113,10 @@ def test_more_work_never_predicts_less_time(field, gpu):
 def test_faster_device_never_predicts_more_time():
     s = M.Shape(1, 1, 1, 2048, 2048, 64)
     g = G.BY_NAME["M3 Max"]
-    t = M.predict([_record()], g, s, torch.float16, False)[0]
+    t = T.predict([_record()], g, s, torch.float16, False)[0]
     for field, f in (("cores", 2), ("clock_ghz", 1.5), ("bandwidth_gbs", 2.0)):
         faster = g._replace(**{field: getattr(g, field) * f})
-        assert M.predict([_record()], faster, s, torch.float16, False)[0] <= t
+        assert T.predict([_record()], faster, s, torch.float16, False)[0] <= t
 
 
 def test_post_kernels_scalar_work_grows_with_keys():
@@ -128,8 +130,8 @@ def test_post_kernels_scalar_work_grows_with_keys():
              "write_out": 0, "write_lse": 0}
         return M.Record("flash_attention_tiled_float32_d64_bk16_t32", (64, 1, 1), (32, 1, 1), 8192, c, False)
 
-    t1, terms1, _ = M.predict([rec(10**6)], g, s, torch.float32, False)
-    t2, terms2, _ = M.predict([rec(2 * 10**6)], g, s, torch.float32, False)
+    t1, terms1, _ = T.predict([rec(10**6)], g, s, torch.float32, False)
+    t2, terms2, _ = T.predict([rec(2 * 10**6)], g, s, torch.float32, False)
     assert terms2["compute"] == pytest.approx(2 * terms1["compute"]) and t2 > t1
 
 
@@ -141,15 +143,15 @@ def test_decode_reads_kv_once_per_kv_head(impl):
         pytest.fail(f"{impl} kernels missing from the emulator library")
     s = M.Shape(1, 4, 1, 3, 600, 63)  # 4:1 GQA, 3 query rows, ragged Nk and D
     recs = M.emulate(impl, s, torch.float16, False)
-    measured, model = M.io_row(impl, s, torch.float16, False, recs)
-    assert measured == model == 2 * M.fa2_decode_kv_bytes(s, 2)
+    measured, model = IO.io_row(impl, s, torch.float16, False, recs)
+    assert measured == model == 2 * IO.fa2_decode_kv_bytes(s, 2)
     assert sum(r.counts.get("dram_v", 0) for r in recs) == model // 2  # the merge pass binds no v
     assert sum(r.counts.get("read_v", 0) for r in recs) == 3 * model // 2  # loaded by each of 3 row groups
     assert sum(r.counts.get("write_out", 0) for r in recs) == s.b * s.hq * s.nq * s.d * 2
 
 
 # Issue 20 section 3: D = 192 in its own bucket against the 256-wide launch it
-# had before (metal_model.padded_to: the same problem in 256's kernel, blocks
+# had before (counts.padded_to: the same problem in 256's kernel, blocks
 # and grid, emulated exactly), at the issue's shape: B = 1, H = 16, N = 2048,
 # scaled from three emulated sizes (the scaling rule above).
 D192_CHIPS = ("M1", "M3 Max", "M4 Pro", G.POST_GPU)
@@ -157,7 +159,7 @@ D192_CHIPS = ("M1", "M3 Max", "M4 Pro", G.POST_GPU)
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=["f16", "f32"])
 def test_d192_bucket_predicted_faster_than_padding_to_256(dtype):
-    from benchmarks import metal_backward_model as BM
+    from benchmarks.model.core import backward_counts as BM
     s = M.Shape(1, 16, 16, 2048, 2048, 192)
     # Scaled from 64, 128 and 192 rows, not the default 128-256: the same
     # quadratic for these kernels (checked once against the default bases:
@@ -182,7 +184,7 @@ def test_d192_bucket_predicted_faster_than_padding_to_256(dtype):
     for chip in D192_CHIPS:
         g = G.BY_NAME[chip]
         for own, pad in ((own_fwd, pad_fwd), (own_bwd, pad_bwd)):
-            t_own, t_pad = M.predict(own, g, s, dtype, False)[0], M.predict(pad, g, s, dtype, False)[0]
+            t_own, t_pad = T.predict(own, g, s, dtype, False)[0], T.predict(pad, g, s, dtype, False)[0]
             if chip == "M1" and dtype == torch.float16 and own is own_bwd:
                 # The exception, a finding: on Apple 7/8's 60 KiB cores 256's
                 # dQ blocks (29,440 B) fit two threadgroups, 16 SIMD-groups,
@@ -194,3 +196,59 @@ def test_d192_bucket_predicted_faster_than_padding_to_256(dtype):
                 assert res == [8, 16] and t_own > t_pad, (res, t_own, t_pad)
                 continue
             assert t_own < t_pad, (chip, own[0].kernel, t_own, pad[0].kernel, t_pad)
+
+
+def _model_imports():
+    """{module: set of benchmarks.model modules it imports}, from the sources (every import, lazy ones too)."""
+    import ast
+
+    root = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "model")
+    graph = {}
+    for folder, _, files in os.walk(root):
+        for f in files:
+            if not f.endswith(".py"):
+                continue
+            path = os.path.join(folder, f)
+            parts = os.path.relpath(path, os.path.dirname(os.path.dirname(root)))[:-3].split(os.sep)
+            pkg = parts[:-1]  # the package relative imports start from (a package's own, for __init__)
+            name = ".".join(parts if parts[-1] != "__init__" else pkg)
+            out = set()
+            for node in ast.walk(ast.parse(open(path).read())):
+                if isinstance(node, ast.ImportFrom) and node.level:
+                    base = pkg[:len(pkg) - node.level + 1]
+                    mod = ".".join(base + ([node.module] if node.module else []))
+                    out |= {mod + "." + a.name for a in node.names} | {mod}
+                elif isinstance(node, (ast.Import, ast.ImportFrom)):
+                    mods = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module]
+                    out |= {m for m in mods if m and m.startswith("benchmarks.model")}
+            graph[name] = out
+    return {m: {d for d in deps if d in graph and d != m} for m, deps in graph.items()}
+
+
+def test_model_layers_have_no_import_cycle_and_no_long_file():
+    """benchmarks/model: core/ imports nothing of families/ or the command, families/ nothing of the command, no
+    import cycle anywhere (lazy imports included), and no file over 600 lines."""
+    graph = _model_imports()
+    rank = lambda m: 0 if ".core" in m else 1 if ".families" in m else 2  # noqa: E731
+    for m, deps in graph.items():
+        if m in ("benchmarks.model", "benchmarks.model.core", "benchmarks.model.families"):
+            assert not deps, (m, deps)  # the packages import nothing: each layer is imported by name
+            continue
+        assert all(rank(d) <= rank(m) for d in deps), (m, deps)
+    state = {}
+
+    def visit(m, path):
+        assert state.get(m) != "open", "import cycle: " + " -> ".join(path + [m])
+        if state.get(m) is None:
+            state[m] = "open"
+            for d in sorted(graph[m]):
+                visit(d, path + [m])
+            state[m] = "done"
+    for m in graph:
+        visit(m, [])
+    root = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "model")
+    for folder, _, files in os.walk(root):
+        for f in files:
+            if f.endswith(".py"):
+                with open(os.path.join(folder, f)) as fh:
+                    assert sum(1 for _ in fh) <= 600, f

@@ -10,11 +10,12 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks import apple_gpus as G  # noqa: E402
-from benchmarks import metal_model as M  # noqa: E402
-from benchmarks import metal_model_accel as X  # noqa: E402
-from benchmarks import metal_model_anchors as A  # noqa: E402
-from benchmarks import metal_model_timing as T  # noqa: E402
+from benchmarks.model.core import anchors as A  # noqa: E402
+from benchmarks.model.core import counts as M  # noqa: E402
+from benchmarks.model.core import gpus as G  # noqa: E402
+from benchmarks.model.core import iomodel as IO  # noqa: E402
+from benchmarks.model.core import timing as T  # noqa: E402
+from benchmarks.model.families import accel as X  # noqa: E402
 
 NAX = next(a for a in A.ANCHORS if a.name == "mlx-nax-m5-max")
 
@@ -23,17 +24,17 @@ def test_nax_hand_count_does_the_useful_flops_once():
     """The products' FLOPs are exactly the problem's (4 B Hq Nq Nk D): nothing recomputed, nothing skipped;
     K and V are asked for once per SIMD-group and reach the threadgroup once."""
     s = NAX.shape
-    c = X.nax_counts(s, 2)
-    assert c["mpp_flops"] == M.useful_flops(s, False) and c["simdgroup_mmas"] == 0
+    c = A.nax_counts(s, 2)
+    assert c["mpp_flops"] == IO.useful_flops(s, False) and c["simdgroup_mmas"] == 0
     assert c["req_k"] == 4 * c["dram_k"] == 4 * s.b * s.hq * s.nq // 64 * s.nk * s.d * 2
     with pytest.raises(ValueError, match="D % 32"):
-        X.nax_counts(M.Shape(1, 2, 2, 128, 128, 72), 2)  # MLX runs D = 72 on its steel kernel
+        A.nax_counts(M.Shape(1, 2, 2, 128, 128, 72), 2)  # MLX runs D = 72 on its steel kernel
 
 
 def test_nax_anchor_needs_the_accelerator_rate():
     """Within +-25 % of MLX's 4.127 ms at the accelerator's rate; planted: the same counts at the shader
     cores' rate (an M5 Max without accelerators) miss by far more than the band."""
-    recs = X.nax_records(NAX.shape, NAX.dtype)
+    recs = A.nax_records(NAX.shape, NAX.dtype)
     gpu = G.BY_NAME[NAX.gpu]
     point = T.predict(recs, gpu, NAX.shape, NAX.dtype, False)[0] * 1e3
     assert abs(point / NAX.measured_ms - 1) <= A.NAX_TOL, point
@@ -100,7 +101,7 @@ def test_tensor_op_forward_has_mlx_counts_and_reads_q_once():
     and miss the band."""
     s, dtype = NAX.shape, NAX.dtype
     [ours] = X.tensor_ops_records(s, dtype, False)
-    nax = X.nax_counts(s, 2)
+    nax = A.nax_counts(s, 2)
     same = ("threadgroups", "threads", "simdgroup_mmas", "mpp_flops", "exp2_calls", "threadgroup_barriers",
             "read_q", "read_k", "req_k", "dram_k", "read_v", "req_v", "dram_v", "write_out")
     assert {f: ours.counts[f] for f in same} == {f: nax[f] for f in same}
@@ -137,7 +138,7 @@ def test_tensor_op_backward_counts_its_seven_products_once():
     raw = X.BM.emulate(s, torch.float16, False, impl="tensor_ops")
     dq, dkv = X.backward_on_hardware(raw, torch.float16, s.d)
     assert dq.kernel.startswith("flash_backward_mpp_dq_") and dkv.kernel.startswith("flash_backward_mpp_dkdv_")
-    assert dq.counts["mpp_flops"] + dkv.counts["mpp_flops"] == 3.5 * M.useful_flops(s, False)
+    assert dq.counts["mpp_flops"] + dkv.counts["mpp_flops"] == 3.5 * IO.useful_flops(s, False)
     assert dq.counts["mpp_runs"] == 3 * (s.hq * s.nq // 16) * (s.nk // 32)
     assert dkv.counts["mpp_runs"] == 4 * (s.hq * s.nk // 16) * (s.nq // 32)  # the group's 2 heads per kv head
     tgs = -(-s.nk // 64)  # dK/dV threadgroups of 64 keys (the last one ragged: 32)
@@ -167,7 +168,7 @@ def test_dsplit_counts_scale_exactly_and_ask_for_half_rows():
     tgs, blocks = 2 * 2, 3  # heads x threadgroups; key blocks
     assert direct.counts["mpp_runs"] == tgs * 4 * blocks * 2
     assert direct.counts["threadgroup_barriers"] == tgs * blocks * 2
-    assert direct.counts["mpp_flops"] == M.useful_flops(s, False)
+    assert direct.counts["mpp_flops"] == IO.useful_flops(s, False)
     [hw] = X.on_hardware([direct], torch.float16, s.d)
     pairs = direct.counts["mpp_runs"] // 2
     assert hw.counts["read_k"] == hw.counts["req_k"] == hw.counts["read_v"] == pairs * 32 * 128 * 2
@@ -206,7 +207,7 @@ def test_dsplit_backward_counts_its_products_once_and_asks_for_half_rows():
     raw = X.BM.emulate(s, torch.float16, False, impl="tensor_ops")
     dq, dkv = X.backward_on_hardware(raw, torch.float16, s.d)
     assert dq.kernel.startswith("flash_backward_mpp_dsplit_dq_") and dkv.kernel.startswith("flash_backward_mpp_dsplit_dkdv_")
-    assert dq.counts["mpp_flops"] + dkv.counts["mpp_flops"] == 3.5 * M.useful_flops(s, False)
+    assert dq.counts["mpp_flops"] + dkv.counts["mpp_flops"] == 3.5 * IO.useful_flops(s, False)
     dq_tgs, kblocks = s.hq * s.nq // 16, s.nk // 32
     assert dq.counts["mpp_runs"] == 6 * dq_tgs * kblocks
     assert dq.counts["threadgroup_barriers"] == dq_tgs * (1 + 2 * kblocks)
@@ -229,7 +230,7 @@ def test_dsplit_backward_verdict_is_the_routing_constant():
     predicts it ahead of the simdgroup backward at 1 x 32 x 4096 x 256 float16, causal and not, on every
     M5-family GPU (csrc/metal/families/backward_tensor_ops_dsplit.cpp, kDsplitBackwardModelWins; a model, not a
     measurement). CI time: non-causal here (the simdgroup side's emulation is most of it, ~30 s); the causal
-    points, which `python -m benchmarks.metal_model --accelerators` prints, scale with the same kernels' block
+    points, which `python -m benchmarks.model accel` prints, scale with the same kernels' block
     skipping (3.8x there too), and the margin asserted here keeps the verdict from hanging on a few percent."""
     import flash_metal
 
@@ -263,7 +264,7 @@ def test_wide_dsplit_counts_scale_exactly_with_q_in_registers():
     tgs, blocks = 2, 3  # heads x threadgroups; key blocks
     assert direct.counts["mpp_runs"] == tgs * 8 * blocks * 2
     assert direct.counts["threadgroup_barriers"] == tgs * blocks
-    assert direct.counts["mpp_flops"] == M.useful_flops(s, False)
+    assert direct.counts["mpp_flops"] == IO.useful_flops(s, False)
     [hw] = X.on_hardware([direct], torch.float16, s.d)
     pairs = direct.counts["mpp_runs"] // 2
     assert hw.counts["read_k"] == hw.counts["req_k"] == hw.counts["read_v"] == pairs * 16 * 128 * 2
@@ -322,7 +323,7 @@ def test_mla_verdict_is_the_routing_constant():
     when the model predicts them ahead of the simdgroup kernels at 1 x 16 x 4096 x (192, 128) float16 on every
     M5-family GPU (csrc/metal/families/tensor_ops.cpp, kMlaModelWins; a model, not a measurement). CI time:
     non-causal here (the causal emulations doubled this test to ~155 s); the causal points, which
-    `python -m benchmarks.metal_model --accelerators` prints, skip blocks alike on both sides (4.2-5.3x there
+    `python -m benchmarks.model accel` prints, skip blocks alike on both sides (4.2-5.3x there
     too), and the margin asserted keeps the verdict from hanging on a few percent."""
     import flash_metal
 

@@ -1,7 +1,7 @@
 """The model's anchors (issue 19): MLX's steel attention hand-counted equals
 the prefill kernel's emulator counts; the model lands within +-15 % of MLX's
 published timings where MLX runs at high occupancy, and outside at N = 256;
-the post's two kernels within 2x, untiled slower; apple_gpus.py agrees with
+the post's two kernels within 2x, untiled slower; the model's GPU table agrees with
 the planner's chip table; the CSV has one row per anchor. Every time here is
 a model's prediction, never a measurement."""
 import csv
@@ -15,10 +15,11 @@ import torch
 import flash_metal
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks import apple_gpus as G  # noqa: E402
-from benchmarks import metal_model as M  # noqa: E402
-from benchmarks import metal_model_anchors as A  # noqa: E402
-from benchmarks import metal_model_timing as T  # noqa: E402
+from benchmarks.model import cli  # noqa: E402
+from benchmarks.model.core import anchors as A  # noqa: E402
+from benchmarks.model.core import counts as M  # noqa: E402
+from benchmarks.model.core import gpus as G  # noqa: E402
+from benchmarks.model.core import timing as T  # noqa: E402
 
 # Aligned (the hand count's domain), 2 heads, 4 x 4 blocks: small enough for the emulator.
 HAND_SHAPE = M.Shape(1, 2, 2, 128, 128, 64)
@@ -145,7 +146,7 @@ def _cores_in_reason(key):
 
 
 @pytest.mark.parametrize("gpu", [g for g in G.GPUS if g.key], ids=lambda g: g.name)
-def test_apple_gpus_agree_with_the_planner_chip_table(gpu):
+def test_gpu_table_agrees_with_the_planner_chip_table(gpu):
     """Cores (through the split-KV decode's reason) and threadgroup memory (through the planner's residency of a
     launch that threadgroup memory limits) match csrc/metal/gpus.cpp."""
     cores, name = _cores_in_reason(gpu.key)
@@ -175,7 +176,7 @@ def test_every_mma_rate_and_band_is_ordered():
 
 def test_anchors_csv(tmp_path):
     path = tmp_path / "anchors.csv"
-    M.main(["--anchors", "--csv", str(path)])
+    cli.main(["anchors", "--csv", str(path)])
     with open(path) as f:
         got = list(csv.reader(f))
     assert got[0] == A.CSV_COLUMNS

@@ -1,7 +1,7 @@
 """Head dim 512 on Metal (issue 20, section 3): the model's verdicts on two
 fused plans, from exact emulator counts at D = 512: the prefill template
-(benchmarks/metal_model_d512.py, tests/prefill_d512_probe.metal) and the
-shipped split-D kernel (benchmarks/metal_model_splitd.py,
+(benchmarks/model/families/d512.py, tests/prefill_d512_probe.metal) and the
+shipped split-D kernel (benchmarks/model/families/splitd.py,
 shaders/prefill/attention_prefill_splitd.h: its counts' correctness, its verdict per
 chip), and the planner's routing that follows from them: causal to the
 split-D kernel, not causal to the composite path. The kernel's own tests
@@ -18,9 +18,9 @@ from numerics import assert_attention_close
 
 # The checkout's root, for `benchmarks` (also when this file runs alone).
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks import metal_model as M  # noqa: E402
-from benchmarks import metal_model_d512 as W  # noqa: E402
-from benchmarks import metal_model_splitd as S  # noqa: E402
+from benchmarks.model.core import counts as M  # noqa: E402
+from benchmarks.model.families import d512 as W  # noqa: E402
+from benchmarks.model.families import splitd as S  # noqa: E402
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -66,7 +66,7 @@ def test_fused_d512_is_predicted_slower_than_unfused_so_it_is_not_routed():
 
 
 # ---------------------------------------------------------------- split-D
-# The shipped split-D kernel (shaders/prefill/attention_prefill_splitd.h, benchmarks/metal_model_splitd.py):
+# The shipped split-D kernel (shaders/prefill/attention_prefill_splitd.h, benchmarks/model/families/splitd.py):
 # K/V read per feature part from device memory, Q and O in registers, 32-key blocks, the softmax shared.
 
 @pytest.mark.parametrize("dtype, n", [(torch.float16, 37), (torch.bfloat16, 70), (torch.float32, 21)])

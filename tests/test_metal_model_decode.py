@@ -20,11 +20,11 @@ import flash_metal
 from backends import LAST_DISPATCHES, emulated_metal_attention
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks import apple_gpus as G  # noqa: E402
-from benchmarks import metal_model as M  # noqa: E402
-from benchmarks import metal_model_anchors as A  # noqa: E402
-from benchmarks import metal_model_decode as DM  # noqa: E402
-from benchmarks import metal_model_timing as T  # noqa: E402
+from benchmarks.model.core import gpus as G  # noqa: E402
+from benchmarks.model.core import counts as M  # noqa: E402
+from benchmarks.model.core import anchors as A  # noqa: E402
+from benchmarks.model.families import decode as DM  # noqa: E402
+from benchmarks.model.core import timing as T  # noqa: E402
 
 M5_PRO = G.BY_NAME["M5 Pro"]
 

@@ -1,6 +1,6 @@
 """Decode above head dim 256 on Metal (issue 20 sections 2/3): the model's
 verdict on the fused decode in the decode-only buckets 512 and 576
-(benchmarks/metal_model_decode_wide.py), that the closed-form counts it
+(benchmarks/model/families/decode_wide.py), that the closed-form counts it
 prices are the kernels' own (the instrumented emulator's), and that the
 planner quotes the verdict's figure."""
 import os
@@ -16,7 +16,7 @@ from numerics import assert_attention_close
 
 # benchmarks/ is a package at the repository root, not installed: put the root on the path.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks import metal_model_decode_wide as W  # noqa: E402
+from benchmarks.model.families import decode_wide as W  # noqa: E402
 
 
 @pytest.mark.parametrize("shape", [(1, 16, 1, 1, 200, 576, 512, "decode"), (2, 4, 2, 2, 300, 512, 512, "decode_split")],

@@ -1,12 +1,12 @@
 """The model's verdicts the split-D routing at MLA's head dims follows
-(benchmarks/metal_model_splitd_mla.py; csrc/metal/families/prefill_splitd.cpp quotes
+(benchmarks/model/families/splitd_mla.py; csrc/metal/families/prefill_splitd.cpp quotes
 them in explain()): a model, not a measurement. Its counts come from the
 shipped kernel in the sanitizing emulator (the partial split-D library
 tests/test_metal_model_d512.py builds too), so these also check that the
 counted kernel computes attention. Cheap shapes only (CI time): the decode
 verdict over its whole table (two emulator runs, linear in Nk) and the
 causal (576, 512) prefill verdict at N = 1024 (three runs, quadratic rule);
-the rest of the table is `python -m benchmarks.metal_model_splitd_mla`.
+the rest of the table is `python -m benchmarks.model splitd-mla`.
 """
 import math
 import os
@@ -16,7 +16,7 @@ import torch
 
 import flash_metal
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks import metal_model_splitd_mla as S  # noqa: E402
+from benchmarks.model.families import splitd_mla as S  # noqa: E402
 from numerics import assert_attention_close
 
 

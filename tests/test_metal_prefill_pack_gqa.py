@@ -216,8 +216,8 @@ def test_packed_varlen_prefill_against_oracle():
 def run_plan(plan, q, k, v, table=None, lengths=None, instrumented=True, library=None):
     """One prefill plan of (B, Hq, Nq, D) q on k and v (4-D tensors, or paged caches with their table and
     lengths, bound as the MPS host binds them) in the emulator, outputs poisoned with NaN: (out, lse, counts).
-    library: a planted copy's library instead of the shipped one. benchmarks/paged_prefill_model.py runs the
-    packed and unpacked plans through it."""
+    library: a planted copy's library instead of the shipped one. The model's paged family
+    (benchmarks/model/families/paged.py, pack_rows) runs the packed and unpacked plans through it."""
     B, H, N, _ = q.shape
     out = torch.full((B, H, N, v.shape[-1]), float("nan"), dtype=q.dtype)
     lse = torch.full((B, H, N), float("nan"))
@@ -319,24 +319,26 @@ def test_planted_bug_fails(plant, tmp_path):
 # ---- the Metal model prices the packed launch ----------------------------------------------------------
 
 def test_model_prices_the_packed_grid():
-    """benchmarks/metal_model.py's FlashAttention-2 I/O model and the timing model's key blocks follow the
-    packed grid: K/V bytes equal to the emulator's exact counts (not causal) and within 10 % (causal), one key
-    block list entry per packed block, and the scaling rule's unit a kv head with its G query heads."""
+    """The model's FlashAttention-2 I/O model (benchmarks/model/core/iomodel.py) and the timing model's key
+    blocks follow the packed grid: K/V bytes equal to the emulator's exact counts (not causal) and within 10 %
+    (causal), one key block list entry per packed block, and the scaling rule's unit a kv head with its G query
+    heads."""
     import os
     import sys
 
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    from benchmarks import metal_model as M
-    from benchmarks import metal_model_timing as T
+    from benchmarks.model.core import counts as M
+    from benchmarks.model.core import iomodel as IO
+    from benchmarks.model.core import timing as T
 
     s = M.Shape(1, 4, 2, 16, 200, 32)
     for causal in (False, True):
         recs = M.emulate("prefill", s, torch.float16, causal)
         assert T.packed_group(recs[0], s) == 2 and M.pack_group("prefill", s, torch.float16, causal) == 2
-        measured, model = M.io_row("prefill", s, torch.float16, causal, recs)
+        measured, model = IO.io_row("prefill", s, torch.float16, causal, recs)
         assert measured == model if not causal else 1.0 <= measured / model <= 1.10, (causal, measured, model)
         # the unpacked model would price 4 query heads x 1 block: twice the packed bytes (2 kv heads x 1) here
-        assert M.fa2_kv_bytes(s, 2, 32, False) == M.fa2_kv_bytes(s, 2, 32, False, 2) * 2
+        assert IO.fa2_kv_bytes(s, 2, 32, False) == IO.fa2_kv_bytes(s, 2, 32, False, 2) * 2
         blocks, bk = T.key_blocks(recs[0].kernel, s, causal, 2)
         assert len(blocks) == math.ceil(16 * 2 / 32) and bk == blocks_of_name(recs[0].kernel)[1]
 

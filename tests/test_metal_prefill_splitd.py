@@ -5,7 +5,7 @@ rule (tests/numerics.py), and planted bugs.
 
 Routing (csrc/metal/families/prefill_splitd.cpp): impl='auto' runs it for causal
 D_qk = D_v = 512 forwards with Nq > 8 (the model's verdict: about 2x ahead of
-the composite path, benchmarks/metal_model_d512.py; a model, not a
+the composite path, benchmarks/model/families/d512.py; a model, not a
 measurement); not causal stays composite (the verdict is level), as do
 D_v != D_qk and a right window, and auto backward calls (the split-D
 backward's verdict: tests/test_metal_backward_splitd.py); impl='prefill' at

@@ -5,7 +5,7 @@ packed over its query heads (fc_pack_gqa: a threadgroup's 8 rows are
 (head, query) pairs of one kv head).
 
 Routing (csrc/metal/families/prefill_splitd.cpp, splitd_takes) follows the model in
-benchmarks/metal_model_splitd_mla.py (a model, not a measurement). Results
+benchmarks/model/families/splitd_mla.py (a model, not a measurement). Results
 run on a sanitizing PARTIAL emulator library holding only the split-D kernels
 (races, out-of-bounds and barrier divergence raise), outputs poisoned with
 NaN (tests/backends.py), compared with the float64 oracle by the 2x rule
@@ -33,7 +33,7 @@ def splitd_lib():
     """The sanitizing partial library of the split-D kernels (9: 3 pairs x 3 dtypes), shared by the module."""
     from shader_builds import shipped_library
 
-    # The same build as benchmarks/metal_model_splitd.py's (tests/test_metal_model_d512.py): one compile.
+    # The same build as benchmarks/model/families/splitd.py's (tests/test_metal_model_d512.py): one compile.
     return shipped_library(instrumented=True, only=[PREFIX + "*"])
 
 

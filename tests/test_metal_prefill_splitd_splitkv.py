@@ -4,7 +4,7 @@ packed rows to one key range and writes unnormalized partials, then the
 decode's own merge (flash_decode_merge_<dtype>_d512) sums them.
 
 Routing (csrc/metal/families/prefill_splitd.cpp: splitd_takes and the split rule in
-choose_splitd) follows benchmarks/metal_model_splitd_mla.py (a model, not a
+choose_splitd) follows benchmarks/model/families/splitd_mla.py (a model, not a
 measurement). Results run bfloat16 on two sanitizing PARTIAL libraries the
 suite already builds: the split-D kernels' (tests/test_metal_model_d512.py,
 tests/test_metal_prefill_splitd_mla.py) and the wide decode's bfloat16

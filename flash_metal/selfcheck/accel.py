@@ -97,7 +97,7 @@ def timing_shapes(quick: bool) -> List[tuple]:
 
 def backward_timing_shapes(quick: bool) -> List[tuple]:
     """(B, Hq, Hkv, N, D, causal, dtype) for the backward rows: LLM shapes, and the model's point (f16,
-    1x32x4096x96 MHA: python -m benchmarks.metal_model --accelerators predicts it for the M5 family, a
+    1x32x4096x96 MHA: python -m benchmarks.model accel predicts it for the M5 family, a
     prediction this row can check)."""
     if quick:
         return [(1, 16, 4, 1024, 128, True, torch.float16)]

@@ -1,14 +1,14 @@
 """M5's neural accelerators in the Metal performance model (issue 21, item 6).
 Nothing here ran on a GPU: every figure is a prediction, and the tensor-op
-rate itself is an estimate (benchmarks/apple_gpus.py ACCEL_FLOPS_PER_CORE_CYCLE).
+rate itself is an estimate (core/gpus.py ACCEL_FLOPS_PER_CORE_CYCLE).
 
-    python -m benchmarks.metal_model --accelerators
+    python -m benchmarks.model accel [--quick]
 
 1. The anchor. MLX's accelerator attention (steel_attention_nax.h; MLX PR
    #3943 measured 4.127 ms on an M5 Max, float16, 1 x 32 (8 KV) x 4096 x 96)
-   is hand-counted below, as the steel kernel is in metal_model_anchors.py,
+   is hand-counted in core/anchors.py (nax_counts), as the steel kernel is,
    and the time model predicts it within +-25 % (the `mlx-nax-m5-max` row of
-   `--anchors`). It pins the tensor-op rate and the softmax cost together: a
+   `anchors`). It pins the tensor-op rate and the softmax cost together: a
    model that ran matmul2d at the shader cores' rate misses by 2x (tested).
 2. Our simdgroup kernels moved to tensor ops (`on_tensor_ops`): the
    emulator's counts of the simdgroup prefill and backward with every 8x8x8
@@ -28,7 +28,7 @@ rate itself is an estimate (benchmarks/apple_gpus.py ACCEL_FLOPS_PER_CORE_CYCLE)
    shapes are scaled from one-threadgroup launches (`mpp_scaled_counts`,
    exact: tested).
 4. Our tensor-op backward (attention_backward_mpp.h), from its own counts
-   (`tensor_ops_backward_records`: metal_backward_model's emulation and
+   (`tensor_ops_backward_records`: core/backward_counts.py's emulation and
    scaling rule with impl='tensor_ops', "m5" layout), matmul2d's operand
    traffic replaced by the same rule (`backward_on_hardware`): each run asks
    for its device operand (32 rows of K or V in the dQ kernel, the
@@ -44,62 +44,19 @@ import re
 
 import torch
 
-from . import apple_gpus as G
-from . import metal_model as M
-from . import metal_model_timing as T
-from . import metal_backward_model as BM
-from . import metal_model_bookkeeping as MB
+from ..core import anchors as A
+from ..core import backward_counts as BM
+from ..core import counts as M
+from ..core import gpus as G
+from ..core import timing as T
+from . import bookkeeping as MB
 
 MMA_FLOPS = 2 * 8 * 8 * 8  # one simdgroup_multiply_accumulate on 8x8 tiles
 
 
-def nax_counts(s: M.Shape, elem: int, bq=64, bk=32, wm=4):
-    """MLX's accelerator attention's counts, by hand from its source, for a
-    non-causal problem with Nq % bq == Nk % bk == 0 and D % 32 == 0, in the
-    emulator's units. Per threadgroup (bq query rows of one head, wm
-    SIMD-groups of 16 rows each, no threadgroup memory):
-    - each SIMD-group loads its Q rows once, and every K and V block of
-      bk x D itself, straight from device memory into its fragments: wm
-      requests per byte per threadgroup (req_), one of them new to the
-      threadgroup (dram_; the others meet it in the core's L1, an assumption);
-    - per key block and SIMD-group: S = Q K^T (16 x bk x D) and O += P V
-      (16 x D x bk) as matmul2d on execution_simdgroup: 4 * 16 * bk * D
-      FLOPs (mpp_flops), no simdgroup MMAs;
-    - exp2: a lane holds 8 elements of each 16 x 16 fragment of S (bk / 2
-      per block) plus the rescale factors of its 2 rows;
-    - no barriers (D = 128 adds one halfway through P V; not counted here).
-    """
-    if s.nq % bq or s.nk % bk or s.d % 32:
-        raise ValueError(f"hand count needs Nq % {bq} == Nk % {bk} == D % 32 == 0; got {s}")
-    tgs = s.b * s.hq * (s.nq // bq)
-    blocks = tgs * (s.nk // bk)
-    kv = blocks * bk * s.d * elem
-    return {
-        "threadgroups": tgs,
-        "threads": tgs * 32 * wm,
-        "simdgroup_mmas": 0,
-        "mpp_flops": blocks * wm * 4 * 16 * bk * s.d,
-        "exp2_calls": blocks * wm * 32 * (bk // 2 + 2),
-        "threadgroup_barriers": 0,
-        "threadgroup_bytes_written": 0,
-        "threadgroup_bytes_read": 0,
-        "read_q": s.b * s.hq * s.nq * s.d * elem,
-        "read_k": wm * kv, "req_k": wm * kv, "dram_k": kv,
-        "read_v": wm * kv, "req_v": wm * kv, "dram_v": kv,
-        "write_out": s.b * s.hq * s.nq * s.d * elem,
-    }
-
-
-def nax_records(s: M.Shape, dtype, bq=64, bk=32, wm=4):
-    """One synthetic dispatch with MLX's accelerator-attention counts (no plan of ours behind it)."""
-    elem = torch.empty((), dtype=dtype).element_size()
-    name = f"mlx_nax_attention_{M._dtype_name(dtype)}_d{s.d}_bq{bq}_bk{bk}_wm{wm}"
-    return [M.Record(name, (s.nq // bq, s.hq, s.b), (32, wm, 1), 0, nax_counts(s, elem, bq, bk, wm), False)]
-
-
 def on_tensor_ops(records):
     """The same dispatches with every simdgroup MMA moved to tensor ops
-    (mpp_flops at apple_gpus.tensor_op_rate); loads, barriers, softmax kept."""
+    (mpp_flops at gpus.tensor_op_rate); loads, barriers, softmax kept."""
     out = []
     for r in records:
         c = dict(r.counts)
@@ -127,7 +84,7 @@ _ROWS_CACHES = {}
 def dsplit_rows(rows):
     """Within it, every plan at D = 256 (forced or Auto) takes the `rows`-row split-D kernel (the routing's
     switch), and the emulated counts and the timing model's plans are cached apart per kernel: the scaling
-    rules' small launches and the full shape's plan must be of one kernel (metal_model_timing checks it)."""
+    rules' small launches and the full shape's plan must be of one kernel (core/timing.py checks it)."""
     saved_env, saved_cache = os.environ.get(DSPLIT_ROWS_ENV), M._CACHE
     os.environ[DSPLIT_ROWS_ENV] = str(rows)
     M._CACHE = _ROWS_CACHES.setdefault(rows, {})
@@ -187,7 +144,7 @@ def mpp_scaled_counts(s: M.Shape, dtype, rows=DSPLIT_BQ):
 def on_hardware(records, dtype, d, dv=0):
     """The tensor-op kernel's counts with matmul2d's operand traffic as a GPU would ask for it. The emulator's
     run() reads an operand lane by lane, a row of A and a column of B for every destination element, as no GPU
-    does; here each run asks for each operand once, as in MLX's hand count (nax_counts): per S = Q K^T run a
+    does; here each run asks for each operand once, as in MLX's hand count (core/anchors.py nax_counts): per S = Q K^T run a
     32-key K block from device memory (req_ = read_) and its SIMD-group's 16 Q rows from threadgroup memory;
     per O += P V run a V block and the 16 x 32 P tile. Kept from the emulator: everything the kernel's own
     code does (Q's one read from device memory and its staging, P's and the row factors' stores and loads),
@@ -223,7 +180,7 @@ def on_hardware(records, dtype, d, dv=0):
 
 def tensor_ops_records(s: M.Shape, dtype, causal, rows=DSPLIT_BQ):
     """Our tensor-op forward's dispatch, from the MPP kernel's emulated counts (on_hardware's rule for
-    matmul2d's operands): non-causal by mpp_scaled_counts, causal by metal_model's quadratic rule. At D = 256
+    matmul2d's operands): non-causal by mpp_scaled_counts, causal by core/counts.py's quadratic rule. At D = 256
     `rows` picks the split-D kernel (32 or 64 rows); price them inside dsplit_rows(rows) too (the timing
     model plans the shape again)."""
     if causal or s.nq % _bq(s.d, rows) or s.nk % _bk(s.d, rows):
@@ -501,7 +458,7 @@ def accelerators(quick=False):
                     tops = T.predict_band(moved, gpu, s, torch.float16, causal)
                     terms = T.predict(moved, gpu, s, torch.float16, causal)[1]
                     nax = "" if pas == "backward" or causal else _ms(
-                        T.predict_band(nax_records(s, torch.float16), gpu, s, torch.float16, causal))
+                        T.predict_band(A.nax_records(s, torch.float16), gpu, s, torch.float16, causal))
                     recs = tensor_ops_records(s, torch.float16, causal) if pas == "forward" \
                         else tensor_ops_backward_records(s, torch.float16, causal)
                     band, terms_k = (T.predict_band(recs, gpu, s, torch.float16, causal),

@@ -3,7 +3,7 @@ priced by the model: the verdicts csrc/metal_routing_splitd.cpp routes on.
 Nothing here ran on a GPU: every time is a prediction ("model, not
 measurement").
 
-    python -m benchmarks.metal_model_splitd_mla
+    python -m benchmarks.model splitd-mla
 
 The kernel is shaders/attention_prefill_splitd.h at (D_qk, D_v) = (576, 512)
 and (256, 512): 8 query rows per threadgroup, 8 SIMD-groups each holding
@@ -14,10 +14,10 @@ heads' rows, so K/V are read once per 8 heads).
 
 Counts: the instrumented emulator on the planner's own launch (explain,
 impl='prefill'). Prefill: N = 128, 192, 256 for one head, scaled by
-metal_model's quadratic rule (as benchmarks/metal_model_d512.py). Decode:
+core/counts.py's quadratic rule (as families/d512.py). Decode:
 one packed threadgroup (8 heads on one kv head, Nq = 1) at Nk = 256 and 512,
 linear in Nk (whole 32-key blocks), times the plan's threadgroups. Time:
-metal_model_timing.predict / predict_band (the "_splitd_" serial section;
+core/timing.py predict / predict_band (the "_splitd_" serial section;
 the packed grid through packed_group), residency by the planner's rule on
 live_values and the threadgroup memory.
 
@@ -29,7 +29,7 @@ the last, shorter split priced as a whole one), plus the merge pass
 (flash_decode_merge_*_d512: exact counts at 2 and 8 splits per row, linear
 in splits, times the rows; run in bfloat16, whose bytes are float16's).
 
-Baselines, from benchmarks/metal_model_decode_wide.py:
+Baselines, from families/decode_wide.py:
   * unfused: S = Q K^T, softmax, O = P V at the full MMA rate and streaming
     ceiling, K and V read once per kv head, full S even when causal:
     generous to it (the prefill verdict's baseline, as at D = 512);
@@ -49,11 +49,12 @@ import torch
 
 import flash_metal
 
-from . import apple_gpus as G
-from . import metal_model as M
-from . import metal_model_d512 as W
-from . import metal_model_decode_wide as DW
-from . import metal_model_timing as T
+from ..core import counts as M
+from ..core import gpus as G
+from ..core import timing as T
+from ..core.emulator import backends, tests_module
+from . import d512 as W
+from . import decode_wide as DW
 
 KERNELS = ("flash_attention_prefill_splitd_*",)  # the partial emulator library the counts run on
 PAIRS = ((576, 512), (256, 512))
@@ -74,9 +75,7 @@ def live_values(dqk, dv, bk=32, parts=8):
 
 
 def library(instrumented=True):
-    from shader_builds import shipped_library  # tests/ on sys.path (metal_model imports tests/backends)
-
-    return shipped_library(instrumented=instrumented, only=KERNELS)
+    return tests_module("shader_builds").shipped_library(instrumented=instrumented, only=KERNELS)
 
 
 def run(q, k, v, causal, instrumented=True):
@@ -137,7 +136,7 @@ def prefill_records(s: M.Shape, dv, causal):
     base = _CACHE[key]
     counts = {}
     for f in base[0][1]:
-        v = M._quadratic_at([(n, c[f]) for n, c, _ in base], s.nq // 64) * s.b * s.hq
+        v = M.quadratic_at([(n, c[f]) for n, c, _ in base], s.nq // 64) * s.b * s.hq
         assert v.denominator == 1, f"scaling rule gave a fractional {f}"
         counts[f] = int(v)
     d = base[0][2]
@@ -198,8 +197,6 @@ def run_split(q, k, v, splits, keys, instrumented=True):
 
 
 def merge_library():
-    import backends  # tests/ on sys.path (metal_model imports it)
-
     return backends.wide_decode_library(True)  # the sanitizing wide build: bfloat16's merge at d512
 
 
@@ -396,7 +393,7 @@ def verdicts(prefill=None, decode=None):
     return out
 
 
-def main():
+def report():
     print("\n## MLA head dims, float16, split-D prefill vs unfused and composite: model, not measurement")
     print("| chip | shape | causal | split-D ms (band) | bound | unfused ms | composite ms | unfused / split-D | "
           "band ahead of unfused |")
@@ -445,7 +442,3 @@ def main():
     if v["wide"]:
         print("Hq 16 (not routed: the wide decode keeps it): wide / split {:.2f}-{:.2f}x, every band ahead: "
               "{}".format(*v["wide"]))
-
-
-if __name__ == "__main__":
-    main()

@@ -7,11 +7,11 @@ Two kinds of numbers, never mixed up:
   mlx/backend/metal/kernels/steel/attn/kernels/steel_attention_nax.h @54f1cc6 and
   steel/attn/nax.h @d0d7b6c (ideas only, nothing copied), at the same tiles (64 query rows, 4 SIMD-groups of
   16 rows, 32 keys per block).
-Neither is a measurement on Apple hardware, and neither enters the time model (metal_model_timing.py): what a
+Neither is a measurement on Apple hardware, and neither enters the time model (core/timing.py): what a
 coordinate query costs once Apple's compiler has unrolled and folded it is not known, so the model charges
 none. They say where the kernels' work differs, not how long it takes.
 
-    python -m benchmarks.metal_model_bookkeeping
+    python -m benchmarks.model bookkeeping
 """
 from flash_metal import _mpp_bookkeeping as B
 
@@ -60,7 +60,3 @@ def print_bookkeeping():
     print("|---|---|---|---|---|")
     for d, col, before, after, nax in rows():
         print(f"| {d} | {col} | {'' if before is None else f'{before:.0f}'} | {after:.0f} | {nax:.0f} |")
-
-
-if __name__ == "__main__":
-    print_bookkeeping()

@@ -1,8 +1,9 @@
 """Anchors of the Metal performance model (issue 19): published timings of
-other programs, placed against this model's predictions. Nothing here ran on
-a GPU; the measured figures are MLX's and the post's.
+other programs, and the hand counts that place them against this model's
+predictions. Nothing here ran on a GPU; the measured figures are MLX's and
+the post's. The report: families/anchors.py,
 
-    python -m benchmarks.metal_model --anchors [--csv PATH]
+    python -m benchmarks.model anchors [--csv PATH]
 
 1. MLX's steel attention (PR #1610, M3 Max; PR #4330, M3 Ultra). Its counts
    are hand-counted below from its source (steel_attention.h: BQ = 32,
@@ -14,26 +15,26 @@ a GPU; the measured figures are MLX's and the post's.
    claim is +-15 % where MLX runs at high occupancy (in_regime). N = 256 is
    outside: 256 threadgroups on 40 cores are under two waves, and MLX
    measured 0.103 ms there, slower than the model.
-   The M3 MMA rate is INFERRED (apple_gpus.MMA_RATE), with MLX's N = 4096
+   The M3 MMA rate is INFERRED (gpus.MMA_RATE), with MLX's N = 4096
    timing as a lower bound on it; so N = 4096 is not independent evidence,
    N = 512-2048 and the M3 Ultra anchor are.
 2. MLX's accelerator attention (PR #3943, M5 Max, float16, D = 96), hand-
-   counted in metal_model_accel.py: it anchors the tensor-op rate, +-25 %.
+   counted below (nax_counts): it anchors the tensor-op rate, +-25 %.
 3. The post's untiled and tiled kernels (Apple M5, float32, N = 2048, d = 64,
    causal). A comparison between DIFFERENT PROGRAMS: the post's code as
    printed reads Q inside the key loop and divides by sqrt(D) per key; the
    emulated kernels read Q once and scale once. The band is 2x.
+4. MLX's decode (issue #4076, M5 Pro): DECODE_ANCHORS, the decode model's
+   calibration and validation points (families/decode.py).
 """
-import csv
-import math
 from typing import NamedTuple
 
 import torch
 
-from . import apple_gpus as G
-from . import metal_model as M
-from . import metal_model_accel as X
-from . import metal_model_timing as T
+from . import counts as M
+from . import gpus as G
+from . import iomodel as IO
+from . import timing as T
 
 
 class Anchor(NamedTuple):
@@ -80,9 +81,9 @@ CSV_COLUMNS = ["anchor", "gpu", "shape", "measured_ms", "predicted_low_ms", "pre
                "ratio", "in_regime", "role"]
 
 # How each constant was derived from anchors (a validation anchor's value may appear in none of them:
-# tests/test_metal_model_anchors.py). apple_gpus.MMA_RATE[3] (M3 and later): its low end, 105 FFMAs per
+# tests/test_metal_model_anchors.py). gpus.MMA_RATE[3] (M3 and later): its low end, 105 FFMAs per
 # core-cycle, is MLX's N = 4096 timing's lower bound (11.73e12 / (40 x 1.398e9 x 2)); the tensor-op
-# softmax rule (additive, metal_model_timing "overlap" at the point) was chosen on the NAX row.
+# softmax rule (additive, timing.py "overlap" at the point) was chosen on the NAX row.
 # PER_CALL_FLOOR: per_call_floor() below, on the two calibration rows of MLX #1610.
 PREFILL_DERIVATIONS = {
     "MMA_RATE[3..5] low end": {"anchors": ["mlx-1610-n4096"], "inputs": [11.71]},
@@ -97,7 +98,7 @@ def per_call_floor():
     Recorded in PREFILL_DERIVATIONS."""
     cal = [a for a in ANCHORS if a.role == "calibration" and a.name.startswith("mlx-1610")]
     (a0, a1) = sorted(cal, key=lambda a: a.shape.nq)
-    f0, f1 = (M.useful_flops(a.shape, a.causal) for a in (a0, a1))
+    f0, f1 = (IO.useful_flops(a.shape, a.causal) for a in (a0, a1))
     rate = (f1 - f0) / ((a1.measured_ms - a0.measured_ms) * 1e-3)
     floor = a0.measured_ms * 1e-3 - f0 / rate
     PREFILL_DERIVATIONS["PER_CALL_FLOOR"] = {"anchors": [a0.name, a1.name], "inputs": [a0.measured_ms, a1.measured_ms],
@@ -148,6 +149,50 @@ def steel_counts(s: M.Shape, elem: int, bq=32, bk=32, wm=4):
     }
 
 
+def nax_counts(s: M.Shape, elem: int, bq=64, bk=32, wm=4):
+    """MLX's accelerator attention's counts, by hand from its source, for a
+    non-causal problem with Nq % bq == Nk % bk == 0 and D % 32 == 0, in the
+    emulator's units. Per threadgroup (bq query rows of one head, wm
+    SIMD-groups of 16 rows each, no threadgroup memory):
+    - each SIMD-group loads its Q rows once, and every K and V block of
+      bk x D itself, straight from device memory into its fragments: wm
+      requests per byte per threadgroup (req_), one of them new to the
+      threadgroup (dram_; the others meet it in the core's L1, an assumption);
+    - per key block and SIMD-group: S = Q K^T (16 x bk x D) and O += P V
+      (16 x D x bk) as matmul2d on execution_simdgroup: 4 * 16 * bk * D
+      FLOPs (mpp_flops), no simdgroup MMAs;
+    - exp2: a lane holds 8 elements of each 16 x 16 fragment of S (bk / 2
+      per block) plus the rescale factors of its 2 rows;
+    - no barriers (D = 128 adds one halfway through P V; not counted here).
+    """
+    if s.nq % bq or s.nk % bk or s.d % 32:
+        raise ValueError(f"hand count needs Nq % {bq} == Nk % {bk} == D % 32 == 0; got {s}")
+    tgs = s.b * s.hq * (s.nq // bq)
+    blocks = tgs * (s.nk // bk)
+    kv = blocks * bk * s.d * elem
+    return {
+        "threadgroups": tgs,
+        "threads": tgs * 32 * wm,
+        "simdgroup_mmas": 0,
+        "mpp_flops": blocks * wm * 4 * 16 * bk * s.d,
+        "exp2_calls": blocks * wm * 32 * (bk // 2 + 2),
+        "threadgroup_barriers": 0,
+        "threadgroup_bytes_written": 0,
+        "threadgroup_bytes_read": 0,
+        "read_q": s.b * s.hq * s.nq * s.d * elem,
+        "read_k": wm * kv, "req_k": wm * kv, "dram_k": kv,
+        "read_v": wm * kv, "req_v": wm * kv, "dram_v": kv,
+        "write_out": s.b * s.hq * s.nq * s.d * elem,
+    }
+
+
+def nax_records(s: M.Shape, dtype, bq=64, bk=32, wm=4):
+    """One synthetic dispatch with MLX's accelerator-attention counts (no plan of ours behind it)."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    name = f"mlx_nax_attention_{M.dtype_name(dtype)}_d{s.d}_bq{bq}_bk{bk}_wm{wm}"
+    return [M.Record(name, (s.nq // bq, s.hq, s.b), (32, wm, 1), 0, nax_counts(s, elem, bq, bk, wm), False)]
+
+
 BARRIERS_OUTSIDE_LOOP = 2  # MLX's per-threadgroup barriers outside the key loop (steel_attention.h)
 
 
@@ -157,18 +202,18 @@ def anchor_row(a: Anchor):
         # MLX on the M3 Max: the per-call floor plus the FLOPs at the fitted rate; its band, the time model's
         # relative band (every unmeasured input: clock, MMA rate, ...) around it.
         floor, rate = per_call_floor()
-        point = floor + M.useful_flops(a.shape, a.causal) / rate
+        point = floor + IO.useful_flops(a.shape, a.causal) / rate
         recs = M.counts_for(a.impl, a.shape, a.dtype, a.causal)
         lo, pt, hi = T.predict_band(recs, gpu, a.shape, a.dtype, a.causal)
         low, high = point * lo / pt, point * hi / pt
     else:
-        recs = X.nax_records(a.shape, a.dtype) if a.impl == "mlx-nax" else M.counts_for(a.impl, a.shape, a.dtype,
-                                                                                          a.causal)
+        recs = nax_records(a.shape, a.dtype) if a.impl == "mlx-nax" else M.counts_for(a.impl, a.shape, a.dtype,
+                                                                                        a.causal)
         low, point, high = T.predict_band(recs, gpu, a.shape, a.dtype, a.causal)
     ratio = point * 1e3 / a.measured_ms
     s = a.shape
     return {"anchor": a.name, "gpu": a.gpu,
-            "shape": f"{s.b}x{s.hq}x{s.nq}x{s.d} {M._dtype_name(a.dtype)}{' causal' if a.causal else ''} {a.impl}",
+            "shape": f"{s.b}x{s.hq}x{s.nq}x{s.d} {M.dtype_name(a.dtype)}{' causal' if a.causal else ''} {a.impl}",
             "measured_ms": a.measured_ms, "predicted_low_ms": round(low * 1e3, 4), "predicted_ms": round(point * 1e3, 4),
             "predicted_high_ms": round(high * 1e3, 4), "ratio": round(ratio, 3), "in_regime": a.in_regime,
             "role": a.role}
@@ -186,44 +231,9 @@ def within(row, a: Anchor):
     return 1 / (1 + a.tolerance) <= row["ratio"] <= 1 + a.tolerance
 
 
-def anchors(csv_path=None, names=None):
-    chosen = [a for a in ANCHORS if names is None or a.name in names]
-    rows = [anchor_row(a) for a in chosen]
-    print("\n## Anchors: published timings of other programs against this model (predictions, not measurements)")
-    for role, what in (("calibration", "set a constant (PREFILL_DERIVATIONS / metal_model_decode.DERIVATIONS)"),
-                       ("validation", "set nothing")):
-        print(f"\n### {role} anchors: {what}")
-        print("| " + " | ".join(CSV_COLUMNS) + " | within its tolerance | inside its band |")
-        print("|" + "---|" * (len(CSV_COLUMNS) + 2))
-        for a, r in zip(chosen, rows):
-            if a.role != role:
-                continue
-            band = f"+-{a.tolerance:.0%}" if a.tolerance < 1 else f"{1 + a.tolerance:.0f}x"
-            print("| " + " | ".join(str(r[c]) for c in CSV_COLUMNS) + f" | {within(r, a)} ({band}) | {in_band(r)} |")
-    val = [(a, r) for a, r in zip(chosen, rows) if a.role == "validation"]
-    print(f"\nValidation: {sum(within(r, a) for a, r in val)} of {len(val)} rows within their tolerance, "
-          f"{sum(in_band(r) for _, r in val)} of {len(val)} inside their predicted band.")
-    floor, rate = per_call_floor()
-    print(f"MLX M3 Max rows: a per-call floor of {floor * 1e6:.1f} us plus the FLOPs at {rate / 1e12:.2f} TFLOPS, "
-          "fitted on the two calibration rows (N = 256, 4096) alone, replacing the whole-wave rule and the 5 us "
-          "dispatch; their bands are the time model's relative band. The prefill kernel's counts equal MLX steel "
-          "attention's (hand count, tests/test_metal_model_anchors.py). Post rows: different programs (the post "
-          "reads Q inside the key loop and divides by sqrt(D) per key; ours do neither). The mlx-nax row: MLX's "
-          "accelerator kernel, hand-counted (metal_model_accel.py); it chose the tensor-op softmax rule.")
-    from . import metal_model_decode as DM
-    DM.side_by_side()
-    if csv_path:
-        with open(csv_path, "w", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=CSV_COLUMNS)
-            w.writeheader()
-            w.writerows(rows)
-        print(f"(wrote {len(rows)} rows to {csv_path})")
-    return rows
-
-
 class DecodeAnchor(NamedTuple):
     """A measured decode bandwidth (K/V bytes counted once over the time per call) and its role: "calibration"
-    (it set a constant: metal_model_decode.DERIVATIONS names it) or "validation" (it set nothing)."""
+    (it set a constant: families/decode.py DERIVATIONS names it) or "validation" (it set nothing)."""
     name: str
     gpu: str
     shape: M.Shape
@@ -233,7 +243,7 @@ class DecodeAnchor(NamedTuple):
 
 # MLX issue #4076, M5 Pro, float16, one query row, 8K keys, D = 128, 32 query heads: sdpa_vector_2pass at
 # GQA 1 / 4 / 8, as issue 43 quotes them (281 / 264 / 190 GB/s). GQA 1 calibrates the decode's streaming
-# fraction (metal_model_decode.calibrate); GQA 4 and 8 validate the model, its L1 term included.
+# fraction (families/decode.py calibrate); GQA 4 and 8 validate the model, its L1 term included.
 DECODE_ANCHORS = [
     DecodeAnchor("mlx-4076-gqa1", "M5 Pro", M.Shape(1, 32, 32, 1, 8192, 128), 281.0, "calibration"),
     DecodeAnchor("mlx-4076-gqa4", "M5 Pro", M.Shape(1, 32, 8, 1, 8192, 128), 264.0, "validation"),
@@ -244,28 +254,3 @@ DECODE_ANCHORS = [
 # Decode against MLX's measured decode (mlx-4076, M5 Pro, float16, q_len 1, 8K context; its 8K column, which
 # the emulator runs in seconds): (Hq, Hkv, D, GB/s).
 MLX_DECODE = [(32, 32, 128, 282.0), (32, 8, 128, 263.0), (32, 4, 128, 184.0), (64, 8, 64, 113.0)]
-
-
-def decode_vs_mlx(nk=8192):
-    """Our decode's predicted K/V bandwidth on an M5 Pro beside MLX's measured one, by GQA ratio."""
-    gpu = G.BY_NAME["M5 Pro"]
-    print(f"\n## Decode on an M5 Pro, {nk} keys, float16: our prediction beside MLX's measurement (mlx-4076)")
-    print("The claim is the count: K and V read exactly once per GQA group (tests), and the bandwidth fraction "
-          f"under the measured streaming ceiling ({G.STREAM_CEILING[0]:.2f}-{G.STREAM_CEILING[2]:.2f} of nominal) "
-          "and Little's law per core; not a roofline.")
-    print("| Hq:Hkv | D | impl | predicted GB/s (band) | fraction of nominal | MLX measured GB/s |")
-    print("|---|---|---|---|---|---|")
-    out = []
-    for hq, hkv, d, mlx in MLX_DECODE:
-        s = M.Shape(1, hq, hkv, 1, nk, d)
-        recs = M.counts_for("decode_split", s, torch.float16, False)
-        kv = 2 * hkv * nk * d * 2
-        low, point, high = T.predict_band(recs, gpu, s, torch.float16, False)
-        gbs = [kv / t / 1e9 for t in (high, point, low)]
-        out.append((hq, hkv, d, gbs[1], mlx))
-        print(f"| {hq}:{hkv} | {d} | decode_split | {gbs[1]:.0f} ({gbs[0]:.0f}-{gbs[2]:.0f}) "
-              f"| {gbs[1] / gpu.bandwidth_gbs:.0%} | {mlx:.0f} |")
-    print("MLX's GQA-1 figure (282 GB/s, 0.92 of nominal) is above the dense qmv its issue measured on the same "
-          "machine (0.87): the streaming ceiling is a band, not a bound. These rows use the prefill model's "
-          "dispatch terms; the decode model (metal_model_decode.side_by_side) prices each design on its own launch.")
-    return out

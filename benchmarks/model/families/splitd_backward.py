@@ -3,7 +3,7 @@ priced by the model against the composite (unfused) backward: the verdict
 csrc/metal_routing_splitd.cpp routes auto backward calls on. Nothing here ran
 on a GPU: every time is a prediction ("model, not measurement").
 
-    python -m benchmarks.metal_model_splitd_backward
+    python -m benchmarks.model splitd-backward
 
 The kernels are the shipped ones (shaders/attention_backward_splitd.h): a
 dQ kernel over 8 query rows and a dK/dV kernel over 8 keys, each on 8
@@ -12,21 +12,22 @@ and dP summed over the parts through threadgroup memory (2 barriers per
 block). Their counts come from the instrumented emulator on the planner's own
 launches (impl='prefill' at D = 512, tests/backends.py
 emulated_metal_attention_backward), N = 128, 192, 256 for one head, scaled
-by the quadratic rule (metal_backward_model.scaled_counts); their time from
-metal_model_timing.predict / predict_band (its "flash_backward_splitd_"
+by the quadratic rule (core/backward_counts.py scaled_counts); their time from
+core/timing.py predict / predict_band (its "flash_backward_splitd_"
 branch: two DRAM latencies, two barriers, the S then dP chains per block) and
 the planner's residency estimates. The composite side is
-metal_backward_model.unfused_seconds: 4 GEMMs with P saved by the forward,
+core/unfused.py unfused_seconds: 4 GEMMs with P saved by the forward,
 5 kernels, dense even when causal, at the same MMA rate and streaming
 ceiling: generous to it (the composite path recomputes P, one more GEMM, and
 runs in chunks of query rows).
 """
 import torch
 
-from . import apple_gpus as G
-from . import metal_backward_model as BM
-from . import metal_model as M
-from . import metal_model_timing as T
+from ..core import backward_counts as BM
+from ..core import counts as M
+from ..core import gpus as G
+from ..core import timing as T
+from ..core.unfused import unfused_seconds
 
 D = 512
 CHIPS = ("M1 Max", "M3 Max", "M4 Pro", "M5 (10-core)")
@@ -48,9 +49,9 @@ def compare(s: M.Shape, causal, chip, dtype=torch.float16):
     recs = records(s, causal, dtype)
     terms = T.predict(recs, gpu, s, dtype, causal)[1]
     return {"fused": T.predict_band(recs, gpu, s, dtype, causal),
-            "unfused": BM.unfused_seconds(s, dtype, gpu),
-            "unfused_accel": BM.unfused_seconds(s, dtype, gpu,
-                                                flops_per_core_cycle=G.tensor_op_rate(gpu.generation)[1]),
+            "unfused": unfused_seconds(s, dtype, gpu),
+            "unfused_accel": unfused_seconds(s, dtype, gpu,
+                                             flops_per_core_cycle=G.tensor_op_rate(gpu.generation)[1]),
             "bound": max(terms, key=terms.get)}
 
 
@@ -78,7 +79,7 @@ def routed(v, causal):
     return all(share >= 1.0 for (c, _, _), (_, share, _, _) in v.items() if c == causal)
 
 
-def main():
+def report():
     v = verdicts()
     print("\n## Head dim 512, float16, split-D backward vs the composite (unfused) backward: model, not measurement")
     print("(fused band: every uncertain figure at its fast end, then its slow end; unfused: 4 GEMMs with P saved, "
@@ -94,6 +95,3 @@ def main():
     for causal in (True, False):
         print(f"causal={causal}: routed by auto: {routed(v, causal)} (the whole band ahead on every chip and length)")
 
-
-if __name__ == "__main__":
-    main()

@@ -1,4 +1,4 @@
-"""Apple GPUs for the performance model (benchmarks/metal_model.py), with a
+"""Apple GPUs for the Metal performance model (benchmarks/model), with a
 source for every figure.
 
 Source keys (SOURCES below says what each is). A figure whose key starts
@@ -138,7 +138,7 @@ def tensor_op_rate(generation):
 
 # FFMA32 cost in cycles per instruction (1.0 = full rate) by instruction-level
 # parallelism and resident SIMD-groups per core: metal-benchmarks' "Tables for
-# FMUL, FADD, IADD, FFMA" (FP32 column). metal_model_timing.ffma_interval
+# FMUL, FADD, IADD, FFMA" (FP32 column). timing.ffma_cycles
 # interpolates it (log of the SIMD-group count) for the post's scalar loops.
 FFMA32_CYCLES = {1: {4: 11.34, 8: 5.71, 88: 1.99}, 4: {4: 2.75, 8: 1.60, 88: 1.02}}
 

@@ -1,99 +1,49 @@
-"""Performance model of the Metal backward (issue 10), on the emulator's exact
-counts: a prediction, not a measurement; nothing here ran on a GPU.
+"""The backward family of the Metal performance model (issue 10), on the
+emulator's exact counts: a prediction, not a measurement; nothing here ran on
+a GPU.
 
-    python -m benchmarks.metal_backward_model [--quick] [--occupancy]
+    python -m benchmarks.model backward [--quick] [--occupancy]
 
 0. Registers and occupancy (issue 19): a before/after table of the prefill and
    backward plans' live values per lane and resident SIMD-groups per core
    (the planner's estimates) on an M1 and an M3 Max; --occupancy prints only it.
 
-1. Counts. attention_backward runs in the instrumented emulator
-   (tests/backends.py emulated_metal_attention_backward, launched from the
-   host's own plan: the dQ kernel, then the dK/dV kernel). Sizes too big to
-   emulate are scaled by metal_model's rule (linear in B * H; for
-   Nq = Nk = n * 64, a polynomial of degree <= 2 in n, fixed by three
-   emulated sizes); tests/test_metal_backward.py checks it on a fourth.
+1. Counts: core/backward_counts.py (the dQ kernel, then the dK/dV kernel, in
+   the instrumented emulator; sizes too big to emulate scaled by the
+   quadratic rule).
 2. I/O model: the split's FlashAttention-2 traffic. dQ kernel: Q, dO, O read
    once, K and V once per query block up to its last visible key. dK/dV
    kernel: K and V once (its feature parts are SIMD-groups sharing the
    threadgroup's tiles), Q and dO once per key block from its first seeing
    query row. Printed next to the counted bytes.
-3. Time: metal_model.predict on the counted records (the forward's time
-   model, benchmarks/metal_model_timing.py: MMAs at the generation's rate,
-   exp2, memory under the streaming ceiling, on-core data; residency from the
-   planner's estimates hiding each streamed block's serial section,
-   metal_model_timing.backward_blocks; feature parts sum S and dP split-K,
-   except float32 D = 256, whose recomputation is in the counted MMAs; the
-   fused side printed as a band), against an UNFUSED backward's
-   model: the composite path (PyTorch's MPS math path, MLX's unfused VJP)
-   has P (N x N, saved by its forward) and runs dV = P^T dO, dP = dO V^T,
-   the softmax backward dS = P * (dP - rowsum(P * dP)) over N x N, then
-   dQ = dS K and dK = dS^T Q: 4 GEMMs of 2 N^2 D FLOPs and 7 N^2 elements of
-   traffic per head. Each of its 5 kernels costs max(compute at the same
-   MMA rate as ours, bytes at the same streaming ceiling) plus the same dispatch
-   overhead: generous to unfused (no occupancy or cache effects), dense
-   even when causal (the composite path masks, it does not skip).
+3. Time: core/timing.py's predict on the counted records (the forward's time
+   model: MMAs at the generation's rate, exp2, memory under the streaming
+   ceiling, on-core data; residency from the planner's estimates hiding each
+   streamed block's serial section, timing.backward_blocks; feature parts sum
+   S and dP split-K, except float32 D = 256, whose recomputation is in the
+   counted MMAs; the fused side printed as a band), against an UNFUSED
+   backward's model (core/unfused.py): the composite path (PyTorch's MPS math
+   path, MLX's unfused VJP) has P (N x N, saved by its forward) and runs
+   dV = P^T dO, dP = dO V^T, the softmax backward dS = P * (dP - rowsum(P * dP))
+   over N x N, then dQ = dS K and dK = dS^T Q: 4 GEMMs of 2 N^2 D FLOPs and
+   7 N^2 elements of traffic per head. Each of its 5 kernels costs
+   max(compute at the same MMA rate as ours, bytes at the same streaming
+   ceiling) plus the same dispatch overhead: generous to unfused (no occupancy
+   or cache effects), dense even when causal (the composite path masks, it
+   does not skip).
 """
-import argparse
-
 import torch
 
-from . import apple_gpus as G
-from . import metal_model as M
-from .metal_model import Shape
+import flash_metal
 
-import backends  # noqa: E402  (tests/ is on sys.path through metal_model)
-
-_CACHE = {}
-
-
-def _inputs(s: Shape, dtype, causal):
-    g = torch.Generator().manual_seed(0)
-    q = torch.randn(s.b, s.hq, s.nq, s.d, generator=g).to(dtype)
-    k = torch.randn(s.b, s.hkv, s.nk, s.d, generator=g).to(dtype)
-    v = torch.randn(s.b, s.hkv, s.nk, s.d_v, generator=g).to(dtype)
-    out, lse = torch.ops.flash_metal.attention_forward(q, k, v, causal, None, "auto")
-    return torch.randn(out.shape, generator=g).to(dtype), q, k, v, out, lse
-
-
-def emulate(s: Shape, dtype, causal, impl="auto"):
-    """The backward's dispatches in the instrumented emulator; exact counts. impl="tensor_ops": the tensor-op
-    backward (attention_backward_mpp.h), in the published M5 lane layout (as metal_model.emulate runs the
-    tensor-op forward)."""
-    key = (s, dtype, causal, M._PAD, impl)
-    if key not in _CACHE:
-        backends.emulated_metal_attention_backward(*_inputs(s, dtype, causal), causal, None, None, instrumented=True,
-                                                   impl=impl, mpp_layout="m5")
-        _CACHE[key] = [M.Record(d.kernel_name, d.grid, d.threadgroup, d.threadgroup_memory, M._count_dict(d, c), False,
-                                M._source(impl, True))
-                       for d, c in backends.LAST_DISPATCHES]
-    return _CACHE[key]
-
-
-def scaled_counts(s: Shape, dtype, causal, base_ns=M.BASE_NS, impl="auto"):
-    """metal_model's scaling rule for the backward (Nq = Nk = n * UNIT, Hq = Hkv)."""
-    if s.nq != s.nk or s.nq % M.UNIT or s.hq != s.hkv:
-        raise ValueError(f"the scaling rule needs Nq = Nk, a multiple of {M.UNIT}, and Hq = Hkv; got {s}")
-    bases = [emulate(Shape(1, 1, 1, n * M.UNIT, n * M.UNIT, s.d, s.dv), dtype, causal, impl) for n in base_ns]
-    n, heads = s.nq // M.UNIT, s.b * s.hq
-    records = []
-    for i, base in enumerate(bases[0]):
-        counts = {}
-        for field in base.counts:
-            v = M._quadratic_at([(m, b[i].counts[field]) for m, b in zip(base_ns, bases)], n) * heads
-            if v.denominator != 1:
-                raise AssertionError(f"scaling rule gave a fractional {field}: {v}")
-            counts[field] = int(v)
-        grid = (base.grid[0] * n // base_ns[0], s.hq if i == 0 else s.hkv, s.b)
-        records.append(M.Record(base.kernel, grid, base.threadgroup, base.tg_memory, counts, True,
-                                M._source(impl, True)))
-    return records
-
-
-def counts_for(s: Shape, dtype, causal, base_ns=M.BASE_NS, impl="auto"):
-    if s.b * s.hq * s.nq * s.nk <= M.MAX_EMULATED_PAIRS:
-        return emulate(s, dtype, causal, impl)
-    return scaled_counts(s, dtype, causal, base_ns, impl)
+from ..core import counts as M
+from ..core import gpus as G
+from ..core import timing as T
+from ..core.backward_counts import counts_for
+from ..core.counts import Shape
+from ..core.iomodel import visible
+from ..core.report import band_ms, fmt_ms
+from ..core.unfused import unfused_seconds
 
 
 def _blocks(kernel):
@@ -106,7 +56,7 @@ def io_model(s: Shape, elem, records, causal):
     bq = _blocks(records[0].kernel)[0]
     bk = _blocks(records[1].kernel)[1]
     row = s.d * elem
-    kv_dq = sum(M.visible(min(q0 + bq, s.nq) - 1, s, causal) for q0 in range(0, s.nq, bq)) * s.hq
+    kv_dq = sum(visible(min(q0 + bq, s.nq) - 1, s, causal) for q0 in range(0, s.nq, bq)) * s.hq
     first_row = lambda k0: max(0, k0 - (s.nk - s.nq)) if causal else 0  # noqa: E731
     q_dkdv = sum(max(0, s.nq - first_row(k0) // bq * bq) for k0 in range(0, s.nk, bk)) * s.hq
     kv = 2 * (kv_dq + s.nk * s.hkv) * row * s.b
@@ -118,35 +68,6 @@ def io_measured(records):
     kv = sum(r.counts["read_k"] + r.counts["read_v"] for r in records)
     qdo = sum(r.counts["read_q"] + r.counts["read_grad_out"] for r in records)
     return kv, qdo
-
-
-def unfused_seconds(s: Shape, dtype, gpu: G.AppleGPU, forward=False, flops_per_core_cycle=None):
-    """The composite backward's modelled time (module docstring, 3); forward=True:
-    its forward instead (S = Q K^T written, softmax read and written, O = P V).
-    flops_per_core_cycle: the matmuls' rate (default: the same MMA rate as ours;
-    G.tensor_op_rate(5)[1] prices them on M5's neural accelerators)."""
-    elem = torch.empty((), dtype=dtype).element_size()
-    hz = gpu.clock_ghz * 1e9
-    per_cycle = flops_per_core_cycle or 2 * G.MMA_RATE[gpu.generation][1]
-    rate = per_cycle * gpu.cores * hz  # the same MMA rate and streaming ceiling as ours, unless given
-    bw = min(G.STREAM_CEILING[1] * gpu.bandwidth_gbs * 1e9, gpu.cores * M.ON_GPU_BYTES_PER_CYCLE * hz)
-    heads, nn, nd = s.b * s.hq, s.nq * s.nk, (s.nq + s.nk) * s.d
-    gemm_flops = 2 * nn * s.d * heads
-    if forward:
-        kernels = [  # (FLOPs, bytes) per kernel
-            (gemm_flops, (nn + nd) * elem * heads),  # S = Q K^T
-            (0, 2 * nn * elem * heads),  # P = softmax(S * scale)
-            (gemm_flops, (nn + nd + s.nq * s.d) * elem * heads),  # O = P V
-        ]
-    else:
-        kernels = [
-            (gemm_flops, (nn + nd + s.nk * s.d) * elem * heads),  # dV = P^T dO
-            (gemm_flops, (nn + nd) * elem * heads),  # dP = dO V^T
-            (0, 3 * nn * elem * heads),  # dS = P * (dP - rowsum(P * dP))
-            (gemm_flops, (nn + nd + s.nq * s.d) * elem * heads),  # dQ = dS K
-            (gemm_flops, (nn + nd + s.nk * s.d) * elem * heads),  # dK = dS^T Q
-        ]
-    return sum(M.DISPATCH_OVERHEAD_S + max(f / rate, b / bw) for f, b in kernels)
 
 
 SHAPES_FULL = [Shape(1, 32, 32, 4096, 4096, d) for d in (64, 96, 128)] + [Shape(1, 8, 8, 8192, 8192, 128)]
@@ -170,12 +91,12 @@ def table(quick):
             cells = []
             fwd = M.counts_for("prefill", s, torch.float16, causal)
             for g in gpus:
-                t = M.predict(recs, g, s, torch.float16, causal)[0]
+                t = T.predict(recs, g, s, torch.float16, causal)[0]
                 u = unfused_seconds(s, torch.float16, g)
-                tf = M.predict(fwd, g, s, torch.float16, causal)[0]
+                tf = T.predict(fwd, g, s, torch.float16, causal)[0]
                 uf = unfused_seconds(s, torch.float16, g, forward=True)
                 wins.append((g.name, s, causal, u / t, (u + uf) / (t + tf)))
-                cells.append(f"{M._band_ms(recs, g, s, torch.float16, causal)} / {M._fmt_ms(u)} ({u / t:.2f}x) "
+                cells.append(f"{band_ms(recs, g, s, torch.float16, causal)} / {fmt_ms(u)} ({u / t:.2f}x) "
                              f"| {(u + uf) / (t + tf):.2f}x")
             print(f"| {s.b}x{s.hq}x{s.nq}x{s.d} | {causal} | {'scaled' if recs[0].scaled else 'emulated'} "
                   f"| {kv / mkv:.3f} | {qdo / mqdo:.3f} | {sum(r.counts['simdgroup_mmas'] for r in recs)} "
@@ -215,8 +136,6 @@ def occupancy_table():
     """Before/after: live values per lane (budget 72) and resident SIMD-groups per core (target 8) of the
     prefill and backward plans on the model grid, on an M1 (60 KB of threadgroup memory per core) and an
     M3 Max (32 KiB): the planner's estimates (explain), not measurements."""
-    import flash_metal
-
     print("\n## Registers and occupancy, before -> after (planner estimates, not measurements)")
     print("| pass | dtype | D | live values (max over kernels) | SIMD-groups per core M1 | M3 Max | kernels now |")
     print("|---|---|---|---|---|---|---|")
@@ -236,15 +155,12 @@ def occupancy_table():
                       f"| {old[1][1]} -> {cells[1][1]} | {names} |")
 
 
-def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help="D = 64, 96, 128 at N = 4096 on an M3 Max only")
-    ap.add_argument("--occupancy", action="store_true", help="only the registers/occupancy before/after table")
-    args = ap.parse_args(argv)
+def report(quick=False, occupancy=False):
+    """The occupancy table, then (unless occupancy) the fused / unfused table and its claims."""
     occupancy_table()
-    if args.occupancy:
+    if occupancy:
         return []
-    wins = table(args.quick)
+    wins = table(quick)
     for i, what in ((3, "backward"), (4, "forward+backward")):
         faster = [w for w in wins if w[i] > 1.0]
         print(f"\nClaim (a prediction of this model, not yet verified on Apple hardware): the fused {what} is "
@@ -255,6 +171,3 @@ def main(argv=None):
           "the N x N traffic the fused path saves; causal halves the fused work and not the unfused path's.")
     return wins
 
-
-if __name__ == "__main__":
-    main()

@@ -3,10 +3,10 @@ the fused decode kernels in the decode-only buckets 512 and 576 against the
 composite path they replace. Nothing here ran on a GPU: every figure is a
 prediction.
 
-    python -m benchmarks.metal_model_decode_wide
+    python -m benchmarks.model decode-wide
 
 The issue's rule: a fused plan above 256 is routed only where the model puts
-it ahead of unfused. Prefill at 512 lost (benchmarks/metal_model_d512.py:
+it ahead of unfused. Prefill at 512 lost (families/d512.py:
 latency-bound 8 x 8 blocks). Decode is memory-bound: the fused decode reads
 each K/V row once per (batch, kv head[, row chunk]) for the whole GQA group,
 while the unfused plan writes and re-reads the scores and pays a dispatch
@@ -16,15 +16,15 @@ Fused side: Records of the planner's own plan (explain at the shape and
 chip: one pass or split, grid, threadgroup, residency), with counts from
 closed forms of the kernels' traffic (fused_counts) that
 tests/test_metal_model_decode_wide.py holds equal to the instrumented
-emulator's at small shapes; priced by metal_model_timing (memory, Little's
+emulator's at small shapes; priced by core/timing.py (memory, Little's
 law at the planner's residency, dispatch overhead). The wide buckets hold
 103-119 live values per lane (csrc/metal_plan_detail.h), past the 72-value
 budget, so the planner's residency is lower and Little's law term larger:
 priced as such.
 
 Unfused side, two prices:
-  * unfused: the plan metal_model_d512 prices (S = Q K^T, softmax, O = P V,
-    metal_backward_model.unfused_seconds' kernels), K and V read once per
+  * unfused: the plan families/d512.py prices (S = Q K^T, softmax, O = P V,
+    core/unfused.py unfused_seconds' kernels), K and V read once per
     kv head (the composite groups a GQA group's rows in one matmul), at the
     full MMA rate and streaming ceiling: generous to it;
   * composite: the ATen ops csrc/composite.cpp runs (K and V converted to
@@ -43,15 +43,14 @@ matmuls) the fused decode is at parity at 2 rows per kv head (memory-bound,
 shares K/V fragments across rows (simdgroup matrices) is what would win
 there, and MLA's 128 heads need it.
 """
-import math
-
 import torch
 
 import flash_metal
 
-from . import apple_gpus as G
-from . import metal_model as M
-from . import metal_model_timing as T
+from ..core import counts as M
+from ..core import gpus as G
+from ..core import timing as T
+from ..core.unfused import kernels_seconds
 
 CHIPS = ("M1", "M1 Max", "M2", "M3 Max", "M4", "M4 Pro", "M5 (10-core)")
 DTYPES = (torch.float16, torch.bfloat16)
@@ -113,7 +112,7 @@ def fused_counts(d, b, hq, hkv, nq, nk, dqk, dv, elem):
 
 
 def records(b, hq, hkv, nq, nk, dqk, dv, dtype, chip):
-    """The planner's plan on `chip` as metal_model Records with fused_counts, and the plan."""
+    """The planner's plan on `chip` as counts.Record records with fused_counts, and the plan."""
     elem = torch.empty((), dtype=dtype).element_size()
     p = plan(b, hq, hkv, nq, nk, dqk, dv, dtype, G.BY_NAME[chip].key)
     rows = b * hq * nq
@@ -138,7 +137,7 @@ def fused_seconds(b, hq, hkv, nq, nk, dqk, dv, dtype, chip):
     s = M.Shape(b, hq, hkv, nq, nk, dqk)
     recs, p = records(b, hq, hkv, nq, nk, dqk, dv, dtype, chip)
     gpu = G.BY_NAME[chip]
-    # The planner's residency for this very plan (metal_model_timing re-plans from the Shape, which has one
+    # The planner's residency for this very plan (timing.py re-plans from the Shape, which has one
     # head dim: D_v = 576 is no valid problem).
     saved = T.planner_residency
     T.planner_residency = lambda r, i, *_: (p.dispatches[i].threadgroups_per_core, p.dispatches[i].occupancy_limit)
@@ -150,13 +149,6 @@ def fused_seconds(b, hq, hkv, nq, nk, dqk, dv, dtype, chip):
     return band, max(terms, key=terms.get)
 
 
-def _kernels_seconds(kernels, gpu):
-    hz = gpu.clock_ghz * 1e9
-    rate = 2 * G.MMA_RATE[gpu.generation][1] * gpu.cores * hz
-    bw = min(G.STREAM_CEILING[1] * gpu.bandwidth_gbs * 1e9, gpu.cores * M.ON_GPU_BYTES_PER_CYCLE * hz)
-    return sum(M.DISPATCH_OVERHEAD_S + max(f / rate, by / bw) for f, by in kernels)
-
-
 def unfused_seconds(b, hq, hkv, nq, nk, dqk, dv, dtype, chip):
     """The generous unfused plan: 3 kernels, K and V read once per kv head in the input dtype."""
     elem = torch.empty((), dtype=dtype).element_size()
@@ -166,7 +158,7 @@ def unfused_seconds(b, hq, hkv, nq, nk, dqk, dv, dtype, chip):
         (0, 2 * scores * elem),  # P = softmax(S * scale)
         (2 * scores * dv, (scores + b * hkv * nk * dv + b * hq * nq * dv) * elem),  # O = P V
     ]
-    return _kernels_seconds(kernels, G.BY_NAME[chip])
+    return kernels_seconds(kernels, G.BY_NAME[chip])
 
 
 def composite_seconds(b, hq, hkv, nq, nk, dqk, dv, dtype, chip):
@@ -183,7 +175,7 @@ def composite_seconds(b, hq, hkv, nq, nk, dqk, dv, dtype, chip):
         (2 * b * hq * nq * nk * dv, S + vf * 4 + o * 4),  # matmul O = P Vf
         (0, o * (4 + elem)),  # out.copy_
     ] + [(0, 0)] * COMPOSITE_SMALL_DISPATCHES
-    return _kernels_seconds(kernels, G.BY_NAME[chip])
+    return kernels_seconds(kernels, G.BY_NAME[chip])
 
 
 def table():
@@ -209,7 +201,7 @@ def speedups(rows=None, over="unfused"):
     return min(ratios), max(ratios)
 
 
-def main():
+def report():
     rows = table()
     print("## Decode above 256 on Metal: fused decode vs unfused and the composite path (model, not measurement)")
     print("| model | B x Hq/Hkv | D_qk/D_v | Nq | Nk | dtype | chip | fused us (band) | bound | unfused us | "
@@ -222,7 +214,3 @@ def main():
     for over in ("unfused", "composite"):
         lo, hi = speedups(rows, over)
         print(f"\n{over} / fused: {lo:.2f}x to {hi:.2f}x")
-
-
-if __name__ == "__main__":
-    main()

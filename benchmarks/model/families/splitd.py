@@ -2,6 +2,8 @@
 by the model: the verdict csrc/metal_routing_splitd.cpp routes on. Nothing
 here ran on a GPU: every time is a prediction ("model, not measurement").
 
+    python -m benchmarks.model splitd
+
 The kernel is the shipped one (shaders/attention_prefill_splitd.h, first
 written as a probe): one threadgroup per 8 query rows, 8 SIMD-groups each
 owning 64 of the 512 features of Q and O in registers, K and V read straight
@@ -9,11 +11,11 @@ from device memory per part, S summed over the parts through threadgroup
 memory and the softmax shared among them (3 barriers per 32-key block).
 Its counts come from the instrumented emulator on the planner's own launch
 (impl='prefill' at D = 512), N = 128, 192, 256 for one head, scaled by the
-quadratic rule (benchmarks/metal_model_d512.py records); its time from
-metal_model_timing.predict / predict_band with the split-D serial section
-(metal_model_timing, "_splitd_") and the planner's residency rule applied to
+quadratic rule (families/d512.py records); its time from
+core/timing.py predict / predict_band with the split-D serial section
+(timing.py, "_splitd_") and the planner's residency rule applied to
 its live values (live_values) and threadgroup memory; unfused from
-metal_backward_model.unfused_seconds(forward=True), which prices the
+core/unfused.py unfused_seconds(forward=True), which prices the
 composite path's full S (it does not skip causal blocks: the composite path
 computes every score and masks them).
 """
@@ -25,14 +27,14 @@ import torch
 
 import flash_metal
 
-from . import apple_gpus as G
-from . import metal_backward_model as BM
-from . import metal_model as M
-from . import metal_model_d512 as W
-from . import metal_model_timing as T
+from ..core import counts as M
+from ..core import gpus as G
+from ..core import timing as T
+from ..core.emulator import SHADERS, tests_module
+from ..core.unfused import unfused_seconds
+from . import d512 as W
 
-_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-HEADER = os.path.join(_ROOT, "shaders", "attention_prefill_splitd.h")
+HEADER = os.path.join(SHADERS, "attention_prefill_splitd.h")
 D = W.D
 # (family, BQ, BK, WM) of the shipped instantiation (its host name's parameters).
 PLANS = (("prefill_splitd", 8, 32, 8),)
@@ -59,9 +61,7 @@ def tg_bytes(bk=PLAN[2], wm=PLAN[3]):
 
 
 def library(instrumented=True):
-    from shader_builds import shipped_library  # tests/ on sys.path (metal_model imports tests/backends)
-
-    return shipped_library(instrumented=instrumented, only=KERNELS)
+    return tests_module("shader_builds").shipped_library(instrumented=instrumented, only=KERNELS)
 
 
 def run(q, k, v, causal, bq=PLAN[1], bk=PLAN[2], wm=PLAN[3], instrumented=True, family=PLAN[0]):
@@ -96,10 +96,10 @@ def compare(s: M.Shape, causal, chip, plan=PLAN):
     recs = records(s, causal, plan)
     terms = T.predict(recs, gpu, s, torch.float16, causal)[1]
     return {"fused": T.predict_band(recs, gpu, s, torch.float16, causal),
-            "unfused": BM.unfused_seconds(s, torch.float16, gpu, forward=True),
+            "unfused": unfused_seconds(s, torch.float16, gpu, forward=True),
             # the same, its matmuls on M5's neural accelerators (tensor ops; elsewhere the same rate)
-            "unfused_accel": BM.unfused_seconds(s, torch.float16, gpu, forward=True,
-                                                flops_per_core_cycle=G.tensor_op_rate(gpu.generation)[1]),
+            "unfused_accel": unfused_seconds(s, torch.float16, gpu, forward=True,
+                                             flops_per_core_cycle=G.tensor_op_rate(gpu.generation)[1]),
             "bound": max(terms, key=terms.get),
             "residency": T.probe_residency(recs[0], gpu)[0]}
 
@@ -118,7 +118,7 @@ def verdict(r):
     return "ahead" if band_ahead(r) >= 0.5 else "point only"
 
 
-def main():
+def report():
     print("\n## Head dim 512, float16, split-D (shipped) vs unfused: model, not measurement")
     print("(fused band: every uncertain figure at its fast end, then its slow end; unfused: the composite "
           "path's three kernels at the same MMA rate and streaming ceiling, full S even when causal)")
@@ -135,6 +135,3 @@ def main():
                       f"({lo * 1e3:.2f}-{hi * 1e3:.2f}) | {a['unfused'] / pt:.2f}x | {band_ahead(a):.0%} | "
                       f"{a['bound']} | {a['residency']} | {verdict(a)} | "
                       + (f"{a['unfused_accel'] * 1e3:.2f} |" if G.BY_NAME[chip].generation == 5 else "- |"))
-    from . import metal_model_splitd_mla  # MLA's pairs and the packed absorbed-MLA decode
-
-    metal_model_splitd_mla.main()

@@ -2,8 +2,8 @@
 DESIGN on a named Apple GPU, priced on the design's own launch. Nothing here
 ran on a GPU: every time is a prediction.
 
-    python -m benchmarks.metal_model_decode            # MLX #4076 beside the three designs, and the grid
-    python -m benchmarks.metal_model_decode --grid     # the decode grid, before / after issue 43, per chip
+    python -m benchmarks.model decode            # MLX #4076 beside the three designs
+    python -m benchmarks.model decode --grid     # the decode grid, before / after issue 43, per chip
 
 A design is its launch and its memory behaviour (DecodeDesign): threadgroups
 of SIMD-groups, resident threadgroups per core, the K/V rows one SIMD-group
@@ -16,7 +16,7 @@ threadgroups' loads of a kv head's rows), and each SIMD-group's fixed latency.
     seconds = dispatches x overhead + waves x fixed + max(stream, little, L1, link)
 
 - stream: DRAM bytes over the decode's streaming fraction of nominal bandwidth, DECODE_STREAM_FRACTION:
-  CALIBRATED on one point, MLX #4076's GQA 1 (metal_model_anchors.DECODE_ANCHORS, role "calibration":
+  CALIBRATED on one point, MLX #4076's GQA 1 (core/anchors.py DECODE_ANCHORS, role "calibration":
   281 GB/s, 0.92 of nominal, above the prefill model's measured ceiling, 0.79-0.87) and VALIDATED on its
   GQA 4 and GQA 8 points (role "validation": they set nothing); band: the prefill model's point ceiling
   (0.83) to the calibrated fraction;
@@ -41,7 +41,6 @@ old split rule, 2 rows in flight), MLX's sdpa_vector_2pass (hand count from its 
 scaled_dot_product_attention.cpp's block table and sdpa_vector.h) and llama.cpp's flash_attn_ext_vec (hand
 count from ggml-metal: 32 workgroups per query head, 32-key phases; its SIMD-groups per threadgroup taken as 1).
 """
-import argparse
 import math
 from typing import NamedTuple
 
@@ -49,8 +48,10 @@ import torch
 
 import flash_metal
 
-from . import apple_gpus as G
-from . import metal_model_timing as T
+from ..core import anchors as A
+from ..core import gpus as G
+from ..core import timing as T
+from ..core.counts import Shape
 
 
 class DecodeDesign(NamedTuple):
@@ -262,10 +263,9 @@ def llamacpp_vec(s, gpu, dtype=torch.float16, k=T.POINT):
 
 def calibrate():
     """DECODE_STREAM_FRACTION such that MLX's design, priced at the point figures, takes exactly the measured
-    time of the ONE calibration anchor (metal_model_anchors.DECODE_ANCHORS, role "calibration"), with the
+    time of the ONE calibration anchor (core/anchors.py DECODE_ANCHORS, role "calibration"), with the
     stream term binding; records the derivation (the anchor and the values it read) in DERIVATIONS."""
-    from .metal_model_anchors import DECODE_ANCHORS
-    (a,) = [a for a in DECODE_ANCHORS if a.role == "calibration"]
+    (a,) = [a for a in A.DECODE_ANCHORS if a.role == "calibration"]
     gpu = G.BY_NAME[a.gpu]
     d = mlx_2pass(a.shape, gpu)
     t_meas = d.kv_bytes / (a.measured_gbs * 1e9)
@@ -286,7 +286,6 @@ def gbs(design, t):
 
 def side_by_side(nk=8192):
     """MLX #4076's three measured points beside the three designs, on an M5 Pro (predictions)."""
-    from .metal_model_anchors import DECODE_ANCHORS
     gpu = G.BY_NAME["M5 Pro"]
     print(f"\n## Decode designs on an M5 Pro, {nk} keys, float16, D = 128, 32 query heads: predictions (GB/s of "
           "K/V counted once), beside MLX #4076's measurements")
@@ -299,7 +298,7 @@ def side_by_side(nk=8192):
           "issue 43 | llama.cpp vec predicted | bound (MLX / ours / llama.cpp) |")
     print("|---|---|---|---|---|---|---|---|---|")
     rows = []
-    for a in DECODE_ANCHORS:
+    for a in A.DECODE_ANCHORS:
         out = {}
         for f in (mlx_2pass, ours, ours_before, llamacpp_vec):
             d = f(a.shape, gpu)
@@ -325,7 +324,6 @@ GRID_NK = (512, 4096, 32768, 131072)
 
 def grid(chips=None, out=None):
     """Before / after issue 43, ours, every chip (planner-derived designs): predicted microseconds."""
-    from .metal_model import Shape
     chips = chips or [g for g in G.GPUS if g.key]
     lines = ["| chip | model | B | Nk | before us (blocks, waves) | after us (blocks, waves) | after / before |",
              "|---|---|---|---|---|---|---|"]
@@ -344,18 +342,3 @@ def grid(chips=None, out=None):
         with open(out, "w") as f:
             f.write(text + "\n")
     return text
-
-
-def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--grid", action="store_true", help="the decode grid before / after issue 43, per chip")
-    ap.add_argument("--out", metavar="PATH", help="with --grid: write the table to PATH")
-    args = ap.parse_args(argv)
-    if args.grid:
-        print(grid(out=args.out))
-        return
-    side_by_side()
-
-
-if __name__ == "__main__":
-    main()

@@ -1,16 +1,31 @@
-"""The Metal model's paged against contiguous prefill (issue 20, section 4):
-a prediction from the emulator's exact counts, never a measurement, and not
-yet verified on Apple hardware.
+"""The paged family of the Metal performance model (issue 20, section 4):
+paged against contiguous caches, a prediction from the emulator's exact
+counts, never a measurement, and not yet verified on Apple hardware.
 
-    python -m benchmarks.paged_prefill_model [--quick]
+    python -m benchmarks.model paged-kv [--quick]         # the one-pass decode
+    python -m benchmarks.model paged-prefill [--quick]    # the prefill, varlen and pack-GQA tables
 
+Decode (`decode_rows`, `report_decode`). Each case runs the one-pass decode
+kernel twice in the instrumented emulator on the same keys: contiguous (the
+planner's own plan, launched as planned) and paged (fc_paged: pages
+scattered and shuffled, launched as tests/test_metal_decode_paged.py
+launches it), and both counts go through core/timing.py predict_band on
+named Apple GPUs. The counts show what paging changes: the block table's
+bytes (4 per page per kv head's threadgroup) and nothing else of K/V's (each
+page in use read once per GQA group). What the time model does not see: at
+each page boundary the next row's address waits on its table entry (a
+dependent load, one per page per key group, and one at each block's start).
+"stall bound" prices each such load at one DRAM latency, serially and
+unhidden (the table's lines are likely in the L1 after the first touch): a
+pessimistic upper end, printed apart.
+
+Prefill (`prefill_rows`, `varlen_rows`, `pack_rows`, `report_prefill`).
 Each case runs attention_kvcache's plan twice in the instrumented emulator on
 the same keys: the prefill kernel on a contiguous cache (attention_forward's
 plan) and on a paged one (fc_paged: pages scattered and shuffled,
 tests/test_metal_decode_paged.make_paged_cache, run as the MPS host runs
-attention_kvcache: backends.emulated_metal_kvcache). Both counts go through
-benchmarks/metal_model_timing.predict_band on named Apple GPUs. What paging
-changes in the counts: the block table's bytes (one entry per key block per
+attention_kvcache: backends.emulated_metal_kvcache). What paging changes in
+the counts: the block table's bytes (one entry per key block per
 threadgroup when a tile lies in one page; an entry per page a thread enters
 otherwise), the general per-element loader where tiles cross pages (page
 sizes not a multiple of the key block: more, narrower loads), and nothing
@@ -26,23 +41,81 @@ entry (a dependent load per key block, or per page entered); "stall bound"
 prices each at one DRAM latency, serially and unhidden (a pessimistic upper
 end: the table's lines are likely in the L1 after the first touch).
 """
-import argparse
 import math
-import sys
 
 import torch
 
 import flash_metal
 
-from . import apple_gpus as G
-from . import metal_model as M
-from . import metal_model_timing as T
+from ..core import counts as M
+from ..core import gpus as G
+from ..core import timing as T
+from ..core.emulator import backends, tests_module
+
+COLUMNS = ["gpu", "keys", "page", "contig_ms", "paged_ms", "paged_over_contig", "stall_bound_ms"]
+
+
+def _paged():
+    return tests_module("test_metal_decode_paged")
+
+
+def _paged_record(s: M.Shape, dtype, page: int):
+    """Record of the paged one-pass decode over the same shape (every sequence s.nk keys)."""
+    P = _paged()
+    g = torch.Generator().manual_seed(page)
+    k_cache, v_cache, table, _, _ = P.make_paged_cache(s.b, s.hkv, s.d, dtype, page, [s.nk] * s.b, g, 0, 0)
+    q = torch.randn(s.b, s.hq, s.nq, s.d, generator=g).to(dtype)
+    out, _, counts = P.launch_paged(q, k_cache, v_cache, table, [s.nk] * s.b)
+    if not bool(torch.isfinite(out).all()):
+        raise AssertionError("paged decode left NaN in the output")
+    c = counts[0]
+    names = {"q": 0, "k": 1, "v": 2, "out": 3, "lse": 4, "block_table": P.TABLE, "cache_seqlens": P.SEQLENS}
+    d = M.plan("decode", s, dtype, False).dispatches[0]
+    rec = M.Record(d.kernel_name, d.grid, d.threadgroup, d.threadgroup_memory,
+                   M.count_dict(type("D", (), {"buffers": names})(), c), False, ("decode", False))
+    return rec
+
+
+def decode_rows(quick: bool):
+    dtype = torch.float16
+    lengths = (512,) if quick else (512, 2048)
+    pages = (16, 256) if quick else (1, 16, 64, 256)
+    gpus = [G.BY_NAME[n] for n in (("M3 Max",) if quick else ("M3 Max", G.POST_GPU))]
+    out = []
+    for nk in lengths:
+        s = M.Shape(1, 32, 8, 1, nk, 128)
+        contig = M.emulate("decode", s, dtype, False)
+        for page in pages:
+            if page > nk:
+                continue
+            paged = [_paged_record(s, dtype, page)]
+            for gpu in gpus:
+                lo_c, t_c, hi_c = T.predict_band(contig, gpu, s, dtype, False)
+                lo_p, t_p, hi_p = T.predict_band(paged, gpu, s, dtype, False)
+                key_groups = contig[0].threadgroup[1]
+                # table loads per key group: one at each of its blocks' starts, one per page entered inside a block
+                loads = math.ceil(nk / 32 / key_groups) * max(1, 32 // page)
+                stall = loads * G.DRAM_LATENCY_NS[1] * 1e-9
+                out.append(dict(gpu=gpu.name, keys=nk, page=page, contig_ms=t_c * 1e3, paged_ms=t_p * 1e3,
+                                paged_over_contig=t_p / t_c, stall_bound_ms=(t_p + stall) * 1e3,
+                                band=f"{lo_p * 1e3:.3g}-{hi_p * 1e3:.3g}",
+                                table_bytes=paged[0].counts["dram_block_table"],
+                                kv_bytes_equal=paged[0].counts["dram_k"] == contig[0].counts["dram_k"]))
+    return out
+
+
+def report_decode(quick=False):
+    print("Metal model (a prediction, not a measurement; not yet verified on Apple hardware): one-pass decode, "
+          "B 1, Hq 32, Hkv 8, D 128, float16, one query")
+    print(f"{'gpu':<16}{'keys':>6}{'page':>6}{'contig ms':>11}{'paged ms':>10}{'ratio':>7}{'stall bound':>13}"
+          f"{'table B':>9}  K/V bytes equal")
+    for r in decode_rows(quick):
+        print(f"{r['gpu']:<16}{r['keys']:>6}{r['page']:>6}{r['contig_ms']:>11.4f}{r['paged_ms']:>10.4f}"
+              f"{r['paged_over_contig']:>7.3f}{r['stall_bound_ms']:>13.4f}{r['table_bytes']:>9}  {r['kv_bytes_equal']}")
 
 
 def _records(paged: bool, s: M.Shape, dtype, page: int):
-    import backends
-    import test_metal_decode_paged as P  # tests/ is on sys.path (metal_model puts it there)
-
+    P = _paged()
     g = torch.Generator().manual_seed(page)
     k_cache, v_cache, table, k_contig, v_contig = P.make_paged_cache(s.b, s.hkv, s.d, dtype, page, [s.nk] * s.b, g,
                                                                      0, 0)
@@ -56,11 +129,11 @@ def _records(paged: bool, s: M.Shape, dtype, page: int):
                                                    instrumented=True)
     if not bool(torch.isfinite(out).all()):
         raise AssertionError("the prefill left NaN in the output")
-    return [M.Record(d.kernel_name, d.grid, d.threadgroup, d.threadgroup_memory, M._count_dict(d, c), False,
+    return [M.Record(d.kernel_name, d.grid, d.threadgroup, d.threadgroup_memory, M.count_dict(d, c), False,
                      ("prefill", False)) for d, c in backends.LAST_DISPATCHES]
 
 
-def rows(quick: bool):
+def prefill_rows(quick: bool):
     dtype = torch.float16
     s = M.Shape(1, 4, 2, 64, 256, 64) if quick else M.Shape(1, 8, 2, 64, 512, 64)
     pages = (16, 32) if quick else (1, 16, 32, 64, 256)
@@ -94,10 +167,8 @@ def varlen_rows(quick: bool):
     rows in use read and written once, priced at the chip's bandwidth (a
     floor for that copy). The timing model sizes key blocks by the longest
     sequence, the same approximation for both kernels."""
-    import backends
-    import test_metal_decode_paged as P
-    from test_metal_prefill_paged_varlen import run_paged_varlen
-
+    P = _paged()
+    run_paged_varlen = tests_module("test_metal_prefill_paged_varlen").run_paged_varlen
     dtype, hq, hkv, d, page = torch.float16, 8, 2, 64, 16
     q_lens, k_lens = ([32, 9], [256, 100]) if quick else ([64, 17, 40], [512, 200, 333])
     g = torch.Generator().manual_seed(5)
@@ -108,7 +179,7 @@ def varlen_rows(quick: bool):
     s = M.Shape(len(q_lens), hq, hkv, max(q_lens), max(k_lens), d)
 
     def records():
-        return [M.Record(r.kernel_name, r.grid, r.threadgroup, r.threadgroup_memory, M._count_dict(r, c), False,
+        return [M.Record(r.kernel_name, r.grid, r.threadgroup, r.threadgroup_memory, M.count_dict(r, c), False,
                          ("prefill", False)) for r, c in backends.LAST_DISPATCHES]
 
     run_paged_varlen(q, k_cache, v_cache, cu(q_lens), max(q_lens), torch.tensor(k_lens, dtype=torch.int32), table,
@@ -141,9 +212,9 @@ def pack_rows(quick: bool):
     Hq, B) grid (unpacked_plan). The emulator's DRAM K/V bytes of each and the
     predicted times (a prediction, not a measurement). The routing rule in
     csrc/metal_routing.cpp (prefill_pack_gqa) quotes this table."""
-    import test_metal_decode_paged as P
-    from test_metal_prefill_pack_gqa import packed_plan, run_plan, unpacked_plan
-
+    P = _paged()
+    pack = tests_module("test_metal_prefill_pack_gqa")
+    packed_plan, run_plan, unpacked_plan = pack.packed_plan, pack.run_plan, pack.unpacked_plan
     dtype, b, hq, hkv, d, page, nk = torch.float16, 8, 32, 8, 64, 16, 1024
     if quick:
         b, nk = 2, 256
@@ -166,7 +237,7 @@ def pack_rows(quick: bool):
                 raise AssertionError("the prefill left NaN in the output")
             dd = pl.dispatches[0]
             recs[name] = [M.Record(dd.kernel_name, dd.grid, dd.threadgroup, dd.threadgroup_memory,
-                                   M._count_dict(dd, counts), False, ("prefill", False))]
+                                   M.count_dict(dd, counts), False, ("prefill", False))]
         kv = {n: r[0].counts["dram_k"] + r[0].counts["dram_v"] for n, r in recs.items()}
         for gpu in gpus:
             t_p = T.predict_band(recs["packed"], gpu, s, dtype, True)[1]
@@ -177,11 +248,8 @@ def pack_rows(quick: bool):
     return out
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true")
-    args = ap.parse_args(argv)
-    s, table = rows(args.quick)
+def report_prefill(quick=False):
+    s, table = prefill_rows(quick)
     print(f"Metal model (a prediction, not a measurement; not yet verified on Apple hardware): causal prefill, "
           f"B {s.b}, Hq {s.hq}, Hkv {s.hkv}, Nq {s.nq}, {s.nk} keys, D {s.d}, float16")
     print(f"{'gpu':<16}{'page':>6}{'BK':>4}{'contig ms':>11}{'paged ms':>10}{'ratio':>7}{'stall bound':>13}"
@@ -193,7 +261,7 @@ def main(argv=None) -> int:
     print("Paged varlen prefill (flash_attn_varlen_func with block_table; 16-key pages, Hq 8, Hkv 2, D 64, "
           "float16, causal) against the gather then the varlen kernel (the gather at the chip's bandwidth):")
     print(f"{'gpu':<16}{'varlen ms':>11}{'gather ms':>11}{'paged ms':>10}{'ratio':>7}{'table B':>9}  K/V bytes equal")
-    for r in varlen_rows(args.quick):
+    for r in varlen_rows(quick):
         print(f"{r['gpu']:<16}{r['contig_ms']:>11.4f}{r['gather_ms']:>11.4f}{r['paged_ms']:>10.4f}"
               f"{r['paged_over_gather_then_varlen']:>7.3f}{r['table_bytes']:>9}  {r['kv_bytes_equal']}  "
               f"(q {r['q_lens']}, keys {r['k_lens']})")
@@ -202,12 +270,7 @@ def main(argv=None) -> int:
           "DRAM bytes, exact; 'routed': the planner packs this Nq):")
     print(f"{'gpu':<16}{'Nq':>5}{'routed':>7}{'TGs':>11}{'K/V bytes':>23}{'ratio':>7}{'unpacked ms':>13}"
           f"{'packed ms':>11}{'ratio':>7}")
-    for r in pack_rows(args.quick):
+    for r in pack_rows(quick):
         print(f"{r['gpu']:<16}{r['nq']:>5}{'yes' if r['routed'] else 'no':>7}{r['unpacked_tgs']:>5}->{r['packed_tgs']:<4}"
               f"{r['unpacked_kv']:>11}->{r['packed_kv']:<10}{r['unpacked_kv'] / r['packed_kv']:>7.2f}"
               f"{r['unpacked_ms']:>13.4f}{r['packed_ms']:>11.4f}{r['unpacked_ms'] / r['packed_ms']:>7.2f}")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,7 +1,7 @@
 """Head dim 512 on Metal (issue 20, section 3): is a fused plan worth routing?
 Nothing here ran on a GPU: every figure is a prediction.
 
-    python -m benchmarks.metal_model_d512
+    python -m benchmarks.model d512      # this table, then splitd's and splitd-mla's
 
 The issue's rule: a naive fused D = 512 is reported 2-3x slower than unfused
 (uzu #412), so the performance model must put a fused plan ahead of the
@@ -15,15 +15,16 @@ every 8 x 8 block pays a DRAM latency, four barriers and an 8-part
 reduction: the model finds it latency-bound and 2-3x slower than unfused
 when not causal. That is why the planner refuses head dims above 256 on
 Metal (csrc/metal_routing.cpp) rather than routing them to this plan.
-`main` also prints the split-D probe's table (benchmarks/metal_model_splitd.py:
-about 2x ahead of unfused when causal, level when not).
+The `d512` command also prints the split-D kernel's table (families/splitd.py:
+about 2x ahead of unfused when causal, level when not) and MLA's
+(families/splitd_mla.py).
 
 How the counts are made: the probe kernel runs in the instrumented emulator
 on 512-strided views whose launch plan is the D = 256 bucket's (the
 planner has no 512 bucket), with the params' head dims and out's strides
 patched to 512 (offsets parsed from shaders/params.h), at N = 128, 192,
-256 for one head; metal_model's quadratic rule scales them to the shape.
-The unfused side is metal_backward_model.unfused_seconds(forward=True):
+256 for one head; core/counts.py's quadratic rule scales them to the shape.
+The unfused side is core/unfused.py unfused_seconds(forward=True):
 S = Q K^T written, the softmax read and written, O = P V, each kernel at the
 same MMA rate and streaming ceiling as ours, generous to unfused (no
 occupancy or cache effects).
@@ -32,25 +33,24 @@ import math
 import os
 import re
 import struct
-from fractions import Fraction
 
 import torch
 
 import flash_metal
 from flash_metal import reference
 
-from . import apple_gpus as G
-from . import metal_backward_model as BM
-from . import metal_model as M
-from . import metal_model_timing as T
+from ..core import counts as M
+from ..core import gpus as G
+from ..core import timing as T
+from ..core.emulator import SHADERS, TESTS, tests_module
+from ..core.unfused import unfused_seconds
 
-_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PROBE = os.path.join(_ROOT, "tests", "prefill_d512_probe.metal")
-PARAMS_H = os.path.join(_ROOT, "shaders", "params.h")
+PROBE = os.path.join(TESTS, "prefill_d512_probe.metal")
+PARAMS_H = os.path.join(SHADERS, "params.h")
 D = 512
 # (BQ, BK, WM) of the probe's instantiations; the first is within the register budget.
 PLANS = ((8, 8, 8), (16, 8, 8))
-BASE_NS = (2, 3, 4)  # N = n * 64 for the quadratic rule, as metal_model.BASE_NS
+BASE_NS = (2, 3, 4)  # N = n * 64 for the quadratic rule, as counts.BASE_NS
 CHIPS = ("M1 Max", "M3 Max", "M4 Pro", "M5 (10-core)")
 _SIZES = {"int64_t": 8, "int32_t": 4, "float": 4, "uint32_t": 4}
 
@@ -80,9 +80,7 @@ def _patch(params, offsets, **fields):
 
 
 def probe_library(instrumented=True):
-    from metal_emulator import compile_library  # tests/ on sys.path (metal_model imports tests/backends)
-
-    return compile_library([PROBE], instrumented=instrumented)
+    return tests_module("metal_emulator").compile_library([PROBE], instrumented=instrumented)
 
 
 def _plan_at_d512(q, k, v, causal):
@@ -138,8 +136,8 @@ _CACHE = {}
 
 
 def records(s: M.Shape, causal, plan_blocks, run=None, family="prefill", source=None):
-    """The probe's counts at shape s (Nq = Nk a multiple of 64, Hq = Hkv), as one metal_model Record.
-    run / family / source: another probe's launcher, kernel family and Record.source (metal_model_splitd)."""
+    """The probe's counts at shape s (Nq = Nk a multiple of 64, Hq = Hkv), as one counts.Record.
+    run / family / source: another probe's launcher, kernel family and Record.source (families/splitd.py)."""
     if s.nq != s.nk or s.nq % 64 or s.hq != s.hkv or s.d != D:
         raise ValueError(f"the scaling rule needs Nq = Nk (a multiple of 64), Hq = Hkv and D = {D}; got {s}")
     key = (family, causal, plan_blocks)
@@ -158,7 +156,7 @@ def records(s: M.Shape, causal, plan_blocks, run=None, family="prefill", source=
 
 
 def _quadratic(points, x):
-    return M._quadratic_at(points, x)
+    return M.quadratic_at(points, x)
 
 
 def compare(s: M.Shape, causal, chip, plan_blocks=PLANS[0]):
@@ -167,7 +165,7 @@ def compare(s: M.Shape, causal, chip, plan_blocks=PLANS[0]):
     recs = records(s, causal, plan_blocks)
     terms = T.predict(recs, gpu, s, torch.float16, causal)[1]
     return {"fused": T.predict_band(recs, gpu, s, torch.float16, causal),
-            "unfused": BM.unfused_seconds(s, torch.float16, gpu, forward=True),
+            "unfused": unfused_seconds(s, torch.float16, gpu, forward=True),
             "bound": max(terms, key=terms.get)}
 
 
@@ -180,7 +178,7 @@ def check_probe(n=40, causal=True):
     return (out.double() - ref_out).abs().max().item(), (lse.double() - ref_lse).abs().max().item()
 
 
-def main():
+def report():
     print("## Head dim 512, float16, fused FA2 template (feature parts) vs unfused: model, not measurement")
     print("| chip | shape | causal | unfused ms | fused bq8 ms (band) | unfused / fused | bound | "
           "fused bq16 ms (over the register budget) |")
@@ -195,10 +193,3 @@ def main():
                 print(f"| {chip} | 1x8x{n}x512 | {causal} | {a['unfused'] * 1e3:.2f} | {pt * 1e3:.2f} "
                       f"({lo * 1e3:.2f}-{hi * 1e3:.2f}) | {a['unfused'] / pt:.2f}x | {a['bound']} | "
                       f"{b['fused'][1] * 1e3:.2f} |")
-    from . import metal_model_splitd  # imports this module
-
-    metal_model_splitd.main()
-
-
-if __name__ == "__main__":
-    main()

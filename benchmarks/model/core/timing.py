@@ -1,7 +1,7 @@
-"""The time model of benchmarks/metal_model.py (issue 19, "The model"): from a
+"""The time model of the Metal performance model (issue 19, "The model"): from a
 dispatch's exact counts to predicted seconds on a named Apple GPU, as a band.
 Nothing here is a measurement; every constant names its source or says
-"estimate" (benchmarks/apple_gpus.py SOURCES).
+"estimate" (gpus.py SOURCES).
 
 Per dispatch, seconds = overhead + max(core time, critical path, memory,
 on-core data):
@@ -39,8 +39,8 @@ Bands: `predict` at the point figures; `predict_band` at the low and high
 ends of every uncertain figure together (clock, MMA rate, threadgroup memory
 per core, DRAM latency, dispatch overhead, streaming ceiling, tensor-op
 rate and its overlap with the ALUs). Tensor ops (Metal 4 matmul2d, counted
-as mpp_flops) run at apple_gpus.tensor_op_rate: M5's neural accelerators,
-else the shader cores' simdgroup-matrix rate (benchmarks/metal_model_accel.py).
+as mpp_flops) run at gpus.tensor_op_rate: M5's neural accelerators,
+else the shader cores' simdgroup-matrix rate (benchmarks/model/families/accel.py).
 """
 import math
 import re
@@ -50,7 +50,7 @@ import torch
 
 import flash_metal
 
-from . import apple_gpus as G
+from . import gpus as G
 
 # On-core data bandwidth, bytes per core-cycle (threadgroup memory and L1):
 # metal-benchmarks "On-Core Data BW/Cycle 64 B" (Apple 7, 8; assumed later).
@@ -135,7 +135,7 @@ def planner_residency(r, index, gpu, s, dtype, causal):
     if r.source is None or gpu.key is None:
         by_mem = gpu.tgmem_per_core // r.tg_memory if r.tg_memory else 64
         return max(1, by_mem), "threadgroup memory (no plan)"
-    impl, backward, *padded = r.source  # metal_model.padded_to: planned in that bucket
+    impl, backward, *padded = r.source  # counts.padded_to: planned in that bucket
     if padded:
         s = s._replace(d=padded[0])
     d = _planned(impl, s, dtype, causal, gpu.key, backward).dispatches[index]
@@ -150,7 +150,7 @@ REGISTER_FILE_PER_CORE = 208 * 1024
 
 def probe_residency(r, gpu, tgmem_per_core=None):
     """(threadgroups per core, limit) of a probe kernel the planner does not
-    plan (benchmarks/metal_model_d512.py's split-D): Record.source =
+    plan (the split-D probes, families/d512.py, splitd.py): Record.source =
     ("live", live values per lane), and the planner's rule
     (metal_gpus.cpp, estimate_launch): the fewer of the register file over
     the threadgroup's live registers and the core's threadgroup memory over
@@ -256,7 +256,7 @@ def dispatch_time(r, index, gpu, s, dtype, causal, k=POINT):
     elif c["simdgroup_mmas"] or c.get("mpp_flops"):
         mma_rate = G.MMA_RATE[gpu.generation][k["mma"]]
         # core-cycles, the whole dispatch: the products (simdgroup MMAs on
-        # the ALUs; tensor ops, mpp_flops, at apple_gpus.tensor_op_rate) and
+        # the ALUs; tensor ops, mpp_flops, at gpus.tensor_op_rate) and
         # the softmax's ALU work. On a neural accelerator (M5) the products
         # may run beside the ALUs: added at the point, overlapped at the fast end.
         matrix = (c["simdgroup_mmas"] * FFMA_PER_MMA / mma_rate
@@ -269,7 +269,7 @@ def dispatch_time(r, index, gpu, s, dtype, causal, k=POINT):
         busy = sg_per_tg  # SIMD-groups of a threadgroup that run the products (the prefill's below)
         # The tensor-op prefill (_mpp_) has no such chain of its own to count:
         # matmul2d's latency is Apple's, unpublished; it is modelled as MLX's
-        # accelerator kernel is (metal_model_accel.py), by throughput alone.
+        # accelerator kernel is (families/accel.py), by throughput alone.
         if kb and "flash_backward_splitd_" in r.kernel:
             # The split-D backward (shaders/attention_backward_splitd.h): per
             # streamed block, the operands' fragments from device memory (two
