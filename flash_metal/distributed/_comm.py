@@ -92,9 +92,15 @@ class Exchange:
             stats["bytes_sent"] += w.numel() * w.element_size()
             self.ops.append(dist.P2POp(dist.isend, w, self.g.global_rank(to), self.g.group, tag))
 
-    def recv(self, shape: Sequence[int], dtype, frm: int, tag: int) -> int:
-        """Posts a receive; returns its index for result()."""
-        buf = self.g.buffer(tuple(shape), dtype)
+    def recv(self, shape: Sequence[int], dtype, frm: int, tag: int, into: Optional[Tensor] = None) -> int:
+        """Posts a receive, into `into` (a reused buffer, contiguous, of that shape and dtype) or a new buffer;
+        returns its index in what wait() returns."""
+        if into is None:
+            buf = self.g.buffer(tuple(shape), dtype)
+        else:
+            if tuple(into.shape) != tuple(shape) or into.dtype != dtype or not into.is_contiguous():
+                raise AssertionError(f"receive buffer {tuple(into.shape)} {into.dtype} for {tuple(shape)} {dtype}")
+            buf = into
         if buf.numel():
             self.ops.append(dist.P2POp(dist.irecv, buf, self.g.global_rank(frm), self.g.group, tag))
         self.received.append(buf)
@@ -106,14 +112,16 @@ class Exchange:
         return self
 
     def wait(self) -> List[Tensor]:
-        """Waits for every transfer of the batch; returns the received tensors (on the device)."""
+        """Waits for every transfer of the batch; returns the received tensors (on the device). The exchange
+        then holds no tensor: a sent buffer is freed (or reused) as soon as its owner lets go of it."""
         if self.works:
             t0 = time.perf_counter()
             for w in self.works:
                 w.wait()
             stats["wait_s"] += time.perf_counter() - t0
-            self.works = None
-        return [self.g.arrived(t) for t in self.received]
+        received = [self.g.arrived(t) for t in self.received]
+        self.works, self.ops, self.received = None, [], []
+        return received
 
 
 def all_to_all(g: Group, chunks: Sequence[Tensor], out_shapes: Sequence[Sequence[int]]) -> List[Tensor]:
