@@ -212,11 +212,11 @@ def test_ring_memory_is_bounded(pools, variant):
     for world in (2, 4):
         results = pools.run(world, "live_shards", variant=variant)
         assert all(r["grad_ok"] for r in results), results
-        assert max(r["peak_shards"] for r in results) <= 17, results
+        assert max(r["peak_shards"] for r in results) <= 17, results  # before: 22.4 at P = 4
         # forward K/V, backward K/V, backward dK/dV: 2 slots each (P = 2 receives once per ring: 1 slot each)
         assert all(r["receive_buffers"] == (6 if world == 2 else 12) for r in results), results
     one = pools.run(1, "live_shards", variant=variant)[0]
-    assert one["recomputed"] == 0 and one["peak_shards"] <= 9, one
+    assert one["recomputed"] == 0 and one["peak_shards"] <= 6, one  # before: 10.4, and one recomputed
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
