@@ -1,7 +1,7 @@
 """Context-parallel attention on CPU processes: time and peak memory per rank against the number of ranks.
 
     python -m benchmarks.context_parallel [--tokens 8192] [--worlds 1,2,4] [--variants ring,zigzag,ulysses]
-                                          [--csv PATH] [--projection-only]
+                                          [--csv PATH]
 
 Part 1, measured. For each variant and world size P, P spawned processes
 (gloo over localhost TCP, max(1, cores // P) threads each) run one causal
@@ -16,7 +16,11 @@ its exposed wait for transfers (flash_metal.distributed.stats), and the same
 transfers timed alone (a ring of K/V exchanges with no compute). Overlap =
 1 - exposed wait / transfers alone: the share of the communication hidden
 behind compute. The table gives the slowest rank's times and the largest
-rank's memory, and memory relative to P = 1.
+rank's memory: in MiB, in shards (one float32 (1, H, n, D) tensor of the
+rank's n tokens: the O(shard) buffers a rank keeps, whatever P), relative to
+P = 1 of the same variant, and as P x peak / the single-process op's peak
+(the first row, "op": flash_metal.attention on the whole sequence, one
+process), which is 1.00 where memory per rank falls exactly as 1/P.
 
 Part 2, a projection (no measurement): per ring step on 8-64 Macs over
 Thunderbolt 5 (80 Gb/s) and 10 GbE, the communication time of one K/V shard
@@ -78,10 +82,14 @@ def _rank(rank, world, init, args, results):
 
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
+    import flash_metal
     import flash_metal.distributed as fmd
     from flash_metal.distributed import _blocks, _comm
 
     variant = args.variant
+    op = variant == "op"  # the reference: the single-process op (flash_metal.attention) on the whole sequence
+    if op:
+        variant = "ring"
     n = fmd._layout.split_sizes(args.tokens, world)[rank] if variant != "zigzag" else sum(
         fmd._layout.split_sizes(args.tokens, 2 * world)[c] for c in fmd._layout.zigzag_chunks(rank, world))
     g = torch.Generator().manual_seed(rank)
@@ -94,14 +102,16 @@ def _rank(rank, world, init, args, results):
     if variant == "zigzag":
         small = [fmd.shard(torch.randn(1, args.heads, 64 * world, args.dim), 2, "zigzag").requires_grad_(True)
                  for _ in range(3)]
-    fmd.attention(*small, variant=variant, causal=True).sum().backward()
+    attend = (lambda a, b, c: flash_metal.attention(a, b, c, causal=True)) if op else \
+        (lambda a, b, c: fmd.attention(a, b, c, variant=variant, causal=True))
+    attend(*small).sum().backward()
     dist.barrier()
 
     base_rss = _vm_kib("VmRSS")
     _reset_peak()
     before = _blocks.stats.copy()
     t0 = time.perf_counter()
-    out = fmd.attention(q, k, v, variant=variant, causal=True)
+    out = attend(q, k, v)
     forward_s = time.perf_counter() - t0
     fwd = _blocks.stats - before
     before = _blocks.stats.copy()
@@ -111,11 +121,11 @@ def _rank(rank, world, init, args, results):
     bwd = _blocks.stats - before
     peak_extra = (_vm_kib("VmHWM") - base_rss) * 1024
     comm = _transfers_alone(_comm.Group(None, q.device), k.detach(), v.detach(), world) \
-        if variant != "ulysses" and world > 1 else 0.0
+        if variant != "ulysses" and world > 1 and not op else 0.0
     results.put(dict(rank=rank, n=n, forward_s=forward_s, backward_s=backward_s, peak_extra=peak_extra,
                      fwd_compute_s=fwd["compute_s"], fwd_wait_s=fwd["wait_s"], bwd_compute_s=bwd["compute_s"],
                      bwd_wait_s=bwd["wait_s"], fwd_blocks=fwd["block_calls"], pairs=fwd["score_pairs"],
-                     comm_alone_s=comm, bytes_sent=fwd["bytes_sent"], input_bytes=4 * q.numel() * 4))
+                     comm_alone_s=comm, bytes_sent=fwd["bytes_sent"], shard_bytes=q.numel() * q.element_size()))
     dist.destroy_process_group()
 
 
@@ -203,34 +213,38 @@ def main(argv=None):
     print(f"# context-parallel attention on CPU processes: {platform.processor() or platform.machine()}, "
           f"{os.cpu_count()} cores, torch {torch.__version__}; causal, float32, tokens {args.tokens}, "
           f"H {args.heads}, D {args.dim}, gloo over localhost")
-    print("| variant | ranks | threads/rank | forward s | backward s | peak extra MiB/rank | vs 1 rank | "
-          "fwd block compute s | fwd exposed wait s | transfers alone s | overlap |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("| variant | ranks | threads/rank | forward s | backward s | peak extra MiB/rank | shards | vs 1 rank | "
+          "P x peak / op's | fwd block compute s | fwd exposed wait s | transfers alone s | overlap |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     table, base = [], {}
     worlds = [int(w) for w in args.worlds.split(",")]
     per_pair = []
-    for variant in args.variants.split(","):
-        for world in worlds:
-            rows = measure(variant, world, args)
-            mem = max(r["peak_extra"] for r in rows)
-            base.setdefault(variant, mem if world == 1 else None)
-            rel = mem / base[variant] if base.get(variant) else float("nan")
-            wait = max(r["fwd_wait_s"] for r in rows)
-            alone = max(r["comm_alone_s"] for r in rows)
-            overlap = (1 - min(1.0, wait / alone)) if alone > 0 else float("nan")
-            row = dict(variant=variant, world=world, threads=max(1, (os.cpu_count() or 1) // world),
-                       forward_s=max(r["forward_s"] for r in rows), backward_s=max(r["backward_s"] for r in rows),
-                       peak_mib=_mib(mem), mem_vs_1=rel, fwd_compute_s=max(r["fwd_compute_s"] for r in rows),
-                       fwd_wait_s=wait, comm_alone_s=alone, overlap=overlap)
-            table.append(row)
-            if world == 1 and variant != "ulysses":
-                r = rows[0]
-                per_pair.append((r["fwd_compute_s"] / (r["pairs"] * args.dim),
-                                 r["backward_s"] / (r["pairs"] * args.dim)))
-            ov = "n/a" if math.isnan(overlap) else f"{overlap:.0%}"
-            print(f"| {variant} | {world} | {row['threads']} | {row['forward_s']:.2f} | {row['backward_s']:.2f} | "
-                  f"{row['peak_mib']:.1f} | {rel:.2f} | {row['fwd_compute_s']:.2f} | {wait:.3f} | {alone:.3f} | "
-                  f"{ov} |", flush=True)
+    op_mem = None
+    for variant, world in [("op", 1)] + [(v, w) for v in args.variants.split(",") for w in worlds]:
+        rows = measure(variant, world, args)
+        mem = max(r["peak_extra"] for r in rows)
+        if variant == "op":
+            op_mem = mem
+        base.setdefault(variant, mem if world == 1 else None)
+        rel = mem / base[variant] if base.get(variant) else float("nan")
+        shards = max(r["peak_extra"] / r["shard_bytes"] for r in rows)
+        wait = max(r["fwd_wait_s"] for r in rows)
+        alone = max(r["comm_alone_s"] for r in rows)
+        overlap = (1 - min(1.0, wait / alone)) if alone > 0 else float("nan")
+        row = dict(variant=variant, world=world, threads=max(1, (os.cpu_count() or 1) // world),
+                   forward_s=max(r["forward_s"] for r in rows), backward_s=max(r["backward_s"] for r in rows),
+                   peak_mib=_mib(mem), shards=shards, mem_vs_1=rel, p_times_vs_op=world * mem / op_mem,
+                   fwd_compute_s=max(r["fwd_compute_s"] for r in rows), fwd_wait_s=wait, comm_alone_s=alone,
+                   overlap=overlap)
+        table.append(row)
+        if world == 1 and variant not in ("ulysses", "op"):
+            r = rows[0]
+            per_pair.append((r["fwd_compute_s"] / (r["pairs"] * args.dim),
+                             r["backward_s"] / (r["pairs"] * args.dim)))
+        ov = "n/a" if math.isnan(overlap) else f"{overlap:.0%}"
+        print(f"| {variant} | {world} | {row['threads']} | {row['forward_s']:.2f} | {row['backward_s']:.2f} | "
+              f"{row['peak_mib']:.1f} | {shards:.1f} | {rel:.2f} | {row['p_times_vs_op']:.2f} | "
+              f"{row['fwd_compute_s']:.2f} | {wait:.3f} | {alone:.3f} | {ov} |", flush=True)
     if per_pair:
         fwd_pp = statistics.median(p[0] for p in per_pair)
         bwd_pp = statistics.median(p[1] for p in per_pair)

@@ -364,6 +364,56 @@ def stats_of(rank, world, case):
     return dict(_blocks.stats - before)
 
 
+class _Probe:
+    """_blocks.KERNELS with each block's backward followed by a count of the tensors alive in this process
+    (gc's view: every tensor Python holds, the saved ones and the op's outputs included; not the op's
+    scratch), outside a given set of storages, in units of one shard."""
+
+    def __init__(self, kernels, exclude, shard_bytes):
+        self.kernels, self.exclude, self.shard_bytes, self.peak = kernels, exclude, shard_bytes, 0.0
+
+    def __getattr__(self, name):
+        return getattr(self.kernels, name)
+
+    def _count(self):
+        import gc
+
+        gc.collect()
+        live = {}
+        for o in gc.get_objects():
+            if type(o) is torch.Tensor or type(o) is torch.nn.Parameter:
+                st = o.untyped_storage()
+                if st.data_ptr() not in self.exclude:
+                    live[st.data_ptr()] = st.nbytes()
+        self.peak = max(self.peak, sum(live.values()) / self.shard_bytes)
+
+    def backward(self, *args):
+        grads = self.kernels.backward(*args)
+        self._count()
+        return grads
+
+
+def live_shards(rank, world, variant, n=64):
+    """The ring's causal forward + backward on this rank's shards of (1, 4, n, 16) float32 q, k, v and grad_out:
+    the most shard-sized buffers alive at any block's backward (besides q, k, v and grad_out's own), and how
+    many receive buffers the ring allocated."""
+    g = torch.Generator().manual_seed(2)
+    q, k, v, do = (fmd.shard(torch.randn(1, 4, n, 16, generator=g), 2, variant).clone() for _ in range(4))
+    for t in (q, k, v):
+        t.requires_grad_(True)
+    probe = _Probe(_blocks.KERNELS, {t.untyped_storage().data_ptr() for t in (q, k, v, do)},
+                   q.numel() * q.element_size())
+    good, _blocks.KERNELS = _blocks.KERNELS, probe
+    before = _blocks.stats.copy()
+    try:
+        (fmd.attention(q, k, v, variant=variant, causal=True) * do).sum().backward()
+    finally:
+        _blocks.KERNELS = good
+    moved = _blocks.stats - before
+    return {"peak_shards": probe.peak, "receive_buffers": moved["receive_buffers"],
+            "recomputed": moved["recomputed_blocks"], "grad_ok": bool(torch.isfinite(q.grad).all())}
+
+
 # ------------------------------------------------------------------ transformers: a tiny Llama, trained sharded
 
 

@@ -202,6 +202,23 @@ def test_zigzag_balances_causal_work(pools):
     assert max(zigzag) == min(zigzag) and sum(zigzag) == sum(ring) == 64 * 65 // 2, zigzag
 
 
+@pytest.mark.parametrize("variant", ["ring", "zigzag"])
+def test_ring_memory_is_bounded(pools, variant):
+    """At each block's backward a rank holds about 16 shard-sized tensors (out, grad_out, dQ; the K/V shard
+    held and the one arriving; the dK/dV accumulator and the one in flight; the block's out, d out and dQ/dK/dV),
+    whatever P; before the receive slots it was up to 26 at P = 4 (an old exchange's K/V, the previous dK/dV
+    received, fresh zero dK/dV each step). Receive buffers: two per tensor, reused every other step. One
+    process runs the op's own backward (no block forward again)."""
+    for world in (2, 4):
+        results = pools.run(world, "live_shards", variant=variant)
+        assert all(r["grad_ok"] for r in results), results
+        assert max(r["peak_shards"] for r in results) <= 17, results  # before: 22.4 at P = 4
+        # forward K/V, backward K/V, backward dK/dV: 2 slots each (P = 2 receives once per ring: 1 slot each)
+        assert all(r["receive_buffers"] == (6 if world == 2 else 12) for r in results), results
+    one = pools.run(1, "live_shards", variant=variant)[0]
+    assert one["recomputed"] == 0 and one["peak_shards"] <= 6, one  # before: 10.4, and one recomputed
+
+
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_deterministic(pools, variant):
     case = dict(_base(3), variant=variant, causal=True, sinks=True, grad_lse=True)

@@ -114,7 +114,7 @@ class _RingAttention(torch.autograd.Function):
     def backward(ctx, grad_out, grad_lse):
         q, k, v, out, lse, sinks = ctx.saved_tensors
         grad_out = grad_out.to(out.dtype)
-        dq, dk, dv = _ring.ring_backward(ctx.cfg, (grad_out, q, out, lse, grad_lse), k, v)
+        dq, dk, dv = _ring.ring_backward(ctx.cfg, (grad_out, q, out, lse, grad_lse), k, v, sinks is None)
         dsinks = None
         if sinks is not None and ctx.needs_input_grad[3]:
             dsinks = _blocks.sinks_grad(sinks, out, grad_out, lse, grad_lse)

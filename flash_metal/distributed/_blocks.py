@@ -57,22 +57,27 @@ KERNELS = _OpKernels()
 
 
 def merge(acc_out: Tensor, acc_lse: Tensor, out: Tensor, lse: Tensor) -> None:
-    """Merges a block's (out, lse) into the float32 accumulators in place (rows of the same shape)."""
+    """Merges a block's (out, lse) into the float32 accumulators in place (rows of the same shape); no
+    temporary the size of out (the rescale and the add are in place)."""
     new = torch.logaddexp(acc_lse, lse)
     seen = torch.isfinite(new)
     safe = torch.where(seen, new, 0.0)
     w_acc = torch.where(seen, torch.exp(acc_lse - safe), 0.0).unsqueeze(-1)
     w_new = torch.where(seen, torch.exp(lse - safe), 0.0).unsqueeze(-1)
-    acc_out.mul_(w_acc).add_(out.float() * w_new)
+    acc_out.mul_(w_acc).addcmul_(out, w_new)
     acc_lse.copy_(torch.where(seen, new, float("-inf")))
 
 
 def add_sinks(acc_out: Tensor, acc_lse: Tensor, sinks: Optional[Tensor]) -> None:
-    """Merges the sinks once, after every block: a virtual key per head with logit sinks[h] and value zero."""
+    """Merges the sinks once, after every block: a virtual key per head with logit sinks[h] and value zero
+    (merge with a zero block: only the accumulator's rescale is left)."""
     if sinks is None:
         return
     sink = sinks.detach().float().view(1, -1, 1).expand_as(acc_lse)
-    merge(acc_out, acc_lse, torch.zeros_like(acc_out), sink)
+    new = torch.logaddexp(acc_lse, sink)
+    w = torch.where(torch.isfinite(new), torch.exp(acc_lse - new), 0.0)  # no key (acc_lse -inf): 0; acc_out is 0
+    acc_out.mul_(w.unsqueeze(-1))
+    acc_lse.copy_(new)
 
 
 def sinks_grad(sinks: Tensor, out: Tensor, grad_out: Tensor, lse: Tensor, grad_lse: Optional[Tensor]) -> Tensor:

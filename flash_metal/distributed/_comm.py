@@ -92,9 +92,15 @@ class Exchange:
             stats["bytes_sent"] += w.numel() * w.element_size()
             self.ops.append(dist.P2POp(dist.isend, w, self.g.global_rank(to), self.g.group, tag))
 
-    def recv(self, shape: Sequence[int], dtype, frm: int, tag: int) -> int:
-        """Posts a receive; returns its index for result()."""
-        buf = self.g.buffer(tuple(shape), dtype)
+    def recv(self, shape: Sequence[int], dtype, frm: int, tag: int, into: Optional[Tensor] = None) -> int:
+        """Posts a receive, into `into` (a reused buffer, contiguous, of that shape and dtype) or a new buffer;
+        returns its index in what wait() returns."""
+        if into is None:
+            buf = self.g.buffer(tuple(shape), dtype)
+        else:
+            if tuple(into.shape) != tuple(shape) or into.dtype != dtype or not into.is_contiguous():
+                raise AssertionError(f"receive buffer {tuple(into.shape)} {into.dtype} for {tuple(shape)} {dtype}")
+            buf = into
         if buf.numel():
             self.ops.append(dist.P2POp(dist.irecv, buf, self.g.global_rank(frm), self.g.group, tag))
         self.received.append(buf)
@@ -106,28 +112,65 @@ class Exchange:
         return self
 
     def wait(self) -> List[Tensor]:
-        """Waits for every transfer of the batch; returns the received tensors (on the device)."""
+        """Waits for every transfer of the batch; returns the received tensors (on the device). The exchange
+        then holds no tensor: a sent buffer is freed (or reused) as soon as its owner lets go of it."""
         if self.works:
             t0 = time.perf_counter()
             for w in self.works:
                 w.wait()
             stats["wait_s"] += time.perf_counter() - t0
-            self.works = None
-        return [self.g.arrived(t) for t in self.received]
+        received = [self.g.arrived(t) for t in self.received]
+        self.works, self.ops, self.received = None, [], []
+        return received
 
 
-def all_to_all(g: Group, chunks: Sequence[Tensor], out_shapes: Sequence[Sequence[int]]) -> List[Tensor]:
-    """Sends chunks[p] to rank p and returns what each rank sent here (shapes out_shapes[p]), one all_to_all_single."""
-    dtype = chunks[0].dtype
-    flat_in = torch.cat([g.wire(c).reshape(-1) for c in chunks]) if g.size > 1 else chunks[0].reshape(-1)
-    sizes_out = [int(torch.Size(s).numel()) for s in out_shapes]
+def _leading_ones(shape: Sequence[int], dim: int) -> bool:
+    return all(n == 1 for n in shape[:dim])
+
+
+def all_to_all(g: Group, x: Tensor, split_dim: int, split_sizes: Sequence[int], cat_dim: int,
+               out_shapes: Sequence[Sequence[int]]) -> Tensor:
+    """Sends part p of x (split along split_dim into split_sizes) to rank p, and returns the parts every rank
+    sent here (shapes out_shapes[p]) joined along cat_dim: one all_to_all_single.
+
+    At most one copy each way. The parts go out as x's own storage where
+    they lie end to end in it (x contiguous, every dim before split_dim of
+    size 1), else packed into one buffer; they arrive in one buffer, which
+    is the result itself where the join is a view of it (every dim before
+    cat_dim of size 1), else each is copied once into the result. Staged
+    (gloo with MPS tensors), the packing and the unpacking are the copies
+    to and from the CPU.
+    """
     if g.size == 1:
-        return [flat_in.view(tuple(out_shapes[0]))]
+        return x.view(x.shape)
+    dtype = x.dtype
+    chunks = x.split(list(split_sizes), split_dim)
+    if not g.stage and x.is_contiguous() and _leading_ones(x.shape, split_dim):
+        flat_in = x.view(-1)
+    else:
+        flat_in = g.buffer((x.numel(),), dtype)
+        at = 0
+        for c in chunks:
+            flat_in[at:at + c.numel()].view(c.shape).copy_(c.detach())
+            at += c.numel()
+        if g.stage:
+            stats["staged"] += 1
+    sizes_out = [int(torch.Size(s).numel()) for s in out_shapes]
     flat_out = g.buffer((sum(sizes_out),), dtype)
     stats["bytes_sent"] += flat_in.numel() * flat_in.element_size()
     t0 = time.perf_counter()
     dist.all_to_all_single(flat_out, flat_in, output_split_sizes=sizes_out,
                            input_split_sizes=[c.numel() for c in chunks], group=g.group)
     stats["wait_s"] += time.perf_counter() - t0
-    flat_out = g.arrived(flat_out)
-    return [part.view(tuple(s)) for part, s in zip(flat_out.split(sizes_out), out_shapes)]
+    del flat_in, chunks
+    shape = list(out_shapes[0])
+    shape[cat_dim] = sum(s[cat_dim] for s in out_shapes)
+    if not g.stage and _leading_ones(shape, cat_dim):
+        return flat_out.view(shape)
+    result = torch.empty(shape, dtype=dtype, device=g.device)
+    at = start = 0
+    for s in out_shapes:
+        result.narrow(cat_dim, start, s[cat_dim]).copy_(flat_out[at:at + int(torch.Size(s).numel())].view(tuple(s)))
+        at += int(torch.Size(s).numel())
+        start += s[cat_dim]
+    return result

@@ -17,6 +17,7 @@ flash_metal's op and torch.distributed:
 
 Tensors are (B, H, N, D) (varlen: B = 1, the packed rows as N).
 """
+import math
 import time
 from typing import List, NamedTuple, Optional, Sequence, Tuple
 
@@ -109,7 +110,83 @@ def _block_forward(cfg: RingConfig, call: Call, qs: Tensor, ks: Tensor, vs: Tens
     return out.transpose(0, 1).unsqueeze(0), lse.unsqueeze(0)
 
 
-def _forward_block(cfg: RingConfig, call: Call, q, k, v, acc_out, acc_lse) -> None:
+def _take_or_add(acc: Optional[Tensor], g: Tensor, start: int, n: int, shape) -> Tensor:
+    """acc (float32, `shape`) with g added at rows [start, start + n); acc None: g itself becomes the
+    accumulator when it covers every row (no zeros, no copy: the op's float32 output is ours), else zeros."""
+    if acc is None:
+        if start == 0 and n == shape[2] and tuple(g.shape) == tuple(shape):
+            return g.float()
+        acc = torch.zeros(shape, dtype=torch.float32, device=g.device)
+    _rows(acc, start, n).add_(g)
+    return acc
+
+
+class _Slots:
+    """Two receive buffers for one kind of tensor, reused every other step (double buffering).
+
+    What is received at step s is read, and passed on, at step s + 1; that
+    send has completed by the end of step s + 1, so the buffer takes the
+    receive of step s + 2. Each slot is one flat storage of the largest
+    shard of any rank (shards may be uneven), viewed as the shape at hand.
+    """
+
+    def __init__(self, g: Group, numel: int, dtype):
+        self.g, self.numel, self.dtype = g, numel, dtype
+        self.flat: List[Optional[Tensor]] = [None, None]
+
+    def take(self, step: int, shape) -> Tensor:
+        i = step % 2
+        if self.flat[i] is None:
+            self.flat[i] = self.g.buffer((self.numel,), self.dtype)
+            stats["receive_buffers"] += 1
+        return self.flat[i][:math.prod(shape)].view(tuple(shape))
+
+    def release(self) -> None:
+        """No receive follows: a slot's storage lives on only while a tensor still views it."""
+        self.flat = [None, None]
+
+
+def _shard_shape(cfg: RingConfig, like: Tensor, src: int) -> Tuple[int, ...]:
+    return (like.shape[0], like.shape[1], cfg.lengths[src], like.shape[3])
+
+
+class _KVRing:
+    """The K/V shard this rank holds (its own at step 0), passed on each step while the next one arrives."""
+
+    def __init__(self, cfg: RingConfig, k: Tensor, v: Tensor):
+        self.cfg = cfg
+        self.k, self.v = k.contiguous(), v.contiguous()
+        longest = max(cfg.lengths)
+        self.slots = [_Slots(cfg.g, x.shape[0] * x.shape[1] * longest * x.shape[3], x.dtype) for x in (k, v)]
+        self.pending: Optional[Exchange] = None
+
+    def start(self, step: int) -> None:
+        """Starts sending the shard held at `step` to the next rank and receiving the one held at step + 1."""
+        cfg, g = self.cfg, self.cfg.g
+        if step + 1 >= cfg.steps:
+            for s in self.slots:
+                s.release()
+            return
+        nxt, prv = (g.rank + 1) % g.size, (g.rank - 1) % g.size
+        src = cfg.source(step + 1)
+        ex = Exchange(g)
+        ex.send(self.k, nxt, TAG_K)
+        ex.send(self.v, nxt, TAG_V)
+        for x, slot, tag in ((self.k, self.slots[0], TAG_K), (self.v, self.slots[1], TAG_V)):
+            shape = _shard_shape(cfg, x, src)
+            ex.recv(shape, x.dtype, prv, tag, into=slot.take(step, shape))
+        self.pending = ex.start()
+
+    def advance(self) -> None:
+        """Waits for this step's exchange; the received shard becomes the current one (the sent one is let go)."""
+        if self.pending is not None:
+            self.k, self.v = self.pending.wait()
+            self.pending = None
+
+
+def _forward_block(cfg: RingConfig, call: Call, q, k, v, acc: List[Optional[Tensor]]) -> None:
+    """One block's (out, lse), merged into acc = [out (float32), lse]; the first block that covers every row
+    becomes the accumulator itself."""
     t0 = time.perf_counter()
     out, lse = _block_forward(cfg, call, _rows(q, call.q0, call.nq), _rows(k, call.k0, call.nk),
                               _rows(v, call.k0, call.nk))
@@ -118,47 +195,53 @@ def _forward_block(cfg: RingConfig, call: Call, q, k, v, acc_out, acc_lse) -> No
     stats[f"{call.kind}_blocks"] += 1
     if call.kind == "dense":
         stats["score_pairs"] += _layout.Block(*call[1:7]).visible() * q.shape[0] * q.shape[1]
-    _blocks.merge(_rows(acc_out, call.q0, call.nq), _rows(acc_lse, call.q0, call.nq), out, lse)
-
-
-def _send_next(cfg: RingConfig, step: int, k: Tensor, v: Tensor) -> Optional[Tuple[Exchange, int, int]]:
-    """Starts passing (k, v) to the next rank and receiving the shard this rank holds at step + 1."""
-    if step + 1 >= cfg.steps:
-        return None
-    g = cfg.g
-    nxt, prv = (g.rank + 1) % g.size, (g.rank - 1) % g.size
-    n = cfg.lengths[cfg.source(step + 1)]
-    ex = Exchange(g)
-    ex.send(k, nxt, TAG_K)
-    ex.send(v, nxt, TAG_V)
-    ik = ex.recv(k.shape[:2] + (n, k.shape[3]), k.dtype, prv, TAG_K)
-    iv = ex.recv(v.shape[:2] + (n, v.shape[3]), v.dtype, prv, TAG_V)
-    return ex.start(), ik, iv
+    B, H, N = q.shape[:3]
+    if acc[0] is None:
+        if call.q0 == 0 and call.nq == N and out.is_contiguous():
+            acc[0], acc[1] = out.float(), lse.float()
+            return
+        acc[0] = torch.zeros(B, H, N, v.shape[3], dtype=torch.float32, device=q.device)
+        acc[1] = torch.full((B, H, N), float("-inf"), dtype=torch.float32, device=q.device)
+    _blocks.merge(_rows(acc[0], call.q0, call.nq), _rows(acc[1], call.q0, call.nq), out, lse)
 
 
 def ring_forward(cfg: RingConfig, q: Tensor, k: Tensor, v: Tensor, sinks: Optional[Tensor]) -> Tuple[Tensor, Tensor]:
     B, H, N = q.shape[:3]
-    acc_out = torch.zeros(B, H, N, v.shape[3], dtype=torch.float32, device=q.device)
-    acc_lse = torch.full((B, H, N), float("-inf"), dtype=torch.float32, device=q.device)
-    k_cur, v_cur = k.contiguous(), v.contiguous()
+    ring = _KVRing(cfg, k, v)
+    acc: List[Optional[Tensor]] = [None, None]
     for step in range(cfg.steps):
         stats["ring_steps"] += 1
-        pending = _send_next(cfg, step, k_cur, v_cur)
+        ring.start(step)
         calls = step_calls(cfg, cfg.source(step))
         if not calls:
             stats["idle_steps"] += 1
         for call in calls:
-            _forward_block(cfg, call, q, k_cur, v_cur, acc_out, acc_lse)
-        if pending is not None:
-            ex, ik, iv = pending
-            got = ex.wait()
-            k_cur, v_cur = got[ik], got[iv]
+            _forward_block(cfg, call, q, ring.k, ring.v, acc)
+        ring.advance()
+    del ring
+    if acc[0] is None:  # no block at all (an empty shard, or every row outside the window)
+        acc = [torch.zeros(B, H, N, v.shape[3], dtype=torch.float32, device=q.device),
+               torch.full((B, H, N), float("-inf"), dtype=torch.float32, device=q.device)]
+    acc_out, acc_lse = acc
     _blocks.add_sinks(acc_out, acc_lse, sinks)
     return acc_out.to(q.dtype), acc_lse
 
 
-def _backward_block(cfg: RingConfig, call: Call, saved, k, v, dq, dk, dv) -> None:
-    """One block's share of dQ, dK, dV, through the merge's own derivative.
+def whole_call(cfg: RingConfig, n: int) -> Optional[Call]:
+    """The one call that is this rank's whole attention (one ring step, one block over every row and key), or
+    None. Its forward is the op's, out and lse unmerged: the backward hands them to the op's backward as they
+    are, with no block forward run again (one process, or a window that keeps every rank home)."""
+    if cfg.steps != 1:
+        return None
+    calls = step_calls(cfg, cfg.g.rank)
+    if len(calls) == 1 and calls[0][1:5] == (0, n, 0, n) and n > 0:
+        return calls[0]
+    return None
+
+
+def _backward_block(cfg: RingConfig, call: Call, saved, k, v, whole: bool = False) -> Tuple[Tensor, Tensor, Tensor]:
+    """One block's share of dQ, dK, dV (as the op returns them; (B, H, n, D) views for varlen blocks), through
+    the merge's own derivative.
 
     The block's forward runs again, for its own (out_b, lse_b); the merge
     out = sum_b w_b out_b, lse = logsumexp_b lse_b (w_b = e^(lse_b - lse))
@@ -168,18 +251,26 @@ def _backward_block(cfg: RingConfig, call: Call, saved, k, v, dq, dk, dv) -> Non
     merged lse and the final out instead, as ring-flash-attention does with
     flash-attn, would save that forward, but flash_metal's float32 backward
     renormalizes each row's P over the keys it is given (issue 40,
-    csrc/cpu/backward_precise.h), which is only right for the block's own lse.)
+    csrc/cpu/backward_precise.h), which is only right for the block's own lse;
+    and in that renormalized path it replaces rowsum(dO' o out') by its own
+    rowsum(P dP), so d lse_b must carry rowsum(dO out_b): out_b is needed.)
+    whole (whole_call): out and lse are the block's own; nothing is run again.
     """
     grad_out, q, out, lse, grad_lse, delta = saved
     r = lambda x: _rows(x, call.q0, call.nq)  # noqa: E731
     qs, ks, vs = r(q), _rows(k, call.k0, call.nk), _rows(v, call.k0, call.nk)
     t0 = time.perf_counter()
-    out_b, lse_b = _block_forward(cfg, call, qs, ks, vs)
-    merged = r(lse)
-    w = torch.where(torch.isfinite(lse_b) & torch.isfinite(merged), torch.exp(lse_b - merged), 0.0)
-    go = r(grad_out).float()
-    grad_out_b = (go * w.unsqueeze(-1)).to(grad_out.dtype)
-    grad_lse_b = w * ((go * out_b.float()).sum(-1) - r(delta))
+    if whole:
+        out_b, lse_b, grad_out_b, grad_lse_b = out, lse, grad_out, grad_lse
+    else:
+        out_b, lse_b = _block_forward(cfg, call, qs, ks, vs)
+        stats["recomputed_blocks"] += 1
+        merged = r(lse)
+        w = torch.where(torch.isfinite(lse_b) & torch.isfinite(merged), torch.exp(lse_b - merged), 0.0)
+        go = r(grad_out)
+        grad_lse_b = w * ((go.float() * out_b.float()).sum(-1) - r(delta))
+        grad_out_b = (go.float() * w.unsqueeze(-1)).to(grad_out.dtype)
+        del w, go, merged
     if call.kind == "dense":
         gq, gk, gv = _blocks.KERNELS.backward(grad_out_b, qs, ks, vs, out_b, lse_b, cfg.scale, grad_lse_b,
                                               call.window_left, call.window_right, cfg.softcap)
@@ -187,77 +278,101 @@ def _backward_block(cfg: RingConfig, call: Call, saved, k, v, dq, dk, dv) -> Non
         cu, max_len = _cu(call, q.device)
         gq, gk, gv = _blocks.KERNELS.varlen_backward(
             _packed(grad_out_b), _packed(qs), _packed(ks), _packed(vs), _packed(out_b), lse_b[0], cu, max_len,
-            cfg.causal, cfg.scale, grad_lse_b[0], call.window_left, call.window_right, cfg.softcap)
+            cfg.causal, cfg.scale, None if grad_lse_b is None else grad_lse_b[0], call.window_left,
+            call.window_right, cfg.softcap)
         gq, gk, gv = (g.transpose(0, 1).unsqueeze(0) for g in (gq, gk, gv))
     stats["compute_s"] += time.perf_counter() - t0
     stats["block_calls"] += 1
-    stats["recomputed_blocks"] += 1
-    r(dq).add_(gq.float())
-    _rows(dk, call.k0, call.nk).add_(gk.float())
-    _rows(dv, call.k0, call.nk).add_(gv.float())
+    return gq, gk, gv
 
 
-def ring_backward(cfg: RingConfig, saved: Sequence[Tensor], k: Tensor, v: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
+def ring_backward(cfg: RingConfig, saved: Sequence[Tensor], k: Tensor, v: Tensor,
+                  whole_ok: bool = True) -> Tuple[Tensor, Tensor, Tensor]:
     """(dq, dk, dv) in float32 for this rank's shards. saved: (grad_out, q, out, lse, grad_lse): the final
-    out and the merged lse (with the sinks).
+    out and the merged lse (with the sinks). whole_ok: lse is the blocks' own (no sinks merged into it).
 
-    A dK/dV send is waited for one step later, not at once: a gloo send
-    completes once its receiver has posted the receive, and the next rank
-    posts it at the start of its next step. (Waiting for all of them only at
-    the end would keep every step's accumulators alive: O(N) memory.)
+    Memory: K/V and the dK/dV accumulator of the shard held travel
+    together. Each is received into one of two reused slots (_Slots); the
+    accumulator is the receive buffer itself (each block's dK/dV is added
+    into it in place) and is sent on from there. A dK/dV send is waited for
+    one step later, not at once: a gloo send completes once its receiver has
+    posted the receive, and the next rank posts it at the start of its next
+    step. (Waiting for all of them only at the end would keep every step's
+    accumulators alive: O(N) memory.) dQ is the first block's own dQ where
+    that block covers every row.
     """
     g = cfg.g
     grad_out, q, out, lse, grad_lse = saved
+    N = q.shape[2]
+    one = whole_call(cfg, N) if whole_ok else None
+    if one is not None:
+        dq, dk, dv = _backward_block(cfg, one, (grad_out, q, out, lse, grad_lse, None), k, v, whole=True)
+        return dq.float(), dk.float(), dv.float()
     # rowsum(dO out) - d lse, once for every block (see _backward_block).
     delta = (grad_out.float() * out.float()).sum(-1)
     if grad_lse is not None:
         delta = delta - grad_lse
     saved = (grad_out, q, out, lse, grad_lse, delta)
     nxt, prv = (g.rank + 1) % g.size, (g.rank - 1) % g.size
-    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-    k_cur, v_cur = k.contiguous(), v.contiguous()
-    sends: List[Exchange] = []
+    ring = _KVRing(cfg, k, v)
+    longest = max(cfg.lengths)
+    slots = [_Slots(g, x.shape[0] * x.shape[1] * longest * x.shape[3], torch.float32) for x in (k, v)]
+    dq = None
+    sends: List[Exchange] = []  # dK/dV sends in flight, oldest first
     dk_home = dv_home = None
     for step in range(cfg.steps):
         src = cfg.source(step)
-        pending = _send_next(cfg, step, k_cur, v_cur)
-        # The dK/dV accumulator of src's shard, from the rank that held it at the previous step.
+        ring.start(step)
+        shapes = [_shard_shape(cfg, x, src) for x in (k, v)]
+        # The dK/dV accumulator of src's shard, from the rank that held it at the previous step, received
+        # into a slot in which this rank's blocks then add their share.
         incoming = None
         if step > 0:
             incoming = Exchange(g)
-            incoming.recv(k_cur.shape, torch.float32, prv, TAG_DK)
-            incoming.recv(v_cur.shape, torch.float32, prv, TAG_DV)
+            incoming.recv(shapes[0], torch.float32, prv, TAG_DK, into=slots[0].take(step, shapes[0]))
+            incoming.recv(shapes[1], torch.float32, prv, TAG_DV, into=slots[1].take(step, shapes[1]))
             incoming.start()
-        dk = torch.zeros(k_cur.shape, dtype=torch.float32, device=q.device)
-        dv = torch.zeros(v_cur.shape, dtype=torch.float32, device=q.device)
+        acc: List[Optional[Tensor]] = [None, None]
         for call in step_calls(cfg, src):
-            _backward_block(cfg, call, saved, k_cur, v_cur, dq, dk, dv)
-        if incoming is not None:
-            got_dk, got_dv = incoming.wait()
-            dk.add_(got_dk)
-            dv.add_(got_dv)
+            gq, gk, gv = _backward_block(cfg, call, saved, ring.k, ring.v)
+            dq = _take_or_add(dq, gq, call.q0, call.nq, q.shape)
+            del gq
+            if acc[0] is None and incoming is not None:
+                acc = incoming.wait()
+                incoming = None
+            acc = [_take_or_add(a, x, call.k0, call.nk, s) for a, x, s in zip(acc, (gk, gv), shapes)]
+            del gk, gv
+        if incoming is not None:  # no block this step: the accumulator passes on as it came
+            acc = incoming.wait()
+        if acc[0] is None:  # step 0 without a block
+            acc = [torch.zeros(s, dtype=torch.float32, device=q.device) for s in shapes]
         if step + 1 < cfg.steps:
-            out = Exchange(g)
-            out.send(dk, nxt, TAG_DK)
-            out.send(dv, nxt, TAG_DV)
-            sends.append(out.start())
+            ex = Exchange(g)
+            ex.send(acc[0], nxt, TAG_DK)
+            ex.send(acc[1], nxt, TAG_DV)
+            sends.append(ex.start())
         elif src == g.rank:
-            dk_home, dv_home = dk, dv
+            dk_home, dv_home = acc
         else:
-            # The last step: this accumulator is complete; send it home, and receive this rank's own.
+            # The last step: this accumulator is complete; send it home, and receive this rank's own (into a
+            # buffer of its own: it is the gradient autograd keeps), once the slots are let go.
+            for s in slots:
+                s.release()
+            while sends:
+                sends.pop(0).wait()
             home = (g.rank + cfg.steps - 1) % g.size
-            out = Exchange(g)
-            out.send(dk, src, TAG_HOME_K)
-            out.send(dv, src, TAG_HOME_V)
-            out.recv(k.shape, torch.float32, home, TAG_HOME_K)
-            out.recv(v.shape, torch.float32, home, TAG_HOME_V)
-            dk_home, dv_home = out.start().wait()
-        if pending is not None:
-            ex, ik, iv = pending
-            kv = ex.wait()
-            k_cur, v_cur = kv[ik], kv[iv]
+            ex = Exchange(g)
+            ex.send(acc[0], src, TAG_HOME_K)
+            ex.send(acc[1], src, TAG_HOME_V)
+            ex.recv(k.shape, torch.float32, home, TAG_HOME_K)
+            ex.recv(v.shape, torch.float32, home, TAG_HOME_V)
+            dk_home, dv_home = ex.start().wait()
+        del acc
+        ring.advance()
         while len(sends) > 1:  # the sends of earlier steps have been received by now, or soon will be
             sends.pop(0).wait()
     for ex in sends:
         ex.wait()
+    if dq is None:
+        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     return dq, dk_home, dv_home

@@ -31,18 +31,13 @@ def _seq_to_heads(g: _comm.Group, x: Tensor, lengths: List[int]) -> Tensor:
     """(B, H, n_r, D) sequence shard -> (B, H/P, N, D): every rank's rows of this rank's heads."""
     B, H, n, D = x.shape
     h = H // g.size
-    chunks = [x[:, p * h:(p + 1) * h] for p in range(g.size)]
-    parts = _comm.all_to_all(g, chunks, [(B, h, m, D) for m in lengths])
-    return torch.cat(parts, dim=2) if len(parts) > 1 else parts[0]
+    return _comm.all_to_all(g, x, 1, [h] * g.size, 2, [(B, h, m, D) for m in lengths])
 
 
 def _heads_to_seq(g: _comm.Group, y: Tensor, lengths: List[int]) -> Tensor:
     """(B, H/P, N, D) -> (B, H, n_r, D): the inverse of _seq_to_heads."""
     B, h, _, D = y.shape
-    chunks = list(y.split(lengths, dim=2))
-    n = lengths[g.rank]
-    parts = _comm.all_to_all(g, chunks, [(B, h, n, D)] * g.size)
-    return torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]
+    return _comm.all_to_all(g, y, 2, lengths, 1, [(B, h, lengths[g.rank], D)] * g.size)
 
 
 class _SeqToHeads(torch.autograd.Function):
