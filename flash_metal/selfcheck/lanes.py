@@ -2,7 +2,7 @@
 
 The prefill and backward kernels compute each lane's (row, col) in an 8x8
 simdgroup_matrix fragment themselves (prefill_frag_row / prefill_frag_col in
-shaders/attention_prefill.h) to mask, reduce rows and store, and build
+shaders/prefill/attention_prefill.h) to mask, reduce rows and store, and build
 fragments from threadgroup memory by that layout. Apple does not document
 the layout; the kernels assume MLX's (BaseMMAFrag::get_coord). If a GPU
 disagrees, every prefill and backward result is wrong, so selfcheck runs
@@ -31,7 +31,7 @@ import torch
 #   read_t:   prefill_read_frag_t of the staged matrix (the transpose of that block);
 #   loaded_t: thread_elements() of the transposed simdgroup_load of that block.
 PROBE_SOURCE = r"""
-#include "attention_prefill.h"
+#include "prefill/attention_prefill.h"
 
 [[kernel]] void fm_selfcheck_prefill_lanes(device const float* index [[buffer(0)]], device int* coords [[buffer(1)]],
                                            device float* read [[buffer(2)]], device float* loaded [[buffer(3)]],
@@ -73,7 +73,7 @@ def shader_directory(source_root: Optional[str] = None) -> Optional[str]:
         candidates.insert(0, os.path.join(source_root, "shaders"))
     candidates.append(os.path.join(os.path.dirname(package), "shaders"))
     for c in candidates:
-        if os.path.isfile(os.path.join(c, "attention_prefill.h")):
+        if os.path.isfile(os.path.join(c, "prefill", "attention_prefill.h")):
             return c
     return None
 
@@ -103,7 +103,7 @@ def flatten(source: str, directory: str, seen=None) -> str:
 def probe_source(source_root: Optional[str] = None) -> str:
     directory = shader_directory(source_root)
     if directory is None:
-        raise FileNotFoundError("the shader headers (attention_prefill.h) are neither in the installed package "
+        raise FileNotFoundError("the shader headers (prefill/attention_prefill.h) are neither in the installed package "
                                 "(flash_metal/shaders/) nor in a source checkout")
     return flatten(PROBE_SOURCE, directory)
 

@@ -46,7 +46,7 @@ from ..core.emulator import SHADERS, TESTS, tests_module
 from ..core.unfused import unfused_seconds
 
 PROBE = os.path.join(TESTS, "prefill_d512_probe.metal")
-PARAMS_H = os.path.join(SHADERS, "params.h")
+PARAMS_H = os.path.join(SHADERS, "common", "params.h")
 D = 512
 # (BQ, BK, WM) of the probe's instantiations; the first is within the register budget.
 PLANS = ((8, 8, 8), (16, 8, 8))

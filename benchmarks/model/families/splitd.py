@@ -34,7 +34,7 @@ from ..core.emulator import SHADERS, tests_module
 from ..core.unfused import unfused_seconds
 from . import d512 as W
 
-HEADER = os.path.join(SHADERS, "attention_prefill_splitd.h")
+HEADER = os.path.join(SHADERS, "prefill", "attention_prefill_splitd.h")
 D = W.D
 # (family, BQ, BK, WM) of the shipped instantiation (its host name's parameters).
 PLANS = (("prefill_splitd", 8, 32, 8),)
