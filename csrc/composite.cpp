@@ -34,10 +34,10 @@ bool composite_route(const AttentionProblem& p, KernelRequest requested, MetalPa
            std::to_string(p.head_dim_v) + " exceed the widest fused bucket (" + std::to_string(widest) +
            ") but decode's (" + std::to_string(kDecodeHeadDimBuckets.back()) + ": Nq <= " +
            std::to_string(kMaxDecodeRows) + ", at most 16 query rows per kv head, forward only, "
-           "benchmarks/metal_model_decode_wide.py) and the split-D kernels' (forward (512, 512), (576, 512), "
+           "benchmarks/model/families/decode_wide.py) and the split-D kernels' (forward (512, 512), (576, 512), "
            "(256, 512); backward (512, 512)), which do not take this "
            "call: " + splitd_why + ". (The FA2 template at D = 512, 8 x 8 blocks, is predicted 2-3x slower than "
-           "unfused: benchmarks/metal_model_d512.py, a model, not a measurement.) So this runs the unfused plan in "
+           "unfused: benchmarks/model/families/d512.py, a model, not a measurement.) So this runs the unfused plan in "
            "chunks of query rows: ATen matmuls and softmax on the MPS stream, memory O(chunk x Nk), not a flash "
            "kernel";
     return true;

@@ -2,7 +2,7 @@
 // by hand, matmul), on whatever device the tensors live on. It is the
 // unfused plan of issue 20, section 3: where no fused Metal kernel exists
 // that the performance model puts ahead of unfused (head dims above 256 but
-// causal D = 512 forwards and wide decode: benchmarks/metal_model_d512.py),
+// causal D = 512 forwards and wide decode: benchmarks/model/families/d512.py),
 // the MPS op runs this instead of
 // refusing, and explain() says why. Not a flash path: its memory is O(chunk x Nk) per (batch, head),
 // bounded by kCompositeChunkBytes, never O(Nq x Nk).

@@ -128,7 +128,7 @@ def test_explain_routes_to_the_composite_path_and_says_why(dqk, dv, backward, co
     assert (plan.dispatches == ()) == composite, plan.reason
     if composite:
         assert plan.reason.startswith("composite (" + ("backward" if backward else "forward") + ")")
-        assert "exceed the widest fused bucket (256)" in plan.reason and "metal_model_d512" in plan.reason
+        assert "exceed the widest fused bucket (256)" in plan.reason and "model/families/d512.py" in plan.reason
 
 
 def test_explain_plans_the_mla_backward_on_the_fused_kernels():

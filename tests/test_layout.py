@@ -10,8 +10,8 @@ test. Each check is proven on a planted fault in tmp_path.
 
 The import graph's rule (`import_graph`):
   * Nodes: every .py file under the given folders, named as Python names it
-    from the repository root (benchmarks/metal_model.py is
-    benchmarks.metal_model; a package's __init__.py is the package).
+    from the repository root (benchmarks/model/cli.py is
+    benchmarks.model.cli; a package's __init__.py is the package).
   * Edges: every import statement in the file, wherever it sits: at module
     level (inside `if`, `try` or a class body too) and inside functions.
     Lazy (function-level) imports count: deferring an import hides a cycle

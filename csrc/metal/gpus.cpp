@@ -1,10 +1,10 @@
 // The Apple GPUs the planner knows by name (GpuSpec in csrc/metal/plan.h), and
 // the per-launch estimates (LaunchEstimate): registers per lane and the
 // threadgroups / SIMD-groups a core keeps resident. These are models for
-// explain() and benchmarks/metal_model.py, never measurements; only the
+// explain() and benchmarks/model/families/prefill.py, never measurements; only the
 // split-KV decode's block count depends on them (through `cores`).
 //
-// Sources (benchmarks/apple_gpus.py holds the same chips with the same keys;
+// Sources (benchmarks/model/core/gpus.py holds the same chips with the same keys;
 // tests/test_metal_model_anchors.py checks that the two tables agree):
 //   cores: philipturner/metal-benchmarks' GPU table (M1 and M2 families);
 //     Apple's announcements for M3 (10/18/40, M3 Ultra 80), M4 (10/20/40)
@@ -67,7 +67,7 @@ constexpr Chip kChips[] = {
     {"m3-max", "M3 Max", 40, kTgMemoryApple9},  {"m3-ultra", "M3 Ultra", 80, kTgMemoryApple9},
     {"m4", "M4", 10, kTgMemoryApple9},          {"m4-pro", "M4 Pro", 20, kTgMemoryApple9},
     {"m4-max", "M4 Max", 40, kTgMemoryApple9},  {"m5", "M5", 10, kTgMemoryApple9},
-    // M5 Pro / Max: Apple's Mar 2026 announcement (benchmarks/apple_gpus.py
+    // M5 Pro / Max: Apple's Mar 2026 announcement (benchmarks/model/core/gpus.py
     // "apple-m5-pro", "apple-m5-max"): up to 20 and 40 cores.
     {"m5-pro", "M5 Pro", 20, kTgMemoryApple9},  {"m5-max", "M5 Max", 40, kTgMemoryApple9},
 };

@@ -162,8 +162,8 @@ constexpr std::array<uint32_t, 8> kFastHeadDimBuckets = {32, 64, 72, 80, 96, 128
 // shaders/attention.metal for why two. Why decode only: decode is
 // memory-bound and the fused decode reads each K/V row once per GQA group,
 // predicted ahead of the composite path at every modelled decode shape
-// (benchmarks/metal_model_decode_wide.py), while the FA2 template at 512 is
-// predicted 2-3x slower than unfused (benchmarks/metal_model_d512.py): the
+// (benchmarks/model/families/decode_wide.py), while the FA2 template at 512 is
+// predicted 2-3x slower than unfused (benchmarks/model/families/d512.py): the
 // template and the backward stop at 256; above, causal D = 512 forwards run
 // the split-D kernel (splitd_takes) and the rest the composite path.
 constexpr std::array<uint32_t, 10> kDecodeHeadDimBuckets = {32, 64, 72, 80, 96, 128, 192, 256, 512, 576};
@@ -174,7 +174,7 @@ constexpr int64_t kMaxDecodeRows = 8;
 // Query rows per kv head (gqa_ratio * Nq) the wide decode takes at most.
 // Why 16: at 1 row per SIMD-group every row group loads each K/V row
 // through the core's L1, so the kernel's on-core traffic grows with the
-// rows; the model (benchmarks/metal_model_decode_wide.py) puts it at least
+// rows; the model (benchmarks/model/families/decode_wide.py) puts it at least
 // 2.4x ahead of the composite path at 16 rows (MLA with 16 query heads,
 // Gemma-like with 8 rows) and behind it at 128 (MLA with 128 heads): past
 // 16 impl='auto' runs the composite path (a decode kernel sharing K/V
@@ -356,7 +356,7 @@ bool splitd_takes(const AttentionProblem& p, KernelRequest requested, MetalPass 
 // The backward's part of it (shaders/attention_backward_splitd.h): D_qk =
 // D_v = 512, not paged, and impl='prefill'. impl='auto' never: the model puts
 // the split-D backward behind the composite backward on every named chip
-// (benchmarks/metal_model_splitd_backward.py), and *why_not says so.
+// (benchmarks/model/families/splitd_backward.py), and *why_not says so.
 bool splitd_backward_takes(const AttentionProblem& p, KernelRequest requested, std::string* why_not);
 
 // The full plan: kernel choice, names, grids, threadgroups, memory, params.

@@ -453,7 +453,7 @@ static_assert(decode_live_registers(256u, 1u, true) == 78 && decode_live_registe
 // kDecodeRegisterBudget even at one row (slices of 16 and 18 values, 2 keys
 // in flight: 102 and 112 with a mask, 109 and 119 paged): they run at lower occupancy,
 // which estimate_launch counts (by registers) and the model prices
-// (benchmarks/metal_model_decode_wide.py); still within the 128 registers
+// (benchmarks/model/families/decode_wide.py); still within the 128 registers
 // an Apple GPU thread addresses (kBackwardRegisterBudget's note), so by
 // this model nothing spills.
 inline constexpr uint32_t kThreadAddressableRegisters = 128;

@@ -7,7 +7,7 @@
 // metal-flash-attention's, and blocking along D is its idea too; the code
 // here is this project's own). Routed by csrc/metal_routing_splitd.cpp
 // (splitd_backward_takes), launched by csrc/metal_launch_backward.cpp,
-// priced by benchmarks/metal_model_splitd_backward.py.
+// priced by benchmarks/model/families/splitd_backward.py.
 //
 // Why a kernel of its own. The simdgroup backward stages four tiles of
 // DMAX-wide rows in threadgroup memory (Q, dO and K, V): at 512 even 8 + 8
@@ -48,7 +48,7 @@
 // atomics, one writer per output element, every sum in a fixed order: the
 // results are bitwise deterministic.
 //
-// Tile choices (the model in benchmarks/metal_model_splitd_backward.py):
+// Tile choices (the model in benchmarks/model/families/splitd_backward.py):
 //   8 rows owned (queries in dQ, keys in dK/dV), WM = 8 parts of F = 64:
 //     the shared step maps 8 rows x 4 elements onto a part's 32 lanes (the
 //     forward's mapping), and one row group reads no operand twice.

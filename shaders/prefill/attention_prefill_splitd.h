@@ -5,13 +5,13 @@
 // csrc/metal_routing_splitd.cpp (splitd_takes: causal D_qk = D_v = 512
 // forwards, the absorbed-MLA decode packed over its query heads, and
 // impl='prefill' at the instantiated pairs), priced by
-// benchmarks/metal_model_splitd.py and benchmarks/metal_model_splitd_mla.py.
+// benchmarks/model/families/splitd.py and benchmarks/model/families/splitd_mla.py.
 //
 // Why a kernel of its own. The template keeps the whole 512-wide Q block and
 // a 512-wide K/V tile in threadgroup memory: 1,040 bytes per float16 row, so
 // 32 KiB holds 8 query rows and 8 keys, and every 8 x 8 block pays a DRAM
 // latency and four barriers; the model predicts that 2-3x slower than the
-// unfused path (benchmarks/metal_model_d512.py). Here D is blocked instead
+// unfused path (benchmarks/model/families/d512.py). Here D is blocked instead
 // (the idea of metal-flash-attention, which blocks its head dimension and
 // keeps operands in registers or device memory when they do not fit
 // threadgroup memory; the code here is this project's own):
@@ -47,7 +47,7 @@
 //     passed after its reads (likewise the row maxima, P and the sums:
 //     each is read between two barriers and rewritten after the next).
 //
-// Tile choices (the model in benchmarks/metal_model_splitd.py; float16):
+// Tile choices (the model in benchmarks/model/families/splitd.py; float16):
 //   BQ = 8, one row group: the shared softmax maps 8 rows x 4 keys onto a
 //     SIMD-group's 32 lanes, and with one row group no K/V element is read
 //     twice per threadgroup (16 rows on 16 SIMD-groups were modelled

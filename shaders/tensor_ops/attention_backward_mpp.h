@@ -472,7 +472,7 @@ template <typename T, int D, int DV, int BKV, int BQ>
   // per threadgroup, cooperatively, as the simdgroup dK/dV kernel loads its
   // Q / dO tiles (attention_backward_dkdv.h): before, each SIMD-group's
   // matmul2d asked for Q and dO itself, twice per block each, and the model
-  // found the kernel bound by that traffic (benchmarks/metal_model_accel.py).
+  // found the kernel bound by that traffic (benchmarks/model/families/accel.py).
   // K and V are not staged: matmul2d reads the SIMD-group's 16 rows of each
   // from device memory (the same rows every block, an L1 hit after the first).
   threadgroup T* q_blk = smem;

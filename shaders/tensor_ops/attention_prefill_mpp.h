@@ -18,7 +18,7 @@
 // S = Q.K^T takes that slice as its left operand. Before, S took Q as a
 // tensor over device memory, so each SIMD-group asked for its Q rows again
 // for every key block: 128x the Q traffic at Nk = 4096, which the model
-// (benchmarks/metal_model_accel.py) found made the kernel memory-bound, 1.5x
+// (benchmarks/model/families/accel.py) found made the kernel memory-bound, 1.5x
 // over MLX's measured time. Why threadgroup memory and not registers (a left
 // input cooperative tensor filled once, as MLX keeps Q in fragments):
 //   - a tensor over threadgroup memory as matmul2d's left operand is in the

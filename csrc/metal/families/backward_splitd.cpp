@@ -13,7 +13,7 @@ namespace {
 // 64-feature parts, no padding columns).
 constexpr int64_t kSplitDHeadDim = 512;
 
-// The backward's verdict (benchmarks/metal_model_splitd_backward.py prints
+// The backward's verdict (benchmarks/model/families/splitd_backward.py prints
 // it from the split-D backward's exact emulator counts against the
 // composite backward's model; tests/test_metal_backward_splitd.py holds it):
 // a model, not a measurement, at 1 x 8 x {1024, 4096} x 512, float16.
@@ -26,7 +26,7 @@ constexpr const char* kSplitDBackwardVerdict =
     "the model puts the split-D backward behind the composite backward (unfused / split-D 0.34-0.52x causal, "
     "0.18-0.26x not causal, at 1x8x{1024,4096}x512 float16 on M1 Max, M3 Max, M4 Pro and M5, the whole band "
     "behind; memory-bound: its dK/dV kernel re-reads Q and dO once per 8 keys; "
-    "benchmarks/metal_model_splitd_backward.py: a model, not a measurement), so impl='auto' keeps the composite "
+    "benchmarks/model/families/splitd_backward.py: a model, not a measurement), so impl='auto' keeps the composite "
     "path (impl='prefill' runs the split-D backward: O(N) memory, deterministic)";
 
 }  // namespace

@@ -11,7 +11,7 @@ namespace flash_metal::plan_detail {
 
 namespace {
 
-// The model's verdict (benchmarks/metal_model_accel.py, dsplit_backward_
+// The model's verdict (benchmarks/model/families/accel.py, dsplit_backward_
 // against_simdgroup; a model, not a measurement): on every M5-family GPU, at
 // 1 x 32 (8 KV) x 4096 x 256 float16, causal and not, the split-D tensor-op
 // backward against the simdgroup backward at D = 256.
@@ -19,11 +19,11 @@ namespace {
 // disagrees with the model.
 constexpr bool kDsplitBackwardModelWins = true;
 constexpr const char* kDsplitBackwardModelNote =
-    "the model (benchmarks/metal_model_accel.py, from the kernels' emulated counts: a model, not a measurement) "
+    "the model (benchmarks/model/families/accel.py, from the kernels' emulated counts: a model, not a measurement) "
     "predicts it ahead of the simdgroup backward at D = 256 on every M5-family GPU (1 x 32 (8) x 4096 x 256 "
     "float16, causal and not)";
 constexpr const char* kDsplitBackwardModelAgainst =
-    "the model (benchmarks/metal_model_accel.py: a model, not a measurement) does not predict the split-D "
+    "the model (benchmarks/model/families/accel.py: a model, not a measurement) does not predict the split-D "
     "tensor-op backward ahead of the simdgroup backward at D = 256 on the M5 family.";
 
 }  // namespace

@@ -63,7 +63,7 @@ bool prefill_pack_gqa(const AttentionProblem& p, uint32_t block_q, std::string* 
   // Nk 1024, D 64, causal, f16), predicts packing 1.27-1.74x faster on M3 Max,
   // M4 Pro and M5 at Nq 12-16 (M1 Max 1.00-1.32x), level at Nq 24 and 40, and
   // 9% slower at Nq 40 on one sequence, where fuller threadgroups lengthen a
-  // grid smaller than the GPU (benchmarks/paged_prefill_model.py; a model,
+  // grid smaller than the GPU (benchmarks/model/families/paged.py; a model,
   // not a measurement).
   if (2 * p.q_len > block_q) {
     *reason += "; GQA heads not packed (Nq = " + std::to_string(p.q_len) + " fills more than half a block of " +

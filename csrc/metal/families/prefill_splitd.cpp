@@ -28,33 +28,33 @@ bool splitd_pair(const AttentionProblem& p) {
   return false;
 }
 
-// The model's verdict the route follows (benchmarks/metal_model_d512.py
-// prints it, benchmarks/metal_model_splitd.py computes it from exact
+// The model's verdict the route follows (benchmarks/model/families/d512.py
+// prints it, benchmarks/model/families/splitd.py computes it from exact
 // emulator counts, tests/test_metal_model_d512.py holds it): a model, not a
 // measurement, at 1 x 8 x {1024, 4096} x 512, float16.
 constexpr const char* kSplitDVerdictCausal =
     "causal: the model predicts the split-D plan about 2x ahead of the composite (unfused) path on M1 Max, M3 Max, "
-    "M4 Pro and M5, over its whole uncertainty band (benchmarks/metal_model_d512.py, from "
-    "benchmarks/metal_model_splitd.py's exact emulator counts at 1x8x{1024,4096}x512: a model, not a measurement; "
+    "M4 Pro and M5, over its whole uncertainty band (benchmarks/model/families/d512.py, from "
+    "benchmarks/model/families/splitd.py's exact emulator counts at 1x8x{1024,4096}x512: a model, not a measurement; "
     "on M5 only against unfused matmuls on the shader cores: on its neural accelerators unfused is predicted "
     "ahead)";
 constexpr const char* kSplitDVerdictLevel =
     "not causal: the model puts the split-D plan level with the composite (unfused) path (0.99-1.03x at "
-    "1x8x{1024,4096}x512 on M1 Max, M3 Max, M4 Pro and M5; benchmarks/metal_model_d512.py: a model, not a "
+    "1x8x{1024,4096}x512 on M1 Max, M3 Max, M4 Pro and M5; benchmarks/model/families/d512.py: a model, not a "
     "measurement; the verdict differs by chip and length, within the model's uncertainty), so the route keeps "
     "the composite path (impl='prefill' runs the split-D kernel)";
 
-// MLA's pairs, (576, 512) and (256, 512) (benchmarks/metal_model_splitd_mla.py
+// MLA's pairs, (576, 512) and (256, 512) (benchmarks/model/families/splitd_mla.py
 // computes these from exact emulator counts; tests/test_metal_model_splitd_mla.py
 // holds them): a model, not a measurement.
 constexpr const char* kSplitDMlaVerdictCausal =
     "causal: the model predicts the split-D plan 2.0-2.1x ahead of the composite (unfused) path at (576, 512) and "
     "(256, 512) on M1 Max, M3 Max, M4 Pro and M5, over its whole uncertainty band (1x8x{1024,4096}, float16, "
-    "benchmarks/metal_model_splitd_mla.py from exact emulator counts: a model, not a measurement)";
+    "benchmarks/model/families/splitd_mla.py from exact emulator counts: a model, not a measurement)";
 constexpr const char* kSplitDMlaVerdictLevel =
     "not causal: the model puts the split-D plan level with the composite (unfused) path at (576, 512) and "
     "(256, 512) (0.99-1.05x at 1x8x{1024,4096} on M1 Max, M3 Max, M4 Pro and M5; "
-    "benchmarks/metal_model_splitd_mla.py: a model, not a measurement), so the route keeps the composite path "
+    "benchmarks/model/families/splitd_mla.py: a model, not a measurement), so the route keeps the composite path "
     "(impl='prefill' runs the split-D kernel)";
 constexpr const char* kSplitDMlaVerdictDecode =
     "the absorbed-MLA decode past the wide decode's rows per kv head: the model predicts the packed split-D plan "
@@ -62,13 +62,13 @@ constexpr const char* kSplitDMlaVerdictDecode =
     "latent kv head, B 2-8, Nq 1, Nk 4096-32768: 1.1-2.3x on M1 Max, M3 Max, M4 Pro and M5) and 1.8-3.5x ahead of "
     "the wide decode forced there; a grid smaller than that runs each threadgroup's whole key walk on one core "
     "(B 1 x 128: 0.6-0.8x on M1 Max and M3 Max), so below it only the split along keys is routed (packed, "
-    "Nk >= 4096, the rows the model prices) and the rest stays composite (benchmarks/metal_model_splitd_mla.py: a "
+    "Nk >= 4096, the rows the model prices) and the rest stays composite (benchmarks/model/families/splitd_mla.py: a "
     "model, not a measurement)";
 // The least grid the MLA decode routes to split-D with: the model's band is
 // ahead of the composite path on every chip from 32 threadgroups (B 2 x 128
 // heads, packed) and behind on M1 Max and M3 Max at 16 (B 1 x 128), where
 // each core walks all Nk keys of one threadgroup serially (no split along
-// keys: benchmarks/metal_model_splitd_mla.py).
+// keys: benchmarks/model/families/splitd_mla.py).
 constexpr int64_t kSplitDMlaDecodeMinThreadgroups = 32;
 
 // Whether the split-D grid packs (as prefill_pack_gqa packs: G > 1 and
@@ -103,7 +103,7 @@ constexpr int64_t kSplitDMinKeysPerSplit = 256;
 // cores x 3 resident) keeps in flight.
 constexpr uint32_t kSplitDMaxKvSplits = 64;
 // The least Nk the auto route splits at: the model's rows (Nk 4096 and 32768;
-// benchmarks/metal_model_splitd_mla.py split_verdicts) start there.
+// benchmarks/model/families/splitd_mla.py split_verdicts) start there.
 constexpr int64_t kSplitDMlaSplitMinKeys = 4096;
 constexpr const char* kSplitDMlaVerdictSplit =
     "the absorbed-MLA decode on a grid below 32 packed threadgroups (B 1 x 128 query heads on one latent kv "
@@ -112,7 +112,7 @@ constexpr const char* kSplitDMlaVerdictSplit =
     "over its whole uncertainty band at Nk 4096 and 32768 (1.9-2.8x over composite, 1.8-4.2x over unsplit on "
     "M1 Max, M3 Max and M4 Pro); where the resident slots allow no second split (M5 and the base chips, 8-10 "
     "cores) it runs one pass, which the model puts 1.75-1.94x ahead of composite on M5 (1.8-2.7x on base M1-M4) "
-    "(benchmarks/metal_model_splitd_mla.py: a model, not a measurement)";
+    "(benchmarks/model/families/splitd_mla.py: a model, not a measurement)";
 
 bool splitd_decode_splits_keys(const AttentionProblem& p) {
   return p.q_len <= kMaxDecodeRows && splitd_packs(p) && splitd_threadgroups(p) < kSplitDMlaDecodeMinThreadgroups;

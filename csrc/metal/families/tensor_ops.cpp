@@ -9,7 +9,7 @@ namespace flash_metal::plan_detail {
 
 namespace {
 
-// The model's verdict on the MLA pair (benchmarks/metal_model_accel.py,
+// The model's verdict on the MLA pair (benchmarks/model/families/accel.py,
 // mla_against_simdgroup; a model, not a measurement): on every M5-family
 // GPU, at 1 x 16 x 4096 x (192, 128) float16, causal and not, forward and
 // backward, the tensor-op kernels against the simdgroup kernels.
@@ -17,14 +17,14 @@ namespace {
 // disagrees with the model.
 constexpr bool kMlaModelWins = true;
 constexpr const char* kMlaModelAgainst =
-    "the model (benchmarks/metal_model_accel.py: a model, not a measurement) does not predict the tensor-op "
+    "the model (benchmarks/model/families/accel.py: a model, not a measurement) does not predict the tensor-op "
     "kernels ahead of the simdgroup kernels at (192, 128) on the M5 family";
 
 }  // namespace
 
 // The backward's reason quotes it too (backward_tensor_ops.cpp).
 const char* const kMlaModelNote =
-    "the model (benchmarks/metal_model_accel.py, from the kernels' emulated counts: a model, not a measurement) "
+    "the model (benchmarks/model/families/accel.py, from the kernels' emulated counts: a model, not a measurement) "
     "predicts them ahead of the simdgroup kernels at (192, 128) on every M5-family GPU (1 x 16 x 4096, float16, "
     "causal and not, forward and backward)";
 

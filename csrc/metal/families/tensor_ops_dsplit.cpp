@@ -15,7 +15,7 @@ namespace flash_metal::plan_detail {
 
 namespace {
 
-// The model's verdict (benchmarks/metal_model_accel.py, dsplit_against_
+// The model's verdict (benchmarks/model/families/accel.py, dsplit_against_
 // simdgroup; a model, not a measurement): on every M5-family GPU, at
 // 1 x 32 (8 KV) x 4096 x 256 float16, causal and not, the split-D tensor-op
 // forward against the simdgroup prefill at D = 256.
@@ -23,11 +23,11 @@ namespace {
 // disagrees with the model.
 constexpr bool kDsplitModelWins = true;
 constexpr const char* kDsplitModelNote =
-    "the model (benchmarks/metal_model_accel.py, from the kernel's emulated counts: a model, not a measurement) "
+    "the model (benchmarks/model/families/accel.py, from the kernel's emulated counts: a model, not a measurement) "
     "predicts it ahead of the simdgroup prefill at D = 256 on every M5-family GPU (1 x 32 (8) x 4096 x 256 "
     "float16, causal and not)";
 constexpr const char* kDsplitModelAgainst =
-    "the model (benchmarks/metal_model_accel.py: a model, not a measurement) does not predict the split-D "
+    "the model (benchmarks/model/families/accel.py: a model, not a measurement) does not predict the split-D "
     "tensor-op forward ahead of the simdgroup prefill at D = 256 on the M5 family";
 
 bool is_dsplit(const AttentionProblem& p) {
@@ -35,7 +35,7 @@ bool is_dsplit(const AttentionProblem& p) {
 }
 
 // The 32-row kernel or the 64-row one (flash_attention_prefill_mpp_dsplit_wide,
-// Q in registers). The model (benchmarks/metal_model_accel.py, wide_against_32:
+// Q in registers). The model (benchmarks/model/families/accel.py, wide_against_32:
 // a model, not a measurement) prices both from their emulated counts: the
 // 64-row kernel asks for each K/V block once per 64 query rows instead of 32,
 // which is what bounds the 32-row kernel (bytes to the core), but has half as
@@ -82,7 +82,7 @@ bool dsplit_wide_takes(const AttentionProblem& p, const GpuSpec& gpu, std::strin
   const bool wide = tgs >= need;
   *why = std::to_string(tgs) + " threadgroups of 64 rows " + (wide ? ">= " : "< ") + std::to_string(need) + " (" +
          std::to_string(kDsplitWideMinPerCore) + " per core of the " + gpu.name + "'s " + std::to_string(gpu.cores) +
-         "): the model (benchmarks/metal_model_accel.py; a model, not a measurement) puts the " +
+         "): the model (benchmarks/model/families/accel.py; a model, not a measurement) puts the " +
          (wide ? "64-row kernel ahead there (each K/V block fetched once per 64 query rows instead of 32, which "
                  "bounds the 32-row kernel)"
                : "32-row kernel ahead there (twice the threadgroups to fill the cores)");
