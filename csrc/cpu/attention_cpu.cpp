@@ -67,9 +67,6 @@ namespace flash_metal {
 namespace cpu {
 namespace {
 
-constexpr float kLn2 = 0.6931471805599453f;
-constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-
 using namespace fwd;  // tiling constants, micro-kernels and packing (forward_tiles.h)
 
 // ---------------------------------------------------------------- driver

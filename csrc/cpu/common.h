@@ -133,6 +133,8 @@ inline void run_on_threads(int64_t threads, const F& body) {
 // in the kernels' base-2 units), so -inf and float32's finfo.min drop a key.
 constexpr float kMaskedScore2 = -1.2676506002282294e30f;  // -2^100
 constexpr float kLog2eF = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;  // lse = ln 2 (m + log2 l): base-2 state to natural log
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 // One sequence of a call: which batch index its rows use (varlen: 0, the
 // packed tensors' only batch), its first q and k rows (varlen: the

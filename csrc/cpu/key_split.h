@@ -27,7 +27,6 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
-#include <limits>
 #include <memory>
 #include <vector>
 
@@ -38,7 +37,6 @@ namespace cpu {
 // and the per-item setup (Q load, one partial write) outweigh the keys' work.
 constexpr int64_t kMinKeysPerSplit = 512;
 constexpr int64_t kMaxKeySplits = 32;
-constexpr float kSplitLn2 = 0.6931471805599453f;  // ln 2: lse = ln 2 (m + log2 l), as the kernel's
 
 // FLASH_METAL_CPU_KEY_SPLITS: unset or "0" = the automatic rule; n in
 // [1, 32] forces n splits on decode-like calls (a test seam: 2 cores cannot
@@ -107,9 +105,9 @@ struct KeySplitBuffers {
 // Merges row `row` of every split into dst (stride od) and *lse_dst.
 template <typename T>
 void merge_key_split_row(const KeySplit& ks, int64_t row, int64_t dv, T* dst, int64_t od, float* lse_dst) {
-  float m = -std::numeric_limits<float>::infinity();
+  float m = kNegInf;
   for (int64_t s = 0; s < ks.splits; ++s) m = std::max(m, ks.lse[s * ks.rows + row]);
-  if (m == -std::numeric_limits<float>::infinity()) {  // no split saw a key (nor a sink)
+  if (m == kNegInf) {  // no split saw a key (nor a sink)
     for (int64_t d = 0; d < dv; ++d) dst[d * od] = static_cast<T>(0.0f);
     *lse_dst = m;
     return;
@@ -119,7 +117,7 @@ void merge_key_split_row(const KeySplit& ks, int64_t row, int64_t dv, T* dst, in
   float w_sum = 0.0f;
   for (int64_t s = 0; s < ks.splits; ++s) {
     const float ls = ks.lse[s * ks.rows + row];
-    if (ls == -std::numeric_limits<float>::infinity()) continue;
+    if (ls == kNegInf) continue;
     const float w = std::exp(ls - m);
     w_sum += w;
     const float* src = ks.o + (s * ks.rows + row) * dv;
@@ -153,10 +151,10 @@ void write_key_split(const KeySplit& ks, const KeySplitRows& r, int64_t dv, cons
     if (l[c] > 0.0f && den[c] > 0.0f) {
       const float inv = 1.0f / den[c];
       for (int64_t d = 0; d < dv; ++d) dst[d] = src[d * r.d_stride] * inv;
-      ks.lse[ks.s * ks.rows + row] = kSplitLn2 * (m[c] + std::log2(l[c]));
+      ks.lse[ks.s * ks.rows + row] = kLn2 * (m[c] + std::log2(l[c]));
     } else {
       std::fill(dst, dst + dv, 0.0f);
-      ks.lse[ks.s * ks.rows + row] = -std::numeric_limits<float>::infinity();
+      ks.lse[ks.s * ks.rows + row] = kNegInf;
     }
   }
   // acq_rel: the last split sees every other split's rows.

@@ -54,8 +54,6 @@ namespace {
 
 constexpr int kKeyBlock = 64;
 constexpr int kMaxCols = kQW >= 8 ? kQW : 8;  // 16 with AVX-512, 8 with AVX2 (and NEON / scalar)
-constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-constexpr float kLn2 = 0.6931471805599453f;
 
 std::atomic<int64_t> g_counts[2 * kNumCodeFmts + 2];  // calls per K format, per V format; split calls; units
 
