@@ -264,7 +264,7 @@ REQUIRE_MPP_METALLIB_ENV = "FLASH_METAL_REQUIRE_MPP_METALLIB"
 # set (their 16-bit products) and a row value broadcast by map_iterator behind
 # is_iterator_compatible (their rescale). A toolchain that
 # compiles and links this has what attention_mpp.metal needs, as far as the
-# probe can tell; tests/test_build.py checks that it uses every MPP construct
+# probe can tell; tests/project/test_build.py checks that it uses every MPP construct
 # the kernels use, and compiles and runs it in the project's Metal emulator.
 METAL4_PROBE_SOURCE = """#include <metal_stdlib>
 #include <metal_tensor>
@@ -592,7 +592,7 @@ class BuildWithShaders(BuildExtension):
                 self.copy_file(os.path.join(package_dir, name), os.path.join(dest, name))
 
 
-# setuptools runs this file as __main__; tests/test_build.py imports it to
+# setuptools runs this file as __main__; tests/project/test_build.py imports it to
 # test the metallib logic above without building anything.
 if __name__ == "__main__":
     setup(

@@ -16,7 +16,7 @@ peak is reset just before the call by writing 5 to /proc/self/clear_refs
 and explicit's band mask), with "seconds" the call's wall time, to show the
 cost growing with N * W.
 
-Used by benchmarks (the memory table) and by tests/test_memory.py.
+Used by benchmarks (the memory table) and by tests/cpu/test_memory.py.
 """
 import argparse
 import json

@@ -3,7 +3,7 @@
 // device_info.h) under CompositeImplicitAutograd. A macOS build with the MPS
 // backend also registers csrc/mps/device_info.mm under
 // CompositeExplicitAutograd, and for an operator without tensor arguments
-// the dispatcher prefers that one (tests/test_device_info.py checks the
+// the dispatcher prefers that one (tests/mps/test_device_info.py checks the
 // preference with the MPS host's Linux build). So a caller (python -m
 // flash_metal.selfcheck, CI logs) gets JSON on every platform, never a
 // missing-kernel error.

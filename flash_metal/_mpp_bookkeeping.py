@@ -5,7 +5,7 @@ the published M5 lane layout, nothing ragged, no options) at two lengths of its 
 difference by the lanes (SIMD-groups, threadgroups) and the added blocks. How much of it Apple's compiler
 folds away (a coordinate query of a fully unrolled loop may become a constant) only a Mac can say.
 benchmarks/results/mpp_bookkeeping_{before,after}_issue40.txt hold the full tables;
-tests/test_mpp_speed_structure.py checks this table against a live measurement and the recorded
+tests/metal/test_mpp_speed_structure.py checks this table against a live measurement and the recorded
 "before" file, so it cannot go stale silently.
 
 Per block of the kernel's main loop (key blocks; query blocks in the dK/dV kernels):

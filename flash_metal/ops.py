@@ -462,7 +462,7 @@ def _backward(ctx, grad_out, grad_lse):
     # it enters the backward as D_i - grad_lse_i (see attention_backward).
     # grad_out is never None, even when only lse was used: torch.library's
     # autograd materializes an unused output's gradient as zeros on every
-    # supported torch (tests/test_backward.py::test_autograd_lse_only_and_both).
+    # supported torch (tests/api/test_backward.py::test_autograd_lse_only_and_both).
     # The forward's impl names a forward kernel; the backward's family is
     # chosen by "auto", but for impl='prefill' at D = 512 on Metal (the split-D pair).
     grad_q, grad_k, grad_v, grad_sinks = torch.ops.flash_metal.attention_backward(

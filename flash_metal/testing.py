@@ -267,7 +267,7 @@ def reference_gradients(q, k, v, grad_out, causal=False, scale=None, grad_lse=No
     dV = Pᵀ dO, dS = P ∘ (dO Vᵀ − rowsum(dO ∘ O) + grad_lse), dQ = dS K · scale,
     dK = dSᵀ Q · scale, summed over each kv head's query group. With
     softcap, dS is multiplied by the cap's derivative 1 - tanh²(S / softcap).
-    tests/test_backward.py checks it against autograd through
+    tests/api/test_backward.py checks it against autograd through
     attention_reference.
     """
     sinks = options.pop("sinks", None)

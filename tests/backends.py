@@ -25,15 +25,15 @@ MPP_KERNEL_PREFIX = "flash_attention_prefill_mpp_"
 # (csrc/metal/plan.h, is_tensor_ops_kernel).
 MPP_KERNEL_PREFIXES = (MPP_KERNEL_PREFIX, "flash_backward_mpp_")
 # The D = 256 split-D forward (attention_prefill_mpp_dsplit.h) stays out of
-# the default MPP build (CI time: only tests/test_metal_tensor_ops_d256.py and
+# the default MPP build (CI time: only tests/metal/test_metal_tensor_ops_d256.py and
 # the model run it); metal_mpp_dsplit_library builds it alone.
 MPP_DSPLIT_KERNELS = "flash_attention_prefill_mpp_dsplit_*"
 # The D = 256 split-D backward (attention_backward_mpp_dsplit.h): also out of
 # the default MPP build; metal_mpp_dsplit_backward_library builds it alone
-# (tests/test_metal_tensor_ops_backward_d256.py, the model).
+# (tests/metal/test_metal_tensor_ops_backward_d256.py, the model).
 MPP_DSPLIT_BACKWARD_KERNELS = "flash_backward_mpp_dsplit_*"
 # The MLA pair's kernels (a v head dim of its own: "_dqk<D>_dv<DV>_" in the
-# name) stay out of it too (CI time: tests/test_metal_tensor_ops_mla.py and
+# name) stay out of it too (CI time: tests/metal/test_metal_tensor_ops_mla.py and
 # the model run them); metal_mpp_mla_library builds them alone.
 MPP_MLA_KERNELS = "flash_*_mpp_*_dqk*"
 
@@ -158,7 +158,7 @@ def select_mps_cases(items, full=None):
     return kept, deselected
 
 
-# The fast-math flavour's kernels. Its tests (tests/test_fast_math.py and the
+# The fast-math flavour's kernels. Its tests (tests/metal/test_fast_math.py and the
 # fast_math cases of the kernel files) run every forward kernel but only a few
 # backward and decode buckets, so the flavour is a partial library
 # (metal_emulator.compile_library's `only`): the whole of attention.metal under
@@ -187,8 +187,8 @@ def metal_library(instrumented: bool, fast_math: bool = False):
 
 # The wide decode kernels' own partial libraries (the default builds leave them
 # out: tests/shader_builds.py). The sanitizing one holds bfloat16's only: the
-# sanitized wide runs (tests/test_metal_decode_wide.py,
-# tests/test_metal_model_decode_wide.py) use that dtype, and every kernel of
+# sanitized wide runs (tests/metal/test_metal_decode_wide.py,
+# tests/model/test_metal_model_decode_wide.py) use that dtype, and every kernel of
 # the build costs minutes at -O1 with the checks. A wide run outside these
 # lists fails with the emulator's "no kernel named ..." error; add it here.
 SANITIZED_WIDE_DECODE_KERNELS = ("flash_decode*_bfloat16_d512", "flash_decode*_bfloat16_d576")

@@ -3,6 +3,12 @@
 The suite tests the *installed* flash_metal (pip install .). tests/ is put on
 sys.path by pytest (this conftest has no package above it), so helpers such
 as `numerics`, `backends` and the `metal_emulator` package import directly.
+
+The test files sit in one folder per thing tested (repo_paths.GROUPS; docs/testing.md
+has the map). A test file may import a helper from another test file by its
+basename (`from test_sinks import assert_sinks_grad_close`), so every group
+folder goes on sys.path here, before collection; tests/project/test_layout.py
+keeps the basenames unique and every test file inside a group.
 """
 import os
 
@@ -17,8 +23,10 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 import flash_metal
+from repo_paths import put_groups_on_path
 
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+put_groups_on_path()
 
 
 def pytest_configure(config):

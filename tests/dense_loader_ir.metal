@@ -1,4 +1,4 @@
-// Test-only kernels (never shipped) for tests/test_metal_dense_loader.py:
+// Test-only kernels (never shipped) for tests/metal/test_metal_dense_loader.py:
 // the integer-math check over the optimised IR, and the dense loader's tile
 // compared element by element with its source. The tile loader's dense
 // path alone at the shapes the kernels instantiate, the whole loader (whose

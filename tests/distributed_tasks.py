@@ -1,4 +1,4 @@
-"""What the ranks of tests/test_distributed*.py run (inside tests/distributed_pool.py's processes).
+"""What the ranks of tests/api/test_distributed*.py run (inside tests/distributed_pool.py's processes).
 
 Every task is called on every rank with the same arguments; rank 0 returns
 the verdicts (the others return None or their own observations). Inputs are

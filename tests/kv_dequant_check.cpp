@@ -1,5 +1,5 @@
 // Checks csrc/cpu/kv_dequant.h in whatever ISA this file is compiled for
-// (tests/test_kv_dequant_isa.py builds it for AVX-512, AVX2 and the scalar
+// (tests/cpu/test_kv_dequant_isa.py builds it for AVX-512, AVX2 and the scalar
 // fallback): every vector load equals the scalar decode lane by lane, for
 // every format, and reduce_lanes puts each sum where reduce_lanes_perm says.
 // Prints the fp8 table (decode_one times 256 for codes 0..255) for the test

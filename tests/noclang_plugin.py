@@ -1,4 +1,4 @@
-"""A pytest plugin that makes this machine look like one without clang 19 (tests/test_prereqs.py)."""
+"""A pytest plugin that makes this machine look like one without clang 19 (tests/project/test_prereqs.py)."""
 import metal_emulator._build as _build
 
 

@@ -1,4 +1,4 @@
-// Test-only kernels (never shipped) for tests/test_metal_dense_loader.py's
+// Test-only kernels (never shipped) for tests/metal/test_metal_dense_loader.py's
 // check that the prefill kernel's Q.K^T feature loop is unrolled in the
 // optimised IR (issue 19): one shipped instantiation, compiled alone.
 #include "../shaders/prefill/attention_prefill.h"

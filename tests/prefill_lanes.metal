@@ -1,6 +1,6 @@
 // Test-only kernel (never shipped): the prefill kernel's fragment helpers
 // (shaders/prefill/attention_prefill.h), lane by lane, for the lane-layout pin test
-// in tests/test_metal_prefill.py. One SIMD-group.
+// in tests/metal/test_metal_prefill.py. One SIMD-group.
 #include "../shaders/prefill/attention_prefill.h"
 
 namespace flash_metal {

@@ -16,7 +16,7 @@ SHADER = os.path.join(ROOT, "shaders", "attention.metal")
 # kernels x 3 dtypes x 2 buckets = 18). Why out of the default builds: they are
 # the library's widest unrolled kernels (16 and 18 values per lane per slice),
 # their compile put the CI run past its 30 minutes, and only
-# tests/test_metal_decode_wide.py and tests/test_metal_model_decode_wide.py run
+# tests/metal/test_metal_decode_wide.py and tests/model/test_metal_model_decode_wide.py run
 # them, on partial libraries of their own (tests/backends.py
 # wide_decode_library). The default builds still name them
 # (Library.omitted_names), so the registry, the planner and the executed
@@ -24,7 +24,7 @@ SHADER = os.path.join(ROOT, "shaders", "attention.metal")
 WIDE_DECODE_KERNELS = ("flash_decode*_d512", "flash_decode*_d576")
 # The split-D backward at D = 512 (issue 20 section 3, shaders/backward/attention_backward_splitd.h:
 # 2 kernels x 3 dtypes). Out of the default builds for the same reason (CI time): only
-# tests/test_metal_backward_splitd.py and benchmarks/model/families/splitd_backward.py run them,
+# tests/metal/test_metal_backward_splitd.py and benchmarks/model/families/splitd_backward.py run them,
 # on a partial library of their own (tests/backends.py splitd_backward_library).
 SPLITD_BACKWARD_KERNELS = ("flash_backward_splitd_*",)
 DEFAULT_EXCLUDE = WIDE_DECODE_KERNELS + SPLITD_BACKWARD_KERNELS

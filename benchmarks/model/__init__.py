@@ -4,7 +4,7 @@ exact per-dispatch counts. Nothing here is a measurement.
 
     python -m benchmarks.model --help
 
-Layers (each imports only the ones above it; tests/test_metal_model.py
+Layers (each imports only the ones above it; tests/model/test_metal_model.py
 checks there is no cycle):
 
 - core/: the GPU table (gpus.py, every figure with its source), the time

@@ -75,6 +75,8 @@ def _decode(args):
 
     if args.grid:
         print(decode.grid(out=args.out))
+    elif args.row_groups:
+        decode.row_group_report()
     else:
         decode.side_by_side()
 
@@ -135,7 +137,9 @@ COMMANDS = [
     ("decode", "the decode designs (ours, ours before issue 43, MLX, llama.cpp) beside MLX #4076 "
                "(families/decode.py)",
      [("--grid", dict(action="store_true", help="the decode grid before / after issue 43, per chip")),
-      ("--out", dict(metavar="PATH", help="with --grid: write the table to PATH"))], _decode),
+      ("--out", dict(metavar="PATH", help="with --grid: write the table to PATH")),
+      ("--row-groups", dict(action="store_true", help="GQA >= 4: ours against half the row groups with twice "
+                                                      "the rows each, over the decode grid"))], _decode),
     ("decode-wide", "decode above 256 (buckets 512, 576) vs unfused and the composite path "
                     "(families/decode_wide.py)", [], _decode_wide),
     ("bookkeeping", "the tensor-op kernels' per-block bookkeeping beside MLX's NAX attention "

@@ -396,7 +396,7 @@ void fold_two_sum(float* sum, float* comp, const float* x, int64_t n) {
 // into ws.hk/hv, then folded into acc by TwoSum with the rounding error kept
 // in acc.ek/ev (Knuth, TAOCP 4.2.2; Neumaier's compensated summation), so
 // the group adds about one float32 rounding however many heads it has
-// (equal heads sum exactly: tests/test_gqa_backward_precision.py). dK and
+// (equal heads sum exactly: tests/api/test_gqa_backward_precision.py). dK and
 // dV then measured 0.4-1.7x PyTorch's error at 1 to 32 heads per kv head;
 // the blocked sums alone, one accumulator for the group, still grew to
 // 1.5-1.7x at 32. Costs 2 more Nk x Dp buffers per thread and per item (the

@@ -33,7 +33,7 @@
 //    rounds nowhere at the score's magnitude; and 1 - tanh^2 as 4e / (1 + e)^2,
 //    with no cancellation where tanh saturates;
 //  * blocked_scores: the score products as sums of 64-feature blocks.
-// Measured on tests/test_flash_attn_varlen_backward.py's grid (D 192, 256;
+// Measured on tests/api/test_flash_attn_varlen_backward.py's grid (D 192, 256;
 // softcap 50 or none; window (78, 301) or none), max error over the batch
 // against float64 as a multiple of PyTorch's float32 backward's: before, up
 // to 4.5x (dQ), 4.5x (dK), 3.5x (dV); after, 0.3-1.1x. The price: the

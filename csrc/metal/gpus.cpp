@@ -5,7 +5,7 @@
 // split-KV decode's block count depends on them (through `cores`).
 //
 // Sources (benchmarks/model/core/gpus.py holds the same chips with the same keys;
-// tests/test_metal_model_anchors.py checks that the two tables agree):
+// tests/model/test_metal_model_anchors.py checks that the two tables agree):
 //   cores: philipturner/metal-benchmarks' GPU table (M1 and M2 families);
 //     Apple's announcements for M3 (10/18/40, M3 Ultra 80), M4 (10/20/40)
 //     and M5 (10).

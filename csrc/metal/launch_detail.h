@@ -10,7 +10,7 @@ namespace flash_metal::plan_detail {
 
 // The binding slots of the attention kernels: they mirror the [[buffer(n)]]
 // and [[threadgroup(n)]] attributes of the kernel templates in shaders/*.h
-// (tests/test_metal_kernels.py checks each instantiation's signature against
+// (tests/metal/test_metal_kernels.py checks each instantiation's signature against
 // these tables). One slot per tensor across every kernel, so a tensor is
 // always at the same index.
 constexpr uint32_t kSlotQ = 0, kSlotK = 1, kSlotV = 2, kSlotOut = 3, kSlotLse = 4;

@@ -7,7 +7,7 @@
 // inside dispatch_sync on the stream's
 // serial queue, take the stream's shared compute encoder, bind, dispatch, and
 // leave committing to PyTorch. The rules, checked on Linux by
-// tests/test_mps_host.py:
+// tests/mps/test_mps_host.py:
 //   - never open an encoder of our own, never end the shared one, never commit;
 //   - stream->commandEncoder() only inside dispatch_sync(stream->queue(), ...);
 //   - nothing inside the block can throw, and no PyTorch MPS op runs there:

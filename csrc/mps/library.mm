@@ -35,7 +35,7 @@
 // after every header, an API newer than that target used outside an
 // `if (@available(...))` guard (mathMode is macOS 15, MTLLanguageVersion3_1
 // macOS 14) is an error instead of an unrecognized-selector crash on an older
-// macOS. (tests/test_mps_host.py checks the same guards textually on Linux.)
+// macOS. (tests/mps/test_mps_host.py checks the same guards textually on Linux.)
 #pragma clang diagnostic error "-Wunguarded-availability-new"
 
 // MTLMathMode, MTLMathFloatingPointFunctions and MTLCompileOptions' mathMode
@@ -48,8 +48,8 @@
 // with the older SDK then still asks for safe, precise math when it runs on
 // macOS 15, where the selectors exist. The availability attribute keeps the
 // pragma above enforcing the @available guard on their use.
-// (tests/test_mps_host.py syntax-checks this file against an SDK-14 view of
-// its Apple stubs, which lacks them, and tests/test_mps_exec_runtime.py runs
+// (tests/mps/test_mps_host.py syntax-checks this file against an SDK-14 view of
+// its Apple stubs, which lacks them, and tests/mps/test_mps_exec_runtime.py runs
 // that build.)
 #if !defined(__MAC_15_0)
 #define FLASH_METAL_MACOS_15_API __attribute__((availability(macos, introduced = 15.0)))

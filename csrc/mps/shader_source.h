@@ -4,7 +4,7 @@
 // this inlines every local (quoted) include, recursively, each file once.
 //
 // Portable C++ with no Objective-C, no Metal and no torch, so that a Linux
-// test (tests/test_mps_host.py) can compile it into a tiny binary and hand
+// test (tests/mps/test_mps_host.py) can compile it into a tiny binary and hand
 // its output to the project's Metal emulator. Header-only on purpose: the
 // .mm includes it, and setup.py compiles only csrc/mps/*.mm on macOS.
 //

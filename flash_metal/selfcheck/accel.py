@@ -124,7 +124,7 @@ def status(backend) -> dict:
 
 # What says that the MSL 4 library itself is missing, stale, unloadable or unfindable, in metal_device_info's
 # tensor_ops reasons (csrc/mps/library.mm, load_mpp_library and tensor_ops_library_problem; package_directory's
-# refusal when the extension cannot find its own directory). tests/test_selfcheck_verdicts.py reads every problem
+# refusal when the extension cannot find its own directory). tests/api/test_selfcheck_verdicts.py reads every problem
 # string library.mm can return and checks each one's verdict here.
 LIBRARY_MARKERS = ("MSL 4 library", "flash_metal_mpp.metallib", "cannot locate the _C extension")
 

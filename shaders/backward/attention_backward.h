@@ -295,7 +295,7 @@ FM_INLINE float backward_weight(constant AttentionParams& p, device const uchar*
 // rowsum(P o dP) of its own P and dP. With the softcap's product rounding
 // and the one-chain score sums (backward_weight, backward_products), float32
 // dQ, dK and dV came out at up to 3.4x, 4.1x and 6.7x PyTorch's error on
-// flash-attn's varlen test (tests/test_flash_attn_varlen_backward.py). The
+// flash-attn's varlen test (tests/api/test_flash_attn_varlen_backward.py). The
 // dQ kernel sees whole rows: a first pass over its key blocks (S and dP
 // again, as the main pass makes them) sums each row's P and P * dP; log2 of
 // the first joins the row's m2lo and Delta becomes the second over the

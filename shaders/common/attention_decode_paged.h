@@ -12,7 +12,7 @@
 // hold anything: flash-attn leaves them unchecked in its kernels too).
 //
 // Addressing without a runtime division in the block loop (Apple GPUs have
-// no integer divider; tests/test_metal_decode_source.py): a PageCursor walks
+// no integer divider; tests/metal/test_metal_decode_source.py): a PageCursor walks
 // the keys of a block one by one, stepping to the next table entry when its
 // row reaches page_size; the first key of each block comes from the previous
 // block's by a fixed step (KG * 32 keys = step_entries pages + step_rows

@@ -85,7 +85,7 @@
 // threadgroup, i.e. once per (batch, kv_head[, split]) for all R rows
 // whenever the GQA group fits one threadgroup (RG <= 8, R <= 8 * RS: 32
 // rows up to DMAX 64, 16 up to 128, 8 at 192 and 256; in one-token decode, every
-// GQA model of tests/test_metal_plan_limits.py and MQA up to 16 heads at
+// GQA model of tests/metal/test_metal_plan_limits.py and MQA up to 16 heads at
 // DMAX 128): each key group loads its own keys straight into registers, and
 // when it has several row groups each of them loads the same keys, the
 // siblings' loads counted as hits in the core's L1 (decode_attend: a

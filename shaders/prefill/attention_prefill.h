@@ -61,7 +61,7 @@ constant constexpr int kPrefillRowPadBytes = 16;
 // (row, col + 1) of thread_elements(), with qid = l / 4,
 // row = (qid & 4) + (l / 2) % 4, col = (qid & 2) * 2 + (l % 2) * 2.
 // Apple does not document it; MLX and metal-flash-attention ("morton order")
-// rely on it, and tests/test_metal_prefill.py pins these two functions to it.
+// rely on it, and tests/metal/test_metal_prefill.py pins these two functions to it.
 // The 4 lanes of one row are l, l ^ 1, l ^ 8, l ^ 9: a row reduction is a
 // lane-local combine of the 2 elements, then simd_shuffle_xor by 1 and by 8.
 inline int prefill_frag_row(uint lane) {
@@ -564,7 +564,7 @@ template <typename T, int DMAX, int BQ, int BK, int WM>
     // BK + Nk / BK terms, not Nk). MLX accumulates into O directly; at
     // Nk = 8192 in float32 that lands at 3.4-5.4x PyTorch's error in the
     // emulator, this at 0.8-1.3x, within the strict 2x rule
-    // (tests/test_metal_prefill.py). The cost is one fma per element of O
+    // (tests/metal/test_metal_prefill.py). The cost is one fma per element of O
     // per block. (On a GPU the MMA's internal rounding is not documented;
     // the emulator rounds after every product, see its README.) Feature fragments that are all padding (past
     // v's DV features) are skipped (uniform: DV is the same for every lane); O's index id stays a compile-time

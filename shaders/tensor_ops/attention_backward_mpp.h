@@ -80,7 +80,7 @@
 // types, would fail under "scrambled").
 //
 // Not yet verified on Apple hardware: the emulator runs it under the
-// published M5 layout and a scrambled one (tests/test_metal_tensor_ops_backward.py).
+// published M5 layout and a scrambled one (tests/metal/test_metal_tensor_ops_backward.py).
 #pragma once
 
 #include "attention_mpp_common.h"

@@ -71,7 +71,7 @@
 //
 // Not yet verified on Apple hardware: the emulator runs it under the
 // published M5 layout and a scrambled one
-// (tests/test_metal_tensor_ops_backward_d256.py).
+// (tests/metal/test_metal_tensor_ops_backward_d256.py).
 #pragma once
 
 #include "attention_backward_mpp.h"

@@ -25,7 +25,7 @@
 // "Cooperative tensors"; tests/metal_emulator/README.md).
 //
 // MSL 4 only, as the kernels: shaders/attention_mpp.metal includes this
-// first (tests/test_mps_host.py checks that no MSL 4 header reaches the
+// first (tests/mps/test_mps_host.py checks that no MSL 4 header reaches the
 // MSL 3.1 library).
 #pragma once
 
@@ -191,7 +191,7 @@ FM_INLINE void mpp_stage_rows(threadgroup T* tile, device const T* src, int rows
 // __tensorops_impl_matmul2d_op_cooperative_tensor_num_elements, and the
 // storage a deferred-size alloca in the AIR): the driver resolves both when
 // it links its implementation, which is where the unrolling takes effect.
-// tests/test_mpp_speed_structure.py checks that every such loop carries it.
+// tests/metal/test_mpp_speed_structure.py checks that every such loop carries it.
 
 // Every slot of a float destination cooperative tensor to 0 (Apple leaves
 // a new one's values undefined; the emulator poisons them with NaN).

@@ -5,7 +5,7 @@
 // number is formatted by a C++ runtime whose locale state was never set up:
 // on an AMX Xeon (Ubuntu 24.04, gcc 13.3) that was a SIGSEGV; on Debian 12
 // (gcc 12.2) the number silently vanishes from the message. Built by
-// tests/test_build_runtime.py; not part of the package.
+// tests/project/test_build_runtime.py; not part of the package.
 #include <ATen/core/Tensor.h>
 #include <Python.h>
 #include <c10/util/Exception.h>

@@ -101,7 +101,7 @@ def slow_integer_math(paths) -> dict[str, list[str]]:
     """{kernel host name: its 64-bit multiplies and runtime-divisor divisions}, for every
     kernel in the .metal files, from the LLVM IR the fast build optimizes (-O2, helpers
     inlined and loops unrolled), so each listed instruction is one the kernel executes.
-    Meant for small test kernels wrapping one helper (tests/test_metal_dense_loader.py)."""
+    Meant for small test kernels wrapping one helper (tests/metal/test_metal_dense_loader.py)."""
     return _per_kernel(paths, "slowmath", lambda body, _: [x.group(1).strip() for x in _SLOW_MATH.finditer(body)])
 
 
@@ -115,7 +115,7 @@ def mma_call_sites(paths) -> dict[str, int]:
     in the .metal files, from the IR the fast build optimizes (-O2). A loop the compiler unrolled
     contributes one site per trip; a loop left rolled (a runtime trip count) one per body, so a
     kernel's count tells whether its matrix loops ran to compile-time bounds
-    (tests/test_metal_dense_loader.py)."""
+    (tests/metal/test_metal_dense_loader.py)."""
 
     def count(body, strings):
         mma_strings = [name for name, text in strings.items() if text == "simdgroup_multiply_accumulate"]

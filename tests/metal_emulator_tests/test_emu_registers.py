@@ -46,7 +46,7 @@ def test_shipped_attention_kernels_keep_no_array_in_memory():
     # sinks' gradient (flash_sinks_grad, one), and the split-D forward at
     # (512, 512), (576, 512) and (256, 512) (three per dtype: Q, O and S
     # fragment arrays, indexed by constants only): 176. The default builds' set: the wide decode's 18 (decode buckets 512
-    # and 576) are checked on their own, tests/test_metal_decode_wide.py.
+    # and 576) are checked on their own, tests/metal/test_metal_decode_wide.py.
     assert len(arrays) == 2 * 3 * 4 + 4 * 3 * 8 + 2 * (3 * 8 - 1) + 1 + 3 * 3
     in_memory = {name: a for name, a in arrays.items() if a}
     assert not in_memory, f"private arrays left in per-thread memory: {in_memory}"

@@ -17,7 +17,7 @@ SHADERS = os.path.join(REPO, "shaders")
 def libraries(shader_dir):
     """Every .metal under shader_dir -> its language version, as setup.py builds them: *_mpp.metal in
     the MSL 4 library (-std=metal4.0), the others in the MSL 3.1 one (setup.metal_sources globs them)."""
-    setup = load_setup()  # setup.py as a module (tests/test_build.py)
+    setup = load_setup()  # setup.py as a module (tests/project/test_build.py)
     out = {src: 3 for src in setup.metal_sources(shader_dir)}
     out.update({src: 4 for src in setup.metal_sources(shader_dir, mpp=True)})
     return out

@@ -46,8 +46,8 @@ FAKE_SOURCES = ("fake_foundation.mm", "fake_metal.mm", "fake_encoder.mm", "fake_
 APT_PACKAGES = "clang-19 libobjc-12-dev libblocksruntime-dev"
 # Why the harness does not run on macOS: the real thing runs there.
 MACOS_REASON = ("macOS: tests/mps_exec is a Linux stand-in for Apple's frameworks (GCC's libobjc, libBlocksRuntime, "
-                "recording fakes); on a Mac the real Metal framework runs the host instead (tests/test_mps_pipelines.py, "
-                "tests/test_device_info.py)")
+                "recording fakes); on a Mac the real Metal framework runs the host instead (tests/mps/test_mps_pipelines.py, "
+                "tests/mps/test_device_info.py)")
 
 # `@available(macOS 14.0, *)`: clang folds it to true off Apple platforms, so
 # the build rewrites it into a call the harness can answer with any macOS

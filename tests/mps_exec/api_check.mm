@@ -1,5 +1,5 @@
 // Compiled (syntax only) against the REAL macOS torch headers by
-// tests/test_mps_exec.py, through tests/mps_syntax/syntax_check.py: every
+// tests/mps/test_mps_exec.py, through tests/mps_syntax/syntax_check.py: every
 // at::mps entry in include/mps_exec/mps_api.h, which the execution test's
 // minimal declarations are generated from, must exist in PyTorch with exactly
 // the listed type. Taking the address through a static_cast to the listed

@@ -459,7 +459,7 @@ def tensor_ops_backward(host, library) -> dict:
     assert_gradients_close(tuple(host.to_cpu(t) for t in grads), q, k, v, grad_out, True, None, grad_lse)
     kernels = [e["kernel"] for e in rec["events"] if e["op"] == "setComputePipelineState"]
     # With options (a left window, softcap, sinks): the same two MSL 4 kernels, then flash_sinks_grad from
-    # the MSL 3.1 library, one plan across both libraries; grad_sinks checked as tests/test_sinks.py does.
+    # the MSL 3.1 library, one plan across both libraries; grad_sinks checked as tests/api/test_sinks.py does.
     from flash_metal.reference import attention_reference
     from test_sinks import assert_sinks_grad_close
 

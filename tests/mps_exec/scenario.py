@@ -34,6 +34,10 @@ sys.path.insert(0, TESTS)
 
 import torch  # noqa: E402
 
+from repo_paths import put_groups_on_path  # noqa: E402
+
+put_groups_on_path()  # the checks import helpers from test files (test_sinks)
+
 import mps_exec  # noqa: E402
 from metal_emulator import preprocessed  # noqa: E402
 from shader_builds import shipped_library  # noqa: E402

@@ -1,5 +1,5 @@
 // Correct calls of real Metal and PyTorch MPS API that csrc/mps/ does not
-// (all) make today. tests/test_mps_host.py syntax-checks this file: the stubs
+// (all) make today. tests/mps/test_mps_host.py syntax-checks this file: the stubs
 // must accept every correct call (a correct change to the host must never
 // fail the check), and, edited by that test, reject a misspelled selector
 // and a wrong argument type. Never compiled into anything.

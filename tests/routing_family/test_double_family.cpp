@@ -1,4 +1,4 @@
-// A kernel family of the tests' own (tests/test_metal_routing_table.py): never
+// A kernel family of the tests' own (tests/metal/test_metal_routing_table.py): never
 // part of the product, built by the test into its own shared library and
 // registered into the forward routing table through the
 // metal_routing_register_family op (the row's address, from

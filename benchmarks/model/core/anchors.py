@@ -9,7 +9,7 @@ the post's. The report: families/anchors.py,
    are hand-counted below from its source (steel_attention.h: BQ = 32,
    BK = 32 for D <= 96, 4 SIMD-groups of 8 rows, the Q tile loaded once, K
    and V through one shared tile, both products on 8x8 fragments read back
-   from threadgroup memory per key block), and tests/test_metal_model_anchors.py
+   from threadgroup memory per key block), and tests/model/test_metal_model_anchors.py
    checks that they equal the prefill kernel's emulator counts field by field.
    So this model, fed the prefill kernel's counts, predicts MLX's kernel; the
    claim is +-15 % where MLX runs at high occupancy (in_regime). N = 256 is
@@ -81,7 +81,7 @@ CSV_COLUMNS = ["anchor", "gpu", "shape", "measured_ms", "predicted_low_ms", "pre
                "ratio", "in_regime", "role"]
 
 # How each constant was derived from anchors (a validation anchor's value may appear in none of them:
-# tests/test_metal_model_anchors.py). gpus.MMA_RATE[3] (M3 and later): its low end, 105 FFMAs per
+# tests/model/test_metal_model_anchors.py). gpus.MMA_RATE[3] (M3 and later): its low end, 105 FFMAs per
 # core-cycle, is MLX's N = 4096 timing's lower bound (11.73e12 / (40 x 1.398e9 x 2)); the tensor-op
 # softmax rule (additive, timing.py "overlap" at the point) was chosen on the NAX row.
 # PER_CALL_FLOOR: per_call_floor() below, on the two calibration rows of MLX #1610.

@@ -3,7 +3,7 @@ instrumented emulator (tests/backends.py emulated_metal_attention_backward,
 launched from the host's own plan: the dQ kernel, then the dK/dV kernel).
 Sizes too big to emulate are scaled by counts.py's rule (linear in B * H;
 for Nq = Nk = n * 64, a polynomial of degree <= 2 in n, fixed by three
-emulated sizes); tests/test_metal_backward.py checks it on a fourth.
+emulated sizes); tests/metal/test_metal_backward.py checks it on a fourth.
 """
 import torch
 

@@ -7,7 +7,7 @@ every table) by the rule of `scaled_counts`: heads are independent (linear
 in B * Hq), and for Nq = Nk = n * UNIT every count is a polynomial of degree
 <= 2 in n (each query block does work linear in its visible key blocks, and
 there are n of them), so three emulated sizes fix it exactly;
-tests/test_metal_model.py checks the fit against a fourth emulated size.
+tests/model/test_metal_model.py checks the fit against a fourth emulated size.
 The backward's counts: backward_counts.py, on the same rule.
 """
 import contextlib

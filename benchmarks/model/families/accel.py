@@ -128,7 +128,7 @@ def _per_block(dtype, d, rows=DSPLIT_BQ, dv=0):
 def mpp_scaled_counts(s: M.Shape, dtype, rows=DSPLIT_BQ):
     """The tensor-op forward's counts, non-causal, Nq % 64 == Nk % 32 == 0: every threadgroup (one per 64
     query rows of one query head) runs Nk / 32 identical key blocks, so its counts are the fixed part plus
-    the per-block part per block (exact: tests/test_metal_model_accel.py checks a direct emulation). At
+    the per-block part per block (exact: tests/model/test_metal_model_accel.py checks a direct emulation). At
     D = 256 `rows` picks the split-D kernel: 32 rows and 32 keys, or 64 rows and 16 keys."""
     bq, bk = _bq(s.d, rows), _bk(s.d, rows)
     if s.nq % bq or s.nk % bk:
@@ -247,7 +247,7 @@ def dsplit_backward_scaled_counts(s: M.Shape, dtype):
     threadgroup (16 rows of one head) runs Nk / 32 identical key blocks and each dK/dV threadgroup (32 keys of
     one head) Nq / 16 identical query blocks, so a kernel's counts are its threadgroups times a fixed part plus
     a part per block, fixed by three one-head launches of (Nq, Nk) = (16, 32), (16, 64), (32, 32) (exact:
-    tests/test_metal_model_accel.py checks a direct emulation; seconds where BM.scaled_counts' 256-token
+    tests/model/test_metal_model_accel.py checks a direct emulation; seconds where BM.scaled_counts' 256-token
     launches take minutes)."""
     if s.nq % DSPLIT_BWD_BQ or s.nk % MPP_BWD_BLOCK or s.hq != s.hkv or s.d != DSPLIT_D:
         raise ValueError(f"the split-D backward scaling rule needs D = 256, Nq % 16 == Nk % 32 == 0, Hq = Hkv; got {s}")
@@ -467,7 +467,7 @@ def accelerators(quick=False):
                     rows.append((gname, s, pas, causal, simd[1], tops[1]))
                     print(f"| {gname} | 1x{s.hq}:{s.hkv}x{s.nq}x{s.d} f16 | {pas} | {causal} | {_ms(simd)} "
                           f"| {_ms(tops)} ({max(terms, key=terms.get)}) | {simd[1] / tops[1]:.2f}x | {ours} | {nax} |")
-    print("Our tensor-op forward has MLX's counts (tests/test_metal_model_accel.py), Q read from device memory "
+    print("Our tensor-op forward has MLX's counts (tests/model/test_metal_model_accel.py), Q read from device memory "
           "once included, except that each SIMD-group stages its 16 Q rows in threadgroup memory (MLX keeps them "
           "in registers) and P too, which matmul2d reads from there every key block (on-core data). Our tensor-op "
           "backward: float16 (its kernels take 16-bit inputs); its dK/dV kernel stages each Q / dO block once per "

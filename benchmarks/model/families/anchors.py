@@ -38,7 +38,7 @@ def anchors(csv_path=None, names=None):
     print(f"MLX M3 Max rows: a per-call floor of {floor * 1e6:.1f} us plus the FLOPs at {rate / 1e12:.2f} TFLOPS, "
           "fitted on the two calibration rows (N = 256, 4096) alone, replacing the whole-wave rule and the 5 us "
           "dispatch; their bands are the time model's relative band. The prefill kernel's counts equal MLX steel "
-          "attention's (hand count, tests/test_metal_model_anchors.py). Post rows: different programs (the post "
+          "attention's (hand count, tests/model/test_metal_model_anchors.py). Post rows: different programs (the post "
           "reads Q inside the key loop and divides by sqrt(D) per key; ours do neither). The mlx-nax row: MLX's "
           "accelerator kernel, hand-counted (core/anchors.py nax_counts); it chose the tensor-op softmax rule.")
     DM.side_by_side()

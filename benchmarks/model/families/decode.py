@@ -36,7 +36,7 @@ the 88 us measured, so no L1 cost can be fitted there; the GQA-1 point fixes the
 GQA-8 points then test the model, L1 term included (it comes within 10 % of binding at GQA 8).
 
 Designs: ours (from the planner's own plan on the chip: flash_metal.explain(gpu=key); the emulator's
-counts check it, tests/test_metal_model_decode.py), ours before issue 43 (the same kernel's launch under the
+counts check it, tests/model/test_metal_model_decode.py), ours before issue 43 (the same kernel's launch under the
 old split rule, 2 rows in flight), MLX's sdpa_vector_2pass (hand count from its source:
 scaled_dot_product_attention.cpp's block table and sdpa_vector.h) and llama.cpp's flash_attn_ext_vec (hand
 count from ggml-metal: 32 workgroups per query head, 32-key phases; its SIMD-groups per threadgroup taken as 1).
@@ -233,6 +233,92 @@ def mlx_2pass(s, gpu, dtype=torch.float16, k=T.POINT):
                         _fixed_cycles(gpu, k, 0), s.d * elem,
                         f"{blocks} blocks, {s.b * s.hkv * blocks} threadgroups of {gqa} SIMD-groups, 2 rows in "
                         f"flight, every row requested {gqa}x")
+
+
+# -------------------------------------------- GQA >= 4: fewer row groups, more rows each (issue 43)
+
+LIVE_OVERHEAD = 16     # csrc/metal/plan_detail.h kLiveOverhead: addresses, bounds, counters per lane
+ADDRESSABLE_REGS = 128  # 32-bit registers a thread addresses: a design needing more spills
+
+
+def _decode_live(d, rows):
+    """csrc/metal/plan_detail.h decode_live_registers (no mask): each row's q and o slices, scores and
+    softmax state, plus the K/V slices of the rows in flight, plus the overhead."""
+    slice_ = -(-d // 32)
+    in_flight = 4 if d <= 256 else 2
+    return rows * (3 * slice_ + 5) + in_flight * slice_ + LIVE_OVERHEAD
+
+
+def ours_fewer_row_groups(s, gpu, dtype=torch.float16, k=T.POINT):
+    """The alternative issue 43 asked to weigh for GQA >= 4: the same launch with half the row groups, each
+    SIMD-group holding twice the query rows (a kv head's rows shared by fewer SIMD-groups, so fewer L1
+    re-requests of each K/V row), against ours (two or more row groups of the register budget's rows).
+    Residency from the same register rule as the planner's (REGISTER_FILE_PER_CORE over the threadgroup's
+    live registers); the split count kept, so a lower residency can cost waves. None where ours has one row
+    group (nothing to fold) or the doubled rows exceed the registers a thread addresses (it would spill)."""
+    now = ours(s, gpu, dtype, k)
+    rgl, kg = now.readers, now.sgs_per_tg // now.readers
+    if rgl < 2:
+        return None
+    rows = 2 * (4 if s.d <= 64 else 2 if s.d <= 128 else 1)
+    live = _decode_live(s.d, rows)
+    if live > ADDRESSABLE_REGS:
+        return None
+    half = rgl // 2
+    resident = max(1, T.REGISTER_FILE_PER_CORE // (live * 4 * 32 * kg * half))
+    merge_barriers = (2 + 2 * rows) if kg > 1 else 0
+    return now._replace(name="ours, half the row groups", sgs_per_tg=kg * half, resident_tgs=resident,
+                        readers=half, l1_rerequest=(half - 1) * now.kv_bytes,
+                        fixed_cycles=_fixed_cycles(gpu, k, merge_barriers),
+                        why=f"{kg} key groups x {half} row groups of {rows} rows, {live} live registers, "
+                            f"{resident} resident per core")
+
+
+def row_group_comparison(chips=None, k=T.POINT):
+    """[(chip, model, B, Nk, ours us, alternative us, (ours' bound, the alternative's), alternative / ours)] over the decode grid's GQA >= 4
+    shapes where the alternative exists, at the knobs k (T.SLOW: the L1 at its slow end, 32 B per
+    core-cycle, where re-requests cost the most): predictions."""
+    chips = chips or [g for g in G.GPUS if g.key]
+    out = []
+    for gpu in chips:
+        for name, (hq, hkv, d) in GRID_MODELS.items():
+            if hq // hkv < 4:
+                continue
+            for b in GRID_BATCHES:
+                for nk in GRID_NK:
+                    s = Shape(b, hq, hkv, 1, nk, d)
+                    alt = ours_fewer_row_groups(s, gpu, k=k)
+                    if alt is None:
+                        continue
+                    (t_now, terms_now), (t_alt, terms_alt) = predict(ours(s, gpu, k=k), gpu, k), predict(alt, gpu, k)
+                    bound = tuple(max(("stream", "little", "L1", "link"), key=t.get) for t in (terms_now, terms_alt))
+                    out.append((gpu.name, name, b, nk, t_now * 1e6, t_alt * 1e6, bound, t_alt / t_now))
+    return out
+
+
+def row_group_report():
+    rows = row_group_comparison()
+    ratios = sorted(r[-1] for r in rows)
+    print("\n## GQA >= 4: ours (the register budget's rows, several row groups) against half the row groups "
+          "with twice the rows each (predictions)")
+    print(f"{len(rows)} grid points (the GQA >= 4 models, every named chip, batch 1 and 8, Nk 512-128k; at GQA 4 "
+          "x D 128 ours is 2 row groups of 2 rows against 1 of 4, at GQA 8 x D 128 4 of 2 against 2 of 4). "
+          f"Alternative / ours: min {ratios[0]:.3f}, median {ratios[len(ratios) // 2]:.3f}, max {ratios[-1]:.3f}.")
+    worst = max(rows, key=lambda r: r[-1])
+    best = min(rows, key=lambda r: r[-1])
+    print(f"Largest gain for the alternative: {best[0]} {best[1]} B {best[2]} Nk {best[3]}: {best[5]:.1f} us "
+          f"against {best[4]:.1f}; largest loss: {worst[0]} {worst[1]} B {worst[2]} Nk {worst[3]}: "
+          f"{worst[5]:.1f} us against {worst[4]:.1f}.")
+    slow_rows = row_group_comparison(k=T.SLOW)
+    slow = sorted(r[-1] for r in slow_rows)
+    l1 = [r for r in slow_rows if r[-2][0] == "L1"]
+    print(f"At the slow end of every band (L1 32 B per core-cycle, DRAM latency 400 ns): min {slow[0]:.3f}, "
+          f"median {slow[len(slow) // 2]:.3f}, max {slow[-1]:.3f}. Ours binds on the L1 at {len(l1)} of "
+          f"{len(slow_rows)} points there (0 at the point figures), where the alternative saves at most "
+          f"{(1 - min((r[-1] for r in l1), default=1)) * 100:.1f} %; elsewhere both stream K/V from DRAM or are "
+          "bound by Little's law alike. The model cannot choose between them: ours is kept (no kernel change, "
+          "and the register budget's rows hold the residency).")
+    return rows
 
 
 LLAMA_WORKGROUPS = 32  # ggml-metal flash_attn_ext_vec: nwg workgroups split the keys of each query head

@@ -15,7 +15,7 @@ per step.
 Fused side: Records of the planner's own plan (explain at the shape and
 chip: one pass or split, grid, threadgroup, residency), with counts from
 closed forms of the kernels' traffic (fused_counts) that
-tests/test_metal_model_decode_wide.py holds equal to the instrumented
+tests/model/test_metal_model_decode_wide.py holds equal to the instrumented
 emulator's at small shapes; priced by core/timing.py (memory, Little's
 law at the planner's residency, dispatch overhead). The wide buckets hold
 103-119 live values per lane (csrc/metal_plan_detail.h), past the 72-value

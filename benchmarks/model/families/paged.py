@@ -8,7 +8,7 @@ counts, never a measurement, and not yet verified on Apple hardware.
 Decode (`decode_rows`, `report_decode`). Each case runs the one-pass decode
 kernel twice in the instrumented emulator on the same keys: contiguous (the
 planner's own plan, launched as planned) and paged (fc_paged: pages
-scattered and shuffled, launched as tests/test_metal_decode_paged.py
+scattered and shuffled, launched as tests/metal/test_metal_decode_paged.py
 launches it), and both counts go through core/timing.py predict_band on
 named Apple GPUs. The counts show what paging changes: the block table's
 bytes (4 per page per kv head's threadgroup) and nothing else of K/V's (each
@@ -23,7 +23,7 @@ Prefill (`prefill_rows`, `varlen_rows`, `pack_rows`, `report_prefill`).
 Each case runs attention_kvcache's plan twice in the instrumented emulator on
 the same keys: the prefill kernel on a contiguous cache (attention_forward's
 plan) and on a paged one (fc_paged: pages scattered and shuffled,
-tests/test_metal_decode_paged.make_paged_cache, run as the MPS host runs
+tests/metal/test_metal_decode_paged.make_paged_cache, run as the MPS host runs
 attention_kvcache: backends.emulated_metal_kvcache). What paging changes in
 the counts: the block table's bytes (one entry per key block per
 threadgroup when a tile lies in one page; an entry per page a thread enters
@@ -207,7 +207,7 @@ def pack_rows(quick: bool):
     the same cache in the same run: causal, 16-key pages, a batch that fills
     the GPU (8 sequences of 1024 keys, Hq 32, Hkv 8: G = 4), D 64, float16,
     impl='prefill'. Packed is the planner's plan where it packs (2 * Nq <= BQ)
-    and forced elsewhere (tests/test_metal_prefill_pack_gqa.packed_plan);
+    and forced elsewhere (tests/metal/test_metal_prefill_pack_gqa.packed_plan);
     unpacked is the same kernel with fc_pack_gqa false on the (ceil(Nq / BQ),
     Hq, B) grid (unpacked_plan). The emulator's DRAM K/V bytes of each and the
     predicted times (a prediction, not a measurement). The routing rule in

@@ -131,7 +131,7 @@ def claims(impls):
         print("prefill kernel not available in the emulator library yet: no claim.")
         return
     print("Prefill: the same counts as MLX's steel kernel (hand count = emulator counts, "
-          "tests/test_metal_model_anchors.py): predicted at MLX's measured speed if the code is as efficient; "
+          "tests/model/test_metal_model_anchors.py): predicted at MLX's measured speed if the code is as efficient; "
           "unmeasured. Bands: clock, MMA rate, "
           "threadgroup memory per core, DRAM latency, dispatch overhead, streaming ceiling. M5's neural "
           "accelerators: the accel command (our tensor-op forward from its own emulated counts).")

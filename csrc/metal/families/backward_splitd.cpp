@@ -15,7 +15,7 @@ constexpr int64_t kSplitDHeadDim = 512;
 
 // The backward's verdict (benchmarks/model/families/splitd_backward.py prints
 // it from the split-D backward's exact emulator counts against the
-// composite backward's model; tests/test_metal_backward_splitd.py holds it):
+// composite backward's model; tests/metal/test_metal_backward_splitd.py holds it):
 // a model, not a measurement, at 1 x 8 x {1024, 4096} x 512, float16.
 // Behind everywhere: the dK/dV kernel, owning 8 keys, re-reads Q and dO once
 // per 8 keys (twice per block: S^T's transposed fragments, then dK's), the

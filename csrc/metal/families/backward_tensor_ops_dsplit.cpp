@@ -15,7 +15,7 @@ namespace {
 // against_simdgroup; a model, not a measurement): on every M5-family GPU, at
 // 1 x 32 (8 KV) x 4096 x 256 float16, causal and not, the split-D tensor-op
 // backward against the simdgroup backward at D = 256.
-// tests/test_metal_model_accel.py recomputes it and fails if this constant
+// tests/model/test_metal_model_accel.py recomputes it and fails if this constant
 // disagrees with the model.
 constexpr bool kDsplitBackwardModelWins = true;
 constexpr const char* kDsplitBackwardModelNote =

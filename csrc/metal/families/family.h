@@ -38,7 +38,7 @@ struct FamilyRow {
   // paged, varlen, impl, GPU features (for the docs and metal_routing_table).
   const char* declares;
   // The host names it plans, as comma-separated glob patterns ('*' matches
-  // any run): tests/test_metal_routing_table.py holds them to the registry
+  // any run): tests/metal/test_metal_routing_table.py holds them to the registry
   // of compiled kernels (csrc/metal/registry.cpp).
   const char* kernels;
   // Never throws: a predicate with its reason. A call the row takes by

@@ -30,7 +30,7 @@ bool splitd_pair(const AttentionProblem& p) {
 
 // The model's verdict the route follows (benchmarks/model/families/d512.py
 // prints it, benchmarks/model/families/splitd.py computes it from exact
-// emulator counts, tests/test_metal_model_d512.py holds it): a model, not a
+// emulator counts, tests/model/test_metal_model_d512.py holds it): a model, not a
 // measurement, at 1 x 8 x {1024, 4096} x 512, float16.
 constexpr const char* kSplitDVerdictCausal =
     "causal: the model predicts the split-D plan about 2x ahead of the composite (unfused) path on M1 Max, M3 Max, "
@@ -45,7 +45,7 @@ constexpr const char* kSplitDVerdictLevel =
     "the composite path (impl='prefill' runs the split-D kernel)";
 
 // MLA's pairs, (576, 512) and (256, 512) (benchmarks/model/families/splitd_mla.py
-// computes these from exact emulator counts; tests/test_metal_model_splitd_mla.py
+// computes these from exact emulator counts; tests/model/test_metal_model_splitd_mla.py
 // holds them): a model, not a measurement.
 constexpr const char* kSplitDMlaVerdictCausal =
     "causal: the model predicts the split-D plan 2.0-2.1x ahead of the composite (unfused) path at (576, 512) and "

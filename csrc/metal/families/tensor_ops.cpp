@@ -13,7 +13,7 @@ namespace {
 // mla_against_simdgroup; a model, not a measurement): on every M5-family
 // GPU, at 1 x 16 x 4096 x (192, 128) float16, causal and not, forward and
 // backward, the tensor-op kernels against the simdgroup kernels.
-// tests/test_metal_model_accel.py recomputes it and fails if this constant
+// tests/model/test_metal_model_accel.py recomputes it and fails if this constant
 // disagrees with the model.
 constexpr bool kMlaModelWins = true;
 constexpr const char* kMlaModelAgainst =
@@ -72,7 +72,7 @@ void choose_tensor_ops(const AttentionProblem& p, bool forced, const GpuSpec& gp
                     " (use impl='prefill' or 'auto')");
   // The options (attn_mask, window_left / window_right, softcap, varlen,
   // sinks) run through attention_features.h's helpers, as in the simdgroup
-  // prefill; tests/test_metal_tensor_ops.py checks each under both layouts.
+  // prefill; tests/metal/test_metal_tensor_ops.py checks each under both layouts.
   c->bucket = static_cast<uint32_t>(p.head_dim);
   c->block_q = kTensorOpsBlockQ;
   c->block_k = kTensorOpsBlockK;

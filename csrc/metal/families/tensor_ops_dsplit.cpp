@@ -19,7 +19,7 @@ namespace {
 // simdgroup; a model, not a measurement): on every M5-family GPU, at
 // 1 x 32 (8 KV) x 4096 x 256 float16, causal and not, the split-D tensor-op
 // forward against the simdgroup prefill at D = 256.
-// tests/test_metal_model_accel.py recomputes it and fails if this constant
+// tests/model/test_metal_model_accel.py recomputes it and fails if this constant
 // disagrees with the model.
 constexpr bool kDsplitModelWins = true;
 constexpr const char* kDsplitModelNote =
@@ -53,7 +53,7 @@ bool is_dsplit(const AttentionProblem& p) {
 // kDsplitWideMinPerCore = 2 per core of the GPU, else the 32-row kernel
 // (which keeps some shapes the model gives the 64-row kernel by 1-13 %: the
 // rule stays where the model's verdict does not swing with the waves).
-// tests/test_metal_model_accel.py recomputes the model on both sides of the
+// tests/model/test_metal_model_accel.py recomputes the model on both sides of the
 // threshold and fails if this rule disagrees with it.
 constexpr int64_t kDsplitWideMinPerCore = 2;
 // FLASH_METAL_TENSOR_OPS_DSPLIT_ROWS=32 or 64 picks the kernel whatever the

@@ -27,13 +27,13 @@ namespace plan_detail {
 // step, a dispatch each), over its table: M1 to M5, f16/bf16, MLA (576, 512)
 // with 16 query heads on one latent head and Gemma-like 512, up to
 // kWideDecodeMaxRows rows per kv head, Nk 1k-32k (benchmarks/model/families/decode_wide.py). Why a constant:
-// explain() quotes it; tests/test_metal_model_decode_wide.py holds the
+// explain() quotes it; tests/model/test_metal_model_decode_wide.py holds the
 // model to it.
 constexpr const char* kWideDecodeLeastSpeedup = "2x";
 
 // The wide decode's sentence for explain(): the model's verdict (issue 20
 // section 2/3; the figures are benchmarks/model/families/decode_wide.py's
-// table, asserted by tests/test_metal_model_decode_wide.py).
+// table, asserted by tests/model/test_metal_model_decode_wide.py).
 std::string wide_decode_note(const AttentionProblem& p, uint32_t bucket) {
   return "; head dims " + std::to_string(p.head_dim) + " / " + std::to_string(p.head_dim_v) +
          " in the decode-only bucket " + std::to_string(bucket) +

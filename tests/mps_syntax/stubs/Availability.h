@@ -10,7 +10,7 @@
 //                               toolchain that builds Metal 3.1): no macOS 15
 //                               API such as MTLMathMode.
 //   default 260000              Xcode 26, the newest: everything transcribed.
-// tests/test_mps_host.py and tests/test_mps_exec.py build against both.
+// tests/mps/test_mps_host.py and tests/mps/test_mps_exec.py build against both.
 #pragma once
 
 #ifndef FM_STUB_MACOS_SDK

@@ -1,6 +1,6 @@
 // Metal: what flash_metal's .mm and PyTorch's MPS headers (2.4 to 2.14) use,
 // plus the neighbouring real API a correct future change may call, so that
-// a correct call never fails the check (tests/test_mps_host.py proves a
+// a correct call never fails the check (tests/mps/test_mps_host.py proves a
 // sample of them parses).
 // Syntax-check stub, never compiled into anything. Transcribed from Apple's
 // documentation; one link per declaration. Each selector must match Apple's
@@ -10,7 +10,7 @@
 // are declared as Apple's macro expands them in C++ (a typedef of the
 // integer plus an enum of the flags), so that `A | B` type-checks. Availability is
 // kept, as Apple writes it, where flash_metal depends on it: clang ignores
-// macOS availability on Linux, so tests/test_mps_host.py checks the guards
+// macOS availability on Linux, so tests/mps/test_mps_host.py checks the guards
 // textually, and on a Mac library.mm turns unguarded use into an error
 // (#pragma clang diagnostic error "-Wunguarded-availability-new").
 // What an SDK lacks is left out for the SDK view FM_STUB_MACOS_SDK selects
@@ -253,7 +253,7 @@ extern "C" NSArray<id<MTLDevice>>* MTLCopyAllDevices(void) FM_STUB_MACOS(10.11);
 // https://developer.apple.com/documentation/metal/mtlcommandencoder/label?language=objc
 @property(copy, atomic) NSString* label;
 // https://developer.apple.com/documentation/metal/mtlcommandencoder/endencoding()?language=objc
-// (flash_metal never ends PyTorch's shared encoder: tests/test_mps_host.py bans it)
+// (flash_metal never ends PyTorch's shared encoder: tests/mps/test_mps_host.py bans it)
 - (void)endEncoding;
 // https://developer.apple.com/documentation/metal/mtlcommandencoder/pushdebuggroup(_:)?language=objc
 - (void)pushDebugGroup:(NSString*)string;

@@ -1,5 +1,5 @@
 // MetalPerformanceShadersGraph: only the classes PyTorch's MPSStream.h names.
-// Syntax-check stub (tests/test_mps_host.py), never compiled into anything.
+// Syntax-check stub (tests/mps/test_mps_host.py), never compiled into anything.
 #pragma once
 
 #include <MetalPerformanceShaders/MetalPerformanceShaders.h>

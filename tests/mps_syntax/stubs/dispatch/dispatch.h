@@ -1,5 +1,5 @@
 // libdispatch, as much as flash_metal's .mm and PyTorch's MPS headers use.
-// Syntax-check stub (tests/test_mps_host.py), never compiled into anything.
+// Syntax-check stub (tests/mps/test_mps_host.py), never compiled into anything.
 // Transcribed from Apple's documentation; one link per declaration.
 #pragma once
 

@@ -1,5 +1,5 @@
 // os_signpost, as much as PyTorch's MPSProfiler.h names.
-// Syntax-check stub (tests/test_mps_host.py), never compiled into anything.
+// Syntax-check stub (tests/mps/test_mps_host.py), never compiled into anything.
 #pragma once
 
 #include <os/log.h>
