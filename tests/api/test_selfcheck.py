@@ -11,6 +11,7 @@ refusal on a machine without MPS is checked to be a message, not a traceback.
 """
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -430,7 +431,17 @@ def test_metal_emu_outside_a_source_checkout_says_so(tmp_path):
     from metal_emulator import _build
 
     _build.find_clang()  # without clang 19 selfcheck names that first (a missing prerequisite; tests/conftest.py)
-    proc = _selfcheck("--backend", "metal-emu", "--out", str(tmp_path / "r"), cwd=str(tmp_path), timeout=300)
+    env = None
+    pkg = os.path.dirname(os.path.abspath(flash_metal.__file__))
+    if os.path.exists(os.path.join(os.path.dirname(pkg), "tests", "metal_emulator")):
+        # flash_metal is an in-place build inside the checkout, which selfcheck would find beside the
+        # package: run a copy of the package from a folder with no checkout around it, as installed.
+        site = tmp_path / "site"
+        shutil.copytree(pkg, site / "flash_metal", ignore=shutil.ignore_patterns("__pycache__"))
+        env = dict(os.environ, PYTHONPATH=str(site))
+    proc = subprocess.run([sys.executable, "-m", "flash_metal.selfcheck", "--backend", "metal-emu", "--out",
+                           str(tmp_path / "r")], cwd=str(tmp_path), env=env, capture_output=True, text=True,
+                          timeout=300)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert "needs a source checkout" in proc.stderr
 
