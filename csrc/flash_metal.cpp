@@ -58,7 +58,7 @@ TORCH_LIBRARY(flash_metal, m) {
   // dtype of q, k and v; with grouped-query attention grad_k and grad_v sum
   // over each kv head's query heads. Deterministic: the same inputs give
   // bitwise-equal gradients. `impl`: "auto", or on Metal "tensor_ops"
-  // (the Metal 4 tensor-op backward, shaders/attention_backward_mpp.h). No gradient flows
+  // (the Metal 4 tensor-op backward, shaders/tensor_ops/attention_backward_mpp.h). No gradient flows
   // into attn_mask. With sinks (the forward's), grad_sinks is the sinks'
   // gradient ((Hq,), sinks' dtype): sum over rows of P_sink * (grad_lse - D)
   // with P_sink = exp(sink - lse) and D = rowsum(grad_out * out), summed in

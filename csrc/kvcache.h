@@ -2,7 +2,7 @@
 // part): q against a KV cache addressed through a block table, each
 // sequence with its own key count. Validation, and the gather path every
 // backend shares (csrc/kvcache.cpp); the Metal decode and prefill kernels
-// read the table themselves (fc_paged, shaders/attention_decode_paged.h,
+// read the table themselves (fc_paged, shaders/common/attention_decode_paged.h,
 // attention_prefill_paged.h) where kvcache_reads_table
 // (csrc/metal/families/paged.cpp) routes them.
 #pragma once

@@ -2,7 +2,7 @@
 // files. One file, so the metallib and the MPS host's runtime-compile
 // fallback (which compiles this file with its headers inlined) hold the same
 // kernels. Host names encode every template parameter, and must match the
-// names csrc/metal_launch.cpp builds:
+// names csrc/metal/launch.cpp builds:
 //   flash_attention_untiled_<dtype>_d<DMAX>_t<THREADS>
 //   flash_attention_tiled_<dtype>_d<DMAX>_bk<BK>_t<THREADS>
 //   flash_attention_prefill_<dtype>_d<DMAX>_bq<BQ>_bk<BK>_wm<WM>
@@ -44,7 +44,7 @@
   FM_POST_KERNELS(tname, T, 256)
 
 // The FlashAttention-2 forward's block sizes per (dtype, bucket), as the
-// routing function (choose_metal_kernel in csrc/metal_routing.cpp) chooses
+// routing function (choose_metal_kernel in csrc/metal/routing.cpp) chooses
 // and explains them: 32 query rows (16 at D = 256, and float32 at 192) in 8-row groups of
 // WM * 8 / BQ SIMD-groups (feature parts of O), keys per block within the
 // register budget and 8 resident SIMD-groups per core.
@@ -74,7 +74,7 @@
 
 // The split-D forward at head dim 512 (attention_prefill_splitd.h, issue 20
 // section 3): 8 query rows x 32 keys on 8 SIMD-groups of 64 features each,
-// the blocks csrc/metal_routing_splitd.cpp plans and explains (the header
+// the blocks csrc/metal/families/prefill_splitd.cpp plans and explains (the header
 // says why these). Three per dtype: D_qk = D_v = 512, and
 // MLA's pairs (issue 20 section 2) name both dims: (576, 512), the
 // absorbed-MLA latent (and its decode, packed over the query heads:
@@ -106,7 +106,7 @@
   FM_DECODE(tname, T, 576)
 
 // Why two decode-only buckets above 256 (issue 20; the prefill template and
-// the backward stop at 256, csrc/metal_plan.h kDecodeHeadDimBuckets; the
+// the backward stop at 256, csrc/metal/plan.h kDecodeHeadDimBuckets; the
 // split-D forward above serves causal D = 512): 512 serves Gemma's
 // global layers (D = D_v = 512: D == DMAX, so the lanes' 16-feature runs are
 // vector loads, fc_dense, and 16 values per lane per slice rather than 18);
@@ -117,7 +117,7 @@
 // 512, within 32 KiB.
 
 // The backward's two kernels. Blocks per (dtype, bucket), as
-// choose_backward (csrc/metal_routing.cpp) chooses and explains them: R
+// choose_backward (csrc/metal/routing.cpp) chooses and explains them: R
 // owned rows (R / 8 row groups), S streamed rows and F feature parts of the
 // accumulators, a SIMD-group each (WM = R / 8 * F), with both kernels'
 // live values within the 72-value register budget, the tiles and the
@@ -134,7 +134,7 @@
 // The split-D backward at head dim 512 (attention_backward_splitd.h, issue
 // 20 section 3): dQ over 8 query rows x 32-key blocks, dK/dV over 8 keys x
 // 32-row query blocks, each on 8 SIMD-groups of 64 features (the header says
-// why these; csrc/metal_routing_splitd.cpp plans them). One pair per dtype.
+// why these; csrc/metal/families/prefill_splitd.cpp plans them). One pair per dtype.
 #define FM_BACKWARD_SPLITD(tname, T)                                                  \
   FM_INSTANTIATE("flash_backward_splitd_dq_" #tname "_d512_bq8_bk32_wm8",              \
                  flash_backward_splitd_dq<T, 512, 8, 32, 8>)                          \

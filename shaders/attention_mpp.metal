@@ -3,7 +3,7 @@
 // emulator with compile_library(..., msl=4). attention.metal (MSL 3.1) never
 // includes it, so the portable library builds with toolchains and OSes that
 // have no tensor ops. Host names encode every template parameter and must
-// match the names csrc/metal_launch.cpp builds:
+// match the names csrc/metal/launch.cpp builds:
 //   flash_attention_prefill_mpp_<dtype>_d<D>_bq<BQ>_bk<BK>
 //   flash_attention_prefill_mpp_dsplit_<dtype>_d<D>_bq<BQ>_bk<BK>_wn<WN> (BQ 32 and 64)
 //   flash_backward_mpp_dq_<dtype>_d<D>_bq<BQ>_bk<BK>
@@ -29,7 +29,7 @@
   template [[host_name(name)]] [[kernel]] decltype(__VA_ARGS__) __VA_ARGS__;
 
 // 64 query rows (4 SIMD-groups of 16) x 32 keys per block: MLX NAX's BQ and
-// BK (the host's choice, csrc/metal_routing.cpp). D: the head dims the
+// BK (the host's choice, csrc/metal/routing.cpp). D: the head dims the
 // tensor-op path serves, exactly (no padding bucket yet).
 #define FM_PREFILL_MPP(tname, T, D)                                                      \
   FM_MPP_INSTANTIATE("flash_attention_prefill_mpp_" #tname "_d" #D "_bq64_bk32",       \
@@ -51,11 +51,11 @@
 // D = 256 split along D (attention_prefill_mpp_dsplit.h): 32 query rows
 // (2 row groups of 16, each a pair of SIMD-groups owning 128 features
 // apiece) x 32 keys; 28,928 bytes of threadgroup memory (the host's table:
-// csrc/metal_plan_detail.h, tensor_ops_dsplit_threadgroup_bytes).
+// csrc/metal/plan_detail.h, tensor_ops_dsplit_threadgroup_bytes).
 // The 64-row variant (the same header): 64 query rows (4 row groups, 8
 // SIMD-groups, 256 threads) x 16 keys, Q in registers, two slots of
 // partials; 20,992 bytes (tensor_ops_dsplit_wide_threadgroup_bytes). Why
-// 16 keys: the register budget (csrc/metal_plan_detail.h).
+// 16 keys: the register budget (csrc/metal/plan_detail.h).
 #define FM_PREFILL_MPP_DSPLIT(tname, T)                                                          \
   FM_MPP_INSTANTIATE("flash_attention_prefill_mpp_dsplit_" #tname "_d256_bq32_bk32_wn2",       \
                      flash_attention_prefill_mpp_dsplit<T, 256, 32, 32, 2>)                    \
@@ -68,7 +68,7 @@
 // threadgroup memory: dQ 4 at D 64 / 96 (21,504 / 29,696 bytes), 2 at 128
 // (18,944); dK/dV 4 at every D (16,896 / 20,992 / 25,088: the shared Q / dO
 // block and four SIMD-groups' P^T and dS^T).
-// The host's table is csrc/metal_plan_detail.h, tensor_ops_backward_rows.
+// The host's table is csrc/metal/plan_detail.h, tensor_ops_backward_rows.
 #define FM_BACKWARD_MPP(tname, T, D, BQ, BKV)                                              \
   FM_MPP_INSTANTIATE("flash_backward_mpp_dq_" #tname "_d" #D "_bq" #BQ "_bk32",            \
                      flash_backward_mpp_dq<T, D, D, BQ, 32>)                               \
@@ -93,7 +93,7 @@
 // The backward at D = 256 split along D (attention_backward_mpp_dsplit.h):
 // dQ on one pair (16 rows, 32 keys per block, 27,264 bytes), dK/dV on two
 // pairs (32 keys, 16 queries per streamed block, 28,928 bytes); the host's
-// table is csrc/metal_plan_detail.h, tensor_ops_dsplit_backward_bytes.
+// table is csrc/metal/plan_detail.h, tensor_ops_dsplit_backward_bytes.
 #define FM_BACKWARD_MPP_DSPLIT(tname, T)                                                          \
   FM_MPP_INSTANTIATE("flash_backward_mpp_dsplit_dq_" #tname "_d256_bq16_bk32_wn2",               \
                      flash_backward_mpp_dsplit_dq<T, 256, 32, 2>)                                 \

@@ -39,7 +39,7 @@ std::vector<BufferBinding> with_paged(std::vector<BufferBinding> b) {
   return b;
 }
 
-// flash_sinks_grad (shaders/attention_sinks.h): reads lse, Delta, the
+// flash_sinks_grad (shaders/backward/attention_sinks.h): reads lse, Delta, the
 // varlen offsets and the sinks; writes grad_sinks.
 const std::vector<BufferBinding> kSinksGradBuffers = {
     {LaunchTensor::Lse, kSlotLse}, {LaunchTensor::Delta, kSlotDelta}, {LaunchTensor::CuSeqlensQ, kSlotCuSeqlensQ},
@@ -72,7 +72,7 @@ const std::vector<BufferBinding> kBackwardDkdvBuffers = {
     {LaunchTensor::Lse, kSlotLse}, {LaunchTensor::GradOut, kSlotGradOut}, {LaunchTensor::GradK, kSlotGradK},
     {LaunchTensor::GradV, kSlotGradV}, {LaunchTensor::Delta, kSlotDelta}};
 
-// The decode kernels' launches, exactly as shaders/attention_decode.h
+// The decode kernels' launches, exactly as shaders/decode/attention_decode.h
 // documents them: one threadgroup per (kv head, batch[, key block]) serving
 // all gqa_ratio * Nq query rows of the GQA group, so each K/V element is read
 // once for all of them (or, past kDecodeMaxSimdgroups row groups, one per
@@ -190,7 +190,7 @@ constexpr int64_t kDenseOffsetRows = 128;
 // per-thread load in Metal).
 constexpr int64_t kDenseLoadBytes = 16;
 
-// fc_dense: may the tile loader (shaders/attention_prefill.h,
+// fc_dense: may the tile loader (shaders/prefill/attention_prefill.h,
 // prefill_load_tile_dense) copy every tile as 16-byte chunks? True when each
 // tensor it reads (q, k, v, and grad_out in the backward) has
 //   - feature stride 1: a row's D features are contiguous;
@@ -256,7 +256,7 @@ std::vector<bool> with_dense(std::vector<bool> c, bool dense) {
   return c;
 }
 
-// fc_dense for the decode kernels (shaders/attention_decode.h,
+// fc_dense for the decode kernels (shaders/decode/attention_decode.h,
 // decode_feature): may each lane read its contiguous run of a K or V row as
 // vector loads? True when k and v (the tensors read per key; q is read once)
 // have feature stride 1, D == D_v == the bucket (no padding features) and 16-byte
@@ -484,7 +484,7 @@ MetalPlan plan_metal_attention(const AttentionProblem& p, const LaunchStrides& s
     case KernelRequest::TensorOps: {
       // One threadgroup per (query block, head, batch), as the prefill's.
       // D = 256: the split-D kernel (pairs of SIMD-groups, each half of D;
-      // shaders/attention_prefill_mpp_dsplit.h), its name ending in the halves.
+      // shaders/tensor_ops/attention_prefill_mpp_dsplit.h), its name ending in the halves.
       // Its 64-row variant (block_q 64: Q in registers, 8 SIMD-groups) declares 256 threads.
       const bool dsplit = c.bucket == kTensorOpsDsplitHeadDim;
       const bool wide = dsplit && c.block_q == kTensorOpsDsplitWideBlockQ;
@@ -505,7 +505,7 @@ MetalPlan plan_metal_attention(const AttentionProblem& p, const LaunchStrides& s
       l.function_constants = feature_constants(p, false, false, false, p.sinks);
       l.buffers = with_forward_features(kForwardBuffers);
       // The kernel's tensors index a head's q, k, v in int32 (matmul2d
-      // extents and strides, shaders/attention_prefill_mpp.h).
+      // extents and strides, shaders/tensor_ops/attention_prefill_mpp.h).
       const auto head_span = [](const std::array<int64_t, 4>& st, int64_t rows, int64_t cols) {
         return (rows - 1) * st[2] + (cols - 1) * st[3];
       };

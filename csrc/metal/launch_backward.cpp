@@ -11,7 +11,7 @@ using namespace plan_detail;
 namespace {
 
 // grad_sinks from Delta (written by the dQ kernel) and lse: one SIMD-group
-// per query head (shaders/attention_sinks.h, in the MSL 3.1 library), after
+// per query head (shaders/backward/attention_sinks.h, in the MSL 3.1 library), after
 // either backward's dQ and dK/dV kernels; `dq` gives the params and bindings.
 void sinks_grad_launch(const AttentionProblem& p, const MetalLaunch& dq, const GpuSpec& gpu, MetalPlan* plan) {
   MetalLaunch sg = dq;
@@ -29,7 +29,7 @@ void sinks_grad_launch(const AttentionProblem& p, const MetalLaunch& dq, const G
                   "SIMD-group per head, in a fixed order).";
 }
 
-// The tensor-op backward's two launches (shaders/attention_backward_mpp.h):
+// The tensor-op backward's two launches (shaders/tensor_ops/attention_backward_mpp.h):
 // dQ and Delta over query blocks, then dK/dV over key blocks, each
 // SIMD-group 16 rows (the dK/dV kernel's share each streamed Q / dO block).
 // Function constants: the simdgroup backward's (fc_causal, fc_has_grad_lse,
@@ -92,7 +92,7 @@ void tensor_ops_backward_launches(const AttentionProblem& p, const LaunchStrides
   if (p.sinks) sinks_grad_launch(p, dq, gpu, plan);
 }
 
-// The split-D backward's two launches at D = 512 (shaders/attention_backward_splitd.h,
+// The split-D backward's two launches at D = 512 (shaders/backward/attention_backward_splitd.h,
 // csrc/metal/families/backward_splitd.cpp): dQ and Delta over 8-row query blocks,
 // then dK/dV over 8-key blocks, 256 threads each. Function constants: the
 // feature kernels' (fc_causal, fc_has_grad_lse on dQ, the options); the
@@ -136,7 +136,7 @@ MetalPlan plan_metal_attention_backward(const AttentionProblem& p, const LaunchS
   MetalPlan plan;
   plan.reason = c.reason;
   // Delta (B * Hq * Nq, or Hq * total_q), then, float32, the dQ kernel's log2 row sums of P for the dK/dV
-  // kernel (the renormalized rows, shaders/attention_backward.h: backward_renorm_offset).
+  // kernel (the renormalized rows, shaders/backward/attention_backward.h: backward_renorm_offset).
   plan.delta_elements = (p.varlen ? p.q_heads * p.total_q : p.batch * p.q_heads * p.q_len) *
                         (p.dtype == c10::ScalarType::Float ? 2 : 1);
   const std::string suffix = std::string(dtype_name(p.dtype)) + "_d" + std::to_string(c.bucket);
@@ -167,7 +167,7 @@ MetalPlan plan_metal_attention_backward(const AttentionProblem& p, const LaunchS
     const bool dense = dense_loader(p, s, c.bucket, true, &why);
     plan.reason += loader_reason(dense, why);
     // fc_has_sinks on the float32 dQ kernel: its first pass, which renormalizes each row's P to sum to one,
-    // is skipped with sinks (the sink's share is part of the row's sum; shaders/attention_backward.h). The
+    // is skipped with sinks (the sink's share is part of the row's sum; shaders/backward/attention_backward.h). The
     // 16-bit kernels do not read it: left off, so they keep one pipeline with and without sinks.
     const bool dq_sinks = p.sinks && p.dtype == c10::ScalarType::Float;
     dq.function_constants = with_dense(

@@ -28,7 +28,7 @@ extern const std::vector<BufferBinding> kBackwardDqBuffers;
 extern const std::vector<BufferBinding> kBackwardDkdvBuffers;
 extern const std::vector<BufferBinding> kSinksGradBuffers;
 
-// flash_sinks_grad (shaders/attention_sinks.h).
+// flash_sinks_grad (shaders/backward/attention_sinks.h).
 // Its live values per lane: the loop's sum, row, pointers and the sink (a
 // handful, as the merge's model counts; for the estimate only).
 constexpr uint32_t kSinksGradLiveRegisters = 16;

@@ -21,10 +21,10 @@ enum class KernelRequest {
   Auto,         // let choose_metal_kernel() decide
   Untiled,      // the post's first kernel: one query per thread, K/V read from device memory
   Tiled,        // the post's second kernel: K/V tiles staged in threadgroup memory
-  Prefill,      // FlashAttention-2 on simdgroup matrices (shaders/attention_prefill.h)
-  Decode,       // token generation, Nq <= 8: one pass over the keys (shaders/attention_decode.h)
+  Prefill,      // FlashAttention-2 on simdgroup matrices (shaders/prefill/attention_prefill.h)
+  Decode,       // token generation, Nq <= 8: one pass over the keys (shaders/decode/attention_decode.h)
   DecodeSplit,  // token generation, Nq <= 8: split-KV partials, then a merge pass
-  TensorOps,    // FlashAttention-2 on Metal 4 tensor ops, MPP matmul2d (shaders/attention_prefill_mpp.h and
+  TensorOps,    // FlashAttention-2 on Metal 4 tensor ops, MPP matmul2d (shaders/tensor_ops/attention_prefill_mpp.h and
                 // attention_backward_mpp.h, the MSL 4 library attention_mpp.metal); forced, or Auto's gate
   Composite,    // no kernel of ours: chunked ATen matmuls and softmax (csrc/composite.h)
 };
@@ -37,7 +37,7 @@ inline bool is_tensor_ops_kernel(const std::string& name) {
 }
 
 // Which pass a plan is for: attention_forward, or attention_backward (the
-// two kernels of shaders/attention_backward.h).
+// two kernels of shaders/backward/attention_backward.h).
 enum class MetalPass { Forward, Backward };
 
 // Parses the `impl` argument; throws a ValueError listing the accepted names.
@@ -135,7 +135,7 @@ struct LaunchStrides {
 // the post's choice, and for the tiled kernel the number of queries that share
 // one K/V tile.
 constexpr uint32_t kPostThreadsPerGroup = 32;
-static_assert(kPostThreadsPerGroup <= kPostMaxThreads, "the post kernels declare kPostMaxThreads (shaders/params.h)");
+static_assert(kPostThreadsPerGroup <= kPostMaxThreads, "the post kernels declare kPostMaxThreads (shaders/common/params.h)");
 // Keys per K/V tile of the tiled kernel. Why 16: the post's named
 // configuration; at D=256 two float32 tiles take 2*16*256*4 = 32 KiB, exactly
 // Metal's threadgroup-memory limit.
@@ -189,7 +189,7 @@ constexpr uint32_t kAlignQFunctionConstant = 1;
 constexpr uint32_t kAlignKFunctionConstant = 2;
 // The backward's dQ kernel: a gradient flows into lse (grad_lse is read).
 constexpr uint32_t kHasGradLseFunctionConstant = 3;
-// The options of shaders/attention_features.h (prefill, decode and backward
+// The options of shaders/common/attention_features.h (prefill, decode and backward
 // kernels): an attn_mask is bound, it is bool, it is additive float32 (else
 // in the input dtype), keys are bounded below (window_left), softcapping,
 // packed variable-length sequences. (The causal constant, index 0, also
@@ -201,29 +201,29 @@ constexpr uint32_t kWindowLeftFunctionConstant = 7;
 constexpr uint32_t kSoftcapFunctionConstant = 8;
 constexpr uint32_t kVarlenFunctionConstant = 9;
 // The prefill and backward kernels' dense tile loader (fc_dense in
-// shaders/attention_prefill.h; csrc/metal/launch.cpp's dense_loader decides it).
+// shaders/prefill/attention_prefill.h; csrc/metal/launch.cpp's dense_loader decides it).
 constexpr uint32_t kDenseFunctionConstant = 10;
 // The forward kernels (prefill, decode, split decode): attention sinks are
-// bound (fc_has_sinks in shaders/attention_features.h). False for every
+// bound (fc_has_sinks in shaders/common/attention_features.h). False for every
 // other kernel, which never reads it.
 constexpr uint32_t kSinksFunctionConstant = 11;
 // Function constants of every feature kernel launch (indices 0 .. 11).
 constexpr uint32_t kFunctionConstantCount = 12;
 // The decode kernels (one pass, split pass 1) and the prefill: a paged KV
 // cache, K/V read through block_table with per-sequence cache_seqlens
-// (fc_paged in shaders/attention_features.h). Their launches carry 13
+// (fc_paged in shaders/common/attention_features.h). Their launches carry 13
 // constants, the other kernels' 12 (they never read index 12).
 constexpr uint32_t kPagedFunctionConstant = 12;
 constexpr uint32_t kDecodeFunctionConstantCount = 13;
 // The prefill (flash_attention_prefill) only: pack GQA, one threadgroup per
 // (batch, kv head, block of packed rows) whose rows are the group's query
-// heads' (fc_pack_gqa in shaders/attention_prefill.h; KernelChoice::pack_gqa).
+// heads' (fc_pack_gqa in shaders/prefill/attention_prefill.h; KernelChoice::pack_gqa).
 // Its launches carry 14 constants.
 constexpr uint32_t kPackGqaFunctionConstant = 13;
 constexpr uint32_t kPrefillFunctionConstantCount = 14;
 // The split-D forward (flash_attention_prefill_splitd) only: split along
 // keys, the threadgroup's key range one of KernelChoice::kv_splits, partials
-// for flash_decode_merge (fc_split_kv in shaders/attention_prefill_splitd.h).
+// for flash_decode_merge (fc_split_kv in shaders/prefill/attention_prefill_splitd.h).
 // Its launches carry 15 constants.
 constexpr uint32_t kSplitKvFunctionConstant = 14;
 constexpr uint32_t kSplitDFunctionConstantCount = 15;
@@ -293,7 +293,7 @@ struct MetalLaunch {
   std::string kernel_name;                 // host name in the metallib, e.g. flash_attention_tiled_float16_d64_bk16_t32
   std::array<uint32_t, 3> grid{};          // threadgroups per grid
   std::array<uint32_t, 3> threadgroup{};   // threads per threadgroup
-  // The kernel's [[max_total_threads_per_threadgroup(N)]] (shaders/params.h):
+  // The kernel's [[max_total_threads_per_threadgroup(N)]] (shaders/common/params.h):
   // the most threads it may ever be launched with; threadgroup's product
   // never exceeds it (plan_metal_attention checks every launch).
   uint32_t max_threads_per_threadgroup = 0;
@@ -345,7 +345,7 @@ bool kvcache_reads_table(const AttentionProblem& p, KernelRequest requested, std
 bool decode_takes_wide_dims(const AttentionProblem& p, KernelRequest requested, MetalPass pass);
 
 // Whether a call with head dims above kFastHeadDimBuckets.back() runs the
-// split-D forward (shaders/attention_prefill_splitd.h,
+// split-D forward (shaders/prefill/attention_prefill_splitd.h,
 // csrc/metal/families/prefill_splitd.cpp): forward, (D_qk, D_v) = (512, 512),
 // (576, 512) or (256, 512), no paged cache, and impl 'prefill', or impl
 // 'auto' where the model puts it ahead (512: causal, window_right 0, Nq >
@@ -353,7 +353,7 @@ bool decode_takes_wide_dims(const AttentionProblem& p, KernelRequest requested, 
 // splitd_backward_takes. Else false and *why_not
 // (if given) says why, for explain(); composite_route then takes the call.
 bool splitd_takes(const AttentionProblem& p, KernelRequest requested, MetalPass pass, std::string* why_not);
-// The backward's part of it (shaders/attention_backward_splitd.h): D_qk =
+// The backward's part of it (shaders/backward/attention_backward_splitd.h): D_qk =
 // D_v = 512, not paged, and impl='prefill'. impl='auto' never: the model puts
 // the split-D backward behind the composite backward on every named chip
 // (benchmarks/model/families/splitd_backward.py), and *why_not says so.

@@ -40,7 +40,7 @@ inline uint32_t ceil_div(int64_t a, int64_t b) { return static_cast<uint32_t>((a
 // Bytes of one element of the inputs (every kernel's tiles are stored in it).
 inline uint32_t dtype_bytes(c10::ScalarType t) { return t == c10::ScalarType::Float ? 4 : 2; }
 
-// Threadgroup memory of the tiled kernel (shaders/attention_tiled.h): one K
+// Threadgroup memory of the tiled kernel (shaders/post/attention_tiled.h): one K
 // tile and one V tile of kPostKeysPerTile rows, each row padded to the
 // head-dim bucket so the kernel's inner loops run to a compile-time bound
 // (registers, not stack), stored in the input dtype (half the memory for
@@ -51,7 +51,7 @@ inline uint32_t tiled_threadgroup_memory(uint32_t bucket, c10::ScalarType dtype)
   return 2 * kPostKeysPerTile * bucket * dtype_bytes(dtype);
 }
 
-// Threadgroup memory of the prefill kernel (shaders/attention_prefill.h),
+// Threadgroup memory of the prefill kernel (shaders/prefill/attention_prefill.h),
 // the layout its header documents: a Q tile of block_q rows and one K/V tile
 // of block_k rows, used by K and then V in turn (MLX's steel layout), every
 // row holding the bucket's columns plus 16 bytes of padding against bank
@@ -66,7 +66,7 @@ inline uint32_t prefill_threadgroup_memory(uint32_t block_q, uint32_t block_k, u
   return (block_q + block_k) * row + partials;
 }
 
-// The tensor-op prefill (impl='tensor_ops', shaders/attention_prefill_mpp.h):
+// The tensor-op prefill (impl='tensor_ops', shaders/tensor_ops/attention_prefill_mpp.h):
 // 64 query rows in 4 SIMD-groups of 16 (one 16-row matmul2d tile each) and
 // 32 keys per block, MLX NAX's BQ / BK (steel_attention_nax; its host uses
 // bk = 32 though bk = 64 is instantiated), and the threads it declares.
@@ -159,7 +159,7 @@ static_assert(tensor_ops_dsplit_wide_threadgroup_bytes(2) == 20992 &&
                   kTensorOpsDsplitWideBlockQ * kTensorOpsDsplitHeadDim * 2 >= kMaxThreadgroupMemory,
               "tensor-op split-D 64-row prefill: 32 KiB");
 
-// The tensor-op backward (shaders/attention_backward_mpp.h): SIMD-groups of
+// The tensor-op backward (shaders/tensor_ops/attention_backward_mpp.h): SIMD-groups of
 // 16 rows (query rows for dQ, keys for dK/dV); 32 keys per dQ block and 32
 // query rows per dK/dV block (one thread per streamed query fills its
 // stats). Threadgroup memory, 16-bit T:
@@ -256,7 +256,7 @@ inline uint32_t backward_partials_bytes(uint32_t own, uint32_t streamed, uint32_
   return parts > 1 && tiles + partials <= kMaxThreadgroupMemory ? partials : 0;
 }
 
-// Threadgroup memory of either backward kernel (shaders/attention_backward.h):
+// Threadgroup memory of either backward kernel (shaders/backward/attention_backward.h):
 // two tiles of the rows a simdgroup owns (Q and dO, or K and V) and two of
 // the streamed rows (K and V, or Q and dO), each row the bucket's columns in
 // the input dtype plus 16 bytes of padding, or no padding when the padded
@@ -295,11 +295,11 @@ inline uint32_t split_keys(int64_t kv_len, uint32_t splits, int64_t quantum = kS
 }
 
 // Query rows per SIMD-group of the decode kernels: decode_rows_per_simd
-// (shaders/attention_decode_rows.h, shared with the kernels), sized by the
+// (shaders/decode/attention_decode_rows.h, shared with the kernels), sized by the
 // register model below.
 // Why at most 8 SIMD-groups per threadgroup: the decode kernels declare
 // [[max_total_threads_per_threadgroup(kDecodeMaxThreads)]] (256, see
-// shaders/params.h for why that size fits their registers at any allocation).
+// shaders/common/params.h for why that size fits their registers at any allocation).
 inline constexpr uint32_t kDecodeMaxSimdgroups = kDecodeMaxThreads / 32;
 // Why 8 key groups when the whole GQA group fits one SIMD-group's rows: a
 // single SIMD-group would leave the threadgroup one warp wide and the keys
@@ -387,7 +387,7 @@ inline uint32_t prefill_live_registers(uint32_t bucket, uint32_t block_k, uint32
   return bucket / 4 / parts + block_k / 4 + 2 + 4 + kLiveOverhead;
 }
 
-// The decode kernels (shaders/attention_decode.h, decode_attend), at their
+// The decode kernels (shaders/decode/attention_decode.h, decode_attend), at their
 // widest point, the V loop of a block, with `rows` query rows per
 // SIMD-group: per row a lane holds its slice (ceil(bucket / 32) values) of
 // q, of the accumulator and of the block's partial product, and 5 scalars
@@ -403,7 +403,7 @@ constexpr uint32_t decode_live_registers(uint32_t bucket, uint32_t rows, bool ha
   const uint32_t in_flight = static_cast<uint32_t>(decode_keys_in_flight(static_cast<int>(bucket)));
   return rows * (3 * slice + 5 + (has_mask ? 1 : 0)) + in_flight * slice + kLiveOverhead;
 }
-// Under fc_paged (a paged KV cache, shaders/attention_decode_paged.h) the
+// Under fc_paged (a paged KV cache, shaders/common/attention_decode_paged.h) the
 // page walk's values on top, per lane, the same for every row: the cursor
 // of the key being read (table entry, row in page, page: 3; K's cursor,
 // then V's, never both), the block's first key and the fixed step between
@@ -444,7 +444,7 @@ static_assert(decode_paged_fits_budget(32) && decode_paged_fits_budget(72) && de
 static_assert(decode_rows_fit_budget(32) && decode_rows_fit_budget(64) && decode_rows_fit_budget(72) &&
                   decode_rows_fit_budget(80) && decode_rows_fit_budget(96) && decode_rows_fit_budget(128) &&
                   decode_rows_fit_budget(192) && decode_rows_fit_budget(256),
-              "decode_rows_per_simd (shaders/attention_decode_rows.h): the most rows within the budget");
+              "decode_rows_per_simd (shaders/decode/attention_decode_rows.h): the most rows within the budget");
 static_assert(decode_live_registers(256u, 1u, true) == 78 && decode_live_registers(256u, 1u, false, true) == 85 &&
                   decode_live_registers(256u, 1u, false, true) <= 128,
               "D 256 with 4 keys in flight: over the budget, within the addressable registers");

@@ -147,7 +147,7 @@ std::vector<MetalLaunch> all_metal_launches() {
   // shapes above of at most 16 query rows per kv head (kWideDecodeMaxRows:
   // one row, a short and a long context), causal or not, with each decode
   // option on its own as above (paged: the widest live-value count,
-  // shaders/attention_decode_paged.h), at Gemma's 512 (fc_dense too, with
+  // shaders/common/attention_decode_paged.h), at Gemma's 512 (fc_dense too, with
   // known zero offsets) and at MLA's (576, 512): D_v stops at 512
   // (kMaxHeadDimV), so the 576 bucket is never dense.
   for (c10::ScalarType dtype : {c10::ScalarType::Float, c10::ScalarType::Half, c10::ScalarType::BFloat16}) {

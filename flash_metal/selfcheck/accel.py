@@ -27,7 +27,7 @@ import torch
 from . import sweep
 
 DTYPES = (torch.float16, torch.bfloat16)
-# The head dims the tensor-op kernels are instantiated for (csrc/metal_routing_tensor_ops.cpp), and 256
+# The head dims the tensor-op kernels are instantiated for (csrc/metal/families/tensor_ops.cpp), and 256
 # split along D (attention_prefill_mpp_dsplit.h forward, attention_backward_mpp_dsplit.h backward).
 HEAD_DIMS = (64, 96, 128)
 FORWARD_HEAD_DIMS = HEAD_DIMS + (256,)
@@ -41,7 +41,7 @@ MPP_PREFIX = "flash_attention_prefill_mpp_"
 SIMDGROUP_PREFIX = "flash_attention_prefill_"
 MPP_BACKWARD_PREFIX = "flash_backward_mpp_"
 SIMDGROUP_BACKWARD_PREFIX = "flash_backward_"
-# The switch the simdgroup backward's run sets (csrc/metal_plan.h, kDisableTensorOpsEnv).
+# The switch the simdgroup backward's run sets (csrc/metal/plan.h, kDisableTensorOpsEnv).
 DISABLE_ENV = "FLASH_METAL_DISABLE_TENSOR_OPS"
 # setup.py's switch that makes a missing MSL 4 library an install error (the macOS 26 CI leg).
 REQUIRE_ENV = "FLASH_METAL_REQUIRE_MPP_METALLIB"

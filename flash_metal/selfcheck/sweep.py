@@ -224,7 +224,7 @@ def compare(case: Case, inputs: dict, result) -> List[testing.Comparison]:
     return testing.attention_errors(*result, q, k, v, case.causal, None, **opts)
 
 
-# The kernels each check must launch (host-name prefixes, the planner's names: csrc/metal_plan_detail.h), in
+# The kernels each check must launch (host-name prefixes, the planner's names: csrc/metal/plan_detail.h), in
 # the case's dtype. A family forced by impl runs exactly its own, in order, never a tensor-op kernel (their names
 # hold "_mpp_" after the prefix, so "prefill_" + dtype excludes them); a family that runs impl='auto' (varlen, the
 # backward) may run any kernel of its pass, the tensor-op ones included (Auto picks them on an M5).

@@ -72,7 +72,7 @@
 // PAD is 16 bytes (the forward's bank-conflict padding), or 0 where the
 // padded tiles would exceed Metal's 32 KiB (only float32 at DMAX 256 with
 // 8 + 8 rows: 33,280 bytes padded, exactly 32,768 without); see
-// backward_row_pad. The host (csrc/metal_plan_detail.h) computes the same.
+// backward_row_pad. The host (csrc/metal/plan_detail.h) computes the same.
 // Separate K and V (Q and dO) tiles cost twice the streamed rows but need 2
 // barriers per block instead of the forward's 4: the dK/dV kernel uses Q
 // twice and dO twice per block, so a shared tile would be loaded twice.
@@ -92,7 +92,7 @@ constant bool fc_has_grad_lse [[function_constant(3)]];
 // kPrefillRowPadBytes) unless the four padded tiles would not fit Metal's
 // 32 KiB of threadgroup memory, then 0 (float32, DMAX 256: 8-row tiles are
 // 33,280 bytes padded, 32,768 unpadded; the price is bank conflicts on that
-// one configuration). Must match backward_threadgroup_memory in csrc/metal_plan_detail.h.
+// one configuration). Must match backward_threadgroup_memory in csrc/metal/plan_detail.h.
 // EXTRA: the feature parts' partial-sum scratch after the tiles (backward_partials_bytes).
 template <typename T, int DMAX, int ROWS, int EXTRA = 0>
 constexpr int backward_row_pad() {
@@ -106,7 +106,7 @@ constexpr int backward_row_pad() {
 // 32 KiB beside the tiles (float32 at DMAX 256: its 8 + 8-row tiles take
 // all 32 KiB): the parts then recompute S and dP over all features
 // instead (the fallback; the planner states its price). Must match
-// backward_threadgroup_memory in csrc/metal_plan_detail.h.
+// backward_threadgroup_memory in csrc/metal/plan_detail.h.
 template <typename T, int DMAX, int ROWS, int WM, int STREAM, int DSPLIT>
 constexpr int backward_partials_bytes() {
   return DSPLIT > 1 && ROWS * DMAX * int(sizeof(T)) + WM * 2 * (STREAM / 8) * 256 <= 32768
@@ -311,7 +311,7 @@ constexpr bool backward_renormalizes() {
 }
 
 // Where the row sums' log2 sit in the Delta scratch: after Delta's rows
-// (the host sizes the scratch for both: csrc/metal_launch_backward.cpp).
+// (the host sizes the scratch for both: csrc/metal/launch_backward.cpp).
 FM_INLINE int64_t backward_renorm_offset(constant AttentionParams& p) {
   return int64_t(fc_varlen ? 1 : p.batch) * p.q_heads * (fc_varlen ? p.total_q : p.q_len);
 }

@@ -5,8 +5,8 @@
 // atomics-free split of attention_backward.h (a dQ kernel parallel over
 // query blocks, then a dK/dV kernel parallel over key blocks; the split is
 // metal-flash-attention's, and blocking along D is its idea too; the code
-// here is this project's own). Routed by csrc/metal_routing_splitd.cpp
-// (splitd_backward_takes), launched by csrc/metal_launch_backward.cpp,
+// here is this project's own). Routed by csrc/metal/families/backward_splitd.cpp
+// (splitd_backward_takes), launched by csrc/metal/launch_backward.cpp,
 // priced by benchmarks/model/families/splitd_backward.py.
 //
 // Why a kernel of its own. The simdgroup backward stages four tiles of
@@ -65,7 +65,7 @@
 //   Threadgroup memory (floats): 2 x WM x 8 x 32 partials, 8 x 32 dS (the
 //     dK/dV kernel: P^T and dS^T, 2 x 8 x 32), WM x 8 Delta partials (dQ
 //     kernel): 17,664 bytes (dQ) and 18,432 (dK/dV): one threadgroup, 8
-//     SIMD-groups, per 32 KiB core (csrc/metal_routing_splitd.cpp sizes it).
+//     SIMD-groups, per 32 KiB core (csrc/metal/families/backward_splitd.cpp sizes it).
 //
 // Options, as the simdgroup backward takes them: causal (bottom-right) and
 // the right window, the left window (blocks outside every row's window

@@ -1,6 +1,6 @@
 // The one parameter block shared by the Metal shaders and the C++ host.
 //
-// The host (csrc/metal_launch.cpp, make_params) fills it and binds it with setBytes; the
+// The host (csrc/metal/launch.cpp, make_params) fills it and binds it with setBytes; the
 // kernels read it from the constant address space. Every field is fixed
 // width, and every stride is counted in elements, never bytes (the
 // FlashAttention convention), so one struct serves all three dtypes.
@@ -110,7 +110,7 @@ static_assert(sizeof(AttentionParams) == 328, "AttentionParams layout changed: u
 // ---- threads per threadgroup --------------------------------------------------
 // The most threads each kernel family is ever launched with: the kernels
 // declare it as [[max_total_threads_per_threadgroup(N)]] (as MLX's and
-// PyTorch's Metal kernels do), and the planner (csrc/metal_launch.cpp) never
+// PyTorch's Metal kernels do), and the planner (csrc/metal/launch.cpp) never
 // launches more; flash_metal.explain() reports it per dispatch. Why declare
 // it: a pipeline's maxTotalThreadsPerThreadgroup falls with the registers
 // its kernel uses. An Apple GPU core has about 208 KB of registers (53,248
@@ -144,7 +144,7 @@ FM_PROGRAM_CONSTANT constexpr int kPrefillSplitDMaxThreads = 256;
 // 72 live values per lane, attention_decode_rows.h) fits at any allocation;
 // 512 threads would leave 104: enough too, but no decode plan needs more
 // than 8 SIMD-groups. Bigger GQA groups get
-// more threadgroups, not fatter ones (csrc/metal_launch.cpp, decode_launches).
+// more threadgroups, not fatter ones (csrc/metal/launch.cpp, decode_launches).
 FM_PROGRAM_CONSTANT constexpr int kDecodeMaxThreads = 256;
 // The split-KV merge: one SIMD-group per output row.
 FM_PROGRAM_CONSTANT constexpr int kDecodeMergeMaxThreads = 32;

@@ -27,7 +27,7 @@
 // RS = decode_rows_per_simd(DMAX) consecutive rows (a "row group") and one
 // "key group" of the threadgroup's keys.
 //
-// Launch (the host, csrc/metal_launch.cpp, computes exactly this):
+// Launch (the host, csrc/metal/launch.cpp, computes exactly this):
 //
 //   RS   = DMAX <= 64 ? 4 : DMAX <= 128 ? 2 : 1      rows per SIMD-group (attention_decode_rows.h)
 //   R    = (Hq / Hkv) * Nq                            rows of one GQA group
@@ -109,7 +109,7 @@ namespace flash_metal {
 // sized by the register budget: each row costs a lane 3 * DMAX / 32 floats
 // (its q slice, its accumulator, the block's partial product) plus 5
 // scalars (7 with a mask); the host's live-value model
-// (csrc/metal_plan_detail.h) holds the sum within kDecodeRegisterBudget.
+// (csrc/metal/plan_detail.h) holds the sum within kDecodeRegisterBudget.
 
 // Keys per block: one per lane, so each lane holds one key's score per row.
 // The softmax state is updated once per block of 32 keys.
@@ -131,7 +131,7 @@ struct DecodeState {
 };
 
 // The feature slot i of lane `lane` holds (of q, K, V, the accumulator and
-// the output). dense (fc_dense, set by the host, csrc/metal_launch.cpp,
+// the output). dense (fc_dense, set by the host, csrc/metal/launch.cpp,
 // decode_dense_loads, when K and V have unit feature stride, D == D_v == DMAX and
 // 16-byte aligned rows): lane l holds the contiguous run [l * DPL, l * DPL +
 // DPL), so a lane reads its slice of a K/V row with DPL / VW vector loads

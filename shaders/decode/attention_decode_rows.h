@@ -1,5 +1,5 @@
 // Rows per SIMD-group of the decode kernels, shared by the kernels
-// (attention_decode.h) and the host's planner (csrc/metal_plan_detail.h,
+// (attention_decode.h) and the host's planner (csrc/metal/plan_detail.h,
 // whose live-value model static_asserts this table against the budget).
 // Valid MSL and C++ alike, as params.h.
 #pragma once
@@ -9,7 +9,7 @@
 namespace flash_metal {
 
 // The decode kernels' register budget, 32-bit values per lane. Why 72: as
-// kBackwardRegisterBudget (csrc/metal_routing.cpp): ~69-72 is what a thread
+// kBackwardRegisterBudget (csrc/metal/routing.cpp): ~69-72 is what a thread
 // gets at 24 resident SIMD-groups per core, the occupancy at which
 // metal-benchmarks sees the ALUs saturate (issue 19); 256 threads hold it
 // at any allocation (kDecodeMaxThreads, params.h).

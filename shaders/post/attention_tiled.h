@@ -13,7 +13,7 @@ namespace flash_metal {
 // DMAX: head_dim bucket; sizes the per-thread query row and accumulator
 // (head_dim <= DMAX), the tile rows, and bounds every loop over a row.
 // BK: keys per tile. THREADS: threads per group (= query rows per group).
-// smem: dynamic threadgroup memory, sized by the host (csrc/metal_plan_detail.h):
+// smem: dynamic threadgroup memory, sized by the host (csrc/metal/plan_detail.h):
 // the K tile then the V tile, each BK rows of DMAX elements of T.
 //
 // Tiles in T, not float: the tiles are the kernel's only threadgroup memory,

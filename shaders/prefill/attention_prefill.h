@@ -17,7 +17,7 @@
 // written for this project (its own loader, masking and store); see the
 // comments for where it differs.
 //
-// Threadgroup memory (bytes), sized by the host (csrc/metal_plan_detail.h):
+// Threadgroup memory (bytes), sized by the host (csrc/metal/plan_detail.h):
 //
 //   tg_bytes(BQ, BK, DMAX, sizeof(T)) = (BQ + BK) * (DMAX * sizeof(T) + 16)
 //
@@ -39,7 +39,7 @@ constant bool fc_align_q [[function_constant(1)]];
 // kernel carries no key-edge code (MLX's align_K).
 constant bool fc_align_k [[function_constant(2)]];
 // [[function_constant(10)]]: the dense loader (prefill_load_tile_dense).
-// The host (csrc/metal_launch.cpp, dense_loads) sets it when every tensor
+// The host (csrc/metal/launch.cpp, dense_loads) sets it when every tensor
 // this kernel loads through prefill_load_tile has unit feature stride, D ==
 // DV == DMAX (no padding columns in any tile: off when v has its own head
 // dim, issue 20 section 2), and every row start 16-byte aligned (storage

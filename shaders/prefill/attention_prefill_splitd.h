@@ -2,7 +2,7 @@
 // (issue 20, sections 2 and 3): FlashAttention-2 with the head dimension
 // blocked across SIMD-groups, for the calls the FA2 template
 // (attention_prefill.h) cannot serve well. Routed by
-// csrc/metal_routing_splitd.cpp (splitd_takes: causal D_qk = D_v = 512
+// csrc/metal/families/prefill_splitd.cpp (splitd_takes: causal D_qk = D_v = 512
 // forwards, the absorbed-MLA decode packed over its query heads, and
 // impl='prefill' at the instantiated pairs), priced by
 // benchmarks/model/families/splitd.py and benchmarks/model/families/splitd_mla.py.
@@ -55,7 +55,7 @@
 //   WM = 8 parts: F = 64, so Q and O take 16 values each; live values
 //     (DQK + DV) / 4 / WM + BK / 4 + 2 + 4 + 16 = 62 at 512 and BK 32 (63
 //     with the second running max; 65 at (576, 512), 55 at (256, 512)),
-//     within the planner's 72-value budget (csrc/metal_routing.cpp). 4
+//     within the planner's 72-value budget (csrc/metal/routing.cpp). 4
 //     parts would need 32 + 32. float32 has the same counts: fragments are
 //     float whatever T, and the scratch is float.
 //   BK = 4 * WM = 32: one key per lane per part in the shared step; S is 4
@@ -65,7 +65,7 @@
 //   Threadgroup memory (floats): WM x 8 x BK partials + 8 x BK weights +
 //     2 x WM x 8 row maxima and sums = 9,728 bytes at WM 8, BK 32:
 //     three threadgroups per core on every named chip (registers bind
-//     first; csrc/metal_routing_splitd.cpp sizes it, splitd_threadgroup_bytes).
+//     first; csrc/metal/families/prefill_splitd.cpp sizes it, splitd_threadgroup_bytes).
 //
 // Options, each from attention_features.h as the template applies them:
 // causal (bottom-right) and the right window (fc_causal), the left window
@@ -96,7 +96,7 @@ namespace flash_metal {
 // flash_decode_merge_<T>_d512 to merge. The sink seeds split 0 only (the
 // merge adds the splits' sums). Why: a grid of 16 packed threadgroups (B 1
 // x 128 heads) leaves most cores idle while each walks all Nk keys; splits
-// give every core threadgroups (csrc/metal_routing_splitd.cpp,
+// give every core threadgroups (csrc/metal/families/prefill_splitd.cpp,
 // splitd_kv_splits, chooses how many).
 constant bool fc_split_kv [[function_constant(14)]];
 

@@ -46,7 +46,7 @@
 // Q / dO block (and its queries' lse and Delta): the threadgroup stages it
 // once, cooperatively, between two threadgroup barriers per block (the
 // simdgroup dK/dV kernel's scheme). Threadgroup memory
-// (csrc/metal_plan_detail.h, tensor_ops_backward_bytes):
+// (csrc/metal/plan_detail.h, tensor_ops_backward_bytes):
 //   dQ:    per SIMD-group Q and dO (16 x D each, T), dS (16 x BK, T), 4 floats per row
 //   dK/dV: shared Q and dO (BQ x D each, T) and 4 floats per streamed query
 //          (m2, m2lo, Delta, seen); per SIMD-group P^T and dS^T (16 x BQ

@@ -37,7 +37,7 @@
 //     dK_h += dS^T.Q_h (16 x 128, K = 16).
 //
 // Tile choices, by Metal's 32 KiB of threadgroup memory (float16 /
-// bfloat16; csrc/metal_plan_detail.h, tensor_ops_dsplit_backward_bytes,
+// bfloat16; csrc/metal/plan_detail.h, tensor_ops_dsplit_backward_bytes,
 // checks the same sums statically):
 //   dQ, per SIMD-group: Q_h and dO_h (16 x 128 each, T) 8,192; dS (16 x 32,
 //     T) 1,024; partial S and dP (16 x 32 floats each) 4,096; row stats 256;

@@ -36,7 +36,7 @@
 namespace flash_metal {
 
 // Threads per threadgroup: 4 SIMD-groups (MLX NAX's WM = 4, WN = 1). The
-// host launches at most this many (csrc/metal_plan_detail.h, kTensorOpsMaxThreads).
+// host launches at most this many (csrc/metal/plan_detail.h, kTensorOpsMaxThreads).
 constant constexpr int kPrefillMppMaxThreads = 128;
 // Rows per SIMD-group. Why 16: one 16-row matmul2d tile, the M of MLX's
 // and PyTorch's 16 x 32 MPP fragments.
@@ -112,7 +112,7 @@ using MppTileTensor = tensor<threadgroup T, dextents<int, 2>, tensor_inline>;
 // block's) as a matmul2d operand: extents innermost first (features, rows),
 // strides in elements (int32: the host checks that a head's offsets fit;
 // the feature stride is 1, the host routes any other away:
-// csrc/metal_routing_tensor_ops.cpp). The row extent ends at the sequence
+// csrc/metal/families/tensor_ops.cpp). The row extent ends at the sequence
 // or the block's last valid key. Along K, only a dynamic-K op edge-checks it
 // (mpp_accumulate_descriptor above). Along M and N (the scores' keys or
 // queries past the sequence) the static-K score ops rely on what the kernels

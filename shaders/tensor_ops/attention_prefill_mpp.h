@@ -71,7 +71,7 @@
 // row that saw no key).
 //
 // Threadgroup memory at [[threadgroup(0)]], sized by the host
-// (csrc/metal_plan_detail.h, tensor_ops_threadgroup_memory):
+// (csrc/metal/plan_detail.h, tensor_ops_threadgroup_memory):
 //   WM * 16 * BK * sizeof(T)   P of each SIMD-group (16 rows of BK, row-major)
 //   + WM * 16 * D * sizeof(T)  Q of each SIMD-group (16 rows of D, row-major)
 //   + WM * 16 * 4              a float per row of each SIMD-group (alpha, then 1 / l)

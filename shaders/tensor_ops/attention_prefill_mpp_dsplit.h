@@ -36,7 +36,7 @@
 //     as the D = 128 kernel's O).
 //
 // Threadgroup memory: the 32 KiB budget decides where Q lives. Per
-// threadgroup, float16 / bfloat16, BK = 32 (csrc/metal_plan_detail.h,
+// threadgroup, float16 / bfloat16, BK = 32 (csrc/metal/plan_detail.h,
 // tensor_ops_dsplit_threadgroup_bytes, checks the same sum statically):
 //   P:         4 SIMD-groups x 16 x BK x 2        =  4,096
 //   Q:         4 SIMD-groups x 16 x 128 x 2       = 16,384 (each half's 16 x 128 slice)
@@ -68,7 +68,7 @@
 //   - The register budget sets the key block: per lane O 64 + Q 32 + S
 //     (16 x BK floats / 32) + 8 row values + 16 overhead = 136 at BK 32, over
 //     the 128 registers a thread addresses; 128 at BK 16
-//     (csrc/metal_plan_detail.h, tensor_ops_dsplit_live_registers).
+//     (csrc/metal/plan_detail.h, tensor_ops_dsplit_live_registers).
 //   - K / V not staged either: matmul2d reads them from device memory as in
 //     the 32-row kernel (the SIMD-groups of a threadgroup that read one block
 //     share it through the core's L1, the model's assumption; staging 16 keys
@@ -111,7 +111,7 @@ namespace flash_metal {
 constant constexpr int kPrefillMppDsplitWideMaxThreads = 256;
 
 // Where a split-D instantiation keeps Q and how many slots of partial S it
-// has: the 32 KiB budget decides (csrc/metal_plan_detail.h checks the same
+// has: the 32 KiB budget decides (csrc/metal/plan_detail.h checks the same
 // sums statically). Threadgroup memory, in order: P (NSG x R x BK, T), Q if
 // staged (NSG x R x DH, T), the partials (kSlots x WM x WN x R x BK floats),
 // a float per row (NSG x R).

@@ -29,7 +29,7 @@ from prereqs import unavailable
 from repo_paths import ROOT_DIR as ROOT
 
 FAMILIES = {"prefill", "decode", "decode_split", "untiled", "tiled", "varlen", "backward", "varlen_backward"}
-# The kernels each family must have launched, in order (host-name prefixes; csrc/metal/plan.cpp).
+# The kernels each family must have launched, in order (host-name prefixes; csrc/metal/launch.cpp).
 KERNELS = {"prefill": ["flash_attention_prefill_"], "varlen": ["flash_attention_prefill_"],
            "decode": ["flash_decode_"], "decode_split": ["flash_decode_split_", "flash_decode_merge_"],
            "untiled": ["flash_attention_untiled_"], "tiled": ["flash_attention_tiled_"],

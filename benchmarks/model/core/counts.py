@@ -133,7 +133,7 @@ def padded_to(bucket):
         wide = real(*(widened(a) for a in args), **{n: widened(a) for n, a in kw.items()})
         if any(d.kernel_name.startswith("flash_decode") for d in wide.dispatches):
             raise ValueError("padded_to: prefill and backward plans only (a decode split count depends on D)")
-        dense = 10  # kDenseFunctionConstant (csrc/metal_plan.h)
+        dense = 10  # kDenseFunctionConstant (csrc/metal/plan.h)
         dispatches = tuple(w._replace(params=o.params, function_constants=w.function_constants[:dense] + (False,) +
                                       w.function_constants[dense + 1:])
                            for w, o in zip(wide.dispatches, own.dispatches))
@@ -173,7 +173,7 @@ def quadratic_at(points, x):
     return total
 
 
-# Index of fc_pack_gqa (kPackGqaFunctionConstant, csrc/metal_plan.h): the prefill packs a GQA group's heads.
+# Index of fc_pack_gqa (kPackGqaFunctionConstant, csrc/metal/plan.h): the prefill packs a GQA group's heads.
 PACK_GQA = 13
 
 

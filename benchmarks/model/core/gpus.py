@@ -85,7 +85,7 @@ class AppleGPU(NamedTuple):
     bandwidth_gbs: float
     tgmem_per_core: int    # bytes of threadgroup memory one core holds for resident threadgroups
     sources: dict          # field -> source key in SOURCES
-    key: str = None        # the planner's spelling (explain(gpu=key)); None: not in csrc/metal_gpus.cpp
+    key: str = None        # the planner's spelling (explain(gpu=key)); None: not in csrc/metal/gpus.cpp
     clock_band: tuple = None  # (low, high) GHz; None: the point figure only
     generation: int = 1    # M-generation (1..5): picks the MMA rate
 
@@ -200,5 +200,5 @@ GPUS = [
 ]
 BY_NAME = {g.name: g for g in GPUS}
 POST_GPU = "M5 (10-core)"
-# Chips planned under another chip's key (their own is not in csrc/metal_gpus.cpp).
+# Chips planned under another chip's key (their own is not in csrc/metal/gpus.cpp).
 PLANNED_AS = {"M5 Pro": "M4 Pro", "M5 Max": "M4 Max"}

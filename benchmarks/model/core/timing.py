@@ -144,7 +144,7 @@ def planner_residency(r, index, gpu, s, dtype, causal):
     return d.threadgroups_per_core, d.occupancy_limit
 
 
-# A core's register file, bytes: csrc/metal_gpus.cpp kRegisterFile (metal-benchmarks' ~208 KB, an estimate).
+# A core's register file, bytes: csrc/metal/gpus.cpp kRegisterFile (metal-benchmarks' ~208 KB, an estimate).
 REGISTER_FILE_PER_CORE = 208 * 1024
 
 
@@ -271,7 +271,7 @@ def dispatch_time(r, index, gpu, s, dtype, causal, k=POINT):
         # matmul2d's latency is Apple's, unpublished; it is modelled as MLX's
         # accelerator kernel is (families/accel.py), by throughput alone.
         if kb and "flash_backward_splitd_" in r.kernel:
-            # The split-D backward (shaders/attention_backward_splitd.h): per
+            # The split-D backward (shaders/backward/attention_backward_splitd.h): per
             # streamed block, the operands' fragments from device memory (two
             # DRAM latencies: S's, then dP's, counted, not assumed hoisted),
             # each part's S and dP chains over its d_frags / F fragments one
@@ -286,7 +286,7 @@ def dispatch_time(r, index, gpu, s, dtype, causal, k=POINT):
                    + (2 * math.ceil(d_frags / parts) + streamed // 8) * MMA_LATENCY)
             serial = blocks, bheads, lat
         elif kb and "_splitd_" in r.kernel:
-            # The split-D forward (shaders/attention_prefill_splitd.h): per key
+            # The split-D forward (shaders/prefill/attention_prefill_splitd.h): per key
             # block, K's fragments from device memory (one DRAM latency: a
             # part's loads are independent), each part's S chain over its
             # d_frags / F fragments, the scratch's one barrier and the F

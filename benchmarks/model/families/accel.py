@@ -66,7 +66,7 @@ def on_tensor_ops(records):
     return out
 
 
-# The tensor-op prefill's blocks (csrc/metal_plan_detail.h, kTensorOpsBlockQ / kTensorOpsBlockK): 64 query rows
+# The tensor-op prefill's blocks (csrc/metal/plan_detail.h, kTensorOpsBlockQ / kTensorOpsBlockK): 64 query rows
 # per threadgroup, 4 SIMD-groups of 16 rows, 32 keys per block. At D = 256 the split-D kernel
 # (attention_prefill_mpp_dsplit.h, kTensorOpsDsplitBlockQ): 32 query rows, 2 pairs of SIMD-groups, each half of a
 # pair owning D / 2 features, so each matmul2d's operands are D / 2 wide.
@@ -75,7 +75,7 @@ DSPLIT_D, DSPLIT_BQ, DSPLIT_HALVES = 256, 32, 2
 # The split-D kernel's 64-row variant (flash_attention_prefill_mpp_dsplit_wide; kTensorOpsDsplitWideBlockQ / K):
 # 64 query rows (8 SIMD-groups), 16 keys per block (the register budget: Q is held in registers).
 DSPLIT_WIDE_BQ, DSPLIT_WIDE_BK = 64, 16
-# The routing's switch (csrc/metal_routing_tensor_ops_dsplit.cpp): which split-D kernel a plan at D = 256 takes.
+# The routing's switch (csrc/metal/families/tensor_ops_dsplit.cpp): which split-D kernel a plan at D = 256 takes.
 DSPLIT_ROWS_ENV = "FLASH_METAL_TENSOR_OPS_DSPLIT_ROWS"
 _ROWS_CACHES = {}
 
@@ -191,10 +191,10 @@ def tensor_ops_records(s: M.Shape, dtype, causal, rows=DSPLIT_BQ):
     return on_hardware(recs, dtype, s.d, s.dv)
 
 
-# The tensor-op backward's blocks (csrc/metal_plan_detail.h, kTensorOpsBackwardBlock): SIMD-groups of 16 rows,
+# The tensor-op backward's blocks (csrc/metal/plan_detail.h, kTensorOpsBackwardBlock): SIMD-groups of 16 rows,
 # 32 keys per dQ block, 32 query rows per dK/dV block.
 MPP_BWD_BLOCK = 32
-# The split-D backward's dK/dV block (csrc/metal_plan_detail.h, kTensorOpsDsplitBackwardBlock): 16 query rows.
+# The split-D backward's dK/dV block (csrc/metal/plan_detail.h, kTensorOpsDsplitBackwardBlock): 16 query rows.
 DSPLIT_BWD_BQ = 16
 
 
@@ -277,7 +277,7 @@ def tensor_ops_backward_records(s: M.Shape, dtype, causal):
 
 
 M5_FAMILY = ("M5 (10-core)", "M5 Pro", "M5 Max")
-# The shape of the D = 256 verdict (csrc/metal_routing_tensor_ops_dsplit.cpp, kDsplitModelWins): MLX's
+# The shape of the D = 256 verdict (csrc/metal/families/tensor_ops_dsplit.cpp, kDsplitModelWins): MLX's
 # anchor's heads and length (#3943) at head dim 256.
 DSPLIT_SHAPE = M.Shape(1, 32, 8, 4096, 4096, DSPLIT_D)
 
@@ -342,7 +342,7 @@ def print_dsplit(quick=False):
         print(f"| {gname} | {causal} | {_ms(simd)} | {_ms(tops)} ({bound}) | {_ms(w)} ({wb}) "
               f"| {tops[1] / w[1]:.2f}x{' (whole band)' if wide_ahead(w, tops) else ''} | {simd[1] / w[1]:.2f}x |")
     print("Auto and impl='tensor_ops' take the 64-row kernel when its grid has at least 2 threadgroups per core "
-          "(csrc/metal_routing_tensor_ops_dsplit.cpp, kDsplitWideMinPerCore; the model's sweep there), else the "
+          "(csrc/metal/families/tensor_ops_dsplit.cpp, kDsplitWideMinPerCore; the model's sweep there), else the "
           "32-row kernel; FLASH_METAL_TENSOR_OPS_DSPLIT_ROWS=32 / 64 forces one.")
     print(f"Verdict for Auto (kDsplitModelWins): {dsplit_model_wins(res)}. Context, not an anchor: MLX #3842 "
           "measured its D = 256 d-split kernel 1.18-1.55x over its unfused path on an M5 Max at GQA 32/8 and "
@@ -382,7 +382,7 @@ def print_dsplit_backward(quick=False):
           "the accelerators; not yet verified on Apple hardware.")
 
 
-# The MLA pair's verdict (csrc/metal_routing_tensor_ops.cpp, kMlaModelWins): DeepSeek-V2-Lite's 16 heads
+# The MLA pair's verdict (csrc/metal/families/tensor_ops.cpp, kMlaModelWins): DeepSeek-V2-Lite's 16 heads
 # (MHA: the backward model's scaling rule needs Hq = Hkv), 4096 tokens, q/k 192 and v 128.
 MLA_SHAPE = M.Shape(1, 16, 16, 4096, 4096, 192, 128)
 

@@ -7,14 +7,14 @@ The issue's rule: a naive fused D = 512 is reported 2-3x slower than unfused
 (uzu #412), so the performance model must put a fused plan ahead of the
 unfused one before anything routes to it. This module prices the one fused
 plan the existing kernels can express: the FlashAttention-2 prefill template
-(shaders/attention_prefill.h) at D = 512 with feature parts (split-K over
+(shaders/prefill/attention_prefill.h) at D = 512 with feature parts (split-K over
 the features, issue 19), instantiated for this purpose only in
 tests/prefill_d512_probe.metal. Its 512-wide K/V tile leaves room for 8 keys
 and 8 query rows within 32 KiB (float16; float32 does not fit at all), so
 every 8 x 8 block pays a DRAM latency, four barriers and an 8-part
 reduction: the model finds it latency-bound and 2-3x slower than unfused
 when not causal. That is why the planner refuses head dims above 256 on
-Metal (csrc/metal_routing.cpp) rather than routing them to this plan.
+Metal (csrc/metal/routing.cpp) rather than routing them to this plan.
 The `d512` command also prints the split-D kernel's table (families/splitd.py:
 about 2x ahead of unfused when causal, level when not) and MLA's
 (families/splitd_mla.py).
@@ -22,7 +22,7 @@ about 2x ahead of unfused when causal, level when not) and MLA's
 How the counts are made: the probe kernel runs in the instrumented emulator
 on 512-strided views whose launch plan is the D = 256 bucket's (the
 planner has no 512 bucket), with the params' head dims and out's strides
-patched to 512 (offsets parsed from shaders/params.h), at N = 128, 192,
+patched to 512 (offsets parsed from shaders/common/params.h), at N = 128, 192,
 256 for one head; core/counts.py's quadratic rule scales them to the shape.
 The unfused side is core/unfused.py unfused_seconds(forward=True):
 S = Q K^T written, the softmax read and written, O = P V, each kernel at the

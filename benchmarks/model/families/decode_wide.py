@@ -18,7 +18,7 @@ closed forms of the kernels' traffic (fused_counts) that
 tests/model/test_metal_model_decode_wide.py holds equal to the instrumented
 emulator's at small shapes; priced by core/timing.py (memory, Little's
 law at the planner's residency, dispatch overhead). The wide buckets hold
-103-119 live values per lane (csrc/metal_plan_detail.h), past the 72-value
+103-119 live values per lane (csrc/metal/plan_detail.h), past the 72-value
 budget, so the planner's residency is lower and Little's law term larger:
 priced as such.
 
@@ -36,7 +36,7 @@ the composite path at every context, chip and dtype, by 2.4x to 6x at the
 point; at 128 rows (MLA's 128 heads, or 16 heads x 8 rows) each row's
 SIMD-group pulls every K/V row through L1 and the composite path is ahead
 (0.3-1.1x): the planner routes the fused decode up to 16 rows only
-(csrc/metal_plan.h kWideDecodeMaxRows). Against the generous unfused
+(csrc/metal/plan.h kWideDecodeMaxRows). Against the generous unfused
 plan (which nothing here runs: it reads 16-bit K/V straight into its
 matmuls) the fused decode is at parity at 2 rows per kv head (memory-bound,
 1.0-1.1x) and behind at 16 (0.5-0.8x, on-core data): a decode kernel that
@@ -72,7 +72,7 @@ def _views(b, hq, hkv, nq, nk, dqk, dv, dtype):
             one[..., :dv].expand(b, hkv, nk, dv))
 
 
-# Query rows per kv head impl='auto' sends to the wide decode (csrc/metal_plan.h kWideDecodeMaxRows).
+# Query rows per kv head impl='auto' sends to the wide decode (csrc/metal/plan.h kWideDecodeMaxRows).
 ROUTED_ROWS = 16
 
 
@@ -86,7 +86,7 @@ def plan(b, hq, hkv, nq, nk, dqk, dv, dtype, chip="base"):
 def fused_counts(d, b, hq, hkv, nq, nk, dqk, dv, elem):
     """Closed-form counts of one decode dispatch `d` (a plan's): device bytes by tensor and threadgroups.
 
-    The kernel (shaders/attention_decode.h): each threadgroup (kv head, row chunk[, split]) walks its keys;
+    The kernel (shaders/decode/attention_decode.h): each threadgroup (kv head, row chunk[, split]) walks its keys;
     each of its RGL row groups loads every K and V row of its key group (read_), counted once per threadgroup
     as bytes new to it (dram_: the row groups' loads of one line share the core's L1, the model's
     assumption); the lanes' loads are distinct addresses (req_ = read_). q is loaded once per key group.

@@ -211,7 +211,7 @@ def pack_rows(quick: bool):
     unpacked is the same kernel with fc_pack_gqa false on the (ceil(Nq / BQ),
     Hq, B) grid (unpacked_plan). The emulator's DRAM K/V bytes of each and the
     predicted times (a prediction, not a measurement). The routing rule in
-    csrc/metal_routing.cpp (prefill_pack_gqa) quotes this table."""
+    csrc/metal/routing.cpp (prefill_pack_gqa) quotes this table."""
     P = _paged()
     pack = tests_module("test_metal_prefill_pack_gqa")
     packed_plan, run_plan, unpacked_plan = pack.packed_plan, pack.run_plan, pack.unpacked_plan

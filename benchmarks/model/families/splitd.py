@@ -1,10 +1,10 @@
 """The split-D forward for head dim 512 on Metal (issue 20, section 3), priced
-by the model: the verdict csrc/metal_routing_splitd.cpp routes on. Nothing
+by the model: the verdict csrc/metal/families/prefill_splitd.cpp routes on. Nothing
 here ran on a GPU: every time is a prediction ("model, not measurement").
 
     python -m benchmarks.model splitd
 
-The kernel is the shipped one (shaders/attention_prefill_splitd.h, first
+The kernel is the shipped one (shaders/prefill/attention_prefill_splitd.h, first
 written as a probe): one threadgroup per 8 query rows, 8 SIMD-groups each
 owning 64 of the 512 features of Q and O in registers, K and V read straight
 from device memory per part, S summed over the parts through threadgroup
@@ -41,12 +41,12 @@ PLANS = (("prefill_splitd", 8, 32, 8),)
 PLAN = PLANS[0]
 PARTS = 8  # SIMD-groups per 8-row group: 64 features each (the header says why)
 KERNELS = ("flash_attention_prefill_splitd_*",)  # the partial emulator library run() uses
-# kLiveOverhead (csrc/metal_plan_detail.h): addresses, loop counters, the row's indices.
+# kLiveOverhead (csrc/metal/plan_detail.h): addresses, loop counters, the row's indices.
 LIVE_OVERHEAD = 16
 
 
 def live_values(bk, parts=PARTS):
-    """Live 32-bit values per lane, the planner's (csrc/metal_routing_splitd.cpp splitd_live_registers):
+    """Live 32-bit values per lane, the planner's (csrc/metal/families/prefill_splitd.cpp splitd_live_registers):
     the prefill formula (prefill_live_registers) plus Q's fragments, which the template keeps in
     threadgroup memory and this kernel in registers: O and Q (D / 4 / parts each), one block of S
     (bk / 4), the row max and sum (2), two operand fragments (4), kLiveOverhead, and the shared

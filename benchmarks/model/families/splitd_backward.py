@@ -1,11 +1,11 @@
 """The split-D backward for head dim 512 on Metal (issue 20, section 3),
 priced by the model against the composite (unfused) backward: the verdict
-csrc/metal_routing_splitd.cpp routes auto backward calls on. Nothing here ran
+csrc/metal/families/backward_splitd.cpp routes auto backward calls on. Nothing here ran
 on a GPU: every time is a prediction ("model, not measurement").
 
     python -m benchmarks.model splitd-backward
 
-The kernels are the shipped ones (shaders/attention_backward_splitd.h): a
+The kernels are the shipped ones (shaders/backward/attention_backward_splitd.h): a
 dQ kernel over 8 query rows and a dK/dV kernel over 8 keys, each on 8
 SIMD-groups of 64 features that read their operands from device memory, S
 and dP summed over the parts through threadgroup memory (2 barriers per

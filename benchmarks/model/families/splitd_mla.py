@@ -1,11 +1,11 @@
 """The split-D forward at MLA's head dims on Metal (issue 20 sections 2 and 3),
-priced by the model: the verdicts csrc/metal_routing_splitd.cpp routes on.
+priced by the model: the verdicts csrc/metal/families/prefill_splitd.cpp routes on.
 Nothing here ran on a GPU: every time is a prediction ("model, not
 measurement").
 
     python -m benchmarks.model splitd-mla
 
-The kernel is shaders/attention_prefill_splitd.h at (D_qk, D_v) = (576, 512)
+The kernel is shaders/prefill/attention_prefill_splitd.h at (D_qk, D_v) = (576, 512)
 and (256, 512): 8 query rows per threadgroup, 8 SIMD-groups each holding
 D_qk / 8 features of Q and 64 of O in registers, K/V read from device memory
 per part; and the absorbed-MLA decode, the same kernel packed over the query
@@ -64,13 +64,13 @@ PREFILL_NS = (1024, 4096)
 DECODE_SHAPES = ((1, 16), (8, 16), (1, 128), (2, 128), (4, 128), (8, 128))
 DECODE_NKS = (4096, 32768)
 DECODE_BASE_NKS = (256, 512)  # the linear rule's two points (whole 32-key blocks)
-LIVE_OVERHEAD = 16  # kLiveOverhead (csrc/metal_plan_detail.h)
+LIVE_OVERHEAD = 16  # kLiveOverhead (csrc/metal/plan_detail.h)
 FIELDS = ("threadgroups", "threads", "threadgroup_barriers", "simdgroup_mmas", "exp2_calls",
           "threadgroup_bytes_read", "threadgroup_bytes_written")
 
 
 def live_values(dqk, dv, bk=32, parts=8):
-    """The planner's live values per lane (csrc/metal_routing_splitd.cpp splitd_live_registers)."""
+    """The planner's live values per lane (csrc/metal/families/prefill_splitd.cpp splitd_live_registers)."""
     return (dqk + dv) // 4 // parts + bk // 4 + 2 + 4 + LIVE_OVERHEAD + 1
 
 
@@ -166,7 +166,7 @@ def decode_records(b, hq, nk, dqk=576, dv=512):
 SPLIT_SHAPES = ((1, 16), (2, 16), (1, 128), (2, 128))
 SPLIT_BASE_KEYS = (256, 512)  # keys per split of the linear rule's two points
 MERGE_BASE_SPLITS = (2, 8)
-SPLIT_FIELDS_OFFSET = 192  # (kv_splits, split_keys) in the 328-byte AttentionParams (shaders/params.h)
+SPLIT_FIELDS_OFFSET = 192  # (kv_splits, split_keys) in the 328-byte AttentionParams (shaders/common/params.h)
 
 
 def _with_splits(params, splits, keys):
@@ -364,7 +364,7 @@ def decode_table():
             for chip in CHIPS]
 
 
-# The least packed grid csrc/metal_routing_splitd.cpp routes the MLA decode to
+# The least packed grid csrc/metal/families/prefill_splitd.cpp routes the MLA decode to
 # split-D with (kSplitDMlaDecodeMinThreadgroups).
 ROUTED_DECODE_THREADGROUPS = 32
 

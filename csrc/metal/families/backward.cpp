@@ -1,4 +1,4 @@
-// The simdgroup backward (shaders/attention_backward.h): FlashAttention-2's
+// The simdgroup backward (shaders/backward/attention_backward.h): FlashAttention-2's
 // backward with recomputation, metal-flash-attention's atomics-free split
 // (flash_backward_dq, then flash_backward_dkdv; flash_sinks_grad with sinks),
 // at every head dim up to 256. Its blocks (one search over the register

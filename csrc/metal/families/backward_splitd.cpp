@@ -1,4 +1,4 @@
-// The split-D backward at D_qk = D_v = 512 (shaders/attention_backward_splitd.h;
+// The split-D backward at D_qk = D_v = 512 (shaders/backward/attention_backward_splitd.h;
 // its launches are in csrc/metal/launch_backward.cpp): whether it takes a call
 // (splitd_backward_takes: impl='prefill' only, the model puts it behind the
 // composite backward for Auto), its blocks and reason, and the "backward
@@ -51,7 +51,7 @@ bool splitd_backward_takes(const AttentionProblem& p, KernelRequest requested, s
 
 namespace plan_detail {
 
-// The split-D backward's blocks (shaders/attention_backward_splitd.h says
+// The split-D backward's blocks (shaders/backward/attention_backward_splitd.h says
 // why): dQ over 8 query rows x 32-key blocks, dK/dV over 8 keys x 32-row
 // query blocks, each on 8 SIMD-groups of 64 features. Host names encode them.
 constexpr uint32_t kSplitDBackwardOwn = 8, kSplitDBackwardStreamed = 32, kSplitDBackwardSimdgroups = 8;

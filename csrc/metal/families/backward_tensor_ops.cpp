@@ -1,4 +1,4 @@
-// The tensor-op backward (shaders/attention_backward_mpp.h, the MSL 4
+// The tensor-op backward (shaders/tensor_ops/attention_backward_mpp.h, the MSL 4
 // library): FlashAttention-2's backward on Metal 4 tensor ops at head dims
 // 64, 96, 128 and the MLA pair (192, 128), behind the forward's gate
 // (tensor_ops_route, tensor_ops.cpp) plus what its kernels cover; the
@@ -8,7 +8,7 @@
 
 namespace flash_metal::plan_detail {
 
-// What the tensor-op backward (shaders/attention_backward_mpp.h) does not
+// What the tensor-op backward (shaders/tensor_ops/attention_backward_mpp.h) does not
 // cover, as the sentence that names it ("" when it covers the call): its
 // kernels take causal, windows, softcap, bool / additive masks, varlen,
 // sinks and GQA (attention_features.h's helpers, as the simdgroup backward),

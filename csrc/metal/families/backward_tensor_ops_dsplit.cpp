@@ -1,5 +1,5 @@
 // The backward at D = 256 (issue 21, item 2): the split-D tensor-op
-// backward (shaders/attention_backward_mpp_dsplit.h), forced by
+// backward (shaders/tensor_ops/attention_backward_mpp_dsplit.h), forced by
 // impl='tensor_ops' or taken by Auto behind the D <= 128 tensor-op
 // backward's gate plus the model's verdict against the simdgroup backward
 // at D = 256; the "backward tensor ops split-D" row. Every other head dim

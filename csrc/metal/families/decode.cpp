@@ -1,4 +1,4 @@
-// The decode kernels (shaders/attention_decode.h): token generation, Nq <=
+// The decode kernels (shaders/decode/attention_decode.h): token generation, Nq <=
 // kMaxDecodeRows query rows, every K/V row read once per (batch, kv head) for
 // all the GQA group's rows; one pass, or split along keys then merged. This
 // file holds their planner (row chunks, the split count, the reason) and the

@@ -107,7 +107,7 @@ uint32_t resident_on_every_chip(uint32_t simdgroups, uint32_t bytes, uint32_t li
 // The prefill's blocks keep within it too.
 inline constexpr uint32_t kBackwardRegisterBudget = 72;
 static_assert(kBackwardRegisterBudget == uint32_t{kDecodeRegisterBudget},
-              "one register budget for both planners (shaders/attention_decode_rows.h)");
+              "one register budget for both planners (shaders/decode/attention_decode_rows.h)");
 
 // Each family's finishing step after forward_opening (its own file).
 void finish_post(const AttentionProblem& p, KernelChoice* c);

@@ -1,4 +1,4 @@
-// The post's two kernels (shaders/attention_tiled.h): one query per thread,
+// The post's two kernels (shaders/post/attention_tiled.h): one query per thread,
 // K/V read from device memory (untiled) or staged in 16-key tiles of
 // threadgroup memory (tiled). Kept as the seed post wrote them: plain or
 // causal attention, one head dim, only when impl names them (Auto never

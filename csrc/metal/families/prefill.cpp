@@ -1,4 +1,4 @@
-// The prefill (shaders/attention_prefill.h): FlashAttention-2 on simdgroup
+// The prefill (shaders/prefill/attention_prefill.h): FlashAttention-2 on simdgroup
 // matrices, the catch-all of Auto's calls above kMaxDecodeRows query rows
 // and of packed sequences. Its blocks, its pack GQA decision (issue 20
 // section 4) and its sentences for explain(); the paged row (paged.cpp)
@@ -7,7 +7,7 @@
 
 namespace flash_metal::plan_detail {
 
-// The paged prefill's K/V tiles (shaders/attention_prefill.h, fc_paged):
+// The paged prefill's K/V tiles (shaders/prefill/attention_prefill.h, fc_paged):
 // inside one page, or row by row through the table. The sentence explain() prints.
 std::string prefill_pages_note(const AttentionProblem& p, uint32_t block_k, bool pack_gqa) {
   const std::string bk = std::to_string(block_k), pages = std::to_string(p.page_size) + " keys";
@@ -27,7 +27,7 @@ std::string prefill_pages_note(const AttentionProblem& p, uint32_t block_k, bool
          (whole ? "6" : "12") + " live values per lane (in the estimate)";
 }
 
-// Pack GQA for the prefill (fc_pack_gqa, shaders/attention_prefill.h): with
+// Pack GQA for the prefill (fc_pack_gqa, shaders/prefill/attention_prefill.h): with
 // G = Hq / Hkv > 1, one threadgroup per (batch, kv head, block of block_q
 // packed rows), packed row m being query row m / G of the group's head m % G,
 // so the group's G heads share every K/V tile a threadgroup loads

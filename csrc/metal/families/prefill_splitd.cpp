@@ -1,5 +1,5 @@
 // The split-D forward's routing (issue 20 sections 2 and 3): which calls with
-// head dims above 256 run the fused split-D forward (shaders/attention_prefill_splitd.h)
+// head dims above 256 run the fused split-D forward (shaders/prefill/attention_prefill_splitd.h)
 // at D = 512 and at MLA's (576, 512) and (256, 512), packed over the GQA
 // group's heads where that saves K/V reads (the absorbed-MLA decode), with
 // the sentence explain() prints either way, its blocks, its launch shape and

@@ -1,5 +1,5 @@
 // The tensor-op prefill (issue 21): FlashAttention-2 on Metal 4 tensor ops
-// (MPP matmul2d, shaders/attention_prefill_mpp.h, the MSL 4 library) at head
+// (MPP matmul2d, shaders/tensor_ops/attention_prefill_mpp.h, the MSL 4 library) at head
 // dims 64, 96, 128 and the MLA pair (192, 128): Auto's gate (tensor_ops_route,
 // which the backward's shares), the kernel's choice, and the "tensor ops"
 // row. D = 256 is the split-D row's (tensor_ops_dsplit.cpp).
@@ -59,7 +59,7 @@ void check_tensor_ops_strides(const AttentionProblem& p, const char* op) {
 }
 
 // The tensor-op prefill (issue 21): FlashAttention-2 on MPP matmul2d
-// (shaders/attention_prefill_mpp.h), forced by impl='tensor_ops' or picked
+// (shaders/tensor_ops/attention_prefill_mpp.h), forced by impl='tensor_ops' or picked
 // by Auto (tensor_ops_route). Refuses, naming the argument, what the kernel
 // does not cover yet.
 void choose_tensor_ops(const AttentionProblem& p, bool forced, const GpuSpec& gpu, KernelChoice* c) {

@@ -1,5 +1,5 @@
 // The tensor-op forward's decision at head dim 256 (issue 21, item 1): the
-// split-D kernel (shaders/attention_prefill_mpp_dsplit.h), forced by
+// split-D kernel (shaders/tensor_ops/attention_prefill_mpp_dsplit.h), forced by
 // impl='tensor_ops' or taken by Auto behind the same gate as the D <= 128
 // tensor-op forward plus the model's verdict against the simdgroup prefill.
 // Every other head dim goes to tensor_ops_route / choose_tensor_ops

@@ -113,7 +113,7 @@ struct tensor {
   // and every public MPP kernel builds its inline tensors with {1, ld}
   // (mtlattn src/attn_mpp.metal, llama.cpp's kernel_mul_mm tensor path). The
   // emulator refuses any other at run time rather than guess what matmul2d
-  // makes of it (the host routes such views away: csrc/metal_routing_tensor_ops.cpp).
+  // makes of it (the host routes such views away: csrc/metal/families/tensor_ops.cpp).
   tensor(T* p, Ext e, array<index_type, size_t(rank_v)> s, const char* file = __builtin_FILE(),
          int line = __builtin_LINE())
       : data(p), ext(e) {
