@@ -123,7 +123,7 @@ def test_rows_declare_what_they_take():
     names = [r["name"] for r in table()]
     assert len(names) == len(set(names))
     assert [r["name"] for r in rows("forward")] == [
-        "wide decode", "prefill split-D", "post kernels", "tensor ops split-D", "tensor ops", "paged", "decode",
+        "quantized decode", "wide decode", "prefill split-D", "post kernels", "tensor ops split-D", "tensor ops", "paged", "decode",
         "split decode", "prefill"]
     assert [r["name"] for r in rows("backward")] == [
         "backward split-D", "backward tensor ops split-D", "backward tensor ops", "backward"]
