@@ -91,8 +91,18 @@ struct AttentionProblem {
   // stride must be 1 (csrc/metal/families/tensor_ops.cpp routes or refuses).
   int64_t k_dim_stride = 1;
   int64_t v_dim_stride = 1;
+  // A quantized KV cache (attention_kvcache, issue 44; csrc/kvcache_quant.h):
+  // each side's format (KvFormat's values: 0 in q's dtype, 1 int8, 2 4-bit,
+  // 3 fp8), its 4-bit scales' dtype and group size, and the bytes of one
+  // element of its codes tensor (k / v strides count those): the quantized
+  // decode kernels (shaders/decode/attention_decode_quant.h) read it in place.
+  int k_format = 0, v_format = 0;
+  c10::ScalarType k_scale_dtype = c10::ScalarType::Float, v_scale_dtype = c10::ScalarType::Float;
+  int64_t k_group = 0, v_group = 0;
+  int64_t k_code_bytes = 0, v_code_bytes = 0;
 
   int64_t gqa_ratio() const { return q_heads / kv_heads; }
+  bool kv_quantized() const { return k_format != 0 || v_format != 0; }
   bool has_window_left() const { return window_left >= 0; }
   bool has_softcap() const { return softcap > 0.0; }
   // Keys bounded above: query i sees keys j <= i + causal_offset() (for a

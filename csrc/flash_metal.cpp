@@ -159,11 +159,13 @@ TORCH_LIBRARY(flash_metal, m) {
         "str gpu=\"base\", int dispatch=0, bool backward=False, Tensor? grad_out=None, Tensor? out=None, "
         "Tensor? lse=None, Tensor? grad_lse=None, Tensor? attn_mask=None, int window_left=-1, int window_right=-1, "
         "float softcap=0.0, Tensor? cu_seqlens_q=None, Tensor? cu_seqlens_k=None, int max_seqlen_q=0, "
-        "int max_seqlen_k=0, Tensor? sinks=None, Tensor? block_table=None, Tensor? cache_seqlens=None) "
+        "int max_seqlen_k=0, Tensor? sinks=None, Tensor? block_table=None, Tensor? cache_seqlens=None, "
+        "Tensor? k_scale=None, Tensor? k_bias=None, Tensor? v_scale=None, Tensor? v_bias=None, "
+        "str k_format=\"auto\", str v_format=\"auto\") "
         "-> (str kernel_name, int[] grid, int[] threadgroup, int threadgroup_memory, int threadgroup_memory_index, "
         "bool[] function_constants, int[] buffer_indices, int params_index, Tensor params, str reason, "
         "int num_dispatches, int[] scratch_elements, int max_threads_per_threadgroup, int[] estimate, "
-        "str occupancy_limit, str gpu_name, str[] families)");
+        "str occupancy_limit, str gpu_name, str[] families, int quant_params_index, Tensor quant_params)");
   // macOS builds only (csrc/mps/pipelines.mm), for tests: loads the shader
   // library as attention_forward would and builds the pipeline of every
   // (kernel, function constants) pair the planner can produce, on the

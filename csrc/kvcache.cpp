@@ -165,6 +165,10 @@ KvCacheCall check_kvcache_inputs(const at::Tensor& q, const at::Tensor& k_cache,
                     " (v_cache); got ", p.head_dim, " and ", p.head_dim_v);
   apply_scalar_options(kOp, options, &p);
   p.paged = true;
+  if (quant != nullptr) {
+    kc.quant = *quant;
+    describe_kv_quant(*quant, &p);
+  }
   p.page_size = page;
   p.table_stride = kc.block_table.size(0) > 1 ? kc.block_table.stride(0) : max_blocks;
   TORCH_CHECK_VALUE(p.table_stride <= kMaxInt32, kOp, ": block_table's row stride must be below 2^31");

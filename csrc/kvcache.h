@@ -32,6 +32,7 @@ struct KvCacheCall {
   at::Tensor block_table;       // int32 (B, max_blocks), entries contiguous (a copy when they were not)
   at::Tensor cache_seqlens;     // int32 (B,), contiguous
   at::Tensor cu_seqlens_q;      // packed queries: int32 (B + 1,), contiguous (undefined otherwise)
+  KvQuant quant;                // a quantized cache's sides (c.p's k_format, ... say which), as validated
 };
 
 // Validates attention_kvcache's inputs: q (B, Hq, Nq, D); k_cache

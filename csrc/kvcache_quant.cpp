@@ -1,6 +1,8 @@
 // Quantized KV caches: format parsing and validation (see kvcache_quant.h).
 #include "kvcache_quant.h"
 
+#include "checks.h"
+
 #include <c10/util/Exception.h>
 
 namespace flash_metal {
@@ -146,6 +148,35 @@ KvQuant check_kv_quant(const char* op, const at::Tensor& q, const at::Tensor& k_
   r.k = check_side(op, "k", q, k_cache, k_scale, k_bias, k_format, batch);
   r.v = check_side(op, "v", q, v_cache, v_scale, v_bias, v_format, batch);
   return r;
+}
+
+void describe_kv_quant(const KvQuant& kq, AttentionProblem* p) {
+  p->k_format = static_cast<int>(kq.k.format);
+  p->v_format = static_cast<int>(kq.v.format);
+  p->k_group = kq.k.group_size;
+  p->v_group = kq.v.group_size;
+  if (kq.k.format == KvFormat::Q4) p->k_scale_dtype = kq.k.scale.scalar_type();
+  if (kq.v.format == KvFormat::Q4) p->v_scale_dtype = kq.v.scale.scalar_type();
+  p->k_code_bytes = kq.k.codes.element_size();
+  p->v_code_bytes = kq.v.codes.element_size();
+}
+
+void scales_for_metal(KvQuant* kq) {
+  for (KvSide* s : {&kq->k, &kq->v}) {
+    if (s->format != KvFormat::Q4) continue;
+    if (s->scale.strides() != s->bias.strides() || (s->scale.size(3) > 1 && s->scale.stride(3) != 1)) {
+      s->scale = s->scale.contiguous();
+      s->bias = s->bias.contiguous();
+    }
+  }
+}
+
+std::array<int64_t, 3> kv_scale_strides(const KvSide& s) {
+  if (s.format == KvFormat::Int8 || s.format == KvFormat::Q4) {
+    return {s.scale.stride(0), s.scale.stride(1), s.scale.stride(2)};
+  }
+  if (s.format == KvFormat::Fp8 && !s.per_tensor) return {s.scale.stride(0), 0, s.scale.stride(1)};
+  return {0, 0, 0};
 }
 
 }  // namespace flash_metal

@@ -26,6 +26,7 @@
 
 #include <ATen/ATen.h>
 
+#include <array>
 #include <cstdint>
 #include <optional>
 #include <string>
@@ -61,5 +62,21 @@ KvQuant check_kv_quant(const char* op, const at::Tensor& q, const at::Tensor& k_
                        const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& k_bias,
                        const std::optional<at::Tensor>& v_scale, const std::optional<at::Tensor>& v_bias,
                        const std::string& k_format, const std::string& v_format, int64_t batch);
+
+struct AttentionProblem;
+
+// The problem's quantized-cache fields (AttentionProblem::k_format, ...) from a validated call.
+void describe_kv_quant(const KvQuant& kq, AttentionProblem* p);
+
+// The Metal kernels read a 4-bit side's scale and bias through one set of
+// strides with the group index contiguous: where they differ (or it is
+// not), both are made contiguous (a copy of the scales only; none in the
+// usual layouts). Int8 and fp8 scales are read at any strides.
+void scales_for_metal(KvQuant* kq);
+
+// A side's scale strides as the Metal kernels read them (KvQuantParams,
+// shaders/common/params.h): (page or sequence, token, kv head), in elements
+// of the scale's dtype; fp8 (sequence, 0, kv head), or zeros per tensor.
+std::array<int64_t, 3> kv_scale_strides(const KvSide& s);
 
 }  // namespace flash_metal

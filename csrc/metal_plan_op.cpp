@@ -8,6 +8,7 @@
 #include "checks.h"
 #include "composite.h"
 #include "kvcache.h"
+#include "kvcache_quant.h"
 #include "metal/families/family.h"
 #include "metal/plan.h"
 
@@ -25,7 +26,7 @@ std::array<int64_t, 4> strides4(const at::Tensor& t) {
 
 std::tuple<std::string, std::vector<int64_t>, std::vector<int64_t>, int64_t, int64_t, c10::List<bool>,
            std::vector<int64_t>, int64_t, at::Tensor, std::string, int64_t, std::vector<int64_t>, int64_t,
-           std::vector<int64_t>, std::string, std::string, std::vector<std::string>>
+           std::vector<int64_t>, std::string, std::string, std::vector<std::string>, int64_t, at::Tensor>
 metal_plan(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool causal,
            std::optional<double> scale, c10::string_view kernel, c10::string_view gpu, int64_t dispatch,
            bool backward, const std::optional<at::Tensor>& grad_out, const std::optional<at::Tensor>& out,
@@ -33,7 +34,10 @@ metal_plan(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool c
            const std::optional<at::Tensor>& attn_mask, int64_t window_left, int64_t window_right, double softcap,
            const std::optional<at::Tensor>& cu_seqlens_q, const std::optional<at::Tensor>& cu_seqlens_k,
            int64_t max_seqlen_q, int64_t max_seqlen_k, const std::optional<at::Tensor>& sinks,
-           const std::optional<at::Tensor>& block_table, const std::optional<at::Tensor>& cache_seqlens) {
+           const std::optional<at::Tensor>& block_table, const std::optional<at::Tensor>& cache_seqlens,
+           const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& k_bias,
+           const std::optional<at::Tensor>& v_scale, const std::optional<at::Tensor>& v_bias,
+           c10::string_view k_format, c10::string_view v_format) {
   const auto given = [](const std::optional<at::Tensor>& t) { return t.has_value() && t->defined(); };
   const AttentionOptions options = make_options(causal, scale, attn_mask, window_left, window_right, softcap, sinks);
   bool varlen = given(cu_seqlens_q) || given(cu_seqlens_k);
@@ -51,9 +55,23 @@ metal_plan(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool c
   TORCH_CHECK_VALUE(!kvcache || !backward, "flash_metal.metal_plan: cache_seqlens (attention_kvcache) has no "
                     "backward");
   AttentionCall call;
+  // A quantized cache (issue 44): validated as the op does; its scales' strides go to KvQuantParams.
+  KvQuant kq;
+  std::array<int64_t, 3> k_scale_strides{}, v_scale_strides{};
+  if (kvcache) {
+    const int64_t batch = given(cu_seqlens_q) ? cu_seqlens_q->size(0) - 1 : (q.dim() > 0 ? q.size(0) : 0);
+    kq = check_kv_quant(kKvCacheOpName, q, k, v, k_scale, k_bias, v_scale, v_bias, std::string(k_format),
+                        std::string(v_format), batch);
+    scales_for_metal(&kq);
+    k_scale_strides = kv_scale_strides(kq.k);
+    v_scale_strides = kv_scale_strides(kq.v);
+  } else {
+    TORCH_CHECK_VALUE(!given(k_scale) && !given(v_scale) && !given(k_bias) && !given(v_bias), "flash_metal.metal_plan: "
+                      "k_scale, k_bias, v_scale and v_bias go with cache_seqlens (attention_kvcache)");
+  }
   if (kvcache) {
     const KvCacheCall kc = check_kvcache_inputs(q, k, v, *cache_seqlens, block_table, options, cu_seqlens_q,
-                                                max_seqlen_q);
+                                                max_seqlen_q, kq.quantized() ? &kq : nullptr);
     if (kvcache_reads_table(kc.c.p, request, &route)) {
       call = kc.c;
     } else {
@@ -79,7 +97,7 @@ metal_plan(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool c
     families.push_back("composite: took the call (no kernel of ours)");
     return {"", {}, {}, 0, 0, c10::List<bool>(), std::vector<int64_t>(kLaunchTensorCount, -1), 0,
             at::empty({0}, at::kByte), route + composite_why, 0, {0, 0, 0}, 0, {0, 0, 0}, "", gpu_spec.name,
-            families};
+            families, 0, at::empty({0}, at::kByte)};
   }
   families.push_back("composite: no: a kernel family takes the call");
   // The outputs the forward allocates are packed (allocate_outputs); describe
@@ -97,6 +115,8 @@ metal_plan(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool c
   const auto strides3 = [](const at::Tensor& t) { return std::array<int64_t, 3>{t.stride(0), t.stride(1), t.stride(2)}; };
   LaunchStrides s{strides4(call.q), strides4(call.k), strides4(call.v), packed4, packed3};
   if (call.mask.defined()) s.mask = strides4(call.mask);
+  s.k_scale = k_scale_strides;
+  s.v_scale = v_scale_strides;
   // The loaders' inputs' storage offsets (fc_dense); a grad_out not given is planned packed, at offset 0.
   s.offsets = {call.q.storage_offset(), call.k.storage_offset(), call.v.storage_offset(),
                backward && given(grad_out) ? as_kernel_view4(*grad_out, varlen).storage_offset() : 0};
@@ -119,6 +139,8 @@ metal_plan(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool c
 
   at::Tensor params = at::empty({static_cast<int64_t>(sizeof(AttentionParams))}, at::kByte);
   std::memcpy(params.data_ptr(), &launch.params, sizeof(AttentionParams));
+  at::Tensor quant_params = at::empty({launch.quant_params_index ? int64_t(sizeof(KvQuantParams)) : 0}, at::kByte);
+  if (launch.quant_params_index) std::memcpy(quant_params.data_ptr(), &launch.quant_params, sizeof(KvQuantParams));
   c10::List<bool> constants;
   for (bool c : launch.function_constants) constants.push_back(c);
   // buffer_indices[t] is the [[buffer(n)]] of LaunchTensor t (q, k, v, out,
@@ -145,7 +167,9 @@ metal_plan(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool c
            launch.estimate.simdgroups_per_core},
           launch.estimate.limit,
           gpu_spec.name,
-          families};
+          families,
+          launch.quant_params_index,
+          quant_params};
 }
 
 // The routing tables (csrc/metal/families/table.cpp), for tests and docs:

@@ -232,7 +232,7 @@ def _kvcache_by_gather(q, k_cache, v_cache, cache_seqlens, block_table, causal, 
 # block_table and cache_seqlens the decode and prefill kernels' paged cache (q when not paged).
 _LAUNCH_TENSORS = ("q", "k", "v", "out", "lse", "partial_out", "partial_stats", "grad_out", "grad_q", "grad_k",
                    "grad_v", "grad_lse", "delta", "attn_mask", "cu_seqlens_q", "cu_seqlens_k", "sinks", "grad_sinks",
-                   "block_table", "cache_seqlens")
+                   "block_table", "cache_seqlens", "k_scale", "k_bias", "v_scale", "v_bias")
 # The scratch tensors of each pass's plans, by name.
 _SCRATCH = {False: ("partial_out", "partial_stats"), True: ("delta",)}
 
@@ -265,6 +265,10 @@ class MetalDispatch(NamedTuple):
     # edge-checked ones, and the coordinate queries before issue 40). Emulator counts, not measured on Apple
     # hardware; None for every other kernel.
     mpp_bookkeeping: Optional[Dict[str, float]] = None
+    # The quantized-cache decode's KvQuantParams (shaders/common/params.h), bound with setBytes at
+    # quant_params_index (0 and an empty tensor for every other kernel).
+    quant_params_index: int = 0
+    quant_params: Optional[Tensor] = None
 
 
 class MetalPlan(NamedTuple):
@@ -314,6 +318,8 @@ def explain(
     window_left: int = -1, window_right: int = -1, softcap: float = 0.0, cu_seqlens_q: Optional[Tensor] = None,
     cu_seqlens_k: Optional[Tensor] = None, max_seqlen_q: int = 0, max_seqlen_k: int = 0,
     sinks: Optional[Tensor] = None, block_table: Optional[Tensor] = None, cache_seqlens: Optional[Tensor] = None,
+    k_scale: Optional[Tensor] = None, k_bias: Optional[Tensor] = None, v_scale: Optional[Tensor] = None,
+    v_bias: Optional[Tensor] = None, k_format: str = "auto", v_format: str = "auto",
 ) -> MetalPlan:
     """Which Metal kernels attention() would launch for these inputs, and why.
 
@@ -331,24 +337,28 @@ def explain(
     With cache_seqlens (and block_table): attention_kvcache_with_lse's plan,
     k and v being the caches: the decode or prefill kernel reading the table,
     or the gather path's varlen plan (the reason says which); with
-    cu_seqlens_q too (no cu_seqlens_k), its packed queries' plan. families:
+    cu_seqlens_q too (no cu_seqlens_k), its packed queries' plan; with a
+    quantized cache (k_scale, ..., as attention_kvcache takes them) the
+    quantized decode kernels (issue 44). families:
     the routing table's verdicts, one line per kernel family (took the call,
     or why not), then the composite path's.
     """
     varlen = cu_seqlens_q is not None
     args = ((q, k, v) if varlen else (_as_4d(q), _as_4d(k), _as_4d(v))) + (causal, scale, impl, gpu)
     extra = (backward, grad_out, out, lse, grad_lse, attn_mask, window_left, window_right, softcap, cu_seqlens_q,
-             cu_seqlens_k, max_seqlen_q, max_seqlen_k, sinks, block_table, cache_seqlens)
+             cu_seqlens_k, max_seqlen_q, max_seqlen_k, sinks, block_table, cache_seqlens, k_scale, k_bias, v_scale,
+             v_bias, k_format, v_format)
     dispatches, count, i = [], 1, 0
     while i < count:
         (name, grid, tg, mem, mem_index, consts, indices, params_index, params, reason, count, scratch, max_threads,
-         estimate, limit, gpu_name, families) = torch.ops.flash_metal.metal_plan(*args, i, *extra)
+         estimate, limit, gpu_name, families, qp_index, qp) = torch.ops.flash_metal.metal_plan(*args, i, *extra)
         if count == 0:  # the composite path (csrc/composite.h): no kernel of ours, only the reason
             break
         buffers = {t: n for t, n in zip(_LAUNCH_TENSORS, indices) if n >= 0}
         dispatches.append(
             MetalDispatch(name, tuple(grid), tuple(tg), mem, mem_index, tuple(consts), buffers, params_index, params,
-                          max_threads, *estimate, limit, _mpp_bookkeeping.counts(name))
+                          max_threads, *estimate, limit, _mpp_bookkeeping.counts(name), qp_index,
+                          qp if qp_index else None)
         )
         i += 1
     sizes = dict(zip(("partial_out", "partial_stats", "delta"), scratch))

@@ -10,6 +10,7 @@
 //   flash_attention_prefill_splitd_<dtype>_dqk<DQK>_dv<DV>_bq<BQ>_bk<BK>_wm<WM> where D_qk != D_v ((576, 512), (256, 512))
 //   flash_decode_<dtype>_d<DMAX>, flash_decode_split_<dtype>_d<DMAX>, flash_decode_merge_<dtype>_d<DMAX>
 //   (DMAX also 512 and 576: decode only)
+//   flash_decode_quant_<dtype>_d<DMAX>, flash_decode_quant_split_<dtype>_d<DMAX> (quantized KV caches, DMAX <= 256)
 //   flash_backward_dq_<dtype>_d<DMAX>_bq<BQ>_bk<BK>_wm<WM>_ds<DSPLIT>,
 //   flash_backward_dkdv_<dtype>_d<DMAX>_bq<BQ>_bk<BK>_wm<WM>_ds<DSPLIT>
 //   flash_backward_splitd_dq_<dtype>_d<DMAX>_bq<BQ>_bk<BK>_wm<WM>,
@@ -20,6 +21,7 @@
 #include "prefill/attention_prefill.h"
 #include "prefill/attention_prefill_splitd.h"
 #include "decode/attention_decode.h"
+#include "decode/attention_decode_quant.h"
 #include "backward/attention_backward_dq.h"
 #include "backward/attention_backward_dkdv.h"
 #include "backward/attention_backward_splitd.h"
@@ -105,6 +107,22 @@
   FM_DECODE(tname, T, 512)        \
   FM_DECODE(tname, T, 576)
 
+// The quantized-cache decode (issue 44, decode/attention_decode_quant.h):
+// one pass and split pass 1 (the merge is the native one), buckets up to 256.
+#define FM_DECODE_QUANT(tname, T, D)                                                 \
+  FM_INSTANTIATE("flash_decode_quant_" #tname "_d" #D, flash_decode_quant<T, D>)     \
+  FM_INSTANTIATE("flash_decode_quant_split_" #tname "_d" #D, flash_decode_quant_split<T, D>)
+
+#define FM_DECODE_QUANT_ALL_D(tname, T) \
+  FM_DECODE_QUANT(tname, T, 32)         \
+  FM_DECODE_QUANT(tname, T, 64)         \
+  FM_DECODE_QUANT(tname, T, 72)         \
+  FM_DECODE_QUANT(tname, T, 80)         \
+  FM_DECODE_QUANT(tname, T, 96)         \
+  FM_DECODE_QUANT(tname, T, 128)        \
+  FM_DECODE_QUANT(tname, T, 192)        \
+  FM_DECODE_QUANT(tname, T, 256)
+
 // Why two decode-only buckets above 256 (issue 20; the prefill template and
 // the backward stop at 256, csrc/metal/plan.h kDecodeHeadDimBuckets; the
 // split-D forward above serves causal D = 512): 512 serves Gemma's
@@ -175,6 +193,9 @@ FM_PREFILL_SPLITD(bfloat16, bfloat)
 FM_DECODE_ALL_D(float32, float)
 FM_DECODE_ALL_D(float16, half)
 FM_DECODE_ALL_D(bfloat16, bfloat)
+FM_DECODE_QUANT_ALL_D(float32, float)
+FM_DECODE_QUANT_ALL_D(float16, half)
+FM_DECODE_QUANT_ALL_D(bfloat16, bfloat)
 FM_BACKWARD_FLOAT_ALL_D(float32, float)
 FM_BACKWARD_HALF_ALL_D(float16, half)
 FM_BACKWARD_HALF_ALL_D(bfloat16, bfloat)

@@ -13,7 +13,8 @@ import pytest
 import torch
 
 import flash_metal
-from shader_builds import (SHADER, SPLITD_BACKWARD_KERNELS, WIDE_DECODE_KERNELS, is_splitd_backward, is_wide_decode,
+from shader_builds import (SHADER, SPLITD_BACKWARD_KERNELS, WIDE_DECODE_KERNELS, is_quant_decode, is_splitd_backward,
+                           is_wide_decode,
                            shipped_library)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -203,6 +204,16 @@ def wide_decode_library(instrumented: bool):
 
 
 @functools.lru_cache(maxsize=None)
+def quant_decode_library(instrumented: bool, suffix: str):
+    """The quantized-cache decode's partial library for one "<dtype>_d<bucket>" (the default builds leave
+    them out: tests/shader_builds.py): its one-pass and split kernels and the merge its split runs."""
+    from metal_emulator import compile_library
+
+    only = tuple(f"flash_decode_{k}{suffix}" for k in ("quant_", "quant_split_", "merge_"))
+    return compile_library([SHADER], instrumented=instrumented, only=only)
+
+
+@functools.lru_cache(maxsize=None)
 def splitd_backward_library(instrumented: bool):
     """The split-D backward's partial library (the default builds leave it out: tests/shader_builds.py),
     with flash_sinks_grad, which its plans with sinks run after it."""
@@ -326,7 +337,9 @@ def emulated_metal_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max
 
 
 def emulated_metal_kvcache(q, k_cache, v_cache, cache_seqlens, block_table=None, causal=False, scale=None,
-                           impl="auto", instrumented=False, window_left=-1, window_right=-1, softcap=0.0, sinks=None):
+                           impl="auto", instrumented=False, window_left=-1, window_right=-1, softcap=0.0, sinks=None,
+                           k_scale=None, k_bias=None, v_scale=None, v_bias=None, k_format="auto", v_format="auto",
+                           library=None, extra_constants=None):
     """attention_kvcache through the Metal emulator, as the MPS host runs it (attention_mps.mm).
 
     The plan is the op's own (explain with cache_seqlens): the decode
@@ -334,11 +347,18 @@ def emulated_metal_kvcache(q, k_cache, v_cache, cache_seqlens, block_table=None,
     and cache_seqlens (a plain cache: the op's table of row b per batch);
     or, on the gather path, the varlen plan run on the rows in use gathered
     as csrc/kvcache.cpp gathers them (flash_metal._kvcache, the same rule).
+    A quantized cache (k_scale, ..., as the op takes them): the quantized
+    decode kernels, with the scales and biases bound as the MPS host binds
+    them (a slot without one: the side's scale, or q) and KvQuantParams;
+    library: a build to run them from (default quant_decode_library);
+    extra_constants: {index: value} added to the kernels' function constants
+    (a patched build's planted switches, tests/metal/test_metal_decode_quant.py).
     Returns (out (B, Hq, Nq, D_v), lse (B, Hq, Nq)), outputs poisoned with NaN.
     """
     options = dict(window_left=window_left, window_right=window_right, softcap=softcap, sinks=sinks)
+    quant = dict(k_scale=k_scale, k_bias=k_bias, v_scale=v_scale, v_bias=v_bias, k_format=k_format, v_format=v_format)
     plan = flash_metal.explain(q, k_cache, v_cache, causal, scale, impl, block_table=block_table,
-                               cache_seqlens=cache_seqlens, **options)
+                               cache_seqlens=cache_seqlens, **options, **quant)
     B, Hq, Nq, _ = q.shape
     if "gather path" in plan.reason:
         from flash_metal import _kvcache
@@ -354,15 +374,22 @@ def emulated_metal_kvcache(q, k_cache, v_cache, cache_seqlens, block_table=None,
                                          instrumented=instrumented, **options)
         return (out.view(B, Nq, Hq, -1).transpose(1, 2).contiguous(),
                 lse.view(Hq, B, Nq).permute(1, 0, 2).contiguous())
-    out = torch.full((B, Hq, Nq, v_cache.shape[3]), float("nan"), dtype=q.dtype)
+    d_v = v_cache.shape[3] if v_scale is None else v_cache.shape[3] * (v_cache.element_size() * 8 // 4 if
+                                                                          v_bias is not None else 1)
+    out = torch.full((B, Hq, Nq, d_v), float("nan"), dtype=q.dtype)
     lse = torch.full((B, Hq, Nq), float("nan"), dtype=torch.float32)
     if block_table is None:
         block_table = torch.arange(B, dtype=torch.int32)[:, None]
     tensors = {"q": q, "k": k_cache, "v": v_cache, "out": out, "lse": lse, **_option_tensors(q, sinks=sinks),
                "block_table": block_table, "cache_seqlens": cache_seqlens.contiguous()}
+    for side, scale_, bias_ in (("k", k_scale, k_bias), ("v", v_scale, v_bias)):
+        if bias_ is not None and (bias_.stride() != scale_.stride() or scale_.stride(-1) != 1):
+            scale_, bias_ = scale_.contiguous(), bias_.contiguous()  # as scales_for_metal (csrc/kvcache_quant.h)
+        tensors[f"{side}_scale"] = q if scale_ is None else scale_
+        tensors[f"{side}_bias"] = bias_ if bias_ is not None else tensors[f"{side}_scale"]
     for name, n in plan.scratch.items():
         tensors[name] = torch.full((max(n, 1),), float("nan"), dtype=torch.float32)
-    _run_plan(plan, tensors, instrumented, False)
+    _run_plan(plan, tensors, instrumented, False, library=library, extra_constants=extra_constants)
     return out, lse
 
 
@@ -424,14 +451,19 @@ def emulated_metal_attention_backward(grad_out, q, k, v, out, lse, causal=False,
 MPP_UNDECLARED_CONSTANTS = (1, 2, 10)
 
 
-def _run_plan(plan, tensors, instrumented, fast_math, seed=0, mpp_layout="scrambled", mpp_seed=1):
+def _run_plan(plan, tensors, instrumented, fast_math, seed=0, mpp_layout="scrambled", mpp_seed=1, library=None,
+              extra_constants=None):
     LAST_DISPATCHES.clear()
+    given_library = library
+    quant_plan = any(is_quant_decode(d.kernel_name) for d in plan.dispatches)
     # A split-D backward plan runs all of its dispatches (flash_sinks_grad too) from its partial library.
     splitd = any(is_splitd_backward(d.kernel_name) for d in plan.dispatches) and not fast_math
     # Each dispatch bound from the plan's binding table, exactly as
     # csrc/mps/attention_mps.mm binds, in the plan's order.
     for d in plan.dispatches:
         constants = dict(enumerate(d.function_constants))
+        if extra_constants and d.quant_params_index:
+            constants.update(extra_constants)
         extra = {}
         if d.kernel_name.startswith(MPP_KERNEL_PREFIXES):
             if d.kernel_name.startswith(MPP_KERNEL_PREFIX + "dsplit_"):
@@ -449,12 +481,20 @@ def _run_plan(plan, tensors, instrumented, fast_math, seed=0, mpp_layout="scramb
             library = splitd_backward_library(instrumented)
         elif is_wide_decode(d.kernel_name) and not fast_math:
             library = wide_decode_library(instrumented)
+        elif given_library is not None:
+            library = given_library
+        elif is_quant_decode(d.kernel_name) or (quant_plan and "merge" in d.kernel_name):
+            library = quant_decode_library(instrumented, d.kernel_name.rsplit("_", 2)[-2] + "_" +
+                                           d.kernel_name.rsplit("_", 1)[-1])
         else:
             library = metal_library(instrumented, fast_math)
+        by = {d.params_index: d.params}
+        if d.quant_params_index:  # the quantized decode's KvQuantParams (setBytes, as the MPS host)
+            by[d.quant_params_index] = d.quant_params
         counts = library.dispatch(
             d.kernel_name,
             buffers={index: tensors[name] for name, index in d.buffers.items()},
-            bytes={d.params_index: d.params},
+            bytes=by,
             function_constants=constants,
             grid=d.grid,
             threadgroup=d.threadgroup,

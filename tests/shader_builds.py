@@ -27,12 +27,21 @@ WIDE_DECODE_KERNELS = ("flash_decode*_d512", "flash_decode*_d576")
 # tests/metal/test_metal_backward_splitd.py and benchmarks/model/families/splitd_backward.py run them,
 # on a partial library of their own (tests/backends.py splitd_backward_library).
 SPLITD_BACKWARD_KERNELS = ("flash_backward_splitd_*",)
-DEFAULT_EXCLUDE = WIDE_DECODE_KERNELS + SPLITD_BACKWARD_KERNELS
+# The quantized-cache decode (issue 44, shaders/decode/attention_decode_quant.h: 2 kernels x 3 dtypes x 8
+# buckets). Out of the default builds for the same reason (CI time): tests/metal/test_metal_decode_quant.py
+# builds the few it runs (tests/backends.py quant_decode_library).
+QUANT_DECODE_KERNELS = ("flash_decode_quant_*",)
+DEFAULT_EXCLUDE = WIDE_DECODE_KERNELS + SPLITD_BACKWARD_KERNELS + QUANT_DECODE_KERNELS
 
 
 def is_wide_decode(kernel_name: str) -> bool:
     """Whether `kernel_name` is one of WIDE_DECODE_KERNELS (the default builds' left-out kernels)."""
     return any(fnmatch.fnmatchcase(kernel_name, p) for p in WIDE_DECODE_KERNELS)
+
+
+def is_quant_decode(kernel_name: str) -> bool:
+    """Whether `kernel_name` is one of QUANT_DECODE_KERNELS."""
+    return any(fnmatch.fnmatchcase(kernel_name, p) for p in QUANT_DECODE_KERNELS)
 
 
 def is_splitd_backward(kernel_name: str) -> bool:

@@ -87,6 +87,12 @@ def _decode_wide(args):
     decode_wide.report()
 
 
+def _decode_quant(args):
+    from .families import decode_quant
+
+    decode_quant.report()
+
+
 def _bookkeeping(args):
     from .families import bookkeeping
 
@@ -142,6 +148,8 @@ COMMANDS = [
                                                       "the rows each, over the decode grid"))], _decode),
     ("decode-wide", "decode above 256 (buckets 512, 576) vs unfused and the composite path "
                     "(families/decode_wide.py)", [], _decode_wide),
+    ("decode-quant", "quantized KV caches in the decode: K/V bytes per step per format and the bandwidth-bound "
+                     "time they predict (families/decode_quant.py)", [], _decode_quant),
     ("bookkeeping", "the tensor-op kernels' per-block bookkeeping beside MLX's NAX attention "
                     "(families/bookkeeping.py)", [], _bookkeeping),
     ("paged-kv", "paged against contiguous one-pass decode (families/paged.py)", [QUICK], _paged_kv),

@@ -72,6 +72,54 @@ const std::vector<BufferBinding> kBackwardDkdvBuffers = {
     {LaunchTensor::Lse, kSlotLse}, {LaunchTensor::GradOut, kSlotGradOut}, {LaunchTensor::GradK, kSlotGradK},
     {LaunchTensor::GradV, kSlotGradV}, {LaunchTensor::Delta, kSlotDelta}};
 
+// A quantized cache's decode (flash_decode_quant*) also binds the scales and
+// biases (a slot without one: the side's scale, or q; never read).
+std::vector<BufferBinding> with_quant_scales(const AttentionProblem& p, std::vector<BufferBinding> b) {
+  if (!p.kv_quantized()) return b;
+  b.push_back({LaunchTensor::KScale, kSlotKScale});
+  b.push_back({LaunchTensor::KBias, kSlotKBias});
+  b.push_back({LaunchTensor::VScale, kSlotVScale});
+  b.push_back({LaunchTensor::VBias, kSlotVBias});
+  return b;
+}
+
+// The quantized decode's function constants (attention_decode_quant.h),
+// its KvQuantParams, and k's / v's strides in bytes for a quantized side
+// (its codes are read as bytes; a side in q's dtype keeps element strides).
+void quantize_decode_launch(const AttentionProblem& p, const LaunchStrides& s, MetalLaunch* l) {
+  l->function_constants.resize(kDecodeQuantFunctionConstantCount, false);
+  const int formats[2] = {p.k_format, p.v_format};
+  const c10::ScalarType scale_dtypes[2] = {p.k_scale_dtype, p.v_scale_dtype};
+  for (int side = 0; side < 2; ++side) {
+    if (formats[side] == 0) continue;
+    l->function_constants[kKvFormatFunctionConstant + 3 * side + (formats[side] - 1)] = true;
+    if (formats[side] == 2 && scale_dtypes[side] != c10::ScalarType::Float) {
+      l->function_constants[kKvScaleDtypeFunctionConstant + 2 * side +
+                            (scale_dtypes[side] == c10::ScalarType::Half ? 0 : 1)] = true;
+    }
+  }
+  AttentionParams& a = l->params;
+  if (p.k_format != 0) {
+    a.k_batch_stride *= p.k_code_bytes; a.k_head_stride *= p.k_code_bytes;
+    a.k_row_stride *= p.k_code_bytes; a.k_dim_stride *= p.k_code_bytes;
+  }
+  if (p.v_format != 0) {
+    a.v_batch_stride *= p.v_code_bytes; a.v_head_stride *= p.v_code_bytes;
+    a.v_row_stride *= p.v_code_bytes; a.v_dim_stride *= p.v_code_bytes;
+  }
+  KvQuantParams& q = l->quant_params;
+  q.k_scale_batch_stride = s.k_scale[0]; q.k_scale_row_stride = s.k_scale[1]; q.k_scale_head_stride = s.k_scale[2];
+  q.v_scale_batch_stride = s.v_scale[0]; q.v_scale_row_stride = s.v_scale[1]; q.v_scale_head_stride = s.v_scale[2];
+  const auto shift = [](int64_t g) {
+    int32_t n = 0;
+    while (g > 1) { g >>= 1; ++n; }
+    return n;
+  };
+  q.k_group_shift = p.k_format == 2 ? shift(p.k_group) : 0;
+  q.v_group_shift = p.v_format == 2 ? shift(p.v_group) : 0;
+  l->quant_params_index = kKvQuantParamsIndex;
+}
+
 // The decode kernels' launches, exactly as shaders/decode/attention_decode.h
 // documents them: one threadgroup per (kv head, batch[, key block]) serving
 // all gqa_ratio * Nq query rows of the GQA group, so each K/V element is read
@@ -88,8 +136,10 @@ void decode_launches(const AttentionProblem& p, const KernelChoice& c, const std
   l.threadgroup = {32, key_groups, in_flight};
   l.threadgroup_memory = bytes;
   l.max_threads_per_threadgroup = kDecodeMaxThreads;
+  // A quantized cache: the same launches of flash_decode_quant* (the merge is the native one).
+  const std::string prefix = p.kv_quantized() ? "flash_decode_quant_" : "flash_decode_";
   if (c.kv_splits == 1) {
-    l.kernel_name = "flash_decode_" + suffix;
+    l.kernel_name = prefix + suffix;
     l.grid = {kv_heads * c.row_chunks, batch, 1};
     l.estimate = estimate_launch(l, decode_live_registers(c.bucket, p.mask != MaskKind::None, p.paged), gpu);
     plan->launches.push_back(l);
@@ -98,9 +148,9 @@ void decode_launches(const AttentionProblem& p, const KernelChoice& c, const std
   const int64_t all_rows = p.batch * p.q_heads * p.q_len;
   plan->partial_out_elements = all_rows * c.kv_splits * p.head_dim_v;  // v's width (the accumulator's)
   plan->partial_stats_elements = all_rows * c.kv_splits * 2;
-  l.kernel_name = "flash_decode_split_" + suffix;
+  l.kernel_name = prefix + "split_" + suffix;
   l.grid = {kv_heads * c.row_chunks, batch, c.kv_splits};
-  l.buffers = with_paged(with_forward_features(kSplitBuffers));
+  l.buffers = with_quant_scales(p, with_paged(with_forward_features(kSplitBuffers)));
   l.estimate = estimate_launch(l, decode_live_registers(c.bucket, p.mask != MaskKind::None, p.paged), gpu);
   plan->launches.push_back(l);
   // The merge: one SIMD-group per query row, the lanes over the features.
@@ -112,6 +162,7 @@ void decode_launches(const AttentionProblem& p, const KernelChoice& c, const std
   m.threadgroup_memory = 0;
   m.function_constants.clear();
   m.buffers = kMergeBuffers;
+  m.quant_params_index = 0;
   m.estimate = estimate_launch(m, kMergeLiveRegisters, gpu);
   plan->launches.push_back(m);
 }
@@ -527,13 +578,27 @@ MetalPlan plan_metal_attention(const AttentionProblem& p, const LaunchStrides& s
     }
     default: {
       std::string why;
-      const bool dense = decode_dense_loads(p, s, c.bucket, &why);
+      bool dense = decode_dense_loads(p, s, c.bucket, &why);
+      if (p.kv_quantized()) {
+        // Codes are read a byte (or a nibble) per feature, so fc_dense only
+        // places each lane's features: its contiguous run, D == D_v == the
+        // bucket, both sides quantized (a side in q's dtype reads its run
+        // as vector loads, which this planner does not check the alignment of).
+        dense = p.head_dim == p.head_dim_v && p.head_dim == c.bucket && p.k_format != 0 && p.v_format != 0;
+        why = dense ? "" : "a side in q's dtype, or head dims below their bucket";
+      }
       l.function_constants = with_dense(feature_constants(p, false, false, false, p.sinks), dense);
       l.function_constants.resize(kDecodeFunctionConstantCount, false);
       l.function_constants[kPagedFunctionConstant] = p.paged;  // K/V through block_table (attention_kvcache)
-      plan.reason += dense ? " K/V loads: each lane reads its contiguous run of a row as vector loads (fc_dense)."
-                           : " K/V loads: one strided scalar load per feature (fc_dense off: " + why + ").";
-      l.buffers = with_paged(with_forward_features(kForwardBuffers));
+      if (p.kv_quantized()) {
+        plan.reason += dense ? " K/V codes: each lane dequantizes its contiguous run of a row (fc_dense)."
+                             : " K/V codes: the strided features per lane (fc_dense off: " + why + ").";
+      } else {
+        plan.reason += dense ? " K/V loads: each lane reads its contiguous run of a row as vector loads (fc_dense)."
+                             : " K/V loads: one strided scalar load per feature (fc_dense off: " + why + ").";
+      }
+      l.buffers = with_quant_scales(p, with_paged(with_forward_features(kForwardBuffers)));
+      if (p.kv_quantized()) quantize_decode_launch(p, s, &l);
       decode_launches(p, c, suffix, gpu, l, &plan);
       break;
     }

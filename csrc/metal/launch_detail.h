@@ -21,6 +21,9 @@ constexpr uint32_t kSlotGradOut = 8, kSlotGradQ = 9, kSlotGradK = 10, kSlotGradV
 constexpr uint32_t kSlotMask = 14, kSlotCuSeqlensQ = 15, kSlotCuSeqlensK = 16;
 constexpr uint32_t kSlotSinks = 17, kSlotGradSinks = 18;
 constexpr uint32_t kSlotBlockTable = 19, kSlotCacheSeqlens = 20;  // the paged cache (fc_paged: decode, prefill)
+// The quantized cache (flash_decode_quant*): scales, biases and KvQuantParams.
+constexpr uint32_t kSlotKScale = 21, kSlotKBias = 22, kSlotVScale = 23, kSlotVBias = 24;
+constexpr uint32_t kKvQuantParamsIndex = 25;  // constant KvQuantParams& qp [[buffer(25)]]
 constexpr uint32_t kAttentionThreadgroupIndex = 0;  // dynamic threadgroup memory, [[threadgroup(0)]]
 
 // Binding tables (csrc/metal/launch.cpp has each one's comment).

@@ -129,6 +129,8 @@ struct LaunchStrides {
   // needs their row starts 16-byte aligned; -1 means unknown, and then the
   // general loader runs.
   std::array<int64_t, 4> offsets{{-1, -1, -1, -1}};
+  // A quantized cache's scale strides (kv_scale_strides, csrc/kvcache_quant.h), K then V.
+  std::array<int64_t, 3> k_scale{}, v_scale{};
 };
 
 // Threads per threadgroup of both post kernels. Why 32: one Apple SIMD-group,
@@ -227,6 +229,13 @@ constexpr uint32_t kPrefillFunctionConstantCount = 14;
 // Its launches carry 15 constants.
 constexpr uint32_t kSplitKvFunctionConstant = 14;
 constexpr uint32_t kSplitDFunctionConstantCount = 15;
+// The quantized-cache decode (flash_decode_quant*, shaders/decode/attention_decode_quant.h,
+// issue 44) only: K's format (int8, 4-bit, fp8; none: q's dtype) at 15-17,
+// V's at 18-20, the 4-bit scales' dtype (half, bfloat; neither: float32) of
+// K at 21-22 and of V at 23-24. Its launches carry 25 constants (13 and 14 false).
+constexpr uint32_t kKvFormatFunctionConstant = 15;       // + 3 * side + (format - 1)
+constexpr uint32_t kKvScaleDtypeFunctionConstant = 21;   // + 2 * side + (half ? 0 : 1)
+constexpr uint32_t kDecodeQuantFunctionConstantCount = 25;
 
 // The tensors a launch binds as device buffers. PartialOut and PartialStats
 // are the split-KV decode's float32 scratch, allocated by the host from
@@ -245,9 +254,12 @@ constexpr uint32_t kSplitDFunctionConstantCount = 15;
 // (B,)), q in their slots when the cache is not paged.
 enum class LaunchTensor : uint8_t {
   Q = 0, K, V, Out, Lse, PartialOut, PartialStats, GradOut, GradQ, GradK, GradV, GradLse, Delta,
-  Mask, CuSeqlensQ, CuSeqlensK, Sinks, GradSinks, BlockTable, CacheSeqlens
+  Mask, CuSeqlensQ, CuSeqlensK, Sinks, GradSinks, BlockTable, CacheSeqlens,
+  // The quantized cache's scales and biases (flash_decode_quant*): a side
+  // without one gets its scale (or q) in the slot, never read.
+  KScale, KBias, VScale, VBias
 };
-constexpr size_t kLaunchTensorCount = 20;
+constexpr size_t kLaunchTensorCount = 24;
 
 // One row of a binding table: tensor `tensor` goes to [[buffer(index)]],
 // bound at its storage offset in bytes.
@@ -307,6 +319,9 @@ struct MetalLaunch {
   std::vector<BufferBinding> buffers;
   uint32_t params_index = 0;               // [[buffer(i)]] of AttentionParams, bound with setBytes
   AttentionParams params{};                // the parameter block itself
+  // The quantized-cache decode's second block (quant_params_index > 0), bound with setBytes too.
+  uint32_t quant_params_index = 0;
+  KvQuantParams quant_params{};
   LaunchEstimate estimate;                 // on the plan's GpuSpec
   std::string family;                      // the routing table's row that planned it (KernelChoice::family)
 };

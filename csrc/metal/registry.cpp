@@ -82,6 +82,40 @@ std::vector<MetalLaunch> all_metal_launches() {
           for (const MetalLaunch& l : plan_metal_attention(p, known, shape.request).launches) add(l);
         }
       }
+      // The quantized-cache decode (attention_kvcache, issue 44): a paged
+      // 16-head GQA group of 8 rows (256 threads), one pass and split, each
+      // format on both sides (4-bit with float32 and float16 scales: the
+      // 4-bit format needs D a multiple of 32, so never 72 or 80), and int8
+      // K beside V in q's dtype.
+      struct QuantSides { int k, v; c10::ScalarType scales; };
+      const QuantSides quant_sides[] = {{1, 1, c10::ScalarType::Float}, {2, 2, c10::ScalarType::Float},
+                                        {2, 2, c10::ScalarType::Half}, {3, 3, c10::ScalarType::Float},
+                                        {1, 0, c10::ScalarType::Float}};
+      for (const QuantSides& qs : quant_sides) {
+        if ((qs.k == 2 || qs.v == 2) && d % 32 != 0) continue;
+        for (const auto& [kv_len, request] : {std::pair<int64_t, KernelRequest>{64, KernelRequest::Decode},
+                                              std::pair<int64_t, KernelRequest>{4096, KernelRequest::DecodeSplit}}) {
+          AttentionProblem p;
+          p.batch = p.kv_heads = 1;
+          p.q_heads = 16;
+          p.q_len = p.total_q = 8;
+          p.kv_len = p.total_k = kv_len;
+          p.head_dim = p.head_dim_v = d;
+          p.scale = 1.0;
+          p.dtype = dtype;
+          p.paged = true;
+          p.page_size = p.table_stride = 16;
+          p.k_format = qs.k;
+          p.v_format = qs.v;
+          p.k_scale_dtype = p.v_scale_dtype = qs.scales;
+          p.k_group = p.v_group = 32;
+          p.k_code_bytes = p.v_code_bytes = 1;
+          const int64_t D = d;
+          const LaunchStrides packed{{128 * D, 8 * D, D, 1}, {16 * D, D, D, 1}, {16 * D, D, D, 1},
+                                     {128 * D, 8 * D, D, 1}, {128, 8, 1}};
+          for (const MetalLaunch& l : plan_metal_attention(p, packed, request).launches) add(l);
+        }
+      }
       // The backward: both kernels, every alignment of either side (its
       // blocks are at most 32, so 64 is aligned and 65 is not), causal or
       // not, with and without grad_lse.

@@ -129,6 +129,8 @@ struct ResolvedLaunch {
   AttentionParams params{};
   MTLSize grid{}, group{};
   NSUInteger threadgroup_memory = 0, threadgroup_memory_index = 0, params_index = 0;
+  KvQuantParams quant_params{};   // the quantized decode's second block (quant_params_index > 0)
+  NSUInteger quant_params_index = 0;
   std::vector<id<MTLBuffer>> buffers;
   std::vector<NSUInteger> offsets, indices;
 };
@@ -155,6 +157,8 @@ void encode_plan(const MetalPlan& plan, const LaunchTensors& tensors, id<MTLDevi
     r.threadgroup_memory = launch.threadgroup_memory;
     r.threadgroup_memory_index = launch.threadgroup_memory_index;
     r.params_index = launch.params_index;
+    r.quant_params = launch.quant_params;
+    r.quant_params_index = launch.quant_params_index;
     for (const BufferBinding& b : launch.buffers) {
       const at::Tensor* t = tensors[static_cast<size_t>(b.tensor)];
       TORCH_CHECK(t != nullptr && t->defined(), op, ": internal error: ", launch.kernel_name,
@@ -187,6 +191,9 @@ void encode_plan(const MetalPlan& plan, const LaunchTensors& tensors, id<MTLDevi
           [encoder setBuffer:r.buffers[i] offset:r.offsets[i] atIndex:r.indices[i]];
         }
         [encoder setBytes:&r.params length:sizeof(r.params) atIndex:r.params_index];
+        if (r.quant_params_index != 0) {
+          [encoder setBytes:&r.quant_params length:sizeof(r.quant_params) atIndex:r.quant_params_index];
+        }
         if (r.threadgroup_memory != 0) {
           [encoder setThreadgroupMemoryLength:r.threadgroup_memory atIndex:r.threadgroup_memory_index];
         }
@@ -248,7 +255,12 @@ void encode_forward(const AttentionCall& c, const AttentionOutputs& o, const std
   // than fail at pipeline lookup (Auto never picks them then).
   TORCH_CHECK_NOT_IMPLEMENTED(!forced_tensor_ops || gpu.tensor_ops_missing.empty(), op,
                               ": impl='tensor_ops' cannot run in this process: ", gpu.tensor_ops_missing);
-  const MetalPlan plan = plan_metal_attention(c.p, launch_strides(c, o.out4, o.lse3), request, gpu);
+  LaunchStrides strides = launch_strides(c, o.out4, o.lse3);
+  if (kc != nullptr && kc->quant.quantized()) {  // the scales' strides (KvQuantParams)
+    strides.k_scale = kv_scale_strides(kc->quant.k);
+    strides.v_scale = kv_scale_strides(kc->quant.v);
+  }
+  const MetalPlan plan = plan_metal_attention(c.p, strides, request, gpu);
 
   // The split-KV decode's float32 scratch.
   const at::Tensor partial_out = scratch(c.q, plan.partial_out_elements);
@@ -267,6 +279,13 @@ void encode_forward(const AttentionCall& c, const AttentionOutputs& o, const std
   if (kc != nullptr) {
     put(LaunchTensor::BlockTable, kc->block_table);
     put(LaunchTensor::CacheSeqlens, kc->cache_seqlens);
+    // A quantized cache's scales and biases (a side without one: its scale, or q; never read).
+    const KvSide& ks = kc->quant.k;
+    const KvSide& vs = kc->quant.v;
+    put(LaunchTensor::KScale, ks.scale.defined() ? ks.scale : c.q);
+    put(LaunchTensor::KBias, ks.bias.defined() ? ks.bias : ks.scale.defined() ? ks.scale : c.q);
+    put(LaunchTensor::VScale, vs.scale.defined() ? vs.scale : c.q);
+    put(LaunchTensor::VBias, vs.bias.defined() ? vs.bias : vs.scale.defined() ? vs.scale : c.q);
   }
   encode_plan(plan, tensors, device, {c.q, c.k, c.v}, op);
 }
@@ -345,19 +364,19 @@ std::tuple<at::Tensor, at::Tensor> attention_kvcache_impl(
     const std::optional<at::Tensor>& cu_seqlens_q, int64_t max_seqlen_q, const std::optional<at::Tensor>& k_scale,
     const std::optional<at::Tensor>& k_bias, const std::optional<at::Tensor>& v_scale,
     const std::optional<at::Tensor>& v_bias, c10::string_view k_format, c10::string_view v_format) {
-  // Quantized caches (issue 44) are validated as on CPU, then refused: the
-  // Metal kernels do not read them yet.
+  // Quantized caches (issue 44) are validated as on CPU and read in place by
+  // the quantized decode kernels (the planner's "quantized decode" row,
+  // which refuses what they cannot serve); a 4-bit side's scale and bias
+  // are made contiguous only where their strides differ (scales_for_metal).
   const bool varlen = cu_seqlens_q.has_value() && cu_seqlens_q->defined();
   const int64_t batch = varlen ? cu_seqlens_q->size(0) - 1 : (q.dim() > 0 ? q.size(0) : 0);
-  const KvQuant kq = check_kv_quant(kKvCacheOp, q, k_cache, v_cache, k_scale, k_bias, v_scale, v_bias,
-                                    std::string(k_format), std::string(v_format), batch);
-  TORCH_CHECK_NOT_IMPLEMENTED(!kq.quantized(), kKvCacheOp, ": quantized KV caches (k: ", kv_format_name(kq.k.format),
-                              ", v: ", kv_format_name(kq.v.format), ") are read on CPU only for now; on MPS give "
-                              "caches in q's dtype (flash_metal.dequantize_kv)");
+  KvQuant kq = check_kv_quant(kKvCacheOp, q, k_cache, v_cache, k_scale, k_bias, v_scale, v_bias,
+                              std::string(k_format), std::string(v_format), batch);
+  scales_for_metal(&kq);
   const KvCacheCall kc = check_kvcache_inputs(
       q, k_cache, v_cache, cache_seqlens, block_table,
       make_options(causal, scale, std::nullopt, window_left, window_right, softcap, sinks), cu_seqlens_q,
-      max_seqlen_q);
+      max_seqlen_q, kq.quantized() ? &kq : nullptr);
   std::string why;
   if (!kvcache_reads_table(kc.c.p, parse_kernel_request(std::string(impl)), &why)) {
     return run_kvcache_gather(kc, forward_kernel);

@@ -107,6 +107,33 @@ struct AttentionParams {
 // on one side only cannot go unnoticed.
 static_assert(sizeof(AttentionParams) == 328, "AttentionParams layout changed: update host and shaders together");
 
+// The quantized KV cache's second parameter block (issue 44), bound with
+// setBytes at its own slot beside AttentionParams by the quantized decode
+// kernels only (shaders/decode/attention_decode_quant.h), so every other
+// kernel's block is unchanged. With it, a quantized side's k_* / v_*
+// strides in AttentionParams count BYTES of its codes (int8, fp8: one byte
+// per feature; 4-bit: two features per byte), a side in q's dtype keeps
+// element strides. Scale (and bias: the host binds them with the same
+// strides) strides count elements of the scale's own dtype:
+//   int8   scale float32 (blocks, page, Hkv): one per (token, kv head)
+//   4-bit  scale, bias (blocks, page, Hkv, D / group) in float32, float16 or
+//          bfloat16 (fc_*_scale_half / _bf16), the group index contiguous
+//   fp8    descale float32 (B, Hkv) (batch stride per sequence, row 0) or
+//          one element (every stride 0)
+// (blocks, page) are (B_cache, seqlen) for a plain cache; unpaged, the
+// batch stride is the sequence's.
+struct KvQuantParams {
+  int64_t k_scale_batch_stride;  // between pages (fp8: sequences) of k's scale
+  int64_t k_scale_row_stride;    // between tokens of a page (fp8: 0)
+  int64_t k_scale_head_stride;   // between kv heads
+  int64_t v_scale_batch_stride;  // as above, for v's scale (and bias)
+  int64_t v_scale_row_stride;
+  int64_t v_scale_head_stride;
+  int32_t k_group_shift;  // 4-bit: log2(group size), 5, 6 or 7 (0 otherwise)
+  int32_t v_group_shift;
+};
+static_assert(sizeof(KvQuantParams) == 56, "KvQuantParams layout changed: update host and shaders together");
+
 // ---- threads per threadgroup --------------------------------------------------
 // The most threads each kernel family is ever launched with: the kernels
 // declare it as [[max_total_threads_per_threadgroup(N)]] (as MLX's and

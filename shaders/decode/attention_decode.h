@@ -257,6 +257,30 @@ FM_INLINE void decode_slice_device(thread float* x, device const T* row, int64_t
     x[i] = c < D ? float(row[int64_t(c) * dim_stride]) : 0.0f;
   }
 }
+// A K or V cache in T, read through its element strides from the kv head's
+// base (fc_paged: page 0's; else the batch's), D features wide.
+template <typename T, int DMAX>
+struct DecodeRows {
+  device const T* base;
+  int64_t batch_stride, row_stride, dim_stride;
+  int D;
+  FM_INLINE void load(thread float* x, thread const PageCursor& c, int key, uint lane) const {
+    constexpr int DPL = (DMAX + 31) / 32;
+    const int64_t at = fc_paged ? page_offset(c, batch_stride, row_stride) : int64_t(key) * row_stride;
+    decode_slice_device<DMAX, DPL>(x, base + at, dim_stride, D, lane);
+  }
+};
+template <typename T, int DMAX>
+FM_INLINE DecodeRows<T, DMAX> decode_rows(device const T* t, int64_t bs, int64_t hs, int64_t rs, int64_t ds, int D,
+                                          int batch, int kv_head) {
+  DecodeRows<T, DMAX> r;
+  r.base = t + (fc_paged ? 0 : int64_t(batch) * bs) + int64_t(kv_head) * hs;
+  r.batch_stride = bs;
+  r.row_stride = rs;
+  r.dim_stride = ds;
+  r.D = D;
+  return r;
+}
 // Attends the SIMD-group's rows to the keys of its key group in
 // [key_begin, key_end): blocks of 32 consecutive keys, block kg, kg + KG, ...
 // (each key belongs to exactly one key group). Per block:
@@ -292,22 +316,23 @@ FM_INLINE void decode_slice_device(thread float* x, device const T* row, int64_t
 // has UK rows in flight (issue 43; before it, one key prefetched: 2 rows;
 // the emulator's device_load_window counts prove it). The trip count is
 // uniform across the SIMD-group, so every simd_* call is convergent.
-template <typename T, int DMAX>
-FM_INLINE void decode_attend(thread DecodeState<DMAX>& st, device const T* k, device const T* v,
+//
+// KR and VR read one K and one V row (DecodeRows below for a cache in T;
+// attention_decode_quant.h's DecodeQuantRows for a quantized one, issue 44):
+// load(x, cursor, key, lane) fills the lane's DPL features of key `key`
+// (fc_paged: the key at `cursor`) as float, zeros past the row's width.
+template <typename T, int DMAX, typename KR, typename VR>
+FM_INLINE void decode_attend(thread DecodeState<DMAX>& st, thread const KR& kr, thread const VR& vr,
                              constant AttentionParams& p, thread const SeqView& seq, device const uchar* mask,
                              device const int* table, int batch, int kv_head, int rg, bool live, int key_begin,
                              int key_end, int kg, int KG, uint lane) {
   constexpr int RS = DecodeState<DMAX>::RS;
-  constexpr int DPL = DecodeState<DMAX>::DPL;
   constexpr int UK = decode_keys_in_flight(DMAX);
+  constexpr int DPL = DecodeState<DMAX>::DPL;
   const int R = p.gqa_ratio * p.q_len;
-  const int D = p.head_dim;     // q's and k's features (the scores)
-  const int DV = p.head_dim_v;  // v's (the accumulator): its own in MLA-style calls (issue 20 section 2)
-  // fc_paged: the kv head's base in page 0; rows are found through the
-  // table (attention_decode_paged.h), `at` is the block's first key, and
-  // `step` what the loop advances it by (divided here, once).
-  device const T* kp = k + (fc_paged ? 0 : int64_t(batch) * p.k_batch_stride) + int64_t(kv_head) * p.k_head_stride;
-  device const T* vp = v + (fc_paged ? 0 : int64_t(batch) * p.v_batch_stride) + int64_t(kv_head) * p.v_head_stride;
+  // fc_paged: rows are found through the table (attention_decode_paged.h),
+  // `at` is the block's first key, and `step` what the loop advances it by
+  // (divided here, once).
   const PageStep step = fc_paged ? page_split(KG * kDecodeBlock, p.page_size) : PageStep{0, 0};
   PageStep at = fc_paged ? page_split(key_begin + kg * kDecodeBlock, p.page_size) : PageStep{0, 0};
 
@@ -369,9 +394,7 @@ FM_INLINE void decode_attend(thread DecodeState<DMAX>& st, device const T* k, de
         const int j = j0 + u;
         if (j < n) {
           if (fc_paged && j > 0) page_next(kc, table, p.page_size);
-          decode_slice_device<DMAX, DPL>(
-              kx[u], kp + (fc_paged ? page_offset(kc, p.k_batch_stride, p.k_row_stride) : int64_t(k0 + j) * p.k_row_stride),
-              p.k_dim_stride, D, lane);
+          kr.load(kx[u], kc, k0 + j, lane);
         } else {
           FM_UNROLL for (int i = 0; i < DPL; ++i) kx[u][i] = 0.0f;
         }
@@ -423,9 +446,7 @@ FM_INLINE void decode_attend(thread DecodeState<DMAX>& st, device const T* k, de
         const int j = j0 + u;
         if (j < n) {
           if (fc_paged && j > 0) page_next(vc, table, p.page_size);
-          decode_slice_device<DMAX, DPL>(
-              vx[u], vp + (fc_paged ? page_offset(vc, p.v_batch_stride, p.v_row_stride) : int64_t(k0 + j) * p.v_row_stride),
-              p.v_dim_stride, DV, lane);
+          vr.load(vx[u], vc, k0 + j, lane);
         } else {
           FM_UNROLL for (int i = 0; i < DPL; ++i) vx[u][i] = 0.0f;
         }
@@ -585,13 +606,17 @@ template <typename T, int DMAX>
   // [key_begin, key_end) are never read.
   const int key_begin = first_visible_key(seq, 0);
   const int key_end = visible_key_end(seq, p.q_len - 1);
+  const auto kr = decode_rows<T, DMAX>(k, p.k_batch_stride, p.k_head_stride, p.k_row_stride, p.k_dim_stride,
+                                       p.head_dim, batch, kv_head);
+  const auto vr = decode_rows<T, DMAX>(v, p.v_batch_stride, p.v_head_stride, p.v_row_stride, p.v_dim_stride,
+                                       p.head_dim_v, batch, kv_head);
   for (int round = 0; round < sh.rounds; ++round) {
     const int rg = sh.row_group(round);
     const bool live = rg * RS < R;  // uniform per SIMD-group
     DecodeState<DMAX> st;
     // a dead row group: zeros, "no key"; the sink in key group 0 only (the key-group merge adds the sums)
     decode_init<T, DMAX>(st, q, p, batch, kv_head, rg, lane, sinks, sh.kg == 0);
-    decode_attend<T, DMAX>(st, k, v, p, seq, mask, table, batch, kv_head, rg, live, key_begin, key_end, sh.kg,
+    decode_attend<T, DMAX>(st, kr, vr, p, seq, mask, table, batch, kv_head, rg, live, key_begin, key_end, sh.kg,
                            sh.KG, lane);
     if (sh.KG > 1) decode_merge_key_groups<DMAX>(st, smem, sh.kg, sh.KG, sh.rgl, sh.RGL, lane);
     if (live && sh.kg == 0) {

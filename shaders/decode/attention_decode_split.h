@@ -16,6 +16,32 @@ inline int64_t decode_partial_index(constant AttentionParams& p, int batch, Deco
   return ((int64_t(batch) * p.q_heads + dr.head) * p.q_len + dr.row) * p.kv_splits + split;
 }
 
+// The live row group rg's unnormalized partials of split `split` (key
+// group 0 after the merge): its slice of acc and, from lane 0, (m, l).
+template <int DMAX>
+FM_INLINE void decode_store_partials(thread const DecodeState<DMAX>& st, device float* partial_o,
+                                     device float* partial_stats, constant AttentionParams& p, int batch, int kv_head,
+                                     int rg, int split, uint lane) {
+  constexpr int RS = DecodeState<DMAX>::RS;
+  constexpr int DPL = DecodeState<DMAX>::DPL;
+  const int R = p.gqa_ratio * p.q_len;
+  FM_UNROLL for (int r = 0; r < RS; ++r) {
+    const int rr = rg * RS + r;
+    if (rr < R) {
+      const int64_t idx = decode_partial_index(p, batch, decode_row(p, kv_head, rr), split);
+      device float* po = partial_o + idx * p.head_dim_v;
+      FM_UNROLL for (int i = 0; i < DPL; ++i) {
+        const int c = decode_feature<DPL>(i, lane, fc_dense);
+        if (c < p.head_dim_v) po[c] = st.acc[r][i];
+      }
+      if (lane == 0) {
+        partial_stats[2 * idx] = st.m[r];
+        partial_stats[2 * idx + 1] = st.l[r];
+      }
+    }
+  }
+}
+
 // Split pass 1: the threadgroup (batch, kv_head, split) attends the group's
 // rows to keys [split * split_keys, min((split + 1) * split_keys, Nk)) (and
 // no further than causal masking lets any row see) and writes unnormalized
@@ -45,7 +71,6 @@ template <typename T, int DMAX>
     uint3 tsize [[threads_per_threadgroup]],
     uint lane [[thread_index_in_simdgroup]]) {
   constexpr int RS = DecodeState<DMAX>::RS;
-  constexpr int DPL = DecodeState<DMAX>::DPL;
   const DecodeShape sh = decode_shape(p, group, groups, tpos, tsize, RS);
   const int kv_head = sh.kv_head;
   const int batch = int(group.y);
@@ -63,6 +88,10 @@ template <typename T, int DMAX>
   const int split_begin = split * p.split_keys;
   const int key_begin = max(split_begin, first_visible_key(seq, 0));
   const int key_end = min(split_begin + p.split_keys, visible_key_end(seq, p.q_len - 1));
+  const auto kr = decode_rows<T, DMAX>(k, p.k_batch_stride, p.k_head_stride, p.k_row_stride, p.k_dim_stride,
+                                       p.head_dim, batch, kv_head);
+  const auto vr = decode_rows<T, DMAX>(v, p.v_batch_stride, p.v_head_stride, p.v_row_stride, p.v_dim_stride,
+                                       p.head_dim_v, batch, kv_head);
   for (int round = 0; round < sh.rounds; ++round) {
     const int rg = sh.row_group(round);
     const bool live = rg * RS < R;
@@ -71,26 +100,10 @@ template <typename T, int DMAX>
     // only: the merges add the partial sums, so any other split carrying it
     // would count it again.
     decode_init<T, DMAX>(st, q, p, batch, kv_head, rg, lane, sinks, split == 0 && sh.kg == 0);
-    decode_attend<T, DMAX>(st, k, v, p, seq, mask, table, batch, kv_head, rg, live, key_begin, key_end, sh.kg,
+    decode_attend<T, DMAX>(st, kr, vr, p, seq, mask, table, batch, kv_head, rg, live, key_begin, key_end, sh.kg,
                            sh.KG, lane);
     if (sh.KG > 1) decode_merge_key_groups<DMAX>(st, smem, sh.kg, sh.KG, sh.rgl, sh.RGL, lane);
-    if (live && sh.kg == 0) {
-      FM_UNROLL for (int r = 0; r < RS; ++r) {
-        const int rr = rg * RS + r;
-        if (rr < R) {
-          const int64_t idx = decode_partial_index(p, batch, decode_row(p, kv_head, rr), split);
-          device float* po = partial_o + idx * p.head_dim_v;
-          FM_UNROLL for (int i = 0; i < DPL; ++i) {
-            const int c = decode_feature<DPL>(i, lane, fc_dense);
-            if (c < p.head_dim_v) po[c] = st.acc[r][i];
-          }
-          if (lane == 0) {
-            partial_stats[2 * idx] = st.m[r];
-            partial_stats[2 * idx + 1] = st.l[r];
-          }
-        }
-      }
-    }
+    if (live && sh.kg == 0) decode_store_partials<DMAX>(st, partial_o, partial_stats, p, batch, kv_head, rg, split, lane);
   }
 }
 

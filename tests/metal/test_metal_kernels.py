@@ -15,7 +15,7 @@ import torch
 
 import flash_metal
 from backends import SHADER, emulated_metal_attention, metal_library
-from shader_builds import is_splitd_backward, is_wide_decode, shipped_library
+from shader_builds import is_quant_decode, is_splitd_backward, is_wide_decode, shipped_library
 from numerics import DTYPES, assert_attention_close, dtype_id, make_qkv
 from repo_paths import ROOT_DIR as ROOT
 
@@ -94,14 +94,21 @@ def test_every_instantiation_is_reachable_from_the_planner():
     # names an existing instantiation: the sanitized tests (here and in
     # test_metal_prefill.py, test_metal_decode.py, test_metal_decode_wide.py,
     # test_metal_backward_splitd.py) then run all of them. The default build
-    # leaves the wide decode's 18 and the split-D backward's 6 out
-    # (tests/shader_builds.py) and names them: the source's names count.
+    # leaves the wide decode's 18, the split-D backward's 6 and the quantized
+    # decode's 48 out (tests/shader_builds.py) and names them: the source's
+    # names count. The quantized decode's (attention_kvcache over a quantized
+    # cache, tests/metal/test_metal_decode_quant.py.py) are held to the planner's
+    # registry (csrc/metal/registry.cpp).
     lib = metal_library(False)
-    omitted = [n for n in lib.source_kernel_names() if is_wide_decode(n) or is_splitd_backward(n)]
+    omitted = [n for n in lib.source_kernel_names() if is_wide_decode(n) or is_splitd_backward(n) or
+               is_quant_decode(n)]
     assert sorted(lib.omitted_names()) == sorted(omitted)
-    # (one pass, split, merge) x dtypes x (512, 576), and the split-D backward's pair x dtypes
-    assert len(lib.omitted_names()) == 3 * 3 * 2 + 2 * 3
-    lib_names = set(lib.source_kernel_names())
+    # (one pass, split, merge) x dtypes x (512, 576), the split-D backward's pair x dtypes, and the quantized
+    # decode's (one pass, split) x dtypes x the 8 buckets up to 256
+    assert len(lib.omitted_names()) == 3 * 3 * 2 + 2 * 3 + 2 * 3 * 8
+    quant = {n for n in lib.source_kernel_names() if is_quant_decode(n)}
+    assert quant == {n for n in torch.ops.flash_metal.metal_registry_routes()[0] if is_quant_decode(n)}
+    lib_names = set(lib.source_kernel_names()) - quant
     planned = set(_plan_names().values())
     assert planned == lib_names, f"never planned: {sorted(lib_names - planned)}; missing: {sorted(planned - lib_names)}"
 

@@ -123,7 +123,7 @@ def test_rows_declare_what_they_take():
     names = [r["name"] for r in table()]
     assert len(names) == len(set(names))
     assert [r["name"] for r in rows("forward")] == [
-        "wide decode", "prefill split-D", "post kernels", "tensor ops split-D", "tensor ops", "paged", "decode",
+        "quantized decode", "wide decode", "prefill split-D", "post kernels", "tensor ops split-D", "tensor ops", "paged", "decode",
         "split decode", "prefill"]
     assert [r["name"] for r in rows("backward")] == [
         "backward split-D", "backward tensor ops split-D", "backward tensor ops", "backward"]
@@ -168,7 +168,8 @@ def test_rows_plan_only_kernels_that_exist():
         for d in plan.dispatches:
             assert matches(d.kernel_name, by_name[family]), (family, d.kernel_name, shapes, kw)
             assert d.kernel_name in (msl4 if is_tensor_ops(d.kernel_name) else registry), (d.kernel_name, kw)
-    assert seen >= {r["name"] for r in table()} - {"paged"}, seen  # paged: test_known_routes
+    # paged and quantized decode (attention_kvcache's caches): test_known_routes_and_lines
+    assert seen >= {r["name"] for r in table()} - {"paged", "quantized decode"}, seen
 
 
 def test_known_routes_and_lines():
@@ -208,6 +209,23 @@ def test_known_routes_and_lines():
         plan = flash_metal.explain(t(2, 8, nq, 128), kc, kc, True, block_table=table_, cache_seqlens=lengths)
         assert took(plan) == "paged" and check_lines(plan, "forward") == "paged"
         assert "decode: no: a paged KV cache" in "\n".join(plan.families)
+    # A quantized cache (issue 44): the quantized decode row, one pass or split, kernels of the registry
+    # within its patterns; chunked prefill over it is refused with an error that says so.
+    registry = set(torch.ops.flash_metal.metal_registry_routes()[0])
+    by_name = {r["name"]: r for r in table()}
+    codes = torch.zeros(10, 16, 2, 128, dtype=torch.int8)
+    scales = torch.ones(10, 16, 2)
+    for impl in ("decode", "decode_split"):
+        plan = flash_metal.explain(t(2, 8, 1, 128), codes, codes, True, None, impl, block_table=table_,
+                                   cache_seqlens=lengths, k_scale=scales, v_scale=scales)
+        assert took(plan) == "quantized decode" and check_lines(plan, "forward") == "quantized decode"
+        assert "paged: no: a quantized KV cache" in "\n".join(plan.families)
+        for d in plan.dispatches:
+            assert matches(d.kernel_name, by_name["quantized decode"]) and d.kernel_name in registry, d.kernel_name
+        assert plan.dispatches[0].kernel_name.startswith("flash_decode_quant_")
+    with pytest.raises(NotImplementedError, match="quantized KV cache is read on Metal by the decode kernels only"):
+        flash_metal.explain(t(2, 8, 9, 128), codes, codes, True, block_table=table_, cache_seqlens=lengths,
+                            k_scale=scales, v_scale=scales)
 
 
 def _build_test_double(tmp_path_factory):

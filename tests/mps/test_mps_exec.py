@@ -546,6 +546,12 @@ def test_build_all_pipelines_on_the_fake_device(host, emu):
             assert {b[4:10] + b[11] for b in bits} == {"0000000", "1100000", "1000000", "1010000", "0001000",
                                                         "0000100", "0000010", "0000001"}, name
             continue
+        if name.startswith("flash_decode_quant_"):  # issue 44: 25 constants, paged, 15-24 the formats
+            assert all(len(b) == 25 and b[12] == "1" and b[13:15] == "00" for b in bits), name
+            assert all(b[15:18].count("1") <= 1 and b[18:21].count("1") <= 1 for b in bits), name
+            q4 = set() if name.endswith(("_d72", "_d80")) else {"010010"}  # 4-bit: D a multiple of 32
+            assert {b[15:21] for b in bits} == {"100100", "001001", "100000"} | q4, name
+            continue
         # constant 10 is fc_dense (the dense tile loader; the decode kernels' vector loads), built both ways;
         # the decode and prefill kernels carry a 13th, fc_paged (the paged KV cache: attention_kvcache), built
         # both ways, on only alone among the options (no mask, window or sinks beside it in the registry)

@@ -23,6 +23,19 @@ bool kvcache_reads_table(const AttentionProblem& p, KernelRequest requested, std
                     request_name(requested), "' serves at most ", kMaxDecodeRows, " query rows; got ", p.q_len,
                     " (use impl='auto' or 'prefill')");
   const std::string pages = std::to_string(p.page_size) + "-key pages";
+  if (p.kv_quantized()) {  // never gathered (nor composite): only the quantized decode reads one (decode_quant.cpp)
+    TORCH_CHECK_NOT_IMPLEMENTED(requested != KernelRequest::Prefill && !p.varlen && p.q_len <= kMaxDecodeRows &&
+                                    within_fast_dims(p),
+                                "flash_metal.attention_kvcache: a quantized KV cache is read on Metal by the decode "
+                                "kernels only: Nq <= ", kMaxDecodeRows, " unpacked query rows, head dims up to ",
+                                kFastHeadDimBuckets.back(), ", impl 'auto', 'decode' or 'decode_split'; got Nq = ",
+                                p.q_len, p.varlen ? " (packed queries)" : "", ", head dims ", p.head_dim, " / ",
+                                p.head_dim_v, ", impl='", request_name(requested), "' (on CPU every case runs; or "
+                                "flash_metal.dequantize_kv)");
+    *why = "quantized paged KV cache: the quantized decode kernels read codes and scales through the block table (" +
+           pages + ", fc_paged; nothing copied, nothing dequantized in memory): ";
+    return true;
+  }
   // Dims above 256 read the table only where the wide decode takes them
   // (decode_takes_wide_dims: Nq <= 8, no packed queries, up to 576, with
   // 'auto' at most kWideDecodeMaxRows rows per kv head); the prefill's table
@@ -61,6 +74,7 @@ namespace {
 WhyNot paged_takes(const RouteContext& ctx) {
   const AttentionProblem& p = ctx.p;
   if (!p.paged) return std::string("no paged KV cache (attention_kvcache's block table)");
+  if (p.kv_quantized()) return std::string("a quantized KV cache (the quantized decode row)");
   if (!within_fast_dims(p)) return past_fast_dims(p);
   if (ctx.requested != KernelRequest::Auto && ctx.requested != KernelRequest::Prefill &&
       ctx.requested != KernelRequest::Decode && ctx.requested != KernelRequest::DecodeSplit) {

@@ -19,6 +19,7 @@
 
 namespace flash_metal {
 
+extern const FamilyRow kDecodeQuantFamily;       // decode_quant.cpp
 extern const FamilyRow kWideDecodeFamily;        // wide_decode.cpp
 extern const FamilyRow kPrefillSplitDFamily;     // prefill_splitd.cpp
 extern const FamilyRow kPostFamily;              // post.cpp
@@ -36,6 +37,7 @@ extern const FamilyRow kBackwardFamily;                 // backward.cpp
 namespace {
 
 const FamilyRow* const kForwardTable[] = {
+    &kDecodeQuantFamily,
     &kWideDecodeFamily,
     &kPrefillSplitDFamily,
     &kPostFamily,
